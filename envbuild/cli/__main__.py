@@ -1,0 +1,3 @@
+from envbuild.cli.main import entry
+
+entry()

@@ -1,0 +1,100 @@
+"""The ``envbuild`` command: a thin click shell over the library.
+
+One boundary maps errors to exit codes: an ``EnvbuildError`` prints its one-line cause (and
+hint) and exits 1; anything else is a bug and exits 2 with a traceback. Each command module
+(``cmd_*.py``) defines ``register(group)`` and keeps its commands to parse → one library call →
+render.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import click
+
+from envbuild.errors import EnvbuildError, bug
+from envbuild.settings import Settings
+
+
+@dataclasses.dataclass
+class App:
+    """What commands share, built once per invocation and kept in ``ctx.obj``."""
+
+    settings: Settings
+
+    def open_store(self):
+        """Open the store named by the settings (local directory for now)."""
+        from envbuild.store import open_store
+
+        return open_store(self.settings.store_url)
+
+
+pass_app = click.make_pass_decorator(App)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--store", "store_url", metavar="DIR|URL", default=None,
+              help="Where layers live (default: ./cache, or $ENVBUILD_STORE).")
+@click.option("--defs", "defs_dir", metavar="DIR", default=None, type=click.Path(path_type=Path),
+              help="Definition tree (default: ./envdefs, or $ENVBUILD_DEFS).")
+@click.version_option(package_name="envbuild")
+@click.pass_context
+def cli(ctx: click.Context, store_url: str | None, defs_dir: Path | None) -> None:
+    """Declarative, content-addressed environments for agent-training sandboxes."""
+    settings = Settings.from_env(os.environ)
+    if store_url is not None:
+        settings = dataclasses.replace(settings, store_url=store_url)
+    if defs_dir is not None:
+        settings = dataclasses.replace(settings, defs_dir=defs_dir)
+    ctx.obj = App(settings=settings)
+
+
+def _register_commands() -> None:
+    from envbuild.cli import cmd_defs, cmd_layer
+
+    for module in (cmd_defs, cmd_layer):
+        module.register(cli)
+
+
+_register_commands()
+
+
+def report_error(err: EnvbuildError) -> None:
+    for line in err.render_lines():
+        click.echo(line, err=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the CLI and map errors to exit codes (1 = user error, 2 = bug)."""
+    try:
+        result = cli.main(args=argv, prog_name="envbuild", standalone_mode=False)
+    except EnvbuildError as err:
+        report_error(err)
+        return 1
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except click.ClickException as err:
+        err.show()
+        return err.exit_code
+    except click.exceptions.Exit as err:
+        return err.exit_code
+    except BrokenPipeError:
+        return 0
+    except Exception:  # noqa: BLE001 - the one place unknown errors become exit code 2
+        traceback.print_exc()
+        click.echo(str(bug("unexpected error")), err=True)
+        return 2
+    return result if isinstance(result, int) else 0
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

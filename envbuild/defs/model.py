@@ -1,0 +1,442 @@
+"""The definition model: frozen dataclasses built from *validated* mappings.
+
+The JSON Schemas in ``schema/`` decide what a valid document is; the loader validates first and
+only then calls ``Base.from_mapping`` and friends, so constructors here may assume the shapes the
+schema guarantees. Constructors are named and not polymorphic: one per kind, one per source.
+
+Identity vs metadata: ``identity()`` returns exactly the fields that change what a layer contains.
+Descriptions, labels and source locations are metadata and never reach a key; the planner adds
+content digests of sources (a path tree, a git commit) on top of ``identity()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal, Union
+
+API_VERSION = "envbuild/v1"
+KINDS = ("Base", "Workspace", "Toolkit", "Env")
+LAYER_KINDS = ("Base", "Workspace", "Toolkit")
+
+Framing = Literal["lazy", "compact"]
+Pin = Literal["abi", "digest"]
+
+
+def _frozen_map(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return MappingProxyType(dict(value or {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Where a definition came from. Never part of a key.
+
+    ``field_positions`` maps a document path (``"build_on"``, ``"toolkits[1]"``,
+    ``"steps[0].run"``) to its 1-based (line, column), so later stages (the graph) can point
+    at the exact line of a bad reference.
+    """
+
+    file: str
+    line: int = 0
+    column: int = 0
+    field_positions: Mapping[str, tuple[int, int]] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({}), compare=False, repr=False
+    )
+
+    @property
+    def directory(self) -> Path:
+        return Path(self.file).parent
+
+    def position(self, path: str) -> tuple[int, int]:
+        """Line and column of ``path`` inside the document, else of the document itself."""
+        return self.field_positions.get(path, (self.line, self.column))
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStep:
+    """``- run: CMD`` executed with ``/bin/sh -c`` inside the build rootfs."""
+
+    run: str
+    env: Mapping[str, str] = dataclasses.field(default_factory=lambda: _frozen_map(None))
+    workdir: str = "/"
+    user: str = "0:0"
+    network: Literal["host", "none"] = "host"
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any]) -> RunStep:
+        return cls(
+            run=m["run"],
+            env=_frozen_map({k: str(v) for k, v in (m.get("env") or {}).items()}),
+            workdir=m.get("workdir", "/"),
+            user=str(m.get("user", "0:0")),
+            network=m.get("network", "host"),
+        )
+
+    def identity(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "env": dict(self.env),
+            "workdir": self.workdir,
+            "user": self.user,
+            "network": self.network,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyStep:
+    """``- copy: {src, dest, mode, owner}``: files from the definition's directory.
+
+    ``src`` is relative to the directory of the file that holds the definition; its content is
+    hashed into the key by the planner (see ``envbuild.plan.keys``).
+    """
+
+    src: str
+    dest: str
+    mode: int | None = None
+    owner: str = "0:0"
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any]) -> CopyStep:
+        c = m["copy"]
+        mode = c.get("mode")
+        if isinstance(mode, str):
+            mode = int(mode, 8)
+        return cls(src=c["src"], dest=c["dest"], mode=mode, owner=str(c.get("owner", "0:0")))
+
+    def identity(self) -> dict[str, Any]:
+        # src content enters the key as a digest (added by the planner), not as a path.
+        return {"copy": {"dest": self.dest, "mode": self.mode, "owner": self.owner}}
+
+
+Step = Union[RunStep, CopyStep]
+
+
+def step_from_mapping(m: Mapping[str, Any]) -> Step:
+    if "run" in m:
+        return RunStep.from_mapping(m)
+    return CopyStep.from_mapping(m)
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+@dataclasses.dataclass(frozen=True)
+class ScratchSource:
+    """An empty root."""
+
+    kind = "scratch"
+
+    def identity(self) -> dict[str, Any]:
+        return {"scratch": {}}
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseSource:
+    """``from: {base: NAME}``: stack on another Base's layer chain."""
+
+    base: str
+    kind = "base"
+
+    def identity(self) -> dict[str, Any]:
+        # The parent's *key* is added by the planner (a Base is an ordinary layer chain).
+        return {"base": self.base}
+
+
+@dataclasses.dataclass(frozen=True)
+class DebootstrapSource:
+    suite: str
+    variant: str = "minbase"
+    include: tuple[str, ...] = ()
+    mirror: str | None = None  # None: the mirror this machine's apt uses
+    kind = "debootstrap"
+
+    def identity(self) -> dict[str, Any]:
+        # The mirror is where bytes come from, not what they are: left out of the key.
+        return {"debootstrap": {"suite": self.suite, "variant": self.variant,
+                                "include": sorted(self.include)}}
+
+
+@dataclasses.dataclass(frozen=True)
+class RootfsSource:
+    """A directory or a tar / tar.gz / tar.zst file; ``sha256`` is enforced when given."""
+
+    path: str
+    sha256: str | None = None
+    kind = "rootfs"
+
+    def identity(self) -> dict[str, Any]:
+        return {"rootfs": {"sha256": self.sha256}}  # content digest added by the planner
+
+
+@dataclasses.dataclass(frozen=True)
+class OciSource:
+    layout: str
+    ref: str
+    kind = "oci"
+
+    def identity(self) -> dict[str, Any]:
+        return {"oci": {"ref": self.ref}}  # manifest digest added by the planner
+
+
+@dataclasses.dataclass(frozen=True)
+class BusyboxSource:
+    """A tiny rootfs made of a static busybox binary and its applet links (for fast tests)."""
+
+    binary: str = "/bin/busybox"
+    kind = "busybox"
+
+    def identity(self) -> dict[str, Any]:
+        return {"busybox": {}}  # binary digest added by the planner
+
+
+@dataclasses.dataclass(frozen=True)
+class PathSource:
+    """A directory, relative to the definition file; hashed as a tree."""
+
+    path: str
+    kind = "path"
+
+    def identity(self) -> dict[str, Any]:
+        return {"path": {}}  # tree digest added by the planner; the path itself is not identity
+
+
+@dataclasses.dataclass(frozen=True)
+class GitSource:
+    url: str
+    rev: str
+    kind = "git"
+
+    def identity(self) -> dict[str, Any]:
+        return {"git": {"url": self.url}}  # resolved commit sha added by the planner
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchiveSource:
+    path: str
+    sha256: str
+    kind = "archive"
+
+    def identity(self) -> dict[str, Any]:
+        return {"archive": {"sha256": self.sha256}}
+
+
+BaseFrom = Union[ScratchSource, BaseSource, DebootstrapSource, RootfsSource, OciSource, BusyboxSource]
+WorkspaceSource = Union[PathSource, GitSource, ArchiveSource]
+
+
+def base_from_mapping(m: Mapping[str, Any]) -> BaseFrom:
+    (kind, v), = m.items()
+    if kind == "scratch":
+        return ScratchSource()
+    if kind == "base":
+        return BaseSource(base=v)
+    if kind == "debootstrap":
+        return DebootstrapSource(suite=v["suite"], variant=v.get("variant", "minbase"),
+                                 include=tuple(v.get("include", ())), mirror=v.get("mirror"))
+    if kind == "rootfs":
+        if isinstance(v, str):
+            return RootfsSource(path=v)
+        return RootfsSource(path=v["path"], sha256=v.get("sha256"))
+    if kind == "oci":
+        return OciSource(layout=v["layout"], ref=v["ref"])
+    if kind == "busybox":
+        return BusyboxSource(binary=(v or {}).get("binary", "/bin/busybox"))
+    raise ValueError(f"unknown base source {kind!r}")  # the schema rules this out
+
+
+def workspace_source_from_mapping(m: Mapping[str, Any]) -> WorkspaceSource:
+    (kind, v), = m.items()
+    if kind == "path":
+        return PathSource(path=v if isinstance(v, str) else v["path"])
+    if kind == "git":
+        return GitSource(url=v["url"], rev=v["rev"])
+    if kind == "archive":
+        return ArchiveSource(path=v["path"], sha256=v["sha256"])
+    raise ValueError(f"unknown workspace source {kind!r}")
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Runtime config a layer contributes to an env's lock (OCI image config fields).
+
+    ``env`` values may reference ``$VAR`` of lower layers (``PATH: /opt/x/bin:$PATH``); the lock
+    step expands them in layer order.
+    """
+
+    env: Mapping[str, str] = dataclasses.field(default_factory=lambda: _frozen_map(None))
+    workdir: str | None = None
+    user: str | None = None
+    cmd: tuple[str, ...] | None = None
+    hostname: str | None = None
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any] | None) -> Config:
+        m = m or {}
+        cmd = m.get("cmd")
+        if isinstance(cmd, str):
+            cmd = ("/bin/sh", "-c", cmd)
+        return cls(
+            env=_frozen_map({k: str(v) for k, v in (m.get("env") or {}).items()}),
+            workdir=m.get("workdir"),
+            user=None if m.get("user") is None else str(m["user"]),
+            cmd=None if cmd is None else tuple(cmd),
+            hostname=m.get("hostname"),
+        )
+
+    def identity(self) -> dict[str, Any]:
+        return {"env": dict(self.env), "workdir": self.workdir, "user": self.user,
+                "cmd": None if self.cmd is None else list(self.cmd), "hostname": self.hostname}
+
+
+# ----------------------------------------------------------------------------- kinds
+
+
+@dataclasses.dataclass(frozen=True)
+class _Common:
+    name: str
+    origin: Origin = dataclasses.field(compare=False, repr=False)
+    description: str = dataclasses.field(default="", compare=False)
+    labels: Mapping[str, str] = dataclasses.field(
+        default_factory=lambda: _frozen_map(None), compare=False, repr=False
+    )
+
+
+def _common(m: Mapping[str, Any], origin: Origin) -> dict[str, Any]:
+    return {
+        "name": m["name"],
+        "origin": origin,
+        "description": m.get("description", ""),
+        "labels": _frozen_map(m.get("labels")),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Base(_Common):
+    abi: str = ""
+    source: BaseFrom = dataclasses.field(default_factory=ScratchSource)
+    steps: tuple[Step, ...] = ()
+    config: Config = dataclasses.field(default_factory=Config)
+    framing: Framing = "lazy"
+    kind = "Base"
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any], origin: Origin) -> Base:
+        return cls(
+            **_common(m, origin),
+            abi=m["abi"],
+            source=base_from_mapping(m["from"]),
+            steps=tuple(step_from_mapping(s) for s in m.get("steps") or ()),
+            config=Config.from_mapping(m.get("config")),
+            framing=m.get("framing", "lazy"),
+        )
+
+    @property
+    def parent(self) -> str | None:
+        return self.source.base if isinstance(self.source, BaseSource) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Toolkit(_Common):
+    build_on: str = ""
+    prefix: str = ""
+    requires_abi: tuple[str, ...] = ()  # empty: the abi of build_on
+    steps: tuple[Step, ...] = ()
+    config: Config = dataclasses.field(default_factory=Config)
+    framing: Framing = "lazy"
+    pin: Pin = "abi"
+    kind = "Toolkit"
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any], origin: Origin) -> Toolkit:
+        return cls(
+            **_common(m, origin),
+            build_on=m["build_on"],
+            prefix=m["prefix"].rstrip("/") or "/",
+            requires_abi=tuple((m.get("requires") or {}).get("abi") or ()),
+            steps=tuple(step_from_mapping(s) for s in m.get("steps") or ()),
+            config=Config.from_mapping(m.get("config")),
+            framing=m.get("framing", "lazy"),
+            pin=m.get("pin", "abi"),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Workspace(_Common):
+    build_on: str = ""
+    source: WorkspaceSource = dataclasses.field(default_factory=lambda: PathSource("."))
+    dest: str = "/workspace"
+    requires_abi: tuple[str, ...] = ()  # empty: the abi of build_on
+    steps: tuple[Step, ...] = ()
+    check: tuple[str, ...] = ()
+    config: Config = dataclasses.field(default_factory=Config)
+    framing: Framing = "lazy"
+    pin: Pin = "abi"
+    kind = "Workspace"
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any], origin: Origin) -> Workspace:
+        return cls(
+            **_common(m, origin),
+            build_on=m["build_on"],
+            source=workspace_source_from_mapping(m["source"]),
+            dest=m.get("dest", "/workspace"),
+            requires_abi=tuple((m.get("requires") or {}).get("abi") or ()),
+            steps=tuple(step_from_mapping(s) for s in m.get("steps") or ()),
+            check=tuple(m.get("check") or ()),
+            config=Config.from_mapping(m.get("config")),
+            framing=m.get("framing", "lazy"),
+            pin=m.get("pin", "abi"),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Env(_Common):
+    base: str = ""
+    workspace: str | None = None
+    toolkits: tuple[str, ...] = ()
+    config: Config = dataclasses.field(default_factory=Config)
+    kind = "Env"
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any], origin: Origin) -> Env:
+        return cls(
+            **_common(m, origin),
+            base=m["base"],
+            workspace=m.get("workspace"),
+            toolkits=tuple(m.get("toolkits") or ()),
+            config=Config.from_mapping(m.get("config")),
+        )
+
+
+Definition = Union[Base, Workspace, Toolkit, Env]
+LayerDefinition = Union[Base, Workspace, Toolkit]
+
+CONSTRUCTORS = {"Base": Base.from_mapping, "Workspace": Workspace.from_mapping,
+                "Toolkit": Toolkit.from_mapping, "Env": Env.from_mapping}
+
+
+@dataclasses.dataclass(frozen=True)
+class DefinitionSet:
+    """Every definition loaded from one tree, by name. Names are unique across kinds."""
+
+    root: str
+    by_name: Mapping[str, Definition]
+
+    def of_kind(self, kind: str) -> list[Definition]:
+        return [d for d in self.by_name.values() if d.kind == kind]
+
+    @property
+    def layers(self) -> list[LayerDefinition]:
+        return [d for d in self.by_name.values() if d.kind in LAYER_KINDS]  # type: ignore[misc]
+
+    @property
+    def envs(self) -> list[Env]:
+        return [d for d in self.by_name.values() if isinstance(d, Env)]

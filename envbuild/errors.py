@@ -1,0 +1,216 @@
+"""The one exception tree of envbuild and runtime_shim.
+
+Every error a user can cause is an ``EnvbuildError``. The CLI boundary (``envbuild.cli.main``)
+turns it into a one-line cause plus an optional hint on stderr and exit code 1; anything else is a
+bug and exits 2 with a traceback and a request to report it.
+
+::
+
+    EnvbuildError                  reference, message, hint, context
+    ├── SettingsError              bad flag, environment variable or store URL
+    ├── DefinitionError            one or more problems in envdefs/ (each a ``Problem``)
+    ├── PlanError                  graph problems: cycles, missing references, ABI mismatches
+    ├── SourceError                a source cannot be read or hashed (path, git, archive)
+    ├── LayerError                 a layer blob cannot be written or read
+    │   ├── CorruptLayerError      truncated, tampered, wrong magic, digest mismatch
+    │   ├── UnsupportedFormatError a format version this reader does not know
+    │   └── UnsafeLayerError       a member that would escape the root, or is refused by policy
+    ├── StoreError                 the store failed an operation
+    │   ├── BlobNotFound           no blob with that digest
+    │   ├── RefNotFound            no ref with that name
+    │   ├── DigestMismatch         bytes do not hash to the digest they were stored under
+    │   └── StoreUnavailable       the store cannot be reached or opened
+    ├── BuildError                 a build step or importer failed
+    │   └── StepFailed             a ``run`` step exited non-zero (argv, exit code, output tail)
+    └── RuntimeShimError           sandboxes: fetch, compose, launch, exec
+
+Messages are written for the person at the terminal: say what failed and on what, lower case,
+no trailing period; put what to do about it in ``hint``. Wrap lower-level errors with a short
+"verb object: cause" (``raise StoreError(f"rename temporary blob: {e}") from e``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import sys
+
+
+class EnvbuildError(Exception):
+    """Root of every error envbuild reports to a user.
+
+    ``reference`` is a stable kebab-case name for the error class (for docs and scripts),
+    ``message`` the one-line cause, ``hint`` what to do about it, ``context`` extra lines
+    (such as the tail of a failed command's output) printed after the cause.
+    """
+
+    reference = "envbuild-error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        hint: str | None = None,
+        context: str | None = None,
+        reference: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.context = context
+        if reference is not None:
+            self.reference = reference
+
+    def __str__(self) -> str:
+        return self.message
+
+    def render_lines(self) -> list[str]:
+        """The lines the CLI prints: cause first, then context, then the hint."""
+        lines = [f"error: {self.message}"]
+        if self.context:
+            lines.extend(self.context.rstrip("\n").splitlines())
+        if self.hint:
+            lines.append(f"hint: {self.hint}")
+        return lines
+
+
+class SettingsError(EnvbuildError):
+    reference = "settings-error"
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Problem:
+    """One problem found in a definition file.
+
+    Sorted by (file, line, column) so reports are stable. ``path`` is the location inside the
+    YAML document, such as ``steps[2].run``; ``line`` and ``column`` are 1-based (0 = unknown).
+    """
+
+    file: str
+    line: int
+    column: int
+    message: str
+    path: str = ""
+    hint: str | None = None
+
+    def render(self) -> str:
+        where = f"{self.file}:{self.line}:{self.column}" if self.line else self.file
+        text = f"{where}: {self.message}"
+        if self.path:
+            text += f" (at {self.path})"
+        if self.hint:
+            text += f" — {self.hint}"
+        return text
+
+
+class DefinitionError(EnvbuildError):
+    """Problems in definition files; all of them are collected before this is raised."""
+
+    reference = "definition-error"
+
+    def __init__(self, problems: list[Problem] | Problem, *, hint: str | None = None) -> None:
+        if isinstance(problems, Problem):
+            problems = [problems]
+        self.problems = sorted(problems)
+        count = len(self.problems)
+        summary = f"{count} problem{'s' if count != 1 else ''} in definitions"
+        super().__init__(summary, hint=hint)
+
+    def render_lines(self) -> list[str]:
+        lines = [p.render() for p in self.problems]
+        lines.append(f"error: {self.message}")
+        if self.hint:
+            lines.append(f"hint: {self.hint}")
+        return lines
+
+
+class PlanError(DefinitionError):
+    """Problems in the graph of definitions (cycles, missing references, ABI mismatches).
+
+    A subclass of ``DefinitionError`` because each one is reported against a definition file and
+    line, in the same one-line-per-problem format.
+    """
+
+    reference = "plan-error"
+
+
+class SourceError(EnvbuildError):
+    reference = "source-error"
+
+
+class LayerError(EnvbuildError):
+    reference = "layer-error"
+
+
+class CorruptLayerError(LayerError):
+    reference = "corrupt-layer"
+
+
+class UnsupportedFormatError(LayerError):
+    reference = "unsupported-format"
+
+
+class UnsafeLayerError(LayerError):
+    reference = "unsafe-layer"
+
+
+class StoreError(EnvbuildError):
+    reference = "store-error"
+
+
+class BlobNotFound(StoreError):
+    reference = "blob-not-found"
+
+
+class RefNotFound(StoreError):
+    reference = "ref-not-found"
+
+
+class DigestMismatch(StoreError):
+    reference = "digest-mismatch"
+
+
+class StoreUnavailable(StoreError):
+    reference = "store-unavailable"
+
+
+class BuildError(EnvbuildError):
+    reference = "build-error"
+
+
+class StepFailed(BuildError):
+    """A ``run`` step exited non-zero. Carries the argv, exit code and the tail of its output."""
+
+    reference = "step-failed"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        argv: list[str],
+        exit_code: int,
+        output_tail: str,
+        log_path: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        self.argv = argv
+        self.exit_code = exit_code
+        self.output_tail = output_tail
+        self.log_path = log_path
+        if hint is None and log_path:
+            hint = f"full log: {log_path}"
+        super().__init__(message, hint=hint, context=output_tail)
+
+
+class RuntimeShimError(EnvbuildError):
+    reference = "runtime-shim-error"
+
+
+def bug(message: str) -> AssertionError:
+    """An invariant was violated: envbuild itself is wrong. Raise the returned error."""
+    from envbuild import __version__
+
+    return AssertionError(
+        f"{message}\nthis is a bug in envbuild {__version__} "
+        f"(python {sys.version.split()[0]}, {platform.platform()}); please report it"
+    )

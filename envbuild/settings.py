@@ -1,0 +1,41 @@
+"""Settings, read once at the edge (CLI or SDK) and passed down; never a module global."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+DEFAULT_STORE = "cache"
+DEFAULT_DEFS = "envdefs"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What every command needs to know about its surroundings.
+
+    ``store_url`` is a directory path (the local store) or, once the S3 backend exists,
+    ``s3://BUCKET/PREFIX``. ``source_date_epoch`` clamps every mtime written into a layer.
+    """
+
+    defs_dir: Path = Path(DEFAULT_DEFS)
+    store_url: str = DEFAULT_STORE
+    source_date_epoch: int = 0
+    jobs: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> Settings:
+        from envbuild.errors import SettingsError
+
+        sde = environ.get("SOURCE_DATE_EPOCH", "0")
+        try:
+            epoch = int(sde)
+        except ValueError:
+            raise SettingsError(f"SOURCE_DATE_EPOCH is not an integer: {sde!r}",
+                                hint="set it to seconds since 1970, e.g. 0") from None
+        return cls(
+            defs_dir=Path(environ.get("ENVBUILD_DEFS", DEFAULT_DEFS)),
+            store_url=environ.get("ENVBUILD_STORE", DEFAULT_STORE),
+            source_date_epoch=epoch,
+        )
