@@ -54,9 +54,9 @@ def cli(ctx: click.Context, store_url: str | None, defs_dir: Path | None) -> Non
 
 
 def _register_commands() -> None:
-    from envbuild.cli import cmd_defs, cmd_layer
+    from envbuild.cli import cmd_defs, cmd_layer, cmd_plan
 
-    for module in (cmd_defs, cmd_layer):
+    for module in (cmd_defs, cmd_plan, cmd_layer):
         module.register(cli)
 
 
