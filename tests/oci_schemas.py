@@ -1,0 +1,50 @@
+"""Validate documents against the OCI JSON Schemas that ship in ``../shared/``.
+
+The schema files reference each other by relative file name (``defs.json#/...``) or by their
+``$id``s; we register every file of a folder under its ``file://`` URI (and its ``$id`` where it
+has one) so the references resolve without network access.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import jsonschema
+import pytest
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT4
+
+SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
+RUNTIME_SPEC = SHARED / "oci-runtime-spec-schema"
+IMAGE_SPEC = SHARED / "oci-image-spec-schema"
+
+
+@lru_cache(maxsize=None)
+def _registry(folder: Path) -> Registry:
+    resources = []
+    for path in sorted(folder.glob("*.json")):
+        contents = json.loads(path.read_text())
+        resource = Resource.from_contents(contents, default_specification=DRAFT4)
+        resources.append((path.as_uri(), resource))
+        for key in ("$id", "id"):
+            if isinstance(contents.get(key), str):
+                resources.append((contents[key], resource))
+    return Registry().with_resources(resources)
+
+
+def validator(folder: Path, schema_file: str):
+    """A validator for ``folder/schema_file``; skips (with the reason) if ``shared/`` is absent."""
+    path = folder / schema_file
+    if not path.exists():
+        pytest.skip(f"OCI schema {path} not found (the shared/ folder is not beside the repo)")
+    schema = json.loads(path.read_text())
+    schema.setdefault("id", path.as_uri())
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft4Validator)
+    return cls(schema, registry=_registry(folder))
+
+
+def assert_valid(folder: Path, schema_file: str, document) -> None:
+    errors = sorted(validator(folder, schema_file).iter_errors(document), key=str)
+    assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors[:10])
