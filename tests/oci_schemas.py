@@ -23,15 +23,18 @@ IMAGE_SPEC = SHARED / "oci-image-spec-schema"
 
 @lru_cache(maxsize=None)
 def _registry(folder: Path) -> Registry:
-    resources = []
-    for path in sorted(folder.glob("*.json")):
-        contents = json.loads(path.read_text())
-        resource = Resource.from_contents(contents, default_specification=DRAFT4)
-        resources.append((path.as_uri(), resource))
-        for key in ("$id", "id"):
-            if isinstance(contents.get(key), str):
-                resources.append((contents[key], resource))
-    return Registry().with_resources(resources)
+    def retrieve(uri: str) -> Resource:
+        # The schemas' ids (https://opencontainers.org/schema/...) and nested ids make relative
+        # refs resolve to several different URIs; every one ends in a file name of the folder.
+        name = uri.rstrip("/").rsplit("/", 1)[-1]
+        path = folder / name
+        if not path.is_file():
+            from referencing.exceptions import NoSuchResource
+
+            raise NoSuchResource(ref=uri)
+        return Resource.from_contents(json.loads(path.read_text()), default_specification=DRAFT4)
+
+    return Registry(retrieve=retrieve)
 
 
 def validator(folder: Path, schema_file: str):
