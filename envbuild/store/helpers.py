@@ -1,0 +1,169 @@
+"""Generic store logic, written once on top of the ``Store`` interface (any backend).
+
+* ``digest_bytes`` / ``digest_file``    — the sha256 digest of bytes or a file
+* ``put_bytes`` / ``put_file``          — store and return the digest (file: streamed, two passes)
+* ``read_bytes``                        — a whole blob, verified
+* ``put_json`` / ``get_json``           — canonical JSON blobs (manifests, configs, TOCs)
+* ``copy_blobs``                        — copy the blobs another store lacks (push / pull)
+* ``KeyRecord``, ``put_key_record``, ``get_key_record`` — the ``keys/v1/<key-hex>`` records
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from envbuild.errors import StoreError
+from envbuild.store.base import (
+    CHUNK_SIZE,
+    MEDIA_TYPE_MANIFEST,
+    BlobInfo,
+    Descriptor,
+    Store,
+    canonical_json,
+    check_digest,
+)
+
+#: Namespace of key records: layer key -> the layer it produced.
+KEY_RECORDS = "keys/v1"
+
+#: ``get_json`` refuses blobs larger than this: JSON documents are small, layers are not.
+MAX_JSON_SIZE = 64 << 20
+
+
+def digest_bytes(data: bytes) -> str:
+    """``sha256:<hex>`` of ``data``."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def digest_file(path: str | os.PathLike[str]) -> BlobInfo:
+    """Digest and size of a file, read in chunks."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_SIZE):
+            h.update(chunk)
+            size += len(chunk)
+    return BlobInfo("sha256:" + h.hexdigest(), size)
+
+
+def put_bytes(store: Store, data: bytes) -> str:
+    """Store ``data`` and return its digest."""
+    digest = digest_bytes(data)
+    store.put(digest, data, size=len(data))
+    return digest
+
+
+def put_file(store: Store, path: str | os.PathLike[str]) -> BlobInfo:
+    """Store a file's content, streamed; returns its digest and size.
+
+    The file is read twice (hash, then upload) unless the blob is already stored; if the file
+    changes in between, ``put`` refuses it with ``DigestMismatch``.
+    """
+    info = digest_file(path)
+    if not store.exists(info.digest):
+        with open(path, "rb") as f:
+            store.put(info.digest, f, size=info.size)
+    return info
+
+
+def read_bytes(store: Store, digest: str) -> bytes:
+    """The whole blob, verified against its digest (``DigestMismatch`` if corrupt)."""
+    with store.get(digest) as f:
+        return f.read()
+
+
+def put_json(store: Store, obj: Any, *, media_type: str = MEDIA_TYPE_MANIFEST,
+             annotations: Mapping[str, str] | None = None) -> Descriptor:
+    """Store ``obj`` as a canonical JSON blob; returns its descriptor (for a manifest or ref).
+
+    Canonical (sorted keys, compact, ASCII) so the same document always has the same digest.
+    """
+    data = canonical_json(obj)
+    return Descriptor(media_type, put_bytes(store, data), len(data), dict(annotations or {}))
+
+
+def get_json(store: Store, digest: str) -> Any:
+    """Parse a JSON blob, verified; ``StoreError`` if it is too large or not JSON."""
+    size = store.stat(digest).size
+    if size > MAX_JSON_SIZE:
+        raise StoreError(f"blob {digest} is {size} bytes, too large for a JSON document",
+                         hint="is this a layer digest where a manifest was expected?")
+    try:
+        return json.loads(read_bytes(store, digest))
+    except ValueError as e:
+        raise StoreError(f"parse JSON blob {digest}: {e}",
+                         hint="is this a layer digest where a manifest was expected?") from e
+
+
+def copy_blobs(src: Store, dst: Store, digests: Iterable[str]) -> list[str]:
+    """Copy each blob ``dst`` lacks from ``src``, streamed; returns the digests copied.
+
+    ``dst.put`` verifies each blob as it arrives, so a corrupt source copy raises
+    ``DigestMismatch`` and is not stored. Duplicates in ``digests`` are copied once.
+    """
+    copied: list[str] = []
+    for digest in dict.fromkeys(digests):
+        if dst.exists(digest):
+            continue
+        size = src.stat(digest).size
+        with src.get(digest) as f:
+            dst.put(digest, f, size=size)
+        copied.append(digest)
+    return copied
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyRecord:
+    """What a layer key produced: the record at ``keys/v1/<key-hex>``.
+
+    ``layer`` is the blob digest of the compressed layer, ``size`` its size in bytes, ``toc``
+    the digest of its table of contents, ``diff_id`` the sha256 of the uncompressed tar (OCI
+    ``rootfs.diff_ids``), ``built_from`` what the build ran on (for ``envbuild explain``; not
+    part of any key). ``extra`` keeps fields written by newer envbuilds so a rewrite does not
+    drop them.
+    """
+
+    layer: str
+    toc: str
+    diff_id: str
+    size: int
+    built_from: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    _FIELDS = ("layer", "toc", "diff_id", "size", "built_from")
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.extra, "layer": self.layer, "toc": self.toc, "diff_id": self.diff_id,
+                "size": self.size, "built_from": dict(self.built_from)}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any], *, where: str = "key record") -> KeyRecord:
+        """Parse a stored record; ``StoreError`` naming ``where`` when a field is missing/bad."""
+        missing = [f for f in ("layer", "toc", "diff_id", "size") if f not in obj]
+        if missing:
+            raise StoreError(f"{where} lacks {', '.join(missing)}",
+                             hint="delete the record; the layer will be rebuilt")
+        for f in ("layer", "toc", "diff_id"):
+            check_digest(obj[f])
+        size, built_from = obj["size"], obj.get("built_from") or {}
+        if not isinstance(size, int) or size < 0 or not isinstance(built_from, dict):
+            raise StoreError(f"{where} has a bad size or built_from",
+                             hint="delete the record; the layer will be rebuilt")
+        extra = {k: v for k, v in obj.items() if k not in cls._FIELDS}
+        return cls(obj["layer"], obj["toc"], obj["diff_id"], size, built_from, extra)
+
+
+def put_key_record(store: Store, key: str, record: KeyRecord) -> None:
+    """Record that layer key ``key`` (``sha256:<hex>``) produced ``record``; last writer wins."""
+    store.put_record(KEY_RECORDS, check_digest(key), record.to_json())
+
+
+def get_key_record(store: Store, key: str) -> KeyRecord | None:
+    """The record for layer key ``key`` (``sha256:<hex>``), or ``None`` if never built."""
+    hex_key = check_digest(key)
+    obj = store.get_record(KEY_RECORDS, hex_key)
+    return None if obj is None else KeyRecord.from_json(obj, where=f"{KEY_RECORDS}/{hex_key}")

@@ -1,0 +1,413 @@
+"""``LocalStore``: a directory laid out as an OCI image layout, plus envbuild's records.
+
+On-disk format (store format version 1)::
+
+    <root>/
+      oci-layout             {"imageLayoutVersion": "1.0.0"}                (OCI)
+      index.json             OCI image index; each ref is one entry of "manifests" whose
+                             annotations["org.opencontainers.image.ref.name"] is the ref name (OCI)
+      blobs/sha256/<hex>     blob bytes, named by their sha256                (OCI)
+      blobs/sha256/.tmp-*    blobs being written; never listed, removed by GC when stale
+      envbuild-store.json    {"version": 1}: envbuild's own layout version; other versions are
+                             refused by name
+      index.json.lock        flock(2) target serialising index.json updates
+      keys/v1/<key-hex>      key records (any ``<namespace>/<name>`` record lives here)
+
+Because the OCI part is standard, ``skopeo copy oci:cache:NAME docker://...`` and
+``umoci ls --layout cache`` work on it directly.
+
+Atomicity: every file is written to ``.tmp-<random>`` in its final directory, fsynced, renamed
+over its final name, and the directory fsynced — a crash leaves the old file or the new one,
+never half of one (STYLE.md principle 6; umoci ``oci/cas/dir``). Blobs are hashed while they
+are written and renamed only once their digest matched. Two processes putting the same blob both
+rename an identical file into place, so both succeed. ``index.json`` is read-modified-written
+under an exclusive ``flock`` on ``index.json.lock``, which is what makes ``put_ref(expect=...)``
+a real compare-and-swap between processes; readers need no lock because the rename is atomic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from envbuild.errors import StoreError, StoreUnavailable
+from envbuild.store.base import (
+    ANY,
+    MEDIA_TYPE_INDEX,
+    MEDIA_TYPE_MANIFEST,
+    REF_NAME_ANNOTATION,
+    BlobInfo,
+    Descriptor,
+    RefConflict,
+    Store,
+    VerifyingReader,
+    _Any,
+    blob_not_found,
+    canonical_json,
+    check_digest,
+    check_expect,
+    check_range,
+    check_record_name,
+    check_ref_name,
+    decode_record,
+    encode_record,
+    iter_chunks,
+    make_descriptor,
+    mismatch_on_put,
+    range_beyond_end,
+    ref_not_found,
+)
+
+STORE_VERSION = 1
+IMAGE_LAYOUT_VERSION = "1.0.0"
+VERSION_FILE = "envbuild-store.json"
+LAYOUT_FILE = "oci-layout"
+INDEX_FILE = "index.json"
+LOCK_FILE = "index.json.lock"
+TMP_PREFIX = ".tmp-"
+_HEX = frozenset("0123456789abcdef")
+_WHERE_HINT = "choose another location with --store DIR or ENVBUILD_STORE"
+
+
+def _empty_index() -> dict[str, Any]:
+    return {"schemaVersion": 2, "mediaType": MEDIA_TYPE_INDEX, "manifests": []}
+
+
+def _tmp_name(directory: Path) -> Path:
+    return directory / f"{TMP_PREFIX}{secrets.token_hex(8)}"
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_tmp(directory: Path, data: bytes) -> Path:
+    tmp = _tmp_name(directory)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``: temp file, fsync, rename, fsync the directory."""
+    tmp = _write_tmp(path.parent, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _create_if_absent(path: Path, data: bytes) -> None:
+    """Create ``path`` with ``data`` unless it exists; safe when several processes race."""
+    if path.exists():
+        return
+    tmp = _write_tmp(path.parent, data)
+    try:
+        os.link(tmp, path)  # unlike rename, link never replaces what a faster process wrote
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes())
+    except ValueError as e:
+        raise StoreUnavailable(f"parse {path}: {e}",
+                               hint="the store is damaged; repair or delete that file") from e
+
+
+class LocalStore(Store):
+    """A ``Store`` in a local directory (an OCI image layout); see the module docstring.
+
+    Opening creates the directory and its layout if needed. It raises ``StoreUnavailable`` when
+    the path is a file, cannot be created, is not writable, or holds a layout or store version
+    this envbuild does not know.
+    """
+
+    supports_cas = True
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self._blobs = self.root / "blobs" / "sha256"
+        self._index = self.root / INDEX_FILE
+        self._open()
+
+    def __repr__(self) -> str:
+        return f"LocalStore({str(self.root)!r})"
+
+    def _open(self) -> None:
+        root = self.root
+        if root.exists() and not root.is_dir():
+            raise StoreUnavailable(f"store path {root} exists and is not a directory",
+                                   hint=_WHERE_HINT)
+        try:
+            self._blobs.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreUnavailable(f"create store directory {root}: {e.strerror}",
+                                   hint=_WHERE_HINT) from e
+        if not os.access(root, os.W_OK | os.X_OK) or not os.access(self._blobs, os.W_OK):
+            raise StoreUnavailable(f"store directory {root} is not writable",
+                                   hint=f"fix its permissions, or {_WHERE_HINT}")
+        try:
+            _create_if_absent(root / LAYOUT_FILE, canonical_json(
+                {"imageLayoutVersion": IMAGE_LAYOUT_VERSION}))
+            _create_if_absent(self._index, canonical_json(_empty_index()))
+            _create_if_absent(root / VERSION_FILE, canonical_json({"version": STORE_VERSION}))
+        except OSError as e:
+            raise StoreUnavailable(f"initialise store {root}: {e}", hint=_WHERE_HINT) from e
+
+        layout = _read_json(root / LAYOUT_FILE)
+        found = layout.get("imageLayoutVersion") if isinstance(layout, dict) else None
+        if found != IMAGE_LAYOUT_VERSION:
+            raise StoreUnavailable(
+                f"unsupported OCI image layout version {found!r} in {root / LAYOUT_FILE}",
+                hint=f"envbuild reads version {IMAGE_LAYOUT_VERSION}; {_WHERE_HINT}")
+        meta = _read_json(root / VERSION_FILE)
+        found = meta.get("version") if isinstance(meta, dict) else None
+        if found != STORE_VERSION:
+            raise StoreUnavailable(
+                f"unsupported envbuild store version {found!r} in {root / VERSION_FILE}",
+                hint=f"this envbuild reads store version {STORE_VERSION}; use the envbuild "
+                     f"that wrote it, or {_WHERE_HINT}")
+
+    # -- blobs ---------------------------------------------------------------------------------
+
+    def blob_path(self, digest: str) -> Path:
+        """Where blob ``digest`` lives (whether or not it exists). Validates the digest."""
+        return self._blobs / check_digest(digest)
+
+    def put(self, digest: str, data: bytes | BinaryIO, *, size: int | None = None) -> None:
+        final = self.blob_path(digest)
+        if final.exists():
+            return
+        tmp = _tmp_name(self._blobs)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            h, count = hashlib.sha256(), 0
+            with open(fd, "wb") as f:
+                for chunk in iter_chunks(data):
+                    h.update(chunk)
+                    f.write(chunk)
+                    count += len(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            actual = "sha256:" + h.hexdigest()
+            if actual != digest or (size is not None and count != size):
+                raise mismatch_on_put(digest, actual, count, size)
+            # A concurrent put of the same digest may have renamed first: replacing its file
+            # with identical bytes is harmless, and both callers succeed.
+            os.replace(tmp, final)
+            _fsync_dir(self._blobs)
+        except OSError as e:
+            raise StoreError(f"write blob {digest} to {self._blobs}: {e}") from e
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def get(self, digest: str) -> BinaryIO:
+        path = self.blob_path(digest)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            raise blob_not_found(digest) from None
+        except OSError as e:
+            raise StoreError(f"open blob {path}: {e}") from e
+        size = os.fstat(f.fileno()).st_size
+        return VerifyingReader(f, digest, size=size, location=str(path))  # type: ignore[return-value]
+
+    def get_range(self, digest: str, offset: int, length: int) -> bytes:
+        check_range(offset, length)
+        path = self.blob_path(digest)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if offset > size:
+                    raise range_beyond_end(digest, offset, size)
+                f.seek(offset)
+                return f.read(length)
+        except FileNotFoundError:
+            raise blob_not_found(digest) from None
+        except OSError as e:
+            raise StoreError(f"read blob {path}: {e}") from e
+
+    def stat(self, digest: str) -> BlobInfo:
+        path = self.blob_path(digest)
+        try:
+            return BlobInfo(digest, path.stat().st_size)
+        except FileNotFoundError:
+            raise blob_not_found(digest) from None
+
+    def exists(self, digest: str) -> bool:
+        return self.blob_path(digest).exists()
+
+    def delete(self, digest: str) -> None:
+        path = self.blob_path(digest)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            raise StoreError(f"delete blob {path}: {e}") from e
+
+    def list(self) -> Iterator[str]:
+        with os.scandir(self._blobs) as entries:
+            names = [e.name for e in entries]
+        for name in names:
+            if len(name) == 64 and _HEX.issuperset(name):  # skips .tmp-* and strays
+                yield "sha256:" + name
+
+    # -- refs ----------------------------------------------------------------------------------
+
+    def _read_index(self) -> dict[str, Any]:
+        try:
+            index = json.loads(self._index.read_bytes())
+        except FileNotFoundError:
+            return _empty_index()
+        except ValueError as e:
+            raise StoreError(f"parse {self._index}: {e}",
+                             hint="the store's index is damaged; repair or delete it") from e
+        if not isinstance(index, dict) or not isinstance(index.get("manifests", []), list):
+            raise StoreError(f"parse {self._index}: not an OCI image index")
+        index.setdefault("manifests", [])
+        return index
+
+    @contextlib.contextmanager
+    def _locked_index(self) -> Iterator[dict[str, Any]]:
+        """Yield index.json for modification under the lock; write it back if no error."""
+        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            index = self._read_index()
+            before = canonical_json(index)
+            yield index
+            after = canonical_json(index)
+            if after != before:
+                _write_atomic(self._index, after)
+        finally:
+            os.close(fd)  # releases the flock
+
+    @staticmethod
+    def _find(index: dict[str, Any], name: str) -> dict[str, Any] | None:
+        for entry in index["manifests"]:
+            if _ref_name(entry) == name:
+                return entry
+        return None
+
+    def put_ref(self, name: str, digest: str, *, media_type: str = MEDIA_TYPE_MANIFEST,
+                annotations: Mapping[str, str] | None = None,
+                expect: str | None | _Any = ANY) -> Descriptor:
+        check_ref_name(name)
+        check_expect(self, expect)
+        desc = make_descriptor(media_type, digest, self.stat(digest).size, annotations)
+        entry = desc.to_oci()
+        entry["annotations"] = {**desc.annotations, REF_NAME_ANNOTATION: name}
+        try:
+            with self._locked_index() as index:
+                current = self._find(index, name)
+                if expect is not ANY:
+                    current_digest = current.get("digest") if current else None
+                    if current_digest != expect:
+                        raise RefConflict(name, expect, current_digest)  # type: ignore[arg-type]
+                manifests = index["manifests"]
+                if current is None:
+                    manifests.append(entry)
+                else:  # keep the entry's position; drop duplicates other tools may have left
+                    at = manifests.index(current)
+                    index["manifests"] = [entry if i == at else m for i, m in enumerate(manifests)
+                                          if i == at or _ref_name(m) != name]
+        except OSError as e:
+            raise StoreError(f"update {self._index}: {e}") from e
+        return desc
+
+    def get_ref(self, name: str) -> Descriptor:
+        check_ref_name(name)
+        entry = self._find(self._read_index(), name)
+        if entry is None:
+            raise ref_not_found(name)
+        desc = Descriptor.from_oci(entry)
+        annotations = {k: v for k, v in desc.annotations.items() if k != REF_NAME_ANNOTATION}
+        return Descriptor(desc.media_type, desc.digest, desc.size, annotations)
+
+    def list_refs(self) -> list[str]:
+        names = {_ref_name(m) for m in self._read_index()["manifests"]}
+        return sorted(n for n in names if n is not None)
+
+    def delete_ref(self, name: str) -> None:
+        check_ref_name(name)
+        try:
+            with self._locked_index() as index:
+                index["manifests"] = [m for m in index["manifests"] if _ref_name(m) != name]
+        except OSError as e:
+            raise StoreError(f"update {self._index}: {e}") from e
+
+    # -- records -------------------------------------------------------------------------------
+
+    def _record_path(self, namespace: str, name: str) -> Path:
+        check_record_name(namespace, name)
+        return self.root.joinpath(*namespace.split("/"), name)
+
+    def put_record(self, namespace: str, name: str, obj: Mapping[str, Any]) -> None:
+        path = self._record_path(namespace, name)
+        data = encode_record(obj)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomic(path, data)
+        except OSError as e:
+            raise StoreError(f"write record {path}: {e}") from e
+
+    def get_record(self, namespace: str, name: str) -> dict[str, Any] | None:
+        path = self._record_path(namespace, name)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno == errno.ENOTDIR:
+                return None
+            raise StoreError(f"read record {path}: {e}") from e
+        return decode_record(data, str(path))
+
+    def list_records(self, namespace: str) -> list[str]:
+        directory = self._record_path(namespace, "x").parent
+        try:
+            with os.scandir(directory) as entries:
+                return sorted(e.name for e in entries
+                              if not e.name.startswith(".") and e.is_file())
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def delete_record(self, namespace: str, name: str) -> None:
+        path = self._record_path(namespace, name)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            raise StoreError(f"delete record {path}: {e}") from e
+
+
+def _ref_name(entry: Any) -> str | None:
+    if not isinstance(entry, dict):
+        return None
+    annotations = entry.get("annotations")
+    return annotations.get(REF_NAME_ANNOTATION) if isinstance(annotations, dict) else None
+

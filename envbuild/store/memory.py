@@ -1,0 +1,174 @@
+"""``MemoryStore``: the in-process fake for tests (``memory://``).
+
+It follows the ``Store`` contract exactly (the conformance suite runs against it) and counts
+calls, so a test can assert "put once, then a cache hit"::
+
+    store = MemoryStore()
+    build(store); build(store)
+    assert store.calls["put"] == 1
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import io
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any, BinaryIO
+
+from envbuild.store.base import (
+    ANY,
+    MEDIA_TYPE_MANIFEST,
+    BlobInfo,
+    Descriptor,
+    RefConflict,
+    Store,
+    VerifyingReader,
+    _Any,
+    blob_not_found,
+    check_digest,
+    check_expect,
+    check_range,
+    check_record_name,
+    check_ref_name,
+    decode_record,
+    encode_record,
+    iter_chunks,
+    make_descriptor,
+    mismatch_on_put,
+    range_beyond_end,
+    ref_not_found,
+)
+
+
+class MemoryStore(Store):
+    """A ``Store`` in a few dicts. ``calls`` counts every public method call by name.
+
+    ``blobs`` maps digest to bytes and is public so tests can corrupt a blob on purpose.
+    """
+
+    supports_cas = True
+
+    def __init__(self) -> None:
+        self.blobs: dict[str, bytes] = {}
+        self.calls: collections.Counter[str] = collections.Counter()
+        self._refs: dict[str, Descriptor] = {}
+        self._records: dict[tuple[str, str], bytes] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"MemoryStore({len(self.blobs)} blobs, {len(self._refs)} refs)"
+
+    # -- blobs ---------------------------------------------------------------------------------
+
+    def put(self, digest: str, data: bytes | BinaryIO, *, size: int | None = None) -> None:
+        self.calls["put"] += 1
+        check_digest(digest)
+        if digest in self.blobs:
+            return
+        h, parts, count = hashlib.sha256(), [], 0
+        for chunk in iter_chunks(data):
+            h.update(chunk)
+            parts.append(chunk)
+            count += len(chunk)
+        actual = "sha256:" + h.hexdigest()
+        if actual != digest or (size is not None and count != size):
+            raise mismatch_on_put(digest, actual, count, size)
+        with self._lock:
+            self.blobs.setdefault(digest, b"".join(parts))
+
+    def get(self, digest: str) -> BinaryIO:
+        self.calls["get"] += 1
+        data = self._blob(digest)
+        return VerifyingReader(io.BytesIO(data), digest, location=f"memory://{digest}")  # type: ignore[return-value]
+
+    def get_range(self, digest: str, offset: int, length: int) -> bytes:
+        self.calls["get_range"] += 1
+        check_range(offset, length)
+        data = self._blob(digest)
+        if offset > len(data):
+            raise range_beyond_end(digest, offset, len(data))
+        return data[offset:offset + length]
+
+    def stat(self, digest: str) -> BlobInfo:
+        self.calls["stat"] += 1
+        return BlobInfo(digest, len(self._blob(digest)))
+
+    def exists(self, digest: str) -> bool:
+        self.calls["exists"] += 1
+        check_digest(digest)
+        return digest in self.blobs
+
+    def delete(self, digest: str) -> None:
+        self.calls["delete"] += 1
+        check_digest(digest)
+        self.blobs.pop(digest, None)
+
+    def list(self) -> Iterator[str]:
+        self.calls["list"] += 1
+        return iter(list(self.blobs))
+
+    def _blob(self, digest: str) -> bytes:
+        check_digest(digest)
+        try:
+            return self.blobs[digest]
+        except KeyError:
+            raise blob_not_found(digest) from None
+
+    # -- refs ----------------------------------------------------------------------------------
+
+    def put_ref(self, name: str, digest: str, *, media_type: str = MEDIA_TYPE_MANIFEST,
+                annotations: Mapping[str, str] | None = None,
+                expect: str | None | _Any = ANY) -> Descriptor:
+        self.calls["put_ref"] += 1
+        check_ref_name(name)
+        check_expect(self, expect)
+        desc = make_descriptor(media_type, digest, len(self._blob(digest)), annotations)
+        with self._lock:
+            if expect is not ANY:
+                current = self._refs.get(name)
+                current_digest = current.digest if current else None
+                if current_digest != expect:
+                    raise RefConflict(name, expect, current_digest)  # type: ignore[arg-type]
+            self._refs[name] = desc
+        return desc
+
+    def get_ref(self, name: str) -> Descriptor:
+        self.calls["get_ref"] += 1
+        check_ref_name(name)
+        try:
+            return self._refs[name]
+        except KeyError:
+            raise ref_not_found(name) from None
+
+    def list_refs(self) -> list[str]:
+        self.calls["list_refs"] += 1
+        return sorted(self._refs)
+
+    def delete_ref(self, name: str) -> None:
+        self.calls["delete_ref"] += 1
+        check_ref_name(name)
+        self._refs.pop(name, None)
+
+    # -- records -------------------------------------------------------------------------------
+
+    def put_record(self, namespace: str, name: str, obj: Mapping[str, Any]) -> None:
+        self.calls["put_record"] += 1
+        key = check_record_name(namespace, name)
+        self._records[key] = encode_record(obj)
+
+    def get_record(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.calls["get_record"] += 1
+        key = check_record_name(namespace, name)
+        data = self._records.get(key)
+        return None if data is None else decode_record(data, f"{namespace}/{name}")
+
+    def list_records(self, namespace: str) -> list[str]:
+        self.calls["list_records"] += 1
+        check_record_name(namespace, "x")
+        return sorted(n for ns, n in self._records if ns == namespace)
+
+    def delete_record(self, namespace: str, name: str) -> None:
+        self.calls["delete_record"] += 1
+        self._records.pop(check_record_name(namespace, name), None)
