@@ -81,7 +81,8 @@ class MemoryStore(Store):
     def get(self, digest: str) -> BinaryIO:
         self.calls["get"] += 1
         data = self._blob(digest)
-        return VerifyingReader(io.BytesIO(data), digest, location=f"memory://{digest}")  # type: ignore[return-value]
+        return VerifyingReader(io.BytesIO(data), digest, size=len(data),
+                               location=f"memory://{digest}")  # type: ignore[return-value]
 
     def get_range(self, digest: str, offset: int, length: int) -> bytes:
         self.calls["get_range"] += 1
