@@ -1,0 +1,224 @@
+"""The definition graph: which definition is built on, stacked on, or composed of which.
+
+Nodes are definition names; an edge ``u -> v`` means "v needs u" (u is built first):
+
+- ``Base.parent`` (``from: {base: X}``):       X -> base
+- ``Workspace/Toolkit.build_on``:               base -> layer
+- ``Env.base``, ``Env.workspace``, ``Env.toolkits``: each -> env
+
+``build_graph`` checks everything that needs more than one document to see, collects *all*
+problems and raises one ``PlanError``:
+
+- a missing reference (with a "did you mean" over names of the right kind) or a reference to the
+  wrong kind (``build_on`` naming a Toolkit), reported at the line of the referring field;
+- a cycle of ``from: {base: ...}`` (printed ``a -> b -> a``, in reference order);
+- an ABI mismatch: a Workspace/Toolkit whose ``requires.abi`` (empty = "the abi of my build_on
+  base") does not admit the abi of its ``build_on`` base, or of the base of an Env that uses it;
+- two toolkits of one Env whose prefixes overlap (equal, or one under the other).
+
+Pure: no disk, no processes. ``EnvGraph`` is read-only after construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import posixpath
+from collections.abc import Iterable, Sequence
+
+import networkx as nx
+
+from envbuild.defs.model import Base, Definition, DefinitionSet, Env, Origin, Toolkit, Workspace
+from envbuild.errors import PlanError, Problem
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str | None:
+    """``did you mean 'x'?`` for the closest candidate, or None."""
+    try:  # the loader's helper, once it exists, so every hint reads the same
+        from envbuild.defs.hints import suggest
+    except ImportError:
+        suggest = None
+    if suggest is not None:
+        return suggest(name, candidates)
+    close = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}?" if close else None
+
+
+def field_position(origin: Origin, *paths: str) -> tuple[int, int]:
+    """Line/column of the first of ``paths`` the loader recorded, else of the document."""
+    for p in paths:
+        if p in origin.field_positions:
+            return origin.field_positions[p]
+    return origin.line, origin.column
+
+
+def _problem(d: Definition, paths: Sequence[str], message: str, hint: str | None = None) -> Problem:
+    line, column = field_position(d.origin, *paths)
+    return Problem(d.origin.file, line, column, message, path=paths[0], hint=hint)
+
+
+def _prefix_overlap(a: str, b: str) -> bool:
+    a, b = posixpath.normpath(a), posixpath.normpath(b)
+    if a == b or a == "/" or b == "/":
+        return True
+    return b.startswith(a + "/") or a.startswith(b + "/")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EnvGraph:
+    """A checked DAG of definitions. Build it with ``build_graph``.
+
+    ``graph`` is a networkx ``DiGraph`` with edges from dependency to dependent; treat it as
+    read-only. Orders returned here are deterministic (names sorted within a generation).
+    """
+
+    defs: DefinitionSet
+    graph: nx.DiGraph
+    _chains: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict, repr=False)
+
+    def __getitem__(self, name: str) -> Definition:
+        return self.defs.by_name[name]
+
+    def generations(self, nodes: Iterable[str] | None = None) -> list[list[str]]:
+        """Topological generations (dependencies first), optionally of a subset of nodes."""
+        g = self.graph if nodes is None else self.graph.subgraph(nodes)
+        return [sorted(gen) for gen in nx.topological_generations(g)]
+
+    def dependencies(self, name: str) -> tuple[str, ...]:
+        """Direct dependencies of ``name``, in definition order for an Env, else sorted."""
+        d = self.defs.by_name[name]
+        if isinstance(d, Env):
+            deps = [d.base] + ([d.workspace] if d.workspace else []) + list(d.toolkits)
+            return tuple(dict.fromkeys(deps))
+        return tuple(sorted(self.graph.predecessors(name)))
+
+    def closure(self, names: Iterable[str]) -> set[str]:
+        """``names`` and everything they depend on, transitively."""
+        out: set[str] = set()
+        for n in names:
+            if n not in out:
+                out.add(n)
+                out |= nx.ancestors(self.graph, n)
+        return out
+
+    def base_chain(self, name: str) -> tuple[str, ...]:
+        """The layer chain of Base ``name``: root base first, ``name`` itself last."""
+        chain = self._chains.get(name)
+        if chain is None:
+            base = self.defs.by_name[name]
+            assert isinstance(base, Base), name
+            parent = base.parent
+            chain = (self.base_chain(parent) if parent else ()) + (name,)
+            self._chains[name] = chain
+        return chain
+
+    def env_layers(self, name: str) -> tuple[str, ...]:
+        """An Env's layers bottom to top: base chain (root first), workspace, toolkits as listed."""
+        env = self.defs.by_name[name]
+        assert isinstance(env, Env), name
+        ws = (env.workspace,) if env.workspace else ()
+        return self.base_chain(env.base) + ws + tuple(env.toolkits)
+
+
+def build_graph(defs: DefinitionSet) -> EnvGraph:
+    """Check the references between ``defs`` and return their DAG; raise ``PlanError`` if not."""
+    by_name = defs.by_name
+    g = nx.DiGraph()
+    g.add_nodes_from(by_name)
+    problems: list[Problem] = []
+    names_of: dict[str, list[str]] = {}
+    for n, d in by_name.items():
+        names_of.setdefault(d.kind, []).append(n)
+
+    def ref(d: Definition, target: str, want: str, paths: Sequence[str], what: str) -> bool:
+        """Check one reference; add its edge when it resolves to the right kind."""
+        t = by_name.get(target)
+        if t is None:
+            problems.append(_problem(d, paths, f"{what} {target!r}: no {want} with that name",
+                                     did_you_mean(target, names_of.get(want, ()))))
+            return False
+        if t.kind != want:
+            problems.append(_problem(d, paths, f"{what} {target!r} is a {t.kind}, not a {want}",
+                                     did_you_mean(target, names_of.get(want, ()))))
+            return False
+        g.add_edge(target, d.name)
+        return True
+
+    for d in by_name.values():
+        if isinstance(d, Base):
+            if d.parent is not None:
+                ref(d, d.parent, "Base", ("from.base", "from"), "from base")
+        elif isinstance(d, (Workspace, Toolkit)):
+            if ref(d, d.build_on, "Base", ("build_on",), "build_on"):
+                base = by_name[d.build_on]
+                if d.requires_abi and base.abi not in d.requires_abi:
+                    problems.append(_problem(
+                        d, ("build_on", "requires.abi"),
+                        f"build_on {d.build_on!r} offers abi {base.abi!r}, but this "
+                        f"{d.kind} requires {list(d.requires_abi)}",
+                        f"add {base.abi!r} to requires.abi, or build on a base that offers "
+                        f"one of {list(d.requires_abi)}"))
+        elif isinstance(d, Env):
+            _check_env(d, ref, by_name, problems)
+
+    problems.extend(_cycles(g, by_name))
+    if problems:
+        raise PlanError(problems)
+    return EnvGraph(defs=defs, graph=g)
+
+
+def _check_env(env: Env, ref, by_name, problems: list[Problem]) -> None:
+    base_ok = ref(env, env.base, "Base", ("base",), "base")
+    used: list[tuple[str, str]] = []  # (field path, name) of resolved workspace/toolkits
+    if env.workspace is not None and ref(env, env.workspace, "Workspace", ("workspace",),
+                                         "workspace"):
+        used.append(("workspace", env.workspace))
+    for i, tk in enumerate(env.toolkits):
+        if ref(env, tk, "Toolkit", (f"toolkits[{i}]", "toolkits"), "toolkit"):
+            used.append((f"toolkits[{i}]", tk))
+    if base_ok:
+        env_abi = by_name[env.base].abi
+        for path, n in used:
+            layer = by_name[n]
+            built_on = by_name.get(layer.build_on)
+            if not isinstance(built_on, Base):
+                continue  # already reported against the layer itself
+            allowed = layer.requires_abi or (built_on.abi,)
+            if env_abi not in allowed:
+                problems.append(_problem(
+                    env, (path,),
+                    f"{layer.kind} {n!r} is not compatible with base {env.base!r}: it requires "
+                    f"abi {list(allowed)}, the base offers {env_abi!r}",
+                    f"add {env_abi!r} to requires.abi of {n!r} if it really works there"))
+    tks = [(p, n) for p, n in used if p.startswith("toolkits")]
+    for j in range(len(tks)):
+        for i in range(j):
+            (_, a), (pb, b) = tks[i], tks[j]
+            pa_, pb_ = by_name[a].prefix, by_name[b].prefix
+            if a == b:
+                problems.append(_problem(env, (pb,), f"toolkit {a!r} is listed twice",
+                                         "list each toolkit once"))
+            elif _prefix_overlap(pa_, pb_):
+                problems.append(_problem(
+                    env, (pb,),
+                    f"toolkits {a!r} ({pa_}) and {b!r} ({pb_}) have overlapping prefixes",
+                    "each toolkit in an env needs its own prefix; one cannot be under another"))
+
+
+def _cycles(g: nx.DiGraph, by_name) -> list[Problem]:
+    """One problem per strongly connected component that is a cycle."""
+    if nx.is_directed_acyclic_graph(g):
+        return []
+    out = []
+    for comp in nx.strongly_connected_components(g):
+        if len(comp) == 1 and not g.has_edge(next(iter(comp)), next(iter(comp))):
+            continue
+        start = min(comp)
+        # Edges point dependency -> dependent; walk them backwards to print references
+        # ("a -> b" = a refers to b), starting from the smallest name for stable output.
+        cycle = [e[0] for e in nx.find_cycle(g.subgraph(comp).reverse(copy=False), start)]
+        text = " -> ".join(cycle + [cycle[0]])
+        d = by_name[start]
+        out.append(_problem(d, ("from.base", "from"), f"cycle of definitions: {text}",
+                            "a base cannot be stacked on itself, directly or indirectly"))
+    return out
