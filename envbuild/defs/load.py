@@ -1,0 +1,273 @@
+"""Load a definition tree: YAML files in, one validated ``DefinitionSet`` (or one error) out.
+
+Contract of ``load_definitions(root)``:
+
+- Reads every ``*.yaml`` / ``*.yml`` file below ``root``, recursively, in sorted order; other
+  files (README.md, …) and hidden files or directories (``.git``, editor droppings) are ignored.
+  A file holds one or more documents separated by ``---``; empty documents are skipped.
+- Every problem in every file is collected, then raised as one ``DefinitionError``: YAML syntax
+  errors, empty files, documents that are not mappings, duplicate keys, unsupported tags, schema
+  violations (see ``envbuild.defs.validate``) and names defined twice across the tree. Nothing is
+  returned unless the whole tree is valid. References between definitions (``build_on``,
+  ``toolkits``, …) are *not* checked here: that is the graph's job (``envbuild.plan.graph``).
+- File names in problems and in ``Origin.file`` are relative to the current directory when the
+  file is below it, else as reached from ``root``. Relative paths inside definitions
+  (``source.path``, ``from.rootfs``, ``copy.src``, …) are kept as written; resolve them against
+  ``Origin.directory``.
+- ``Origin.field_positions`` maps every node's path (``build_on``, ``toolkits[1]``,
+  ``steps[0].run``, ``from.debootstrap.suite``) to its 1-based (line, column).
+
+Values are built from the composed YAML nodes by hand rather than by PyYAML's constructor, so
+positions come for free and duplicate keys can be refused. Two deliberate departures from YAML
+1.1, both because nobody writing a definition means them: mapping keys are always the key's text
+(``on:`` is the string ``"on"``, not ``True``), and base-60 numbers stay text (``user: 0:0`` is
+``"0:0"``, not ``0``). Timestamps stay text too.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+from envbuild.defs.model import CONSTRUCTORS, KINDS, Definition, DefinitionSet, Origin
+from envbuild.defs.validate import Positions, check_document
+from envbuild.errors import DefinitionError, Problem
+
+# libyaml's parser and composer are C: several times faster than the pure-Python ones, which
+# matters for trees of 100,000 definitions. Without libyaml we are slower, not wrong.
+Loader: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+SUFFIXES = (".yaml", ".yml")
+
+_STR = "tag:yaml.org,2002:str"
+_MAP = "tag:yaml.org,2002:map"
+_SEQ = "tag:yaml.org,2002:seq"
+_MERGE = "tag:yaml.org,2002:merge"
+_SAFE = yaml.constructor.SafeConstructor()  # its construct_yaml_* methods convert scalars
+
+
+def _scalar_int(node: ScalarNode) -> Any:
+    return node.value if ":" in node.value else _SAFE.construct_yaml_int(node)
+
+
+def _scalar_float(node: ScalarNode) -> Any:
+    return node.value if ":" in node.value else _SAFE.construct_yaml_float(node)
+
+
+_SCALARS = {
+    "tag:yaml.org,2002:int": _scalar_int,
+    "tag:yaml.org,2002:float": _scalar_float,
+    "tag:yaml.org,2002:bool": _SAFE.construct_yaml_bool,
+    "tag:yaml.org,2002:null": lambda node: None,
+    "tag:yaml.org,2002:timestamp": lambda node: node.value,
+}
+
+
+def load_definitions(root: Path | str = Path("envdefs")) -> DefinitionSet:
+    """Every definition under ``root``, validated; raises one ``DefinitionError`` listing all
+    problems otherwise (see the module docstring for the contract)."""
+    root = Path(root)
+    display_root = _display(root)
+    if not root.is_dir():
+        what = "is not a directory" if root.exists() else "no such directory"
+        raise DefinitionError(Problem(
+            display_root, 0, 0, f"definition directory: {what}",
+            hint="pass the directory holding your definitions, or set --defs / ENVBUILD_DEFS"))
+    files = definition_files(root)
+    if not files:
+        raise DefinitionError(Problem(
+            display_root, 0, 0, "no definitions found (no *.yaml or *.yml files)",
+            hint="add definitions under base/, workspaces/, toolkits/ and envs/"))
+    problems: list[Problem] = []
+    by_name: dict[str, Definition] = {}
+    for path in files:
+        for definition in _load_file(path, _display(path), problems):
+            first = by_name.get(definition.name)
+            if first is None:
+                by_name[definition.name] = definition
+                continue
+            line, column = definition.origin.position("name")
+            problems.append(Problem(
+                definition.origin.file, line, column,
+                f"duplicate name {definition.name!r}, first defined at "
+                f"{first.origin.file}:{first.origin.position('name')[0]}",
+                path="name", hint="names are unique across bases, workspaces, toolkits and envs"))
+    if problems:
+        raise DefinitionError(problems)
+    return DefinitionSet(root=display_root, by_name=MappingProxyType(by_name))
+
+
+def definition_files(root: Path) -> list[Path]:
+    """The YAML files under ``root`` in sorted order, skipping hidden files and directories."""
+    found = []
+    for directory, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        found.extend(os.path.join(directory, f) for f in filenames
+                     if f.endswith(SUFFIXES) and not f.startswith("."))
+    return [Path(f) for f in sorted(found)]
+
+
+def describe_counts(defs: DefinitionSet) -> str:
+    """``"12 definitions (3 bases, 3 workspaces, 2 toolkits, 4 envs)"``."""
+    total = len(defs.by_name)
+    parts = []
+    for kind in KINDS:
+        n = sum(1 for d in defs.by_name.values() if d.kind == kind)
+        parts.append(f"{n} {kind.lower()}{'' if n == 1 else 's'}")
+    return f"{total} definition{'' if total == 1 else 's'} ({', '.join(parts)})"
+
+
+def _display(path: Path) -> str:
+    if path.is_absolute():
+        try:
+            return str(path.relative_to(Path.cwd()))
+        except ValueError:
+            pass
+    return str(path)
+
+
+def _load_file(path: Path, file: str, problems: list[Problem]) -> list[Definition]:
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        problems.append(Problem(file, 0, 0, f"read file: {e.strerror or e}"))
+        return []
+    except UnicodeDecodeError as e:
+        problems.append(Problem(file, 0, 0, f"file is not utf-8 text: {e.reason} at byte {e.start}"))
+        return []
+    definitions: list[Definition] = []
+    documents = 0
+    loader = Loader(text)
+    try:
+        while loader.check_node():
+            node = loader.get_node()
+            if isinstance(node, ScalarNode) and node.tag == "tag:yaml.org,2002:null":
+                continue  # an empty document, such as after a trailing '---'
+            documents += 1
+            definition = _load_document(node, file, problems)
+            if definition is not None:
+                definitions.append(definition)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        message = f"invalid yaml: {e.problem or e.context}"
+        if e.context and e.context_mark and e.problem:
+            message += f" ({e.context} at line {e.context_mark.line + 1})"
+        problems.append(Problem(file, mark.line + 1 if mark else 0, mark.column + 1 if mark else 0,
+                                message, hint="check the indentation and quoting near this line"))
+        return definitions
+    except yaml.YAMLError as e:  # reader errors (control characters) carry no mark
+        problems.append(Problem(file, 0, 0, f"invalid yaml: {e}"))
+        return definitions
+    finally:
+        loader.dispose()
+    if documents == 0:
+        problems.append(Problem(file, 0, 0, "empty file: no definitions in it",
+                                hint="add a definition, or delete the file"))
+    return definitions
+
+
+def _load_document(node: Node, file: str, problems: list[Problem]) -> Definition | None:
+    line, column = node.start_mark.line + 1, node.start_mark.column + 1
+    if not isinstance(node, MappingNode):
+        got = "a list" if isinstance(node, SequenceNode) else f"{node.value!r}"
+        problems.append(Problem(file, line, column, f"a definition must be a mapping, got {got}",
+                                hint="start the document with 'apiVersion: envbuild/v1'"))
+        return None
+    builder = _Builder(file)
+    doc = builder.value(node, "")
+    doc_problems = check_document(doc, file, builder.positions, lambda: _key_positions(node))
+    if builder.problems:
+        # A node the builder refused (an unsupported tag, say) reaches the schema as None; its
+        # "expected a string, got nothing" would only repeat the builder's problem.
+        refused = {p.path for p in builder.problems}
+        doc_problems = builder.problems + [p for p in doc_problems if p.path not in refused]
+    if doc_problems:
+        problems.extend(doc_problems)
+        return None
+    origin = Origin(file=file, line=line, column=column,
+                    field_positions=MappingProxyType(builder.positions))
+    return CONSTRUCTORS[doc["kind"]](doc, origin)
+
+
+class _Builder:
+    """Plain Python values from composed nodes, recording the position of every node.
+
+    This is the per-node hot path of loading: keep it to a dict store and a type dispatch.
+    """
+
+    __slots__ = ("file", "positions", "problems")
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+        self.positions: dict[str, tuple[int, int]] = {}
+        self.problems: list[Problem] = []
+
+    def value(self, node: Node, path: str) -> Any:
+        mark = node.start_mark
+        self.positions[path] = (mark.line + 1, mark.column + 1)
+        cls = node.__class__
+        if cls is ScalarNode:
+            if node.tag == _STR:
+                return node.value
+            convert = _SCALARS.get(node.tag)
+            if convert is None:
+                return self._unsupported(node, path)
+            return convert(node)
+        if cls is MappingNode:
+            if node.tag != _MAP:
+                return self._unsupported(node, path)
+            result: dict[str, Any] = {}
+            prefix = path + "." if path else ""
+            for key_node, value_node in node.value:
+                if key_node.__class__ is not ScalarNode:
+                    self._problem(key_node, path, "a key must be a plain string, not a "
+                                  + ("list" if isinstance(key_node, SequenceNode) else "mapping"))
+                    continue
+                key = key_node.value
+                if key_node.tag == _MERGE:
+                    self._problem(key_node, path, "merge keys ('<<') are not supported",
+                                  "repeat the keys; an anchor (&x / *x) may stand for a whole value")
+                    continue
+                if key in result:
+                    first = self.positions[prefix + key][0]
+                    self._problem(key_node, prefix + key, f"duplicate key {key!r}",
+                                  f"it is already set on line {first}")
+                    continue
+                result[key] = self.value(value_node, prefix + key)
+            return result
+        if node.tag != _SEQ:
+            return self._unsupported(node, path)
+        return [self.value(item, f"{path}[{i}]") for i, item in enumerate(node.value)]
+
+    def _problem(self, node: Node, path: str, message: str, hint: str | None = None) -> None:
+        mark = node.start_mark
+        self.problems.append(Problem(self.file, mark.line + 1, mark.column + 1, message,
+                                     path=path, hint=hint))
+
+    def _unsupported(self, node: Node, path: str) -> None:
+        self._problem(node, path, f"unsupported yaml tag {node.tag!r}",
+                      "remove the tag; definitions use plain strings, numbers, lists and mappings")
+        return None
+
+
+def _key_positions(root: MappingNode) -> Positions:
+    """Path of every mapping entry -> position of its key; only needed to report problems."""
+    positions: dict[str, tuple[int, int]] = {}
+    stack: list[tuple[Node, str]] = [(root, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, MappingNode):
+            for key_node, value_node in node.value:
+                if isinstance(key_node, ScalarNode):
+                    child = f"{path}.{key_node.value}" if path else key_node.value
+                    mark = key_node.start_mark
+                    positions.setdefault(child, (mark.line + 1, mark.column + 1))
+                    stack.append((value_node, child))
+        elif isinstance(node, SequenceNode):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(node.value))
+    return positions
