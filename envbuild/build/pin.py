@@ -1,0 +1,359 @@
+"""Pinning: turn what definitions read from disk (or git) into content digests.
+
+Keys are computed only over pinned inputs (STYLE.md principle 4). This module is the side-effect
+half: it reads files, walks trees and asks git; ``envbuild.plan.keys`` hashes the result.
+
+What is pinned, per definition (``PinnedInputs[name][field]``):
+
+==================================  ===========================================================
+``source`` of a ``path`` source     tree digest of the directory (below)
+``source`` of an ``archive``        ``sha256:`` of the file, checked against the declared sha256
+``source`` of a ``git`` source      the commit sha ``rev`` resolves to (``git rev-parse`` for a
+                                    local path or ``file://`` URL, ``git ls-remote`` otherwise)
+``source`` of ``rootfs``            tree digest of a directory, or ``sha256:`` of a tarball
+                                    (checked against the declared sha256 when there is one)
+``source`` of ``oci``               the manifest digest ``ref`` names in the layout's index.json
+``source`` of ``busybox``           ``sha256:`` of the binary
+``steps[i].copy.src``               tree digest of a directory or ``sha256:`` of a file
+``debootstrap``, ``scratch``,       nothing: debootstrap's inputs are its suite/variant/include
+``base``                            (in the key); a parent base enters as its key
+==================================  ===========================================================
+
+Relative paths resolve against the directory of the definition file (``origin.directory``).
+
+**Tree digest v1** — ``sha256:`` of ``b"envbuild.tree.v1\\0"`` followed by one record per entry,
+the root first (as ``.``), then depth-first with the names of each directory sorted by their
+bytes. A record is ``TYPE\\0MODE\\0PATH\\0EXTRA\\0`` where TYPE is ``d``/``f``/``l``/``p``/``s``
+/``c``/``b``, MODE the permission bits in octal (``0`` for symlinks, whose bits mean nothing),
+PATH the ``/``-joined name relative to the root, and EXTRA the file's size and sha256
+(``SIZE:HEX``), a symlink's target, a device's ``MAJOR,MINOR``, or empty. Never hashed:
+mtimes, owners, absolute paths — so a copy of the tree elsewhere, or a fresh checkout, hashes the
+same. Ignored (version-control and interpreter caches that do not belong in a layer): any entry
+named ``.git`` (directory, or a submodule's ``.git`` file), ``__pycache__`` directories and
+``*.pyc`` files. Nothing else is skipped: an unreadable file is an error, not a gap.
+
+Every digest is computed once per ``Pinner`` (per run): many definitions sharing a source
+directory cost one walk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import stat
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from types import MappingProxyType
+from urllib.parse import unquote, urlsplit
+
+from envbuild.defs.model import (
+    ArchiveSource,
+    BusyboxSource,
+    CopyStep,
+    DefinitionSet,
+    GitSource,
+    LayerDefinition,
+    OciSource,
+    PathSource,
+    RootfsSource,
+)
+from envbuild.errors import SourceError
+from envbuild.plan.graph import EnvGraph, build_graph, field_position
+from envbuild.plan.keys import KeySet, PinnedInputs, compute_keys
+
+TREE_TAG = b"envbuild.tree.v1\0"
+IGNORED_NAMES = frozenset({".git"})
+IGNORED_DIR_NAMES = frozenset({"__pycache__"})
+IGNORED_FILE_SUFFIXES = (".pyc",)
+_BUF_SIZE = 1 << 20
+_SHA_RE = re.compile(r"[0-9a-fA-F]{40}|[0-9a-fA-F]{64}")
+_OCI_REF_NAME = "org.opencontainers.image.ref.name"
+
+
+class _Unpinnable(Exception):
+    """One source that cannot be pinned; turned into a SourceError at the definition's line."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.hint = message, hint
+
+
+def _run_git(argv: list[str], what: str) -> str:
+    env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "GIT_ASKPASS": "true", "LC_ALL": "C"}
+    try:
+        done = subprocess.run(["git", *argv], capture_output=True, text=True, env=env,
+                              timeout=120, check=False)
+    except FileNotFoundError:
+        raise _Unpinnable(f"{what}: git is not installed", "install git (apt-get install git)")
+    except subprocess.TimeoutExpired:
+        raise _Unpinnable(f"{what}: git {argv[0]} timed out after 120 s")
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise _Unpinnable(f"{what}: git {argv[0]} exited {done.returncode}: {tail}")
+    return done.stdout
+
+
+class Pinner:
+    """Computes digests, each at most once per instance (one instance per run)."""
+
+    def __init__(self, run_git: Callable[[list[str], str], str] = _run_git) -> None:
+        self._run_git = run_git
+        self._by_spelling: dict[str, str] = {}   # joined path as written -> digest
+        self._by_real: dict[str, str] = {}       # realpath -> digest
+        self._git: dict[tuple[str, str], str] = {}
+        self._buf = bytearray(_BUF_SIZE)
+        self._view = memoryview(self._buf)
+
+    # ------------------------------------------------------------------ files and trees
+
+    def path(self, base_dir: str, rel: str) -> str:
+        """Tree digest of a directory or ``sha256:`` of a file, ``rel`` resolved in base_dir."""
+        spelled = os.path.join(base_dir, rel)
+        d = self._by_spelling.get(spelled)
+        if d is None:
+            real = os.path.realpath(spelled)
+            d = self._by_real.get(real)
+            if d is None:
+                try:
+                    st = os.stat(real)
+                except FileNotFoundError:
+                    raise _Unpinnable(f"{rel}: no such file or directory",
+                                      f"it is resolved against {base_dir or '.'}/") from None
+                except OSError as e:
+                    raise _Unpinnable(f"stat {rel}: {e.strerror}") from None
+                d = self.tree(real) if stat.S_ISDIR(st.st_mode) else self.file(real)
+                self._by_real[real] = d
+            self._by_spelling[spelled] = d
+        return d
+
+    def file(self, path: str) -> str:
+        return "sha256:" + self._file_sha256(path).hex()
+
+    def _file_sha256(self, path: str) -> bytes:
+        h = hashlib.sha256()
+        buf, view = self._buf, self._view
+        try:
+            with open(path, "rb", buffering=0) as f:
+                while n := f.readinto(buf):
+                    h.update(view[:n])
+        except OSError as e:
+            raise _Unpinnable(f"read {path}: {e.strerror}") from None
+        return h.digest()
+
+    def tree(self, root: str) -> str:
+        """Tree digest v1 of directory ``root`` (see the module docstring)."""
+        h = hashlib.sha256(TREE_TAG)
+        st = os.stat(root)
+        h.update(b"d\0%o\0.\0\0" % stat.S_IMODE(st.st_mode))
+        self._walk(root, b"", h)
+        return "sha256:" + h.hexdigest()
+
+    def _walk(self, dirpath: str, rel: bytes, h) -> None:
+        try:
+            with os.scandir(dirpath) as it:
+                entries = sorted(it, key=lambda e: os.fsencode(e.name))
+        except OSError as e:
+            raise _Unpinnable(f"list {dirpath}: {e.strerror}") from None
+        for e in entries:
+            name = e.name
+            if name in IGNORED_NAMES:
+                continue
+            st = e.stat(follow_symlinks=False)
+            mode = st.st_mode
+            path = rel + os.fsencode(name)
+            if stat.S_ISDIR(mode):
+                if name in IGNORED_DIR_NAMES:
+                    continue
+                h.update(b"d\0%o\0%b\0\0" % (stat.S_IMODE(mode), path))
+                self._walk(e.path, path + b"/", h)
+            elif stat.S_ISREG(mode):
+                if name.endswith(IGNORED_FILE_SUFFIXES):
+                    continue
+                digest = self._file_sha256(e.path)
+                h.update(b"f\0%o\0%b\0%d:%b\0" % (stat.S_IMODE(mode), path, st.st_size,
+                                                  digest.hex().encode()))
+            elif stat.S_ISLNK(mode):
+                h.update(b"l\x000\0%b\0%b\0" % (path, os.fsencode(os.readlink(e.path))))
+            else:
+                kind = (b"p" if stat.S_ISFIFO(mode) else b"s" if stat.S_ISSOCK(mode)
+                        else b"c" if stat.S_ISCHR(mode) else b"b")
+                extra = (b"%d,%d" % (os.major(st.st_rdev), os.minor(st.st_rdev))
+                         if kind in (b"c", b"b") else b"")
+                h.update(b"%b\0%o\0%b\0%b\0" % (kind, stat.S_IMODE(mode), path, extra))
+
+    # ------------------------------------------------------------------ git and oci
+
+    def git(self, url: str, rev: str, base_dir: str) -> str:
+        """The commit sha ``rev`` names in the repository at ``url``."""
+        local = _local_repo(url, base_dir)
+        cache_key = (local or url, rev)
+        sha = self._git.get(cache_key)
+        if sha is None:
+            sha = self._resolve_git(url, local, rev)
+            self._git[cache_key] = sha
+        return sha
+
+    def _resolve_git(self, url: str, local: str | None, rev: str) -> str:
+        hint = f"check that {rev!r} is a branch, tag or commit of {url}"
+        if local is not None:
+            if not os.path.isdir(local):
+                raise _Unpinnable(f"git repository {url}: no such directory {local}",
+                                  "a relative url is resolved against the definition's directory")
+            try:
+                out = self._run_git(["-C", local, "rev-parse", "--verify", "--quiet",
+                                     "--end-of-options", f"{rev}^{{commit}}"],
+                                    f"resolve {rev!r} in {url}")
+            except _Unpinnable as e:
+                raise _Unpinnable(e.message, hint) from None
+            return out.strip()
+        if _SHA_RE.fullmatch(rev):
+            return rev.lower()  # a full commit id is already pinned; ls-remote cannot list it
+        try:
+            out = self._run_git(["ls-remote", "--", url, rev], f"resolve {rev!r} in {url}")
+        except _Unpinnable as e:
+            raise _Unpinnable(e.message, hint) from None
+        refs = {}
+        for line in out.splitlines():
+            sha, _, ref = line.partition("\t")
+            refs[ref] = sha
+        for want in (f"refs/tags/{rev}^{{}}", f"refs/tags/{rev}", f"refs/heads/{rev}", rev):
+            if want in refs:
+                return refs[want]
+        raise _Unpinnable(f"git rev {rev!r} not found in {url}", hint)
+
+    def oci(self, layout: str, ref: str) -> str:
+        """The manifest digest ``ref`` (a ref name, or a digest) names in an OCI layout."""
+        index_path = os.path.join(layout, "index.json")
+        try:
+            with open(index_path, "rb") as f:
+                index = json.load(f)
+        except FileNotFoundError:
+            raise _Unpinnable(f"{layout}: not an OCI layout (no index.json)",
+                              "create it with `skopeo copy docker://IMAGE oci:DIR:TAG`") from None
+        except (OSError, ValueError) as e:
+            raise _Unpinnable(f"read {index_path}: {e}") from None
+        manifests = index.get("manifests") or []
+        names = sorted({(m.get("annotations") or {}).get(_OCI_REF_NAME, "") for m in manifests}
+                       - {""})
+        found = {m["digest"] for m in manifests
+                 if m.get("digest") == ref
+                 or (m.get("annotations") or {}).get(_OCI_REF_NAME) == ref}
+        if len(found) == 1:
+            return found.pop()
+        if not found:
+            raise _Unpinnable(f"{layout}: no manifest for ref {ref!r}",
+                              f"refs in index.json: {', '.join(names) or '(none)'}")
+        raise _Unpinnable(f"{layout}: ref {ref!r} names {len(found)} manifests",
+                          "use the manifest digest as ref")
+
+
+def _local_repo(url: str, base_dir: str) -> str | None:
+    """A filesystem path for a local or ``file://`` URL, else None (remote)."""
+    if url.startswith("file://"):
+        return unquote(urlsplit(url).path)
+    if "://" in url or re.match(r"^[^/]+@[^/]+:", url) or re.match(r"^[A-Za-z0-9.-]+:[^/]", url):
+        return None  # https://, ssh://, git@host:path, host:path
+    return os.path.normpath(os.path.join(base_dir, url))
+
+
+def _check_sha256(digest: str, declared: str | None, what: str) -> None:
+    if declared is None:
+        return
+    want = declared if declared.startswith("sha256:") else "sha256:" + declared
+    if want.lower() != digest:
+        raise _Unpinnable(f"{what}: sha256 mismatch: declared {want}, file has {digest}",
+                          "update sha256 in the definition if the new file is intended")
+
+
+def _pin_one(d: LayerDefinition, p: Pinner) -> dict[str, str]:
+    """The pins of one definition: {field: digest}. Raises (field, _Unpinnable)."""
+    base_dir = str(d.origin.directory)
+    src = getattr(d, "source", None)
+    pins: dict[str, str] = {}
+    field = "from" if d.kind == "Base" else "source"
+    try:
+        if isinstance(src, PathSource):
+            pins["source"] = p.path(base_dir, src.path)
+        elif isinstance(src, ArchiveSource):
+            pins["source"] = p.path(base_dir, src.path)
+            _check_sha256(pins["source"], src.sha256, src.path)
+        elif isinstance(src, RootfsSource):
+            pins["source"] = p.path(base_dir, src.path)
+            if not os.path.isdir(os.path.join(base_dir, src.path)):
+                _check_sha256(pins["source"], src.sha256, src.path)
+        elif isinstance(src, BusyboxSource):
+            pins["source"] = p.path(base_dir, src.binary)
+        elif isinstance(src, GitSource):
+            pins["source"] = p.git(src.url, src.rev, base_dir)
+        elif isinstance(src, OciSource):
+            pins["source"] = p.oci(os.path.join(base_dir, src.layout), src.ref)
+        for i, s in enumerate(d.steps):
+            if isinstance(s, CopyStep):
+                field = f"steps[{i}].copy.src"
+                pins[field] = p.path(base_dir, s.src)
+    except _Unpinnable as e:
+        raise _Failed(field, e) from None
+    return pins
+
+
+class _Failed(Exception):
+    def __init__(self, field: str, cause: _Unpinnable) -> None:
+        self.field, self.cause = field, cause
+
+
+def pin_inputs(defs: DefinitionSet, pinner: Pinner | None = None) -> PinnedInputs:
+    """Digests of everything ``defs`` read from outside the YAML; raise ``SourceError`` if not.
+
+    Every definition is tried; all failures are reported together, each at its file:line.
+    """
+    p = pinner or Pinner()
+    out: dict[str, MappingProxyType] = {}
+    failures: list[str] = []
+    hints: list[str] = []
+    for d in defs.layers:
+        try:
+            pins = _pin_one(d, p)
+        except _Failed as f:
+            paths = (f.field, f"{f.field}.path") if f.field in ("source", "from") else (f.field,)
+            line, col = field_position(d.origin, *paths)
+            where = f"{d.origin.file}:{line}:{col}" if line else d.origin.file
+            failures.append(f"{where}: {d.name}: {f.cause.message} (at {f.field})")
+            if f.cause.hint:
+                hints.append(f.cause.hint)
+            continue
+        if pins:
+            out[d.name] = MappingProxyType(pins)
+    if failures:
+        failures.sort()
+        if len(failures) == 1:
+            raise SourceError(failures[0], hint=hints[0] if hints else None)
+        raise SourceError(f"{len(failures)} sources cannot be pinned",
+                          context="\n".join(failures), hint=hints[0] if len(hints) == 1 else None)
+    return MappingProxyType(out)
+
+
+# ---------------------------------------------------------------------- a whole tree, pinned
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """One definition tree, loaded, checked, pinned and keyed: what plan/explain start from."""
+
+    defs: DefinitionSet
+    graph: EnvGraph
+    pinned: PinnedInputs
+    keys: KeySet
+
+
+def snapshot(defs_dir: Path, pinner: Pinner | None = None) -> Snapshot:
+    """Load ``defs_dir``, build its graph, pin its sources and compute every key."""
+    from envbuild.defs import load_definitions  # the loader lives with the schema
+
+    defs = load_definitions(defs_dir)
+    graph = build_graph(defs)
+    pinned = pin_inputs(defs, pinner)
+    return Snapshot(defs=defs, graph=graph, pinned=pinned, keys=compute_keys(graph, pinned))

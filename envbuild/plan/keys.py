@@ -1,0 +1,205 @@
+"""Layer keys and env lock digests: what goes into a key, and what deliberately does not.
+
+A **layer key** names *how* a layer is made: ``"sha256:" + sha256(b"envbuild.layer.v1\\0" +
+canonical_json(inputs))``. ``inputs`` is a plain dict, kept so ``envbuild explain`` can print it
+and diff it against another revision. Keys are computed only over pinned inputs
+(``PinnedInputs``, produced by ``envbuild.build.pin``): a path becomes a tree digest, a git rev a
+commit sha, an OCI tag a manifest digest.
+
+In the key (each changes the bytes of the layer):
+
+- ``kind`` — a Base imports its source into ``/``; a Workspace copies it to ``dest``; a Toolkit
+  is confined to ``prefix``. The same fields under another kind build something else.
+- the source's ``identity()`` plus its pinned digest (``pinned``).
+- every step's ``identity()``; a ``copy`` step's ``src`` enters as a content digest in
+  ``pinned`` (the path string is not identity, the bytes are).
+- ``dest`` (Workspace), ``prefix`` (Toolkit): where the files land.
+- ``framing``: lazy and compact framing produce different blob bytes.
+- ``build_on`` (Workspace/Toolkit): the base's **abi**, not its key — the O(m) rule (DESIGN.md):
+  updating a base without changing its abi must not rebuild every layer built on it. With
+  ``pin: digest`` it is instead the keys of the whole base chain, so the layer rebuilds on every
+  base change.
+- ``parent`` (Base with ``from: {base: X}``): X's key. A Base is an ordinary layer chain: its
+  upper dir is a diff against the exact bytes of its parent.
+
+Not in the key:
+
+- ``name``: two identically defined layers produce identical bytes and should share one build
+  and one blob. The planner keeps both names; the executor builds the key once.
+- ``description``, ``labels``, ``origin`` (file, line, the absolute checkout path): metadata.
+- ``check``: it verifies a layer in each env that uses it, it does not build anything. Editing a
+  check must not rebuild a workspace.
+- ``config``: runtime config (env vars, workdir, user) is not in the layer's bytes; it goes into
+  the env's lock, so it is part of the env **lock inputs** below instead.
+- ``requires.abi``: a compatibility constraint checked by the graph; the abi actually built
+  against is in the key.
+- a Base's own ``abi``: a promise to dependents, not content. It reaches dependents' keys.
+- ``debootstrap.mirror``: where bytes come from, not what they are (see the model).
+
+**Env lock inputs**: an Env has no layer; it is (re-)locked. Its lock inputs are the ordered
+layer keys plus the config of each of those layers and of the env itself, *unmerged*: the lock
+step merges them (``$PATH`` expansion in layer order), and any change to the merged result is a
+change to one of these, so this digest never misses a re-lock (it may ask for one whose merged
+config happens to come out the same; a re-lock is cheap). Digest tag ``envbuild.lock-inputs.v1``.
+
+Pure: no disk, no processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from envbuild.defs.model import Base, CopyStep, Env, LayerDefinition, Toolkit, Workspace
+from envbuild.errors import bug
+
+LAYER_KEY_TAG = b"envbuild.layer.v1\0"
+LOCK_INPUTS_TAG = b"envbuild.lock-inputs.v1\0"
+
+#: definition name -> {input path (``"source"``, ``"from"``, ``"steps[2].copy.src"``) -> digest}.
+#: Produced by ``envbuild.build.pin.pin_inputs``; the only way disk contents reach a key.
+PinnedInputs = Mapping[str, Mapping[str, str]]
+
+EMPTY_PINS: PinnedInputs = MappingProxyType({})
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The one byte encoding every key hashes: sorted keys, compact, ASCII-only, UTF-8."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode("utf-8")
+
+
+def _digest(tag: bytes, inputs: Mapping[str, Any]) -> str:
+    return "sha256:" + hashlib.sha256(tag + canonical_json(inputs)).hexdigest()
+
+
+def layer_key(inputs: Mapping[str, Any]) -> str:
+    """``sha256:`` of the versioned canonical key inputs of one layer (see module docstring)."""
+    return _digest(LAYER_KEY_TAG, inputs)
+
+
+def lock_inputs_digest(inputs: Mapping[str, Any]) -> str:
+    return _digest(LOCK_INPUTS_TAG, inputs)
+
+
+def _steps(d: LayerDefinition) -> list[dict[str, Any]]:
+    return [s.identity() for s in d.steps]
+
+
+#: Source kinds whose identity() leaves the content out: a digest must be pinned as "source".
+PINNED_SOURCE_KINDS = frozenset({"path", "git", "archive", "rootfs", "oci", "busybox"})
+
+
+def _check_pins(d: LayerDefinition, pins: Mapping[str, str]) -> None:
+    """Every copy step and every pinnable source must have been pinned: never key a path."""
+    source = getattr(d, "source", None)
+    if source is not None and source.kind in PINNED_SOURCE_KINDS and "source" not in pins:
+        raise bug(f"{d.name}: source was not pinned before keying")
+    for i, s in enumerate(d.steps):
+        if isinstance(s, CopyStep) and f"steps[{i}].copy.src" not in pins:
+            raise bug(f"{d.name}: steps[{i}].copy.src was not pinned before keying")
+
+
+def key_inputs(d: LayerDefinition, pins: Mapping[str, str], *, build_on_abi: str | None = None,
+               build_on_chain_keys: tuple[str, ...] | None = None,
+               parent_key: str | None = None) -> dict[str, Any]:
+    """The key input dict of one layer. Callers pass what the layer depends on (see docstring)."""
+    _check_pins(d, pins)
+    inputs: dict[str, Any] = {
+        "kind": d.kind,
+        "steps": _steps(d),
+        "framing": d.framing,
+        "pinned": dict(sorted(pins.items())),
+    }
+    if isinstance(d, Base):
+        inputs["source"] = d.source.identity()
+        if d.parent is not None:
+            if parent_key is None:
+                raise bug(f"{d.name}: parent key missing")
+            inputs["parent"] = parent_key
+    elif isinstance(d, (Workspace, Toolkit)):
+        if isinstance(d, Workspace):
+            inputs["source"] = d.source.identity()
+            inputs["dest"] = d.dest
+        else:
+            inputs["prefix"] = d.prefix
+        if d.pin == "digest":
+            if build_on_chain_keys is None:
+                raise bug(f"{d.name}: build_on chain keys missing")
+            inputs["build_on"] = {"pin": "digest", "keys": list(build_on_chain_keys)}
+        else:
+            inputs["build_on"] = {"pin": "abi", "abi": build_on_abi}
+    return inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class KeySet:
+    """Every key of one definition tree at one moment (a working tree or a git revision).
+
+    ``layers``: layer name -> key; ``inputs``: layer name -> key input dict;
+    ``env_locks``: env name -> lock inputs digest; ``env_inputs``: env name -> lock input dict.
+    """
+
+    layers: Mapping[str, str]
+    inputs: Mapping[str, Mapping[str, Any]]
+    env_locks: Mapping[str, str]
+    env_inputs: Mapping[str, Mapping[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layers": dict(sorted(self.layers.items())),
+                "envs": dict(sorted(self.env_locks.items()))}
+
+
+def compute_keys(graph, pinned: PinnedInputs) -> KeySet:
+    """Keys of every layer and lock digests of every env in ``graph`` (an ``EnvGraph``).
+
+    Linear in the number of definitions: bases are keyed once in topological order (parents
+    first); workspaces and toolkits read only their base's abi (or, with ``pin: digest``, the
+    memoised chain keys).
+    """
+    defs = graph.defs.by_name
+    keys: dict[str, str] = {}
+    inputs: dict[str, dict[str, Any]] = {}
+
+    def base_key(name: str) -> str:
+        k = keys.get(name)
+        if k is None:
+            b = defs[name]
+            parent = base_key(b.parent) if b.parent else None
+            inputs[name] = key_inputs(b, pinned.get(name, {}), parent_key=parent)
+            k = keys[name] = layer_key(inputs[name])
+        return k
+
+    for d in graph.defs.layers:
+        if isinstance(d, Base):
+            base_key(d.name)
+    for d in graph.defs.layers:
+        if isinstance(d, (Workspace, Toolkit)):
+            base = defs[d.build_on]
+            chain = (tuple(base_key(n) for n in graph.base_chain(d.build_on))
+                     if d.pin == "digest" else None)
+            inputs[d.name] = key_inputs(d, pinned.get(d.name, {}), build_on_abi=base.abi,
+                                        build_on_chain_keys=chain)
+            keys[d.name] = layer_key(inputs[d.name])
+
+    env_inputs: dict[str, dict[str, Any]] = {}
+    env_locks: dict[str, str] = {}
+    for env in graph.defs.envs:
+        env_inputs[env.name] = lock_inputs(graph, env, keys)
+        env_locks[env.name] = lock_inputs_digest(env_inputs[env.name])
+    return KeySet(layers=MappingProxyType(keys), inputs=MappingProxyType(inputs),
+                  env_locks=MappingProxyType(env_locks), env_inputs=MappingProxyType(env_inputs))
+
+
+def lock_inputs(graph, env: Env, keys: Mapping[str, str]) -> dict[str, Any]:
+    """What an env's lock is made of: ordered layer keys and their (unmerged) runtime config."""
+    layers = graph.env_layers(env.name)
+    defs = graph.defs.by_name
+    return {
+        "layers": [keys[n] for n in layers],
+        "config": [defs[n].config.identity() for n in layers] + [env.config.identity()],
+    }
