@@ -15,7 +15,8 @@ DEFAULT_DEFS = "envdefs"
 class Settings:
     """What every command needs to know about its surroundings.
 
-    ``store_url`` is a directory path (the local store) or, once the S3 backend exists,
+    ``node_dir`` holds this host's node cache and build scratch space (never shared between
+    hosts). ``store_url`` is a directory path (the local store) or, once the S3 backend exists,
     ``s3://BUCKET/PREFIX``. ``source_date_epoch`` clamps every mtime written into a layer.
     """
 
@@ -23,6 +24,8 @@ class Settings:
     store_url: str = DEFAULT_STORE
     source_date_epoch: int = 0
     jobs: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
+    node_dir: Path = dataclasses.field(default_factory=lambda: default_node_dir(os.environ))
+    oci_runtime: str = "runc"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -38,4 +41,16 @@ class Settings:
             defs_dir=Path(environ.get("ENVBUILD_DEFS", DEFAULT_DEFS)),
             store_url=environ.get("ENVBUILD_STORE", DEFAULT_STORE),
             source_date_epoch=epoch,
+            node_dir=default_node_dir(environ),
+            oci_runtime=environ.get("ENVBUILD_OCI_RUNTIME", "runc"),
         )
+
+
+def default_node_dir(environ: Mapping[str, str]) -> Path:
+    """The node cache (unpacked layers, build scratch, sandboxes): ``$ENVBUILD_NODE_CACHE``,
+    else /var/lib/envbuild as root, else ~/.cache/envbuild."""
+    if environ.get("ENVBUILD_NODE_CACHE"):
+        return Path(environ["ENVBUILD_NODE_CACHE"])
+    if os.geteuid() == 0:
+        return Path("/var/lib/envbuild")
+    return Path.home() / ".cache" / "envbuild"

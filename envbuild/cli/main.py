@@ -32,6 +32,30 @@ class App:
 
         return open_store(self.settings.store_url)
 
+    def build_context(self):
+        """Store, node cache and OCI runtime for building, from the settings."""
+        from envbuild.build.executor import BuildContext
+        from envbuild.store import LocalStore
+        from runtime_shim.nodecache import NodeCache
+        from runtime_shim.runc import OciRuntime
+
+        store = self.open_store()
+        node = NodeCache(self.settings.node_dir / "node")
+        log_root = (store.root / "logs" if isinstance(store, LocalStore)
+                    else self.settings.node_dir / "logs")
+        return BuildContext(store=store, node=node,
+                            runtime=OciRuntime(self.settings.oci_runtime),
+                            scratch_root=self.settings.node_dir / "builds", log_root=log_root,
+                            source_date_epoch=self.settings.source_date_epoch)
+
+    @staticmethod
+    def run_build(project, ctx, targets, **kw):
+        """Build with SIGTERM treated like Ctrl-C, so both clean up the same way."""
+        from envbuild.build.engine import build, install_signal_cancel
+
+        install_signal_cancel(ctx)
+        return build(project, ctx, targets, **kw)
+
 
 pass_app = click.make_pass_decorator(App)
 
@@ -54,9 +78,9 @@ def cli(ctx: click.Context, store_url: str | None, defs_dir: Path | None) -> Non
 
 
 def _register_commands() -> None:
-    from envbuild.cli import cmd_defs, cmd_layer, cmd_plan
+    from envbuild.cli import cmd_build, cmd_defs, cmd_layer, cmd_plan
 
-    for module in (cmd_defs, cmd_plan, cmd_layer):
+    for module in (cmd_defs, cmd_plan, cmd_build, cmd_layer):
         module.register(cli)
 
 

@@ -1,0 +1,260 @@
+"""``envbuild build`` and ``envbuild lock`` as library calls: plan, build what is missing, lock.
+
+Order of publication is the safety argument: a layer's blob is stored (verified) before its key
+record; a lock's config and manifest blobs are stored before its ref. A crash at any point
+leaves, at worst, unreferenced blobs for GC, never a record or ref pointing at nothing.
+
+Across processes on one host, a layer key is built by one process at a time: the builder holds
+``<node>/locks/key-<hex>.lock`` and re-checks the store's key record after taking it, so the
+second ``envbuild build`` finds the first one's result instead of building again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from envbuild.build.executor import BuildContext, BuildEvent, LayerJob, Progress, build_layer
+from envbuild.build.pin import pin_inputs
+from envbuild.build.scheduler import run_dag
+from envbuild.defs import load_definitions
+from envbuild.defs.model import Base, Config, Env
+from envbuild.errors import BuildError, EnvbuildError, bug
+from envbuild.plan.graph import EnvGraph, build_graph
+from envbuild.plan.keys import KeySet, compute_keys
+from envbuild.plan.lockspec import (Lock, LockLayer, RuntimeConfig, make_lock, merge_config)
+from envbuild.plan.planner import BuildPlan, make_plan
+from envbuild.store import (MEDIA_TYPE_CONFIG, MEDIA_TYPE_MANIFEST, KeyRecord, Store,
+                            get_key_record, put_json)
+
+ROLE_OF_KIND = {"Base": "base", "Workspace": "workspace", "Toolkit": "toolkit"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerOutcome:
+    name: str
+    kind: str
+    key: str
+    status: str  # built | cached | failed | skipped
+    record: KeyRecord | None = None
+    seconds: float = 0.0
+    error: EnvbuildError | None = None
+    blocked_by: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LockOutcome:
+    env: str
+    digest: str | None
+    ref: str
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildReport:
+    layers: tuple[LayerOutcome, ...]
+    locks: tuple[LockOutcome, ...]
+
+    @property
+    def failed(self) -> list[LayerOutcome]:
+        return [o for o in self.layers if o.status == "failed"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and all(o.status != "skipped" for o in self.layers) and \
+            all(lk.digest for lk in self.locks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Project:
+    """A loaded definition tree with its graph and keys: what every command starts from."""
+
+    graph: EnvGraph
+    keys: KeySet
+    pinned: Mapping[str, Mapping[str, str]]
+
+
+def load(defs_dir: Path) -> Project:
+    defs = load_definitions(defs_dir)
+    graph = build_graph(defs)
+    pinned = pin_inputs(defs)
+    return Project(graph=graph, keys=compute_keys(graph, pinned), pinned=pinned)
+
+
+def plan_with_store(ws: Project, store: Store | None, targets: Iterable[str] | None = None,
+                    ) -> BuildPlan:
+    lookup = None if store is None else (lambda key: get_key_record(store, key))
+    return make_plan(ws.graph, ws.pinned, lookup, targets, keys=ws.keys)
+
+
+def _lower_names(graph: EnvGraph, name: str) -> tuple[str, ...]:
+    """The layers ``name`` is built on, topmost first."""
+    d = graph[name]
+    if isinstance(d, Base):
+        return tuple(reversed(graph.base_chain(d.parent))) if d.parent else ()
+    return tuple(reversed(graph.base_chain(d.build_on)))  # type: ignore[union-attr]
+
+
+def _build_env(graph: EnvGraph, lower_names: tuple[str, ...]) -> dict[str, str]:
+    configs = [_runtime_config(graph[n].config) for n in reversed(lower_names)]  # type: ignore[union-attr]
+    return dict(merge_config(configs).env)
+
+
+def _runtime_config(c: Config) -> RuntimeConfig:
+    return RuntimeConfig(env=dict(c.env), workdir=c.workdir, user=c.user, cmd=c.cmd,
+                         hostname=c.hostname)
+
+
+def make_jobs(ws: Project, names: Iterable[str]) -> dict[str, LayerJob]:
+    jobs = {}
+    for n in names:
+        lowers = _lower_names(ws.graph, n)
+        jobs[n] = LayerJob(name=n, key=ws.keys.layers[n], definition=ws.graph[n],  # type: ignore[arg-type]
+                           lower_keys=tuple(ws.keys.layers[x] for x in lowers),
+                           pins=ws.pinned.get(n, {}), build_env=_build_env(ws.graph, lowers))
+    return jobs
+
+
+class _KeyLock:
+    """An exclusive flock per layer key, so two processes never build one key at once."""
+
+    def __init__(self, root: Path, key: str) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.path = root / f"key-{key.removeprefix('sha256:')}.lock"
+
+    def __enter__(self) -> None:
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def build(
+    ws: Project,
+    ctx: BuildContext,
+    targets: Iterable[str] | None = None,
+    *,
+    jobs: int = 2,
+    no_cache: bool = False,
+    progress: Progress = lambda e: None,
+) -> BuildReport:
+    """Build every missing layer of ``targets`` (default: everything) and lock every env."""
+    plan = plan_with_store(ws, ctx.store, targets)
+    outcomes: dict[str, LayerOutcome] = {}
+    to_build = [s for s in plan.layers if no_cache or s.status == "missing"]
+    for s in plan.layers:
+        if s not in to_build:
+            outcomes[s.name] = LayerOutcome(s.name, s.kind, s.key, "cached",
+                                            record=get_key_record(ctx.store, s.key))
+            progress(BuildEvent(s.name, "cached"))
+    for s in to_build:
+        progress(BuildEvent(s.name, "queued"))
+    layer_jobs = make_jobs(ws, [s.name for s in to_build])
+    lock_root = ctx.node.root / "locks"
+
+    def work(name: str) -> tuple[KeyRecord, str, float]:
+        job = layer_jobs[name]
+        started = time.monotonic()
+        with _KeyLock(lock_root, job.key):
+            existing = None if no_cache else get_key_record(ctx.store, job.key)
+            if existing is not None:  # another process built it while we waited
+                return existing, "cached", 0.0
+            record = build_layer(ctx, job, progress)
+        return record, "built", time.monotonic() - started
+
+    def on_skip(name: str, because: str) -> None:
+        progress(BuildEvent(name, "skipped", detail=f"{because} failed"))
+
+    def tracked(name: str):
+        try:
+            record, status, seconds = work(name)
+        except EnvbuildError as e:
+            progress(BuildEvent(name, "failed", detail=e.message))
+            raise
+        progress(BuildEvent(name, "done" if status == "built" else "cached", seconds=seconds))
+        return record, status, seconds
+
+    deps = {s.name: s.depends_on for s in to_build}
+    results = run_dag([s.name for s in to_build], deps, tracked,
+                      key_of=lambda n: layer_jobs[n].key, jobs=jobs, on_skip=on_skip,
+                      cancelled=ctx.cancelled)
+    for s in to_build:
+        r = results[s.name]
+        if r.outcome == "done":
+            record, status, seconds = r.value
+            outcomes[s.name] = LayerOutcome(s.name, s.kind, s.key, status, record, seconds)
+        elif r.outcome == "failed":
+            err = r.error if isinstance(r.error, EnvbuildError) else None
+            if err is None and r.error is not None and not isinstance(r.error, Exception):
+                raise r.error  # KeyboardInterrupt and friends
+            if err is None:
+                raise r.error  # a bug: let the CLI boundary print the traceback
+            outcomes[s.name] = LayerOutcome(s.name, s.kind, s.key, "failed", error=err)
+        else:
+            outcomes[s.name] = LayerOutcome(s.name, s.kind, s.key, "skipped",
+                                            blocked_by=r.blocked_by)
+    locks = []
+    for env_plan in plan.envs:
+        if all(outcomes.get(n) and outcomes[n].record for n in env_plan.layers):
+            digest = publish_lock(ws, ctx.store, env_plan.name)
+            locks.append(LockOutcome(env_plan.name, digest, f"env/{env_plan.name}"))
+        else:
+            locks.append(LockOutcome(env_plan.name, None, f"env/{env_plan.name}",
+                                     error="not locked: a layer failed or was skipped"))
+    ordered = tuple(outcomes[s.name] for s in plan.layers)
+    return BuildReport(layers=ordered, locks=tuple(locks))
+
+
+def env_lock(ws: Project, store: Store, env_name: str) -> Lock:
+    """The lock of ``env_name`` from the key records in ``store`` (every layer must exist)."""
+    env = ws.graph[env_name]
+    if not isinstance(env, Env):
+        raise BuildError(f"{env_name} is a {env.kind}, not an Env", hint="envbuild lock takes env names")
+    layers: list[LockLayer] = []
+    configs: list[RuntimeConfig] = []
+    for n in ws.graph.env_layers(env_name):
+        d = ws.graph[n]
+        key = ws.keys.layers[n]
+        record = get_key_record(store, key)
+        if record is None:
+            raise BuildError(f"cannot lock {env_name}: layer {n} is not built",
+                             hint=f"envbuild build {env_name}")
+        imported = record.extra.get("config") if record.extra else None
+        if imported:
+            configs.append(RuntimeConfig(env=imported.get("env") or {},
+                                         workdir=imported.get("workdir"),
+                                         user=imported.get("user"),
+                                         cmd=tuple(imported["cmd"]) if imported.get("cmd") else None))
+        configs.append(_runtime_config(d.config))  # type: ignore[union-attr]
+        layers.append(LockLayer(name=n, role=ROLE_OF_KIND[d.kind], key=key, digest=record.layer,
+                                diff_id=record.diff_id, size=record.size, toc_digest=record.toc))
+    configs.append(_runtime_config(env.config))
+    return make_lock(env_name, layers, merge_config(configs))
+
+
+def publish_lock(ws: Project, store: Store, env_name: str) -> str:
+    """Store the env's lock (config, then manifest, then the ``env/<name>`` ref); return the
+    manifest digest."""
+    lock = env_lock(ws, store, env_name)
+    config = put_json(store, lock.config, media_type=MEDIA_TYPE_CONFIG)
+    if config.digest != lock.manifest["config"]["digest"]:
+        raise bug(f"lock config of {env_name} stored as {config.digest}, "
+                  f"manifest names {lock.manifest['config']['digest']}")
+    manifest = put_json(store, lock.manifest, media_type=MEDIA_TYPE_MANIFEST)
+    store.put_ref(f"env/{env_name}", manifest.digest, media_type=MEDIA_TYPE_MANIFEST)
+    return manifest.digest
+
+
+def install_signal_cancel(ctx: BuildContext) -> None:
+    """Turn SIGTERM into KeyboardInterrupt so builds clean up the same way as on Ctrl-C."""
+    import signal
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -1,0 +1,307 @@
+"""Build one layer: import its source, run its steps in an isolated overlay, pack the upper dir.
+
+The plan says *what* to build (``LayerJob``: plain data); this module does it (side effects):
+
+1. lower dirs: the layers the job builds on (a Base's parent chain, a Workspace/Toolkit's
+   ``build_on`` chain), unpacked once into the node cache, read-only, topmost first, plus a
+   small *stub* layer at the bottom that holds the mount points runc needs (``/proc``,
+   ``/etc/resolv.conf`` …) so runc never creates them in the upper dir;
+2. a fresh upper dir: a Base's source is imported straight into it; a Workspace's source is
+   copied through the overlay into ``dest``;
+3. each step: ``run`` in a runc container over the overlay (mount, pid, ipc, uts namespaces;
+   the host network by default because package installs need it, ``network: none`` for an
+   empty network namespace); ``copy`` through the overlay from the definition's directory;
+4. the upper dir *is* the layer: packed with overlay whiteouts converted to OCI ones,
+   put into the store (verified), and only then the key record is written. A failure at any
+   point publishes nothing.
+
+Everything lives under one scratch directory per build that is removed at the end, mounts
+included, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import stat
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from envbuild.build import importers
+from envbuild.defs.model import (Base, BaseSource, BusyboxSource, CopyStep, DebootstrapSource,
+                                 GitSource, LayerDefinition, OciSource, PathSource, RootfsSource,
+                                 RunStep, ScratchSource, Toolkit, Workspace, ArchiveSource)
+from envbuild.errors import BuildError, StepFailed
+from envbuild.layers import pack_tree
+from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_record
+from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
+from runtime_shim.nodecache import NodeCache
+from runtime_shim.runc import OciRuntime, run_container, write_bundle
+from runtime_shim.spec import BindMount, RuntimeSpecRequest, env_list, parse_user, runtime_spec
+
+OUTPUT_TAIL_LINES = 50
+BUILD_HOSTNAME = "envbuild"
+
+#: Mount points runc needs in every rootfs; kept in a bottom lower layer so they never land in
+#: a layer's upper dir.
+STUB_DIRS = ("proc", "sys", "dev", "tmp", "etc", "run")
+STUB_FILES = ("etc/resolv.conf", "etc/hosts", "etc/hostname")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerJob:
+    """One layer to build. ``lower_keys`` are the keys of the layers to build on, topmost
+    first; ``build_env`` the environment steps see (the chain's merged config env)."""
+
+    name: str
+    key: str
+    definition: LayerDefinition
+    lower_keys: tuple[str, ...]
+    pins: Mapping[str, str]
+    build_env: Mapping[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildEvent:
+    """Progress of one layer: ``phase`` is queued, importing, step, packing, done, cached,
+    failed or skipped; ``step``/``steps`` count run/copy steps, ``detail`` is free text."""
+
+    name: str
+    phase: str
+    step: int = 0
+    steps: int = 0
+    detail: str = ""
+    seconds: float = 0.0
+
+
+Progress = Callable[[BuildEvent], None]
+
+
+@dataclasses.dataclass
+class BuildContext:
+    """The side-effect handles a build needs, created once per ``envbuild build``."""
+
+    store: Store
+    node: NodeCache
+    runtime: OciRuntime
+    scratch_root: Path
+    log_root: Path
+    source_date_epoch: int = 0
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def stub_dir(self) -> Path:
+        stub = self.scratch_root / "stub-v1"
+        if not stub.is_dir():
+            tmp = self.scratch_root / f".stub-{uuid.uuid4().hex}"
+            for d in STUB_DIRS:
+                (tmp / d).mkdir(parents=True)
+            os.chmod(tmp / "tmp", 0o1777)
+            for f in STUB_FILES:
+                (tmp / f).touch()
+            try:
+                tmp.rename(stub)
+            except OSError:  # another build made it first
+                shutil.rmtree(tmp)
+        return stub
+
+
+def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyRecord:
+    """Build ``job`` and publish its blob and key record; return the record."""
+    started = time.monotonic()
+    d = job.definition
+    scratch = ctx.scratch_root / f"{job.key.removeprefix('sha256:')[:16]}-{uuid.uuid4().hex[:8]}"
+    upper, work, merged = scratch / "upper", scratch / "work", scratch / "merged"
+    for p in (upper, work, merged):
+        p.mkdir(parents=True)
+    ctx.log_root.mkdir(parents=True, exist_ok=True)
+    log = ctx.log_root / f"{job.name}-{job.key.removeprefix('sha256:')[:12]}.log"
+    log.write_bytes(b"")
+    mounted = False
+    try:
+        lowers = [str(ctx.node.ensure(ctx.store, _layer_of(ctx.store, k, job.name)))
+                  for k in job.lower_keys]
+        imported = importers.Imported()
+        if isinstance(d, Base) and not isinstance(d.source, BaseSource):
+            progress(BuildEvent(job.name, "importing", detail=d.source.kind))
+            imported = _import_base(d, upper, log)
+        needs_rootfs = bool(d.steps) or isinstance(d, Workspace)
+        if needs_rootfs:
+            spec = OverlaySpec(str(merged), (*lowers, str(ctx.stub_dir())), str(upper), str(work))
+            mount_overlay(spec)
+            mounted = True
+            if isinstance(d, Workspace):
+                progress(BuildEvent(job.name, "importing", detail=d.source.kind))
+                _import_workspace(d, job, merged, scratch)
+            for i, step in enumerate(d.steps, 1):
+                if ctx.cancelled.is_set():
+                    raise BuildError(f"{job.name}: cancelled")
+                progress(BuildEvent(job.name, "step", i, len(d.steps), _describe(step)))
+                _run_step(ctx, job, i, step, merged, scratch, log)
+            unmount(str(merged))
+            mounted = False
+        if isinstance(d, Toolkit):
+            check_toolkit_prefix(job.name, upper, d.prefix)
+        progress(BuildEvent(job.name, "packing"))
+        blob = scratch / "layer.tar.zst"
+        with open(blob, "wb") as out:
+            info = pack_tree(upper, out, framing=d.framing, overlay_upper=True,
+                             source_date_epoch=ctx.source_date_epoch)
+        stored = put_file(ctx.store, blob)
+        if stored.digest != info.digest:
+            raise BuildError(f"{job.name}: packed layer hashed to {stored.digest}, "
+                             f"the writer reported {info.digest}")
+        record = KeyRecord(
+            layer=info.digest, toc=info.toc_digest, diff_id=info.diff_id, size=info.size,
+            built_from={"name": job.name, "kind": d.kind, "lower_keys": list(job.lower_keys),
+                        "seconds": round(time.monotonic() - started, 3)},
+            extra={"config": {"env": dict(imported.env), "workdir": imported.workdir,
+                              "user": imported.user,
+                              "cmd": list(imported.cmd) if imported.cmd else None}}
+            if imported != importers.Imported() else {},
+        )
+        put_key_record(ctx.store, job.key, record)  # after the blob: never a record without it
+        return record
+    finally:
+        if mounted:
+            unmount(str(merged))
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _layer_of(store: Store, key: str, for_name: str) -> str:
+    record = get_key_record(store, key)
+    if record is None:
+        raise BuildError(f"{for_name}: the layer it builds on (key {key[:19]}…) is not in the store",
+                         hint="build its dependencies first (envbuild build builds them in order)")
+    return record.layer
+
+
+def _describe(step) -> str:
+    if isinstance(step, RunStep):
+        first = step.run.strip().splitlines()[0] if step.run.strip() else ""
+        return f"run: {first[:60]}"
+    return f"copy: {step.src} -> {step.dest}"
+
+
+def _import_base(d: Base, upper: Path, log: Path) -> importers.Imported:
+    src = d.source
+    here = d.origin.directory
+    if isinstance(src, ScratchSource):
+        return importers.import_scratch(upper)
+    if isinstance(src, BusyboxSource):
+        return importers.import_busybox(Path(src.binary), upper)
+    if isinstance(src, RootfsSource):
+        return importers.import_rootfs(here / src.path, src.sha256, upper)
+    if isinstance(src, DebootstrapSource):
+        return importers.import_debootstrap(src.suite, src.variant, src.include, src.mirror,
+                                            upper, log)
+    if isinstance(src, OciSource):
+        return importers.import_oci(here / src.layout, src.ref, upper)
+    raise BuildError(f"{d.name}: source kind {src.kind!r} cannot be imported")
+
+
+def _import_workspace(d: Workspace, job: LayerJob, merged: Path, scratch: Path) -> None:
+    dest = merged / d.dest.lstrip("/")
+    src = d.source
+    here = d.origin.directory
+    if isinstance(src, PathSource):
+        importers.import_path(here / src.path, dest)
+    elif isinstance(src, GitSource):
+        commit = job.pins.get("source")
+        if not commit:
+            raise BuildError(f"{d.name}: git source was not pinned to a commit")
+        url = src.url if "://" in src.url or os.path.isabs(src.url) else str(here / src.url)
+        importers.import_git(url, commit.removeprefix("git:"), dest, scratch)
+    elif isinstance(src, ArchiveSource):
+        importers.import_archive(here / src.path, src.sha256, dest)
+
+
+def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, scratch: Path,
+              log: Path) -> None:
+    d = job.definition
+    with open(log, "ab") as out:
+        out.write(f"=== {job.name}: step {index}/{len(d.steps)}: {_describe(step)}\n".encode())
+    if isinstance(step, CopyStep):
+        _copy_step(d, step, merged)
+        return
+    assert isinstance(step, RunStep)
+    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+           "HOME": "/root", **job.build_env, **step.env}
+    uid, gid = parse_user(step.user)
+    binds: tuple[BindMount, ...] = ()
+    network = step.network == "host"
+    if network:
+        binds = (BindMount("/etc/resolv.conf", "/etc/resolv.conf"),
+                 BindMount("/etc/hosts", "/etc/hosts"))
+    request = RuntimeSpecRequest(
+        rootfs=str(merged), args=("/bin/sh", "-c", step.run), env=env_list(env),
+        cwd=step.workdir or "/", uid=uid, gid=gid, hostname=BUILD_HOSTNAME, network=network,
+        binds=binds)
+    bundle = scratch / f"bundle-{index}"
+    write_bundle(bundle, runtime_spec(request))
+    container_id = f"eb-build-{uuid.uuid4().hex[:12]}"
+    with open(log, "ab") as out:
+        result = run_container(ctx.runtime, container_id, bundle, stdout=out)
+    if result.exit_code != 0:
+        raise StepFailed(
+            f"{job.name}: step {index}/{len(d.steps)} exited {result.exit_code}: "
+            f"{step.run.strip().splitlines()[0] if step.run.strip() else ''}",
+            argv=list(request.args), exit_code=result.exit_code,
+            output_tail=_tail(log, OUTPUT_TAIL_LINES), log_path=str(log))
+
+
+def _copy_step(d: LayerDefinition, step: CopyStep, merged: Path) -> None:
+    src = d.origin.directory / step.src
+    dest = merged / step.dest.lstrip("/")
+    uid, gid = parse_user(step.owner)
+    if not src.exists():
+        raise BuildError(f"{d.name}: copy source {src} does not exist",
+                         hint="copy.src is relative to the definition file")
+    if src.is_dir():
+        importers.copy_source_tree(src, dest)
+        targets = [dest, *dest.rglob("*")]
+    else:
+        if step.dest.endswith("/"):
+            dest = dest / src.name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dest)
+        targets = [dest]
+    for t in targets:
+        os.lchown(t, uid, gid)
+        if step.mode is not None and not t.is_symlink() and not t.is_dir():
+            os.chmod(t, step.mode)
+
+
+def _tail(log: Path, lines: int) -> str:
+    with open(log, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - 256 * 1024))
+        data = f.read().decode(errors="replace")
+    return "\n".join(data.splitlines()[-lines:])
+
+
+def check_toolkit_prefix(name: str, upper: Path, prefix: str) -> None:
+    """A toolkit layer may only hold files under its prefix (and the directories leading to it);
+    deleting or changing anything else would break the envs it is stacked into."""
+    prefix = "/" + prefix.strip("/")
+    offending: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(upper):
+        rel_dir = "/" + os.path.relpath(dirpath, upper).removeprefix(".").lstrip("/")
+        for n in dirnames + filenames:
+            path = (rel_dir.rstrip("/") + "/" + n)
+            st = os.lstat(os.path.join(dirpath, n))
+            inside = path == prefix or path.startswith(prefix + "/")
+            leads_to = stat.S_ISDIR(st.st_mode) and prefix.startswith(path + "/")
+            if not inside and not leads_to:
+                offending.append(path)
+        dirnames[:] = [n for n in dirnames
+                       if (rel_dir.rstrip("/") + "/" + n) not in offending]
+    if offending:
+        shown = ", ".join(sorted(offending)[:20])
+        more = f" and {len(offending) - 20} more" if len(offending) > 20 else ""
+        raise BuildError(f"toolkit {name} wrote outside its prefix {prefix}: {shown}{more}",
+                         hint="clean up in the same step (apt lists, caches, /root) or widen prefix")

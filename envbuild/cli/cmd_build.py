@@ -1,0 +1,152 @@
+"""``envbuild build`` and ``envbuild lock``: build missing layers, lock envs, print a summary."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import click
+
+if TYPE_CHECKING:
+    from envbuild.build.executor import BuildEvent
+
+
+from envbuild.cli.main import App, pass_app
+
+
+class PlainProgress:
+    """One line per event, for CI logs and pipes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._start = time.monotonic()
+
+    def __call__(self, e: BuildEvent) -> None:
+        if e.phase == "step":
+            what = f"step {e.step}/{e.steps} {e.detail}"
+        elif e.phase == "done":
+            what = f"done in {e.seconds:.1f}s"
+        else:
+            what = e.phase + (f": {e.detail}" if e.detail else "")
+        with self._lock:
+            click.echo(f"[{time.monotonic() - self._start:7.1f}s] {e.name}: {what}", err=True)
+
+
+class RichProgress:
+    """A live table, one row per layer, on a terminal."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self._rows: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._live = Live(self._table(), console=Console(stderr=True), refresh_per_second=8)
+
+    def _table(self):
+        from rich.table import Table
+
+        t = Table(show_header=True, header_style="bold", box=None)
+        t.add_column("layer")
+        t.add_column("status")
+        for name, status in self._rows.items():
+            t.add_row(name, status)
+        return t
+
+    def __enter__(self):
+        self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._live.__exit__(*exc)
+
+    def __call__(self, e: BuildEvent) -> None:
+        styles = {"failed": "[red]failed[/red]", "cached": "[dim]cached[/dim]",
+                  "skipped": "[yellow]skipped[/yellow]"}
+        if e.phase == "step":
+            status = f"[cyan]step {e.step}/{e.steps}[/cyan] {e.detail}"
+        elif e.phase == "done":
+            status = f"[green]built[/green] in {e.seconds:.1f}s"
+        else:
+            status = styles.get(e.phase, e.phase) + (f" {e.detail}" if e.detail and e.phase != "step" else "")
+        with self._lock:
+            self._rows[e.name] = status
+            self._live.update(self._table())
+
+
+def _summary(report) -> list[str]:
+    lines = [f"{'layer':<28} {'key':<14} {'digest':<14} {'size':>10}  {'result':<8} {'seconds':>7}"]
+    for o in report.layers:
+        rec = o.record
+        size = f"{rec.size / 1e6:.1f} MB" if rec else "-"
+        lines.append(f"{o.name:<28} {o.key[7:19]:<14} {(rec.layer[7:19] if rec else '-'):<14} "
+                     f"{size:>10}  {o.status:<8} {o.seconds:>7.1f}")
+    for lk in report.locks:
+        lines.append(f"env {lk.env}: " + (f"locked {lk.digest} as {lk.ref}" if lk.digest
+                                          else lk.error or "not locked"))
+    return lines
+
+
+def register(group: click.Group) -> None:
+    @group.command()
+    @click.argument("names", nargs=-1)
+    @click.option("--jobs", "-j", type=click.IntRange(1), default=None,
+                  help="Layers built at once (default: number of cores).")
+    @click.option("--no-cache", is_flag=True, help="Rebuild even layers the store already has.")
+    @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+    @pass_app
+    def build(app: App, names: tuple[str, ...], jobs: int | None, no_cache: bool,
+              as_json: bool) -> int:
+        """Build the layers of NAMES (default: everything) and lock their envs."""
+        from envbuild.build.engine import load
+
+        project = load(app.settings.defs_dir)
+        ctx = app.build_context()
+        use_rich = sys.stderr.isatty() and not as_json
+        progress = RichProgress() if use_rich else PlainProgress()
+        run = lambda: app.run_build(project, ctx, names or None, jobs=jobs or app.settings.jobs,
+                                    no_cache=no_cache, progress=progress)
+        if use_rich:
+            with progress:
+                report = run()
+        else:
+            report = run()
+        if as_json:
+            click.echo(json.dumps(report_json(report), indent=1))
+        else:
+            for line in _summary(report):
+                click.echo(line)
+        for o in report.failed:
+            from envbuild.cli.main import report_error
+
+            click.echo(f"--- {o.name} failed:", err=True)
+            report_error(o.error)
+        return 0 if report.ok else 1
+
+    @group.command()
+    @click.argument("envs", nargs=-1, required=True)
+    @pass_app
+    def lock(app: App, envs: tuple[str, ...]) -> None:
+        """Write the lock of each ENV (every layer must be built) and print its digest."""
+        from envbuild.build.engine import load, publish_lock
+
+        project = load(app.settings.defs_dir)
+        store = app.open_store()
+        for env in envs:
+            click.echo(f"{env} {publish_lock(project, store, env)}")
+
+
+def report_json(report) -> dict:
+    return {
+        "layers": [{"name": o.name, "kind": o.kind, "key": o.key, "status": o.status,
+                    "digest": o.record.layer if o.record else None,
+                    "size": o.record.size if o.record else None,
+                    "seconds": round(o.seconds, 3),
+                    "error": o.error.message if o.error else None,
+                    "blocked_by": o.blocked_by} for o in report.layers],
+        "locks": [{"env": lk.env, "digest": lk.digest, "ref": lk.ref, "error": lk.error}
+                  for lk in report.locks],
+    }
