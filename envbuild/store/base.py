@@ -22,8 +22,9 @@ Errors (all ``envbuild.errors.StoreError`` subclasses, each with a ``reference``
                         ``put_ref`` to a digest that is not stored
 ``RefNotFound``         ``get_ref`` of a name that does not exist
 ``DigestMismatch``      bytes do not hash to their digest (on ``put``: nothing is stored;
-                        on ``get``: raised by the stream when it reaches the end)
-``RefConflict``         ``put_ref(..., expect=...)`` saw another value (compare-and-swap lost)
+                        on ``get``: raised by the stream once it has read the whole blob)
+``RefConflict``         ``put_ref(..., expect=...)`` saw another value (compare-and-swap lost;
+                        defined in this module, re-exported by ``envbuild.store``)
 ``StoreUnavailable``    the store cannot be opened or reached
 ``StoreError``          anything else, e.g. ``reference="invalid-digest"`` for a malformed
                         digest string, ``"invalid-name"`` for a bad ref or record name,
@@ -65,7 +66,8 @@ _NAMESPACE_RE = re.compile(r"[a-z0-9][a-z0-9_-]*(?:/[a-z0-9][a-z0-9._-]*)*")
 _RECORD_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 # Top-level names of the OCI layout; a record namespace must not shadow them.
 _RESERVED_NAMESPACES = frozenset({"blobs", "index.json", "oci-layout"})
-_MEDIA_TYPE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}")
+_MEDIA_TYPE_PART = r"[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}"
+_MEDIA_TYPE_RE = re.compile(rf"{_MEDIA_TYPE_PART}/{_MEDIA_TYPE_PART}")  # OCI defs-descriptor
 
 
 class RefConflict(StoreError):
@@ -206,7 +208,8 @@ def iter_chunks(data: bytes | bytearray | memoryview | BinaryIO) -> Iterator[byt
         yield chunk
 
 
-def mismatch_on_put(digest: str, actual: str, size: int, expected_size: int | None) -> DigestMismatch:
+def mismatch_on_put(digest: str, actual: str, size: int,
+                    expected_size: int | None) -> DigestMismatch:
     """The error ``put`` raises when the data it read is not the blob it was told. Raise it."""
     if expected_size is not None and size != expected_size:
         what = f"{size} bytes, expected {expected_size}"

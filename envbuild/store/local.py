@@ -236,7 +236,8 @@ class LocalStore(Store):
         except OSError as e:
             raise StoreError(f"open blob {path}: {e}") from e
         size = os.fstat(f.fileno()).st_size
-        return VerifyingReader(f, digest, size=size, location=str(path))  # type: ignore[return-value]
+        reader = VerifyingReader(f, digest, size=size, location=str(path))
+        return reader  # type: ignore[return-value]
 
     def get_range(self, digest: str, offset: int, length: int) -> bytes:
         check_range(offset, length)

@@ -8,7 +8,6 @@ import multiprocessing
 import os
 import subprocess
 import tarfile
-import time
 
 import pytest
 
