@@ -37,10 +37,11 @@ Not in the key:
 - ``debootstrap.mirror``: where bytes come from, not what they are (see the model).
 
 **Env lock inputs**: an Env has no layer; it is (re-)locked. Its lock inputs are the ordered
-layer keys plus the config of each of those layers and of the env itself, *unmerged*: the lock
-step merges them (``$PATH`` expansion in layer order), and any change to the merged result is a
-change to one of these, so this digest never misses a re-lock (it may ask for one whose merged
-config happens to come out the same; a re-lock is cheap). Digest tag ``envbuild.lock-inputs.v1``.
+layer names and keys plus the config of each of those layers and of the env itself, *unmerged*:
+the lock step merges them (``$PATH`` expansion in layer order, ``envbuild.plan.lockspec``), and
+any change to the merged result is a change to one of these, so this digest never misses a
+re-lock (it may ask for one whose merged config comes out the same; a re-lock is cheap).
+Digest tag ``envbuild.lock-inputs.v1``.
 
 Pure: no disk, no processes.
 """
@@ -196,10 +197,14 @@ def compute_keys(graph, pinned: PinnedInputs) -> KeySet:
 
 
 def lock_inputs(graph, env: Env, keys: Mapping[str, str]) -> dict[str, Any]:
-    """What an env's lock is made of: ordered layer keys and their (unmerged) runtime config."""
-    layers = graph.env_layers(env.name)
+    """What an env's lock is made of: ordered layer keys and their (unmerged) runtime config.
+
+    Layer names are included because the lock records them (``org.envbuild.name``
+    annotations); the env's own name is not: a renamed env is a new env anyway.
+    """
     defs = graph.defs.by_name
     return {
-        "layers": [keys[n] for n in layers],
-        "config": [defs[n].config.identity() for n in layers] + [env.config.identity()],
+        "layers": [{"name": n, "key": keys[n], "config": defs[n].config.identity()}
+                   for n in graph.env_layers(env.name)],
+        "config": env.config.identity(),
     }

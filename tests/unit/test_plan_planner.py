@@ -107,4 +107,4 @@ def test_explain_an_env_shows_its_lock_inputs():
     ks = keyset(DOCS)
     e = explain("swe", "Env", ks)
     assert e.digest == ks.env_locks["swe"]
-    assert e.inputs["layers"] == [ks.layers[n] for n in ("root", "py", "req", "rg")]
+    assert [x["key"] for x in e.inputs["layers"]] == [ks.layers[n] for n in ("root", "py", "req", "rg")]

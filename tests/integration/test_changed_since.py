@@ -1,0 +1,214 @@
+"""``plan --changed-since REV`` / ``explain --against REV`` in a real temporary git repository,
+and git sources pinned with real ``git`` (local path and file:// URL)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+from types import MappingProxyType
+
+import pytest
+
+from envbuild.build.pin import pin_inputs
+from envbuild.cli.main import main
+from envbuild.defs.model import DefinitionSet, Origin, Workspace
+from envbuild.errors import SourceError
+from tests.conftest import require_tool
+
+pytestmark = pytest.mark.integration
+
+TREE = {
+    "envdefs/base/deb.yaml": """
+        apiVersion: envbuild/v1
+        kind: Base
+        name: deb
+        abi: deb12
+        from: {debootstrap: {suite: bookworm}}
+        steps:
+          - run: apt-get install -y python3
+        """,
+    "envdefs/workspaces/app.yaml": """
+        apiVersion: envbuild/v1
+        kind: Workspace
+        name: app
+        build_on: deb
+        source: {path: ../../sources/app}
+        steps:
+          - run: pip install -e /workspace
+        """,
+    "envdefs/workspaces/other.yaml": """
+        apiVersion: envbuild/v1
+        kind: Workspace
+        name: other
+        build_on: deb
+        source: {path: ../../sources/other}
+        """,
+    "envdefs/toolkits/rg.yaml": """
+        apiVersion: envbuild/v1
+        kind: Toolkit
+        name: rg
+        build_on: deb
+        prefix: /opt/toolkits/rg
+        steps:
+          - run: apt-get install x
+        """,
+    "envdefs/envs/swe.yaml": """
+        apiVersion: envbuild/v1
+        kind: Env
+        name: swe
+        base: deb
+        workspace: app
+        toolkits: [rg]
+        """,
+    "envdefs/envs/swe-other.yaml": """
+        apiVersion: envbuild/v1
+        kind: Env
+        name: swe-other
+        base: deb
+        workspace: other
+        """,
+    "sources/app/app.py": "print('hi')\n",
+    "sources/app/run.sh": "#!/bin/sh\n",
+    "sources/other/o.py": "x = 1\n",
+}
+
+
+def git(cwd, *argv):
+    return subprocess.run(["git", *argv], cwd=cwd, check=True, capture_output=True,
+                          text=True).stdout
+
+
+def write(root, rel, text):
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_text(textwrap.dedent(text).lstrip())
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    require_tool("git")
+    root = tmp_path / "repo"
+    for rel, text in TREE.items():
+        write(root, rel, text)
+    (root / "sources/app/run.sh").chmod(0o755)
+    git(root, "init", "-q", "-b", "main")
+    git(root, "add", ".")
+    git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    monkeypatch.chdir(root)
+    return root
+
+
+def plan_since(capsys, rev="HEAD", *extra):
+    code = main(["--defs", "envdefs", "plan", "--json", "--changed-since", rev, *extra])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_nothing_changed(repo, capsys):
+    doc = plan_since(capsys)
+    assert doc["rebuild"] == [] and doc["relock"] == []
+    assert len(doc["layers"]) == 4  # the plan itself is still there
+
+
+def test_base_step_change_rebuilds_only_the_base_and_relocks_its_envs(repo, capsys):
+    p = repo / "envdefs/base/deb.yaml"
+    p.write_text(p.read_text().replace("python3", "python3 git"))
+    doc = plan_since(capsys)
+    assert doc["rebuild"] == ["deb"]  # app, other and rg key on deb's abi: reused (O(m))
+    assert doc["relock"] == ["swe", "swe-other"]
+
+
+def test_source_change_outside_envdefs(repo, capsys):
+    (repo / "sources/app/app.py").write_text("print('bye')\n")
+    doc = plan_since(capsys)
+    assert doc["rebuild"] == ["app"] and doc["relock"] == ["swe"]
+
+
+def test_mode_change_and_new_untracked_definitions(repo, capsys):
+    (repo / "sources/app/run.sh").chmod(0o644)
+    write(repo, "envdefs/toolkits/fd.yaml", """
+        apiVersion: envbuild/v1
+        kind: Toolkit
+        name: fd
+        build_on: deb
+        prefix: /opt/toolkits/fd
+        """)
+    doc = plan_since(capsys)
+    assert doc["rebuild"] == ["app", "fd"] and doc["relock"] == ["swe"]
+
+
+def test_targets_limit_the_report(repo, capsys):
+    (repo / "sources/app/app.py").write_text("print('bye')\n")
+    (repo / "sources/other/o.py").write_text("x = 2\n")
+    doc = plan_since(capsys, "HEAD", "swe-other")
+    assert doc["rebuild"] == ["other"] and doc["relock"] == ["swe-other"]
+
+
+def commit(root, msg):
+    git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-a", "-m", msg)
+
+
+def test_explain_against_names_the_changed_input(repo, capsys):
+    p = repo / "envdefs/toolkits/rg.yaml"
+    p.write_text(p.read_text().replace("install x", "install x y"))
+    commit(repo, "two")
+    code = main(["--defs", "envdefs", "explain", "rg", "--against", "HEAD~1"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "steps[0].run: 'apt-get install x' -> 'apt-get install x y'" in out
+    doc = plan_since(capsys, "HEAD~1")
+    assert doc["rebuild"] == ["rg"] and doc["relock"] == ["swe"]
+    code = main(["--defs", "envdefs", "explain", "swe", "--against", "HEAD~1"])
+    out, _ = capsys.readouterr()
+    assert "layers[2].key:" in out
+
+
+def test_working_tree_and_index_are_untouched(repo, capsys):
+    (repo / "sources/app/app.py").write_text("print('bye')\n")
+    git(repo, "add", "sources/app/app.py")
+    before = git(repo, "status", "--porcelain=v1"), git(repo, "worktree", "list")
+    plan_since(capsys)
+    assert (git(repo, "status", "--porcelain=v1"), git(repo, "worktree", "list")) == before
+
+
+def test_defs_dir_missing_at_rev_means_everything_is_new(repo, capsys):
+    write(repo, "README", "x\n")
+    git(repo, "rm", "-q", "-r", "--cached", "envdefs", "sources")
+    git(repo, "add", "README")
+    commit(repo, "no defs")
+    doc = plan_since(capsys)
+    assert doc["rebuild"] == ["app", "deb", "other", "rg"]
+    assert doc["relock"] == ["swe", "swe-other"]
+
+
+def test_unknown_revision_is_a_user_error(repo, capsys):
+    code = main(["--defs", "envdefs", "plan", "--changed-since", "no-such-rev"])
+    _, err = capsys.readouterr()
+    assert code == 1 and "unknown git revision 'no-such-rev'" in err
+
+
+# ---------------------------------------------------------------------- git sources
+
+
+def git_defs(tmp_path, url, rev):
+    origin = Origin(file=str(tmp_path / "envdefs" / "w.yaml"), line=3, column=1,
+                    field_positions=MappingProxyType({"source": (5, 9)}))
+    w = Workspace.from_mapping({"name": "w", "build_on": "b",
+                                "source": {"git": {"url": url, "rev": rev}}}, origin)
+    return DefinitionSet(root=str(tmp_path), by_name=MappingProxyType({"w": w}))
+
+
+def test_git_sources_pin_to_commit_shas(repo, tmp_path):
+    head = git(repo, "rev-parse", "HEAD").strip()
+    git(repo, "tag", "-a", "-m", "v", "v1")
+    for url in (os.path.relpath(repo, tmp_path / "envdefs"), f"file://{repo}"):
+        for rev in ("main", "v1", head[:10], "HEAD"):
+            assert pin_inputs(git_defs(tmp_path, url, rev))["w"]["source"] == head, (url, rev)
+
+
+def test_bad_git_rev_is_a_source_error_at_the_line(repo, tmp_path):
+    with pytest.raises(SourceError) as info:
+        pin_inputs(git_defs(tmp_path, f"file://{repo}", "no-such-branch"))
+    assert "w.yaml:5:9" in info.value.message and "no-such-branch" in info.value.hint
