@@ -3,9 +3,9 @@
 The plan says *what* to build (``LayerJob``: plain data); this module does it (side effects):
 
 1. lower dirs: the layers the job builds on (a Base's parent chain, a Workspace/Toolkit's
-   ``build_on`` chain), unpacked once into the node cache, read-only, topmost first, plus a
-   small *stub* layer at the bottom that holds the mount points runc needs (``/proc``,
-   ``/etc/resolv.conf`` …) so runc never creates them in the upper dir;
+   ``build_on`` chain), unpacked once into the node cache, read-only, topmost first, plus the
+   stub layer (``runtime_shim.stub``) at the bottom so runc never creates mount points in the
+   upper dir;
 2. a fresh upper dir: a Base's source is imported straight into it; a Workspace's source is
    copied through the overlay into ``dest``;
 3. each step: ``run`` in a runc container over the overlay (mount, pid, ipc, uts namespaces;
@@ -41,15 +41,12 @@ from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_r
 from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
 from runtime_shim.nodecache import NodeCache
 from runtime_shim.runc import OciRuntime, run_container, write_bundle
+from runtime_shim.stub import ensure_stub
 from runtime_shim.spec import BindMount, RuntimeSpecRequest, env_list, parse_user, runtime_spec
 
 OUTPUT_TAIL_LINES = 50
 BUILD_HOSTNAME = "envbuild"
 
-#: Mount points runc needs in every rootfs; kept in a bottom lower layer so they never land in
-#: a layer's upper dir.
-STUB_DIRS = ("proc", "sys", "dev", "tmp", "etc", "run")
-STUB_FILES = ("etc/resolv.conf", "etc/hosts", "etc/hostname")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,19 +91,7 @@ class BuildContext:
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def stub_dir(self) -> Path:
-        stub = self.scratch_root / "stub-v1"
-        if not stub.is_dir():
-            tmp = self.scratch_root / f".stub-{uuid.uuid4().hex}"
-            for d in STUB_DIRS:
-                (tmp / d).mkdir(parents=True)
-            os.chmod(tmp / "tmp", 0o1777)
-            for f in STUB_FILES:
-                (tmp / f).touch()
-            try:
-                tmp.rename(stub)
-            except OSError:  # another build made it first
-                shutil.rmtree(tmp)
-        return stub
+        return ensure_stub(self.node.root)
 
 
 def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyRecord:

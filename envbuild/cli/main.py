@@ -78,9 +78,9 @@ def cli(ctx: click.Context, store_url: str | None, defs_dir: Path | None) -> Non
 
 
 def _register_commands() -> None:
-    from envbuild.cli import cmd_build, cmd_defs, cmd_layer, cmd_plan
+    from envbuild.cli import cmd_build, cmd_defs, cmd_layer, cmd_plan, cmd_run
 
-    for module in (cmd_defs, cmd_plan, cmd_build, cmd_layer):
+    for module in (cmd_defs, cmd_plan, cmd_build, cmd_run, cmd_layer):
         module.register(cli)
 
 

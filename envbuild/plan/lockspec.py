@@ -23,25 +23,17 @@ time so the lock is self-contained. The Env's own ``config`` is applied last. ``
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from envbuild.oci import (ANNOTATION_CREATED, ANNOTATION_ENV, ANNOTATION_KEY, ANNOTATION_NAME,
+                          ANNOTATION_ROLE, ANNOTATION_TOC, LABEL_HOSTNAME, MEDIA_TYPE_CONFIG,
+                          MEDIA_TYPE_LAYER_ZSTD, MEDIA_TYPE_MANIFEST)
 from envbuild.plan.keys import canonical_json
 
-MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
-CONFIG_MEDIA_TYPE = "application/vnd.oci.image.config.v1+json"
-LAYER_MEDIA_TYPE = "application/vnd.oci.image.layer.v1.tar+zstd"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-ANNOTATION_TOC = "org.envbuild.toc.digest"
-ANNOTATION_ROLE = "org.envbuild.role"
-ANNOTATION_NAME = "org.envbuild.name"
-ANNOTATION_KEY = "org.envbuild.key"
-ANNOTATION_ENV = "org.envbuild.env"
-ANNOTATION_PARENT = "org.envbuild.parent.lock"
-ANNOTATION_CREATED = "org.opencontainers.image.created"
-REF_NAME = "org.opencontainers.image.ref.name"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,15 +124,15 @@ def make_lock(
     if config.cmd is not None:
         image_config["config"]["Cmd"] = list(config.cmd)
     if config.hostname:
-        image_config["config"]["Labels"] = {"org.envbuild.hostname": config.hostname}
+        image_config["config"]["Labels"] = {LABEL_HOSTNAME: config.hostname}
     config_bytes = canonical_json(image_config)
     manifest = {
         "schemaVersion": 2,
-        "mediaType": MANIFEST_MEDIA_TYPE,
-        "config": {"mediaType": CONFIG_MEDIA_TYPE, "digest": sha256_digest(config_bytes),
+        "mediaType": MEDIA_TYPE_MANIFEST,
+        "config": {"mediaType": MEDIA_TYPE_CONFIG, "digest": sha256_digest(config_bytes),
                    "size": len(config_bytes)},
         "layers": [
-            {"mediaType": LAYER_MEDIA_TYPE, "digest": layer.digest, "size": layer.size,
+            {"mediaType": MEDIA_TYPE_LAYER_ZSTD, "digest": layer.digest, "size": layer.size,
              "annotations": {ANNOTATION_TOC: layer.toc_digest, ANNOTATION_ROLE: layer.role,
                              ANNOTATION_NAME: layer.name, ANNOTATION_KEY: layer.key}}
             for layer in layers
@@ -152,20 +144,4 @@ def make_lock(
 
 
 def sha256_digest(data: bytes) -> str:
-    import hashlib
-
     return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def lock_layers_from_manifest(manifest: Mapping[str, Any], config: Mapping[str, Any]) -> list[LockLayer]:
-    """Read the layers back out of a stored lock (for the runtime shim and pack-diff)."""
-    diff_ids = config.get("rootfs", {}).get("diff_ids", [])
-    layers = []
-    for i, desc in enumerate(manifest.get("layers", [])):
-        ann = desc.get("annotations") or {}
-        layers.append(LockLayer(name=ann.get(ANNOTATION_NAME, f"layer-{i}"),
-                                role=ann.get(ANNOTATION_ROLE, "base"),
-                                key=ann.get(ANNOTATION_KEY, ""), digest=desc["digest"],
-                                diff_id=diff_ids[i] if i < len(diff_ids) else "",
-                                size=desc["size"], toc_digest=ann.get(ANNOTATION_TOC, "")))
-    return layers

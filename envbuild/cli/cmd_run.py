@@ -1,0 +1,95 @@
+"""``envbuild run``, ``envbuild check`` and ``envbuild sandbox ls|rm|gc``."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from envbuild.cli.main import App, pass_app
+
+
+def register(group: click.Group) -> None:
+    @group.command(context_settings={"ignore_unknown_options": True})
+    @click.argument("target")
+    @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+    @click.option("--network", is_flag=True, help="Give the sandbox the host's network.")
+    @click.option("--keep", is_flag=True, help="Leave the sandbox running; print its id.")
+    @click.option("--timeout", type=float, default=None, help="Kill CMD after this many seconds.")
+    @pass_app
+    def run(app: App, target: str, cmd: tuple[str, ...], network: bool, keep: bool,
+            timeout: float | None) -> int:
+        """Run CMD in a fresh sandbox of TARGET (env name, ref or lock digest); builds nothing."""
+        from runtime_shim.sandbox import Sandbox
+
+        sb = Sandbox.create(target, store=app.open_store(), node_dir=app.settings.node_dir,
+                            network=network, runtime=app.settings.oci_runtime, keep=keep)
+        try:
+            result = sb.exec(list(cmd), timeout=timeout)
+        finally:
+            if not keep:
+                sb.close()
+        sys.stdout.buffer.write(result.stdout)
+        sys.stdout.flush()
+        sys.stderr.buffer.write(result.stderr)
+        if result.timed_out:
+            click.echo(f"envbuild: command timed out after {timeout}s", err=True)
+        if keep:
+            click.echo(f"sandbox {sb.id} kept; remove it with `envbuild sandbox rm {sb.id}`",
+                       err=True)
+        return result.exit_code
+
+    @group.command()
+    @click.argument("envs", nargs=-1)
+    @pass_app
+    def check(app: App, envs: tuple[str, ...]) -> int:
+        """Run each env's workspace checks in a sandbox over its lock."""
+        from envbuild.build.check import run_checks
+        from envbuild.build.engine import load
+
+        results = run_checks(load(app.settings.defs_dir), app.open_store(),
+                             app.settings.node_dir, envs or None,
+                             runtime=app.settings.oci_runtime)
+        for r in results:
+            mark = "ok  " if r.ok else "FAIL"
+            click.echo(f"{mark} {r.env:<20} {r.workspace:<16} {r.command}")
+            if not r.ok:
+                click.echo("\n".join("     " + line for line in r.output.splitlines()[-20:]))
+        failed = sum(not r.ok for r in results)
+        click.echo(f"{len(results) - failed} passed, {failed} failed")
+        return 1 if failed else 0
+
+    @group.group()
+    def sandbox() -> None:
+        """Find and clean up sandboxes on this host."""
+
+    @sandbox.command("ls")
+    @pass_app
+    def sandbox_ls(app: App) -> None:
+        """List sandboxes (and whether the process that made them is alive)."""
+        from runtime_shim.sandbox import list_sandboxes
+
+        for s in list_sandboxes(app.settings.node_dir):
+            state = "kept" if s.kept else ("alive" if s.alive else "orphaned")
+            click.echo(f"{s.id}  {state:<8}  {s.lock}")
+
+    @sandbox.command("rm")
+    @click.argument("ids", nargs=-1, required=True)
+    @pass_app
+    def sandbox_rm(app: App, ids: tuple[str, ...]) -> None:
+        """Kill, unmount and delete sandboxes by id."""
+        from runtime_shim.sandbox import remove_sandbox
+
+        for i in ids:
+            remove_sandbox(app.settings.node_dir, i, app.settings.oci_runtime)
+            click.echo(f"removed {i}")
+
+    @sandbox.command("gc")
+    @pass_app
+    def sandbox_gc(app: App) -> None:
+        """Remove sandboxes left behind by crashed processes (kept ones stay)."""
+        from runtime_shim.sandbox import gc_sandboxes
+
+        removed = gc_sandboxes(app.settings.node_dir, app.settings.oci_runtime)
+        click.echo(f"removed {len(removed)} orphaned sandbox(es)" +
+                   (": " + ", ".join(removed) if removed else ""))

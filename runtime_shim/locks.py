@@ -1,0 +1,93 @@
+"""Reading locks from a store: a ref or digest → the layers and runtime config to launch.
+
+A lock is an OCI image manifest + config written by ``envbuild lock`` (see
+``envbuild.plan.lockspec`` for the format and ``envbuild.oci`` for the annotation keys). This
+side only reads; it verifies every blob it reads (the store does) and refuses a manifest that
+is not an image manifest or whose layers are not ``tar+zstd``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from envbuild.errors import RefNotFound, RuntimeShimError
+from envbuild.oci import (ANNOTATION_KEY, ANNOTATION_NAME, ANNOTATION_ROLE, ANNOTATION_TOC,
+                          LABEL_HOSTNAME, MEDIA_TYPE_LAYER_ZSTD, MEDIA_TYPE_MANIFEST)
+from envbuild.store import Store, get_json
+
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRef:
+    digest: str
+    size: int
+    diff_id: str
+    name: str
+    role: str
+    toc_digest: str
+    key: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedLock:
+    """What a sandbox is made of: layers bottom to top and the runtime config."""
+
+    digest: str
+    layers: tuple[LayerRef, ...]
+    env: Mapping[str, str]
+    workdir: str
+    user: str
+    cmd: tuple[str, ...] | None
+    hostname: str | None
+    manifest: Mapping[str, Any] = dataclasses.field(repr=False)
+    config: Mapping[str, Any] = dataclasses.field(repr=False)
+
+
+def lock_digest(store: Store, ref_or_digest: str) -> str:
+    """``sha256:…`` as is; ``env/NAME``, ``snap/NAME`` or a bare env name through the store's
+    refs (a bare name tries ``env/NAME`` first)."""
+    if _DIGEST.fullmatch(ref_or_digest):
+        return ref_or_digest
+    candidates = [ref_or_digest] if "/" in ref_or_digest else [f"env/{ref_or_digest}",
+                                                                ref_or_digest]
+    for name in candidates:
+        try:
+            return store.get_ref(name).digest
+        except RefNotFound:
+            continue
+    refs = ", ".join(store.list_refs()[:10]) or "none"
+    raise RuntimeShimError(f"no lock named {ref_or_digest!r} in {store!r}",
+                           hint=f"refs there: {refs}; build and lock it with `envbuild build`")
+
+
+def resolve(store: Store, ref_or_digest: str) -> ResolvedLock:
+    digest = lock_digest(store, ref_or_digest)
+    manifest = get_json(store, digest)
+    if manifest.get("mediaType") != MEDIA_TYPE_MANIFEST or "config" not in manifest:
+        raise RuntimeShimError(f"{digest} is not an OCI image manifest",
+                               hint="pass a lock digest or ref (envbuild lock prints it)")
+    config = get_json(store, manifest["config"]["digest"])
+    diff_ids = config.get("rootfs", {}).get("diff_ids", [])
+    descs = manifest.get("layers", [])
+    if len(diff_ids) != len(descs):
+        raise RuntimeShimError(f"lock {digest}: {len(descs)} layers but {len(diff_ids)} diff_ids")
+    layers = []
+    for desc, diff_id in zip(descs, diff_ids):
+        if desc.get("mediaType") != MEDIA_TYPE_LAYER_ZSTD:
+            raise RuntimeShimError(f"lock {digest}: layer {desc.get('digest')} has media type "
+                                   f"{desc.get('mediaType')!r}; envbuild runs tar+zstd layers")
+        ann = desc.get("annotations") or {}
+        layers.append(LayerRef(digest=desc["digest"], size=desc["size"], diff_id=diff_id,
+                               name=ann.get(ANNOTATION_NAME, ""), role=ann.get(ANNOTATION_ROLE, ""),
+                               toc_digest=ann.get(ANNOTATION_TOC, ""), key=ann.get(ANNOTATION_KEY, "")))
+    c = config.get("config") or {}
+    env = dict(item.partition("=")[::2] for item in c.get("Env") or [])
+    return ResolvedLock(digest=digest, layers=tuple(layers), env=env,
+                        workdir=c.get("WorkingDir") or "/", user=c.get("User") or "0:0",
+                        cmd=tuple(c["Cmd"]) if c.get("Cmd") else None,
+                        hostname=(c.get("Labels") or {}).get(LABEL_HOSTNAME),
+                        manifest=manifest, config=config)

@@ -1,0 +1,435 @@
+"""The sandbox SDK: ``Sandbox.create(lock) → exec / read_file / write_file → close``.
+
+One class for every backend; ``backend=`` is the single switch (``"container"`` today, the
+microVM backend plugs in behind the same ``Backend`` protocol). A sandbox is:
+
+- the lock's layers, unpacked once per host in the node cache and shared read-only;
+- a private upper + work dir and an overlay mount (``<node>/sandboxes/<id>/merged``);
+- a detached OCI container (runc by default) whose PID 1 is a static busybox from the host
+  sleeping forever, bind-mounted at ``/.envbuild/busybox`` from the stub layer; commands
+  run with ``runc exec``.
+
+Security by default (see ``runtime_shim.spec``): an empty network namespace unless
+``network=True``, dropped capabilities, ``noNewPrivileges``, masked ``/proc`` paths, pids and
+memory limits, an rlimit on open files, and an output cap per exec so a command that prints
+forever is stopped instead of filling memory.
+
+Everything a sandbox owns is under its directory and its runtime state under the node's runc
+root, both named by the sandbox id (``eb-…``), so ``gc_sandboxes`` can find and remove the
+leftovers of a crashed process: mounts, runc containers, directories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from envbuild.errors import RuntimeShimError
+from envbuild.store import Store
+from runtime_shim import fsaccess
+from runtime_shim.locks import ResolvedLock, resolve
+from runtime_shim.mount import OverlaySpec, mount_overlay, mounted_targets_under, unmount
+from runtime_shim.nodecache import NodeCache
+from runtime_shim.runc import OciRuntime, destroy, write_bundle
+from runtime_shim.spec import BindMount, Rlimit, RuntimeSpecRequest, env_list, parse_user, runtime_spec
+from runtime_shim.stub import INIT_PATH, ensure_stub
+
+SANDBOX_META_VERSION = 1
+DEFAULT_OUTPUT_CAP = 16 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Resource limits of one sandbox. ``None`` leaves a limit off."""
+
+    pids: int | None = 512
+    memory_bytes: int | None = 2 << 30
+    nofile: int = 4096
+    output_bytes: int = DEFAULT_OUTPUT_CAP  # per exec and stream
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    duration: float
+    timed_out: bool = False
+    output_truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxPaths:
+    root: Path
+
+    @property
+    def upper(self) -> Path:
+        return self.root / "upper"
+
+    @property
+    def work(self) -> Path:
+        return self.root / "work"
+
+    @property
+    def merged(self) -> Path:
+        return self.root / "merged"
+
+    @property
+    def bundle(self) -> Path:
+        return self.root / "bundle"
+
+    @property
+    def meta(self) -> Path:
+        return self.root / "sandbox.json"
+
+
+class Backend(Protocol):
+    """What a backend implements; ``Sandbox`` adds the shared behaviour on top."""
+
+    def exec(self, argv: Sequence[str], *, env: Mapping[str, str], cwd: str, user: str,
+             timeout: float | None, stdin: bytes | None) -> ExecResult: ...
+
+    def read_file(self, path: str) -> bytes: ...
+
+    def write_file(self, path: str, data: bytes, mode: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def compose(layer_dirs: Sequence[str], stub: str, paths: SandboxPaths) -> OverlaySpec:
+    """The overlay of a sandbox (pure): layers given bottom to top become lower dirs topmost
+    first, the stub at the very bottom, and the sandbox's own upper and work dirs."""
+    return OverlaySpec(str(paths.merged), (*reversed(layer_dirs), stub), str(paths.upper),
+                       str(paths.work))
+
+
+def _host_busybox() -> str:
+    for p in ("/bin/busybox", "/usr/bin/busybox"):
+        if os.path.isfile(p):
+            return p
+    raise RuntimeShimError("the sandbox init needs a static busybox on the host",
+                           hint="apt-get install busybox-static (or run scripts/setup.sh)")
+
+
+def _clamped_nofile(wanted: int) -> Rlimit:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    value = min(wanted, hard) if hard != resource.RLIM_INFINITY else wanted
+    return Rlimit("RLIMIT_NOFILE", value, value)
+
+
+class ContainerBackend:
+    """A detached runc (or crun) container over the sandbox's overlay."""
+
+    def __init__(self, sandbox_id: str, paths: SandboxPaths, lock: ResolvedLock,
+                 runtime: OciRuntime, *, network: bool, limits: Limits) -> None:
+        self.id = sandbox_id
+        self.paths = paths
+        self.lock = lock
+        self.runtime = runtime
+        self.limits = limits
+        uid, gid = parse_user(lock.user)
+        binds = [BindMount(_host_busybox(), INIT_PATH)]
+        if network:
+            binds += [BindMount("/etc/resolv.conf", "/etc/resolv.conf")]
+        request = RuntimeSpecRequest(
+            rootfs=str(paths.merged), args=(INIT_PATH, "sleep", "2147483647"),
+            env=env_list(lock.env), cwd=lock.workdir, uid=uid, gid=gid,
+            hostname=lock.hostname or "sandbox", network=network,
+            rlimits=(_clamped_nofile(limits.nofile),), pids_limit=limits.pids,
+            memory_limit=limits.memory_bytes, cgroups_path=f"/envbuild/{sandbox_id}",
+            binds=tuple(binds))
+        write_bundle(paths.bundle, runtime_spec(request))
+        Path(runtime.state_root).mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(runtime.command("run", "--detach", "--bundle", str(paths.bundle),
+                                              sandbox_id),
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, check=False)
+        if proc.returncode != 0:
+            destroy(runtime, sandbox_id)
+            raise RuntimeShimError(f"start sandbox {sandbox_id}: {runtime.name} exited "
+                                   f"{proc.returncode}",
+                                   context=proc.stderr.decode(errors="replace").strip()[-2000:])
+
+    def exec(self, argv, *, env, cwd, user, timeout, stdin) -> ExecResult:
+        pid_file = self.paths.root / f"exec-{uuid.uuid4().hex[:8]}.pid"
+        cmd = ["exec", "--pid-file", str(pid_file), "--cwd", cwd, "--user", user]
+        for k, v in env.items():
+            cmd += ["--env", f"{k}={v}"]
+        cmd += [self.id, *argv]
+        started = time.monotonic()
+        proc = subprocess.Popen(self.runtime.command(*cmd), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        cap = self.limits.output_bytes
+        out, err = _Capture(proc.stdout, cap), _Capture(proc.stderr, cap)
+        if stdin:
+            try:
+                proc.stdin.write(stdin)
+            except BrokenPipeError:
+                pass
+        proc.stdin.close()
+        timed_out = False
+        deadline = None if timeout is None else started + timeout
+        while proc.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                timed_out = True
+                break
+            if out.overflow or err.overflow:
+                break
+            time.sleep(0.002 if time.monotonic() - started < 0.1 else 0.02)
+        if proc.poll() is None:  # timed out or over the output cap: kill the command only
+            _kill_exec(pid_file)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        out.join()
+        err.join()
+        pid_file.unlink(missing_ok=True)
+        code = proc.returncode
+        if timed_out:
+            code = 124
+        return ExecResult(exit_code=code, stdout=out.data(), stderr=err.data(),
+                          duration=time.monotonic() - started, timed_out=timed_out,
+                          output_truncated=out.overflow or err.overflow)
+
+    def read_file(self, path: str) -> bytes:
+        return fsaccess.read_file(str(self.paths.merged), path)
+
+    def write_file(self, path: str, data: bytes, mode: int) -> None:
+        uid, gid = parse_user(self.lock.user)
+        fsaccess.write_file(str(self.paths.merged), path, data, mode=mode, uid=uid, gid=gid)
+
+    def close(self) -> None:
+        destroy(self.runtime, self.id)
+
+
+def _kill_exec(pid_file: Path) -> None:
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return
+    try:
+        pgid = os.getpgid(pid)
+        # runc exec makes the command its own process group leader only sometimes; kill the
+        # group when it is the command's own, else just the command.
+        if pgid == pid:
+            os.killpg(pgid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class _Capture:
+    """Read a pipe to EOF on a thread, keeping at most ``cap`` bytes."""
+
+    def __init__(self, pipe, cap: int) -> None:
+        self.pipe = pipe
+        self.cap = cap
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.overflow = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while chunk := self.pipe.read1(1 << 16):
+            if self.size < self.cap:
+                keep = chunk[: self.cap - self.size]
+                self.chunks.append(keep)
+                self.size += len(keep)
+            if self.size >= self.cap and len(chunk) > 0:
+                self.overflow = self.overflow or self.size + len(chunk) > self.cap
+        self.pipe.close()
+
+    def join(self) -> None:
+        self.thread.join(timeout=10)
+
+    def data(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+BACKENDS = ("container",)
+
+
+class Sandbox:
+    """A running, isolated, disposable instance of a lock. Use as a context manager."""
+
+    def __init__(self, sandbox_id: str, lock: ResolvedLock, paths: SandboxPaths,
+                 backend: Backend, node_root: Path) -> None:
+        self.id = sandbox_id
+        self.lock = lock
+        self.paths = paths
+        self._backend = backend
+        self._node_root = node_root
+        self._closed = False
+
+    @classmethod
+    def create(
+        cls,
+        lock: str,
+        *,
+        store: Store,
+        node_dir: str | os.PathLike[str],
+        backend: str = "container",
+        network: bool = False,
+        limits: Limits | None = None,
+        runtime: str = "runc",
+        keep: bool = False,
+    ) -> Sandbox:
+        """Fetch what is missing, compose and start a sandbox of ``lock`` (digest or ref)."""
+        if backend not in BACKENDS:
+            raise RuntimeShimError(f"unknown sandbox backend {backend!r}",
+                                   hint=f"choose one of: {', '.join(BACKENDS)}")
+        node_root = Path(node_dir)
+        node = NodeCache(node_root / "node")
+        resolved = resolve(store, lock)
+        layer_dirs = [str(node.ensure(store, layer.digest)) for layer in resolved.layers]
+        sandbox_id = f"eb-{uuid.uuid4().hex[:12]}"
+        paths = SandboxPaths(node_root / "sandboxes" / sandbox_id)
+        for p in (paths.upper, paths.work, paths.merged):
+            p.mkdir(parents=True)
+        _write_meta(paths, {"version": SANDBOX_META_VERSION, "id": sandbox_id,
+                            "lock": resolved.digest, "backend": backend, "pid": os.getpid(),
+                            "kept": keep, "created": time.time()})
+        oci = OciRuntime(runtime, state_root=str(node_root / "runc"))
+        mounted = False
+        try:
+            mount_overlay(compose(layer_dirs, str(ensure_stub(node.root)), paths))
+            mounted = True
+            impl = ContainerBackend(sandbox_id, paths, resolved, oci, network=network,
+                                    limits=limits or Limits())
+        except BaseException:
+            if mounted:
+                unmount(str(paths.merged))
+            shutil.rmtree(paths.root, ignore_errors=True)
+            raise
+        return cls(sandbox_id, resolved, paths, impl, node_root)
+
+    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
+             env: Mapping[str, str] | None = None, cwd: str | None = None,
+             user: str | None = None, stdin: bytes | None = None) -> ExecResult:
+        """Run ``cmd`` (a string goes through ``/bin/sh -c``) and wait for it."""
+        self._check_open()
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        if not argv:
+            raise RuntimeShimError("exec needs a command")
+        return self._backend.exec(argv, env=dict(env or {}), cwd=cwd or self.lock.workdir,
+                                  user=user or self.lock.user, timeout=timeout, stdin=stdin)
+
+    def read_file(self, path: str) -> bytes:
+        self._check_open()
+        return self._backend.read_file(path)
+
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        self._check_open()
+        self._backend.write_file(path, data.encode() if isinstance(data, str) else data, mode)
+
+    def close(self) -> None:
+        """Stop every process, unmount and remove the sandbox's files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._backend.close()
+        finally:
+            remove_sandbox_dir(self.paths)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeShimError(f"sandbox {self.id} is closed")
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} lock={self.lock.digest[:19]}>"
+
+
+def _write_meta(paths: SandboxPaths, meta: dict) -> None:
+    tmp = paths.root / "sandbox.json.tmp"
+    tmp.write_text(json.dumps(meta))
+    tmp.replace(paths.meta)
+
+
+def remove_sandbox_dir(paths: SandboxPaths) -> None:
+    for target in mounted_targets_under(str(paths.root)):
+        unmount(target)
+    shutil.rmtree(paths.root, ignore_errors=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxInfo:
+    id: str
+    lock: str
+    pid: int
+    alive: bool  # the creating process still runs
+    kept: bool  # made with keep=True (envbuild run --keep): gc leaves it alone
+    created: float
+    path: Path
+
+
+def list_sandboxes(node_dir: str | os.PathLike[str]) -> list[SandboxInfo]:
+    root = Path(node_dir) / "sandboxes"
+    found = []
+    if not root.is_dir():
+        return found
+    for d in sorted(root.iterdir()):
+        try:
+            meta = json.loads((d / "sandbox.json").read_text())
+        except (OSError, ValueError):
+            meta = {}
+        pid = int(meta.get("pid", 0))
+        found.append(SandboxInfo(id=d.name, lock=meta.get("lock", "?"), pid=pid,
+                                 alive=_pid_alive(pid), kept=bool(meta.get("kept")),
+                                 created=meta.get("created", 0.0), path=d))
+    return found
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_sandbox(node_dir: str | os.PathLike[str], sandbox_id: str,
+                   runtime: str = "runc") -> None:
+    """Kill, unmount and delete one sandbox, whoever created it."""
+    node_root = Path(node_dir)
+    destroy(OciRuntime(runtime, state_root=str(node_root / "runc")), sandbox_id)
+    remove_sandbox_dir(SandboxPaths(node_root / "sandboxes" / sandbox_id))
+
+
+def gc_sandboxes(node_dir: str | os.PathLike[str], runtime: str = "runc") -> list[str]:
+    """Remove sandboxes whose creating process is gone (a crash or kill -9), except kept ones."""
+    removed = []
+    for info in list_sandboxes(node_dir):
+        if not info.alive and not info.kept:
+            remove_sandbox(node_dir, info.id, runtime)
+            removed.append(info.id)
+    return removed

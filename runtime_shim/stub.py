@@ -1,0 +1,39 @@
+"""The stub layer: mount points every container needs, as the bottom lower dir.
+
+runc creates missing mount points (``/proc``, ``/etc/resolv.conf`` …) inside the rootfs, which
+for an overlay means inside the upper dir — and from there into a built layer or a snapshot.
+Putting them in a read-only bottom layer instead keeps upper dirs a pure diff. ``/.envbuild``
+holds the bind-mount target of the sandbox init (a static busybox from the host), so every
+sandbox has a PID 1 whatever its image contains.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+STUB_VERSION = 1
+STUB_DIRS = ("proc", "sys", "dev", "tmp", "etc", "run", ".envbuild")
+STUB_FILES = ("etc/resolv.conf", "etc/hosts", "etc/hostname", ".envbuild/busybox")
+INIT_PATH = "/.envbuild/busybox"
+
+
+def ensure_stub(root: Path) -> Path:
+    """The stub directory under ``root`` (created atomically on first use)."""
+    stub = root / f"stub-v{STUB_VERSION}"
+    if stub.is_dir():
+        return stub
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".stub-{uuid.uuid4().hex}"
+    for d in STUB_DIRS:
+        (tmp / d).mkdir(parents=True)
+    os.chmod(tmp / "tmp", 0o1777)
+    for f in STUB_FILES:
+        (tmp / f).touch()
+    try:
+        tmp.rename(stub)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp)
+    return stub
