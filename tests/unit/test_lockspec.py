@@ -1,5 +1,6 @@
-from envbuild.plan.lockspec import (LockLayer, RuntimeConfig, expand, lock_layers_from_manifest,
-                                    make_lock, merge_config)
+from envbuild.plan.lockspec import LockLayer, RuntimeConfig, expand, make_lock, merge_config
+from envbuild.store import MEDIA_TYPE_CONFIG, MemoryStore, put_json
+from runtime_shim.locks import resolve
 from tests.oci_schemas import IMAGE_SPEC, assert_valid
 
 D = "sha256:" + "a" * 64
@@ -22,8 +23,24 @@ def test_lock_is_a_valid_oci_image_and_deterministic():
     assert lock.config["rootfs"]["diff_ids"] == ["sha256:" + "c" * 64, "sha256:" + "f" * 64]
     assert lock.manifest["layers"][1]["annotations"]["org.envbuild.role"] == "workspace"
     assert lock.config["config"]["WorkingDir"] == "/workspace"
-    back = lock_layers_from_manifest(lock.manifest, lock.config)
-    assert back == _layers()
+
+
+def test_runtime_side_reads_back_what_the_lock_says():
+    cfg = merge_config([RuntimeConfig(env={"LANG": "C.UTF-8"}, hostname="box"),
+                        RuntimeConfig(workdir="/workspace", user="1000:1000")])
+    lock = make_lock("swe", _layers(), cfg)
+    store = MemoryStore()
+    put_json(store, lock.config, media_type=MEDIA_TYPE_CONFIG)
+    digest = put_json(store, lock.manifest).digest
+    store.put_ref("env/swe", digest)
+    for ref in ("swe", "env/swe", digest):
+        back = resolve(store, ref)
+        assert back.digest == digest
+        assert [(x.name, x.role, x.digest, x.diff_id, x.size, x.toc_digest, x.key)
+                for x in back.layers] == [(x.name, x.role, x.digest, x.diff_id, x.size,
+                                           x.toc_digest, x.key) for x in _layers()]
+        assert back.workdir == "/workspace" and back.user == "1000:1000"
+        assert back.hostname == "box" and back.env["LANG"] == "C.UTF-8"
 
 
 def test_path_merges_in_layer_order_and_env_wins_last():
