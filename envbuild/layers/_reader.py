@@ -1,0 +1,302 @@
+"""Layer reader: footer -> verified TOC -> entries, stat, single-file reads, frame iteration."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import zstandard
+
+from envbuild.errors import CorruptLayerError, LayerError, UnsupportedFormatError
+from envbuild.layers._footer import (
+    FOOTER_SIZE,
+    SKIPPABLE_MAGIC,
+    Footer,
+    FooterError,
+    parse_skippable_header,
+)
+from envbuild.layers._toc import Chunk, Entry, Toc, TocFormatError, TocVersionError
+
+GetRange = Callable[[int, int], bytes]
+MAX_FRAME_USIZE = 64 << 20   # readers refuse bigger frames (v1 writers make <= ~5 MiB)
+MAX_TOC_USIZE = 1 << 30
+_FETCH_BATCH = 4 << 20       # whole-layer reads fetch up to this many compressed bytes at once
+_LOOKAHEAD = 4
+_local = threading.local()
+
+
+def _dctx() -> zstandard.ZstdDecompressor:
+    d = getattr(_local, "dctx", None)
+    if d is None:
+        d = _local.dctx = zstandard.ZstdDecompressor()
+    return d
+
+
+class ReadStats:
+    """Counters of what a reader fetched and decompressed (for tests and benchmarks)."""
+
+    def __init__(self) -> None:
+        self.ranges = 0
+        self.bytes_fetched = 0
+        self.frames_decompressed = 0
+        self.bytes_decompressed = 0
+
+
+class LayerReader:
+    """Read a layer blob through ``get_range(offset, length) -> bytes``.
+
+    Give the blob's total ``size`` or a ``get_tail(n) -> bytes`` that returns its last ``n``
+    bytes (an HTTP suffix range); the footer is the last 80 bytes. ``name`` (a digest, a path)
+    prefixes every error message. ``expected_toc_digest`` (``sha256:...`` from the descriptor
+    annotations or key record) is checked against the TOC in addition to the footer's digest.
+    Construction fetches and verifies the TOC; frames are fetched only when needed.
+    """
+
+    def __init__(self, get_range: GetRange, size: int | None = None, *, name: str = "layer",
+                 get_tail: Callable[[int], bytes] | None = None,
+                 expected_toc_digest: str | None = None, workers: int = 2) -> None:
+        self.name = name
+        self.workers = workers
+        self._get_range = get_range
+        self.stats = ReadStats()
+        self._close: Callable[[], None] | None = None
+        if size is not None:
+            if size < FOOTER_SIZE:
+                raise self._corrupt(f"blob is {size} bytes, too short for a footer (truncated)")
+            raw = self._fetch(size - FOOTER_SIZE, FOOTER_SIZE)
+        elif get_tail is not None:
+            raw = get_tail(FOOTER_SIZE)
+        else:
+            raise TypeError("LayerReader needs size or get_tail")
+        try:
+            self.footer = Footer.decode(raw)
+        except FooterError as e:
+            cls = UnsupportedFormatError if e.unsupported else CorruptLayerError
+            raise cls(f"layer {name}: {e}") from None
+        f = self.footer
+        if size is not None and f.blob_size != size:
+            raise self._corrupt(f"footer says the blob is {f.blob_size} bytes but it is {size} "
+                                "(truncated or extended)")
+        self.size = f.blob_size
+        if f.toc_usize > MAX_TOC_USIZE:
+            raise self._corrupt(f"TOC size {f.toc_usize} exceeds the reader limit")
+        tocframe = self._fetch(f.toc_offset, 8 + f.toc_csize)
+        magic, length = parse_skippable_header(tocframe[:8])
+        if magic != SKIPPABLE_MAGIC or length != f.toc_csize:
+            raise self._corrupt("no TOC frame where the footer points (wrong skippable header)")
+        payload = tocframe[8:]
+        sha = hashlib.sha256(payload).digest()
+        if sha != f.toc_sha256:
+            raise self._corrupt(f"TOC digest mismatch (footer says sha256:{f.toc_sha256.hex()}, "
+                                f"TOC is sha256:{sha.hex()})")
+        self.toc_digest = "sha256:" + sha.hex()
+        if expected_toc_digest is not None and expected_toc_digest != self.toc_digest:
+            raise self._corrupt(f"TOC digest mismatch (expected {expected_toc_digest}, "
+                                f"got {self.toc_digest})")
+        try:
+            raw_toc = zstandard.ZstdDecompressor().decompress(payload,
+                                                              max_output_size=f.toc_usize)
+        except zstandard.ZstdError as e:
+            raise self._corrupt(f"TOC does not decompress ({e})") from None
+        if len(raw_toc) != f.toc_usize:
+            raise self._corrupt("TOC length differs from the footer")
+        try:
+            self.toc = Toc.from_bytes(raw_toc)
+        except TocVersionError as e:
+            raise UnsupportedFormatError(f"layer {name}: {e}") from None
+        except TocFormatError as e:
+            raise self._corrupt(str(e)) from None
+        if sum(c for c, _ in self.toc.frames) != f.toc_offset:
+            raise self._corrupt("TOC frames do not cover the blob up to the TOC")
+        self._index: dict[str, Entry] = {}
+        for e in self.toc.entries:
+            if e.path in self._index:
+                raise self._corrupt(f"TOC lists {e.path!r} twice")
+            self._index[e.path] = e
+
+    # -- construction helpers -------------------------------------------------------------
+
+    @classmethod
+    def open_file(cls, path: str | os.PathLike, **kwargs) -> LayerReader:
+        """Open a local blob (``os.pread``); close with ``close()`` or a ``with`` block."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            kwargs.setdefault("name", os.fspath(path))
+            reader = cls(lambda off, n: os.pread(fd, n, off), size, **kwargs)
+        except BaseException:
+            os.close(fd)
+            raise
+        reader._close = lambda: os.close(fd)
+        return reader
+
+    @classmethod
+    def from_store(cls, store, digest: str, **kwargs) -> LayerReader:
+        """Read blob ``digest`` from a store (anything with ``stat(digest).size`` and
+        ``get_range(digest, offset, length)``); the digest names the layer in errors."""
+        size = store.stat(digest).size
+        kwargs.setdefault("name", digest)
+        return cls(lambda off, n: store.get_range(digest, off, n), size, **kwargs)
+
+    def close(self) -> None:
+        if self._close is not None:
+            self._close()
+            self._close = None
+
+    def __enter__(self) -> LayerReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _corrupt(self, what: str) -> CorruptLayerError:
+        return CorruptLayerError(f"layer {self.name}: {what}")
+
+    def _fetch(self, offset: int, length: int) -> bytes:
+        try:
+            data = self._get_range(offset, length)
+        except LayerError:
+            raise
+        except OSError as e:
+            raise LayerError(f"layer {self.name}: read {length} bytes at {offset}: "
+                             f"{e.strerror or e}") from e
+        self.stats.ranges += 1
+        self.stats.bytes_fetched += len(data)
+        if len(data) != length:
+            raise self._corrupt(f"short read at offset {offset}: wanted {length} bytes, got "
+                                f"{len(data)} (truncated blob)")
+        return data
+
+    def _decompress(self, frame, usize: int, offset: int, exact: bool = False) -> bytes:
+        if usize > MAX_FRAME_USIZE:
+            raise self._corrupt(f"frame at offset {offset} claims {usize} bytes, over the "
+                                f"{MAX_FRAME_USIZE} limit")
+        try:
+            if exact:
+                dobj = _dctx().decompressobj()
+                out = dobj.decompress(frame)
+                if not dobj.eof or dobj.unused_data:
+                    raise self._corrupt(f"frame at offset {offset} does not end where the TOC "
+                                        "says")
+            else:
+                out = _dctx().decompress(frame, max_output_size=usize)
+        except zstandard.ZstdError as e:
+            raise self._corrupt(f"frame at offset {offset} does not decompress ({e})") from None
+        if len(out) != usize:
+            raise self._corrupt(f"frame at offset {offset} decompresses to {len(out)} bytes, "
+                                f"TOC says {usize}")
+        self.stats.frames_decompressed += 1
+        self.stats.bytes_decompressed += usize
+        return out
+
+    # -- queries --------------------------------------------------------------------------
+
+    def entries(self) -> list[Entry]:
+        """Every member in tar order."""
+        return self.toc.entries
+
+    def stat(self, path: str) -> Entry:
+        e = self._index.get(path.strip("/"))
+        if e is None:
+            raise LayerError(f"layer {self.name}: no member {path!r}")
+        return e
+
+    def read(self, path: str) -> bytes:
+        """The contents of one regular file (a hardlink reads its target), decompressing only the
+        frames that hold it, verified against the TOC digest."""
+        e = self.stat(path)
+        if e.type == "hardlink":
+            e = self.stat(e.linkname)
+        if e.type != "file":
+            raise LayerError(f"layer {self.name}: {path} is a {e.type}, not a regular file")
+        h = hashlib.sha256()
+        parts: list[bytes] = []
+        need = e.size
+        for run in _runs(e.chunks):
+            start = run[0].offset
+            end = run[-1].offset + run[-1].csize
+            if end > self.footer.toc_offset:
+                raise self._corrupt(f"chunk of {e.path} points past the data frames")
+            data = memoryview(self._fetch(start, end - start))
+            for c in run:
+                frame = self._decompress(data[c.offset - start:c.offset - start + c.csize],
+                                         c.usize, c.offset)
+                piece = frame[c.inner:c.inner + need]
+                if not piece and need:
+                    raise self._corrupt(f"chunk of {e.path} is outside its frame")
+                need -= len(piece)
+                h.update(piece)
+                parts.append(piece)
+        if need:
+            raise self._corrupt(f"chunks of {e.path} hold fewer bytes than its size")
+        if "sha256:" + h.hexdigest() != e.digest:
+            raise self._corrupt(f"content of {e.path} does not match its TOC digest")
+        return b"".join(parts)
+
+    def iter_frames(self, *, exact: bool = False, raw: bool = False) -> Iterator:
+        """Decompressed data frames in order (fetched and decompressed by a thread pool).
+        With ``raw``, yields ``(compressed, decompressed)`` pairs."""
+        frames = self.toc.frames
+        batches: list[tuple[int, list[tuple[int, int]]]] = []
+        off = 0
+        cur: list[tuple[int, int]] = []
+        start = 0
+        total = 0
+        for csize, usize in frames:
+            if cur and total + csize > _FETCH_BATCH:
+                batches.append((start, cur))
+                start, cur, total = off, [], 0
+            cur.append((csize, usize))
+            total += csize
+            off += csize
+        if cur:
+            batches.append((start, cur))
+
+        def job(start: int, sizes: list[tuple[int, int]]):
+            total = sum(c for c, _ in sizes)
+            data = memoryview(self._fetch(start, total))
+            out = []
+            pos = 0
+            for csize, usize in sizes:
+                frame = data[pos:pos + csize]
+                d = self._decompress(frame, usize, start + pos, exact)
+                out.append((frame, d) if raw else d)
+                pos += csize
+            return out
+
+        with ThreadPoolExecutor(max_workers=self.workers,
+                                thread_name_prefix="layer-unzstd") as pool:
+            pending: deque = deque()
+            it = iter(batches)
+            try:
+                for b in it:
+                    pending.append(pool.submit(job, *b))
+                    if len(pending) >= _LOOKAHEAD:
+                        yield from pending.popleft().result()
+                while pending:
+                    yield from pending.popleft().result()
+            finally:
+                for p in pending:
+                    p.cancel()
+
+    def unpack(self, dest: str | os.PathLike, *, whiteouts: str = "apply", **kwargs) -> None:
+        """Extract every member below ``dest``; see ``envbuild.layers.unpack_layer``."""
+        from envbuild.layers._unpack import unpack_layer
+
+        unpack_layer(self, dest, whiteouts=whiteouts, **kwargs)
+
+
+def _runs(chunks: list[Chunk]) -> Iterator[list[Chunk]]:
+    """Group chunks whose frames are adjacent in the blob: one ranged read per run."""
+    run: list[Chunk] = []
+    for c in chunks:
+        if run and run[-1].offset + run[-1].csize != c.offset:
+            yield run
+            run = []
+        run.append(c)
+    if run:
+        yield run

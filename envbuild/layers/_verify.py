@@ -1,0 +1,128 @@
+"""Full verification of a layer blob: every byte is checked against the TOC and the digests."""
+
+from __future__ import annotations
+
+import hashlib
+
+from envbuild.errors import CorruptLayerError, UnsafeLayerError
+from envbuild.layers._footer import FOOTER_SIZE
+from envbuild.layers._reader import LayerReader
+from envbuild.layers._stream import TarStream, Truncated, iter_members
+from envbuild.layers._tar import TarFormatError
+from envbuild.layers._toc import Chunk, Entry, LayerInfo
+from envbuild.layers._unpack import check_member_name
+
+
+def verify_layer(reader: LayerReader, *, expected_digest: str | None = None,
+                 expected_diff_id: str | None = None, check_names: bool = True) -> LayerInfo:
+    """Check everything, or raise ``CorruptLayerError`` / ``UnsafeLayerError`` naming the layer.
+
+    Every frame decompresses to exactly its recorded size and ends where the TOC says; the
+    frames concatenate to a tar that parses; each member matches its TOC entry (metadata,
+    chunk list, content digest); the tar's sha256 is the TOC's ``diff_id``; only zero bytes
+    follow the end-of-archive marker; the blob's sha256 is ``expected_digest`` when given. With
+    ``check_names`` every member name (and hardlink target) must also pass the unpack safety
+    rules. Returns what it measured.
+    """
+    name = reader.name
+    toc = reader.toc
+    blob_hash = hashlib.sha256()
+    tar_hash = hashlib.sha256()
+    frame_starts = []  # (uoffset, blob offset, csize, usize)
+    off = uoff = 0
+    for csize, usize in toc.frames:
+        frame_starts.append((uoff, off, csize, usize))
+        off += csize
+        uoff += usize
+
+    def frames():
+        for compressed, data in reader.iter_frames(exact=True, raw=True):
+            blob_hash.update(compressed)
+            tar_hash.update(data)
+            yield data
+
+    def corrupt(what: str) -> CorruptLayerError:
+        return CorruptLayerError(f"layer {name}: {what}")
+
+    stream = TarStream(frames())
+    entries = toc.entries
+    n = len(entries)
+    i = 0
+    fi = 0  # index into frame_starts for chunk derivation
+    symlinks: set[str] = set()
+    files: set[str] = set()
+    try:
+        for e, data_off in iter_members(stream):
+            t = entries[i] if i < n else None
+            i += 1
+            if t is None or not e.same_header(t):
+                raise corrupt(f"tar member {i} ({e.path!r}) does not match the TOC")
+            if check_names:
+                _check_safe(name, e, symlinks, files)
+            if e.type != "file":
+                continue
+            h = hashlib.sha256()
+            got = 0
+            for piece in stream.pieces(e.size):
+                h.update(piece)
+                got += len(piece)
+            if got != e.size:
+                raise Truncated("tar stream ends inside member data")
+            if "sha256:" + h.hexdigest() != t.digest:
+                raise corrupt(f"content of {e.path} does not match its TOC digest")
+            expect = []
+            if e.size:
+                while frame_starts[fi][0] + frame_starts[fi][3] <= data_off:
+                    fi += 1
+                j = fi
+                end = data_off + e.size
+                while j < len(frame_starts) and frame_starts[j][0] < end:
+                    u, o, c, s = frame_starts[j]
+                    expect.append(Chunk(o, c, u, s, max(0, data_off - u)))
+                    j += 1
+            if t.chunks != expect:
+                raise corrupt(f"chunk list of {e.path} does not match the frames")
+        if i != n:
+            raise corrupt(f"the TOC lists {n} members, the tar {i}")
+        for piece in stream.rest():
+            if any(piece):
+                raise corrupt("non-zero bytes after the end-of-archive marker")
+    except (TarFormatError, Truncated) as err:
+        raise corrupt(f"tar stream: {err}") from None
+    if stream.offset != toc.tar_size:
+        raise corrupt(f"tar is {stream.offset} bytes, TOC says {toc.tar_size}")
+    diff_id = "sha256:" + tar_hash.hexdigest()
+    if diff_id != toc.diff_id:
+        raise corrupt(f"diff_id mismatch (TOC says {toc.diff_id}, tar is {diff_id})")
+    if expected_diff_id is not None and diff_id != expected_diff_id:
+        raise corrupt(f"diff_id mismatch (expected {expected_diff_id}, got {diff_id})")
+    f = reader.footer
+    tail = reader._fetch(f.toc_offset, reader.size - f.toc_offset)
+    if len(tail) < FOOTER_SIZE:
+        raise corrupt("truncated tail")
+    blob_hash.update(tail)
+    digest = "sha256:" + blob_hash.hexdigest()
+    if expected_digest is not None and digest != expected_digest:
+        raise corrupt(f"digest mismatch (expected {expected_digest}, blob is {digest})")
+    return LayerInfo(digest=digest, diff_id=diff_id, size=reader.size,
+                     uncompressed_size=toc.tar_size, toc_digest=reader.toc_digest,
+                     entries=n, frames=len(toc.frames), framing=toc.framing)
+
+
+def _check_safe(name: str, e: Entry, symlinks: set[str], files: set[str]) -> None:
+    """The layer-internal safety rules unpack enforces (docs/layer-format.md, "Reader safety")."""
+    parts = check_member_name(name, e.path)
+    for i in range(1, len(parts)):
+        p = "/".join(parts[:i])
+        if p in symlinks:
+            raise UnsafeLayerError(f"layer {name}: member {e.path!r} would be written through "
+                                   f"the symlink {p!r}")
+    if e.type == "symlink":
+        symlinks.add(e.path)
+    elif e.type == "file":
+        files.add(e.path)
+    elif e.type == "hardlink":
+        check_member_name(name, e.linkname, "hardlink target")
+        if e.linkname not in files:
+            raise UnsafeLayerError(f"layer {name}: hardlink {e.path!r} points to {e.linkname!r}, "
+                                   "which is not a regular file earlier in this layer")
