@@ -71,8 +71,9 @@ _SCALARS = {
 def load_definitions(root: Path | str = Path("envdefs")) -> DefinitionSet:
     """Every definition under ``root``, validated; raises one ``DefinitionError`` listing all
     problems otherwise (see the module docstring for the contract)."""
-    root = Path(root)
-    display_root = _display(root)
+    # Walk from the form of root we show, so every file name comes out in that form too.
+    display_root = _display(Path(root))
+    root = Path(display_root)
     if not root.is_dir():
         what = "is not a directory" if root.exists() else "no such directory"
         raise DefinitionError(Problem(
@@ -86,7 +87,7 @@ def load_definitions(root: Path | str = Path("envdefs")) -> DefinitionSet:
     problems: list[Problem] = []
     by_name: dict[str, Definition] = {}
     for path in files:
-        for definition in _load_file(path, _display(path), problems):
+        for definition in _load_file(path, str(path), problems):
             first = by_name.get(definition.name)
             if first is None:
                 by_name[definition.name] = definition
@@ -250,7 +251,8 @@ class _Builder:
                                      path=path, hint=hint))
 
     def _unsupported(self, node: Node, path: str) -> None:
-        self._problem(node, path, f"unsupported yaml tag {node.tag!r}",
+        tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+        self._problem(node, path, f"unsupported yaml tag {tag!r}",
                       "remove the tag; definitions use plain strings, numbers, lists and mappings")
         return None
 

@@ -115,7 +115,7 @@ def check_document(
     """
     problems = _check_header(doc, file, positions)
     kind = doc.get("kind")
-    if kind not in SCHEMA_FILES:
+    if not isinstance(kind, str) or kind not in SCHEMA_FILES:
         return problems
     validator = validators()[kind]
     if not problems and validator.is_valid(doc):
@@ -142,7 +142,7 @@ def _check_header(doc: Mapping[str, Any], file: str, positions: Positions) -> li
     if "kind" not in doc:
         problems.append(Problem(file, *where, "missing kind",
                                 hint=f"kind is one of {', '.join(KINDS)}"))
-    elif kind not in SCHEMA_FILES:
+    elif not isinstance(kind, str) or kind not in SCHEMA_FILES:
         hint = suggest(kind, KINDS) if isinstance(kind, str) else None
         problems.append(Problem(file, *positions["kind"], f"unknown kind {kind!r}", path="kind",
                                 hint=hint or f"kind is one of {', '.join(KINDS)}"))

@@ -232,6 +232,11 @@ def test_unsupported_tag_is_one_problem():
     assert p.message == "unsupported yaml tag '!secret'"
 
 
+def test_standard_tags_are_shown_short():
+    p = one(ENV + "workspace: !!binary aGVsbG8=\n")
+    assert p.message == "unsupported yaml tag '!!binary'"
+
+
 def test_duplicate_names_across_files_point_at_both():
     found = problems({"a.yaml": ENV, "b/c.yaml": "# the same name again\n" + ENV})
     assert len(found) == 1

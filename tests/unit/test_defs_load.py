@@ -199,3 +199,10 @@ def test_libyaml_loader_is_used_when_available():
         assert load_mod.Loader is yaml.CSafeLoader
     else:
         assert load_mod.Loader is yaml.SafeLoader
+
+
+def test_loading_the_current_directory_names_files_without_a_dot_prefix(tree, monkeypatch):
+    monkeypatch.chdir(tree)
+    for root in (".", tree):
+        defs = load_definitions(root)
+        assert defs.by_name["ripgrep"].origin.file == "toolkits/ripgrep.yml"
