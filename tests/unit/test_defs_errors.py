@@ -37,8 +37,9 @@ def one(text: str, rel: str = "a.yaml") -> Problem:
 
 def test_yaml_syntax_error_points_at_the_mark():
     p = one(ENV + "toolkits: [a, b\nconfig: {}\n")
-    assert (p.file, p.line) == ("d/a.yaml", 6)
-    assert p.message.startswith("invalid yaml: ")
+    assert (p.file, p.line, p.column) == ("d/a.yaml", 6, 7)
+    assert p.message.startswith("invalid yaml: ")  # the wording is libyaml's
+    assert p.message.endswith("(while parsing a flow sequence at line 5)")
     assert p.hint == "check the indentation and quoting near this line"
 
 
