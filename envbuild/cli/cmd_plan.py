@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -120,6 +121,19 @@ def render_explanation(e: Explanation, against: str | None) -> None:
 # ---------------------------------------------------------------------- commands
 
 
+def _store_lookup(app):
+    """Key-record lookup in the store, or None (all missing) when there is no store yet:
+    a dry run must not create ``./cache`` as a side effect."""
+    from envbuild.store.helpers import get_key_record
+
+    url = app.settings.store_url
+    if "://" not in url and not Path(url).is_dir():
+        return None
+    store = app.open_store()
+    return lambda key: get_key_record(store, key)
+
+
+
 def register(group: click.Group) -> None:
     @group.command("graph")
     @click.option("--format", "fmt", type=click.Choice(["text", "dot", "json"]), default="text")
@@ -137,11 +151,11 @@ def register(group: click.Group) -> None:
                   help="Also report layers to rebuild and envs to re-lock since git REV.")
     def plan_cmd(names: tuple[str, ...], as_json: bool, rev: str | None) -> None:
         """Show what would be built (layers and keys, cached or missing); build nothing."""
-        from envbuild.build.pin import Pinner
         from envbuild.build.gitrev import plan_changes
 
-        plan, changes = plan_changes(_app().settings.defs_dir, list(names) or None, rev,
-                                     lookup=None, pinner=Pinner())
+        app = _app()
+        plan, changes = plan_changes(app.settings.defs_dir, list(names) or None, rev,
+                                     lookup=_store_lookup(app))
         render_plan(plan, changes, as_json)
 
     @group.command("explain")

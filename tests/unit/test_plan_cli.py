@@ -110,3 +110,20 @@ def test_errors_exit_1_with_file_and_line(tree, capsys):
 def test_unknown_name_exits_1(tree, capsys):
     code, _, err = run(capsys, "explain", "ap")
     assert code == 1 and "did you mean 'app'?" in err
+
+
+def test_plan_marks_layers_the_store_has_as_cached(tree, capsys, monkeypatch):
+    from envbuild.cli.main import App
+    from envbuild.store.helpers import KeyRecord, put_key_record
+    from envbuild.store.memory import MemoryStore
+
+    store = MemoryStore()
+    monkeypatch.setattr(App, "open_store", lambda self: store)
+    doc = json.loads(run(capsys, "plan", "--json")[1])
+    assert not (tree / "cache").exists()  # no store yet: a dry run does not create one
+    (tree / "cache").mkdir()
+    deb = doc["layers"][0]
+    digest = "sha256:" + "0" * 64
+    put_key_record(store, deb["key"], KeyRecord(layer=digest, toc=digest, diff_id=digest, size=1))
+    doc = json.loads(run(capsys, "plan", "--json")[1])
+    assert [x["status"] for x in doc["layers"]] == ["cached", "missing", "missing"]
