@@ -24,7 +24,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from envbuild.build.pin import Pinner, snapshot
-from envbuild.errors import PlanError, Problem, SourceError
+from envbuild.errors import EnvbuildError, PlanError, Problem, SourceError
 from envbuild.plan.changes import Changes, Explanation, diff_keys, explain
 from envbuild.plan.graph import did_you_mean
 from envbuild.plan.keys import KeySet
@@ -51,10 +51,10 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def checkout(path: Path, rev: str) -> Iterator[Path]:
-    """Yield where ``path`` (inside a git work tree) is in a temporary checkout of ``rev``.
+def checkout(path: Path, rev: str) -> Iterator[tuple[Path, Path]]:
+    """Yield (root of a temporary checkout of ``rev``, where ``path`` is inside it).
 
-    The yielded path may not exist (the directory did not exist at ``rev``).
+    ``path`` must be inside a git work tree; where it is at ``rev`` may not exist.
     """
     here = _existing_ancestor(path)
     try:
@@ -74,7 +74,7 @@ def checkout(path: Path, rev: str) -> Iterator[Path]:
         tree = os.path.join(tmp, "tree")
         _git(["read-tree", commit], top, env)
         _git(["checkout-index", "--all", "--force", f"--prefix={tree}/"], top, env)
-        yield Path(tree) / rel
+        yield Path(tree), Path(tree) / rel
 
 
 def keys_at_revision(defs_dir: Path, rev: str, pinner: Pinner | None = None) -> KeySet:
@@ -82,11 +82,18 @@ def keys_at_revision(defs_dir: Path, rev: str, pinner: Pinner | None = None) -> 
 
     A defs dir that did not exist at ``rev`` has no keys: everything is new.
     """
-    with checkout(defs_dir, rev) as then:
+    with checkout(defs_dir, rev) as (root, then):
         if not then.is_dir():
             empty = MappingProxyType({})
             return KeySet(layers=empty, inputs=empty, env_locks=empty, env_inputs=empty)
-        return snapshot(then, pinner).keys
+        try:
+            return snapshot(then, pinner).keys
+        except EnvbuildError as e:
+            # Report against the revision, not the temporary directory it was checked out to.
+            lines = [ln.replace(f"{root}{os.sep}", f"{rev}:") for ln in e.render_lines()]
+            raise SourceError(f"the definitions at {rev} cannot be keyed",
+                              context="\n".join(lines),
+                              hint="compare against a revision whose definitions are valid") from e
 
 
 # ---------------------------------------------------------------------- what the CLI calls

@@ -33,6 +33,8 @@ Not in the key:
   the env's lock, so it is part of the env **lock inputs** below instead.
 - ``requires.abi``: a compatibility constraint checked by the graph; the abi actually built
   against is in the key.
+- the ``build_on`` base's *name*: moving a layer to another base that offers the same abi is
+  exactly what the abi contract allows without a rebuild (``check:`` catches a broken promise).
 - a Base's own ``abi``: a promise to dependents, not content. It reaches dependents' keys.
 - ``debootstrap.mirror``: where bytes come from, not what they are (see the model).
 

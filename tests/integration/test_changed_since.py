@@ -212,3 +212,15 @@ def test_bad_git_rev_is_a_source_error_at_the_line(repo, tmp_path):
     with pytest.raises(SourceError) as info:
         pin_inputs(git_defs(tmp_path, f"file://{repo}", "no-such-branch"))
     assert "w.yaml:5:9" in info.value.message and "no-such-branch" in info.value.hint
+
+
+def test_broken_definitions_at_rev_are_reported_against_the_rev(repo, capsys):
+    p = repo / "envdefs/toolkits/rg.yaml"
+    p.write_text(p.read_text().replace("build_on: deb", "build_on: dbe"))
+    commit(repo, "broken")
+    p.write_text(p.read_text().replace("build_on: dbe", "build_on: deb"))
+    code = main(["--defs", "envdefs", "plan", "--changed-since", "HEAD"])
+    _, err = capsys.readouterr()
+    assert code == 1
+    assert "the definitions at HEAD cannot be keyed" in err
+    assert "HEAD:envdefs/toolkits/rg.yaml:4:11: build_on 'dbe'" in err
