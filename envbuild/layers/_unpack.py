@@ -1,7 +1,9 @@
 """Unpack a layer into a directory, safely and fast.
 
-The tar stream is parsed here (not with ``tarfile``) from frames decompressed in parallel; each
-member is cross-checked against the verified TOC and each file's contents against its digest.
+The verified TOC is authoritative: members, metadata and the offset of each file's contents come
+from it, and the contents from the frames (decompressed in parallel, in order), each checked
+against its TOC digest. Tar headers are not parsed again here (that costs as much as everything
+else together); ``verify_layer`` is the check that the headers agree with the TOC.
 Safety without a ``realpath`` per member: every parent directory is either one this unpack
 created or one it checked with ``lstat`` once (``_Dirs``), so nothing is ever written through a
 symlink; names must be relative without ``.``/``..`` components; hardlinks must point to a
@@ -16,7 +18,7 @@ import shutil
 import stat
 
 from envbuild.errors import CorruptLayerError, LayerError, UnsafeLayerError
-from envbuild.layers._stream import TarStream, Truncated, iter_members
+from envbuild.layers._stream import TarStream, Truncated
 from envbuild.layers._tar import TarFormatError
 from envbuild.layers._toc import Entry
 from envbuild.layers._walk import OPAQUE_MARKER, WHITEOUT_PREFIX
@@ -105,7 +107,7 @@ def unpack_layer(reader, dest: str | os.PathLike, *, whiteouts: str = "apply",
     ``"keep"`` writes them as the plain files they are in the tar.
     ``same_owner`` (default: running as root) restores uid/gid; ``allow_devices=False`` refuses
     device nodes and FIFOs. Raises ``UnsafeLayerError`` before writing anything unsafe and
-    ``CorruptLayerError`` when the tar and the TOC disagree or a file fails its digest.
+    ``CorruptLayerError`` when a file's contents fail their TOC digest or the frames end early.
     """
     if whiteouts not in WHITEOUT_MODES:
         raise ValueError(f"whiteouts must be one of {WHITEOUT_MODES}, not {whiteouts!r}")
@@ -121,19 +123,13 @@ def unpack_layer(reader, dest: str | os.PathLike, *, whiteouts: str = "apply",
     opaque_key = f"{overlay_xattr}.overlay.opaque"
     files: set[str] = set()
     dir_meta: list[tuple[str, Entry]] = []
-    stream = TarStream(reader.iter_frames())
-    n = len(toc)
-    i = 0
+    frames = reader.iter_frames()
+    stream = TarStream(frames)
     pieces = stream.pieces
     sha256 = hashlib.sha256
     write = os.write
     try:
-        for e, _ in iter_members(stream):
-            t = toc[i] if i < n else None
-            i += 1
-            if t is None or not e.same_header(t):
-                raise CorruptLayerError(f"layer {name}: tar member {i} ({e.path!r}) does not "
-                                        "match the TOC")
+        for e in toc:
             path = e.path
             parts = check_member_name(name, path)
             dirs.ensure(parts, path)
@@ -141,7 +137,6 @@ def unpack_layer(reader, dest: str | os.PathLike, *, whiteouts: str = "apply",
             base = parts[-1]
             kind = e.type
             if base.startswith(WHITEOUT_PREFIX) and whiteouts != "keep":
-                stream.skip(e.size)
                 if whiteouts == "overlay":
                     if base == OPAQUE_MARKER:
                         os.setxattr(root + "/" + "/".join(parts[:-1]) if len(parts) > 1
@@ -165,6 +160,14 @@ def unpack_layer(reader, dest: str | os.PathLike, *, whiteouts: str = "apply",
                 try:
                     h = sha256()
                     got = 0
+                    if e.size:
+                        c = e.chunks[0] if e.chunks else None
+                        gap = c.uoffset + c.inner - stream.offset if c else -1
+                        if gap < 0:
+                            raise CorruptLayerError(f"layer {name}: chunks of {path} are missing "
+                                                    "or out of order")
+                        if stream.skip(gap) != gap:
+                            raise Truncated("tar stream ends before member data")
                     for piece in pieces(e.size):
                         h.update(piece)
                         got += len(piece)
@@ -173,7 +176,7 @@ def unpack_layer(reader, dest: str | os.PathLike, *, whiteouts: str = "apply",
                             piece = piece[w:]
                     if got != e.size:
                         raise Truncated("tar stream ends inside member data")
-                    if "sha256:" + h.hexdigest() != t.digest:
+                    if "sha256:" + h.hexdigest() != e.digest:
                         raise CorruptLayerError(f"layer {name}: content of {path} does not "
                                                 "match its TOC digest")
                     if same_owner:
@@ -225,12 +228,12 @@ def unpack_layer(reader, dest: str | os.PathLike, *, whiteouts: str = "apply",
                 for k, v in e.xattrs.items():
                     os.setxattr(full, k, v, follow_symlinks=False)
                 os.utime(full, (e.mtime, e.mtime))
-        if i != n:
-            raise CorruptLayerError(f"layer {name}: the TOC lists {n} members, the tar {i}")
     except (TarFormatError, Truncated) as err:
         raise CorruptLayerError(f"layer {name}: tar stream: {err}") from None
     except OSError as err:
         raise LayerError(f"layer {name}: unpack into {root}: {err}") from err
+    finally:
+        frames.close()
     # directories last, deepest first: their mode may forbid writes, and creating children
     # would bump their mtime
     for full, e in reversed(dir_meta):

@@ -1,0 +1,267 @@
+"""Layer format v1: pack / unpack speed, size overhead and lazy single-file reads vs GNU tar+zstd.
+
+Goals (the layer-format issue), each a ratio against a baseline measured in the same run:
+
+- pack (``pack_tree``) vs ``tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner
+  --format=posix -cf - DIR | zstd -3 -T2``: <= 1.0
+- full unpack (``LayerReader.unpack``) vs ``tar --zstd -xf``: <= 1.5
+- compressed size vs one zstd -3 stream of the same tar: <= +3 % (compact), <= +20 % (lazy)
+- one ~100 KB file from a ~200 MB layer: decompressed bytes <= 4 MiB + TOC, time < 20 ms
+
+Trees (made once into benchmarks/.work/, gitignored): a virtualenv with numpy, pandas and django
+(pip from PyPI) and a copy of /usr/lib/x86_64-linux-gnu. ``--quick`` uses a django-only
+virtualenv and the first ~150 MB of the /usr/lib copy.
+
+Usage::
+
+    .venv/bin/python benchmarks/layer_pack.py [--quick] [--repeat 3] [--trees venv,usrlib]
+    .venv/bin/python benchmarks/layer_pack.py --profile pack|unpack --trees venv
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from envbuild.layers import LayerReader, pack_tree  # noqa: E402
+
+WORK = REPO / "benchmarks" / ".work"
+# outputs and unpack destinations live on tmpfs: on this VM's disk, inode creation right after a
+# large rm -rf stalls for seconds (GNU tar and we alike), which would measure the disk, not us
+SCRATCH = Path("/dev/shm/envbuild-layer-bench") if Path("/dev/shm").is_dir() else WORK / "scratch"
+TAR_FLAGS = ["--sort=name", "--mtime=@0", "--owner=0", "--group=0", "--numeric-owner",
+             "--format=posix"]
+
+
+def sh(cmd: str) -> None:
+    subprocess.run(["bash", "-o", "pipefail", "-c", cmd], check=True)
+
+
+def make_venv(path: Path, packages: list[str]) -> Path:
+    if not (path / ".done").exists():
+        shutil.rmtree(path, ignore_errors=True)
+        print(f"making {path.name}: pip install {' '.join(packages)} ...", flush=True)
+        subprocess.run(["python3", "-m", "venv", str(path)], check=True)
+        subprocess.run([str(path / "bin" / "pip"), "install", "-q", *packages], check=True)
+        (path / ".done").write_text("")
+    return path
+
+
+def make_usrlib(path: Path, limit: int | None) -> Path:
+    if not (path / ".done").exists():
+        shutil.rmtree(path, ignore_errors=True)
+        print(f"copying /usr/lib/x86_64-linux-gnu to {path} ...", flush=True)
+        if limit is None:
+            sh(f"cp -a /usr/lib/x86_64-linux-gnu {path}")
+        else:
+            total = 0
+            src = Path("/usr/lib/x86_64-linux-gnu")
+            for dirpath, dirnames, filenames in os.walk(src):
+                dirnames.sort()
+                rel = Path(dirpath).relative_to(src)
+                (path / rel).mkdir(parents=True, exist_ok=True)
+                for n in sorted(filenames):
+                    s = Path(dirpath) / n
+                    if total > limit:
+                        break
+                    if s.is_symlink():
+                        os.symlink(os.readlink(s), path / rel / n)
+                    elif s.is_file():
+                        shutil.copy2(s, path / rel / n)
+                        total += s.stat().st_size
+        (path / ".done").write_text("")
+    return path
+
+
+def tree_stats(root: Path) -> tuple[int, int]:
+    files = size = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in filenames:
+            st = os.lstat(os.path.join(dirpath, n))
+            files += 1
+            size += st.st_size
+        files += len(dirnames)
+    return files, size
+
+
+def warm(root: Path) -> None:
+    sh(f"tar -cf - -C {root} . > /dev/null")
+
+
+def timed(fn, repeat: int, before=None) -> float:
+    times = []
+    for _ in range(repeat):
+        if before:
+            before()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def clean(path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(path)
+
+
+def bench_tree(name: str, root: Path, repeat: int) -> list[tuple[str, str, str]]:
+    out = SCRATCH / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    warm(root)
+    files, size = tree_stats(root)
+    print(f"\n== {name}: {root} ({files} entries, {size / 1e6:.0f} MB)", flush=True)
+    rows: list[tuple[str, str, str]] = []
+    base = out / f"{name}.gnu.tar.zst"
+    lazy, compact = out / f"{name}.lazy", out / f"{name}.compact"
+
+    t_gnu = timed(lambda: sh(f"tar {' '.join(TAR_FLAGS)} -C {root} -cf - . | zstd -q -3 -T2 "
+                             f"> {base}"), repeat)
+
+    def pack(path: Path, framing: str):
+        with open(path, "wb") as f:
+            return pack_tree(root, f, framing=framing)
+
+    t_lazy = timed(lambda: pack(lazy, "lazy"), repeat)
+    t_compact = timed(lambda: pack(compact, "compact"), repeat)
+    rows.append(("pack: gnu tar | zstd -3 -T2", f"{t_gnu:.2f} s", "1.00 (baseline)"))
+    rows.append(("pack: pack_tree lazy", f"{t_lazy:.2f} s", f"{t_lazy / t_gnu:.2f}  goal <= 1.0"))
+    rows.append(("pack: pack_tree compact", f"{t_compact:.2f} s",
+                 f"{t_compact / t_gnu:.2f}  goal <= 1.0"))
+
+    # sizes: our own tar (identical in both framings) as one zstd -3 stream
+    single = out / f"{name}.single.zst"
+    sh(f"zstd -q -dc {compact} | zstd -q -3 -T2 > {single}")
+    s_single = single.stat().st_size
+    with LayerReader.open_file(lazy) as r:
+        toc_lazy = r.footer.toc_csize + 8 + 80
+    with LayerReader.open_file(compact) as r:
+        toc_compact = r.footer.toc_csize + 8 + 80
+    s_lazy, s_compact = lazy.stat().st_size, compact.stat().st_size
+    rows.append(("size: one zstd -3 stream of the tar", f"{s_single / 1e6:.1f} MB",
+                 "1.000 (baseline)"))
+    rows.append(("size: gnu tar | zstd -3 -T2", f"{base.stat().st_size / 1e6:.1f} MB",
+                 f"{base.stat().st_size / s_single:.3f}"))
+    rows.append(("size: lazy layer (incl. TOC)", f"{s_lazy / 1e6:.1f} MB",
+                 f"{s_lazy / s_single:.3f}  goal <= 1.20 (TOC {toc_lazy / 1e3:.0f} KB, "
+                 f"frames alone {(s_lazy - toc_lazy) / s_single:.3f})"))
+    rows.append(("size: compact layer (incl. TOC)", f"{s_compact / 1e6:.1f} MB",
+                 f"{s_compact / s_single:.3f}  goal <= 1.03 (TOC {toc_compact / 1e3:.0f} KB, "
+                 f"frames alone {(s_compact - toc_compact) / s_single:.3f})"))
+
+    dest = SCRATCH / "unpacked"
+    t_untar = timed(lambda: sh(f"mkdir -p {dest} && tar --zstd -xf {base} -C {dest}"), repeat,
+                    before=lambda: clean(dest))
+
+    def unpack(path: Path):
+        with LayerReader.open_file(path) as r:
+            r.unpack(dest)
+
+    t_un_lazy = timed(lambda: unpack(lazy), repeat, before=lambda: clean(dest))
+    t_un_compact = timed(lambda: unpack(compact), repeat, before=lambda: clean(dest))
+    clean(dest)
+    rows.append(("unpack: tar --zstd -xf", f"{t_untar:.2f} s", "1.00 (baseline)"))
+    rows.append(("unpack: LayerReader.unpack lazy", f"{t_un_lazy:.2f} s",
+                 f"{t_un_lazy / t_untar:.2f}  goal <= 1.5"))
+    rows.append(("unpack: LayerReader.unpack compact", f"{t_un_compact:.2f} s",
+                 f"{t_un_compact / t_untar:.2f}  goal <= 1.5"))
+
+    # lazy single-file reads: the file closest to 100 KB, then a random 5 % of the files
+    t = time.perf_counter()
+    r = LayerReader.open_file(lazy)
+    t_open = time.perf_counter() - t
+    regular = [e for e in r.entries() if e.type == "file" and e.size]
+    target = min(regular, key=lambda e: abs(e.size - 100_000))
+    t = time.perf_counter()
+    r.read(target.path)
+    t_read = time.perf_counter() - t
+    toc_u = r.footer.toc_usize
+    rows.append((f"lazy read: open (footer + TOC, {len(r.entries())} entries)",
+                 f"{t_open * 1e3:.1f} ms", f"TOC {r.footer.toc_csize / 1e3:.0f} KB compressed, "
+                 f"{toc_u / 1e6:.1f} MB JSON"))
+    rows.append((f"lazy read: one {target.size / 1e3:.0f} KB file",
+                 f"{t_read * 1e3:.2f} ms",
+                 f"decompressed {r.stats.bytes_decompressed / 1e3:.0f} KB "
+                 f"(goal <= 4 MiB + TOC; time goal < 20 ms)"))
+    random.seed(5)
+    sample = random.sample(regular, max(1, len(regular) // 20))
+    r.close()
+
+    def touched_share(path: Path, size: int) -> float:
+        # distinct frames a reader with a frame cache would fetch, over the blob size
+        with LayerReader.open_file(path) as rr:
+            frames = {(c.offset, c.csize) for e in sample for c in rr.stat(e.path).chunks}
+        return sum(c for _, c in frames) / size
+
+    touched, touched_c = touched_share(lazy, s_lazy), touched_share(compact, s_compact)
+    rows.append(("lazy read: random 5 % of files, distinct frames",
+                 f"{touched * 100:.1f} % (lazy)", f"{touched_c * 100:.1f} % (compact)"))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller trees")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--trees", default="venv,usrlib")
+    ap.add_argument("--profile", choices=["pack", "unpack"], help="cProfile one operation")
+    args = ap.parse_args()
+    WORK.mkdir(parents=True, exist_ok=True)
+    trees = {}
+    for t in args.trees.split(","):
+        if t == "venv":
+            trees[t] = (make_venv(WORK / "venv-quick", ["django"]) if args.quick else
+                        make_venv(WORK / "venv-tree", ["numpy", "pandas", "django"]))
+        elif t == "usrlib":
+            trees[t] = make_usrlib(WORK / ("usrlib-quick" if args.quick else "usrlib"),
+                                   150_000_000 if args.quick else None)
+        else:
+            ap.error(f"unknown tree {t!r}")
+    if args.profile:
+        name, root = next(iter(trees.items()))
+        layer = SCRATCH / "out" / f"{name}.profile"
+        layer.parent.mkdir(parents=True, exist_ok=True)
+        warm(root)
+        prof = cProfile.Profile()
+        if args.profile == "pack":
+            with open(layer, "wb") as f:
+                prof.runcall(pack_tree, root, f)
+        else:
+            with open(layer, "wb") as f:
+                pack_tree(root, f)
+            dest = SCRATCH / "unpacked"
+            clean(dest)
+            with LayerReader.open_file(layer) as r:
+                prof.runcall(r.unpack, dest)
+            clean(dest)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        return
+    print(f"python {sys.version.split()[0]}, {os.cpu_count()} cpus, repeat {args.repeat} "
+          "(medians)")
+    try:
+        for name, root in trees.items():
+            report(bench_tree(name, root, args.repeat))
+    finally:
+        shutil.rmtree(SCRATCH, ignore_errors=True)
+
+
+def report(rows) -> None:
+    w = max(len(r[0]) for r in rows)
+    print(f"{'measure':<{w}}  {'absolute':>12}  ratio")
+    for label, absolute, ratio in rows:
+        print(f"{label:<{w}}  {absolute:>12}  {ratio}")
+
+
+if __name__ == "__main__":
+    main()
