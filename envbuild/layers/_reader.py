@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -261,12 +262,31 @@ class LayerReader:
             data = memoryview(self._fetch(start, total))
             out = []
             pos = 0
+            if exact or raw:
+                for csize, usize in sizes:
+                    frame = data[pos:pos + csize]
+                    d = self._decompress(frame, usize, start + pos, exact)
+                    out.append((frame, d) if raw else d)
+                    pos += csize
+                return out
+            # one C call per batch: see _writer._compress_batch for why not a Python loop
+            frames = []
             for csize, usize in sizes:
-                frame = data[pos:pos + csize]
-                d = self._decompress(frame, usize, start + pos, exact)
-                out.append((frame, d) if raw else d)
+                if usize > MAX_FRAME_USIZE:
+                    raise self._corrupt(f"frame at offset {start + pos} claims {usize} bytes, "
+                                        f"over the {MAX_FRAME_USIZE} limit")
+                frames.append(data[pos:pos + csize])
                 pos += csize
-            return out
+            usizes = struct.pack(f"={len(sizes)}Q", *(u for _, u in sizes))
+            try:
+                coll = _dctx().multi_decompress_to_buffer(frames, decompressed_sizes=usizes,
+                                                          threads=1)
+            except (zstandard.ZstdError, ValueError) as e:
+                raise self._corrupt(f"a frame between offsets {start} and {start + total} does "
+                                    f"not decompress ({e})") from None
+            self.stats.frames_decompressed += len(sizes)
+            self.stats.bytes_decompressed += sum(u for _, u in sizes)
+            return [memoryview(coll[i]) for i in range(len(sizes))]
 
         with ThreadPoolExecutor(max_workers=self.workers,
                                 thread_name_prefix="layer-unzstd") as pool:

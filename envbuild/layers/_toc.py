@@ -16,8 +16,9 @@ fetching only the frames that hold it. It is canonical JSON (``sort_keys``, sepa
                                           # sum(csize of frames < i) and in the tar at
                                           # sum(usize of frames < i); the frames cover the blob
                                           # from byte 0 to the TOC frame, and the tar exactly.
-      "entries": [entry, ...]             # one per tar member, in tar order (sorted by path
-                                          # bytes for layers made by pack_tree)
+      "entries": [entry, ...]             # one per tar member, in tar order (depth first, each
+                                          # directory's members sorted by name bytes, for
+                                          # layers made by pack_tree)
     }
 
     entry = {

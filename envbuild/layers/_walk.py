@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterator
 
 from envbuild.errors import LayerError, UnsafeLayerError
 from envbuild.layers._toc import Entry
@@ -33,39 +34,32 @@ def _xattrs(path: bytes) -> dict[str, bytes]:
 
 def walk_tree(root: str | os.PathLike, *, source_date_epoch: int = 0,
               overlay_upper: bool = False, allow_devices: bool = True
-              ) -> list[tuple[Entry, bytes | None]]:
-    """Entries of every member below ``root`` (the root itself is not a member), sorted by path
-    bytes, each with the absolute path to read a regular file's contents from.
+              ) -> Iterator[tuple[Entry, bytes | None]]:
+    """Entries of every member below ``root`` (the root itself is not a member), each with the
+    absolute path to read a regular file's contents from, in layer order: depth first, the
+    members of each directory sorted by name bytes (GNU tar's ``--sort=name`` order, i.e. paths
+    compared component by component).
 
-    Applies the determinism rules (mtime clamped to ``source_date_epoch``, hardlinks to the first
-    path in sorted order) and, with ``overlay_upper``, converts overlayfs whiteouts and opaque
-    directories to their OCI form. Sockets are skipped: tar cannot hold them.
+    A generator, so the writer packs while the walk goes on. Applies the determinism rules
+    (mtime clamped to ``source_date_epoch``, hardlinks to the first path in layer order) and,
+    with ``overlay_upper``, converts overlayfs whiteouts and opaque directories to their OCI
+    form (sorted under their OCI names). Sockets are skipped: tar cannot hold them.
     """
     rootb = os.fsencode(root)
-    found: list[tuple[bytes, bytes, os.stat_result]] = []  # (rel, abs, lstat)
-    stack = [(rootb, b"")]
-    while stack:
-        absdir, reldir = stack.pop()
-        try:
-            it = os.scandir(absdir)
-        except OSError as e:
-            raise LayerError(f"pack {os.fsdecode(rootb)}: list {os.fsdecode(absdir)}: "
-                             f"{e.strerror}") from e
-        with it:
-            for de in it:
-                rel = reldir + de.name
-                st = de.stat(follow_symlinks=False)
-                found.append((rel, de.path, st))
-                if stat.S_ISDIR(st.st_mode):
-                    stack.append((de.path, rel + b"/"))
+    rootname = os.fsdecode(rootb)
     epoch = max(0, int(source_date_epoch))
-    nodes: list[tuple[bytes, Entry, bytes | None, os.stat_result]] = []
-    for rel, absp, st in found:
+    first: dict[tuple[int, int], str] = {}
+    links: dict[str, tuple[int, int]] = {}  # multiply linked files seen, resolved on emission
+
+    def node(de: os.DirEntry, rel: bytes):
+        """(sort name, entry, source, is_dir, abs path) of one directory entry, or None."""
+        absp = de.path
+        st = de.stat(follow_symlinks=False)
         try:
             path = rel.decode("utf-8")
         except UnicodeDecodeError:
-            raise LayerError(f"pack {os.fsdecode(rootb)}: file name {os.fsdecode(rel)!r} is not "
-                             "UTF-8", hint="layer format v1 stores names as UTF-8") from None
+            raise LayerError(f"pack {rootname}: file name {os.fsdecode(rel)!r} is not UTF-8",
+                             hint="layer format v1 stores names as UTF-8") from None
         m = st.st_mode
         fmt = stat.S_IFMT(m)
         mtime = min(max(st.st_mtime_ns // 1_000_000_000, 0), epoch)
@@ -74,20 +68,24 @@ def walk_tree(root: str | os.PathLike, *, source_date_epoch: int = 0,
                   mtime=mtime)
         src = None
         opaque = False
+        name = de.name
         if overlay_upper and xattrs:
             for k in list(xattrs):
                 if k.startswith(_OVERLAY_PREFIXES):
                     if k.rsplit(".", 1)[1] in _UNSUPPORTED_OVERLAY:
-                        raise LayerError(f"pack {os.fsdecode(rootb)}: {path} has overlayfs "
-                                         f"attribute {k}, which layers cannot represent",
+                        raise LayerError(f"pack {rootname}: {path} has overlayfs attribute {k}, "
+                                         "which layers cannot represent",
                                          hint="mount the overlay without redirect_dir/metacopy")
                     if k in OPAQUE_XATTRS and xattrs[k] == b"y":
                         opaque = True
                     del xattrs[k]
-        e.xattrs = dict(sorted(xattrs.items()))
+        if xattrs:
+            e.xattrs = dict(sorted(xattrs.items()))
         if fmt == stat.S_IFREG:
             e.size = st.st_size
             src = absp
+            if st.st_nlink > 1:
+                links[e.path] = (st.st_dev, st.st_ino)
         elif fmt == stat.S_IFDIR:
             e.type = "dir"
         elif fmt == stat.S_IFLNK:
@@ -95,39 +93,49 @@ def walk_tree(root: str | os.PathLike, *, source_date_epoch: int = 0,
             try:
                 e.linkname = os.readlink(absp).decode("utf-8")
             except UnicodeDecodeError:
-                raise LayerError(f"pack {os.fsdecode(rootb)}: target of symlink {path} is not "
-                                 "UTF-8") from None
+                raise LayerError(f"pack {rootname}: target of symlink {path} is not UTF-8") \
+                    from None
         elif fmt == stat.S_IFCHR and overlay_upper and st.st_rdev == 0:
             # overlayfs whiteout -> OCI whiteout (an empty regular file, mode 0600 as Docker does)
-            d, _, n = rel.rpartition(b"/")
-            rel = (d + b"/" if d else b"") + b".wh." + n
-            e.path = rel.decode("utf-8")
+            name = b".wh." + name
+            e.path = path[:len(path) - len(de.name.decode())] + name.decode()
             e.mode = 0o600
             e.xattrs = {}
         elif fmt in (stat.S_IFCHR, stat.S_IFBLK, stat.S_IFIFO):
             if not allow_devices:
-                raise UnsafeLayerError(f"pack {os.fsdecode(rootb)}: {path} is a device node or "
-                                       "FIFO, refused (allow_devices=False)")
+                raise UnsafeLayerError(f"pack {rootname}: {path} is a device node or FIFO, "
+                                       "refused (allow_devices=False)")
             e.type = {stat.S_IFCHR: "char", stat.S_IFBLK: "block", stat.S_IFIFO: "fifo"}[fmt]
             if fmt != stat.S_IFIFO:
                 e.devmajor, e.devminor = os.major(st.st_rdev), os.minor(st.st_rdev)
         else:
-            continue  # socket: tar cannot represent it (GNU tar skips them too)
-        nodes.append((rel, e, src, st))
-        if opaque:
-            marker = Entry(path=path + "/" + OPAQUE_MARKER, type="file", mode=m & 0o777,
-                           uid=st.st_uid, gid=st.st_gid, mtime=mtime)
-            nodes.append((rel + b"/" + OPAQUE_MARKER.encode(), marker, None, st))
-    nodes.sort(key=lambda n: n[0])
-    first: dict[tuple[int, int], str] = {}
-    out: list[tuple[Entry, bytes | None]] = []
-    for _, e, src, st in nodes:
-        if src is not None and st.st_nlink > 1:
-            key = (st.st_dev, st.st_ino)
-            target = first.get(key)
-            if target is None:
-                first[key] = e.path
-            else:
-                e.type, e.linkname, e.size, src = "hardlink", target, 0, None
-        out.append((e, src))
-    return out
+            return None  # socket: tar cannot represent it (GNU tar skips them too)
+        return name, e, src, opaque, absp
+
+    def walk(absdir: bytes, reldir: bytes, opaque_dir: Entry | None):
+        try:
+            with os.scandir(absdir) as it:
+                des = list(it)
+        except OSError as err:
+            raise LayerError(f"pack {rootname}: list {os.fsdecode(absdir)}: "
+                             f"{err.strerror}") from err
+        nodes = [n for n in (node(de, reldir + de.name) for de in des) if n is not None]
+        if opaque_dir is not None:  # the marker sorts among the directory's own members
+            d = opaque_dir
+            marker = Entry(path=d.path + "/" + OPAQUE_MARKER, type="file", mode=d.mode & 0o777,
+                           uid=d.uid, gid=d.gid, mtime=d.mtime)
+            nodes.append((OPAQUE_MARKER.encode(), marker, None, False, None))
+        nodes.sort(key=lambda n: n[0])
+        for name, e, src, opaque, absp in nodes:
+            if src is not None and e.path in links:
+                key = links.pop(e.path)
+                target = first.get(key)
+                if target is None:
+                    first[key] = e.path
+                else:
+                    e.type, e.linkname, e.size, src = "hardlink", target, 0, None
+            yield e, src
+            if e.type == "dir":
+                yield from walk(absp, reldir + name + b"/", e if opaque else None)
+
+    yield from walk(rootb, b"", None)
