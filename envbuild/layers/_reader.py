@@ -7,7 +7,7 @@ import os
 import struct
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import zstandard
@@ -106,18 +106,20 @@ class LayerReader:
         if len(raw_toc) != f.toc_usize:
             raise self._corrupt("TOC length differs from the footer")
         try:
-            self.toc = Toc.from_bytes(raw_toc)
+            self.toc = Toc.from_bytes(raw_toc, lazy=True)
         except TocVersionError as e:
             raise UnsupportedFormatError(f"layer {name}: {e}") from None
         except TocFormatError as e:
             raise self._corrupt(str(e)) from None
         if sum(c for c, _ in self.toc.frames) != f.toc_offset:
             raise self._corrupt("TOC frames do not cover the blob up to the TOC")
-        self._index: dict[str, Entry] = {}
-        for e in self.toc.entries:
-            if e.path in self._index:
-                raise self._corrupt(f"TOC lists {e.path!r} twice")
-            self._index[e.path] = e
+        entries = self.toc.entries
+        try:
+            self._index: dict[str, int] = {entries.raw_path(i): i for i in range(len(entries))}
+        except TypeError:
+            raise self._corrupt("TOC entry paths are not strings") from None
+        if len(self._index) != len(entries):
+            raise self._corrupt("TOC lists a path twice")
 
     # -- construction helpers -------------------------------------------------------------
 
@@ -196,15 +198,21 @@ class LayerReader:
 
     # -- queries --------------------------------------------------------------------------
 
-    def entries(self) -> list[Entry]:
+    def entries(self) -> Sequence[Entry]:
         """Every member in tar order."""
-        return self.toc.entries
+        try:
+            return self.toc.entries[:]
+        except TocFormatError as e:
+            raise self._corrupt(str(e)) from None
 
     def stat(self, path: str) -> Entry:
-        e = self._index.get(path.strip("/"))
-        if e is None:
+        i = self._index.get(path.strip("/"))
+        if i is None:
             raise LayerError(f"layer {self.name}: no member {path!r}")
-        return e
+        try:
+            return self.toc.entries[i]
+        except TocFormatError as e:
+            raise self._corrupt(str(e)) from None
 
     def read(self, path: str) -> bytes:
         """The contents of one regular file (a hardlink reads its target), decompressing only the

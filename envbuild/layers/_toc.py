@@ -64,6 +64,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+from collections.abc import Sequence
 from typing import NamedTuple
 
 TOC_VERSION = 1
@@ -135,9 +136,11 @@ class Toc:
         return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Toc:
+    def from_bytes(cls, data: bytes, *, lazy: bool = False) -> Toc:
         """Decode and validate. Raises ``TocFormatError`` (message without the layer name) or
-        ``TocVersionError``; the reader turns them into layer errors."""
+        ``TocVersionError``; the reader turns them into layer errors. With ``lazy``, entries
+        are validated and turned into ``Entry`` objects only when first accessed (a reader
+        that stats one file out of 15,000 should not pay for all of them)."""
         try:
             doc = json.loads(data)
         except (ValueError, UnicodeDecodeError) as e:
@@ -149,7 +152,10 @@ class Toc:
             raise TocVersionError(f"unsupported TOC version {version!r} (this reader knows 1)")
         try:
             frames = [(_int(c), _int(u)) for c, u in doc["frames"]]
-            entries = [_entry(d) for d in doc["entries"]]
+            raw = doc["entries"]
+            if not isinstance(raw, list) or not all(isinstance(d, dict) for d in raw):
+                raise TypeError("entries must be a list of objects")
+            entries = LazyEntries(raw) if lazy else [_entry(d) for d in raw]
             toc = cls(framing=_str(doc["framing"]), diff_id=_str(doc["diff_id"]),
                       tar_size=_int(doc["tar_size"]), frames=frames, entries=entries)
         except (KeyError, TypeError, ValueError) as e:
@@ -162,6 +168,32 @@ class Toc:
 
 class TocFormatError(ValueError):
     pass
+
+
+class LazyEntries(Sequence):
+    """The entries of a TOC, decoded and validated one by one on first access."""
+
+    def __init__(self, raw: list[dict]) -> None:
+        self._raw = raw
+        self._done: list[Entry | None] = [None] * len(raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        e = self._done[i]
+        if e is None:
+            try:
+                e = self._done[i] = _entry(self._raw[i])
+            except (KeyError, TypeError, ValueError) as err:
+                raise TocFormatError(f"TOC entry {i} does not match the v1 schema "
+                                     f"({type(err).__name__}: {err})") from None
+        return e
+
+    def raw_path(self, i: int):
+        return self._raw[i].get("path")
 
 
 class TocVersionError(ValueError):

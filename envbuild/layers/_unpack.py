@@ -116,7 +116,7 @@ def unpack_layer(reader, dest: str | os.PathLike, *, whiteouts: str = "apply",
     os.makedirs(root, exist_ok=True)
     if same_owner is None:
         same_owner = os.geteuid() == 0
-    toc = reader.toc.entries
+    toc = reader.entries()
     dirs = _Dirs(root, name)
     if whiteouts == "apply":
         _apply_whiteouts(toc, root, dirs, name)

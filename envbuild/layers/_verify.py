@@ -45,7 +45,7 @@ def verify_layer(reader: LayerReader, *, expected_digest: str | None = None,
         return CorruptLayerError(f"layer {name}: {what}")
 
     stream = TarStream(frames())
-    entries = toc.entries
+    entries = reader.entries()
     n = len(entries)
     i = 0
     fi = 0  # index into frame_starts for chunk derivation
