@@ -155,15 +155,19 @@ class ContainerBackend:
             binds=tuple(binds))
         write_bundle(paths.bundle, runtime_spec(request))
         Path(runtime.state_root).mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run(runtime.command("run", "--detach", "--bundle", str(paths.bundle),
-                                              sandbox_id),
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, check=False)
+        # A detached container inherits runc's stdio: a pipe would never reach EOF while the
+        # sandbox lives, so runc's own messages go to a file.
+        start_log = paths.root / "start.log"
+        with open(start_log, "wb") as log:
+            proc = subprocess.run(runtime.command("run", "--detach", "--bundle",
+                                                  str(paths.bundle), sandbox_id),
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=log, check=False)
         if proc.returncode != 0:
             destroy(runtime, sandbox_id)
             raise RuntimeShimError(f"start sandbox {sandbox_id}: {runtime.name} exited "
                                    f"{proc.returncode}",
-                                   context=proc.stderr.decode(errors="replace").strip()[-2000:])
+                                   context=start_log.read_text(errors="replace").strip()[-2000:])
 
     def exec(self, argv, *, env, cwd, user, timeout, stdin) -> ExecResult:
         pid_file = self.paths.root / f"exec-{uuid.uuid4().hex[:8]}.pid"
