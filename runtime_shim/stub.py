@@ -14,10 +14,13 @@ import shutil
 import uuid
 from pathlib import Path
 
-STUB_VERSION = 1
+STUB_VERSION = 2
 STUB_DIRS = ("proc", "sys", "dev", "tmp", "etc", "run", ".envbuild")
-STUB_FILES = ("etc/resolv.conf", "etc/hosts", "etc/hostname", ".envbuild/busybox")
+STUB_FILES = ("etc/resolv.conf", "etc/hosts", "etc/hostname", ".envbuild/busybox",
+              ".envbuild/host-ca.crt")
 INIT_PATH = "/.envbuild/busybox"
+#: Where network-enabled build steps see the host's CA bundle (it may trust a local proxy).
+HOST_CA_PATH = "/.envbuild/host-ca.crt"
 
 
 def ensure_stub(root: Path) -> Path:

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 
-from envbuild.build.engine import Project
+from envbuild.build.pin import Snapshot
 from envbuild.defs.model import Env, Workspace
 from envbuild.errors import BuildError
 from envbuild.store import Store
@@ -31,7 +31,7 @@ class CheckResult:
         return self.exit_code == 0
 
 
-def run_checks(project: Project, store: Store, node_dir: Path, envs: Iterable[str] | None = None,
+def run_checks(project: Snapshot, store: Store, node_dir: Path, envs: Iterable[str] | None = None,
                *, runtime: str = "runc", timeout: float = 300.0) -> list[CheckResult]:
     from runtime_shim.sandbox import Sandbox
 

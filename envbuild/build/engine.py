@@ -20,13 +20,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from envbuild.build.executor import BuildContext, BuildEvent, LayerJob, Progress, build_layer
-from envbuild.build.pin import pin_inputs
+from envbuild.build.pin import Snapshot, snapshot
 from envbuild.build.scheduler import run_dag
-from envbuild.defs import load_definitions
 from envbuild.defs.model import Base, Config, Env
 from envbuild.errors import BuildError, EnvbuildError, bug
-from envbuild.plan.graph import EnvGraph, build_graph
-from envbuild.plan.keys import KeySet, compute_keys
+from envbuild.plan.graph import EnvGraph
 from envbuild.plan.lockspec import (Lock, LockLayer, RuntimeConfig, make_lock, merge_config)
 from envbuild.plan.planner import BuildPlan, make_plan
 from envbuild.store import (MEDIA_TYPE_CONFIG, MEDIA_TYPE_MANIFEST, KeyRecord, Store,
@@ -70,23 +68,12 @@ class BuildReport:
             all(lk.digest for lk in self.locks)
 
 
-@dataclasses.dataclass(frozen=True)
-class Project:
-    """A loaded definition tree with its graph and keys: what every command starts from."""
-
-    graph: EnvGraph
-    keys: KeySet
-    pinned: Mapping[str, Mapping[str, str]]
+def load(defs_dir: Path) -> Snapshot:
+    """Load, check, pin and key a definition tree (what every build command starts from)."""
+    return snapshot(defs_dir)
 
 
-def load(defs_dir: Path) -> Project:
-    defs = load_definitions(defs_dir)
-    graph = build_graph(defs)
-    pinned = pin_inputs(defs)
-    return Project(graph=graph, keys=compute_keys(graph, pinned), pinned=pinned)
-
-
-def plan_with_store(ws: Project, store: Store | None, targets: Iterable[str] | None = None,
+def plan_with_store(ws: Snapshot, store: Store | None, targets: Iterable[str] | None = None,
                     ) -> BuildPlan:
     lookup = None if store is None else (lambda key: get_key_record(store, key))
     return make_plan(ws.graph, ws.pinned, lookup, targets, keys=ws.keys)
@@ -110,7 +97,7 @@ def _runtime_config(c: Config) -> RuntimeConfig:
                          hostname=c.hostname)
 
 
-def make_jobs(ws: Project, names: Iterable[str]) -> dict[str, LayerJob]:
+def make_jobs(ws: Snapshot, names: Iterable[str]) -> dict[str, LayerJob]:
     jobs = {}
     for n in names:
         lowers = _lower_names(ws.graph, n)
@@ -137,7 +124,7 @@ class _KeyLock:
 
 
 def build(
-    ws: Project,
+    ws: Snapshot,
     ctx: BuildContext,
     targets: Iterable[str] | None = None,
     *,
@@ -212,7 +199,7 @@ def build(
     return BuildReport(layers=ordered, locks=tuple(locks))
 
 
-def env_lock(ws: Project, store: Store, env_name: str) -> Lock:
+def env_lock(ws: Snapshot, store: Store, env_name: str) -> Lock:
     """The lock of ``env_name`` from the key records in ``store`` (every layer must exist)."""
     env = ws.graph[env_name]
     if not isinstance(env, Env):
@@ -239,7 +226,7 @@ def env_lock(ws: Project, store: Store, env_name: str) -> Lock:
     return make_lock(env_name, layers, merge_config(configs))
 
 
-def publish_lock(ws: Project, store: Store, env_name: str) -> str:
+def publish_lock(ws: Snapshot, store: Store, env_name: str) -> str:
     """Store the env's lock (config, then manifest, then the ``env/<name>`` ref); return the
     manifest digest."""
     lock = env_lock(ws, store, env_name)

@@ -41,10 +41,19 @@ from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_r
 from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
 from runtime_shim.nodecache import NodeCache
 from runtime_shim.runc import OciRuntime, run_container, write_bundle
-from runtime_shim.stub import ensure_stub
+from runtime_shim.stub import HOST_CA_PATH, ensure_stub
 from runtime_shim.spec import BindMount, RuntimeSpecRequest, env_list, parse_user, runtime_spec
 
 OUTPUT_TAIL_LINES = 50
+CA_ENV_VARS = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+               "GIT_SSL_CAINFO", "NODE_EXTRA_CA_CERTS")
+
+
+def host_ca_bundle() -> str | None:
+    for path in ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt"):
+        if os.path.isfile(path):
+            return path
+    return None
 BUILD_HOSTNAME = "envbuild"
 
 
@@ -213,14 +222,23 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
         _copy_step(d, step, merged)
         return
     assert isinstance(step, RunStep)
+    # SOURCE_DATE_EPOCH: layers clamp mtimes to it, so tools that embed timestamps (Python's
+    # .pyc, dpkg) should use it too, or their caches go stale in every sandbox.
     env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-           "HOME": "/root", **job.build_env, **step.env}
+           "HOME": "/root", "SOURCE_DATE_EPOCH": str(ctx.source_date_epoch),
+           **job.build_env, **step.env}
     uid, gid = parse_user(step.user)
     binds: tuple[BindMount, ...] = ()
     network = step.network == "host"
     if network:
         binds = (BindMount("/etc/resolv.conf", "/etc/resolv.conf"),
                  BindMount("/etc/hosts", "/etc/hosts"))
+        ca = host_ca_bundle()
+        if ca is not None:
+            # The host may reach registries through a proxy only its own CA bundle trusts;
+            # point the usual clients at it without touching the image's /etc/ssl.
+            binds += (BindMount(ca, HOST_CA_PATH),)
+            env = {**{k: HOST_CA_PATH for k in CA_ENV_VARS}, **env}
     request = RuntimeSpecRequest(
         rootfs=str(merged), args=("/bin/sh", "-c", step.run), env=env_list(env),
         cwd=step.workdir or "/", uid=uid, gid=gid, hostname=BUILD_HOSTNAME, network=network,

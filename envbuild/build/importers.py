@@ -204,6 +204,12 @@ def import_debootstrap(suite: str, variant: str, include: tuple[str, ...], mirro
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-50:])
         raise BuildError(f"debootstrap {suite} exited {code}", context=tail,
                          hint=f"full log: {log}")
+    # debootstrap copies the host's resolv.conf and hostname into the new root: host facts
+    # that must not end up in a layer (runc binds its own at run time).
+    for leaked in ("etc/resolv.conf", "etc/hostname"):
+        p = dest / leaked
+        if p.is_file() and not p.is_symlink():
+            p.write_bytes(b"")
     # Debootstrap leaves caches and logs that differ run to run and serve no sandbox.
     for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
         d = dest / junk

@@ -29,8 +29,10 @@ PATH the ``/``-joined name relative to the root, and EXTRA the file's size and s
 (``SIZE:HEX``), a symlink's target, a device's ``MAJOR,MINOR``, or empty. Never hashed:
 mtimes, owners, absolute paths — so a copy of the tree elsewhere, or a fresh checkout, hashes the
 same. Ignored (version-control and interpreter caches that do not belong in a layer): any entry
-named ``.git`` (directory, or a submodule's ``.git`` file), ``__pycache__`` directories and
-``*.pyc`` files. Nothing else is skipped: an unreadable file is an error, not a gap.
+named ``.git`` (directory, or a submodule's ``.git`` file), ``__pycache__``,
+``.pytest_cache``, ``.mypy_cache`` and ``.ruff_cache`` directories (running a project's tests
+on the host must not change its key) and ``*.pyc`` files. The importers leave out exactly the
+same entries, so a key always describes its layer. Nothing else is skipped: an unreadable file is an error, not a gap.
 
 Every digest is computed once per ``Pinner`` (per run): many definitions sharing a source
 directory cost one walk.
@@ -67,7 +69,7 @@ from envbuild.plan.keys import KeySet, PinnedInputs, compute_keys
 
 TREE_TAG = b"envbuild.tree.v1\0"
 IGNORED_NAMES = frozenset({".git"})
-IGNORED_DIR_NAMES = frozenset({"__pycache__"})
+IGNORED_DIR_NAMES = frozenset({"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"})
 IGNORED_FILE_SUFFIXES = (".pyc",)
 _BUF_SIZE = 1 << 20
 _SHA_RE = re.compile(r"[0-9a-fA-F]{40}|[0-9a-fA-F]{64}")

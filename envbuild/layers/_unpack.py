@@ -41,15 +41,17 @@ def check_member_name(name: str, path: str, what: str = "member") -> list[str]:
     return parts
 
 
-def _remove(path: str) -> None:
+def _remove(path: str) -> bool:
+    """Remove whatever is at ``path`` (never following symlinks); True if it was a directory."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return
+        return False
     if stat.S_ISDIR(st.st_mode):
         shutil.rmtree(path)
-    else:
-        os.unlink(path)
+        return True
+    os.unlink(path)
+    return False
 
 
 class _Dirs:
@@ -59,6 +61,7 @@ class _Dirs:
         self.root = root
         self.name = name
         self.known: set[str] = {""}
+        self.files: set[str] = set()  # regular files extracted so far: valid hardlink targets
 
     def ensure(self, parts: list[str], path: str, create: bool = True) -> bool:
         """Make sure the parent of ``parts`` is a real directory, creating missing ones.
@@ -89,10 +92,11 @@ class _Dirs:
         return True
 
     def forget(self, rel: str) -> None:
-        """``rel`` was replaced by a non-directory: forget it and everything below it."""
-        if rel in self.known:
-            prefix = rel + "/"
-            self.known = {d for d in self.known if d != rel and not d.startswith(prefix)}
+        """The directory ``rel`` was removed: forget it and everything below it, so nothing is
+        later written or hardlinked through whatever replaces it."""
+        prefix = rel + "/"
+        self.known = {d for d in self.known if d != rel and not d.startswith(prefix)}
+        self.files = {f for f in self.files if not f.startswith(prefix)}
 
 
 def unpack_layer(reader, dest: str | os.PathLike, *, whiteouts: str = "apply",
@@ -121,7 +125,6 @@ def unpack_layer(reader, dest: str | os.PathLike, *, whiteouts: str = "apply",
     if whiteouts == "apply":
         _apply_whiteouts(toc, root, dirs, name)
     opaque_key = f"{overlay_xattr}.overlay.opaque"
-    files: set[str] = set()
     dir_meta: list[tuple[str, Entry]] = []
     frames = reader.iter_frames()
     stream = TarStream(frames)
@@ -144,8 +147,8 @@ def unpack_layer(reader, dest: str | os.PathLike, *, whiteouts: str = "apply",
                     elif not base.startswith(".wh..wh."):
                         target = full[:len(full) - len(base)] + base[4:]
                         _check_whiteout_target(name, path, base)
-                        _remove(target)
-                        dirs.forget("/".join(parts[:-1] + [base[4:]]))
+                        if _remove(target):
+                            dirs.forget("/".join(parts[:-1] + [base[4:]]))
                         os.mknod(target, stat.S_IFCHR | 0o600, os.makedev(0, 0))
                         if same_owner:
                             os.lchown(target, e.uid, e.gid)
@@ -154,8 +157,8 @@ def unpack_layer(reader, dest: str | os.PathLike, *, whiteouts: str = "apply",
                 try:
                     fd = os.open(full, _CREATE, 0o600)
                 except FileExistsError:
-                    _remove(full)
-                    dirs.forget(path)
+                    if _remove(full):
+                        dirs.forget(path)
                     fd = os.open(full, _CREATE, 0o600)
                 try:
                     h = sha256()
@@ -187,7 +190,7 @@ def unpack_layer(reader, dest: str | os.PathLike, *, whiteouts: str = "apply",
                     os.utime(fd, (e.mtime, e.mtime))
                 finally:
                     os.close(fd)
-                files.add(path)
+                dirs.files.add(path)
             elif kind == "dir":
                 try:
                     os.mkdir(full, 0o700)
@@ -206,7 +209,7 @@ def unpack_layer(reader, dest: str | os.PathLike, *, whiteouts: str = "apply",
                 os.utime(full, (e.mtime, e.mtime), follow_symlinks=False)
             elif kind == "hardlink":
                 check_member_name(name, e.linkname, "hardlink target")
-                if e.linkname not in files:
+                if e.linkname not in dirs.files:
                     raise UnsafeLayerError(f"layer {name}: hardlink {path!r} points to "
                                            f"{e.linkname!r}, which is not a regular file "
                                            "earlier in this layer")
@@ -250,8 +253,8 @@ def _replace(full: str, path: str, dirs: _Dirs) -> None:
         os.lstat(full)
     except FileNotFoundError:
         return
-    _remove(full)
-    dirs.forget(path)
+    if _remove(full):
+        dirs.forget(path)
 
 
 def _check_whiteout_target(name: str, path: str, base: str) -> None:
@@ -283,5 +286,5 @@ def _apply_whiteouts(toc: list[Entry], root: str, dirs: _Dirs, name: str) -> Non
             continue  # other aufs metadata: ignored, as containerd does
         else:
             _check_whiteout_target(name, e.path, base)
-            _remove(parent + "/" + base[4:])
-            dirs.forget("/".join(parts[:-1] + [base[4:]]))
+            if _remove(parent + "/" + base[4:]):
+                dirs.forget("/".join(parts[:-1] + [base[4:]]))

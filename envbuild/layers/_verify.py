@@ -51,6 +51,7 @@ def verify_layer(reader: LayerReader, *, expected_digest: str | None = None,
     fi = 0  # index into frame_starts for chunk derivation
     symlinks: set[str] = set()
     files: set[str] = set()
+    parents: set[str] = set()
     try:
         for e, data_off in iter_members(stream):
             t = entries[i] if i < n else None
@@ -58,7 +59,7 @@ def verify_layer(reader: LayerReader, *, expected_digest: str | None = None,
             if t is None or not e.same_header(t):
                 raise corrupt(f"tar member {i} ({e.path!r}) does not match the TOC")
             if check_names:
-                _check_safe(name, e, symlinks, files)
+                _check_safe(name, e, symlinks, files, parents)
             if e.type != "file":
                 continue
             h = hashlib.sha256()
@@ -109,7 +110,8 @@ def verify_layer(reader: LayerReader, *, expected_digest: str | None = None,
                      entries=n, frames=len(toc.frames), framing=toc.framing)
 
 
-def _check_safe(name: str, e: Entry, symlinks: set[str], files: set[str]) -> None:
+def _check_safe(name: str, e: Entry, symlinks: set[str], files: set[str],
+                parents: set[str]) -> None:
     """The layer-internal safety rules unpack enforces (docs/layer-format.md, "Reader safety")."""
     parts = check_member_name(name, e.path)
     for i in range(1, len(parts)):
@@ -117,6 +119,13 @@ def _check_safe(name: str, e: Entry, symlinks: set[str], files: set[str]) -> Non
         if p in symlinks:
             raise UnsafeLayerError(f"layer {name}: member {e.path!r} would be written through "
                                    f"the symlink {p!r}")
+        parents.add(p)
+    if e.type != "dir" and e.path in parents:
+        # a non-directory replaces a directory holding earlier members (unsorted foreign tars):
+        # what was extracted below it is gone, so it cannot be a hardlink target any more
+        prefix = e.path + "/"
+        files.difference_update([f for f in files if f.startswith(prefix)])
+        parents.difference_update([d for d in parents if d == e.path or d.startswith(prefix)])
     if e.type == "symlink":
         symlinks.add(e.path)
     elif e.type == "file":
