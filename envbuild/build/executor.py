@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import stat
 import threading
 import time
 import uuid
@@ -294,15 +293,17 @@ def check_toolkit_prefix(name: str, upper: Path, prefix: str) -> None:
     offending: list[str] = []
     for dirpath, dirnames, filenames in os.walk(upper):
         rel_dir = "/" + os.path.relpath(dirpath, upper).removeprefix(".").lstrip("/")
-        for n in dirnames + filenames:
-            path = (rel_dir.rstrip("/") + "/" + n)
-            st = os.lstat(os.path.join(dirpath, n))
-            inside = path == prefix or path.startswith(prefix + "/")
-            leads_to = stat.S_ISDIR(st.st_mode) and prefix.startswith(path + "/")
-            if not inside and not leads_to:
+        base = rel_dir.rstrip("/")
+        if rel_dir != "/" and not (rel_dir == prefix or rel_dir.startswith(prefix + "/")
+                                   or prefix.startswith(rel_dir + "/")) \
+                and not dirnames and not filenames:
+            offending.append(rel_dir)  # an empty directory outside the prefix
+        for n in filenames:  # os.walk lists symlinks to dirs and devices here too
+            path = f"{base}/{n}"
+            if not (path == prefix or path.startswith(prefix + "/")):
                 offending.append(path)
-        dirnames[:] = [n for n in dirnames
-                       if (rel_dir.rstrip("/") + "/" + n) not in offending]
+        # Directories are copied up as ancestors of what changed inside them: report the
+        # files they hold, not the directories themselves.
     if offending:
         shown = ", ".join(sorted(offending)[:20])
         more = f" and {len(offending) - 20} more" if len(offending) > 20 else ""
