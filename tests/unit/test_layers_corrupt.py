@@ -209,6 +209,9 @@ def _hostile(members) -> bytes:
     ([("h", "hardlink", "../outside")], r"\.\. path component"),
     ([("h", "hardlink", "/etc/passwd")], "absolute path"),
     ([("d", "dir", None), ("d/h", "hardlink", "d")], "not a regular file earlier"),
+    # unsorted: a file below d, then d becomes a symlink, then a hardlink through it
+    ([("d/f", "file", b"x"), ("d", "symlink", "/etc"), ("h", "hardlink", "d/f")],
+     "not a regular file earlier"),
 ])
 def test_hostile_members_are_refused(tmp_path, members, match):
     data = _hostile(members)
