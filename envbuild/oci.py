@@ -10,7 +10,7 @@ MEDIA_TYPE_INDEX = "application/vnd.oci.image.index.v1+json"
 MEDIA_TYPE_CONFIG = "application/vnd.oci.image.config.v1+json"
 MEDIA_TYPE_LAYER_ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
 
-#: sha256 of the layer's uncompressed TOC JSON (docs/layer-format.md)
+#: sha256 of the layer's compressed TOC frame payload, as in its footer (docs/layer-format.md)
 ANNOTATION_TOC = "org.envbuild.toc.digest"
 #: base | workspace | toolkit | snapshot
 ANNOTATION_ROLE = "org.envbuild.role"

@@ -66,27 +66,31 @@ class NodeCache:
         with self._guard:
             return self._thread_locks.setdefault(hexd, threading.Lock())
 
-    def ensure(self, store: Store, digest: str) -> Path:
-        """The unpacked, overlay-ready directory of layer ``digest`` (fetched if missing)."""
+    def ensure(self, store: Store, digest: str, toc_digest: str | None = None) -> Path:
+        """The unpacked, overlay-ready directory of layer ``digest`` (fetched if missing).
+
+        ``toc_digest`` (from the lock's annotation or the key record) is checked against the
+        layer's TOC before anything is unpacked."""
         target = self.layer_dir(digest)
         hexd = target.name
         if not target.is_dir():
             with self._thread_lock(hexd), _flock(self.root / "locks" / f"{hexd}.lock"):
                 if not target.is_dir():
-                    self._unpack(store, digest, target)
+                    self._unpack(store, digest, target, toc_digest or None)
         _touch(self.root / "layers" / f"{hexd}.used")
         return target
 
-    def _unpack(self, store: Store, digest: str, target: Path) -> None:
+    def _unpack(self, store: Store, digest: str, target: Path, toc_digest: str | None) -> None:
         from envbuild.layers import LayerReader
 
         tmp = Path(tempfile.mkdtemp(prefix=f"{target.name[:12]}-", dir=self.root / "tmp"))
         try:
             blob_path = getattr(store, "blob_path", None)
             if blob_path is not None and Path(blob_path(digest)).is_file():
-                reader = LayerReader.open_file(blob_path(digest), name=digest)
+                reader = LayerReader.open_file(blob_path(digest), name=digest,
+                                               expected_toc_digest=toc_digest)
             else:
-                reader = LayerReader.from_store(store, digest)
+                reader = LayerReader.from_store(store, digest, expected_toc_digest=toc_digest)
             dest = tmp / "root"
             reader.unpack(dest, whiteouts="overlay")
             os.rename(dest, target)

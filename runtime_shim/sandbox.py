@@ -304,7 +304,8 @@ class Sandbox:
         node_root = Path(node_dir)
         node = NodeCache(node_root / "node")
         resolved = resolve(store, lock)
-        layer_dirs = [str(node.ensure(store, layer.digest)) for layer in resolved.layers]
+        layer_dirs = [str(node.ensure(store, layer.digest, layer.toc_digest))
+                      for layer in resolved.layers]
         sandbox_id = f"eb-{uuid.uuid4().hex[:12]}"
         paths = SandboxPaths(node_root / "sandboxes" / sandbox_id)
         for p in (paths.upper, paths.work, paths.merged):

@@ -115,8 +115,10 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
     log.write_bytes(b"")
     mounted = False
     try:
-        lowers = [str(ctx.node.ensure(ctx.store, _layer_of(ctx.store, k, job.name)))
-                  for k in job.lower_keys]
+        lowers = []
+        for k in job.lower_keys:
+            below = _record_of(ctx.store, k, job.name)
+            lowers.append(str(ctx.node.ensure(ctx.store, below.layer, below.toc)))
         imported = importers.Imported()
         if isinstance(d, Base) and not isinstance(d.source, BaseSource):
             progress(BuildEvent(job.name, "importing", detail=d.source.kind))
@@ -164,12 +166,12 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _layer_of(store: Store, key: str, for_name: str) -> str:
+def _record_of(store: Store, key: str, for_name: str) -> KeyRecord:
     record = get_key_record(store, key)
     if record is None:
         raise BuildError(f"{for_name}: the layer it builds on (key {key[:19]}…) is not in the store",
                          hint="build its dependencies first (envbuild build builds them in order)")
-    return record.layer
+    return record
 
 
 def _describe(step) -> str:

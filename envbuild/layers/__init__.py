@@ -48,7 +48,9 @@ from envbuild.layers._verify import verify_layer
 from envbuild.layers._writer import LayerWriter, pack_tar, pack_tree
 
 MEDIA_TYPE = "application/vnd.oci.image.layer.v1.tar+zstd"
-TOC_DIGEST_ANNOTATION = "dev.envbuild.layer.toc.digest"
+# The descriptor annotation that carries ``LayerInfo.toc_digest`` (one name for writer and
+# readers: envbuild.oci).
+from envbuild.oci import ANNOTATION_TOC as TOC_DIGEST_ANNOTATION  # noqa: E402
 
 __all__ = [
     "FOOTER_SIZE",

@@ -9,7 +9,8 @@ opening the blob.
 
 Annotations on each layer descriptor:
 
-``org.envbuild.toc.digest``  sha256 of the layer's uncompressed TOC JSON (see docs/layer-format.md)
+``org.envbuild.toc.digest``  sha256 of the layer's compressed TOC, as its footer records it
+                             (docs/layer-format.md); readers check the TOC they fetch against it
 ``org.envbuild.role``        ``base`` | ``workspace`` | ``toolkit`` | ``snapshot``
 ``org.envbuild.name``        the definition that produced it
 ``org.envbuild.key``         the layer key it was built for
