@@ -168,6 +168,7 @@ class ContainerBackend:
             raise RuntimeShimError(f"start sandbox {sandbox_id}: {runtime.name} exited "
                                    f"{proc.returncode}",
                                    context=start_log.read_text(errors="replace").strip()[-2000:])
+        self.init_pid = _init_pid(runtime, sandbox_id)
 
     def exec(self, argv, *, env, cwd, user, timeout, stdin) -> ExecResult:
         pid_file = self.paths.root / f"exec-{uuid.uuid4().hex[:8]}.pid"
@@ -212,15 +213,28 @@ class ContainerBackend:
                           duration=time.monotonic() - started, timed_out=timed_out,
                           output_truncated=out.overflow or err.overflow)
 
+    # Files are reached through the init process's root, i.e. in the sandbox's own mount
+    # namespace: its tmpfs /tmp and bind mounts included, exactly what commands see.
     def read_file(self, path: str) -> bytes:
-        return fsaccess.read_file(str(self.paths.merged), path)
+        return fsaccess.read_file(f"/proc/{self.init_pid}/root", path)
 
     def write_file(self, path: str, data: bytes, mode: int) -> None:
         uid, gid = parse_user(self.lock.user)
-        fsaccess.write_file(str(self.paths.merged), path, data, mode=mode, uid=uid, gid=gid)
+        fsaccess.write_file(f"/proc/{self.init_pid}/root", path, data, mode=mode, uid=uid,
+                            gid=gid)
 
     def close(self) -> None:
         destroy(self.runtime, self.id)
+
+
+def _init_pid(runtime: OciRuntime, container_id: str) -> int:
+    out = subprocess.run(runtime.command("state", container_id), capture_output=True, check=False)
+    try:
+        return int(json.loads(out.stdout)["pid"])
+    except (ValueError, KeyError, TypeError):
+        destroy(runtime, container_id)
+        raise RuntimeShimError(f"sandbox {container_id} did not start: no init process",
+                               context=out.stderr.decode(errors="replace")[-2000:]) from None
 
 
 def _kill_exec(pid_file: Path) -> None:
