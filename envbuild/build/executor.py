@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from envbuild.build import importers
+from envbuild.build.pin import local_git_path
 from envbuild.defs.model import (Base, BaseSource, BusyboxSource, CopyStep, DebootstrapSource,
                                  GitSource, LayerDefinition, OciSource, PathSource, RootfsSource,
                                  RunStep, ScratchSource, Toolkit, Workspace, ArchiveSource)
@@ -106,6 +107,7 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
     """Build ``job`` and publish its blob and key record; return the record."""
     started = time.monotonic()
     d = job.definition
+    _stop_if_cancelled(ctx, job)
     scratch = ctx.scratch_root / f"{job.key.removeprefix('sha256:')[:16]}-{uuid.uuid4().hex[:8]}"
     upper, work, merged = scratch / "upper", scratch / "work", scratch / "merged"
     for p in (upper, work, merged):
@@ -132,19 +134,21 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
                 progress(BuildEvent(job.name, "importing", detail=d.source.kind))
                 _import_workspace(d, job, merged, scratch)
             for i, step in enumerate(d.steps, 1):
-                if ctx.cancelled.is_set():
-                    raise BuildError(f"{job.name}: cancelled")
+                _stop_if_cancelled(ctx, job)
                 progress(BuildEvent(job.name, "step", i, len(d.steps), _describe(step)))
                 _run_step(ctx, job, i, step, merged, scratch, log)
             unmount(str(merged))
             mounted = False
         if isinstance(d, Toolkit):
             check_toolkit_prefix(job.name, upper, d.prefix)
+        _stop_if_cancelled(ctx, job)
         progress(BuildEvent(job.name, "packing"))
         blob = scratch / "layer.tar.zst"
         with open(blob, "wb") as out:
             info = pack_tree(upper, out, framing=d.framing, overlay_upper=True,
                              source_date_epoch=ctx.source_date_epoch)
+        # Last chance to stop without publishing: once the blob is stored, the record follows.
+        _stop_if_cancelled(ctx, job)
         stored = put_file(ctx.store, blob)
         if stored.digest != info.digest:
             raise BuildError(f"{job.name}: packed layer hashed to {stored.digest}, "
@@ -164,6 +168,11 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
         if mounted:
             unmount(str(merged))
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _stop_if_cancelled(ctx: BuildContext, job: LayerJob) -> None:
+    if ctx.cancelled.is_set():
+        raise BuildError(f"{job.name}: cancelled", hint="nothing was published for this layer")
 
 
 def _record_of(store: Store, key: str, for_name: str) -> KeyRecord:
@@ -208,8 +217,8 @@ def _import_workspace(d: Workspace, job: LayerJob, merged: Path, scratch: Path) 
         commit = job.pins.get("source")
         if not commit:
             raise BuildError(f"{d.name}: git source was not pinned to a commit")
-        url = src.url if "://" in src.url or os.path.isabs(src.url) else str(here / src.url)
-        importers.import_git(url, commit.removeprefix("git:"), dest, scratch)
+        importers.import_git(local_git_path(src.url, str(here)) or src.url, commit, dest,
+                             scratch)
     elif isinstance(src, ArchiveSource):
         importers.import_archive(here / src.path, src.sha256, dest)
 
@@ -248,7 +257,12 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
     write_bundle(bundle, runtime_spec(request))
     container_id = f"eb-build-{uuid.uuid4().hex[:12]}"
     with open(log, "ab") as out:
-        result = run_container(ctx.runtime, container_id, bundle, stdout=out)
+        # The step runs on a pool thread, which Ctrl-C/SIGTERM never interrupts: the engine
+        # sets ctx.cancelled and run_container kills and deletes the container when it sees it.
+        result = run_container(ctx.runtime, container_id, bundle, stdout=out,
+                               cancelled=ctx.cancelled)
+    if result.cancelled:
+        _stop_if_cancelled(ctx, job)
     if result.exit_code != 0:
         raise StepFailed(
             f"{job.name}: step {index}/{len(d.steps)} exited {result.exit_code}: "

@@ -191,7 +191,7 @@ class Pinner:
 
     def git(self, url: str, rev: str, base_dir: str) -> str:
         """The commit sha ``rev`` names in the repository at ``url``."""
-        local = _local_repo(url, base_dir)
+        local = local_git_path(url, base_dir)
         cache_key = (local or url, rev)
         sha = self._git.get(cache_key)
         if sha is None:
@@ -253,7 +253,7 @@ class Pinner:
                           "use the manifest digest as ref")
 
 
-def _local_repo(url: str, base_dir: str) -> str | None:
+def local_git_path(url: str, base_dir: str) -> str | None:
     """A filesystem path for a local or ``file://`` URL, else None (remote)."""
     if url.startswith("file://"):
         return unquote(urlsplit(url).path)
