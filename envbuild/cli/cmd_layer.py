@@ -1,9 +1,221 @@
-"""``envbuild layer ...``: pack, ls, cat, unpack, verify (filled in by the layer-format issue)."""
+"""``envbuild layer pack|ls|cat|unpack|verify|stat``: make and inspect layer blobs.
+
+LAYER is a layer file or a digest in the store (``sha256:<hex>``, or a unique prefix of at least
+12 hex digits); the logic is in ``envbuild.layers._tools``.
+"""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import click
+
+from envbuild.cli.main import App, pass_app
+
+_LAYER_HELP = ("LAYER is a layer file, or a digest in the store: sha256:<hex> or a unique "
+               "prefix of at least 12 hex digits.")
+
+
+def open_layer(app: App, layer: str):
+    """The ``LayerReader`` for LAYER; the store is opened only for digests, and never created."""
+    from envbuild.layers._tools import open_layer as open_ref
+
+    return open_ref(layer, lambda: _existing_store(app))
+
+
+def _existing_store(app: App):
+    from envbuild.errors import BlobNotFound
+
+    url = app.settings.store_url
+    if "://" not in url and not Path(url).is_dir():
+        raise BlobNotFound(f"there is no store at {url}",
+                           hint="pass --store DIR or set ENVBUILD_STORE, or give a layer file")
+    return app.open_store()
+
+
+def _echo_json(obj) -> None:
+    click.echo(json.dumps(obj, indent=1, sort_keys=True))
+
+
+def _echo_fields(fields: dict) -> None:
+    width = max(map(len, fields)) + 2
+    for key, value in fields.items():
+        click.echo(f"{key:<{width}}{value}")
 
 
 def register(group: click.Group) -> None:
-    pass
+    @group.group("layer")
+    def layer() -> None:
+        """Pack, list, read, unpack, verify and inspect layer blobs (format v1)."""
+
+    @layer.command("pack")
+    @click.argument("src", metavar="DIR", type=click.Path(path_type=Path))
+    @click.option("-o", "--output", metavar="FILE", type=click.Path(path_type=Path),
+                  help="Write the blob to FILE (atomically) instead of the store.")
+    @click.option("--store", "to_store", is_flag=True,
+                  help="Put the blob into the store (the default without -o; with -o: both).")
+    @click.option("--framing", type=click.Choice(["lazy", "compact"]), default="lazy",
+                  show_default=True,
+                  help="lazy: big files in frames of their own; compact: ~4 MiB frames.")
+    @click.option("--overlay-upper", is_flag=True,
+                  help="DIR is an overlayfs upper dir: turn its whiteouts into OCI whiteouts.")
+    @click.option("--no-devices", is_flag=True, help="Refuse device nodes and FIFOs.")
+    @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+    @pass_app
+    def pack(app: App, src: Path, output: Path | None, to_store: bool, framing: str,
+             overlay_upper: bool, no_devices: bool, as_json: bool) -> None:
+        """Pack DIR into a layer; mtimes are clamped to $SOURCE_DATE_EPOCH (default 0)."""
+        from envbuild.layers._tools import info_json, pack as pack_layer
+
+        use_store = output is None or to_store
+        if sys.stderr.isatty() and not as_json:
+            click.echo(f"packing {src} ...", err=True)
+        info = pack_layer(src, output=output, store=app.open_store() if use_store else None,
+                          framing=framing, overlay_upper=overlay_upper,
+                          allow_devices=not no_devices,
+                          source_date_epoch=app.settings.source_date_epoch)
+        where = {"output": str(output) if output else None,
+                 "store": app.settings.store_url if use_store else None}
+        if as_json:
+            _echo_json({**info_json(info), **where})
+        else:
+            _render_info(info, where)
+
+    @layer.command("ls", epilog=_LAYER_HELP)
+    @click.argument("layer_ref", metavar="LAYER")
+    @click.option("-l", "--long", "long_", is_flag=True,
+                  help="Type and mode, uid/gid, size, mtime (UTC), link target, like tar -tv.")
+    @click.option("--json", "as_json", is_flag=True,
+                  help="Print one JSON object with every TOC entry (without chunks).")
+    @pass_app
+    def ls(app: App, layer_ref: str, long_: bool, as_json: bool) -> None:
+        """List the members of LAYER from its table of contents, in tar order."""
+        from envbuild.layers._tools import add_hints, display_path, entry_json, long_line
+
+        with open_layer(app, layer_ref) as reader, add_hints(reader):
+            entries = reader.entries()
+        if as_json:
+            _echo_json({"layer": reader.name,
+                        "entries": [entry_json(e, chunks=False) for e in entries]})
+            return
+        for e in entries:
+            click.echo(long_line(e) if long_ else display_path(e))
+
+    @layer.command("cat", epilog=_LAYER_HELP)
+    @click.argument("layer_ref", metavar="LAYER")
+    @click.argument("path")
+    @pass_app
+    def cat(app: App, layer_ref: str, path: str) -> None:
+        """Write the contents of file PATH in LAYER to stdout, reading only its frames."""
+        from envbuild.layers._tools import read_member
+
+        with open_layer(app, layer_ref) as reader:
+            data = read_member(reader, path)
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+
+    @layer.command("unpack", epilog=_LAYER_HELP)
+    @click.argument("layer_ref", metavar="LAYER")
+    @click.argument("dest", type=click.Path(path_type=Path))
+    @click.option("--whiteouts", type=click.Choice(["apply", "overlay", "keep"]),
+                  default="apply", show_default=True,
+                  help="apply: delete what the layer's whiteouts name from DEST, write no "
+                       ".wh.* files; overlay: write overlayfs whiteouts (DEST becomes an "
+                       "overlay lower dir); keep: write .wh.* files as they are.")
+    @click.option("--no-devices", is_flag=True, help="Refuse device nodes and FIFOs.")
+    @pass_app
+    def unpack(app: App, layer_ref: str, dest: Path, whiteouts: str, no_devices: bool) -> None:
+        """Extract LAYER into DEST.
+
+        DEST is created if missing. It may hold a tree already: the layer is stacked onto it
+        (members replace what is at their path, whiteouts delete with --whiteouts apply), which
+        is how layers compose. Unsafe members (absolute, .., through a symlink) are refused.
+        """
+        from envbuild.layers._tools import unpack as unpack_into
+
+        with open_layer(app, layer_ref) as reader:
+            unpack_into(reader, dest, whiteouts=whiteouts, allow_devices=not no_devices)
+        click.echo(f"unpacked {reader.name} into {dest}", err=True)
+
+    @layer.command("verify", epilog=_LAYER_HELP)
+    @click.argument("layer_ref", metavar="LAYER")
+    @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+    @pass_app
+    def verify(app: App, layer_ref: str, as_json: bool) -> None:
+        """Check every byte of LAYER: frames, tar, TOC, digests (a stored blob must hash to its
+        digest; for a file, the digest printed is its sha256)."""
+        from envbuild.layers._tools import human_size, info_json
+        from envbuild.layers._tools import verify as verify_reader
+
+        with open_layer(app, layer_ref) as reader:
+            info = verify_reader(reader)
+        if as_json:
+            _echo_json({**info_json(info), "ok": True})
+            return
+        click.echo(f"ok: {info.digest} ({info.entries} entries, {human_size(info.size)} "
+                   f"compressed, {human_size(info.uncompressed_size)} uncompressed, "
+                   f"{info.frames} frames)")
+
+    @layer.command("stat", epilog=_LAYER_HELP)
+    @click.argument("layer_ref", metavar="LAYER")
+    @click.argument("path", required=False)
+    @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+    @pass_app
+    def stat_cmd(app: App, layer_ref: str, path: str | None, as_json: bool) -> None:
+        """Summarise LAYER from its footer and TOC, or show the TOC entry of PATH (with its
+        chunks). Reads no data frames."""
+        from envbuild.layers._tools import add_hints, entry_json, member_entry, summary
+
+        with open_layer(app, layer_ref) as reader, add_hints(reader):
+            # Seam for the S3 issue: a --lazy flag adds reader.stats (ranges, bytes) to doc here.
+            doc = summary(reader) if path is None else entry_json(member_entry(reader, path))
+        if as_json:
+            _echo_json(doc)
+        elif path is None:
+            _render_summary(doc)
+        else:
+            _render_entry(doc)
+
+
+def _render_info(info, where: dict) -> None:
+    from envbuild.layers._tools import human_size
+
+    fields = {
+        "digest": info.digest, "diff_id": info.diff_id,
+        "size": f"{info.size} ({human_size(info.size)}) compressed, "
+                f"{info.uncompressed_size} ({human_size(info.uncompressed_size)}) uncompressed",
+        "entries": info.entries, "frames": f"{info.frames} ({info.framing})",
+        "toc_digest": info.toc_digest,
+    }
+    if where["output"]:
+        fields["written to"] = where["output"]
+    if where["store"]:
+        fields["stored in"] = where["store"]
+    _echo_fields(fields)
+
+
+def _render_summary(doc: dict) -> None:
+    from envbuild.layers._tools import human_size
+
+    fields = dict(doc)
+    for key in ("size", "uncompressed_size", "toc_size", "toc_uncompressed_size"):
+        fields[key] = f"{doc[key]} ({human_size(doc[key])})"
+    fields["types"] = ", ".join(f"{n} {t}" for t, n in doc["types"].items()) or "-"
+    _echo_fields(fields)
+
+
+def _render_entry(doc: dict) -> None:
+    chunks = doc.pop("chunks")
+    doc["mode"] = f"{doc['mode']:04o}"
+    doc["xattrs"] = ", ".join(doc["xattrs"]) or "-"
+    doc["linkname"] = doc["linkname"] or "-"
+    doc["digest"] = doc["digest"] or "-"
+    doc["chunks"] = len(chunks)
+    _echo_fields(doc)
+    if chunks:
+        click.echo(f"  {'offset':>12} {'csize':>10} {'uoffset':>12} {'usize':>10} {'inner':>8}")
+        for c in chunks:
+            click.echo(f"  {c['offset']:>12} {c['csize']:>10} {c['uoffset']:>12} "
+                       f"{c['usize']:>10} {c['inner']:>8}")
