@@ -16,6 +16,7 @@ wait on its lock and then find it present.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -101,33 +102,57 @@ class NodeCache:
         return sorted("sha256:" + p.name for p in (self.root / "layers").iterdir()
                       if p.is_dir())
 
-    def evict(self, keep: Iterable[str], max_bytes: int) -> list[str]:
-        """Remove least recently used layers not in ``keep`` until the cache is under
-        ``max_bytes``. Returns the evicted digests."""
-        keep_hex = {check_digest(d).removeprefix("sha256:") for d in keep}
-        entries = []
-        total = 0
+    def usage(self) -> list[LayerUsage]:
+        """Every unpacked layer with its disk usage and last use, least recently used first."""
+        out = []
         for p in (self.root / "layers").iterdir():
-            if not p.is_dir():
-                continue
-            size = _tree_size(p)
-            total += size
-            used = self.root / "layers" / f"{p.name}.used"
-            entries.append((used.stat().st_mtime if used.exists() else 0.0, p, size))
+            if p.is_dir():
+                used = self.root / "layers" / f"{p.name}.used"
+                out.append(LayerUsage("sha256:" + p.name, _tree_size(p),
+                                      used.stat().st_mtime if used.exists() else 0.0))
+        return sorted(out, key=lambda u: (u.last_used, u.digest))
+
+    def evict(self, keep: Iterable[str], max_bytes: int) -> list[str]:
+        """Remove least recently used layers not in ``keep`` until the cache holds at most
+        ``max_bytes``. Returns the evicted digests. A layer is renamed away under its lock
+        before deletion, so no reader ever sees half of one."""
+        keep_hex = {check_digest(d).removeprefix("sha256:") for d in keep}
+        entries = self.usage()
+        total = sum(u.size for u in entries)
         evicted = []
-        for _, p, size in sorted(entries):
+        for u in entries:
             if total <= max_bytes:
                 break
-            if p.name in keep_hex:
+            hexd = u.digest.removeprefix("sha256:")
+            if hexd in keep_hex:
                 continue
-            with _flock(self.root / "locks" / f"{p.name}.lock"):
-                trash = self.root / "tmp" / f"evict-{p.name}-{uuid.uuid4().hex[:6]}"
-                os.rename(p, trash)  # atomic: never a half-deleted layer under layers/
+            with self._thread_lock(hexd), _flock(self.root / "locks" / f"{hexd}.lock"):
+                layer = self.root / "layers" / hexd
+                trash = self.root / "tmp" / f"evict-{hexd[:12]}-{uuid.uuid4().hex[:6]}"
+                os.rename(layer, trash)
                 shutil.rmtree(trash, ignore_errors=True)
-                (self.root / "layers" / f"{p.name}.used").unlink(missing_ok=True)
-            total -= size
-            evicted.append("sha256:" + p.name)
+                (self.root / "layers" / f"{hexd}.used").unlink(missing_ok=True)
+            total -= u.size
+            evicted.append(u.digest)
         return evicted
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerUsage:
+    digest: str
+    size: int
+    last_used: float
+
+
+def parse_size(text: str) -> int:
+    """``"20G"``, ``"500M"``, ``"1024"`` → bytes (powers of 1024)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1] if t and t[-1] in units else ""
+    try:
+        return int(float(t[: len(t) - len(unit)] if unit else t) * units[unit])
+    except ValueError:
+        raise RuntimeShimError(f"not a size: {text!r}", hint="use e.g. 20G, 500M or 0") from None
 
 
 class _flock:

@@ -326,7 +326,8 @@ class Sandbox:
             p.mkdir(parents=True)
         _write_meta(paths, {"version": SANDBOX_META_VERSION, "id": sandbox_id,
                             "lock": resolved.digest, "backend": backend, "pid": os.getpid(),
-                            "kept": keep, "created": time.time()})
+                            "kept": keep, "created": time.time(),
+                            "layers": [layer.digest for layer in resolved.layers]})
         oci = OciRuntime(runtime, state_root=str(node_root / "runc"))
         mounted = False
         try:
@@ -404,6 +405,7 @@ class SandboxInfo:
     alive: bool  # the creating process still runs
     kept: bool  # made with keep=True (envbuild run --keep): gc leaves it alone
     created: float
+    layers: tuple[str, ...]
     path: Path
 
 
@@ -420,7 +422,8 @@ def list_sandboxes(node_dir: str | os.PathLike[str]) -> list[SandboxInfo]:
         pid = int(meta.get("pid", 0))
         found.append(SandboxInfo(id=d.name, lock=meta.get("lock", "?"), pid=pid,
                                  alive=_pid_alive(pid), kept=bool(meta.get("kept")),
-                                 created=meta.get("created", 0.0), path=d))
+                                 created=meta.get("created", 0.0),
+                                 layers=tuple(meta.get("layers", ())), path=d))
     return found
 
 
@@ -442,6 +445,15 @@ def remove_sandbox(node_dir: str | os.PathLike[str], sandbox_id: str,
     node_root = Path(node_dir)
     destroy(OciRuntime(runtime, state_root=str(node_root / "runc")), sandbox_id)
     remove_sandbox_dir(SandboxPaths(node_root / "sandboxes" / sandbox_id))
+
+
+def layers_in_use(node_dir: str | os.PathLike[str]) -> set[str]:
+    """Layer digests of the sandboxes on this host that are alive or kept: never evict those."""
+    in_use: set[str] = set()
+    for info in list_sandboxes(node_dir):
+        if info.alive or info.kept:
+            in_use.update(info.layers)
+    return in_use
 
 
 def gc_sandboxes(node_dir: str | os.PathLike[str], runtime: str = "runc") -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import click
 
@@ -83,6 +84,35 @@ def register(group: click.Group) -> None:
         for i in ids:
             remove_sandbox(app.settings.node_dir, i, app.settings.oci_runtime)
             click.echo(f"removed {i}")
+
+    @group.group()
+    def node() -> None:
+        """This host's node cache: unpacked layers shared by builds and sandboxes."""
+
+    @node.command("ls")
+    @pass_app
+    def node_ls(app: App) -> None:
+        """List unpacked layers with their size and last use."""
+        from runtime_shim.nodecache import NodeCache
+
+        layers = NodeCache(app.settings.node_dir / "node").usage()
+        for u in layers:
+            click.echo(f"{u.digest}  {u.size / 1e6:9.1f} MB  last used {time.ctime(u.last_used)}")
+        click.echo(f"{len(layers)} layers, {sum(u.size for u in layers) / 1e6:.1f} MB")
+
+    @node.command("gc")
+    @click.option("--max-size", default="0", show_default=True, metavar="SIZE",
+                  help="Keep at most this much (e.g. 20G, 500M); 0 evicts every unused layer.")
+    @pass_app
+    def node_gc(app: App, max_size: str) -> None:
+        """Evict least recently used layers that no live sandbox uses."""
+        from runtime_shim.nodecache import NodeCache, parse_size
+        from runtime_shim.sandbox import layers_in_use
+
+        cache = NodeCache(app.settings.node_dir / "node")
+        keep = layers_in_use(app.settings.node_dir)
+        evicted = cache.evict(keep, parse_size(max_size))
+        click.echo(f"evicted {len(evicted)} layer(s); {len(keep)} in use by live sandboxes kept")
 
     @sandbox.command("gc")
     @pass_app
