@@ -55,7 +55,8 @@ def register(group: click.Group) -> None:
     @click.option("-o", "--output", metavar="FILE", type=click.Path(path_type=Path),
                   help="Write the blob to FILE (atomically) instead of the store.")
     @click.option("--store", "to_store", is_flag=True,
-                  help="Put the blob into the store (the default without -o; with -o: both).")
+                  help="Put the blob into the store that `envbuild --store DIR` names (the "
+                       "default without -o; with -o: both).")
     @click.option("--framing", type=click.Choice(["lazy", "compact"]), default="lazy",
                   show_default=True,
                   help="lazy: big files in frames of their own; compact: ~4 MiB frames.")

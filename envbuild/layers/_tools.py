@@ -92,6 +92,8 @@ def locate_layer(ref: str, get_store: Callable[[], Any]) -> tuple[Any, str]:
             if os.path.isdir(ref):
                 raise LayerError(f"{ref} is a directory, not a layer blob",
                                  hint=f"pack it first: envbuild layer pack {ref}")
+            if not os.path.isfile(ref):  # a FIFO would block, a dangling link has no bytes
+                raise LayerError(f"{ref} is not a regular file", hint=_REF_HINT)
             return None, ref
         if not _HEX.fullmatch(ref):
             raise LayerError(f"no such layer file: {ref}", hint=_REF_HINT)

@@ -232,6 +232,14 @@ def test_directory_as_layer(env, capsys):
     assert_error(code, err, "src is a directory", "envbuild layer pack src")
 
 
+def test_fifo_and_dangling_symlink_as_layer(env, capsys):
+    os.mkfifo(env / "fifo")
+    os.symlink("nowhere", env / "dangling")
+    for ref in ("fifo", "dangling"):
+        code, _, err = run(capsys, "layer", "ls", ref)
+        assert_error(code, err, f"{ref} is not a regular file")
+
+
 def test_truncated_layer_file(env, capsys):
     pack_json(capsys, "-o", "l")
     data = (env / "l").read_bytes()
