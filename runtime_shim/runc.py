@@ -15,8 +15,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import select
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -24,6 +26,8 @@ from typing import Any, BinaryIO
 from envbuild.errors import RuntimeShimError
 
 DEFAULT_STATE_ROOT = "/run/envbuild/runc"
+#: How often a foreground container's waiter looks at its ``cancelled`` event (seconds).
+CANCEL_POLL_SECONDS = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +35,7 @@ class RunResult:
     exit_code: int
     duration: float
     timed_out: bool = False
+    cancelled: bool = False  # the caller's ``cancelled`` event stopped it (exit_code 130)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +76,14 @@ def run_container(
     stdout: BinaryIO | int | None,
     stderr: BinaryIO | int | None = subprocess.STDOUT,
     timeout: float | None = None,
+    cancelled: threading.Event | None = None,
 ) -> RunResult:
     """Run the bundle's process to completion in the foreground.
 
-    On timeout or KeyboardInterrupt the container is killed and deleted before returning or
-    re-raising, so no runtime state or process is left behind.
+    On timeout, on ``cancelled`` being set (checked every ``CANCEL_POLL_SECONDS``) or on
+    KeyboardInterrupt the container is killed and deleted before returning or re-raising, so
+    no runtime state or process is left behind. ``cancelled`` is how a build running on a
+    worker thread is stopped: signals only interrupt the main thread.
     """
     Path(runtime.state_root).mkdir(parents=True, exist_ok=True)
     argv = runtime.command("run", "--bundle", str(bundle), container_id)
@@ -83,23 +91,68 @@ def run_container(
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
                             start_new_session=True)
     try:
-        code = proc.wait(timeout=timeout)
+        code = _wait(proc, timeout, cancelled)
+        if code is None:
+            _stop(runtime, container_id, proc)
+            return RunResult(exit_code=130, duration=time.monotonic() - start, cancelled=True)
         return RunResult(exit_code=code, duration=time.monotonic() - start)
     except subprocess.TimeoutExpired:
         destroy(runtime, container_id)
         proc.wait()
         return RunResult(exit_code=124, duration=time.monotonic() - start, timed_out=True)
     except BaseException:
-        destroy(runtime, container_id)
-        proc.kill()
-        proc.wait()
+        _stop(runtime, container_id, proc)
         raise
 
 
+def _wait(proc: subprocess.Popen, timeout: float | None,
+          cancelled: threading.Event | None) -> int | None:
+    """``proc``'s exit code, or None once ``cancelled`` is set; TimeoutExpired after
+    ``timeout``. Waits on a pidfd so a step's end is seen at once, not at the next poll."""
+    if cancelled is None:
+        return proc.wait(timeout=timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # no pidfd (old kernel): poll with short waits instead
+        pidfd = None
+    try:
+        while not cancelled.is_set():
+            left = CANCEL_POLL_SECONDS if deadline is None else \
+                min(CANCEL_POLL_SECONDS, deadline - time.monotonic())
+            if left <= 0:
+                raise subprocess.TimeoutExpired(proc.args, timeout)  # type: ignore[arg-type]
+            if pidfd is not None:
+                select.select([pidfd], [], [], left)
+                code = proc.poll()
+                if code is not None:
+                    return code
+            else:
+                try:
+                    return proc.wait(timeout=left)
+                except subprocess.TimeoutExpired:
+                    pass
+        return None
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _stop(runtime: OciRuntime, container_id: str, proc: subprocess.Popen) -> None:
+    """Kill the container and the ``runc run`` driving it, then delete the container."""
+    destroy(runtime, container_id)
+    proc.kill()
+    proc.wait()
+    # Killed while still creating the container, ``runc run`` can leave a created (not yet
+    # started) container behind that the first destroy did not see yet.
+    destroy(runtime, container_id)
+
+
 def destroy(runtime: OciRuntime, container_id: str) -> None:
-    """Kill every process of the container and delete its runtime state. Idempotent."""
-    subprocess.run(runtime.command("kill", "--all", container_id, "KILL"),
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    """Kill every process of the container and delete its runtime state. Idempotent.
+
+    ``delete --force`` SIGKILLs the init process, and with it (a new pid namespace) every
+    process of the container, then removes state and cgroups: one runtime call, not two."""
     subprocess.run(runtime.command("delete", "--force", container_id),
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
 

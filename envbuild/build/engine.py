@@ -108,15 +108,26 @@ def make_jobs(ws: Snapshot, names: Iterable[str]) -> dict[str, LayerJob]:
 
 
 class _KeyLock:
-    """An exclusive flock per layer key, so two processes never build one key at once."""
+    """An exclusive flock per layer key, so two processes never build one key at once.
 
-    def __init__(self, root: Path, key: str) -> None:
+    Waiting for another process's build polls ``cancelled``: a blocking flock on a pool thread
+    could not be interrupted by Ctrl-C."""
+
+    def __init__(self, root: Path, key: str, cancelled: threading.Event) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.path = root / f"key-{key.removeprefix('sha256:')}.lock"
+        self.cancelled = cancelled
 
     def __enter__(self) -> None:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if self.cancelled.wait(0.1):
+                    os.close(self.fd)
+                    raise BuildError("cancelled while waiting for another build of this layer")
 
     def __exit__(self, *exc) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
@@ -149,7 +160,9 @@ def build(
     def work(name: str) -> tuple[KeyRecord, str, float]:
         job = layer_jobs[name]
         started = time.monotonic()
-        with _KeyLock(lock_root, job.key):
+        if ctx.cancelled.is_set():  # queued before the interrupt: do not start
+            raise BuildError(f"{name}: cancelled", hint="nothing was published for this layer")
+        with _KeyLock(lock_root, job.key, ctx.cancelled):
             existing = None if no_cache else get_key_record(ctx.store, job.key)
             if existing is not None:  # another process built it while we waited
                 return existing, "cached", 0.0

@@ -105,6 +105,9 @@ def run_dag(
                             ready.append(child)
         except BaseException:
             cancelled.set()
+            # Queued jobs must not start while the pool's exit waits for the running ones
+            # (which see ``cancelled`` and clean up).
+            pool.shutdown(wait=False, cancel_futures=True)
             raise
     for n in todo:
         if n not in results:

@@ -44,7 +44,12 @@ class App:
         log_root = (store.root / "logs" if isinstance(store, LocalStore)
                     else self.settings.node_dir / "logs")
         return BuildContext(store=store, node=node,
-                            runtime=OciRuntime(self.settings.oci_runtime),
+                            # Runtime state next to the node's sandboxes (same root as
+                            # runtime_shim.sandbox), not /run/envbuild: per node dir, so test
+                            # and CI nodes never see each other's containers, and leftovers of
+                            # a killed build are found where the node's other state lives.
+                            runtime=OciRuntime(self.settings.oci_runtime,
+                                               state_root=str(self.settings.node_dir / "runc")),
                             scratch_root=self.settings.node_dir / "builds", log_root=log_root,
                             source_date_epoch=self.settings.source_date_epoch)
 
