@@ -16,8 +16,7 @@ class Settings:
     """What every command needs to know about its surroundings.
 
     ``node_dir`` holds this host's node cache and build scratch space (never shared between
-    hosts). ``store_url`` is a directory path (the local store) or, once the S3 backend exists,
-    ``s3://BUCKET/PREFIX``. ``source_date_epoch`` clamps every mtime written into a layer.
+    hosts). ``store_url`` is a directory path (the local store) or ``s3://BUCKET/PREFIX``. ``source_date_epoch`` clamps every mtime written into a layer.
     """
 
     defs_dir: Path = Path(DEFAULT_DEFS)
@@ -26,6 +25,11 @@ class Settings:
     jobs: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     node_dir: Path = dataclasses.field(default_factory=lambda: default_node_dir(os.environ))
     oci_runtime: str = "runc"
+    # S3 issue: endpoint for s3:// stores (None: boto3's own config, e.g. AWS_ENDPOINT_URL) and
+    # the remote build cache a build pulls layers from / pushes them to (store URLs)
+    s3_endpoint: str | None = None
+    cache_from: str | None = None
+    cache_to: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -43,6 +47,9 @@ class Settings:
             source_date_epoch=epoch,
             node_dir=default_node_dir(environ),
             oci_runtime=environ.get("ENVBUILD_OCI_RUNTIME", "runc"),
+            s3_endpoint=environ.get("ENVBUILD_S3_ENDPOINT") or None,
+            cache_from=environ.get("ENVBUILD_CACHE_FROM") or None,
+            cache_to=environ.get("ENVBUILD_CACHE_TO") or None,
         )
 
 

@@ -26,11 +26,11 @@ class App:
 
     settings: Settings
 
-    def open_store(self):
-        """Open the store named by the settings (local directory for now)."""
+    def open_store(self, url: str | None = None):
+        """Open the store named by the settings, or by ``url`` (push/pull, remote cache)."""
         from envbuild.store import open_store
 
-        return open_store(self.settings.store_url)
+        return open_store(url or self.settings.store_url, s3_endpoint=self.settings.s3_endpoint)
 
     def build_context(self):
         """Store, node cache and OCI runtime for building, from the settings."""
@@ -53,12 +53,16 @@ class App:
                             scratch_root=self.settings.node_dir / "builds", log_root=log_root,
                             source_date_epoch=self.settings.source_date_epoch)
 
-    @staticmethod
-    def run_build(project, ctx, targets, **kw):
+    def run_build(self, project, ctx, targets, **kw):
         """Build with SIGTERM treated like Ctrl-C, so both clean up the same way."""
         from envbuild.build.engine import build, install_signal_cancel
 
         install_signal_cancel(ctx)
+        # S3 issue: the remote build cache (--cache-from / --cache-to; envbuild.store.sync)
+        if self.settings.cache_from and "cache_from" not in kw:
+            kw["cache_from"] = self.open_store(self.settings.cache_from)
+        if self.settings.cache_to and "cache_to" not in kw:
+            kw["cache_to"] = self.open_store(self.settings.cache_to)
         return build(project, ctx, targets, **kw)
 
 
@@ -70,15 +74,28 @@ pass_app = click.make_pass_decorator(App)
               help="Where layers live (default: ./cache, or $ENVBUILD_STORE).")
 @click.option("--defs", "defs_dir", metavar="DIR", default=None, type=click.Path(path_type=Path),
               help="Definition tree (default: ./envdefs, or $ENVBUILD_DEFS).")
+# S3 issue: endpoint for s3:// stores and the remote build cache (Settings fields)
+@click.option("--s3-endpoint", metavar="URL", default=None,
+              help="S3 endpoint for s3:// stores (default: $ENVBUILD_S3_ENDPOINT, "
+                   "$AWS_ENDPOINT_URL, or AWS).")
+@click.option("--cache-from", metavar="URL", default=None,
+              help="Remote store a build takes already-built layers from ($ENVBUILD_CACHE_FROM).")
+@click.option("--cache-to", metavar="URL", default=None,
+              help="Remote store a build pushes its layers and locks to ($ENVBUILD_CACHE_TO).")
 @click.version_option(package_name="envbuild")
 @click.pass_context
-def cli(ctx: click.Context, store_url: str | None, defs_dir: Path | None) -> None:
+def cli(ctx: click.Context, store_url: str | None, defs_dir: Path | None,
+        s3_endpoint: str | None, cache_from: str | None, cache_to: str | None) -> None:
     """Declarative, content-addressed environments for agent-training sandboxes."""
     settings = Settings.from_env(os.environ)
     if store_url is not None:
         settings = dataclasses.replace(settings, store_url=store_url)
     if defs_dir is not None:
         settings = dataclasses.replace(settings, defs_dir=defs_dir)
+    overrides = {k: v for k, v in (("s3_endpoint", s3_endpoint), ("cache_from", cache_from),
+                                   ("cache_to", cache_to)) if v is not None}
+    if overrides:
+        settings = dataclasses.replace(settings, **overrides)
     ctx.obj = App(settings=settings)
 
 

@@ -1,13 +1,15 @@
 """envbuild.store: content-addressed blobs, refs and key records.
 
 The contract is ``Store`` (``envbuild.store.base``); backends are ``LocalStore`` (a directory,
-an OCI image layout) and ``MemoryStore`` (tests); generic logic is in ``envbuild.store.helpers``.
-Open one from a ``--store`` / ``ENVBUILD_STORE`` value with ``open_store``.
+an OCI image layout), ``S3Store`` (``envbuild.store.s3``, imported on demand: it needs boto3)
+and ``MemoryStore`` (tests); generic logic is in ``envbuild.store.helpers``, push/pull between
+stores in ``envbuild.store.sync``, lazy layer reads in ``envbuild.store.lazy``. Open one from a
+``--store`` / ``ENVBUILD_STORE`` value with ``open_store``.
 """
 
 from __future__ import annotations
 
-from envbuild.errors import SettingsError, StoreUnavailable
+from envbuild.errors import SettingsError
 from envbuild.store.base import (
     ANY,
     MEDIA_TYPE_CONFIG,
@@ -70,12 +72,13 @@ __all__ = [
 ]
 
 
-def open_store(url: str) -> Store:
+def open_store(url: str, *, s3_endpoint: str | None = None) -> Store:
     """Open the store a ``--store`` / ``ENVBUILD_STORE`` value names.
 
     * a path (``cache``, ``/srv/envbuild``) → ``LocalStore``, created if missing
     * ``memory://`` → a new, empty ``MemoryStore`` (tests)
-    * ``s3://BUCKET/PREFIX`` → ``StoreUnavailable`` until the S3 backend lands
+    * ``s3://BUCKET/PREFIX`` → ``S3Store`` at ``s3_endpoint`` (``--s3-endpoint``), else the
+      endpoint boto3 is configured with (``AWS_ENDPOINT_URL``, or AWS itself)
 
     Anything else with a ``scheme://`` is a ``SettingsError``.
     """
@@ -88,8 +91,8 @@ def open_store(url: str) -> Store:
     if scheme == "memory":
         return MemoryStore()
     if scheme == "s3":
-        raise StoreUnavailable(f"S3 stores are not supported yet: {url}",
-                               hint="use a local directory for now (--store DIR or "
-                                    "ENVBUILD_STORE=DIR); S3 support comes with the S3 issue")
+        from envbuild.store.s3 import S3Store
+
+        return S3Store.from_url(url, endpoint_url=s3_endpoint or None)
     raise SettingsError(f"unknown store URL scheme {scheme!r} in {url!r}",
                         hint="use a directory path, or s3://BUCKET/PREFIX")

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from envbuild.store import LocalStore, MemoryStore, Store
+from tests.store.s3server import moto_s3  # noqa: F401  (session fixture used by _s3)
 
 
 @dataclasses.dataclass
@@ -41,9 +42,34 @@ def _local(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
                    reopen=lambda: LocalStore(tmp_path / "store"))
 
 
+def _s3(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    """A fresh prefix in one bucket of the session's moto server (which accepts 1 MiB parts).
+    1 MiB parts, 2 in flight: a 20 MiB blob is a parallel multipart upload, and memory stays
+    within the conformance bound."""
+    from envbuild.store.s3 import S3Store
+    from tests.store.s3server import session
+
+    server = request.getfixturevalue("moto_s3")
+    if not hasattr(server, "bucket"):
+        server.bucket = server.make_bucket("conformance")
+    prefix = f"t-{tmp_path.name}-{id(tmp_path):x}"
+
+    def open_() -> Store:
+        return S3Store(server.bucket, prefix, endpoint_url=server.endpoint, session=session(),
+                       part_size=1 << 20, concurrency=2)
+
+    store = open_()
+
+    def corrupt(digest: str, data: bytes) -> None:
+        server.client().put_object(Bucket=server.bucket, Key=store._blob_key(digest), Body=data)
+
+    return Backend(store, corrupt=corrupt, streams=True, reopen=open_)
+
+
 BACKENDS: dict[str, Callable[[pytest.FixtureRequest, Path], Backend]] = {
     "memory": _memory,
     "local": _local,
+    "s3": _s3,
 }
 
 

@@ -7,7 +7,7 @@ import io
 import pytest
 
 import envbuild.store
-from envbuild.errors import DigestMismatch, SettingsError, StoreError, StoreUnavailable
+from envbuild.errors import DigestMismatch, SettingsError, StoreError
 from envbuild.store import (
     Descriptor,
     KeyRecord,
@@ -43,10 +43,21 @@ def test_open_store_memory_is_fresh():
     assert list(b.list()) == []
 
 
-def test_open_store_s3_is_not_supported_yet():
-    with pytest.raises(StoreUnavailable, match="not supported yet") as e:
-        open_store("s3://bucket/prefix")
-    assert "--store" in e.value.hint
+@pytest.mark.parametrize(("url", "want"), [
+    ("s3://bucket", ("bucket", "")), ("s3://bucket/", ("bucket", "")),
+    ("s3://bucket/a/b", ("bucket", "a/b/")), ("s3://bucket//a//b/", ("bucket", "a/b/")),
+])
+def test_s3_store_urls(url, want):
+    # opening an S3Store talks to the server: tests/store runs it against moto
+    from envbuild.store.s3 import parse_url
+
+    assert parse_url(url) == want
+
+
+def test_s3_url_without_bucket_is_refused():
+    with pytest.raises(SettingsError) as e:
+        open_store("s3://")
+    assert "s3://BUCKET" in e.value.hint
 
 
 @pytest.mark.parametrize("url", ["", "ftp://x/y", "gs://b"])
