@@ -158,9 +158,10 @@ class ContainerBackend:
         # A detached container inherits runc's stdio: a pipe would never reach EOF while the
         # sandbox lives, so runc's own messages go to a file.
         start_log = paths.root / "start.log"
+        pid_file = paths.root / "init.pid"
         with open(start_log, "wb") as log:
-            proc = subprocess.run(runtime.command("run", "--detach", "--bundle",
-                                                  str(paths.bundle), sandbox_id),
+            proc = subprocess.run(runtime.command("run", "--detach", "--pid-file", str(pid_file),
+                                                  "--bundle", str(paths.bundle), sandbox_id),
                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                   stderr=log, check=False)
         if proc.returncode != 0:
@@ -168,7 +169,7 @@ class ContainerBackend:
             raise RuntimeShimError(f"start sandbox {sandbox_id}: {runtime.name} exited "
                                    f"{proc.returncode}",
                                    context=start_log.read_text(errors="replace").strip()[-2000:])
-        self.init_pid = _init_pid(runtime, sandbox_id)
+        self.init_pid = _init_pid(runtime, sandbox_id, pid_file)
 
     def exec(self, argv, *, env, cwd, user, timeout, stdin) -> ExecResult:
         pid_file = self.paths.root / f"exec-{uuid.uuid4().hex[:8]}.pid"
@@ -227,14 +228,13 @@ class ContainerBackend:
         destroy(self.runtime, self.id)
 
 
-def _init_pid(runtime: OciRuntime, container_id: str) -> int:
-    out = subprocess.run(runtime.command("state", container_id), capture_output=True, check=False)
+def _init_pid(runtime: OciRuntime, container_id: str, pid_file: Path) -> int:
     try:
-        return int(json.loads(out.stdout)["pid"])
-    except (ValueError, KeyError, TypeError):
+        return int(pid_file.read_text().strip())
+    except (OSError, ValueError):
         destroy(runtime, container_id)
-        raise RuntimeShimError(f"sandbox {container_id} did not start: no init process",
-                               context=out.stderr.decode(errors="replace")[-2000:]) from None
+        raise RuntimeShimError(f"sandbox {container_id} did not start: no init pid",
+                               hint="see start.log in the sandbox directory") from None
 
 
 def _kill_exec(pid_file: Path) -> None:

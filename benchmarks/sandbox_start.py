@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""Sandbox start-up and density, against bare ``runc run`` measured in the same run.
+
+    .venv/bin/python benchmarks/sandbox_start.py [--env py-textstats] [--runs 200]
+
+1. create → exec ``true`` → close, p50 / p95 over ``--runs`` sandboxes (warm node cache), and
+   sandboxes per second with 2 workers; baseline: ``runc run`` of ``true`` in a pre-made rootfs
+   directory (the same env flattened), with the same OCI spec, one at a time and 2 at a time.
+   Goal: overhead ratio <= 1.5.
+2. 100 concurrent idle sandboxes: memory per sandbox (MemAvailable before/after), and whether
+   the page cache is shared: each sandbox reads the same large file; the page cache should grow
+   by about one copy of it, not 100.
+
+Needs root, runc, and the env built in the store (``envbuild build ENV``; the script builds it if
+the store lacks its lock). Cold start from S3 (lazy vs full) is measured by the S3 benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from envbuild.layers import LayerReader  # noqa: E402
+from envbuild.store import LocalStore  # noqa: E402
+from runtime_shim.locks import resolve  # noqa: E402
+from runtime_shim.runc import OciRuntime, write_bundle  # noqa: E402
+from runtime_shim.sandbox import Sandbox  # noqa: E402
+from runtime_shim.spec import RuntimeSpecRequest, env_list, runtime_spec  # noqa: E402
+
+
+def pct(values, p):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+
+
+def meminfo() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        k, v = line.split(":")
+        out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def ensure_built(store_dir: Path, env: str) -> None:
+    store = LocalStore(store_dir)
+    try:
+        resolve(store, env)
+        return
+    except Exception:  # noqa: BLE001 - not built yet: build it
+        pass
+    print(f"building {env} into {store_dir} first …", flush=True)
+    subprocess.run([str(REPO / ".venv/bin/envbuild"), "--store", str(store_dir), "build", env],
+                   check=True, cwd=REPO)
+
+
+def flatten(store: LocalStore, env: str, dest: Path) -> None:
+    lock = resolve(store, env)
+    for layer in lock.layers:
+        with LayerReader.open_file(store.blob_path(layer.digest)) as r:
+            r.unpack(dest, whiteouts="apply")
+    for d in ("proc", "sys", "dev", "tmp", "etc"):
+        (dest / d).mkdir(exist_ok=True)
+    for f in ("etc/resolv.conf", "etc/hosts"):
+        (dest / f).touch()
+
+
+def bench_runc_baseline(store, env, work: Path, runs: int) -> tuple[list[float], float]:
+    rootfs = work / "rootfs"
+    flatten(store, env, rootfs)
+    lock = resolve(store, env)
+    runtime = OciRuntime(state_root=str(work / "runc"))
+    bundle = work / "bundle"
+    write_bundle(bundle, runtime_spec(RuntimeSpecRequest(
+        rootfs=str(rootfs), args=("true",), env=env_list(lock.env), cwd="/", pids_limit=512,
+        memory_limit=2 << 30)))
+
+    def one(i: int) -> float:
+        t = time.perf_counter()
+        subprocess.run(runtime.command("run", "--bundle", str(bundle), f"eb-bench-{i}"),
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=True)
+        return time.perf_counter() - t
+
+    times = [one(i) for i in range(runs)]
+    t = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(one, range(runs, 2 * runs)))
+    rate = runs / (time.perf_counter() - t)
+    return times, rate
+
+
+def bench_sandboxes(store, env, node: Path, runs: int) -> tuple[list[float], float]:
+    def one(_):
+        t = time.perf_counter()
+        with Sandbox.create(env, store=store, node_dir=node) as sb:
+            r = sb.exec(["true"])
+            assert r.exit_code == 0, r.stderr
+        return time.perf_counter() - t
+
+    one(0)  # warm the node cache (unpack once)
+    times = [one(i) for i in range(runs)]
+    t = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(one, range(runs)))
+    return times, runs / (time.perf_counter() - t)
+
+
+def bench_density(store, env, node: Path, count: int, big_file: str) -> dict[str, float]:
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    before = meminfo()
+    sandboxes = []
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            sandboxes = list(pool.map(lambda _: Sandbox.create(env, store=store, node_dir=node),
+                                      range(count)))
+        time.sleep(1)
+        idle = meminfo()
+        size = int(sandboxes[0].exec(["stat", "-c", "%s", big_file]).stdout)
+        for sb in sandboxes:
+            assert sb.exec(["cat", big_file], timeout=30).exit_code == 0
+        after = meminfo()
+    finally:
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda sb: sb.close(), sandboxes))
+    return {
+        "mem_per_sandbox": (before["MemAvailable"] - idle["MemAvailable"]) / count,
+        "file_size": size,
+        "cache_growth": after["Cached"] - idle["Cached"],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--store", default=str(REPO / "cache"))
+    ap.add_argument("--env", default="py-textstats")
+    ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--density", type=int, default=100)
+    ap.add_argument("--big-file", default="/usr/bin/python3.11")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("needs root (mounts, runc)", file=sys.stderr)
+        return 1
+    store_dir = Path(args.store)
+    ensure_built(store_dir, args.env)
+    store = LocalStore(store_dir)
+    work = Path(tempfile.mkdtemp(prefix="eb-sandbox-bench-"))
+    try:
+        base_times, base_rate = bench_runc_baseline(store, args.env, work, args.runs)
+        ours, our_rate = bench_sandboxes(store, args.env, work / "node", args.runs)
+        density = bench_density(store, args.env, work / "node", args.density, args.big_file)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    p50, p95 = statistics.median(ours), pct(ours, 95)
+    b50, b95 = statistics.median(base_times), pct(base_times, 95)
+    print(f"\nenv {args.env}, {args.runs} runs each, warm node cache, runtime runc")
+    print(f"{'':38} {'p50 ms':>8} {'p95 ms':>8} {'per s (2 workers)':>18}")
+    print(f"{'bare runc run (flattened rootfs)':38} {b50 * 1e3:8.1f} {b95 * 1e3:8.1f} {base_rate:18.1f}")
+    print(f"{'Sandbox create+exec true+close':38} {p50 * 1e3:8.1f} {p95 * 1e3:8.1f} {our_rate:18.1f}")
+    print(f"overhead ratio p50 {p50 / b50:.2f}, p95 {p95 / b95:.2f}, "
+          f"throughput {base_rate / our_rate:.2f} (goal <= 1.5)")
+    print(f"\n{args.density} idle sandboxes: {density['mem_per_sandbox'] / 1e6:.2f} MB of memory each")
+    print(f"each read {density['file_size'] / 1e6:.1f} MB ({args.big_file}); page cache grew by "
+          f"{density['cache_growth'] / 1e6:.1f} MB = "
+          f"{density['cache_growth'] / max(1, density['file_size']):.2f} copies "
+          f"(1.0 = shared, {args.density} = duplicated)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
