@@ -41,7 +41,7 @@ from runtime_shim import fsaccess
 from runtime_shim.locks import ResolvedLock, resolve
 from runtime_shim.mount import OverlaySpec, mount_overlay, mounted_targets_under, unmount
 from runtime_shim.nodecache import NodeCache
-from runtime_shim.runc import OciRuntime, destroy, write_bundle
+from runtime_shim.runc import OciRuntime, destroy, kill_and_delete, write_bundle
 from runtime_shim.spec import BindMount, Rlimit, RuntimeSpecRequest, env_list, parse_user, runtime_spec
 from runtime_shim.stub import INIT_PATH, ensure_stub
 
@@ -225,7 +225,7 @@ class ContainerBackend:
                             gid=gid)
 
     def close(self) -> None:
-        destroy(self.runtime, self.id)
+        kill_and_delete(self.runtime, self.id, self.init_pid)
 
 
 def _init_pid(runtime: OciRuntime, container_id: str, pid_file: Path) -> int:
