@@ -52,11 +52,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from envbuild.canonical import canonical_json
 from envbuild.defs.model import Base, CopyStep, Env, LayerDefinition, Toolkit, Workspace
 from envbuild.errors import bug
 
@@ -68,12 +68,6 @@ LOCK_INPUTS_TAG = b"envbuild.lock-inputs.v1\0"
 PinnedInputs = Mapping[str, Mapping[str, str]]
 
 EMPTY_PINS: PinnedInputs = MappingProxyType({})
-
-
-def canonical_json(obj: Any) -> bytes:
-    """The one byte encoding every key hashes: sorted keys, compact, ASCII-only, UTF-8."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                      allow_nan=False).encode("utf-8")
 
 
 def _digest(tag: bytes, inputs: Mapping[str, Any]) -> str:

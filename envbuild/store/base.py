@@ -43,6 +43,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO, Final
 
+from envbuild.canonical import canonical_json
 from envbuild.errors import BlobNotFound, DigestMismatch, RefNotFound, StoreError
 
 #: The OCI media types envbuild stores.
@@ -471,12 +472,6 @@ def decode_record(data: bytes, where: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise StoreError(f"parse record {where}: not a JSON object")
     return obj
-
-
-def canonical_json(obj: Any) -> bytes:
-    """The one canonical JSON encoding: sorted keys, compact separators, ASCII, no NaN."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                      allow_nan=False).encode("ascii")
 
 
 def blob_not_found(digest: str) -> BlobNotFound:
