@@ -115,7 +115,7 @@ class LayerReader:
             raise self._corrupt("TOC frames do not cover the blob up to the TOC")
         entries = self.toc.entries
         try:
-            self._index: dict[str, int] = {entries.raw_path(i): i for i in range(len(entries))}
+            self._index: dict[str, int] = entries.path_index()
         except TypeError:
             raise self._corrupt("TOC entry paths are not strings") from None
         if len(self._index) != len(entries):

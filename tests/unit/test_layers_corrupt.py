@@ -138,10 +138,47 @@ def test_version_99(layer):
     with pytest.raises(UnsupportedFormatError, match="version 99") as ei:
         reader_of(_rebuild_tail(data, toc_json, version=99), name=NAME)
     _check(ei, UnsupportedFormatError)
-    toc99 = toc_json.replace(b'"version":1', b'"version":99')
-    with pytest.raises(UnsupportedFormatError, match="TOC version 99") as ei:
-        reader_of(_rebuild_tail(data, toc99), name=NAME)
-    _check(ei, UnsupportedFormatError)
+    # the TOC's own version, in the v2 line layout and as one-line JSON
+    assert toc_json.endswith(b'"version":2}')
+    toc99 = toc_json.replace(b'"version":2', b'"version":99')
+    for toc in (toc99, toc99.replace(b"\n", b"")):
+        with pytest.raises(UnsupportedFormatError, match="TOC version 99") as ei:
+            reader_of(_rebuild_tail(data, toc), name=NAME)
+        _check(ei, UnsupportedFormatError)
+
+
+def test_toc_v1_layers_are_still_read(layer, tmp_path):
+    """Layers written before TOC v2 (the v1 entry objects, chunks spelled out) stay readable."""
+    data, info = layer
+    r = reader_of(data)
+    toc = r.toc
+    toc.entries = r.entries()
+    toc.version = 1
+    old = _rebuild_tail(data, toc.to_bytes())
+    assert b'"chunks":[{' in zstandard.ZstdDecompressor().decompress(
+        old[_footer(old).toc_offset + 8:-FOOTER_SIZE])
+    r1 = reader_of(old, name=NAME)
+    assert r1.toc.version == 1 and r1.entries() == r.entries()
+    assert r1.read("big") == r.read("big")
+    verify_layer(r1, expected_diff_id=info.diff_id)
+    r1.unpack(tmp_path / "out")
+    assert (tmp_path / "out" / "dir" / "small").read_text() == "small file\n"
+
+
+def test_toc_v2_rows_must_match_paths(layer):
+    data, _ = layer
+    toc_json = reader_of(data).toc.to_bytes()
+    head, rows, tail = toc_json.split(b"\n", 1)[0], toc_json.split(b"\n")[1:-1], \
+        toc_json.rsplit(b"\n", 1)[1]
+    dropped = b"\n".join([head, *rows[:-2], rows[-2].rstrip(b","), tail])
+    with pytest.raises(CorruptLayerError, match="paths but") as ei:
+        reader_of(_rebuild_tail(data, dropped), name=NAME)
+    _check(ei, CorruptLayerError)
+    bad_row = toc_json.replace(b'"file",', b'"fiel",', 1)
+    r = reader_of(_rebuild_tail(data, bad_row), name=NAME)
+    with pytest.raises(CorruptLayerError, match="unknown entry type") as ei:
+        r.entries()
+    _check(ei, CorruptLayerError)
 
 
 def test_toc_digest_mismatch_against_descriptor(layer):

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import io
+import json
 import tarfile
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envbuild.layers import FOOTER_SIZE, Entry, Footer, Framing, Toc, plan_frames
+from envbuild.layers import FOOTER_SIZE, Chunk, Entry, Footer, Framing, Toc, plan_frames
 from envbuild.layers._footer import FooterError
 from envbuild.layers._tar import BLOCK, encode_header, make_entry, parse_pax, parse_ustar
 from envbuild.layers._toc import TocFormatError, TocVersionError
@@ -118,8 +121,64 @@ def test_toc_codec_is_canonical_and_strict():
     assert raw.isascii() and b" " not in raw
     assert Toc.from_bytes(raw) == toc
     with pytest.raises(TocVersionError):
-        Toc.from_bytes(raw.replace(b'"version":1', b'"version":2'))
+        Toc.from_bytes(raw.replace(b'"version":2', b'"version":3'))
     with pytest.raises(TocFormatError):
-        Toc.from_bytes(raw.replace(b'"mode":420', b'"mode":-1'))
+        Toc.from_bytes(raw.replace(b'"file",420,', b'"file",-1,'))
     with pytest.raises(TocFormatError):
         Toc.from_bytes(b"[1]")
+    # v1 (layers written before v2) still decodes
+    v1 = dataclasses.replace(toc, version=1)
+    assert b"\n" not in v1.to_bytes() and Toc.from_bytes(v1.to_bytes()) == v1
+    with pytest.raises(TocVersionError):
+        Toc.from_bytes(v1.to_bytes().replace(b'"version":1', b'"version":3'))
+
+
+def _toc_doc(toc: Toc) -> dict:
+    return {"version": 2, "framing": toc.framing, "diff_id": toc.diff_id,
+            "tar_size": toc.tar_size, "frames": [list(f) for f in toc.frames],
+            "paths": [e.path for e in toc.entries],
+            "entries": [[e.type, e.mode, e.uid, e.gid, e.size, e.mtime, e.linkname,
+                         {k: base64.b64encode(v).decode() for k, v in e.xattrs.items()},
+                         e.devmajor, e.devminor, e.digest, e.data_offset]
+                        for e in toc.entries]}
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(entries, max_size=5, unique_by=lambda e: e.path))
+def test_toc_v2_is_canonical_json_with_one_row_per_line(members):
+    """v2 bytes = canonical json.dumps of the document plus a newline before each row and
+    before the closing bracket of "entries"; chunks come back derived from the frames."""
+    frames = [(10, 512), (30, 4096), (7, 1024)]
+    for i, e in enumerate(_normal(e) for e in members):
+        e.digest = "sha256:" + "ab" * 32 if e.type == "file" else None
+        if e.type == "file":
+            e.size = i * 700
+            e.chunks = [Chunk(10, 30, 512, 4096, 100)] if e.size else []
+    toc = Toc(framing="compact", diff_id="sha256:" + "0" * 64, tar_size=5632, frames=frames,
+              entries=members)
+    raw = toc.to_bytes()
+    doc = _toc_doc(toc)
+    assert raw.replace(b"\n", b"") == json.dumps(doc, sort_keys=True, separators=(",", ":"),
+                                                  ensure_ascii=True).encode()
+    assert json.loads(raw) == doc
+    lines = raw.split(b"\n")
+    assert len(lines) == len(members) + 2 and lines[0].endswith(b'"entries":[')
+    back = Toc.from_bytes(raw)
+    assert back == toc
+    lazy = Toc.from_bytes(raw, lazy=True)
+    assert [lazy.entries[i] for i in reversed(range(len(members)))] == members[::-1]
+    assert lazy.entries[:] == members
+
+
+def test_toc_v2_chunks_follow_the_frames():
+    frames = [(10, 512), (30, 4096), (7, 1024), (9, 2048)]
+    e = Entry(path="f", type="file", size=5100, digest="sha256:" + "0" * 64,
+              chunks=[Chunk(10, 30, 512, 4096, 100)])
+    toc = Toc(framing="lazy", diff_id="sha256:" + "0" * 64, tar_size=7680, frames=frames,
+              entries=[e])
+    back = Toc.from_bytes(toc.to_bytes()).entries[0]
+    assert back.chunks == [Chunk(10, 30, 512, 4096, 100), Chunk(40, 7, 4608, 1024, 0),
+                           Chunk(47, 9, 5632, 2048, 0)]
+    e.size = 8000  # past the end of the tar
+    with pytest.raises(TocFormatError, match="past the tar"):
+        Toc.from_bytes(toc.to_bytes())
