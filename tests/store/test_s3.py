@@ -193,3 +193,21 @@ def test_cli_push_and_pull(s3_env, bucket, tmp_path, capsys):
     # a missing ref is a one-line error, exit 1
     assert main(["--store", str(tmp_path / "b"), "pull", "nope", "--from", url]) == 1
     assert "error: no ref 'nope'" in capsys.readouterr().err
+
+
+def test_lazy_layer_over_s3_opens_with_two_requests(moto_s3, bucket, tmp_path):
+    from envbuild.store.lazy import LazyLayer
+    from tests.unit.test_lazy_layer import BIG, make_tree, put_layer
+
+    store = open_s3(moto_s3, bucket)
+    digest, size, toc = put_layer(store, make_tree(tmp_path / "t"))
+    lazy = LazyLayer(store, digest, expected_toc_digest=toc)  # no size: a suffix range
+    assert lazy.stats.requests == 2 and lazy.size == size
+    assert lazy.read("big.bin", 100, 50) == BIG[100:150]
+    assert lazy.stats.requests == 3
+    moto_s3.client().put_object(Bucket=bucket, Key=store._blob_key(digest),
+                                Body=read_bytes(store, digest)[:-1])
+    from envbuild.errors import CorruptLayerError
+
+    with pytest.raises(CorruptLayerError, match=digest):
+        LazyLayer(store, digest)

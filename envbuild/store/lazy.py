@@ -1,0 +1,477 @@
+"""Lazy layer reads: list, stat and read files of a layer in a store without pulling it whole.
+
+::
+
+    layer = LazyLayer(store, digest, chunk_cache=ChunkCache(node / "chunks", 2 << 30),
+                      expected_toc_digest=annotation, size=descriptor_size)
+    layer.listdir("usr/bin"); layer.stat("etc/os-release"); layer.read("etc/os-release")
+    layer.read("usr/lib/libbig.so", offset=4096, size=512)
+    layer.prefetch(["a.py", "b.py", ...])      # many files at once, requests in parallel
+    layer.stats                                # requests, bytes_fetched, cache_hits, ...
+
+**Opening costs two ranged reads**: the footer (the last 80 bytes: an explicit range when the
+blob's size is known — pass it from the lock's descriptor — or a suffix range when the store
+offers ``get_tail``, as ``S3Store`` does; otherwise one ``stat`` first) and the TOC. Both are
+verified (footer → TOC sha256, and ``expected_toc_digest`` from the descriptor annotation or key
+record). After that, reads fetch only the zstd frames holding the files asked for: the frames
+a request needs are sorted by offset and **adjacent frames are fetched in one ranged read**,
+also across a gap of at most ``merge_gap`` bytes (default 4 KiB: with ``lazy`` framing, two
+consecutive files' frames are separated by a small frame holding the next tar header; reading
+those few hundred bytes is cheaper than another request). Runs are capped at ``max_request``
+bytes so large prefetches still run in parallel on ``workers`` threads.
+
+**Verification before use**: the TOC has one digest per file (sha256 of its contents), not
+per frame. So the first read of *any* byte of a file fetches all of that file's frames and
+checks the whole file against its TOC digest before returning anything (a mismatch is a
+``CorruptLayerError`` naming the layer and the path); only verified bytes enter the cache.
+For large files read in small pieces this front-loads the file's fetch; per-frame digests
+would need a TOC format change (see the S3 issue notes).
+
+**Chunk cache key — content, not position**: a cached *piece* is the uncompressed bytes of
+one file that one frame holds: ``file[start:end]``. Its key is
+``sha256("envbuild.chunk.v1\\0" + file_digest + "\\0" + start + "\\0" + end)``: the file's
+content digest (in the TOC) plus the byte range within the file, which determines the bytes
+exactly, whatever layer, blob offset or neighbouring files the frame had. The same file in two
+layers framed the same way (envbuild's framing cuts at the file's start and every 4 MiB
+inside it, so it is) hits the same pieces; a file smaller than a frame is one piece,
+``start=0, end=size``. The cache stores decompressed bytes, so a hit costs no decompression.
+``ChunkCache`` (a node-local directory; ``MemoryChunkCache`` for tests and short-lived readers)
+keeps each piece with a sha256 trailer and drops a piece that fails it (disk damage), then
+refetches; it evicts least recently used pieces above ``max_bytes``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import os
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import zstandard
+
+from envbuild.errors import CorruptLayerError, LayerError
+from envbuild.layers import Chunk, Entry, LayerReader
+
+CHUNK_CACHE_VERSION = 1
+_KEY_TAG = b"envbuild.chunk.v1\0"
+_TRAILER = 32
+MiB = 1 << 20
+_local = threading.local()
+
+
+def _dctx() -> zstandard.ZstdDecompressor:
+    d = getattr(_local, "dctx", None)
+    if d is None:
+        d = _local.dctx = zstandard.ZstdDecompressor()
+    return d
+
+
+def piece_key(file_digest: str, start: int, end: int) -> str:
+    """The chunk-cache key of ``file[start:end]`` for a file with content digest
+    ``file_digest``."""
+    return hashlib.sha256(_KEY_TAG + f"{file_digest}\0{start}\0{end}".encode()).hexdigest()
+
+
+@dataclasses.dataclass
+class LazyStats:
+    """What a ``LazyLayer`` did (for tests, benchmarks and ``envbuild layer stat --lazy``)."""
+
+    requests: int = 0          # ranged reads sent to the store (footer and TOC included)
+    bytes_fetched: int = 0     # compressed bytes those reads returned
+    toc_bytes: int = 0         # of which footer + TOC
+    frames_fetched: int = 0
+    bytes_decompressed: int = 0
+    cache_hits: int = 0        # pieces served from the chunk cache
+    cache_misses: int = 0
+    files_verified: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+class MemoryChunkCache:
+    """An in-memory LRU of pieces (same interface as ``ChunkCache``)."""
+
+    def __init__(self, max_bytes: int = 256 * MiB) -> None:
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[str, bytes] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            data = self._items.get(key)
+            if data is not None:
+                self._items.move_to_end(key)
+            return data
+
+    def put(self, key: str, data: bytes) -> None:
+        with self._lock:
+            if key in self._items or len(data) > self.max_bytes:
+                return
+            self._items[key] = data
+            self._size += len(data)
+            while self._size > self.max_bytes:
+                _, old = self._items.popitem(last=False)
+                self._size -= len(old)
+
+
+class ChunkCache:
+    """Verified file pieces on this node's disk, keyed by content (see the module docstring).
+
+    Layout (version 1)::
+
+        <dir>/chunk-cache.json   {"version": 1}
+        <dir>/<aa>/<key-hex>     piece bytes + sha256(piece bytes) (32 bytes)
+
+    Writes are atomic (temp file, rename); a piece whose trailer does not match is deleted and
+    reported as a miss. ``get`` bumps the file's mtime, the clock of the LRU eviction that runs
+    when a ``put`` takes the cache over ``max_bytes`` (down to 90 %). Safe for several threads
+    and processes (the size count is per process and re-scanned on eviction).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], max_bytes: int) -> None:
+        self.dir = Path(directory)
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        meta = self.dir / "chunk-cache.json"
+        if meta.exists():
+            import json
+
+            version = json.loads(meta.read_text()).get("version")
+            if version != CHUNK_CACHE_VERSION:
+                raise LayerError(f"chunk cache {self.dir} has version {version!r}; this "
+                                 f"envbuild knows {CHUNK_CACHE_VERSION}",
+                                 hint=f"remove {self.dir} (it is only a cache)")
+        else:
+            tmp = self.dir / f".tmp-{secrets.token_hex(6)}"
+            tmp.write_text('{"version": 1}')
+            os.replace(tmp, meta)
+        self._size = self._scan()[1]
+
+    def _path(self, key: str) -> Path:
+        return self.dir / key[:2] / key
+
+    def get(self, key: str) -> bytes | None:
+        path = self._path(key)
+        try:
+            raw = path.read_bytes()
+        except OSError:
+            return None
+        data, trailer = raw[:-_TRAILER], raw[-_TRAILER:]
+        if len(raw) < _TRAILER or hashlib.sha256(data).digest() != trailer:
+            path.unlink(missing_ok=True)  # damaged on disk: refetch
+            return None
+        try:
+            os.utime(path)
+        except OSError:
+            pass
+        return data
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        if path.exists():
+            return
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.parent / f".tmp-{secrets.token_hex(6)}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.write(hashlib.sha256(data).digest())
+        os.replace(tmp, path)
+        with self._lock:
+            self._size += len(data) + _TRAILER
+            over = self._size > self.max_bytes
+        if over:
+            self._evict()
+
+    def _scan(self) -> tuple[list[tuple[float, int, Path]], int]:
+        items, total = [], 0
+        for sub in self.dir.iterdir():
+            if not sub.is_dir():
+                continue
+            with os.scandir(sub) as it:
+                for e in it:
+                    if e.name.startswith("."):
+                        continue
+                    try:
+                        st = e.stat()
+                    except OSError:
+                        continue
+                    items.append((st.st_mtime, st.st_size, Path(e.path)))
+                    total += st.st_size
+        return items, total
+
+    def _evict(self) -> None:
+        with self._lock:
+            items, total = self._scan()
+            for _, size, path in sorted(items):
+                if total <= self.max_bytes * 0.9:
+                    break
+                path.unlink(missing_ok=True)
+                total -= size
+            self._size = total
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    chunk: Chunk
+    start: int   # offset in the file
+    length: int
+    key: str
+
+
+class LazyLayer:
+    """A layer in a store, read through its TOC (see the module docstring).
+
+    ``size``: the blob size when known (lock descriptor; saves a request on stores without
+    ``get_tail``). ``workers``: parallel ranged reads for ``prefetch``. ``max_request``: cap on
+    one merged read; ``merge_gap``: unneeded bytes a merged read may span. Thread-safe.
+    """
+
+    def __init__(self, store: Any, digest: str, *, chunk_cache: Any = None,
+                 expected_toc_digest: str | None = None, size: int | None = None,
+                 workers: int = 8, max_request: int = 8 * MiB,
+                 merge_gap: int = 4096) -> None:
+        self.store = store
+        self.digest = digest
+        self.cache = chunk_cache if chunk_cache is not None else MemoryChunkCache()
+        self.workers = workers
+        self.max_request = max_request
+        self.merge_gap = merge_gap
+        self.stats = LazyStats()
+        self._lock = threading.Lock()
+        self._children: dict[str, list[str]] | None = None
+        get_tail = getattr(store, "get_tail", None)
+        kwargs = dict(name=digest, expected_toc_digest=expected_toc_digest or None)
+        if size is None and get_tail is not None:
+            actual: list[int] = []
+
+            def tail(n: int) -> bytes:
+                data, total = get_tail(digest, n)
+                self._count(len(data), toc=True)
+                actual.append(total)
+                return data
+
+            self.reader = LayerReader(self._toc_range, get_tail=tail, **kwargs)
+            if actual and actual[0] != self.reader.footer.blob_size:
+                raise CorruptLayerError(f"layer {digest}: footer says the blob is "
+                                        f"{self.reader.footer.blob_size} bytes but it is "
+                                        f"{actual[0]} (truncated or extended)")
+        else:
+            if size is None:
+                size = store.stat(digest).size
+            self.reader = LayerReader(self._toc_range, size, **kwargs)
+        self.size = self.reader.footer.blob_size
+        self.toc_digest = self.reader.toc_digest
+
+    # -- fetching ----------------------------------------------------------------------------
+
+    def _count(self, n: int, *, toc: bool = False, frames: int = 0) -> None:
+        with self._lock:
+            self.stats.requests += 1
+            self.stats.bytes_fetched += n
+            self.stats.frames_fetched += frames
+            if toc:
+                self.stats.toc_bytes += n
+
+    def _toc_range(self, offset: int, length: int) -> bytes:
+        data = self.store.get_range(self.digest, offset, length)
+        self._count(len(data), toc=True)
+        return data
+
+    def _fetch_run(self, run: list[Chunk]) -> dict[int, bytes]:
+        """One ranged read for adjacent frames; returns offset -> decompressed frame."""
+        start, end = run[0].offset, run[-1].offset + run[-1].csize
+        if end > self.reader.footer.toc_offset:
+            raise self._corrupt(f"a chunk points past the data frames (offset {end})")
+        data = self.store.get_range(self.digest, start, end - start)
+        self._count(len(data), frames=len(run))
+        if len(data) != end - start:
+            raise self._corrupt(f"short read at offset {start}: wanted {end - start} bytes, "
+                                f"got {len(data)} (truncated blob)")
+        view = memoryview(data)
+        out = {}
+        for c in run:
+            frame = view[c.offset - start:c.offset - start + c.csize]
+            try:
+                plain = _dctx().decompress(frame, max_output_size=c.usize)
+            except zstandard.ZstdError as e:
+                raise self._corrupt(f"frame at offset {c.offset} does not decompress "
+                                    f"({e})") from None
+            if len(plain) != c.usize:
+                raise self._corrupt(f"frame at offset {c.offset} decompresses to {len(plain)} "
+                                    f"bytes, TOC says {c.usize}")
+            out[c.offset] = plain
+        with self._lock:
+            self.stats.bytes_decompressed += sum(c.usize for c in run)
+        return out
+
+    def _fetch_frames(self, frames: Iterable[Chunk]) -> dict[int, bytes]:
+        """Fetch frames (deduplicated by offset), adjacent ones (up to ``merge_gap`` apart)
+        merged into one request."""
+        unique = sorted({c.offset: c for c in frames}.values(), key=lambda c: c.offset)
+        runs: list[list[Chunk]] = []
+        for c in unique:
+            if runs:
+                last, first = runs[-1][-1], runs[-1][0]
+                gap = c.offset - (last.offset + last.csize)
+                if (0 <= gap <= self.merge_gap
+                        and c.offset + c.csize - first.offset <= self.max_request):
+                    runs[-1].append(c)
+                    continue
+            runs.append([c])
+        out: dict[int, bytes] = {}
+        if len(runs) <= 1 or self.workers <= 1:
+            for run in runs:
+                out.update(self._fetch_run(run))
+            return out
+        with concurrent.futures.ThreadPoolExecutor(min(self.workers, len(runs)),
+                                                   thread_name_prefix="lazy-fetch") as pool:
+            for part in pool.map(self._fetch_run, runs):
+                out.update(part)
+        return out
+
+    # -- files -------------------------------------------------------------------------------
+
+    def _corrupt(self, what: str) -> CorruptLayerError:
+        return CorruptLayerError(f"layer {self.digest}: {what}")
+
+    def _file(self, path: str) -> Entry:
+        e = self.reader.stat(path)
+        if e.type == "hardlink":
+            e = self.reader.stat(e.linkname)
+        if e.type != "file":
+            raise LayerError(f"layer {self.digest}: {path} is a {e.type}, not a regular file")
+        return e
+
+    @staticmethod
+    def _pieces(e: Entry) -> list[_Piece]:
+        pieces, pos, need = [], 0, e.size
+        for c in e.chunks:
+            n = min(c.usize - c.inner, need)
+            pieces.append(_Piece(c, pos, n, piece_key(e.digest or "", pos, pos + n)))
+            pos += n
+            need -= n
+        return pieces
+
+    def _load(self, entries: Sequence[Entry]) -> dict[str, bytes]:
+        """Whole, verified contents of ``entries`` (by path), from the cache or fetched; every
+        fetched piece goes into the cache."""
+        result: dict[str, bytes] = {}
+        todo: list[tuple[Entry, list[_Piece], dict[str, bytes]]] = []
+        for e in entries:
+            pieces = self._pieces(e)
+            have = {}
+            for p in pieces:
+                data = self.cache.get(p.key)
+                if data is not None and len(data) == p.length:
+                    have[p.key] = data
+            with self._lock:
+                self.stats.cache_hits += len(have)
+                self.stats.cache_misses += len(pieces) - len(have)
+            if len(have) == len(pieces):
+                result[e.path] = b"".join(have[p.key] for p in pieces)
+            else:
+                todo.append((e, pieces, have))
+        if not todo:
+            return result
+        frames = self._fetch_frames(p.chunk for _, pieces, have in todo for p in pieces
+                                    if p.key not in have)
+        for e, pieces, have in todo:
+            h, parts = hashlib.sha256(), []
+            for p in pieces:
+                data = have.get(p.key)
+                if data is None:
+                    frame = frames[p.chunk.offset]
+                    data = frame[p.chunk.inner:p.chunk.inner + p.length]
+                    if len(data) != p.length:
+                        raise self._corrupt(f"chunk of {e.path} is outside its frame")
+                h.update(data)
+                parts.append((p, data))
+            if "sha256:" + h.hexdigest() != e.digest or sum(p.length for p in pieces) != e.size:
+                raise self._corrupt(f"content of {e.path} does not match its TOC digest")
+            for p, data in parts:
+                if p.key not in have:
+                    self.cache.put(p.key, bytes(data))
+            with self._lock:
+                self.stats.files_verified += 1
+            result[e.path] = b"".join(bytes(d) for _, d in parts)
+        return result
+
+    # -- public ------------------------------------------------------------------------------
+
+    def stat(self, path: str) -> Entry:
+        """The TOC entry of ``path`` (no request)."""
+        return self.reader.stat(path)
+
+    def entries(self) -> Sequence[Entry]:
+        return self.reader.entries()
+
+    def listdir(self, path: str = "") -> list[str]:
+        """Names directly below directory ``path`` ("" or "/" is the root), sorted."""
+        if self._children is None:
+            children: dict[str, list[str]] = {}
+            toc = self.reader.toc.entries
+            for i in range(len(toc)):
+                p = toc.raw_path(i)
+                parent, _, name = p.rpartition("/")
+                children.setdefault(parent, []).append(name)
+            self._children = {k: sorted(v) for k, v in children.items()}
+        key = path.strip("/")
+        if key and self.reader.stat(key).type != "dir":
+            raise LayerError(f"layer {self.digest}: {path} is not a directory")
+        return list(self._children.get(key, []))
+
+    def read(self, path: str, offset: int = 0, size: int | None = None) -> bytes:
+        """``size`` bytes (default: to the end) of regular file ``path`` from ``offset``;
+        verified (see the module docstring)."""
+        e = self._file(path)
+        end = e.size if size is None else min(e.size, offset + max(size, 0))
+        if offset >= end:
+            return b""
+        pieces = [p for p in self._pieces(e) if p.start < end and p.start + p.length > offset]
+        cached = [self.cache.get(p.key) for p in pieces]
+        if all(d is not None and len(d) == p.length for d, p in zip(cached, pieces)):
+            with self._lock:
+                self.stats.cache_hits += len(pieces)
+            data = b"".join(cached)  # type: ignore[arg-type]
+            base = pieces[0].start
+            return data[offset - base:end - base]
+        return self._load([e])[e.path][offset:end]
+
+    def prefetch(self, paths: Iterable[str], *, batch_bytes: int = 64 * MiB) -> int:
+        """Fetch, verify and cache the regular files among ``paths`` (others are skipped),
+        ``workers`` requests at a time, frames shared by several files fetched once; returns
+        how many files were loaded. Memory: about ``batch_bytes`` of frames at a time."""
+        entries = []
+        seen = set()
+        for p in paths:
+            try:
+                e = self._file(p)
+            except LayerError:
+                continue
+            if e.path not in seen:
+                seen.add(e.path)
+                entries.append(e)
+        entries.sort(key=lambda e: e.chunks[0].offset if e.chunks else 0)
+        batch: list[Entry] = []
+        total = 0
+        for e in entries:
+            batch.append(e)
+            total += sum(c.csize for c in e.chunks)
+            if total >= batch_bytes:
+                self._load(batch)
+                batch, total = [], 0
+        if batch:
+            self._load(batch)
+        return len(entries)
+
+
+__all__ = ["ChunkCache", "LazyLayer", "LazyStats", "MemoryChunkCache", "piece_key"]

@@ -1,0 +1,169 @@
+"""LazyLayer and the chunk cache (envbuild.store.lazy) over a MemoryStore: request counts,
+merged reads, verification, content-keyed cache hits across layers."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+
+import pytest
+
+from envbuild.errors import CorruptLayerError, LayerError
+from envbuild.layers import pack_tree
+from envbuild.store import MemoryStore, put_bytes
+from envbuild.store.lazy import ChunkCache, LazyLayer, MemoryChunkCache
+
+MiB = 1 << 20
+BIG = random.Random(1).randbytes(9 * MiB // 2)  # 4.5 MiB: two frames of its own
+
+
+def make_tree(root, extra: bytes = b""):
+    (root / "dir" / "sub").mkdir(parents=True)
+    (root / "hello.txt").write_bytes(b"hello\n" + extra)
+    (root / "dir" / "a.txt").write_bytes(b"a" * 100)
+    (root / "dir" / "sub" / "b.bin").write_bytes(random.Random(2).randbytes(40_000))
+    (root / "big.bin").write_bytes(BIG)
+    for i in range(30):
+        (root / "dir" / f"f{i:02}.py").write_bytes(f"print({i})\n".encode() * (2000 + i))
+    os.link(root / "dir" / "a.txt", root / "dir" / "a-link")
+    os.symlink("a.txt", root / "dir" / "a-sym")
+    return root
+
+
+def put_layer(store, root) -> tuple[str, int, str]:
+    out = io.BytesIO()
+    info = pack_tree(root, out)
+    return put_bytes(store, out.getvalue()), info.size, info.toc_digest
+
+
+@pytest.fixture
+def layer(tmp_path):
+    store = MemoryStore()
+    digest, size, toc = put_layer(store, make_tree(tmp_path / "t"))
+    return store, digest, size, toc
+
+
+def test_open_is_two_ranged_reads(layer):
+    store, digest, size, toc = layer
+    lazy = LazyLayer(store, digest, size=size, expected_toc_digest=toc)
+    assert store.calls["get_range"] == 2 and store.calls["stat"] == 0
+    assert lazy.stats.requests == 2 and lazy.stats.bytes_fetched == lazy.stats.toc_bytes
+
+
+def test_open_with_get_tail_needs_no_size(layer):
+    store, digest, size, _ = layer
+
+    class Tailing(MemoryStore):
+        def get_tail(self, d, n):
+            data = self.blobs[d]
+            return data[-n:], len(data)
+
+    tailing = Tailing()
+    tailing.blobs = store.blobs
+    lazy = LazyLayer(tailing, digest)
+    assert lazy.stats.requests == 2 and tailing.calls["stat"] == 0
+
+
+def test_wrong_toc_digest_is_refused(layer):
+    store, digest, size, _ = layer
+    with pytest.raises(CorruptLayerError, match="TOC digest mismatch"):
+        LazyLayer(store, digest, size=size, expected_toc_digest="sha256:" + "0" * 64)
+
+
+def test_stat_listdir_read(layer):
+    store, digest, size, _ = layer
+    lazy = LazyLayer(store, digest, size=size)
+    assert lazy.listdir("") == ["big.bin", "dir", "hello.txt"]
+    assert lazy.listdir("/dir/") == sorted(["a.txt", "a-link", "a-sym", "sub"]
+                                           + [f"f{i:02}.py" for i in range(30)])
+    with pytest.raises(LayerError, match="not a directory"):
+        lazy.listdir("hello.txt")
+    assert lazy.stat("dir/a-sym").linkname == "a.txt"
+    requests = lazy.stats.requests
+    assert lazy.read("hello.txt") == b"hello\n"
+    assert lazy.stats.requests == requests + 1
+    assert lazy.read("dir/a-link") == b"a" * 100  # a hardlink reads its target
+    assert lazy.read("hello.txt", 2, 2) == b"ll"
+    assert lazy.read("hello.txt", 10) == b""
+    with pytest.raises(LayerError, match="not a regular file"):
+        lazy.read("dir/a-sym")
+
+
+def test_reading_one_file_fetches_only_its_frames(layer):
+    store, digest, size, _ = layer
+    lazy = LazyLayer(store, digest, size=size)
+    before = lazy.stats.bytes_fetched
+    assert lazy.read("dir/sub/b.bin") == random.Random(2).randbytes(40_000)
+    fetched = lazy.stats.bytes_fetched - before
+    assert fetched < 60_000 < size // 10
+
+
+def test_big_file_range_and_merged_frames(layer):
+    store, digest, size, _ = layer
+    lazy = LazyLayer(store, digest, size=size)
+    assert len(lazy.stat("big.bin").chunks) == 2
+    before = lazy.stats.requests
+    assert lazy.read("big.bin", 4 * MiB - 10, 20) == BIG[4 * MiB - 10:4 * MiB + 10]
+    assert lazy.stats.requests == before + 1  # two adjacent frames, one request
+    assert lazy.stats.frames_fetched == 2
+    assert lazy.read("big.bin", 5, 10) == BIG[5:15]  # now from the cache
+    assert lazy.stats.requests == before + 1
+
+
+def test_prefetch_merges_and_then_reads_hit_the_cache(layer):
+    store, digest, size, _ = layer
+    lazy = LazyLayer(store, digest, size=size, workers=4)
+    paths = [f"dir/f{i:02}.py" for i in range(30)] + ["dir/sub/b.bin", "dir", "missing"]
+    assert lazy.prefetch(paths) == 31
+    frames = lazy.stats.frames_fetched
+    assert lazy.stats.requests - 2 < frames  # adjacent frames went together
+    requests = lazy.stats.requests
+    for i in range(30):
+        assert lazy.read(f"dir/f{i:02}.py") == f"print({i})\n".encode() * (2000 + i)
+    assert lazy.stats.requests == requests and lazy.stats.cache_hits >= 30
+
+
+def test_same_file_in_another_layer_hits_the_cache(tmp_path):
+    store = MemoryStore()
+    d1, s1, _ = put_layer(store, make_tree(tmp_path / "one"))
+    d2, s2, _ = put_layer(store, make_tree(tmp_path / "two", extra=b"different"))
+    assert d1 != d2
+    cache = ChunkCache(tmp_path / "chunks", 64 * MiB)
+    LazyLayer(store, d1, size=s1, chunk_cache=cache).read("big.bin")
+    other = LazyLayer(store, d2, size=s2, chunk_cache=cache)
+    assert other.read("big.bin") == BIG
+    assert other.stats.requests == 2  # footer and TOC only
+    assert other.stats.cache_hits == 2
+    assert other.read("hello.txt") == b"hello\ndifferent"  # different content: fetched
+    assert other.stats.requests == 3
+
+
+def test_corrupt_frame_is_detected_and_not_cached(layer):
+    store, digest, size, _ = layer
+    lazy = LazyLayer(store, digest, size=size)
+    c = lazy.stat("dir/sub/b.bin").chunks[0]
+    blob = bytearray(store.blobs[digest])
+    blob[c.offset + c.csize // 2] ^= 0xFF
+    store.blobs[digest] = bytes(blob)
+    cache = MemoryChunkCache()
+    lazy = LazyLayer(store, digest, size=size, chunk_cache=cache)
+    with pytest.raises(CorruptLayerError, match=f"{digest}.*(b.bin|offset {c.offset})"):
+        lazy.read("dir/sub/b.bin")
+    assert cache._items == {}
+
+
+def test_chunk_cache_self_checks_and_evicts(tmp_path):
+    cache = ChunkCache(tmp_path / "c", max_bytes=10_000)
+    cache.put("ab" + "0" * 62, b"x" * 100)
+    assert cache.get("ab" + "0" * 62) == b"x" * 100
+    path = tmp_path / "c" / "ab" / ("ab" + "0" * 62)
+    path.write_bytes(b"y" + path.read_bytes()[1:])  # damaged on disk
+    assert cache.get("ab" + "0" * 62) is None and not path.exists()
+    for i in range(20):
+        cache.put(f"{i:02}" + "1" * 62, bytes(1000))
+    total = sum(p.stat().st_size for p in (tmp_path / "c").rglob("*") if p.is_file()
+                and p.name != "chunk-cache.json")
+    assert total <= 10_000
+    assert cache.get("19" + "1" * 62) == bytes(1000)  # the newest stays
+    assert ChunkCache(tmp_path / "c", 10_000).get("19" + "1" * 62) == bytes(1000)
