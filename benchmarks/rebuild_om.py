@@ -146,8 +146,10 @@ def main() -> None:
         assert eb_builds == m and all(statuses[f"base{b}"] == "built" for b in range(m)), statuses
         relocked = sum(lk["digest"] != before[lk["env"]] for lk in update["locks"])
         assert relocked == m * n, relocked
+        layer_s = max(lay["seconds"] for lay in update["layers"] if lay["status"] == "built")
         print(f"envbuild  base update: {eb_builds} builds, {n} workspaces cached, "
-              f"{relocked} envs re-locked in {eb_s:.1f}s", flush=True)
+              f"{relocked} envs re-locked in {eb_s:.1f}s (slowest base build {layer_s:.2f}s; "
+              f"the rest is start-up, planning and re-locking)", flush=True)
 
         # --- Dockerfile-style chain: every image keyed on its base's digest ----------------
         ch = root / "chain"
