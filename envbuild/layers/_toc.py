@@ -143,13 +143,17 @@ def entry_row(e: Entry, data: int | None) -> str:
     """The v2 row of an entry: canonical JSON, byte-identical to ``_canonical(list)`` (a test
     checks), formatted by hand because the writer makes one per member."""
     x = e.xattrs
-    xs = "{}" if not x else _canonical({k: base64.b64encode(v).decode("ascii")
-                                        for k, v in x.items()})
     link = e.linkname
     d = e.digest
-    return (f"[{_jstr(e.type)},{e.mode:d},{e.uid:d},{e.gid:d},{e.size:d},{e.mtime:d},"
-            f"{_jstr(link) if link else chr(34) * 2},{xs},{e.devmajor:d},{e.devminor:d},"
-            f"{'null' if d is None else _jstr(d)},{'null' if data is None else format(data, 'd')}]")
+    return "[%s,%d,%d,%d,%d,%d,%s,%s,%d,%d,%s,%s]" % (
+        _TYPE_JSON.get(e.type) or _jstr(e.type), e.mode, e.uid, e.gid, e.size, e.mtime,
+        _jstr(link) if link else '""',
+        _canonical({k: base64.b64encode(v).decode("ascii") for k, v in x.items()}) if x else "{}",
+        e.devmajor, e.devminor, "null" if d is None else _jstr(d),
+        "null" if data is None else "%d" % data)
+
+
+_TYPE_JSON = {t: f'"{t}"' for t in TYPES}
 
 
 def encode_v2(framing: str, diff_id: str, tar_size: int, frames: Sequence[tuple[int, int]],

@@ -16,13 +16,7 @@ WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
 
 
-def _xattrs(path: bytes) -> dict[str, bytes]:
-    try:
-        names = os.listxattr(path, follow_symlinks=False)
-    except OSError:
-        return {}  # filesystem without xattr support
-    if not names:
-        return {}
+def _xattrs(path: bytes, names: list[str]) -> dict[str, bytes]:
     out = {}
     for n in names:
         try:
@@ -50,52 +44,13 @@ def walk_tree(root: str | os.PathLike, *, source_date_epoch: int = 0,
     epoch = max(0, int(source_date_epoch))
     first: dict[tuple[int, int], str] = {}
     links: dict[str, tuple[int, int]] = {}  # multiply linked files seen, resolved on emission
+    S_IFMT, S_IFREG, S_IFDIR, S_IFLNK = stat.S_IFMT, stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK
+    listxattr = os.listxattr
 
-    def node(de: os.DirEntry, rel: bytes):
-        """(sort name, entry, source, is_dir, abs path) of one directory entry, or None."""
-        absp = de.path
-        st = de.stat(follow_symlinks=False)
-        try:
-            path = rel.decode("utf-8")
-        except UnicodeDecodeError:
-            raise LayerError(f"pack {rootname}: file name {os.fsdecode(rel)!r} is not UTF-8",
-                             hint="layer format v1 stores names as UTF-8") from None
-        m = st.st_mode
-        fmt = stat.S_IFMT(m)
-        mtime = min(max(st.st_mtime_ns // 1_000_000_000, 0), epoch)
-        xattrs = _xattrs(absp)
-        e = Entry(path=path, type="file", mode=m & 0o7777, uid=st.st_uid, gid=st.st_gid,
-                  mtime=mtime)
-        src = None
-        opaque = False
+    def special(de: os.DirEntry, path: str, e: Entry, st, fmt: int, absp: bytes):
+        """Devices, FIFOs and whiteouts: (sort name, entry) or None for a socket."""
         name = de.name
-        if overlay_upper and xattrs:
-            for k in list(xattrs):
-                if k.startswith(_OVERLAY_PREFIXES):
-                    if k.rsplit(".", 1)[1] in _UNSUPPORTED_OVERLAY:
-                        raise LayerError(f"pack {rootname}: {path} has overlayfs attribute {k}, "
-                                         "which layers cannot represent",
-                                         hint="mount the overlay without redirect_dir/metacopy")
-                    if k in OPAQUE_XATTRS and xattrs[k] == b"y":
-                        opaque = True
-                    del xattrs[k]
-        if xattrs:
-            e.xattrs = dict(sorted(xattrs.items()))
-        if fmt == stat.S_IFREG:
-            e.size = st.st_size
-            src = absp
-            if st.st_nlink > 1:
-                links[e.path] = (st.st_dev, st.st_ino)
-        elif fmt == stat.S_IFDIR:
-            e.type = "dir"
-        elif fmt == stat.S_IFLNK:
-            e.type = "symlink"
-            try:
-                e.linkname = os.readlink(absp).decode("utf-8")
-            except UnicodeDecodeError:
-                raise LayerError(f"pack {rootname}: target of symlink {path} is not UTF-8") \
-                    from None
-        elif fmt == stat.S_IFCHR and overlay_upper and st.st_rdev == 0:
+        if fmt == stat.S_IFCHR and overlay_upper and st.st_rdev == 0:
             # overlayfs whiteout -> OCI whiteout (an empty regular file, mode 0600 as Docker does)
             name = b".wh." + name
             e.path = path[:len(path) - len(de.name.decode())] + name.decode()
@@ -110,24 +65,78 @@ def walk_tree(root: str | os.PathLike, *, source_date_epoch: int = 0,
                 e.devmajor, e.devminor = os.major(st.st_rdev), os.minor(st.st_rdev)
         else:
             return None  # socket: tar cannot represent it (GNU tar skips them too)
-        return name, e, src, opaque, absp
+        return name, e
 
-    def walk(absdir: bytes, reldir: bytes, opaque_dir: Entry | None):
+    def listdir(absdir: bytes, reldir: bytes, opaque_dir: Entry | None) -> list:
+        """The sorted members of one directory: (sort name, entry, source, opaque, abs, rel)."""
         try:
             with os.scandir(absdir) as it:
                 des = list(it)
         except OSError as err:
             raise LayerError(f"pack {rootname}: list {os.fsdecode(absdir)}: "
                              f"{err.strerror}") from err
-        nodes = [n for n in (node(de, reldir + de.name) for de in des) if n is not None]
+        nodes = []
+        for de in des:
+            # one loop body per directory entry: this is the hot path of pack_tree
+            absp = de.path
+            rel = reldir + de.name
+            st = de.stat(follow_symlinks=False)
+            try:
+                path = rel.decode("utf-8")
+            except UnicodeDecodeError:
+                raise LayerError(f"pack {rootname}: file name {os.fsdecode(rel)!r} is not UTF-8",
+                                 hint="layer format v1 stores names as UTF-8") from None
+            m = st.st_mode
+            fmt = S_IFMT(m)
+            mtime = st.st_mtime_ns // 1_000_000_000
+            mtime = epoch if mtime > epoch else (mtime if mtime > 0 else 0)
+            e = Entry(path, "file", m & 0o7777, st.st_uid, st.st_gid, 0, mtime)
+            try:
+                names = listxattr(absp, follow_symlinks=False)
+            except OSError:
+                names = None  # filesystem without xattr support
+            opaque = False
+            if names:
+                xattrs = _xattrs(absp, names)
+                if overlay_upper:
+                    opaque = _strip_overlay(xattrs, rootname, path)
+                if xattrs:
+                    e.xattrs = dict(sorted(xattrs.items()))
+            src = None
+            name = de.name
+            if fmt == S_IFREG:
+                e.size = st.st_size
+                src = absp
+                if st.st_nlink > 1:
+                    links[path] = (st.st_dev, st.st_ino)
+            elif fmt == S_IFDIR:
+                e.type = "dir"
+            elif fmt == S_IFLNK:
+                e.type = "symlink"
+                try:
+                    e.linkname = os.readlink(absp).decode("utf-8")
+                except UnicodeDecodeError:
+                    raise LayerError(f"pack {rootname}: target of symlink {path} is not "
+                                     "UTF-8") from None
+            else:
+                got = special(de, path, e, st, fmt, absp)
+                if got is None:
+                    continue
+                name, e = got
+            nodes.append((name, e, src, opaque, absp, rel))
         if opaque_dir is not None:  # the marker sorts among the directory's own members
             d = opaque_dir
             marker = Entry(path=d.path + "/" + OPAQUE_MARKER, type="file", mode=d.mode & 0o777,
                            uid=d.uid, gid=d.gid, mtime=d.mtime)
-            nodes.append((OPAQUE_MARKER.encode(), marker, None, False, None))
-        nodes.sort(key=lambda n: n[0])
-        for name, e, src, opaque, absp in nodes:
-            if src is not None and e.path in links:
+            nodes.append((OPAQUE_MARKER.encode(), marker, None, False, None, None))
+        nodes.sort(key=_first)
+        return nodes
+
+    # depth first with an explicit stack (no generator per directory level)
+    stack = [iter(listdir(rootb, b"", None))]
+    while stack:
+        for name, e, src, opaque, absp, rel in stack[-1]:
+            if src is not None and links and e.path in links:
                 key = links.pop(e.path)
                 target = first.get(key)
                 if target is None:
@@ -136,6 +145,26 @@ def walk_tree(root: str | os.PathLike, *, source_date_epoch: int = 0,
                     e.type, e.linkname, e.size, src = "hardlink", target, 0, None
             yield e, src
             if e.type == "dir":
-                yield from walk(absp, reldir + name + b"/", e if opaque else None)
+                stack.append(iter(listdir(absp, rel + b"/", e if opaque else None)))
+                break
+        else:
+            stack.pop()
 
-    yield from walk(rootb, b"", None)
+
+def _first(node: tuple) -> bytes:
+    return node[0]
+
+
+def _strip_overlay(xattrs: dict[str, bytes], rootname: str, path: str) -> bool:
+    """Drop overlayfs attributes in place; True if they mark an opaque directory."""
+    opaque = False
+    for k in list(xattrs):
+        if k.startswith(_OVERLAY_PREFIXES):
+            if k.rsplit(".", 1)[1] in _UNSUPPORTED_OVERLAY:
+                raise LayerError(f"pack {rootname}: {path} has overlayfs attribute {k}, "
+                                 "which layers cannot represent",
+                                 hint="mount the overlay without redirect_dir/metacopy")
+            if k in OPAQUE_XATTRS and xattrs[k] == b"y":
+                opaque = True
+            del xattrs[k]
+    return opaque
