@@ -215,14 +215,13 @@ def build(
         else:
             outcomes[s.name] = LayerOutcome(s.name, s.kind, s.key, "skipped",
                                             blocked_by=r.blocked_by)
-    locks = []
-    for env_plan in plan.envs:
-        if all(outcomes.get(n) and outcomes[n].record for n in env_plan.layers):
-            digest = publish_lock(ws, ctx.store, env_plan.name)
-            locks.append(LockOutcome(env_plan.name, digest, f"env/{env_plan.name}"))
-        else:
-            locks.append(LockOutcome(env_plan.name, None, f"env/{env_plan.name}",
-                                     error="not locked: a layer failed or was skipped"))
+    lockable = [e.name for e in plan.envs
+                if all(outcomes.get(n) and outcomes[n].record for n in e.layers)]
+    published = publish_locks(ws, ctx.store, lockable)
+    locks = [LockOutcome(e.name, published[e.name], f"env/{e.name}") if e.name in published
+             else LockOutcome(e.name, None, f"env/{e.name}",
+                              error="not locked: a layer failed or was skipped")
+             for e in plan.envs]
     ordered = tuple(outcomes[s.name] for s in plan.layers)
     # -- remote build cache, push side (S3 issue): layers + key records, then the lock refs ---
     if cache_to is not None:
@@ -262,24 +261,32 @@ def env_lock(ws: Snapshot, store: Store, env_name: str) -> Lock:
 
 
 def publish_lock(ws: Snapshot, store: Store, env_name: str) -> str:
-    """Store the env's lock (config, then manifest, then the ``env/<name>`` ref); return the
-    manifest digest."""
-    lock = env_lock(ws, store, env_name)
-    config = put_json(store, lock.config, media_type=MEDIA_TYPE_CONFIG)
-    if config.digest != lock.manifest["config"]["digest"]:
-        raise bug(f"lock config of {env_name} stored as {config.digest}, "
-                  f"manifest names {lock.manifest['config']['digest']}")
-    manifest = put_json(store, lock.manifest, media_type=MEDIA_TYPE_MANIFEST)
-    # Every build re-locks every env: reading the ref is far cheaper than a put_ref (which,
-    # in the local store, re-reads, re-serialises and maybe rewrites index.json under a lock),
-    # and in a no-op build no ref moves (benchmarks/build_noop.py with 1,000 envs).
-    try:
-        current = store.get_ref(f"env/{env_name}").digest
-    except RefNotFound:
-        current = None
-    if current != manifest.digest:
-        store.put_ref(f"env/{env_name}", manifest.digest, media_type=MEDIA_TYPE_MANIFEST)
-    return manifest.digest
+    """Store the env's lock and point ``env/<name>`` at it; return the manifest digest."""
+    return publish_locks(ws, store, [env_name])[env_name]
+
+
+def publish_locks(ws: Snapshot, store: Store, env_names: Iterable[str]) -> dict[str, str]:
+    """Store each env's lock (config, then manifest), then move the ``env/<name>`` refs that
+    changed in one ``put_refs``: a no-op build moves none, and a re-lock of 1,000 envs rewrites
+    the local store's index.json once, not 1,000 times (benchmarks/build_noop.py)."""
+    digests: dict[str, str] = {}
+    for env_name in env_names:
+        lock = env_lock(ws, store, env_name)
+        config = put_json(store, lock.config, media_type=MEDIA_TYPE_CONFIG)
+        if config.digest != lock.manifest["config"]["digest"]:
+            raise bug(f"lock config of {env_name} stored as {config.digest}, "
+                      f"manifest names {lock.manifest['config']['digest']}")
+        digests[env_name] = put_json(store, lock.manifest, media_type=MEDIA_TYPE_MANIFEST).digest
+    moved = {}
+    for env_name, digest in digests.items():
+        try:
+            current = store.get_ref(f"env/{env_name}").digest
+        except RefNotFound:
+            current = None
+        if current != digest:
+            moved[f"env/{env_name}"] = digest
+    store.put_refs(moved, media_type=MEDIA_TYPE_MANIFEST)
+    return digests
 
 
 def install_signal_cancel(ctx: BuildContext) -> None:

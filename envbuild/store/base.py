@@ -395,6 +395,14 @@ class Store(abc.ABC):
                 expect: str | None | _Any = ANY) -> Descriptor:
         """Point ref ``name`` at stored blob ``digest``, optionally compare-and-swap."""
 
+    def put_refs(self, refs: Mapping[str, str], *,
+                 media_type: str = MEDIA_TYPE_MANIFEST) -> None:
+        """Point several refs at stored blobs (no compare-and-swap), e.g. every env lock of a
+        build. Each ref update is atomic on its own; a backend may apply them all in one write
+        (the local store rewrites ``index.json`` once instead of once per ref)."""
+        for name, digest in refs.items():
+            self.put_ref(name, digest, media_type=media_type)
+
     @abc.abstractmethod
     def get_ref(self, name: str) -> Descriptor:
         """The descriptor ref ``name`` points at; ``RefNotFound`` if absent."""

@@ -341,9 +341,54 @@ class LocalStore(Store):
             raise StoreError(f"update {self._index}: {e}") from e
         return desc
 
+    def put_refs(self, refs: Mapping[str, str], *,
+                 media_type: str = MEDIA_TYPE_MANIFEST) -> None:
+        entries = {}
+        for name, digest in refs.items():
+            check_ref_name(name)
+            desc = make_descriptor(media_type, digest, self.stat(digest).size, None)
+            entry = desc.to_oci()
+            entry["annotations"] = {**desc.annotations, REF_NAME_ANNOTATION: name}
+            entries[name] = entry
+        if not entries:
+            return
+        try:
+            with self._locked_index() as index:
+                replaced: set[str] = set()
+                kept = []
+                for m in index["manifests"]:
+                    name = _ref_name(m)
+                    if name in entries:
+                        if name in replaced:
+                            continue  # drop duplicates other tools may have left
+                        m = entries[name]  # keep the entry's position
+                        replaced.add(name)
+                    kept.append(m)
+                kept.extend(e for n, e in entries.items() if n not in replaced)
+                index["manifests"] = kept
+        except OSError as e:
+            raise StoreError(f"update {self._index}: {e}") from e
+
+    def _cached_index(self) -> dict[str, Any]:
+        """index.json parsed once per version of the file (reads are frequent: every lock
+        resolves a ref; a 1,000-env index costs milliseconds to parse)."""
+        try:
+            st = self._index.stat()
+        except FileNotFoundError:
+            return _empty_index()
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        cached = getattr(self, "_index_cache", None)
+        if cached is None or cached[0] != stamp:
+            index = self._read_index()
+            by_name = {}
+            for m in index["manifests"]:
+                by_name.setdefault(_ref_name(m), m)
+            cached = self._index_cache = (stamp, index, by_name)
+        return cached[2]
+
     def get_ref(self, name: str) -> Descriptor:
         check_ref_name(name)
-        entry = self._find(self._read_index(), name)
+        entry = self._cached_index().get(name)
         if entry is None:
             raise ref_not_found(name)
         desc = Descriptor.from_oci(entry)

@@ -265,6 +265,20 @@ def test_refs_put_get_list_delete(store):
     assert store.exists(D_OTHER)  # deleting a ref keeps its blob
 
 
+def test_put_refs_sets_several_at_once(store):
+    store.put(D, DATA)
+    store.put(D_OTHER, OTHER)
+    store.put_ref("env/a", D)
+    store.put_refs({"env/a": D_OTHER, "env/b": D, "env/c": D_OTHER})
+    assert store.list_refs() == ["env/a", "env/b", "env/c"]
+    assert [store.get_ref(n).digest for n in ("env/a", "env/b", "env/c")] == [D_OTHER, D, D_OTHER]
+    assert store.get_ref("env/b").size == len(DATA)
+    store.put_refs({})  # nothing to do
+    with pytest.raises(BlobNotFound):
+        store.put_refs({"env/d": ABSENT})
+    assert "env/d" not in store.list_refs()
+
+
 def test_ref_to_missing_blob_is_refused(store):
     with pytest.raises(BlobNotFound):
         store.put_ref("r", ABSENT)
