@@ -124,7 +124,7 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
         imported = importers.Imported()
         if isinstance(d, Base) and not isinstance(d.source, BaseSource):
             progress(BuildEvent(job.name, "importing", detail=d.source.kind))
-            imported = _import_base(d, upper, log)
+            imported = _import_base(d, upper, log, ctx.cancelled)
         needs_rootfs = bool(d.steps) or isinstance(d, Workspace)
         if needs_rootfs:
             spec = OverlaySpec(str(merged), (*lowers, str(ctx.stub_dir())), str(upper), str(work))
@@ -132,7 +132,7 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
             mounted = True
             if isinstance(d, Workspace):
                 progress(BuildEvent(job.name, "importing", detail=d.source.kind))
-                _import_workspace(d, job, merged, scratch)
+                _import_workspace(d, job, merged, scratch, ctx.cancelled)
             for i, step in enumerate(d.steps, 1):
                 _stop_if_cancelled(ctx, job)
                 progress(BuildEvent(job.name, "step", i, len(d.steps), _describe(step)))
@@ -190,7 +190,8 @@ def _describe(step) -> str:
     return f"copy: {step.src} -> {step.dest}"
 
 
-def _import_base(d: Base, upper: Path, log: Path) -> importers.Imported:
+def _import_base(d: Base, upper: Path, log: Path, cancelled: threading.Event
+                 ) -> importers.Imported:
     src = d.source
     here = d.origin.directory
     if isinstance(src, ScratchSource):
@@ -201,13 +202,14 @@ def _import_base(d: Base, upper: Path, log: Path) -> importers.Imported:
         return importers.import_rootfs(here / src.path, src.sha256, upper)
     if isinstance(src, DebootstrapSource):
         return importers.import_debootstrap(src.suite, src.variant, src.include, src.mirror,
-                                            upper, log)
+                                            upper, log, cancelled)
     if isinstance(src, OciSource):
         return importers.import_oci(here / src.layout, src.ref, upper)
     raise BuildError(f"{d.name}: source kind {src.kind!r} cannot be imported")
 
 
-def _import_workspace(d: Workspace, job: LayerJob, merged: Path, scratch: Path) -> None:
+def _import_workspace(d: Workspace, job: LayerJob, merged: Path, scratch: Path,
+                      cancelled: threading.Event) -> None:
     dest = merged / d.dest.lstrip("/")
     src = d.source
     here = d.origin.directory
@@ -218,7 +220,7 @@ def _import_workspace(d: Workspace, job: LayerJob, merged: Path, scratch: Path) 
         if not commit:
             raise BuildError(f"{d.name}: git source was not pinned to a commit")
         importers.import_git(local_git_path(src.url, str(here)) or src.url, commit, dest,
-                             scratch)
+                             scratch, cancelled)
     elif isinstance(src, ArchiveSource):
         importers.import_archive(here / src.path, src.sha256, dest)
 

@@ -280,3 +280,20 @@ def test_debootstrap_base_and_a_toolkit_on_it(envbuild_cli, tmp_path):
                           "rg --version | head -1; shtest --help >/dev/null; echo ok")
     assert result.code == 0, result.err
     assert "ripgrep" in result.out and "ok" in result.out
+
+
+def test_a_cancelled_import_kills_its_tool_at_once():
+    import threading
+    import time
+
+    from envbuild.build.importers import _run
+    from envbuild.errors import BuildError
+
+    cancelled = threading.Event()
+    threading.Timer(0.3, cancelled.set).start()
+    started = time.monotonic()
+    with pytest.raises(BuildError, match="cancelled"):
+        _run(["sh", "-c", "sleep 30 & sleep 30"], "slow import", cancelled=cancelled)
+    assert time.monotonic() - started < 3
+    ps = subprocess.run(["pgrep", "-f", "sleep 30 & sleep 30"], capture_output=True)
+    assert ps.returncode == 1  # the whole process group is gone
