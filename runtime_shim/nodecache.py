@@ -8,21 +8,39 @@ Layout (version 1, under ``root``)::
     layers/<hex>.used          touched on every use: the LRU clock for eviction
     locks/<hex>.lock           flock: one unpack per layer across threads and processes
     tmp/                       unpacks in progress (same filesystem, so the final rename is atomic)
+    lazy/<hex>/                lazy mode: the layer's read-only FUSE mount (runtime_shim.lazyfs)
+    lazy/<hex>.json            {"version": 1, "pid", "digest", "store", "started"}: its daemon
+    lazy/<hex>.log             the daemon's stderr (appended across restarts)
+    lazy/<hex>.used            touched on every use
+    locks/<hex>.lazy.lock      flock: one daemon per layer across threads and processes
+    chunks/                    lazy mode: verified file pieces (envbuild.store.lazy.ChunkCache),
+                               keyed by content, shared by every lazy layer
 
 ``ensure(store, digest)`` returns the directory, unpacking it first if needed: unpack beside,
 rename into place, so a half-unpacked layer is never visible. Concurrent callers for one layer
 wait on its lock and then find it present.
+
+``ensure_lazy(store_url, digest, toc_digest)`` returns the layer's FUSE mount instead, starting
+its daemon (``python -m runtime_shim.lazyfs``, detached: it outlives the caller and serves every
+sandbox on the host) if no healthy one serves it; a mount whose daemon died (``ENOTCONN``) is
+unmounted and replaced. ``evict`` (``envbuild node gc``) unmounts the lazy mounts that no live
+sandbox uses, which ends their daemons.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -31,6 +49,14 @@ from envbuild.errors import RuntimeShimError, UnsupportedFormatError
 from envbuild.store import Store, check_digest
 
 NODE_CACHE_VERSION = 1
+LAZY_STATE_VERSION = 1
+#: How long ``ensure_lazy`` waits for a new daemon's mount (it fetches footer and TOC first).
+LAZY_MOUNT_TIMEOUT = 30.0
+#: How long an unmounted daemon gets to exit before SIGTERM, then SIGKILL.
+LAZY_STOP_TIMEOUT = 5.0
+DEFAULT_CHUNK_CACHE_MAX = 10 << 30
+# Daemons this process started: polled so they are reaped, not left as zombies.
+_daemons: dict[int, subprocess.Popen] = {}
 
 
 class NodeCache:
@@ -114,9 +140,11 @@ class NodeCache:
 
     def evict(self, keep: Iterable[str], max_bytes: int) -> list[str]:
         """Remove least recently used layers not in ``keep`` until the cache holds at most
-        ``max_bytes``. Returns the evicted digests. A layer is renamed away under its lock
-        before deletion, so no reader ever sees half of one."""
+        ``max_bytes``, and unmount every lazy mount not in ``keep`` (``unmount_lazy``). Returns
+        the digests unmounted or evicted. A layer is renamed away under its lock before
+        deletion, so no reader ever sees half of one."""
         keep_hex = {check_digest(d).removeprefix("sha256:") for d in keep}
+        unmounted = self.unmount_lazy(keep)  # lazy: begin
         entries = self.usage()
         total = sum(u.size for u in entries)
         evicted = []
@@ -134,7 +162,141 @@ class NodeCache:
                 (self.root / "layers" / f"{hexd}.used").unlink(missing_ok=True)
             total -= u.size
             evicted.append(u.digest)
-        return evicted
+        return unmounted + [d for d in evicted if d not in unmounted]  # lazy: end
+
+    # -- lazy mode (runtime_shim.lazyfs) ------------------------------------------------------
+
+    def lazy_dir(self, digest: str) -> Path:
+        return self.root / "lazy" / check_digest(digest).removeprefix("sha256:")
+
+    def ensure_lazy(self, store_url: str, digest: str, toc_digest: str | None = None, *,
+                    s3_endpoint: str | None = None, size: int | None = None,
+                    chunk_cache_max: int = DEFAULT_CHUNK_CACHE_MAX,
+                    timeout: float = LAZY_MOUNT_TIMEOUT) -> Path:
+        """The read-only FUSE mount of layer ``digest`` (an overlay lower dir), served from the
+        store at ``store_url`` (a directory or ``s3://…``; ``runtime_shim.lazyfs.store_location``
+        gives it for a ``Store``) by a detached daemon shared by every sandbox on this host.
+
+        Idempotent: a healthy mount is returned as is. Otherwise, under the layer's lock, a
+        stale mount (its daemon died) is unmounted and a daemon started; this waits until its
+        mount is up, at most ``timeout`` seconds. The daemon checks ``toc_digest`` (and
+        ``size``, the lock's blob size) before it mounts. A daemon that exits or does not mount
+        in time is a ``RuntimeShimError`` with the tail of its log."""
+        target = self.lazy_dir(digest)
+        hexd = target.name
+        if _lazy_mount_state(target) != "ok":
+            with self._thread_lock(hexd + ".lazy"), \
+                    _flock(self.root / "locks" / f"{hexd}.lazy.lock"):
+                state = _lazy_mount_state(target)
+                if state == "stale":
+                    self._stop_lazy(hexd)
+                if state != "ok":
+                    self._start_lazy(store_url, digest, toc_digest, s3_endpoint, size,
+                                     chunk_cache_max, timeout)
+        _touch(self.root / "lazy" / f"{hexd}.used")
+        return target
+
+    def _start_lazy(self, store_url: str, digest: str, toc_digest: str | None,
+                    s3_endpoint: str | None, size: int | None, chunk_cache_max: int,
+                    timeout: float) -> None:
+        target = self.lazy_dir(digest)
+        hexd = target.name
+        target.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "runtime_shim.lazyfs", "--store", store_url,
+                "--digest", digest, "--mountpoint", str(target),
+                "--chunk-cache", str(self.root / "chunks"),
+                "--chunk-cache-max", str(chunk_cache_max)]
+        if toc_digest:
+            argv += ["--toc-digest", toc_digest]
+        if s3_endpoint:
+            argv += ["--s3-endpoint", s3_endpoint]
+        if size is not None:
+            argv += ["--size", str(size)]
+        # the daemon imports runtime_shim and envbuild from where this process did
+        src = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+        log_path = self.root / "lazy" / f"{hexd}.log"
+        with open(log_path, "ab") as log:
+            log_start = log.tell()
+            try:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                        cwd="/", env=env, start_new_session=True)
+            except OSError as e:
+                raise RuntimeShimError(f"start lazy layer daemon for {digest}: {e}") from e
+        _daemons[proc.pid] = proc
+        state = {"version": LAZY_STATE_VERSION, "pid": proc.pid, "digest": digest,
+                 "store": store_url, "started": time.time()}
+        tmp = self.root / "lazy" / f".{hexd}.json.{uuid.uuid4().hex[:8]}"
+        tmp.write_text(json.dumps(state))
+        tmp.replace(self.root / "lazy" / f"{hexd}.json")
+        deadline = time.monotonic() + timeout
+        delay = 0.002
+        while _lazy_mount_state(target) != "ok":
+            code = proc.poll()
+            if code is not None or time.monotonic() > deadline:
+                if code is None:
+                    _terminate(proc.pid)
+                    proc.wait()
+                    why = f"did not mount within {timeout:.0f} s"
+                else:
+                    why = f"exited {code}"
+                if _lazy_mount_state(target) != "absent":
+                    _unmount_fuse(target)
+                raise RuntimeShimError(
+                    f"lazy layer {digest}: the FUSE daemon {why}",
+                    context=_log_tail(log_path, log_start),
+                    hint=f"see {log_path}; store {store_url}")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _stop_lazy(self, hexd: str) -> None:
+        """Unmount ``lazy/<hex>`` and make sure its daemon is gone (caller holds the lock)."""
+        target = self.root / "lazy" / hexd
+        state_file = self.root / "lazy" / f"{hexd}.json"
+        try:
+            pid = int(json.loads(state_file.read_text()).get("pid", 0))
+        except (OSError, ValueError):
+            pid = 0
+        if _lazy_mount_state(target) != "absent":
+            _unmount_fuse(target)
+        if pid and _is_daemon(pid, target):
+            # the daemon ends when its last mount goes; a stuck one is stopped
+            deadline = time.monotonic() + LAZY_STOP_TIMEOUT
+            while _is_daemon(pid, target) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if _is_daemon(pid, target):
+                _terminate(pid)
+        state_file.unlink(missing_ok=True)
+        (self.root / "lazy" / f"{hexd}.used").unlink(missing_ok=True)
+        try:
+            target.rmdir()
+        except OSError:
+            pass
+
+    def list_lazy(self) -> list[str]:
+        """Digests of the layers with a lazy mount or daemon state on this host."""
+        lazy = self.root / "lazy"
+        if not lazy.is_dir():
+            return []
+        found = {p.name for p in lazy.iterdir() if p.is_dir()}
+        found |= {p.name.removesuffix(".json") for p in lazy.glob("*.json")}
+        return sorted("sha256:" + h for h in found if len(h) == 64)
+
+    def unmount_lazy(self, keep: Iterable[str]) -> list[str]:
+        """Unmount the lazy mounts of layers not in ``keep`` (the layers of live sandboxes)
+        and end their daemons. Returns their digests."""
+        keep_hex = {check_digest(d).removeprefix("sha256:") for d in keep}
+        done = []
+        for digest in self.list_lazy():
+            hexd = digest.removeprefix("sha256:")
+            if hexd in keep_hex:
+                continue
+            with self._thread_lock(hexd + ".lazy"), \
+                    _flock(self.root / "locks" / f"{hexd}.lazy.lock"):
+                self._stop_lazy(hexd)
+            done.append(digest)
+        return done
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,3 +346,86 @@ def _tree_size(root: Path) -> int:
             except OSError:
                 pass
     return total
+
+
+# -- lazy mode helpers -------------------------------------------------------------------------
+
+def _lazy_mount_state(target: Path) -> str:
+    """``"ok"`` (a FUSE mount that answers), ``"stale"`` (mounted, daemon gone: ENOTCONN, or
+    something else mounted there) or ``"absent"``."""
+    fstype = _mount_fstype(str(target))
+    if fstype is None:
+        return "absent"
+    if not fstype.startswith("fuse"):
+        return "stale"
+    try:
+        os.statvfs(target)  # always asked of the daemon (stat may come from the attr cache)
+    except OSError as e:
+        if e.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.EIO):
+            return "stale"
+        raise RuntimeShimError(f"check lazy mount {target}: {e.strerror}") from e
+    return "ok"
+
+
+def _mount_fstype(target: str) -> str | None:
+    """The filesystem type mounted at ``target`` (topmost), from /proc/self/mountinfo."""
+    found = None
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            fields = line.split(" ")
+            if fields[4].replace("\\040", " ") == target:
+                found = fields[fields.index("-") + 1]
+    return found
+
+
+def _unmount_fuse(target: Path) -> None:
+    from runtime_shim.mount import unmount
+
+    unmount(str(target))  # busy (a sandbox still reads it): detached, gone with its last user
+
+
+def _is_daemon(pid: int, target: Path) -> bool:
+    """Whether ``pid`` still runs and is the lazyfs daemon of ``target`` (not a recycled pid,
+    not a zombie)."""
+    proc = _daemons.get(pid)
+    if proc is not None and proc.poll() is not None:
+        del _daemons[pid]
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"runtime_shim.lazyfs" in cmdline and os.fsencode(str(target)) in cmdline
+
+
+def _terminate(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(200):
+            proc = _daemons.get(pid)
+            if proc is not None:
+                if proc.poll() is not None:
+                    break
+            elif not Path(f"/proc/{pid}").exists():
+                break
+            time.sleep(0.01)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc = _daemons.pop(pid, None)
+    if proc is not None:
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _log_tail(path: Path, start: int, limit: int = 2000) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace").strip()
+    except OSError:
+        return None
+    return text[-limit:] or None

@@ -310,16 +310,26 @@ class Sandbox:
         limits: Limits | None = None,
         runtime: str = "runc",
         keep: bool = False,
+        lazy: bool = False,
     ) -> Sandbox:
-        """Fetch what is missing, compose and start a sandbox of ``lock`` (digest or ref)."""
+        """Fetch what is missing, compose and start a sandbox of ``lock`` (digest or ref).
+
+        ``lazy``: instead of unpacking the layers, mount each one read-only with FUSE, served
+        from ``store`` file by file on first read (``runtime_shim.lazyfs``); ``store`` must be
+        one another process can open (a directory or S3)."""
         if backend not in BACKENDS:
             raise RuntimeShimError(f"unknown sandbox backend {backend!r}",
                                    hint=f"choose one of: {', '.join(BACKENDS)}")
         node_root = Path(node_dir)
         node = NodeCache(node_root / "node")
         resolved = resolve(store, lock)
-        layer_dirs = [str(node.ensure(store, layer.digest, layer.toc_digest))
-                      for layer in resolved.layers]
+        if lazy:  # lazy mode: FUSE mounts instead of unpacked layers
+            from runtime_shim.lazyfs import lazy_layer_dirs
+
+            layer_dirs = lazy_layer_dirs(node, store, resolved.layers)
+        else:
+            layer_dirs = [str(node.ensure(store, layer.digest, layer.toc_digest))
+                          for layer in resolved.layers]
         sandbox_id = f"eb-{uuid.uuid4().hex[:12]}"
         paths = SandboxPaths(node_root / "sandboxes" / sandbox_id)
         for p in (paths.upper, paths.work, paths.merged):

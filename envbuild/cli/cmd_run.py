@@ -17,14 +17,18 @@ def register(group: click.Group) -> None:
     @click.option("--network", is_flag=True, help="Give the sandbox the host's network.")
     @click.option("--keep", is_flag=True, help="Leave the sandbox running; print its id.")
     @click.option("--timeout", type=float, default=None, help="Kill CMD after this many seconds.")
+    @click.option("--lazy", is_flag=True,  # lazy mode (runtime_shim.lazyfs)
+                  help="Start at once: serve the layers from the store with FUSE, fetching "
+                       "each file on first read, instead of pulling and unpacking them.")
     @pass_app
     def run(app: App, target: str, cmd: tuple[str, ...], network: bool, keep: bool,
-            timeout: float | None) -> int:
+            timeout: float | None, lazy: bool) -> int:
         """Run CMD in a fresh sandbox of TARGET (env name, ref or lock digest); builds nothing."""
         from runtime_shim.sandbox import Sandbox
 
         sb = Sandbox.create(target, store=app.open_store(), node_dir=app.settings.node_dir,
-                            network=network, runtime=app.settings.oci_runtime, keep=keep)
+                            network=network, runtime=app.settings.oci_runtime, keep=keep,
+                            lazy=lazy)
         try:
             result = sb.exec(list(cmd), timeout=timeout)
         finally:
@@ -105,7 +109,8 @@ def register(group: click.Group) -> None:
                   help="Keep at most this much (e.g. 20G, 500M); 0 evicts every unused layer.")
     @pass_app
     def node_gc(app: App, max_size: str) -> None:
-        """Evict least recently used layers that no live sandbox uses."""
+        """Evict least recently used layers that no live sandbox uses (and unmount their
+        lazy mounts)."""
         from runtime_shim.nodecache import NodeCache, parse_size
         from runtime_shim.sandbox import layers_in_use
 

@@ -1,0 +1,312 @@
+"""Lazy mode over real FUSE + overlayfs + runc: a sandbox whose layers are ``runtime_shim.lazyfs``
+mounts served from the store, compared with a sandbox of the same lock over unpacked layers.
+
+What the daemon fetched is read from the daemon itself (``lazy_stats``: its ``LazyStats``,
+counted where the ranged reads are made) and cross-checked on disk (the node's chunk cache
+stays empty until a file is read). Every test ends with no FUSE mount and no daemon left
+(``_no_leftovers``), after ``evict`` — what ``envbuild node gc`` runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from envbuild.errors import RuntimeShimError
+from envbuild.layers import pack_tree
+from envbuild.oci import MEDIA_TYPE_CONFIG
+from envbuild.plan.lockspec import LockLayer, RuntimeConfig, make_lock, merge_config
+from envbuild.store import LocalStore, MemoryStore, open_store, put_file, put_json
+from envbuild.store.sync import sync
+from runtime_shim.lazyfs import lazy_stats
+from runtime_shim.mount import mounted_targets_under
+from runtime_shim.nodecache import NodeCache
+from runtime_shim.sandbox import Sandbox, layers_in_use
+from tests.conftest import require_root, require_tool
+from tests.integration.test_container_runtime import make_busybox_root
+from tests.store.s3server import moto_s3, s3_env  # noqa: F401  (fixtures)
+
+BIG = 3 << 20  # a file with frames of its own (lazy framing: >= 16 KiB, cut every 4 MiB)
+
+
+def _pack(store, tree: Path, tmp_path: Path, name: str, **kw) -> LockLayer:
+    blob = tmp_path / f"{name}.blob"
+    with open(blob, "wb") as out:
+        info = pack_tree(tree, out, **kw)
+    put_file(store, blob)
+    return LockLayer(name=name, role="toolkit", key="sha256:" + "0" * 64, digest=info.digest,
+                     diff_id=info.diff_id, size=info.size, toc_digest=info.toc_digest)
+
+
+def _lock(store, name: str, layers: list[LockLayer]) -> str:
+    lock = make_lock(name, layers, merge_config([RuntimeConfig()]))
+    put_json(store, lock.config, media_type=MEDIA_TYPE_CONFIG)
+    digest = put_json(store, lock.manifest).digest
+    store.put_ref(f"env/{name}", digest)
+    return digest
+
+
+def _trees(tmp_path: Path) -> tuple[Path, Path]:
+    """A busybox base with every kind of member, and an upper layer (packed from an overlayfs
+    upper dir) that deletes a file, replaces a directory and makes another one opaque."""
+    base = make_busybox_root(tmp_path / "base")
+    for applet in ("find", "stat", "sha256sum", "sort", "xargs", "ls", "wc", "head", "readlink"):
+        if not (base / "bin" / applet).exists():
+            os.symlink("busybox", base / "bin" / applet)
+    etc = base / "etc"
+    (etc / "os-release").write_text("NAME=lazy\n")
+    (etc / "gone").write_text("deleted by the upper layer\n")
+    (base / "data").mkdir()
+    (base / "data" / "big.bin").write_bytes(os.urandom(BIG))
+    (base / "data" / "small.txt").write_text("small\n" * 100)
+    (base / "data" / "empty").write_bytes(b"")
+    os.link(base / "data" / "small.txt", base / "data" / "hard.txt")
+    os.symlink("../data/small.txt", base / "data" / "link")
+    os.chmod(base / "data" / "small.txt", 0o640)
+    os.chown(base / "data" / "small.txt", 1000, 1000)
+    (base / "data" / "suid").write_text("#!/bin/sh\n")
+    os.chmod(base / "data" / "suid", 0o4755)
+    os.setxattr(base / "data" / "big.bin", "user.origin", b"test")
+    os.mkfifo(base / "data" / "fifo")
+    (base / "data" / "deep" / "er").mkdir(parents=True)
+    (base / "data" / "deep" / "er" / "f").write_text("deep\n")
+    (base / "opq").mkdir()
+    for i in range(3):
+        (base / "opq" / f"old{i}").write_text(f"old {i}\n")
+    (base / "replaced").mkdir()
+    (base / "replaced" / "inside").write_text("x\n")
+    for p in (base / "data" / "small.txt", base / "etc" / "os-release"):
+        os.utime(p, (1_600_000_000, 1_600_000_000))
+    upper = tmp_path / "upper"
+    (upper / "etc").mkdir(parents=True)
+    os.mknod(upper / "etc" / "gone", stat.S_IFCHR | 0o600, os.makedev(0, 0))
+    (upper / "opq").mkdir()
+    os.setxattr(upper / "opq", "trusted.overlay.opaque", b"y")
+    (upper / "opq" / "new").write_text("new\n")
+    (upper / "replaced").write_text("now a file\n")
+    (upper / "etc" / "added").write_text("from the upper layer\n")
+    return base, upper
+
+
+@pytest.fixture
+def lock2(tmp_path):
+    """A local store with the two-layer lock ``two`` and a node dir."""
+    require_root()
+    require_tool("runc")
+    require_tool("fusermount3")
+    store = LocalStore(tmp_path / "store")
+    base_tree, upper_tree = _trees(tmp_path)
+    base = _pack(store, base_tree, tmp_path, "base", source_date_epoch=1_700_000_000)
+    upper = _pack(store, upper_tree, tmp_path, "upper", overlay_upper=True,
+                  source_date_epoch=1_700_000_000)
+    _lock(store, "two", [base, upper])
+    node_dir = tmp_path / "n"
+    yield store, node_dir, [base, upper]
+    _no_leftovers(node_dir)
+
+
+def _no_leftovers(node_dir: Path) -> None:
+    """After ``node gc``'s eviction: no sandbox, FUSE mount or lazyfs daemon of this node."""
+    from runtime_shim.sandbox import gc_sandboxes
+
+    gc_sandboxes(node_dir)
+    NodeCache(node_dir / "node").evict(layers_in_use(node_dir), 0)
+    assert mounted_targets_under(str(node_dir)) == []
+    deadline = time.monotonic() + 5
+    while _daemons(node_dir) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _daemons(node_dir) == []
+
+
+def _daemons(node_dir: Path) -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"runtime_shim.lazyfs" in cmd and os.fsencode(str(node_dir)) in cmd:
+            found.append(int(d.name))
+    return found
+
+
+def _pieces(node_dir: Path) -> int:
+    chunks = node_dir / "node" / "chunks"
+    return sum(1 for sub in chunks.iterdir() if sub.is_dir() for _ in sub.iterdir()) \
+        if chunks.is_dir() else 0
+
+
+LISTING = ("find / -xdev ! -path '/.envbuild*' ! -path '/proc*' ! -path '/sys*' "
+           "! -path '/dev*' ! -path '/run*' ! -path '/tmp*' | sort | while read -r f; do "
+           "if [ -d \"$f\" ] && [ ! -L \"$f\" ]; then stat -c '%n|%F|%a|%u|%g' \"$f\"; "
+           "else stat -c '%n|%F|%a|%u|%g|%s|%Y|%h|%t,%T' \"$f\"; fi; done; "
+           "find / -xdev -type f ! -path '/.envbuild*' ! -path '/proc*' ! -path '/sys*' "
+           "| sort | xargs sha256sum; readlink /data/link; ls /opq")
+
+
+def test_lazy_and_full_sandboxes_see_the_same_tree(lock2):
+    store, node_dir, layers = lock2
+    with Sandbox.create("two", store=store, node_dir=node_dir) as full, \
+            Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as lazy:
+        a, b = full.exec(LISTING), lazy.exec(LISTING)
+        assert a.exit_code == 0, a.stderr
+        assert b.exit_code == 0, b.stderr
+        assert a.stdout.decode().splitlines() == b.stdout.decode().splitlines()
+        out = b.stdout.decode()
+        # the upper layer's whiteout, opaque dir and replacement are honoured
+        assert "/etc/gone|" not in out and "/opq/old0" not in out
+        assert "/opq/new|regular file|644" in out
+        assert "/replaced|regular file|644|0|0|11|" in out and "/replaced/inside" not in out
+        # the base's members, with their metadata
+        assert "/data/small.txt|regular file|640|1000|1000|600|1600000000|2|" in out
+        assert "/data/suid|regular file|4755|" in out
+        assert "/data/fifo|fifo|" in out
+        assert "/data/link|symbolic link|777|" in out
+        assert hashlib.sha256((b"small\n" * 100)).hexdigest() + "  /data/hard.txt" in out
+        mp = NodeCache(node_dir / "node").lazy_dir(layers[0].digest)
+        assert os.getxattr(mp / "data" / "big.bin", "user.origin") == b"test"
+        ino = os.stat(mp / "data" / "small.txt").st_ino
+        assert os.stat(mp / "data" / "hard.txt").st_ino == ino
+        assert os.stat(mp / "data" / "small.txt").st_nlink == 2
+
+
+def test_starts_before_contents_are_fetched_and_shares_the_mounts(lock2):
+    store, node_dir, layers = lock2
+    node = NodeCache(node_dir / "node")
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb:
+        mounts = [node.lazy_dir(layer.digest) for layer in layers]
+        before = [lazy_stats(mp) for mp in mounts]
+        for s in before:  # footer + TOC only
+            assert s["frames_fetched"] == 0 and s["files_verified"] == 0, s
+            assert s["bytes_fetched"] == s["toc_bytes"] > 0
+        assert _pieces(node_dir) == 0
+        r = sb.exec("sha256sum /data/big.bin")
+        assert r.exit_code == 0, r.stderr
+        base = lazy_stats(mounts[0])
+        assert base["files_verified"] >= 2  # busybox and big.bin
+        assert base["bytes_fetched"] >= BIG * 0.9  # random bytes do not compress
+        assert _pieces(node_dir) > 0
+        # a second sandbox shares the daemons, their chunk cache and the page cache: its
+        # start and the same read fetch nothing more
+        with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb2:
+            assert [lazy_stats(mp)["pid"] for mp in mounts] == [s["pid"] for s in before]
+            assert sb2.exec("sha256sum /data/big.bin").stdout == r.stdout
+            assert lazy_stats(mounts[0])["requests"] == base["requests"]
+
+
+def test_writes_go_to_the_sandbox_upper_dir(lock2):
+    store, node_dir, layers = lock2
+    node = NodeCache(node_dir / "node")
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb:
+        r = sb.exec("echo new > /etc/new && echo more >> /data/small.txt && rm /etc/added "
+                    "&& rm -r /data/deep && cat /data/small.txt | wc -l")
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout == b"101\n"
+        upper = sb.paths.upper
+        assert (upper / "etc" / "new").read_text() == "new\n"
+        assert (upper / "data" / "small.txt").read_text().endswith("small\nmore\n")
+        st = os.lstat(upper / "etc" / "added")
+        assert stat.S_ISCHR(st.st_mode) and st.st_rdev == 0  # overlay whiteout
+        base_mp = node.lazy_dir(layers[0].digest)
+        assert (base_mp / "data" / "small.txt").read_text() == "small\n" * 100
+        assert (base_mp / "data" / "deep" / "er" / "f").exists()
+        with pytest.raises(OSError):
+            (base_mp / "etc" / "x").write_text("no")
+        with pytest.raises(OSError):
+            os.unlink(base_mp / "etc" / "os-release")
+
+
+def test_ensure_lazy_is_idempotent_and_replaces_a_dead_daemon(lock2):
+    store, node_dir, layers = lock2
+    node = NodeCache(node_dir / "node")
+    layer = layers[0]
+    url = str(store.root)
+    mp = node.ensure_lazy(url, layer.digest, layer.toc_digest)
+    pid = lazy_stats(mp)["pid"]
+    assert node.ensure_lazy(url, layer.digest, layer.toc_digest) == mp
+    assert lazy_stats(mp)["pid"] == pid
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while pid in _daemons(node_dir) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(OSError):  # ENOTCONN: the stale mount
+        os.statvfs(mp)
+    assert node.ensure_lazy(url, layer.digest, layer.toc_digest) == mp
+    new_pid = lazy_stats(mp)["pid"]
+    assert new_pid != pid
+    assert (mp / "etc" / "os-release").read_text() == "NAME=lazy\n"
+    assert mounted_targets_under(str(mp)) == [str(mp)]  # the stale mount is gone, not stacked
+    assert node.unmount_lazy(keep=()) == [layer.digest]
+    assert mounted_targets_under(str(node_dir)) == []
+
+
+def test_a_daemon_that_cannot_serve_is_a_clear_error(lock2):
+    store, node_dir, layers = lock2
+    node = NodeCache(node_dir / "node")
+    with pytest.raises(RuntimeShimError) as err:
+        node.ensure_lazy(str(store.root), layers[0].digest, "sha256:" + "1" * 64)
+    assert "FUSE daemon exited 1" in err.value.message
+    assert "TOC" in (err.value.context or "")
+    assert mounted_targets_under(str(node_dir)) == []
+    memory = MemoryStore()
+    sync(store, memory, refs=["env/two"])
+    with pytest.raises(RuntimeShimError, match="cannot serve layers"):
+        Sandbox.create("two", store=memory, node_dir=node_dir, lazy=True)
+
+
+def test_envbuild_run_lazy_and_node_gc(envbuild_cli):
+    require_tool("fusermount3")
+    assert envbuild_cli("build").code == 0
+    result = envbuild_cli("run", "--lazy", "busybox-shell", "sh", "-c", "cat /etc/hostname; echo ok")
+    assert result.code == 0, result.err
+    assert result.out.endswith("ok\n")
+    node_dir = envbuild_cli.node
+    assert mounted_targets_under(str(node_dir / "node" / "lazy")) != []  # shared, kept up
+    gc = envbuild_cli("node", "gc")
+    assert gc.code == 0, gc.err
+    assert mounted_targets_under(str(node_dir)) == []
+    _no_leftovers(node_dir)
+
+
+def test_lazy_sandbox_from_s3(s3_env, tmp_path):  # noqa: F811  (fixture)
+    require_root()
+    require_tool("runc")
+    require_tool("fusermount3")
+    bucket = s3_env.make_bucket()
+    store = open_store(f"s3://{bucket}/lazy")
+    base_tree, upper_tree = _trees(tmp_path)
+    base = _pack(store, base_tree, tmp_path, "base")
+    upper = _pack(store, upper_tree, tmp_path, "upper", overlay_upper=True)
+    _lock(store, "two", [base, upper])
+    node_dir = tmp_path / "n"
+    try:
+        with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb:
+            mp = NodeCache(node_dir / "node").lazy_dir(base.digest)
+            assert lazy_stats(mp)["frames_fetched"] == 0
+            r = sb.exec("cat /etc/os-release; ls /opq; test -e /etc/gone || echo gone; "
+                        "sha256sum /data/big.bin")
+            assert r.exit_code == 0, r.stderr
+            want = hashlib.sha256((base_tree / "data" / "big.bin").read_bytes()).hexdigest()
+            assert r.stdout.decode() == f"NAME=lazy\nnew\ngone\n{want}  /data/big.bin\n"
+            assert lazy_stats(mp)["frames_fetched"] > 0
+    finally:
+        _no_leftovers(node_dir)
+
+
+def test_the_daemon_runs_as_a_module(tmp_path):
+    """``python -m runtime_shim.lazyfs --help`` works from anywhere (the daemon's entry)."""
+    proc = subprocess.run([sys.executable, "-m", "runtime_shim.lazyfs", "--help"], cwd="/",
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert proc.returncode == 0 and "--mountpoint" in proc.stdout
+
