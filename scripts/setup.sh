@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(
-  python3 python3-venv python3-dev gcc git tar zstd attr
+  python3 python3-venv python3-dev gcc libc6-dev git tar zstd attr
   runc busybox-static debootstrap skopeo umoci fuse3 erofs-utils
 )
 

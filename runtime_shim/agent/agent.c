@@ -1,0 +1,934 @@
+/*
+ * envbuild-agent: the exec agent that runs as PID 1 of a sandbox.
+ *
+ * It listens on a unix socket, runs one command per connection (protocol v1, see README.md),
+ * streams the command's stdout and stderr back as frames and ends with its exit status. As
+ * PID 1 it also reaps every orphan. One process, one poll() loop, no threads: every fd is
+ * non-blocking, so a slow or vanished client never stalls another session.
+ *
+ * Build: gcc -static -O2 -Wall -Wextra -Werror -o envbuild-agent agent.c
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <limits.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define PROTO_VERSION 1u
+#define AGENT_NAME "envbuild-agent"
+#define MAX_PAYLOAD (1u << 20)   /* largest frame payload either side may send */
+#define CHUNK (64u << 10)        /* largest stdout/stderr frame the agent sends */
+#define STDIN_HIGH (1u << 20)    /* pending stdin above this: stop reading the connection */
+#define MAX_SESSIONS 1000
+#define MAX_ARGS 65536
+#define EXIT_GRACE_MS 50         /* how long output pipes may stay open after the exit */
+
+/* host -> agent */
+enum { T_HELLO = 0x01, T_ARG, T_ENV, T_CWD, T_USER, T_TIMEOUT, T_START, T_STDIN, T_STDIN_EOF,
+       T_KILL };
+/* agent -> host */
+enum { R_HELLO = 0x81, R_STDOUT, R_STDERR, R_EXIT, R_START_FAILED, R_ERROR };
+/* R_EXIT flags */
+enum { F_SIGNALED = 1, F_TIMED_OUT = 2, F_OUTPUT_OPEN = 4 };
+
+extern char **environ;
+
+struct buf {
+    unsigned char *p;
+    size_t off, len, cap; /* data is p[off .. off+len) */
+};
+
+enum phase { P_HELLO, P_REQUEST, P_STARTING, P_RUNNING, P_FINISHED };
+
+struct session {
+    enum phase phase;
+    int conn, out, err, in, status; /* -1 once closed */
+    int closing;                    /* close conn once tx is flushed */
+    pid_t pid;
+    int reaped, wstatus, flags, stdin_eof, start_failed;
+    size_t owed[2];                 /* bytes in the out/err pipe when the command exited */
+    int64_t deadline, grace;        /* monotonic ms; 0 = none */
+    uint32_t timeout_ms;
+    char **argv;
+    size_t argc;
+    char **env;
+    size_t envc;
+    char *cwd;
+    int has_user;
+    uid_t uid;
+    gid_t gid;
+    struct buf rx, tx, inq;
+};
+
+static struct session *sessions[MAX_SESSIONS];
+static int nsessions;
+
+static void logmsg(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, AGENT_NAME ": ");
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+}
+
+static int64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void closefd(int *fd) {
+    if (*fd >= 0) {
+        close(*fd);
+        *fd = -1;
+    }
+}
+
+static int set_nonblock(int fd) {
+    int fl = fcntl(fd, F_GETFL);
+    return fl < 0 ? -1 : fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+}
+
+/* ---- buffers ---------------------------------------------------------------------------- */
+
+static int buf_reserve(struct buf *b, size_t extra) {
+    if (b->off && b->off + b->len + extra > b->cap) { /* compact before growing */
+        memmove(b->p, b->p + b->off, b->len);
+        b->off = 0;
+    }
+    if (b->len + extra <= b->cap)
+        return 0;
+    size_t cap = b->cap ? b->cap : 4096;
+    while (cap < b->len + extra)
+        cap *= 2;
+    unsigned char *p = realloc(b->p, cap);
+    if (!p)
+        return -1;
+    b->p = p;
+    b->cap = cap;
+    return 0;
+}
+
+static unsigned char *buf_tail(struct buf *b) { return b->p + b->off + b->len; }
+
+static void buf_consume(struct buf *b, size_t n) {
+    b->off += n;
+    b->len -= n;
+    if (b->len == 0)
+        b->off = 0;
+}
+
+static void buf_free(struct buf *b) {
+    free(b->p);
+    memset(b, 0, sizeof *b);
+}
+
+static void put_u32(unsigned char *p, uint32_t v) {
+    p[0] = v >> 24;
+    p[1] = v >> 16;
+    p[2] = v >> 8;
+    p[3] = v;
+}
+
+static uint32_t get_u32(const unsigned char *p) {
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+/* ---- sessions --------------------------------------------------------------------------- */
+
+static void session_drop(struct session *s);
+
+static void queue_frame(struct session *s, int type, const void *payload, size_t len) {
+    if (s->conn < 0)
+        return;
+    if (buf_reserve(&s->tx, 5 + len) < 0) {
+        logmsg("out of memory; dropping a connection");
+        session_drop(s);
+        return;
+    }
+    unsigned char *p = buf_tail(&s->tx);
+    p[0] = type;
+    put_u32(p + 1, len);
+    if (len)
+        memcpy(p + 5, payload, len);
+    s->tx.len += 5 + len;
+}
+
+static void kill_group(struct session *s, int sig) {
+    if (s->pid <= 0 || s->reaped)
+        return;
+    /* The child calls setsid() first thing; a kill that races it reaches the child alone. */
+    if (kill(-s->pid, sig) < 0 && errno == ESRCH)
+        kill(s->pid, sig);
+}
+
+/* A protocol error: say why, stop the command, hang up once the message is out. */
+static void session_fail(struct session *s, const char *fmt, ...) {
+    char msg[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    queue_frame(s, R_ERROR, msg, strlen(msg));
+    kill_group(s, SIGKILL);
+    s->closing = 1;
+    s->phase = P_FINISHED;
+}
+
+/* The host went away (or must be dropped): the command dies with the connection. */
+static void session_drop(struct session *s) {
+    if (s->phase != P_FINISHED)
+        kill_group(s, SIGKILL);
+    s->phase = P_FINISHED;
+    closefd(&s->conn);
+    closefd(&s->in);
+    buf_free(&s->tx);
+    buf_free(&s->rx);
+    buf_free(&s->inq);
+}
+
+static void session_free(int i) {
+    struct session *s = sessions[i];
+    closefd(&s->conn);
+    closefd(&s->out);
+    closefd(&s->err);
+    closefd(&s->in);
+    closefd(&s->status);
+    for (size_t k = 0; k < s->argc; k++)
+        free(s->argv[k]);
+    free(s->argv);
+    for (size_t k = 0; k < s->envc; k++)
+        free(s->env[k]);
+    free(s->env);
+    free(s->cwd);
+    buf_free(&s->rx);
+    buf_free(&s->tx);
+    buf_free(&s->inq);
+    free(s);
+    sessions[i] = sessions[--nsessions];
+    sessions[nsessions] = NULL;
+}
+
+static struct session *session_new(int conn) {
+    struct session *s = calloc(1, sizeof *s);
+    if (!s)
+        return NULL;
+    s->conn = conn;
+    s->out = s->err = s->in = s->status = -1;
+    s->phase = P_HELLO;
+    sessions[nsessions++] = s;
+    return s;
+}
+
+/* ---- spawning --------------------------------------------------------------------------- */
+
+static char *dupstr(const unsigned char *p, size_t n) {
+    char *s = malloc(n + 1);
+    if (s) {
+        memcpy(s, p, n);
+        s[n] = 0;
+    }
+    return s;
+}
+
+static int push(char ***vec, size_t *n, char *item) {
+    if (!item)
+        return -1;
+    char **v = realloc(*vec, (*n + 2) * sizeof *v);
+    if (!v) {
+        free(item);
+        return -1;
+    }
+    v[(*n)++] = item;
+    v[*n] = NULL;
+    *vec = v;
+    return 0;
+}
+
+/* The agent's environment (the lock's env) with the request's overrides on top, plus room for
+ * HOME. NULL-terminated; the strings are borrowed, not copied. */
+static char **merged_env(struct session *s) {
+    size_t n = 0;
+    for (char **e = environ; *e; e++)
+        n++;
+    char **env = calloc(n + s->envc + 2, sizeof *env);
+    if (!env)
+        return NULL;
+    size_t k = 0;
+    for (char **e = environ; *e; e++) {
+        size_t klen = strcspn(*e, "=");
+        int overridden = 0;
+        for (size_t j = 0; j < s->envc && !overridden; j++)
+            overridden = strncmp(s->env[j], *e, klen) == 0 && s->env[j][klen] == '=';
+        if (!overridden)
+            env[k++] = *e;
+    }
+    for (size_t j = 0; j < s->envc; j++) {
+        size_t klen = strcspn(s->env[j], "=");
+        int later = 0; /* the last override of a key wins */
+        for (size_t i = j + 1; i < s->envc && !later; i++)
+            later = strncmp(s->env[i], s->env[j], klen) == 0 && s->env[i][klen] == '=';
+        if (!later)
+            env[k++] = s->env[j];
+    }
+    env[k] = NULL;
+    return env;
+}
+
+/* HOME from /etc/passwd for uid, "/" without an entry: what runc does when HOME is unset. */
+static void home_for(uid_t uid, char *out, size_t size) {
+    snprintf(out, size, "HOME=/");
+    FILE *f = fopen("/etc/passwd", "re");
+    if (!f)
+        return;
+    char line[1024];
+    while (fgets(line, sizeof line, f)) {
+        char *field[7];
+        int n = 0;
+        char *p = line;
+        for (; n < 7; n++) {
+            field[n] = p;
+            p = strchr(p, ':');
+            if (!p)
+                break;
+            *p++ = 0;
+        }
+        if (n < 6)
+            continue;
+        char *end;
+        unsigned long u = strtoul(field[2], &end, 10);
+        if (*end == 0 && u == uid) {
+            snprintf(out, size, "HOME=%s", field[5]);
+            break;
+        }
+    }
+    fclose(f);
+}
+
+/* In the child: report why the command could not start and exit. */
+static void __attribute__((noreturn)) child_fail(int fd, int code, const char *fmt, ...) {
+    int e = errno;
+    unsigned char msg[600];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf((char *)msg + 8, sizeof msg - 8, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        n = 0;
+    if ((size_t)n > sizeof msg - 8)
+        n = sizeof msg - 8;
+    put_u32(msg, code);
+    put_u32(msg + 4, e);
+    ssize_t w = write(fd, msg, 8 + n);
+    (void)w;
+    _exit(code);
+}
+
+static void __attribute__((noreturn)) child(struct session *s, int pin, int pout, int perr,
+                                            int report, char **env) {
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    for (int sig = 1; sig < NSIG; sig++)
+        signal(sig, SIG_DFL); /* SIGPIPE was ignored in the agent; exec keeps ignores */
+    setsid();                 /* own session and process group: kills reach the whole tree */
+    if (dup2(pin, 0) < 0 || dup2(pout, 1) < 0 || dup2(perr, 2) < 0)
+        child_fail(report, 125, "dup2: %s", strerror(errno));
+    if (s->cwd && chdir(s->cwd) < 0)
+        child_fail(report, 125, "chdir %s: %s", s->cwd, strerror(errno));
+    if (s->has_user) { /* like runc exec --user uid:gid: no supplementary groups */
+        if (setgroups(0, NULL) < 0)
+            child_fail(report, 125, "setgroups: %s", strerror(errno));
+        if (setgid(s->gid) < 0)
+            child_fail(report, 125, "setgid %u: %s", (unsigned)s->gid, strerror(errno));
+        if (setuid(s->uid) < 0)
+            child_fail(report, 125, "setuid %u: %s", (unsigned)s->uid, strerror(errno));
+    }
+    char home[PATH_MAX + 8];
+    size_t n = 0;
+    int has_home = 0;
+    for (; env[n]; n++)
+        has_home |= strncmp(env[n], "HOME=", 5) == 0;
+    if (!has_home) {
+        home_for(getuid(), home, sizeof home);
+        env[n] = home;
+        env[n + 1] = NULL;
+    }
+    environ = env; /* execvp searches the command's PATH, not the agent's */
+    execvp(s->argv[0], s->argv);
+    int code = (errno == ENOENT || errno == ENOTDIR) ? 127 : 126; /* as a shell does */
+    child_fail(report, code, "%s: %s", s->argv[0], strerror(errno));
+}
+
+static void start_failed(struct session *s, uint32_t code, uint32_t err, const char *msg) {
+    size_t len = strlen(msg);
+    unsigned char *p = malloc(8 + len);
+    if (p) {
+        put_u32(p, code);
+        put_u32(p + 4, err);
+        memcpy(p + 8, msg, len);
+        queue_frame(s, R_START_FAILED, p, 8 + len);
+        free(p);
+    }
+    s->start_failed = 1;
+    s->closing = 1;
+    s->phase = P_FINISHED;
+}
+
+static void spawn(struct session *s) {
+    int pin[2] = {-1, -1}, pout[2] = {-1, -1}, perr[2] = {-1, -1}, rep[2] = {-1, -1};
+    char **env = NULL;
+    if (s->argc == 0) {
+        session_fail(s, "START without ARG: the command is empty");
+        return;
+    }
+    env = merged_env(s);
+    if (!env || pipe2(pin, O_CLOEXEC) < 0 || pipe2(pout, O_CLOEXEC) < 0 ||
+        pipe2(perr, O_CLOEXEC) < 0 || pipe2(rep, O_CLOEXEC) < 0) {
+        char msg[128];
+        snprintf(msg, sizeof msg, "pipe: %s", strerror(errno));
+        start_failed(s, 125, errno, msg);
+        goto out;
+    }
+    pid_t pid = fork();
+    if (pid < 0) { /* e.g. EAGAIN at the sandbox's pids limit */
+        char msg[128];
+        snprintf(msg, sizeof msg, "fork: %s", strerror(errno));
+        start_failed(s, 125, errno, msg);
+        goto out;
+    }
+    if (pid == 0)
+        child(s, pin[0], pout[1], perr[1], rep[1], env);
+    s->pid = pid;
+    s->in = pin[1];
+    s->out = pout[0];
+    s->err = perr[0];
+    s->status = rep[0];
+    pin[1] = pout[0] = perr[0] = rep[0] = -1;
+    set_nonblock(s->in);
+    set_nonblock(s->out);
+    set_nonblock(s->err);
+    set_nonblock(s->status);
+    s->phase = P_STARTING;
+    if (s->timeout_ms)
+        s->deadline = now_ms() + s->timeout_ms;
+out:
+    free(env);
+    int *fds[] = {&pin[0], &pin[1], &pout[0], &pout[1], &perr[0], &perr[1], &rep[0], &rep[1]};
+    for (size_t k = 0; k < sizeof fds / sizeof *fds; k++)
+        closefd(fds[k]);
+}
+
+/* ---- frames from the host --------------------------------------------------------------- */
+
+static int parse_user(struct session *s, const char *text) {
+    char *end;
+    unsigned long uid = strtoul(text, &end, 10), gid = uid;
+    if (end == text || (*end && *end != ':'))
+        return -1;
+    if (*end == ':') {
+        const char *g = end + 1;
+        gid = strtoul(g, &end, 10);
+        if (end == g || *end)
+            return -1;
+    }
+    if (uid > 0xfffffffeul || gid > 0xfffffffeul)
+        return -1;
+    s->uid = uid;
+    s->gid = gid;
+    s->has_user = 1;
+    return 0;
+}
+
+static void on_frame(struct session *s, int type, const unsigned char *p, size_t n) {
+    if (s->phase == P_HELLO) {
+        if (type != T_HELLO || n < 4) {
+            session_fail(s, "expected HELLO first");
+            return;
+        }
+        uint32_t v = get_u32(p);
+        if (v != PROTO_VERSION) {
+            session_fail(s, "unsupported protocol version %u; this agent speaks %u", v,
+                         PROTO_VERSION);
+            return;
+        }
+        unsigned char hello[64];
+        put_u32(hello, PROTO_VERSION);
+        int len = snprintf((char *)hello + 4, sizeof hello - 4, AGENT_NAME " %u", PROTO_VERSION);
+        queue_frame(s, R_HELLO, hello, 4 + len);
+        s->phase = P_REQUEST;
+        return;
+    }
+    if (s->phase == P_REQUEST) {
+        if ((type == T_ARG || type == T_ENV || type == T_CWD || type == T_USER) &&
+            memchr(p, 0, n)) {
+            session_fail(s, "frame 0x%02x contains a NUL byte", type);
+            return;
+        }
+        switch (type) {
+        case T_ARG:
+            if (s->argc >= MAX_ARGS || push(&s->argv, &s->argc, dupstr(p, n)) < 0)
+                session_fail(s, "too many arguments");
+            return;
+        case T_ENV:
+            if (!memchr(p, '=', n) || p[0] == '=') {
+                session_fail(s, "ENV must be KEY=VALUE");
+                return;
+            }
+            if (s->envc >= MAX_ARGS || push(&s->env, &s->envc, dupstr(p, n)) < 0)
+                session_fail(s, "too many environment variables");
+            return;
+        case T_CWD:
+            free(s->cwd);
+            s->cwd = dupstr(p, n);
+            return;
+        case T_USER: {
+            char text[64];
+            if (n >= sizeof text) {
+                session_fail(s, "USER is too long");
+                return;
+            }
+            memcpy(text, p, n);
+            text[n] = 0;
+            if (parse_user(s, text) < 0)
+                session_fail(s, "USER must be UID[:GID], got %s", text);
+            return;
+        }
+        case T_TIMEOUT:
+            if (n != 4) {
+                session_fail(s, "TIMEOUT needs a u32 of milliseconds");
+                return;
+            }
+            s->timeout_ms = get_u32(p);
+            return;
+        case T_START:
+            spawn(s);
+            return;
+        default:
+            session_fail(s, "unexpected frame 0x%02x before START", type);
+            return;
+        }
+    }
+    /* started (or finished: late stdin and kills are harmless and ignored) */
+    switch (type) {
+    case T_STDIN:
+        if (s->in >= 0 && !s->stdin_eof) {
+            if (buf_reserve(&s->inq, n) < 0) {
+                session_fail(s, "out of memory for stdin");
+                return;
+            }
+            memcpy(buf_tail(&s->inq), p, n);
+            s->inq.len += n;
+        }
+        return;
+    case T_STDIN_EOF:
+        s->stdin_eof = 1;
+        if (s->inq.len == 0)
+            closefd(&s->in);
+        return;
+    case T_KILL: {
+        uint32_t sig = n == 4 ? get_u32(p) : 0;
+        if (sig < 1 || sig >= (uint32_t)NSIG) {
+            session_fail(s, "KILL needs a signal number");
+            return;
+        }
+        if (s->phase != P_FINISHED)
+            kill_group(s, sig);
+        return;
+    }
+    default:
+        if (s->phase != P_FINISHED)
+            session_fail(s, "unexpected frame 0x%02x after START", type);
+    }
+}
+
+static void on_conn_readable(struct session *s) {
+    if (buf_reserve(&s->rx, CHUNK) < 0) {
+        session_drop(s);
+        return;
+    }
+    ssize_t r = read(s->conn, buf_tail(&s->rx), CHUNK);
+    if (r < 0 && (errno == EAGAIN || errno == EINTR))
+        return;
+    if (r <= 0) {
+        session_drop(s);
+        return;
+    }
+    s->rx.len += r;
+    while (s->conn >= 0 && !s->closing && s->rx.len >= 5) {
+        const unsigned char *h = s->rx.p + s->rx.off;
+        uint32_t n = get_u32(h + 1);
+        if (n > MAX_PAYLOAD) {
+            session_fail(s, "frame of %u bytes is over the %u byte limit", n, MAX_PAYLOAD);
+            return;
+        }
+        if (s->rx.len < 5 + (size_t)n)
+            break;
+        on_frame(s, h[0], h + 5, n);
+        if (s->rx.p) /* session_drop frees rx */
+            buf_consume(&s->rx, 5 + (size_t)n);
+    }
+}
+
+static void on_conn_writable(struct session *s) {
+    ssize_t w = send(s->conn, s->tx.p + s->tx.off, s->tx.len, MSG_NOSIGNAL);
+    if (w < 0 && (errno == EAGAIN || errno == EINTR))
+        return;
+    if (w < 0) {
+        session_drop(s);
+        return;
+    }
+    buf_consume(&s->tx, w);
+    if (s->tx.len == 0 && s->closing)
+        closefd(&s->conn);
+}
+
+/* One chunk of the command's stdout (which = 0) or stderr (which = 1). Only called while tx is
+ * empty, so the agent holds at most one chunk per session: backpressure reaches the command. */
+static void on_pipe_readable(struct session *s, int which) {
+    int *fd = which ? &s->err : &s->out;
+    unsigned char scratch[4096];
+    ssize_t r;
+    if (s->conn < 0 || s->phase == P_FINISHED) { /* nobody to send to: discard */
+        r = read(*fd, scratch, sizeof scratch);
+    } else {
+        if (buf_reserve(&s->tx, 5 + CHUNK) < 0) {
+            session_drop(s);
+            return;
+        }
+        unsigned char *p = buf_tail(&s->tx);
+        r = read(*fd, p + 5, CHUNK);
+        if (r > 0) {
+            p[0] = which ? R_STDERR : R_STDOUT;
+            put_u32(p + 1, r);
+            s->tx.len += 5 + r;
+        }
+    }
+    if (r < 0 && (errno == EAGAIN || errno == EINTR))
+        return;
+    if (r <= 0) {
+        closefd(fd);
+        return;
+    }
+    s->owed[which] = s->owed[which] > (size_t)r ? s->owed[which] - r : 0;
+}
+
+static void on_stdin_writable(struct session *s) {
+    ssize_t w = write(s->in, s->inq.p + s->inq.off, s->inq.len);
+    if (w < 0 && (errno == EAGAIN || errno == EINTR))
+        return;
+    if (w < 0) { /* EPIPE: the command closed its stdin; the rest is dropped */
+        closefd(&s->in);
+        buf_free(&s->inq);
+        return;
+    }
+    buf_consume(&s->inq, w);
+    if (s->inq.len == 0 && s->stdin_eof)
+        closefd(&s->in);
+}
+
+static void on_status_readable(struct session *s) {
+    unsigned char rep[600];
+    ssize_t r = read(s->status, rep, sizeof rep - 1);
+    if (r < 0 && (errno == EAGAIN || errno == EINTR))
+        return;
+    closefd(&s->status);
+    if (r >= 8) { /* the child reported a failure before exec */
+        rep[r] = 0;
+        start_failed(s, get_u32(rep), get_u32(rep + 4), (char *)rep + 8);
+        closefd(&s->in);
+        buf_free(&s->inq);
+    } else if (s->phase == P_STARTING) {
+        s->phase = P_RUNNING; /* EOF: exec succeeded (the pipe was close-on-exec) */
+    }
+}
+
+static void on_reaped(struct session *s, int wstatus) {
+    s->reaped = 1;
+    s->wstatus = wstatus;
+    s->grace = now_ms() + EXIT_GRACE_MS;
+    /* What the command wrote before it exited is owed to the host whatever the grace. */
+    int n;
+    s->owed[0] = s->out >= 0 && ioctl(s->out, FIONREAD, &n) == 0 ? (size_t)n : 0;
+    s->owed[1] = s->err >= 0 && ioctl(s->err, FIONREAD, &n) == 0 ? (size_t)n : 0;
+}
+
+/* Send EXIT once the command is reaped, its start confirmed, and its output delivered: both
+ * pipes at EOF, or the owed bytes sent and the grace over (a background process holds a pipe). */
+static void maybe_finish(struct session *s, int64_t now) {
+    if (s->phase != P_RUNNING || !s->reaped || s->status >= 0 || s->tx.len)
+        return;
+    for (int which = 0; which < 2; which++) {
+        int fd = which ? s->err : s->out;
+        if (fd >= 0 && (s->owed[which] || now < s->grace))
+            return;
+    }
+    int st = s->wstatus;
+    unsigned char p[6];
+    uint32_t code = 0;
+    unsigned char flags = s->flags, sig = 0;
+    if (WIFEXITED(st)) {
+        code = WEXITSTATUS(st);
+    } else if (WIFSIGNALED(st)) {
+        sig = WTERMSIG(st);
+        code = 128 + sig;
+        flags |= F_SIGNALED;
+    }
+    if (s->out >= 0 || s->err >= 0)
+        flags |= F_OUTPUT_OPEN;
+    put_u32(p, code);
+    p[4] = flags;
+    p[5] = sig;
+    queue_frame(s, R_EXIT, p, sizeof p);
+    s->phase = P_FINISHED;
+    s->closing = 1;
+    closefd(&s->in);
+    buf_free(&s->inq);
+}
+
+static int session_done(struct session *s) {
+    return s->phase == P_FINISHED && s->conn < 0 && s->out < 0 && s->err < 0 &&
+           s->status < 0 && (s->pid <= 0 || s->reaped);
+}
+
+/* ---- main loop -------------------------------------------------------------------------- */
+
+static int listen_on(const char *path) {
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    char tmp[sizeof addr.sun_path];
+    if (snprintf(tmp, sizeof tmp, "%s.tmp", path) >= (int)sizeof tmp) {
+        logmsg("socket path too long: %s", path);
+        return -1;
+    }
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        logmsg("socket: %s", strerror(errno));
+        return -1;
+    }
+    unlink(tmp);
+    memcpy(addr.sun_path, tmp, strlen(tmp) + 1);
+    /* bind under a temporary name and rename: the socket appears only once it accepts */
+    if (bind(fd, (struct sockaddr *)&addr, sizeof addr) < 0 || chmod(tmp, 0600) < 0 ||
+        listen(fd, 512) < 0 || rename(tmp, path) < 0) {
+        logmsg("listen on %s: %s", path, strerror(errno));
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static void accept_all(int lfd, int any_peer) {
+    for (;;) {
+        int c = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (c < 0)
+            return; /* EAGAIN, or a transient error: poll again */
+        struct ucred cred;
+        socklen_t len = sizeof cred;
+        /* Only the host may connect: a process outside our pid namespace has pid 0 here. A
+         * process inside the sandbox could otherwise run commands as any user, root included. */
+        if (!any_peer && (getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0 || cred.pid)) {
+            close(c);
+            continue;
+        }
+        if (nsessions >= MAX_SESSIONS || !session_new(c)) {
+            static const char text[] = "too many concurrent sessions";
+            unsigned char msg[5 + sizeof text];
+            msg[0] = R_ERROR;
+            put_u32(msg + 1, sizeof text - 1);
+            memcpy(msg + 5, text, sizeof text - 1);
+            ssize_t w = send(c, msg, sizeof msg - 1, MSG_NOSIGNAL);
+            (void)w;
+            close(c);
+        }
+    }
+}
+
+static void reap(void) {
+    int st;
+    pid_t pid;
+    while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
+        for (int i = 0; i < nsessions; i++) {
+            if (sessions[i]->pid == pid && !sessions[i]->reaped) {
+                on_reaped(sessions[i], st);
+                break;
+            }
+        }
+    }
+}
+
+static void usage(void) {
+    fprintf(stderr, "usage: " AGENT_NAME " --listen SOCKET_PATH [--any-peer]\n"
+                    "       " AGENT_NAME " --version\n");
+}
+
+int main(int argc, char **argv) {
+    const char *listen_path = NULL;
+    int any_peer = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--listen") && i + 1 < argc) {
+            listen_path = argv[++i];
+        } else if (!strcmp(argv[i], "--any-peer")) {
+            any_peer = 1;
+        } else if (!strcmp(argv[i], "--version")) {
+            printf(AGENT_NAME " protocol %u\n", PROTO_VERSION);
+            return 0;
+        } else if (!strcmp(argv[i], "--serial")) {
+            logmsg("--serial is not implemented in this version (see README.md)");
+            return 2;
+        } else {
+            usage();
+            return 2;
+        }
+    }
+    if (!listen_path) {
+        usage();
+        return 2;
+    }
+    for (int fd = 0; fd < 3; fd++) /* pipes must never land on 0-2 */
+        if (fcntl(fd, F_GETFD) < 0 && open("/dev/null", O_RDWR) != fd)
+            return 1;
+    prctl(PR_SET_NAME, AGENT_NAME); /* ps shows this, not the mount point's name */
+    signal(SIGPIPE, SIG_IGN);
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigaddset(&mask, SIGTERM);
+    sigaddset(&mask, SIGINT);
+    sigprocmask(SIG_BLOCK, &mask, NULL);
+    int sfd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC);
+    int lfd = listen_on(listen_path);
+    if (sfd < 0 || lfd < 0)
+        return 1;
+
+    /* fds per session: conn, out, err, in, status */
+    static struct pollfd pfd[2 + 5 * MAX_SESSIONS];
+    static struct {
+        int session, role;
+    } who[2 + 5 * MAX_SESSIONS];
+    enum { ROLE_CONN, ROLE_OUT, ROLE_ERR, ROLE_IN, ROLE_STATUS };
+
+    for (;;) {
+        int n = 0;
+        int64_t now = now_ms(), wake = -1;
+        pfd[n++] = (struct pollfd){.fd = sfd, .events = POLLIN};
+        pfd[n++] = (struct pollfd){.fd = nsessions < MAX_SESSIONS ? lfd : -1, .events = POLLIN};
+        for (int i = 0; i < nsessions; i++) {
+            struct session *s = sessions[i];
+            int fds[5] = {s->conn, s->out, s->err, s->in, s->status};
+            short ev[5] = {0, 0, 0, 0, POLLIN};
+            if (s->conn >= 0) {
+                /* still read the connection while stdin is pending (kill frames), up to a
+                 * bound; a hang-up (POLLHUP) is reported whatever the events */
+                if (!s->closing && s->inq.len < STDIN_HIGH)
+                    ev[0] |= POLLIN;
+                if (s->tx.len)
+                    ev[0] |= POLLOUT;
+            }
+            if (s->tx.len == 0)
+                ev[1] = ev[2] = POLLIN;
+            if (s->inq.len)
+                ev[3] = POLLOUT;
+            for (int k = 0; k < 5; k++) {
+                if (fds[k] < 0 || (!ev[k] && k != 0))
+                    continue;
+                who[n].session = i;
+                who[n].role = k;
+                pfd[n++] = (struct pollfd){.fd = fds[k], .events = ev[k]};
+            }
+            int64_t t = 0;
+            if (s->deadline && !s->reaped)
+                t = s->deadline;
+            if (s->reaped && s->phase == P_RUNNING && now < s->grace && (!t || s->grace < t))
+                t = s->grace;
+            if (t && (wake < 0 || t < wake))
+                wake = t;
+        }
+        int timeout = wake < 0 ? -1 : (wake <= now ? 0 : (int)(wake - now));
+        if (poll(pfd, n, timeout) < 0 && errno != EINTR) {
+            logmsg("poll: %s", strerror(errno));
+            return 1;
+        }
+        if (pfd[0].revents) {
+            struct signalfd_siginfo si;
+            while (read(sfd, &si, sizeof si) == sizeof si) {
+                if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT)
+                    return 0; /* PID 1 exits: the kernel kills everything in the sandbox */
+            }
+            reap();
+        }
+        /* sessions only move within the table when freed, which happens below */
+        for (int k = 2; k < n; k++) {
+            short re = pfd[k].revents;
+            if (!re)
+                continue;
+            struct session *s = sessions[who[k].session];
+            int fd = pfd[k].fd;
+            switch (who[k].role) {
+            case ROLE_CONN:
+                if (s->conn != fd)
+                    break;
+                if (re & POLLOUT)
+                    on_conn_writable(s);
+                if (s->conn == fd && (re & (POLLIN | POLLHUP | POLLERR))) {
+                    if (re & POLLIN)
+                        on_conn_readable(s);
+                    else
+                        session_drop(s);
+                }
+                break;
+            case ROLE_OUT:
+            case ROLE_ERR:
+                if ((who[k].role == ROLE_OUT ? s->out : s->err) == fd && s->tx.len == 0)
+                    on_pipe_readable(s, who[k].role == ROLE_ERR);
+                break;
+            case ROLE_IN:
+                if (s->in == fd) {
+                    if (re & POLLOUT)
+                        on_stdin_writable(s);
+                    else if (re & (POLLERR | POLLHUP)) {
+                        closefd(&s->in);
+                        buf_free(&s->inq);
+                    }
+                }
+                break;
+            case ROLE_STATUS:
+                if (s->status == fd)
+                    on_status_readable(s);
+                break;
+            }
+        }
+        if (pfd[1].revents & POLLIN)
+            accept_all(lfd, any_peer);
+        now = now_ms();
+        for (int i = nsessions - 1; i >= 0; i--) {
+            struct session *s = sessions[i];
+            if (s->deadline && !s->reaped && now >= s->deadline) {
+                kill_group(s, SIGKILL);
+                s->flags |= F_TIMED_OUT;
+                s->deadline = 0;
+            }
+            maybe_finish(s, now);
+            if (s->closing && s->conn >= 0 && s->tx.len == 0)
+                closefd(&s->conn);
+            if (session_done(s))
+                session_free(i);
+        }
+    }
+}
