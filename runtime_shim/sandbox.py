@@ -5,9 +5,15 @@ microVM backend plugs in behind the same ``Backend`` protocol). A sandbox is:
 
 - the lock's layers, unpacked once per host in the node cache and shared read-only;
 - a private upper + work dir and an overlay mount (``<node>/sandboxes/<id>/merged``);
-- a detached OCI container (runc by default) whose PID 1 is a static busybox from the host
-  sleeping forever, bind-mounted at ``/.envbuild/busybox`` from the stub layer; commands
-  run with ``runc exec``.
+- a detached OCI container (runc by default) whose PID 1 is the exec agent
+  (``runtime_shim.agent``: a static C program built once per host, bind-mounted read-only at
+  ``/.envbuild/agent``). It listens on ``/.envbuild/run/agent.sock``, the sandbox's own
+  ``run/`` directory bind-mounted read-write, and runs each ``exec`` in its own process group
+  on a connection from the host: about 1 ms a command instead of ~25 ms for ``runc exec``.
+  The agent runs as root so it can switch to the requested user; the lock's user is the
+  default user of every exec. Commands inherit the agent's namespaces, cgroup, capability
+  bounding set, ``noNewPrivileges`` and rlimits, i.e. what ``runc exec`` gave them; a non-root
+  command has no effective capabilities (``runc exec --user`` kept the configured set).
 
 Security by default (see ``runtime_shim.spec``): an empty network namespace unless
 ``network=True``, dropped capabilities, ``noNewPrivileges``, masked ``/proc`` paths, pids and
@@ -26,9 +32,7 @@ import json
 import os
 import resource
 import shutil
-import signal
 import subprocess
-import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -37,16 +41,18 @@ from typing import Protocol
 
 from envbuild.errors import RuntimeShimError
 from envbuild.store import Store
-from runtime_shim import fsaccess
+from runtime_shim import agent, fsaccess
 from runtime_shim.locks import ResolvedLock, resolve
 from runtime_shim.mount import OverlaySpec, mount_overlay, mounted_targets_under, unmount
 from runtime_shim.nodecache import NodeCache
 from runtime_shim.runc import OciRuntime, destroy, kill_and_delete, write_bundle
 from runtime_shim.spec import BindMount, Rlimit, RuntimeSpecRequest, env_list, parse_user, runtime_spec
-from runtime_shim.stub import INIT_PATH, ensure_stub
+from runtime_shim.stub import AGENT_PATH, AGENT_RUN_DIR, ensure_stub
 
 SANDBOX_META_VERSION = 1
 DEFAULT_OUTPUT_CAP = 16 << 20
+#: How long ``create`` waits for the agent's socket after ``runc run --detach`` returns.
+AGENT_READY_TIMEOUT = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +103,11 @@ class SandboxPaths:
     def meta(self) -> Path:
         return self.root / "sandbox.json"
 
+    @property
+    def run(self) -> Path:
+        """The agent's socket directory, ``/.envbuild/run`` in the sandbox."""
+        return self.root / "run"
+
 
 class Backend(Protocol):
     """What a backend implements; ``Sandbox`` adds the shared behaviour on top."""
@@ -118,14 +129,6 @@ def compose(layer_dirs: Sequence[str], stub: str, paths: SandboxPaths) -> Overla
                        str(paths.work))
 
 
-def _host_busybox() -> str:
-    for p in ("/bin/busybox", "/usr/bin/busybox"):
-        if os.path.isfile(p):
-            return p
-    raise RuntimeShimError("the sandbox init needs a static busybox on the host",
-                           hint="apt-get install busybox-static (or run scripts/setup.sh)")
-
-
 def _clamped_nofile(wanted: int) -> Rlimit:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     value = min(wanted, hard) if hard != resource.RLIM_INFINITY else wanted
@@ -136,19 +139,23 @@ class ContainerBackend:
     """A detached runc (or crun) container over the sandbox's overlay."""
 
     def __init__(self, sandbox_id: str, paths: SandboxPaths, lock: ResolvedLock,
-                 runtime: OciRuntime, *, network: bool, limits: Limits) -> None:
+                 runtime: OciRuntime, *, network: bool, limits: Limits, agent_path: Path) -> None:
         self.id = sandbox_id
         self.paths = paths
         self.lock = lock
         self.runtime = runtime
         self.limits = limits
-        uid, gid = parse_user(lock.user)
-        binds = [BindMount(_host_busybox(), INIT_PATH)]
+        # Root-only: a non-root command in the sandbox must not reach the agent (which would
+        # run anything as root); the agent also refuses peers from inside the sandbox.
+        paths.run.mkdir(mode=0o700)
+        binds = [BindMount(str(agent_path), AGENT_PATH),
+                 BindMount(str(paths.run), AGENT_RUN_DIR, readonly=False)]
         if network:
             binds += [BindMount("/etc/resolv.conf", "/etc/resolv.conf")]
         request = RuntimeSpecRequest(
-            rootfs=str(paths.merged), args=(INIT_PATH, "sleep", "2147483647"),
-            env=env_list(lock.env), cwd=lock.workdir, uid=uid, gid=gid,
+            rootfs=str(paths.merged),
+            args=(AGENT_PATH, "--listen", f"{AGENT_RUN_DIR}/agent.sock"),
+            env=env_list(lock.env), cwd=lock.workdir, uid=0, gid=0,
             hostname=lock.hostname or "sandbox", network=network,
             rlimits=(_clamped_nofile(limits.nofile),), pids_limit=limits.pids,
             memory_limit=limits.memory_bytes, cgroups_path=f"/envbuild/{sandbox_id}",
@@ -156,7 +163,7 @@ class ContainerBackend:
         write_bundle(paths.bundle, runtime_spec(request))
         Path(runtime.state_root).mkdir(parents=True, exist_ok=True)
         # A detached container inherits runc's stdio: a pipe would never reach EOF while the
-        # sandbox lives, so runc's own messages go to a file.
+        # sandbox lives, so runc's (and the agent's) messages go to a file.
         start_log = paths.root / "start.log"
         pid_file = paths.root / "init.pid"
         with open(start_log, "wb") as log:
@@ -170,49 +177,44 @@ class ContainerBackend:
                                    f"{proc.returncode}",
                                    context=start_log.read_text(errors="replace").strip()[-2000:])
         self.init_pid = _init_pid(runtime, sandbox_id, pid_file)
+        # Held for the sandbox's life: connections resolve the socket relative to it.
+        self._run_fd = os.open(paths.run, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self._wait_for_agent(start_log)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_for_agent(self, start_log: Path) -> None:
+        """The agent binds its socket under a temporary name and renames it into place, so
+        the name appearing means it accepts connections."""
+        deadline = time.monotonic() + AGENT_READY_TIMEOUT
+        delay = 0.0002
+        while True:
+            try:
+                os.stat("agent.sock", dir_fd=self._run_fd, follow_symlinks=False)
+                return
+            except FileNotFoundError:
+                pass
+            if not os.path.exists(f"/proc/{self.init_pid}") or time.monotonic() > deadline:
+                why = "exited" if not os.path.exists(f"/proc/{self.init_pid}") else \
+                    f"did not listen within {AGENT_READY_TIMEOUT:.0f} s"
+                raise RuntimeShimError(
+                    f"start sandbox {self.id}: the exec agent {why}",
+                    context=start_log.read_text(errors="replace").strip()[-2000:] or None,
+                    hint="see start.log in the sandbox directory")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
 
     def exec(self, argv, *, env, cwd, user, timeout, stdin) -> ExecResult:
-        pid_file = self.paths.root / f"exec-{uuid.uuid4().hex[:8]}.pid"
-        cmd = ["exec", "--pid-file", str(pid_file), "--cwd", cwd, "--user", user]
-        for k, v in env.items():
-            cmd += ["--env", f"{k}={v}"]
-        cmd += [self.id, *argv]
         started = time.monotonic()
-        proc = subprocess.Popen(self.runtime.command(*cmd), stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        cap = self.limits.output_bytes
-        out, err = _Capture(proc.stdout, cap), _Capture(proc.stderr, cap)
-        if stdin:
-            try:
-                proc.stdin.write(stdin)
-            except BrokenPipeError:
-                pass
-        proc.stdin.close()
-        timed_out = False
-        deadline = None if timeout is None else started + timeout
-        while proc.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                timed_out = True
-                break
-            if out.overflow or err.overflow:
-                break
-            time.sleep(0.002 if time.monotonic() - started < 0.1 else 0.02)
-        if proc.poll() is None:  # timed out or over the output cap: kill the command only
-            _kill_exec(pid_file)
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        out.join()
-        err.join()
-        pid_file.unlink(missing_ok=True)
-        code = proc.returncode
-        if timed_out:
-            code = 124
-        return ExecResult(exit_code=code, stdout=out.data(), stderr=err.data(),
-                          duration=time.monotonic() - started, timed_out=timed_out,
-                          output_truncated=out.overflow or err.overflow)
+        req = agent.ExecRequest(argv=tuple(argv), env=env, cwd=cwd, user=user, timeout=timeout,
+                                stdin=stdin)
+        done = agent.run(lambda: agent.connect_agent(self._run_fd), req,
+                         self.limits.output_bytes)
+        return ExecResult(exit_code=done.exit_code, stdout=done.stdout, stderr=done.stderr,
+                          duration=time.monotonic() - started, timed_out=done.timed_out,
+                          output_truncated=done.output_truncated)
 
     # Files are reached through the init process's root, i.e. in the sandbox's own mount
     # namespace: its tmpfs /tmp and bind mounts included, exactly what commands see.
@@ -225,6 +227,9 @@ class ContainerBackend:
                             gid=gid)
 
     def close(self) -> None:
+        if self._run_fd >= 0:
+            os.close(self._run_fd)
+            self._run_fd = -1
         kill_and_delete(self.runtime, self.id, self.init_pid)
 
 
@@ -235,52 +240,6 @@ def _init_pid(runtime: OciRuntime, container_id: str, pid_file: Path) -> int:
         destroy(runtime, container_id)
         raise RuntimeShimError(f"sandbox {container_id} did not start: no init pid",
                                hint="see start.log in the sandbox directory") from None
-
-
-def _kill_exec(pid_file: Path) -> None:
-    try:
-        pid = int(pid_file.read_text().strip())
-    except (OSError, ValueError):
-        return
-    try:
-        pgid = os.getpgid(pid)
-        # runc exec makes the command its own process group leader only sometimes; kill the
-        # group when it is the command's own, else just the command.
-        if pgid == pid:
-            os.killpg(pgid, signal.SIGKILL)
-        else:
-            os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-class _Capture:
-    """Read a pipe to EOF on a thread, keeping at most ``cap`` bytes."""
-
-    def __init__(self, pipe, cap: int) -> None:
-        self.pipe = pipe
-        self.cap = cap
-        self.chunks: list[bytes] = []
-        self.size = 0
-        self.overflow = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while chunk := self.pipe.read1(1 << 16):
-            if self.size < self.cap:
-                keep = chunk[: self.cap - self.size]
-                self.chunks.append(keep)
-                self.size += len(keep)
-            if self.size >= self.cap and len(chunk) > 0:
-                self.overflow = self.overflow or self.size + len(chunk) > self.cap
-        self.pipe.close()
-
-    def join(self) -> None:
-        self.thread.join(timeout=10)
-
-    def data(self) -> bytes:
-        return b"".join(self.chunks)
 
 
 BACKENDS = ("container",)
@@ -341,10 +300,11 @@ class Sandbox:
         oci = OciRuntime(runtime, state_root=str(node_root / "runc"))
         mounted = False
         try:
+            agent_path = agent.agent_binary(node.root)
             mount_overlay(compose(layer_dirs, str(ensure_stub(node.root)), paths))
             mounted = True
             impl = ContainerBackend(sandbox_id, paths, resolved, oci, network=network,
-                                    limits=limits or Limits())
+                                    limits=limits or Limits(), agent_path=agent_path)
         except BaseException:
             if mounted:
                 unmount(str(paths.merged))

@@ -3,8 +3,12 @@
 runc creates missing mount points (``/proc``, ``/etc/resolv.conf`` …) inside the rootfs, which
 for an overlay means inside the upper dir — and from there into a built layer or a snapshot.
 Putting them in a read-only bottom layer instead keeps upper dirs a pure diff. ``/.envbuild``
-holds the bind-mount target of the sandbox init (a static busybox from the host), so every
-sandbox has a PID 1 whatever its image contains.
+holds the bind-mount targets of the sandbox's PID 1, the exec agent (``AGENT_PATH``, a static
+binary from the host, see ``runtime_shim.agent``), and of its socket directory
+(``AGENT_RUN_DIR``, a per-sandbox host directory), so every sandbox has a PID 1 whatever its
+image contains.
+
+Version 3: ``.envbuild/agent`` and ``.envbuild/run`` replace ``.envbuild/busybox``.
 """
 
 from __future__ import annotations
@@ -14,11 +18,14 @@ import shutil
 import uuid
 from pathlib import Path
 
-STUB_VERSION = 2
-STUB_DIRS = ("proc", "sys", "dev", "tmp", "etc", "run", ".envbuild")
-STUB_FILES = ("etc/resolv.conf", "etc/hosts", "etc/hostname", ".envbuild/busybox",
+STUB_VERSION = 3
+STUB_DIRS = ("proc", "sys", "dev", "tmp", "etc", "run", ".envbuild", ".envbuild/run")
+STUB_FILES = ("etc/resolv.conf", "etc/hosts", "etc/hostname", ".envbuild/agent",
               ".envbuild/host-ca.crt")
-INIT_PATH = "/.envbuild/busybox"
+#: The exec agent, PID 1 of every sandbox (read-only bind of the host's build).
+AGENT_PATH = "/.envbuild/agent"
+#: The agent's socket directory (read-write bind of the sandbox's own ``run/``).
+AGENT_RUN_DIR = "/.envbuild/run"
 #: Where network-enabled build steps see the host's CA bundle (it may trust a local proxy).
 HOST_CA_PATH = "/.envbuild/host-ca.crt"
 
