@@ -277,7 +277,7 @@ class LayerReader:
                     out.append((frame, d) if raw else d)
                     pos += csize
                 return out
-            # one C call per batch: see _writer._compress_batch for why not a Python loop
+            # one C call per batch: see _writer._FrameSink for why not a Python loop
             frames = []
             for csize, usize in sizes:
                 if usize > MAX_FRAME_USIZE:

@@ -74,7 +74,7 @@ import dataclasses
 import itertools
 import json
 from collections.abc import Sequence
-from json.encoder import encode_basestring_ascii as _jstr
+from json.encoder import encode_basestring_ascii as json_string
 from typing import NamedTuple
 
 TOC_VERSION = 2
@@ -146,10 +146,10 @@ def entry_row(e: Entry, data: int | None) -> str:
     link = e.linkname
     d = e.digest
     return "[%s,%d,%d,%d,%d,%d,%s,%s,%d,%d,%s,%s]" % (
-        _TYPE_JSON.get(e.type) or _jstr(e.type), e.mode, e.uid, e.gid, e.size, e.mtime,
-        _jstr(link) if link else '""',
+        _TYPE_JSON.get(e.type) or json_string(e.type), e.mode, e.uid, e.gid, e.size, e.mtime,
+        json_string(link) if link else '""',
         _canonical({k: base64.b64encode(v).decode("ascii") for k, v in x.items()}) if x else "{}",
-        e.devmajor, e.devminor, "null" if d is None else _jstr(d),
+        e.devmajor, e.devminor, "null" if d is None else json_string(d),
         "null" if data is None else "%d" % data)
 
 
@@ -157,15 +157,16 @@ _TYPE_JSON = {t: f'"{t}"' for t in TYPES}
 
 
 def encode_v2(framing: str, diff_id: str, tar_size: int, frames: Sequence[tuple[int, int]],
-              paths: list[str], rows: list[str]) -> bytes:
-    """Assemble a v2 TOC from its parts (``rows[i]`` = ``entry_row`` of entry ``i``)."""
+              json_paths: list[str], rows: list[str]) -> bytes:
+    """Assemble a v2 TOC from its parts: ``json_paths[i]`` = ``json_string`` of entry ``i``'s
+    path, ``rows[i]`` = its ``entry_row``."""
     body = "".join(["\n" + r + "," for r in rows])
     if body:
         body = body[:-1]
     return "".join([
-        '{"diff_id":', _jstr(diff_id), ',"entries":[', body, '\n],"frames":',
-        _canonical([list(f) for f in frames]), ',"framing":', _jstr(framing), ',"paths":',
-        _canonical(paths), ',"tar_size":', format(tar_size, "d"), ',"version":2}',
+        '{"diff_id":', json_string(diff_id), ',"entries":[', body, '\n],"frames":',
+        _canonical([list(f) for f in frames]), ',"framing":', json_string(framing), ',"paths":[',
+        ",".join(json_paths), '],"tar_size":', format(tar_size, "d"), ',"version":2}',
     ]).encode("ascii")
 
 
@@ -187,7 +188,7 @@ class Toc:
         if self.version == 2:
             entries = self.entries
             return encode_v2(self.framing, self.diff_id, self.tar_size, self.frames,
-                             [e.path for e in entries],
+                             [json_string(e.path) for e in entries],
                              [entry_row(e, e.data_offset) for e in entries])
         doc = {
             "version": self.version, "framing": self.framing, "diff_id": self.diff_id,

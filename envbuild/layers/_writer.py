@@ -1,18 +1,19 @@
-"""Layer writer: tar headers + file contents -> frames -> compression pool -> blob, one pass.
+"""Layer writer: tar headers + file contents -> frames -> compression threads -> blob, one pass.
 
 The main thread walks members, writes headers and reads file contents straight into reusable
-batch buffers (hashing each file as it goes); full batches of frames are compressed by a small
-thread pool (zstandard releases the GIL) and written in order, hashing the tar (diff_id) and the
-blob (layer digest) on the way out. Memory is bounded by ``inflight`` batch buffers.
+batch buffers; full batches of frames are compressed by worker threads (zstandard releases the
+GIL) and taken in order by one output thread, which hashes the tar (diff_id) and each file's
+contents, writes the frames hashing the blob (layer digest), and formats the TOC rows. Memory
+is bounded by ``_INFLIGHT`` batch buffers.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import queue
 import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
 import zstandard
@@ -21,63 +22,128 @@ from envbuild.errors import LayerError, bug
 from envbuild.layers._footer import FOOTER_SIZE, Footer, skippable_header
 from envbuild.layers._plan import FramePlanner, Framing, MiB
 from envbuild.layers._stream import TarStream, iter_members
-from envbuild.layers._tar import BLOCK, END_OF_ARCHIVE, TarFormatError, encode_header
-from envbuild.layers._toc import Entry, LayerInfo, encode_v2, entry_row
+from envbuild.layers._tar import (
+    BLOCK,
+    END_OF_ARCHIVE,
+    MAX_PAX_HEADER,
+    TarFormatError,
+    encode_header,
+)
+from envbuild.layers._toc import Entry, LayerInfo, encode_v2, entry_row, json_string
 from envbuild.layers._walk import walk_tree
 
 ZSTD_LEVEL = 3
 TOC_ZSTD_LEVEL = 3  # the TOC is compressed after all frames, on the critical path: level 9 took
 #                     85 ms on a 15k-entry TOC for 3 % less (16 KB); level 3 takes ~15 ms
 _PADS = [bytes(n) for n in range(BLOCK)]
-_BATCH = 1 * MiB    # submit a buffer once it holds this much and a frame ends
-_CAPACITY = 8 * MiB  # batch + the largest frame (max_frame + a 1 MiB extended header) + slack
-_INFLIGHT = 4
-_local = threading.local()
+_BATCH = 1 * MiB  # submit a buffer once it holds this much and a frame ends
+# batches compressed or being written while the main thread fills the next one: enough to keep
+# two compression threads and the output thread busy. Each buffer holds _BATCH + the largest
+# frame (see _capacity); fresh buffers cost page faults (~6 ms per 8 MiB here), so they are
+# few, reused within a pack and kept for the next one (_BufferPool).
+_INFLIGHT = 3
 
 
-def _compress_batch(mv: memoryview, ends: list[int]):
-    """Compress consecutive frames of one buffer. One C call for the whole batch: a Python loop
-    over small frames would wait for the GIL before each frame while the main thread runs
-    Python (measured: 35x slower on small frames)."""
-    cctx = getattr(_local, "cctx", None)
-    if cctx is None:
-        cctx = _local.cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-    starts = [0, *ends[:-1]]
-    return cctx.multi_compress_to_buffer([mv[s:e] for s, e in zip(starts, ends)], threads=1)
+def _capacity(framing: Framing) -> int:
+    """Bytes a batch buffer may have to hold: a batch is submitted at the first frame end at or
+    after _BATCH, and a frame is at most max_frame, or a shared frame (< shared_frame) plus one
+    member header (<= MAX_PAX_HEADER + 2 blocks) and a small file."""
+    shared = framing.shared_frame + MAX_PAX_HEADER + 2 * BLOCK + framing.small_file
+    return _BATCH + max(framing.max_frame, shared) + MAX_PAX_HEADER + 64 * 1024
+
+
+class _BufferPool:
+    """Batch buffers kept between packs (at most ``keep``), so a process that packs many layers
+    pays the page faults of fresh buffers once. Thread-safe."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.lock = threading.Lock()
+        self.free: list[bytearray] = []
+
+    def get(self, size: int) -> tuple[bytearray, memoryview]:
+        with self.lock:
+            for i, b in enumerate(self.free):
+                if len(b) >= size:
+                    buf = self.free.pop(i)
+                    return buf, memoryview(buf)
+        buf = bytearray(size)
+        return buf, memoryview(buf)
+
+    def put(self, bufs: list[bytearray]) -> None:
+        with self.lock:
+            self.free.extend(bufs)
+            self.free.sort(key=len, reverse=True)
+            del self.free[self.keep:]
+
+
+_POOL = _BufferPool(keep=_INFLIGHT + 1)
 
 
 class FileChanged(Exception):
     pass
 
 
-class _FrameSink:
-    """Accepts tar bytes, cuts frames where the planner said, compresses and writes them."""
+class _Batch:
+    """One buffer of whole frames on its way through the threads: compressed by a worker,
+    hashed (tar, file pieces), written and turned into TOC rows by the output thread."""
 
-    def __init__(self, out: BinaryIO, workers: int) -> None:
-        self.out = out
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="layer-zstd")
-        # one thread, so FIFO: hashes the tar and writes + hashes compressed frames in order,
-        # off the main thread (which reads files and hashes their contents)
-        self.ordered = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layer-out")
-        self.emits: deque = deque()
-        self.free: list[tuple[bytearray, memoryview]] = []
-        self.buf = bytearray(_CAPACITY)
-        self.mv = memoryview(self.buf)
+    __slots__ = ("buf", "mv", "fill", "ends", "pieces", "done", "compressed", "error",
+                 "compressed_lock", "done_lock")
+
+    def __init__(self, buf: bytearray, mv: memoryview) -> None:
+        self.buf, self.mv = buf, mv
         self.fill = 0
-        self.ends: list[int] = []
+        self.ends: list[int] = []   # frame ends in the buffer
+        self.pieces: list = []      # (hash, start, end): file contents to hash, in order
+        self.done: list = []        # (entry, data offset, hash or None) completed members
+        self.compressed = None
+        self.error: BaseException | None = None
+        # plain locks as one-shot signals: released by the worker / output thread when done
+        # (a Future + ThreadPoolExecutor.submit cost ~10x more main-thread time per batch)
+        self.compressed_lock = threading.Lock()
+        self.compressed_lock.acquire()
+        self.done_lock = threading.Lock()
+        self.done_lock.acquire()
+
+
+class _FrameSink:
+    """Accepts tar bytes, cuts frames where the planner said, compresses and writes them.
+
+    Threads: ``workers`` compression threads (zstandard releases the GIL; one C call per batch
+    of frames, since a Python loop over small frames would wait for the GIL before each one)
+    and one output thread that takes batches in order: sha256 of the tar and of each file's
+    pieces, then writes the compressed frames (hashing the blob) and formats the TOC rows of
+    the members completed in that batch. The main thread only walks, encodes headers and
+    reads files into the batch buffers. At most ``_INFLIGHT`` batches are in flight."""
+
+    def __init__(self, out: BinaryIO, workers: int, capacity: int) -> None:
+        self.out = out
+        self.capacity = capacity
+        self.free: list[tuple[bytearray, memoryview]] = []
+        self.owned: list[bytearray] = []  # every buffer this sink took from _POOL
+        self.batch = self._new_batch()
+        self.mv = self.batch.mv
+        self.fill = 0
         self.pos = 0
         self.cuts: deque[int] = deque()
         self.next_cut = 1 << 62
-        self.frame_index = 0
-        self.frame_uoffset = 0
-        self.pending: deque = deque()
+        self.pending: deque[_Batch] = deque()
         self.frames: list[tuple[int, int]] = []
         self.blob_size = 0
         self.blob_hash = hashlib.sha256()
         self.tar_hash = hashlib.sha256()
-        # (hash, start, end) pieces of file contents in the current buffer: hashed on the
-        # ordered thread with the tar, so the main thread only walks, encodes and reads
-        self.hashes: list = []
+        self.rows: list[str] = []   # TOC v2 rows and JSON-encoded paths, in member order
+        self.paths: list[str] = []
+        self.error: BaseException | None = None
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.outq: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads = [threading.Thread(target=self._compress_loop, name=f"layer-zstd-{i}",
+                                         daemon=True) for i in range(max(1, workers))]
+        self.threads.append(threading.Thread(target=self._output_loop, name="layer-out",
+                                             daemon=True))
+        for t in self.threads:
+            t.start()
 
     def add_cuts(self, cuts: list[int]) -> None:
         if cuts:
@@ -88,64 +154,98 @@ class _FrameSink:
                 self.cuts.extend(cuts)
 
     def _close_frame(self) -> None:
-        self.ends.append(self.fill)
-        self.frame_index += 1
-        self.frame_uoffset = self.pos
+        self.batch.ends.append(self.fill)
         self.next_cut = self.cuts.popleft() if self.cuts else 1 << 62
         if self.fill >= _BATCH:
             self._submit()
 
     def _submit(self) -> None:
-        if not self.ends:
+        b = self.batch
+        if not b.ends:
             return
         if len(self.pending) >= _INFLIGHT:
             self._drain_one()
-        fut = self.pool.submit(_compress_batch, self.mv, self.ends)
-        hashed = self.ordered.submit(self._hash_batch, self.mv, self.fill, self.hashes)
-        self.hashes = []
-        self.pending.append((fut, hashed, self.buf, self.mv, self.ends))
-        if self.free:
-            self.buf, self.mv = self.free.pop()
-        else:
-            self.buf = bytearray(_CAPACITY)
-            self.mv = memoryview(self.buf)
+        b.fill = self.fill
+        self.jobs.put(b)
+        self.outq.put(b)
+        self.pending.append(b)
+        self.batch = self._new_batch()
         self.fill = 0
-        self.ends = []
+
+    def _new_batch(self) -> _Batch:
+        if self.free:
+            buf, mv = self.free.pop()
+        else:
+            buf, mv = _POOL.get(self.capacity)
+            self.owned.append(buf)
+        self.mv = mv
+        return _Batch(buf, mv)
 
     def _drain_one(self) -> None:
-        fut, hashed, buf, mv, ends = self.pending.popleft()
-        compressed = fut.result()
-        self.emits.append(self.ordered.submit(self._emit, compressed, ends))
-        while self.emits and (self.emits[0].done() or len(self.emits) > _INFLIGHT):
-            self.emits.popleft().result()  # re-raises write errors
-        hashed.result()
-        self.free.append((buf, mv))
+        b = self.pending.popleft()
+        b.done_lock.acquire()
+        if self.error is not None:
+            raise self.error  # a write error (disk full ...), raised in the caller's thread
+        self.free.append((b.buf, b.mv))
 
-    def _hash_batch(self, mv: memoryview, fill: int, pieces: list) -> None:
-        self.tar_hash.update(mv[:fill])
-        for h, start, end in pieces:
+    def _compress_loop(self) -> None:
+        cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        get = self.jobs.get
+        while (b := get()) is not None:
+            try:
+                if self.error is None:
+                    mv, ends = b.mv, b.ends
+                    b.compressed = cctx.multi_compress_to_buffer(
+                        [mv[s:e] for s, e in zip([0, *ends[:-1]], ends)], threads=1)
+            except BaseException as e:  # noqa: BLE001 - handed to the output thread
+                b.error = e
+            b.compressed_lock.release()
+
+    def _output_loop(self) -> None:
+        get = self.outq.get
+        while (b := get()) is not None:
+            try:
+                if self.error is None:
+                    self._output(b)
+            except BaseException as e:  # noqa: BLE001 - re-raised by _drain_one
+                self.error = e
+            b.done_lock.release()
+
+    def _output(self, b: _Batch) -> None:
+        mv = b.mv
+        self.tar_hash.update(mv[:b.fill])
+        for h, start, end in b.pieces:
             h.update(mv[start:end])
-
-    def _emit(self, compressed, ends: list[int]) -> None:
-        start = 0
+        b.compressed_lock.acquire()
+        if b.error is not None:
+            raise b.error
+        compressed = b.compressed
+        b.compressed = None
         write, update, frames = self.out.write, self.blob_hash.update, self.frames
-        for i, end in enumerate(ends):
+        start = 0
+        for i, end in enumerate(b.ends):
             c = compressed[i]
             write(c)
             update(c)
             frames.append((len(c), end - start))
             self.blob_size += len(c)
             start = end
+        rows, paths = self.rows, self.paths
+        for e, data, h in b.done:
+            if h is not None:
+                e.digest = "sha256:" + h.hexdigest()
+            rows.append(entry_row(e, data))
+            paths.append(json_string(e.path))
 
     def _room(self, k: int) -> None:
-        if self.fill + k > _CAPACITY:
+        if self.fill + k > self.capacity:
             raise bug(f"layer frame larger than the batch buffer ({self.fill} + {k} bytes)")
 
     def write(self, b: bytes) -> None:
         n = len(b)
         if self.pos + n < self.next_cut:  # fast path: no frame boundary inside
             fill = self.fill
-            if fill + n > _CAPACITY:
+            if fill + n > self.capacity:
                 self._room(n)
             self.mv[fill:fill + n] = b
             self.fill = fill + n
@@ -172,7 +272,7 @@ class _FrameSink:
             got = readv(fd, [self.mv[fill:fill + k]])
             if got == 0:
                 raise FileChanged()
-            self.hashes.append((h, fill, fill + got))  # a new list after each _submit
+            self.batch.pieces.append((h, fill, fill + got))  # a new batch after _submit
             self.fill = fill + got
             self.pos += got
             n -= got
@@ -187,7 +287,7 @@ class _FrameSink:
             got = f.readinto(self.mv[fill:fill + k])
             if not got:
                 raise FileChanged()
-            self.hashes.append((h, fill, fill + got))
+            self.batch.pieces.append((h, fill, fill + got))
             self.fill = fill + got
             self.pos += got
             n -= got
@@ -195,18 +295,29 @@ class _FrameSink:
                 self._close_frame()
 
     def finish(self) -> None:
-        if self.fill or self.ends:
-            if self.fill != (self.ends[-1] if self.ends else 0):
+        b = self.batch
+        if self.fill or b.ends or b.done:
+            if self.fill != (b.ends[-1] if b.ends else 0):
                 raise bug("tar stream does not end on a frame boundary")
+            if not b.ends:
+                raise bug("members completed after the last frame")
             self._submit()
         while self.pending:
             self._drain_one()
-        while self.emits:
-            self.emits.popleft().result()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-        self.ordered.shutdown(wait=True, cancel_futures=True)
+        if self.error is None:
+            self.error = LayerError("layer writer closed")  # workers skip what is left
+        for t in self.threads:
+            (self.outq if t.name == "layer-out" else self.jobs).put(None)
+        for t in self.threads:
+            t.join()
+        for b in self.pending:  # buffers of batches drained by the threads above
+            self.free.append((b.buf, b.mv))
+        self.pending.clear()
+        self.mv = self.batch = None
+        _POOL.put(self.owned)  # every thread is done with them
+        self.owned = []
 
 
 class LayerWriter:
@@ -221,11 +332,9 @@ class LayerWriter:
         self.framing = framing if isinstance(framing, Framing) else Framing.named(framing)
         self.name = name
         self.planner = FramePlanner(self.framing)
-        self.sink = _FrameSink(out, workers)
+        self.sink = _FrameSink(out, workers, _capacity(self.framing))
         self.out = out
-        self.entries: list[Entry] = []
-        self.data: list[int | None] = []  # tar offset of each entry's contents (v2 TOC)
-        self.file_hashes: list = []  # (entry, hash), digests set once the sink has hashed
+        self.count = 0
         self._paths: set[str] = set()
 
     def add(self, e: Entry, source=None) -> None:
@@ -245,10 +354,9 @@ class LayerWriter:
         if cuts:
             sink.add_cuts(cuts)
         sink.write(hdr)
-        data = None
+        data = h = None
         if is_file:
             h = hashlib.sha256()
-            self.file_hashes.append((e, h))
             if size:
                 data = sink.pos
                 if isinstance(source, (bytes, str)):
@@ -276,8 +384,10 @@ class LayerWriter:
                 pad = -size % BLOCK
                 if pad:
                     sink.write(_PADS[pad])
-        self.entries.append(e)
-        self.data.append(data)
+        # the output thread sets the digest and formats the TOC row once the batch holding
+        # the end of this member is hashed (tar offset of the contents: ``data``)
+        sink.batch.done.append((e, data, h))
+        self.count += 1
 
     def finish(self) -> LayerInfo:
         sink = self.sink
@@ -287,12 +397,8 @@ class LayerWriter:
         frames = sink.frames
         off = sum(c for c, _ in frames)
         uoff = sink.pos
-        for e, h in self.file_hashes:
-            e.digest = "sha256:" + h.hexdigest()
         diff_id = "sha256:" + sink.tar_hash.hexdigest()
-        entries = self.entries
-        toc_json = encode_v2(self.framing.name, diff_id, uoff, frames, [e.path for e in entries],
-                             list(map(entry_row, entries, self.data)))
+        toc_json = encode_v2(self.framing.name, diff_id, uoff, frames, sink.paths, sink.rows)
         toc_z = zstandard.ZstdCompressor(level=TOC_ZSTD_LEVEL).compress(toc_json)
         toc_sha = hashlib.sha256(toc_z).digest()
         footer = Footer(toc_offset=off, toc_csize=len(toc_z), toc_usize=len(toc_json),
@@ -304,7 +410,7 @@ class LayerWriter:
         assert len(footer) == FOOTER_SIZE
         return LayerInfo(digest="sha256:" + sink.blob_hash.hexdigest(), diff_id=diff_id,
                          size=size, uncompressed_size=uoff, toc_digest="sha256:" + toc_sha.hex(),
-                         entries=len(self.entries), frames=len(frames),
+                         entries=self.count, frames=len(frames),
                          framing=self.framing.name)
 
     def close(self) -> None:
