@@ -185,6 +185,8 @@ def test_user_switching(sb):
     assert r.stdout == b"1000\n1000\n1000\n"
     assert sb.exec(["id", "-u"], user="1234").stdout == b"1234\n"
     assert sb.exec(["id", "-u"]).stdout == b"0\n"  # the lock's user
+    with pytest.raises(RuntimeShimError, match="not numeric"):
+        sb.exec(["id"], user="nobody")
     status = sb.exec("grep -E 'CapEff|NoNewPrivs' /proc/self/status", user="1000:1000").stdout
     assert b"CapEff:\t0000000000000000" in status and b"NoNewPrivs:\t1" in status
     # files written by root in a 1777 tmpfs are not the user's
