@@ -355,6 +355,7 @@ class RowEntries(Sequence):
             idx = range(*i.indices(len(self)))
             if len(idx) == len(self) and idx.step == 1 and len(self) > 1:
                 self._decode_all()
+                return list(self._done)
             return [self[j] for j in idx]
         e = self._done[i]
         if e is None:
@@ -446,25 +447,30 @@ def _entry(d: dict) -> Entry:
 
 
 def _entry_v2(path: str, row, index: _FrameIndex) -> Entry:
+    # unpack and verify decode every row: checks are spelled out rather than looped
     if type(row) is not list or len(row) != 12:
         raise ValueError("an entry row is an array of 12 values")
     t, mode, uid, gid, size, mtime, linkname, xattrs, dmaj, dmin, digest, data = row
     if t not in TYPES:
         raise ValueError(f"unknown entry type {t!r}")
-    for v in (mode, uid, gid, size, mtime, dmaj, dmin):
-        if type(v) is not int or v < 0:
-            raise ValueError(f"expected a non-negative integer, got {v!r}")
-    if digest is not None:
-        _str(digest)
-    if t == "file" and size:
-        chunks = index.chunks(_int(data), size)
-    elif data is not None:
-        raise ValueError(f"{t} entry of size {size} has a data offset")
-    else:
+    if not (type(mode) is int and type(uid) is int and type(gid) is int and type(size) is int
+            and type(mtime) is int and type(dmaj) is int and type(dmin) is int
+            and min(mode, uid, gid, size, mtime, dmaj, dmin) >= 0):
+        raise ValueError(f"expected non-negative integers, got {row[1:6] + row[8:10]!r}")
+    if type(linkname) is not str:
+        raise ValueError(f"expected a string, got {linkname!r}")
+    if digest is not None and type(digest) is not str:
+        raise ValueError(f"expected a string or null digest, got {digest!r}")
+    if data is None:
+        if t == "file" and size:
+            raise ValueError(f"file entry of size {size} has no data offset")
         chunks = []
-    return Entry(path=path, type=t, mode=mode, uid=uid, gid=gid, size=size, mtime=mtime,
-                 linkname=_str(linkname), xattrs={} if xattrs == {} else _xattrs(xattrs),
-                 devmajor=dmaj, devminor=dmin, digest=digest, chunks=chunks)
+    elif t == "file" and size:
+        chunks = index.chunks(_int(data), size)
+    else:
+        raise ValueError(f"{t} entry of size {size} has a data offset")
+    return Entry(path, t, mode, uid, gid, size, mtime, linkname,
+                 {} if xattrs == {} else _xattrs(xattrs), dmaj, dmin, digest, chunks)
 
 
 @dataclasses.dataclass(frozen=True)
