@@ -101,6 +101,7 @@ class Node:
     nlink: int = 1
     link: str = ""             # symlink target
     read_path: str = ""        # regular file: the TOC path LazyLayer reads
+    frames: tuple[int, ...] = ()  # regular file: blob offsets of the frames holding it
     xattrs: dict[str, bytes] = dataclasses.field(default_factory=dict)
     children: dict[str, None] | None = None  # directory: names in tar order
 
@@ -172,6 +173,7 @@ def build_tree(entries: Sequence[Entry]) -> dict[str, Node]:
         node = Node(i + 2, fmt | e.mode, e.uid, e.gid, e.mtime, xattrs=dict(e.xattrs))
         if e.type == "file":
             node.size, node.read_path = e.size, path
+            node.frames = tuple(c.offset for c in e.chunks)
         elif e.type == "symlink":
             node.link, node.size = e.linkname, len(os.fsencode(e.linkname))
         elif e.type in ("char", "block"):
@@ -257,6 +259,14 @@ def make_operations(layer: LazyLayer, nodes: dict[str, Node]):
     stats_of = statfs_of(nodes)
     fill_locks: dict[str, threading.Lock] = {}
     guard = threading.Lock()
+    # Small files share frames (lazy framing): the first read of one fetches its frame, and
+    # caching every file wholly inside that frame costs no extra request.
+    frame_files: dict[int, list[str]] = {}
+    for node in {id(n): n for n in nodes.values()}.values():
+        if len(node.frames) == 1:
+            frame_files.setdefault(node.frames[0], []).append(node.read_path)
+    loaded: set[int] = set()  # frames whose files are all cached
+    readahead = _Readahead(layer, nodes, loaded, guard)
 
     def node_at(path: str) -> Node:
         node = nodes.get(path.strip("/"))
@@ -322,6 +332,13 @@ def make_operations(layer: LazyLayer, nodes: dict[str, Node]):
                 lock = fill_locks.setdefault(node.read_path, threading.Lock())
             try:
                 with lock:
+                    missing = [f for f in node.frames if f not in loaded]
+                    if missing:
+                        mates = [p for f in missing for p in frame_files.get(f, ())]
+                        layer.prefetch([node.read_path, *mates])
+                        with guard:
+                            loaded.update(missing)
+                        readahead.schedule(path.strip("/").rpartition("/")[0])
                     return layer.read(node.read_path, offset, size)
             except EnvbuildError as e:
                 log.error("read %s: %s", node.read_path, e)
@@ -353,6 +370,61 @@ def make_operations(layer: LazyLayer, nodes: dict[str, Node]):
             unlink = utimens = write = setxattr = removexattr = link = _rofs
 
     return LazyOperations()
+
+
+class _Readahead:
+    """Directory readahead: after a file of directory D was fetched, fetch D's other small
+    regular files in the background, once per directory, at most ``budget`` bytes. Tar order
+    keeps a directory's files together, so this is a few merged ranged reads; it serves
+    programs that open a package's files one by one (Python imports, shared libraries)."""
+
+    def __init__(self, layer: LazyLayer, nodes: dict[str, Node], loaded: set[int],
+                 guard: threading.Lock, *, max_file: int = 1 << 20, budget: int = 8 << 20) -> None:
+        self.layer, self.nodes, self.loaded, self.guard = layer, nodes, loaded, guard
+        self.max_file, self.budget = max_file, budget
+        self.done: set[str] = set()
+        self.queue: list[str] = []
+        self.cv = threading.Condition()
+        threading.Thread(target=self._run, name="lazy-readahead", daemon=True).start()
+
+    def schedule(self, directory: str) -> None:
+        with self.cv:
+            if directory in self.done:
+                return
+            self.done.add(directory)
+            self.queue.append(directory)
+            self.cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.queue:
+                    self.cv.wait()
+                directory = self.queue.pop()  # the latest first: what runs now
+            d = self.nodes.get(directory)
+            if d is None or not d.is_dir:
+                continue
+            prefix = directory + "/" if directory else ""
+            paths, frames, total = [], [], 0
+            for name in d.children:
+                n = self.nodes.get(prefix + name)
+                if (n is None or not n.read_path or n.size > self.max_file
+                        or all(f in self.loaded for f in n.frames)):
+                    continue
+                total += n.size
+                if total > self.budget:
+                    break
+                paths.append(n.read_path)
+                frames.extend(n.frames)
+            if not paths:
+                continue
+            try:
+                self.layer.prefetch(paths)
+            except EnvbuildError as e:  # a foreground read will report it
+                log.warning("readahead of %s: %s", directory or "/", e)
+                continue
+            with self.guard:
+                self.loaded.update(frames)
 
 
 def lazy_stats(mountpoint: str | os.PathLike[str]) -> dict[str, int]:
