@@ -6,6 +6,12 @@
  * PID 1 it also reaps every orphan. One process, one poll() loop, no threads: every fd is
  * non-blocking, so a slow or vanished client never stalls another session.
  *
+ * Serial mode (--serial PORT, a microVM's virtio serial port): one byte stream carries many
+ * sessions as CHANNEL frames (README.md, "Serial mode"). Each channel gets a socketpair whose
+ * one end is an ordinary session connection, so the session state machine is the same in both
+ * modes; the demultiplexer (struct chan) only moves whole inner frames between the line and
+ * the socketpair, against a per-channel window in each direction.
+ *
  * Build: gcc -static -O2 -Wall -Wextra -Werror -o envbuild-agent agent.c
  */
 #define _GNU_SOURCE
@@ -44,6 +50,11 @@ enum { T_HELLO = 0x01, T_ARG, T_ENV, T_CWD, T_USER, T_TIMEOUT, T_START, T_STDIN,
        T_KILL };
 /* agent -> host */
 enum { R_HELLO = 0x81, R_STDOUT, R_STDERR, R_EXIT, R_START_FAILED, R_ERROR };
+/* serial mode: outer frames on the line (payload: channel u32, then the rest) */
+enum { T_CHANNEL = 0x40, T_WINDOW = 0x41, T_CLOSE = 0x42 };
+#define SERIAL_WINDOW (256u << 10) /* initial window, bytes of inner frames, each direction */
+#define WINDOW_ACK (32u << 10)     /* announce consumed bytes in steps of at least this */
+#define LINE_HIGH (1u << 20)       /* queued line output above this: stop reading channels */
 /* R_EXIT flags */
 enum { F_SIGNALED = 1, F_TIMED_OUT = 2, F_OUTPUT_OPEN = 4 };
 
@@ -773,13 +784,250 @@ static void reap(void) {
     }
 }
 
+/* ---- serial mode: channels over one byte stream ------------------------------------------ */
+
+struct chan {
+    uint32_t id;
+    int fd;         /* our end of the session's socketpair; -1 once closed */
+    int eof, dead;  /* fd at EOF; CLOSE sent or received (freed in the sweep) */
+    int64_t credit; /* bytes of inner frames we may still send to the host */
+    uint32_t acked; /* bytes delivered to the session, not yet announced with WINDOW */
+    struct buf down, up; /* host -> session frames; session -> host bytes */
+};
+
+static struct chan *chans[MAX_SESSIONS];
+static int nchans;
+static int line = -1;
+static int64_t line_hup_until;
+static struct buf line_rx, line_tx;
+
+static void line_queue(int type, uint32_t id, const void *a, size_t alen) {
+    if (buf_reserve(&line_tx, 9 + alen) < 0) {
+        logmsg("out of memory for the serial line");
+        return;
+    }
+    unsigned char *p = buf_tail(&line_tx);
+    p[0] = type;
+    put_u32(p + 1, 4 + alen);
+    put_u32(p + 5, id);
+    if (alen)
+        memcpy(p + 9, a, alen);
+    line_tx.len += 9 + alen;
+}
+
+static void line_window(uint32_t id, uint32_t bytes) {
+    unsigned char b[4];
+    put_u32(b, bytes);
+    line_queue(T_WINDOW, id, b, 4);
+}
+
+static struct chan *chan_find(uint32_t id) {
+    for (int i = 0; i < nchans; i++)
+        if (chans[i]->id == id && !chans[i]->dead)
+            return chans[i];
+    return NULL;
+}
+
+static void chan_kill(struct chan *c) { /* the session sees its connection drop */
+    closefd(&c->fd);
+    c->dead = 1;
+}
+
+static struct chan *chan_open(uint32_t id) {
+    int sv[2];
+    struct chan *c = NULL;
+    if (nchans >= MAX_SESSIONS || nsessions >= MAX_SESSIONS ||
+        socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv) < 0)
+        goto refuse;
+    c = calloc(1, sizeof *c);
+    if (!c || !session_new(sv[0])) {
+        free(c);
+        close(sv[0]);
+        close(sv[1]);
+        goto refuse;
+    }
+    c->id = id;
+    c->fd = sv[1];
+    c->credit = SERIAL_WINDOW;
+    chans[nchans++] = c;
+    return c;
+refuse: {
+    static const char text[] = "too many concurrent sessions";
+    unsigned char f[5 + sizeof text];
+    f[0] = R_ERROR;
+    put_u32(f + 1, sizeof text - 1);
+    memcpy(f + 5, text, sizeof text - 1);
+    line_queue(T_CHANNEL, id, f, sizeof f - 1);
+    line_queue(T_CLOSE, id, NULL, 0);
+    return NULL;
+}
+}
+
+/* Frames the session wrote, passed on whole while the channel has credit (a frame may take
+ * the credit below zero: a sender sends while its window is positive). EOF ends the channel. */
+static void chan_pump(struct chan *c) {
+    while (!c->dead && c->up.len >= 5 && c->credit > 0) {
+        const unsigned char *h = c->up.p + c->up.off;
+        size_t n = 5 + (size_t)get_u32(h + 1);
+        if (c->up.len < n)
+            break;
+        line_queue(T_CHANNEL, c->id, h, n);
+        c->credit -= n;
+        buf_consume(&c->up, n);
+    }
+    if (!c->dead && c->eof && (c->up.len < 5 || c->up.len < 5 + (size_t)get_u32(
+                                   c->up.p + c->up.off + 1))) {
+        line_queue(T_CLOSE, c->id, NULL, 0);
+        chan_kill(c);
+    }
+}
+
+static void chan_readable(struct chan *c) {
+    if (buf_reserve(&c->up, CHUNK + 5) < 0) {
+        chan_kill(c);
+        return;
+    }
+    ssize_t r = read(c->fd, buf_tail(&c->up), CHUNK + 5);
+    if (r < 0 && (errno == EAGAIN || errno == EINTR))
+        return;
+    if (r <= 0)
+        c->eof = 1;
+    else
+        c->up.len += r;
+    chan_pump(c);
+}
+
+static void chan_writable(struct chan *c) {
+    ssize_t w = send(c->fd, c->down.p + c->down.off, c->down.len, MSG_NOSIGNAL);
+    if (w < 0 && (errno == EAGAIN || errno == EINTR))
+        return;
+    if (w < 0) { /* the session is gone; what the host still sends is dropped */
+        buf_free(&c->down);
+        return;
+    }
+    buf_consume(&c->down, w);
+    c->acked += w;
+    if (c->acked >= WINDOW_ACK || c->down.len == 0) {
+        line_window(c->id, c->acked);
+        c->acked = 0;
+    }
+}
+
+static void line_close_all(void) {
+    for (int i = 0; i < nchans; i++)
+        if (!chans[i]->dead)
+            chan_kill(chans[i]);
+    buf_free(&line_rx);
+    buf_free(&line_tx);
+}
+
+static void on_line_frame(int type, const unsigned char *p, size_t n) {
+    if (n < 4) {
+        logmsg("serial: frame 0x%02x without a channel", type);
+        return;
+    }
+    uint32_t id = get_u32(p);
+    struct chan *c = chan_find(id);
+    switch (type) {
+    case T_CHANNEL:
+        if (n < 9 || get_u32(p + 5) != n - 9) {
+            logmsg("serial: malformed CHANNEL frame on channel %u", id);
+            return;
+        }
+        if (!c && p[4] != T_HELLO)
+            return; /* a late frame for a channel that already ended */
+        if (!c && !(c = chan_open(id)))
+            return;
+        if (c->fd < 0)
+            return;
+        if (buf_reserve(&c->down, n - 4) < 0) {
+            chan_kill(c);
+            return;
+        }
+        memcpy(buf_tail(&c->down), p + 4, n - 4);
+        c->down.len += n - 4;
+        return;
+    case T_WINDOW:
+        if (c && n == 8) {
+            c->credit += get_u32(p + 4);
+            chan_pump(c);
+        }
+        return;
+    case T_CLOSE:
+        if (c)
+            chan_kill(c);
+        return;
+    default:
+        logmsg("serial: unknown frame type 0x%02x", type);
+    }
+}
+
+static void line_readable(void) {
+    if (buf_reserve(&line_rx, CHUNK) < 0) {
+        line_close_all();
+        return;
+    }
+    ssize_t r = read(line, buf_tail(&line_rx), CHUNK);
+    if (r < 0 && (errno == EAGAIN || errno == EINTR))
+        return;
+    if (r <= 0) { /* the host side hung up: every channel ends */
+        line_close_all();
+        line_hup_until = now_ms() + 100;
+        return;
+    }
+    line_rx.len += r;
+    while (line_rx.len >= 5) {
+        const unsigned char *h = line_rx.p + line_rx.off;
+        uint32_t n = get_u32(h + 1);
+        if (n > MAX_PAYLOAD + 9) { /* the stream cannot be resynchronised */
+            logmsg("serial: frame of %u bytes is over the limit; dropping every channel", n);
+            line_close_all();
+            return;
+        }
+        if (line_rx.len < 5 + (size_t)n)
+            break;
+        on_line_frame(h[0], h + 5, n);
+        buf_consume(&line_rx, 5 + (size_t)n);
+    }
+}
+
+static void line_writable(void) {
+    ssize_t w = write(line, line_tx.p + line_tx.off, line_tx.len);
+    if (w < 0 && (errno == EAGAIN || errno == EINTR))
+        return;
+    if (w < 0) {
+        logmsg("serial: write: %s", strerror(errno));
+        line_close_all();
+        line_hup_until = now_ms() + 100;
+        return;
+    }
+    buf_consume(&line_tx, w);
+}
+
+static void chans_sweep(void) {
+    for (int i = nchans - 1; i >= 0; i--) {
+        struct chan *c = chans[i];
+        if (!c->dead)
+            chan_pump(c);
+        if (c->dead) {
+            closefd(&c->fd);
+            buf_free(&c->down);
+            buf_free(&c->up);
+            free(c);
+            chans[i] = chans[--nchans];
+            chans[nchans] = NULL;
+        }
+    }
+}
+
 static void usage(void) {
     fprintf(stderr, "usage: " AGENT_NAME " --listen SOCKET_PATH [--any-peer]\n"
+                    "       " AGENT_NAME " --serial PORT\n"
                     "       " AGENT_NAME " --version\n");
 }
 
 int main(int argc, char **argv) {
-    const char *listen_path = NULL;
+    const char *listen_path = NULL, *serial_path = NULL;
     int any_peer = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--listen") && i + 1 < argc) {
@@ -789,15 +1037,14 @@ int main(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--version")) {
             printf(AGENT_NAME " protocol %u\n", PROTO_VERSION);
             return 0;
-        } else if (!strcmp(argv[i], "--serial")) {
-            logmsg("--serial is not implemented in this version (see README.md)");
-            return 2;
+        } else if (!strcmp(argv[i], "--serial") && i + 1 < argc) {
+            serial_path = argv[++i];
         } else {
             usage();
             return 2;
         }
     }
-    if (!listen_path) {
+    if (!listen_path == !serial_path) {
         usage();
         return 2;
     }
@@ -813,22 +1060,36 @@ int main(int argc, char **argv) {
     sigaddset(&mask, SIGINT);
     sigprocmask(SIG_BLOCK, &mask, NULL);
     int sfd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC);
-    int lfd = listen_on(listen_path);
-    if (sfd < 0 || lfd < 0)
+    int lfd = -1;
+    if (serial_path) {
+        line = open(serial_path, O_RDWR | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+        if (line < 0) {
+            logmsg("open %s: %s", serial_path, strerror(errno));
+            return 1;
+        }
+    } else if ((lfd = listen_on(listen_path)) < 0) {
+        return 1;
+    }
+    if (sfd < 0)
         return 1;
 
-    /* fds per session: conn, out, err, in, status */
-    static struct pollfd pfd[2 + 5 * MAX_SESSIONS];
+    /* fds per session: conn, out, err, in, status; then one per serial channel */
+    static struct pollfd pfd[3 + 6 * MAX_SESSIONS];
     static struct {
         int session, role;
-    } who[2 + 5 * MAX_SESSIONS];
-    enum { ROLE_CONN, ROLE_OUT, ROLE_ERR, ROLE_IN, ROLE_STATUS };
+    } who[3 + 6 * MAX_SESSIONS];
+    enum { ROLE_CONN, ROLE_OUT, ROLE_ERR, ROLE_IN, ROLE_STATUS, ROLE_CHAN };
 
     for (;;) {
         int n = 0;
         int64_t now = now_ms(), wake = -1;
         pfd[n++] = (struct pollfd){.fd = sfd, .events = POLLIN};
         pfd[n++] = (struct pollfd){.fd = nsessions < MAX_SESSIONS ? lfd : -1, .events = POLLIN};
+        int line_polled = line >= 0 && now >= line_hup_until;
+        pfd[n++] = (struct pollfd){.fd = line_polled ? line : -1,
+                                   .events = POLLIN | (line_tx.len ? POLLOUT : 0)};
+        if (line >= 0 && !line_polled && (wake < 0 || line_hup_until < wake))
+            wake = line_hup_until;
         for (int i = 0; i < nsessions; i++) {
             struct session *s = sessions[i];
             int fds[5] = {s->conn, s->out, s->err, s->in, s->status};
@@ -860,6 +1121,16 @@ int main(int argc, char **argv) {
             if (t && (wake < 0 || t < wake))
                 wake = t;
         }
+        for (int i = 0; i < nchans; i++) {
+            struct chan *c = chans[i];
+            short ev = (c->down.len ? POLLOUT : 0) |
+                       (!c->eof && c->credit > 0 && line_tx.len < LINE_HIGH ? POLLIN : 0);
+            if (c->fd < 0 || !ev)
+                continue;
+            who[n].session = i;
+            who[n].role = ROLE_CHAN;
+            pfd[n++] = (struct pollfd){.fd = c->fd, .events = ev};
+        }
         int timeout = wake < 0 ? -1 : (wake <= now ? 0 : (int)(wake - now));
         if (poll(pfd, n, timeout) < 0 && errno != EINTR) {
             logmsg("poll: %s", strerror(errno));
@@ -874,9 +1145,9 @@ int main(int argc, char **argv) {
             reap();
         }
         /* sessions only move within the table when freed, which happens below */
-        for (int k = 2; k < n; k++) {
+        for (int k = 3; k < n; k++) {
             short re = pfd[k].revents;
-            if (!re)
+            if (!re || who[k].role == ROLE_CHAN)
                 continue;
             struct session *s = sessions[who[k].session];
             int fd = pfd[k].fd;
@@ -914,6 +1185,27 @@ int main(int argc, char **argv) {
                 break;
             }
         }
+        for (int k = 3; k < n; k++) { /* channels after sessions: the session loop reads
+                                        sessions[who.session], which is a chan index here */
+            struct chan *c;
+            if (who[k].role != ROLE_CHAN || !pfd[k].revents)
+                continue;
+            c = chans[who[k].session];
+            if (c->fd != pfd[k].fd)
+                continue;
+            if (pfd[k].revents & POLLOUT)
+                chan_writable(c);
+            if (c->fd >= 0 && (pfd[k].revents & (POLLIN | POLLHUP | POLLERR)))
+                chan_readable(c);
+        }
+        if (pfd[2].revents & POLLOUT)
+            line_writable();
+        if (pfd[2].revents & POLLIN)
+            line_readable();
+        else if (pfd[2].revents & (POLLHUP | POLLERR)) { /* the host is not connected */
+            line_close_all();
+            line_hup_until = now_ms() + 100;
+        }
         if (pfd[1].revents & POLLIN)
             accept_all(lfd, any_peer);
         now = now_ms();
@@ -930,5 +1222,6 @@ int main(int argc, char **argv) {
             if (session_done(s))
                 session_free(i);
         }
+        chans_sweep();
     }
 }
