@@ -44,8 +44,8 @@ def _local(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
 
 def _s3(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     """A fresh prefix in one bucket of the session's moto server (which accepts 1 MiB parts).
-    1 MiB parts, 2 in flight: a 20 MiB blob is a parallel multipart upload, and memory stays
-    within the conformance bound."""
+    1 MiB parts, 2 in flight: a 20 MiB blob is a parallel multipart upload and a parallel
+    ranged download, and memory stays within the conformance bound."""
     from envbuild.store.s3 import S3Store
     from tests.store.s3server import session
 
@@ -56,7 +56,8 @@ def _s3(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
 
     def open_() -> Store:
         return S3Store(server.bucket, prefix, endpoint_url=server.endpoint, session=session(),
-                       part_size=1 << 20, concurrency=2)
+                       part_size=1 << 20, concurrency=2,
+                       parallel_get=4 << 20)
 
     store = open_()
 
