@@ -243,7 +243,7 @@ def _init_pid(runtime: OciRuntime, container_id: str, pid_file: Path) -> int:
                                hint="see start.log in the sandbox directory") from None
 
 
-BACKENDS = ("container",)
+BACKENDS = ("container", "microvm")  # microvm: runtime_shim.vm (QEMU microVMs)
 
 
 class Sandbox:
@@ -298,6 +298,16 @@ class Sandbox:
                             "lock": resolved.digest, "backend": backend, "pid": os.getpid(),
                             "kept": keep, "created": time.time(),
                             "layers": [layer.digest for layer in resolved.layers]})
+        if backend == "microvm":  # --- microVM backend switch: the guest composes the layers
+            from runtime_shim.vm.backend import MicroVmBackend
+
+            try:
+                impl = MicroVmBackend(sandbox_id, paths.root, resolved, node, layer_dirs,
+                                      network=network, limits=limits or Limits())
+            except BaseException:
+                remove_sandbox_dir(paths)
+                raise
+            return cls(sandbox_id, resolved, paths, impl, node_root)  # --- end microVM switch
         oci = OciRuntime(runtime, state_root=str(node_root / "runc"))
         mounted = False
         try:

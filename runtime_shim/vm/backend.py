@@ -1,0 +1,289 @@
+"""``MicroVmBackend``: a sandbox as a QEMU microVM, behind the same ``Backend`` protocol.
+
+One VM is (all under the sandbox's directory, removed on ``close``)::
+
+    console.log       the guest console (kernel + init messages; the ready marker)
+    rw.ext4           the writable disk: sparse ext4, ``upper/`` and ``work/`` at its root
+    config.sh         the config disk: a shell fragment the init sources (see below)
+    agent.sock        QEMU's end of the agent's virtio serial port
+
+plus, shared by every VM on the host, the EROFS image of each layer
+(``<node>/erofs/<hex>.erofs``), the initramfs and the kernel image (``<node>/vm/``).
+
+Disk contract with the guest init (``runtime_shim.vm.initramfs.INIT_SCRIPT``): virtio-blk
+disks carry serials ``eb-cfg``, ``eb-rw`` and ``eb-l0`` … ``eb-l<N-1>`` (bottom layer first); the
+config disk holds ``EB_LAYERS``, ``EB_HOSTNAME``, ``EB_NET``, ``EB_NOFILE`` and
+``set -- KEY=VALUE …`` (the lock's env, the agent's environment), shell-quoted and NUL-padded.
+
+Exec goes through the exec agent (``runtime_shim.agent``, protocol in
+``runtime_shim/agent/README.md``), PID 1 of the guest after ``switch_root``, in its serial mode
+on the ``envbuild.agent`` virtio serial port; ``runtime_shim.vm.serial.SerialMux`` turns the
+line into per-exec connections, so ``exec`` is ``agent.run`` exactly as for containers, a
+timeout included (the agent kills the command's process group; the VM lives on).
+``read_file``/``write_file`` are execs of the guest's own busybox (``/.envbuild/busybox``, on a
+tmpfs outside the overlay) as root: ``cat`` out, ``cat`` in + ``chmod`` + ``chown`` to the lock's
+user, parents created, as the container backend does from the host.
+
+Limits: ``Limits.memory_bytes`` is the VM's RAM, ``VmOptions.vcpus`` its CPUs, ``nofile`` the
+agent's rlimit; ``pids`` is not enforced inside the guest (the VM's RAM bounds it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from envbuild.errors import RuntimeShimError
+from runtime_shim import agent
+from runtime_shim.locks import ResolvedLock
+from runtime_shim.nodecache import NodeCache, parse_size
+from runtime_shim.spec import parse_user
+from runtime_shim.vm import erofs, initramfs, kernel as vmkernel, qemu
+from runtime_shim.vm.serial import SerialMux
+
+#: virtio-mmio transports on ``-M microvm`` (with its second IO-APIC): 24, minus the writable
+#: disk, the config disk and the serial device.
+MAX_LAYERS = 21
+CONFIG_DISK_SIZE = 4096
+GUEST_BUSYBOX = "/.envbuild/busybox"
+READ_FILE_MAX = 256 << 20
+# Run by the guest's busybox sh with $B = the busybox, whatever the image contains.
+_READ = ('[ -e "$1" ] || { echo "No such file or directory" >&2; exit 1; }; '
+         '[ -f "$1" ] || { echo "not a regular file" >&2; exit 1; }; exec $B cat "$1"')
+_WRITE = ('d=$($B dirname "$1") && $B mkdir -p "$d" && $B cat >"$1" && $B chmod "$2" "$1" && '
+          '$B chown "$3" "$1"')
+
+
+@dataclasses.dataclass(frozen=True)
+class VmOptions:
+    vcpus: int = 1
+    disk_bytes: int = 4 << 30  # sparse: costs what the sandbox writes
+    boot_timeout: float = 90.0  # TCG on a busy 2-core host takes seconds
+    default_memory_bytes: int = 1 << 30  # when Limits.memory_bytes is None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> VmOptions:
+        opts = cls()
+        if environ.get("ENVBUILD_VM_CPUS"):
+            opts = dataclasses.replace(opts, vcpus=int(environ["ENVBUILD_VM_CPUS"]))
+        if environ.get("ENVBUILD_VM_DISK"):
+            opts = dataclasses.replace(opts, disk_bytes=parse_size(environ["ENVBUILD_VM_DISK"]))
+        return opts
+
+
+def guest_config(lock: ResolvedLock, *, layers: int, network: bool, nofile: int) -> bytes:
+    """The config disk's contents (pure): a shell fragment, NUL-padded to a sector multiple."""
+    hostname = lock.hostname or "sandbox"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]{0,62}", hostname):
+        raise RuntimeShimError(f"lock hostname {hostname!r} is not a valid host name")
+    env = [f"{k}={v}" for k, v in lock.env.items()]
+    text = (f"EB_LAYERS={layers}\nEB_HOSTNAME={shlex.quote(hostname)}\n"
+            f"EB_NET={1 if network else 0}\nEB_NOFILE={int(nofile)}\n"
+            f"set -- {' '.join(shlex.quote(e) for e in env)}\n").encode()
+    if b"\0" in text:
+        raise RuntimeShimError("lock env contains a NUL byte")
+    if len(text) > CONFIG_DISK_SIZE * 16:
+        raise RuntimeShimError(f"lock env is too large for the VM config ({len(text)} bytes)")
+    return text + b"\0" * (-len(text) % CONFIG_DISK_SIZE or 0)
+
+
+def vm_drives(layer_images: Sequence[Path], rw_disk: Path, config_disk: Path
+              ) -> tuple[qemu.Drive, ...]:
+    """The disks of a VM in the order QEMU attaches them (pure)."""
+    if len(layer_images) > MAX_LAYERS:
+        raise RuntimeShimError(f"a microVM takes at most {MAX_LAYERS} layers; this lock has "
+                               f"{len(layer_images)}",
+                               hint="use the container backend for this lock")
+    return (qemu.Drive(str(config_disk), "eb-cfg"),
+            *(qemu.Drive(str(p), f"eb-l{i}") for i, p in enumerate(layer_images)),
+            qemu.Drive(str(rw_disk), "eb-rw", readonly=False))
+
+
+class MicroVmBackend:
+    """A running microVM of one lock (see the module docstring)."""
+
+    def __init__(self, sandbox_id: str, root: Path, lock: ResolvedLock, node: NodeCache,
+                 layer_dirs: Sequence[str], *, network: bool, limits, options: VmOptions | None
+                 = None, launcher: qemu.VmLauncher | None = None,
+                 environ: Mapping[str, str] = os.environ) -> None:
+        self.id = sandbox_id
+        self.root = root
+        self.lock = lock
+        self.limits = limits
+        self.options = options or VmOptions.from_env(environ)
+        self.timings: dict[str, float] = {}
+        self._proc: qemu.VmProcess | None = None
+        t0 = time.monotonic()
+        kern = vmkernel.find_kernel(environ)
+        image = vmkernel.boot_image(node.root, kern)
+        agent_path = agent.agent_binary(node.root)  # PID 1 of the guest, in serial mode
+        initrd = initramfs.ensure_initramfs(node.root, kern, agent_path, network=network)
+        t1 = time.monotonic()
+        images = [erofs.ensure_erofs(node.root, layer.digest, Path(d))
+                  for layer, d in zip(lock.layers, layer_dirs)]
+        t2 = time.monotonic()
+        rw = root / "rw.ext4"
+        erofs.make_writable_disk(rw, self.options.disk_bytes)
+        cfg = root / "config.sh"
+        cfg.write_bytes(guest_config(lock, layers=len(images), network=network,
+                                     nofile=limits.nofile))
+        self.console_log = root / "console.log"
+        self.agent_socket = root / "agent.sock"
+        accel = qemu.choose_accel(node.root, str(image), str(initrd), environ=environ)
+        memory = limits.memory_bytes or self.options.default_memory_bytes
+        self.request = qemu.VmRequest(
+            kernel=str(image), initrd=str(initrd), cmdline=vmkernel.kernel_cmdline(tsc_khz=vmkernel.host_tsc_khz()),
+            drives=vm_drives(images, rw, cfg),
+            agent_socket=str(self.agent_socket), memory_mib=max(128, memory >> 20),
+            vcpus=self.options.vcpus, accel=accel, network=network)
+        t3 = time.monotonic()
+        self._mux: SerialMux | None = None
+        self._proc = (launcher or qemu.QemuLauncher()).launch(self.request, self.console_log)
+        try:
+            self.guest_ready_at = self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        t4 = time.monotonic()
+        self.timings = {"kernel_initramfs": t1 - t0, "erofs": t2 - t1, "disks_and_probe": t3 - t2,
+                        "boot": t4 - t3}
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid if self._proc else 0
+
+    def _wait_ready(self) -> float:
+        """Connect to the agent's serial socket and wait for its HELLO on a first channel,
+        watching the console for the init failing and QEMU for exiting. Returns the guest
+        uptime at which the init handed over (from its ready line), or 0."""
+        deadline = time.monotonic() + self.options.boot_timeout
+        delay = 0.002
+        probe: socket.socket | None = None
+        reply = b""
+        while True:
+            if self._mux is None and self.agent_socket.exists():
+                line = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+                try:
+                    line.connect(str(self.agent_socket))
+                except OSError:
+                    line.close()
+                else:
+                    self._mux = SerialMux(line)
+                    probe = self._mux.connect()
+                    probe.setblocking(False)
+                    probe.sendall(agent.frame(agent.T_HELLO,
+                                              agent.PROTOCOL_VERSION.to_bytes(4, "big")))
+            if probe is not None:
+                try:
+                    reply += probe.recv(4096)
+                except BlockingIOError:
+                    pass
+                if len(reply) >= 9:
+                    probe.close()
+                    self._check_hello(reply)
+                    return self._ready_uptime()
+            log = self._console()
+            failed = initramfs.FAILED_MARKER in log
+            exited = self._proc.poll() is not None
+            if failed or exited or time.monotonic() > deadline or (self._mux and self._mux.error):
+                why = ("the guest init failed" if failed else
+                       f"QEMU exited {self._proc.poll()}" if exited else
+                       f"the agent's line broke: {self._mux.error}" if self._mux and
+                       self._mux.error else
+                       f"the guest agent did not answer within {self.options.boot_timeout:.0f} s")
+                if probe is not None:
+                    probe.close()
+                raise RuntimeShimError(f"start microVM {self.id}: {why}",
+                                       context=log.decode(errors="replace").strip()[-3000:],
+                                       hint="see console.log in the sandbox directory")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.02)
+
+    def _check_hello(self, reply: bytes) -> None:
+        kind, n = reply[0], int.from_bytes(reply[1:5], "big")
+        version = int.from_bytes(reply[5:9], "big") if kind == agent.R_HELLO and n >= 4 else None
+        if version != agent.PROTOCOL_VERSION:
+            raise RuntimeShimError(f"start microVM {self.id}: the guest agent answered "
+                                   f"{reply[:80]!r}, not HELLO version {agent.PROTOCOL_VERSION}")
+
+    def _console(self) -> bytes:
+        try:
+            return self.console_log.read_bytes()
+        except FileNotFoundError:
+            return b""
+
+    def _ready_uptime(self) -> float:
+        log = self._console()
+        i = log.find(initramfs.READY_MARKER)
+        try:
+            return float(log[i:log.index(b"\n", i)].split()[-1]) if i >= 0 else 0.0
+        except (ValueError, IndexError):
+            return 0.0
+
+    # ---- Backend protocol ---------------------------------------------------------------
+
+    def exec(self, argv, *, env, cwd, user, timeout, stdin):
+        from runtime_shim.sandbox import ExecResult
+
+        started = time.monotonic()
+        req = agent.ExecRequest(argv=tuple(argv), env=env, cwd=cwd, user=user, timeout=timeout,
+                                stdin=stdin)
+        done = agent.run(self._connect, req, self.limits.output_bytes)
+        return ExecResult(exit_code=done.exit_code, stdout=done.stdout, stderr=done.stderr,
+                          duration=time.monotonic() - started, timed_out=done.timed_out,
+                          output_truncated=done.output_truncated)
+
+    def _connect(self) -> socket.socket:
+        if self._mux is None:
+            raise RuntimeShimError(f"microVM {self.id} is not running")
+        return self._mux.connect()
+
+    def _root_exec(self, script: str, args: Sequence[str], stdin: bytes | None = None,
+                   cap: int = 1 << 20) -> agent.ExecOutcome:
+        req = agent.ExecRequest(argv=(GUEST_BUSYBOX, "sh", "-c", script, "sh", *args),
+                                env={"B": GUEST_BUSYBOX}, cwd="/", user="0:0",
+                                timeout=60.0, stdin=stdin if stdin is not None else b"")
+        return agent.run(self._connect, req, cap)
+
+    def read_file(self, path: str) -> bytes:
+        done = self._root_exec(_READ, ["/" + path.lstrip("/")], cap=READ_FILE_MAX)
+        if done.exit_code != 0 or done.output_truncated:
+            why = done.stderr.decode(errors="replace").strip() or f"exit {done.exit_code}"
+            if done.output_truncated:
+                why = f"over the {READ_FILE_MAX}-byte limit"
+            raise RuntimeShimError(f"read {path} in sandbox: {why}")
+        return done.stdout
+
+    def write_file(self, path: str, data: bytes, mode: int) -> None:
+        uid, gid = parse_user(self.lock.user)
+        done = self._root_exec(_WRITE, ["/" + path.lstrip("/"), f"{mode:o}", f"{uid}:{gid}"],
+                               stdin=data)
+        if done.exit_code != 0:
+            why = done.stderr.decode(errors="replace").strip() or f"exit {done.exit_code}"
+            raise RuntimeShimError(f"write {path} in sandbox: {why}")
+
+    def close(self) -> None:
+        mux, self._mux = getattr(self, "_mux", None), None
+        if mux is not None:
+            mux.close()
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            try:
+                proc.kill()
+            except ProcessLookupError:
+                pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()

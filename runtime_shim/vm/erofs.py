@@ -1,0 +1,91 @@
+"""Layers as block devices: one read-only EROFS image per layer digest, and a writable disk.
+
+``ensure_erofs(node_root, digest, layer_dir)`` turns the node cache's unpacked layer (already
+overlay-ready: OCI whiteouts are 0/0 character devices, opaque dirs carry
+``trusted.overlay.opaque=y``) into ``<node_root>/erofs/<hex>.erofs`` once per host, under an
+flock, written beside and renamed into place, and shared read-only by every VM. mkfs.erofs keeps
+device nodes and, with its default xattr tolerance, every xattr including ``trusted.*``, so the
+guest's overlayfs honours both kinds of whiteout (``tests/integration/test_microvm.py`` checks
+this on a real image). Images are uncompressed: under TCG the guest CPU is the scarce resource.
+
+``make_writable_disk(path, size)`` makes a sparse ext4 image (no journal: a sandbox disk is
+disposable) for the overlay's ``upper/`` and ``work/``, which the guest creates at its root so
+the host can later mount the image read-only and pack ``upper/``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+from envbuild.errors import RuntimeShimError
+from envbuild.store import check_digest
+
+EROFS_DIR = "erofs"
+#: ``-x2`` is mkfs.erofs's default tolerance (xattrs kept, shared when used often); spelled
+#: out because dropping xattrs (``-x-1``) would silently break opaque dirs.
+MKFS_EROFS_ARGS = ("-x2",)
+
+
+def erofs_path(node_root: str | os.PathLike[str], digest: str) -> Path:
+    return Path(node_root) / EROFS_DIR / f"{check_digest(digest).removeprefix('sha256:')}.erofs"
+
+
+def ensure_erofs(node_root: str | os.PathLike[str], digest: str, layer_dir: Path) -> Path:
+    """The EROFS image of layer ``digest``, made from its unpacked ``layer_dir`` if missing."""
+    target = erofs_path(node_root, digest)
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock_fd = os.open(target.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        if not target.is_file():
+            _mkfs_erofs(layer_dir, target)
+    finally:
+        os.close(lock_fd)
+    return target
+
+
+def _mkfs_erofs(src: Path, target: Path) -> None:
+    mkfs = _tool("mkfs.erofs", "erofs-utils")
+    tmp = target.with_name(f".{target.stem[:12]}-{uuid.uuid4().hex[:8]}.erofs")
+    argv = [mkfs, "--quiet", *MKFS_EROFS_ARGS, str(tmp), str(src)]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if proc.returncode != 0 or not tmp.is_file():
+            raise RuntimeShimError(f"make the EROFS image of {target.stem[:12]}: mkfs.erofs "
+                                   f"exited {proc.returncode}",
+                                   context=f"$ {' '.join(argv)}\n{proc.stderr[-2000:]}")
+        os.chmod(tmp, 0o444)
+        tmp.replace(target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def make_writable_disk(path: Path, size_bytes: int) -> None:
+    """A sparse ext4 image of ``size_bytes`` at ``path`` (mkfs.ext4 -q -F)."""
+    mkfs = _tool("mkfs.ext4", "e2fsprogs")
+    with open(path, "wb") as f:
+        f.truncate(size_bytes)
+    # No journal and lazy init: mkfs then writes ~1 MB whatever the size.
+    argv = [mkfs, "-q", "-F", "-O", "^has_journal", "-E",
+            "lazy_itable_init=1,lazy_journal_init=1,nodiscard", "-m", "0", str(path)]
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeShimError(f"make the writable disk {path.name}: mkfs.ext4 exited "
+                               f"{proc.returncode}",
+                               context=f"$ {' '.join(argv)}\n{proc.stderr[-2000:]}")
+
+
+def _tool(name: str, package: str) -> str:
+    path = shutil.which(name) or (f"/usr/sbin/{name}" if os.path.exists(f"/usr/sbin/{name}")
+                                  else None) or (f"/sbin/{name}" if os.path.exists(f"/sbin/{name}") else None)
+    if path is None:
+        raise RuntimeShimError(f"{name} is not installed",
+                               hint=f"apt-get install {package} (or run scripts/setup.sh)")
+    return path

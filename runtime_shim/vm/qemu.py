@@ -1,0 +1,223 @@
+"""Launching microVMs: a frozen ``VmRequest``, its QEMU argv (pure), and the launcher.
+
+``VmLauncher`` is the seam: ``launch(request, console_log) -> VmProcess``. ``QemuLauncher`` runs
+``qemu-system-x86_64 -M microvm``; a Firecracker launcher would implement the same protocol
+where its binary exists (none here, so none is written).
+
+Acceleration: KVM when ``/dev/kvm`` accepts this guest, else TCG. ``/dev/kvm`` existing is not
+enough (on this machine it is a PVM host module and QEMU fails with MSR errors), so
+``probe_kvm`` boots the real kernel once with ``-accel kvm`` and caches the answer in the node
+dir (``vm/kvm-probe.json``, keyed by kernel and QEMU). Under TCG the kernel needs
+``tsc_early_khz`` (``kernel_cmdline``) or it hangs on TSC calibration.
+
+No orphan VMs: QEMU is spawned with ``PR_SET_PDEATHSIG=SIGKILL``. The kernel sends that signal
+when the *thread* that forked the child exits, not the process, so every QEMU is forked by one
+long-lived daemon thread (``_Spawner``): a sandbox created in a pool thread survives the
+thread, and QEMU still dies with the host process (``kill -9`` included).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from envbuild.errors import RuntimeShimError
+
+PR_SET_PDEATHSIG = 1
+KVM_PROBE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Drive:
+    path: str
+    serial: str  # how the guest init finds it (virtio-blk serial, <= 20 bytes)
+    readonly: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class VmRequest:
+    """Everything one VM is made of. ``argv`` for it is ``qemu_argv(request)`` (pure)."""
+
+    kernel: str
+    initrd: str
+    cmdline: str
+    drives: tuple[Drive, ...]
+    agent_socket: str | None  # host unix socket of the agent's virtio serial port
+    memory_mib: int = 512
+    vcpus: int = 1
+    accel: str = "tcg"  # "kvm" | "tcg"
+    network: bool = False
+    qemu: str = "qemu-system-x86_64"
+
+
+def qemu_argv(req: VmRequest) -> list[str]:
+    """The QEMU command line for ``req``: microvm, no default devices, the console on the
+    (inherited) stdout, virtio-mmio disks in order, the agent's serial port, and a network
+    device only when asked."""
+    if req.accel not in ("kvm", "tcg"):
+        raise ValueError(f"accel must be kvm or tcg, not {req.accel!r}")
+    argv = [req.qemu, "-M", "microvm", "-accel", req.accel,
+            *(["-cpu", "host"] if req.accel == "kvm" else []), "-m", f"{req.memory_mib}M", "-smp", str(req.vcpus),
+            "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+            "-serial", "stdio", "-kernel", req.kernel, "-initrd", req.initrd,
+            "-append", req.cmdline]
+    for i, d in enumerate(req.drives):
+        if len(d.serial) > 20:
+            raise ValueError(f"virtio-blk serial {d.serial!r} is longer than 20 bytes")
+        ro = ",readonly=on" if d.readonly else ""
+        argv += ["-drive", f"file={_opt(d.path)},format=raw,if=none,id=d{i}{ro}"
+                           f",cache={'unsafe' if not d.readonly else 'writeback'}",
+                 "-device", f"virtio-blk-device,drive=d{i},serial={d.serial}"]
+    if req.agent_socket:
+        argv += ["-device", "virtio-serial-device",
+                 "-chardev", f"socket,path={_opt(req.agent_socket)},server=on,wait=off,id=agent",
+                 "-device", "virtserialport,chardev=agent,name=envbuild.agent"]
+    if req.network:
+        # User-mode (slirp) networking: outbound TCP/UDP through the host's stack, no inbound
+        # ports, guest at 10.0.2.15 behind NAT (see the README's microVM section).
+        argv += ["-netdev", "user,id=n0", "-device", "virtio-net-device,netdev=n0"]
+    return argv
+
+
+def _opt(value: str) -> str:
+    """QEMU option values escape ``,`` by doubling it."""
+    return value.replace(",", ",,")
+
+
+class VmProcess(Protocol):
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+class VmLauncher(Protocol):
+    """Starts a VM described by a ``VmRequest``; its console goes to ``console_log``."""
+
+    def launch(self, request: VmRequest, console_log: Path) -> VmProcess: ...
+
+
+class QemuLauncher:
+    def __init__(self, qemu: str | None = None) -> None:
+        self.qemu = qemu or find_qemu()
+
+    def launch(self, request: VmRequest, console_log: Path) -> subprocess.Popen:
+        argv = qemu_argv(dataclasses.replace(request, qemu=self.qemu))
+        with open(console_log, "wb") as log:
+            return _SPAWNER.spawn(lambda: subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent, close_fds=True))
+
+
+def find_qemu() -> str:
+    path = shutil.which("qemu-system-x86_64")
+    if path is None:
+        raise RuntimeShimError("qemu-system-x86_64 is not installed",
+                               hint="apt-get install qemu-system-x86 (or run scripts/setup.sh)")
+    return path
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: only async-signal-safe calls.
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class _Spawner:
+    """One daemon thread that forks every QEMU (see the module docstring for why)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def spawn(self, start: Callable[[], subprocess.Popen]) -> subprocess.Popen:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="envbuild-vm-spawner",
+                                                daemon=True)
+                self._thread.start()
+        done = threading.Event()
+        box: list = []
+        self._queue.put((start, box, done))
+        done.wait()
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+
+    def _run(self) -> None:
+        while True:
+            start, box, done = self._queue.get()
+            try:
+                box.append(start())
+            except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                box.append(e)
+            done.set()
+
+
+_SPAWNER = _Spawner()
+
+
+# ---- KVM probe ---------------------------------------------------------------------------
+
+
+def choose_accel(node_root: Path, kernel: str, initrd: str, qemu: str | None = None,
+                 environ: dict | os._Environ = os.environ) -> str:
+    """``kvm`` if a VM with this kernel really boots under KVM here, else ``tcg``; probed once
+    and cached in ``<node_root>/vm/kvm-probe.json``. ``ENVBUILD_VM_ACCEL`` overrides it."""
+    forced = environ.get("ENVBUILD_VM_ACCEL")
+    if forced in ("kvm", "tcg"):
+        return forced
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return "tcg"
+    qemu = qemu or find_qemu()
+    key = f"{kernel}|{os.stat(kernel).st_mtime_ns}|{qemu}|{os.stat(qemu).st_mtime_ns}"
+    cache = node_root / "vm" / "kvm-probe.json"
+    try:
+        cached = json.loads(cache.read_text())
+        if cached.get("version") == KVM_PROBE_VERSION and cached.get("key") == key:
+            return cached["accel"]
+    except (OSError, ValueError):
+        pass
+    accel = "kvm" if _kvm_boots(qemu, kernel, initrd) else "tcg"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(f".kvm-probe.{os.getpid()}")
+    tmp.write_text(json.dumps({"version": KVM_PROBE_VERSION, "key": key, "accel": accel,
+                               "probed": time.time()}))
+    tmp.replace(cache)
+    return accel
+
+
+def _kvm_boots(qemu: str, kernel: str, initrd: str) -> bool:
+    """Boot the kernel under KVM with an initramfs whose init is missing: the kernel panics
+    (``panic=-1`` reboots, ``-no-reboot`` exits) after printing that it ran; QEMU refusing the
+    accelerator or the CPU failing shows up as no such line."""
+    argv = [qemu, "-M", "microvm", "-accel", "kvm", "-cpu", "host", "-m", "256M", "-smp", "1",
+            "-nodefaults", "-no-user-config", "-nographic", "-no-reboot", "-serial", "stdio",
+            "-kernel", kernel, "-append",
+            "console=ttyS0 panic=-1 rdinit=/envbuild-kvm-probe-missing"]
+    try:
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=20,
+                              preexec_fn=_die_with_parent, check=False)
+    except subprocess.TimeoutExpired:
+        return False
+    out = proc.stdout + proc.stderr
+    return b"Kernel panic" in out or b"No working init found" in out

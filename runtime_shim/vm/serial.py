@@ -1,0 +1,233 @@
+"""The host end of the agent's serial line: many agent sessions over one byte stream.
+
+A microVM's agent runs ``envbuild-agent --serial PORT`` on the ``envbuild.agent`` virtio serial
+port; QEMU exposes the port on the host as a unix socket. Over that one stream, sessions travel
+as channels (``runtime_shim/agent/README.md``, "Serial mode")::
+
+    0x40 CHANNEL  channel u32, then one inner frame [type u8][len u32][payload]
+    0x41 WINDOW   channel u32, bytes u32   (the receiver consumed that many inner-frame bytes)
+    0x42 CLOSE    channel u32              (the channel's connection dropped)
+
+Each direction of each channel starts with a window of ``SERIAL_WINDOW`` bytes of inner frames;
+a sender sends a whole frame while its window is positive and subtracts the frame's size. A new
+channel starts with the host's HELLO; frames for a channel that already ended are dropped.
+
+``SerialMux.connect()`` returns one end of a socketpair that behaves exactly like a connection
+to the agent's unix socket, so ``runtime_shim.agent.run`` (timeouts, KILL, output caps, hang-up
+kills the command) works unchanged: the mux thread moves whole inner frames between the
+socketpair and the line, and closing the socket sends CLOSE unless the session already ended.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import struct
+import threading
+
+from envbuild.errors import RuntimeShimError
+from runtime_shim import agent
+
+T_CHANNEL, T_WINDOW, T_CLOSE = 0x40, 0x41, 0x42
+SERIAL_WINDOW = 256 << 10
+WINDOW_ACK = 32 << 10
+_FINAL = (agent.R_EXIT, agent.R_START_FAILED, agent.R_ERROR)
+
+
+def outer_frame(kind: int, channel: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">BII", kind, 4 + len(payload), channel) + payload
+
+
+class _Chan:
+    __slots__ = ("id", "sock", "down", "up", "credit", "acked", "final", "eof", "agent_closed")
+
+    def __init__(self, cid: int, sock: socket.socket) -> None:
+        self.id = cid
+        self.sock = sock
+        self.down = bytearray()  # inner frames from the agent, for the session socket
+        self.up = bytearray()  # bytes from the session socket, not yet framed
+        self.credit = SERIAL_WINDOW  # how much we may still send to the agent
+        self.acked = 0
+        self.final = False  # the agent sent the final frame
+        self.eof = False  # the session socket was closed by its user
+        self.agent_closed = False
+
+
+class SerialMux:
+    """One thread multiplexing channels over ``line`` (a connected stream socket)."""
+
+    def __init__(self, line: socket.socket) -> None:
+        self._line = line
+        line.setblocking(False)
+        self._rx = bytearray()
+        self._tx = bytearray()
+        self._chans: dict[int, _Chan] = {}
+        self._next = 1
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._closed = False
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="envbuild-vm-serial",
+                                        daemon=True)
+        self._thread.start()
+
+    def connect(self) -> socket.socket:
+        """A new channel; use the returned socket as a connection to the agent."""
+        if self._closed or self.error:
+            raise RuntimeShimError(f"the microVM's agent line is closed"
+                                   f"{': ' + self.error if self.error else ''}")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.setblocking(False)
+        with self._lock:
+            cid = self._next
+            self._next = (self._next + 1) & 0xFFFFFFFF or 1
+            self._chans[cid] = _Chan(cid, ours)
+        self._wake()
+        return theirs
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake()
+        self._thread.join(timeout=5)
+        for c in list(self._chans.values()):
+            c.sock.close()
+        self._chans.clear()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._line.close()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    # ---- the thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as e:  # noqa: BLE001 - reported to every caller through connect/EOF
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            with self._lock:
+                for c in self._chans.values():
+                    c.sock.close()
+                self._chans.clear()
+
+    def _loop(self) -> None:
+        line = self._line.fileno()
+        while not self._closed:
+            poller = select.poll()
+            poller.register(self._wake_r, select.POLLIN)
+            poller.register(line, select.POLLIN | (select.POLLOUT if self._tx else 0))
+            with self._lock:
+                chans = list(self._chans.values())
+            by_fd = {}
+            for c in chans:
+                ev = (select.POLLOUT if c.down else 0) | \
+                     (select.POLLIN if not c.eof and c.credit > 0 else 0)
+                if ev:
+                    poller.register(c.sock.fileno(), ev)
+                    by_fd[c.sock.fileno()] = c
+            for fd, ev in poller.poll():
+                if fd == self._wake_r:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                elif fd == line:
+                    if ev & select.POLLOUT:
+                        self._tx = self._tx[self._line.send(self._tx):]
+                    if ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                        data = self._line.recv(1 << 20)
+                        if not data:
+                            raise ConnectionError("QEMU closed the agent's serial socket")
+                        self._rx += data
+                        self._parse_line()
+                else:
+                    c = by_fd[fd]
+                    if ev & select.POLLOUT and c.down:
+                        self._to_session(c)
+                    if ev & (select.POLLIN | select.POLLHUP | select.POLLERR) and not c.eof:
+                        self._from_session(c)
+            self._sweep()
+
+    def _parse_line(self) -> None:
+        rx = self._rx
+        pos = 0
+        while len(rx) - pos >= 9:
+            kind, n = struct.unpack_from(">BI", rx, pos)
+            if len(rx) - pos < 5 + n:
+                break
+            (cid,) = struct.unpack_from(">I", rx, pos + 5)
+            payload = bytes(rx[pos + 9:pos + 5 + n])
+            pos += 5 + n
+            c = self._chans.get(cid)
+            if c is None:
+                continue
+            if kind == T_CHANNEL:
+                c.down += payload
+                if payload and payload[0] in _FINAL:
+                    c.final = True
+            elif kind == T_WINDOW and len(payload) == 4:
+                c.credit += struct.unpack(">I", payload)[0]
+                self._frame_up(c)
+            elif kind == T_CLOSE:
+                c.agent_closed = True
+        del rx[:pos]
+
+    def _to_session(self, c: _Chan) -> None:
+        try:
+            n = c.sock.send(c.down)
+        except BlockingIOError:
+            return
+        except OSError:  # the session socket's user is gone: drop what it would have read
+            n = len(c.down)
+        del c.down[:n]
+        c.acked += n
+        if c.acked >= WINDOW_ACK or not c.down:
+            self._tx += outer_frame(T_WINDOW, c.id, struct.pack(">I", c.acked))
+            c.acked = 0
+
+    def _from_session(self, c: _Chan) -> None:
+        try:
+            data = c.sock.recv(1 << 20)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            c.eof = True
+        c.up += data
+        self._frame_up(c)
+
+    def _frame_up(self, c: _Chan) -> None:
+        up = c.up
+        pos = 0
+        while c.credit > 0 and len(up) - pos >= 5:
+            n = 5 + struct.unpack_from(">I", up, pos + 1)[0]
+            if len(up) - pos < n:
+                break
+            self._tx += outer_frame(T_CHANNEL, c.id, bytes(up[pos:pos + n]))
+            c.credit -= n
+            pos += n
+        del up[:pos]
+
+    def _sweep(self) -> None:
+        with self._lock:
+            for cid, c in list(self._chans.items()):
+                done = False
+                if c.eof and (not c.up or c.credit > 0):  # what is left is a partial frame
+                    if not c.final and not c.agent_closed:
+                        self._tx += outer_frame(T_CLOSE, cid)
+                    done = True
+                elif c.agent_closed and not c.down:
+                    done = True  # the session socket then reads EOF
+                if done:
+                    c.sock.close()
+                    del self._chans[cid]
