@@ -133,6 +133,8 @@ class _FrameSink:
         self.blob_size = 0
         self.blob_hash = hashlib.sha256()
         self.tar_hash = hashlib.sha256()
+        self.obuf = bytearray(0)    # output thread: compressed frames of one batch
+        self.omv = memoryview(self.obuf)
         self.rows: list[str] = []   # TOC v2 rows and JSON-encoded paths, in member order
         self.paths: list[str] = []
         self.error: BaseException | None = None
@@ -221,15 +223,27 @@ class _FrameSink:
             raise b.error
         compressed = b.compressed
         b.compressed = None
-        write, update, frames = self.out.write, self.blob_hash.update, self.frames
-        start = 0
+        # gather the frames into one reused buffer: one write and one hash call per batch
+        # instead of two per frame (each releases and retakes the GIL, which under CPU
+        # contention from other processes stalls the main thread)
+        need = compressed.size()
+        if len(self.obuf) < need:
+            self.obuf = bytearray(max(need, 2 * len(self.obuf)))
+            self.omv = memoryview(self.obuf)
+        omv, frames = self.omv, self.frames
+        pos = start = 0
         for i, end in enumerate(b.ends):
             c = compressed[i]
-            write(c)
-            update(c)
-            frames.append((len(c), end - start))
-            self.blob_size += len(c)
+            n = len(c)
+            omv[pos:pos + n] = c
+            frames.append((n, end - start))
+            pos += n
             start = end
+        del compressed
+        out = omv[:pos]
+        self.out.write(out)
+        self.blob_hash.update(out)
+        self.blob_size += pos
         rows, paths = self.rows, self.paths
         for e, data, h in b.done:
             if h is not None:
