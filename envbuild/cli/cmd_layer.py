@@ -163,15 +163,21 @@ def register(group: click.Group) -> None:
     @click.argument("layer_ref", metavar="LAYER")
     @click.argument("path", required=False)
     @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+    @click.option("--lazy", is_flag=True,
+                  help="Also report what was fetched to answer (ranged reads, bytes): the cost "
+                       "of opening the layer lazily from its store.")
     @pass_app
-    def stat_cmd(app: App, layer_ref: str, path: str | None, as_json: bool) -> None:
+    def stat_cmd(app: App, layer_ref: str, path: str | None, as_json: bool,
+                 lazy: bool) -> None:
         """Summarise LAYER from its footer and TOC, or show the TOC entry of PATH (with its
         chunks). Reads no data frames."""
         from envbuild.layers._tools import add_hints, entry_json, member_entry, summary
 
         with open_layer(app, layer_ref) as reader, add_hints(reader):
-            # Seam for the S3 issue: a --lazy flag adds reader.stats (ranges, bytes) to doc here.
             doc = summary(reader) if path is None else entry_json(member_entry(reader, path))
+            if lazy:  # S3 issue: footer + TOC are the only reads (envbuild.store.lazy)
+                doc["fetched"] = {"ranges": reader.stats.ranges,
+                                  "bytes": reader.stats.bytes_fetched}
         if as_json:
             _echo_json(doc)
         elif path is None:
@@ -204,6 +210,8 @@ def _render_summary(doc: dict) -> None:
     for key in ("size", "uncompressed_size", "toc_size", "toc_uncompressed_size"):
         fields[key] = f"{doc[key]} ({human_size(doc[key])})"
     fields["types"] = ", ".join(f"{n} {t}" for t, n in doc["types"].items()) or "-"
+    if "fetched" in doc:
+        fields["fetched"] = f"{doc['fetched']['ranges']} ranged reads, {doc['fetched']['bytes']} bytes"
     _echo_fields(fields)
 
 
