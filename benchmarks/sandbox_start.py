@@ -7,7 +7,9 @@
    sandboxes per second with 2 workers; baseline: ``runc run`` of ``true`` in a pre-made rootfs
    directory (the same env flattened), with the same OCI spec, one at a time and 2 at a time.
    Goal: overhead ratio <= 1.5.
-2. 100 concurrent idle sandboxes: memory per sandbox (MemAvailable before/after), and whether
+2. exec round trip in one live sandbox: p50 / p95 of ``--execs`` ``exec(["true"])`` calls
+   (what an agent in RL training pays per command).
+3. 100 concurrent idle sandboxes: memory per sandbox (MemAvailable before/after), and whether
    the page cache is shared: each sandbox reads the same large file; the page cache should grow
    by about one copy of it, not 100.
 
@@ -115,6 +117,19 @@ def bench_sandboxes(store, env, node: Path, runs: int) -> tuple[list[float], flo
     return times, runs / (time.perf_counter() - t)
 
 
+def bench_exec_rtt(store, env, node: Path, count: int) -> list[float]:
+    times = []
+    with Sandbox.create(env, store=store, node_dir=node) as sb:
+        for _ in range(5):  # warm up
+            sb.exec(["true"])
+        for _ in range(count):
+            t = time.perf_counter()
+            r = sb.exec(["true"])
+            times.append(time.perf_counter() - t)
+            assert r.exit_code == 0, r.stderr
+    return times
+
+
 def bench_density(store, env, node: Path, count: int, big_file: str) -> dict[str, float]:
     subprocess.run(["sync"], check=True)
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
@@ -145,6 +160,7 @@ def main() -> int:
     ap.add_argument("--store", default=str(REPO / "cache"))
     ap.add_argument("--env", default="py-textstats")
     ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--execs", type=int, default=200)
     ap.add_argument("--density", type=int, default=100)
     ap.add_argument("--big-file", default="/usr/bin/python3.11")
     args = ap.parse_args()
@@ -158,6 +174,7 @@ def main() -> int:
     try:
         base_times, base_rate = bench_runc_baseline(store, args.env, work, args.runs)
         ours, our_rate = bench_sandboxes(store, args.env, work / "node", args.runs)
+        rtt = bench_exec_rtt(store, args.env, work / "node", args.execs)
         density = bench_density(store, args.env, work / "node", args.density, args.big_file)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -169,6 +186,8 @@ def main() -> int:
     print(f"{'Sandbox create+exec true+close':38} {p50 * 1e3:8.1f} {p95 * 1e3:8.1f} {our_rate:18.1f}")
     print(f"overhead ratio p50 {p50 / b50:.2f}, p95 {p95 / b95:.2f}, "
           f"throughput {base_rate / our_rate:.2f} (goal <= 1.5)")
+    print(f"exec(['true']) round trip in a live sandbox ({args.execs} execs): "
+          f"p50 {statistics.median(rtt) * 1e3:.2f} ms, p95 {pct(rtt, 95) * 1e3:.2f} ms")
     print(f"\n{args.density} idle sandboxes: {density['mem_per_sandbox'] / 1e6:.2f} MB of memory each")
     print(f"each read {density['file_size'] / 1e6:.1f} MB ({args.big_file}); page cache grew by "
           f"{density['cache_growth'] / 1e6:.1f} MB = "
