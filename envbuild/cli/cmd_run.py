@@ -20,15 +20,19 @@ def register(group: click.Group) -> None:
     @click.option("--lazy", is_flag=True,  # lazy mode (runtime_shim.lazyfs)
                   help="Start at once: serve the layers from the store with FUSE, fetching "
                        "each file on first read, instead of pulling and unpacking them.")
+    @click.option("--backend", type=click.Choice(["container", "microvm"]), default="container",
+                  show_default=True, help="Run as an OCI container or a QEMU microVM.")
     @pass_app
     def run(app: App, target: str, cmd: tuple[str, ...], network: bool, keep: bool,
-            timeout: float | None, lazy: bool) -> int:
+            timeout: float | None, lazy: bool, backend: str) -> int:
         """Run CMD in a fresh sandbox of TARGET (env name, ref or lock digest); builds nothing."""
         from runtime_shim.sandbox import Sandbox
 
+        if keep and backend == "microvm":  # a microVM dies with the process that started it
+            raise click.UsageError("--keep works with the container backend only")
         sb = Sandbox.create(target, store=app.open_store(), node_dir=app.settings.node_dir,
-                            network=network, runtime=app.settings.oci_runtime, keep=keep,
-                            lazy=lazy)
+                            backend=backend, network=network, runtime=app.settings.oci_runtime,
+                            keep=keep, lazy=lazy)
         try:
             result = sb.exec(list(cmd), timeout=timeout)
         finally:
