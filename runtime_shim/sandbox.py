@@ -13,7 +13,7 @@ microVM backend plugs in behind the same ``Backend`` protocol). A sandbox is:
   The agent runs as root so it can switch to the requested user; the lock's user is the
   default user of every exec. Commands inherit the agent's namespaces, cgroup, capability
   bounding set, ``noNewPrivileges`` and rlimits, i.e. what ``runc exec`` gave them; a non-root
-  command has no effective capabilities (``runc exec --user`` kept the configured set).
+  command has no effective capabilities, as with ``runc exec --user``.
 
 Security by default (see ``runtime_shim.spec``): an empty network namespace unless
 ``network=True``, dropped capabilities, ``noNewPrivileges``, masked ``/proc`` paths, pids and
