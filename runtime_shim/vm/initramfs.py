@@ -51,8 +51,10 @@ $B mount -t devtmpfs -o mode=0755 dev /dev || fail "mount /dev"
 exec </dev/console >/dev/console 2>&1
 $B mount -t proc proc /proc && $B mount -t sysfs sys /sys || fail "mount /proc /sys"
 while read -r m; do $B insmod "/lib/modules/$m" || fail "insmod $m"; done </etc/modules
+# (shell builtins where possible: every busybox fork+exec costs milliseconds under TCG)
 for d in /sys/block/vd*; do
-  s=$($B cat "$d/serial" 2>/dev/null)
+  s=
+  read -r s <"$d/serial"  # sysfs has no trailing newline: read sets s and returns 1
   case "$s" in eb-*) $B ln -s "/dev/${d##*/}" "/disks/$s" ;; esac
 done
 [ -e /disks/eb-cfg ] || fail "no config disk"
@@ -96,15 +98,17 @@ port=
 n=0
 while [ -z "$port" ] && [ $n -lt 1000 ]; do
   for p in $R/sys/class/virtio-ports/*; do
-    [ "$($B cat "$p/name" 2>/dev/null)" = envbuild.agent ] && [ -e "$R/dev/${p##*/}" ] &&
-      port=/dev/${p##*/}
+    name=
+    read -r name <"$p/name" 2>/dev/null
+    [ "$name" = envbuild.agent ] && [ -e "$R/dev/${p##*/}" ] && port=/dev/${p##*/}
   done
   [ -n "$port" ] || $B usleep 10000
   n=$((n + 1))
 done
 [ -n "$port" ] || fail "no envbuild.agent virtio serial port"
 [ -x $R/.envbuild/agent ] || fail "no agent in the initramfs"
-echo "envbuild-init: ready $($B cut -d' ' -f1 $R/proc/uptime)"
+read -r up _ <$R/proc/uptime
+echo "envbuild-init: ready $up"
 exec $B env -i "$@" $B switch_root $R /.envbuild/agent --serial "$port"
 """
 
