@@ -27,6 +27,7 @@ leftovers of a crashed process: mounts, runc containers, directories.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -35,12 +36,12 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from envbuild.errors import RuntimeShimError
-from envbuild.store import Store
+from envbuild.store import Store, put_file
 from runtime_shim import agent, fsaccess
 from runtime_shim.locks import ResolvedLock, resolve
 from runtime_shim.mount import OverlaySpec, mount_overlay, mounted_targets_under, unmount
@@ -50,6 +51,8 @@ from runtime_shim.spec import BindMount, Rlimit, RuntimeSpecRequest, env_list, p
 from runtime_shim.stub import AGENT_PATH, AGENT_RUN_DIR, ensure_stub
 
 SANDBOX_META_VERSION = 1
+#: Snapshot layers a lock may end in before pack-diff squashes them into one.
+DEFAULT_MAX_CHAIN = 8
 DEFAULT_OUTPUT_CAP = 16 << 20
 #: How long ``create`` waits for the agent's socket after ``runc run --detach`` returns.
 AGENT_READY_TIMEOUT = 10.0
@@ -233,6 +236,40 @@ class ContainerBackend:
             self._run_fd = -1
         kill_and_delete(self.runtime, self.id, self.init_pid)
 
+    @classmethod
+    def attach(cls, sandbox_id: str, paths: SandboxPaths, lock: ResolvedLock,
+               runtime: OciRuntime, limits: Limits) -> ContainerBackend:
+        """The backend of a running sandbox another process created (``envbuild run
+        --keep``), for ``envbuild pack-diff ID``."""
+        self = cls.__new__(cls)
+        self.id, self.paths, self.lock, self.runtime, self.limits = (
+            sandbox_id, paths, lock, runtime, limits)
+        self.init_pid = _init_pid(runtime, sandbox_id, paths.root / "init.pid")
+        if not os.path.exists(f"/proc/{self.init_pid}"):
+            raise RuntimeShimError(f"sandbox {sandbox_id} is not running",
+                                   hint="envbuild sandbox ls shows its state")
+        self._run_fd = os.open(paths.run, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        return self
+
+    def upper_dir(self) -> Path:
+        return self.paths.upper
+
+    @contextlib.contextmanager
+    def quiesce(self) -> Iterator[None]:
+        """Freeze every process of the sandbox (``runc pause``: the cgroup freezer) while its
+        upper dir is read, so a snapshot is one consistent moment; resume afterwards."""
+        done = subprocess.run(self.runtime.command("pause", self.id), capture_output=True,
+                              check=False)
+        if done.returncode != 0:
+            raise RuntimeShimError(f"pause sandbox {self.id}: "
+                                   f"{done.stderr.decode(errors='replace').strip()}",
+                                   hint="the cgroup freezer is needed to snapshot a live sandbox")
+        try:
+            yield
+        finally:
+            subprocess.run(self.runtime.command("resume", self.id), capture_output=True,
+                           check=False)
+
 
 def _init_pid(runtime: OciRuntime, container_id: str, pid_file: Path) -> int:
     try:
@@ -250,13 +287,77 @@ class Sandbox:
     """A running, isolated, disposable instance of a lock. Use as a context manager."""
 
     def __init__(self, sandbox_id: str, lock: ResolvedLock, paths: SandboxPaths,
-                 backend: Backend, node_root: Path) -> None:
+                 backend: Backend, node_root: Path, store: Store | None = None) -> None:
         self.id = sandbox_id
         self.lock = lock
         self.paths = paths
         self._backend = backend
         self._node_root = node_root
+        self._store = store
         self._closed = False
+
+    @classmethod
+    def attach(cls, sandbox_id: str, *, store: Store, node_dir: str | os.PathLike[str],
+               runtime: str = "runc") -> Sandbox:
+        """A running container sandbox created by another process (e.g. ``envbuild run
+        --keep``). Closing it removes it, as for one this process created."""
+        node_root = Path(node_dir)
+        paths = SandboxPaths(node_root / "sandboxes" / sandbox_id)
+        try:
+            meta = json.loads(paths.meta.read_text())
+        except (OSError, ValueError):
+            raise RuntimeShimError(f"no sandbox {sandbox_id} on this host",
+                                   hint="envbuild sandbox ls lists them") from None
+        if meta.get("backend", "container") != "container":
+            raise RuntimeShimError(f"sandbox {sandbox_id} is a {meta['backend']} sandbox; "
+                                   "only container sandboxes can be attached to")
+        lock = resolve(store, meta["lock"])
+        impl = ContainerBackend.attach(sandbox_id, paths, lock,
+                                       OciRuntime(runtime, state_root=str(node_root / "runc")),
+                                       Limits())
+        return cls(sandbox_id, lock, paths, impl, node_root, store)
+
+    def pack_diff(self, publish: str | None = None, *, policy=None,
+                  max_chain: int | None = DEFAULT_MAX_CHAIN, source_date_epoch: int = 0):
+        """Snapshot this sandbox: its changes become a layer (hostile-content policy applied,
+        ``runtime_shim.packdiff``), stored with a derived lock = this lock + that layer,
+        published under ``publish`` (e.g. ``snap/NAME``) if given. Processes are paused while
+        the upper dir is read. When the lock would end in more than ``max_chain`` snapshot
+        layers, they are squashed into one. Returns a ``SnapshotResult``."""
+        from runtime_shim import packdiff
+
+        self._check_open()
+        if self._store is None:
+            raise RuntimeShimError("pack_diff needs the store the sandbox was created from")
+        quiesce = getattr(self._backend, "quiesce", None)
+        if quiesce is None:
+            raise RuntimeShimError(f"pack-diff is not supported by this sandbox's backend yet")
+        started = time.monotonic()
+        name = publish or self.id
+        blob = self.paths.root / "snapshot.tar.zst"
+        try:
+            with quiesce(), open(blob, "wb") as out:
+                info, report = packdiff.pack_upper(
+                    self._backend.upper_dir(), out, policy or packdiff.SnapshotPolicy(),
+                    name=name, source_date_epoch=source_date_epoch)
+            stored = put_file(self._store, blob)
+        finally:
+            blob.unlink(missing_ok=True)
+        if stored.digest != info.digest:
+            raise RuntimeShimError(f"snapshot stored as {stored.digest}, packed {info.digest}")
+        layer = {"digest": info.digest, "size": info.size, "diff_id": info.diff_id,
+                 "toc_digest": info.toc_digest, "name": name}
+        manifest, config = packdiff.derive_lock(self.lock, [layer], keep=len(self.lock.layers))
+        squash = max_chain is not None and packdiff.snapshot_chain(self.lock) + 1 > max_chain
+        digest = packdiff.publish_lock(self._store, manifest, config,
+                                       None if squash else publish)
+        if squash:
+            digest = packdiff.squash_snapshots(self._store, resolve(self._store, digest),
+                                               scratch=self.paths.root, ref=publish,
+                                               name=name) or digest
+        return packdiff.SnapshotResult(layer=info.digest, lock=digest, ref=publish,
+                                       size=info.size, report=report, squashed=squash,
+                                       seconds=time.monotonic() - started)
 
     @classmethod
     def create(
@@ -307,7 +408,7 @@ class Sandbox:
             except BaseException:
                 remove_sandbox_dir(paths)
                 raise
-            return cls(sandbox_id, resolved, paths, impl, node_root)  # --- end microVM switch
+            return cls(sandbox_id, resolved, paths, impl, node_root, store)  # --- end microVM switch
         oci = OciRuntime(runtime, state_root=str(node_root / "runc"))
         mounted = False
         try:
@@ -321,7 +422,7 @@ class Sandbox:
                 unmount(str(paths.merged))
             shutil.rmtree(paths.root, ignore_errors=True)
             raise
-        return cls(sandbox_id, resolved, paths, impl, node_root)
+        return cls(sandbox_id, resolved, paths, impl, node_root, store)
 
     def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
              env: Mapping[str, str] | None = None, cwd: str | None = None,

@@ -14,6 +14,7 @@ import os
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 import zstandard
@@ -439,11 +440,22 @@ class LayerWriter:
 
 def pack_tree(src_dir: str | os.PathLike, out: BinaryIO, *, framing: str | Framing = "lazy",
               source_date_epoch: int = 0, overlay_upper: bool = False,
-              allow_devices: bool = True, workers: int = 2) -> LayerInfo:
+              allow_devices: bool = True, workers: int = 2,
+              entry_filter: Callable[[Iterator[tuple[Entry, bytes | None]]],
+                                     Iterator[tuple[Entry, bytes | None]]] | None = None,
+              ) -> LayerInfo:
     """Pack the tree below ``src_dir`` into a layer blob written to ``out`` (see the package
-    docstring). Deterministic: the same tree gives the same bytes wherever and whenever."""
+    docstring). Deterministic: the same tree gives the same bytes wherever and whenever.
+
+    ``entry_filter`` sees the walk's ``(entry, source path)`` pairs in layer order and yields
+    the ones to pack, possibly changed or fewer: how pack-diff applies its policy to an
+    untrusted sandbox's upper dir (drop devices, strip setuid bits, cap sizes) without a
+    second copy of the tree. It must keep layer order and keep hardlinks pointing at members
+    it yields."""
     entries = walk_tree(src_dir, source_date_epoch=source_date_epoch,
                         overlay_upper=overlay_upper, allow_devices=allow_devices)
+    if entry_filter is not None:
+        entries = entry_filter(entries)
     with LayerWriter(out, framing=framing, workers=workers, name=os.fspath(src_dir)) as w:
         for e, src in entries:
             w.add(e, src)

@@ -1,0 +1,314 @@
+"""pack-diff: a sandbox's changes as a new layer, and a lock that stacks it on its parent.
+
+A sandbox's upper dir is exactly its diff against the lock's layers (overlayfs: new and changed
+files, 0/0 character devices for deletions, ``trusted.overlay.opaque`` for directories whose
+lower contents are hidden). Packing it reads only the upper dir — never the lower layers — so
+the cost is proportional to the change, and the layer writer converts the overlay markers to
+OCI whiteouts.
+
+**The upper dir is hostile input.** Whatever ran in the sandbox chose its contents. The
+``SnapshotPolicy`` is applied to every entry while packing (``pack_tree(entry_filter=...)``),
+and every decision is reported (``PolicyReport``, in ``--json`` output):
+
+- device nodes and FIFOs are dropped (overlay whiteouts, which are 0/0 character devices, are
+  deletions and are kept — as OCI whiteouts);
+- setuid and setgid bits are stripped;
+- ``security.capability`` and ``trusted.*`` extended attributes are dropped (other
+  ``security.*`` too: labels from one host mean nothing on another);
+- a file larger than ``max_file_bytes``, more than ``max_total_bytes`` in all, or more than
+  ``max_entries`` members refuse the whole snapshot (``SnapshotRefused``) instead of filling
+  the store — nothing is published;
+- a file with hardlinks outside the upper dir refuses the snapshot (an upper dir can only hold
+  links among its own files);
+- symlinks are stored as links and never followed (the walker uses ``lstat`` throughout).
+
+A **derived lock** is the parent lock plus the new layer (role ``snapshot``), annotated with the
+parent lock's digest and the creation time. Chains of snapshots grow one layer per pack-diff;
+``squash_snapshots`` merges the trailing snapshot layers of a lock into one (whiteouts
+resolved), and ``max_chain`` squashes automatically.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from envbuild.errors import RuntimeShimError, UnsafeLayerError
+from envbuild.layers import Entry, LayerReader, pack_tree
+from envbuild.oci import (ANNOTATION_CREATED, ANNOTATION_NAME, ANNOTATION_PARENT,
+                          ANNOTATION_ROLE, ANNOTATION_TOC, MEDIA_TYPE_CONFIG,
+                          MEDIA_TYPE_LAYER_ZSTD, MEDIA_TYPE_MANIFEST)
+from envbuild.store import Store, put_file, put_json
+from runtime_shim.locks import ResolvedLock
+
+SNAPSHOT_ROLE = "snapshot"
+DROPPED_XATTR_PREFIXES = ("security.", "trusted.")
+
+
+class SnapshotRefused(UnsafeLayerError):
+    reference = "snapshot-refused"
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotPolicy:
+    """What a snapshot of untrusted sandbox changes may contain. Defaults are safe."""
+
+    drop_devices: bool = True
+    strip_setid: bool = True
+    drop_xattr_prefixes: tuple[str, ...] = DROPPED_XATTR_PREFIXES
+    max_file_bytes: int = 1 << 30
+    max_total_bytes: int = 8 << 30
+    max_entries: int = 1_000_000
+
+
+@dataclasses.dataclass
+class PolicyReport:
+    """Every decision the policy took, for the user and for ``--json``."""
+
+    decisions: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    entries: int = 0
+    bytes: int = 0
+
+    def note(self, path: str, action: str, reason: str) -> None:
+        self.decisions.append({"path": path, "action": action, "reason": reason})
+
+    def to_json(self) -> dict[str, Any]:
+        return {"entries": self.entries, "bytes": self.bytes, "decisions": self.decisions}
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotResult:
+    """What ``Sandbox.pack_diff`` made: the layer, the derived lock (and its ref)."""
+
+    layer: str
+    lock: str
+    ref: str | None
+    size: int
+    report: PolicyReport
+    squashed: bool
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layer": self.layer, "lock": self.lock, "ref": self.ref, "size": self.size,
+                "squashed": self.squashed, "seconds": round(self.seconds, 3),
+                "policy": self.report.to_json()}
+
+
+def hardlinks_leaving(root: Path) -> list[str]:
+    """Regular files below ``root`` whose link count is higher than the number of their names
+    below ``root``: linked to something outside it."""
+    seen: dict[tuple[int, int], list[str]] = {}
+    nlink: dict[tuple[int, int], int] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in filenames:
+            p = os.path.join(dirpath, n)
+            st = os.lstat(p)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                key = (st.st_dev, st.st_ino)
+                seen.setdefault(key, []).append(os.path.relpath(p, root))
+                nlink[key] = st.st_nlink
+    return sorted(p for key, paths in seen.items() if len(paths) < nlink[key] for p in paths)
+
+
+def policy_filter(policy: SnapshotPolicy, report: PolicyReport, name: str):
+    """An ``entry_filter`` for ``pack_tree`` applying ``policy`` and recording in ``report``."""
+
+    def apply(entries: Iterator[tuple[Entry, bytes | None]]):
+        dropped: set[str] = set()
+        for e, src in entries:
+            if e.type in ("char", "block", "fifo") and policy.drop_devices:
+                dropped.add(e.path)
+                report.note(e.path, "dropped", f"{e.type} device" if e.type != "fifo" else "fifo")
+                continue
+            if e.type == "hardlink" and e.linkname in dropped:
+                dropped.add(e.path)
+                report.note(e.path, "dropped", f"hardlink to dropped {e.linkname}")
+                continue
+            if policy.strip_setid and e.mode & 0o6000 and e.type in ("file", "hardlink", "dir"):
+                bits = " and ".join(b for b, m in (("setuid", 0o4000), ("setgid", 0o2000))
+                                    if e.mode & m and not (e.type == "dir" and m == 0o2000))
+                if bits:
+                    e.mode &= ~0o4000 if e.type == "dir" else ~0o6000
+                    report.note(e.path, "stripped", bits)
+            if e.xattrs:
+                bad = [k for k in e.xattrs if k.startswith(policy.drop_xattr_prefixes)]
+                for k in bad:
+                    del e.xattrs[k]
+                    report.note(e.path, "dropped-xattr", k)
+            report.entries += 1
+            if report.entries > policy.max_entries:
+                raise SnapshotRefused(f"snapshot of {name}: more than {policy.max_entries} "
+                                      "entries", hint="raise max_entries, or clean up first")
+            if e.type == "file":
+                if e.size > policy.max_file_bytes:
+                    raise SnapshotRefused(
+                        f"snapshot of {name}: {e.path} is {e.size} bytes, over the "
+                        f"{policy.max_file_bytes}-byte limit per file",
+                        hint="delete it in the sandbox or raise max_file_bytes")
+                report.bytes += e.size
+                if report.bytes > policy.max_total_bytes:
+                    raise SnapshotRefused(
+                        f"snapshot of {name}: more than {policy.max_total_bytes} bytes changed",
+                        hint="raise max_total_bytes, or clean up caches in the sandbox first")
+            yield e, src
+
+    return apply
+
+
+def pack_upper(upper: Path, out, policy: SnapshotPolicy, *, name: str,
+               source_date_epoch: int = 0):
+    """Pack an overlay upper dir under ``policy``: ``(LayerInfo, PolicyReport)``."""
+    leaving = hardlinks_leaving(upper)
+    if leaving:
+        raise SnapshotRefused(f"snapshot of {name}: {leaving[0]} is hardlinked outside the "
+                              f"sandbox's changes ({len(leaving)} such file(s))",
+                              hint="an upper dir should hold no such links; is it tampered?")
+    report = PolicyReport()
+    info = pack_tree(upper, out, overlay_upper=True, source_date_epoch=source_date_epoch,
+                     entry_filter=policy_filter(policy, report, name))
+    return info, report
+
+
+# ---------------------------------------------------------------------------------- locks
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def derive_lock(parent: ResolvedLock, layers: list[dict[str, Any]], *, keep: int,
+                created: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(manifest, config) of ``parent``'s first ``keep`` layers plus ``layers``
+    (each ``{digest, size, diff_id, toc_digest, name}``), annotated with the parent lock."""
+    created = created or _now()
+    config = copy.deepcopy(dict(parent.config))
+    manifest = copy.deepcopy(dict(parent.manifest))
+    config["rootfs"]["diff_ids"] = config["rootfs"]["diff_ids"][:keep]
+    config["history"] = list(config.get("history", []))[:keep]
+    manifest["layers"] = manifest["layers"][:keep]
+    for layer in layers:
+        config["rootfs"]["diff_ids"].append(layer["diff_id"])
+        config["history"].append({"created": created,
+                                  "created_by": f"envbuild pack-diff {layer['name']}"})
+        manifest["layers"].append({
+            "mediaType": MEDIA_TYPE_LAYER_ZSTD, "digest": layer["digest"], "size": layer["size"],
+            "annotations": {ANNOTATION_TOC: layer["toc_digest"], ANNOTATION_ROLE: SNAPSHOT_ROLE,
+                            ANNOTATION_NAME: layer["name"]}})
+    config["created"] = created
+    manifest["annotations"] = {**manifest.get("annotations", {}),
+                               ANNOTATION_PARENT: parent.digest, ANNOTATION_CREATED: created}
+    return manifest, config
+
+
+def publish_lock(store: Store, manifest: dict[str, Any], config: dict[str, Any],
+                 ref: str | None) -> str:
+    """Store config, then manifest, then (optionally) the ref; the manifest digest."""
+    cfg = put_json(store, config, media_type=MEDIA_TYPE_CONFIG)
+    manifest["config"] = {"mediaType": MEDIA_TYPE_CONFIG, "digest": cfg.digest,
+                          "size": cfg.size}
+    digest = put_json(store, manifest, media_type=MEDIA_TYPE_MANIFEST).digest
+    if ref:
+        store.put_ref(ref, digest, media_type=MEDIA_TYPE_MANIFEST)
+    return digest
+
+
+def snapshot_chain(lock: ResolvedLock) -> int:
+    """How many layers at the top of ``lock`` are snapshots."""
+    n = 0
+    for layer in reversed(lock.layers):
+        if layer.role != SNAPSHOT_ROLE:
+            break
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------- squash
+
+
+def _reader(store: Store, digest: str, toc_digest: str | None) -> LayerReader:
+    blob_path = getattr(store, "blob_path", None)
+    if blob_path is not None and Path(blob_path(digest)).is_file():
+        return LayerReader.open_file(blob_path(digest), name=digest,
+                                     expected_toc_digest=toc_digest or None)
+    return LayerReader.from_store(store, digest, expected_toc_digest=toc_digest or None)
+
+
+def _is_whiteout(path: str) -> bool:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+
+
+def merge_upper(store: Store, layers, dest: Path) -> None:
+    """Merge diff layers (bottom to top) into one overlay-style upper dir at ``dest``.
+
+    Each layer is unpacked with its whiteouts kept as overlay whiteouts (they hide content of
+    the layers *below the chain* too); an opaque directory first loses what earlier chain
+    layers put in it; a directory created where an earlier layer left a whiteout becomes
+    opaque, as overlayfs itself does when a deleted directory is made again."""
+    for layer in layers:
+        reader = _reader(store, layer.digest, layer.toc_digest)
+        try:
+            entries = reader.entries()
+            reopened = []
+            for e in entries:
+                parent, _, base = e.path.rpartition("/")
+                if base == ".wh..wh..opq":
+                    d = dest / parent if parent else dest
+                    if d.is_dir() and not d.is_symlink():
+                        for child in os.scandir(d):
+                            _remove(child.path)
+                elif e.type == "dir" and _is_whiteout(str(dest / e.path)):
+                    reopened.append(e.path)
+            reader.unpack(dest, whiteouts="overlay")
+            for p in reopened:
+                os.setxattr(dest / p, "trusted.overlay.opaque", b"y", follow_symlinks=False)
+        finally:
+            close = getattr(reader, "close", None)
+            if close:
+                close()
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def squash_snapshots(store: Store, lock: ResolvedLock, *, scratch: Path, ref: str | None,
+                     name: str = "squash") -> str | None:
+    """Replace the trailing snapshot layers of ``lock`` by one; publish the derived lock under
+    ``ref``. Returns its digest, or None when there is at most one snapshot layer."""
+    chain = snapshot_chain(lock)
+    if chain < 2:
+        return None
+    keep = len(lock.layers) - chain
+    work = Path(tempfile.mkdtemp(prefix="squash-", dir=scratch))
+    try:
+        upper = work / "upper"
+        upper.mkdir()
+        merge_upper(store, lock.layers[keep:], upper)
+        blob = work / "layer.tar.zst"
+        with open(blob, "wb") as out:
+            info = pack_tree(upper, out, overlay_upper=True)
+        stored = put_file(store, blob)
+        if stored.digest != info.digest:
+            raise RuntimeShimError(f"squash: stored {stored.digest}, packed {info.digest}")
+        manifest, config = derive_lock(lock, [{"digest": info.digest, "size": info.size,
+                                               "diff_id": info.diff_id,
+                                               "toc_digest": info.toc_digest, "name": name}],
+                                       keep=keep)
+        return publish_lock(store, manifest, config, ref)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
