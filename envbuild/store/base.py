@@ -110,10 +110,27 @@ ANY: Final = _Any()
 
 @dataclasses.dataclass(frozen=True)
 class BlobInfo:
-    """What ``stat`` knows about a stored blob."""
+    """What ``stat`` knows about a stored blob.
+
+    ``mtime`` (seconds since the epoch) is when the blob was stored in this store: the local
+    file's mtime, S3's ``LastModified``, the time of the ``put`` in memory. ``None`` when the
+    backend cannot tell; GC treats an unknown age as "just written" and never deletes such a
+    blob. It is metadata, not identity: two ``BlobInfo`` of the same blob compare equal.
+    """
 
     digest: str
     size: int
+    mtime: float | None = dataclasses.field(default=None, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialWrite:
+    """A write in progress, or the leftover of one that crashed: a local ``.tmp-*`` file, an
+    unfinished S3 multipart upload. ``name`` identifies it to ``delete_partial``."""
+
+    name: str
+    size: int
+    mtime: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,6 +334,21 @@ class Store(abc.ABC):
         records; deciding what is garbage is GC's job, on top of this interface.
     ``list() -> Iterator[str]``
         Digests of all stored blobs, in no particular order. Never yields partial writes.
+    ``list_info() -> Iterator[BlobInfo]``
+        ``stat`` of every blob ``list`` yields (a backend may get them in the same listing).
+
+    Ages and garbage collection (``envbuild.store.gc``)
+    ------------------------------------------------
+    ``BlobInfo.mtime`` is when a blob was stored; ``record_mtime(namespace, name)`` when a
+    record was last written; ``list_partials()`` / ``delete_partial(p)`` expose unfinished
+    writes (temp files, multipart uploads) with their age. All three are optional: the defaults
+    say "age unknown" / "no partial writes", which GC reads as "keep". GC deletes a blob only
+    if nothing it marks reaches it *and* it is older than a grace period, and a partial write
+    only once it is older than the grace period, so the **writer's contract** is: finish what
+    you start — put the blobs, then the record or ref that reaches them — within the grace
+    period (default 24 h). A writer that skips ``put`` because ``exists`` said the blob is
+    there relies on that blob being reachable already (through a key record or a ref), which
+    is what the build and ``sync`` do.
 
     Refs
     ----
@@ -386,6 +418,26 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def list(self) -> Iterator[str]:
         """Digests of all stored blobs, in no particular order."""
+
+    def list_info(self) -> Iterator[BlobInfo]:
+        """``BlobInfo`` (with ``mtime`` where known) of every stored blob."""
+        for digest in self.list():
+            try:
+                yield self.stat(digest)
+            except BlobNotFound:
+                continue  # deleted since the listing
+
+    def list_partials(self) -> Iterator[PartialWrite]:
+        """Unfinished writes (see "Ages and garbage collection"); none by default."""
+        return iter(())
+
+    def delete_partial(self, partial: PartialWrite) -> None:
+        """Remove an unfinished write that ``list_partials`` reported; idempotent."""
+
+    def record_mtime(self, namespace: str, name: str) -> float | None:
+        """When record ``namespace/name`` was last written; ``None`` if absent or unknown."""
+        check_record_name(namespace, name)
+        return None
 
     # -- refs ----------------------------------------------------------------------------------
 

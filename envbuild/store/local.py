@@ -7,7 +7,9 @@ On-disk format (store format version 1)::
       index.json             OCI image index; each ref is one entry of "manifests" whose
                              annotations["org.opencontainers.image.ref.name"] is the ref name (OCI)
       blobs/sha256/<hex>     blob bytes, named by their sha256                (OCI)
-      blobs/sha256/.tmp-*    blobs being written; never listed, removed by GC when stale
+      blobs/sha256/.tmp-*    blobs being written (``put`` holds an flock on its temp file
+                             until the rename); never listed, removed by GC when stale and
+                             unlocked (``list_partials``)
       envbuild-store.json    {"version": 1}: envbuild's own layout version; other versions are
                              refused by name
       index.json.lock        flock(2) target serialising index.json updates
@@ -46,6 +48,7 @@ from envbuild.store.base import (
     REF_NAME_ANNOTATION,
     BlobInfo,
     Descriptor,
+    PartialWrite,
     RefConflict,
     Store,
     VerifyingReader,
@@ -132,6 +135,17 @@ def _create_if_absent(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+@contextlib.contextmanager
+def _unlocked(path: Path) -> Iterator[None]:
+    """Hold ``path``'s flock, or raise ``BlockingIOError`` if a writer holds it."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_bytes())
@@ -205,8 +219,12 @@ class LocalStore(Store):
         if final.exists():
             return
         tmp = _tmp_name(self._blobs)
+        guard = -1
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            # flock held until after the rename: GC never takes a temp file a writer holds
+            guard = os.dup(fd)
+            fcntl.flock(guard, fcntl.LOCK_EX)
             h, count = hashlib.sha256(), 0
             with open(fd, "wb") as f:
                 for chunk in iter_chunks(data):
@@ -226,6 +244,8 @@ class LocalStore(Store):
             raise StoreError(f"write blob {digest} to {self._blobs}: {e}") from e
         finally:
             tmp.unlink(missing_ok=True)
+            if guard >= 0:
+                os.close(guard)
 
     def get(self, digest: str) -> BinaryIO:
         path = self.blob_path(digest)
@@ -257,9 +277,10 @@ class LocalStore(Store):
     def stat(self, digest: str) -> BlobInfo:
         path = self.blob_path(digest)
         try:
-            return BlobInfo(digest, path.stat().st_size)
+            st = path.stat()
         except FileNotFoundError:
             raise blob_not_found(digest) from None
+        return BlobInfo(digest, st.st_size, st.st_mtime)
 
     def exists(self, digest: str) -> bool:
         return self.blob_path(digest).exists()
@@ -277,6 +298,34 @@ class LocalStore(Store):
         for name in names:
             if len(name) == 64 and _HEX.issuperset(name):  # skips .tmp-* and strays
                 yield "sha256:" + name
+
+    def list_partials(self) -> Iterator[PartialWrite]:
+        """The ``.tmp-*`` files anywhere in the store (blobs, records, index.json being
+        written, or left by a crash) that no ``put`` holds locked; ``name`` is the path
+        relative to the root."""
+        for directory, _dirs, files in os.walk(self.root):
+            for name in files:
+                if not name.startswith(TMP_PREFIX):
+                    continue
+                path = Path(directory, name)
+                try:
+                    with _unlocked(path):
+                        st = path.stat()
+                except (FileNotFoundError, BlockingIOError):
+                    continue  # renamed into place since the listing, or being written
+                yield PartialWrite(str(path.relative_to(self.root)), st.st_size, st.st_mtime)
+
+    def delete_partial(self, partial: PartialWrite) -> None:
+        path = self.root / partial.name
+        if not path.name.startswith(TMP_PREFIX) or ".." in Path(partial.name).parts:
+            raise StoreError(f"not a partial write of {self}: {partial.name!r}")
+        try:
+            with _unlocked(path):
+                path.unlink(missing_ok=True)
+        except (FileNotFoundError, BlockingIOError):
+            pass  # gone, or a writer holds it after all: leave it
+        except OSError as e:
+            raise StoreError(f"delete partial write {path}: {e}") from e
 
     # -- refs ----------------------------------------------------------------------------------
 
@@ -442,6 +491,12 @@ class LocalStore(Store):
                               if not e.name.startswith(".") and e.is_file())
         except (FileNotFoundError, NotADirectoryError):
             return []
+
+    def record_mtime(self, namespace: str, name: str) -> float | None:
+        try:
+            return self._record_path(namespace, name).stat().st_mtime
+        except (FileNotFoundError, NotADirectoryError):
+            return None
 
     def delete_record(self, namespace: str, name: str) -> None:
         path = self._record_path(namespace, name)

@@ -14,6 +14,7 @@ import collections
 import hashlib
 import io
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
 
@@ -45,13 +46,17 @@ from envbuild.store.base import (
 class MemoryStore(Store):
     """A ``Store`` in a few dicts. ``calls`` counts every public method call by name.
 
-    ``blobs`` maps digest to bytes and is public so tests can corrupt a blob on purpose.
+    ``blobs`` maps digest to bytes and is public so tests can corrupt a blob on purpose;
+    ``mtimes`` (digest -> time of the ``put``) and ``record_mtimes`` are public so tests can age
+    a blob or record for GC. A blob without an entry in ``mtimes`` has an unknown age.
     """
 
     supports_cas = True
 
     def __init__(self) -> None:
         self.blobs: dict[str, bytes] = {}
+        self.mtimes: dict[str, float] = {}
+        self.record_mtimes: dict[tuple[str, str], float] = {}
         self.calls: collections.Counter[str] = collections.Counter()
         self._refs: dict[str, Descriptor] = {}
         self._records: dict[tuple[str, str], bytes] = {}
@@ -76,7 +81,9 @@ class MemoryStore(Store):
         if actual != digest or (size is not None and count != size):
             raise mismatch_on_put(digest, actual, count, size)
         with self._lock:
-            self.blobs.setdefault(digest, b"".join(parts))
+            if digest not in self.blobs:
+                self.blobs[digest] = b"".join(parts)
+                self.mtimes[digest] = time.time()
 
     def get(self, digest: str) -> BinaryIO:
         self.calls["get"] += 1
@@ -94,7 +101,7 @@ class MemoryStore(Store):
 
     def stat(self, digest: str) -> BlobInfo:
         self.calls["stat"] += 1
-        return BlobInfo(digest, len(self._blob(digest)))
+        return BlobInfo(digest, len(self._blob(digest)), self.mtimes.get(digest))
 
     def exists(self, digest: str) -> bool:
         self.calls["exists"] += 1
@@ -105,6 +112,7 @@ class MemoryStore(Store):
         self.calls["delete"] += 1
         check_digest(digest)
         self.blobs.pop(digest, None)
+        self.mtimes.pop(digest, None)
 
     def list(self) -> Iterator[str]:
         self.calls["list"] += 1
@@ -158,6 +166,7 @@ class MemoryStore(Store):
         self.calls["put_record"] += 1
         key = check_record_name(namespace, name)
         self._records[key] = encode_record(obj)
+        self.record_mtimes[key] = time.time()
 
     def get_record(self, namespace: str, name: str) -> dict[str, Any] | None:
         self.calls["get_record"] += 1
@@ -172,4 +181,10 @@ class MemoryStore(Store):
 
     def delete_record(self, namespace: str, name: str) -> None:
         self.calls["delete_record"] += 1
-        self._records.pop(check_record_name(namespace, name), None)
+        key = check_record_name(namespace, name)
+        self._records.pop(key, None)
+        self.record_mtimes.pop(key, None)
+
+    def record_mtime(self, namespace: str, name: str) -> float | None:
+        key = check_record_name(namespace, name)
+        return self.record_mtimes.get(key) if key in self._records else None

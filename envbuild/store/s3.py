@@ -72,6 +72,7 @@ from envbuild.store.base import (
     REF_NAME_ANNOTATION,
     BlobInfo,
     Descriptor,
+    PartialWrite,
     RefConflict,
     Store,
     VerifyingReader,
@@ -622,7 +623,7 @@ class S3Store(Store):
             raise self._fail(e, f"stat {self._where(key)}") from e
         except BotoCoreError as e:
             raise self._fail(e, f"stat {self._where(key)}") from e
-        return BlobInfo(digest, resp["ContentLength"])
+        return BlobInfo(digest, resp["ContentLength"], _timestamp(resp.get("LastModified")))
 
     def exists(self, digest: str) -> bool:
         try:
@@ -640,6 +641,50 @@ class S3Store(Store):
         for name in self._list(BLOBS_DIR, delimiter="/"):
             if len(name) == 64 and _HEX.issuperset(name):
                 yield "sha256:" + name
+
+    def list_info(self) -> Iterator[BlobInfo]:
+        """Sizes and ``LastModified`` from the listing itself: no HEAD per blob."""
+        full = self._key(BLOBS_DIR)
+        paginator = self.client.get_paginator("list_objects_v2")
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=full, Delimiter="/"):
+                for obj in page.get("Contents", ()):
+                    name = obj["Key"][len(full):]
+                    if len(name) == 64 and _HEX.issuperset(name):
+                        yield BlobInfo("sha256:" + name, obj["Size"],
+                                       _timestamp(obj.get("LastModified")))
+        except (ClientError, BotoCoreError) as e:
+            raise self._fail(e, f"list {self._where(full)}") from e
+
+    def list_partials(self) -> Iterator[PartialWrite]:
+        """Unfinished multipart uploads of blobs (``name``: ``<key>#<upload id>``)."""
+        full = self._key(BLOBS_DIR)
+        paginator = self.client.get_paginator("list_multipart_uploads")
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
+                for up in page.get("Uploads", ()):
+                    yield PartialWrite(f"{up['Key']}#{up['UploadId']}", 0,
+                                       _timestamp(up.get("Initiated")) or 0.0)
+        except (ClientError, BotoCoreError) as e:
+            raise self._fail(e, f"list uploads under {self._where(full)}") from e
+
+    def delete_partial(self, partial: PartialWrite) -> None:
+        key, _, upload_id = partial.name.rpartition("#")
+        if not key.startswith(self._key(BLOBS_DIR)) or not upload_id:
+            raise StoreError(f"not a partial write of {self}: {partial.name!r}")
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except ClientError as e:
+            if _code(e) not in _NOT_FOUND and _code(e) != "NoSuchUpload":
+                raise self._fail(e, f"abort upload to {self._where(key)}") from e
+        except BotoCoreError as e:
+            raise self._fail(e, f"abort upload to {self._where(key)}") from e
 
     # -- refs ----------------------------------------------------------------------------------
 
@@ -760,10 +805,29 @@ class S3Store(Store):
         return sorted(n for n in self._list(namespace + "/", delimiter="/")
                       if n and not n.startswith("."))
 
+    def record_mtime(self, namespace: str, name: str) -> float | None:
+        key = self._record_key(namespace, name)
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            resp = self.client.head_object(Bucket=self.bucket, Key=key)
+        except ClientError as e:
+            if _code(e) in _NOT_FOUND:
+                return None
+            raise self._fail(e, f"stat {self._where(key)}") from e
+        except BotoCoreError as e:
+            raise self._fail(e, f"stat {self._where(key)}") from e
+        return _timestamp(resp.get("LastModified"))
+
     def delete_record(self, namespace: str, name: str) -> None:
         key = self._record_key(namespace, name)
         self._call(f"delete {self._where(key)}", self.client.delete_object, Bucket=self.bucket,
                    Key=key)
+
+
+def _timestamp(value: Any) -> float | None:
+    """Seconds since the epoch of a botocore datetime (``LastModified``, ``Initiated``)."""
+    return value.timestamp() if hasattr(value, "timestamp") else None
 
 
 def _valid_ref(name: str) -> bool:

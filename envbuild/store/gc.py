@@ -1,0 +1,330 @@
+"""Garbage collection of a store: mark everything reachable, sweep old unreachable blobs.
+
+``gc(store, grace=..., roots=..., drop_cache=..., dry_run=...) -> GcReport``; the CLI is
+``envbuild gc`` (``envbuild.cli.cmd_jobs``). It works on any backend through the ``Store``
+interface and the optional age methods (``BlobInfo.mtime``, ``record_mtime``,
+``list_partials``; see "Ages and garbage collection" in ``envbuild.store.base``).
+
+Mark: the roots, and everything they reach
+    * **every ref** (``env/*``, ``snap/*``, anything else): the blob it points at;
+    * **every lock reached**: an image manifest reaches its config and layers, an index its
+      manifests, and a snapshot lock (manifest annotation ``org.envbuild.parent.lock``) its
+      parent lock, recursively;
+    * **key records** (``keys/v1/*``, the build cache): each record's layer blob. With
+      ``drop_cache=True`` a record is a root only while something else reaches its layer or the
+      record is younger than the grace period; otherwise the record is deleted (before its
+      layer, so a record never points at a deleted blob) and the layer becomes garbage.
+      Default: every record is a root — the build cache is never dropped implicitly, since the
+      planner trusts a record without re-checking its blob;
+    * **extra roots** (``roots=``: the digests of job manifests given with ``--job``): each is
+      kept, and walked like a lock when it is one;
+    * **every blob younger than the grace period**, and what it reaches when it is a manifest:
+      a build or a pack-diff that stored a lock but has not yet written its ref keeps the
+      (older) layers and parent lock that lock names.
+
+Sweep: a blob is deleted only if it is not marked **and** it is older than the grace period
+(its age is known and ``mtime <= start - grace``, where ``start`` is when GC began: a blob
+stored while GC runs is never old enough, even with ``grace=0``). Unfinished writes (local
+``.tmp-*`` files, S3 multipart uploads) are deleted only once unchanged for longer than the
+grace period and at least ``PARTIAL_MIN_AGE`` (1 h); GC never touches a temp file a writer is
+still writing (the local store's ``put`` holds an flock on it, which ``list_partials``
+respects; an S3 multipart upload's age counts from its start, so keep the grace period longer
+than your longest upload). Just before sweeping, the refs and key
+records are read again and anything new is marked, which narrows the window in which a writer
+that *reuses* an existing, unreachable blob (``exists`` said yes, so it skipped ``put``) can
+lose it; that writer is safe outright when the blob was reachable when it checked (a key
+record or a ref reached it), which is what builds and ``sync`` rely on.
+
+What is therefore safe while GC runs: every build (blobs, then key records, then lock blobs,
+then refs) and every ``sync``/pack-diff that finishes within the grace period; what is not: a
+grace period shorter than your longest write. ``grace=0`` is for tests and quiet stores.
+
+A ref that points at a missing blob is reported (``dangling``) and marks nothing; a reachable
+manifest that cannot be read or parsed (corrupt, or the backend failed) stops GC before it
+deletes anything (``StoreError``, reference ``gc-unmarkable``): not knowing what a lock
+reaches means not knowing what is garbage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from envbuild.errors import BlobNotFound, StoreError
+from envbuild.oci import ANNOTATION_PARENT, MEDIA_TYPE_MANIFEST
+from envbuild.store.base import BlobInfo, PartialWrite, Store, check_digest
+from envbuild.store.helpers import KEY_RECORDS, MAX_JSON_SIZE, get_json
+from envbuild.store.sync import _MANIFESTS  # the media types sync.walk descends into
+
+#: Default grace period: 24 hours.
+DEFAULT_GRACE = 24 * 3600.0
+#: An unfinished write is deleted only once it has not changed for this long, whatever the
+#: grace period: a temp file's mtime moves with every write, so a live writer never gets there,
+#: even under ``grace=0``.
+PARTIAL_MIN_AGE = 3600.0
+
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``"24h"``, ``"90m"``, ``"2d"``, ``"0"``, ``"30s"`` → seconds (``StoreError`` otherwise)."""
+    m = _DURATION_RE.fullmatch(text.strip().lower())
+    if not m:
+        raise StoreError(f"not a duration: {text!r}", reference="invalid-duration",
+                         hint="use a number with s, m, h, d or w, e.g. 24h, 90m, 7d, 0")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+@dataclasses.dataclass(frozen=True)
+class GcItem:
+    """One thing GC deleted (or would delete): a ``blob``, a key ``record`` or a ``partial``
+    write; ``age`` in seconds at the start of GC."""
+
+    kind: str
+    name: str
+    size: int
+    age: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "size": self.size,
+                "age": round(self.age, 3)}
+
+
+@dataclasses.dataclass
+class GcReport:
+    """What a GC run found and did. ``deleted`` lists what was (or, on a dry run, would be)
+    deleted; ``young`` counts unreachable blobs spared by the grace period; ``dangling`` names
+    roots that point at missing blobs (``ref env/x -> sha256:…``)."""
+
+    dry_run: bool
+    grace: float
+    blobs: int = 0
+    blob_bytes: int = 0
+    reachable: int = 0
+    young: int = 0
+    deleted: list[GcItem] = dataclasses.field(default_factory=list)
+    dangling: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def deleted_bytes(self) -> int:
+        return sum(i.size for i in self.deleted if i.kind == "blob")
+
+    def summary(self) -> str:
+        counts = {k: sum(1 for i in self.deleted if i.kind == k)
+                  for k in ("blob", "record", "partial")}
+        verb = "would delete" if self.dry_run else "deleted"
+        return (f"{self.blobs} blob(s) ({self.blob_bytes / 1e6:.1f} MB), {self.reachable} "
+                f"reachable, {self.young} unreachable but younger than the grace period; "
+                f"{verb} {counts['blob']} blob(s) ({self.deleted_bytes / 1e6:.1f} MB), "
+                f"{counts['record']} key record(s), {counts['partial']} partial write(s)")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dry_run": self.dry_run, "grace": self.grace, "blobs": self.blobs,
+                "blob_bytes": self.blob_bytes, "reachable": self.reachable,
+                "young": self.young, "deleted_bytes": self.deleted_bytes,
+                "deleted": [i.to_json() for i in self.deleted], "dangling": self.dangling}
+
+
+class _Marker:
+    """The mark phase: a set of reached digests, grown from roots without revisiting."""
+
+    def __init__(self, store: Store, report: GcReport) -> None:
+        self.store = store
+        self.report = report
+        self.marked: set[str] = set()
+        self._sizes: dict[str, int] = {}
+
+    def descriptor(self, desc: dict[str, Any], via: str) -> None:
+        """Mark a descriptor (OCI JSON) and, for a manifest, everything below it."""
+        stack = [(desc, via)]
+        while stack:
+            d, where = stack.pop()
+            digest = d.get("digest")
+            try:
+                check_digest(digest)
+            except StoreError:
+                raise _unmarkable(where, str(digest), "a descriptor with a malformed digest")
+            if digest in self.marked:
+                continue
+            self.marked.add(digest)
+            if d.get("mediaType") not in _MANIFESTS:
+                continue
+            doc = self._read_manifest(digest, where)
+            if doc is not None:
+                stack.extend((c, f"{where} -> {digest[:19]}") for c in _children(doc))
+
+    def digest(self, digest: str, via: str, *, sniff: bool = True) -> None:
+        """Mark a bare digest (a job manifest entry, a young blob); if it is a manifest (its
+        JSON says so), mark what it reaches too."""
+        if digest in self.marked:
+            return
+        if sniff:
+            doc = self._sniff(digest)
+            if doc is not None:
+                self.descriptor({"mediaType": doc["mediaType"], "digest": digest}, via)
+                return
+        self.marked.add(digest)
+
+    def _read_manifest(self, digest: str, where: str) -> dict[str, Any] | None:
+        try:
+            doc = get_json(self.store, digest)
+        except BlobNotFound:
+            self.report.dangling.append(f"{where} -> {digest} (missing)")
+            return None
+        except StoreError as e:
+            raise _unmarkable(where, digest, e.message) from e
+        if not isinstance(doc, dict):
+            raise _unmarkable(where, digest, "not a JSON object")
+        return doc
+
+    def _sniff(self, digest: str) -> dict[str, Any] | None:
+        """The blob parsed, if it is a manifest or index; ``None`` for anything else (layers:
+        one ranged read of their first byte) and for blobs that cannot be read."""
+        try:
+            size = self._sizes.get(digest)
+            if size is None:
+                size = self.store.stat(digest).size
+            if size > MAX_JSON_SIZE or self.store.get_range(digest, 0, 1) != b"{":
+                return None
+            doc = get_json(self.store, digest)
+        except StoreError:
+            return None
+        if isinstance(doc, dict) and doc.get("mediaType") in _MANIFESTS:
+            return doc
+        if isinstance(doc, dict) and doc.get("schemaVersion") == 2 and "layers" in doc:
+            return {**doc, "mediaType": MEDIA_TYPE_MANIFEST}  # mediaType is optional in OCI
+        return None
+
+
+def _children(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    children = [c for c in doc.get("manifests") or [] if isinstance(c, dict)]
+    for key in ("config", "subject"):
+        if isinstance(doc.get(key), dict):
+            children.append(doc[key])
+    children.extend(c for c in doc.get("layers") or [] if isinstance(c, dict))
+    parent = (doc.get("annotations") or {}).get(ANNOTATION_PARENT)
+    if parent:
+        children.append({"mediaType": MEDIA_TYPE_MANIFEST, "digest": parent})
+    return children
+
+
+def _unmarkable(where: str, digest: str, why: str) -> StoreError:
+    return StoreError(
+        f"gc: cannot read {digest}, reached from {where}: {why}; nothing was deleted",
+        reference="gc-unmarkable",
+        hint="check it with `envbuild job verify` or `envbuild layer verify`; delete or repoint "
+             "the ref that reaches it, then run gc again")
+
+
+def gc(store: Store, *, grace: float = DEFAULT_GRACE, roots: Iterable[str] = (),
+       drop_cache: bool = False, dry_run: bool = False, now: float | None = None,
+       progress: Callable[[str], None] = lambda msg: None) -> GcReport:
+    """Collect the garbage of ``store``; see the module docstring for the rules.
+
+    ``roots`` are extra digests to keep (and walk, when they are locks), e.g. every blob a job
+    manifest pins. ``now`` is the start time ages are measured from (tests)."""
+    if grace < 0:
+        raise StoreError(f"negative grace period {grace}", reference="invalid-duration")
+    start = time.time() if now is None else now
+    cutoff = start - grace
+    report = GcReport(dry_run=dry_run, grace=grace)
+    infos = list(store.list_info())
+    report.blobs = len(infos)
+    report.blob_bytes = sum(i.size for i in infos)
+    marker = _Marker(store, report)
+    marker._sizes = {i.digest: i.size for i in infos}
+
+    refs = _mark_refs(store, marker, {})
+    for digest in roots:
+        check_digest(digest)
+        marker.digest(digest, f"job manifest entry {digest[:19]}")
+    records, drop = _mark_records(store, marker, cutoff, drop_cache, {})
+    reachable = set(marker.marked)
+    for info in infos:
+        if not _old(info, cutoff):
+            marker.digest(info.digest, f"young blob {info.digest[:19]}")
+    progress(f"marked {len(marker.marked)} blob(s) from {len(refs)} ref(s)")
+    # Re-read the roots a concurrent writer may have added since, then decide.
+    _mark_refs(store, marker, refs)
+    _, drop = _mark_records(store, marker, cutoff, drop_cache, records)
+    drop = {name: rec for name, rec in drop.items() if rec[0] not in marker.marked}
+
+    report.reachable = sum(1 for i in infos if i.digest in reachable)
+    report.young = sum(1 for i in infos if i.digest in marker.marked - reachable)
+    garbage = [i for i in infos if i.digest not in marker.marked]
+    for name, (layer, mtime) in sorted(drop.items()):
+        report.deleted.append(GcItem("record", f"{KEY_RECORDS}/{name}", 0, start - mtime))
+        if not dry_run:
+            store.delete_record(KEY_RECORDS, name)
+    for info in sorted(garbage, key=lambda i: i.digest):
+        report.deleted.append(GcItem("blob", info.digest, info.size,
+                                     start - info.mtime))  # type: ignore[operator]
+        if not dry_run:
+            store.delete(info.digest)
+            progress(f"deleted {info.digest} ({info.size} bytes)")
+    for partial in _stale_partials(store, min(cutoff, start - PARTIAL_MIN_AGE)):
+        report.deleted.append(GcItem("partial", partial.name, partial.size,
+                                     start - partial.mtime))
+        if not dry_run:
+            store.delete_partial(partial)
+    return report
+
+
+def _old(info: BlobInfo, cutoff: float) -> bool:
+    return info.mtime is not None and info.mtime <= cutoff
+
+
+def _mark_refs(store: Store, marker: _Marker, seen: dict[str, str]) -> dict[str, str]:
+    """Mark every ref not in ``seen`` (name -> digest) or pointing elsewhere; return all."""
+    now: dict[str, str] = {}
+    for name in store.list_refs():
+        try:
+            desc = store.get_ref(name)
+        except StoreError:
+            continue  # deleted since the listing (RefNotFound)
+        now[name] = desc.digest
+        if seen.get(name) == desc.digest:
+            continue
+        if desc.media_type not in _MANIFESTS and not store.exists(desc.digest):
+            marker.report.dangling.append(f"ref {name} -> {desc.digest} (missing)")
+        marker.descriptor(desc.to_oci(), f"ref {name}")
+    return {**seen, **now}
+
+
+def _mark_records(store: Store, marker: _Marker, cutoff: float, drop_cache: bool,
+                  seen: dict[str, tuple[str, float] | None]
+                  ) -> tuple[dict[str, tuple[str, float] | None], dict[str, tuple[str, float]]]:
+    """Mark the layers of the key records not in ``seen``; return every record read (name ->
+    ``(layer, mtime)`` if it may be dropped, else ``None``) and the droppable ones."""
+    records = dict(seen)
+    drop: dict[str, tuple[str, float]] = {}
+    for name in store.list_records(KEY_RECORDS):
+        if name in seen:
+            before = seen[name]
+            if before is None:
+                continue
+            if store.record_mtime(KEY_RECORDS, name) == before[1]:
+                drop[name] = before
+                continue
+            # rewritten since the first pass: judge it afresh
+        obj = store.get_record(KEY_RECORDS, name)
+        layer = obj.get("layer") if obj else None
+        if not isinstance(layer, str) or not re.fullmatch(r"sha256:[0-9a-f]{64}", layer):
+            records[name] = None  # malformed: keep it, it marks nothing
+            continue
+        mtime = store.record_mtime(KEY_RECORDS, name) if drop_cache else None
+        if drop_cache and layer not in marker.marked and mtime is not None and mtime <= cutoff:
+            records[name] = drop[name] = (layer, mtime)
+            continue
+        records[name] = None
+        marker.digest(layer, f"key record {name[:12]}", sniff=False)
+    return records, drop
+
+
+def _stale_partials(store: Store, cutoff: float) -> list[PartialWrite]:
+    return sorted((p for p in store.list_partials() if p.mtime <= cutoff),
+                  key=lambda p: p.name)
