@@ -14,6 +14,11 @@ No orphan VMs: QEMU is spawned with ``PR_SET_PDEATHSIG=SIGKILL``. The kernel sen
 when the *thread* that forked the child exits, not the process, so every QEMU is forked by one
 long-lived daemon thread (``_Spawner``): a sandbox created in a pool thread survives the
 thread, and QEMU still dies with the host process (``kill -9`` included).
+
+Pausing: a VM started with ``VmRequest.qmp_socket`` has a QMP monitor there; ``qmp(path,
+"stop")`` halts its vCPUs and, before returning, completes every in-flight disk request, so
+the disk images on the host stop changing until ``qmp(path, "cont")`` (the guest's clock stops
+too, so it sees no jump).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -59,6 +65,7 @@ class VmRequest:
     accel: str = "tcg"  # "kvm" | "tcg"
     network: bool = False
     qemu: str = "qemu-system-x86_64"
+    qmp_socket: str | None = None  # host unix socket of a QMP monitor (pause/resume)
 
 
 def qemu_argv(req: VmRequest) -> list[str]:
@@ -83,6 +90,8 @@ def qemu_argv(req: VmRequest) -> list[str]:
         argv += ["-device", "virtio-serial-device",
                  "-chardev", f"socket,path={_opt(req.agent_socket)},server=on,wait=off,id=agent",
                  "-device", "virtserialport,chardev=agent,name=envbuild.agent"]
+    if req.qmp_socket:
+        argv += ["-qmp", f"unix:{_opt(req.qmp_socket)},server=on,wait=off"]
     if req.network:
         # User-mode (slirp) networking: outbound TCP/UDP through the host's stack, no inbound
         # ports, guest at 10.0.2.15 behind NAT (see the README's microVM section).
@@ -93,6 +102,48 @@ def qemu_argv(req: VmRequest) -> list[str]:
 def _opt(value: str) -> str:
     """QEMU option values escape ``,`` by doubling it."""
     return value.replace(",", ",,")
+
+
+QMP_TIMEOUT = 10.0
+
+
+def qmp(path: str, command: str, *, timeout: float = QMP_TIMEOUT) -> object:
+    """Run one QMP ``command`` (no arguments) on the monitor at ``path``: its ``return`` value.
+    One connection per call (the monitor takes one client at a time); events are skipped."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+        lines = _qmp_lines(sock)
+        if "QMP" not in next(lines, {}):
+            raise RuntimeShimError(f"QMP {command} on {path}: no greeting")
+        for cmd in ("qmp_capabilities", command):
+            sock.sendall(json.dumps({"execute": cmd}).encode() + b"\n")
+            reply = next((m for m in lines if "return" in m or "error" in m), None)
+            if reply is None:
+                raise RuntimeShimError(f"QMP {cmd} on {path}: the monitor closed the connection")
+            if "error" in reply:
+                raise RuntimeShimError(f"QMP {cmd} on {path}: "
+                                       f"{reply['error'].get('desc', reply['error'])}")
+        return reply["return"]
+    except (OSError, ValueError) as e:
+        raise RuntimeShimError(f"QMP {command} on {path}: {e}") from e
+    finally:
+        sock.close()
+
+
+def _qmp_lines(sock: socket.socket):
+    """The JSON messages the monitor sends, one a line."""
+    buf = b""
+    while True:
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            if line.strip():
+                yield json.loads(line)
+        data = sock.recv(65536)
+        if not data:
+            return
+        buf += data
 
 
 class VmProcess(Protocol):
