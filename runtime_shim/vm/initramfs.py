@@ -20,7 +20,9 @@ virtio-blk disks are found by serial (``eb-cfg``, ``eb-rw``, ``eb-l0`` … botto
 the config disk is a shell fragment (``EB_LAYERS``, ``EB_HOSTNAME``, ``EB_NET`` and
 ``set -- KEY=VALUE …`` for the env), each layer is mounted read-only as EROFS, the writable ext4
 disk holds ``upper/`` and ``work/``, overlayfs composes them over a tmpfs ``stub`` of mount
-points, and ``switch_root`` starts the agent on the ``envbuild.agent`` virtio serial port. The
+points (with the same plain-upper options as containers: ``runtime_shim.mount``), the ext4
+mount is moved to ``/.envbuild/rw`` (mode 0700, for ``fsfreeze`` at pack-diff), and
+``switch_root`` starts the agent on the ``envbuild.agent`` virtio serial port. The
 line ``envbuild-init: ready`` on the console marks the hand-over.
 """
 
@@ -36,15 +38,16 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from envbuild.errors import RuntimeShimError
+from runtime_shim.mount import OVERLAY_PLAIN_OPTIONS
 from runtime_shim.vm.kernel import GuestKernel, guest_modules
 
-INITRAMFS_VERSION = 1
+INITRAMFS_VERSION = 2
 READY_MARKER = b"envbuild-init: ready"
 FAILED_MARKER = b"envbuild-init: FAILED"
 AGENT_PORT_NAME = "envbuild.agent"
 
 INIT_SCRIPT = r"""#!/bin/busybox sh
-# envbuild guest init (initramfs v1). See runtime_shim/vm/initramfs.py.
+# envbuild guest init (initramfs v2). See runtime_shim/vm/initramfs.py.
 B=/bin/busybox
 fail() { echo "envbuild-init: FAILED: $*" >/dev/console; $B poweroff -f; }
 $B mount -t devtmpfs -o mode=0755 dev /dev || fail "mount /dev"
@@ -71,13 +74,16 @@ done
 $B mount -t tmpfs -o mode=0755 stub /stub && cd /stub &&
   $B mkdir -p proc sys dev tmp run .envbuild && $B chmod 1777 tmp && cd / || fail "stub"
 $B mount -t ext4 -o noatime /disks/eb-rw /rw || fail "mount the writable disk"
-$B mkdir -p /rw/upper /rw/work
-$B mount -t overlay overlay -o "lowerdir=$lower,upperdir=/rw/upper,workdir=/rw/work" /newroot ||
-  fail "mount overlay"
+$B mkdir -p /rw/upper /rw/work && $B chmod 0700 /rw || fail "make upper/ and work/"
+# Plain upper dir (no redirects, metacopy, index): what pack-diff's layer writer accepts.
+$B mount -t overlay overlay -o "lowerdir=$lower,upperdir=/rw/upper,workdir=/rw/work,@PLAIN@" \
+  /newroot || fail "mount overlay"
 R=/newroot
 $B mount -t tmpfs -o mode=0755,size=32m eb $R/.envbuild && $B cp /bin/busybox $R/.envbuild/ ||
   fail "mount /.envbuild"
 [ -x /bin/envbuild-agent ] && $B cp /bin/envbuild-agent $R/.envbuild/agent
+# The writable disk stays reachable (root only) for fsfreeze when the host snapshots it.
+$B mkdir $R/.envbuild/rw && $B mount --move /rw $R/.envbuild/rw || fail "move /rw"
 $B mount -t tmpfs -o mode=1777,nosuid,nodev tmp $R/tmp
 $B mount --move /dev $R/dev && $B mount --move /proc $R/proc && $B mount --move /sys $R/sys ||
   fail "move mounts"
@@ -110,7 +116,9 @@ done
 read -r up _ <$R/proc/uptime
 echo "envbuild-init: ready $up"
 exec $B env -i "$@" $B switch_root $R /.envbuild/agent --serial "$port"
-"""
+""".replace("@PLAIN@", ",".join(OVERLAY_PLAIN_OPTIONS))
+#: Where the init leaves the writable disk's ext4 mount in the guest (``upper/``, ``work/``).
+GUEST_RW_MOUNT = "/.envbuild/rw"
 
 
 @dataclasses.dataclass(frozen=True)
