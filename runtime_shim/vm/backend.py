@@ -6,6 +6,8 @@ One VM is (all under the sandbox's directory, removed on ``close``)::
     rw.ext4           the writable disk: sparse ext4, ``upper/`` and ``work/`` at its root
     config.sh         the config disk: a shell fragment the init sources (see below)
     agent.sock        QEMU's end of the agent's virtio serial port
+    qmp.sock          QEMU's monitor (QMP), to pause the VM for pack-diff
+    snapshot-rw/      the writable disk mounted read-only on the host, during pack-diff only
 
 plus, shared by every VM on the host, the EROFS image of each layer
 (``<node>/erofs/<hex>.erofs``), the initramfs and the kernel image (``<node>/vm/``).
@@ -24,26 +26,50 @@ timeout included (the agent kills the command's process group; the VM lives on).
 tmpfs outside the overlay) as root: ``cat`` out, ``cat`` in + ``chmod`` + ``chown`` to the lock's
 user, parents created, as the container backend does from the host.
 
+pack-diff (``quiesce`` + ``upper_dir``, driven by ``Sandbox.pack_diff`` as for containers):
+
+1. the guest freezes the writable ext4 (``fsfreeze --freeze /.envbuild/rw``, an exec of its
+   busybox as root): the kernel blocks new writes, writes back every dirty page, inode and
+   the superblock, and waits for the disk, so the on-disk filesystem is one consistent moment
+   (the disk has no journal to replay: freezing is what makes it consistent);
+2. QMP ``stop`` halts the vCPUs and completes in-flight disk requests: from here nothing
+   in the guest, not even a raw write to the block device, changes the image;
+3. the host mounts ``rw.ext4`` read-only through an autoclear loop device (``-t ext4`` named,
+   never probed; ``ro,noload,nodev,nosuid,noexec``) and ``upper_dir()`` is its ``upper/``,
+   packed by ``pack_upper`` under the same ``SnapshotPolicy`` as a container's;
+4. on the way out, whatever failed: unmount (the loop device goes with it), QMP ``cont``,
+   ``fsfreeze --unfreeze``. The VM runs on, as a container does after ``runc resume``.
+
+The image is guest-written data. Its *contents* are handled as hostile (the policy; an
+``upper`` that is not a real directory is refused, so a symlink cannot point the packer at
+the host's own files), but mounting it hands its *metadata* to the host kernel's ext4
+driver, which is not hardened against crafted images: a guest root that writes raw blocks
+could aim at ext4 bugs in the host kernel. Reading it in user space (fuse2fs) would remove
+that exposure.
+
 Limits: ``Limits.memory_bytes`` is the VM's RAM, ``VmOptions.vcpus`` its CPUs, ``nofile`` the
 agent's rlimit; ``pids`` is not enforced inside the guest (the VM's RAM bounds it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import shlex
 import signal
 import socket
+import stat
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from envbuild.errors import RuntimeShimError
 from runtime_shim import agent
 from runtime_shim.locks import ResolvedLock
+from runtime_shim.mount import unmount
 from runtime_shim.nodecache import NodeCache, parse_size
 from runtime_shim.spec import parse_user
 from runtime_shim.vm import erofs, initramfs, kernel as vmkernel, qemu
@@ -137,13 +163,17 @@ class MicroVmBackend:
                                      nofile=limits.nofile))
         self.console_log = root / "console.log"
         self.agent_socket = root / "agent.sock"
+        self.qmp_socket = root / "qmp.sock"
+        self.rw_disk = rw
+        self._snapshot_upper: Path | None = None
         accel = qemu.choose_accel(node.root, str(image), str(initrd), environ=environ)
         memory = limits.memory_bytes or self.options.default_memory_bytes
         self.request = qemu.VmRequest(
             kernel=str(image), initrd=str(initrd), cmdline=vmkernel.kernel_cmdline(tsc_khz=vmkernel.host_tsc_khz()),
             drives=vm_drives(images, rw, cfg),
             agent_socket=str(self.agent_socket), memory_mib=max(128, memory >> 20),
-            vcpus=self.options.vcpus, accel=accel, network=network)
+            vcpus=self.options.vcpus, accel=accel, network=network,
+            qmp_socket=str(self.qmp_socket))
         t3 = time.monotonic()
         self._mux: SerialMux | None = None
         self._proc = (launcher or qemu.QemuLauncher()).launch(self.request, self.console_log)
@@ -270,6 +300,42 @@ class MicroVmBackend:
             why = done.stderr.decode(errors="replace").strip() or f"exit {done.exit_code}"
             raise RuntimeShimError(f"write {path} in sandbox: {why}")
 
+    # ---- pack-diff (see the module docstring) -----------------------------------------------
+
+    def upper_dir(self) -> Path:
+        if self._snapshot_upper is None:
+            raise RuntimeShimError(f"the upper dir of microVM {self.id} is readable only "
+                                   "inside quiesce()")
+        return self._snapshot_upper
+
+    @contextlib.contextmanager
+    def quiesce(self) -> Iterator[None]:
+        """Freeze the guest's writable disk, pause the VM and mount the disk read-only on the
+        host for ``upper_dir()``; undo all three on exit, whatever failed."""
+        if self._proc is None or self._proc.poll() is not None:
+            raise RuntimeShimError(f"microVM {self.id} is not running")
+        mnt = self.root / "snapshot-rw"
+        with contextlib.ExitStack() as undo:
+            self._fsfreeze("freeze")
+            undo.callback(self._fsfreeze, "unfreeze")
+            qemu.qmp(str(self.qmp_socket), "stop")
+            undo.callback(qemu.qmp, str(self.qmp_socket), "cont")
+            mnt.mkdir()
+            undo.callback(mnt.rmdir)
+            _mount_image_readonly(self.rw_disk, mnt)
+            undo.callback(unmount, str(mnt))
+            self._snapshot_upper = _real_dir(mnt / "upper")
+            undo.callback(setattr, self, "_snapshot_upper", None)
+            yield
+
+    def _fsfreeze(self, how: str) -> None:
+        done = self._root_exec('exec $B fsfreeze "--$1" "$2"', [how, initramfs.GUEST_RW_MOUNT])
+        if done.exit_code != 0:
+            why = done.stderr.decode(errors="replace").strip() or f"exit {done.exit_code}"
+            raise RuntimeShimError(f"{how} the writable disk of microVM {self.id}: {why}",
+                                   hint=None if how == "freeze" else
+                                   "the guest's writes to its disk stay blocked; close it")
+
     def close(self) -> None:
         mux, self._mux = getattr(self, "_mux", None), None
         if mux is not None:
@@ -287,3 +353,27 @@ class MicroVmBackend:
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _mount_image_readonly(image: Path, target: Path) -> None:
+    """Mount the ext4 ``image`` read-only at ``target`` through a loop device that goes away
+    with the mount (mount(8) sets it up with autoclear and detaches it if mounting fails)."""
+    argv = ["mount", "-t", "ext4", "-o", "ro,loop,noload,nodev,nosuid,noexec", str(image),
+            str(target)]
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeShimError(f"mount the writable disk {image.name} read-only: mount exited "
+                               f"{proc.returncode}",
+                               context=f"$ {' '.join(argv)}\n{proc.stderr.strip()[-2000:]}")
+
+
+def _real_dir(path: Path) -> Path:
+    """``path`` if it is a directory and not a symlink (the guest chose what it is)."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise RuntimeShimError(f"read the sandbox's changes: {e}") from e
+    if not stat.S_ISDIR(st.st_mode):
+        raise RuntimeShimError(f"read the sandbox's changes: upper/ on the writable disk is "
+                               "not a directory", hint="was the guest's disk tampered with?")
+    return path
