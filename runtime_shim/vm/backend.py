@@ -34,18 +34,16 @@ pack-diff (``quiesce`` + ``upper_dir``, driven by ``Sandbox.pack_diff`` as for c
    (the disk has no journal to replay: freezing is what makes it consistent);
 2. QMP ``stop`` halts the vCPUs and completes in-flight disk requests: from here nothing
    in the guest, not even a raw write to the block device, changes the image;
-3. the host mounts ``rw.ext4`` read-only through an autoclear loop device (``-t ext4`` named,
-   never probed; ``ro,noload,nodev,nosuid,noexec``) and ``upper_dir()`` is its ``upper/``,
-   packed by ``pack_upper`` under the same ``SnapshotPolicy`` as a container's;
-4. on the way out, whatever failed: unmount (the loop device goes with it), QMP ``cont``,
-   ``fsfreeze --unfreeze``. The VM runs on, as a container does after ``runc resume``.
+3. the host mounts ``rw.ext4`` read-only with ``fuse2fs`` and ``upper_dir()`` is its
+   ``upper/``, packed by ``pack_upper`` under the same ``SnapshotPolicy`` as a container's;
+4. on the way out, whatever failed: unmount, QMP ``cont``, ``fsfreeze --unfreeze``. The VM
+   runs on, as a container does after ``runc resume``.
 
-The image is guest-written data. Its *contents* are handled as hostile (the policy; an
-``upper`` that is not a real directory is refused, so a symlink cannot point the packer at
-the host's own files), but mounting it hands its *metadata* to the host kernel's ext4
-driver, which is not hardened against crafted images: a guest root that writes raw blocks
-could aim at ext4 bugs in the host kernel. Reading it in user space (fuse2fs) would remove
-that exposure.
+The image is guest-written data, contents and metadata alike. Its contents are handled as
+hostile (the policy; an ``upper`` that is not a real directory is refused, so a symlink cannot
+point the packer at the host's own files), and its metadata is parsed in user space by
+fuse2fs, never by the host kernel's ext4 driver, which is not hardened against crafted images
+(a guest root can write raw blocks to its disk).
 
 Limits: ``Limits.memory_bytes`` is the VM's RAM, ``VmOptions.vcpus`` its CPUs, ``nofile`` the
 agent's rlimit; ``pids`` is not enforced inside the guest (the VM's RAM bounds it).
@@ -58,6 +56,7 @@ import dataclasses
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import stat
@@ -356,13 +355,20 @@ class MicroVmBackend:
 
 
 def _mount_image_readonly(image: Path, target: Path) -> None:
-    """Mount the ext4 ``image`` read-only at ``target`` through a loop device that goes away
-    with the mount (mount(8) sets it up with autoclear and detaches it if mounting fails)."""
-    argv = ["mount", "-t", "ext4", "-o", "ro,loop,noload,nodev,nosuid,noexec", str(image),
-            str(target)]
+    """Mount the guest-written ext4 ``image`` read-only at ``target`` with ``fuse2fs``.
+
+    The guest's root can write any bytes to its disk, so its ext4 metadata is untrusted input:
+    it is parsed in user space by fuse2fs (e2fsprogs' library), never by the host kernel's
+    ext4 driver, which is not hardened against crafted images. fuse2fs shows device nodes
+    (overlay whiteouts) and ``trusted.*`` xattrs (opaque dirs) as they are on disk."""
+    fuse2fs = shutil.which("fuse2fs") or shutil.which("fuse2fs", path="/usr/sbin:/sbin")
+    if fuse2fs is None:
+        raise RuntimeShimError("pack-diff of a microVM needs fuse2fs to read its disk safely",
+                               hint="apt-get install fuse2fs (or run scripts/setup.sh)")
+    argv = [fuse2fs, "-o", "ro", str(image), str(target)]
     proc = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeShimError(f"mount the writable disk {image.name} read-only: mount exited "
+    if proc.returncode != 0 or not os.path.ismount(target):
+        raise RuntimeShimError(f"mount the writable disk {image.name} read-only: fuse2fs exited "
                                f"{proc.returncode}",
                                context=f"$ {' '.join(argv)}\n{proc.stderr.strip()[-2000:]}")
 
