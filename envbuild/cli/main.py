@@ -100,9 +100,9 @@ def cli(ctx: click.Context, store_url: str | None, defs_dir: Path | None,
 
 
 def _register_commands() -> None:
-    from envbuild.cli import cmd_build, cmd_defs, cmd_layer, cmd_plan, cmd_run, cmd_sync
+    from envbuild.cli import cmd_build, cmd_defs, cmd_jobs, cmd_layer, cmd_plan, cmd_run, cmd_sync
 
-    for module in (cmd_defs, cmd_plan, cmd_build, cmd_run, cmd_layer, cmd_sync):
+    for module in (cmd_defs, cmd_plan, cmd_build, cmd_run, cmd_layer, cmd_sync, cmd_jobs):
         module.register(cli)
 
 

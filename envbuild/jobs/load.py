@@ -1,0 +1,196 @@
+"""Loading and writing job manifest files (YAML or JSON) against the JobManifest schema.
+
+``load_job_manifest(path) -> JobManifest`` reads one document with the definition loader's
+position-tracking YAML builder (``envbuild.defs.load``: JSON is YAML, so both formats get
+positions), checks it against ``envbuild/defs/schema/jobmanifest.json`` with the definition
+validator's error wording (``envbuild.defs.validate``), checks what a schema cannot (group
+names unique), and raises one ``JobManifestError`` listing every problem as
+``FILE:LINE:COL: message (at path) — hint``. ``write_job_manifest`` writes a manifest
+atomically (temp file, fsync, rename), YAML unless the name ends in ``.json``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import secrets
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from jsonschema import Draft202012Validator
+from referencing import Registry, Resource
+from yaml.nodes import MappingNode, ScalarNode, SequenceNode
+
+from envbuild.defs.load import Loader, _Builder, _key_positions
+from envbuild.defs.validate import Positions, _ErrorMapper, _inline_refs, load_schema
+from envbuild.errors import DefinitionError, EnvbuildError, Problem
+from runtime_shim.jobs import API_VERSION, KIND, JobManifest
+
+SCHEMA_FILE = "jobmanifest.json"
+
+
+class JobManifestError(DefinitionError):
+    """Problems in a job manifest file, all collected (a ``DefinitionError``: same one line per
+    problem rendering, ``reference`` ``job-manifest-error``)."""
+
+    reference = "job-manifest-error"
+
+    def __init__(self, problems: list[Problem] | Problem, *, hint: str | None = None) -> None:
+        super().__init__(problems, hint=hint)
+        count = len(self.problems)
+        self.message = f"{count} problem{'s' if count != 1 else ''} in job manifest"
+        self.args = (self.message,)
+
+
+@functools.cache
+def validator() -> Draft202012Validator:
+    """The compiled JobManifest validator, ``$ref``s inlined like the definition validators."""
+    common, schema = load_schema("common.json"), load_schema(SCHEMA_FILE)
+    registry: Registry = Registry().with_resources(
+        (s["$id"], Resource.from_contents(s)) for s in (common, schema))
+    return Draft202012Validator(_inline_refs(schema, registry.resolver(schema["$id"])))
+
+
+def check_job_document(doc: dict[str, Any], file: str, positions: Positions,
+                       key_positions: Callable[[], Positions]) -> list[Problem]:
+    """Every problem of a parsed job manifest document; empty when it is valid."""
+    where = positions.get("", (0, 0))
+    problems = []
+    if doc.get("apiVersion") != API_VERSION:
+        at = positions.get("apiVersion", where)
+        problems.append(Problem(file, *at, f"unsupported apiVersion {doc.get('apiVersion')!r}"
+                                if "apiVersion" in doc else "missing apiVersion",
+                                path="apiVersion" if "apiVersion" in doc else "",
+                                hint=f"use apiVersion: {API_VERSION}"))
+    if doc.get("kind") != KIND:
+        at = positions.get("kind", where)
+        problems.append(Problem(file, *at, f"not a job manifest: kind {doc.get('kind')!r}"
+                                if "kind" in doc else "missing kind",
+                                path="kind" if "kind" in doc else "", hint=f"use kind: {KIND}"))
+    problems += _duplicate_names(doc, file, positions)
+    v = validator()
+    if not problems and v.is_valid(doc):
+        return problems
+    mapper = _ErrorMapper(KIND, file, positions, key_positions())
+    found = set(problems)
+    for error in v.iter_errors(doc):
+        if list(error.absolute_path)[:1] in (["apiVersion"], ["kind"]):
+            continue  # reported above with a better message
+        found.update(mapper.problems(error))
+    return sorted(found)
+
+
+def _duplicate_names(doc: dict[str, Any], file: str, positions: Positions) -> list[Problem]:
+    problems, first = [], {}
+    groups = doc.get("groups")
+    for i, group in enumerate(groups if isinstance(groups, list) else []):
+        name = group.get("name") if isinstance(group, dict) else None
+        if not isinstance(name, str):
+            continue
+        if name in first:
+            problems.append(Problem(file, *positions.get(f"groups[{i}].name", (0, 0)),
+                                    f"duplicate group name {name!r}", path=f"groups[{i}].name",
+                                    hint=f"it is already used on line {first[name]}"))
+        else:
+            first[name] = positions.get(f"groups[{i}].name", (0, 0))[0]
+    return problems
+
+
+def load_job_manifest(path: str | os.PathLike[str]) -> JobManifest:
+    """The manifest in ``path`` (YAML or JSON), valid, or one ``JobManifestError``."""
+    file = os.fspath(path)
+    try:
+        text = Path(file).read_bytes().decode("utf-8")
+    except OSError as e:
+        raise JobManifestError(Problem(file, 0, 0, f"read job manifest: {e.strerror or e}")) from e
+    except UnicodeDecodeError as e:
+        raise JobManifestError(Problem(file, 0, 0, f"file is not utf-8 text: {e.reason}")) from e
+    return parse_job_manifest(text, file)
+
+
+def parse_job_manifest(text: str, file: str = "<manifest>") -> JobManifest:
+    """``load_job_manifest`` for text already read; ``file`` names it in problems."""
+    loader = Loader(text)
+    nodes = []
+    try:
+        while loader.check_node():
+            node = loader.get_node()
+            if not (isinstance(node, ScalarNode) and node.tag == "tag:yaml.org,2002:null"):
+                nodes.append(node)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        raise JobManifestError(Problem(
+            file, mark.line + 1 if mark else 0, mark.column + 1 if mark else 0,
+            f"invalid yaml: {e.problem or e.context}",
+            hint="check the indentation and quoting near this line")) from None
+    except yaml.YAMLError as e:
+        raise JobManifestError(Problem(file, 0, 0, f"invalid yaml: {e}")) from None
+    finally:
+        loader.dispose()
+    if len(nodes) != 1:
+        at = (nodes[1].start_mark.line + 1, 1) if nodes else (0, 0)
+        raise JobManifestError(Problem(
+            file, *at, "empty file: no job manifest in it" if not nodes
+            else "a job manifest file holds one document", hint="remove the other documents"
+            if nodes else f"start with 'apiVersion: {API_VERSION}' and 'kind: {KIND}'"))
+    node = nodes[0]
+    if not isinstance(node, MappingNode):
+        got = "a list" if isinstance(node, SequenceNode) else repr(getattr(node, "value", node))
+        raise JobManifestError(Problem(file, node.start_mark.line + 1, node.start_mark.column + 1,
+                                       f"a job manifest must be a mapping, got {got}",
+                                       hint=f"start with 'apiVersion: {API_VERSION}'"))
+    builder = _Builder(file)
+    doc = builder.value(node, "")
+    problems = check_job_document(doc, file, builder.positions, lambda: _key_positions(node))
+    if builder.problems:
+        refused = {p.path for p in builder.problems}
+        problems = builder.problems + [p for p in problems if p.path not in refused]
+    if problems:
+        raise JobManifestError(problems)
+    return JobManifest.from_mapping(doc)
+
+
+def render_job_manifest(manifest: JobManifest, *, as_json: bool = False) -> str:
+    """The text of a manifest: deterministic, so resolving a resolved file changes no byte."""
+    doc = manifest.to_mapping()
+    if as_json:
+        return json.dumps(doc, indent=2) + "\n"
+    return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=4096,
+                          allow_unicode=True)
+
+
+def write_job_manifest(manifest: JobManifest, dest: str | os.PathLike[str] | None) -> None:
+    """Write ``manifest`` to ``dest`` atomically (JSON if it ends in ``.json``), or to stdout
+    when ``dest`` is ``None`` or ``"-"``."""
+    if dest is None or os.fspath(dest) == "-":
+        sys.stdout.write(render_job_manifest(manifest))
+        return
+    dest = Path(dest)
+    data = render_job_manifest(manifest, as_json=dest.suffix == ".json").encode()
+    tmp = dest.parent / f".{dest.name}.{secrets.token_hex(6)}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise EnvbuildError(f"write job manifest {dest}: {e.strerror or e}",
+                            hint="the directory must exist and be writable") from e
+
+
+def default_output(path: str | os.PathLike[str]) -> Path:
+    """Where ``envbuild job resolve FILE`` writes by default: ``jobs.yaml`` →
+    ``jobs.resolved.yaml`` (same suffix); a ``*.resolved.*`` file is rewritten in place."""
+    path = Path(path)
+    suffix = path.suffix if path.suffix in (".yaml", ".yml", ".json") else ".yaml"
+    stem = path.name[: -len(path.suffix)] if path.suffix == suffix else path.name
+    if stem.endswith(".resolved"):
+        return path
+    return path.with_name(f"{stem}.resolved{suffix}")
