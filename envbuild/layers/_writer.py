@@ -37,7 +37,8 @@ ZSTD_LEVEL = 3
 TOC_ZSTD_LEVEL = 3  # the TOC is compressed after all frames, on the critical path: level 9 took
 #                     85 ms on a 15k-entry TOC for 3 % less (16 KB); level 3 takes ~15 ms
 _PADS = [bytes(n) for n in range(BLOCK)]
-_BATCH = 1 * MiB  # submit a buffer once it holds this much and a frame ends
+_BATCH = 2 * MiB  # submit a buffer once it holds this much and a frame ends (fewer, bigger
+#                  batches: less queue/lock/GIL traffic; 4 MiB measured no better)
 # batches compressed or being written while the main thread fills the next one: enough to keep
 # two compression threads and the output thread busy. Each buffer holds _BATCH + the largest
 # frame (see _capacity); fresh buffers cost page faults (~6 ms per 8 MiB here), so they are
