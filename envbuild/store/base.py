@@ -347,8 +347,10 @@ class Store(abc.ABC):
     only once it is older than the grace period, so the **writer's contract** is: finish what
     you start — put the blobs, then the record or ref that reaches them — within the grace
     period (default 24 h). A writer that skips ``put`` because ``exists`` said the blob is
-    there relies on that blob being reachable already (through a key record or a ref), which
-    is what the build and ``sync`` do.
+    there relies on that blob being reachable already (through a key record or a ref): true of
+    the build's cached layers; a ``sync`` into a store being collected that reuses an old,
+    unreachable blob can lose it between its ``exists`` and its ref (GC re-reads the refs
+    before sweeping, which narrows that window; ``envbuild job verify`` finds the hole).
 
     Refs
     ----

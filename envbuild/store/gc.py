@@ -33,11 +33,16 @@ than your longest upload). Just before sweeping, the refs and key
 records are read again and anything new is marked, which narrows the window in which a writer
 that *reuses* an existing, unreachable blob (``exists`` said yes, so it skipped ``put``) can
 lose it; that writer is safe outright when the blob was reachable when it checked (a key
-record or a ref reached it), which is what builds and ``sync`` rely on.
+record or a ref reached it), which is what builds rely on. A ``sync``/``push`` into a store
+being collected is exposed to that window for blobs the destination already had but nothing
+reached; run GC when no push targets the store, or verify the pushed locks afterwards.
 
 What is therefore safe while GC runs: every build (blobs, then key records, then lock blobs,
-then refs) and every ``sync``/pack-diff that finishes within the grace period; what is not: a
-grace period shorter than your longest write. ``grace=0`` is for tests and quiet stores.
+then refs) and every pack-diff that finishes within the grace period, and a ``sync`` with the
+caveat above; what is not: a grace period shorter than your longest write, and
+``drop_cache=True`` while builds run (a build that read a key record just before GC dropped it
+would lock a deleted layer — drop the cache on a quiet store). ``grace=0`` is for tests and
+quiet stores.
 
 A ref that points at a missing blob is reported (``dangling``) and marks nothing; a reachable
 manifest that cannot be read or parsed (corrupt, or the backend failed) stops GC before it
@@ -132,11 +137,11 @@ class GcReport:
 class _Marker:
     """The mark phase: a set of reached digests, grown from roots without revisiting."""
 
-    def __init__(self, store: Store, report: GcReport) -> None:
+    def __init__(self, store: Store, report: GcReport, sizes: dict[str, int]) -> None:
         self.store = store
         self.report = report
         self.marked: set[str] = set()
-        self._sizes: dict[str, int] = {}
+        self._sizes = sizes  # from the listing: saves a stat per sniffed blob
 
     def descriptor(self, desc: dict[str, Any], via: str) -> None:
         """Mark a descriptor (OCI JSON) and, for a manifest, everything below it."""
@@ -235,8 +240,7 @@ def gc(store: Store, *, grace: float = DEFAULT_GRACE, roots: Iterable[str] = (),
     infos = list(store.list_info())
     report.blobs = len(infos)
     report.blob_bytes = sum(i.size for i in infos)
-    marker = _Marker(store, report)
-    marker._sizes = {i.digest: i.size for i in infos}
+    marker = _Marker(store, report, {i.digest: i.size for i in infos})
 
     refs = _mark_refs(store, marker, {})
     for digest in roots:
