@@ -9,15 +9,19 @@ bug and exits 2 with a traceback and a request to report it.
     EnvbuildError                  reference, message, hint, context
     ├── SettingsError              bad flag, environment variable or store URL
     ├── DefinitionError            one or more problems in envdefs/ (each a ``Problem``)
-    ├── PlanError                  graph problems: cycles, missing references, ABI mismatches
+    │   ├── PlanError              graph problems: cycles, missing references, ABI mismatches
+    │   └── JobManifestError       problems in a job manifest (envbuild.jobs.load)
     ├── SourceError                a source cannot be read or hashed (path, git, archive)
     ├── LayerError                 a layer blob cannot be written or read
     │   ├── CorruptLayerError      truncated, tampered, wrong magic, digest mismatch
     │   ├── UnsupportedFormatError a format version this reader does not know
     │   └── UnsafeLayerError       a member that would escape the root, or is refused by policy
+    │       └── SnapshotRefused    pack-diff policy: a sandbox's changes exceed a size cap or
+    │                              hold links out of the upper dir (runtime_shim.packdiff)
     ├── StoreError                 the store failed an operation
     │   ├── BlobNotFound           no blob with that digest
     │   ├── RefNotFound            no ref with that name
+    │   ├── RefConflict            a compare-and-swap ref update lost (envbuild.store.base)
     │   ├── DigestMismatch         bytes do not hash to the digest they were stored under
     │   └── StoreUnavailable       the store cannot be reached or opened
     ├── BuildError                 a build step or importer failed

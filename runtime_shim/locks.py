@@ -17,6 +17,7 @@ from envbuild.errors import RefNotFound, RuntimeShimError
 from envbuild.oci import (ANNOTATION_KEY, ANNOTATION_NAME, ANNOTATION_ROLE, ANNOTATION_TOC,
                           LABEL_HOSTNAME, MEDIA_TYPE_LAYER_ZSTD, MEDIA_TYPE_MANIFEST)
 from envbuild.store import Store, get_json
+from envbuild.store.sync import resolve_ref
 
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
@@ -49,16 +50,14 @@ class ResolvedLock:
 
 def lock_digest(store: Store, ref_or_digest: str) -> str:
     """``sha256:…`` as is; ``env/NAME``, ``snap/NAME`` or a bare env name through the store's
-    refs (a bare name tries ``env/NAME`` first)."""
+    refs — the same rule as ``envbuild.store.sync.resolve_ref`` (the name itself, then
+    ``env/NAME``), so push, job resolve and sandboxes agree on what a name means."""
     if _DIGEST.fullmatch(ref_or_digest):
         return ref_or_digest
-    candidates = [ref_or_digest] if "/" in ref_or_digest else [f"env/{ref_or_digest}",
-                                                                ref_or_digest]
-    for name in candidates:
-        try:
-            return store.get_ref(name).digest
-        except RefNotFound:
-            continue
+    try:
+        return store.get_ref(resolve_ref(store, ref_or_digest)).digest
+    except RefNotFound:
+        pass
     refs = ", ".join(store.list_refs()[:10]) or "none"
     raise RuntimeShimError(f"no lock named {ref_or_digest!r} in {store!r}",
                            hint=f"refs there: {refs}; build and lock it with `envbuild build`")
