@@ -361,8 +361,9 @@ class _FrameSink:
 class LayerWriter:
     """Write members one by one; ``finish()`` appends the TOC and footer and returns the info.
 
-    Members are written in the order given (``pack_tree`` sorts them); ``add`` takes a
-    ``read(sink, h) -> chunks`` callback for file contents so sources can be files or streams.
+    Members are written in the order given (``pack_tree`` sorts them); ``add`` takes a file
+    path or a binary stream for file contents. File digests are computed off the calling
+    thread: ``Entry.digest`` of an added file is set by the time ``finish()`` returns.
     """
 
     def __init__(self, out: BinaryIO, *, framing: str | Framing = "lazy", workers: int = 2,
