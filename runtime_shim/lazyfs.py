@@ -512,10 +512,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("serving %s (%d entries, TOC %d bytes) at %s", args.digest, len(nodes),
              layer.stats.toc_bytes, args.mountpoint)
     try:
+        # The caching and inode options are also given as mount options: libfuse parses them
+        # itself, which does not depend on mfusepy's view of libfuse's config struct (the
+        # struct route alone left st_ino unset with libfuse 3.14: hardlinks got two inodes).
         mfusepy.FUSE(make_operations(layer, nodes), args.mountpoint, foreground=True,
                      nothreads=False, debug=args.debug, ro=True, allow_other=True,
                      default_permissions=True, fsname=f"envbuild-lazy-{args.digest[7:19]}",
-                     subtype="envbuild")
+                     subtype="envbuild", use_ino=True, readdir_ino=True, kernel_cache=True,
+                     entry_timeout=CACHE_TTL, attr_timeout=CACHE_TTL,
+                     negative_timeout=CACHE_TTL)
     except RuntimeError as e:
         print(f"error: mount {args.mountpoint}: libfuse failed ({e})", file=sys.stderr)
         return 1
