@@ -74,3 +74,25 @@ def copy_busybox_defs(dest: Path) -> None:
             shutil.copytree(src, target)
         else:
             shutil.copy2(src, target)
+
+
+def build_busybox_env(root: Path):
+    """Build and lock the busybox env of envdefs/ under ``root`` with the real CLI (a fresh
+    process, as a user would); returns ``(LocalStore, node_dir)``. For module-scoped fixtures
+    whose tests share one built store."""
+    import os
+    import subprocess
+    import sys
+
+    from envbuild.store import LocalStore
+
+    require_root()
+    require_tool("runc")
+    require_tool("busybox")
+    copy_busybox_defs(root / "envdefs")
+    env = {**os.environ, "ENVBUILD_NODE_CACHE": str(root / "node"),
+           "ENVBUILD_STORE": str(root / "store"), "ENVBUILD_DEFS": str(root / "envdefs")}
+    proc = subprocess.run([sys.executable, "-m", "envbuild.cli", "build"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return LocalStore(root / "store"), root / "node"

@@ -17,27 +17,17 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from envbuild.store import LocalStore
 from runtime_shim import agent
 from runtime_shim.sandbox import Limits, Sandbox
-from tests.conftest import require_root, require_tool
-from tests.integration.conftest import copy_busybox_defs
+from tests.conftest import require_tool
+from tests.integration.conftest import build_busybox_env
 
 ENV = "busybox-shell"
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    require_root()
-    require_tool("runc")
-    root = tmp_path_factory.mktemp("agent")
-    copy_busybox_defs(root / "envdefs")
-    env = {**os.environ, "ENVBUILD_NODE_CACHE": str(root / "node"),
-           "ENVBUILD_STORE": str(root / "store"), "ENVBUILD_DEFS": str(root / "envdefs")}
-    proc = subprocess.run([sys.executable, "-m", "envbuild.cli", "build"], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return LocalStore(root / "store"), root / "node"
+    return build_busybox_env(tmp_path_factory.mktemp("agent"))
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from envbuild.store import LocalStore
 from runtime_shim.mount import mounted_targets_under
 from runtime_shim.sandbox import Limits, Sandbox, gc_sandboxes
 from tests.conftest import REPO, require_root, require_tool
-from tests.integration.conftest import copy_busybox_defs
+from tests.integration.conftest import build_busybox_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -43,14 +43,7 @@ def _require_vm_tools() -> None:
 def built(tmp_path_factory):
     """A store with the busybox env built and locked, and a node dir for sandboxes."""
     _require_vm_tools()
-    root = tmp_path_factory.mktemp("microvm")
-    copy_busybox_defs(root / "envdefs")
-    env = {**os.environ, "ENVBUILD_NODE_CACHE": str(root / "node"),
-           "ENVBUILD_STORE": str(root / "store"), "ENVBUILD_DEFS": str(root / "envdefs")}
-    proc = subprocess.run([sys.executable, "-m", "envbuild.cli", "build"], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return LocalStore(root / "store"), root / "node"
+    return build_busybox_env(tmp_path_factory.mktemp("microvm"))
 
 
 @pytest.fixture(scope="module")

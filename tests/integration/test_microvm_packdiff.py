@@ -8,23 +8,19 @@ container snapshot restored in a VM.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 import time
 
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from envbuild.store import LocalStore
 from runtime_shim.locks import resolve
 from runtime_shim.mount import mounted_targets_under
 from runtime_shim.packdiff import SnapshotPolicy, SnapshotRefused
 from runtime_shim.sandbox import Limits, Sandbox
 from runtime_shim.stub import STUB_FILES
-from tests.conftest import require_tool
-from tests.integration.conftest import copy_busybox_defs
+from tests.integration.conftest import build_busybox_env
 from tests.integration.test_microvm import _require_vm_tools
 from tests.integration.test_packdiff import CHANGES, LISTING
 
@@ -38,15 +34,7 @@ EMPTY_MD5 = "d41d8cd98f00b204e9800998ecf8427e"
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     _require_vm_tools()
-    require_tool("runc")
-    root = tmp_path_factory.mktemp("vm-packdiff")
-    copy_busybox_defs(root / "envdefs")
-    env = {**os.environ, "ENVBUILD_NODE_CACHE": str(root / "node"),
-           "ENVBUILD_STORE": str(root / "store"), "ENVBUILD_DEFS": str(root / "envdefs")}
-    proc = subprocess.run([sys.executable, "-m", "envbuild.cli", "build"], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return LocalStore(root / "store"), root / "node"
+    return build_busybox_env(tmp_path_factory.mktemp("vm-packdiff"))
 
 
 @pytest.fixture(scope="module")

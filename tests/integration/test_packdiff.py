@@ -12,13 +12,12 @@ import sys
 import pytest
 
 from envbuild.layers import LayerReader
-from envbuild.store import LocalStore
 from runtime_shim.locks import resolve
 from runtime_shim.packdiff import (SnapshotPolicy, SnapshotRefused, pack_upper, snapshot_chain,
                                    squash_snapshots)
 from runtime_shim.sandbox import Sandbox
-from tests.conftest import require_root, require_tool
-from tests.integration.conftest import copy_busybox_defs
+from tests.conftest import require_root
+from tests.integration.conftest import build_busybox_env
 
 ENV = "busybox-shell"
 
@@ -35,16 +34,7 @@ done
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    require_root()
-    require_tool("runc")
-    root = tmp_path_factory.mktemp("packdiff")
-    copy_busybox_defs(root / "envdefs")
-    env = {**os.environ, "ENVBUILD_NODE_CACHE": str(root / "node"),
-           "ENVBUILD_STORE": str(root / "store"), "ENVBUILD_DEFS": str(root / "envdefs")}
-    proc = subprocess.run([sys.executable, "-m", "envbuild.cli", "build"], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return LocalStore(root / "store"), root / "node"
+    return build_busybox_env(tmp_path_factory.mktemp("packdiff"))
 
 
 def _sandbox(built, lock=ENV) -> Sandbox:

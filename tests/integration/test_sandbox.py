@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -12,12 +11,10 @@ from pathlib import Path
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from envbuild.store import LocalStore
 from runtime_shim.mount import mounted_targets_under
 from runtime_shim.runc import OciRuntime, list_containers
 from runtime_shim.sandbox import Limits, Sandbox, gc_sandboxes, list_sandboxes
-from tests.conftest import require_root, require_tool
-from tests.integration.conftest import copy_busybox_defs
+from tests.integration.conftest import build_busybox_env
 
 ENV = "busybox-shell"
 
@@ -25,16 +22,7 @@ ENV = "busybox-shell"
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """A store with the busybox env built and locked, and a node dir for sandboxes."""
-    require_root()
-    require_tool("runc")
-    root = tmp_path_factory.mktemp("sandbox")
-    copy_busybox_defs(root / "envdefs")
-    env = {**os.environ, "ENVBUILD_NODE_CACHE": str(root / "node"),
-           "ENVBUILD_STORE": str(root / "store"), "ENVBUILD_DEFS": str(root / "envdefs")}
-    proc = subprocess.run([sys.executable, "-m", "envbuild.cli", "build"], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return LocalStore(root / "store"), root / "node"
+    return build_busybox_env(tmp_path_factory.mktemp("sandbox"))
 
 
 def _create(built, **kw) -> Sandbox:
