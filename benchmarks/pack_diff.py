@@ -38,6 +38,7 @@ from envbuild.layers import pack_tree  # noqa: E402
 from envbuild.plan.lockspec import LockLayer  # noqa: E402
 from envbuild.store import LocalStore  # noqa: E402
 from runtime_shim.locks import resolve  # noqa: E402
+from _envs import ensure_built  # noqa: E402
 from runtime_shim.sandbox import Sandbox  # noqa: E402
 
 CHANGE_SCRIPT = r"""
@@ -54,15 +55,6 @@ done
 find /usr/share/doc -type f | sort | head -n {deletes} | xargs rm -f
 rm -rf /usr/share/locale
 """
-
-
-def ensure_built(store_dir: Path, env: str) -> None:
-    try:
-        resolve(LocalStore(store_dir), env)
-    except Exception:  # noqa: BLE001 - not built yet
-        print(f"building {env} into {store_dir} first …", flush=True)
-        subprocess.run([str(REPO / ".venv/bin/envbuild"), "--store", str(store_dir), "build",
-                        env], check=True, cwd=REPO)
 
 
 def tree_bytes(root: Path) -> int:

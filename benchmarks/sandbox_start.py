@@ -32,10 +32,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 from envbuild.layers import LayerReader  # noqa: E402
 from envbuild.store import LocalStore  # noqa: E402
 from runtime_shim.locks import resolve  # noqa: E402
+from _envs import ensure_built  # noqa: E402
 from runtime_shim.runc import OciRuntime, write_bundle  # noqa: E402
 from runtime_shim.sandbox import Sandbox  # noqa: E402
 from runtime_shim.spec import RuntimeSpecRequest, env_list, runtime_spec  # noqa: E402
@@ -52,18 +54,6 @@ def meminfo() -> dict[str, int]:
         k, v = line.split(":")
         out[k] = int(v.split()[0]) * 1024
     return out
-
-
-def ensure_built(store_dir: Path, env: str) -> None:
-    store = LocalStore(store_dir)
-    try:
-        resolve(store, env)
-        return
-    except Exception:  # noqa: BLE001 - not built yet: build it
-        pass
-    print(f"building {env} into {store_dir} first …", flush=True)
-    subprocess.run([str(REPO / ".venv/bin/envbuild"), "--store", str(store_dir), "build", env],
-                   check=True, cwd=REPO)
 
 
 def flatten(store: LocalStore, env: str, dest: Path) -> None:
