@@ -99,3 +99,13 @@ def test_extract_vmlinux_finds_a_gzip_payload():
     bz = b"MZ setup code \x1f\x8b\x08 false magic" + gzip.compress(elf, mtime=0) + b"trailer"
     assert extract_vmlinux(bz) == elf
     assert extract_vmlinux(b"no payload here") is None
+
+
+def test_strip_signature_drops_the_appended_pkcs7_block():
+    from runtime_shim.vm.kernel import MODULE_SIG_MAGIC, strip_signature
+
+    body = b"\x7fELF module body"
+    sig = b"S" * 37
+    signed = body + sig + bytes(8) + len(sig).to_bytes(4, "big") + MODULE_SIG_MAGIC
+    assert strip_signature(signed) == body
+    assert strip_signature(body) == body  # unsigned: unchanged
