@@ -30,20 +30,23 @@ writes, so a lazy and an unpacked layer are interchangeable as overlay lower dir
   of the layer's ``LazyStats`` plus ``pid`` — what this daemon fetched so far. It is invisible
   inside sandboxes: overlayfs takes the root's xattrs from the sandbox's upper dir.
 
-**The daemon** is one process per mount, started detached (own session) so it outlives the
-process that asked for it::
+**The daemon** is one process per node cache serving every lazy layer of the host, each its own
+mount (see "the node daemon" below for the protocol), started detached (own session) by
+``NodeCache.ensure_lazy`` so it outlives the process that asked for it::
 
-    python -m runtime_shim.lazyfs --store URL [--s3-endpoint URL] --digest D [--toc-digest T]
-        [--size N] --mountpoint M --chunk-cache DIR [--chunk-cache-max 10G] [--memory-cache 64M]
+    python -m runtime_shim.lazyfs --node ROOT [--chunk-cache-max 10G] [--memory-cache 256M]
 
-It opens the store (``envbuild.store.open_store``: a directory, or ``s3://`` with the
-credentials and ``AWS_ENDPOINT_URL`` of its environment unless ``--s3-endpoint`` is given) and the
-layer *before* mounting, so a wrong digest or an unreachable store is an exit 1 with one line on
-stderr and never a mount. It serves until the mount goes away (``umount``/``fusermount3 -u``) or
-it gets SIGTERM/SIGINT (libfuse then unmounts). Reads that fail (store down, corrupt content)
-return EIO and are logged on stderr. Pieces are cached in two levels: a small in-memory LRU
-(``--memory-cache``) in front of the node's disk ``ChunkCache``, so the kernel's 128 KiB reads
-of a file cut in 4 MiB pieces do not each re-read and re-hash the piece from disk.
+(``--store URL --digest D --mountpoint M --chunk-cache DIR ...`` serves one layer instead, in
+the foreground: for debugging.) It opens the store the client names (``envbuild.store.open_store``)
+only when needed: with a presigned URL of the blob (``S3Store.presigned_get_url``) ranged reads
+go over plain HTTP (``envbuild.store.lazy.HttpRanges``) and boto3 is never loaded unless the URL
+expires. A layer is opened (footer, TOC) *before* it is mounted, so a wrong digest or an
+unreachable store is an error reply with one line and never a mount. A mount is served until it
+goes away (``umount``/``fusermount3 -u``); SIGTERM/SIGINT/SIGHUP unmount all. Reads that fail
+(store down, corrupt content) return EIO and are logged on stderr. Pieces are cached in two
+levels: an in-memory LRU (``--memory-cache``) in front of the node's disk ``ChunkCache``, both
+shared by all the layers, so the kernel's 128 KiB reads of a file cut in 4 MiB pieces do not
+each re-read and re-hash the piece from disk.
 
 Why mfusepy and not pyfuse3: mfusepy is pure ctypes over the system's libfuse3 (the ``fuse3``
 package), installs in a second and runs libfuse's multi-threaded loop, so a read blocked on
@@ -69,7 +72,7 @@ from typing import Any
 
 from envbuild.errors import EnvbuildError, RuntimeShimError
 from envbuild.layers import Entry
-from envbuild.store.lazy import ChunkCache, LazyLayer, MemoryChunkCache
+from envbuild.store.lazy import ChunkCache, HttpRanges, LazyLayer, MemoryChunkCache
 
 log = logging.getLogger("envbuild.lazyfs")
 
@@ -251,22 +254,68 @@ def _operations_base() -> type:
     return mfusepy.Operations
 
 
-def make_operations(layer: LazyLayer, nodes: dict[str, Node]):
-    """The mfusepy ``Operations`` serving ``nodes`` with contents from ``layer``."""
+class _Frames:
+    """Which frames of a layer are loaded (every file inside them verified and cached) or being
+    fetched, so a read waits for a fetch in flight (readahead, prefetch) instead of repeating
+    it. Small files share frames (lazy framing): loading a frame caches every file wholly
+    inside it, which costs no extra request."""
+
+    def __init__(self, layer: LazyLayer, nodes: dict[str, Node]) -> None:
+        self.layer = layer
+        self.cv = threading.Condition()
+        self.loaded: set[int] = set()
+        self.inflight: set[int] = set()
+        self.mates: dict[int, list[str]] = {}
+        for node in {id(n): n for n in nodes.values()}.values():
+            if len(node.frames) == 1:
+                self.mates.setdefault(node.frames[0], []).append(node.read_path)
+
+    def missing(self, node: Node) -> bool:
+        return any(f not in self.loaded for f in node.frames)
+
+    def load(self, nodes: Sequence[Node], *, wait: bool = True) -> None:
+        """Load the frames of ``nodes``; ``wait=False`` (background): only those no one is
+        fetching, and return at once if there are none."""
+        while True:
+            with self.cv:
+                missing = {f for n in nodes for f in n.frames if f not in self.loaded}
+                if not missing:
+                    return
+                mine = missing - self.inflight
+                if not mine:
+                    if not wait:
+                        return
+                    self.cv.wait()
+                    continue
+                self.inflight |= mine
+            ok = False
+            try:
+                paths = [n.read_path for n in nodes if any(f in mine for f in n.frames)]
+                paths += [p for f in sorted(mine) for p in self.mates.get(f, ())]
+                self.layer.prefetch(paths)
+                ok = True
+            finally:
+                with self.cv:
+                    self.inflight -= mine
+                    if ok:
+                        self.loaded |= mine
+                    self.cv.notify_all()
+            if not wait:
+                return
+
+
+def make_operations(layer: LazyLayer, nodes: dict[str, Node], *,
+                    on_init: Any = None, trace: list[str] | None = None):
+    """The mfusepy ``Operations`` serving ``nodes`` with contents from ``layer``. ``on_init``
+    is called once the kernel's INIT arrived (the mount is up); ``trace``, when given,
+    collects the path of each file the first time it is read (the layer's access profile)."""
     import mfusepy
 
     FuseOSError = mfusepy.FuseOSError
     stats_of = statfs_of(nodes)
-    fill_locks: dict[str, threading.Lock] = {}
-    guard = threading.Lock()
-    # Small files share frames (lazy framing): the first read of one fetches its frame, and
-    # caching every file wholly inside that frame costs no extra request.
-    frame_files: dict[int, list[str]] = {}
-    for node in {id(n): n for n in nodes.values()}.values():
-        if len(node.frames) == 1:
-            frame_files.setdefault(node.frames[0], []).append(node.read_path)
-    loaded: set[int] = set()  # frames whose files are all cached
-    readahead = _Readahead(layer, nodes, loaded, guard)
+    frames = _Frames(layer, nodes)
+    readahead = _Readahead(layer, nodes, frames)
+    traced: set[int] = set()
 
     def node_at(path: str) -> Node:
         node = nodes.get(path.strip("/"))
@@ -276,6 +325,8 @@ def make_operations(layer: LazyLayer, nodes: dict[str, Node]):
 
     class LazyOperations(_operations_base()):
         use_ns = True
+        # exposed for the node daemon (profile prefetch) and tests
+        lazy_layer, lazy_nodes, lazy_frames = layer, nodes, frames
 
         def init_with_config(self, conn, config) -> None:
             if config is not None:
@@ -285,6 +336,8 @@ def make_operations(layer: LazyLayer, nodes: dict[str, Node]):
                 config.entry_timeout = CACHE_TTL
                 config.attr_timeout = CACHE_TTL
                 config.negative_timeout = CACHE_TTL
+            if on_init is not None:
+                on_init()
 
         def getattr(self, path: str, fh: int | None = None) -> dict[str, int]:
             return node_at(path).attrs()
@@ -326,20 +379,15 @@ def make_operations(layer: LazyLayer, nodes: dict[str, Node]):
             node = node_at(path)
             if offset >= node.size:
                 return b""
-            # one fetch per file at a time: a second reader of a file being fetched waits and
-            # then hits the cache instead of fetching the file again
-            with guard:
-                lock = fill_locks.setdefault(node.read_path, threading.Lock())
             try:
-                with lock:
-                    missing = [f for f in node.frames if f not in loaded]
-                    if missing:
-                        mates = [p for f in missing for p in frame_files.get(f, ())]
-                        layer.prefetch([node.read_path, *mates])
-                        with guard:
-                            loaded.update(missing)
-                        readahead.schedule(path.strip("/").rpartition("/")[0])
-                    return layer.read(node.read_path, offset, size)
+                if frames.missing(node):
+                    if trace is not None and node.ino not in traced:
+                        traced.add(node.ino)
+                        trace.append(node.read_path)
+                    # one fetch per frame at a time: a second reader waits for it
+                    frames.load([node])
+                    readahead.schedule(path.strip("/").rpartition("/")[0])
+                return layer.read(node.read_path, offset, size)
             except EnvbuildError as e:
                 log.error("read %s: %s", node.read_path, e)
                 raise FuseOSError(errno.EIO) from None
@@ -378,9 +426,9 @@ class _Readahead:
     keeps a directory's files together, so this is a few merged ranged reads; it serves
     programs that open a package's files one by one (Python imports, shared libraries)."""
 
-    def __init__(self, layer: LazyLayer, nodes: dict[str, Node], loaded: set[int],
-                 guard: threading.Lock, *, max_file: int = 1 << 20, budget: int = 8 << 20) -> None:
-        self.layer, self.nodes, self.loaded, self.guard = layer, nodes, loaded, guard
+    def __init__(self, layer: LazyLayer, nodes: dict[str, Node], frames: _Frames, *,
+                 max_file: int = 1 << 20, budget: int = 8 << 20) -> None:
+        self.layer, self.nodes, self.frames = layer, nodes, frames
         self.max_file, self.budget = max_file, budget
         self.done: set[str] = set()
         self.queue: list[str] = []
@@ -405,26 +453,22 @@ class _Readahead:
             if d is None or not d.is_dir:
                 continue
             prefix = directory + "/" if directory else ""
-            paths, frames, total = [], [], 0
+            todo, total = [], 0
             for name in d.children:
                 n = self.nodes.get(prefix + name)
                 if (n is None or not n.read_path or n.size > self.max_file
-                        or all(f in self.loaded for f in n.frames)):
+                        or not self.frames.missing(n)):
                     continue
                 total += n.size
                 if total > self.budget:
                     break
-                paths.append(n.read_path)
-                frames.extend(n.frames)
-            if not paths:
+                todo.append(n)
+            if not todo:
                 continue
             try:
-                self.layer.prefetch(paths)
+                self.frames.load(todo, wait=False)
             except EnvbuildError as e:  # a foreground read will report it
                 log.warning("readahead of %s: %s", directory or "/", e)
-                continue
-            with self.guard:
-                self.loaded.update(frames)
 
 
 def lazy_stats(mountpoint: str | os.PathLike[str]) -> dict[str, int]:
@@ -452,35 +496,273 @@ def store_location(store: Any) -> tuple[str, str | None]:
 
 def lazy_layer_dirs(node: Any, store: Any, layers: Sequence[Any]) -> list[str]:
     """``Sandbox.create(lazy=True)``: the lazy mounts of ``layers`` (``LayerRef``s, bottom to
-    top) in node cache ``node``, their daemons started in parallel."""
+    top) in node cache ``node``, asked of the node daemon in parallel. An ``S3Store`` hands the
+    daemon a presigned URL per blob, so it reads ranges without loading boto3."""
     from concurrent.futures import ThreadPoolExecutor
 
     url, endpoint = store_location(store)
+    presign = getattr(store, "presigned_get_url", None)
 
     def one(layer: Any) -> str:
+        ranges_url = presign(layer.digest) if presign is not None else None
         return str(node.ensure_lazy(url, layer.digest, layer.toc_digest or None,
-                                    s3_endpoint=endpoint, size=layer.size))
+                                    s3_endpoint=endpoint, size=layer.size,
+                                    ranges_url=ranges_url))
 
     if len(layers) <= 1:
         return [one(layer) for layer in layers]
     with ThreadPoolExecutor(min(8, len(layers)), thread_name_prefix="lazy-mount") as pool:
         return list(pool.map(one, layers))
 
-# -- the daemon --------------------------------------------------------------------------------
+
+# -- the node daemon ---------------------------------------------------------------------------
+#
+# One process per node cache serves every lazy layer of the host, each as its own FUSE mount
+# (one libfuse session and loop per mount, in threads of this process): the interpreter, the
+# imports, the chunk caches and the store connections are paid for once, not once per layer.
+# Clients (``NodeCache.ensure_lazy``) talk to it over a Unix socket in the abstract namespace
+# (``daemon_address``: no socket file to go stale; it vanishes with the process), one JSON
+# line each way:
+#
+#     {"op": "ping"}                                   -> {"ok": true, "pid": P}
+#     {"op": "mount", "mountpoint": M, "store": URL, "s3_endpoint": E|null, "digest": D,
+#      "toc_digest": T|null, "size": N|null, "ranges_url": U|null}
+#                                                      -> {"ok": true, "pid": P}
+#                                                      |  {"ok": false, "error": TEXT}
+#
+# "mount" opens the layer (footer, TOC: a wrong digest is an error reply, never a mount) and
+# answers once the kernel's INIT arrived. A mount ends when it is unmounted; the daemon exits
+# once it has served no mount and no request for ``DAEMON_IDLE_EXIT`` seconds, and on
+# SIGTERM/SIGINT/SIGHUP it unmounts everything first. A client that finds no daemon (connection
+# refused, or reset by one that is exiting) starts one and asks again.
+
+#: Seconds a daemon without mounts or requests waits before it exits.
+DAEMON_IDLE_EXIT = 1.0
+
+
+def daemon_address(node_root: str | os.PathLike[str]) -> bytes:
+    """The abstract Unix socket address of the daemon of node cache ``node_root``."""
+    import hashlib
+
+    key = hashlib.sha256(os.fsencode(os.path.abspath(node_root))).hexdigest()[:32]
+    return b"\0envbuild-lazyfs-" + key.encode()
+
+
+def daemon_request(node_root: str | os.PathLike[str], req: dict[str, Any],
+                   timeout: float) -> dict[str, Any] | None:
+    """Send ``req`` to the node daemon and return its reply; ``None`` when no daemon answers
+    (none runs, or it is exiting)."""
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        try:
+            sock.connect(daemon_address(node_root))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return None
+        try:
+            sock.sendall(json.dumps(req).encode() + b"\n")
+            reply = _read_line(sock)
+        except (BrokenPipeError, ConnectionResetError):
+            return None
+        except TimeoutError:
+            raise RuntimeShimError(f"the lazy layer daemon of {node_root} did not answer "
+                                   f"within {timeout:.0f} s") from None
+        return json.loads(reply) if reply else None
+    finally:
+        sock.close()
+
+
+def _read_line(sock: Any) -> bytes:
+    buf = b""
+    while not buf.endswith(b"\n"):
+        part = sock.recv(65536)
+        if not part:
+            break
+        buf += part
+    return buf
+
+
+class _NodeDaemon:
+    def __init__(self, root: str, chunk_cache_max: int, memory_cache: int) -> None:
+        self.root = root
+        self.cache = TieredChunkCache(MemoryChunkCache(memory_cache),
+                                      ChunkCache(os.path.join(root, "chunks"), chunk_cache_max))
+        self.lock = threading.Lock()
+        self.mounts: dict[int, str] = {}      # id -> mountpoint
+        self.threads: list[threading.Thread] = []
+        self.busy = 0
+        self.last = 0.0
+        self.stop = False
+        self._next = 0
+        self._stores: dict[tuple[str, str | None], Any] = {}
+
+    def _store(self, url: str, endpoint: str | None) -> Any:
+        from envbuild.store import open_store
+
+        with self.lock:
+            store = self._stores.get((url, endpoint))
+        if store is None:
+            store = open_store(url, s3_endpoint=endpoint)
+            with self.lock:
+                store = self._stores.setdefault((url, endpoint), store)
+        return store
+
+    def serve(self) -> int:
+        import signal
+        import socket
+        import time
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(daemon_address(self.root))
+        except OSError as e:
+            log.info("another daemon serves %s (%s): exiting", self.root, e.strerror)
+            return 0
+        sock.listen(64)
+        sock.settimeout(0.1)
+
+        def stop(signum: int, frame: Any) -> None:
+            self.stop = True
+        # Before any mount: libfuse installs its own handlers only where none is set, and
+        # those would end just one of the sessions.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, stop)
+        log.info("lazy layer daemon of %s up", self.root)
+        self.last = time.monotonic()
+        try:
+            while not self.stop:
+                try:
+                    conn, _ = sock.accept()
+                except TimeoutError:
+                    with self.lock:
+                        idle = (not self.mounts and not self.busy
+                                and time.monotonic() - self.last > DAEMON_IDLE_EXIT)
+                    if idle:
+                        break
+                    continue
+                with self.lock:
+                    self.busy += 1
+                threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+        finally:
+            sock.close()
+        if self.stop:
+            from runtime_shim.mount import unmount
+
+            with self.lock:
+                targets = list(self.mounts.values())
+            for mp in targets:
+                try:
+                    unmount(mp)
+                except EnvbuildError as e:
+                    log.warning("%s", e)
+        for t in list(self.threads):
+            t.join(5)
+        log.info("lazy layer daemon of %s exits", self.root)
+        return 0
+
+    def _handle(self, conn: Any) -> None:
+        import time
+
+        try:
+            conn.settimeout(None)
+            req = json.loads(_read_line(conn) or b"{}")
+            op = req.get("op")
+            if op == "ping":
+                reply: dict[str, Any] = {"ok": True, "pid": os.getpid()}
+            elif op == "mount":
+                reply = self._mount(req)
+            else:
+                reply = {"ok": False, "error": f"unknown request {op!r}"}
+            conn.sendall(json.dumps(reply).encode() + b"\n")
+        except Exception:  # noqa: BLE001 - a bad client must not take the daemon down
+            log.exception("request failed")
+        finally:
+            conn.close()
+            with self.lock:
+                self.busy -= 1
+                self.last = time.monotonic()
+
+    def _mount(self, req: dict[str, Any]) -> dict[str, Any]:
+        import time
+
+        mp, digest = req["mountpoint"], req["digest"]
+        url, endpoint = req["store"], req.get("s3_endpoint")
+        ready = threading.Event()
+        try:
+            if req.get("ranges_url"):  # the full store (boto3) only if the URL stops working
+                store = HttpRanges(digest, req["ranges_url"], lambda: self._store(url, endpoint))
+            else:
+                store = self._store(url, endpoint)
+            layer = LazyLayer(store, digest, chunk_cache=self.cache,
+                              expected_toc_digest=req.get("toc_digest") or None,
+                              size=req.get("size"))
+            nodes = build_tree(layer.entries())
+            ops = make_operations(layer, nodes, on_init=ready.set)
+        except EnvbuildError as e:
+            log.error("serve %s: %s", digest, e.message)
+            return {"ok": False, "error": "\n".join(e.render_lines())}
+        failed: list[str] = []
+        with self.lock:
+            self._next += 1
+            key = self._next
+            self.mounts[key] = mp
+
+        def run() -> None:
+            import mfusepy
+
+            log.info("serving %s (%d entries, TOC %d bytes) at %s", digest, len(nodes),
+                     layer.stats.toc_bytes, mp)
+            try:
+                # The caching and inode options are also given as mount options: libfuse
+                # parses them itself, which does not depend on mfusepy's view of libfuse's
+                # config struct (the struct route alone left st_ino unset with libfuse 3.14:
+                # hardlinks got two inodes).
+                mfusepy.FUSE(ops, mp, foreground=True, nothreads=False, ro=True,
+                             allow_other=True, default_permissions=True,
+                             fsname=f"envbuild-lazy-{digest[7:19]}", subtype="envbuild",
+                             use_ino=True, readdir_ino=True, kernel_cache=True,
+                             entry_timeout=CACHE_TTL, attr_timeout=CACHE_TTL,
+                             negative_timeout=CACHE_TTL)
+            except BaseException as e:  # noqa: BLE001 - reported to the client
+                failed.append(f"mount {mp}: libfuse failed ({e})")
+            finally:
+                with self.lock:
+                    del self.mounts[key]
+                    self.last = time.monotonic()
+                ready.set()
+                log.info("unmounted %s; stats %s", mp, json.dumps(layer.stats.as_dict()))
+
+        t = threading.Thread(target=run, name=f"fuse-{digest[7:19]}", daemon=True)
+        with self.lock:
+            self.threads = [x for x in self.threads if x.is_alive()] + [t]
+        t.start()
+        if not ready.wait(req.get("timeout", 30)) or failed:
+            why = failed[0] if failed else "the kernel did not send INIT in time"
+            log.error("%s", why)
+            return {"ok": False, "error": why}
+        return {"ok": True, "pid": os.getpid()}
+
+
+# -- the daemon command ------------------------------------------------------------------------
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m runtime_shim.lazyfs",
-                                description="Serve one layer as a read-only FUSE filesystem "
-                                            "(an overlay lower dir) until unmounted.")
-    p.add_argument("--store", required=True, help="store URL: a directory or s3://BUCKET/PREFIX")
+                                description="Serve lazy layers as read-only FUSE filesystems "
+                                            "(overlay lower dirs): every layer of a node cache "
+                                            "(--node), or one layer at --mountpoint.")
+    p.add_argument("--node", default=None,
+                   help="the node cache directory: serve its lazy mounts until none is left")
+    p.add_argument("--store", help="store URL: a directory or s3://BUCKET/PREFIX")
     p.add_argument("--s3-endpoint", default=None)
-    p.add_argument("--digest", required=True)
+    p.add_argument("--digest")
     p.add_argument("--toc-digest", default=None)
     p.add_argument("--size", type=int, default=None, help="blob size (saves a request)")
-    p.add_argument("--mountpoint", required=True)
-    p.add_argument("--chunk-cache", required=True, help="the node's chunk cache directory")
+    p.add_argument("--mountpoint")
+    p.add_argument("--chunk-cache", help="the node's chunk cache directory")
     p.add_argument("--chunk-cache-max", default="10G")
-    p.add_argument("--memory-cache", default="64M")
+    p.add_argument("--memory-cache", default="256M")
     p.add_argument("--debug", action="store_true", help="libfuse debug output")
     return p
 
@@ -498,9 +780,24 @@ def open_layer(args: argparse.Namespace) -> tuple[LazyLayer, dict[str, Node]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s lazyfs[%(process)d] %(levelname)s %(message)s")
+    from runtime_shim.nodecache import parse_size
+
+    if args.node:
+        try:
+            _operations_base()
+        except EnvbuildError as e:
+            print("\n".join(e.render_lines()), file=sys.stderr)
+            return 1
+        return _NodeDaemon(os.path.abspath(args.node), parse_size(args.chunk_cache_max),
+                           parse_size(args.memory_cache)).serve()
+    missing = [f"--{n}" for n in ("store", "digest", "mountpoint", "chunk-cache")
+               if not getattr(args, n.replace("-", "_"))]
+    if missing:
+        parser.error(f"without --node, these are required: {', '.join(missing)}")
     try:
         layer, nodes = open_layer(args)
         _operations_base()
@@ -512,9 +809,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("serving %s (%d entries, TOC %d bytes) at %s", args.digest, len(nodes),
              layer.stats.toc_bytes, args.mountpoint)
     try:
-        # The caching and inode options are also given as mount options: libfuse parses them
-        # itself, which does not depend on mfusepy's view of libfuse's config struct (the
-        # struct route alone left st_ino unset with libfuse 3.14: hardlinks got two inodes).
         mfusepy.FUSE(make_operations(layer, nodes), args.mountpoint, foreground=True,
                      nothreads=False, debug=args.debug, ro=True, allow_other=True,
                      default_permissions=True, fsname=f"envbuild-lazy-{args.digest[7:19]}",

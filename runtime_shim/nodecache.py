@@ -10,9 +10,11 @@ Layout (version 1, under ``root``)::
     tmp/                       unpacks in progress (same filesystem, so the final rename is atomic)
     lazy/<hex>/                lazy mode: the layer's read-only FUSE mount (runtime_shim.lazyfs)
     lazy/<hex>.json            {"version": 1, "pid", "digest", "store", "started"}: its daemon
-    lazy/<hex>.log             the daemon's stderr (appended across restarts)
     lazy/<hex>.used            touched on every use
-    locks/<hex>.lazy.lock      flock: one daemon per layer across threads and processes
+    lazy/daemon.json           {"version": 1, "pid", "started"}: the node's lazy layer daemon
+    lazy/daemon.log            its stderr (appended across restarts)
+    locks/<hex>.lazy.lock      flock: one mount request per layer across threads and processes
+    locks/lazy-daemon.lock     flock: one daemon start at a time
     chunks/                    lazy mode: verified file pieces (envbuild.store.lazy.ChunkCache),
                                keyed by content, shared by every lazy layer
 
@@ -20,11 +22,12 @@ Layout (version 1, under ``root``)::
 rename into place, so a half-unpacked layer is never visible. Concurrent callers for one layer
 wait on its lock and then find it present.
 
-``ensure_lazy(store_url, digest, toc_digest)`` returns the layer's FUSE mount instead, starting
-its daemon (``python -m runtime_shim.lazyfs``, detached: it outlives the caller and serves every
-sandbox on the host) if no healthy one serves it; a mount whose daemon died (``ENOTCONN``) is
-unmounted and replaced. ``evict`` (``envbuild node gc``) unmounts the lazy mounts that no live
-sandbox uses, which ends their daemons.
+``ensure_lazy(store_url, digest, toc_digest)`` returns the layer's FUSE mount instead, asking the
+node's one lazy layer daemon (``python -m runtime_shim.lazyfs --node ROOT``, detached: it
+outlives the caller and serves every lazy layer of every sandbox on the host; started if none
+runs) to mount it; a mount whose daemon died (``ENOTCONN``) is unmounted and replaced. ``evict``
+(``envbuild node gc``) unmounts the lazy mounts that no live sandbox uses; the daemon exits
+once it serves none.
 """
 
 from __future__ import annotations
@@ -171,17 +174,20 @@ class NodeCache:
 
     def ensure_lazy(self, store_url: str, digest: str, toc_digest: str | None = None, *,
                     s3_endpoint: str | None = None, size: int | None = None,
+                    ranges_url: str | None = None,
                     chunk_cache_max: int = DEFAULT_CHUNK_CACHE_MAX,
                     timeout: float = LAZY_MOUNT_TIMEOUT) -> Path:
         """The read-only FUSE mount of layer ``digest`` (an overlay lower dir), served from the
         store at ``store_url`` (a directory or ``s3://…``; ``runtime_shim.lazyfs.store_location``
-        gives it for a ``Store``) by a detached daemon shared by every sandbox on this host.
+        gives it for a ``Store``) by the node's lazy layer daemon, shared by every sandbox on
+        this host; ``ranges_url`` (a presigned GET URL of the blob) lets it read ranges without
+        opening the store itself.
 
         Idempotent: a healthy mount is returned as is. Otherwise, under the layer's lock, a
-        stale mount (its daemon died) is unmounted and a daemon started; this waits until its
-        mount is up, at most ``timeout`` seconds. The daemon checks ``toc_digest`` (and
-        ``size``, the lock's blob size) before it mounts. A daemon that exits or does not mount
-        in time is a ``RuntimeShimError`` with the tail of its log."""
+        stale mount (its daemon died) is unmounted and the daemon (started if none runs) asked
+        to mount the layer; it checks ``toc_digest`` (and ``size``, the lock's blob size)
+        before it mounts and answers once the mount is up, within ``timeout`` seconds. A layer
+        it cannot serve is a ``RuntimeShimError`` with its reason."""
         target = self.lazy_dir(digest)
         hexd = target.name
         if _lazy_mount_state(target) != "ok":
@@ -192,82 +198,93 @@ class NodeCache:
                     self._stop_lazy(hexd)
                 if state != "ok":
                     self._start_lazy(store_url, digest, toc_digest, s3_endpoint, size,
-                                     chunk_cache_max, timeout)
+                                     ranges_url, chunk_cache_max, timeout)
         _touch(self.root / "lazy" / f"{hexd}.used")
         return target
 
     def _start_lazy(self, store_url: str, digest: str, toc_digest: str | None,
-                    s3_endpoint: str | None, size: int | None, chunk_cache_max: int,
-                    timeout: float) -> None:
+                    s3_endpoint: str | None, size: int | None, ranges_url: str | None,
+                    chunk_cache_max: int, timeout: float) -> None:
+        from runtime_shim.lazyfs import daemon_request
+
         target = self.lazy_dir(digest)
         hexd = target.name
         target.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "runtime_shim.lazyfs", "--store", store_url,
-                "--digest", digest, "--mountpoint", str(target),
-                "--chunk-cache", str(self.root / "chunks"),
-                "--chunk-cache-max", str(chunk_cache_max)]
-        if toc_digest:
-            argv += ["--toc-digest", toc_digest]
-        if s3_endpoint:
-            argv += ["--s3-endpoint", s3_endpoint]
-        if size is not None:
-            argv += ["--size", str(size)]
-        # the daemon imports runtime_shim and envbuild from where this process did
-        src = str(Path(__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (src, os.environ.get("PYTHONPATH")) if p)}
-        log_path = self.root / "lazy" / f"{hexd}.log"
-        with open(log_path, "ab") as log:
-            log_start = log.tell()
-            try:
-                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                        cwd="/", env=env, start_new_session=True)
-            except OSError as e:
-                raise RuntimeShimError(f"start lazy layer daemon for {digest}: {e}") from e
-        _daemons[proc.pid] = proc
-        state = {"version": LAZY_STATE_VERSION, "pid": proc.pid, "digest": digest,
-                 "store": store_url, "started": time.time()}
-        tmp = self.root / "lazy" / f".{hexd}.json.{uuid.uuid4().hex[:8]}"
-        tmp.write_text(json.dumps(state))
-        tmp.replace(self.root / "lazy" / f"{hexd}.json")
-        deadline = time.monotonic() + timeout
-        delay = 0.002
-        while _lazy_mount_state(target) != "ok":
-            code = proc.poll()
-            if code is not None or time.monotonic() > deadline:
-                if code is None:
-                    _terminate(proc.pid)
-                    proc.wait()
-                    why = f"did not mount within {timeout:.0f} s"
-                else:
-                    why = f"exited {code}"
+        req = {"op": "mount", "mountpoint": str(target), "store": store_url,
+               "s3_endpoint": s3_endpoint, "digest": digest, "toc_digest": toc_digest,
+               "size": size, "ranges_url": ranges_url, "timeout": timeout}
+        for _ in range(5):  # a daemon that was exiting as we asked: start one, ask again
+            reply = daemon_request(self.root, req, timeout + 5)
+            if reply is None:
+                self._start_daemon(chunk_cache_max, timeout)
+                continue
+            if not reply.get("ok"):
                 if _lazy_mount_state(target) != "absent":
                     _unmount_fuse(target)
                 raise RuntimeShimError(
-                    f"lazy layer {digest}: the FUSE daemon {why}",
-                    context=_log_tail(log_path, log_start),
-                    hint=f"see {log_path}; store {store_url}")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+                    f"lazy layer {digest}: the FUSE daemon cannot serve it",
+                    context=str(reply.get("error", ""))[-2000:] or None,
+                    hint=f"see {self.root / 'lazy' / 'daemon.log'}; store {store_url}")
+            state = {"version": LAZY_STATE_VERSION, "pid": reply.get("pid"), "digest": digest,
+                     "store": store_url, "started": time.time()}
+            tmp = self.root / "lazy" / f".{hexd}.json.{uuid.uuid4().hex[:8]}"
+            tmp.write_text(json.dumps(state))
+            tmp.replace(self.root / "lazy" / f"{hexd}.json")
+            return
+        raise RuntimeShimError(f"lazy layer {digest}: no FUSE daemon answers",
+                               hint=f"see {self.root / 'lazy' / 'daemon.log'}")
+
+    def _start_daemon(self, chunk_cache_max: int, timeout: float) -> None:
+        """Start the node's lazy layer daemon unless one answers (one starter at a time)."""
+        from runtime_shim.lazyfs import daemon_request
+
+        with self._thread_lock("lazy-daemon"), \
+                _flock(self.root / "locks" / "lazy-daemon.lock"):
+            if daemon_request(self.root, {"op": "ping"}, timeout) is not None:
+                return
+            argv = [sys.executable, "-m", "runtime_shim.lazyfs",
+                    "--node", os.path.abspath(self.root),
+                    "--chunk-cache-max", str(chunk_cache_max)]
+            # the daemon imports runtime_shim and envbuild from where this process did
+            src = str(Path(__file__).resolve().parent.parent)
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+                p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+            (self.root / "lazy").mkdir(parents=True, exist_ok=True)
+            log_path = self.root / "lazy" / "daemon.log"
+            with open(log_path, "ab") as log:
+                log_start = log.tell()
+                try:
+                    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=log, cwd="/", env=env,
+                                            start_new_session=True)
+                except OSError as e:
+                    raise RuntimeShimError(f"start the lazy layer daemon: {e}") from e
+            _daemons[proc.pid] = proc
+            tmp = self.root / "lazy" / f".daemon.json.{uuid.uuid4().hex[:8]}"
+            tmp.write_text(json.dumps({"version": LAZY_STATE_VERSION, "pid": proc.pid,
+                                       "started": time.time()}))
+            tmp.replace(self.root / "lazy" / "daemon.json")
+            deadline = time.monotonic() + timeout
+            delay = 0.002
+            while daemon_request(self.root, {"op": "ping"}, timeout) is None:
+                code = proc.poll()
+                if code is not None or time.monotonic() > deadline:
+                    if code is None:
+                        _terminate(proc.pid)
+                    raise RuntimeShimError(
+                        "the lazy layer daemon " + (f"exited {code}" if code is not None
+                                                    else f"did not start within {timeout:.0f} s"),
+                        context=_log_tail(log_path, log_start), hint=f"see {log_path}")
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
 
     def _stop_lazy(self, hexd: str) -> None:
-        """Unmount ``lazy/<hex>`` and make sure its daemon is gone (caller holds the lock)."""
+        """Unmount ``lazy/<hex>`` (caller holds the lock); the daemon drops that mount, and
+        exits once it serves none."""
         target = self.root / "lazy" / hexd
-        state_file = self.root / "lazy" / f"{hexd}.json"
-        try:
-            pid = int(json.loads(state_file.read_text()).get("pid", 0))
-        except (OSError, ValueError):
-            pid = 0
         if _lazy_mount_state(target) != "absent":
             _unmount_fuse(target)
-        if pid and _is_daemon(pid, target):
-            # the daemon ends when its last mount goes; a stuck one is stopped
-            deadline = time.monotonic() + LAZY_STOP_TIMEOUT
-            while _is_daemon(pid, target) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if _is_daemon(pid, target):
-                _terminate(pid)
-        state_file.unlink(missing_ok=True)
+        (self.root / "lazy" / f"{hexd}.json").unlink(missing_ok=True)
         (self.root / "lazy" / f"{hexd}.used").unlink(missing_ok=True)
         try:
             target.rmdir()
@@ -296,7 +313,28 @@ class NodeCache:
                     _flock(self.root / "locks" / f"{hexd}.lazy.lock"):
                 self._stop_lazy(hexd)
             done.append(digest)
+        if done:
+            self._wait_daemon_gone()
         return done
+
+    def _wait_daemon_gone(self) -> None:
+        """Once no lazy mount is left, the daemon exits by itself; one that is still there
+        after ``LAZY_STOP_TIMEOUT`` with no mount (stuck) is stopped."""
+        from runtime_shim.mount import mounted_targets_under
+
+        lazy = str(self.root / "lazy")
+        try:
+            pid = int(json.loads((self.root / "lazy" / "daemon.json").read_text())["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        deadline = time.monotonic() + LAZY_STOP_TIMEOUT + 1.0
+        while _is_daemon(pid, self.root):
+            if mounted_targets_under(lazy):
+                return  # serving again (another sandbox): not ours to stop
+            if time.monotonic() > deadline:
+                _terminate(pid)
+                break
+            time.sleep(0.02)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,9 +422,9 @@ def _unmount_fuse(target: Path) -> None:
     unmount(str(target))  # busy (a sandbox still reads it): detached, gone with its last user
 
 
-def _is_daemon(pid: int, target: Path) -> bool:
-    """Whether ``pid`` still runs and is the lazyfs daemon of ``target`` (not a recycled pid,
-    not a zombie)."""
+def _is_daemon(pid: int, root: Path) -> bool:
+    """Whether ``pid`` still runs and is the lazyfs daemon of node cache ``root`` (not a
+    recycled pid, not a zombie)."""
     proc = _daemons.get(pid)
     if proc is not None and proc.poll() is not None:
         del _daemons[pid]
@@ -395,7 +433,7 @@ def _is_daemon(pid: int, target: Path) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return b"runtime_shim.lazyfs" in cmdline and os.fsencode(str(target)) in cmdline
+    return b"runtime_shim.lazyfs" in cmdline and os.fsencode(os.path.abspath(root)) in cmdline
 
 
 def _terminate(pid: int) -> None:

@@ -534,6 +534,14 @@ class S3Store(Store):
             self._presigned[key] = got
         return got[0]
 
+    def presigned_get_url(self, digest: str, expires: int = 12 * 3600) -> str:
+        """A presigned GET URL of blob ``digest``, valid ``expires`` seconds (less if the
+        credentials expire sooner): lets another process read ranges without boto3
+        (``envbuild.store.lazy.HttpRanges``). Not part of the ``Store`` contract."""
+        return self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": self._blob_key(digest)},
+            ExpiresIn=expires)
+
     def _conn(self, scheme: str, netloc: str):
         import http.client
 

@@ -267,7 +267,7 @@ def test_a_daemon_that_cannot_serve_is_a_clear_error(lock2):
     node = NodeCache(node_dir / "node")
     with pytest.raises(RuntimeShimError) as err:
         node.ensure_lazy(str(store.root), layers[0].digest, "sha256:" + "1" * 64)
-    assert "FUSE daemon exited 1" in err.value.message
+    assert "the FUSE daemon cannot serve it" in err.value.message
     assert "TOC" in (err.value.context or "")
     assert mounted_targets_under(str(node_dir)) == []
     memory = MemoryStore()

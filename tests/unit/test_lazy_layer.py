@@ -167,3 +167,23 @@ def test_chunk_cache_self_checks_and_evicts(tmp_path):
     assert total <= 10_000
     assert cache.get("19" + "1" * 62) == bytes(1000)  # the newest stays
     assert ChunkCache(tmp_path / "c", 10_000).get("19" + "1" * 62) == bytes(1000)
+
+
+def test_http_ranges_use_the_store_once_the_url_expired(layer):
+    """``HttpRanges`` (the daemon's boto3-free reader) hands an expired presigned URL's reads to
+    the full store, opened only then."""
+    from envbuild.store.lazy import HttpRanges
+
+    store, digest, size, toc = layer
+    opened = []
+
+    def fallback():
+        opened.append(1)
+        return store
+
+    url = ("http://127.0.0.1:9/b/k?X-Amz-Date=20200101T000000Z&X-Amz-Expires=3600"
+           "&X-Amz-Signature=x")
+    ranges = HttpRanges(digest, url, fallback)
+    assert ranges.expires < 1.6e9 and opened == []
+    lazy = LazyLayer(ranges, digest, size=size, expected_toc_digest=toc)
+    assert lazy.read("hello.txt") == b"hello\n" and opened == [1]
