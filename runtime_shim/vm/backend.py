@@ -15,15 +15,16 @@ plus, shared by every VM on the host, the EROFS image of each layer
 Disk contract with the guest init (``runtime_shim.vm.initramfs.INIT_SCRIPT``): virtio-blk
 disks carry serials ``eb-cfg``, ``eb-rw`` and ``eb-l0`` … ``eb-l<N-1>`` (bottom layer first); the
 config disk holds ``EB_LAYERS``, ``EB_HOSTNAME``, ``EB_NET``, ``EB_NOFILE`` and
-``set -- KEY=VALUE …`` (the lock's env, the agent's environment), shell-quoted and NUL-padded.
+``set -- KEY=VALUE …`` (the lock's env, the agent's environment), shell-quoted and padded with
+newlines.
 
 Exec goes through the exec agent (``runtime_shim.agent``, protocol in
 ``runtime_shim/agent/README.md``), PID 1 of the guest after ``switch_root``, in its serial mode
 on the ``envbuild.agent`` virtio serial port; ``runtime_shim.vm.serial.SerialMux`` turns the
 line into per-exec connections, so ``exec`` is ``agent.run`` exactly as for containers, a
 timeout included (the agent kills the command's process group; the VM lives on).
-``read_file``/``write_file`` are execs of the guest's own busybox (``/.envbuild/busybox``, on a
-tmpfs outside the overlay) as root: ``cat`` out, ``cat`` in + ``chmod`` + ``chown`` to the lock's
+``read_file``/``write_file`` are execs of the guest's own busybox (``/.envbuild/busybox``, in the
+initramfs, outside the overlay) as root: ``cat`` out, ``cat`` in + ``chmod`` + ``chown`` to the lock's
 user, parents created, as the container backend does from the host.
 
 pack-diff (``quiesce`` + ``upper_dir``, driven by ``Sandbox.pack_diff`` as for containers):
@@ -74,9 +75,7 @@ from runtime_shim.spec import parse_user
 from runtime_shim.vm import erofs, initramfs, kernel as vmkernel, qemu
 from runtime_shim.vm.serial import SerialMux
 
-#: virtio-mmio transports on ``-M microvm`` (with its second IO-APIC): 24, minus the writable
-#: disk, the config disk and the serial device.
-MAX_LAYERS = 21
+MAX_LAYERS = initramfs.MAX_LAYERS
 CONFIG_DISK_SIZE = 4096
 GUEST_BUSYBOX = "/.envbuild/busybox"
 READ_FILE_MAX = 256 << 20
@@ -105,7 +104,8 @@ class VmOptions:
 
 
 def guest_config(lock: ResolvedLock, *, layers: int, network: bool, nofile: int) -> bytes:
-    """The config disk's contents (pure): a shell fragment, NUL-padded to a sector multiple."""
+    """The config disk's contents (pure): a shell fragment, padded with newlines to a sector
+    multiple so the init sources the device itself."""
     hostname = lock.hostname or "sandbox"
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]{0,62}", hostname):
         raise RuntimeShimError(f"lock hostname {hostname!r} is not a valid host name")
@@ -117,7 +117,7 @@ def guest_config(lock: ResolvedLock, *, layers: int, network: bool, nofile: int)
         raise RuntimeShimError("lock env contains a NUL byte")
     if len(text) > CONFIG_DISK_SIZE * 16:
         raise RuntimeShimError(f"lock env is too large for the VM config ({len(text)} bytes)")
-    return text + b"\0" * (-len(text) % CONFIG_DISK_SIZE or 0)
+    return text + b"\n" * (-len(text) % CONFIG_DISK_SIZE or 0)
 
 
 def vm_drives(layer_images: Sequence[Path], rw_disk: Path, config_disk: Path

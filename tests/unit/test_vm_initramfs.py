@@ -23,7 +23,8 @@ kernel/fs/overlayfs/overlay.ko:
 
 def _entries(**kw):
     args = dict(busybox=b"\x7fELF busybox", modules=[("virtio_ring.ko", b"r"),
-                                                      ("virtio.ko", b"v")], agent=b"agent")
+                                                      ("virtio.ko", b"v")], agent=b"agent",
+                kernel_version="6.1.0-9-cloud-amd64")
     args.update(kw)
     return initramfs_entries(**args)
 
@@ -59,12 +60,27 @@ def test_archive_is_newc_sorted_and_padded():
 def test_entries_the_init_relies_on():
     by_name = {e.name: e for e in _entries()}
     assert by_name["init"].mode & 0o111 and by_name["init"].data.startswith(b"#!/bin/busybox sh")
-    assert by_name["bin/busybox"].data == b"\x7fELF busybox"
-    assert by_name["bin/envbuild-agent"].data == b"agent"
+    # busybox and the agent live in /.envbuild (root only), bind-mounted into the new root
+    assert by_name[".envbuild/busybox"].data == b"\x7fELF busybox"
+    assert by_name[".envbuild/agent"].data == b"agent"
+    assert stat.S_IMODE(by_name[".envbuild"].mode) == 0o700
+    assert stat.S_ISLNK(by_name["bin/busybox"].mode)
+    assert by_name["bin/busybox"].data == b"/.envbuild/busybox"
     assert stat.S_ISCHR(by_name["dev/console"].mode) and by_name["dev/console"].rdev == (5, 1)
-    assert by_name["etc/modules"].data == b"virtio_ring.ko\nvirtio.ko\n"
-    for d in ("newroot", "layers", "disks", "rw", "stub", "proc", "sys"):
-        assert stat.S_ISDIR(by_name[d].mode)
+    # modprobe -a $mods: names on one line, in load order, each in modules.dep
+    assert by_name["etc/modules"].data == b"virtio_ring virtio\n"
+    mod_dir = "lib/modules/6.1.0-9-cloud-amd64"
+    assert by_name[f"{mod_dir}/modules.dep"].data == b"virtio_ring.ko:\nvirtio.ko:\n"
+    assert by_name[f"{mod_dir}/virtio.ko"].data == b"v"
+    assert b"/dev devtmpfs" in by_name["etc/fstab.boot"].data
+    for d in ("newroot", "proc", "sys", "rw", ".envbuild/rw", "layers/0", "layers/20"):
+        assert stat.S_ISDIR(by_name[d].mode), d
+
+
+def test_modules_need_the_kernel_version():
+    with pytest.raises(ValueError):
+        _entries(kernel_version="")
+    assert "etc/modules" in {e.name for e in _entries(modules=[], kernel_version="")}
 
 
 def test_duplicate_module_names_are_refused():
