@@ -304,18 +304,58 @@ class _Frames:
                 return
 
 
+class _Trace:
+    """The files of a layer in the order they were first read, until ``until`` (monotonic
+    clock) or ``max_files``: what a lazy profile records."""
+
+    def __init__(self, until: float, max_files: int = 20000) -> None:
+        self.until, self.max_files = until, max_files
+        self.paths: list[str] = []
+        self._seen: set[int] = set()
+
+    def add(self, node: Node) -> None:
+        import time
+
+        if node.ino in self._seen or len(self.paths) >= self.max_files \
+                or time.monotonic() > self.until:
+            return
+        self._seen.add(node.ino)
+        self.paths.append(node.read_path)
+
+
+def prefetch_in_order(frames: _Frames, nodes: dict[str, Node], paths: Sequence[str], *,
+                      batch_bytes: int = 4 << 20) -> int:
+    """Load the regular files among ``paths`` in their order, in batches of about
+    ``batch_bytes`` (each batch's merged reads in parallel), skipping frames someone else is
+    fetching (a reader waits for those). Returns the files asked for."""
+    batch: list[Node] = []
+    size = count = 0
+    for p in paths:
+        n = nodes.get(p.strip("/"))
+        if n is None or not n.read_path or not frames.missing(n):
+            continue
+        batch.append(n)
+        size += n.size
+        count += 1
+        if size >= batch_bytes:
+            frames.load(batch, wait=False)
+            batch, size = [], 0
+    if batch:
+        frames.load(batch, wait=False)
+    return count
+
+
 def make_operations(layer: LazyLayer, nodes: dict[str, Node], *,
-                    on_init: Any = None, trace: list[str] | None = None):
+                    on_init: Any = None, trace: _Trace | None = None):
     """The mfusepy ``Operations`` serving ``nodes`` with contents from ``layer``. ``on_init``
-    is called once the kernel's INIT arrived (the mount is up); ``trace``, when given,
-    collects the path of each file the first time it is read (the layer's access profile)."""
+    is called once the kernel's INIT arrived (the mount is up); ``trace``, when given, is
+    told of every read (the layer's access profile)."""
     import mfusepy
 
     FuseOSError = mfusepy.FuseOSError
     stats_of = statfs_of(nodes)
     frames = _Frames(layer, nodes)
     readahead = _Readahead(layer, nodes, frames)
-    traced: set[int] = set()
 
     def node_at(path: str) -> Node:
         node = nodes.get(path.strip("/"))
@@ -379,11 +419,10 @@ def make_operations(layer: LazyLayer, nodes: dict[str, Node], *,
             node = node_at(path)
             if offset >= node.size:
                 return b""
+            if trace is not None:
+                trace.add(node)
             try:
                 if frames.missing(node):
-                    if trace is not None and node.ino not in traced:
-                        traced.add(node.ino)
-                        trace.append(node.read_path)
                     # one fetch per frame at a time: a second reader waits for it
                     frames.load([node])
                     readahead.schedule(path.strip("/").rpartition("/")[0])
@@ -494,20 +533,74 @@ def store_location(store: Any) -> tuple[str, str | None]:
                            hint="use a store directory or an s3:// store, or drop --lazy")
 
 
+#: Store record namespace of lazy profiles; the name is ``profile_key(layer digests)``.
+PROFILE_NAMESPACE = "lazy-profiles"
+PROFILE_VERSION = 1
+#: Seconds after a layer stack's first mount during which its reads are recorded.
+PROFILE_WINDOW = 10.0
+
+
+def profile_key(digests: Sequence[str]) -> str:
+    """The name of the lazy profile of a layer stack (bottom to top). Versioned: a profile
+    is a hint, but one recorded under another format must not be read as this one."""
+    import hashlib
+
+    return hashlib.sha256(("envbuild.lazy-profile.v1\0" + "\0".join(digests)).encode()
+                          ).hexdigest()
+
+
+def read_profile(store: Any, digests: Sequence[str]) -> dict[str, list[str]] | None:
+    """Layer digest → the files its stack's first lazy run read, in order (``None``: no
+    usable profile). Record ``lazy-profiles/<profile_key>``::
+
+        {"version": 1, "layers": [{"digest": D, "files": [PATH, ...]}, ...]}
+
+    written by the node daemon ``PROFILE_WINDOW`` seconds after it first mounted the stack,
+    or when one of its mounts goes away if that is sooner (stargz's prioritized files,
+    recorded instead of declared)."""
+    get = getattr(store, "get_record", None)
+    if get is None:
+        return None
+    try:
+        rec = get(PROFILE_NAMESPACE, profile_key(digests))
+    except EnvbuildError as e:  # a hint only: never fail a sandbox for it
+        log.warning("read lazy profile: %s", e)
+        return None
+    if not isinstance(rec, dict) or rec.get("version") != PROFILE_VERSION:
+        return None
+    out = {}
+    for layer in rec.get("layers", ()):
+        if isinstance(layer, dict) and isinstance(layer.get("files"), list):
+            out[str(layer.get("digest"))] = [str(p) for p in layer["files"]]
+    return out
+
+
 def lazy_layer_dirs(node: Any, store: Any, layers: Sequence[Any]) -> list[str]:
     """``Sandbox.create(lazy=True)``: the lazy mounts of ``layers`` (``LayerRef``s, bottom to
     top) in node cache ``node``, asked of the node daemon in parallel. An ``S3Store`` hands the
-    daemon a presigned URL per blob, so it reads ranges without loading boto3."""
+    daemon a presigned URL per blob, so it reads ranges without loading boto3. Layers not
+    mounted yet get the stack's lazy profile prefetched in the background (``read_profile``),
+    or, without one, have their reads recorded as the profile."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from runtime_shim.nodecache import _lazy_mount_state
 
     url, endpoint = store_location(store)
     presign = getattr(store, "presigned_get_url", None)
+    digests = [x.digest for x in layers]
+    profile, record = None, None
+    if not all(_lazy_mount_state(node.lazy_dir(d)) == "ok" for d in digests):
+        profile = read_profile(store, digests)
+        record = None if profile is not None else {
+            "key": profile_key(digests), "layers": digests, "store": url,
+            "s3_endpoint": endpoint}
 
     def one(layer: Any) -> str:
         ranges_url = presign(layer.digest) if presign is not None else None
         return str(node.ensure_lazy(url, layer.digest, layer.toc_digest or None,
                                     s3_endpoint=endpoint, size=layer.size,
-                                    ranges_url=ranges_url))
+                                    ranges_url=ranges_url, record_profile=record,
+                                    prefetch=(profile or {}).get(layer.digest)))
 
     if len(layers) <= 1:
         return [one(layer) for layer in layers]
@@ -526,14 +619,17 @@ def lazy_layer_dirs(node: Any, store: Any, layers: Sequence[Any]) -> list[str]:
 #
 #     {"op": "ping"}                                   -> {"ok": true, "pid": P}
 #     {"op": "mount", "mountpoint": M, "store": URL, "s3_endpoint": E|null, "digest": D,
-#      "toc_digest": T|null, "size": N|null, "ranges_url": U|null}
+#      "toc_digest": T|null, "size": N|null, "ranges_url": U|null,
+#      "prefetch": [PATH, ...]|null, "profile": {"key", "layers", "store", "s3_endpoint"}|null}
 #                                                      -> {"ok": true, "pid": P}
 #                                                      |  {"ok": false, "error": TEXT}
 #
 # "mount" opens the layer (footer, TOC: a wrong digest is an error reply, never a mount) and
 # answers once the kernel's INIT arrived. A mount ends when it is unmounted; the daemon exits
 # once it has served no mount and no request for ``DAEMON_IDLE_EXIT`` seconds, and on
-# SIGTERM/SIGINT/SIGHUP it unmounts everything first. A client that finds no daemon (connection
+# SIGTERM/SIGINT/SIGHUP it unmounts everything first. "prefetch" (the stack's profile) is
+# loaded in the background once the mount is up; "profile" makes the daemon record the layer's
+# reads and save the stack's profile (``read_profile``) to the store. A client that finds no daemon (connection
 # refused, or reset by one that is exiting) starts one and asks again.
 
 #: Seconds a daemon without mounts or requests waits before it exits.
@@ -597,6 +693,7 @@ class _NodeDaemon:
         self.stop = False
         self._next = 0
         self._stores: dict[tuple[str, str | None], Any] = {}
+        self.profiles: dict[str, dict[str, Any]] = {}  # key -> {"req", "traces", "saved"}
 
     def _store(self, url: str, endpoint: str | None) -> Any:
         from envbuild.store import open_store
@@ -699,7 +796,9 @@ class _NodeDaemon:
                               expected_toc_digest=req.get("toc_digest") or None,
                               size=req.get("size"))
             nodes = build_tree(layer.entries())
-            ops = make_operations(layer, nodes, on_init=ready.set)
+            prof = req.get("profile")
+            trace = self._trace(prof, digest) if prof else None
+            ops = make_operations(layer, nodes, on_init=ready.set, trace=trace)
         except EnvbuildError as e:
             log.error("serve %s: %s", digest, e.message)
             return {"ok": False, "error": "\n".join(e.render_lines())}
@@ -728,6 +827,8 @@ class _NodeDaemon:
             except BaseException as e:  # noqa: BLE001 - reported to the client
                 failed.append(f"mount {mp}: libfuse failed ({e})")
             finally:
+                if prof:
+                    self._save_profile(prof["key"])
                 with self.lock:
                     del self.mounts[key]
                     self.last = time.monotonic()
@@ -742,7 +843,59 @@ class _NodeDaemon:
             why = failed[0] if failed else "the kernel did not send INIT in time"
             log.error("%s", why)
             return {"ok": False, "error": why}
+        if req.get("prefetch"):
+            threading.Thread(target=self._prefetch, args=(ops, req["prefetch"], digest),
+                             name=f"prefetch-{digest[7:19]}", daemon=True).start()
         return {"ok": True, "pid": os.getpid()}
+
+    def _prefetch(self, ops: Any, paths: Sequence[str], digest: str) -> None:
+        import time
+
+        t0 = time.monotonic()
+        try:
+            n = prefetch_in_order(ops.lazy_frames, ops.lazy_nodes, paths)
+        except EnvbuildError as e:  # a foreground read will report it
+            log.warning("prefetch of %s: %s", digest, e)
+            return
+        log.info("prefetched %d of %d profiled files of %s in %.2f s", n, len(paths), digest,
+                 time.monotonic() - t0)
+
+    def _trace(self, prof: dict[str, Any], digest: str) -> _Trace:
+        import time
+
+        with self.lock:
+            rec = self.profiles.get(prof["key"])
+            if rec is None:
+                rec = self.profiles[prof["key"]] = {
+                    "req": prof, "traces": {}, "saved": False,
+                    "until": time.monotonic() + PROFILE_WINDOW}
+                timer = threading.Timer(PROFILE_WINDOW, self._save_profile, (prof["key"],))
+                timer.daemon = True
+                timer.start()
+            trace = rec["traces"][digest] = _Trace(rec["until"])
+        return trace
+
+    def _save_profile(self, key: str) -> None:
+        with self.lock:
+            rec = self.profiles.get(key)
+            if rec is None or rec["saved"]:
+                return
+            rec["saved"] = True
+        prof, traces = rec["req"], rec["traces"]
+        with self.lock:
+            layers = [{"digest": d, "files": list(traces[d].paths)}
+                      for d in prof["layers"] if d in traces]
+        if not any(x["files"] for x in layers):
+            return
+        try:
+            store = self._store(prof["store"], prof.get("s3_endpoint"))
+            store.put_record(PROFILE_NAMESPACE, key,
+                             {"version": PROFILE_VERSION, "layers": layers})
+        except Exception as e:  # noqa: BLE001 - a hint only; never take a mount down for it
+            log.warning("save lazy profile %s: %s", key, e)
+            return
+        log.info("saved lazy profile %s (%d files)", key,
+                 sum(len(x["files"]) for x in layers))
 
 
 # -- the daemon command ------------------------------------------------------------------------

@@ -322,3 +322,29 @@ def test_the_daemon_runs_as_a_module(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
     assert proc.returncode == 0 and "--mountpoint" in proc.stdout
 
+
+
+def test_a_lazy_profile_is_recorded_then_prefetched(lock2, tmp_path):
+    """The first lazy run of a stack records which files it read (saved when its mounts go);
+    a cold node then prefetches them from the mount on, before any command reads them."""
+    from runtime_shim.lazyfs import PROFILE_NAMESPACE, profile_key, read_profile
+
+    store, node_dir, layers = lock2
+    digests = [x.digest for x in layers]
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb:
+        assert sb.exec("cat /data/small.txt /etc/added >/dev/null").exit_code == 0
+    NodeCache(node_dir / "node").evict((), 0)  # unmounting saves the profile
+    assert store.list_records(PROFILE_NAMESPACE) == [profile_key(digests)]
+    profile = read_profile(store, digests)
+    # small.txt and hard.txt are one inode, read under the TOC's first name
+    assert {"data/small.txt", "data/hard.txt"} & set(profile[digests[0]])
+    assert "bin/busybox" in profile[digests[0]]
+    assert profile[digests[1]] == ["etc/added"]
+    other = tmp_path / "n2"
+    try:
+        with Sandbox.create("two", store=store, node_dir=other, lazy=True):
+            mp = NodeCache(other / "node").lazy_dir(digests[0])
+            stats = _settled(mp)
+            assert stats["files_verified"] >= 2 and stats["frames_fetched"] > 0
+    finally:
+        _no_leftovers(other)
