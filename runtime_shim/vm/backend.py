@@ -56,6 +56,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -233,7 +234,10 @@ class MicroVmBackend:
                 raise RuntimeShimError(f"start microVM {self.id}: {why}",
                                        context=log.decode(errors="replace").strip()[-3000:],
                                        hint="see console.log in the sandbox directory")
-            time.sleep(delay)
+            if probe is not None:  # wake on the agent's reply, not at the next tick
+                select.select([probe], [], [], delay)
+            else:
+                time.sleep(delay)
             delay = min(delay * 1.5, 0.02)
 
     def _check_hello(self, reply: bytes) -> None:
