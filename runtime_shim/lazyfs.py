@@ -86,6 +86,8 @@ OPAQUE_MARKER = ".wh..wh..opq"
 _IFMT = {"file": stat.S_IFREG, "dir": stat.S_IFDIR, "symlink": stat.S_IFLNK,
          "char": stat.S_IFCHR, "block": stat.S_IFBLK, "fifo": stat.S_IFIFO}
 _NS = 10 ** 9
+#: Parallel requests of a background load (readahead, profile prefetch); reads use the layer's.
+BACKGROUND_WORKERS = 2
 
 
 # -- the tree (pure) ---------------------------------------------------------------------------
@@ -222,11 +224,19 @@ def statfs_of(nodes: dict[str, Node]) -> dict[str, int]:
 
 class TieredChunkCache:
     """An in-memory LRU of pieces in front of the node's disk ``ChunkCache``: a disk hit is
-    promoted, a put goes to both (same interface as ``ChunkCache``)."""
+    promoted, a put goes to both (same interface as ``ChunkCache``). Disk writes (a file and
+    a sha256 trailer per piece: a third of a prefetch's CPU) are done by a background thread,
+    off the path of the read that fetched the piece; the memory tier holds it meanwhile."""
 
     def __init__(self, memory: MemoryChunkCache, disk: Any) -> None:
+        import queue
+
         self.memory = memory
         self.disk = disk
+        self._queue: queue.Queue[tuple[str, bytes]] = queue.Queue(maxsize=4096)
+        if disk is not None:
+            threading.Thread(target=self._write_behind, name="chunk-cache-writer",
+                             daemon=True).start()
 
     def get(self, key: str) -> bytes | None:
         data = self.memory.get(key)
@@ -237,9 +247,25 @@ class TieredChunkCache:
         return data
 
     def put(self, key: str, data: bytes) -> None:
+        import queue
+
         self.memory.put(key, data)
         if self.disk is not None:
+            try:
+                self._queue.put_nowait((key, data))
+            except queue.Full:  # writes fall behind: write this one here
+                self._put_disk(key, data)
+
+    def _put_disk(self, key: str, data: bytes) -> None:
+        try:
             self.disk.put(key, data)
+        except (OSError, EnvbuildError) as e:  # a cache: the piece is refetched if needed
+            log.warning("chunk cache write: %s", e)
+
+    def _write_behind(self) -> None:
+        while True:
+            key, data = self._queue.get()
+            self._put_disk(key, data)
 
 
 # -- the filesystem ----------------------------------------------------------------------------
@@ -273,9 +299,11 @@ class _Frames:
     def missing(self, node: Node) -> bool:
         return any(f not in self.loaded for f in node.frames)
 
-    def load(self, nodes: Sequence[Node], *, wait: bool = True) -> None:
+    def load(self, nodes: Sequence[Node], *, wait: bool = True,
+             workers: int | None = None) -> None:
         """Load the frames of ``nodes``; ``wait=False`` (background): only those no one is
-        fetching, and return at once if there are none."""
+        fetching, and return at once if there are none. ``workers``: parallel requests
+        (default: the layer's)."""
         while True:
             with self.cv:
                 missing = {f for n in nodes for f in n.frames if f not in self.loaded}
@@ -292,7 +320,7 @@ class _Frames:
             try:
                 paths = [n.read_path for n in nodes if any(f in mine for f in n.frames)]
                 paths += [p for f in sorted(mine) for p in self.mates.get(f, ())]
-                self.layer.prefetch(paths)
+                self.layer.prefetch(paths, workers=workers)
                 ok = True
             finally:
                 with self.cv:
@@ -324,12 +352,17 @@ class _Trace:
 
 
 def prefetch_in_order(frames: _Frames, nodes: dict[str, Node], paths: Sequence[str], *,
-                      batch_bytes: int = 4 << 20) -> int:
-    """Load the regular files among ``paths`` in their order, in batches of about
-    ``batch_bytes`` (each batch's merged reads in parallel), skipping frames someone else is
-    fetching (a reader waits for those). Returns the files asked for."""
+                      first_batch: int = 1 << 20, max_batch: int = 16 << 20,
+                      workers: int = BACKGROUND_WORKERS) -> int:
+    """Load the regular files among ``paths`` in their order, in batches whose merged reads
+    run in parallel, skipping frames someone else is fetching (a reader waits for those).
+    Batches start at ``first_batch`` bytes and double up to ``max_batch``: the first files
+    (what starts first) arrive soon, the rest in few large requests; a reader waiting for a
+    frame waits for its whole batch; ``workers`` parallel requests, few, so that reads
+    (on-demand fetches) are not queued behind them. Returns the files asked for."""
     batch: list[Node] = []
     size = count = 0
+    limit = first_batch
     for p in paths:
         n = nodes.get(p.strip("/"))
         if n is None or not n.read_path or not frames.missing(n):
@@ -337,11 +370,11 @@ def prefetch_in_order(frames: _Frames, nodes: dict[str, Node], paths: Sequence[s
         batch.append(n)
         size += n.size
         count += 1
-        if size >= batch_bytes:
-            frames.load(batch, wait=False)
-            batch, size = [], 0
+        if size >= limit:
+            frames.load(batch, wait=False, workers=workers)
+            batch, size, limit = [], 0, min(limit * 2, max_batch)
     if batch:
-        frames.load(batch, wait=False)
+        frames.load(batch, wait=False, workers=workers)
     return count
 
 
@@ -505,7 +538,7 @@ class _Readahead:
             if not todo:
                 continue
             try:
-                self.frames.load(todo, wait=False)
+                self.frames.load(todo, wait=False, workers=BACKGROUND_WORKERS)
             except EnvbuildError as e:  # a foreground read will report it
                 log.warning("readahead of %s: %s", directory or "/", e)
 
@@ -599,13 +632,18 @@ def lazy_layer_dirs(node: Any, store: Any, layers: Sequence[Any]) -> list[str]:
         ranges_url = presign(layer.digest) if presign is not None else None
         return str(node.ensure_lazy(url, layer.digest, layer.toc_digest or None,
                                     s3_endpoint=endpoint, size=layer.size,
-                                    ranges_url=ranges_url, record_profile=record,
-                                    prefetch=(profile or {}).get(layer.digest)))
+                                    ranges_url=ranges_url, record_profile=record))
 
     if len(layers) <= 1:
-        return [one(layer) for layer in layers]
-    with ThreadPoolExecutor(min(8, len(layers)), thread_name_prefix="lazy-mount") as pool:
-        return list(pool.map(one, layers))
+        dirs = [one(layer) for layer in layers]
+    else:
+        with ThreadPoolExecutor(min(8, len(layers)), thread_name_prefix="lazy-mount") as pool:
+            dirs = list(pool.map(one, layers))
+    if profile:
+        daemon_request(node.root, {"op": "prefetch", "layers": [
+            {"mountpoint": d, "paths": profile.get(x.digest, [])}
+            for d, x in zip(dirs, layers)]}, 10.0)
+    return dirs
 
 
 # -- the node daemon ---------------------------------------------------------------------------
@@ -620,15 +658,18 @@ def lazy_layer_dirs(node: Any, store: Any, layers: Sequence[Any]) -> list[str]:
 #     {"op": "ping"}                                   -> {"ok": true, "pid": P}
 #     {"op": "mount", "mountpoint": M, "store": URL, "s3_endpoint": E|null, "digest": D,
 #      "toc_digest": T|null, "size": N|null, "ranges_url": U|null,
-#      "prefetch": [PATH, ...]|null, "profile": {"key", "layers", "store", "s3_endpoint"}|null}
+#      "profile": {"key", "layers", "store", "s3_endpoint"}|null}
+#     {"op": "prefetch", "layers": [{"mountpoint": M, "paths": [PATH, ...]}, ...]}
+#                                                      -> {"ok": true, "started": N}
 #                                                      -> {"ok": true, "pid": P}
 #                                                      |  {"ok": false, "error": TEXT}
 #
 # "mount" opens the layer (footer, TOC: a wrong digest is an error reply, never a mount) and
 # answers once the kernel's INIT arrived. A mount ends when it is unmounted; the daemon exits
 # once it has served no mount and no request for ``DAEMON_IDLE_EXIT`` seconds, and on
-# SIGTERM/SIGINT/SIGHUP it unmounts everything first. "prefetch" (the stack's profile) is
-# loaded in the background once the mount is up; "profile" makes the daemon record the layer's
+# SIGTERM/SIGINT/SIGHUP it unmounts everything first. "prefetch" (the stack's profile, sent
+# once all its mounts are up, so it does not slow their opening) loads files of mounted layers
+# in the background; a mount's "profile" makes the daemon record the layer's
 # reads and save the stack's profile (``read_profile``) to the store. A client that finds no daemon (connection
 # refused, or reset by one that is exiting) starts one and asks again.
 
@@ -694,6 +735,7 @@ class _NodeDaemon:
         self._next = 0
         self._stores: dict[tuple[str, str | None], Any] = {}
         self.profiles: dict[str, dict[str, Any]] = {}  # key -> {"req", "traces", "saved"}
+        self.ops: dict[str, Any] = {}  # mountpoint -> its Operations
 
     def _store(self, url: str, endpoint: str | None) -> Any:
         from envbuild.store import open_store
@@ -770,6 +812,8 @@ class _NodeDaemon:
                 reply: dict[str, Any] = {"ok": True, "pid": os.getpid()}
             elif op == "mount":
                 reply = self._mount(req)
+            elif op == "prefetch":
+                reply = self._start_prefetch(req)
             else:
                 reply = {"ok": False, "error": f"unknown request {op!r}"}
             conn.sendall(json.dumps(reply).encode() + b"\n")
@@ -831,6 +875,8 @@ class _NodeDaemon:
                     self._save_profile(prof["key"])
                 with self.lock:
                     del self.mounts[key]
+                    if self.ops.get(mp) is ops:
+                        del self.ops[mp]
                     self.last = time.monotonic()
                 ready.set()
                 log.info("unmounted %s; stats %s", mp, json.dumps(layer.stats.as_dict()))
@@ -843,10 +889,21 @@ class _NodeDaemon:
             why = failed[0] if failed else "the kernel did not send INIT in time"
             log.error("%s", why)
             return {"ok": False, "error": why}
-        if req.get("prefetch"):
-            threading.Thread(target=self._prefetch, args=(ops, req["prefetch"], digest),
-                             name=f"prefetch-{digest[7:19]}", daemon=True).start()
+        with self.lock:
+            self.ops[mp] = ops
         return {"ok": True, "pid": os.getpid()}
+
+    def _start_prefetch(self, req: dict[str, Any]) -> dict[str, Any]:
+        started = 0
+        for item in req.get("layers", ()):
+            with self.lock:
+                ops = self.ops.get(item["mountpoint"])
+            if ops is not None and item.get("paths"):
+                threading.Thread(target=self._prefetch,
+                                 args=(ops, item["paths"], ops.lazy_layer.digest),
+                                 name="prefetch", daemon=True).start()
+                started += 1
+        return {"ok": True, "started": started}
 
     def _prefetch(self, ops: Any, paths: Sequence[str], digest: str) -> None:
         import time

@@ -396,7 +396,8 @@ class LazyLayer:
             self.stats.bytes_decompressed += sum(c.usize for c in run)
         return out
 
-    def _fetch_frames(self, frames: Iterable[Chunk]) -> dict[int, bytes]:
+    def _fetch_frames(self, frames: Iterable[Chunk], workers: int | None = None
+                      ) -> dict[int, bytes]:
         """Fetch frames (deduplicated by offset), adjacent ones (up to ``merge_gap`` apart)
         merged into one request."""
         unique = sorted({c.offset: c for c in frames}.values(), key=lambda c: c.offset)
@@ -411,11 +412,12 @@ class LazyLayer:
                     continue
             runs.append([c])
         out: dict[int, bytes] = {}
-        if len(runs) <= 1 or self.workers <= 1:
+        workers = self.workers if workers is None else workers
+        if len(runs) <= 1 or workers <= 1:
             for run in runs:
                 out.update(self._fetch_run(run))
             return out
-        with concurrent.futures.ThreadPoolExecutor(min(self.workers, len(runs)),
+        with concurrent.futures.ThreadPoolExecutor(min(workers, len(runs)),
                                                    thread_name_prefix="lazy-fetch") as pool:
             for part in pool.map(self._fetch_run, runs):
                 out.update(part)
@@ -444,7 +446,7 @@ class LazyLayer:
             need -= n
         return pieces
 
-    def _load(self, entries: Sequence[Entry]) -> dict[str, bytes]:
+    def _load(self, entries: Sequence[Entry], workers: int | None = None) -> dict[str, bytes]:
         """Whole, verified contents of ``entries`` (by path), from the cache or fetched; every
         fetched piece goes into the cache."""
         result: dict[str, bytes] = {}
@@ -465,8 +467,8 @@ class LazyLayer:
                 todo.append((e, pieces, have))
         if not todo:
             return result
-        frames = self._fetch_frames(p.chunk for _, pieces, have in todo for p in pieces
-                                    if p.key not in have)
+        frames = self._fetch_frames((p.chunk for _, pieces, have in todo for p in pieces
+                                     if p.key not in have), workers)
         for e, pieces, have in todo:
             h, parts = hashlib.sha256(), []
             for p in pieces:
@@ -529,9 +531,10 @@ class LazyLayer:
             return data[offset - base:end - base]
         return self._load([e])[e.path][offset:end]
 
-    def prefetch(self, paths: Iterable[str], *, batch_bytes: int = 64 * MiB) -> int:
+    def prefetch(self, paths: Iterable[str], *, batch_bytes: int = 64 * MiB,
+                 workers: int | None = None) -> int:
         """Fetch, verify and cache the regular files among ``paths`` (others are skipped),
-        ``workers`` requests at a time, frames shared by several files fetched once; returns
+        ``workers`` (default: the layer's) requests at a time, frames shared by several files fetched once; returns
         how many files were loaded. Memory: about ``batch_bytes`` of frames at a time."""
         entries = []
         seen = set()
@@ -550,10 +553,10 @@ class LazyLayer:
             batch.append(e)
             total += sum(c.csize for c in e.chunks)
             if total >= batch_bytes:
-                self._load(batch)
+                self._load(batch, workers)
                 batch, total = [], 0
         if batch:
-            self._load(batch)
+            self._load(batch, workers)
         return len(entries)
 
 
