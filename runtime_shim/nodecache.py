@@ -174,16 +174,15 @@ class NodeCache:
 
     def ensure_lazy(self, store_url: str, digest: str, toc_digest: str | None = None, *,
                     s3_endpoint: str | None = None, size: int | None = None,
-                    ranges_url: str | None = None, prefetch: list[str] | None = None,
-                    record_profile: dict | None = None,
+                    ranges_url: str | None = None, record_profile: dict | None = None,
                     chunk_cache_max: int = DEFAULT_CHUNK_CACHE_MAX,
                     timeout: float = LAZY_MOUNT_TIMEOUT) -> Path:
         """The read-only FUSE mount of layer ``digest`` (an overlay lower dir), served from the
         store at ``store_url`` (a directory or ``s3://…``; ``runtime_shim.lazyfs.store_location``
         gives it for a ``Store``) by the node's lazy layer daemon, shared by every sandbox on
         this host; ``ranges_url`` (a presigned GET URL of the blob) lets it read ranges without
-        opening the store itself. ``prefetch`` (files, in order) and ``record_profile`` go to the
-        daemon with a new mount (``runtime_shim.lazyfs.lazy_layer_dirs``: lazy profiles).
+        opening the store itself. ``record_profile`` goes to the daemon with a new mount
+        (``runtime_shim.lazyfs.lazy_layer_dirs``: lazy profiles).
 
         Idempotent: a healthy mount is returned as is. Otherwise, under the layer's lock, a
         stale mount (its daemon died) is unmounted and the daemon (started if none runs) asked
@@ -201,13 +200,13 @@ class NodeCache:
                 if state != "ok":
                     self._start_lazy(store_url, digest, toc_digest, s3_endpoint, size,
                                      ranges_url, chunk_cache_max, timeout,
-                                     prefetch=prefetch, record_profile=record_profile)
+                                     record_profile=record_profile)
         _touch(self.root / "lazy" / f"{hexd}.used")
         return target
 
     def _start_lazy(self, store_url: str, digest: str, toc_digest: str | None,
                     s3_endpoint: str | None, size: int | None, ranges_url: str | None,
-                    chunk_cache_max: int, timeout: float, *, prefetch: list[str] | None = None,
+                    chunk_cache_max: int, timeout: float, *,
                     record_profile: dict | None = None) -> None:
         from runtime_shim.lazyfs import daemon_request
 
@@ -217,7 +216,7 @@ class NodeCache:
         req = {"op": "mount", "mountpoint": str(target), "store": store_url,
                "s3_endpoint": s3_endpoint, "digest": digest, "toc_digest": toc_digest,
                "size": size, "ranges_url": ranges_url, "timeout": timeout,
-               "prefetch": prefetch, "profile": record_profile}
+               "profile": record_profile}
         for _ in range(5):  # a daemon that was exiting as we asked: start one, ask again
             reply = daemon_request(self.root, req, timeout + 5)
             if reply is None:
