@@ -35,7 +35,7 @@ import subprocess
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from envbuild.errors import RuntimeShimError

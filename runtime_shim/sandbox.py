@@ -331,7 +331,7 @@ class Sandbox:
             raise RuntimeShimError("pack_diff needs the store the sandbox was created from")
         quiesce = getattr(self._backend, "quiesce", None)
         if quiesce is None:
-            raise RuntimeShimError(f"pack-diff is not supported by this sandbox's backend yet")
+            raise RuntimeShimError("pack-diff is not supported by this sandbox's backend yet")
         started = time.monotonic()
         name = publish or self.id
         blob = self.paths.root / "snapshot.tar.zst"

@@ -16,7 +16,7 @@ import fcntl
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 
 from envbuild.build.executor import BuildContext, BuildEvent, LayerJob, Progress, build_layer

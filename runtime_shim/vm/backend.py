@@ -384,6 +384,6 @@ def _real_dir(path: Path) -> Path:
     except OSError as e:
         raise RuntimeShimError(f"read the sandbox's changes: {e}") from e
     if not stat.S_ISDIR(st.st_mode):
-        raise RuntimeShimError(f"read the sandbox's changes: upper/ on the writable disk is "
+        raise RuntimeShimError("read the sandbox's changes: upper/ on the writable disk is "
                                "not a directory", hint="was the guest's disk tampered with?")
     return path

@@ -8,8 +8,6 @@ second — proving the interrupted key left no lock, record or state that blocks
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys

@@ -142,7 +142,7 @@ def test_tree_digest_ignores_vcs_and_bytecode(tmp_path):
 
 
 def test_pins_are_computed_once_per_run(tmp_path, monkeypatch):
-    root = make_tree(tmp_path / "src")
+    make_tree(tmp_path / "src")
     p = Pinner()
     calls = []
     real = p.tree
