@@ -288,14 +288,21 @@ class _FrameSink:
     def copy_fd(self, fd: int, n: int, h) -> None:
         """Read exactly ``n`` bytes of ``fd`` into the stream, hashing them into ``h``."""
         readv = os.readv
+        self._copy(lambda view: readv(fd, [view]), n, h)
+
+    def copy_stream(self, f: BinaryIO, n: int, h) -> None:
+        """The same from a binary stream (a tar being re-framed)."""
+        self._copy(f.readinto, n, h)
+
+    def _copy(self, readinto, n: int, h) -> None:
         batch = self.batch
         first = len(batch.pieces)
         while n:
             k = min(n, self.next_cut - self.pos)
             self._room(k)
             fill = self.fill
-            got = readv(fd, [self.mv[fill:fill + k]])
-            if got == 0:
+            got = readinto(self.mv[fill:fill + k])
+            if not got:
                 raise FileChanged()
             self.batch.pieces.append((h, fill, fill + got))  # a new batch after _submit
             self.fill = fill + got
@@ -312,25 +319,6 @@ class _FrameSink:
         not submitted yet): its hash may be computed out of order, by the compression worker."""
         batch.local.extend(batch.pieces[first:])
         del batch.pieces[first:]
-
-    def copy_stream(self, f: BinaryIO, n: int, h) -> None:
-        batch = self.batch
-        first = len(batch.pieces)
-        while n:
-            k = min(n, self.next_cut - self.pos)
-            self._room(k)
-            fill = self.fill
-            got = f.readinto(self.mv[fill:fill + k])
-            if not got:
-                raise FileChanged()
-            self.batch.pieces.append((h, fill, fill + got))
-            self.fill = fill + got
-            self.pos += got
-            n -= got
-            if not n and self.batch is batch:
-                self._local(batch, first)
-            if self.pos == self.next_cut:
-                self._close_frame()
 
     def finish(self) -> None:
         b = self.batch
