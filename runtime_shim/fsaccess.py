@@ -8,34 +8,12 @@ component, symlinks included, so no path can leave it.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import os
 import stat
 
 from envbuild.errors import RuntimeShimError
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_SYS_OPENAT2 = 437
-RESOLVE_NO_MAGICLINKS = 0x02
-RESOLVE_IN_ROOT = 0x10
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
-def open_in_root(root_fd: int, path: str, flags: int, mode: int = 0o644) -> int:
-    """An fd for ``path`` resolved inside the directory ``root_fd`` (never outside it)."""
-    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0,
-                   RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
-    fd = _libc.syscall(_SYS_OPENAT2, root_fd, os.fsencode(path.lstrip("/") or "."),
-                       ctypes.byref(how), ctypes.sizeof(how))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), path)
-    return fd
+from envbuild.safefs import open_in_root
 
 
 def _mkdirs_in_root(root_fd: int, parent: str) -> None:
