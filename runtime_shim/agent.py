@@ -263,15 +263,19 @@ def hello(connect: Callable[[], socket.socket], timeout: float) -> None:
             if not data:
                 raise RuntimeShimError("hung up before its HELLO")
             reply += data
-        n = int.from_bytes(reply[1:5], "big")
-        version = int.from_bytes(reply[5:9], "big")
-        if reply[0] != R_HELLO or n < 4 or n > 4096:
-            raise _compromised(f"{bytes(reply[:40])!r} instead of HELLO")
-        if version != PROTOCOL_VERSION:
-            raise RuntimeShimError(f"speaks protocol {version}, envbuild speaks "
-                                   f"{PROTOCOL_VERSION}")
+        check_hello(bytes(reply))
     finally:
         sock.close()
+
+
+def check_hello(reply: bytes) -> None:
+    """The agent's first frame (at least its first 9 bytes) is HELLO with our version."""
+    n = int.from_bytes(reply[1:5], "big") if len(reply) >= 5 else 0
+    if len(reply) < 9 or reply[0] != R_HELLO or not 4 <= n <= 4096:
+        raise _compromised(f"{reply[:40]!r} instead of HELLO")
+    version = int.from_bytes(reply[5:9], "big")
+    if version != PROTOCOL_VERSION:
+        raise RuntimeShimError(f"speaks protocol {version}, envbuild speaks {PROTOCOL_VERSION}")
 
 
 def run(connect: Callable[[], socket.socket], req: ExecRequest, cap: int, *,
