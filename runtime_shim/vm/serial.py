@@ -19,7 +19,7 @@ socketpair and the line, and closing the socket sends CLOSE unless the session a
 
 The line is guest-written, hostile input. The mux checks only the outer framing (a known
 type, the exact payload length of WINDOW and CLOSE, exactly one whole inner frame in a
-CHANNEL, no frame over ``MAX_PAYLOAD`` + 9): a violation is ``SandboxCompromised`` and ends the
+CHANNEL, no frame over ``MAX_PAYLOAD`` + 9, no channel sent more than its window): a violation is ``SandboxCompromised`` and ends the
 line, every open exec then fails and every later one raises it. The inner frames are checked
 by the one parser every backend uses, ``runtime_shim.agent.run``: the mux passes them through
 unchanged, so a forged, short or out-of-order inner frame raises there as for a container.
@@ -214,6 +214,10 @@ class SerialMux:
                 continue
             if kind == T_CHANNEL:
                 c.down += payload
+                # the agent sends while its window is positive: it can overshoot by one frame,
+                # never more (a guest ignoring the window would grow host memory without end)
+                if len(c.down) + c.acked > SERIAL_WINDOW + 5 + agent.MAX_PAYLOAD:
+                    raise _line_compromised(f"more than its window on channel {cid}")
                 if payload[0] in _FINAL:
                     c.final = True
             elif kind == T_WINDOW:

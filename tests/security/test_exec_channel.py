@@ -157,6 +157,11 @@ def test_pid1_cannot_be_traced_read_or_entered(sandbox, tmp_path):
     for k in ("mem-rw", "mem-ro", "environ", "fd3-readlink", "ptrace-seize", "pidfd-getfd",
               "process-vm-readv"):
         assert got[k] in ("EACCES", "EPERM"), (k, got[k])
+    # non-dumpable holds against root only without CAP_SYS_PTRACE (bit 19) in the sandbox
+    status = sandbox.exec("cat /proc/self/status").stdout.decode()
+    bounding = int(next(ln for ln in status.splitlines() if ln.startswith("CapBnd:")).split()[1],
+                   16)
+    assert bounding and not bounding & (1 << 19)
     # busybox's view of the same: no link target of the agent's fds is shown
     ls = sandbox.exec("ls -l /proc/1/fd/ 2>&1; cat /proc/1/environ 2>&1; "
                       "cat /proc/1/mem 2>&1; true")

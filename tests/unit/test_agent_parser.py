@@ -175,15 +175,20 @@ def test_an_agent_that_stops_after_hello_is_killed_and_timed_out(monkeypatch):
 
 
 def _line_peer(*chunks: bytes):
-    """A fake guest end of the serial line that sends ``chunks`` and keeps reading."""
+    """A fake guest end of the serial line: once the host sent something (its channel is
+    open), sends ``chunks``, then keeps reading."""
     from runtime_shim.vm.serial import SerialMux
 
     host, guest = socket.socketpair()
     mux = SerialMux(host)
 
     def pump():
-        for chunk in chunks:
-            guest.sendall(chunk)
+        try:
+            guest.recv(1 << 16)
+            for chunk in chunks:
+                guest.sendall(chunk)
+        except OSError:
+            return
         while True:
             try:
                 if not guest.recv(1 << 16):
@@ -226,5 +231,24 @@ def test_broken_outer_framing_ends_the_line_as_compromised(line):
         with pytest.raises(SandboxCompromised):
             mux.connect()
     finally:
+        mux.close()
+        guest.close()
+
+
+def test_a_guest_ignoring_its_window_is_stopped_not_buffered():
+    from runtime_shim.vm.serial import SERIAL_WINDOW, T_CHANNEL, outer_frame
+
+    chunk = outer_frame(T_CHANNEL, 1, frame(agent.R_STDOUT, bytes(60 << 10)))
+    flood = outer_frame(T_CHANNEL, 1, HELLO) + chunk * (3 * (SERIAL_WINDOW + agent.MAX_PAYLOAD) // len(chunk))
+    mux, guest = _line_peer(flood)
+    session = mux.connect()  # channel 1, never read: the host's window never reopens
+    session.sendall(frame(agent.T_HELLO, agent.PROTOCOL_VERSION.to_bytes(4, "big")))
+    try:
+        deadline = time.monotonic() + 5
+        while mux.compromised is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mux.compromised is not None and "window" in str(mux.compromised)
+    finally:
+        session.close()
         mux.close()
         guest.close()
