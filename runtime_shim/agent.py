@@ -491,7 +491,7 @@ class _Exchange:
             self.result = self._outcome(code, start_errno=err)
         else:  # R_ERROR: the agent refused the request (e.g. a protocol version it lacks)
             raise RuntimeShimError(f"sandbox agent refused the request: "
-                                   f"{payload.decode(errors='replace')}")
+                                   f"{payload[:300].decode(errors='replace')}")
 
     def _outcome(self, code: int, **kw) -> ExecOutcome:
         return ExecOutcome(exit_code=code, stdout=self.out.data(), stderr=self.err.data(),

@@ -175,11 +175,15 @@ class ContainerBackend:
         # The agent's socket lives in the sandbox dir, which no mount of the sandbox shows; the
         # agent gets the listening fd from runc and the host keeps no copy, so a dead agent
         # means ECONNREFUSED rather than a connection nobody accepts.
-        with agent.listen_socket(self._dir_fd) as listener, open(start_log, "wb") as log:
-            returncode = _spawn_with_fd(
-                runtime.command("run", "--detach", "--preserve-fds", "1", "--pid-file",
-                                str(pid_file), "--bundle", str(paths.bundle), sandbox_id),
-                log.fileno(), listener.fileno())
+        try:
+            with agent.listen_socket(self._dir_fd) as listener, open(start_log, "wb") as log:
+                returncode = _spawn_with_fd(
+                    runtime.command("run", "--detach", "--preserve-fds", "1", "--pid-file",
+                                    str(pid_file), "--bundle", str(paths.bundle), sandbox_id),
+                    log.fileno(), listener.fileno())
+        except BaseException:
+            os.close(self._dir_fd)
+            raise
         if returncode != 0:
             destroy(runtime, sandbox_id)
             os.close(self._dir_fd)
