@@ -19,10 +19,11 @@ socketpair and the line, and closing the socket sends CLOSE unless the session a
 
 The line is guest-written, hostile input. The mux checks only the outer framing (a known
 type, the exact payload length of WINDOW and CLOSE, exactly one whole inner frame in a
-CHANNEL, no frame over ``MAX_PAYLOAD`` + 9, no channel sent more than its window): a violation is ``SandboxCompromised`` and ends the
-line, every open exec then fails and every later one raises it. The inner frames are checked
-by the one parser every backend uses, ``runtime_shim.agent.run``: the mux passes them through
-unchanged, so a forged, short or out-of-order inner frame raises there as for a container.
+CHANNEL, no frame over ``MAX_PAYLOAD`` + 9, no channel sent more than its window): a
+violation is ``SandboxCompromised`` and ends the line, every open exec then fails and every
+later one raises it. The inner frames are checked by the one parser every backend uses,
+``runtime_shim.agent.run``: the mux passes them through unchanged, so a forged, short or
+out-of-order inner frame raises there as for a container.
 """
 
 from __future__ import annotations

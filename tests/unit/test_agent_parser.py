@@ -239,7 +239,8 @@ def test_a_guest_ignoring_its_window_is_stopped_not_buffered():
     from runtime_shim.vm.serial import SERIAL_WINDOW, T_CHANNEL, outer_frame
 
     chunk = outer_frame(T_CHANNEL, 1, frame(agent.R_STDOUT, bytes(60 << 10)))
-    flood = outer_frame(T_CHANNEL, 1, HELLO) + chunk * (3 * (SERIAL_WINDOW + agent.MAX_PAYLOAD) // len(chunk))
+    frames = 3 * (SERIAL_WINDOW + agent.MAX_PAYLOAD) // len(chunk)
+    flood = outer_frame(T_CHANNEL, 1, HELLO) + chunk * frames
     mux, guest = _line_peer(flood)
     session = mux.connect()  # channel 1, never read: the host's window never reopens
     session.sendall(frame(agent.T_HELLO, agent.PROTOCOL_VERSION.to_bytes(4, "big")))
