@@ -27,6 +27,8 @@ bug and exits 2 with a traceback and a request to report it.
     ├── BuildError                 a build step or importer failed
     │   └── StepFailed             a ``run`` step exited non-zero (argv, exit code, output tail)
     └── RuntimeShimError           sandboxes: fetch, compose, launch, exec
+        └── SandboxCompromised     the exec channel broke the protocol (a forged, short or
+                                   out-of-order frame): nothing it said is trusted
 
 Messages are written for the person at the terminal: say what failed and on what, lower case,
 no trailing period; put what to do about it in ``hint``. Wrap lower-level errors with a short
@@ -208,6 +210,13 @@ class StepFailed(BuildError):
 
 class RuntimeShimError(EnvbuildError):
     reference = "runtime-shim-error"
+
+
+class SandboxCompromised(RuntimeShimError):
+    """What came back on a sandbox's exec channel is not what the agent sends: the result of
+    that exec (and of the sandbox) must not be trusted (``runtime_shim/agent/README.md``)."""
+
+    reference = "sandbox-compromised"
 
 
 def bug(message: str) -> AssertionError:

@@ -1,7 +1,9 @@
 """The sandbox exec agent: build it, and speak its protocol from the host.
 
 ``envbuild-agent`` (``runtime_shim/agent/agent.c``) is a static C program that runs as PID 1
-of a sandbox. It listens on a unix socket and runs one command per connection; the protocol
+of a sandbox. It accepts on a unix socket the host created outside every mount of the sandbox
+(``listen_socket``; runc hands the listening fd down) and runs one command per connection; the
+protocol
 (version 1) is specified in ``runtime_shim/agent/README.md``. In short, frames are
 ``[type u8][len u32 big-endian][payload]``::
 
@@ -15,14 +17,18 @@ Building: ``agent_binary(cache_dir)`` compiles ``agent.c`` with gcc against stat
 source hash into ``<cache_dir>/agent/<key>/envbuild-agent`` (compile beside, rename into place),
 so every sandbox on the host bind-mounts the same file.
 
-Talking: ``run(connect, request, cap)`` sends an ``ExecRequest`` (plain data) over a fresh
-connection and streams the answer into buffers bounded by ``cap``; ``connect_agent`` opens the
-socket without following a link the sandbox may have planted in its ``run/`` directory.
+Talking: ``run(connect, request, cap, deadline=)`` sends an ``ExecRequest`` (plain data) over a
+fresh connection and streams the answer into buffers bounded by ``cap``. Every exec has a
+deadline (the request's timeout, else ``deadline``, by default ``DEFAULT_EXEC_TIMEOUT``). What
+comes back is parsed as hostile input: each frame's type, order and payload length are checked
+against the protocol, and anything else raises ``SandboxCompromised`` (the trust model is in
+``runtime_shim/agent/README.md``). The microVM backend's serial line feeds the same parser.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import hashlib
 import os
@@ -30,7 +36,6 @@ import select
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import time
 import uuid
@@ -38,7 +43,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from envbuild.errors import RuntimeShimError
+from envbuild.errors import RuntimeShimError, SandboxCompromised
 
 PROTOCOL_VERSION = 1
 SOURCE = Path(__file__).with_name("agent") / "agent.c"
@@ -62,6 +67,13 @@ STDIN_CHUNK = 64 << 10
 KILL_WAIT = 5.0
 #: The agent enforces ``timeout`` itself; the host's own deadline is this much later.
 HOST_TIMEOUT_SLACK = 1.0
+#: The deadline of an exec whose caller passes ``timeout=None`` (``Limits.exec_timeout``).
+DEFAULT_EXEC_TIMEOUT = 3600.0
+#: How long ``connect_agent`` may take (a full backlog of a stuck agent blocks ``connect``).
+CONNECT_TIMEOUT = 10.0
+#: After the final frame, how long to wait for the agent to hang up (it does at once).
+END_WAIT = 2.0
+_FLAGS = F_SIGNALED | F_TIMED_OUT | F_OUTPUT_OPEN
 
 
 # ---- building ----------------------------------------------------------------------------
@@ -184,45 +196,114 @@ class _Bounded:
         return b"".join(self.chunks)
 
 
-def connect_agent(run_dir_fd: int, name: str = "agent.sock") -> socket.socket:
-    """Connect to the agent's socket in a directory the sandbox can write to.
+def listen_socket(dir_fd: int, name: str = "agent.sock") -> socket.socket:
+    """A listening unix socket ``name`` in the host directory ``dir_fd``, mode 0600.
 
-    The sandbox may replace the socket with a symlink to a host socket; so the entry is opened
-    with ``O_PATH | O_NOFOLLOW`` relative to a directory fd held by the host, checked to be a
-    socket, and connected through ``/proc/self/fd``: no path the sandbox controls is resolved
-    on the host. (A socket that a process in the sandbox bound in its place would answer, but
-    only with what that sandbox could already tell us.)"""
+    The directory is outside every mount of the sandbox, so no process in it can reach,
+    delete or replace the socket; the agent gets the listening fd itself (``runc run
+    --preserve-fds``) and the host connects by path (``connect_agent``). Bound through
+    ``/proc/self/fd`` so a deep node dir never hits the 108-byte ``sun_path`` limit."""
+    path = f"/proc/self/fd/{dir_fd}/{name}"
     try:
-        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=run_dir_fd)
-    except OSError as e:
-        raise RuntimeShimError(f"connect to the sandbox agent: {e.strerror}") from e
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
-        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-            raise RuntimeShimError("connect to the sandbox agent: agent.sock is not a socket",
-                                   hint="a process in the sandbox replaced it")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        old = os.umask(0o177)  # no window in which the socket is connectable by others
         try:
-            sock.connect(f"/proc/self/fd/{fd}")
-        except OSError as e:
-            sock.close()
-            raise RuntimeShimError(f"connect to the sandbox agent: {e.strerror}") from e
-        return sock
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        os.chmod(name, 0o600, dir_fd=dir_fd, follow_symlinks=False)
+        sock.listen(512)
+    except OSError as e:
+        sock.close()
+        raise RuntimeShimError(f"create the sandbox agent's socket: {e.strerror}") from e
+    return sock
+
+
+def connect_agent(path: str, timeout: float = CONNECT_TIMEOUT) -> socket.socket:
+    """Connect to the agent's host-side socket ``path`` (see ``listen_socket``)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+    except TimeoutError:
+        sock.close()
+        raise RuntimeShimError(f"connect to the sandbox agent: no answer within {timeout:.0f} s",
+                               hint="the agent is stuck; close the sandbox") from None
+    except OSError as e:
+        sock.close()
+        hint = "the sandbox's PID 1 exited (see start.log in the sandbox directory)" \
+            if e.errno == errno.ECONNREFUSED else None
+        raise RuntimeShimError(f"connect to the sandbox agent: {e.strerror}", hint=hint) from e
+    return sock
+
+
+def hello(connect: Callable[[], socket.socket], timeout: float) -> None:
+    """Check that the agent answers: HELLO on a fresh connection, its HELLO back with our
+    protocol version within ``timeout`` seconds (then hang up; the agent drops the session)."""
+    deadline = time.monotonic() + timeout
+    sock = connect()
+    try:
+        sock.sendall(frame(T_HELLO, PROTOCOL_VERSION.to_bytes(4, "big")))
+        reply = bytearray()
+        while len(reply) < 5 or len(reply) < 5 + min(4096, int.from_bytes(reply[1:5], "big")):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeShimError(f"did not answer within {timeout:.0f} s")
+            sock.settimeout(left)
+            try:
+                data = sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError as e:
+                raise RuntimeShimError(f"hung up: {e.strerror}") from None
+            if not data:
+                raise RuntimeShimError("hung up before its HELLO")
+            reply += data
+        check_hello(bytes(reply))
     finally:
-        os.close(fd)
+        sock.close()
 
 
-def run(connect: Callable[[], socket.socket], req: ExecRequest, cap: int) -> ExecOutcome:
+def check_hello(reply: bytes) -> None:
+    """The agent's first frame (at least its first 9 bytes) is HELLO with our version."""
+    n = int.from_bytes(reply[1:5], "big") if len(reply) >= 5 else 0
+    if len(reply) < 9 or reply[0] != R_HELLO or not 4 <= n <= 4096:
+        raise _compromised(f"{reply[:40]!r} instead of HELLO")
+    version = int.from_bytes(reply[5:9], "big")
+    if version != PROTOCOL_VERSION:
+        raise RuntimeShimError(f"speaks protocol {version}, envbuild speaks {PROTOCOL_VERSION}")
+
+
+def run(connect: Callable[[], socket.socket], req: ExecRequest, cap: int, *,
+        deadline: float = DEFAULT_EXEC_TIMEOUT) -> ExecOutcome:
     """Run ``req`` on a new connection and wait for it.
 
     stdout and stderr keep at most ``cap`` bytes each; past that the command is killed (KILL
-    frame) and the rest discarded. The agent enforces ``req.timeout``; the host sends KILL
-    itself ``HOST_TIMEOUT_SLACK`` later should the agent not have. A hang-up by either side
-    before the end kills the command (the agent's rule) or raises ``RuntimeShimError``."""
+    frame) and the rest discarded. ``req.timeout``, or ``deadline`` seconds when it is None,
+    is sent to the agent, which kills the command then; the host sends KILL itself
+    ``HOST_TIMEOUT_SLACK`` later should the agent not have, and gives up ``KILL_WAIT`` after
+    that (the result says ``timed_out``). An agent that never says HELLO raises at the
+    deadline. A hang-up by either side before the end kills the command (the agent's rule) or
+    raises ``RuntimeShimError``; anything the protocol does not allow raises
+    ``SandboxCompromised``."""
+    if req.timeout is None:
+        req = dataclasses.replace(req, timeout=deadline)
     sock = connect()
     try:
         return _Exchange(sock, req, cap).run()
     finally:
         sock.close()
+
+
+def _compromised(what: str) -> SandboxCompromised:
+    return SandboxCompromised(
+        f"sandbox agent sent {what}: the exec channel broke the protocol",
+        hint="nothing this exec returned is trusted; close the sandbox "
+             "(runtime_shim/agent/README.md, trust model)")
 
 
 class _Exchange:
@@ -242,46 +323,58 @@ class _Exchange:
         self.hello = False
         self.killed_at: float | None = None
         self.host_timed_out = False
+        self.result: ExecOutcome | None = None  # set by the final frame
+        self.ended_at = 0.0
 
     def run(self) -> ExecOutcome:
         started = time.monotonic()
-        deadline = None if self.req.timeout is None else \
-            started + self.req.timeout + HOST_TIMEOUT_SLACK
+        timeout = self.req.timeout if self.req.timeout is not None else DEFAULT_EXEC_TIMEOUT
+        deadline = started + timeout + HOST_TIMEOUT_SLACK
         self.sock.setblocking(False)
         poller = select.poll()
         fd = self.sock.fileno()
         while True:
             self._refill()
-            poller.register(fd, select.POLLIN | (select.POLLOUT if self.outq else 0))
+            want = select.POLLIN | (select.POLLOUT if self.outq and self.result is None else 0)
+            poller.register(fd, want)
             now = time.monotonic()
-            wait = None
-            if self.killed_at is not None:
+            if self.result is not None:  # waiting for the hang-up that follows the end
+                wait = self.ended_at + END_WAIT - now
+                if wait <= 0:
+                    return self.result
+            elif self.killed_at is not None:
                 wait = self.killed_at + KILL_WAIT - now
                 if wait <= 0:  # hanging up kills the command too (the agent's rule)
                     return self._outcome(124 if self.host_timed_out else 128 + signal.SIGKILL,
                                          timed_out=self.host_timed_out, signal=signal.SIGKILL)
-            elif deadline is not None:
+            else:
                 wait = deadline - now
                 if wait <= 0:
+                    if not self.hello:
+                        raise RuntimeShimError(
+                            f"sandbox agent did not answer within {timeout:.0f} s",
+                            hint="the agent is stuck or was replaced; close the sandbox")
                     self.host_timed_out = True
                     self._kill()
                     continue
-            events = poller.poll(None if wait is None else max(1, int(wait * 1000) + 1))
+            events = poller.poll(max(1, int(wait * 1000) + 1))
             for _, ev in events:
-                if ev & select.POLLOUT:
+                if ev & select.POLLOUT and self.result is None:
                     self._send()
                 if ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
                     data = self._recv()
                     if data is None:
                         continue
                     if not data:
+                        if self.result is not None:
+                            return self.result
                         raise RuntimeShimError("sandbox agent closed the connection before "
                                                "the command finished",
                                                hint="see start.log in the sandbox directory")
+                    if self.result is not None:
+                        raise _compromised(f"{len(data)} bytes after its final frame")
                     self.rx += data
-                    done = self._parse()
-                    if done is not None:
-                        return done
+                    self._parse()
 
     def _refill(self) -> None:
         """Queue the next stdin frame once the previous one is out (bounded memory)."""
@@ -333,48 +426,76 @@ class _Exchange:
         if self.can_send:
             self.outq.append(memoryview(frame(T_KILL, int(signal.SIGKILL).to_bytes(4, "big"))))
 
-    def _parse(self) -> ExecOutcome | None:
+    def _parse(self) -> None:
+        """Consume whole frames from ``rx``. Every rule of the agent's side of the protocol is
+        checked here (README.md, "Agent → host"): HELLO first and once, a known type, the
+        payload length of each type, a consistent EXIT, and nothing after the final frame."""
         rx = self.rx
-        while len(rx) >= 5:
+        while len(rx) >= 5 and self.result is None:
             kind = rx[0]
             n = int.from_bytes(rx[1:5], "big")
             if n > MAX_PAYLOAD:
-                raise RuntimeShimError(f"sandbox agent sent a frame of {n} bytes (over the "
-                                       f"{MAX_PAYLOAD} byte limit)")
+                raise _compromised(f"a frame of {n} bytes (over the {MAX_PAYLOAD} byte limit)")
+            if kind not in _AGENT_FRAMES:
+                raise _compromised(f"an unknown frame 0x{kind:02x}")
             if len(rx) < 5 + n:
-                return None
+                return
             payload = bytes(rx[5:5 + n])
             del rx[:5 + n]
-            if kind == R_HELLO:
-                version = int.from_bytes(payload[:4], "big")
-                if version != PROTOCOL_VERSION:
-                    raise RuntimeShimError(f"sandbox agent speaks protocol {version}, "
-                                           f"envbuild speaks {PROTOCOL_VERSION}")
-                self.hello = True
-            elif not self.hello:
-                raise RuntimeShimError(f"sandbox agent did not say HELLO (frame 0x{kind:02x})")
-            elif kind in (R_STDOUT, R_STDERR):
-                if self.killed_at is None:
-                    (self.out if kind == R_STDOUT else self.err).add(payload)
-                    if self.out.overflow or self.err.overflow:
-                        self._kill()
-            elif kind == R_EXIT:
-                code, flags, sig = int.from_bytes(payload[:4], "big"), payload[4], payload[5]
-                timed_out = bool(flags & F_TIMED_OUT) or self.host_timed_out
-                return self._outcome(124 if timed_out else code, timed_out=timed_out,
-                                     signal=sig if flags & F_SIGNALED else 0,
-                                     output_open=bool(flags & F_OUTPUT_OPEN))
-            elif kind == R_START_FAILED:
-                code, err = int.from_bytes(payload[:4], "big"), int.from_bytes(payload[4:8], "big")
-                self.err.add(payload[8:] + b"\n")
-                return self._outcome(code, start_errno=err)
-            elif kind == R_ERROR:
-                raise RuntimeShimError(f"sandbox agent refused the request: "
-                                       f"{payload.decode(errors='replace')}")
-            else:
-                raise RuntimeShimError(f"sandbox agent sent an unknown frame 0x{kind:02x}")
-        return None
+            self._frame(kind, payload)
+        if self.result is not None:
+            if rx:
+                raise _compromised(f"{len(rx)} bytes after its final frame")
+            self.ended_at = time.monotonic()
+
+    def _frame(self, kind: int, payload: bytes) -> None:
+        n = len(payload)
+        if kind == R_HELLO:
+            if self.hello:
+                raise _compromised("a second HELLO")
+            if n < 4:
+                raise _compromised(f"a HELLO of {n} bytes (at least 4)")
+            version = int.from_bytes(payload[:4], "big")
+            if version != PROTOCOL_VERSION:
+                raise RuntimeShimError(f"sandbox agent speaks protocol {version}, "
+                                       f"envbuild speaks {PROTOCOL_VERSION}")
+            self.hello = True
+            return
+        if not self.hello:
+            raise _compromised(f"frame 0x{kind:02x} before HELLO")
+        if kind in (R_STDOUT, R_STDERR):
+            if self.killed_at is None:
+                (self.out if kind == R_STDOUT else self.err).add(payload)
+                if self.out.overflow or self.err.overflow:
+                    self._kill()
+        elif kind == R_EXIT:
+            if n != 6:
+                raise _compromised(f"an EXIT of {n} bytes (exactly 6)")
+            code, flags, sig = int.from_bytes(payload[:4], "big"), payload[4], payload[5]
+            signaled = bool(flags & F_SIGNALED)
+            if flags & ~_FLAGS or (code != 128 + sig if signaled else (sig or code > 255)) \
+                    or (signaled and not 0 < sig < 65):
+                raise _compromised(f"an inconsistent EXIT (code {code}, flags {flags}, "
+                                   f"signal {sig})")
+            timed_out = bool(flags & F_TIMED_OUT) or self.host_timed_out
+            self.result = self._outcome(124 if timed_out else code, timed_out=timed_out,
+                                        signal=sig if signaled else 0,
+                                        output_open=bool(flags & F_OUTPUT_OPEN))
+        elif kind == R_START_FAILED:
+            if n < 8:
+                raise _compromised(f"a START_FAILED of {n} bytes (at least 8)")
+            code, err = int.from_bytes(payload[:4], "big"), int.from_bytes(payload[4:8], "big")
+            if code not in (125, 126, 127):
+                raise _compromised(f"a START_FAILED with code {code} (125, 126 or 127)")
+            self.err.add(payload[8:] + b"\n")
+            self.result = self._outcome(code, start_errno=err)
+        else:  # R_ERROR: the agent refused the request (e.g. a protocol version it lacks)
+            raise RuntimeShimError(f"sandbox agent refused the request: "
+                                   f"{payload[:300].decode(errors='replace')}")
 
     def _outcome(self, code: int, **kw) -> ExecOutcome:
         return ExecOutcome(exit_code=code, stdout=self.out.data(), stderr=self.err.data(),
                            output_truncated=self.out.overflow or self.err.overflow, **kw)
+
+
+_AGENT_FRAMES = frozenset((R_HELLO, R_STDOUT, R_STDERR, R_EXIT, R_START_FAILED, R_ERROR))

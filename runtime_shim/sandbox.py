@@ -7,9 +7,11 @@ microVM backend plugs in behind the same ``Backend`` protocol). A sandbox is:
 - a private upper + work dir and an overlay mount (``<node>/sandboxes/<id>/merged``);
 - a detached OCI container (runc by default) whose PID 1 is the exec agent
   (``runtime_shim.agent``: a static C program built once per host, bind-mounted read-only at
-  ``/.envbuild/agent``). It listens on ``/.envbuild/run/agent.sock``, the sandbox's own
-  ``run/`` directory bind-mounted read-write, and runs each ``exec`` in its own process group
-  on a connection from the host: about 1 ms a command instead of ~25 ms for ``runc exec``.
+  ``/.envbuild/agent``). It accepts on ``<sandbox dir>/agent.sock``, a socket the host binds
+  outside every mount of the sandbox and hands to runc as fd 3 (no process in the sandbox can
+  reach, delete or replace it; ``runtime_shim/agent/README.md``, trust model), and runs each
+  ``exec`` in its own process group on a connection from the host: about 1 ms a command
+  instead of ~25 ms for ``runc exec``. Every exec has a deadline (``Limits.exec_timeout``).
   The agent runs as root so it can switch to the requested user; the lock's user is the
   default user of every exec. Commands inherit the agent's namespaces, cgroup, capability
   bounding set, ``noNewPrivileges`` and rlimits, i.e. what ``runc exec`` gave them; a non-root
@@ -29,10 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import resource
 import shutil
+import socket
 import subprocess
 import time
 import uuid
@@ -48,7 +52,7 @@ from runtime_shim.mount import OverlaySpec, mount_overlay, mounted_targets_under
 from runtime_shim.nodecache import NodeCache
 from runtime_shim.runc import OciRuntime, destroy, kill_and_delete, write_bundle
 from runtime_shim.spec import BindMount, Rlimit, RuntimeSpecRequest, env_list, parse_user, runtime_spec
-from runtime_shim.stub import AGENT_PATH, AGENT_RUN_DIR, ensure_stub
+from runtime_shim.stub import AGENT_LISTEN_FD, AGENT_PATH, ensure_stub
 
 SANDBOX_META_VERSION = 1
 #: Snapshot layers a lock may end in before pack-diff squashes them into one.
@@ -66,6 +70,7 @@ class Limits:
     memory_bytes: int | None = 2 << 30
     nofile: int = 4096
     output_bytes: int = DEFAULT_OUTPUT_CAP  # per exec and stream
+    exec_timeout: float = agent.DEFAULT_EXEC_TIMEOUT  # seconds, for an exec with timeout=None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +112,9 @@ class SandboxPaths:
         return self.root / "sandbox.json"
 
     @property
-    def run(self) -> Path:
-        """The agent's socket directory, ``/.envbuild/run`` in the sandbox."""
-        return self.root / "run"
+    def agent_socket(self) -> Path:
+        """The agent's listening socket: on the host only, no mount of the sandbox has it."""
+        return self.root / "agent.sock"
 
 
 class Backend(Protocol):
@@ -148,16 +153,12 @@ class ContainerBackend:
         self.lock = lock
         self.runtime = runtime
         self.limits = limits
-        # Root-only: a non-root command in the sandbox must not reach the agent (which would
-        # run anything as root); the agent also refuses peers from inside the sandbox.
-        paths.run.mkdir(mode=0o700)
-        binds = [BindMount(str(agent_path), AGENT_PATH),
-                 BindMount(str(paths.run), AGENT_RUN_DIR, readonly=False)]
+        binds = [BindMount(str(agent_path), AGENT_PATH)]
         if network:
             binds += [BindMount("/etc/resolv.conf", "/etc/resolv.conf")]
         request = RuntimeSpecRequest(
             rootfs=str(paths.merged),
-            args=(AGENT_PATH, "--listen", f"{AGENT_RUN_DIR}/agent.sock"),
+            args=(AGENT_PATH, "--listen-fd", str(AGENT_LISTEN_FD)),
             env=env_list(lock.env), cwd=lock.workdir, uid=0, gid=0,
             hostname=lock.hostname or "sandbox", network=network,
             rlimits=(_clamped_nofile(limits.nofile),), pids_limit=limits.pids,
@@ -169,53 +170,59 @@ class ContainerBackend:
         # sandbox lives, so runc's (and the agent's) messages go to a file.
         start_log = paths.root / "start.log"
         pid_file = paths.root / "init.pid"
-        with open(start_log, "wb") as log:
-            proc = subprocess.run(runtime.command("run", "--detach", "--pid-file", str(pid_file),
-                                                  "--bundle", str(paths.bundle), sandbox_id),
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=log, check=False)
-        if proc.returncode != 0:
+        # Held for the sandbox's life: the socket is bound and reached through it.
+        self._dir_fd = os.open(paths.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        # The agent's socket lives in the sandbox dir, which no mount of the sandbox shows; the
+        # agent gets the listening fd from runc and the host keeps no copy, so a dead agent
+        # means ECONNREFUSED rather than a connection nobody accepts.
+        try:
+            with agent.listen_socket(self._dir_fd) as listener, open(start_log, "wb") as log:
+                returncode = _spawn_with_fd(
+                    runtime.command("run", "--detach", "--preserve-fds", "1", "--pid-file",
+                                    str(pid_file), "--bundle", str(paths.bundle), sandbox_id),
+                    log.fileno(), listener.fileno())
+        except BaseException:
+            os.close(self._dir_fd)
+            raise
+        if returncode != 0:
             destroy(runtime, sandbox_id)
+            os.close(self._dir_fd)
             raise RuntimeShimError(f"start sandbox {sandbox_id}: {runtime.name} exited "
-                                   f"{proc.returncode}",
+                                   f"{returncode}",
                                    context=start_log.read_text(errors="replace").strip()[-2000:])
-        self.init_pid = _init_pid(runtime, sandbox_id, pid_file)
-        # Held for the sandbox's life: connections resolve the socket relative to it.
-        self._run_fd = os.open(paths.run, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self.init_pid = _init_pid(runtime, sandbox_id, pid_file)
+        except BaseException:
+            os.close(self._dir_fd)
+            raise
         try:
             self._wait_for_agent(start_log)
         except BaseException:
             self.close()
             raise
 
+    def _connect(self) -> socket.socket:
+        return agent.connect_agent(f"/proc/self/fd/{self._dir_fd}/agent.sock")
+
     def _wait_for_agent(self, start_log: Path) -> None:
-        """The agent binds its socket under a temporary name and renames it into place, so
-        the name appearing means it accepts connections."""
-        deadline = time.monotonic() + AGENT_READY_TIMEOUT
-        delay = 0.0002
-        while True:
-            try:
-                os.stat("agent.sock", dir_fd=self._run_fd, follow_symlinks=False)
-                return
-            except FileNotFoundError:
-                pass
-            if not os.path.exists(f"/proc/{self.init_pid}") or time.monotonic() > deadline:
-                why = "exited" if not os.path.exists(f"/proc/{self.init_pid}") else \
-                    f"did not listen within {AGENT_READY_TIMEOUT:.0f} s"
-                raise RuntimeShimError(
-                    f"start sandbox {self.id}: the exec agent {why}",
-                    context=start_log.read_text(errors="replace").strip()[-2000:] or None,
-                    hint="see start.log in the sandbox directory")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
+        """The socket accepts connections from the start (the kernel queues them); the agent
+        is ready once it answers a HELLO, which also checks its protocol version."""
+        try:
+            agent.hello(self._connect, AGENT_READY_TIMEOUT)
+        except RuntimeShimError as e:
+            why = "exited" if not os.path.exists(f"/proc/{self.init_pid}") else e.message
+            raise RuntimeShimError(
+                f"start sandbox {self.id}: the exec agent {why}",
+                context=start_log.read_text(errors="replace").strip()[-2000:] or None,
+                hint="see start.log in the sandbox directory") from None
 
     def exec(self, argv, *, env, cwd, user, timeout, stdin) -> ExecResult:
         started = time.monotonic()
         uid, gid = parse_user(user)  # numeric only: the agent reads no /etc/passwd for names
         req = agent.ExecRequest(argv=tuple(argv), env=env, cwd=cwd, user=f"{uid}:{gid}",
                                 timeout=timeout, stdin=stdin)
-        done = agent.run(lambda: agent.connect_agent(self._run_fd), req,
-                         self.limits.output_bytes)
+        done = agent.run(self._connect, req, self.limits.output_bytes,
+                         deadline=self.limits.exec_timeout)
         return ExecResult(exit_code=done.exit_code, stdout=done.stdout, stderr=done.stderr,
                           duration=time.monotonic() - started, timed_out=done.timed_out,
                           output_truncated=done.output_truncated)
@@ -231,9 +238,9 @@ class ContainerBackend:
                             gid=gid)
 
     def close(self) -> None:
-        if self._run_fd >= 0:
-            os.close(self._run_fd)
-            self._run_fd = -1
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
         kill_and_delete(self.runtime, self.id, self.init_pid)
 
     @classmethod
@@ -248,7 +255,7 @@ class ContainerBackend:
         if not os.path.exists(f"/proc/{self.init_pid}"):
             raise RuntimeShimError(f"sandbox {sandbox_id} is not running",
                                    hint="envbuild sandbox ls shows its state")
-        self._run_fd = os.open(paths.run, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._dir_fd = os.open(paths.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         return self
 
     def upper_dir(self) -> Path:
@@ -269,6 +276,28 @@ class ContainerBackend:
         finally:
             subprocess.run(self.runtime.command("resume", self.id), capture_output=True,
                            check=False)
+
+
+def _spawn_with_fd(argv: list[str], stderr_fd: int, pass_fd: int) -> int:
+    """Run ``argv`` to completion with stdin/stdout on /dev/null, ``stderr_fd`` as stderr and
+    ``pass_fd`` as fd ``AGENT_LISTEN_FD`` (3: what ``runc --preserve-fds 1`` passes on).
+    ``subprocess`` cannot place an fd at a given number; ``posix_spawn``'s dup2 can."""
+    actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+               (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+               (os.POSIX_SPAWN_DUP2, stderr_fd, 2),
+               (os.POSIX_SPAWN_DUP2, pass_fd, AGENT_LISTEN_FD)]
+    # above 0-3, so neither dup2 overwrites the other's source (nor is a no-op that keeps
+    # the close-on-exec flag)
+    high = fcntl.fcntl(pass_fd, fcntl.F_DUPFD_CLOEXEC, 10)
+    actions[3] = (os.POSIX_SPAWN_DUP2, high, AGENT_LISTEN_FD)
+    try:
+        pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=actions)
+    except OSError as e:
+        raise RuntimeShimError(f"start sandbox: {argv[0]}: {e.strerror}") from e
+    finally:
+        os.close(high)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
 
 
 def _init_pid(runtime: OciRuntime, container_id: str, pid_file: Path) -> int:

@@ -3,12 +3,13 @@
 runc creates missing mount points (``/proc``, ``/etc/resolv.conf`` …) inside the rootfs, which
 for an overlay means inside the upper dir — and from there into a built layer or a snapshot.
 Putting them in a read-only bottom layer instead keeps upper dirs a pure diff. ``/.envbuild``
-holds the bind-mount targets of the sandbox's PID 1, the exec agent (``AGENT_PATH``, a static
-binary from the host, see ``runtime_shim.agent``), and of its socket directory
-(``AGENT_RUN_DIR``, a per-sandbox host directory), so every sandbox has a PID 1 whatever its
-image contains.
+holds the bind-mount target of the sandbox's PID 1, the exec agent (``AGENT_PATH``, a static
+binary from the host, see ``runtime_shim.agent``), so every sandbox has a PID 1 whatever its
+image contains. The agent's socket is not in the sandbox at all: the host binds it in the
+sandbox dir and runc passes the listening fd as ``AGENT_LISTEN_FD``.
 
 Version 3: ``.envbuild/agent`` and ``.envbuild/run`` replace ``.envbuild/busybox``.
+Version 4: ``.envbuild/run`` is gone (the socket moved out of the sandbox).
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ import shutil
 import uuid
 from pathlib import Path
 
-STUB_VERSION = 3
-STUB_DIRS = ("proc", "sys", "dev", "tmp", "etc", "run", ".envbuild", ".envbuild/run")
+STUB_VERSION = 4
+STUB_DIRS = ("proc", "sys", "dev", "tmp", "etc", "run", ".envbuild")
 STUB_FILES = ("etc/resolv.conf", "etc/hosts", "etc/hostname", ".envbuild/agent",
               ".envbuild/host-ca.crt")
 #: The exec agent, PID 1 of every sandbox (read-only bind of the host's build).
 AGENT_PATH = "/.envbuild/agent"
-#: The agent's socket directory (read-write bind of the sandbox's own ``run/``).
-AGENT_RUN_DIR = "/.envbuild/run"
+#: The fd of the agent's listening socket in the sandbox (``runc run --preserve-fds 1``).
+AGENT_LISTEN_FD = 3
 #: Where network-enabled build steps see the host's CA bundle (it may trust a local proxy).
 HOST_CA_PATH = "/.envbuild/host-ca.crt"
 

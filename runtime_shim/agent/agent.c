@@ -1,7 +1,8 @@
 /*
  * envbuild-agent: the exec agent that runs as PID 1 of a sandbox.
  *
- * It listens on a unix socket, runs one command per connection (protocol v1, see README.md),
+ * It accepts on a unix socket the host created outside the sandbox and passed down as an fd
+ * (--listen-fd), runs one command per connection (protocol v1, see README.md),
  * streams the command's stdout and stderr back as frames and ends with its exit status. As
  * PID 1 it also reaps every orphan. One process, one poll() loop, no threads: every fd is
  * non-blocking, so a slow or vanished client never stalls another session.
@@ -1021,17 +1022,47 @@ static void chans_sweep(void) {
 }
 
 static void usage(void) {
-    fprintf(stderr, "usage: " AGENT_NAME " --listen SOCKET_PATH [--any-peer]\n"
+    fprintf(stderr, "usage: " AGENT_NAME " --listen-fd FD [--any-peer]\n"
+                    "       " AGENT_NAME " --listen SOCKET_PATH [--any-peer]\n"
                     "       " AGENT_NAME " --serial PORT\n"
                     "       " AGENT_NAME " --version\n");
 }
 
+/* A listening unix stream socket the host created and runc passed down (--preserve-fds):
+ * made close-on-exec so no command inherits it, and non-blocking for accept_all. */
+static int inherited_listener(const char *text) {
+    char *end;
+    long fd = strtol(text, &end, 10);
+    int type = 0, listening = 0;
+    socklen_t len = sizeof type;
+    if (*text == 0 || *end || fd < 3 || fd > INT_MAX ||
+        getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) < 0 || type != SOCK_STREAM ||
+        (len = sizeof listening, getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len)) < 0
+        || !listening) {
+        logmsg("--listen-fd %s: not a listening stream socket", text);
+        return -1;
+    }
+    if (fcntl(fd, F_SETFD, FD_CLOEXEC) < 0 || set_nonblock(fd) < 0) {
+        logmsg("--listen-fd %s: %s", text, strerror(errno));
+        return -1;
+    }
+    return (int)fd;
+}
+
 int main(int argc, char **argv) {
-    const char *listen_path = NULL, *serial_path = NULL;
+    /* First thing: not dumpable, so no process in the sandbox (root included: it lacks
+     * CAP_SYS_PTRACE) can ptrace the agent, open /proc/1/mem, /proc/1/environ or
+     * /proc/1/fd/N, pidfd_getfd or process_vm_readv it. Children inherit this until their
+     * execve, so a forked child is covered too until it becomes the command. */
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
+        return 1;
+    const char *listen_path = NULL, *serial_path = NULL, *listen_fd = NULL;
     int any_peer = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--listen") && i + 1 < argc) {
             listen_path = argv[++i];
+        } else if (!strcmp(argv[i], "--listen-fd") && i + 1 < argc) {
+            listen_fd = argv[++i];
         } else if (!strcmp(argv[i], "--any-peer")) {
             any_peer = 1;
         } else if (!strcmp(argv[i], "--version")) {
@@ -1044,7 +1075,7 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
-    if (!listen_path == !serial_path) {
+    if (!!listen_path + !!serial_path + !!listen_fd != 1) {
         usage();
         return 2;
     }
@@ -1067,6 +1098,9 @@ int main(int argc, char **argv) {
             logmsg("open %s: %s", serial_path, strerror(errno));
             return 1;
         }
+    } else if (listen_fd) {
+        if ((lfd = inherited_listener(listen_fd)) < 0)
+            return 1;
     } else if ((lfd = listen_on(listen_path)) < 0) {
         return 1;
     }

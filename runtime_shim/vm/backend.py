@@ -67,7 +67,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from envbuild.errors import RuntimeShimError
+from envbuild.errors import RuntimeShimError, SandboxCompromised
 from runtime_shim import agent
 from runtime_shim.locks import ResolvedLock
 from runtime_shim.mount import unmount
@@ -241,11 +241,12 @@ class MicroVmBackend:
             delay = min(delay * 1.5, 0.02)
 
     def _check_hello(self, reply: bytes) -> None:
-        kind, n = reply[0], int.from_bytes(reply[1:5], "big")
-        version = int.from_bytes(reply[5:9], "big") if kind == agent.R_HELLO and n >= 4 else None
-        if version != agent.PROTOCOL_VERSION:
-            raise RuntimeShimError(f"start microVM {self.id}: the guest agent answered "
-                                   f"{reply[:80]!r}, not HELLO version {agent.PROTOCOL_VERSION}")
+        try:
+            agent.check_hello(reply)
+        except SandboxCompromised:
+            raise
+        except RuntimeShimError as e:
+            raise RuntimeShimError(f"start microVM {self.id}: the guest agent {e}") from None
 
     def _console(self) -> bytes:
         try:
@@ -269,7 +270,8 @@ class MicroVmBackend:
         started = time.monotonic()
         req = agent.ExecRequest(argv=tuple(argv), env=env, cwd=cwd, user=user, timeout=timeout,
                                 stdin=stdin)
-        done = agent.run(self._connect, req, self.limits.output_bytes)
+        done = agent.run(self._connect, req, self.limits.output_bytes,
+                         deadline=self.limits.exec_timeout)
         return ExecResult(exit_code=done.exit_code, stdout=done.stdout, stderr=done.stderr,
                           duration=time.monotonic() - started, timed_out=done.timed_out,
                           output_truncated=done.output_truncated)

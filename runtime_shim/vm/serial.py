@@ -16,6 +16,14 @@ channel starts with the host's HELLO; frames for a channel that already ended ar
 to the agent's unix socket, so ``runtime_shim.agent.run`` (timeouts, KILL, output caps, hang-up
 kills the command) works unchanged: the mux thread moves whole inner frames between the
 socketpair and the line, and closing the socket sends CLOSE unless the session already ended.
+
+The line is guest-written, hostile input. The mux checks only the outer framing (a known
+type, the exact payload length of WINDOW and CLOSE, exactly one whole inner frame in a
+CHANNEL, no frame over ``MAX_PAYLOAD`` + 9, no channel sent more than its window): a
+violation is ``SandboxCompromised`` and ends the line, every open exec then fails and every
+later one raises it. The inner frames are checked by the one parser every backend uses,
+``runtime_shim.agent.run``: the mux passes them through unchanged, so a forged, short or
+out-of-order inner frame raises there as for a container.
 """
 
 from __future__ import annotations
@@ -26,17 +34,41 @@ import socket
 import struct
 import threading
 
-from envbuild.errors import RuntimeShimError
+from envbuild.errors import RuntimeShimError, SandboxCompromised
 from runtime_shim import agent
 
 T_CHANNEL, T_WINDOW, T_CLOSE = 0x40, 0x41, 0x42
 SERIAL_WINDOW = 256 << 10
 WINDOW_ACK = 32 << 10
 _FINAL = (agent.R_EXIT, agent.R_START_FAILED, agent.R_ERROR)
+#: The largest outer payload: a channel id and a whole inner frame of ``MAX_PAYLOAD``.
+MAX_OUTER = 4 + 5 + agent.MAX_PAYLOAD
 
 
 def outer_frame(kind: int, channel: int, payload: bytes = b"") -> bytes:
     return struct.pack(">BII", kind, 4 + len(payload), channel) + payload
+
+
+def _line_compromised(what: str) -> SandboxCompromised:
+    return SandboxCompromised(
+        f"the microVM's agent line carried {what}: the guest broke the protocol",
+        hint="nothing the VM returned is trusted; close the sandbox "
+             "(runtime_shim/agent/README.md, trust model)")
+
+
+def _check_outer(kind: int, n: int) -> None:
+    """The outer header alone: a known type with a length its layout allows."""
+    if kind == T_CHANNEL:
+        if not 9 <= n <= MAX_OUTER:
+            raise _line_compromised(f"a CHANNEL frame of {n} bytes (9 to {MAX_OUTER})")
+    elif kind == T_WINDOW:
+        if n != 8:
+            raise _line_compromised(f"a WINDOW frame of {n} bytes (exactly 8)")
+    elif kind == T_CLOSE:
+        if n != 4:
+            raise _line_compromised(f"a CLOSE frame of {n} bytes (exactly 4)")
+    else:
+        raise _line_compromised(f"an unknown frame 0x{kind:02x}")
 
 
 class _Chan:
@@ -68,12 +100,15 @@ class SerialMux:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._closed = False
         self.error: str | None = None
+        self.compromised: SandboxCompromised | None = None
         self._thread = threading.Thread(target=self._run, name="envbuild-vm-serial",
                                         daemon=True)
         self._thread.start()
 
     def connect(self) -> socket.socket:
         """A new channel; use the returned socket as a connection to the agent."""
+        if self.compromised is not None:
+            raise self.compromised
         if self._closed or self.error:
             raise RuntimeShimError(f"the microVM's agent line is closed"
                                    f"{': ' + self.error if self.error else ''}")
@@ -111,6 +146,9 @@ class SerialMux:
     def _run(self) -> None:
         try:
             self._loop()
+        except SandboxCompromised as e:
+            self.compromised = e
+            self.error = str(e)
         except Exception as e:  # noqa: BLE001 - reported to every caller through connect/EOF
             self.error = f"{type(e).__name__}: {e}"
         finally:
@@ -160,24 +198,33 @@ class SerialMux:
     def _parse_line(self) -> None:
         rx = self._rx
         pos = 0
-        while len(rx) - pos >= 9:
+        while len(rx) - pos >= 5:
             kind, n = struct.unpack_from(">BI", rx, pos)
+            _check_outer(kind, n)
             if len(rx) - pos < 5 + n:
                 break
             (cid,) = struct.unpack_from(">I", rx, pos + 5)
             payload = bytes(rx[pos + 9:pos + 5 + n])
             pos += 5 + n
+            if kind == T_CHANNEL and (len(payload) < 5 or
+                                      5 + int.from_bytes(payload[1:5], "big") != len(payload)):
+                raise _line_compromised(f"a CHANNEL frame of {len(payload)} bytes that is not "
+                                        "one whole inner frame")
             c = self._chans.get(cid)
-            if c is None:
+            if c is None:  # a late frame for a channel that already ended
                 continue
             if kind == T_CHANNEL:
                 c.down += payload
-                if payload and payload[0] in _FINAL:
+                # the agent sends while its window is positive: it can overshoot by one frame,
+                # never more (a guest ignoring the window would grow host memory without end)
+                if len(c.down) + c.acked > SERIAL_WINDOW + 5 + agent.MAX_PAYLOAD:
+                    raise _line_compromised(f"more than its window on channel {cid}")
+                if payload[0] in _FINAL:
                     c.final = True
-            elif kind == T_WINDOW and len(payload) == 4:
+            elif kind == T_WINDOW:
                 c.credit += struct.unpack(">I", payload)[0]
                 self._frame_up(c)
-            elif kind == T_CLOSE:
+            else:
                 c.agent_closed = True
         del rx[:pos]
 
