@@ -138,6 +138,16 @@ def parse_user(user: str | None, default: tuple[int, int] = (0, 0)) -> tuple[int
     return uid, gid
 
 
+def clamped_rlimit(kind: str, wanted: int) -> Rlimit:
+    """``wanted`` as soft and hard limit, lowered to this process's hard limit: raising it
+    needs ``CAP_SYS_RESOURCE`` and would make the runtime fail."""
+    import resource
+
+    _soft, hard = resource.getrlimit(getattr(resource, kind))
+    value = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    return Rlimit(kind, value, value)
+
+
 def env_list(env: Mapping[str, str]) -> tuple[str, ...]:
     return tuple(f"{k}={v}" for k, v in env.items())
 
