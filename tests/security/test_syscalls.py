@@ -118,6 +118,12 @@ def test_bad_profile_is_refused_before_anything_starts(busybox_store):
     before = set((Path(node) / "sandboxes").iterdir())
     with pytest.raises(RuntimeShimError, match="seccomp profile: defaultAction"):
         Sandbox.create(ENV, store=store, node_dir=node, seccomp={"defaultAction": "allow"})
+    with pytest.raises(RuntimeShimError, match="unknown seccomp setting"):
+        Sandbox.create(ENV, store=store, node_dir=node, seccomp="off")
+    # A microVM's boundary is its guest kernel: a profile would silently not apply, so no.
+    with pytest.raises(RuntimeShimError, match="container sandboxes only"):
+        Sandbox.create(ENV, store=store, node_dir=node, backend="microvm",
+                       seccomp={"defaultAction": "SCMP_ACT_ALLOW"})
     assert set((Path(node) / "sandboxes").iterdir()) == before
 
 
