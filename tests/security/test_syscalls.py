@@ -190,3 +190,52 @@ def test_cpu_limit_gives_about_half_a_core(busybox_store):
             runner.join()
     share = (u1 - u0) / (t1 - t0)
     assert 0.3 < share < 0.65, f"{share:.2f} cores with cpus=0.5"
+
+
+def test_build_step_has_its_own_limited_cgroup(envbuild_cli):
+    """A run step is as bounded as a sandbox: its own cgroup under /envbuild with
+    ``BuildLimits``' pids, memory and CPU caps (watched from the host while it sleeps)."""
+    from envbuild.build.executor import BuildLimits
+
+    pids_root = Path("/sys/fs/cgroup/pids/envbuild")
+    if not Path("/sys/fs/cgroup/pids").is_dir():
+        pytest.fail("this test reads cgroup v1 (pids, memory, cpu): not mounted here")
+    before = set(pids_root.glob("eb-build-*")) if pids_root.is_dir() else set()
+    (envbuild_cli.defs / "toolkits" / "slow.yaml").write_text(textwrap.dedent("""\
+        apiVersion: envbuild/v1
+        kind: Toolkit
+        name: slow
+        build_on: busybox-tiny
+        prefix: /opt/toolkits/slow
+        steps:
+          - run: mkdir -p /opt/toolkits/slow && sleep 2
+            network: none
+        """))
+    seen: dict[str, str] = {}
+    stop = threading.Event()
+
+    def watch():  # the last complete reading: runc creates the cgroup, then sets limits
+        while not stop.is_set():
+            for d in set(pids_root.glob("eb-build-*")) - before if pids_root.is_dir() else ():
+                try:
+                    now = {"pids": (d / "pids.max").read_text().strip(),
+                           "memory": (Path("/sys/fs/cgroup/memory/envbuild") / d.name
+                                      / "memory.limit_in_bytes").read_text().strip(),
+                           "cpu": (Path("/sys/fs/cgroup/cpu/envbuild") / d.name
+                                   / "cpu.cfs_quota_us").read_text().strip()}
+                except OSError:
+                    continue  # being set up or already gone
+                seen.update(now)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        result = envbuild_cli("build", "slow", "--json")
+    finally:
+        stop.set()
+        watcher.join()
+    assert result.code == 0, result.err
+    limits = BuildLimits()
+    assert seen == {"pids": str(limits.pids), "memory": str(limits.memory_bytes),
+                    "cpu": str(round(limits.cpus * 100_000))}
