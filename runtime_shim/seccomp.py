@@ -128,9 +128,14 @@ BY_CAPABILITY: Mapping[str, tuple[str, ...]] = {
 }
 
 # Per native architecture: the ABIs a process can enter the kernel with (Docker's archMap)
-# and the arch-specific syscalls they need.
+# and the arch-specific syscalls they need. A syscall from an ABI not listed kills the process
+# (runc's bad-arch action), so none bypasses the filter; the 32-bit ABIs are listed so 32-bit
+# binaries work, filtered alike (a 64-bit process's ``int 0x80`` included). Unlike Docker we
+# leave out x32: each ABI costs runc ~10-20 ms of filter compilation per container start
+# (measured: x86_64 alone +0 ms, with x86 +13 ms, with x86 and x32 +33 ms), and x32 has no
+# userland to speak of (Debian's kernels disable it: its syscalls answer ENOSYS anyway).
 ARCHITECTURES: Mapping[str, tuple[str, ...]] = {
-    "x86_64": ("SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"),
+    "x86_64": ("SCMP_ARCH_X86_64", "SCMP_ARCH_X86"),
     "aarch64": ("SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"),
 }
 ARCH_SYSCALLS: Mapping[str, tuple[str, ...]] = {

@@ -31,9 +31,9 @@ REFUSED = ("keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfa
            "clone_newpid", "mount", "umount2", "pivot_root", "fsopen", "open_tree", "move_mount",
            "setns", "kexec_load", "init_module", "finit_module", "ioctl_xfs_swapext",
            "ioctl_ext4_move_ext", "ioctl_ext4_swap_boot", "ioctl_tiocsti", "ioctl_tiocsti_high",
-           "ioctl_tioclinux", "socket_vsock")
+           "ioctl_tioclinux", "socket_vsock", "i386_keyctl", "i386_unshare_newuser")
 WORKS = ("ioctl_fionread", "pipe", "fork_exec", "clone_plain", "unshare_files",
-         "socket_loopback")
+         "socket_loopback", "i386_getpid")
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +92,7 @@ def test_unconfined_lets_the_same_calls_through(busybox_store, probe):
         calls = _run_probe(sb, probe)
         done = sb.exec("unshare -Urm sh -c 'mount -t tmpfs none /tmp && echo mounted'")
     assert calls["unshare_newuser_newns"][0] == 0, calls["unshare_newuser_newns"]
+    assert calls["i386_unshare_newuser"][0] == 0, calls["i386_unshare_newuser"]
     assert calls["clone_newuser"][0] > 0, calls["clone_newuser"]
     # The ioctls reach the filesystem / tty driver, which answers with its own errno
     for name in ("ioctl_xfs_swapext", "ioctl_tiocsti"):
