@@ -189,8 +189,13 @@ def test_cpu_limit_gives_about_half_a_core(busybox_store):
             u1, t1 = _usage_seconds(pid), time.monotonic()
         finally:
             runner.join()
+        stat = dict(line.split() for line in (cpu / "cpu.stat").read_text().splitlines())
     share = (u1 - u0) / (t1 - t0)
-    assert 0.3 < share < 0.65, f"{share:.2f} cores with cpus=0.5"
+    # The upper bound is the cap. The loops need not get their whole half core on a busy host
+    # (seven engineers share two cores here), so the lower bound only shows they ran, and the
+    # throttle count shows the quota, not contention, is what stopped them.
+    assert 0.15 < share < 0.65, f"{share:.2f} cores with cpus=0.5"
+    assert int(stat["nr_throttled"]) > 0, stat
 
 
 def test_build_step_has_its_own_limited_cgroup(envbuild_cli):
