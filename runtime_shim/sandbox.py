@@ -18,9 +18,12 @@ microVM backend plugs in behind the same ``Backend`` protocol). A sandbox is:
   command has no effective capabilities, as with ``runc exec --user``.
 
 Security by default (see ``runtime_shim.spec``): an empty network namespace unless
-``network=True``, dropped capabilities, ``noNewPrivileges``, masked ``/proc`` paths, pids and
-memory limits, an rlimit on open files, and an output cap per exec so a command that prints
-forever is stopped instead of filling memory.
+``network=True``, dropped capabilities, ``noNewPrivileges``, masked ``/proc`` paths, pids,
+memory and CPU limits, an rlimit on open files, an output cap per exec so a command that prints
+forever is stopped instead of filling memory, and a seccomp filter (``runtime_shim.seccomp``:
+Docker's default, plus no new namespaces, mounts, keyrings, bpf, io_uring or filesystem-swapping
+ioctls; ``seccomp=`` overrides it per sandbox). A microVM's boundary is its own guest kernel
+instead: ``seccomp=`` does not apply to it.
 
 Everything a sandbox owns is under its directory and its runtime state under the node's runc
 root, both named by the sandbox id (``eb-…``), so ``gc_sandboxes`` can find and remove the
@@ -47,6 +50,7 @@ from typing import Protocol
 from envbuild.errors import RuntimeShimError
 from envbuild.store import Store, put_file
 from runtime_shim import agent, fsaccess
+from runtime_shim import seccomp as seccomp_profiles
 from runtime_shim.locks import ResolvedLock, resolve
 from runtime_shim.mount import OverlaySpec, mount_overlay, mounted_targets_under, unmount
 from runtime_shim.nodecache import NodeCache
@@ -64,11 +68,16 @@ AGENT_READY_TIMEOUT = 10.0
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Resource limits of one sandbox. ``None`` leaves a limit off."""
+    """Resource limits of one sandbox. ``None`` leaves a limit off.
+
+    ``cpus``: CPU bandwidth in cores (the cgroup's CFS quota per 100 ms period; 0.5 = half a
+    core), 2.0 by default so one busy sandbox cannot take a bigger host's every core; not
+    applied to microVMs, whose CPUs are their vCPUs."""
 
     pids: int | None = 512
     memory_bytes: int | None = 2 << 30
     nofile: int = 4096
+    cpus: float | None = 2.0
     output_bytes: int = DEFAULT_OUTPUT_CAP  # per exec and stream
     exec_timeout: float = agent.DEFAULT_EXEC_TIMEOUT  # seconds, for an exec with timeout=None
 
@@ -147,7 +156,8 @@ class ContainerBackend:
     """A detached runc (or crun) container over the sandbox's overlay."""
 
     def __init__(self, sandbox_id: str, paths: SandboxPaths, lock: ResolvedLock,
-                 runtime: OciRuntime, *, network: bool, limits: Limits, agent_path: Path) -> None:
+                 runtime: OciRuntime, *, network: bool, limits: Limits, agent_path: Path,
+                 seccomp: str | Mapping | None = None) -> None:
         self.id = sandbox_id
         self.paths = paths
         self.lock = lock
@@ -163,7 +173,7 @@ class ContainerBackend:
             hostname=lock.hostname or "sandbox", network=network,
             rlimits=(_clamped_nofile(limits.nofile),), pids_limit=limits.pids,
             memory_limit=limits.memory_bytes, cgroups_path=f"/envbuild/{sandbox_id}",
-            binds=tuple(binds))
+            binds=tuple(binds), cpus=limits.cpus, seccomp=seccomp)
         write_bundle(paths.bundle, runtime_spec(request))
         Path(runtime.state_root).mkdir(parents=True, exist_ok=True)
         # A detached container inherits runc's stdio: a pipe would never reach EOF while the
@@ -401,15 +411,25 @@ class Sandbox:
         runtime: str = "runc",
         keep: bool = False,
         lazy: bool = False,
+        seccomp: str | Mapping | None = None,
     ) -> Sandbox:
         """Fetch what is missing, compose and start a sandbox of ``lock`` (digest or ref).
 
         ``lazy``: instead of unpacking the layers, mount each one read-only with FUSE, served
         from ``store`` file by file on first read (``runtime_shim.lazyfs``); ``store`` must be
-        one another process can open (a directory or S3)."""
+        one another process can open (a directory or S3).
+
+        ``seccomp``: None for the default syscall filter (``runtime_shim.seccomp``),
+        ``"unconfined"`` for none, or a full OCI ``linux.seccomp`` object (checked here). A
+        microVM is bounded by its guest kernel, not a filter: it takes None or "unconfined"."""
         if backend not in BACKENDS:
             raise RuntimeShimError(f"unknown sandbox backend {backend!r}",
                                    hint=f"choose one of: {', '.join(BACKENDS)}")
+        seccomp_profiles.check_setting(seccomp)
+        if backend == "microvm" and isinstance(seccomp, Mapping):
+            raise RuntimeShimError("a seccomp profile applies to container sandboxes only",
+                                   hint="a microVM's boundary is its own guest kernel; "
+                                        "pass seccomp=None for it")
         node_root = Path(node_dir)
         node = NodeCache(node_root / "node")
         resolved = resolve(store, lock)
@@ -445,7 +465,8 @@ class Sandbox:
             mount_overlay(compose(layer_dirs, str(ensure_stub(node.root)), paths))
             mounted = True
             impl = ContainerBackend(sandbox_id, paths, resolved, oci, network=network,
-                                    limits=limits or Limits(), agent_path=agent_path)
+                                    limits=limits or Limits(), agent_path=agent_path,
+                                    seccomp=seccomp)
         except BaseException:
             if mounted:
                 unmount(str(paths.merged))

@@ -5,7 +5,10 @@ place. Secure by default: every namespace but the user namespace is new (an empt
 namespace unless ``network=True``), ``noNewPrivileges``, a capability set narrower than
 Docker's default (no ``NET_RAW``, no ``MKNOD``), Docker's masked and read-only ``/proc`` and
 ``/sys`` paths, a read-only ``/sys``, and rlimits that the caller has already clamped to the
-host's hard limits (root here lacks ``CAP_SYS_RESOURCE``; raising a limit makes runc fail).
+host's hard limits (root here lacks ``CAP_SYS_RESOURCE``; raising a limit makes runc fail),
+Docker's default seccomp profile narrowed further (``runtime_shim.seccomp``: no new namespaces,
+no mounts, keyrings, bpf, io_uring, module loading; a deny list of filesystem-swapping ioctls)
+unless the request says ``seccomp="unconfined"`` or brings its own, and a CPU bandwidth cap.
 
 The result validates against the OCI runtime-spec JSON Schema (``config-schema.json``); a test
 checks that for every request shape the code can produce.
@@ -16,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
+
+from runtime_shim import seccomp as _seccomp
 
 OCI_VERSION = "1.0.2"
 
@@ -60,6 +65,9 @@ READONLY_PATHS = (
 )
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: The CFS period a CPU limit is expressed in (the kernel's default, 100 ms): ``cpus=0.5`` is a
+#: quota of 50 ms per period.
+CPU_PERIOD_US = 100_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +91,11 @@ class RuntimeSpecRequest:
     ``env`` is ordered ``KEY=VALUE`` strings. ``memory_limit`` is bytes, ``pids_limit`` a count;
     either may be None where the host cannot enforce it (then the caller says so to the user).
     ``cgroups_path`` is None to let the runtime pick; the caller passes one per sandbox so
-    limits are accounted per sandbox.
+    limits are accounted per sandbox. ``cpus`` is CPU bandwidth in cores (``1.5`` = one and a
+    half cores' worth of time per period), None for no cap. ``seccomp`` is None for the
+    default profile (``runtime_shim.seccomp.default_profile`` for ``capabilities`` on
+    ``machine``, the host's when None), ``"unconfined"`` for none, or a full OCI
+    ``linux.seccomp`` object, emitted as given after a structural check.
     """
 
     rootfs: str
@@ -105,6 +117,9 @@ class RuntimeSpecRequest:
     binds: tuple[BindMount, ...] = ()
     tmpfs: tuple[str, ...] = ("/tmp",)
     terminal: bool = False
+    cpus: float | None = None
+    seccomp: str | Mapping[str, Any] | None = None
+    machine: str | None = None
 
 
 def parse_user(user: str | None, default: tuple[int, int] = (0, 0)) -> tuple[int, int]:
@@ -121,6 +136,16 @@ def parse_user(user: str | None, default: tuple[int, int] = (0, 0)) -> tuple[int
         raise RuntimeShimError(f"user {user!r} is not numeric",
                                hint="use 'UID:GID', e.g. '1000:1000'") from None
     return uid, gid
+
+
+def clamped_rlimit(kind: str, wanted: int) -> Rlimit:
+    """``wanted`` as soft and hard limit, lowered to this process's hard limit: raising it
+    needs ``CAP_SYS_RESOURCE`` and would make the runtime fail."""
+    import resource
+
+    _soft, hard = resource.getrlimit(getattr(resource, kind))
+    value = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    return Rlimit(kind, value, value)
 
 
 def env_list(env: Mapping[str, str]) -> tuple[str, ...]:
@@ -163,6 +188,15 @@ def runtime_spec(req: RuntimeSpecRequest) -> dict[str, Any]:
     if req.memory_limit is not None:
         # swap = memory: no swap beyond the limit
         resources["memory"] = {"limit": req.memory_limit, "swap": req.memory_limit}
+    if req.cpus is not None:
+        if not req.cpus > 0:
+            from envbuild.errors import RuntimeShimError
+
+            raise RuntimeShimError(f"cpus={req.cpus!r}: a CPU limit must be a positive number "
+                                   "of cores", hint="e.g. 0.5, 2.0, or None for no limit")
+        # cgroup v1 cpu.cfs_quota_us / v2 cpu.max; at least 1 ms, the kernel's minimum quota
+        resources["cpu"] = {"quota": max(1000, round(req.cpus * CPU_PERIOD_US)),
+                            "period": CPU_PERIOD_US}
     linux: dict[str, Any] = {
         "namespaces": namespaces,
         "resources": resources,
@@ -171,6 +205,9 @@ def runtime_spec(req: RuntimeSpecRequest) -> dict[str, Any]:
     }
     if req.cgroups_path is not None:
         linux["cgroupsPath"] = req.cgroups_path
+    profile = _seccomp.resolve(req.seccomp, caps, req.machine)
+    if profile is not None:
+        linux["seccomp"] = profile
     process: dict[str, Any] = {
         "terminal": req.terminal,
         "user": {"uid": req.uid, "gid": req.gid},

@@ -10,7 +10,8 @@ The plan says *what* to build (``LayerJob``: plain data); this module does it (s
    copied through the overlay into ``dest``;
 3. each step: ``run`` in a runc container over the overlay (mount, pid, ipc, uts namespaces;
    the host network by default because package installs need it, ``network: none`` for an
-   empty network namespace); ``copy`` through the overlay from the definition's directory;
+   empty network namespace; the default seccomp profile and ``BuildLimits``, as a sandbox
+   gets); ``copy`` through the overlay from the definition's directory;
 4. the upper dir *is* the layer: packed with overlay whiteouts converted to OCI ones,
    put into the store (verified), and only then the key record is written. A failure at any
    point publishes nothing.
@@ -29,6 +30,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from envbuild.build import importers
 from envbuild.build.pin import local_git_path
@@ -42,7 +44,8 @@ from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
 from runtime_shim.nodecache import NodeCache
 from runtime_shim.runc import OciRuntime, run_container, write_bundle
 from runtime_shim.stub import HOST_CA_PATH, ensure_stub
-from runtime_shim.spec import BindMount, RuntimeSpecRequest, env_list, parse_user, runtime_spec
+from runtime_shim.spec import (BindMount, RuntimeSpecRequest, clamped_rlimit, env_list,
+                               parse_user, runtime_spec)
 
 OUTPUT_TAIL_LINES = 50
 CA_ENV_VARS = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
@@ -87,6 +90,19 @@ class BuildEvent:
 Progress = Callable[[BuildEvent], None]
 
 
+@dataclasses.dataclass(frozen=True)
+class BuildLimits:
+    """Resource limits of every ``run`` step's container (its own cgroup), generous because
+    compilers and package managers are hungry, but finite because a definition is untrusted
+    input: 8 GiB of memory (no swap beyond it), 8192 tasks, 65536 open files (clamped to the
+    host's hard limit), 4 cores of CPU time. ``None`` leaves a limit off."""
+
+    pids: int | None = 8192
+    memory_bytes: int | None = 8 << 30
+    nofile: int = 65536
+    cpus: float | None = 4.0
+
+
 @dataclasses.dataclass
 class BuildContext:
     """The side-effect handles a build needs, created once per ``envbuild build``."""
@@ -98,6 +114,10 @@ class BuildContext:
     log_root: Path
     source_date_epoch: int = 0
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    #: Limits and syscall filter of run steps (``seccomp`` as for ``Sandbox.create``: None is
+    #: the default profile, ``"unconfined"`` none, or an OCI ``linux.seccomp`` object).
+    limits: BuildLimits = BuildLimits()
+    seccomp: str | Mapping[str, Any] | None = None
 
     def stub_dir(self) -> Path:
         return ensure_stub(self.node.root)
@@ -251,13 +271,16 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
             # point the usual clients at it without touching the image's /etc/ssl.
             binds += (BindMount(ca, HOST_CA_PATH),)
             env = {**{k: HOST_CA_PATH for k in CA_ENV_VARS}, **env}
+    container_id = f"eb-build-{uuid.uuid4().hex[:12]}"
+    limits = ctx.limits
     request = RuntimeSpecRequest(
         rootfs=str(merged), args=("/bin/sh", "-c", step.run), env=env_list(env),
         cwd=step.workdir or "/", uid=uid, gid=gid, hostname=BUILD_HOSTNAME, network=network,
-        binds=binds)
+        binds=binds, rlimits=(clamped_rlimit("RLIMIT_NOFILE", limits.nofile),),
+        pids_limit=limits.pids, memory_limit=limits.memory_bytes, cpus=limits.cpus,
+        cgroups_path=f"/envbuild/{container_id}", seccomp=ctx.seccomp)
     bundle = scratch / f"bundle-{index}"
     write_bundle(bundle, runtime_spec(request))
-    container_id = f"eb-build-{uuid.uuid4().hex[:12]}"
     with open(log, "ab") as out:
         # The step runs on a pool thread, which Ctrl-C/SIGTERM never interrupts: the engine
         # sets ctx.cancelled and run_container kills and deletes the container when it sees it.

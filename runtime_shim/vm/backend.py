@@ -47,7 +47,13 @@ fuse2fs, never by the host kernel's ext4 driver, which is not hardened against c
 (a guest root can write raw blocks to its disk).
 
 Limits: ``Limits.memory_bytes`` is the VM's RAM, ``VmOptions.vcpus`` its CPUs, ``nofile`` the
-agent's rlimit; ``pids`` is not enforced inside the guest (the VM's RAM bounds it).
+agent's rlimit; ``pids`` is not enforced inside the guest (the VM's RAM bounds it), nor
+``cpus`` (the vCPUs are the limit).
+
+Isolation boundary: the guest's own kernel. The sandbox's syscalls, namespaces, mounts and
+ioctls reach the guest kernel, never the host's, so no seccomp profile is applied inside and
+``Sandbox.create(seccomp=...)`` does not apply (a profile is refused for ``backend="microvm"``);
+QEMU itself runs on the host unfiltered.
 """
 
 from __future__ import annotations
