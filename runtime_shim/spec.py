@@ -2,7 +2,8 @@
 
 Used for both build steps (envbuild's executor) and sandboxes, so isolation is decided in one
 place. Secure by default: every namespace but the user namespace is new (an empty network
-namespace unless ``network=True``), ``noNewPrivileges``, a capability set narrower than
+namespace unless ``network=True``, then the sandbox's own from ``runtime_shim.netns``, whose
+firewall holds because no capability set here has ``CAP_NET_ADMIN``), ``noNewPrivileges``, a capability set narrower than
 Docker's default (no ``NET_RAW``, no ``MKNOD``), Docker's masked and read-only ``/proc`` and
 ``/sys`` paths, a read-only ``/sys``, and rlimits that the caller has already clamped to the
 host's hard limits (root here lacks ``CAP_SYS_RESOURCE``; raising a limit makes runc fail).
@@ -95,6 +96,9 @@ class RuntimeSpecRequest:
     additional_gids: tuple[int, ...] = ()
     hostname: str = "sandbox"
     network: bool = False
+    # With ``network``: the namespace file to join (``runtime_shim.netns``: own namespace,
+    # user-mode NAT, firewall); None with ``network`` shares the host's namespace.
+    network_ns: str | None = None
     readonly_rootfs: bool = False
     capabilities: tuple[str, ...] = DEFAULT_CAPABILITIES
     no_new_privileges: bool = True
@@ -157,6 +161,8 @@ def runtime_spec(req: RuntimeSpecRequest) -> dict[str, Any]:
     namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
     if not req.network:
         namespaces.append({"type": "network"})  # new and empty: only a down ``lo``
+    elif req.network_ns is not None:
+        namespaces.append({"type": "network", "path": req.network_ns})
     resources: dict[str, Any] = {"devices": [{"allow": False, "access": "rwm"}]}
     if req.pids_limit is not None:
         resources["pids"] = {"limit": req.pids_limit}
