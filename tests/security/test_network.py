@@ -326,3 +326,25 @@ def test_kept_sandbox_keeps_network_until_removed(busybox_store, remote_host):
     finally:
         remove_sandbox(node, sandbox_id)
     assert not _slirp_pids_for(ns_file) and not _mounted(ns_file) and not root.exists()
+
+
+def test_microvm_gateway_is_not_host_loopback(busybox_store, host_services, remote_host):
+    """QEMU's user-mode NIC maps the guest's 10.0.2.2 to the loopback of the namespace QEMU
+    runs in: with QEMU in the sandbox's own namespace that is empty, not the host's."""
+    for tool in ("qemu-system-x86_64", "mkfs.erofs", "mkfs.ext4"):
+        require_tool(tool)
+    from runtime_shim.sandbox import Limits
+
+    with _create(busybox_store, backend="microvm", network=True,
+                 limits=Limits(memory_bytes=384 << 20)) as sb:
+        qemu_pid = sb._backend.pid
+        assert os.readlink(f"/proc/{qemu_pid}/ns/net") != os.readlink("/proc/self/ns/net")
+        ns_file = str(sb.paths.root / "netns")
+        assert os.stat(f"/proc/{qemu_pid}/ns/net").st_ino == os.stat(ns_file).st_ino
+        code, out = _wget(sb, netns.SLIRP_GATEWAY, host_services)
+        assert code != 0 and "host-secret" not in out, out
+        code, out = _wget(sb, _host_address(), host_services)
+        assert code != 0 and "host-secret" not in out, out
+        code, out = _wget(sb, REMOTE_ADDR, remote_host[0])
+        assert code == 0 and "remote-ok" in out, out
+    assert not _slirp_pids_for(ns_file) and not _mounted(ns_file)
