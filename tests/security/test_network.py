@@ -348,3 +348,31 @@ def test_microvm_gateway_is_not_host_loopback(busybox_store, host_services, remo
         code, out = _wget(sb, REMOTE_ADDR, remote_host[0])
         assert code == 0 and "remote-ok" in out, out
     assert not _slirp_pids_for(ns_file) and not _mounted(ns_file)
+
+
+def test_build_step_network_is_egress_not_the_host(envbuild_cli, host_services, remote_host):
+    """A run step of a (hostile) definition with network on: the remote host answers, host
+    loopback, the slirp gateway and the host's own address do not."""
+    port = host_services
+    out = "/opt/toolkits/shtest"
+    fetch = " ; ".join(
+        f"wget -q -O {out}/{name} http://{addr}:{p}/ 2>/dev/null || echo refused >{out}/{name}"
+        for name, addr, p in (("lo", "127.0.0.1", port), ("gw", netns.SLIRP_GATEWAY, port),
+                              ("eth", _host_address(), port),
+                              ("remote", REMOTE_ADDR, remote_host[0])))
+    kit = envbuild_cli.defs / "toolkits" / "shtest.yaml"
+    kit.write_text(kit.read_text().replace(
+        "steps:\n", f"steps:\n  - run: 'mkdir -p {out} ; {fetch}'\n", 1))
+    r = envbuild_cli("build")
+    assert r.code == 0, r.err
+    r = envbuild_cli("run", "busybox-shell", "sh", "-c",
+                     f"cd {out} && for f in lo gw eth remote; do echo $f=$(cat $f); done")
+    assert r.code == 0, r.err
+    got = dict(line.split("=", 1) for line in r.out.split())
+    assert got == {"lo": "refused", "gw": "refused", "eth": "refused", "remote": "remote-ok"}, got
+    leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit()
+                 and b"slirp4netns" in (p / "cmdline").read_bytes().split(b"\0")[0]
+                 and str(envbuild_cli.node).encode() in (p / "cmdline").read_bytes()]
+    assert not leftovers
+    with open("/proc/self/mountinfo") as f:
+        assert not [line for line in f if str(envbuild_cli.node) in line.split()[4]]
