@@ -277,9 +277,10 @@ def create(directory: str | os.PathLike[str], policy: NetworkPolicy, *,
     handle = NetworkHandle(d, None, None)
     try:
         ns.touch(mode=0o600)
-        _run(["unshare", f"--net={ns}", "true"], "create network namespace")
-        _run(["nsenter", f"--net={ns}", "iptables-restore"], "install the sandbox firewall",
-             stdin=rules)
+        # One process: unshare makes the namespace (bind-mounted on ``ns``) and runs
+        # iptables-restore in it, so the firewall is in place before anything else joins.
+        _run(["unshare", f"--net={ns}", "--", "iptables-restore"],
+             "create the network namespace and its firewall", stdin=rules)
         ready_r, ready_w = os.pipe()
         exit_r, exit_w = os.pipe() if not outlive_creator else (None, None)
         fds = (ready_w,) + ((exit_r,) if exit_r is not None else ())
