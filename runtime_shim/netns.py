@@ -282,7 +282,7 @@ def create(directory: str | os.PathLike[str], policy: NetworkPolicy, *,
         _run(["unshare", f"--net={ns}", "--", "iptables-restore"],
              "create the network namespace and its firewall", stdin=rules)
         ready_r, ready_w = os.pipe()
-        exit_r, exit_w = os.pipe() if not outlive_creator else (None, None)
+        exit_r, handle._exit_fd = os.pipe() if not outlive_creator else (None, None)
         fds = (ready_w,) + ((exit_r,) if exit_r is not None else ())
         argv = ["slirp4netns", "--configure", f"--mtu={MTU}", "--disable-host-loopback",
                 "--enable-sandbox", "--enable-seccomp", f"--ready-fd={ready_w}",
@@ -290,23 +290,23 @@ def create(directory: str | os.PathLike[str], policy: NetworkPolicy, *,
                 "--netns-type=path", str(ns), TAP]
         try:
             with open(d / LOG_FILE, "wb") as log:
-                proc = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL,
-                                        stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-        except FileNotFoundError:
-            raise RuntimeShimError("slirp4netns is not installed",
-                                   hint="apt-get install slirp4netns (scripts/setup.sh)") from None
-        finally:
+                try:
+                    handle._proc = subprocess.Popen(
+                        argv, pass_fds=fds, stdin=subprocess.DEVNULL, stdout=log,
+                        stderr=subprocess.STDOUT, start_new_session=True)
+                except FileNotFoundError:
+                    raise RuntimeShimError("slirp4netns is not installed",
+                                           hint="apt-get install slirp4netns "
+                                                "(scripts/setup.sh)") from None
             os.close(ready_w)
-            if exit_r is not None:
-                os.close(exit_r)
-        handle._proc, handle._exit_fd = proc, exit_w
-        _write_record(d, {"version": NETNS_RECORD_VERSION, "netns": str(ns),
-                          "slirp_pid": proc.pid})
-        try:
-            _wait_ready(ready_r, proc, d / LOG_FILE)
+            ready_w = -1  # slirp holds it now: EOF on ready_r means slirp exited
+            _write_record(d, {"version": NETNS_RECORD_VERSION, "netns": str(ns),
+                              "slirp_pid": handle._proc.pid})
+            _wait_ready(ready_r, handle._proc, d / LOG_FILE)
         finally:
-            os.close(ready_r)
+            for fd in (ready_r, ready_w, exit_r):
+                if fd is not None and fd >= 0:
+                    os.close(fd)
     except BaseException:
         handle.close()
         raise
