@@ -198,7 +198,10 @@ def test_port_bound_in_sandbox_unreachable_from_host(busybox_store):
         lport = _free_port()
         r = sb.exec(f"(nc -l -p {lport} </dev/null >/dev/null 2>&1 &) ; sleep 0.3; "
                     "netstat -ltn", timeout=20)
-        assert f":{lport}" in r.stdout.decode(), r.stdout
+        assert f":{lport}" in r.stdout.decode(), r.stdout  # it listens, in the sandbox
+        ss = subprocess.run(["ss", "-Hltn", f"sport = :{lport}"], capture_output=True,
+                            text=True, check=True).stdout
+        assert ss.strip() == "", ss
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", lport), timeout=2).close()
 
@@ -326,6 +329,21 @@ def test_kept_sandbox_keeps_network_until_removed(busybox_store, remote_host):
     finally:
         remove_sandbox(node, sandbox_id)
     assert not _slirp_pids_for(ns_file) and not _mounted(ns_file) and not root.exists()
+
+
+def test_teardown_never_kills_a_pid_that_is_not_its_slirp(tmp_path):
+    (tmp_path / "netns").touch()
+    (tmp_path / "netns.json").write_text(json.dumps(
+        {"version": 1, "netns": str(tmp_path / "netns"), "slirp_pid": os.getpid()}))
+    netns.teardown(tmp_path)  # a reused pid (ours): left alone
+    assert sorted(os.listdir(tmp_path)) == []
+    netns.teardown(tmp_path)  # idempotent: nothing recorded, nothing to do
+
+
+def test_teardown_refuses_unknown_record_versions(tmp_path):
+    (tmp_path / "netns.json").write_text('{"version": 99}')
+    with pytest.raises(RuntimeShimError, match="unknown version 99"):
+        netns.teardown(tmp_path)
 
 
 def test_microvm_gateway_is_not_host_loopback(busybox_store, host_services, remote_host):

@@ -104,3 +104,4 @@ def test_spec_with_a_namespace_file_is_valid():
     assert_valid(RUNTIME_SPEC, "config-schema.json",
                  runtime_spec(RuntimeSpecRequest(rootfs="/r", args=("true",), network=True,
                                                  network_ns="/n/sandboxes/eb-1/netns")))
+
