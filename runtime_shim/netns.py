@@ -146,7 +146,8 @@ def firewall_rules(policy: NetworkPolicy, host_addresses: Sequence[str],
     than DROP so a refused connection fails at once instead of timing out."""
     lines = ["*filter", ":INPUT ACCEPT [0:0]", ":FORWARD DROP [0:0]", ":OUTPUT DROP [0:0]",
              "-A OUTPUT -o lo -j ACCEPT"]
-    for dns in (SLIRP_DNS, *resolvers):
+    # A resolver the host itself owns stays refused below: DNS then goes through 10.0.2.3.
+    for dns in (SLIRP_DNS, *(r for r in resolvers if r not in set(host_addresses))):
         for proto in ("udp", "tcp"):
             lines.append(f"-A OUTPUT -d {dns}/32 -p {proto} --dport 53 -j ACCEPT")
     refused = [str(n) for n in ALWAYS_REFUSED]

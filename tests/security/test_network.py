@@ -186,10 +186,22 @@ def test_host_loopback_interfaces_and_ports_unreachable(busybox_store, host_serv
             ["lo", "tap0"]
         dev = sb.exec("cat /proc/net/dev").stdout.decode().splitlines()[2:]
         assert sorted(line.split(":")[0].strip() for line in dev) == ["lo", "tap0"]
-        # The sandbox has no way to change its firewall.
-        status = sb.exec("grep CapEff /proc/self/status").stdout.decode()
-        cap_eff = int(status.split("CapEff:")[1].split()[0], 16)
-        assert not cap_eff & (1 << 12)  # CAP_NET_ADMIN
+        # The sandbox has no way to change its firewall or routes: no CAP_NET_ADMIN, not even
+        # in its bounding set, nor as root of a new user namespace (which does not own the
+        # network namespace).
+        status = sb.exec("grep -E 'CapEff|CapBnd' /proc/self/status").stdout.decode()
+        for field in ("CapEff:", "CapBnd:"):
+            assert not int(status.split(field)[1].split()[0], 16) & (1 << 12)  # CAP_NET_ADMIN
+        for attack in ("ip link set tap0 down", "ip route del default",
+                       "ip addr add 192.0.2.2/32 dev lo",
+                       "unshare -U -r ip route del default"):
+            r = sb.exec(attack, timeout=20)
+            # "not permitted" from the kernel, or (once user namespaces are refused by the
+            # seccomp profile) unshare failing
+            assert r.exit_code != 0, (attack, r)
+            assert b"not permitted" in (r.stdout + r.stderr).lower(), (attack, r)
+        code, out = _wget(sb, REMOTE_ADDR, remote_host[0])
+        assert code == 0 and "remote-ok" in out, out  # routes and tap0 unchanged
         assert _slirp_pids_for(ns_file) and _mounted(ns_file)
     assert not _slirp_pids_for(ns_file)
     assert not _mounted(ns_file) and not Path(ns_file).exists()

@@ -66,6 +66,11 @@ def test_rules_refuse_the_host_before_the_policy():
     assert out[-1] == "-A OUTPUT -j REJECT --reject-with icmp-port-unreachable"
 
 
+def test_a_resolver_on_a_host_address_is_not_opened():
+    out = _out(netns.firewall_rules(netns.NetworkPolicy(), ["192.0.2.2"], ["192.0.2.2"]))
+    assert not [r for r in out if r.startswith("-A OUTPUT -d 192.0.2.2/32") and "ACCEPT" in r]
+
+
 def test_allow_list_rules_only_name_the_entries():
     policy = netns.parse_network(["198.18.0.0/15:443", "203.0.113.9"])
     out = _out(netns.firewall_rules(policy, ["192.0.2.2"]))
