@@ -248,7 +248,7 @@ class NetworkHandle:
         return self._proc.pid if self._proc else 0
 
     def close(self) -> None:
-        """Stop slirp (closing its exit fd first), unmount the namespace file. Idempotent."""
+        """Stop slirp, unmount the namespace file, remove the files. Idempotent."""
         if self._exit_fd is not None:
             os.close(self._exit_fd)
             self._exit_fd = None
@@ -366,21 +366,23 @@ def _is_slirp_for(pid: int, ns: str) -> bool:
 
 
 def _kill(pid: int) -> None:
-    for sig, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0)):
+    """SIGKILL ``pid`` and wait (up to 2 s) until it is gone: reaped if it is our child, a
+    zombie or absent otherwise."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
         try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+        except ChildProcessError:
             try:
-                done, _ = os.waitpid(pid, os.WNOHANG)  # our child: reap it
-                if done:
-                    return
-            except ChildProcessError:
-                if not os.path.exists(f"/proc/{pid}"):
-                    return
-            time.sleep(0.01)
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                return
+            if state in ("Z", "X"):
+                return
+        time.sleep(0.005)
 
 
 def _run(argv: list[str], what: str, stdin: str | None = None) -> None:
