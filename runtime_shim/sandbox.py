@@ -16,8 +16,8 @@ microVM backend plugs in behind the same ``Backend`` protocol). A sandbox is:
   command has no effective capabilities, as with ``runc exec --user``.
 
 Security by default (see ``runtime_shim.spec``): an empty network namespace unless
-``network=`` (then its own namespace behind user-mode NAT, ``runtime_shim.netns``), dropped
-capabilities, ``noNewPrivileges``, masked ``/proc`` paths, pids and memory limits, an rlimit on open files, and an output cap per exec so a command that prints
+``network=True``, dropped capabilities, ``noNewPrivileges``, masked ``/proc`` paths, pids and
+memory limits, an rlimit on open files, and an output cap per exec so a command that prints
 forever is stopped instead of filling memory.
 
 Everything a sandbox owns is under its directory and its runtime state under the node's runc
@@ -42,7 +42,8 @@ from typing import Protocol
 
 from envbuild.errors import RuntimeShimError
 from envbuild.store import Store, put_file
-from runtime_shim import agent, fsaccess, netns
+from runtime_shim import agent, fsaccess
+from runtime_shim import netns  # a networked sandbox's own namespace
 from runtime_shim.locks import ResolvedLock, resolve
 from runtime_shim.mount import OverlaySpec, mount_overlay, mounted_targets_under, unmount
 from runtime_shim.nodecache import NodeCache

@@ -2,8 +2,7 @@
 
 Used for both build steps (envbuild's executor) and sandboxes, so isolation is decided in one
 place. Secure by default: every namespace but the user namespace is new (an empty network
-namespace unless ``network=True``, then the sandbox's own from ``runtime_shim.netns``, whose
-firewall holds because no capability set here has ``CAP_NET_ADMIN``), ``noNewPrivileges``, a capability set narrower than
+namespace unless ``network=True``), ``noNewPrivileges``, a capability set narrower than
 Docker's default (no ``NET_RAW``, no ``MKNOD``), Docker's masked and read-only ``/proc`` and
 ``/sys`` paths, a read-only ``/sys``, and rlimits that the caller has already clamped to the
 host's hard limits (root here lacks ``CAP_SYS_RESOURCE``; raising a limit makes runc fail).
@@ -97,7 +96,8 @@ class RuntimeSpecRequest:
     hostname: str = "sandbox"
     network: bool = False
     # With ``network``: the namespace file to join (``runtime_shim.netns``: own namespace,
-    # user-mode NAT, firewall); None with ``network`` shares the host's namespace.
+    # user-mode NAT, a firewall that holds because no capability set here has
+    # CAP_NET_ADMIN); None with ``network`` shares the host's namespace (nothing does).
     network_ns: str | None = None
     readonly_rootfs: bool = False
     capabilities: tuple[str, ...] = DEFAULT_CAPABILITIES

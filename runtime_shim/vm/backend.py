@@ -68,7 +68,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from envbuild.errors import RuntimeShimError
-from runtime_shim import agent, netns
+from runtime_shim import agent
+from runtime_shim import netns  # a networked sandbox's own namespace
 from runtime_shim.locks import ResolvedLock
 from runtime_shim.mount import unmount
 from runtime_shim.nodecache import NodeCache, parse_size
