@@ -50,6 +50,7 @@ from typing import Protocol
 from envbuild.errors import RuntimeShimError
 from envbuild.store import Store, put_file
 from runtime_shim import agent, fsaccess
+from runtime_shim import netns  # a networked sandbox's own namespace
 from runtime_shim import seccomp as seccomp_profiles
 from runtime_shim.locks import ResolvedLock, resolve
 from runtime_shim.mount import OverlaySpec, mount_overlay, mounted_targets_under, unmount
@@ -156,7 +157,8 @@ class ContainerBackend:
     """A detached runc (or crun) container over the sandbox's overlay."""
 
     def __init__(self, sandbox_id: str, paths: SandboxPaths, lock: ResolvedLock,
-                 runtime: OciRuntime, *, network: bool, limits: Limits, agent_path: Path,
+                 runtime: OciRuntime, *, network: netns.NetworkPolicy | None, limits: Limits,
+                 agent_path: Path, keep: bool = False,
                  seccomp: str | Mapping | None = None) -> None:
         self.id = sandbox_id
         self.paths = paths
@@ -164,13 +166,22 @@ class ContainerBackend:
         self.runtime = runtime
         self.limits = limits
         binds = [BindMount(str(agent_path), AGENT_PATH)]
-        if network:
-            binds += [BindMount("/etc/resolv.conf", "/etc/resolv.conf")]
+        env = dict(lock.env)
+        # Own namespace + slirp + firewall (runtime_shim.netns); on a failure below,
+        # Sandbox.create's cleanup (remove_sandbox_dir → netns.teardown) removes it.
+        self.net = netns.create(paths.root, network, outlive_creator=keep) \
+            if network is not None else None
+        if self.net is not None:
+            binds += [BindMount(self.net.resolv_conf, "/etc/resolv.conf")]
+            ca_binds, ca_env = netns.host_ca()
+            binds += ca_binds
+            env = {**ca_env, **env}
         request = RuntimeSpecRequest(
             rootfs=str(paths.merged),
             args=(AGENT_PATH, "--listen-fd", str(AGENT_LISTEN_FD)),
-            env=env_list(lock.env), cwd=lock.workdir, uid=0, gid=0,
-            hostname=lock.hostname or "sandbox", network=network,
+            env=env_list(env), cwd=lock.workdir, uid=0, gid=0,
+            hostname=lock.hostname or "sandbox", network=network is not None,
+            network_ns=self.net.path if self.net else None,
             rlimits=(_clamped_nofile(limits.nofile),), pids_limit=limits.pids,
             memory_limit=limits.memory_bytes, cgroups_path=f"/envbuild/{sandbox_id}",
             binds=tuple(binds), cpus=limits.cpus, seccomp=seccomp)
@@ -251,7 +262,12 @@ class ContainerBackend:
         if self._dir_fd >= 0:
             os.close(self._dir_fd)
             self._dir_fd = -1
-        kill_and_delete(self.runtime, self.id, self.init_pid)
+        try:
+            kill_and_delete(self.runtime, self.id, self.init_pid)
+        finally:
+            if getattr(self, "net", None) is not None:  # attach() has none: teardown removes it
+                self.net.close()
+                self.net = None
 
     @classmethod
     def attach(cls, sandbox_id: str, paths: SandboxPaths, lock: ResolvedLock,
@@ -406,7 +422,7 @@ class Sandbox:
         store: Store,
         node_dir: str | os.PathLike[str],
         backend: str = "container",
-        network: bool = False,
+        network: bool | Sequence[str] = False,
         limits: Limits | None = None,
         runtime: str = "runc",
         keep: bool = False,
@@ -421,7 +437,12 @@ class Sandbox:
 
         ``seccomp``: None for the default syscall filter (``runtime_shim.seccomp``),
         ``"unconfined"`` for none, or a full OCI ``linux.seccomp`` object (checked here). A
-        microVM is bounded by its guest kernel, not a filter: it takes None or "unconfined"."""
+        microVM is bounded by its guest kernel, not a filter: it takes None or "unconfined".
+
+        ``network``: False for none; True for egress through the sandbox's own namespace and
+        user-mode NAT, the host itself unreachable; a list of ``CIDR[:PORT]`` for egress to
+        those only (``runtime_shim.netns``)."""
+        policy = netns.parse_network(network)  # bad entries fail before anything is made
         if backend not in BACKENDS:
             raise RuntimeShimError(f"unknown sandbox backend {backend!r}",
                                    hint=f"choose one of: {', '.join(BACKENDS)}")
@@ -453,7 +474,7 @@ class Sandbox:
 
             try:
                 impl = MicroVmBackend(sandbox_id, paths.root, resolved, node, layer_dirs,
-                                      network=network, limits=limits or Limits())
+                                      network=policy, limits=limits or Limits())
             except BaseException:
                 remove_sandbox_dir(paths)
                 raise
@@ -464,12 +485,13 @@ class Sandbox:
             agent_path = agent.agent_binary(node.root)
             mount_overlay(compose(layer_dirs, str(ensure_stub(node.root)), paths))
             mounted = True
-            impl = ContainerBackend(sandbox_id, paths, resolved, oci, network=network,
+            impl = ContainerBackend(sandbox_id, paths, resolved, oci, network=policy,
                                     limits=limits or Limits(), agent_path=agent_path,
-                                    seccomp=seccomp)
+                                    keep=keep, seccomp=seccomp)
         except BaseException:
             if mounted:
                 unmount(str(paths.merged))
+            netns.teardown(paths.root)
             shutil.rmtree(paths.root, ignore_errors=True)
             raise
         return cls(sandbox_id, resolved, paths, impl, node_root, store)
@@ -524,6 +546,7 @@ def _write_meta(paths: SandboxPaths, meta: dict) -> None:
 
 
 def remove_sandbox_dir(paths: SandboxPaths) -> None:
+    netns.teardown(paths.root)  # slirp4netns and the namespace file of a networked sandbox
     for target in mounted_targets_under(str(paths.root)):
         unmount(target)
     shutil.rmtree(paths.root, ignore_errors=True)

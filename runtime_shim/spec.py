@@ -107,6 +107,10 @@ class RuntimeSpecRequest:
     additional_gids: tuple[int, ...] = ()
     hostname: str = "sandbox"
     network: bool = False
+    # With ``network``: the namespace file to join (``runtime_shim.netns``: own namespace,
+    # user-mode NAT, a firewall that holds because no capability set here has
+    # CAP_NET_ADMIN); None with ``network`` shares the host's namespace (nothing does).
+    network_ns: str | None = None
     readonly_rootfs: bool = False
     capabilities: tuple[str, ...] = DEFAULT_CAPABILITIES
     no_new_privileges: bool = True
@@ -182,6 +186,8 @@ def runtime_spec(req: RuntimeSpecRequest) -> dict[str, Any]:
     namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
     if not req.network:
         namespaces.append({"type": "network"})  # new and empty: only a down ``lo``
+    elif req.network_ns is not None:
+        namespaces.append({"type": "network", "path": req.network_ns})
     resources: dict[str, Any] = {"devices": [{"allow": False, "access": "rwm"}]}
     if req.pids_limit is not None:
         resources["pids"] = {"limit": req.pids_limit}

@@ -9,6 +9,7 @@ APT_PACKAGES=(
   python3 python3-venv python3-dev gcc libc6-dev git tar zstd attr
   runc busybox-static debootstrap skopeo umoci fuse3 erofs-utils
   linux-image-cloud-amd64 qemu-system-x86 e2fsprogs fuse2fs lz4
+  slirp4netns iptables iproute2 util-linux
 )
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }

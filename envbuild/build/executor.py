@@ -9,9 +9,11 @@ The plan says *what* to build (``LayerJob``: plain data); this module does it (s
 2. a fresh upper dir: a Base's source is imported straight into it; a Workspace's source is
    copied through the overlay into ``dest``;
 3. each step: ``run`` in a runc container over the overlay (mount, pid, ipc, uts namespaces;
-   the host network by default because package installs need it, ``network: none`` for an
-   empty network namespace; the default seccomp profile and ``BuildLimits``, as a sandbox
-   gets); ``copy`` through the overlay from the definition's directory;
+   by default egress through the step's own network namespace behind user-mode NAT, the
+   host's loopback and addresses unreachable (``runtime_shim.netns``), because package
+   installs need it; ``network: none`` for an empty network namespace; the default seccomp
+   profile and ``BuildLimits``, as a sandbox gets); ``copy`` through the overlay from the
+   definition's directory;
 4. the upper dir *is* the layer: packed with overlay whiteouts converted to OCI ones,
    put into the store (verified), and only then the key record is written. A failure at any
    point publishes nothing.
@@ -40,6 +42,7 @@ from envbuild.defs.model import (Base, BaseSource, BusyboxSource, CopyStep, Debo
 from envbuild.errors import BuildError, StepFailed
 from envbuild.layers import pack_tree
 from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_record
+from runtime_shim import netns
 from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
 from runtime_shim.nodecache import NodeCache
 from runtime_shim.runc import OciRuntime, run_container, write_bundle
@@ -187,6 +190,8 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
     finally:
         if mounted:
             unmount(str(merged))
+        for net_dir in scratch.glob("net-*"):  # a step's network (slirp, namespace file)
+            netns.teardown(net_dir)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
@@ -262,8 +267,14 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
     uid, gid = parse_user(step.user)
     binds: tuple[BindMount, ...] = ()
     network = step.network == "host"
+    net = None
     if network:
-        binds = (BindMount("/etc/resolv.conf", "/etc/resolv.conf"),
+        # Egress, not the host: the step's own namespace behind slirp4netns with the host's
+        # loopback and addresses refused, as for sandboxes (runtime_shim.netns): definitions
+        # are untrusted input too. On an exception the scratch cleanup tears it down.
+        (scratch / f"net-{index}").mkdir()
+        net = netns.create(scratch / f"net-{index}", netns.NetworkPolicy())
+        binds = (BindMount(net.resolv_conf, "/etc/resolv.conf"),
                  BindMount("/etc/hosts", "/etc/hosts"))
         ca = host_ca_bundle()
         if ca is not None:
@@ -276,7 +287,8 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
     request = RuntimeSpecRequest(
         rootfs=str(merged), args=("/bin/sh", "-c", step.run), env=env_list(env),
         cwd=step.workdir or "/", uid=uid, gid=gid, hostname=BUILD_HOSTNAME, network=network,
-        binds=binds, rlimits=(clamped_rlimit("RLIMIT_NOFILE", limits.nofile),),
+        network_ns=net.path if net else None, binds=binds,
+        rlimits=(clamped_rlimit("RLIMIT_NOFILE", limits.nofile),),
         pids_limit=limits.pids, memory_limit=limits.memory_bytes, cpus=limits.cpus,
         cgroups_path=f"/envbuild/{container_id}", seccomp=ctx.seccomp)
     bundle = scratch / f"bundle-{index}"
@@ -286,6 +298,8 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
         # sets ctx.cancelled and run_container kills and deletes the container when it sees it.
         result = run_container(ctx.runtime, container_id, bundle, stdout=out,
                                cancelled=ctx.cancelled)
+    if net is not None:
+        net.close()
     if result.cancelled:
         _stop_if_cancelled(ctx, job)
     if result.exit_code != 0:

@@ -15,7 +15,12 @@ def register(group: click.Group) -> None:
     @group.command(context_settings={"ignore_unknown_options": True})
     @click.argument("target")
     @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
-    @click.option("--network", is_flag=True, help="Give the sandbox the host's network.")
+    @click.option("--network", is_flag=True,
+                  help="Give the sandbox egress through its own NATed network namespace "
+                       "(the host itself stays unreachable).")
+    @click.option("--allow", "allow", multiple=True, metavar="CIDR[:PORT]",
+                  help="With --network (implied): egress only to these destinations "
+                       "(repeatable; DNS is always allowed).")
     @click.option("--keep", is_flag=True, help="Leave the sandbox running; print its id.")
     @click.option("--timeout", type=float, default=None, help="Kill CMD after this many seconds.")
     @click.option("--lazy", is_flag=True,  # lazy mode (runtime_shim.lazyfs)
@@ -24,15 +29,16 @@ def register(group: click.Group) -> None:
     @click.option("--backend", type=click.Choice(["container", "microvm"]), default="container",
                   show_default=True, help="Run as an OCI container or a QEMU microVM.")
     @pass_app
-    def run(app: App, target: str, cmd: tuple[str, ...], network: bool, keep: bool,
-            timeout: float | None, lazy: bool, backend: str) -> int:
+    def run(app: App, target: str, cmd: tuple[str, ...], network: bool, allow: tuple[str, ...],
+            keep: bool, timeout: float | None, lazy: bool, backend: str) -> int:
         """Run CMD in a fresh sandbox of TARGET (env name, ref or lock digest); builds nothing."""
         from runtime_shim.sandbox import Sandbox
 
         if keep and backend == "microvm":  # a microVM dies with the process that started it
             raise click.UsageError("--keep works with the container backend only")
         sb = Sandbox.create(target, store=app.open_store(), node_dir=app.settings.node_dir,
-                            backend=backend, network=network, runtime=app.settings.oci_runtime,
+                            backend=backend, network=list(allow) if allow else network,
+                            runtime=app.settings.oci_runtime,
                             keep=keep, lazy=lazy)
         try:
             result = sb.exec(list(cmd), timeout=timeout)

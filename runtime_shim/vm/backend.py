@@ -75,6 +75,7 @@ from pathlib import Path
 
 from envbuild.errors import RuntimeShimError, SandboxCompromised
 from runtime_shim import agent
+from runtime_shim import netns  # a networked sandbox's own namespace
 from runtime_shim.locks import ResolvedLock
 from runtime_shim.mount import unmount
 from runtime_shim.nodecache import NodeCache, parse_size
@@ -143,7 +144,8 @@ class MicroVmBackend:
     """A running microVM of one lock (see the module docstring)."""
 
     def __init__(self, sandbox_id: str, root: Path, lock: ResolvedLock, node: NodeCache,
-                 layer_dirs: Sequence[str], *, network: bool, limits, options: VmOptions | None
+                 layer_dirs: Sequence[str], *, network: netns.NetworkPolicy | bool | None, limits,
+                 options: VmOptions | None
                  = None, launcher: qemu.VmLauncher | None = None,
                  environ: Mapping[str, str] = os.environ) -> None:
         self.id = sandbox_id
@@ -153,6 +155,9 @@ class MicroVmBackend:
         self.options = options or VmOptions.from_env(environ)
         self.timings: dict[str, float] = {}
         self._proc: qemu.VmProcess | None = None
+        self.net: netns.NetworkHandle | None = None
+        policy = netns.parse_network(network) if isinstance(network, bool) else network
+        network = policy is not None
         t0 = time.monotonic()
         kern = vmkernel.find_kernel(environ)
         image = vmkernel.boot_image(node.root, kern)
@@ -182,7 +187,14 @@ class MicroVmBackend:
             qmp_socket=str(self.qmp_socket))
         t3 = time.monotonic()
         self._mux: SerialMux | None = None
-        self._proc = (launcher or qemu.QemuLauncher()).launch(self.request, self.console_log)
+        if policy is not None:  # QEMU joins the sandbox's own namespace (runtime_shim.netns)
+            self.net = netns.create(root, policy)
+            self.request = dataclasses.replace(self.request, network_ns=self.net.path)
+        try:
+            self._proc = (launcher or qemu.QemuLauncher()).launch(self.request, self.console_log)
+        except BaseException:
+            self.close()
+            raise
         try:
             self.guest_ready_at = self._wait_ready()
         except BaseException:
@@ -353,6 +365,7 @@ class MicroVmBackend:
             mux.close()
         proc, self._proc = self._proc, None
         if proc is None:
+            self._close_network()
             return
         if proc.poll() is None:
             try:
@@ -364,6 +377,12 @@ class MicroVmBackend:
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+        self._close_network()
+
+    def _close_network(self) -> None:
+        net, self.net = getattr(self, "net", None), None
+        if net is not None:
+            net.close()
 
 
 def _mount_image_readonly(image: Path, target: Path) -> None:

@@ -64,6 +64,9 @@ class VmRequest:
     vcpus: int = 1
     accel: str = "tcg"  # "kvm" | "tcg"
     network: bool = False
+    # With ``network``: the sandbox's namespace file (``runtime_shim.netns``); QEMU runs in
+    # it, so its user-mode gateway 10.0.2.2 is that namespace's empty loopback, not the host's.
+    network_ns: str | None = None
     qemu: str = "qemu-system-x86_64"
     qmp_socket: str | None = None  # host unix socket of a QMP monitor (pause/resume)
 
@@ -74,7 +77,9 @@ def qemu_argv(req: VmRequest) -> list[str]:
     device only when asked."""
     if req.accel not in ("kvm", "tcg"):
         raise ValueError(f"accel must be kvm or tcg, not {req.accel!r}")
-    argv = [req.qemu, "-M", "microvm", "-accel", req.accel,
+    # nsenter execs QEMU in the namespace (no fork for --net): the pid stays QEMU's.
+    prefix = ["nsenter", f"--net={req.network_ns}", "--"] if req.network_ns else []
+    argv = [*prefix, req.qemu, "-M", "microvm", "-accel", req.accel,
             *(["-cpu", "host"] if req.accel == "kvm" else []), "-m", f"{req.memory_mib}M", "-smp", str(req.vcpus),
             "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
             "-serial", "stdio", "-kernel", req.kernel, "-initrd", req.initrd,
@@ -93,9 +98,10 @@ def qemu_argv(req: VmRequest) -> list[str]:
     if req.qmp_socket:
         argv += ["-qmp", f"unix:{_opt(req.qmp_socket)},server=on,wait=off"]
     if req.network:
-        # User-mode (slirp) networking: outbound TCP/UDP through the host's stack, no inbound
-        # ports, guest at 10.0.2.15 behind NAT (see the README's microVM section).
-        argv += ["-netdev", "user,id=n0", "-device", "virtio-net-device,netdev=n0"]
+        # User-mode (slirp) networking: outbound TCP/UDP through the stack of the namespace
+        # QEMU runs in (the sandbox's own, see network_ns), no inbound ports, guest at
+        # 10.0.2.15 behind NAT (see the README's microVM section).
+        argv += ["-netdev", "user,id=n0,ipv6=off", "-device", "virtio-net-device,netdev=n0"]
     return argv
 
 

@@ -55,8 +55,15 @@ def test_limits_become_memory_and_cpus():
 
 def test_network_adds_one_user_mode_nic():
     argv = qemu_argv(_request(network=True))
-    assert _opt_after(argv, "-netdev") == ["user,id=n0"]
+    assert _opt_after(argv, "-netdev") == ["user,id=n0,ipv6=off"]
     assert "virtio-net-device,netdev=n0" in _opt_after(argv, "-device")
+    assert argv[0] != "nsenter"
+
+
+def test_network_namespace_wraps_qemu_in_nsenter():
+    argv = qemu_argv(_request(network=True, network_ns="/n/sandboxes/eb-1/netns"))
+    assert argv[:3] == ["nsenter", "--net=/n/sandboxes/eb-1/netns", "--"]
+    assert argv[3] == _request().qemu
 
 
 def test_drives_keep_order_serials_and_read_only():

@@ -1,0 +1,112 @@
+"""The pure planning of ``runtime_shim.netns``: allow-list parsing and the firewall rules."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import pytest
+
+from envbuild.errors import RuntimeShimError
+from runtime_shim import netns
+from runtime_shim.spec import DEFAULT_CAPABILITIES, RuntimeSpecRequest, runtime_spec
+
+
+def test_parse_network_shapes():
+    assert netns.parse_network(False) is None
+    assert netns.parse_network(None) is None
+    assert netns.parse_network(True) == netns.NetworkPolicy(allow=None)
+    assert netns.parse_network([]) == netns.NetworkPolicy(allow=())
+    policy = netns.parse_network(["10.0.0.0/8:443", "198.18.0.7"])
+    assert policy.allow == (netns.Allow(ipaddress.IPv4Network("10.0.0.0/8"), 443),
+                            netns.Allow(ipaddress.IPv4Network("198.18.0.7/32"), None))
+    assert [str(a) for a in policy.allow] == ["10.0.0.0/8:443", "198.18.0.7/32"]
+
+
+@pytest.mark.parametrize("bad, words", [
+    ("", "empty"),
+    ("10.0.0.0/8:", "port"),
+    ("10.0.0.0/8:0", "port"),
+    ("10.0.0.0/8:http", "port"),
+    ("example.com", "host names are not allowed"),
+    ("example.com:80", "host names are not allowed"),
+    ("10.0.0.1/8", "host bits"),
+    ("127.0.0.0/8", "never reachable"),
+    ("10.0.2.3:53", "never reachable"),
+    ("::1", "IPv6"),
+    ("[fd00::1]:443", "IPv6"),
+])
+def test_bad_entries_are_one_line_errors(bad, words):
+    with pytest.raises(RuntimeShimError) as e:
+        netns.parse_network([bad])
+    assert words in e.value.message and "\n" not in e.value.message and e.value.hint
+
+
+@pytest.mark.parametrize("bad", ["10.0.0.0/8", 3, {"a": 1}])
+def test_network_must_be_bool_or_list(bad):
+    with pytest.raises(RuntimeShimError):
+        netns.parse_network(bad)
+
+
+def _out(rules: str) -> list[str]:
+    return [line for line in rules.splitlines() if line.startswith("-A OUTPUT")]
+
+
+def test_rules_refuse_the_host_before_the_policy():
+    rules = netns.firewall_rules(netns.NetworkPolicy(), ["192.0.2.2"], ["10.255.255.53"])
+    assert ":OUTPUT DROP [0:0]" in rules and rules.rstrip().endswith("COMMIT")
+    out = _out(rules)
+    assert out[0] == "-A OUTPUT -o lo -j ACCEPT"
+    accept_tap = out.index("-A OUTPUT -o tap0 -j ACCEPT")
+    for refused in ("10.0.2.0/24", "169.254.0.0/16", "192.0.2.2/32"):
+        i = out.index(f"-A OUTPUT -d {refused} -p tcp -j REJECT --reject-with tcp-reset")
+        assert i < accept_tap
+    dns = out.index("-A OUTPUT -d 10.0.2.3/32 -p udp --dport 53 -j ACCEPT")
+    assert dns < out.index("-A OUTPUT -d 10.0.2.0/24 -p tcp -j REJECT --reject-with tcp-reset")
+    assert "-A OUTPUT -d 10.255.255.53/32 -p udp --dport 53 -j ACCEPT" in out
+    assert out[-1] == "-A OUTPUT -j REJECT --reject-with icmp-port-unreachable"
+
+
+def test_a_resolver_on_a_host_address_is_not_opened():
+    out = _out(netns.firewall_rules(netns.NetworkPolicy(), ["192.0.2.2"], ["192.0.2.2"]))
+    assert not [r for r in out if r.startswith("-A OUTPUT -d 192.0.2.2/32") and "ACCEPT" in r]
+
+
+def test_allow_list_rules_only_name_the_entries():
+    policy = netns.parse_network(["198.18.0.0/15:443", "203.0.113.9"])
+    out = _out(netns.firewall_rules(policy, ["192.0.2.2"]))
+    assert "-A OUTPUT -o tap0 -j ACCEPT" not in out
+    assert "-A OUTPUT -o tap0 -d 198.18.0.0/15 -p tcp --dport 443 -j ACCEPT" in out
+    assert "-A OUTPUT -o tap0 -d 198.18.0.0/15 -p udp --dport 443 -j ACCEPT" in out
+    assert "-A OUTPUT -o tap0 -d 203.0.113.9/32 -j ACCEPT" in out
+    assert out.index("-A OUTPUT -d 192.0.2.2/32 -p tcp -j REJECT --reject-with tcp-reset") < \
+        out.index("-A OUTPUT -o tap0 -d 203.0.113.9/32 -j ACCEPT")
+
+
+def test_resolv_conf_points_at_slirp():
+    assert netns.resolv_conf().splitlines()[0] == "nameserver 10.0.2.3"
+
+
+def test_host_resolvers_skip_loopback(tmp_path):
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("nameserver 127.0.0.53\nnameserver 10.255.255.53\nnameserver fd00::1\n"
+                    "search x\n")
+    assert netns.host_resolvers(str(conf)) == ("10.255.255.53",)
+    assert netns.host_resolvers(str(tmp_path / "missing")) == ()
+
+
+def test_spec_joins_the_namespace_file_and_nobody_can_change_the_firewall():
+    config = runtime_spec(RuntimeSpecRequest(rootfs="/r", args=("true",), network=True,
+                                             network_ns="/n/sandboxes/eb-1/netns"))
+    nets = [n for n in config["linux"]["namespaces"] if n["type"] == "network"]
+    assert nets == [{"type": "network", "path": "/n/sandboxes/eb-1/netns"}]
+    assert "CAP_NET_ADMIN" not in DEFAULT_CAPABILITIES and "CAP_NET_RAW" not in DEFAULT_CAPABILITIES
+    assert "CAP_SYS_ADMIN" not in DEFAULT_CAPABILITIES
+
+
+def test_spec_with_a_namespace_file_is_valid():
+    from tests.oci_schemas import RUNTIME_SPEC, assert_valid
+
+    assert_valid(RUNTIME_SPEC, "config-schema.json",
+                 runtime_spec(RuntimeSpecRequest(rootfs="/r", args=("true",), network=True,
+                                                 network_ns="/n/sandboxes/eb-1/netns")))
+
