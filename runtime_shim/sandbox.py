@@ -42,7 +42,7 @@ from typing import Protocol
 
 from envbuild.errors import RuntimeShimError
 from envbuild.store import Store, put_file
-from runtime_shim import agent, fsaccess
+from runtime_shim import agent, fsaccess, scratchfs
 from runtime_shim.locks import ResolvedLock, resolve
 from runtime_shim.mount import OverlaySpec, mount_overlay, mounted_targets_under, unmount
 from runtime_shim.nodecache import NodeCache
@@ -60,12 +60,21 @@ AGENT_READY_TIMEOUT = 10.0
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Resource limits of one sandbox. ``None`` leaves a limit off."""
+    """Resource limits of one sandbox. ``None`` leaves a limit off.
+
+    ``disk_bytes`` / ``inodes`` cap everything the sandbox writes to host disk (its writable
+    layer, ``/tmp`` and agent run dir): one ext4 per sandbox on a loop device
+    (``runtime_shim.scratchfs``); past them writes fail with ``ENOSPC``. The image is sparse:
+    it costs the host what the sandbox wrote, never more than ``disk_bytes``. With
+    ``disk_bytes=None`` those dirs are plain dirs under the node dir, uncapped. The microVM
+    backend sizes its writable disk from the same two fields."""
 
     pids: int | None = 512
     memory_bytes: int | None = 2 << 30
     nofile: int = 4096
     output_bytes: int = DEFAULT_OUTPUT_CAP  # per exec and stream
+    disk_bytes: int | None = 10 << 30
+    inodes: int | None = 1_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,12 +96,22 @@ class SandboxPaths:
     root: Path
 
     @property
+    def disk(self) -> Path:
+        """The sandbox's capped filesystem (``scratchfs``): every dir the sandbox writes."""
+        return self.root / scratchfs.MOUNT_NAME
+
+    @property
     def upper(self) -> Path:
-        return self.root / "upper"
+        return self.disk / "upper"
 
     @property
     def work(self) -> Path:
-        return self.root / "work"
+        return self.disk / "work"
+
+    @property
+    def tmp(self) -> Path:
+        """``/tmp`` in the sandbox: on its disk, outside the upper dir (not in snapshots)."""
+        return self.disk / "tmp"
 
     @property
     def merged(self) -> Path:
@@ -108,8 +127,9 @@ class SandboxPaths:
 
     @property
     def run(self) -> Path:
-        """The agent's socket directory, ``/.envbuild/run`` in the sandbox."""
-        return self.root / "run"
+        """The agent's socket directory, ``/.envbuild/run`` in the sandbox (on its disk:
+        the sandbox can write there)."""
+        return self.disk / "run"
 
 
 class Backend(Protocol):
@@ -152,7 +172,8 @@ class ContainerBackend:
         # run anything as root); the agent also refuses peers from inside the sandbox.
         paths.run.mkdir(mode=0o700)
         binds = [BindMount(str(agent_path), AGENT_PATH),
-                 BindMount(str(paths.run), AGENT_RUN_DIR, readonly=False)]
+                 BindMount(str(paths.run), AGENT_RUN_DIR, readonly=False),
+                 BindMount(str(paths.tmp), "/tmp", readonly=False)]
         if network:
             binds += [BindMount("/etc/resolv.conf", "/etc/resolv.conf")]
         request = RuntimeSpecRequest(
@@ -162,7 +183,7 @@ class ContainerBackend:
             hostname=lock.hostname or "sandbox", network=network,
             rlimits=(_clamped_nofile(limits.nofile),), pids_limit=limits.pids,
             memory_limit=limits.memory_bytes, cgroups_path=f"/envbuild/{sandbox_id}",
-            binds=tuple(binds))
+            binds=tuple(binds), tmpfs=())
         write_bundle(paths.bundle, runtime_spec(request))
         Path(runtime.state_root).mkdir(parents=True, exist_ok=True)
         # A detached container inherits runc's stdio: a pipe would never reach EOF while the
@@ -393,8 +414,18 @@ class Sandbox:
                           for layer in resolved.layers]
         sandbox_id = f"eb-{uuid.uuid4().hex[:12]}"
         paths = SandboxPaths(node_root / "sandboxes" / sandbox_id)
-        for p in (paths.upper, paths.work, paths.merged):
-            p.mkdir(parents=True)
+        limits = limits or Limits()
+        paths.root.mkdir(parents=True)
+        try:
+            if backend == "container" and limits.disk_bytes is not None:
+                scratchfs.create(paths.root, limits.disk_bytes, limits.inodes,
+                                 template_root=node.root / "scratchfs")
+            for p in (paths.upper, paths.work, paths.merged, paths.tmp):
+                p.mkdir(parents=True)
+            os.chmod(paths.tmp, 0o1777)
+        except BaseException:
+            remove_sandbox_dir(paths)
+            raise
         _write_meta(paths, {"version": SANDBOX_META_VERSION, "id": sandbox_id,
                             "lock": resolved.digest, "backend": backend, "pid": os.getpid(),
                             "kept": keep, "created": time.time(),
@@ -404,7 +435,7 @@ class Sandbox:
 
             try:
                 impl = MicroVmBackend(sandbox_id, paths.root, resolved, node, layer_dirs,
-                                      network=network, limits=limits or Limits())
+                                      network=network, limits=limits)
             except BaseException:
                 remove_sandbox_dir(paths)
                 raise
@@ -416,10 +447,11 @@ class Sandbox:
             mount_overlay(compose(layer_dirs, str(ensure_stub(node.root)), paths))
             mounted = True
             impl = ContainerBackend(sandbox_id, paths, resolved, oci, network=network,
-                                    limits=limits or Limits(), agent_path=agent_path)
+                                    limits=limits, agent_path=agent_path)
         except BaseException:
             if mounted:
                 unmount(str(paths.merged))
+            scratchfs.destroy(paths.root)
             shutil.rmtree(paths.root, ignore_errors=True)
             raise
         return cls(sandbox_id, resolved, paths, impl, node_root, store)
@@ -476,6 +508,7 @@ def _write_meta(paths: SandboxPaths, meta: dict) -> None:
 def remove_sandbox_dir(paths: SandboxPaths) -> None:
     for target in mounted_targets_under(str(paths.root)):
         unmount(target)
+    scratchfs.destroy(paths.root)  # the disk is unmounted above; this deletes its image
     shutil.rmtree(paths.root, ignore_errors=True)
 
 

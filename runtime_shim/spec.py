@@ -60,6 +60,11 @@ READONLY_PATHS = (
 )
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: Size and inode cap of each ``tmpfs`` mount (``/tmp`` when the caller keeps the default): an
+#: uncapped tmpfs takes up to half the host's RAM. Sandboxes and build steps put ``/tmp`` on
+#: their capped disk instead (``runtime_shim.scratchfs``) and pass ``tmpfs=()``.
+TMPFS_BYTES = 256 << 20
+TMPFS_INODES = 65536
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +109,8 @@ class RuntimeSpecRequest:
     cgroups_path: str | None = None
     binds: tuple[BindMount, ...] = ()
     tmpfs: tuple[str, ...] = ("/tmp",)
+    tmpfs_bytes: int = TMPFS_BYTES
+    tmpfs_inodes: int = TMPFS_INODES
     terminal: bool = False
 
 
@@ -143,7 +150,8 @@ def _mounts(req: RuntimeSpecRequest) -> list[dict[str, Any]]:
     ]
     for path in req.tmpfs:
         mounts.append({"destination": path, "type": "tmpfs", "source": "tmpfs",
-                       "options": ["nosuid", "nodev", "mode=1777"]})
+                       "options": ["nosuid", "nodev", "mode=1777", f"size={req.tmpfs_bytes}",
+                                   f"nr_inodes={req.tmpfs_inodes}"]})
     for b in req.binds:
         opts = ["rbind", "nosuid", "nodev"] + (["ro"] if b.readonly else ["rw"])
         mounts.append({"destination": b.destination, "type": "bind", "source": b.source,

@@ -16,7 +16,10 @@ The plan says *what* to build (``LayerJob``: plain data); this module does it (s
    point publishes nothing.
 
 Everything lives under one scratch directory per build that is removed at the end, mounts
-included, also on Ctrl-C.
+included, also on Ctrl-C. A layer's upper dir, work dir and its steps' ``/tmp`` are on a capped
+filesystem of their own (``runtime_shim.scratchfs``: ``BuildContext.disk_bytes`` /
+``inodes``, 50 GiB and 5 M by default, ``ENVBUILD_BUILD_DISK`` / ``ENVBUILD_BUILD_INODES``), so
+a runaway step or import fails with ENOSPC instead of filling the host.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from envbuild.defs.model import (Base, BaseSource, BusyboxSource, CopyStep, Debo
 from envbuild.errors import BuildError, StepFailed
 from envbuild.layers import pack_tree
 from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_record
+from runtime_shim import scratchfs
 from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
 from runtime_shim.nodecache import NodeCache
 from runtime_shim.runc import OciRuntime, run_container, write_bundle
@@ -55,6 +59,10 @@ def host_ca_bundle() -> str | None:
             return path
     return None
 BUILD_HOSTNAME = "envbuild"
+#: Defaults of ``BuildContext.disk_bytes`` / ``inodes``: generous (a debootstrap + pip install
+#: is a few GB), only there so a runaway step cannot fill the build host. The image is sparse.
+DEFAULT_BUILD_DISK_BYTES = 50 << 30
+DEFAULT_BUILD_INODES = 5_000_000
 
 
 
@@ -98,6 +106,9 @@ class BuildContext:
     log_root: Path
     source_date_epoch: int = 0
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    # The cap of one layer's writes (its upper dir and /tmp; runtime_shim.scratchfs). None: none.
+    disk_bytes: int | None = DEFAULT_BUILD_DISK_BYTES
+    inodes: int | None = DEFAULT_BUILD_INODES
 
     def stub_dir(self) -> Path:
         return ensure_stub(self.node.root)
@@ -109,9 +120,19 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
     d = job.definition
     _stop_if_cancelled(ctx, job)
     scratch = ctx.scratch_root / f"{job.key.removeprefix('sha256:')[:16]}-{uuid.uuid4().hex[:8]}"
-    upper, work, merged = scratch / "upper", scratch / "work", scratch / "merged"
-    for p in (upper, work, merged):
-        p.mkdir(parents=True)
+    disk = scratch / scratchfs.MOUNT_NAME
+    upper, work, merged = disk / "upper", disk / "work", scratch / "merged"
+    scratch.mkdir(parents=True)
+    if ctx.disk_bytes is not None:
+        try:
+            scratchfs.create(scratch, ctx.disk_bytes, ctx.inodes,
+                             template_root=ctx.node.root / "scratchfs")
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+    for p in (upper, work, merged, disk / "tmp"):
+        p.mkdir(parents=True, exist_ok=True)
+    os.chmod(disk / "tmp", 0o1777)
     ctx.log_root.mkdir(parents=True, exist_ok=True)
     log = ctx.log_root / f"{job.name}-{job.key.removeprefix('sha256:')[:12]}.log"
     log.write_bytes(b"")
@@ -136,7 +157,10 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
             for i, step in enumerate(d.steps, 1):
                 _stop_if_cancelled(ctx, job)
                 progress(BuildEvent(job.name, "step", i, len(d.steps), _describe(step)))
-                _run_step(ctx, job, i, step, merged, scratch, log)
+                try:
+                    _run_step(ctx, job, i, step, merged, scratch, log)
+                except StepFailed as e:
+                    raise _explain_full_disk(ctx, disk, e) from None
             unmount(str(merged))
             mounted = False
         if isinstance(d, Toolkit):
@@ -167,7 +191,25 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
     finally:
         if mounted:
             unmount(str(merged))
+        scratchfs.destroy(scratch)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _explain_full_disk(ctx: BuildContext, disk: Path, e: StepFailed) -> StepFailed:
+    """``e``, or when the step left its disk (nearly) full, which most likely made it fail,
+    the same error saying so in its one line."""
+    if ctx.disk_bytes is None:
+        return e
+    st = os.statvfs(disk)
+    out_of = ("space" if st.f_bavail * st.f_frsize < (1 << 20) else
+              "inodes" if st.f_favail < 16 else None)
+    if out_of is None:
+        return e
+    return StepFailed(f"{e.message} (out of {out_of}: the layer's disk limit is "
+                      f"{ctx.disk_bytes >> 20} MiB / {ctx.inodes} inodes)",
+                      argv=e.argv, exit_code=e.exit_code, output_tail=e.output_tail,
+                      log_path=e.log_path,
+                      hint="raise ENVBUILD_BUILD_DISK / ENVBUILD_BUILD_INODES, or write less")
 
 
 def _stop_if_cancelled(ctx: BuildContext, job: LayerJob) -> None:
@@ -251,10 +293,13 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
             # point the usual clients at it without touching the image's /etc/ssl.
             binds += (BindMount(ca, HOST_CA_PATH),)
             env = {**{k: HOST_CA_PATH for k in CA_ENV_VARS}, **env}
+    # /tmp on the layer's capped disk, outside the upper dir (not in the layer), as a tmpfs was.
+    binds += (BindMount(str(merged.parent / scratchfs.MOUNT_NAME / "tmp"), "/tmp",
+                        readonly=False),)
     request = RuntimeSpecRequest(
         rootfs=str(merged), args=("/bin/sh", "-c", step.run), env=env_list(env),
         cwd=step.workdir or "/", uid=uid, gid=gid, hostname=BUILD_HOSTNAME, network=network,
-        binds=binds)
+        binds=binds, tmpfs=())
     bundle = scratch / f"bundle-{index}"
     write_bundle(bundle, runtime_spec(request))
     container_id = f"eb-build-{uuid.uuid4().hex[:12]}"
