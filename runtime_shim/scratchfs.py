@@ -87,8 +87,7 @@ def create(dir: str | os.PathLike[str], size_bytes: int, inodes: int | None, *,
                                f"{MIN_SIZE >> 20} MiB", hint="raise Limits.disk_bytes")
     root = Path(dir)
     image, target = root / IMAGE_NAME, root / MOUNT_NAME
-    if inodes is not None:
-        inodes = max(64, min(inodes, size_bytes // MIN_BYTES_PER_INODE))
+    inodes = effective_inodes(size_bytes, inodes)
     template = ensure_template(template_root, size_bytes, inodes)
     target.mkdir(exist_ok=True)
     try:
@@ -109,6 +108,14 @@ def destroy(dir: str | os.PathLike[str]) -> None:
         os.rmdir(root / MOUNT_NAME)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(root / IMAGE_NAME)
+
+
+def effective_inodes(size_bytes: int, inodes: int | None) -> int | None:
+    """The inode count a disk of ``size_bytes`` gets for a limit of ``inodes`` (pure): at most
+    one per ``MIN_BYTES_PER_INODE`` bytes, at least 64."""
+    if inodes is None:
+        return None
+    return max(64, min(inodes, size_bytes // MIN_BYTES_PER_INODE))
 
 
 def is_mounted(dir: str | os.PathLike[str]) -> bool:

@@ -154,3 +154,23 @@ def test_build_step_past_its_disk_limit_fails_with_one_line(envbuild_cli):
     builds = envbuild_cli.node / "builds"
     assert not (builds.exists() and any(builds.iterdir()))
     assert not _loops_under(envbuild_cli.node) and not _mounts_under(envbuild_cli.node)
+
+
+@pytest.mark.slow
+def test_microvm_disk_is_sized_from_limits(busybox_store, monkeypatch):
+    """One TCG boot: the VM's writable disk has Limits.disk_bytes / inodes, not 4 GiB."""
+    for tool in ("qemu-system-x86_64", "mkfs.erofs", "mkfs.ext4", "gcc"):
+        require_tool(tool)
+    monkeypatch.delenv("ENVBUILD_VM_DISK", raising=False)
+    store, node = busybox_store
+    with Sandbox.create("env/busybox-shell", store=store, node_dir=node, backend="microvm",
+                        limits=Limits(memory_bytes=384 << 20, disk_bytes=64 * MiB,
+                                      inodes=2048)) as vm:
+        assert os.stat(vm.paths.root / "rw.ext4").st_size == 64 * MiB
+        r = vm.exec("fallocate -l 40G /big; echo rc=$?; rm -f /big; "
+                    "dd if=/dev/zero of=/fill bs=1M count=200 2>&1; echo rc=$?; "
+                    "mkdir /bomb && cd /bomb && seq 1 5000 | xargs touch; echo rc=$?",
+                    timeout=300)
+        out = r.stdout.decode() + r.stderr.decode()
+        assert out.count("No space left on device") >= 3 and "rc=0" not in out, out
+        assert os.stat(vm.paths.root / "rw.ext4").st_blocks * 512 <= 64 * MiB
