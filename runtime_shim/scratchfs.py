@@ -29,7 +29,7 @@ behind):
 - The loop device is bound with ``LOOP_CONFIGURE`` and ``LO_FLAGS_AUTOCLEAR`` in one ioctl and
   its fd closed right after ``mount``: the kernel detaches it on the last unmount (or when the
   creator dies before mounting), so no ``losetup -d`` can be forgotten.
-- Mounted ``nodev,nosuid,noatime``. Every copy of a template shares its UUID; nothing here
+- Mounted ``nodev,nosuid,noatime`` (a build's: ``noatime`` only, see ``create``). Every copy of a template shares its UUID; nothing here
   looks filesystems up by UUID.
 
 The sandbox cannot reach the loop device or the image (no device nodes, neither path is inside
@@ -65,7 +65,8 @@ MIN_BYTES_PER_INODE = 8192
 MKFS_OPTIONS = ("-q", "-F", "-t", "ext4", "-b", "4096", "-m", "0",
                 "-O", "^has_journal,^resize_inode",
                 "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard")
-MOUNT_FLAGS = 0x2 | 0x4 | 0x400  # MS_NOSUID | MS_NODEV | MS_NOATIME
+MS_NOATIME = 0x400
+MOUNT_FLAGS = 0x2 | 0x4 | MS_NOATIME  # MS_NOSUID | MS_NODEV
 MOUNT_DATA = b"noinit_itable"
 
 _LOOP_CTL_GET_FREE = 0x4C82
@@ -77,11 +78,14 @@ _LOOP_CONFIG = struct.Struct("=II QQQQQ IIII 64s64s32s QQ 64x")
 
 
 def create(dir: str | os.PathLike[str], size_bytes: int, inodes: int | None, *,
-           template_root: str | os.PathLike[str]) -> Path:
+           template_root: str | os.PathLike[str], nodev_nosuid: bool = True) -> Path:
     """Mount a fresh ext4 of ``size_bytes`` with ``inodes`` inodes (None: mkfs's default
     ratio, one per 16 KiB; at most one per ``MIN_BYTES_PER_INODE``, which is what an inode
     limit beyond that gets) at ``dir/disk`` and return that path. On failure nothing is left
-    mounted, attached or written (the image is removed)."""
+    mounted, attached or written (the image is removed).
+
+    ``nodev_nosuid=False`` is for build scratch only: an importer on the host (debootstrap)
+    makes device nodes and setuid files in the upper dir and runs them (chroot + dpkg)."""
     if size_bytes < MIN_SIZE:
         raise RuntimeShimError(f"disk limit {size_bytes} bytes is below the minimum "
                                f"{MIN_SIZE >> 20} MiB", hint="raise Limits.disk_bytes")
@@ -92,7 +96,7 @@ def create(dir: str | os.PathLike[str], size_bytes: int, inodes: int | None, *,
     target.mkdir(exist_ok=True)
     try:
         copy_sparse(template, image)
-        _mount_image(image, target)
+        _mount_image(image, target, MOUNT_FLAGS if nodev_nosuid else MS_NOATIME)
     except BaseException:
         destroy(root)
         raise
@@ -188,14 +192,14 @@ def copy_sparse(src: Path, dest: Path) -> None:
             pos = end
 
 
-def _mount_image(image: Path, target: Path) -> None:
+def _mount_image(image: Path, target: Path, flags: int = MOUNT_FLAGS) -> None:
     backing = os.open(image, os.O_RDWR | os.O_CLOEXEC)
     try:
         loop_fd, loop_dev = _attach_loop(backing)
     finally:
         os.close(backing)
     try:
-        if _libc.mount(loop_dev.encode(), str(target).encode(), b"ext4", MOUNT_FLAGS,
+        if _libc.mount(loop_dev.encode(), str(target).encode(), b"ext4", flags,
                        MOUNT_DATA) != 0:
             err = ctypes.get_errno()
             raise RuntimeShimError(f"mount the scratch disk at {target}: {os.strerror(err)}",

@@ -125,8 +125,9 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
     scratch.mkdir(parents=True)
     if ctx.disk_bytes is not None:
         try:
+            # dev + suid: debootstrap makes /dev nodes in the upper dir and chroots into it
             scratchfs.create(scratch, ctx.disk_bytes, ctx.inodes,
-                             template_root=ctx.node.root / "scratchfs")
+                             template_root=ctx.node.root / "scratchfs", nodev_nosuid=False)
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
