@@ -12,9 +12,11 @@ Contract::
     destroy(dir)                                                  # unmount, detach, delete
 
 ``dir`` is an existing directory owned by the caller (a sandbox or build scratch dir).
-``create`` makes ``dir/disk.img`` and mounts it at ``dir/disk`` (returned; an empty ext4 root
-holding only ``lost+found``); ``destroy`` unmounts ``dir/disk`` and deletes the image. ``destroy``
-is idempotent and is what a crashed creator's cleanup (``gc_sandboxes``) calls too.
+``create`` makes ``dir/disk.img``, mounts it at ``dir/disk`` (returned; an empty ext4 root
+holding only ``lost+found``) and unlinks the image (``losetup -a`` shows it ``(deleted)``: its
+space is freed when the loop device detaches); ``destroy`` unmounts ``dir/disk`` and deletes
+an image left by a create that failed. ``destroy`` is idempotent and is what a crashed
+creator's cleanup (``gc_sandboxes``) calls too.
 
 How (measured in ``docs/scratchfs.md``; each choice for start-up time and for leaving nothing
 behind):
@@ -97,6 +99,10 @@ def create(dir: str | os.PathLike[str], size_bytes: int, inodes: int | None, *,
     try:
         copy_sparse(template, image)
         _mount_image(image, target, MOUNT_FLAGS if nodev_nosuid else MS_NOATIME)
+        # The loop device holds the image open: without a name, the kernel frees it when the
+        # loop device detaches (at the unmount), off the caller's path; a crash can no longer
+        # leave an image behind, only the mount, which every cleanup unmounts.
+        os.unlink(image)
     except BaseException:
         destroy(root)
         raise
