@@ -188,7 +188,9 @@ class ContainerBackend:
         Path(runtime.state_root).mkdir(parents=True, exist_ok=True)
         # A detached container inherits runc's stdio: a pipe would never reach EOF while the
         # sandbox lives, so runc's (and the agent's) messages go to a file.
-        start_log = paths.root / "start.log"
+        # On the sandbox's disk: it is the agent's stderr, which sandbox root can reach
+        # (/proc/1/fd/2) and would otherwise fill the host with.
+        start_log = paths.disk / "start.log"
         pid_file = paths.root / "init.pid"
         with open(start_log, "wb") as log:
             proc = subprocess.run(runtime.command("run", "--detach", "--pid-file", str(pid_file),
