@@ -49,6 +49,9 @@ from runtime_shim.stub import HOST_CA_PATH, ensure_stub
 from runtime_shim.spec import BindMount, RuntimeSpecRequest, env_list, parse_user, runtime_spec
 
 OUTPUT_TAIL_LINES = 50
+#: What one step may write to the build log (on the host, outside its capped disk): a step
+#: that prints forever (``yes``) is logged up to here, the rest is read and dropped.
+STEP_LOG_CAP = 64 << 20
 CA_ENV_VARS = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
                "GIT_SSL_CAINFO", "NODE_EXTRA_CA_CERTS")
 
@@ -307,8 +310,17 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
     with open(log, "ab") as out:
         # The step runs on a pool thread, which Ctrl-C/SIGTERM never interrupts: the engine
         # sets ctx.cancelled and run_container kills and deletes the container when it sees it.
-        result = run_container(ctx.runtime, container_id, bundle, stdout=out,
-                               cancelled=ctx.cancelled)
+        # Its output reaches the log through a pipe and a copier capped at STEP_LOG_CAP.
+        read_fd, write_fd = os.pipe()
+        copier = threading.Thread(target=_copy_capped, args=(read_fd, out, STEP_LOG_CAP),
+                                  daemon=True)
+        copier.start()
+        try:
+            result = run_container(ctx.runtime, container_id, bundle, stdout=write_fd,
+                                   cancelled=ctx.cancelled)
+        finally:
+            os.close(write_fd)  # the copier sees EOF once the container's processes are gone
+            copier.join()
     if result.cancelled:
         _stop_if_cancelled(ctx, job)
     if result.exit_code != 0:
@@ -317,6 +329,21 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
             f"{step.run.strip().splitlines()[0] if step.run.strip() else ''}",
             argv=list(request.args), exit_code=result.exit_code,
             output_tail=_tail(log, OUTPUT_TAIL_LINES), log_path=str(log))
+
+
+def _copy_capped(read_fd: int, out, cap: int) -> None:
+    """Copy ``read_fd`` to ``out`` until EOF, at most ``cap`` bytes of it; close ``read_fd``."""
+    written = 0
+    try:
+        while chunk := os.read(read_fd, 1 << 16):
+            if written < cap:
+                out.write(chunk[:cap - written])
+                written += len(chunk)
+                if written >= cap:
+                    out.write(f"\n[envbuild: output past {cap >> 20} MiB dropped]\n".encode())
+                out.flush()
+    finally:
+        os.close(read_fd)
 
 
 def _copy_step(d: LayerDefinition, step: CopyStep, merged: Path) -> None:

@@ -186,3 +186,31 @@ def test_agent_stderr_log_is_capped_too(small_sandbox):
         return
     out = r.stdout.decode()
     assert "No space left on device" in out and "rc=0" not in out, out
+
+
+YES = """\
+apiVersion: envbuild/v1
+kind: Toolkit
+name: chatty
+description: a step that prints forever
+build_on: busybox-tiny
+requires: {abi: [busybox-amd64]}
+prefix: /opt/toolkits/chatty
+steps:
+  - run: yes | head -c 200000000; exit 3
+    network: none
+"""
+
+
+def test_build_step_output_to_the_log_is_capped(envbuild_cli, monkeypatch):
+    """``yes`` in a step: the build log (a host file, outside the layer's disk) stops growing
+    at the cap; the step's own exit code is still reported."""
+    from envbuild.build import executor
+
+    monkeypatch.setattr(executor, "STEP_LOG_CAP", 4 * MiB)
+    (envbuild_cli.defs / "toolkits" / "chatty.yaml").write_text(YES)
+    r = envbuild_cli("build", "chatty")
+    assert r.code == 1 and "exited 3" in r.err, r.err
+    log = next((envbuild_cli.store / "logs").glob("chatty-*.log"))
+    assert 4 * MiB <= log.stat().st_size < 5 * MiB
+    assert b"output past 4 MiB dropped" in log.read_bytes()[-200:]
