@@ -52,6 +52,7 @@ import struct
 import subprocess
 import uuid
 from pathlib import Path
+from typing import BinaryIO
 
 from envbuild.errors import RuntimeShimError
 from runtime_shim.mount import _libc, unmount
@@ -196,6 +197,25 @@ def copy_sparse(src: Path, dest: Path) -> None:
                     raise RuntimeShimError(f"copy {src.name}: unexpected end of file")
                 off += n
             pos = end
+
+
+def copy_capped(read_fd: int, out: BinaryIO, cap: int) -> None:
+    """Copy ``read_fd`` to ``out`` until EOF, at most ``cap`` bytes of it (then a note, and the
+    rest is read and dropped so the writer never blocks), flushing as it goes; close both.
+    For the logs an untrusted writer fills on the host outside its disk: a build step's
+    output, a microVM's console."""
+    written = 0
+    try:
+        while chunk := os.read(read_fd, 1 << 16):
+            if written < cap:
+                out.write(chunk[:cap - written])
+                written += len(chunk)
+                if written >= cap:
+                    out.write(f"\n[envbuild: output past {cap >> 10} KiB dropped]\n".encode())
+                out.flush()
+    finally:
+        os.close(read_fd)
+        out.close()
 
 
 def _mount_image(image: Path, target: Path, flags: int = MOUNT_FLAGS) -> None:

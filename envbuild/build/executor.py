@@ -312,8 +312,8 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
         # sets ctx.cancelled and run_container kills and deletes the container when it sees it.
         # Its output reaches the log through a pipe and a copier capped at STEP_LOG_CAP.
         read_fd, write_fd = os.pipe()
-        copier = threading.Thread(target=_copy_capped, args=(read_fd, out, STEP_LOG_CAP),
-                                  daemon=True)
+        copier = threading.Thread(target=scratchfs.copy_capped,
+                                  args=(read_fd, out, STEP_LOG_CAP), daemon=True)
         copier.start()
         try:
             result = run_container(ctx.runtime, container_id, bundle, stdout=write_fd,
@@ -329,21 +329,6 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
             f"{step.run.strip().splitlines()[0] if step.run.strip() else ''}",
             argv=list(request.args), exit_code=result.exit_code,
             output_tail=_tail(log, OUTPUT_TAIL_LINES), log_path=str(log))
-
-
-def _copy_capped(read_fd: int, out, cap: int) -> None:
-    """Copy ``read_fd`` to ``out`` until EOF, at most ``cap`` bytes of it; close ``read_fd``."""
-    written = 0
-    try:
-        while chunk := os.read(read_fd, 1 << 16):
-            if written < cap:
-                out.write(chunk[:cap - written])
-                written += len(chunk)
-                if written >= cap:
-                    out.write(f"\n[envbuild: output past {cap >> 20} MiB dropped]\n".encode())
-                out.flush()
-    finally:
-        os.close(read_fd)
 
 
 def _copy_step(d: LayerDefinition, step: CopyStep, merged: Path) -> None:

@@ -161,7 +161,10 @@ def test_microvm_disk_is_sized_from_limits(busybox_store, monkeypatch):
     """One TCG boot: the VM's writable disk has Limits.disk_bytes / inodes, not 4 GiB."""
     for tool in ("qemu-system-x86_64", "mkfs.erofs", "mkfs.ext4", "gcc"):
         require_tool(tool)
+    from runtime_shim.vm import qemu
+
     monkeypatch.delenv("ENVBUILD_VM_DISK", raising=False)
+    monkeypatch.setattr(qemu, "CONSOLE_LOG_CAP", 256 << 10)
     store, node = busybox_store
     with Sandbox.create("env/busybox-shell", store=store, node_dir=node, backend="microvm",
                         limits=Limits(memory_bytes=384 << 20, disk_bytes=64 * MiB,
@@ -174,6 +177,13 @@ def test_microvm_disk_is_sized_from_limits(busybox_store, monkeypatch):
         out = r.stdout.decode() + r.stderr.decode()
         assert out.count("No space left on device") >= 3 and "rc=0" not in out, out
         assert os.stat(vm.paths.root / "rw.ext4").st_blocks * 512 <= 64 * MiB
+        # The console log (a host file) is capped too: guest root writes to its console.
+        r = vm.exec("for d in /dev/ttyS0 /dev/console; do [ -c $d ] || continue; "
+                    "head -c 400000 /dev/zero | tr '\\0' x > $d && echo wrote $d && break; done",
+                    timeout=300)
+        assert b"wrote" in r.stdout, r
+        log = (vm.paths.root / "console.log").read_bytes()
+        assert len(log) < (256 << 10) + 4096 and b"KiB dropped" in log
 
 
 def test_agent_stderr_log_is_capped_too(small_sandbox):
@@ -213,4 +223,4 @@ def test_build_step_output_to_the_log_is_capped(envbuild_cli, monkeypatch):
     assert r.code == 1 and "exited 3" in r.err, r.err
     log = next((envbuild_cli.store / "logs").glob("chatty-*.log"))
     assert 4 * MiB <= log.stat().st_size < 5 * MiB
-    assert b"output past 4 MiB dropped" in log.read_bytes()[-200:]
+    assert b"output past 4096 KiB dropped" in log.read_bytes()[-200:]
