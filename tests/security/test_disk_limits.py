@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime_shim import scratchfs
 from runtime_shim.sandbox import Limits, Sandbox, gc_sandboxes, list_sandboxes
 from tests.conftest import REPO, require_tool
 
@@ -39,6 +40,7 @@ def _mounts_under(prefix: Path) -> list[str]:
 
 
 def _assert_nothing_left(root: Path) -> None:
+    scratchfs.settle(10)  # close() leaves the loop device's last close to a thread
     assert not _loops_under(root), _loops_under(root)
     assert not _mounts_under(root), _mounts_under(root)
     assert not root.exists()
@@ -153,6 +155,7 @@ def test_build_step_past_its_disk_limit_fails_with_one_line(envbuild_cli):
     assert "No space left on device" in r.err  # dd's own message, in the output tail
     builds = envbuild_cli.node / "builds"
     assert not (builds.exists() and any(builds.iterdir()))
+    scratchfs.settle(10)
     assert not _loops_under(envbuild_cli.node) and not _mounts_under(envbuild_cli.node)
 
 
