@@ -198,6 +198,11 @@ def ensure_template(template_root: str | os.PathLike[str], size_bytes: int,
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     try:
         mkfs(tmp, size_bytes, inodes)
+        fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)  # a template that a host crash truncated would fail every mount
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):

@@ -157,7 +157,8 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
             mounted = True
             if isinstance(d, Workspace):
                 progress(BuildEvent(job.name, "importing", detail=d.source.kind))
-                _import_workspace(d, job, merged, scratch, ctx.cancelled)
+                # git clones into its scratch: on the capped disk too (a hostile repo can be huge)
+                _import_workspace(d, job, merged, disk, ctx.cancelled)
             for i, step in enumerate(d.steps, 1):
                 _stop_if_cancelled(ctx, job)
                 progress(BuildEvent(job.name, "step", i, len(d.steps), _describe(step)))
