@@ -4,7 +4,9 @@ One class for every backend; ``backend=`` is the single switch (``"container"`` 
 microVM backend plugs in behind the same ``Backend`` protocol). A sandbox is:
 
 - the lock's layers, unpacked once per host in the node cache and shared read-only;
-- a private upper + work dir and an overlay mount (``<node>/sandboxes/<id>/merged``);
+- a private upper + work dir and an overlay mount (``<node>/sandboxes/<id>/merged``), the
+  upper and work dirs, ``/tmp`` and the agent's run dir on the sandbox's own capped ext4
+  (``<id>/disk``, ``runtime_shim.scratchfs``; ``Limits.disk_bytes`` / ``inodes``);
 - a detached OCI container (runc by default) whose PID 1 is the exec agent
   (``runtime_shim.agent``: a static C program built once per host, bind-mounted read-only at
   ``/.envbuild/agent``). It listens on ``/.envbuild/run/agent.sock``, the sandbox's own
@@ -244,7 +246,7 @@ class ContainerBackend:
                           output_truncated=done.output_truncated)
 
     # Files are reached through the init process's root, i.e. in the sandbox's own mount
-    # namespace: its tmpfs /tmp and bind mounts included, exactly what commands see.
+    # namespace: its /tmp and bind mounts included, exactly what commands see.
     def read_file(self, path: str) -> bytes:
         return fsaccess.read_file(f"/proc/{self.init_pid}/root", path)
 
