@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """Sandbox start-up and density, against bare ``runc run`` measured in the same run.
 
-    .venv/bin/python benchmarks/sandbox_start.py [--env py-textstats] [--runs 200]
+    .venv/bin/python benchmarks/sandbox_start.py [--env py-textstats] [--runs 200] [--disk 10G]
+
+``--disk`` is ``Limits.disk_bytes`` of every sandbox (default: the Limits default; ``0``: no disk
+limit, the writable layer straight on the node dir), to measure the start-up cost of the
+per-sandbox disk (``runtime_shim.scratchfs``).
 
 1. create → exec ``true`` → close, p50 / p95 over ``--runs`` sandboxes (warm node cache), and
    sandboxes per second with 2 workers; baseline: ``runc run`` of ``true`` in a pre-made rootfs
@@ -39,7 +43,8 @@ from envbuild.store import LocalStore  # noqa: E402
 from runtime_shim.locks import resolve  # noqa: E402
 from _envs import ensure_built  # noqa: E402
 from runtime_shim.runc import OciRuntime, write_bundle  # noqa: E402
-from runtime_shim.sandbox import Sandbox  # noqa: E402
+from runtime_shim.nodecache import parse_size  # noqa: E402
+from runtime_shim.sandbox import Limits, Sandbox  # noqa: E402
 from runtime_shim.spec import RuntimeSpecRequest, env_list, runtime_spec  # noqa: E402
 
 
@@ -94,7 +99,7 @@ def bench_runc_baseline(store, env, work: Path, runs: int) -> tuple[list[float],
 def bench_sandboxes(store, env, node: Path, runs: int) -> tuple[list[float], float]:
     def one(_):
         t = time.perf_counter()
-        with Sandbox.create(env, store=store, node_dir=node) as sb:
+        with Sandbox.create(env, store=store, node_dir=node, limits=LIMITS) as sb:
             r = sb.exec(["true"])
             assert r.exit_code == 0, r.stderr
         return time.perf_counter() - t
@@ -109,7 +114,7 @@ def bench_sandboxes(store, env, node: Path, runs: int) -> tuple[list[float], flo
 
 def bench_exec_rtt(store, env, node: Path, count: int) -> list[float]:
     times = []
-    with Sandbox.create(env, store=store, node_dir=node) as sb:
+    with Sandbox.create(env, store=store, node_dir=node, limits=LIMITS) as sb:
         for _ in range(5):  # warm up
             sb.exec(["true"])
         for _ in range(count):
@@ -127,8 +132,9 @@ def bench_density(store, env, node: Path, count: int, big_file: str) -> dict[str
     sandboxes = []
     try:
         with ThreadPoolExecutor(4) as pool:
-            sandboxes = list(pool.map(lambda _: Sandbox.create(env, store=store, node_dir=node),
-                                      range(count)))
+            sandboxes = list(pool.map(
+                lambda _: Sandbox.create(env, store=store, node_dir=node, limits=LIMITS),
+                range(count)))
         time.sleep(1)
         idle = meminfo()
         size = int(sandboxes[0].exec(["stat", "-c", "%s", big_file]).stdout)
@@ -145,7 +151,11 @@ def bench_density(store, env, node: Path, count: int, big_file: str) -> dict[str
     }
 
 
+LIMITS = Limits()
+
+
 def main() -> int:
+    global LIMITS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", default=str(REPO / "cache"))
     ap.add_argument("--env", default="py-textstats")
@@ -153,7 +163,10 @@ def main() -> int:
     ap.add_argument("--execs", type=int, default=200)
     ap.add_argument("--density", type=int, default=100)
     ap.add_argument("--big-file", default="/usr/bin/python3.11")
+    ap.add_argument("--disk", default=None, help="Limits.disk_bytes, e.g. 10G; 0: none")
     args = ap.parse_args()
+    if args.disk is not None:
+        LIMITS = Limits(disk_bytes=parse_size(args.disk) or None)
     if os.geteuid() != 0:
         print("needs root (mounts, runc)", file=sys.stderr)
         return 1
@@ -170,7 +183,9 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     p50, p95 = statistics.median(ours), pct(ours, 95)
     b50, b95 = statistics.median(base_times), pct(base_times, 95)
-    print(f"\nenv {args.env}, {args.runs} runs each, warm node cache, runtime runc")
+    disk = "none" if LIMITS.disk_bytes is None else f"{LIMITS.disk_bytes >> 20} MiB"
+    print(f"\nenv {args.env}, {args.runs} runs each, warm node cache, runtime runc, "
+          f"disk limit {disk}")
     print(f"{'':38} {'p50 ms':>8} {'p95 ms':>8} {'per s (2 workers)':>18}")
     print(f"{'bare runc run (flattened rootfs)':38} {b50 * 1e3:8.1f} {b95 * 1e3:8.1f} {base_rate:18.1f}")
     print(f"{'Sandbox create+exec true+close':38} {p50 * 1e3:8.1f} {p95 * 1e3:8.1f} {our_rate:18.1f}")

@@ -30,10 +30,14 @@ class Settings:
     s3_endpoint: str | None = None
     cache_from: str | None = None
     cache_to: str | None = None
+    # The cap of one build layer's writes (envbuild.build.executor; runtime_shim.scratchfs):
+    # ENVBUILD_BUILD_DISK (a size, e.g. 50G; 0: no cap) and ENVBUILD_BUILD_INODES.
+    build_disk_bytes: int | None = 50 << 30
+    build_inodes: int | None = 5_000_000
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
-        from envbuild.errors import SettingsError
+        from envbuild.errors import EnvbuildError, SettingsError
 
         sde = environ.get("SOURCE_DATE_EPOCH", "0")
         try:
@@ -41,7 +45,19 @@ class Settings:
         except ValueError:
             raise SettingsError(f"SOURCE_DATE_EPOCH is not an integer: {sde!r}",
                                 hint="set it to seconds since 1970, e.g. 0") from None
+        from runtime_shim.nodecache import parse_size
+
+        disk = environ.get("ENVBUILD_BUILD_DISK")
+        inodes = environ.get("ENVBUILD_BUILD_INODES")
+        try:
+            build_disk = parse_size(disk) if disk else cls.build_disk_bytes
+            build_inodes = int(inodes) if inodes else cls.build_inodes
+        except (ValueError, EnvbuildError):
+            raise SettingsError(f"ENVBUILD_BUILD_DISK / ENVBUILD_BUILD_INODES not a size / count: "
+                                f"{disk!r} / {inodes!r}", hint="e.g. 50G and 5000000") from None
         return cls(
+            build_disk_bytes=build_disk or None,
+            build_inodes=build_inodes or None,
             defs_dir=Path(environ.get("ENVBUILD_DEFS", DEFAULT_DEFS)),
             store_url=environ.get("ENVBUILD_STORE", DEFAULT_STORE),
             source_date_epoch=epoch,

@@ -4,7 +4,9 @@ One class for every backend; ``backend=`` is the single switch (``"container"`` 
 microVM backend plugs in behind the same ``Backend`` protocol). A sandbox is:
 
 - the lock's layers, unpacked once per host in the node cache and shared read-only;
-- a private upper + work dir and an overlay mount (``<node>/sandboxes/<id>/merged``);
+- a private upper + work dir and an overlay mount (``<node>/sandboxes/<id>/merged``), the
+  upper and work dirs, ``/tmp`` and the agent's run dir on the sandbox's own capped ext4
+  (``<id>/disk``, ``runtime_shim.scratchfs``; ``Limits.disk_bytes`` / ``inodes``);
 - a detached OCI container (runc by default) whose PID 1 is the exec agent
   (``runtime_shim.agent``: a static C program built once per host, bind-mounted read-only at
   ``/.envbuild/agent``). It accepts on ``<sandbox dir>/agent.sock``, a socket the host binds
@@ -49,7 +51,7 @@ from typing import Protocol
 
 from envbuild.errors import RuntimeShimError
 from envbuild.store import Store, put_file
-from runtime_shim import agent, fsaccess
+from runtime_shim import agent, fsaccess, scratchfs
 from runtime_shim import netns  # a networked sandbox's own namespace
 from runtime_shim import seccomp as seccomp_profiles
 from runtime_shim.locks import ResolvedLock, resolve
@@ -73,7 +75,14 @@ class Limits:
 
     ``cpus``: CPU bandwidth in cores (the cgroup's CFS quota per 100 ms period; 0.5 = half a
     core), 2.0 by default so one busy sandbox cannot take a bigger host's every core; not
-    applied to microVMs, whose CPUs are their vCPUs."""
+    applied to microVMs, whose CPUs are their vCPUs.
+
+    ``disk_bytes`` / ``inodes`` cap everything the sandbox writes to host disk (its writable
+    layer, ``/tmp`` and the agent's log): one ext4 per sandbox on a loop device
+    (``runtime_shim.scratchfs``); past them writes fail with ``ENOSPC``. The image is sparse:
+    it costs the host what the sandbox wrote, never more than ``disk_bytes``. With
+    ``disk_bytes=None`` those dirs are plain dirs under the node dir, uncapped. The microVM
+    backend sizes its writable disk from the same two fields."""
 
     pids: int | None = 512
     memory_bytes: int | None = 2 << 30
@@ -81,6 +90,8 @@ class Limits:
     cpus: float | None = 2.0
     output_bytes: int = DEFAULT_OUTPUT_CAP  # per exec and stream
     exec_timeout: float = agent.DEFAULT_EXEC_TIMEOUT  # seconds, for an exec with timeout=None
+    disk_bytes: int | None = 10 << 30
+    inodes: int | None = 1_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,12 +113,22 @@ class SandboxPaths:
     root: Path
 
     @property
+    def disk(self) -> Path:
+        """The sandbox's capped filesystem (``scratchfs``): every dir the sandbox writes."""
+        return self.root / scratchfs.MOUNT_NAME
+
+    @property
     def upper(self) -> Path:
-        return self.root / "upper"
+        return self.disk / "upper"
 
     @property
     def work(self) -> Path:
-        return self.root / "work"
+        return self.disk / "work"
+
+    @property
+    def tmp(self) -> Path:
+        """``/tmp`` in the sandbox: on its disk, outside the upper dir (not in snapshots)."""
+        return self.disk / "tmp"
 
     @property
     def merged(self) -> Path:
@@ -165,7 +186,8 @@ class ContainerBackend:
         self.lock = lock
         self.runtime = runtime
         self.limits = limits
-        binds = [BindMount(str(agent_path), AGENT_PATH)]
+        binds = [BindMount(str(agent_path), AGENT_PATH),
+                 BindMount(str(paths.tmp), "/tmp", readonly=False)]
         env = dict(lock.env)
         # Own namespace + slirp + firewall (runtime_shim.netns); on a failure below,
         # Sandbox.create's cleanup (remove_sandbox_dir → netns.teardown) removes it.
@@ -184,12 +206,14 @@ class ContainerBackend:
             network_ns=self.net.path if self.net else None,
             rlimits=(_clamped_nofile(limits.nofile),), pids_limit=limits.pids,
             memory_limit=limits.memory_bytes, cgroups_path=f"/envbuild/{sandbox_id}",
-            binds=tuple(binds), cpus=limits.cpus, seccomp=seccomp)
+            binds=tuple(binds), tmpfs=(), cpus=limits.cpus, seccomp=seccomp)
         write_bundle(paths.bundle, runtime_spec(request))
         Path(runtime.state_root).mkdir(parents=True, exist_ok=True)
         # A detached container inherits runc's stdio: a pipe would never reach EOF while the
         # sandbox lives, so runc's (and the agent's) messages go to a file.
-        start_log = paths.root / "start.log"
+        # On the sandbox's disk: it is the agent's stderr, which sandbox root can reach
+        # (/proc/1/fd/2) and would otherwise fill the host with.
+        start_log = paths.disk / "start.log"
         pid_file = paths.root / "init.pid"
         # Held for the sandbox's life: the socket is bound and reached through it.
         self._dir_fd = os.open(paths.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -249,7 +273,7 @@ class ContainerBackend:
                           output_truncated=done.output_truncated)
 
     # Files are reached through the init process's root, i.e. in the sandbox's own mount
-    # namespace: its tmpfs /tmp and bind mounts included, exactly what commands see.
+    # namespace: its /tmp and bind mounts included, exactly what commands see.
     def read_file(self, path: str) -> bytes:
         return fsaccess.read_file(f"/proc/{self.init_pid}/root", path)
 
@@ -463,8 +487,18 @@ class Sandbox:
                           for layer in resolved.layers]
         sandbox_id = f"eb-{uuid.uuid4().hex[:12]}"
         paths = SandboxPaths(node_root / "sandboxes" / sandbox_id)
-        for p in (paths.upper, paths.work, paths.merged):
-            p.mkdir(parents=True)
+        limits = limits or Limits()
+        paths.root.mkdir(parents=True)
+        try:
+            if backend == "container" and limits.disk_bytes is not None:
+                scratchfs.create(paths.root, limits.disk_bytes, limits.inodes,
+                                 template_root=node.root / "scratchfs")
+            for p in (paths.upper, paths.work, paths.merged, paths.tmp):
+                p.mkdir(parents=True)
+            os.chmod(paths.tmp, 0o1777)
+        except BaseException:
+            remove_sandbox_dir(paths)
+            raise
         _write_meta(paths, {"version": SANDBOX_META_VERSION, "id": sandbox_id,
                             "lock": resolved.digest, "backend": backend, "pid": os.getpid(),
                             "kept": keep, "created": time.time(),
@@ -474,7 +508,7 @@ class Sandbox:
 
             try:
                 impl = MicroVmBackend(sandbox_id, paths.root, resolved, node, layer_dirs,
-                                      network=policy, limits=limits or Limits())
+                                      network=policy, limits=limits)
             except BaseException:
                 remove_sandbox_dir(paths)
                 raise
@@ -486,12 +520,13 @@ class Sandbox:
             mount_overlay(compose(layer_dirs, str(ensure_stub(node.root)), paths))
             mounted = True
             impl = ContainerBackend(sandbox_id, paths, resolved, oci, network=policy,
-                                    limits=limits or Limits(), agent_path=agent_path,
+                                    limits=limits, agent_path=agent_path,
                                     keep=keep, seccomp=seccomp)
         except BaseException:
             if mounted:
                 unmount(str(paths.merged))
             netns.teardown(paths.root)
+            scratchfs.destroy(paths.root)
             shutil.rmtree(paths.root, ignore_errors=True)
             raise
         return cls(sandbox_id, resolved, paths, impl, node_root, store)
@@ -549,6 +584,7 @@ def remove_sandbox_dir(paths: SandboxPaths) -> None:
     netns.teardown(paths.root)  # slirp4netns and the namespace file of a networked sandbox
     for target in mounted_targets_under(str(paths.root)):
         unmount(target)
+    scratchfs.destroy(paths.root)  # the disk is unmounted above; this deletes its image
     shutil.rmtree(paths.root, ignore_errors=True)
 
 

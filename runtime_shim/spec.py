@@ -68,6 +68,11 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: The CFS period a CPU limit is expressed in (the kernel's default, 100 ms): ``cpus=0.5`` is a
 #: quota of 50 ms per period.
 CPU_PERIOD_US = 100_000
+#: Size and inode cap of each ``tmpfs`` mount (``/tmp`` when the caller keeps the default): an
+#: uncapped tmpfs takes up to half the host's RAM. Sandboxes and build steps put ``/tmp`` on
+#: their capped disk instead (``runtime_shim.scratchfs``) and pass ``tmpfs=()``.
+TMPFS_BYTES = 256 << 20
+TMPFS_INODES = 65536
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +125,8 @@ class RuntimeSpecRequest:
     cgroups_path: str | None = None
     binds: tuple[BindMount, ...] = ()
     tmpfs: tuple[str, ...] = ("/tmp",)
+    tmpfs_bytes: int = TMPFS_BYTES
+    tmpfs_inodes: int = TMPFS_INODES
     terminal: bool = False
     cpus: float | None = None
     seccomp: str | Mapping[str, Any] | None = None
@@ -172,7 +179,8 @@ def _mounts(req: RuntimeSpecRequest) -> list[dict[str, Any]]:
     ]
     for path in req.tmpfs:
         mounts.append({"destination": path, "type": "tmpfs", "source": "tmpfs",
-                       "options": ["nosuid", "nodev", "mode=1777"]})
+                       "options": ["nosuid", "nodev", "mode=1777", f"size={req.tmpfs_bytes}",
+                                   f"nr_inodes={req.tmpfs_inodes}"]})
     for b in req.binds:
         opts = ["rbind", "nosuid", "nodev"] + (["ro"] if b.readonly else ["rw"])
         mounts.append({"destination": b.destination, "type": "bind", "source": b.source,

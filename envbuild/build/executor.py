@@ -19,7 +19,10 @@ The plan says *what* to build (``LayerJob``: plain data); this module does it (s
    point publishes nothing.
 
 Everything lives under one scratch directory per build that is removed at the end, mounts
-included, also on Ctrl-C.
+included, also on Ctrl-C. A layer's upper dir, work dir and its steps' ``/tmp`` are on a capped
+filesystem of their own (``runtime_shim.scratchfs``: ``BuildContext.disk_bytes`` /
+``inodes``, 50 GiB and 5 M by default, ``ENVBUILD_BUILD_DISK`` / ``ENVBUILD_BUILD_INODES``), so
+a runaway step or import fails with ENOSPC instead of filling the host.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from envbuild.defs.model import (Base, BaseSource, BusyboxSource, CopyStep, Debo
 from envbuild.errors import BuildError, StepFailed
 from envbuild.layers import pack_tree
 from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_record
-from runtime_shim import netns
+from runtime_shim import netns, scratchfs
 from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
 from runtime_shim.nodecache import NodeCache
 from runtime_shim.runc import OciRuntime, run_container, write_bundle
@@ -51,6 +54,9 @@ from runtime_shim.spec import (BindMount, RuntimeSpecRequest, clamped_rlimit, en
                                parse_user, runtime_spec)
 
 OUTPUT_TAIL_LINES = 50
+#: What one step may write to the build log (on the host, outside its capped disk): a step
+#: that prints forever (``yes``) is logged up to here, the rest is read and dropped.
+STEP_LOG_CAP = 64 << 20
 CA_ENV_VARS = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
                "GIT_SSL_CAINFO", "NODE_EXTRA_CA_CERTS")
 
@@ -61,6 +67,10 @@ def host_ca_bundle() -> str | None:
             return path
     return None
 BUILD_HOSTNAME = "envbuild"
+#: Defaults of ``BuildContext.disk_bytes`` / ``inodes``: generous (a debootstrap + pip install
+#: is a few GB), only there so a runaway step cannot fill the build host. The image is sparse.
+DEFAULT_BUILD_DISK_BYTES = 50 << 30
+DEFAULT_BUILD_INODES = 5_000_000
 
 
 
@@ -121,6 +131,9 @@ class BuildContext:
     #: the default profile, ``"unconfined"`` none, or an OCI ``linux.seccomp`` object).
     limits: BuildLimits = BuildLimits()
     seccomp: str | Mapping[str, Any] | None = None
+    # The cap of one layer's writes (its upper dir and /tmp; runtime_shim.scratchfs). None: none.
+    disk_bytes: int | None = DEFAULT_BUILD_DISK_BYTES
+    inodes: int | None = DEFAULT_BUILD_INODES
 
     def stub_dir(self) -> Path:
         return ensure_stub(self.node.root)
@@ -132,9 +145,20 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
     d = job.definition
     _stop_if_cancelled(ctx, job)
     scratch = ctx.scratch_root / f"{job.key.removeprefix('sha256:')[:16]}-{uuid.uuid4().hex[:8]}"
-    upper, work, merged = scratch / "upper", scratch / "work", scratch / "merged"
-    for p in (upper, work, merged):
-        p.mkdir(parents=True)
+    disk = scratch / scratchfs.MOUNT_NAME
+    upper, work, merged = disk / "upper", disk / "work", scratch / "merged"
+    scratch.mkdir(parents=True)
+    if ctx.disk_bytes is not None:
+        try:
+            # dev + suid: debootstrap makes /dev nodes in the upper dir and chroots into it
+            scratchfs.create(scratch, ctx.disk_bytes, ctx.inodes,
+                             template_root=ctx.node.root / "scratchfs", nodev_nosuid=False)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+    for p in (upper, work, merged, disk / "tmp"):
+        p.mkdir(parents=True, exist_ok=True)
+    os.chmod(disk / "tmp", 0o1777)
     ctx.log_root.mkdir(parents=True, exist_ok=True)
     log = ctx.log_root / f"{job.name}-{job.key.removeprefix('sha256:')[:12]}.log"
     log.write_bytes(b"")
@@ -155,11 +179,15 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
             mounted = True
             if isinstance(d, Workspace):
                 progress(BuildEvent(job.name, "importing", detail=d.source.kind))
-                _import_workspace(d, job, merged, scratch, ctx.cancelled)
+                # git clones into its scratch: on the capped disk too (a hostile repo can be huge)
+                _import_workspace(d, job, merged, disk, ctx.cancelled)
             for i, step in enumerate(d.steps, 1):
                 _stop_if_cancelled(ctx, job)
                 progress(BuildEvent(job.name, "step", i, len(d.steps), _describe(step)))
-                _run_step(ctx, job, i, step, merged, scratch, log)
+                try:
+                    _run_step(ctx, job, i, step, merged, scratch, log)
+                except StepFailed as e:
+                    raise _explain_full_disk(ctx, disk, e) from None
             unmount(str(merged))
             mounted = False
         if isinstance(d, Toolkit):
@@ -192,7 +220,25 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
             unmount(str(merged))
         for net_dir in scratch.glob("net-*"):  # a step's network (slirp, namespace file)
             netns.teardown(net_dir)
+        scratchfs.destroy(scratch)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _explain_full_disk(ctx: BuildContext, disk: Path, e: StepFailed) -> StepFailed:
+    """``e``, or when the step left its disk (nearly) full, which most likely made it fail,
+    the same error saying so in its one line."""
+    if ctx.disk_bytes is None:
+        return e
+    st = os.statvfs(disk)
+    out_of = ("space" if st.f_bavail * st.f_frsize < (1 << 20) else
+              "inodes" if st.f_favail < 16 else None)
+    if out_of is None:
+        return e
+    return StepFailed(f"{e.message} (out of {out_of}: the layer's disk limit is "
+                      f"{ctx.disk_bytes >> 20} MiB / {ctx.inodes} inodes)",
+                      argv=e.argv, exit_code=e.exit_code, output_tail=e.output_tail,
+                      log_path=e.log_path,
+                      hint="raise ENVBUILD_BUILD_DISK / ENVBUILD_BUILD_INODES, or write less")
 
 
 def _stop_if_cancelled(ctx: BuildContext, job: LayerJob) -> None:
@@ -282,12 +328,15 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
             # point the usual clients at it without touching the image's /etc/ssl.
             binds += (BindMount(ca, HOST_CA_PATH),)
             env = {**{k: HOST_CA_PATH for k in CA_ENV_VARS}, **env}
+    # /tmp on the layer's capped disk, outside the upper dir (not in the layer), as a tmpfs was.
+    binds += (BindMount(str(merged.parent / scratchfs.MOUNT_NAME / "tmp"), "/tmp",
+                        readonly=False),)
     container_id = f"eb-build-{uuid.uuid4().hex[:12]}"
     limits = ctx.limits
     request = RuntimeSpecRequest(
         rootfs=str(merged), args=("/bin/sh", "-c", step.run), env=env_list(env),
         cwd=step.workdir or "/", uid=uid, gid=gid, hostname=BUILD_HOSTNAME, network=network,
-        network_ns=net.path if net else None, binds=binds,
+        network_ns=net.path if net else None, binds=binds, tmpfs=(),
         rlimits=(clamped_rlimit("RLIMIT_NOFILE", limits.nofile),),
         pids_limit=limits.pids, memory_limit=limits.memory_bytes, cpus=limits.cpus,
         cgroups_path=f"/envbuild/{container_id}", seccomp=ctx.seccomp)
@@ -296,8 +345,17 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
     with open(log, "ab") as out:
         # The step runs on a pool thread, which Ctrl-C/SIGTERM never interrupts: the engine
         # sets ctx.cancelled and run_container kills and deletes the container when it sees it.
-        result = run_container(ctx.runtime, container_id, bundle, stdout=out,
-                               cancelled=ctx.cancelled)
+        # Its output reaches the log through a pipe and a copier capped at STEP_LOG_CAP.
+        read_fd, write_fd = os.pipe()
+        copier = threading.Thread(target=scratchfs.copy_capped,
+                                  args=(read_fd, out, STEP_LOG_CAP), daemon=True)
+        copier.start()
+        try:
+            result = run_container(ctx.runtime, container_id, bundle, stdout=write_fd,
+                                   cancelled=ctx.cancelled)
+        finally:
+            os.close(write_fd)  # the copier sees EOF once the container's processes are gone
+            copier.join()
     if net is not None:
         net.close()
     if result.cancelled:

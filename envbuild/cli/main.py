@@ -51,7 +51,9 @@ class App:
                             runtime=OciRuntime(self.settings.oci_runtime,
                                                state_root=str(self.settings.node_dir / "runc")),
                             scratch_root=self.settings.node_dir / "builds", log_root=log_root,
-                            source_date_epoch=self.settings.source_date_epoch)
+                            source_date_epoch=self.settings.source_date_epoch,
+                            disk_bytes=self.settings.build_disk_bytes,
+                            inodes=self.settings.build_inodes)
 
     def run_build(self, project, ctx, targets, **kw):
         """Build with SIGTERM treated like Ctrl-C, so both clean up the same way."""

@@ -85,6 +85,8 @@ from runtime_shim.vm.serial import SerialMux
 
 MAX_LAYERS = initramfs.MAX_LAYERS
 CONFIG_DISK_SIZE = 4096
+#: The writable disk's size when ``Limits.disk_bytes`` is None: a disk always has one.
+VM_DISK_UNLIMITED = 64 << 30
 GUEST_BUSYBOX = "/.envbuild/busybox"
 READ_FILE_MAX = 256 << 20
 # Run by the guest's busybox sh with $B = the busybox, whatever the image contains.
@@ -97,7 +99,9 @@ _WRITE = ('d=$($B dirname "$1") && $B mkdir -p "$d" && $B cat >"$1" && $B chmod 
 @dataclasses.dataclass(frozen=True)
 class VmOptions:
     vcpus: int = 1
-    disk_bytes: int = 4 << 30  # sparse: costs what the sandbox writes
+    # The writable disk's size; None: the sandbox's Limits.disk_bytes (ENVBUILD_VM_DISK
+    # overrides it). Sparse: costs the host what the guest writes, at most this.
+    disk_bytes: int | None = None
     boot_timeout: float = 90.0  # TCG on a busy 2-core host takes seconds
     default_memory_bytes: int = 1 << 30  # when Limits.memory_bytes is None
 
@@ -168,7 +172,8 @@ class MicroVmBackend:
                   for layer, d in zip(lock.layers, layer_dirs)]
         t2 = time.monotonic()
         rw = root / "rw.ext4"
-        erofs.make_writable_disk(rw, self.options.disk_bytes)
+        erofs.make_writable_disk(rw, self.options.disk_bytes or limits.disk_bytes
+                                 or VM_DISK_UNLIMITED, inodes=limits.inodes)
         cfg = root / "config.sh"
         cfg.write_bytes(guest_config(lock, layers=len(images), network=network,
                                      nofile=limits.nofile))

@@ -75,9 +75,9 @@ WRITABLE_DISK_DIRS = (("upper", 0o755), ("work", 0o755), ("stub", 0o755), ("stub
                       ("stub/run", 0o755), ("stub/.envbuild", 0o755))
 
 
-def make_writable_disk(path: Path, size_bytes: int) -> None:
-    """A sparse ext4 image of ``size_bytes`` at ``path`` holding ``WRITABLE_DISK_DIRS``
-    (mkfs.ext4 -q -F -d)."""
+def make_writable_disk(path: Path, size_bytes: int, inodes: int | None = None) -> None:
+    """A sparse ext4 image of ``size_bytes`` with ``inodes`` inodes (None: mkfs's default
+    ratio) at ``path`` holding ``WRITABLE_DISK_DIRS`` (mkfs.ext4 -q -F -d)."""
     mkfs = _tool("mkfs.ext4", "e2fsprogs")
     with open(path, "wb") as f:
         f.truncate(size_bytes)
@@ -90,6 +90,7 @@ def make_writable_disk(path: Path, size_bytes: int) -> None:
         # No journal and lazy init: mkfs then writes ~1 MB whatever the size.
         argv = [mkfs, "-q", "-F", "-O", "^has_journal", "-E",
                 "lazy_itable_init=1,lazy_journal_init=1,nodiscard", "-m", "0",
+                *(("-N", str(inodes)) if inodes is not None else ()),
                 "-d", str(template), str(path)]
         proc = subprocess.run(argv, capture_output=True, text=True, check=False)
     finally:

@@ -39,9 +39,12 @@ from pathlib import Path
 from typing import Protocol
 
 from envbuild.errors import RuntimeShimError
+from runtime_shim import scratchfs
 
 PR_SET_PDEATHSIG = 1
 KVM_PROBE_VERSION = 1
+#: What a VM's console.log may hold (kernel + init messages are a few KB; the rest is dropped).
+CONSOLE_LOG_CAP = 16 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,10 +177,23 @@ class QemuLauncher:
 
     def launch(self, request: VmRequest, console_log: Path) -> subprocess.Popen:
         argv = qemu_argv(dataclasses.replace(request, qemu=self.qemu))
-        with open(console_log, "wb") as log:
-            return _SPAWNER.spawn(lambda: subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        # Guest root can write to its console forever: the log (a host file) gets at most
+        # CONSOLE_LOG_CAP of it, through a pipe and a copier that drops the rest.
+        log = open(console_log, "wb")
+        read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        try:
+            proc = _SPAWNER.spawn(lambda: subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=subprocess.STDOUT,
                 preexec_fn=_die_with_parent, close_fds=True))
+        except BaseException:
+            os.close(read_fd)
+            log.close()
+            raise
+        finally:
+            os.close(write_fd)
+        threading.Thread(target=scratchfs.copy_capped, args=(read_fd, log, CONSOLE_LOG_CAP),
+                         name="vm-console", daemon=True).start()
+        return proc
 
 
 def find_qemu() -> str:

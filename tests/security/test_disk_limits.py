@@ -1,0 +1,229 @@
+"""Issue 11 item 4: a sandbox (or a build step) must not be able to fill the host's disk.
+
+Each sandbox writes to its own capped ext4 (``runtime_shim.scratchfs``): its writable layer,
+``/tmp`` and agent run dir. The attacks run against real runc sandboxes of the busybox env and
+a real ``envbuild build``; every test checks the write really happened up to the limit and
+that nothing of the disk (mount, loop device, image) outlives the sandbox.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from runtime_shim import scratchfs
+from runtime_shim.sandbox import Limits, Sandbox, gc_sandboxes, list_sandboxes
+from tests.conftest import REPO, require_tool
+
+MiB = 1 << 20
+SMALL = Limits(disk_bytes=64 * MiB, inodes=2048)
+
+
+def _host_free(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _loops_under(prefix: Path) -> list[str]:
+    out = subprocess.run(["losetup", "-a"], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if str(prefix) in line]
+
+
+def _mounts_under(prefix: Path) -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [line for line in f if f" {prefix}/" in line or f" {prefix} " in line]
+
+
+def _assert_nothing_left(root: Path) -> None:
+    scratchfs.settle(10)  # close() leaves the loop device's last close to a thread
+    assert not _loops_under(root), _loops_under(root)
+    assert not _mounts_under(root), _mounts_under(root)
+    assert not root.exists()
+
+
+@pytest.fixture
+def small_sandbox(busybox_store):
+    store, node = busybox_store
+    sb = Sandbox.create("env/busybox-shell", store=store, node_dir=node, limits=SMALL)
+    try:
+        yield sb
+    finally:
+        sb.close()
+
+
+def test_fallocate_40g_gets_enospc_and_host_disk_does_not_grow(small_sandbox, busybox_store):
+    _, node = busybox_store
+    before = _host_free(node)
+    r = small_sandbox.exec("fallocate -l 40G /big; echo rc=$?; rm -f /big; "
+                           "dd if=/dev/zero of=/fill bs=1M count=200 2>&1; echo rc=$?")
+    out = r.stdout.decode() + r.stderr.decode()
+    assert "No space left on device" in out, out
+    assert "rc=0" not in out, out
+    # The real writes went up to the limit (the disk really filled), and no further.
+    filled = int(small_sandbox.exec("stat -c %s /fill").stdout)
+    assert 32 * MiB < filled <= SMALL.disk_bytes, filled
+    st = os.statvfs(small_sandbox.paths.disk)
+    assert st.f_blocks * st.f_frsize <= SMALL.disk_bytes
+    # Other engineers' work shares the host disk: allow noise, far below the 40 GB attack.
+    assert before - _host_free(node) < SMALL.disk_bytes + (1 << 30)
+
+
+def test_inode_bomb_gets_enospc(small_sandbox):
+    r = small_sandbox.exec("mkdir /bomb && cd /bomb && seq 1 5000 | xargs touch; echo rc=$?; "
+                           "ls /bomb | wc -l")
+    out = r.stdout.decode() + r.stderr.decode()
+    assert "No space left on device" in out, out
+    made = int(r.stdout.decode().split()[-1])
+    assert 1000 < made < SMALL.inodes, made
+
+
+@pytest.mark.parametrize("where", ["/tmp", "/.envbuild/run", "/dev/shm"])
+def test_tmp_and_run_dir_are_capped(small_sandbox, where):
+    r = small_sandbox.exec(f"dd if=/dev/zero of={where}/fill bs=1M count=200 2>&1; echo rc=$?")
+    out = r.stdout.decode()
+    assert "No space left on device" in out and "rc=0" not in out, out
+
+
+def test_tmp_is_on_the_sandbox_disk_not_in_snapshots(small_sandbox):
+    small_sandbox.exec("dd if=/dev/zero of=/tmp/t bs=1M count=8")
+    assert (small_sandbox.paths.disk / "tmp" / "t").stat().st_size == 8 * MiB
+    assert not (small_sandbox.paths.upper / "tmp" / "t").exists()
+
+
+def test_close_leaves_no_loop_device_mount_or_image(busybox_store):
+    store, node = busybox_store
+    sb = Sandbox.create("env/busybox-shell", store=store, node_dir=node, limits=SMALL)
+    root = sb.paths.root
+    assert len(_loops_under(root)) == 1 and _mounts_under(root)  # the disk really was there
+    assert sb.exec("echo hi > /x && cat /x").stdout == b"hi\n"
+    sb.close()
+    _assert_nothing_left(root)
+
+
+def test_gc_of_a_crashed_creator_leaves_no_loop_device_mount_or_image(busybox_store):
+    store, node = busybox_store
+    code = textwrap.dedent(f"""
+        import os
+        from envbuild.store import LocalStore
+        from runtime_shim.sandbox import Limits, Sandbox
+        sb = Sandbox.create("env/busybox-shell", store=LocalStore({str(store.root)!r}),
+                            node_dir={str(node)!r}, limits=Limits(disk_bytes=64 << 20))
+        print(sb.id, flush=True)
+        os._exit(9)  # a crash: nothing closed, nothing unmounted
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=120)
+    sandbox_id = proc.stdout.strip()
+    assert proc.returncode == 9 and sandbox_id.startswith("eb-"), proc.stderr
+    root = node / "sandboxes" / sandbox_id
+    assert len(_loops_under(root)) == 1  # the crash really left the disk behind
+    assert sandbox_id in [i.id for i in list_sandboxes(node)]
+    assert sandbox_id in gc_sandboxes(node)
+    _assert_nothing_left(root)
+
+
+RUNAWAY = """\
+apiVersion: envbuild/v1
+kind: Toolkit
+name: runaway
+description: a step that writes past the layer's disk limit
+build_on: busybox-tiny
+requires: {abi: [busybox-amd64]}
+prefix: /opt/toolkits/runaway
+steps:
+  - run: mkdir -p /opt/toolkits/runaway && dd if=/dev/zero of=/opt/toolkits/runaway/big bs=1M count=200
+    network: none
+"""
+
+
+def test_build_step_past_its_disk_limit_fails_with_one_line(envbuild_cli):
+    require_tool("mkfs.ext4")
+    (envbuild_cli.defs / "toolkits" / "runaway.yaml").write_text(RUNAWAY)
+    envbuild_cli.monkeypatch.setenv("ENVBUILD_BUILD_DISK", "64M")
+    r = envbuild_cli("build", "runaway")
+    assert r.code == 1, (r.out, r.err)
+    assert "Traceback" not in r.err
+    errors = [line for line in r.err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "runaway: step 1/1" in errors[0] \
+        and "out of space" in errors[0], r.err
+    assert "No space left on device" in r.err  # dd's own message, in the output tail
+    builds = envbuild_cli.node / "builds"
+    assert not (builds.exists() and any(builds.iterdir()))
+    scratchfs.settle(10)
+    assert not _loops_under(envbuild_cli.node) and not _mounts_under(envbuild_cli.node)
+
+
+@pytest.mark.slow
+def test_microvm_disk_is_sized_from_limits(busybox_store, monkeypatch):
+    """One TCG boot: the VM's writable disk has Limits.disk_bytes / inodes, not 4 GiB."""
+    for tool in ("qemu-system-x86_64", "mkfs.erofs", "mkfs.ext4", "gcc"):
+        require_tool(tool)
+    from runtime_shim.vm import qemu
+
+    monkeypatch.delenv("ENVBUILD_VM_DISK", raising=False)
+    monkeypatch.setattr(qemu, "CONSOLE_LOG_CAP", 256 << 10)
+    store, node = busybox_store
+    with Sandbox.create("env/busybox-shell", store=store, node_dir=node, backend="microvm",
+                        limits=Limits(memory_bytes=384 << 20, disk_bytes=64 * MiB,
+                                      inodes=2048)) as vm:
+        assert os.stat(vm.paths.root / "rw.ext4").st_size == 64 * MiB
+        r = vm.exec("fallocate -l 40G /big; echo rc=$?; rm -f /big; "
+                    "dd if=/dev/zero of=/fill bs=1M count=200 2>&1; echo rc=$?; "
+                    "mkdir /bomb && cd /bomb && seq 1 5000 | xargs touch; echo rc=$?",
+                    timeout=300)
+        out = r.stdout.decode() + r.stderr.decode()
+        assert out.count("No space left on device") >= 3 and "rc=0" not in out, out
+        assert os.stat(vm.paths.root / "rw.ext4").st_blocks * 512 <= 64 * MiB
+        # The console log (a host file) is capped too: guest root writes to its console.
+        r = vm.exec("for d in /dev/ttyS0 /dev/console; do [ -c $d ] || continue; "
+                    "head -c 400000 /dev/zero | tr '\\0' x > $d && echo wrote $d && break; done",
+                    timeout=300)
+        assert b"wrote" in r.stdout, r
+        log = (vm.paths.root / "console.log").read_bytes()
+        assert len(log) < (256 << 10) + 4096 and b"KiB dropped" in log
+
+
+def test_agent_stderr_log_is_capped_too(small_sandbox):
+    """The agent's stderr (runc's start log) is a host file sandbox root can write through
+    /proc/1/fd/2 while the agent is dumpable: it lives on the capped disk."""
+    r = small_sandbox.exec("[ -e /proc/1/fd/2 ] || exit 7; "
+                           "dd if=/dev/zero of=/proc/1/fd/2 bs=1M count=200 2>&1; echo rc=$?")
+    assert (small_sandbox.paths.disk / "start.log").is_file()
+    if r.exit_code == 7:  # /proc/1/fd unreachable (a non-dumpable agent): nothing to fill
+        return
+    out = r.stdout.decode()
+    assert "No space left on device" in out and "rc=0" not in out, out
+
+
+YES = """\
+apiVersion: envbuild/v1
+kind: Toolkit
+name: chatty
+description: a step that prints forever
+build_on: busybox-tiny
+requires: {abi: [busybox-amd64]}
+prefix: /opt/toolkits/chatty
+steps:
+  - run: yes | head -c 200000000; exit 3
+    network: none
+"""
+
+
+def test_build_step_output_to_the_log_is_capped(envbuild_cli, monkeypatch):
+    """``yes`` in a step: the build log (a host file, outside the layer's disk) stops growing
+    at the cap; the step's own exit code is still reported."""
+    from envbuild.build import executor
+
+    monkeypatch.setattr(executor, "STEP_LOG_CAP", 4 * MiB)
+    (envbuild_cli.defs / "toolkits" / "chatty.yaml").write_text(YES)
+    r = envbuild_cli("build", "chatty")
+    assert r.code == 1 and "exited 3" in r.err, r.err
+    log = next((envbuild_cli.store / "logs").glob("chatty-*.log"))
+    assert 4 * MiB <= log.stat().st_size < 5 * MiB
+    assert b"output past 4096 KiB dropped" in log.read_bytes()[-200:]
