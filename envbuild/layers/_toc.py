@@ -60,6 +60,13 @@ Version 1 (read for layers written before): the same top-level fields without ``
 "xattrs", "devmajor", "devminor", "digest", "chunks": [{"offset", "csize", "uoffset",
 "usize", "inner"}, ...]}`` with the chunks spelled out; no line breaks.
 
+Limits (readers refuse more, before inflating it: a 5 MB blob can carry a TOC that inflates to
+600 MB of JSON): the TOC is at most ``MAX_TOC_USIZE`` (64 MiB) of JSON and lists at most
+``MAX_TOC_ENTRIES`` (524,288) members. Real layers are far below both: a 14,700-member layer
+(a Python env with its site-packages) has a 2.7 MB TOC, ~185 bytes per member, so the size
+limit is ~350,000 such members. Decoding every entry of a TOC at the limits costs a reader
+~0.3 GiB and ~3 s.
+
 Readers must verify, not trust: the TOC's own sha256 is in the footer (and, from the store, in
 the layer's descriptor annotations); every file read is checked against ``digest``.
 Compatibility: adding a new top-level or entry field, or changing the layout, is a new
@@ -78,6 +85,8 @@ from json.encoder import encode_basestring_ascii as json_string
 from typing import NamedTuple
 
 TOC_VERSION = 2
+MAX_TOC_USIZE = 64 << 20      # bytes of TOC JSON a reader accepts (see "Limits" above)
+MAX_TOC_ENTRIES = 1 << 19     # members a reader accepts
 READABLE_VERSIONS = (1, 2)
 TYPES = ("file", "dir", "symlink", "hardlink", "char", "block", "fifo")
 FRAMINGS = ("lazy", "compact")
@@ -207,9 +216,12 @@ class Toc:
             toc = cls._from_v2(data, lazy)
             if toc is not None:
                 return toc
+        if len(data) > MAX_TOC_USIZE:
+            raise TocFormatError(f"TOC of {len(data)} bytes exceeds the reader limit of "
+                                 f"{MAX_TOC_USIZE >> 20} MiB")
         try:
             doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise TocFormatError(f"TOC is not valid JSON ({e})") from None
         if not isinstance(doc, dict):
             raise TocFormatError("TOC is not a JSON object")
@@ -224,6 +236,7 @@ class Toc:
             raw = doc["entries"]
             if not isinstance(raw, list) or not all(isinstance(d, dict) for d in raw):
                 raise TypeError("entries must be a list of objects")
+            _check_count(len(raw))
             entries = LazyEntries(raw) if lazy else [_entry(d) for d in raw]
             toc = cls(framing=_str(doc["framing"]), diff_id=_str(doc["diff_id"]),
                       tar_size=_int(doc["tar_size"]), frames=frames, entries=entries, version=1)
@@ -238,12 +251,14 @@ class Toc:
     def _from_v2(cls, data: bytes, lazy: bool) -> Toc | None:
         """Decode the v2 line layout; None if the first and last lines are not a v2 header
         (the caller then parses the whole document to name its version)."""
+        if data.count(b"\n") > MAX_TOC_ENTRIES + 1:
+            _check_count(data.count(b"\n") - 1)
         lines = data.split(b"\n")
         if len(lines) < 2 or not lines[0].endswith(_V2_OPEN):
             return None
         try:
             head = json.loads(lines[0] + lines[-1])
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return None
         if not isinstance(head, dict) or head.get("version") != 2:
             return None
@@ -275,6 +290,12 @@ _V2_KEYS = {"diff_id", "entries", "frames", "framing", "paths", "tar_size", "ver
 
 class TocFormatError(ValueError):
     pass
+
+
+def _check_count(n: int) -> None:
+    if n > MAX_TOC_ENTRIES:
+        raise TocFormatError(f"TOC lists {n} members, over the reader limit of "
+                             f"{MAX_TOC_ENTRIES}")
 
 
 class LazyEntries(Sequence):
@@ -371,7 +392,7 @@ class RowEntries(Sequence):
                 line = line[:-1]
             try:
                 row = json.loads(line)
-            except (ValueError, UnicodeDecodeError) as err:
+            except (ValueError, UnicodeDecodeError, RecursionError) as err:
                 raise TocFormatError(f"TOC entry {i} is not valid JSON ({err})") from None
             e = self._done[i] = self._decode(i, row)
         return e
@@ -389,7 +410,7 @@ class RowEntries(Sequence):
             return
         try:
             rows = json.loads(b"[" + b"".join(self._lines[1:-1]) + b"]")
-        except (ValueError, UnicodeDecodeError) as err:
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:
             raise TocFormatError(f"TOC entry rows are not valid JSON ({err})") from None
         if len(rows) != len(done):
             raise TocFormatError(f"TOC lists {len(done)} paths but {len(rows)} entry rows")
