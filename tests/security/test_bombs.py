@@ -230,3 +230,88 @@ def test_frame_bomb_is_refused_with_bounded_memory(bombs, base_layer, name, comm
         args.append("big")
     run = run_cli(*args, cwd=tmp_path)
     assert_refused(run, f"{name}.layer", f"frame at offset {offset}")
+
+
+# -- YAML / JSON ---------------------------------------------------------------------------
+
+#: "billion laughs": nine levels of nine aliases, 9^9 (~387 million) strings from ~600 bytes
+LAUGHS = 'lol0: &l0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
+    f"lol{i}: &l{i} [" + ",".join([f"*l{i - 1}"] * 9) + "]\n" for i in range(1, 9))
+
+
+def test_yaml_alias_bomb_in_a_definition_is_refused_before_expansion(tmp_path):
+    defs = tmp_path / "defs" / "envs"
+    defs.mkdir(parents=True)
+    (defs / "bomb.yaml").write_text("apiVersion: envbuild/v1\nkind: Env\nname: bomb\n"
+                                    "base: x\ndescription: laughs\n" + LAUGHS)
+    run = run_cli("--defs", "defs", "validate", cwd=tmp_path)
+    assert_refused(run, "1 problem")
+    assert "defs/envs/bomb.yaml:11:12: alias *l4 makes" in run.stderr  # where it overflows
+    assert "alias bomb" in run.stderr
+    assert run.seconds < 5
+
+
+def test_yaml_recursive_alias_and_deep_nesting_are_refused(tmp_path):
+    defs = tmp_path / "defs"
+    defs.mkdir()
+    (defs / "rec.yaml").write_text("apiVersion: envbuild/v1\nkind: Env\nname: rec\n"
+                                   "config: &c {env: *c}\n")
+    (defs / "deep.yaml").write_text("apiVersion: envbuild/v1\nkind: Env\nname: deep\n"
+                                    "config: " + "[" * 200 + "]" * 200 + "\n")
+    run = run_cli("--defs", "defs", "validate", cwd=tmp_path)
+    assert "Traceback" not in run.stderr and run.code == 1, run.stderr
+    assert "defs/rec.yaml:4:18: alias *c is inside its own anchor" in run.stderr
+    assert "defs/deep.yaml:4:72: document has nesting deeper than 64 levels" in run.stderr
+
+
+@pytest.mark.parametrize("suffix", ["yaml", "json"])
+def test_job_manifest_bombs_are_refused(tmp_path, suffix):
+    if suffix == "yaml":
+        text = "apiVersion: envbuild/v1\nkind: JobManifest\n" + LAUGHS + "groups: []\n"
+        needle = "alias bomb"
+    else:  # JSON has no aliases: depth is the bomb (json.loads would raise RecursionError)
+        text = '{"apiVersion": "envbuild/v1", "groups": ' + "[" * 500 + "]" * 500 + "}"
+        needle = "nesting deeper than 64 levels"
+    (tmp_path / f"jobs.{suffix}").write_text(text)
+    run = run_cli("job", "resolve", f"jobs.{suffix}", "--store", str(tmp_path / "store"),
+                  cwd=tmp_path)
+    assert_refused(run)
+    assert f"jobs.{suffix}:" in run.stderr and needle in run.stderr, run.stderr
+    assert not (tmp_path / f"jobs.resolved.{suffix}").exists()
+
+
+# -- sparse files in a snapshot ------------------------------------------------------------
+
+
+def test_sparse_files_in_a_sandbox_are_reported_and_capped_by_the_disk_limit(busybox_store):
+    """Two sparse 1000 MiB files pack into a few KB but restore as 2000 MiB: the policy counts
+    apparent sizes against the sandbox's disk limit, and reports every sparse file."""
+    from runtime_shim.packdiff import SnapshotPolicy, SnapshotRefused
+    from runtime_shim.sandbox import Limits, Sandbox
+
+    store, node = busybox_store
+    small_disk = 1536 << 20  # room for the sparse files (they hold no blocks), not for restoring
+    has_disk_limit = "disk_bytes" in Limits.__dataclass_fields__
+    limits = Limits(disk_bytes=small_disk) if has_disk_limit else Limits()
+    with Sandbox.create("env/busybox-shell", store=store, node_dir=node, limits=limits) as sb:
+        r = sb.exec(["sh", "-c", "truncate -s 1000M /a /b && du -k /a /b && ls -l /a /b"])
+        assert r.exit_code == 0, r.stderr
+        assert all(int(line.split()[0]) < 1024 for line in r.stdout.decode().splitlines()[:2])
+
+        # no disk limit to tie to (or the 10 GiB default): packed, and both files reported
+        result = sb.pack_diff(policy=SnapshotPolicy.for_limits(None))
+        sparse = {d["path"]: d["reason"] for d in result.report.decisions
+                  if d["action"] == "sparse"}
+        assert set(sparse) == {"a", "b"}, result.report.decisions
+        assert "1048576000 bytes apparent" in sparse["a"]
+        assert result.report.sparse_bytes > 2 * 1000 * MiB - 2 * MiB
+        assert result.report.to_json()["sparse_bytes"] == result.report.sparse_bytes
+        assert result.size < 1 * MiB  # the bomb: KBs in the store, 2000 MiB restored
+
+        # the sandbox's own disk limit: the snapshot could not restore into it -> refused
+        class _Small:
+            disk_bytes = small_disk
+        policy = None if has_disk_limit else SnapshotPolicy.for_limits(_Small())
+        with pytest.raises(SnapshotRefused, match="more than 1610612736 bytes changed .apparent"):
+            sb.pack_diff("snap/sparse-bomb", policy=policy)
+    assert "snap/sparse-bomb" not in store.list_refs()
