@@ -64,6 +64,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
 
+from envbuild.canonical import load_json
 from envbuild.errors import BlobNotFound, StoreError, StoreUnavailable
 from envbuild.store.base import (
     ANY,
@@ -705,7 +706,7 @@ class S3Store(Store):
             return None
         data, etag = got
         try:
-            entry = json.loads(data)
+            entry = load_json(data)
             Descriptor.from_oci(entry)
         except (ValueError, StoreError) as e:
             raise StoreError(f"parse ref {self._where(self._ref_key(name))}: {e}",
@@ -767,7 +768,7 @@ class S3Store(Store):
                                      "manifests": []}
             if got is not None:
                 try:
-                    parsed = json.loads(got[0])
+                    parsed = load_json(got[0])
                     if isinstance(parsed, dict) and isinstance(parsed.get("manifests"), list):
                         index = parsed
                 except ValueError:

@@ -315,3 +315,34 @@ def test_sparse_files_in_a_sandbox_are_reported_and_capped_by_the_disk_limit(bus
         with pytest.raises(SnapshotRefused, match="more than 1610612736 bytes changed .apparent"):
             sb.pack_diff("snap/sparse-bomb", policy=policy)
     assert "snap/sparse-bomb" not in store.list_refs()
+
+
+# -- JSON of a lock read from the store ----------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["deep", "layer", "list"])
+def test_hostile_lock_json_in_the_store_is_refused(tmp_path, kind):
+    """A ref whose "lock" is a 200 KB array nested 100,000 deep (``json`` raises
+    RecursionError), a 100 MB blob (a layer named as a lock), or a JSON list: ``job resolve``
+    and ``job verify`` give one error line, with bounded memory."""
+    from envbuild.store import put_bytes
+    from envbuild.store.local import LocalStore
+
+    store = LocalStore(tmp_path / "store")
+    blob = {"deep": b"[" * 100_000 + b"]" * 100_000, "layer": bytes(100 * MiB),
+            "list": b"[1, 2, 3]"}[kind]
+    digest = put_bytes(store, blob)
+    store.put_ref("env/hostile", digest)
+    (tmp_path / "jobs.yaml").write_text("apiVersion: envbuild/v1\nkind: JobManifest\n"
+                                        "groups:\n  - {name: g, lock: env/hostile}\n")
+    needle = {"deep": "nested too deeply", "layer": "too large",
+              "list": "is not an OCI image manifest"}[kind]
+    run = run_cli("job", "resolve", "jobs.yaml", "--store", str(tmp_path / "store"),
+                  cwd=tmp_path)
+    assert_refused(run, "cannot resolve 1 of 1 group")
+    assert needle in run.stderr, run.stderr  # the group's problem, on the line before
+    assert not (tmp_path / "jobs.resolved.yaml").exists()
+    run = run_cli("job", "verify", "jobs.yaml", "--store", str(tmp_path / "store"),
+                  cwd=tmp_path)
+    assert "Traceback" not in run.stderr and run.code == 1, (run.code, run.stderr)
+    assert run.maxrss_mib < RSS_BOUND_MIB, run.maxrss_mib
