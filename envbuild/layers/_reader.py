@@ -33,9 +33,9 @@ from envbuild.layers._zstd import FrameError, decompress_frame, frame_size
 GetRange = Callable[[int, int], bytes]
 MAX_FRAME_USIZE = 64 << 20   # readers refuse bigger frames (v1 writers make <= ~5 MiB)
 _FETCH_BATCH = 4 << 20       # whole-layer reads fetch up to this many compressed bytes at once
-# ... and decompress at most this many bytes per batch: with _LOOKAHEAD batches in flight this
-# bounds what iter_frames holds, whatever the TOC declares (frames of zeros inflate ~30,000x)
-_BATCH_USIZE = 64 << 20
+# ... and decompress at most this many bytes per batch (or one frame): with _LOOKAHEAD batches
+# in flight, iter_frames holds ~100 MiB whatever the TOC declares (zeros inflate ~30,000x)
+_BATCH_USIZE = 16 << 20
 _LOOKAHEAD = 4
 _local = threading.local()
 
@@ -231,15 +231,21 @@ class LayerReader:
     def read(self, path: str) -> bytes:
         """The contents of one regular file (a hardlink reads its target), decompressing only the
         frames that hold it, verified against the TOC digest."""
+        return b"".join(self.iter_read(path))
+
+    def iter_read(self, path: str) -> Iterator[bytes]:
+        """``read`` in pieces of at most one frame, fetching at most ``_FETCH_BATCH``
+        compressed bytes at a time: memory stays bounded whatever size the TOC declares. The
+        digest is checked after the last piece, so a caller that writes pieces out as they
+        come must discard them on ``CorruptLayerError``."""
         e = self.stat(path)
         if e.type == "hardlink":
             e = self.stat(e.linkname)
         if e.type != "file":
             raise LayerError(f"layer {self.name}: {path} is a {e.type}, not a regular file")
         h = hashlib.sha256()
-        parts: list[bytes] = []
         need = e.size
-        for run in _runs(e.chunks):
+        for run in _runs(e.chunks, _FETCH_BATCH):
             start = run[0].offset
             end = run[-1].offset + run[-1].csize
             if end > self.footer.toc_offset:
@@ -253,12 +259,11 @@ class LayerReader:
                     raise self._corrupt(f"chunk of {e.path} is outside its frame")
                 need -= len(piece)
                 h.update(piece)
-                parts.append(piece)
+                yield piece
         if need:
             raise self._corrupt(f"chunks of {e.path} hold fewer bytes than its size")
         if "sha256:" + h.hexdigest() != e.digest:
             raise self._corrupt(f"content of {e.path} does not match its TOC digest")
-        return b"".join(parts)
 
     def iter_frames(self, *, exact: bool = False, raw: bool = False) -> Iterator:
         """Decompressed data frames in order (fetched and decompressed by a thread pool).
@@ -346,13 +351,16 @@ def _compress_bound(usize: int) -> int:
     return usize + (usize >> 7) + 256
 
 
-def _runs(chunks: list[Chunk]) -> Iterator[list[Chunk]]:
-    """Group chunks whose frames are adjacent in the blob: one ranged read per run."""
+def _runs(chunks: list[Chunk], limit: int) -> Iterator[list[Chunk]]:
+    """Group chunks whose frames are adjacent in the blob, up to ``limit`` compressed bytes
+    (or one frame) per group: one ranged read per group."""
     run: list[Chunk] = []
+    size = 0
     for c in chunks:
-        if run and run[-1].offset + run[-1].csize != c.offset:
+        if run and (run[-1].offset + run[-1].csize != c.offset or size + c.csize > limit):
             yield run
-            run = []
+            run, size = [], 0
         run.append(c)
+        size += c.csize
     if run:
         yield run

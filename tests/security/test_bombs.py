@@ -51,7 +51,8 @@ class Run:
     seconds: float
 
 
-def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 120.0) -> Run:
+def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 120.0,
+            discard_stdout: bool = False) -> Run:
     """``python -m envbuild.cli ARGS`` with its address space capped, reaped with ``wait4``
     for its peak RSS."""
     def limit() -> None:
@@ -62,7 +63,8 @@ def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 120
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         t0 = time.monotonic()
         p = subprocess.Popen([sys.executable, "-m", "envbuild.cli", *args], cwd=cwd,
-                             env=full_env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                             env=full_env, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL if discard_stdout else out, stderr=err,
                              preexec_fn=limit)
         killer = threading.Timer(timeout, p.kill)
         killer.start()
@@ -230,6 +232,24 @@ def test_frame_bomb_is_refused_with_bounded_memory(bombs, base_layer, name, comm
         args.append("big")
     run = run_cli(*args, cwd=tmp_path)
     assert_refused(run, f"{name}.layer", f"frame at offset {offset}")
+
+
+def test_a_huge_file_is_read_in_bounded_memory(tmp_path):
+    """A 1.5 GiB file of zeros (a sparse file packed: a few hundred KB of layer) through
+    ``layer cat`` and ``layer verify``: streamed, never held whole (the address space is 1 GiB)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    with open(src / "zeros", "wb") as f:
+        f.truncate(1536 * MiB)
+    with open(tmp_path / "zeros.layer", "wb") as out:
+        pack_tree(src, out)
+    assert (tmp_path / "zeros.layer").stat().st_size < 2 * MiB
+    run = run_cli("layer", "cat", "zeros.layer", "zeros", cwd=tmp_path, discard_stdout=True)
+    assert run.code == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.maxrss_mib < RSS_BOUND_MIB, run.maxrss_mib
+    run = run_cli("layer", "verify", "zeros.layer", cwd=tmp_path)
+    assert run.code == 0 and run.stdout.startswith("ok: "), run.stderr[-2000:]
+    assert run.maxrss_mib < RSS_BOUND_MIB, run.maxrss_mib
 
 
 # -- YAML / JSON ---------------------------------------------------------------------------
