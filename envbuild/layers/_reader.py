@@ -250,6 +250,8 @@ class LayerReader:
             end = run[-1].offset + run[-1].csize
             if end > self.footer.toc_offset:
                 raise self._corrupt(f"chunk of {e.path} points past the data frames")
+            for c in run:  # before fetching: a frame's csize is bounded by its usize
+                self._check_frame(c.csize, c.usize, c.offset)
             data = memoryview(self._fetch(start, end - start))
             for c in run:
                 frame = self._decompress(data[c.offset - start:c.offset - start + c.csize],
@@ -276,6 +278,7 @@ class LayerReader:
         total = 0
         utotal = 0
         for csize, usize in frames:
+            self._check_frame(csize, usize, off)  # before fetching anything
             if cur and (total + csize > _FETCH_BATCH or utotal + usize > _BATCH_USIZE):
                 batches.append((start, cur))
                 start, cur, total, utotal = off, [], 0, 0
@@ -301,7 +304,6 @@ class LayerReader:
             # one C call per batch: see _writer._FrameSink for why not a Python loop
             frames = []
             for csize, usize in sizes:
-                self._check_frame(csize, usize, start + pos)
                 frames.append(data[pos:pos + csize])
                 pos += csize
             usizes = struct.pack(f"={len(sizes)}Q", *(u for _, u in sizes))

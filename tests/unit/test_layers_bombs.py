@@ -115,8 +115,11 @@ def test_a_frame_larger_than_zstd_makes_for_its_usize_is_refused(layer):
     first = r.stat("big").chunks[0]
     frame = layer[first.offset:first.offset + first.csize]
     bad = _with_frame(layer, frame + bytes(first.usize))  # padding a reader would fetch
-    with pytest.raises(CorruptLayerError, match="larger than zstd makes"):
-        reader_of(bad, name=NAME).read("big")
+    for action in ("read", "iter_frames"):
+        r = reader_of(bad, name=NAME)
+        with pytest.raises(CorruptLayerError, match="larger than zstd makes"):
+            r.read("big") if action == "read" else list(r.iter_frames())
+        assert r.stats.ranges == 2, action  # refused before the frame is fetched
 
 
 def test_toc_over_the_size_limit_is_refused_before_it_is_fetched(layer):
