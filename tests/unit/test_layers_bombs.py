@@ -150,7 +150,7 @@ def test_toc_member_count_is_limited(monkeypatch, layer):
     toc_json = r.toc.to_bytes()
     assert len(r.entries()) == 2
     monkeypatch.setattr(_toc, "MAX_TOC_ENTRIES", 1)
-    with pytest.raises(_toc.TocFormatError, match="lists 2 members, over the reader limit of 1"):
+    with pytest.raises(_toc.TocFormatError, match="lists more than 1 members, the reader limit"):
         _toc.Toc.from_bytes(toc_json)
     r.toc.version = 1
     r.toc.entries = r.entries()
@@ -196,3 +196,38 @@ def test_decompress_frame_never_returns_more_than_asked():
         decompress_frame(d, _zeros(MiB, declare=False), 2 * MiB)
     with pytest.raises(FrameError, match="not a zstd frame"):
         decompress_frame(d, b"not zstd at all", 10)
+
+
+_DIFF = b'"sha256:' + b"0" * 64 + b'"'
+
+
+@pytest.mark.parametrize("kind", ["frames", "xattrs", "paths", "lines"])
+def test_a_toc_of_tiny_values_is_refused_before_it_is_parsed(kind):
+    """Within 64 MiB, ``[1,1],`` is 11 million frames (2 GB decoded), ``"k":"",`` as many
+    xattrs; counted before parsing."""
+    n = _toc.MAX_TOC_VALUES + 10
+    if kind == "frames":
+        data = (b'{"diff_id":' + _DIFF + b',"entries":[\n],"frames":[' + b"[1,1]," * (n // 2)
+                + b'[1,1]],"framing":"lazy","paths":[],"tar_size":1,"version":2}')
+        match = "in its header"
+    elif kind == "paths":
+        data = (b'{"diff_id":' + _DIFF + b',"entries":[\n],"frames":[],"framing":"lazy",'
+                b'"paths":[' + b'"a",' * n + b'"a"],"tar_size":0,"version":2}')
+        match = "in its header"
+    elif kind == "xattrs":
+        row = (b'["file",420,0,0,0,0,"",{' + b'"k":"",' * n + b'"k":""},0,0,"sha256:'
+               + b"0" * 64 + b'",null]')
+        data = (b'{"diff_id":' + _DIFF + b',"entries":[\n' + row + b'\n],"frames":[],'
+                b'"framing":"lazy","paths":["a"],"tar_size":0,"version":2}')
+        match = "in entry 0"
+    else:
+        data = b'{"diff_id":' + _DIFF + b',"entries":[' + b"\n" * (_toc.MAX_TOC_ENTRIES + 3)
+        match = f"more than {_toc.MAX_TOC_ENTRIES} members"
+    assert len(data) <= _toc.MAX_TOC_USIZE
+    with pytest.raises(_toc.TocFormatError, match=match):
+        toc = _toc.Toc.from_bytes(data, lazy=True)
+        toc.entries[0]
+    if kind != "lines":
+        v1 = data.replace(b"\n", b"")
+        with pytest.raises(_toc.TocFormatError, match="JSON values, the reader limit"):
+            _toc.Toc.from_bytes(v1)
