@@ -19,6 +19,9 @@ def canonical_json(obj: Any) -> bytes:
 #: Bytes of one JSON document envbuild parses from outside (a store, an OCI layout, a file):
 #: manifests, configs, indexes and records are KBs; a layer where a manifest was expected is not.
 MAX_JSON_BYTES = 64 << 20
+#: JSON values (counted as commas) in one such document: 64 MiB of ``[],`` would decode to 21
+#: million lists (1.2 GB); a store index of 100,000 refs has ~1 million values.
+MAX_JSON_VALUES = 4_000_000
 
 
 class JsonLimitError(ValueError):
@@ -26,12 +29,16 @@ class JsonLimitError(ValueError):
     errors, so every "not valid JSON" handler already turns it into a one-line error."""
 
 
-def load_json(data: bytes | str, *, max_bytes: int = MAX_JSON_BYTES) -> Any:
-    """``json.loads`` for documents from outside: refuses more than ``max_bytes`` and nesting
-    deeper than the interpreter's recursion limit (``json`` raises ``RecursionError`` there,
-    which a ``ValueError`` handler lets through as a traceback) with ``JsonLimitError``."""
+def load_json(data: bytes | str, *, max_bytes: int = MAX_JSON_BYTES,
+              max_values: int = MAX_JSON_VALUES) -> Any:
+    """``json.loads`` for documents from outside: refuses more than ``max_bytes``, more than
+    ``max_values`` values (commas, counted before parsing) and nesting deeper than the
+    interpreter's recursion limit (``json`` raises ``RecursionError`` there, which a
+    ``ValueError`` handler lets through as a traceback) with ``JsonLimitError``."""
     if len(data) > max_bytes:
         raise JsonLimitError(f"document is {len(data)} bytes, over the {max_bytes}-byte limit")
+    if data.count(b"," if isinstance(data, bytes) else ",") > max_values:
+        raise JsonLimitError(f"document has more than {max_values} values, the limit")
     try:
         return json.loads(data)
     except RecursionError:

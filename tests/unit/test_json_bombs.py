@@ -30,6 +30,8 @@ def test_load_json_bounds_size_and_depth(tmp_path):
     (tmp_path / "f.json").write_bytes(b"[" + b"1," * 1000 + b"1]")
     with pytest.raises(JsonLimitError, match="2002 bytes, over the 2001-byte limit"):
         read_json_file(tmp_path / "f.json", max_bytes=2001)  # reads max_bytes + 1 only
+    with pytest.raises(JsonLimitError, match="more than 4000000 values"):
+        load_json(b"[" + b"[]," * 4_000_001 + b"[]]")  # 12 MB, 1.2 GB as lists
     assert issubclass(JsonLimitError, ValueError)
 
 
