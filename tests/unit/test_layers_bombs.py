@@ -231,3 +231,22 @@ def test_a_toc_of_tiny_values_is_refused_before_it_is_parsed(kind):
         v1 = data.replace(b"\n", b"")
         with pytest.raises(_toc.TocFormatError, match="JSON values, the reader limit"):
             _toc.Toc.from_bytes(v1)
+
+
+@pytest.mark.parametrize("declare", [True, False])
+def test_lazy_reads_are_bounded_by_the_toc_too(layer, declare):
+    from envbuild.store import MemoryStore, put_bytes
+    from envbuild.store.lazy import LazyLayer
+
+    usize = reader_of(layer).stat("big").chunks[0].usize
+    bomb = _with_frame(layer, _zeros(64 * MiB, declare=declare))
+    store = MemoryStore()
+    digest = put_bytes(store, bomb)
+    lazy = LazyLayer(store, digest, size=len(bomb))
+    with pytest.raises(CorruptLayerError) as ei:
+        lazy.read("big")
+    msg = str(ei.value)
+    assert "\n" not in msg and "frame at offset " in msg, msg
+    assert (f"its header declares {64 * MiB} bytes" if declare
+            else f"inflates to more than the {usize} bytes") in msg, msg
+    assert lazy.read("small") == b"small\n"
