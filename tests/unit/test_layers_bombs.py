@@ -250,3 +250,33 @@ def test_lazy_reads_are_bounded_by_the_toc_too(layer, declare):
     assert (f"its header declares {64 * MiB} bytes" if declare
             else f"inflates to more than the {usize} bytes") in msg, msg
     assert lazy.read("small") == b"small\n"
+
+
+# -- tar members (already bounded; kept so they stay so) -------------------------------------
+
+
+def _ustar(name: str, size: int, kind: bytes = b"0") -> bytes:
+    import tarfile
+
+    ti = tarfile.TarInfo(name)
+    ti.size, ti.type = size, kind
+    return ti.tobuf(format=tarfile.USTAR_FORMAT)
+
+
+@pytest.mark.parametrize("tar, match", [
+    (_ustar("././@PaxHeader", 1 << 30, b"x") + bytes(4096), "extended header too large"),
+    (_ustar("big", (1 << 33) - 1) + b"x" * 4096, "input ends inside big"),
+])
+def test_tar_headers_declaring_huge_sizes_cost_nothing(tar, match):
+    """A PAX header of 1 GiB and a member of 8 GiB declared in 512-byte headers: refused
+    without reading or allocating what they declare (``MAX_PAX_HEADER``, streamed members)."""
+    import io
+    import resource
+
+    from envbuild.errors import LayerError
+    from envbuild.layers import pack_tar
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(LayerError, match=match):
+        pack_tar(io.BytesIO(tar), io.BytesIO(), name="t")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB
