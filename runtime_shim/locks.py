@@ -63,13 +63,35 @@ def lock_digest(store: Store, ref_or_digest: str) -> str:
                            hint=f"refs there: {refs}; build and lock it with `envbuild build`")
 
 
+#: A lock's manifest and config are KBs (a manifest of 200 layers is ~100 KB): a bigger blob
+#: named as a lock is refused before it is read, not parsed into memory.
+MAX_LOCK_JSON = 4 << 20
+
+
 def resolve(store: Store, ref_or_digest: str) -> ResolvedLock:
+    """The lock ``ref_or_digest`` names, read and checked: its manifest and config are at most
+    ``MAX_LOCK_JSON`` bytes each and of the OCI shape, or one ``RuntimeShimError``."""
     digest = lock_digest(store, ref_or_digest)
-    manifest = get_json(store, digest)
-    if manifest.get("mediaType") != MEDIA_TYPE_MANIFEST or "config" not in manifest:
+    manifest = get_json(store, digest, max_size=MAX_LOCK_JSON)
+    if (not isinstance(manifest, dict) or manifest.get("mediaType") != MEDIA_TYPE_MANIFEST
+            or not isinstance(manifest.get("config"), dict)):
         raise RuntimeShimError(f"{digest} is not an OCI image manifest",
                                hint="pass a lock digest or ref (envbuild lock prints it)")
-    config = get_json(store, manifest["config"]["digest"])
+    config_digest = manifest["config"].get("digest")
+    if not isinstance(config_digest, str) or not _DIGEST.fullmatch(config_digest):
+        raise RuntimeShimError(f"lock {digest}: its config digest {config_digest!r} is not a "
+                               "sha256 digest")
+    config = get_json(store, config_digest, max_size=MAX_LOCK_JSON)
+    try:
+        return _parse(digest, manifest, config)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        # the store verified the bytes; their shape is what is wrong (a hand-made lock)
+        raise RuntimeShimError(f"lock {digest}: manifest or config is not of the OCI shape "
+                               f"({type(e).__name__}: {e})",
+                               hint="rebuild and lock it with `envbuild build`") from None
+
+
+def _parse(digest: str, manifest: dict, config: Any) -> ResolvedLock:
     diff_ids = config.get("rootfs", {}).get("diff_ids", [])
     descs = manifest.get("layers", [])
     if len(diff_ids) != len(descs):

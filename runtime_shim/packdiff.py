@@ -17,7 +17,11 @@ and every decision is reported (``PolicyReport``, in ``--json`` output):
   ``security.*`` too: labels from one host mean nothing on another);
 - a file larger than ``max_file_bytes``, more than ``max_total_bytes`` in all, or more than
   ``max_entries`` members refuse the whole snapshot (``SnapshotRefused``) instead of filling
-  the store — nothing is published;
+  the store — nothing is published. Sizes are *apparent* sizes: a sparse file (``truncate -s
+  1000M``) packs into a few KB but restores as its full size, so it counts in full, and the
+  report lists it (``sparse``, with its allocated bytes). The default caps are tied to the
+  sandbox (``SnapshotPolicy.for_limits``): a snapshot may not restore to more than the disk
+  the sandbox had;
 - a file with hardlinks outside the upper dir refuses the snapshot (an upper dir can only hold
   links among its own files);
 - symlinks are stored as links and never followed (the walker uses ``lstat`` throughout).
@@ -51,6 +55,10 @@ from runtime_shim.locks import ResolvedLock
 
 SNAPSHOT_ROLE = "snapshot"
 DROPPED_XATTR_PREFIXES = ("security.", "trusted.")
+#: Apparent bytes a snapshot may restore to when the sandbox names no disk limit: the default
+#: of ``Limits.disk_bytes`` (10 GiB). Until ``Limits`` has ``disk_bytes`` every sandbox gets
+#: this; ``for_limits`` picks the sandbox's own limit up as soon as it exists.
+DEFAULT_SNAPSHOT_BYTES = 10 << 30
 
 
 class SnapshotRefused(UnsafeLayerError):
@@ -59,14 +67,27 @@ class SnapshotRefused(UnsafeLayerError):
 
 @dataclasses.dataclass(frozen=True)
 class SnapshotPolicy:
-    """What a snapshot of untrusted sandbox changes may contain. Defaults are safe."""
+    """What a snapshot of untrusted sandbox changes may contain. Defaults are safe.
+
+    ``max_file_bytes`` and ``max_total_bytes`` are apparent sizes (what the snapshot restores
+    to), so sparse files count in full."""
 
     drop_devices: bool = True
     strip_setid: bool = True
     drop_xattr_prefixes: tuple[str, ...] = DROPPED_XATTR_PREFIXES
     max_file_bytes: int = 1 << 30
-    max_total_bytes: int = 8 << 30
+    max_total_bytes: int = DEFAULT_SNAPSHOT_BYTES
     max_entries: int = 1_000_000
+
+    @classmethod
+    def for_limits(cls, limits: Any = None, **overrides: Any) -> SnapshotPolicy:
+        """The policy for a sandbox with ``limits`` (a ``runtime_shim.sandbox.Limits``): the
+        snapshot may restore to at most the sandbox's disk limit, one file to at most the
+        smaller of that and ``max_file_bytes``' default."""
+        # getattr: Limits.disk_bytes is being added (issue 11, disk quota); None = no limit
+        disk = getattr(limits, "disk_bytes", None) or DEFAULT_SNAPSHOT_BYTES
+        caps = {"max_total_bytes": disk, "max_file_bytes": min(cls.max_file_bytes, disk)}
+        return cls(**{**caps, **overrides})
 
 
 @dataclasses.dataclass
@@ -75,13 +96,15 @@ class PolicyReport:
 
     decisions: list[dict[str, str]] = dataclasses.field(default_factory=list)
     entries: int = 0
-    bytes: int = 0
+    bytes: int = 0          # apparent bytes of the files packed
+    sparse_bytes: int = 0   # of which holes: restored as data, never written by the sandbox
 
     def note(self, path: str, action: str, reason: str) -> None:
         self.decisions.append({"path": path, "action": action, "reason": reason})
 
     def to_json(self) -> dict[str, Any]:
-        return {"entries": self.entries, "bytes": self.bytes, "decisions": self.decisions}
+        return {"entries": self.entries, "bytes": self.bytes, "sparse_bytes": self.sparse_bytes,
+                "decisions": self.decisions}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,13 +177,30 @@ def policy_filter(policy: SnapshotPolicy, report: PolicyReport, name: str):
                         f"{policy.max_file_bytes}-byte limit per file",
                         hint="delete it in the sandbox or raise max_file_bytes")
                 report.bytes += e.size
+                allocated = _allocated(src, e.size)
+                if allocated < e.size:
+                    report.sparse_bytes += e.size - allocated
+                    report.note(e.path, "sparse", f"{e.size} bytes apparent, {allocated} "
+                                "allocated: restores as the full size")
                 if report.bytes > policy.max_total_bytes:
                     raise SnapshotRefused(
-                        f"snapshot of {name}: more than {policy.max_total_bytes} bytes changed",
+                        f"snapshot of {name}: more than {policy.max_total_bytes} bytes changed "
+                        f"(apparent sizes, {report.sparse_bytes} bytes of them in holes of "
+                        "sparse files)",
                         hint="raise max_total_bytes, or clean up caches in the sandbox first")
             yield e, src
 
     return apply
+
+
+def _allocated(src: bytes | str | None, size: int) -> int:
+    """Bytes of disk a file holds (``st_blocks``); ``size`` if it cannot be told."""
+    if src is None:
+        return size
+    try:
+        return min(size, os.lstat(src).st_blocks * 512)
+    except OSError:
+        return size
 
 
 def pack_upper(upper: Path, out, policy: SnapshotPolicy, *, name: str,

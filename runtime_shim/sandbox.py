@@ -417,7 +417,8 @@ class Sandbox:
         try:
             with quiesce(), open(blob, "wb") as out:
                 info, report = packdiff.pack_upper(
-                    self._backend.upper_dir(), out, policy or packdiff.SnapshotPolicy(),
+                    self._backend.upper_dir(), out,
+                    policy or packdiff.SnapshotPolicy.for_limits(self._backend.limits),
                     name=name, source_date_epoch=source_date_epoch)
             stored = put_file(self._store, blob)
         finally:

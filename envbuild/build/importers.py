@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -24,6 +23,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from envbuild.canonical import read_json_file
 from envbuild.errors import BuildError, SourceError
 
 # Shared with envbuild.build.pin's tree hash: what is not hashed must not be copied either,
@@ -275,7 +275,18 @@ def _read_json_blob(layout: Path, digest: str) -> dict:
     if not path.is_file():
         raise SourceError(f"OCI layout {layout}: blob {digest} is missing")
     check_sha256(path, digest, f"OCI layout {layout}")
-    return json.loads(path.read_bytes())
+    return _layout_json(layout, path)
+
+
+def _layout_json(layout: Path, path: Path) -> dict:
+    """A JSON object of an OCI layout (untrusted input): bounded in size and nesting."""
+    try:
+        doc = read_json_file(path)
+    except ValueError as e:
+        raise SourceError(f"OCI layout {layout}: {path.name} is not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise SourceError(f"OCI layout {layout}: {path.name} is not a JSON object")
+    return doc
 
 
 def resolve_oci_manifest(layout: Path, ref: str) -> str:
@@ -285,7 +296,7 @@ def resolve_oci_manifest(layout: Path, ref: str) -> str:
     if not index_path.is_file():
         raise SourceError(f"{layout} is not an OCI image layout (no index.json)",
                           hint="produce one with `skopeo copy docker-archive:… oci:DIR:REF`")
-    index = json.loads(index_path.read_text())
+    index = _layout_json(layout, index_path)
     names = []
     for desc in index.get("manifests", []):
         name = desc.get("annotations", {}).get("org.opencontainers.image.ref.name")

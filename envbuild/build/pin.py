@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import re
 import stat
@@ -52,6 +51,7 @@ from pathlib import Path
 from types import MappingProxyType
 from urllib.parse import unquote, urlsplit
 
+from envbuild.canonical import read_json_file
 from envbuild.defs.model import (
     ArchiveSource,
     BusyboxSource,
@@ -231,8 +231,9 @@ class Pinner:
         """The manifest digest ``ref`` (a ref name, or a digest) names in an OCI layout."""
         index_path = os.path.join(layout, "index.json")
         try:
-            with open(index_path, "rb") as f:
-                index = json.load(f)
+            index = read_json_file(index_path)  # bounded: the layout is untrusted input
+            if not isinstance(index, dict):
+                raise ValueError("not a JSON object")
         except FileNotFoundError:
             raise _Unpinnable(f"{layout}: not an OCI layout (no index.json)",
                               "create it with `skopeo copy docker://IMAGE oci:DIR:TAG`") from None

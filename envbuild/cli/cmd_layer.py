@@ -18,6 +18,9 @@ _LAYER_HELP = ("LAYER is a layer file, or a digest in the store: sha256:<hex> or
                "prefix of at least 12 hex digits.")
 
 
+_CAT_BUFFER = 64 << 20  # layer cat verifies files up to this size before writing any byte
+
+
 def open_layer(app: App, layer: str):
     """The ``LayerReader`` for LAYER; the store is opened only for digests, and never created."""
     from envbuild.layers._tools import open_layer as open_ref
@@ -110,11 +113,24 @@ def register(group: click.Group) -> None:
     @pass_app
     def cat(app: App, layer_ref: str, path: str) -> None:
         """Write the contents of file PATH in LAYER to stdout, reading only its frames."""
-        from envbuild.layers._tools import read_member
+        from envbuild.layers._tools import iter_member
 
+        # Up to _CAT_BUFFER bytes are verified before anything is written; a bigger file
+        # streams (a hostile TOC can declare any size: frames of zeros inflate ~30,000x), and
+        # a digest mismatch then ends its output with an error line, exit 1.
         with open_layer(app, layer_ref) as reader:
-            data = read_member(reader, path)
-        sys.stdout.buffer.write(data)
+            held: list[bytes] | None = []
+            size = 0
+            for piece in iter_member(reader, path):
+                if held is not None:
+                    held.append(piece)
+                    size += len(piece)
+                    if size <= _CAT_BUFFER:
+                        continue
+                    piece, held = b"".join(held), None
+                sys.stdout.buffer.write(piece)
+            if held:
+                sys.stdout.buffer.write(b"".join(held))
         sys.stdout.flush()
 
     @layer.command("unpack", epilog=_LAYER_HELP)

@@ -80,8 +80,9 @@ def register(group: click.Group) -> None:
     @click.option("--publish", "ref", metavar="REF", help="Ref for the snapshot's lock, e.g. snap/NAME.")
     @click.option("--max-file-size", default="1G", show_default=True, metavar="SIZE",
                   help="Refuse the snapshot if one file is larger.")
-    @click.option("--max-total-size", default="8G", show_default=True, metavar="SIZE",
-                  help="Refuse the snapshot if the changes add up to more.")
+    @click.option("--max-total-size", default=None, metavar="SIZE",
+                  help="Refuse the snapshot if the changes add up to more (apparent sizes: "
+                       "sparse files count in full)  [default: the sandbox's disk limit, 10G]")
     @click.option("--json", "as_json", is_flag=True, help="Print the result and every policy decision as JSON.")
     @pass_app
     def pack_diff(app: App, sandbox_id: str, ref: str | None, max_file_size: str,
@@ -93,8 +94,9 @@ def register(group: click.Group) -> None:
 
         sb = Sandbox.attach(sandbox_id, store=app.open_store(), node_dir=app.settings.node_dir,
                             runtime=app.settings.oci_runtime)
-        policy = SnapshotPolicy(max_file_bytes=parse_size(max_file_size),
-                                max_total_bytes=parse_size(max_total_size))
+        total = {} if max_total_size is None else {"max_total_bytes": parse_size(max_total_size)}
+        # an attached sandbox's limits are not recorded: for_limits falls back to the default
+        policy = SnapshotPolicy.for_limits(None, max_file_bytes=parse_size(max_file_size), **total)
         result = sb.pack_diff(ref, policy=policy, source_date_epoch=app.settings.source_date_epoch)
         if as_json:
             click.echo(json.dumps(result.to_json(), indent=1))

@@ -22,6 +22,14 @@ positions come for free and duplicate keys can be refused. Two deliberate depart
 1.1, both because nobody writing a definition means them: mapping keys are always the key's text
 (``on:`` is the string ``"on"``, not ``True``), and base-60 numbers stay text (``user: 0:0`` is
 ``"0:0"``, not ``0``). Timestamps stay text too.
+
+Limits (``check_yaml_limits``, also used for job manifests): a file is at most
+``MAX_YAML_BYTES``; a document at most ``MAX_YAML_NODES`` nodes *after* alias expansion and
+``MAX_YAML_DEPTH`` levels deep, also counting what aliases bring in; an alias inside its own
+anchor is refused. They are checked on the parser's events, before anything is composed or
+expanded, so an alias bomb ("billion laughs": ten aliases of ten aliases of …, a few hundred
+bytes that expand to 10^9 nodes) is one problem naming its line, found in microseconds.
+Anchors and aliases themselves stay allowed: they are handy for a repeated value.
 """
 
 from __future__ import annotations
@@ -32,6 +40,15 @@ from types import MappingProxyType
 from typing import Any
 
 import yaml
+from yaml.events import (
+    AliasEvent,
+    DocumentStartEvent,
+    MappingEndEvent,
+    MappingStartEvent,
+    ScalarEvent,
+    SequenceEndEvent,
+    SequenceStartEvent,
+)
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from envbuild.defs.model import CONSTRUCTORS, KINDS, Definition, DefinitionSet, Origin
@@ -43,6 +60,14 @@ from envbuild.errors import DefinitionError, Problem
 Loader: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 SUFFIXES = (".yaml", ".yml")
+
+#: Bytes in one YAML/JSON file a user hands us (definitions, job manifests).
+MAX_YAML_BYTES = 8 << 20
+#: Nodes in one document after alias expansion: a definition has ~50, a large job manifest a
+#: few thousand; building one node costs ~0.5 KB (value, position, path).
+MAX_YAML_NODES = 100_000
+#: Nesting levels of one document, aliases included (definitions nest ~5 levels).
+MAX_YAML_DEPTH = 64
 
 _STR = "tag:yaml.org,2002:str"
 _MAP = "tag:yaml.org,2002:map"
@@ -141,6 +166,10 @@ def _load_file(path: Path, file: str, problems: list[Problem]) -> list[Definitio
     except UnicodeDecodeError as e:
         problems.append(Problem(file, 0, 0, f"file is not utf-8 text: {e.reason} at byte {e.start}"))
         return []
+    limit = check_yaml_limits(text, file)
+    if limit is not None:
+        problems.append(limit)
+        return []
     definitions: list[Definition] = []
     documents = 0
     loader = Loader(text)
@@ -170,6 +199,82 @@ def _load_file(path: Path, file: str, problems: list[Problem]) -> list[Definitio
         problems.append(Problem(file, 0, 0, "empty file: no definitions in it",
                                 hint="add a definition, or delete the file"))
     return definitions
+
+
+def check_yaml_limits(text: str, file: str) -> Problem | None:
+    """The first limit ``text`` breaks (see the module docstring), as a problem at its line;
+    None if it keeps them all. Reads only parser events: nothing is composed or expanded, and
+    the cost is one pass of libyaml's parser. Syntax errors are left to the loader (None)."""
+    if len(text) > MAX_YAML_BYTES:
+        return Problem(file, 0, 0, f"file is {len(text)} characters, over the "
+                       f"{MAX_YAML_BYTES >> 20} MiB limit for a YAML/JSON document",
+                       hint="split it into several files")
+    _open = None  # marks an anchor whose collection is still being parsed
+    sizes: dict[str, tuple[int, int] | None] = {}  # anchor -> (nodes, height) of its value
+    stack: list[list] = []  # open collections: [anchor, nodes before it, tallest child]
+    nodes = 0
+    loader = Loader(text)
+    try:
+        while loader.check_event():
+            event = loader.get_event()
+            cls = event.__class__
+            if cls is ScalarEvent or cls is AliasEvent:
+                n, height = 1, 0
+                if cls is AliasEvent:
+                    got = sizes.get(event.anchor, (1, 0))  # undefined: the composer says so
+                    if got is _open:
+                        return _limit(file, event, f"alias *{event.anchor} is inside its own "
+                                      "anchor (a recursive structure)",
+                                      "an alias can only repeat a value that is complete")
+                    n, height = got
+                elif event.anchor is not None:
+                    sizes[event.anchor] = (1, 0)
+                nodes += n
+                if stack:
+                    top = stack[-1]
+                    top[2] = max(top[2], height)
+                if nodes > MAX_YAML_NODES or len(stack) + height > MAX_YAML_DEPTH:
+                    return _too_big(file, event, nodes, len(stack) + height)
+            elif cls is SequenceStartEvent or cls is MappingStartEvent:
+                nodes += 1
+                stack.append([event.anchor, nodes - 1, 0])
+                if event.anchor is not None:
+                    sizes[event.anchor] = _open
+                if nodes > MAX_YAML_NODES or len(stack) > MAX_YAML_DEPTH:
+                    return _too_big(file, event, nodes, len(stack))
+            elif cls is SequenceEndEvent or cls is MappingEndEvent:
+                anchor, before, tallest = stack.pop()
+                if anchor is not None:
+                    sizes[anchor] = (nodes - before, tallest + 1)
+                if stack:
+                    stack[-1][2] = max(stack[-1][2], tallest + 1)
+            elif cls is DocumentStartEvent:
+                sizes.clear()  # anchors are per document
+                nodes = 0
+    except yaml.YAMLError:
+        return None
+    finally:
+        loader.dispose()
+    return None
+
+
+def _too_big(file: str, event, nodes: int, depth: int) -> Problem:
+    alias = event.__class__ is AliasEvent
+    if depth > MAX_YAML_DEPTH:
+        what = f"nesting deeper than {MAX_YAML_DEPTH} levels"
+        return _limit(file, event, f"alias *{event.anchor} makes {what}" if alias
+                      else f"document has {what}", "flatten the document")
+    if alias:
+        return _limit(file, event, f"alias *{event.anchor} makes the document larger than "
+                      f"{MAX_YAML_NODES} nodes (an alias bomb?)",
+                      "aliases may repeat small values; write big repeated parts out")
+    return _limit(file, event, f"document has more than {MAX_YAML_NODES} nodes",
+                  "split it into several documents or files")
+
+
+def _limit(file: str, event, message: str, hint: str) -> Problem:
+    mark = event.start_mark
+    return Problem(file, mark.line + 1, mark.column + 1, message, hint=hint)
 
 
 def _load_document(node: Node, file: str, problems: list[Problem]) -> Definition | None:

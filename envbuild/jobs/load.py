@@ -25,7 +25,7 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
-from envbuild.defs.load import Loader, _Builder, _key_positions
+from envbuild.defs.load import Loader, _Builder, _key_positions, check_yaml_limits
 from envbuild.defs.validate import Positions, _ErrorMapper, _inline_refs, load_schema
 from envbuild.errors import DefinitionError, EnvbuildError, Problem
 from runtime_shim.jobs import API_VERSION, KIND, JobManifest
@@ -114,6 +114,9 @@ def load_job_manifest(path: str | os.PathLike[str]) -> JobManifest:
 
 def parse_job_manifest(text: str, file: str = "<manifest>") -> JobManifest:
     """``load_job_manifest`` for text already read; ``file`` names it in problems."""
+    limit = check_yaml_limits(text, file)  # size, depth, alias bombs: before composing
+    if limit is not None:
+        raise JobManifestError(limit)
     loader = Loader(text)
     nodes = []
     try:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 from typing import Any
 
+from envbuild.canonical import load_json
 from envbuild.errors import BlobNotFound, EnvbuildError
 from envbuild.layers import LayerReader
 from envbuild.oci import ANNOTATION_TOC
@@ -23,6 +23,7 @@ from envbuild.store import Store
 from envbuild.store.base import CHUNK_SIZE
 from envbuild.store.sync import resolve_ref
 from runtime_shim.jobs import JobManifest, is_digest
+from runtime_shim.locks import MAX_LOCK_JSON
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +111,7 @@ def verify_job_manifest(manifest: JobManifest, store: Store, *, jobs: int = 4) -
         if data is None:
             continue
         try:
-            doc = json.loads(data)
+            doc = load_json(data)
             config = doc["config"]["digest"]
             layers = [(d["digest"], (d.get("annotations") or {}).get(ANNOTATION_TOC))
                       for d in doc.get("layers") or []]
@@ -147,6 +148,11 @@ def _read(store: Store, digest: str, report: VerifyReport, item: _Item) -> bytes
     """A lock manifest's bytes, verified, or ``None`` after recording the problem."""
     groups = tuple(item.groups)
     try:
+        size = store.stat(digest).size
+        if size > MAX_LOCK_JSON:  # a layer named as a lock: not read into memory
+            report.problems.append(VerifyProblem("lock", digest, "corrupt", f"{size} bytes, "
+                                                 "too large for an image manifest", groups))
+            return None
         with store.get(digest) as f:
             data = f.read()
     except BlobNotFound:

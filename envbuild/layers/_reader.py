@@ -20,12 +20,22 @@ from envbuild.layers._footer import (
     FooterError,
     parse_skippable_header,
 )
-from envbuild.layers._toc import Chunk, Entry, Toc, TocFormatError, TocVersionError
+from envbuild.layers._toc import (
+    MAX_TOC_USIZE,
+    Chunk,
+    Entry,
+    Toc,
+    TocFormatError,
+    TocVersionError,
+)
+from envbuild.layers._zstd import FrameError, decompress_frame, frame_size
 
 GetRange = Callable[[int, int], bytes]
 MAX_FRAME_USIZE = 64 << 20   # readers refuse bigger frames (v1 writers make <= ~5 MiB)
-MAX_TOC_USIZE = 1 << 30
 _FETCH_BATCH = 4 << 20       # whole-layer reads fetch up to this many compressed bytes at once
+# ... and decompress at most this many bytes per batch (or one frame): with _LOOKAHEAD batches
+# in flight, iter_frames holds ~100 MiB whatever the TOC declares (zeros inflate ~30,000x)
+_BATCH_USIZE = 16 << 20
 _LOOKAHEAD = 4
 _local = threading.local()
 
@@ -84,7 +94,13 @@ class LayerReader:
                                 "(truncated or extended)")
         self.size = f.blob_size
         if f.toc_usize > MAX_TOC_USIZE:
-            raise self._corrupt(f"TOC size {f.toc_usize} exceeds the reader limit")
+            # refused before fetching or inflating anything (docs/layer-format.md, "Limits")
+            raise self._corrupt(f"TOC of {f.toc_usize} bytes exceeds the reader limit of "
+                                f"{MAX_TOC_USIZE >> 20} MiB (a TOC bomb, or not a layer "
+                                "envbuild wrote)")
+        if f.toc_csize > _compress_bound(f.toc_usize):
+            raise self._corrupt(f"TOC frame of {f.toc_csize} bytes is larger than zstd makes "
+                                f"for {f.toc_usize} bytes")
         tocframe = self._fetch(f.toc_offset, 8 + f.toc_csize)
         magic, length = parse_skippable_header(tocframe[:8])
         if magic != SKIPPABLE_MAGIC or length != f.toc_csize:
@@ -99,12 +115,10 @@ class LayerReader:
             raise self._corrupt(f"TOC digest mismatch (expected {expected_toc_digest}, "
                                 f"got {self.toc_digest})")
         try:
-            raw_toc = zstandard.ZstdDecompressor().decompress(payload,
-                                                              max_output_size=f.toc_usize)
-        except zstandard.ZstdError as e:
-            raise self._corrupt(f"TOC does not decompress ({e})") from None
-        if len(raw_toc) != f.toc_usize:
-            raise self._corrupt("TOC length differs from the footer")
+            # bounded by the footer's toc_usize, which is bounded by MAX_TOC_USIZE
+            raw_toc = decompress_frame(_dctx(), payload, f.toc_usize, "the footer")
+        except FrameError as e:
+            raise self._corrupt(f"TOC frame: {e}") from None
         try:
             self.toc = Toc.from_bytes(raw_toc, lazy=True)
         except TocVersionError as e:
@@ -175,26 +189,26 @@ class LayerReader:
         return data
 
     def _decompress(self, frame, usize: int, offset: int, exact: bool = False) -> bytes:
-        if usize > MAX_FRAME_USIZE:
-            raise self._corrupt(f"frame at offset {offset} claims {usize} bytes, over the "
-                                f"{MAX_FRAME_USIZE} limit")
+        """One data frame, never more than ``usize`` (the TOC's) bytes of output; ``exact``
+        also checks the frame ends where the TOC says (verify)."""
+        self._check_frame(len(frame), usize, offset)
         try:
-            if exact:
-                dobj = _dctx().decompressobj()
-                out = dobj.decompress(frame)
-                if not dobj.eof or dobj.unused_data:
-                    raise self._corrupt(f"frame at offset {offset} does not end where the TOC "
-                                        "says")
-            else:
-                out = _dctx().decompress(frame, max_output_size=usize)
-        except zstandard.ZstdError as e:
-            raise self._corrupt(f"frame at offset {offset} does not decompress ({e})") from None
-        if len(out) != usize:
-            raise self._corrupt(f"frame at offset {offset} decompresses to {len(out)} bytes, "
-                                f"TOC says {usize}")
+            if exact and frame_size(frame) != len(frame):
+                raise self._corrupt(f"frame at offset {offset} does not end where the TOC says")
+            out = decompress_frame(_dctx(), frame, usize)
+        except FrameError as e:
+            raise self._corrupt(f"frame at offset {offset}: {e}") from None
         self.stats.frames_decompressed += 1
         self.stats.bytes_decompressed += usize
         return out
+
+    def _check_frame(self, csize: int, usize: int, offset: int) -> None:
+        if usize > MAX_FRAME_USIZE:
+            raise self._corrupt(f"frame at offset {offset} claims {usize} bytes, over the "
+                                f"{MAX_FRAME_USIZE} limit")
+        if csize > _compress_bound(usize):
+            raise self._corrupt(f"frame at offset {offset} is {csize} bytes, larger than zstd "
+                                f"makes for the {usize} bytes the TOC says")
 
     # -- queries --------------------------------------------------------------------------
 
@@ -217,19 +231,27 @@ class LayerReader:
     def read(self, path: str) -> bytes:
         """The contents of one regular file (a hardlink reads its target), decompressing only the
         frames that hold it, verified against the TOC digest."""
+        return b"".join(self.iter_read(path))
+
+    def iter_read(self, path: str) -> Iterator[bytes]:
+        """``read`` in pieces of at most one frame, fetching at most ``_FETCH_BATCH``
+        compressed bytes at a time: memory stays bounded whatever size the TOC declares. The
+        digest is checked after the last piece, so a caller that writes pieces out as they
+        come must discard them on ``CorruptLayerError``."""
         e = self.stat(path)
         if e.type == "hardlink":
             e = self.stat(e.linkname)
         if e.type != "file":
             raise LayerError(f"layer {self.name}: {path} is a {e.type}, not a regular file")
         h = hashlib.sha256()
-        parts: list[bytes] = []
         need = e.size
-        for run in _runs(e.chunks):
+        for run in _runs(e.chunks, _FETCH_BATCH):
             start = run[0].offset
             end = run[-1].offset + run[-1].csize
             if end > self.footer.toc_offset:
                 raise self._corrupt(f"chunk of {e.path} points past the data frames")
+            for c in run:  # before fetching: a frame's csize is bounded by its usize
+                self._check_frame(c.csize, c.usize, c.offset)
             data = memoryview(self._fetch(start, end - start))
             for c in run:
                 frame = self._decompress(data[c.offset - start:c.offset - start + c.csize],
@@ -239,12 +261,11 @@ class LayerReader:
                     raise self._corrupt(f"chunk of {e.path} is outside its frame")
                 need -= len(piece)
                 h.update(piece)
-                parts.append(piece)
+                yield piece
         if need:
             raise self._corrupt(f"chunks of {e.path} hold fewer bytes than its size")
         if "sha256:" + h.hexdigest() != e.digest:
             raise self._corrupt(f"content of {e.path} does not match its TOC digest")
-        return b"".join(parts)
 
     def iter_frames(self, *, exact: bool = False, raw: bool = False) -> Iterator:
         """Decompressed data frames in order (fetched and decompressed by a thread pool).
@@ -255,12 +276,15 @@ class LayerReader:
         cur: list[tuple[int, int]] = []
         start = 0
         total = 0
+        utotal = 0
         for csize, usize in frames:
-            if cur and total + csize > _FETCH_BATCH:
+            self._check_frame(csize, usize, off)  # before fetching anything
+            if cur and (total + csize > _FETCH_BATCH or utotal + usize > _BATCH_USIZE):
                 batches.append((start, cur))
-                start, cur, total = off, [], 0
+                start, cur, total, utotal = off, [], 0, 0
             cur.append((csize, usize))
             total += csize
+            utotal += usize
             off += csize
         if cur:
             batches.append((start, cur))
@@ -280,16 +304,20 @@ class LayerReader:
             # one C call per batch: see _writer._FrameSink for why not a Python loop
             frames = []
             for csize, usize in sizes:
-                if usize > MAX_FRAME_USIZE:
-                    raise self._corrupt(f"frame at offset {start + pos} claims {usize} bytes, "
-                                        f"over the {MAX_FRAME_USIZE} limit")
                 frames.append(data[pos:pos + csize])
                 pos += csize
             usizes = struct.pack(f"={len(sizes)}Q", *(u for _, u in sizes))
+            # decompressed_sizes sizes each output buffer from the TOC (never from the frame
+            # header) and fails a frame that produces more: bounded like _decompress
             try:
                 coll = _dctx().multi_decompress_to_buffer(frames, decompressed_sizes=usizes,
                                                           threads=1)
             except (zstandard.ZstdError, ValueError) as e:
+                # name the frame and the cause: redo the batch one bounded frame at a time
+                pos = 0
+                for frame, (csize, usize) in zip(frames, sizes):
+                    self._decompress(frame, usize, start + pos)
+                    pos += csize
                 raise self._corrupt(f"a frame between offsets {start} and {start + total} does "
                                     f"not decompress ({e})") from None
             self.stats.frames_decompressed += len(sizes)
@@ -318,13 +346,23 @@ class LayerReader:
         unpack_layer(self, dest, whiteouts=whiteouts, **kwargs)
 
 
-def _runs(chunks: list[Chunk]) -> Iterator[list[Chunk]]:
-    """Group chunks whose frames are adjacent in the blob: one ranged read per run."""
+def _compress_bound(usize: int) -> int:
+    """An upper bound of ZSTD_compressBound(usize) (zstd's worst case for incompressible
+    data) plus a frame header and checksum: a frame bigger than this was not made by zstd
+    from ``usize`` bytes."""
+    return usize + (usize >> 7) + 256
+
+
+def _runs(chunks: list[Chunk], limit: int) -> Iterator[list[Chunk]]:
+    """Group chunks whose frames are adjacent in the blob, up to ``limit`` compressed bytes
+    (or one frame) per group: one ranged read per group."""
     run: list[Chunk] = []
+    size = 0
     for c in chunks:
-        if run and run[-1].offset + run[-1].csize != c.offset:
+        if run and (run[-1].offset + run[-1].csize != c.offset or size + c.csize > limit):
             yield run
-            run = []
+            run, size = [], 0
         run.append(c)
+        size += c.csize
     if run:
         yield run

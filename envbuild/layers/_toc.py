@@ -60,6 +60,15 @@ Version 1 (read for layers written before): the same top-level fields without ``
 "xattrs", "devmajor", "devminor", "digest", "chunks": [{"offset", "csize", "uoffset",
 "usize", "inner"}, ...]}`` with the chunks spelled out; no line breaks.
 
+Limits (readers refuse more, before inflating it: a 5 MB blob can carry a TOC that inflates to
+600 MB of JSON): the TOC is at most ``MAX_TOC_USIZE`` (64 MiB) of JSON, lists at most
+``MAX_TOC_ENTRIES`` (262,144) members, and holds at most ``MAX_TOC_VALUES`` (6,000,000) JSON
+values, counted as commas before any part is parsed (a member row has 12, a frame 2): 64 MiB
+of ``[1,1],`` would otherwise decode to 11 million frames and 2 GB. Real layers are far below
+all three: a 14,700-member layer (a Python env with its site-packages) has a 2.7 MB TOC, ~185
+bytes and ~13 values per member (18 times fewer than the limits allow). Decoding a TOC at the
+limits costs a reader at most ~0.6 GiB and a few seconds.
+
 Readers must verify, not trust: the TOC's own sha256 is in the footer (and, from the store, in
 the layer's descriptor annotations); every file read is checked against ``digest``.
 Compatibility: adding a new top-level or entry field, or changing the layout, is a new
@@ -78,6 +87,9 @@ from json.encoder import encode_basestring_ascii as json_string
 from typing import NamedTuple
 
 TOC_VERSION = 2
+MAX_TOC_USIZE = 64 << 20      # bytes of TOC JSON a reader accepts (see "Limits" above)
+MAX_TOC_ENTRIES = 1 << 18     # members a reader accepts
+MAX_TOC_VALUES = 6_000_000    # JSON values (counted as commas) a reader decodes
 READABLE_VERSIONS = (1, 2)
 TYPES = ("file", "dir", "symlink", "hardlink", "char", "block", "fifo")
 FRAMINGS = ("lazy", "compact")
@@ -203,13 +215,17 @@ class Toc:
         ``TocVersionError``; the reader turns them into layer errors. With ``lazy``, entries
         are validated and turned into ``Entry`` objects only when first accessed (a reader
         that stats one file out of 15,000 should not pay for all of them)."""
+        if len(data) > MAX_TOC_USIZE:
+            raise TocFormatError(f"TOC of {len(data)} bytes exceeds the reader limit of "
+                                 f"{MAX_TOC_USIZE >> 20} MiB")
         if data.find(b"\n") >= 0:  # only a v2 TOC has line breaks
             toc = cls._from_v2(data, lazy)
             if toc is not None:
                 return toc
+        _check_values(data.count(b","), "")
         try:
             doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise TocFormatError(f"TOC is not valid JSON ({e})") from None
         if not isinstance(doc, dict):
             raise TocFormatError("TOC is not a JSON object")
@@ -224,6 +240,7 @@ class Toc:
             raw = doc["entries"]
             if not isinstance(raw, list) or not all(isinstance(d, dict) for d in raw):
                 raise TypeError("entries must be a list of objects")
+            _check_count(len(raw))
             entries = LazyEntries(raw) if lazy else [_entry(d) for d in raw]
             toc = cls(framing=_str(doc["framing"]), diff_id=_str(doc["diff_id"]),
                       tar_size=_int(doc["tar_size"]), frames=frames, entries=entries, version=1)
@@ -238,12 +255,19 @@ class Toc:
     def _from_v2(cls, data: bytes, lazy: bool) -> Toc | None:
         """Decode the v2 line layout; None if the first and last lines are not a v2 header
         (the caller then parses the whole document to name its version)."""
-        lines = data.split(b"\n")
+        # at most MAX + 2 pieces: 64 MiB of line breaks must not become 64 million objects
+        lines = data.split(b"\n", MAX_TOC_ENTRIES + 2)
+        if len(lines) > MAX_TOC_ENTRIES + 2:
+            raise TocFormatError(f"TOC lists more than {MAX_TOC_ENTRIES} members, the reader "
+                                 "limit")
         if len(lines) < 2 or not lines[0].endswith(_V2_OPEN):
             return None
+        head_bytes = lines[0] + lines[-1]
+        head_values = head_bytes.count(b",")  # the paths and frames: most of the header
+        _check_values(head_values, " in its header")
         try:
-            head = json.loads(lines[0] + lines[-1])
-        except (ValueError, UnicodeDecodeError):
+            head = json.loads(head_bytes)
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return None
         if not isinstance(head, dict) or head.get("version") != 2:
             return None
@@ -265,7 +289,7 @@ class Toc:
         index = _FrameIndex(frames, toc.tar_size)
         if index.uoffsets[-1] != toc.tar_size:
             raise TocFormatError("TOC frames do not add up to tar_size")
-        entries = RowEntries(paths, lines, index)
+        entries = RowEntries(paths, lines, index, MAX_TOC_VALUES - head_values)
         toc.entries = entries if lazy else entries[:]
         return toc
 
@@ -275,6 +299,18 @@ _V2_KEYS = {"diff_id", "entries", "frames", "framing", "paths", "tar_size", "ver
 
 class TocFormatError(ValueError):
     pass
+
+
+def _check_count(n: int) -> None:
+    if n > MAX_TOC_ENTRIES:
+        raise TocFormatError(f"TOC lists {n} members, over the reader limit of "
+                             f"{MAX_TOC_ENTRIES}")
+
+
+def _check_values(n: int, where: str, limit: int | None = None) -> None:
+    limit = MAX_TOC_VALUES if limit is None else limit
+    if n > limit:
+        raise TocFormatError(f"TOC has more than {limit} JSON values{where}, the reader limit")
 
 
 class LazyEntries(Sequence):
@@ -335,10 +371,12 @@ class RowEntries(Sequence):
     """The entries of a v2 TOC: one JSON row per line, decoded on first access; a full slice
     decodes all rows with one ``json.loads`` (what unpack and verify need)."""
 
-    def __init__(self, paths: list[str], lines: list[bytes], index: _FrameIndex) -> None:
+    def __init__(self, paths: list[str], lines: list[bytes], index: _FrameIndex,
+                 budget: int = MAX_TOC_VALUES) -> None:
         self._paths = paths
         self._lines = lines  # [first line, row 0, ..., row n-1, last line]
         self._index = index
+        self._budget = budget  # JSON values the rows may hold (MAX_TOC_VALUES - the header's)
         self._done: list[Entry | None] = [None] * len(paths)
 
     def __len__(self) -> int:
@@ -369,9 +407,10 @@ class RowEntries(Sequence):
                 if not line.endswith(b","):
                     raise TocFormatError(f"TOC entry {i} is not followed by a comma")
                 line = line[:-1]
+            _check_values(line.count(b","), f" in entry {i}", self._budget)
             try:
                 row = json.loads(line)
-            except (ValueError, UnicodeDecodeError) as err:
+            except (ValueError, UnicodeDecodeError, RecursionError) as err:
                 raise TocFormatError(f"TOC entry {i} is not valid JSON ({err})") from None
             e = self._done[i] = self._decode(i, row)
         return e
@@ -387,9 +426,11 @@ class RowEntries(Sequence):
         done = self._done
         if all(e is not None for e in done):
             return
+        joined = b"".join(self._lines[1:-1])
+        _check_values(joined.count(b","), " in its entry rows", self._budget)
         try:
-            rows = json.loads(b"[" + b"".join(self._lines[1:-1]) + b"]")
-        except (ValueError, UnicodeDecodeError) as err:
+            rows = json.loads(b"[" + joined + b"]")
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:
             raise TocFormatError(f"TOC entry rows are not valid JSON ({err})") from None
         if len(rows) != len(done):
             raise TocFormatError(f"TOC lists {len(done)} paths but {len(rows)} entry rows")

@@ -236,6 +236,12 @@ def member_entry(reader: LayerReader, path: str) -> Entry:
 def read_member(reader: LayerReader, path: str) -> bytes:
     """The contents of regular file ``path`` (only its frames are read, digest-checked); a
     missing path, a directory or another non-file is a ``LayerError`` with a hint."""
+    return b"".join(iter_member(reader, path))
+
+
+def iter_member(reader: LayerReader, path: str) -> Iterator[bytes]:
+    """``read_member`` in pieces (``LayerReader.iter_read``: bounded memory whatever size the
+    TOC declares; the digest is checked after the last piece)."""
     e = member_entry(reader, path)
     if e.type == "dir":
         raise LayerError(f"layer {reader.name}: {e.path} is a directory",
@@ -247,7 +253,7 @@ def read_member(reader: LayerReader, path: str) -> bytes:
         raise LayerError(f"layer {reader.name}: {e.path} is a {e.type}, not a regular file",
                          hint="only regular files have contents")
     with add_hints(reader):
-        return reader.read(e.path)
+        yield from reader.iter_read(e.path)
 
 
 def unpack(reader: LayerReader, dest: str | os.PathLike, **options) -> None:

@@ -38,12 +38,11 @@ import abc
 import dataclasses
 import hashlib
 import io
-import json
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO, Final
 
-from envbuild.canonical import canonical_json
+from envbuild.canonical import canonical_json, load_json
 from envbuild.errors import BlobNotFound, DigestMismatch, RefNotFound, StoreError
 
 #: The OCI media types envbuild stores.
@@ -527,7 +526,7 @@ def encode_record(obj: Mapping[str, Any]) -> bytes:
 def decode_record(data: bytes, where: str) -> dict[str, Any]:
     """Parse a stored record; ``StoreError`` naming ``where`` if it is not a JSON object."""
     try:
-        obj = json.loads(data)
+        obj = load_json(data)
     except ValueError as e:
         raise StoreError(f"parse record {where}: {e}",
                          hint="the record is damaged; delete it and rebuild") from e

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from envbuild.canonical import MAX_JSON_BYTES, load_json
 from envbuild.errors import StoreError
 from envbuild.store.base import (
     CHUNK_SIZE,
@@ -32,7 +32,7 @@ from envbuild.store.base import (
 KEY_RECORDS = "keys/v1"
 
 #: ``get_json`` refuses blobs larger than this: JSON documents are small, layers are not.
-MAX_JSON_SIZE = 64 << 20
+MAX_JSON_SIZE = MAX_JSON_BYTES
 
 
 def digest_bytes(data: bytes) -> str:
@@ -86,14 +86,15 @@ def put_json(store: Store, obj: Any, *, media_type: str = MEDIA_TYPE_MANIFEST,
     return Descriptor(media_type, put_bytes(store, data), len(data), dict(annotations or {}))
 
 
-def get_json(store: Store, digest: str) -> Any:
-    """Parse a JSON blob, verified; ``StoreError`` if it is too large or not JSON."""
+def get_json(store: Store, digest: str, *, max_size: int = MAX_JSON_SIZE) -> Any:
+    """Parse a JSON blob, verified; ``StoreError`` if it is larger than ``max_size``, nested
+    too deeply or not JSON."""
     size = store.stat(digest).size
-    if size > MAX_JSON_SIZE:
+    if size > max_size:
         raise StoreError(f"blob {digest} is {size} bytes, too large for a JSON document",
                          hint="is this a layer digest where a manifest was expected?")
     try:
-        return json.loads(read_bytes(store, digest))
+        return load_json(read_bytes(store, digest), max_bytes=max_size)
     except ValueError as e:
         raise StoreError(f"parse JSON blob {digest}: {e}",
                          hint="is this a layer digest where a manifest was expected?") from e

@@ -33,13 +33,13 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import json
 import os
 import secrets
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from envbuild.canonical import read_json_file
 from envbuild.errors import StoreError, StoreUnavailable
 from envbuild.store.base import (
     ANY,
@@ -148,7 +148,7 @@ def _unlocked(path: Path) -> Iterator[None]:
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_bytes())
+        return read_json_file(path)
     except ValueError as e:
         raise StoreUnavailable(f"parse {path}: {e}",
                                hint="the store is damaged; repair or delete that file") from e
@@ -331,7 +331,7 @@ class LocalStore(Store):
 
     def _read_index(self) -> dict[str, Any]:
         try:
-            index = json.loads(self._index.read_bytes())
+            index = read_json_file(self._index)
         except FileNotFoundError:
             return _empty_index()
         except ValueError as e:

@@ -64,6 +64,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
 
+from envbuild.canonical import MAX_JSON_BYTES, load_json
 from envbuild.errors import BlobNotFound, StoreError, StoreUnavailable
 from envbuild.store.base import (
     ANY,
@@ -265,12 +266,13 @@ class S3Store(Store):
             raise self._fail(e, f"read {self._where(key)}") from e
 
     def _read_small(self, key: str) -> tuple[bytes, str] | None:
-        """Bytes and ETag of a small object, or ``None`` if absent."""
+        """Bytes and ETag of a small object (a ref, record or index: JSON), or ``None`` if
+        absent; at most ``MAX_JSON_BYTES + 1`` bytes are read (``load_json`` refuses more)."""
         resp = self._get_object(key)
         if resp is None:
             return None
         with resp["Body"] as body:
-            data = self._call(f"read {self._where(key)}", body.read)
+            data = self._call(f"read {self._where(key)}", body.read, MAX_JSON_BYTES + 1)
         return data, resp.get("ETag", "")
 
     def _put_small(self, key: str, data: bytes, **cond) -> bool:
@@ -705,7 +707,7 @@ class S3Store(Store):
             return None
         data, etag = got
         try:
-            entry = json.loads(data)
+            entry = load_json(data)
             Descriptor.from_oci(entry)
         except (ValueError, StoreError) as e:
             raise StoreError(f"parse ref {self._where(self._ref_key(name))}: {e}",
@@ -767,7 +769,7 @@ class S3Store(Store):
                                      "manifests": []}
             if got is not None:
                 try:
-                    parsed = json.loads(got[0])
+                    parsed = load_json(got[0])
                     if isinstance(parsed, dict) and isinstance(parsed.get("manifests"), list):
                         index = parsed
                 except ValueError:
