@@ -56,8 +56,7 @@ from runtime_shim.locks import ResolvedLock
 SNAPSHOT_ROLE = "snapshot"
 DROPPED_XATTR_PREFIXES = ("security.", "trusted.")
 #: Apparent bytes a snapshot may restore to when the sandbox names no disk limit: the default
-#: of ``Limits.disk_bytes`` (10 GiB). Until ``Limits`` has ``disk_bytes`` every sandbox gets
-#: this; ``for_limits`` picks the sandbox's own limit up as soon as it exists.
+#: of ``Limits.disk_bytes`` (10 GiB); ``for_limits`` takes the sandbox's own limit.
 DEFAULT_SNAPSHOT_BYTES = 10 << 30
 
 
@@ -84,8 +83,8 @@ class SnapshotPolicy:
         """The policy for a sandbox with ``limits`` (a ``runtime_shim.sandbox.Limits``): the
         snapshot may restore to at most the sandbox's disk limit, one file to at most the
         smaller of that and ``max_file_bytes``' default."""
-        # getattr: Limits.disk_bytes is being added (issue 11, disk quota); None = no limit
-        disk = getattr(limits, "disk_bytes", None) or DEFAULT_SNAPSHOT_BYTES
+        # a sandbox without a disk cap (disk_bytes=None) still gets the default cap
+        disk = (limits.disk_bytes if limits is not None else None) or DEFAULT_SNAPSHOT_BYTES
         caps = {"max_total_bytes": disk, "max_file_bytes": min(cls.max_file_bytes, disk)}
         return cls(**{**caps, **overrides})
 
