@@ -132,3 +132,31 @@ def test_a_plain_pack_keeps_names_as_they_are(tmp_path):
     (tmp_path / "a" / ".wh.b").write_text("")  # an OCI-style tree packed on purpose
     _, reader = _pack(tmp_path)
     assert {e.path for e in reader.entries()} == {"a", "a/.wh.b"}
+
+
+def test_a_directory_moved_during_the_walk_stops_it_instead_of_walking_elsewhere(tmp_path):
+    from envbuild.errors import LayerError
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "f").write_text("x")
+    (tmp_path / "a" / "z").write_text("after b")
+    (tmp_path / "c").mkdir()
+    walk = walk_tree(tmp_path)
+    seen = []
+    with pytest.raises(LayerError, match="walk back up: directory moved"):
+        for e, _ in walk:
+            seen.append(e.path)
+            if e.path == "a/b/f":  # the cursor stands in a/b: move it under c/
+                os.rename(tmp_path / "a" / "b", tmp_path / "c" / "b")
+    assert seen == ["a", "a/b", "a/b/f"]  # nothing of c/ was taken for a/
+
+
+def test_remove_tree_relative_to_a_directory_fd(tmp_path):
+    (tmp_path / "x" / "y").mkdir(parents=True)
+    os.symlink("/etc", tmp_path / "x" / "y" / "etc")  # removed as a link, never followed
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        remove_tree("x", dir_fd=fd)
+    finally:
+        os.close(fd)
+    assert os.listdir(tmp_path) == [] and os.path.isdir("/etc")
