@@ -29,6 +29,15 @@ MAX_PATH_BYTES = 4095  # PATH_MAX (4096) less the NUL: the longest path openat2 
 OnDropped = Callable[[str, str, str], None]
 
 
+class FileSource(str):
+    """Where the walk found a regular file: a path through ``/proc/<pid>/fd`` (usable wherever
+    a path is, valid until the walk moves on) carrying the directory fd and the name, so the
+    writer opens it with ``openat(dir_fd, name, O_NOFOLLOW)``: no path to resolve at all."""
+
+    dir_fd: int
+    name: str
+
+
 def _xattrs(path: str, names: list[str]) -> dict[str, bytes]:
     out = {}
     for n in names:
@@ -177,7 +186,8 @@ def walk_tree(root: str | os.PathLike, *, source_date_epoch: int = 0,
             sort_name = name
             if fmt == S_IFREG:
                 e.size = st.st_size
-                src = pre + name
+                src = FileSource(pre + name)
+                src.dir_fd, src.name = fd, name
                 if st.st_nlink > 1:
                     links[path] = (st.st_dev, st.st_ino)
             elif fmt == S_IFDIR:

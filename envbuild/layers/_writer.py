@@ -31,9 +31,10 @@ from envbuild.layers._tar import (
     encode_header,
 )
 from envbuild.layers._toc import Entry, LayerInfo, encode_v2, entry_row, json_string
-from envbuild.layers._walk import OnDropped, walk_tree
+from envbuild.layers._walk import FileSource, OnDropped, walk_tree
 
 ZSTD_LEVEL = 3
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 TOC_ZSTD_LEVEL = 3  # the TOC is compressed after all frames, on the critical path: level 9 took
 #                     85 ms on a 15k-entry TOC for 3 % less (16 KB); level 3 takes ~15 ms
 _PADS = [bytes(n) for n in range(BLOCK)]
@@ -388,7 +389,10 @@ class LayerWriter:
                 data = sink.pos
                 if isinstance(source, (bytes, str)):
                     try:
-                        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                        if type(source) is FileSource:  # from walk_tree: open by dir fd
+                            fd = os.open(source.name, _OPEN_FLAGS, dir_fd=source.dir_fd)
+                        else:
+                            fd = os.open(source, _OPEN_FLAGS)
                     except OSError as err:
                         raise LayerError(f"write layer {self.name}: open {e.path}: "
                                          f"{err.strerror}") from err
