@@ -260,3 +260,25 @@ def _no_deep_leftovers(tmp_path):
                 remove_sandbox(node, info.id)
             except Exception:  # noqa: BLE001 - best effort; the test already reported
                 remove_tree(info.path, missing_ok=True)
+
+
+WH_TOOLKIT = """\
+apiVersion: envbuild/v1
+kind: Toolkit
+name: whtk
+description: a build step that makes a file named like an OCI whiteout
+build_on: busybox-tiny
+requires: {abi: [busybox-amd64]}
+prefix: /opt/toolkits/whtk
+steps:
+  - run: mkdir -p /opt/toolkits/whtk && echo x > /opt/toolkits/whtk/.wh.passwd
+    network: none
+"""
+
+
+def test_a_build_step_file_named_like_a_whiteout_fails_the_build_in_one_line(envbuild_cli):
+    (envbuild_cli.defs / "toolkits" / "whtk.yaml").write_text(WH_TOOLKIT)
+    res = envbuild_cli("build", "whtk")
+    assert res.code == 1, (res.out, res.err)
+    assert "Traceback" not in res.err and "opt/toolkits/whtk/.wh.passwd" in res.err, res.err
+    assert "reserved for OCI whiteouts" in res.err, res.err
