@@ -32,12 +32,12 @@ once it serves none.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +49,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from envbuild.errors import RuntimeShimError, UnsupportedFormatError
+from envbuild.safefs import iter_tree, remove_tree
 from envbuild.store import Store, check_digest
 
 NODE_CACHE_VERSION = 1
@@ -125,7 +126,8 @@ class NodeCache:
             reader.unpack(dest, whiteouts="overlay")
             os.rename(dest, target)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            with contextlib.suppress(OSError):  # iterative, no-follow: any layer's tree
+                remove_tree(tmp)
 
     def list_layers(self) -> list[str]:
         return sorted("sha256:" + p.name for p in (self.root / "layers").iterdir()
@@ -161,7 +163,8 @@ class NodeCache:
                 layer = self.root / "layers" / hexd
                 trash = self.root / "tmp" / f"evict-{hexd[:12]}-{uuid.uuid4().hex[:6]}"
                 os.rename(layer, trash)
-                shutil.rmtree(trash, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    remove_tree(trash)
                 (self.root / "layers" / f"{hexd}.used").unlink(missing_ok=True)
             total -= u.size
             evicted.append(u.digest)
@@ -380,13 +383,15 @@ def _touch(path: Path) -> None:
 
 
 def _tree_size(root: Path) -> int:
+    """Disk usage of the files below ``root`` (iterative and fd-based: any depth)."""
     total = 0
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
-            except OSError:
-                pass
+    try:
+        for _parts, _fd, entry in iter_tree(root):
+            if not entry.is_dir(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    total += entry.stat(follow_symlinks=False).st_blocks * 512
+    except OSError:
+        pass  # vanished while measured
     return total
 
 

@@ -24,7 +24,16 @@ and every decision is reported (``PolicyReport``, in ``--json`` output):
   the sandbox had;
 - a file with hardlinks outside the upper dir refuses the snapshot (an upper dir can only hold
   links among its own files);
-- symlinks are stored as links and never followed (the walker uses ``lstat`` throughout).
+- symlinks are stored as links and never followed (the walker opens every name relative to
+  its directory's fd, no-follow);
+- only the overlay's own markers are interpreted (the sandbox overlay is mounted with
+  ``trusted.overlay.*``, which sandbox root cannot set: no ``CAP_SYS_ADMIN``): a file,
+  directory or symlink the agent *named* ``.wh.NAME`` or ``.wh..wh..opq`` is dropped (OCI
+  reserves those names; packing it would delete ``NAME`` or hide a directory on restore), and
+  ``user.overlay.*`` attributes are dropped, never read as opaque markers — both reported;
+- a tree of any depth is walked iteratively, but a path longer than 4,095 bytes (``PATH_MAX``,
+  e.g. a 4,096-deep ``d/d/…``) refuses the snapshot, naming the path: no unpacker could
+  recreate it.
 
 A **derived lock** is the parent lock plus the new layer (role ``snapshot``), annotated with the
 parent lock's digest and the creation time. Chains of snapshots grow one layer per pack-diff;
@@ -37,8 +46,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
+import errno
 import os
-import shutil
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -50,10 +59,13 @@ from envbuild.layers import Entry, LayerReader, pack_tree
 from envbuild.oci import (ANNOTATION_CREATED, ANNOTATION_NAME, ANNOTATION_PARENT,
                           ANNOTATION_ROLE, ANNOTATION_TOC, MEDIA_TYPE_CONFIG,
                           MEDIA_TYPE_LAYER_ZSTD, MEDIA_TYPE_MANIFEST)
+from envbuild.safefs import iter_tree, open_beneath, remove_tree
 from envbuild.store import Store, put_file, put_json
 from runtime_shim.locks import ResolvedLock
 
 SNAPSHOT_ROLE = "snapshot"
+UPPER_OVERLAY_XATTR = "trusted"  # runtime_shim.mount and the microVM init mount the sandbox
+#                                  overlay without userxattr: its markers are trusted.overlay.*
 DROPPED_XATTR_PREFIXES = ("security.", "trusted.")
 #: Apparent bytes a snapshot may restore to when the sandbox names no disk limit: the default
 #: of ``Limits.disk_bytes`` (10 GiB); ``for_limits`` takes the sandbox's own limit.
@@ -69,7 +81,13 @@ class SnapshotPolicy:
     """What a snapshot of untrusted sandbox changes may contain. Defaults are safe.
 
     ``max_file_bytes`` and ``max_total_bytes`` are apparent sizes (what the snapshot restores
-    to), so sparse files count in full."""
+    to), so sparse files count in full.
+
+    Not configurable, whatever the policy: names starting with ``.wh.`` (reserved by OCI for
+    whiteouts) are dropped and reported, only real overlay whiteouts (0/0 character devices)
+    and ``trusted.overlay.opaque`` become OCI whiteouts and opaque markers, ``user.overlay.*``
+    attributes are dropped and reported, and a path longer than 4,095 bytes refuses the
+    snapshot (see the module docstring)."""
 
     drop_devices: bool = True
     strip_setid: bool = True
@@ -126,17 +144,18 @@ class SnapshotResult:
 
 def hardlinks_leaving(root: Path) -> list[str]:
     """Regular files below ``root`` whose link count is higher than the number of their names
-    below ``root``: linked to something outside it."""
+    below ``root``: linked to something outside it. Iterative and fd-based (any depth)."""
     seen: dict[tuple[int, int], list[str]] = {}
     nlink: dict[tuple[int, int], int] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for n in filenames:
-            p = os.path.join(dirpath, n)
-            st = os.lstat(p)
-            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-                key = (st.st_dev, st.st_ino)
-                seen.setdefault(key, []).append(os.path.relpath(p, root))
-                nlink[key] = st.st_nlink
+    for parts, _fd, entry in iter_tree(root):
+        if not entry.is_file(follow_symlinks=False):
+            continue
+        st = entry.stat(follow_symlinks=False)
+        if st.st_nlink > 1:
+            key = (st.st_dev, st.st_ino)
+            rel = os.fsdecode(b"/".join([*parts, os.fsencode(entry.name)]))
+            seen.setdefault(key, []).append(rel)
+            nlink[key] = st.st_nlink
     return sorted(p for key, paths in seen.items() if len(paths) < nlink[key] for p in paths)
 
 
@@ -211,8 +230,14 @@ def pack_upper(upper: Path, out, policy: SnapshotPolicy, *, name: str,
                               f"sandbox's changes ({len(leaving)} such file(s))",
                               hint="an upper dir should hold no such links; is it tampered?")
     report = PolicyReport()
-    info = pack_tree(upper, out, overlay_upper=True, source_date_epoch=source_date_epoch,
-                     entry_filter=policy_filter(policy, report, name))
+    try:
+        info = pack_tree(upper, out, overlay_upper=True, source_date_epoch=source_date_epoch,
+                         entry_filter=policy_filter(policy, report, name),
+                         overlay_xattr=UPPER_OVERLAY_XATTR, on_dropped=report.note)
+    except SnapshotRefused:
+        raise
+    except UnsafeLayerError as e:  # the walker's limits (a path too long for any unpacker)
+        raise SnapshotRefused(f"snapshot of {name}: {e.message}", hint=e.hint) from None
     return info, report
 
 
@@ -280,11 +305,18 @@ def _reader(store: Store, digest: str, toc_digest: str | None) -> LayerReader:
     return LayerReader.from_store(store, digest, expected_toc_digest=toc_digest or None)
 
 
-def _is_whiteout(path: str) -> bool:
+def _is_whiteout(root_fd: int, rel: str) -> bool:
+    parent, _, base = rel.rpartition("/")
     try:
-        st = os.lstat(path)
+        fd = open_beneath(root_fd, parent, os.O_PATH | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        st = os.lstat(base, dir_fd=fd)
     except FileNotFoundError:
         return False
+    finally:
+        os.close(fd)
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
 
@@ -294,35 +326,53 @@ def merge_upper(store: Store, layers, dest: Path) -> None:
     Each layer is unpacked with its whiteouts kept as overlay whiteouts (they hide content of
     the layers *below the chain* too); an opaque directory first loses what earlier chain
     layers put in it; a directory created where an earlier layer left a whiteout becomes
-    opaque, as overlayfs itself does when a deleted directory is made again."""
-    for layer in layers:
-        reader = _reader(store, layer.digest, layer.toc_digest)
-        try:
-            entries = reader.entries()
-            reopened = []
-            for e in entries:
-                parent, _, base = e.path.rpartition("/")
-                if base == ".wh..wh..opq":
-                    d = dest / parent if parent else dest
-                    if d.is_dir() and not d.is_symlink():
-                        for child in os.scandir(d):
-                            _remove(child.path)
-                elif e.type == "dir" and _is_whiteout(str(dest / e.path)):
-                    reopened.append(e.path)
-            reader.unpack(dest, whiteouts="overlay")
-            for p in reopened:
-                os.setxattr(dest / p, "trusted.overlay.opaque", b"y", follow_symlinks=False)
-        finally:
-            close = getattr(reader, "close", None)
-            if close:
-                close()
+    opaque, as overlayfs itself does when a deleted directory is made again. Paths are
+    resolved below ``dest``'s fd without following symlinks (``safefs.open_beneath``) and
+    emptied directories removed iteratively (``safefs.remove_tree``)."""
+    dest_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for layer in layers:
+            reader = _reader(store, layer.digest, layer.toc_digest)
+            try:
+                entries = reader.entries()
+                reopened = []
+                for e in entries:
+                    parent, _, base = e.path.rpartition("/")
+                    if base == ".wh..wh..opq":
+                        _empty_dir(dest_fd, parent)
+                    elif e.type == "dir" and _is_whiteout(dest_fd, e.path):
+                        reopened.append(e.path)
+                reader.unpack(dest, whiteouts="overlay")
+                for p in reopened:
+                    fd = open_beneath(dest_fd, p, os.O_RDONLY | os.O_DIRECTORY)
+                    try:
+                        os.setxattr(fd, "trusted.overlay.opaque", b"y")
+                    finally:
+                        os.close(fd)
+            finally:
+                close = getattr(reader, "close", None)
+                if close:
+                    close()
+    finally:
+        os.close(dest_fd)
 
 
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
+def _empty_dir(root_fd: int, rel: str) -> None:
+    """Remove everything in the directory ``rel`` below ``root_fd`` (nothing if it is not a
+    real directory there)."""
+    try:
+        fd = open_beneath(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a symlink on the way: not a directory of this tree
+            return
+        raise
+    try:
+        for child in os.listdir(fd):
+            remove_tree(child, dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 def squash_snapshots(store: Store, lock: ResolvedLock, *, scratch: Path, ref: str | None,
@@ -350,4 +400,4 @@ def squash_snapshots(store: Store, lock: ResolvedLock, *, scratch: Path, ref: st
                                        keep=keep)
         return publish_lock(store, manifest, config, ref)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        remove_tree(work)

@@ -40,7 +40,6 @@ import fcntl
 import json
 import os
 import resource
-import shutil
 import socket
 import subprocess
 import time
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import Protocol
 
 from envbuild.errors import RuntimeShimError
+from envbuild.safefs import remove_tree
 from envbuild.store import Store, put_file
 from runtime_shim import agent, fsaccess, scratchfs
 from runtime_shim import netns  # a networked sandbox's own namespace
@@ -528,7 +528,8 @@ class Sandbox:
                 unmount(str(paths.merged))
             netns.teardown(paths.root)
             scratchfs.destroy(paths.root)
-            shutil.rmtree(paths.root, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the error that got us here matters more
+                remove_tree(paths.root)
             raise
         return cls(sandbox_id, resolved, paths, impl, node_root, store)
 
@@ -582,11 +583,21 @@ def _write_meta(paths: SandboxPaths, meta: dict) -> None:
 
 
 def remove_sandbox_dir(paths: SandboxPaths) -> None:
+    """Unmount everything below a sandbox's dir, then delete it: iteratively and fd-based
+    (``safefs.remove_tree``: any depth, symlinks never followed, no mount crossed), so a tree
+    the sandbox made 4,096 levels deep goes like a flat one. What cannot be removed raises
+    ``RuntimeShimError`` naming the cause (the dir stays for ``envbuild sandbox gc``)."""
     netns.teardown(paths.root)  # slirp4netns and the namespace file of a networked sandbox
     for target in mounted_targets_under(str(paths.root)):
         unmount(target)
-    scratchfs.destroy(paths.root)  # the disk is unmounted above; this deletes its image
-    shutil.rmtree(paths.root, ignore_errors=True)
+    scratchfs.destroy(paths.root)  # the disk is unmounted above; this releases its loop device
+    try:
+        remove_tree(paths.root)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        raise RuntimeShimError(f"remove sandbox dir {paths.root}: {e.strerror}{where}",
+                               hint="fix the cause (e.g. `lsattr`, `findmnt -R`), then run "
+                               "`envbuild sandbox gc`") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -648,11 +659,46 @@ def layers_in_use(node_dir: str | os.PathLike[str]) -> set[str]:
     return in_use
 
 
-def gc_sandboxes(node_dir: str | os.PathLike[str], runtime: str = "runc") -> list[str]:
-    """Remove sandboxes whose creating process is gone (a crash or kill -9), except kept ones."""
-    removed = []
+@dataclasses.dataclass(frozen=True)
+class SandboxRemoval:
+    """What ``sweep_sandboxes`` did with one orphaned sandbox: removed, or ``error`` (one line:
+    the cause, then the hint)."""
+
+    id: str
+    error: str | None = None
+
+    @property
+    def removed(self) -> bool:
+        return self.error is None
+
+
+def sweep_sandboxes(node_dir: str | os.PathLike[str],
+                    runtime: str = "runc") -> list[SandboxRemoval]:
+    """Try to remove every sandbox whose creating process is gone (a crash or kill -9), except
+    kept ones; one that fails never stops the others. One ``SandboxRemoval`` per sandbox."""
+    done = []
     for info in list_sandboxes(node_dir):
-        if not info.alive and not info.kept:
+        if info.alive or info.kept:
+            continue
+        try:
             remove_sandbox(node_dir, info.id, runtime)
-            removed.append(info.id)
-    return removed
+        except RuntimeShimError as e:
+            done.append(SandboxRemoval(info.id, e.message + (f" — {e.hint}" if e.hint else "")))
+        except OSError as e:
+            done.append(SandboxRemoval(info.id, f"{e.strerror} ({e.filename or info.path})"))
+        else:
+            done.append(SandboxRemoval(info.id))
+    return done
+
+
+def gc_sandboxes(node_dir: str | os.PathLike[str], runtime: str = "runc") -> list[str]:
+    """Remove sandboxes whose creating process is gone, except kept ones: the ids removed.
+    Every orphan is tried; if any could not be removed, ``RuntimeShimError`` afterwards names
+    each with its cause (``sweep_sandboxes`` gives the per-sandbox outcomes instead)."""
+    done = sweep_sandboxes(node_dir, runtime)
+    failed = [r for r in done if not r.removed]
+    if failed:
+        raise RuntimeShimError(f"{len(failed)} orphaned sandbox(es) could not be removed "
+                               f"({len(done) - len(failed)} removed)",
+                               context="\n".join(f"{r.id}: {r.error}" for r in failed))
+    return [r.id for r in done]

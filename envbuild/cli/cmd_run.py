@@ -144,13 +144,21 @@ def register(group: click.Group) -> None:
     @sandbox.command("rm")
     @click.argument("ids", nargs=-1, required=True)
     @pass_app
-    def sandbox_rm(app: App, ids: tuple[str, ...]) -> None:
-        """Kill, unmount and delete sandboxes by id."""
+    def sandbox_rm(app: App, ids: tuple[str, ...]) -> int:
+        """Kill, unmount and delete sandboxes by id (each one tried; exit 1 if any failed)."""
+        from envbuild.errors import RuntimeShimError
         from runtime_shim.sandbox import remove_sandbox
 
+        failed = 0
         for i in ids:
-            remove_sandbox(app.settings.node_dir, i, app.settings.oci_runtime)
-            click.echo(f"removed {i}")
+            try:
+                remove_sandbox(app.settings.node_dir, i, app.settings.oci_runtime)
+            except RuntimeShimError as e:
+                failed += 1
+                click.echo(f"failed  {i}: {e.message}" + (f" — {e.hint}" if e.hint else ""))
+            else:
+                click.echo(f"removed {i}")
+        return 1 if failed else 0
 
     @group.group()
     def node() -> None:
@@ -184,10 +192,16 @@ def register(group: click.Group) -> None:
 
     @sandbox.command("gc")
     @pass_app
-    def sandbox_gc(app: App) -> None:
-        """Remove sandboxes left behind by crashed processes (kept ones stay)."""
-        from runtime_shim.sandbox import gc_sandboxes
+    def sandbox_gc(app: App) -> int:
+        """Remove sandboxes left behind by crashed processes (kept ones stay): one line per
+        sandbox, removed or failed with its cause; one failure never stops the others, and
+        makes the exit code 1."""
+        from runtime_shim.sandbox import sweep_sandboxes
 
-        removed = gc_sandboxes(app.settings.node_dir, app.settings.oci_runtime)
-        click.echo(f"removed {len(removed)} orphaned sandbox(es)" +
-                   (": " + ", ".join(removed) if removed else ""))
+        done = sweep_sandboxes(app.settings.node_dir, app.settings.oci_runtime)
+        for r in done:
+            click.echo(f"removed {r.id}" if r.removed else f"failed  {r.id}: {r.error}")
+        failed = sum(not r.removed for r in done)
+        click.echo(f"removed {len(done) - failed} orphaned sandbox(es)" +
+                   (f", {failed} could not be removed" if failed else ""), err=bool(failed))
+        return 1 if failed else 0

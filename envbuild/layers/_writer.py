@@ -31,9 +31,10 @@ from envbuild.layers._tar import (
     encode_header,
 )
 from envbuild.layers._toc import Entry, LayerInfo, encode_v2, entry_row, json_string
-from envbuild.layers._walk import walk_tree
+from envbuild.layers._walk import FileSource, OnDropped, walk_tree
 
 ZSTD_LEVEL = 3
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 TOC_ZSTD_LEVEL = 3  # the TOC is compressed after all frames, on the critical path: level 9 took
 #                     85 ms on a 15k-entry TOC for 3 % less (16 KB); level 3 takes ~15 ms
 _PADS = [bytes(n) for n in range(BLOCK)]
@@ -388,7 +389,10 @@ class LayerWriter:
                 data = sink.pos
                 if isinstance(source, (bytes, str)):
                     try:
-                        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                        if type(source) is FileSource:  # from walk_tree: open by dir fd
+                            fd = os.open(source.name, _OPEN_FLAGS, dir_fd=source.dir_fd)
+                        else:
+                            fd = os.open(source, _OPEN_FLAGS)
                     except OSError as err:
                         raise LayerError(f"write layer {self.name}: open {e.path}: "
                                          f"{err.strerror}") from err
@@ -453,8 +457,9 @@ class LayerWriter:
 def pack_tree(src_dir: str | os.PathLike, out: BinaryIO, *, framing: str | Framing = "lazy",
               source_date_epoch: int = 0, overlay_upper: bool = False,
               allow_devices: bool = True, workers: int = 2,
-              entry_filter: Callable[[Iterator[tuple[Entry, bytes | None]]],
-                                     Iterator[tuple[Entry, bytes | None]]] | None = None,
+              entry_filter: Callable[[Iterator[tuple[Entry, str | None]]],
+                                     Iterator[tuple[Entry, str | None]]] | None = None,
+              overlay_xattr: str = "trusted", on_dropped: OnDropped | None = None,
               ) -> LayerInfo:
     """Pack the tree below ``src_dir`` into a layer blob written to ``out`` (see the package
     docstring). Deterministic: the same tree gives the same bytes wherever and whenever.
@@ -463,9 +468,15 @@ def pack_tree(src_dir: str | os.PathLike, out: BinaryIO, *, framing: str | Frami
     the ones to pack, possibly changed or fewer: how pack-diff applies its policy to an
     untrusted sandbox's upper dir (drop devices, strip setuid bits, cap sizes) without a
     second copy of the tree. It must keep layer order and keep hardlinks pointing at members
-    it yields."""
+    it yields, and use each source path before taking the next entry (``walk_tree``).
+
+    ``overlay_upper``: ``src_dir`` is an overlayfs upper dir (mounted with the
+    ``overlay_xattr`` namespace); only its real whiteouts and opaque dirs become OCI ones, and
+    names or attributes that only look like them are refused, or left out and told to
+    ``on_dropped`` (``walk_tree``)."""
     entries = walk_tree(src_dir, source_date_epoch=source_date_epoch,
-                        overlay_upper=overlay_upper, allow_devices=allow_devices)
+                        overlay_upper=overlay_upper, allow_devices=allow_devices,
+                        overlay_xattr=overlay_xattr, on_dropped=on_dropped)
     if entry_filter is not None:
         entries = entry_filter(entries)
     with LayerWriter(out, framing=framing, workers=workers, name=os.fspath(src_dir)) as w:

@@ -17,6 +17,7 @@ read-only and packs ``upper/``.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -25,6 +26,7 @@ import uuid
 from pathlib import Path
 
 from envbuild.errors import RuntimeShimError
+from envbuild.safefs import remove_tree
 from envbuild.store import check_digest
 
 EROFS_DIR = "erofs"
@@ -94,7 +96,8 @@ def make_writable_disk(path: Path, size_bytes: int, inodes: int | None = None) -
                 "-d", str(template), str(path)]
         proc = subprocess.run(argv, capture_output=True, text=True, check=False)
     finally:
-        shutil.rmtree(template, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            remove_tree(template)
     if proc.returncode != 0:
         raise RuntimeShimError(f"make the writable disk {path.name}: mkfs.ext4 exited "
                                f"{proc.returncode}",
