@@ -14,7 +14,7 @@ import pytest
 
 from envbuild.safefs import iter_tree, remove_tree
 from runtime_shim.packdiff import SnapshotRefused
-from runtime_shim.sandbox import Sandbox, list_sandboxes, remove_sandbox
+from runtime_shim.sandbox import Sandbox, SandboxPaths, list_sandboxes, remove_sandbox
 from tests.conftest import REPO, require_root, require_tool
 
 ENV = "env/busybox-shell"
@@ -191,7 +191,7 @@ def _orphans(busybox_store, node: Path, n: int, deep: int, probe: bytes,
         proc.kill()
         proc.wait()
     assert all(i.startswith("eb-") for i in ids), ids
-    assert _depth(node / "sandboxes" / ids[deep] / "upper" / "workspace" / "deep") == 4096
+    assert _depth(SandboxPaths(node / "sandboxes" / ids[deep]).upper / "workspace" / "deep") == 4096
     return ids
 
 
@@ -214,8 +214,9 @@ def test_sandbox_gc_removes_every_orphan_it_can_and_reports_the_rest(busybox_sto
     deep_id, stuck_id = ids[1], ids[2]
     infos = {i.id: i for i in list_sandboxes(node)}
     assert all(i in infos and not infos[i].alive for i in ids)
-    # an immutable file (chattr +i, as a host tool may leave): unlink fails with EPERM
-    stuck = infos[stuck_id].path / "upper" / "etc" / "pinned"
+    # an immutable file (chattr +i, as a host tool may leave) in the sandbox dir on the host's
+    # filesystem (inside the sandbox's own disk it would go with the disk): unlink gets EPERM
+    stuck = infos[stuck_id].path / "etc" / "pinned"
     stuck.parent.mkdir(parents=True, exist_ok=True)
     stuck.write_text("x")
     _immutable(stuck, True)
