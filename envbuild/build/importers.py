@@ -28,7 +28,8 @@ from envbuild.errors import BuildError, SourceError
 
 # Shared with envbuild.build.pin's tree hash: what is not hashed must not be copied either,
 # or a key would not describe its layer.
-from envbuild.build.pin import IGNORED_DIR_NAMES, IGNORED_FILE_SUFFIXES, IGNORED_NAMES
+from envbuild.build.pin import (IGNORED_DIR_NAMES, IGNORED_FILE_SUFFIXES, IGNORED_NAMES,
+                                check_git_source, git_env)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +44,13 @@ class Imported:
 
 def _run(argv: list[str], what: str, *, cwd: str | None = None,
          cancelled: threading.Event | None = None, stdout=subprocess.PIPE,
-         stderr=subprocess.PIPE) -> str:
+         stderr=subprocess.PIPE, env: Mapping[str, str] | None = None) -> str:
     """Run a tool to completion; a set ``cancelled`` event (Ctrl-C / SIGTERM of the build)
     kills its whole process group within ~0.1 s instead of waiting for, say, debootstrap."""
     try:
         proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout,
-                                stderr=stderr, start_new_session=True)
+                                stderr=stderr, start_new_session=True,
+                                env=dict(env) if env is not None else None)
     except FileNotFoundError:
         raise BuildError(f"{what}: {argv[0]} is not installed",
                          hint="run scripts/setup.sh to install the tools envbuild drives") from None
@@ -382,14 +384,20 @@ def import_path(src: Path, dest: Path) -> Imported:
 def import_git(url: str, commit: str, dest: Path, scratch: Path,
                cancelled: threading.Event | None = None) -> Imported:
     """The tree of ``commit`` (already pinned) without ``.git``: ``git archive`` is
-    deterministic, a clone's ``.git`` is not."""
+    deterministic, a clone's ``.git`` is not. ``url`` and ``commit`` are checked again here
+    (``check_git_source``) and can never reach git as options: ``--end-of-options`` precedes
+    them and ``git_env`` restricts the transports."""
+    check_git_source(url, commit)
+    if not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", commit):
+        raise SourceError(f"git source {url}: {commit!r} is not a pinned commit id")
+    env = git_env()
     repo = scratch / "git"
-    _run(["git", "init", "-q", "--bare", str(repo)], "git init")
-    _run(["git", "-C", str(repo), "fetch", "-q", "--depth=1", url, commit], f"git fetch {url}",
-         cancelled=cancelled)
+    _run(["git", "init", "-q", "--bare", "--", str(repo)], "git init", env=env)
+    _run(["git", "-C", str(repo), "-c", "protocol.ext.allow=never", "fetch", "-q", "--depth=1",
+          "--end-of-options", url, commit], f"git fetch {url}", cancelled=cancelled, env=env)
     archive = scratch / "src.tar"
-    _run(["git", "-C", str(repo), "archive", "--format=tar", "-o", str(archive), commit],
-         f"git archive {commit}")
+    _run(["git", "-C", str(repo), "archive", "--format=tar", "-o", str(archive),
+          "--end-of-options", commit], f"git archive {commit}", env=env)
     extract_tar(archive, dest, f"extract {url}@{commit[:12]}")
     return Imported()
 
