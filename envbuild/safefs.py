@@ -77,7 +77,8 @@ def _identity(fd: int) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def remove_tree(path: str | os.PathLike[str], *, missing_ok: bool = True) -> None:
+def remove_tree(path: str | os.PathLike[str], *, missing_ok: bool = True,
+                dir_fd: int | None = None) -> None:
     """Delete ``path`` and everything below it without following symlinks or crossing mounts.
 
     Depth costs no recursion and no file descriptors: the walk keeps the names and identities
@@ -85,10 +86,11 @@ def remove_tree(path: str | os.PathLike[str], *, missing_ok: bool = True) -> Non
     came from (a concurrent rename is an error, never a delete elsewhere). ``path`` itself may
     be a file or a symlink (then only the link goes). A directory on another device below
     ``path`` raises ``OSError(EXDEV)`` (unmount first: deleting through a mount would delete
-    another filesystem's files)."""
+    another filesystem's files). With ``dir_fd``, ``path`` is one name in that directory
+    (the unpacker removes through its verified directory fds)."""
     path = os.fspath(path)
     try:
-        fd = os.open(path, _DIR_FLAGS)
+        fd = os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         if missing_ok:
             return
@@ -96,7 +98,7 @@ def remove_tree(path: str | os.PathLike[str], *, missing_ok: bool = True) -> Non
     except OSError as e:
         if e.errno not in (errno.ENOTDIR, errno.ELOOP):
             raise
-        os.unlink(path)  # a file or a symlink: remove the name only
+        os.unlink(path, dir_fd=dir_fd)  # a file or a symlink: remove the name only
         return
     ancestors = [_identity(fd)]
     names: list[str] = []
@@ -123,7 +125,7 @@ def remove_tree(path: str | os.PathLike[str], *, missing_ok: bool = True) -> Non
             os.rmdir(names.pop(), dir_fd=fd)
     finally:
         os.close(fd)
-    os.rmdir(path)
+    os.rmdir(path, dir_fd=dir_fd)
 
 
 def _first_subdir_emptying(dir_fd: int, device: int) -> tuple[str, int] | None:

@@ -210,19 +210,23 @@ def _import_base(d: Base, upper: Path, log: Path, cancelled: threading.Event
 
 def _import_workspace(d: Workspace, job: LayerJob, merged: Path, scratch: Path,
                       cancelled: threading.Event) -> None:
-    dest = merged / d.dest.lstrip("/")
-    src = d.source
-    here = d.origin.directory
-    if isinstance(src, PathSource):
-        importers.import_path(here / src.path, dest)
-    elif isinstance(src, GitSource):
-        commit = job.pins.get("source")
-        if not commit:
-            raise BuildError(f"{d.name}: git source was not pinned to a commit")
-        importers.import_git(local_git_path(src.url, str(here)) or src.url, commit, dest,
-                             scratch, cancelled)
-    elif isinstance(src, ArchiveSource):
-        importers.import_archive(here / src.path, src.sha256, dest)
+    # dest is resolved inside the rootfs: an image's symlink never sends the source to the host
+    dest = importers.open_dir_in_root(merged, d.dest)
+    try:
+        src = d.source
+        here = d.origin.directory
+        if isinstance(src, PathSource):
+            importers.import_path(here / src.path, dest)
+        elif isinstance(src, GitSource):
+            commit = job.pins.get("source")
+            if not commit:
+                raise BuildError(f"{d.name}: git source was not pinned to a commit")
+            importers.import_git(local_git_path(src.url, str(here)) or src.url, commit, dest,
+                                 scratch, cancelled)
+        elif isinstance(src, ArchiveSource):
+            importers.import_archive(here / src.path, src.sha256, dest)
+    finally:
+        os.close(dest)
 
 
 def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, scratch: Path,
@@ -274,25 +278,31 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
 
 
 def _copy_step(d: LayerDefinition, step: CopyStep, merged: Path) -> None:
-    src = d.origin.directory / step.src
-    dest = merged / step.dest.lstrip("/")
+    """Copy ``step.src`` (confined to the source root when the tree was pinned) into the
+    rootfs: the destination resolved inside ``merged``, symlinks of a copied tree kept as links,
+    nothing written through a symlink (``importers.copy_source_tree``)."""
+    # the same resolution the pin checked (envbuild.build.pin.confined_path)
+    src = Path(os.path.realpath(d.origin.directory / step.src))
     uid, gid = parse_user(step.owner)
     if not src.exists():
         raise BuildError(f"{d.name}: copy source {src} does not exist",
                          hint="copy.src is relative to the definition file")
+    rel = step.dest.strip("/")
     if src.is_dir():
-        importers.copy_source_tree(src, dest)
-        targets = [dest, *dest.rglob("*")]
-    else:
-        if step.dest.endswith("/"):
-            dest = dest / src.name
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, dest)
-        targets = [dest]
-    for t in targets:
-        os.lchown(t, uid, gid)
-        if step.mode is not None and not t.is_symlink() and not t.is_dir():
-            os.chmod(t, step.mode)
+        dest = importers.open_dir_in_root(merged, rel)
+        try:
+            importers.copy_source_tree(src, dest, owner=(uid, gid), mode=step.mode)
+        finally:
+            os.close(dest)
+        return
+    parent, _, base = rel.rpartition("/")
+    if step.dest.endswith("/") or not base:
+        parent, base = rel, src.name
+    pfd = importers.open_dir_in_root(merged, parent)
+    try:
+        importers.copy_file_into(str(src), pfd, base, owner=(uid, gid), mode=step.mode)
+    finally:
+        os.close(pfd)
 
 
 def _tail(log: Path, lines: int) -> str:
