@@ -102,3 +102,212 @@ def test_git_itself_refuses_ext_transport(tmp_path):
                           env=git_env(), capture_output=True, text=True)
     assert done.returncode != 0
     assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- item 2: OCI
+
+
+def _tar_bytes(members, compress: str = "") -> bytes:
+    """members: (name, kind, extra): file (bytes), dir, symlink (target), char/block (maj, min)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode=f"w:{compress}" if compress else "w",
+                      format=tarfile.PAX_FORMAT) as tar:
+        for name, kind, extra in members:
+            info = tarfile.TarInfo(name)
+            info.mode = 0o644
+            if kind == "file":
+                info.size = len(extra)
+                tar.addfile(info, io.BytesIO(extra))
+                continue
+            info.type = {"dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE,
+                         "char": tarfile.CHRTYPE, "block": tarfile.BLKTYPE}[kind]
+            if kind == "symlink":
+                info.linkname = extra
+            elif kind in ("char", "block"):
+                info.devmajor, info.devminor = extra
+                info.mode = 0o666
+            else:
+                info.mode = 0o755
+            tar.addfile(info)
+    return buf.getvalue()
+
+
+def _oci_layout(root: Path, layers: list[bytes]) -> None:
+    blobs = root / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+
+    def put(data: bytes) -> str:
+        digest = hashlib.sha256(data).hexdigest()
+        (blobs / digest).write_bytes(data)
+        return "sha256:" + digest
+
+    diff_ids = [put(layer) for layer in layers]
+    cfg = json.dumps({"architecture": "amd64", "os": "linux", "config": {},
+                      "rootfs": {"type": "layers", "diff_ids": diff_ids}}).encode()
+    manifest = json.dumps({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                   "digest": put(cfg), "size": len(cfg)},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": d,
+                    "size": len(layer)} for d, layer in zip(diff_ids, layers)]}).encode()
+    (root / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    (root / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": put(manifest),
+         "size": len(manifest), "annotations": {"org.opencontainers.image.ref.name": "v1"}}]}))
+
+
+def _oci_base(tmp_path: Path, layers: list[bytes], name: str = "evil") -> None:
+    _oci_layout(tmp_path / "envdefs" / "base" / "img", layers)
+    _write(tmp_path / "envdefs" / "base" / f"{name}.yaml", f"""\
+        apiVersion: envbuild/v1
+        kind: Base
+        name: {name}
+        abi: oci-{name}
+        from: {{oci: {{layout: img, ref: v1}}}}
+        """)
+
+
+def test_oci_layers_never_write_or_delete_through_a_planted_symlink(envbuild_cli, tmp_path):
+    """The issue's image: layer 1 ``a -> /host/dir``, layer 2 ``a/OUT`` and ``a/.wh.victim``.
+    Before the fix the build succeeded, OUT landed in the host dir and victim was deleted."""
+    host = tmp_path / "hostdir"
+    host.mkdir()
+    (host / "victim").write_text("precious\n")
+    _oci_base(tmp_path, [_tar_bytes([("a", "symlink", str(host))]),
+                         _tar_bytes([("a/OUT", "file", b"pwned\n"),
+                                     ("a/.wh.victim", "file", b"")])])
+    before = _published(envbuild_cli)
+    result = envbuild_cli("build", "evil")
+    assert sorted(os.listdir(host)) == ["victim"], "the importer wrote into the host dir"
+    assert (host / "victim").read_text() == "precious\n"
+    _one_line_error(result)
+    assert "through the symlink 'a'" in result.err, result.err
+    assert _published(envbuild_cli) == before
+
+
+# ----------------------------------------------------------------------------- item 11: devices
+
+
+@pytest.mark.parametrize("source", ["rootfs", "oci"])
+def test_device_nodes_in_a_rootfs_tarball_or_oci_base_are_refused(envbuild_cli, tmp_path,
+                                                                  source):
+    members = [("dev/", "dir", None), ("dev/sda", "block", (8, 0)),
+               ("dev/mem", "char", (1, 1)), ("etc/", "dir", None), ("etc/motd", "file", b"hi")]
+    if source == "rootfs":
+        blob = _tar_bytes(members, "gz")
+        (tmp_path / "envdefs" / "base" / "root.tar.gz").write_bytes(blob)
+        _write(tmp_path / "envdefs" / "base" / "evil.yaml", f"""\
+            apiVersion: envbuild/v1
+            kind: Base
+            name: evil
+            abi: dev-test
+            from: {{rootfs: {{path: root.tar.gz, sha256: "{hashlib.sha256(blob).hexdigest()}"}}}}
+            """)
+    else:
+        _oci_base(tmp_path, [_tar_bytes(members)])
+    before = _published(envbuild_cli)
+    result = envbuild_cli("build", "evil")
+    _one_line_error(result)
+    assert "device node, refused" in result.err, result.err
+    assert _published(envbuild_cli) == before
+    node = Path(envbuild_cli.node) / "node"
+    devices = [p for p in node.rglob("*") if p.is_block_device() or p.is_char_device()
+               and os.stat(p, follow_symlinks=False).st_rdev != 0] if node.exists() else []
+    assert devices == []
+
+
+def test_node_cache_refuses_device_layers_and_is_private(tmp_path):
+    """A layer that carries a device node (built by a step that ran mknod, or crafted) never
+    lands in the node cache; the cache's dirs are 0700."""
+    from envbuild.errors import UnsafeLayerError
+    from envbuild.layers import pack_tree
+    from envbuild.store import put_file
+    from runtime_shim.nodecache import NodeCache
+
+    tree = tmp_path / "tree"
+    (tree / "dev").mkdir(parents=True)
+    os.mknod(tree / "dev" / "sda", stat_block(), os.makedev(8, 0))
+    blob = tmp_path / "layer.tar.zst"
+    with open(blob, "wb") as out:
+        pack_tree(tree, out)
+    store = LocalStore(tmp_path / "store")
+    stored = put_file(store, blob)
+    cache = NodeCache(tmp_path / "node")
+    with pytest.raises(UnsafeLayerError, match="block node, refused"):
+        cache.ensure(store, stored.digest)
+    assert not cache.has(stored.digest)
+    for d in (cache.root, cache.root / "layers", cache.root / "tmp", cache.root / "locks"):
+        assert os.stat(d).st_mode & 0o777 == 0o700, d
+
+
+def stat_block() -> int:
+    import stat
+
+    return stat.S_IFBLK | 0o666
+
+
+# ----------------------------------------------------------------------------- item 8: copy/path
+
+
+@pytest.mark.parametrize("how", ["dotdot", "symlink", "absolute-path-source", "symlink-in-dir"])
+def test_copy_and_path_sources_stay_inside_the_repository(envbuild_cli, tmp_path, how):
+    secret = tmp_path.parent / f"{tmp_path.name}-outside" / "shadow"
+    secret.parent.mkdir(exist_ok=True)
+    secret.write_text("root:$6$secret\n")
+    files = tmp_path / "envdefs" / "base" / "files"
+    files.mkdir(parents=True, exist_ok=True)
+    up = os.path.relpath(secret, files.parent)
+    if how == "dotdot":
+        step = f"  - copy: {{src: {up}, dest: /etc/stolen}}"
+        source = None
+    elif how == "symlink":
+        os.symlink(secret, files / "innocent")
+        step = "  - copy: {src: files/innocent, dest: /etc/stolen}"
+        source = None
+    elif how == "symlink-in-dir":
+        (files / "tree").mkdir()
+        os.symlink(secret, files / "tree" / "link")
+        step = "  - copy: {src: files/tree, dest: /etc/tree}"
+        source = None
+    else:
+        step = None
+        source = str(secret.parent)
+    if source is None:
+        _write(tmp_path / "envdefs" / "base" / "evil.yaml", f"""\
+            apiVersion: envbuild/v1
+            kind: Base
+            name: evil
+            abi: copy-test
+            from: {{scratch: {{}}}}
+            steps:
+            {step}
+            """)
+    else:
+        _write(tmp_path / "envdefs" / "workspaces" / "evil.yaml", f"""\
+            apiVersion: envbuild/v1
+            kind: Workspace
+            name: evil
+            build_on: busybox-tiny
+            source: {{path: {source}}}
+            dest: /src
+            """)
+    before = _published(envbuild_cli)
+    result = envbuild_cli("build", "evil")
+    if how == "symlink-in-dir":
+        # a symlink inside a copied tree is copied as a link, never followed out
+        assert result.code == 0, result.err
+        from envbuild.layers import LayerReader
+        from envbuild.store import get_key_record
+
+        store = LocalStore(envbuild_cli.store)
+        key = next(lay["key"] for lay in envbuild_cli("plan", "--json").json()["layers"]
+                   if lay["name"] == "evil")
+        with LayerReader.open_file(store.blob_path(get_key_record(store, key).layer)) as r:
+            entry = r.stat("etc/tree/link")
+            assert entry.type == "symlink" and entry.linkname == str(secret)
+            assert not any(e.type == "file" and r.read(e.path) == secret.read_bytes()
+                           for e in r.entries())
+        return
+    _one_line_error(result)
+    assert "evil.yaml:" in result.err and "outside the source root" in result.err, result.err
+    assert _published(envbuild_cli) == before
