@@ -16,14 +16,19 @@ The plan says *what* to build (``LayerJob``: plain data); this module does it (s
    point publishes nothing.
 
 Everything lives under one scratch directory per build that is removed at the end, mounts
-included, also on Ctrl-C.
+included, also on Ctrl-C. A build that dies without cleaning up (SIGKILL, OOM, power loss)
+leaves its dir owned by nobody: each scratch dir ``<root>/<id>`` has an owner file
+``<root>/<id>.owner`` that the build holds ``flock``ed for its whole life (the kernel drops the
+lock when the process dies), and ``sweep_stale_scratch`` — run at the start of every build and
+by ``envbuild node gc`` — removes the dirs whose owner file it can lock (their containers
+destroyed and mounts detached first, then ``safefs.remove_tree``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
-import shutil
 import threading
 import time
 import uuid
@@ -35,12 +40,13 @@ from envbuild.build.pin import local_git_path
 from envbuild.defs.model import (Base, BaseSource, BusyboxSource, CopyStep, DebootstrapSource,
                                  GitSource, LayerDefinition, OciSource, PathSource, RootfsSource,
                                  RunStep, ScratchSource, Toolkit, Workspace, ArchiveSource)
-from envbuild.errors import BuildError, StepFailed
+from envbuild.errors import BuildError, EnvbuildError, StepFailed
 from envbuild.layers import pack_tree
 from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_record
-from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
+from envbuild.safefs import remove_tree
+from runtime_shim.mount import OverlaySpec, mount_overlay, mounted_targets_under, unmount
 from runtime_shim.nodecache import NodeCache
-from runtime_shim.runc import OciRuntime, run_container, write_bundle
+from runtime_shim.runc import OciRuntime, destroy, list_containers, run_container, write_bundle
 from runtime_shim.stub import HOST_CA_PATH, ensure_stub
 from runtime_shim.spec import BindMount, RuntimeSpecRequest, env_list, parse_user, runtime_spec
 
@@ -108,7 +114,8 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
     started = time.monotonic()
     d = job.definition
     _stop_if_cancelled(ctx, job)
-    scratch = ctx.scratch_root / f"{job.key.removeprefix('sha256:')[:16]}-{uuid.uuid4().hex[:8]}"
+    scratch, owner = claim_scratch(ctx.scratch_root,
+                                   f"{job.key.removeprefix('sha256:')[:16]}-{uuid.uuid4().hex[:8]}")
     upper, work, merged = scratch / "upper", scratch / "work", scratch / "merged"
     for p in (upper, work, merged):
         p.mkdir(parents=True)
@@ -167,7 +174,82 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
     finally:
         if mounted:
             unmount(str(merged))
-        shutil.rmtree(scratch, ignore_errors=True)
+        release_scratch(scratch, owner)
+
+
+OWNER_SUFFIX = ".owner"
+
+
+def claim_scratch(root: Path, name: str) -> tuple[Path, int]:
+    """A new scratch dir ``root/name`` and the fd of its owner file, flocked for as long as the
+    fd is open. The owner file is locked before it gets its final name (a sweeper never sees
+    an owner file nobody holds yet) and exists before the dir (a dir without one is not ours)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{name}{OWNER_SUFFIX}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, b"%d\n" % os.getpid())  # for people looking; the lock is what counts
+    os.rename(tmp, root / f"{name}{OWNER_SUFFIX}")
+    scratch = root / name
+    scratch.mkdir()
+    return scratch, fd
+
+
+def release_scratch(scratch: Path, owner: int) -> None:
+    """Remove a finished build's scratch dir, then its owner file. If removal fails the owner
+    file stays and, unlocked once ``owner`` is closed, the next sweep retries."""
+    try:
+        remove_tree(scratch)
+        os.unlink(f"{scratch}{OWNER_SUFFIX}")
+    except OSError:
+        pass
+    finally:
+        os.close(owner)
+
+
+def sweep_stale_scratch(root: Path, runtime: OciRuntime | None = None) -> list[str]:
+    """Remove the scratch dirs under ``root`` whose build is gone (its owner file can be
+    locked): first the dead build's containers (their bundles live in the dir), then its
+    mounts, then the tree. Returns the names removed; a dir that cannot be removed now is
+    left for the next sweep."""
+    removed: list[str] = []
+    try:
+        entries = [e.name for e in os.scandir(root) if e.name.endswith(OWNER_SUFFIX)
+                   and not e.name.startswith(".")]
+    except FileNotFoundError:
+        return removed
+    containers = None
+    for entry in entries:
+        try:
+            fd = os.open(root / entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its build is alive
+            scratch = root / entry[:-len(OWNER_SUFFIX)]
+            if runtime is not None:
+                if containers is None:
+                    try:
+                        containers = list_containers(runtime, "eb-build-")
+                    except Exception:  # noqa: BLE001 - no runtime state: nothing to stop
+                        containers = []
+                for c in containers:
+                    if str(c.get("bundle", "")).startswith(f"{scratch}/"):
+                        destroy(runtime, c["id"])
+            try:
+                for m in mounted_targets_under(str(scratch)):
+                    unmount(m)
+                remove_tree(scratch)
+                os.unlink(root / entry)
+            except (OSError, EnvbuildError):
+                continue
+            removed.append(scratch.name)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _stop_if_cancelled(ctx: BuildContext, job: LayerJob) -> None:

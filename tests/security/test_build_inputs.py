@@ -311,3 +311,61 @@ def test_copy_and_path_sources_stay_inside_the_repository(envbuild_cli, tmp_path
     _one_line_error(result)
     assert "evil.yaml:" in result.err and "outside the source root" in result.err, result.err
     assert _published(envbuild_cli) == before
+
+
+# ----------------------------------------------------------------------------- item 14: scratch
+
+
+def test_a_sigkilled_build_leaves_no_scratch_dir_after_the_next_build(tmp_path):
+    """SIGKILL a real ``envbuild build`` while a step runs (the overlay mounted, runc running);
+    the next build removes its scratch dir, container and mount."""
+    require_tool("runc")
+    require_tool("busybox")
+    defs = tmp_path / "envdefs"
+    _write(defs / "base" / "bb.yaml", """\
+        apiVersion: envbuild/v1
+        kind: Base
+        name: bb
+        abi: bb-kill
+        from: {busybox: {binary: /bin/busybox}}
+        steps:
+          - run: mkdir -p /tmp && touch /tmp/started && dd if=/dev/zero of=/big bs=1M count=20 && sleep 60
+            network: none
+        """)
+    env = {**os.environ, "ENVBUILD_NODE_CACHE": str(tmp_path / "node"),
+           "ENVBUILD_STORE": str(tmp_path / "store"), "ENVBUILD_DEFS": str(defs)}
+    builds = tmp_path / "node" / "builds"
+    proc = subprocess.Popen([sys.executable, "-m", "envbuild.cli", "build"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if any((d / "upper" / "big").exists() for d in builds.glob("*")
+                   if d.is_dir()):
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the step never started")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    stale = [d for d in builds.iterdir() if d.is_dir()]
+    assert stale, "the killed build left nothing: the attack did not happen"
+    # the next build: a different, quick definition tree on the same node dir
+    _write(defs / "base" / "bb.yaml", """\
+        apiVersion: envbuild/v1
+        kind: Base
+        name: bb
+        abi: bb-kill
+        from: {busybox: {binary: /bin/busybox}}
+        """)
+    done = subprocess.run([sys.executable, "-m", "envbuild.cli", "build"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert [d for d in builds.iterdir()] == [], list(builds.iterdir())
+    with open("/proc/self/mountinfo") as f:
+        assert not [ln for ln in f if str(builds) in ln]
+    from runtime_shim.runc import OciRuntime, list_containers
+
+    assert list_containers(OciRuntime(state_root=str(tmp_path / "node" / "runc")),
+                           "eb-build-") == []
