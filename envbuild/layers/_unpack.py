@@ -100,7 +100,9 @@ class _Tree:
         for rel, fd in self.fds.items():
             if rel:
                 os.close(fd)
-        self.fds = {"": self.root_fd}
+        # in place: unpack_layer holds this dict (a stale copy would hold closed fd numbers)
+        self.fds.clear()
+        self.fds[""] = self.root_fd
 
     def parent(self, parts: list[str], path: str, create: bool = True) -> int | None:
         """A verified fd of the directory holding ``parts[-1]``, creating missing directories
@@ -297,11 +299,15 @@ def unpack_layer(reader, dest, *, whiteouts: str = "apply",
     try:
         if whiteouts == "apply":
             _apply_whiteouts(toc, tree, name)
+        fds = tree.fds
         for i, e in enumerate(toc):
             stream = _check_header(stream, e, i, name)
             path = e.path
             parts = check_member_name(name, path)
-            pfd = tree.parent(parts, path)
+            # the parent's fd straight from the cache in the common case (no join, no call)
+            pfd = fds.get(path.rpartition("/")[0]) if len(parts) > 1 else root_fd
+            if pfd is None:
+                pfd = tree.parent(parts, path)
             base = parts[-1]
             kind = e.type
             if kind == "file":
