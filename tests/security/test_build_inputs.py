@@ -369,3 +369,31 @@ def test_a_sigkilled_build_leaves_no_scratch_dir_after_the_next_build(tmp_path):
 
     assert list_containers(OciRuntime(state_root=str(tmp_path / "node" / "runc")),
                            "eb-build-") == []
+
+
+# ----------------------------------------------------------------------------- item 9: sparse
+
+
+def test_a_sparse_snapshot_restores_sparse_in_the_node_cache(tmp_path):
+    """The issue's bomb: a 1000 MiB sparse file packs into a few KB; restoring it through the
+    node cache (what a sandbox resumed from the snapshot does) used to cost 1000 MiB of disk."""
+    from envbuild.layers import pack_tree
+    from envbuild.store import put_file
+    from runtime_shim.nodecache import NodeCache
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    with open(tree / "sparse", "wb") as f:
+        f.truncate(1000 << 20)
+        f.seek(500 << 20)
+        f.write(b"x")
+    blob = tmp_path / "layer.tar.zst"
+    with open(blob, "wb") as out:
+        pack_tree(tree, out)
+    assert blob.stat().st_size < 1 << 20
+    store = LocalStore(tmp_path / "store")
+    digest = put_file(store, blob).digest
+    restored = NodeCache(tmp_path / "node").ensure(store, digest) / "sparse"
+    st = os.stat(restored)
+    assert st.st_size == 1000 << 20
+    assert st.st_blocks * 512 <= 1 << 20, f"{st.st_blocks * 512} bytes on disk"
