@@ -316,9 +316,10 @@ def test_copy_and_path_sources_stay_inside_the_repository(envbuild_cli, tmp_path
 # ----------------------------------------------------------------------------- item 14: scratch
 
 
-def test_a_sigkilled_build_leaves_no_scratch_dir_after_the_next_build(tmp_path):
+@pytest.mark.parametrize("cleaner", ["build", "node-gc"])
+def test_a_sigkilled_build_leaves_no_scratch_dir_after_the_next_build(tmp_path, cleaner):
     """SIGKILL a real ``envbuild build`` while a step runs (the overlay mounted, runc running);
-    the next build removes its scratch dir, container and mount."""
+    the next build (or ``envbuild node gc``) removes its scratch dir, container and mount."""
     require_tool("runc")
     require_tool("busybox")
     defs = tmp_path / "envdefs"
@@ -359,7 +360,8 @@ def test_a_sigkilled_build_leaves_no_scratch_dir_after_the_next_build(tmp_path):
         abi: bb-kill
         from: {busybox: {binary: /bin/busybox}}
         """)
-    done = subprocess.run([sys.executable, "-m", "envbuild.cli", "build"], env=env,
+    command = ["build"] if cleaner == "build" else ["node", "gc"]
+    done = subprocess.run([sys.executable, "-m", "envbuild.cli", *command], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert [d for d in builds.iterdir()] == [], list(builds.iterdir())
