@@ -401,17 +401,21 @@ def check_toolkit_prefix(name: str, upper: Path, prefix: str) -> None:
     deleting or changing anything else would break the envs it is stacked into."""
     prefix = "/" + prefix.strip("/")
     offending: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(upper):
-        rel_dir = "/" + os.path.relpath(dirpath, upper).removeprefix(".").lstrip("/")
+    todo = ["/"]  # iterative: a build step's 4096-deep tree costs no recursion
+    while todo:
+        rel_dir = todo.pop()
         base = rel_dir.rstrip("/")
+        with os.scandir(f"{upper}{base}") as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
         if rel_dir != "/" and not (rel_dir == prefix or rel_dir.startswith(prefix + "/")
-                                   or prefix.startswith(rel_dir + "/")) \
-                and not dirnames and not filenames:
+                                   or prefix.startswith(rel_dir + "/")) and not entries:
             offending.append(rel_dir)  # an empty directory outside the prefix
-        for n in filenames:  # os.walk lists symlinks to dirs and devices here too
+        for n, is_dir in entries:
             path = f"{base}/{n}"
-            if not (path == prefix or path.startswith(prefix + "/")):
-                offending.append(path)
+            if is_dir:
+                todo.append(path)
+            elif not (path == prefix or path.startswith(prefix + "/")):
+                offending.append(path)  # files, symlinks (to dirs too) and devices
         # Directories are copied up as ancestors of what changed inside them: report the
         # files they hold, not the directories themselves.
     if offending:
