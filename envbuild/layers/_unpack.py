@@ -106,36 +106,56 @@ class _Tree:
 
     def parent(self, parts: list[str], path: str, create: bool = True) -> int | None:
         """A verified fd of the directory holding ``parts[-1]``, creating missing directories
-        (0755); None (only with ``create=False``) if one is missing."""
+        (0755); None (only with ``create=False``) if one is missing. The fd belongs to the
+        cache. Levels of a very deep path beyond the cache's bound are walked through and
+        closed, so depth costs neither recursion nor more than ``_FD_CACHE`` + 1 fds."""
         rel = "/".join(parts[:-1])
         fd = self.fds.get(rel)
         if fd is not None:
             return fd
-        if len(self.fds) > _FD_CACHE:
-            self.close()
         i = len(parts) - 1
         while i > 0 and "/".join(parts[:i]) not in self.fds:
             i -= 1
         fd = self.fds["/".join(parts[:i])]
-        for j in range(i, len(parts) - 1):
-            comp = parts[j]
-            try:
-                child = os.open(comp, _DIR, dir_fd=fd)
-            except FileNotFoundError:
-                if not create:
-                    return None
-                os.mkdir(comp, 0o755, dir_fd=fd)
-                child = os.open(comp, _DIR, dir_fd=fd)
-            except NotADirectoryError:
-                p = "/".join(parts[:j + 1])
-                if stat.S_ISLNK(os.stat(comp, dir_fd=fd, follow_symlinks=False).st_mode):
-                    raise UnsafeLayerError(f"layer {self.name}: member {path!r} would be "
-                                           f"written through the symlink {p!r}") from None
-                raise LayerError(f"layer {self.name}: member {path!r} needs {p!r} to be a "
-                                 "directory, but it is not") from None
-            fd = child
-            self.fds["/".join(parts[:j + 1])] = child
-        return fd
+        owned = False  # fd is a walked-through level, not in the cache: close it after use
+        try:
+            for j in range(i, len(parts) - 1):
+                comp = parts[j]
+                try:
+                    child = os.open(comp, _DIR, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        return None
+                    os.mkdir(comp, 0o755, dir_fd=fd)
+                    child = os.open(comp, _DIR, dir_fd=fd)
+                except NotADirectoryError:
+                    p = "/".join(parts[:j + 1])
+                    if stat.S_ISLNK(os.stat(comp, dir_fd=fd, follow_symlinks=False).st_mode):
+                        raise UnsafeLayerError(f"layer {self.name}: member {path!r} would be "
+                                               f"written through the symlink {p!r}") from None
+                    raise LayerError(f"layer {self.name}: member {path!r} needs {p!r} to be a "
+                                     "directory, but it is not") from None
+                if owned:
+                    os.close(fd)
+                fd = child
+                if j == len(parts) - 2 or len(self.fds) < _FD_CACHE:
+                    self.fds["/".join(parts[:j + 1])] = child
+                    owned = False
+                else:
+                    owned = True
+            return fd
+        finally:
+            if owned:
+                os.close(fd)
+
+    def evict(self) -> None:
+        """Bound the fd cache. Called between members only: an fd handed out for the current
+        member (its parent, a hardlink's target dir) stays open until the member is done."""
+        if len(self.fds) > _FD_CACHE:
+            # drop the older half (dicts keep insertion order): the newest entries are the
+            # current member's ancestors, so a deep or long tar keeps hitting the cache
+            for rel in list(self.fds)[1:len(self.fds) // 2]:
+                os.close(self.fds.pop(rel))
 
     def forget(self, rel: str) -> None:
         """The directory ``rel`` was removed: forget it and everything below it, so nothing is
@@ -211,7 +231,7 @@ class _Tree:
         self.close()
         for rel, e in reversed(dir_meta):
             try:
-                fd = open_beneath(self.root_fd, rel, _DIR) if rel else os.dup(self.root_fd)
+                fd = _open_dir_beneath(self.root_fd, rel) if rel else os.dup(self.root_fd)
             except OSError as err:
                 if err.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
                     continue
@@ -225,6 +245,32 @@ class _Tree:
                 os.utime(fd, (e.mtime, e.mtime))
             finally:
                 os.close(fd)
+
+
+def _open_dir_beneath(root_fd: int, rel: str) -> int:
+    """``safefs.open_beneath`` of a directory, in steps of < 2 KiB of path, so a tree deeper
+    than ``PATH_MAX`` resolves too (each step from the verified fd of the one before)."""
+    if len(rel) < 2048:
+        return open_beneath(root_fd, rel, _DIR)
+    fd = os.dup(root_fd)
+    pos = 0
+    try:
+        while pos < len(rel):
+            end = pos + 2048
+            if end >= len(rel):
+                step, pos = rel[pos:], len(rel)
+            else:
+                cut = rel.rfind("/", pos, end)
+                if cut <= pos:
+                    raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), rel)
+                step, pos = rel[pos:cut], cut + 1
+            nfd = open_beneath(fd, step, _DIR)
+            os.close(fd)
+            fd = nfd
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _write_data(fd: int, pieces: Iterable, sparse: bool, h) -> int:
@@ -301,6 +347,8 @@ def unpack_layer(reader, dest, *, whiteouts: str = "apply",
             _apply_whiteouts(toc, tree, name)
         fds = tree.fds
         for i, e in enumerate(toc):
+            if len(fds) > _FD_CACHE:
+                tree.evict()
             stream = _check_header(stream, e, i, name)
             path = e.path
             parts = check_member_name(name, path)
@@ -447,6 +495,7 @@ def _apply_whiteouts(toc: list[Entry], tree: _Tree, name: str) -> None:
         base = e.path.rpartition("/")[2]
         if not base.startswith(WHITEOUT_PREFIX):
             continue
+        tree.evict()
         parts = check_member_name(name, e.path)
         pfd = tree.parent(parts, e.path, create=False)
         if pfd is None:
@@ -615,6 +664,7 @@ def unpack_tar(source, dest, *, name: str, whiteouts: str = "refuse",
     try:
         stream = TarStream(_decompressed(f, name))
         for e, size in iter_foreign_members(stream, name):
+            tree.evict()
             parts = foreign_member_name(name, e.path)
             if not parts:
                 continue  # the root itself ("./"): dest keeps its own metadata
@@ -636,9 +686,11 @@ def unpack_tar(source, dest, *, name: str, whiteouts: str = "refuse",
                     hint="device nodes never enter a layer (runc provides /dev); rebuild the "
                          "tarball without them, e.g. tar --exclude='./dev/*'")
             pfd = tree.parent(parts, path)
-            for i in range(1, len(parts)):
-                created.add("/".join(parts[:i]))
             created.add(path)
+            up = path.rpartition("/")[0]
+            while up and up not in created:  # the parents it implied, stopping at a known one
+                created.add(up)
+                up = up.rpartition("/")[0]
             if e.type == "file":
                 fd = tree.create_file(pfd, base, path)
                 try:

@@ -182,3 +182,36 @@ def test_zero_runs_are_restored_as_holes(tmp_path):
     _unpack(buf.getvalue(), tmp_path / "tar")
     st = os.stat(tmp_path / "tar" / "sparse")
     assert st.st_size == size and st.st_blocks * 512 < 1 << 20
+
+
+def test_a_4096_deep_tree_unpacks_with_bounded_fds(tmp_path):
+    """Depth costs neither recursion nor an fd per level (a sandbox may snapshot such a tree):
+    both unpackers run under a 400-fd limit."""
+    import resource
+
+    from envbuild.layers import pack_tar
+    from envbuild.safefs import remove_tree
+
+    members = [("/".join(["a"] * n), "dir", None) for n in range(1, 4097)]
+    members.append(("/".join(["a"] * 4096) + "/f", "file", b"deep"))
+    tar = _tar(members)
+    out = io.BytesIO()
+    pack_tar(io.BytesIO(tar), out, framing=TINY)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (400, hard))
+    try:
+        _unpack(tar, tmp_path / "tar")
+        reader_of(out.getvalue()).unpack(tmp_path / "layer")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for d in ("tar", "layer"):
+            fd = os.open(tmp_path / d, os.O_RDONLY)
+            try:
+                for _ in range(4096):
+                    nfd = os.open("a", os.O_RDONLY, dir_fd=fd)
+                    os.close(fd)
+                    fd = nfd
+                assert os.read(os.open("f", os.O_RDONLY, dir_fd=fd), 10) == b"deep"
+            finally:
+                os.close(fd)
+                remove_tree(tmp_path / d)
