@@ -284,19 +284,24 @@ def _write_data(fd: int, pieces: Iterable, sparse: bool, h) -> int:
         n = len(piece)
         got += n
         if sparse:
-            pos = 0
+            pos = start = 0  # piece[start:pos] is data not yet written
             while pos < n:
-                w = piece[pos:pos + HOLE]
-                k = len(w)
+                end = pos + HOLE
                 # first/last byte first: data that is not zero fails without a copy
-                if k == HOLE and w[0] == 0 and w[-1] == 0 and bytes(w) == _ZERO_HOLE:
-                    os.lseek(fd, k, os.SEEK_CUR)
-                    hole = True
-                else:
+                if end <= n and piece[pos] == 0 and piece[end - 1] == 0 \
+                        and bytes(piece[pos:end]) == _ZERO_HOLE:
+                    w = piece[start:pos]
                     while w:
                         w = w[write(fd, w):]
-                    hole = False
-                pos += k
+                    os.lseek(fd, HOLE, os.SEEK_CUR)
+                    hole = True
+                    start = end
+                pos = end
+            w = piece[start:n]
+            if w:
+                hole = False
+            while w:
+                w = w[write(fd, w):]
             continue
         while piece:
             piece = piece[write(fd, piece):]
