@@ -130,7 +130,8 @@ def remove_tree(path: str | os.PathLike[str], *, missing_ok: bool = True,
     be a file or a symlink (then only the link goes). A directory on another device below
     ``path`` raises ``OSError(EXDEV)`` (unmount first: deleting through a mount would delete
     another filesystem's files). With ``dir_fd``, ``path`` is a name in that directory (the
-    way to remove below a directory whose own path may be longer than ``PATH_MAX``)."""
+    way to remove below a directory whose own path may be longer than ``PATH_MAX``, and how
+    the unpacker removes through its verified directory fds)."""
     path = os.fspath(path)
     try:
         fd = os.open(path, _DIR_FLAGS, dir_fd=dir_fd)

@@ -73,8 +73,13 @@ class NodeCache:
         self._open()
 
     def _open(self) -> None:
+        # 0700: unpacked layers hold setuid files and whatever an image ships; no other user
+        # of the host may traverse into them (issue 11, item 11)
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
         for d in ("layers", "locks", "tmp"):
-            (self.root / d).mkdir(parents=True, exist_ok=True)
+            (self.root / d).mkdir(mode=0o700, exist_ok=True)
+            os.chmod(self.root / d, 0o700)
         meta = self.root / "node-cache.json"
         if meta.exists():
             version = json.loads(meta.read_text()).get("version")
@@ -123,7 +128,9 @@ class NodeCache:
             else:
                 reader = LayerReader.from_store(store, digest, expected_toc_digest=toc_digest)
             dest = tmp / "root"
-            reader.unpack(dest, whiteouts="overlay")
+            # no device nodes ever (overlay whiteouts are made from .wh. members, not taken
+            # from the tar): a layer shipping /dev/sda or /dev/mem is refused here
+            reader.unpack(dest, whiteouts="overlay", allow_devices=False)
             os.rename(dest, target)
         finally:
             with contextlib.suppress(OSError):  # iterative, no-follow: any layer's tree

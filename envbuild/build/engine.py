@@ -19,7 +19,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from envbuild.build.executor import BuildContext, BuildEvent, LayerJob, Progress, build_layer
+from envbuild.build.executor import (BuildContext, BuildEvent, LayerJob, Progress, build_layer,
+                                     sweep_stale_scratch)
 from envbuild.build.pin import Snapshot, snapshot
 from envbuild.build.scheduler import run_dag
 from envbuild.defs.model import Base, Config, Env
@@ -149,6 +150,8 @@ def build(
 
     ``cache_from`` / ``cache_to``: a remote build cache (another store, e.g. S3) consulted for
     missing layers before building, and pushed to afterwards (``envbuild.store.sync``)."""
+    # scratch dirs of builds that were killed before they could clean up (issue 11, item 14)
+    sweep_stale_scratch(ctx.scratch_root, ctx.runtime)
     plan = plan_with_store(ws, ctx.store, targets)
     # -- remote build cache, pull side (S3 issue; logic in envbuild.store.sync) ---------------
     # Layers another machine built: layer blob, then key record, into ctx.store; the re-plan

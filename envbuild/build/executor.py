@@ -23,13 +23,19 @@ included, also on Ctrl-C. A layer's upper dir, work dir and its steps' ``/tmp`` 
 filesystem of their own (``runtime_shim.scratchfs``: ``BuildContext.disk_bytes`` /
 ``inodes``, 50 GiB and 5 M by default, ``ENVBUILD_BUILD_DISK`` / ``ENVBUILD_BUILD_INODES``), so
 a runaway step or import fails with ENOSPC instead of filling the host.
+A build that dies without cleaning up (SIGKILL, OOM, power loss)
+leaves its dir owned by nobody: each scratch dir ``<root>/<id>`` has an owner file
+``<root>/<id>.owner`` that the build holds ``flock``ed for its whole life (the kernel drops the
+lock when the process dies), and ``sweep_stale_scratch`` — run at the start of every build and
+by ``envbuild node gc`` — removes the dirs whose owner file it can lock (their containers
+destroyed and mounts detached first, then ``safefs.remove_tree``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
-import shutil
 import threading
 import time
 import uuid
@@ -42,13 +48,14 @@ from envbuild.build.pin import local_git_path
 from envbuild.defs.model import (Base, BaseSource, BusyboxSource, CopyStep, DebootstrapSource,
                                  GitSource, LayerDefinition, OciSource, PathSource, RootfsSource,
                                  RunStep, ScratchSource, Toolkit, Workspace, ArchiveSource)
-from envbuild.errors import BuildError, StepFailed
+from envbuild.errors import BuildError, EnvbuildError, StepFailed
 from envbuild.layers import pack_tree
 from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_record
+from envbuild.safefs import remove_tree
 from runtime_shim import netns, scratchfs
-from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
+from runtime_shim.mount import OverlaySpec, mount_overlay, mounted_targets_under, unmount
 from runtime_shim.nodecache import NodeCache
-from runtime_shim.runc import OciRuntime, run_container, write_bundle
+from runtime_shim.runc import OciRuntime, destroy, list_containers, run_container, write_bundle
 from runtime_shim.stub import HOST_CA_PATH, ensure_stub
 from runtime_shim.spec import (BindMount, RuntimeSpecRequest, clamped_rlimit, env_list,
                                parse_user, runtime_spec)
@@ -144,17 +151,17 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
     started = time.monotonic()
     d = job.definition
     _stop_if_cancelled(ctx, job)
-    scratch = ctx.scratch_root / f"{job.key.removeprefix('sha256:')[:16]}-{uuid.uuid4().hex[:8]}"
+    scratch, owner = claim_scratch(ctx.scratch_root,
+                                   f"{job.key.removeprefix('sha256:')[:16]}-{uuid.uuid4().hex[:8]}")
     disk = scratch / scratchfs.MOUNT_NAME
     upper, work, merged = disk / "upper", disk / "work", scratch / "merged"
-    scratch.mkdir(parents=True)
     if ctx.disk_bytes is not None:
         try:
             # dev + suid: debootstrap makes /dev nodes in the upper dir and chroots into it
             scratchfs.create(scratch, ctx.disk_bytes, ctx.inodes,
                              template_root=ctx.node.root / "scratchfs", nodev_nosuid=False)
         except BaseException:
-            shutil.rmtree(scratch, ignore_errors=True)
+            release_scratch(scratch, owner)
             raise
     for p in (upper, work, merged, disk / "tmp"):
         p.mkdir(parents=True, exist_ok=True)
@@ -221,7 +228,85 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
         for net_dir in scratch.glob("net-*"):  # a step's network (slirp, namespace file)
             netns.teardown(net_dir)
         scratchfs.destroy(scratch)
-        shutil.rmtree(scratch, ignore_errors=True)
+        release_scratch(scratch, owner)
+
+
+OWNER_SUFFIX = ".owner"
+
+
+def claim_scratch(root: Path, name: str) -> tuple[Path, int]:
+    """A new scratch dir ``root/name`` and the fd of its owner file, flocked for as long as the
+    fd is open. The owner file is locked before it gets its final name (a sweeper never sees
+    an owner file nobody holds yet) and exists before the dir (a dir without one is not ours)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{name}{OWNER_SUFFIX}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, b"%d\n" % os.getpid())  # for people looking; the lock is what counts
+    os.rename(tmp, root / f"{name}{OWNER_SUFFIX}")
+    scratch = root / name
+    scratch.mkdir()
+    return scratch, fd
+
+
+def release_scratch(scratch: Path, owner: int) -> None:
+    """Remove a finished build's scratch dir, then its owner file. If removal fails the owner
+    file stays and, unlocked once ``owner`` is closed, the next sweep retries."""
+    try:
+        remove_tree(scratch)
+        os.unlink(f"{scratch}{OWNER_SUFFIX}")
+    except OSError:
+        pass
+    finally:
+        os.close(owner)
+
+
+def sweep_stale_scratch(root: Path, runtime: OciRuntime | None = None) -> list[str]:
+    """Remove the scratch dirs under ``root`` whose build is gone (its owner file can be
+    locked): first the dead build's containers (their bundles live in the dir), then its
+    mounts, then the tree. Returns the names removed; a dir that cannot be removed now is
+    left for the next sweep."""
+    removed: list[str] = []
+    try:
+        entries = [e.name for e in os.scandir(root) if e.name.endswith(OWNER_SUFFIX)
+                   and not e.name.startswith(".")]
+    except FileNotFoundError:
+        return removed
+    containers = None
+    for entry in entries:
+        try:
+            fd = os.open(root / entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its build is alive
+            scratch = root / entry[:-len(OWNER_SUFFIX)]
+            if runtime is not None:
+                if containers is None:
+                    try:
+                        containers = list_containers(runtime, "eb-build-")
+                    except Exception:  # noqa: BLE001 - no runtime state: nothing to stop
+                        containers = []
+                for c in containers:
+                    if str(c.get("bundle", "")).startswith(f"{scratch}/"):
+                        destroy(runtime, c["id"])
+            try:
+                for net_dir in scratch.glob("net-*"):  # a dead step's slirp + namespace file
+                    netns.teardown(net_dir)
+                for m in mounted_targets_under(str(scratch)):  # overlay, then the disk
+                    unmount(m)
+                scratchfs.destroy(scratch)
+                remove_tree(scratch)
+                os.unlink(root / entry)
+            except (OSError, EnvbuildError):
+                continue
+            removed.append(scratch.name)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _explain_full_disk(ctx: BuildContext, disk: Path, e: StepFailed) -> StepFailed:
@@ -281,19 +366,23 @@ def _import_base(d: Base, upper: Path, log: Path, cancelled: threading.Event
 
 def _import_workspace(d: Workspace, job: LayerJob, merged: Path, scratch: Path,
                       cancelled: threading.Event) -> None:
-    dest = merged / d.dest.lstrip("/")
-    src = d.source
-    here = d.origin.directory
-    if isinstance(src, PathSource):
-        importers.import_path(here / src.path, dest)
-    elif isinstance(src, GitSource):
-        commit = job.pins.get("source")
-        if not commit:
-            raise BuildError(f"{d.name}: git source was not pinned to a commit")
-        importers.import_git(local_git_path(src.url, str(here)) or src.url, commit, dest,
-                             scratch, cancelled)
-    elif isinstance(src, ArchiveSource):
-        importers.import_archive(here / src.path, src.sha256, dest)
+    # dest is resolved inside the rootfs: an image's symlink never sends the source to the host
+    dest = importers.open_dir_in_root(merged, d.dest)
+    try:
+        src = d.source
+        here = d.origin.directory
+        if isinstance(src, PathSource):
+            importers.import_path(here / src.path, dest)
+        elif isinstance(src, GitSource):
+            commit = job.pins.get("source")
+            if not commit:
+                raise BuildError(f"{d.name}: git source was not pinned to a commit")
+            importers.import_git(local_git_path(src.url, str(here)) or src.url, commit, dest,
+                                 scratch, cancelled)
+        elif isinstance(src, ArchiveSource):
+            importers.import_archive(here / src.path, src.sha256, dest)
+    finally:
+        os.close(dest)
 
 
 def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, scratch: Path,
@@ -369,25 +458,31 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
 
 
 def _copy_step(d: LayerDefinition, step: CopyStep, merged: Path) -> None:
-    src = d.origin.directory / step.src
-    dest = merged / step.dest.lstrip("/")
+    """Copy ``step.src`` (confined to the source root when the tree was pinned) into the
+    rootfs: the destination resolved inside ``merged``, symlinks of a copied tree kept as links,
+    nothing written through a symlink (``importers.copy_source_tree``)."""
+    # the same resolution the pin checked (envbuild.build.pin.confined_path)
+    src = Path(os.path.realpath(d.origin.directory / step.src))
     uid, gid = parse_user(step.owner)
     if not src.exists():
         raise BuildError(f"{d.name}: copy source {src} does not exist",
                          hint="copy.src is relative to the definition file")
+    rel = step.dest.strip("/")
     if src.is_dir():
-        importers.copy_source_tree(src, dest)
-        targets = [dest, *dest.rglob("*")]
-    else:
-        if step.dest.endswith("/"):
-            dest = dest / src.name
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, dest)
-        targets = [dest]
-    for t in targets:
-        os.lchown(t, uid, gid)
-        if step.mode is not None and not t.is_symlink() and not t.is_dir():
-            os.chmod(t, step.mode)
+        dest = importers.open_dir_in_root(merged, rel)
+        try:
+            importers.copy_source_tree(src, dest, owner=(uid, gid), mode=step.mode)
+        finally:
+            os.close(dest)
+        return
+    parent, _, base = rel.rpartition("/")
+    if step.dest.endswith("/") or not base:
+        parent, base = rel, src.name
+    pfd = importers.open_dir_in_root(merged, parent)
+    try:
+        importers.copy_file_into(str(src), pfd, base, owner=(uid, gid), mode=step.mode)
+    finally:
+        os.close(pfd)
 
 
 def _tail(log: Path, lines: int) -> str:
@@ -404,17 +499,21 @@ def check_toolkit_prefix(name: str, upper: Path, prefix: str) -> None:
     deleting or changing anything else would break the envs it is stacked into."""
     prefix = "/" + prefix.strip("/")
     offending: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(upper):
-        rel_dir = "/" + os.path.relpath(dirpath, upper).removeprefix(".").lstrip("/")
+    todo = ["/"]  # iterative: a build step's 4096-deep tree costs no recursion
+    while todo:
+        rel_dir = todo.pop()
         base = rel_dir.rstrip("/")
+        with os.scandir(f"{upper}{base}") as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
         if rel_dir != "/" and not (rel_dir == prefix or rel_dir.startswith(prefix + "/")
-                                   or prefix.startswith(rel_dir + "/")) \
-                and not dirnames and not filenames:
+                                   or prefix.startswith(rel_dir + "/")) and not entries:
             offending.append(rel_dir)  # an empty directory outside the prefix
-        for n in filenames:  # os.walk lists symlinks to dirs and devices here too
+        for n, is_dir in entries:
             path = f"{base}/{n}"
-            if not (path == prefix or path.startswith(prefix + "/")):
-                offending.append(path)
+            if is_dir:
+                todo.append(path)
+            elif not (path == prefix or path.startswith(prefix + "/")):
+                offending.append(path)  # files, symlinks (to dirs too) and devices
         # Directories are copied up as ancestors of what changed inside them: report the
         # files they hold, not the directories themselves.
     if offending:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import MappingProxyType
 
-from envbuild.build.pin import Pinner, snapshot
+from envbuild.build.pin import Pinner, git_env, snapshot
 from envbuild.errors import EnvbuildError, PlanError, Problem, SourceError
 from envbuild.plan.changes import Changes, Explanation, diff_keys, explain
 from envbuild.plan.graph import did_you_mean
@@ -34,7 +34,7 @@ from envbuild.plan.planner import BuildPlan, Lookup, make_plan
 def _git(argv: list[str], cwd: str, env: dict[str, str] | None = None) -> str:
     try:
         done = subprocess.run(["git", *argv], cwd=cwd, capture_output=True, text=True,
-                              env={**os.environ, "LC_ALL": "C", **(env or {})}, check=False)
+                              env={**git_env(), **(env or {})}, check=False)
     except FileNotFoundError:
         raise SourceError("git is not installed", hint="apt-get install git") from None
     if done.returncode != 0:
@@ -72,7 +72,7 @@ def checkout(path: Path, rev: str) -> Iterator[tuple[Path, Path]]:
     with tempfile.TemporaryDirectory(prefix="envbuild-rev-") as tmp:
         env = {"GIT_INDEX_FILE": os.path.join(tmp, "index")}
         tree = os.path.join(tmp, "tree")
-        _git(["read-tree", commit], top, env)
+        _git(["read-tree", "--end-of-options", commit], top, env)
         _git(["checkout-index", "--all", "--force", f"--prefix={tree}/"], top, env)
         yield Path(tree), Path(tree) / rel
 

@@ -5,9 +5,13 @@ workspace the ``dest`` path inside the build rootfs) and returns an ``Imported``
 runtime config the source carries (only ``oci`` images have one). Integrity is checked here:
 a declared ``sha256`` is enforced before a single byte is extracted.
 
-Trust: definitions and their sources are written by the people who own the repo, so archives
-are extracted with GNU tar as root (owners, modes and xattrs kept). Untrusted input — a
-sandbox's changes — never comes through here; it goes through pack-diff's policy instead.
+Trust: definitions, images and tarballs are hostile input (DESIGN.md, threat model). Every tar
+(rootfs tarballs, OCI layers, archives, git archives) goes through the one safe unpacker,
+``envbuild.layers._unpack.unpack_tar``: nothing is written or removed through a symlink, no
+``..``, no device nodes (runc provides ``/dev``; a tarball or image holding them is refused),
+whiteouts only in OCI layers and only applied to lower layers. A workspace's ``dest`` and a
+copy step's ``dest`` are resolved inside the build rootfs (``open_dir_in_root``), so a symlink
+in the image can never send a copy to the host; copied trees keep their symlinks as links.
 """
 
 from __future__ import annotations
@@ -18,17 +22,20 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from envbuild.canonical import read_json_file
-from envbuild.errors import BuildError, SourceError
+from envbuild.errors import BuildError, SourceError, UnsafeLayerError
+from envbuild.safefs import open_in_root, remove_tree
 
 # Shared with envbuild.build.pin's tree hash: what is not hashed must not be copied either,
 # or a key would not describe its layer.
-from envbuild.build.pin import IGNORED_DIR_NAMES, IGNORED_FILE_SUFFIXES, IGNORED_NAMES
+from envbuild.build.pin import (IGNORED_DIR_NAMES, IGNORED_FILE_SUFFIXES, IGNORED_NAMES,
+                                check_git_source, git_env)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +50,13 @@ class Imported:
 
 def _run(argv: list[str], what: str, *, cwd: str | None = None,
          cancelled: threading.Event | None = None, stdout=subprocess.PIPE,
-         stderr=subprocess.PIPE) -> str:
+         stderr=subprocess.PIPE, env: Mapping[str, str] | None = None) -> str:
     """Run a tool to completion; a set ``cancelled`` event (Ctrl-C / SIGTERM of the build)
     kills its whole process group within ~0.1 s instead of waiting for, say, debootstrap."""
     try:
         proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout,
-                                stderr=stderr, start_new_session=True)
+                                stderr=stderr, start_new_session=True,
+                                env=dict(env) if env is not None else None)
     except FileNotFoundError:
         raise BuildError(f"{what}: {argv[0]} is not installed",
                          hint="run scripts/setup.sh to install the tools envbuild drives") from None
@@ -138,51 +146,190 @@ def import_busybox(binary: Path, dest: Path) -> Imported:
     return Imported()
 
 
-def _tar_compression_flag(path: Path) -> list[str]:
-    name = path.name.lower()
-    if name.endswith((".tar.zst", ".tzst")):
-        return ["--zstd"]
-    if name.endswith((".tar.gz", ".tgz")):
-        return ["-z"]
-    if name.endswith((".tar.xz", ".txz")):
-        return ["-J"]
-    return []
+def extract_tar(archive: Path, dest: Path | int, what: str, *, whiteouts: str = "refuse") -> None:
+    """Unpack ``archive`` (any compression) below ``dest`` (a path or a directory fd) with the
+    one safe unpacker; ``what`` names it in errors."""
+    from envbuild.layers._unpack import unpack_tar
+
+    if not isinstance(dest, int):
+        dest.mkdir(parents=True, exist_ok=True)
+    unpack_tar(archive, dest, name=what, whiteouts=whiteouts)
 
 
-def extract_tar(archive: Path, dest: Path, what: str, strip: int = 0) -> None:
-    dest.mkdir(parents=True, exist_ok=True)
-    argv = ["tar", "-x", *_tar_compression_flag(archive), "-f", str(archive), "-C", str(dest),
-            "--numeric-owner", "--same-owner", "-p", "--xattrs", "--xattrs-include=*"]
-    if strip:
-        argv.append(f"--strip-components={strip}")
-    _run(argv, what)
+def open_dir_in_root(root: Path, rel: str) -> int:
+    """A directory fd for ``rel`` inside the tree ``root`` (a build's merged rootfs), missing
+    directories created: every component is resolved with ``root`` as ``/``
+    (``safefs.open_in_root``), so an image's symlink ``/opt -> /root/.ssh`` leads to the
+    rootfs's ``/root/.ssh``, never the host's."""
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        parts = [p for p in rel.split("/") if p not in ("", ".")]
+        fd = os.dup(root_fd)
+        for i, comp in enumerate(parts):
+            os.close(fd)
+            sub = "/".join(parts[:i + 1])
+            try:
+                fd = open_in_root(root_fd, sub, _DIR_RO)
+            except FileNotFoundError:
+                parent = open_in_root(root_fd, "/".join(parts[:i]), _DIR_RO)
+                try:
+                    os.mkdir(comp, 0o755, dir_fd=parent)
+                finally:
+                    os.close(parent)
+                fd = open_in_root(root_fd, sub, _DIR_RO)
+        return fd
+    except OSError as e:
+        raise BuildError(f"create {rel} in the build rootfs: {e.strerror}") from None
+    finally:
+        os.close(root_fd)
+
+
+_DIR_RO = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_DIR_NOFOLLOW = _DIR_RO | os.O_NOFOLLOW
 
 
 def copy_tree(src: Path, dest: Path) -> None:
-    """Copy a directory tree keeping modes, owners, symlinks, hardlinks and xattrs."""
+    """Copy a directory tree keeping modes, owners, symlinks, hardlinks and xattrs (a rootfs
+    directory: device nodes are refused afterwards, as in tarballs)."""
     dest.mkdir(parents=True, exist_ok=True)
     _run(["cp", "-a", "--", f"{src}/.", str(dest)], f"copy {src}")
+    _drop_devices(dest, refuse=f"rootfs {src}")
 
 
-def copy_source_tree(src: Path, dest: Path) -> None:
-    """Copy a source tree, leaving out exactly what the tree hash leaves out (``.git``,
-    ``__pycache__``, ``*.pyc``), so the layer holds what its key describes."""
-    dest.mkdir(parents=True, exist_ok=True)
-    st = os.lstat(src)
-    os.chmod(dest, st.st_mode & 0o7777)
-    for entry in sorted(os.scandir(src), key=lambda e: e.name):
-        if entry.name in IGNORED_NAMES:
-            continue
-        if entry.is_dir(follow_symlinks=False):
-            if entry.name in IGNORED_DIR_NAMES:
-                continue
-            copy_source_tree(Path(entry.path), dest / entry.name)
-        elif entry.name.endswith(IGNORED_FILE_SUFFIXES):
-            continue
-        elif entry.is_symlink():
-            os.symlink(os.readlink(entry.path), dest / entry.name)
-        else:
-            shutil.copy2(entry.path, dest / entry.name, follow_symlinks=False)
+def _drop_devices(root: Path, refuse: str | None = None) -> list[str]:
+    """Remove (or with ``refuse``, refuse with ``UnsafeLayerError``) every block and character
+    device below ``root``; iterative, never following symlinks. Returns what was removed."""
+    removed: list[str] = []
+    todo = [""]
+    while todo:
+        rel = todo.pop()
+        with os.scandir(root / rel if rel else root) as it:
+            for e in it:
+                crel = f"{rel}/{e.name}" if rel else e.name
+                if e.is_dir(follow_symlinks=False):
+                    todo.append(crel)
+                    continue
+                mode = e.stat(follow_symlinks=False).st_mode
+                if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+                    if refuse:
+                        raise UnsafeLayerError(
+                            f"{refuse}: {crel} is a device node, refused",
+                            hint="device nodes never enter a layer (runc provides /dev)")
+                    os.unlink(e.path)
+                    removed.append(crel)
+    return removed
+
+
+def copy_source_tree(src: Path, dest: Path | int, *, owner: tuple[int, int] | None = None,
+                     mode: int | None = None) -> None:
+    """Copy a source tree into ``dest`` (a path, or a directory fd from ``open_dir_in_root``),
+    leaving out exactly what the tree hash leaves out (``.git``, ``__pycache__``, ``*.pyc``),
+    so the layer holds what its key describes. Symlinks are copied as links (never followed),
+    everything is created through directory fds with ``O_NOFOLLOW`` (what is in the way is
+    replaced, never written through). ``owner``/``mode`` (copy steps) apply to every entry
+    (``mode`` to files only). Iterative: depth costs no recursion."""
+    if isinstance(dest, int):
+        top = os.dup(dest)
+    else:
+        dest.mkdir(parents=True, exist_ok=True)
+        top = os.open(dest, _DIR_NOFOLLOW)
+    try:
+        st = os.lstat(src)
+        os.fchmod(top, st.st_mode & 0o7777)
+        if owner is not None:
+            os.fchown(top, *owner)
+        todo = [(str(src), top)]
+        top = -1
+        while todo:
+            sdir, dfd = todo.pop()
+            try:
+                for entry in sorted(os.scandir(sdir), key=lambda e: e.name):
+                    sub = _copy_entry(entry, dfd, owner, mode)
+                    if sub is not None:
+                        todo.append((entry.path, sub))
+            finally:
+                os.close(dfd)
+    finally:
+        if top >= 0:
+            os.close(top)
+
+
+def _copy_entry(entry: os.DirEntry, dfd: int, owner, mode) -> int | None:
+    """Copy one entry into ``dfd``; a directory's new fd is returned for the caller to fill."""
+    name = entry.name
+    if name in IGNORED_NAMES:
+        return None
+    st = entry.stat(follow_symlinks=False)
+    if stat.S_ISDIR(st.st_mode):
+        if name in IGNORED_DIR_NAMES:
+            return None
+        try:
+            sub = os.open(name, _DIR_NOFOLLOW, dir_fd=dfd)
+        except FileNotFoundError:
+            os.mkdir(name, 0o700, dir_fd=dfd)
+            sub = os.open(name, _DIR_NOFOLLOW, dir_fd=dfd)
+        except NotADirectoryError:
+            os.unlink(name, dir_fd=dfd)  # a file or symlink in the way: replaced
+            os.mkdir(name, 0o700, dir_fd=dfd)
+            sub = os.open(name, _DIR_NOFOLLOW, dir_fd=dfd)
+        os.fchmod(sub, st.st_mode & 0o7777)
+        if owner is not None:
+            os.fchown(sub, *owner)
+        return sub
+    if name.endswith(IGNORED_FILE_SUFFIXES):
+        return None
+    _unlink_if_there(name, dfd)
+    if stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(entry.path), name, dir_fd=dfd)
+        if owner is not None:
+            os.chown(name, *owner, dir_fd=dfd, follow_symlinks=False)
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        raise SourceError(f"{entry.path} is not a regular file, directory or symlink",
+                          hint="copy and path sources hold files, directories and symlinks")
+    copy_file_into(entry.path, dfd, name, st, owner, mode)
+    return None
+
+
+def _unlink_if_there(name: str, dfd: int) -> None:
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        remove_tree(name, dir_fd=dfd)
+    else:
+        os.unlink(name, dir_fd=dfd)
+
+
+def copy_file_into(src: str, dfd: int, name: str, st: os.stat_result | None = None,
+                   owner: tuple[int, int] | None = None, mode: int | None = None) -> None:
+    """Copy the regular file ``src`` (not followed if it is a symlink) to ``name`` in ``dfd``
+    (replacing what is there, never writing through it), with its mode and mtime."""
+    sfd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(sfd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SourceError(f"{src} is not a regular file")
+        _unlink_if_there(name, dfd)
+        out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      0o600, dir_fd=dfd)
+        try:
+            left = st.st_size
+            while left > 0:
+                # sendfile: copy_file_range refuses EXDEV between overlayfs and the source fs
+                n = os.sendfile(out, sfd, None, min(left, 1 << 30))
+                if n == 0:
+                    break
+                left -= n
+            os.fchmod(out, mode if mode is not None else st.st_mode & 0o7777)
+            if owner is not None:
+                os.fchown(out, *owner)
+            os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
+        finally:
+            os.close(out)
+    finally:
+        os.close(sfd)
 
 
 def import_rootfs(path: Path, sha256: str | None, dest: Path) -> Imported:
@@ -193,7 +340,7 @@ def import_rootfs(path: Path, sha256: str | None, dest: Path) -> Imported:
         copy_tree(path, dest)
     elif path.is_file():
         check_sha256(path, sha256, "rootfs")
-        extract_tar(path, dest, f"extract rootfs {path.name}")
+        extract_tar(path, dest, f"rootfs {path.name}")
     else:
         raise SourceError(f"rootfs {path} does not exist", hint="fix from.rootfs in the definition")
     return Imported()
@@ -242,6 +389,9 @@ def import_debootstrap(suite: str, variant: str, include: tuple[str, ...], mirro
         p = dest / leaked
         if p.is_file() and not p.is_symlink():
             p.write_bytes(b"")
+    # debootstrap mknods /dev/null, /dev/zero, ... into the rootfs: runc mounts its own /dev,
+    # and device nodes never enter a layer (the node cache refuses them).
+    _drop_devices(dest)
     # Debootstrap leaves caches and logs that differ run to run and serve no sandbox.
     for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
         d = dest / junk
@@ -254,13 +404,14 @@ def import_debootstrap(suite: str, variant: str, include: tuple[str, ...], mirro
 
 # ----------------------------------------------------------------------------- OCI images
 
-_LAYER_MEDIA_TYPES = {
-    "application/vnd.oci.image.layer.v1.tar": [],
-    "application/vnd.oci.image.layer.v1.tar+gzip": ["-z"],
-    "application/vnd.oci.image.layer.v1.tar+zstd": ["--zstd"],
-    "application/vnd.docker.image.rootfs.diff.tar.gzip": ["-z"],
-    "application/vnd.docker.image.rootfs.diff.tar": [],
-}
+# compression is told apart by magic bytes (``unpack_tar``); the media type must be a layer
+_LAYER_MEDIA_TYPES = frozenset({
+    "application/vnd.oci.image.layer.v1.tar",
+    "application/vnd.oci.image.layer.v1.tar+gzip",
+    "application/vnd.oci.image.layer.v1.tar+zstd",
+    "application/vnd.docker.image.rootfs.diff.tar.gzip",
+    "application/vnd.docker.image.rootfs.diff.tar",
+})
 
 
 def _blob_path(layout: Path, digest: str) -> Path:
@@ -318,58 +469,17 @@ def _pick_platform(layout: Path, desc: dict) -> str:
     raise SourceError(f"OCI layout {layout}: no linux/amd64 image in index {desc['digest']}")
 
 
-def _apply_whiteouts_before(layer_listing: list[str], dest: Path) -> list[Path]:
-    """Delete what this layer's whiteouts hide in the tree below; return the marker paths.
-
-    Deletions happen *before* the layer is extracted so an opaque directory keeps the entries
-    the same layer adds to it.
-    """
-    markers = []
-    for member in layer_listing:
-        member = member.lstrip("./").rstrip("/")
-        if not member:
-            continue
-        parent, _, base = member.rpartition("/")
-        if not base.startswith(".wh."):
-            continue
-        if ".." in member.split("/"):
-            raise SourceError(f"OCI layer member escapes the root: {member!r}")
-        markers.append(dest / member)
-        if base == ".wh..wh..opq":
-            d = dest / parent
-            if d.is_dir() and not d.is_symlink():
-                for entry in os.scandir(d):
-                    _remove(Path(entry.path))
-        else:
-            _remove(dest / parent / base[len(".wh."):])
-    return markers
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
 def import_oci(layout: Path, ref: str, dest: Path) -> Imported:
     manifest = _read_json_blob(layout, resolve_oci_manifest(layout, ref))
     config = _read_json_blob(layout, manifest["config"]["digest"]).get("config") or {}
     dest.mkdir(parents=True, exist_ok=True)
     for layer in manifest.get("layers", []):
-        flags = _LAYER_MEDIA_TYPES.get(layer.get("mediaType"))
-        if flags is None:
+        if layer.get("mediaType") not in _LAYER_MEDIA_TYPES:
             raise SourceError(f"OCI layout {layout}: layer media type {layer.get('mediaType')!r} "
                               "is not supported")
         path = _blob_path(layout, layer["digest"])
         check_sha256(path, layer["digest"], f"OCI layout {layout}")
-        listing = _run(["tar", "-t", *flags, "-f", str(path)], f"list layer {layer['digest']}")
-        markers = _apply_whiteouts_before(listing.splitlines(), dest)
-        _run(["tar", "-x", *flags, "-f", str(path), "-C", str(dest), "--numeric-owner",
-              "--same-owner", "-p", "--xattrs", "--xattrs-include=*"],
-             f"extract layer {layer['digest']}")
-        for m in markers:
-            _remove(m)
+        extract_tar(path, dest, f"OCI layer {layer['digest'][:19]}", whiteouts="apply")
     env = {}
     for item in config.get("Env") or []:
         k, _, v = item.partition("=")
@@ -382,7 +492,7 @@ def import_oci(layout: Path, ref: str, dest: Path) -> Imported:
 # ----------------------------------------------------------------------------- workspaces
 
 
-def import_path(src: Path, dest: Path) -> Imported:
+def import_path(src: Path, dest: Path | int) -> Imported:
     if not src.is_dir():
         raise SourceError(f"workspace source {src} is not a directory",
                           hint="fix source.path (relative to the definition file)")
@@ -390,24 +500,30 @@ def import_path(src: Path, dest: Path) -> Imported:
     return Imported()
 
 
-def import_git(url: str, commit: str, dest: Path, scratch: Path,
+def import_git(url: str, commit: str, dest: Path | int, scratch: Path,
                cancelled: threading.Event | None = None) -> Imported:
     """The tree of ``commit`` (already pinned) without ``.git``: ``git archive`` is
-    deterministic, a clone's ``.git`` is not."""
+    deterministic, a clone's ``.git`` is not. ``url`` and ``commit`` are checked again here
+    (``check_git_source``) and can never reach git as options: ``--end-of-options`` precedes
+    them and ``git_env`` restricts the transports."""
+    check_git_source(url, commit)
+    if not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", commit):
+        raise SourceError(f"git source {url}: {commit!r} is not a pinned commit id")
+    env = git_env()
     repo = scratch / "git"
-    _run(["git", "init", "-q", "--bare", str(repo)], "git init")
-    _run(["git", "-C", str(repo), "fetch", "-q", "--depth=1", url, commit], f"git fetch {url}",
-         cancelled=cancelled)
+    _run(["git", "init", "-q", "--bare", "--", str(repo)], "git init", env=env)
+    _run(["git", "-C", str(repo), "-c", "protocol.ext.allow=never", "fetch", "-q", "--depth=1",
+          "--end-of-options", url, commit], f"git fetch {url}", cancelled=cancelled, env=env)
     archive = scratch / "src.tar"
-    _run(["git", "-C", str(repo), "archive", "--format=tar", "-o", str(archive), commit],
-         f"git archive {commit}")
-    extract_tar(archive, dest, f"extract {url}@{commit[:12]}")
+    _run(["git", "-C", str(repo), "archive", "--format=tar", "-o", str(archive),
+          "--end-of-options", commit], f"git archive {commit}", env=env)
+    extract_tar(archive, dest, f"git archive of {url}@{commit[:12]}")
     return Imported()
 
 
-def import_archive(path: Path, sha256: str, dest: Path) -> Imported:
+def import_archive(path: Path, sha256: str, dest: Path | int) -> Imported:
     if not path.is_file():
         raise SourceError(f"archive {path} does not exist")
     check_sha256(path, sha256, "archive")
-    extract_tar(path, dest, f"extract {path.name}")
+    extract_tar(path, dest, f"archive {path.name}")
     return Imported()

@@ -20,6 +20,17 @@ What is pinned, per definition (``PinnedInputs[name][field]``):
 ==================================  ===========================================================
 
 Relative paths resolve against the directory of the definition file (``origin.directory``).
+**Confinement**: ``copy.src`` and a workspace's ``path`` must resolve (symlinks followed) inside
+the *source root*, the parent of the definitions directory (the repository holding ``envdefs/``
+and the ``sources/`` that ``../../sources/x`` names); ``/etc/shadow``, ``../../../../etc``
+or a symlink out are refused at the definition's line. Inside a copied tree, symlinks are
+copied as links and never followed.
+
+**Git** (a definition is hostile input): the url must be ``https``/``http``/``ssh``/``git``/
+``file`` URL, scp-like ``[user@]host:path`` or a local path, never start with ``-`` and never
+name a ``transport::`` (``ext::`` runs a command); a rev is a commit id or a ref name not
+starting with ``-``. Every git call puts ``--end-of-options``/``--`` before URLs and revs, and
+runs with ``GIT_ALLOW_PROTOCOL`` so git itself refuses any other transport (``git_env``).
 
 **Tree digest v1** — ``sha256:`` of ``b"envbuild.tree.v1\\0"`` followed by one record per entry,
 the root first (as ``.``), then depth-first with the names of each directory sorted by their
@@ -84,8 +95,42 @@ class _Unpinnable(Exception):
         self.message, self.hint = message, hint
 
 
+#: Transports git may use for any command envbuild runs (``ext``/``fd`` are never allowed).
+GIT_ALLOWED_PROTOCOLS = "file:git:http:https:ssh"
+_GIT_URL_RE = re.compile(
+    r"(?:https?|ssh|git|file)://[^\s]+"                       # scheme://...
+    r"|(?:[A-Za-z0-9._~+][A-Za-z0-9._~+-]*@)?[A-Za-z0-9][A-Za-z0-9.-]*:(?!:)[^\s]*"  # scp-like
+    r"|(?!-)[^:\x00-\x1f]+")                                  # a local path (no colon)
+_GIT_REV_RE = re.compile(r"(?!-)[A-Za-z0-9._/@+~^{}-]+")
+
+
+def git_env() -> dict[str, str]:
+    """The environment of every git subprocess: no prompts, C locale, and only the transports
+    of ``GIT_ALLOWED_PROTOCOLS`` (git refuses ``ext::``/``fd::`` even if a URL names one)."""
+    return {**os.environ, "GIT_TERMINAL_PROMPT": "0", "GIT_ASKPASS": "true", "LC_ALL": "C",
+            "GIT_ALLOW_PROTOCOL": GIT_ALLOWED_PROTOCOLS, "GIT_PROTOCOL_FROM_USER": "0"}
+
+
+def git_source_problem(url: str, rev: str) -> str | None:
+    """Why ``url``/``rev`` cannot be given to git (None if they can): a URL that git could read
+    as an option or a command-running transport, or a rev that could be an option."""
+    if not _GIT_URL_RE.fullmatch(url) or url.startswith("-") or "::" in url.split("/", 1)[0]:
+        return (f"git url {url!r} is not an allowed URL (https, http, ssh, git, file, "
+                "user@host:path or a local path, not starting with '-')")
+    if not _GIT_REV_RE.fullmatch(rev):
+        return f"git rev {rev!r} is not a commit id or ref name (it must not start with '-')"
+    return None
+
+
+def check_git_source(url: str, rev: str) -> None:
+    """``git_source_problem`` as an exception (``SourceError``), for the importers."""
+    problem = git_source_problem(url, rev)
+    if problem is not None:
+        raise SourceError(problem, hint="fix source.git in the definition")
+
+
 def _run_git(argv: list[str], what: str) -> str:
-    env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "GIT_ASKPASS": "true", "LC_ALL": "C"}
+    env = git_env()
     try:
         done = subprocess.run(["git", *argv], capture_output=True, text=True, env=env,
                               timeout=120, check=False)
@@ -191,6 +236,9 @@ class Pinner:
 
     def git(self, url: str, rev: str, base_dir: str) -> str:
         """The commit sha ``rev`` names in the repository at ``url``."""
+        problem = git_source_problem(url, rev)
+        if problem is not None:
+            raise _Unpinnable(problem, "use https://, ssh://, git@host:path or a local path")
         local = local_git_path(url, base_dir)
         cache_key = (local or url, rev)
         sha = self._git.get(cache_key)
@@ -211,11 +259,14 @@ class Pinner:
                                     f"resolve {rev!r} in {url}")
             except _Unpinnable as e:
                 raise _Unpinnable(e.message, hint) from None
-            return out.strip()
+            sha = out.strip()
+            if not _SHA_RE.fullmatch(sha):
+                raise _Unpinnable(f"resolve {rev!r} in {url}: git printed {sha[:60]!r}", hint)
+            return sha
         if _SHA_RE.fullmatch(rev):
             return rev.lower()  # a full commit id is already pinned; ls-remote cannot list it
         try:
-            out = self._run_git(["ls-remote", "--", url, rev], f"resolve {rev!r} in {url}")
+            out = self._run_git(["-c", "protocol.ext.allow=never", "ls-remote", "--", url, rev], f"resolve {rev!r} in {url}")
         except _Unpinnable as e:
             raise _Unpinnable(e.message, hint) from None
         refs = {}
@@ -223,8 +274,8 @@ class Pinner:
             sha, _, ref = line.partition("\t")
             refs[ref] = sha
         for want in (f"refs/tags/{rev}^{{}}", f"refs/tags/{rev}", f"refs/heads/{rev}", rev):
-            if want in refs:
-                return refs[want]
+            if want in refs and _SHA_RE.fullmatch(refs[want]):
+                return refs[want].lower()
         raise _Unpinnable(f"git rev {rev!r} not found in {url}", hint)
 
     def oci(self, layout: str, ref: str) -> str:
@@ -263,6 +314,23 @@ def local_git_path(url: str, base_dir: str) -> str | None:
     return os.path.normpath(os.path.join(base_dir, url))
 
 
+def source_root(defs_root: str | os.PathLike[str]) -> str:
+    """The directory ``copy.src`` and ``path`` sources must stay in: the parent of the
+    definitions directory (symlinks resolved)."""
+    return os.path.dirname(os.path.realpath(defs_root))
+
+
+def confined_path(root: str, base_dir: str, rel: str) -> str:
+    """``rel`` (against ``base_dir``) with every symlink resolved, if that is inside ``root``;
+    else ``_Unpinnable``. Used for what a build copies from the host into a layer."""
+    real = os.path.realpath(os.path.join(base_dir, rel))
+    if real != root and not real.startswith(root.rstrip("/") + "/"):
+        raise _Unpinnable(f"{rel} resolves to {real}, outside the source root {root}",
+                          "copy and path sources must stay inside the repository holding "
+                          "the definitions (the parent of the definitions directory)")
+    return real
+
+
 def _check_sha256(digest: str, declared: str | None, what: str) -> None:
     if declared is None:
         return
@@ -272,14 +340,17 @@ def _check_sha256(digest: str, declared: str | None, what: str) -> None:
                           "update sha256 in the definition if the new file is intended")
 
 
-def _pin_one(d: LayerDefinition, p: Pinner) -> dict[str, str]:
-    """The pins of one definition: {field: digest}. Raises (field, _Unpinnable)."""
+def _pin_one(d: LayerDefinition, p: Pinner, root: str | None = None) -> dict[str, str]:
+    """The pins of one definition: {field: digest}. Raises (field, _Unpinnable). With
+    ``root``, copy and path sources must resolve inside it (``confined_path``)."""
     base_dir = str(d.origin.directory)
     src = getattr(d, "source", None)
     pins: dict[str, str] = {}
     field = "from" if d.kind == "Base" else "source"
     try:
         if isinstance(src, PathSource):
+            if root is not None:
+                confined_path(root, base_dir, src.path)
             pins["source"] = p.path(base_dir, src.path)
         elif isinstance(src, ArchiveSource):
             pins["source"] = p.path(base_dir, src.path)
@@ -297,6 +368,8 @@ def _pin_one(d: LayerDefinition, p: Pinner) -> dict[str, str]:
         for i, s in enumerate(d.steps):
             if isinstance(s, CopyStep):
                 field = f"steps[{i}].copy.src"
+                if root is not None:
+                    confined_path(root, base_dir, s.src)
                 pins[field] = p.path(base_dir, s.src)
     except _Unpinnable as e:
         raise _Failed(field, e) from None
@@ -314,12 +387,13 @@ def pin_inputs(defs: DefinitionSet, pinner: Pinner | None = None) -> PinnedInput
     Every definition is tried; all failures are reported together, each at its file:line.
     """
     p = pinner or Pinner()
+    root = source_root(defs.root)
     out: dict[str, MappingProxyType] = {}
     failures: list[str] = []
     hints: list[str] = []
     for d in defs.layers:
         try:
-            pins = _pin_one(d, p)
+            pins = _pin_one(d, p, root)
         except _Failed as f:
             paths = (f.field, f"{f.field}.path") if f.field in ("source", "from") else (f.field,)
             line, col = field_position(d.origin, *paths)

@@ -185,10 +185,18 @@ def register(group: click.Group) -> None:
         from runtime_shim.nodecache import NodeCache, parse_size
         from runtime_shim.sandbox import layers_in_use
 
+        from envbuild.build.executor import sweep_stale_scratch
+        from runtime_shim.runc import OciRuntime
+
         cache = NodeCache(app.settings.node_dir / "node")
         keep = layers_in_use(app.settings.node_dir)
         evicted = cache.evict(keep, parse_size(max_size))
         click.echo(f"evicted {len(evicted)} layer(s); {len(keep)} in use by live sandboxes kept")
+        swept = sweep_stale_scratch(app.settings.node_dir / "builds",
+                                    OciRuntime(app.settings.oci_runtime,
+                                               state_root=str(app.settings.node_dir / "runc")))
+        if swept:
+            click.echo(f"removed {len(swept)} scratch dir(s) of killed builds")
 
     @sandbox.command("gc")
     @pass_app

@@ -232,3 +232,99 @@ def make_entry(flag: bytes, f: dict, pax: dict[bytes, bytes] | None) -> Entry:
 
 def padded(n: int) -> int:
     return n + _pad(n)
+
+
+# ----------------------------------------------------------------------------- foreign tars
+# Tarballs envbuild did not write (rootfs tarballs, OCI layers, git archives): GNU and POSIX
+# formats as GNU tar, Go's archive/tar and bsdtar write them. Only the header decoding is
+# lenient; what may be written where is decided by the one safe unpacker (_unpack.py).
+
+GNU_LONG_NAME, GNU_LONG_LINK = b"L", b"K"
+FOREIGN_FILE_FLAGS = (b"0", b"\0", b"7")  # 7: contiguous file, a regular file everywhere else
+FOREIGN_SKIP_FLAGS = (b"V",)  # a volume label: no member
+MAX_GNU_LONG = 1 << 16
+
+
+def _number(field: bytes, what: str) -> int:
+    """An octal or base-256 (GNU, first byte 0x80/0xff) numeric field."""
+    if field and field[0] & 0x80:
+        n = int.from_bytes(field, "big", signed=False) & ~(0xFF << (8 * (len(field) - 1)))
+        if field[0] == 0xFF:
+            n -= 1 << (8 * len(field) - 1)  # negative (a pre-1970 mtime)
+        return n
+    s = field.rstrip(b"\0 ").lstrip(b" ")
+    if not s:
+        return 0
+    try:
+        return int(s, 8)
+    except ValueError:
+        raise TarFormatError(f"bad octal {what} field {field!r}") from None
+
+
+def parse_foreign_header(hdr: bytes) -> tuple[bytes, dict]:
+    """Decode one 512-byte header of a POSIX, ustar or GNU tar: (typeflag, fields)."""
+    f = _HDR.unpack(hdr)
+    stored = _number(f[6], "checksum")
+    unsigned = sum(hdr[:148]) + 256 + sum(hdr[156:])
+    signed = unsigned - 2 * (sum(b for b in hdr[:148] if b > 127) + sum(b for b in hdr[156:]
+                                                                        if b > 127))
+    if stored not in (unsigned, signed):
+        raise TarFormatError("header checksum mismatch")
+    magic = f[9] + f[10]
+    name = _cstr(f[0])
+    if f[9] == b"ustar\0":
+        prefix = _cstr(f[15])
+        if prefix:
+            name = prefix + b"/" + name
+    elif magic != b"ustar  \0":
+        raise TarFormatError(f"not a ustar or GNU tar header (magic {magic!r})")
+    return f[7], {
+        "name": name,
+        "mode": _number(f[1], "mode"),
+        "uid": _number(f[2], "uid"),
+        "gid": _number(f[3], "gid"),
+        "size": _number(f[4], "size"),
+        "mtime": _number(f[5], "mtime"),
+        "linkname": _cstr(f[8]),
+        "devmajor": _number(f[13], "devmajor"),
+        "devminor": _number(f[14], "devminor"),
+    }
+
+
+def foreign_pax(records: dict[bytes, bytes]) -> dict[bytes, bytes]:
+    """The PAX records of a foreign member that matter to its contents; the rest (times,
+    owner names, charset, ACLs, libarchive's duplicate xattrs, ...) are dropped. Sparse
+    files (``GNU.sparse.*``) are refused: their data is not the file's bytes."""
+    out = {}
+    for k, v in records.items():
+        if k in (b"path", b"linkpath", b"size", b"uid", b"gid", b"mtime") \
+                or k.startswith(b"SCHILY.xattr."):
+            out[k] = v
+        elif k.startswith(b"GNU.sparse."):
+            raise TarFormatError("GNU sparse members are not supported")
+    return out
+
+
+def make_foreign_entry(flag: bytes, f: dict, pax: dict[bytes, bytes] | None
+                       ) -> tuple[Entry, int]:
+    """``make_entry`` for a foreign header, and how many data bytes follow it in the tar:
+    contiguous files are files; a non-file's size (some writers record a hardlink's target
+    size) is data to skip, not part of the entry."""
+    if flag == b"7":
+        flag = b"0"
+    kind = TYPE_OF_FLAG.get(flag)
+    if kind is None:
+        raise TarFormatError(f"unsupported tar member type {flag!r}")
+    size = f["size"]
+    if pax and b"size" in pax:
+        try:
+            size = int(pax[b"size"])
+        except ValueError:
+            raise TarFormatError("bad PAX size record") from None
+    if kind != "file":
+        f = {**f, "size": 0}
+        if pax:
+            pax = {k: v for k, v in pax.items() if k != b"size"}
+    if size < 0:
+        raise TarFormatError("negative member size")
+    return make_entry(flag, f, pax), size
