@@ -26,7 +26,6 @@ import resource
 import struct
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -51,31 +50,52 @@ class Run:
     seconds: float
 
 
+# The CLI under a wrapper that records its own peak RSS (VmHWM of the mm exec made) at exit:
+# ``wait4``'s ru_maxrss would report the forking pytest's size, because Linux carries a
+# process's maxrss across fork+exec.
+_MEASURED_MAIN = """
+import atexit, os, runpy, sys
+def _record(path=os.environ.pop("ENVBUILD_TEST_HWM_FILE")):
+    with open("/proc/self/status") as f:
+        hwm = next(line.split()[1] for line in f if line.startswith("VmHWM:"))
+    with open(path, "w") as out:
+        out.write(hwm)
+atexit.register(_record)
+sys.argv = ["envbuild", *sys.argv[1:]]
+runpy.run_module("envbuild.cli", run_name="__main__", alter_sys=True)
+"""
+
+
 def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 120.0,
             discard_stdout: bool = False) -> Run:
-    """``python -m envbuild.cli ARGS`` with its address space capped, reaped with ``wait4``
-    for its peak RSS."""
+    """``python -m envbuild.cli ARGS`` with its address space capped; its peak RSS is the
+    VmHWM it reports at exit (infinite if it died without reporting)."""
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
 
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    hwm_path = cwd / ".bomb-hwm"
+    hwm_path.unlink(missing_ok=True)
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "ENVBUILD_TEST_HWM_FILE": str(hwm_path),
+                **(env or {})}
     out_path, err_path = cwd / ".bomb-stdout", cwd / ".bomb-stderr"
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         t0 = time.monotonic()
-        p = subprocess.Popen([sys.executable, "-m", "envbuild.cli", *args], cwd=cwd,
+        p = subprocess.Popen([sys.executable, "-c", _MEASURED_MAIN, *args], cwd=cwd,
                              env=full_env, stdin=subprocess.DEVNULL,
                              stdout=subprocess.DEVNULL if discard_stdout else out, stderr=err,
                              preexec_fn=limit)
-        killer = threading.Timer(timeout, p.kill)
-        killer.start()
         try:
-            _, status, usage = os.wait4(p.pid, 0)
-        finally:
-            killer.cancel()
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
         seconds = time.monotonic() - t0
-    p.returncode = os.waitstatus_to_exitcode(status)
+    try:
+        maxrss_mib = int(hwm_path.read_text()) / 1024  # VmHWM is in kB
+    except (OSError, ValueError):
+        maxrss_mib = float("inf")
     return Run(p.returncode, out_path.read_text(errors="replace"),
-               err_path.read_text(errors="replace"), usage.ru_maxrss / 1024, seconds)
+               err_path.read_text(errors="replace"), maxrss_mib, seconds)
 
 
 def assert_refused(run: Run, *needles: str) -> None:
