@@ -330,7 +330,8 @@ def unpack_layer(reader, dest, *, whiteouts: str = "apply",
     ``<overlay_xattr>.overlay.opaque=y``) so ``dest`` can serve as an overlay lower dir;
     ``"keep"`` writes them as the plain files they are in the tar.
     ``same_owner`` (default: running as root) restores uid/gid; ``allow_devices=False`` refuses
-    device nodes and FIFOs. Raises ``UnsafeLayerError`` before writing anything unsafe and
+    character and block devices (FIFOs stay: they reach no hardware, and the host's file APIs
+    never open one, ``runtime_shim.fsaccess``). Raises ``UnsafeLayerError`` before writing anything unsafe and
     ``CorruptLayerError`` when a file's contents fail their TOC digest, a tar header disagrees
     with its TOC entry, or the frames end early.
     """
@@ -406,7 +407,7 @@ def unpack_layer(reader, dest, *, whiteouts: str = "apply",
                                            "earlier in this layer")
                 tree.hardlink(pfd, base, path, target, e.linkname)
             else:  # symlink, char, block, fifo
-                if kind != "symlink" and not allow_devices:
+                if kind in ("char", "block") and not allow_devices:
                     raise UnsafeLayerError(f"layer {name}: {path} is a {kind} node, refused "
                                            "(allow_devices=False)")
                 tree.node(pfd, base, path, e, same_owner)

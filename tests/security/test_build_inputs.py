@@ -341,7 +341,8 @@ def test_a_sigkilled_build_leaves_no_scratch_dir_after_the_next_build(tmp_path, 
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if any((d / "upper" / "big").exists() for d in builds.glob("*")
+            # the layer's upper dir is on its capped disk (runtime_shim.scratchfs)
+            if any((d / "disk" / "upper" / "big").exists() for d in builds.glob("*")
                    if d.is_dir()):
                 break
             time.sleep(0.1)
