@@ -30,6 +30,8 @@ class Settings:
     s3_endpoint: str | None = None
     cache_from: str | None = None
     cache_to: str | None = None
+    # registry issue: hosts of docker:// stores spoken to over plain HTTP although not loopback
+    registry_insecure: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -50,6 +52,9 @@ class Settings:
             s3_endpoint=environ.get("ENVBUILD_S3_ENDPOINT") or None,
             cache_from=environ.get("ENVBUILD_CACHE_FROM") or None,
             cache_to=environ.get("ENVBUILD_CACHE_TO") or None,
+            registry_insecure=tuple(h.strip() for h in
+                                    environ.get("ENVBUILD_REGISTRY_INSECURE", "").split(",")
+                                    if h.strip()),
         )
 
 

@@ -1,0 +1,186 @@
+"""A real OCI registry on loopback for tests: Debian's ``docker-registry`` (distribution 2.8).
+
+``Registry.start(root, auth=...)`` writes a temporary config (filesystem storage under
+``root``, ``storage.delete.enabled: true``, no blob descriptor cache so a blob corrupted on
+disk is served as it is) and runs ``docker-registry serve CONFIG`` on a free 127.0.0.1 port;
+with ``auth="htpasswd"`` it requires HTTP basic auth from an ``htpasswd`` file made with
+apache2-utils' ``htpasswd -B`` (bcrypt, what distribution accepts). ``stop()`` ends the process
+and checks it is gone. ``blob_file(digest)`` is where distribution keeps a blob's bytes (for
+corruption tests). ``TamperingProxy`` is a loopback HTTP proxy in front of it that rewrites
+answers (flips a byte of blob bodies, changes a manifest's Content-Type) — a hostile network
+between envbuild and a registry.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import http.client
+import http.server
+import json
+import shutil
+import socketserver
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.conftest import require_tool
+from tests.store.s3server import free_port
+
+USER, PASSWORD = "envbuild", "s3cret-pw"
+
+
+class Registry:
+    def __init__(self, root: Path, auth: str | None = None) -> None:
+        self.root = root
+        self.auth = auth
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def url(self, repo: str) -> str:
+        return f"docker://{self.host}/{repo}"
+
+    def blob_file(self, digest: str) -> Path:
+        hexd = digest.removeprefix("sha256:")
+        return (self.root / "data" / "docker" / "registry" / "v2" / "blobs" / "sha256"
+                / hexd[:2] / hexd / "data")
+
+    def auth_file(self, directory: Path, password: str = PASSWORD) -> Path:
+        """A podman-style auth.json with this registry's credentials."""
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / "auth.json"
+        token = base64.b64encode(f"{USER}:{password}".encode()).decode()
+        path.write_text(json.dumps({"auths": {self.host: {"auth": token}}}))
+        return path
+
+    def start(self, timeout: float = 30.0) -> Registry:
+        exe = require_tool("docker-registry")
+        self.root.mkdir(parents=True, exist_ok=True)
+        auth = ""
+        if self.auth == "htpasswd":
+            htpasswd = require_tool("htpasswd")
+            subprocess.run([htpasswd, "-Bbc", str(self.root / "htpasswd"), USER, PASSWORD],
+                           check=True, capture_output=True)
+            auth = (f"auth:\n  htpasswd:\n    realm: envbuild-test\n"
+                    f"    path: {self.root / 'htpasswd'}\n")
+        config = self.root / "config.yml"
+        config.write_text(
+            "version: 0.1\n"
+            "log:\n  level: warn\n  accesslog:\n    disabled: true\n"
+            f"storage:\n  filesystem:\n    rootdirectory: {self.root / 'data'}\n"
+            "  delete:\n    enabled: true\n"
+            "  maintenance:\n    uploadpurging:\n      enabled: false\n"
+            f"http:\n  addr: 127.0.0.1:{self.port}\n" + auth)
+        self.log = open(self.root / "registry.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen([exe, "serve", str(config)], stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"docker-registry exited: "
+                                   f"{(self.root / 'registry.log').read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"http://{self.host}/v2/", timeout=1):
+                    return self
+            except urllib.error.HTTPError:
+                return self  # 401: up, and asking for credentials
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"docker-registry did not answer on {self.host}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+            assert self.proc.poll() is not None
+            self.proc = None
+            self.log.close()
+
+
+@contextlib.contextmanager
+def running_registry(root: Path, auth: str | None = None):
+    reg = Registry(root, auth).start()
+    try:
+        yield reg
+    finally:
+        reg.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+class TamperingProxy:
+    """Forwards HTTP requests to ``upstream`` (host:port) and lets ``tamper(method, path,
+    status, headers, body) -> (headers, body)`` rewrite each answer. Loopback only."""
+
+    def __init__(self, upstream: str,
+                 tamper: Callable[[str, str, int, dict[str, str], bytes],
+                                  tuple[dict[str, str], bytes]]) -> None:
+        self.upstream = upstream
+        self.tamper = tamper
+        self.port = free_port()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _any(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                conn = http.client.HTTPConnection(proxy.upstream, timeout=30)
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("host", "connection")}
+                conn.request(self.command, self.path, body=body or None, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                conn.close()
+                out = {k: v for k, v in resp.getheaders()
+                       if k.lower() not in ("content-length", "connection",
+                                            "transfer-encoding")}
+                out, data = proxy.tamper(self.command, self.path, resp.status, out, data)
+                self.send_response(resp.status)
+                for k, v in out.items():
+                    if k.lower() == "location":
+                        v = v.replace(proxy.upstream, f"127.0.0.1:{proxy.port}")
+                    self.send_header(k, v)
+                if self.command == "HEAD":
+                    self.send_header("Content-Length", resp.getheader("Content-Length") or "0")
+                else:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_PATCH = do_DELETE = _any
+
+        class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+            daemon_threads = True
+
+        self.server = Server(("127.0.0.1", self.port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def __enter__(self) -> TamperingProxy:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
