@@ -41,7 +41,7 @@ import io
 import json
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any, BinaryIO, Final
+from typing import Any, BinaryIO, Final, Protocol, runtime_checkable
 
 from envbuild.canonical import canonical_json
 from envbuild.errors import BlobNotFound, DigestMismatch, RefNotFound, StoreError
@@ -486,6 +486,16 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def delete_record(self, namespace: str, name: str) -> None:
         """Remove a record; idempotent."""
+
+
+@runtime_checkable
+class BlobMounter(Protocol):
+    """A store that can take a blob from another store without its bytes passing through the
+    client: an OCI registry's cross-repository mount (``RegistryStore.mount``). ``mount``
+    returns True when ``digest`` is now stored here, False when it cannot (other registry,
+    missing source blob): then copy it. ``copy_blobs`` tries it first."""
+
+    def mount(self, digest: str, source: Store) -> bool: ...
 
 
 def make_descriptor(media_type: str, digest: str, size: int,

@@ -670,7 +670,7 @@ class RegistryStore(Store):
                     # the body cannot be read in step with the header, so drop the connection
                     conn.close()
                     return _Response(status, raw.headers, b"", url), None
-                data = raw.read() if method != "HEAD" else b""
+                data = raw.read()  # also for HEAD (b""): completes the response for reuse
             except (OSError, http.client.HTTPException) as e:
                 conn.close()
                 attempt += 1

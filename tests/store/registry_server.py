@@ -121,11 +121,11 @@ def running_registry(root: Path, auth: str | None = None):
 
 class TamperingProxy:
     """Forwards HTTP requests to ``upstream`` (host:port) and lets ``tamper(method, path,
-    status, headers, body) -> (headers, body)`` rewrite each answer. Loopback only."""
+    status, headers, body) -> (status, headers, body)`` rewrite each answer. Loopback only."""
 
     def __init__(self, upstream: str,
                  tamper: Callable[[str, str, int, dict[str, str], bytes],
-                                  tuple[dict[str, str], bytes]]) -> None:
+                                  tuple[int, dict[str, str], bytes]]) -> None:
         self.upstream = upstream
         self.tamper = tamper
         self.port = free_port()
@@ -150,19 +150,23 @@ class TamperingProxy:
                 out = {k: v for k, v in resp.getheaders()
                        if k.lower() not in ("content-length", "connection",
                                             "transfer-encoding")}
-                out, data = proxy.tamper(self.command, self.path, resp.status, out, data)
-                self.send_response(resp.status)
+                status, out, data = proxy.tamper(self.command, self.path, resp.status, out,
+                                                 data)
+                self.send_response(status)
                 for k, v in out.items():
                     if k.lower() == "location":
                         v = v.replace(proxy.upstream, f"127.0.0.1:{proxy.port}")
                     self.send_header(k, v)
-                if self.command == "HEAD":
+                if self.command == "HEAD" and status == resp.status:
                     self.send_header("Content-Length", resp.getheader("Content-Length") or "0")
                 else:
                     self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
-                    self.wfile.write(data)
+                    try:
+                        self.wfile.write(data)
+                    except BrokenPipeError:
+                        pass  # the client gave up on the body (e.g. after a 416)
 
             do_GET = do_HEAD = do_PUT = do_POST = do_PATCH = do_DELETE = _any
 
