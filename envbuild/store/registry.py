@@ -626,11 +626,12 @@ class RegistryStore(Store):
 
     def _request(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
                  body: bytes | None = None, attempts: int | None = None,
-                 what: str = "") -> _Response:
+                 what: str = "", give_up_quietly: bool = False) -> _Response:
         """One request with retries (connection errors, 429, 5xx), the auth dance on 401 and
-        redirects followed for GET/HEAD; the whole response body is read."""
+        redirects followed for GET/HEAD; the whole response body is read. With
+        ``give_up_quietly`` the last 429/5xx answer is returned instead of raised."""
         resp, _ = self._send(method, url, headers or {}, body, attempts, what,
-                             stream=False, want=())
+                             stream=False, want=(), quiet=give_up_quietly)
         return resp
 
     def _open_stream(self, url: str, headers: Mapping[str, str],
@@ -639,7 +640,8 @@ class RegistryStore(Store):
         return resp, conn  # type: ignore[return-value]
 
     def _send(self, method: str, url: str, headers: Mapping[str, str], body: bytes | None,
-              attempts: int | None, what: str, *, stream: bool, want: tuple[int, ...]):
+              attempts: int | None, what: str, *, stream: bool, want: tuple[int, ...],
+              quiet: bool = False):
         attempts = attempts or self.attempts
         auth_tries = 0
         redirects = 0
@@ -688,6 +690,8 @@ class RegistryStore(Store):
                 if attempt < attempts:
                     self._sleep(attempt, resp.header("Retry-After"))
                     continue
+                if quiet:
+                    return resp, None
                 raise StoreUnavailable(
                     f"{what or method.lower()} {self.url}: {self._where()} answered {status} "
                     f"{resp.error_text() or raw.reason} ({attempts} attempts)",
@@ -827,11 +831,15 @@ class RegistryStore(Store):
             return None
         raise self._status_error(resp, f"stat blob {digest} in")
 
-    def _head_manifest(self, ref: str) -> tuple[str, int, str] | None:
-        """``(digest, size, media type)`` of manifest ``ref`` (tag or digest), or ``None``."""
+    def _head_manifest(self, ref: str, *, fallback: bool = False) -> tuple[str, int, str] | None:
+        """``(digest, size, media type)`` of manifest ``ref`` (tag or digest), or ``None``.
+        ``fallback``: asked because the digest is not a blob — distribution answers 500 for a
+        digest it holds as a blob of another repository but cannot parse as a manifest, and
+        that means "not a manifest here" (the blob HEAD just before showed the registry up)."""
         resp = self._request("HEAD", f"{self._base()}/manifests/{ref}",
-                             headers={"Accept": _ACCEPT}, what=f"stat manifest {ref} in")
-        if resp.status == 404:
+                             headers={"Accept": _ACCEPT}, what=f"stat manifest {ref} in",
+                             attempts=1 if fallback else None, give_up_quietly=fallback)
+        if resp.status == 404 or (fallback and resp.status >= 500):
             return None
         if resp.status != 200:
             raise self._status_error(resp, f"stat manifest {ref} in")
@@ -1031,7 +1039,7 @@ class RegistryStore(Store):
     def stat(self, digest: str) -> BlobInfo:
         size = self._head_blob(digest)
         if size is None:
-            got = self._head_manifest(digest)
+            got = self._head_manifest(digest, fallback=True)
             if got is None:
                 raise blob_not_found(digest)
             size = got[1]
@@ -1059,40 +1067,49 @@ class RegistryStore(Store):
         return self._status_error(resp, what)
 
     def list(self) -> Iterator[str]:
-        """Every blob a tag reaches (see the module docstring: unreferenced blobs are not
-        listed; a registry cannot enumerate them)."""
+        """Every blob a ref tag reaches (see the module docstring: a registry cannot enumerate
+        blobs no tag reaches). The blobs that make up envbuild's own artifacts (a record's JSON,
+        the empty config) are representation, not store blobs, and are not listed; a ref
+        artifact's target is."""
         seen: set[str] = set()
         for tag in self._tags():
-            if tag_to_ref(tag) is None and tag_to_record(tag) is None:
+            if tag_to_ref(tag) is None:
                 continue
             got = self._get_manifest(tag, f"list {tag} in")
-            if got is not None:
+            if got is None:
+                continue
+            doc = _json_or_none(got[0])
+            if isinstance(doc, dict) and doc.get("artifactType") == ARTIFACT_REF:
+                target = (doc.get("layers") or [{}])[0]
+                yield from self._reachable_desc(target, seen)
+            else:
                 yield from self._reachable(got[0], got[1], seen)
+
+    def _reachable_desc(self, desc: Any, seen: set[str]) -> Iterator[str]:
+        d = desc.get("digest") if isinstance(desc, dict) else None
+        if not isinstance(d, str) or not _valid(check_digest, d) or d in seen:
+            return
+        if desc.get("mediaType") in MANIFEST_TYPES:
+            got = self._get_manifest(d, f"list {d} in")
+            if got is not None:
+                yield from self._reachable(got[0], d, seen)
+                return
+        seen.add(d)
+        yield d
 
     def _reachable(self, data: bytes, digest: str, seen: set[str]) -> Iterator[str]:
         if digest in seen:
             return
         seen.add(digest)
         yield digest
-        try:
-            doc = json.loads(data)
-        except ValueError:
+        doc = _json_or_none(data)
+        if not isinstance(doc, dict):
             return
-        children = list(doc.get("manifests") or []) if isinstance(doc, dict) else []
-        if isinstance(doc, dict):
-            children += [doc["config"]] if isinstance(doc.get("config"), dict) else []
-            children += [c for c in doc.get("layers") or [] if isinstance(c, dict)]
+        children = list(doc.get("manifests") or [])
+        children += [doc["config"]] if isinstance(doc.get("config"), dict) else []
+        children += list(doc.get("layers") or [])
         for child in children:
-            d = child.get("digest")
-            if not isinstance(d, str) or not _valid(check_digest, d) or d in seen:
-                continue
-            if child.get("mediaType") in MANIFEST_TYPES:
-                got = self._get_manifest(d, f"list {d} in")
-                if got is not None:
-                    yield from self._reachable(got[0], d, seen)
-                    continue
-            seen.add(d)
-            yield d
+            yield from self._reachable_desc(child, seen)
 
     def _tags(self) -> list[str]:
         """All tags of REPO (``tags/list``, following ``Link`` pages); none if REPO is new."""
@@ -1123,8 +1140,16 @@ class RegistryStore(Store):
             self._empty_uploaded = True
 
     def _put_manifest(self, tag: str, body: bytes, media_type: str, what: str) -> str:
-        resp = self._request("PUT", f"{self._base()}/manifests/{tag}", body=body,
-                             headers={"Content-Type": media_type}, what=what)
+        for attempt in range(1, self.attempts + 1):
+            resp = self._request("PUT", f"{self._base()}/manifests/{tag}", body=body,
+                                 headers={"Content-Type": media_type}, what=what)
+            # distribution 2.8 answers DIGEST_INVALID to one of two concurrent PUTs of
+            # different manifests to one tag (its filesystem writes are not atomic): the
+            # bytes are ours, so try again; a persistent one is reported below
+            if resp.status == 201 or resp.error_code() != "DIGEST_INVALID":
+                break
+            if attempt < self.attempts:
+                self._sleep(attempt)
         if resp.status != 201:
             code = resp.error_code()
             hint = None
@@ -1289,6 +1314,13 @@ class RegistryStore(Store):
     def delete_record(self, namespace: str, name: str) -> None:
         tag = record_to_tag(namespace, name)
         self._delete_tag(tag, f"delete record {namespace}/{name} in")
+
+
+def _json_or_none(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
 
 
 def _read_full(f: BinaryIO, n: int) -> bytes:
