@@ -121,13 +121,18 @@ def running_registry(root: Path, auth: str | None = None):
 
 class TamperingProxy:
     """Forwards HTTP requests to ``upstream`` (host:port) and lets ``tamper(method, path,
-    status, headers, body) -> (status, headers, body)`` rewrite each answer. Loopback only."""
+    status, headers, body) -> (status, headers, body)`` rewrite each answer; ``intercept(method,
+    path)`` may answer instead of the registry (the request is then not forwarded). Loopback
+    only."""
 
     def __init__(self, upstream: str,
                  tamper: Callable[[str, str, int, dict[str, str], bytes],
-                                  tuple[int, dict[str, str], bytes]]) -> None:
+                                  tuple[int, dict[str, str], bytes]] | None = None,
+                 intercept: Callable[[str, str], tuple[int, dict[str, str], bytes] | None]
+                 | None = None) -> None:
         self.upstream = upstream
-        self.tamper = tamper
+        self.tamper = tamper or (lambda m, p, s, h, b: (s, h, b))
+        self.intercept = intercept or (lambda m, p: None)
         self.port = free_port()
         proxy = self
 
@@ -140,6 +145,16 @@ class TamperingProxy:
             def _any(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
+                answer = proxy.intercept(self.command, self.path)
+                if answer is not None:
+                    status, out, data = answer
+                    self.send_response(status)
+                    for k, v in out.items():
+                        self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
                 conn = http.client.HTTPConnection(proxy.upstream, timeout=30)
                 headers = {k: v for k, v in self.headers.items()
                            if k.lower() not in ("host", "connection")}
