@@ -350,7 +350,9 @@ def find_credentials(url: RegistryURL, files: Iterable[Path]) -> tuple[str, str]
         except OSError as e:
             raise SettingsError(f"read registry credentials {path}: {e.strerror}") from None
         try:
-            auths = json.loads(data).get("auths") or {}
+            auths = json.loads(data).get("auths", {})
+            if auths is None:
+                auths = {}
             if not isinstance(auths, dict):
                 raise ValueError("'auths' is not an object")
         except (ValueError, AttributeError) as e:
