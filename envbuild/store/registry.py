@@ -161,7 +161,8 @@ MAX_MANIFEST_SIZE = 4 * MiB
 _TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _ENV_TAG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,127}")
 _HEX64_RE = re.compile(r"[0-9a-f]{64}")
-_REPO_RE = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*")
+_REPO_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"  # distribution's path component
+_REPO_RE = re.compile(rf"{_REPO_COMPONENT}(?:/{_REPO_COMPONENT})*")
 _RESERVED_TAG_PREFIXES = ("envbuild-", "sha256-")
 _KEY_PREFIX = "envbuild-key-"
 _REF_PREFIX = "envbuild-ref-"
@@ -378,7 +379,8 @@ def find_credentials(url: RegistryURL, files: Iterable[Path]) -> tuple[str, str]
 
 
 def parse_challenge(header: str) -> tuple[str, dict[str, str]]:
-    """``WWW-Authenticate: Bearer realm="…",service="…",scope="…"`` → ``("bearer", {...})``."""
+    """``Bearer realm="…",service="…",scope="…"`` (a ``WWW-Authenticate`` value) →
+    ``("bearer", {"realm": …, "service": …, "scope": …})``."""
     scheme, _, rest = header.strip().partition(" ")
     params = {m.group(1).lower(): m.group(2) if m.group(2) is not None else m.group(3)
               for m in re.finditer(r'([A-Za-z_]+)\s*=\s*(?:"([^"]*)"|([^,\s]*))', rest)}
@@ -985,7 +987,8 @@ class RegistryStore(Store):
                 got = self._get_manifest(digest, f"read {digest} from")
                 if got is None:
                     raise blob_not_found(digest)
-                return VerifyingReader(io.BytesIO(got[0]), digest, size=len(got[0]))  # type: ignore[return-value]
+                body = io.BytesIO(got[0])
+                return VerifyingReader(body, digest, size=len(got[0]))  # type: ignore[return-value]
             raise self._status_error(resp, f"read blob {digest} from")
         size = int(resp.getheader("Content-Length") or -1)
         if size < 0:

@@ -73,8 +73,8 @@ def test_registry_down(envbuild_cli, built):  # noqa: F811
     one_line(r, "cannot reach")
 
 
-def test_401_without_and_with_wrong_credentials(envbuild_cli, built, registry_auth, tmp_path,  # noqa: F811
-                                                 monkeypatch, no_credentials):
+def test_401_without_and_with_wrong_credentials(  # noqa: F811
+        envbuild_cli, built, registry_auth, tmp_path, monkeypatch, no_credentials):
     src, lock = built
     url = registry_auth.url("team/envs")
     r = envbuild_cli("--store", str(src.root), "push", "busybox-shell", "--to", url)
@@ -145,8 +145,8 @@ def test_blob_corrupted_in_the_registry(envbuild_cli, registry, corrupt_layer_on
     assert not LocalStore(envbuild_cli.store).exists(corrupt_layer_on_disk)
 
 
-def test_push_of_a_corrupt_local_blob_leaves_nothing_in_the_registry(envbuild_cli, built,  # noqa: F811
-                                                                     registry, tmp_path):
+def test_push_of_a_corrupt_local_blob_leaves_nothing_in_the_registry(  # noqa: F811
+        envbuild_cli, built, registry, tmp_path):
     src, lock = built
     copy = tmp_path / "store-copy"
     shutil.copytree(src.root, copy, symlinks=True)
