@@ -802,11 +802,13 @@ class RegistryStore(Store):
                                         "check that it is up") from None
         conn.close()
         if raw.status in (401, 403):
+            files = " or ".join(str(p) for p in auth_files(os.environ)) or "an auth file"
+            who = (f"the credentials of {self.credentials[0]!r}" if self.credentials
+                   else "anonymous access")
             raise StoreUnavailable(f"{what or 'request'} {self.url}: the token server "
-                                   f"{split.netloc} refused "
-                                   f"{'the credentials' if basic else 'anonymous access'} "
-                                   f"({raw.status})",
-                                   hint=f"log in: podman login {self.location.host}")
+                                   f"{split.netloc} refused {who} ({raw.status})",
+                                   hint=f"log in (podman login {self.location.host}); envbuild "
+                                        f"reads {files}")
         try:
             doc = json.loads(data)
             token = doc.get("token") or doc.get("access_token")

@@ -90,6 +90,27 @@ def test_401_without_and_with_wrong_credentials(  # noqa: F811
     assert RegistryStore(url).get_ref("env/busybox-shell").digest == lock
 
 
+def test_bearer_token_flow(  # noqa: F811
+        envbuild_cli, built, tmp_path, tmp_path_factory, monkeypatch, no_credentials):
+    """distribution with ``auth: token``: the registry sends envbuild to a token server (a real
+    JWT issuer on loopback); a push gets a pull+push token, a wrong password one line."""
+    src, lock = built
+    with running_registry(tmp_path_factory.mktemp("registry-token"), auth="token") as reg:
+        url = reg.url("team/envs")
+        monkeypatch.setenv("REGISTRY_AUTH_FILE", str(reg.auth_file(tmp_path / "bad", "nope")))
+        r = envbuild_cli("--store", str(src.root), "push", "busybox-shell", "--to", url)
+        one_line(r, "token server", "refused the credentials of 'envbuild' (401)",
+                 "podman login")
+        monkeypatch.setenv("REGISTRY_AUTH_FILE", str(reg.auth_file(tmp_path / "good")))
+        r = envbuild_cli("--store", str(src.root), "push", "busybox-shell", "--to", url)
+        assert r.code == 0, r.err
+        granted = [set(s.rpartition(":")[2].split(",")) for s in reg.token_server.requests
+                   if s.startswith("repository:team/envs:")]
+        assert {"pull", "push"} in granted
+        r = envbuild_cli("pull", f"busybox-shell@{lock}", "--from", url)
+        assert r.code == 0, r.err
+
+
 def test_403_on_push(envbuild_cli, built, registry):  # noqa: F811
     src, _ = built
 

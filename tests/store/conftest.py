@@ -101,6 +101,16 @@ def docker_registry_auth(tmp_path_factory):
         yield reg
 
 
+@pytest.fixture(scope="session")
+def docker_registry_token(tmp_path_factory):
+    """The same with Bearer token auth: a token server on loopback issuing RS256 JWTs the
+    registry trusts (distribution's ``auth: token``)."""
+    from tests.store.registry_server import running_registry
+
+    with running_registry(tmp_path_factory.mktemp("registry-token"), auth="token") as reg:
+        yield reg
+
+
 def _registry_backend(fixture: str):
     def make(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
         from envbuild.store.registry import RegistryStore
@@ -135,6 +145,7 @@ BACKENDS: dict[str, Callable[[pytest.FixtureRequest, Path], Backend]] = {
     "s3": _s3,
     "registry": _registry_backend("docker_registry"),
     "registry-auth": _registry_backend("docker_registry_auth"),
+    "registry-token": _registry_backend("docker_registry_token"),
 }
 
 

@@ -6,7 +6,9 @@ disk is served as it is) and runs ``docker-registry serve CONFIG`` on a free 127
 with ``auth="htpasswd"`` it requires HTTP basic auth from an ``htpasswd`` file made with
 apache2-utils' ``htpasswd -B`` (bcrypt, what distribution accepts). ``stop()`` ends the process
 and checks it is gone. ``blob_file(digest)`` is where distribution keeps a blob's bytes (for
-corruption tests). ``TamperingProxy`` is a loopback HTTP proxy in front of it that rewrites
+corruption tests). ``auth="token"`` puts a ``TokenServer`` (a JWT issuer on loopback, signing
+with a self-signed certificate the registry trusts) in front: distribution's Bearer flow.
+``TamperingProxy`` is a loopback HTTP proxy in front of it that rewrites
 answers (flips a byte of blob bodies, changes a manifest's Content-Type) — a hostile network
 between envbuild and a registry.
 """
@@ -39,6 +41,7 @@ class Registry:
         self.auth = auth
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
+        self.token_server: TokenServer | None = None
 
     @property
     def host(self) -> str:
@@ -70,6 +73,11 @@ class Registry:
                            check=True, capture_output=True)
             auth = (f"auth:\n  htpasswd:\n    realm: envbuild-test\n"
                     f"    path: {self.root / 'htpasswd'}\n")
+        elif self.auth == "token":
+            self.token_server = TokenServer(self.root / "token").start()
+            auth = (f"auth:\n  token:\n    realm: {self.token_server.realm}\n"
+                    f"    service: {TokenServer.SERVICE}\n    issuer: {TokenServer.ISSUER}\n"
+                    f"    rootcertbundle: {self.token_server.cert_path}\n")
         config = self.root / "config.yml"
         config.write_text(
             "version: 0.1\n"
@@ -107,6 +115,9 @@ class Registry:
             assert self.proc.poll() is not None
             self.proc = None
             self.log.close()
+        if self.token_server is not None:
+            self.token_server.stop()
+            self.token_server = None
 
 
 @contextlib.contextmanager
@@ -117,6 +128,109 @@ def running_registry(root: Path, auth: str | None = None):
     finally:
         reg.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+class TokenServer:
+    """A Docker token server (the ``Bearer`` realm distribution sends clients to) on loopback:
+    checks HTTP basic credentials (``USER``/``PASSWORD``; none: anonymous, refused) and issues
+    an RS256 JWT whose ``x5c`` is a self-signed certificate that the registry trusts
+    (``rootcertbundle``), granting the requested scopes. ``requests`` counts the tokens
+    issued."""
+
+    SERVICE = "envbuild-test-registry"
+    ISSUER = "envbuild-test-issuer"
+
+    def __init__(self, root: Path) -> None:
+        import datetime
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import rsa
+        from cryptography.x509.oid import NameOID
+
+        root.mkdir(parents=True, exist_ok=True)
+        self.key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "envbuild test token issuer")])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+                .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=1))
+                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                .sign(self.key, hashes.SHA256()))
+        self.cert_der = cert.public_bytes(serialization.Encoding.DER)
+        self.cert_path = root / "issuer.pem"
+        self.cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        self.port = free_port()
+        self.requests: list[str] = []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802
+                import urllib.parse
+
+                query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+                want = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+                if self.headers.get("Authorization", "") != f"Basic {want}":
+                    self._answer(401, {"details": "bad or no credentials"})
+                    return
+                scopes = " ".join(query.get("scope", [])).split()
+                server.requests.append(" ".join(scopes))
+                self._answer(200, {"token": server.token(scopes)})
+
+            def _answer(self, status: int, obj: dict) -> None:
+                data = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+            daemon_threads = True
+
+        self.server = Server(("127.0.0.1", self.port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def realm(self) -> str:
+        return f"http://127.0.0.1:{self.port}/token"
+
+    def token(self, scopes: list[str]) -> str:
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import padding
+
+        access = []
+        for scope in scopes:
+            kind, _, rest = scope.partition(":")
+            name, _, actions = rest.rpartition(":")
+            access.append({"type": kind, "name": name, "actions": actions.split(",")})
+        now = int(time.time())
+        header = {"typ": "JWT", "alg": "RS256", "x5c": [base64.b64encode(self.cert_der).decode()]}
+        claims = {"iss": self.ISSUER, "sub": USER, "aud": self.SERVICE, "exp": now + 300,
+                  "nbf": now - 10, "iat": now, "jti": f"{now}-{len(self.requests)}",
+                  "access": access}
+        signing = f"{_b64url(json.dumps(header).encode())}.{_b64url(json.dumps(claims).encode())}"
+        sig = self.key.sign(signing.encode(), padding.PKCS1v15(), hashes.SHA256())
+        return f"{signing}.{_b64url(sig)}"
+
+    def start(self) -> TokenServer:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
 
 
 class TamperingProxy:
