@@ -730,6 +730,8 @@ class RegistryStore(Store):
                      netloc: str) -> StoreUnavailable:
         cause = (e.strerror if isinstance(e, OSError) and e.strerror
                  else str(e) or type(e).__name__)
+        # a garbled answer (http.client.BadStatusLine) carries what the server sent: one line
+        cause = " ".join(cause.split())[:160]
         if isinstance(e, ssl.SSLError):
             return StoreUnavailable(
                 f"{what or 'request'} {self.url}: TLS with {netloc} failed: {cause}",

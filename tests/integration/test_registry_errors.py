@@ -202,3 +202,50 @@ def test_tag_that_moved(envbuild_cli, built, registry):  # noqa: F811
     r = envbuild_cli("pull", f"busybox-shell@{other}", "--from", registry.url("team/moving"))
     assert r.code == 0, r.err
     assert LocalStore(envbuild_cli.store).get_ref("env/busybox-shell").digest == other
+
+
+def test_transient_failures_are_retried_and_broken_downloads_resumed(  # noqa: F811
+        envbuild_cli, built, registry):
+    """A registry that answers 503 twice per blob and drops the connection in the middle of
+    every first layer download: the pull still succeeds (bounded retries, ranged resume)."""
+    src, lock = built
+    sync(src, RegistryStore(registry.url("team/flaky")), refs=["env/busybox-shell"])
+    seen: dict[str, int] = {}
+    cuts: list[str] = []
+
+    def flaky(method, path, status, headers, body):
+        if "/blobs/sha256:" in path and method == "GET":
+            n = seen[path] = seen.get(path, 0) + 1
+            if n <= 2:
+                return 503, {"Content-Type": "text/plain"}, b"overloaded"
+            if n == 3 and len(body) > 4096:
+                cuts.append(path)
+                return status, {**headers, "X-Test-Cut-After": str(len(body) // 2)}, body
+        return status, headers, body
+
+    with TamperingProxy(registry.host, flaky) as proxy:
+        r = envbuild_cli("pull", "busybox-shell", "--from", f"docker://{proxy.host}/team/flaky")
+    assert r.code == 0, r.err
+    assert cuts and all(seen[p] == 4 for p in cuts)  # 503, 503, cut half-way, resumed
+    assert LocalStore(envbuild_cli.store).get_ref("env/busybox-shell").digest == lock
+
+
+def test_a_registry_that_stays_down_gives_up_in_bounded_time(  # noqa: F811
+        envbuild_cli, built, registry):
+    import time
+
+    src, _ = built
+    sync(src, RegistryStore(registry.url("team/down")), refs=["env/busybox-shell"])
+
+    def down(method, path):
+        if "/blobs/" in path:
+            return 503, {"Content-Type": "text/plain"}, b"down for maintenance"
+        return None
+
+    with TamperingProxy(registry.host, intercept=down) as proxy:
+        t0 = time.monotonic()
+        r = envbuild_cli("pull", "busybox-shell", "--from", f"docker://{proxy.host}/team/down")
+        elapsed = time.monotonic() - t0
+    one_line(r, "answered 503", "(4 attempts)", "retry later")
+    assert elapsed < 10
+    assert nothing_pulled(envbuild_cli.store)

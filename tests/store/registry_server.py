@@ -235,7 +235,8 @@ class TokenServer:
 
 class TamperingProxy:
     """Forwards HTTP requests to ``upstream`` (host:port) and lets ``tamper(method, path,
-    status, headers, body) -> (status, headers, body)`` rewrite each answer; ``intercept(method,
+    status, headers, body) -> (status, headers, body)`` rewrite each answer (a header
+    ``X-Test-Cut-After: N`` sends the full Content-Length but only N bytes, then hangs up); ``intercept(method,
     path)`` may answer instead of the registry (the request is then not forwarded). Loopback
     only."""
 
@@ -267,7 +268,8 @@ class TamperingProxy:
                         self.send_header(k, v)
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
-                    self.wfile.write(data)
+                    if self.command != "HEAD":
+                        self.wfile.write(data)
                     return
                 conn = http.client.HTTPConnection(proxy.upstream, timeout=30)
                 headers = {k: v for k, v in self.headers.items()
@@ -286,11 +288,18 @@ class TamperingProxy:
                     if k.lower() == "location":
                         v = v.replace(proxy.upstream, f"127.0.0.1:{proxy.port}")
                     self.send_header(k, v)
+                cut = out.pop("X-Test-Cut-After", None)  # send this much, then hang up
                 if self.command == "HEAD" and status == resp.status:
                     self.send_header("Content-Length", resp.getheader("Content-Length") or "0")
                 else:
                     self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
+                if cut is not None:
+                    self.wfile.write(data[:int(cut)])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
                 if self.command != "HEAD":
                     try:
                         self.wfile.write(data)
