@@ -264,20 +264,37 @@ class VerifyingReader(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        chunk = self._raw.read(len(view))
-        if not chunk:
+        raw_readinto = getattr(self._raw, "readinto", None)
+        if raw_readinto is not None:
+            # straight into the caller's buffer: no allocation and copy per read (slow here)
+            n = raw_readinto(view) or 0
+            chunk: Any = view[:n]
+        else:
+            chunk = self._raw.read(len(view))
+            n = len(chunk)
+            view[:n] = chunk
+        if not n:
             self._verify()
             return 0
-        view[:len(chunk)] = chunk
         self._hash.update(chunk)
-        self._count += len(chunk)
+        self._count += n
         if self._size is not None and self._count >= self._size:
             # Verify as soon as the promised size arrived: callers that read exactly ``size``
             # bytes never see EOF. A byte beyond it is a mismatch in itself.
             if self._count > self._size:
                 raise self._mismatch(f"it is longer than {self._size} bytes")
             self._verify()
-        return len(chunk)
+        return n
+
+    def proves(self, digest: str) -> bool:
+        """Whether reading this stream to its end proves ``digest`` (it raises otherwise): a
+        writer that reads it to the end need not hash the bytes a second time."""
+        return digest == self._digest
+
+    @property
+    def verified(self) -> bool:
+        """True once everything was read and matched the digest."""
+        return self._verified
 
     def _verify(self) -> None:
         if self._verified:

@@ -453,12 +453,12 @@ class _Pool:
     """Keep-alive connections per ``(scheme, netloc)``, shared by threads: a request takes one
     (or opens one) and gives it back once its response was read to the end."""
 
-    def __init__(self, timeout: float, connect_timeout: float, ssl_context: ssl.SSLContext):
+    def __init__(self, timeout: float, connect_timeout: float) -> None:
         self._free: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
         self.timeout = timeout
         self.connect_timeout = connect_timeout
-        self.ssl_context = ssl_context
+        self._ssl: ssl.SSLContext | None = None  # made on first HTTPS use (~20 ms)
 
     def take(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
         with self._lock:
@@ -466,8 +466,10 @@ class _Pool:
             if free:
                 return free.pop()
         if scheme == "https":
+            if self._ssl is None:
+                self._ssl = ssl.create_default_context()
             conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                netloc, timeout=self.connect_timeout, context=self.ssl_context)
+                netloc, timeout=self.connect_timeout, context=self._ssl)
         else:
             conn = http.client.HTTPConnection(netloc, timeout=self.connect_timeout)
         return conn
@@ -590,7 +592,7 @@ class RegistryStore(Store):
         files = list(auth_files_) if auth_files_ is not None else auth_files(environ)
         self.credentials = (credentials if credentials is not None
                             else find_credentials(self.location, files))
-        self._pool = _Pool(timeout, connect_timeout, ssl.create_default_context())
+        self._pool = _Pool(timeout, connect_timeout)
         self._auth: str | None = None  # the Authorization header value that works
         self._auth_lock = threading.Lock()
         self._empty_uploaded = False
