@@ -36,9 +36,10 @@ USER, PASSWORD = "envbuild", "s3cret-pw"
 
 
 class Registry:
-    def __init__(self, root: Path, auth: str | None = None) -> None:
+    def __init__(self, root: Path, auth: str | None = None, *, deletes: bool = True) -> None:
         self.root = root
         self.auth = auth
+        self.deletes = deletes
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.token_server: TokenServer | None = None
@@ -83,7 +84,7 @@ class Registry:
             "version: 0.1\n"
             "log:\n  level: warn\n  accesslog:\n    disabled: true\n"
             f"storage:\n  filesystem:\n    rootdirectory: {self.root / 'data'}\n"
-            "  delete:\n    enabled: true\n"
+            f"  delete:\n    enabled: {'true' if self.deletes else 'false'}\n"
             "  maintenance:\n    uploadpurging:\n      enabled: false\n"
             f"http:\n  addr: 127.0.0.1:{self.port}\n" + auth)
         self.log = open(self.root / "registry.log", "wb")  # noqa: SIM115
@@ -121,8 +122,8 @@ class Registry:
 
 
 @contextlib.contextmanager
-def running_registry(root: Path, auth: str | None = None):
-    reg = Registry(root, auth).start()
+def running_registry(root: Path, auth: str | None = None, *, deletes: bool = True):
+    reg = Registry(root, auth, deletes=deletes).start()
     try:
         yield reg
     finally:
