@@ -922,7 +922,9 @@ class RegistryStore(Store):
                 raise DigestMismatch(f"refusing to store blob {digest}: the registry "
                                      "computed another digest for the bytes it received",
                                      hint="a proxy altered the upload; nothing was stored")
-            if resp.status != 201:
+            if resp.status != 201 and self._head_blob(digest) is None:
+                # (a PUT retried after a dropped answer finds its session closed, but the
+                # blob stored: that is success)
                 raise self._status_error(resp, f"upload blob {digest} to")
             done = True
         finally:

@@ -139,3 +139,23 @@ def test_copy_between_repositories_mounts_blobs(built, registry):
     assert len(uploaded) == len(report.records_copied)
     assert uploaded.isdisjoint(report.blobs_copied)  # no layer went through the client
     assert RegistryStore(registry.url("team/second")).get_ref("env/busybox-shell").digest == lock
+
+
+def test_registry_as_the_primary_store(envbuild_cli, registry):
+    """``--store docker://…`` for everything: build, a second build that builds nothing, lock,
+    run (the node cache pulls the layers from the registry)."""
+    url = registry.url("team/primary")
+    r = envbuild_cli("--store", url, "build", "busybox-shell", "--json")
+    assert r.code == 0, r.err
+    first = r.json()
+    assert {o["status"] for o in first["layers"]} == {"built"}
+    r = envbuild_cli("--store", url, "build", "busybox-shell", "--json")
+    assert r.code == 0, r.err
+    assert {o["status"] for o in r.json()["layers"]} == {"cached"}
+    r = envbuild_cli("--store", url, "lock", "busybox-shell")
+    assert r.code == 0, r.err
+    assert first["locks"][0]["digest"] in r.out
+    r = envbuild_cli("--store", url, "run", "busybox-shell", "--", "sh", "-c", "echo primary")
+    assert r.code == 0, r.err
+    assert "primary" in r.out
+    assert not envbuild_cli.store.exists()  # nothing went to a local store
