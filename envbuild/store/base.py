@@ -28,7 +28,11 @@ Errors (all ``envbuild.errors.StoreError`` subclasses, each with a ``reference``
 ``StoreUnavailable``    the store cannot be opened or reached
 ``StoreError``          anything else, e.g. ``reference="invalid-digest"`` for a malformed
                         digest string, ``"invalid-name"`` for a bad ref or record name,
-                        ``"invalid-range"`` for a range that starts beyond the end
+                        ``"invalid-range"`` for a range that starts beyond the end,
+                        ``"cas-unsupported"`` for ``expect=`` on a store without CAS;
+                        registries add ``"unsupported-media-type"`` (a tag holds a manifest
+                        envbuild does not read), ``"delete-unsupported"`` (deletes disabled
+                        in the registry) and ``sync`` ``"ref-moved"`` (a pinned ref moved)
 ======================  ==================================================================
 """
 
