@@ -577,7 +577,7 @@ class RegistryStore(Store):
 
     def __init__(self, url: str | RegistryURL, *, insecure: Iterable[str] = (),
                  credentials: tuple[str, str] | None = None,
-                 auth_files_: Iterable[Path] | None = None,
+                 auth_paths: Iterable[Path] | None = None,
                  environ: Mapping[str, str] | None = None, chunk_size: int = 16 * MiB,
                  attempts: int = 4, timeout: float = 30.0, connect_timeout: float = 5.0,
                  resume_attempts: int = 3, backoff: float = 0.1) -> None:
@@ -589,7 +589,7 @@ class RegistryStore(Store):
         self.resume_attempts = resume_attempts
         self.backoff = backoff
         environ = os.environ if environ is None else environ
-        files = list(auth_files_) if auth_files_ is not None else auth_files(environ)
+        files = list(auth_paths) if auth_paths is not None else auth_files(environ)
         self.credentials = (credentials if credentials is not None
                             else find_credentials(self.location, files))
         self._pool = _Pool(timeout, connect_timeout)

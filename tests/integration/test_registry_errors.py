@@ -52,7 +52,7 @@ def nothing_pulled(store_dir):
 
 
 def nothing_pushed(reg, repo: str) -> None:
-    remote = RegistryStore(reg.url(repo), auth_files_=[])
+    remote = RegistryStore(reg.url(repo), auth_paths=[])
     assert remote.list_refs() == []
     uploads = reg.root / "data" / "docker" / "registry" / "v2" / "repositories" / repo / "_uploads"
     # a cancelled session leaves only distribution's empty hashstates/ behind; a live or

@@ -118,8 +118,8 @@ def _registry_backend(fixture: str):
         reg = request.getfixturevalue(fixture)
         repo = f"conformance/t{abs(hash(request.node.nodeid)):x}-{id(tmp_path):x}"
         creds = ({"credentials": None,
-                  "auth_files_": [reg.auth_file(tmp_path / "auth")]} if reg.auth
-                 else {"auth_files_": []})
+                  "auth_paths": [reg.auth_file(tmp_path / "auth")]} if reg.auth
+                 else {"auth_paths": []})
 
         def open_() -> Store:
             # 1 MiB chunks: a 20 MiB blob is a chunked upload, memory stays within the bound

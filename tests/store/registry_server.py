@@ -238,8 +238,8 @@ class TamperingProxy:
     """Forwards HTTP requests to ``upstream`` (host:port) and lets ``tamper(method, path,
     status, headers, body) -> (status, headers, body)`` rewrite each answer (a header
     ``X-Test-Cut-After: N`` sends the full Content-Length but only N bytes, then hangs up);
-    ``intercept(method, path)`` may answer instead of the registry (the request is then not forwarded). Loopback
-    only."""
+    ``intercept(method, path)`` may answer instead of the registry (the request is then not
+    forwarded). Loopback only."""
 
     def __init__(self, upstream: str,
                  tamper: Callable[[str, str, int, dict[str, str], bytes],

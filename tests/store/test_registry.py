@@ -35,7 +35,7 @@ def _lock(store, n: int = 2) -> tuple[str, list[str]]:
 @pytest.fixture
 def store(docker_registry, request):
     repo = f"unit/t{abs(hash(request.node.nodeid)):x}"
-    return RegistryStore(docker_registry.url(repo), auth_files_=[])
+    return RegistryStore(docker_registry.url(repo), auth_paths=[])
 
 
 def test_a_lock_is_tagged_as_itself(store):
@@ -109,7 +109,7 @@ def test_unknown_envbuild_artifact_version_is_refused_by_name(store):
 
 def test_deletes_disabled_in_the_registry(tmp_path):
     with running_registry(tmp_path / "reg", deletes=False) as reg:
-        store = RegistryStore(reg.url("unit/nodelete"), auth_files_=[])
+        store = RegistryStore(reg.url("unit/nodelete"), auth_paths=[])
         d = put_bytes(store, b"keep me")
         store.put_ref("env/x", d)
         for call in (lambda: store.delete(d), lambda: store.delete_ref("env/x")):
@@ -128,7 +128,7 @@ def test_not_a_registry(tmp_path):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         with pytest.raises(StoreUnavailable, match="is not an OCI registry"):
-            RegistryStore(f"docker://127.0.0.1:{server.server_port}/x", auth_files_=[])
+            RegistryStore(f"docker://127.0.0.1:{server.server_port}/x", auth_paths=[])
     finally:
         server.shutdown()
         server.server_close()

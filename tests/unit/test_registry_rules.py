@@ -145,7 +145,7 @@ def test_too_long_for_a_tag_is_refused_by_name():
     assert e.value.reference == "invalid-name"
 
 
-def test_auth_files_order(tmp_path):
+def test_auth_pathsorder(tmp_path):
     env = {"REGISTRY_AUTH_FILE": "/a.json", "XDG_RUNTIME_DIR": "/run/u", "HOME": "/home/u"}
     assert [str(p) for p in auth_files(env)] == [
         "/a.json", "/run/u/containers/auth.json", "/home/u/.docker/config.json"]
