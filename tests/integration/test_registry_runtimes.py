@@ -56,6 +56,8 @@ def test_podman_runs_the_pushed_lock(pushed, tmp_path):
                     f'events_logger="file"\ntmp_dir="{tmp_path / "tmp"}"\n')
     env = {**os.environ, "CONTAINERS_CONF": str(conf)}
     runroot = Path(tempfile.mkdtemp(prefix="eb-podman-", dir="/tmp"))  # podman: <= 50 chars
+    shm_lock = Path("/dev/shm/libpod_lock")  # podman's lock segment, wherever its root is
+    shm_existed = shm_lock.exists()
     base = [podman, "--root", str(tmp_path / "root"), "--runroot", str(runroot),
             "--storage-driver", "vfs"]
     try:
@@ -68,6 +70,8 @@ def test_podman_runs_the_pushed_lock(pushed, tmp_path):
         subprocess.run(base + ["rm", "-af"], env=env, capture_output=True, timeout=60)
         leftovers = _leftovers(tmp_path) + _leftovers(runroot)
         shutil.rmtree(runroot, ignore_errors=True)
+        if not shm_existed:
+            shm_lock.unlink(missing_ok=True)
     assert leftovers == []
 
 
