@@ -14,7 +14,8 @@ Goals (the S3 issue), each a ratio against a baseline measured in the same run:
 Servers: ``moto_server`` (correct, but it reads the whole object for every ranged GET, so lazy
 *times* on it are meaningless: reported, not judged) and npm ``s3rver`` 3.7.1 (serves ranges
 from files; installed here into benchmarks/.work/s3rver; it gets suffix ranges and If-None-Match
-wrong, so the lazy reader is given the blob size and S3Store detects that CAS is unsupported).
+wrong, so the lazy reader is given the blob size and S3Store detects that CAS is unsupported);
+``registry``: Debian's docker-registry (lazy reads only; push/pull in registry_push_pull.py).
 
 The layer: the virtualenv with numpy, pandas and django that benchmarks/layer_pack.py makes,
 plus the first ~110 MB of its /usr/lib copy (so > 300 MB), packed twice: with the default
@@ -23,7 +24,8 @@ plus the first ~110 MB of its /usr/lib copy (so > 300 MB), packed twice: with th
 
 Usage::
 
-    .venv/bin/python benchmarks/lazy_read.py [--servers moto,s3rver] [--framings default,per-file]
+    .venv/bin/python benchmarks/lazy_read.py [--servers moto,s3rver,registry]
+                                              [--framings default,per-file]
                                               [--share 0.05] [--seed 0]
 """
 
@@ -232,12 +234,38 @@ def push_pull(server, blob: Path, digest: str, size: int) -> list[tuple[str, str
     return rows
 
 
+class Registry:
+    """Debian's docker-registry (distribution 2.8) on loopback, data on tmpfs (registry issue:
+    the same lazy figures through ``RegistryStore``'s ranged blob GETs)."""
+
+    def start(self) -> Registry:
+        from tests.store.registry_server import running_registry
+
+        self._ctx = running_registry(fresh(SCRATCH / "registry"))
+        self.reg = self._ctx.__enter__()
+        return self
+
+    endpoint = property(lambda self: f"http://{self.reg.host}")
+
+    def kill(self) -> None:
+        self._ctx.__exit__(None, None, None)
+
+    def store(self, label: str):
+        from envbuild.store.registry import RegistryStore
+
+        return RegistryStore(self.reg.url(f"lazy/{label}"), auth_paths=[])
+
+
 def lazy_vs_full(server, blob: Path, digest: str, size: int, share: float, seed: int,
                  label: str, judge_time: bool) -> list[tuple[str, str, str]]:
-    c = client(server)
-    bucket = f"lazy-{label}"
-    c.create_bucket(Bucket=bucket)
-    remote = S3Store(bucket, "layers", endpoint_url=server.endpoint, session=server.session())
+    if isinstance(server, Registry):
+        remote = server.store(label)
+    else:
+        c = client(server)
+        bucket = f"lazy-{label}"
+        c.create_bucket(Bucket=bucket)
+        remote = S3Store(bucket, "layers", endpoint_url=server.endpoint,
+                         session=server.session())
     if not remote.exists(digest):
         with open(blob, "rb") as f:
             remote.put(digest, f, size=size)
@@ -316,11 +344,12 @@ def main() -> None:
         print(f"layer {framing}: {info.size / 1e6:.1f} MB compressed, {usize / 1e6:.1f} MB tar, "
               f"{info.digest[:19]}", flush=True)
     for name in args.servers.split(","):
-        server = {"moto": Moto, "s3rver": S3rver}[name]().start()
+        server = {"moto": Moto, "s3rver": S3rver, "registry": Registry}[name]().start()
         try:
             rows: list[tuple[str, str, str]] = []
             first = next(iter(layers.values()))
-            rows += push_pull(server, *first)
+            if name != "registry":  # registry push/pull: benchmarks/registry_push_pull.py
+                rows += push_pull(server, *first)
             for framing, (path, digest, size) in layers.items():
                 rows.append((f"-- lazy read, {framing} framing", "", ""))
                 rows += lazy_vs_full(server, path, digest, size, args.share, args.seed,

@@ -34,6 +34,8 @@ class Settings:
     # ENVBUILD_BUILD_DISK (a size, e.g. 50G; 0: no cap) and ENVBUILD_BUILD_INODES.
     build_disk_bytes: int | None = 50 << 30
     build_inodes: int | None = 5_000_000
+    # hosts of docker:// stores spoken to over plain HTTP although not loopback
+    registry_insecure: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -66,6 +68,9 @@ class Settings:
             s3_endpoint=environ.get("ENVBUILD_S3_ENDPOINT") or None,
             cache_from=environ.get("ENVBUILD_CACHE_FROM") or None,
             cache_to=environ.get("ENVBUILD_CACHE_TO") or None,
+            registry_insecure=tuple(h.strip() for h in
+                                    environ.get("ENVBUILD_REGISTRY_INSECURE", "").split(",")
+                                    if h.strip()),
         )
 
 

@@ -28,31 +28,39 @@ def register(group: click.Group) -> None:
     @group.command()
     @click.argument("refs", nargs=-1)
     @click.option("--to", "to_url", metavar="URL", required=True,
-                  help="Destination store (s3://BUCKET/PREFIX or a directory).")
+                  help="Destination store (a directory, s3://BUCKET/PREFIX or "
+                       "docker://HOST[:PORT]/REPO).")
     @click.option("--jobs", "-j", type=click.IntRange(1), default=4, show_default=True,
                   help="Blobs copied at once.")
     @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
     @pass_app
     def push(app: App, refs: tuple[str, ...], to_url: str, jobs: int, as_json: bool) -> None:
-        """Copy REFS (env names or refs; default: every ref) with their layers to --to."""
-        from envbuild.store.sync import resolve_ref, sync
+        """Copy REFS (env names or refs, NAME@DIGEST: only if it still has that digest;
+        default: every ref) with their layers to --to."""
+        from envbuild.store.sync import resolve_ref, split_pin, sync
 
         src = app.open_store()
-        names = [resolve_ref(src, r) for r in refs] if refs else src.list_refs()
-        _render(sync(src, app.open_store(to_url), refs=names, jobs=jobs), as_json)
+        pinned = [split_pin(r) for r in refs]
+        names = [resolve_ref(src, n) for n, _ in pinned] if refs else src.list_refs()
+        pins = {name: d for name, (_, d) in zip(names, pinned) if d}
+        _render(sync(src, app.open_store(to_url), refs=names, jobs=jobs, pins=pins), as_json)
 
     @group.command()
     @click.argument("refs", nargs=-1, required=True)
     @click.option("--from", "from_url", metavar="URL", required=True,
-                  help="Source store (s3://BUCKET/PREFIX or a directory).")
+                  help="Source store (a directory, s3://BUCKET/PREFIX or "
+                       "docker://HOST[:PORT]/REPO).")
     @click.option("--jobs", "-j", type=click.IntRange(1), default=4, show_default=True,
                   help="Blobs copied at once.")
     @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
     @pass_app
     def pull(app: App, refs: tuple[str, ...], from_url: str, jobs: int, as_json: bool) -> None:
-        """Copy REFS (env names or refs) with their layers from --from into the store."""
-        from envbuild.store.sync import resolve_ref, sync
+        """Copy REFS (env names or refs, NAME@DIGEST: only if it still has that digest) with
+        their layers from --from into the store."""
+        from envbuild.store.sync import resolve_ref, split_pin, sync
 
         src = app.open_store(from_url)
-        names = [resolve_ref(src, r) for r in refs]
-        _render(sync(src, app.open_store(), refs=names, jobs=jobs), as_json)
+        pinned = [split_pin(r) for r in refs]
+        names = [resolve_ref(src, n) for n, _ in pinned]
+        pins = {name: d for name, (_, d) in zip(names, pinned) if d}
+        _render(sync(src, app.open_store(), refs=names, jobs=jobs, pins=pins), as_json)

@@ -30,7 +30,8 @@ class App:
         """Open the store named by the settings, or by ``url`` (push/pull, remote cache)."""
         from envbuild.store import open_store
 
-        return open_store(url or self.settings.store_url, s3_endpoint=self.settings.s3_endpoint)
+        return open_store(url or self.settings.store_url, s3_endpoint=self.settings.s3_endpoint,
+                          registry_insecure=self.settings.registry_insecure)
 
     def build_context(self):
         """Store, node cache and OCI runtime for building, from the settings."""
@@ -84,10 +85,15 @@ pass_app = click.make_pass_decorator(App)
               help="Remote store a build takes already-built layers from ($ENVBUILD_CACHE_FROM).")
 @click.option("--cache-to", metavar="URL", default=None,
               help="Remote store a build pushes its layers and locks to ($ENVBUILD_CACHE_TO).")
+# registry issue: docker:// stores on hosts without TLS (loopback ones never need it)
+@click.option("--registry-insecure", metavar="HOST", multiple=True,
+              help="Speak plain HTTP to this registry host (repeatable; "
+                   "$ENVBUILD_REGISTRY_INSECURE, comma-separated).")
 @click.version_option(package_name="envbuild")
 @click.pass_context
 def cli(ctx: click.Context, store_url: str | None, defs_dir: Path | None,
-        s3_endpoint: str | None, cache_from: str | None, cache_to: str | None) -> None:
+        s3_endpoint: str | None, cache_from: str | None, cache_to: str | None,
+        registry_insecure: tuple[str, ...]) -> None:
     """Declarative, content-addressed environments for agent-training sandboxes."""
     settings = Settings.from_env(os.environ)
     if store_url is not None:
@@ -98,6 +104,8 @@ def cli(ctx: click.Context, store_url: str | None, defs_dir: Path | None,
                                    ("cache_to", cache_to)) if v is not None}
     if overrides:
         settings = dataclasses.replace(settings, **overrides)
+    if registry_insecure:
+        settings = dataclasses.replace(settings, registry_insecure=registry_insecure)
     ctx.obj = App(settings=settings)
 
 

@@ -1,8 +1,9 @@
 """envbuild.store: content-addressed blobs, refs and key records.
 
 The contract is ``Store`` (``envbuild.store.base``); backends are ``LocalStore`` (a directory,
-an OCI image layout), ``S3Store`` (``envbuild.store.s3``, imported on demand: it needs boto3)
-and ``MemoryStore`` (tests); generic logic is in ``envbuild.store.helpers``, push/pull between
+an OCI image layout), ``S3Store`` (``envbuild.store.s3``, imported on demand: it needs boto3),
+``RegistryStore`` (``envbuild.store.registry``: a repository of an OCI registry) and
+``MemoryStore`` (tests); generic logic is in ``envbuild.store.helpers``, push/pull between
 stores in ``envbuild.store.sync``, lazy layer reads in ``envbuild.store.lazy``. Open one from a
 ``--store`` / ``ENVBUILD_STORE`` value with ``open_store``.
 """
@@ -74,13 +75,16 @@ __all__ = [
 ]
 
 
-def open_store(url: str, *, s3_endpoint: str | None = None) -> Store:
+def open_store(url: str, *, s3_endpoint: str | None = None,
+               registry_insecure: tuple[str, ...] = ()) -> Store:
     """Open the store a ``--store`` / ``ENVBUILD_STORE`` value names.
 
     * a path (``cache``, ``/srv/envbuild``) → ``LocalStore``, created if missing
     * ``memory://`` → a new, empty ``MemoryStore`` (tests)
     * ``s3://BUCKET/PREFIX`` → ``S3Store`` at ``s3_endpoint`` (``--s3-endpoint``), else the
       endpoint boto3 is configured with (``AWS_ENDPOINT_URL``, or AWS itself)
+    * ``docker://HOST[:PORT]/REPO`` → ``RegistryStore`` (plain HTTP for loopback hosts and
+      those in ``registry_insecure``, ``--registry-insecure``; HTTPS otherwise)
 
     Anything else with a ``scheme://`` is a ``SettingsError``.
     """
@@ -96,5 +100,10 @@ def open_store(url: str, *, s3_endpoint: str | None = None) -> Store:
         from envbuild.store.s3 import S3Store
 
         return S3Store.from_url(url, endpoint_url=s3_endpoint or None)
+    if scheme == "docker":
+        from envbuild.store.registry import RegistryStore
+
+        return RegistryStore.from_url(url, insecure=registry_insecure)
     raise SettingsError(f"unknown store URL scheme {scheme!r} in {url!r}",
-                        hint="use a directory path, or s3://BUCKET/PREFIX")
+                        hint="use a directory path, s3://BUCKET/PREFIX or "
+                             "docker://HOST[:PORT]/REPO")

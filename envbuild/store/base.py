@@ -28,7 +28,11 @@ Errors (all ``envbuild.errors.StoreError`` subclasses, each with a ``reference``
 ``StoreUnavailable``    the store cannot be opened or reached
 ``StoreError``          anything else, e.g. ``reference="invalid-digest"`` for a malformed
                         digest string, ``"invalid-name"`` for a bad ref or record name,
-                        ``"invalid-range"`` for a range that starts beyond the end
+                        ``"invalid-range"`` for a range that starts beyond the end,
+                        ``"cas-unsupported"`` for ``expect=`` on a store without CAS;
+                        registries add ``"unsupported-media-type"`` (a tag holds a manifest
+                        envbuild does not read), ``"delete-unsupported"`` (deletes disabled
+                        in the registry) and ``sync`` ``"ref-moved"`` (a pinned ref moved)
 ======================  ==================================================================
 """
 
@@ -40,7 +44,7 @@ import hashlib
 import io
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any, BinaryIO, Final
+from typing import Any, BinaryIO, Final, Protocol, runtime_checkable
 
 from envbuild.canonical import canonical_json, load_json
 from envbuild.errors import BlobNotFound, DigestMismatch, RefNotFound, StoreError
@@ -263,20 +267,37 @@ class VerifyingReader(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        chunk = self._raw.read(len(view))
-        if not chunk:
+        raw_readinto = getattr(self._raw, "readinto", None)
+        if raw_readinto is not None:
+            # straight into the caller's buffer: no allocation and copy per read (slow here)
+            n = raw_readinto(view) or 0
+            chunk: Any = view[:n]
+        else:
+            chunk = self._raw.read(len(view))
+            n = len(chunk)
+            view[:n] = chunk
+        if not n:
             self._verify()
             return 0
-        view[:len(chunk)] = chunk
         self._hash.update(chunk)
-        self._count += len(chunk)
+        self._count += n
         if self._size is not None and self._count >= self._size:
             # Verify as soon as the promised size arrived: callers that read exactly ``size``
             # bytes never see EOF. A byte beyond it is a mismatch in itself.
             if self._count > self._size:
                 raise self._mismatch(f"it is longer than {self._size} bytes")
             self._verify()
-        return len(chunk)
+        return n
+
+    def proves(self, digest: str) -> bool:
+        """Whether reading this stream to its end proves ``digest`` (it raises otherwise): a
+        writer that reads it to the end need not hash the bytes a second time."""
+        return digest == self._digest
+
+    @property
+    def verified(self) -> bool:
+        """True once everything was read and matched the digest."""
+        return self._verified
 
     def _verify(self) -> None:
         if self._verified:
@@ -485,6 +506,16 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def delete_record(self, namespace: str, name: str) -> None:
         """Remove a record; idempotent."""
+
+
+@runtime_checkable
+class BlobMounter(Protocol):
+    """A store that can take a blob from another store without its bytes passing through the
+    client: an OCI registry's cross-repository mount (``RegistryStore.mount``). ``mount``
+    returns True when ``digest`` is now stored here, False when it cannot (other registry,
+    missing source blob): then copy it. ``copy_blobs`` tries it first."""
+
+    def mount(self, digest: str, source: Store) -> bool: ...
 
 
 def make_descriptor(media_type: str, digest: str, size: int,

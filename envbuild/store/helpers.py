@@ -22,6 +22,7 @@ from envbuild.store.base import (
     CHUNK_SIZE,
     MEDIA_TYPE_MANIFEST,
     BlobInfo,
+    BlobMounter,
     Descriptor,
     Store,
     canonical_json,
@@ -104,11 +105,17 @@ def copy_blobs(src: Store, dst: Store, digests: Iterable[str]) -> list[str]:
     """Copy each blob ``dst`` lacks from ``src``, streamed; returns the digests copied.
 
     ``dst.put`` verifies each blob as it arrives, so a corrupt source copy raises
-    ``DigestMismatch`` and is not stored. Duplicates in ``digests`` are copied once.
+    ``DigestMismatch`` and is not stored. Duplicates in ``digests`` are copied once. A ``dst``
+    that can mount blobs from ``src`` (``BlobMounter``: two repositories of one registry)
+    mounts them instead; they count as copied.
     """
     copied: list[str] = []
+    mounter = dst if isinstance(dst, BlobMounter) else None
     for digest in dict.fromkeys(digests):
         if dst.exists(digest):
+            continue
+        if mounter is not None and mounter.mount(digest, src):
+            copied.append(digest)
             continue
         size = src.stat(digest).size
         with src.get(digest) as f:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from envbuild.errors import RefNotFound, StoreError
 from envbuild.oci import ANNOTATION_KEY, MEDIA_TYPE_INDEX, MEDIA_TYPE_MANIFEST
@@ -62,6 +62,16 @@ class SyncReport:
         return (f"{len(self.refs)} ref(s), {len(self.blobs_copied)} blob(s) copied "
                 f"({self.bytes_copied / 1e6:.1f} MB), {self.blobs_present} already there, "
                 f"{len(self.records_copied)} key record(s)")
+
+
+def split_pin(arg: str) -> tuple[str, str | None]:
+    """``NAME@sha256:<hex>`` → ``(NAME, digest)``: a ref pinned to the digest it must still
+    have (``envbuild push/pull``); anything else → ``(arg, None)``."""
+    name, sep, digest = arg.rpartition("@")
+    if sep and name and digest.startswith("sha256:") and len(digest) == 71:
+        check_digest(digest)
+        return name, digest
+    return arg, None
 
 
 def resolve_ref(store: Store, name: str) -> str:
@@ -106,11 +116,21 @@ def walk(store: Store, desc: Descriptor | dict) -> tuple[list[tuple[str, bool]],
 
 
 def sync(src: Store, dst: Store, refs: Iterable[str] = (), keys: Iterable[str] = (), *,
-         jobs: int = 4, progress=lambda msg: None) -> SyncReport:
+         jobs: int = 4, progress=lambda msg: None,
+         pins: Mapping[str, str] | None = None) -> SyncReport:
     """Copy ``refs`` (and all they point to) and the key records ``keys`` from ``src`` to ``dst``;
-    see the module docstring for the order. Refs are names as they exist in ``src``."""
+    see the module docstring for the order. Refs are names as they exist in ``src``. ``pins``
+    maps a ref to the digest it must have in ``src`` (read once: what is copied is what was
+    checked); a ref that moved fails with ``ref-moved`` before anything is copied."""
     report = SyncReport()
     descs = {name: src.get_ref(name) for name in dict.fromkeys(refs)}
+    for name, want in (pins or {}).items():
+        have = descs[name].digest if name in descs else src.get_ref(name).digest
+        if have != want:
+            raise StoreError(f"ref {name} in {src!r} moved: it points at {have} now, not at "
+                             f"{want}", reference="ref-moved",
+                             hint=f"it was published again since {want[:19]}… was read; "
+                                  "drop @DIGEST to take the new one, or find out who moved it")
     leaves: list[str] = []     # layers, configs: copied in parallel
     manifests: list[str] = []  # children before parents, copied after all leaves, in order
     all_keys = list(keys)

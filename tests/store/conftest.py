@@ -4,6 +4,11 @@ Adding a backend (S3) is one entry in ``BACKENDS``: a function that takes pytest
 and ``tmp_path`` and returns a ``Backend`` — the store, how to corrupt one of its blobs behind
 its back, whether it streams (bounded memory) or keeps blobs in memory, and how to open a second
 handle on the same store.
+
+A test that needs something a backend cannot do by nature is marked
+``@pytest.mark.needs("capability")``; a backend lists what it lacks, with the reason, in
+``Backend.lacks``, and such a test is then a strict ``xfail`` with that reason on it (it still
+runs, and must fail: when a backend gains the capability the mark has to go). Never a skip.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ class Backend:
     corrupt: Callable[[str, bytes], None]  # replace a stored blob's bytes, bypassing put
     streams: bool  # put/get use bounded memory (false for MemoryStore, which holds blobs)
     reopen: Callable[[], Store]  # a second handle on the same store
+    lacks: dict[str, str] = dataclasses.field(default_factory=dict)  # capability -> why
 
 
 def _memory(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
@@ -67,16 +73,96 @@ def _s3(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     return Backend(store, corrupt=corrupt, streams=True, reopen=open_)
 
 
+REGISTRY_LACKS = {
+    "list-unreferenced": "the distribution API lists tags, not blobs: list() yields only the "
+                         "blobs a tag reaches",
+    "blob-age": "a registry reports no blob ages (no Last-Modified on blob HEADs), so "
+                "envbuild gc never deletes a registry blob; the registry's garbage-collect does",
+    "cas": "distribution has no conditional manifest PUT (If-Match is ignored), so expect= is "
+           "refused (cas-unsupported) rather than raced",
+}
+
+
+@pytest.fixture(scope="session")
+def docker_registry(tmp_path_factory):
+    """Debian's docker-registry on 127.0.0.1, no auth (stopped and removed after the session)."""
+    from tests.store.registry_server import running_registry
+
+    with running_registry(tmp_path_factory.mktemp("registry")) as reg:
+        yield reg
+
+
+@pytest.fixture(scope="session")
+def docker_registry_auth(tmp_path_factory):
+    """The same with htpasswd basic auth (bcrypt entry made by apache2-utils' htpasswd)."""
+    from tests.store.registry_server import running_registry
+
+    with running_registry(tmp_path_factory.mktemp("registry-auth"), auth="htpasswd") as reg:
+        yield reg
+
+
+@pytest.fixture(scope="session")
+def docker_registry_token(tmp_path_factory):
+    """The same with Bearer token auth: a token server on loopback issuing RS256 JWTs the
+    registry trusts (distribution's ``auth: token``)."""
+    from tests.store.registry_server import running_registry
+
+    with running_registry(tmp_path_factory.mktemp("registry-token"), auth="token") as reg:
+        yield reg
+
+
+def _registry_backend(fixture: str):
+    def make(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+        from envbuild.store.registry import RegistryStore
+
+        reg = request.getfixturevalue(fixture)
+        repo = f"conformance/t{abs(hash(request.node.nodeid)):x}-{id(tmp_path):x}"
+        creds = ({"credentials": None,
+                  "auth_paths": [reg.auth_file(tmp_path / "auth")]} if reg.auth
+                 else {"auth_paths": []})
+
+        def open_() -> Store:
+            # 1 MiB chunks: a 20 MiB blob is a chunked upload, memory stays within the bound
+            return RegistryStore(reg.url(repo), chunk_size=1 << 20, **creds)
+
+        def corrupt(digest: str, data: bytes) -> None:
+            # the registry keeps one copy of a blob for all its repositories: put the good
+            # bytes back after the test, or the next tests would read the damage
+            path = reg.blob_file(digest)
+            good = path.read_bytes()
+            request.addfinalizer(lambda: path.write_bytes(good))
+            path.write_bytes(data)
+
+        return Backend(open_(), corrupt=corrupt, streams=True, reopen=open_,
+                       lacks=REGISTRY_LACKS)
+
+    return make
+
+
 BACKENDS: dict[str, Callable[[pytest.FixtureRequest, Path], Backend]] = {
     "memory": _memory,
     "local": _local,
     "s3": _s3,
+    "registry": _registry_backend("docker_registry"),
+    "registry-auth": _registry_backend("docker_registry_auth"),
+    "registry-token": _registry_backend("docker_registry_token"),
 }
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "needs(capability): the test needs a capability some "
+                                       "store backends lack (conftest.Backend.lacks)")
 
 
 @pytest.fixture(params=sorted(BACKENDS))
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
-    return BACKENDS[request.param](request, tmp_path)
+    b = BACKENDS[request.param](request, tmp_path)
+    for mark in request.node.iter_markers("needs"):
+        for capability in mark.args:
+            if capability in b.lacks:
+                request.applymarker(pytest.mark.xfail(
+                    reason=f"{request.param} cannot: {b.lacks[capability]}", strict=True))
+    return b
 
 
 @pytest.fixture

@@ -50,6 +50,12 @@ def test_put_is_idempotent(store):
     store.put(D, DATA)
     store.put(D, io.BytesIO(DATA))
     assert read_bytes(store, D) == DATA
+
+
+@pytest.mark.needs("list-unreferenced")
+def test_list_yields_each_blob_once(store):
+    store.put(D, DATA)
+    store.put(D, io.BytesIO(DATA))
     assert list(store.list()) == [D]
 
 
@@ -115,6 +121,21 @@ def test_get_range_out_of_bounds(store, offset, length):
     assert e.value.reference == "invalid-range"
 
 
+def test_delete(store):
+    store.put(D, DATA)
+    store.put(D_OTHER, OTHER)
+    store.delete(D)
+    assert not store.exists(D)
+    assert store.exists(D_OTHER)
+    with pytest.raises(BlobNotFound):
+        store.stat(D)
+    store.delete(D)  # idempotent
+    store.delete(ABSENT)
+    store.put(D, DATA)  # and it can come back
+    assert read_bytes(store, D) == DATA
+
+
+@pytest.mark.needs("list-unreferenced")
 def test_list_and_delete(store):
     assert list(store.list()) == []
     store.put(D, DATA)
@@ -285,6 +306,7 @@ def test_ref_to_missing_blob_is_refused(store):
     assert store.list_refs() == []
 
 
+@pytest.mark.needs("cas")
 def test_ref_compare_and_swap(store):
     assert store.supports_cas
     store.put(D, DATA)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import time
 
 from envbuild.store import (KEY_RECORDS, MEDIA_TYPE_LAYER_ZSTD, BlobInfo, digest_bytes, put_bytes,
@@ -11,6 +13,7 @@ from envbuild.store.gc import gc
 SLACK = 2.0  # S3 LastModified has one-second resolution
 
 
+@pytest.mark.needs("blob-age")
 def test_stat_and_list_info_report_when_a_blob_was_stored(store):
     before = time.time()
     d = put_bytes(store, b"aged blob")
@@ -37,6 +40,7 @@ def test_quiet_store_has_no_partial_writes(store):
     assert list(store.list_partials()) == []
 
 
+@pytest.mark.needs("blob-age", "list-unreferenced")
 def test_gc_end_to_end(store):
     layer = put_bytes(store, b"layer")
     garbage = put_bytes(store, b"garbage")
