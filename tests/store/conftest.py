@@ -82,3 +82,24 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
 @pytest.fixture
 def store(backend: Backend) -> Store:
     return backend.store
+
+
+def _backend_types() -> dict[str, type]:
+    from envbuild.store.s3 import S3Store
+
+    return {"memory": MemoryStore, "local": LocalStore, "s3": S3Store}
+
+
+#: The class of each backend, so tests can be parametrized by what a backend declares.
+BACKEND_TYPES: dict[str, type] = _backend_types()
+
+
+def declaring(capability: type) -> list[str]:
+    """The backends whose class declares ``capability`` (lists it among its bases)."""
+    return sorted(n for n, cls in BACKEND_TYPES.items() if capability in cls.__mro__)
+
+
+@pytest.fixture
+def declared(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    """A backend named by indirect parametrization (``declaring(...)``)."""
+    return BACKENDS[request.param](request, tmp_path)
