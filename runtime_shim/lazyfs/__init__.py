@@ -80,7 +80,12 @@ from __future__ import annotations
 from runtime_shim.lazyfs.chunks import TieredChunkCache
 from runtime_shim.lazyfs.control import DAEMON_IDLE_EXIT, daemon_address, daemon_request
 from runtime_shim.lazyfs.frames import BACKGROUND_WORKERS, prefetch_in_order
-from runtime_shim.lazyfs.fuseops import CACHE_TTL, LAZY_STATS_XATTR, lazy_stats, make_operations
+from runtime_shim.lazyfs.fuseops import (
+    CACHE_TTL,
+    LAZY_STATS_XATTR,
+    lazy_stats,
+    make_operations,
+)
 from runtime_shim.lazyfs.mounts import lazy_layer_dirs, store_location
 from runtime_shim.lazyfs.profile import (
     PROFILE_NAMESPACE,

@@ -4,7 +4,8 @@ mounts of a layer stack from the node daemon (through ``NodeCache.ensure_lazy``)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from envbuild.errors import RuntimeShimError
 from envbuild.store import Store
@@ -12,8 +13,19 @@ from envbuild.store.base import Locatable, Presigner
 from runtime_shim.lazyfs.control import daemon_request
 from runtime_shim.lazyfs.profile import profile_key, read_profile
 
-if TYPE_CHECKING:  # the node cache imports this package, not the other way round
-    from runtime_shim.nodecache import NodeCache
+
+class LazyNode(Protocol):
+    """What ``lazy_layer_dirs`` needs of the node cache (``runtime_shim.nodecache.NodeCache``;
+    a protocol so this package does not import the module that imports it)."""
+
+    root: Path
+
+    def lazy_mounted(self, digest: str) -> bool: ...
+
+    def ensure_lazy(self, store_url: str, digest: str, toc_digest: str | None = None, *,
+                    s3_endpoint: str | None = None, size: int | None = None,
+                    ranges_url: str | None = None,
+                    record_profile: dict | None = None) -> Path: ...
 
 
 def store_location(store: Store) -> tuple[str, str | None]:
@@ -29,7 +41,7 @@ def store_location(store: Store) -> tuple[str, str | None]:
                            hint="use a store directory or an s3:// store, or drop --lazy")
 
 
-def lazy_layer_dirs(node: NodeCache, store: Store, layers: Sequence[Any]) -> list[str]:
+def lazy_layer_dirs(node: LazyNode, store: Store, layers: Sequence[Any]) -> list[str]:
     """``Sandbox.create(lazy=True)``: the lazy mounts of ``layers`` (``LayerRef``s, bottom to
     top) in node cache ``node``, asked of the node daemon in parallel. An ``S3Store`` hands the
     daemon a presigned URL per blob, so it reads ranges without loading boto3. Layers not
