@@ -42,7 +42,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from typing import Final
+from typing import Final, cast
 
 #: Statuses worth another try: throttling and the server-side transients S3 documents.
 RETRY_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
@@ -99,7 +99,10 @@ class RangeClient:
         self._count_lock = threading.Lock()
 
     def _conn(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
-        conns: dict[tuple[str, str], http.client.HTTPConnection] = self._local.__dict__
+        conns: dict[tuple[str, str], http.client.HTTPConnection] | None = \
+            getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
         conn = conns.get((scheme, netloc))
         if conn is None:
             cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
@@ -108,9 +111,10 @@ class RangeClient:
 
     def close(self) -> None:
         """Close the calling thread's connections."""
-        for conn in list(self._local.__dict__.values()):
+        conns = getattr(self._local, "conns", None) or {}
+        for conn in conns.values():
             conn.close()
-        self._local.__dict__.clear()
+        conns.clear()
 
     def get(self, url: str, offset: int, length: int) -> RangeResponse:
         """GET bytes ``[offset, offset + length)`` of ``url`` (``length`` > 0)."""
@@ -129,7 +133,7 @@ class RangeClient:
             try:
                 if conn.sock is None:
                     conn.connect()
-                    conn.sock.settimeout(self.read_timeout)
+                    cast(socket.socket, conn.sock).settimeout(self.read_timeout)
                 conn.request("GET", target, headers=headers)
                 resp = conn.getresponse()
                 status, body, reusable = self._read(resp, offset, length)
