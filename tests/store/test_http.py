@@ -141,3 +141,26 @@ def test_bad_ranges_are_a_programming_error():
         RangeClient().get("http://127.0.0.1:9/", 0, 0)
     with pytest.raises(ValueError):
         RangeClient(attempts=0)
+
+
+def test_http_ranges_read_over_the_url_and_fall_back_to_the_store(server):
+    """The lazy daemon's reader uses the shared client: ranges come over the URL while it
+    answers, and go to the full store (opened only then) when it does not."""
+    from envbuild.store import MemoryStore, put_bytes
+    from envbuild.store.lazy import HttpRanges
+
+    store = MemoryStore()
+    digest = put_bytes(store, OBJECT)
+    opened = []
+
+    def fallback():
+        opened.append(1)
+        return store
+
+    ranges = HttpRanges(digest, server.url, fallback, attempts=2)
+    ranges.client.backoff = Backoff(0.01, 0.02)
+    assert ranges.get_range(digest, 100, 10) == OBJECT[100:110] and opened == []
+    assert store.calls["get_range"] == 0
+    server.mode = "too-long"  # a hostile answer is not used: the store answers instead
+    assert ranges.get_range(digest, 200, 10) == OBJECT[200:210] and opened == [1]
+    assert store.calls["get_range"] == 1
