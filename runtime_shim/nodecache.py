@@ -51,6 +51,8 @@ from pathlib import Path
 from envbuild.errors import RuntimeShimError, UnsupportedFormatError
 from envbuild.safefs import iter_tree, remove_tree
 from envbuild.store import Store, check_digest
+from envbuild.store.base import LocalBlobPaths
+from runtime_shim._units import parse_size  # noqa: F401  (re-exported: callers import it here)
 
 NODE_CACHE_VERSION = 1
 LAZY_STATE_VERSION = 1
@@ -121,9 +123,8 @@ class NodeCache:
 
         tmp = Path(tempfile.mkdtemp(prefix=f"{target.name[:12]}-", dir=self.root / "tmp"))
         try:
-            blob_path = getattr(store, "blob_path", None)
-            if blob_path is not None and Path(blob_path(digest)).is_file():
-                reader = LayerReader.open_file(blob_path(digest), name=digest,
+            if isinstance(store, LocalBlobPaths) and store.blob_path(digest).is_file():
+                reader = LayerReader.open_file(store.blob_path(digest), name=digest,
                                                expected_toc_digest=toc_digest)
             else:
                 reader = LayerReader.from_store(store, digest, expected_toc_digest=toc_digest)
@@ -182,6 +183,10 @@ class NodeCache:
     def lazy_dir(self, digest: str) -> Path:
         return self.root / "lazy" / check_digest(digest).removeprefix("sha256:")
 
+    def lazy_mounted(self, digest: str) -> bool:
+        """Whether layer ``digest``'s lazy mount is up and answers."""
+        return _lazy_mount_state(self.lazy_dir(digest)) == "ok"
+
     def ensure_lazy(self, store_url: str, digest: str, toc_digest: str | None = None, *,
                     s3_endpoint: str | None = None, size: int | None = None,
                     ranges_url: str | None = None, record_profile: dict | None = None,
@@ -218,7 +223,7 @@ class NodeCache:
                     s3_endpoint: str | None, size: int | None, ranges_url: str | None,
                     chunk_cache_max: int, timeout: float, *,
                     record_profile: dict | None = None) -> None:
-        from runtime_shim.lazyfs import daemon_request
+        from runtime_shim.lazyfs.control import daemon_request
 
         target = self.lazy_dir(digest)
         hexd = target.name
@@ -250,7 +255,7 @@ class NodeCache:
 
     def _start_daemon(self, chunk_cache_max: int, timeout: float) -> None:
         """Start the node's lazy layer daemon unless one answers (one starter at a time)."""
-        from runtime_shim.lazyfs import daemon_request
+        from runtime_shim.lazyfs.control import daemon_request
 
         with self._thread_lock("lazy-daemon"), \
                 _flock(self.root / "locks" / "lazy-daemon.lock"):
@@ -356,17 +361,6 @@ class LayerUsage:
     digest: str
     size: int
     last_used: float
-
-
-def parse_size(text: str) -> int:
-    """``"20G"``, ``"500M"``, ``"1024"`` → bytes (powers of 1024)."""
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1] if t and t[-1] in units else ""
-    try:
-        return int(float(t[: len(t) - len(unit)] if unit else t) * units[unit])
-    except ValueError:
-        raise RuntimeShimError(f"not a size: {text!r}", hint="use e.g. 20G, 500M or 0") from None
 
 
 class _flock:

@@ -61,6 +61,7 @@ from envbuild.oci import (ANNOTATION_CREATED, ANNOTATION_NAME, ANNOTATION_PARENT
                           MEDIA_TYPE_LAYER_ZSTD, MEDIA_TYPE_MANIFEST)
 from envbuild.safefs import iter_tree, open_beneath, remove_tree
 from envbuild.store import Store, put_file, put_json
+from envbuild.store.base import LocalBlobPaths
 from runtime_shim.locks import ResolvedLock
 
 SNAPSHOT_ROLE = "snapshot"
@@ -298,9 +299,8 @@ def snapshot_chain(lock: ResolvedLock) -> int:
 
 
 def _reader(store: Store, digest: str, toc_digest: str | None) -> LayerReader:
-    blob_path = getattr(store, "blob_path", None)
-    if blob_path is not None and Path(blob_path(digest)).is_file():
-        return LayerReader.open_file(blob_path(digest), name=digest,
+    if isinstance(store, LocalBlobPaths) and store.blob_path(digest).is_file():
+        return LayerReader.open_file(store.blob_path(digest), name=digest,
                                      expected_toc_digest=toc_digest or None)
     return LayerReader.from_store(store, digest, expected_toc_digest=toc_digest or None)
 

@@ -148,7 +148,9 @@ def default_hint(err: EnvbuildError, *, stored: bool = False) -> str | None:
 
 
 def _where(store) -> str:
-    return str(getattr(store, "root", "")) or type(store).__name__
+    from envbuild.store.base import Locatable
+
+    return store.location().url if isinstance(store, Locatable) else type(store).__name__
 
 
 # -- packing --------------------------------------------------------------------------------

@@ -1,9 +1,12 @@
 """envbuild.store: content-addressed blobs, refs and key records.
 
-The contract is ``Store`` (``envbuild.store.base``); backends are ``LocalStore`` (a directory,
-an OCI image layout), ``S3Store`` (``envbuild.store.s3``, imported on demand: it needs boto3),
-``RegistryStore`` (``envbuild.store.registry``: a repository of an OCI registry) and
-``MemoryStore`` (tests); generic logic is in ``envbuild.store.helpers``, push/pull between
+The contract is ``Store`` (``envbuild.store.base``), with optional capabilities as small
+protocols beside it (``RangeReader``, ``TailReader``, ``LocalBlobPaths``, ``Locatable``,
+``Presigner``, ``BlobMounter``; ``capabilities(store)`` lists what a backend declares);
+backends are ``LocalStore`` (a directory, an OCI image layout), ``S3Store``
+(``envbuild.store.s3``, imported on demand: it needs boto3), ``RegistryStore``
+(``envbuild.store.registry``: a repository of an OCI registry) and ``MemoryStore`` (tests);
+generic logic is in ``envbuild.store.helpers``, push/pull between
 stores in ``envbuild.store.sync``, lazy layer reads in ``envbuild.store.lazy``. Open one from a
 ``--store`` / ``ENVBUILD_STORE`` value with ``open_store``.
 """
@@ -19,11 +22,18 @@ from envbuild.store.base import (
     MEDIA_TYPE_MANIFEST,
     BlobInfo,
     Descriptor,
+    LocalBlobPaths,
+    Locatable,
     PartialWrite,
+    Presigner,
+    RangeReader,
     RefConflict,
     Store,
+    StoreLocation,
+    TailReader,
     VerifyingReader,
     canonical_json,
+    capabilities,
     check_digest,
 )
 from envbuild.store.helpers import (
@@ -49,17 +59,24 @@ __all__ = [
     "Descriptor",
     "KEY_RECORDS",
     "KeyRecord",
+    "LocalBlobPaths",
     "LocalStore",
+    "Locatable",
     "MEDIA_TYPE_CONFIG",
     "MEDIA_TYPE_INDEX",
     "MEDIA_TYPE_LAYER_ZSTD",
     "MEDIA_TYPE_MANIFEST",
     "MemoryStore",
     "PartialWrite",
+    "Presigner",
+    "RangeReader",
     "RefConflict",
     "Store",
+    "StoreLocation",
+    "TailReader",
     "VerifyingReader",
     "canonical_json",
+    "capabilities",
     "check_digest",
     "copy_blobs",
     "digest_bytes",

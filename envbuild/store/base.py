@@ -15,6 +15,20 @@ Everything generic (hashing a file, canonical JSON blobs, copying between stores
 lives once in ``envbuild.store.helpers`` on top of this interface; a backend implements only the
 abstract methods of ``Store`` below and passes the conformance suite in ``tests/store``.
 
+Optional capabilities are small Protocols next to ``Store`` (see "optional capabilities" below):
+``RangeReader`` (what every store and the lazy daemon's URL reader share), ``TailReader``
+(``get_tail``), ``LocalBlobPaths`` (``blob_path``), ``Locatable`` (``location``, for another
+process) and ``Presigner`` (``presigned_get_url``). Backends list the ones they implement among
+their bases; ``capabilities(store)`` says which:
+
+================  ===========  ==========  ===============  =========  =========
+backend           RangeReader  TailReader  LocalBlobPaths   Locatable  Presigner
+================  ===========  ==========  ===============  =========  =========
+``MemoryStore``   yes
+``LocalStore``    yes          yes         yes              yes
+``S3Store``       yes          yes                          yes        yes
+================  ===========  ==========  ===============  =========  =========
+
 Errors (all ``envbuild.errors.StoreError`` subclasses, each with a ``reference``):
 
 ======================  ==================================================================
@@ -44,6 +58,7 @@ import hashlib
 import io
 import re
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, BinaryIO, Final, Protocol, runtime_checkable
 
 from envbuild.canonical import canonical_json, load_json
@@ -516,6 +531,139 @@ class BlobMounter(Protocol):
     missing source blob): then copy it. ``copy_blobs`` tries it first."""
 
     def mount(self, digest: str, source: Store) -> bool: ...
+
+
+# -- optional capabilities -------------------------------------------------------------------
+#
+# ``Store`` is what every backend can do. Some can do more, cheaply, and some callers need it:
+# the lazy reader wants a blob's tail in one request, the node cache wants to read a local
+# blob file in place, the lazy daemon (another process) wants a presigned URL or a location it
+# can open the store from. Each such extra is one small Protocol below (containerd splits its
+# content store the same way: Provider, Ingester, Manager, ...). A backend *declares* what it
+# implements by listing the protocols among its bases (``class LocalStore(Store,
+# LocalBlobPaths, ...)``), the conformance suite checks each declared capability against its
+# contract, and a caller asks for the protocol it needs (``isinstance(store, TailReader)``
+# where it must branch, the protocol as the parameter type where it must have it). Never probe
+# with ``getattr(store, "name", None)``: that silently picks up methods with other contracts.
+
+
+@runtime_checkable
+class RangeReader(Protocol):
+    """Reads pieces of blobs by offset: the part of the contract lazy readers need.
+
+    Every ``Store`` is one (``get_range`` and ``stat`` are part of ``Store``, with the contract
+    described there); so are stand-ins that serve only some blobs, such as the lazy daemon's
+    presigned-URL reader ``envbuild.store.lazy.HttpRanges``. The contract, restated:
+
+    ``get_range(digest, offset, length) -> bytes``
+        ``length`` bytes at ``offset``, fewer only where the blob ends; ``b""`` when ``offset``
+        is exactly its size; ``StoreError`` (reference ``invalid-range``) when ``offset`` is
+        beyond it or either number is negative; ``BlobNotFound`` when the blob is absent. The
+        bytes are **not verified** (only a whole blob can be): verify them against something
+        that is (a TOC entry's digest) before use.
+    ``stat(digest) -> BlobInfo``
+        Its size; ``BlobNotFound`` when absent.
+    """
+
+    def get_range(self, digest: str, offset: int, length: int) -> bytes: ...
+
+    def stat(self, digest: str) -> BlobInfo: ...
+
+
+@runtime_checkable
+class TailReader(Protocol):
+    """Reads the end of a blob without knowing its size: one request instead of two.
+
+    ``get_tail(digest, length) -> (bytes, size)``
+        The last ``length`` bytes of the blob (all of it when it is shorter) and the blob's
+        total size, read in **one** request (an HTTP suffix range ``bytes=-N``), which is the
+        point: a layer's footer is its last 80 bytes, so a lazy reader that is not told the
+        size opens a layer with two reads (tail, TOC) instead of three (stat, footer, TOC).
+        ``length`` must be positive (``StoreError``, reference ``invalid-range``, otherwise);
+        ``BlobNotFound`` when the blob is absent. Like ``get_range``, the bytes are not
+        verified.
+    """
+
+    def get_tail(self, digest: str, length: int) -> tuple[bytes, int]: ...
+
+
+@runtime_checkable
+class LocalBlobPaths(Protocol):
+    """Blobs that are files on this host, which a caller may open and read in place.
+
+    ``blob_path(digest) -> pathlib.Path``
+        Where blob ``digest`` is (or would be) stored. The file exists exactly when the blob is
+        stored (a write in progress is elsewhere until it is complete and verified, then
+        renamed there), so ``blob_path(d).is_file()`` is a valid ``exists`` check. It raises
+        ``StoreError`` (reference ``invalid-digest``) for a malformed digest, never for an
+        absent blob. Callers only **read** the file (``LayerReader.open_file``, ``mmap``,
+        ``shutil.copyfile``): writing, renaming or deleting it bypasses the store's
+        verification and GC. Its bytes were verified when they were stored, but disk damage
+        after that is only caught by whatever the reader verifies (a layer's TOC and file
+        digests, or hashing the whole file), as with ``get_range``.
+    """
+
+    def blob_path(self, digest: str) -> Path: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreLocation:
+    """Where another process finds a store: ``open_store(url, s3_endpoint=s3_endpoint)``."""
+
+    url: str
+    s3_endpoint: str | None = None
+
+
+@runtime_checkable
+class Locatable(Protocol):
+    """A store another process on this host can open by URL.
+
+    ``location() -> StoreLocation``
+        A ``url`` (an absolute directory path, ``s3://BUCKET/PREFIX``) and an ``s3_endpoint``
+        (``None``: the default) such that ``envbuild.store.open_store(url,
+        s3_endpoint=s3_endpoint)`` in another process opens **the same store**: what one
+        handle writes, the other reads. Credentials are not part of it; the other process
+        finds them in its environment as this one did. The lazy layer daemon is such a
+        process. A ``MemoryStore`` is not locatable: its contents live in this process only.
+    """
+
+    def location(self) -> StoreLocation: ...
+
+
+@runtime_checkable
+class Presigner(Protocol):
+    """Hands out URLs that read a blob over plain HTTP, without credentials or this library.
+
+    ``presigned_get_url(digest, expires=43200) -> str``
+        An ``http(s)://`` URL that answers a plain ``GET`` — including ranged ones (``Range:
+        bytes=A-B`` → ``206``) — with blob ``digest``'s bytes, for about ``expires`` seconds
+        (less if the signing credentials expire sooner; ``StoreError`` when ``expires`` is
+        not positive). The URL is a bearer secret: whoever holds it can read that blob until
+        it expires, so hand it only to processes allowed to read the store. Making one sends
+        no request and does not check that the blob exists: a ``GET`` of an absent blob
+        answers ``404``. Readers handle ``403`` (expired) by going back to the store; the lazy
+        daemon reads ranges this way (``envbuild.store.lazy.HttpRanges``) without loading
+        boto3, whose CPU cost per request would dominate its reads.
+    """
+
+    def presigned_get_url(self, digest: str, expires: int = 12 * 3600) -> str: ...
+
+
+#: Every optional capability, for the conformance suite and ``capabilities``.
+CAPABILITIES: Final = (TailReader, LocalBlobPaths, Locatable, Presigner, BlobMounter)
+
+
+def capabilities(store: object) -> frozenset[type]:
+    """The optional capabilities ``store``'s class declares (lists among its bases)."""
+    mro = type(store).__mro__
+    return frozenset(c for c in CAPABILITIES if c in mro)
+
+
+def check_tail_length(length: int) -> None:
+    """Refuse a ``get_tail`` length that is not positive (reference ``invalid-range``)."""
+    if length <= 0:
+        raise StoreError(f"invalid tail length {length}: it must be positive",
+                         reference="invalid-range")
 
 
 def make_descriptor(media_type: str, digest: str, size: int,

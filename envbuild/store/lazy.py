@@ -11,7 +11,7 @@
 
 **Opening costs two ranged reads**: the footer (the last 80 bytes: an explicit range when the
 blob's size is known — pass it from the lock's descriptor — or a suffix range when the store
-offers ``get_tail``, as ``S3Store`` does; otherwise one ``stat`` first) and the TOC. Both are
+is a ``TailReader``, as ``S3Store`` and ``LocalStore`` are; otherwise one ``stat`` first) and the TOC. Both are
 verified (footer → TOC sha256, and ``expected_toc_digest`` from the descriptor annotation or key
 record). After that, reads fetch only the zstd frames holding the files asked for: the frames
 a request needs are sorted by offset and **adjacent frames are fetched in one ranged read**,
@@ -51,7 +51,7 @@ import os
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,8 @@ from envbuild.errors import CorruptLayerError, LayerError
 from envbuild.layers import Chunk, Entry, LayerReader
 from envbuild.layers._reader import MAX_FRAME_USIZE
 from envbuild.layers._zstd import FrameError, decompress_frame
+from envbuild.store._http import Backoff, RangeClient
+from envbuild.store.base import BlobInfo, RangeReader, TailReader
 
 CHUNK_CACHE_VERSION = 1
 _KEY_TAG = b"envbuild.chunk.v1\0"
@@ -223,30 +225,31 @@ class ChunkCache:
             self._size = total
 
 
-class HttpRanges:
+class HttpRanges(RangeReader):
     """Ranged reads of one blob over plain keep-alive HTTP to a presigned GET URL: the store of
     a process that should not load boto3 to read (the lazy layer daemon: boto3 costs it ~0.3 s
     of start-up and ~2.4 ms of CPU per request, ``http.client`` ~0.5 ms).
 
-    Only ``get_range`` of ``digest`` goes over the URL (one connection per thread, bounded
-    retries on connection errors and 5xx); everything else, any range once the URL is within a
-    minute of its expiry (``X-Amz-Date`` + ``X-Amz-Expires``) or refused (403), and any answer
-    that is not the bytes (404, 416) goes to ``fallback()``, the full store, opened on first
-    need, so errors are the store's own."""
+    A ``RangeReader``. Only ``get_range`` of ``digest`` goes over the URL, through the shared
+    ``envbuild.store._http.RangeClient`` (keep-alive connections per thread, ``attempts`` tries
+    on connection errors and 5xx with bounded backoff, bodies bounded by the range);
+    everything else, any range once the URL is within a minute of its expiry (``X-Amz-Date`` +
+    ``X-Amz-Expires``) or refused (403), and any answer that is not the bytes (404, 416, no
+    answer) goes to ``fallback()``, the full store, opened on first need, so errors are the
+    store's own."""
 
-    def __init__(self, digest: str, url: str, fallback: Any, *, attempts: int = 4,
-                 timeout: float = 30.0) -> None:
+    def __init__(self, digest: str, url: str, fallback: Callable[[], RangeReader], *,
+                 attempts: int = 4, timeout: float = 30.0) -> None:
         import urllib.parse
 
         self.digest = digest
-        self.url = urllib.parse.urlsplit(url)
-        self.attempts = attempts
-        self.timeout = timeout
+        self.url = url
+        self.client = RangeClient(attempts=attempts, connect_timeout=timeout,
+                                  read_timeout=timeout, backoff=Backoff(0.05, 2.0))
         self._fallback = fallback
-        self._store: Any = None
-        self._conns = threading.local()
+        self._store: RangeReader | None = None
         self.expires = float("inf")
-        q = urllib.parse.parse_qs(self.url.query)
+        q = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)
         try:
             import calendar
             import time
@@ -256,14 +259,14 @@ class HttpRanges:
         except (KeyError, ValueError, IndexError):
             pass
 
-    def store(self) -> Any:
+    def store(self) -> RangeReader:
         if self._store is None:
             with _fallback_lock:
                 if self._store is None:
                     self._store = self._fallback()
         return self._store
 
-    def stat(self, digest: str) -> Any:
+    def stat(self, digest: str) -> BlobInfo:
         return self.store().stat(digest)
 
     def get_range(self, digest: str, offset: int, length: int) -> bytes:
@@ -272,32 +275,10 @@ class HttpRanges:
         if digest != self.digest or length <= 0 or self._store is not None \
                 or time.time() >= self.expires:
             return self.store().get_range(digest, offset, length)
-        import http.client
-
-        for attempt in range(self.attempts):
-            if attempt:
-                time.sleep(min(2.0, 0.05 * 2 ** attempt))
-            conn = getattr(self._conns, "conn", None)
-            if conn is None:
-                cls = (http.client.HTTPSConnection if self.url.scheme == "https"
-                       else http.client.HTTPConnection)
-                conn = self._conns.conn = cls(self.url.netloc, timeout=self.timeout)
-            try:
-                conn.request("GET", f"{self.url.path}?{self.url.query}",
-                             headers={"Range": f"bytes={offset}-{offset + length - 1}"})
-                resp = conn.getresponse()
-                body = resp.read()
-            except (OSError, http.client.HTTPException):
-                conn.close()
-                continue
-            if resp.getheader("Connection", "").lower() == "close":
-                conn.close()
-            if resp.status == 206:
-                return body
-            if resp.status == 200:  # a server that ignores Range: the whole object
-                return body[offset:offset + length]
-            if resp.status not in (429, 500, 502, 503, 504):
-                break  # 403 (expired, refused), 404, 416: the store says what it means
+        resp = self.client.get(self.url, offset, length)
+        if resp.ok:
+            return resp.body
+        # 403 (expired, refused), 404, 416, or no answer: the store says what it means
         return self.store().get_range(digest, offset, length)
 
 
@@ -315,12 +296,12 @@ class _Piece:
 class LazyLayer:
     """A layer in a store, read through its TOC (see the module docstring).
 
-    ``size``: the blob size when known (lock descriptor; saves a request on stores without
-    ``get_tail``). ``workers``: parallel ranged reads for ``prefetch``. ``max_request``: cap on
+    ``store``: any ``RangeReader`` (a ``Store``, or ``HttpRanges``). ``size``: the blob size
+    when known (lock descriptor; saves a request on stores that are not a ``TailReader``). ``workers``: parallel ranged reads for ``prefetch``. ``max_request``: cap on
     one merged read; ``merge_gap``: unneeded bytes a merged read may span. Thread-safe.
     """
 
-    def __init__(self, store: Any, digest: str, *, chunk_cache: Any = None,
+    def __init__(self, store: RangeReader, digest: str, *, chunk_cache: Any = None,
                  expected_toc_digest: str | None = None, size: int | None = None,
                  workers: int = 8, max_request: int = 8 * MiB,
                  merge_gap: int = 16 << 10) -> None:
@@ -333,13 +314,13 @@ class LazyLayer:
         self.stats = LazyStats()
         self._lock = threading.Lock()
         self._children: dict[str, list[str]] | None = None
-        get_tail = getattr(store, "get_tail", None)
         kwargs = dict(name=digest, expected_toc_digest=expected_toc_digest or None)
-        if size is None and get_tail is not None:
+        if size is None and isinstance(store, TailReader):
             actual: list[int] = []
+            tail_reader = store
 
             def tail(n: int) -> bytes:
-                data, total = get_tail(digest, n)
+                data, total = tail_reader.get_tail(digest, n)
                 self._count(len(data), toc=True)
                 actual.append(total)
                 return data

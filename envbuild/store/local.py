@@ -48,9 +48,13 @@ from envbuild.store.base import (
     REF_NAME_ANNOTATION,
     BlobInfo,
     Descriptor,
+    LocalBlobPaths,
+    Locatable,
     PartialWrite,
     RefConflict,
     Store,
+    StoreLocation,
+    TailReader,
     VerifyingReader,
     _Any,
     blob_not_found,
@@ -60,6 +64,7 @@ from envbuild.store.base import (
     check_range,
     check_record_name,
     check_ref_name,
+    check_tail_length,
     decode_record,
     encode_record,
     iter_chunks,
@@ -154,8 +159,11 @@ def _read_json(path: Path) -> Any:
                                hint="the store is damaged; repair or delete that file") from e
 
 
-class LocalStore(Store):
+class LocalStore(Store, TailReader, LocalBlobPaths, Locatable):
     """A ``Store`` in a local directory (an OCI image layout); see the module docstring.
+
+    Capabilities beyond ``Store``: ``TailReader``, ``LocalBlobPaths`` (blobs are the files
+    ``blobs/sha256/<hex>``) and ``Locatable`` (its absolute path).
 
     Opening creates the directory and its layout if needed. It raises ``StoreUnavailable`` when
     the path is a file, cannot be created, is not writable, or holds a layout or store version
@@ -277,6 +285,22 @@ class LocalStore(Store):
             raise blob_not_found(digest) from None
         except OSError as e:
             raise StoreError(f"read blob {path}: {e}") from e
+
+    def get_tail(self, digest: str, length: int) -> tuple[bytes, int]:
+        check_tail_length(length)
+        path = self.blob_path(digest)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                f.seek(max(0, size - length))
+                return f.read(length), size
+        except FileNotFoundError:
+            raise blob_not_found(digest) from None
+        except OSError as e:
+            raise StoreError(f"read blob {path}: {e}") from e
+
+    def location(self) -> StoreLocation:
+        return StoreLocation(os.path.abspath(self.root))
 
     def stat(self, digest: str) -> BlobInfo:
         path = self.blob_path(digest)

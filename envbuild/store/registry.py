@@ -116,6 +116,11 @@ from envbuild.errors import (
 )
 from envbuild.store.base import (
     ANY,
+    check_tail_length,
+    BlobMounter,
+    Locatable,
+    StoreLocation,
+    TailReader,
     CHUNK_SIZE,
     MEDIA_TYPE_INDEX,
     MEDIA_TYPE_MANIFEST,
@@ -562,7 +567,7 @@ class _Stream(io.RawIOBase):
 # -- the store -----------------------------------------------------------------------------
 
 
-class RegistryStore(Store):
+class RegistryStore(Store, TailReader, Locatable, BlobMounter):
     """A ``Store`` in repository REPO of an OCI registry; see the module docstring.
 
     ``insecure``: host names spoken to over plain HTTP although not loopback.
@@ -581,9 +586,9 @@ class RegistryStore(Store):
                  environ: Mapping[str, str] | None = None, chunk_size: int = 16 * MiB,
                  attempts: int = 4, timeout: float = 30.0, connect_timeout: float = 5.0,
                  resume_attempts: int = 3, backoff: float = 0.1) -> None:
-        self.location = url if isinstance(url, RegistryURL) else parse_url(url)
+        self.address = url if isinstance(url, RegistryURL) else parse_url(url)
         self.insecure = tuple(insecure)
-        self.scheme = "http" if plain_http(self.location.hostname, self.insecure) else "https"
+        self.scheme = "http" if plain_http(self.address.hostname, self.insecure) else "https"
         self.chunk_size = chunk_size
         self.attempts = max(1, attempts)
         self.resume_attempts = resume_attempts
@@ -591,7 +596,7 @@ class RegistryStore(Store):
         environ = os.environ if environ is None else environ
         files = list(auth_paths) if auth_paths is not None else auth_files(environ)
         self.credentials = (credentials if credentials is not None
-                            else find_credentials(self.location, files))
+                            else find_credentials(self.address, files))
         self._pool = _Pool(timeout, connect_timeout)
         self._auth: str | None = None  # the Authorization header value that works
         self._auth_lock = threading.Lock()
@@ -604,7 +609,12 @@ class RegistryStore(Store):
 
     @property
     def url(self) -> str:
-        return str(self.location)
+        return str(self.address)
+
+    def location(self) -> StoreLocation:
+        """``docker://HOST/REPO``: another process reopens it with ``open_store`` (a non-loopback
+        plain-HTTP host also needs ``--registry-insecure`` there)."""
+        return StoreLocation(self.url)
 
     def __repr__(self) -> str:
         return f"RegistryStore({self.url!r})"
@@ -615,16 +625,16 @@ class RegistryStore(Store):
     # -- plumbing ------------------------------------------------------------------------------
 
     def _base(self) -> str:
-        return f"{self.scheme}://{self.location.host}/v2/{self.location.repo}"
+        return f"{self.scheme}://{self.address.host}/v2/{self.address.repo}"
 
     def _where(self) -> str:
-        return f"registry {self.location.host}"
+        return f"registry {self.address.host}"
 
     def _open(self) -> None:
-        resp = self._request("GET", f"{self.scheme}://{self.location.host}/v2/",
+        resp = self._request("GET", f"{self.scheme}://{self.address.host}/v2/",
                              attempts=1, what="open")
         if resp.status == 404:
-            raise StoreUnavailable(f"open {self.url}: {self.location.host} is not an OCI "
+            raise StoreUnavailable(f"open {self.url}: {self.address.host} is not an OCI "
                                    "registry (GET /v2/ answered 404)",
                                    hint="check the host and port of the store URL")
         if resp.status != 200:
@@ -654,7 +664,7 @@ class RegistryStore(Store):
         attempt = 0
         while True:
             split = urllib.parse.urlsplit(url)
-            same_host = split.netloc == self.location.host
+            same_host = split.netloc == self.address.host
             hdrs = {"User-Agent": "envbuild", **headers}
             if body is not None:
                 hdrs.setdefault("Content-Type", "application/octet-stream")
@@ -718,7 +728,7 @@ class RegistryStore(Store):
                 raise StoreUnavailable(
                     f"{what or method.lower()} {self.url}: {self._where()} denied access "
                     f"(403 {resp.error_text()})".rstrip(),
-                    hint=f"the account has no {right} permission on {self.location.repo}; "
+                    hint=f"the account has no {right} permission on {self.address.repo}; "
                          "check it with the registry's administrator")
             return resp, None
 
@@ -737,8 +747,8 @@ class RegistryStore(Store):
         if isinstance(e, ssl.SSLError):
             return StoreUnavailable(
                 f"{what or 'request'} {self.url}: TLS with {netloc} failed: {cause}",
-                hint=f"if {self.location.hostname} serves plain HTTP, pass "
-                     f"--registry-insecure {self.location.hostname}")
+                hint=f"if {self.address.hostname} serves plain HTTP, pass "
+                     f"--registry-insecure {self.address.hostname}")
         if isinstance(e, socket.gaierror):
             return StoreUnavailable(f"{what or 'request'} {self.url}: unknown host {netloc} "
                                     f"({cause})", hint="check the host in the store URL")
@@ -752,12 +762,12 @@ class RegistryStore(Store):
         if self.credentials is None:
             return StoreUnavailable(
                 f"{what or 'request'} {self.url}: {self._where()} requires credentials (401)",
-                hint=f"log in (podman login {self.location.host}, or docker login); envbuild "
+                hint=f"log in (podman login {self.address.host}, or docker login); envbuild "
                      f"reads {files}")
         return StoreUnavailable(
             f"{what or 'request'} {self.url}: {self._where()} refused the credentials of "
             f"{self.credentials[0]!r} (401 {resp.error_text()})".rstrip(),
-            hint=f"check the user and password for {self.location.host} in {files}")
+            hint=f"check the user and password for {self.address.host} in {files}")
 
     def _authenticate(self, challenge: str, what: str) -> bool:
         """Answer a 401 challenge; True if there is a new Authorization header to try."""
@@ -784,7 +794,7 @@ class RegistryStore(Store):
     def _fetch_token(self, params: Mapping[str, str], basic: str | None, what: str) -> str:
         query = {k: params[k] for k in ("service", "scope") if params.get(k)}
         if "scope" not in query:
-            query["scope"] = f"repository:{self.location.repo}:pull"
+            query["scope"] = f"repository:{self.address.repo}:pull"
         if self.credentials is not None:
             query["account"] = self.credentials[0]
         realm = params["realm"]
@@ -811,7 +821,7 @@ class RegistryStore(Store):
                    else "anonymous access")
             raise StoreUnavailable(f"{what or 'request'} {self.url}: the token server "
                                    f"{split.netloc} refused {who} ({raw.status})",
-                                   hint=f"log in (podman login {self.location.host}); envbuild "
+                                   hint=f"log in (podman login {self.address.host}); envbuild "
                                         f"reads {files}")
         try:
             doc = json.loads(data)
@@ -975,10 +985,10 @@ class RegistryStore(Store):
         without moving its bytes. True if mounted; False if this registry or ``source``
         cannot (then copy it)."""
         check_digest(digest)
-        if (not isinstance(source, RegistryStore) or source.location.host != self.location.host
-                or source.location.repo == self.location.repo):
+        if (not isinstance(source, RegistryStore) or source.address.host != self.address.host
+                or source.address.repo == self.address.repo):
             return False
-        query = urllib.parse.urlencode({"mount": digest, "from": source.location.repo})
+        query = urllib.parse.urlencode({"mount": digest, "from": source.address.repo})
         resp = self._start_upload(f"?{query}")
         if resp.status == 201:
             return True
@@ -1037,6 +1047,7 @@ class RegistryStore(Store):
     def get_tail(self, digest: str, length: int) -> tuple[bytes, int]:
         """The last ``length`` bytes (one suffix-range GET) and the blob's size; lazy readers
         use it to read a layer's footer without a HEAD first (as with ``S3Store``)."""
+        check_tail_length(length)
         resp = self._request("GET", self._blob_url(digest),
                              headers={"Range": f"bytes=-{length}"},
                              what=f"read blob {digest} from")
@@ -1044,6 +1055,8 @@ class RegistryStore(Store):
             raise blob_not_found(digest)
         if resp.status == 200:
             return resp.body[-length:] if length else b"", len(resp.body)
+        if resp.status == 416 and self._head_blob(digest) == 0:  # no suffix of an empty blob
+            return b"", 0
         if resp.status != 206:
             raise self._status_error(resp, f"read blob {digest} from")
         total = resp.header("Content-Range").rpartition("/")[2]
@@ -1232,8 +1245,8 @@ class RegistryStore(Store):
                              f"type {media_type or 'none'!r}, which envbuild does not read",
                              reference="unsupported-media-type",
                              hint="envbuild reads OCI image manifests and indexes; convert it "
-                                  f"(skopeo copy --format oci docker://{self.location.host}/"
-                                  f"{self.location.repo}:{tag} …) or push the lock again")
+                                  f"(skopeo copy --format oci docker://{self.address.host}/"
+                                  f"{self.address.repo}:{tag} …) or push the lock again")
         if media_type == MEDIA_TYPE_MANIFEST:
             try:
                 doc = json.loads(body)

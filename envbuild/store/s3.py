@@ -66,6 +66,7 @@ from typing import Any, BinaryIO
 
 from envbuild.canonical import MAX_JSON_BYTES, load_json
 from envbuild.errors import BlobNotFound, StoreError, StoreUnavailable
+from envbuild.store._http import Backoff, RangeClient
 from envbuild.store.base import (
     ANY,
     MEDIA_TYPE_INDEX,
@@ -73,9 +74,13 @@ from envbuild.store.base import (
     REF_NAME_ANNOTATION,
     BlobInfo,
     Descriptor,
+    Locatable,
     PartialWrite,
+    Presigner,
     RefConflict,
     Store,
+    StoreLocation,
+    TailReader,
     VerifyingReader,
     _Any,
     blob_not_found,
@@ -85,6 +90,7 @@ from envbuild.store.base import (
     check_range,
     check_record_name,
     check_ref_name,
+    check_tail_length,
     decode_record,
     encode_record,
     make_descriptor,
@@ -133,8 +139,11 @@ def _status(e: BaseException) -> str:
     return str(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
 
 
-class S3Store(Store):
+class S3Store(Store, TailReader, Locatable, Presigner):
     """A ``Store`` in ``s3://bucket/prefix``; see the module docstring for layout and semantics.
+
+    Capabilities beyond ``Store``: ``TailReader`` (a suffix-range GET), ``Locatable`` (its URL
+    and endpoint) and ``Presigner`` (presigned GET URLs of blobs).
 
     ``session`` (a ``boto3.Session``) or the default credential chain signs requests. Tuning:
     ``part_size`` (multipart part and single-PUT limit, >= 5 MiB on real S3), ``concurrency``
@@ -165,7 +174,9 @@ class S3Store(Store):
         self.fast_ranges = fast_ranges
         self.parallel_get = parallel_get
         self._presigned: dict[str, tuple[str, float]] = {}
-        self._conns = threading.local()
+        # ranged reads (the hot path of lazy layers) bypass boto3: see _presign
+        self._ranges = RangeClient(attempts=max_attempts, connect_timeout=connect_timeout,
+                                   read_timeout=read_timeout, backoff=Backoff(0.5, 10.0))
         self._cas = cas
         self._cas_lock = threading.Lock()
         session = session or boto3.session.Session()
@@ -200,6 +211,9 @@ class S3Store(Store):
     @property
     def url(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}"
+
+    def location(self) -> StoreLocation:
+        return StoreLocation(self.url, self.endpoint)
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r}, endpoint={self.endpoint!r})"
@@ -517,10 +531,10 @@ class S3Store(Store):
             raise self._fail(e, f"read range of {self._where(key)}") from e
 
     # Ranged reads are the hot path of lazy layers: boto3 spends ~2.4 ms of CPU per request
-    # (MACHINE-NOTES), plain http.client ~0.5 ms. So ranges go over one keep-alive connection
-    # per thread to a presigned URL of the object (the signature covers the host, not the Range
-    # header; one URL serves every range of a blob until shortly before it expires), with the
-    # same bounded retries as botocore's standard mode.
+    # (MACHINE-NOTES), plain http.client ~0.5 ms. So ranges go through envbuild.store._http
+    # (keep-alive connections per thread) to a presigned URL of the object (the signature
+    # covers the host, not the Range header; one URL serves every range of a blob until shortly
+    # before it expires), with the same bounded retries as botocore's standard mode.
     _PRESIGN_SECONDS = 900
 
     def _presign(self, key: str) -> str:
@@ -539,85 +553,60 @@ class S3Store(Store):
     def presigned_get_url(self, digest: str, expires: int = 12 * 3600) -> str:
         """A presigned GET URL of blob ``digest``, valid ``expires`` seconds (less if the
         credentials expire sooner): lets another process read ranges without boto3
-        (``envbuild.store.lazy.HttpRanges``). Not part of the ``Store`` contract."""
+        (``envbuild.store.lazy.HttpRanges``). The ``Presigner`` capability."""
+        if expires <= 0:
+            raise StoreError(f"presigned URL lifetime must be positive, not {expires}")
         return self.client.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": self._blob_key(digest)},
             ExpiresIn=expires)
 
-    def _conn(self, scheme: str, netloc: str):
-        import http.client
-
-        conns = self._conns.__dict__
-        conn = conns.get((scheme, netloc))
-        if conn is None:
-            cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
-            conn = cls(netloc, timeout=self.connect_timeout)
-            conns[(scheme, netloc)] = conn
-        return conn
-
     def _fast_range(self, key: str, offset: int, length: int) -> tuple[int, bytes]:
         """``(status, body)`` of a ranged GET: 206/200 with the bytes, 404, or 416."""
-        import http.client
-        import socket
-        import urllib.parse
-
-        last: BaseException | str | None = None
-        for attempt in range(self.max_attempts):
-            if attempt:
-                time.sleep(random.uniform(0, min(20.0, 2 ** attempt) / 2))
-            url = urllib.parse.urlsplit(self._presign(key))
-            conn = self._conn(url.scheme, url.netloc)
-            try:
-                if conn.sock is None:
-                    conn.connect()
-                    conn.sock.settimeout(self.read_timeout)
-                conn.request("GET", f"{url.path}?{url.query}",
-                             headers={"Range": f"bytes={offset}-{offset + length - 1}"})
-                resp = conn.getresponse()
-                body = resp.read()
-            except (OSError, http.client.HTTPException, socket.timeout) as e:
-                conn.close()
-                last = e
-                continue
-            if resp.getheader("Connection", "").lower() == "close":
-                conn.close()
-            status = resp.status
-            if status == 206:
-                return 206, body
-            if status == 200:  # a server that ignores Range: the whole object
-                return 200, body[offset:offset + length]
-            if status in (404, 416):
-                return status, b""
-            if status == 403 and attempt == 0:
-                self._presigned.pop(key, None)  # expired or clock skew: sign again
-                last = "HTTP 403"
-                continue
-            if status in (429, 500, 502, 503, 504):
-                last = f"HTTP {status}"
-                continue
-            if status == 403:
-                raise StoreUnavailable(f"read range of {self._where(key)}: access denied "
-                                       "(HTTP 403)", hint="check the credentials and the bucket "
-                                                          "policy")
-            raise StoreError(f"read range of {self._where(key)}: HTTP {status} "
-                             f"{body[:200].decode('utf-8', 'replace')}")
-        cause = f"{type(last).__name__}: {last}" if isinstance(last, BaseException) else last
-        raise StoreUnavailable(f"read range of {self._where(key)}: cannot reach S3 endpoint "
-                               f"{self.endpoint}: {cause} (after {self.max_attempts} attempts)",
-                               hint="check --s3-endpoint / AWS_ENDPOINT_URL and that the "
-                                    "server is up")
+        resp = self._ranges.get(self._presign(key), offset, length)
+        if resp.status == 403:
+            self._presigned.pop(key, None)  # expired or clock skew: sign again, once
+            resp = self._ranges.get(self._presign(key), offset, length)
+        if resp.ok or resp.status in (404, 416):
+            return resp.status, resp.body
+        if resp.status == 403:
+            raise StoreUnavailable(f"read range of {self._where(key)}: access denied "
+                                   "(HTTP 403)", hint="check the credentials and the bucket "
+                                                      "policy")
+        if resp.status == 0:
+            raise StoreUnavailable(f"read range of {self._where(key)}: cannot reach S3 endpoint "
+                                   f"{self.endpoint}: {resp.error}",
+                                   hint="check --s3-endpoint / AWS_ENDPOINT_URL and that the "
+                                        "server is up")
+        raise StoreError(f"read range of {self._where(key)}: HTTP {resp.status} "
+                         f"{resp.error or resp.body[:200].decode('utf-8', 'replace')}")
 
     def get_tail(self, digest: str, length: int) -> tuple[bytes, int]:
         """The last ``length`` bytes (a suffix range: one request) and the blob's size.
 
-        Not part of the ``Store`` contract: lazy readers use it, when present, to read a layer's
-        footer without a HEAD first."""
+        The ``TailReader`` capability: lazy readers use it to read a layer's footer without a
+        HEAD first."""
+        check_tail_length(length)
         key = self._blob_key(digest)
-        resp = self._get_object(key, Range=f"bytes=-{length}")
+        from botocore.exceptions import ClientError
+
+        try:
+            resp = self._get_object(key, Range=f"bytes=-{length}")
+        except StoreError as e:
+            cause = e.__cause__
+            if isinstance(cause, ClientError) and _code(cause) in ("InvalidRange", "416"):
+                return b"", self.stat(digest).size  # an empty blob has no suffix to serve
+            raise
         if resp is None:
             raise blob_not_found(digest)
         with resp["Body"] as body:
-            data = self._call(f"read {self._where(key)}", body.read)
+            # bounded: a server that ignores the range must not make us hold the whole blob
+            data = self._call(f"read {self._where(key)}", body.read, length + 1)
+        if len(data) > length:
+            if "ContentRange" in resp:
+                raise StoreError(f"read {self._where(key)}: the server answered a {length}-byte "
+                                 "suffix range with more bytes")
+            size = self.stat(digest).size  # Range ignored (whole object): read the tail again
+            return (self.get_range(digest, max(0, size - length), length), size)
         total = resp.get("ContentRange", "").rpartition("/")[2]
         return data, int(total) if total.isdigit() else len(data)
 

@@ -120,6 +120,9 @@ def _registry_backend(fixture: str):
         creds = ({"credentials": None,
                   "auth_paths": [reg.auth_file(tmp_path / "auth")]} if reg.auth
                  else {"auth_paths": []})
+        if reg.auth:  # another process reopening it by URL (Locatable) finds them like podman
+            request.getfixturevalue("monkeypatch").setenv("REGISTRY_AUTH_FILE",
+                                                          str(creds["auth_paths"][0]))
 
         def open_() -> Store:
             # 1 MiB chunks: a 20 MiB blob is a chunked upload, memory stays within the bound
@@ -168,3 +171,27 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
 @pytest.fixture
 def store(backend: Backend) -> Store:
     return backend.store
+
+
+def _backend_types() -> dict[str, type]:
+    from envbuild.store.registry import RegistryStore
+    from envbuild.store.s3 import S3Store
+
+    return {"memory": MemoryStore, "local": LocalStore, "s3": S3Store,
+            "registry": RegistryStore, "registry-auth": RegistryStore,
+            "registry-token": RegistryStore}
+
+
+#: The class of each backend, so tests can be parametrized by what a backend declares.
+BACKEND_TYPES: dict[str, type] = _backend_types()
+
+
+def declaring(capability: type) -> list[str]:
+    """The backends whose class declares ``capability`` (lists it among its bases)."""
+    return sorted(n for n, cls in BACKEND_TYPES.items() if capability in cls.__mro__)
+
+
+@pytest.fixture
+def declared(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    """A backend named by indirect parametrization (``declaring(...)``)."""
+    return BACKENDS[request.param](request, tmp_path)

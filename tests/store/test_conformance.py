@@ -451,3 +451,116 @@ def test_second_handle_sees_the_same_store(backend):
     assert read_bytes(other, D) == DATA
     assert other.get_ref("r").digest == D
     assert other.get_record("keys/v1", "k") == {"a": 1}
+
+
+# -- optional capabilities (envbuild.store.base: TailReader, LocalBlobPaths, ...) ------------
+
+from envbuild.store import open_store  # noqa: E402
+from envbuild.store._http import RangeClient  # noqa: E402
+from envbuild.store.base import (  # noqa: E402
+    CAPABILITIES,
+    BlobMounter,
+    LocalBlobPaths,
+    Locatable,
+    Presigner,
+    RangeReader,
+    StoreLocation,
+    TailReader,
+    capabilities,
+)
+from tests.store.conftest import BACKEND_TYPES, declaring  # noqa: E402
+
+#: What each backend declares; a change here is a change of what callers may rely on.
+DECLARED = {
+    "memory": frozenset(),
+    "local": frozenset({TailReader, LocalBlobPaths, Locatable}),
+    "s3": frozenset({TailReader, Locatable, Presigner}),
+    **dict.fromkeys(("registry", "registry-auth", "registry-token"),
+                    frozenset({TailReader, Locatable, BlobMounter})),
+}
+
+
+def test_every_backend_is_pinned_in_declared():
+    assert set(DECLARED) == set(BACKEND_TYPES)
+
+
+def test_declared_capabilities_match_the_methods(backend):
+    """A backend declares exactly what it implements: the structural (``runtime_checkable``)
+    check agrees with the declaration, so an undeclared method with a similar name is not
+    mistaken for the capability, and every store is a ``RangeReader``."""
+    store = backend.store
+    name = next(n for n, cls in BACKEND_TYPES.items() if type(store) is cls)
+    assert capabilities(store) == DECLARED[name]
+    assert isinstance(store, RangeReader)
+    for cap in CAPABILITIES:
+        assert isinstance(store, cap) == (cap in DECLARED[name]), cap.__name__
+
+
+@pytest.mark.parametrize("declared", declaring(TailReader), indirect=True)
+@pytest.mark.parametrize("length", [1, 80, len(DATA), len(DATA) + 100])
+def test_tail_reader(declared, length):
+    store = declared.store
+    store.put(D, DATA)
+    assert store.get_tail(D, length) == (DATA[-length:], len(DATA))
+
+
+@pytest.mark.parametrize("declared", declaring(TailReader), indirect=True)
+def test_tail_reader_edges(declared):
+    store = declared.store
+    empty = digest_bytes(b"")
+    store.put(empty, b"")
+    assert store.get_tail(empty, 80) == (b"", 0)
+    with pytest.raises(BlobNotFound):
+        store.get_tail(ABSENT, 80)
+    for bad in (0, -1):
+        with pytest.raises(StoreError) as e:
+            store.get_tail(empty, bad)
+        assert e.value.reference == "invalid-range"
+    with pytest.raises(StoreError) as e:
+        store.get_tail("sha256:../../etc/passwd", 10)
+    assert e.value.reference == "invalid-digest"
+
+
+@pytest.mark.parametrize("declared", declaring(LocalBlobPaths), indirect=True)
+def test_local_blob_paths(declared):
+    store = declared.store
+    assert not store.blob_path(D).exists()  # the path of an absent blob: no error, no file
+    store.put(D, DATA)
+    assert store.blob_path(D).is_file() and store.blob_path(D).read_bytes() == DATA
+    store.delete(D)
+    assert not store.blob_path(D).exists()
+    with pytest.raises(StoreError) as e:
+        store.blob_path("sha256:../../etc/passwd")
+    assert e.value.reference == "invalid-digest"
+
+
+@pytest.mark.parametrize("declared", declaring(Locatable), indirect=True)
+def test_locatable_reopens_the_same_store(declared, monkeypatch):
+    from tests.store.s3server import CREDENTIALS
+
+    for k, v in CREDENTIALS.items():  # the contract: credentials come from the environment
+        monkeypatch.setenv(k, v)
+    store = declared.store
+    loc = store.location()
+    assert isinstance(loc, StoreLocation)
+    other = open_store(loc.url, s3_endpoint=loc.s3_endpoint)
+    store.put(D, DATA)
+    assert read_bytes(other, D) == DATA
+    other.put(D_OTHER, OTHER)
+    assert store.exists(D_OTHER)
+    assert other.location() == loc
+
+
+@pytest.mark.parametrize("declared", declaring(Presigner), indirect=True)
+def test_presigner_urls_serve_plain_ranged_gets(declared):
+    store = declared.store
+    store.put(D, DATA)
+    url = store.presigned_get_url(D, expires=600)
+    assert url.startswith(("http://", "https://"))
+    client = RangeClient(attempts=1)
+    got = client.get(url, 100, 50)
+    assert got.status == 206 and got.body == DATA[100:150]
+    assert client.get(url, len(DATA) - 3, 10).body == DATA[-3:]
+    assert client.get(store.presigned_get_url(ABSENT), 0, 1).status == 404
+    with pytest.raises(StoreError):
+        store.presigned_get_url(D, expires=0)

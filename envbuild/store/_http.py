@@ -1,0 +1,174 @@
+"""Ranged GETs over keep-alive HTTP: the one client of ``S3Store.get_range`` and the lazy daemon.
+
+Lazy layer reads are many small ranged GETs, so the per-request cost of the client decides
+their speed: boto3 spends ~2.4 ms of CPU per request, plain ``http.client`` ~0.5 ms
+(MACHINE-NOTES). ``S3Store`` therefore sends its ranged reads to a presigned URL of the object
+(the signature covers the host, not the ``Range`` header, so one URL serves every range of a
+blob), and the lazy layer daemon reads with the presigned URL its client handed it
+(``envbuild.store.lazy.HttpRanges``) without loading boto3 at all. Both go through
+``RangeClient``.
+
+What ``RangeClient.get(url, offset, length)`` does:
+
+* **Connections**: one keep-alive HTTP/1.1 connection per thread and ``(scheme, host:port)``
+  (``http.client`` connections are not thread-safe; a thread per in-flight request is how
+  callers parallelise). A connection is closed after any error, after a response that says
+  ``Connection: close``, and after a body it did not read to the end.
+* **Timeouts**: ``connect_timeout`` for the TCP (and TLS) handshake, then ``read_timeout`` for
+  every socket read.
+* **Retries**: connection errors, timeouts and the transient statuses ``RETRY_STATUSES`` (429,
+  500, 502, 503, 504) are retried, at most ``attempts`` tries in all, sleeping
+  ``Backoff.delay(n)`` before try *n* (full jitter, exponential, capped): an unreachable server
+  costs a bounded time. Every other status is final and returned at once.
+* **Bounded responses**: a ``206`` may carry at most ``length`` bytes (a longer body, or a
+  ``Content-Length`` saying so, is refused without being read); a ``200`` (a server that
+  ignores ``Range`` sends the whole object) is read only up to ``offset + length`` bytes and
+  then dropped with its connection; an error body is read up to ``ERROR_BODY_LIMIT`` bytes.
+  No response makes the client allocate more than the range it asked for.
+
+The result is a ``RangeResponse``: ``status`` 206 or 200 with ``body`` exactly the bytes of the
+range (short only where the object ends), another HTTP status with the start of the error
+body, or ``status == 0`` when every try failed, with ``error`` saying why. Mapping statuses to
+store errors (404 → ``BlobNotFound``, 403 → ``StoreUnavailable``) is the caller's: the S3
+store raises, the lazy daemon hands the read to the full store instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import random
+import socket
+import threading
+import time
+import urllib.parse
+from typing import Final, cast
+
+#: Statuses worth another try: throttling and the server-side transients S3 documents.
+RETRY_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
+#: How much of a non-2xx body is kept (for the error message).
+ERROR_BODY_LIMIT: Final = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Backoff:
+    """Sleep before retry ``n`` (1, 2, ...): uniform in ``[0, min(cap, base * 2**n)]``."""
+
+    base: float = 0.25
+    cap: float = 10.0
+
+    def delay(self, attempt: int) -> float:
+        return random.uniform(0, min(self.cap, self.base * 2 ** attempt))
+
+
+@dataclasses.dataclass(frozen=True)
+class RangeResponse:
+    """The answer to a ranged GET (see the module docstring)."""
+
+    status: int     # 206, 200, another HTTP status, or 0: no answer after every try
+    body: bytes     # 2xx: the range's bytes; otherwise the start of the error body
+    error: str = ""  # status 0: why the last try failed
+
+    @property
+    def ok(self) -> bool:
+        return self.status in (200, 206)
+
+
+class _TooLong(Exception):
+    """A response body longer than the range asked for (a broken or hostile server)."""
+
+
+class RangeClient:
+    """Ranged GETs with per-thread keep-alive connections, bounded retries and bounded bodies.
+
+    Thread-safe: each thread gets its own connections. ``close()`` closes those of the calling
+    thread; the others close when their threads end (or on garbage collection).
+    """
+
+    def __init__(self, *, attempts: int = 4, connect_timeout: float = 3.0,
+                 read_timeout: float = 30.0, backoff: Backoff = Backoff()) -> None:
+        if attempts < 1:
+            raise ValueError("attempts must be at least 1")
+        self.attempts = attempts
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.backoff = backoff
+        self._local = threading.local()
+        #: GETs sent (every try counts): for tests and benchmarks.
+        self.requests = 0
+        self._count_lock = threading.Lock()
+
+    def _conn(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
+        conns: dict[tuple[str, str], http.client.HTTPConnection] | None = \
+            getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        conn = conns.get((scheme, netloc))
+        if conn is None:
+            cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+            conn = conns[(scheme, netloc)] = cls(netloc, timeout=self.connect_timeout)
+        return conn
+
+    def close(self) -> None:
+        """Close the calling thread's connections."""
+        conns = getattr(self._local, "conns", None) or {}
+        for conn in conns.values():
+            conn.close()
+        conns.clear()
+
+    def get(self, url: str, offset: int, length: int) -> RangeResponse:
+        """GET bytes ``[offset, offset + length)`` of ``url`` (``length`` > 0)."""
+        if offset < 0 or length <= 0:
+            raise ValueError(f"bad range: offset {offset}, length {length}")
+        parts = urllib.parse.urlsplit(url)
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
+        last = ""
+        for attempt in range(self.attempts):
+            if attempt:
+                time.sleep(self.backoff.delay(attempt))
+            conn = self._conn(parts.scheme, parts.netloc)
+            with self._count_lock:
+                self.requests += 1
+            try:
+                if conn.sock is None:
+                    conn.connect()
+                    cast(socket.socket, conn.sock).settimeout(self.read_timeout)
+                conn.request("GET", target, headers=headers)
+                resp = conn.getresponse()
+                status, body, reusable = self._read(resp, offset, length)
+            except _TooLong as e:
+                conn.close()
+                return RangeResponse(502, b"", error=str(e))  # final: retrying gets the same
+            except (OSError, http.client.HTTPException, socket.timeout) as e:
+                conn.close()
+                last = f"{type(e).__name__}: {e}"
+                continue
+            if not reusable or (resp.getheader("Connection") or "").lower() == "close":
+                conn.close()
+            if status in RETRY_STATUSES:
+                last = f"HTTP {status}"
+                continue
+            return RangeResponse(status, body)
+        return RangeResponse(0, b"", error=f"{last} (after {self.attempts} attempts)")
+
+    @staticmethod
+    def _read(resp: http.client.HTTPResponse, offset: int,
+              length: int) -> tuple[int, bytes, bool]:
+        """``(status, body, connection reusable)``, reading no more than the range allows."""
+        declared = resp.getheader("Content-Length")
+        size = int(declared) if declared and declared.isdigit() else None
+        if resp.status == 206:
+            if size is not None and size > length:
+                raise _TooLong(f"the server answered a {length}-byte range with {size} bytes")
+            body = resp.read(length + 1)
+            if len(body) > length:
+                raise _TooLong(f"the server answered a {length}-byte range with more bytes")
+            return 206, body, resp.isclosed()
+        if resp.status == 200:  # Range ignored: the object from its start; keep what we need
+            want = offset + length
+            body = resp.read(want)
+            done = resp.isclosed() or (size is not None and size <= want)
+            return 200, body[offset:], done
+        body = resp.read(ERROR_BODY_LIMIT)
+        return resp.status, body, resp.isclosed()

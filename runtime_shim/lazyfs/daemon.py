@@ -1,0 +1,273 @@
+"""The node daemon: one process per node cache serving every lazy layer of the host, each its
+own FUSE mount (protocol: ``runtime_shim.lazyfs.control``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from envbuild.errors import EnvbuildError
+from envbuild.store.lazy import ChunkCache, HttpRanges, LazyLayer, MemoryChunkCache
+from runtime_shim.lazyfs.chunks import TieredChunkCache
+from runtime_shim.lazyfs.control import (
+    DAEMON_IDLE_EXIT,
+    REQUEST_TIMEOUT,
+    _read_line,
+    daemon_address,
+)
+from runtime_shim.lazyfs.frames import prefetch_in_order
+from runtime_shim.lazyfs.fuseops import CACHE_TTL, make_operations
+from runtime_shim.lazyfs.profile import (
+    PROFILE_NAMESPACE,
+    PROFILE_VERSION,
+    PROFILE_WINDOW,
+    _Trace,
+)
+from runtime_shim.lazyfs.tree import build_tree
+
+log = logging.getLogger("envbuild.lazyfs")
+
+
+class _NodeDaemon:
+    def __init__(self, root: str, chunk_cache_max: int, memory_cache: int) -> None:
+        self.root = root
+        self.cache = TieredChunkCache(MemoryChunkCache(memory_cache),
+                                      ChunkCache(os.path.join(root, "chunks"), chunk_cache_max))
+        self.lock = threading.Lock()
+        self.mounts: dict[int, str] = {}      # id -> mountpoint
+        self.threads: list[threading.Thread] = []
+        self.busy = 0
+        self.last = 0.0
+        self.stop = False
+        self._next = 0
+        self._stores: dict[tuple[str, str | None], Any] = {}
+        self.profiles: dict[str, dict[str, Any]] = {}  # key -> {"req", "traces", "saved"}
+        self.ops: dict[str, Any] = {}  # mountpoint -> its Operations
+
+    def _store(self, url: str, endpoint: str | None) -> Any:
+        from envbuild.store import open_store
+
+        with self.lock:
+            store = self._stores.get((url, endpoint))
+        if store is None:
+            store = open_store(url, s3_endpoint=endpoint)
+            with self.lock:
+                store = self._stores.setdefault((url, endpoint), store)
+        return store
+
+    def serve(self) -> int:
+        import signal
+        import socket
+        import time
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(daemon_address(self.root))
+        except OSError as e:
+            log.info("another daemon serves %s (%s): exiting", self.root, e.strerror)
+            return 0
+        sock.listen(64)
+        sock.settimeout(0.1)
+
+        def stop(signum: int, frame: Any) -> None:
+            self.stop = True
+        # Before any mount: libfuse installs its own handlers only where none is set, and
+        # those would end just one of the sessions.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, stop)
+        log.info("lazy layer daemon of %s up", self.root)
+        self.last = time.monotonic()
+        try:
+            while not self.stop:
+                try:
+                    conn, _ = sock.accept()
+                except TimeoutError:
+                    with self.lock:
+                        idle = (not self.mounts and not self.busy
+                                and time.monotonic() - self.last > DAEMON_IDLE_EXIT)
+                    if idle:
+                        break
+                    continue
+                with self.lock:
+                    self.busy += 1
+                threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+        finally:
+            sock.close()
+        if self.stop:
+            from runtime_shim.mount import unmount
+
+            with self.lock:
+                targets = list(self.mounts.values())
+            for mp in targets:
+                try:
+                    unmount(mp)
+                except EnvbuildError as e:
+                    log.warning("%s", e)
+        for t in list(self.threads):
+            t.join(5)
+        log.info("lazy layer daemon of %s exits", self.root)
+        return 0
+
+    def _handle(self, conn: Any) -> None:
+        import time
+
+        try:
+            conn.settimeout(REQUEST_TIMEOUT)  # a client that sends nothing holds no thread
+            try:
+                req = json.loads(_read_line(conn) or b"{}")
+            except (EnvbuildError, ValueError) as e:
+                conn.sendall(json.dumps({"ok": False, "error": f"bad request: {e}"}).encode()
+                             + b"\n")
+                return
+            conn.settimeout(None)
+            op = req.get("op") if isinstance(req, dict) else None
+            if op == "ping":
+                reply: dict[str, Any] = {"ok": True, "pid": os.getpid()}
+            elif op == "mount":
+                reply = self._mount(req)
+            elif op == "prefetch":
+                reply = self._start_prefetch(req)
+            else:
+                reply = {"ok": False, "error": f"unknown request {op!r}"}
+            conn.sendall(json.dumps(reply).encode() + b"\n")
+        except Exception:  # noqa: BLE001 - a bad client must not take the daemon down
+            log.exception("request failed")
+        finally:
+            conn.close()
+            with self.lock:
+                self.busy -= 1
+                self.last = time.monotonic()
+
+    def _mount(self, req: dict[str, Any]) -> dict[str, Any]:
+        import time
+
+        mp, digest = req["mountpoint"], req["digest"]
+        url, endpoint = req["store"], req.get("s3_endpoint")
+        ready = threading.Event()
+        try:
+            if req.get("ranges_url"):  # the full store (boto3) only if the URL stops working
+                store = HttpRanges(digest, req["ranges_url"], lambda: self._store(url, endpoint))
+            else:
+                store = self._store(url, endpoint)
+            layer = LazyLayer(store, digest, chunk_cache=self.cache,
+                              expected_toc_digest=req.get("toc_digest") or None,
+                              size=req.get("size"))
+            nodes = build_tree(layer.entries())
+            prof = req.get("profile")
+            trace = self._trace(prof, digest) if prof else None
+            ops = make_operations(layer, nodes, on_init=ready.set, trace=trace)
+        except EnvbuildError as e:
+            log.error("serve %s: %s", digest, e.message)
+            return {"ok": False, "error": "\n".join(e.render_lines())}
+        failed: list[str] = []
+        with self.lock:
+            self._next += 1
+            key = self._next
+            self.mounts[key] = mp
+
+        def run() -> None:
+            import mfusepy
+
+            log.info("serving %s (%d entries, TOC %d bytes) at %s", digest, len(nodes),
+                     layer.stats.toc_bytes, mp)
+            try:
+                # The caching and inode options are also given as mount options: libfuse
+                # parses them itself, which does not depend on mfusepy's view of libfuse's
+                # config struct (the struct route alone left st_ino unset with libfuse 3.14:
+                # hardlinks got two inodes).
+                mfusepy.FUSE(ops, mp, foreground=True, nothreads=False, ro=True,
+                             allow_other=True, default_permissions=True,
+                             fsname=f"envbuild-lazy-{digest[7:19]}", subtype="envbuild",
+                             use_ino=True, readdir_ino=True, kernel_cache=True,
+                             entry_timeout=CACHE_TTL, attr_timeout=CACHE_TTL,
+                             negative_timeout=CACHE_TTL)
+            except BaseException as e:  # noqa: BLE001 - reported to the client
+                failed.append(f"mount {mp}: libfuse failed ({e})")
+            finally:
+                if prof:
+                    self._save_profile(prof["key"])
+                with self.lock:
+                    del self.mounts[key]
+                    if self.ops.get(mp) is ops:
+                        del self.ops[mp]
+                    self.last = time.monotonic()
+                ready.set()
+                log.info("unmounted %s; stats %s", mp, json.dumps(layer.stats.as_dict()))
+
+        t = threading.Thread(target=run, name=f"fuse-{digest[7:19]}", daemon=True)
+        with self.lock:
+            self.threads = [x for x in self.threads if x.is_alive()] + [t]
+        t.start()
+        if not ready.wait(req.get("timeout", 30)) or failed:
+            why = failed[0] if failed else "the kernel did not send INIT in time"
+            log.error("%s", why)
+            return {"ok": False, "error": why}
+        with self.lock:
+            self.ops[mp] = ops
+        return {"ok": True, "pid": os.getpid()}
+
+    def _start_prefetch(self, req: dict[str, Any]) -> dict[str, Any]:
+        started = 0
+        for item in req.get("layers", ()):
+            with self.lock:
+                ops = self.ops.get(item["mountpoint"])
+            if ops is not None and item.get("paths"):
+                threading.Thread(target=self._prefetch,
+                                 args=(ops, item["paths"], ops.lazy_layer.digest),
+                                 name="prefetch", daemon=True).start()
+                started += 1
+        return {"ok": True, "started": started}
+
+    def _prefetch(self, ops: Any, paths: Sequence[str], digest: str) -> None:
+        import time
+
+        t0 = time.monotonic()
+        try:
+            n = prefetch_in_order(ops.lazy_frames, ops.lazy_nodes, paths)
+        except EnvbuildError as e:  # a foreground read will report it
+            log.warning("prefetch of %s: %s", digest, e)
+            return
+        log.info("prefetched %d of %d profiled files of %s in %.2f s", n, len(paths), digest,
+                 time.monotonic() - t0)
+
+    def _trace(self, prof: dict[str, Any], digest: str) -> _Trace:
+        import time
+
+        with self.lock:
+            rec = self.profiles.get(prof["key"])
+            if rec is None:
+                rec = self.profiles[prof["key"]] = {
+                    "req": prof, "traces": {}, "saved": False,
+                    "until": time.monotonic() + PROFILE_WINDOW}
+                timer = threading.Timer(PROFILE_WINDOW, self._save_profile, (prof["key"],))
+                timer.daemon = True
+                timer.start()
+            trace = rec["traces"][digest] = _Trace(rec["until"])
+        return trace
+
+    def _save_profile(self, key: str) -> None:
+        with self.lock:
+            rec = self.profiles.get(key)
+            if rec is None or rec["saved"]:
+                return
+            rec["saved"] = True
+        prof, traces = rec["req"], rec["traces"]
+        with self.lock:
+            layers = [{"digest": d, "files": list(traces[d].paths)}
+                      for d in prof["layers"] if d in traces]
+        if not any(x["files"] for x in layers):
+            return
+        try:
+            store = self._store(prof["store"], prof.get("s3_endpoint"))
+            store.put_record(PROFILE_NAMESPACE, key,
+                             {"version": PROFILE_VERSION, "layers": layers})
+        except Exception as e:  # noqa: BLE001 - a hint only; never take a mount down for it
+            log.warning("save lazy profile %s: %s", key, e)
+            return
+        log.info("saved lazy profile %s (%d files)", key,
+                 sum(len(x["files"]) for x in layers))
+

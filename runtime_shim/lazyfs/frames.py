@@ -1,0 +1,151 @@
+"""Fetching a lazy layer's frames for the filesystem: one fetch per frame at a time
+(``Frames``), directory readahead (``Readahead``) and profile prefetch in order
+(``prefetch_in_order``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from envbuild.errors import EnvbuildError
+from envbuild.store.lazy import LazyLayer
+from runtime_shim.lazyfs.tree import Node
+
+log = logging.getLogger("envbuild.lazyfs")
+
+#: Parallel requests of a background load (readahead, profile prefetch); reads use the layer's.
+BACKGROUND_WORKERS = 2
+
+
+class _Frames:
+    """Which frames of a layer are loaded (every file inside them verified and cached) or being
+    fetched, so a read waits for a fetch in flight (readahead, prefetch) instead of repeating
+    it. Small files share frames (lazy framing): loading a frame caches every file wholly
+    inside it, which costs no extra request."""
+
+    def __init__(self, layer: LazyLayer, nodes: dict[str, Node]) -> None:
+        self.layer = layer
+        self.cv = threading.Condition()
+        self.loaded: set[int] = set()
+        self.inflight: set[int] = set()
+        self.mates: dict[int, list[str]] = {}
+        for node in {id(n): n for n in nodes.values()}.values():
+            if len(node.frames) == 1:
+                self.mates.setdefault(node.frames[0], []).append(node.read_path)
+
+    def missing(self, node: Node) -> bool:
+        return any(f not in self.loaded for f in node.frames)
+
+    def load(self, nodes: Sequence[Node], *, wait: bool = True,
+             workers: int | None = None) -> None:
+        """Load the frames of ``nodes``; ``wait=False`` (background): only those no one is
+        fetching, and return at once if there are none. ``workers``: parallel requests
+        (default: the layer's)."""
+        while True:
+            with self.cv:
+                missing = {f for n in nodes for f in n.frames if f not in self.loaded}
+                if not missing:
+                    return
+                mine = missing - self.inflight
+                if not mine:
+                    if not wait:
+                        return
+                    self.cv.wait()
+                    continue
+                self.inflight |= mine
+            ok = False
+            try:
+                paths = [n.read_path for n in nodes if any(f in mine for f in n.frames)]
+                paths += [p for f in sorted(mine) for p in self.mates.get(f, ())]
+                self.layer.prefetch(paths, workers=workers)
+                ok = True
+            finally:
+                with self.cv:
+                    self.inflight -= mine
+                    if ok:
+                        self.loaded |= mine
+                    self.cv.notify_all()
+            if not wait:
+                return
+
+
+
+def prefetch_in_order(frames: _Frames, nodes: dict[str, Node], paths: Sequence[str], *,
+                      first_batch: int = 1 << 20, max_batch: int = 16 << 20,
+                      workers: int = BACKGROUND_WORKERS) -> int:
+    """Load the regular files among ``paths`` in their order, in batches whose merged reads
+    run in parallel, skipping frames someone else is fetching (a reader waits for those).
+    Batches start at ``first_batch`` bytes and double up to ``max_batch``: the first files
+    (what starts first) arrive soon, the rest in few large requests; a reader waiting for a
+    frame waits for its whole batch; ``workers`` parallel requests, few, so that reads
+    (on-demand fetches) are not queued behind them. Returns the files asked for."""
+    batch: list[Node] = []
+    size = count = 0
+    limit = first_batch
+    for p in paths:
+        n = nodes.get(p.strip("/"))
+        if n is None or not n.read_path or not frames.missing(n):
+            continue
+        batch.append(n)
+        size += n.size
+        count += 1
+        if size >= limit:
+            frames.load(batch, wait=False, workers=workers)
+            batch, size, limit = [], 0, min(limit * 2, max_batch)
+    if batch:
+        frames.load(batch, wait=False, workers=workers)
+    return count
+
+
+
+class _Readahead:
+    """Directory readahead: after a file of directory D was fetched, fetch D's other small
+    regular files in the background, once per directory, at most ``budget`` bytes. Tar order
+    keeps a directory's files together, so this is a few merged ranged reads; it serves
+    programs that open a package's files one by one (Python imports, shared libraries)."""
+
+    def __init__(self, layer: LazyLayer, nodes: dict[str, Node], frames: _Frames, *,
+                 max_file: int = 1 << 20, budget: int = 8 << 20) -> None:
+        self.layer, self.nodes, self.frames = layer, nodes, frames
+        self.max_file, self.budget = max_file, budget
+        self.done: set[str] = set()
+        self.queue: list[str] = []
+        self.cv = threading.Condition()
+        threading.Thread(target=self._run, name="lazy-readahead", daemon=True).start()
+
+    def schedule(self, directory: str) -> None:
+        with self.cv:
+            if directory in self.done:
+                return
+            self.done.add(directory)
+            self.queue.append(directory)
+            self.cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.queue:
+                    self.cv.wait()
+                directory = self.queue.pop()  # the latest first: what runs now
+            d = self.nodes.get(directory)
+            if d is None or not d.is_dir:
+                continue
+            prefix = directory + "/" if directory else ""
+            todo, total = [], 0
+            for name in d.children:
+                n = self.nodes.get(prefix + name)
+                if (n is None or not n.read_path or n.size > self.max_file
+                        or not self.frames.missing(n)):
+                    continue
+                total += n.size
+                if total > self.budget:
+                    break
+                todo.append(n)
+            if not todo:
+                continue
+            try:
+                self.frames.load(todo, wait=False, workers=BACKGROUND_WORKERS)
+            except EnvbuildError as e:  # a foreground read will report it
+                log.warning("readahead of %s: %s", directory or "/", e)
+

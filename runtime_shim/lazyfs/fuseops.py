@@ -1,0 +1,159 @@
+"""The FUSE filesystem: mfusepy ``Operations`` serving a layer's tree from a ``LazyLayer``."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+from collections.abc import Iterator
+from typing import Any
+
+from envbuild.errors import EnvbuildError, RuntimeShimError
+from envbuild.store.lazy import LazyLayer
+from runtime_shim.lazyfs.frames import _Frames, _Readahead
+from runtime_shim.lazyfs.profile import _Trace
+from runtime_shim.lazyfs.tree import Node, statfs_of
+
+log = logging.getLogger("envbuild.lazyfs")
+
+#: xattr of the mount root that returns the daemon's ``LazyStats`` as JSON (not listed).
+LAZY_STATS_XATTR = "user.envbuild.lazy.stats"
+#: The immutable layer's kernel cache lifetime (entries, attributes, negative lookups).
+CACHE_TTL = 86400.0
+
+
+def _operations_base() -> type:
+    try:
+        import mfusepy
+    except (ImportError, OSError) as e:  # OSError: libfuse3 itself is missing
+        raise RuntimeShimError(f"lazy mode needs mfusepy and libfuse3: {e}",
+                               hint="install the fuse3 package (scripts/setup.sh) and "
+                                    "`pip install mfusepy`") from None
+    return mfusepy.Operations
+
+
+
+def make_operations(layer: LazyLayer, nodes: dict[str, Node], *,
+                    on_init: Any = None, trace: _Trace | None = None):
+    """The mfusepy ``Operations`` serving ``nodes`` with contents from ``layer``. ``on_init``
+    is called once the kernel's INIT arrived (the mount is up); ``trace``, when given, is
+    told of every read (the layer's access profile)."""
+    import mfusepy
+
+    FuseOSError = mfusepy.FuseOSError
+    stats_of = statfs_of(nodes)
+    frames = _Frames(layer, nodes)
+    readahead = _Readahead(layer, nodes, frames)
+
+    def node_at(path: str) -> Node:
+        node = nodes.get(path.strip("/"))
+        if node is None:
+            raise FuseOSError(errno.ENOENT)
+        return node
+
+    class LazyOperations(_operations_base()):
+        use_ns = True
+        # exposed for the node daemon (profile prefetch) and tests
+        lazy_layer, lazy_nodes, lazy_frames = layer, nodes, frames
+
+        def init_with_config(self, conn, config) -> None:
+            if config is not None:
+                config.kernel_cache = 1
+                config.use_ino = 1
+                config.readdir_ino = 1
+                config.entry_timeout = CACHE_TTL
+                config.attr_timeout = CACHE_TTL
+                config.negative_timeout = CACHE_TTL
+            if on_init is not None:
+                on_init()
+
+        def getattr(self, path: str, fh: int | None = None) -> dict[str, int]:
+            return node_at(path).attrs()
+
+        def readlink(self, path: str) -> str:
+            node = node_at(path)
+            if not stat.S_ISLNK(node.mode):
+                raise FuseOSError(errno.EINVAL)
+            return node.link
+
+        def opendir(self, path: str) -> int:
+            if not node_at(path).is_dir:
+                raise FuseOSError(errno.ENOTDIR)
+            return 0
+
+        def readdir(self, path: str, fh: int) -> Iterator[tuple[str, dict[str, int], int]]:
+            key = path.strip("/")
+            node = node_at(key)
+            if not node.is_dir:
+                raise FuseOSError(errno.ENOTDIR)
+            parent = nodes[key.rpartition("/")[0]] if key else node
+            yield ".", {"st_mode": node.mode, "st_ino": node.ino}, 0
+            yield "..", {"st_mode": parent.mode, "st_ino": parent.ino}, 0
+            prefix = key + "/" if key else ""
+            for name in list(node.children):
+                child = nodes.get(prefix + name)
+                if child is not None:
+                    yield name, {"st_mode": child.mode, "st_ino": child.ino}, 0
+
+        def open(self, path: str, flags: int) -> int:
+            node = node_at(path)
+            if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
+                raise FuseOSError(errno.EROFS)
+            if not node.read_path:
+                raise FuseOSError(errno.EISDIR if node.is_dir else errno.EACCES)
+            return 0  # nothing fetched until the first read
+
+        def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+            node = node_at(path)
+            if offset >= node.size:
+                return b""
+            if trace is not None:
+                trace.add(node)
+            try:
+                if frames.missing(node):
+                    # one fetch per frame at a time: a second reader waits for it
+                    frames.load([node])
+                    readahead.schedule(path.strip("/").rpartition("/")[0])
+                return layer.read(node.read_path, offset, size)
+            except EnvbuildError as e:
+                log.error("read %s: %s", node.read_path, e)
+                raise FuseOSError(errno.EIO) from None
+
+        def release(self, path: str, fh: int) -> int:
+            return 0
+
+        def statfs(self, path: str) -> dict[str, int]:
+            return stats_of
+
+        def listxattr(self, path: str) -> list[str]:
+            return list(node_at(path).xattrs)
+
+        def getxattr(self, path: str, name: str, position: int = 0) -> bytes:
+            node = node_at(path)
+            value = node.xattrs.get(name)
+            if value is None:
+                if name == LAZY_STATS_XATTR and path.strip("/") == "":
+                    return json.dumps({**layer.stats.as_dict(), "pid": os.getpid()}).encode()
+                raise FuseOSError(errno.ENODATA)
+            return value
+
+        # writes: refused (the mount is ro too; these make the answer EROFS, not ENOSYS)
+        def _rofs(self, *args: Any, **kwargs: Any) -> int:
+            raise FuseOSError(errno.EROFS)
+
+        chmod = chown = create = mkdir = mknod = rename = rmdir = symlink = truncate = \
+            unlink = utimens = write = setxattr = removexattr = link = _rofs
+
+    return LazyOperations()
+
+
+
+def lazy_stats(mountpoint: str | os.PathLike[str]) -> dict[str, int]:
+    """The ``LazyStats`` (and ``pid``) of the daemon serving ``mountpoint``."""
+    try:
+        return json.loads(os.getxattr(mountpoint, LAZY_STATS_XATTR))
+    except OSError as e:
+        raise RuntimeShimError(f"read lazy layer stats at {mountpoint}: {e.strerror}") from e
+

@@ -1,0 +1,78 @@
+"""Mount management, client side: what ``Sandbox.create(lazy=True)`` calls to get the lazy
+mounts of a layer stack from the node daemon (through ``NodeCache.ensure_lazy``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from envbuild.errors import RuntimeShimError
+from envbuild.store import Store
+from envbuild.store.base import Locatable, Presigner
+from runtime_shim.lazyfs.control import daemon_request
+from runtime_shim.lazyfs.profile import profile_key, read_profile
+
+
+class LazyNode(Protocol):
+    """What ``lazy_layer_dirs`` needs of the node cache (``runtime_shim.nodecache.NodeCache``;
+    a protocol so this package does not import the module that imports it)."""
+
+    root: Path
+
+    def lazy_mounted(self, digest: str) -> bool: ...
+
+    def ensure_lazy(self, store_url: str, digest: str, toc_digest: str | None = None, *,
+                    s3_endpoint: str | None = None, size: int | None = None,
+                    ranges_url: str | None = None,
+                    record_profile: dict | None = None) -> Path: ...
+
+
+def store_location(store: Store) -> tuple[str, str | None]:
+    """``(url, s3_endpoint)`` another process can open ``store`` with (the daemon's
+    ``--store``/``--s3-endpoint``): its ``Locatable.location()`` — a ``LocalStore``'s absolute
+    root, an ``S3Store``'s URL and endpoint. Credentials are not passed: the daemon inherits
+    the environment."""
+    if isinstance(store, Locatable):
+        loc = store.location()
+        return loc.url, loc.s3_endpoint
+    raise RuntimeShimError(f"lazy mode cannot serve layers from {store!r}: the FUSE daemon is "
+                           "another process and must open the store by URL",
+                           hint="use a store directory or an s3:// store, or drop --lazy")
+
+
+def lazy_layer_dirs(node: LazyNode, store: Store, layers: Sequence[Any]) -> list[str]:
+    """``Sandbox.create(lazy=True)``: the lazy mounts of ``layers`` (``LayerRef``s, bottom to
+    top) in node cache ``node``, asked of the node daemon in parallel. An ``S3Store`` hands the
+    daemon a presigned URL per blob, so it reads ranges without loading boto3. Layers not
+    mounted yet get the stack's lazy profile prefetched in the background (``read_profile``),
+    or, without one, have their reads recorded as the profile."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, endpoint = store_location(store)
+    presign = store.presigned_get_url if isinstance(store, Presigner) else None
+    digests = [x.digest for x in layers]
+    profile, record = None, None
+    if not all(node.lazy_mounted(d) for d in digests):
+        profile = read_profile(store, digests)
+        record = None if profile is not None else {
+            "key": profile_key(digests), "layers": digests, "store": url,
+            "s3_endpoint": endpoint}
+
+    def one(layer: Any) -> str:
+        ranges_url = presign(layer.digest) if presign is not None else None
+        return str(node.ensure_lazy(url, layer.digest, layer.toc_digest or None,
+                                    s3_endpoint=endpoint, size=layer.size,
+                                    ranges_url=ranges_url, record_profile=record))
+
+    if len(layers) <= 1:
+        dirs = [one(layer) for layer in layers]
+    else:
+        with ThreadPoolExecutor(min(8, len(layers)), thread_name_prefix="lazy-mount") as pool:
+            dirs = list(pool.map(one, layers))
+    if profile:
+        daemon_request(node.root, {"op": "prefetch", "layers": [
+            {"mountpoint": d, "paths": profile.get(x.digest, [])}
+            for d, x in zip(dirs, layers)]}, 10.0)
+    return dirs
+
