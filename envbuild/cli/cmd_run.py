@@ -213,8 +213,8 @@ def register(group: click.Group) -> None:
 
         done = sweep_sandboxes(app.settings.node_dir, app.settings.oci_runtime)
         for r in done:
-            click.echo(f"removed {r.id} ({r.reason})" if r.removed
-                       else f"failed  {r.id}: {r.error}")
+            click.echo((f"removed {r.id}" + (" (expired)" if r.reason == "expired" else ""))
+                       if r.removed else f"failed  {r.id}: {r.error}")
         failed = sum(not r.removed for r in done)
         click.echo(f"removed {len(done) - failed} orphaned or expired sandbox(es)" +
                    (f", {failed} could not be removed" if failed else ""), err=bool(failed))
