@@ -138,9 +138,12 @@ def register(group: click.Group) -> None:
         """List sandboxes (and whether the process that made them is alive)."""
         from runtime_shim.sandbox import list_sandboxes
 
+        now = time.time()
         for s in list_sandboxes(app.settings.node_dir):
-            state = "kept" if s.kept else ("alive" if s.alive else "orphaned")
-            click.echo(f"{s.id}  {state:<8}  {s.lock}")
+            state = ("expired" if s.expired(now) else "kept" if s.kept
+                     else "alive" if s.alive else "orphaned")
+            ttl = f"  expires in {s.expires - now:.0f}s" if s.expires and s.expires > now else ""
+            click.echo(f"{s.id}  {s.backend:<9}  {state:<8}  {s.lock}{ttl}")
 
     @sandbox.command("rm")
     @click.argument("ids", nargs=-1, required=True)
