@@ -59,9 +59,14 @@ BACKENDS = ("container", "microvm")  # the built-in ones (runtime_shim.backend.b
 StoreLike = Store | str | os.PathLike[str]
 
 
-def open_store(store: StoreLike) -> Store:
+def open_store(store: StoreLike | None) -> Store:
     """A ``Store`` as is; a directory path or ``s3://`` URL through ``envbuild.store.open_store``
-    (``$ENVBUILD_S3_ENDPOINT`` as the CLI reads it)."""
+    (``$ENVBUILD_S3_ENDPOINT`` as the CLI reads it); None: the CLI's store (``$ENVBUILD_STORE``,
+    else ``cache``)."""
+    if store is None:
+        from envbuild.settings import DEFAULT_STORE
+
+        store = os.environ.get("ENVBUILD_STORE") or DEFAULT_STORE
     if isinstance(store, (str, os.PathLike)):
         from envbuild.store import open_store as open_url
 
@@ -167,7 +172,7 @@ class Sandbox:
         cls,
         lock: str,
         *,
-        store: StoreLike = "cache",
+        store: StoreLike | None = None,
         node_dir: str | os.PathLike[str] | None = None,
         backend: str = "container",
         network: bool | Sequence[str] = False,
@@ -182,7 +187,7 @@ class Sandbox:
         """Fetch what is missing, compose and start a sandbox of ``lock`` (digest or ref).
 
         ``store``: a ``Store``, a directory path or an ``s3://BUCKET/PREFIX`` URL (default: the
-        CLI's default store dir, ``cache``). ``node_dir``: this host's node cache, by default the
+        CLI's, ``$ENVBUILD_STORE``, else the ``cache`` dir). ``node_dir``: this host's node cache, by default the
         CLI's (``$ENVBUILD_NODE_CACHE``, else ``envbuild.settings.default_node_dir``). The lock
         is resolved before anything is created on disk: a wrong ref raises ``LockNotFound``
         and leaves nothing behind.
@@ -233,7 +238,7 @@ class Sandbox:
         meta = {"version": SANDBOX_META_VERSION, "id": sandbox_id, "lock": resolved.digest,
                 "backend": backend, "pid": os.getpid(), "kept": keep, "created": created,
                 "layers": [layer.digest for layer in resolved.layers],
-                "store": _store_url(store), "ttl": ttl,
+                "store": _store_url(store if store is not None else opened), "ttl": ttl,
                 "expires": created + ttl if ttl else 0.0, "ready": 0.0}
         layout.sandboxes.mkdir(exist_ok=True)
         paths.root.mkdir()
@@ -350,7 +355,7 @@ def _store_url(store: StoreLike) -> str | None:
         value = os.fspath(store)
         return value if "://" in value else os.path.abspath(value)
     root = getattr(store, "root", None)  # a LocalStore; other stores are passed to attach
-    return str(root) if isinstance(root, (str, Path)) else None
+    return os.path.abspath(root) if isinstance(root, (str, Path)) else None
 
 
 class _Reaper:

@@ -196,3 +196,11 @@ def test_node_layout_is_versioned(tmp_path):
         layout.ensure()
     with pytest.raises(RuntimeShimError):
         layout.sandbox("../x")
+
+
+def test_store_and_node_default_to_the_clis(fake, store, tmp_path, monkeypatch):
+    monkeypatch.setenv("ENVBUILD_STORE", str(store.root))
+    monkeypatch.setenv("ENVBUILD_NODE_CACHE", str(tmp_path / "n"))
+    with Sandbox.create("env/fake", backend="fake") as sb:
+        assert sb.exec("echo ok").stdout == b"echo ok\n"
+        assert Sandbox.attach(sb.id).id == sb.id  # the recorded store, the default node
