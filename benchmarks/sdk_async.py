@@ -60,8 +60,9 @@ def main() -> None:
                 return out
 
             asy = asyncio.run(async_execs())
-        print(f"exec true   sync  p50 {pct(sync, .5) * 1e3:.2f} ms  p95 {pct(sync, .95) * 1e3:.2f} ms")
-        print(f"exec true   async p50 {pct(asy, .5) * 1e3:.2f} ms  p95 {pct(asy, .95) * 1e3:.2f} ms")
+        for name, xs in (("sync ", sync), ("async", asy)):
+            print(f"exec true   {name} p50 {pct(xs, .5) * 1e3:.2f} ms  "
+                  f"p95 {pct(xs, .95) * 1e3:.2f} ms")
 
         peak = 0
 

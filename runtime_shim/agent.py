@@ -17,9 +17,10 @@ Building: ``agent_binary(cache_dir)`` compiles ``agent.c`` with gcc against stat
 source hash into ``<cache_dir>/agent/<key>/envbuild-agent`` (compile beside, rename into place),
 so every sandbox on the host bind-mounts the same file.
 
-Talking: ``run(connect, request, cap, deadline=)`` (or ``await run_async(...)``) sends an ``ExecRequest`` (plain data) over a
-fresh connection and streams the answer into buffers bounded by ``cap``. Every exec has a
-deadline (the request's timeout, else ``deadline``, by default ``DEFAULT_EXEC_TIMEOUT``). What
+Talking: ``run(connect, request, cap, deadline=)`` (or ``await run_async(...)``) sends an
+``ExecRequest`` (plain data) over a fresh connection and streams the answer into buffers
+bounded by ``cap``. Every exec has a deadline (the request's timeout, else ``deadline``, by
+default ``DEFAULT_EXEC_TIMEOUT``). What
 comes back is parsed as hostile input: each frame's type, order and payload length are checked
 against the protocol, and anything else raises ``SandboxCompromised`` (the trust model is in
 ``runtime_shim/agent/README.md``). The microVM backend's serial line feeds the same parser.

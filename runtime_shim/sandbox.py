@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from envbuild.errors import (BackendUnavailable, ExecTimeout, RuntimeShimError, SandboxClosed,
-                             SandboxNotFound)
+                             SandboxNotFound, StoreUnavailable)
 from envbuild.store import Store, put_file
 from runtime_shim import agent, netns
 from runtime_shim import seccomp as seccomp_profiles
@@ -70,6 +70,11 @@ def open_store(store: StoreLike | None) -> Store:
     if isinstance(store, (str, os.PathLike)):
         from envbuild.store import open_store as open_url
 
+        where = os.fspath(store)
+        if "://" not in where and not os.path.isdir(where):  # never create a store to read it
+            raise StoreUnavailable(f"no store at {where}",
+                                   hint="build one with `envbuild build` (--store DIR), or pass "
+                                        "store= a Store, a directory or an s3:// URL")
         return open_url(os.fspath(store), s3_endpoint=os.environ.get("ENVBUILD_S3_ENDPOINT"))
     return store
 
@@ -187,10 +192,10 @@ class Sandbox:
         """Fetch what is missing, compose and start a sandbox of ``lock`` (digest or ref).
 
         ``store``: a ``Store``, a directory path or an ``s3://BUCKET/PREFIX`` URL (default: the
-        CLI's, ``$ENVBUILD_STORE``, else the ``cache`` dir). ``node_dir``: this host's node cache, by default the
-        CLI's (``$ENVBUILD_NODE_CACHE``, else ``envbuild.settings.default_node_dir``). The lock
-        is resolved before anything is created on disk: a wrong ref raises ``LockNotFound``
-        and leaves nothing behind.
+        CLI's, ``$ENVBUILD_STORE``, else the ``cache`` dir). ``node_dir``: this host's node
+        cache, by default the CLI's (``$ENVBUILD_NODE_CACHE``, else
+        ``envbuild.settings.default_node_dir``). The lock is resolved before anything is
+        created on disk: a wrong ref raises ``LockNotFound`` and leaves nothing behind.
 
         ``lazy``: instead of unpacking the layers, mount each one read-only with FUSE, served
         from ``store`` file by file on first read (``runtime_shim.lazyfs``); ``store`` must be
@@ -209,8 +214,9 @@ class Sandbox:
         docstring). ``reap``: first remove the node's expired sandboxes and those whose
         creating process died (not kept ones).
 
-        Errors: ``LockNotFound``, ``BackendUnavailable`` (unknown backend, a request it cannot
-        honour, its runtime missing), ``SandboxStartError``, else ``RuntimeShimError``."""
+        Errors: ``LockNotFound``, ``StoreUnavailable`` (no store at that path),
+        ``BackendUnavailable`` (unknown backend, a request it cannot honour, its runtime
+        missing), ``SandboxStartError``, else ``RuntimeShimError``."""
         policy = netns.parse_network(network)  # bad entries fail before anything is made
         impl = get_backend(backend)
         seccomp_profiles.check_setting(seccomp)

@@ -204,3 +204,12 @@ def test_store_and_node_default_to_the_clis(fake, store, tmp_path, monkeypatch):
     with Sandbox.create("env/fake", backend="fake") as sb:
         assert sb.exec("echo ok").stdout == b"echo ok\n"
         assert Sandbox.attach(sb.id).id == sb.id  # the recorded store, the default node
+
+
+def test_a_missing_store_dir_is_not_created(fake, tmp_path):
+    from envbuild.errors import StoreUnavailable
+
+    with pytest.raises(StoreUnavailable):
+        Sandbox.create("env/fake", store=str(tmp_path / "nostore"), node_dir=tmp_path / "n",
+                       backend="fake")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
