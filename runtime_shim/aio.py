@@ -72,6 +72,11 @@ class AsyncSandbox:
         await asyncio.get_running_loop().run_in_executor(None, self.sync.write_file, path, data,
                                                          mode)
 
+    async def pack_diff(self, publish: str | None = None, **kwargs: Any):
+        """``Sandbox.pack_diff`` in the default executor."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.sync.pack_diff, publish, **kwargs))
+
     async def info(self) -> SandboxInfo:
         return self.sync.info()
 
