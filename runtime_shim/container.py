@@ -176,8 +176,9 @@ class ContainerSandbox:
         try:
             kill_and_delete(self.runtime, self.id, self.init_pid)
         finally:
-            if getattr(self, "net", None) is not None:  # attach() has none: teardown removes it
-                self.net.close()
+            net = getattr(self, "net", None)  # attach() has none: teardown removes it
+            if net is not None:
+                net.close()
                 self.net = None
 
     @classmethod

@@ -241,11 +241,12 @@ class Sandbox:
         paths = layout.sandbox(sandbox_id)
         limits = limits or Limits()
         created = time.time()
+        expires = created + ttl if ttl else 0.0
         meta = {"version": SANDBOX_META_VERSION, "id": sandbox_id, "lock": resolved.digest,
                 "backend": backend, "pid": os.getpid(), "kept": keep, "created": created,
                 "layers": [layer.digest for layer in resolved.layers],
                 "store": _store_url(store if store is not None else opened), "ttl": ttl,
-                "expires": created + ttl if ttl else 0.0, "ready": 0.0}
+                "expires": expires, "ready": 0.0}
         layout.sandboxes.mkdir(exist_ok=True)
         paths.root.mkdir()
         with undo_on_error(paths):
@@ -261,7 +262,7 @@ class Sandbox:
                 raise
         sb = cls(sandbox_id, resolved, paths, handle, layout, opened, backend_name=backend)
         if ttl:
-            _REAPER.watch(sb, meta["expires"])
+            _REAPER.watch(sb, expires)
         return sb
 
     def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
