@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import uuid
 from pathlib import Path
 
 from envbuild.errors import RuntimeShimError
@@ -131,7 +132,8 @@ class NodeLayout:
         try:
             version = json.loads(self.version_file.read_text()).get("version")
         except FileNotFoundError:
-            tmp = self.root / f".{LAYOUT_FILE}.{os.getpid()}"
+            # unique per call: concurrent creates (threads of one process too) race here
+            tmp = self.root / f".{LAYOUT_FILE}.{uuid.uuid4().hex}"
             tmp.write_text(json.dumps({"version": LAYOUT_VERSION}))
             tmp.replace(self.version_file)
             return self

@@ -95,7 +95,9 @@ def test_twenty_async_sandboxes_stream_and_leave_nothing(built):
 def test_ttl_reaper_thread_removes_a_forgotten_sandbox(built):
     store, node = built
     sb = Sandbox.create(ENV, store=store, node_dir=node, ttl=1)
-    time.sleep(2.5)  # the reaper thread of this process closed it
+    deadline = time.monotonic() + 10
+    while sb.paths.root.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # the reaper thread of this process closes it after 1 s
     assert sb.closed
     with pytest.raises(SandboxClosed):
         sb.exec("true")

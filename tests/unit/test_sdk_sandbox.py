@@ -138,7 +138,7 @@ def test_info_records_id_backend_lock_times_and_ttl(fake, store, tmp_path):
 def test_ttl_reaper_thread_closes_a_forgotten_sandbox(fake, store, tmp_path):
     sb = _create(store, tmp_path / "node", ttl=0.3)
     deadline = time.monotonic() + 5
-    while not sb.closed and time.monotonic() < deadline:
+    while sb.paths.root.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sb.closed and fake.calls["close"] == 1
     assert not sb.paths.root.exists()
@@ -213,3 +213,15 @@ def test_a_missing_store_dir_is_not_created(fake, tmp_path):
         Sandbox.create("env/fake", store=str(tmp_path / "nostore"), node_dir=tmp_path / "n",
                        backend="fake")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_concurrent_first_creates_on_a_fresh_node_agree_on_the_layout(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    node = tmp_path / "fresh"
+    for _ in range(20):  # the race is in the first ensure() of a node
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda _: NodeLayout(node).ensure(), range(8)))
+        assert (node / "layout.json").is_file()
+        assert [p.name for p in node.iterdir()] == ["layout.json"]
+        (node / "layout.json").unlink()
