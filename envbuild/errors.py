@@ -16,8 +16,7 @@ bug and exits 2 with a traceback and a request to report it.
     │   ├── CorruptLayerError      truncated, tampered, wrong magic, digest mismatch
     │   ├── UnsupportedFormatError a format version this reader does not know
     │   └── UnsafeLayerError       a member that would escape the root, or is refused by policy
-    │       └── SnapshotRefused    pack-diff policy: a sandbox's changes exceed a size cap or
-    │                              hold links out of the upper dir (runtime_shim.packdiff)
+    │       └── SnapshotRefused    (also a RuntimeShimError, see below)
     ├── StoreError                 the store failed an operation
     │   ├── BlobNotFound           no blob with that digest
     │   ├── RefNotFound            no ref with that name
@@ -26,7 +25,20 @@ bug and exits 2 with a traceback and a request to report it.
     │   └── StoreUnavailable       the store cannot be reached or opened
     ├── BuildError                 a build step or importer failed
     │   └── StepFailed             a ``run`` step exited non-zero (argv, exit code, output tail)
-    └── RuntimeShimError           sandboxes: fetch, compose, launch, exec
+    └── RuntimeShimError           sandboxes: fetch, compose, launch, exec (the SDK's root)
+        ├── LockNotFound           no lock by that ref or digest in the store (also a
+        │                          RefNotFound): raised before anything is created on disk
+        ├── SandboxNotFound        no sandbox with that id on this node (attach, rm)
+        ├── SandboxStartError      the sandbox was composed but did not start (runc or QEMU
+        │                          exited, the agent never answered); nothing of it is left
+        ├── BackendUnavailable     the backend is unknown, cannot run here (no runc, no QEMU),
+        │                          or cannot do what was asked (keep/attach a microVM)
+        ├── SandboxClosed          a method of a sandbox that was closed (or reaped at its TTL)
+        ├── ExecTimeout            a command ran past its timeout, raised only for
+        │                          ``exec(..., check_timeout=True)`` (else ``timed_out``)
+        ├── SnapshotRefused        pack-diff policy: a sandbox's changes exceed a size cap or
+        │                          hold links out of the upper dir (runtime_shim.packdiff);
+        │                          also an UnsafeLayerError
         └── SandboxCompromised     the exec channel broke the protocol (a forged, short or
                                    out-of-order frame): nothing it said is trusted
 
@@ -210,6 +222,46 @@ class StepFailed(BuildError):
 
 class RuntimeShimError(EnvbuildError):
     reference = "runtime-shim-error"
+
+
+class LockNotFound(RuntimeShimError, RefNotFound):
+    """No lock by that ref or digest in the store; a ``RefNotFound`` too, so code that handles
+    a missing ref of the store catches it."""
+
+    reference = "lock-not-found"
+
+
+class SandboxNotFound(RuntimeShimError):
+    reference = "sandbox-not-found"
+
+
+class SandboxStartError(RuntimeShimError):
+    reference = "sandbox-start-error"
+
+
+class BackendUnavailable(RuntimeShimError):
+    reference = "backend-unavailable"
+
+
+class SandboxClosed(RuntimeShimError):
+    reference = "sandbox-closed"
+
+
+class ExecTimeout(RuntimeShimError):
+    """A command ran past its timeout and its caller asked for an exception
+    (``exec(..., check_timeout=True)``); ``result`` is the ``ExecResult`` (output so far)."""
+
+    reference = "exec-timeout"
+
+    def __init__(self, message: str, *, result=None, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.result = result
+
+
+class SnapshotRefused(RuntimeShimError, UnsafeLayerError):
+    """pack-diff's policy refused a sandbox's changes (``runtime_shim.packdiff``)."""
+
+    reference = "snapshot-refused"
 
 
 class SandboxCompromised(RuntimeShimError):

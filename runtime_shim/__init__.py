@@ -1,7 +1,76 @@
-"""runtime_shim: turns locks into running, isolated, disposable sandboxes.
+"""runtime_shim: the sandbox SDK. Turns locks into running, isolated, disposable sandboxes.
 
-Imports only envbuild.layers, envbuild.store and envbuild.errors (see docs/DESIGN dependency rule).
-The sandbox SDK arrives with the runtime-shim issue; this package is a placeholder until then.
+::
+
+    from runtime_shim import Sandbox
+    with Sandbox.create("env/NAME", store="cache", ttl=600) as sb:
+        print(sb.exec("make test", on_stdout=print).exit_code)
+
+    from runtime_shim import AsyncSandbox
+    async with await AsyncSandbox.create("env/NAME") as sb:
+        result = await sb.exec("pytest -q")
+
+The names below are the public API (``__all__``, pinned by tests/unit/test_sdk_exports.py);
+everything else in the package is internal. They are imported on first use, so
+``import runtime_shim.nodecache`` (as the CLI does) does not load the sandbox code.
+
+Imports only envbuild.layers, envbuild.store, envbuild.errors, envbuild.safefs and
+envbuild.settings (the dependency rule, docs/architecture.md).
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__all__ = [
+    "AsyncSandbox",
+    "BackendUnavailable",
+    "ExecResult",
+    "ExecTimeout",
+    "Limits",
+    "LockNotFound",
+    "RuntimeShimError",
+    "Sandbox",
+    "SandboxClosed",
+    "SandboxCompromised",
+    "SandboxInfo",
+    "SandboxNotFound",
+    "SandboxStartError",
+    "SnapshotRefused",
+    "list_sandboxes",
+]
+
+_WHERE = {
+    "AsyncSandbox": "runtime_shim.aio",
+    "ExecResult": "runtime_shim.model",
+    "Limits": "runtime_shim.model",
+    "SandboxInfo": "runtime_shim.model",
+    "Sandbox": "runtime_shim.sandbox",
+    "list_sandboxes": "runtime_shim.sandbox",
+    **{name: "envbuild.errors" for name in (
+        "BackendUnavailable", "ExecTimeout", "LockNotFound", "RuntimeShimError",
+        "SandboxClosed", "SandboxCompromised", "SandboxNotFound", "SandboxStartError",
+        "SnapshotRefused")},
+}
+
+if TYPE_CHECKING:
+    from envbuild.errors import (BackendUnavailable, ExecTimeout, LockNotFound,
+                                 RuntimeShimError, SandboxClosed, SandboxCompromised,
+                                 SandboxNotFound, SandboxStartError, SnapshotRefused)
+    from runtime_shim.aio import AsyncSandbox
+    from runtime_shim.model import ExecResult, Limits, SandboxInfo
+    from runtime_shim.sandbox import Sandbox, list_sandboxes
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'runtime_shim' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

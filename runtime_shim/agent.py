@@ -17,16 +17,25 @@ Building: ``agent_binary(cache_dir)`` compiles ``agent.c`` with gcc against stat
 source hash into ``<cache_dir>/agent/<key>/envbuild-agent`` (compile beside, rename into place),
 so every sandbox on the host bind-mounts the same file.
 
-Talking: ``run(connect, request, cap, deadline=)`` sends an ``ExecRequest`` (plain data) over a
-fresh connection and streams the answer into buffers bounded by ``cap``. Every exec has a
-deadline (the request's timeout, else ``deadline``, by default ``DEFAULT_EXEC_TIMEOUT``). What
+Talking: ``run(connect, request, cap, deadline=)`` (or ``await run_async(...)``) sends an
+``ExecRequest`` (plain data) over a fresh connection and streams the answer into buffers
+bounded by ``cap``. Every exec has a deadline (the request's timeout, else ``deadline``, by
+default ``DEFAULT_EXEC_TIMEOUT``). What
 comes back is parsed as hostile input: each frame's type, order and payload length are checked
 against the protocol, and anything else raises ``SandboxCompromised`` (the trust model is in
 ``runtime_shim/agent/README.md``). The microVM backend's serial line feeds the same parser.
+``on_stdout`` / ``on_stderr`` are called with each chunk of output as its frame arrives.
+
+One exchange is a state machine (``_Exchange``) that does no waiting itself: ``interest()``
+says whether it wants to write and how long it may wait, ``on_events(readable, writable)``
+does the non-blocking socket work. ``run`` drives it with ``poll(2)`` in the calling thread;
+``run_async`` with the event loop's ``add_reader``/``add_writer``, so one loop drives any
+number of execs without a thread each. Both share every rule of the protocol.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import errno
 import functools
@@ -278,8 +287,13 @@ def check_hello(reply: bytes) -> None:
         raise RuntimeShimError(f"speaks protocol {version}, envbuild speaks {PROTOCOL_VERSION}")
 
 
+#: Called with each chunk of a command's stdout or stderr as it arrives.
+OutputCallback = Callable[[bytes], None]
+
+
 def run(connect: Callable[[], socket.socket], req: ExecRequest, cap: int, *,
-        deadline: float = DEFAULT_EXEC_TIMEOUT) -> ExecOutcome:
+        deadline: float = DEFAULT_EXEC_TIMEOUT, on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None) -> ExecOutcome:
     """Run ``req`` on a new connection and wait for it.
 
     stdout and stderr keep at most ``cap`` bytes each; past that the command is killed (KILL
@@ -289,12 +303,29 @@ def run(connect: Callable[[], socket.socket], req: ExecRequest, cap: int, *,
     that (the result says ``timed_out``). An agent that never says HELLO raises at the
     deadline. A hang-up by either side before the end kills the command (the agent's rule) or
     raises ``RuntimeShimError``; anything the protocol does not allow raises
-    ``SandboxCompromised``."""
+    ``SandboxCompromised``. ``on_stdout``/``on_stderr`` get each chunk as it arrives (until a
+    kill), in the order the agent sent them; an exception from one ends the exec (the
+    connection closes, which kills the command) and propagates."""
     if req.timeout is None:
         req = dataclasses.replace(req, timeout=deadline)
     sock = connect()
     try:
-        return _Exchange(sock, req, cap).run()
+        return _Exchange(sock, req, cap, on_stdout, on_stderr).run()
+    finally:
+        sock.close()
+
+
+async def run_async(connect: Callable[[], socket.socket], req: ExecRequest, cap: int, *,
+                    deadline: float = DEFAULT_EXEC_TIMEOUT,
+                    on_stdout: OutputCallback | None = None,
+                    on_stderr: OutputCallback | None = None) -> ExecOutcome:
+    """``run`` on the running event loop: the same exchange, waiting in the loop instead of
+    ``poll(2)``. Cancelling it closes the connection, which kills the command."""
+    if req.timeout is None:
+        req = dataclasses.replace(req, timeout=deadline)
+    sock = connect()
+    try:
+        return await _Exchange(sock, req, cap, on_stdout, on_stderr).run_async()
     finally:
         sock.close()
 
@@ -307,12 +338,15 @@ def _compromised(what: str) -> SandboxCompromised:
 
 
 class _Exchange:
-    """One request on one connection: a single-threaded poll loop that sends stdin while it
-    reads output, so neither side can block the other."""
+    """One request on one connection, as a state machine that sends stdin while it reads
+    output, so neither side can block the other; ``run`` / ``run_async`` wait for it."""
 
-    def __init__(self, sock: socket.socket, req: ExecRequest, cap: int) -> None:
+    def __init__(self, sock: socket.socket, req: ExecRequest, cap: int,
+                 on_stdout: OutputCallback | None = None,
+                 on_stderr: OutputCallback | None = None) -> None:
         self.sock = sock
         self.req = req
+        self.on_stdout, self.on_stderr = on_stdout, on_stderr
         self.out, self.err = _Bounded(cap), _Bounded(cap)
         self.outq: deque[memoryview] = deque([memoryview(encode_request(req))])
         self.stdin = memoryview(req.stdin or b"")
@@ -326,17 +360,17 @@ class _Exchange:
         self.result: ExecOutcome | None = None  # set by the final frame
         self.ended_at = 0.0
 
-    def run(self) -> ExecOutcome:
-        started = time.monotonic()
+    def _start(self) -> None:
         timeout = self.req.timeout if self.req.timeout is not None else DEFAULT_EXEC_TIMEOUT
-        deadline = started + timeout + HOST_TIMEOUT_SLACK
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout + HOST_TIMEOUT_SLACK
         self.sock.setblocking(False)
-        poller = select.poll()
-        fd = self.sock.fileno()
+
+    def interest(self) -> ExecOutcome | tuple[bool, float]:
+        """The outcome if the exchange is over, else (wants to write, seconds it may wait
+        before ``interest`` must be asked again). Acts on the deadlines that have passed."""
         while True:
             self._refill()
-            want = select.POLLIN | (select.POLLOUT if self.outq and self.result is None else 0)
-            poller.register(fd, want)
             now = time.monotonic()
             if self.result is not None:  # waiting for the hang-up that follows the end
                 wait = self.ended_at + END_WAIT - now
@@ -348,33 +382,83 @@ class _Exchange:
                     return self._outcome(124 if self.host_timed_out else 128 + signal.SIGKILL,
                                          timed_out=self.host_timed_out, signal=signal.SIGKILL)
             else:
-                wait = deadline - now
+                wait = self.deadline - now
                 if wait <= 0:
                     if not self.hello:
                         raise RuntimeShimError(
-                            f"sandbox agent did not answer within {timeout:.0f} s",
+                            f"sandbox agent did not answer within {self.timeout:.0f} s",
                             hint="the agent is stuck or was replaced; close the sandbox")
                     self.host_timed_out = True
                     self._kill()
                     continue
-            events = poller.poll(max(1, int(wait * 1000) + 1))
-            for _, ev in events:
-                if ev & select.POLLOUT and self.result is None:
-                    self._send()
-                if ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
-                    data = self._recv()
-                    if data is None:
-                        continue
-                    if not data:
-                        if self.result is not None:
-                            return self.result
-                        raise RuntimeShimError("sandbox agent closed the connection before "
-                                               "the command finished",
-                                               hint="see start.log in the sandbox directory")
-                    if self.result is not None:
-                        raise _compromised(f"{len(data)} bytes after its final frame")
-                    self.rx += data
-                    self._parse()
+            return bool(self.outq) and self.result is None, wait
+
+    def on_events(self, readable: bool, writable: bool) -> ExecOutcome | None:
+        """Do the socket work the ready events allow; the outcome once it is known."""
+        if writable and self.result is None:
+            self._send()
+        if readable:
+            data = self._recv()
+            if data is None:
+                return None
+            if not data:
+                if self.result is not None:
+                    return self.result
+                raise RuntimeShimError("sandbox agent closed the connection before "
+                                       "the command finished",
+                                       hint="see start.log in the sandbox directory")
+            if self.result is not None:
+                raise _compromised(f"{len(data)} bytes after its final frame")
+            self.rx += data
+            self._parse()
+        return None
+
+    def run(self) -> ExecOutcome:
+        self._start()
+        poller = select.poll()
+        fd = self.sock.fileno()
+        while True:
+            state = self.interest()
+            if isinstance(state, ExecOutcome):
+                return state
+            want_write, wait = state
+            poller.register(fd, select.POLLIN | (select.POLLOUT if want_write else 0))
+            for _, ev in poller.poll(max(1, int(wait * 1000) + 1)):
+                done = self.on_events(bool(ev & (select.POLLIN | select.POLLHUP | select.POLLERR)),
+                                      bool(ev & select.POLLOUT))
+                if done is not None:
+                    return done
+
+    async def run_async(self) -> ExecOutcome:
+        loop = asyncio.get_running_loop()
+        self._start()
+        fd = self.sock.fileno()
+        while True:
+            state = self.interest()
+            if isinstance(state, ExecOutcome):
+                return state
+            want_write, wait = state
+            ready: asyncio.Future[str] = loop.create_future()
+
+            def mark(what: str, ready: asyncio.Future[str] = ready) -> None:
+                if not ready.done():
+                    ready.set_result(what)
+
+            loop.add_reader(fd, mark, "r")
+            if want_write:
+                loop.add_writer(fd, mark, "w")
+            timer = loop.call_later(wait + 0.001, mark, "t")
+            try:
+                what = await ready
+            finally:
+                timer.cancel()
+                loop.remove_reader(fd)
+                if want_write:
+                    loop.remove_writer(fd)
+            if what != "t":
+                done = self.on_events(what == "r", what == "w")
+                if done is not None:
+                    return done
 
     def _refill(self) -> None:
         """Queue the next stdin frame once the previous one is out (bounded memory)."""
@@ -466,6 +550,9 @@ class _Exchange:
         if kind in (R_STDOUT, R_STDERR):
             if self.killed_at is None:
                 (self.out if kind == R_STDOUT else self.err).add(payload)
+                callback = self.on_stdout if kind == R_STDOUT else self.on_stderr
+                if callback is not None and payload:
+                    callback(payload)
                 if self.out.overflow or self.err.overflow:
                     self._kill()
         elif kind == R_EXIT:

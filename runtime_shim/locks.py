@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from envbuild.errors import RefNotFound, RuntimeShimError
+from envbuild.errors import BlobNotFound, LockNotFound, RefNotFound, RuntimeShimError
 from envbuild.oci import (ANNOTATION_KEY, ANNOTATION_NAME, ANNOTATION_ROLE, ANNOTATION_TOC,
                           LABEL_HOSTNAME, MEDIA_TYPE_LAYER_ZSTD, MEDIA_TYPE_MANIFEST)
 from envbuild.store import Store, get_json
@@ -59,8 +59,8 @@ def lock_digest(store: Store, ref_or_digest: str) -> str:
     except RefNotFound:
         pass
     refs = ", ".join(store.list_refs()[:10]) or "none"
-    raise RuntimeShimError(f"no lock named {ref_or_digest!r} in {store!r}",
-                           hint=f"refs there: {refs}; build and lock it with `envbuild build`")
+    raise LockNotFound(f"no lock named {ref_or_digest!r} in {store!r}",
+                       hint=f"refs there: {refs}; build and lock it with `envbuild build`")
 
 
 #: A lock's manifest and config are KBs (a manifest of 200 layers is ~100 KB): a bigger blob
@@ -70,9 +70,14 @@ MAX_LOCK_JSON = 4 << 20
 
 def resolve(store: Store, ref_or_digest: str) -> ResolvedLock:
     """The lock ``ref_or_digest`` names, read and checked: its manifest and config are at most
-    ``MAX_LOCK_JSON`` bytes each and of the OCI shape, or one ``RuntimeShimError``."""
+    ``MAX_LOCK_JSON`` bytes each and of the OCI shape, or one ``RuntimeShimError``
+    (``LockNotFound`` when the store has no such ref or manifest)."""
     digest = lock_digest(store, ref_or_digest)
-    manifest = get_json(store, digest, max_size=MAX_LOCK_JSON)
+    try:
+        manifest = get_json(store, digest, max_size=MAX_LOCK_JSON)
+    except BlobNotFound:
+        raise LockNotFound(f"no lock {digest} in {store!r}",
+                           hint="envbuild lock prints the digest of a built env") from None
     if (not isinstance(manifest, dict) or manifest.get("mediaType") != MEDIA_TYPE_MANIFEST
             or not isinstance(manifest.get("config"), dict)):
         raise RuntimeShimError(f"{digest} is not an OCI image manifest",

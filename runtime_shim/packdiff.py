@@ -54,7 +54,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from envbuild.errors import RuntimeShimError, UnsafeLayerError
+from envbuild.errors import RuntimeShimError, SnapshotRefused, UnsafeLayerError
 from envbuild.layers import Entry, LayerReader, pack_tree
 from envbuild.oci import (ANNOTATION_CREATED, ANNOTATION_NAME, ANNOTATION_PARENT,
                           ANNOTATION_ROLE, ANNOTATION_TOC, MEDIA_TYPE_CONFIG,
@@ -71,10 +71,6 @@ DROPPED_XATTR_PREFIXES = ("security.", "trusted.")
 #: Apparent bytes a snapshot may restore to when the sandbox names no disk limit: the default
 #: of ``Limits.disk_bytes`` (10 GiB); ``for_limits`` takes the sandbox's own limit.
 DEFAULT_SNAPSHOT_BYTES = 10 << 30
-
-
-class SnapshotRefused(UnsafeLayerError):
-    reference = "snapshot-refused"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,8 +34,7 @@ def register(group: click.Group) -> None:
         """Run CMD in a fresh sandbox of TARGET (env name, ref or lock digest); builds nothing."""
         from runtime_shim.sandbox import Sandbox
 
-        if keep and backend == "microvm":  # a microVM dies with the process that started it
-            raise click.UsageError("--keep works with the container backend only")
+        # keep with a microVM: refused by the backend itself (BackendUnavailable)
         sb = Sandbox.create(target, store=app.open_store(), node_dir=app.settings.node_dir,
                             backend=backend, network=list(allow) if allow else network,
                             runtime=app.settings.oci_runtime,
@@ -117,7 +116,9 @@ def register(group: click.Group) -> None:
         from runtime_shim.packdiff import squash_snapshots
 
         store = app.open_store()
-        scratch = app.settings.node_dir / "builds"
+        from runtime_shim.layout import NodeLayout
+
+        scratch = NodeLayout(app.settings.node_dir).builds
         scratch.mkdir(parents=True, exist_ok=True)
         lock = resolve(store, ref)
         digest = squash_snapshots(store, lock, scratch=scratch, ref=new_ref)
@@ -137,9 +138,12 @@ def register(group: click.Group) -> None:
         """List sandboxes (and whether the process that made them is alive)."""
         from runtime_shim.sandbox import list_sandboxes
 
+        now = time.time()
         for s in list_sandboxes(app.settings.node_dir):
-            state = "kept" if s.kept else ("alive" if s.alive else "orphaned")
-            click.echo(f"{s.id}  {state:<8}  {s.lock}")
+            state = ("expired" if s.expired(now) else "kept" if s.kept
+                     else "alive" if s.alive else "orphaned")
+            ttl = f"  expires in {s.expires - now:.0f}s" if s.expires and s.expires > now else ""
+            click.echo(f"{s.id}  {s.backend:<9}  {state:<8}  {s.lock}{ttl}")
 
     @sandbox.command("rm")
     @click.argument("ids", nargs=-1, required=True)
@@ -168,9 +172,10 @@ def register(group: click.Group) -> None:
     @pass_app
     def node_ls(app: App) -> None:
         """List unpacked layers with their size and last use."""
+        from runtime_shim.layout import NodeLayout
         from runtime_shim.nodecache import NodeCache
 
-        layers = NodeCache(app.settings.node_dir / "node").usage()
+        layers = NodeCache(NodeLayout(app.settings.node_dir).node).usage()
         for u in layers:
             click.echo(f"{u.digest}  {u.size / 1e6:9.1f} MB  last used {time.ctime(u.last_used)}")
         click.echo(f"{len(layers)} layers, {sum(u.size for u in layers) / 1e6:.1f} MB")
@@ -188,28 +193,32 @@ def register(group: click.Group) -> None:
         from envbuild.build.executor import sweep_stale_scratch
         from runtime_shim.runc import OciRuntime
 
-        cache = NodeCache(app.settings.node_dir / "node")
-        keep = layers_in_use(app.settings.node_dir)
+        from runtime_shim.layout import NodeLayout
+
+        layout = NodeLayout(app.settings.node_dir)
+        cache = NodeCache(layout.node)
+        keep = layers_in_use(layout)
         evicted = cache.evict(keep, parse_size(max_size))
         click.echo(f"evicted {len(evicted)} layer(s); {len(keep)} in use by live sandboxes kept")
-        swept = sweep_stale_scratch(app.settings.node_dir / "builds",
+        swept = sweep_stale_scratch(layout.builds,
                                     OciRuntime(app.settings.oci_runtime,
-                                               state_root=str(app.settings.node_dir / "runc")))
+                                               state_root=str(layout.runc)))
         if swept:
             click.echo(f"removed {len(swept)} scratch dir(s) of killed builds")
 
     @sandbox.command("gc")
     @pass_app
     def sandbox_gc(app: App) -> int:
-        """Remove sandboxes left behind by crashed processes (kept ones stay): one line per
-        sandbox, removed or failed with its cause; one failure never stops the others, and
-        makes the exit code 1."""
+        """Remove sandboxes past their TTL and those left behind by crashed processes (kept
+        ones stay until their TTL): one line per sandbox, removed or failed with its cause;
+        one failure never stops the others, and makes the exit code 1."""
         from runtime_shim.sandbox import sweep_sandboxes
 
         done = sweep_sandboxes(app.settings.node_dir, app.settings.oci_runtime)
         for r in done:
-            click.echo(f"removed {r.id}" if r.removed else f"failed  {r.id}: {r.error}")
+            click.echo((f"removed {r.id}" + (" (expired)" if r.reason == "expired" else ""))
+                       if r.removed else f"failed  {r.id}: {r.error}")
         failed = sum(not r.removed for r in done)
-        click.echo(f"removed {len(done) - failed} orphaned sandbox(es)" +
+        click.echo(f"removed {len(done) - failed} orphaned or expired sandbox(es)" +
                    (f", {failed} could not be removed" if failed else ""), err=bool(failed))
         return 1 if failed else 0

@@ -37,21 +37,22 @@ class App:
         """Store, node cache and OCI runtime for building, from the settings."""
         from envbuild.build.executor import BuildContext
         from envbuild.store import LocalStore
+        from runtime_shim.layout import NodeLayout
         from runtime_shim.nodecache import NodeCache
         from runtime_shim.runc import OciRuntime
 
         store = self.open_store()
-        node = NodeCache(self.settings.node_dir / "node")
-        log_root = (store.root / "logs" if isinstance(store, LocalStore)
-                    else self.settings.node_dir / "logs")
+        layout = NodeLayout(self.settings.node_dir)
+        node = NodeCache(layout.node)
+        log_root = (store.root / "logs" if isinstance(store, LocalStore) else layout.logs)
         return BuildContext(store=store, node=node,
                             # Runtime state next to the node's sandboxes (same root as
                             # runtime_shim.sandbox), not /run/envbuild: per node dir, so test
                             # and CI nodes never see each other's containers, and leftovers of
                             # a killed build are found where the node's other state lives.
                             runtime=OciRuntime(self.settings.oci_runtime,
-                                               state_root=str(self.settings.node_dir / "runc")),
-                            scratch_root=self.settings.node_dir / "builds", log_root=log_root,
+                                               state_root=str(layout.runc)),
+                            scratch_root=layout.builds, log_root=log_root,
                             source_date_epoch=self.settings.source_date_epoch,
                             disk_bytes=self.settings.build_disk_bytes,
                             inodes=self.settings.build_inodes)

@@ -6,5 +6,6 @@
 - ``kernel``     the guest kernel (Debian's cloud kernel), its boot image and modules
 - ``initramfs``  the reproducible initramfs (busybox, modules, agent, init) and the guest init
 - ``qemu``       ``VmRequest`` → QEMU argv (pure), the ``VmLauncher`` seam, the KVM probe
-- ``backend``    ``MicroVmBackend``, the ``Backend`` the SDK drives
+- ``backend``    ``MicroVmBackend``, the ``Backend`` (``runtime_shim.backend``) the SDK drives, and
+                 ``MicroVmSandbox``, its handle of one running VM
 """

@@ -1,4 +1,5 @@
-"""``MicroVmBackend``: a sandbox as a QEMU microVM, behind the same ``Backend`` protocol.
+"""``MicroVmBackend``: a sandbox as a QEMU microVM, behind the same ``Backend`` protocol
+(``runtime_shim.backend``); ``MicroVmSandbox`` is its handle.
 
 One VM is (all under the sandbox's directory, removed on ``close``)::
 
@@ -73,9 +74,12 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from envbuild.errors import RuntimeShimError, SandboxCompromised
+from envbuild.errors import (BackendUnavailable, RuntimeShimError, SandboxCompromised,
+                             SandboxStartError)
 from runtime_shim import agent
 from runtime_shim import netns  # a networked sandbox's own namespace
+from runtime_shim.backend import CreateRequest
+from runtime_shim.layout import NodeLayout, SandboxPaths
 from runtime_shim.locks import ResolvedLock
 from runtime_shim.mount import unmount
 from runtime_shim.nodecache import NodeCache, parse_size
@@ -144,8 +148,9 @@ def vm_drives(layer_images: Sequence[Path], rw_disk: Path, config_disk: Path
             qemu.Drive(str(rw_disk), "eb-rw", readonly=False))
 
 
-class MicroVmBackend:
-    """A running microVM of one lock (see the module docstring)."""
+class MicroVmSandbox:
+    """A running microVM of one lock (see the module docstring): a ``SandboxHandle``,
+    ``Snapshottable``."""
 
     def __init__(self, sandbox_id: str, root: Path, lock: ResolvedLock, node: NodeCache,
                  layer_dirs: Sequence[str], *, network: netns.NetworkPolicy | bool | None, limits,
@@ -197,6 +202,7 @@ class MicroVmBackend:
             self.request = dataclasses.replace(self.request, network_ns=self.net.path)
         try:
             self._proc = (launcher or qemu.QemuLauncher()).launch(self.request, self.console_log)
+            (root / "qemu.pid").write_text(str(self._proc.pid))  # for remove() from elsewhere
         except BaseException:
             self.close()
             raise
@@ -254,9 +260,9 @@ class MicroVmBackend:
                        f"the guest agent did not answer within {self.options.boot_timeout:.0f} s")
                 if probe is not None:
                     probe.close()
-                raise RuntimeShimError(f"start microVM {self.id}: {why}",
-                                       context=log.decode(errors="replace").strip()[-3000:],
-                                       hint="see console.log in the sandbox directory")
+                raise SandboxStartError(f"start microVM {self.id}: {why}",
+                                        context=log.decode(errors="replace").strip()[-3000:],
+                                        hint="see console.log in the sandbox directory")
             if probe is not None:  # wake on the agent's reply, not at the next tick
                 select.select([probe], [], [], delay)
             else:
@@ -269,7 +275,7 @@ class MicroVmBackend:
         except SandboxCompromised:
             raise
         except RuntimeShimError as e:
-            raise RuntimeShimError(f"start microVM {self.id}: the guest agent {e}") from None
+            raise SandboxStartError(f"start microVM {self.id}: the guest agent {e}") from None
 
     def _console(self) -> bytes:
         try:
@@ -287,22 +293,18 @@ class MicroVmBackend:
 
     # ---- Backend protocol ---------------------------------------------------------------
 
-    def exec(self, argv, *, env, cwd, user, timeout, stdin):
-        from runtime_shim.sandbox import ExecResult
-
-        started = time.monotonic()
-        req = agent.ExecRequest(argv=tuple(argv), env=env, cwd=cwd, user=user, timeout=timeout,
-                                stdin=stdin)
-        done = agent.run(self._connect, req, self.limits.output_bytes,
-                         deadline=self.limits.exec_timeout)
-        return ExecResult(exit_code=done.exit_code, stdout=done.stdout, stderr=done.stderr,
-                          duration=time.monotonic() - started, timed_out=done.timed_out,
-                          output_truncated=done.output_truncated)
+    def exec(self, req: agent.ExecRequest, *, on_stdout: agent.OutputCallback | None = None,
+             on_stderr: agent.OutputCallback | None = None) -> agent.ExecOutcome:
+        return agent.run(self._connect, req, self.limits.output_bytes,
+                         deadline=self.limits.exec_timeout, on_stdout=on_stdout,
+                         on_stderr=on_stderr)
 
     def _connect(self) -> socket.socket:
         if self._mux is None:
             raise RuntimeShimError(f"microVM {self.id} is not running")
         return self._mux.connect()
+
+    connect = _connect
 
     def _root_exec(self, script: str, args: Sequence[str], stdin: bytes | None = None,
                    cap: int = 1 << 20) -> agent.ExecOutcome:
@@ -419,3 +421,55 @@ def _real_dir(path: Path) -> Path:
         raise RuntimeShimError("read the sandbox's changes: upper/ on the writable disk is "
                                "not a directory", hint="was the guest's disk tampered with?")
     return path
+
+
+class MicroVmBackend:
+    """The ``microvm`` backend (``runtime_shim.backend.Backend``). A VM is a child of the
+    process that created it (QEMU dies with its creator's session): it can be neither kept
+    past that process nor attached to from another one."""
+
+    name = "microvm"
+
+    def check(self, *, keep: bool, seccomp: str | Mapping | None, lazy: bool) -> None:
+        if keep:
+            raise BackendUnavailable("keep=True works with the container backend only",
+                                     hint="a microVM dies with the process that started it; "
+                                          "use backend=\"container\" to keep a sandbox")
+        if isinstance(seccomp, Mapping):
+            raise RuntimeShimError("a seccomp profile applies to container sandboxes only",
+                                   hint="a microVM's boundary is its own guest kernel; "
+                                        "pass seccomp=None for it")
+
+    def create(self, req: CreateRequest) -> MicroVmSandbox:
+        # the guest composes the layers; only the node cache's unpacked dirs are needed here
+        return MicroVmSandbox(req.id, req.paths.root, req.lock, req.node, req.layer_dirs,
+                              network=req.network, limits=req.limits)
+
+    def attach(self, paths: SandboxPaths, layout: NodeLayout, lock: ResolvedLock,
+               runtime: str) -> MicroVmSandbox:
+        raise BackendUnavailable(
+            f"sandbox {paths.id} is a microVM: it cannot be attached to from another process",
+            hint="QEMU is a child of the process that created the VM and its agent line is "
+                 "that process's; use the container backend for sandboxes shared between "
+                 "processes")
+
+    def remove(self, layout: NodeLayout, sandbox_id: str, runtime: str) -> None:
+        """Kill the sandbox's QEMU if it still runs (its pid file), so the dir can go."""
+        pid_file = layout.sandbox(sandbox_id).root / "qemu.pid"
+        try:
+            pid = int(pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if _is_qemu(pid, layout.sandbox(sandbox_id).root):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _is_qemu(pid: int, root: Path) -> bool:
+    """``pid`` is a QEMU of this sandbox (its command line names the sandbox dir), not a
+    process that reused the pid."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return str(root).encode() in cmdline

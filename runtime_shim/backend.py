@@ -1,0 +1,182 @@
+"""The backend layer: what a sandbox backend implements, and the one registry of them.
+
+``Sandbox`` (``runtime_shim.sandbox``) does what every backend shares: resolve the lock, fetch
+the layers, allocate the id and dir, record ``sandbox.json``, TTLs, exec argument handling and
+pack-diff. A backend does the rest, behind three runtime-checkable protocols:
+
+- ``Backend``: ``check`` (the library's rules for a request, e.g. no ``keep`` for a microVM),
+  ``create`` / ``attach`` (→ a handle), ``list`` and ``remove`` (by id, whoever created it);
+- ``SandboxHandle``: one running sandbox: ``connect`` (a fresh connection to its exec agent),
+  ``exec``, ``read_file``, ``write_file``, ``close``;
+- ``Snapshottable``: optional, for pack-diff: ``quiesce`` (a context manager in which the
+  sandbox's writes are stopped) and ``upper_dir`` (its changes, readable inside it).
+
+Backends are registered by name (``register``) and looked up with ``get_backend``; the built-in
+ones (``container``: ``runtime_shim.container``, ``microvm``: ``runtime_shim.vm.backend``) are
+imported on first use, so a container user never imports the VM code. Tests register a
+``runtime_shim.testing.FakeBackend``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import socket
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from envbuild.errors import BackendUnavailable, RuntimeShimError
+from envbuild.safefs import remove_tree
+from runtime_shim import agent, netns, scratchfs
+from runtime_shim.layout import NodeLayout, SandboxPaths
+from runtime_shim.model import Limits
+from runtime_shim.mount import mounted_targets_under, unmount
+
+if TYPE_CHECKING:
+    from runtime_shim.locks import ResolvedLock
+    from runtime_shim.nodecache import NodeCache
+
+
+@dataclasses.dataclass(frozen=True)
+class CreateRequest:
+    """Everything a backend needs to start one sandbox (the SDK has made ``paths.root``,
+    resolved the lock and fetched its layers into ``layer_dirs``, bottom first)."""
+
+    id: str
+    paths: SandboxPaths
+    layout: NodeLayout
+    lock: ResolvedLock
+    layer_dirs: tuple[str, ...]
+    node: NodeCache
+    network: netns.NetworkPolicy | None
+    limits: Limits
+    runtime: str = "runc"  # the OCI runtime (container backend)
+    keep: bool = False
+    seccomp: str | Mapping | None = None
+
+
+@runtime_checkable
+class SandboxHandle(Protocol):
+    """One running sandbox of a backend."""
+
+    id: str
+    limits: Limits
+
+    def connect(self) -> socket.socket:
+        """A new connection to the sandbox's exec agent (``runtime_shim.agent``)."""
+        ...
+
+    def exec(self, req: agent.ExecRequest, *, on_stdout: agent.OutputCallback | None = None,
+             on_stderr: agent.OutputCallback | None = None) -> agent.ExecOutcome: ...
+
+    def read_file(self, path: str) -> bytes: ...
+
+    def write_file(self, path: str, data: bytes, mode: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Snapshottable(Protocol):
+    """A handle whose changes pack-diff can read (``Sandbox.pack_diff``)."""
+
+    def quiesce(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def upper_dir(self) -> Path: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A kind of sandbox (``container``, ``microvm``, a test's fake)."""
+
+    name: str
+
+    def check(self, *, keep: bool, seccomp: str | Mapping | None, lazy: bool) -> None:
+        """Refuse, before anything is made, a request this backend cannot honour."""
+        ...
+
+    def create(self, req: CreateRequest) -> SandboxHandle:
+        """Start the sandbox; on failure, undo what was made under ``req.paths.root``
+        (the SDK removes the dir itself)."""
+        ...
+
+    def attach(self, paths: SandboxPaths, layout: NodeLayout, lock: ResolvedLock,
+               runtime: str) -> SandboxHandle:
+        """The handle of a running sandbox another process created, or ``SandboxNotFound`` /
+        ``BackendUnavailable`` saying why not."""
+        ...
+
+    def remove(self, layout: NodeLayout, sandbox_id: str, runtime: str) -> None:
+        """Stop and delete one sandbox, whoever created it."""
+        ...
+
+
+_FACTORIES: dict[str, Callable[[], Backend]] = {}
+_INSTANCES: dict[str, Backend] = {}
+#: The built-in backends, imported on first use ("module:attribute").
+_BUILTIN = {"container": "runtime_shim.container:ContainerBackend",
+            "microvm": "runtime_shim.vm.backend:MicroVmBackend"}
+
+
+def register(name: str, factory: Callable[[], Backend]) -> None:
+    """Make ``name`` a backend (``Sandbox.create(backend=name)``); replaces an earlier one."""
+    _FACTORIES[name] = factory
+    _INSTANCES.pop(name, None)
+
+
+def unregister(name: str) -> None:
+    _FACTORIES.pop(name, None)
+    _INSTANCES.pop(name, None)
+
+
+def backend_names() -> tuple[str, ...]:
+    return tuple(sorted({*_BUILTIN, *_FACTORIES}))
+
+
+def get_backend(name: str) -> Backend:
+    """The backend registered as ``name``, or ``BackendUnavailable``."""
+    if name in _INSTANCES:
+        return _INSTANCES[name]
+    factory = _FACTORIES.get(name)
+    if factory is None and name in _BUILTIN:
+        module, attr = _BUILTIN[name].split(":")
+        factory = getattr(importlib.import_module(module), attr)
+    if factory is None:
+        raise BackendUnavailable(f"unknown sandbox backend {name!r}",
+                                 hint=f"choose one of: {', '.join(backend_names())}")
+    instance = factory()
+    if not isinstance(instance, Backend):
+        raise BackendUnavailable(f"sandbox backend {name!r} does not implement Backend")
+    _INSTANCES[name] = instance
+    return instance
+
+
+def remove_sandbox_dir(paths: SandboxPaths) -> None:
+    """Unmount everything below a sandbox's dir, then delete it: iteratively and fd-based
+    (``safefs.remove_tree``: any depth, symlinks never followed, no mount crossed), so a tree
+    the sandbox made 4,096 levels deep goes like a flat one. What cannot be removed raises
+    ``RuntimeShimError`` naming the cause (the dir stays for ``envbuild sandbox gc``)."""
+    netns.teardown(paths.root)  # slirp4netns and the namespace file of a networked sandbox
+    for target in mounted_targets_under(str(paths.root)):
+        unmount(target)
+    scratchfs.destroy(paths.root)  # the disk is unmounted above; this releases its loop device
+    try:
+        remove_tree(paths.root)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        raise RuntimeShimError(f"remove sandbox dir {paths.root}: {e.strerror}{where}",
+                               hint="fix the cause (e.g. `lsattr`, `findmnt -R`), then run "
+                               "`envbuild sandbox gc`") from None
+
+
+@contextlib.contextmanager
+def undo_on_error(paths: SandboxPaths) -> Iterator[None]:
+    """Remove the sandbox's dir if the block fails; the block's error is the one raised."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError, RuntimeShimError):
+            remove_sandbox_dir(paths)
+        raise

@@ -1,0 +1,76 @@
+"""The SDK's value types: ``Limits`` (what a sandbox may use), ``ExecResult`` (what a command
+did) and ``SandboxInfo`` (what a sandbox is). Plain frozen dataclasses, no behaviour, imported by
+``runtime_shim.sandbox`` and every backend alike (so no backend imports the ``Sandbox`` module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from runtime_shim import agent
+
+DEFAULT_OUTPUT_CAP = 16 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Resource limits of one sandbox. ``None`` leaves a limit off.
+
+    ``cpus``: CPU bandwidth in cores (the cgroup's CFS quota per 100 ms period; 0.5 = half a
+    core), 2.0 by default so one busy sandbox cannot take a bigger host's every core; not
+    applied to microVMs, whose CPUs are their vCPUs.
+
+    ``disk_bytes`` / ``inodes`` cap everything the sandbox writes to host disk (its writable
+    layer, ``/tmp`` and the agent's log): one ext4 per sandbox on a loop device
+    (``runtime_shim.scratchfs``); past them writes fail with ``ENOSPC``. The image is sparse:
+    it costs the host what the sandbox wrote, never more than ``disk_bytes``. With
+    ``disk_bytes=None`` those dirs are plain dirs under the node dir, uncapped. The microVM
+    backend sizes its writable disk from the same two fields."""
+
+    pids: int | None = 512
+    memory_bytes: int | None = 2 << 30
+    nofile: int = 4096
+    cpus: float | None = 2.0
+    output_bytes: int = DEFAULT_OUTPUT_CAP  # per exec and stream
+    exec_timeout: float = agent.DEFAULT_EXEC_TIMEOUT  # seconds, for an exec with timeout=None
+    disk_bytes: int | None = 10 << 30
+    inodes: int | None = 1_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    duration: float
+    timed_out: bool = False
+    output_truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxInfo:
+    """One sandbox on a node, as its ``sandbox.json`` records it (``Sandbox.info()``,
+    ``list_sandboxes``). Times are Unix seconds; ``ready`` is 0 until the sandbox answered,
+    ``expires`` 0 without a TTL."""
+
+    id: str
+    lock: str  # the lock's digest
+    pid: int  # the process that created it
+    alive: bool  # the creating process still runs
+    kept: bool  # made with keep=True (envbuild run --keep): gc leaves it alone until its TTL
+    created: float
+    layers: tuple[str, ...]
+    path: Path
+    backend: str = "container"
+    ready: float = 0.0
+    node: str = ""  # the node dir
+    ttl: float | None = None  # seconds
+    expires: float = 0.0
+
+    def expired(self, now: float) -> bool:
+        return bool(self.expires) and now >= self.expires
