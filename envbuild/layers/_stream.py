@@ -82,6 +82,17 @@ class Truncated(TarFormatError):
     pass
 
 
+def read_pax_header(stream: TarStream, size: int) -> dict:
+    """The records of a PAX ``x`` header whose data (``size`` bytes, padded) comes next; an
+    oversized one is refused before it is read."""
+    if size > MAX_PAX_HEADER:
+        raise TarFormatError("extended header too large")
+    data = bytes(stream.read(size + (-size % BLOCK)))
+    if len(data) < size:
+        raise Truncated("tar stream ends inside an extended header")
+    return parse_pax(data[:size])
+
+
 def iter_members(stream: TarStream) -> Iterator[tuple[Entry, int]]:
     """Yield ``(entry, data_offset)`` per member. The consumer must read exactly ``entry.size``
     bytes of data from ``stream`` before asking for the next member; padding is skipped here.
@@ -97,13 +108,7 @@ def iter_members(stream: TarStream) -> Iterator[tuple[Entry, int]]:
             return
         flag, fields = parse_ustar(bytes(hdr))
         if flag == b"x":
-            size = fields["size"]
-            if size > MAX_PAX_HEADER:
-                raise TarFormatError("extended header too large")
-            data = bytes(stream.read(size + (-size % BLOCK)))
-            if len(data) < size:
-                raise Truncated("tar stream ends inside an extended header")
-            pax = parse_pax(data[:size])
+            pax = read_pax_header(stream, fields["size"])
             continue
         if flag in (b"g", b"L", b"K"):
             raise TarFormatError(f"unsupported tar member type {flag!r} (not a v1 layer)")

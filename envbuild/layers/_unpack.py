@@ -43,7 +43,7 @@ from itertools import chain
 import zstandard
 
 from envbuild.errors import CorruptLayerError, LayerError, UnsafeLayerError
-from envbuild.layers._stream import TarStream, Truncated
+from envbuild.layers._stream import TarStream, Truncated, read_pax_header
 from envbuild.layers._tar import (BLOCK, GNU_LONG_LINK, GNU_LONG_NAME, MAX_GNU_LONG, MAX_PAX_HEADER, ZERO_BLOCK, TarFormatError,
                                   encode_header, foreign_pax, make_entry, make_foreign_entry,
                                   parse_foreign_header, parse_pax, parse_ustar)
@@ -237,14 +237,19 @@ class _Tree:
                     continue
                 raise
             try:
-                if same_owner:
-                    os.fchown(fd, e.uid, e.gid)
-                os.fchmod(fd, e.mode)
-                for k, v in e.xattrs.items():
-                    os.setxattr(fd, k, v)
-                os.utime(fd, (e.mtime, e.mtime))
+                _apply_meta(fd, e, same_owner)
             finally:
                 os.close(fd)
+
+
+def _apply_meta(fd: int, e: Entry, same_owner: bool) -> None:
+    """Owner (when restoring owners), mode, xattrs and mtime of ``e`` onto the open ``fd``."""
+    if same_owner:
+        os.fchown(fd, e.uid, e.gid)
+    os.fchmod(fd, e.mode)
+    for k, v in e.xattrs.items():
+        os.setxattr(fd, k, v)
+    os.utime(fd, (e.mtime, e.mtime))
 
 
 def _open_dir_beneath(root_fd: int, rel: str) -> int:
@@ -386,12 +391,7 @@ def unpack_layer(reader, dest, *, whiteouts: str = "apply",
                     if "sha256:" + h.hexdigest() != e.digest:
                         raise CorruptLayerError(f"layer {name}: content of {path} does not "
                                                 "match its TOC digest")
-                    if same_owner:
-                        os.fchown(fd, e.uid, e.gid)
-                    os.fchmod(fd, e.mode)
-                    for k, v in e.xattrs.items():
-                        os.setxattr(fd, k, v)
-                    os.utime(fd, (e.mtime, e.mtime))
+                    _apply_meta(fd, e, same_owner)
                 finally:
                     os.close(fd)
                 _skip_pad(stream, e.size)
@@ -466,13 +466,7 @@ def _read_layer_header(stream: TarStream) -> Entry | None:
         flag, fields = parse_ustar(bytes(hdr))
         if flag != b"x":
             return make_entry(flag, fields, pax)
-        size = fields["size"]
-        if size > MAX_PAX_HEADER:
-            raise TarFormatError("extended header too large")
-        data = bytes(stream.read(size + (-size % BLOCK)))
-        if len(data) < size:
-            raise Truncated("tar stream ends inside an extended header")
-        pax = parse_pax(data[:size])
+        pax = read_pax_header(stream, fields["size"])
 
 
 def _overlay_whiteout(tree: _Tree, pfd: int, parts: list[str], path: str, e: Entry,
