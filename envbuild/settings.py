@@ -45,8 +45,6 @@ class Settings:
         except ValueError:
             raise SettingsError(f"SOURCE_DATE_EPOCH is not an integer: {sde!r}",
                                 hint="set it to seconds since 1970, e.g. 0") from None
-        from runtime_shim.nodecache import parse_size
-
         disk = environ.get("ENVBUILD_BUILD_DISK")
         inodes = environ.get("ENVBUILD_BUILD_INODES")
         try:
@@ -67,6 +65,19 @@ class Settings:
             cache_from=environ.get("ENVBUILD_CACHE_FROM") or None,
             cache_to=environ.get("ENVBUILD_CACHE_TO") or None,
         )
+
+
+def parse_size(text: str) -> int:
+    """``"20G"``, ``"500M"``, ``"1024"`` → bytes (powers of 1024). Raises ``SettingsError``."""
+    from envbuild.errors import SettingsError
+
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1] if t and t[-1] in units else ""
+    try:
+        return int(float(t[: len(t) - len(unit)] if unit else t) * units[unit])
+    except ValueError:
+        raise SettingsError(f"not a size: {text!r}", hint="use e.g. 20G, 500M or 0") from None
 
 
 def default_node_dir(environ: Mapping[str, str]) -> Path:

@@ -49,6 +49,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from envbuild.errors import RuntimeShimError, UnsupportedFormatError
+from envbuild.settings import parse_size  # noqa: F401 - moved to the settings; re-exported
 from envbuild.store import Store, check_digest
 
 NODE_CACHE_VERSION = 1
@@ -346,17 +347,6 @@ class LayerUsage:
     digest: str
     size: int
     last_used: float
-
-
-def parse_size(text: str) -> int:
-    """``"20G"``, ``"500M"``, ``"1024"`` → bytes (powers of 1024)."""
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1] if t and t[-1] in units else ""
-    try:
-        return int(float(t[: len(t) - len(unit)] if unit else t) * units[unit])
-    except ValueError:
-        raise RuntimeShimError(f"not a size: {text!r}", hint="use e.g. 20G, 500M or 0") from None
 
 
 class _flock:

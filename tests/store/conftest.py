@@ -74,6 +74,21 @@ BACKENDS: dict[str, Callable[[pytest.FixtureRequest, Path], Backend]] = {
 }
 
 
+def starts_a_server(item: pytest.Item) -> bool:
+    """Whether a store test starts the moto S3 server (directly, or as the ``s3`` backend)."""
+    callspec = getattr(item, "callspec", None)
+    return ("moto_s3" in getattr(item, "fixturenames", ())
+            or (callspec is not None and callspec.params.get("backend") == "s3"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Store tests that start a server are integration tests (``-m "not integration"`` runs
+    the memory and local backends only). tests/unit/test_markers.py checks it."""
+    for item in items:
+        if "tests/store/" in str(item.fspath) and starts_a_server(item):
+            item.add_marker(pytest.mark.integration)
+
+
 @pytest.fixture(params=sorted(BACKENDS))
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     return BACKENDS[request.param](request, tmp_path)
