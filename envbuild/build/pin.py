@@ -64,7 +64,7 @@ from envbuild.defs.model import (
     RootfsSource,
 )
 from envbuild.errors import SourceError
-from envbuild.plan.graph import EnvGraph, build_graph, field_position
+from envbuild.plan.graph import EnvGraph, field_position
 from envbuild.plan.keys import KeySet, PinnedInputs, compute_keys
 
 TREE_TAG = b"envbuild.tree.v1\0"
@@ -354,9 +354,9 @@ class Snapshot:
 
 def snapshot(defs_dir: Path, pinner: Pinner | None = None) -> Snapshot:
     """Load ``defs_dir``, build its graph, pin its sources and compute every key."""
-    from envbuild.defs import load_definitions  # the loader lives with the schema
+    from envbuild.plan.graph import check_tree  # schema and graph problems in one report
 
-    defs = load_definitions(defs_dir)
-    graph = build_graph(defs)
+    graph = check_tree(defs_dir)
+    defs = graph.defs
     pinned = pin_inputs(defs, pinner)
     return Snapshot(defs=defs, graph=graph, pinned=pinned, keys=compute_keys(graph, pinned))
