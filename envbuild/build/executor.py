@@ -49,7 +49,9 @@ from runtime_shim import netns, scratchfs
 from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
 from runtime_shim.nodecache import NodeCache
 from runtime_shim.runc import OciRuntime, run_container, write_bundle
-from runtime_shim.stub import HOST_CA_PATH, ensure_stub
+# CA_ENV_VARS and host_ca_bundle moved to the runtime (runtime_shim.stub); still importable from
+# here until runtime_shim/netns.py imports them from there (tests/unit/test_import_rule.py).
+from runtime_shim.stub import CA_ENV_VARS, HOST_CA_PATH, ensure_stub, host_ca_bundle
 from runtime_shim.spec import (BindMount, RuntimeSpecRequest, clamped_rlimit, env_list,
                                parse_user, runtime_spec)
 
@@ -57,15 +59,6 @@ OUTPUT_TAIL_LINES = 50
 #: What one step may write to the build log (on the host, outside its capped disk): a step
 #: that prints forever (``yes``) is logged up to here, the rest is read and dropped.
 STEP_LOG_CAP = 64 << 20
-CA_ENV_VARS = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
-               "GIT_SSL_CAINFO", "NODE_EXTRA_CA_CERTS")
-
-
-def host_ca_bundle() -> str | None:
-    for path in ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt"):
-        if os.path.isfile(path):
-            return path
-    return None
 BUILD_HOSTNAME = "envbuild"
 #: Defaults of ``BuildContext.disk_bytes`` / ``inodes``: generous (a debootstrap + pip install
 #: is a few GB), only there so a runaway step cannot fill the build host. The image is sparse.
