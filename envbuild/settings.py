@@ -16,7 +16,8 @@ class Settings:
     """What every command needs to know about its surroundings.
 
     ``node_dir`` holds this host's node cache and build scratch space (never shared between
-    hosts). ``store_url`` is a directory path (the local store) or ``s3://BUCKET/PREFIX``. ``source_date_epoch`` clamps every mtime written into a layer.
+    hosts). ``store_url`` is a directory path (the local store) or ``s3://BUCKET/PREFIX``.
+    ``source_date_epoch`` clamps every mtime written into a layer.
     """
 
     defs_dir: Path = Path(DEFAULT_DEFS)

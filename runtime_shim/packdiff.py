@@ -47,9 +47,16 @@ from typing import Any
 
 from envbuild.errors import RuntimeShimError, UnsafeLayerError
 from envbuild.layers import Entry, LayerReader, pack_tree
-from envbuild.oci import (ANNOTATION_CREATED, ANNOTATION_NAME, ANNOTATION_PARENT,
-                          ANNOTATION_ROLE, ANNOTATION_TOC, MEDIA_TYPE_CONFIG,
-                          MEDIA_TYPE_LAYER_ZSTD, MEDIA_TYPE_MANIFEST)
+from envbuild.oci import (
+    ANNOTATION_CREATED,
+    ANNOTATION_NAME,
+    ANNOTATION_PARENT,
+    ANNOTATION_ROLE,
+    ANNOTATION_TOC,
+    MEDIA_TYPE_CONFIG,
+    MEDIA_TYPE_LAYER_ZSTD,
+    MEDIA_TYPE_MANIFEST,
+)
 from envbuild.store import Store, put_file, put_json
 from runtime_shim.locks import ResolvedLock
 
@@ -129,7 +136,7 @@ def hardlinks_leaving(root: Path) -> list[str]:
     below ``root``: linked to something outside it."""
     seen: dict[tuple[int, int], list[str]] = {}
     nlink: dict[tuple[int, int], int] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, _dirnames, filenames in os.walk(root):
         for n in filenames:
             p = os.path.join(dirpath, n)
             st = os.lstat(p)
@@ -220,7 +227,7 @@ def pack_upper(upper: Path, out, policy: SnapshotPolicy, *, name: str,
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def derive_lock(parent: ResolvedLock, layers: list[dict[str, Any]], *, keep: int,

@@ -25,10 +25,9 @@ from envbuild.build.scheduler import run_dag
 from envbuild.defs.model import Base, Config, Env
 from envbuild.errors import BuildError, EnvbuildError, RefNotFound, bug
 from envbuild.plan.graph import EnvGraph
-from envbuild.plan.lockspec import (Lock, LockLayer, RuntimeConfig, make_lock, merge_config)
+from envbuild.plan.lockspec import Lock, LockLayer, RuntimeConfig, make_lock, merge_config
 from envbuild.plan.planner import BuildPlan, make_plan
-from envbuild.store import (MEDIA_TYPE_CONFIG, MEDIA_TYPE_MANIFEST, KeyRecord, Store,
-                            get_key_record, put_json)
+from envbuild.store import MEDIA_TYPE_CONFIG, MEDIA_TYPE_MANIFEST, KeyRecord, Store, get_key_record, put_json
 
 ROLE_OF_KIND = {"Base": "base", "Workspace": "workspace", "Toolkit": "toolkit"}
 
@@ -127,7 +126,7 @@ class _KeyLock:
             except BlockingIOError:
                 if self.cancelled.wait(0.1):
                     os.close(self.fd)
-                    raise BuildError("cancelled while waiting for another build of this layer")
+                    raise BuildError("cancelled while waiting for another build of this layer") from None
 
     def __exit__(self, *exc) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)

@@ -39,9 +39,23 @@ from typing import Any
 
 from envbuild.build import importers
 from envbuild.build.pin import local_git_path
-from envbuild.defs.model import (Base, BaseSource, BusyboxSource, CopyStep, DebootstrapSource,
-                                 GitSource, LayerDefinition, OciSource, PathSource, RootfsSource,
-                                 RunStep, ScratchSource, Toolkit, Workspace, ArchiveSource)
+from envbuild.defs.model import (
+    ArchiveSource,
+    Base,
+    BaseSource,
+    BusyboxSource,
+    CopyStep,
+    DebootstrapSource,
+    GitSource,
+    LayerDefinition,
+    OciSource,
+    PathSource,
+    RootfsSource,
+    RunStep,
+    ScratchSource,
+    Toolkit,
+    Workspace,
+)
 from envbuild.errors import BuildError, StepFailed
 from envbuild.layers import pack_tree
 from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_record
@@ -49,11 +63,18 @@ from runtime_shim import netns, scratchfs
 from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
 from runtime_shim.nodecache import NodeCache
 from runtime_shim.runc import OciRuntime, run_container, write_bundle
+from runtime_shim.spec import (
+    BindMount,
+    RuntimeSpecRequest,
+    clamped_rlimit,
+    env_list,
+    parse_user,
+    runtime_spec,
+)
+
 # CA_ENV_VARS and host_ca_bundle moved to the runtime (runtime_shim.stub); still importable from
 # here until runtime_shim/netns.py imports them from there (tests/unit/test_import_rule.py).
 from runtime_shim.stub import CA_ENV_VARS, HOST_CA_PATH, ensure_stub, host_ca_bundle
-from runtime_shim.spec import (BindMount, RuntimeSpecRequest, clamped_rlimit, env_list,
-                               parse_user, runtime_spec)
 
 OUTPUT_TAIL_LINES = 50
 #: What one step may write to the build log (on the host, outside its capped disk): a step

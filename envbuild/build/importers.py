@@ -23,12 +23,11 @@ import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from envbuild.canonical import read_json_file
-from envbuild.errors import BuildError, SourceError
-
 # Shared with envbuild.build.pin's tree hash: what is not hashed must not be copied either,
 # or a key would not describe its layer.
 from envbuild.build.pin import IGNORED_DIR_NAMES, IGNORED_FILE_SUFFIXES, IGNORED_NAMES
+from envbuild.canonical import read_json_file
+from envbuild.errors import BuildError, SourceError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +64,7 @@ def _run(argv: list[str], what: str, *, cwd: str | None = None,
                 break
             except subprocess.TimeoutExpired:
                 if cancelled is not None and cancelled.is_set():
-                    raise BuildError(f"{what}: cancelled")
+                    raise BuildError(f"{what}: cancelled") from None
     except BaseException:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

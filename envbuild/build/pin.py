@@ -32,7 +32,8 @@ same. Ignored (version-control and interpreter caches that do not belong in a la
 named ``.git`` (directory, or a submodule's ``.git`` file), ``__pycache__``,
 ``.pytest_cache``, ``.mypy_cache`` and ``.ruff_cache`` directories (running a project's tests
 on the host must not change its key) and ``*.pyc`` files. The importers leave out exactly the
-same entries, so a key always describes its layer. Nothing else is skipped: an unreadable file is an error, not a gap.
+same entries, so a key always describes its layer. Nothing else is skipped: an unreadable
+file is an error, not a gap.
 
 Every digest is computed once per ``Pinner`` (per run): many definitions sharing a source
 directory cost one walk.
@@ -90,9 +91,10 @@ def _run_git(argv: list[str], what: str) -> str:
         done = subprocess.run(["git", *argv], capture_output=True, text=True, env=env,
                               timeout=120, check=False)
     except FileNotFoundError:
-        raise _Unpinnable(f"{what}: git is not installed", "install git (apt-get install git)")
+        raise _Unpinnable(f"{what}: git is not installed",
+                          "install git (apt-get install git)") from None
     except subprocess.TimeoutExpired:
-        raise _Unpinnable(f"{what}: git {argv[0]} timed out after 120 s")
+        raise _Unpinnable(f"{what}: git {argv[0]} timed out after 120 s") from None
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise _Unpinnable(f"{what}: git {argv[0]} exited {done.returncode}: {tail}")

@@ -107,8 +107,10 @@ def register(group: click.Group) -> None:
         ctx = app.build_context()
         use_rich = sys.stderr.isatty() and not as_json
         progress = RichProgress() if use_rich else PlainProgress()
-        run = lambda: app.run_build(project, ctx, names or None, jobs=jobs or app.settings.jobs,
-                                    no_cache=no_cache, progress=progress)
+        def run():
+            return app.run_build(project, ctx, names or None, jobs=jobs or app.settings.jobs,
+                                 no_cache=no_cache, progress=progress)
+
         if use_rich:
             with progress:
                 report = run()

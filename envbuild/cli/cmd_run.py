@@ -83,7 +83,8 @@ def register(group: click.Group) -> None:
     @click.option("--max-total-size", default=None, metavar="SIZE",
                   help="Refuse the snapshot if the changes add up to more (apparent sizes: "
                        "sparse files count in full)  [default: the sandbox's disk limit, 10G]")
-    @click.option("--json", "as_json", is_flag=True, help="Print the result and every policy decision as JSON.")
+    @click.option("--json", "as_json", is_flag=True,
+                  help="Print the result and every policy decision as JSON.")
     @pass_app
     def pack_diff(app: App, sandbox_id: str, ref: str | None, max_file_size: str,
                   max_total_size: str, as_json: bool) -> None:

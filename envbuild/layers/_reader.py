@@ -302,7 +302,7 @@ class LayerReader:
                 return out
             # one C call per batch: see _writer._FrameSink for why not a Python loop
             frames = []
-            for csize, usize in sizes:
+            for csize, _usize in sizes:
                 frames.append(data[pos:pos + csize])
                 pos += csize
             usizes = struct.pack(f"={len(sizes)}Q", *(u for _, u in sizes))

@@ -322,7 +322,7 @@ def long_line(entry: Entry) -> str:
     else:
         size = str(entry.size)
     try:
-        when = datetime.datetime.fromtimestamp(entry.mtime, datetime.timezone.utc)
+        when = datetime.datetime.fromtimestamp(entry.mtime, datetime.UTC)
         mtime = when.strftime("%Y-%m-%d %H:%M")
     except (OverflowError, OSError, ValueError):
         mtime = str(entry.mtime)

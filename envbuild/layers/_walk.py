@@ -135,7 +135,7 @@ def walk_tree(root: str | os.PathLike, *, source_date_epoch: int = 0,
     # depth first with an explicit stack (no generator per directory level)
     stack = [iter(listdir(rootb, b"", None))]
     while stack:
-        for name, e, src, opaque, absp, rel in stack[-1]:
+        for _name, e, src, opaque, absp, rel in stack[-1]:
             if src is not None and links and e.path in links:
                 key = links.pop(e.path)
                 target = first.get(key)

@@ -1,7 +1,8 @@
 """Every integration test carries the ``integration`` marker (issue 12, item 8).
 
 Collects the integration, security and store suites in-process (``--collect-only``: no test
-runs, but importing them probes tools, hence not a unit test) and checks each collected test's markers: every test under
+runs, but importing them probes tools, hence not a unit test) and checks each collected test's
+markers: every test under
 tests/integration and tests/security, and every store test that starts the moto S3 server,
 must be selected by ``-m integration``; the memory and local conformance runs must not be.
 """
