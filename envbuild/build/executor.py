@@ -148,6 +148,9 @@ class BuildContext:
     # The cap of one layer's writes (its upper dir and /tmp; runtime_shim.scratchfs). None: none.
     disk_bytes: int | None = DEFAULT_BUILD_DISK_BYTES
     inodes: int | None = DEFAULT_BUILD_INODES
+    #: Called with (layer name, bytes) as a ``run`` step writes its output (``envbuild build
+    #: -v``), from the step's copier thread; what reaches the log (capped at STEP_LOG_CAP).
+    on_output: Callable[[str, bytes], None] | None = None
 
     def stub_dir(self) -> Path:
         return ensure_stub(self.node.root)
@@ -361,8 +364,9 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
         # sets ctx.cancelled and run_container kills and deletes the container when it sees it.
         # Its output reaches the log through a pipe and a copier capped at STEP_LOG_CAP.
         read_fd, write_fd = os.pipe()
+        sink = out if ctx.on_output is None else _Tee(out, job.name, ctx.on_output)
         copier = threading.Thread(target=scratchfs.copy_capped,
-                                  args=(read_fd, out, STEP_LOG_CAP), daemon=True)
+                                  args=(read_fd, sink, STEP_LOG_CAP), daemon=True)
         copier.start()
         try:
             result = run_container(ctx.runtime, container_id, bundle, stdout=write_fd,
@@ -380,6 +384,24 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
             f"{step.run.strip().splitlines()[0] if step.run.strip() else ''}",
             argv=list(request.args), exit_code=result.exit_code,
             output_tail=_tail(log, OUTPUT_TAIL_LINES), log_path=str(log))
+
+
+class _Tee:
+    """The log file, with each write also handed to ``on_output`` (for ``build -v``)."""
+
+    def __init__(self, out, name: str, on_output: Callable[[str, bytes], None]) -> None:
+        self.out, self.name, self.on_output = out, name, on_output
+
+    def write(self, data: bytes) -> int:
+        n = self.out.write(data)
+        self.on_output(self.name, bytes(data))
+        return n
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def close(self) -> None:
+        self.out.close()
 
 
 def _copy_step(d: LayerDefinition, step: CopyStep, merged: Path) -> None:
