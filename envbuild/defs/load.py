@@ -309,9 +309,9 @@ def _load_document(node: Node, file: str, problems: list[Problem],
         problems.append(Problem(file, line, column, f"a definition must be a mapping, got {got}",
                                 hint="start the document with 'apiVersion: envbuild/v1'"))
         return None
-    builder = _Builder(file)
+    builder = NodeBuilder(file)
     doc = builder.value(node, "")
-    doc_problems = check_document(doc, file, builder.positions, lambda: _key_positions(node))
+    doc_problems = check_document(doc, file, builder.positions, lambda: node_key_positions(node))
     if builder.problems:
         # A node the builder refused (an unsupported tag, say) reaches the schema as None; its
         # "expected a string, got nothing" would only repeat the builder's problem.
@@ -327,9 +327,10 @@ def _load_document(node: Node, file: str, problems: list[Problem],
     return CONSTRUCTORS[doc["kind"]](doc, origin)
 
 
-class _Builder:
+class NodeBuilder:
     """Plain Python values from composed nodes, recording the position of every node.
 
+    Public because job manifests are read with it too (``envbuild.jobs.load``).
     This is the per-node hot path of loading: keep it to a dict store and a type dispatch.
     """
 
@@ -389,8 +390,9 @@ class _Builder:
         return None
 
 
-def _key_positions(root: MappingNode) -> Positions:
-    """Path of every mapping entry -> position of its key; only needed to report problems."""
+def node_key_positions(root: MappingNode) -> Positions:
+    """Path of every mapping entry -> position of its key; only needed to report problems.
+    Shared with ``envbuild.jobs.load``."""
     positions: dict[str, tuple[int, int]] = {}
     stack: list[tuple[Node, str]] = [(root, "")]
     while stack:

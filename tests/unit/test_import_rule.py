@@ -105,3 +105,13 @@ def test_the_checker_sees_function_level_and_relative_imports():
     seen = list(imports_in(src, "envbuild.store"))
     assert (4, "envbuild.build.executor") in seen
     assert (5, "envbuild.plan.graph") in seen
+
+
+def test_envbuild_jobs_uses_only_public_names_of_envbuild_defs():
+    """The job-manifest loader shares the definition loader's YAML builder and error wording
+    through public names (issue 12, item 7), not ``_private`` ones."""
+    private = [f"{path.relative_to(REPO)}:{line} imports {target}"
+               for path in sorted(REPO.glob("envbuild/jobs/*.py"))
+               for line, target in imported_modules(path)
+               if _within(target, "envbuild.defs") and target.rpartition(".")[2].startswith("_")]
+    assert private == []
