@@ -37,7 +37,8 @@ from envbuild.store import LocalStore  # noqa: E402
 from runtime_shim.locks import resolve  # noqa: E402
 from runtime_shim.nodecache import NodeCache  # noqa: E402
 from runtime_shim.sandbox import Limits, Sandbox  # noqa: E402
-from runtime_shim.vm import erofs, initramfs, kernel as vmkernel, qemu  # noqa: E402
+from runtime_shim.vm import erofs, initramfs, qemu  # noqa: E402
+from runtime_shim.vm import kernel as vmkernel  # noqa: E402
 
 MEMORY = 512 << 20
 

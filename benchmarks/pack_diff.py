@@ -32,13 +32,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from _envs import ensure_built  # noqa: E402
 from cold_start import lock_into, venv_layer  # noqa: E402
 
 from envbuild.layers import pack_tree  # noqa: E402
 from envbuild.plan.lockspec import LockLayer  # noqa: E402
 from envbuild.store import LocalStore  # noqa: E402
 from runtime_shim.locks import resolve  # noqa: E402
-from _envs import ensure_built  # noqa: E402
 from runtime_shim.sandbox import Sandbox  # noqa: E402
 
 CHANGE_SCRIPT = r"""

@@ -103,8 +103,8 @@ def cli_build(root: Path, jobs: int) -> tuple[float, dict]:
            "ENVBUILD_STORE": str(root / "store"), "ENVBUILD_DEFS": str(root / "envdefs")}
     argv = [sys.executable, "-m", "envbuild.cli", "build", "--json", "--jobs", str(jobs)]
     t = time.perf_counter()
-    out = subprocess.run(argv, env=env, cwd=REPO, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    out = subprocess.run(argv, env=env, cwd=REPO, capture_output=True,
+                         text=True)
     seconds = time.perf_counter() - t
     if out.returncode != 0:
         sys.exit(f"envbuild build failed ({out.returncode}):\n{out.stderr[-3000:]}")

@@ -21,9 +21,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from _envs import ensure_built  # noqa: E402
+
 from envbuild.store import LocalStore  # noqa: E402
 from runtime_shim.sandbox import Sandbox  # noqa: E402
-from _envs import ensure_built  # noqa: E402
 
 
 def main() -> None:

@@ -38,12 +38,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from _envs import ensure_built  # noqa: E402
+
 from envbuild.layers import LayerReader  # noqa: E402
 from envbuild.store import LocalStore  # noqa: E402
 from runtime_shim.locks import resolve  # noqa: E402
-from _envs import ensure_built  # noqa: E402
-from runtime_shim.runc import OciRuntime, write_bundle  # noqa: E402
 from runtime_shim.nodecache import parse_size  # noqa: E402
+from runtime_shim.runc import OciRuntime, write_bundle  # noqa: E402
 from runtime_shim.sandbox import Limits, Sandbox  # noqa: E402
 from runtime_shim.spec import RuntimeSpecRequest, env_list, runtime_spec  # noqa: E402
 

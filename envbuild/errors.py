@@ -50,7 +50,6 @@ no trailing period; put what to do about it in ``hint``. Wrap lower-level errors
 from __future__ import annotations
 
 import dataclasses
-import platform
 import sys
 
 
@@ -273,6 +272,8 @@ class SandboxCompromised(RuntimeShimError):
 
 def bug(message: str) -> AssertionError:
     """An invariant was violated: envbuild itself is wrong. Raise the returned error."""
+    import platform  # only for this message: keeps it out of every CLI start-up
+
     from envbuild import __version__
 
     return AssertionError(

@@ -9,6 +9,10 @@ from pathlib import Path
 
 DEFAULT_STORE = "cache"
 DEFAULT_DEFS = "envdefs"
+#: The node cache budget unless ENVBUILD_NODE_CACHE_MAX says otherwise (``node_cache_budget``).
+DEFAULT_NODE_CACHE_MAX = "20%"
+#: ... and never more than this by default, however big the filesystem.
+DEFAULT_NODE_CACHE_CAP = 50 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,7 +20,8 @@ class Settings:
     """What every command needs to know about its surroundings.
 
     ``node_dir`` holds this host's node cache and build scratch space (never shared between
-    hosts). ``store_url`` is a directory path (the local store) or ``s3://BUCKET/PREFIX``. ``source_date_epoch`` clamps every mtime written into a layer.
+    hosts). ``store_url`` is a directory path (the local store) or ``s3://BUCKET/PREFIX``.
+    ``source_date_epoch`` clamps every mtime written into a layer.
     """
 
     defs_dir: Path = Path(DEFAULT_DEFS)
@@ -36,6 +41,9 @@ class Settings:
     build_inodes: int | None = 5_000_000
     # hosts of docker:// stores spoken to over plain HTTP although not loopback
     registry_insecure: tuple[str, ...] = ()
+    # The node cache's budget (unpacked layers; ``envbuild node gc`` evicts down to it):
+    # ENVBUILD_NODE_CACHE_MAX, a size (50G) or a share of the node dir's filesystem (20%).
+    node_cache_max: str = DEFAULT_NODE_CACHE_MAX
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -47,8 +55,6 @@ class Settings:
         except ValueError:
             raise SettingsError(f"SOURCE_DATE_EPOCH is not an integer: {sde!r}",
                                 hint="set it to seconds since 1970, e.g. 0") from None
-        from runtime_shim.nodecache import parse_size
-
         disk = environ.get("ENVBUILD_BUILD_DISK")
         inodes = environ.get("ENVBUILD_BUILD_INODES")
         try:
@@ -57,7 +63,10 @@ class Settings:
         except (ValueError, EnvbuildError):
             raise SettingsError(f"ENVBUILD_BUILD_DISK / ENVBUILD_BUILD_INODES not a size / count: "
                                 f"{disk!r} / {inodes!r}", hint="e.g. 50G and 5000000") from None
+        node_max = environ.get("ENVBUILD_NODE_CACHE_MAX") or DEFAULT_NODE_CACHE_MAX
+        node_cache_budget(node_max, Path("/"))  # refuse a bad value here, at the edge
         return cls(
+            node_cache_max=node_max,
             build_disk_bytes=build_disk or None,
             build_inodes=build_inodes or None,
             defs_dir=Path(environ.get("ENVBUILD_DEFS", DEFAULT_DEFS)),
@@ -72,6 +81,43 @@ class Settings:
                                     environ.get("ENVBUILD_REGISTRY_INSECURE", "").split(",")
                                     if h.strip()),
         )
+
+
+def parse_size(text: str) -> int:
+    """``"20G"``, ``"500M"``, ``"1024"`` → bytes (powers of 1024). Raises ``SettingsError``."""
+    from envbuild.errors import SettingsError
+
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1] if t and t[-1] in units else ""
+    try:
+        return int(float(t[: len(t) - len(unit)] if unit else t) * units[unit])
+    except ValueError:
+        raise SettingsError(f"not a size: {text!r}", hint="use e.g. 20G, 500M or 0") from None
+
+
+def node_cache_budget(spec: str, node_dir: Path) -> int:
+    """Bytes the node cache may hold: ``spec`` is a size (``50G``) or a percentage of the
+    filesystem holding ``node_dir`` (``20%``: its nearest existing ancestor is measured). The
+    default ``20%`` is capped at ``DEFAULT_NODE_CACHE_CAP``; an explicit value is not."""
+    from envbuild.errors import SettingsError
+
+    text = spec.strip()
+    if not text.endswith("%"):
+        return parse_size(text)
+    try:
+        share = float(text[:-1])
+    except ValueError:
+        share = -1.0
+    if not 0 <= share <= 100:
+        raise SettingsError(f"ENVBUILD_NODE_CACHE_MAX is not a size or a percentage: {spec!r}",
+                            hint="e.g. 50G or 20%")
+    probe = Path(node_dir).absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    st = os.statvfs(probe)
+    budget = int(st.f_blocks * st.f_frsize * share / 100)
+    return min(budget, DEFAULT_NODE_CACHE_CAP) if text == DEFAULT_NODE_CACHE_MAX else budget
 
 
 def default_node_dir(environ: Mapping[str, str]) -> Path:

@@ -55,9 +55,17 @@ _WHERE = {
 }
 
 if TYPE_CHECKING:
-    from envbuild.errors import (BackendUnavailable, ExecTimeout, LockNotFound,
-                                 RuntimeShimError, SandboxClosed, SandboxCompromised,
-                                 SandboxNotFound, SandboxStartError, SnapshotRefused)
+    from envbuild.errors import (
+        BackendUnavailable,
+        ExecTimeout,
+        LockNotFound,
+        RuntimeShimError,
+        SandboxClosed,
+        SandboxCompromised,
+        SandboxNotFound,
+        SandboxStartError,
+        SnapshotRefused,
+    )
     from runtime_shim.aio import AsyncSandbox
     from runtime_shim.model import ExecResult, Limits, SandboxInfo
     from runtime_shim.sandbox import Sandbox, list_sandboxes

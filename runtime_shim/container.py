@@ -34,8 +34,7 @@ import subprocess
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from envbuild.errors import (BackendUnavailable, RuntimeShimError, SandboxNotFound,
-                             SandboxStartError)
+from envbuild.errors import BackendUnavailable, RuntimeShimError, SandboxNotFound, SandboxStartError
 from runtime_shim import agent, fsaccess, netns, scratchfs
 from runtime_shim.backend import CreateRequest
 from runtime_shim.layout import NodeLayout, SandboxPaths

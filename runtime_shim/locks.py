@@ -14,8 +14,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from envbuild.errors import BlobNotFound, LockNotFound, RefNotFound, RuntimeShimError
-from envbuild.oci import (ANNOTATION_KEY, ANNOTATION_NAME, ANNOTATION_ROLE, ANNOTATION_TOC,
-                          LABEL_HOSTNAME, MEDIA_TYPE_LAYER_ZSTD, MEDIA_TYPE_MANIFEST)
+from envbuild.oci import (
+    ANNOTATION_KEY,
+    ANNOTATION_NAME,
+    ANNOTATION_ROLE,
+    ANNOTATION_TOC,
+    LABEL_HOSTNAME,
+    MEDIA_TYPE_LAYER_ZSTD,
+    MEDIA_TYPE_MANIFEST,
+)
 from envbuild.store import Store, get_json
 from envbuild.store.sync import resolve_ref
 

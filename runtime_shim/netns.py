@@ -216,9 +216,8 @@ def host_ca() -> tuple[list, dict[str, str]]:
     """The binds and environment that give a networked sandbox the host's CA bundle, exactly
     as build steps with network get it (``envbuild.build.executor``): the host may reach
     registries through an intercepting proxy only its own bundle trusts."""
-    from envbuild.build.executor import CA_ENV_VARS, host_ca_bundle
     from runtime_shim.spec import BindMount
-    from runtime_shim.stub import HOST_CA_PATH
+    from runtime_shim.stub import CA_ENV_VARS, HOST_CA_PATH, host_ca_bundle
 
     ca = host_ca_bundle()
     if ca is None:

@@ -50,9 +50,9 @@ from pathlib import Path
 
 from envbuild.errors import RuntimeShimError, UnsupportedFormatError
 from envbuild.safefs import iter_tree, remove_tree
+from envbuild.settings import parse_size  # noqa: F401  (re-exported: callers import it here)
 from envbuild.store import Store, check_digest
 from envbuild.store.base import LocalBlobPaths
-from runtime_shim._units import parse_size  # noqa: F401  (re-exported: callers import it here)
 
 NODE_CACHE_VERSION = 1
 LAZY_STATE_VERSION = 1

@@ -56,9 +56,16 @@ from typing import Any
 
 from envbuild.errors import RuntimeShimError, SnapshotRefused, UnsafeLayerError
 from envbuild.layers import Entry, LayerReader, pack_tree
-from envbuild.oci import (ANNOTATION_CREATED, ANNOTATION_NAME, ANNOTATION_PARENT,
-                          ANNOTATION_ROLE, ANNOTATION_TOC, MEDIA_TYPE_CONFIG,
-                          MEDIA_TYPE_LAYER_ZSTD, MEDIA_TYPE_MANIFEST)
+from envbuild.oci import (
+    ANNOTATION_CREATED,
+    ANNOTATION_NAME,
+    ANNOTATION_PARENT,
+    ANNOTATION_ROLE,
+    ANNOTATION_TOC,
+    MEDIA_TYPE_CONFIG,
+    MEDIA_TYPE_LAYER_ZSTD,
+    MEDIA_TYPE_MANIFEST,
+)
 from envbuild.safefs import iter_tree, open_beneath, remove_tree
 from envbuild.store import Store, put_file, put_json
 from envbuild.store.base import LocalBlobPaths
@@ -242,7 +249,7 @@ def pack_upper(upper: Path, out, policy: SnapshotPolicy, *, name: str,
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def derive_lock(parent: ResolvedLock, layers: list[dict[str, Any]], *, keep: int,

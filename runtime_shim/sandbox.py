@@ -34,13 +34,25 @@ import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from envbuild.errors import (BackendUnavailable, ExecTimeout, RuntimeShimError, SandboxClosed,
-                             SandboxNotFound, StoreUnavailable)
+from envbuild.errors import (
+    BackendUnavailable,
+    ExecTimeout,
+    RuntimeShimError,
+    SandboxClosed,
+    SandboxNotFound,
+    StoreUnavailable,
+)
 from envbuild.store import Store, put_file
 from runtime_shim import agent, netns
 from runtime_shim import seccomp as seccomp_profiles
-from runtime_shim.backend import (CreateRequest, SandboxHandle, Snapshottable, get_backend,
-                                  remove_sandbox_dir, undo_on_error)
+from runtime_shim.backend import (
+    CreateRequest,
+    SandboxHandle,
+    Snapshottable,
+    get_backend,
+    remove_sandbox_dir,
+    undo_on_error,
+)
 from runtime_shim.layout import NodeLayout, SandboxPaths, default_layout
 from runtime_shim.locks import ResolvedLock, resolve
 from runtime_shim.model import DEFAULT_OUTPUT_CAP, ExecResult, Limits, SandboxInfo

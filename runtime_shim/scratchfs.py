@@ -34,8 +34,8 @@ behind):
   can be forgotten, also by a creator that crashes.
 - Mount options ``noinit_itable,nobarrier``: no background inode-table zeroing, no cache
   flushes (each an fsync of the image on the host).
-- Mounted ``nodev,nosuid,noatime`` (a build's: ``noatime`` only, see ``create``). Every copy of a template shares its UUID; nothing here
-  looks filesystems up by UUID.
+- Mounted ``nodev,nosuid,noatime`` (a build's: ``noatime`` only, see ``create``). Every copy
+  of a template shares its UUID; nothing here looks filesystems up by UUID.
 
 The sandbox cannot reach the loop device or the image (no device nodes, neither path is inside
 its root): it only writes through the filesystem, so the host kernel's ext4 driver never reads

@@ -29,6 +29,19 @@ AGENT_PATH = "/.envbuild/agent"
 AGENT_LISTEN_FD = 3
 #: Where network-enabled build steps see the host's CA bundle (it may trust a local proxy).
 HOST_CA_PATH = "/.envbuild/host-ca.crt"
+#: What programs in the sandbox read to find that bundle (set to ``HOST_CA_PATH``).
+CA_ENV_VARS = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+               "GIT_SSL_CAINFO", "NODE_EXTRA_CA_CERTS")
+
+
+def host_ca_bundle() -> str | None:
+    """The host's CA bundle file (Debian's or Red Hat's place), or None. Builds and networked
+    sandboxes both bind it at ``HOST_CA_PATH``; it lives here, in the runtime, so neither
+    runtime_shim nor envbuild.build needs the other for it."""
+    for path in ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt"):
+        if os.path.isfile(path):
+            return path
+    return None
 
 
 def ensure_stub(root: Path) -> Path:

@@ -11,7 +11,7 @@ has one) so the references resolve without network access.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import jsonschema
@@ -24,7 +24,7 @@ RUNTIME_SPEC = SCHEMAS / "oci-runtime-spec"
 IMAGE_SPEC = SCHEMAS / "oci-image-spec"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _registry(folder: Path) -> Registry:
     def retrieve(uri: str) -> Resource:
         # The schemas' ids (https://opencontainers.org/schema/...) and nested ids make relative

@@ -19,17 +19,22 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from envbuild.build.executor import (BuildContext, BuildEvent, LayerJob, Progress, build_layer,
-                                     sweep_stale_scratch)
+from envbuild.build.executor import (
+    BuildContext,
+    BuildEvent,
+    LayerJob,
+    Progress,
+    build_layer,
+    sweep_stale_scratch,
+)
 from envbuild.build.pin import Snapshot, snapshot
 from envbuild.build.scheduler import run_dag
 from envbuild.defs.model import Base, Config, Env
 from envbuild.errors import BuildError, EnvbuildError, RefNotFound, bug
 from envbuild.plan.graph import EnvGraph
-from envbuild.plan.lockspec import (Lock, LockLayer, RuntimeConfig, make_lock, merge_config)
+from envbuild.plan.lockspec import Lock, LockLayer, RuntimeConfig, make_lock, merge_config
 from envbuild.plan.planner import BuildPlan, make_plan
-from envbuild.store import (MEDIA_TYPE_CONFIG, MEDIA_TYPE_MANIFEST, KeyRecord, Store,
-                            get_key_record, put_json)
+from envbuild.store import MEDIA_TYPE_CONFIG, MEDIA_TYPE_MANIFEST, KeyRecord, Store, get_key_record, put_json
 
 ROLE_OF_KIND = {"Base": "base", "Workspace": "workspace", "Toolkit": "toolkit"}
 
@@ -128,7 +133,7 @@ class _KeyLock:
             except BlockingIOError:
                 if self.cancelled.wait(0.1):
                     os.close(self.fd)
-                    raise BuildError("cancelled while waiting for another build of this layer")
+                    raise BuildError("cancelled while waiting for another build of this layer") from None
 
     def __exit__(self, *exc) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)

@@ -45,34 +45,45 @@ from typing import Any
 
 from envbuild.build import importers
 from envbuild.build.pin import local_git_path
-from envbuild.defs.model import (Base, BaseSource, BusyboxSource, CopyStep, DebootstrapSource,
-                                 GitSource, LayerDefinition, OciSource, PathSource, RootfsSource,
-                                 RunStep, ScratchSource, Toolkit, Workspace, ArchiveSource)
+from envbuild.defs.model import (
+    ArchiveSource,
+    Base,
+    BaseSource,
+    BusyboxSource,
+    CopyStep,
+    DebootstrapSource,
+    GitSource,
+    LayerDefinition,
+    OciSource,
+    PathSource,
+    RootfsSource,
+    RunStep,
+    ScratchSource,
+    Toolkit,
+    Workspace,
+)
 from envbuild.errors import BuildError, EnvbuildError, StepFailed
 from envbuild.layers import pack_tree
-from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_record
 from envbuild.safefs import remove_tree
+from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_record
 from runtime_shim import netns, scratchfs
 from runtime_shim.mount import OverlaySpec, mount_overlay, mounted_targets_under, unmount
 from runtime_shim.nodecache import NodeCache
 from runtime_shim.runc import OciRuntime, destroy, list_containers, run_container, write_bundle
-from runtime_shim.stub import HOST_CA_PATH, ensure_stub
-from runtime_shim.spec import (BindMount, RuntimeSpecRequest, clamped_rlimit, env_list,
-                               parse_user, runtime_spec)
+from runtime_shim.spec import (
+    BindMount,
+    RuntimeSpecRequest,
+    clamped_rlimit,
+    env_list,
+    parse_user,
+    runtime_spec,
+)
+from runtime_shim.stub import CA_ENV_VARS, HOST_CA_PATH, ensure_stub, host_ca_bundle
 
 OUTPUT_TAIL_LINES = 50
 #: What one step may write to the build log (on the host, outside its capped disk): a step
 #: that prints forever (``yes``) is logged up to here, the rest is read and dropped.
 STEP_LOG_CAP = 64 << 20
-CA_ENV_VARS = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
-               "GIT_SSL_CAINFO", "NODE_EXTRA_CA_CERTS")
-
-
-def host_ca_bundle() -> str | None:
-    for path in ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt"):
-        if os.path.isfile(path):
-            return path
-    return None
 BUILD_HOSTNAME = "envbuild"
 #: Defaults of ``BuildContext.disk_bytes`` / ``inodes``: generous (a debootstrap + pip install
 #: is a few GB), only there so a runaway step cannot fill the build host. The image is sparse.
@@ -141,6 +152,9 @@ class BuildContext:
     # The cap of one layer's writes (its upper dir and /tmp; runtime_shim.scratchfs). None: none.
     disk_bytes: int | None = DEFAULT_BUILD_DISK_BYTES
     inodes: int | None = DEFAULT_BUILD_INODES
+    #: Called with (layer name, bytes) as a ``run`` step writes its output (``envbuild build
+    #: -v``), from the step's copier thread; what reaches the log (capped at STEP_LOG_CAP).
+    on_output: Callable[[str, bytes], None] | None = None
 
     def stub_dir(self) -> Path:
         return ensure_stub(self.node.root)
@@ -436,8 +450,9 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
         # sets ctx.cancelled and run_container kills and deletes the container when it sees it.
         # Its output reaches the log through a pipe and a copier capped at STEP_LOG_CAP.
         read_fd, write_fd = os.pipe()
+        sink = out if ctx.on_output is None else _Tee(out, job.name, ctx.on_output)
         copier = threading.Thread(target=scratchfs.copy_capped,
-                                  args=(read_fd, out, STEP_LOG_CAP), daemon=True)
+                                  args=(read_fd, sink, STEP_LOG_CAP), daemon=True)
         copier.start()
         try:
             result = run_container(ctx.runtime, container_id, bundle, stdout=write_fd,
@@ -455,6 +470,24 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
             f"{step.run.strip().splitlines()[0] if step.run.strip() else ''}",
             argv=list(request.args), exit_code=result.exit_code,
             output_tail=_tail(log, OUTPUT_TAIL_LINES), log_path=str(log))
+
+
+class _Tee:
+    """The log file, with each write also handed to ``on_output`` (for ``build -v``)."""
+
+    def __init__(self, out, name: str, on_output: Callable[[str, bytes], None]) -> None:
+        self.out, self.name, self.on_output = out, name, on_output
+
+    def write(self, data: bytes) -> int:
+        n = self.out.write(data)
+        self.on_output(self.name, bytes(data))
+        return n
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def close(self) -> None:
+        self.out.close()
 
 
 def _copy_step(d: LayerDefinition, step: CopyStep, merged: Path) -> None:

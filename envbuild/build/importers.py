@@ -28,14 +28,18 @@ import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+# Shared with envbuild.build.pin's tree hash: what is not hashed must not be copied either,
+# or a key would not describe its layer.
+from envbuild.build.pin import (
+    IGNORED_DIR_NAMES,
+    IGNORED_FILE_SUFFIXES,
+    IGNORED_NAMES,
+    check_git_source,
+    git_env,
+)
 from envbuild.canonical import read_json_file
 from envbuild.errors import BuildError, SourceError, UnsafeLayerError
 from envbuild.safefs import open_in_root, remove_tree
-
-# Shared with envbuild.build.pin's tree hash: what is not hashed must not be copied either,
-# or a key would not describe its layer.
-from envbuild.build.pin import (IGNORED_DIR_NAMES, IGNORED_FILE_SUFFIXES, IGNORED_NAMES,
-                                check_git_source, git_env)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +77,7 @@ def _run(argv: list[str], what: str, *, cwd: str | None = None,
                 break
             except subprocess.TimeoutExpired:
                 if cancelled is not None and cancelled.is_set():
-                    raise BuildError(f"{what}: cancelled")
+                    raise BuildError(f"{what}: cancelled") from None
     except BaseException:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -43,7 +43,8 @@ same. Ignored (version-control and interpreter caches that do not belong in a la
 named ``.git`` (directory, or a submodule's ``.git`` file), ``__pycache__``,
 ``.pytest_cache``, ``.mypy_cache`` and ``.ruff_cache`` directories (running a project's tests
 on the host must not change its key) and ``*.pyc`` files. The importers leave out exactly the
-same entries, so a key always describes its layer. Nothing else is skipped: an unreadable file is an error, not a gap.
+same entries, so a key always describes its layer. Nothing else is skipped: an unreadable
+file is an error, not a gap.
 
 Every digest is computed once per ``Pinner`` (per run): many definitions sharing a source
 directory cost one walk.
@@ -75,7 +76,7 @@ from envbuild.defs.model import (
     RootfsSource,
 )
 from envbuild.errors import SourceError
-from envbuild.plan.graph import EnvGraph, build_graph, field_position
+from envbuild.plan.graph import EnvGraph, field_position
 from envbuild.plan.keys import KeySet, PinnedInputs, compute_keys
 
 TREE_TAG = b"envbuild.tree.v1\0"
@@ -135,9 +136,10 @@ def _run_git(argv: list[str], what: str) -> str:
         done = subprocess.run(["git", *argv], capture_output=True, text=True, env=env,
                               timeout=120, check=False)
     except FileNotFoundError:
-        raise _Unpinnable(f"{what}: git is not installed", "install git (apt-get install git)")
+        raise _Unpinnable(f"{what}: git is not installed",
+                          "install git (apt-get install git)") from None
     except subprocess.TimeoutExpired:
-        raise _Unpinnable(f"{what}: git {argv[0]} timed out after 120 s")
+        raise _Unpinnable(f"{what}: git {argv[0]} timed out after 120 s") from None
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise _Unpinnable(f"{what}: git {argv[0]} exited {done.returncode}: {tail}")
@@ -266,7 +268,8 @@ class Pinner:
         if _SHA_RE.fullmatch(rev):
             return rev.lower()  # a full commit id is already pinned; ls-remote cannot list it
         try:
-            out = self._run_git(["-c", "protocol.ext.allow=never", "ls-remote", "--", url, rev], f"resolve {rev!r} in {url}")
+            out = self._run_git(["-c", "protocol.ext.allow=never", "ls-remote", "--", url, rev],
+                                f"resolve {rev!r} in {url}")
         except _Unpinnable as e:
             raise _Unpinnable(e.message, hint) from None
         refs = {}
@@ -428,9 +431,9 @@ class Snapshot:
 
 def snapshot(defs_dir: Path, pinner: Pinner | None = None) -> Snapshot:
     """Load ``defs_dir``, build its graph, pin its sources and compute every key."""
-    from envbuild.defs import load_definitions  # the loader lives with the schema
+    from envbuild.plan.graph import check_tree  # schema and graph problems in one report
 
-    defs = load_definitions(defs_dir)
-    graph = build_graph(defs)
+    graph = check_tree(defs_dir)
+    defs = graph.defs
     pinned = pin_inputs(defs, pinner)
     return Snapshot(defs=defs, graph=graph, pinned=pinned, keys=compute_keys(graph, pinned))

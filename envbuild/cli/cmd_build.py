@@ -90,6 +90,29 @@ def _summary(report) -> list[str]:
     return lines
 
 
+class StepOutput:
+    """``build -v``: each run step's output on stderr as it arrives, whole lines prefixed
+    with the layer's name (layers build in parallel, so their lines interleave)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._partial: dict[str, bytes] = {}
+
+    def __call__(self, name: str, data: bytes) -> None:
+        with self._lock:
+            *lines, rest = (self._partial.pop(name, b"") + data).split(b"\n")
+            if rest:
+                self._partial[name] = rest
+            for line in lines:
+                click.echo(f"{name} | {line.decode('utf-8', 'replace')}", err=True)
+
+    def flush(self) -> None:
+        with self._lock:
+            for name, rest in sorted(self._partial.items()):
+                click.echo(f"{name} | {rest.decode('utf-8', 'replace')}", err=True)
+            self._partial.clear()
+
+
 def register(group: click.Group) -> None:
     @group.command()
     @click.argument("names", nargs=-1)
@@ -97,23 +120,32 @@ def register(group: click.Group) -> None:
                   help="Layers built at once (default: number of cores).")
     @click.option("--no-cache", is_flag=True, help="Rebuild even layers the store already has.")
     @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+    @click.option("-v", "--verbose", is_flag=True,
+                  help="Stream each run step's output to stderr (it always goes to the log).")
     @pass_app
     def build(app: App, names: tuple[str, ...], jobs: int | None, no_cache: bool,
-              as_json: bool) -> int:
+              as_json: bool, verbose: bool) -> int:
         """Build the layers of NAMES (default: everything) and lock their envs."""
         from envbuild.build.engine import load
 
         project = load(app.settings.defs_dir)
         ctx = app.build_context()
-        use_rich = sys.stderr.isatty() and not as_json
+        output = StepOutput() if verbose else None
+        ctx.on_output = output
+        # Streamed lines and a live rich display would garble each other: plain lines then.
+        use_rich = sys.stderr.isatty() and not as_json and not verbose
         progress = RichProgress() if use_rich else PlainProgress()
-        run = lambda: app.run_build(project, ctx, names or None, jobs=jobs or app.settings.jobs,
-                                    no_cache=no_cache, progress=progress)
+        def run():
+            return app.run_build(project, ctx, names or None, jobs=jobs or app.settings.jobs,
+                                 no_cache=no_cache, progress=progress)
+
         if use_rich:
             with progress:
                 report = run()
         else:
             report = run()
+        if output is not None:
+            output.flush()
         if as_json:
             click.echo(json.dumps(report_json(report), indent=1))
         else:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import click
-
-from envbuild.defs import describe_counts, load_definitions
 
 
 def register(group: click.Group) -> None:
@@ -22,12 +19,9 @@ def validate(app, directory: Path | None) -> None:
 
     Reports every problem, one per line, and exits 1; prints a one-line summary when all is well.
     """
-    root = directory if directory is not None else app.settings.defs_dir
-    defs = load_definitions(root)
-    # The graph checks (references, cycles, ABI) run when envbuild.plan.graph exists; an
-    # ImportError from inside it is a real bug and must not be swallowed here.
-    if importlib.util.find_spec("envbuild.plan.graph") is not None:
-        from envbuild.plan.graph import build_graph
+    from envbuild.defs import describe_counts
+    from envbuild.plan.graph import check_tree
 
-        build_graph(defs)
+    root = directory if directory is not None else app.settings.defs_dir
+    defs = check_tree(root).defs  # schema and graph problems of every document, in one run
     click.echo(f"ok: {describe_counts(defs)} in {defs.root}")

@@ -34,8 +34,7 @@ def register(group: click.Group) -> None:
     @pass_app
     def job_resolve(app: App, file: Path, output: str | None, store_url: str | None) -> None:
         """Pin every group's lock to a digest and record the layers it closes over."""
-        from envbuild.jobs import (default_output, load_job_manifest, resolve_job_manifest,
-                                   write_job_manifest)
+        from envbuild.jobs import default_output, load_job_manifest, resolve_job_manifest, write_job_manifest
 
         resolved = resolve_job_manifest(load_job_manifest(file), _open(app, store_url))
         dest = output if output is not None else default_output(file)

@@ -71,7 +71,8 @@ def register(group: click.Group) -> None:
     def pack(app: App, src: Path, output: Path | None, to_store: bool, framing: str,
              overlay_upper: bool, no_devices: bool, as_json: bool) -> None:
         """Pack DIR into a layer; mtimes are clamped to $SOURCE_DATE_EPOCH (default 0)."""
-        from envbuild.layers._tools import info_json, pack as pack_layer
+        from envbuild.layers._tools import info_json
+        from envbuild.layers._tools import pack as pack_layer
 
         use_store = output is None or to_store
         if sys.stderr.isatty() and not as_json:

@@ -139,10 +139,9 @@ def register(group: click.Group) -> None:
     @click.option("--format", "fmt", type=click.Choice(["text", "dot", "json"]), default="text")
     def graph_cmd(fmt: str) -> None:
         """Print the definition DAG, dependencies first."""
-        from envbuild.defs import load_definitions
-        from envbuild.plan.graph import build_graph
+        from envbuild.plan.graph import check_tree
 
-        render_graph(build_graph(load_definitions(_app().settings.defs_dir)), fmt)
+        render_graph(check_tree(_app().settings.defs_dir), fmt)
 
     @group.command("plan")
     @click.argument("names", nargs=-1)

@@ -82,7 +82,8 @@ def register(group: click.Group) -> None:
     @click.option("--max-total-size", default=None, metavar="SIZE",
                   help="Refuse the snapshot if the changes add up to more (apparent sizes: "
                        "sparse files count in full)  [default: the sandbox's disk limit, 10G]")
-    @click.option("--json", "as_json", is_flag=True, help="Print the result and every policy decision as JSON.")
+    @click.option("--json", "as_json", is_flag=True,
+                  help="Print the result and every policy decision as JSON.")
     @pass_app
     def pack_diff(app: App, sandbox_id: str, ref: str | None, max_file_size: str,
                   max_total_size: str, as_json: bool) -> None:
@@ -181,25 +182,28 @@ def register(group: click.Group) -> None:
         click.echo(f"{len(layers)} layers, {sum(u.size for u in layers) / 1e6:.1f} MB")
 
     @node.command("gc")
-    @click.option("--max-size", default="0", show_default=True, metavar="SIZE",
-                  help="Keep at most this much (e.g. 20G, 500M); 0 evicts every unused layer.")
+    @click.option("--max-size", default=None, metavar="SIZE",
+                  help="Keep at most this much (e.g. 20G, 500M, 10%); 0 evicts every unused "
+                       "layer.  [default: the node cache budget, $ENVBUILD_NODE_CACHE_MAX or "
+                       "20% of its filesystem, at most 50G]")
     @pass_app
-    def node_gc(app: App, max_size: str) -> None:
-        """Evict least recently used layers that no live sandbox uses (and unmount their
-        lazy mounts)."""
-        from runtime_shim.nodecache import NodeCache, parse_size
+    def node_gc(app: App, max_size: str | None) -> None:
+        """Evict least recently used layers that no live sandbox uses until the node cache
+        is within its budget (and unmount unused lazy mounts)."""
+        from envbuild.build.executor import sweep_stale_scratch
+        from envbuild.settings import node_cache_budget
+        from runtime_shim.layout import NodeLayout
+        from runtime_shim.nodecache import NodeCache
+        from runtime_shim.runc import OciRuntime
         from runtime_shim.sandbox import layers_in_use
 
-        from envbuild.build.executor import sweep_stale_scratch
-        from runtime_shim.runc import OciRuntime
-
-        from runtime_shim.layout import NodeLayout
-
         layout = NodeLayout(app.settings.node_dir)
+        budget = node_cache_budget(max_size or app.settings.node_cache_max, app.settings.node_dir)
         cache = NodeCache(layout.node)
         keep = layers_in_use(layout)
-        evicted = cache.evict(keep, parse_size(max_size))
-        click.echo(f"evicted {len(evicted)} layer(s); {len(keep)} in use by live sandboxes kept")
+        evicted = cache.evict(keep, budget)
+        click.echo(f"evicted {len(evicted)} layer(s) (budget {budget / 1e6:.1f} MB); "
+                   f"{len(keep)} in use by live sandboxes kept")
         swept = sweep_stale_scratch(layout.builds,
                                     OciRuntime(app.settings.oci_runtime,
                                                state_root=str(layout.runc)))

@@ -9,13 +9,14 @@ render.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import click
 
+from envbuild import __version__
 from envbuild.errors import EnvbuildError, bug
 from envbuild.settings import Settings
 
@@ -73,7 +74,48 @@ class App:
 pass_app = click.make_pass_decorator(App)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# Which ``cmd_*`` module registers each top-level command. A command's module (and what it
+# imports: networkx, jsonschema, boto3, runtime_shim, ...) is imported only when that command
+# runs, or for ``--help``, so ``envbuild --version`` or ``envbuild layer ls`` do not pay for the
+# others (issue 12: start-up under 3x a bare interpreter; benchmarks/cli_startup.py).
+# tests/unit/test_cli_startup.py checks this table against what the modules register.
+COMMAND_MODULES: dict[str, str] = {
+    "validate": "cmd_defs",
+    "graph": "cmd_plan", "plan": "cmd_plan", "explain": "cmd_plan",
+    "build": "cmd_build", "lock": "cmd_build",
+    "run": "cmd_run", "check": "cmd_run", "pack-diff": "cmd_run", "squash": "cmd_run",
+    "sandbox": "cmd_run", "node": "cmd_run",
+    "layer": "cmd_layer",
+    "push": "cmd_sync", "pull": "cmd_sync",
+    "job": "cmd_jobs", "gc": "cmd_jobs",
+}
+
+
+class _LazyGroup(click.Group):
+    """A group whose commands are registered by their module on first use (click's
+    "lazily loading subcommands" pattern, keeping each module's ``register(group)``)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(self.commands) | set(COMMAND_MODULES))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in COMMAND_MODULES:
+            load_command_module(COMMAND_MODULES[cmd_name])
+        return self.commands.get(cmd_name)
+
+
+_loaded_modules: set[str] = set()
+
+
+def load_command_module(name: str) -> None:
+    """Import ``envbuild.cli.NAME`` and register its commands on ``cli`` (once)."""
+    if name in _loaded_modules:
+        return
+    _loaded_modules.add(name)
+    importlib.import_module(f"envbuild.cli.{name}").register(cli)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--store", "store_url", metavar="DIR|URL", default=None,
               help="Where layers live (default: ./cache, or $ENVBUILD_STORE).")
 @click.option("--defs", "defs_dir", metavar="DIR", default=None, type=click.Path(path_type=Path),
@@ -90,7 +132,9 @@ pass_app = click.make_pass_decorator(App)
 @click.option("--registry-insecure", metavar="HOST", multiple=True,
               help="Speak plain HTTP to this registry host (repeatable; "
                    "$ENVBUILD_REGISTRY_INSECURE, comma-separated).")
-@click.version_option(package_name="envbuild")
+# The version from envbuild.__version__ (pyproject reads it from there too), not from the
+# installed metadata: importlib.metadata costs ~13 ms, more than the rest of --version.
+@click.version_option(version=__version__, prog_name="envbuild")
 @click.pass_context
 def cli(ctx: click.Context, store_url: str | None, defs_dir: Path | None,
         s3_endpoint: str | None, cache_from: str | None, cache_to: str | None,
@@ -108,16 +152,6 @@ def cli(ctx: click.Context, store_url: str | None, defs_dir: Path | None,
     if registry_insecure:
         settings = dataclasses.replace(settings, registry_insecure=registry_insecure)
     ctx.obj = App(settings=settings)
-
-
-def _register_commands() -> None:
-    from envbuild.cli import cmd_build, cmd_defs, cmd_jobs, cmd_layer, cmd_plan, cmd_run, cmd_sync
-
-    for module in (cmd_defs, cmd_plan, cmd_build, cmd_run, cmd_layer, cmd_sync, cmd_jobs):
-        module.register(cli)
-
-
-_register_commands()
 
 
 def report_error(err: EnvbuildError) -> None:
@@ -143,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except Exception:  # noqa: BLE001 - the one place unknown errors become exit code 2
+        import traceback
+
         traceback.print_exc()
         click.echo(str(bug("unexpected error")), err=True)
         return 2

@@ -34,6 +34,7 @@ Anchors and aliases themselves stay allowed: they are handy for a repeated value
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from types import MappingProxyType
@@ -93,9 +94,30 @@ _SCALARS = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class LoadResult:
+    """A tree as far as it parsed (``collect_definitions``): what a caller needs to run the
+    graph checks over every valid document even when others have problems."""
+
+    defs: DefinitionSet                # every document that validated (a duplicate: the first)
+    problems: tuple[Problem, ...]      # every problem found in the files, sorted
+    unparsed_names: frozenset[str]     # ``name:`` of documents that did not validate: the graph
+    #                                    checks must not call references to them missing
+
+
 def load_definitions(root: Path | str = Path("envdefs")) -> DefinitionSet:
     """Every definition under ``root``, validated; raises one ``DefinitionError`` listing all
     problems otherwise (see the module docstring for the contract)."""
+    result = collect_definitions(root)
+    if result.problems:
+        raise DefinitionError(list(result.problems))
+    return result.defs
+
+
+def collect_definitions(root: Path | str = Path("envdefs")) -> LoadResult:
+    """Every definition under ``root`` that validates, with the problems of the others (the
+    contract of ``load_definitions``, without raising for problems in files). Raises
+    ``DefinitionError`` only when ``root`` is not a directory or holds no definition file."""
     # Walk from the form of root we show, so every file name comes out in that form too.
     display_root = _display(Path(root))
     root = Path(display_root)
@@ -110,9 +132,10 @@ def load_definitions(root: Path | str = Path("envdefs")) -> DefinitionSet:
             display_root, 0, 0, "no definitions found (no *.yaml or *.yml files)",
             hint="add definitions under base/, workspaces/, toolkits/ and envs/"))
     problems: list[Problem] = []
+    unparsed: set[str] = set()
     by_name: dict[str, Definition] = {}
     for path in files:
-        for definition in _load_file(path, str(path), problems):
+        for definition in _load_file(path, str(path), problems, unparsed):
             first = by_name.get(definition.name)
             if first is None:
                 by_name[definition.name] = definition
@@ -123,9 +146,9 @@ def load_definitions(root: Path | str = Path("envdefs")) -> DefinitionSet:
                 f"duplicate name {definition.name!r}, first defined at "
                 f"{first.origin.file}:{first.origin.position('name')[0]}",
                 path="name", hint="names are unique across bases, workspaces, toolkits and envs"))
-    if problems:
-        raise DefinitionError(problems)
-    return DefinitionSet(root=display_root, by_name=MappingProxyType(by_name))
+    return LoadResult(defs=DefinitionSet(root=display_root, by_name=MappingProxyType(by_name)),
+                      problems=tuple(sorted(problems)),
+                      unparsed_names=frozenset(unparsed - by_name.keys()))
 
 
 def definition_files(root: Path) -> list[Path]:
@@ -157,7 +180,8 @@ def _display(path: Path) -> str:
     return str(path)
 
 
-def _load_file(path: Path, file: str, problems: list[Problem]) -> list[Definition]:
+def _load_file(path: Path, file: str, problems: list[Problem],
+               unparsed: set[str] | None = None) -> list[Definition]:
     try:
         text = path.read_bytes().decode("utf-8")
     except OSError as e:
@@ -179,7 +203,7 @@ def _load_file(path: Path, file: str, problems: list[Problem]) -> list[Definitio
             if isinstance(node, ScalarNode) and node.tag == "tag:yaml.org,2002:null":
                 continue  # an empty document, such as after a trailing '---'
             documents += 1
-            definition = _load_document(node, file, problems)
+            definition = _load_document(node, file, problems, unparsed)
             if definition is not None:
                 definitions.append(definition)
     except yaml.MarkedYAMLError as e:
@@ -277,16 +301,17 @@ def _limit(file: str, event, message: str, hint: str) -> Problem:
     return Problem(file, mark.line + 1, mark.column + 1, message, hint=hint)
 
 
-def _load_document(node: Node, file: str, problems: list[Problem]) -> Definition | None:
+def _load_document(node: Node, file: str, problems: list[Problem],
+                   unparsed: set[str] | None = None) -> Definition | None:
     line, column = node.start_mark.line + 1, node.start_mark.column + 1
     if not isinstance(node, MappingNode):
         got = "a list" if isinstance(node, SequenceNode) else f"{node.value!r}"
         problems.append(Problem(file, line, column, f"a definition must be a mapping, got {got}",
                                 hint="start the document with 'apiVersion: envbuild/v1'"))
         return None
-    builder = _Builder(file)
+    builder = NodeBuilder(file)
     doc = builder.value(node, "")
-    doc_problems = check_document(doc, file, builder.positions, lambda: _key_positions(node))
+    doc_problems = check_document(doc, file, builder.positions, lambda: node_key_positions(node))
     if builder.problems:
         # A node the builder refused (an unsupported tag, say) reaches the schema as None; its
         # "expected a string, got nothing" would only repeat the builder's problem.
@@ -294,15 +319,18 @@ def _load_document(node: Node, file: str, problems: list[Problem]) -> Definition
         doc_problems = builder.problems + [p for p in doc_problems if p.path not in refused]
     if doc_problems:
         problems.extend(doc_problems)
+        if unparsed is not None and isinstance(doc, dict) and isinstance(doc.get("name"), str):
+            unparsed.add(doc["name"])
         return None
     origin = Origin(file=file, line=line, column=column,
                     field_positions=MappingProxyType(builder.positions))
     return CONSTRUCTORS[doc["kind"]](doc, origin)
 
 
-class _Builder:
+class NodeBuilder:
     """Plain Python values from composed nodes, recording the position of every node.
 
+    Public because job manifests are read with it too (``envbuild.jobs.load``).
     This is the per-node hot path of loading: keep it to a dict store and a type dispatch.
     """
 
@@ -362,8 +390,9 @@ class _Builder:
         return None
 
 
-def _key_positions(root: MappingNode) -> Positions:
-    """Path of every mapping entry -> position of its key; only needed to report problems."""
+def node_key_positions(root: MappingNode) -> Positions:
+    """Path of every mapping entry -> position of its key; only needed to report problems.
+    Shared with ``envbuild.jobs.load``."""
     positions: dict[str, tuple[int, int]] = {}
     stack: list[tuple[Node, str]] = [(root, "")]
     while stack:

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 API_VERSION = "envbuild/v1"
 KINDS = ("Base", "Workspace", "Toolkit", "Env")
@@ -113,7 +113,7 @@ class CopyStep:
         return {"copy": {"dest": self.dest, "mode": self.mode, "owner": self.owner}}
 
 
-Step = Union[RunStep, CopyStep]
+Step = RunStep | CopyStep
 
 
 def step_from_mapping(m: Mapping[str, Any]) -> Step:
@@ -225,8 +225,8 @@ class ArchiveSource:
         return {"archive": {"sha256": self.sha256}}
 
 
-BaseFrom = Union[ScratchSource, BaseSource, DebootstrapSource, RootfsSource, OciSource, BusyboxSource]
-WorkspaceSource = Union[PathSource, GitSource, ArchiveSource]
+BaseFrom = ScratchSource | BaseSource | DebootstrapSource | RootfsSource | OciSource | BusyboxSource
+WorkspaceSource = PathSource | GitSource | ArchiveSource
 
 
 def base_from_mapping(m: Mapping[str, Any]) -> BaseFrom:
@@ -416,8 +416,8 @@ class Env(_Common):
         )
 
 
-Definition = Union[Base, Workspace, Toolkit, Env]
-LayerDefinition = Union[Base, Workspace, Toolkit]
+Definition = Base | Workspace | Toolkit | Env
+LayerDefinition = Base | Workspace | Toolkit
 
 CONSTRUCTORS = {"Base": Base.from_mapping, "Workspace": Workspace.from_mapping,
                 "Toolkit": Toolkit.from_mapping, "Env": Env.from_mapping}

@@ -83,22 +83,24 @@ def validators() -> dict[str, Draft202012Validator]:
     registry: Registry = Registry().with_resources(
         (s["$id"], Resource.from_contents(s)) for s in (common, *kinds.values())
     )
-    return {kind: Draft202012Validator(_inline_refs(schema, registry.resolver(schema["$id"])))
+    return {kind: Draft202012Validator(inline_refs(schema, registry.resolver(schema["$id"])))
             for kind, schema in kinds.items()}
 
 
-def _inline_refs(schema: Any, resolver: Resolver) -> Any:
+def inline_refs(schema: Any, resolver: Resolver) -> Any:
+    """``schema`` with every ``$ref`` replaced by what it names (definitions and job manifests
+    compile their validators this way)."""
     if isinstance(schema, list):
-        return [_inline_refs(s, resolver) for s in schema]
+        return [inline_refs(s, resolver) for s in schema]
     if not isinstance(schema, dict):
         return schema
     if "$ref" in schema:
         resolved = resolver.lookup(schema["$ref"])
         siblings = {k: v for k, v in schema.items() if k != "$ref"}
-        return {**_inline_refs(resolved.contents, resolved.resolver),
-                **_inline_refs(siblings, resolver)}
+        return {**inline_refs(resolved.contents, resolved.resolver),
+                **inline_refs(siblings, resolver)}
     # $defs are only reached through the $refs just inlined; a copy here would be dead weight.
-    return {k: _inline_refs(v, resolver) for k, v in schema.items() if k != "$defs"}
+    return {k: inline_refs(v, resolver) for k, v in schema.items() if k != "$defs"}
 
 
 def check_document(
@@ -120,7 +122,7 @@ def check_document(
     validator = validators()[kind]
     if not problems and validator.is_valid(doc):
         return problems
-    mapper = _ErrorMapper(kind, file, positions, key_positions())
+    mapper = SchemaErrorMapper(kind, file, positions, key_positions())
     found = set(problems)
     for error in validator.iter_errors(doc):
         found.update(mapper.problems(error))
@@ -183,8 +185,9 @@ def _quoted(values: Iterable[Any]) -> str:
     return ", ".join(repr(v) for v in values)
 
 
-class _ErrorMapper:
-    """Turns the jsonschema errors of one document into problems at their lines."""
+class SchemaErrorMapper:
+    """Turns the jsonschema errors of one document into problems at their lines (definitions
+    and job manifests, ``envbuild.jobs.load``, word them alike)."""
 
     def __init__(self, kind: str, file: str, positions: Positions,
                  key_positions: Positions) -> None:

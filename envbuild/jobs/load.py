@@ -25,8 +25,8 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
-from envbuild.defs.load import Loader, _Builder, _key_positions, check_yaml_limits
-from envbuild.defs.validate import Positions, _ErrorMapper, _inline_refs, load_schema
+from envbuild.defs.load import Loader, NodeBuilder, check_yaml_limits, node_key_positions
+from envbuild.defs.validate import Positions, SchemaErrorMapper, inline_refs, load_schema
 from envbuild.errors import DefinitionError, EnvbuildError, Problem
 from runtime_shim.jobs import API_VERSION, KIND, JobManifest
 
@@ -52,7 +52,7 @@ def validator() -> Draft202012Validator:
     common, schema = load_schema("common.json"), load_schema(SCHEMA_FILE)
     registry: Registry = Registry().with_resources(
         (s["$id"], Resource.from_contents(s)) for s in (common, schema))
-    return Draft202012Validator(_inline_refs(schema, registry.resolver(schema["$id"])))
+    return Draft202012Validator(inline_refs(schema, registry.resolver(schema["$id"])))
 
 
 def check_job_document(doc: dict[str, Any], file: str, positions: Positions,
@@ -75,7 +75,7 @@ def check_job_document(doc: dict[str, Any], file: str, positions: Positions,
     v = validator()
     if not problems and v.is_valid(doc):
         return problems
-    mapper = _ErrorMapper(KIND, file, positions, key_positions())
+    mapper = SchemaErrorMapper(KIND, file, positions, key_positions())
     found = set(problems)
     for error in v.iter_errors(doc):
         if list(error.absolute_path)[:1] in (["apiVersion"], ["kind"]):
@@ -146,9 +146,9 @@ def parse_job_manifest(text: str, file: str = "<manifest>") -> JobManifest:
         raise JobManifestError(Problem(file, node.start_mark.line + 1, node.start_mark.column + 1,
                                        f"a job manifest must be a mapping, got {got}",
                                        hint=f"start with 'apiVersion: {API_VERSION}'"))
-    builder = _Builder(file)
+    builder = NodeBuilder(file)
     doc = builder.value(node, "")
-    problems = check_job_document(doc, file, builder.positions, lambda: _key_positions(node))
+    problems = check_job_document(doc, file, builder.positions, lambda: node_key_positions(node))
     if builder.problems:
         refused = {p.path for p in builder.problems}
         problems = builder.problems + [p for p in problems if p.path not in refused]

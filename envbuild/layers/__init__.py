@@ -39,18 +39,50 @@ truncated, tampered or inconsistent blobs, ``UnsupportedFormatError`` for unknow
 ``UnsafeLayerError`` for members that would escape the destination or are refused by policy.
 """
 
-from envbuild.layers._footer import FOOTER_SIZE, FORMAT_VERSION, SKIPPABLE_MAGIC, Footer
-from envbuild.layers._plan import Framing, plan_frames
-from envbuild.layers._reader import LayerReader, ReadStats
-from envbuild.layers._toc import TOC_VERSION, Chunk, Entry, LayerInfo, Toc
-from envbuild.layers._unpack import unpack_layer
-from envbuild.layers._verify import verify_layer
-from envbuild.layers._writer import LayerWriter, pack_tar, pack_tree
+import importlib
+from typing import TYPE_CHECKING
+
+# The names below are imported on first use (PEP 562), so a program that only reads a TOC
+# (``envbuild layer ls``) does not import the writer, the unpacker and the verifier: CLI
+# start-up, issue 12. Type checkers see ordinary imports.
+if TYPE_CHECKING:
+    from envbuild.layers._footer import FOOTER_SIZE, FORMAT_VERSION, SKIPPABLE_MAGIC, Footer
+    from envbuild.layers._plan import Framing, plan_frames
+    from envbuild.layers._reader import LayerReader, ReadStats
+    from envbuild.layers._toc import TOC_VERSION, Chunk, Entry, LayerInfo, Toc
+    from envbuild.layers._unpack import unpack_layer
+    from envbuild.layers._verify import verify_layer
+    from envbuild.layers._writer import LayerWriter, pack_tar, pack_tree
+
+_LAZY = {
+    "FOOTER_SIZE": "_footer", "FORMAT_VERSION": "_footer", "SKIPPABLE_MAGIC": "_footer",
+    "Footer": "_footer",
+    "Framing": "_plan", "plan_frames": "_plan",
+    "LayerReader": "_reader", "ReadStats": "_reader",
+    "TOC_VERSION": "_toc", "Chunk": "_toc", "Entry": "_toc", "LayerInfo": "_toc", "Toc": "_toc",
+    "unpack_layer": "_unpack",
+    "verify_layer": "_verify",
+    "LayerWriter": "_writer", "pack_tar": "_writer", "pack_tree": "_writer",
+}
 
 MEDIA_TYPE = "application/vnd.oci.image.layer.v1.tar+zstd"
 # The descriptor annotation that carries ``LayerInfo.toc_digest`` (one name for writer and
 # readers: envbuild.oci).
 from envbuild.oci import ANNOTATION_TOC as TOC_DIGEST_ANNOTATION  # noqa: E402
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "FOOTER_SIZE",

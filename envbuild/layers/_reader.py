@@ -8,7 +8,6 @@ import struct
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import zstandard
 
@@ -303,7 +302,7 @@ class LayerReader:
                 return out
             # one C call per batch: see _writer._FrameSink for why not a Python loop
             frames = []
-            for csize, usize in sizes:
+            for csize, _usize in sizes:
                 frames.append(data[pos:pos + csize])
                 pos += csize
             usizes = struct.pack(f"={len(sizes)}Q", *(u for _, u in sizes))
@@ -323,6 +322,9 @@ class LayerReader:
             self.stats.frames_decompressed += len(sizes)
             self.stats.bytes_decompressed += sum(u for _, u in sizes)
             return [memoryview(coll[i]) for i in range(len(sizes))]
+
+        # Imported here: concurrent.futures pulls in logging, a cost for every TOC-only reader.
+        from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=self.workers,
                                 thread_name_prefix="layer-unzstd") as pool:

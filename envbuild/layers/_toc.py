@@ -157,12 +157,13 @@ def entry_row(e: Entry, data: int | None) -> str:
     x = e.xattrs
     link = e.linkname
     d = e.digest
-    return "[%s,%d,%d,%d,%d,%d,%s,%s,%d,%d,%s,%s]" % (
+    # %-formatting on purpose: this runs once per TOC entry and is faster than an f-string here.
+    return "[%s,%d,%d,%d,%d,%d,%s,%s,%d,%d,%s,%s]" % (  # noqa: UP031
         _TYPE_JSON.get(e.type) or json_string(e.type), e.mode, e.uid, e.gid, e.size, e.mtime,
         json_string(link) if link else '""',
         _canonical({k: base64.b64encode(v).decode("ascii") for k, v in x.items()}) if x else "{}",
         e.devmajor, e.devminor, "null" if d is None else json_string(d),
-        "null" if data is None else "%d" % data)
+        "null" if data is None else "%d" % data)  # noqa: UP031
 
 
 _TYPE_JSON = {t: f'"{t}"' for t in TYPES}

@@ -21,9 +21,7 @@ import dataclasses
 import datetime
 import os
 import re
-import secrets
 import stat
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,8 +37,6 @@ from envbuild.errors import (
 )
 from envbuild.layers._reader import LayerReader
 from envbuild.layers._toc import Entry, LayerInfo
-from envbuild.layers._verify import verify_layer
-from envbuild.layers._writer import pack_tree
 
 #: Fewest hex digits accepted as a digest prefix (12, as for docker image ids).
 MIN_PREFIX = 12
@@ -166,12 +162,16 @@ def pack_to_file(src: str | os.PathLike, dest: str | os.PathLike, **options) -> 
         raise LayerError(f"pack {src}: {what}", hint="envbuild layer pack takes a directory")
     if dest.is_dir():
         raise LayerError(f"write layer {dest}: it is a directory", hint="give a file name")
+    import secrets  # packing only: reading a layer does not pay for it (CLI start-up)
+
     tmp = dest.parent / f".{dest.name}.{secrets.token_hex(6)}.tmp"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     except OSError as e:
         raise LayerError(f"write layer {dest}: {e.strerror or e}",
                          hint="the directory must exist and be writable") from e
+    from envbuild.layers._writer import pack_tree  # not imported for reading (CLI start-up)
+
     try:
         with open(fd, "wb") as out:
             info = pack_tree(src, out, **options)
@@ -189,6 +189,8 @@ def pack_to_file(src: str | os.PathLike, dest: str | os.PathLike, **options) -> 
 def pack_to_store(src: str | os.PathLike, store, **options) -> LayerInfo:
     """Pack ``src`` and put the blob into ``store`` (through a temporary file, since a layer
     can be larger than memory). Returns the writer's ``LayerInfo``."""
+    import tempfile
+
     with tempfile.TemporaryDirectory(prefix="envbuild-pack-") as tmp:
         info = pack_to_file(src, Path(tmp) / "layer", **options)
         _put(store, Path(tmp) / "layer", info, src)
@@ -277,6 +279,8 @@ def verify(reader: LayerReader) -> LayerInfo:
     """``verify_layer`` with hints on failure. A reader opened from a store is named by its
     digest (``LayerReader.from_store``), and the blob must hash to it; for a file the returned
     ``info.digest`` is simply the file's sha256."""
+    from envbuild.layers._verify import verify_layer
+
     stored = reader.name if _DIGEST.fullmatch(reader.name) else None
     with add_hints(reader):
         return verify_layer(reader, expected_digest=stored)
@@ -320,7 +324,7 @@ def long_line(entry: Entry) -> str:
     else:
         size = str(entry.size)
     try:
-        when = datetime.datetime.fromtimestamp(entry.mtime, datetime.timezone.utc)
+        when = datetime.datetime.fromtimestamp(entry.mtime, datetime.UTC)
         mtime = when.strftime("%Y-%m-%d %H:%M")
     except (OverflowError, OSError, ValueError):
         mtime = str(entry.mtime)

@@ -44,9 +44,22 @@ import zstandard
 
 from envbuild.errors import CorruptLayerError, LayerError, UnsafeLayerError
 from envbuild.layers._stream import TarStream, Truncated, read_pax_header
-from envbuild.layers._tar import (BLOCK, GNU_LONG_LINK, GNU_LONG_NAME, MAX_GNU_LONG, MAX_PAX_HEADER, ZERO_BLOCK, TarFormatError,
-                                  encode_header, foreign_pax, make_entry, make_foreign_entry,
-                                  parse_foreign_header, parse_pax, parse_ustar)
+from envbuild.layers._tar import (
+    BLOCK,
+    GNU_LONG_LINK,
+    GNU_LONG_NAME,
+    MAX_GNU_LONG,
+    MAX_PAX_HEADER,
+    ZERO_BLOCK,
+    TarFormatError,
+    encode_header,
+    foreign_pax,
+    make_entry,
+    make_foreign_entry,
+    parse_foreign_header,
+    parse_pax,
+    parse_ustar,
+)
 from envbuild.layers._toc import Entry
 from envbuild.layers._walk import OPAQUE_MARKER, WHITEOUT_PREFIX
 from envbuild.safefs import open_beneath, remove_tree

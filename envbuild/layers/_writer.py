@@ -122,8 +122,9 @@ class _FrameSink:
     the members completed in that batch. Files wholly inside one batch are hashed by the
     worker that compresses it (a file's hash needs its pieces in order, so only files that
     span batches are left to the output thread): that balances ~0.3 CPU-s of sha256 per
-    200 MB between the threads instead of serializing it on the output thread. The main thread only walks, encodes headers and
-    reads files into the batch buffers. At most ``_INFLIGHT`` batches are in flight."""
+    200 MB between the threads instead of serializing it on the output thread. The main
+    thread only walks, encodes headers and reads files into the batch buffers. At most
+    ``_INFLIGHT`` batches are in flight."""
 
     def __init__(self, out: BinaryIO, workers: int, capacity: int) -> None:
         self.out = out

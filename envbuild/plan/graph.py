@@ -25,11 +25,12 @@ import dataclasses
 import difflib
 import posixpath
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import networkx as nx
 
 from envbuild.defs.model import Base, Definition, DefinitionSet, Env, Origin, Toolkit, Workspace
-from envbuild.errors import PlanError, Problem
+from envbuild.errors import DefinitionError, PlanError, Problem
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str | None:
@@ -120,8 +121,11 @@ class EnvGraph:
         return self.base_chain(env.base) + ws + tuple(env.toolkits)
 
 
-def build_graph(defs: DefinitionSet) -> EnvGraph:
-    """Check the references between ``defs`` and return their DAG; raise ``PlanError`` if not."""
+def build_graph(defs: DefinitionSet, *, unparsed: frozenset[str] = frozenset()) -> EnvGraph:
+    """Check the references between ``defs`` and return their DAG; raise ``PlanError`` if not.
+
+    ``unparsed``: names of documents that exist but did not validate (``LoadResult``); a
+    reference to one is not reported (its document's own problem is) and adds no edge."""
     by_name = defs.by_name
     g = nx.DiGraph()
     g.add_nodes_from(by_name)
@@ -133,6 +137,8 @@ def build_graph(defs: DefinitionSet) -> EnvGraph:
     def ref(d: Definition, target: str, want: str, paths: Sequence[str], what: str) -> bool:
         """Check one reference; add its edge when it resolves to the right kind."""
         t = by_name.get(target)
+        if t is None and target in unparsed:
+            return False
         if t is None:
             problems.append(_problem(d, paths, f"{what} {target!r}: no {want} with that name",
                                      did_you_mean(target, names_of.get(want, ()))))
@@ -165,6 +171,25 @@ def build_graph(defs: DefinitionSet) -> EnvGraph:
     if problems:
         raise PlanError(problems)
     return EnvGraph(defs=defs, graph=g)
+
+
+def check_tree(root: Path | str) -> EnvGraph:
+    """Load the definitions under ``root`` and check their graph, reporting every problem of
+    both in one ``DefinitionError``: the graph checks (references, cycles, ABI) run over every
+    document that validated, also when others did not. Graph problems alone raise
+    ``PlanError``, as ``build_graph`` does."""
+    from envbuild.defs.load import collect_definitions
+
+    result = collect_definitions(root)
+    try:
+        graph = build_graph(result.defs, unparsed=result.unparsed_names)
+    except PlanError as e:
+        if not result.problems:
+            raise
+        raise DefinitionError([*result.problems, *e.problems]) from None
+    if result.problems:
+        raise DefinitionError(list(result.problems))
+    return graph
 
 
 def _check_env(env: Env, ref, by_name, problems: list[Problem]) -> None:

@@ -29,10 +29,19 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from envbuild.oci import (ANNOTATION_CREATED, ANNOTATION_ENV, ANNOTATION_KEY, ANNOTATION_NAME,
-                          ANNOTATION_ROLE, ANNOTATION_TOC, LABEL_HOSTNAME, MEDIA_TYPE_CONFIG,
-                          MEDIA_TYPE_LAYER_ZSTD, MEDIA_TYPE_MANIFEST)
 from envbuild.canonical import canonical_json
+from envbuild.oci import (
+    ANNOTATION_CREATED,
+    ANNOTATION_ENV,
+    ANNOTATION_KEY,
+    ANNOTATION_NAME,
+    ANNOTATION_ROLE,
+    ANNOTATION_TOC,
+    LABEL_HOSTNAME,
+    MEDIA_TYPE_CONFIG,
+    MEDIA_TYPE_LAYER_ZSTD,
+    MEDIA_TYPE_MANIFEST,
+)
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 

@@ -140,7 +140,7 @@ class RangeClient:
             except _TooLong as e:
                 conn.close()
                 return RangeResponse(502, b"", error=str(e))  # final: retrying gets the same
-            except (OSError, http.client.HTTPException, socket.timeout) as e:
+            except (TimeoutError, OSError, http.client.HTTPException) as e:
                 conn.close()
                 last = f"{type(e).__name__}: {e}"
                 continue

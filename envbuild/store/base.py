@@ -468,7 +468,7 @@ class Store(abc.ABC):
         """Unfinished writes (see "Ages and garbage collection"); none by default."""
         return iter(())
 
-    def delete_partial(self, partial: PartialWrite) -> None:
+    def delete_partial(self, partial: PartialWrite) -> None:  # noqa: B027 - optional, no-op default
         """Remove an unfinished write that ``list_partials`` reported; idempotent."""
 
     def record_mtime(self, namespace: str, name: str) -> float | None:

@@ -152,7 +152,8 @@ class _Marker:
             try:
                 check_digest(digest)
             except StoreError:
-                raise _unmarkable(where, str(digest), "a descriptor with a malformed digest")
+                raise _unmarkable(where, str(digest),
+                                  "a descriptor with a malformed digest") from None
             if digest in self.marked:
                 continue
             self.marked.add(digest)
@@ -260,7 +261,7 @@ def gc(store: Store, *, grace: float = DEFAULT_GRACE, roots: Iterable[str] = (),
     report.reachable = sum(1 for i in infos if i.digest in reachable)
     report.young = sum(1 for i in infos if i.digest in marker.marked - reachable)
     garbage = [i for i in infos if i.digest not in marker.marked]
-    for name, (layer, mtime) in sorted(drop.items()):
+    for name, (_layer, mtime) in sorted(drop.items()):
         report.deleted.append(GcItem("record", f"{KEY_RECORDS}/{name}", 0, start - mtime))
         if not dry_run:
             store.delete_record(KEY_RECORDS, name)

@@ -11,7 +11,8 @@
 
 **Opening costs two ranged reads**: the footer (the last 80 bytes: an explicit range when the
 blob's size is known — pass it from the lock's descriptor — or a suffix range when the store
-is a ``TailReader``, as ``S3Store`` and ``LocalStore`` are; otherwise one ``stat`` first) and the TOC. Both are
+is a ``TailReader``, as ``S3Store`` and ``LocalStore`` are; otherwise one ``stat`` first) and the
+TOC. Both are
 verified (footer → TOC sha256, and ``expected_toc_digest`` from the descriptor annotation or key
 record). After that, reads fetch only the zstd frames holding the files asked for: the frames
 a request needs are sorted by offset and **adjacent frames are fetched in one ranged read**,
@@ -297,8 +298,9 @@ class LazyLayer:
     """A layer in a store, read through its TOC (see the module docstring).
 
     ``store``: any ``RangeReader`` (a ``Store``, or ``HttpRanges``). ``size``: the blob size
-    when known (lock descriptor; saves a request on stores that are not a ``TailReader``). ``workers``: parallel ranged reads for ``prefetch``. ``max_request``: cap on
-    one merged read; ``merge_gap``: unneeded bytes a merged read may span. Thread-safe.
+    when known (lock descriptor; saves a request on stores that are not a ``TailReader``).
+    ``workers``: parallel ranged reads for ``prefetch``. ``max_request``: cap on one merged
+    read; ``merge_gap``: unneeded bytes a merged read may span. Thread-safe.
     """
 
     def __init__(self, store: RangeReader, digest: str, *, chunk_cache: Any = None,
@@ -517,7 +519,8 @@ class LazyLayer:
     def prefetch(self, paths: Iterable[str], *, batch_bytes: int = 64 * MiB,
                  workers: int | None = None) -> int:
         """Fetch, verify and cache the regular files among ``paths`` (others are skipped),
-        ``workers`` (default: the layer's) requests at a time, frames shared by several files fetched once; returns
+        ``workers`` (default: the layer's) requests at a time, frames shared by several files
+        fetched once; returns
         how many files were loaded. Memory: about ``batch_bytes`` of frames at a time."""
         entries = []
         seen = set()

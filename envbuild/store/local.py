@@ -186,6 +186,31 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable):
         if root.exists() and not root.is_dir():
             raise StoreUnavailable(f"store path {root} exists and is not a directory",
                                    hint=_WHERE_HINT)
+        # An OCI layout another tool made (skopeo, umoci): opened as it is, nothing written
+        # into it (no envbuild-store.json, no writability demand), so read-only commands
+        # leave someone else's directory untouched. A write later fails on its own if denied.
+        self.foreign = (root / LAYOUT_FILE).is_file() and not (root / VERSION_FILE).exists()
+        if not self.foreign:
+            self._init_layout()
+        layout = _read_json(root / LAYOUT_FILE)
+        found = layout.get("imageLayoutVersion") if isinstance(layout, dict) else None
+        if found != IMAGE_LAYOUT_VERSION:
+            raise StoreUnavailable(
+                f"unsupported OCI image layout version {found!r} in {root / LAYOUT_FILE}",
+                hint=f"envbuild reads version {IMAGE_LAYOUT_VERSION}; {_WHERE_HINT}")
+        if self.foreign:
+            return
+        meta = _read_json(root / VERSION_FILE)
+        found = meta.get("version") if isinstance(meta, dict) else None
+        if found != STORE_VERSION:
+            raise StoreUnavailable(
+                f"unsupported envbuild store version {found!r} in {root / VERSION_FILE}",
+                hint=f"this envbuild reads store version {STORE_VERSION}; use the envbuild "
+                     f"that wrote it, or {_WHERE_HINT}")
+
+    def _init_layout(self) -> None:
+        """Create the store's directory and files where missing; check it is writable."""
+        root = self.root
         try:
             self._blobs.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -202,20 +227,6 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable):
         except OSError as e:
             raise StoreUnavailable(f"initialise store {root}: {e}", hint=_WHERE_HINT) from e
 
-        layout = _read_json(root / LAYOUT_FILE)
-        found = layout.get("imageLayoutVersion") if isinstance(layout, dict) else None
-        if found != IMAGE_LAYOUT_VERSION:
-            raise StoreUnavailable(
-                f"unsupported OCI image layout version {found!r} in {root / LAYOUT_FILE}",
-                hint=f"envbuild reads version {IMAGE_LAYOUT_VERSION}; {_WHERE_HINT}")
-        meta = _read_json(root / VERSION_FILE)
-        found = meta.get("version") if isinstance(meta, dict) else None
-        if found != STORE_VERSION:
-            raise StoreUnavailable(
-                f"unsupported envbuild store version {found!r} in {root / VERSION_FILE}",
-                hint=f"this envbuild reads store version {STORE_VERSION}; use the envbuild "
-                     f"that wrote it, or {_WHERE_HINT}")
-
     # -- blobs ---------------------------------------------------------------------------------
 
     def blob_path(self, digest: str) -> Path:
@@ -226,6 +237,8 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable):
         final = self.blob_path(digest)
         if final.exists():
             return
+        if self.foreign:  # a foreign layout may have no blobs yet: made on the first write
+            self._blobs.mkdir(parents=True, exist_ok=True)
         tmp = _tmp_name(self._blobs)
         guard = -1
         try:

@@ -231,8 +231,13 @@ class S3Store(Store, TailReader, Locatable, Presigner):
 
     def _fail(self, e: BaseException, what: str) -> StoreError:
         """Map a boto/botocore exception to the store's errors (one line, with a hint)."""
-        from botocore.exceptions import (ClientError, ConnectionError, HTTPClientError,
-                                         NoCredentialsError, PartialCredentialsError)
+        from botocore.exceptions import (
+            ClientError,
+            ConnectionError,
+            HTTPClientError,
+            NoCredentialsError,
+            PartialCredentialsError,
+        )
 
         if isinstance(e, (NoCredentialsError, PartialCredentialsError)):
             return StoreUnavailable(f"{what}: no usable AWS credentials for {self.url}",

@@ -134,7 +134,7 @@ def sync(src: Store, dst: Store, refs: Iterable[str] = (), keys: Iterable[str] =
     leaves: list[str] = []     # layers, configs: copied in parallel
     manifests: list[str] = []  # children before parents, copied after all leaves, in order
     all_keys = list(keys)
-    for name, desc in descs.items():
+    for desc in descs.values():
         blobs, k = walk(src, desc)
         for digest, is_manifest in blobs:
             (manifests if is_manifest else leaves).append(digest)

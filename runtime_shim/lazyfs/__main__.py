@@ -11,8 +11,8 @@ import sys
 from collections.abc import Sequence
 
 from envbuild.errors import EnvbuildError
+from envbuild.settings import parse_size
 from envbuild.store.lazy import ChunkCache, LazyLayer, MemoryChunkCache
-from runtime_shim._units import parse_size
 from runtime_shim.lazyfs.chunks import TieredChunkCache
 from runtime_shim.lazyfs.daemon import _NodeDaemon
 from runtime_shim.lazyfs.fuseops import CACHE_TTL, _operations_base, make_operations

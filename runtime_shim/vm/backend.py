@@ -74,17 +74,19 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from envbuild.errors import (BackendUnavailable, RuntimeShimError, SandboxCompromised,
-                             SandboxStartError)
-from runtime_shim import agent
-from runtime_shim import netns  # a networked sandbox's own namespace
+from envbuild.errors import BackendUnavailable, RuntimeShimError, SandboxCompromised, SandboxStartError
+from runtime_shim import (
+    agent,
+    netns,  # a networked sandbox's own namespace
+)
 from runtime_shim.backend import CreateRequest
 from runtime_shim.layout import NodeLayout, SandboxPaths
 from runtime_shim.locks import ResolvedLock
 from runtime_shim.mount import unmount
 from runtime_shim.nodecache import NodeCache, parse_size
 from runtime_shim.spec import parse_user
-from runtime_shim.vm import erofs, initramfs, kernel as vmkernel, qemu
+from runtime_shim.vm import erofs, initramfs, qemu
+from runtime_shim.vm import kernel as vmkernel
 from runtime_shim.vm.serial import SerialMux
 
 MAX_LAYERS = initramfs.MAX_LAYERS
@@ -190,7 +192,8 @@ class MicroVmSandbox:
         accel = qemu.choose_accel(node.root, str(image), str(initrd), environ=environ)
         memory = limits.memory_bytes or self.options.default_memory_bytes
         self.request = qemu.VmRequest(
-            kernel=str(image), initrd=str(initrd), cmdline=vmkernel.kernel_cmdline(tsc_khz=vmkernel.host_tsc_khz()),
+            kernel=str(image), initrd=str(initrd),
+            cmdline=vmkernel.kernel_cmdline(tsc_khz=vmkernel.host_tsc_khz()),
             drives=vm_drives(images, rw, cfg),
             agent_socket=str(self.agent_socket), memory_mib=max(128, memory >> 20),
             vcpus=self.options.vcpus, accel=accel, network=network,

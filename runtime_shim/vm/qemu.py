@@ -83,7 +83,8 @@ def qemu_argv(req: VmRequest) -> list[str]:
     # nsenter execs QEMU in the namespace (no fork for --net): the pid stays QEMU's.
     prefix = ["nsenter", f"--net={req.network_ns}", "--"] if req.network_ns else []
     argv = [*prefix, req.qemu, "-M", "microvm", "-accel", req.accel,
-            *(["-cpu", "host"] if req.accel == "kvm" else []), "-m", f"{req.memory_mib}M", "-smp", str(req.vcpus),
+            *(["-cpu", "host"] if req.accel == "kvm" else []), "-m", f"{req.memory_mib}M",
+            "-smp", str(req.vcpus),
             "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
             "-serial", "stdio", "-kernel", req.kernel, "-initrd", req.initrd,
             "-append", req.cmdline]

@@ -139,3 +139,25 @@ def test_two_processes_build_each_key_once(envbuild_cli, tmp_path):
         for lay in json.loads(out)["layers"]:
             built[lay["name"]] = built.get(lay["name"], 0) + (lay["status"] == "built")
     assert built == {"busybox-tiny": 1, "kvsh": 1, "shtest": 1}
+
+
+def test_verbose_build_streams_each_steps_output(envbuild_cli):
+    """``build -v`` shows a run step's output on the console (issue 12, item 9), stdout and
+    stderr, line by line prefixed with its layer; without -v only the log has it."""
+    _write(envbuild_cli.defs / "toolkits" / "chatty.yaml", """\
+        apiVersion: envbuild/v1
+        kind: Toolkit
+        name: chatty
+        build_on: busybox-tiny
+        prefix: /opt/toolkits/chatty
+        steps:
+          - run: echo first line; echo to stderr >&2; mkdir -p /opt/toolkits/chatty; printf tail
+            network: none
+        """)
+    quiet = envbuild_cli("build", "chatty")
+    assert quiet.code == 0 and "chatty | first line" not in quiet.err.splitlines()
+    result = envbuild_cli("build", "chatty", "-v", "--no-cache")
+    assert result.code == 0, result.err
+    lines = result.err.splitlines()
+    assert "chatty | first line" in lines and "chatty | to stderr" in lines
+    assert "chatty | tail" in lines  # a last line without a newline still comes out

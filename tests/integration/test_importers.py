@@ -249,7 +249,8 @@ def test_archive_workspace_with_sha256(envbuild_cli, tmp_path):
 
 
 def test_default_mirror_comes_from_apt_sources(tmp_path):
-    (tmp_path / "sources.list").write_text("# comment\ndeb [arch=amd64] http://mirror.example/debian bookworm main\n")
+    (tmp_path / "sources.list").write_text(
+        "# comment\ndeb [arch=amd64] http://mirror.example/debian bookworm main\n")
     assert default_debian_mirror([str(tmp_path / "sources.list")]) == "http://mirror.example/debian"
     d = tmp_path / "d"
     d.mkdir()

@@ -184,7 +184,7 @@ def test_lazy_and_full_sandboxes_see_the_same_tree(lock2):
         assert "/data/suid|regular file|4755|" in out
         assert "/data/fifo|fifo|" in out
         assert "/data/link|symbolic link|777|" in out
-        assert hashlib.sha256((b"small\n" * 100)).hexdigest() + "  /data/hard.txt" in out
+        assert hashlib.sha256(b"small\n" * 100).hexdigest() + "  /data/hard.txt" in out
         mp = NodeCache(node_dir / "node").lazy_dir(layers[0].digest)
         assert os.getxattr(mp / "data" / "big.bin", "user.origin") == b"test"
         ino = os.stat(mp / "data" / "small.txt").st_ino

@@ -96,3 +96,40 @@ def test_parse_size():
     assert parse_size("500M") == 500 << 20
     assert parse_size("2G") == 2 << 30
     assert parse_size("1.5GiB") == int(1.5 * (1 << 30))
+
+
+def _fake_layers(node_dir, sizes):
+    """Unpacked-looking layers of the given sizes in the node cache, oldest use first."""
+    cache = NodeCache(node_dir / "node")
+    digests = []
+    for i, size in enumerate(sizes):
+        hexd = f"{i:x}" * 64
+        layer = cache.root / "layers" / hexd[:64]
+        layer.mkdir(parents=True)
+        (layer / "data").write_bytes(b"x" * size)
+        used = cache.root / "layers" / f"{hexd[:64]}.used"
+        used.touch()
+        os.utime(used, (1000 + i, 1000 + i))
+        digests.append("sha256:" + hexd[:64])
+    return cache, digests
+
+
+def test_node_gc_without_max_size_keeps_the_cache_within_its_budget(tmp_path, monkeypatch, capsys):
+    """Issue 12, item 9: ``envbuild node gc`` evicts down to the configured budget
+    ($ENVBUILD_NODE_CACHE_MAX, default 20 % of the filesystem), not every layer."""
+    from envbuild.cli.main import main
+
+    monkeypatch.setenv("ENVBUILD_NODE_CACHE", str(tmp_path))
+    monkeypatch.delenv("ENVBUILD_NODE_CACHE_MAX", raising=False)
+    cache, digests = _fake_layers(tmp_path, [1 << 20, 1 << 20, 1 << 20])
+    assert main(["node", "gc"]) == 0  # 3 MiB is far within 20 % of any filesystem here
+    assert cache.list_layers() == sorted(digests)
+    monkeypatch.setenv("ENVBUILD_NODE_CACHE_MAX", "2.5M")
+    assert main(["node", "gc"]) == 0
+    assert cache.list_layers() == sorted(digests[1:])  # the least recently used went
+    assert main(["node", "gc", "--max-size", "0"]) == 0
+    assert cache.list_layers() == []
+    monkeypatch.setenv("ENVBUILD_NODE_CACHE_MAX", "lots")
+    capsys.readouterr()
+    assert main(["node", "gc"]) == 1
+    assert "not a size: 'lots'" in capsys.readouterr().err

@@ -13,8 +13,13 @@ import pytest
 
 from envbuild.layers import LayerReader
 from runtime_shim.locks import resolve
-from runtime_shim.packdiff import (SnapshotPolicy, SnapshotRefused, pack_upper, snapshot_chain,
-                                   squash_snapshots)
+from runtime_shim.packdiff import (
+    SnapshotPolicy,
+    SnapshotRefused,
+    pack_upper,
+    snapshot_chain,
+    squash_snapshots,
+)
 from runtime_shim.sandbox import Sandbox
 from tests.conftest import require_root
 from tests.integration.conftest import build_busybox_env
@@ -157,7 +162,7 @@ def test_cli_keep_pack_diff_run(built, tmp_path):
 # ---------------------------------------------------------------- hostile upper dirs
 
 
-def _pack(upper, policy=SnapshotPolicy()):
+def _pack(upper, policy=SnapshotPolicy()):  # noqa: B008 - a frozen dataclass, never mutated
     out = io.BytesIO()
     info, report = pack_upper(upper, out, policy, name="hostile")
     out.seek(0)

@@ -157,6 +157,28 @@ def pytest_configure(config) -> None:
                                        "store backends lack (conftest.Backend.lacks)")
 
 
+SERVER_BACKENDS = ("s3", "registry", "registry-auth", "registry-token")
+
+
+def starts_a_server(item: pytest.Item) -> bool:
+    """Whether a store test starts a server (moto S3 or a registry: directly, or as a
+    backend)."""
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params if callspec is not None else {}
+    names = getattr(item, "fixturenames", ())
+    return ("moto_s3" in names or any(n.startswith("docker_registry") for n in names)
+            or params.get("backend") in SERVER_BACKENDS
+            or params.get("declared") in SERVER_BACKENDS)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Store tests that start a server are integration tests (``-m "not integration"`` runs
+    the memory and local backends only). tests/unit/test_markers.py checks it."""
+    for item in items:
+        if "tests/store/" in str(item.fspath) and starts_a_server(item):
+            item.add_marker(pytest.mark.integration)
+
+
 @pytest.fixture(params=sorted(BACKENDS))
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     b = BACKENDS[request.param](request, tmp_path)

@@ -156,7 +156,7 @@ class TokenServer:
         root.mkdir(parents=True, exist_ok=True)
         self.key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "envbuild test token issuer")])
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
                 .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
                 .not_valid_before(now - datetime.timedelta(minutes=5))

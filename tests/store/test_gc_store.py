@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
-
 import time
 
-from envbuild.store import (KEY_RECORDS, MEDIA_TYPE_LAYER_ZSTD, BlobInfo, digest_bytes, put_bytes,
-                            read_bytes)
+import pytest
+
+from envbuild.store import KEY_RECORDS, MEDIA_TYPE_LAYER_ZSTD, BlobInfo, digest_bytes, put_bytes, read_bytes
 from envbuild.store.gc import gc
 
 SLACK = 2.0  # S3 LastModified has one-second resolution

@@ -275,3 +275,51 @@ def test_skopeo_and_umoci_read_the_store(tmp_path):
     copy = LocalStore(tmp_path / "copy")
     assert copy.get_ref("tiny").digest == manifest
     assert sorted(copy.list()) == sorted(store.list())
+
+
+def _tree_state(root) -> dict[str, tuple[int, int]]:
+    return {os.path.relpath(os.path.join(d, n), root): (os.lstat(os.path.join(d, n)).st_size,
+                                                        os.lstat(os.path.join(d, n)).st_mtime_ns)
+            for d, dirs, files in os.walk(root) for n in dirs + files}
+
+
+@pytest.mark.integration
+def test_read_only_commands_write_nothing_into_a_foreign_layout(tmp_path, monkeypatch, capsys):
+    """Issue 12, item 9: ``--store`` someone else's OCI layout (here one skopeo wrote) for
+    read-only commands leaves it byte for byte as it was: no envbuild-store.json, no keys/."""
+    from envbuild.cli.main import main
+    from envbuild.layers._tools import pack_to_store
+    from tests.conftest import REPO
+
+    skopeo = require_tool("skopeo")
+    src = tmp_path / "src"
+    (src / "etc").mkdir(parents=True)
+    (src / "etc" / "motd").write_text("hello\n")
+    ours = LocalStore(tmp_path / "ours")
+    info = pack_to_store(src, ours)
+    config = put_json(ours, {"architecture": "amd64", "os": "linux",
+                             "rootfs": {"type": "layers", "diff_ids": [info.diff_id]}},
+                      media_type=MEDIA_TYPE_CONFIG)
+    manifest = put_json(ours, {
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": config.to_oci(),
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+zstd",
+                    "digest": info.digest, "size": info.size}]})
+    ours.put_ref("envs/motd", manifest.digest)
+    foreign = tmp_path / "theirs"
+    subprocess.run([skopeo, "copy", "--preserve-digests", f"oci:{tmp_path / 'ours'}:envs/motd",
+                    f"oci:{foreign}:motd"], check=True, capture_output=True)
+    assert not (foreign / "envbuild-store.json").exists()
+    before = _tree_state(foreign)
+
+    monkeypatch.setenv("ENVBUILD_STORE", str(foreign))
+    monkeypatch.setenv("ENVBUILD_DEFS", str(REPO / "envdefs"))
+    monkeypatch.setenv("ENVBUILD_NODE_CACHE", str(tmp_path / "node"))
+    for argv in (["layer", "ls", info.digest], ["layer", "cat", info.digest, "etc/motd"],
+                 ["layer", "verify", info.digest], ["layer", "stat", info.digest],
+                 ["plan", "busybox-shell"]):
+        assert main(argv) == 0, (argv, capsys.readouterr().err)
+    assert "hello" in capsys.readouterr().out
+    assert _tree_state(foreign) == before
+    # and a store it opens is still an ordinary store for writes
+    LocalStore(foreign).put(digest_bytes(b"x"), b"x")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,27 @@ def test_validate_runs_the_graph_checks(tree, capsys):
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("envdefs/envs/e.yaml:4:7: ")
     assert err[-1] == "error: 1 problem in definitions"
+
+
+def test_validate_reports_schema_and_graph_problems_together(tree, capsys):
+    """Issue 12, item 11: an unknown key in one document and a cycle between two others are
+    reported in the same run, each as FILE:LINE:COL."""
+    (tree / "envs/e.yaml").write_text(ENV + "colour: red\n")
+    (tree / "base/b.yaml").write_text(BASE.replace("from: {scratch: {}}", "from: {base: c}"))
+    (tree / "base/c.yaml").write_text(BASE.replace("name: b", "name: c")
+                                      .replace("from: {scratch: {}}", "from: {base: b}"))
+    assert main(["validate"]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert any(line.startswith("envdefs/envs/e.yaml:5:1: ") and "colour" in line
+               for line in lines), lines
+    cycle = [line for line in lines if "cycle of definitions" in line]
+    assert len(cycle) == 1 and re.match(r"envdefs/base/[bc]\.yaml:5:\d+: ", cycle[0]), lines
+    assert lines[-1] == "error: 2 problems in definitions"
+
+
+def test_a_reference_to_a_document_with_problems_is_not_also_called_missing(tree, capsys):
+    (tree / "base/b.yaml").write_text(BASE + "colour: red\n")
+    assert main(["validate"]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert any("colour" in line for line in lines)
+    assert not any("no Base with that name" in line for line in lines), lines

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from envbuild.defs import load_definitions
 from envbuild.defs import load as load_mod
+from envbuild.defs import load_definitions
 from envbuild.defs.model import (
     Base,
     CopyStep,

@@ -15,8 +15,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from envbuild.oci import ANNOTATION_PARENT, MEDIA_TYPE_CONFIG, MEDIA_TYPE_LAYER_ZSTD
-from envbuild.store import (KEY_RECORDS, KeyRecord, LocalStore, MemoryStore, digest_bytes,
-                            get_json, put_bytes, put_json, put_key_record, read_bytes)
+from envbuild.store import (
+    KEY_RECORDS,
+    KeyRecord,
+    LocalStore,
+    MemoryStore,
+    digest_bytes,
+    get_json,
+    put_bytes,
+    put_json,
+    put_key_record,
+    read_bytes,
+)
 from envbuild.store.gc import gc
 
 OLD = 1_000_000.0  # an mtime long before "now"

@@ -11,8 +11,16 @@ import time
 import pytest
 
 from envbuild.errors import StoreError
-from envbuild.store import (KEY_RECORDS, KeyRecord, LocalStore, MemoryStore, digest_bytes,
-                            put_bytes, put_key_record, read_bytes)
+from envbuild.store import (
+    KEY_RECORDS,
+    KeyRecord,
+    LocalStore,
+    MemoryStore,
+    digest_bytes,
+    put_bytes,
+    put_key_record,
+    read_bytes,
+)
 from envbuild.store.gc import gc, parse_duration
 from tests.unit.test_gc_property import OLD, age_everything, make_lock
 

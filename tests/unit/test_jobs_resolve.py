@@ -10,8 +10,13 @@ import yaml
 
 from envbuild.cli.main import main
 from envbuild.errors import StoreError
-from envbuild.jobs import (default_output, load_job_manifest, parse_job_manifest,
-                           render_job_manifest, resolve_job_manifest)
+from envbuild.jobs import (
+    default_output,
+    load_job_manifest,
+    parse_job_manifest,
+    render_job_manifest,
+    resolve_job_manifest,
+)
 from envbuild.store import LocalStore, MemoryStore, get_json
 from tests.unit.test_jobs_support import MANIFEST, make_env
 

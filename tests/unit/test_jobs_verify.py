@@ -8,8 +8,7 @@ import json
 import pytest
 
 from envbuild.cli.main import main
-from envbuild.jobs import (parse_job_manifest, render_job_manifest, resolve_job_manifest,
-                           verify_job_manifest)
+from envbuild.jobs import parse_job_manifest, render_job_manifest, resolve_job_manifest, verify_job_manifest
 from envbuild.store import LocalStore, MemoryStore, get_json, put_json
 from tests.unit.test_jobs_support import make_env
 

@@ -13,8 +13,7 @@ import pytest
 import zstandard
 
 from envbuild.errors import CorruptLayerError
-from envbuild.layers import SKIPPABLE_MAGIC, Footer, verify_layer
-from envbuild.layers import _reader, _toc
+from envbuild.layers import SKIPPABLE_MAGIC, Footer, _reader, _toc, verify_layer
 from envbuild.layers._zstd import FrameError, decompress_frame, frame_size
 from tests.unit.test_layers_support import pack_bytes, reader_of
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 import shutil
+import stat
 import tempfile
 import time
 

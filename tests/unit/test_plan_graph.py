@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from tests.unit.test_plan_support import base, defset, env, tk, ws
 
 from envbuild.errors import DefinitionError, PlanError
 from envbuild.plan.graph import build_graph
+from tests.unit.test_plan_support import base, defset, env, tk, ws
 
 
 def problems(*docs):

@@ -1,8 +1,7 @@
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from runtime_shim.spec import (BindMount, Rlimit, RuntimeSpecRequest, parse_user,
-                               runtime_spec)
+from runtime_shim.spec import BindMount, Rlimit, RuntimeSpecRequest, parse_user, runtime_spec
 from tests.oci_schemas import RUNTIME_SPEC, assert_valid
 
 

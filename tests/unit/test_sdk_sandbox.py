@@ -7,8 +7,14 @@ import time
 
 import pytest
 
-from envbuild.errors import (BackendUnavailable, ExecTimeout, LockNotFound, RefNotFound,
-                             SandboxClosed, SandboxNotFound)
+from envbuild.errors import (
+    BackendUnavailable,
+    ExecTimeout,
+    LockNotFound,
+    RefNotFound,
+    SandboxClosed,
+    SandboxNotFound,
+)
 from envbuild.store import LocalStore
 from runtime_shim import backend as registry
 from runtime_shim.backend import Backend, SandboxHandle, Snapshottable
