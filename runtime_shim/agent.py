@@ -219,11 +219,12 @@ def listen_socket(dir_fd: int, name: str = "agent.sock") -> socket.socket:
         pass
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
-        old = os.umask(0o177)  # no window in which the socket is connectable by others
-        try:
-            sock.bind(path)
-        finally:
-            os.umask(old)
+        # No window in which the socket is connectable by others: Linux creates the socket
+        # file with the socket inode's mode (minus the umask), so set that mode before bind.
+        # (os.umask would be process-wide: threads creating sandboxes at once raced on it and
+        # left the whole process at umask 0177.)
+        os.fchmod(sock.fileno(), 0o600)
+        sock.bind(path)
         os.chmod(name, 0o600, dir_fd=dir_fd, follow_symlinks=False)
         sock.listen(512)
     except OSError as e:

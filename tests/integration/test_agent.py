@@ -286,3 +286,31 @@ def test_agent_binary_is_built_once_and_errors_are_clear(tmp_path, monkeypatch):
         assert not any((tmp_path / "broken" / "agent").rglob("*envbuild-agent*"))
     finally:
         agent._source_key.cache_clear()
+
+
+def test_binding_agent_sockets_from_many_threads_leaves_the_umask_alone(tmp_path):
+    """listen_socket must not touch the process-wide umask: concurrent creates (AsyncSandbox
+    runs them on executor threads) once raced on it and left the process at umask 0177."""
+    import stat
+    from concurrent.futures import ThreadPoolExecutor
+
+    before = os.umask(0o022)
+    os.umask(before)
+    dirs = [tmp_path / f"d{i}" for i in range(32)]
+    for d in dirs:
+        d.mkdir()
+
+    def bind(d):
+        fd = os.open(d, os.O_PATH | os.O_DIRECTORY)
+        try:
+            agent.listen_socket(fd).close()
+        finally:
+            os.close(fd)
+        return stat.S_IMODE(os.stat(d / "agent.sock").st_mode)
+
+    with ThreadPoolExecutor(8) as pool:
+        modes = list(pool.map(bind, dirs))
+    after = os.umask(0o022)
+    os.umask(after)
+    assert after == before
+    assert set(modes) == {0o600}
