@@ -115,6 +115,9 @@ def _register_commands() -> None:
 
     for module in (cmd_defs, cmd_plan, cmd_build, cmd_run, cmd_layer, cmd_sync, cmd_jobs):
         module.register(cli)
+    from envbuild.cli import cmd_export  # registry issue (16): envbuild export
+
+    cmd_export.register(cli)
 
 
 _register_commands()
