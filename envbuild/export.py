@@ -188,7 +188,7 @@ def export_lock(store: Store, request: ExportRequest) -> ExportReport:
                     new["annotations"] = ann
             pairs.append((layer["digest"], digest))
             new_layers.append(new)
-        if target.transport == "docker-archive":
+        if isinstance(writer, _Archive) and target.transport == "docker-archive":
             manifest_digest = _write_docker(writer, config_desc["digest"], config_bytes,
                                             [(d["digest"], diff) for d, diff
                                              in zip(new_layers, diff_ids)], tag)
