@@ -45,7 +45,7 @@ from typing import Any
 
 from envbuild.build import importers
 from envbuild.build.pin import local_git_path
-from envbuild.defs.model import (Base, BaseSource, BusyboxSource, CopyStep, DebootstrapSource,
+from envbuild.defs.model import (Base, BaseSource, ImageSource, BusyboxSource, CopyStep, DebootstrapSource,
                                  GitSource, LayerDefinition, OciSource, PathSource, RootfsSource,
                                  RunStep, ScratchSource, Toolkit, Workspace, ArchiveSource)
 from envbuild.errors import BuildError, EnvbuildError, StepFailed
@@ -361,6 +361,8 @@ def _import_base(d: Base, upper: Path, log: Path, cancelled: threading.Event
                                             upper, log, cancelled)
     if isinstance(src, OciSource):
         return importers.import_oci(here / src.layout, src.ref, upper)
+    if isinstance(src, ImageSource):  # registry issue (16)
+        return importers.import_image(src, upper)
     raise BuildError(f"{d.name}: source kind {src.kind!r} cannot be imported")
 
 

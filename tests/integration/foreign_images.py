@@ -48,10 +48,11 @@ def _put(layout: Path, data: bytes) -> str:
 
 
 def add_image(layout: Path, tag: str, base_tag: str | None, tars: Sequence[tuple[bytes, str]],
-              *, tamper: bool = False) -> None:
+              *, tamper: bool = False, extra_env: Sequence[str] = ()) -> str:
     """Tag ``tag`` in ``layout``: the layers of ``base_tag`` (if any) plus ``tars``, each
-    ``(tar bytes, "tar" | "tar+gzip")``. ``tamper``: the last layer's blob is rewritten after
-    the manifest names it (a digest mismatch)."""
+    ``(tar bytes, "tar" | "tar+gzip")``; ``extra_env`` is added to the config's Env.
+    ``tamper``: the last layer's blob is rewritten after the manifest names it (a digest
+    mismatch). Returns the manifest digest."""
     index_path = layout / "index.json"
     index = json.loads(index_path.read_text())
     layers, diff_ids, config = [], [], {"architecture": "amd64", "os": "linux",
@@ -72,6 +73,9 @@ def add_image(layout: Path, tag: str, base_tag: str | None, tars: Sequence[tuple
         layers.append({"mediaType": MT + kind, "digest": last, "size": len(blob)})
         diff_ids.append("sha256:" + hashlib.sha256(data).hexdigest())
     config = {**config, "rootfs": {"type": "layers", "diff_ids": diff_ids}}
+    if extra_env:
+        config["config"] = {**config.get("config", {}),
+                            "Env": list(config.get("config", {}).get("Env", [])) + list(extra_env)}
     config_bytes = json.dumps(config).encode()
     cdigest = _put(layout, config_bytes)
     manifest = json.dumps({"schemaVersion": 2,
@@ -91,3 +95,29 @@ def add_image(layout: Path, tag: str, base_tag: str | None, tars: Sequence[tuple
         data = bytearray(p.read_bytes())
         data[-30] ^= 0x01
         p.write_bytes(bytes(data))
+    return mdigest
+
+
+def add_index(layout: Path, tag: str, entries: Sequence[tuple[str, str]]) -> str:
+    """Tag ``tag``: an OCI index of ``(manifest tag, "os/arch")`` entries. Returns its digest."""
+    index_path = layout / "index.json"
+    index = json.loads(index_path.read_text())
+    by_tag = {m["annotations"]["org.opencontainers.image.ref.name"]: m
+              for m in index["manifests"]}
+    doc = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+           "manifests": []}
+    for t, plat in entries:
+        os_name, _, arch = plat.partition("/")
+        d = by_tag[t]
+        doc["manifests"].append({"mediaType": d["mediaType"], "digest": d["digest"],
+                                 "size": d["size"],
+                                 "platform": {"os": os_name, "architecture": arch}})
+    data = json.dumps(doc).encode()
+    digest = _put(layout, data)
+    index["manifests"] = [m for m in index["manifests"]
+                          if m["annotations"]["org.opencontainers.image.ref.name"] != tag]
+    index["manifests"].append({"mediaType": doc["mediaType"], "digest": digest,
+                               "size": len(data),
+                               "annotations": {"org.opencontainers.image.ref.name": tag}})
+    index_path.write_text(json.dumps(index))
+    return digest
