@@ -494,14 +494,29 @@ def import_image(src, dest: Path) -> Imported:
     ``src.platform``) and layers from the registry, every blob verified by the registry store
     (streams read to their end), applied in order with their whiteouts by the safe unpacker;
     the config's Env/WorkingDir/User/Cmd are kept."""
+    from envbuild.errors import BlobNotFound, DigestMismatch
+
+    host, repo, digest, _tag = src.split()
+    if digest is None:
+        raise SourceError(f"image {src.ref} names no digest", hint="pin it: REPO@sha256:…")
+    try:
+        return _import_image(src, host, repo, digest, dest)
+    except BlobNotFound as e:  # the store's hints speak of envbuild stores: say what it means here
+        raise SourceError(f"image {src.ref}: {e.message.replace(' in the store', '')} in "
+                          f"{host}/{repo}",
+                          hint=f"check the digest (skopeo inspect docker://{host}/{repo}:TAG "
+                               "prints it)") from None
+    except DigestMismatch as e:
+        raise SourceError(f"image {src.ref}: {e.message}",
+                          hint="the registry or a proxy altered it; nothing was imported") from None
+
+
+def _import_image(src, host: str, repo: str, digest: str, dest: Path) -> Imported:
     import json
 
     from envbuild.settings import Settings
     from envbuild.store.registry import RegistryStore
 
-    host, repo, digest, _tag = src.split()
-    if digest is None:
-        raise SourceError(f"image {src.ref} names no digest", hint="pin it: REPO@sha256:…")
     store = RegistryStore(f"docker://{host}/{repo}",
                           insecure=Settings.from_env(os.environ).registry_insecure)
 
