@@ -184,9 +184,14 @@ class OciSource:
 
 
 def host_platform() -> str:
-    """``linux/<GOARCH>`` of this host: the image an index resolves to (``from: {image}``)."""
+    """``linux/<GOARCH>`` of this host, or ``$ENVBUILD_PLATFORM`` (``OS/ARCH``): the image an
+    index resolves to (``from: {image}``); part of the layer's identity, so it keys it."""
+    import os
     import platform
 
+    override = os.environ.get("ENVBUILD_PLATFORM", "").strip()
+    if override:
+        return override
     machine = platform.machine()
     return "linux/" + {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm",
                        "ppc64le": "ppc64le", "s390x": "s390x"}.get(machine, machine)

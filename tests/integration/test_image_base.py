@@ -6,6 +6,7 @@ refused at planning with the digest it resolves to."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -81,10 +82,10 @@ toolkits: []
     return defs
 
 
-def _build(root, defs):
+def _build(root, defs, *args, target="img-shell", **extra):
     env = {**os.environ, "ENVBUILD_NODE_CACHE": str(root / "node"),
-           "ENVBUILD_STORE": str(root / "store"), "ENVBUILD_DEFS": str(defs)}
-    return subprocess.run([sys.executable, "-m", "envbuild.cli", "build", "img-shell"],
+           "ENVBUILD_STORE": str(root / "store"), "ENVBUILD_DEFS": str(defs), **extra}
+    return subprocess.run([sys.executable, "-m", "envbuild.cli", *(args or ("build", target))],
                           env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -115,3 +116,30 @@ def test_a_tag_is_refused_with_the_digest_it_resolves_to(pushed, tmp_path):
     assert f"{host}/base/bb@{index}" in proc.stderr
     assert not (tmp_path / "store" / "index.json").exists() or \
         "img-shell" not in (tmp_path / "store" / "index.json").read_text()
+
+
+def test_envbuild_platform_picks_another_image_of_the_index(pushed, tmp_path):
+    """``ENVBUILD_PLATFORM=linux/arm64``: the index's arm64 entry (one file, no shell), built
+    as a base with no steps; its key differs from the amd64 one."""
+    host, index, _ = pushed
+    defs = _defs(tmp_path, f"{host}/base/bb@{index}")
+    (defs / "base" / "from-image.yaml").write_text(f"""\
+apiVersion: envbuild/v1
+kind: Base
+name: from-image
+abi: busybox-amd64
+from:
+  image: "{host}/base/bb@{index}"
+""")
+    amd = _build(tmp_path, defs, "plan", "from-image", "--json")
+    arm = _build(tmp_path, defs, "plan", "from-image", "--json", ENVBUILD_PLATFORM="linux/arm64")
+    assert amd.returncode == 0 and arm.returncode == 0, amd.stderr + arm.stderr
+    assert amd.stdout != arm.stdout  # the platform is part of the key
+    proc = _build(tmp_path, defs, "build", "from-image", "--json",
+                  ENVBUILD_PLATFORM="linux/arm64")
+    assert proc.returncode == 0, proc.stderr
+    [layer] = json.loads(proc.stdout)["layers"]
+    assert layer["key"] == json.loads(arm.stdout)["layers"][0]["key"]
+    ls = _build(tmp_path, defs, "layer", "ls", layer["digest"])
+    assert ls.returncode == 0, ls.stderr
+    assert ls.stdout.split() == ["arm"]
