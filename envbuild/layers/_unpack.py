@@ -805,6 +805,7 @@ def _foreign_overlay_whiteout(tree: _Tree, parts: list[str], path: str, e: Entry
     if base.startswith(".wh..wh.") and base != OPAQUE_MARKER:
         return  # other aufs metadata: ignored, as containerd does
     pfd = tree.parent(parts, path)
+    assert pfd is not None  # create=True: missing parents are made
     if base == OPAQUE_MARKER:
         os.setxattr(pfd, opaque_key, b"y")
         return
