@@ -3,7 +3,8 @@
 A lock is an OCI image manifest + config written by ``envbuild lock`` (see
 ``envbuild.plan.lockspec`` for the format and ``envbuild.oci`` for the annotation keys). This
 side only reads; it verifies every blob it reads (the store does) and refuses a manifest that
-is not an image manifest or whose layers are not ``tar+zstd``.
+is not an image manifest or whose layers are not ``tar``, ``tar+gzip`` or ``tar+zstd``
+(foreign layers, not in envbuild's format, run through the node cache's full unpack).
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from envbuild.store import Store, get_json
 from envbuild.store.sync import resolve_ref
 
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+#: what ``runtime_shim.nodecache.LAYER_MEDIA_TYPES`` unpacks (issue 16: foreign layers)
+_LAYER_TYPES = frozenset({"application/vnd.oci.image.layer.v1.tar",
+                          "application/vnd.oci.image.layer.v1.tar+gzip", MEDIA_TYPE_LAYER_ZSTD,
+                          "application/vnd.docker.image.rootfs.diff.tar.gzip"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +43,8 @@ class LayerRef:
     role: str
     toc_digest: str
     key: str
+    #: the descriptor's mediaType; a foreign (non-envbuild) layer is unpacked in full
+    media_type: str = MEDIA_TYPE_LAYER_ZSTD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,13 +117,15 @@ def _parse(digest: str, manifest: dict, config: Any) -> ResolvedLock:
         raise RuntimeShimError(f"lock {digest}: {len(descs)} layers but {len(diff_ids)} diff_ids")
     layers = []
     for desc, diff_id in zip(descs, diff_ids):
-        if desc.get("mediaType") != MEDIA_TYPE_LAYER_ZSTD:
+        if desc.get("mediaType") not in _LAYER_TYPES:
             raise RuntimeShimError(f"lock {digest}: layer {desc.get('digest')} has media type "
-                                   f"{desc.get('mediaType')!r}; envbuild runs tar+zstd layers")
+                                   f"{desc.get('mediaType')!r}; envbuild runs tar, tar+gzip "
+                                   "and tar+zstd layers")
         ann = desc.get("annotations") or {}
         layers.append(LayerRef(digest=desc["digest"], size=desc["size"], diff_id=diff_id,
                                name=ann.get(ANNOTATION_NAME, ""), role=ann.get(ANNOTATION_ROLE, ""),
-                               toc_digest=ann.get(ANNOTATION_TOC, ""), key=ann.get(ANNOTATION_KEY, "")))
+                               toc_digest=ann.get(ANNOTATION_TOC, ""), key=ann.get(ANNOTATION_KEY, ""),
+                               media_type=desc["mediaType"]))
     c = config.get("config") or {}
     env = dict(item.partition("=")[::2] for item in c.get("Env") or [])
     return ResolvedLock(digest=digest, layers=tuple(layers), env=env,

@@ -104,25 +104,36 @@ class NodeCache:
         with self._guard:
             return self._thread_locks.setdefault(hexd, threading.Lock())
 
-    def ensure(self, store: Store, digest: str, toc_digest: str | None = None) -> Path:
+    def ensure(self, store: Store, digest: str, toc_digest: str | None = None, *,
+               media_type: str | None = None) -> Path:
         """The unpacked, overlay-ready directory of layer ``digest`` (fetched if missing).
 
         ``toc_digest`` (from the lock's annotation or the key record) is checked against the
-        layer's TOC before anything is unpacked."""
+        layer's TOC before anything is unpacked. A layer that is not in envbuild's format (a
+        plain ``tar`` or ``tar+gzip`` ``media_type``, or ``tar+zstd`` without an envbuild
+        footer: another tool's image, a ``skopeo copy`` of a lock) is unpacked in full by the
+        safe unpacker (``envbuild.layers.unpack_tar``, OCI whiteouts made overlay whiteouts, no
+        device nodes) from the store's verifying stream, read to its end so the blob's digest
+        is checked before the directory is renamed into place."""
         target = self.layer_dir(digest)
         hexd = target.name
         if not target.is_dir():
             with self._thread_lock(hexd), _flock(self.root / "locks" / f"{hexd}.lock"):
                 if not target.is_dir():
-                    self._unpack(store, digest, target, toc_digest or None)
+                    self._unpack(store, digest, target, toc_digest or None, media_type)
         _touch(self.root / "layers" / f"{hexd}.used")
         return target
 
-    def _unpack(self, store: Store, digest: str, target: Path, toc_digest: str | None) -> None:
+    def _unpack(self, store: Store, digest: str, target: Path, toc_digest: str | None,
+                media_type: str | None = None) -> None:
         from envbuild.layers import LayerReader
 
         tmp = Path(tempfile.mkdtemp(prefix=f"{target.name[:12]}-", dir=self.root / "tmp"))
         try:
+            if not is_envbuild_layer(store, digest, media_type):
+                _unpack_foreign(store, digest, tmp / "root")
+                os.rename(tmp / "root", target)
+                return
             if isinstance(store, LocalBlobPaths) and store.blob_path(digest).is_file():
                 reader = LayerReader.open_file(store.blob_path(digest), name=digest,
                                                expected_toc_digest=toc_digest)
@@ -354,6 +365,42 @@ class NodeCache:
                 _terminate(pid)
                 break
             time.sleep(0.02)
+
+
+#: Layer media types the node cache unpacks (envbuild's framed tar+zstd, or a foreign layer).
+LAYER_MEDIA_TYPES = frozenset({
+    "application/vnd.oci.image.layer.v1.tar",
+    "application/vnd.oci.image.layer.v1.tar+gzip",
+    "application/vnd.oci.image.layer.v1.tar+zstd",
+    "application/vnd.docker.image.rootfs.diff.tar.gzip",
+})
+_ZSTD_TYPES = ("application/vnd.oci.image.layer.v1.tar+zstd", None)
+
+
+def is_envbuild_layer(store: Store, digest: str, media_type: str | None = None) -> bool:
+    """Whether blob ``digest`` is in envbuild's layer format: a ``tar+zstd`` (or unknown)
+    media type and an envbuild footer in its last bytes (one ranged read)."""
+    from envbuild.layers._footer import FOOTER_MAGIC, FOOTER_SIZE
+
+    if media_type not in _ZSTD_TYPES:
+        return False
+    size = store.stat(digest).size
+    if size < FOOTER_SIZE:
+        return False
+    tail = store.get_range(digest, size - FOOTER_SIZE, FOOTER_SIZE)
+    return tail[8:16] == FOOTER_MAGIC
+
+
+def _unpack_foreign(store: Store, digest: str, dest: Path) -> None:
+    """Full unpack of a foreign OCI layer (plain, gzip or zstd tar) into ``dest``, an overlay
+    lower dir; the stream is drained so the store checks the blob's digest."""
+    from envbuild.layers._unpack import unpack_tar
+
+    dest.mkdir(mode=0o755)
+    with store.get(digest) as f:
+        unpack_tar(f, dest, name=f"foreign layer {digest}", whiteouts="overlay")
+        while f.read(1 << 20):  # the rest (tar padding, compression trailer): verified at EOF
+            pass
 
 
 @dataclasses.dataclass(frozen=True)

@@ -247,7 +247,8 @@ class Sandbox:
 
             layer_dirs = lazy_layer_dirs(node, opened, resolved.layers)
         else:
-            layer_dirs = [str(node.ensure(opened, layer.digest, layer.toc_digest))
+            layer_dirs = [str(node.ensure(opened, layer.digest, layer.toc_digest,
+                                          media_type=layer.media_type))
                           for layer in resolved.layers]
         sandbox_id = f"eb-{uuid.uuid4().hex[:12]}"
         paths = layout.sandbox(sandbox_id)

@@ -53,6 +53,7 @@ from envbuild.defs.model import (
     CopyStep,
     DebootstrapSource,
     GitSource,
+    ImageSource,
     LayerDefinition,
     OciSource,
     PathSource,
@@ -375,6 +376,8 @@ def _import_base(d: Base, upper: Path, log: Path, cancelled: threading.Event
                                             upper, log, cancelled)
     if isinstance(src, OciSource):
         return importers.import_oci(here / src.layout, src.ref, upper)
+    if isinstance(src, ImageSource):  # registry issue (16)
+        return importers.import_image(src, upper)
     raise BuildError(f"{d.name}: source kind {src.kind!r} cannot be imported")
 
 

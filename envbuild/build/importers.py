@@ -493,6 +493,86 @@ def import_oci(layout: Path, ref: str, dest: Path) -> Imported:
                     user=config.get("User") or None, cmd=tuple(cmd) if cmd else None)
 
 
+def import_image(src, dest: Path) -> Imported:
+    """``from: {image: HOST/REPO@sha256:…}`` (issue 16): the image's manifest (an index picks
+    ``src.platform``) and layers from the registry, every blob verified by the registry store
+    (streams read to their end), applied in order with their whiteouts by the safe unpacker;
+    the config's Env/WorkingDir/User/Cmd are kept."""
+    from envbuild.errors import BlobNotFound, DigestMismatch
+
+    host, repo, digest, _tag = src.split()
+    if digest is None:
+        raise SourceError(f"image {src.ref} names no digest", hint="pin it: REPO@sha256:…")
+    try:
+        return _import_image(src, host, repo, digest, dest)
+    except BlobNotFound as e:  # the store's hints speak of envbuild stores: say what it means here
+        raise SourceError(f"image {src.ref}: {e.message.replace(' in the store', '')} in "
+                          f"{host}/{repo}",
+                          hint=f"check the digest (skopeo inspect docker://{host}/{repo}:TAG "
+                               "prints it)") from None
+    except DigestMismatch as e:
+        raise SourceError(f"image {src.ref}: {e.message}",
+                          hint="the registry or a proxy altered it; nothing was imported") from None
+
+
+def _import_image(src, host: str, repo: str, digest: str, dest: Path) -> Imported:
+    import json
+
+    from envbuild.settings import Settings
+    from envbuild.store.registry import RegistryStore
+
+    store = RegistryStore(f"docker://{host}/{repo}",
+                          insecure=Settings.from_env(os.environ).registry_insecure)
+
+    def blob_json(d: str) -> dict:
+        with store.get(d) as f:
+            data = f.read(4 << 20)
+            if f.read(1):
+                raise SourceError(f"image {src.ref}: {d} is too large for a manifest or config")
+        try:
+            doc = json.loads(data)
+        except ValueError:
+            raise SourceError(f"image {src.ref}: {d} is not JSON") from None
+        if not isinstance(doc, dict):
+            raise SourceError(f"image {src.ref}: {d} is not a JSON object")
+        return doc
+
+    manifest = blob_json(digest)
+    if manifest.get("mediaType") in _INDEX_TYPES or "manifests" in manifest:
+        os_name, _, arch = src.platform.partition("/")
+        picked = [m for m in manifest.get("manifests") or []
+                  if (m.get("platform") or {}).get("os") == os_name
+                  and (m.get("platform") or {}).get("architecture") == arch]
+        if not picked:
+            have = sorted({"{os}/{architecture}".format(**{"os": "?", "architecture": "?",
+                                                           **(m.get("platform") or {})})
+                           for m in manifest.get("manifests") or []})
+            raise SourceError(f"image {src.ref}: no {src.platform} image in its index",
+                              hint=f"platforms there: {', '.join(have) or 'none'}")
+        manifest = blob_json(picked[0]["digest"])
+    config = blob_json(manifest["config"]["digest"]).get("config") or {}
+    dest.mkdir(parents=True, exist_ok=True)
+    for layer in manifest.get("layers") or []:
+        if layer.get("mediaType") not in _LAYER_MEDIA_TYPES | _DOCKER_LAYER_TYPES:
+            raise SourceError(f"image {src.ref}: layer media type {layer.get('mediaType')!r} "
+                              "is not supported")
+        from envbuild.layers._unpack import unpack_tar
+
+        with store.get(layer["digest"]) as f:
+            unpack_tar(f, dest, name=f"image layer {layer['digest'][:19]}", whiteouts="apply")
+            while f.read(1 << 20):  # to the end: the store checks the digest there
+                pass
+    env = dict(item.partition("=")[::2] for item in config.get("Env") or [])
+    cmd = config.get("Cmd")
+    return Imported(env=env, workdir=config.get("WorkingDir") or None,
+                    user=config.get("User") or None, cmd=tuple(cmd) if cmd else None)
+
+
+_INDEX_TYPES = ("application/vnd.oci.image.index.v1+json",
+                "application/vnd.docker.distribution.manifest.list.v2+json")
+_DOCKER_LAYER_TYPES = frozenset({"application/vnd.docker.image.rootfs.diff.tar.gzip"})
+
+
 # ----------------------------------------------------------------------------- workspaces
 
 

@@ -70,6 +70,7 @@ from envbuild.defs.model import (
     CopyStep,
     DefinitionSet,
     GitSource,
+    ImageSource,
     LayerDefinition,
     OciSource,
     PathSource,
@@ -334,6 +335,27 @@ def confined_path(root: str, base_dir: str, rel: str) -> str:
     return real
 
 
+def _check_image_pinned(src: ImageSource) -> None:
+    """``from: {image}`` must name a digest: a tag is looked up (one manifest HEAD) only to
+    say which digest to write."""
+    host, repo, digest, tag = src.split()
+    if digest is not None:
+        return
+    from envbuild.errors import EnvbuildError
+    from envbuild.settings import Settings
+    from envbuild.store.registry import RegistryStore
+
+    try:
+        store = RegistryStore(f"docker://{host}/{repo}",
+                              insecure=Settings.from_env(os.environ).registry_insecure)
+        resolved = store.get_ref(f"env/{tag or 'latest'}").digest
+    except EnvbuildError as e:
+        raise _Unpinnable(f"image {src.ref} names no digest, and its tag cannot be resolved: "
+                          f"{e.message}", f"write {host}/{repo}@sha256:<digest>") from None
+    raise _Unpinnable(f"image {src.ref} names a tag, not a digest: it resolves to {resolved} "
+                      "now", f"write {host}/{repo}@{resolved} (a tag can move)")
+
+
 def _check_sha256(digest: str, declared: str | None, what: str) -> None:
     if declared is None:
         return
@@ -368,6 +390,8 @@ def _pin_one(d: LayerDefinition, p: Pinner, root: str | None = None) -> dict[str
             pins["source"] = p.git(src.url, src.rev, base_dir)
         elif isinstance(src, OciSource):
             pins["source"] = p.oci(os.path.join(base_dir, src.layout), src.ref)
+        elif isinstance(src, ImageSource):
+            _check_image_pinned(src)
         for i, s in enumerate(d.steps):
             if isinstance(s, CopyStep):
                 field = f"steps[{i}].copy.src"

@@ -88,6 +88,7 @@ COMMAND_MODULES: dict[str, str] = {
     "layer": "cmd_layer",
     "push": "cmd_sync", "pull": "cmd_sync",
     "job": "cmd_jobs", "gc": "cmd_jobs",
+    "export": "cmd_export",
 }
 
 

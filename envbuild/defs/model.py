@@ -183,6 +183,43 @@ class OciSource:
         return {"oci": {"ref": self.ref}}  # manifest digest added by the planner
 
 
+def host_platform() -> str:
+    """``linux/<GOARCH>`` of this host, or ``$ENVBUILD_PLATFORM`` (``OS/ARCH``): the image an
+    index resolves to (``from: {image}``); part of the layer's identity, so it keys it."""
+    import os
+    import platform
+
+    override = os.environ.get("ENVBUILD_PLATFORM", "").strip()
+    if override:
+        return override
+    machine = platform.machine()
+    return "linux/" + {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm",
+                       "ppc64le": "ppc64le", "s390x": "s390x"}.get(machine, machine)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSource:
+    """A registry image, ``HOST[:PORT]/REPO@sha256:…`` (issue 16): content-addressed by its
+    digest, so its identity is the digest and the platform an index resolves to; a ``:TAG``
+    is refused at planning with the digest it resolves to."""
+
+    ref: str
+    platform: str = dataclasses.field(default_factory=host_platform)
+    kind = "image"
+
+    def split(self) -> tuple[str, str, str | None, str | None]:
+        """``(host, repo, digest, tag)`` of ``ref``."""
+        name, _, digest = self.ref.partition("@")
+        host, _, path = name.partition("/")
+        repo, tag = path, None
+        if ":" in path.rpartition("/")[2]:
+            repo, _, tag = path.rpartition(":")
+        return host, repo, digest or None, tag
+
+    def identity(self) -> dict[str, Any]:
+        return {"image": {"digest": self.split()[2], "platform": self.platform}}
+
+
 @dataclasses.dataclass(frozen=True)
 class BusyboxSource:
     """A tiny rootfs made of a static busybox binary and its applet links (for fast tests)."""
@@ -225,7 +262,8 @@ class ArchiveSource:
         return {"archive": {"sha256": self.sha256}}
 
 
-BaseFrom = ScratchSource | BaseSource | DebootstrapSource | RootfsSource | OciSource | BusyboxSource
+BaseFrom = (ScratchSource | BaseSource | DebootstrapSource | RootfsSource | OciSource | BusyboxSource
+            | ImageSource)
 WorkspaceSource = PathSource | GitSource | ArchiveSource
 
 
@@ -246,6 +284,8 @@ def base_from_mapping(m: Mapping[str, Any]) -> BaseFrom:
         return OciSource(layout=v["layout"], ref=v["ref"])
     if kind == "busybox":
         return BusyboxSource(binary=(v or {}).get("binary", "/bin/busybox"))
+    if kind == "image":  # registry issue (16): a base from a registry image
+        return ImageSource(ref=v)
     raise ValueError(f"unknown base source {kind!r}")  # the schema rules this out
 
 

@@ -65,7 +65,7 @@ from envbuild.layers._walk import OPAQUE_MARKER, WHITEOUT_PREFIX
 from envbuild.safefs import open_beneath, remove_tree
 
 WHITEOUT_MODES = ("apply", "overlay", "keep")
-TAR_WHITEOUT_MODES = ("apply", "refuse")
+TAR_WHITEOUT_MODES = ("apply", "overlay", "refuse")
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FD_CACHE = 256       # directory fds kept open (tars are mostly depth-first: high locality)
@@ -652,7 +652,7 @@ def iter_foreign_members(stream: TarStream, name: str) -> Iterator[tuple[Entry, 
 
 
 def unpack_tar(source, dest, *, name: str, whiteouts: str = "refuse",
-               same_owner: bool | None = None) -> None:
+               same_owner: bool | None = None, overlay_xattr: str = "trusted") -> None:
     """Extract a foreign tar (a path or a binary file object; any compression
     ``_decompressed`` knows) below ``dest`` (a path or a directory fd) with the safety rules of
     the module docstring. ``name`` prefixes every error (``rootfs base.tar.gz``).
@@ -661,7 +661,12 @@ def unpack_tar(source, dest, *, name: str, whiteouts: str = "refuse",
     ``NAME`` and ``.wh..wh..opq`` empties its directory, of what *lower* layers put there only
     (never an entry of this tar, wherever in the tar the whiteout comes); ``"refuse"`` (rootfs
     tarballs, archives): a ``.wh.*`` member is an error (a packed layer would read it as a
-    deletion). Device nodes are always refused (runc provides ``/dev``); FIFOs are kept.
+    deletion); ``"overlay"`` (a foreign OCI layer unpacked alone as an overlay lower dir: the
+    node cache) turns them into overlayfs whiteouts once the whole tar is written — a 0/0
+    character device for ``.wh.NAME``, ``<overlay_xattr>.overlay.opaque=y`` on the directory
+    for ``.wh..wh..opq`` and on a directory ``NAME`` this tar also holds (its own entry hides
+    the lower one; a directory merges, so it is made opaque instead). Device nodes of the tar
+    are always refused (runc provides ``/dev``); FIFOs are kept.
     """
     if whiteouts not in TAR_WHITEOUT_MODES:
         raise ValueError(f"whiteouts must be one of {TAR_WHITEOUT_MODES}, not {whiteouts!r}")
@@ -674,6 +679,7 @@ def unpack_tar(source, dest, *, name: str, whiteouts: str = "refuse",
     tree.name = name
     created: set[str] = set()   # what this tar wrote (and the parents it implied)
     dir_meta: list[tuple[str, Entry]] = []
+    pending: list[tuple[list[str], str, Entry]] = []   # overlay whiteouts, made at the end
     try:
         stream = TarStream(_decompressed(f, name))
         for e, size in iter_foreign_members(stream, name):
@@ -687,7 +693,10 @@ def unpack_tar(source, dest, *, name: str, whiteouts: str = "refuse",
                 if whiteouts == "refuse":
                     raise UnsafeLayerError(f"{name}: member {path!r} is a whiteout; only OCI "
                                            "image layers may hold whiteouts")
-                _foreign_whiteout(tree, parts, path, created)
+                if whiteouts == "overlay":
+                    pending.append((parts, path, e))
+                else:
+                    _foreign_whiteout(tree, parts, path, created)
                 continue
             for k in e.xattrs:
                 if k.startswith(_REFUSED_XATTRS):
@@ -728,6 +737,10 @@ def unpack_tar(source, dest, *, name: str, whiteouts: str = "refuse",
                 tree.hardlink(pfd, base, path, target, "/".join(target))
             else:  # symlink, fifo
                 tree.node(pfd, base, path, e, same_owner)
+        for parts, path, e in pending:
+            tree.evict()
+            _foreign_overlay_whiteout(tree, parts, path, e, created,
+                                      f"{overlay_xattr}.overlay.opaque", same_owner)
         tree.finish_dirs(dir_meta, same_owner)
     except (TarFormatError, Truncated) as err:
         raise CorruptLayerError(f"{name}: not a readable tar: {err}") from None
@@ -789,3 +802,36 @@ def _foreign_whiteout(tree: _Tree, parts: list[str], path: str, created: set[str
                 _empty_dir(tree, cfd, rel, keep=created)
             finally:
                 os.close(cfd)
+
+
+def _foreign_overlay_whiteout(tree: _Tree, parts: list[str], path: str, e: Entry,
+                              created: set[str], opaque_key: str, same_owner: bool) -> None:
+    """One OCI whiteout of a foreign layer as an overlayfs whiteout in the layer's own
+    directory (``unpack_tar(whiteouts="overlay")``), after the tar's members are written."""
+    base = parts[-1]
+    if base.startswith(".wh..wh.") and base != OPAQUE_MARKER:
+        return  # other aufs metadata: ignored, as containerd does
+    pfd = tree.parent(parts, path)
+    assert pfd is not None  # create=True: missing parents are made
+    if base == OPAQUE_MARKER:
+        os.setxattr(pfd, opaque_key, b"y")
+        return
+    _check_whiteout_target(tree.name, path, base)
+    target = base[4:]
+    rel = "/".join(parts[:-1] + [target])
+    if rel in created:  # this layer's own entry hides the lower one; a directory merges
+        if stat.S_ISDIR(os.stat(target, dir_fd=pfd, follow_symlinks=False).st_mode):
+            cfd = os.open(target, _DIR, dir_fd=pfd)
+            try:
+                os.setxattr(cfd, opaque_key, b"y")
+            finally:
+                os.close(cfd)
+        return
+    with_same = False
+    try:
+        os.mknod(target, stat.S_IFCHR | 0o600, os.makedev(0, 0), dir_fd=pfd)
+        with_same = same_owner
+    except FileExistsError:
+        return  # two whiteouts of one name
+    if with_same:
+        os.chown(target, e.uid, e.gid, dir_fd=pfd, follow_symlinks=False)

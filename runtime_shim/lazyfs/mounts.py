@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from envbuild.errors import RuntimeShimError
+from envbuild.oci import MEDIA_TYPE_LAYER_ZSTD
 from envbuild.store import Store
 from envbuild.store.base import Locatable, Presigner
 from runtime_shim.lazyfs.control import daemon_request
@@ -49,6 +50,17 @@ def lazy_layer_dirs(node: LazyNode, store: Store, layers: Sequence[Any]) -> list
     or, without one, have their reads recorded as the profile."""
     from concurrent.futures import ThreadPoolExecutor
 
+    for x in layers:
+        # the FUSE daemon serves envbuild's framed layers only (it reads their TOC); a lock's
+        # envbuild layers always carry the TOC annotation, so this costs no request
+        media_type = getattr(x, "media_type", MEDIA_TYPE_LAYER_ZSTD)
+        if media_type != MEDIA_TYPE_LAYER_ZSTD or not x.toc_digest:
+            raise RuntimeShimError(
+                f"lazy mode needs envbuild layers: layer {x.digest} ({media_type}) is not in "
+                "envbuild's format (no envbuild TOC)",
+                hint="run it without lazy (the node cache unpacks it in full), or convert the "
+                     "image: `from: {oci: {layout: DIR, ref: TAG}}` in a definition and "
+                     "`envbuild build` re-encodes it as envbuild layers")
     url, endpoint = store_location(store)
     presign = store.presigned_get_url if isinstance(store, Presigner) else None
     digests = [x.digest for x in layers]

@@ -1,5 +1,5 @@
 """A lock pushed to a registry runs with other runtimes straight from there (issue 16, the
-"runs anywhere" half of item 2; ``envbuild export`` is not done yet): ``podman run`` (runc,
+"runs anywhere" half of item 2; ``envbuild export``: test_export.py): ``podman run`` (runc,
 vfs storage, its own root, lowered ulimits as MACHINE-NOTES says) and containerd 1.6
 (started by the test with its own root, state dir and socket; ``ctr image pull --plain-http``
 + ``ctr run``). Each must leave no process and no mount behind."""
