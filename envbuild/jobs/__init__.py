@@ -1,9 +1,10 @@
-"""envbuild.jobs: training-job manifests — load (schema, line-numbered errors), resolve, verify.
+"""envbuild.jobs: training-job manifests — model, load (schema, line-numbered errors), resolve,
+verify.
 
-The model (``JobManifest``, ``SandboxGroup``, …) lives in ``runtime_shim.jobs`` so the runtime
-shim reads manifests without this package; this side adds what needs definitions-style
-validation or the store:
-
+* ``envbuild.jobs.model`` — ``JobManifest``, ``SandboxGroup``, ``GroupLimits``, ``Pinned``,
+  ``PinnedLayer``: the model, importing nothing but ``envbuild.errors``, so the runtime shim
+  (``runtime_shim.jobs``, which starts sandboxes from a group) reads manifests without the
+  definition loader;
 * ``load_job_manifest(path)`` / ``parse_job_manifest(text)`` — YAML or JSON, checked against
   ``envbuild/defs/schema/jobmanifest.json``; ``JobManifestError`` lists every problem;
 * ``resolve_job_manifest(manifest, store)`` — pin refs to digests and record each lock's
@@ -12,36 +13,51 @@ validation or the store:
   intact (``envbuild job verify``);
 * ``write_job_manifest`` / ``render_job_manifest`` / ``default_output`` — deterministic text,
   written atomically.
+
+The names below are imported on first use (PEP 562), so ``import envbuild.jobs.model`` does not
+load the loader and its schema validator.
 """
 
 from __future__ import annotations
 
-from envbuild.jobs.load import (
-    JobManifestError,
-    default_output,
-    load_job_manifest,
-    parse_job_manifest,
-    render_job_manifest,
-    write_job_manifest,
-)
-from envbuild.jobs.resolve import resolve_job_manifest
-from envbuild.jobs.verify import VerifyProblem, VerifyReport, verify_job_manifest
-from runtime_shim.jobs import GroupLimits, JobManifest, Pinned, PinnedLayer, SandboxGroup
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "GroupLimits": "model", "JobManifest": "model", "Pinned": "model",
+    "PinnedLayer": "model", "SandboxGroup": "model",
+    "JobManifestError": "load", "default_output": "load", "load_job_manifest": "load",
+    "parse_job_manifest": "load", "render_job_manifest": "load", "write_job_manifest": "load",
+    "resolve_job_manifest": "resolve",
+    "VerifyProblem": "verify", "VerifyReport": "verify", "verify_job_manifest": "verify",
+}
 
 __all__ = [
-    "GroupLimits",
-    "JobManifest",
-    "JobManifestError",
-    "Pinned",
-    "PinnedLayer",
-    "SandboxGroup",
-    "VerifyProblem",
-    "VerifyReport",
-    "default_output",
-    "load_job_manifest",
-    "parse_job_manifest",
-    "render_job_manifest",
-    "resolve_job_manifest",
-    "verify_job_manifest",
-    "write_job_manifest",
+    "GroupLimits", "JobManifest", "JobManifestError", "Pinned", "PinnedLayer", "SandboxGroup",
+    "VerifyProblem", "VerifyReport", "default_output", "load_job_manifest",
+    "parse_job_manifest", "render_job_manifest", "resolve_job_manifest",
+    "verify_job_manifest", "write_job_manifest",
 ]
+assert sorted(__all__) == sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from envbuild.jobs.load import (
+        JobManifestError,
+        default_output,
+        load_job_manifest,
+        parse_job_manifest,
+        render_job_manifest,
+        write_job_manifest,
+    )
+    from envbuild.jobs.model import GroupLimits, JobManifest, Pinned, PinnedLayer, SandboxGroup
+    from envbuild.jobs.resolve import resolve_job_manifest
+    from envbuild.jobs.verify import VerifyProblem, VerifyReport, verify_job_manifest
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'envbuild.jobs' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"envbuild.jobs.{module}"), name)
+    globals()[name] = value
+    return value

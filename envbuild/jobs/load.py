@@ -28,7 +28,7 @@ from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 from envbuild.defs.load import Loader, NodeBuilder, check_yaml_limits, node_key_positions
 from envbuild.defs.validate import Positions, SchemaErrorMapper, inline_refs, load_schema
 from envbuild.errors import DefinitionError, EnvbuildError, Problem
-from runtime_shim.jobs import API_VERSION, KIND, JobManifest
+from envbuild.jobs.model import API_VERSION, KIND, JobManifest
 
 SCHEMA_FILE = "jobmanifest.json"
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import dataclasses
 
 from envbuild.errors import EnvbuildError, StoreError
+from envbuild.jobs.model import JobManifest, Pinned, PinnedLayer, SandboxGroup, is_digest
 from envbuild.oci import MEDIA_TYPE_MANIFEST
 from envbuild.store import Store
 from envbuild.store.sync import resolve_ref, walk
-from runtime_shim.jobs import JobManifest, Pinned, PinnedLayer, SandboxGroup, is_digest
 from runtime_shim.locks import resolve
 
 

@@ -17,12 +17,12 @@ from typing import Any
 
 from envbuild.canonical import load_json
 from envbuild.errors import BlobNotFound, EnvbuildError
+from envbuild.jobs.model import JobManifest, is_digest
 from envbuild.layers import LayerReader
 from envbuild.oci import ANNOTATION_TOC
 from envbuild.store import Store
 from envbuild.store.base import CHUNK_SIZE
 from envbuild.store.sync import resolve_ref
-from runtime_shim.jobs import JobManifest, is_digest
 from runtime_shim.locks import MAX_LOCK_JSON
 
 
