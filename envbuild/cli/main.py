@@ -133,14 +133,24 @@ def load_command_module(name: str) -> None:
 @click.option("--registry-insecure", metavar="HOST", multiple=True,
               help="Speak plain HTTP to this registry host (repeatable; "
                    "$ENVBUILD_REGISTRY_INSECURE, comma-separated).")
+# registry issue: which image of a multi-arch index `from: {image: ...}` bases take
+@click.option("--platform", metavar="OS/ARCH", default=None,
+              help="Platform an image index resolves to for image bases (default: this host's, "
+                   "or $ENVBUILD_PLATFORM), e.g. linux/arm64.")
 # The version from envbuild.__version__ (pyproject reads it from there too), not from the
 # installed metadata: importlib.metadata costs ~13 ms, more than the rest of --version.
 @click.version_option(version=__version__, prog_name="envbuild")
 @click.pass_context
 def cli(ctx: click.Context, store_url: str | None, defs_dir: Path | None,
         s3_endpoint: str | None, cache_from: str | None, cache_to: str | None,
-        registry_insecure: tuple[str, ...]) -> None:
+        registry_insecure: tuple[str, ...], platform: str | None) -> None:
     """Declarative, content-addressed environments for agent-training sandboxes."""
+    if platform is not None:
+        if platform.count("/") not in (1, 2) or not all(platform.split("/")):
+            raise click.BadParameter(f"{platform!r} is not OS/ARCH[/VARIANT]",
+                                     param_hint="--platform")
+        # the definitions model reads it when it builds an image source (defs.model.host_platform)
+        os.environ["ENVBUILD_PLATFORM"] = platform
     settings = Settings.from_env(os.environ)
     if store_url is not None:
         settings = dataclasses.replace(settings, store_url=store_url)

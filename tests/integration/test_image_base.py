@@ -134,6 +134,10 @@ from:
     arm = _build(tmp_path, defs, "plan", "from-image", "--json", ENVBUILD_PLATFORM="linux/arm64")
     assert amd.returncode == 0 and arm.returncode == 0, amd.stderr + arm.stderr
     assert amd.stdout != arm.stdout  # the platform is part of the key
+    flag = _build(tmp_path, defs, "--platform", "linux/arm64", "plan", "from-image", "--json")
+    assert flag.returncode == 0 and flag.stdout == arm.stdout, flag.stderr  # --platform = the env
+    bad = _build(tmp_path, defs, "--platform", "arm64", "plan", "from-image")
+    assert bad.returncode != 0 and "OS/ARCH" in bad.stderr and "Traceback" not in bad.stderr
     proc = _build(tmp_path, defs, "build", "from-image", "--json",
                   ENVBUILD_PLATFORM="linux/arm64")
     assert proc.returncode == 0, proc.stderr

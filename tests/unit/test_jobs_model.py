@@ -44,9 +44,8 @@ def test_runtime_shim_jobs_imports_no_planning_code():
     import ast
     import inspect
 
-    import runtime_shim.jobs as mod
-
     import envbuild.jobs.model as model
+    import runtime_shim.jobs as mod
 
     for module in (mod, model):  # the runtime's side and the model it re-exports
         imported = {n.module or "" for n in ast.walk(ast.parse(inspect.getsource(module)))
