@@ -336,42 +336,55 @@ def test_a_sigkilled_build_leaves_no_scratch_dir_after_the_next_build(tmp_path, 
     env = {**os.environ, "ENVBUILD_NODE_CACHE": str(tmp_path / "node"),
            "ENVBUILD_STORE": str(tmp_path / "store"), "ENVBUILD_DEFS": str(defs)}
     builds = tmp_path / "node" / "builds"
-    proc = subprocess.Popen([sys.executable, "-m", "envbuild.cli", "build"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            # the layer's upper dir is on its capped disk (runtime_shim.scratchfs)
-            if any((d / "disk" / "upper" / "big").exists() for d in builds.glob("*")
-                   if d.is_dir()):
-                break
-            time.sleep(0.1)
-        else:
-            pytest.fail("the step never started")
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    stale = [d for d in builds.iterdir() if d.is_dir()]
-    assert stale, "the killed build left nothing: the attack did not happen"
-    # the next build: a different, quick definition tree on the same node dir
-    _write(defs / "base" / "bb.yaml", """\
-        apiVersion: envbuild/v1
-        kind: Base
-        name: bb
-        abi: bb-kill
-        from: {busybox: {binary: /bin/busybox}}
-        """)
-    command = ["build"] if cleaner == "build" else ["node", "gc"]
-    done = subprocess.run([sys.executable, "-m", "envbuild.cli", *command], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert [d for d in builds.iterdir()] == [], list(builds.iterdir())
-    with open("/proc/self/mountinfo") as f:
-        assert not [ln for ln in f if str(builds) in ln]
-    from runtime_shim.runc import OciRuntime, list_containers
+        proc = subprocess.Popen([sys.executable, "-m", "envbuild.cli", "build"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                # the layer's upper dir is on its capped disk (runtime_shim.scratchfs)
+                if any((d / "disk" / "upper" / "big").exists() for d in builds.glob("*")
+                       if d.is_dir()):
+                    break
+                time.sleep(0.1)
+            else:
+                pytest.fail("the step never started")
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        stale = [d for d in builds.iterdir() if d.is_dir()]
+        assert stale, "the killed build left nothing: the attack did not happen"
+        # the next build: a different, quick definition tree on the same node dir
+        _write(defs / "base" / "bb.yaml", """\
+            apiVersion: envbuild/v1
+            kind: Base
+            name: bb
+            abi: bb-kill
+            from: {busybox: {binary: /bin/busybox}}
+            """)
+        command = ["build"] if cleaner == "build" else ["node", "gc"]
+        done = subprocess.run([sys.executable, "-m", "envbuild.cli", *command], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert [d for d in builds.iterdir()] == [], list(builds.iterdir())
+        with open("/proc/self/mountinfo") as f:
+            assert not [ln for ln in f if str(builds) in ln]
+        from runtime_shim.runc import OciRuntime, list_containers
 
-    assert list_containers(OciRuntime(state_root=str(tmp_path / "node" / "runc")),
-                           "eb-build-") == []
+        assert list_containers(OciRuntime(state_root=str(tmp_path / "node" / "runc")),
+                               "eb-build-") == []
+    finally:  # whatever failed above, the killed build's containers and mounts go
+        _clean_killed_build(tmp_path / "node")
+
+
+def _clean_killed_build(node) -> None:
+    from envbuild.build.executor import sweep_stale_scratch
+    from runtime_shim.mount import mounted_targets_under, unmount
+    from runtime_shim.runc import OciRuntime
+
+    sweep_stale_scratch(node / "builds", OciRuntime(state_root=str(node / "runc")))
+    for target in mounted_targets_under(str(node)):
+        unmount(target)
 
 
 # ----------------------------------------------------------------------------- item 9: sparse
