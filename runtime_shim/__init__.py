@@ -20,8 +20,9 @@ envbuild.settings (the dependency rule, docs/architecture.md).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from envbuild._lazy import lazy_exports
 
 __all__ = [
     "AsyncSandbox",
@@ -71,13 +72,7 @@ if TYPE_CHECKING:
     from runtime_shim.sandbox import Sandbox, list_sandboxes
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'runtime_shim' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, _ = lazy_exports(__name__, _WHERE)  # __dir__ below: the public names only
 
 
 def __dir__() -> list[str]:

@@ -20,8 +20,9 @@ load the loader and its schema validator.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from envbuild._lazy import lazy_exports
 
 _EXPORTS = {
     "GroupLimits": "model", "JobManifest": "model", "Pinned": "model",
@@ -54,10 +55,4 @@ if TYPE_CHECKING:
     from envbuild.jobs.verify import VerifyProblem, VerifyReport, verify_job_manifest
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'envbuild.jobs' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"envbuild.jobs.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, {k: f".{v}" for k, v in _EXPORTS.items()})

@@ -39,8 +39,9 @@ truncated, tampered or inconsistent blobs, ``UnsupportedFormatError`` for unknow
 ``UnsafeLayerError`` for members that would escape the destination or are refused by policy.
 """
 
-import importlib
 from typing import TYPE_CHECKING
+
+from envbuild._lazy import lazy_exports
 
 # The names below are imported on first use (PEP 562), so a program that only reads a TOC
 # (``envbuild layer ls``) does not import the writer, the unpacker and the verifier: CLI
@@ -70,18 +71,7 @@ MEDIA_TYPE = "application/vnd.oci.image.layer.v1.tar+zstd"
 # readers: envbuild.oci).
 from envbuild.oci import ANNOTATION_TOC as TOC_DIGEST_ANNOTATION  # noqa: E402
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, {k: f".{v}" for k, v in _LAZY.items()})
 
 
 __all__ = [
