@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Callable
 
 from envbuild.layers._toc import Entry
 
@@ -157,16 +158,22 @@ def parse_ustar(hdr: bytes) -> tuple[bytes, dict]:
     prefix = _cstr(f[15])
     if prefix:
         name = prefix + b"/" + name
-    return f[7], {
+    return f[7], _fields(f, name, _octal)
+
+
+def _fields(f: tuple, name: bytes, number: Callable[[bytes, str], int]) -> dict:
+    """The fields of an unpacked header ``f`` (its name already joined with the prefix), its
+    numbers read by ``number`` (octal only, or GNU base-256 too)."""
+    return {
         "name": name,
-        "mode": _octal(f[1], "mode"),
-        "uid": _octal(f[2], "uid"),
-        "gid": _octal(f[3], "gid"),
-        "size": _octal(f[4], "size"),
-        "mtime": _octal(f[5], "mtime"),
+        "mode": number(f[1], "mode"),
+        "uid": number(f[2], "uid"),
+        "gid": number(f[3], "gid"),
+        "size": number(f[4], "size"),
+        "mtime": number(f[5], "mtime"),
         "linkname": _cstr(f[8]),
-        "devmajor": _octal(f[13], "devmajor"),
-        "devminor": _octal(f[14], "devminor"),
+        "devmajor": number(f[13], "devmajor"),
+        "devminor": number(f[14], "devminor"),
     }
 
 
@@ -278,17 +285,7 @@ def parse_foreign_header(hdr: bytes) -> tuple[bytes, dict]:
             name = prefix + b"/" + name
     elif magic != b"ustar  \0":
         raise TarFormatError(f"not a ustar or GNU tar header (magic {magic!r})")
-    return f[7], {
-        "name": name,
-        "mode": _number(f[1], "mode"),
-        "uid": _number(f[2], "uid"),
-        "gid": _number(f[3], "gid"),
-        "size": _number(f[4], "size"),
-        "mtime": _number(f[5], "mtime"),
-        "linkname": _cstr(f[8]),
-        "devmajor": _number(f[13], "devmajor"),
-        "devminor": _number(f[14], "devminor"),
-    }
+    return f[7], _fields(f, name, _number)
 
 
 def foreign_pax(records: dict[bytes, bytes]) -> dict[bytes, bytes]:
