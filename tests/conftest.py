@@ -34,3 +34,6 @@ def require_root() -> None:
 @pytest.fixture
 def repo_root() -> Path:
     return REPO
+
+
+from tests.ray_cluster import ray_cluster  # noqa: E402,F401  (session fixture shared by fleet and ray builds)

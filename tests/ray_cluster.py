@@ -1,0 +1,84 @@
+"""One real local Ray cluster per test session, shared by the fleet and the distributed build.
+
+Starting a Ray cluster costs several seconds and ~1 GB of memory on this 2-core host, so every
+test that needs one uses the session fixture ``ray_cluster`` (exported from
+``tests/conftest.py``): a head that runs no envbuild work plus two worker nodes, each offering
+the custom resources ``envbuild_node`` (one fleet node daemon) and ``envbuild_builder`` (build
+slots). Tests that kill a node add their own with :meth:`RayTestCluster.add_node` and kill that
+one, so the two shared nodes stay up for the rest of the session.
+
+Everything binds to loopback: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes Ray use 127.0.0.1
+as every node's address instead of the host's routable one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+# Read by Ray when it is first imported, so set here (conftest imports this module before any
+# test module can import ray): loopback addresses only, no usage reporting.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+#: Resources each shared worker node offers.
+WORKER_RESOURCES = {"envbuild_node": 1.0, "envbuild_builder": 2.0}
+
+
+@dataclass
+class RayTestCluster:
+    """A running ``ray.cluster_utils.Cluster``; ``address`` is what ``ray.init`` takes."""
+
+    cluster: Any
+    workers: list[Any] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return str(self.cluster.address)
+
+    def add_node(self, resources: dict[str, float] | None = None, num_cpus: int = 2) -> Any:
+        """Start one more worker node (its raylet is a real process) and wait for it."""
+        node = self.cluster.add_node(num_cpus=num_cpus,
+                                     resources=dict(WORKER_RESOURCES if resources is None else resources))
+        self.cluster.wait_for_nodes()
+        return node
+
+    def kill_node(self, node: Any) -> None:
+        """Kill a node's processes at once (SIGKILL), as a lost machine would."""
+        self.cluster.remove_node(node, allow_graceful=False)
+
+    def node_id(self, node: Any) -> str:
+        return str(node.node_id)
+
+
+def start_cluster(workers: int = 2) -> RayTestCluster:
+    """Head (no custom resources) plus ``workers`` worker nodes with :data:`WORKER_RESOURCES`."""
+    try:
+        from ray.cluster_utils import Cluster
+    except ImportError:
+        pytest.fail("Ray is not installed (the `fleet` extra); run `bash scripts/setup.sh`", pytrace=False)
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 1, "include_dashboard": False})
+    test_cluster = RayTestCluster(cluster=cluster)
+    for _ in range(workers):
+        test_cluster.workers.append(test_cluster.add_node())
+    return test_cluster
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[RayTestCluster]:
+    """The session's shared 2-worker Ray cluster; shut down (every raylet killed) at the end."""
+    test_cluster = start_cluster()
+    try:
+        yield test_cluster
+    finally:
+        try:
+            import ray
+            if ray.is_initialized():
+                ray.shutdown()
+        finally:
+            test_cluster.cluster.shutdown()
