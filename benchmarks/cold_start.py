@@ -1,44 +1,57 @@
-"""Cold start of a sandbox from S3: lazy (FUSE, files fetched on first read) vs full pull + unpack.
+"""Cold start of a sandbox from S3 over a realistic link: lazy (files fetched on first open) vs
+full pull + unpack, on an agent's workload, against the native-speed floor.
 
-The env (> 300 MB unpacked): the ``debian-bookworm`` and ``debian-bookworm-py311`` base layers
-from the local store ``cache/`` (``envbuild build`` makes them) plus a virtualenv layer at
-``/opt/venv`` with numpy, pandas and django (the tree ``benchmarks/layer_pack.py`` makes, its
-interpreter links pointed at the base's ``/usr/bin/python3``). Everything is pushed to npm
-``s3rver`` 3.7.1 on loopback (it serves ranges from files; moto re-reads the whole object per
-ranged GET, so it would time the server, not us), via ``benchmarks/lazy_read.py``'s ``S3rver``.
+The env: ``py-minicalc`` (Debian bookworm + Python 3.11 bases, the minicalc workspace with its
+pytest suite, the pytest toolkit; ``envbuild build py-minicalc busybox-shell`` makes it in the
+local store ``--cache``) plus a virtualenv layer at ``/opt/venv`` with numpy, pandas and django
+(the tree ``benchmarks/layer_pack.py`` makes, its interpreter links pointed at the base's
+``/usr/bin/python3``): ~500 MB compressed.
 
-Per run, a fresh node dir on tmpfs (the exec agent built beforehand by a throwaway busybox
-sandbox, so neither mode pays for it) and, timed from "nothing of the env on this node":
+The link (``benchmarks/shaped_link.py``): npm ``s3rver`` 3.7.1 runs in its own network
+namespace behind a veth whose ends carry a token-bucket qdisc at the profile's rate, and a proxy
+on 127.0.0.1 adds the profile's first-byte latency to every request. ``--link 1gbit:10ms`` is
+one node's share of a busy cell, ``10gbit:2ms`` a quiet one, ``loopback`` the old flattering
+setup. Bytes are counted on the wire (the host end of the veth), so every mode is measured the
+same way, HTTP included.
 
-- ``full``: ``Sandbox.create(lock, store=S3Store)`` — envbuild's normal path: each layer streamed
-  from S3 and unpacked into the node cache — then the first command;
-- ``lazy``: ``Sandbox.create(..., lazy=True)`` with no lazy profile in the store — the node's
-  FUSE daemon mounts each layer (footer + TOC), then the first command, which fetches only the
-  files it opens (this run records the profile; it is dropped before the next ``lazy`` run);
-- ``lazy-profile``: the same with the profile a previous lazy run of the lock recorded (one
-  untimed run records it if none exists): the daemon prefetches those files in the background
-  from the mount on;
-- ``lazy-warm``: a second lazy sandbox on the same node (daemons, chunk cache and page cache up).
+The workload (``WORKLOAD``), each step timed: ``python3 -c 'print(1)'``, ``import numpy, pandas,
+django``, the workspace's own ``pytest -q``, ``grep -r`` over the workspace. Per run, a fresh node
+dir on tmpfs (the exec agent built beforehand by a throwaway busybox sandbox, so no mode pays
+for it), timed from "nothing of the env on this node":
 
-Reported: time to the first command's exit (``python3 -c 'import json'``), then a second,
-heavier command (``import numpy, pandas, django``), and the bytes fetched: for ``full`` the
-blobs, for ``lazy`` what the daemons' ``LazyStats`` counted (footer, TOC and frames) plus the
-manifest and config; ``lo`` is every byte that crossed loopback meanwhile (HTTP included).
+- ``full``: ``Sandbox.create(lock, store=S3Store)`` — each layer streamed over the link and
+  unpacked into the node cache — then the workload;
+- ``native``: then a second sandbox on that node, layers already unpacked: the floor;
+- ``lazy``: ``Sandbox.create(..., lazy=True)`` with no lazy profile in the store, then the
+  workload (this run records a profile; dropped before the next ``lazy`` run);
+- ``lazy-rerun``: a second lazy sandbox on that node once every touched file is fetched;
+- ``lazy-profile`` (and its ``-rerun``): the same with the profile a previous run recorded.
+
+Then a burst: ``--burst`` lazy sandboxes of the lock started at once on one cold node, each
+running the first two steps; bytes on the link against one sandbox's.
+
+Goals (issue 13), at ``1gbit:10ms``: first command >= 5x faster than full; total (create +
+workload) <= 0.7x full's; re-run once fetched <= 1.1x native; bytes on the link <= 15 % of the
+env (its unpacked size; the ratio to the full pull's bytes is printed too); burst bytes <= 1.1x
+one sandbox's. Printed as met/MISSED per link.
 
 Usage::
 
-    .venv/bin/python benchmarks/cold_start.py [--repeat 3] [--modes full,lazy,lazy-profile]
+    .venv/bin/python benchmarks/cold_start.py [--link 1gbit:10ms,10gbit:2ms] [--repeat 3]
+        [--modes full,lazy,lazy-profile] [--burst 20] [--cache ./cache] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,6 +59,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from layer_pack import SCRATCH, WORK, make_venv  # noqa: E402
+from shaped_link import LinkProfile, ShapedLink  # noqa: E402
 
 from envbuild.layers import LayerReader, pack_tree  # noqa: E402
 from envbuild.oci import MEDIA_TYPE_CONFIG  # noqa: E402
@@ -57,9 +71,16 @@ from runtime_shim.nodecache import NodeCache  # noqa: E402
 from runtime_shim.sandbox import Sandbox  # noqa: E402
 
 COLD = WORK / "cold"
-FIRST = ["/opt/venv/bin/python3", "-c", "import json"]
-SECOND = ["/opt/venv/bin/python3", "-c", "import numpy, pandas, django"]
 MB = 1e6
+#: What an agent does, in order: a first command, a heavy import, the workspace's own test
+#: suite (workdir /workspace, the lock's PATH), then a search over the workspace.
+WORKLOAD = (
+    ("first", ["python3", "-c", "print(1)"]),
+    ("import", ["/opt/venv/bin/python3", "-c", "import numpy, pandas, django"]),
+    ("tests", ["pytest", "-q", "-p", "no:cacheprovider"]),
+    ("grep", ["grep", "-r", "-c", "def", "/workspace"]),
+)
+STEPS = [name for name, _ in WORKLOAD]
 
 
 def venv_layer(local: LocalStore) -> LockLayer:
@@ -94,47 +115,21 @@ def venv_layer(local: LocalStore) -> LockLayer:
                          toc_digest=r.toc_digest)
 
 
-def lock_into(store, name: str, layers: list[LockLayer]) -> str:
-    lock = make_lock(name, layers, merge_config([RuntimeConfig()]))
+def lock_into(store, name: str, layers: list[LockLayer], config: RuntimeConfig) -> str:
+    lock = make_lock(name, layers, config)
     put_json(store, lock.config, media_type=MEDIA_TYPE_CONFIG)
     digest = put_json(store, lock.manifest).digest
     store.put_ref(f"env/{name}", digest)
     return digest
 
 
-def lo_bytes() -> int:
+def rx_bytes(dev: str) -> int:
+    """Bytes ``dev`` has received: with a shaped link, everything the store server sent."""
     for line in Path("/proc/net/dev").read_text().splitlines():
         name, _, rest = line.partition(":")
-        if name.strip() == "lo":
-            return int(rest.split()[0])  # received (= sent, on loopback)
-    return 0
-
-
-class Counting:
-    """The store, counting the bytes this process reads from it."""
-
-    def __init__(self, store) -> None:
-        self._store = store
-        self.bytes = 0
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-    def get_range(self, digest, offset, length):
-        data = self._store.get_range(digest, offset, length)
-        self.bytes += len(data)
-        return data
-
-    def get(self, digest):
-        data = self._store.get(digest)
-        read = data.read
-
-        def counted(*a):
-            chunk = read(*a)
-            self.bytes += len(chunk)
-            return chunk
-        data.read = counted
-        return data
+        if name.strip() == dev:
+            return int(rest.split()[0])
+    raise RuntimeError(f"no interface {dev} in /proc/net/dev")
 
 
 def drop_profiles(store) -> None:
@@ -142,135 +137,296 @@ def drop_profiles(store) -> None:
         store.delete_record(PROFILE_NAMESPACE, name)
 
 
-def one_run(store, lock: str, warm_lock: str, mode: str, run: int) -> dict:
-    node_dir = SCRATCH / f"cold-node-{mode}-{run}"
-    shutil.rmtree(node_dir, ignore_errors=True)
-    lazy = mode.startswith("lazy")
-    if mode == "lazy":  # no profile: this run records one, dropped afterwards
-        drop_profiles(store)
-    elif mode == "lazy-profile" and not store.list_records(PROFILE_NAMESPACE):
-        print("  recording the lazy profile (untimed run) ...", flush=True)
-        one_run(store, lock, warm_lock, "lazy", run)
-    with Sandbox.create(warm_lock, store=store, node_dir=node_dir) as sb:  # exec agent, stub
-        sb.exec(["true"])
-    counting = Counting(store)
-    lo0 = lo_bytes()
-    t0 = time.perf_counter()
-    sb = Sandbox.create(lock, store=counting, node_dir=node_dir, lazy=lazy)
-    t_create = time.perf_counter() - t0
-    try:
-        r = sb.exec(FIRST)
-        t_first = time.perf_counter() - t0
-        assert r.exit_code == 0, r.stderr
-        node = NodeCache(node_dir / "node")
-        layers = resolve(store, lock).layers
+class Bench:
+    """One link profile's run: the store behind the link, the env's lock, the meter."""
 
-        def fetched() -> int:
-            if not lazy:
-                return counting.bytes
-            return counting.bytes + sum(lazy_stats(node.lazy_dir(x.digest))["bytes_fetched"]
-                                        for x in layers)
-        def requests() -> int:
-            return sum(lazy_stats(node.lazy_dir(x.digest))["requests"] for x in layers) \
-                if lazy else 0
-        b_first, lo_first, req_first = fetched(), lo_bytes() - lo0, requests()
-        t1 = time.perf_counter()
-        r = sb.exec(SECOND)
-        t_second = time.perf_counter() - t1
-        assert r.exit_code == 0, r.stderr
-        out = {"mode": mode, "create": t_create, "first": t_first, "second": t_second,
-               "bytes_first": b_first, "lo_first": lo_first, "bytes_second": fetched(),
-               "requests_first": req_first, "requests_second": requests()}
-        if lazy:  # a second sandbox on this node: mounts, chunk and page cache up
-            t2 = time.perf_counter()
-            with Sandbox.create(lock, store=store, node_dir=node_dir, lazy=True) as sb2:
-                assert sb2.exec(FIRST).exit_code == 0
-            out["warm_first"] = time.perf_counter() - t2
-    finally:
-        sb.close()
+    def __init__(self, store, lock: str, warm_lock: str, link: ShapedLink, env_bytes: int):
+        self.store, self.lock, self.warm_lock, self.link = store, lock, warm_lock, link
+        self.env_bytes = env_bytes
+        self.dev = link.host_if if link.profile.shaped else "lo"
+        self.layers = resolve(store, lock).layers
+
+    def fresh_node(self, tag: str) -> Path:
+        """An empty node dir on tmpfs, with the exec agent built by a throwaway busybox sandbox
+        (so no mode pays for it)."""
+        node_dir = SCRATCH / f"cold-node-{tag}"
+        shutil.rmtree(node_dir, ignore_errors=True)
+        with Sandbox.create(self.warm_lock, store=self.store, node_dir=node_dir) as sb:
+            sb.exec(["true"])
+        return node_dir
+
+    def drop_node(self, node_dir: Path) -> None:
+        node = NodeCache(node_dir / "node")
         for log in (node_dir / "node" / "lazy").glob("*.log"):
             for line in log.read_text(errors="replace").splitlines():
                 if " ERROR " in line or " WARNING " in line or line.startswith("error"):
-                    print(f"  {log.name[:12]}: {line}", flush=True)
-        NodeCache(node_dir / "node").evict((), 0)  # the daemon saves the profile, exits
+                    print(f"    {log.name[:12]}: {line}", flush=True)
+        node.evict((), 0)  # the lazy daemons save the profile and exit
         shutil.rmtree(node_dir, ignore_errors=True)
-    if mode == "lazy":
-        out["profiled"] = len(store.list_records(PROFILE_NAMESPACE))
-    return out
+
+    def requests(self, node_dir: Path) -> int:
+        node = NodeCache(node_dir / "node")
+        total = 0
+        for x in self.layers:
+            try:
+                total += lazy_stats(node.lazy_dir(x.digest))["requests"]
+            except Exception:  # noqa: BLE001 - a layer not mounted lazily on this node
+                pass
+        return total
+
+    def workload(self, sb, t0: float, steps: list[str] = STEPS) -> dict[str, float]:
+        """Run the workload's ``steps`` in ``sb``: seconds per step; ``first`` is counted from
+        ``t0`` (the create) as well as on its own (``first_cmd``)."""
+        out: dict[str, float] = {}
+        for name, argv in WORKLOAD:
+            if name not in steps:
+                continue
+            t = time.perf_counter()
+            r = sb.exec(argv, timeout=600)
+            out[name if name != "first" else "first_cmd"] = time.perf_counter() - t
+            if name == "first":
+                out["first"] = time.perf_counter() - t0
+            if r.exit_code != 0:
+                raise RuntimeError(f"{name} exited {r.exit_code}: {r.stderr[-500:]!r}")
+        out["workload"] = sum(out[k] for k in ("first_cmd", *steps[1:]) if k in out)
+        return out
+
+    def run_full(self, run: int) -> list[dict]:
+        """Full pull + unpack over the link, then the workload; then, on the same node with the
+        layers now unpacked, the same workload again: the native floor."""
+        node_dir = self.fresh_node(f"full-{run}")
+        try:
+            rx0 = rx_bytes(self.dev)
+            t0 = time.perf_counter()
+            with Sandbox.create(self.lock, store=self.store, node_dir=node_dir) as sb:
+                create = time.perf_counter() - t0
+                full = {"mode": "full", "create": create, **self.workload(sb, t0),
+                        "bytes": rx_bytes(self.dev) - rx0}
+            full["total"] = full["create"] + full["workload"]
+            rx0 = rx_bytes(self.dev)
+            t0 = time.perf_counter()
+            with Sandbox.create(self.lock, store=self.store, node_dir=node_dir) as sb:
+                create = time.perf_counter() - t0
+                native = {"mode": "native", "create": create, **self.workload(sb, t0),
+                          "bytes": rx_bytes(self.dev) - rx0}
+            native["total"] = native["create"] + native["workload"]
+            return [full, native]
+        finally:
+            self.drop_node(node_dir)
+
+    def run_lazy(self, run: int, profile: bool) -> list[dict]:
+        """A lazy sandbox on a cold node, then a second one on the same node once everything
+        the workload touched is on the node (``-rerun``)."""
+        mode = "lazy-profile" if profile else "lazy"
+        if not profile:
+            drop_profiles(self.store)
+        elif not self.store.list_records(PROFILE_NAMESPACE):
+            print("    recording the lazy profile (untimed run) ...", flush=True)
+            self.run_lazy(run, profile=False)
+        node_dir = self.fresh_node(f"{mode}-{run}")
+        try:
+            rx0 = rx_bytes(self.dev)
+            t0 = time.perf_counter()
+            with Sandbox.create(self.lock, store=self.store, node_dir=node_dir, lazy=True) as sb:
+                create = time.perf_counter() - t0
+                cold = {"mode": mode, "create": create, **self.workload(sb, t0)}
+                cold["bytes"] = rx_bytes(self.dev) - rx0
+                cold["requests"] = self.requests(node_dir)
+                cold["transport"] = str(getattr(sb.info(), "lazy_transport", ""))
+            cold["total"] = cold["create"] + cold["workload"]
+            rx0 = rx_bytes(self.dev)
+            t0 = time.perf_counter()
+            with Sandbox.create(self.lock, store=self.store, node_dir=node_dir, lazy=True) as sb:
+                create = time.perf_counter() - t0
+                rerun = {"mode": f"{mode}-rerun", "create": create, **self.workload(sb, t0),
+                         "bytes": rx_bytes(self.dev) - rx0}
+            rerun["total"] = rerun["create"] + rerun["workload"]
+            return [cold, rerun]
+        finally:
+            self.drop_node(node_dir)
+
+    def run_burst(self, n: int) -> dict:
+        """``n`` lazy sandboxes of the lock started at once on one cold node, each running the
+        first command and the heavy import; bytes over the link against one sandbox's."""
+        steps = ["first", "import"]
+
+        def one(node_dir: Path) -> None:
+            t0 = time.perf_counter()
+            with Sandbox.create(self.lock, store=self.store, node_dir=node_dir, lazy=True) as sb:
+                self.workload(sb, t0, steps)
+
+        drop_profiles(self.store)
+        node_dir = self.fresh_node("burst-single")
+        try:
+            rx0 = rx_bytes(self.dev)
+            one(node_dir)
+            single = rx_bytes(self.dev) - rx0
+        finally:
+            self.drop_node(node_dir)
+        drop_profiles(self.store)
+        node_dir = self.fresh_node("burst")
+        try:
+            rx0 = rx_bytes(self.dev)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(n) as pool:
+                for f in [pool.submit(one, node_dir) for _ in range(n)]:
+                    f.result()
+            seconds = time.perf_counter() - t0
+            burst = rx_bytes(self.dev) - rx0
+            requests = self.requests(node_dir)
+        finally:
+            self.drop_node(node_dir)
+        return {"n": n, "single_bytes": single, "burst_bytes": burst, "seconds": seconds,
+                "requests": requests}
+
+
+def start_store(link: ShapedLink, cache: LocalStore, digests: list[str]):
+    """s3rver inside the link's namespace, the env's blobs pushed through the link."""
+    from lazy_read import S3RVER_VERSION, S3rver
+
+    server = S3rver()  # installs s3rver once; we run it ourselves, in the namespace
+    server.data = SCRATCH / f"s3rver-cold-{os.getpid()}"  # not the shared default: other
+    shutil.rmtree(server.data, ignore_errors=True)        # benchmarks wipe that one
+    server.data.mkdir(parents=True)
+    exe = WORK / "s3rver" / "node_modules" / ".bin" / "s3rver"
+    if not exe.exists():
+        server.start()
+        server.kill()
+    assert exe.exists(), f"s3rver {S3RVER_VERSION} did not install"
+    link.run_server(["node", str(exe), "-d", str(server.data), "-a", link.server_ip,
+                     "-p", str(server.port), "--silent"], server.port,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = link.endpoint(server.port)
+    os.environ.update({"AWS_ACCESS_KEY_ID": "S3RVER", "AWS_SECRET_ACCESS_KEY": "S3RVER",
+                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"})
+    import boto3
+
+    boto3.session.Session().client("s3", endpoint_url=endpoint).create_bucket(Bucket="cold")
+    store = open_store("s3://cold/envs", s3_endpoint=endpoint)
+    print("  pushing the env through the link ...", flush=True)
+    copy_blobs(cache, store, digests)
+    return store, server.data
+
+
+def med(rows: list[dict], mode: str, key: str) -> float:
+    values = [r[key] for r in rows if r["mode"] == mode and key in r]
+    return statistics.median(values) if values else float("nan")
+
+
+def report(profile: LinkProfile, rows: list[dict], burst: dict | None, env_bytes: int,
+           repeat: int) -> dict:
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    print(f"\nlink {profile}; median of {repeat} runs")
+    cols = ["create", "first", "import", "tests", "grep", "total"]
+    print(f"{'mode':<20}" + "".join(f"{c + ' s':>9}" for c in cols)
+          + f"{'MB on link':>12}{'requests':>10}")
+    for mode in modes:
+        print(f"{mode:<20}" + "".join(f"{med(rows, mode, c):>9.2f}" for c in cols)
+              + f"{med(rows, mode, 'bytes') / MB:>12.1f}"
+              + (f"{med(rows, mode, 'requests'):>10.0f}"
+                 if any("requests" in r for r in rows if r["mode"] == mode) else ""))
+    goals: dict[str, tuple[float, str, bool]] = {}
+    if "full" in modes and "lazy" in modes:
+        first = med(rows, "full", "first") / med(rows, "lazy", "first")
+        goals["first command vs full"] = (first, ">= 5x faster", first >= 5)
+        total = med(rows, "lazy", "total") / med(rows, "full", "total")
+        goals["total workload vs full"] = (total, "<= 0.7x", total <= 0.7)
+        share = med(rows, "lazy", "bytes") / env_bytes
+        goals["bytes on the link / env's unpacked size"] = (share, "<= 0.15", share <= 0.15)
+        compressed = med(rows, "lazy", "bytes") / med(rows, "full", "bytes")
+        goals["bytes on the link / full pull's (reported)"] = (compressed, "-", True)
+    if "native" in modes and "lazy-rerun" in modes:
+        rerun = med(rows, "lazy-rerun", "workload") / med(rows, "native", "workload")
+        goals["re-run (files fetched) vs native"] = (rerun, "<= 1.1x", rerun <= 1.1)
+    if "lazy-profile" in modes and "full" in modes:
+        total = med(rows, "lazy-profile", "total") / med(rows, "full", "total")
+        goals["total with profile vs full (reported)"] = (total, "-", True)
+    if burst:
+        ratio = burst["burst_bytes"] / max(burst["single_bytes"], 1)
+        print(f"burst: {burst['n']} lazy sandboxes at once on one cold node: "
+              f"{burst['burst_bytes'] / MB:.1f} MB on the link vs {burst['single_bytes'] / MB:.1f}"
+              f" MB for one, {burst['requests']} requests, {burst['seconds']:.1f} s to all done")
+        goals[f"burst of {burst['n']}: bytes vs one sandbox"] = (ratio, "<= 1.1x", ratio <= 1.1)
+    print("goals:")
+    for name, (value, goal, ok) in goals.items():
+        print(f"  {name:<40} {value:>7.2f}  goal {goal:<13} {'met' if ok else 'MISSED'}")
+    return {"link": profile.text, "rows": rows, "burst": burst,
+            "goals": {k: {"value": v, "goal": g, "met": ok} for k, (v, g, ok) in goals.items()}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--link", default="1gbit:10ms,10gbit:2ms",
+                    help="comma-separated RATE:LATENCY profiles, or loopback")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--modes", default="full,lazy,lazy-profile")
+    ap.add_argument("--burst", type=int, default=20, help="sandboxes in the burst (0: none)")
+    ap.add_argument("--cache", type=Path, default=REPO / "cache",
+                    help="local store with env/py-minicalc and env/busybox-shell built")
+    ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
-    from lazy_read import S3rver
+    profiles = [LinkProfile.parse(t) for t in args.link.split(",")]
 
     COLD.mkdir(parents=True, exist_ok=True)
-    cache = LocalStore(REPO / "cache")
-    bases = [x for x in resolve(cache, "py-minicalc").layers if x.role == "base"]
+    cache = LocalStore(args.cache)
+    try:
+        minicalc = resolve(cache, "py-minicalc")
+        busybox = resolve(cache, "busybox-shell").layers
+    except Exception as e:  # noqa: BLE001
+        raise SystemExit(f"cold_start: {e}; build them first: envbuild --store {args.cache} "
+                         "build py-minicalc busybox-shell") from None
     venv = venv_layer(cache)
-    layers = [LockLayer(name=x.name, role=x.role, key=x.key, digest=x.digest, diff_id=x.diff_id,
-                        size=x.size, toc_digest=x.toc_digest) for x in bases] + [venv]
-    busybox = resolve(cache, "busybox-shell").layers
-    warm = [LockLayer(name=x.name, role=x.role, key=x.key or "sha256:" + "0" * 64,
-                      digest=x.digest, diff_id=x.diff_id, size=x.size,
-                      toc_digest=x.toc_digest) for x in busybox]
+    as_lock = lambda x: LockLayer(name=x.name, role=x.role, key=x.key or "sha256:" + "0" * 64,  # noqa: E731
+                                  digest=x.digest, diff_id=x.diff_id, size=x.size,
+                                  toc_digest=x.toc_digest)
+    layers = [as_lock(x) for x in minicalc.layers] + [venv]
+    warm = [as_lock(x) for x in busybox]
+    config = RuntimeConfig(env=dict(minicalc.env), workdir=minicalc.workdir,
+                           user=minicalc.user, cmd=minicalc.cmd)
     unpacked = 0
     for x in layers:
         with LayerReader.open_file(cache.blob_path(x.digest)) as r:
             unpacked += r.toc.tar_size
-    print(f"env: {len(layers)} layers, {sum(x.size for x in layers) / MB:.0f} MB compressed, "
-          f"{unpacked / MB:.0f} MB of tar", flush=True)
+    # The env's size is its unpacked size (the issue's "506 MB env"); the full pull's bytes on
+    # the link (the compressed blobs) are printed beside it.
+    env_bytes = unpacked
+    print(f"env: py-minicalc + a numpy/pandas/django venv: {len(layers)} layers, "
+          f"{sum(x.size for x in layers) / MB:.0f} MB compressed, {unpacked / MB:.0f} MB of tar",
+          flush=True)
+    print("workload: " + "; ".join(f"{n}: {' '.join(a)}" for n, a in WORKLOAD), flush=True)
 
-    server = S3rver()
-    server.data = SCRATCH / f"s3rver-cold-{os.getpid()}"  # not the shared default: other
-    server.start()                                        # benchmarks wipe that one
-    os.environ.update({"AWS_ACCESS_KEY_ID": "S3RVER", "AWS_SECRET_ACCESS_KEY": "S3RVER",
-                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"})
-    try:
-        import boto3
-
-        boto3.session.Session().client("s3", endpoint_url=server.endpoint).create_bucket(
-            Bucket="cold")
-        store = open_store("s3://cold/envs", s3_endpoint=server.endpoint)
-        print("pushing to s3rver ...", flush=True)
-        copy_blobs(cache, store, [x.digest for x in layers + warm])
-        lock = lock_into(store, "cold", layers)
-        warm_lock = lock_into(store, "warm", warm)
-        rows = []
-        for run in range(args.repeat):
-            for mode in args.modes.split(","):
-                row = one_run(store, lock, warm_lock, mode, run)
-                rows.append(row)
-                lazy = mode.startswith("lazy")
-                print(f"  run {run} {mode:<5} create {row['create']:.2f} s, first command "
-                      f"exits at {row['first']:.2f} s, second {row['second']:.2f} s, "
-                      f"{row['bytes_first'] / MB:.1f} MB fetched"
-                      + (f", {row['requests_first']} + {row['requests_second']} requests"
-                         if lazy else ""), flush=True)
-    finally:
-        server.kill()
-
-    def med(mode: str, key: str) -> float:
-        return statistics.median(r[key] for r in rows if r["mode"] == mode and key in r)
-
-    print("\nmedian of", args.repeat, "runs")
-    print(f"{'mode':<14}{'create s':>10}{'1st exit s':>12}{'2nd cmd s':>11}{'MB at 1st':>11}"
-          f"{'lo MB':>9}{'MB after 2nd':>14}")
-    for mode in args.modes.split(","):
-        print(f"{mode:<14}{med(mode, 'create'):>10.2f}{med(mode, 'first'):>12.2f}"
-              f"{med(mode, 'second'):>11.2f}{med(mode, 'bytes_first') / MB:>11.1f}"
-              f"{med(mode, 'lo_first') / MB:>9.1f}{med(mode, 'bytes_second') / MB:>14.1f}")
-    for mode in [m for m in args.modes.split(",") if m.startswith("lazy")]:
-        print(f"{mode}, second sandbox on the same node (mounts up): first exit "
-              f"{med(mode, 'warm_first'):.3f} s; requests to 1st exit "
-              f"{med(mode, 'requests_first'):.0f}, after 2nd {med(mode, 'requests_second'):.0f}")
-        if "full" in args.modes:
-            print(f"{mode} vs full: first command's exit {med('full', 'first') / med(mode, 'first'):.1f}x "
-                  f"faster, second command {med('full', 'second') / med(mode, 'second'):.2f}x, "
-                  f"{med('full', 'bytes_first') / max(med(mode, 'bytes_first'), 1):.0f}x fewer "
-                  f"bytes at the first exit")
+    results = []
+    for profile in profiles:
+        print(f"\n== link {profile}", flush=True)
+        with ShapedLink(profile) as link:
+            store, data = start_store(link, cache, [x.digest for x in layers + warm])
+            try:
+                lock = lock_into(store, "cold", layers, config)
+                warm_lock = lock_into(store, "warm", warm, merge_config([RuntimeConfig()]))
+                bench = Bench(store, lock, warm_lock, link, env_bytes)
+                rows: list[dict] = []
+                for run in range(args.repeat):
+                    for mode in args.modes.split(","):
+                        if mode == "full":
+                            got = bench.run_full(run)
+                        elif mode in ("lazy", "lazy-profile"):
+                            got = bench.run_lazy(run, profile=mode == "lazy-profile")
+                        else:
+                            raise SystemExit(f"cold_start: unknown mode {mode!r}")
+                        for row in got:
+                            print(f"  run {run} {row['mode']:<18} create {row['create']:.2f} s, "
+                                  f"first exits {row['first']:.2f} s, workload "
+                                  f"{row['workload']:.2f} s, total {row['total']:.2f} s, "
+                                  f"{row['bytes'] / MB:.1f} MB on the link"
+                                  + (f", {row['requests']} requests" if "requests" in row
+                                     else ""), flush=True)
+                        rows.extend(got)
+                burst = bench.run_burst(args.burst) if args.burst else None
+                results.append(report(profile, rows, burst, env_bytes, args.repeat))
+            finally:
+                shutil.rmtree(data, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
