@@ -14,6 +14,8 @@ as every node's address instead of the host's routable one.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +36,7 @@ class RayTestCluster:
     """A running ``ray.cluster_utils.Cluster``; ``address`` is what ``ray.init`` takes."""
 
     cluster: Any
+    temp_dir: str = ""
     workers: list[Any] = field(default_factory=list)
 
     @property
@@ -42,7 +45,7 @@ class RayTestCluster:
 
     def add_node(self, resources: dict[str, float] | None = None, num_cpus: int = 2) -> Any:
         """Start one more worker node (its raylet is a real process) and wait for it."""
-        node = self.cluster.add_node(num_cpus=num_cpus,
+        node = self.cluster.add_node(num_cpus=num_cpus, temp_dir=self.temp_dir,
                                      resources=dict(WORKER_RESOURCES if resources is None else resources))
         self.cluster.wait_for_nodes()
         return node
@@ -61,9 +64,13 @@ def start_cluster(workers: int = 2) -> RayTestCluster:
         from ray.cluster_utils import Cluster
     except ImportError:
         pytest.fail("Ray is not installed (the `fleet` extra); run `bash scripts/setup.sh`", pytrace=False)
+    # Ray's session dirs (logs, sockets, spilled objects) under a dir of our own, removed at
+    # shutdown, instead of piling up in /tmp/ray; short, for the 107-byte unix socket limit.
+    temp_dir = tempfile.mkdtemp(prefix="ebray-", dir="/tmp")
     cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 1, "include_dashboard": False})
-    test_cluster = RayTestCluster(cluster=cluster)
+                      head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                      "temp_dir": temp_dir})
+    test_cluster = RayTestCluster(cluster=cluster, temp_dir=temp_dir)
     for _ in range(workers):
         test_cluster.workers.append(test_cluster.add_node())
     return test_cluster
@@ -82,3 +89,4 @@ def ray_cluster() -> Iterator[RayTestCluster]:
                 ray.shutdown()
         finally:
             test_cluster.cluster.shutdown()
+            shutil.rmtree(test_cluster.temp_dir, ignore_errors=True)
