@@ -1,0 +1,301 @@
+"""A Docker daemon to drive: the user's (``DOCKER_HOST``), or a throwaway ``dockerd`` of our own.
+
+``docker_daemon(root)`` is the one entry point (a context manager yielding a ``DockerDaemon``):
+
+- ``DOCKER_HOST`` set: that daemon is used as it is; it must answer ``docker version`` within
+  ``USER_DAEMON_TIMEOUT`` seconds or the build fails with one line saying so. Nothing of it is
+  started or stopped.
+- otherwise a **private dockerd** (Debian's ``docker.io``) is started for the length of the
+  ``with`` block and stopped at its end, also on an exception or Ctrl-C:
+
+  - everything it writes lives in one fresh directory ``ROOT/dockerd-<id>/``: ``data/``
+    (``--data-root``: images, BuildKit's cache), ``dockerd.pid``, ``dockerd.log``,
+    ``daemon.json`` (empty: the host's ``/etc/docker/daemon.json`` is never read), ``config/``
+    (``DOCKER_CONFIG`` of the CLI: no host credentials reach the build), and ``x/``
+    (``--exec-root``: the API socket ``x/docker.sock`` and the state of the containerd that
+    dockerd starts for itself). A unix socket path is limited to 108 bytes, so when ``ROOT`` is
+    too deep for containerd's socket (``x/containerd/containerd.sock.ttrpc``), the exec root
+    is ``/run/envbuild-dockerd-<id>`` instead (removed the same way);
+  - it listens on that unix socket only (no TCP) and does not touch the host's network:
+    ``--bridge=none --iptables=false --ip6tables=false --ip-forward=false --ip-masq=false
+    --userland-proxy=false``; builds therefore pass ``--network=none`` or ``--network=host``
+    (the default bridge network does not exist);
+  - its containers' cgroups live under ``/envbuild-dockerd-<id>`` (``--cgroup-parent``), which
+    is removed afterwards;
+  - it is ready when ``GET /_ping`` on its socket answers 200, within ``start_timeout``
+    (default 60 s; it takes 1–8 s here). If it exits first or the time runs out, the error
+    carries the tail of its log and a hint;
+  - stop: SIGTERM, up to ``stop_timeout`` seconds, then SIGKILL; then every process whose
+    command line names its directory (its containerd, shims) is killed, mounts below its
+    directories are detached, its cgroups removed, its directories deleted.
+
+  dockerd 20.10 itself still writes two host files no flag moves: ``/etc/docker/key.json``
+  (its trust key) and the empty directory ``/run/docker/plugins``; both are harmless and
+  shared by every dockerd of the machine, so they are left alone.
+
+The CLI is Debian's ``/usr/bin/docker`` (its ``docker build`` speaks BuildKit with
+``DOCKER_BUILDKIT=1``; a newer static CLI elsewhere on ``PATH`` wants the buildx plugin), or
+``$ENVBUILD_DOCKER``; the daemon is ``dockerd`` on ``PATH`` or ``$ENVBUILD_DOCKERD``. Reusable:
+anything that needs a Docker daemon for a while (a comparison against ``docker build``) can
+``with docker_daemon(path) as d: subprocess.run([d.cli, ...], env=d.env())``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from envbuild.errors import BuildError
+
+USER_DAEMON_TIMEOUT = 20.0
+DEFAULT_START_TIMEOUT = 60.0
+DEFAULT_STOP_TIMEOUT = 30.0
+LOG_TAIL_LINES = 20
+_SOCKET_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
+_CONTAINERD_SOCKET = "containerd/containerd.sock.ttrpc"
+_DOCKERD_FLAGS = ("--iptables=false", "--ip6tables=false", "--ip-forward=false",
+                  "--ip-masq=false", "--bridge=none", "--userland-proxy=false")
+
+
+@dataclasses.dataclass(frozen=True)
+class DockerDaemon:
+    """A daemon to talk to: ``host`` is a ``DOCKER_HOST`` value; ``private`` says envbuild
+    started it (and will remove it with everything in it); ``config_dir`` is the CLI's
+    ``DOCKER_CONFIG`` (None: the user's own)."""
+
+    host: str
+    cli: str
+    private: bool
+    config_dir: str | None = None
+    log: str | None = None
+
+    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment for a ``docker`` CLI subprocess aimed at this daemon."""
+        env = dict(os.environ if base is None else base)
+        env["DOCKER_HOST"] = self.host
+        env["DOCKER_BUILDKIT"] = "1"
+        env.pop("DOCKER_CONTEXT", None)
+        if self.config_dir is not None:
+            env["DOCKER_CONFIG"] = self.config_dir
+        return env
+
+
+def docker_cli() -> str:
+    """The docker CLI to drive (see the module docstring)."""
+    chosen = os.environ.get("ENVBUILD_DOCKER") or (
+        "/usr/bin/docker" if os.access("/usr/bin/docker", os.X_OK) else shutil.which("docker"))
+    if not chosen:
+        raise BuildError("the docker CLI is not installed",
+                         hint="apt-get install docker.io (scripts/setup.sh installs it)")
+    return chosen
+
+
+def dockerd_binary() -> str:
+    chosen = os.environ.get("ENVBUILD_DOCKERD") or shutil.which("dockerd") or (
+        "/usr/sbin/dockerd" if os.access("/usr/sbin/dockerd", os.X_OK) else None)
+    if not chosen:
+        raise BuildError("dockerd is not installed (no Docker daemon to build with)",
+                         hint="apt-get install docker.io, or point DOCKER_HOST at a daemon")
+    return chosen
+
+
+@contextlib.contextmanager
+def docker_daemon(root: Path, *, start_timeout: float = DEFAULT_START_TIMEOUT,
+                  stop_timeout: float = DEFAULT_STOP_TIMEOUT) -> Iterator[DockerDaemon]:
+    """The user's daemon if ``DOCKER_HOST`` is set, else a private dockerd under ``root``."""
+    host = os.environ.get("DOCKER_HOST", "").strip()
+    if host:
+        yield _user_daemon(host)
+        return
+    with private_daemon(root, start_timeout=start_timeout, stop_timeout=stop_timeout) as d:
+        yield d
+
+
+def _user_daemon(host: str) -> DockerDaemon:
+    d = DockerDaemon(host=host, cli=docker_cli(), private=False)
+    try:
+        done = subprocess.run([d.cli, "version", "--format", "{{.Server.Version}}"],
+                              env=d.env(), capture_output=True, text=True,
+                              timeout=USER_DAEMON_TIMEOUT, stdin=subprocess.DEVNULL, check=False)
+    except subprocess.TimeoutExpired:
+        raise BuildError(f"the Docker daemon at DOCKER_HOST={host} did not answer in "
+                         f"{USER_DAEMON_TIMEOUT:.0f} s",
+                         hint="start it, or unset DOCKER_HOST to let envbuild run its own") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BuildError(f"the Docker daemon at DOCKER_HOST={host} does not answer: {last}",
+                         hint="start it, or unset DOCKER_HOST to let envbuild run its own")
+    return d
+
+
+@contextlib.contextmanager
+def private_daemon(root: Path, *, start_timeout: float = DEFAULT_START_TIMEOUT,
+                   stop_timeout: float = DEFAULT_STOP_TIMEOUT) -> Iterator[DockerDaemon]:
+    """Start a throwaway dockerd under ``root``, yield it ready, stop and remove it."""
+    binary = dockerd_binary()
+    cli = docker_cli()
+    ident = uuid.uuid4().hex[:12]
+    root.mkdir(parents=True, exist_ok=True)
+    top = Path(os.path.abspath(root)) / f"dockerd-{ident}"
+    exec_root = top / "x"
+    if len(str(exec_root / _CONTAINERD_SOCKET)) > _SOCKET_PATH_MAX:
+        exec_root = Path(f"/run/envbuild-dockerd-{ident}")
+    sock = exec_root / "docker.sock"
+    cgroup = f"/envbuild-dockerd-{ident}"
+    top.mkdir(mode=0o700)
+    proc: subprocess.Popen | None = None
+    try:
+        exec_root.mkdir(mode=0o700, exist_ok=exec_root.parent == top)
+        for sub in ("data", "config"):
+            (top / sub).mkdir(mode=0o700)
+        (top / "daemon.json").write_text("{}\n")
+        (top / "config" / "config.json").write_text("{}\n")
+        log_path = top / "dockerd.log"
+        argv = [binary, "--config-file", str(top / "daemon.json"),
+                "--data-root", str(top / "data"), "--exec-root", str(exec_root),
+                "--pidfile", str(top / "dockerd.pid"), "-H", f"unix://{sock}",
+                f"--cgroup-parent={cgroup}", *_DOCKERD_FLAGS]
+        with open(log_path, "ab") as log:
+            try:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                        start_new_session=True)
+            except OSError as e:
+                raise BuildError(f"start dockerd: {e.strerror or e}",
+                                 hint="apt-get install docker.io") from None
+        _wait_ready(proc, sock, log_path, start_timeout)
+        yield DockerDaemon(host=f"unix://{sock}", cli=cli, private=True,
+                           config_dir=str(top / "config"), log=str(log_path))
+    finally:
+        _stop(proc, stop_timeout, (top, exec_root))
+        _remove_cgroups(cgroup)
+        for d in (exec_root, top):
+            _remove_dir(d)
+
+
+def _wait_ready(proc: subprocess.Popen, sock: Path, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        code = proc.poll()
+        if code is not None:
+            raise BuildError(f"dockerd exited {code} before it answered", context=_tail(log),
+                             hint=f"its log: {log} (is another dockerd using the same dirs, "
+                                  "or is the kernel missing overlayfs?)")
+        if sock.exists() and _ping(sock):
+            return
+        if time.monotonic() > deadline:
+            raise BuildError(f"dockerd did not answer within {timeout:.0f} s",
+                             context=_tail(log),
+                             hint=f"its log: {log} (a loaded machine may need more time)")
+        time.sleep(0.1)
+
+
+def _ping(sock: Path) -> bool:
+    """``GET /_ping`` on the daemon's socket answers 200."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(2.0)
+            s.connect(str(sock))
+            s.sendall(b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n")
+            data = s.recv(64)
+    except OSError:
+        return False
+    return data.startswith(b"HTTP/1.") and b" 200 " in data[:16]
+
+
+def _tail(log: Path) -> str:
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
+
+
+def _stop(proc: subprocess.Popen | None, timeout: float, dirs: tuple[Path, ...]) -> None:
+    """Stop dockerd, then whatever still runs from its directories (its containerd and
+    shims are started in sessions of their own, so a process group does not reach them)."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for _ in range(50):
+        left = _processes_naming(dirs)
+        if not left:
+            return
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
+
+
+def _processes_naming(dirs: tuple[Path, ...]) -> list[int]:
+    """Pids whose command line names one of ``dirs`` (only ours: each is unique per daemon)."""
+    needles = [os.fsencode(f"{d}/") for d in dirs] + [os.fsencode(str(d)) + b"\0" for d in dirs]
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read() + b"\0"
+        except OSError:
+            continue
+        if any(n in cmdline for n in needles):
+            found.append(int(name))
+    return found
+
+
+def mounts_under(paths: tuple[Path, ...]) -> list[str]:
+    """Mount points at or below any of ``paths``, deepest first."""
+    prefixes = [str(p).rstrip("/") for p in paths]
+    out = []
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            target = line.split(b" ")[4].decode(errors="replace")
+            target = target.replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
+            if any(target == p or target.startswith(p + "/") for p in prefixes):
+                out.append(target)
+    return sorted(set(out), key=lambda t: t.count("/"), reverse=True)
+
+
+def _remove_dir(d: Path) -> None:
+    from envbuild.safefs import remove_tree
+    from runtime_shim.mount import unmount
+
+    for target in mounts_under((d,)):
+        with contextlib.suppress(Exception):
+            unmount(target)
+    if d.exists():
+        with contextlib.suppress(FileNotFoundError):
+            remove_tree(d)
+
+
+def _remove_cgroups(cgroup: str) -> None:
+    """rmdir ``cgroup`` (and its empty children, deepest first) in every hierarchy."""
+    base = Path("/sys/fs/cgroup")
+    try:
+        hierarchies = [base] + [p for p in base.iterdir() if p.is_dir()]
+    except OSError:
+        return
+    for h in hierarchies:
+        top = h / cgroup.lstrip("/")
+        if not top.is_dir():
+            continue
+        dirs = [Path(dp) for dp, _dn, _fn in os.walk(top)]
+        for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):
+                d.rmdir()

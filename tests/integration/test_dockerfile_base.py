@@ -1,0 +1,270 @@
+"""Dockerfile bases (issue 17, items 1 and 5) with the real dockerd that envbuild starts itself:
+a multi-stage Dockerfile with ARG, COPY from the context, .dockerignore and a RUN under
+``network: none`` builds, is imported as a base with its image config, and runs in a sandbox;
+a FROM by digest from a local registry works; bad input (a failing RUN, a missing context, a
+FROM tag, dockerd failing to start) is one clear line with nothing published. After every
+build the private daemon is gone: no dockerd/containerd of ours, no mounts, no dirs, no
+cgroups."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from envbuild.dockerd import docker_daemon, mounts_under
+from runtime_shim.sandbox import Sandbox
+from tests.conftest import require_root, require_tool
+from tests.integration.conftest import copy_busybox_defs
+
+pytestmark = pytest.mark.integration
+
+DOCKERFILE = """\
+FROM scratch AS tools
+COPY busybox /bin/busybox
+SHELL ["/bin/busybox", "sh", "-c"]
+RUN /bin/busybox --install -s /bin && mkdir -p /etc /root /tmp /home/agent \\
+    && echo 'root:x:0:0:root:/root:/bin/sh' > /etc/passwd && echo 'root:x:0:' > /etc/group
+
+FROM tools AS final
+ARG GREETING=hi
+COPY . /ctx/
+RUN echo "$GREETING" > /greeting \\
+    && if wget -q -T 3 -O /dev/null http://deb.debian.org/; then echo net; else echo nonet; fi > /net \\
+    && ip -o link | grep -vc ': lo:' > /links || true
+ENV FOO=bar
+WORKDIR /ctx
+
+FROM final AS unused
+RUN touch /unused
+"""
+
+
+def _require_docker() -> None:
+    require_root()
+    require_tool("runc")
+    require_tool("busybox")
+    require_tool("dockerd")
+    if not os.access("/usr/bin/docker", os.X_OK):
+        pytest.fail("Debian's docker CLI (/usr/bin/docker) is missing: apt-get install docker.io")
+
+
+def _ours() -> set[str]:
+    """Private dockerds' traces that exist now (their exec roots in /run and cgroups)."""
+    found = {str(p) for p in Path("/run").glob("envbuild-dockerd-*")}
+    found |= {str(p) for p in Path("/sys/fs/cgroup").glob("*/envbuild-dockerd-*")}
+    return found
+
+
+def _assert_daemon_gone(node: Path, before: set[str]) -> None:
+    """No process names the node's dockerd dir, nothing is mounted below it, it holds no
+    daemon dir, and no /run or cgroup trace appeared."""
+    root = node / "dockerd"
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                cmd = Path(f"/proc/{name}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if os.fsencode(str(root)) in cmd:
+                pids.append((name, cmd[:200]))
+    assert not pids, pids
+    assert not mounts_under((root,))
+    assert not root.exists() or not any(root.iterdir()), list(root.iterdir())
+    assert _ours() <= before
+
+
+def _error(err: str) -> str:
+    """The one ``error:`` line of a failed CLI run (after its progress lines)."""
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err, err
+    return lines[0]
+
+
+def _write_defs(root: Path, dockerfile: str = DOCKERFILE, extra: str = "") -> Path:
+    defs = root / "envdefs"
+    if not defs.exists():  # envbuild_cli's own tmp_path already has them
+        copy_busybox_defs(defs)
+    ctx = defs / "base" / "docker"
+    ctx.mkdir(parents=True, exist_ok=True)
+    shutil.copy2("/bin/busybox", ctx / "busybox")
+    (ctx / "hello.txt").write_text("hello from the context\n")
+    (ctx / "secret.txt").write_text("never sent\n")
+    (ctx / "build.log").write_text("ignored too\n")
+    (ctx / ".dockerignore").write_text("secret.txt\n*.log\n")
+    (ctx / "Dockerfile").write_text(dockerfile)
+    (defs / "base" / "docker-base.yaml").write_text(textwrap.dedent("""\
+        apiVersion: envbuild/v1
+        kind: Base
+        name: docker-base
+        abi: busybox-amd64
+        from:
+          dockerfile:
+            context: docker
+            args: {GREETING: yo}
+            target: final
+            network: none
+        """) + extra)
+    (defs / "envs" / "docker-shell.yaml").write_text(textwrap.dedent("""\
+        apiVersion: envbuild/v1
+        kind: Env
+        name: docker-shell
+        base: docker-base
+        workspace: kvsh
+        toolkits: [shtest]
+        """))
+    return defs
+
+
+def test_dockerfile_base_builds_with_private_dockerd_and_runs_in_a_sandbox(envbuild_cli, tmp_path,
+                                                                           monkeypatch):
+    _require_docker()
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    defs = _write_defs(tmp_path)
+    before = _ours()
+    r = envbuild_cli("build", "docker-shell", defs=defs)
+    assert r.code == 0, r.err
+    _assert_daemon_gone(envbuild_cli.node, before)
+
+    from envbuild.store import LocalStore
+
+    with Sandbox.create("env/docker-shell", store=LocalStore(envbuild_cli.store),
+                        node_dir=envbuild_cli.node) as sb:
+        out = sb.exec(["sh", "-c", "cat /greeting /net; ls -a /ctx; echo FOO=$FOO; "
+                       "test -e /unused && echo UNUSED; cat /links; ls /workspace"])
+        assert out.exit_code == 0, out.stderr
+        text = out.stdout.decode()
+    assert text.startswith("yo\nnonet\n"), text             # ARG from args, RUN network none
+    assert "hello.txt" in text and "Dockerfile" in text     # COPY from the context
+    assert "secret.txt" not in text and "build.log" not in text  # .dockerignore
+    assert "FOO=bar" in text                                # the image config's Env is kept
+    assert "UNUSED" not in text                             # target: final stops there
+    assert re.search(r"^0$", text, re.M), text              # no interface but lo in the RUN
+    assert "kvsh" in text or "tests" in text                # the workspace sits on top
+
+    # Unchanged: cached, no daemon started at all. An ignored file changes nothing either.
+    (defs / "base" / "docker" / "secret.txt").write_text("changed\n")
+    r = envbuild_cli("build", "docker-shell", defs=defs)
+    assert r.code == 0, r.err
+    assert not (envbuild_cli.node / "dockerd").exists() or not any(
+        (envbuild_cli.node / "dockerd").iterdir())
+    r = envbuild_cli("plan", defs=defs)
+    assert r.code == 0 and "docker-base" in r.out
+    assert not re.search(r"docker-base.*(missing|build)", r.out), r.out
+
+
+def test_failing_run_is_one_line_with_its_output_and_publishes_nothing(envbuild_cli, tmp_path,
+                                                                       monkeypatch):
+    _require_docker()
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    defs = _write_defs(tmp_path, DOCKERFILE.replace(
+        'echo "$GREETING" > /greeting', 'echo step-output-marker && exit 7'))
+    before = _ours()
+    r = envbuild_cli("build", "docker-base", defs=defs)
+    assert r.code == 1, r.err
+    first = _error(r.err)
+    assert "docker-base: docker build failed" in first and "exit code: 7" in first, r.err
+    assert "step-output-marker" in r.err          # the step's output tail
+    assert "Traceback" not in r.err
+    records = list((envbuild_cli.store).rglob("*"))
+    assert not [p for p in records if "keys" in p.parts and p.is_file()], records
+    _assert_daemon_gone(envbuild_cli.node, before)
+
+
+def test_missing_context_and_from_tag_are_one_line_at_planning(envbuild_cli, tmp_path):
+    _require_docker()
+    defs = _write_defs(tmp_path)
+    shutil.rmtree(defs / "base" / "docker")
+    r = envbuild_cli("build", "docker-base", defs=defs)
+    assert r.code == 1
+    assert "docker context docker is not a directory" in _error(r.err), r.err
+    assert "Traceback" not in r.err
+
+    defs = _write_defs(tmp_path / "tag", "FROM debian:bookworm\nRUN true\n")
+    r = envbuild_cli("build", "docker-base", defs=defs)
+    assert r.code == 1
+    line = _error(r.err)
+    assert "docker-base.yaml" in line and "FROM debian:bookworm names a tag, not a digest" in line
+    assert "debian:bookworm@sha256:<digest>" in r.err
+
+
+def test_dockerd_failing_to_start_shows_its_log_tail_and_a_hint(envbuild_cli, tmp_path,
+                                                               monkeypatch):
+    _require_docker()
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    # The real dockerd, given a flag it does not know: it prints why and exits 1.
+    wrapper = tmp_path / "dockerd-broken"
+    wrapper.write_text(f"#!/bin/sh\nexec {shutil.which('dockerd')} --no-such-flag \"$@\"\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("ENVBUILD_DOCKERD", str(wrapper))
+    defs = _write_defs(tmp_path)
+    before = _ours()
+    r = envbuild_cli("build", "docker-base", defs=defs)
+    assert r.code == 1
+    assert "dockerd exited 1 before it answered" in _error(r.err), r.err
+    assert "unknown flag: --no-such-flag" in r.err   # its log tail
+    assert "its log:" in r.err                       # the hint
+    _assert_daemon_gone(envbuild_cli.node, before)
+
+
+def test_user_daemon_at_docker_host_that_does_not_answer_is_one_line(envbuild_cli, tmp_path,
+                                                                     monkeypatch):
+    _require_docker()
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/nobody.sock")
+    defs = _write_defs(tmp_path)
+    r = envbuild_cli("build", "docker-base", defs=defs)
+    assert r.code == 1
+    assert "DOCKER_HOST=unix://" in _error(r.err) and "does not answer" in r.err, r.err
+    assert not (envbuild_cli.node / "dockerd").exists() or not any(
+        (envbuild_cli.node / "dockerd").iterdir())
+
+
+def test_from_a_digest_pinned_image_in_a_local_registry(envbuild_cli, tmp_path, monkeypatch):
+    """The offline way to give a Dockerfile its FROM image: push it to a registry on loopback
+    (here with a throwaway daemon of ``envbuild.dockerd``), pin its digest; the tag alone is
+    refused with that digest."""
+    _require_docker()
+    from tests.store.registry_server import running_registry
+
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    src = tmp_path / "tools"
+    src.mkdir()
+    shutil.copy2("/bin/busybox", src / "busybox")
+    (src / "Dockerfile").write_text("FROM scratch\nCOPY busybox /bin/busybox\n"
+                                    "ENV FROM_TOOLS=1\n")
+    before = _ours()
+    with running_registry(tmp_path / "registry") as reg:
+        ref = f"{reg.host}/tools/bb:v1"
+        with docker_daemon(tmp_path / "pushd") as d:
+            env = d.env()
+            for argv in (["build", "--network=none", "-t", ref, str(src)], ["push", ref]):
+                p = subprocess.run([d.cli, *argv], env=env, capture_output=True, text=True,
+                                   timeout=180)
+                assert p.returncode == 0, p.stderr + p.stdout
+            m = re.search(r"digest: (sha256:[0-9a-f]{64})", p.stdout)
+            assert m, p.stdout
+            digest = m.group(1)
+        assert not (tmp_path / "pushd").exists() or not any((tmp_path / "pushd").iterdir())
+        name = ref.rsplit(":", 1)[0]
+
+        defs = _write_defs(tmp_path / "tag", f"FROM {ref}\nRUN true\n")
+        r = envbuild_cli("build", "docker-base", defs=defs)
+        assert r.code == 1
+        assert f"resolves to {digest}" in _error(r.err), r.err
+
+        dockerfile = (f"FROM {name}@{digest} AS final\n"
+                      'SHELL ["/bin/busybox", "sh", "-c"]\n'
+                      "RUN /bin/busybox mkdir -p /etc && /bin/busybox echo pulled > /etc/marker\n")
+        defs = _write_defs(tmp_path / "ok", dockerfile)
+        r = envbuild_cli("build", "docker-base", defs=defs)
+        assert r.code == 0, r.err
+        r = envbuild_cli("explain", "docker-base", defs=defs)
+        assert digest in r.out, r.out   # the FROM digest is a key input
+    _assert_daemon_gone(envbuild_cli.node, before)
