@@ -156,11 +156,23 @@ def from_images(text: str, args: Mapping[str, str]) -> list[str]:
     return images
 
 
+#: ``FROM envbuild.invalid/env/NAME@sha256:<lock digest>`` names an env lock of the envbuild
+#: store (``.invalid`` never resolves: no registry is ever asked for it).
+LOCK_HOST = "envbuild.invalid"
+_LOCK_REF_RE = re.compile(rf"{re.escape(LOCK_HOST)}/(env/[a-z0-9][a-z0-9._-]*)@(sha256:[0-9a-f]{{64}})")
+
+
 def pin_from(ref: str) -> str:
     """The digest a ``FROM`` reference names; a tag is refused with the digest to write."""
     if _DIGEST_RE.search(ref):
+        if ref.startswith(LOCK_HOST + "/") and not _LOCK_REF_RE.fullmatch(ref):
+            raise Unpinnable(f"FROM {ref} is not {LOCK_HOST}/env/NAME@sha256:<lock digest>")
         return ref.rpartition("@")[2]
     name = ref.split("@", 1)[0]
+    if name.startswith(LOCK_HOST + "/"):
+        raise Unpinnable(f"FROM {ref} names an envbuild lock without its digest",
+                         f"pin it as {name}@sha256:<digest> (the manifest digest `envbuild "
+                         "lock` prints for the env)")
     first = name.split("/", 1)[0]
     if "/" in name and ("." in first or ":" in first or first == "localhost"):
         from envbuild.build.pin import _check_image_pinned, _Unpinnable
@@ -389,7 +401,7 @@ def pin_dockerfile(src, base_dir: str, root: str | None = None) -> dict[str, str
 
 def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], dest: Path,
                      scratch: Path, daemon_root: Path, log: Path,
-                     cancelled: threading.Event | None = None):
+                     cancelled: threading.Event | None = None, store=None):
     """Build the Dockerfile base ``src`` and unpack its image into ``dest``; returns the
     image's config as ``importers.Imported``."""
     from envbuild.build.importers import _run
@@ -405,9 +417,14 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
         raise SourceError(f"{name}: {src.file} changed since it was planned",
                           hint="run the build again (it re-plans)")
     scratch.mkdir(parents=True, exist_ok=True)
+    locks = _lock_archives(text, src, name, store, scratch)
+    for i, (ref, _archive) in enumerate(locks):
+        text = text.replace(ref, _lock_tag(scratch, i))
     (scratch / "Dockerfile").write_text(text)
     iid, image = scratch / "iid", scratch / "image.tar"
     with docker_daemon(daemon_root) as d:
+        for i, (ref, archive) in enumerate(locks):
+            _load_lock(d, ref, archive, _lock_tag(scratch, i), cancelled)
         argv = [d.cli, "build", "--progress=plain", f"--network={src.network}",
                 "--iidfile", str(iid), "-f", str(scratch / "Dockerfile")]
         for k, v in src.args:
@@ -434,10 +451,57 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
                  cancelled=cancelled, env=d.env())
         finally:
             if not d.private:  # leave no image behind in the user's daemon (its cache stays)
-                subprocess.run([d.cli, "image", "rm", "--", image_id], env=d.env(),
-                               capture_output=True, stdin=subprocess.DEVNULL, timeout=60,
-                               check=False)
+                for ref in [image_id] + [_lock_tag(scratch, i) for i in range(len(locks))]:
+                    subprocess.run([d.cli, "image", "rm", "--", ref], env=d.env(),
+                                   capture_output=True, stdin=subprocess.DEVNULL, timeout=60,
+                                   check=False)
     return import_docker_archive(image, dest, f"{name}: image")
+
+
+def _lock_tag(scratch: Path, i: int) -> str:
+    # unique per build: two builds sharing a user's daemon never see each other's tags
+    return f"envbuild-from/{hashlib.sha256(str(scratch).encode()).hexdigest()[:12]}:{i}"
+
+
+def _lock_archives(text: str, src, name: str, store, scratch: Path) -> list[tuple[str, Path]]:
+    """``(reference, docker-archive)`` of every ``FROM envbuild.invalid/env/NAME@DIGEST``: the
+    lock exported from the store (plain tar layers), checked to be the pinned digest."""
+    from envbuild.export import ExportRequest, ExportTarget, export_lock
+
+    out: list[tuple[str, Path]] = []
+    for ref in dict.fromkeys(from_images(text, dict(src.args))):
+        m = _LOCK_REF_RE.fullmatch(ref)
+        if m is None:
+            continue
+        if ref not in text:
+            raise SourceError(f"{name}: FROM {ref} must be written literally (not built from "
+                              "ARGs) to be served from the envbuild store")
+        lock_ref, digest = m.group(1), m.group(2)
+        if store is None:
+            raise BuildError(f"{name}: FROM {ref} needs the envbuild store")
+        from envbuild.errors import RefNotFound
+
+        try:
+            now = store.get_ref(lock_ref).digest
+        except RefNotFound:
+            raise SourceError(f"{name}: FROM {ref}: the store has no lock {lock_ref}",
+                              hint=f"build it first: envbuild build {lock_ref[4:]}") from None
+        if now != digest:
+            raise SourceError(f"{name}: FROM {ref}: {lock_ref} is locked at {now}, not {digest}",
+                              hint=f"write {LOCK_HOST}/{lock_ref}@{now} to build on the "
+                                   "current lock")
+        archive = scratch / f"from-{len(out)}.tar"
+        export_lock(store, ExportRequest(ref=lock_ref, target=ExportTarget(
+            "docker-archive", archive, _lock_tag(scratch, len(out))), compression="none"))
+        out.append((ref, archive))
+    return out
+
+
+def _load_lock(d, ref: str, archive: Path, tag: str, cancelled) -> None:
+    from envbuild.build.importers import _run
+
+    _run([d.cli, "load", "-q", "-i", str(archive)], f"docker load of {ref}",
+         cancelled=cancelled, env=d.env())
 
 
 def _build_failed(name: str, log: Path) -> BuildError:

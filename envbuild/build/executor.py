@@ -195,7 +195,7 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
         if isinstance(d, Base) and not isinstance(d.source, BaseSource):
             progress(BuildEvent(job.name, "importing", detail=d.source.kind))
             imported = _import_base(d, upper, log, ctx.cancelled, job=job, scratch=disk,
-                                    daemon_root=ctx.node.root / "dockerd")
+                                    daemon_root=ctx.node.root / "dockerd", store=ctx.store)
         needs_rootfs = bool(d.steps) or isinstance(d, Workspace)
         if needs_rootfs:
             spec = OverlaySpec(str(merged), (*lowers, str(ctx.stub_dir())), str(upper), str(work))
@@ -365,7 +365,8 @@ def _describe(step) -> str:
 
 def _import_base(d: Base, upper: Path, log: Path, cancelled: threading.Event, *,
                  job: LayerJob | None = None, scratch: Path | None = None,
-                 daemon_root: Path | None = None) -> importers.Imported:
+                 daemon_root: Path | None = None, store: Store | None = None
+                 ) -> importers.Imported:
     src = d.source
     here = d.origin.directory
     if isinstance(src, ScratchSource):
@@ -387,7 +388,7 @@ def _import_base(d: Base, upper: Path, log: Path, cancelled: threading.Event, *,
         if job is None or scratch is None or daemon_root is None:
             raise BuildError(f"{d.name}: a Dockerfile base needs the build's scratch and node dirs")
         return build_dockerfile(src, d.name, here, job.pins, upper, scratch / "docker",
-                                daemon_root, log, cancelled)
+                                daemon_root, log, cancelled, store)
     raise BuildError(f"{d.name}: source kind {src.kind!r} cannot be imported")
 
 

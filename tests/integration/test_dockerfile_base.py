@@ -268,3 +268,33 @@ def test_from_a_digest_pinned_image_in_a_local_registry(envbuild_cli, tmp_path, 
         r = envbuild_cli("explain", "docker-base", defs=defs)
         assert digest in r.out, r.out   # the FROM digest is a key input
     _assert_daemon_gone(envbuild_cli.node, before)
+
+
+def test_from_an_env_lock_of_the_envbuild_store(envbuild_cli, tmp_path, monkeypatch):
+    """``FROM envbuild.invalid/env/NAME@<lock digest>``: the lock is exported from the store
+    (``docker load``), so a Dockerfile can build on what envbuild already has, offline; a lock
+    that moved since is refused with its current digest."""
+    _require_docker()
+    from envbuild.store import LocalStore
+
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    r = envbuild_cli("build", "busybox-shell")
+    assert r.code == 0, r.err
+    digest = LocalStore(envbuild_cli.store).get_ref("env/busybox-shell").digest
+    dockerfile = (f"FROM envbuild.invalid/env/busybox-shell@{digest} AS final\n"
+                  "RUN echo built-on-the-lock > /from-lock && test -x /opt/toolkits/shtest/bin/shtest\n")
+    defs = _write_defs(tmp_path, dockerfile)
+    before = _ours()
+    r = envbuild_cli("build", "docker-shell", defs=defs)
+    assert r.code == 0, r.err
+    _assert_daemon_gone(envbuild_cli.node, before)
+    with Sandbox.create("env/docker-shell", store=LocalStore(envbuild_cli.store),
+                        node_dir=envbuild_cli.node) as sb:
+        out = sb.exec(["cat", "/from-lock"])
+        assert out.stdout.decode().startswith("built-on-the-lock\n"), out
+
+    stale = "sha256:" + "0" * 64
+    defs = _write_defs(tmp_path / "stale", dockerfile.replace(digest, stale))
+    r = envbuild_cli("build", "docker-base", defs=defs)
+    assert r.code == 1
+    assert f"env/busybox-shell is locked at {digest}, not {stale}" in _error(r.err), r.err
