@@ -1,0 +1,199 @@
+"""Attacks through a Dockerfile base (issue 17): a context whose symlinks point at host files,
+a context or Dockerfile outside the repository, a huge context, and a saved image whose layer
+escapes the root or does not match its config. Each with the secure outcome asserted against
+the real daemon (envbuild's private dockerd) or the real importer."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import tarfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from envbuild.build.dockerfile import import_docker_archive
+from envbuild.errors import BuildError, UnsafeLayerError
+from tests.conftest import require_root, require_tool
+from tests.integration.test_dockerfile_base import (
+    _assert_daemon_gone,
+    _error,
+    _ours,
+    _require_docker,
+)
+
+BASE = """\
+apiVersion: envbuild/v1
+kind: Base
+name: hostile
+abi: hostile-1
+from:
+  dockerfile:
+    context: {context}
+{extra}"""
+
+
+def _defs(envbuild_cli, context: str = "ctx", extra: str = "") -> Path:
+    defs = envbuild_cli.defs
+    (defs / "base" / "hostile.yaml").write_text(BASE.format(context=context, extra=extra))
+    return defs
+
+
+def _layer_bytes(store_root: Path) -> bytes:
+    """Every layer blob of the store, decompressed and concatenated."""
+    import zstandard
+
+    out = b""
+    for p in (store_root / "blobs").rglob("*"):
+        if p.is_file():
+            data = p.read_bytes()
+            if data[:4] == b"\x28\xb5\x2f\xfd":
+                out += zstandard.ZstdDecompressor().stream_reader(
+                    io.BytesIO(data), read_across_frames=True).read()
+    return out
+
+
+def test_context_symlinks_to_host_files_never_bring_the_host_file(envbuild_cli, tmp_path,
+                                                                    monkeypatch):
+    _require_docker()
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    secret_dir = Path(f"/tmp/h17-dockerfile-secret-{uuid.uuid4().hex[:8]}")
+    secret_dir.mkdir()
+    marker = f"HOST-SECRET-{uuid.uuid4().hex}".encode()
+    (secret_dir / "secret").write_bytes(marker)
+    try:
+        ctx = envbuild_cli.defs / "base" / "ctx"
+        ctx.mkdir(parents=True)
+        os.symlink(secret_dir / "secret", ctx / "leak")
+        os.symlink(secret_dir, ctx / "hostdir")
+        os.symlink("../../../../../../../../" + str(secret_dir).lstrip("/") + "/secret",
+                   ctx / "dotdot")
+        (ctx / "Dockerfile").write_text("FROM scratch\nCOPY . /ctx/\n")
+        defs = _defs(envbuild_cli)
+        before = _ours()
+        r = envbuild_cli("build", "hostile", defs=defs)
+        # BuildKit sends links as links: the layer holds the links, never what they name.
+        assert r.code == 0, r.err
+        _assert_daemon_gone(envbuild_cli.node, before)
+        assert marker not in _layer_bytes(envbuild_cli.store)
+        for p in (envbuild_cli.node).rglob("*"):
+            if p.is_file() and not p.is_symlink() and p.stat().st_size < (1 << 20):
+                assert marker not in p.read_bytes(), p
+
+        # COPY of a link itself is resolved inside the context, where the target is missing
+        (ctx / "Dockerfile").write_text("FROM scratch\nCOPY leak /leak\n")
+        r = envbuild_cli("build", "hostile", defs=defs)
+        assert r.code == 1, r.err
+        assert "docker build failed" in _error(r.err) and "not found" in _error(r.err)
+        assert marker not in _layer_bytes(envbuild_cli.store)
+        _assert_daemon_gone(envbuild_cli.node, before)
+    finally:
+        shutil.rmtree(secret_dir)
+
+
+def test_context_or_dockerfile_outside_the_repository_is_refused(envbuild_cli, tmp_path):
+    require_root()
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"  # beside the repository, not in it
+    outside.mkdir()
+    (outside / "Dockerfile").write_text("FROM scratch\n")
+    base = envbuild_cli.defs / "base"
+    os.symlink(outside, base / "ctx-link")
+    r = envbuild_cli("plan", defs=_defs(envbuild_cli, "ctx-link"))
+    assert r.code == 1 and "outside the source root" in _error(r.err), r.err
+
+    r = envbuild_cli("plan", defs=_defs(envbuild_cli, str(outside)))
+    assert r.code == 1 and "outside the source root" in _error(r.err), r.err
+
+    ctx = base / "ctx"
+    ctx.mkdir()
+    r = envbuild_cli("plan", defs=_defs(envbuild_cli, "ctx",
+                                        f"    file: ../../../{'../' * 10}{outside}/Dockerfile\n"))
+    assert r.code == 1 and "outside the source root" in _error(r.err), r.err
+
+    os.symlink(outside / "Dockerfile", ctx / "Dockerfile")
+    r = envbuild_cli("plan", defs=_defs(envbuild_cli))
+    assert r.code == 1 and "Dockerfile Dockerfile is a symlink, refused" in _error(r.err), r.err
+
+
+def test_a_huge_context_is_refused_at_planning_without_reading_it(envbuild_cli):
+    require_root()
+    ctx = envbuild_cli.defs / "base" / "ctx"
+    ctx.mkdir(parents=True)
+    (ctx / "Dockerfile").write_text("FROM scratch\nCOPY . /\n")
+    with open(ctx / "huge.bin", "wb") as f:
+        f.truncate(17 << 30)  # sparse: 17 GiB of zeros that would take ~15 s to hash
+    started = time.monotonic()
+    r = envbuild_cli("plan", defs=_defs(envbuild_cli))
+    assert time.monotonic() - started < 5
+    assert r.code == 1
+    line = _error(r.err)
+    assert "holds more than 16384 MiB of files" in line, r.err
+    assert ".dockerignore" in r.err  # the hint
+    (ctx / ".dockerignore").write_text("huge.bin\n")
+    r = envbuild_cli("plan", defs=_defs(envbuild_cli))
+    assert r.code == 0, r.err
+
+
+def test_option_like_args_and_targets_are_refused_by_the_schema(envbuild_cli):
+    require_root()
+    (envbuild_cli.defs / "base" / "ctx").mkdir(parents=True)
+    for extra in ("    target: --output=type=local,dest=/\n", "    args: {'--x': y}\n",
+                  "    network: default\n"):
+        r = envbuild_cli("plan", defs=_defs(envbuild_cli, "ctx", extra))
+        assert r.code == 1 and "Traceback" not in r.err, r.err
+
+
+def _archive(path: Path, layers: list[bytes], diff_ids: list[str] | None = None) -> None:
+    import hashlib
+
+    ids = diff_ids or ["sha256:" + hashlib.sha256(b).hexdigest() for b in layers]
+    config = json.dumps({"config": {"Env": ["A=1"]}, "rootfs": {"type": "layers",
+                                                                 "diff_ids": ids}}).encode()
+    with tarfile.open(path, "w") as t:
+        def add(name: str, data: bytes) -> None:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+
+        names = [f"l{i}/layer.tar" for i in range(len(layers))]
+        add("manifest.json", json.dumps([{"Config": "c.json", "RepoTags": None,
+                                          "Layers": names}]).encode())
+        add("c.json", config)
+        for n, b in zip(names, layers):
+            add(n, b)
+
+
+def _layer(members: list[tuple[str, bytes]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_a_saved_image_whose_layer_escapes_or_lies_is_refused(tmp_path):
+    require_root()
+    require_tool("tar")
+    dest = tmp_path / "root"
+    bad = tmp_path / "escape.tar"
+    _archive(bad, [_layer([("../escaped", b"x")])])
+    with pytest.raises(UnsafeLayerError):
+        import_docker_archive(bad, dest, "hostile: image")
+    assert not (tmp_path / "escaped").exists()
+
+    lying = tmp_path / "lying.tar"
+    _archive(lying, [_layer([("ok", b"x")])], ["sha256:" + "0" * 64])
+    with pytest.raises(BuildError, match="does not hash to its diff_id"):
+        import_docker_archive(lying, tmp_path / "root2", "hostile: image")
+
+    good = tmp_path / "good.tar"
+    _archive(good, [_layer([("etc/ok", b"fine")])])
+    imported = import_docker_archive(good, tmp_path / "root3", "image")
+    assert (tmp_path / "root3" / "etc" / "ok").read_bytes() == b"fine"
+    assert imported.env == {"A": "1"}
