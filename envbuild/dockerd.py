@@ -27,7 +27,10 @@
     carries the tail of its log and a hint;
   - stop: SIGTERM, up to ``stop_timeout`` seconds, then SIGKILL; then every process whose
     command line names its directory (its containerd, shims) is killed, mounts below its
-    directories are detached, its cgroups removed, its directories deleted.
+    directories are detached, its cgroups removed, its directories deleted;
+  - ``ROOT/dockerd-<id>.owner`` is flocked while it runs: if envbuild dies without
+    stopping it (SIGKILL), the next private daemon under ``ROOT`` finds the lock free and
+    removes the orphan the same way (``sweep_stale_daemons``).
 
   dockerd 20.10 itself still writes two host files no flag moves: ``/etc/docker/key.json``
   (its trust key) and the empty directory ``/run/docker/plugins``; both are harmless and
@@ -44,7 +47,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
+import re
 import shutil
 import signal
 import socket
@@ -145,12 +150,12 @@ def private_daemon(root: Path, *, start_timeout: float = DEFAULT_START_TIMEOUT,
     cli = docker_cli()
     ident = uuid.uuid4().hex[:12]
     root.mkdir(parents=True, exist_ok=True)
+    sweep_stale_daemons(root)
     top = Path(os.path.abspath(root)) / f"dockerd-{ident}"
-    exec_root = top / "x"
-    if len(str(exec_root / _CONTAINERD_SOCKET)) > _SOCKET_PATH_MAX:
-        exec_root = Path(f"/run/envbuild-dockerd-{ident}")
+    exec_root = _exec_root(top, ident)
     sock = exec_root / "docker.sock"
     cgroup = f"/envbuild-dockerd-{ident}"
+    owner = _claim(top)
     top.mkdir(mode=0o700)
     proc: subprocess.Popen | None = None
     try:
@@ -175,10 +180,99 @@ def private_daemon(root: Path, *, start_timeout: float = DEFAULT_START_TIMEOUT,
         yield DockerDaemon(host=f"unix://{sock}", cli=cli, private=True,
                            config_dir=str(top / "config"), log=str(log_path))
     finally:
-        _stop(proc, stop_timeout, (top, exec_root))
-        _remove_cgroups(cgroup)
-        for d in (exec_root, top):
-            _remove_dir(d)
+        _teardown(top, ident, proc, stop_timeout)
+        os.unlink(f"{top}{OWNER_SUFFIX}")
+        os.close(owner)
+
+
+OWNER_SUFFIX = ".owner"
+
+
+def _exec_root(top: Path, ident: str) -> Path:
+    exec_root = top / "x"
+    if len(str(exec_root / _CONTAINERD_SOCKET)) > _SOCKET_PATH_MAX:
+        exec_root = Path(f"/run/envbuild-dockerd-{ident}")
+    return exec_root
+
+
+def _claim(top: Path) -> int:
+    """The owner file ``top.owner``, flocked for the daemon's life: a sweeper that can lock it
+    knows the envbuild that started the daemon is gone (the kernel drops the lock)."""
+    tmp = Path(f"{top}{OWNER_SUFFIX}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, b"%d\n" % os.getpid())
+    os.rename(tmp, f"{top}{OWNER_SUFFIX}")
+    return fd
+
+
+def _teardown(top: Path, ident: str, proc: subprocess.Popen | None, stop_timeout: float) -> None:
+    exec_root = _exec_root(top, ident)
+    _stop(proc, stop_timeout, (top, exec_root))
+    _remove_cgroups(f"/envbuild-dockerd-{ident}")
+    for d in (exec_root, top):
+        _remove_dir(d)
+
+
+def sweep_stale_daemons(root: Path) -> list[str]:
+    """Remove the private daemons under ``root`` whose envbuild died without stopping them
+    (SIGKILL, OOM): their owner file can be locked. Their processes are killed (found by the
+    directory names on their command lines, never by a program name), mounts detached, cgroups
+    and directories removed. Returns the ids removed."""
+    removed: list[str] = []
+    try:
+        names = [e.name for e in os.scandir(root)
+                 if e.name.startswith("dockerd-") and e.name.endswith(OWNER_SUFFIX)]
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        path = root / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # alive
+            top = Path(os.path.abspath(root)) / name[:-len(OWNER_SUFFIX)]
+            ident = top.name.removeprefix("dockerd-")
+            if not re.fullmatch(r"[0-9a-f]{12}", ident):
+                continue
+            pid = _read_pid(top / "dockerd.pid")
+            if pid is not None and top.is_dir() and os.fsencode(str(top)) in _cmdline(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+                _wait_gone(pid, DEFAULT_STOP_TIMEOUT)
+            _teardown(top, ident, None, 0)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            removed.append(ident)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _wait_gone(pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _cmdline(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _wait_ready(proc: subprocess.Popen, sock: Path, log: Path, timeout: float) -> None:

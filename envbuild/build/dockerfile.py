@@ -57,6 +57,7 @@ import stat
 import subprocess
 import tarfile
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -67,6 +68,7 @@ DEFAULT_MAX_BYTES = 16 << 30
 DEFAULT_MAX_ENTRIES = 1_000_000
 MAX_DOCKERFILE_BYTES = 4 << 20
 OUTPUT_TAIL_LINES = 30
+DEFAULT_BUILD_TIMEOUT = 3 * 3600
 _DIGEST_RE = re.compile(r"@sha256:[0-9a-f]{64}$")
 _ARG_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 
@@ -436,13 +438,22 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
             out.write(f"=== {name}: docker build ({'private dockerd' if d.private else d.host})\n"
                       .encode())
             out.flush()
+            limit = _limit("ENVBUILD_DOCKER_BUILD_TIMEOUT", DEFAULT_BUILD_TIMEOUT)
+            stop = _deadline(cancelled, limit)
             try:
-                _run(argv, "docker build", cancelled=cancelled, stdout=out,
+                _run(argv, "docker build", cancelled=stop, stdout=out,
                      stderr=subprocess.STDOUT, env=d.env())
             except BuildError as e:
+                if e.message.endswith("cancelled") and not (cancelled and cancelled.is_set()):
+                    raise BuildError(f"{name}: docker build timed out after {limit} s",
+                                     context=_build_failed(name, log).context,
+                                     hint="raise ENVBUILD_DOCKER_BUILD_TIMEOUT if the build "
+                                          "is meant to take that long") from None
                 if e.message.endswith("cancelled") or "not installed" in e.message:
                     raise
                 raise _build_failed(name, log) from None
+            finally:
+                stop.set()  # ends the watcher
         image_id = iid.read_text().strip()
         if not re.fullmatch(r"sha256:[0-9a-f]{64}", image_id):
             raise BuildError(f"{name}: docker build wrote no image id ({image_id[:80]!r})")
@@ -456,6 +467,22 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
                                    capture_output=True, stdin=subprocess.DEVNULL, timeout=60,
                                    check=False)
     return import_docker_archive(image, dest, f"{name}: image")
+
+
+def _deadline(cancelled: threading.Event | None, seconds: int) -> threading.Event:
+    """An event set when ``cancelled`` is (Ctrl-C of the build) or ``seconds`` have passed."""
+    ev = threading.Event()
+
+    def watch() -> None:
+        end = time.monotonic() + seconds
+        while not ev.is_set():
+            if (cancelled is not None and cancelled.is_set()) or time.monotonic() > end:
+                ev.set()
+                return
+            ev.wait(0.1)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return ev
 
 
 def _lock_tag(scratch: Path, i: int) -> str:

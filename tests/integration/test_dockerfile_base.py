@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -298,3 +299,19 @@ def test_from_an_env_lock_of_the_envbuild_store(envbuild_cli, tmp_path, monkeypa
     r = envbuild_cli("build", "docker-base", defs=defs)
     assert r.code == 1
     assert f"env/busybox-shell is locked at {digest}, not {stale}" in _error(r.err), r.err
+
+
+def test_a_build_past_its_timeout_is_stopped_and_says_so(envbuild_cli, tmp_path, monkeypatch):
+    _require_docker()
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    monkeypatch.setenv("ENVBUILD_DOCKER_BUILD_TIMEOUT", "4")
+    defs = _write_defs(tmp_path, DOCKERFILE.replace('echo "$GREETING" > /greeting',
+                                                    "sleep 600"))
+    before = _ours()
+    started = time.monotonic()
+    r = envbuild_cli("build", "docker-base", defs=defs)
+    assert time.monotonic() - started < 60
+    assert r.code == 1
+    assert "docker-base: docker build timed out after 4 s" in _error(r.err), r.err
+    assert "ENVBUILD_DOCKER_BUILD_TIMEOUT" in r.err
+    _assert_daemon_gone(envbuild_cli.node, before)
