@@ -20,8 +20,9 @@
     ``--bridge=none --iptables=false --ip6tables=false --ip-forward=false --ip-masq=false
     --userland-proxy=false``; builds therefore pass ``--network=none`` or ``--network=host``
     (the default bridge network does not exist);
-  - its containers' cgroups live under ``/envbuild-dockerd-<id>`` (``--cgroup-parent``), which
-    is removed afterwards;
+  - its containers' cgroups, BuildKit's ``RUN`` steps included, live under
+    ``/envbuild-dockerd-<id>`` (``--cgroup-parent``), created first with ``DaemonLimits``
+    (8 GiB, 8192 tasks, 4 CPUs by default) and removed afterwards;
   - it is ready when ``GET /_ping`` on its socket answers 200, within ``start_timeout``
     (default 60 s; it takes 1–8 s here). If it exits first or the time runs out, the error
     carries the tail of its log and a hint;
@@ -72,6 +73,64 @@ _DOCKERD_FLAGS = ("--iptables=false", "--ip6tables=false", "--ip-forward=false",
 
 
 @dataclasses.dataclass(frozen=True)
+class DaemonLimits:
+    """Limits of everything a private daemon runs (its containers and BuildKit's ``RUN``
+    steps, all in its cgroup parent): the same defaults as envbuild's own build steps
+    (``envbuild.build.executor.BuildLimits``), because a Dockerfile is untrusted input.
+    ``$ENVBUILD_DOCKER_MEMORY`` (bytes), ``$ENVBUILD_DOCKER_PIDS``, ``$ENVBUILD_DOCKER_CPUS``
+    override them; 0 leaves one off."""
+
+    memory_bytes: int = 8 << 30
+    pids: int = 8192
+    cpus: float = 4.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> DaemonLimits:
+        d = cls()
+        try:
+            return cls(memory_bytes=int(environ.get("ENVBUILD_DOCKER_MEMORY") or d.memory_bytes),
+                       pids=int(environ.get("ENVBUILD_DOCKER_PIDS") or d.pids),
+                       cpus=float(environ.get("ENVBUILD_DOCKER_CPUS") or d.cpus))
+        except ValueError as e:
+            from envbuild.errors import SettingsError
+
+            raise SettingsError(f"ENVBUILD_DOCKER_MEMORY/PIDS/CPUS: {e}") from None
+
+
+def _limit_cgroup(cgroup: str, limits: DaemonLimits) -> None:
+    """Create ``cgroup`` with ``limits`` in each cgroup v1 controller the host mounts (dockerd
+    20.10 uses v1 on this hybrid host) or, on a pure v2 host, in the unified tree."""
+    base = Path("/sys/fs/cgroup")
+    name = cgroup.lstrip("/")
+    writes: list[tuple[Path, str, str]] = []
+    if (base / "memory").is_dir() or (base / "pids").is_dir():
+        if limits.memory_bytes:
+            writes.append((base / "memory", "memory.limit_in_bytes", str(limits.memory_bytes)))
+        if limits.pids:
+            writes.append((base / "pids", "pids.max", str(limits.pids)))
+        if limits.cpus:
+            writes += [(base / "cpu", "cpu.cfs_period_us", "100000"),
+                       (base / "cpu", "cpu.cfs_quota_us", str(int(limits.cpus * 100000)))]
+    elif (base / "cgroup.controllers").is_file():
+        if limits.memory_bytes:
+            writes.append((base, "memory.max", str(limits.memory_bytes)))
+        if limits.pids:
+            writes.append((base, "pids.max", str(limits.pids)))
+        if limits.cpus:
+            writes.append((base, "cpu.max", f"{int(limits.cpus * 100000)} 100000"))
+    for hierarchy, knob, value in writes:
+        if not hierarchy.is_dir():
+            continue
+        d = hierarchy / name
+        try:
+            d.mkdir(exist_ok=True)
+            (d / knob).write_text(value)
+        except OSError as e:
+            raise BuildError(f"limit the private dockerd: write {d / knob}: {e.strerror}",
+                             hint="envbuild runs dockerd as root on a host with cgroups") from None
+
+
+@dataclasses.dataclass(frozen=True)
 class DockerDaemon:
     """A daemon to talk to: ``host`` is a ``DOCKER_HOST`` value; ``private`` says envbuild
     started it (and will remove it with everything in it); ``config_dir`` is the CLI's
@@ -115,13 +174,15 @@ def dockerd_binary() -> str:
 
 @contextlib.contextmanager
 def docker_daemon(root: Path, *, start_timeout: float = DEFAULT_START_TIMEOUT,
-                  stop_timeout: float = DEFAULT_STOP_TIMEOUT) -> Iterator[DockerDaemon]:
+                  stop_timeout: float = DEFAULT_STOP_TIMEOUT,
+                  limits: DaemonLimits | None = None) -> Iterator[DockerDaemon]:
     """The user's daemon if ``DOCKER_HOST`` is set, else a private dockerd under ``root``."""
     host = os.environ.get("DOCKER_HOST", "").strip()
     if host:
         yield _user_daemon(host)
         return
-    with private_daemon(root, start_timeout=start_timeout, stop_timeout=stop_timeout) as d:
+    with private_daemon(root, start_timeout=start_timeout, stop_timeout=stop_timeout,
+                        limits=limits) as d:
         yield d
 
 
@@ -144,7 +205,8 @@ def _user_daemon(host: str) -> DockerDaemon:
 
 @contextlib.contextmanager
 def private_daemon(root: Path, *, start_timeout: float = DEFAULT_START_TIMEOUT,
-                   stop_timeout: float = DEFAULT_STOP_TIMEOUT) -> Iterator[DockerDaemon]:
+                   stop_timeout: float = DEFAULT_STOP_TIMEOUT,
+                   limits: DaemonLimits | None = None) -> Iterator[DockerDaemon]:
     """Start a throwaway dockerd under ``root``, yield it ready, stop and remove it."""
     binary = dockerd_binary()
     cli = docker_cli()
@@ -159,6 +221,7 @@ def private_daemon(root: Path, *, start_timeout: float = DEFAULT_START_TIMEOUT,
     top.mkdir(mode=0o700)
     proc: subprocess.Popen | None = None
     try:
+        _limit_cgroup(cgroup, limits or DaemonLimits.from_env(os.environ))
         exec_root.mkdir(mode=0o700, exist_ok=exec_root.parent == top)
         for sub in ("data", "config"):
             (top / sub).mkdir(mode=0o700)

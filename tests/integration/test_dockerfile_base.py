@@ -315,3 +315,20 @@ def test_a_build_past_its_timeout_is_stopped_and_says_so(envbuild_cli, tmp_path,
     assert "docker-base: docker build timed out after 4 s" in _error(r.err), r.err
     assert "ENVBUILD_DOCKER_BUILD_TIMEOUT" in r.err
     _assert_daemon_gone(envbuild_cli.node, before)
+
+
+def test_run_steps_are_confined_by_the_daemon_limits(envbuild_cli, tmp_path, monkeypatch):
+    """BuildKit's RUN containers live in the private daemon's cgroup parent, which carries
+    envbuild's build limits: with 40 tasks allowed, a RUN that forks 80 fails."""
+    _require_docker()
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    monkeypatch.setenv("ENVBUILD_DOCKER_PIDS", "40")
+    defs = _write_defs(tmp_path, DOCKERFILE.replace(
+        'echo "$GREETING" > /greeting',
+        "for i in $(seq 80); do sleep 30 & done; echo forked-$((40+40)); wait; exit 0"))
+    before = _ours()
+    r = envbuild_cli("build", "docker-base", defs=defs)
+    assert r.code == 1, r.err
+    assert "can't fork" in r.err or "Resource temporarily unavailable" in r.err, r.err
+    assert "forked-80" not in r.err
+    _assert_daemon_gone(envbuild_cli.node, before)
