@@ -157,8 +157,9 @@ def test_dockerfile_base_builds_with_private_dockerd_and_runs_in_a_sandbox(envbu
     assert not (envbuild_cli.node / "dockerd").exists() or not any(
         (envbuild_cli.node / "dockerd").iterdir())
     r = envbuild_cli("plan", defs=defs)
-    assert r.code == 0 and "docker-base" in r.out
-    assert not re.search(r"docker-base.*(missing|build)", r.out), r.out
+    assert r.code == 0, r.err
+    row = next(ln.split() for ln in r.out.splitlines() if ln.split()[2:3] == ["docker-base"])
+    assert row[0] == "cached", r.out
 
 
 def test_failing_run_is_one_line_with_its_output_and_publishes_nothing(envbuild_cli, tmp_path,
@@ -332,3 +333,29 @@ def test_run_steps_are_confined_by_the_daemon_limits(envbuild_cli, tmp_path, mon
     assert "can't fork" in r.err or "Resource temporarily unavailable" in r.err, r.err
     assert "forked-80" not in r.err
     _assert_daemon_gone(envbuild_cli.node, before)
+
+
+def test_a_user_daemon_at_docker_host_is_used_and_left_without_our_images(envbuild_cli, tmp_path,
+                                                                          monkeypatch):
+    """With DOCKER_HOST set, envbuild starts no daemon of its own and removes the image it
+    built from the user's daemon afterwards (the user's other images stay)."""
+    _require_docker()
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    defs = _write_defs(tmp_path)
+    with docker_daemon(tmp_path / "users") as user:
+        env = user.env()
+        keep = tmp_path / "keep"
+        keep.mkdir()
+        (keep / "Dockerfile").write_text("FROM scratch\nLABEL mine=1\n")
+        p = subprocess.run([user.cli, "build", "-q", "--network=none", "-t", "users/own:1",
+                            str(keep)], env=env, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        monkeypatch.setenv("DOCKER_HOST", user.host)
+        r = envbuild_cli("build", "docker-base", defs=defs)
+        assert r.code == 0, r.err
+        assert not (envbuild_cli.node / "dockerd").exists()   # no private daemon was started
+        p = subprocess.run([user.cli, "images", "--format", "{{.Repository}}:{{.Tag}}"],
+                           env=env, capture_output=True, text=True, timeout=60)
+        assert p.stdout.split() == ["users/own:1"], p.stdout
+        assert "docker build (unix://" in (envbuild_cli.store / "logs").glob(
+            "docker-base-*.log").__next__().read_text()

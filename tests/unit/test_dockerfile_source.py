@@ -155,3 +155,15 @@ def test_from_tag_is_refused_at_planning_with_one_line(tmp_path):
     assert "\n" not in e.value.message
     assert "dock.yaml" in e.value.message and "names a tag, not a digest" in e.value.message
     assert "@sha256:" in e.value.hint
+
+
+def test_layer_key_covers_every_from_digest(tmp_path):
+    defs = tmp_path / "envdefs"
+    (defs / "base" / "ctx").mkdir(parents=True)
+    df = defs / "base" / "ctx" / "Dockerfile"
+    keys = set()
+    for a, b in (("1", "2"), ("1", "3"), ("4", "2")):
+        df.write_text(f"FROM 127.0.0.1:5000/x@sha256:{a * 64} AS one\n"
+                      f"FROM envbuild.invalid/env/y@sha256:{b * 64}\nCOPY --from=one / /\n")
+        keys.add(_key(defs))
+    assert len(keys) == 3
