@@ -63,7 +63,8 @@ def _ours() -> set[str]:
 
 
 def _assert_daemon_gone(node: Path, before: set[str]) -> None:
-    """No process names the node's dockerd dir, nothing is mounted below it, it holds no
+    """No process (dockerd, its containerd, shims) names the node's dockerd dir or a new
+    ``/run/envbuild-dockerd-*`` exec root, nothing is mounted below them, the node holds no
     daemon dir, and no /run or cgroup trace appeared."""
     root = node / "dockerd"
     pids = []
@@ -73,12 +74,22 @@ def _assert_daemon_gone(node: Path, before: set[str]) -> None:
                 cmd = Path(f"/proc/{name}/cmdline").read_bytes()
             except OSError:
                 continue
-            if os.fsencode(str(root)) in cmd:
+            runs = {m.decode() for m in re.findall(rb"/run/envbuild-dockerd-[0-9a-f]{12}", cmd)}
+            if os.fsencode(str(root)) in cmd or runs - before:
                 pids.append((name, cmd[:200]))
     assert not pids, pids
-    assert not mounts_under((root,))
+    new_runs = tuple(Path(p) for p in _ours() - before if p.startswith("/run/"))
+    assert not mounts_under((root, *new_runs))
     assert not root.exists() or not any(root.iterdir()), list(root.iterdir())
     assert _ours() <= before
+
+
+def _assert_unpublished(store, defs: Path) -> None:
+    from envbuild.build.pin import snapshot
+    from envbuild.store import get_key_record
+
+    key = snapshot(defs).keys.layers["docker-base"]
+    assert get_key_record(store, key) is None, "a failed build published its layer"
 
 
 def _error(err: str) -> str:
@@ -175,8 +186,9 @@ def test_failing_run_is_one_line_with_its_output_and_publishes_nothing(envbuild_
     assert "docker-base: docker build failed" in first and "exit code: 7" in first, r.err
     assert "step-output-marker" in r.err          # the step's output tail
     assert "Traceback" not in r.err
-    records = list((envbuild_cli.store).rglob("*"))
-    assert not [p for p in records if "keys" in p.parts and p.is_file()], records
+    from envbuild.store import LocalStore
+
+    _assert_unpublished(LocalStore(envbuild_cli.store), defs)
     _assert_daemon_gone(envbuild_cli.node, before)
 
 
@@ -359,3 +371,45 @@ def test_a_user_daemon_at_docker_host_is_used_and_left_without_our_images(envbui
         assert p.stdout.split() == ["users/own:1"], p.stdout
         assert "docker build (unix://" in (envbuild_cli.store / "logs").glob(
             "docker-base-*.log").__next__().read_text()
+
+
+def test_ctrl_c_during_a_dockerfile_build_stops_the_daemon_and_leaves_nothing(tmp_path):
+    """SIGINT while BuildKit runs a step: envbuild exits 1 promptly, its private dockerd (and
+    containerd) are stopped and removed, nothing is published; a rerun builds."""
+    _require_docker()
+    import signal
+    import sys
+
+    from envbuild.store import LocalStore
+
+    defs = _write_defs(tmp_path, DOCKERFILE.replace('echo "$GREETING" > /greeting',
+                                                    "sleep 120"))
+    env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}
+    env.update(ENVBUILD_NODE_CACHE=str(tmp_path / "node"), ENVBUILD_STORE=str(tmp_path / "store"),
+               ENVBUILD_DEFS=str(defs))
+    before = _ours()
+    proc = subprocess.Popen([sys.executable, "-m", "envbuild.cli", "build", "docker-base"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        logs = tmp_path / "store" / "logs"
+        while time.monotonic() < deadline:  # until BuildKit runs the sleeping step
+            found = list(logs.glob("docker-base-*.log")) if logs.is_dir() else []
+            if found and "sleep 120" in found[0].read_text(errors="replace"):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the build never reached its RUN step")
+        time.sleep(1)
+        proc.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        _out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert time.monotonic() - started < 60
+    assert proc.returncode != 0 and "Traceback" not in err, err
+    _assert_daemon_gone(tmp_path / "node" / "node", before)
+    _assert_daemon_gone(tmp_path / "node", before)
+    _assert_unpublished(LocalStore(tmp_path / "store"), defs)
