@@ -424,7 +424,10 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
         text = text.replace(ref, _lock_tag(scratch, i))
     (scratch / "Dockerfile").write_text(text)
     iid, image = scratch / "iid", scratch / "image.tar"
+    t0 = time.monotonic()
     with docker_daemon(daemon_root) as d:
+        _note(log, f"daemon ready in {time.monotonic() - t0:.1f} s")
+        t0 = time.monotonic()
         for i, (ref, archive) in enumerate(locks):
             _load_lock(d, ref, archive, _lock_tag(scratch, i), cancelled)
         argv = [d.cli, "build", "--progress=plain", f"--network={src.network}",
@@ -454,6 +457,8 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
                 raise _build_failed(name, log) from None
             finally:
                 stop.set()  # ends the watcher
+        t1 = time.monotonic()
+        _note(log, f"docker build took {t1 - t0:.1f} s")
         image_id = iid.read_text().strip()
         if not re.fullmatch(r"sha256:[0-9a-f]{64}", image_id):
             raise BuildError(f"{name}: docker build wrote no image id ({image_id[:80]!r})")
@@ -466,7 +471,18 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
                     subprocess.run([d.cli, "image", "rm", "--", ref], env=d.env(),
                                    capture_output=True, stdin=subprocess.DEVNULL, timeout=60,
                                    check=False)
-    return import_docker_archive(image, dest, f"{name}: image")
+        t2 = time.monotonic()
+        _note(log, f"docker save took {t2 - t1:.1f} s")
+    t3 = time.monotonic()
+    _note(log, f"daemon stopped and removed in {t3 - t2:.1f} s")
+    imported = import_docker_archive(image, dest, f"{name}: image")
+    _note(log, f"image unpacked in {time.monotonic() - t3:.1f} s")
+    return imported
+
+
+def _note(log: Path, text: str) -> None:
+    with open(log, "ab") as out:
+        out.write(f"=== {text}\n".encode())
 
 
 def _deadline(cancelled: threading.Event | None, seconds: int) -> threading.Event:
