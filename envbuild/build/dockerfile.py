@@ -6,8 +6,10 @@ Two halves, as for every source:
 
 - ``source``: the *context digest* (below) of the context directory, ``.dockerignore`` applied;
 - ``source.dockerfile``: ``sha256:`` of the Dockerfile's bytes;
-- ``source.from[i]``: the digest of the i-th ``FROM`` that names an image (``scratch`` and
-  earlier stages are not images).
+- ``source.from[i]``: the digest of the i-th image the Dockerfile reads: ``FROM``, and the
+  ``--from=`` of ``COPY``/``ADD``/``RUN --mount`` (``scratch`` and earlier stages are not
+  images). ``ADD`` of a URL is refused: the daemon would fetch it on the host's network,
+  outside ``network: none`` and outside the key.
 
 ``args``, ``target`` and ``network`` are in the source's identity, so the layer key covers all
 of them. A ``FROM`` must name its image by digest (``NAME[:TAG]@sha256:<hex>``): a tag can move,
@@ -127,8 +129,9 @@ def _expand(word: str, values: Mapping[str, str]) -> str:
 
 
 def from_images(text: str, args: Mapping[str, str]) -> list[str]:
-    """The image references of a Dockerfile's ``FROM`` lines, in order, ``ARG``\\ s expanded;
-    ``scratch`` and references to earlier stages left out."""
+    """The image references of a Dockerfile, in order, ``ARG``\\ s expanded: ``FROM`` lines and
+    the ``--from=`` of ``COPY``/``ADD`` and ``RUN --mount`` (another way to read an image);
+    ``scratch`` and earlier stages (by name or index) left out. ``ADD`` of a URL is refused."""
     declared: dict[str, str] = {}
     stages: set[str] = set()
     images: list[str] = []
@@ -155,7 +158,34 @@ def from_images(text: str, args: Mapping[str, str]) -> list[str]:
                 images.append(ref)
             if len(words) >= 3 and words[1].lower() == "as":
                 stages.add(words[2].lower())
+        elif instr in ("COPY", "ADD", "RUN"):
+            if instr == "ADD" and _URL_RE.search(rest):
+                raise Unpinnable(f"ADD of a URL is a download the key cannot cover, made by the "
+                                 f"daemon outside network: none ({line[:80]!r})",
+                                 "put the file in the context, or fetch it in a RUN step with "
+                                 "network: host")
+            for word in rest.split():
+                if not word.startswith("--"):
+                    break
+                for value in _from_flags(word):
+                    ref = _expand(value, declared)
+                    if ref.lower() not in stages and not ref.isdigit() and ref.lower() != "scratch":
+                        images.append(ref)
     return images
+
+
+# ADD's remote sources: fetched by the daemon itself, with the host's network
+_URL_RE = re.compile(r"(?:^|[\s\"\[,])(?:[A-Za-z][A-Za-z0-9+.-]*://|git@)")
+
+
+def _from_flags(word: str) -> list[str]:
+    """The image/stage names a ``COPY``/``ADD --from=X`` or ``RUN --mount=...,from=X`` names."""
+    if word.startswith("--from="):
+        return [word[len("--from="):]]
+    if word.startswith("--mount="):
+        return [kv[len("from="):] for kv in word[len("--mount="):].split(",")
+                if kv.startswith("from=")]
+    return []
 
 
 #: ``FROM envbuild.invalid/env/NAME@sha256:<lock digest>`` names an env lock of the envbuild

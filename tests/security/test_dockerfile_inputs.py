@@ -197,3 +197,19 @@ def test_a_saved_image_whose_layer_escapes_or_lies_is_refused(tmp_path):
     imported = import_docker_archive(good, tmp_path / "root3", "image")
     assert (tmp_path / "root3" / "etc" / "ok").read_bytes() == b"fine"
     assert imported.env == {"A": "1"}
+
+
+def test_add_of_a_host_loopback_url_is_refused_before_any_daemon_runs(envbuild_cli):
+    """``ADD http://127.0.0.1:…`` would be fetched by the daemon itself, on the host's network
+    (past ``network: none``, into the host's loopback services) and outside the key: refused
+    at planning, as is an unpinned ``COPY --from=IMAGE:TAG``."""
+    require_root()
+    ctx = envbuild_cli.defs / "base" / "ctx"
+    ctx.mkdir(parents=True)
+    (ctx / "Dockerfile").write_text("FROM scratch\nADD http://127.0.0.1:9/secret /s\n")
+    r = envbuild_cli("build", "hostile", defs=_defs(envbuild_cli))
+    assert r.code == 1 and "ADD of a URL" in _error(r.err), r.err
+    assert not (envbuild_cli.node / "node" / "dockerd").exists()
+    (ctx / "Dockerfile").write_text("FROM scratch\nCOPY --from=busybox:latest /bin /bin\n")
+    r = envbuild_cli("build", "hostile", defs=_defs(envbuild_cli))
+    assert r.code == 1 and "FROM busybox:latest names a tag" in _error(r.err), r.err

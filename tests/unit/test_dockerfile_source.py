@@ -167,3 +167,27 @@ def test_layer_key_covers_every_from_digest(tmp_path):
                       f"FROM envbuild.invalid/env/y@sha256:{b * 64}\nCOPY --from=one / /\n")
         keys.add(_key(defs))
     assert len(keys) == 3
+
+
+def test_copy_from_and_run_mount_from_images_must_be_pinned_too():
+    text = (f"FROM scratch AS a\nCOPY --from=a /x /y\nCOPY --from=0 /x /y\n"
+            f"COPY --chown=1:1 --from=reg.example/tools@{D} /t /t\n"
+            f"RUN --mount=type=bind,from=reg.example/cache@{D},target=/c true\n"
+            "COPY --from=busybox:latest /bin/busybox /bin/\n")
+    assert from_images(text, {}) == [f"reg.example/tools@{D}", f"reg.example/cache@{D}",
+                                     "busybox:latest"]
+    with pytest.raises(Unpinnable, match="names a tag"):
+        pin_from(from_images(text, {})[-1])
+
+
+@pytest.mark.parametrize("line", ["ADD https://example.com/x.tgz /x",
+                                  "ADD --chown=1:1 http://127.0.0.1:9000/secret /s",
+                                  'ADD ["git@github.com:a/b.git", "/b"]',
+                                  "ADD git://host/repo /r"])
+def test_add_of_a_url_is_refused(line):
+    with pytest.raises(Unpinnable, match="ADD of a URL"):
+        from_images(f"FROM scratch\n{line}\n", {})
+
+
+def test_add_of_local_files_is_fine():
+    assert from_images("FROM scratch\nADD a.tar.gz /x\nADD --chown=1:1 b c /d/\n", {}) == []
