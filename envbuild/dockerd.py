@@ -19,7 +19,10 @@
   - it listens on that unix socket only (no TCP) and does not touch the host's network:
     ``--bridge=none --iptables=false --ip6tables=false --ip-forward=false --ip-masq=false
     --userland-proxy=false``; builds therefore pass ``--network=none`` or ``--network=host``
-    (the default bridge network does not exist);
+    (the default bridge network does not exist). With ``egress_only`` the daemon runs in a
+    network namespace of its own behind slirp4netns (``runtime_shim.netns``: egress, the
+    host's addresses, its loopback and link-local refused), so "host" networking of its
+    containers is that namespace, never the host's;
   - its containers' cgroups, BuildKit's ``RUN`` steps included, live under
     ``/envbuild-dockerd-<id>`` (``--cgroup-parent``), created first with ``DaemonLimits``
     (8 GiB, 8192 tasks, 4 CPUs by default) and removed afterwards;
@@ -175,14 +178,15 @@ def dockerd_binary() -> str:
 @contextlib.contextmanager
 def docker_daemon(root: Path, *, start_timeout: float = DEFAULT_START_TIMEOUT,
                   stop_timeout: float = DEFAULT_STOP_TIMEOUT,
-                  limits: DaemonLimits | None = None) -> Iterator[DockerDaemon]:
+                  limits: DaemonLimits | None = None,
+                  egress_only: bool = False) -> Iterator[DockerDaemon]:
     """The user's daemon if ``DOCKER_HOST`` is set, else a private dockerd under ``root``."""
     host = os.environ.get("DOCKER_HOST", "").strip()
     if host:
         yield _user_daemon(host)
         return
     with private_daemon(root, start_timeout=start_timeout, stop_timeout=stop_timeout,
-                        limits=limits) as d:
+                        limits=limits, egress_only=egress_only) as d:
         yield d
 
 
@@ -206,8 +210,12 @@ def _user_daemon(host: str) -> DockerDaemon:
 @contextlib.contextmanager
 def private_daemon(root: Path, *, start_timeout: float = DEFAULT_START_TIMEOUT,
                    stop_timeout: float = DEFAULT_STOP_TIMEOUT,
-                   limits: DaemonLimits | None = None) -> Iterator[DockerDaemon]:
-    """Start a throwaway dockerd under ``root``, yield it ready, stop and remove it."""
+                   limits: DaemonLimits | None = None,
+                   egress_only: bool = False) -> Iterator[DockerDaemon]:
+    """Start a throwaway dockerd under ``root``, yield it ready, stop and remove it. With
+    ``egress_only`` it runs in a network namespace of its own behind slirp4netns
+    (``runtime_shim.netns``: the host's addresses and loopback refused), so that
+    ``--network=host`` steps get egress, not the host."""
     binary = dockerd_binary()
     cli = docker_cli()
     ident = uuid.uuid4().hex[:12]
@@ -220,6 +228,7 @@ def private_daemon(root: Path, *, start_timeout: float = DEFAULT_START_TIMEOUT,
     owner = _claim(top)
     top.mkdir(mode=0o700)
     proc: subprocess.Popen | None = None
+    net = None
     try:
         _limit_cgroup(cgroup, limits or DaemonLimits.from_env(os.environ))
         exec_root.mkdir(mode=0o700, exist_ok=exec_root.parent == top)
@@ -228,7 +237,14 @@ def private_daemon(root: Path, *, start_timeout: float = DEFAULT_START_TIMEOUT,
         (top / "daemon.json").write_text("{}\n")
         (top / "config" / "config.json").write_text("{}\n")
         log_path = top / "dockerd.log"
-        argv = [binary, "--config-file", str(top / "daemon.json"),
+        prefix: list[str] = []
+        if egress_only:
+            from runtime_shim import netns
+
+            (top / "net").mkdir(mode=0o700)
+            net = netns.create(top / "net", netns.NetworkPolicy())
+            prefix = ["nsenter", f"--net={net.path}", "--"]
+        argv = [*prefix, binary, "--config-file", str(top / "daemon.json"),
                 "--data-root", str(top / "data"), "--exec-root", str(exec_root),
                 "--pidfile", str(top / "dockerd.pid"), "-H", f"unix://{sock}",
                 f"--cgroup-parent={cgroup}", *_DOCKERD_FLAGS]
@@ -244,6 +260,8 @@ def private_daemon(root: Path, *, start_timeout: float = DEFAULT_START_TIMEOUT,
                            config_dir=str(top / "config"), log=str(log_path))
     finally:
         _teardown(top, ident, proc, stop_timeout)
+        if net is not None:
+            net.close()  # its exit fd; the namespace itself went with the teardown
         os.unlink(f"{top}{OWNER_SUFFIX}")
         os.close(owner)
 
@@ -273,6 +291,11 @@ def _teardown(top: Path, ident: str, proc: subprocess.Popen | None, stop_timeout
     exec_root = _exec_root(top, ident)
     _stop(proc, stop_timeout, (top, exec_root))
     _remove_cgroups(f"/envbuild-dockerd-{ident}")
+    if (top / "net").is_dir():  # egress_only: slirp4netns and the namespace file
+        from runtime_shim import netns
+
+        with contextlib.suppress(Exception):
+            netns.teardown(top / "net")
     for d in (exec_root, top):
         _remove_dir(d)
 

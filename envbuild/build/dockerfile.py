@@ -450,12 +450,15 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
                           hint="run the build again (it re-plans)")
     scratch.mkdir(parents=True, exist_ok=True)
     locks = _lock_archives(text, src, name, store, scratch)
+    locks += _prefetch(text, src, name, scratch, daemon_root, len(locks), cancelled)
     for i, (ref, _archive) in enumerate(locks):
         text = text.replace(ref, _lock_tag(scratch, i))
     (scratch / "Dockerfile").write_text(text)
     iid, image = scratch / "iid", scratch / "image.tar"
     t0 = time.monotonic()
-    with docker_daemon(daemon_root) as d:
+    # network: host means egress, not the host (as for envbuild's own run steps): a private
+    # daemon runs in a namespace of its own behind slirp4netns for it
+    with docker_daemon(daemon_root, egress_only=src.network == "host") as d:
         _note(log, f"daemon ready in {time.monotonic() - t0:.1f} s")
         t0 = time.monotonic()
         for i, (ref, archive) in enumerate(locks):
@@ -567,6 +570,39 @@ def _lock_archives(text: str, src, name: str, store, scratch: Path) -> list[tupl
         export_lock(store, ExportRequest(ref=lock_ref, target=ExportTarget(
             "docker-archive", archive, _lock_tag(scratch, len(out))), compression="none"))
         out.append((ref, archive))
+    return out
+
+
+def _prefetch(text: str, src, name: str, scratch: Path, daemon_root: Path, first: int,
+              cancelled) -> list[tuple[str, Path]]:
+    """``network: host`` puts the private daemon behind slirp4netns, where the host's
+    loopback (a local registry) is out of reach: the ``FROM`` images of registries are pulled
+    first by a daemon in the host's namespace (that daemon runs no build step) and saved,
+    then loaded into the build's daemon like locks. Nothing to do for ``network: none`` or
+    with ``DOCKER_HOST``."""
+    from envbuild.build.importers import _run
+    from envbuild.dockerd import docker_daemon
+
+    if src.network != "host" or os.environ.get("DOCKER_HOST", "").strip():
+        return []
+    refs = [r for r in dict.fromkeys(from_images(text, dict(src.args)))
+            if not _LOCK_REF_RE.fullmatch(r)]
+    if not refs:
+        return []
+    for ref in refs:
+        if ref not in text:
+            raise SourceError(f"{name}: FROM {ref} must be written literally (not built from "
+                              "ARGs) with network: host")
+    out: list[tuple[str, Path]] = []
+    with docker_daemon(daemon_root) as pre:
+        for ref in refs:
+            tag = _lock_tag(scratch, first + len(out))
+            archive = scratch / f"from-{first + len(out)}.tar"
+            for argv in (["pull", "-q", "--", ref], ["tag", "--", ref, tag],
+                         ["save", "-o", str(archive), "--", tag]):
+                _run([pre.cli, *argv], f"docker {argv[0]} of {ref}", cancelled=cancelled,
+                     env=pre.env())
+            out.append((ref, archive))
     return out
 
 

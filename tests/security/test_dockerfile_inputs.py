@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import tarfile
 import time
@@ -213,3 +214,38 @@ def test_add_of_a_host_loopback_url_is_refused_before_any_daemon_runs(envbuild_c
     (ctx / "Dockerfile").write_text("FROM scratch\nCOPY --from=busybox:latest /bin /bin\n")
     r = envbuild_cli("build", "hostile", defs=_defs(envbuild_cli))
     assert r.code == 1 and "FROM busybox:latest names a tag" in _error(r.err), r.err
+
+
+def test_network_host_is_egress_not_the_host(envbuild_cli, host_services, remote_host,  # noqa: F811
+                                             monkeypatch):
+    """``network: host`` in a Dockerfile base (untrusted input, like any definition): a RUN
+    step reaches a remote host, but not the host's loopback, the slirp gateway or the host's
+    own address — the private daemon runs in its own namespace behind slirp4netns."""
+    _require_docker()
+    from runtime_shim import netns
+    from tests.security.test_network import REMOTE_ADDR, _host_address
+
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    port = host_services
+    probes = " ; ".join(
+        # nc, not wget: the static busybox's wget crashes in a rootfs without a libc
+        f"(printf 'GET / HTTP/1.0\\r\\n\\r\\n' | timeout 5 nc {addr} {p} 2>/dev/null"
+        f" | grep -q ' 200 ' && echo {name}=open || echo {name}=refused)"
+        for name, addr, p in (("lo", "127.0.0.1", port), ("gw", netns.SLIRP_GATEWAY, port),
+                              ("eth", _host_address(), port),
+                              ("remote", REMOTE_ADDR, remote_host[0])))
+    ctx = envbuild_cli.defs / "base" / "ctx"
+    ctx.mkdir(parents=True)
+    shutil.copy2("/bin/busybox", ctx / "busybox")
+    (ctx / "Dockerfile").write_text(
+        "FROM scratch\nCOPY busybox /bin/busybox\nSHELL [\"/bin/busybox\", \"sh\", \"-c\"]\n"
+        f"RUN /bin/busybox --install -s /bin && ({probes}) && exit 9\n")
+    before = _ours()
+    r = envbuild_cli("build", "hostile", defs=_defs(envbuild_cli, "ctx", "    network: host\n"))
+    assert r.code == 1  # exit 9: the probes' output is in the error's tail
+    got = dict(re.findall(r"^#\d+ [\d.]+ (lo|gw|eth|remote)=(open|refused)$", r.err, re.M))
+    assert got == {"lo": "refused", "gw": "refused", "eth": "refused", "remote": "open"}, r.err
+    _assert_daemon_gone(envbuild_cli.node / "node", before)
+
+
+from tests.security.test_network import host_services, remote_host  # noqa: E402,F401 (fixtures)
