@@ -51,10 +51,12 @@ config's ``Env``/``WorkingDir``/``User``/``Cmd`` are kept. A failing build raise
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
 import re
+import signal
 import stat
 import subprocess
 import tarfile
@@ -470,26 +472,22 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
         if src.target:
             argv += ["--target", src.target]
         argv += ["--", context]
-        with open(log, "ab") as out:
-            out.write(f"=== {name}: docker build ({'private dockerd' if d.private else d.host})\n"
-                      .encode())
-            out.flush()
-            limit = _limit("ENVBUILD_DOCKER_BUILD_TIMEOUT", DEFAULT_BUILD_TIMEOUT)
-            stop = _deadline(cancelled, limit)
-            try:
-                _run(argv, "docker build", cancelled=stop, stdout=out,
-                     stderr=subprocess.STDOUT, env=d.env())
-            except BuildError as e:
-                if e.message.endswith("cancelled") and not (cancelled and cancelled.is_set()):
-                    raise BuildError(f"{name}: docker build timed out after {limit} s",
-                                     context=_build_failed(name, log).context,
-                                     hint="raise ENVBUILD_DOCKER_BUILD_TIMEOUT if the build "
-                                          "is meant to take that long") from None
-                if e.message.endswith("cancelled") or "not installed" in e.message:
-                    raise
-                raise _build_failed(name, log) from None
-            finally:
-                stop.set()  # ends the watcher
+        _note(log, f"{name}: docker build ({'private dockerd' if d.private else d.host})")
+        limit = _limit("ENVBUILD_DOCKER_BUILD_TIMEOUT", DEFAULT_BUILD_TIMEOUT)
+        stop = _deadline(cancelled, limit)
+        try:
+            code = _run_logged(argv, d.env(), log, stop)
+        finally:
+            stop.set()  # ends the watcher
+        if code is None:
+            if cancelled is not None and cancelled.is_set():
+                raise BuildError(f"{name}: cancelled", hint="nothing was published for this layer")
+            raise BuildError(f"{name}: docker build timed out after {limit} s",
+                             context=_build_failed(name, log).context,
+                             hint="raise ENVBUILD_DOCKER_BUILD_TIMEOUT if the build is meant to "
+                                  "take that long")
+        if code != 0:
+            raise _build_failed(name, log)
         t1 = time.monotonic()
         _note(log, f"docker build took {t1 - t0:.1f} s")
         image_id = iid.read_text().strip()
@@ -516,6 +514,45 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
 def _note(log: Path, text: str) -> None:
     with open(log, "ab") as out:
         out.write(f"=== {text}\n".encode())
+
+
+def _run_logged(argv: list[str], env: Mapping[str, str], log: Path,
+                stop: threading.Event) -> int | None:
+    """Run ``argv`` with its output appended to ``log``, at most ``STEP_LOG_CAP`` bytes of it
+    (a build's output is untrusted and the log is on the host, outside any capped disk).
+    Returns the exit code, or None when ``stop`` was set first (its process group killed)."""
+    from envbuild.build.executor import STEP_LOG_CAP
+    from runtime_shim.scratchfs import copy_capped
+
+    read_fd, write_fd = os.pipe()
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=write_fd,
+                                stderr=write_fd, env=dict(env), start_new_session=True)
+    except OSError as e:
+        os.close(read_fd)
+        raise BuildError(f"run {argv[0]}: {e.strerror or e}",
+                         hint="apt-get install docker.io (scripts/setup.sh)") from None
+    finally:
+        os.close(write_fd)
+    copier = threading.Thread(target=copy_capped, args=(read_fd, open(log, "ab"), STEP_LOG_CAP),
+                              daemon=True)
+    copier.start()
+    try:
+        while True:
+            try:
+                return proc.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                if stop.is_set():
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    return None
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    finally:
+        copier.join(timeout=30)
 
 
 def _deadline(cancelled: threading.Event | None, seconds: int) -> threading.Event:

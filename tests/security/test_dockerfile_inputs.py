@@ -249,3 +249,26 @@ def test_network_host_is_egress_not_the_host(envbuild_cli, host_services, remote
 
 
 from tests.security.test_network import host_services, remote_host  # noqa: E402,F401 (fixtures)
+
+
+def test_a_build_that_prints_forever_is_logged_up_to_the_cap(envbuild_cli, monkeypatch):
+    """The build's output goes to a host log outside any capped disk: capped like a run
+    step's (``STEP_LOG_CAP``, lowered here), the rest read and dropped."""
+    _require_docker()
+    import envbuild.build.executor as executor
+
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    monkeypatch.setattr(executor, "STEP_LOG_CAP", 200_000)
+    ctx = envbuild_cli.defs / "base" / "ctx"
+    ctx.mkdir(parents=True)
+    shutil.copy2("/bin/busybox", ctx / "busybox")
+    (ctx / "Dockerfile").write_text(
+        "FROM scratch\nCOPY busybox /bin/busybox\nSHELL [\"/bin/busybox\", \"sh\", \"-c\"]\n"
+        "RUN /bin/busybox --install -s /bin && for i in $(seq 40); do "
+        "yes $i-line-of-output | head -c 400000; echo; done\n")
+    r = envbuild_cli("build", "hostile", defs=_defs(envbuild_cli))
+    assert r.code == 0, r.err
+    (log,) = (envbuild_cli.store / "logs").glob("hostile-*.log")
+    text = log.read_bytes()
+    assert len(text) < 300_000, len(text)
+    assert b"[envbuild: output past 195 KiB dropped]" in text
