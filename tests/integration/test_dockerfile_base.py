@@ -65,7 +65,8 @@ def _assert_daemon_gone(node: Path, before: set[str]) -> None:
     """No process (dockerd, its containerd, shims) names the node's dockerd dir or a new
     ``/run/envbuild-dockerd-*`` exec root, nothing is mounted below them, the node holds no
     daemon dir, and no /run or cgroup trace appeared."""
-    root = node / "dockerd"
+    node = node.parent if node.name == "node" and node.parent.name == "node" else node
+    root = node / "node" / "dockerd"  # ENVBUILD_NODE_CACHE/node is the node cache's root
     pids = []
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -74,12 +75,13 @@ def _assert_daemon_gone(node: Path, before: set[str]) -> None:
             except OSError:
                 continue
             runs = {m.decode() for m in re.findall(rb"/run/envbuild-dockerd-[0-9a-f]{12}", cmd)}
-            if os.fsencode(str(root)) in cmd or runs - before:
+            if os.fsencode(f"{node}/") in cmd or runs - before:
                 pids.append((name, cmd[:200]))
     assert not pids, pids
     new_runs = tuple(Path(p) for p in _ours() - before if p.startswith("/run/"))
-    assert not mounts_under((root, *new_runs))
+    assert not mounts_under((node, *new_runs))
     assert not root.exists() or not any(root.iterdir()), list(root.iterdir())
+    assert not (node / "dockerd").exists()
     assert _ours() <= before
 
 
@@ -164,8 +166,8 @@ def test_dockerfile_base_builds_with_private_dockerd_and_runs_in_a_sandbox(envbu
     (defs / "base" / "docker" / "secret.txt").write_text("changed\n")
     r = envbuild_cli("build", "docker-shell", defs=defs)
     assert r.code == 0, r.err
-    assert not (envbuild_cli.node / "dockerd").exists() or not any(
-        (envbuild_cli.node / "dockerd").iterdir())
+    assert not (envbuild_cli.node / "node" / "dockerd").exists() or not any(
+        (envbuild_cli.node / "node" / "dockerd").iterdir())
     r = envbuild_cli("plan", defs=defs)
     assert r.code == 0, r.err
     row = next(ln.split() for ln in r.out.splitlines() if ln.split()[2:3] == ["docker-base"])
@@ -235,8 +237,8 @@ def test_user_daemon_at_docker_host_that_does_not_answer_is_one_line(envbuild_cl
     r = envbuild_cli("build", "docker-base", defs=defs)
     assert r.code == 1
     assert "DOCKER_HOST=unix://" in _error(r.err) and "does not answer" in r.err, r.err
-    assert not (envbuild_cli.node / "dockerd").exists() or not any(
-        (envbuild_cli.node / "dockerd").iterdir())
+    assert not (envbuild_cli.node / "node" / "dockerd").exists() or not any(
+        (envbuild_cli.node / "node" / "dockerd").iterdir())
 
 
 def test_from_a_digest_pinned_image_in_a_local_registry(envbuild_cli, tmp_path, monkeypatch):
@@ -372,7 +374,7 @@ def test_a_user_daemon_at_docker_host_is_used_and_left_without_our_images(envbui
         monkeypatch.setenv("DOCKER_HOST", user.host)
         r = envbuild_cli("build", "docker-base", defs=defs)
         assert r.code == 0, r.err
-        assert not (envbuild_cli.node / "dockerd").exists()   # no private daemon was started
+        assert not (envbuild_cli.node / "node" / "dockerd").exists()  # no private daemon
         p = subprocess.run([user.cli, "images", "--format", "{{.Repository}}:{{.Tag}}"],
                            env=env, capture_output=True, text=True, timeout=60)
         assert p.stdout.split() == ["users/own:1"], p.stdout
@@ -420,3 +422,20 @@ def test_ctrl_c_during_a_dockerfile_build_stops_the_daemon_and_leaves_nothing(tm
     _assert_daemon_gone(tmp_path / "node" / "node", before)
     _assert_daemon_gone(tmp_path / "node", before)
     _assert_unpublished(LocalStore(tmp_path / "store"), defs)
+
+
+def test_two_dockerfile_bases_build_in_parallel_each_with_its_own_daemon(envbuild_cli, tmp_path,
+                                                                         monkeypatch):
+    _require_docker()
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    defs = _write_defs(tmp_path)
+    base = defs / "base"
+    (base / "docker-base-2.yaml").write_text(
+        (base / "docker-base.yaml").read_text().replace("name: docker-base", "name: docker-two")
+        .replace("GREETING: yo", "GREETING: two"))
+    before = _ours()
+    r = envbuild_cli("build", "--jobs", "2", "docker-base", "docker-two", defs=defs)
+    assert r.code == 0, r.err
+    logs = sorted((envbuild_cli.store / "logs").glob("docker-*.log"))
+    assert len(logs) == 2 and all("=== daemon ready" in p.read_text() for p in logs)
+    _assert_daemon_gone(envbuild_cli.node / "node", before)
