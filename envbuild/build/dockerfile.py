@@ -381,7 +381,10 @@ def _read_small(path: str, *, missing_ok: bool = False, limit: int = MAX_DOCKERF
         data = f.read(limit + 1)
     if len(data) > limit:
         raise Unpinnable(f"{path} is larger than {limit >> 20} MiB")
-    return data.decode("utf-8", errors="replace")
+    try:  # strict: the bytes hashed are the bytes docker reads
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise Unpinnable(f"{os.path.basename(path)} is not UTF-8 text (byte {e.start})") from None
 
 
 # ----------------------------------------------------------------------------- pinning

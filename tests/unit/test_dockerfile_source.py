@@ -191,3 +191,13 @@ def test_add_of_a_url_is_refused(line):
 
 def test_add_of_local_files_is_fine():
     assert from_images("FROM scratch\nADD a.tar.gz /x\nADD --chown=1:1 b c /d/\n", {}) == []
+
+
+def test_a_dockerfile_that_is_not_utf8_is_refused(tmp_path):
+    from envbuild.errors import SourceError
+
+    defs = tmp_path / "envdefs"
+    (defs / "base" / "ctx").mkdir(parents=True)
+    (defs / "base" / "ctx" / "Dockerfile").write_bytes(b"FROM scratch\nLABEL x=\xff\n")
+    with pytest.raises(SourceError, match="Dockerfile is not UTF-8 text"):
+        _key(defs)
