@@ -157,6 +157,9 @@ def build(
     missing layers before building, and pushed to afterwards (``envbuild.store.sync``)."""
     # scratch dirs of builds that were killed before they could clean up (issue 11, item 14)
     sweep_stale_scratch(ctx.scratch_root, ctx.runtime)
+    from envbuild.dockerd import sweep_stale_daemons  # and their private dockerds (issue 17)
+
+    sweep_stale_daemons(ctx.node.root / "dockerd")
     plan = plan_with_store(ws, ctx.store, targets)
     # -- remote build cache, pull side (S3 issue; logic in envbuild.store.sync) ---------------
     # Layers another machine built: layer blob, then key record, into ctx.store; the re-plan

@@ -52,6 +52,7 @@ from envbuild.defs.model import (
     BusyboxSource,
     CopyStep,
     DebootstrapSource,
+    DockerfileSource,
     GitSource,
     ImageSource,
     LayerDefinition,
@@ -193,7 +194,8 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
         imported = importers.Imported()
         if isinstance(d, Base) and not isinstance(d.source, BaseSource):
             progress(BuildEvent(job.name, "importing", detail=d.source.kind))
-            imported = _import_base(d, upper, log, ctx.cancelled)
+            imported = _import_base(d, upper, log, ctx.cancelled, job=job, scratch=disk,
+                                    daemon_root=ctx.node.root / "dockerd", store=ctx.store)
         needs_rootfs = bool(d.steps) or isinstance(d, Workspace)
         if needs_rootfs:
             spec = OverlaySpec(str(merged), (*lowers, str(ctx.stub_dir())), str(upper), str(work))
@@ -361,7 +363,9 @@ def _describe(step) -> str:
     return f"copy: {step.src} -> {step.dest}"
 
 
-def _import_base(d: Base, upper: Path, log: Path, cancelled: threading.Event
+def _import_base(d: Base, upper: Path, log: Path, cancelled: threading.Event, *,
+                 job: LayerJob | None = None, scratch: Path | None = None,
+                 daemon_root: Path | None = None, store: Store | None = None
                  ) -> importers.Imported:
     src = d.source
     here = d.origin.directory
@@ -378,6 +382,13 @@ def _import_base(d: Base, upper: Path, log: Path, cancelled: threading.Event
         return importers.import_oci(here / src.layout, src.ref, upper)
     if isinstance(src, ImageSource):  # registry issue (16)
         return importers.import_image(src, upper)
+    if isinstance(src, DockerfileSource):  # issue 17: BuildKit in a (private) dockerd
+        from envbuild.build.dockerfile import build_dockerfile
+
+        if job is None or scratch is None or daemon_root is None:
+            raise BuildError(f"{d.name}: a Dockerfile base needs the build's scratch and node dirs")
+        return build_dockerfile(src, d.name, here, job.pins, upper, scratch / "docker",
+                                daemon_root, log, cancelled, store)
     raise BuildError(f"{d.name}: source kind {src.kind!r} cannot be imported")
 
 

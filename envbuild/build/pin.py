@@ -14,6 +14,8 @@ What is pinned, per definition (``PinnedInputs[name][field]``):
                                     (checked against the declared sha256 when there is one)
 ``source`` of ``oci``               the manifest digest ``ref`` names in the layout's index.json
 ``source`` of ``busybox``           ``sha256:`` of the binary
+``source*`` of ``dockerfile``       the context digest, the Dockerfile's sha256 and each
+                                    ``FROM`` digest (``envbuild.build.dockerfile``)
 ``steps[i].copy.src``               tree digest of a directory or ``sha256:`` of a file
 ``debootstrap``, ``scratch``,       nothing: debootstrap's inputs are its suite/variant/include
 ``base``                            (in the key); a parent base enters as its key
@@ -69,6 +71,7 @@ from envbuild.defs.model import (
     BusyboxSource,
     CopyStep,
     DefinitionSet,
+    DockerfileSource,
     GitSource,
     ImageSource,
     LayerDefinition,
@@ -392,6 +395,13 @@ def _pin_one(d: LayerDefinition, p: Pinner, root: str | None = None) -> dict[str
             pins["source"] = p.oci(os.path.join(base_dir, src.layout), src.ref)
         elif isinstance(src, ImageSource):
             _check_image_pinned(src)
+        elif isinstance(src, DockerfileSource):  # issue 17
+            from envbuild.build.dockerfile import Unpinnable, pin_dockerfile
+
+            try:
+                pins.update(pin_dockerfile(src, base_dir, root))
+            except Unpinnable as e:
+                raise _Unpinnable(e.message, e.hint) from None
         for i, s in enumerate(d.steps):
             if isinstance(s, CopyStep):
                 field = f"steps[{i}].copy.src"

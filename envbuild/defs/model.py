@@ -221,6 +221,25 @@ class ImageSource:
 
 
 @dataclasses.dataclass(frozen=True)
+class DockerfileSource:
+    """``from: {dockerfile: ...}`` (issue 17): an image built by BuildKit from a Dockerfile in
+    ``context`` (``envbuild.build.dockerfile``). The context's digest (``.dockerignore``
+    applied), the Dockerfile's bytes and every ``FROM`` digest are pinned; ``args``,
+    ``target`` and ``network`` are identity. The paths are not: the bytes are."""
+
+    context: str
+    file: str = "Dockerfile"
+    args: tuple[tuple[str, str], ...] = ()
+    target: str | None = None
+    network: str = "none"
+    kind = "dockerfile"
+
+    def identity(self) -> dict[str, Any]:
+        return {"dockerfile": {"args": dict(self.args), "target": self.target,
+                               "network": self.network}}
+
+
+@dataclasses.dataclass(frozen=True)
 class BusyboxSource:
     """A tiny rootfs made of a static busybox binary and its applet links (for fast tests)."""
 
@@ -263,7 +282,7 @@ class ArchiveSource:
 
 
 BaseFrom = (ScratchSource | BaseSource | DebootstrapSource | RootfsSource | OciSource | BusyboxSource
-            | ImageSource)
+            | ImageSource | DockerfileSource)
 WorkspaceSource = PathSource | GitSource | ArchiveSource
 
 
@@ -286,6 +305,11 @@ def base_from_mapping(m: Mapping[str, Any]) -> BaseFrom:
         return BusyboxSource(binary=(v or {}).get("binary", "/bin/busybox"))
     if kind == "image":  # registry issue (16): a base from a registry image
         return ImageSource(ref=v)
+    if kind == "dockerfile":  # issue 17: a base built by BuildKit
+        return DockerfileSource(context=v["context"], file=v.get("file", "Dockerfile"),
+                                args=tuple(sorted((str(k), str(a)) for k, a in
+                                                  (v.get("args") or {}).items())),
+                                target=v.get("target"), network=v.get("network", "none"))
     raise ValueError(f"unknown base source {kind!r}")  # the schema rules this out
 
 

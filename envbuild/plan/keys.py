@@ -88,7 +88,8 @@ def _steps(d: LayerDefinition) -> list[dict[str, Any]]:
 
 
 #: Source kinds whose identity() leaves the content out: a digest must be pinned as "source".
-PINNED_SOURCE_KINDS = frozenset({"path", "git", "archive", "rootfs", "oci", "busybox"})
+PINNED_SOURCE_KINDS = frozenset({"path", "git", "archive", "rootfs", "oci", "busybox",
+                                 "dockerfile"})
 
 
 def _check_pins(d: LayerDefinition, pins: Mapping[str, str]) -> None:

@@ -211,7 +211,7 @@ def test_from_needs_exactly_one_source():
     p = one(HEADER + "kind: Base\nname: b\nabi: a\nfrom: {scratch: {}, base: x}\n")
     assert (p.line, p.column, p.path) == (5, 7, "from")
     assert p.message == ("from needs exactly one of 'debootstrap', 'rootfs', 'oci', 'scratch', "
-                         "'base', 'busybox', 'image'")
+                         "'base', 'busybox', 'image', 'dockerfile'")
 
 
 def test_rootfs_is_a_path_or_a_mapping():
