@@ -168,3 +168,35 @@ def test_a_timed_out_check_is_a_failure_with_its_tail():
     r = CheckResult("e", "w", "sleep 9", 0, out, 1.0, timed_out=True, timeout=1.0)
     assert not r.ok
     assert r.tail == [f"line {i}" for i in range(30, 50)]
+
+
+def test_a_subtree_with_the_marker_is_its_own_tree(tmp_path):
+    from envbuild.defs.load import SEPARATE_TREE_MARKER
+
+    doc = "apiVersion: envbuild/v1\nkind: Base\nname: {}\nabi: x\nfrom: {{scratch: {{}}}}\n"
+    (tmp_path / "t" / "examples" / "own").mkdir(parents=True)
+    (tmp_path / "t" / "a.yaml").write_text(doc.format("a"))
+    (tmp_path / "t" / "examples" / "b.yaml").write_text(doc.format("b"))
+    (tmp_path / "t" / "examples" / "own" / "a.yaml").write_text(doc.format("a"))  # same name
+    (tmp_path / "t" / "examples" / "own" / SEPARATE_TREE_MARKER).write_text("")
+    assert sorted(load_definitions(str(tmp_path / "t")).by_name) == ["a", "b"]
+    assert sorted(load_definitions(str(tmp_path / "t" / "examples" / "own")).by_name) == ["a"]
+
+
+def test_the_swe_example_is_a_tree_of_its_own_and_has_the_harness_shape():
+    from envbuild.plan.graph import check_tree
+    from tests.conftest import REPO
+
+    main = load_definitions(str(REPO / "envdefs"))
+    assert not any(n.startswith(("task-", "inst-", "env-", "swe-")) for n in main.by_name)
+    graph = check_tree(REPO / "envdefs" / "examples" / "swe")
+    envs = graph.defs.envs
+    assert len(envs) == 6
+    repos = {e.name.removeprefix("task-").rsplit("-", 1)[0] for e in envs}
+    assert repos == {"more-itertools", "toolz", "idna"}
+    for e in envs:
+        rv = e.name.removeprefix("task-")
+        assert graph.env_layers(e.name) == ("debian-bookworm", "debian-bookworm-py311",
+                                            "swe-base", f"inst-{rv}", f"env-{rv}", "agent")
+        ws = graph[f"inst-{rv}"]
+        assert ws.source.strip_components == 1 and ws.check[0].timeout == 600
