@@ -146,12 +146,14 @@ def test_reduced_swe_example_rebuild_counts(tmp_path, monkeypatch, capsys):
     assert agent["envbuild"]["built"] == ["agent"]
     assert len(agent["envbuild"]["relocked"]) == n
     assert sorted(agent["per-instance"]["built"]) == sorted(f"c-task-{t}-agent" for t in TASKS)
-    assert agent["per-instance"]["bytes"] > agent["envbuild"]["bytes"] > 0
+    # each of the n rebuilt agent layers is written (and would be pushed) in full
+    assert agent["per-instance"]["built_bytes"] == n * agent["envbuild"]["built_bytes"] > 0
+    assert agent["per-instance"]["bytes"] > 0 and agent["envbuild"]["bytes"] > 0
 
     assert base["envbuild"]["built"] == ["swe-base"]                # m = 1
     assert len(base["envbuild"]["relocked"]) == n
     assert len(base["per-instance"]["built"]) == 1 + 3 * n          # every image
-    assert base["per-instance"]["bytes"] > base["envbuild"]["bytes"]
+    assert base["per-instance"]["built_bytes"] > base["envbuild"]["built_bytes"] > 0
 
     assert repo["envbuild"]["built"] == ["env-alpha-2.0"]
     assert repo["envbuild"]["relocked"] == ["task-alpha-2.0"]
