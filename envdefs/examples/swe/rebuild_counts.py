@@ -231,33 +231,34 @@ def measure(defs: Path, work: Path, changes, *, agent: str, seed: Path | None) -
     return result
 
 
-def render(result: dict) -> str:
-    def mb(n: int) -> str:
-        return f"{n / 1e6:.2f} MB"
+def _size(n: int) -> str:
+    return f"{n / 1e6:.2f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
 
-    lines = [f"{result['tasks']} tasks. Per change: layers rebuilt, envs re-locked, layer bytes "
-             "built (what docker would write and push), bytes the content-addressed store gained",
-             f"{'change':<36} | {'envbuild':^38} | {'per-instance images':^38} | ratio (layers, "
-             "built bytes)"]
+
+def render(result: dict) -> str:
+    """The measurements as a text table (what the script prints without ``--json``)."""
+    lines = [f"{result['tasks']} tasks. Per change and scheme: layers rebuilt, envs re-locked, "
+             "layer bytes built (what docker build would write and push) / bytes the "
+             "content-addressed store gained, wall seconds",
+             f"{'change':<36} | {'envbuild':^44} | {'per-instance images':^44} | "
+             "per-instance builds"]
     for row in result["changes"]:
         e, p = row["envbuild"], row["per-instance"]
-        ratio = (f"{len(p['built']) / max(1, len(e['built'])):.0f}x, "
-                 f"{p['built_bytes'] / max(1, e['built_bytes']):.0f}x")
+        extra = (f"{len(p['built']) / max(1, len(e['built'])):.0f}x the layers, "
+                 f"+{_size(max(0, p['built_bytes'] - e['built_bytes']))}")
         cells = [f"{len(r['built']):>3} layers {len(r['relocked']):>2} envs "
-                 f"{mb(r['built_bytes']):>9} {mb(r['bytes']):>9}" for r in (e, p)]
-        lines.append(f"{row['change']:<36} | {cells[0]:<38} | {cells[1]:<38} | {ratio}")
+                 f"{_size(r['built_bytes']):>9} / {_size(r['bytes']):>8} {r['seconds']:>6.1f}s"
+                 for r in (e, p)]
+        lines.append(f"{row['change']:<36} | {cells[0]:<44} | {cells[1]:<44} | {extra}")
     for row in result["changes"]:
         lines.append(f"  {row['change']}: envbuild built {', '.join(row['envbuild']['built'])}; "
-                     f"per-instance built {len(row['per-instance']['built'])}: "
-                     f"{', '.join(row['per-instance']['built'])}")
+                     f"per-instance built {', '.join(row['per-instance']['built'])}")
     i, last = result["initial"], (result["changes"] or [result["initial"]])[-1]
-    lines.append(f"initial build: envbuild {len(i['envbuild']['built'])} layers built, store "
-                 f"{mb(i['envbuild']['store_bytes'])}; per-instance "
-                 f"{len(i['per-instance']['built'])} layers built, store "
-                 f"{mb(i['per-instance']['store_bytes'])} (layers taken from --seed-store "
-                 "count as stored, not built)")
-    lines.append(f"stores after the changes: envbuild {mb(last['envbuild']['store_bytes'])}, "
-                 f"per-instance {mb(last['per-instance']['store_bytes'])}")
+    lines.append(f"initial build: envbuild {len(i['envbuild']['built'])} layers built, "
+                 f"per-instance {len(i['per-instance']['built'])} (layers already in "
+                 "--seed-store are copied, not built)")
+    lines.append(f"stores after the changes: envbuild {_size(last['envbuild']['store_bytes'])}, "
+                 f"per-instance {_size(last['per-instance']['store_bytes'])}")
     return "\n".join(lines)
 
 
