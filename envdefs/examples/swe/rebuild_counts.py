@@ -26,7 +26,7 @@ whose bytes did not change, e.g. a venv rebuilt on a new base, or six identical 
 
     python envdefs/examples/swe/rebuild_counts.py [--seed-store ./cache] [--work DIR] [--json]
 
-``--seed-store`` (default ``./cache`` if it exists) is read with ``--cache-from`` for the
+``--seed-store`` (default the repository's ``cache/`` if it exists) is read with ``--cache-from`` for the
 *initial* builds only (layers already built there are copied, not rebuilt); the changes are
 always built. Needs root (runc), network for the env layers (PyPI), ~5-8 minutes on 2 cores.
 """
@@ -46,6 +46,7 @@ from pathlib import Path
 import yaml
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
 
 #: name, file (relative to the tree), text to replace, replacement
 DEFAULT_CHANGES = (
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="scratch dir for both trees and stores (default: a new temp dir)")
     ap.add_argument("--seed-store", type=Path, default=None,
                     help="a store to take already-built layers from for the initial builds "
-                         "(default: ./cache if it exists)")
+                         "(default: the repository's cache/ if it exists)")
     ap.add_argument("--agent", default="agent", help="the toolkit that is the agent layer")
     ap.add_argument("--change", action="append", nargs=4, metavar=("LABEL", "FILE", "OLD", "NEW"),
                     help="a change: replace OLD by NEW in FILE (relative to the tree); "
@@ -277,8 +278,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the measurements as JSON")
     args = ap.parse_args(argv)
     seed = args.seed_store
-    if seed is None and Path("cache/blobs").is_dir():
-        seed = Path("cache").resolve()
+    if seed is None and (REPO / "cache" / "blobs").is_dir():
+        seed = REPO / "cache"
+    listed = args.defs / "sdists.txt"  # the example's own tree: its sdists must be fetched
+    if listed.is_file():
+        for line in listed.read_text().splitlines():
+            if line and not line.startswith("#"):
+                name, _, version = line.split()[0].partition("==")
+                if not (args.defs / "sdists" / f"{name}-{version}.tar.gz").is_file():
+                    raise SystemExit(f"sdists/{name}-{version}.tar.gz is missing: run "
+                                     f"{args.defs / 'fetch-sdists.sh'} first")
     work = args.work or Path(tempfile.mkdtemp(prefix="envbuild-swe-counts-"))
     work.mkdir(parents=True, exist_ok=True)
     result = measure(args.defs.resolve(), work.resolve(),
