@@ -150,14 +150,16 @@ def import_busybox(binary: Path, dest: Path) -> Imported:
     return Imported()
 
 
-def extract_tar(archive: Path, dest: Path | int, what: str, *, whiteouts: str = "refuse") -> None:
+def extract_tar(archive: Path, dest: Path | int, what: str, *, whiteouts: str = "refuse",
+                strip_components: int = 0) -> None:
     """Unpack ``archive`` (any compression) below ``dest`` (a path or a directory fd) with the
-    one safe unpacker; ``what`` names it in errors."""
+    one safe unpacker; ``what`` names it in errors. ``strip_components`` as ``tar
+    --strip-components`` (see ``unpack_tar`` for what it refuses)."""
     from envbuild.layers._unpack import unpack_tar
 
     if not isinstance(dest, int):
         dest.mkdir(parents=True, exist_ok=True)
-    unpack_tar(archive, dest, name=what, whiteouts=whiteouts)
+    unpack_tar(archive, dest, name=what, whiteouts=whiteouts, strip_components=strip_components)
 
 
 def open_dir_in_root(root: Path, rel: str) -> int:
@@ -585,7 +587,8 @@ def import_path(src: Path, dest: Path | int) -> Imported:
 
 
 def import_git(url: str, commit: str, dest: Path | int, scratch: Path,
-               cancelled: threading.Event | None = None) -> Imported:
+               cancelled: threading.Event | None = None, *,
+               strip_components: int = 0) -> Imported:
     """The tree of ``commit`` (already pinned) without ``.git``: ``git archive`` is
     deterministic, a clone's ``.git`` is not. ``url`` and ``commit`` are checked again here
     (``check_git_source``) and can never reach git as options: ``--end-of-options`` precedes
@@ -601,13 +604,15 @@ def import_git(url: str, commit: str, dest: Path | int, scratch: Path,
     archive = scratch / "src.tar"
     _run(["git", "-C", str(repo), "archive", "--format=tar", "-o", str(archive),
           "--end-of-options", commit], f"git archive {commit}", env=env)
-    extract_tar(archive, dest, f"git archive of {url}@{commit[:12]}")
+    extract_tar(archive, dest, f"git archive of {url}@{commit[:12]}",
+                strip_components=strip_components)
     return Imported()
 
 
-def import_archive(path: Path, sha256: str, dest: Path | int) -> Imported:
+def import_archive(path: Path, sha256: str, dest: Path | int, *,
+                   strip_components: int = 0) -> Imported:
     if not path.is_file():
         raise SourceError(f"archive {path} does not exist")
     check_sha256(path, sha256, "archive")
-    extract_tar(path, dest, f"archive {path.name}")
+    extract_tar(path, dest, f"archive {path.name}", strip_components=strip_components)
     return Imported()

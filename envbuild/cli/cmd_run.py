@@ -56,20 +56,21 @@ def register(group: click.Group) -> None:
 
     @group.command()
     @click.argument("envs", nargs=-1)
+    @click.option("--jobs", "-j", type=click.IntRange(1, 64), default=1, show_default=True,
+                  help="Envs checked at once, each in its own sandbox.")
     @pass_app
-    def check(app: App, envs: tuple[str, ...]) -> int:
-        """Run each env's workspace checks in a sandbox over its lock."""
+    def check(app: App, envs: tuple[str, ...], jobs: int) -> int:
+        """Run each env's workspace checks in a sandbox over its lock.
+
+        Prints one block per env as it finishes: a line per command (ok with the test
+        runner's summary line, or FAIL with its exit code or deadline and its output's tail),
+        then the env's result; the last line counts every command."""
         from envbuild.build.check import run_checks
         from envbuild.build.engine import load
 
         results = run_checks(load(app.settings.defs_dir), app.open_store(),
                              app.settings.node_dir, envs or None,
-                             runtime=app.settings.oci_runtime)
-        for r in results:
-            mark = "ok  " if r.ok else "FAIL"
-            click.echo(f"{mark} {r.env:<20} {r.workspace:<16} {r.command}")
-            if not r.ok:
-                click.echo("\n".join("     " + line for line in r.output.splitlines()[-20:]))
+                             runtime=app.settings.oci_runtime, jobs=jobs, on_env=_print_env)
         failed = sum(not r.ok for r in results)
         click.echo(f"{len(results) - failed} passed, {failed} failed")
         return 1 if failed else 0
@@ -226,3 +227,23 @@ def register(group: click.Group) -> None:
         click.echo(f"removed {len(done) - failed} orphaned or expired sandbox(es)" +
                    (f", {failed} could not be removed" if failed else ""), err=bool(failed))
         return 1 if failed else 0
+
+
+def _print_env(env: str, results) -> None:
+    """One env's block of ``envbuild check`` output (see ``check``)."""
+    for r in results:
+        if r.ok:
+            summary = f"  [{r.summary}]" if r.summary else ""
+            click.echo(f"ok   {r.env:<20} {r.workspace:<16} {r.command}  ({r.seconds:.1f}s)"
+                       f"{summary}")
+            continue
+        why = (f"timed out after {r.timeout:g}s" if r.timed_out
+               else f"exit {r.exit_code}, {r.seconds:.1f}s")
+        click.echo(f"FAIL {r.env:<20} {r.workspace:<16} {r.command}  ({why})")
+        tail = r.tail
+        click.echo("\n".join("     | " + line for line in tail) if tail
+                   else "     | (no output)")
+    bad = sum(not r.ok for r in results)
+    total = sum(r.seconds for r in results)
+    click.echo(f"env {env}: {'FAILED' if bad else 'ok'} ({len(results) - bad}/{len(results)} "
+               f"checks passed, {total:.1f}s)")

@@ -3,7 +3,9 @@
 Contract of ``load_definitions(root)``:
 
 - Reads every ``*.yaml`` / ``*.yml`` file below ``root``, recursively, in sorted order; other
-  files (README.md, …) and hidden files or directories (``.git``, editor droppings) are ignored.
+  files (README.md, …) and hidden files or directories (``.git``, editor droppings) are ignored,
+  and so is a subdirectory holding a ``.envbuild-tree`` file (a tree of its own, loaded only as
+  a root: ``envdefs/examples/swe``).
   A file holds one or more documents separated by ``---``; empty documents are skipped.
 - Every problem in every file is collected, then raised as one ``DefinitionError``: YAML syntax
   errors, empty files, documents that are not mappings, duplicate keys, unsupported tags, schema
@@ -151,11 +153,18 @@ def collect_definitions(root: Path | str = Path("envdefs")) -> LoadResult:
                       unparsed_names=frozenset(unparsed - by_name.keys()))
 
 
+#: A directory holding a file of this name is a definition tree of its own (an example such as
+#: ``envdefs/examples/swe``): skipped when a parent tree is walked, loaded when it is the root.
+SEPARATE_TREE_MARKER = ".envbuild-tree"
+
+
 def definition_files(root: Path) -> list[Path]:
-    """The YAML files under ``root`` in sorted order, skipping hidden files and directories."""
+    """The YAML files under ``root`` in sorted order, skipping hidden files and directories and
+    subdirectories that are trees of their own (``SEPARATE_TREE_MARKER``)."""
     found = []
     for directory, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")
+                       and not os.path.exists(os.path.join(directory, d, SEPARATE_TREE_MARKER))]
         found.extend(os.path.join(directory, f) for f in filenames
                      if f.endswith(SUFFIXES) and not f.startswith("."))
     return [Path(f) for f in sorted(found)]

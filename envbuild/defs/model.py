@@ -261,24 +261,41 @@ class PathSource:
         return {"path": {}}  # tree digest added by the planner; the path itself is not identity
 
 
+def _strip(identity: dict[str, Any], strip_components: int) -> dict[str, Any]:
+    # Only when set: a source without it keeps the key it had before the field existed.
+    if strip_components:
+        identity["strip_components"] = strip_components
+    return identity
+
+
 @dataclasses.dataclass(frozen=True)
 class GitSource:
+    """A commit's tree (``git archive``); ``strip_components`` drops leading path components
+    of every member, as ``tar --strip-components`` (members left with none are dropped)."""
+
     url: str
     rev: str
+    strip_components: int = 0
     kind = "git"
 
     def identity(self) -> dict[str, Any]:
-        return {"git": {"url": self.url}}  # resolved commit sha added by the planner
+        # resolved commit sha added by the planner
+        return {"git": _strip({"url": self.url}, self.strip_components)}
 
 
 @dataclasses.dataclass(frozen=True)
 class ArchiveSource:
+    """A tarball (any compression) checked against ``sha256``; ``strip_components`` as for
+    git: a PyPI sdist or a GitHub tarball holds one top directory, ``strip_components: 1``
+    puts its contents straight into ``dest``."""
+
     path: str
     sha256: str
+    strip_components: int = 0
     kind = "archive"
 
     def identity(self) -> dict[str, Any]:
-        return {"archive": {"sha256": self.sha256}}
+        return {"archive": _strip({"sha256": self.sha256}, self.strip_components)}
 
 
 BaseFrom = (ScratchSource | BaseSource | DebootstrapSource | RootfsSource | OciSource | BusyboxSource
@@ -318,9 +335,11 @@ def workspace_source_from_mapping(m: Mapping[str, Any]) -> WorkspaceSource:
     if kind == "path":
         return PathSource(path=v if isinstance(v, str) else v["path"])
     if kind == "git":
-        return GitSource(url=v["url"], rev=v["rev"])
+        return GitSource(url=v["url"], rev=v["rev"],
+                         strip_components=int(v.get("strip_components", 0)))
     if kind == "archive":
-        return ArchiveSource(path=v["path"], sha256=v["sha256"])
+        return ArchiveSource(path=v["path"], sha256=v["sha256"],
+                             strip_components=int(v.get("strip_components", 0)))
     raise ValueError(f"unknown workspace source {kind!r}")
 
 
@@ -432,6 +451,25 @@ class Toolkit(_Common):
         )
 
 
+#: Seconds a ``check:`` command may run when its entry names no ``timeout:``.
+DEFAULT_CHECK_TIMEOUT = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckCommand:
+    """One ``check:`` entry: a ``/bin/sh -c`` command and its deadline in seconds. Written as
+    a string (``DEFAULT_CHECK_TIMEOUT``) or ``{run: CMD, timeout: S}``. Never part of a key."""
+
+    run: str
+    timeout: float = DEFAULT_CHECK_TIMEOUT
+
+    @classmethod
+    def from_value(cls, v: str | Mapping[str, Any]) -> CheckCommand:
+        if isinstance(v, str):
+            return cls(run=v)
+        return cls(run=v["run"], timeout=float(v.get("timeout", DEFAULT_CHECK_TIMEOUT)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Workspace(_Common):
     build_on: str = ""
@@ -439,7 +477,7 @@ class Workspace(_Common):
     dest: str = "/workspace"
     requires_abi: tuple[str, ...] = ()  # empty: the abi of build_on
     steps: tuple[Step, ...] = ()
-    check: tuple[str, ...] = ()
+    check: tuple[CheckCommand, ...] = ()
     config: Config = dataclasses.field(default_factory=Config)
     framing: Framing = "lazy"
     pin: Pin = "abi"
@@ -454,7 +492,7 @@ class Workspace(_Common):
             dest=m.get("dest", "/workspace"),
             requires_abi=tuple((m.get("requires") or {}).get("abi") or ()),
             steps=tuple(step_from_mapping(s) for s in m.get("steps") or ()),
-            check=tuple(m.get("check") or ()),
+            check=tuple(CheckCommand.from_value(c) for c in m.get("check") or ()),
             config=Config.from_mapping(m.get("config")),
             framing=m.get("framing", "lazy"),
             pin=m.get("pin", "abi"),

@@ -651,8 +651,14 @@ def iter_foreign_members(stream: TarStream, name: str) -> Iterator[tuple[Entry, 
         _skip_pad(stream, size)
 
 
+#: Deepest ``strip_components`` accepted (the schema's bound too): no real archive nests its
+#: files more than a few directories down, and a bound keeps a typo from emptying a tree.
+MAX_STRIP_COMPONENTS = 16
+
+
 def unpack_tar(source, dest, *, name: str, whiteouts: str = "refuse",
-               same_owner: bool | None = None, overlay_xattr: str = "trusted") -> None:
+               same_owner: bool | None = None, overlay_xattr: str = "trusted",
+               strip_components: int = 0) -> None:
     """Extract a foreign tar (a path or a binary file object; any compression
     ``_decompressed`` knows) below ``dest`` (a path or a directory fd) with the safety rules of
     the module docstring. ``name`` prefixes every error (``rootfs base.tar.gz``).
@@ -667,9 +673,18 @@ def unpack_tar(source, dest, *, name: str, whiteouts: str = "refuse",
     for ``.wh..wh..opq`` and on a directory ``NAME`` this tar also holds (its own entry hides
     the lower one; a directory merges, so it is made opaque instead). Device nodes of the tar
     are always refused (runc provides ``/dev``); FIFOs are kept.
+
+    ``strip_components=N`` (archive and git sources) drops the first N components of every
+    member name and hardlink target, as ``tar --strip-components``, after the ``..`` check of
+    the whole name; a directory left with no name is dropped (it is the stripped top), any
+    other member left with none, a hardlink whose target is stripped away, and a tar of which
+    nothing remains are refused (a strip that silently loses files is a wrong strip).
     """
     if whiteouts not in TAR_WHITEOUT_MODES:
         raise ValueError(f"whiteouts must be one of {TAR_WHITEOUT_MODES}, not {whiteouts!r}")
+    if not 0 <= strip_components <= MAX_STRIP_COMPONENTS:
+        raise UnsafeLayerError(f"{name}: strip_components {strip_components} is not within "
+                               f"0..{MAX_STRIP_COMPONENTS}")
     if same_owner is None:
         same_owner = os.geteuid() == 0
     own = not hasattr(source, "read")
@@ -685,6 +700,16 @@ def unpack_tar(source, dest, *, name: str, whiteouts: str = "refuse",
         for e, size in iter_foreign_members(stream, name):
             tree.evict()
             parts = foreign_member_name(name, e.path)
+            if strip_components:
+                if len(parts) <= strip_components:
+                    if e.type == "dir" or not parts:
+                        continue  # a stripped top directory
+                    raise UnsafeLayerError(
+                        f"{name}: strip_components {strip_components} leaves nothing of "
+                        f"{e.type} {e.path!r}",
+                        hint="lower strip_components, or repack the archive with every file "
+                             "under its top directory")
+                parts = parts[strip_components:]
             if not parts:
                 continue  # the root itself ("./"): dest keeps its own metadata
             path = "/".join(parts)
@@ -732,11 +757,21 @@ def unpack_tar(source, dest, *, name: str, whiteouts: str = "refuse",
                 dir_meta.append((path, e))
             elif e.type == "hardlink":
                 target = foreign_member_name(name, e.linkname, "hardlink target")
+                if strip_components:
+                    if len(target) <= strip_components:
+                        raise UnsafeLayerError(
+                            f"{name}: hardlink {e.path!r} points to {e.linkname!r}, which "
+                            f"strip_components {strip_components} removes")
+                    target = target[strip_components:]
                 if not target:
                     raise UnsafeLayerError(f"{name}: hardlink {path!r} points to the root")
                 tree.hardlink(pfd, base, path, target, "/".join(target))
             else:  # symlink, fifo
                 tree.node(pfd, base, path, e, same_owner)
+        if strip_components and not created:
+            raise UnsafeLayerError(f"{name}: strip_components {strip_components} leaves "
+                                   "nothing of it", hint="lower strip_components (an sdist "
+                                   "or a GitHub tarball needs 1)")
         for parts, path, e in pending:
             tree.evict()
             _foreign_overlay_whiteout(tree, parts, path, e, created,

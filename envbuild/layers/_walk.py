@@ -231,6 +231,11 @@ def walk_tree(root: str | os.PathLike, *, source_date_epoch: int = 0,
                         first[key] = e.path
                     else:
                         e.type, e.linkname, e.size, src = "hardlink", target, 0, None
+                if src is not None and src.dir_fd != cur.fd:
+                    # the cursor came back up from a subdirectory: its fd is a new one (the
+                    # one listed was closed and its number may belong to another directory or
+                    # thread by now), so name the file through the fd the cursor holds now
+                    src = _refreshed(src, cur, name)
                 yield e, src
                 if e.type == "dir":
                     try:
@@ -251,6 +256,12 @@ def walk_tree(root: str | os.PathLike, *, source_date_epoch: int = 0,
                                          ) from err
     finally:
         cur.close()
+
+
+def _refreshed(src: FileSource, cur, name: str) -> FileSource:
+    fresh = FileSource(cur.proc_prefix + name)
+    fresh.dir_fd, fresh.name = cur.fd, name
+    return fresh
 
 
 def _first(node: tuple) -> str:

@@ -138,7 +138,7 @@ def test_wrong_type_names_the_field_and_both_types():
 def test_wrong_type_of_a_list_of_strings():
     p = one(HEADER + "kind: Workspace\nname: w\nbuild_on: b\nsource: {path: .}\n"
             "check: python3 -V\n")
-    assert p.message == "check: expected a list of strings, got a string"
+    assert p.message == "check: expected a list of check commands, got a string"
     assert (p.line, p.column) == (6, 8)
 
 

@@ -122,7 +122,7 @@ def test_valid_tree_loads_into_the_model(tree):
     ws = defs.by_name["requests-2-32"]
     assert isinstance(ws, Workspace)
     assert ws.source == PathSource("../../sources/requests")  # kept as written
-    assert ws.check == ('python3 -c "import requests"',)
+    assert [c.run for c in ws.check] == ['python3 -c "import requests"']
     assert defs.by_name["flask-3"].source == GitSource(url="https://github.com/pallets/flask",
                                                        rev="3.0.0")
 

@@ -127,7 +127,7 @@ def test_python_workspaces_are_importable_by_the_toolkit_pytest(defs):
         text = (src / "pyproject.toml").read_text()
         assert 'pythonpath = ["."]' in text, w.name
         assert (src / w.name / "__init__.py").is_file(), w.name
-        assert any(f"import {w.name}" in c for c in w.check), w.name
+        assert any(f"import {w.name}" in c for c in (c.run for c in w.check)), w.name
         assert not list(src.rglob(".pytest_cache")), f"stray .pytest_cache in {src}"
 
 
