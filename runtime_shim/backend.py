@@ -12,7 +12,8 @@ pack-diff. A backend does the rest, behind three runtime-checkable protocols:
   sandbox's writes are stopped) and ``upper_dir`` (its changes, readable inside it).
 
 Backends are registered by name (``register``) and looked up with ``get_backend``; the built-in
-ones (``container``: ``runtime_shim.container``, ``microvm``: ``runtime_shim.vm.backend``) are
+ones (``container``: ``runtime_shim.container``, ``microvm``: ``runtime_shim.vm.backend``,
+``fncall``: ``runtime_shim.fncall``, stateless calls on warm containers) are
 imported on first use, so a container user never imports the VM code. Tests register a
 ``runtime_shim.testing.FakeBackend``.
 """
@@ -117,7 +118,8 @@ _FACTORIES: dict[str, Callable[[], Backend]] = {}
 _INSTANCES: dict[str, Backend] = {}
 #: The built-in backends, imported on first use ("module:attribute").
 _BUILTIN = {"container": "runtime_shim.container:ContainerBackend",
-            "microvm": "runtime_shim.vm.backend:MicroVmBackend"}
+            "microvm": "runtime_shim.vm.backend:MicroVmBackend",
+            "fncall": "runtime_shim.fncall:FnCallBackend"}
 
 
 def register(name: str, factory: Callable[[], Backend]) -> None:

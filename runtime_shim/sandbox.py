@@ -296,6 +296,19 @@ class Sandbox:
         done = self._backend.exec(req, on_stdout=on_stdout, on_stderr=on_stderr)
         return self._result(done, started, check_timeout)
 
+    def call(self, argv: str | Sequence[str], *, stdin: bytes | str | None = None,
+             files: Mapping[str, bytes | str] | None = None, timeout: float | None = None,
+             env: Mapping[str, str] | None = None, cwd: str | None = None,
+             user: str | None = None) -> ExecResult:
+        """A stateless call (``backend="fncall"``, ``runtime_shim.fncall``): ``files``
+        written, then ``argv`` run with ``stdin``, in a fresh writable layer; nothing of an
+        earlier call is visible to it."""
+        from runtime_shim.fncall import call_in
+
+        self._check_open()
+        return call_in(self, argv, stdin=stdin, files=files, timeout=timeout, env=env,
+                       cwd=cwd, user=user)
+
     def _request(self, cmd: str | Sequence[str], *, timeout: float | None,
                  env: Mapping[str, str] | None, cwd: str | None, user: str | None,
                  stdin: bytes | None) -> agent.ExecRequest:

@@ -80,6 +80,9 @@ class BindMount:
     source: str
     destination: str
     readonly: bool = True
+    # e.g. "rslave": mounts the host makes below ``source`` later appear in the container
+    # (``runtime_shim.fncall`` swaps each call's fresh writable layer in this way)
+    propagation: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +132,9 @@ class RuntimeSpecRequest:
     tmpfs_inodes: int = TMPFS_INODES
     terminal: bool = False
     cpus: float | None = None
+    # cgroup v1 ``cpu.shares`` / v2 ``cpu.weight`` (the runtime converts); None: the default
+    # (1024). Low for best-effort sandboxes (``Limits.cpu_class``).
+    cpu_shares: int | None = None
     seccomp: str | Mapping[str, Any] | None = None
     machine: str | None = None
 
@@ -183,6 +189,8 @@ def _mounts(req: RuntimeSpecRequest) -> list[dict[str, Any]]:
                                    f"nr_inodes={req.tmpfs_inodes}"]})
     for b in req.binds:
         opts = ["rbind", "nosuid", "nodev"] + (["ro"] if b.readonly else ["rw"])
+        if b.propagation is not None:
+            opts.append(b.propagation)
         mounts.append({"destination": b.destination, "type": "bind", "source": b.source,
                        "options": opts})
     return mounts
@@ -211,6 +219,8 @@ def runtime_spec(req: RuntimeSpecRequest) -> dict[str, Any]:
         # cgroup v1 cpu.cfs_quota_us / v2 cpu.max; at least 1 ms, the kernel's minimum quota
         resources["cpu"] = {"quota": max(1000, round(req.cpus * CPU_PERIOD_US)),
                             "period": CPU_PERIOD_US}
+    if req.cpu_shares is not None:
+        resources.setdefault("cpu", {})["shares"] = req.cpu_shares
     linux: dict[str, Any] = {
         "namespaces": namespaces,
         "resources": resources,

@@ -1,0 +1,477 @@
+"""The ``fncall`` backend: stateless function calls served by warm container sandboxes.
+
+``fn = Sandbox.create(lock, backend="fncall")`` then ``fn.call(argv, stdin=…, files={…},
+timeout=…) -> ExecResult``, or ``FnPool(lock, size=k).call(…)`` for ``k`` such sandboxes
+serving calls from many threads. Every call runs in a fresh writable layer: nothing one call
+wrote, started or changed is seen by the next (``tests/security/test_fncall.py``).
+
+How (measured to be the fast way that keeps a container sandbox's isolation): a sandbox is one
+warm runc container, with the container backend's seccomp filter (narrowed further: SysV IPC
+and POSIX message queues, which live in the IPC namespace rather than a file system and would
+outlive a call, are refused), dropped capabilities, no network, ``noNewPrivileges``, its pids /
+memory / CPU cgroup and its capped disk (``runtime_shim.scratchfs``). Its root is the lock's
+layers as a **read-only** overlay (``<sandbox>/base``); every top-level directory of the image
+(``/tmp``, ``/root``, ``/etc``, ``/usr``, … but not ``/proc``, ``/sys``, ``/dev``) and
+``/dev/shm`` is a *slot*: a host directory ``<sandbox>/fn/<name>`` made a shared mount of its
+own and bound into the container with ``rslave`` propagation, on which the host mounts an
+overlay whose lower dir is that directory of the base and whose upper dir is fresh and empty
+(on the sandbox's disk). Mounts the host makes or removes on a slot propagate into the running
+container, so swapping a slot's layer is one unmount and one mount (~1 ms), with no process
+of the sandbox involved and no capability granted to it.
+
+Between two calls (``reset``): every process but the agent (PID 1) is killed — the cgroup is
+frozen first, so nothing forks past the kill — and the sandbox waits until its cgroup holds the
+agent alone; then each slot whose upper dir is not exactly as mounted (an entry in it, or its
+own mode/owner/times/xattrs changed) gets a fresh overlay and the old upper dir is deleted. A
+slot no call wrote to is, by construction of overlayfs, the base unchanged, and is kept. What
+cannot be reset in place — a change to ``/dev`` (a tmpfs runc makes, root-writable), processes
+that will not die — retires the container: it is deleted and started again on fresh slots. A
+call past its ``timeout`` is killed by the agent and its leftovers by the reset, like any call.
+
+Writes outside the slots (a new top-level entry in ``/``) fail with ``EROFS``. ``files`` are
+written through the sandbox's root (``runtime_shim.fsaccess``: never following a symlink) into
+the fresh layer just before the call; ``read_file`` after a call reads what it left (the reset
+of a single ``Sandbox`` happens when the next call starts; ``FnPool`` resets in the
+background as soon as a call returns).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import queue
+import signal
+import stat
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from envbuild.errors import BackendUnavailable, RuntimeShimError
+from envbuild.safefs import remove_tree
+from runtime_shim import agent, cgroupfs, scratchfs
+from runtime_shim import seccomp as seccomp_profiles
+from runtime_shim.backend import CreateRequest
+from runtime_shim.container import ContainerSandbox
+from runtime_shim.layout import NodeLayout, SandboxPaths
+from runtime_shim.locks import ResolvedLock
+from runtime_shim.model import ExecResult
+from runtime_shim.mount import OverlaySpec, _libc, _os_error, mount_overlay, unmount
+from runtime_shim.runc import OciRuntime, destroy
+from runtime_shim.spec import BindMount, RuntimeSpecRequest
+from runtime_shim.stub import AGENT_PATH, ensure_stub
+
+__all__ = ["FNCALL_DENIED_SYSCALLS", "FnCallBackend", "FnPool", "FnSandbox", "fncall_profile"]
+
+#: Syscalls whose objects live in the IPC namespace (not in any file system a reset swaps):
+#: refused in FnCall sandboxes (EPERM, like every syscall the profile does not allow).
+FNCALL_DENIED_SYSCALLS = frozenset({
+    "shmget", "shmat", "shmdt", "shmctl", "semget", "semop", "semctl", "semtimedop",
+    "msgget", "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend",
+    "mq_timedreceive", "mq_notify", "mq_getsetattr"})
+#: Top-level names never made slots: runc's own mounts and the agent's bind.
+_NOT_SLOTS = frozenset({"proc", "sys", "dev", ".envbuild"})
+#: How long a reset waits for the killed processes of a call to be gone.
+KILL_WAIT = 5.0
+_MS_BIND, _MS_SHARED = 4096, 1 << 20
+
+
+def fncall_profile(capabilities: Sequence[str]) -> dict[str, Any]:
+    """The default seccomp profile (``runtime_shim.seccomp``) without ``FNCALL_DENIED_SYSCALLS``."""
+    profile = seccomp_profiles.default_profile(capabilities)
+    rules = []
+    for rule in profile["syscalls"]:
+        names = [n for n in rule["names"] if n not in FNCALL_DENIED_SYSCALLS]
+        if names:
+            rules.append({**rule, "names": names})
+    return {**profile, "syscalls": rules}
+
+
+@dataclasses.dataclass
+class _Slot:
+    """One directory of the sandbox whose writable layer is swapped per call."""
+
+    dest: str  # in the sandbox: "/tmp", "/dev/shm"
+    point: Path  # on the host: the shared mount the container sees at ``dest``
+    lower: Path
+    layer: Path | None = None  # the current layer's dir on the disk (u/ and w/ in it)
+    stamp: tuple = ()
+
+    @property
+    def upper(self) -> Path:
+        assert self.layer is not None
+        return self.layer / "u"
+
+
+def plan_slots(base: Path, empty: Path, fn_dir: Path) -> list[_Slot]:
+    """The slots of a sandbox whose read-only root is ``base``: each top-level directory (not
+    a symlink, not runc's), then ``/dev/shm`` over the empty dir ``empty``."""
+    slots = []
+    with os.scandir(base) as it:
+        names = sorted(e.name for e in it if e.is_dir(follow_symlinks=False)
+                       and e.name not in _NOT_SLOTS)
+    for name in names:
+        slots.append(_Slot(f"/{name}", fn_dir / name, base / name))
+    slots.append(_Slot("/dev/shm", fn_dir / ".dev-shm", empty))
+    return slots
+
+
+def _stamp(path: Path) -> tuple:
+    st = os.lstat(path)
+    return (st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns, st.st_ctime_ns,
+            st.st_nlink, tuple(sorted(os.listxattr(path, follow_symlinks=False))))
+
+
+def _clean(slot: _Slot) -> bool:
+    """Whether the slot's layer is still exactly as mounted (no process may run)."""
+    try:
+        if _stamp(slot.upper) != slot.stamp:
+            return False
+        with os.scandir(slot.upper) as it:
+            return next(it, None) is None
+    except OSError:
+        return False
+
+
+class FnSandbox(ContainerSandbox):
+    """One warm FnCall sandbox (a ``SandboxHandle``): a container sandbox whose writable
+    layer is reset between calls (see the module docstring)."""
+
+    def __init__(self, req: CreateRequest) -> None:
+        if req.network is not None:
+            raise BackendUnavailable("fncall sandboxes have no network",
+                                     hint="use the container backend for network=")
+        paths, limits = req.paths, req.limits
+        if limits.disk_bytes is not None:
+            scratchfs.create(paths.root, limits.disk_bytes, limits.inodes,
+                             template_root=req.node.root / "scratchfs")
+        else:
+            paths.disk.mkdir()
+        self._layers_dir = paths.disk / "fncall"
+        self._layers_dir.mkdir()
+        self._generation = 0
+        self._used = False
+        self._base = paths.root / "base"
+        self._base.mkdir()
+        empty = paths.root / "empty"
+        empty.mkdir()
+        os.chmod(empty, 0o1777)
+        stub = str(ensure_stub(req.node.root))
+        mount_overlay(OverlaySpec(str(self._base), (*reversed(req.layer_dirs), stub)))
+        self._slots = plan_slots(self._base, empty, paths.root / "fn")
+        for slot in self._slots:
+            slot.point.mkdir(parents=True)
+            _make_shared(slot.point)
+        self._req = req
+        self._start()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def _start(self) -> None:
+        req = self._req
+        agent_path = agent.agent_binary(req.node.root)
+        profile = fncall_profile  # the default unless the caller brought a setting
+        binds = (BindMount(str(agent_path), AGENT_PATH),
+                 *(BindMount(str(s.point), s.dest, readonly=False, propagation="rslave")
+                   for s in self._slots))
+
+        def hook(r: RuntimeSpecRequest) -> RuntimeSpecRequest:
+            return dataclasses.replace(
+                r, rootfs=str(self._base), readonly_rootfs=True, cwd="/", binds=binds,
+                tmpfs=(), seccomp=profile(r.capabilities) if req.seccomp is None
+                else req.seccomp)
+
+        super().__init__(req.id, req.paths, req.lock,
+                         OciRuntime(req.runtime, state_root=str(req.layout.runc)),
+                         network=None, limits=req.limits, agent_path=agent_path,
+                         seccomp=req.seccomp, spec_hook=hook)
+        # Only now: the container's copy of each slot must be a slave of the (empty) shared
+        # bind, so that every layer mounted on it later, this first one included, propagates.
+        # (Mounted before the start, a layer would be what runc copies, and its replacement
+        # would never reach the container.)
+        try:
+            for slot in self._slots:
+                self._fresh(slot)
+            self._dev = self._dev_state()
+        except BaseException:
+            ContainerSandbox.close(self)
+            raise
+        self._used = False
+
+    def _restart(self) -> None:
+        """Retire the container and start a new one on fresh slots (what cannot be reset in
+        place)."""
+        ContainerSandbox.close(self)
+        for slot in self._slots:
+            unmount(str(slot.point))
+            if slot.layer is not None:
+                remove_tree(slot.layer)
+                slot.layer = None
+        self._start()
+
+    def close(self) -> None:
+        super().close()  # the SDK's remove_sandbox_dir unmounts the slots and the base
+
+    # ---- layers --------------------------------------------------------------------------
+
+    def _fresh(self, slot: _Slot) -> None:
+        """Mount a new empty layer on ``slot`` (unmounting and deleting its current one)."""
+        old = slot.layer
+        if old is not None:
+            unmount(str(slot.point))
+        self._generation += 1
+        layer = self._layers_dir / f"{self._generation}"
+        upper, work = layer / "u", layer / "w"
+        upper.mkdir(parents=True)
+        work.mkdir()
+        st = os.stat(slot.lower)  # the merged dir's own mode and owner are the upper dir's
+        os.chmod(upper, stat.S_IMODE(st.st_mode))
+        os.chown(upper, st.st_uid, st.st_gid)
+        mount_overlay(OverlaySpec(str(slot.point), (str(slot.lower),), str(upper), str(work)))
+        slot.layer = layer
+        slot.stamp = _stamp(upper)
+        if old is not None:
+            remove_tree(old)
+
+    def _dev_state(self) -> tuple:
+        """``/dev`` as the sandbox sees it (a root-writable tmpfs runc makes; not a slot)."""
+        root = f"/proc/{self.init_pid}/root/dev"
+        entries = []
+        with os.scandir(root) as it:
+            for e in it:
+                if e.name in ("shm", "pts"):  # a slot; ptys come and go with their users
+                    continue
+                st = e.stat(follow_symlinks=False)
+                entries.append((e.name, st.st_ino, st.st_mode, st.st_uid, st.st_gid,
+                                st.st_rdev, st.st_mtime_ns, st.st_ctime_ns))
+        return tuple(sorted(entries))
+
+    def kill_strays(self) -> bool:
+        """Kill every process but the agent; True once the cgroup holds the agent alone."""
+        others = [p for p in cgroupfs.procs(self.id) if p != self.init_pid]
+        if not others:
+            return True
+        freezer = cgroupfs.controller_dir("freezer", self.id)
+        state = freezer[0] / "freezer.state" if freezer and freezer[1] == 1 else None
+        if state is not None:  # nothing forks past the kill
+            state.write_text("FROZEN")
+            deadline = time.monotonic() + KILL_WAIT
+            while state.read_text().strip() != "FROZEN" and time.monotonic() < deadline:
+                time.sleep(0.0005)
+        try:
+            for pid in cgroupfs.procs(self.id):
+                if pid != self.init_pid:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+        finally:
+            if state is not None:
+                state.write_text("THAWED")
+        deadline = time.monotonic() + KILL_WAIT
+        while time.monotonic() < deadline:
+            if [p for p in cgroupfs.procs(self.id) if p != self.init_pid] == []:
+                return True
+            for pid in cgroupfs.procs(self.id):  # a fork that raced the first round
+                if pid != self.init_pid:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            time.sleep(0.001)
+        return False
+
+    def reset(self) -> None:
+        """Make the sandbox as it was before any call (a no-op when it is): see the module
+        docstring. Raises ``RuntimeShimError`` if even a restart fails."""
+        if not self._used:
+            return
+        if not self.kill_strays() or self._dev_state() != self._dev:
+            self._restart()
+            return
+        for slot in self._slots:
+            if not _clean(slot):
+                self._fresh(slot)
+        self._used = False
+
+    # ---- calls ---------------------------------------------------------------------------
+
+    def exec(self, req: agent.ExecRequest, *, on_stdout: agent.OutputCallback | None = None,
+             on_stderr: agent.OutputCallback | None = None) -> agent.ExecOutcome:
+        """One stateless call: reset if an earlier call used the sandbox, then run ``req``;
+        its leftover processes are killed as soon as it returns."""
+        self.reset()
+        self._used = True  # from here on, whatever happens, the next call gets a reset
+        try:
+            return super().exec(req, on_stdout=on_stdout, on_stderr=on_stderr)
+        finally:
+            with contextlib.suppress(OSError):  # else the reset's own kill retries
+                self.kill_strays()
+
+    def call(self, req: agent.ExecRequest, files: Mapping[str, bytes | str] | None = None
+             ) -> agent.ExecOutcome:
+        """``files`` (sandbox path → content, mode 0644, the lock's user) written into a
+        fresh layer, then ``req`` run there."""
+        self.reset()
+        for path, data in (files or {}).items():
+            self.write_file(path, data.encode() if isinstance(data, str) else data, 0o644)
+        return self.exec(req)
+
+    def write_file(self, path: str, data: bytes, mode: int) -> None:
+        """Write into the layer the next call sees (resetting first if a call used it)."""
+        self.reset()
+        super().write_file(path, data, mode)
+
+    def upper_dir(self) -> Path:  # pragma: no cover - not Snapshottable: no stable upper dir
+        raise BackendUnavailable("pack-diff is not supported by the fncall backend")
+
+
+def _make_shared(point: Path) -> None:
+    """Bind ``point`` onto itself and make that mount shared (its own peer group)."""
+    target = str(point).encode()
+    if _libc.mount(target, target, None, _MS_BIND, None) != 0:
+        raise RuntimeShimError(f"bind {point}: {_os_error('mount').strerror}")
+    if _libc.mount(None, target, None, _MS_SHARED, None) != 0:
+        err = _os_error("mount")
+        unmount(str(point))
+        raise RuntimeShimError(f"make {point} a shared mount: {err.strerror}")
+
+
+class FnCallBackend:
+    """The ``fncall`` backend (``runtime_shim.backend.Backend``)."""
+
+    name = "fncall"
+
+    def check(self, *, keep: bool, seccomp: str | Mapping | None, lazy: bool) -> None:
+        if keep:
+            raise BackendUnavailable("fncall sandboxes cannot be kept",
+                                     hint="they serve stateless calls of one process")
+
+    def create(self, req: CreateRequest) -> FnSandbox:
+        return FnSandbox(req)
+
+    def attach(self, paths: SandboxPaths, layout: NodeLayout, lock: ResolvedLock,
+               runtime: str) -> FnSandbox:
+        raise BackendUnavailable("an fncall sandbox cannot be attached",
+                                 hint="it lives as long as the process that created it")
+
+    def remove(self, layout: NodeLayout, sandbox_id: str, runtime: str) -> None:
+        destroy(OciRuntime(runtime, state_root=str(layout.runc)), sandbox_id)
+
+
+def call_in(sandbox: Any, argv: str | Sequence[str], *, stdin: bytes | str | None = None,
+            files: Mapping[str, bytes | str] | None = None, timeout: float | None = None,
+            env: Mapping[str, str] | None = None, cwd: str | None = None,
+            user: str | None = None) -> ExecResult:
+    """``Sandbox.call`` (one stateless call in an fncall ``Sandbox``)."""
+    handle = sandbox._backend
+    if not isinstance(handle, FnSandbox):
+        raise BackendUnavailable(f"call() needs the fncall backend, not {sandbox.backend}",
+                                 hint="Sandbox.create(..., backend='fncall'), or use exec()")
+    data = stdin.encode() if isinstance(stdin, str) else stdin
+    req = sandbox._request(argv, timeout=timeout, env=env, cwd=cwd, user=user, stdin=data)
+    started = time.monotonic()
+    done = handle.call(req, files)
+    return sandbox._result(done, started, False)
+
+
+class FnPool:
+    """``size`` warm fncall sandboxes of ``lock`` serving ``call`` from any number of threads
+    (each call waits for a free sandbox). A sandbox is reset in a background thread as soon as
+    its call returns; one whose reset fails is closed and replaced. Use as a context manager;
+    ``close`` removes every sandbox. Keyword arguments go to ``Sandbox.create``."""
+
+    def __init__(self, lock: str, size: int = 2, **create: Any) -> None:
+        from runtime_shim.sandbox import Sandbox
+
+        if size < 1:
+            raise RuntimeShimError(f"FnPool size must be at least 1, not {size}")
+        self._lock, self._create = lock, {**create, "backend": "fncall"}
+        self._free: queue.Queue = queue.Queue()
+        self._all: list = []
+        self._guard = threading.Lock()
+        self._recycling: set[threading.Thread] = set()
+        self._closed = False
+        try:
+            for _ in range(size):
+                sb = Sandbox.create(lock, **self._create)
+                self._all.append(sb)
+                self._free.put(sb)
+        except BaseException:
+            self.close()
+            raise
+
+    def call(self, argv: str | Sequence[str], *, stdin: bytes | str | None = None,
+             files: Mapping[str, bytes | str] | None = None, timeout: float | None = None,
+             env: Mapping[str, str] | None = None, cwd: str | None = None,
+             user: str | None = None) -> ExecResult:
+        """One stateless call (``Sandbox.call``) on the next free sandbox."""
+        if self._closed:
+            raise RuntimeShimError("the FnPool is closed")
+        sb = self._free.get()
+        try:
+            result = call_in(sb, argv, stdin=stdin, files=files, timeout=timeout, env=env,
+                             cwd=cwd, user=user)
+        finally:
+            worker = threading.Thread(target=self._recycle, args=(sb,), daemon=True,
+                                      name="envbuild-fncall-reset")
+            with self._guard:
+                self._recycling.add(worker)
+            worker.start()
+        return result
+
+    def _recycle(self, sb: Any) -> None:
+        try:
+            try:
+                sb._backend.reset()
+            except Exception:
+                with contextlib.suppress(Exception):
+                    self._replace(sb)
+                return
+            self._free.put(sb)
+        finally:
+            with self._guard:
+                self._recycling.discard(threading.current_thread())
+
+    def _replace(self, sb: Any) -> None:
+        from runtime_shim.sandbox import Sandbox
+
+        with self._guard:
+            if sb in self._all:
+                self._all.remove(sb)
+        sb.close()
+        if not self._closed:
+            new = Sandbox.create(self._lock, **self._create)
+            with self._guard:
+                self._all.append(new)
+            self._free.put(new)
+
+    @property
+    def sandboxes(self) -> list:
+        with self._guard:
+            return list(self._all)
+
+    def close(self) -> None:
+        self._closed = True
+        while True:  # a reset in flight mounts below a sandbox's dir: let it finish first
+            with self._guard:
+                busy = list(self._recycling)
+            if not busy:
+                break
+            for worker in busy:
+                worker.join()
+        with self._guard:
+            everything, self._all = self._all, []
+        errors = []
+        for sb in everything:
+            try:
+                sb.close()
+            except Exception as e:  # close the others; raise the first afterwards
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> FnPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
