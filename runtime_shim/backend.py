@@ -8,6 +8,7 @@ pack-diff. A backend does the rest, behind three runtime-checkable protocols:
   ``create`` / ``attach`` (→ a handle), ``list`` and ``remove`` (by id, whoever created it);
 - ``SandboxHandle``: one running sandbox: ``connect`` (a fresh connection to its exec agent),
   ``exec``, ``read_file``, ``write_file``, ``close``;
+- ``MemoryReporting``: optional, ``memory()`` for ``info().memory`` (RSS, shared, reclaimed);
 - ``Snapshottable``: optional, for pack-diff: ``quiesce`` (a context manager in which the
   sandbox's writes are stopped) and ``upper_dir`` (its changes, readable inside it).
 
@@ -32,7 +33,7 @@ from envbuild.errors import BackendUnavailable, RuntimeShimError
 from envbuild.safefs import remove_tree
 from runtime_shim import agent, netns, scratchfs
 from runtime_shim.layout import NodeLayout, SandboxPaths
-from runtime_shim.model import Limits
+from runtime_shim.model import Limits, MemoryInfo
 from runtime_shim.mount import mounted_targets_under, unmount
 
 if TYPE_CHECKING:
@@ -86,6 +87,13 @@ class Snapshottable(Protocol):
     def quiesce(self) -> contextlib.AbstractContextManager[None]: ...
 
     def upper_dir(self) -> Path: ...
+
+
+@runtime_checkable
+class MemoryReporting(Protocol):
+    """A handle that says what it holds of the host's memory (``Sandbox.info().memory``)."""
+
+    def memory(self) -> MemoryInfo | None: ...
 
 
 @runtime_checkable

@@ -39,7 +39,7 @@ from runtime_shim import agent, cpuclass, fsaccess, netns, scratchfs
 from runtime_shim.backend import CreateRequest
 from runtime_shim.layout import NodeLayout, SandboxPaths
 from runtime_shim.locks import ResolvedLock
-from runtime_shim.model import Limits
+from runtime_shim.model import Limits, MemoryInfo
 from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
 from runtime_shim.runc import OciRuntime, destroy, kill_and_delete, write_bundle
 from runtime_shim.spec import BindMount, Rlimit, RuntimeSpecRequest, env_list, parse_user, runtime_spec
@@ -203,6 +203,12 @@ class ContainerSandbox:
 
     def upper_dir(self) -> Path:
         return self.paths.upper
+
+    def memory(self) -> MemoryInfo | None:
+        """What its memory cgroup holds (``runtime_shim.reclaim``)."""
+        from runtime_shim import reclaim
+
+        return reclaim.memory_info(self.paths)
 
     @contextlib.contextmanager
     def quiesce(self) -> Iterator[None]:

@@ -47,6 +47,7 @@ from runtime_shim import agent, netns
 from runtime_shim import seccomp as seccomp_profiles
 from runtime_shim.backend import (
     CreateRequest,
+    MemoryReporting,
     SandboxHandle,
     Snapshottable,
     get_backend,
@@ -344,11 +345,15 @@ class Sandbox:
 
     def info(self) -> SandboxInfo:
         """This sandbox as its record says (id, backend, lock digest, created/ready times,
-        node dir, TTL and expiry)."""
+        node dir, TTL and expiry; ``memory`` from a backend that reports it:
+        ``runtime_shim.reclaim`` for containers)."""
         meta = _read_meta(self.paths)
         if meta is None:
             raise SandboxClosed(f"sandbox {self.id} is gone", hint="it was closed or reaped")
-        return _info(self.paths.root, meta, self._layout)
+        info = _info(self.paths.root, meta, self._layout)
+        if isinstance(self._backend, MemoryReporting) and not self._closed:
+            info = dataclasses.replace(info, memory=self._backend.memory())
+        return info
 
     def close(self) -> None:
         """Stop every process, unmount and remove the sandbox's files. Idempotent, and safe
