@@ -38,6 +38,20 @@ def test_info_memory_and_reclaim_give_back_page_cache_and_keep_the_data(built):
         assert sb.exec("md5sum /tmp/blob").stdout == digest  # cold pages, not data, went
 
 
+def test_the_scratch_disk_is_not_cached_twice(built):
+    """The sandbox's disk is a loop device in direct-I/O mode: what it writes is cached once,
+    by its own ext4 (charged to it, reclaimable), not a second time as the image file's pages
+    on the host, which no sandbox is charged for."""
+    import glob
+
+    store, node = built
+    with Sandbox.create(ENV, store=store, node_dir=node) as sb:
+        mine = [f for f in glob.glob("/sys/block/loop*/loop/backing_file")
+                if f"/{sb.id}/" in open(f).read()]
+        assert len(mine) == 1, mine
+        assert open(mine[0].replace("backing_file", "dio")).read().strip() == "1"
+
+
 def test_policy_reclaims_idle_sandboxes_only(built):
     store, node = built
     policy = reclaim.ReclaimPolicy(idle_seconds=0.5, idle_cpu_fraction=0.05, min_bytes=16 * MiB)
