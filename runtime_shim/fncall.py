@@ -153,6 +153,7 @@ class FnSandbox(ContainerSandbox):
         self._layers_dir.mkdir()
         self._generation = 0
         self._used = False
+        self.restarts = 0  # containers retired (a change to /dev, processes that would not die)
         self._base = paths.root / "base"
         self._base.mkdir()
         empty = paths.root / "empty"
@@ -165,6 +166,8 @@ class FnSandbox(ContainerSandbox):
             slot.point.mkdir(parents=True)
             _make_shared(slot.point)
         self._req = req
+        self._serial = threading.RLock()  # one call at a time; a reset never runs beside one
+        self._broken: str | None = None
         self._start()
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -203,6 +206,7 @@ class FnSandbox(ContainerSandbox):
     def _restart(self) -> None:
         """Retire the container and start a new one on fresh slots (what cannot be reset in
         place)."""
+        self.restarts += 1
         ContainerSandbox.close(self)
         for slot in self._slots:
             unmount(str(slot.point))
@@ -281,16 +285,28 @@ class FnSandbox(ContainerSandbox):
 
     def reset(self) -> None:
         """Make the sandbox as it was before any call (a no-op when it is): see the module
-        docstring. Raises ``RuntimeShimError`` if even a restart fails."""
-        if not self._used:
-            return
-        if not self.kill_strays() or self._dev_state() != self._dev:
-            self._restart()
-            return
-        for slot in self._slots:
-            if not _clean(slot):
-                self._fresh(slot)
-        self._used = False
+        docstring. What fails in place retires the container; if even that fails the
+        sandbox is broken for good and every later call raises ``RuntimeShimError``."""
+        with self._serial:
+            if self._broken:
+                raise RuntimeShimError(f"fncall sandbox {self.id} is broken: {self._broken}",
+                                       hint="close it and create another (FnPool does)")
+            if not self._used:
+                return
+            try:
+                if self.kill_strays() and self._dev_state() == self._dev:
+                    for slot in self._slots:
+                        if not _clean(slot):
+                            self._fresh(slot)
+                    self._used = False
+                    return
+            except (OSError, RuntimeShimError):
+                pass  # retire it below
+            try:
+                self._restart()
+            except BaseException as e:
+                self._broken = f"restart failed: {e}"
+                raise RuntimeShimError(f"reset fncall sandbox {self.id}: {e}") from e
 
     # ---- calls ---------------------------------------------------------------------------
 
@@ -298,27 +314,30 @@ class FnSandbox(ContainerSandbox):
              on_stderr: agent.OutputCallback | None = None) -> agent.ExecOutcome:
         """One stateless call: reset if an earlier call used the sandbox, then run ``req``;
         its leftover processes are killed as soon as it returns."""
-        self.reset()
-        self._used = True  # from here on, whatever happens, the next call gets a reset
-        try:
-            return super().exec(req, on_stdout=on_stdout, on_stderr=on_stderr)
-        finally:
-            with contextlib.suppress(OSError):  # else the reset's own kill retries
-                self.kill_strays()
+        with self._serial:
+            self.reset()
+            self._used = True  # from here on, whatever happens, the next call gets a reset
+            try:
+                return super().exec(req, on_stdout=on_stdout, on_stderr=on_stderr)
+            finally:
+                with contextlib.suppress(OSError):  # else the reset's own kill retries
+                    self.kill_strays()
 
     def call(self, req: agent.ExecRequest, files: Mapping[str, bytes | str] | None = None
              ) -> agent.ExecOutcome:
         """``files`` (sandbox path → content, mode 0644, the lock's user) written into a
         fresh layer, then ``req`` run there."""
-        self.reset()
-        for path, data in (files or {}).items():
-            self.write_file(path, data.encode() if isinstance(data, str) else data, 0o644)
-        return self.exec(req)
+        with self._serial:
+            self.reset()
+            for path, data in (files or {}).items():
+                self.write_file(path, data.encode() if isinstance(data, str) else data, 0o644)
+            return self.exec(req)
 
     def write_file(self, path: str, data: bytes, mode: int) -> None:
         """Write into the layer the next call sees (resetting first if a call used it)."""
-        self.reset()
-        super().write_file(path, data, mode)
+        with self._serial:
+            self.reset()
+            super().write_file(path, data, mode)
 
     def upper_dir(self) -> Path:  # pragma: no cover - not Snapshottable: no stable upper dir
         raise BackendUnavailable("pack-diff is not supported by the fncall backend")

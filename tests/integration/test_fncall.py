@@ -78,6 +78,26 @@ def test_pool_serves_concurrent_calls_each_in_a_fresh_layer(built):
     _assert_clean(node)
 
 
+def test_async_sandbox_on_fncall_resets_between_execs(built):
+    import asyncio
+
+    from runtime_shim import AsyncSandbox
+
+    store, node = built
+
+    async def main():
+        async with await AsyncSandbox.create(ENV, store=store, node_dir=node,
+                                             backend="fncall") as fn:
+            first = await fn.exec("echo 1 > /tmp/a; ls /tmp")
+            second = await fn.exec("ls -A /tmp")
+            third = await fn.call(["cat", "/tmp/x"], files={"/tmp/x": "in"})
+            return first, second, third
+
+    first, second, third = asyncio.run(main())
+    assert first.stdout == b"a\n" and second.stdout == b"" and third.stdout == b"in"
+    _assert_clean(node)
+
+
 def test_fncall_refuses_network_and_keep_and_leaves_nothing(built):
     store, node = built
     with pytest.raises(BackendUnavailable, match="no network"):
