@@ -75,6 +75,8 @@ FNCALL_DENIED_SYSCALLS = frozenset({
 _NOT_SLOTS = frozenset({"proc", "sys", "dev", ".envbuild"})
 #: How long a reset waits for the killed processes of a call to be gone.
 KILL_WAIT = 5.0
+#: More entries than this in ``/dev`` (runc makes ~15) retire the container unread.
+DEV_ENTRIES_MAX = 256
 _MS_BIND, _MS_SHARED = 4096, 1 << 20
 
 
@@ -239,14 +241,21 @@ class FnSandbox(ContainerSandbox):
         if old is not None:
             remove_tree(old)
 
-    def _dev_state(self) -> tuple:
-        """``/dev`` as the sandbox sees it (a root-writable tmpfs runc makes; not a slot)."""
+    def _dev_state(self) -> tuple | None:
+        """``/dev`` as the sandbox sees it (a root-writable tmpfs runc makes; not a slot): its
+        own mode/owner/xattrs and every entry's identity and times. None (never equal to a
+        recorded state) past ``DEV_ENTRIES_MAX`` entries: a call that made that many is
+        retired without reading them all."""
         root = f"/proc/{self.init_pid}/root/dev"
-        entries = []
+        st = os.lstat(root)
+        entries: list[tuple] = [("", st.st_mode, st.st_uid, st.st_gid,
+                                 tuple(sorted(os.listxattr(root, follow_symlinks=False))))]
         with os.scandir(root) as it:
             for e in it:
                 if e.name in ("shm", "pts"):  # a slot; ptys come and go with their users
                     continue
+                if len(entries) > DEV_ENTRIES_MAX:
+                    return None
                 st = e.stat(follow_symlinks=False)
                 entries.append((e.name, st.st_ino, st.st_mode, st.st_uid, st.st_gid,
                                 st.st_rdev, st.st_mtime_ns, st.st_ctime_ns))

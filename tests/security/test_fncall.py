@@ -106,6 +106,16 @@ def test_a_change_to_dev_retires_the_container(fn):
     assert handle.init_pid != before and handle.restarts == 1  # /dev is not a slot
 
 
+def test_dev_flooded_or_chmod_is_retired_too(fn):
+    handle = fn._backend
+    assert fn.call("chmod 0777 /dev").ok
+    assert fn.call("stat -c %a /dev").stdout == b"755\n"
+    assert handle.restarts == 1
+    assert fn.call("i=0; while [ $i -lt 400 ]; do : > /dev/f$i; i=$((i+1)); done").ok
+    assert fn.call("ls /dev | grep -c '^f[0-9]'").stdout == b"0\n"
+    assert handle.restarts == 2
+
+
 def test_files_argument_lands_in_the_fresh_layer_only(fn):
     got = fn.call(["cat", "/tmp/in.txt"], files={"/tmp/in.txt": "input-1"})
     assert got.stdout == b"input-1"
