@@ -58,7 +58,17 @@ from runtime_shim.container import ContainerSandbox
 from runtime_shim.layout import NodeLayout, SandboxPaths
 from runtime_shim.locks import ResolvedLock
 from runtime_shim.model import ExecResult
-from runtime_shim.mount import OverlaySpec, _libc, _os_error, mount_overlay, unmount
+from runtime_shim.mount import (
+    MNT_DETACH,
+    MS_NODEV,
+    MS_NOSUID,
+    MS_RDONLY,
+    OverlaySpec,
+    _libc,
+    _os_error,
+    mount_overlay,
+    unmount,
+)
 from runtime_shim.runc import OciRuntime, destroy
 from runtime_shim.spec import BindMount, RuntimeSpecRequest
 from runtime_shim.stub import AGENT_PATH, ensure_stub
@@ -77,7 +87,7 @@ _NOT_SLOTS = frozenset({"proc", "sys", "dev", ".envbuild"})
 KILL_WAIT = 5.0
 #: More entries than this in ``/dev`` (runc makes ~15) retire the container unread.
 DEV_ENTRIES_MAX = 256
-_MS_BIND, _MS_SHARED = 4096, 1 << 20
+_MS_BIND, _MS_REMOUNT, _MS_SHARED = 4096, 32, 1 << 20
 
 
 def fncall_profile(capabilities: Sequence[str]) -> dict[str, Any]:
@@ -100,6 +110,7 @@ class _Slot:
     lower: Path
     layer: Path | None = None  # the current layer's dir on the disk (u/ and w/ in it)
     stamp: tuple = ()
+    device: int = -1
 
     @property
     def upper(self) -> Path:
@@ -178,9 +189,10 @@ class FnSandbox(ContainerSandbox):
         req = self._req
         agent_path = agent.agent_binary(req.node.root)
         profile = fncall_profile  # the default unless the caller brought a setting
+        # read-only: only the overlays mounted on them later are writable, so should one go
+        # missing the sandbox sees an empty read-only dir, never the host dir beneath
         binds = (BindMount(str(agent_path), AGENT_PATH),
-                 *(BindMount(str(s.point), s.dest, readonly=False, propagation="rslave")
-                   for s in self._slots))
+                 *(BindMount(str(s.point), s.dest, propagation="rslave") for s in self._slots))
 
         def hook(r: RuntimeSpecRequest) -> RuntimeSpecRequest:
             return dataclasses.replace(
@@ -210,11 +222,12 @@ class FnSandbox(ContainerSandbox):
         place)."""
         self.restarts += 1
         ContainerSandbox.close(self)
-        for slot in self._slots:
-            unmount(str(slot.point))
+        for slot in self._slots:  # the shared binds too: one may be what went missing
+            _unmount_all(slot.point)
             if slot.layer is not None:
                 remove_tree(slot.layer)
                 slot.layer = None
+            _make_shared(slot.point)
         self._start()
 
     def close(self) -> None:
@@ -226,6 +239,8 @@ class FnSandbox(ContainerSandbox):
         """Mount a new empty layer on ``slot`` (unmounting and deleting its current one)."""
         old = slot.layer
         if old is not None:
+            if os.stat(slot.point).st_dev != slot.device:  # gone: never unmount the bind
+                raise RuntimeShimError(f"the layer of {slot.dest} is no longer mounted")
             unmount(str(slot.point))
         self._generation += 1
         layer = self._layers_dir / f"{self._generation}"
@@ -235,9 +250,11 @@ class FnSandbox(ContainerSandbox):
         st = os.stat(slot.lower)  # the merged dir's own mode and owner are the upper dir's
         os.chmod(upper, stat.S_IMODE(st.st_mode))
         os.chown(upper, st.st_uid, st.st_gid)
-        mount_overlay(OverlaySpec(str(slot.point), (str(slot.lower),), str(upper), str(work)))
+        mount_overlay(OverlaySpec(str(slot.point), (str(slot.lower),), str(upper), str(work)),
+                      MS_NOSUID | MS_NODEV)
         slot.layer = layer
         slot.stamp = _stamp(upper)
+        slot.device = os.stat(slot.point).st_dev  # the new overlay's, as the sandbox must see it
         if old is not None:
             remove_tree(old)
 
@@ -260,6 +277,17 @@ class FnSandbox(ContainerSandbox):
                 entries.append((e.name, st.st_ino, st.st_mode, st.st_uid, st.st_gid,
                                 st.st_rdev, st.st_mtime_ns, st.st_ctime_ns))
         return tuple(sorted(entries))
+
+    def _slots_in_place(self) -> bool:
+        """Whether the sandbox sees each slot's current overlay. It may not: another process
+        of the host that clones a mount namespace gets peers of the slots' shared mounts, and
+        its unmounting them (before it makes its copies private) unmounts ours too."""
+        root = f"/proc/{self.init_pid}/root"
+        try:
+            return all(os.stat(root + s.dest).st_dev == s.device
+                       and os.stat(s.point).st_dev == s.device for s in self._slots)
+        except OSError:
+            return False
 
     def kill_strays(self) -> bool:
         """Kill every process but the agent; True once the cgroup holds the agent alone."""
@@ -300,10 +328,11 @@ class FnSandbox(ContainerSandbox):
             if self._broken:
                 raise RuntimeShimError(f"fncall sandbox {self.id} is broken: {self._broken}",
                                        hint="close it and create another (FnPool does)")
-            if not self._used:
+            if not self._used and self._slots_in_place():
                 return
             try:
-                if self.kill_strays() and self._dev_state() == self._dev:
+                if self.kill_strays() and self._dev_state() == self._dev and \
+                        self._slots_in_place():
                     for slot in self._slots:
                         if not _clean(slot):
                             self._fresh(slot)
@@ -353,14 +382,27 @@ class FnSandbox(ContainerSandbox):
 
 
 def _make_shared(point: Path) -> None:
-    """Bind ``point`` onto itself and make that mount shared (its own peer group)."""
+    """Bind ``point`` onto itself read-only and make that mount shared (its own peer
+    group)."""
     target = str(point).encode()
     if _libc.mount(target, target, None, _MS_BIND, None) != 0:
         raise RuntimeShimError(f"bind {point}: {_os_error('mount').strerror}")
+    if _libc.mount(None, target, None, _MS_BIND | _MS_REMOUNT | MS_RDONLY, None) != 0:
+        err = _os_error("mount")
+        unmount(str(point))
+        raise RuntimeShimError(f"remount {point} read-only: {err.strerror}")
     if _libc.mount(None, target, None, _MS_SHARED, None) != 0:
         err = _os_error("mount")
         unmount(str(point))
         raise RuntimeShimError(f"make {point} a shared mount: {err.strerror}")
+
+
+def _unmount_all(point: Path) -> None:
+    """Detach every mount stacked at ``point``."""
+    target = str(point).encode()
+    for _ in range(64):
+        if _libc.umount2(target, MNT_DETACH) != 0:
+            return  # EINVAL: no mount left there
 
 
 class FnCallBackend:
