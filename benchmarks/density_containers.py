@@ -113,12 +113,14 @@ def bench_fncall(store, node, env: str, calls: int, threads: int = 2) -> dict[st
         with ThreadPoolExecutor(threads) as ex:
             list(ex.map(fn_one, range(calls)))
         fn_rate = calls / (time.perf_counter() - t)
+        restarts = sum(sb._backend.restarts for sb in pool.sandboxes)
     ratio, ratio_seq = fn_rate / base_rate, fn_seq / base_seq
     print(f"  one at a time: container create->exec->close {base_seq:7.1f} calls/s, "
           f"one fncall Sandbox {fn_seq:7.1f} calls/s: {ratio_seq:.1f}x")
     print(f"  {threads} threads:     container create->exec->close {base_rate:7.1f} calls/s, "
           f"FnPool(size={threads}) {fn_rate:7.1f} calls/s: {ratio:.1f}x "
-          f"(p50 {statistics.median(lat) * 1e3:.1f} ms, p99 {pct(lat, 99) * 1e3:.1f} ms)")
+          f"(p50 {statistics.median(lat) * 1e3:.1f} ms, p99 {pct(lat, 99) * 1e3:.1f} ms, "
+          f"{restarts} container restarts)")
     print(f"  CPU per call (this process + its children + the sandbox's cgroup; load-"
           f"independent): container {base_cpu * 1e3:.1f} ms, fncall {fn_cpu * 1e3:.1f} ms: "
           f"{base_cpu / fn_cpu:.1f}x")
