@@ -72,6 +72,25 @@ def test_policy_reclaims_idle_sandboxes_only(built):
         assert busy_mem.cache >= 60 * MiB
 
 
+def test_reclaimer_thread_applies_the_policy(built):
+    store, node = built
+    policy = reclaim.ReclaimPolicy(idle_seconds=0.3, idle_cpu_fraction=0.05, min_bytes=16 * MiB)
+    with Sandbox.create(ENV, store=store, node_dir=node) as sb:
+        assert sb.exec(WRITE).ok
+        worker = reclaim.Reclaimer(node, policy, interval=0.2)
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                mem = sb.info().memory
+                if mem is not None and mem.reclaimed >= 50 * MiB:
+                    break
+                time.sleep(0.1)
+        finally:
+            worker.stop()
+        assert mem is not None and mem.reclaimed >= 50 * MiB, (mem, worker.errors)
+        assert worker.reclaimed >= 50 * MiB and worker.errors == []
+
+
 def test_fncall_sandboxes_report_memory_too(built):
     store, node = built
     with Sandbox.create(ENV, store=store, node_dir=node, backend="fncall") as fn:
