@@ -28,6 +28,16 @@ cannot be reset in place — a change to ``/dev`` (a tmpfs runc makes, root-writ
 that will not die — retires the container: it is deleted and started again on fresh slots. A
 call past its ``timeout`` is killed by the agent and its leftovers by the reset, like any call.
 
+The slots' host mounts are shared, so a process elsewhere on the host that clones a mount
+namespace holds peers of them, and its unmounting those (before making its copies private)
+unmounts ours: seen once under heavy load from other users of the machine. Hence the binds
+beneath the overlays are read-only (the sandbox then sees an empty read-only dir, never the
+host dir below) and before every call the host checks that the sandbox sees each slot's current
+overlay (one ``stat`` per slot), restarting the container if not. A call in flight at such a
+moment can fail; none can see or leave more than before. Slots stack a second overlay on the
+base overlay: the node's layer dirs must not themselves be on overlayfs (the kernel's stacking
+limit is 2).
+
 Writes outside the slots (a new top-level entry in ``/``) fail with ``EROFS``. ``files`` are
 written through the sandbox's root (``runtime_shim.fsaccess``: never following a symlink) into
 the fresh layer just before the call; ``read_file`` after a call reads what it left (the reset
