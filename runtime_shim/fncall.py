@@ -12,12 +12,14 @@ outlive a call, are refused), dropped capabilities, no network, ``noNewPrivilege
 memory / CPU cgroup and its capped disk (``runtime_shim.scratchfs``). Its root is the lock's
 layers as a **read-only** overlay (``<sandbox>/base``); every top-level directory of the image
 (``/tmp``, ``/root``, ``/etc``, ``/usr``, … but not ``/proc``, ``/sys``, ``/dev``) and
-``/dev/shm`` is a *slot*: a host directory ``<sandbox>/fn/<name>`` made a shared mount of its
-own and bound into the container with ``rslave`` propagation, on which the host mounts an
-overlay whose lower dir is that directory of the base and whose upper dir is fresh and empty
-(on the sandbox's disk). Mounts the host makes or removes on a slot propagate into the running
-container, so swapping a slot's layer is one unmount and one mount (~1 ms), with no process
-of the sandbox involved and no capability granted to it.
+``/dev/shm`` is a *slot*, covered by an overlay whose lower dir is that directory of the base
+and whose upper dir is fresh and empty (on the sandbox's disk). The host makes each such
+overlay as a detached mount (``fsopen``/``fsmount``) and a short-lived child that joined the
+sandbox's mount namespace detaches the slot's old layer and attaches the new one
+(``move_mount``): no process of the sandbox is involved, no capability is granted to it, and
+nothing of the slots is mounted in the host's namespace (so no mount namespace cloned elsewhere
+on the host holds a copy or a peer of one; an earlier design with shared mounts and ``rslave``
+propagation lost slots that way to other users' ``runc init`` and CRIU on this machine).
 
 Between two calls (``reset``): every process but the agent (PID 1) is killed — the cgroup is
 frozen first, so nothing forks past the kill — and the sandbox waits until its cgroup holds the
@@ -28,15 +30,10 @@ cannot be reset in place — a change to ``/dev`` (a tmpfs runc makes, root-writ
 that will not die — retires the container: it is deleted and started again on fresh slots. A
 call past its ``timeout`` is killed by the agent and its leftovers by the reset, like any call.
 
-The slots' host mounts are shared, so a process elsewhere on the host that clones a mount
-namespace holds peers of them, and its unmounting those (before making its copies private)
-unmounts ours: seen once under heavy load from other users of the machine. Hence the binds
-beneath the overlays are read-only (the sandbox then sees an empty read-only dir, never the
-host dir below) and before every call the host checks that the sandbox sees each slot's current
-overlay (one ``stat`` per slot), restarting the container if not. A call in flight at such a
-moment can fail; none can see or leave more than before. Slots stack a second overlay on the
-base overlay: the node's layer dirs must not themselves be on overlayfs (the kernel's stacking
-limit is 2).
+Before every call the host checks that the sandbox sees each slot's current layer (one
+``stat`` per slot) and restarts the container if not. Slots stack a second overlay on the base
+overlay: the node's layer dirs must not themselves be on overlayfs (the kernel's stacking limit
+is 2).
 
 Writes outside the slots (a new top-level entry in ``/``) fail with ``EROFS``. ``files`` are
 written through the sandbox's root (``runtime_shim.fsaccess``: never following a symlink) into
@@ -69,15 +66,20 @@ from runtime_shim.layout import NodeLayout, SandboxPaths
 from runtime_shim.locks import ResolvedLock
 from runtime_shim.model import ExecResult
 from runtime_shim.mount import (
+    _AT_FDCWD,
+    _FSCONFIG_CMD_CREATE,
+    _FSCONFIG_SET_STRING,
+    _MOVE_MOUNT_F_EMPTY_PATH,
+    _SYS_FSCONFIG,
+    _SYS_FSMOUNT,
+    _SYS_FSOPEN,
+    _SYS_MOVE_MOUNT,
     MNT_DETACH,
-    MS_NODEV,
-    MS_NOSUID,
-    MS_RDONLY,
+    OVERLAY_PLAIN_OPTIONS,
     OverlaySpec,
     _libc,
     _os_error,
     mount_overlay,
-    unmount,
 )
 from runtime_shim.runc import OciRuntime, destroy
 from runtime_shim.spec import BindMount, RuntimeSpecRequest
@@ -97,7 +99,8 @@ _NOT_SLOTS = frozenset({"proc", "sys", "dev", ".envbuild"})
 KILL_WAIT = 5.0
 #: More entries than this in ``/dev`` (runc makes ~15) retire the container unread.
 DEV_ENTRIES_MAX = 256
-_MS_BIND, _MS_REMOUNT, _MS_SHARED = 4096, 32, 1 << 20
+_CLONE_NEWNS = 0x00020000
+_MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV = 0x2, 0x4
 
 
 def fncall_profile(capabilities: Sequence[str]) -> dict[str, Any]:
@@ -116,7 +119,6 @@ class _Slot:
     """One directory of the sandbox whose writable layer is swapped per call."""
 
     dest: str  # in the sandbox: "/tmp", "/dev/shm"
-    point: Path  # on the host: the shared mount the container sees at ``dest``
     lower: Path
     layer: Path | None = None  # the current layer's dir on the disk (u/ and w/ in it)
     stamp: tuple = ()
@@ -128,7 +130,7 @@ class _Slot:
         return self.layer / "u"
 
 
-def plan_slots(base: Path, empty: Path, fn_dir: Path) -> list[_Slot]:
+def plan_slots(base: Path, empty: Path) -> list[_Slot]:
     """The slots of a sandbox whose read-only root is ``base``: each top-level directory (not
     a symlink, not runc's), then ``/dev/shm`` over the empty dir ``empty``."""
     slots = []
@@ -136,8 +138,8 @@ def plan_slots(base: Path, empty: Path, fn_dir: Path) -> list[_Slot]:
         names = sorted(e.name for e in it if e.is_dir(follow_symlinks=False)
                        and e.name not in _NOT_SLOTS)
     for name in names:
-        slots.append(_Slot(f"/{name}", fn_dir / name, base / name))
-    slots.append(_Slot("/dev/shm", fn_dir / ".dev-shm", empty))
+        slots.append(_Slot(f"/{name}", base / name))
+    slots.append(_Slot("/dev/shm", empty))
     return slots
 
 
@@ -184,10 +186,7 @@ class FnSandbox(ContainerSandbox):
         os.chmod(empty, 0o1777)
         stub = str(ensure_stub(req.node.root))
         mount_overlay(OverlaySpec(str(self._base), (*reversed(req.layer_dirs), stub)))
-        self._slots = plan_slots(self._base, empty, paths.root / "fn")
-        for slot in self._slots:
-            slot.point.mkdir(parents=True)
-            _make_shared(slot.point)
+        self._slots = plan_slots(self._base, empty)
         self._req = req
         self._serial = threading.RLock()  # one call at a time; a reset never runs beside one
         self._broken: str | None = None
@@ -199,10 +198,7 @@ class FnSandbox(ContainerSandbox):
         req = self._req
         agent_path = agent.agent_binary(req.node.root)
         profile = fncall_profile  # the default unless the caller brought a setting
-        # read-only: only the overlays mounted on them later are writable, so should one go
-        # missing the sandbox sees an empty read-only dir, never the host dir beneath
-        binds = (BindMount(str(agent_path), AGENT_PATH),
-                 *(BindMount(str(s.point), s.dest, propagation="rslave") for s in self._slots))
+        binds = (BindMount(str(agent_path), AGENT_PATH),)
 
         def hook(r: RuntimeSpecRequest) -> RuntimeSpecRequest:
             return dataclasses.replace(
@@ -214,13 +210,8 @@ class FnSandbox(ContainerSandbox):
                          OciRuntime(req.runtime, state_root=str(req.layout.runc)),
                          network=None, limits=req.limits, agent_path=agent_path,
                          seccomp=req.seccomp, spec_hook=hook)
-        # Only now: the container's copy of each slot must be a slave of the (empty) shared
-        # bind, so that every layer mounted on it later, this first one included, propagates.
-        # (Mounted before the start, a layer would be what runc copies, and its replacement
-        # would never reach the container.)
         try:
-            for slot in self._slots:
-                self._fresh(slot)
+            self._swap(self._slots)  # the first layers, put into the running container
             self._dev = self._dev_state()
         except BaseException:
             ContainerSandbox.close(self)
@@ -231,42 +222,44 @@ class FnSandbox(ContainerSandbox):
         """Retire the container and start a new one on fresh slots (what cannot be reset in
         place)."""
         self.restarts += 1
-        ContainerSandbox.close(self)
-        for slot in self._slots:  # the shared binds too: one may be what went missing
-            _unmount_all(slot.point)
+        ContainerSandbox.close(self)  # its mount namespace, and every layer in it, goes too
+        for slot in self._slots:
             if slot.layer is not None:
                 remove_tree(slot.layer)
-                slot.layer = None
-            _make_shared(slot.point)
+            slot.layer, slot.device = None, -1
         self._start()
-
-    def close(self) -> None:
-        super().close()  # the SDK's remove_sandbox_dir unmounts the slots and the base
 
     # ---- layers --------------------------------------------------------------------------
 
-    def _fresh(self, slot: _Slot) -> None:
-        """Mount a new empty layer on ``slot`` (unmounting and deleting its current one)."""
-        old = slot.layer
-        if old is not None:
-            if os.stat(slot.point).st_dev != slot.device:  # gone: never unmount the bind
-                raise RuntimeShimError(f"the layer of {slot.dest} is no longer mounted")
-            unmount(str(slot.point))
-        self._generation += 1
-        layer = self._layers_dir / f"{self._generation}"
-        upper, work = layer / "u", layer / "w"
-        upper.mkdir(parents=True)
-        work.mkdir()
-        st = os.stat(slot.lower)  # the merged dir's own mode and owner are the upper dir's
-        os.chmod(upper, stat.S_IMODE(st.st_mode))
-        os.chown(upper, st.st_uid, st.st_gid)
-        mount_overlay(OverlaySpec(str(slot.point), (str(slot.lower),), str(upper), str(work)),
-                      MS_NOSUID | MS_NODEV)
-        slot.layer = layer
-        slot.stamp = _stamp(upper)
-        slot.device = os.stat(slot.point).st_dev  # the new overlay's, as the sandbox must see it
-        if old is not None:
-            remove_tree(old)
+    def _swap(self, slots: list[_Slot]) -> None:
+        """Give each of ``slots`` a new empty layer: the host makes each overlay as a
+        detached mount (``fsmount``), and a child process that joined the sandbox's mount
+        namespace detaches the slot's current layer and attaches the new one there
+        (``move_mount``). Nothing is mounted in the host's namespace, so no other mount
+        namespace of the host ever holds a copy or a peer of a slot. The old layers' files
+        are deleted afterwards."""
+        ops, fresh = [], []
+        try:
+            for slot in slots:
+                self._generation += 1
+                layer = self._layers_dir / f"{self._generation}"
+                upper, work = layer / "u", layer / "w"
+                upper.mkdir(parents=True)
+                work.mkdir()
+                st = os.stat(slot.lower)  # the merged root's mode and owner are the upper's
+                os.chmod(upper, stat.S_IMODE(st.st_mode))
+                os.chown(upper, st.st_uid, st.st_gid)
+                mfd = _detached_overlay(str(slot.lower), str(upper), str(work))
+                fresh.append((slot, layer, mfd, os.fstat(mfd).st_dev, _stamp(upper)))
+                ops.append((slot.dest, mfd, slot.device if slot.layer is not None else None))
+            _inject(self.init_pid, ops)
+        finally:
+            for _, _, mfd, _, _ in fresh:
+                os.close(mfd)
+        for slot, layer, _, device, stamp in fresh:
+            old, slot.layer, slot.device, slot.stamp = slot.layer, layer, device, stamp
+            if old is not None:
+                remove_tree(old)
 
     def _dev_state(self) -> tuple | None:
         """``/dev`` as the sandbox sees it (a root-writable tmpfs runc makes; not a slot): its
@@ -289,13 +282,11 @@ class FnSandbox(ContainerSandbox):
         return tuple(sorted(entries))
 
     def _slots_in_place(self) -> bool:
-        """Whether the sandbox sees each slot's current overlay. It may not: another process
-        of the host that clones a mount namespace gets peers of the slots' shared mounts, and
-        its unmounting them (before it makes its copies private) unmounts ours too."""
+        """Whether the sandbox sees each slot's current layer (a check, one ``stat`` per
+        slot: nothing but this module mounts in the sandbox's namespace)."""
         root = f"/proc/{self.init_pid}/root"
         try:
-            return all(os.stat(root + s.dest).st_dev == s.device
-                       and os.stat(s.point).st_dev == s.device for s in self._slots)
+            return all(os.stat(root + s.dest).st_dev == s.device for s in self._slots)
         except OSError:
             return False
 
@@ -343,9 +334,9 @@ class FnSandbox(ContainerSandbox):
             try:
                 if self.kill_strays() and self._dev_state() == self._dev and \
                         self._slots_in_place():
-                    for slot in self._slots:
-                        if not _clean(slot):
-                            self._fresh(slot)
+                    dirty = [slot for slot in self._slots if not _clean(slot)]
+                    if dirty:
+                        self._swap(dirty)
                     self._used = False
                     return
             except (OSError, RuntimeShimError):
@@ -391,28 +382,64 @@ class FnSandbox(ContainerSandbox):
         raise BackendUnavailable("pack-diff is not supported by the fncall backend")
 
 
-def _make_shared(point: Path) -> None:
-    """Bind ``point`` onto itself read-only and make that mount shared (its own peer
-    group)."""
-    target = str(point).encode()
-    if _libc.mount(target, target, None, _MS_BIND, None) != 0:
-        raise RuntimeShimError(f"bind {point}: {_os_error('mount').strerror}")
-    if _libc.mount(None, target, None, _MS_BIND | _MS_REMOUNT | MS_RDONLY, None) != 0:
-        err = _os_error("mount")
-        unmount(str(point))
-        raise RuntimeShimError(f"remount {point} read-only: {err.strerror}")
-    if _libc.mount(None, target, None, _MS_SHARED, None) != 0:
-        err = _os_error("mount")
-        unmount(str(point))
-        raise RuntimeShimError(f"make {point} a shared mount: {err.strerror}")
+def _detached_overlay(lower: str, upper: str, work: str) -> int:
+    """An overlay (nosuid, nodev) as a detached mount: its fd (``fsopen``/``fsmount``)."""
+    sc = _libc.syscall
+    fsfd = sc(_SYS_FSOPEN, b"overlay", 0)
+    if fsfd < 0:
+        raise RuntimeShimError(f"fsopen overlay: {_os_error('fsopen').strerror}",
+                               hint="FnCall needs the new mount API (Linux >= 5.2)")
+    try:
+        for key, value in (("lowerdir", lower), ("upperdir", upper), ("workdir", work),
+                           *(o.split("=", 1) for o in OVERLAY_PLAIN_OPTIONS)):
+            if sc(_SYS_FSCONFIG, fsfd, _FSCONFIG_SET_STRING, key.encode(), value.encode(),
+                  0) < 0:
+                raise RuntimeShimError(f"overlay {key}={value}: "
+                                       f"{_os_error('fsconfig').strerror}")
+        if sc(_SYS_FSCONFIG, fsfd, _FSCONFIG_CMD_CREATE, None, None, 0) < 0:
+            raise RuntimeShimError(f"create overlay on {lower}: "
+                                   f"{_os_error('fsconfig').strerror}",
+                                   hint="check dmesg for 'overlayfs:' lines")
+        mfd = sc(_SYS_FSMOUNT, fsfd, 0, _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV)
+        if mfd < 0:
+            raise RuntimeShimError(f"fsmount overlay: {_os_error('fsmount').strerror}")
+        return mfd
+    finally:
+        os.close(fsfd)
 
 
-def _unmount_all(point: Path) -> None:
-    """Detach every mount stacked at ``point``."""
-    target = str(point).encode()
-    for _ in range(64):
-        if _libc.umount2(target, MNT_DETACH) != 0:
-            return  # EINVAL: no mount left there
+def _inject(init_pid: int, ops: list[tuple[str, int, int | None]]) -> None:
+    """In the mount namespace of ``init_pid``: for each ``(dest, mount fd, old device)``,
+    detach what is mounted at ``dest`` if it is the layer of device ``old device``, then
+    attach the detached mount there. Done by a forked child: ``setns`` into a mount namespace
+    is refused to a multi-threaded process. The child makes only system calls and exits."""
+    nsfd = os.open(f"/proc/{init_pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                if _libc.setns(nsfd, _CLONE_NEWNS) == 0:  # root and cwd: the sandbox's root
+                    code = 0
+                    for i, (dest, mfd, old) in enumerate(ops):
+                        target = dest.encode()
+                        if old is not None and os.stat(target).st_dev == old:
+                            _libc.umount2(target, MNT_DETACH)
+                        if _libc.syscall(_SYS_MOVE_MOUNT, mfd, b"", _AT_FDCWD, target,
+                                         _MOVE_MOUNT_F_EMPTY_PATH) < 0:
+                            code = 2 + i
+                            break
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(nsfd)
+    code = os.waitstatus_to_exitcode(status)
+    if code == 1:
+        raise RuntimeShimError(f"join the mount namespace of sandbox process {init_pid}")
+    if code != 0:
+        dest = ops[code - 2][0] if 2 <= code < 2 + len(ops) else "?"
+        raise RuntimeShimError(f"attach the new layer of {dest} in the sandbox (exit {code})")
 
 
 class FnCallBackend:

@@ -72,13 +72,8 @@ def _check_lowerdir(path: str) -> None:
                                hint="move the node cache to a plain path")
 
 
-MS_NOSUID, MS_NODEV = 2, 4
-_MOUNT_ATTR = {MS_RDONLY: 0x1, MS_NOSUID: 0x2, MS_NODEV: 0x4}  # fsmount's attr_flags
-
-
-def mount_overlay(spec: OverlaySpec, flags: int = 0) -> None:
-    """Mount ``spec`` (``flags``: ``MS_NOSUID`` / ``MS_NODEV`` / ``MS_RDONLY``); raise
-    ``RuntimeShimError`` naming the target and the kernel's reason."""
+def mount_overlay(spec: OverlaySpec) -> None:
+    """Mount ``spec``; raise ``RuntimeShimError`` naming the target and the kernel's reason."""
     if not spec.lowerdirs:
         raise RuntimeShimError(f"overlay at {spec.target} has no lower dirs")
     for d in spec.lowerdirs:
@@ -86,11 +81,11 @@ def mount_overlay(spec: OverlaySpec, flags: int = 0) -> None:
     options = spec.options()
     try:
         if len(options.encode()) <= PAGE_LIMIT:
-            if _libc.mount(b"overlay", spec.target.encode(), b"overlay", flags,
+            if _libc.mount(b"overlay", spec.target.encode(), b"overlay", 0,
                            options.encode()) != 0:
                 raise _os_error("mount")
         else:
-            _mount_overlay_new_api(spec, sum(a for f, a in _MOUNT_ATTR.items() if flags & f))
+            _mount_overlay_new_api(spec)
     except OSError as e:
         hint = "check dmesg for 'overlayfs:' lines"
         if e.errno == errno.EPERM:
@@ -99,7 +94,7 @@ def mount_overlay(spec: OverlaySpec, flags: int = 0) -> None:
                                hint=hint) from e
 
 
-def _mount_overlay_new_api(spec: OverlaySpec, attr_flags: int = 0) -> None:
+def _mount_overlay_new_api(spec: OverlaySpec) -> None:
     sc = _libc.syscall
     sc.argtypes = None
     fsfd = sc(_SYS_FSOPEN, b"overlay", 0)
@@ -120,7 +115,7 @@ def _mount_overlay_new_api(spec: OverlaySpec, attr_flags: int = 0) -> None:
             set_string(key, value)
         if sc(_SYS_FSCONFIG, fsfd, _FSCONFIG_CMD_CREATE, None, None, 0) < 0:
             raise _os_error("fsconfig create")
-        mfd = sc(_SYS_FSMOUNT, fsfd, 0, attr_flags)
+        mfd = sc(_SYS_FSMOUNT, fsfd, 0, 0)
         if mfd < 0:
             raise _os_error("fsmount")
         try:

@@ -80,9 +80,6 @@ class BindMount:
     source: str
     destination: str
     readonly: bool = True
-    # e.g. "rslave": mounts the host makes below ``source`` later appear in the container
-    # (``runtime_shim.fncall`` swaps each call's fresh writable layer in this way)
-    propagation: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,8 +186,6 @@ def _mounts(req: RuntimeSpecRequest) -> list[dict[str, Any]]:
                                    f"nr_inodes={req.tmpfs_inodes}"]})
     for b in req.binds:
         opts = ["rbind", "nosuid", "nodev"] + (["ro"] if b.readonly else ["rw"])
-        if b.propagation is not None:
-            opts.append(b.propagation)
         mounts.append({"destination": b.destination, "type": "bind", "source": b.source,
                        "options": opts})
     return mounts
