@@ -497,6 +497,7 @@ class FnPool:
         self._guard = threading.Lock()
         self._recycling: set[threading.Thread] = set()
         self._closed = False
+        self.last_error: str | None = None  # of the last failed reset or replacement
         try:
             for _ in range(size):
                 sb = Sandbox.create(lock, **self._create)
@@ -511,9 +512,7 @@ class FnPool:
              env: Mapping[str, str] | None = None, cwd: str | None = None,
              user: str | None = None) -> ExecResult:
         """One stateless call (``Sandbox.call``) on the next free sandbox."""
-        if self._closed:
-            raise RuntimeShimError("the FnPool is closed")
-        sb = self._free.get()
+        sb = self._take()
         try:
             result = call_in(sb, argv, stdin=stdin, files=files, timeout=timeout, env=env,
                              cwd=cwd, user=user)
@@ -525,13 +524,33 @@ class FnPool:
             worker.start()
         return result
 
+    def _take(self) -> Any:
+        """The next free sandbox; ``RuntimeShimError`` once none is left (closed, or every
+        replacement failed)."""
+        while True:
+            if self._closed:
+                raise RuntimeShimError("the FnPool is closed")
+            try:
+                return self._free.get(timeout=0.2)
+            except queue.Empty:
+                with self._guard:
+                    gone = not self._all and not self._recycling
+                if gone:
+                    raise RuntimeShimError("the FnPool has no sandbox left",
+                                           context=self.last_error,
+                                           hint="see last_error; close it and make another"
+                                           ) from None
+
     def _recycle(self, sb: Any) -> None:
         try:
             try:
                 sb._backend.reset()
-            except Exception:
-                with contextlib.suppress(Exception):
+            except Exception as e:
+                self.last_error = str(e)
+                try:
                     self._replace(sb)
+                except Exception as e2:  # the pool runs on with one sandbox fewer
+                    self.last_error = str(e2)
                 return
             self._free.put(sb)
         finally:
@@ -544,7 +563,8 @@ class FnPool:
         with self._guard:
             if sb in self._all:
                 self._all.remove(sb)
-        sb.close()
+        with contextlib.suppress(Exception):  # a broken sandbox: its dir stays for gc
+            sb.close()
         if not self._closed:
             new = Sandbox.create(self._lock, **self._create)
             with self._guard:
