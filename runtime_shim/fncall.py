@@ -37,9 +37,8 @@ is 2).
 
 Writes outside the slots (a new top-level entry in ``/``) fail with ``EROFS``. ``files`` are
 written through the sandbox's root (``runtime_shim.fsaccess``: never following a symlink) into
-the fresh layer just before the call; ``read_file`` after a call reads what it left (the reset
-of a single ``Sandbox`` happens when the next call starts; ``FnPool`` resets in the
-background as soon as a call returns).
+the fresh layer just before the call; ``read_file`` after a call reads what it left (the layer
+is reset when the next call starts; the call's processes are killed as soon as it returns).
 """
 
 from __future__ import annotations
@@ -482,9 +481,11 @@ def call_in(sandbox: Any, argv: str | Sequence[str], *, stdin: bytes | str | Non
 
 class FnPool:
     """``size`` warm fncall sandboxes of ``lock`` serving ``call`` from any number of threads
-    (each call waits for a free sandbox). A sandbox is reset in a background thread as soon as
-    its call returns; one whose reset fails is closed and replaced. Use as a context manager;
-    ``close`` removes every sandbox. Keyword arguments go to ``Sandbox.create``."""
+    (each call waits for a free sandbox). A call's leftover processes are killed as it returns;
+    its layer is reset when the sandbox is next taken (in the calling thread: no thread per
+    call). A sandbox whose reset fails is closed and replaced in the background while the call
+    takes another. Use as a context manager; ``close`` removes every sandbox. Keyword
+    arguments go to ``Sandbox.create``."""
 
     def __init__(self, lock: str, size: int = 2, **create: Any) -> None:
         from runtime_shim.sandbox import Sandbox
@@ -512,17 +513,23 @@ class FnPool:
              env: Mapping[str, str] | None = None, cwd: str | None = None,
              user: str | None = None) -> ExecResult:
         """One stateless call (``Sandbox.call``) on the next free sandbox."""
-        sb = self._take()
-        try:
-            result = call_in(sb, argv, stdin=stdin, files=files, timeout=timeout, env=env,
-                             cwd=cwd, user=user)
-        finally:
-            worker = threading.Thread(target=self._recycle, args=(sb,), daemon=True,
-                                      name="envbuild-fncall-reset")
-            with self._guard:
-                self._recycling.add(worker)
-            worker.start()
-        return result
+        while True:
+            sb = self._take()
+            try:
+                sb._backend.reset()  # the previous call's layer (a no-op when clean)
+            except Exception as e:
+                self.last_error = str(e)
+                worker = threading.Thread(target=self._recycle, args=(sb,), daemon=True,
+                                          name="envbuild-fncall-replace")
+                with self._guard:
+                    self._recycling.add(worker)
+                worker.start()
+                continue
+            try:
+                return call_in(sb, argv, stdin=stdin, files=files, timeout=timeout, env=env,
+                               cwd=cwd, user=user)
+            finally:
+                self._free.put(sb)
 
     def _take(self) -> Any:
         """The next free sandbox; ``RuntimeShimError`` once none is left (closed, or every
@@ -542,17 +549,12 @@ class FnPool:
                                            ) from None
 
     def _recycle(self, sb: Any) -> None:
+        """Replace ``sb``, whose reset failed (in a background thread)."""
         try:
             try:
-                sb._backend.reset()
-            except Exception as e:
+                self._replace(sb)
+            except Exception as e:  # the pool runs on with one sandbox fewer
                 self.last_error = str(e)
-                try:
-                    self._replace(sb)
-                except Exception as e2:  # the pool runs on with one sandbox fewer
-                    self.last_error = str(e2)
-                return
-            self._free.put(sb)
         finally:
             with self._guard:
                 self._recycling.discard(threading.current_thread())
@@ -578,7 +580,7 @@ class FnPool:
 
     def close(self) -> None:
         self._closed = True
-        while True:  # a reset in flight mounts below a sandbox's dir: let it finish first
+        while True:  # a replacement in flight creates a sandbox: let it finish first
             with self._guard:
                 busy = list(self._recycling)
             if not busy:

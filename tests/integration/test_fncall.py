@@ -84,16 +84,13 @@ def test_pool_replaces_a_sandbox_whose_reset_fails(built):
     store, node = built
     with FnPool(ENV, size=1, store=store, node_dir=node) as pool:
         first = pool.sandboxes[0]
-        real_reset = first._backend.reset
-
-        def broken() -> None:  # the pool's background reset fails; the call's own works
-            if threading.current_thread().name == "envbuild-fncall-reset":
-                raise RuntimeShimError("simulated: the reset failed")
-            real_reset()
-
-        first._backend.reset = broken
         assert pool.call("echo one").stdout == b"one\n"
-        assert pool.call("echo two").stdout == b"two\n"  # waits for the replacement
+
+        def broken() -> None:
+            raise RuntimeShimError("simulated: the reset failed")
+
+        first._backend.reset = broken  # the reset before the next call fails
+        assert pool.call("echo two").stdout == b"two\n"  # on the replacement
         (second,) = pool.sandboxes
         assert second.id != first.id and first.closed and not first.paths.root.exists()
         assert pool.last_error == "simulated: the reset failed"
