@@ -29,6 +29,7 @@ __all__ = [
     "BackendUnavailable",
     "ExecResult",
     "ExecTimeout",
+    "FnPool",
     "Limits",
     "LockNotFound",
     "RuntimeShimError",
@@ -45,6 +46,7 @@ __all__ = [
 _WHERE = {
     "AsyncSandbox": "runtime_shim.aio",
     "ExecResult": "runtime_shim.model",
+    "FnPool": "runtime_shim.fncall",
     "Limits": "runtime_shim.model",
     "SandboxInfo": "runtime_shim.model",
     "Sandbox": "runtime_shim.sandbox",
@@ -68,6 +70,7 @@ if TYPE_CHECKING:
         SnapshotRefused,
     )
     from runtime_shim.aio import AsyncSandbox
+    from runtime_shim.fncall import FnPool
     from runtime_shim.model import ExecResult, Limits, SandboxInfo
     from runtime_shim.sandbox import Sandbox, list_sandboxes
 

@@ -57,6 +57,12 @@ class AsyncSandbox:
                    check_timeout: bool = False) -> ExecResult:
         """``Sandbox.exec`` on the event loop (callbacks run in the loop's thread)."""
         sb = self.sync
+        # fncall: every exec is a call wrapped in the sandbox's reset (blocking host work; the
+        # callbacks then run in an executor thread)
+        if sb.backend == "fncall":
+            return await asyncio.get_running_loop().run_in_executor(None, functools.partial(
+                sb.exec, cmd, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin,
+                on_stdout=on_stdout, on_stderr=on_stderr, check_timeout=check_timeout))
         req = sb._request(cmd, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin)
         started = time.monotonic()
         handle = sb._backend
@@ -64,6 +70,11 @@ class AsyncSandbox:
                                      deadline=handle.limits.exec_timeout, on_stdout=on_stdout,
                                      on_stderr=on_stderr)
         return sb._result(done, started, check_timeout)
+
+    async def call(self, argv: str | Sequence[str], **kwargs: Any) -> ExecResult:
+        """``Sandbox.call`` (an fncall sandbox's stateless call) in the default executor."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.sync.call, argv, **kwargs))
 
     async def read_file(self, path: str) -> bytes:
         return await asyncio.get_running_loop().run_in_executor(None, self.sync.read_file, path)

@@ -8,11 +8,13 @@ pack-diff. A backend does the rest, behind three runtime-checkable protocols:
   ``create`` / ``attach`` (→ a handle), ``list`` and ``remove`` (by id, whoever created it);
 - ``SandboxHandle``: one running sandbox: ``connect`` (a fresh connection to its exec agent),
   ``exec``, ``read_file``, ``write_file``, ``close``;
+- ``MemoryReporting``: optional, ``memory()`` for ``info().memory`` (RSS, shared, reclaimed);
 - ``Snapshottable``: optional, for pack-diff: ``quiesce`` (a context manager in which the
   sandbox's writes are stopped) and ``upper_dir`` (its changes, readable inside it).
 
 Backends are registered by name (``register``) and looked up with ``get_backend``; the built-in
-ones (``container``: ``runtime_shim.container``, ``microvm``: ``runtime_shim.vm.backend``) are
+ones (``container``: ``runtime_shim.container``, ``microvm``: ``runtime_shim.vm.backend``,
+``fncall``: ``runtime_shim.fncall``, stateless calls on warm containers) are
 imported on first use, so a container user never imports the VM code. Tests register a
 ``runtime_shim.testing.FakeBackend``.
 """
@@ -31,7 +33,7 @@ from envbuild.errors import BackendUnavailable, RuntimeShimError
 from envbuild.safefs import remove_tree
 from runtime_shim import agent, netns, scratchfs
 from runtime_shim.layout import NodeLayout, SandboxPaths
-from runtime_shim.model import Limits
+from runtime_shim.model import Limits, MemoryInfo
 from runtime_shim.mount import mounted_targets_under, unmount
 
 if TYPE_CHECKING:
@@ -88,6 +90,13 @@ class Snapshottable(Protocol):
 
 
 @runtime_checkable
+class MemoryReporting(Protocol):
+    """A handle that says what it holds of the host's memory (``Sandbox.info().memory``)."""
+
+    def memory(self) -> MemoryInfo | None: ...
+
+
+@runtime_checkable
 class Backend(Protocol):
     """A kind of sandbox (``container``, ``microvm``, a test's fake)."""
 
@@ -117,7 +126,8 @@ _FACTORIES: dict[str, Callable[[], Backend]] = {}
 _INSTANCES: dict[str, Backend] = {}
 #: The built-in backends, imported on first use ("module:attribute").
 _BUILTIN = {"container": "runtime_shim.container:ContainerBackend",
-            "microvm": "runtime_shim.vm.backend:MicroVmBackend"}
+            "microvm": "runtime_shim.vm.backend:MicroVmBackend",
+            "fncall": "runtime_shim.fncall:FnCallBackend"}
 
 
 def register(name: str, factory: Callable[[], Backend]) -> None:

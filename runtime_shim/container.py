@@ -31,15 +31,15 @@ import os
 import resource
 import socket
 import subprocess
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from envbuild.errors import BackendUnavailable, RuntimeShimError, SandboxNotFound, SandboxStartError
-from runtime_shim import agent, fsaccess, netns, scratchfs
+from runtime_shim import agent, cpuclass, fsaccess, netns, scratchfs
 from runtime_shim.backend import CreateRequest
 from runtime_shim.layout import NodeLayout, SandboxPaths
 from runtime_shim.locks import ResolvedLock
-from runtime_shim.model import Limits
+from runtime_shim.model import Limits, MemoryInfo
 from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
 from runtime_shim.runc import OciRuntime, destroy, kill_and_delete, write_bundle
 from runtime_shim.spec import BindMount, Rlimit, RuntimeSpecRequest, env_list, parse_user, runtime_spec
@@ -69,7 +69,9 @@ class ContainerSandbox:
     def __init__(self, sandbox_id: str, paths: SandboxPaths, lock: ResolvedLock,
                  runtime: OciRuntime, *, network: netns.NetworkPolicy | None, limits: Limits,
                  agent_path: Path, keep: bool = False,
-                 seccomp: str | Mapping | None = None) -> None:
+                 seccomp: str | Mapping | None = None,
+                 spec_hook: Callable[[RuntimeSpecRequest], RuntimeSpecRequest] | None = None
+                 ) -> None:
         self.id = sandbox_id
         self.paths = paths
         self.lock = lock
@@ -95,7 +97,10 @@ class ContainerSandbox:
             network_ns=self.net.path if self.net else None,
             rlimits=(_clamped_nofile(limits.nofile),), pids_limit=limits.pids,
             memory_limit=limits.memory_bytes, cgroups_path=f"/envbuild/{sandbox_id}",
-            binds=tuple(binds), tmpfs=(), cpus=limits.cpus, seccomp=seccomp)
+            binds=tuple(binds), tmpfs=(), cpus=limits.cpus, seccomp=seccomp,
+            cpu_shares=cpuclass.cpu_shares(limits.cpu_class))
+        if spec_hook is not None:  # a backend built on this one (runtime_shim.fncall)
+            request = spec_hook(request)
         write_bundle(paths.bundle, runtime_spec(request))
         Path(runtime.state_root).mkdir(parents=True, exist_ok=True)
         # A detached container inherits runc's stdio: a pipe would never reach EOF while the
@@ -130,6 +135,7 @@ class ContainerSandbox:
             os.close(self._dir_fd)
             raise
         try:
+            cpuclass.apply(self.init_pid, limits.cpu_class)  # before the agent runs anything
             self._wait_for_agent(start_log)
         except BaseException:
             self.close()
@@ -197,6 +203,12 @@ class ContainerSandbox:
 
     def upper_dir(self) -> Path:
         return self.paths.upper
+
+    def memory(self) -> MemoryInfo | None:
+        """What its memory cgroup holds (``runtime_shim.reclaim``)."""
+        from runtime_shim import reclaim
+
+        return reclaim.memory_info(self.paths)
 
     @contextlib.contextmanager
     def quiesce(self) -> Iterator[None]:

@@ -26,7 +26,11 @@ class Limits:
     (``runtime_shim.scratchfs``); past them writes fail with ``ENOSPC``. The image is sparse:
     it costs the host what the sandbox wrote, never more than ``disk_bytes``. With
     ``disk_bytes=None`` those dirs are plain dirs under the node dir, uncapped. The microVM
-    backend sizes its writable disk from the same two fields."""
+    backend sizes its writable disk from the same two fields.
+
+    ``cpu_class``: ``"latency"`` (the default) or ``"best-effort"``: ``SCHED_IDLE`` and the
+    minimum CPU weight, so latency-class sandboxes keep their tail latency
+    (``runtime_shim.cpuclass``; containers and FnCall)."""
 
     pids: int | None = 512
     memory_bytes: int | None = 2 << 30
@@ -36,6 +40,7 @@ class Limits:
     exec_timeout: float = agent.DEFAULT_EXEC_TIMEOUT  # seconds, for an exec with timeout=None
     disk_bytes: int | None = 10 << 30
     inodes: int | None = 1_000_000
+    cpu_class: str = "latency"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +55,21 @@ class ExecResult:
     @property
     def ok(self) -> bool:
         return self.exit_code == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryInfo:
+    """What one sandbox holds of the host's memory, in bytes (its memory cgroup's
+    ``memory.stat``; ``runtime_shim.reclaim``): ``rss`` anonymous memory, ``cache`` page
+    cache charged to it, ``shared`` the file pages its processes map (the ones other
+    sandboxes of the same layers can share) plus shmem/tmpfs, ``usage`` the cgroup's total,
+    and ``reclaimed`` what host-side reclaim has taken back from it so far."""
+
+    rss: int
+    cache: int
+    shared: int
+    usage: int
+    reclaimed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +91,7 @@ class SandboxInfo:
     node: str = ""  # the node dir
     ttl: float | None = None  # seconds
     expires: float = 0.0
+    memory: MemoryInfo | None = None  # a live container/FnCall sandbox's (runtime_shim.reclaim)
 
     def expired(self, now: float) -> bool:
         return bool(self.expires) and now >= self.expires

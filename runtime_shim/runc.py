@@ -78,16 +78,21 @@ def run_container(
     stderr: BinaryIO | int | None = subprocess.STDOUT,
     timeout: float | None = None,
     cancelled: threading.Event | None = None,
+    cpu_class: str = "latency",
 ) -> RunResult:
     """Run the bundle's process to completion in the foreground.
 
     On timeout, on ``cancelled`` being set (checked every ``CANCEL_POLL_SECONDS``) or on
     KeyboardInterrupt the container is killed and deleted before returning or re-raising, so
     no runtime state or process is left behind. ``cancelled`` is how a build running on a
-    worker thread is stopped: signals only interrupt the main thread.
+    worker thread is stopped: signals only interrupt the main thread. ``cpu_class``
+    ``"best-effort"`` runs it under ``SCHED_IDLE`` (``runtime_shim.cpuclass.wrap_argv``).
     """
     Path(runtime.state_root).mkdir(parents=True, exist_ok=True)
-    argv = runtime.command("run", "--bundle", str(bundle), container_id)
+    from runtime_shim import cpuclass
+
+    argv = cpuclass.wrap_argv(runtime.command("run", "--bundle", str(bundle), container_id),
+                              cpu_class)
     start = time.monotonic()
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
                             start_new_session=True)

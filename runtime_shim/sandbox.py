@@ -47,6 +47,7 @@ from runtime_shim import agent, netns
 from runtime_shim import seccomp as seccomp_profiles
 from runtime_shim.backend import (
     CreateRequest,
+    MemoryReporting,
     SandboxHandle,
     Snapshottable,
     get_backend,
@@ -296,6 +297,19 @@ class Sandbox:
         done = self._backend.exec(req, on_stdout=on_stdout, on_stderr=on_stderr)
         return self._result(done, started, check_timeout)
 
+    def call(self, argv: str | Sequence[str], *, stdin: bytes | str | None = None,
+             files: Mapping[str, bytes | str] | None = None, timeout: float | None = None,
+             env: Mapping[str, str] | None = None, cwd: str | None = None,
+             user: str | None = None) -> ExecResult:
+        """A stateless call (``backend="fncall"``, ``runtime_shim.fncall``): ``files``
+        written, then ``argv`` run with ``stdin``, in a fresh writable layer; nothing of an
+        earlier call is visible to it."""
+        from runtime_shim.fncall import call_in
+
+        self._check_open()
+        return call_in(self, argv, stdin=stdin, files=files, timeout=timeout, env=env,
+                       cwd=cwd, user=user)
+
     def _request(self, cmd: str | Sequence[str], *, timeout: float | None,
                  env: Mapping[str, str] | None, cwd: str | None, user: str | None,
                  stdin: bytes | None) -> agent.ExecRequest:
@@ -331,11 +345,15 @@ class Sandbox:
 
     def info(self) -> SandboxInfo:
         """This sandbox as its record says (id, backend, lock digest, created/ready times,
-        node dir, TTL and expiry)."""
+        node dir, TTL and expiry; ``memory`` from a backend that reports it:
+        ``runtime_shim.reclaim`` for containers)."""
         meta = _read_meta(self.paths)
         if meta is None:
             raise SandboxClosed(f"sandbox {self.id} is gone", hint="it was closed or reaped")
-        return _info(self.paths.root, meta, self._layout)
+        info = _info(self.paths.root, meta, self._layout)
+        if isinstance(self._backend, MemoryReporting) and not self._closed:
+            info = dataclasses.replace(info, memory=self._backend.memory())
+        return info
 
     def close(self) -> None:
         """Stop every process, unmount and remove the sandbox's files. Idempotent, and safe

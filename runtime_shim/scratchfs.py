@@ -87,6 +87,11 @@ _held_lock = threading.Lock()
 _LOOP_CTL_GET_FREE = 0x4C82
 _LOOP_CONFIGURE = 0x4C0A
 _LO_FLAGS_AUTOCLEAR = 4
+# The loop device reads and writes its image with O_DIRECT: without it every block the sandbox
+# writes is cached twice, by its ext4 (charged to its memory cgroup, which reclaim can take
+# back) and as the image file's pages on the host (charged to no sandbox; measured: 300 MB
+# written, 634 MB of host page cache). Issue 19.
+_LO_FLAGS_DIRECT_IO = 16
 # struct loop_config { u32 fd; u32 block_size; struct loop_info64 info; u64 reserved[8]; }
 # loop_info64: 5 u64, 4 u32 (lo_flags last), 64 + 64 + 32 bytes of names/key, 2 u64.
 _LOOP_CONFIG = struct.Struct("=II QQQQQ IIII 64s64s32s QQ 64x")
@@ -290,8 +295,8 @@ def _mount_image(image: Path, target: Path, flags: int = MOUNT_FLAGS) -> int:
 def _attach_loop(backing_fd: int) -> tuple[int, str]:
     """A free loop device bound to ``backing_fd`` with autoclear; returns (its fd, its path).
     Another process may take the device LOOP_CTL_GET_FREE returned before we bind it: retry."""
-    config = _LOOP_CONFIG.pack(backing_fd, 0, 0, 0, 0, 0, 0, 0, 0, 0, _LO_FLAGS_AUTOCLEAR,
-                               b"", b"", b"", 0, 0)
+    config = _LOOP_CONFIG.pack(backing_fd, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                               _LO_FLAGS_AUTOCLEAR | _LO_FLAGS_DIRECT_IO, b"", b"", b"", 0, 0)
     try:
         ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
     except OSError as e:

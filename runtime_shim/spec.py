@@ -129,6 +129,9 @@ class RuntimeSpecRequest:
     tmpfs_inodes: int = TMPFS_INODES
     terminal: bool = False
     cpus: float | None = None
+    # cgroup v1 ``cpu.shares`` / v2 ``cpu.weight`` (the runtime converts); None: the default
+    # (1024). Low for best-effort sandboxes (``Limits.cpu_class``).
+    cpu_shares: int | None = None
     seccomp: str | Mapping[str, Any] | None = None
     machine: str | None = None
 
@@ -211,6 +214,8 @@ def runtime_spec(req: RuntimeSpecRequest) -> dict[str, Any]:
         # cgroup v1 cpu.cfs_quota_us / v2 cpu.max; at least 1 ms, the kernel's minimum quota
         resources["cpu"] = {"quota": max(1000, round(req.cpus * CPU_PERIOD_US)),
                             "period": CPU_PERIOD_US}
+    if req.cpu_shares is not None:
+        resources.setdefault("cpu", {})["shares"] = req.cpu_shares
     linux: dict[str, Any] = {
         "namespaces": namespaces,
         "resources": resources,

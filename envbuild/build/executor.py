@@ -68,7 +68,7 @@ from envbuild.errors import BuildError, EnvbuildError, StepFailed
 from envbuild.layers import pack_tree
 from envbuild.safefs import remove_tree
 from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_record
-from runtime_shim import netns, scratchfs
+from runtime_shim import cpuclass, netns, scratchfs
 from runtime_shim.mount import OverlaySpec, mount_overlay, mounted_targets_under, unmount
 from runtime_shim.nodecache import NodeCache
 from runtime_shim.runc import OciRuntime, destroy, list_containers, run_container, write_bundle
@@ -128,12 +128,15 @@ class BuildLimits:
     """Resource limits of every ``run`` step's container (its own cgroup), generous because
     compilers and package managers are hungry, but finite because a definition is untrusted
     input: 8 GiB of memory (no swap beyond it), 8192 tasks, 65536 open files (clamped to the
-    host's hard limit), 4 cores of CPU time. ``None`` leaves a limit off."""
+    host's hard limit), 4 cores of CPU time. ``None`` leaves a limit off. ``cpu_class``:
+    best-effort by default (``SCHED_IDLE``, minimum CPU weight: ``runtime_shim.cpuclass``), so
+    a build never takes CPU from latency-class sandboxes on the same node."""
 
     pids: int | None = 8192
     memory_bytes: int | None = 8 << 30
     nofile: int = 65536
     cpus: float | None = 4.0
+    cpu_class: str = cpuclass.BUILD_CPU_CLASS
 
 
 @dataclasses.dataclass
@@ -457,6 +460,7 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
         network_ns=net.path if net else None, binds=binds, tmpfs=(),
         rlimits=(clamped_rlimit("RLIMIT_NOFILE", limits.nofile),),
         pids_limit=limits.pids, memory_limit=limits.memory_bytes, cpus=limits.cpus,
+        cpu_shares=cpuclass.cpu_shares(limits.cpu_class),
         cgroups_path=f"/envbuild/{container_id}", seccomp=ctx.seccomp)
     bundle = scratch / f"bundle-{index}"
     write_bundle(bundle, runtime_spec(request))
@@ -471,7 +475,7 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
         copier.start()
         try:
             result = run_container(ctx.runtime, container_id, bundle, stdout=write_fd,
-                                   cancelled=ctx.cancelled)
+                                   cancelled=ctx.cancelled, cpu_class=limits.cpu_class)
         finally:
             os.close(write_fd)  # the copier sees EOF once the container's processes are gone
             copier.join()

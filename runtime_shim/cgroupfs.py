@@ -1,0 +1,71 @@
+"""Where a sandbox's cgroup is, per controller, on this host's cgroup layout (side effects:
+reads ``/proc/self/mountinfo``).
+
+runc puts a sandbox's cgroup at ``cgroupsPath`` (``/envbuild/<id>``) in every hierarchy it
+drives: on a hybrid host (this one: cgroup v1 controllers under ``/sys/fs/cgroup/<name>``, a
+controller-less cgroup2 at ``/sys/fs/cgroup/unified``) that is one dir per v1 controller; on a
+pure cgroup v2 host one dir in the unified tree holding every controller's files.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+#: The parent of every sandbox's and build step's cgroup (``RuntimeSpecRequest.cgroups_path``).
+PARENT = "envbuild"
+
+
+@functools.lru_cache(maxsize=1)
+def _mounts() -> tuple[dict[str, str], str | None]:
+    """(v1 controller → mount point, cgroup2 mount point or None)."""
+    v1: dict[str, str] = {}
+    v2 = None
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, rfields = left.split(), right.split()
+            if not rfields:
+                continue
+            point = fields[4]
+            if rfields[0] == "cgroup2":
+                v2 = v2 or point
+            elif rfields[0] == "cgroup":
+                for opt in rfields[2].split(","):
+                    v1.setdefault(opt, point)
+    return v1, v2
+
+
+def controller_dir(controller: str, sandbox_id: str) -> tuple[Path, int] | None:
+    """The cgroup dir of ``sandbox_id`` for ``controller`` and its version (1 or 2), or None
+    when the host has that controller nowhere (or the dir does not exist)."""
+    v1, v2 = _mounts()
+    if controller in v1:
+        path, version = Path(v1[controller]) / PARENT / sandbox_id, 1
+    elif v2 is not None and controller in _v2_controllers(v2):
+        path, version = Path(v2) / PARENT / sandbox_id, 2
+    else:
+        return None
+    return (path, version) if path.is_dir() else None
+
+
+def _v2_controllers(root: str) -> set[str]:
+    try:
+        return set(Path(root, "cgroup.controllers").read_text().split())
+    except OSError:
+        return set()
+
+
+def procs(sandbox_id: str) -> list[int]:
+    """Every process of the sandbox (its ``pids`` cgroup, else the freezer's)."""
+    for controller in ("pids", "freezer", "memory"):
+        found = controller_dir(controller, sandbox_id)
+        if found is not None:
+            text = (found[0] / "cgroup.procs").read_text()
+            return [int(p) for p in text.split()]
+    raise FileNotFoundError(f"no cgroup of sandbox {sandbox_id}")
+
+
+def exists(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
