@@ -35,8 +35,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from envbuild.errors import BackendUnavailable, RuntimeShimError, SandboxNotFound, SandboxStartError
-from runtime_shim import agent, fsaccess, netns, scratchfs
-from runtime_shim.backend import CreateRequest
+from runtime_shim import agent, criu, fsaccess, netns, scratchfs
+from runtime_shim.backend import CheckpointImage, CreateRequest
 from runtime_shim.layout import NodeLayout, SandboxPaths
 from runtime_shim.locks import ResolvedLock
 from runtime_shim.model import Limits
@@ -45,6 +45,8 @@ from runtime_shim.runc import OciRuntime, destroy, kill_and_delete, write_bundle
 from runtime_shim.spec import BindMount, Rlimit, RuntimeSpecRequest, env_list, parse_user, runtime_spec
 from runtime_shim.stub import AGENT_LISTEN_FD, AGENT_PATH, ensure_stub
 
+#: The CRIU options file of a checkpoint, in the sandbox dir (written by ``runtime_shim.criu``).
+CRIU_CONFIG = "criu.conf"
 #: How long ``create`` waits for the agent's socket after ``runc run --detach`` returns.
 AGENT_READY_TIMEOUT = 10.0
 
@@ -69,7 +71,8 @@ class ContainerSandbox:
     def __init__(self, sandbox_id: str, paths: SandboxPaths, lock: ResolvedLock,
                  runtime: OciRuntime, *, network: netns.NetworkPolicy | None, limits: Limits,
                  agent_path: Path, keep: bool = False,
-                 seccomp: str | Mapping | None = None) -> None:
+                 seccomp: str | Mapping | None = None,
+                 restore: CheckpointImage | None = None) -> None:
         self.id = sandbox_id
         self.paths = paths
         self.lock = lock
@@ -87,16 +90,22 @@ class ContainerSandbox:
             ca_binds, ca_env = netns.host_ca()
             binds += ca_binds
             env = {**ca_env, **env}
+        # Without network= too, the sandbox joins a namespace made here, so the agent's socket
+        # is made inside it: CRIU finds a socket only in the namespace of the process it dumps.
+        own_ns = criu.own_netns(paths.root) if self.net is None else None
         request = RuntimeSpecRequest(
             rootfs=str(paths.merged),
             args=(AGENT_PATH, "--listen-fd", str(AGENT_LISTEN_FD)),
             env=env_list(env), cwd=lock.workdir, uid=0, gid=0,
-            hostname=lock.hostname or "sandbox", network=network is not None,
-            network_ns=self.net.path if self.net else None,
+            hostname=lock.hostname or "sandbox", network=True,
+            network_ns=self.net.path if self.net else own_ns,
             rlimits=(_clamped_nofile(limits.nofile),), pids_limit=limits.pids,
             memory_limit=limits.memory_bytes, cgroups_path=f"/envbuild/{sandbox_id}",
             binds=tuple(binds), tmpfs=(), cpus=limits.cpus, seccomp=seccomp)
-        write_bundle(paths.bundle, runtime_spec(request))
+        config = runtime_spec(request)
+        # CRIU reads its options for this container from here (``runtime_shim.criu``)
+        config["annotations"] = {"org.criu.config": str(paths.root / CRIU_CONFIG)}
+        write_bundle(paths.bundle, config)
         Path(runtime.state_root).mkdir(parents=True, exist_ok=True)
         # A detached container inherits runc's stdio: a pipe would never reach EOF while the
         # sandbox lives, so runc's (and the agent's) messages go to a file.
@@ -110,17 +119,27 @@ class ContainerSandbox:
         # agent gets the listening fd from runc and the host keeps no copy, so a dead agent
         # means ECONNREFUSED rather than a connection nobody accepts.
         try:
-            with agent.listen_socket(self._dir_fd) as listener, open(start_log, "wb") as log:
-                returncode = _spawn_with_fd(
-                    runtime.command("run", "--detach", "--preserve-fds", "1", "--pid-file",
-                                    str(pid_file), "--bundle", str(paths.bundle), sandbox_id),
-                    log.fileno(), listener.fileno())
+            netns_path = self.net.path if self.net else own_ns
+            assert netns_path is not None
+            with criu.in_netns(netns_path, lambda: agent.listen_socket(self._dir_fd)) \
+                    as listener, open(start_log, "wb") as log:
+                if restore is None:
+                    returncode = _spawn_with_fd(
+                        runtime.command("run", "--detach", "--preserve-fds", "1", "--pid-file",
+                                        str(pid_file), "--bundle", str(paths.bundle),
+                                        sandbox_id),
+                        log.fileno(), listener.fileno())
+                else:  # the processes of a checkpoint instead of a fresh agent
+                    returncode = criu.spawn_restore(runtime, sandbox_id, paths, restore,
+                                                    log.fileno(), listener.fileno())
         except BaseException:
             os.close(self._dir_fd)
             raise
         if returncode != 0:
             destroy(runtime, sandbox_id)
             os.close(self._dir_fd)
+            if restore is not None:
+                raise criu.restore_refusal(sandbox_id, paths, restore, returncode)
             raise SandboxStartError(f"start sandbox {sandbox_id}: {runtime.name} exited "
                                    f"{returncode}",
                                     context=start_log.read_text(errors="replace").strip()[-2000:])
@@ -198,6 +217,10 @@ class ContainerSandbox:
     def upper_dir(self) -> Path:
         return self.paths.upper
 
+    def checkpoint(self, dest_dir: Path, *, leave_running: bool) -> CheckpointImage:
+        """``runtime_shim.criu.checkpoint`` (``backend.Checkpointable``)."""
+        return criu.checkpoint(self, dest_dir, leave_running=leave_running)
+
     @contextlib.contextmanager
     def quiesce(self) -> Iterator[None]:
         """Freeze every process of the sandbox (``runc pause``: the cgroup freezer) while its
@@ -258,6 +281,15 @@ class ContainerBackend:
         pass  # every option applies to containers
 
     def create(self, req: CreateRequest) -> ContainerSandbox:
+        return self._start(req, None)
+
+    def restore(self, req: CreateRequest, image: CheckpointImage) -> ContainerSandbox:
+        """A sandbox of ``req`` whose processes come from ``image`` (``backend.Restorable``;
+        ``runtime_shim.criu``): checked against its record before anything starts."""
+        criu.check_image(image, req)
+        return self._start(req, image)
+
+    def _start(self, req: CreateRequest, image: CheckpointImage | None) -> ContainerSandbox:
         paths, limits = req.paths, req.limits
         if limits.disk_bytes is not None:
             scratchfs.create(paths.root, limits.disk_bytes, limits.inodes,
@@ -273,7 +305,7 @@ class ContainerBackend:
             mounted = True
             return ContainerSandbox(req.id, paths, req.lock, oci, network=req.network,
                                     limits=limits, agent_path=agent_path, keep=req.keep,
-                                    seccomp=req.seccomp)
+                                    seccomp=req.seccomp, restore=image)
         except BaseException:
             if mounted:
                 unmount(str(paths.merged))
