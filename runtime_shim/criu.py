@@ -38,6 +38,7 @@ failing lines when none does.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import hashlib
@@ -303,12 +304,39 @@ def _refusal(what: str, errors: list[str], tree: list[dict[str, Any]],
                              hint="see criu-work/dump.log in the sandbox dir; the sandbox runs on")
 
 
+def _sessions(pid: int) -> list[str]:
+    """The agent's connections from the host (sockets besides its listener, fd 3)."""
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if int(fd) > 3 and os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"):
+                found.append(fd)
+    return found
+
+
+def _settle(sb: ContainerSandbox, wait: float = 2.0) -> None:
+    """Let the agent close the connections the host already closed (the last HELLO or exec:
+    it sees their EOF on its next poll), resuming it briefly if needed: CRIU cannot dump a
+    connection to the host. One still open after ``wait`` (an exec in flight) stays, and the
+    dump names it."""
+    if not _sessions(sb.init_pid):
+        return
+    subprocess.run(sb.runtime.command("resume", sb.id), capture_output=True, check=False)
+    try:
+        deadline = time.monotonic() + wait
+        while _sessions(sb.init_pid) and time.monotonic() < deadline:
+            time.sleep(0.005)
+    finally:
+        subprocess.run(sb.runtime.command("pause", sb.id), capture_output=True, check=False)
+
+
 def checkpoint(sb: ContainerSandbox, dest: Path, *, leave_running: bool) -> CheckpointImage:
     """Dump every process of ``sb`` into ``dest`` (``runc checkpoint``; see the module
     docstring). ``sb`` is paused (``quiesce``): the record is read while nothing moves."""
     binary = criu_binary()
     started = time.monotonic()
     pid = sb.init_pid
+    _settle(sb)
     tree = process_tree(pid)
     record: dict[str, Any] = {
         "version": RECORD_VERSION, "kind": IMAGE_KIND, "criu": _version(binary),
@@ -394,6 +422,9 @@ def spawn_restore(runtime: OciRuntime, sandbox_id: str, paths: SandboxPaths,
                            str(paths.init_pid), "--bundle", str(paths.bundle), sandbox_id)
     # above every target fd, so no dup2 overwrites another's source or is a no-op that keeps
     # the close-on-exec flag
+    # the agent made its listener non-blocking (accept_all loops until EAGAIN); a status flag
+    # of the open file, which CRIU does not set on an inherited fd
+    os.set_blocking(listener_fd, False)
     high = fcntl.fcntl(listener_fd, fcntl.F_DUPFD_CLOEXEC, 10)
     high_log = fcntl.fcntl(log_fd, fcntl.F_DUPFD_CLOEXEC, 10)
     actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),

@@ -167,3 +167,164 @@ def test_check_image_refuses_a_changed_file(built, tmp_path):
     with pytest.raises(CheckpointRefused, match="files differ"):
         criu.check_image(CheckpointImage("criu", image.dir, image.record), None)
     shutil.rmtree(tmp_path / "img")
+
+
+def _leftovers(node, sandbox_id: str) -> list[str]:
+    """What of a closed sandbox is still on the host: mounts under the node dir, its cgroup
+    in any hierarchy, its runc state, its dir (memory images included)."""
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        found += [ln.split()[4] for ln in f if str(node) in ln.split()[4]
+                  and sandbox_id in ln.split()[4]]
+    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+        for hierarchy in (os.listdir(root) if os.path.isdir(root) else []):
+            cg = os.path.join(root, hierarchy, "envbuild", sandbox_id)
+            if os.path.exists(cg):
+                found.append(cg)
+    for p in (node / "runc" / sandbox_id, node / "sandboxes" / sandbox_id):
+        if p.exists():
+            found.append(str(p))
+    return found
+
+
+def _status_field(sb, field: str) -> str:
+    out = sb.exec(f"grep '^{field}:' /proc/1/status").stdout.decode()
+    return out.split(":", 1)[1].strip()
+
+
+def test_restore_on_another_node_continues_the_shell_job(built, tmp_path):
+    """A shell with a background job: checkpointed on one node dir, restored under another;
+    its counter (in the shell's memory) continues, the file changes are there, the restored
+    sandbox is isolated like a fresh one, and nothing is left after close."""
+    require_criu()
+    store, node = built
+    with Sandbox.create("env/busybox-shell", store=store, node_dir=node) as sb:
+        sb.exec(COUNTER)
+        sb.write_file("/workspace/note.txt", "written before the checkpoint")
+        time.sleep(0.5)
+        made = sb.checkpoint("ckpt/shell", leave_running=False)
+        old_id = sb.id
+    at_dump = _count_from_store(store, made)
+    other = tmp_path / "node-b"
+    restored = Sandbox.restore("ckpt/shell", store=store, node_dir=other)
+    try:
+        first = _count(restored)
+        assert first >= at_dump  # the loop's variable, not a fresh start at 1
+        time.sleep(0.5)
+        assert _count(restored) > first  # and it runs on
+        assert restored.read_file("/workspace/note.txt") == b"written before the checkpoint"
+        ps = restored.exec("ps").stdout.decode()
+        assert "sleep" in ps and "/bin/sh -c cd /workspace" in ps
+        with Sandbox.create("env/busybox-shell", store=store, node_dir=other) as fresh:
+            for field in ("CapEff", "CapBnd", "CapPrm", "Seccomp", "NoNewPrivs"):
+                assert _status_field(restored, field) == _status_field(fresh, field), field
+        ifaces = restored.exec("cat /proc/net/dev").stdout.decode().splitlines()[2:]
+        assert [ln.split(":")[0].strip() for ln in ifaces] == ["lo"]  # no network
+    finally:
+        restored.close()
+    assert _leftovers(other, restored.id) == []
+    assert _leftovers(node, old_id) == []
+
+
+def _count_from_store(store, made) -> int:
+    """The counter file as the checkpoint's snapshot layer holds it."""
+    from envbuild.layers import LayerReader
+
+    size = store.stat(made.layer).size
+    reader = LayerReader(lambda off, n: store.get_range(made.layer, off, n), size)
+    return int(reader.read("workspace/count").decode().strip())
+
+
+def test_fork_gives_independent_children_that_continue_the_parent(built):
+    require_criu()
+    store, node = built
+    with Sandbox.create("env/busybox-shell", store=store, node_dir=node) as sb:
+        sb.exec(COUNTER)
+        sb.write_file("/workspace/shared.txt", "from the parent")
+        time.sleep(0.5)
+        children = sb.fork(4)
+        try:
+            assert len({c.id for c in children}) == 4
+            parent_now = _count(sb)
+            for i, child in enumerate(children):
+                assert child.read_file("/workspace/shared.txt") == b"from the parent"
+                child.write_file("/workspace/mine.txt", f"child {i}")
+                assert _count(child) >= 1
+            time.sleep(0.4)
+            for i, child in enumerate(children):
+                assert child.read_file("/workspace/mine.txt") == f"child {i}".encode()
+                assert _count(child) > 1  # each child's job runs on its own
+            assert sb.exec("cat /workspace/mine.txt").exit_code != 0  # not in the parent
+            assert _count(sb) > parent_now  # the parent runs on
+        finally:
+            for child in children:
+                child.close()
+    for child in children:
+        assert _leftovers(node, child.id) == []
+
+
+PY_SERVER = r"""
+import socket, time
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 8765)); s.listen()
+n = 0
+while True:
+    n += 1
+    with open("/workspace/pycount.tmp", "w") as f:
+        f.write(str(n))
+    import os; os.replace("/workspace/pycount.tmp", "/workspace/pycount")
+    time.sleep(0.05)
+"""
+
+
+def _python_store(tmp_path_factory):
+    """A store with env/py-textstats: $ENVBUILD_TEST_PY_STORE, the repo's cache/, else built
+    now (debootstrap, a few minutes)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from envbuild.store import LocalStore
+
+    repo = Path(__file__).resolve().parents[2]
+    for where in (os.environ.get("ENVBUILD_TEST_PY_STORE"), str(repo / "cache")):
+        if where and os.path.isdir(where):
+            candidate = LocalStore(where)
+            try:
+                candidate.get_ref("env/py-textstats")
+                return candidate
+            except Exception:  # noqa: BLE001 - not built there
+                pass
+    root = tmp_path_factory.mktemp("pystore")
+    env = {**os.environ, "ENVBUILD_STORE": str(root / "store"),
+           "ENVBUILD_NODE_CACHE": str(root / "node"), "ENVBUILD_DEFS": str(repo / "envdefs")}
+    proc = subprocess.run([sys.executable, "-m", "envbuild.cli", "build", "py-textstats"],
+                          env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return LocalStore(root / "store")
+
+
+def test_python_process_keeps_its_counter_and_listening_socket(built, tmp_path_factory):
+    require_criu()
+    store = _python_store(tmp_path_factory)
+    node_a = tmp_path_factory.mktemp("py-node-a")
+    node_b = tmp_path_factory.mktemp("py-node-b")
+    with Sandbox.create("env/py-textstats", store=store, node_dir=node_a) as sb:
+        sb.write_file("/workspace/server.py", PY_SERVER)
+        sb.exec("cd /workspace && (python3 server.py > /dev/null 2>&1 &)")
+        time.sleep(1.0)
+        made = sb.checkpoint("ckpt/py", leave_running=False)
+    assert made.image_bytes > 1 << 20  # a Python heap, not just the agent
+    restored = Sandbox.restore("ckpt/py", store=store, node_dir=node_b)
+    try:
+        first = int(restored.read_file("/workspace/pycount"))
+        assert first > 5  # from the process's memory: a fresh start would be at 1
+        time.sleep(0.3)
+        assert int(restored.read_file("/workspace/pycount")) > first
+        tcp = restored.exec("cat /proc/net/tcp").stdout.decode()
+        # 0100007F:223D = 127.0.0.1:8765, state 0A = LISTEN
+        assert any("0100007F:223D" in ln and ln.split()[3] == "0A" for ln in tcp.splitlines())
+    finally:
+        restored.close()
+    assert _leftovers(node_b, restored.id) == []
