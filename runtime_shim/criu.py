@@ -414,7 +414,7 @@ def spawn_restore(runtime: OciRuntime, sandbox_id: str, paths: SandboxPaths,
     record = image.record
     work = paths.root / WORK_DIR
     work.mkdir(exist_ok=True)
-    feeder = _feed_config(paths.root / CONFIG_FILE, (
+    feeder = _feed_config(paths.root / CONFIG_FILE, criu_binary(), (
         f"inherit-fd fd[{INHERIT_LOG_FD}]:{record['agent_log']}\n"
         f"inherit-fd fd[{INHERIT_SOCKET_FD}]:{record['agent_socket']}\n"))
     argv = runtime.command("--criu", criu_binary(), "restore", "--detach", "--image-path",
@@ -493,8 +493,23 @@ class _ConfigFeeder:
         self.path.unlink(missing_ok=True)
 
 
-def _feed_config(path: Path, text: str) -> _ConfigFeeder:
-    return _ConfigFeeder(path, text)
+class _PlainConfig:
+    def __init__(self, path: Path, text: str) -> None:
+        self.path = path
+        path.unlink(missing_ok=True)
+        path.write_text(text)
+
+    def stop(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _feed_config(path: Path, binary: str, text: str) -> _ConfigFeeder | _PlainConfig:
+    """The restore options for CRIU: a FIFO for CRIU < 4.2 (which reads its RPC config twice,
+    ``_ConfigFeeder``), a file for later ones (which read it once)."""
+    m = re.match(r"(\d+)\.(\d+)", _version(binary))
+    if m and (int(m.group(1)), int(m.group(2))) < (4, 2):
+        return _ConfigFeeder(path, text)
+    return _PlainConfig(path, text)
 
 
 def restore_refusal(sandbox_id: str, paths: SandboxPaths, image: CheckpointImage,

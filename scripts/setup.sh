@@ -25,6 +25,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# CRIU for checkpoints with memory: Debian 12's 3.17 cannot run on kernels >= 6.13, so a newer
+# one is built from Debian's own source package (scripts/build-criu.sh; quick once installed)
+as_root bash scripts/build-criu.sh || echo "setup: warning: no working CRIU (checkpoint tests will fail)"
+
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $($PYTHON --version)"

@@ -119,56 +119,6 @@ def test_a_process_criu_cannot_dump_is_named_and_the_sandbox_runs_on(built):
         resolve(store, "ckpt/bad")  # nothing published
 
 
-def test_restore_refuses_an_image_that_is_not_the_recorded_one(built, tmp_path):
-    """A checkpoint lock whose image annotation points at another blob is refused with one
-    line, before anything is made: the node dir keeps no sandbox."""
-    require_criu()
-    import copy
-
-    from envbuild.oci import MEDIA_TYPE_MANIFEST
-    from envbuild.store import put_json
-
-    store, node = built
-    with Sandbox.create("env/busybox-shell", store=store, node_dir=node) as sb:
-        first = sb.checkpoint(None, leave_running=True)
-        sb.exec("echo more > /workspace/more")
-        second = sb.checkpoint(None, leave_running=True)
-    lock = resolve(store, first.lock)
-    manifest = copy.deepcopy(dict(lock.manifest))
-    manifest["annotations"][ANNOTATION_IMAGE] = second.image  # swapped memory image
-    forged = put_json(store, manifest, media_type=MEDIA_TYPE_MANIFEST).digest
-    other = tmp_path / "node2"
-    with pytest.raises(CheckpointRefused) as err:
-        Sandbox.restore(forged, store=store, node_dir=other)
-    assert "\n" not in err.value.message
-    assert not (other / "sandboxes").exists() or not any((other / "sandboxes").iterdir())
-
-
-def test_check_image_refuses_a_changed_file(built, tmp_path):
-    """The image's files are checked against envbuild's record before CRIU sees them."""
-    require_criu()
-    from runtime_shim.backend import CheckpointImage
-    from runtime_shim.checkpoint import read_record, unpack_image
-
-    store, node = built
-    with Sandbox.create("env/busybox-shell", store=store, node_dir=node) as sb:
-        made = sb.checkpoint(None, leave_running=True)
-    lock = resolve(store, made.lock)
-    record = read_record(store, lock)
-    image = unpack_image(store, lock, record, tmp_path / "img")
-    criu.check_image(image, None)  # as dumped: accepted
-    pstree = tmp_path / "img" / "pstree.img"
-    data = bytearray(pstree.read_bytes())
-    data[-1] ^= 1
-    pstree.write_bytes(bytes(data))
-    with pytest.raises(CheckpointRefused, match="pstree.img does not match"):
-        criu.check_image(image, None)
-    (tmp_path / "img" / "extra.img").write_bytes(b"x")
-    with pytest.raises(CheckpointRefused, match="files differ"):
-        criu.check_image(CheckpointImage("criu", image.dir, image.record), None)
-    shutil.rmtree(tmp_path / "img")
-
-
 def _leftovers(node, sandbox_id: str) -> list[str]:
     """What of a closed sandbox is still on the host: mounts under the node dir, its cgroup
     in any hierarchy, its runc state, its dir (memory images included)."""
@@ -328,3 +278,58 @@ def test_python_process_keeps_its_counter_and_listening_socket(built, tmp_path_f
     finally:
         restored.close()
     assert _leftovers(node_b, restored.id) == []
+
+
+def test_async_sandbox_checkpoint_restore_and_fork(built, tmp_path):
+    import asyncio
+
+    from runtime_shim import AsyncSandbox
+
+    require_criu()
+    store, node = built
+
+    async def main() -> tuple[int, int]:
+        async with await AsyncSandbox.create("env/busybox-shell", store=store,
+                                             node_dir=node) as sb:
+            await sb.exec(COUNTER)
+            await asyncio.sleep(0.4)
+            kids = await sb.fork(2)
+            await sb.checkpoint("ckpt/async", leave_running=True)
+        try:
+            counts = [_count(k.sync) for k in kids]
+        finally:
+            for k in kids:
+                await k.close()
+        back = await AsyncSandbox.restore("ckpt/async", store=store, node_dir=tmp_path / "n")
+        try:
+            return min(counts), _count(back.sync)
+        finally:
+            await back.close()
+
+    forked, restored = asyncio.run(main())
+    assert forked >= 1 and restored >= 1
+
+
+def test_gc_keeps_and_job_verify_reads_the_memory_image(built, tmp_path):
+    """The checkpoint's memory image and record are reached from its lock: ``gc`` keeps them,
+    ``job verify`` reads them and reports one that is gone."""
+    from envbuild.jobs import parse_job_manifest, verify_job_manifest
+    from envbuild.store import LocalStore
+    from envbuild.store.gc import gc
+
+    require_criu()
+    src, node = built
+    store = LocalStore(tmp_path / "store")
+    shutil.copytree(src.root, store.root, dirs_exist_ok=True)
+    with Sandbox.create("env/busybox-shell", store=store, node_dir=node) as sb:
+        made = sb.checkpoint("ckpt/gc", leave_running=True)
+    gc(store, grace=0)
+    assert store.exists(made.image) and store.exists(made.record)
+    manifest = parse_job_manifest(
+        "apiVersion: envbuild/v1\nkind: JobManifest\nname: ck\ngroups:\n"
+        f"  - {{name: g, lock: '{made.lock}', count: 1}}\n")
+    assert verify_job_manifest(manifest, store).ok
+    store.delete(made.image)
+    report = verify_job_manifest(manifest, store)
+    assert [(p.kind, p.name, p.status) for p in report.problems] == [
+        ("layer", made.image, "missing")]
