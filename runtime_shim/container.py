@@ -287,7 +287,13 @@ class ContainerBackend:
         """A sandbox of ``req`` whose processes come from ``image`` (``backend.Restorable``;
         ``runtime_shim.criu``): checked against its record before anything starts."""
         criu.check_image(image, req)
-        return self._start(req, image)
+        sb = self._start(req, image)
+        try:
+            criu.check_restored(sb.init_pid, image)
+        except BaseException:
+            sb.close()
+            raise
+        return sb
 
     def _start(self, req: CreateRequest, image: CheckpointImage | None) -> ContainerSandbox:
         paths, limits = req.paths, req.limits

@@ -28,12 +28,20 @@ keys of the external files, the CRIU version, and every image file's sha256 and 
 those: a tampered process tree or mount table is a changed ``pstree.img`` / ``mountpoints-*.img``
 and never reaches CRIU.
 
+After a restore, the mounts of the restored sandbox are compared with the record too
+(``check_restored``); a mismatch closes it.
+
 **CRIU on this kernel.** Debian 12's ``criu`` 3.17.1 cannot run on Linux 6.13 and later: the
 kernel split the vDSO data into ``[vvar]`` + ``[vvar_vclock]`` and CRIU 3.17 fails before doing
 anything (``criu check``: ``Error (criu/vdso.c:381): vdso: Unexpected rt vDSO area bounds``);
-CRIU 4.1 handles it. ``criu_binary`` takes ``$ENVBUILD_CRIU``, else the first ``criu`` on
-``PATH``/``/usr/local/sbin``/``/usr/sbin`` that passes ``criu check``; ``probe`` reports the
-failing lines when none does.
+CRIU 4.1 handles it, but dumps ``SO_PASSCRED`` of every socket, which Linux 6.16+ refuses on
+inet sockets (``sockets: Can't get 1:16 opt: Operation not supported``): a process with a TCP
+socket needs CRIU 4.2 (``scripts/build-criu.sh`` builds it from Debian's source package).
+``criu_binary`` takes ``$ENVBUILD_CRIU``, else the first ``criu`` on ``PATH`` /
+``/usr/local/sbin`` / ``/usr/sbin`` that passes ``criu check``, and reports CRIU's failing
+lines when none does. Two more things found by trying: CRIU does not set the status flags of an
+inherited fd (the new agent socket is made non-blocking here, as the agent made its own), and
+CRIU < 4.2 reads an RPC config twice (``_ConfigFeeder``).
 """
 
 from __future__ import annotations
@@ -404,6 +412,25 @@ def check_image(image: CheckpointImage, req: CreateRequest) -> None:
             raise CheckpointRefused(f"memory image: {name} does not match envbuild's record "
                                     "(sha256)", hint="the image was tampered with; "
                                                      "checkpoint again")
+
+
+def _comparable(mounts: list[list[str]]) -> list[tuple[str, str]]:
+    # runc masks /proc paths with binds of /dev/null: the container's tmpfs /dev/null when
+    # made, the host's devtmpfs one after CRIU restored them (the same empty char device)
+    return [(m[0], "tmpfs" if m[0].startswith("/proc/") and m[1] == "devtmpfs" else m[1])
+            for m in mounts]
+
+
+def check_restored(init_pid: int, image: CheckpointImage) -> None:
+    """The restored sandbox's mounts are the recorded ones (points and types; CRIU may
+    mount them in another order)."""
+    recorded = [list(m) for m in image.record.get("mounts", [])]  # type: ignore[attr-defined]
+    have, want = sorted(_comparable(mount_table(init_pid))), sorted(_comparable(recorded))
+    if have != want:
+        odd = sorted(set(have) ^ set(want))
+        raise CheckpointRefused("restore: the restored mounts differ from envbuild's record "
+                                f"of the dump ({' '.join(map(':'.join, odd[:3]))})",
+                                hint="the image was tampered with; checkpoint again")
 
 
 def spawn_restore(runtime: OciRuntime, sandbox_id: str, paths: SandboxPaths,
