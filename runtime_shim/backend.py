@@ -59,6 +59,7 @@ class CreateRequest:
     runtime: str = "runc"  # the OCI runtime (container backend)
     keep: bool = False
     seccomp: str | Mapping | None = None
+    checkpointable: bool = False  # Checkpointable.checkpoint will be asked of it
 
 
 @runtime_checkable

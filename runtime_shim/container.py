@@ -34,7 +34,13 @@ import subprocess
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from envbuild.errors import BackendUnavailable, RuntimeShimError, SandboxNotFound, SandboxStartError
+from envbuild.errors import (
+    BackendUnavailable,
+    CheckpointRefused,
+    RuntimeShimError,
+    SandboxNotFound,
+    SandboxStartError,
+)
 from runtime_shim import agent, criu, fsaccess, netns, scratchfs
 from runtime_shim.backend import CheckpointImage, CreateRequest
 from runtime_shim.layout import NodeLayout, SandboxPaths
@@ -72,7 +78,7 @@ class ContainerSandbox:
                  runtime: OciRuntime, *, network: netns.NetworkPolicy | None, limits: Limits,
                  agent_path: Path, keep: bool = False,
                  seccomp: str | Mapping | None = None,
-                 restore: CheckpointImage | None = None) -> None:
+                 restore: CheckpointImage | None = None, checkpointable: bool = False) -> None:
         self.id = sandbox_id
         self.paths = paths
         self.lock = lock
@@ -90,14 +96,18 @@ class ContainerSandbox:
             ca_binds, ca_env = netns.host_ca()
             binds += ca_binds
             env = {**ca_env, **env}
-        # Without network= too, the sandbox joins a namespace made here, so the agent's socket
-        # is made inside it: CRIU finds a socket only in the namespace of the process it dumps.
-        own_ns = criu.own_netns(paths.root) if self.net is None else None
+        # checkpointable: the agent's socket is made inside the sandbox's network namespace
+        # (without network= too: one made here), since CRIU finds a socket only in the
+        # namespace of the process it dumps; the price is that the sandbox sees the socket in
+        # /proc/net/unix (it still cannot reach it: no mount shows its path).
+        self.checkpointable = checkpointable or restore is not None
+        own_ns = criu.own_netns(paths.root) if self.net is None and self.checkpointable \
+            else None
         request = RuntimeSpecRequest(
             rootfs=str(paths.merged),
             args=(AGENT_PATH, "--listen-fd", str(AGENT_LISTEN_FD)),
             env=env_list(env), cwd=lock.workdir, uid=0, gid=0,
-            hostname=lock.hostname or "sandbox", network=True,
+            hostname=lock.hostname or "sandbox", network=network is not None or bool(own_ns),
             network_ns=self.net.path if self.net else own_ns,
             rlimits=(_clamped_nofile(limits.nofile),), pids_limit=limits.pids,
             memory_limit=limits.memory_bytes, cgroups_path=f"/envbuild/{sandbox_id}",
@@ -119,8 +129,8 @@ class ContainerSandbox:
         # agent gets the listening fd from runc and the host keeps no copy, so a dead agent
         # means ECONNREFUSED rather than a connection nobody accepts.
         try:
-            netns_path = self.net.path if self.net else own_ns
-            assert netns_path is not None
+            netns_path = (self.net.path if self.net else own_ns) if self.checkpointable \
+                else None
             with criu.in_netns(netns_path, lambda: agent.listen_socket(self._dir_fd)) \
                     as listener, open(start_log, "wb") as log:
                 if restore is None:
@@ -208,6 +218,7 @@ class ContainerSandbox:
         self.id, self.paths, self.lock, self.runtime, self.limits = (
             sandbox_id, paths, lock, runtime, limits)
         self.init_pid = _init_pid(runtime, sandbox_id, paths.init_pid)
+        self.checkpointable = (paths.root / criu.OWN_NETNS).exists()
         if not os.path.exists(f"/proc/{self.init_pid}"):
             raise SandboxNotFound(f"sandbox {sandbox_id} is not running",
                                    hint="envbuild sandbox ls shows its state")
@@ -218,7 +229,13 @@ class ContainerSandbox:
         return self.paths.upper
 
     def checkpoint(self, dest_dir: Path, *, leave_running: bool) -> CheckpointImage:
-        """``runtime_shim.criu.checkpoint`` (``backend.Checkpointable``)."""
+        """``runtime_shim.criu.checkpoint`` (``backend.Checkpointable``); a sandbox created
+        without ``checkpointable=True`` is refused (its agent socket is outside its
+        namespace, where CRIU cannot dump it)."""
+        if not self.checkpointable:
+            raise CheckpointRefused(f"checkpoint {self.id}: the sandbox was not created "
+                                    "checkpointable",
+                                    hint="Sandbox.create(..., checkpointable=True)")
         return criu.checkpoint(self, dest_dir, leave_running=leave_running)
 
     @contextlib.contextmanager
@@ -311,7 +328,8 @@ class ContainerBackend:
             mounted = True
             return ContainerSandbox(req.id, paths, req.lock, oci, network=req.network,
                                     limits=limits, agent_path=agent_path, keep=req.keep,
-                                    seccomp=req.seccomp, restore=image)
+                                    seccomp=req.seccomp, restore=image,
+                                    checkpointable=req.checkpointable)
         except BaseException:
             if mounted:
                 unmount(str(paths.merged))

@@ -16,8 +16,10 @@ passes to CRIU through the ``org.criu.config`` annotation every container gets):
   ``external file[MNT:INO]`` on dump and ``inherit-fd`` of the new sandbox's log on restore;
 - the agent's listening socket (bound in the host's sandbox dir) is ``inherit-fd`` of the new
   sandbox's socket on restore. CRIU finds a socket only in the network namespace of the process
-  it dumps, so every container sandbox joins a namespace envbuild made (``own_netns``: empty,
-  only a down ``lo``, like runc's own) and the socket is made inside it (``in_netns``);
+  it dumps, so a sandbox created ``checkpointable=True`` joins a namespace envbuild made
+  (``own_netns``: only ``lo``, like runc's own) and the socket is made inside it
+  (``in_netns``). The sandbox then sees the socket in ``/proc/net/unix`` but still cannot reach
+  it (no mount shows its path), which is why it is not the default;
 - the network namespace: runc passes it by path (``extRootNetNS``).
 
 **The record.** ``checkpoint`` returns a ``CheckpointImage`` whose ``record`` is envbuild's own
@@ -90,23 +92,27 @@ MAX_RECORD_PROCESSES = 4096
 
 
 def own_netns(directory: Path) -> str:
-    """An empty network namespace bound on ``<directory>/netns.own`` (only a down ``lo``, as
+    """An empty network namespace bound on ``<directory>/netns.own`` (only ``lo``, up, as in
     runc's own new namespace): the sandbox joins it by path, so the agent's socket can be
     made inside it (``in_netns``) where CRIU's socket diagnostics find it. The bind mount goes
     with the sandbox dir (``remove_sandbox_dir`` unmounts everything below it)."""
     ns = directory / OWN_NETNS
     ns.touch(mode=0o600)
-    done = subprocess.run(["unshare", f"--net={ns}", "--", "true"], capture_output=True,
-                          check=False)
+    # lo up, as runc does in a namespace it makes (loopback works, nothing else exists)
+    done = subprocess.run(["unshare", f"--net={ns}", "--", "ip", "link", "set", "lo", "up"],
+                          capture_output=True, check=False)
     if done.returncode != 0:
         raise RuntimeShimError("create the sandbox's network namespace: "
                                f"{done.stderr.decode(errors='replace').strip()}")
     return str(ns)
 
 
-def in_netns(ns_path: str, make: Callable[[], socket.socket]) -> socket.socket:
+def in_netns(ns_path: str | None, make: Callable[[], socket.socket]) -> socket.socket:
     """``make()`` run on a thread that joined the network namespace ``ns_path``: a socket made
-    there belongs to that namespace (the namespace of a thread goes with the thread)."""
+    there belongs to that namespace (the namespace of a thread goes with the thread); ``None``:
+    ``make()`` here."""
+    if ns_path is None:
+        return make()
     libc = ctypes.CDLL(None, use_errno=True)
     out: list[socket.socket] = []
     err: list[BaseException] = []

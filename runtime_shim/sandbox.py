@@ -254,6 +254,7 @@ class Sandbox:
         seccomp: str | Mapping | None = None,
         ttl: float | None = None,
         reap: bool = True,
+        checkpointable: bool = False,
         _checkpoint: Mapping | None = None,
     ) -> Sandbox:
         """Fetch what is missing, compose and start a sandbox of ``lock`` (digest or ref).
@@ -275,6 +276,9 @@ class Sandbox:
         ``network``: False for none; True for egress through the sandbox's own namespace and
         user-mode NAT, the host itself unreachable; a list of ``CIDR[:PORT]`` for egress to
         those only (``runtime_shim.netns``).
+
+        ``checkpointable``: ``checkpoint`` / ``fork`` will be asked of it (container: its agent
+        socket is made inside its network namespace, where CRIU can dump it).
 
         ``keep``: the sandbox outlives this process (``envbuild run --keep``; container only).
         ``ttl``: seconds after which the sandbox is removed if nobody closed it (see the module
@@ -322,7 +326,8 @@ class Sandbox:
             req = CreateRequest(
                 id=sandbox_id, paths=paths, layout=layout, lock=resolved,
                 layer_dirs=tuple(layer_dirs), node=node, network=policy, limits=limits,
-                runtime=runtime, keep=keep, seccomp=seccomp)
+                runtime=runtime, keep=keep, seccomp=seccomp,
+                checkpointable=checkpointable or _checkpoint is not None)
             if _checkpoint is None:
                 handle = impl.create(req)
             else:  # Sandbox.restore: the processes come from a checkpoint's memory image

@@ -64,7 +64,8 @@ def test_debian_criu_3_17_names_why_it_cannot_run_here(monkeypatch):
 def test_checkpoint_stores_one_artifact_and_leaves_the_sandbox_running(built, tmp_path):
     require_criu()
     store, node = built
-    with Sandbox.create("env/busybox-shell", store=store, node_dir=node) as sb:
+    with Sandbox.create("env/busybox-shell", store=store, node_dir=node,
+                        checkpointable=True) as sb:
         sb.exec(COUNTER)
         sb.write_file("/workspace/note.txt", "before the checkpoint")
         time.sleep(0.5)
@@ -89,7 +90,8 @@ def test_checkpoint_stores_one_artifact_and_leaves_the_sandbox_running(built, tm
 def test_checkpoint_without_leave_running_closes_the_sandbox(built):
     require_criu()
     store, node = built
-    sb = Sandbox.create("env/busybox-shell", store=store, node_dir=node)
+    sb = Sandbox.create("env/busybox-shell", store=store, node_dir=node,
+                        checkpointable=True)
     try:
         sb.exec("sleep 1000 > /dev/null 2>&1 &")
         sb.checkpoint("ckpt/stopped", leave_running=False)
@@ -105,7 +107,8 @@ def test_a_process_criu_cannot_dump_is_named_and_the_sandbox_runs_on(built):
 
     require_criu()
     store, node = built
-    with Sandbox.create("env/busybox-shell", store=store, node_dir=node) as sb:
+    with Sandbox.create("env/busybox-shell", store=store, node_dir=node,
+                        checkpointable=True) as sb:
         running = threading.Thread(target=sb.exec, args=("sleep 3",))
         running.start()
         time.sleep(0.5)
@@ -148,7 +151,8 @@ def test_restore_on_another_node_continues_the_shell_job(built, tmp_path):
     sandbox is isolated like a fresh one, and nothing is left after close."""
     require_criu()
     store, node = built
-    with Sandbox.create("env/busybox-shell", store=store, node_dir=node) as sb:
+    with Sandbox.create("env/busybox-shell", store=store, node_dir=node,
+                        checkpointable=True) as sb:
         sb.exec(COUNTER)
         sb.write_file("/workspace/note.txt", "written before the checkpoint")
         time.sleep(0.5)
@@ -188,7 +192,8 @@ def _count_from_store(store, made) -> int:
 def test_fork_gives_independent_children_that_continue_the_parent(built):
     require_criu()
     store, node = built
-    with Sandbox.create("env/busybox-shell", store=store, node_dir=node) as sb:
+    with Sandbox.create("env/busybox-shell", store=store, node_dir=node,
+                        checkpointable=True) as sb:
         sb.exec(COUNTER)
         sb.write_file("/workspace/shared.txt", "from the parent")
         time.sleep(0.5)
@@ -260,7 +265,8 @@ def test_python_process_keeps_its_counter_and_listening_socket(built, tmp_path_f
     store = _python_store(tmp_path_factory)
     node_a = tmp_path_factory.mktemp("py-node-a")
     node_b = tmp_path_factory.mktemp("py-node-b")
-    with Sandbox.create("env/py-textstats", store=store, node_dir=node_a) as sb:
+    with Sandbox.create("env/py-textstats", store=store, node_dir=node_a,
+                        checkpointable=True) as sb:
         sb.write_file("/workspace/server.py", PY_SERVER)
         sb.exec("cd /workspace && (python3 server.py > /dev/null 2>&1 &)")
         time.sleep(1.0)
@@ -290,7 +296,7 @@ def test_async_sandbox_checkpoint_restore_and_fork(built, tmp_path):
 
     async def main() -> tuple[int, int]:
         async with await AsyncSandbox.create("env/busybox-shell", store=store,
-                                             node_dir=node) as sb:
+                                             node_dir=node, checkpointable=True) as sb:
             await sb.exec(COUNTER)
             await asyncio.sleep(0.4)
             kids = await sb.fork(2)
@@ -321,7 +327,8 @@ def test_gc_keeps_and_job_verify_reads_the_memory_image(built, tmp_path):
     src, node = built
     store = LocalStore(tmp_path / "store")
     shutil.copytree(src.root, store.root, dirs_exist_ok=True)
-    with Sandbox.create("env/busybox-shell", store=store, node_dir=node) as sb:
+    with Sandbox.create("env/busybox-shell", store=store, node_dir=node,
+                        checkpointable=True) as sb:
         made = sb.checkpoint("ckpt/gc", leave_running=True)
     gc(store, grace=0)
     assert store.exists(made.image) and store.exists(made.record)
@@ -333,3 +340,15 @@ def test_gc_keeps_and_job_verify_reads_the_memory_image(built, tmp_path):
     report = verify_job_manifest(manifest, store)
     assert [(p.kind, p.name, p.status) for p in report.problems] == [
         ("layer", made.image, "missing")]
+
+
+def test_a_sandbox_not_created_checkpointable_is_refused(built):
+    require_criu()
+    store, node = built
+    with Sandbox.create("env/busybox-shell", store=store, node_dir=node) as sb:
+        with pytest.raises(CheckpointRefused, match="checkpointable"):
+            sb.checkpoint("ckpt/not", leave_running=True)
+        assert sb.exec("echo alive").stdout == b"alive\n"
+        assert not (sb.paths.root / "checkpoint-image").exists()
+    with pytest.raises(LockNotFound):
+        resolve(store, "ckpt/not")

@@ -32,7 +32,8 @@ def test_restore_refuses_an_image_that_is_not_the_recorded_one(built, tmp_path):
     from envbuild.store import put_json
 
     store, node = built
-    with Sandbox.create("env/busybox-shell", store=store, node_dir=node) as sb:
+    with Sandbox.create("env/busybox-shell", store=store, node_dir=node,
+                        checkpointable=True) as sb:
         first = sb.checkpoint(None, leave_running=True)
         sb.exec("echo more > /workspace/more")
         second = sb.checkpoint(None, leave_running=True)
@@ -54,7 +55,8 @@ def test_check_image_refuses_a_changed_file(built, tmp_path):
     from runtime_shim.checkpoint import read_record, unpack_image
 
     store, node = built
-    with Sandbox.create("env/busybox-shell", store=store, node_dir=node) as sb:
+    with Sandbox.create("env/busybox-shell", store=store, node_dir=node,
+                        checkpointable=True) as sb:
         made = sb.checkpoint(None, leave_running=True)
     lock = resolve(store, made.lock)
     record = read_record(store, lock)
