@@ -88,6 +88,25 @@ class AsyncSandbox:
         return await asyncio.get_running_loop().run_in_executor(
             None, functools.partial(self.sync.pack_diff, publish, **kwargs))
 
+    async def checkpoint(self, publish: str | None = None, *, leave_running: bool = False):
+        """``Sandbox.checkpoint`` in the default executor."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.sync.checkpoint, publish, leave_running=leave_running))
+
+    @classmethod
+    async def restore(cls, checkpoint: str, **kwargs: Any) -> AsyncSandbox:
+        """``Sandbox.restore`` (same arguments) in the default executor."""
+        loop = asyncio.get_running_loop()
+        sb = await loop.run_in_executor(None, functools.partial(Sandbox.restore, checkpoint,
+                                                                **kwargs))
+        return cls(sb)
+
+    async def fork(self, n: int, **kwargs: Any) -> list[AsyncSandbox]:
+        """``Sandbox.fork`` in the default executor."""
+        children = await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.sync.fork, n, **kwargs))
+        return [AsyncSandbox(c) for c in children]
+
     async def info(self) -> SandboxInfo:
         return self.sync.info()
 

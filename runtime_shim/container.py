@@ -34,9 +34,15 @@ import subprocess
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from envbuild.errors import BackendUnavailable, RuntimeShimError, SandboxNotFound, SandboxStartError
-from runtime_shim import agent, cpuclass, fsaccess, netns, scratchfs
-from runtime_shim.backend import CreateRequest
+from envbuild.errors import (
+    BackendUnavailable,
+    CheckpointRefused,
+    RuntimeShimError,
+    SandboxNotFound,
+    SandboxStartError,
+)
+from runtime_shim import agent, cpuclass, criu, fsaccess, netns, scratchfs
+from runtime_shim.backend import CheckpointImage, CreateRequest
 from runtime_shim.layout import NodeLayout, SandboxPaths
 from runtime_shim.locks import ResolvedLock
 from runtime_shim.model import Limits, MemoryInfo
@@ -45,6 +51,8 @@ from runtime_shim.runc import OciRuntime, destroy, kill_and_delete, write_bundle
 from runtime_shim.spec import BindMount, Rlimit, RuntimeSpecRequest, env_list, parse_user, runtime_spec
 from runtime_shim.stub import AGENT_LISTEN_FD, AGENT_PATH, ensure_stub
 
+#: The CRIU options file of a checkpoint, in the sandbox dir (written by ``runtime_shim.criu``).
+CRIU_CONFIG = "criu.conf"
 #: How long ``create`` waits for the agent's socket after ``runc run --detach`` returns.
 AGENT_READY_TIMEOUT = 10.0
 
@@ -70,8 +78,8 @@ class ContainerSandbox:
                  runtime: OciRuntime, *, network: netns.NetworkPolicy | None, limits: Limits,
                  agent_path: Path, keep: bool = False,
                  seccomp: str | Mapping | None = None,
-                 spec_hook: Callable[[RuntimeSpecRequest], RuntimeSpecRequest] | None = None
-                 ) -> None:
+                 spec_hook: Callable[[RuntimeSpecRequest], RuntimeSpecRequest] | None = None,
+                 restore: CheckpointImage | None = None, checkpointable: bool = False) -> None:
         self.id = sandbox_id
         self.paths = paths
         self.lock = lock
@@ -89,19 +97,29 @@ class ContainerSandbox:
             ca_binds, ca_env = netns.host_ca()
             binds += ca_binds
             env = {**ca_env, **env}
+        # checkpointable: the agent's socket is made inside the sandbox's network namespace
+        # (without network= too: one made here), since CRIU finds a socket only in the
+        # namespace of the process it dumps; the price is that the sandbox sees the socket in
+        # /proc/net/unix (it still cannot reach it: no mount shows its path).
+        self.checkpointable = checkpointable or restore is not None
+        own_ns = criu.own_netns(paths.root) if self.net is None and self.checkpointable \
+            else None
         request = RuntimeSpecRequest(
             rootfs=str(paths.merged),
             args=(AGENT_PATH, "--listen-fd", str(AGENT_LISTEN_FD)),
             env=env_list(env), cwd=lock.workdir, uid=0, gid=0,
-            hostname=lock.hostname or "sandbox", network=network is not None,
-            network_ns=self.net.path if self.net else None,
+            hostname=lock.hostname or "sandbox", network=network is not None or bool(own_ns),
+            network_ns=self.net.path if self.net else own_ns,
             rlimits=(_clamped_nofile(limits.nofile),), pids_limit=limits.pids,
             memory_limit=limits.memory_bytes, cgroups_path=f"/envbuild/{sandbox_id}",
             binds=tuple(binds), tmpfs=(), cpus=limits.cpus, seccomp=seccomp,
             cpu_shares=cpuclass.cpu_shares(limits.cpu_class))
         if spec_hook is not None:  # a backend built on this one (runtime_shim.fncall)
             request = spec_hook(request)
-        write_bundle(paths.bundle, runtime_spec(request))
+        config = runtime_spec(request)
+        # CRIU reads its options for this container from here (``runtime_shim.criu``)
+        config["annotations"] = {"org.criu.config": str(paths.root / CRIU_CONFIG)}
+        write_bundle(paths.bundle, config)
         Path(runtime.state_root).mkdir(parents=True, exist_ok=True)
         # A detached container inherits runc's stdio: a pipe would never reach EOF while the
         # sandbox lives, so runc's (and the agent's) messages go to a file.
@@ -115,17 +133,27 @@ class ContainerSandbox:
         # agent gets the listening fd from runc and the host keeps no copy, so a dead agent
         # means ECONNREFUSED rather than a connection nobody accepts.
         try:
-            with agent.listen_socket(self._dir_fd) as listener, open(start_log, "wb") as log:
-                returncode = _spawn_with_fd(
-                    runtime.command("run", "--detach", "--preserve-fds", "1", "--pid-file",
-                                    str(pid_file), "--bundle", str(paths.bundle), sandbox_id),
-                    log.fileno(), listener.fileno())
+            netns_path = (self.net.path if self.net else own_ns) if self.checkpointable \
+                else None
+            with criu.in_netns(netns_path, lambda: agent.listen_socket(self._dir_fd)) \
+                    as listener, open(start_log, "wb") as log:
+                if restore is None:
+                    returncode = _spawn_with_fd(
+                        runtime.command("run", "--detach", "--preserve-fds", "1", "--pid-file",
+                                        str(pid_file), "--bundle", str(paths.bundle),
+                                        sandbox_id),
+                        log.fileno(), listener.fileno())
+                else:  # the processes of a checkpoint instead of a fresh agent
+                    returncode = criu.spawn_restore(runtime, sandbox_id, paths, restore,
+                                                    log.fileno(), listener.fileno())
         except BaseException:
             os.close(self._dir_fd)
             raise
         if returncode != 0:
             destroy(runtime, sandbox_id)
             os.close(self._dir_fd)
+            if restore is not None:
+                raise criu.restore_refusal(sandbox_id, paths, restore, returncode)
             raise SandboxStartError(f"start sandbox {sandbox_id}: {runtime.name} exited "
                                    f"{returncode}",
                                     context=start_log.read_text(errors="replace").strip()[-2000:])
@@ -195,6 +223,7 @@ class ContainerSandbox:
         self.id, self.paths, self.lock, self.runtime, self.limits = (
             sandbox_id, paths, lock, runtime, limits)
         self.init_pid = _init_pid(runtime, sandbox_id, paths.init_pid)
+        self.checkpointable = (paths.root / criu.OWN_NETNS).exists()
         if not os.path.exists(f"/proc/{self.init_pid}"):
             raise SandboxNotFound(f"sandbox {sandbox_id} is not running",
                                    hint="envbuild sandbox ls shows its state")
@@ -209,6 +238,16 @@ class ContainerSandbox:
         from runtime_shim import reclaim
 
         return reclaim.memory_info(self.paths)
+
+    def checkpoint(self, dest_dir: Path, *, leave_running: bool) -> CheckpointImage:
+        """``runtime_shim.criu.checkpoint`` (``backend.Checkpointable``); a sandbox created
+        without ``checkpointable=True`` is refused (its agent socket is outside its
+        namespace, where CRIU cannot dump it)."""
+        if not self.checkpointable:
+            raise CheckpointRefused(f"checkpoint {self.id}: the sandbox was not created "
+                                    "checkpointable",
+                                    hint="Sandbox.create(..., checkpointable=True)")
+        return criu.checkpoint(self, dest_dir, leave_running=leave_running)
 
     @contextlib.contextmanager
     def quiesce(self) -> Iterator[None]:
@@ -270,6 +309,21 @@ class ContainerBackend:
         pass  # every option applies to containers
 
     def create(self, req: CreateRequest) -> ContainerSandbox:
+        return self._start(req, None)
+
+    def restore(self, req: CreateRequest, image: CheckpointImage) -> ContainerSandbox:
+        """A sandbox of ``req`` whose processes come from ``image`` (``backend.Restorable``;
+        ``runtime_shim.criu``): checked against its record before anything starts."""
+        criu.check_image(image, req)
+        sb = self._start(req, image)
+        try:
+            criu.check_restored(sb.init_pid, image)
+        except BaseException:
+            sb.close()
+            raise
+        return sb
+
+    def _start(self, req: CreateRequest, image: CheckpointImage | None) -> ContainerSandbox:
         paths, limits = req.paths, req.limits
         if limits.disk_bytes is not None:
             scratchfs.create(paths.root, limits.disk_bytes, limits.inodes,
@@ -285,7 +339,8 @@ class ContainerBackend:
             mounted = True
             return ContainerSandbox(req.id, paths, req.lock, oci, network=req.network,
                                     limits=limits, agent_path=agent_path, keep=req.keep,
-                                    seccomp=req.seccomp)
+                                    seccomp=req.seccomp, restore=image,
+                                    checkpointable=req.checkpointable)
         except BaseException:
             if mounted:
                 unmount(str(paths.merged))

@@ -185,13 +185,67 @@ class Sandbox:
                                        size=info.size, report=report, squashed=squash,
                                        seconds=time.monotonic() - started)
 
+    def checkpoint(self, publish: str | None = None, *, leave_running: bool = False):
+        """Freeze this sandbox and save its processes (memory, open files, cwd) and its
+        files as one checkpoint lock in the store, published as ``publish`` (e.g.
+        ``ckpt/NAME``) if given (``runtime_shim.checkpoint``). ``leave_running=False`` closes
+        the sandbox afterwards. What cannot be dumped raises ``CheckpointRefused`` naming the
+        process and the reason (the sandbox runs on). Returns a ``CheckpointResult`` (lock,
+        blobs, sizes, times)."""
+        from runtime_shim import checkpoint
+
+        self._check_open()
+        if self._store is None:
+            raise RuntimeShimError("checkpoint needs the store the sandbox was created from")
+        return checkpoint.take(self, self._store, publish=publish, leave_running=leave_running)
+
+    @classmethod
+    def restore(cls, checkpoint: str, *, store: StoreLike | None = None,
+                node_dir: str | os.PathLike[str] | NodeLayout | None = None,
+                network: bool | Sequence[str] = False, limits: Limits | None = None,
+                runtime: str = "runc", ttl: float | None = None) -> Sandbox:
+        """A new sandbox whose processes continue from ``checkpoint`` (a ref such as
+        ``ckpt/NAME`` or a lock digest made by ``checkpoint``), on this node or another, with
+        the isolation of a fresh sandbox (``network``, ``limits`` as for ``create``). An image
+        that does not match envbuild's record of it is refused (``CheckpointRefused``) and
+        nothing is left."""
+        from runtime_shim.checkpoint import read_record
+
+        opened = open_store(store)
+        lock = resolve(opened, checkpoint)
+        record = read_record(opened, lock)
+        return cls.create(lock.digest, store=opened, node_dir=node_dir,
+                          backend=str(record.get("backend", "container")), network=network,
+                          limits=limits, runtime=runtime, ttl=ttl, _checkpoint=record)
+
+    def fork(self, n: int, *, network: bool | Sequence[str] = False,
+             limits: Limits | None = None) -> list[Sandbox]:
+        """``n`` new sandboxes that continue from this one's current processes and files
+        (checkpoint with ``leave_running=True``, then ``n`` restores on this node); this
+        sandbox runs on. If one restore fails, the others are closed and the error raised."""
+        if n < 1:
+            raise RuntimeShimError(f"fork needs n >= 1, not {n!r}")
+        made = self.checkpoint(None, leave_running=True)
+        children: list[Sandbox] = []
+        try:
+            for _ in range(n):
+                children.append(Sandbox.restore(made.lock, store=self._store,
+                                                node_dir=self._layout, network=network,
+                                                limits=limits or self._backend.limits))
+        except BaseException:
+            for child in children:
+                with contextlib.suppress(Exception):
+                    child.close()
+            raise
+        return children
+
     @classmethod
     def create(
         cls,
         lock: str,
         *,
         store: StoreLike | None = None,
-        node_dir: str | os.PathLike[str] | None = None,
+        node_dir: str | os.PathLike[str] | NodeLayout | None = None,
         backend: str = "container",
         network: bool | Sequence[str] = False,
         limits: Limits | None = None,
@@ -201,6 +255,8 @@ class Sandbox:
         seccomp: str | Mapping | None = None,
         ttl: float | None = None,
         reap: bool = True,
+        checkpointable: bool = False,
+        _checkpoint: Mapping | None = None,
     ) -> Sandbox:
         """Fetch what is missing, compose and start a sandbox of ``lock`` (digest or ref).
 
@@ -221,6 +277,9 @@ class Sandbox:
         ``network``: False for none; True for egress through the sandbox's own namespace and
         user-mode NAT, the host itself unreachable; a list of ``CIDR[:PORT]`` for egress to
         those only (``runtime_shim.netns``).
+
+        ``checkpointable``: ``checkpoint`` / ``fork`` will be asked of it (container: its agent
+        socket is made inside its network namespace, where CRIU can dump it).
 
         ``keep``: the sandbox outlives this process (``envbuild run --keep``; container only).
         ``ttl``: seconds after which the sandbox is removed if nobody closed it (see the module
@@ -265,10 +324,17 @@ class Sandbox:
         paths.root.mkdir()
         with undo_on_error(paths):
             _write_meta(paths, meta)  # first: a dir with a live creator is never swept
-            handle = impl.create(CreateRequest(
+            req = CreateRequest(
                 id=sandbox_id, paths=paths, layout=layout, lock=resolved,
                 layer_dirs=tuple(layer_dirs), node=node, network=policy, limits=limits,
-                runtime=runtime, keep=keep, seccomp=seccomp))
+                runtime=runtime, keep=keep, seccomp=seccomp,
+                checkpointable=checkpointable or _checkpoint is not None)
+            if _checkpoint is None:
+                handle = impl.create(req)
+            else:  # Sandbox.restore: the processes come from a checkpoint's memory image
+                from runtime_shim.checkpoint import restore_into
+
+                handle = restore_into(_checkpoint, impl, req, opened, resolved)
             try:
                 _write_meta(paths, {**meta, "ready": time.time()})
             except BaseException:

@@ -10,7 +10,7 @@ APT_PACKAGES=(
   runc busybox-static debootstrap skopeo umoci fuse3 erofs-utils docker-registry apache2-utils
   podman containerd docker.io
   linux-image-cloud-amd64 qemu-system-x86 e2fsprogs fuse2fs lz4
-  slirp4netns iptables iproute2 util-linux
+  slirp4netns iptables iproute2 util-linux criu
 )
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
@@ -24,6 +24,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   as_root apt-get update -qq
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+
+# CRIU for checkpoints with memory: Debian 12's 3.17 cannot run on kernels >= 6.13, so a newer
+# one is built from Debian's own source package (scripts/build-criu.sh; quick once installed)
+as_root bash scripts/build-criu.sh || echo "setup: warning: no working CRIU (checkpoint tests will fail)"
 
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then

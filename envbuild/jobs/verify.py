@@ -28,7 +28,8 @@ from runtime_shim.locks import MAX_LOCK_JSON
 
 @dataclasses.dataclass(frozen=True)
 class VerifyProblem:
-    """One missing or corrupt item. ``kind``: ref, lock, config, layer or toc; ``status``:
+    """One missing or corrupt item. ``kind``: ref, lock, config, layer, toc or checkpoint (a
+    checkpoint lock's record; its memory image is a layer); ``status``:
     missing, corrupt or mismatch (the pinned closure disagrees with the lock)."""
 
     kind: str
@@ -115,6 +116,7 @@ def verify_job_manifest(manifest: JobManifest, store: Store, *, jobs: int = 4) -
             config = doc["config"]["digest"]
             layers = [(d["digest"], (d.get("annotations") or {}).get(ANNOTATION_TOC))
                       for d in doc.get("layers") or []]
+            notes = doc.get("annotations") or {}
         except (ValueError, KeyError, TypeError) as e:
             report.problems.append(VerifyProblem("lock", digest, "corrupt",
                                                  f"not an image manifest ({e})", tuple(labels)))
@@ -123,6 +125,13 @@ def verify_job_manifest(manifest: JobManifest, store: Store, *, jobs: int = 4) -
             need(config, "config", label)
             for layer, toc in layers:
                 need(layer, "layer", label, toc)
+            # a checkpoint lock (runtime_shim.checkpoint): its memory image (a layer, with
+            # its TOC digest) and the record of what was dumped
+            if isinstance(notes.get("org.envbuild.checkpoint.image"), str):
+                need(notes["org.envbuild.checkpoint.image"], "layer", label,
+                     notes.get("org.envbuild.checkpoint.image.toc"))
+            if isinstance(notes.get("org.envbuild.checkpoint.record"), str):
+                need(notes["org.envbuild.checkpoint.record"], "checkpoint", label)
         for group in manifest.groups:
             if group.lock == digest and group.pinned is not None and (
                     group.pinned.config != config

@@ -212,9 +212,14 @@ def _children(doc: dict[str, Any]) -> list[dict[str, Any]]:
         if isinstance(doc.get(key), dict):
             children.append(doc[key])
     children.extend(c for c in doc.get("layers") or [] if isinstance(c, dict))
-    parent = (doc.get("annotations") or {}).get(ANNOTATION_PARENT)
+    notes = doc.get("annotations") or {}
+    parent = notes.get(ANNOTATION_PARENT)
     if parent:
         children.append({"mediaType": MEDIA_TYPE_MANIFEST, "digest": parent})
+    # a checkpoint lock (runtime_shim.checkpoint): its memory image and record blobs
+    for key in ("org.envbuild.checkpoint.image", "org.envbuild.checkpoint.record"):
+        if isinstance(notes.get(key), str):
+            children.append({"mediaType": "application/octet-stream", "digest": notes[key]})
     return children
 
 
