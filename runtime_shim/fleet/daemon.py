@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -151,6 +152,18 @@ class NodeStatus:
         return max(0, self.slots - self.used)
 
 
+_SDK_ID = re.compile(r"eb-[0-9a-f]{12}")
+
+
+def _check_sdk_id(sandbox_id: object) -> str:
+    """An SDK sandbox id (``eb-`` and 12 hex digits), never a path: ``SandboxNotFound``
+    for anything else, before it is joined to the node dir."""
+    if not isinstance(sandbox_id, str) or not _SDK_ID.fullmatch(sandbox_id):
+        raise SandboxNotFound(f"{sandbox_id!r} is not a sandbox id",
+                              hint="sandbox ids look like eb-0123456789ab")
+    return sandbox_id
+
+
 def fleet_id(sandbox_id: str, node_id: str) -> str:
     """The fleet's id of a sandbox: the SDK id and the first 12 hex digits of its Ray node."""
     return f"{sandbox_id}@{node_id[:12]}"
@@ -159,7 +172,7 @@ def fleet_id(sandbox_id: str, node_id: str) -> str:
 def split_fleet_id(value: str) -> tuple[str, str]:
     """``(sdk_id, node_prefix)`` of a fleet id, or ``SandboxNotFound`` if it is not one."""
     sdk_id, sep, node = value.partition("@")
-    if not sep or not sdk_id.startswith("eb-") or len(node) != 12 or not all(
+    if not sep or not _SDK_ID.fullmatch(sdk_id) or len(node) != 12 or not all(
             c in "0123456789abcdef" for c in node):
         raise SandboxNotFound(f"{value!r} is not a fleet sandbox id",
                               hint="fleet ids look like eb-0123456789ab@0123456789ab; "
@@ -330,6 +343,7 @@ class NodeDaemon:
     def close(self, sandbox_id: str) -> None:
         """Close one sandbox; idempotent for one this daemon closed, ``SandboxNotFound``
         for an id it never had."""
+        _check_sdk_id(sandbox_id)
         with self._lock:
             entry = self._entries.pop(sandbox_id, None)
         if entry is None:
@@ -509,6 +523,7 @@ class NodeDaemon:
     # -- internals -------------------------------------------------------------------------
 
     def _entry(self, sandbox_id: str) -> _Entry:
+        _check_sdk_id(sandbox_id)
         with self._lock:
             entry = self._entries.get(sandbox_id)
         if entry is None or entry.pool:

@@ -411,3 +411,19 @@ def test_cli_job_run_and_fleet_commands(clean, env, tmp_path, capsys):
     assert code == 0 and len(out.splitlines()) == 4
     code, out, _ = cli("fleet", "ls", "--address", address)
     assert code == 0 and out == ""
+
+
+def test_fast_forward_answers_the_matching_prefix_then_runs_from_that_state(clean):
+    fleet = clean
+    first = fleet.create(LOCK, n=1, limits=LIMITS, exec_log=True)[0]
+    first.write_file("/note", b"v1")
+    r1 = first.exec("cat /note; echo $$")  # the pid differs per run: a replay would differ
+    first.exec("echo more >> /note")
+    restarted = fleet.create(LOCK, n=1, limits=LIMITS)[0]
+    ff = fleet.fast_forward(first.exec_log, into=restarted)
+    ff.write_file("/note", b"v1")
+    assert ff.exec("cat /note; echo $$") == r1  # the recorded result, not a new run
+    assert ff.matched == 2 and not restarted.exec("test -e /note").ok  # nothing ran yet
+    r = ff.exec("cat /note")  # diverges: the matched prefix is replayed first
+    assert r.stdout == b"v1"
+    assert restarted.read_file("/note") == b"v1"
