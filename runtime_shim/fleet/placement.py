@@ -17,6 +17,7 @@ benchmark compares against: each sandbox on a uniformly random node with room.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import random as _random
 from collections.abc import Mapping, Sequence
 
@@ -55,6 +56,13 @@ class Group:
     n: int
     memory: int = 0
     warm: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+
+def _full(free: int, want: int, nodes: int) -> RuntimeShimError:
+    return RuntimeShimError(f"the fleet has room for {free} more sandbox(es), {want} asked "
+                            f"({nodes} node(s))", reference="fleet-full",
+                            hint="create fewer, close some (`envbuild fleet rm`), or add "
+                                 "nodes with the envbuild_node resource")
 
 
 def plan(nodes: Sequence[NodeLoad], n: int, layers: Mapping[str, int], *, memory: int = 0,
@@ -118,19 +126,26 @@ def plan_groups(nodes: Sequence[NodeLoad], groups: Sequence[Group], *,
                     b for d, b in g.layers.items() if d in holds[node_id]) / size
             return s
 
-        while left:
-            candidates = [i for i in slots if room(i, g)]
-            if not candidates:
-                raise RuntimeShimError(
-                    f"the fleet has room for {total_free} more sandbox(es), {want} asked "
-                    f"({len(nodes)} node(s))", reference="fleet-full",
-                    hint="create fewer, close some (`envbuild fleet rm`), or add nodes with "
-                         "the envbuild_node resource")
-            if policy == "random":
+        if policy == "random":
+            while left:
+                candidates = [i for i in slots if room(i, g)]
+                if not candidates:
+                    raise _full(total_free, want, len(nodes))
                 put(rng.choice(candidates))
-            else:
-                put(max(candidates, key=lambda i: (score(i), slots[i], i)))
-            left -= 1
+                left -= 1
+        else:
+            # a node's score changes only when it is given a sandbox: a heap keeps the
+            # plan O(n log nodes) (32,000 sandboxes on 160 nodes in well under a second)
+            heap = [(-score(i), -slots[i], i) for i in slots if room(i, g)]
+            heapq.heapify(heap)
+            while left:
+                if not heap:
+                    raise _full(total_free, want, len(nodes))
+                _, _, node_id = heapq.heappop(heap)
+                put(node_id)
+                left -= 1
+                if room(node_id, g):
+                    heapq.heappush(heap, (-score(node_id), -slots[node_id], node_id))
         out.append({k: v for k, v in counts.items() if v})
     return out
 
