@@ -221,7 +221,9 @@ class NodeDaemon:
         self.adopted, self.reaped = self._adopt()
         self._refill = threading.Event()
         threading.Thread(target=self._reap_loop, name="fleet-reaper", daemon=True).start()
-        threading.Thread(target=self._pool_loop, name="fleet-pool", daemon=True).start()
+        self._pool_thread = threading.Thread(target=self._pool_loop, name="fleet-pool",
+                                             daemon=True)
+        self._pool_thread.start()
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -394,6 +396,7 @@ class NodeDaemon:
         pooled ones too). The ids closed."""
         self._stop.set()
         self._refill.set()
+        self._pool_thread.join(timeout=120)  # a pool start in flight finishes (or is closed)
         with self._lock:
             self._pools.clear()
             entries = list(self._entries.items()) if remove else []
@@ -540,7 +543,13 @@ class NodeDaemon:
                         break
                     with self._lock:
                         self._reserved -= 1
-                        self._entries[entry.sandbox.id] = entry
+                        stopped = self._stop.is_set()
+                        if not stopped:
+                            self._entries[entry.sandbox.id] = entry
+                    if stopped:  # shutdown ran while it started: nobody else will close it
+                        with contextlib.suppress(Exception):
+                            self._close_entry(entry)
+                        return
 
     # -- internals -------------------------------------------------------------------------
 

@@ -4,6 +4,8 @@ daemon's): ids that are paths, exec log names that are paths, a sandbox flooding
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from envbuild.errors import EnvbuildError, SandboxNotFound
@@ -68,3 +70,15 @@ def test_a_stream_flood_is_bounded_by_the_output_cap(daemon):
             result = value
     assert result is not None and result.output_truncated
     assert total <= 2 << 20 and len(result.stdout) <= 1 << 20
+
+
+def test_shutdown_while_a_pool_fills_leaves_no_sandbox(daemon):
+    d, store = daemon
+    spec = CreateSpec(lock=resolve(store, "env/busybox-shell").digest,
+                      limits=Limits(disk_bytes=None))
+    d.warm(spec, 3)
+    deadline = time.monotonic() + 60
+    while not any(d.layout.sandboxes.glob("eb-*")):  # a pool start is under way
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    d.shutdown()  # the fixture checks the node dir has no sandbox left
