@@ -699,6 +699,7 @@ def reap_node_dir(node_dir: str | os.PathLike[str]) -> list[str]:
     ids removed. For operators and tests after a node was lost."""
     from runtime_shim.sandbox import list_sandboxes, remove_sandbox
 
+    node_dir = os.path.realpath(node_dir)  # mounts are listed by their real path
     removed = []
     for info in list_sandboxes(node_dir):
         with contextlib.suppress(SandboxNotFound):
