@@ -441,7 +441,7 @@ class Fleet:
             for nid, k, ref in group:
                 try:
                     records.extend(_get(ref, CALL_TIMEOUT + CREATE_PER_SANDBOX * k, nid))
-                except EnvbuildError as e:
+                except Exception as e:  # noqa: BLE001 - the others are closed, then raised
                     errors.append(e)
             made.append(records)
         if errors:

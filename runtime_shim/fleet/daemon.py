@@ -204,7 +204,8 @@ class NodeDaemon:
             node_id = ray.get_runtime_context().get_node_id()
         self.config = config
         self.node_id = node_id
-        self.layout = NodeLayout(config.node_dir_for(node_id))
+        # the real path: the SDK finds a sandbox's mounts by it (a symlinked node dir would hide them)
+        self.layout = NodeLayout(os.path.realpath(config.node_dir_for(node_id)))
         self.layout.ensure()
         self.store = open_store(_open_url(config.store, config.s3_endpoint))
         self._lock = threading.Lock()

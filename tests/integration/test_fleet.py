@@ -427,3 +427,23 @@ def test_fast_forward_answers_the_matching_prefix_then_runs_from_that_state(clea
     r = ff.exec("cat /note")  # diverges: the matched prefix is replayed first
     assert r.stdout == b"v1"
     assert restarted.read_file("/note") == b"v1"
+
+
+def test_a_node_without_its_oci_runtime_fails_the_batch_in_one_line(env, tmp_path):
+    """The daemon class itself (no Ray needed for this check): a missing runtime is the
+    SDK's one-line error, and nothing of the batch is left."""
+    from envbuild.errors import RuntimeShimError
+    from runtime_shim.fleet.daemon import CreateSpec, DaemonConfig, NodeDaemon
+    from runtime_shim.locks import resolve
+
+    d = NodeDaemon(DaemonConfig(store=env["store"], node_dir=str(tmp_path / "{node_id}"),
+                                runtime="runc-not-installed"), node_id="ef" * 28)
+    try:
+        spec = CreateSpec(lock=resolve(d.store, LOCK).digest, limits=LIMITS)
+        with pytest.raises(RuntimeShimError) as e:
+            d.create_batch(spec, 3)
+        assert "runc-not-installed" in e.value.message and "\n" not in e.value.message
+        assert d.status().used == 0
+    finally:
+        d.shutdown()
+    assert not list((tmp_path / ("ef" * 28) / "sandboxes").glob("*"))
