@@ -613,13 +613,22 @@ class FleetSandbox:
         gen = self.fleet._daemon(self.node_id).exec_stream.remote(self.sdk_id, cmd, kwargs)
         end = time.monotonic() + deadline
         while True:
+            left = end - time.monotonic()
             try:
-                ref = next(gen)  # blocks until the next chunk
+                # Ray's generator with a deadline (a nil ref when nothing came in time)
+                ref = gen._next_sync(timeout_s=max(0.001, left))
             except StopIteration:
                 raise RuntimeShimError(f"exec stream of {self.id} ended without a result") \
                     from None
             except Exception as e:  # noqa: BLE001 - the actor died between chunks
                 _get_error(e, self.node_id)
+            if ref.is_nil():
+                with contextlib.suppress(Exception):
+                    _ray().cancel(gen)
+                raise NodeLost(f"node {self.node_id[:12]} sent nothing of the exec in "
+                               f"{deadline:.0f} s", node_id=self.node_id,
+                               hint="the node or its daemon is overloaded or hung; "
+                                    "`envbuild fleet nodes` shows the live ones")
             kind, value = _get(ref, max(1.0, end - time.monotonic()), self.node_id)
             if kind == "stdout" and on_stdout:
                 on_stdout(value)
