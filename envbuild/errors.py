@@ -29,6 +29,10 @@ bug and exits 2 with a traceback and a request to report it.
         ├── LockNotFound           no lock by that ref or digest in the store (also a
         │                          RefNotFound): raised before anything is created on disk
         ├── SandboxNotFound        no sandbox with that id on this node (attach, rm)
+        ├── NodeLost               a fleet node daemon died or stopped answering: its
+        │                          sandboxes are gone with it (runtime_shim.fleet)
+        ├── FleetUnavailable       the Ray cluster cannot be reached, or no node of it runs
+        │                          a fleet daemon (runtime_shim.fleet)
         ├── SandboxStartError      the sandbox was composed but did not start (runc or QEMU
         │                          exited, the agent never answered); nothing of it is left
         ├── BackendUnavailable     the backend is unknown, cannot run here (no runc, no QEMU),
@@ -235,6 +239,23 @@ class LockNotFound(RuntimeShimError, RefNotFound):
 
 class SandboxNotFound(RuntimeShimError):
     reference = "sandbox-not-found"
+
+
+class NodeLost(RuntimeShimError):
+    """A fleet node (its daemon actor, ``runtime_shim.fleet``) died or did not answer in
+    time; ``node_id`` names it. Its sandboxes are lost with it."""
+
+    reference = "node-lost"
+
+    def __init__(self, message: str, *, node_id: str = "", hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.node_id = node_id
+
+
+class FleetUnavailable(RuntimeShimError):
+    """The fleet's Ray cluster cannot be reached, or none of its nodes runs a daemon."""
+
+    reference = "fleet-unavailable"
 
 
 class SandboxStartError(RuntimeShimError):

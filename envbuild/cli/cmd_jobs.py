@@ -64,6 +64,19 @@ def register(group: click.Group) -> None:
             click.echo(report.summary(), err=True)
         return 0 if report.ok else 1
 
+    @job.command("run")
+    @click.argument("file", type=click.Path(path_type=Path, dir_okay=False))
+    @click.option("--fleet", "address", metavar="ADDRESS", required=True,
+                  help="Ray cluster of the fleet (auto, HOST:PORT, ray://HOST:PORT).")
+    @click.option("--ttl", type=float, default=None, help="Lease of each sandbox (seconds).")
+    @click.option("--json", "as_json", is_flag=True, help="Print the sandbox ids as JSON.")
+    @pass_app
+    def job_run(app: App, file: Path, address: str, ttl: float | None, as_json: bool) -> None:
+        """Create every group of a resolved manifest across a fleet; print the sandbox ids."""
+        from envbuild.cli.cmd_fleet import job_run as run
+
+        run(app, file, address, as_json, ttl)
+
     @group.command("gc")
     @click.option("--store", "store_url", metavar="DIR|URL", default=None, help=_STORE_HELP)
     @click.option("--grace", default="24h", show_default=True, metavar="DURATION",

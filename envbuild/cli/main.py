@@ -89,6 +89,7 @@ COMMAND_MODULES: dict[str, str] = {
     "push": "cmd_sync", "pull": "cmd_sync",
     "job": "cmd_jobs", "gc": "cmd_jobs",
     "export": "cmd_export",
+    "fleet": "cmd_fleet",
 }
 
 
