@@ -88,6 +88,14 @@ class Snapshottable(Protocol):
 
 
 @runtime_checkable
+class Describable(Protocol):
+    """A handle with backend-specific facts for ``Sandbox.info()`` (a microVM's
+    ``layer_transport``): a JSON-able mapping, recorded in ``sandbox.json`` once it started."""
+
+    def describe(self) -> Mapping[str, object]: ...
+
+
+@runtime_checkable
 class Backend(Protocol):
     """A kind of sandbox (``container``, ``microvm``, a test's fake)."""
 

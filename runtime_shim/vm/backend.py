@@ -75,6 +75,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from envbuild.errors import BackendUnavailable, RuntimeShimError, SandboxCompromised, SandboxStartError
+from envbuild.safefs import remove_tree
 from runtime_shim import (
     agent,
     netns,  # a networked sandbox's own namespace
@@ -85,11 +86,15 @@ from runtime_shim.locks import ResolvedLock
 from runtime_shim.mount import unmount
 from runtime_shim.nodecache import NodeCache, parse_size
 from runtime_shim.spec import parse_user
+from runtime_shim.vm import checkpoint as ckpt
 from runtime_shim.vm import erofs, initramfs, qemu
 from runtime_shim.vm import kernel as vmkernel
 from runtime_shim.vm.serial import SerialMux
 
 MAX_LAYERS = initramfs.MAX_LAYERS
+#: Migration capabilities for checkpoints: shared memory (the pmem layer images, file-backed
+#: ``share=on``) is not copied into the image; the restoring VM maps the same files.
+MIGRATION_CAPS = [{"capability": "x-ignore-shared", "state": True}]
 CONFIG_DISK_SIZE = 4096
 #: The writable disk's size when ``Limits.disk_bytes`` is None: a disk always has one.
 VM_DISK_UNLIMITED = 64 << 30
@@ -110,6 +115,10 @@ class VmOptions:
     disk_bytes: int | None = None
     boot_timeout: float = 90.0  # TCG on a busy 2-core host takes seconds
     default_memory_bytes: int = 1 << 30  # when Limits.memory_bytes is None
+    # How the read-only layers reach the guest (LAYER_TRANSPORTS): "auto" is "pmem-dax"
+    # where the guest kernel and QEMU can, else "virtio-blk" (``choose_layer_transport``).
+    layers: str = "auto"
+    balloon: bool = True  # a virtio-balloon with free page reporting (freed memory goes back)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> VmOptions:
@@ -118,17 +127,51 @@ class VmOptions:
             opts = dataclasses.replace(opts, vcpus=int(environ["ENVBUILD_VM_CPUS"]))
         if environ.get("ENVBUILD_VM_DISK"):
             opts = dataclasses.replace(opts, disk_bytes=parse_size(environ["ENVBUILD_VM_DISK"]))
+        if environ.get("ENVBUILD_VM_LAYERS"):
+            opts = dataclasses.replace(opts, layers=environ["ENVBUILD_VM_LAYERS"])
+        if environ.get("ENVBUILD_VM_BALLOON"):
+            opts = dataclasses.replace(opts, balloon=environ["ENVBUILD_VM_BALLOON"] not in
+                                       ("0", "off", "no", "false"))
         return opts
 
 
-def guest_config(lock: ResolvedLock, *, layers: int, network: bool, nofile: int) -> bytes:
+#: ``VmOptions.layers`` values; the last two are what ``info().layer_transport`` reports.
+LAYER_TRANSPORTS = ("auto", "pmem-dax", "virtio-blk")
+
+
+def choose_layer_transport(wanted: str, kern: vmkernel.GuestKernel, qemu_bin: str
+                           ) -> tuple[str, str | None]:
+    """``(transport, why)``: ``pmem-dax`` (each layer image a virtio-pmem device on the q35
+    machine, mounted ``-o dax`` by the guest: one copy of its pages in the host's page cache
+    serves every VM) when asked for or ``auto`` and both the guest kernel
+    (``kernel.pmem_dax_missing``) and QEMU (``virtio-pmem-pci``) can, else ``virtio-blk``
+    (microvm, each guest caching its own copy) with ``why`` saying what was missing.
+    ``pmem-dax`` asked for and impossible raises ``BackendUnavailable``."""
+    if wanted not in LAYER_TRANSPORTS:
+        raise RuntimeShimError(f"ENVBUILD_VM_LAYERS={wanted!r} is not one of "
+                               f"{', '.join(LAYER_TRANSPORTS)}")
+    if wanted == "virtio-blk":
+        return "virtio-blk", "asked for"
+    why = vmkernel.pmem_dax_missing(kern)
+    if why is None and "virtio-pmem-pci" not in qemu.qemu_devices(qemu_bin):
+        why = f"{qemu_bin} has no virtio-pmem-pci device"
+    if why is None:
+        return "pmem-dax", None
+    if wanted == "pmem-dax":
+        raise BackendUnavailable(f"layers on virtio-pmem with DAX: {why}",
+                                 hint="set ENVBUILD_VM_LAYERS=virtio-blk (or auto)")
+    return "virtio-blk", why
+
+def guest_config(lock: ResolvedLock, *, layers: int, network: bool, nofile: int,
+                 pmem: bool = False) -> bytes:
     """The config disk's contents (pure): a shell fragment, padded with newlines to a sector
     multiple so the init sources the device itself."""
     hostname = lock.hostname or "sandbox"
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]{0,62}", hostname):
         raise RuntimeShimError(f"lock hostname {hostname!r} is not a valid host name")
     env = [f"{k}={v}" for k, v in lock.env.items()]
-    text = (f"EB_LAYERS={layers}\nEB_HOSTNAME={shlex.quote(hostname)}\n"
+    text = (f"EB_LAYERS={layers}\nEB_PMEM={1 if pmem else 0}\n"
+            f"EB_HOSTNAME={shlex.quote(hostname)}\n"
             f"EB_NET={1 if network else 0}\nEB_NOFILE={int(nofile)}\n"
             f"set -- {' '.join(shlex.quote(e) for e in env)}\n").encode()
     if b"\0" in text:
@@ -138,16 +181,23 @@ def guest_config(lock: ResolvedLock, *, layers: int, network: bool, nofile: int)
     return text + b"\n" * (-len(text) % CONFIG_DISK_SIZE or 0)
 
 
-def vm_drives(layer_images: Sequence[Path], rw_disk: Path, config_disk: Path
-              ) -> tuple[qemu.Drive, ...]:
-    """The disks of a VM in the order QEMU attaches them (pure)."""
+def vm_drives(layer_images: Sequence[Path], rw_disk: Path, config_disk: Path, *,
+              pmem: bool = False) -> tuple[qemu.Drive, ...]:
+    """The disks of a VM in the order QEMU attaches them (pure); with ``pmem`` the layers
+    are not disks (``vm_pmem``)."""
     if len(layer_images) > MAX_LAYERS:
         raise RuntimeShimError(f"a microVM takes at most {MAX_LAYERS} layers; this lock has "
                                f"{len(layer_images)}",
                                hint="use the container backend for this lock")
     return (qemu.Drive(str(config_disk), "eb-cfg"),
-            *(qemu.Drive(str(p), f"eb-l{i}") for i, p in enumerate(layer_images)),
+            *(qemu.Drive(str(p), f"eb-l{i}") for i, p in enumerate(layer_images) if not pmem),
             qemu.Drive(str(rw_disk), "eb-rw", readonly=False))
+
+
+def vm_pmem(layer_images: Sequence[Path]) -> tuple[qemu.Pmem, ...]:
+    """The layers as virtio-pmem devices, bottom first (image lengths are already multiples
+    of ``qemu.PMEM_ALIGN``: ``erofs.ensure_erofs``)."""
+    return tuple(qemu.Pmem(str(p), p.stat().st_size) for p in layer_images)
 
 
 class MicroVmSandbox:
@@ -158,7 +208,11 @@ class MicroVmSandbox:
                  layer_dirs: Sequence[str], *, network: netns.NetworkPolicy | bool | None, limits,
                  options: VmOptions | None
                  = None, launcher: qemu.VmLauncher | None = None,
-                 environ: Mapping[str, str] = os.environ) -> None:
+                 environ: Mapping[str, str] = os.environ,
+                 restore: tuple[ckpt.VmCheckpoint, Path] | None = None) -> None:
+        """Boot a VM of ``lock``, or with ``restore=(record, dir)`` start it from that
+        checkpoint (``runtime_shim.vm.checkpoint``) without booting: its files are checked
+        against the record before QEMU sees them."""
         self.id = sandbox_id
         self.root = root
         self.lock = lock
@@ -172,18 +226,33 @@ class MicroVmSandbox:
         t0 = time.monotonic()
         kern = vmkernel.find_kernel(environ)
         image = vmkernel.boot_image(node.root, kern)
+        qemu_bin = qemu.find_qemu()
+        self.layer_transport, self.layer_transport_why = choose_layer_transport(
+            self.options.layers, kern, qemu_bin)
+        pmem = self.layer_transport == "pmem-dax"
         agent_path = agent.agent_binary(node.root)  # PID 1 of the guest, in serial mode
-        initrd = initramfs.ensure_initramfs(node.root, kern, agent_path, network=network)
+        initrd = initramfs.ensure_initramfs(node.root, kern, agent_path, network=network,
+                                            pmem=pmem, balloon=self.options.balloon)
         t1 = time.monotonic()
         images = [erofs.ensure_erofs(node.root, layer.digest, Path(d))
                   for layer, d in zip(lock.layers, layer_dirs)]
         t2 = time.monotonic()
         rw = root / "rw.ext4"
-        erofs.make_writable_disk(rw, self.options.disk_bytes or limits.disk_bytes
-                                 or VM_DISK_UNLIMITED, inodes=limits.inodes)
         cfg = root / "config.sh"
-        cfg.write_bytes(guest_config(lock, layers=len(images), network=network,
-                                     nofile=limits.nofile))
+        if restore is None:
+            erofs.make_writable_disk(rw, self.options.disk_bytes or limits.disk_bytes
+                                     or VM_DISK_UNLIMITED, inodes=limits.inodes)
+            cfg.write_bytes(guest_config(lock, layers=len(images), network=network,
+                                         nofile=limits.nofile, pmem=pmem))
+        else:
+            record, src = restore
+            if record.lock != lock.digest:
+                raise RuntimeShimError(f"restore microVM checkpoint: it is of lock "
+                                       f"{record.lock}, not {lock.digest}")
+            # checked as copied: what QEMU gets is what was verified
+            ckpt.check_file(record, ckpt.DISK_FILE, ckpt.sparse_copy(src / ckpt.DISK_FILE, rw))
+            ckpt.check_file(record, ckpt.CONFIG_FILE,
+                            ckpt.sparse_copy(src / ckpt.CONFIG_FILE, cfg))
         self.console_log = root / "console.log"
         self.agent_socket = root / "agent.sock"
         self.qmp_socket = root / "qmp.sock"
@@ -194,10 +263,22 @@ class MicroVmSandbox:
         self.request = qemu.VmRequest(
             kernel=str(image), initrd=str(initrd),
             cmdline=vmkernel.kernel_cmdline(tsc_khz=vmkernel.host_tsc_khz()),
-            drives=vm_drives(images, rw, cfg),
+            drives=vm_drives(images, rw, cfg, pmem=pmem),
             agent_socket=str(self.agent_socket), memory_mib=max(128, memory >> 20),
             vcpus=self.options.vcpus, accel=accel, network=network,
-            qmp_socket=str(self.qmp_socket))
+            qmp_socket=str(self.qmp_socket), machine="q35" if pmem else "microvm",
+            pmem=vm_pmem(images) if pmem else (), balloon=self.options.balloon,
+            incoming="defer" if restore else None)
+        self.model, self.model_digest = ckpt.device_model(
+            machine=self.request.machine, memory_mib=self.request.memory_mib,
+            vcpus=self.request.vcpus, balloon=self.request.balloon, network=network,
+            layers=tuple(layer.digest for layer in lock.layers),
+            pmem_sizes=tuple(p.size for p in self.request.pmem),
+            drives=tuple(d.serial for d in self.request.drives),
+            qemu_version=qemu.qemu_version(qemu_bin), kernel_version=kern.version,
+            initramfs=initrd.name)
+        if restore is not None:
+            self._check_restore(*restore)
         t3 = time.monotonic()
         self._mux: SerialMux | None = None
         if policy is not None:  # QEMU joins the sandbox's own namespace (runtime_shim.netns)
@@ -210,7 +291,12 @@ class MicroVmSandbox:
             self.close()
             raise
         try:
-            self.guest_ready_at = self._wait_ready()
+            if restore is not None:
+                self._incoming(*restore)
+            self.guest_ready_at = self._wait_ready(
+                first_channel=restore[0].next_channel if restore else 1)
+            if restore is not None:
+                self._fsfreeze("unfreeze")  # the image is of a frozen guest (checkpoint())
         except BaseException:
             self.close()
             raise
@@ -222,7 +308,91 @@ class MicroVmSandbox:
     def pid(self) -> int:
         return self._proc.pid if self._proc else 0
 
-    def _wait_ready(self) -> float:
+    def describe(self) -> dict[str, object]:
+        """What ``Sandbox.info()`` reports of this VM beyond the common record
+        (``runtime_shim.backend.Describable``)."""
+        return {"layer_transport": self.layer_transport,
+                "layer_transport_why": self.layer_transport_why,
+                "machine": self.request.machine, "accel": self.request.accel,
+                "balloon": self.request.balloon}
+
+    def _check_restore(self, record: ckpt.VmCheckpoint, src: Path) -> None:
+        """Refuse a checkpoint whose device model or memory image is not the recorded one."""
+        if record.device_model != self.model_digest:
+            diff = sorted(k for k in self.model if self.model.get(k) != record.model.get(k))
+            raise RuntimeShimError(
+                "restore microVM checkpoint: this VM's devices differ from the checkpoint's",
+                context=f"differs in: {', '.join(diff) or 'the recorded model itself'}",
+                hint="restore with the same limits, network and kernel it was saved with")
+        ckpt.check_file(record, ckpt.MEMORY_FILE, ckpt.file_digest(src / ckpt.MEMORY_FILE))
+
+    def _incoming(self, record: ckpt.VmCheckpoint, src: Path) -> None:
+        """Load the memory image into the QEMU started with ``-incoming defer``."""
+        path = str(self.qmp_socket)
+        deadline = time.monotonic() + 10
+        while not self.qmp_socket.exists():
+            if self._proc is None or self._proc.poll() is not None or \
+                    time.monotonic() > deadline:
+                raise SandboxStartError(f"restore microVM {self.id}: QEMU did not start",
+                                        context=self._console().decode(errors="replace")[-3000:])
+            time.sleep(0.002)
+        qemu.qmp(path, "migrate-set-capabilities", {"capabilities": MIGRATION_CAPS})
+        mem = src / ckpt.MEMORY_FILE
+        qemu.qmp(path, "migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(mem))}"})
+        try:
+            qemu.wait_migration(path, self.options.boot_timeout)
+        except RuntimeShimError as e:
+            raise SandboxStartError(f"restore microVM {self.id}: {e.message}",
+                                    context=self._console().decode(errors="replace")[-3000:]
+                                    ) from None
+        status = qemu.qmp(path, "query-status")
+        if isinstance(status, dict) and status.get("status") != "running":
+            qemu.qmp(path, "cont")
+
+    def checkpoint(self, dest: Path, *, leave_running: bool = False) -> ckpt.VmCheckpoint:
+        """Save this VM into the new directory ``dest`` (``runtime_shim.vm.checkpoint``) and
+        return envbuild's record of it; without ``leave_running`` the VM is closed after."""
+        if self._proc is None or self._proc.poll() is not None or self._mux is None:
+            raise RuntimeShimError(f"microVM {self.id} is not running")
+        started = time.monotonic()
+        dest = Path(dest)
+        dest.mkdir(mode=0o700)
+        path = str(self.qmp_socket)
+        resume: list = []
+        ok = False
+        try:
+            self._fsfreeze("freeze")
+            resume.append(lambda: self._fsfreeze("unfreeze"))
+            qemu.qmp(path, "stop")
+            resume.append(lambda: qemu.qmp(path, "cont"))
+            channel = self._mux.next_channel  # after the freeze exec: no exec is under way
+            qemu.qmp(path, "migrate-set-capabilities", {"capabilities": MIGRATION_CAPS})
+            # QEMU's default cap is 32 MiB/s; the VM is stopped, so go as fast as the disk.
+            qemu.qmp(path, "migrate-set-parameters", {"max-bandwidth": 1 << 40})
+            mem = dest / ckpt.MEMORY_FILE
+            qemu.qmp(path, "migrate", {"uri": f"exec:cat > {shlex.quote(str(mem))}"})
+            qemu.wait_migration(path, 600)
+            files = {ckpt.MEMORY_FILE: ckpt.file_digest(mem),
+                     ckpt.DISK_FILE: ckpt.sparse_copy(self.rw_disk, dest / ckpt.DISK_FILE),
+                     ckpt.CONFIG_FILE: ckpt.sparse_copy(self.root / "config.sh",
+                                                        dest / ckpt.CONFIG_FILE)}
+            record = ckpt.VmCheckpoint(lock=self.lock.digest, device_model=self.model_digest,
+                                       model=self.model, files=files, next_channel=channel,
+                                       seconds=time.monotonic() - started)
+            (dest / ckpt.RECORD_FILE).write_text(record.to_json())
+            ok = True
+        finally:
+            if not ok:
+                with contextlib.suppress(OSError):
+                    remove_tree(dest)
+            if ok and not leave_running:
+                self.close()
+            else:
+                for undo in reversed(resume):
+                    undo()
+        return record
+
+    def _wait_ready(self, first_channel: int = 1) -> float:
         """Connect to the agent's serial socket and wait for its HELLO on a first channel,
         watching the console for the init failing and QEMU for exiting. Returns the guest
         uptime at which the init handed over (from its ready line), or 0."""
@@ -238,7 +408,7 @@ class MicroVmSandbox:
                 except OSError:
                     line.close()
                 else:
-                    self._mux = SerialMux(line)
+                    self._mux = SerialMux(line, first_channel)
                     probe = self._mux.connect()
                     probe.setblocking(False)
                     probe.sendall(agent.frame(agent.T_HELLO,
@@ -447,6 +617,15 @@ class MicroVmBackend:
         # the guest composes the layers; only the node cache's unpacked dirs are needed here
         return MicroVmSandbox(req.id, req.paths.root, req.lock, req.node, req.layer_dirs,
                               network=req.network, limits=req.limits)
+
+    def restore(self, req: CreateRequest, record: ckpt.VmCheckpoint, source: Path
+                ) -> MicroVmSandbox:
+        """A new sandbox (``req``, as for ``create``) continuing from the checkpoint in
+        ``source`` that ``record`` describes (``MicroVmSandbox.checkpoint``): no kernel
+        boot; files or devices that differ from the record are refused before QEMU starts."""
+        return MicroVmSandbox(req.id, req.paths.root, req.lock, req.node, req.layer_dirs,
+                              network=req.network, limits=req.limits,
+                              restore=(record, Path(source)))
 
     def attach(self, paths: SandboxPaths, layout: NodeLayout, lock: ResolvedLock,
                runtime: str) -> MicroVmSandbox:

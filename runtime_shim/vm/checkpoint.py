@@ -1,0 +1,185 @@
+"""MicroVM checkpoints: a running VM's memory and device state (QEMU migration to a file) and
+its writable disk, restored later in a new QEMU that never boots a kernel.
+
+A checkpoint is a directory of three files plus the record that vouches for them::
+
+    memory.img     QEMU's migration stream (RAM, CPU and device state), ``migrate exec:cat``
+    rw.ext4        the writable disk at the moment the VM stopped (sparse copy)
+    config.sh      the config disk (the guest read it at boot; kept byte-identical)
+
+and ``VmCheckpoint`` (``to_json`` / ``from_json``, ``CHECKPOINT_VERSION``): the digest and size
+of each file, the digest of the VM's device model (``device_model``: machine, RAM, vCPUs,
+devices, layer digests and pmem sizes, QEMU's version) and what the agent line needs. The
+record is envbuild's own: the caller keeps it where a sandbox cannot write (the store, as a
+blob named by its digest, or the node dir) and hands it back to ``restore``. The files are
+untrusted input: ``restore`` loads nothing whose digest or device model differs from the
+record (a memory image is parsed by QEMU's migration code, which runs unfiltered on the host),
+and leaves nothing behind when it refuses.
+
+Digests of sparse files (``sparse_copy``): sha256 over ``(offset, block)`` of every non-zero
+``BLOCK``-byte block plus the length, so a hole and a run of zeros hash the same and the
+digest does not depend on how a filesystem stored the file. The copy writes only those
+blocks into a file truncated to the length: a 10 GiB disk with 2 MB written costs 2 MB.
+
+Consistency (``MicroVmSandbox.checkpoint``): the guest freezes its writable ext4 (as for
+pack-diff), QMP ``stop`` halts the vCPUs and drains the disk queue, the migration writes the
+memory image, the disk is copied, then the original either resumes (``leave_running``: QMP
+``cont`` + unfreeze) or is closed. The image is of a frozen guest, so the restored VM's first
+act is the unfreeze.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from envbuild.errors import RuntimeShimError
+
+CHECKPOINT_VERSION = 1
+MEMORY_FILE = "memory.img"
+DISK_FILE = "rw.ext4"
+CONFIG_FILE = "config.sh"
+RECORD_FILE = "checkpoint.json"
+BLOCK = 64 << 10
+_ZERO = bytes(BLOCK)
+
+
+@dataclasses.dataclass(frozen=True)
+class FileDigest:
+    sha256: str
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class VmCheckpoint:
+    """envbuild's record of one microVM checkpoint (see the module docstring)."""
+
+    lock: str  # the lock digest the VM ran
+    device_model: str  # sha256 of device_model(request, layers)
+    model: dict  # the device model itself (for messages and restore)
+    files: dict[str, FileDigest]
+    next_channel: int  # the agent line's next channel id (ids are not reused)
+    seconds: float = 0.0  # how long the checkpoint took
+    version: int = CHECKPOINT_VERSION
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.files[MEMORY_FILE].size
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.files[DISK_FILE].size
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> VmCheckpoint:
+        try:
+            raw = json.loads(text)
+            if raw.get("version") != CHECKPOINT_VERSION:
+                raise RuntimeShimError(f"microVM checkpoint record version {raw.get('version')!r}"
+                                       f" is not {CHECKPOINT_VERSION}",
+                                       hint="make the checkpoint again with this envbuild")
+            files = {k: FileDigest(str(v["sha256"]), int(v["size"]))
+                     for k, v in raw["files"].items()}
+            return cls(lock=str(raw["lock"]), device_model=str(raw["device_model"]),
+                       model=dict(raw["model"]), files=files,
+                       next_channel=int(raw["next_channel"]), seconds=float(raw["seconds"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise RuntimeShimError(f"read microVM checkpoint record: {e}") from None
+
+
+@runtime_checkable
+class Checkpointable(Protocol):
+    """A sandbox handle whose processes and memory can be saved and restored (the microVM
+    handle; the container one is CRIU's, issue 18). ``checkpoint`` writes the files into
+    ``dest`` (a new directory) and returns the record; the original keeps running only with
+    ``leave_running``. Restoring is the backend's (``MicroVmBackend.restore``)."""
+
+    def checkpoint(self, dest: Path, *, leave_running: bool = False) -> VmCheckpoint: ...
+
+
+def device_model(*, machine: str, memory_mib: int, vcpus: int, balloon: bool, network: bool,
+                 layers: tuple[str, ...], pmem_sizes: tuple[int, ...], drives: tuple[str, ...],
+                 qemu_version: str, kernel_version: str, initramfs: str) -> tuple[dict, str]:
+    """The VM's device model (pure): everything a migration stream depends on, and its
+    digest. Paths are not in it (a restore runs under another sandbox dir)."""
+    model = {"machine": machine, "memory_mib": memory_mib, "vcpus": vcpus, "balloon": balloon,
+             "network": network, "layers": list(layers), "pmem_sizes": list(pmem_sizes),
+             "drives": list(drives), "qemu": qemu_version, "kernel": kernel_version,
+             "initramfs": initramfs}
+    text = json.dumps(["envbuild.vm.device-model.v1", model], sort_keys=True,
+                      separators=(",", ":"))
+    return model, "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def sparse_copy(src: Path, dst: Path | None) -> FileDigest:
+    """The sparse digest of ``src`` (module docstring); with ``dst``, also a copy holding
+    only its non-zero blocks (``dst`` is created, never overwritten). Reads only the data
+    regions (``SEEK_DATA``/``SEEK_HOLE``)."""
+    h = hashlib.sha256(b"envbuild.sparse.v1\0")
+    fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    out = -1
+    try:
+        size = os.fstat(fd).st_size
+        if dst is not None:
+            out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            os.ftruncate(out, size)
+        pos = 0
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError:  # ENXIO: only a hole is left
+                break
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            start -= start % BLOCK
+            off = start
+            while off < end:
+                block = os.pread(fd, min(BLOCK, size - off), off)
+                if not block:
+                    break
+                if block != _ZERO[:len(block)]:
+                    h.update(off.to_bytes(8, "big") + len(block).to_bytes(4, "big"))
+                    h.update(block)
+                    if out >= 0:
+                        os.pwrite(out, block, off)
+                off += len(block)
+            pos = max(end, off)
+        h.update(b"end" + size.to_bytes(8, "big"))
+    finally:
+        os.close(fd)
+        if out >= 0:
+            os.close(out)
+    return FileDigest("sha256:" + h.hexdigest(), size)
+
+
+def file_digest(path: Path) -> FileDigest:
+    """sha256 of a whole file (the memory image: dense, read once)."""
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        size = 0
+        with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
+            buf = bytearray(4 << 20)
+            view = memoryview(buf)
+            while n := f.readinto(buf):
+                h.update(view[:n])
+                size += n
+    finally:
+        os.close(fd)
+    return FileDigest("sha256:" + h.hexdigest(), size)
+
+
+def check_file(record: VmCheckpoint, name: str, got: FileDigest) -> None:
+    want = record.files.get(name)
+    if want is None or want != got:
+        raise RuntimeShimError(f"restore microVM checkpoint: {name} does not match the "
+                               f"checkpoint's record",
+                               context=f"recorded {want}, found {got}",
+                               hint="the checkpoint files were changed or belong to another "
+                                    "checkpoint; make a new checkpoint")
