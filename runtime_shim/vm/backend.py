@@ -655,3 +655,51 @@ def _is_qemu(pid: int, root: Path) -> bool:
     except OSError:
         return False
     return str(root).encode() in cmdline
+
+
+def restore_sandbox(record: ckpt.VmCheckpoint, source: str | os.PathLike[str], *, store,
+                    node_dir=None, limits=None, network: bool | Sequence[str] = False):
+    """A ``runtime_shim.sandbox.Sandbox`` continuing the microVM checkpoint in ``source``
+    that ``record`` (envbuild's own, ``MicroVmSandbox.checkpoint``) describes, on the node
+    ``node_dir``: the same steps as ``Sandbox.create`` (resolve the record's lock, fetch its
+    layers, make the sandbox's dir and record) with ``MicroVmBackend.restore`` instead of a
+    boot. ``limits`` default to the checkpoint's RAM; they and ``network`` must match the
+    checkpointed VM's devices or the restore is refused (nothing left behind)."""
+    import uuid
+
+    from runtime_shim import sandbox as sdk
+    from runtime_shim.backend import get_backend, undo_on_error
+    from runtime_shim.locks import resolve
+    from runtime_shim.model import Limits
+
+    policy = netns.parse_network(network)
+    opened = sdk.open_store(store)
+    layout = sdk._layout(node_dir)
+    lock = resolve(opened, record.lock)
+    layout.ensure()
+    node = NodeCache(layout.node)
+    layer_dirs = tuple(str(node.ensure(opened, layer.digest, layer.toc_digest,
+                                       media_type=layer.media_type)) for layer in lock.layers)
+    limits = limits or Limits(memory_bytes=int(record.model["memory_mib"]) << 20)
+    sandbox_id = f"eb-{uuid.uuid4().hex[:12]}"
+    paths = layout.sandbox(sandbox_id)
+    meta = {"version": sdk.SANDBOX_META_VERSION, "id": sandbox_id, "lock": lock.digest,
+            "backend": "microvm", "pid": os.getpid(), "kept": False, "created": time.time(),
+            "layers": [layer.digest for layer in lock.layers],
+            "store": sdk._store_url(store), "ttl": None, "expires": 0.0, "ready": 0.0}
+    layout.sandboxes.mkdir(exist_ok=True)
+    paths.root.mkdir()
+    with undo_on_error(paths):
+        sdk._write_meta(paths, meta)
+        backend = get_backend("microvm")
+        assert isinstance(backend, MicroVmBackend)
+        handle = backend.restore(CreateRequest(
+            id=sandbox_id, paths=paths, layout=layout, lock=lock, layer_dirs=layer_dirs,
+            node=node, network=policy, limits=limits), record, Path(source))
+        try:
+            sdk._write_meta(paths, {**meta, "ready": time.time(), "details": handle.describe(),
+                                    "restored_from": record.files[ckpt.MEMORY_FILE].sha256})
+        except BaseException:
+            handle.close()
+            raise
+    return sdk.Sandbox(sandbox_id, lock, paths, handle, layout, opened, backend_name="microvm")
