@@ -330,12 +330,17 @@ class MicroVmSandbox:
         """Load the memory image into the QEMU started with ``-incoming defer``."""
         path = str(self.qmp_socket)
         deadline = time.monotonic() + 10
-        while not self.qmp_socket.exists():
-            if self._proc is None or self._proc.poll() is not None or \
-                    time.monotonic() > deadline:
-                raise SandboxStartError(f"restore microVM {self.id}: QEMU did not start",
-                                        context=self._console().decode(errors="replace")[-3000:])
-            time.sleep(0.002)
+        while True:  # the socket file appears a moment before QEMU listens on it
+            try:
+                qemu.qmp(path, "query-status")
+                break
+            except RuntimeShimError:
+                if self._proc is None or self._proc.poll() is not None or \
+                        time.monotonic() > deadline:
+                    raise SandboxStartError(
+                        f"restore microVM {self.id}: QEMU did not start",
+                        context=self._console().decode(errors="replace")[-3000:]) from None
+                time.sleep(0.002)
         qemu.qmp(path, "migrate-set-capabilities", {"capabilities": MIGRATION_CAPS})
         mem = src / ckpt.MEMORY_FILE
         qemu.qmp(path, "migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(mem))}"})
