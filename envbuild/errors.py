@@ -39,6 +39,9 @@ bug and exits 2 with a traceback and a request to report it.
         ├── SnapshotRefused        pack-diff policy: a sandbox's changes exceed a size cap or
         │                          hold links out of the upper dir (runtime_shim.packdiff);
         │                          also an UnsafeLayerError
+        ├── CheckpointRefused      a memory checkpoint cannot be taken (a process CRIU cannot
+        │                          dump: named, with the reason) or restored (an image that
+        │                          does not match envbuild's record of it); nothing is left
         └── SandboxCompromised     the exec channel broke the protocol (a forged, short or
                                    out-of-order frame): nothing it said is trusted
 
@@ -261,6 +264,14 @@ class SnapshotRefused(RuntimeShimError, UnsafeLayerError):
     """pack-diff's policy refused a sandbox's changes (``runtime_shim.packdiff``)."""
 
     reference = "snapshot-refused"
+
+
+class CheckpointRefused(RuntimeShimError):
+    """A checkpoint with memory (``Sandbox.checkpoint`` / ``restore`` / ``fork``) was refused:
+    the dump failed (the process and the reason are in the message), or an image does not
+    match the record envbuild made when it dumped it."""
+
+    reference = "checkpoint-refused"
 
 
 class SandboxCompromised(RuntimeShimError):

@@ -27,6 +27,7 @@ from envbuild._lazy import lazy_exports
 __all__ = [
     "AsyncSandbox",
     "BackendUnavailable",
+    "CheckpointRefused",
     "ExecResult",
     "ExecTimeout",
     "Limits",
@@ -50,7 +51,7 @@ _WHERE = {
     "Sandbox": "runtime_shim.sandbox",
     "list_sandboxes": "runtime_shim.sandbox",
     **{name: "envbuild.errors" for name in (
-        "BackendUnavailable", "ExecTimeout", "LockNotFound", "RuntimeShimError",
+        "BackendUnavailable", "CheckpointRefused", "ExecTimeout", "LockNotFound", "RuntimeShimError",
         "SandboxClosed", "SandboxCompromised", "SandboxNotFound", "SandboxStartError",
         "SnapshotRefused")},
 }
@@ -58,6 +59,7 @@ _WHERE = {
 if TYPE_CHECKING:
     from envbuild.errors import (
         BackendUnavailable,
+        CheckpointRefused,
         ExecTimeout,
         LockNotFound,
         RuntimeShimError,

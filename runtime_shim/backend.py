@@ -10,6 +10,10 @@ pack-diff. A backend does the rest, behind three runtime-checkable protocols:
   ``exec``, ``read_file``, ``write_file``, ``close``;
 - ``Snapshottable``: optional, for pack-diff: ``quiesce`` (a context manager in which the
   sandbox's writes are stopped) and ``upper_dir`` (its changes, readable inside it).
+- ``Checkpointable`` (a handle) and ``Restorable`` (a backend): optional, for checkpoints with
+  memory (``Sandbox.checkpoint`` / ``Sandbox.restore`` / ``Sandbox.fork``): ``checkpoint``
+  writes a ``CheckpointImage`` into a dir, ``restore`` starts a sandbox from one. Separate
+  from ``Snapshottable`` so a backend that can pack-diff but not dump memory stays one.
 
 Backends are registered by name (``register``) and looked up with ``get_backend``; the built-in
 ones (``container``: ``runtime_shim.container``, ``microvm``: ``runtime_shim.vm.backend``) are
@@ -85,6 +89,56 @@ class Snapshottable(Protocol):
     def quiesce(self) -> contextlib.AbstractContextManager[None]: ...
 
     def upper_dir(self) -> Path: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointImage:
+    """A backend's memory image of one sandbox: the files in ``dir`` plus ``record``.
+
+    ``kind`` names the format and so the backend that restores it (``"criu"``: a container,
+    ``runtime_shim.criu``; ``"qemu"``: a microVM). ``record`` is what the backend saw when it
+    dumped (JSON-able: e.g. the process tree and mounts, each image file's sha256 and size):
+    the SDK stores it beside the image, and ``Restorable.restore`` checks the image it is given
+    against it, never trusting what the image says about itself. ``bytes`` is the size of the
+    image's files, ``seconds`` how long the dump took."""
+
+    kind: str
+    dir: Path
+    record: Mapping[str, object]
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@runtime_checkable
+class Checkpointable(Protocol):
+    """A handle whose processes can be dumped with their memory (``Sandbox.checkpoint``)."""
+
+    def checkpoint(self, dest_dir: Path, *, leave_running: bool) -> CheckpointImage:
+        """Dump every process of the sandbox (memory, open files, cwd) into ``dest_dir`` (an
+        empty dir on the host, outside every mount of the sandbox).
+
+        Called inside ``Snapshottable.quiesce()``: the sandbox is already stopped; the SDK
+        packs ``upper_dir()`` after this returns, still inside ``quiesce``, so files and memory
+        are one moment. ``leave_running=False``: the sandbox's processes are gone on return
+        (its upper dir stays readable until ``close``); ``True``: they run on after
+        ``quiesce`` ends. What cannot be dumped raises ``CheckpointRefused`` naming the
+        process and the reason; the sandbox then runs on as before."""
+        ...
+
+
+@runtime_checkable
+class Restorable(Protocol):
+    """A backend that starts a sandbox from a ``CheckpointImage`` (``Sandbox.restore``)."""
+
+    def restore(self, req: CreateRequest, image: CheckpointImage) -> SandboxHandle:
+        """Like ``Backend.create`` (same ``req``: its ``layer_dirs`` end with the checkpoint's
+        snapshot layer, so the restored files are those of the dump), but the processes come
+        from ``image`` instead of a fresh start. ``image.dir`` is untrusted (it came from a
+        store): refuse, before any process runs, an image that does not match
+        ``image.record`` (``CheckpointRefused``); the isolation is that of a fresh sandbox of
+        ``req`` (network, capabilities, seccomp, limits). On failure, undo what was made under
+        ``req.paths.root`` as ``create`` does."""
+        ...
 
 
 @runtime_checkable

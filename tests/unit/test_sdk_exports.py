@@ -8,8 +8,9 @@ import runtime_shim.packdiff  # noqa: F401
 from envbuild import errors
 
 EXPECTED = {
-    "AsyncSandbox", "BackendUnavailable", "ExecResult", "ExecTimeout", "Limits", "LockNotFound",
-    "RuntimeShimError", "Sandbox", "SandboxClosed", "SandboxCompromised", "SandboxInfo",
+    "AsyncSandbox", "BackendUnavailable", "CheckpointRefused", "ExecResult", "ExecTimeout",
+    "Limits", "LockNotFound", "RuntimeShimError", "Sandbox", "SandboxClosed",
+    "SandboxCompromised", "SandboxInfo",
     "SandboxNotFound", "SandboxStartError", "SnapshotRefused", "list_sandboxes",
 }
 
