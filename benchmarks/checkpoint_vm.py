@@ -65,12 +65,12 @@ def main() -> None:
                     ">/dev/null 2>&1 &")
             time.sleep(0.5)
             t = time.perf_counter()
-            record = sb._backend.checkpoint(work / "ck", leave_running=True)
+            image = sb._backend.checkpoint(work / "ck", leave_running=True)
             save = time.perf_counter() - t
         restore, phases = [], []
         for _ in range(args.runs):
             t = time.perf_counter()
-            with restore_sandbox(record, work / "ck", store=store, node_dir=node) as rb:
+            with restore_sandbox(image, store=store, node_dir=node) as rb:
                 assert rb.exec("true").ok
                 restore.append(time.perf_counter() - t)
                 phases.append(rb._backend.timings)
@@ -84,8 +84,8 @@ def main() -> None:
     print(f"cold boot → first exec:        p50 {c:6.3f} s  (runs: "
           f"{', '.join(f'{x:.2f}' for x in cold)})")
     print(f"checkpoint (leave_running):        {save:6.3f} s  memory image "
-          f"{record.memory_bytes / 1e6:.1f} MB, disk {record.files['rw.ext4'].size / 1e9:.1f} GB "
-          f"apparent")
+          f"{image.record['files']['memory.img']['size'] / 1e6:.1f} MB, disk "
+          f"{image.record['files']['rw.ext4']['size'] / 1e9:.1f} GB apparent")
     print(f"restore → first exec:          p50 {r:6.3f} s  (runs: "
           f"{', '.join(f'{x:.2f}' for x in restore)})")
     mid = phases[len(phases) // 2]

@@ -83,6 +83,14 @@ class SandboxHandle(Protocol):
 
 
 @runtime_checkable
+class Describable(Protocol):
+    """A handle with backend-specific facts for ``Sandbox.info()`` (a microVM's
+    ``layer_transport``): a JSON-able mapping, recorded in ``sandbox.json`` once it started."""
+
+    def describe(self) -> Mapping[str, object]: ...
+
+
+@runtime_checkable
 class Snapshottable(Protocol):
     """A handle whose changes pack-diff can read (``Sandbox.pack_diff``)."""
 
@@ -139,14 +147,6 @@ class Restorable(Protocol):
         ``req`` (network, capabilities, seccomp, limits). On failure, undo what was made under
         ``req.paths.root`` as ``create`` does."""
         ...
-
-
-@runtime_checkable
-class Describable(Protocol):
-    """A handle with backend-specific facts for ``Sandbox.info()`` (a microVM's
-    ``layer_transport``): a JSON-able mapping, recorded in ``sandbox.json`` once it started."""
-
-    def describe(self) -> Mapping[str, object]: ...
 
 
 @runtime_checkable

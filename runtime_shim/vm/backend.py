@@ -74,13 +74,18 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from envbuild.errors import BackendUnavailable, RuntimeShimError, SandboxCompromised, SandboxStartError
-from envbuild.safefs import remove_tree
+from envbuild.errors import (
+    BackendUnavailable,
+    CheckpointRefused,
+    RuntimeShimError,
+    SandboxCompromised,
+    SandboxStartError,
+)
 from runtime_shim import (
     agent,
     netns,  # a networked sandbox's own namespace
 )
-from runtime_shim.backend import CreateRequest
+from runtime_shim.backend import CheckpointImage, CreateRequest
 from runtime_shim.layout import NodeLayout, SandboxPaths
 from runtime_shim.locks import ResolvedLock
 from runtime_shim.mount import unmount
@@ -246,9 +251,6 @@ class MicroVmSandbox:
                                          nofile=limits.nofile, pmem=pmem))
         else:
             record, src = restore
-            if record.lock != lock.digest:
-                raise RuntimeShimError(f"restore microVM checkpoint: it is of lock "
-                                       f"{record.lock}, not {lock.digest}")
             # checked as copied: what QEMU gets is what was verified
             ckpt.check_file(record, ckpt.DISK_FILE, ckpt.sparse_copy(src / ckpt.DISK_FILE, rw))
             ckpt.check_file(record, ckpt.CONFIG_FILE,
@@ -258,6 +260,7 @@ class MicroVmSandbox:
         self.qmp_socket = root / "qmp.sock"
         self.rw_disk = rw
         self._snapshot_upper: Path | None = None
+        self._quiesced = False
         accel = qemu.choose_accel(node.root, str(image), str(initrd), environ=environ)
         memory = limits.memory_bytes or self.options.default_memory_bytes
         self.request = qemu.VmRequest(
@@ -320,7 +323,7 @@ class MicroVmSandbox:
         """Refuse a checkpoint whose device model or memory image is not the recorded one."""
         if record.device_model != self.model_digest:
             diff = sorted(k for k in self.model if self.model.get(k) != record.model.get(k))
-            raise RuntimeShimError(
+            raise CheckpointRefused(
                 "restore microVM checkpoint: this VM's devices differ from the checkpoint's",
                 context=f"differs in: {', '.join(diff) or 'the recorded model itself'}",
                 hint="restore with the same limits, network and kernel it was saved with")
@@ -354,22 +357,30 @@ class MicroVmSandbox:
         if isinstance(status, dict) and status.get("status") != "running":
             qemu.qmp(path, "cont")
 
-    def checkpoint(self, dest: Path, *, leave_running: bool = False) -> ckpt.VmCheckpoint:
-        """Save this VM into the new directory ``dest`` (``runtime_shim.vm.checkpoint``) and
-        return envbuild's record of it; without ``leave_running`` the VM is closed after."""
+    def checkpoint(self, dest_dir: Path, *, leave_running: bool = False) -> CheckpointImage:
+        """Save this VM into ``dest_dir`` (empty or new; ``runtime_shim.vm.checkpoint``): a
+        ``CheckpointImage`` of kind ``qemu`` whose ``record`` is the ``VmCheckpoint``
+        (``runtime_shim.backend.Checkpointable``). Inside ``quiesce()`` (as the SDK calls it)
+        the guest is already frozen and stopped; outside, this freezes and stops it itself.
+        Without ``leave_running`` the VM is gone on return; with it, it runs on (after
+        ``quiesce`` when called inside it). On failure the VM runs on and the files made
+        here are removed."""
         if self._proc is None or self._proc.poll() is not None or self._mux is None:
             raise RuntimeShimError(f"microVM {self.id} is not running")
         started = time.monotonic()
-        dest = Path(dest)
-        dest.mkdir(mode=0o700)
+        dest = Path(dest_dir)
+        dest.mkdir(mode=0o700, exist_ok=True)
+        if any(dest.iterdir()):
+            raise RuntimeShimError(f"checkpoint microVM {self.id}: {dest} is not empty")
         path = str(self.qmp_socket)
         resume: list = []
         ok = False
         try:
-            self._fsfreeze("freeze")
-            resume.append(lambda: self._fsfreeze("unfreeze"))
-            qemu.qmp(path, "stop")
-            resume.append(lambda: qemu.qmp(path, "cont"))
+            if not self._quiesced:
+                self._fsfreeze("freeze")
+                resume.append(lambda: self._fsfreeze("unfreeze"))
+                qemu.qmp(path, "stop")
+                resume.append(lambda: qemu.qmp(path, "cont"))
             channel = self._mux.next_channel  # after the freeze exec: no exec is under way
             qemu.qmp(path, "migrate-set-capabilities", {"capabilities": MIGRATION_CAPS})
             # QEMU's default cap is 32 MiB/s; the VM is stopped, so go as fast as the disk.
@@ -384,18 +395,20 @@ class MicroVmSandbox:
             record = ckpt.VmCheckpoint(lock=self.lock.digest, device_model=self.model_digest,
                                        model=self.model, files=files, next_channel=channel,
                                        seconds=time.monotonic() - started)
-            (dest / ckpt.RECORD_FILE).write_text(record.to_json())
+            (dest / ckpt.RECORD_FILE).write_text(record.to_json())  # a copy, for people
             ok = True
         finally:
             if not ok:
-                with contextlib.suppress(OSError):
-                    remove_tree(dest)
+                for name in (ckpt.MEMORY_FILE, ckpt.DISK_FILE, ckpt.CONFIG_FILE):
+                    (dest / name).unlink(missing_ok=True)
             if ok and not leave_running:
                 self.close()
             else:
                 for undo in reversed(resume):
                     undo()
-        return record
+        size = sum(f.size for f in files.values())
+        return CheckpointImage(kind="qemu", dir=dest, record=record.to_record(), bytes=size,
+                               seconds=record.seconds)
 
     def _wait_ready(self, first_channel: int = 1) -> float:
         """Connect to the agent's serial socket and wait for its HELLO on a first channel,
@@ -525,9 +538,12 @@ class MicroVmSandbox:
         mnt = self.root / "snapshot-rw"
         with contextlib.ExitStack() as undo:
             self._fsfreeze("freeze")
-            undo.callback(self._fsfreeze, "unfreeze")
+            # a checkpoint() inside without leave_running has closed the VM: nothing to resume
+            undo.callback(self._if_running, self._fsfreeze, "unfreeze")
             qemu.qmp(str(self.qmp_socket), "stop")
-            undo.callback(qemu.qmp, str(self.qmp_socket), "cont")
+            undo.callback(self._if_running, qemu.qmp, str(self.qmp_socket), "cont")
+            self._quiesced = True
+            undo.callback(setattr, self, "_quiesced", False)
             mnt.mkdir()
             undo.callback(mnt.rmdir)
             _mount_image_readonly(self.rw_disk, mnt)
@@ -535,6 +551,10 @@ class MicroVmSandbox:
             self._snapshot_upper = _real_dir(mnt / "upper")
             undo.callback(setattr, self, "_snapshot_upper", None)
             yield
+
+    def _if_running(self, fn, *args) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            fn(*args)
 
     def _fsfreeze(self, how: str) -> None:
         done = self._root_exec('exec $B fsfreeze "--$1" "$2"', [how, initramfs.GUEST_RW_MOUNT])
@@ -623,14 +643,26 @@ class MicroVmBackend:
         return MicroVmSandbox(req.id, req.paths.root, req.lock, req.node, req.layer_dirs,
                               network=req.network, limits=req.limits)
 
-    def restore(self, req: CreateRequest, record: ckpt.VmCheckpoint, source: Path
-                ) -> MicroVmSandbox:
-        """A new sandbox (``req``, as for ``create``) continuing from the checkpoint in
-        ``source`` that ``record`` describes (``MicroVmSandbox.checkpoint``): no kernel
-        boot; files or devices that differ from the record are refused before QEMU starts."""
-        return MicroVmSandbox(req.id, req.paths.root, req.lock, req.node, req.layer_dirs,
+    def restore(self, req: CreateRequest, image: CheckpointImage) -> MicroVmSandbox:
+        """A new sandbox (``req``, as for ``create``) continuing from ``image`` (kind
+        ``qemu``, ``MicroVmSandbox.checkpoint``; ``runtime_shim.backend.Restorable``): no
+        kernel boot. The VM's own disk image holds its files, so layers of ``req.lock`` above
+        the checkpoint's (the SDK's snapshot layer) are not attached; the rest must be the
+        checkpoint's. Files or devices that differ from ``image.record`` raise
+        ``CheckpointRefused`` before QEMU starts."""
+        if image.kind != "qemu":
+            raise CheckpointRefused(f"a {image.kind!r} checkpoint is not a microVM's",
+                                    hint="restore it with the backend that made it")
+        record = ckpt.VmCheckpoint.from_record(image.record)
+        n = len(record.model.get("layers", ()))
+        lock = req.lock
+        if tuple(layer.digest for layer in lock.layers[:n]) != tuple(record.model["layers"]):
+            raise CheckpointRefused("restore microVM checkpoint: its layers are not this lock's",
+                                    context=f"checkpoint of lock {record.lock}")
+        lock = dataclasses.replace(lock, layers=lock.layers[:n])
+        return MicroVmSandbox(req.id, req.paths.root, lock, req.node, req.layer_dirs[:n],
                               network=req.network, limits=req.limits,
-                              restore=(record, Path(source)))
+                              restore=(record, Path(image.dir)))
 
     def attach(self, paths: SandboxPaths, layout: NodeLayout, lock: ResolvedLock,
                runtime: str) -> MicroVmSandbox:
@@ -662,10 +694,10 @@ def _is_qemu(pid: int, root: Path) -> bool:
     return str(root).encode() in cmdline
 
 
-def restore_sandbox(record: ckpt.VmCheckpoint, source: str | os.PathLike[str], *, store,
-                    node_dir=None, limits=None, network: bool | Sequence[str] = False):
-    """A ``runtime_shim.sandbox.Sandbox`` continuing the microVM checkpoint in ``source``
-    that ``record`` (envbuild's own, ``MicroVmSandbox.checkpoint``) describes, on the node
+def restore_sandbox(image: CheckpointImage, *, store, node_dir=None, limits=None,
+                    network: bool | Sequence[str] = False):
+    """A ``runtime_shim.sandbox.Sandbox`` continuing the microVM checkpoint ``image``
+    (``MicroVmSandbox.checkpoint``; its ``record`` is envbuild's own), on the node
     ``node_dir``: the same steps as ``Sandbox.create`` (resolve the record's lock, fetch its
     layers, make the sandbox's dir and record) with ``MicroVmBackend.restore`` instead of a
     boot. ``limits`` default to the checkpoint's RAM; they and ``network`` must match the
@@ -678,6 +710,7 @@ def restore_sandbox(record: ckpt.VmCheckpoint, source: str | os.PathLike[str], *
     from runtime_shim.model import Limits
 
     policy = netns.parse_network(network)
+    record = ckpt.VmCheckpoint.from_record(image.record)
     opened = sdk.open_store(store)
     layout = sdk._layout(node_dir)
     lock = resolve(opened, record.lock)
@@ -700,7 +733,7 @@ def restore_sandbox(record: ckpt.VmCheckpoint, source: str | os.PathLike[str], *
         assert isinstance(backend, MicroVmBackend)
         handle = backend.restore(CreateRequest(
             id=sandbox_id, paths=paths, layout=layout, lock=lock, layer_dirs=layer_dirs,
-            node=node, network=policy, limits=limits), record, Path(source))
+            node=node, network=policy, limits=limits), image)
         try:
             sdk._write_meta(paths, {**meta, "ready": time.time(), "details": handle.describe(),
                                     "restored_from": record.files[ckpt.MEMORY_FILE].sha256})

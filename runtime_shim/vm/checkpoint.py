@@ -7,7 +7,8 @@ A checkpoint is a directory of three files plus the record that vouches for them
     rw.ext4        the writable disk at the moment the VM stopped (sparse copy)
     config.sh      the config disk (the guest read it at boot; kept byte-identical)
 
-and ``VmCheckpoint`` (``to_json`` / ``from_json``, ``CHECKPOINT_VERSION``): the digest and size
+and ``VmCheckpoint`` (``to_record`` / ``from_record``, the ``record`` of the
+``runtime_shim.backend.CheckpointImage`` of kind ``"qemu"``; ``CHECKPOINT_VERSION``): the digest and size
 of each file, the digest of the VM's device model (``device_model``: machine, RAM, vCPUs,
 devices, layer digests and pmem sizes, QEMU's version) and what the agent line needs. The
 record is envbuild's own: the caller keeps it where a sandbox cannot write (the store, as a
@@ -35,9 +36,8 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
-from envbuild.errors import RuntimeShimError
+from envbuild.errors import CheckpointRefused, RuntimeShimError
 
 CHECKPOINT_VERSION = 1
 MEMORY_FILE = "memory.img"
@@ -77,10 +77,20 @@ class VmCheckpoint:
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
 
+    def to_record(self) -> dict:
+        """The JSON-able form (``runtime_shim.backend.CheckpointImage.record``)."""
+        return json.loads(self.to_json())
+
     @classmethod
     def from_json(cls, text: str | bytes) -> VmCheckpoint:
         try:
-            raw = json.loads(text)
+            return cls.from_record(json.loads(text))
+        except ValueError as e:
+            raise RuntimeShimError(f"read microVM checkpoint record: {e}") from None
+
+    @classmethod
+    def from_record(cls, raw) -> VmCheckpoint:
+        try:
             if raw.get("version") != CHECKPOINT_VERSION:
                 raise RuntimeShimError(f"microVM checkpoint record version {raw.get('version')!r}"
                                        f" is not {CHECKPOINT_VERSION}",
@@ -92,16 +102,6 @@ class VmCheckpoint:
                        next_channel=int(raw["next_channel"]), seconds=float(raw["seconds"]))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise RuntimeShimError(f"read microVM checkpoint record: {e}") from None
-
-
-@runtime_checkable
-class Checkpointable(Protocol):
-    """A sandbox handle whose processes and memory can be saved and restored (the microVM
-    handle; the container one is CRIU's, issue 18). ``checkpoint`` writes the files into
-    ``dest`` (a new directory) and returns the record; the original keeps running only with
-    ``leave_running``. Restoring is the backend's (``MicroVmBackend.restore``)."""
-
-    def checkpoint(self, dest: Path, *, leave_running: bool = False) -> VmCheckpoint: ...
 
 
 def device_model(*, machine: str, memory_mib: int, vcpus: int, balloon: bool, network: bool,
@@ -178,7 +178,7 @@ def file_digest(path: Path) -> FileDigest:
 def check_file(record: VmCheckpoint, name: str, got: FileDigest) -> None:
     want = record.files.get(name)
     if want is None or want != got:
-        raise RuntimeShimError(f"restore microVM checkpoint: {name} does not match the "
+        raise CheckpointRefused(f"restore microVM checkpoint: {name} does not match the "
                                f"checkpoint's record",
                                context=f"recorded {want}, found {got}",
                                hint="the checkpoint files were changed or belong to another "

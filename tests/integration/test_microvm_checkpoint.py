@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from envbuild.errors import RuntimeShimError
+from envbuild.errors import CheckpointRefused
 from runtime_shim.mount import mounted_targets_under
 from runtime_shim.sandbox import Limits, Sandbox
 from runtime_shim.vm.backend import restore_sandbox
@@ -58,15 +58,18 @@ def test_restore_continues_the_processes_memory_and_files(built, tmp_path):
         loop_pid = int(sb.exec(COUNTER).stdout)
         sb.write_file("/workspace/before.txt", "before\n")
         at_checkpoint = _wait_counter(sb, 3)
-        record = sb._backend.checkpoint(tmp_path / "ck1", leave_running=True)
+        image = sb._backend.checkpoint(tmp_path / "ck1", leave_running=True)
+        record = VmCheckpoint.from_record(image.record)
+        assert image.kind == "qemu" and image.dir == tmp_path / "ck1"
         assert 0 < record.memory_bytes < LIMITS.memory_bytes
-        assert record.lock == sb.lock.digest and record.seconds > 0
+        assert record.lock == sb.lock.digest and image.seconds > 0
+        assert image.bytes == sum(f.size for f in record.files.values())
         # the original runs on: its loop keeps counting, it takes writes
         _wait_counter(sb, at_checkpoint + 2)
         sb.write_file("/workspace/after.txt", "after\n")
 
         qemu_before = _qemu_pids()
-        restored = restore_sandbox(record, tmp_path / "ck1", store=store, node_dir=node)
+        restored = restore_sandbox(image, store=store, node_dir=node)
         assert restored._backend.pid not in qemu_before
         assert b"envbuild-init: ready" not in restored._backend._console()  # no boot
         first = _counter(restored)
@@ -80,13 +83,19 @@ def test_restore_continues_the_processes_memory_and_files(built, tmp_path):
         info = restored.info()
         assert info.backend == "microvm" and info.layer_transport == sb.info().layer_transport
 
-        # checkpoint of the restored VM, without leave_running: it is closed
+        # checkpoint of the restored VM as the SDK takes it (inside quiesce, where its
+        # changes are readable for pack-diff), without leave_running: it is gone after
         pid = restored._backend.pid
-        second = restored._backend.checkpoint(tmp_path / "ck2")
+        (tmp_path / "ck2").mkdir()
+        with restored._backend.quiesce():
+            second = restored._backend.checkpoint(tmp_path / "ck2", leave_running=False)
+            assert (restored._backend.upper_dir() / "workspace" / "restored.txt").read_text() \
+                == "r\n"
         assert _gone(pid, 10)
         restored.close()
-        assert VmCheckpoint.from_json((tmp_path / "ck2" / RECORD_FILE).read_text()) == second
-        again = restore_sandbox(second, tmp_path / "ck2", store=store, node_dir=node)
+        assert VmCheckpoint.from_json((tmp_path / "ck2" / RECORD_FILE).read_text()) == \
+            VmCheckpoint.from_record(second.record)
+        again = restore_sandbox(second, store=store, node_dir=node)
         assert again.read_file("/workspace/restored.txt") == b"r\n"
         _wait_counter(again, _counter(again))
     finally:
@@ -102,11 +111,11 @@ def test_restore_with_other_devices_is_refused_before_qemu_starts(built, tmp_pat
     store, node = built
     with Sandbox.create("busybox-shell", store=store, node_dir=node, backend="microvm",
                         limits=LIMITS) as sb:
-        record = sb._backend.checkpoint(tmp_path / "ck", leave_running=True)
+        image = sb._backend.checkpoint(tmp_path / "ck", leave_running=True)
         assert sb.exec("true").ok
     qemu_before = _qemu_pids()
-    with pytest.raises(RuntimeShimError, match="devices differ") as e:
-        restore_sandbox(record, tmp_path / "ck", store=store, node_dir=node,
+    with pytest.raises(CheckpointRefused, match="devices differ") as e:
+        restore_sandbox(image, store=store, node_dir=node,
                         limits=Limits(memory_bytes=512 << 20))
     assert "memory_mib" in (e.value.context or "")
     assert _qemu_pids() <= qemu_before
