@@ -252,9 +252,8 @@ class MicroVmSandbox:
         else:
             record, src = restore
             # checked as copied: what QEMU gets is what was verified
-            ckpt.check_file(record, ckpt.DISK_FILE, ckpt.sparse_copy(src / ckpt.DISK_FILE, rw))
-            ckpt.check_file(record, ckpt.CONFIG_FILE,
-                            ckpt.sparse_copy(src / ckpt.CONFIG_FILE, cfg))
+            ckpt.checked_copy(record, src, ckpt.DISK_FILE, rw)
+            ckpt.checked_copy(record, src, ckpt.CONFIG_FILE, cfg)
         self.console_log = root / "console.log"
         self.agent_socket = root / "agent.sock"
         self.qmp_socket = root / "qmp.sock"
@@ -327,7 +326,7 @@ class MicroVmSandbox:
                 "restore microVM checkpoint: this VM's devices differ from the checkpoint's",
                 context=f"differs in: {', '.join(diff) or 'the recorded model itself'}",
                 hint="restore with the same limits, network and kernel it was saved with")
-        ckpt.check_file(record, ckpt.MEMORY_FILE, ckpt.file_digest(src / ckpt.MEMORY_FILE))
+        ckpt.checked_copy(record, src, ckpt.MEMORY_FILE, None)
 
     def _incoming(self, record: ckpt.VmCheckpoint, src: Path) -> None:
         """Load the memory image into the QEMU started with ``-incoming defer``."""

@@ -183,3 +183,22 @@ def check_file(record: VmCheckpoint, name: str, got: FileDigest) -> None:
                                context=f"recorded {want}, found {got}",
                                hint="the checkpoint files were changed or belong to another "
                                     "checkpoint; make a new checkpoint")
+
+
+def checked_copy(record: VmCheckpoint, src_dir: Path, name: str, dst: Path | None) -> None:
+    """Check checkpoint file ``name`` of ``src_dir`` against ``record`` (copying it to
+    ``dst`` while at it, ``sparse_copy``; whole-file sha256 for the memory image):
+    ``CheckpointRefused`` when it differs or cannot be read as a regular file (a symlink is
+    never followed)."""
+    path = src_dir / name
+    try:
+        if name == MEMORY_FILE:
+            got = file_digest(path)
+        else:
+            got = sparse_copy(path, dst)
+    except OSError as e:
+        raise CheckpointRefused(f"restore microVM checkpoint: read {name}: "
+                                f"{e.strerror or e}",
+                                hint="the checkpoint's files are incomplete or were replaced; "
+                                     "make a new checkpoint") from None
+    check_file(record, name, got)
