@@ -17,6 +17,11 @@ is the number of copies of the data on the host: ``virtio-blk`` ≈ VMs + 1 (eac
 its own copy, the host one more), ``pmem-dax`` ≈ 1 (the guests read the host's page cache
 directly). Goal: pmem-dax ≤ 1.5 copies. ``MemAvailable``'s drop is printed as a cross-check
 (system-wide: noisy while others run).
+
+Memory given back (issue 19, item 2; ``--balloon-vms``, default 4): idle VMs of 512 MiB each
+allocate 200 MB in the guest (a tmpfs file) and free it; the sum of their QEMUs' anonymous
+RSS after boot, at the peak and 15 s after the free, with the virtio-balloon's free page
+reporting off and on (``ENVBUILD_VM_BALLOON``), in the same run. ``--only`` runs one half.
 """
 
 from __future__ import annotations
@@ -151,15 +156,68 @@ def measure(store: LocalStore, node: Path, transport: str, vms: int, data_bytes:
             "host_cache_after": host_cache, "avail_drop_copies": avail_drop / data_bytes}
 
 
+def settle_rss(pids: list[int], within: float = 15.0) -> int:
+    """The VMs' summed anonymous RSS once it stopped falling (free page reporting runs ~2 s
+    after the guest frees), or after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    last = sum(anon_rss(p) for p in pids)
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = sum(anon_rss(p) for p in pids)
+        if now >= last - (1 << 20) and now <= last:
+            return now
+        last = min(last, now)
+    return last
+
+
+def balloon(store: LocalStore, node: Path, vms: int, reporting: bool) -> dict:
+    os.environ["ENVBUILD_VM_LAYERS"] = "auto"
+    os.environ["ENVBUILD_VM_BALLOON"] = "1" if reporting else "0"
+    boxes: list[Sandbox] = []
+    try:
+        for _ in range(vms):
+            boxes.append(Sandbox.create("density", store=store, node_dir=node,
+                                        backend="microvm", limits=Limits(memory_bytes=512 << 20)))
+        pids = [sb._backend.pid for sb in boxes]
+        before = settle_rss(pids)
+        for sb in boxes:
+            r = sb.exec("head -c 200m /dev/zero > /dev/shm/fill", timeout=300)
+            assert r.ok, r.stderr
+        peak = sum(anon_rss(p) for p in pids)
+        for sb in boxes:
+            assert sb.exec("rm /dev/shm/fill").ok
+        after = settle_rss(pids)
+        reclaimed = sum(sb._backend.memory().reclaimed for sb in boxes)
+    finally:
+        for sb in boxes:
+            sb.close()
+    return {"reporting": reporting, "before": before, "peak": peak, "after": after,
+            "reclaimed": reclaimed}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vms", type=int, default=8)
     ap.add_argument("--mb", type=int, default=100)
     ap.add_argument("--work", type=Path, default=Path("/tmp/envbuild-density-vm"))
+    ap.add_argument("--balloon-vms", type=int, default=4)
+    ap.add_argument("--only", choices=("pmem", "balloon"))
     args = ap.parse_args()
     store = build(args.work, args.mb)
     node = args.work / "vmnode"
     data_bytes = (args.mb // FILE_MB) * (FILE_MB << 20)
+    if args.only != "pmem":
+        print(f"{args.balloon_vms} idle microVMs (512 MiB) each allocating and freeing 200 MB "
+              f"(load {os.getloadavg()[0]:.2f})")
+        for r in (balloon(store, node, args.balloon_vms, False),
+                  balloon(store, node, args.balloon_vms, True)):
+            print(f"  free page reporting {'on ' if r['reporting'] else 'off'}: host RSS "
+                  f"{r['before'] / 1e6:7.1f} MB after boot, {r['peak'] / 1e6:7.1f} MB at the "
+                  f"peak, {r['after'] / 1e6:7.1f} MB after the free: "
+                  f"{(r['peak'] - r['after']) / 1e6:6.1f} MB given back "
+                  f"(info().memory.reclaimed sum {r['reclaimed'] / 1e6:.1f} MB)")
+    if args.only == "balloon":
+        return
     print(f"{args.vms} microVMs each reading the same {data_bytes / 1e6:.0f} MB "
           f"(load {os.getloadavg()[0]:.2f})")
     results = [measure(store, node, t, args.vms, data_bytes) for t in ("virtio-blk", "pmem-dax")]

@@ -140,6 +140,22 @@ class VmOptions:
         return opts
 
 
+@dataclasses.dataclass(frozen=True)
+class VmMemoryInfo:
+    """A microVM's share of the host's memory, in bytes, with the fields of the SDK's
+    ``MemoryInfo`` (issue 19): ``rss`` QEMU's anonymous memory (the guest RAM it touched, the
+    guest's own page cache included, plus QEMU's and TCG's), ``cache`` 0 (a VM's page cache
+    is inside its RAM), ``shared`` the file pages QEMU maps (the pmem layer images: the host
+    page cache every VM of those layers shares), ``usage`` its whole RSS, ``reclaimed`` how
+    far its RSS is below its peak (what the balloon's free page reporting gave back)."""
+
+    rss: int
+    cache: int
+    shared: int
+    usage: int
+    reclaimed: int = 0
+
+
 #: ``VmOptions.layers`` values; the last two are what ``info().layer_transport`` reports.
 LAYER_TRANSPORTS = ("auto", "pmem-dax", "virtio-blk")
 
@@ -309,6 +325,23 @@ class MicroVmSandbox:
     @property
     def pid(self) -> int:
         return self._proc.pid if self._proc else 0
+
+    def memory(self) -> VmMemoryInfo | None:
+        """What this VM holds of the host's memory, from its QEMU's ``/proc/PID/status``
+        (``runtime_shim.backend.MemoryReporting``); None once it stopped."""
+        if self._proc is None or self._proc.poll() is not None:
+            return None
+        try:
+            status = Path(f"/proc/{self._proc.pid}/status").read_text()
+        except OSError:
+            return None
+        kb = {k: int(v.split()[0]) << 10 for k, _, v in
+              (line.partition(":") for line in status.splitlines())
+              if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem")}
+        return VmMemoryInfo(rss=kb.get("RssAnon", 0), cache=0,
+                            shared=kb.get("RssFile", 0) + kb.get("RssShmem", 0),
+                            usage=kb.get("VmRSS", 0),
+                            reclaimed=max(0, kb.get("VmHWM", 0) - kb.get("VmRSS", 0)))
 
     def describe(self) -> dict[str, object]:
         """What ``Sandbox.info()`` reports of this VM beyond the common record
