@@ -13,6 +13,19 @@ One VM is (all under the sandbox's directory, removed on ``close``)::
 plus, shared by every VM on the host, the EROFS image of each layer
 (``<node>/erofs/<hex>.erofs``), the initramfs and the kernel image (``<node>/vm/``).
 
+Layer transport (``choose_layer_transport``, ``info().layer_transport``): ``pmem-dax`` puts
+each layer image on a read-only virtio-pmem device of a ``q35`` machine (virtio-pci devices,
+qboot firmware) that the guest mounts ``-o dax``: the guest's file reads and mappings go to
+the host's page cache of the image, one copy for every VM. ``virtio-blk`` (``microvm``,
+virtio-mmio) is the fallback when the guest kernel or QEMU cannot: each guest then caches its
+own copy. Memory: a virtio-balloon with free page reporting (``VmOptions.balloon``) hands
+pages the guest frees back to the host; ``memory()`` reports QEMU's share.
+
+Checkpoints (``checkpoint`` / ``MicroVmBackend.restore``, ``runtime_shim.vm.checkpoint``):
+QEMU migration of the stopped, disk-frozen VM to a file plus a sparse copy of its disk; a
+restore starts QEMU with ``-incoming defer``, checks every file against envbuild's record and
+loads the image, then unfreezes the guest's disk.
+
 Disk contract with the guest init (``runtime_shim.vm.initramfs.INIT_SCRIPT``): virtio-blk
 disks carry serials ``eb-cfg``, ``eb-rw`` and ``eb-l0`` … ``eb-l<N-1>`` (bottom layer first); the
 config disk holds ``EB_LAYERS``, ``EB_HOSTNAME``, ``EB_NET``, ``EB_NOFILE`` and

@@ -20,7 +20,9 @@ Layout (``initramfs_entries``, pure)::
     /newroot /proc /sys /rw
 
 The init (``INIT_SCRIPT``) is the guest side of the disk contract in ``runtime_shim.vm.backend``:
-virtio-blk disks are found by serial (``eb-cfg``, ``eb-rw``, ``eb-l0`` … bottom layer first),
+virtio-blk disks are found by serial (``eb-cfg``, ``eb-rw``, ``eb-l0`` … bottom layer first;
+with ``EB_PMEM=1`` in the config the layers are instead the virtio-pmem devices in PCI slots
+``qemu.PMEM_FIRST_SLOT + i``, mounted ``ro,dax=always``),
 the config disk is a shell fragment (``EB_LAYERS``, ``EB_HOSTNAME``, ``EB_NET`` and
 ``set -- KEY=VALUE …`` for the env) sourced from the device, each layer is mounted read-only as
 EROFS, the writable ext4 disk holds ``upper/``, ``work/`` and ``stub/`` (the mount points every
