@@ -434,7 +434,7 @@ class MicroVmSandbox:
             qemu.qmp(path, "migrate", {"uri": f"exec:cat > {shlex.quote(str(mem))}"})
             qemu.wait_migration(path, 600)
             files = {ckpt.MEMORY_FILE: ckpt.file_digest(mem),
-                     ckpt.DISK_FILE: ckpt.sparse_copy(self.rw_disk, dest / ckpt.DISK_FILE),
+                     ckpt.DISK_FILE: ckpt.pack_sparse(self.rw_disk, dest / ckpt.DISK_FILE),
                      ckpt.CONFIG_FILE: ckpt.sparse_copy(self.root / "config.sh",
                                                         dest / ckpt.CONFIG_FILE)}
             record = ckpt.VmCheckpoint(lock=self.lock.digest, device_model=self.model_digest,
@@ -451,7 +451,8 @@ class MicroVmSandbox:
             else:
                 for undo in reversed(resume):
                     undo()
-        size = sum(f.size for f in files.values())
+        # what the files take (the disk is packed: its non-zero blocks only)
+        size = sum((dest / name).stat().st_size for name in files)
         return CheckpointImage(kind="qemu", dir=dest, record=record.to_record(), bytes=size,
                                seconds=record.seconds)
 

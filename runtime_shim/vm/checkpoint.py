@@ -4,7 +4,8 @@ its writable disk, restored later in a new QEMU that never boots a kernel.
 A checkpoint is a directory of three files plus the record that vouches for them::
 
     memory.img     QEMU's migration stream (RAM, CPU and device state), ``migrate exec:cat``
-    rw.ext4        the writable disk at the moment the VM stopped (sparse copy)
+    rw.ext4.sparse the writable disk at the moment the VM stopped: only its non-zero blocks
+                   (``pack_sparse``), so a 10 GiB disk with 2 MB written is a 2 MB file
     config.sh      the config disk (the guest read it at boot; kept byte-identical)
 
 and ``VmCheckpoint`` (``to_record`` / ``from_record``, the ``record`` of the
@@ -41,7 +42,7 @@ from envbuild.errors import CheckpointRefused, RuntimeShimError
 
 CHECKPOINT_VERSION = 1
 MEMORY_FILE = "memory.img"
-DISK_FILE = "rw.ext4"
+DISK_FILE = "rw.ext4.sparse"  # the disk's non-zero blocks (pack_sparse)
 CONFIG_FILE = "config.sh"
 RECORD_FILE = "checkpoint.json"
 BLOCK = 64 << 10
@@ -158,6 +159,103 @@ def sparse_copy(src: Path, dst: Path | None) -> FileDigest:
     return FileDigest("sha256:" + h.hexdigest(), size)
 
 
+SPARSE_MAGIC = b"envbuild-sparse\0"
+SPARSE_VERSION = 1
+_HEADER = len(SPARSE_MAGIC) + 4 + 8
+_RECORD = 8 + 4
+
+
+def pack_sparse(src: Path, dst: Path) -> FileDigest:
+    """Write the non-zero ``BLOCK``-aligned blocks of ``src`` to the new file ``dst``:
+    ``SPARSE_MAGIC``, version u32, length u64, then ``offset u64, length u32, bytes`` per
+    block in ascending order. Returns the sparse digest of ``src`` (``sparse_copy``)."""
+    with open(dst, "xb") as out:
+        fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            size = os.fstat(fd).st_size
+            out.write(SPARSE_MAGIC + SPARSE_VERSION.to_bytes(4, "big") + size.to_bytes(8, "big"))
+            h = hashlib.sha256(b"envbuild.sparse.v1\0")
+            for off, block in _blocks(fd, size):
+                head = off.to_bytes(8, "big") + len(block).to_bytes(4, "big")
+                h.update(head)
+                h.update(block)
+                out.write(head)
+                out.write(block)
+            h.update(b"end" + size.to_bytes(8, "big"))
+        finally:
+            os.close(fd)
+    return FileDigest("sha256:" + h.hexdigest(), size)
+
+
+def unpack_sparse(src: Path, dst: Path, want: FileDigest) -> FileDigest:
+    """Expand a ``pack_sparse`` file (untrusted) into the new sparse file ``dst`` and return
+    the digest of what was written. Bounded: the length must be ``want.size`` (checked before
+    anything is written), blocks ``BLOCK``-aligned, whole, ascending and inside it; anything
+    else is ``CheckpointRefused``."""
+    def bad(why: str) -> CheckpointRefused:
+        return CheckpointRefused(f"restore microVM checkpoint: {DISK_FILE} is malformed: {why}",
+                                 hint="the checkpoint's files were changed; make a new one")
+
+    fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    out = -1
+    try:
+        with os.fdopen(os.dup(fd), "rb") as f:
+            head = f.read(_HEADER)
+            if len(head) != _HEADER or not head.startswith(SPARSE_MAGIC):
+                raise bad("no envbuild-sparse header")
+            version = int.from_bytes(head[len(SPARSE_MAGIC):len(SPARSE_MAGIC) + 4], "big")
+            if version != SPARSE_VERSION:
+                raise bad(f"version {version}, not {SPARSE_VERSION}")
+            size = int.from_bytes(head[-8:], "big")
+            if size != want.size:
+                raise bad(f"length {size}, the record says {want.size}")
+            out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            os.ftruncate(out, size)
+            h = hashlib.sha256(b"envbuild.sparse.v1\0")
+            next_off = 0
+            while rec := f.read(_RECORD):
+                if len(rec) != _RECORD:
+                    raise bad("a truncated block header")
+                off, n = int.from_bytes(rec[:8], "big"), int.from_bytes(rec[8:], "big")
+                if off % BLOCK or off < next_off or off >= size or n != min(BLOCK, size - off):
+                    raise bad(f"a block at {off} of {n} bytes")
+                block = f.read(n)
+                if len(block) != n:
+                    raise bad("a truncated block")
+                if block != _ZERO[:n]:
+                    h.update(rec)
+                    h.update(block)
+                    os.pwrite(out, block, off)
+                next_off = off + n
+            h.update(b"end" + size.to_bytes(8, "big"))
+    finally:
+        os.close(fd)
+        if out >= 0:
+            os.close(out)
+    return FileDigest("sha256:" + h.hexdigest(), size)
+
+
+def _blocks(fd: int, size: int):
+    """``(offset, bytes)`` of each non-zero ``BLOCK``-aligned block, reading only the data
+    regions (``SEEK_DATA``/``SEEK_HOLE``)."""
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError:  # ENXIO: only a hole is left
+            return
+        end = os.lseek(fd, start, os.SEEK_HOLE)
+        off = start - start % BLOCK
+        while off < end:
+            block = os.pread(fd, min(BLOCK, size - off), off)
+            if not block:
+                return
+            if block != _ZERO[:len(block)]:
+                yield off, block
+            off += len(block)
+        pos = max(end, off)
+
+
 def file_digest(path: Path) -> FileDigest:
     """sha256 of a whole file (the memory image: dense, read once)."""
     h = hashlib.sha256()
@@ -194,6 +292,11 @@ def checked_copy(record: VmCheckpoint, src_dir: Path, name: str, dst: Path | Non
     try:
         if name == MEMORY_FILE:
             got = file_digest(path)
+        elif name == DISK_FILE and dst is not None:
+            want = record.files.get(name)
+            if want is None:
+                raise CheckpointRefused(f"restore microVM checkpoint: the record has no {name}")
+            got = unpack_sparse(path, dst, want)
         else:
             got = sparse_copy(path, dst)
     except OSError as e:

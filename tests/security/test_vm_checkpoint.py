@@ -66,10 +66,15 @@ def test_a_flipped_byte_in_the_memory_image_is_refused(saved, tmp_path):
 
 def test_a_changed_disk_image_is_refused(saved, tmp_path):
     image = _copy(saved[2], tmp_path / "ck")
-    with open(image.dir / DISK_FILE, "r+b") as f:
-        f.seek(1 << 20)
+    disk = image.dir / DISK_FILE
+    with open(disk, "r+b") as f:
+        f.seek(disk.stat().st_size - 100)  # inside the last block's bytes
         f.write(b"guest-chosen superblock")
-    _refused(saved, image, "rw.ext4 does not match")
+    _refused(saved, image, "rw.ext4.sparse does not match")
+    with open(disk, "r+b") as f:  # a block header claiming 1 GiB
+        f.seek(28 + 8)
+        f.write((1 << 30).to_bytes(4, "big"))
+    _refused(saved, image, "rw.ext4.sparse is malformed")
 
 
 def test_a_file_swapped_for_a_symlink_is_not_followed(saved, tmp_path):

@@ -84,3 +84,33 @@ def test_check_file_names_the_mismatch():
     ckpt.check_file(rec, ckpt.DISK_FILE, ckpt.FileDigest("sha256:" + "2" * 64, 20))
     with pytest.raises(RuntimeShimError, match="memory.img does not match"):
         ckpt.check_file(rec, ckpt.MEMORY_FILE, ckpt.FileDigest("sha256:" + "9" * 64, 10))
+
+
+def test_packed_sparse_disk_round_trips_and_malformed_ones_are_refused(tmp_path):
+    from envbuild.errors import CheckpointRefused
+
+    size = 8 << 20
+    _sparse(tmp_path / "disk", size, [(4096, b"a" * 10), (3 << 20, os.urandom(100_000)),
+                                      (size - 10, b"z" * 10)])
+    want = ckpt.pack_sparse(tmp_path / "disk", tmp_path / "packed")
+    assert want == ckpt.sparse_copy(tmp_path / "disk", None)
+    assert (tmp_path / "packed").stat().st_size < 400_000
+    assert ckpt.unpack_sparse(tmp_path / "packed", tmp_path / "out", want) == want
+    assert (tmp_path / "out").read_bytes() == (tmp_path / "disk").read_bytes()
+    packed = (tmp_path / "packed").read_bytes()
+
+    def refused(data: bytes, match: str, record=want) -> None:
+        (tmp_path / "bad").write_bytes(data)
+        (tmp_path / "o").unlink(missing_ok=True)
+        with pytest.raises(CheckpointRefused, match=match):
+            ckpt.unpack_sparse(tmp_path / "bad", tmp_path / "o", record)
+
+    refused(b"not a packed disk", "no envbuild-sparse header")
+    refused(packed[:16] + (2).to_bytes(4, "big") + packed[20:], "version 2")
+    refused(packed, "length", ckpt.FileDigest(want.sha256, 1 << 40))  # before any write
+    assert not (tmp_path / "o").exists()
+    refused(packed[:28] + (3).to_bytes(8, "big") + packed[36:], "a block at 3")
+    refused(packed[:-5], "truncated")
+    # a block repeated (offsets must ascend)
+    first = packed[28:28 + 12 + (64 << 10)]
+    refused(packed[:28] + first + first + packed[28 + len(first):], "a block at 0")
