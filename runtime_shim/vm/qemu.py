@@ -127,7 +127,8 @@ def qemu_argv(req: VmRequest) -> list[str]:
         memory += f",slots={len(req.pmem)},maxmem={req.memory_mib + total}M"
     machine = (["-M", "microvm"] if req.machine == "microvm" else
                # qboot: a firmware that only loads the kernel (SeaBIOS costs ~1 s under TCG)
-               ["-M", "q35", "-bios", "qboot.rom"])
+               # and without the chipset devices a guest here never uses: ~0.3 s less boot
+               ["-M", "q35,hpet=off,smbus=off,sata=off,vmport=off", "-bios", "qboot.rom"])
     argv = [*prefix, req.qemu, *machine, "-accel", req.accel,
             *(["-cpu", "host"] if req.accel == "kvm" else []), "-m", memory,
             "-smp", str(req.vcpus),

@@ -132,7 +132,8 @@ def test_pmem_layers_need_q35_and_get_fixed_slots_before_any_other_device():
         qemu_argv(_request(machine="q35", pmem=(Pmem("/n/l0.erofs", 3 << 20),)))
     argv = qemu_argv(_request(machine="q35", memory_mib=256, drives=_request().drives[::2],
                               pmem=(Pmem("/n/l0.erofs", 2 << 20), Pmem("/n/l,1.erofs", 4 << 20))))
-    assert argv[1:5] == ["-M", "q35", "-bios", "qboot.rom"]
+    assert argv[1:5] == ["-M", "q35,hpet=off,smbus=off,sata=off,vmport=off", "-bios",
+                         "qboot.rom"]
     # device memory above the RAM holds both images
     assert _opt_after(argv, "-m") == ["256M,slots=2,maxmem=262M"]
     objects = _opt_after(argv, "-object")
