@@ -86,6 +86,14 @@ class SandboxHandle(Protocol):
 
 
 @runtime_checkable
+class Describable(Protocol):
+    """A handle with backend-specific facts for ``Sandbox.info()`` (a microVM's
+    ``layer_transport``): a JSON-able mapping, recorded in ``sandbox.json`` once it started."""
+
+    def describe(self) -> Mapping[str, object]: ...
+
+
+@runtime_checkable
 class Snapshottable(Protocol):
     """A handle whose changes pack-diff can read (``Sandbox.pack_diff``)."""
 

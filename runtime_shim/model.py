@@ -92,6 +92,9 @@ class SandboxInfo:
     ttl: float | None = None  # seconds
     expires: float = 0.0
     memory: MemoryInfo | None = None  # a live container/FnCall sandbox's (runtime_shim.reclaim)
+    # microVMs: how the read-only layers reach the guest, "pmem-dax" (shared host page
+    # cache) or "virtio-blk" (runtime_shim.vm.backend.choose_layer_transport); else None.
+    layer_transport: str | None = None
 
     def expired(self, now: float) -> bool:
         return bool(self.expires) and now >= self.expires

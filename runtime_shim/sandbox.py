@@ -47,6 +47,7 @@ from runtime_shim import agent, netns
 from runtime_shim import seccomp as seccomp_profiles
 from runtime_shim.backend import (
     CreateRequest,
+    Describable,
     MemoryReporting,
     SandboxHandle,
     Snapshottable,
@@ -336,7 +337,8 @@ class Sandbox:
 
                 handle = restore_into(_checkpoint, impl, req, opened, resolved)
             try:
-                _write_meta(paths, {**meta, "ready": time.time()})
+                details = dict(handle.describe()) if isinstance(handle, Describable) else {}
+                _write_meta(paths, {**meta, "ready": time.time(), "details": details})
             except BaseException:
                 handle.close()
                 raise
@@ -523,7 +525,8 @@ def _info(path: Path, meta: dict, layout: NodeLayout) -> SandboxInfo:
                        backend=meta.get("backend", "container"),
                        ready=float(meta.get("ready") or 0.0), node=str(layout.root),
                        ttl=float(ttl) if ttl else None,
-                       expires=float(meta.get("expires") or 0.0))
+                       expires=float(meta.get("expires") or 0.0),
+                       layer_transport=(meta.get("details") or {}).get("layer_transport"))
 
 
 def list_sandboxes(node_dir: str | os.PathLike[str] | NodeLayout | None = None

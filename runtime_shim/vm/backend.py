@@ -13,6 +13,19 @@ One VM is (all under the sandbox's directory, removed on ``close``)::
 plus, shared by every VM on the host, the EROFS image of each layer
 (``<node>/erofs/<hex>.erofs``), the initramfs and the kernel image (``<node>/vm/``).
 
+Layer transport (``choose_layer_transport``, ``info().layer_transport``): ``pmem-dax`` puts
+each layer image on a read-only virtio-pmem device of a ``q35`` machine (virtio-pci devices,
+qboot firmware) that the guest mounts ``-o dax``: the guest's file reads and mappings go to
+the host's page cache of the image, one copy for every VM. ``virtio-blk`` (``microvm``,
+virtio-mmio) is the fallback when the guest kernel or QEMU cannot: each guest then caches its
+own copy. Memory: a virtio-balloon with free page reporting (``VmOptions.balloon``) hands
+pages the guest frees back to the host; ``memory()`` reports QEMU's share.
+
+Checkpoints (``checkpoint`` / ``MicroVmBackend.restore``, ``runtime_shim.vm.checkpoint``):
+QEMU migration of the stopped, disk-frozen VM to a file plus a sparse copy of its disk; a
+restore starts QEMU with ``-incoming defer``, checks every file against envbuild's record and
+loads the image, then unfreezes the guest's disk.
+
 Disk contract with the guest init (``runtime_shim.vm.initramfs.INIT_SCRIPT``): virtio-blk
 disks carry serials ``eb-cfg``, ``eb-rw`` and ``eb-l0`` … ``eb-l<N-1>`` (bottom layer first); the
 config disk holds ``EB_LAYERS``, ``EB_HOSTNAME``, ``EB_NET``, ``EB_NOFILE`` and
@@ -74,22 +87,32 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from envbuild.errors import BackendUnavailable, RuntimeShimError, SandboxCompromised, SandboxStartError
+from envbuild.errors import (
+    BackendUnavailable,
+    CheckpointRefused,
+    RuntimeShimError,
+    SandboxCompromised,
+    SandboxStartError,
+)
 from runtime_shim import (
     agent,
     netns,  # a networked sandbox's own namespace
 )
-from runtime_shim.backend import CreateRequest
+from runtime_shim.backend import CheckpointImage, CreateRequest
 from runtime_shim.layout import NodeLayout, SandboxPaths
 from runtime_shim.locks import ResolvedLock
 from runtime_shim.mount import unmount
 from runtime_shim.nodecache import NodeCache, parse_size
 from runtime_shim.spec import parse_user
+from runtime_shim.vm import checkpoint as ckpt
 from runtime_shim.vm import erofs, initramfs, qemu
 from runtime_shim.vm import kernel as vmkernel
 from runtime_shim.vm.serial import SerialMux
 
 MAX_LAYERS = initramfs.MAX_LAYERS
+#: Migration capabilities for checkpoints: shared memory (the pmem layer images, file-backed
+#: ``share=on``) is not copied into the image; the restoring VM maps the same files.
+MIGRATION_CAPS = [{"capability": "x-ignore-shared", "state": True}]
 CONFIG_DISK_SIZE = 4096
 #: The writable disk's size when ``Limits.disk_bytes`` is None: a disk always has one.
 VM_DISK_UNLIMITED = 64 << 30
@@ -110,6 +133,10 @@ class VmOptions:
     disk_bytes: int | None = None
     boot_timeout: float = 90.0  # TCG on a busy 2-core host takes seconds
     default_memory_bytes: int = 1 << 30  # when Limits.memory_bytes is None
+    # How the read-only layers reach the guest (LAYER_TRANSPORTS): "auto" is "pmem-dax"
+    # where the guest kernel and QEMU can, else "virtio-blk" (``choose_layer_transport``).
+    layers: str = "auto"
+    balloon: bool = True  # a virtio-balloon with free page reporting (freed memory goes back)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> VmOptions:
@@ -118,17 +145,67 @@ class VmOptions:
             opts = dataclasses.replace(opts, vcpus=int(environ["ENVBUILD_VM_CPUS"]))
         if environ.get("ENVBUILD_VM_DISK"):
             opts = dataclasses.replace(opts, disk_bytes=parse_size(environ["ENVBUILD_VM_DISK"]))
+        if environ.get("ENVBUILD_VM_LAYERS"):
+            opts = dataclasses.replace(opts, layers=environ["ENVBUILD_VM_LAYERS"])
+        if environ.get("ENVBUILD_VM_BALLOON"):
+            opts = dataclasses.replace(opts, balloon=environ["ENVBUILD_VM_BALLOON"] not in
+                                       ("0", "off", "no", "false"))
         return opts
 
 
-def guest_config(lock: ResolvedLock, *, layers: int, network: bool, nofile: int) -> bytes:
+@dataclasses.dataclass(frozen=True)
+class VmMemoryInfo:
+    """A microVM's share of the host's memory, in bytes, with the fields of the SDK's
+    ``MemoryInfo`` (issue 19): ``rss`` QEMU's anonymous memory (the guest RAM it touched, the
+    guest's own page cache included, plus QEMU's and TCG's), ``cache`` 0 (a VM's page cache
+    is inside its RAM), ``shared`` the file pages QEMU maps (the pmem layer images: the host
+    page cache every VM of those layers shares), ``usage`` its whole RSS, ``reclaimed`` how
+    far its RSS is below its peak (what the balloon's free page reporting gave back)."""
+
+    rss: int
+    cache: int
+    shared: int
+    usage: int
+    reclaimed: int = 0
+
+
+#: ``VmOptions.layers`` values; the last two are what ``info().layer_transport`` reports.
+LAYER_TRANSPORTS = ("auto", "pmem-dax", "virtio-blk")
+
+
+def choose_layer_transport(wanted: str, kern: vmkernel.GuestKernel, qemu_bin: str
+                           ) -> tuple[str, str | None]:
+    """``(transport, why)``: ``pmem-dax`` (each layer image a virtio-pmem device on the q35
+    machine, mounted ``-o dax`` by the guest: one copy of its pages in the host's page cache
+    serves every VM) when asked for or ``auto`` and both the guest kernel
+    (``kernel.pmem_dax_missing``) and QEMU (``virtio-pmem-pci``) can, else ``virtio-blk``
+    (microvm, each guest caching its own copy) with ``why`` saying what was missing.
+    ``pmem-dax`` asked for and impossible raises ``BackendUnavailable``."""
+    if wanted not in LAYER_TRANSPORTS:
+        raise RuntimeShimError(f"ENVBUILD_VM_LAYERS={wanted!r} is not one of "
+                               f"{', '.join(LAYER_TRANSPORTS)}")
+    if wanted == "virtio-blk":
+        return "virtio-blk", "asked for"
+    why = vmkernel.pmem_dax_missing(kern)
+    if why is None and "virtio-pmem-pci" not in qemu.qemu_devices(qemu_bin):
+        why = f"{qemu_bin} has no virtio-pmem-pci device"
+    if why is None:
+        return "pmem-dax", None
+    if wanted == "pmem-dax":
+        raise BackendUnavailable(f"layers on virtio-pmem with DAX: {why}",
+                                 hint="set ENVBUILD_VM_LAYERS=virtio-blk (or auto)")
+    return "virtio-blk", why
+
+def guest_config(lock: ResolvedLock, *, layers: int, network: bool, nofile: int,
+                 pmem: bool = False) -> bytes:
     """The config disk's contents (pure): a shell fragment, padded with newlines to a sector
     multiple so the init sources the device itself."""
     hostname = lock.hostname or "sandbox"
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]{0,62}", hostname):
         raise RuntimeShimError(f"lock hostname {hostname!r} is not a valid host name")
     env = [f"{k}={v}" for k, v in lock.env.items()]
-    text = (f"EB_LAYERS={layers}\nEB_HOSTNAME={shlex.quote(hostname)}\n"
+    text = (f"EB_LAYERS={layers}\nEB_PMEM={1 if pmem else 0}\n"
+            f"EB_HOSTNAME={shlex.quote(hostname)}\n"
             f"EB_NET={1 if network else 0}\nEB_NOFILE={int(nofile)}\n"
             f"set -- {' '.join(shlex.quote(e) for e in env)}\n").encode()
     if b"\0" in text:
@@ -138,16 +215,23 @@ def guest_config(lock: ResolvedLock, *, layers: int, network: bool, nofile: int)
     return text + b"\n" * (-len(text) % CONFIG_DISK_SIZE or 0)
 
 
-def vm_drives(layer_images: Sequence[Path], rw_disk: Path, config_disk: Path
-              ) -> tuple[qemu.Drive, ...]:
-    """The disks of a VM in the order QEMU attaches them (pure)."""
+def vm_drives(layer_images: Sequence[Path], rw_disk: Path, config_disk: Path, *,
+              pmem: bool = False) -> tuple[qemu.Drive, ...]:
+    """The disks of a VM in the order QEMU attaches them (pure); with ``pmem`` the layers
+    are not disks (``vm_pmem``)."""
     if len(layer_images) > MAX_LAYERS:
         raise RuntimeShimError(f"a microVM takes at most {MAX_LAYERS} layers; this lock has "
                                f"{len(layer_images)}",
                                hint="use the container backend for this lock")
     return (qemu.Drive(str(config_disk), "eb-cfg"),
-            *(qemu.Drive(str(p), f"eb-l{i}") for i, p in enumerate(layer_images)),
+            *(qemu.Drive(str(p), f"eb-l{i}") for i, p in enumerate(layer_images) if not pmem),
             qemu.Drive(str(rw_disk), "eb-rw", readonly=False))
+
+
+def vm_pmem(layer_images: Sequence[Path]) -> tuple[qemu.Pmem, ...]:
+    """The layers as virtio-pmem devices, bottom first (image lengths are already multiples
+    of ``qemu.PMEM_ALIGN``: ``erofs.ensure_erofs``)."""
+    return tuple(qemu.Pmem(str(p), p.stat().st_size) for p in layer_images)
 
 
 class MicroVmSandbox:
@@ -158,7 +242,11 @@ class MicroVmSandbox:
                  layer_dirs: Sequence[str], *, network: netns.NetworkPolicy | bool | None, limits,
                  options: VmOptions | None
                  = None, launcher: qemu.VmLauncher | None = None,
-                 environ: Mapping[str, str] = os.environ) -> None:
+                 environ: Mapping[str, str] = os.environ,
+                 restore: tuple[ckpt.VmCheckpoint, Path] | None = None) -> None:
+        """Boot a VM of ``lock``, or with ``restore=(record, dir)`` start it from that
+        checkpoint (``runtime_shim.vm.checkpoint``) without booting: its files are checked
+        against the record before QEMU sees them."""
         self.id = sandbox_id
         self.root = root
         self.lock = lock
@@ -172,32 +260,56 @@ class MicroVmSandbox:
         t0 = time.monotonic()
         kern = vmkernel.find_kernel(environ)
         image = vmkernel.boot_image(node.root, kern)
+        qemu_bin = qemu.find_qemu()
+        self.layer_transport, self.layer_transport_why = choose_layer_transport(
+            self.options.layers, kern, qemu_bin)
+        pmem = self.layer_transport == "pmem-dax"
         agent_path = agent.agent_binary(node.root)  # PID 1 of the guest, in serial mode
-        initrd = initramfs.ensure_initramfs(node.root, kern, agent_path, network=network)
+        initrd = initramfs.ensure_initramfs(node.root, kern, agent_path, network=network,
+                                            pmem=pmem, balloon=self.options.balloon)
         t1 = time.monotonic()
         images = [erofs.ensure_erofs(node.root, layer.digest, Path(d))
                   for layer, d in zip(lock.layers, layer_dirs)]
         t2 = time.monotonic()
         rw = root / "rw.ext4"
-        erofs.make_writable_disk(rw, self.options.disk_bytes or limits.disk_bytes
-                                 or VM_DISK_UNLIMITED, inodes=limits.inodes)
         cfg = root / "config.sh"
-        cfg.write_bytes(guest_config(lock, layers=len(images), network=network,
-                                     nofile=limits.nofile))
+        if restore is None:
+            erofs.make_writable_disk(rw, self.options.disk_bytes or limits.disk_bytes
+                                     or VM_DISK_UNLIMITED, inodes=limits.inodes)
+            cfg.write_bytes(guest_config(lock, layers=len(images), network=network,
+                                         nofile=limits.nofile, pmem=pmem))
+        else:
+            record, src = restore
+            # checked as copied: what QEMU gets is what was verified
+            ckpt.checked_copy(record, src, ckpt.DISK_FILE, rw)
+            ckpt.checked_copy(record, src, ckpt.CONFIG_FILE, cfg)
         self.console_log = root / "console.log"
         self.agent_socket = root / "agent.sock"
         self.qmp_socket = root / "qmp.sock"
         self.rw_disk = rw
         self._snapshot_upper: Path | None = None
+        self._quiesced = False
         accel = qemu.choose_accel(node.root, str(image), str(initrd), environ=environ)
         memory = limits.memory_bytes or self.options.default_memory_bytes
         self.request = qemu.VmRequest(
             kernel=str(image), initrd=str(initrd),
             cmdline=vmkernel.kernel_cmdline(tsc_khz=vmkernel.host_tsc_khz()),
-            drives=vm_drives(images, rw, cfg),
+            drives=vm_drives(images, rw, cfg, pmem=pmem),
             agent_socket=str(self.agent_socket), memory_mib=max(128, memory >> 20),
             vcpus=self.options.vcpus, accel=accel, network=network,
-            qmp_socket=str(self.qmp_socket))
+            qmp_socket=str(self.qmp_socket), machine="q35" if pmem else "microvm",
+            pmem=vm_pmem(images) if pmem else (), balloon=self.options.balloon,
+            incoming="defer" if restore else None)
+        self.model, self.model_digest = ckpt.device_model(
+            machine=self.request.machine, memory_mib=self.request.memory_mib,
+            vcpus=self.request.vcpus, balloon=self.request.balloon, network=network,
+            layers=tuple(layer.digest for layer in lock.layers),
+            pmem_sizes=tuple(p.size for p in self.request.pmem),
+            drives=tuple(d.serial for d in self.request.drives),
+            qemu_version=qemu.qemu_version(qemu_bin), kernel_version=kern.version,
+            initramfs=initrd.name)
+        if restore is not None:
+            self._check_restore(*restore)
         t3 = time.monotonic()
         self._mux: SerialMux | None = None
         if policy is not None:  # QEMU joins the sandbox's own namespace (runtime_shim.netns)
@@ -210,7 +322,12 @@ class MicroVmSandbox:
             self.close()
             raise
         try:
-            self.guest_ready_at = self._wait_ready()
+            if restore is not None:
+                self._incoming(*restore)
+            self.guest_ready_at = self._wait_ready(
+                first_channel=restore[0].next_channel if restore else 1)
+            if restore is not None:
+                self._fsfreeze("unfreeze")  # the image is of a frozen guest (checkpoint())
         except BaseException:
             self.close()
             raise
@@ -222,7 +339,124 @@ class MicroVmSandbox:
     def pid(self) -> int:
         return self._proc.pid if self._proc else 0
 
-    def _wait_ready(self) -> float:
+    def memory(self) -> VmMemoryInfo | None:
+        """What this VM holds of the host's memory, from its QEMU's ``/proc/PID/status``
+        (``runtime_shim.backend.MemoryReporting``); None once it stopped."""
+        if self._proc is None or self._proc.poll() is not None:
+            return None
+        try:
+            status = Path(f"/proc/{self._proc.pid}/status").read_text()
+        except OSError:
+            return None
+        kb = {k: int(v.split()[0]) << 10 for k, _, v in
+              (line.partition(":") for line in status.splitlines())
+              if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem")}
+        return VmMemoryInfo(rss=kb.get("RssAnon", 0), cache=0,
+                            shared=kb.get("RssFile", 0) + kb.get("RssShmem", 0),
+                            usage=kb.get("VmRSS", 0),
+                            reclaimed=max(0, kb.get("VmHWM", 0) - kb.get("VmRSS", 0)))
+
+    def describe(self) -> dict[str, object]:
+        """What ``Sandbox.info()`` reports of this VM beyond the common record
+        (``runtime_shim.backend.Describable``)."""
+        return {"layer_transport": self.layer_transport,
+                "layer_transport_why": self.layer_transport_why,
+                "machine": self.request.machine, "accel": self.request.accel,
+                "balloon": self.request.balloon}
+
+    def _check_restore(self, record: ckpt.VmCheckpoint, src: Path) -> None:
+        """Refuse a checkpoint whose device model or memory image is not the recorded one."""
+        if record.device_model != self.model_digest:
+            diff = sorted(k for k in self.model if self.model.get(k) != record.model.get(k))
+            raise CheckpointRefused(
+                "restore microVM checkpoint: this VM's devices differ from the checkpoint's",
+                context=f"differs in: {', '.join(diff) or 'the recorded model itself'}",
+                hint="restore with the same limits, network and kernel it was saved with")
+        ckpt.checked_copy(record, src, ckpt.MEMORY_FILE, None)
+
+    def _incoming(self, record: ckpt.VmCheckpoint, src: Path) -> None:
+        """Load the memory image into the QEMU started with ``-incoming defer``."""
+        path = str(self.qmp_socket)
+        deadline = time.monotonic() + 10
+        while True:  # the socket file appears a moment before QEMU listens on it
+            try:
+                qemu.qmp(path, "query-status")
+                break
+            except RuntimeShimError:
+                if self._proc is None or self._proc.poll() is not None or \
+                        time.monotonic() > deadline:
+                    raise SandboxStartError(
+                        f"restore microVM {self.id}: QEMU did not start",
+                        context=self._console().decode(errors="replace")[-3000:]) from None
+                time.sleep(0.002)
+        qemu.qmp(path, "migrate-set-capabilities", {"capabilities": MIGRATION_CAPS})
+        mem = src / ckpt.MEMORY_FILE
+        qemu.qmp(path, "migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(mem))}"})
+        try:
+            qemu.wait_migration(path, self.options.boot_timeout)
+        except RuntimeShimError as e:
+            raise SandboxStartError(f"restore microVM {self.id}: {e.message}",
+                                    context=self._console().decode(errors="replace")[-3000:]
+                                    ) from None
+        status = qemu.qmp(path, "query-status")
+        if isinstance(status, dict) and status.get("status") != "running":
+            qemu.qmp(path, "cont")
+
+    def checkpoint(self, dest_dir: Path, *, leave_running: bool = False) -> CheckpointImage:
+        """Save this VM into ``dest_dir`` (empty or new; ``runtime_shim.vm.checkpoint``): a
+        ``CheckpointImage`` of kind ``qemu`` whose ``record`` is the ``VmCheckpoint``
+        (``runtime_shim.backend.Checkpointable``). Inside ``quiesce()`` (as the SDK calls it)
+        the guest is already frozen and stopped; outside, this freezes and stops it itself.
+        Without ``leave_running`` the VM is gone on return; with it, it runs on (after
+        ``quiesce`` when called inside it). On failure the VM runs on and the files made
+        here are removed."""
+        if self._proc is None or self._proc.poll() is not None or self._mux is None:
+            raise RuntimeShimError(f"microVM {self.id} is not running")
+        started = time.monotonic()
+        dest = Path(dest_dir)
+        dest.mkdir(mode=0o700, exist_ok=True)
+        if any(dest.iterdir()):
+            raise RuntimeShimError(f"checkpoint microVM {self.id}: {dest} is not empty")
+        path = str(self.qmp_socket)
+        resume: list = []
+        ok = False
+        try:
+            if not self._quiesced:
+                self._fsfreeze("freeze")
+                resume.append(lambda: self._fsfreeze("unfreeze"))
+                qemu.qmp(path, "stop")
+                resume.append(lambda: qemu.qmp(path, "cont"))
+            channel = self._mux.next_channel  # after the freeze exec: no exec is under way
+            qemu.qmp(path, "migrate-set-capabilities", {"capabilities": MIGRATION_CAPS})
+            # QEMU's default cap is 32 MiB/s; the VM is stopped, so go as fast as the disk.
+            qemu.qmp(path, "migrate-set-parameters", {"max-bandwidth": 1 << 40})
+            mem = dest / ckpt.MEMORY_FILE
+            qemu.qmp(path, "migrate", {"uri": f"exec:cat > {shlex.quote(str(mem))}"})
+            qemu.wait_migration(path, 600)
+            files = {ckpt.MEMORY_FILE: ckpt.file_digest(mem),
+                     ckpt.DISK_FILE: ckpt.pack_sparse(self.rw_disk, dest / ckpt.DISK_FILE),
+                     ckpt.CONFIG_FILE: ckpt.sparse_copy(self.root / "config.sh",
+                                                        dest / ckpt.CONFIG_FILE)}
+            record = ckpt.VmCheckpoint(lock=self.lock.digest, device_model=self.model_digest,
+                                       model=self.model, files=files, next_channel=channel,
+                                       seconds=time.monotonic() - started)
+            (dest / ckpt.RECORD_FILE).write_text(record.to_json())  # a copy, for people
+            ok = True
+        finally:
+            if not ok:
+                for name in (ckpt.MEMORY_FILE, ckpt.DISK_FILE, ckpt.CONFIG_FILE):
+                    (dest / name).unlink(missing_ok=True)
+            if ok and not leave_running:
+                self.close()
+            else:
+                for undo in reversed(resume):
+                    undo()
+        # what the files take (the disk is packed: its non-zero blocks only)
+        size = sum((dest / name).stat().st_size for name in files)
+        return CheckpointImage(kind="qemu", dir=dest, record=record.to_record(), bytes=size,
+                               seconds=record.seconds)
+
+    def _wait_ready(self, first_channel: int = 1) -> float:
         """Connect to the agent's serial socket and wait for its HELLO on a first channel,
         watching the console for the init failing and QEMU for exiting. Returns the guest
         uptime at which the init handed over (from its ready line), or 0."""
@@ -238,7 +472,7 @@ class MicroVmSandbox:
                 except OSError:
                     line.close()
                 else:
-                    self._mux = SerialMux(line)
+                    self._mux = SerialMux(line, first_channel)
                     probe = self._mux.connect()
                     probe.setblocking(False)
                     probe.sendall(agent.frame(agent.T_HELLO,
@@ -350,9 +584,12 @@ class MicroVmSandbox:
         mnt = self.root / "snapshot-rw"
         with contextlib.ExitStack() as undo:
             self._fsfreeze("freeze")
-            undo.callback(self._fsfreeze, "unfreeze")
+            # a checkpoint() inside without leave_running has closed the VM: nothing to resume
+            undo.callback(self._if_running, self._fsfreeze, "unfreeze")
             qemu.qmp(str(self.qmp_socket), "stop")
-            undo.callback(qemu.qmp, str(self.qmp_socket), "cont")
+            undo.callback(self._if_running, qemu.qmp, str(self.qmp_socket), "cont")
+            self._quiesced = True
+            undo.callback(setattr, self, "_quiesced", False)
             mnt.mkdir()
             undo.callback(mnt.rmdir)
             _mount_image_readonly(self.rw_disk, mnt)
@@ -360,6 +597,10 @@ class MicroVmSandbox:
             self._snapshot_upper = _real_dir(mnt / "upper")
             undo.callback(setattr, self, "_snapshot_upper", None)
             yield
+
+    def _if_running(self, fn, *args) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            fn(*args)
 
     def _fsfreeze(self, how: str) -> None:
         done = self._root_exec('exec $B fsfreeze "--$1" "$2"', [how, initramfs.GUEST_RW_MOUNT])
@@ -448,6 +689,27 @@ class MicroVmBackend:
         return MicroVmSandbox(req.id, req.paths.root, req.lock, req.node, req.layer_dirs,
                               network=req.network, limits=req.limits)
 
+    def restore(self, req: CreateRequest, image: CheckpointImage) -> MicroVmSandbox:
+        """A new sandbox (``req``, as for ``create``) continuing from ``image`` (kind
+        ``qemu``, ``MicroVmSandbox.checkpoint``; ``runtime_shim.backend.Restorable``): no
+        kernel boot. The VM's own disk image holds its files, so layers of ``req.lock`` above
+        the checkpoint's (the SDK's snapshot layer) are not attached; the rest must be the
+        checkpoint's. Files or devices that differ from ``image.record`` raise
+        ``CheckpointRefused`` before QEMU starts."""
+        if image.kind != "qemu":
+            raise CheckpointRefused(f"a {image.kind!r} checkpoint is not a microVM's",
+                                    hint="restore it with the backend that made it")
+        record = ckpt.VmCheckpoint.from_record(image.record)
+        n = len(record.model.get("layers", ()))
+        lock = req.lock
+        if tuple(layer.digest for layer in lock.layers[:n]) != tuple(record.model["layers"]):
+            raise CheckpointRefused("restore microVM checkpoint: its layers are not this lock's",
+                                    context=f"checkpoint of lock {record.lock}")
+        lock = dataclasses.replace(lock, layers=lock.layers[:n])
+        return MicroVmSandbox(req.id, req.paths.root, lock, req.node, req.layer_dirs[:n],
+                              network=req.network, limits=req.limits,
+                              restore=(record, Path(image.dir)))
+
     def attach(self, paths: SandboxPaths, layout: NodeLayout, lock: ResolvedLock,
                runtime: str) -> MicroVmSandbox:
         raise BackendUnavailable(
@@ -476,3 +738,52 @@ def _is_qemu(pid: int, root: Path) -> bool:
     except OSError:
         return False
     return str(root).encode() in cmdline
+
+
+def restore_sandbox(image: CheckpointImage, *, store, node_dir=None, limits=None,
+                    network: bool | Sequence[str] = False):
+    """A ``runtime_shim.sandbox.Sandbox`` continuing the microVM checkpoint ``image``
+    (``MicroVmSandbox.checkpoint``; its ``record`` is envbuild's own), on the node
+    ``node_dir``: the same steps as ``Sandbox.create`` (resolve the record's lock, fetch its
+    layers, make the sandbox's dir and record) with ``MicroVmBackend.restore`` instead of a
+    boot. ``limits`` default to the checkpoint's RAM; they and ``network`` must match the
+    checkpointed VM's devices or the restore is refused (nothing left behind)."""
+    import uuid
+
+    from runtime_shim import sandbox as sdk
+    from runtime_shim.backend import get_backend, undo_on_error
+    from runtime_shim.locks import resolve
+    from runtime_shim.model import Limits
+
+    policy = netns.parse_network(network)
+    record = ckpt.VmCheckpoint.from_record(image.record)
+    opened = sdk.open_store(store)
+    layout = sdk._layout(node_dir)
+    lock = resolve(opened, record.lock)
+    layout.ensure()
+    node = NodeCache(layout.node)
+    layer_dirs = tuple(str(node.ensure(opened, layer.digest, layer.toc_digest,
+                                       media_type=layer.media_type)) for layer in lock.layers)
+    limits = limits or Limits(memory_bytes=int(record.model["memory_mib"]) << 20)
+    sandbox_id = f"eb-{uuid.uuid4().hex[:12]}"
+    paths = layout.sandbox(sandbox_id)
+    meta = {"version": sdk.SANDBOX_META_VERSION, "id": sandbox_id, "lock": lock.digest,
+            "backend": "microvm", "pid": os.getpid(), "kept": False, "created": time.time(),
+            "layers": [layer.digest for layer in lock.layers],
+            "store": sdk._store_url(store), "ttl": None, "expires": 0.0, "ready": 0.0}
+    layout.sandboxes.mkdir(exist_ok=True)
+    paths.root.mkdir()
+    with undo_on_error(paths):
+        sdk._write_meta(paths, meta)
+        backend = get_backend("microvm")
+        assert isinstance(backend, MicroVmBackend)
+        handle = backend.restore(CreateRequest(
+            id=sandbox_id, paths=paths, layout=layout, lock=lock, layer_dirs=layer_dirs,
+            node=node, network=policy, limits=limits), image)
+        try:
+            sdk._write_meta(paths, {**meta, "ready": time.time(), "details": handle.describe(),
+                                    "restored_from": record.files[ckpt.MEMORY_FILE].sha256})
+        except BaseException:
+            handle.close()
+            raise
+    return sdk.Sandbox(sandbox_id, lock, paths, handle, layout, opened, backend_name="microvm")

@@ -3,7 +3,10 @@
 ``ensure_erofs(node_root, digest, layer_dir)`` turns the node cache's unpacked layer (already
 overlay-ready: OCI whiteouts are 0/0 character devices, opaque dirs carry
 ``trusted.overlay.opaque=y``) into ``<node_root>/erofs/<hex>.erofs`` once per host, under an
-flock, written beside and renamed into place, and shared read-only by every VM. mkfs.erofs keeps
+flock, written beside and renamed into place, and shared read-only by every VM. Its length is
+padded (sparsely, with zeros EROFS never reads) to a multiple of ``IMAGE_ALIGN`` so the same
+file can back a virtio-pmem device (``runtime_shim.vm.qemu.Pmem``); the padding is no part of
+any digest (images are named by their layer's digest, and a layer's digest is of its blob). mkfs.erofs keeps
 device nodes and, with its default xattr tolerance, every xattr including ``trusted.*``, so the
 guest's overlayfs honours both kinds of whiteout (``tests/integration/test_microvm.py`` checks
 this on a real image). Images are uncompressed: under TCG the guest CPU is the scarce resource.
@@ -30,6 +33,8 @@ from envbuild.safefs import remove_tree
 from envbuild.store import check_digest
 
 EROFS_DIR = "erofs"
+#: Image lengths are multiples of this (the virtio-pmem mapping granularity, qemu.PMEM_ALIGN).
+IMAGE_ALIGN = 2 << 20
 #: ``-x2`` is mkfs.erofs's default tolerance (xattrs kept, shared when used often); spelled
 #: out because dropping xattrs (``-x-1``) would silently break opaque dirs.
 MKFS_EROFS_ARGS = ("-x2",)
@@ -42,14 +47,18 @@ def erofs_path(node_root: str | os.PathLike[str], digest: str) -> Path:
 def ensure_erofs(node_root: str | os.PathLike[str], digest: str, layer_dir: Path) -> Path:
     """The EROFS image of layer ``digest``, made from its unpacked ``layer_dir`` if missing."""
     target = erofs_path(node_root, digest)
-    if target.is_file():
-        return target
+    with contextlib.suppress(OSError):
+        if target.stat().st_size % IMAGE_ALIGN == 0:
+            return target
     target.parent.mkdir(parents=True, exist_ok=True)
     lock_fd = os.open(target.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
         if not target.is_file():
             _mkfs_erofs(layer_dir, target)
+        else:  # made before images were padded: extend it in place (content unchanged)
+            size = target.stat().st_size
+            os.truncate(target, size + (-size % IMAGE_ALIGN))
     finally:
         os.close(lock_fd)
     return target
@@ -65,6 +74,8 @@ def _mkfs_erofs(src: Path, target: Path) -> None:
             raise RuntimeShimError(f"make the EROFS image of {target.stem[:12]}: mkfs.erofs "
                                    f"exited {proc.returncode}",
                                    context=f"$ {' '.join(argv)}\n{proc.stderr[-2000:]}")
+        size = tmp.stat().st_size
+        os.truncate(tmp, size + (-size % IMAGE_ALIGN))  # sparse zeros: see the docstring
         os.chmod(tmp, 0o444)
         tmp.replace(target)
     finally:

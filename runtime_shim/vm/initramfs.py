@@ -20,7 +20,9 @@ Layout (``initramfs_entries``, pure)::
     /newroot /proc /sys /rw
 
 The init (``INIT_SCRIPT``) is the guest side of the disk contract in ``runtime_shim.vm.backend``:
-virtio-blk disks are found by serial (``eb-cfg``, ``eb-rw``, ``eb-l0`` … bottom layer first),
+virtio-blk disks are found by serial (``eb-cfg``, ``eb-rw``, ``eb-l0`` … bottom layer first;
+with ``EB_PMEM=1`` in the config the layers are instead the virtio-pmem devices in PCI slots
+``qemu.PMEM_FIRST_SLOT + i``, mounted ``ro,dax=always``),
 the config disk is a shell fragment (``EB_LAYERS``, ``EB_HOSTNAME``, ``EB_NET`` and
 ``set -- KEY=VALUE …`` for the env) sourced from the device, each layer is mounted read-only as
 EROFS, the writable ext4 disk holds ``upper/``, ``work/`` and ``stub/`` (the mount points every
@@ -51,6 +53,7 @@ from pathlib import Path
 from envbuild.errors import RuntimeShimError
 from runtime_shim.mount import OVERLAY_PLAIN_OPTIONS
 from runtime_shim.vm.kernel import GuestKernel, guest_modules
+from runtime_shim.vm.qemu import PMEM_FIRST_SLOT
 
 INITRAMFS_VERSION = 2
 READY_MARKER = b"envbuild-init: ready"
@@ -79,6 +82,27 @@ for d in /sys/block/vd*; do
 done
 [ -n "$disk_cfg" ] && [ -n "$disk_rw" ] || fail "no config or writable disk"
 . "$disk_cfg" || fail "read config"
+lopt=ro
+if [ "$EB_PMEM" = 1 ]; then
+  # Layer i is the virtio-pmem device in PCI slot @PMEM_SLOT@ + i (runtime_shim.vm.qemu), mounted
+  # with DAX: its pages are the host's page cache of the image, shared by every VM.
+  n=0
+  while :; do
+    found=0
+    for p in /sys/devices/pci0000:00/0000:00:*/virtio*/ndbus*/region*/namespace*/block/pmem*; do
+      [ -e "$p" ] || continue
+      s=${p#/sys/devices/pci0000:00/0000:00:}
+      s=${s%%.*}
+      eval "disk_l$((0x$s - @PMEM_SLOT@))=/dev/${p##*/}"
+      found=$((found + 1))
+    done
+    [ "$found" -ge "$EB_LAYERS" ] && break
+    [ $n -lt 500 ] || fail "found $found of $EB_LAYERS layer pmem devices"
+    $B usleep 10000
+    n=$((n + 1))
+  done
+  lopt=ro,dax=always
+fi
 # The writable disk comes with upper/, work/ and stub/ (mount points every root needs, the
 # bottom layer, never copied into upper/): runtime_shim.vm.erofs.make_writable_disk.
 lower=/rw/stub
@@ -87,7 +111,7 @@ i=0
   while [ "$i" -lt "$EB_LAYERS" ]; do
     eval "d=\$disk_l$i"
     [ -n "$d" ] || fail "no disk for layer $i"
-    echo "$d /layers/$i erofs ro 0 0"
+    echo "$d /layers/$i erofs $lopt 0 0"
     lower="/layers/$i:$lower"
     i=$((i + 1))
   done
@@ -134,7 +158,7 @@ echo "envbuild-init: ready $up"
 # switch_root without its deletion of the initramfs, which holds /.envbuild.
 cd $R && $B mount --move . / || fail "move the root"
 exec $B env -i "$@" $B chroot . /.envbuild/agent --serial "$port"
-""".replace("@PLAIN@", ",".join(OVERLAY_PLAIN_OPTIONS))
+""".replace("@PLAIN@", ",".join(OVERLAY_PLAIN_OPTIONS)).replace("@PMEM_SLOT@", str(PMEM_FIRST_SLOT))
 #: Where the init leaves the writable disk's ext4 mount in the guest (``upper/``, ``work/``).
 GUEST_RW_MOUNT = "/.envbuild/rw"
 #: The first mounts, before the modules: ``mount -a -T /etc/fstab.boot``.
@@ -219,23 +243,25 @@ def host_busybox() -> Path:
 
 
 def ensure_initramfs(cache_dir: str | os.PathLike[str], kernel: GuestKernel,
-                     agent_path: Path | None, *, network: bool = False) -> Path:
+                     agent_path: Path | None, *, network: bool = False, pmem: bool = False,
+                     balloon: bool = False) -> Path:
     """The initramfs for ``kernel`` (+ the agent), built once and cached by content hash."""
     busybox = host_busybox()
     stamp = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size)
                   for p in (busybox, kernel.modules_dir / "modules.dep",
                             *([agent_path] if agent_path else [])))
     return _ensure(str(cache_dir), kernel, str(agent_path) if agent_path else None, network,
-                   stamp)
+                   pmem, balloon, stamp)
 
 
 @functools.lru_cache(maxsize=16)
 def _ensure(cache_dir: str, kernel: GuestKernel, agent_path: str | None, network: bool,
-            _stamp: tuple) -> Path:
+            pmem: bool, balloon: bool, _stamp: tuple) -> Path:
     # The stamp (paths, mtimes, sizes) only keys this in-process memo: reading and hashing
     # ~5 MB of inputs on every start would cost more than the rest of ``create``'s host work.
     entries = initramfs_entries(busybox=host_busybox().read_bytes(),
-                                modules=guest_modules(kernel, network=network),
+                                modules=guest_modules(kernel, network=network, pmem=pmem,
+                                                      balloon=balloon),
                                 agent=Path(agent_path).read_bytes() if agent_path else None,
                                 kernel_version=kernel.version)
     data = newc_archive(entries)

@@ -33,6 +33,10 @@ from envbuild.errors import RuntimeShimError
 GUEST_MODULES = ("virtio_mmio", "virtio_blk", "erofs", "overlay", "ext4", "virtio_console")
 #: Added when the sandbox has a network device.
 NET_MODULES = ("virtio_net",)
+#: Added for layers on virtio-pmem (the q35 machine: virtio-pci devices, nvdimm's pmem driver).
+PMEM_MODULES = ("virtio_pci", "virtio_pmem", "nd_pmem")
+#: Added for a memory balloon with free page reporting.
+BALLOON_MODULES = ("virtio_balloon",)
 KERNEL_ENV = "ENVBUILD_VM_KERNEL"
 _VMLINUZ = re.compile(r"vmlinu[xz]-(?P<version>.+)")
 # bzImage payload magics, as extract-vmlinux (linux/scripts) looks for them.
@@ -125,13 +129,15 @@ def module_load_order(modules_dep: str, wanted: Iterable[str],
     return order
 
 
-def guest_modules(kernel: GuestKernel, *, network: bool = False) -> list[tuple[str, bytes]]:
+def guest_modules(kernel: GuestKernel, *, network: bool = False, pmem: bool = False,
+                  balloon: bool = False) -> list[tuple[str, bytes]]:
     """``(name.ko, uncompressed bytes)`` in load order, read from the kernel's modules dir.
     Signatures are stripped unless the kernel enforces them (``signatures_enforced``)."""
     dep = (kernel.modules_dir / "modules.dep").read_text()
     builtin_file = kernel.modules_dir / "modules.builtin"
     builtin = builtin_file.read_text().split() if builtin_file.is_file() else ()
-    wanted = (*GUEST_MODULES, *(NET_MODULES if network else ()))
+    wanted = (*GUEST_MODULES, *(NET_MODULES if network else ()),
+              *(PMEM_MODULES if pmem else ()), *(BALLOON_MODULES if balloon else ()))
     strip = not signatures_enforced(kernel)
     out = []
     for rel in module_load_order(dep, wanted, builtin):
@@ -166,6 +172,44 @@ def signatures_enforced(kernel: GuestKernel) -> bool:
     except OSError:
         return True
     return re.search(r"^CONFIG_MODULE_SIG_FORCE=y$", config, re.M) is not None
+
+
+def kernel_config(kernel: GuestKernel) -> str | None:
+    """The kernel's build configuration (``config-<version>`` next to it), or None."""
+    try:
+        return (kernel.path.parent / f"config-{kernel.version}").read_text()
+    except OSError:
+        return None
+
+
+#: What EROFS on virtio-pmem mounted ``-o dax`` needs of the guest kernel (its config).
+PMEM_DAX_CONFIG = (("CONFIG_FS_DAX", "y"), ("CONFIG_VIRTIO_PMEM", "ym"),
+                   ("CONFIG_LIBNVDIMM", "ym"), ("CONFIG_BLK_DEV_PMEM", "ym"),
+                   ("CONFIG_VIRTIO_PCI", "ym"), ("CONFIG_ZONE_DEVICE", "y"))
+
+
+def pmem_dax_missing(kernel: GuestKernel) -> str | None:
+    """Why ``kernel`` cannot mount its layers from virtio-pmem with DAX, or None if it can:
+    its config must have ``PMEM_DAX_CONFIG`` and its modules dir the ``PMEM_MODULES``. EROFS
+    has DAX from Linux 5.15 on."""
+    config = kernel_config(kernel)
+    if config is None:
+        return f"no config-{kernel.version} next to the kernel to check for DAX support"
+    for name, values in PMEM_DAX_CONFIG:
+        m = re.search(rf"^{name}=([ym])$", config, re.M)
+        if m is None or m[1] not in values:
+            return f"the guest kernel lacks {name}"
+    m = re.match(r"(\d+)\.(\d+)", kernel.version)
+    if m is None or (int(m[1]), int(m[2])) < (5, 15):
+        return f"the guest kernel {kernel.version} predates EROFS DAX (5.15)"
+    dep = (kernel.modules_dir / "modules.dep").read_text()
+    builtin_file = kernel.modules_dir / "modules.builtin"
+    builtin = builtin_file.read_text().split() if builtin_file.is_file() else ()
+    try:
+        module_load_order(dep, PMEM_MODULES, builtin)
+    except RuntimeShimError as e:
+        return e.message
+    return None
 
 
 def _decompress_module(name: str, data: bytes) -> bytes:

@@ -89,13 +89,14 @@ class _Chan:
 class SerialMux:
     """One thread multiplexing channels over ``line`` (a connected stream socket)."""
 
-    def __init__(self, line: socket.socket) -> None:
+    def __init__(self, line: socket.socket, first_channel: int = 1) -> None:
+        # first_channel: a restored VM's agent has seen the ids before its checkpoint.
         self._line = line
         line.setblocking(False)
         self._rx = bytearray()
         self._tx = bytearray()
         self._chans: dict[int, _Chan] = {}
-        self._next = 1
+        self._next = first_channel & 0xFFFFFFFF or 1
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._closed = False
@@ -104,6 +105,15 @@ class SerialMux:
         self._thread = threading.Thread(target=self._run, name="envbuild-vm-serial",
                                         daemon=True)
         self._thread.start()
+
+    @property
+    def next_channel(self) -> int:
+        return self._next
+
+    def busy(self) -> bool:
+        """Whether any channel is open (an exec under way)."""
+        with self._lock:
+            return bool(self._chans)
 
     def connect(self) -> socket.socket:
         """A new channel; use the returned socket as a connection to the agent."""

@@ -121,3 +121,66 @@ def test_drives_order_and_layer_limit(tmp_path):
     assert [d.readonly for d in drives] == [True, True, True, False]
     with pytest.raises(RuntimeShimError, match="at most"):
         vm_drives([tmp_path / "x"] * (MAX_LAYERS + 1), tmp_path / "rw", tmp_path / "cfg")
+
+
+def test_pmem_layers_need_q35_and_get_fixed_slots_before_any_other_device():
+    from runtime_shim.vm.qemu import PMEM_FIRST_SLOT, Pmem
+
+    with pytest.raises(ValueError, match="q35"):
+        qemu_argv(_request(pmem=(Pmem("/n/l0.erofs", 2 << 20),)))
+    with pytest.raises(ValueError, match="multiple"):
+        qemu_argv(_request(machine="q35", pmem=(Pmem("/n/l0.erofs", 3 << 20),)))
+    argv = qemu_argv(_request(machine="q35", memory_mib=256, drives=_request().drives[::2],
+                              pmem=(Pmem("/n/l0.erofs", 2 << 20), Pmem("/n/l,1.erofs", 4 << 20))))
+    assert argv[1:5] == ["-M", "q35,hpet=off,smbus=off,sata=off,vmport=off", "-bios",
+                         "qboot.rom"]
+    # device memory above the RAM holds both images
+    assert _opt_after(argv, "-m") == ["256M,slots=2,maxmem=262M"]
+    objects = _opt_after(argv, "-object")
+    assert objects == ["memory-backend-file,id=pm0,share=on,readonly=on,mem-path=/n/l0.erofs,"
+                       f"size={2 << 20}",
+                       "memory-backend-file,id=pm1,share=on,readonly=on,mem-path=/n/l,,1.erofs,"
+                       f"size={4 << 20}"]
+    devices = _opt_after(argv, "-device")
+    assert devices[:2] == [f"virtio-pmem-pci,memdev=pm0,id=pmem0,addr={PMEM_FIRST_SLOT:#04x}",
+                           f"virtio-pmem-pci,memdev=pm1,id=pmem1,addr={PMEM_FIRST_SLOT + 1:#04x}"]
+    # the rest are PCI devices too (q35 has no virtio-mmio)
+    assert not any(d.endswith("-device") or "-device," in d for d in devices)
+    assert any(d.startswith("virtio-blk-pci,") for d in devices)
+    assert "virtio-serial-pci" in devices
+
+
+def test_balloon_and_incoming():
+    argv = qemu_argv(_request(balloon=True, incoming="defer"))
+    assert "virtio-balloon-device,id=balloon0,free-page-reporting=on" in argv
+    assert argv[-2:] == ["-incoming", "defer"]
+    assert not any("balloon" in a for a in qemu_argv(_request()))
+
+
+def test_guest_config_says_whether_layers_are_pmem():
+    lock = _lock()
+    assert b"EB_PMEM=1\n" in guest_config(lock, layers=2, network=False, nofile=64, pmem=True)
+    assert b"EB_PMEM=0\n" in guest_config(lock, layers=2, network=False, nofile=64)
+
+
+def test_pmem_dax_needs_dax_in_the_kernel_config(tmp_path):
+    from runtime_shim.vm.kernel import GuestKernel, pmem_dax_missing
+
+    mods = tmp_path / "modules"
+    mods.mkdir()
+    (mods / "modules.dep").write_text(
+        "kernel/drivers/virtio/virtio_pci.ko:\nkernel/drivers/nvdimm/virtio_pmem.ko:\n"
+        "kernel/drivers/nvdimm/nd_pmem.ko:\n")
+    (tmp_path / "vmlinuz-6.1.0-1-cloud-amd64").write_bytes(b"")
+    kern = GuestKernel(tmp_path / "vmlinuz-6.1.0-1-cloud-amd64", "6.1.0-1-cloud-amd64", mods)
+    assert "no config" in pmem_dax_missing(kern)
+    good = ("CONFIG_FS_DAX=y\nCONFIG_VIRTIO_PMEM=m\nCONFIG_LIBNVDIMM=m\nCONFIG_BLK_DEV_PMEM=m\n"
+            "CONFIG_VIRTIO_PCI=m\nCONFIG_ZONE_DEVICE=y\n")
+    config = tmp_path / "config-6.1.0-1-cloud-amd64"
+    config.write_text(good)
+    assert pmem_dax_missing(kern) is None
+    config.write_text(good.replace("CONFIG_FS_DAX=y", "# CONFIG_FS_DAX is not set"))
+    assert pmem_dax_missing(kern) == "the guest kernel lacks CONFIG_FS_DAX"
+    config.write_text(good)
+    (mods / "modules.dep").write_text("kernel/drivers/virtio/virtio_pci.ko:\n")
+    assert "virtio_pmem" in pmem_dax_missing(kern)
