@@ -121,3 +121,40 @@ def test_restore_with_other_devices_is_refused_before_qemu_starts(built, tmp_pat
     assert "memory_mib" in (e.value.context or "")
     assert _qemu_pids() <= qemu_before
     assert list((node / "sandboxes").iterdir()) == []
+
+
+def test_the_sdk_calls_checkpoint_restore_and_fork_work_on_a_microvm(built):
+    """The issue's "same call on a microVM": ``Sandbox.checkpoint(publish=)`` stores the VM's
+    memory image and files as one checkpoint lock, ``Sandbox.restore(ref)`` brings the VM back
+    (same process, still counting; no boot) and ``fork`` gives independent children."""
+    store, node = built
+    sb = Sandbox.create("busybox-shell", store=store, node_dir=node, backend="microvm",
+                        limits=LIMITS)
+    made: list[Sandbox] = []
+    try:
+        loop_pid = int(sb.exec(COUNTER).stdout)
+        sb.write_file("/workspace/state.txt", "checkpointed\n")
+        at = _wait_counter(sb, 3)
+        result = sb.checkpoint("ckpt/vm-sdk", leave_running=True)
+        assert result.ref == "ckpt/vm-sdk" and result.image_bytes > 0
+        restored = Sandbox.restore("ckpt/vm-sdk", store=store, node_dir=node, limits=LIMITS)
+        made.append(restored)
+        assert restored.backend == "microvm"
+        assert b"envbuild-init: ready" not in restored._backend._console()  # no kernel boot
+        assert _counter(restored) >= at
+        assert restored.exec(f"cat /proc/{loop_pid}/cmdline").ok
+        assert restored.read_file("/workspace/state.txt") == b"checkpointed\n"
+        children = restored.fork(2, limits=LIMITS)
+        made.extend(children)
+        for i, child in enumerate(children):
+            child.write_file("/workspace/child.txt", f"{i}\n")
+        assert [c.read_file("/workspace/child.txt") for c in children] == [b"0\n", b"1\n"]
+        assert not restored.exec("test -e /workspace/child.txt").ok
+        for child in children:
+            _wait_counter(child, _counter(child))
+        pids = [s._backend.pid for s in (sb, *made)]
+    finally:
+        for s in made:
+            s.close()
+        sb.close()
+    assert all(_gone(pid, 10) for pid in pids), "a QEMU outlived its sandbox"
