@@ -71,6 +71,7 @@ class SandboxInfo:
     node: str = ""  # the node dir
     ttl: float | None = None  # seconds
     expires: float = 0.0
+    lazy: str = ""  # lazy layers: "passthrough" or "fuse" (how reads are served); "" if pulled
 
     def expired(self, now: float) -> bool:
         return bool(self.expires) and now >= self.expires

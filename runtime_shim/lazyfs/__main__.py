@@ -76,8 +76,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except EnvbuildError as e:
             print("\n".join(e.render_lines()), file=sys.stderr)
             return 1
-        return _NodeDaemon(os.path.abspath(args.node), parse_size(args.chunk_cache_max),
+        code = _NodeDaemon(os.path.abspath(args.node), parse_size(args.chunk_cache_max),
                            parse_size(args.memory_cache), fetch).serve()
+        # Exit now: a fetch stuck on a dead store (its caller already got EIO) must not keep
+        # the interpreter joining its worker thread forever.
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(code)
     missing = [f"--{n}" for n in ("store", "digest", "mountpoint", "chunk-cache")
                if not getattr(args, n.replace("-", "_"))]
     if missing:

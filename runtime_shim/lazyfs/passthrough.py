@@ -357,8 +357,8 @@ class PassthroughFS:
                 if child is not None:
                     items.append((os.fsencode(name), child))
             ents = []
-            for i, (name, child) in enumerate(items):
-                raw = _DIRENT.pack(child.ino, i + 1, len(name), (child.mode >> 12) & 0xF) + name
+            for i, (bname, child) in enumerate(items):
+                raw = _DIRENT.pack(child.ino, i + 1, len(bname), (child.mode >> 12) & 0xF) + bname
                 ents.append(raw + b"\0" * (-len(raw) % 8))
             with self._lock:
                 self._dirents[nodeid] = ents

@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""Reads of a lazy layer once its files are on the node, against an unpacked layer read in the
+same run (issue 13: "native-speed reads after the first fetch").
+
+    .venv/bin/python benchmarks/lazy_native.py [--repeat 3] [--modes passthrough,fuse]
+
+The layer: a slice of this repo's virtualenv (botocore, boto3, moto, flask, aiohttp, yaml,
+cryptography and their dependencies, ``__pycache__`` included), packed into a local store.
+For each mode a fresh node cache mounts the layer lazily (``NodeCache.ensure_lazy``; the daemon
+forced into the mode by ``$ENVBUILD_LAZY_PASSTHROUGH``) and runs two workloads:
+
+- ``import``: ``python3 -c 'import boto3, moto, flask, aiohttp, yaml, cryptography.fernet'``
+  with ``PYTHONPATH`` on the layer (what an agent's heavy first command does);
+- ``read``: read every regular file of the layer once (``grep -r`` of a workspace).
+
+"cold" is the first run on a fresh mount and daemon (files fetched from the store, verified,
+decompressed); "warm" the median of the next ``--repeat`` runs (everything fetched: the
+number that must match the unpacked directory). The baseline: the same workloads on the layer
+unpacked by ``NodeCache.ensure`` (what a full pull makes), page cache warm, in the same run.
+Prints seconds and the ratio warm / unpacked per mode (goal: <= 1.1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from envbuild.layers import pack_tree  # noqa: E402
+from envbuild.store import LocalStore, put_file  # noqa: E402
+from runtime_shim.nodecache import NodeCache  # noqa: E402
+
+PACKAGES = ["boto3", "botocore", "moto", "flask", "werkzeug", "jinja2", "markupsafe",
+            "itsdangerous", "click", "blinker", "aiohttp", "aiosignal", "aiohappyeyeballs",
+            "frozenlist", "multidict", "yarl", "propcache", "attr", "attrs", "yaml", "_yaml",
+            "cryptography", "cffi", "_cffi_backend.cpython-311-x86_64-linux-gnu.so",
+            "jmespath", "dateutil", "six.py", "urllib3", "s3transfer", "xmltodict",
+            "responses", "requests", "idna", "certifi", "charset_normalizer", "pycparser"]
+# (and every *.dist-info: importlib.metadata looks packages up by them)
+IMPORT = "import boto3, moto, flask, aiohttp, yaml, cryptography.fernet"
+SITE = Path(sys.prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" \
+    / "site-packages"
+
+
+def make_tree(dest: Path) -> int:
+    sp = dest / "site-packages"
+    sp.mkdir(parents=True)
+    for name in PACKAGES:
+        src = SITE / name
+        if src.is_dir():
+            shutil.copytree(src, sp / name, symlinks=True)
+        elif src.exists():
+            shutil.copy2(src, sp / name)
+    for info in SITE.glob("*.dist-info"):
+        shutil.copytree(info, sp / info.name, symlinks=True)
+    return sum(1 for _ in sp.rglob("*"))
+
+
+def workload_import(root: Path) -> float:
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+           "PYTHONPATH": str(root / "site-packages"), "PYTHONDONTWRITEBYTECODE": "1"}
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-S", "-c", IMPORT], env=env, check=True)
+    return time.perf_counter() - t0
+
+
+def workload_read(root: Path) -> float:
+    t0 = time.perf_counter()
+    buf = bytearray(1 << 20)
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            if os.path.islink(p):
+                continue
+            with open(p, "rb", buffering=0) as fh:
+                while fh.readinto(buf):
+                    pass
+    return time.perf_counter() - t0
+
+
+def measure(root: Path, repeat: int) -> dict[str, tuple[float, float]]:
+    """workload -> (cold: first run, warm: median of ``repeat`` more)."""
+    out = {}
+    for name, fn in (("import", workload_import), ("read", workload_read)):
+        cold = fn(root)
+        warm = statistics.median(fn(root) for _ in range(repeat))
+        out[name] = (cold, warm)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--modes", default="passthrough,fuse")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("error: needs root (FUSE mounts)", file=sys.stderr)
+        return 1
+    work = Path(tempfile.mkdtemp(prefix="h13-lazy-bench-", dir="/tmp"))
+    try:
+        tree = work / "tree"
+        n = make_tree(tree)
+        store = LocalStore(work / "store")
+        blob = work / "layer.blob"
+        with open(blob, "wb") as f:
+            info = pack_tree(tree, f)
+        put_file(store, blob)
+        usize = sum(p.stat().st_size for p in tree.rglob("*") if p.is_file())
+        print(f"layer: {n} entries, {usize / 1e6:.1f} MB unpacked, {info.size / 1e6:.1f} MB "
+              f"packed; repeat {args.repeat}; load {os.getloadavg()[0]:.2f}")
+        results: dict[str, dict[str, tuple[float, float]]] = {}
+        unpacked = NodeCache(work / "full").ensure(store, info.digest, info.toc_digest)
+        results["unpacked"] = measure(Path(unpacked), args.repeat)
+        for mode in args.modes.split(","):
+            os.environ["ENVBUILD_LAZY_PASSTHROUGH"] = "on" if mode == "passthrough" else "off"
+            node = NodeCache(work / f"node-{mode}")
+            mp = node.ensure_lazy(str(store.root), info.digest, info.toc_digest)
+            try:
+                results[mode] = measure(mp, args.repeat)
+            finally:
+                node.unmount_lazy(keep=())
+        base = results["unpacked"]
+        print(f"{'':12} {'import cold':>12} {'import warm':>12} {'read cold':>10} "
+              f"{'read warm':>10}   warm/unpacked (import, read)")
+        for name, r in results.items():
+            ratio = "" if name == "unpacked" else \
+                f"   {r['import'][1] / base['import'][1]:.2f}x, {r['read'][1] / base['read'][1]:.2f}x"
+            print(f"{name:12} {r['import'][0]:12.3f} {r['import'][1]:12.3f} "
+                  f"{r['read'][0]:10.3f} {r['read'][1]:10.3f}{ratio}")
+    finally:
+        os.environ.pop("ENVBUILD_LAZY_PASSTHROUGH", None)
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
