@@ -14,7 +14,9 @@ readdir and symlinks. What differs is ``open``:
    ``/dev/fuse`` fd: a backing id), and ``open`` is answered with ``FOPEN_PASSTHROUGH`` and
    that id. From then on ``read``, ``mmap`` and ``splice`` of the file go to the cache file's
    page cache in the kernel: native speed, and one page cache for identical files of every
-   layer. The backing id is kept while the inode has opens and closed at the last release.
+   layer. The backing id stays registered after the last release, so reopening the file is a
+   dictionary lookup and one reply (``MAX_IDLE_BACKING`` bounds the idle ones); ``close``
+   costs no round trip (``FOPEN_NOFLUSH``).
 
 Passthrough is negotiated at ``FUSE_INIT`` (``FUSE_PASSTHROUGH``, bit 37 of the init flags:
 bit 5 of ``flags2``, with ``max_stack_depth`` 1: backing files live on a plain filesystem so
@@ -30,6 +32,7 @@ that stops answering makes ``open`` fail with EIO, logged with the reason, never
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import errno
@@ -83,7 +86,12 @@ _WANT = (FUSE_ASYNC_READ | FUSE_PARALLEL_DIROPS | FUSE_MAX_PAGES | FUSE_CACHE_SY
 # open reply flags
 FOPEN_KEEP_CACHE = 1 << 1
 FOPEN_CACHE_DIR = 1 << 3
+FOPEN_NOFLUSH = 1 << 5           # close() does not wait for a FLUSH round trip (read-only)
 FOPEN_PASSTHROUGH = 1 << 7
+_PT = FOPEN_PASSTHROUGH | FOPEN_NOFLUSH
+#: Backing ids kept registered after their last release (reopening a file then costs no
+#: syscall); beyond this many, the least recently opened idle ones are closed.
+MAX_IDLE_BACKING = 4096
 
 _IN_HEADER = struct.Struct("<IIQQIIIHH")           # len opcode unique nodeid uid gid pid ext pad
 _OUT_HEADER = struct.Struct("<IiQ")                 # len error unique
@@ -218,12 +226,15 @@ class PassthroughFS:
         self.statfs = statfs_of(nodes)
         self._dirents: dict[int, list[bytes]] = {}
         self._lock = threading.Lock()
-        self._backing: dict[int, list[int]] = {}   # ino -> [backing id, opens]
+        # ino -> [backing id, opens], least recently opened first
+        self._backing: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
+        self._digests: dict[int, str] = {}
         self._fds: dict[int, int] = {}             # fh -> cache file fd (no passthrough)
         self._next_fh = 1
         self._no_backing_logged = False
         self.conn: _Conn | None = None
         self.stats = {"opens": 0, "passthrough_opens": 0, "userspace_reads": 0}
+        self.ops: collections.Counter[int] = collections.Counter()  # requests by opcode
 
     @property
     def passthrough(self) -> bool:
@@ -258,6 +269,7 @@ class PassthroughFS:
     def _dispatch(self, conn: _Conn, buf: bytes) -> None:
         length, opcode, unique, nodeid, _uid, _gid, _pid, _ext, _ = _IN_HEADER.unpack_from(buf)
         body = memoryview(buf)[_IN_HEADER.size:length]
+        self.ops[opcode] += 1
         if opcode in _NO_REPLY:
             return
         try:
@@ -396,6 +408,7 @@ class PassthroughFS:
         with self._lock:
             extra = dict(self.stats)
         return {**self.lazy_layer.stats.as_dict(), **extra, "pid": os.getpid(),
+                "requests_by_opcode": {str(k): v for k, v in sorted(self.ops.items())},
                 "mode": "passthrough" if self.passthrough else "userspace"}
 
     # -- open: fetch, verify, hand the kernel the cache file --------------------------------------
@@ -414,16 +427,27 @@ class PassthroughFS:
             return
         if self.trace is not None:
             self.trace.add(node)
-        digest = self._digest(node)
         with self._lock:
-            backing = self._backing.get(nodeid)
-        if backing is not None or (digest and self.files.cached(digest)):
+            held = self._backing.get(nodeid)
+            if held is not None:  # the hot path: a file opened before, still registered
+                held[1] += 1
+                self._backing.move_to_end(nodeid)
+                self.stats["opens"] += 1
+                self.stats["passthrough_opens"] += 1
+        if held is not None:
+            conn.reply(unique, _OPEN_OUT.pack(0, _PT, held[0]))
+            return
+        digest = self._digest(node)
+        if digest and self.files.cached(digest):
             self._finish_open(conn, unique, node, digest)   # no fetch: answer in this thread
         else:
             self.workers.submit(self._finish_open, conn, unique, node, digest)
 
     def _digest(self, node: Node) -> str:
-        return self.lazy_layer.stat(node.read_path).digest or ""
+        d = self._digests.get(node.ino)
+        if d is None:
+            d = self._digests[node.ino] = self.lazy_layer.stat(node.read_path).digest or ""
+        return d
 
     def _fetch(self, node: Node) -> bytes:
         # one fetch per frame at a time (a second reader waits); small files that share the
@@ -435,16 +459,9 @@ class PassthroughFS:
 
     def _finish_open(self, conn: _Conn, unique: int, node: Node, digest: str) -> None:
         try:
-            with self._lock:
-                backing = self._backing.get(node.ino)
-                if backing is not None:
-                    backing[1] += 1
-            if backing is None:
-                path = self.files.path(digest, lambda: self._fetch(node),
-                                       f"open {node.read_path} of {self.lazy_layer.digest}")
-                payload = self._open_path(conn, node, path)
-            else:
-                payload = _OPEN_OUT.pack(0, FOPEN_PASSTHROUGH, backing[0])
+            path = self.files.path(digest, lambda: self._fetch(node),
+                                   f"open {node.read_path} of {self.lazy_layer.digest}")
+            payload = self._open_path(conn, node, path)
             with self._lock:
                 self.stats["opens"] += 1
         except EnvbuildError as e:
@@ -467,39 +484,50 @@ class PassthroughFS:
                     log.warning("passthrough refused for %s (%s): reads of such files go "
                                 "through user space", path, e.strerror)
             else:
+                idle: list[int] = []
                 with self._lock:
                     held = self._backing.get(node.ino)
+                    self.stats["passthrough_opens"] += 1
                     if held is None:
                         self._backing[node.ino] = [bid, 1]
-                        self.stats["passthrough_opens"] += 1
+                        if len(self._backing) > MAX_IDLE_BACKING:
+                            idle = self._evict_backing()
                     else:   # another open raced us: use its id, drop ours
                         held[1] += 1
-                if held is not None:
-                    conn.backing_close(bid)
-                    bid = held[0]
-                return _OPEN_OUT.pack(0, FOPEN_PASSTHROUGH, bid)
+                        idle, bid = [bid], held[0]
+                for old in idle:
+                    conn.backing_close(old)
+                return _OPEN_OUT.pack(0, _PT, bid)
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         with self._lock:
             fh = self._next_fh
             self._next_fh += 1
             self._fds[fh] = fd
-        return _OPEN_OUT.pack(fh, FOPEN_KEEP_CACHE, 0)
+        return _OPEN_OUT.pack(fh, FOPEN_KEEP_CACHE | FOPEN_NOFLUSH, 0)
+
+    def _evict_backing(self) -> list[int]:
+        """(Caller holds the lock.) Drop the least recently opened idle backing ids beyond
+        ``MAX_IDLE_BACKING``; returns them, to be closed outside the lock."""
+        out = []
+        for ino, (bid, opens) in list(self._backing.items()):
+            if len(self._backing) <= MAX_IDLE_BACKING * 0.9:
+                break
+            if opens <= 0:
+                del self._backing[ino]
+                out.append(bid)
+        return out
 
     def _release(self, nodeid: int, fh: int) -> None:
-        close_id = None
+        # a passthrough file (fh 0) keeps its backing id registered: the next open of it is
+        # answered without a syscall (``_evict_backing`` bounds how many stay)
         with self._lock:
             fd = self._fds.pop(fh, None) if fh else None
             if fh == 0:
                 held = self._backing.get(nodeid)
                 if held is not None:
                     held[1] -= 1
-                    if held[1] <= 0:
-                        close_id = held[0]
-                        del self._backing[nodeid]
         if fd is not None:
             os.close(fd)
-        if close_id is not None and self.conn is not None:
-            self.conn.backing_close(close_id)
 
 
 _TTL = 86400.0
