@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import ctypes.util
 import errno
 import json
 import logging
@@ -119,7 +118,8 @@ def _iow(nr: int, size: int) -> int:
 FUSE_DEV_IOC_BACKING_OPEN = _iow(1, _BACKING_MAP.size)
 FUSE_DEV_IOC_BACKING_CLOSE = _iow(2, 4)
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+# the process's own symbols (libc is loaded): find_library would run ldconfig at import
+_libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
                         ctypes.c_char_p]
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
