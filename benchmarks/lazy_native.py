@@ -90,6 +90,22 @@ def workload_read(root: Path) -> float:
     return time.perf_counter() - t0
 
 
+def open_latency(root: Path, n: int = 2000) -> float:
+    """Microseconds per open + read + close of one small fetched file (the per-open round
+    trip a FUSE mount adds)."""
+    small = next(p for p in sorted((root / "site-packages").rglob("*.py"))
+                 if 0 < p.stat().st_size < 4096)
+    for _ in range(50):
+        with open(small, "rb") as f:
+            f.read()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fd = os.open(small, os.O_RDONLY)
+        os.read(fd, 4096)
+        os.close(fd)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def evict(*dirs: Path) -> None:
     """Drop the page cache of every regular file below ``dirs`` (``POSIX_FADV_DONTNEED``):
     the bytes stay on the node's disk, as after memory pressure or on a node whose cache
@@ -110,7 +126,7 @@ def evict(*dirs: Path) -> None:
                     os.close(fd)
 
 
-def measure(root: Path, repeat: int, cache_dirs: tuple[Path, ...]
+def measure(label: str, root: Path, repeat: int, cache_dirs: tuple[Path, ...]
             ) -> dict[str, tuple[float, float, float]]:
     """workload -> (cold: first run; warm: median of ``repeat`` more; evicted: median of
     ``repeat`` runs each after ``evict(root, *cache_dirs)``)."""
@@ -123,6 +139,8 @@ def measure(root: Path, repeat: int, cache_dirs: tuple[Path, ...]
             evict(root, *cache_dirs)
             times.append(fn(root))
         out[name] = (cold, warm, statistics.median(times))
+    print(f"{label:12} {open_latency(root):8.1f} us per open+read+close of a fetched small file",
+          flush=True)
     return out
 
 
@@ -148,15 +166,15 @@ def main() -> int:
               f"packed; repeat {args.repeat}; load {os.getloadavg()[0]:.2f}")
         results: dict[str, dict[str, tuple[float, float, float]]] = {}
         unpacked = NodeCache(work / "full").ensure(store, info.digest, info.toc_digest)
-        results["unpacked"] = measure(Path(unpacked), args.repeat, ())
+        results["unpacked"] = measure("unpacked", Path(unpacked), args.repeat, ())
         for mode in args.modes.split(","):
             os.environ["ENVBUILD_LAZY_PASSTHROUGH"] = "on" if mode == "passthrough" else "off"
             node = NodeCache(work / f"node-{mode}")
             mp = node.ensure_lazy(str(store.root), info.digest, info.toc_digest)
             try:
                 # the node's copies: passthrough's file cache, the fallback's chunk cache
-                results[mode] = measure(mp, args.repeat, (node.root / "files",
-                                                          node.root / "chunks"))
+                results[mode] = measure(mode, mp, args.repeat, (node.root / "files",
+                                                                node.root / "chunks"))
             finally:
                 node.unmount_lazy(keep=())
         base = results["unpacked"]
