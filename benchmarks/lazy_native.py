@@ -126,22 +126,34 @@ def evict(*dirs: Path) -> None:
                     os.close(fd)
 
 
-def measure(label: str, root: Path, repeat: int, cache_dirs: tuple[Path, ...]
-            ) -> dict[str, tuple[float, float, float]]:
-    """workload -> (cold: first run; warm: median of ``repeat`` more; evicted: median of
-    ``repeat`` runs each after ``evict(root, *cache_dirs)``)."""
-    out = {}
-    for name, fn in (("import", workload_import), ("read", workload_read)):
-        cold = fn(root)
-        warm = statistics.median(fn(root) for _ in range(repeat))
-        times = []
-        for _ in range(repeat):
-            evict(root, *cache_dirs)
-            times.append(fn(root))
-        out[name] = (cold, warm, statistics.median(times))
-    print(f"{label:12} {open_latency(root):8.1f} us per open+read+close of a fetched small file",
-          flush=True)
-    return out
+WORKLOADS = (("import", workload_import), ("read", workload_read))
+
+
+def measure(targets: dict[str, tuple[Path, tuple[Path, ...]]], repeat: int
+            ) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """target -> workload -> (cold: first run; warm: median of ``repeat`` more; evicted:
+    median of ``repeat`` runs each after ``evict(root, *cache_dirs)``). Targets take turns
+    within each repetition, so that they share the host's load (it changes by the minute on a
+    shared machine) and the ratios compare like with like."""
+    runs: dict[str, dict[str, list[list[float]]]] = {
+        t: {w: [[], [], []] for w, _ in WORKLOADS} for t in targets}
+    for t, (root, _) in targets.items():
+        for w, fn in WORKLOADS:
+            runs[t][w][0].append(fn(root))
+    for _ in range(repeat):
+        for t, (root, _) in targets.items():
+            for w, fn in WORKLOADS:
+                runs[t][w][1].append(fn(root))
+    for _ in range(repeat):
+        for t, (root, caches) in targets.items():
+            for w, fn in WORKLOADS:
+                evict(root, *caches)
+                runs[t][w][2].append(fn(root))
+    for t, (root, _) in targets.items():
+        print(f"{t:12} {open_latency(root):8.1f} us per open+read+close of a fetched small "
+              "file", flush=True)
+    return {t: {w: (v[0][0], statistics.median(v[1]), statistics.median(v[2]))
+                for w, v in ws.items()} for t, ws in runs.items()}
 
 
 def main() -> int:
@@ -164,18 +176,22 @@ def main() -> int:
         usize = sum(p.stat().st_size for p in tree.rglob("*") if p.is_file())
         print(f"layer: {n} entries, {usize / 1e6:.1f} MB unpacked, {info.size / 1e6:.1f} MB "
               f"packed; repeat {args.repeat}; load {os.getloadavg()[0]:.2f}")
-        results: dict[str, dict[str, tuple[float, float, float]]] = {}
         unpacked = NodeCache(work / "full").ensure(store, info.digest, info.toc_digest)
-        results["unpacked"] = measure("unpacked", Path(unpacked), args.repeat, ())
-        for mode in args.modes.split(","):
-            os.environ["ENVBUILD_LAZY_PASSTHROUGH"] = "on" if mode == "passthrough" else "off"
-            node = NodeCache(work / f"node-{mode}")
-            mp = node.ensure_lazy(str(store.root), info.digest, info.toc_digest)
-            try:
+        targets: dict[str, tuple[Path, tuple[Path, ...]]] = {"unpacked": (Path(unpacked), ())}
+        nodes = []
+        try:
+            for mode in args.modes.split(","):
+                # the daemon of each node cache inherits the switch as it starts
+                os.environ["ENVBUILD_LAZY_PASSTHROUGH"] = "on" if mode == "passthrough" \
+                    else "off"
+                node = NodeCache(work / f"node-{mode}")
+                nodes.append(node)
+                mp = node.ensure_lazy(str(store.root), info.digest, info.toc_digest)
                 # the node's copies: passthrough's file cache, the fallback's chunk cache
-                results[mode] = measure(mode, mp, args.repeat, (node.root / "files",
-                                                                node.root / "chunks"))
-            finally:
+                targets[mode] = (mp, (node.root / "files", node.root / "chunks"))
+            results = measure(targets, args.repeat)
+        finally:
+            for node in nodes:
                 node.unmount_lazy(keep=())
         base = results["unpacked"]
         print(f"{'seconds':12} {'import':>8} {'import':>8} {'import':>8} {'read':>8} "
