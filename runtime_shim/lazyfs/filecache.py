@@ -181,9 +181,13 @@ class FileCache:
             self._verified.add(digest)
         return path
 
-    def path(self, digest: str, fetch: Callable[[], bytes], what: str) -> str:
+    def path(self, digest: str, fetch: Callable[[], bytes], what: str, *,
+             inline: bool = False) -> str:
         """The verified cache file of ``digest``; ``fetch()`` (returning the verified contents)
-        runs once for all concurrent callers. ``FetchTimeout`` after the limits' timeout."""
+        runs once for all concurrent callers. ``FetchTimeout`` after the limits' timeout.
+        ``inline``: the caller knows ``fetch`` needs no store request (the bytes are in the
+        chunk cache), so the first caller runs it itself instead of in the pool (no thread
+        hop: a tree of small files read through readahead'd frames)."""
         if digest in self._verified:
             return self._file(digest)
         with self._lock:
@@ -193,7 +197,10 @@ class FileCache:
                 fut = self._flights[digest] = Future()
         assert fut is not None
         if mine:
-            self.limits.pool.submit(self._fly, digest, fetch, fut)
+            if inline:
+                self._fly(digest, fetch, fut)
+            else:
+                self.limits.pool.submit(self._fly, digest, fetch, fut)
         return wait_for(fut, what, self.limits.settings.timeout)
 
     def _fly(self, digest: str, fetch: Callable[[], bytes], fut: Future) -> None:

@@ -438,8 +438,9 @@ class PassthroughFS:
             conn.reply(unique, _OPEN_OUT.pack(0, _PT, held[0]))
             return
         digest = self._digest(node)
-        if digest and self.files.cached(digest):
-            self._finish_open(conn, unique, node, digest)   # no fetch: answer in this thread
+        if (digest and self.files.cached(digest)) or not self.lazy_frames.missing(node):
+            # no store request (cached, or its frames are in the chunk cache): answer here
+            self._finish_open(conn, unique, node, digest, inline=True)
         else:
             self.workers.submit(self._finish_open, conn, unique, node, digest)
 
@@ -457,10 +458,12 @@ class PassthroughFS:
             self.readahead.schedule(node.read_path.rpartition("/")[0])
         return self.lazy_layer.read(node.read_path)
 
-    def _finish_open(self, conn: _Conn, unique: int, node: Node, digest: str) -> None:
+    def _finish_open(self, conn: _Conn, unique: int, node: Node, digest: str, *,
+                     inline: bool = False) -> None:
         try:
             path = self.files.path(digest, lambda: self._fetch(node),
-                                   f"open {node.read_path} of {self.lazy_layer.digest}")
+                                   f"open {node.read_path} of {self.lazy_layer.digest}",
+                                   inline=inline)
             payload = self._open_path(conn, node, path)
             with self._lock:
                 self.stats["opens"] += 1
