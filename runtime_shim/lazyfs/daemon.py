@@ -138,6 +138,9 @@ class _NodeDaemon:
                         self.files.dir)
         if ok:
             self.mode, self.mode_reason = MODE_PASSTHROUGH, ""
+            # files/ is the disk tier now: pieces stay in memory only (readahead, prefetch)
+            # until an open writes their file, instead of being hashed and written twice
+            self.cache.disk = None
         elif passthrough_wanted() is True:
             raise SystemExit(f"error: ${PASSTHROUGH_ENV}=on but passthrough is unavailable: "
                              f"{why}")

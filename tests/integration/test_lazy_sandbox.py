@@ -163,9 +163,14 @@ def _settled(mountpoint: Path) -> dict:
 
 
 def _pieces(node_dir: Path) -> int:
+    """What the node holds on disk of fetched contents: verified pieces (the fuse fallback's
+    chunk cache) and whole files (passthrough's file cache)."""
     chunks = node_dir / "node" / "chunks"
-    return sum(1 for sub in chunks.iterdir() if sub.is_dir() for _ in sub.iterdir()) \
+    files = node_dir / "node" / "files"
+    n = sum(1 for sub in chunks.iterdir() if sub.is_dir() for _ in sub.iterdir()) \
         if chunks.is_dir() else 0
+    return n + (sum(1 for f in files.iterdir() if not f.name.startswith("."))
+                if files.is_dir() else 0)
 
 
 LISTING = ("find / -xdev ! -path '/.envbuild*' ! -path '/proc*' ! -path '/sys*' "
