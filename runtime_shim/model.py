@@ -95,6 +95,7 @@ class SandboxInfo:
     # microVMs: how the read-only layers reach the guest, "pmem-dax" (shared host page
     # cache) or "virtio-blk" (runtime_shim.vm.backend.choose_layer_transport); else None.
     layer_transport: str | None = None
+    lazy: str = ""  # lazy layers: "passthrough" or "fuse" (how reads are served); "" if pulled
 
     def expired(self, now: float) -> bool:
         return bool(self.expires) and now >= self.expires

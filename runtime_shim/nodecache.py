@@ -9,12 +9,15 @@ Layout (version 1, under ``root``)::
     locks/<hex>.lock           flock: one unpack per layer across threads and processes
     tmp/                       unpacks in progress (same filesystem, so the final rename is atomic)
     lazy/<hex>/                lazy mode: the layer's read-only FUSE mount (runtime_shim.lazyfs)
-    lazy/<hex>.json            {"version": 1, "pid", "digest", "store", "started"}: its daemon
+    lazy/<hex>.json            {"version": 1, "pid", "digest", "store", "started", "mode"}: its
+                               daemon, and how it serves reads ("passthrough" or "fuse")
     lazy/<hex>.used            touched on every use
     lazy/daemon.json           {"version": 1, "pid", "started"}: the node's lazy layer daemon
     lazy/daemon.log            its stderr (appended across restarts)
     locks/<hex>.lazy.lock      flock: one mount request per layer across threads and processes
     locks/lazy-daemon.lock     flock: one daemon start at a time
+    files/<hex>                lazy passthrough mode: whole verified files by content digest,
+                               the kernel's backing files (runtime_shim.lazyfs.filecache)
     chunks/                    lazy mode: verified file pieces (envbuild.store.lazy.ChunkCache),
                                keyed by content, shared by every lazy layer
 
@@ -256,7 +259,8 @@ class NodeCache:
                     context=str(reply.get("error", ""))[-2000:] or None,
                     hint=f"see {self.root / 'lazy' / 'daemon.log'}; store {store_url}")
             state = {"version": LAZY_STATE_VERSION, "pid": reply.get("pid"), "digest": digest,
-                     "store": store_url, "started": time.time()}
+                     "store": store_url, "started": time.time(),
+                     "mode": reply.get("mode") or "fuse"}
             tmp = self.root / "lazy" / f".{hexd}.json.{uuid.uuid4().hex[:8]}"
             tmp.write_text(json.dumps(state))
             tmp.replace(self.root / "lazy" / f"{hexd}.json")

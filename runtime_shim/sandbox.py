@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import heapq
 import json
+import logging
 import os
 import threading
 import time
@@ -60,6 +61,8 @@ from runtime_shim.locks import ResolvedLock, resolve
 from runtime_shim.model import DEFAULT_OUTPUT_CAP, ExecResult, Limits, SandboxInfo
 from runtime_shim.nodecache import NodeCache
 from runtime_shim.spec import parse_user
+
+_log = logging.getLogger("envbuild.sandbox")
 
 __all__ = ["DEFAULT_OUTPUT_CAP", "ExecResult", "Limits", "Sandbox", "SandboxInfo", "SandboxPaths",
            "gc_sandboxes", "list_sandboxes", "remove_sandbox", "remove_sandbox_dir",
@@ -252,7 +255,7 @@ class Sandbox:
         limits: Limits | None = None,
         runtime: str = "runc",
         keep: bool = False,
-        lazy: bool = False,
+        lazy: bool | str = False,
         seccomp: str | Mapping | None = None,
         ttl: float | None = None,
         reap: bool = True,
@@ -269,7 +272,12 @@ class Sandbox:
 
         ``lazy``: instead of unpacking the layers, mount each one read-only with FUSE, served
         from ``store`` file by file on first read (``runtime_shim.lazyfs``); ``store`` must be
-        one another process can open (a directory or S3).
+        one another process can open (a directory or S3). ``lazy="auto"`` (the fleet's
+        default): lazy when the node's lazy daemon can serve the layers, else a full pull (a
+        warning says why; ``info().lazy`` is ``""`` then); ``lazy=True`` fails with one line
+        instead. ``info().lazy`` says how a lazy sandbox's reads are served: ``"passthrough"``
+        (the kernel reads fetched files natively) or ``"fuse"`` (the fallback: every read
+        through the daemon).
 
         ``seccomp``: None for the default syscall filter (``runtime_shim.seccomp``),
         ``"unconfined"`` for none, or a full OCI ``linux.seccomp`` object (checked here). A
@@ -293,7 +301,15 @@ class Sandbox:
         policy = netns.parse_network(network)  # bad entries fail before anything is made
         impl = get_backend(backend)
         seccomp_profiles.check_setting(seccomp)
-        impl.check(keep=keep, seccomp=seccomp, lazy=lazy)
+        if lazy not in (False, True, "auto"):
+            raise RuntimeShimError(f"lazy must be False, True or 'auto', not {lazy!r}")
+        try:
+            impl.check(keep=keep, seccomp=seccomp, lazy=bool(lazy))
+        except BackendUnavailable:
+            if lazy != "auto":
+                raise
+            lazy = False  # auto: this backend cannot run lazy layers, pull them in full
+            impl.check(keep=keep, seccomp=seccomp, lazy=False)
         if ttl is not None and not ttl > 0:
             raise RuntimeShimError(f"ttl must be a positive number of seconds, not {ttl!r}")
         opened = open_store(store)
@@ -303,11 +319,20 @@ class Sandbox:
         if reap:
             sweep_sandboxes(layout, runtime, automatic=True)
         node = NodeCache(layout.node)
+        layer_dirs: list[str] | None = None
+        lazy_mode = ""
         if lazy:  # lazy mode: FUSE mounts instead of unpacked layers
             from runtime_shim.lazyfs import lazy_layer_dirs
+            from runtime_shim.lazyfs.control import daemon_mode
 
-            layer_dirs = lazy_layer_dirs(node, opened, resolved.layers)
-        else:
+            try:
+                layer_dirs = lazy_layer_dirs(node, opened, resolved.layers)
+                lazy_mode = daemon_mode(node.root) or "fuse"
+            except RuntimeShimError as e:
+                if lazy != "auto":
+                    raise
+                _log.warning("lazy='auto': %s; pulling the layers in full instead", e.message)
+        if layer_dirs is None:
             layer_dirs = [str(node.ensure(opened, layer.digest, layer.toc_digest,
                                           media_type=layer.media_type))
                           for layer in resolved.layers]
@@ -320,7 +345,7 @@ class Sandbox:
                 "backend": backend, "pid": os.getpid(), "kept": keep, "created": created,
                 "layers": [layer.digest for layer in resolved.layers],
                 "store": _store_url(store if store is not None else opened), "ttl": ttl,
-                "expires": expires, "ready": 0.0}
+                "expires": expires, "ready": 0.0, "lazy": lazy_mode}
         layout.sandboxes.mkdir(exist_ok=True)
         paths.root.mkdir()
         with undo_on_error(paths):
@@ -526,7 +551,8 @@ def _info(path: Path, meta: dict, layout: NodeLayout) -> SandboxInfo:
                        ready=float(meta.get("ready") or 0.0), node=str(layout.root),
                        ttl=float(ttl) if ttl else None,
                        expires=float(meta.get("expires") or 0.0),
-                       layer_transport=(meta.get("details") or {}).get("layer_transport"))
+                       layer_transport=(meta.get("details") or {}).get("layer_transport"),
+                       lazy=str(meta.get("lazy") or ""))
 
 
 def list_sandboxes(node_dir: str | os.PathLike[str] | NodeLayout | None = None

@@ -173,14 +173,29 @@ def register(group: click.Group) -> None:
     @node.command("ls")
     @pass_app
     def node_ls(app: App) -> None:
-        """List unpacked layers with their size and last use."""
+        """List unpacked layers with their size and last use, then the lazy layer daemon: how
+        it serves reads (passthrough, or the fuse fallback and why) and its lazy mounts."""
         from runtime_shim.layout import NodeLayout
+        from runtime_shim.lazyfs.control import daemon_request
         from runtime_shim.nodecache import NodeCache
 
-        layers = NodeCache(NodeLayout(app.settings.node_dir).node).usage()
+        cache = NodeCache(NodeLayout(app.settings.node_dir).node)
+        layers = cache.usage()
         for u in layers:
             click.echo(f"{u.digest}  {u.size / 1e6:9.1f} MB  last used {time.ctime(u.last_used)}")
         click.echo(f"{len(layers)} layers, {sum(u.size for u in layers) / 1e6:.1f} MB")
+        ping = daemon_request(cache.root, {"op": "ping"}, 5.0)
+        if ping is None:
+            click.echo("lazy daemon: not running (starts with the first lazy sandbox)")
+            return
+        why = f" ({ping['mode_reason']})" if ping.get("mode_reason") else ""
+        click.echo(f"lazy daemon: pid {ping.get('pid')}, mode {ping.get('mode', 'fuse')}{why}, "
+                   f"fetch concurrency {ping.get('fetch_concurrency')}, "
+                   f"timeout {ping.get('fetch_timeout')} s, "
+                   f"{ping.get('files_fetched', 0)} files fetched")
+        for digest in cache.list_lazy():
+            state = "mounted" if cache.lazy_mounted(digest) else "stale"
+            click.echo(f"lazy {digest}  {state}")
 
     @node.command("gc")
     @click.option("--max-size", default=None, metavar="SIZE",

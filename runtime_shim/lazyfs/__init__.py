@@ -1,5 +1,9 @@
 """Lazy layers: a read-only FUSE filesystem per layer, served from the store by ``LazyLayer``.
 
+(How reads are served once a file is fetched — FUSE passthrough into the node's file cache,
+or this docstring's libfuse path as the fallback — is in ``passthrough`` and
+docs/lazy-loading.md; what the mount presents is the same either way.)
+
 In lazy mode a sandbox does not wait for its layers to be pulled and unpacked: each layer is a
 FUSE mount at ``<node>/lazy/<hex>`` (``NodeCache.ensure_lazy``) that overlayfs takes as a lower
 dir in place of ``<node>/layers/<hex>``. Opening the layer costs two ranged reads (footer and
@@ -62,7 +66,12 @@ Where each concern lives (this package re-exports the public names):
 ``chunks``          ``TieredChunkCache``: memory LRU in front of the node's disk chunk cache
 ``frames``          fetching frames for the filesystem: one fetch per frame at a time,
                     directory readahead, profile prefetch in order
-``fuseops``         the FUSE filesystem: ``make_operations`` (mfusepy), ``lazy_stats``
+``passthrough``     the FUSE passthrough filesystem over ``/dev/fuse`` (the default where
+                    the kernel offers it): fetched files are read by the kernel itself
+``filecache``       the node's content-addressed file cache (single-flight), fetch
+                    concurrency and timeouts
+``fuseops``         the libfuse filesystem (the fallback): ``make_operations`` (mfusepy),
+                    ``lazy_stats``
 ``profile``         lazy profiles: record the first run's reads, prefetch them next time
 ``control``         the daemon's control socket: address, protocol, ``daemon_request``
 ``daemon``          the node daemon process serving every lazy mount of a node cache

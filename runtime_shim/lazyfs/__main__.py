@@ -37,6 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-cache", help="the node's chunk cache directory")
     p.add_argument("--chunk-cache-max", default="10G")
     p.add_argument("--memory-cache", default="256M")
+    p.add_argument("--fetch-concurrency", type=int, default=None,
+                   help="store requests in flight at once for the whole node (default "
+                        "$ENVBUILD_LAZY_FETCH_CONCURRENCY or 16)")
+    p.add_argument("--fetch-timeout", type=float, default=None,
+                   help="seconds a read waits for the store before it fails with EIO "
+                        "(default $ENVBUILD_LAZY_FETCH_TIMEOUT or 30)")
     p.add_argument("--debug", action="store_true", help="libfuse debug output")
     return p
 
@@ -63,8 +69,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         except EnvbuildError as e:
             print("\n".join(e.render_lines()), file=sys.stderr)
             return 1
-        return _NodeDaemon(os.path.abspath(args.node), parse_size(args.chunk_cache_max),
-                           parse_size(args.memory_cache)).serve()
+        from runtime_shim.lazyfs.filecache import FetchSettings
+
+        try:
+            fetch = FetchSettings.from_env(args.fetch_concurrency, args.fetch_timeout)
+        except EnvbuildError as e:
+            print("\n".join(e.render_lines()), file=sys.stderr)
+            return 1
+        code = _NodeDaemon(os.path.abspath(args.node), parse_size(args.chunk_cache_max),
+                           parse_size(args.memory_cache), fetch).serve()
+        # Exit now: a fetch stuck on a dead store (its caller already got EIO) must not keep
+        # the interpreter joining its worker thread forever.
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(code)
     missing = [f"--{n}" for n in ("store", "digest", "mountpoint", "chunk-cache")
                if not getattr(args, n.replace("-", "_"))]
     if missing:

@@ -9,11 +9,16 @@ with the process). A connection carries **one request and one reply, each one li
 (UTF-8, newline-terminated, at most ``MAX_MESSAGE`` bytes; the daemon gives a client
 ``REQUEST_TIMEOUT`` seconds to send its request)::
 
-    {"op": "ping"}                                   -> {"ok": true, "pid": P}
+    {"op": "ping"}                                   -> {"ok": true, "pid": P, "mode": M,
+                                                         "mode_reason": TEXT,
+                                                         "fetch_concurrency": N,
+                                                         "fetch_timeout": S,
+                                                         "max_requests_in_flight": N,
+                                                         "files_fetched": N}
     {"op": "mount", "mountpoint": M, "store": URL, "s3_endpoint": E|null, "digest": D,
      "toc_digest": T|null, "size": N|null, "ranges_url": U|null, "timeout": S,
      "profile": {"key", "layers", "store", "s3_endpoint"}|null}
-                                                     -> {"ok": true, "pid": P}
+                                                     -> {"ok": true, "pid": P, "mode": M}
                                                      |  {"ok": false, "error": TEXT}
     {"op": "prefetch", "layers": [{"mountpoint": M, "paths": [PATH, ...]}, ...]}
                                                      -> {"ok": true, "started": N}
@@ -82,6 +87,13 @@ def daemon_request(node_root: str | os.PathLike[str], req: dict[str, Any],
         return json.loads(reply) if reply else None
     finally:
         sock.close()
+
+
+def daemon_mode(node_root: str | os.PathLike[str], timeout: float = 5.0) -> str | None:
+    """How the node daemon serves reads (``"passthrough"`` or ``"fuse"``); ``None`` when no
+    daemon answers."""
+    reply = daemon_request(node_root, {"op": "ping"}, timeout)
+    return str(reply.get("mode") or "fuse") if reply else None
 
 
 def _read_line(sock: socket.socket, limit: int = MAX_MESSAGE) -> bytes:

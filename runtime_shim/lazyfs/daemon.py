@@ -19,6 +19,7 @@ from runtime_shim.lazyfs.control import (
     _read_line,
     daemon_address,
 )
+from runtime_shim.lazyfs.filecache import BoundedRanges, FetchLimits, FetchSettings, FileCache
 from runtime_shim.lazyfs.frames import prefetch_in_order
 from runtime_shim.lazyfs.fuseops import CACHE_TTL, make_operations
 from runtime_shim.lazyfs.profile import (
@@ -32,11 +33,24 @@ from runtime_shim.lazyfs.tree import build_tree
 log = logging.getLogger("envbuild.lazyfs")
 
 
+#: Values of ``mode`` (ping reply, ``lazy/daemon.json``, each mount's state): how reads of
+#: fetched files are served.
+MODE_PASSTHROUGH = "passthrough"   # the kernel reads the node's file cache (passthrough.py)
+MODE_FUSE = "fuse"                 # every read through the libfuse filesystem (fuseops.py)
+
+
 class _NodeDaemon:
-    def __init__(self, root: str, chunk_cache_max: int, memory_cache: int) -> None:
+    def __init__(self, root: str, chunk_cache_max: int, memory_cache: int,
+                 fetch: FetchSettings | None = None) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         self.root = root
         self.cache = TieredChunkCache(MemoryChunkCache(memory_cache),
                                       ChunkCache(os.path.join(root, "chunks"), chunk_cache_max))
+        self.limits = FetchLimits(fetch or FetchSettings.from_env())
+        self.files = FileCache(os.path.join(root, "files"), self.limits, chunk_cache_max)
+        self.open_workers = ThreadPoolExecutor(32, thread_name_prefix="lazy-open")
+        self.mode, self.mode_reason = MODE_FUSE, "not probed"
         self.lock = threading.Lock()
         self.mounts: dict[int, str] = {}      # id -> mountpoint
         self.threads: list[threading.Thread] = []
@@ -79,7 +93,10 @@ class _NodeDaemon:
         # those would end just one of the sessions.
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, stop)
-        log.info("lazy layer daemon of %s up", self.root)
+        self._choose_mode()
+        log.info("lazy layer daemon of %s up: %s mode%s, fetch concurrency %d, timeout %g s",
+                 self.root, self.mode, f" ({self.mode_reason})" if self.mode_reason else "",
+                 self.limits.settings.concurrency, self.limits.settings.timeout)
         self.last = time.monotonic()
         try:
             while not self.stop:
@@ -112,6 +129,24 @@ class _NodeDaemon:
         log.info("lazy layer daemon of %s exits", self.root)
         return 0
 
+    def _choose_mode(self) -> None:
+        """Passthrough when this kernel offers it (``passthrough.probe``), else the libfuse
+        path; ``$ENVBUILD_LAZY_PASSTHROUGH`` forces either (``on``: passthrough or exit)."""
+        from runtime_shim.lazyfs.passthrough import PASSTHROUGH_ENV, passthrough_wanted, probe
+
+        ok, why = probe(os.path.join(self.root, "lazy", f".probe-{os.getpid()}"),
+                        self.files.dir)
+        if ok:
+            self.mode, self.mode_reason = MODE_PASSTHROUGH, ""
+            # files/ is the disk tier now: pieces stay in memory only (readahead, prefetch)
+            # until an open writes their file, instead of being hashed and written twice
+            self.cache.disk = None
+        elif passthrough_wanted() is True:
+            raise SystemExit(f"error: ${PASSTHROUGH_ENV}=on but passthrough is unavailable: "
+                             f"{why}")
+        else:
+            self.mode, self.mode_reason = MODE_FUSE, why
+
     def _handle(self, conn: Any) -> None:
         import time
 
@@ -126,7 +161,13 @@ class _NodeDaemon:
             conn.settimeout(None)
             op = req.get("op") if isinstance(req, dict) else None
             if op == "ping":
-                reply: dict[str, Any] = {"ok": True, "pid": os.getpid()}
+                reply: dict[str, Any] = {
+                    "ok": True, "pid": os.getpid(), "mode": self.mode,
+                    "mode_reason": self.mode_reason,
+                    "fetch_concurrency": self.limits.settings.concurrency,
+                    "fetch_timeout": self.limits.settings.timeout,
+                    "max_requests_in_flight": self.limits.max_in_flight,
+                    "files_fetched": self.files.fetches}
             elif op == "mount":
                 reply = self._mount(req)
             elif op == "prefetch":
@@ -153,13 +194,21 @@ class _NodeDaemon:
                 store = HttpRanges(digest, req["ranges_url"], lambda: self._store(url, endpoint))
             else:
                 store = self._store(url, endpoint)
-            layer = LazyLayer(store, digest, chunk_cache=self.cache,
+            layer = LazyLayer(BoundedRanges(store, self.limits), digest, chunk_cache=self.cache,
                               expected_toc_digest=req.get("toc_digest") or None,
                               size=req.get("size"))
             nodes = build_tree(layer.entries())
             prof = req.get("profile")
             trace = self._trace(prof, digest) if prof else None
-            ops = make_operations(layer, nodes, on_init=ready.set, trace=trace)
+            if self.mode == MODE_PASSTHROUGH:
+                from runtime_shim.lazyfs.passthrough import PassthroughFS
+
+                ops = PassthroughFS(layer, nodes, mp, self.files, workers=self.open_workers,
+                                    trace=trace, on_init=ready.set)
+                ops.mount()
+            else:
+                ops = make_operations(layer, nodes, on_init=ready.set, trace=trace,
+                                      limits=self.limits)
         except EnvbuildError as e:
             log.error("serve %s: %s", digest, e.message)
             return {"ok": False, "error": "\n".join(e.render_lines())}
@@ -170,11 +219,14 @@ class _NodeDaemon:
             self.mounts[key] = mp
 
         def run() -> None:
-            import mfusepy
-
-            log.info("serving %s (%d entries, TOC %d bytes) at %s", digest, len(nodes),
-                     layer.stats.toc_bytes, mp)
+            log.info("serving %s (%d entries, TOC %d bytes) at %s (%s)", digest, len(nodes),
+                     layer.stats.toc_bytes, mp, self.mode)
             try:
+                if self.mode == MODE_PASSTHROUGH:
+                    ops.serve()
+                    return
+                import mfusepy
+
                 # The caching and inode options are also given as mount options: libfuse
                 # parses them itself, which does not depend on mfusepy's view of libfuse's
                 # config struct (the struct route alone left st_ino unset with libfuse 3.14:
@@ -208,7 +260,7 @@ class _NodeDaemon:
             return {"ok": False, "error": why}
         with self.lock:
             self.ops[mp] = ops
-        return {"ok": True, "pid": os.getpid()}
+        return {"ok": True, "pid": os.getpid(), "mode": self.mode}
 
     def _start_prefetch(self, req: dict[str, Any]) -> dict[str, Any]:
         started = 0

@@ -36,10 +36,11 @@ def _operations_base() -> type:
 
 
 def make_operations(layer: LazyLayer, nodes: dict[str, Node], *,
-                    on_init: Any = None, trace: _Trace | None = None):
+                    on_init: Any = None, trace: _Trace | None = None, limits: Any = None):
     """The mfusepy ``Operations`` serving ``nodes`` with contents from ``layer``. ``on_init``
     is called once the kernel's INIT arrived (the mount is up); ``trace``, when given, is
-    told of every read (the layer's access profile)."""
+    told of every read (the layer's access profile); ``limits`` (``filecache.FetchLimits``),
+    when given, bounds how long a read waits for a fetch (then EIO, logged)."""
     import mfusepy
 
     FuseOSError = mfusepy.FuseOSError
@@ -114,7 +115,11 @@ def make_operations(layer: LazyLayer, nodes: dict[str, Node], *,
             try:
                 if frames.missing(node):
                     # one fetch per frame at a time: a second reader waits for it
-                    frames.load([node])
+                    if limits is None:
+                        frames.load([node])
+                    else:  # a store that stops answering is EIO in bounded time, not a hang
+                        limits.bounded(f"read {node.read_path} of {layer.digest}",
+                                       lambda: frames.load([node]))
                     readahead.schedule(path.strip("/").rpartition("/")[0])
                 return layer.read(node.read_path, offset, size)
             except EnvbuildError as e:
@@ -135,7 +140,8 @@ def make_operations(layer: LazyLayer, nodes: dict[str, Node], *,
             value = node.xattrs.get(name)
             if value is None:
                 if name == LAZY_STATS_XATTR and path.strip("/") == "":
-                    return json.dumps({**layer.stats.as_dict(), "pid": os.getpid()}).encode()
+                    return json.dumps({**layer.stats.as_dict(), "pid": os.getpid(),
+                                       "mode": "fuse"}).encode()
                 raise FuseOSError(errno.ENODATA)
             return value
 

@@ -37,6 +37,16 @@ from tests.store.s3server import moto_s3, s3_env  # noqa: F401  (fixtures)
 BIG = 3 << 20  # a file with frames of its own (lazy framing: >= 16 KiB, cut every 4 MiB)
 
 
+@pytest.fixture(autouse=True, params=["passthrough", "fuse"])
+def lazy_mode(request, monkeypatch):
+    """Every test runs on both read paths: FUSE passthrough (required: ``on`` makes a daemon
+    that cannot get it exit) and the libfuse fallback, forced by ``$ENVBUILD_LAZY_PASSTHROUGH``
+    (the daemons inherit the environment)."""
+    monkeypatch.setenv("ENVBUILD_LAZY_PASSTHROUGH",
+                       "on" if request.param == "passthrough" else "off")
+    return request.param
+
+
 def _pack(store, tree: Path, tmp_path: Path, name: str, **kw) -> LockLayer:
     blob = tmp_path / f"{name}.blob"
     with open(blob, "wb") as out:
@@ -153,9 +163,14 @@ def _settled(mountpoint: Path) -> dict:
 
 
 def _pieces(node_dir: Path) -> int:
+    """What the node holds on disk of fetched contents: verified pieces (the fuse fallback's
+    chunk cache) and whole files (passthrough's file cache)."""
     chunks = node_dir / "node" / "chunks"
-    return sum(1 for sub in chunks.iterdir() if sub.is_dir() for _ in sub.iterdir()) \
+    files = node_dir / "node" / "files"
+    n = sum(1 for sub in chunks.iterdir() if sub.is_dir() for _ in sub.iterdir()) \
         if chunks.is_dir() else 0
+    return n + (sum(1 for f in files.iterdir() if not f.name.startswith("."))
+                if files.is_dir() else 0)
 
 
 LISTING = ("find / -xdev ! -path '/.envbuild*' ! -path '/proc*' ! -path '/sys*' "
@@ -166,10 +181,11 @@ LISTING = ("find / -xdev ! -path '/.envbuild*' ! -path '/proc*' ! -path '/sys*' 
            "| sort | xargs sha256sum; readlink /data/link; ls /opq")
 
 
-def test_lazy_and_full_sandboxes_see_the_same_tree(lock2):
+def test_lazy_and_full_sandboxes_see_the_same_tree(lock2, lazy_mode):
     store, node_dir, layers = lock2
     with Sandbox.create("two", store=store, node_dir=node_dir) as full, \
             Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as lazy:
+        assert full.info().lazy == "" and lazy.info().lazy == lazy_mode
         a, b = full.exec(LISTING), lazy.exec(LISTING)
         assert a.exit_code == 0, a.stderr
         assert b.exit_code == 0, b.stderr
@@ -190,6 +206,14 @@ def test_lazy_and_full_sandboxes_see_the_same_tree(lock2):
         ino = os.stat(mp / "data" / "small.txt").st_ino
         assert os.stat(mp / "data" / "hard.txt").st_ino == ino
         assert os.stat(mp / "data" / "small.txt").st_nlink == 2
+        st = os.statvfs(mp)
+        assert st.f_blocks * st.f_frsize >= BIG and st.f_flag & os.ST_RDONLY
+        stats = lazy_stats(mp)
+        if lazy_mode == "passthrough":  # every file the listing hashed: read by the kernel
+            assert stats["mode"] == "passthrough" and stats["passthrough_opens"] >= 3, stats
+            assert stats["userspace_reads"] == 0, stats
+        else:
+            assert stats["mode"] == "fuse", stats
 
 
 def test_starts_before_contents_are_fetched_and_shares_the_mounts(lock2):

@@ -1,0 +1,259 @@
+"""The node's file cache and fetch limits: whole verified files keyed by content digest, fetched
+once per node (single-flight), with a bounded number of store requests in flight and a
+bounded wait for each fetch.
+
+``<node>/files/<hex>`` holds the contents of a regular file whose TOC digest is
+``sha256:<hex>``, written only after ``LazyLayer`` verified every byte against that digest
+(atomically: a temporary name, then ``rename``). Identical files of different layers are one
+cache file, fetched once per node. The passthrough mounts (``runtime_shim.lazyfs.passthrough``)
+hand these files to the kernel as backing files, so reads of a fetched file never reach user
+space. A cache file is re-hashed the first time a daemon process uses it (the node's disk is
+trusted only as far as the chunk cache trusts it: checked before use).
+
+``FetchLimits`` is the node's budget for the store: at most ``concurrency`` ranged requests
+at a time across every layer and sandbox of the node (``BoundedRanges`` wraps the store each
+``LazyLayer`` reads), and at most ``timeout`` seconds for a caller to wait for a fetch — past
+that the caller gets ``FetchTimeout`` (the filesystem answers EIO and logs why) while the
+fetch itself goes on in the background, bounded by the store client's own timeouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from envbuild.errors import RuntimeShimError
+
+log = logging.getLogger("envbuild.lazyfs")
+
+#: Default number of store requests a node has in flight at once (all layers, all sandboxes).
+DEFAULT_FETCH_CONCURRENCY = 16
+#: Default seconds a read (or passthrough open) waits for the store before it fails with EIO.
+DEFAULT_FETCH_TIMEOUT = 30.0
+#: The file cache format (the directory layout above); a daemon ignores other versions.
+FILE_CACHE_VERSION = 1
+
+
+class FetchTimeout(RuntimeShimError):
+    """A fetch did not finish within ``FetchLimits.timeout`` (the store is slow or gone)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchSettings:
+    """How much of the store a node may use at once, and how long a reader waits."""
+
+    concurrency: int = DEFAULT_FETCH_CONCURRENCY
+    timeout: float = DEFAULT_FETCH_TIMEOUT
+
+    @classmethod
+    def from_env(cls, concurrency: int | None = None,
+                 timeout: float | None = None) -> FetchSettings:
+        """Explicit values, else ``$ENVBUILD_LAZY_FETCH_CONCURRENCY`` /
+        ``$ENVBUILD_LAZY_FETCH_TIMEOUT``, else the defaults."""
+        def env(name: str, cast: Callable[[str], Any], default: Any) -> Any:
+            raw = os.environ.get(name)
+            if not raw:
+                return default
+            try:
+                return cast(raw)
+            except ValueError:
+                raise RuntimeShimError(f"${name}={raw!r} is not a number",
+                                       hint=f"unset it or give e.g. {default}") from None
+        c = concurrency if concurrency is not None else env(
+            "ENVBUILD_LAZY_FETCH_CONCURRENCY", int, DEFAULT_FETCH_CONCURRENCY)
+        t = timeout if timeout is not None else env(
+            "ENVBUILD_LAZY_FETCH_TIMEOUT", float, DEFAULT_FETCH_TIMEOUT)
+        if c < 1 or t <= 0:
+            raise RuntimeShimError(f"lazy fetch concurrency {c} / timeout {t} out of range",
+                                   hint="concurrency >= 1, timeout > 0 seconds")
+        return cls(int(c), float(t))
+
+
+class FetchLimits:
+    """The node's store budget (see the module docstring): a semaphore of ``concurrency``
+    requests and a pool that runs fetches whose callers wait at most ``timeout`` seconds."""
+
+    def __init__(self, settings: FetchSettings) -> None:
+        self.settings = settings
+        self.requests = threading.BoundedSemaphore(settings.concurrency)
+        self.pool = ThreadPoolExecutor(max(4, settings.concurrency),
+                                       thread_name_prefix="lazy-fetch")
+        self._lock = threading.Lock()
+        self.in_flight = 0
+        self.max_in_flight = 0  # the most requests seen at once (a measure, for tests)
+
+    def bounded(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run in the pool; its result, or ``FetchTimeout`` after ``timeout`` s."""
+        fut = self.pool.submit(fn)
+        return wait_for(fut, what, self.settings.timeout)
+
+    def request(self, fn: Callable[[], Any]) -> Any:
+        with self.requests:
+            with self._lock:
+                self.in_flight += 1
+                self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            try:
+                return fn()
+            finally:
+                with self._lock:
+                    self.in_flight -= 1
+
+
+def wait_for(fut: Future, what: str, timeout: float) -> Any:
+    import concurrent.futures
+
+    try:
+        return fut.result(timeout)
+    except concurrent.futures.TimeoutError:
+        raise FetchTimeout(f"{what}: the store did not answer within {timeout:g} s",
+                           hint="the store is unreachable or slow; "
+                                "$ENVBUILD_LAZY_FETCH_TIMEOUT sets the limit") from None
+
+
+class BoundedRanges:
+    """A ``RangeReader`` (and ``TailReader`` when the wrapped store is one) whose ranged reads
+    take a slot of the node's ``FetchLimits`` first: every layer of the node shares one budget."""
+
+    def __init__(self, store: Any, limits: FetchLimits) -> None:
+        self._store, self._limits = store, limits
+        if hasattr(store, "get_tail"):
+            self.get_tail = lambda digest, n: limits.request(lambda: store.get_tail(digest, n))
+
+    def get_range(self, digest: str, offset: int, length: int) -> bytes:
+        return self._limits.request(lambda: self._store.get_range(digest, offset, length))
+
+    def stat(self, digest: str) -> Any:
+        return self._limits.request(lambda: self._store.stat(digest))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+class FileCache:
+    """``<directory>/<hex>``: verified whole files by content digest (module docstring);
+    ``path(digest, fetch)`` returns the cache file, fetching it once per node however many
+    callers ask at once (single-flight), each caller waiting at most the limits' timeout.
+    ``max_bytes``: files beyond it are evicted oldest first (a file still open stays readable:
+    an unlinked inode lives on)."""
+
+    def __init__(self, directory: str, limits: FetchLimits, max_bytes: int) -> None:
+        self.dir = directory
+        self.limits = limits
+        self.max_bytes = max_bytes
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._lock = threading.Lock()
+        self._flights: dict[str, Future] = {}
+        self._verified: set[str] = set()
+        self.fetches = 0  # files fetched from the store by this process (not from the cache)
+        self._total = sum(e.stat().st_size for e in os.scandir(directory)
+                          if e.is_file() and not e.name.startswith("."))
+
+    def _file(self, digest: str) -> str:
+        hexd = digest.removeprefix("sha256:")
+        if len(hexd) != 64 or not all(c in "0123456789abcdef" for c in hexd):
+            raise RuntimeShimError(f"bad content digest {digest!r} in a TOC")
+        return os.path.join(self.dir, hexd)
+
+    def cached(self, digest: str) -> str | None:
+        """The cache file of ``digest`` if present and verified (hashing it on first use)."""
+        path = self._file(digest)
+        if digest in self._verified:
+            return path
+        try:
+            with open(path, "rb", buffering=0) as f:
+                h = hashlib.sha256()
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+        except FileNotFoundError:
+            return None
+        if "sha256:" + h.hexdigest() != digest:
+            log.warning("file cache %s does not match its digest: removed", path)
+            _unlink(path)
+            return None
+        with self._lock:
+            self._verified.add(digest)
+        return path
+
+    def path(self, digest: str, fetch: Callable[[], bytes], what: str, *,
+             inline: bool = False) -> str:
+        """The verified cache file of ``digest``; ``fetch()`` (returning the verified contents)
+        runs once for all concurrent callers. ``FetchTimeout`` after the limits' timeout.
+        ``inline``: the caller knows ``fetch`` needs no store request (the bytes are in the
+        chunk cache), so the first caller runs it itself instead of in the pool (no thread
+        hop: a tree of small files read through readahead'd frames)."""
+        if digest in self._verified:
+            return self._file(digest)
+        with self._lock:
+            fut = self._flights.get(digest)
+            mine = fut is None
+            if mine:
+                fut = self._flights[digest] = Future()
+        assert fut is not None
+        if mine:
+            if inline:
+                self._fly(digest, fetch, fut)
+            else:
+                self.limits.pool.submit(self._fly, digest, fetch, fut)
+        return wait_for(fut, what, self.limits.settings.timeout)
+
+    def _fly(self, digest: str, fetch: Callable[[], bytes], fut: Future) -> None:
+        try:
+            path = self.cached(digest)
+            if path is None:
+                data = fetch()
+                path = self._file(digest)
+                tmp = os.path.join(self.dir, f".{uuid.uuid4().hex}.tmp")
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o400)
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                finally:
+                    os.close(fd)
+                os.rename(tmp, path)
+                with self._lock:
+                    self._verified.add(digest)
+                    self.fetches += 1
+                    self._total += len(data)
+                self._evict()
+            fut.set_result(path)
+        except BaseException as e:  # noqa: BLE001 - handed to every waiter
+            fut.set_exception(e)
+        finally:
+            with self._lock:
+                self._flights.pop(digest, None)
+
+    def _evict(self) -> None:
+        if self._total <= self.max_bytes:
+            return
+        files = []
+        for e in os.scandir(self.dir):
+            if e.is_file() and not e.name.startswith("."):
+                st = e.stat()
+                files.append((st.st_atime, st.st_size, e.path, e.name))
+        files.sort()
+        with self._lock:
+            for _, size, path, name in files:
+                if self._total <= self.max_bytes * 0.9:
+                    break
+                _unlink(path)
+                self._verified.discard("sha256:" + name)
+                self._total -= size
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+__all__ = ["BoundedRanges", "DEFAULT_FETCH_CONCURRENCY", "DEFAULT_FETCH_TIMEOUT",
+           "FILE_CACHE_VERSION", "FetchLimits", "FetchSettings", "FetchTimeout", "FileCache"]

@@ -1,0 +1,609 @@
+"""FUSE passthrough mounts: the kernel reads fetched files itself, never asking user space.
+
+A lazy layer served this way is a FUSE filesystem spoken directly over ``/dev/fuse`` (the
+kernel protocol, ``include/uapi/linux/fuse.h``; libfuse 3.14 of Debian 12 cannot do
+passthrough, which came with libfuse 3.16), mounted with ``mount(2)``. It presents exactly
+the tree of ``runtime_shim.lazyfs`` ("what the mount presents"): metadata comes from the TOC
+(``tree.build_tree``) with day-long entry, attribute and negative-lookup timeouts, cached
+readdir and symlinks. What differs is ``open``:
+
+1. the file's contents are made present in the node's content-addressed file cache
+   (``filecache.FileCache``: fetched once per node — single-flight across every layer and
+   sandbox — and verified whole against the TOC digest before it is written);
+2. the cache file is registered with the kernel (``ioctl(FUSE_DEV_IOC_BACKING_OPEN)`` on the
+   ``/dev/fuse`` fd: a backing id), and ``open`` is answered with ``FOPEN_PASSTHROUGH`` and
+   that id. From then on ``read``, ``mmap`` and ``splice`` of the file go to the cache file's
+   page cache in the kernel: native speed, and one page cache for identical files of every
+   layer. The backing id stays registered after the last release, so reopening the file is a
+   dictionary lookup and one reply (``MAX_IDLE_BACKING`` bounds the idle ones); ``close``
+   costs no round trip (``FOPEN_NOFLUSH``).
+
+Passthrough is negotiated at ``FUSE_INIT`` (``FUSE_PASSTHROUGH``, bit 37 of the init flags:
+bit 5 of ``flags2``, with ``max_stack_depth`` 1: backing files live on a plain filesystem so
+that overlayfs can still stack on the mount). ``probe`` tries it once per daemon on a scratch
+mount: when the kernel does not offer it or refuses the ioctl, the daemon serves every layer
+with the libfuse filesystem (``fuseops``, reads through user space) instead; a single file
+whose backing open fails is served by reads from its cache file (logged once).
+
+Requests are read by one thread per mount; an ``open`` that must fetch is handed to a worker
+so lookups go on meanwhile. The fetch's wait is bounded (``FetchLimits.timeout``): a store
+that stops answering makes ``open`` fail with EIO, logged with the reason, never a hang.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import errno
+import json
+import logging
+import os
+import stat
+import struct
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from envbuild.errors import EnvbuildError, RuntimeShimError
+from envbuild.store.lazy import LazyLayer
+from runtime_shim.lazyfs.filecache import FileCache
+from runtime_shim.lazyfs.frames import _Frames, _Readahead
+from runtime_shim.lazyfs.profile import _Trace
+from runtime_shim.lazyfs.tree import Node, statfs_of
+
+log = logging.getLogger("envbuild.lazyfs")
+
+# -- the kernel ABI (include/uapi/linux/fuse.h) --------------------------------------------------
+FUSE_KERNEL_VERSION = 7
+FUSE_KERNEL_MINOR = 40           # 7.40: passthrough; every struct below has this layout
+FUSE_ROOT_ID = 1
+
+(LOOKUP, FORGET, GETATTR, SETATTR, READLINK, SYMLINK) = (1, 2, 3, 4, 5, 6)
+(MKNOD, MKDIR, UNLINK, RMDIR, RENAME, LINK, OPEN, READ, WRITE, STATFS, RELEASE) = (
+    8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18)
+(FSYNC, SETXATTR, GETXATTR, LISTXATTR, REMOVEXATTR, FLUSH, INIT, OPENDIR, READDIR,
+ RELEASEDIR, FSYNCDIR) = (20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30)
+(ACCESS, CREATE, INTERRUPT, DESTROY, BATCH_FORGET, FALLOCATE, RENAME2, TMPFILE) = (
+    34, 35, 36, 38, 42, 43, 45, 51)
+_NO_REPLY = {FORGET, BATCH_FORGET, INTERRUPT}
+_WRITES = {SETATTR, SYMLINK, MKNOD, MKDIR, UNLINK, RMDIR, RENAME, LINK, WRITE, SETXATTR,
+           REMOVEXATTR, CREATE, FALLOCATE, RENAME2, TMPFILE}
+
+# init flags
+FUSE_ASYNC_READ = 1 << 0
+FUSE_BIG_WRITES = 1 << 5
+FUSE_PARALLEL_DIROPS = 1 << 18
+FUSE_MAX_PAGES = 1 << 22
+FUSE_CACHE_SYMLINKS = 1 << 23
+FUSE_CACHE_READDIR = 1 << 25
+FUSE_INIT_EXT = 1 << 30
+FUSE_PASSTHROUGH = 1 << 37       # flags2 bit 5
+_WANT = (FUSE_ASYNC_READ | FUSE_PARALLEL_DIROPS | FUSE_MAX_PAGES | FUSE_CACHE_SYMLINKS
+         | FUSE_CACHE_READDIR | FUSE_INIT_EXT)
+
+# open reply flags
+FOPEN_KEEP_CACHE = 1 << 1
+FOPEN_CACHE_DIR = 1 << 3
+FOPEN_NOFLUSH = 1 << 5           # close() does not wait for a FLUSH round trip (read-only)
+FOPEN_PASSTHROUGH = 1 << 7
+_PT = FOPEN_PASSTHROUGH | FOPEN_NOFLUSH
+#: Backing ids kept registered after their last release (reopening a file then costs no
+#: syscall); beyond this many, the least recently opened idle ones are closed.
+MAX_IDLE_BACKING = 4096
+
+_IN_HEADER = struct.Struct("<IIQQIIIHH")           # len opcode unique nodeid uid gid pid ext pad
+_OUT_HEADER = struct.Struct("<IiQ")                 # len error unique
+_INIT_IN = struct.Struct("<IIIII")                  # major minor max_readahead flags flags2
+_INIT_OUT = struct.Struct("<IIIIHHIIHHIIH22x")      # 64 bytes
+_ATTR = struct.Struct("<QQQQQQIIIIIIIIII")          # fuse_attr, 88 bytes
+_ENTRY_HEAD = struct.Struct("<QQQQII")              # nodeid generation entry/attr valid (+nsec)
+_ATTR_OUT_HEAD = struct.Struct("<QII")              # attr_valid attr_valid_nsec dummy
+_OPEN_IN = struct.Struct("<II")
+_OPEN_OUT = struct.Struct("<QIi")                   # fh open_flags backing_id
+_READ_IN = struct.Struct("<QQII")                   # fh offset size read_flags (...)
+_RELEASE_IN = struct.Struct("<QII")
+_GETXATTR_IN = struct.Struct("<II")
+_KSTATFS = struct.Struct("<QQQQQIIII24x")           # 80 bytes
+_DIRENT = struct.Struct("<QQII")
+_BACKING_MAP = struct.Struct("<iIQ")                # fd flags padding
+
+assert _INIT_OUT.size == 64 and _ATTR.size == 88 and _KSTATFS.size == 80
+
+
+def _iow(nr: int, size: int) -> int:
+    return (1 << 30) | (size << 16) | (229 << 8) | nr   # _IOW(FUSE_DEV_IOC_MAGIC=229, nr, size)
+
+
+FUSE_DEV_IOC_BACKING_OPEN = _iow(1, _BACKING_MAP.size)
+FUSE_DEV_IOC_BACKING_CLOSE = _iow(2, 4)
+
+# the process's own symbols (libc is loaded): find_library would run ldconfig at import
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                        ctypes.c_char_p]
+MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
+_BUFSIZE = (1 << 20) + 4096      # max_write is never used (read-only), reads are replies
+
+#: Where the mode choice can be forced: ``0``/``off`` (always the libfuse path), ``1``/``on``
+#: (passthrough or fail), unset/``auto`` (passthrough when the kernel offers it).
+PASSTHROUGH_ENV = "ENVBUILD_LAZY_PASSTHROUGH"
+
+
+def _encode_dev(rdev: int) -> int:
+    major, minor = os.major(rdev), os.minor(rdev)   # the kernel's new_encode_dev
+    return (minor & 0xFF) | (major << 8) | ((minor & ~0xFF) << 12)
+
+
+class _Conn:
+    """One mounted FUSE connection: the ``/dev/fuse`` fd and what INIT negotiated."""
+
+    def __init__(self, mountpoint: str, fsname: str) -> None:
+        self.mountpoint = mountpoint
+        self.fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+        data = (f"fd={self.fd},rootmode=40000,user_id=0,group_id=0,allow_other,"
+                "default_permissions").encode()
+        if _libc.mount(fsname.encode(), mountpoint.encode(), b"fuse.envbuild",
+                       MS_RDONLY | MS_NOSUID | MS_NODEV, data) != 0:
+            err = ctypes.get_errno()
+            os.close(self.fd)
+            raise RuntimeShimError(f"mount FUSE at {mountpoint}: {os.strerror(err)}")
+        self.passthrough = False
+        self.kernel_minor = 0
+        self.lock = threading.Lock()
+
+    def reply(self, unique: int, payload: bytes = b"", error: int = 0) -> None:
+        try:
+            os.write(self.fd, _OUT_HEADER.pack(16 + len(payload), -error, unique) + payload)
+        except OSError as e:   # ENOENT: the request was interrupted; ENODEV: unmounted
+            if e.errno not in (errno.ENOENT, errno.ENODEV):
+                log.warning("fuse reply on %s: %s", self.mountpoint, e.strerror)
+
+    def init(self, unique: int, body: bytes, want_passthrough: bool) -> None:
+        major, minor, max_readahead, flags, flags2 = _INIT_IN.unpack_from(body)
+        kflags = flags | (flags2 << 32 if flags & FUSE_INIT_EXT else 0)
+        self.kernel_minor = minor
+        want = _WANT | (FUSE_PASSTHROUGH if want_passthrough else 0)
+        got = want & kflags
+        self.passthrough = bool(got & FUSE_PASSTHROUGH)
+        self.reply(unique, _INIT_OUT.pack(
+            FUSE_KERNEL_VERSION, FUSE_KERNEL_MINOR, max_readahead, got & 0xFFFFFFFF,
+            64, 48, 1 << 20, 1, 256, 0, got >> 32, 1 if self.passthrough else 0, 0))
+
+    def backing_open(self, path: str) -> int:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return _ioctl_int(self.fd, FUSE_DEV_IOC_BACKING_OPEN, _BACKING_MAP.pack(fd, 0, 0))
+        finally:
+            os.close(fd)
+
+    def backing_close(self, backing_id: int) -> None:
+        try:
+            _ioctl_int(self.fd, FUSE_DEV_IOC_BACKING_CLOSE, struct.pack("<I", backing_id))
+        except OSError as e:
+            log.warning("backing close %d on %s: %s", backing_id, self.mountpoint, e.strerror)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+_libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_char_p]
+_libc.ioctl.restype = ctypes.c_int
+
+
+def _ioctl_int(fd: int, request: int, arg: bytes) -> int:
+    """``ioctl`` returning its (non-negative) result: ``fcntl.ioctl`` with a buffer returns the
+    buffer, not the value, and the backing id is the value."""
+    buf = ctypes.create_string_buffer(arg, len(arg))
+    r = _libc.ioctl(fd, request, buf)
+    if r < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return r
+
+
+class PassthroughFS:
+    """One lazy layer as a passthrough FUSE mount (module docstring). ``mount()`` mounts;
+    ``serve()`` answers requests until the mount goes away (call it in a thread; ``on_init``
+    runs once INIT was answered). Exposes ``lazy_layer``, ``lazy_nodes``, ``lazy_frames``
+    like ``fuseops.make_operations`` (profile prefetch, tests)."""
+
+    def __init__(self, layer: LazyLayer, nodes: dict[str, Node], mountpoint: str,
+                 files: FileCache, *, workers: ThreadPoolExecutor,
+                 trace: _Trace | None = None, on_init: Callable[[], None] | None = None,
+                 want_passthrough: bool = True) -> None:
+        self.lazy_layer, self.lazy_nodes = layer, nodes
+        self.lazy_frames = _Frames(layer, nodes)
+        self.readahead = _Readahead(layer, nodes, self.lazy_frames)
+        self.mountpoint, self.files, self.workers = mountpoint, files, workers
+        self.trace, self.on_init, self.want_passthrough = trace, on_init, want_passthrough
+        self.by_ino: dict[int, Node] = {}
+        self.dir_path: dict[int, str] = {}
+        for path, node in nodes.items():
+            self.by_ino.setdefault(node.ino, node)
+            if node.is_dir:
+                self.dir_path[node.ino] = path
+        self.statfs = statfs_of(nodes)
+        self._dirents: dict[int, list[bytes]] = {}
+        self._lock = threading.Lock()
+        # ino -> [backing id, opens], least recently opened first
+        self._backing: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
+        self._digests: dict[int, str] = {}
+        self._fds: dict[int, int] = {}             # fh -> cache file fd (no passthrough)
+        self._next_fh = 1
+        self._no_backing_logged = False
+        self.conn: _Conn | None = None
+        self.stats = {"opens": 0, "passthrough_opens": 0, "userspace_reads": 0}
+        self.ops: collections.Counter[int] = collections.Counter()  # requests by opcode
+
+    @property
+    def passthrough(self) -> bool:
+        return self.conn is not None and self.conn.passthrough
+
+    def mount(self) -> None:
+        self.conn = _Conn(self.mountpoint, f"envbuild-lazy-{self.lazy_layer.digest[7:19]}")
+
+    def serve(self) -> None:
+        conn = self.conn
+        assert conn is not None
+        try:
+            while True:
+                try:
+                    buf = os.read(conn.fd, _BUFSIZE)
+                except OSError as e:
+                    if e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
+                        continue   # ENOENT: the request was interrupted before we read it
+                    if e.errno != errno.ENODEV:   # ENODEV: unmounted
+                        log.error("fuse read on %s: %s", self.mountpoint, e.strerror)
+                    return
+                self._dispatch(conn, buf)
+        finally:
+            with self._lock:
+                for fd in self._fds.values():
+                    os.close(fd)
+                self._fds.clear()
+            conn.close()
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _dispatch(self, conn: _Conn, buf: bytes) -> None:
+        length, opcode, unique, nodeid, _uid, _gid, _pid, _ext, _ = _IN_HEADER.unpack_from(buf)
+        body = memoryview(buf)[_IN_HEADER.size:length]
+        self.ops[opcode] += 1
+        if opcode in _NO_REPLY:
+            return
+        try:
+            if opcode == INIT:
+                conn.init(unique, bytes(body), self.want_passthrough)
+                if self.on_init is not None:
+                    self.on_init()
+                return
+            if opcode == OPEN:
+                self._open(conn, unique, nodeid, bytes(body))
+                return
+            payload = self._answer(opcode, nodeid, body)
+        except OSError as e:
+            conn.reply(unique, error=e.errno or errno.EIO)
+            return
+        except Exception:  # noqa: BLE001 - one bad request must not end the mount
+            log.exception("fuse request %d on %s", opcode, self.mountpoint)
+            conn.reply(unique, error=errno.EIO)
+            return
+        conn.reply(unique, payload)
+
+    def _node(self, nodeid: int) -> Node:
+        node = self.by_ino.get(nodeid)
+        if node is None:
+            raise OSError(errno.ENOENT, "no such inode")
+        return node
+
+    def _attr(self, node: Node) -> bytes:
+        return _ATTR.pack(node.ino, node.size, (node.size + 511) // 512, node.mtime,
+                          node.mtime, node.mtime, 0, 0, 0, node.mode, node.nlink, node.uid,
+                          node.gid, _encode_dev(node.rdev), 4096, 0)
+
+    def _entry(self, node: Node | None) -> bytes:
+        ttl = int(_TTL)
+        if node is None:   # a negative entry, cached as long as a positive one
+            return _ENTRY_HEAD.pack(0, 0, ttl, ttl, 0, 0) + bytes(_ATTR.size)
+        return _ENTRY_HEAD.pack(node.ino, 0, ttl, ttl, 0, 0) + self._attr(node)
+
+    def _answer(self, opcode: int, nodeid: int, body: memoryview) -> bytes:
+        if opcode == LOOKUP:
+            parent = self.dir_path.get(nodeid)
+            if parent is None:
+                raise OSError(errno.ENOTDIR, "not a directory")
+            name = bytes(body).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            return self._entry(self.lazy_nodes.get(f"{parent}/{name}" if parent else name))
+        if opcode == GETATTR:
+            return _ATTR_OUT_HEAD.pack(int(_TTL), 0, 0) + self._attr(self._node(nodeid))
+        if opcode == READLINK:
+            node = self._node(nodeid)
+            if not stat.S_ISLNK(node.mode):
+                raise OSError(errno.EINVAL, "not a symlink")
+            return os.fsencode(node.link)
+        if opcode == OPENDIR:
+            if nodeid not in self.dir_path:
+                raise OSError(errno.ENOTDIR, "not a directory")
+            return _OPEN_OUT.pack(0, FOPEN_KEEP_CACHE | FOPEN_CACHE_DIR, 0)
+        if opcode == READDIR:
+            fh, offset, size, _ = _READ_IN.unpack_from(body)
+            return self._readdir(nodeid, offset, size)
+        if opcode == READ:
+            fh, offset, size, _ = _READ_IN.unpack_from(body)
+            with self._lock:
+                fd = self._fds.get(fh)
+                self.stats["userspace_reads"] += 1
+            if fd is None:
+                raise OSError(errno.EBADF, "no such handle")
+            return os.pread(fd, size, offset)
+        if opcode == RELEASE:
+            fh, _, _ = _RELEASE_IN.unpack_from(body)
+            self._release(nodeid, fh)
+            return b""
+        if opcode in (RELEASEDIR, FLUSH, FSYNC, FSYNCDIR, DESTROY):
+            return b""
+        if opcode == STATFS:
+            s = self.statfs
+            return _KSTATFS.pack(s["f_blocks"], 0, 0, s["f_files"], 0, 4096, 255, 4096, 0)
+        if opcode in (GETXATTR, LISTXATTR):
+            return self._xattr(opcode, nodeid, body)
+        if opcode in _WRITES:
+            raise OSError(errno.EROFS, "read-only")
+        raise OSError(errno.ENOSYS, "not implemented")
+
+    def _readdir(self, nodeid: int, offset: int, size: int) -> bytes:
+        with self._lock:
+            ents = self._dirents.get(nodeid)
+        if ents is None:
+            path = self.dir_path.get(nodeid)
+            if path is None:
+                raise OSError(errno.ENOTDIR, "not a directory")
+            node = self.lazy_nodes[path]
+            parent = self.lazy_nodes[path.rpartition("/")[0]] if path else node
+            items = [(b".", node), (b"..", parent)]
+            prefix = path + "/" if path else ""
+            assert node.children is not None
+            for name in node.children:
+                child = self.lazy_nodes.get(prefix + name)
+                if child is not None:
+                    items.append((os.fsencode(name), child))
+            ents = []
+            for i, (bname, child) in enumerate(items):
+                raw = _DIRENT.pack(child.ino, i + 1, len(bname), (child.mode >> 12) & 0xF) + bname
+                ents.append(raw + b"\0" * (-len(raw) % 8))
+            with self._lock:
+                self._dirents[nodeid] = ents
+        out, used = [], 0
+        for raw in ents[offset:]:
+            if used + len(raw) > size:
+                break
+            out.append(raw)
+            used += len(raw)
+        return b"".join(out)
+
+    def _xattr(self, opcode: int, nodeid: int, body: memoryview) -> bytes:
+        from runtime_shim.lazyfs.fuseops import LAZY_STATS_XATTR
+
+        size, _ = _GETXATTR_IN.unpack_from(body)
+        node = self._node(nodeid)
+        if opcode == LISTXATTR:
+            value = b"".join(os.fsencode(k) + b"\0" for k in node.xattrs)
+        else:
+            name = bytes(body[_GETXATTR_IN.size:]).split(b"\0", 1)[0].decode(
+                "utf-8", "surrogateescape")
+            got = node.xattrs.get(name)
+            if got is None and name == LAZY_STATS_XATTR and nodeid == FUSE_ROOT_ID:
+                got = json.dumps(self.lazy_stats()).encode()
+            if got is None:
+                raise OSError(errno.ENODATA, "no such attribute")
+            value = got
+        if size == 0:
+            return struct.pack("<II", len(value), 0)
+        if len(value) > size:
+            raise OSError(errno.ERANGE, "buffer too small")
+        return value
+
+    def lazy_stats(self) -> dict[str, Any]:
+        with self._lock:
+            extra = dict(self.stats)
+        return {**self.lazy_layer.stats.as_dict(), **extra, "pid": os.getpid(),
+                "requests_by_opcode": {str(k): v for k, v in sorted(self.ops.items())},
+                "mode": "passthrough" if self.passthrough else "userspace"}
+
+    # -- open: fetch, verify, hand the kernel the cache file --------------------------------------
+
+    def _open(self, conn: _Conn, unique: int, nodeid: int, body: bytes) -> None:
+        flags, _ = _OPEN_IN.unpack_from(body)
+        node = self.by_ino.get(nodeid)
+        if node is None:
+            conn.reply(unique, error=errno.ENOENT)
+            return
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
+            conn.reply(unique, error=errno.EROFS)
+            return
+        if not node.read_path:
+            conn.reply(unique, error=errno.EISDIR if node.is_dir else errno.EACCES)
+            return
+        if self.trace is not None:
+            self.trace.add(node)
+        with self._lock:
+            held = self._backing.get(nodeid)
+            if held is not None:  # the hot path: a file opened before, still registered
+                held[1] += 1
+                self._backing.move_to_end(nodeid)
+                self.stats["opens"] += 1
+                self.stats["passthrough_opens"] += 1
+        if held is not None:
+            conn.reply(unique, _OPEN_OUT.pack(0, _PT, held[0]))
+            return
+        digest = self._digest(node)
+        if (digest and self.files.cached(digest)) or not self.lazy_frames.missing(node):
+            # no store request (cached, or its frames are in the chunk cache): answer here
+            self._finish_open(conn, unique, node, digest, inline=True)
+        else:
+            self.workers.submit(self._finish_open, conn, unique, node, digest)
+
+    def _digest(self, node: Node) -> str:
+        d = self._digests.get(node.ino)
+        if d is None:
+            d = self._digests[node.ino] = self.lazy_layer.stat(node.read_path).digest or ""
+        return d
+
+    def _fetch(self, node: Node) -> bytes:
+        # one fetch per frame at a time (a second reader waits); small files that share the
+        # frame are cached with it, and the directory's other small files follow (readahead)
+        if self.lazy_frames.missing(node):
+            self.lazy_frames.load([node])
+            self.readahead.schedule(node.read_path.rpartition("/")[0])
+        return self.lazy_layer.read(node.read_path)
+
+    def _finish_open(self, conn: _Conn, unique: int, node: Node, digest: str, *,
+                     inline: bool = False) -> None:
+        try:
+            path = self.files.path(digest, lambda: self._fetch(node),
+                                   f"open {node.read_path} of {self.lazy_layer.digest}",
+                                   inline=inline)
+            payload = self._open_path(conn, node, path)
+            with self._lock:
+                self.stats["opens"] += 1
+        except EnvbuildError as e:
+            log.error("open %s: %s", node.read_path, e.message)
+            conn.reply(unique, error=errno.EIO)
+            return
+        except OSError as e:
+            log.error("open %s: %s", node.read_path, e)
+            conn.reply(unique, error=errno.EIO)
+            return
+        conn.reply(unique, payload)
+
+    def _open_path(self, conn: _Conn, node: Node, path: str) -> bytes:
+        size = os.stat(path).st_size
+        if size != node.size:  # a TOC whose digest names other content (cached by another)
+            raise RuntimeShimError(f"{node.read_path}: the TOC says {node.size} bytes but its "
+                                   f"digest names {size} bytes of content")
+        if conn.passthrough:
+            try:
+                bid = conn.backing_open(path)
+            except OSError as e:
+                if not self._no_backing_logged:
+                    self._no_backing_logged = True
+                    log.warning("passthrough refused for %s (%s): reads of such files go "
+                                "through user space", path, e.strerror)
+            else:
+                idle: list[int] = []
+                with self._lock:
+                    held = self._backing.get(node.ino)
+                    self.stats["passthrough_opens"] += 1
+                    if held is None:
+                        self._backing[node.ino] = [bid, 1]
+                        if len(self._backing) > MAX_IDLE_BACKING:
+                            idle = self._evict_backing()
+                    else:   # another open raced us: use its id, drop ours
+                        held[1] += 1
+                        idle, bid = [bid], held[0]
+                for old in idle:
+                    conn.backing_close(old)
+                return _OPEN_OUT.pack(0, _PT, bid)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        with self._lock:
+            fh = self._next_fh
+            self._next_fh += 1
+            self._fds[fh] = fd
+        return _OPEN_OUT.pack(fh, FOPEN_KEEP_CACHE | FOPEN_NOFLUSH, 0)
+
+    def _evict_backing(self) -> list[int]:
+        """(Caller holds the lock.) Drop the least recently opened idle backing ids beyond
+        ``MAX_IDLE_BACKING``; returns them, to be closed outside the lock."""
+        out = []
+        for ino, (bid, opens) in list(self._backing.items()):
+            if len(self._backing) <= MAX_IDLE_BACKING * 0.9:
+                break
+            if opens <= 0:
+                del self._backing[ino]
+                out.append(bid)
+        return out
+
+    def _release(self, nodeid: int, fh: int) -> None:
+        # a passthrough file (fh 0) keeps its backing id registered: the next open of it is
+        # answered without a syscall (``_evict_backing`` bounds how many stay)
+        with self._lock:
+            fd = self._fds.pop(fh, None) if fh else None
+            if fh == 0:
+                held = self._backing.get(nodeid)
+                if held is not None:
+                    held[1] -= 1
+        if fd is not None:
+            os.close(fd)
+
+
+_TTL = 86400.0
+
+
+def passthrough_wanted() -> bool | None:
+    """``$ENVBUILD_LAZY_PASSTHROUGH``: False (off), True (on: required), None (auto)."""
+    raw = os.environ.get(PASSTHROUGH_ENV, "auto").strip().lower()
+    if raw in ("0", "off", "no", "false"):
+        return False
+    if raw in ("1", "on", "yes", "true"):
+        return True
+    return None
+
+
+def probe(scratch: str, files_dir: str) -> tuple[bool, str]:
+    """Whether this kernel serves FUSE passthrough for us: mount an empty filesystem at
+    ``scratch`` (created and removed here), answer INIT asking for ``FUSE_PASSTHROUGH``, and
+    register a file of ``files_dir`` as a backing file. ``(ok, why not)``."""
+    from runtime_shim.mount import unmount
+
+    if passthrough_wanted() is False:
+        return False, f"disabled by ${PASSTHROUGH_ENV}"
+    if not os.path.exists("/dev/fuse"):
+        return False, "no /dev/fuse"
+    os.makedirs(scratch, exist_ok=True)
+    os.makedirs(files_dir, exist_ok=True)
+    try:
+        conn = _Conn(scratch, "envbuild-lazy-probe")
+    except (RuntimeShimError, OSError) as e:
+        os.rmdir(scratch)
+        return False, str(e)
+    result: list[tuple[bool, str]] = []
+    try:
+        def answer_init() -> None:
+            buf = os.read(conn.fd, _BUFSIZE)
+            length, opcode, unique, *_ = _IN_HEADER.unpack_from(buf)
+            conn.init(unique, buf[_IN_HEADER.size:length], True)
+            if not conn.passthrough:
+                result.append((False, f"the kernel (FUSE 7.{conn.kernel_minor}) did not "
+                                      "offer FUSE_PASSTHROUGH"))
+                return
+            probe_file = os.path.join(files_dir, ".probe")
+            with open(probe_file, "wb") as f:
+                f.write(b"probe")
+            try:
+                bid = conn.backing_open(probe_file)
+            except OSError as e:
+                result.append((False, f"FUSE_DEV_IOC_BACKING_OPEN refused: {e.strerror}"))
+                return
+            finally:
+                os.unlink(probe_file)
+            conn.backing_close(bid)
+            result.append((True, ""))
+
+        # the kernel sends INIT as it mounts; nothing else arrives unless someone looks
+        t = threading.Thread(target=answer_init, daemon=True)
+        t.start()
+        t.join(10)
+    except OSError as e:
+        result.append((False, f"probe mount: {e.strerror}"))
+    finally:
+        try:
+            unmount(scratch)
+        except EnvbuildError as e:
+            log.warning("%s", e)
+        conn.close()
+        try:
+            os.rmdir(scratch)
+        except OSError:
+            pass
+    return result[0] if result else (False, "the probe mount did not answer INIT")

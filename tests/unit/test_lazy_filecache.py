@@ -1,0 +1,168 @@
+"""The node's file cache and fetch limits (``runtime_shim.lazyfs.filecache``) and the FUSE
+passthrough ABI constants (``runtime_shim.lazyfs.passthrough``), without FUSE: the real kernel
+path is in tests/integration/test_lazy_passthrough.py."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+
+import pytest
+
+from envbuild.errors import RuntimeShimError
+from runtime_shim.lazyfs.filecache import (
+    BoundedRanges,
+    FetchLimits,
+    FetchSettings,
+    FetchTimeout,
+    FileCache,
+)
+
+
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _cache(tmp_path, timeout: float = 5.0, concurrency: int = 4) -> FileCache:
+    return FileCache(str(tmp_path / "files"), FetchLimits(FetchSettings(concurrency, timeout)),
+                     1 << 30)
+
+
+def test_concurrent_callers_share_one_fetch(tmp_path):
+    cache = _cache(tmp_path)
+    data = os.urandom(1 << 16)
+    calls = []
+    gate = threading.Event()
+
+    def fetch() -> bytes:
+        calls.append(1)
+        gate.wait(5)
+        return data
+
+    paths: list[str] = []
+    threads = [threading.Thread(target=lambda: paths.append(cache.path(_digest(data), fetch,
+                                                                       "f")))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    gate.set()
+    for t in threads:
+        t.join(5)
+    assert len(calls) == 1 and len(paths) == 8 and len(set(paths)) == 1
+    with open(paths[0], "rb") as f:
+        assert f.read() == data
+    assert cache.fetches == 1
+    assert cache.path(_digest(data), fetch, "f") == paths[0] and len(calls) == 1
+
+
+def test_a_fetch_that_does_not_finish_is_a_timeout_and_a_later_caller_gets_the_file(tmp_path):
+    cache = _cache(tmp_path, timeout=0.2)
+    data = b"late"
+    gate = threading.Event()
+
+    def fetch() -> bytes:
+        gate.wait(5)
+        return data
+
+    t0 = time.monotonic()
+    with pytest.raises(FetchTimeout, match="did not answer within 0.2 s"):
+        cache.path(_digest(data), fetch, "open x")
+    assert time.monotonic() - t0 < 2
+    gate.set()
+    deadline = time.monotonic() + 5
+    while cache.cached(_digest(data)) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cache.cached(_digest(data)) is not None
+
+
+def test_a_failed_fetch_reaches_every_waiter_and_caches_nothing(tmp_path):
+    cache = _cache(tmp_path)
+
+    def fetch() -> bytes:
+        raise RuntimeShimError("content does not match its TOC digest")
+
+    with pytest.raises(RuntimeShimError, match="does not match"):
+        cache.path(_digest(b"x"), fetch, "f")
+    assert [p for p in os.listdir(cache.dir)] == []
+
+
+def test_a_cache_file_that_does_not_match_its_digest_is_dropped(tmp_path):
+    cache = _cache(tmp_path)
+    d = _digest(b"good")
+    with open(os.path.join(cache.dir, d[7:]), "wb") as f:
+        f.write(b"evil")
+    assert cache.cached(d) is None
+    assert not os.path.exists(os.path.join(cache.dir, d[7:]))
+    assert cache.path(d, lambda: b"good", "f").endswith(d[7:])
+
+
+def test_bad_digests_are_refused(tmp_path):
+    cache = _cache(tmp_path)
+    with pytest.raises(RuntimeShimError, match="bad content digest"):
+        cache.cached("sha256:../../etc/passwd")
+
+
+def test_eviction_keeps_the_cache_under_its_budget(tmp_path):
+    cache = FileCache(str(tmp_path / "files"), FetchLimits(FetchSettings()), 3000)
+    for i in range(10):
+        data = bytes([i]) * 1000
+        cache.path(_digest(data), lambda data=data: data, "f")
+    total = sum(os.path.getsize(os.path.join(cache.dir, n)) for n in os.listdir(cache.dir))
+    assert total <= 3000
+
+
+class _SlowStore:
+    def get_range(self, digest: str, offset: int, length: int) -> bytes:
+        time.sleep(0.02)
+        return b"\0" * length
+
+
+def test_the_node_budget_bounds_requests_in_flight():
+    limits = FetchLimits(FetchSettings(concurrency=2, timeout=5))
+    store = BoundedRanges(_SlowStore(), limits)
+    threads = [threading.Thread(target=store.get_range, args=("d", 0, 10)) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert limits.max_in_flight == 2
+    assert not hasattr(store, "get_tail")  # a TailReader only if the store is one
+
+
+def test_settings_from_the_environment(monkeypatch):
+    monkeypatch.setenv("ENVBUILD_LAZY_FETCH_CONCURRENCY", "3")
+    monkeypatch.setenv("ENVBUILD_LAZY_FETCH_TIMEOUT", "1.5")
+    assert FetchSettings.from_env() == FetchSettings(3, 1.5)
+    assert FetchSettings.from_env(7, None) == FetchSettings(7, 1.5)
+    monkeypatch.setenv("ENVBUILD_LAZY_FETCH_CONCURRENCY", "lots")
+    with pytest.raises(RuntimeShimError, match="is not a number"):
+        FetchSettings.from_env()
+    with pytest.raises(RuntimeShimError, match="out of range"):
+        FetchSettings.from_env(0, 1)
+
+
+def test_the_passthrough_abi_constants():
+    from runtime_shim.lazyfs import passthrough as pt
+
+    # include/uapi/linux/fuse.h: _IOW(229, 1, struct fuse_backing_map), _IOW(229, 2, uint32_t)
+    assert pt.FUSE_DEV_IOC_BACKING_OPEN == 0x4010E501
+    assert pt.FUSE_DEV_IOC_BACKING_CLOSE == 0x4004E502
+    assert pt.FUSE_PASSTHROUGH >> 32 == 1 << 5
+    assert pt._INIT_OUT.size == 64 and pt._ATTR.size == 88 and pt._OPEN_OUT.size == 16
+    assert pt._IN_HEADER.size == 40 and pt._OUT_HEADER.size == 16
+    assert pt._encode_dev(os.makedev(0, 0)) == 0
+    assert pt._encode_dev(os.makedev(8, 1)) == (8 << 8) | 1
+    assert pt._encode_dev(os.makedev(1, 300)) == (300 & 0xFF) | (1 << 8) | ((300 & ~0xFF) << 12)
+
+
+def test_the_passthrough_switch(monkeypatch):
+    from runtime_shim.lazyfs.passthrough import passthrough_wanted
+
+    for raw, want in (("off", False), ("0", False), ("on", True), ("1", True), ("auto", None)):
+        monkeypatch.setenv("ENVBUILD_LAZY_PASSTHROUGH", raw)
+        assert passthrough_wanted() is want
+    monkeypatch.delenv("ENVBUILD_LAZY_PASSTHROUGH")
+    assert passthrough_wanted() is None
