@@ -232,7 +232,7 @@ class Bench:
                 cold = {"mode": mode, "create": create, **self.workload(sb, t0)}
                 cold["bytes"] = rx_bytes(self.dev) - rx0
                 cold["requests"] = self.requests(node_dir)
-                cold["transport"] = str(getattr(sb.info(), "lazy_transport", ""))
+                cold["transport"] = sb.info().lazy
             cold["total"] = cold["create"] + cold["workload"]
             rx0 = rx_bytes(self.dev)
             t0 = time.perf_counter()
@@ -419,6 +419,8 @@ def main() -> None:
                                   f"{row['workload']:.2f} s, total {row['total']:.2f} s, "
                                   f"{row['bytes'] / MB:.1f} MB on the link"
                                   + (f", {row['requests']} requests" if "requests" in row
+                                     else "")
+                                  + (f", reads: {row['transport']}" if row.get("transport")
                                      else ""), flush=True)
                         rows.extend(got)
                 burst = bench.run_burst(args.burst) if args.burst else None
