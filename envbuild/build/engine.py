@@ -6,7 +6,9 @@ leaves, at worst, unreferenced blobs for GC, never a record or ref pointing at n
 
 Across processes on one host, a layer key is built by one process at a time: the builder holds
 ``<node>/locks/key-<hex>.lock`` and re-checks the store's key record after taking it, so the
-second ``envbuild build`` finds the first one's result instead of building again.
+second ``envbuild build`` finds the first one's result instead of building again. Across hosts
+sharing a store (S3), the builder also holds the store's lease on the key
+(``envbuild.store.lease``): a builder elsewhere waits for the key record instead of building.
 """
 
 from __future__ import annotations
@@ -140,6 +142,24 @@ class _KeyLock:
         os.close(self.fd)
 
 
+def build_under_lease(ctx: BuildContext, job: LayerJob, progress: Progress, *,
+                      no_cache: bool = False) -> KeyRecord | tuple[KeyRecord]:
+    """Build ``job`` holding the store's lease on its key (``envbuild.store.lease``).
+
+    Returns the key record another builder published while this one waited for its lease
+    (bare), or ``(record,)`` for a layer this call built."""
+    from envbuild.store.lease import claim
+
+    got = claim(ctx.store, job.key, ttl=ctx.lease_ttl, cancelled=ctx.cancelled,
+                label=ctx.lease_label, ignore_existing=no_cache,
+                on_wait=lambda held: progress(BuildEvent(
+                    job.name, "waiting", detail=f"for another builder ({held.get('host', '?')})")))
+    if isinstance(got, KeyRecord):
+        return got
+    with got:
+        return (build_layer(ctx, job, progress),)
+
+
 def build(
     ws: Snapshot,
     ctx: BuildContext,
@@ -189,8 +209,10 @@ def build(
             existing = None if no_cache else get_key_record(ctx.store, job.key)
             if existing is not None:  # another process built it while we waited
                 return existing, "cached", 0.0
-            record = build_layer(ctx, job, progress)
-        return record, "built", time.monotonic() - started
+            got = build_under_lease(ctx, job, progress, no_cache=no_cache)
+        if isinstance(got, KeyRecord):  # another builder (another host) published it
+            return got, "cached", 0.0
+        return got[0], "built", time.monotonic() - started
 
     def on_skip(name: str, because: str) -> None:
         progress(BuildEvent(name, "skipped", detail=f"{because} failed"))
