@@ -51,6 +51,7 @@ class LayerOutcome:
     seconds: float = 0.0
     error: EnvbuildError | None = None
     blocked_by: str | None = None
+    node: str = ""  # the Ray node that built it (``--executor ray``); "" otherwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,9 +246,27 @@ def build(
         else:
             outcomes[s.name] = LayerOutcome(s.name, s.kind, s.key, "skipped",
                                             blocked_by=r.blocked_by)
+    return finish_build(ws, ctx.store, plan, outcomes, cache_to)
+
+
+def prepare_plan(ws: Snapshot, store: Store, targets: Iterable[str] | None, *,
+                 no_cache: bool, cache_from: Store | None) -> BuildPlan:
+    """The plan of ``targets`` against ``store``, after taking what ``cache_from`` has."""
+    plan = plan_with_store(ws, store, targets)
+    if cache_from is not None and not no_cache:
+        from envbuild.store.sync import pull_cached
+
+        if pull_cached(cache_from, store, [s.key for s in plan.layers if s.status == "missing"]):
+            plan = plan_with_store(ws, store, targets)
+    return plan
+
+
+def finish_build(ws: Snapshot, store: Store, plan: BuildPlan, outcomes: dict[str, LayerOutcome],
+                 cache_to: Store | None) -> BuildReport:
+    """Lock every env whose layers all have records, push to ``cache_to``; the report."""
     lockable = [e.name for e in plan.envs
                 if all(outcomes.get(n) and outcomes[n].record for n in e.layers)]
-    published = publish_locks(ws, ctx.store, lockable)
+    published = publish_locks(ws, store, lockable)
     locks = [LockOutcome(e.name, published[e.name], f"env/{e.name}") if e.name in published
              else LockOutcome(e.name, None, f"env/{e.name}",
                               error="not locked: a layer failed or was skipped")
@@ -257,7 +276,7 @@ def build(
     if cache_to is not None:
         from envbuild.store.sync import sync
 
-        sync(ctx.store, cache_to, refs=[lk.ref for lk in locks if lk.digest],
+        sync(store, cache_to, refs=[lk.ref for lk in locks if lk.digest],
              keys=[o.key for o in ordered if o.record is not None])
     # -----------------------------------------------------------------------------------------
     return BuildReport(layers=ordered, locks=tuple(locks))
