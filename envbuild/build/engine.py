@@ -148,11 +148,12 @@ def build_under_lease(ctx: BuildContext, job: LayerJob, progress: Progress, *,
     """Build ``job`` holding the store's lease on its key (``envbuild.store.lease``).
 
     Returns the key record another builder published while this one waited for its lease
-    (bare), or ``(record,)`` for a layer this call built."""
+    (bare), or ``(record,)`` for a layer this call built. The caller has just looked for the
+    key record (and found none)."""
     from envbuild.store.lease import claim
 
     got = claim(ctx.store, job.key, ttl=ctx.lease_ttl, cancelled=ctx.cancelled,
-                label=ctx.lease_label, ignore_existing=no_cache,
+                label=ctx.lease_label, ignore_existing=no_cache, checked=True,
                 on_wait=lambda held: progress(BuildEvent(
                     job.name, "waiting", detail=f"for another builder ({held.get('host', '?')})")))
     if isinstance(got, KeyRecord):

@@ -359,9 +359,15 @@ def _run_tasks(spec: _NodeSpec, jobs: Mapping[str, LayerJob],
     pending = list(names_of)
     failed_by_ray: dict[str, str] = {}
 
-    def relay() -> None:
-        for e in ray.get(events.drain.remote()):
-            progress(e)
+    drain = [events.drain.remote()]
+
+    def relay(wait: float = 0.0) -> None:
+        # never blocks the loop on the actor (it may still be starting): take what is there
+        done, _ = ray.wait(drain, timeout=wait)
+        if done:
+            for e in ray.get(done[0]):
+                progress(e)
+            drain[0] = events.drain.remote()
 
     try:
         while pending:
@@ -372,7 +378,6 @@ def _run_tasks(spec: _NodeSpec, jobs: Mapping[str, LayerJob],
                 for name in names_of[ref]:
                     results[name] = _result_of(ref, name, deps, results, failed_by_ray)
                     _report(progress, name, results[name])
-        relay()
     except BaseException:
         _cancel(pending)
         raise

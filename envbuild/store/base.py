@@ -657,10 +657,10 @@ class ConditionalRecords(Protocol):
 
     ``get_record_tagged(namespace, name) -> (obj, tag) | None``
         The record and its tag, ``None`` if absent.
-    ``create_record(namespace, name, obj) -> bool``
+    ``create_record(namespace, name, obj) -> str | None``
         Store the record if no record by that name exists, atomically (of two racing
-        creators exactly one gets True); False if one exists. A reader never sees it half
-        written.
+        creators exactly one succeeds); its tag, or ``None`` if one exists. A reader never
+        sees it half written.
     ``replace_record(namespace, name, obj, tag) -> str | None``
         Overwrite the record only if its current tag is ``tag``; the new tag, or ``None``
         if it changed or vanished meanwhile.
@@ -672,7 +672,7 @@ class ConditionalRecords(Protocol):
 
     def get_record_tagged(self, namespace: str, name: str) -> tuple[dict[str, Any], str] | None: ...
 
-    def create_record(self, namespace: str, name: str, obj: Mapping[str, Any]) -> bool: ...
+    def create_record(self, namespace: str, name: str, obj: Mapping[str, Any]) -> str | None: ...
 
     def replace_record(self, namespace: str, name: str, obj: Mapping[str, Any],
                        tag: str) -> str | None: ...

@@ -164,7 +164,7 @@ class Lease:
 
 def claim(store: Store, key: str, *, ttl: float = DEFAULT_TTL,
           cancelled: threading.Event | None = None, poll: float = DEFAULT_POLL,
-          label: str = "", ignore_existing: bool = False,
+          label: str = "", ignore_existing: bool = False, checked: bool = False,
           on_wait: Callable[[dict[str, Any]], None] | None = None) -> Lease | KeyRecord:
     """Take the lease on layer key ``key``, or wait until its key record exists.
 
@@ -173,6 +173,7 @@ def claim(store: Store, key: str, *, ttl: float = DEFAULT_TTL,
     and releases). ``ignore_existing`` (``--no-cache``) only waits for a running build to
     finish, then builds anyway. ``on_wait(lease_record)`` is called once when the key turns
     out to be leased by another builder. ``cancelled`` set while waiting raises ``BuildError``.
+    ``checked``: the caller has just looked for the key record (saves one store read).
     """
     key_hex = check_digest(key)
     owner = uuid.uuid4().hex
@@ -180,7 +181,7 @@ def claim(store: Store, key: str, *, ttl: float = DEFAULT_TTL,
         return Lease(store, key_hex, owner, None, ttl, {}, exclusive=False)
     waited = False
     while True:
-        if not ignore_existing:
+        if not ignore_existing and not checked:
             existing = get_key_record(store, key)
             if existing is not None:
                 return existing
@@ -189,10 +190,9 @@ def claim(store: Store, key: str, *, ttl: float = DEFAULT_TTL,
                 "pidns": _HOST[2], "pid": os.getpid(), "label": label, "ttl": ttl,
                 "acquired": now, "expires": now + ttl}
         lease: Lease | None = None
-        if store.create_record(LEASES, key_hex, body):
-            got = store.get_record_tagged(LEASES, key_hex)
-            if got is not None and got[0].get("owner") == owner:
-                lease = Lease(store, key_hex, owner, got[1], ttl, body)
+        created = store.create_record(LEASES, key_hex, body)
+        if created is not None:
+            lease = Lease(store, key_hex, owner, created, ttl, body)
         else:
             got = store.get_record_tagged(LEASES, key_hex)
             if got is not None:
@@ -208,6 +208,7 @@ def claim(store: Store, key: str, *, ttl: float = DEFAULT_TTL,
                     if on_wait is not None:
                         on_wait(current)
             # else: released between our create and read; go round and create again
+        checked = False
         if lease is not None:
             # the previous holder may have published between our look and our create
             existing = None if ignore_existing else get_key_record(store, key)

@@ -573,7 +573,7 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
             raise StoreError(f"read record {path}: {e}") from e
         return decode_record(data, str(path)), hashlib.sha256(data).hexdigest()
 
-    def create_record(self, namespace: str, name: str, obj: Mapping[str, Any]) -> bool:
+    def create_record(self, namespace: str, name: str, obj: Mapping[str, Any]) -> str | None:
         path = self._record_path(namespace, name)
         data = encode_record(obj)
         try:
@@ -582,13 +582,13 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
             try:
                 os.link(tmp, path)
             except FileExistsError:
-                return False
+                return None
             finally:
                 tmp.unlink(missing_ok=True)
             _fsync_dir(path.parent)
         except OSError as e:
             raise StoreError(f"create record {path}: {e}") from e
-        return True
+        return hashlib.sha256(data).hexdigest()
 
     def replace_record(self, namespace: str, name: str, obj: Mapping[str, Any],
                        tag: str) -> str | None:

@@ -200,15 +200,15 @@ class MemoryStore(Store, ConditionalRecords):
             return None
         return decode_record(data, f"{namespace}/{name}"), hashlib.sha256(data).hexdigest()
 
-    def create_record(self, namespace: str, name: str, obj: Mapping[str, Any]) -> bool:
+    def create_record(self, namespace: str, name: str, obj: Mapping[str, Any]) -> str | None:
         key = check_record_name(namespace, name)
         data = encode_record(obj)
         with self._lock:
             if key in self._records:
-                return False
+                return None
             self._records[key] = data
             self.record_mtimes[key] = time.time()
-        return True
+        return hashlib.sha256(data).hexdigest()
 
     def replace_record(self, namespace: str, name: str, obj: Mapping[str, Any],
                        tag: str) -> str | None:

@@ -846,20 +846,24 @@ class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
         got = self._read_small(key)
         return None if got is None else (decode_record(got[0], self._where(key)), got[1])
 
-    def create_record(self, namespace: str, name: str, obj: Mapping[str, Any]) -> bool:
-        key = self._record_key(namespace, name)
-        self._need_cas("a conditional create")
-        return self._put_small(key, encode_record(obj), IfNoneMatch="*")
+    def create_record(self, namespace: str, name: str, obj: Mapping[str, Any]) -> str | None:
+        return self._put_if(namespace, name, obj, IfNoneMatch="*")
 
     def replace_record(self, namespace: str, name: str, obj: Mapping[str, Any],
                        tag: str) -> str | None:
+        return self._put_if(namespace, name, obj, IfMatch=tag)
+
+    def _put_if(self, namespace: str, name: str, obj: Mapping[str, Any], **cond: str) -> str | None:
+        """A conditional PUT of a record: its new ETag, or None when the condition failed.
+        (A retried PUT whose first attempt landed fails its own condition: the caller sees
+        None and finds its own record on the next read, which the lease code checks.)"""
         from botocore.exceptions import BotoCoreError, ClientError
 
         key = self._record_key(namespace, name)
-        self._need_cas("a conditional replace")
+        self._need_cas("a conditional write")
         try:
             resp = self.client.put_object(Bucket=self.bucket, Key=key, Body=encode_record(obj),
-                                          IfMatch=tag)
+                                          **cond)
         except ClientError as e:
             if _code(e) in _CONFLICT or _code(e) in _NOT_FOUND or _status(e) in ("412", "409"):
                 return None

@@ -578,9 +578,10 @@ def test_conditional_records(declared):
     assert store.get_record_tagged(ns, name) is None
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         wins = list(pool.map(lambda i: store.create_record(ns, name, {"owner": i}), range(8)))
-    assert wins.count(True) == 1
+    winners = [i for i, tag in enumerate(wins) if tag is not None]
+    assert len(winners) == 1
     obj, tag = store.get_record_tagged(ns, name)
-    assert obj == {"owner": wins.index(True)}
+    assert obj == {"owner": winners[0]} and tag == wins[winners[0]]
     assert store.get_record(ns, name) == obj
     new_tag = store.replace_record(ns, name, {"owner": "b"}, tag)
     assert new_tag and new_tag != tag
@@ -594,3 +595,4 @@ def test_conditional_records(declared):
     assert not store.delete_record_if(ns, name, new_tag)
     assert store.get_record(ns, name) is None
     assert store.create_record(ns, name, {"owner": "e"})
+    assert store.create_record(ns, name, {"owner": "f"}) is None
