@@ -115,6 +115,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=200)
     ap.add_argument("--sleep", type=float, default=0.5)
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--s3-baseline", action="store_true",
+                    help="also time the local executor into S3 (separates store cost from Ray's)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("needs root (overlay mounts, runc)")
@@ -142,6 +144,15 @@ def main() -> None:
             print(f"{phase:>5}: local --jobs 2 {t_local:7.1f} s ({n / t_local:5.1f} layers/s)   "
                   f"ray 2x2 {t_ray:7.1f} s ({n / t_ray:5.1f} layers/s) on {len(nodes)} nodes",
                   flush=True)
+            if args.s3_baseline:  # the local executor into the same kind of store (moto S3)
+                s3 = f"s3://{bucket}/{phase}-local"
+                run._run(["build", "--json", "busybox-tiny"],
+                         run.env(defs, s3, str(root / "local-node")))
+                t_s3, rep = run._run(["build", "--jobs", "2", "--json"],
+                                     run.env(defs, s3, str(root / "local-node")))
+                assert built(rep) == n
+                print(f"{phase:>5}: local --jobs 2 into S3 {t_s3:7.1f} s "
+                      f"({n / t_s3:5.1f} layers/s)", flush=True)
 
         t_local, t_ray = results["sleep"]
         speedup = t_local / t_ray

@@ -15,8 +15,9 @@ Where things live on a node:
 
 * the node cache is ``settings.node_dir`` with ``{node_id}`` replaced by the Ray node id, so
   several builder nodes on one host (tests, a big machine) never share scratch space;
-* definitions are read where the driver loaded them (``origin`` paths are absolute): every
-  builder node needs the definition tree at the same path (a CI checkout, a shared volume);
+* definitions are read where the driver loaded them (a task works in the driver's working
+  directory, against which ``origin`` paths are relative): every builder node needs the
+  checkout at the same path (a CI checkout, a shared volume);
 * the store is opened from ``settings`` (``--store``, ``--s3-endpoint``); credentials come
   from the node's own environment, plus the driver variables named in ``forward_env``.
 
@@ -77,6 +78,10 @@ LOG_RECORD_VERSION = 1
 PROGRESS_PERIOD = 0.25
 #: How long a cancelled build may take to stop before the driver gives up waiting (seconds).
 CANCEL_WAIT = 60.0
+#: The internal event a task sends last (its scratch is gone, its lease dropped).
+ENDED = "ended"
+#: How often a running task asks the driver whether the build was cancelled (seconds).
+CANCEL_POLL = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +104,8 @@ class _NodeSpec:
 
     settings: Settings
     environ: Mapping[str, str]
+    #: The driver's working directory: definition origins below it are relative to it.
+    cwd: str = "/"
 
 
 # -- the task (runs on a builder node) --------------------------------------------------------
@@ -181,11 +188,16 @@ def run_layer(spec: _NodeSpec, job: LayerJob, no_cache: bool, events: Any,
             return {"status": "skipped", "node": short, "blocked_by": b.get("blocked_by") or b["name"],
                     "name": job.name}
     os.environ.update(spec.environ)
+    # Definition files below the driver's working directory are named relative to it
+    # (envbuild.defs.load), so builds resolve their sources from there, as the driver would.
+    os.chdir(spec.cwd)
 
     def progress(e: BuildEvent) -> None:
         events.put.remote(dataclasses.replace(e, node=short))
 
     started = time.monotonic()
+    if _driver_cancelled(events):  # started after the driver's Ctrl-C: do nothing
+        return {"status": "skipped", "node": short, "blocked_by": "cancelled", "name": job.name}
     ctx = node_context(spec.settings, node_id)
     progress(BuildEvent(job.name, "started"))
     result: dict[str, Any] = {}
@@ -193,9 +205,9 @@ def run_layer(spec: _NodeSpec, job: LayerJob, no_cache: bool, events: Any,
     def body() -> None:
         try:
             with _KeyLock(ctx.node.root / "locks", job.key, ctx.cancelled):
-                existing = None if no_cache else get_key_record(ctx.store, job.key)
-                got = existing if existing is not None else \
-                    build_under_lease(ctx, job, progress, no_cache=no_cache)
+                # The driver planned the key missing; the lease re-checks the record once it
+                # holds the lease (and a waiter polls it), so no look of our own first.
+                got = build_under_lease(ctx, job, progress, no_cache=no_cache)
             if isinstance(got, KeyRecord):
                 result.update(status="cached", record=got.to_json())
             else:
@@ -213,26 +225,58 @@ def run_layer(spec: _NodeSpec, job: LayerJob, no_cache: bool, events: Any,
                                                    f"{job.name}: {type(e).__name__}: {e}"})
 
     worker = threading.Thread(target=body, name=f"build-{job.name}", daemon=True)
-    worker.start()
     try:
-        # The build runs on its own thread so that ray.cancel's KeyboardInterrupt lands here,
-        # where it becomes the build's ``cancelled`` event (container killed, scratch removed,
-        # lease dropped, nothing published) instead of an exception at a random point.
+        worker.start()
+        # The build runs on its own thread; this one watches for the driver's cancel (a flag
+        # on the progress actor; the actor gone means the driver is gone) and for ray.cancel's
+        # KeyboardInterrupt, and turns either into the build's ``cancelled`` event (container
+        # killed, scratch removed, lease dropped, nothing published).
         while worker.is_alive():
-            worker.join(0.1)
-    except KeyboardInterrupt:
-        ctx.cancelled.set()
-        worker.join()
+            worker.join(CANCEL_POLL)
+            if worker.is_alive() and not ctx.cancelled.is_set() and _driver_cancelled(events):
+                ctx.cancelled.set()
+    except BaseException:
+        # ray.cancel: a KeyboardInterrupt, repeated by Ray until the task ends; stop the build
+        # and wait until it cleaned up, sitting out every further interrupt.
+        while True:
+            try:
+                ctx.cancelled.set()
+                while worker.is_alive():
+                    worker.join(0.1)
+                break
+            except BaseException:  # noqa: BLE001, S112 - a repeated interrupt
+                continue
         raise
+    finally:
+        # After everything this task did: the driver of a cancelled build waits for it, as
+        # Ray counts a cancelled task done at once and kills a job's workers when it exits.
+        progress(BuildEvent(job.name, ENDED))
     result.update(node=short, seconds=round(time.monotonic() - started, 3), name=job.name)
     return result
 
 
+def _driver_cancelled(events: Any) -> bool:
+    try:
+        return bool(ray.get(events.cancelled.remote(), timeout=30))
+    except ray.exceptions.GetTimeoutError:
+        return False
+    except ray.exceptions.RayError:  # the actor died with its driver
+        return True
+
+
 class _Events:
-    """The progress mailbox: tasks ``put`` events, the driver ``drain``s them."""
+    """The progress mailbox: tasks ``put`` events, the driver ``drain``s them; the driver's
+    ``cancel`` is what running tasks poll (``cancelled``)."""
 
     def __init__(self) -> None:
         self._events: list[BuildEvent] = []
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    def cancelled(self) -> bool:
+        return self._cancelled
 
     def put(self, e: BuildEvent) -> None:
         self._events.append(e)
@@ -311,7 +355,7 @@ def build_ray(
     if to_build:
         connect(request.address)
         spec = _NodeSpec(settings, {k: os.environ[k] for k in request.forward_env
-                                    if k in os.environ})
+                                    if k in os.environ}, cwd=os.getcwd())
         results = _run_tasks(spec, make_jobs(ws, [s.name for s in to_build]),
                              {s.name: s.depends_on for s in to_build}, request, no_cache,
                              progress)
@@ -360,12 +404,18 @@ def _run_tasks(spec: _NodeSpec, jobs: Mapping[str, LayerJob],
     failed_by_ray: dict[str, str] = {}
 
     drain = [events.drain.remote()]
+    running: set[str] = set()  # tasks that started and have not ended
 
     def relay(wait: float = 0.0) -> None:
         # never blocks the loop on the actor (it may still be starting): take what is there
         done, _ = ray.wait(drain, timeout=wait)
         if done:
             for e in ray.get(done[0]):
+                if e.phase == ENDED:
+                    running.discard(e.name)
+                    continue
+                if e.phase == "started":
+                    running.add(e.name)
                 progress(e)
             drain[0] = events.drain.remote()
 
@@ -379,6 +429,17 @@ def _run_tasks(spec: _NodeSpec, jobs: Mapping[str, LayerJob],
                     results[name] = _result_of(ref, name, deps, results, failed_by_ray)
                     _report(progress, name, results[name])
     except BaseException:
+        # Tell running tasks to stop (they poll the flag) and wait until each has cleaned up
+        # ("ended"), then cancel what is still queued; Ray's own cancel of a running task is
+        # only the fallback (it counts the task done at once, and a job's workers are killed
+        # when its driver exits).
+        events.cancel.remote()
+        relay(PROGRESS_PERIOD)  # "started" events sent before the interrupt
+        for name in sorted(running):
+            progress(BuildEvent(name, "cancelling"))
+        deadline = time.monotonic() + CANCEL_WAIT
+        while running and time.monotonic() < deadline:
+            relay(PROGRESS_PERIOD)
         _cancel(pending)
         raise
     finally:
@@ -418,18 +479,14 @@ def _report(progress: Progress, name: str, r: Mapping[str, Any]) -> None:
         progress(BuildEvent(name, "skipped", detail=f"{r.get('blocked_by')} failed", node=node))
 
 
-def _cancel(pending: list[Any], wait: float = CANCEL_WAIT) -> None:
-    """Cancel every unfinished task and wait (bounded) until they stopped: each one's build
-    sees ``cancelled``, kills its step, removes its scratch and drops its lease."""
+def _cancel(pending: list[Any]) -> None:
+    """Cancel every unfinished task: each one's build sees ``cancelled``, kills its step,
+    removes its scratch, drops its lease and then sends ``ended`` (the caller waits for it)."""
     for ref in pending:
         try:
-            ray.cancel(ref, force=False, recursive=True)
+            ray.cancel(ref, force=False, recursive=False)  # not its progress messages
         except Exception:  # noqa: BLE001 - already finished or lost: nothing to cancel
             pass
-    deadline = time.monotonic() + wait
-    left = list(pending)
-    while left and time.monotonic() < deadline:
-        _, left = ray.wait(left, num_returns=len(left), timeout=0.5)
 
 
 def forward_names(names: Iterable[str]) -> tuple[str, ...]:

@@ -218,8 +218,8 @@ def _build_ray(app: App, names: tuple[str, ...], no_cache: bool, as_json: bool,
         kw["cache_from"] = app.open_store(app.settings.cache_from)
     if app.settings.cache_to:
         kw["cache_to"] = app.open_store(app.settings.cache_to)
-    use_rich = sys.stderr.isatty() and not as_json
-    progress = RichProgress() if use_rich else PlainProgress()
+    rich = RichProgress() if sys.stderr.isatty() and not as_json else None
+    progress = rich or PlainProgress()
 
     def run():
         return build_ray(project, app.settings, names or None, request=request,
@@ -232,10 +232,7 @@ def _build_ray(app: App, names: tuple[str, ...], no_cache: bool, as_json: bool,
 
     with contextlib.redirect_stdout(sys.stderr):
         try:
-            if use_rich:
-                with progress:
-                    report = run()
-            else:
+            with rich if rich is not None else contextlib.nullcontext():
                 report = run()
         finally:
             disconnect()

@@ -289,15 +289,17 @@ def test_ctrl_c_of_the_driver_cancels_the_tasks_and_publishes_nothing(cluster):
             proc.kill()
             proc.wait()
     reader.join(10)
-    assert proc.returncode != 0
-    assert stopped_in < 30  # the 30 s sleeps were killed, not waited for
+    said = "".join(lines[-30:])
+    assert proc.returncode != 0, said
+    assert stopped_in < 30, said  # the 30 s sleeps were killed, not waited for
     store = cluster.store()
     ws_records = [n for n in store.list_records(KEY_RECORDS)]
     from envbuild.build.engine import load
 
     keys = load(cluster.defs).keys.layers
     assert not [n for n in names if keys[n][7:] in ws_records]  # nothing partial or whole
-    _wait_for(lambda: store.list_records(LEASES) == [], 30, "the cancelled tasks' leases")
+    _wait_for(lambda: store.list_records(LEASES) == [], 30,
+              f"the cancelled tasks' leases; the driver said:\n{said}")
     _wait_for(lambda: all(not (d / "builds").exists() or not any((d / "builds").iterdir())
                           for d in cluster.node_dirs()), 60, "the cancelled builds' scratch")
     assert_no_leftovers(cluster)
