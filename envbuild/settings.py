@@ -44,6 +44,9 @@ class Settings:
     # The node cache's budget (unpacked layers; ``envbuild node gc`` evicts down to it):
     # ENVBUILD_NODE_CACHE_MAX, a size (50G) or a share of the node dir's filesystem (20%).
     node_cache_max: str = DEFAULT_NODE_CACHE_MAX
+    # Ray build issue (15): lifetime of a build lease in the store (envbuild.store.lease),
+    # ENVBUILD_LEASE_TTL seconds: how long a dead builder can keep others waiting.
+    lease_ttl: float = 30.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -65,8 +68,17 @@ class Settings:
                                 f"{disk!r} / {inodes!r}", hint="e.g. 50G and 5000000") from None
         node_max = environ.get("ENVBUILD_NODE_CACHE_MAX") or DEFAULT_NODE_CACHE_MAX
         node_cache_budget(node_max, Path("/"))  # refuse a bad value here, at the edge
+        ttl_text = environ.get("ENVBUILD_LEASE_TTL") or "30"
+        try:
+            lease_ttl = float(ttl_text)
+            if not 0 < lease_ttl < 86400:
+                raise ValueError
+        except ValueError:
+            raise SettingsError(f"ENVBUILD_LEASE_TTL is not a number of seconds: {ttl_text!r}",
+                                hint="e.g. 30") from None
         return cls(
             node_cache_max=node_max,
+            lease_ttl=lease_ttl,
             build_disk_bytes=build_disk or None,
             build_inodes=build_inodes or None,
             defs_dir=Path(environ.get("ENVBUILD_DEFS", DEFAULT_DEFS)),

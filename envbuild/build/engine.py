@@ -6,7 +6,9 @@ leaves, at worst, unreferenced blobs for GC, never a record or ref pointing at n
 
 Across processes on one host, a layer key is built by one process at a time: the builder holds
 ``<node>/locks/key-<hex>.lock`` and re-checks the store's key record after taking it, so the
-second ``envbuild build`` finds the first one's result instead of building again.
+second ``envbuild build`` finds the first one's result instead of building again. Across hosts
+sharing a store (S3), the builder also holds the store's lease on the key
+(``envbuild.store.lease``): a builder elsewhere waits for the key record instead of building.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class LayerOutcome:
     seconds: float = 0.0
     error: EnvbuildError | None = None
     blocked_by: str | None = None
+    node: str = ""  # the Ray node that built it (``--executor ray``); "" otherwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +143,25 @@ class _KeyLock:
         os.close(self.fd)
 
 
+def build_under_lease(ctx: BuildContext, job: LayerJob, progress: Progress, *,
+                      no_cache: bool = False) -> KeyRecord | tuple[KeyRecord]:
+    """Build ``job`` holding the store's lease on its key (``envbuild.store.lease``).
+
+    Returns the key record another builder published while this one waited for its lease
+    (bare), or ``(record,)`` for a layer this call built. The caller has just looked for the
+    key record (and found none)."""
+    from envbuild.store.lease import claim
+
+    got = claim(ctx.store, job.key, ttl=ctx.lease_ttl, cancelled=ctx.cancelled,
+                label=ctx.lease_label, ignore_existing=no_cache, checked=True,
+                on_wait=lambda held: progress(BuildEvent(
+                    job.name, "waiting", detail=f"for another builder ({held.get('host', '?')})")))
+    if isinstance(got, KeyRecord):
+        return got
+    with got:
+        return (build_layer(ctx, job, progress),)
+
+
 def build(
     ws: Snapshot,
     ctx: BuildContext,
@@ -192,8 +214,10 @@ def build(
             existing = None if no_cache else get_key_record(ctx.store, job.key)
             if existing is not None:  # another process built it while we waited
                 return existing, "cached", 0.0
-            record = build_layer(ctx, job, progress)
-        return record, "built", time.monotonic() - started
+            got = build_under_lease(ctx, job, progress, no_cache=no_cache)
+        if isinstance(got, KeyRecord):  # another builder (another host) published it
+            return got, "cached", 0.0
+        return got[0], "built", time.monotonic() - started
 
     def on_skip(name: str, because: str) -> None:
         progress(BuildEvent(name, "skipped", detail=f"{because} failed"))
@@ -226,9 +250,27 @@ def build(
         else:
             outcomes[s.name] = LayerOutcome(s.name, s.kind, s.key, "skipped",
                                             blocked_by=r.blocked_by)
+    return finish_build(ws, ctx.store, plan, outcomes, cache_to)
+
+
+def prepare_plan(ws: Snapshot, store: Store, targets: Iterable[str] | None, *,
+                 no_cache: bool, cache_from: Store | None) -> BuildPlan:
+    """The plan of ``targets`` against ``store``, after taking what ``cache_from`` has."""
+    plan = plan_with_store(ws, store, targets)
+    if cache_from is not None and not no_cache:
+        from envbuild.store.sync import pull_cached
+
+        if pull_cached(cache_from, store, [s.key for s in plan.layers if s.status == "missing"]):
+            plan = plan_with_store(ws, store, targets)
+    return plan
+
+
+def finish_build(ws: Snapshot, store: Store, plan: BuildPlan, outcomes: dict[str, LayerOutcome],
+                 cache_to: Store | None) -> BuildReport:
+    """Lock every env whose layers all have records, push to ``cache_to``; the report."""
     lockable = [e.name for e in plan.envs
                 if all(outcomes.get(n) and outcomes[n].record for n in e.layers)]
-    published = publish_locks(ws, ctx.store, lockable)
+    published = publish_locks(ws, store, lockable)
     locks = [LockOutcome(e.name, published[e.name], f"env/{e.name}") if e.name in published
              else LockOutcome(e.name, None, f"env/{e.name}",
                               error="not locked: a layer failed or was skipped")
@@ -238,7 +280,7 @@ def build(
     if cache_to is not None:
         from envbuild.store.sync import sync
 
-        sync(ctx.store, cache_to, refs=[lk.ref for lk in locks if lk.digest],
+        sync(store, cache_to, refs=[lk.ref for lk in locks if lk.digest],
              keys=[o.key for o in ordered if o.record is not None])
     # -----------------------------------------------------------------------------------------
     return BuildReport(layers=ordered, locks=tuple(locks))

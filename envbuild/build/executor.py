@@ -118,6 +118,7 @@ class BuildEvent:
     steps: int = 0
     detail: str = ""
     seconds: float = 0.0
+    node: str = ""  # where it ran (the Ray executor's node id; "" for a local build)
 
 
 Progress = Callable[[BuildEvent], None]
@@ -160,6 +161,11 @@ class BuildContext:
     #: Called with (layer name, bytes) as a ``run`` step writes its output (``envbuild build
     #: -v``), from the step's copier thread; what reaches the log (capped at STEP_LOG_CAP).
     on_output: Callable[[str, bytes], None] | None = None
+    #: Lifetime of the build lease on a key in the store (``envbuild.store.lease``): how long
+    #: a builder that died can keep others waiting. Renewed every third of it while building.
+    lease_ttl: float = 30.0
+    #: Free text put in this builder's leases, e.g. the Ray node id (for people looking).
+    lease_label: str = ""
 
     def stub_dir(self) -> Path:
         return ensure_stub(self.node.root)

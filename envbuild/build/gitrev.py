@@ -24,6 +24,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from envbuild.build.pin import Pinner, git_env, snapshot
+from envbuild.defs.parsecache import ParseCache
 from envbuild.errors import EnvbuildError, PlanError, Problem, SourceError
 from envbuild.plan.changes import Changes, Explanation, diff_keys, explain
 from envbuild.plan.graph import did_you_mean
@@ -77,7 +78,8 @@ def checkout(path: Path, rev: str) -> Iterator[tuple[Path, Path]]:
         yield Path(tree), Path(tree) / rel
 
 
-def keys_at_revision(defs_dir: Path, rev: str, pinner: Pinner | None = None) -> KeySet:
+def keys_at_revision(defs_dir: Path, rev: str, pinner: Pinner | None = None,
+                     parse_cache: ParseCache | None = None) -> KeySet:
     """Every key of ``defs_dir`` as it was at git revision ``rev``.
 
     A defs dir that did not exist at ``rev`` has no keys: everything is new.
@@ -87,7 +89,7 @@ def keys_at_revision(defs_dir: Path, rev: str, pinner: Pinner | None = None) -> 
             empty = MappingProxyType({})
             return KeySet(layers=empty, inputs=empty, env_locks=empty, env_inputs=empty)
         try:
-            return snapshot(then, pinner).keys
+            return snapshot(then, pinner, parse_cache).keys
         except EnvbuildError as e:
             # Report against the revision, not the temporary directory it was checked out to.
             lines = [ln.replace(f"{root}{os.sep}", f"{rev}:") for ln in e.render_lines()]
@@ -100,18 +102,24 @@ def keys_at_revision(defs_dir: Path, rev: str, pinner: Pinner | None = None) -> 
 
 
 def plan_changes(defs_dir: Path, targets: list[str] | None, rev: str | None,
-                 lookup: Lookup | None = None, pinner: Pinner | None = None
-                 ) -> tuple[BuildPlan, Changes | None]:
+                 lookup: Lookup | None = None, pinner: Pinner | None = None,
+                 parse_cache: ParseCache | None = None) -> tuple[BuildPlan, Changes | None]:
     """Plan ``targets`` of ``defs_dir`` now and, given ``rev``, what changed since then.
 
-    With targets, the changes are limited to the planned layers and envs.
+    With targets, the changes are limited to the planned layers and envs. ``parse_cache``:
+    only files it does not know are parsed, in either tree (the two share all but the
+    changed files), and it is saved at the end (``envbuild.defs.parsecache``).
     """
     pinner = pinner or Pinner()
-    now = snapshot(defs_dir, pinner)
+    now = snapshot(defs_dir, pinner, parse_cache)
     plan = make_plan(now.graph, now.pinned, lookup, targets, keys=now.keys)
     if rev is None:
+        if parse_cache is not None:
+            parse_cache.save()
         return plan, None
-    changes = diff_keys(keys_at_revision(defs_dir, rev, pinner), now.keys)
+    changes = diff_keys(keys_at_revision(defs_dir, rev, pinner, parse_cache), now.keys)
+    if parse_cache is not None:
+        parse_cache.save()
     if targets is not None:
         layers = {s.name for s in plan.layers}
         envs = {e.name for e in plan.envs}

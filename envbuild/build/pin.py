@@ -79,6 +79,7 @@ from envbuild.defs.model import (
     PathSource,
     RootfsSource,
 )
+from envbuild.defs.parsecache import ParseCache
 from envbuild.errors import SourceError
 from envbuild.plan.graph import EnvGraph, field_position
 from envbuild.plan.keys import KeySet, PinnedInputs, compute_keys
@@ -463,11 +464,13 @@ class Snapshot:
     keys: KeySet
 
 
-def snapshot(defs_dir: Path, pinner: Pinner | None = None) -> Snapshot:
-    """Load ``defs_dir``, build its graph, pin its sources and compute every key."""
+def snapshot(defs_dir: Path, pinner: Pinner | None = None,
+             parse_cache: ParseCache | None = None) -> Snapshot:
+    """Load ``defs_dir`` (files ``parse_cache`` knows are not re-parsed), build its graph, pin
+    its sources and compute every key."""
     from envbuild.plan.graph import check_tree  # schema and graph problems in one report
 
-    graph = check_tree(defs_dir)
+    graph = check_tree(defs_dir, parse_cache)
     defs = graph.defs
     pinned = pin_inputs(defs, pinner)
     return Snapshot(defs=defs, graph=graph, pinned=pinned, keys=compute_keys(graph, pinned))

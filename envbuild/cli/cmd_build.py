@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
@@ -31,8 +32,10 @@ class PlainProgress:
             what = f"done in {e.seconds:.1f}s"
         else:
             what = e.phase + (f": {e.detail}" if e.detail else "")
+        where = f" on {e.node}" if e.node else ""  # --executor ray: the node it runs on
         with self._lock:
-            click.echo(f"[{time.monotonic() - self._start:7.1f}s] {e.name}: {what}", err=True)
+            click.echo(f"[{time.monotonic() - self._start:7.1f}s] {e.name}{where}: {what}",
+                       err=True)
 
 
 class RichProgress:
@@ -43,6 +46,7 @@ class RichProgress:
         from rich.live import Live
 
         self._rows: dict[str, str] = {}
+        self._nodes: dict[str, str] = {}  # --executor ray: layer -> node
         self._lock = threading.Lock()
         self._live = Live(self._table(), console=Console(stderr=True), refresh_per_second=8)
 
@@ -51,9 +55,14 @@ class RichProgress:
 
         t = Table(show_header=True, header_style="bold", box=None)
         t.add_column("layer")
+        if self._nodes:
+            t.add_column("node")
         t.add_column("status")
         for name, status in self._rows.items():
-            t.add_row(name, status)
+            if self._nodes:
+                t.add_row(name, self._nodes.get(name, ""), status)
+            else:
+                t.add_row(name, status)
         return t
 
     def __enter__(self):
@@ -74,6 +83,8 @@ class RichProgress:
             status = styles.get(e.phase, e.phase) + (f" {e.detail}" if e.detail and e.phase != "step" else "")
         with self._lock:
             self._rows[e.name] = status
+            if e.node:
+                self._nodes[e.name] = e.node
             self._live.update(self._table())
 
 
@@ -122,12 +133,25 @@ def register(group: click.Group) -> None:
     @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
     @click.option("-v", "--verbose", is_flag=True,
                   help="Stream each run step's output to stderr (it always goes to the log).")
+    # Ray build issue (15): a Ray task per missing layer on nodes offering envbuild_builder
+    @click.option("--executor", type=click.Choice(["local", "ray"]), default="local",
+                  help="Build here (default) or as Ray tasks on a cluster.")
+    @click.option("--ray-address", metavar="ADDR", default=None,
+                  help="Ray cluster to join (default: $RAY_ADDRESS, else a running local one).")
+    @click.option("--jobs-per-node", type=click.IntRange(1), default=1,
+                  help="Builds per unit of a node's envbuild_builder resource (default 1).")
+    @click.option("--ray-env", "ray_env", metavar="NAME", multiple=True,
+                  help="Pass the driver's environment variable NAME to the build tasks "
+                       "(repeatable; e.g. AWS_ACCESS_KEY_ID when nodes have no credentials).")
     @pass_app
     def build(app: App, names: tuple[str, ...], jobs: int | None, no_cache: bool,
-              as_json: bool, verbose: bool) -> int:
+              as_json: bool, verbose: bool, executor: str, ray_address: str | None,
+              jobs_per_node: int, ray_env: tuple[str, ...]) -> int:
         """Build the layers of NAMES (default: everything) and lock their envs."""
         from envbuild.build.engine import load
 
+        if executor == "ray":
+            return _build_ray(app, names, no_cache, as_json, ray_address, jobs_per_node, ray_env)
         project = load(app.settings.defs_dir)
         ctx = app.build_context()
         output = StepOutput() if verbose else None
@@ -146,17 +170,7 @@ def register(group: click.Group) -> None:
             report = run()
         if output is not None:
             output.flush()
-        if as_json:
-            click.echo(json.dumps(report_json(report), indent=1))
-        else:
-            for line in _summary(report):
-                click.echo(line)
-        for o in report.failed:
-            from envbuild.cli.main import report_error
-
-            click.echo(f"--- {o.name} failed:", err=True)
-            report_error(o.error)
-        return 0 if report.ok else 1
+        return _print_report(report, as_json)
 
     @group.command()
     @click.argument("envs", nargs=-1, required=True)
@@ -171,12 +185,67 @@ def register(group: click.Group) -> None:
             click.echo(f"{env} {publish_lock(project, store, env)}")
 
 
+def _print_report(report, as_json: bool) -> int:
+    if as_json:
+        click.echo(json.dumps(report_json(report), indent=1))
+    else:
+        for line in _summary(report):
+            click.echo(line)
+    for o in report.failed:
+        from envbuild.cli.main import report_error
+
+        click.echo(f"--- {o.name} failed" + (f" on node {o.node}" if o.node else "") + ":",
+                   err=True)
+        report_error(o.error)
+    return 0 if report.ok else 1
+
+
+def _build_ray(app: App, names: tuple[str, ...], no_cache: bool, as_json: bool,
+               address: str | None, jobs_per_node: int, ray_env: tuple[str, ...]) -> int:
+    """``build --executor ray``: the driver (envbuild.build.ray_executor)."""
+    import signal
+
+    from envbuild.build.engine import load
+    from envbuild.build.ray_executor import RayBuildRequest, build_ray, forward_names
+
+    project = load(app.settings.defs_dir.absolute())  # tasks read sources where it points
+    request = RayBuildRequest(address=address, jobs_per_node=jobs_per_node,
+                              forward_env=forward_names(ray_env))
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # cancel like Ctrl-C
+    kw = {}
+    if app.settings.cache_from:
+        kw["cache_from"] = app.open_store(app.settings.cache_from)
+    if app.settings.cache_to:
+        kw["cache_to"] = app.open_store(app.settings.cache_to)
+    rich = RichProgress() if sys.stderr.isatty() and not as_json else None
+    progress = rich or PlainProgress()
+
+    def run():
+        return build_ray(project, app.settings, names or None, request=request,
+                         no_cache=no_cache, progress=progress, **kw)
+
+    # Ray prints what its processes say (e.g. "(raylet) Raylet is terminated" when a node
+    # dies) on the driver's stdout: during the build that goes to stderr, so stdout holds only
+    # the report (--json stays parseable).
+    from envbuild.build.ray_executor import disconnect
+
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            with rich if rich is not None else contextlib.nullcontext():
+                report = run()
+        finally:
+            disconnect()
+    return _print_report(report, as_json)
+
+
 def report_json(report) -> dict:
     return {
         "layers": [{"name": o.name, "kind": o.kind, "key": o.key, "status": o.status,
                     "digest": o.record.layer if o.record else None,
                     "size": o.record.size if o.record else None,
                     "seconds": round(o.seconds, 3),
+                    "node": o.node or None,
                     "error": o.error.message if o.error else None,
                     "blocked_by": o.blocked_by} for o in report.layers],
         "locks": [{"env": lk.env, "digest": lk.digest, "ref": lk.ref, "error": lk.error}

@@ -151,10 +151,13 @@ def register(group: click.Group) -> None:
     def plan_cmd(names: tuple[str, ...], as_json: bool, rev: str | None) -> None:
         """Show what would be built (layers and keys, cached or missing); build nothing."""
         from envbuild.build.gitrev import plan_changes
+        from envbuild.defs.parsecache import ParseCache
 
         app = _app()
+        # Ray build issue (15): files parsed before (either tree) are not parsed again
         plan, changes = plan_changes(app.settings.defs_dir, list(names) or None, rev,
-                                     lookup=_store_lookup(app))
+                                     lookup=_store_lookup(app),
+                                     parse_cache=ParseCache(app.settings.node_dir / "parse"))
         render_plan(plan, changes, as_json)
 
     @group.command("explain")

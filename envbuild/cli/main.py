@@ -56,7 +56,8 @@ class App:
                             scratch_root=layout.builds, log_root=log_root,
                             source_date_epoch=self.settings.source_date_epoch,
                             disk_bytes=self.settings.build_disk_bytes,
-                            inodes=self.settings.build_inodes)
+                            inodes=self.settings.build_inodes,
+                            lease_ttl=self.settings.lease_ttl)
 
     def run_build(self, project, ctx, targets, **kw):
         """Build with SIGTERM treated like Ctrl-C, so both clean up the same way."""

@@ -37,6 +37,7 @@ Anchors and aliases themselves stay allowed: they are handy for a repeated value
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from pathlib import Path
 from types import MappingProxyType
@@ -55,6 +56,7 @@ from yaml.events import (
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from envbuild.defs.model import CONSTRUCTORS, KINDS, Definition, DefinitionSet, Origin
+from envbuild.defs.parsecache import ParseCache
 from envbuild.defs.validate import Positions, check_document
 from envbuild.errors import DefinitionError, Problem
 
@@ -116,10 +118,12 @@ def load_definitions(root: Path | str = Path("envdefs")) -> DefinitionSet:
     return result.defs
 
 
-def collect_definitions(root: Path | str = Path("envdefs")) -> LoadResult:
+def collect_definitions(root: Path | str = Path("envdefs"),
+                        parse_cache: ParseCache | None = None) -> LoadResult:
     """Every definition under ``root`` that validates, with the problems of the others (the
     contract of ``load_definitions``, without raising for problems in files). Raises
-    ``DefinitionError`` only when ``root`` is not a directory or holds no definition file."""
+    ``DefinitionError`` only when ``root`` is not a directory or holds no definition file.
+    ``parse_cache``: files whose bytes it knows are not parsed again (``envbuild.defs.parsecache``)."""
     # Walk from the form of root we show, so every file name comes out in that form too.
     display_root = _display(Path(root))
     root = Path(display_root)
@@ -137,7 +141,7 @@ def collect_definitions(root: Path | str = Path("envdefs")) -> LoadResult:
     unparsed: set[str] = set()
     by_name: dict[str, Definition] = {}
     for path in files:
-        for definition in _load_file(path, str(path), problems, unparsed):
+        for definition in _load_file(path, str(path), problems, unparsed, parse_cache):
             first = by_name.get(definition.name)
             if first is None:
                 by_name[definition.name] = definition
@@ -190,9 +194,17 @@ def _display(path: Path) -> str:
 
 
 def _load_file(path: Path, file: str, problems: list[Problem],
-               unparsed: set[str] | None = None) -> list[Definition]:
+               unparsed: set[str] | None = None,
+               parse_cache: ParseCache | None = None) -> list[Definition]:
+    digest = None
     try:
-        text = path.read_bytes().decode("utf-8")
+        data = path.read_bytes()
+        if parse_cache is not None:
+            digest = hashlib.sha256(data).hexdigest()
+            cached = parse_cache.get(digest, file)
+            if cached is not None:
+                return cached
+        text = data.decode("utf-8")
     except OSError as e:
         problems.append(Problem(file, 0, 0, f"read file: {e.strerror or e}"))
         return []
@@ -231,6 +243,8 @@ def _load_file(path: Path, file: str, problems: list[Problem],
     if documents == 0:
         problems.append(Problem(file, 0, 0, "empty file: no definitions in it",
                                 hint="add a definition, or delete the file"))
+    elif parse_cache is not None and digest is not None and len(definitions) == documents:
+        parse_cache.put(digest, definitions)  # every document valid: nothing to report again
     return definitions
 
 

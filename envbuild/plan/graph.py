@@ -26,11 +26,15 @@ import difflib
 import posixpath
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import networkx as nx
 
 from envbuild.defs.model import Base, Definition, DefinitionSet, Env, Origin, Toolkit, Workspace
 from envbuild.errors import DefinitionError, PlanError, Problem
+
+if TYPE_CHECKING:
+    from envbuild.defs.parsecache import ParseCache
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str | None:
@@ -173,14 +177,14 @@ def build_graph(defs: DefinitionSet, *, unparsed: frozenset[str] = frozenset()) 
     return EnvGraph(defs=defs, graph=g)
 
 
-def check_tree(root: Path | str) -> EnvGraph:
+def check_tree(root: Path | str, parse_cache: ParseCache | None = None) -> EnvGraph:
     """Load the definitions under ``root`` and check their graph, reporting every problem of
     both in one ``DefinitionError``: the graph checks (references, cycles, ABI) run over every
     document that validated, also when others did not. Graph problems alone raise
     ``PlanError``, as ``build_graph`` does."""
     from envbuild.defs.load import collect_definitions
 
-    result = collect_definitions(root)
+    result = collect_definitions(root, parse_cache)
     try:
         graph = build_graph(result.defs, unparsed=result.unparsed_names)
     except PlanError as e:

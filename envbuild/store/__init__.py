@@ -2,7 +2,8 @@
 
 The contract is ``Store`` (``envbuild.store.base``), with optional capabilities as small
 protocols beside it (``RangeReader``, ``TailReader``, ``LocalBlobPaths``, ``Locatable``,
-``Presigner``, ``BlobMounter``; ``capabilities(store)`` lists what a backend declares);
+``Presigner``, ``BlobMounter``, ``ConditionalRecords``; ``capabilities(store)`` lists what a
+backend declares);
 backends are ``LocalStore`` (a directory, an OCI image layout), ``S3Store``
 (``envbuild.store.s3``, imported on demand: it needs boto3), ``RegistryStore``
 (``envbuild.store.registry``: a repository of an OCI registry) and ``MemoryStore`` (tests);
@@ -21,6 +22,7 @@ from envbuild.store.base import (
     MEDIA_TYPE_LAYER_ZSTD,
     MEDIA_TYPE_MANIFEST,
     BlobInfo,
+    ConditionalRecords,
     Descriptor,
     LocalBlobPaths,
     Locatable,
@@ -56,6 +58,7 @@ from envbuild.store.memory import MemoryStore
 __all__ = [
     "ANY",
     "BlobInfo",
+    "ConditionalRecords",
     "Descriptor",
     "KEY_RECORDS",
     "KeyRecord",

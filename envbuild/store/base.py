@@ -649,8 +649,40 @@ class Presigner(Protocol):
     def presigned_get_url(self, digest: str, expires: int = 12 * 3600) -> str: ...
 
 
+@runtime_checkable
+class ConditionalRecords(Protocol):
+    """Records written only if they are as the caller last saw them: what build leases need
+    (``envbuild.store.lease``). A *tag* names one version of a record (S3's ETag; the digest
+    of the bytes elsewhere); it is opaque to callers and only ever compared by the store.
+
+    ``get_record_tagged(namespace, name) -> (obj, tag) | None``
+        The record and its tag, ``None`` if absent.
+    ``create_record(namespace, name, obj) -> str | None``
+        Store the record if no record by that name exists, atomically (of two racing
+        creators exactly one succeeds); its tag, or ``None`` if one exists. A reader never
+        sees it half written.
+    ``replace_record(namespace, name, obj, tag) -> str | None``
+        Overwrite the record only if its current tag is ``tag``; the new tag, or ``None``
+        if it changed or vanished meanwhile.
+    ``delete_record_if(namespace, name, tag) -> bool``
+        Remove the record only if its current tag is ``tag``; False otherwise.
+
+    Plain ``put_record``/``delete_record`` still work on such records (last writer wins).
+    """
+
+    def get_record_tagged(self, namespace: str, name: str) -> tuple[dict[str, Any], str] | None: ...
+
+    def create_record(self, namespace: str, name: str, obj: Mapping[str, Any]) -> str | None: ...
+
+    def replace_record(self, namespace: str, name: str, obj: Mapping[str, Any],
+                       tag: str) -> str | None: ...
+
+    def delete_record_if(self, namespace: str, name: str, tag: str) -> bool: ...
+
+
 #: Every optional capability, for the conformance suite and ``capabilities``.
-CAPABILITIES: Final = (TailReader, LocalBlobPaths, Locatable, Presigner, BlobMounter)
+CAPABILITIES: Final = (TailReader, LocalBlobPaths, Locatable, Presigner, BlobMounter,
+                        ConditionalRecords)
 
 
 def capabilities(store: object) -> frozenset[type]:

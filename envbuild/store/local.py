@@ -47,6 +47,7 @@ from envbuild.store.base import (
     MEDIA_TYPE_MANIFEST,
     REF_NAME_ANNOTATION,
     BlobInfo,
+    ConditionalRecords,
     Descriptor,
     LocalBlobPaths,
     Locatable,
@@ -159,7 +160,7 @@ def _read_json(path: Path) -> Any:
                                hint="the store is damaged; repair or delete that file") from e
 
 
-class LocalStore(Store, TailReader, LocalBlobPaths, Locatable):
+class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecords):
     """A ``Store`` in a local directory (an OCI image layout); see the module docstring.
 
     Capabilities beyond ``Store``: ``TailReader``, ``LocalBlobPaths`` (blobs are the files
@@ -546,6 +547,80 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable):
         except OSError as e:
             raise StoreError(f"delete record {path}: {e}") from e
 
+
+    # -- conditional records (ConditionalRecords; tag: sha256 of the file's bytes) ----------
+    # A create is a link(2) of a complete temp file (atomic and exclusive like O_EXCL, and no
+    # reader ever sees a half-written record); a replace or conditional delete compares and
+    # acts under the flock of ``<namespace>/.cas.lock``, which every such writer takes.
+
+    @contextlib.contextmanager
+    def _cas_locked(self, path: Path) -> Iterator[None]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.parent / ".cas.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def get_record_tagged(self, namespace: str, name: str) -> tuple[dict[str, Any], str] | None:
+        path = self._record_path(namespace, name)
+        try:
+            data = path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise StoreError(f"read record {path}: {e}") from e
+        return decode_record(data, str(path)), hashlib.sha256(data).hexdigest()
+
+    def create_record(self, namespace: str, name: str, obj: Mapping[str, Any]) -> str | None:
+        path = self._record_path(namespace, name)
+        data = encode_record(obj)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = _write_tmp(path.parent, data)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return None
+            finally:
+                tmp.unlink(missing_ok=True)
+            _fsync_dir(path.parent)
+        except OSError as e:
+            raise StoreError(f"create record {path}: {e}") from e
+        return hashlib.sha256(data).hexdigest()
+
+    def replace_record(self, namespace: str, name: str, obj: Mapping[str, Any],
+                       tag: str) -> str | None:
+        path = self._record_path(namespace, name)
+        data = encode_record(obj)
+        try:
+            with self._cas_locked(path):
+                try:
+                    current = path.read_bytes()
+                except FileNotFoundError:
+                    return None
+                if hashlib.sha256(current).hexdigest() != tag:
+                    return None
+                _write_atomic(path, data)
+        except OSError as e:
+            raise StoreError(f"replace record {path}: {e}") from e
+        return hashlib.sha256(data).hexdigest()
+
+    def delete_record_if(self, namespace: str, name: str, tag: str) -> bool:
+        path = self._record_path(namespace, name)
+        try:
+            with self._cas_locked(path):
+                try:
+                    current = path.read_bytes()
+                except FileNotFoundError:
+                    return False
+                if hashlib.sha256(current).hexdigest() != tag:
+                    return False
+                path.unlink()
+        except OSError as e:
+            raise StoreError(f"delete record {path}: {e}") from e
+        return True
 
 def _ref_name(entry: Any) -> str | None:
     if not isinstance(entry, dict):

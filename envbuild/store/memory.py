@@ -22,6 +22,7 @@ from envbuild.store.base import (
     ANY,
     MEDIA_TYPE_MANIFEST,
     BlobInfo,
+    ConditionalRecords,
     Descriptor,
     RefConflict,
     Store,
@@ -43,7 +44,7 @@ from envbuild.store.base import (
 )
 
 
-class MemoryStore(Store):
+class MemoryStore(Store, ConditionalRecords):
     """A ``Store`` in a few dicts. ``calls`` counts every public method call by name.
 
     ``blobs`` maps digest to bytes and is public so tests can corrupt a blob on purpose;
@@ -188,3 +189,45 @@ class MemoryStore(Store):
     def record_mtime(self, namespace: str, name: str) -> float | None:
         key = check_record_name(namespace, name)
         return self.record_mtimes.get(key) if key in self._records else None
+
+    # -- conditional records (ConditionalRecords; tag: sha256 of the bytes) -----------------
+
+    def get_record_tagged(self, namespace: str, name: str) -> tuple[dict[str, Any], str] | None:
+        key = check_record_name(namespace, name)
+        with self._lock:
+            data = self._records.get(key)
+        if data is None:
+            return None
+        return decode_record(data, f"{namespace}/{name}"), hashlib.sha256(data).hexdigest()
+
+    def create_record(self, namespace: str, name: str, obj: Mapping[str, Any]) -> str | None:
+        key = check_record_name(namespace, name)
+        data = encode_record(obj)
+        with self._lock:
+            if key in self._records:
+                return None
+            self._records[key] = data
+            self.record_mtimes[key] = time.time()
+        return hashlib.sha256(data).hexdigest()
+
+    def replace_record(self, namespace: str, name: str, obj: Mapping[str, Any],
+                       tag: str) -> str | None:
+        key = check_record_name(namespace, name)
+        data = encode_record(obj)
+        with self._lock:
+            current = self._records.get(key)
+            if current is None or hashlib.sha256(current).hexdigest() != tag:
+                return None
+            self._records[key] = data
+            self.record_mtimes[key] = time.time()
+        return hashlib.sha256(data).hexdigest()
+
+    def delete_record_if(self, namespace: str, name: str, tag: str) -> bool:
+        key = check_record_name(namespace, name)
+        with self._lock:
+            current = self._records.get(key)
+            if current is None or hashlib.sha256(current).hexdigest() != tag:
+                return False
+            del self._records[key]
+            self.record_mtimes.pop(key, None)
+        return True

@@ -73,6 +73,7 @@ from envbuild.store.base import (
     MEDIA_TYPE_MANIFEST,
     REF_NAME_ANNOTATION,
     BlobInfo,
+    ConditionalRecords,
     Descriptor,
     Locatable,
     PartialWrite,
@@ -139,7 +140,7 @@ def _status(e: BaseException) -> str:
     return str(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
 
 
-class S3Store(Store, TailReader, Locatable, Presigner):
+class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
     """A ``Store`` in ``s3://bucket/prefix``; see the module docstring for layout and semantics.
 
     Capabilities beyond ``Store``: ``TailReader`` (a suffix-range GET), ``Locatable`` (its URL
@@ -828,6 +829,63 @@ class S3Store(Store, TailReader, Locatable, Presigner):
         self._call(f"delete {self._where(key)}", self.client.delete_object, Bucket=self.bucket,
                    Key=key)
 
+
+    # -- conditional records (ConditionalRecords; tag: the object's ETag) -------------------
+    # Conditional PUTs (If-None-Match: *, If-Match: ETag) and a conditional DELETE (If-Match),
+    # which AWS S3 honours atomically. On a server that ignores conditions (``supports_cas``
+    # false) these would silently be last-writer-wins, so they refuse instead.
+
+    def _need_cas(self, what: str) -> None:
+        if not self.supports_cas:
+            raise StoreError(f"{self.url}: the server ignores conditional writes, so {what} "
+                             "cannot be exclusive", reference="cas-unsupported",
+                             hint="use an S3 server that honours If-None-Match/If-Match")
+
+    def get_record_tagged(self, namespace: str, name: str) -> tuple[dict[str, Any], str] | None:
+        key = self._record_key(namespace, name)
+        got = self._read_small(key)
+        return None if got is None else (decode_record(got[0], self._where(key)), got[1])
+
+    def create_record(self, namespace: str, name: str, obj: Mapping[str, Any]) -> str | None:
+        return self._put_if(namespace, name, obj, IfNoneMatch="*")
+
+    def replace_record(self, namespace: str, name: str, obj: Mapping[str, Any],
+                       tag: str) -> str | None:
+        return self._put_if(namespace, name, obj, IfMatch=tag)
+
+    def _put_if(self, namespace: str, name: str, obj: Mapping[str, Any], **cond: str) -> str | None:
+        """A conditional PUT of a record: its new ETag, or None when the condition failed.
+        (A retried PUT whose first attempt landed fails its own condition: the caller sees
+        None and finds its own record on the next read, which the lease code checks.)"""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        key = self._record_key(namespace, name)
+        self._need_cas("a conditional write")
+        try:
+            resp = self.client.put_object(Bucket=self.bucket, Key=key, Body=encode_record(obj),
+                                          **cond)
+        except ClientError as e:
+            if _code(e) in _CONFLICT or _code(e) in _NOT_FOUND or _status(e) in ("412", "409"):
+                return None
+            raise self._fail(e, f"write {self._where(key)}") from e
+        except BotoCoreError as e:
+            raise self._fail(e, f"write {self._where(key)}") from e
+        return str(resp.get("ETag", ""))
+
+    def delete_record_if(self, namespace: str, name: str, tag: str) -> bool:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        key = self._record_key(namespace, name)
+        self._need_cas("a conditional delete")
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=key, IfMatch=tag)
+        except ClientError as e:
+            if _code(e) in _CONFLICT or _code(e) in _NOT_FOUND or _status(e) in ("412", "409"):
+                return False
+            raise self._fail(e, f"delete {self._where(key)}") from e
+        except BotoCoreError as e:
+            raise self._fail(e, f"delete {self._where(key)}") from e
+        return True
 
 def _timestamp(value: Any) -> float | None:
     """Seconds since the epoch of a botocore datetime (``LastModified``, ``Initiated``)."""

@@ -460,6 +460,7 @@ from envbuild.store._http import RangeClient  # noqa: E402
 from envbuild.store.base import (  # noqa: E402
     CAPABILITIES,
     BlobMounter,
+    ConditionalRecords,
     LocalBlobPaths,
     Locatable,
     Presigner,
@@ -472,9 +473,9 @@ from tests.store.conftest import BACKEND_TYPES, declaring  # noqa: E402
 
 #: What each backend declares; a change here is a change of what callers may rely on.
 DECLARED = {
-    "memory": frozenset(),
-    "local": frozenset({TailReader, LocalBlobPaths, Locatable}),
-    "s3": frozenset({TailReader, Locatable, Presigner}),
+    "memory": frozenset({ConditionalRecords}),
+    "local": frozenset({TailReader, LocalBlobPaths, Locatable, ConditionalRecords}),
+    "s3": frozenset({TailReader, Locatable, Presigner, ConditionalRecords}),
     **dict.fromkeys(("registry", "registry-auth", "registry-token"),
                     frozenset({TailReader, Locatable, BlobMounter})),
 }
@@ -564,3 +565,34 @@ def test_presigner_urls_serve_plain_ranged_gets(declared):
     assert client.get(store.presigned_get_url(ABSENT), 0, 1).status == 404
     with pytest.raises(StoreError):
         store.presigned_get_url(D, expires=0)
+
+
+@pytest.mark.parametrize("declared", declaring(ConditionalRecords), indirect=True)
+def test_conditional_records(declared):
+    """Create only if absent (of 8 racing creators exactly one wins), replace and delete only
+    the version last seen; a stale tag changes nothing."""
+    import concurrent.futures
+
+    store = declared.store
+    ns, name = "leases/v1", "ab" * 32
+    assert store.get_record_tagged(ns, name) is None
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        wins = list(pool.map(lambda i: store.create_record(ns, name, {"owner": i}), range(8)))
+    winners = [i for i, tag in enumerate(wins) if tag is not None]
+    assert len(winners) == 1
+    obj, tag = store.get_record_tagged(ns, name)
+    assert obj == {"owner": winners[0]} and tag == wins[winners[0]]
+    assert store.get_record(ns, name) == obj
+    new_tag = store.replace_record(ns, name, {"owner": "b"}, tag)
+    assert new_tag and new_tag != tag
+    assert store.replace_record(ns, name, {"owner": "c"}, tag) is None  # stale
+    assert store.get_record_tagged(ns, name) == ({"owner": "b"}, new_tag)
+    assert not store.delete_record_if(ns, name, tag)
+    assert store.get_record(ns, name) == {"owner": "b"}
+    assert store.delete_record_if(ns, name, new_tag)
+    assert store.get_record_tagged(ns, name) is None
+    assert store.replace_record(ns, name, {"owner": "d"}, new_tag) is None  # gone: no resurrect
+    assert not store.delete_record_if(ns, name, new_tag)
+    assert store.get_record(ns, name) is None
+    assert store.create_record(ns, name, {"owner": "e"})
+    assert store.create_record(ns, name, {"owner": "f"}) is None

@@ -1,0 +1,112 @@
+"""``envbuild plan --changed-since REV`` on K definitions after editing 10 files (issue 15).
+
+Goal: < 5 s for 100,000 definitions. Generates the tree of ``plan_scale.py`` in a git
+repository and commits it, fills the parse cache once (a CI runner's previous run), edits 10
+workspace files, then measures, each in a fresh process:
+
+- baseline: ``plan_changes(defs, None, "HEAD")`` without a parse cache (today: both trees
+  parsed in full),
+- cached: the same with the node's parse cache (only the 10 edited files are parsed),
+- cli: ``envbuild plan --changed-since HEAD --json > /dev/null`` end to end, cache warm.
+
+Each prints its phases; the two library runs must report the same rebuild/relock sets.
+
+Usage::
+
+    .venv/bin/python benchmarks/plan_changed_since.py                  # 100,000
+    .venv/bin/python benchmarks/plan_changed_since.py --size 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+GOAL_SECONDS = 5.0
+EDITED = 10
+
+
+def child(defs: str, cache_dir: str | None) -> None:
+    from envbuild.build.gitrev import plan_changes
+    from envbuild.defs.parsecache import ParseCache
+
+    cache = ParseCache(cache_dir) if cache_dir else None
+    t0 = time.perf_counter()
+    plan, changes = plan_changes(Path(defs), None, "HEAD", parse_cache=cache)
+    took = time.perf_counter() - t0
+    assert changes is not None
+    print(json.dumps({"seconds": took, "layers": len(plan.layers),
+                      "rebuild": list(changes.rebuild), "relock": len(changes.relock),
+                      "parsed": cache.misses if cache else None,
+                      "reused": cache.hits if cache else None}))
+
+
+def run_child(defs: Path, cache: Path | None) -> dict:
+    argv = [sys.executable, __file__, "--child", str(defs)] + ([str(cache)] if cache else [])
+    out = subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=3600)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", type=int, default=100_000)
+    args = ap.parse_args()
+    from plan_scale import generate
+
+    root = Path(tempfile.mkdtemp(prefix="plan-changed-bench-"))
+    try:
+        t = time.perf_counter()
+        generate(root, args.size)
+        git = ["git", "-c", "user.name=bench", "-c", "user.email=bench@example.invalid"]
+        subprocess.run([*git, "init", "-q"], cwd=root, check=True)
+        subprocess.run([*git, "add", "-A"], cwd=root, check=True)
+        subprocess.run([*git, "commit", "-qm", "tree"], cwd=root, check=True)
+        print(f"{args.size} definitions generated and committed in {time.perf_counter() - t:.0f} s;"
+              f" load {os.getloadavg()[0]:.2f}", flush=True)
+        defs, cache = root / "envdefs", root / "node" / "parse"
+        warm = run_child(defs, cache)  # the previous CI run: fills the cache
+        print(f"cache fill (first run, nothing edited): {warm['seconds']:.1f} s, "
+              f"parsed {warm['parsed']} files, reused {warm['reused']}", flush=True)
+        edited = sorted((defs / "workspaces").iterdir())[:EDITED]
+        for f in edited:
+            f.write_text(f.read_text().replace("pip install --no-deps", "pip install -q --no-deps"))
+        base = run_child(defs, None)
+        print(f"baseline (no cache):  {base['seconds']:6.1f} s", flush=True)
+        cached = run_child(defs, cache)
+        print(f"cached:               {cached['seconds']:6.1f} s  (parsed {cached['parsed']} "
+              f"files, reused {cached['reused']})", flush=True)
+        assert base["rebuild"] == cached["rebuild"] and len(base["rebuild"]) == EDITED, \
+            (base["rebuild"], cached["rebuild"])
+        assert base["relock"] == cached["relock"]
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "envbuild.cli", "--defs", str(defs), "--store",
+                        str(root / "no-store"), "plan", "--changed-since", "HEAD", "--json"],
+                       check=True, stdout=subprocess.DEVNULL, timeout=3600,
+                       env={**os.environ, "PYTHONPATH": str(REPO),
+                            "ENVBUILD_NODE_CACHE": str(root / "node")})
+        cli = time.perf_counter() - t
+        print(f"cli, cache warm:      {cli:6.1f} s")
+        print(f"speedup {base['seconds'] / cached['seconds']:.1f}x; goal < {GOAL_SECONDS:.0f} s: "
+              f"{'ok' if cached['seconds'] < GOAL_SECONDS else 'MISSED'} "
+              f"(load {os.getloadavg()[0]:.2f})")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Parsed definitions by file content digest, so a big tree is re-parsed only where it changed.
+
+Parsing (YAML, limits, schema, model) is ~90 % of loading a tree of 100,000 definitions, and
+``envbuild plan --changed-since REV`` loads two trees that differ in a few files. A
+``ParseCache`` maps ``sha256(file bytes)`` to the definitions that file yields; the loader
+(``collect_definitions(root, parse_cache=...)``) hashes each file, takes a hit as it is (its
+``Origin.file`` pointed at where the file is now: the checkout of REV is a temporary
+directory), and parses only misses. Only files that parsed without a single problem are
+cached, so every problem is still found and reported by a real parse.
+
+On disk (version 1): one pickle ``<dir>/defs-v1.pickle`` holding ``{"version": 1, "code":
+<code_fingerprint()>, "entries": {digest: [Definition, ...]}}`` (a cache of other code, e.g.
+another envbuild sharing the node dir, is not used), replaced atomically by ``save``, which
+keeps only the entries this process used (hit or added): the cache is about the size of the
+trees last loaded. It is trusted host state like the rest of the node cache (a pickle runs
+code when loaded): it lives in the node dir (``0700``), never in a checkout or a store. An
+unreadable, corrupt or other-version file is treated as empty; one that cannot be written is
+skipped.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import dataclasses
+import hashlib
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from envbuild.defs.model import Definition
+
+VERSION = 1
+
+
+def code_fingerprint() -> str:
+    """sha256 over the code that turns bytes into definitions (this package's modules and
+    schemas): a cache written by other code (another envbuild version, another checkout
+    sharing the node dir) is not used."""
+    h = hashlib.sha256()
+    here = Path(__file__).parent
+    for path in sorted([*here.glob("*.py"), *here.glob("schema/*")]):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def _proxy(d: dict[Any, Any]) -> MappingProxyType[Any, Any]:
+    return MappingProxyType(d)
+
+
+def _reduce_proxy(m: MappingProxyType[Any, Any]) -> tuple[Any, ...]:
+    return _proxy, (dict(m),)
+
+
+class ParseCache:
+    def __init__(self, directory: Path | str) -> None:
+        self.path = Path(directory) / f"defs-v{VERSION}.pickle"
+        self._entries: dict[str, tuple[Definition, ...]] | None = None
+        self._used: dict[str, tuple[Definition, ...]] = {}
+        self.code = code_fingerprint()
+        self.hits = 0
+        self.misses = 0
+
+    def _load(self) -> dict[str, tuple[Definition, ...]]:
+        if self._entries is None:
+            try:
+                with open(self.path, "rb") as f:
+                    data = pickle.load(f)  # noqa: S301 - our own node-dir file, see docstring
+                ok = (isinstance(data, dict) and data.get("version") == VERSION
+                      and data.get("code") == self.code)
+                self._entries = data["entries"] if ok else {}
+            except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError,
+                    KeyError, TypeError, ValueError):
+                self._entries = {}
+        return self._entries
+
+    def get(self, digest: str, file: str) -> list[Definition] | None:
+        """The definitions of a file with these bytes, placed at ``file``; None on a miss."""
+        found = self._used.get(digest) or self._load().get(digest)
+        if found is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._used[digest] = found
+        return [d if d.origin.file == file else
+                dataclasses.replace(d, origin=dataclasses.replace(d.origin, file=file))
+                for d in found]
+
+    def put(self, digest: str, definitions: list[Definition]) -> None:
+        self._used[digest] = tuple(definitions)
+
+    def save(self) -> None:
+        """Write the entries used by this process (atomically); skipped when nothing changed
+        or the directory cannot be written."""
+        if self._entries is not None and self._used.keys() == self._entries.keys():
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".defs-", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    pickler = pickle.Pickler(f, protocol=pickle.HIGHEST_PROTOCOL)
+                    # the model's read-only mappings; only this pickler learns to write them
+                    pickler.dispatch_table = {**copyreg.dispatch_table,
+                                              MappingProxyType: _reduce_proxy}
+                    pickler.dump({"version": VERSION, "code": self.code,
+                                  "entries": self._used})
+                os.replace(tmp, self.path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError:
+            return
+        self._entries = dict(self._used)
