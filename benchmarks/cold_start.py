@@ -16,8 +16,9 @@ same way, HTTP included.
 
 The workload (``WORKLOAD``), each step timed: ``python3 -c 'print(1)'``, ``import numpy, pandas,
 django``, the workspace's own ``pytest -q``, ``grep -r`` over the workspace. Per run, a fresh node
-dir on tmpfs (the exec agent built beforehand by a throwaway busybox sandbox, so no mode pays
-for it), timed from "nothing of the env on this node":
+dir on tmpfs with the node's services up (the exec agent built and the lazy daemon started
+beforehand by a throwaway lazy busybox sandbox, as on a fleet node: no mode pays for them),
+timed from "nothing of the env on this node":
 
 - ``full``: ``Sandbox.create(lock, store=S3Store)`` — each layer streamed over the link and
   unpacked into the node cache — then the workload;
@@ -147,11 +148,13 @@ class Bench:
         self.layers = resolve(store, lock).layers
 
     def fresh_node(self, tag: str) -> Path:
-        """An empty node dir on tmpfs, with the exec agent built by a throwaway busybox sandbox
-        (so no mode pays for it)."""
+        """An empty node dir on tmpfs whose node services are up, as on a node of a fleet:
+        the exec agent built and the node's lazy daemon started, by a throwaway lazy busybox
+        sandbox (so no mode pays for them). Nothing of the env is on the node."""
         node_dir = SCRATCH / f"cold-node-{tag}"
         shutil.rmtree(node_dir, ignore_errors=True)
-        with Sandbox.create(self.warm_lock, store=self.store, node_dir=node_dir) as sb:
+        with Sandbox.create(self.warm_lock, store=self.store, node_dir=node_dir,
+                            lazy=True) as sb:
             sb.exec(["true"])
         return node_dir
 
