@@ -133,7 +133,16 @@ def _expand(word: str, values: Mapping[str, str]) -> str:
 def from_images(text: str, args: Mapping[str, str]) -> list[str]:
     """The image references of a Dockerfile, in order, ``ARG``\\ s expanded: ``FROM`` lines and
     the ``--from=`` of ``COPY``/``ADD`` and ``RUN --mount`` (another way to read an image);
-    ``scratch`` and earlier stages (by name or index) left out. ``ADD`` of a URL is refused."""
+    ``scratch`` and earlier stages (by name or index) left out. ``ADD`` of a URL and a
+    ``# syntax=`` directive (a frontend image the daemon would pull) are refused."""
+    for line in text.splitlines():  # parser directives: only at the top, before anything else
+        m = re.fullmatch(r"\s*#\s*(\w+)\s*=\s*(\S*)\s*", line)
+        if not m:
+            break
+        if m.group(1).lower() == "syntax":
+            raise Unpinnable(f"'# syntax={m.group(2)}' makes the daemon pull a BuildKit frontend "
+                             "image from a registry, outside the key and outside network: none",
+                             "remove the line: the daemon's built-in Dockerfile frontend is used")
     declared: dict[str, str] = {}
     stages: set[str] = set()
     images: list[str] = []
