@@ -158,7 +158,7 @@ def collect_definitions(root: Path | str = Path("envdefs")) -> LoadResult:
                 path="name", hint="names are unique across bases, workspaces, toolkits and envs"))
     for name, definition in by_name.items():
         if isinstance(definition, Base) and isinstance(definition.source, DockerfileSource):
-            envs = _dockerfile_envs(definition, definition.source)
+            envs = _dockerfile_envs(definition, definition.source, display_root)
             if envs:
                 by_name[name] = dataclasses.replace(
                     definition, source=dataclasses.replace(definition.source, envs=envs))
@@ -167,15 +167,17 @@ def collect_definitions(root: Path | str = Path("envdefs")) -> LoadResult:
                       unparsed_names=frozenset(unparsed - by_name.keys()))
 
 
-def _dockerfile_envs(d: Base, src: DockerfileSource) -> tuple[str, ...]:
+def _dockerfile_envs(d: Base, src: DockerfileSource, root: str) -> tuple[str, ...]:
     """The in-tree envs a Dockerfile base's ``FROM envbuild.invalid/env/NAME`` lines name
-    (``DockerfileSource.envs``). A Dockerfile that cannot be read or parsed names none here:
-    pinning reports why, at the definition's line."""
-    from envbuild.build.dockerfile import Unpinnable, env_upstreams
+    (``DockerfileSource.envs``). The Dockerfile is located as pinning does (inside the source
+    root, no final symlink, bounded); one that cannot be located, read or parsed names none
+    here: pinning reports why, at the definition's line."""
+    from envbuild.build.dockerfile import Unpinnable, env_upstreams, locate
+    from envbuild.build.pin import source_root
 
     try:
-        return env_upstreams(os.path.join(d.origin.directory, src.context, src.file),
-                             dict(src.args))
+        _context, dockerfile = locate(src, str(d.origin.directory), source_root(root))
+        return env_upstreams(dockerfile, dict(src.args))
     except (Unpinnable, OSError, ValueError):
         return ()
 

@@ -137,3 +137,22 @@ def test_a_tag_on_the_env_reference_and_a_foreign_tag_are_still_refused(tmp_path
             COPY --from=os / /
             """)))
     assert "FROM debian:bookworm names a tag, not a digest" in e.value.message
+
+
+def test_a_dockerfile_outside_the_source_root_is_not_read_for_edges(tmp_path):
+    """The loader locates the Dockerfile as pinning does: a context linked out of the
+    repository is neither read for FROM lines nor pinned (one line)."""
+    from envbuild.defs.load import collect_definitions
+
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    (outside / "Dockerfile").write_text("FROM envbuild.invalid/env/os-env\n")
+    defs = _tree(tmp_path / "repo")
+    ctx = defs / "base" / "ctx"
+    (ctx / "Dockerfile").unlink()
+    ctx.rmdir()
+    ctx.symlink_to(outside)
+    assert collect_definitions(defs).defs.by_name["dock"].source.envs == ()
+    with pytest.raises(SourceError) as e:
+        snapshot(defs)
+    assert "outside the source root" in e.value.message and "\n" not in e.value.message
