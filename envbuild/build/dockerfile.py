@@ -38,7 +38,8 @@ the Dockerfile is read without following a final symlink.
 **Building** (``build_dockerfile``, side effects): the Dockerfile bytes are read again and must
 still hash to their pin; they are written to the build's scratch dir and given to
 ``docker build`` (``DOCKER_BUILDKIT=1``, ``--progress=plain``, ``--network``, ``--build-arg``\\ s,
-``--target``, ``--iidfile``) with the context directory, against ``envbuild.dockerd``'s daemon
+``--target``, ``--iidfile``; with ``network: host`` the host's CA bundle as the secret
+``envbuild-host-ca``) with the context directory, against ``envbuild.dockerd``'s daemon
 (a private dockerd under the node cache, stopped and removed when the build ends, or the user's
 at ``DOCKER_HOST``). Debian's dockerd 20.10 has no ``oci`` exporter (``exporter "oci" could not
 be found``), so the image leaves the daemon by ``docker save`` into the scratch dir (the layer's
@@ -198,6 +199,12 @@ def _from_flags(word: str) -> list[str]:
                 if kv.startswith("from=")]
     return []
 
+
+#: the BuildKit secret id of the host's CA bundle, given to ``network: host`` builds: the host
+#: may reach PyPI & co. only through an intercepting proxy that bundle trusts (envbuild's own
+#: network steps get it bound in); a RUN takes it with
+#: ``--mount=type=secret,id=envbuild-host-ca,target=/etc/ssl/certs/ca-certificates.crt``
+HOST_CA_SECRET = "envbuild-host-ca"
 
 #: ``FROM envbuild.invalid/env/NAME@sha256:<lock digest>`` names an env lock of the envbuild
 #: store (``.invalid`` never resolves: no registry is ever asked for it).
@@ -499,6 +506,12 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
             _load_lock(d, ref, archive, _lock_tag(scratch, i), cancelled)
         argv = [d.cli, "build", "--progress=plain", f"--network={src.network}",
                 "--iidfile", str(iid), "-f", str(scratch / "Dockerfile")]
+        if src.network == "host":
+            from runtime_shim.stub import host_ca_bundle
+
+            ca = host_ca_bundle()
+            if ca is not None:  # a secret: never in the image, never in the build cache key
+                argv += ["--secret", f"id={HOST_CA_SECRET},src={ca}"]
         for k, v in src.args:
             argv += ["--build-arg", f"{k}={v}"]
         if src.target:

@@ -377,6 +377,34 @@ def test_from_an_env_of_the_tree_builds_it_first_and_keys_on_its_lock_inputs(env
     assert missing == {"shtest", "docker-base"}, r.out
 
 
+def test_network_host_builds_get_the_host_ca_bundle_as_a_secret(envbuild_cli, tmp_path,
+                                                                 monkeypatch):
+    """With ``network: host`` a RUN can mount the host's CA bundle (the secret
+    ``envbuild-host-ca``: this host reaches PyPI through an intercepting proxy only that bundle
+    trusts); it is the host's bundle byte for byte, and it is not in the image."""
+    from runtime_shim.stub import host_ca_bundle
+
+    _require_docker()
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    ca = host_ca_bundle()
+    assert ca is not None, "this test needs the host's CA bundle (apt-get install ca-certificates)"
+    size = os.path.getsize(ca)
+    dockerfile = textwrap.dedent(f"""\
+        FROM scratch AS final
+        COPY busybox /bin/busybox
+        RUN --mount=type=secret,id=envbuild-host-ca,target=/ca.crt ["/bin/busybox", "sh", "-c", \\
+            "test $(/bin/busybox wc -c < /ca.crt) = {size} && /bin/busybox mkdir /ok"]
+        RUN ["/bin/busybox", "sh", "-c", "/bin/busybox test ! -s /ca.crt && /bin/busybox test -d /ok"]
+        """)
+    defs = _write_defs(tmp_path, dockerfile)
+    yaml = defs / "base" / "docker-base.yaml"
+    yaml.write_text(yaml.read_text().replace("network: none", "network: host"))
+    before = _ours()
+    r = envbuild_cli("build", "docker-base", defs=defs)
+    assert r.code == 0, r.err
+    _assert_daemon_gone(envbuild_cli.node, before)
+
+
 def test_a_build_past_its_timeout_is_stopped_and_says_so(envbuild_cli, tmp_path, monkeypatch):
     _require_docker()
     monkeypatch.delenv("DOCKER_HOST", raising=False)

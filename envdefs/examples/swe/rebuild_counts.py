@@ -173,7 +173,14 @@ def write_chain_tree(layered: Path, chain: Path, agent: str) -> dict[str, list[s
 _ENV_FROM = re.compile(r"envbuild\.invalid/env/([a-z0-9][a-z0-9._-]*)(?![A-Za-z0-9._@:/-])")
 
 
-def _dockerfile_steps(steps: list, rel_dir: Path) -> list[str]:
+#: where a networked RUN of the generated Dockerfiles finds the host's CA bundle: a BuildKit
+#: secret mount (not in the image, not in the cache key), as envbuild binds it into its own
+#: network steps (the host may reach PyPI only through an intercepting proxy)
+CA_TARGET = "/run/secrets/host-ca.crt"
+CA_VARS = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO")
+
+
+def _dockerfile_steps(steps: list, rel_dir: Path, ca: bool = False) -> list[str]:
     """envbuild steps as Dockerfile instructions (paths relative to the tree, the context)."""
     out = []
     for step in steps:
@@ -185,13 +192,18 @@ def _dockerfile_steps(steps: list, rel_dir: Path) -> list[str]:
                 out.append(f"RUN {json.dumps(['chmod', c['mode'], c['dest']])}")
         elif "run" in step:
             env = [f"{k}={v}" for k, v in (step.get("env") or {}).items()]
-            out.append(f"RUN {json.dumps(['env', *env, 'sh', '-c', step['run']])}")
+            mount = ""
+            if ca and step.get("network") == "host":
+                mount = f"--mount=type=secret,id=hostca,target={CA_TARGET} "
+                env = [f"{k}={CA_TARGET}" for k in CA_VARS] + env
+            out.append(f"RUN {mount}{json.dumps(['env', *env, 'sh', '-c', step['run']])}")
         else:
             raise SystemExit(f"--docker: step {step} has no Dockerfile equivalent here")
     return out
 
 
-def docker_images(chain: Path) -> list[tuple[str, str | None, str, Path, list[str]]]:
+def docker_images(chain: Path, ca: bool = False
+                  ) -> list[tuple[str, str | None, str, Path, list[str]]]:
     """The per-instance tree ``chain`` as Dockerfiles: ``(image tag, parent image tag or None,
     Dockerfile text, context, envs it loads from the envbuild store)``, bottom up. A Dockerfile
     base is its own Dockerfile (``FROM envbuild.invalid/env/E`` -> the image loaded from E's
@@ -209,7 +221,7 @@ def docker_images(chain: Path) -> list[tuple[str, str | None, str, Path, list[st
         if "base" in src:
             add(src["base"])
             lines = [f"FROM swe/{src['base']}", *_dockerfile_steps(doc.get("steps") or [],
-                                                                    rel.parent)]
+                                                                    rel.parent, ca)]
             lines += [f"ENV {k}={json.dumps(str(v))}"
                       for k, v in ((doc.get("config") or {}).get("env") or {}).items()]
             out.append((f"swe/{name}", f"swe/{src['base']}", "\n".join(lines) + "\n", chain, []))
@@ -236,9 +248,11 @@ def docker_build(daemon, chain: Path, store: Path, work: Path, log: Path,
     bytes (image size minus its parent's, from ``docker image inspect``)."""
     from envbuild.export import ExportRequest, ExportTarget, export_lock
     from envbuild.store import LocalStore
+    from runtime_shim.stub import host_ca_bundle
 
     started = time.monotonic()
-    images = docker_images(chain)
+    ca = host_ca_bundle()
+    images = docker_images(chain, ca is not None)
     ids: dict[str, str] = {}
     sizes: dict[str, int] = {}
     parents: dict[str, str | None] = {}
@@ -265,8 +279,9 @@ def docker_build(daemon, chain: Path, store: Path, work: Path, log: Path,
                 docker("load", "-q", "-i", str(archive))
         dockerfile = dfdir / (tag.replace("/", "_") + ".Dockerfile")
         dockerfile.write_text(text)
-        docker("build", "--progress=plain", "--network=host", "-t", tag, "-f", str(dockerfile),
-               "--", str(context))
+        secret = ["--secret", f"id=hostca,src={ca}"] if ca else []
+        docker("build", "--progress=plain", "--network=host", *secret, "-t", tag,
+               "-f", str(dockerfile), "--", str(context))
         ids[tag] = docker("image", "inspect", "-f", "{{.Id}}", tag, capture=True)
         sizes[tag] = int(docker("image", "inspect", "-f", "{{.Size}}", tag, capture=True))
         parents[tag] = parent
