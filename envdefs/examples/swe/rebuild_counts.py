@@ -193,7 +193,7 @@ def _dockerfile_steps(steps: list, rel_dir: Path, ca: bool = False) -> list[str]
         elif "run" in step:
             env = [f"{k}={v}" for k, v in (step.get("env") or {}).items()]
             mount = ""
-            if ca and step.get("network") == "host":
+            if ca and step.get("network", "host") != "none":  # a run step's default is host
                 mount = f"--mount=type=secret,id=hostca,target={CA_TARGET} "
                 env = [f"{k}={CA_TARGET}" for k in CA_VARS] + env
             out.append(f"RUN {mount}{json.dumps(['env', *env, 'sh', '-c', step['run']])}")
