@@ -276,7 +276,7 @@ def docker_build(daemon, chain: Path, store: Path, work: Path, log: Path,
             if not archive.exists():
                 export_lock(LocalStore(store), ExportRequest(ref=f"env/{env}", target=ExportTarget(
                     "docker-archive", archive, f"swe-env/{env}:latest")))
-                docker("load", "-q", "-i", str(archive))
+            docker("load", "-q", "-i", str(archive))  # again per run: the same image id
         dockerfile = dfdir / (tag.replace("/", "_") + ".Dockerfile")
         dockerfile.write_text(text)
         secret = ["--secret", f"id=hostca,src={ca}"] if ca else []
