@@ -230,7 +230,9 @@ def docker_images(chain: Path, ca: bool = False
             context = chain / rel.parent / df["context"]
             text = (context / df.get("file", "Dockerfile")).read_text()
             envs = list(dict.fromkeys(_ENV_FROM.findall(text)))
-            out.append((f"swe/{name}", None, _ENV_FROM.sub(r"swe-env/\1", text), context, envs))
+            # its parent: the (last) env image it builds on, loaded, not built
+            parent = f"swe-env/{envs[-1]}:latest" if envs else None
+            out.append((f"swe/{name}", parent, _ENV_FROM.sub(r"swe-env/\1", text), context, envs))
         else:
             raise SystemExit(f"--docker: base {name} is not a Dockerfile or a chain of one")
         done.add(name)
@@ -285,8 +287,11 @@ def docker_build(daemon, chain: Path, store: Path, work: Path, log: Path,
         ids[tag] = docker("image", "inspect", "-f", "{{.Id}}", tag, capture=True)
         sizes[tag] = int(docker("image", "inspect", "-f", "{{.Size}}", tag, capture=True))
         parents[tag] = parent
+        if parent is not None and parent not in sizes:  # a loaded env image
+            sizes[parent] = int(docker("image", "inspect", "-f", "{{.Size}}", parent,
+                                       capture=True))
     built = sorted(t for t in ids if previous.get(t) != ids[t])
-    own = {t: sizes[t] - (sizes[parents[t]] if parents[t] else 0) for t in ids}
+    own = {t: sizes[t] - (sizes[parents[t]] if parents[t] else 0) for t in ids}  # type: ignore[index]
     return {"built": built, "images": len(ids), "ids": ids,
             "built_bytes": sum(own[t] for t in built),
             "image_bytes": sum(own.values()),
