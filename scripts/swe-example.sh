@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The SWE-bench-shaped example (envdefs/examples/swe, issue 17): fetch the projects' sdists from
-# PyPI, build every layer missing from ./cache (the Debian base layers are the same keys as
-# scripts/main.sh's, so after main.sh only the example's own layers build: ~2 min here), run each
+# PyPI, build every layer missing from ./cache (debian-bookworm is the same key as scripts/main.sh's,
+# so after main.sh the debootstrap is skipped and the rest builds in ~5 min here), run each
 # project's real test suite in a sandbox of its task env, run the agent in one, then (unless
 # COUNTS=0) measure the rebuild counts and bytes against the per-instance image scheme
-# (rebuild_counts.py, ~5-8 more minutes). Not part of main.sh: it roughly triples its time.
+# (rebuild_counts.py, ~5-10 more minutes; DOCKER=1 adds the same chain built by docker build).
+# The base is a Dockerfile base (apt-get in a private dockerd): needs docker.io (setup.sh).
+# Not part of main.sh: it roughly triples its time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -n "${SKIP_SETUP:-}" ] || bash scripts/setup.sh
@@ -24,5 +26,6 @@ step "run the agent in a fresh sandbox of one task"
 eb run task-toolz-1.0.0 -- sh -c 'swe-agent --version && swe-agent survey /workspace'
 if [ "${COUNTS:-1}" != 0 ]; then
   step "rebuild counts and bytes: envbuild vs the per-instance image scheme (both built now)"
-  .venv/bin/python envdefs/examples/swe/rebuild_counts.py --seed-store cache
+  # DOCKER=1: also build the per-instance chain as Dockerfiles with docker build (same run)
+  .venv/bin/python envdefs/examples/swe/rebuild_counts.py --seed-store cache ${DOCKER:+--docker}
 fi

@@ -38,7 +38,8 @@ the Dockerfile is read without following a final symlink.
 **Building** (``build_dockerfile``, side effects): the Dockerfile bytes are read again and must
 still hash to their pin; they are written to the build's scratch dir and given to
 ``docker build`` (``DOCKER_BUILDKIT=1``, ``--progress=plain``, ``--network``, ``--build-arg``\\ s,
-``--target``, ``--iidfile``) with the context directory, against ``envbuild.dockerd``'s daemon
+``--target``, ``--iidfile``; with ``network: host`` the host's CA bundle as the secret
+``envbuild-host-ca``) with the context directory, against ``envbuild.dockerd``'s daemon
 (a private dockerd under the node cache, stopped and removed when the build ends, or the user's
 at ``DOCKER_HOST``). Debian's dockerd 20.10 has no ``oci`` exporter (``exporter "oci" could not
 be found``), so the image leaves the daemon by ``docker save`` into the scratch dir (the layer's
@@ -133,7 +134,16 @@ def _expand(word: str, values: Mapping[str, str]) -> str:
 def from_images(text: str, args: Mapping[str, str]) -> list[str]:
     """The image references of a Dockerfile, in order, ``ARG``\\ s expanded: ``FROM`` lines and
     the ``--from=`` of ``COPY``/``ADD`` and ``RUN --mount`` (another way to read an image);
-    ``scratch`` and earlier stages (by name or index) left out. ``ADD`` of a URL is refused."""
+    ``scratch`` and earlier stages (by name or index) left out. ``ADD`` of a URL and a
+    ``# syntax=`` directive (a frontend image the daemon would pull) are refused."""
+    for line in text.splitlines():  # parser directives: only at the top, before anything else
+        m = re.fullmatch(r"\s*#\s*(\w+)\s*=\s*(\S*)\s*", line)
+        if not m:
+            break
+        if m.group(1).lower() == "syntax":
+            raise Unpinnable(f"'# syntax={m.group(2)}' makes the daemon pull a BuildKit frontend "
+                             "image from a registry, outside the key and outside network: none",
+                             "remove the line: the daemon's built-in Dockerfile frontend is used")
     declared: dict[str, str] = {}
     stages: set[str] = set()
     images: list[str] = []
@@ -190,23 +200,46 @@ def _from_flags(word: str) -> list[str]:
     return []
 
 
+#: the BuildKit secret id of the host's CA bundle, given to ``network: host`` builds: the host
+#: may reach PyPI & co. only through an intercepting proxy that bundle trusts (envbuild's own
+#: network steps get it bound in); a RUN takes it with
+#: ``--mount=type=secret,id=envbuild-host-ca,target=/etc/ssl/certs/ca-certificates.crt``
+HOST_CA_SECRET = "envbuild-host-ca"
+
 #: ``FROM envbuild.invalid/env/NAME@sha256:<lock digest>`` names an env lock of the envbuild
 #: store (``.invalid`` never resolves: no registry is ever asked for it).
 LOCK_HOST = "envbuild.invalid"
 _LOCK_REF_RE = re.compile(rf"{re.escape(LOCK_HOST)}/(env/[a-z0-9][a-z0-9._-]*)@(sha256:[0-9a-f]{{64}})")
+#: ``FROM envbuild.invalid/env/NAME`` without a digest: the Env NAME of the same definition
+#: tree, an edge of the graph (built and locked first; its lock inputs are in the key).
+_ENV_REF_RE = re.compile(rf"{re.escape(LOCK_HOST)}/env/([a-z0-9][a-z0-9._-]*)")
+#: the pin of such a FROM: a name, not a digest (the key gets the env's lock inputs instead)
+ENV_PIN_PREFIX = "env/"
+
+
+def env_upstreams(dockerfile: str, args: Mapping[str, str]) -> tuple[str, ...]:
+    """The env names of the ``FROM envbuild.invalid/env/NAME`` (no digest) references of the
+    Dockerfile at ``dockerfile``, in order, once each (raises ``Unpinnable``/``OSError``)."""
+    refs = from_images(_read_small(dockerfile), args)
+    return tuple(dict.fromkeys(m.group(1) for r in refs if (m := _ENV_REF_RE.fullmatch(r))))
 
 
 def pin_from(ref: str) -> str:
-    """The digest a ``FROM`` reference names; a tag is refused with the digest to write."""
+    """The digest a ``FROM`` reference names; a tag is refused with the digest to write.
+    An in-tree env (``envbuild.invalid/env/NAME``) pins as ``env/NAME``: the graph has
+    checked that NAME is an Env of the tree, and the key covers its lock inputs."""
+    m = _ENV_REF_RE.fullmatch(ref)
+    if m is not None:
+        return ENV_PIN_PREFIX + m.group(1)
     if _DIGEST_RE.search(ref):
         if ref.startswith(LOCK_HOST + "/") and not _LOCK_REF_RE.fullmatch(ref):
             raise Unpinnable(f"FROM {ref} is not {LOCK_HOST}/env/NAME@sha256:<lock digest>")
         return ref.rpartition("@")[2]
     name = ref.split("@", 1)[0]
     if name.startswith(LOCK_HOST + "/"):
-        raise Unpinnable(f"FROM {ref} names an envbuild lock without its digest",
-                         f"pin it as {name}@sha256:<digest> (the manifest digest `envbuild "
-                         "lock` prints for the env)")
+        raise Unpinnable(f"FROM {ref} is not {LOCK_HOST}/env/NAME (an env of this tree) "
+                         f"or {LOCK_HOST}/env/NAME@sha256:<lock digest>",
+                         "name an Env of the definition tree, without a tag")
     first = name.split("/", 1)[0]
     if "/" in name and ("." in first or ":" in first or first == "localhost"):
         from envbuild.build.pin import _check_image_pinned, _Unpinnable
@@ -457,7 +490,10 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
     locks = _lock_archives(text, src, name, store, scratch)
     locks += _prefetch(text, src, name, scratch, daemon_root, len(locks), cancelled)
     for i, (ref, _archive) in enumerate(locks):
-        text = text.replace(ref, _lock_tag(scratch, i))
+        # whole references only: envbuild.invalid/env/a is a prefix of .../env/a@sha256:… and
+        # of .../env/ab
+        tag = _lock_tag(scratch, i)
+        text = re.sub(re.escape(ref) + r"(?![A-Za-z0-9._@:/-])", tag, text)  # no backslash in a tag
     (scratch / "Dockerfile").write_text(text)
     iid, image = scratch / "iid", scratch / "image.tar"
     t0 = time.monotonic()
@@ -470,6 +506,12 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
             _load_lock(d, ref, archive, _lock_tag(scratch, i), cancelled)
         argv = [d.cli, "build", "--progress=plain", f"--network={src.network}",
                 "--iidfile", str(iid), "-f", str(scratch / "Dockerfile")]
+        if src.network == "host":
+            from runtime_shim.stub import host_ca_bundle
+
+            ca = host_ca_bundle()
+            if ca is not None:  # a secret: never in the image, never in the build cache key
+                argv += ["--secret", f"id={HOST_CA_SECRET},src={ca}"]
         for k, v in src.args:
             argv += ["--build-arg", f"{k}={v}"]
         if src.target:
@@ -587,21 +629,25 @@ def _lock_archives(text: str, src, name: str, store, scratch: Path) -> list[tupl
     out: list[tuple[str, Path]] = []
     for ref in dict.fromkeys(from_images(text, dict(src.args))):
         m = _LOCK_REF_RE.fullmatch(ref)
-        if m is None:
+        env = _ENV_REF_RE.fullmatch(ref)
+        if m is None and env is None:
             continue
         if ref not in text:
             raise SourceError(f"{name}: FROM {ref} must be written literally (not built from "
                               "ARGs) to be served from the envbuild store")
-        lock_ref, digest = m.group(1), m.group(2)
         if store is None:
             raise BuildError(f"{name}: FROM {ref} needs the envbuild store")
         from envbuild.errors import RefNotFound
 
+        lock_ref = m.group(1) if m is not None else f"env/{env.group(1)}"  # type: ignore[union-attr]
         try:
             now = store.get_ref(lock_ref).digest
         except RefNotFound:
             raise SourceError(f"{name}: FROM {ref}: the store has no lock {lock_ref}",
                               hint=f"build it first: envbuild build {lock_ref[4:]}") from None
+        # an in-tree env (no digest) is whatever it is locked at now: the engine locks it just
+        # before this build, from the layers this plan keyed (``engine.build``)
+        digest = m.group(2) if m is not None else now
         if now != digest:
             raise SourceError(f"{name}: FROM {ref}: {lock_ref} is locked at {now}, not {digest}",
                               hint=f"write {LOCK_HOST}/{lock_ref}@{now} to build on the "
@@ -626,7 +672,7 @@ def _prefetch(text: str, src, name: str, scratch: Path, daemon_root: Path, first
     if src.network != "host" or os.environ.get("DOCKER_HOST", "").strip():
         return []
     refs = [r for r in dict.fromkeys(from_images(text, dict(src.args)))
-            if not _LOCK_REF_RE.fullmatch(r)]
+            if not _LOCK_REF_RE.fullmatch(r) and not _ENV_REF_RE.fullmatch(r)]
     if not refs:
         return []
     for ref in refs:

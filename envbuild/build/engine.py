@@ -214,6 +214,12 @@ def build(
             existing = None if no_cache else get_key_record(ctx.store, job.key)
             if existing is not None:  # another process built it while we waited
                 return existing, "cached", 0.0
+            # a Dockerfile base on an env of this tree (FROM envbuild.invalid/env/E): E's
+            # layers are built (they are its dependencies), so lock E now, from this plan's
+            # keys, for the build to load
+            envs = getattr(getattr(ws.graph[name], "source", None), "envs", ())
+            if envs:
+                publish_locks(ws, ctx.store, envs)
             got = build_under_lease(ctx, job, progress, no_cache=no_cache)
         if isinstance(got, KeyRecord):  # another builder (another host) published it
             return got, "cached", 0.0

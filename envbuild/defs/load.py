@@ -55,7 +55,15 @@ from yaml.events import (
 )
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from envbuild.defs.model import CONSTRUCTORS, KINDS, Definition, DefinitionSet, Origin
+from envbuild.defs.model import (
+    CONSTRUCTORS,
+    KINDS,
+    Base,
+    Definition,
+    DefinitionSet,
+    DockerfileSource,
+    Origin,
+)
 from envbuild.defs.parsecache import ParseCache
 from envbuild.defs.validate import Positions, check_document
 from envbuild.errors import DefinitionError, Problem
@@ -152,9 +160,30 @@ def collect_definitions(root: Path | str = Path("envdefs"),
                 f"duplicate name {definition.name!r}, first defined at "
                 f"{first.origin.file}:{first.origin.position('name')[0]}",
                 path="name", hint="names are unique across bases, workspaces, toolkits and envs"))
+    for name, definition in by_name.items():
+        if isinstance(definition, Base) and isinstance(definition.source, DockerfileSource):
+            envs = _dockerfile_envs(definition, definition.source, display_root)
+            if envs:
+                by_name[name] = dataclasses.replace(
+                    definition, source=dataclasses.replace(definition.source, envs=envs))
     return LoadResult(defs=DefinitionSet(root=display_root, by_name=MappingProxyType(by_name)),
                       problems=tuple(sorted(problems)),
                       unparsed_names=frozenset(unparsed - by_name.keys()))
+
+
+def _dockerfile_envs(d: Base, src: DockerfileSource, root: str) -> tuple[str, ...]:
+    """The in-tree envs a Dockerfile base's ``FROM envbuild.invalid/env/NAME`` lines name
+    (``DockerfileSource.envs``). The Dockerfile is located as pinning does (inside the source
+    root, no final symlink, bounded); one that cannot be located, read or parsed names none
+    here: pinning reports why, at the definition's line."""
+    from envbuild.build.dockerfile import Unpinnable, env_upstreams, locate
+    from envbuild.build.pin import source_root
+
+    try:
+        _context, dockerfile = locate(src, str(d.origin.directory), source_root(root))
+        return env_upstreams(dockerfile, dict(src.args))
+    except (Unpinnable, OSError, ValueError):
+        return ()
 
 
 #: A directory holding a file of this name is a definition tree of its own (an example such as

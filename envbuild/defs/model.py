@@ -225,13 +225,19 @@ class DockerfileSource:
     """``from: {dockerfile: ...}`` (issue 17): an image built by BuildKit from a Dockerfile in
     ``context`` (``envbuild.build.dockerfile``). The context's digest (``.dockerignore``
     applied), the Dockerfile's bytes and every ``FROM`` digest are pinned; ``args``,
-    ``target`` and ``network`` are identity. The paths are not: the bytes are."""
+    ``target`` and ``network`` are identity. The paths are not: the bytes are.
+
+    ``envs``: the Envs of the same tree its ``FROM envbuild.invalid/env/NAME`` lines (no
+    digest) name, filled in by the loader from the Dockerfile (``envbuild.defs.load``): each is
+    an edge of the graph (built and locked first) and its lock *inputs* go into the key
+    (``envbuild.plan.keys``), so it is not identity here."""
 
     context: str
     file: str = "Dockerfile"
     args: tuple[tuple[str, str], ...] = ()
     target: str | None = None
     network: str = "none"
+    envs: tuple[str, ...] = ()
     kind = "dockerfile"
 
     def identity(self) -> dict[str, Any]:

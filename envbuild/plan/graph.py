@@ -3,6 +3,7 @@
 Nodes are definition names; an edge ``u -> v`` means "v needs u" (u is built first):
 
 - ``Base.parent`` (``from: {base: X}``):       X -> base
+- a Dockerfile base's ``FROM envbuild.invalid/env/E`` (``DockerfileSource.envs``): E -> base
 - ``Workspace/Toolkit.build_on``:               base -> layer
 - ``Env.base``, ``Env.workspace``, ``Env.toolkits``: each -> env
 
@@ -97,6 +98,17 @@ class EnvGraph:
             return tuple(dict.fromkeys(deps))
         return tuple(sorted(self.graph.predecessors(name)))
 
+    def layer_dependencies(self, name: str) -> tuple[str, ...]:
+        """The layers that must be built before layer ``name``: its direct dependencies, with
+        an Env (a Dockerfile base's ``FROM envbuild.invalid/env/E``) replaced by E's layers."""
+        out: list[str] = []
+        for dep in self.dependencies(name):
+            if isinstance(self.defs.by_name[dep], Env):
+                out.extend(self.env_layers(dep))
+            else:
+                out.append(dep)
+        return tuple(sorted(set(out)))
+
     def closure(self, names: Iterable[str]) -> set[str]:
         """``names`` and everything they depend on, transitively."""
         out: set[str] = set()
@@ -148,7 +160,9 @@ def build_graph(defs: DefinitionSet, *, unparsed: frozenset[str] = frozenset()) 
                                      did_you_mean(target, names_of.get(want, ()))))
             return False
         if t.kind != want:
-            problems.append(_problem(d, paths, f"{what} {target!r} is a {t.kind}, not a {want}",
+            article = "an" if want[0] in "AEIOU" else "a"
+            problems.append(_problem(d, paths, f"{what} {target!r} is a {t.kind}, not {article} "
+                                     f"{want}",
                                      did_you_mean(target, names_of.get(want, ()))))
             return False
         g.add_edge(target, d.name)
@@ -158,6 +172,9 @@ def build_graph(defs: DefinitionSet, *, unparsed: frozenset[str] = frozenset()) 
         if isinstance(d, Base):
             if d.parent is not None:
                 ref(d, d.parent, "Base", ("from.base", "from"), "from base")
+            for env_name in getattr(d.source, "envs", ()):
+                ref(d, env_name, "Env", ("from.dockerfile", "from"),
+                    "Dockerfile FROM envbuild.invalid/env/NAME:")
         elif isinstance(d, (Workspace, Toolkit)):
             if ref(d, d.build_on, "Base", ("build_on",), "build_on"):
                 base = by_name[d.build_on]

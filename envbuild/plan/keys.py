@@ -21,6 +21,11 @@ In the key (each changes the bytes of the layer):
   base change.
 - ``parent`` (Base with ``from: {base: X}``): X's key. A Base is an ordinary layer chain: its
   upper dir is a diff against the exact bytes of its parent.
+- ``from_envs`` (a Dockerfile base with ``FROM envbuild.invalid/env/E``, E an Env of the tree):
+  E name -> E's **lock inputs digest** (below), not its lock's manifest digest: the lock
+  digest names layer blobs whose bytes need not be reproducible across machines, the lock
+  inputs are known at plan time, like a parent's key. It changes exactly when a layer key or a
+  config of E changes.
 
 Not in the key:
 
@@ -104,7 +109,8 @@ def _check_pins(d: LayerDefinition, pins: Mapping[str, str]) -> None:
 
 def key_inputs(d: LayerDefinition, pins: Mapping[str, str], *, build_on_abi: str | None = None,
                build_on_chain_keys: tuple[str, ...] | None = None,
-               parent_key: str | None = None) -> dict[str, Any]:
+               parent_key: str | None = None,
+               from_envs: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The key input dict of one layer. Callers pass what the layer depends on (see docstring)."""
     _check_pins(d, pins)
     inputs: dict[str, Any] = {
@@ -119,6 +125,11 @@ def key_inputs(d: LayerDefinition, pins: Mapping[str, str], *, build_on_abi: str
             if parent_key is None:
                 raise bug(f"{d.name}: parent key missing")
             inputs["parent"] = parent_key
+        envs = getattr(d.source, "envs", ())
+        if envs:  # only then: every other base keeps the key it had before the field existed
+            if from_envs is None or set(from_envs) != set(envs):
+                raise bug(f"{d.name}: lock inputs of its FROM envs missing")
+            inputs["from_envs"] = dict(sorted(from_envs.items()))
     elif isinstance(d, (Workspace, Toolkit)):
         if isinstance(d, Workspace):
             inputs["source"] = d.source.identity()
@@ -155,40 +166,50 @@ class KeySet:
 def compute_keys(graph, pinned: PinnedInputs) -> KeySet:
     """Keys of every layer and lock digests of every env in ``graph`` (an ``EnvGraph``).
 
-    Linear in the number of definitions: bases are keyed once in topological order (parents
-    first); workspaces and toolkits read only their base's abi (or, with ``pin: digest``, the
-    memoised chain keys).
+    Linear in the number of definitions: each layer is keyed once, memoised, what it depends on
+    first (a base's parent, the envs a Dockerfile base builds on and their layers); workspaces
+    and toolkits read only their base's abi (or, with ``pin: digest``, the chain keys). The
+    graph is acyclic (``build_graph``), so the recursion ends.
     """
     defs = graph.defs.by_name
     keys: dict[str, str] = {}
     inputs: dict[str, dict[str, Any]] = {}
+    env_inputs: dict[str, dict[str, Any]] = {}
+    env_locks: dict[str, str] = {}
 
-    def base_key(name: str) -> str:
+    def env_lock(name: str) -> str:
+        k = env_locks.get(name)
+        if k is None:
+            for n in graph.env_layers(name):
+                key_of(n)
+            env_inputs[name] = lock_inputs(graph, defs[name], keys)
+            k = env_locks[name] = lock_inputs_digest(env_inputs[name])
+        return k
+
+    def key_of(name: str) -> str:
         k = keys.get(name)
         if k is None:
-            b = defs[name]
-            parent = base_key(b.parent) if b.parent else None
-            inputs[name] = key_inputs(b, pinned.get(name, {}), parent_key=parent)
+            d = defs[name]
+            if isinstance(d, Base):
+                parent = key_of(d.parent) if d.parent else None
+                envs = getattr(d.source, "envs", ())
+                inputs[name] = key_inputs(d, pinned.get(name, {}), parent_key=parent,
+                                          from_envs={e: env_lock(e) for e in envs} or None)
+            else:
+                base = defs[d.build_on]
+                chain = (tuple(key_of(n) for n in graph.base_chain(d.build_on))
+                         if d.pin == "digest" else None)
+                inputs[name] = key_inputs(d, pinned.get(name, {}), build_on_abi=base.abi,
+                                          build_on_chain_keys=chain)
             k = keys[name] = layer_key(inputs[name])
         return k
 
     for d in graph.defs.layers:
-        if isinstance(d, Base):
-            base_key(d.name)
-    for d in graph.defs.layers:
-        if isinstance(d, (Workspace, Toolkit)):
-            base = defs[d.build_on]
-            chain = (tuple(base_key(n) for n in graph.base_chain(d.build_on))
-                     if d.pin == "digest" else None)
-            inputs[d.name] = key_inputs(d, pinned.get(d.name, {}), build_on_abi=base.abi,
-                                        build_on_chain_keys=chain)
-            keys[d.name] = layer_key(inputs[d.name])
-
-    env_inputs: dict[str, dict[str, Any]] = {}
-    env_locks: dict[str, str] = {}
+        key_of(d.name)
     for env in graph.defs.envs:
-        env_inputs[env.name] = lock_inputs(graph, env, keys)
-        env_locks[env.name] = lock_inputs_digest(env_inputs[env.name])
+        env_lock(env.name)
+    env_inputs = {e.name: env_inputs[e.name] for e in graph.defs.envs}  # definition order
+    env_locks = {e.name: env_locks[e.name] for e in graph.defs.envs}
     return KeySet(layers=MappingProxyType(keys), inputs=MappingProxyType(inputs),
                   env_locks=MappingProxyType(env_locks), env_inputs=MappingProxyType(env_inputs))
 

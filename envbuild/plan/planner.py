@@ -27,7 +27,8 @@ class LayerStep:
     """One layer to have: built already (``cached``) or to build (``missing``).
 
     ``depends_on`` are the layer names that must exist first (a Base's parent, a layer's
-    build_on base); ``generation`` is its topological generation among the planned layers
+    build_on base, the layers of an env a Dockerfile base's ``FROM`` names);
+    ``generation`` is its topological generation among the planned layers
     (0 = depends on nothing). Two steps may share a key (identically defined layers): the
     executor builds that key once.
     """
@@ -102,14 +103,15 @@ def make_plan(graph: EnvGraph, pinned: PinnedInputs, lookup: Lookup | None = Non
     keys = keys if keys is not None else compute_keys(graph, pinned)
     chosen = select(graph, targets)
     defs = graph.defs.by_name
-    layer_names = [n for n in chosen if defs[n].kind != "Env"]
     steps = []
-    for gen, names in enumerate(graph.generations(layer_names)):
+    # generations over the envs too (a Dockerfile base can build on an env), envs left out
+    gens = [[n for n in names if defs[n].kind != "Env"] for names in graph.generations(chosen)]
+    for gen, names in enumerate(g for g in gens if g):
         for n in names:
             key = keys.layers[n]
             cached = lookup is not None and lookup(key) is not None
             steps.append(LayerStep(name=n, kind=defs[n].kind, key=key,
-                                   depends_on=graph.dependencies(n),
+                                   depends_on=graph.layer_dependencies(n),
                                    status="cached" if cached else "missing", generation=gen))
     envs = tuple(EnvPlan(name=n, layers=graph.env_layers(n))
                  for n in sorted(chosen) if isinstance(defs[n], Env))

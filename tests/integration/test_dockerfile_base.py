@@ -323,6 +323,88 @@ def test_from_an_env_lock_of_the_envbuild_store(envbuild_cli, tmp_path, monkeypa
     assert f"env/busybox-shell is locked at {digest}, not {stale}" in _error(r.err), r.err
 
 
+def test_from_an_env_of_the_tree_builds_it_first_and_keys_on_its_lock_inputs(envbuild_cli,
+                                                                              tmp_path,
+                                                                              monkeypatch):
+    """``FROM envbuild.invalid/env/NAME`` (no digest), NAME an Env of the same tree: an edge of
+    the graph, so one ``envbuild build`` from an empty store builds the env's layers, locks it,
+    ``docker load``s that lock into the private daemon and builds on it; the Dockerfile base's
+    key holds the env's lock inputs, not a digest, and a second build is a no-op."""
+    import json
+
+    from envbuild.store import LocalStore
+
+    _require_docker()
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    dockerfile = ("FROM envbuild.invalid/env/busybox-shell AS final\n"
+                  "RUN echo built-on-the-env > /from-env && test -x /opt/toolkits/shtest/bin/shtest\n")
+    defs = _write_defs(tmp_path, dockerfile)
+    r = envbuild_cli("graph", "--format", "json", defs=defs)
+    assert r.code == 0, r.err
+    nodes = {n["name"]: n for n in json.loads(r.out)["nodes"]}
+    assert nodes["docker-base"]["depends_on"] == ["busybox-shell"]
+    r = envbuild_cli("plan", "--json", "docker-shell", defs=defs)
+    assert r.code == 0, r.err
+    steps = {s["name"]: s for s in json.loads(r.out)["layers"]}
+    assert set(steps["docker-base"]["depends_on"]) == {"busybox-tiny", "kvsh", "shtest"}
+    assert {e["name"] for e in json.loads(r.out)["envs"]} == {"docker-shell", "busybox-shell"}
+    r = envbuild_cli("explain", "docker-base", defs=defs)
+    assert r.code == 0 and "from_envs" in r.out, r.out
+
+    before = _ours()
+    r = envbuild_cli("build", "docker-shell", defs=defs)  # nothing built before
+    assert r.code == 0, r.err
+    _assert_daemon_gone(envbuild_cli.node, before)
+    store = LocalStore(envbuild_cli.store)
+    assert store.get_ref("env/busybox-shell").digest  # locked by the same build
+    with Sandbox.create("env/docker-shell", store=store, node_dir=envbuild_cli.node) as sb:
+        out = sb.exec(["cat", "/from-env"])
+        assert out.stdout.decode().startswith("built-on-the-env\n"), out
+    r = envbuild_cli("plan", "--json", "docker-shell", defs=defs)
+    assert all(s["status"] == "cached" for s in json.loads(r.out)["layers"]), r.out
+    # a change to a layer of the env moves the Dockerfile base's key (and only the env's
+    # layer and it are missing)
+    tk = defs / "toolkits" / "shtest.yaml"
+    tk.write_text(tk.read_text().replace("description: shtest,", "description: changed,", 1))
+    r = envbuild_cli("plan", "--json", "docker-shell", defs=defs)
+    missing = {s["name"] for s in json.loads(r.out)["layers"] if s["status"] == "missing"}
+    assert missing == set(), "a description is not in any key"
+    steps_yaml = tk.read_text()
+    tk.write_text(steps_yaml.replace("steps:\n", "steps:\n  - run: echo changed > /dev/null\n"
+                                     "    network: none\n", 1))
+    r = envbuild_cli("plan", "--json", "docker-shell", defs=defs)
+    missing = {s["name"] for s in json.loads(r.out)["layers"] if s["status"] == "missing"}
+    assert missing == {"shtest", "docker-base"}, r.out
+
+
+def test_network_host_builds_get_the_host_ca_bundle_as_a_secret(envbuild_cli, tmp_path,
+                                                                 monkeypatch):
+    """With ``network: host`` a RUN can mount the host's CA bundle (the secret
+    ``envbuild-host-ca``: this host reaches PyPI through an intercepting proxy only that bundle
+    trusts); it is the host's bundle byte for byte, and it is not in the image."""
+    from runtime_shim.stub import host_ca_bundle
+
+    _require_docker()
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    ca = host_ca_bundle()
+    assert ca is not None, "this test needs the host's CA bundle (apt-get install ca-certificates)"
+    size = os.path.getsize(ca)
+    dockerfile = textwrap.dedent(f"""\
+        FROM scratch AS final
+        COPY busybox /bin/busybox
+        RUN --mount=type=secret,id=envbuild-host-ca,target=/ca.crt ["/bin/busybox", "sh", "-c", \\
+            "test $(/bin/busybox wc -c < /ca.crt) = {size} && /bin/busybox mkdir /ok"]
+        RUN ["/bin/busybox", "sh", "-c", "/bin/busybox test ! -s /ca.crt && /bin/busybox test -d /ok"]
+        """)
+    defs = _write_defs(tmp_path, dockerfile)
+    yaml = defs / "base" / "docker-base.yaml"
+    yaml.write_text(yaml.read_text().replace("network: none", "network: host"))
+    before = _ours()
+    r = envbuild_cli("build", "docker-base", defs=defs)
+    assert r.code == 0, r.err
+    _assert_daemon_gone(envbuild_cli.node, before)
+
+
 def test_a_build_past_its_timeout_is_stopped_and_says_so(envbuild_cli, tmp_path, monkeypatch):
     _require_docker()
     monkeypatch.delenv("DOCKER_HOST", raising=False)

@@ -201,3 +201,12 @@ def test_a_dockerfile_that_is_not_utf8_is_refused(tmp_path):
     (defs / "base" / "ctx" / "Dockerfile").write_bytes(b"FROM scratch\nLABEL x=\xff\n")
     with pytest.raises(SourceError, match="Dockerfile is not UTF-8 text"):
         _key(defs)
+
+
+def test_a_syntax_directive_is_refused():
+    """``# syntax=`` makes BuildKit pull a frontend image (registry-1.docker.io here: "no such
+    host"), a fetch the key does not cover; a comment that is not a directive is fine."""
+    with pytest.raises(Unpinnable, match="frontend image") as e:
+        from_images("# syntax=docker/dockerfile:1\nFROM scratch\n", {})
+    assert "remove the line" in e.value.hint
+    assert from_images("# a comment\n# syntax=docker/dockerfile:1\nFROM scratch\n", {}) == []

@@ -16,8 +16,12 @@ builds both schemes from the same definitions, each into its own store:
   --strip-components``). Built with envbuild itself (same executor, same layer format), so
   the byte counts compare like with like; not with ``docker build``.
 
+The base is the same in both trees: a Dockerfile base (``base/Dockerfile`` on the env
+``swe-os``, built by BuildKit in a private dockerd), whose change is a Dockerfile change.
+
 Then it applies the changes one after the other to both trees (``--change``; defaults: the
-agent toolkit's script, the base's revision, one repo version's env layer), rebuilds both, and
+agent toolkit's script, the revision line of the base's Dockerfile, one repo version's env
+layer), rebuilds both, and
 prints per change the layers each rebuilt (``built`` in ``envbuild build --json``), the envs
 re-locked, the layer bytes each built (the rebuilt layers' blob sizes: what ``docker build``
 would write and push, its layers being non-reproducible) and the bytes each store really gained
@@ -28,7 +32,8 @@ whose bytes did not change, e.g. a venv rebuilt on a new base, or six identical 
 
 ``--seed-store`` (default the repository's ``cache/`` if it exists) is read with ``--cache-from`` for the
 *initial* builds only (layers already built there are copied, not rebuilt); the changes are
-always built. Needs root (runc), network for the env layers (PyPI), ~5-8 minutes on 2 cores.
+always built. Needs root (runc), dockerd (docker.io), network for the base (Debian's apt) and
+the env layers (PyPI), ~8-12 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,7 +57,10 @@ REPO = HERE.parents[2]
 #: name, file (relative to the tree), text to replace, replacement
 DEFAULT_CHANGES = (
     ("agent toolkit", "files/agent/swe-agent", 'VERSION = "1"', 'VERSION = "2"'),
-    ("base", "base/swe-base.yaml", "swe base revision 1", "swe base revision 2"),
+    # the base is a Dockerfile base (base/Dockerfile): a base change is a Dockerfile change,
+    # one `docker build` (apt-get of python3 on swe-os) in envbuild, and every image above it
+    # in the per-instance scheme
+    ("base (its Dockerfile)", "base/Dockerfile", "swe base revision 1", "swe base revision 2"),
     ("one repo version (toolz 1.0.0 env)", "toolkits/env-toolz-1.0.0.yaml",
      "env revision: 1", "env revision: 2"),
 )
@@ -118,8 +127,11 @@ def write_chain_tree(layered: Path, chain: Path, agent: str) -> dict[str, list[s
     for _name, (rel, doc) in docs.items():
         if doc["kind"] == "Base":
             put(rel.parent, doc)
-    for name, (_rel, env) in sorted(docs.items()):
+    for name, (rel, env) in sorted(docs.items()):
         if env["kind"] != "Env":
+            continue
+        if not env.get("workspace") and not env.get("toolkits"):
+            put(rel.parent, env)  # not a task: an env a Dockerfile base builds on (swe-os)
             continue
         base = env["base"]
         abi = docs[base][1]["abi"]
@@ -153,6 +165,137 @@ def write_chain_tree(layered: Path, chain: Path, agent: str) -> dict[str, list[s
                            "base": parent, "config": env.get("config") or {}})
         chains[name] = names
     return chains
+
+
+# ----------------------------------------------------------------------------- docker build
+
+
+_ENV_FROM = re.compile(r"envbuild\.invalid/env/([a-z0-9][a-z0-9._-]*)(?![A-Za-z0-9._@:/-])")
+
+
+#: where a networked RUN of the generated Dockerfiles finds the host's CA bundle: a BuildKit
+#: secret mount (not in the image, not in the cache key), as envbuild binds it into its own
+#: network steps (the host may reach PyPI only through an intercepting proxy)
+CA_TARGET = "/run/secrets/host-ca.crt"
+CA_VARS = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO")
+
+
+def _dockerfile_steps(steps: list, rel_dir: Path, ca: bool = False) -> list[str]:
+    """envbuild steps as Dockerfile instructions (paths relative to the tree, the context)."""
+    out = []
+    for step in steps:
+        if "copy" in step:
+            c = step["copy"]
+            src = os.path.normpath(rel_dir / c["src"])
+            out.append(f"COPY {json.dumps([src, c['dest']])}")
+            if c.get("mode"):
+                out.append(f"RUN {json.dumps(['chmod', c['mode'], c['dest']])}")
+        elif "run" in step:
+            env = [f"{k}={v}" for k, v in (step.get("env") or {}).items()]
+            mount = ""
+            if ca and step.get("network", "host") != "none":  # a run step's default is host
+                mount = f"--mount=type=secret,id=hostca,target={CA_TARGET} "
+                env = [f"{k}={CA_TARGET}" for k in CA_VARS] + env
+            out.append(f"RUN {mount}{json.dumps(['env', *env, 'sh', '-c', step['run']])}")
+        else:
+            raise SystemExit(f"--docker: step {step} has no Dockerfile equivalent here")
+    return out
+
+
+def docker_images(chain: Path, ca: bool = False
+                  ) -> list[tuple[str, str | None, str, Path, list[str]]]:
+    """The per-instance tree ``chain`` as Dockerfiles: ``(image tag, parent image tag or None,
+    Dockerfile text, context, envs it loads from the envbuild store)``, bottom up. A Dockerfile
+    base is its own Dockerfile (``FROM envbuild.invalid/env/E`` -> the image loaded from E's
+    lock); a chain Base is ``FROM <parent>`` + its steps + ``ENV`` of its config, the tree as
+    context."""
+    docs = _documents(chain)
+    out: list[tuple[str, str | None, str, Path, list[str]]] = []
+    done: set[str] = set()
+
+    def add(name: str) -> None:
+        if name in done:
+            return
+        rel, doc = docs[name]
+        src = doc["from"]
+        if "base" in src:
+            add(src["base"])
+            lines = [f"FROM swe/{src['base']}", *_dockerfile_steps(doc.get("steps") or [],
+                                                                    rel.parent, ca)]
+            lines += [f"ENV {k}={json.dumps(str(v))}"
+                      for k, v in ((doc.get("config") or {}).get("env") or {}).items()]
+            out.append((f"swe/{name}", f"swe/{src['base']}", "\n".join(lines) + "\n", chain, []))
+        elif "dockerfile" in src:
+            df = src["dockerfile"]
+            context = chain / rel.parent / df["context"]
+            text = (context / df.get("file", "Dockerfile")).read_text()
+            envs = list(dict.fromkeys(_ENV_FROM.findall(text)))
+            # its parent: the (last) env image it builds on, loaded, not built
+            parent = f"swe-env/{envs[-1]}:latest" if envs else None
+            out.append((f"swe/{name}", parent, _ENV_FROM.sub(r"swe-env/\1", text), context, envs))
+        else:
+            raise SystemExit(f"--docker: base {name} is not a Dockerfile or a chain of one")
+        done.add(name)
+
+    for _name, (_rel, doc) in sorted(docs.items()):
+        if doc["kind"] == "Env" and (doc.get("base") or "").startswith("c-"):
+            add(doc["base"])
+    return out
+
+
+def docker_build(daemon, chain: Path, store: Path, work: Path, log: Path,
+                 previous: dict[str, str]) -> dict:
+    """``docker build`` of every image of the per-instance scheme (the daemon's layer cache
+    decides what is rebuilt, as in the harness); images whose id changed, and their own layer
+    bytes (image size minus its parent's, from ``docker image inspect``)."""
+    from envbuild.export import ExportRequest, ExportTarget, export_lock
+    from envbuild.store import LocalStore
+    from runtime_shim.stub import host_ca_bundle
+
+    started = time.monotonic()
+    ca = host_ca_bundle()
+    images = docker_images(chain, ca is not None)
+    ids: dict[str, str] = {}
+    sizes: dict[str, int] = {}
+    parents: dict[str, str | None] = {}
+    dfdir = work / "dockerfiles"
+    dfdir.mkdir(parents=True, exist_ok=True)
+
+    def docker(*argv: str, capture: bool = False) -> str:
+        with log.open("a") as f:
+            f.write(f"$ docker {' '.join(argv)[:300]}\n")
+            f.flush()
+            proc = subprocess.run([daemon.cli, *argv], env=daemon.env(), text=True,
+                                  stdin=subprocess.DEVNULL, stderr=f,
+                                  stdout=subprocess.PIPE if capture else f)
+        if proc.returncode != 0:
+            raise SystemExit(f"docker {argv[0]} failed (exit {proc.returncode}); log: {log}")
+        return proc.stdout.strip() if capture else ""
+
+    for tag, parent, text, context, envs in images:
+        for env in envs:  # the OS env under the Dockerfile base, from envbuild's store
+            archive = work / f"env-{env}.tar"
+            if not archive.exists():
+                export_lock(LocalStore(store), ExportRequest(ref=f"env/{env}", target=ExportTarget(
+                    "docker-archive", archive, f"swe-env/{env}:latest")))
+            docker("load", "-q", "-i", str(archive))  # again per run: the same image id
+        dockerfile = dfdir / (tag.replace("/", "_") + ".Dockerfile")
+        dockerfile.write_text(text)
+        secret = ["--secret", f"id=hostca,src={ca}"] if ca else []
+        docker("build", "--progress=plain", "--network=host", *secret, "-t", tag,
+               "-f", str(dockerfile), "--", str(context))
+        ids[tag] = docker("image", "inspect", "-f", "{{.Id}}", tag, capture=True)
+        sizes[tag] = int(docker("image", "inspect", "-f", "{{.Size}}", tag, capture=True))
+        parents[tag] = parent
+        if parent is not None and parent not in sizes:  # a loaded env image
+            sizes[parent] = int(docker("image", "inspect", "-f", "{{.Size}}", parent,
+                                       capture=True))
+    built = sorted(t for t in ids if previous.get(t) != ids[t])
+    own = {t: sizes[t] - (sizes[parents[t]] if parents[t] else 0) for t in ids}  # type: ignore[index]
+    return {"built": built, "images": len(ids), "ids": ids,
+            "built_bytes": sum(own[t] for t in built),
+            "image_bytes": sum(own.values()),
+            "seconds": round(time.monotonic() - started, 1)}
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -203,7 +346,20 @@ def _apply(tree: Path, rel: str, old: str, new: str) -> None:
     path.write_text(text.replace(old, new, 1))
 
 
-def measure(defs: Path, work: Path, changes, *, agent: str, seed: Path | None) -> dict:
+def measure(defs: Path, work: Path, changes, *, agent: str, seed: Path | None,
+            docker: bool = False) -> dict:
+    if not docker:
+        return _measure(defs, work, changes, agent=agent, seed=seed, daemon=None)
+    from envbuild.dockerd import docker_daemon
+
+    # one throwaway private dockerd for the whole run (its layer cache is what a CI runner's
+    # would be); egress for apt and PyPI
+    with docker_daemon(work / "dockerd", egress_only=True) as daemon:
+        return _measure(defs, work, changes, agent=agent, seed=seed, daemon=daemon)
+
+
+def _measure(defs: Path, work: Path, changes, *, agent: str, seed: Path | None,
+             daemon) -> dict:
     layered, chain = work / "layered", work / "per-instance"
     if layered.exists():
         shutil.rmtree(layered)
@@ -217,6 +373,11 @@ def measure(defs: Path, work: Path, changes, *, agent: str, seed: Path | None) -
     for scheme, tree in trees.items():
         result["initial"][scheme] = build(tree, stores[scheme], node, seed, log)
     previous = {s: result["initial"][s]["locks"] for s in trees}
+    ids: dict[str, str] = {}
+    if daemon is not None:  # the per-instance chain again, as Dockerfiles, by docker build
+        result["initial"]["docker"] = r = docker_build(daemon, chain, stores["envbuild"],
+                                                       work, log, ids)
+        ids = r.pop("ids")
     for label, rel, old, new in changes:
         _apply(layered, rel, old, new)
         write_chain_tree(layered, chain, agent)
@@ -226,6 +387,9 @@ def measure(defs: Path, work: Path, changes, *, agent: str, seed: Path | None) -
             r["relocked"] = sorted(e for e, d in r["locks"].items() if previous[scheme].get(e) != d)
             previous[scheme] = r.pop("locks")
             row[scheme] = r
+        if daemon is not None:
+            row["docker"] = r = docker_build(daemon, chain, stores["envbuild"], work, log, ids)
+            ids = r.pop("ids")
         result["changes"].append(row)
     for scheme in trees:
         result["initial"][scheme].pop("locks", None)
@@ -254,6 +418,17 @@ def render(result: dict) -> str:
     for row in result["changes"]:
         lines.append(f"  {row['change']}: envbuild built {', '.join(row['envbuild']['built'])}; "
                      f"per-instance built {', '.join(row['per-instance']['built'])}")
+    if "docker" in result["initial"]:
+        d0 = result["initial"]["docker"]
+        lines.append(f"docker build of the per-instance chain (--docker, same run): "
+                     f"{d0['images']} images, {_size(d0['image_bytes'])} of layers, "
+                     f"{d0['seconds']:.0f} s from an empty daemon")
+        for row in result["changes"]:
+            d = row["docker"]
+            lines.append(f"  {row['change']}: docker rebuilt {len(d['built'])} images "
+                         f"({_size(d['built_bytes'])} of new layers, {d['seconds']:.0f} s) vs "
+                         f"envbuild {len(row['envbuild']['built'])} layer "
+                         f"({_size(row['envbuild']['built_bytes'])})")
     i, last = result["initial"], (result["changes"] or [result["initial"]])[-1]
     lines.append(f"initial build: envbuild {len(i['envbuild']['built'])} layers built, "
                  f"per-instance {len(i['per-instance']['built'])} (layers already in "
@@ -276,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="a change: replace OLD by NEW in FILE (relative to the tree); "
                          "repeatable; default: agent, base, one repo version")
     ap.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    ap.add_argument("--docker", action="store_true",
+                    help="also build the per-instance chain as Dockerfiles with docker build in "
+                         "a throwaway private dockerd, and report its images and layer bytes")
     args = ap.parse_args(argv)
     seed = args.seed_store
     if seed is None and (REPO / "cache" / "blobs").is_dir():
@@ -292,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     result = measure(args.defs.resolve(), work.resolve(),
                      [tuple(c) for c in args.change] if args.change else DEFAULT_CHANGES,
-                     agent=args.agent, seed=seed)
+                     agent=args.agent, seed=seed, docker=args.docker)
     result["work"] = str(work)
     print(json.dumps(result, indent=1) if args.json else render(result))
     return 0
