@@ -190,13 +190,14 @@ def test_the_swe_example_is_a_tree_of_its_own_and_has_the_harness_shape():
     main = load_definitions(str(REPO / "envdefs"))
     assert not any(n.startswith(("task-", "inst-", "env-", "swe-")) for n in main.by_name)
     graph = check_tree(REPO / "envdefs" / "examples" / "swe")
-    envs = graph.defs.envs
-    assert len(envs) == 6
+    # the task envs, plus swe-os: the OS env the Dockerfile base starts FROM
+    envs = [e for e in graph.defs.envs if e.name.startswith("task-")]
+    assert len(envs) == 6 and {e.name for e in graph.defs.envs} - {e.name for e in envs} == {
+        "swe-os"}
     repos = {e.name.removeprefix("task-").rsplit("-", 1)[0] for e in envs}
     assert repos == {"more-itertools", "toolz", "idna"}
     for e in envs:
         rv = e.name.removeprefix("task-")
-        assert graph.env_layers(e.name) == ("debian-bookworm", "debian-bookworm-py311",
-                                            "swe-base", f"inst-{rv}", f"env-{rv}", "agent")
+        assert graph.env_layers(e.name) == ("swe-base", f"inst-{rv}", f"env-{rv}", "agent")
         ws = graph[f"inst-{rv}"]
         assert ws.source.strip_components == 1 and ws.check[0].timeout == 600
