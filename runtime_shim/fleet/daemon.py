@@ -58,6 +58,10 @@ FLEET_RECORD_VERSION = 1
 DEFAULT_TTL = 3600.0
 
 
+#: A command to run in each new sandbox within its create call: ``(cmd, Sandbox.exec kwargs)``.
+FirstExec = tuple[Any, Mapping[str, Any]]
+
+
 def actor_name(node_id: str) -> str:
     """The Ray actor name of the daemon of Ray node ``node_id`` (hex)."""
     return ACTOR_PREFIX + node_id
@@ -188,6 +192,7 @@ class _Entry:
     exec_log: str | None
     pool: str | None = None  # the pool key while it waits in a warm pool
     seq: int = 0  # exec log entries written
+    first: ExecResult | None = None  # a batch's first exec, until it is handed back
     log_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -259,9 +264,13 @@ class NodeDaemon:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def create_batch(self, spec: CreateSpec, count: int) -> list[SandboxRecord]:
+    def create_batch(self, spec: CreateSpec, count: int, first: FirstExec | None = None
+                     ) -> list[Any]:
         """Start ``count`` sandboxes of ``spec`` on this node (warm ones first): all of them,
-        or none (those made are closed, the first error is raised)."""
+        or none (those made are closed, the first error is raised). Their records; with
+        ``first`` (``(cmd, exec kwargs)``), ``(record, ExecResult)`` pairs: that command run
+        in each sandbox as soon as it is ready, in the same call (an exec that raises fails
+        the batch like a start that does)."""
         if count < 1:
             return []
         from runtime_shim.locks import resolve
@@ -276,7 +285,8 @@ class NodeDaemon:
             rest = count - len(claimed)
             if rest:
                 with ThreadPoolExecutor(max_workers=max(1, self.config.max_starting)) as pool:
-                    futures = [pool.submit(self._start_one, spec) for _ in range(rest)]
+                    futures = [pool.submit(self._start_one, spec, None, first)
+                               for _ in range(rest)]
                     errors: list[BaseException] = []
                     for f in futures:
                         try:
@@ -287,6 +297,8 @@ class NodeDaemon:
                         raise errors[0]
             for entry in claimed:  # a claimed sandbox starts its lease and log now
                 self._activate(entry, spec)
+                if first is not None:
+                    entry.first = self._run_first(entry, first)
         except BaseException:
             for entry in made:
                 with contextlib.suppress(Exception):
@@ -298,28 +310,50 @@ class NodeDaemon:
             for entry in made:
                 self._entries[entry.sandbox.id] = entry
         self._refill.set()
-        return [self._record(entry) for entry in made]
+        return [self._answer(entry, first) for entry in made]
 
-    def claim(self, spec: CreateSpec, count: int) -> list[SandboxRecord]:
+    def claim(self, spec: CreateSpec, count: int, first: FirstExec | None = None
+              ) -> list[Any]:
         """Up to ``count`` ready sandboxes of ``spec`` from this node's warm pool (maybe
-        none; never starts one): the client's one-call fast path for a warmed spec."""
+        none; never starts one): the client's one-call fast path for a warmed spec. With
+        ``first``, each runs that command before the reply (``(record, ExecResult)`` pairs, as
+        ``create_batch``), and the pool's refill starts only after it: a claimer's first
+        command does not share the node's CPU with the start of its replacement."""
         claimed = self._claim_warm(spec, count)
         done = []
-        for entry in claimed:
-            try:
-                self._activate(entry, spec)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    self._close_entry(entry)
-                raise
-            with self._lock:
-                self._entries[entry.sandbox.id] = entry
-            done.append(entry)
-        if claimed:
-            self._refill.set()
-        return [self._record(e) for e in done]
+        try:
+            for entry in claimed:
+                try:
+                    self._activate(entry, spec)
+                    if first is not None:
+                        entry.first = self._run_first(entry, first)
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        self._close_entry(entry)
+                    raise
+                with self._lock:
+                    self._entries[entry.sandbox.id] = entry
+                done.append(entry)
+            return [self._answer(e, first) for e in done]
+        finally:
+            if claimed:
+                self._refill.set()
 
-    def _start_one(self, spec: CreateSpec, pool: str | None = None) -> _Entry:
+    def _run_first(self, entry: _Entry, first: FirstExec) -> ExecResult:
+        cmd, kwargs = first
+        result = entry.sandbox.exec(cmd, **kwargs)
+        self._log(entry, "exec", cmd=cmd, kwargs=kwargs, result=result)
+        return result
+
+    def _answer(self, entry: _Entry, first: FirstExec | None) -> Any:
+        record = self._record(entry)
+        if first is None:
+            return record
+        result, entry.first = entry.first, None
+        return record, result
+
+    def _start_one(self, spec: CreateSpec, pool: str | None = None,
+                   first: FirstExec | None = None) -> _Entry:
         from runtime_shim.sandbox import Sandbox
 
         with self._lock:
@@ -342,6 +376,8 @@ class NodeDaemon:
         try:
             if pool is None:
                 self._activate(entry, spec)
+                if first is not None:  # in this start thread: the batch's execs run at once
+                    entry.first = self._run_first(entry, first)
             else:
                 # a first exec costs ~10x the next ones (the agent's first connection): pay it
                 # while the sandbox waits in the pool, not in the claimer's first command

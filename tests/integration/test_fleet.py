@@ -251,6 +251,31 @@ def test_warm_pool_create_is_a_claim_and_refills(clean, env):
     print(f"claim of 4 warm sandboxes: {claim * 1000:.1f} ms")
 
 
+def test_first_exec_rides_in_the_claim_and_the_create_batch(clean, env):
+    """``create(first_exec=...)``: claimed (warm) and started sandboxes alike run the command
+    inside the create call, hand back its result, keep its effect and log it."""
+    from runtime_shim.fleet import execlog
+
+    fleet = clean
+    key = fleet.warm(LOCK, per_node=1, limits=LIMITS, wait=120)
+    warm_ids = {Path(d).name for d in _sandbox_dirs(env["nodes"])}
+    cmd = "echo $((40+2)) > /tmp/first; cat /tmp/first"
+    got = fleet.create(LOCK, n=3, limits=LIMITS, first_exec=cmd)
+    fleet.warm(LOCK, per_node=0, limits=LIMITS)
+    assert len(got) == 3 and len(warm_ids) == 2
+    assert len(warm_ids & {s.sdk_id for s in got}) == 2, "two claimed, one started"
+    for sb in got:
+        assert sb.first_result is not None and sb.first_result.ok
+        assert sb.first_result.stdout == b"42\n"
+        assert sb.read_file("/tmp/first") == b"42\n"
+    plain = fleet.create(LOCK, n=1, limits=LIMITS)[0]
+    assert plain.first_result is None
+    logged = fleet.create(LOCK, n=1, limits=LIMITS, exec_log=True, first_exec=["true"])[0]
+    entries = execlog.read(fleet.store, logged.exec_log).entries
+    assert [(e.op, e.cmd) for e in entries] == [("exec", ("true",))]
+    assert key
+
+
 def test_bad_input_is_one_error_and_leaves_nothing(clean, env):
     fleet = clean
     with pytest.raises(LockNotFound, match="fleet's store"):
