@@ -276,6 +276,20 @@ def test_first_exec_rides_in_the_claim_and_the_create_batch(clean, env):
     assert key
 
 
+def test_daemon_and_its_sandboxes_run_at_normal_priority(clean):
+    """Ray starts workers at nice 15; the daemon resets every thread it has to 0, so its
+    starts and the sandboxes' processes are not starved behind every other process."""
+    fleet = clean
+    for nid in fleet.node_ids:
+        pid = fleet.call(nid, "hello")["pid"]
+        nice = {int(Path(t, "stat").read_text().rsplit(")", 1)[1].split()[16])
+                for t in Path(f"/proc/{pid}/task").iterdir()}
+        assert nice == {0}, f"daemon {pid} threads at nice {nice}"
+    sb = fleet.create(LOCK, n=1, limits=LIMITS)[0]
+    r = sb.exec("cat /proc/self/stat")
+    assert r.ok and r.stdout.rsplit(b")", 1)[1].split()[16] == b"0", r.stdout
+
+
 def test_bad_input_is_one_error_and_leaves_nothing(clean, env):
     fleet = clean
     with pytest.raises(LockNotFound, match="fleet's store"):
