@@ -54,6 +54,8 @@ NAMESPACE = "envbuild"
 ACTOR_PREFIX = "envbuild-node-"
 FLEET_RECORD = "fleet.json"
 FLEET_RECORD_VERSION = 1
+#: Seconds a warm pool waits after a claim before it starts the replacement.
+REFILL_DELAY = 0.05
 #: The lease of a sandbox created without ``ttl=`` (seconds).
 DEFAULT_TTL = 3600.0
 
@@ -587,7 +589,10 @@ class NodeDaemon:
 
     def _pool_loop(self) -> None:
         while not self._stop.is_set():
-            self._refill.wait(1.0)
+            if self._refill.wait(1.0):
+                # woken by a claim: let its reply leave (and the claimer's next command run)
+                # before a start takes this process's GIL and the node's CPU
+                self._stop.wait(REFILL_DELAY)
             self._refill.clear()
             with self._lock:
                 pools = list(self._pools.items())
