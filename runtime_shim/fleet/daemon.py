@@ -341,21 +341,19 @@ class NodeDaemon:
         ``create_batch``), and the pool's refill starts only after it: a claimer's first
         command does not share the node's CPU with the start of its replacement."""
         claimed = self._claim_warm(spec, count)
-        done = []
         try:
             for entry in claimed:
-                try:
-                    self._activate(entry, spec)
-                    if first is not None:
-                        entry.first = self._run_first(entry, first)
-                except BaseException:
-                    with contextlib.suppress(Exception):
-                        self._close_entry(entry)
-                    raise
-                with self._lock:
+                self._activate(entry, spec)
+                if first is not None:
+                    entry.first = self._run_first(entry, first)
+        except BaseException:  # all or none, as create_batch: none is left half-claimed
+            self._close_entries(claimed)
+            raise
+        else:
+            with self._lock:
+                for entry in claimed:
                     self._entries[entry.sandbox.id] = entry
-                done.append(entry)
-            return [self._answer(e, first) for e in done]
+            return [self._answer(e, first) for e in claimed]
         finally:
             if claimed:
                 self._refill.set()
