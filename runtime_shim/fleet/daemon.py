@@ -612,12 +612,15 @@ class NodeDaemon:
                     with self._lock:
                         self._reserved -= 1
                         stopped = self._stop.is_set()
-                        if not stopped:
+                        dropped = key not in self._pools  # warm(per_node=0) meanwhile
+                        if not stopped and not dropped:
                             self._entries[entry.sandbox.id] = entry
-                    if stopped:  # shutdown ran while it started: nobody else will close it
+                    if stopped or dropped:  # nobody else will close it
                         with contextlib.suppress(Exception):
                             self._close_entry(entry)
-                        return
+                        if stopped:
+                            return
+                        break
 
     # -- internals -------------------------------------------------------------------------
 

@@ -276,6 +276,23 @@ def test_first_exec_rides_in_the_claim_and_the_create_batch(clean, env):
     assert key
 
 
+def test_a_first_exec_that_fails_leaves_no_sandbox_claimed_or_started(clean, env):
+    from envbuild.errors import RuntimeShimError
+
+    fleet = clean
+    fleet.warm(LOCK, per_node=1, limits=LIMITS, wait=120)
+    with pytest.raises(RuntimeShimError, match="exec needs a command"):
+        fleet.create(LOCK, n=2, limits=LIMITS, first_exec=[])  # the warm claim path
+    fleet.warm(LOCK, per_node=0, limits=LIMITS)
+    with pytest.raises(RuntimeShimError, match="exec needs a command"):
+        fleet.create(LOCK, n=3, limits=LIMITS, first_exec=[])  # the create batch path
+    assert fleet.list() == []
+    deadline = time.monotonic() + 60  # a refill in flight when the pool stopped is closed
+    while sum(s.used for s in fleet.nodes()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sum(s.used for s in fleet.nodes()) == 0
+
+
 def test_daemon_and_its_sandboxes_run_at_normal_priority(clean):
     """Ray starts workers at nice 15; the daemon resets every thread it has to 0, so its
     starts and the sandboxes' processes are not starved behind every other process."""
