@@ -261,6 +261,7 @@ def main() -> None:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(cluster.temp_dir, ignore_errors=True)  # Ray's session dir (logs, sockets)
 
 
 if __name__ == "__main__":
