@@ -3,14 +3,18 @@
 same run (busybox env; real runc sandboxes).
 
     PYTHONPATH=. .venv/bin/python benchmarks/fleet_burst.py [--n 200] [--n 1000] [--execs 200]
+        [--env env/py-textstats --store DIR --only burst]
 
 1. burst: ``--n`` sandboxes created with one ``Fleet.create`` call over 2 nodes, ``true``
    exec'd in each, closed; sandboxes/s and p50/p99 time to ready, against the same count made
    with ``Sandbox.create`` in one process (as many threads as the fleet starts at once:
    2 nodes × ``--max-starting``). Ratio fleet/local throughput (goal ≥ 0.8).
-2. exec round trip of ``true`` through the fleet client vs ``Sandbox.exec`` (goal p50 ≤ 2 ms).
+2. exec round trip of ``true`` through the fleet client vs ``Sandbox.exec`` (goal p50 ≤ 2 ms),
+   and the floor: a no-op call to a Ray actor on the same node made like the daemon
+   (``num_cpus=0``, the daemon's ``max_concurrency``).
 3. warm pool: claim-to-first-exec p50 of one sandbox when the node has a ready one (goal
-   ≤ 5 ms), vs a cold create + first exec.
+   ≤ 5 ms): ``create(first_exec="true")`` (one Ray call), and ``create`` then ``exec`` (two),
+   vs a cold create + first exec.
 4. locality: 100 sandboxes of 4 locks (busybox + a 4 MiB snapshot layer each) in one plan on
    cold nodes, placement by locality vs random: layer bytes the nodes pulled from the store
    (goal: locality ≤ 0.6× random).
@@ -19,7 +23,9 @@ same run (busybox env; real runc sandboxes).
 Bursts run in two rounds, fleet-then-local and local-then-fleet, so load that drifts during
 the run weighs on both; the median ratio is the figure.
 
-Builds ``env/busybox-shell`` into a temporary store first (the test suite's defs).
+Builds ``env/busybox-shell`` into a temporary store first (the test suite's defs); with
+``--store DIR --env REF`` uses that store's env instead (e.g. ``env/py-textstats``, built with
+``ENVBUILD_STORE=DIR envbuild build py-textstats``); ``--only burst`` runs part 1 only.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime_shim.model import Limits  # noqa: E402
 from tests import ray_cluster  # noqa: E402,F401  (sets Ray's loopback env before ray loads)
 
-ENV = "env/busybox-shell"
+ENV = "env/busybox-shell"  # --env
 LIMITS = Limits(disk_bytes=None, memory_bytes=64 << 20)
 
 
@@ -86,6 +92,22 @@ def exec_rtt(fn, count: int) -> float:
     return statistics.median(times) * 1000
 
 
+def _noop_actor(node_id: str):
+    """A Ray actor doing nothing, placed and made like the node daemon: the floor of a call."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from runtime_shim.fleet.client import DAEMON_CONCURRENCY
+
+    class Noop:
+        def f(self) -> None:
+            return None
+
+    return ray.remote(Noop).options(
+        num_cpus=0, max_concurrency=DAEMON_CONCURRENCY,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+
+
 def make_locks(store: str, node_dir: str) -> list[str]:
     """4 locks: the busybox env plus one 4 MiB random snapshot layer each."""
     from runtime_shim.sandbox import Sandbox
@@ -99,12 +121,17 @@ def make_locks(store: str, node_dir: str) -> list[str]:
 
 
 def main() -> None:
+    global ENV
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, action="append", help="burst sizes (default 200)")
     ap.add_argument("--execs", type=int, default=200)
     ap.add_argument("--max-starting", type=int, default=4)
+    ap.add_argument("--env", default=ENV)
+    ap.add_argument("--store", help="a store holding --env (default: build busybox-shell)")
+    ap.add_argument("--only", choices=["burst"])
     args = ap.parse_args()
     sizes = args.n or [200]
+    ENV = args.env
 
     import ray
 
@@ -114,9 +141,13 @@ def main() -> None:
     from tests.ray_cluster import start_cluster
 
     tmp = Path(tempfile.mkdtemp(prefix="h14-fleet-bench-", dir="/tmp"))
-    store, _ = build_busybox_env(tmp / "env")
-    store_dir = str(store.root)
-    print(f"host load: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} cores", flush=True)
+    if args.store:
+        store_dir = os.path.abspath(args.store)
+    else:
+        store, _ = build_busybox_env(tmp / "env")
+        store_dir = str(store.root)
+    print(f"env {ENV}; host load: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} cores",
+          flush=True)
     cluster = start_cluster()
     try:
         ray.init(address=cluster.address, namespace="envbuild", log_to_driver=False)
@@ -143,7 +174,11 @@ def main() -> None:
                       f"s, p99 {loc['p99']:.2f} s)  ratio fleet/local {ratios[-1]:.2f}",
                       flush=True)
             print(f"burst n={n}: ratio fleet/local, median of the rounds: "
-                  f"{statistics.median(ratios):.2f} (goal >= 0.8)", flush=True)
+                  f"{statistics.median(ratios):.2f} (goal >= 0.8); load now "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)
+        if args.only == "burst":
+            fleet.stop_daemons()
+            return
 
         from runtime_shim.sandbox import Sandbox
 
@@ -153,19 +188,31 @@ def main() -> None:
             for _ in range(20):
                 sb.exec("true")
                 local.exec("true")
+            noop = _noop_actor(sb.node_id)
+            for _ in range(20):
+                ray.get(noop.f.remote())
             f_rtt = exec_rtt(lambda: sb.exec("true"), args.execs)
             l_rtt = exec_rtt(lambda: local.exec("true"), args.execs)
+            n_rtt = exec_rtt(lambda: ray.get(noop.f.remote()), args.execs)
+            ray.kill(noop)
         print(f"exec round trip p50: fleet {f_rtt:.2f} ms, local SDK {l_rtt:.2f} ms "
-              f"(fleet overhead {f_rtt - l_rtt:.2f} ms; goal fleet <= 2 ms)", flush=True)
+              f"(fleet overhead {f_rtt - l_rtt:.2f} ms; goal fleet <= 2 ms); Ray no-op actor "
+              f"call {n_rtt:.2f} ms, so the floor of a fleet exec is {n_rtt + l_rtt:.2f} ms",
+              flush=True)
         fleet.close_all()
 
         key = fleet.warm(ENV, per_node=4, limits=LIMITS, wait=120)
-        claims, colds = [], []
-        for _ in range(10):
+        claims, twos, colds = [], [], []
+        for i in range(20):
             t = time.perf_counter()
-            (h,) = fleet.create(ENV, n=1, limits=LIMITS)
-            h.exec("true")
-            claims.append(time.perf_counter() - t)
+            if i % 2:
+                (h,) = fleet.create(ENV, n=1, limits=LIMITS)
+                h.exec("true")
+                twos.append(time.perf_counter() - t)
+            else:
+                (h,) = fleet.create(ENV, n=1, limits=LIMITS, first_exec="true")
+                claims.append(time.perf_counter() - t)
+                assert h.first_result is not None and h.first_result.ok
             h.close()
             fleet.warm(ENV, per_node=4, limits=LIMITS, wait=120)  # refilled before the next
         fleet.warm(ENV, per_node=0, limits=LIMITS)
@@ -177,7 +224,8 @@ def main() -> None:
             h.close()
         del key
         print(f"warm pool: claim-to-first-exec p50 {statistics.median(claims) * 1000:.1f} ms "
-              f"vs cold create+exec {statistics.median(colds) * 1000:.1f} ms "
+              f"with first_exec (one call), {statistics.median(twos) * 1000:.1f} ms as create "
+              f"then exec (two calls), vs cold create+exec {statistics.median(colds) * 1000:.1f} ms "
               f"(ratio {statistics.median(claims) / statistics.median(colds):.3f}; goal "
               f"claim <= 5 ms)", flush=True)
         fleet.stop_daemons()
@@ -213,6 +261,7 @@ def main() -> None:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(cluster.temp_dir, ignore_errors=True)  # Ray's session dir (logs, sockets)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ Mark: the roots, and everything they reach
       layer, so a record never points at a deleted blob) and the layer becomes garbage.
       Default: every record is a root — the build cache is never dropped implicitly, since the
       planner trusts a record without re-checking its blob;
+    * **exec log blobs** (``runtime_shim.fleet.execlog``): every blob named by a record of
+      ``execlog/blobs/v1`` (a fleet sandbox's file write over 1 MiB, which a replay of its log
+      writes again);
     * **extra roots** (``roots=``: the digests of job manifests given with ``--job``): each is
       kept, and walked like a lock when it is one;
     * **every blob younger than the grace period**, and what it reaches when it is a manifest:
@@ -63,6 +66,10 @@ from envbuild.oci import ANNOTATION_PARENT, MEDIA_TYPE_MANIFEST
 from envbuild.store.base import BlobInfo, PartialWrite, Store, check_digest
 from envbuild.store.helpers import KEY_RECORDS, MAX_JSON_SIZE, get_json
 from envbuild.store.sync import _MANIFESTS  # the media types sync.walk descends into
+
+#: Records naming blobs that fleet exec logs hold (``runtime_shim.fleet.execlog.BLOB_INDEX``;
+#: the literal here keeps the store free of runtime_shim imports).
+EXEC_LOG_BLOBS = "execlog/blobs/v1"
 
 #: Default grace period: 24 hours.
 DEFAULT_GRACE = 24 * 3600.0
@@ -253,6 +260,7 @@ def gc(store: Store, *, grace: float = DEFAULT_GRACE, roots: Iterable[str] = (),
         check_digest(digest)
         marker.digest(digest, f"job manifest entry {digest[:19]}")
     records, drop = _mark_records(store, marker, cutoff, drop_cache, {})
+    logged = _mark_exec_log_blobs(store, marker, set())
     reachable = set(marker.marked)
     for info in infos:
         if not _old(info, cutoff):
@@ -261,6 +269,7 @@ def gc(store: Store, *, grace: float = DEFAULT_GRACE, roots: Iterable[str] = (),
     # Re-read the roots a concurrent writer may have added since, then decide.
     _mark_refs(store, marker, refs)
     _, drop = _mark_records(store, marker, cutoff, drop_cache, records)
+    _mark_exec_log_blobs(store, marker, logged)
     drop = {name: rec for name, rec in drop.items() if rec[0] not in marker.marked}
 
     report.reachable = sum(1 for i in infos if i.digest in reachable)
@@ -333,6 +342,18 @@ def _mark_records(store: Store, marker: _Marker, cutoff: float, drop_cache: bool
         records[name] = None
         marker.digest(layer, f"key record {name[:12]}", sniff=False)
     return records, drop
+
+
+def _mark_exec_log_blobs(store: Store, marker: _Marker, seen: set[str]) -> set[str]:
+    """Mark the blob of every exec log index record not in ``seen``; return every name read.
+    A malformed record marks nothing (it names no blob this GC could keep)."""
+    names: set[str] = set(store.list_records(EXEC_LOG_BLOBS))  # type: ignore[attr-defined]
+    for name in sorted(names - seen):
+        obj = store.get_record(EXEC_LOG_BLOBS, name)
+        blob = obj.get("blob") if obj else None
+        if isinstance(blob, str) and re.fullmatch(r"sha256:[0-9a-f]{64}", blob):
+            marker.digest(blob, f"exec log record {name}", sniff=False)
+    return seen | names
 
 
 def _stale_partials(store: Store, cutoff: float) -> list[PartialWrite]:

@@ -35,6 +35,7 @@ from runtime_shim.fleet.daemon import (
     NAMESPACE,
     CreateSpec,
     DaemonConfig,
+    FirstExec,
     NodeDaemon,
     NodeStatus,
     SandboxRecord,
@@ -357,26 +358,32 @@ class Fleet:
                network: bool | Sequence[str] = False, limits: Limits | None = None,
                ttl: float | None = None, exec_log: bool = False,
                labels: Mapping[str, str] | None = None, seccomp: str | None = None,
-               placement_policy: str = "locality") -> list[FleetSandbox]:
+               placement_policy: str = "locality",
+               first_exec: str | Sequence[str] | None = None) -> list[FleetSandbox]:
         """Start ``n`` sandboxes of ``lock`` (ref or digest) across the fleet; the arguments
         are ``Sandbox.create``'s, ``ttl`` the lease (see ``runtime_shim.fleet.daemon``). All
-        ``n`` or none."""
+        ``n`` or none. ``first_exec``: a command each sandbox runs on its node as soon as it
+        is ready, within the same call (no extra round trip: a warm claim and its first
+        command are one Ray call); its ``ExecResult`` is the handle's ``first_result``."""
         spec, resolved = self._spec(lock, backend=backend, lazy=lazy, network=network,
                                     limits=limits, ttl=ttl, exec_log=exec_log, labels=labels,
                                     seccomp=seccomp)
-        claimed = self._claim(spec, n) if spec.pool_key() in self._warmed else []
+        first: FirstExec | None = None if first_exec is None else (
+            first_exec if isinstance(first_exec, str) else list(first_exec), {})
+        claimed = self._claim(spec, n, first) if spec.pool_key() in self._warmed else []
         if len(claimed) == n:
             return claimed
         try:
             return claimed + self._create_specs([(spec, resolved, n - len(claimed))],
-                                                placement_policy)[0]
+                                                placement_policy, first)[0]
         except BaseException:
             for h in claimed:
                 with contextlib.suppress(EnvbuildError):
                     h.close()
             raise
 
-    def _claim(self, spec: CreateSpec, n: int) -> builtins.list[FleetSandbox]:
+    def _claim(self, spec: CreateSpec, n: int, first: FirstExec | None = None
+               ) -> builtins.list[FleetSandbox]:
         """The fast path of a warmed spec: ask the nodes in turn for ready sandboxes (one
         call each, starting after the node asked last), until ``n`` or every node said no."""
         got: builtins.list[FleetSandbox] = []
@@ -387,8 +394,8 @@ class Fleet:
                 break
             self._claim_turn += 1
             try:
-                got.extend(FleetSandbox(self, r)
-                           for r in self.call(nid, "claim", spec, n - len(got)))
+                got.extend(_handles(self, self.call(nid, "claim", spec, n - len(got), first),
+                                    first))
             except NodeLost:
                 continue
         return got
@@ -411,8 +418,8 @@ class Fleet:
             specs.append((spec, resolved, n))
         return self._create_specs(specs, placement_policy)
 
-    def _create_specs(self, specs: Sequence[tuple[CreateSpec, Any, int]], policy: str
-                      ) -> list[list[FleetSandbox]]:
+    def _create_specs(self, specs: Sequence[tuple[CreateSpec, Any, int]], policy: str,
+                      first: FirstExec | None = None) -> list[list[FleetSandbox]]:
         layers = sorted({x.digest for _, r, _ in specs for x in r.layers})
         keys = [spec.pool_key() for spec, _, _ in specs]
         status = self.nodes(layers, keys)
@@ -428,16 +435,16 @@ class Fleet:
                   for (spec, r, n), key in zip(specs, keys, strict=True)]
         plans = placement.plan_groups(loads, groups, policy=policy)
         return self._create_batches([(spec, counts) for (spec, _, _), counts
-                                     in zip(specs, plans, strict=True)])
+                                     in zip(specs, plans, strict=True)], first)
 
-    def _create_batches(self, batches: Sequence[tuple[CreateSpec, Mapping[str, int]]]
-                        ) -> list[list[FleetSandbox]]:
-        refs = [[(nid, k, self._daemon(nid).create_batch.remote(spec, k))
+    def _create_batches(self, batches: Sequence[tuple[CreateSpec, Mapping[str, int]]],
+                        first: FirstExec | None = None) -> list[list[FleetSandbox]]:
+        refs = [[(nid, k, self._daemon(nid).create_batch.remote(spec, k, first))
                  for nid, k in counts.items()] for spec, counts in batches]
-        made: list[list[SandboxRecord]] = []
+        made: list[list[Any]] = []
         errors: list[BaseException] = []
         for group in refs:
-            records: list[SandboxRecord] = []
+            records: list[Any] = []
             for nid, k, ref in group:
                 try:
                     records.extend(_get(ref, CALL_TIMEOUT + CREATE_PER_SANDBOX * k, nid))
@@ -445,11 +452,11 @@ class Fleet:
                     errors.append(e)
             made.append(records)
         if errors:
-            for record in (r for rs in made for r in rs):
+            for record in (r[0] if first else r for rs in made for r in rs):
                 with contextlib.suppress(EnvbuildError):
                     self.call(record.node_id, "close", split_fleet_id(record.id)[0])
             raise errors[0]
-        return [[FleetSandbox(self, r) for r in rs] for rs in made]
+        return [_handles(self, rs, first) for rs in made]
 
     def create_groups(self, groups: Sequence[Any], **kwargs: Any
                       ) -> list[list[FleetSandbox]]:
@@ -582,12 +589,24 @@ class Fleet:
         self.disconnect()
 
 
-class FleetSandbox:
-    """One fleet sandbox: ``Sandbox``'s methods, each one call to its node's daemon."""
+def _handles(fleet: Fleet, answers: Sequence[Any], first: FirstExec | None
+             ) -> builtins.list[FleetSandbox]:
+    """Handles of a daemon's create/claim answer: records, or ``(record, result)`` pairs
+    when a first exec was asked for."""
+    if first is None:
+        return [FleetSandbox(fleet, r) for r in answers]
+    return [FleetSandbox(fleet, r, first_result=res) for r, res in answers]
 
-    def __init__(self, fleet: Fleet, record: SandboxRecord) -> None:
+
+class FleetSandbox:
+    """One fleet sandbox: ``Sandbox``'s methods, each one call to its node's daemon.
+    ``first_result``: the ``ExecResult`` of ``create(..., first_exec=...)`` (else None)."""
+
+    def __init__(self, fleet: Fleet, record: SandboxRecord, *,
+                 first_result: ExecResult | None = None) -> None:
         self.fleet = fleet
         self.record = record
+        self.first_result = first_result
         self.id = record.id
         self.node_id = record.node_id
         self.sdk_id = split_fleet_id(record.id)[0]

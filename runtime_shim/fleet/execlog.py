@@ -12,6 +12,10 @@ daemon appends one store record per exec or file write, in the order they ran, s
   base64; an output longer than ``MAX_INLINE`` is cut and marked ``cut`` (such a result is
   never handed back by a fast-forward); written data longer than that is stored as a blob
   (``data_blob``) so a replay writes the same bytes.
+- each such blob is also named by a record of namespace ``BLOB_INDEX`` (``execlog/blobs/v1``),
+  ``<log_id>.<seq>``: ``{version, log, seq, blob}``, written after the blob and before the
+  entry. ``envbuild gc`` (``envbuild.store.gc``) keeps every blob that index names: a log's
+  namespace cannot be listed from the store's interface, the index can.
 
 Replay (``replay_ops``) runs the entries in order against a sandbox's ``exec``/``write_file``;
 ``FastForward`` (``Fleet.fast_forward``) answers a restarted rollout's commands from the log
@@ -35,6 +39,8 @@ LOG_VERSION = 1
 NAMESPACE = "execlog/v1"
 #: Output or data kept inline in a record (bytes per field).
 MAX_INLINE = 1 << 20
+#: Record namespace naming every blob an exec log entry holds (read by ``envbuild.store.gc``).
+BLOB_INDEX = "execlog/blobs/v1"
 
 
 def namespace(log_id: str) -> str:
@@ -83,6 +89,10 @@ def append(store: Store, log_id: str, seq: int, op: str, **fields: Any) -> None:
             from envbuild.store import put_bytes
 
             entry["data_blob"] = put_bytes(store, data)
+            # before the entry: gc keeps what the index names, never a blob an entry names alone
+            store.put_record(BLOB_INDEX, f"{log_id}.{seq:08d}",
+                             {"version": LOG_VERSION, "log": log_id, "seq": seq,
+                              "blob": entry["data_blob"]})
         else:
             entry["data"] = _b64(data)
     else:
@@ -213,5 +223,5 @@ def replay_ops(log: ExecLog, exec_fn: Callable[..., ExecResult],
     return ReplayReport(log_id=log.log_id, ran=ran, differed=tuple(differed))
 
 
-__all__ = ["LOG_VERSION", "MAX_INLINE", "ExecLog", "LogEntry", "ReplayReport", "append",
+__all__ = ["BLOB_INDEX", "LOG_VERSION", "MAX_INLINE", "ExecLog", "LogEntry", "ReplayReport", "append",
            "length", "read", "replay_ops", "start"]

@@ -251,6 +251,62 @@ def test_warm_pool_create_is_a_claim_and_refills(clean, env):
     print(f"claim of 4 warm sandboxes: {claim * 1000:.1f} ms")
 
 
+def test_first_exec_rides_in_the_claim_and_the_create_batch(clean, env):
+    """``create(first_exec=...)``: claimed (warm) and started sandboxes alike run the command
+    inside the create call, hand back its result, keep its effect and log it."""
+    from runtime_shim.fleet import execlog
+
+    fleet = clean
+    key = fleet.warm(LOCK, per_node=1, limits=LIMITS, wait=120)
+    warm_ids = {Path(d).name for d in _sandbox_dirs(env["nodes"])}
+    cmd = "echo $((40+2)) > /tmp/first; cat /tmp/first"
+    got = fleet.create(LOCK, n=3, limits=LIMITS, first_exec=cmd)
+    fleet.warm(LOCK, per_node=0, limits=LIMITS)
+    assert len(got) == 3 and len(warm_ids) == 2
+    assert len(warm_ids & {s.sdk_id for s in got}) == 2, "two claimed, one started"
+    for sb in got:
+        assert sb.first_result is not None and sb.first_result.ok
+        assert sb.first_result.stdout == b"42\n"
+        assert sb.read_file("/tmp/first") == b"42\n"
+    plain = fleet.create(LOCK, n=1, limits=LIMITS)[0]
+    assert plain.first_result is None
+    logged = fleet.create(LOCK, n=1, limits=LIMITS, exec_log=True, first_exec=["true"])[0]
+    entries = execlog.read(fleet.store, logged.exec_log).entries
+    assert [(e.op, e.cmd) for e in entries] == [("exec", ("true",))]
+    assert key
+
+
+def test_a_first_exec_that_fails_leaves_no_sandbox_claimed_or_started(clean, env):
+    from envbuild.errors import RuntimeShimError
+
+    fleet = clean
+    fleet.warm(LOCK, per_node=1, limits=LIMITS, wait=120)
+    with pytest.raises(RuntimeShimError, match="exec needs a command"):
+        fleet.create(LOCK, n=2, limits=LIMITS, first_exec=[])  # the warm claim path
+    fleet.warm(LOCK, per_node=0, limits=LIMITS)
+    with pytest.raises(RuntimeShimError, match="exec needs a command"):
+        fleet.create(LOCK, n=3, limits=LIMITS, first_exec=[])  # the create batch path
+    assert fleet.list() == []
+    deadline = time.monotonic() + 60  # a refill in flight when the pool stopped is closed
+    while sum(s.used for s in fleet.nodes()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sum(s.used for s in fleet.nodes()) == 0
+
+
+def test_daemon_and_its_sandboxes_run_at_normal_priority(clean):
+    """Ray starts workers at nice 15; the daemon resets every thread it has to 0, so its
+    starts and the sandboxes' processes are not starved behind every other process."""
+    fleet = clean
+    for nid in fleet.node_ids:
+        pid = fleet.call(nid, "hello")["pid"]
+        nice = {int(Path(t, "stat").read_text().rsplit(")", 1)[1].split()[16])
+                for t in Path(f"/proc/{pid}/task").iterdir()}
+        assert nice == {0}, f"daemon {pid} threads at nice {nice}"
+    sb = fleet.create(LOCK, n=1, limits=LIMITS)[0]
+    r = sb.exec("cat /proc/self/stat")
+    assert r.ok and r.stdout.rsplit(b")", 1)[1].split()[16] == b"0", r.stdout
+
+
 def test_bad_input_is_one_error_and_leaves_nothing(clean, env):
     fleet = clean
     with pytest.raises(LockNotFound, match="fleet's store"):

@@ -231,3 +231,25 @@ def test_blob_being_written_during_gc_survives(tmp_path):
     assert not errors
     assert read_bytes(store, digest) == data
     assert not [i for i in report.deleted if i.kind == "partial"]
+
+
+@pytest.mark.parametrize("kind", ["memory", "local"])
+def test_exec_log_blobs_are_kept_and_a_replay_reads_them(kind, tmp_path):
+    """A fleet exec log's file write over 1 MiB is a blob named only by the log: gc keeps it
+    (so the log still replays), and still deletes old garbage beside it."""
+    from runtime_shim.fleet import execlog
+
+    store = MemoryStore() if kind == "memory" else LocalStore(tmp_path / "store")
+    big = os.urandom(execlog.MAX_INLINE + 1)
+    execlog.start(store, "eb-0123456789ab", lock=digest_bytes(b"lock"), node_id="n" * 56)
+    execlog.append(store, "eb-0123456789ab", 1, "write", path="/big", data=big, mode=0o600)
+    garbage = put_bytes(store, b"nobody's")
+    age_everything(store)
+    report = gc(store, grace=0)
+    assert [i.name for i in report.deleted if i.kind == "blob"] == [garbage]
+    (entry,) = execlog.read(store, "eb-0123456789ab").entries
+    assert entry.data == big and entry.mode == 0o600
+    # a malformed index record marks nothing and does not stop gc
+    store.put_record(execlog.BLOB_INDEX, "eb-0123456789ab.00000002", {"blob": "../x"})
+    gc(store, grace=0)
+    assert execlog.read(store, "eb-0123456789ab").entries[0].data == big
