@@ -23,7 +23,9 @@ BACKGROUND_WORKERS = 2
 #: import, a test run, ``grep -r``) finds them without a request.
 MISS_WINDOW = 1 << 20
 #: Compressed bytes the background readahead fetches past a miss's window, in tar order.
-READAHEAD_WINDOW = 2 << 20
+READAHEAD_WINDOW = 1 << 20
+#: Batches of a profile prefetch in flight at once, per layer.
+PREFETCH_WORKERS = 3
 #: Files larger than this end a tar-order window (they are fetched when opened).
 WINDOW_MAX_FILE = 1 << 20
 
@@ -44,6 +46,7 @@ class _Frames:
             if len(node.frames) == 1:
                 self.mates.setdefault(node.frames[0], []).append(node.read_path)
         self.nodes = nodes
+        self.profiled = False   # a recorded profile is being prefetched: no tar-order guesses
         self._order: list[Node] | None = None   # regular files in blob (tar) order, on demand
         self._pos: dict[int, int] = {}          # id(node) -> index in _order
 
@@ -112,14 +115,20 @@ class _Frames:
 
 
 def prefetch_in_order(frames: _Frames, nodes: dict[str, Node], paths: Sequence[str], *,
-                      first_batch: int = 1 << 20, max_batch: int = 16 << 20,
-                      workers: int = BACKGROUND_WORKERS) -> int:
-    """Load the regular files among ``paths`` in their order, in batches whose merged reads
-    run in parallel, skipping frames someone else is fetching (a reader waits for those).
-    Batches start at ``first_batch`` bytes and double up to ``max_batch``: the first files
-    (what starts first) arrive soon, the rest in few large requests; a reader waiting for a
-    frame waits for its whole batch; ``workers`` parallel requests, few, so that reads
-    (on-demand fetches) are not queued behind them. Returns the files asked for."""
+                      first_batch: int = 512 << 10, max_batch: int = 2 << 20,
+                      workers: int = PREFETCH_WORKERS) -> int:
+    """Load the regular files among ``paths`` in their order, in batches of about
+    ``max_batch`` bytes (the first ``first_batch``: what starts first arrives soonest), each
+    batch one merged ranged read as far as the files are adjacent, ``workers`` batches in
+    flight at once (submitted in order), skipping frames someone else is fetching (a reader
+    waits for those). Small batches keep a reader that needs a file of a batch in flight
+    waiting for little more than its own bytes, and decoded frames arrive as a stream; the
+    few ``workers`` leave most of the node's fetch slots to reads. Marks ``frames`` as
+    profiled (the tar-order readahead stops guessing). Returns the files asked for."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    frames.profiled = True
+    batches: list[list[Node]] = []
     batch: list[Node] = []
     size = count = 0
     limit = first_batch
@@ -131,12 +140,17 @@ def prefetch_in_order(frames: _Frames, nodes: dict[str, Node], paths: Sequence[s
         size += n.size
         count += 1
         if size >= limit:
-            frames.load(batch, wait=False, workers=workers)
-            batch, size, limit = [], 0, min(limit * 2, max_batch)
+            batches.append(batch)
+            batch, size, limit = [], 0, max_batch
     if batch:
-        frames.load(batch, wait=False, workers=workers)
+        batches.append(batch)
+    if not batches:
+        return count
+    with ThreadPoolExecutor(max(1, min(workers, len(batches))),
+                            thread_name_prefix="lazy-prefetch") as pool:
+        for f in [pool.submit(frames.load, b, wait=False, workers=1) for b in batches]:
+            f.result()
     return count
-
 
 
 class _Readahead:
@@ -174,7 +188,7 @@ class _Readahead:
                     self.cv.wait()
                 node = self.after.pop()  # the latest first: what runs now
                 del self.after[:-8]      # a reader far ahead made older positions moot
-            if not self.frames.following(node, MISS_WINDOW):
+            if self.frames.profiled or not self.frames.following(node, MISS_WINDOW):
                 continue
             todo = self.frames.following(node, READAHEAD_WINDOW)
             try:
