@@ -160,7 +160,7 @@ class _Readahead:
     programs that open a package's files one by one (Python imports, shared libraries)."""
 
     def __init__(self, layer: LazyLayer, nodes: dict[str, Node], frames: _Frames, *,
-                 max_file: int = 1 << 20, budget: int = 8 << 20) -> None:
+                 max_file: int = 256 << 10, budget: int = 2 << 20) -> None:
         self.layer, self.nodes, self.frames = layer, nodes, frames
         self.max_file, self.budget = max_file, budget
         self.done: set[str] = set()
