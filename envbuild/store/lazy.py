@@ -9,10 +9,11 @@
     layer.prefetch(["a.py", "b.py", ...])      # many files at once, requests in parallel
     layer.stats                                # requests, bytes_fetched, cache_hits, ...
 
-**Opening costs two ranged reads**: the footer (the last 80 bytes: an explicit range when the
-blob's size is known — pass it from the lock's descriptor — or a suffix range when the store
-is a ``TailReader``, as ``S3Store`` and ``LocalStore`` are; otherwise one ``stat`` first) and the
-TOC. Both are
+**Opening costs one ranged read when the blob's size is known** (pass it from the lock's
+descriptor): its last ``TOC_GUESS`` bytes, which hold the footer (the last 80 bytes) and, for
+all but huge layers, the TOC right before it (a second read fetches a TOC that does not fit).
+Without the size: a suffix range for the footer when the store is a ``TailReader``, as
+``S3Store`` and ``LocalStore`` are (otherwise one ``stat`` first), then the TOC. Both are
 verified (footer → TOC sha256, and ``expected_toc_digest`` from the descriptor annotation or key
 record). After that, reads fetch only the zstd frames holding the files asked for: the frames
 a request needs are sorted by offset and **adjacent frames are fetched in one ranged read**,
@@ -69,6 +70,9 @@ CHUNK_CACHE_VERSION = 1
 _KEY_TAG = b"envbuild.chunk.v1\0"
 _TRAILER = 32
 MiB = 1 << 20
+#: Bytes of a layer's tail read at open when its size is known: footer and TOC in one
+#: request for TOCs up to this size (the venv layers of benchmarks/cold_start.py: 0.6 MB).
+TOC_GUESS = 1 * MiB
 _local = threading.local()
 
 
@@ -316,6 +320,7 @@ class LazyLayer:
         self.stats = LazyStats()
         self._lock = threading.Lock()
         self._children: dict[str, list[str]] | None = None
+        self._tail: tuple[int, bytes] | None = None
         kwargs = dict(name=digest, expected_toc_digest=expected_toc_digest or None)
         if size is None and isinstance(store, TailReader):
             actual: list[int] = []
@@ -335,7 +340,13 @@ class LazyLayer:
         else:
             if size is None:
                 size = store.stat(digest).size
+            # one request for footer and TOC: the TOC sits right before the footer, and a
+            # tail of TOC_GUESS bytes holds it for all but huge layers (a second request then)
+            n = min(size, TOC_GUESS)
+            self._tail = (size - n, store.get_range(digest, size - n, n))
+            self._count(len(self._tail[1]), toc=True)
             self.reader = LayerReader(self._toc_range, size, **kwargs)
+            self._tail = None
         self.size = self.reader.footer.blob_size
         self.toc_digest = self.reader.toc_digest
 
@@ -350,6 +361,10 @@ class LazyLayer:
                 self.stats.toc_bytes += n
 
     def _toc_range(self, offset: int, length: int) -> bytes:
+        if self._tail is not None:
+            start, buf = self._tail
+            if offset >= start and offset + length <= start + len(buf):
+                return buf[offset - start:offset - start + length]
         data = self.store.get_range(self.digest, offset, length)
         self._count(len(data), toc=True)
         return data

@@ -189,6 +189,8 @@ class _NodeDaemon:
         mp, digest = req["mountpoint"], req["digest"]
         url, endpoint = req["store"], req.get("s3_endpoint")
         ready = threading.Event()
+        t0 = time.monotonic()
+        phases: dict[str, float] = {}
         try:
             if req.get("ranges_url"):  # the full store (boto3) only if the URL stops working
                 store = HttpRanges(digest, req["ranges_url"], lambda: self._store(url, endpoint))
@@ -197,7 +199,9 @@ class _NodeDaemon:
             layer = LazyLayer(BoundedRanges(store, self.limits), digest, chunk_cache=self.cache,
                               expected_toc_digest=req.get("toc_digest") or None,
                               size=req.get("size"))
+            phases["open"] = time.monotonic() - t0
             nodes = build_tree(layer.entries())
+            phases["tree"] = time.monotonic() - t0
             prof = req.get("profile")
             trace = self._trace(prof, digest) if prof else None
             if self.mode == MODE_PASSTHROUGH:
@@ -258,6 +262,9 @@ class _NodeDaemon:
             why = failed[0] if failed else "the kernel did not send INIT in time"
             log.error("%s", why)
             return {"ok": False, "error": why}
+        # where a lazy create's time goes (footer+TOC fetch, tree, mount handshake)
+        log.info("mounted %s in %.3f s (footer+TOC %.3f s, tree %.3f s)", digest[:19],
+                 time.monotonic() - t0, phases.get("open", 0), phases.get("tree", 0))
         with self.lock:
             self.ops[mp] = ops
         return {"ok": True, "pid": os.getpid(), "mode": self.mode}

@@ -12,7 +12,7 @@ from typing import Any
 
 from envbuild.errors import EnvbuildError, RuntimeShimError
 from envbuild.store.lazy import LazyLayer
-from runtime_shim.lazyfs.frames import _Frames, _Readahead
+from runtime_shim.lazyfs.frames import MISS_WINDOW, _Frames, _Readahead
 from runtime_shim.lazyfs.profile import _Trace
 from runtime_shim.lazyfs.tree import Node, statfs_of
 
@@ -114,12 +114,15 @@ def make_operations(layer: LazyLayer, nodes: dict[str, Node], *,
                 trace.add(node)
             try:
                 if frames.missing(node):
-                    # one fetch per frame at a time: a second reader waits for it
+                    # one fetch per frame at a time: a second reader waits for it; the files
+                    # that follow in tar order come in the same ranged read (MISS_WINDOW)
+                    window = [node, *frames.following(node, MISS_WINDOW)]
                     if limits is None:
-                        frames.load([node])
+                        frames.load(window)
                     else:  # a store that stops answering is EIO in bounded time, not a hang
                         limits.bounded(f"read {node.read_path} of {layer.digest}",
-                                       lambda: frames.load([node]))
+                                       lambda: frames.load(window))
+                    readahead.schedule_after(window[-1])
                     readahead.schedule(path.strip("/").rpartition("/")[0])
                 return layer.read(node.read_path, offset, size)
             except EnvbuildError as e:

@@ -48,7 +48,7 @@ from typing import Any
 from envbuild.errors import EnvbuildError, RuntimeShimError
 from envbuild.store.lazy import LazyLayer
 from runtime_shim.lazyfs.filecache import FileCache
-from runtime_shim.lazyfs.frames import _Frames, _Readahead
+from runtime_shim.lazyfs.frames import MISS_WINDOW, _Frames, _Readahead
 from runtime_shim.lazyfs.profile import _Trace
 from runtime_shim.lazyfs.tree import Node, statfs_of
 
@@ -438,8 +438,12 @@ class PassthroughFS:
             conn.reply(unique, _OPEN_OUT.pack(0, _PT, held[0]))
             return
         digest = self._digest(node)
-        if (digest and self.files.cached(digest)) or not self.lazy_frames.missing(node):
-            # no store request (cached, or its frames are in the chunk cache): answer here
+        if digest and self.files.cached(digest):
+            self._finish_open(conn, unique, node, digest, inline=True)
+        elif not self.lazy_frames.missing(node):
+            # no store request (its frames are in the chunk cache): answer here; a reader
+            # going through the blob in tar order keeps the readahead ahead of it
+            self.readahead.schedule_after(node)
             self._finish_open(conn, unique, node, digest, inline=True)
         else:
             self.workers.submit(self._finish_open, conn, unique, node, digest)
@@ -454,7 +458,9 @@ class PassthroughFS:
         # one fetch per frame at a time (a second reader waits); small files that share the
         # frame are cached with it, and the directory's other small files follow (readahead)
         if self.lazy_frames.missing(node):
-            self.lazy_frames.load([node])
+            window = [node, *self.lazy_frames.following(node, MISS_WINDOW)]
+            self.lazy_frames.load(window)
+            self.readahead.schedule_after(window[-1])
             self.readahead.schedule(node.read_path.rpartition("/")[0])
         return self.lazy_layer.read(node.read_path)
 

@@ -44,11 +44,21 @@ def layer(tmp_path):
     return store, digest, size, toc
 
 
-def test_open_is_two_ranged_reads(layer):
+def test_open_is_one_ranged_read_when_the_size_is_known(layer):
     store, digest, size, toc = layer
     lazy = LazyLayer(store, digest, size=size, expected_toc_digest=toc)
-    assert store.calls["get_range"] == 2 and store.calls["stat"] == 0
-    assert lazy.stats.requests == 2 and lazy.stats.bytes_fetched == lazy.stats.toc_bytes
+    assert store.calls["get_range"] == 1 and store.calls["stat"] == 0
+    assert lazy.stats.requests == 1 and lazy.stats.bytes_fetched == lazy.stats.toc_bytes
+
+
+def test_open_fetches_a_toc_larger_than_the_tail_guess(layer, monkeypatch):
+    import envbuild.store.lazy as lazy_mod
+
+    store, digest, size, toc = layer
+    monkeypatch.setattr(lazy_mod, "TOC_GUESS", 100)  # the footer, not the whole TOC
+    lazy = LazyLayer(store, digest, size=size, expected_toc_digest=toc)
+    assert store.calls["get_range"] == 2 and lazy.stats.requests == 2
+    assert lazy.read("hello.txt").startswith(b"hello")
 
 
 def test_open_with_get_tail_needs_no_size(layer):
@@ -133,10 +143,10 @@ def test_same_file_in_another_layer_hits_the_cache(tmp_path):
     LazyLayer(store, d1, size=s1, chunk_cache=cache).read("big.bin")
     other = LazyLayer(store, d2, size=s2, chunk_cache=cache)
     assert other.read("big.bin") == BIG
-    assert other.stats.requests == 2  # footer and TOC only
+    assert other.stats.requests == 1  # footer and TOC (one tail read) only
     assert other.stats.cache_hits == 2
     assert other.read("hello.txt") == b"hello\ndifferent"  # different content: fetched
-    assert other.stats.requests == 3
+    assert other.stats.requests == 2
 
 
 def test_corrupt_frame_is_detected_and_not_cached(layer):
