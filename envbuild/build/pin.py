@@ -470,7 +470,11 @@ def snapshot(defs_dir: Path, pinner: Pinner | None = None,
     its sources and compute every key."""
     from envbuild.plan.graph import check_tree  # schema and graph problems in one report
 
-    graph = check_tree(defs_dir, parse_cache)
+    return snapshot_graph(check_tree(defs_dir, parse_cache), pinner)
+
+
+def snapshot_graph(graph: EnvGraph, pinner: Pinner | None = None) -> Snapshot:
+    """``snapshot`` of a tree already loaded and checked."""
     defs = graph.defs
     pinned = pin_inputs(defs, pinner)
     return Snapshot(defs=defs, graph=graph, pinned=pinned, keys=compute_keys(graph, pinned))

@@ -8,14 +8,19 @@ Parsing (YAML, limits, schema, model) is ~90 % of loading a tree of 100,000 defi
 directory), and parses only misses. Only files that parsed without a single problem are
 cached, so every problem is still found and reported by a real parse.
 
-On disk (version 1): one pickle ``<dir>/defs-v1.pickle`` holding ``{"version": 1, "code":
-<code_fingerprint()>, "entries": {digest: [Definition, ...]}}`` (a cache of other code, e.g.
-another envbuild sharing the node dir, is not used), replaced atomically by ``save``, which
-keeps only the entries this process used (hit or added): the cache is about the size of the
-trees last loaded. It is trusted host state like the rest of the node cache (a pickle runs
-code when loaded): it lives in the node dir (``0700``), never in a checkout or a store. An
-unreadable, corrupt or other-version file is treated as empty; one that cannot be written is
-skipped.
+It also maps git blob ids to content digests (``blob(oid)``/``note_blob``): a blob id is the
+sha1 of the content with a ``blob <size>\\0`` header, so the mapping is exact, and ``plan
+--changed-since REV`` reads from git only the blobs of REV it has never seen
+(``envbuild.build.gitrev``); the loader notes the blob id of every working-tree file it hashes.
+
+On disk (version 2): one pickle ``<dir>/defs-v2.pickle`` holding ``{"version": 2, "code":
+<code_fingerprint()>, "entries": {digest: [Definition, ...]}, "blobs": {oid: digest}}`` (a
+cache of other code, e.g. another envbuild sharing the node dir, is not used), replaced
+atomically by ``save``, which keeps only the entries this process used (hit or added): the
+cache is about the size of the trees last loaded. It is trusted host state like the rest of
+the node cache (a pickle runs code when loaded): it lives in the node dir (``0700``), never in
+a checkout or a store. An unreadable, corrupt or other-version file is treated as empty; one
+that cannot be written is skipped.
 """
 
 from __future__ import annotations
@@ -32,7 +37,12 @@ from typing import Any
 
 from envbuild.defs.model import Definition
 
-VERSION = 1
+VERSION = 2
+
+
+def git_blob_id(data: bytes) -> str:
+    """The git (sha1) blob id of ``data``: what ``git hash-object`` prints."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
 
 
 def code_fingerprint() -> str:
@@ -59,6 +69,8 @@ class ParseCache:
         self.path = Path(directory) / f"defs-v{VERSION}.pickle"
         self._entries: dict[str, tuple[Definition, ...]] | None = None
         self._used: dict[str, tuple[Definition, ...]] = {}
+        self._blobs: dict[str, str] | None = None
+        self._used_blobs: dict[str, str] = {}
         self.code = code_fingerprint()
         self.hits = 0
         self.misses = 0
@@ -71,10 +83,25 @@ class ParseCache:
                 ok = (isinstance(data, dict) and data.get("version") == VERSION
                       and data.get("code") == self.code)
                 self._entries = data["entries"] if ok else {}
+                self._blobs = data["blobs"] if ok else {}
             except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError,
                     KeyError, TypeError, ValueError):
-                self._entries = {}
+                self._entries, self._blobs = {}, {}
         return self._entries
+
+    def blob(self, oid: str) -> str | None:
+        """The content digest of git blob ``oid`` if a file with its bytes was ever hashed."""
+        found = self._used_blobs.get(oid)
+        if found is None:
+            self._load()
+            assert self._blobs is not None
+            found = self._blobs.get(oid)
+            if found is not None:
+                self._used_blobs[oid] = found
+        return found
+
+    def note_blob(self, oid: str, digest: str) -> None:
+        self._used_blobs[oid] = digest
 
     def get(self, digest: str, file: str) -> list[Definition] | None:
         """The definitions of a file with these bytes, placed at ``file``; None on a miss."""
@@ -94,7 +121,8 @@ class ParseCache:
     def save(self) -> None:
         """Write the entries used by this process (atomically); skipped when nothing changed
         or the directory cannot be written."""
-        if self._entries is not None and self._used.keys() == self._entries.keys():
+        if (self._entries is not None and self._used.keys() == self._entries.keys()
+                and self._blobs is not None and self._used_blobs.keys() == self._blobs.keys()):
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -106,11 +134,11 @@ class ParseCache:
                     pickler.dispatch_table = {**copyreg.dispatch_table,
                                               MappingProxyType: _reduce_proxy}
                     pickler.dump({"version": VERSION, "code": self.code,
-                                  "entries": self._used})
+                                  "entries": self._used, "blobs": self._used_blobs})
                 os.replace(tmp, self.path)
             except BaseException:
                 os.unlink(tmp)
                 raise
         except OSError:
             return
-        self._entries = dict(self._used)
+        self._entries, self._blobs = dict(self._used), dict(self._used_blobs)
