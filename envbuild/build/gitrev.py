@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import MappingProxyType
 
-from envbuild.build.pin import Pinner, git_env, snapshot, snapshot_graph
+from envbuild.build.pin import Pinner, Snapshot, git_env, snapshot, snapshot_graph
 from envbuild.defs.load import (
     MAX_YAML_BYTES,
     SEPARATE_TREE_MARKER,
@@ -61,7 +61,7 @@ from envbuild.defs.parsecache import ParseCache
 from envbuild.errors import DefinitionError, EnvbuildError, PlanError, Problem, SourceError
 from envbuild.plan.changes import Changes, Explanation, diff_keys, explain
 from envbuild.plan.graph import check_loaded, did_you_mean
-from envbuild.plan.keys import KeySet
+from envbuild.plan.keys import KeySet, Previous
 from envbuild.plan.planner import BuildPlan, Lookup, make_plan
 
 
@@ -260,47 +260,95 @@ def load_revision(top: str, rel: str, commit: str, tmp: str,
     return assemble(display_root, [loaded.get(f, []) for f, *_ in files], problems, unparsed)
 
 
-def _input_paths(d: LayerDefinition) -> list[str]:
-    """The paths (as written) that pinning ``d`` reads from disk."""
+def _input_paths(d: LayerDefinition) -> list[tuple[str, bool]]:
+    """(path as written, read only through ``Pinner.path``) for what pinning ``d`` reads."""
     src = getattr(d, "source", None)
     out = []
-    if isinstance(src, (PathSource, ArchiveSource, RootfsSource)):
-        out.append(src.path)
+    if isinstance(src, (PathSource, ArchiveSource)):
+        out.append((src.path, True))
+    elif isinstance(src, RootfsSource):
+        out.append((src.path, False))  # also looked at with isdir
     elif isinstance(src, BusyboxSource):
-        out.append(src.binary)
+        out.append((src.binary, True))
     elif isinstance(src, OciSource):
-        out.append(src.layout)
+        out.append((src.layout, False))
     elif isinstance(src, DockerfileSource):
-        out.append(src.context)
-        out.append(os.path.join(src.context, src.file))
-    out.extend(s.src for s in d.steps if isinstance(s, CopyStep))
+        out.append((src.context, False))
+        out.append((os.path.join(src.context, src.file), False))
+    out.extend((s.src, True) for s in d.steps if isinstance(s, CopyStep))
     return out
 
 
-def materialize_inputs(top: str, commit: str, tmp: str, defs: DefinitionSet) -> int:
-    """Check out under ``tmp`` only what pinning the layers of ``defs`` (origins under
-    ``tmp``) reads inside the repository at ``commit``: path sources, copy sources, archives…
-    with a real ``git checkout-index`` (modes and filters as a fresh clone), through a
-    temporary index. Paths outside the repository are left alone (pinning refuses or reads
-    them as it does now). Returns the number of files checked out."""
-    wanted = set()
+class _NeedCheckout(Exception):
+    """An input of REV that only a full checkout reads as the slow path does (a symlink on the
+    way, or a path git does not have): ``keys_at_revision`` falls back to it."""
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_CACHEABLE_MODES = ("040000", "100644", "100755")
+
+
+def materialize_inputs(top: str, commit: str, tmp: str, defs: DefinitionSet, pinner: Pinner,
+                       parse_cache: ParseCache | None = None) -> list[tuple[str, str]]:
+    """Make what pinning the layers of ``defs`` (origins under ``tmp``) reads inside the
+    repository at ``commit`` available under ``tmp``: path sources, copy sources, archives…
+
+    A path read only through ``Pinner.path`` whose git object (mode, id) the parse cache has
+    pinned before (under this umask) is not checked out: its digest is given to ``pinner``.
+    The others are checked out with a real ``git checkout-index`` (modes and filters as a fresh
+    clone) through a temporary index. Paths outside the repository are left alone (pinning
+    refuses or reads them as it does now). Returns (cache key, path) of what was checked out
+    and may be recorded once pinned; raises ``_NeedCheckout`` for an input git cannot name
+    (a symlink on its way, or missing: the full checkout reports it exactly as before).
+    """
+    wanted: dict[str, bool] = {}
     for d in defs.layers:
-        for p in _input_paths(d):
+        base_dir = pinner.directory_of(d.origin.file)
+        for p, through_path in _input_paths(d):
             if os.path.isabs(p):
                 continue
-            rel = os.path.relpath(os.path.normpath(os.path.join(str(d.origin.directory), p)), tmp)
+            rel = os.path.relpath(os.path.normpath(os.path.join(base_dir, p)), tmp)
             if rel != "." and not rel.startswith(".."):
-                wanted.add(rel)
+                wanted[rel] = wanted.get(rel, True) and through_path
     if not wanted:
-        return 0
+        return []
+    found = {name: (mode, oid) for mode, _, oid, name in _ls_tree(top, commit, sorted(wanted),
+                                                                     recursive=False)}
+    umask = _umask()
+    checkout: list[str] = []
+    record: list[tuple[str, str]] = []
+    for rel, through_path in sorted(wanted.items()):
+        if rel not in found or found[rel][0] == "120000":
+            raise _NeedCheckout(rel)
+        mode, oid = found[rel]
+        key = f"pin:{mode}:{oid}:{umask:o}" if mode in _CACHEABLE_MODES and through_path else None
+        digest = parse_cache.pin(key) if key is not None and parse_cache is not None else None
+        if digest is not None:
+            pinner.known(os.path.join(tmp, rel), digest)
+            continue
+        checkout.append(rel)
+        if key is not None:
+            record.append((key, os.path.join(tmp, rel)))
+    if not checkout:
+        return record
     kept: list[str] = []
-    for p in sorted(wanted):  # "a" covers "a/b": list each file once
+    for p in checkout:  # sorted: "a" covers "a/b", list each file once
         if not kept or not p.startswith(kept[-1] + "/"):
             kept.append(p)
     listing = _ls_tree(top, commit, kept)
-    if not listing:
-        return 0
-    env = {"GIT_INDEX_FILE": os.path.join(tmp, ".envbuild-index")}
+    env = {"GIT_INDEX_FILE": os.path.join(os.path.dirname(tmp), "index")}
     index_info = "".join(f"{m} {k} {o}\t{n}\0" for m, k, o, n in listing if k == "blob")
     try:
         done = subprocess.run(["git", "update-index", "-z", "--index-info"], cwd=top,
@@ -312,16 +360,20 @@ def materialize_inputs(top: str, commit: str, tmp: str, defs: DefinitionSet) -> 
         raise SourceError(f"git update-index exited {done.returncode}",
                           context=done.stderr.decode(errors="replace")[-2000:])
     _git(["checkout-index", "--all", "--force", f"--prefix={tmp}/"], top, env)
-    os.unlink(env["GIT_INDEX_FILE"])
-    return len(listing)
+    return record
 
 
 def keys_at_revision(defs_dir: Path, rev: str, pinner: Pinner | None = None,
-                     parse_cache: ParseCache | None = None) -> KeySet:
+                     parse_cache: ParseCache | None = None,
+                     now: Snapshot | None = None) -> KeySet:
     """Every key of ``defs_dir`` as it was at git revision ``rev``, without a checkout: the
     definition files are listed with ``git ls-tree`` and only blobs ``parse_cache`` has not
     seen are read (``load_revision``); of the rest of the repository only what pinning reads
     is checked out (``materialize_inputs``).
+
+    With ``now`` (the working tree's snapshot, loaded with the same ``parse_cache``), a
+    definition whose file content, pins and upstreams are the same as now keeps its key from
+    ``now`` instead of being keyed again.
 
     A defs dir that did not exist at ``rev`` has no keys: everything is new.
     """
@@ -332,11 +384,26 @@ def keys_at_revision(defs_dir: Path, rev: str, pinner: Pinner | None = None,
         try:
             loaded = load_revision(top, rel, commit, root, parse_cache)
             if loaded is None:
-                empty = MappingProxyType({})
+                empty: MappingProxyType = MappingProxyType({})
                 return KeySet(layers=empty, inputs=empty, env_locks=empty, env_inputs=empty)
             graph = check_loaded(loaded)
-            materialize_inputs(top, commit, root, graph.defs)
-            return snapshot_graph(graph, pinner).keys
+            pinner = pinner or Pinner()
+            try:
+                record = materialize_inputs(top, commit, root, graph.defs, pinner, parse_cache)
+            except _NeedCheckout:
+                return keys_at_revision_checkout(defs_dir, rev, pinner)
+            previous = None
+            if now is not None and parse_cache is not None:
+                original = parse_cache.original
+                previous = Previous(graph=now.graph, pinned=now.pinned, keys=now.keys,
+                                    same=lambda a, b: original(a) is original(b))
+            keys = snapshot_graph(graph, pinner, previous).keys
+            if parse_cache is not None:
+                for key, path in record:
+                    digest = pinner.digest_of(path)
+                    if digest is not None:
+                        parse_cache.note_pin(key, digest)
+            return keys
         except EnvbuildError as e:
             # Report against the revision, not the temporary directory it was read into.
             lines = [ln.replace(f"{root}{os.sep}", f"{rev}:") for ln in e.render_lines()]
@@ -349,7 +416,7 @@ def keys_at_revision_checkout(defs_dir: Path, rev: str, pinner: Pinner | None = 
     """``keys_at_revision`` the slow way, from a full checkout of ``rev`` (the reference)."""
     with checkout(defs_dir, rev) as (root, then):
         if not then.is_dir():
-            empty = MappingProxyType({})
+            empty: MappingProxyType = MappingProxyType({})
             return KeySet(layers=empty, inputs=empty, env_locks=empty, env_inputs=empty)
         try:
             return snapshot(then, pinner).keys
@@ -379,7 +446,7 @@ def plan_changes(defs_dir: Path, targets: list[str] | None, rev: str | None,
         if parse_cache is not None:
             parse_cache.save()
         return plan, None
-    changes = diff_keys(keys_at_revision(defs_dir, rev, pinner, parse_cache), now.keys)
+    changes = diff_keys(keys_at_revision(defs_dir, rev, pinner, parse_cache, now), now.keys)
     if parse_cache is not None:
         parse_cache.save()
     if targets is not None:

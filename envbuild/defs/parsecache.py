@@ -12,6 +12,10 @@ It also maps git blob ids to content digests (``blob(oid)``/``note_blob``): a bl
 sha1 of the content with a ``blob <size>\\0`` header, so the mapping is exact, and ``plan
 --changed-since REV`` reads from git only the blobs of REV it has never seen
 (``envbuild.build.gitrev``); the loader notes the blob id of every working-tree file it hashes.
+The same map holds ``pin:<git mode>:<object id>:<umask>`` -> the digest pinning gave that
+object checked out (a revision's source tree), so an unchanged source of REV is not checked
+out again. ``original(d)`` tells which cached definition a placed copy came from, so the keys
+of REV reuse the working tree's for definitions that did not change (``compute_keys``).
 
 On disk (version 2): one pickle ``<dir>/defs-v2.pickle`` holding ``{"version": 2, "code":
 <code_fingerprint()>, "entries": {digest: [Definition, ...]}, "blobs": {oid: digest}}`` (a
@@ -71,6 +75,7 @@ class ParseCache:
         self._used: dict[str, tuple[Definition, ...]] = {}
         self._blobs: dict[str, str] | None = None
         self._used_blobs: dict[str, str] = {}
+        self._placed: dict[int, tuple[Definition, Definition]] = {}
         self.code = code_fingerprint()
         self.hits = 0
         self.misses = 0
@@ -103,6 +108,14 @@ class ParseCache:
     def note_blob(self, oid: str, digest: str) -> None:
         self._used_blobs[oid] = digest
 
+    def pin(self, key: str) -> str | None:
+        """A pinned digest recorded under ``key`` (``"pin:<mode>:<oid>:<umask>"``: a source
+        tree of a git revision, ``envbuild.build.gitrev``), if known."""
+        return self.blob(key)
+
+    def note_pin(self, key: str, digest: str) -> None:
+        self._used_blobs[key] = digest
+
     def get(self, digest: str, file: str) -> list[Definition] | None:
         """The definitions of a file with these bytes, placed at ``file``; None on a miss."""
         found = self._used.get(digest) or self._load().get(digest)
@@ -111,9 +124,21 @@ class ParseCache:
             return None
         self.hits += 1
         self._used[digest] = found
-        return [d if d.origin.file == file else
-                dataclasses.replace(d, origin=dataclasses.replace(d.origin, file=file))
-                for d in found]
+        out = []
+        for d in found:
+            if d.origin.file != file:
+                placed = dataclasses.replace(d, origin=dataclasses.replace(d.origin, file=file))
+                self._placed[id(placed)] = (placed, d)  # holding it keeps its id unique
+                d = placed
+            out.append(d)
+        return out
+
+    def original(self, d: Definition) -> Definition:
+        """The cached definition ``d`` is a copy of (placed at another file), else ``d``: two
+        definitions with the same original have the same content (origins aside), which is
+        what ``compute_keys(previous=...)`` needs to reuse a key."""
+        entry = self._placed.get(id(d))
+        return entry[1] if entry is not None and entry[0] is d else d
 
     def put(self, digest: str, definitions: list[Definition]) -> None:
         self._used[digest] = tuple(definitions)

@@ -52,12 +52,20 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
 from envbuild.canonical import canonical_json
-from envbuild.defs.model import Base, CopyStep, Env, LayerDefinition, Toolkit, Workspace
+from envbuild.defs.model import (
+    Base,
+    CopyStep,
+    Definition,
+    Env,
+    LayerDefinition,
+    Toolkit,
+    Workspace,
+)
 from envbuild.errors import bug
 
 LAYER_KEY_TAG = b"envbuild.layer.v1\0"
@@ -152,22 +160,57 @@ class KeySet:
                 "envs": dict(sorted(self.env_locks.items()))}
 
 
-def compute_keys(graph, pinned: PinnedInputs) -> KeySet:
+@dataclasses.dataclass(frozen=True)
+class Previous:
+    """Keys already computed for another tree (``compute_keys(previous=...)``): a definition
+    whose content is the same (``same(new, old)``), with the same pins and the same upstream
+    keys/abi, has the same key by construction, so it is not keyed again."""
+
+    graph: Any                                        # the other tree's EnvGraph
+    pinned: PinnedInputs
+    keys: KeySet
+    same: Callable[[Definition, Definition], bool]
+
+
+def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None) -> KeySet:
     """Keys of every layer and lock digests of every env in ``graph`` (an ``EnvGraph``).
 
     Linear in the number of definitions: bases are keyed once in topological order (parents
     first); workspaces and toolkits read only their base's abi (or, with ``pin: digest``, the
-    memoised chain keys).
+    memoised chain keys). With ``previous``, only definitions that differ from it (or whose
+    pins or upstreams do) are keyed; the others take the previous key and inputs.
     """
     defs = graph.defs.by_name
     keys: dict[str, str] = {}
-    inputs: dict[str, dict[str, Any]] = {}
+    inputs: dict[str, Mapping[str, Any]] = {}
+    old = previous.graph.defs.by_name if previous is not None else {}
+    no_pins: Mapping[str, str] = {}
+
+    def unchanged(d: Definition) -> Definition | None:
+        """The previous definition of d's name if d's own content and pins are unchanged."""
+        if previous is None:
+            return None
+        d0 = old.get(d.name)
+        if d0 is None or not previous.same(d, d0) or d.name not in previous.keys.layers:
+            return None
+        if pinned.get(d.name, no_pins) != previous.pinned.get(d.name, no_pins):
+            return None
+        return d0
+
+    def reuse(name: str) -> str:
+        assert previous is not None
+        inputs[name] = previous.keys.inputs[name]
+        k = keys[name] = previous.keys.layers[name]
+        return k
 
     def base_key(name: str) -> str:
         k = keys.get(name)
         if k is None:
             b = defs[name]
             parent = base_key(b.parent) if b.parent else None
+            if unchanged(b) is not None and previous is not None and (
+                    parent is None or parent == previous.keys.layers.get(b.parent)):
+                return reuse(name)
             inputs[name] = key_inputs(b, pinned.get(name, {}), parent_key=parent)
             k = keys[name] = layer_key(inputs[name])
         return k
@@ -180,13 +223,35 @@ def compute_keys(graph, pinned: PinnedInputs) -> KeySet:
             base = defs[d.build_on]
             chain = (tuple(base_key(n) for n in graph.base_chain(d.build_on))
                      if d.pin == "digest" else None)
+            d0 = unchanged(d)
+            if d0 is not None:
+                assert previous is not None
+                b0 = old.get(d.build_on)
+                if chain is None:
+                    if b0 is not None and getattr(b0, "abi", None) == base.abi:
+                        reuse(d.name)
+                        continue
+                elif b0 is not None and chain == tuple(
+                        previous.keys.layers.get(n) for n in previous.graph.base_chain(d.build_on)):
+                    reuse(d.name)
+                    continue
             inputs[d.name] = key_inputs(d, pinned.get(d.name, {}), build_on_abi=base.abi,
                                         build_on_chain_keys=chain)
             keys[d.name] = layer_key(inputs[d.name])
 
-    env_inputs: dict[str, dict[str, Any]] = {}
+    env_inputs: dict[str, Mapping[str, Any]] = {}
     env_locks: dict[str, str] = {}
     for env in graph.defs.envs:
+        if previous is not None and env.name in previous.keys.env_locks:
+            e0 = old.get(env.name)
+            layers = graph.env_layers(env.name)
+            if (e0 is not None and previous.same(env, e0)
+                    and layers == previous.graph.env_layers(env.name)
+                    and all(keys[n] == previous.keys.layers.get(n)
+                            and previous.same(defs[n], old[n]) for n in layers)):
+                env_inputs[env.name] = previous.keys.env_inputs[env.name]
+                env_locks[env.name] = previous.keys.env_locks[env.name]
+                continue
         env_inputs[env.name] = lock_inputs(graph, env, keys)
         env_locks[env.name] = lock_inputs_digest(env_inputs[env.name])
     return KeySet(layers=MappingProxyType(keys), inputs=MappingProxyType(inputs),
