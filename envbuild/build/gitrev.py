@@ -378,6 +378,15 @@ def keys_at_revision(defs_dir: Path, rev: str, pinner: Pinner | None = None,
     A defs dir that did not exist at ``rev`` has no keys: everything is new.
     """
     top, rel, commit = _revision(defs_dir, rev)
+    try:
+        return _keys_from_objects(defs_dir, rev, top, rel, commit, pinner, parse_cache, now)
+    except _NeedCheckout:
+        return keys_at_revision_checkout(defs_dir, rev, pinner)
+
+
+def _keys_from_objects(defs_dir: Path, rev: str, top: str, rel: str, commit: str,
+                       pinner: Pinner | None, parse_cache: ParseCache | None,
+                       now: Snapshot | None) -> KeySet:
     with tempfile.TemporaryDirectory(prefix="envbuild-rev-") as tmp:
         root = os.path.join(tmp, "tree")
         os.mkdir(root)
@@ -388,10 +397,7 @@ def keys_at_revision(defs_dir: Path, rev: str, pinner: Pinner | None = None,
                 return KeySet(layers=empty, inputs=empty, env_locks=empty, env_inputs=empty)
             graph = check_loaded(loaded)
             pinner = pinner or Pinner()
-            try:
-                record = materialize_inputs(top, commit, root, graph.defs, pinner, parse_cache)
-            except _NeedCheckout:
-                return keys_at_revision_checkout(defs_dir, rev, pinner)
+            record = materialize_inputs(top, commit, root, graph.defs, pinner, parse_cache)
             previous = None
             if now is not None and parse_cache is not None:
                 original = parse_cache.original
