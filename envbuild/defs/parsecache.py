@@ -69,6 +69,9 @@ def _reduce_proxy(m: MappingProxyType[Any, Any]) -> tuple[Any, ...]:
 
 
 class ParseCache:
+    #: New entries + blob ids a ``save`` may leave unwritten (see there).
+    SMALL_CHANGE = 256
+
     def __init__(self, directory: Path | str) -> None:
         self.path = Path(directory) / f"defs-v{VERSION}.pickle"
         self._entries: dict[str, tuple[Definition, ...]] | None = None
@@ -143,12 +146,20 @@ class ParseCache:
     def put(self, digest: str, definitions: list[Definition]) -> None:
         self._used[digest] = tuple(definitions)
 
-    def save(self) -> None:
-        """Write the entries used by this process (atomically); skipped when nothing changed
-        or the directory cannot be written."""
-        if (self._entries is not None and self._used.keys() == self._entries.keys()
-                and self._blobs is not None and self._used_blobs.keys() == self._blobs.keys()):
-            return
+    def save(self, force: bool = False) -> None:
+        """Write the entries used by this process (atomically); skipped when the directory
+        cannot be written, and (unless ``force``) when nothing changed or all that is new is
+        at most ``SMALL_CHANGE`` entries and blob ids (no new pin): re-parsing a few files
+        next time costs milliseconds, rewriting 100,000 entries seconds. Entries no longer
+        used are dropped only by a write."""
+        if not force and self._entries is not None and self._blobs is not None:
+            new = (len(self._used.keys() - self._entries.keys())
+                   + len(self._used_blobs.keys() - self._blobs.keys()))
+            pins = any(k.startswith("pin:") and k not in self._blobs for k in self._used_blobs)
+            changed = (self._used.keys() != self._entries.keys()
+                       or self._used_blobs.keys() != self._blobs.keys())
+            if not pins and (not changed or (self._entries and new <= self.SMALL_CHANGE)):
+                return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".defs-", suffix=".tmp")
