@@ -26,6 +26,7 @@ compare the fast path with.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import os
 import re
@@ -436,6 +437,20 @@ def keys_at_revision_checkout(defs_dir: Path, rev: str, pinner: Pinner | None = 
 # ---------------------------------------------------------------------- what the CLI calls
 
 
+@contextlib.contextmanager
+def _no_cyclic_gc() -> Iterator[None]:
+    """The cyclic garbage collector off while two trees are loaded: they are millions of
+    long-lived objects and no cyclic garbage, and every full collection walks all of them for
+    nothing (measured: about half of ``plan --changed-since`` at 10,000 definitions)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def plan_changes(defs_dir: Path, targets: list[str] | None, rev: str | None,
                  lookup: Lookup | None = None, pinner: Pinner | None = None,
                  parse_cache: ParseCache | None = None) -> tuple[BuildPlan, Changes | None]:
@@ -446,15 +461,16 @@ def plan_changes(defs_dir: Path, targets: list[str] | None, rev: str | None,
     changed files), and it is saved at the end (``envbuild.defs.parsecache``).
     """
     pinner = pinner or Pinner()
-    now = snapshot(defs_dir, pinner, parse_cache)
-    plan = make_plan(now.graph, now.pinned, lookup, targets, keys=now.keys)
-    if rev is None:
+    with _no_cyclic_gc():
+        now = snapshot(defs_dir, pinner, parse_cache)
+        plan = make_plan(now.graph, now.pinned, lookup, targets, keys=now.keys)
+        if rev is None:
+            if parse_cache is not None:
+                parse_cache.save()
+            return plan, None
+        changes = diff_keys(keys_at_revision(defs_dir, rev, pinner, parse_cache, now), now.keys)
         if parse_cache is not None:
             parse_cache.save()
-        return plan, None
-    changes = diff_keys(keys_at_revision(defs_dir, rev, pinner, parse_cache, now), now.keys)
-    if parse_cache is not None:
-        parse_cache.save()
     if targets is not None:
         layers = {s.name for s in plan.layers}
         envs = {e.name for e in plan.envs}
