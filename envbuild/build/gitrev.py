@@ -212,6 +212,10 @@ def load_revision(top: str, rel: str, commit: str, tmp: str,
              if name.startswith(prefix)]
     if not below:
         return None
+    # names inside the tree only: a crafted tree's "..", "." or empty component never
+    # becomes a directory made outside the temporary one (git itself refuses to check
+    # them out), it is left out as git would leave it out
+    below = [e for e in below if not any(p in ("", ".", "..") for p in e[3])]
     separate = {tuple(parts[:-1]) for *_, parts in below
                 if parts[-1] == SEPARATE_TREE_MARKER and len(parts) > 1}
     files = sorted((os.path.join(tmp, rel, *parts), mode, kind, oid)
