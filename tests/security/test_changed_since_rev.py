@@ -96,3 +96,30 @@ def test_source_path_out_of_the_repository_at_rev_is_refused(repo, tmp_path):
     (repo / "envdefs/workspaces/out.yaml").unlink()
     text = keys_error(repo, tmp_path)
     assert "outside the source root" in text
+
+
+def test_dot_dot_tree_entries_at_rev_make_nothing_outside(repo, tmp_path):
+    """A crafted commit (``git mktree`` does not check names) with ``..`` entries under the
+    defs dir: nothing is made outside the temporary directory (both the hidden-directory rule
+    and the name check in load_revision refuse such names), the rest is keyed."""
+    escape = f"h15-escape-{os.getpid()}"
+
+    def mktree(entries: str) -> str:
+        return subprocess.run(["git", "mktree"], cwd=repo, input=entries, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    blob = subprocess.run(["git", "hash-object", "-w", "envdefs/base/deb.yaml"], cwd=repo,
+                          check=True, capture_output=True, text=True).stdout.strip()
+    inner = mktree(f"100644 blob {blob}\tx.yaml\n")
+    inner = mktree(f"040000 tree {inner}\t{escape}\n")
+    for _ in range(6):
+        inner = mktree(f"040000 tree {inner}\t..\n")
+    head = git(repo, "rev-parse", "HEAD:envdefs").strip()
+    listing = git(repo, "ls-tree", head)
+    envdefs = mktree(listing + f"040000 tree {inner}\t..\n")
+    top = mktree(git(repo, "ls-tree", "HEAD").replace(head, envdefs))
+    commit = git(repo, "commit-tree", top, "-p", "HEAD", "-m", "crafted").strip()
+    keys = keys_at_revision(repo / "envdefs", commit, None, ParseCache(tmp_path / "parse"))
+    assert set(keys.layers) == {"deb", "app"}
+    for up in ("/", "/tmp", str(tmp_path), str(repo)):
+        assert not os.path.exists(os.path.join(up, escape))
