@@ -82,7 +82,7 @@ from envbuild.defs.model import (
 from envbuild.defs.parsecache import ParseCache
 from envbuild.errors import SourceError
 from envbuild.plan.graph import EnvGraph, field_position
-from envbuild.plan.keys import KeySet, PinnedInputs, compute_keys
+from envbuild.plan.keys import KeySet, PinnedInputs, Previous, compute_keys
 
 TREE_TAG = b"envbuild.tree.v1\0"
 IGNORED_NAMES = frozenset({".git"})
@@ -159,8 +159,44 @@ class Pinner:
         self._by_spelling: dict[str, str] = {}   # joined path as written -> digest
         self._by_real: dict[str, str] = {}       # realpath -> digest
         self._git: dict[tuple[str, str], str] = {}
+        self._confined: dict[tuple[str, str, str], str | _Unpinnable] = {}
+        self._dirs: dict[str, str] = {}
         self._buf = bytearray(_BUF_SIZE)
         self._view = memoryview(self._buf)
+
+    def directory_of(self, file: str) -> str:
+        """``str(Origin.directory)`` of a definition in ``file``, computed once per file."""
+        found = self._dirs.get(file)
+        if found is None:
+            found = os.path.dirname(file)
+            if not found or "//" in file or "/./" in f"/{found}/" or found.endswith("/"):
+                found = str(Path(file).parent)  # the spellings Path normalises
+            self._dirs[file] = found
+        return found
+
+    def known(self, path: str, digest: str) -> None:
+        """Record the digest of ``path`` (found as its realpath), computed elsewhere: a
+        revision's source tree by git object id (``envbuild.build.gitrev``)."""
+        self._by_real[os.path.realpath(path)] = digest
+
+    def digest_of(self, path: str) -> str | None:
+        """The digest this run computed for ``path`` (by realpath), if any."""
+        return self._by_real.get(os.path.realpath(path))
+
+    def confined(self, root: str, base_dir: str, rel: str) -> str:
+        """``confined_path``, once per (root, base_dir, rel) and run: 100,000 workspaces
+        naming a few shared source directories cost a few ``realpath`` calls, not 100,000."""
+        key = (root, base_dir, rel)
+        found = self._confined.get(key)
+        if found is None:
+            try:
+                found = confined_path(root, base_dir, rel)
+            except _Unpinnable as e:
+                found = e
+            self._confined[key] = found
+        if isinstance(found, _Unpinnable):
+            raise _Unpinnable(found.message, found.hint)
+        return found
 
     # ------------------------------------------------------------------ files and trees
 
@@ -372,14 +408,14 @@ def _check_sha256(digest: str, declared: str | None, what: str) -> None:
 def _pin_one(d: LayerDefinition, p: Pinner, root: str | None = None) -> dict[str, str]:
     """The pins of one definition: {field: digest}. Raises (field, _Unpinnable). With
     ``root``, copy and path sources must resolve inside it (``confined_path``)."""
-    base_dir = str(d.origin.directory)
+    base_dir = p.directory_of(d.origin.file)
     src = getattr(d, "source", None)
     pins: dict[str, str] = {}
     field = "from" if d.kind == "Base" else "source"
     try:
         if isinstance(src, PathSource):
             if root is not None:
-                confined_path(root, base_dir, src.path)
+                p.confined(root, base_dir, src.path)
             pins["source"] = p.path(base_dir, src.path)
         elif isinstance(src, ArchiveSource):
             pins["source"] = p.path(base_dir, src.path)
@@ -407,7 +443,7 @@ def _pin_one(d: LayerDefinition, p: Pinner, root: str | None = None) -> dict[str
             if isinstance(s, CopyStep):
                 field = f"steps[{i}].copy.src"
                 if root is not None:
-                    confined_path(root, base_dir, s.src)
+                    p.confined(root, base_dir, s.src)
                 pins[field] = p.path(base_dir, s.src)
     except _Unpinnable as e:
         raise _Failed(field, e) from None
@@ -470,7 +506,14 @@ def snapshot(defs_dir: Path, pinner: Pinner | None = None,
     its sources and compute every key."""
     from envbuild.plan.graph import check_tree  # schema and graph problems in one report
 
-    graph = check_tree(defs_dir, parse_cache)
+    return snapshot_graph(check_tree(defs_dir, parse_cache), pinner)
+
+
+def snapshot_graph(graph: EnvGraph, pinner: Pinner | None = None,
+                   previous: Previous | None = None) -> Snapshot:
+    """``snapshot`` of a tree already loaded and checked; with ``previous`` (another tree's
+    snapshot), keys of unchanged definitions are taken from it (``compute_keys``)."""
     defs = graph.defs
     pinned = pin_inputs(defs, pinner)
-    return Snapshot(defs=defs, graph=graph, pinned=pinned, keys=compute_keys(graph, pinned))
+    return Snapshot(defs=defs, graph=graph, pinned=pinned,
+                    keys=compute_keys(graph, pinned, previous))

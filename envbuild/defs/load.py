@@ -64,7 +64,7 @@ from envbuild.defs.model import (
     DockerfileSource,
     Origin,
 )
-from envbuild.defs.parsecache import ParseCache
+from envbuild.defs.parsecache import ParseCache, git_blob_id
 from envbuild.defs.validate import Positions, check_document
 from envbuild.errors import DefinitionError, Problem
 
@@ -147,9 +147,17 @@ def collect_definitions(root: Path | str = Path("envdefs"),
             hint="add definitions under base/, workspaces/, toolkits/ and envs/"))
     problems: list[Problem] = []
     unparsed: set[str] = set()
+    loaded = [_load_file(path, str(path), problems, unparsed, parse_cache) for path in files]
+    return assemble(display_root, loaded, problems, unparsed)
+
+
+def assemble(display_root: str, loaded: list[list[Definition]], problems: list[Problem],
+             unparsed: set[str]) -> LoadResult:
+    """The ``LoadResult`` of files already loaded (their definitions in file order, the
+    problems and unparsed names found so far): names defined twice become problems here."""
     by_name: dict[str, Definition] = {}
-    for path in files:
-        for definition in _load_file(path, str(path), problems, unparsed, parse_cache):
+    for definitions in loaded:
+        for definition in definitions:
             first = by_name.get(definition.name)
             if first is None:
                 by_name[definition.name] = definition
@@ -228,15 +236,26 @@ def _load_file(path: Path, file: str, problems: list[Problem],
     digest = None
     try:
         data = path.read_bytes()
-        if parse_cache is not None:
-            digest = hashlib.sha256(data).hexdigest()
-            cached = parse_cache.get(digest, file)
-            if cached is not None:
-                return cached
-        text = data.decode("utf-8")
     except OSError as e:
         problems.append(Problem(file, 0, 0, f"read file: {e.strerror or e}"))
         return []
+    if parse_cache is not None:
+        digest = hashlib.sha256(data).hexdigest()
+        parse_cache.note_blob(git_blob_id(data), digest)  # REV's copy of it is not read again
+        cached = parse_cache.get(digest, file)
+        if cached is not None:
+            return cached
+    return load_bytes(data, file, problems, unparsed, parse_cache, digest)
+
+
+def load_bytes(data: bytes, file: str, problems: list[Problem], unparsed: set[str] | None = None,
+               parse_cache: ParseCache | None = None,
+               digest: str | None = None) -> list[Definition]:
+    """The definitions of one file's bytes, named ``file`` in origins and problems; problems
+    are appended. With ``parse_cache`` and the bytes' ``digest``, a file without problems is
+    cached (the caller looked it up already)."""
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         problems.append(Problem(file, 0, 0, f"file is not utf-8 text: {e.reason} at byte {e.start}"))
         return []

@@ -35,6 +35,7 @@ from envbuild.defs.model import Base, Definition, DefinitionSet, Env, Origin, To
 from envbuild.errors import DefinitionError, PlanError, Problem
 
 if TYPE_CHECKING:
+    from envbuild.defs.load import LoadResult
     from envbuild.defs.parsecache import ParseCache
 
 
@@ -201,7 +202,12 @@ def check_tree(root: Path | str, parse_cache: ParseCache | None = None) -> EnvGr
     ``PlanError``, as ``build_graph`` does."""
     from envbuild.defs.load import collect_definitions
 
-    result = collect_definitions(root, parse_cache)
+    return check_loaded(collect_definitions(root, parse_cache))
+
+
+def check_loaded(result: LoadResult) -> EnvGraph:
+    """``check_tree`` of a tree already loaded (``collect_definitions``, or a git revision
+    read from git objects: ``envbuild.build.gitrev``)."""
     try:
         graph = build_graph(result.defs, unparsed=result.unparsed_names)
     except PlanError as e:

@@ -57,12 +57,20 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
 from envbuild.canonical import canonical_json
-from envbuild.defs.model import Base, CopyStep, Env, LayerDefinition, Toolkit, Workspace
+from envbuild.defs.model import (
+    Base,
+    CopyStep,
+    Definition,
+    Env,
+    LayerDefinition,
+    Toolkit,
+    Workspace,
+)
 from envbuild.errors import bug
 
 LAYER_KEY_TAG = b"envbuild.layer.v1\0"
@@ -163,25 +171,68 @@ class KeySet:
                 "envs": dict(sorted(self.env_locks.items()))}
 
 
-def compute_keys(graph, pinned: PinnedInputs) -> KeySet:
+@dataclasses.dataclass(frozen=True)
+class Previous:
+    """Keys already computed for another tree (``compute_keys(previous=...)``): a definition
+    whose content is the same (``same(new, old)``), with the same pins and the same upstream
+    keys/abi, has the same key by construction, so it is not keyed again."""
+
+    graph: Any                                        # the other tree's EnvGraph
+    pinned: PinnedInputs
+    keys: KeySet
+    same: Callable[[Definition, Definition], bool]
+
+
+def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None) -> KeySet:
     """Keys of every layer and lock digests of every env in ``graph`` (an ``EnvGraph``).
 
     Linear in the number of definitions: each layer is keyed once, memoised, what it depends on
     first (a base's parent, the envs a Dockerfile base builds on and their layers); workspaces
     and toolkits read only their base's abi (or, with ``pin: digest``, the chain keys). The
-    graph is acyclic (``build_graph``), so the recursion ends.
+    graph is acyclic (``build_graph``), so the recursion ends. With ``previous``, only
+    definitions that differ from it (or whose pins or upstreams do) are keyed; the others take
+    the previous key and inputs.
     """
     defs = graph.defs.by_name
     keys: dict[str, str] = {}
-    inputs: dict[str, dict[str, Any]] = {}
-    env_inputs: dict[str, dict[str, Any]] = {}
+    inputs: dict[str, Mapping[str, Any]] = {}
+    env_inputs: dict[str, Mapping[str, Any]] = {}
     env_locks: dict[str, str] = {}
+    old = previous.graph.defs.by_name if previous is not None else {}
+    no_pins: Mapping[str, str] = {}
+
+    def unchanged(d: Definition) -> Definition | None:
+        """The previous definition of d's name if d's own content and pins are unchanged."""
+        if previous is None:
+            return None
+        d0 = old.get(d.name)
+        if d0 is None or not previous.same(d, d0) or d.name not in previous.keys.layers:
+            return None
+        if pinned.get(d.name, no_pins) != previous.pinned.get(d.name, no_pins):
+            return None
+        return d0
+
+    def reuse(name: str) -> str:
+        assert previous is not None
+        inputs[name] = previous.keys.inputs[name]
+        k = keys[name] = previous.keys.layers[name]
+        return k
 
     def env_lock(name: str) -> str:
         k = env_locks.get(name)
         if k is None:
-            for n in graph.env_layers(name):
+            layers = graph.env_layers(name)
+            for n in layers:
                 key_of(n)
+            if previous is not None and name in previous.keys.env_locks:
+                e0 = old.get(name)
+                if (e0 is not None and previous.same(defs[name], e0)
+                        and layers == previous.graph.env_layers(name)
+                        and all(keys[n] == previous.keys.layers.get(n)
+                                and previous.same(defs[n], old[n]) for n in layers)):
+                    env_inputs[name] = previous.keys.env_inputs[name]
+                    k = env_locks[name] = previous.keys.env_locks[name]
+                    return k
             env_inputs[name] = lock_inputs(graph, defs[name], keys)
             k = env_locks[name] = lock_inputs_digest(env_inputs[name])
         return k
@@ -193,12 +244,30 @@ def compute_keys(graph, pinned: PinnedInputs) -> KeySet:
             if isinstance(d, Base):
                 parent = key_of(d.parent) if d.parent else None
                 envs = getattr(d.source, "envs", ())
+                from_envs = {e: env_lock(e) for e in envs} or None
+                if unchanged(d) is not None:
+                    assert previous is not None
+                    if ((parent is None or parent == previous.keys.layers.get(d.parent))
+                            and (from_envs is None or all(
+                                previous.keys.env_locks.get(e) == v
+                                for e, v in from_envs.items()))):
+                        return reuse(name)
                 inputs[name] = key_inputs(d, pinned.get(name, {}), parent_key=parent,
-                                          from_envs={e: env_lock(e) for e in envs} or None)
+                                          from_envs=from_envs)
             else:
                 base = defs[d.build_on]
                 chain = (tuple(key_of(n) for n in graph.base_chain(d.build_on))
                          if d.pin == "digest" else None)
+                if unchanged(d) is not None:
+                    assert previous is not None
+                    b0 = old.get(d.build_on)
+                    if b0 is not None and chain is None:
+                        if getattr(b0, "abi", None) == base.abi:
+                            return reuse(name)
+                    elif b0 is not None and chain == tuple(
+                            previous.keys.layers.get(n)
+                            for n in previous.graph.base_chain(d.build_on)):
+                        return reuse(name)
                 inputs[name] = key_inputs(d, pinned.get(name, {}), build_on_abi=base.abi,
                                           build_on_chain_keys=chain)
             k = keys[name] = layer_key(inputs[name])

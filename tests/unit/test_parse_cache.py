@@ -81,9 +81,58 @@ def test_files_with_problems_are_never_cached(tmp_path):
 def test_a_corrupt_or_foreign_cache_file_is_empty(tmp_path):
     defs = _tree(tmp_path, 2)
     (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / "defs-v1.pickle").write_bytes(b"\x80\x05not a pickle")
+    ParseCache(tmp_path / "cache").path.write_bytes(b"\x80\x05not a pickle")
     cache = ParseCache(tmp_path / "cache")
     assert len(collect_definitions(defs, cache).defs.by_name) == 3
     assert cache.hits == 0
     cache.save()
     assert ParseCache(tmp_path / "cache")._load()  # rewritten, readable
+
+
+def test_git_blob_id_is_what_git_computes():
+    from envbuild.defs.parsecache import git_blob_id
+
+    assert git_blob_id(b"hello\n") == "ce013625030ba8dba906f756967f9e9ca394464a"  # git hash-object
+    assert git_blob_id(b"") == "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"
+
+
+def test_blob_ids_and_placed_copies_survive_a_save(tmp_path):
+    from envbuild.defs.parsecache import git_blob_id
+
+    defs = _tree(tmp_path, 3)
+    cache = ParseCache(tmp_path / "cache")
+    collect_definitions(defs, cache)
+    data = (defs / "workspaces" / "w1.yaml").read_bytes()
+    digest = cache.blob(git_blob_id(data))
+    assert digest is not None and cache.blob("0" * 40) is None
+    cache.save()
+    again = ParseCache(tmp_path / "cache")
+    assert again.blob(git_blob_id(data)) == digest
+    placed = again.get(digest, "elsewhere/w1.yaml")
+    assert placed is not None and placed[0].origin.file == "elsewhere/w1.yaml"
+    here = again.get(digest, str(defs / "workspaces" / "w1.yaml"))
+    assert here is not None
+    # a copy placed at another file has the same original as the definition itself
+    assert again.original(placed[0]) is again.original(here[0])
+    other = again.get(cache.blob(git_blob_id((defs / "workspaces" / "w2.yaml").read_bytes())),
+                      "elsewhere/w2.yaml")
+    assert again.original(other[0]) is not again.original(placed[0])
+
+
+def test_a_few_new_entries_are_not_worth_a_rewrite(tmp_path):
+    defs = _tree(tmp_path, 5)
+    cache = ParseCache(tmp_path / "cache")
+    collect_definitions(defs, cache)
+    cache.save()
+    written = cache.path.stat().st_mtime_ns
+    (defs / "workspaces" / "w1.yaml").write_text(
+        "apiVersion: envbuild/v1\nkind: Workspace\nname: w1\nbuild_on: b\n"
+        "source: {path: src1}\nsteps:\n  - run: echo changed\n")
+    cache = ParseCache(tmp_path / "cache")
+    collect_definitions(defs, cache)
+    cache.save()
+    assert cache.path.stat().st_mtime_ns == written  # one new entry: left for next time
+    cache.save(force=True)
+    again = ParseCache(tmp_path / "cache")
+    collect_definitions(defs, again)
+    assert again.misses == 0

@@ -1,0 +1,208 @@
+"""The fast ``--changed-since`` path (REV read from git objects, keys reused from the working
+tree, REV's sources pinned by git object id) gives exactly the keys of the full checkout of
+REV, in a real git repository: edits, renames, deletions, new files, a changed source, an edit
+of an upstream base, and a broken file at REV."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import textwrap
+
+import pytest
+
+from envbuild.build.gitrev import keys_at_revision, keys_at_revision_checkout, plan_changes
+from envbuild.build.pin import Pinner, snapshot
+from envbuild.defs.parsecache import ParseCache
+from envbuild.errors import SourceError
+from envbuild.plan.changes import diff_keys
+from tests.conftest import require_tool
+
+pytestmark = pytest.mark.integration
+
+N_WS, N_TK, N_SRC = 30, 10, 4
+
+
+def git(cwd, *argv):
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *argv], cwd=cwd,
+                          check=True, capture_output=True, text=True).stdout
+
+
+def write(root, rel, text):
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_text(textwrap.dedent(text).lstrip())
+
+
+def generate(root):
+    """A small tree with every kind of dependency: a stacked base, abi and digest pins, path
+    and copy sources shared by many definitions, envs of 1-2 toolkits."""
+    write(root, "envdefs/base/b0.yaml", """
+        apiVersion: envbuild/v1
+        kind: Base
+        name: b0
+        abi: a0
+        from: {debootstrap: {suite: bookworm}}
+        steps:
+          - run: apt-get install -y python3
+        """)
+    write(root, "envdefs/base/b1.yaml", """
+        apiVersion: envbuild/v1
+        kind: Base
+        name: b1
+        abi: a0
+        from: {base: b0}
+        steps:
+          - run: apt-get install -y git
+        """)
+    for s in range(N_SRC):
+        write(root, f"sources/s{s}/pkg/mod.py", f"x = {s}\n")
+        write(root, f"sources/s{s}/run.sh", "#!/bin/sh\n")
+        (root / f"sources/s{s}/run.sh").chmod(0o755)
+    write(root, "envdefs/files/tool.cfg", "a = 1\n")
+    for w in range(N_WS):
+        pin = "pin: digest" if w % 3 == 0 else "pin: abi"
+        write(root, f"envdefs/workspaces/ws{w:03d}.yaml", f"""
+            apiVersion: envbuild/v1
+            kind: Workspace
+            name: ws{w:03d}
+            build_on: b{w % 2}
+            {pin}
+            source: {{path: ../../sources/s{w % N_SRC}}}
+            steps:
+              - run: pip install -e /workspace  # {w}
+            """)
+    for t in range(N_TK):
+        write(root, f"envdefs/toolkits/tk{t:03d}.yaml", f"""
+            apiVersion: envbuild/v1
+            kind: Toolkit
+            name: tk{t:03d}
+            build_on: b0
+            prefix: /opt/toolkits/tk{t:03d}
+            steps:
+              - copy: {{src: ../files/tool.cfg, dest: /opt/toolkits/tk{t:03d}/tool.cfg}}
+            config: {{env: {{PATH: '/opt/toolkits/tk{t:03d}/bin:$PATH'}}}}
+            """)
+    for e in range(N_WS):
+        tks = ", ".join(f"tk{(e + i) % N_TK:03d}" for i in range(1 + e % 2))
+        write(root, f"envdefs/envs/env{e:03d}.yaml", f"""
+            apiVersion: envbuild/v1
+            kind: Env
+            name: env{e:03d}
+            base: b{e % 2}
+            workspace: ws{e:03d}
+            toolkits: [{tks}]
+            """)
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    require_tool("git")
+    root = tmp_path / "repo"
+    generate(root)
+    git(root, "init", "-q", "-b", "main")
+    git(root, "add", ".")
+    git(root, "commit", "-q", "-m", "one")
+    monkeypatch.chdir(root)
+    return root
+
+
+def as_dicts(keys):
+    return (dict(keys.layers), {k: dict(v) for k, v in keys.inputs.items()},
+            dict(keys.env_locks), {k: dict(v) for k, v in keys.env_inputs.items()})
+
+
+def assert_same_as_checkout(defs, rev, cache_dir):
+    """Fast keys of ``rev`` (cold and warm parse cache, with and without the working tree's
+    keys to reuse) == the full checkout's, and plan_changes agrees with the slow diff."""
+    slow = keys_at_revision_checkout(defs, rev, Pinner())
+    for _ in range(2):  # cold cache, then warm: blob ids, pins by object id, keys reused
+        cache = ParseCache(cache_dir)
+        pinner = Pinner()
+        now = snapshot(defs, pinner, cache)
+        fast = keys_at_revision(defs, rev, pinner, cache, now)
+        assert as_dicts(fast) == as_dicts(slow)
+        cache.save()
+    assert as_dicts(keys_at_revision(defs, rev)) == as_dicts(slow)  # no cache at all
+    _, changes = plan_changes(defs, None, rev, parse_cache=ParseCache(cache_dir))
+    assert changes == diff_keys(slow, snapshot(defs).keys)
+    return changes
+
+
+def test_fast_path_matches_checkout_through_edits(repo, tmp_path):
+    defs, cache_dir = repo / "envdefs", tmp_path / "node" / "parse"
+    changes = assert_same_as_checkout(defs, "HEAD", cache_dir)
+    assert changes.rebuild == () and changes.relock == ()
+
+    # an edit, a rename, a deletion (an env), a new file, a changed source, a mode change
+    ws = defs / "workspaces/ws004.yaml"
+    ws.write_text(ws.read_text().replace("pip install", "pip install -q"))
+    git(repo, "mv", "envdefs/toolkits/tk003.yaml", "envdefs/toolkits/renamed.yaml")
+    git(repo, "rm", "-q", "envdefs/envs/env007.yaml")
+    write(repo, "envdefs/toolkits/new.yaml", """
+        apiVersion: envbuild/v1
+        kind: Toolkit
+        name: new
+        build_on: b1
+        prefix: /opt/toolkits/new
+        """)
+    (repo / "sources/s1/pkg/mod.py").write_text("x = 'changed'\n")
+    (repo / "sources/s2/run.sh").chmod(0o644)
+    changes = assert_same_as_checkout(defs, "HEAD", cache_dir)
+    assert "ws004" in changes.rebuild and "new" in changes.rebuild
+    assert "tk003" not in changes.rebuild  # renamed: same content, same key
+    assert {f"ws{w:03d}" for w in range(1, N_WS, N_SRC)} <= set(changes.rebuild)  # s1 users
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "two")
+
+    # an upstream base edit: b1 (stacked on b0) is re-keyed, and with it the pin: digest
+    # workspaces on b1; abi-pinned ones keep their keys
+    base = defs / "base/b0.yaml"
+    base.write_text(base.read_text().replace("python3", "python3 curl"))
+    changes = assert_same_as_checkout(defs, "HEAD", cache_dir)
+    digest_on_b1 = {f"ws{w:03d}" for w in range(N_WS) if w % 3 == 0 and w % 2 == 1}
+    assert {"b0", "b1"} | digest_on_b1 <= set(changes.rebuild)
+    assert "ws002" not in changes.rebuild  # pin: abi on b0
+    assert "ws001" not in changes.rebuild  # pin: abi on b1
+    # against the first commit, two commits of changes at once
+    assert_same_as_checkout(defs, "HEAD~1", cache_dir)
+
+
+def test_broken_file_at_rev_reported_as_the_checkout_reports_it(repo, tmp_path):
+    bad = repo / "envdefs/workspaces/ws010.yaml"
+    bad.write_text(bad.read_text().replace("build_on: b0", "build_on: [b0"))
+    git(repo, "commit", "-q", "-a", "-m", "broken")
+    bad.write_text(bad.read_text().replace("build_on: [b0", "build_on: b0"))  # fixed now
+    defs = repo / "envdefs"
+    with pytest.raises(SourceError) as slow:
+        keys_at_revision_checkout(defs, "HEAD", Pinner())
+    for _ in range(2):
+        cache = ParseCache(tmp_path / "parse")
+        now = snapshot(defs, Pinner(), cache)
+        with pytest.raises(SourceError) as fast:
+            keys_at_revision(defs, "HEAD", Pinner(), cache, now)
+        assert fast.value.render_lines() == slow.value.render_lines()
+        assert "HEAD:envdefs/workspaces/ws010.yaml" in "\n".join(fast.value.render_lines())
+        cache.save()
+
+
+def test_missing_source_at_rev_falls_back_to_the_checkout(repo, tmp_path):
+    """A path git cannot name at REV (here: deleted) takes the full checkout, which reports it
+    exactly as before."""
+    git(repo, "rm", "-rq", "sources/s3")
+    git(repo, "commit", "-q", "-m", "no s3")
+    write(repo, "sources/s3/pkg/mod.py", "x = 3\n")
+    defs = repo / "envdefs"
+    with pytest.raises(SourceError) as slow:
+        keys_at_revision_checkout(defs, "HEAD", Pinner())
+    with pytest.raises(SourceError) as fast:
+        keys_at_revision(defs, "HEAD", Pinner(), ParseCache(tmp_path / "parse"))
+    assert fast.value.render_lines() == slow.value.render_lines()
+
+
+def test_symlinked_source_dir_at_rev_matches_checkout(repo, tmp_path):
+    os.symlink("s0", repo / "sources/link")
+    ws = repo / "envdefs/workspaces/ws005.yaml"
+    ws.write_text(ws.read_text().replace("sources/s1", "sources/link"))
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "link")
+    assert_same_as_checkout(repo / "envdefs", "HEAD", tmp_path / "parse")
