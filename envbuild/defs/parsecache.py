@@ -51,12 +51,17 @@ def git_blob_id(data: bytes) -> str:
 
 def code_fingerprint() -> str:
     """sha256 over the code that turns bytes into definitions (this package's modules and
-    schemas): a cache written by other code (another envbuild version, another checkout
-    sharing the node dir) is not used."""
+    schemas) and over what parsing reads from the environment — the platform an image base
+    resolves to (``host_platform``: ``--platform``/``$ENVBUILD_PLATFORM``) is filled in when a
+    definition is parsed: a cache written by other code (another envbuild version, another
+    checkout sharing the node dir) or for another platform is not used."""
+    from envbuild.defs.model import host_platform
+
     h = hashlib.sha256()
     here = Path(__file__).parent
     for path in sorted([*here.glob("*.py"), *here.glob("schema/*")]):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
+    h.update(b"platform\0" + host_platform().encode())
     return h.hexdigest()
 
 
