@@ -378,7 +378,11 @@ def _run_tasks(spec: _NodeSpec, jobs: Mapping[str, LayerJob],
     """Submit one task per job (dependencies as arguments), follow them, return each result."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    events: Any = ray.remote(num_cpus=0)(_Events).options(
+    # The progress actor lives with the driver where it can; if its node dies anyway (the
+    # driver's raylet need not be the head's), Ray restarts it elsewhere and retries the calls
+    # made meanwhile: only progress lines are lost, never the build. It still dies with its
+    # owner, the driver, which is what tasks read as "cancel".
+    events: Any = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(_Events).options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(
             ray.get_runtime_context().get_node_id(), soft=True)).remote()
     task = ray.remote(run_layer).options(
@@ -410,7 +414,11 @@ def _run_tasks(spec: _NodeSpec, jobs: Mapping[str, LayerJob],
         # never blocks the loop on the actor (it may still be starting): take what is there
         done, _ = ray.wait(drain, timeout=wait)
         if done:
-            for e in ray.get(done[0]):
+            try:
+                got = ray.get(done[0])
+            except ray.exceptions.RayActorError:  # restarting on another node: ask again
+                got = []
+            for e in got:
                 if e.phase == ENDED:
                     running.discard(e.name)
                     continue
