@@ -131,26 +131,11 @@ def sparse_copy(src: Path, dst: Path | None) -> FileDigest:
         if dst is not None:
             out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             os.ftruncate(out, size)
-        pos = 0
-        while pos < size:
-            try:
-                start = os.lseek(fd, pos, os.SEEK_DATA)
-            except OSError:  # ENXIO: only a hole is left
-                break
-            end = os.lseek(fd, start, os.SEEK_HOLE)
-            start -= start % BLOCK
-            off = start
-            while off < end:
-                block = os.pread(fd, min(BLOCK, size - off), off)
-                if not block:
-                    break
-                if block != _ZERO[:len(block)]:
-                    h.update(off.to_bytes(8, "big") + len(block).to_bytes(4, "big"))
-                    h.update(block)
-                    if out >= 0:
-                        os.pwrite(out, block, off)
-                off += len(block)
-            pos = max(end, off)
+        for off, block in _blocks(fd, size):
+            h.update(off.to_bytes(8, "big") + len(block).to_bytes(4, "big"))
+            h.update(block)
+            if out >= 0:
+                os.pwrite(out, block, off)
         h.update(b"end" + size.to_bytes(8, "big"))
     finally:
         os.close(fd)
