@@ -25,6 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from _stats import meminfo, pct  # noqa: E402
+
 from runtime_shim import cgroupfs, reclaim  # noqa: E402
 from runtime_shim.fncall import FnPool  # noqa: E402
 from runtime_shim.model import Limits  # noqa: E402
@@ -32,19 +34,6 @@ from runtime_shim.sandbox import Sandbox  # noqa: E402
 
 MiB = 1 << 20
 PY_ECHO = ["python3", "-c", "print(input())"]
-
-
-def pct(values, p):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
-
-
-def meminfo() -> dict[str, int]:
-    out = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        k, v = line.split(":")
-        out[k] = int(v.split()[0]) * 1024
-    return out
 
 
 def _echo_argv(store, node, env) -> tuple[list[str], str]:

@@ -42,16 +42,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _stats import pct  # noqa: E402
+
 from runtime_shim.model import Limits  # noqa: E402
 from tests import ray_cluster  # noqa: E402,F401  (sets Ray's loopback env before ray loads)
 
 ENV = "env/busybox-shell"  # --env
 LIMITS = Limits(disk_bytes=None, memory_bytes=64 << 20)
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(len(xs) * p))]
 
 
 def local_burst(store: str, node_dir: str, n: int, threads: int) -> dict[str, float]:
@@ -67,7 +64,7 @@ def local_burst(store: str, node_dir: str, n: int, threads: int) -> dict[str, fl
         assert all(pool.map(lambda sb: sb.exec("true").ok, sbs))
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(lambda sb: sb.close(), sbs))
-    return {"rate": n / wall, "p50": pct(ready, 0.5), "p99": pct(ready, 0.99), "wall": wall}
+    return {"rate": n / wall, "p50": pct(ready, 50), "p99": pct(ready, 99), "wall": wall}
 
 
 def fleet_burst(fleet, n: int) -> dict[str, float]:
@@ -79,7 +76,7 @@ def fleet_burst(fleet, n: int) -> dict[str, float]:
     with ThreadPoolExecutor(16) as pool:
         assert all(pool.map(lambda sb: sb.exec("true").ok, sbs))
     fleet.close_all()
-    return {"rate": n / wall, "p50": pct(ready, 0.5), "p99": pct(ready, 0.99), "wall": wall,
+    return {"rate": n / wall, "p50": pct(ready, 50), "p99": pct(ready, 99), "wall": wall,
             "nodes": nodes}
 
 

@@ -33,6 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from _stats import pct  # noqa: E402
+
 from envbuild.store import LocalStore  # noqa: E402
 from runtime_shim.locks import resolve  # noqa: E402
 from runtime_shim.nodecache import NodeCache  # noqa: E402
@@ -41,11 +43,6 @@ from runtime_shim.vm import erofs, initramfs, qemu  # noqa: E402
 from runtime_shim.vm import kernel as vmkernel  # noqa: E402
 
 MEMORY = 512 << 20
-
-
-def pct(values, p):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
 def ms(x: float) -> str:

@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _envs import ensure_built  # noqa: E402
+from _stats import meminfo, pct  # noqa: E402
 
 from envbuild.layers import LayerReader  # noqa: E402
 from envbuild.store import LocalStore  # noqa: E402
@@ -47,19 +48,6 @@ from runtime_shim.nodecache import parse_size  # noqa: E402
 from runtime_shim.runc import OciRuntime, write_bundle  # noqa: E402
 from runtime_shim.sandbox import Limits, Sandbox  # noqa: E402
 from runtime_shim.spec import RuntimeSpecRequest, env_list, runtime_spec  # noqa: E402
-
-
-def pct(values, p):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
-
-
-def meminfo() -> dict[str, int]:
-    out = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        k, v = line.split(":")
-        out[k] = int(v.split()[0]) * 1024
-    return out
 
 
 def flatten(store: LocalStore, env: str, dest: Path) -> None:

@@ -25,15 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _stats import pct  # noqa: E402
+
 from runtime_shim import AsyncSandbox, Sandbox  # noqa: E402
 from tests.integration.conftest import build_busybox_env  # noqa: E402
 
 ENV = "env/busybox-shell"
-
-
-def pct(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(len(xs) * p))]
 
 
 def main() -> None:
@@ -61,8 +58,8 @@ def main() -> None:
 
             asy = asyncio.run(async_execs())
         for name, xs in (("sync ", sync), ("async", asy)):
-            print(f"exec true   {name} p50 {pct(xs, .5) * 1e3:.2f} ms  "
-                  f"p95 {pct(xs, .95) * 1e3:.2f} ms")
+            print(f"exec true   {name} p50 {pct(xs, 50) * 1e3:.2f} ms  "
+                  f"p95 {pct(xs, 95) * 1e3:.2f} ms")
 
         peak = 0
 
