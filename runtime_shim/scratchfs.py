@@ -55,6 +55,7 @@ import struct
 import subprocess
 import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -233,28 +234,37 @@ def mkfs(path: Path, size_bytes: int, inodes: int | None) -> None:
                                hint="check Limits.disk_bytes / inodes")
 
 
+def data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of each data region of the open file ``fd`` below ``size``, in
+    order (``SEEK_DATA``/``SEEK_HOLE``): what a sparse copy or digest reads, holes skipped."""
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # only a hole after pos
+                return
+            raise
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        if end <= start:
+            return
+        yield start, end
+        pos = end
+
+
 def copy_sparse(src: Path, dest: Path) -> None:
     """Copy ``src`` to a new file ``dest`` keeping its holes: only the data extents are copied
     (``SEEK_DATA``/``SEEK_HOLE``, in-kernel ``copy_file_range``)."""
     with open(src, "rb") as fin, open(dest, "xb") as fout:
         size = os.fstat(fin.fileno()).st_size
         fout.truncate(size)
-        pos = 0
-        while pos < size:
-            try:
-                start = os.lseek(fin.fileno(), pos, os.SEEK_DATA)
-            except OSError as e:
-                if e.errno == errno.ENXIO:  # only a hole after pos
-                    break
-                raise
-            end = os.lseek(fin.fileno(), start, os.SEEK_HOLE)
+        for start, end in data_extents(fin.fileno(), size):
             off = start
             while off < end:
                 n = os.copy_file_range(fin.fileno(), fout.fileno(), end - off, off, off)
                 if n == 0:
                     raise RuntimeShimError(f"copy {src.name}: unexpected end of file")
                 off += n
-            pos = end
 
 
 def copy_capped(read_fd: int, out: BinaryIO, cap: int) -> None:

@@ -39,6 +39,7 @@ import os
 from pathlib import Path
 
 from envbuild.errors import CheckpointRefused, RuntimeShimError
+from runtime_shim.scratchfs import data_extents
 
 CHECKPOINT_VERSION = 1
 MEMORY_FILE = "memory.img"
@@ -224,13 +225,8 @@ def _blocks(fd: int, size: int):
     """``(offset, bytes)`` of each non-zero ``BLOCK``-aligned block, reading only the data
     regions (``SEEK_DATA``/``SEEK_HOLE``)."""
     pos = 0
-    while pos < size:
-        try:
-            start = os.lseek(fd, pos, os.SEEK_DATA)
-        except OSError:  # ENXIO: only a hole is left
-            return
-        end = os.lseek(fd, start, os.SEEK_HOLE)
-        off = start - start % BLOCK
+    for start, end in data_extents(fd, size):
+        off = max(start - start % BLOCK, pos)
         while off < end:
             block = os.pread(fd, min(BLOCK, size - off), off)
             if not block:
@@ -238,7 +234,7 @@ def _blocks(fd: int, size: int):
             if block != _ZERO[:len(block)]:
                 yield off, block
             off += len(block)
-        pos = max(end, off)
+        pos = off
 
 
 def file_digest(path: Path) -> FileDigest:

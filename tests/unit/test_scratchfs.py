@@ -43,3 +43,25 @@ def test_build_disk_settings():
     assert Settings.from_env({"ENVBUILD_BUILD_DISK": "0"}).build_disk_bytes is None
     with pytest.raises(SettingsError, match="ENVBUILD_BUILD_DISK"):
         Settings.from_env({"ENVBUILD_BUILD_DISK": "lots"})
+
+
+def test_data_extents_and_copy_sparse_skip_holes(tmp_path):
+    src = tmp_path / "sparse"
+    with open(src, "wb") as f:
+        f.truncate(64 << 20)
+        f.seek(1 << 20)
+        f.write(b"a" * 4096)
+        f.seek(40 << 20)
+        f.write(b"b" * 8192)
+    with open(src, "rb") as f:
+        extents = list(scratchfs.data_extents(f.fileno(), 64 << 20))
+    assert [s for s, _ in extents] == [1 << 20, 40 << 20]
+    assert all(e > s for s, e in extents)
+    dest = tmp_path / "copy"
+    scratchfs.copy_sparse(src, dest)
+    assert dest.read_bytes() == src.read_bytes()
+    assert dest.stat().st_blocks * 512 < 1 << 20  # the holes stayed holes
+    with open(tmp_path / "empty", "wb") as f:
+        f.truncate(1 << 20)
+    with open(tmp_path / "empty", "rb") as f:
+        assert list(scratchfs.data_extents(f.fileno(), 1 << 20)) == []
