@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -40,54 +39,23 @@ sys.path.insert(0, str(REPO))
 
 from envbuild.store import LocalStore  # noqa: E402
 from runtime_shim.sandbox import Limits, Sandbox  # noqa: E402
+from tests.data_env import build_data_env  # noqa: E402
 
-WORKSPACE = """apiVersion: envbuild/v1
-kind: Workspace
-name: densitydata
-build_on: busybox-tiny
-source: {path: ../../sources/densitydata}
-dest: /data
-steps:
-  - run: "true"
-    network: none
-"""
-ENV = """apiVersion: envbuild/v1
-kind: Env
-name: density
-base: busybox-tiny
-workspace: densitydata
-config: {workdir: /data, user: "0:0"}
-"""
-BUSYBOX_DEFS = ("envdefs/base/busybox-tiny.yaml", "envdefs/base/files/busybox")
 FILE_MB = 2
 
 
 def build(work: Path, mb: int) -> LocalStore:
     """The density env in ``work/store`` (built once)."""
-    store = work / "store"
     marker = work / f"built-{mb}"
     if marker.exists():
-        return LocalStore(store)
+        return LocalStore(work / "store")
     shutil.rmtree(work, ignore_errors=True)
-    for rel in BUSYBOX_DEFS:
-        (work / rel).parent.mkdir(parents=True, exist_ok=True)
-        (shutil.copytree if (REPO / rel).is_dir() else shutil.copy2)(REPO / rel, work / rel)
-    (work / "envdefs/workspaces").mkdir(parents=True)
-    (work / "envdefs/envs").mkdir(parents=True)
-    (work / "envdefs/workspaces/densitydata.yaml").write_text(WORKSPACE)
-    (work / "envdefs/envs/density.yaml").write_text(ENV)
-    data = work / "sources/densitydata"
-    data.mkdir(parents=True)
-    rng = random.Random(0)
-    for i in range(mb // FILE_MB):
-        (data / f"f{i:03d}.bin").write_bytes(rng.randbytes(FILE_MB << 20))
-    env = {**os.environ, "ENVBUILD_STORE": str(store), "ENVBUILD_NODE_CACHE": str(work / "node"),
-           "ENVBUILD_DEFS": str(work / "envdefs"), "PYTHONPATH": str(REPO)}
-    print(f"building the density env ({mb} MB of data) into {store} …", flush=True)
-    subprocess.run([sys.executable, "-m", "envbuild.cli", "build", "density"], env=env,
-                   check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    work.mkdir(parents=True)
+    print(f"building the density env ({mb} MB of data) into {work / 'store'} …", flush=True)
+    store, _, _ = build_data_env(work, "density", mb // FILE_MB, FILE_MB << 20, seed=0,
+                                 timeout=3600)
     marker.touch()
-    return LocalStore(store)
+    return store
 
 
 def anon_rss(pid: int) -> int:

@@ -10,21 +10,16 @@ image). A guest kernel without DAX (its config file says so) falls back to virti
 
 from __future__ import annotations
 
-import hashlib
-import os
-import random
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from envbuild.errors import BackendUnavailable
-from envbuild.store import LocalStore
 from runtime_shim.mount import mounted_targets_under
 from runtime_shim.sandbox import Limits, Sandbox
-from tests.conftest import REPO
+from tests.data_env import build_data_env
 from tests.integration.test_microvm import _qemu_pids, _require_vm_tools
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -33,56 +28,11 @@ DATA_FILES = 6
 DATA_FILE_BYTES = 2 << 20
 LIMITS = Limits(memory_bytes=256 << 20)
 
-WORKSPACE = """apiVersion: envbuild/v1
-kind: Workspace
-name: pmemdata
-build_on: busybox-tiny
-source: {path: ../../sources/pmemdata}
-dest: /data
-steps:
-  - run: "true"
-    network: none
-"""
-ENV = """apiVersion: envbuild/v1
-kind: Env
-name: pmem-env
-base: busybox-tiny
-workspace: pmemdata
-config: {workdir: /data, user: "0:0"}
-"""
-
-
-def build_data_env(root: Path, files: int, file_bytes: int) -> tuple[LocalStore, Path, dict]:
-    """busybox-tiny + ``files`` random files at /data, built with the real CLI: the store,
-    the node dir and ``{name: sha256}`` of the files."""
-    for rel in ("envdefs/base/busybox-tiny.yaml", "envdefs/base/files/busybox"):
-        src, dst = REPO / rel, root / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
-    (root / "envdefs/workspaces").mkdir()
-    (root / "envdefs/envs").mkdir()
-    (root / "envdefs/workspaces/pmemdata.yaml").write_text(WORKSPACE)
-    (root / "envdefs/envs/pmem-env.yaml").write_text(ENV)
-    data = root / "sources/pmemdata"
-    data.mkdir(parents=True)
-    rng = random.Random(19)
-    digests = {}
-    for i in range(files):
-        blob = rng.randbytes(file_bytes)
-        (data / f"f{i}.bin").write_bytes(blob)
-        digests[f"f{i}.bin"] = hashlib.sha256(blob).hexdigest()
-    env = {**os.environ, "ENVBUILD_NODE_CACHE": str(root / "node"),
-           "ENVBUILD_STORE": str(root / "store"), "ENVBUILD_DEFS": str(root / "envdefs")}
-    proc = subprocess.run([sys.executable, "-m", "envbuild.cli", "build", "pmem-env"], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return LocalStore(root / "store"), root / "node", digests
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     _require_vm_tools()
-    return build_data_env(tmp_path_factory.mktemp("vm-pmem"), DATA_FILES, DATA_FILE_BYTES)
+    return build_data_env(tmp_path_factory.mktemp("vm-pmem"), "pmem-env", DATA_FILES,
+                          DATA_FILE_BYTES)
 
 
 def _vm(built, monkeypatch, transport: str) -> Sandbox:
@@ -114,7 +64,7 @@ def test_layers_read_the_same_and_only_dax_skips_the_guest_page_cache(built, mon
         assert sb.info().layer_transport == transport
         blocks = sb.exec("ls /sys/block").stdout.split()
         pmem = sorted(b for b in blocks if b.startswith(b"pmem"))
-        # three layers: busybox-tiny, its config step, pmemdata
+        # three layers: busybox-tiny, its config step, the data workspace
         assert len(pmem) == (len(sb.lock.layers) if transport == "pmem-dax" else 0)
         if transport == "pmem-dax":
             assert sb._backend.request.machine == "q35"
