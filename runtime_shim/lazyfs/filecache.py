@@ -161,6 +161,12 @@ class FileCache:
             raise RuntimeShimError(f"bad content digest {digest!r} in a TOC")
         return os.path.join(self.dir, hexd)
 
+    def verified(self) -> frozenset[str]:
+        """The digests whose cache files this process verified (fetched, or hashed on first
+        use) and has not evicted: what ``runtime_shim.lazyfs.metalayer`` may point at."""
+        with self._lock:
+            return frozenset(self._verified)
+
     def cached(self, digest: str) -> str | None:
         """The cache file of ``digest`` if present and verified (hashing it on first use)."""
         path = self._file(digest)

@@ -1,0 +1,537 @@
+"""Meta layers: files already on the node served by overlayfs alone, with no FUSE round trip.
+
+A lazy layer is a FUSE mount (``runtime_shim.lazyfs.passthrough``): even once a file's bytes
+are in the node's file cache (``<node>/files/<hex>``), every ``open`` of it asks the daemon
+for the passthrough backing fd (~26 µs against ~8 µs for an unpacked dir). The composefs
+model removes that round trip for the files already fetched: for each lazy layer the daemon
+builds a *meta tree* — a directory tree with, for every regular file of the layer whose
+verified contents are in the file cache, a sparse file of the same size and metadata (mode,
+owner, mtime, xattrs, hardlinks as one inode) carrying ``trusted.overlay.metacopy`` and a
+``trusted.overlay.redirect`` to ``/<hex>`` — and mounts it once per node as a read-only
+overlay with the cache as a data-only lower layer::
+
+    <node>/meta/<layer hex>/g-<key>/tree   the meta tree (directories + metacopy files)
+                                    data   hardlinks to files/<hex>: the data-only layer
+                                    mnt    overlay lowerdir=tree::data, ro, metacopy=on
+    <node>/meta/<layer hex>/current.json   {"version": 1, "gen": "g-<key>", "digests": [...]}
+
+The sandbox's overlay then takes ``mnt`` as an extra lower dir *directly above* the layer's
+FUSE mount (``lazy_layer_dirs``): a lookup of a fetched file stops at ``mnt`` (a regular file
+ends an overlay lookup), its opens and reads are the kernel's (two overlays over ext4); every
+other name — unfetched files, symlinks, devices, whiteouts, directories' other entries —
+falls through to the FUSE mount as before. The pair sits where the layer sat, so whiteouts
+and opaque directories of the layers above hide its files exactly as before, and the layer's
+own opaque directories (on its FUSE mount, below ``mnt``) still end the merge below it.
+
+Why a nested overlay and not metacopy files straight in the sandbox's overlay: following
+``metacopy`` needs ``metacopy=on`` on that overlay, which the kernel only allows with
+``redirect_dir=on`` when there is an upper dir — both make copy-ups write metadata-only files
+and directory redirects into the sandbox's upper dir, which would then no longer be a plain
+diff (``runtime_shim.mount.OVERLAY_PLAIN_OPTIONS``). The inner overlay has no upper dir, so
+``metacopy=on,redirect_dir=follow`` only *reads* redirects, and the sandbox's overlay keeps its
+plain options: a copy-up out of ``mnt`` copies the data. Stacking depth: the FUSE mount is 1
+(passthrough), ``mnt`` is 1 (over ext4), the sandbox's overlay is 2, the kernel's limit. The
+inner overlay has no other lower layer, so an absolute redirect cannot be answered by a name
+in some other layer (with the meta tree in the sandbox's overlay, a lower layer's root file
+named ``<hex>`` would have been taken as the data of an upper layer's file).
+
+Generations: the tree is built once per (layer, set of fetched files) and shared read-only by
+every later sandbox; a create whose layer has new verified files builds the next generation
+(``key`` = hash of the digest set) unless fetches are still landing (then later). The data dir
+holds hardlinks, so the file cache's eviction cannot pull a file from under a live generation.
+A generation no mount refers to any more is unmounted and deleted (``collect``; the node's
+eviction, ``NodeCache.unmount_lazy``, does it for layers no live sandbox uses).
+
+Hostile layers: the tree holds only directories and regular files this module creates under
+names checked one component at a time (no ``""``, ``.``, ``..``, NUL, or more than 255 bytes;
+a path longer than ``MAX_PATH`` is skipped), so nothing can leave ``tree``; the TOC's
+``trusted.overlay.*`` xattrs are never copied (the inner overlay would follow them); a file
+whose metadata cannot be set is left to the FUSE mount. Building is linear in the fetched
+files (``$ENVBUILD_LAZY_METALAYER=off`` disables it all).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import stat
+import threading
+import time
+import uuid
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
+
+from runtime_shim.lazyfs.tree import Node
+
+log = logging.getLogger("envbuild.lazyfs")
+
+#: The on-disk format of a generation (layout above, ``current.json``).
+META_VERSION = 1
+#: ``off`` disables meta layers (sandboxes get the FUSE mounts only); ``on``/unset uses them.
+ENV_SWITCH = "ENVBUILD_LAZY_METALAYER"
+#: A layer's fetched set must have been still this long before a create builds a generation
+#: (a burst of creates while fetches land would otherwise rebuild it once per create).
+QUIET = 0.5
+#: Longest path (bytes, below ``tree``) a meta entry may have; longer ones stay on FUSE.
+MAX_PATH = 3000
+METACOPY_XATTR = "trusted.overlay.metacopy"
+REDIRECT_XATTR = "trusted.overlay.redirect"
+_OVERLAY_PREFIX = "trusted.overlay."
+_NS = 10 ** 9
+_MS_RDONLY = 1
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                        ctypes.c_char_p]
+
+
+def enabled() -> bool:
+    """Whether sandboxes get meta layers (``$ENVBUILD_LAZY_METALAYER`` is not ``off``)."""
+    return os.environ.get(ENV_SWITCH, "").strip().lower() not in ("off", "0", "no", "false")
+
+
+@dataclasses.dataclass(frozen=True)
+class MetaEntry:
+    """One inode of a meta tree: a directory (``digest`` empty) or a regular file with all its
+    names (hardlinks)."""
+
+    paths: tuple[str, ...]
+    mode: int
+    uid: int
+    gid: int
+    mtime: int
+    xattrs: tuple[tuple[str, bytes], ...] = ()
+    size: int = 0
+    digest: str = ""
+
+
+def safe_path(path: str) -> bool:
+    """Whether ``path`` (relative, ``/``-separated) is made only of plain names: it cannot
+    leave the directory it is created in."""
+    if not path or len(os.fsencode(path)) > MAX_PATH:
+        return False
+    for part in path.split("/"):
+        if part in ("", ".", "..") or "\0" in part or len(os.fsencode(part)) > 255:
+            return False
+    return True
+
+
+def _xattrs(node: Node) -> tuple[tuple[str, bytes], ...]:
+    return tuple(sorted((k, bytes(v)) for k, v in node.xattrs.items()
+                        if not k.startswith(_OVERLAY_PREFIX)))
+
+
+def plan(nodes: Mapping[str, Node], digest_of: Callable[[Node], str],
+         present: Collection[str]) -> tuple[list[MetaEntry], list[MetaEntry]]:
+    """The meta tree of a layer (pure): ``(dirs, files)`` for the regular files of ``nodes``
+    whose digest is in ``present``, dirs parents first, each file once with all its safe
+    names (tar order). Names that are not ``safe_path`` are left out."""
+    by_inode: dict[int, tuple[Node, list[str]]] = {}
+    for path, node in nodes.items():
+        if not stat.S_ISREG(node.mode) or not safe_path(path):
+            continue
+        got = by_inode.get(id(node))
+        if got is None:
+            if digest_of(node) not in present:
+                continue
+            by_inode[id(node)] = (node, [path])
+        else:
+            got[1].append(path)
+    dirs: set[str] = set()
+    files = []
+    for node, paths in by_inode.values():
+        for p in paths:
+            parent = p.rpartition("/")[0]
+            while parent and parent not in dirs:
+                dirs.add(parent)
+                parent = parent.rpartition("/")[0]
+        files.append(MetaEntry(tuple(paths), stat.S_IMODE(node.mode), node.uid, node.gid,
+                               node.mtime, _xattrs(node), node.size, digest_of(node)))
+    out_dirs = []
+    for d in sorted(dirs, key=lambda p: (p.count("/"), p)):
+        dnode = nodes.get(d)
+        if dnode is None or not dnode.is_dir:  # cannot happen with build_tree: be safe
+            continue
+        out_dirs.append(MetaEntry((d,), stat.S_IMODE(dnode.mode), dnode.uid, dnode.gid,
+                                  dnode.mtime, _xattrs(dnode)))
+    root = nodes.get("")
+    if root is not None:
+        out_dirs.insert(0, MetaEntry(("",), stat.S_IMODE(root.mode), root.uid, root.gid,
+                                     root.mtime, _xattrs(root)))
+    return out_dirs, files
+
+
+def _set_meta(fd: int, e: MetaEntry) -> None:
+    for k, v in e.xattrs:
+        os.setxattr(fd, k, v)
+    os.fchown(fd, e.uid, e.gid)
+    os.fchmod(fd, e.mode)  # after chown, which clears set-id bits
+    t = e.mtime * _NS
+    os.utime(fd, ns=(t, t))
+
+
+def build(tree_dir: str, data_dir: str, dirs: Iterable[MetaEntry],
+          files: Iterable[MetaEntry], sources: Callable[[str], list[str]]) -> int:
+    """Create the meta tree in the empty ``tree_dir`` and the data-only layer in the empty
+    ``data_dir`` (hardlinks, from the first of ``sources(hex)`` that exists). A file whose
+    data or metadata cannot be placed is skipped (left to the FUSE mount). Returns the number
+    of files placed."""
+    dirs = list(dirs)
+    placed_dirs = {""}
+    for d in dirs:
+        path = d.paths[0]
+        if path:
+            parent = path.rpartition("/")[0]
+            if parent not in placed_dirs:
+                continue
+            try:
+                os.mkdir(os.path.join(tree_dir, path), 0o700)
+            except OSError as e:
+                log.warning("meta tree: directory %s: %s (its files stay on FUSE)", path, e)
+                continue
+            placed_dirs.add(path)
+    linked: set[str] = set()
+    placed = 0
+    for f in files:
+        hexd = f.digest.removeprefix("sha256:")
+        if hexd not in linked:
+            for src in sources(hexd):
+                try:
+                    os.link(src, os.path.join(data_dir, hexd))
+                    break
+                except FileNotFoundError:
+                    continue
+            else:
+                continue  # evicted meanwhile: on FUSE
+            linked.add(hexd)
+        paths = [p for p in f.paths if p.rpartition("/")[0] in placed_dirs]
+        if not paths:
+            continue
+        first = os.path.join(tree_dir, paths[0])
+        try:
+            fd = os.open(first, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            log.warning("meta tree: %s: %s (stays on FUSE)", paths[0], e)
+            continue
+        try:
+            os.ftruncate(fd, f.size)
+            os.setxattr(fd, METACOPY_XATTR, b"")
+            os.setxattr(fd, REDIRECT_XATTR, b"/" + hexd.encode())
+            _set_meta(fd, f)
+        except OSError as e:
+            log.warning("meta tree: %s: %s (stays on FUSE)", paths[0], e)
+            os.close(fd)
+            os.unlink(first)
+            continue
+        os.close(fd)
+        for p in paths[1:]:
+            try:
+                os.link(first, os.path.join(tree_dir, p), follow_symlinks=False)
+            except OSError as e:
+                log.warning("meta tree: hardlink %s: %s", p, e)
+        placed += 1
+    for d in reversed(dirs):  # children first: creating entries moves a directory's mtime
+        path = d.paths[0]
+        if path not in placed_dirs:
+            continue
+        fd = os.open(os.path.join(tree_dir, path) if path else tree_dir,
+                     os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            _set_meta(fd, d)
+        except OSError as e:
+            log.warning("meta tree: directory %s metadata: %s", path or "/", e)
+        finally:
+            os.close(fd)
+    return placed
+
+
+def mount_generation(gen_dir: str) -> None:
+    """Mount ``gen_dir/mnt``: a read-only overlay of ``tree`` with ``data`` as its data-only
+    lower layer, following metacopy redirects (nothing else is ever written there)."""
+    for p in (gen_dir,):
+        if any(c in p for c in ":,\\"):
+            raise OSError(f"meta generation path has a ':' ',' or '\\': {p}")
+    opts = (f"lowerdir={gen_dir}/tree::{gen_dir}/data,metacopy=on,redirect_dir=follow,"
+            "xino=off")
+    if _libc.mount(b"overlay", f"{gen_dir}/mnt".encode(), b"overlay", _MS_RDONLY,
+                   opts.encode()) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount meta layer {gen_dir}/mnt: {os.strerror(err)}")
+
+
+def _mountinfo() -> list[tuple[str, str]]:
+    """(mount point, super options) of every mount of this namespace."""
+    out = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            fields = line.split()
+            if " - " not in line:
+                continue
+            tail = line.split(" - ", 1)[1].split()
+            out.append((fields[4].replace("\\040", " "), tail[2] if len(tail) > 2 else ""))
+    return out
+
+
+def _unmount(target: str) -> None:
+    from runtime_shim.mount import unmount
+
+    unmount(target)
+
+
+def _remove_generation(gen_dir: str) -> None:
+    _unmount(os.path.join(gen_dir, "mnt"))
+    shutil.rmtree(gen_dir, ignore_errors=True)
+
+
+def collect(layer_dir: str, keep: str | None, *, everything: bool = False) -> list[str]:
+    """Unmount and delete the generations under ``layer_dir`` (``<node>/meta/<hex>``) other
+    than ``keep`` that no other mount refers to (a sandbox's overlay names them in its
+    lowerdir); ``everything``: all of them, referred to or not (no sandbox uses the layer).
+    Returns the removed generation names."""
+    try:
+        names = [n for n in os.listdir(layer_dir) if n.startswith(("g-", ".tmp-"))]
+    except FileNotFoundError:
+        return []
+    mounts = _mountinfo() if not everything else []
+    removed = []
+    for name in names:
+        if name == keep and not everything:
+            continue
+        gen = os.path.join(layer_dir, name)
+        mnt = os.path.join(gen, "mnt")
+        used = any(mnt in opts for point, opts in mounts if point != mnt)
+        if used and not name.startswith(".tmp-"):
+            continue
+        _remove_generation(gen)
+        removed.append(name)
+    if everything:
+        try:
+            os.unlink(os.path.join(layer_dir, "current.json"))
+        except FileNotFoundError:
+            pass
+        try:
+            os.rmdir(layer_dir)
+        except OSError:
+            pass
+    return removed
+
+
+def remove_unused(node_root: str | os.PathLike[str], keep_hex: Collection[str]) -> list[str]:
+    """The node's eviction (``NodeCache.unmount_lazy``): every generation of a layer not in
+    ``keep_hex`` is removed; of the others, the old generations no mount refers to."""
+    meta = os.path.join(os.fspath(node_root), "meta")
+    try:
+        layers = os.listdir(meta)
+    except FileNotFoundError:
+        return []
+    done = []
+    for hexd in layers:
+        layer_dir = os.path.join(meta, hexd)
+        if hexd in keep_hex:
+            current = _read_current(layer_dir)
+            done += collect(layer_dir, current[0] if current else None)
+        else:
+            done += collect(layer_dir, None, everything=True)
+    try:
+        os.rmdir(meta)
+    except OSError:
+        pass
+    return done
+
+
+def _read_current(layer_dir: str) -> tuple[str, frozenset[str]] | None:
+    try:
+        with open(os.path.join(layer_dir, "current.json"), encoding="utf-8") as f:
+            doc = json.load(f)
+        if doc.get("version") != META_VERSION or not str(doc["gen"]).startswith("g-"):
+            return None
+        return str(doc["gen"]), frozenset(str(d) for d in doc["digests"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _is_mount(path: str) -> bool:
+    return any(point == path for point, _ in _mountinfo())
+
+
+# -- the daemon side ------------------------------------------------------------------------
+
+
+class MetaLayers:
+    """The daemon's meta layers (one per node daemon): ``request`` answers the ``meta``
+    control request — for each lazy layer, the ``mnt`` of its current generation, built or
+    refreshed first when new files of the layer were verified and fetches have settled."""
+
+    def __init__(self, root: str, files: Any) -> None:
+        self.root = root
+        self.files = files  # FileCache: verified digests, the directory
+        self._lock = threading.Lock()
+        self._layer_locks: dict[str, threading.Lock] = {}
+        self._digests: dict[int, tuple[Any, dict[int, str], frozenset[str]]] = {}
+
+    def _layer_lock(self, hexd: str) -> threading.Lock:
+        with self._lock:
+            return self._layer_locks.setdefault(hexd, threading.Lock())
+
+    def _layer_digests(self, ops: Any) -> tuple[dict[int, str], frozenset[str]]:
+        """Digest of each regular inode of a mount (by ``id(node)``), computed once per mount."""
+        with self._lock:
+            got = self._digests.get(id(ops))
+        if got is not None and got[0] is ops:
+            return got[1], got[2]
+        by_node: dict[int, str] = {}
+        for node in ops.lazy_nodes.values():
+            if stat.S_ISREG(node.mode) and id(node) not in by_node:
+                by_node[id(node)] = ops.lazy_layer.stat(node.read_path).digest or ""
+        digests = frozenset(d for d in by_node.values() if d)
+        with self._lock:
+            self._digests[id(ops)] = (ops, by_node, digests)
+        return by_node, digests
+
+    def request(self, ops_of: Callable[[str], Any], req: dict[str, Any]) -> dict[str, Any]:
+        out = []
+        for item in req.get("layers", ()):
+            try:
+                out.append(self.layer(ops_of(str(item["mountpoint"])), str(item["digest"])))
+            except Exception as e:  # noqa: BLE001 - a meta layer is an optimisation only
+                log.warning("meta layer of %s: %s", item.get("digest"), e)
+                out.append({"digest": item.get("digest"), "dir": "", "files": 0,
+                            "error": str(e)})
+        return {"ok": True, "layers": out}
+
+    def layer(self, ops: Any, digest: str) -> dict[str, Any]:
+        """The current generation of layer ``digest`` served by ``ops`` (a mount's
+        ``Operations``), built first if new files were fetched and have settled."""
+        hexd = digest.removeprefix("sha256:")
+        if len(hexd) != 64 or not all(c in "0123456789abcdef" for c in hexd):
+            raise ValueError(f"bad layer digest {digest!r}")
+        reply: dict[str, Any] = {"digest": digest, "dir": "", "files": 0, "built": False}
+        if ops is None or not hasattr(ops, "lazy_nodes"):
+            return reply
+        layer_dir = os.path.join(self.root, "meta", hexd)
+        with self._layer_lock(hexd):
+            by_node, layer_set = self._layer_digests(ops)
+            current = _read_current(layer_dir)
+            have: frozenset[str] = frozenset()
+            if current is not None:
+                gen_dir = os.path.join(layer_dir, current[0])
+                if os.path.isdir(gen_dir):
+                    if not _is_mount(os.path.join(gen_dir, "mnt")):
+                        mount_generation(gen_dir)  # e.g. after a reboot of the node
+                    have = current[1]
+                else:
+                    current = None
+            verified = self.files.verified() & layer_set
+            wanted = have | verified
+            try:  # a fetch renames a file into the cache dir: its mtime is the last one
+                settled = time.time() - os.stat(self.files.dir).st_mtime >= QUIET
+            except OSError:
+                settled = False
+            if wanted != have and wanted and settled:
+                t0 = time.monotonic()
+                gen = self._build(layer_dir, ops, by_node, wanted, current)
+                reply["built"], reply["seconds"] = True, round(time.monotonic() - t0, 4)
+                current = (gen, wanted)
+            if current is not None:
+                reply["dir"] = os.path.join(layer_dir, current[0], "mnt")
+                reply["files"] = len(current[1])
+                reply["generation"] = current[0]
+        return reply
+
+    def _build(self, layer_dir: str, ops: Any, by_node: dict[int, str],
+               wanted: frozenset[str], current: tuple[str, frozenset[str]] | None) -> str:
+        key = hashlib.sha256("\n".join(sorted(wanted)).encode()).hexdigest()[:16]
+        gen = f"g-{key}"
+        gen_dir = os.path.join(layer_dir, gen)
+        if os.path.isdir(gen_dir):  # built before (e.g. by a daemon that died since)
+            if not _is_mount(os.path.join(gen_dir, "mnt")):
+                mount_generation(gen_dir)
+        else:
+            os.makedirs(layer_dir, mode=0o700, exist_ok=True)
+            tmp = os.path.join(layer_dir, f".tmp-{uuid.uuid4().hex[:12]}")
+            os.mkdir(tmp, 0o700)
+            try:
+                for sub in ("tree", "data", "mnt"):
+                    os.mkdir(os.path.join(tmp, sub), 0o700)
+                dirs, files = plan(ops.lazy_nodes, lambda n: by_node.get(id(n), ""), wanted)
+                old_data = os.path.join(layer_dir, current[0], "data") if current else None
+
+                def sources(hexd: str) -> list[str]:
+                    own = [os.path.join(old_data, hexd)] if old_data else []
+                    return own + [os.path.join(self.files.dir, hexd)]
+
+                placed = build(os.path.join(tmp, "tree"), os.path.join(tmp, "data"),
+                               dirs, files, sources)
+                os.chmod(os.path.join(tmp, "data"), 0o700)
+                os.rename(tmp, gen_dir)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            mount_generation(gen_dir)
+            log.info("meta layer %s of %s: %d files (%d dirs)", gen, os.path.basename(layer_dir),
+                     placed, len(dirs))
+        doc = {"version": META_VERSION, "gen": gen, "digests": sorted(wanted)}
+        tmpj = os.path.join(layer_dir, f".current.{uuid.uuid4().hex[:8]}")
+        with open(tmpj, "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+        os.replace(tmpj, os.path.join(layer_dir, "current.json"))
+        collect(layer_dir, gen)
+        return gen
+
+
+_registry: dict[str, MetaLayers] = {}
+_registry_lock = threading.Lock()
+
+
+def handle(daemon: Any, req: dict[str, Any]) -> dict[str, Any]:
+    """The daemon's ``meta`` request (``runtime_shim.lazyfs.daemon``): in passthrough mode,
+    each layer's current meta generation; on the fuse fallback there is no file cache, so
+    none."""
+    if getattr(daemon, "mode", "") != "passthrough":
+        return {"ok": True, "layers": [{"digest": x.get("digest"), "dir": "", "files": 0}
+                                       for x in req.get("layers", ())]}
+    with _registry_lock:
+        meta = _registry.get(daemon.root)
+        if meta is None:
+            meta = _registry[daemon.root] = MetaLayers(daemon.root, daemon.files)
+
+    def ops_of(mp: str) -> Any:
+        with daemon.lock:
+            return daemon.ops.get(mp)
+    return meta.request(ops_of, req)
+
+
+def meta_dirs(node_root: str | os.PathLike[str], layers: list[tuple[str, str]],
+              timeout: float = 30.0) -> list[str]:
+    """Client side (``lazy_layer_dirs``): the meta layer dir of each ``(digest, mountpoint)``
+    (``""`` for none), asked of the node daemon in one request. Never raises: without an
+    answer every layer is served by its FUSE mount alone."""
+    from runtime_shim.lazyfs.control import daemon_request
+
+    if not enabled() or not layers:
+        return ["" for _ in layers]
+    try:
+        reply = daemon_request(node_root, {"op": "meta", "layers": [
+            {"digest": d, "mountpoint": mp} for d, mp in layers]}, timeout)
+    except Exception as e:  # noqa: BLE001 - an optimisation: the FUSE mounts serve anyway
+        log.warning("meta layers: %s", e)
+        return ["" for _ in layers]
+    got = (reply or {}).get("layers") or []
+    out = []
+    for i, (digest, _) in enumerate(layers):
+        x = got[i] if i < len(got) and isinstance(got[i], dict) else {}
+        d = str(x.get("dir") or "") if x.get("digest") == digest else ""
+        expected = os.path.join(os.fspath(node_root), "meta", digest.removeprefix("sha256:"))
+        out.append(d if d.startswith(expected + os.sep) else "")
+    return out
+
+
+__all__ = ["ENV_SWITCH", "META_VERSION", "MetaEntry", "MetaLayers", "build", "collect",
+           "enabled", "handle", "meta_dirs", "mount_generation", "plan", "remove_unused",
+           "safe_path"]
