@@ -167,6 +167,11 @@ class FileCache:
         with self._lock:
             return frozenset(self._verified)
 
+    def fetching(self) -> int:
+        """How many files are being fetched right now (flights in progress)."""
+        with self._lock:
+            return len(self._flights)
+
     def cached(self, digest: str) -> str | None:
         """The cache file of ``digest`` if present and verified (hashing it on first use)."""
         path = self._file(digest)

@@ -36,11 +36,14 @@ in some other layer (with the meta tree in the sandbox's overlay, a lower layer'
 named ``<hex>`` would have been taken as the data of an upper layer's file).
 
 Generations: the tree is built once per (layer, set of fetched files) and shared read-only by
-every later sandbox; a create whose layer has new verified files builds the next generation
-(``key`` = hash of the digest set) unless fetches are still landing (then later). The data dir
-holds hardlinks, so the file cache's eviction cannot pull a file from under a live generation.
-A generation no mount refers to any more is unmounted and deleted (``collect``; the node's
-eviction, ``NodeCache.unmount_lazy``, does it for layers no live sandbox uses).
+every later sandbox. The next generation (``key`` = hash of the digest set) is built by the
+daemon in the background once fetches have been quiet for ``REFRESH_QUIET`` s, or by a create
+that finds new verified files and no fetch in flight (during a burst's fetches creates build
+nothing, and a create never waits for a build another is running: it takes the generation
+there is). The data dir holds hardlinks, so the file cache's eviction cannot pull a file from
+under a live generation. A superseded generation no mount refers to is unmounted and deleted
+after ``GRACE`` s (``collect``); the node's eviction (``NodeCache.unmount_lazy``) removes at
+once those no mount refers to, and every generation of a layer no live sandbox uses.
 
 Hostile layers: the tree holds only directories and regular files this module creates under
 names checked one component at a time (no ``""``, ``.``, ``..``, NUL, or more than 255 bytes;
@@ -52,6 +55,7 @@ files (``$ENVBUILD_LAZY_METALAYER=off`` disables it all).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
@@ -64,7 +68,7 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 from runtime_shim.lazyfs.tree import Node
@@ -75,9 +79,13 @@ log = logging.getLogger("envbuild.lazyfs")
 META_VERSION = 1
 #: ``off`` disables meta layers (sandboxes get the FUSE mounts only); ``on``/unset uses them.
 ENV_SWITCH = "ENVBUILD_LAZY_METALAYER"
-#: A layer's fetched set must have been still this long before a create builds a generation
-#: (a burst of creates while fetches land would otherwise rebuild it once per create).
-QUIET = 0.5
+#: The daemon's background refresh: how often it looks, and how long fetches must have been
+#: quiet (a create builds as soon as no fetch is in flight; in the background a build would
+#: compete with a running workload for CPU).
+REFRESH_EVERY = 1.0
+REFRESH_QUIET = 2.0
+#: A superseded generation no mount refers to is removed by later builds after this long.
+GRACE = 60.0
 #: Longest path (bytes, below ``tree``) a meta entry may have; longer ones stay on FUSE.
 MAX_PATH = 3000
 METACOPY_XATTR = "trusted.overlay.metacopy"
@@ -178,7 +186,8 @@ def _set_meta(fd: int, e: MetaEntry) -> None:
 def build(tree_dir: str, data_dir: str, dirs: Iterable[MetaEntry],
           files: Iterable[MetaEntry], sources: Callable[[str], list[str]]) -> int:
     """Create the meta tree in the empty ``tree_dir`` and the data-only layer in the empty
-    ``data_dir`` (hardlinks, from the first of ``sources(hex)`` that exists). A file whose
+    ``data_dir`` (hardlinks, from the first of ``sources(hex)`` that is a regular file of the
+    entry's size; the caller names only verified cache files). A file whose
     data or metadata cannot be placed is skipped (left to the FUSE mount). Returns the number
     of files placed."""
     dirs = list(dirs)
@@ -201,8 +210,12 @@ def build(tree_dir: str, data_dir: str, dirs: Iterable[MetaEntry],
         hexd = f.digest.removeprefix("sha256:")
         if hexd not in linked:
             for src in sources(hexd):
-                try:
-                    os.link(src, os.path.join(data_dir, hexd))
+                try:  # a regular file of the right size, never a symlink's target
+                    st = os.lstat(src)
+                    if not stat.S_ISREG(st.st_mode) or st.st_size != f.size:
+                        log.warning("meta tree: %s is not a %d-byte file: not used", src, f.size)
+                        continue
+                    os.link(src, os.path.join(data_dir, hexd), follow_symlinks=False)
                     break
                 except FileNotFoundError:
                     continue
@@ -289,11 +302,13 @@ def _remove_generation(gen_dir: str) -> None:
     shutil.rmtree(gen_dir, ignore_errors=True)
 
 
-def collect(layer_dir: str, keep: str | None, *, everything: bool = False) -> list[str]:
+def collect(layer_dir: str, keep: str | None, *, everything: bool = False,
+            grace: float = 0.0) -> list[str]:
     """Unmount and delete the generations under ``layer_dir`` (``<node>/meta/<hex>``) other
     than ``keep`` that no other mount refers to (a sandbox's overlay names them in its
-    lowerdir); ``everything``: all of them, referred to or not (no sandbox uses the layer).
-    Returns the removed generation names."""
+    lowerdir) and, with ``grace``, were superseded at least ``grace`` s ago (a create may
+    have been handed one and not mounted its overlay yet); ``everything``: all of them,
+    referred to or not (no sandbox uses the layer). Returns the removed generation names."""
     try:
         names = [n for n in os.listdir(layer_dir) if n.startswith(("g-", ".tmp-"))]
     except FileNotFoundError:
@@ -308,6 +323,14 @@ def collect(layer_dir: str, keep: str | None, *, everything: bool = False) -> li
         used = any(mnt in opts for point, opts in mounts if point != mnt)
         if used and not name.startswith(".tmp-"):
             continue
+        if grace and not name.startswith(".tmp-"):
+            marker = os.path.join(gen, "superseded")
+            try:
+                if time.time() - os.stat(marker).st_mtime < grace:
+                    continue
+            except FileNotFoundError:
+                open(marker, "w").close()
+                continue
         _remove_generation(gen)
         removed.append(name)
     if everything:
@@ -333,11 +356,12 @@ def remove_unused(node_root: str | os.PathLike[str], keep_hex: Collection[str]) 
     done = []
     for hexd in layers:
         layer_dir = os.path.join(meta, hexd)
-        if hexd in keep_hex:
-            current = _read_current(layer_dir)
-            done += collect(layer_dir, current[0] if current else None)
-        else:
-            done += collect(layer_dir, None, everything=True)
+        with _layer_flock(os.fspath(node_root), hexd):
+            if hexd in keep_hex:
+                current = _read_current(layer_dir)
+                done += collect(layer_dir, current[0] if current else None)
+            else:
+                done += collect(layer_dir, None, everything=True)
     try:
         os.rmdir(meta)
     except OSError:
@@ -354,6 +378,23 @@ def _read_current(layer_dir: str) -> tuple[str, frozenset[str]] | None:
         return str(doc["gen"]), frozenset(str(d) for d in doc["digests"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+@contextlib.contextmanager
+def _layer_flock(node_root: str, hexd: str) -> Iterator[None]:
+    """``<node>/locks/<hex>.meta.lock``: the daemon's builds and the node's eviction of one
+    layer's generations, one at a time across processes."""
+    import fcntl
+
+    locks = os.path.join(node_root, "locks")
+    os.makedirs(locks, exist_ok=True)
+    fd = os.open(os.path.join(locks, f"{hexd}.meta.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _is_mount(path: str) -> bool:
@@ -398,16 +439,20 @@ class MetaLayers:
         out = []
         for item in req.get("layers", ()):
             try:
-                out.append(self.layer(ops_of(str(item["mountpoint"])), str(item["digest"])))
+                mp = str(item["mountpoint"])
+                out.append(self.layer(ops_of(mp), str(item["digest"]), mp, wait=False))
             except Exception as e:  # noqa: BLE001 - a meta layer is an optimisation only
                 log.warning("meta layer of %s: %s", item.get("digest"), e)
                 out.append({"digest": item.get("digest"), "dir": "", "files": 0,
                             "error": str(e)})
         return {"ok": True, "layers": out}
 
-    def layer(self, ops: Any, digest: str) -> dict[str, Any]:
-        """The current generation of layer ``digest`` served by ``ops`` (a mount's
-        ``Operations``), built first if new files were fetched and have settled."""
+    def layer(self, ops: Any, digest: str, mountpoint: str, *, quiet: float = 0.0,
+              wait: bool = True) -> dict[str, Any]:
+        """The current generation of layer ``digest`` served by ``ops`` (the ``Operations``
+        of its mount at ``mountpoint``), built first if new files were fetched and none for
+        ``quiet`` seconds and none is in flight. If another build of the layer runs, answer
+        with the generation there is (``wait=False``) or after it (``wait=True``)."""
         hexd = digest.removeprefix("sha256:")
         if len(hexd) != 64 or not all(c in "0123456789abcdef" for c in hexd):
             raise ValueError(f"bad layer digest {digest!r}")
@@ -415,33 +460,53 @@ class MetaLayers:
         if ops is None or not hasattr(ops, "lazy_nodes"):
             return reply
         layer_dir = os.path.join(self.root, "meta", hexd)
-        with self._layer_lock(hexd):
-            by_node, layer_set = self._layer_digests(ops)
-            current = _read_current(layer_dir)
-            have: frozenset[str] = frozenset()
-            if current is not None:
-                gen_dir = os.path.join(layer_dir, current[0])
-                if os.path.isdir(gen_dir):
-                    if not _is_mount(os.path.join(gen_dir, "mnt")):
-                        mount_generation(gen_dir)  # e.g. after a reboot of the node
-                    have = current[1]
-                else:
-                    current = None
-            verified = self.files.verified() & layer_set
-            wanted = have | verified
-            try:  # a fetch renames a file into the cache dir: its mtime is the last one
-                settled = time.time() - os.stat(self.files.dir).st_mtime >= QUIET
-            except OSError:
-                settled = False
-            if wanted != have and wanted and settled:
-                t0 = time.monotonic()
-                gen = self._build(layer_dir, ops, by_node, wanted, current)
-                reply["built"], reply["seconds"] = True, round(time.monotonic() - t0, 4)
-                current = (gen, wanted)
-            if current is not None:
-                reply["dir"] = os.path.join(layer_dir, current[0], "mnt")
-                reply["files"] = len(current[1])
-                reply["generation"] = current[0]
+        lock = self._layer_lock(hexd)
+        if not lock.acquire(blocking=wait):
+            current = _read_current(layer_dir)  # being rebuilt: the one there is
+            if current is not None and _is_mount(os.path.join(layer_dir, current[0], "mnt")):
+                reply.update(dir=os.path.join(layer_dir, current[0], "mnt"),
+                             files=len(current[1]), generation=current[0])
+            return reply
+        try:
+            with _layer_flock(self.root, hexd):
+                if not _is_mount(mountpoint):  # unmounted meanwhile (the node's eviction)
+                    return reply
+                return self._layer(ops, hexd, layer_dir, quiet, reply)
+        finally:
+            lock.release()
+
+    def _layer(self, ops: Any, hexd: str, layer_dir: str, quiet: float,
+               reply: dict[str, Any]) -> dict[str, Any]:
+        by_node, layer_set = self._layer_digests(ops)
+        current = _read_current(layer_dir)
+        have: frozenset[str] = frozenset()
+        if current is not None:
+            gen_dir = os.path.join(layer_dir, current[0])
+            if os.path.isdir(gen_dir):
+                if not _is_mount(os.path.join(gen_dir, "mnt")):
+                    mount_generation(gen_dir)  # e.g. after a reboot of the node
+                have = current[1]
+            else:
+                current = None
+        verified = self.files.verified() & layer_set
+        wanted = have | verified
+        # settled: no file being fetched now (a create during a burst's fetches builds
+        # nothing), and none landed for ``quiet`` s (a fetch renames a file into the cache
+        # dir: its mtime is the last one)
+        try:
+            settled = not self.files.fetching() and (
+                not quiet or time.time() - os.stat(self.files.dir).st_mtime >= quiet)
+        except OSError:
+            settled = False
+        if wanted != have and wanted and settled:
+            t0 = time.monotonic()
+            gen = self._build(layer_dir, ops, by_node, wanted, current)
+            reply["built"], reply["seconds"] = True, round(time.monotonic() - t0, 4)
+            current = (gen, wanted)
+        if current is not None:
+            reply["dir"] = os.path.join(layer_dir, current[0], "mnt")
+            reply["files"] = len(current[1])
+            reply["generation"] = current[0]
         return reply
 
     def _build(self, layer_dir: str, ops: Any, by_node: dict[int, str],
@@ -481,8 +546,23 @@ class MetaLayers:
         with open(tmpj, "w", encoding="utf-8") as f:
             json.dump(doc, f)
         os.replace(tmpj, os.path.join(layer_dir, "current.json"))
-        collect(layer_dir, gen)
+        collect(layer_dir, gen, grace=GRACE)
         return gen
+
+
+    def refresh(self, mounts: Callable[[], list[tuple[str, Any]]],
+                stopped: Callable[[], bool]) -> None:
+        """Background (a daemon thread, from the first ``meta`` request on): every
+        ``REFRESH_EVERY`` s, build the next generation of each mounted layer whose fetches
+        have been quiet for ``REFRESH_QUIET`` s, so the next create finds it ready."""
+        while not stopped():
+            time.sleep(REFRESH_EVERY)
+            for mp, ops in mounts():
+                try:
+                    self.layer(ops, ops.lazy_layer.digest, mp, quiet=REFRESH_QUIET,
+                               wait=False)
+                except Exception as e:  # noqa: BLE001 - the next create tries again
+                    log.warning("meta layer refresh of %s: %s", mp, e)
 
 
 _registry: dict[str, MetaLayers] = {}
@@ -500,6 +580,12 @@ def handle(daemon: Any, req: dict[str, Any]) -> dict[str, Any]:
         meta = _registry.get(daemon.root)
         if meta is None:
             meta = _registry[daemon.root] = MetaLayers(daemon.root, daemon.files)
+
+            def mounts() -> list[tuple[str, Any]]:
+                with daemon.lock:
+                    return list(daemon.ops.items())
+            threading.Thread(target=meta.refresh, args=(mounts, lambda: daemon.stop),
+                             name="meta-refresh", daemon=True).start()
 
     def ops_of(mp: str) -> Any:
         with daemon.lock:

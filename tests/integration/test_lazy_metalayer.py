@@ -45,9 +45,9 @@ def _opens(mp: Path) -> int:
 
 
 def _quiet(node_dir: Path) -> None:
-    """Wait until no fetch landed in the file cache for ``metalayer.QUIET`` seconds."""
+    """Wait until no fetch landed in the file cache for a while (background fetches)."""
     files = node_dir / "node" / "files"
-    while time.time() - os.stat(files).st_mtime < metalayer.QUIET + 0.05:
+    while time.time() - os.stat(files).st_mtime < 0.3:
         time.sleep(0.05)
 
 
