@@ -456,10 +456,15 @@ class Sandbox:
                 return
             self._closed = True
         _REAPER.forget(self)
+        lazy = (_read_meta(self.paths) or {}).get("lazy")
         try:
             self._backend.close()
         finally:
             remove_sandbox_dir(self.paths)
+        if lazy == "passthrough":  # what it fetched: meta layers for the next sandbox
+            from runtime_shim.lazyfs.metalayer import refresh_soon
+
+            refresh_soon(self._layout.node)
 
     @property
     def closed(self) -> bool:

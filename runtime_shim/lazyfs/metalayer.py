@@ -37,11 +37,12 @@ named ``<hex>`` would have been taken as the data of an upper layer's file).
 
 Generations: the tree is built once per (layer, set of fetched files) and shared read-only by
 every later sandbox. The next generation (``key`` = hash of the digest set) is built by the
-daemon in the background once fetches have been quiet for ``REFRESH_QUIET`` s, or by a create
-that finds new verified files and no fetch in flight (during a burst's fetches creates build
-nothing, and a create never waits for a build another is running: it takes the generation
-there is). The data dir holds hardlinks, so the file cache's eviction cannot pull a file from
-under a live generation. A superseded generation no mount refers to is unmounted and deleted
+daemon in the background when a lazy sandbox closes (``refresh_soon``) or once fetches have
+been quiet for ``REFRESH_QUIET`` s, or by a create that finds new verified files and no fetch
+in flight (during a burst's fetches creates build nothing; a create waits at most
+``CREATE_WAIT`` s for a build that is running, then takes the generation there is). The data
+dir holds hardlinks, so the file cache's eviction cannot pull a file from under a live
+generation. A superseded generation no mount refers to is unmounted and deleted
 after ``GRACE`` s (``collect``); the node's eviction (``NodeCache.unmount_lazy``) removes at
 once those no mount refers to, and every generation of a layer no live sandbox uses.
 
@@ -84,6 +85,9 @@ ENV_SWITCH = "ENVBUILD_LAZY_METALAYER"
 #: compete with a running workload for CPU).
 REFRESH_EVERY = 1.0
 REFRESH_QUIET = 2.0
+#: How long a create waits for a build of its layer that is already running (after that it
+#: takes the generation there is).
+CREATE_WAIT = 2.0
 #: A superseded generation no mount refers to is removed by later builds after this long.
 GRACE = 60.0
 #: Longest path (bytes, below ``tree``) a meta entry may have; longer ones stay on FUSE.
@@ -440,7 +444,7 @@ class MetaLayers:
         for item in req.get("layers", ()):
             try:
                 mp = str(item["mountpoint"])
-                out.append(self.layer(ops_of(mp), str(item["digest"]), mp, wait=False))
+                out.append(self.layer(ops_of(mp), str(item["digest"]), mp))
             except Exception as e:  # noqa: BLE001 - a meta layer is an optimisation only
                 log.warning("meta layer of %s: %s", item.get("digest"), e)
                 out.append({"digest": item.get("digest"), "dir": "", "files": 0,
@@ -452,7 +456,8 @@ class MetaLayers:
         """The current generation of layer ``digest`` served by ``ops`` (the ``Operations``
         of its mount at ``mountpoint``), built first if new files were fetched and none for
         ``quiet`` seconds and none is in flight. If another build of the layer runs, answer
-        with the generation there is (``wait=False``) or after it (``wait=True``)."""
+        after it (``wait``: for at most ``CREATE_WAIT`` s) or at once with the generation
+        there is."""
         hexd = digest.removeprefix("sha256:")
         if len(hexd) != 64 or not all(c in "0123456789abcdef" for c in hexd):
             raise ValueError(f"bad layer digest {digest!r}")
@@ -461,7 +466,7 @@ class MetaLayers:
             return reply
         layer_dir = os.path.join(self.root, "meta", hexd)
         lock = self._layer_lock(hexd)
-        if not lock.acquire(blocking=wait):
+        if not lock.acquire(timeout=CREATE_WAIT if wait else 0):
             current = _read_current(layer_dir)  # being rebuilt: the one there is
             if current is not None and _is_mount(os.path.join(layer_dir, current[0], "mnt")):
                 reply.update(dir=os.path.join(layer_dir, current[0], "mnt"),
@@ -518,6 +523,7 @@ class MetaLayers:
             if not _is_mount(os.path.join(gen_dir, "mnt")):
                 mount_generation(gen_dir)
         else:
+            t0 = time.monotonic()
             os.makedirs(layer_dir, mode=0o700, exist_ok=True)
             tmp = os.path.join(layer_dir, f".tmp-{uuid.uuid4().hex[:12]}")
             os.mkdir(tmp, 0o700)
@@ -539,8 +545,8 @@ class MetaLayers:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
             mount_generation(gen_dir)
-            log.info("meta layer %s of %s: %d files (%d dirs)", gen, os.path.basename(layer_dir),
-                     placed, len(dirs))
+            log.info("meta layer %s of %s: %d files (%d dirs) in %.3f s", gen,
+                     os.path.basename(layer_dir)[:12], placed, len(dirs), time.monotonic() - t0)
         doc = {"version": META_VERSION, "gen": gen, "digests": sorted(wanted)}
         tmpj = os.path.join(layer_dir, f".current.{uuid.uuid4().hex[:8]}")
         with open(tmpj, "w", encoding="utf-8") as f:
@@ -549,6 +555,15 @@ class MetaLayers:
         collect(layer_dir, gen, grace=GRACE)
         return gen
 
+
+    def refresh_now(self, mounts: list[tuple[str, Any]]) -> None:
+        """Build the next generation of every mounted layer that has new files (a lazy sandbox
+        just closed: its fetches are done, the next create should not wait for the build)."""
+        for mp, ops in mounts:
+            try:
+                self.layer(ops, ops.lazy_layer.digest, mp, wait=False)
+            except Exception as e:  # noqa: BLE001 - the next create tries again
+                log.warning("meta layer refresh of %s: %s", mp, e)
 
     def refresh(self, mounts: Callable[[], list[tuple[str, Any]]],
                 stopped: Callable[[], bool]) -> None:
@@ -590,7 +605,26 @@ def handle(daemon: Any, req: dict[str, Any]) -> dict[str, Any]:
     def ops_of(mp: str) -> Any:
         with daemon.lock:
             return daemon.ops.get(mp)
+    if req.get("refresh"):
+        with daemon.lock:
+            now = list(daemon.ops.items())
+        threading.Thread(target=meta.refresh_now, args=(now,), name="meta-refresh-now",
+                         daemon=True).start()
+        return {"ok": True}
     return meta.request(ops_of, req)
+
+
+def refresh_soon(node_root: str | os.PathLike[str]) -> None:
+    """Client side (a lazy sandbox closed): ask the node daemon to build the meta layers of
+    what was fetched now, in the background. Never raises; a no-op without a daemon."""
+    from runtime_shim.lazyfs.control import daemon_request
+
+    if not enabled():
+        return
+    try:
+        daemon_request(node_root, {"op": "meta", "refresh": True}, 2.0)
+    except Exception as e:  # noqa: BLE001 - an optimisation only
+        log.debug("meta layer refresh: %s", e)
 
 
 def meta_dirs(node_root: str | os.PathLike[str], layers: list[tuple[str, str]],
@@ -619,5 +653,6 @@ def meta_dirs(node_root: str | os.PathLike[str], layers: list[tuple[str, str]],
 
 
 __all__ = ["ENV_SWITCH", "META_VERSION", "MetaEntry", "MetaLayers", "build", "collect",
-           "enabled", "handle", "meta_dirs", "mount_generation", "plan", "remove_unused",
+           "enabled", "handle", "meta_dirs", "mount_generation", "plan", "refresh_soon",
+           "remove_unused",
            "safe_path"]
