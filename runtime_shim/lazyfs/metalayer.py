@@ -395,6 +395,11 @@ def collect(layer_dir: str, keep: str | None, *, everything: bool = False,
 def remove_unused(node_root: str | os.PathLike[str], keep_hex: Collection[str]) -> list[str]:
     """The node's eviction (``NodeCache.unmount_lazy``): every generation of a layer not in
     ``keep_hex`` is removed; of the others, the old generations no mount refers to."""
+    with _layer_flock(os.fspath(node_root), "gc"):
+        return _remove_unused(node_root, keep_hex)
+
+
+def _remove_unused(node_root: str | os.PathLike[str], keep_hex: Collection[str]) -> list[str]:
     meta = os.path.join(os.fspath(node_root), "meta")
     try:
         layers = [n for n in os.listdir(meta) if _is_hex(n)]
@@ -421,6 +426,27 @@ def remove_unused(node_root: str | os.PathLike[str], keep_hex: Collection[str]) 
     return done
 
 
+def describe(node_root: str | os.PathLike[str]) -> list[str]:
+    """``envbuild node ls``: one line per layer with a meta layer (its current generation,
+    how many files it serves, whether it is mounted), then the switch if it is off."""
+    meta = os.path.join(os.fspath(node_root), "meta")
+    lines = []
+    try:
+        names = sorted(n for n in os.listdir(meta) if _is_hex(n))
+    except FileNotFoundError:
+        names = []
+    for hexd in names:
+        current = _read_current(os.path.join(meta, hexd))
+        if current is None:
+            continue
+        gen_dir = os.path.join(meta, hexd, current[0])
+        state = "mounted" if _is_mount(os.path.join(gen_dir, "mnt")) else "not mounted"
+        lines.append(f"meta sha256:{hexd}  {current[0]}, {len(current[1])} files, {state}")
+    if not enabled():
+        lines.append(f"meta layers: off (${ENV_SWITCH})")
+    return lines
+
+
 def _is_hex(name: str) -> bool:
     return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
 
@@ -437,9 +463,11 @@ def _read_current(layer_dir: str) -> tuple[str, frozenset[str]] | None:
 
 
 @contextlib.contextmanager
-def _layer_flock(node_root: str, hexd: str) -> Iterator[None]:
+def _layer_flock(node_root: str, hexd: str, *, shared: bool = False) -> Iterator[None]:
     """``<node>/locks/<hex>.meta.lock``: the daemon's builds and the node's eviction of one
-    layer's generations, one at a time across processes."""
+    layer's generations, one at a time across processes (``gc.meta.lock``: builds shared,
+    the node's eviction exclusive — a build that started before an eviction listed the
+    layers is waited for, one after it finds the layer's FUSE mount gone)."""
     import fcntl
 
     locks = os.path.join(node_root, "locks")
@@ -447,7 +475,7 @@ def _layer_flock(node_root: str, hexd: str) -> Iterator[None]:
     fd = os.open(os.path.join(locks, f"{hexd}.meta.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
                  0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
@@ -526,7 +554,7 @@ class MetaLayers:
                              files=len(current[1]), generation=current[0])
             return reply
         try:
-            with _layer_flock(self.root, hexd):
+            with _layer_flock(self.root, "gc", shared=True), _layer_flock(self.root, hexd):
                 if not _is_mount(mountpoint):  # unmounted meanwhile (the node's eviction)
                     return reply
                 return self._layer(ops, hexd, layer_dir, quiet, reply)
@@ -709,7 +737,7 @@ def meta_dirs(node_root: str | os.PathLike[str], layers: list[tuple[str, str]],
     return out
 
 
-__all__ = ["ENV_SWITCH", "META_VERSION", "MetaEntry", "MetaLayers", "build", "collect",
+__all__ = ["ENV_SWITCH", "META_VERSION", "MetaEntry", "MetaLayers", "build", "collect", "describe",
            "enabled", "handle", "meta_dirs", "mount_generation", "plan", "refresh_soon",
            "remove_unused",
            "safe_path"]

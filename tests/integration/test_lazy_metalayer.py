@@ -57,14 +57,23 @@ def test_a_rerun_opens_fetched_files_without_the_daemon(lock2):  # noqa: F811
     mounts = [node.lazy_dir(x.digest) for x in layers]
     with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as first:
         assert not any("/meta/" in d for d in _lowerdirs(first.paths.merged))  # nothing yet
+        assert first.info().lazy == "passthrough"
         a = first.exec(LISTING)  # reads every file: all fetched
         assert a.exit_code == 0, a.stderr
+    # and the base's files the upper layer hides (whiteout, opaque dir, replaced dir), read
+    # on the base's own mount: they are in its meta layer, and must stay hidden
+    hidden = ["etc/gone", "opq/old0", "opq/old1", "replaced/inside"]
+    for p in hidden:
+        assert (mounts[0] / p).read_bytes()
     _quiet(node_dir)
     with Sandbox.create("two", store=store, node_dir=node_dir) as full, \
             Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb:
+        assert sb.info().lazy == "passthrough+meta"
         lowers = _lowerdirs(sb.paths.merged)
         metas = [d for d in lowers if "/meta/" in d]
         assert len(metas) == 2, lowers
+        for p in hidden:  # in the base's meta layer, below the upper layer's FUSE mount
+            assert (Path(metas[1]) / p).is_file()
         # each meta layer sits right above its layer's FUSE mount (topmost first)
         assert lowers[:4] == [metas[0], str(mounts[1]), metas[1], str(mounts[0])], lowers
         before = [_opens(mp) for mp in mounts]
@@ -73,8 +82,12 @@ def test_a_rerun_opens_fetched_files_without_the_daemon(lock2):  # noqa: F811
         assert b.stdout.decode().splitlines() == f.stdout.decode().splitlines()
         assert b.stdout == a.stdout
         out = b.stdout.decode()
-        assert "/etc/gone|" not in out and "/opq/old0" not in out  # whiteout, opaque dir
+        assert "/etc/gone|" not in out and "/opq/old" not in out  # whiteout, opaque dir
         assert "/replaced|regular file|644|0|0|11|" in out and "/replaced/inside" not in out
+        r = sb.exec("cat /etc/gone /opq/old0 /replaced/inside; ls /opq")
+        assert r.stdout == b"new\n", r
+        for p in hidden[:2] + hidden[3:]:
+            assert f"can't open '/{p}'".encode() in r.stderr, r
         assert "/data/small.txt|regular file|640|1000|1000|600|1600000000|2|" in out
         assert "/data/suid|regular file|4755|" in out
         # every file was opened and hashed again: none of those opens reached the daemon
@@ -97,6 +110,13 @@ def test_a_rerun_opens_fetched_files_without_the_daemon(lock2):  # noqa: F811
             assert "trusted.overlay.metacopy" not in names, names
             assert "trusted.overlay.redirect" not in names, names
         assert (sb.paths.upper / "data" / "small.txt").read_bytes() == b"small\n" * 100
+        from click.testing import CliRunner
+
+        from envbuild.cli.main import cli
+
+        res = CliRunner().invoke(cli, ["node", "ls"], env={"ENVBUILD_NODE_CACHE": str(node_dir)})
+        assert res.exit_code == 0, res.output
+        assert f"meta {layers[0].digest}  g-" in res.output and "mounted" in res.output
 
 
 def test_generations_are_built_once_shared_and_pinned(lock2):  # noqa: F811
