@@ -655,8 +655,16 @@ class MetaLayers:
         """Background (a daemon thread, from the first ``meta`` request on): every
         ``REFRESH_EVERY`` s, build the next generation of each mounted layer whose fetches
         have been quiet for ``REFRESH_QUIET`` s, so the next create finds it ready."""
+        seen: tuple[int, float] | None = None
         while not stopped():
             time.sleep(REFRESH_EVERY)
+            try:  # nothing fetched or evicted since the last look: nothing to do
+                now = (len(self.files.verified()), os.stat(self.files.dir).st_mtime)
+            except OSError:
+                continue
+            if now == seen or self.files.fetching() or time.time() - now[1] < REFRESH_QUIET:
+                continue
+            seen = now
             for mp, ops in mounts():
                 try:
                     self.layer(ops, ops.lazy_layer.digest, mp, quiet=REFRESH_QUIET,
