@@ -70,6 +70,7 @@ import stat
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -498,7 +499,9 @@ class MetaLayers:
         self.files = files  # FileCache: verified digests, the directory
         self._lock = threading.Lock()
         self._layer_locks: dict[str, threading.Lock] = {}
-        self._digests: dict[int, tuple[Any, dict[int, str], frozenset[str]]] = {}
+        # per mount (dropped with it): digest of each regular inode, and their set
+        self._digests: weakref.WeakKeyDictionary[Any, tuple[dict[int, str], frozenset[str]]] = \
+            weakref.WeakKeyDictionary()
 
     def _layer_lock(self, hexd: str) -> threading.Lock:
         with self._lock:
@@ -507,16 +510,16 @@ class MetaLayers:
     def _layer_digests(self, ops: Any) -> tuple[dict[int, str], frozenset[str]]:
         """Digest of each regular inode of a mount (by ``id(node)``), computed once per mount."""
         with self._lock:
-            got = self._digests.get(id(ops))
-        if got is not None and got[0] is ops:
-            return got[1], got[2]
+            got = self._digests.get(ops)
+        if got is not None:
+            return got
         by_node: dict[int, str] = {}
         for node in ops.lazy_nodes.values():
             if stat.S_ISREG(node.mode) and id(node) not in by_node:
                 by_node[id(node)] = ops.lazy_layer.stat(node.read_path).digest or ""
         digests = frozenset(d for d in by_node.values() if d)
         with self._lock:
-            self._digests[id(ops)] = (ops, by_node, digests)
+            self._digests[ops] = (by_node, digests)
         return by_node, digests
 
     def request(self, ops_of: Callable[[str], Any], req: dict[str, Any]) -> dict[str, Any]:
