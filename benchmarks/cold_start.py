@@ -162,7 +162,8 @@ class Bench:
         node = NodeCache(node_dir / "node")
         for log in (node_dir / "node" / "lazy").glob("*.log"):
             for line in log.read_text(errors="replace").splitlines():
-                if " ERROR " in line or " WARNING " in line or line.startswith("error"):
+                if (" ERROR " in line or " WARNING " in line or line.startswith("error")
+                        or "meta layer g-" in line):  # and the meta layers built (metalayer)
                     print(f"    {log.name[:12]}: {line}", flush=True)
         node.evict((), 0)  # the lazy daemons save the profile and exit
         shutil.rmtree(node_dir, ignore_errors=True)

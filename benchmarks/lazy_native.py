@@ -2,7 +2,7 @@
 """Reads of a lazy layer once its files are on the node, against an unpacked layer read in the
 same run (issue 13: "native-speed reads after the first fetch").
 
-    .venv/bin/python benchmarks/lazy_native.py [--repeat 3] [--modes passthrough,fuse]
+    .venv/bin/python benchmarks/lazy_native.py [--repeat 3] [--modes passthrough,fuse,meta]
 
 The layer: a slice of this repo's virtualenv (botocore, boto3, moto, flask, aiohttp, yaml,
 cryptography and their dependencies, ``__pycache__`` included), packed into a local store.
@@ -21,6 +21,12 @@ dropped with ``POSIX_FADV_DONTNEED``: fetched, on the node's disk, not in memory
 baseline: the same workloads on the layer unpacked by ``NodeCache.ensure`` (what a full pull
 makes), in the same run. Prints seconds, and per mode the ratios warm / unpacked warm and
 evicted / unpacked evicted (goal: <= 1.1).
+
+``meta``: passthrough after one pass of both workloads fetched the files, read through a
+read-only overlay of the layer's meta layer above its FUSE mount (what a re-run sandbox reads,
+``runtime_shim.lazyfs.metalayer``); its "cold" is a first pass through that overlay, files
+already fetched. With it comes ``unpacked-ovl``, the unpacked dir through a read-only overlay
+(the floor a sandbox actually reads through), and its ratios are printed against both floors.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ sys.path.insert(0, str(REPO))
 
 from envbuild.layers import pack_tree  # noqa: E402
 from envbuild.store import LocalStore, put_file  # noqa: E402
+from runtime_shim.lazyfs.metalayer import meta_dirs  # noqa: E402
+from runtime_shim.mount import OverlaySpec, mount_overlay, unmount  # noqa: E402
 from runtime_shim.nodecache import NodeCache  # noqa: E402
 
 PACKAGES = ["boto3", "botocore", "moto", "flask", "werkzeug", "jinja2", "markupsafe",
@@ -179,8 +187,37 @@ def main() -> int:
         unpacked = NodeCache(work / "full").ensure(store, info.digest, info.toc_digest)
         targets: dict[str, tuple[Path, tuple[Path, ...]]] = {"unpacked": (Path(unpacked), ())}
         nodes = []
+        overlays: list[str] = []
+
+        def overlay(name: str, lowers: list[str]) -> Path:
+            """A read-only overlay of ``lowers`` (topmost first): what a sandbox reads."""
+            target = work / name
+            target.mkdir()
+            (work / "empty").mkdir(exist_ok=True)  # the bottom (a sandbox's stub)
+            mount_overlay(OverlaySpec(str(target), (*lowers, str(work / "empty"))))
+            overlays.append(str(target))
+            return target
+
         try:
+            if "meta" in args.modes.split(","):  # the floor a sandbox sees: unpacked + overlay
+                targets["unpacked-ovl"] = (overlay("unpacked-ovl", [str(unpacked)]), ())
             for mode in args.modes.split(","):
+                if mode == "meta":
+                    # passthrough, the files fetched by one pass of both workloads, then the
+                    # layer's meta layer above its FUSE mount (runtime_shim.lazyfs.metalayer)
+                    os.environ["ENVBUILD_LAZY_PASSTHROUGH"] = "on"
+                    node = NodeCache(work / "node-meta")
+                    nodes.append(node)
+                    mp = node.ensure_lazy(str(store.root), info.digest, info.toc_digest)
+                    for _w, fn in WORKLOADS:
+                        fn(mp)
+                    time.sleep(0.3)
+                    t0 = time.perf_counter()
+                    meta = meta_dirs(node.root, [(info.digest, str(mp))])[0]
+                    print(f"meta layer: {meta or 'none'} in {time.perf_counter() - t0:.3f} s")
+                    lowers = [meta, str(mp)] if meta else [str(mp)]
+                    targets[mode] = (overlay("meta-ovl", lowers), (node.root / "files",))
+                    continue
                 # the daemon of each node cache inherits the switch as it starts
                 os.environ["ENVBUILD_LAZY_PASSTHROUGH"] = "on" if mode == "passthrough" \
                     else "off"
@@ -191,6 +228,8 @@ def main() -> int:
                 targets[mode] = (mp, (node.root / "files", node.root / "chunks"))
             results = measure(targets, args.repeat)
         finally:
+            for target in overlays:
+                unmount(target)
             for node in nodes:
                 node.unmount_lazy(keep=())
         base = results["unpacked"]
@@ -204,6 +243,14 @@ def main() -> int:
                 f"{r[w][i] / base[w][i]:.2f}x" for w in ("import", "read") for i in (1, 2))
             print(f"{name:12} " + " ".join(f"{r[w][i]:8.3f}" for w in ("import", "read")
                                            for i in (0, 1, 2)) + ratio)
+        ovl = results.get("unpacked-ovl")
+        if ovl is not None:
+            print("/ unpacked-ovl (the floor through an overlay): import warm, evicted; "
+                  "read warm, evicted")
+            for name, r in results.items():
+                if name not in ("unpacked", "unpacked-ovl"):
+                    print(f"{name:12} " + ", ".join(f"{r[w][i] / ovl[w][i]:.2f}x"
+                                                    for w in ("import", "read") for i in (1, 2)))
     finally:
         os.environ.pop("ENVBUILD_LAZY_PASSTHROUGH", None)
         shutil.rmtree(work, ignore_errors=True)

@@ -18,6 +18,8 @@ Layout (version 1, under ``root``)::
     locks/lazy-daemon.lock     flock: one daemon start at a time
     files/<hex>                lazy passthrough mode: whole verified files by content digest,
                                the kernel's backing files (runtime_shim.lazyfs.filecache)
+    meta/<hex>/                lazy passthrough mode: the layer's meta layer generations, its
+                               fetched files served by overlayfs (runtime_shim.lazyfs.metalayer)
     chunks/                    lazy mode: verified file pieces (envbuild.store.lazy.ChunkCache),
                                keyed by content, shared by every lazy layer
 
@@ -347,6 +349,9 @@ class NodeCache:
                     _flock(self.root / "locks" / f"{hexd}.lazy.lock"):
                 self._stop_lazy(hexd)
             done.append(digest)
+        from runtime_shim.lazyfs.metalayer import remove_unused
+
+        remove_unused(self.root, keep_hex)  # meta layers: of unused layers, and old generations
         if done:
             self._wait_daemon_gone()
         return done

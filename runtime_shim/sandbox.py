@@ -276,8 +276,9 @@ class Sandbox:
         default): lazy when the node's lazy daemon can serve the layers, else a full pull (a
         warning says why; ``info().lazy`` is ``""`` then); ``lazy=True`` fails with one line
         instead. ``info().lazy`` says how a lazy sandbox's reads are served: ``"passthrough"``
-        (the kernel reads fetched files natively) or ``"fuse"`` (the fallback: every read
-        through the daemon).
+        (the kernel reads fetched files natively), ``"passthrough+meta"`` (and the files the
+        node already had are opened without the daemon: ``runtime_shim.lazyfs.metalayer``) or
+        ``"fuse"`` (the fallback: every read through the daemon).
 
         ``seccomp``: None for the default syscall filter (``runtime_shim.seccomp``),
         ``"unconfined"`` for none, or a full OCI ``linux.seccomp`` object (checked here). A
@@ -328,6 +329,8 @@ class Sandbox:
             try:
                 layer_dirs = lazy_layer_dirs(node, opened, resolved.layers)
                 lazy_mode = daemon_mode(node.root) or "fuse"
+                if any(d.startswith(f"{node.root}/meta/") for d in layer_dirs):
+                    lazy_mode += "+meta"
             except RuntimeShimError as e:
                 if lazy != "auto":
                     raise
@@ -456,10 +459,15 @@ class Sandbox:
                 return
             self._closed = True
         _REAPER.forget(self)
+        lazy = (_read_meta(self.paths) or {}).get("lazy")
         try:
             self._backend.close()
         finally:
             remove_sandbox_dir(self.paths)
+        if str(lazy).startswith("passthrough"):  # what it fetched: meta layers for the next
+            from runtime_shim.lazyfs.metalayer import refresh_soon
+
+            refresh_soon(self._layout.node)
 
     @property
     def closed(self) -> bool:

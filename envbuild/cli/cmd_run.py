@@ -196,6 +196,10 @@ def register(group: click.Group) -> None:
         for digest in cache.list_lazy():
             state = "mounted" if cache.lazy_mounted(digest) else "stale"
             click.echo(f"lazy {digest}  {state}")
+        from runtime_shim.lazyfs.metalayer import describe
+
+        for line in describe(cache.root):
+            click.echo(line)
 
     @node.command("gc")
     @click.option("--max-size", default=None, metavar="SIZE",

@@ -172,6 +172,10 @@ class _NodeDaemon:
                 reply = self._mount(req)
             elif op == "prefetch":
                 reply = self._start_prefetch(req)
+            elif op == "meta":  # files already on the node, served without FUSE (metalayer)
+                from runtime_shim.lazyfs import metalayer
+
+                reply = metalayer.handle(self, req)
             else:
                 reply = {"ok": False, "error": f"unknown request {op!r}"}
             conn.sendall(json.dumps(reply).encode() + b"\n")

@@ -161,6 +161,17 @@ class FileCache:
             raise RuntimeShimError(f"bad content digest {digest!r} in a TOC")
         return os.path.join(self.dir, hexd)
 
+    def verified(self) -> frozenset[str]:
+        """The digests whose cache files this process verified (fetched, or hashed on first
+        use) and has not evicted: what ``runtime_shim.lazyfs.metalayer`` may point at."""
+        with self._lock:
+            return frozenset(self._verified)
+
+    def fetching(self) -> int:
+        """How many files are being fetched right now (flights in progress)."""
+        with self._lock:
+            return len(self._flights)
+
     def cached(self, digest: str) -> str | None:
         """The cache file of ``digest`` if present and verified (hashing it on first use)."""
         path = self._file(digest)

@@ -47,7 +47,9 @@ def lazy_layer_dirs(node: LazyNode, store: Store, layers: Sequence[Any]) -> list
     top) in node cache ``node``, asked of the node daemon in parallel. An ``S3Store`` hands the
     daemon a presigned URL per blob, so it reads ranges without loading boto3. Layers not
     mounted yet get the stack's lazy profile prefetched in the background (``read_profile``),
-    or, without one, have their reads recorded as the profile."""
+    or, without one, have their reads recorded as the profile. A layer whose fetched files
+    have a meta layer (``runtime_shim.lazyfs.metalayer``) gets its dir right above the FUSE
+    mount: those files are then opened and read without the daemon."""
     from concurrent.futures import ThreadPoolExecutor
 
     for x in layers:
@@ -86,5 +88,9 @@ def lazy_layer_dirs(node: LazyNode, store: Store, layers: Sequence[Any]) -> list
         daemon_request(node.root, {"op": "prefetch", "layers": [
             {"mountpoint": d, "paths": profile.get(x.digest, [])}
             for d, x in zip(dirs, layers)]}, 10.0)
-    return dirs
+    # files already on the node: each layer's meta layer (if any) right above its FUSE mount
+    from runtime_shim.lazyfs.metalayer import meta_dirs
+
+    metas = meta_dirs(node.root, list(zip(digests, dirs)))
+    return [d for fuse, meta in zip(dirs, metas) for d in (fuse, meta) if d]
 

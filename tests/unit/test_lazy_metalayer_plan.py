@@ -1,0 +1,62 @@
+"""``metalayer.plan`` (pure): which inodes of a layer's tree go into its meta tree, with what."""
+
+from __future__ import annotations
+
+import stat
+
+from envbuild.layers import Entry
+from runtime_shim.lazyfs import metalayer
+from runtime_shim.lazyfs.tree import build_tree
+
+A, B, C = ("sha256:" + c * 64 for c in "abc")
+
+
+def _plan(entries, present):
+    nodes = build_tree(entries)
+    by = {e.path: e.digest for e in entries if e.type == "file"}
+    return metalayer.plan(nodes, lambda n: by.get(n.read_path, ""), present)
+
+
+def test_only_present_regular_files_with_their_parents():
+    dirs, files = _plan([
+        Entry("usr", "dir", mode=0o755, uid=1, gid=2, mtime=5, xattrs={"user.d": b"1"}),
+        Entry("usr/lib/x.so", "file", size=3, digest=A, mode=0o755, mtime=7),
+        Entry("usr/lib/y.so", "file", size=4, digest=B),
+        Entry("usr/bin/sh", "symlink", linkname="busybox"),
+        Entry("etc/.wh.passwd", "file"),
+        Entry("tmp/fifo", "fifo"),
+    ], {A})
+    assert [f.paths for f in files] == [("usr/lib/x.so",)]
+    assert (files[0].size, files[0].mode, files[0].mtime, files[0].digest) == (3, 0o755, 7, A)
+    assert [d.paths[0] for d in dirs] == ["", "usr", "usr/lib"]  # parents first
+    usr = dirs[1]
+    assert (usr.mode, usr.uid, usr.gid, usr.mtime, usr.xattrs) == (0o755, 1, 2, 5,
+                                                                   (("user.d", b"1"),))
+
+
+def test_hardlinks_are_one_entry_with_every_name():
+    _dirs, files = _plan([Entry("a", "file", size=1, digest=C),
+                          Entry("b", "hardlink", linkname="a"),
+                          Entry("d/c", "hardlink", linkname="a")], {C})
+    assert [sorted(f.paths) for f in files] == [["a", "b", "d/c"]]
+
+
+def test_overlay_xattrs_and_unsafe_names_are_left_out():
+    dirs, files = _plan([
+        Entry("o", "dir", xattrs={"trusted.overlay.opaque": b"y", "security.x": b"s"}),
+        Entry("o/.wh..wh..opq", "file"),
+        Entry("o/f", "file", size=1, digest=A, xattrs={
+            "trusted.overlay.redirect": b"/" + B[7:].encode(), "user.k": b"v"}),
+        Entry("a/../../x", "file", size=1, digest=A),
+        Entry("n" * 256, "file", size=1, digest=A),
+    ], {A, B})
+    assert [f.paths for f in files] == [("o/f",)]
+    assert files[0].xattrs == (("user.k", b"v"),)
+    assert [d.xattrs for d in dirs if d.paths == ("o",)] == [(("security.x", b"s"),)]
+    assert not any(stat.S_ISCHR(f.mode) for f in files)
+
+
+def test_safe_path():
+    assert metalayer.safe_path("a/b.c/d")
+    for bad in ("", "a//b", "./a", "a/..", "a/\0", "x" * 256, "/".join(["d"] * 2000)):
+        assert not metalayer.safe_path(bad), bad
