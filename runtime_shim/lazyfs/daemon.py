@@ -28,7 +28,7 @@ from runtime_shim.lazyfs.profile import (
     PROFILE_WINDOW,
     _Trace,
 )
-from runtime_shim.lazyfs.tree import build_tree
+from runtime_shim.lazyfs.tree import tree_of
 
 log = logging.getLogger("envbuild.lazyfs")
 
@@ -200,7 +200,7 @@ class _NodeDaemon:
                               expected_toc_digest=req.get("toc_digest") or None,
                               size=req.get("size"))
             phases["open"] = time.monotonic() - t0
-            nodes = build_tree(layer.entries())
+            nodes = tree_of(layer.reader)
             phases["tree"] = time.monotonic() - t0
             prof = req.get("profile")
             trace = self._trace(prof, digest) if prof else None
