@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -37,6 +38,11 @@ log = logging.getLogger("envbuild.lazyfs")
 #: fetched files are served.
 MODE_PASSTHROUGH = "passthrough"   # the kernel reads the node's file cache (passthrough.py)
 MODE_FUSE = "fuse"                 # every read through the libfuse filesystem (fuseops.py)
+#: The daemon's GIL switch interval (CPython's default is 5 ms). A miss is a chain of thread
+#: hand-offs (FUSE reader, open worker, fetch, reply) while other threads decompress and
+#: verify windows and readahead in pure Python; each hand-off can wait a whole interval for
+#: the GIL, and a program's first command is a dozen misses one after the other.
+SWITCH_INTERVAL = 0.0005
 
 
 class _NodeDaemon:
@@ -78,6 +84,7 @@ class _NodeDaemon:
         import socket
         import time
 
+        sys.setswitchinterval(SWITCH_INTERVAL)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(daemon_address(self.root))
