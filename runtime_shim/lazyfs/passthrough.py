@@ -211,12 +211,14 @@ class PassthroughFS:
     def __init__(self, layer: LazyLayer, nodes: dict[str, Node], mountpoint: str,
                  files: FileCache, *, workers: ThreadPoolExecutor,
                  trace: _Trace | None = None, on_init: Callable[[], None] | None = None,
-                 want_passthrough: bool = True) -> None:
+                 want_passthrough: bool = True,
+                 on_elf: Callable[[PassthroughFS, bytes], object] | None = None) -> None:
         self.lazy_layer, self.lazy_nodes = layer, nodes
         self.lazy_frames = _Frames(layer, nodes)
         self.readahead = _Readahead(layer, nodes, self.lazy_frames)
         self.mountpoint, self.files, self.workers = mountpoint, files, workers
         self.trace, self.on_init, self.want_passthrough = trace, on_init, want_passthrough
+        self.on_elf = on_elf   # told of each fetched ELF file (the daemon fetches its libraries)
         self.by_ino: dict[int, Node] = {}
         self.dir_path: dict[int, str] = {}
         for path, node in nodes.items():
@@ -470,7 +472,10 @@ class PassthroughFS:
             self.lazy_frames.load([node])
             self.readahead.schedule_after(rest[-1] if rest else node)
             self.readahead.schedule(node.read_path.rpartition("/")[0])
-        return self.lazy_layer.read(node.read_path)
+        data = self.lazy_layer.read(node.read_path)
+        if self.on_elf is not None and data[:4] == b"\x7fELF":
+            self.on_elf(self, data)
+        return data
 
     def _load_behind(self, nodes: list[Node]) -> None:
         try:
