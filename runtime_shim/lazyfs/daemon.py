@@ -337,6 +337,12 @@ class _NodeDaemon:
 
     def _start_prefetch(self, req: dict[str, Any]) -> dict[str, Any]:
         started = 0
+        key = req.get("key")
+        if isinstance(key, str):
+            with self.lock:   # the stack has a profile: its mounts' reads need no saving
+                rec = self.profiles.get(key)
+                if rec is not None:
+                    rec["saved"] = True
         for item in req.get("layers", ()):
             with self.lock:
                 ops = self.ops.get(item["mountpoint"])
