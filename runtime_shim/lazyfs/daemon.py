@@ -273,6 +273,7 @@ class _NodeDaemon:
                         del self.ops[mp]
                     if self.by_digest.get(digest) is ops:
                         del self.by_digest[digest]
+                    self._elf_seen = {k for k in self._elf_seen if k[0] != mp}
                     self.last = time.monotonic()
                 ready.set()
                 log.info("unmounted %s; stats %s", mp, json.dumps(layer.stats.as_dict()))
