@@ -14,8 +14,9 @@ the bytes are those of the misses it replaces.
 Hostile input: the ELF bytes come from a verified layer but may be anything; ``parse`` reads
 at most ``MAX_PHDRS`` program headers, ``MAX_DYN`` dynamic entries and ``MAX_NAMES`` names of
 at most 255 bytes, never outside the buffer, and returns nothing for anything that is not a
-64-bit little-endian ELF. Lookups follow at most ``MAX_HOPS`` symlinks and never leave the
-stack's trees (paths are table keys, never opened).
+64-bit little-endian ELF. Lookups follow at most ``MAX_HOPS`` symlinks and walk at most
+``MAX_STEPS`` path components, and never leave the stack's trees (paths are table keys,
+never opened).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ MAX_PHDRS = 64
 MAX_DYN = 2048
 MAX_NAMES = 64
 MAX_HOPS = 16
+MAX_STEPS = 4096   # path components walked per lookup, over all hops (a hostile long target)
 #: Where the loader looks for a needed library without a cache entry or run path (x86_64,
 #: Debian multiarch first): a name is looked up in these, in order.
 LIBRARY_DIRS = ("lib/x86_64-linux-gnu", "usr/lib/x86_64-linux-gnu", "lib64", "usr/lib64",
@@ -111,10 +113,14 @@ class Stack:
         """``(ops, node)`` of the regular file at ``path`` (absolute or relative to the root),
         symlinks followed (at most ``MAX_HOPS``), or None."""
         parts = path.split("/")
+        steps = 0
         for _ in range(MAX_HOPS):
             cur: list[str] = []
             redirected = False
             for i, part in enumerate(parts):
+                steps += 1
+                if steps > MAX_STEPS:
+                    return None
                 if part in ("", "."):
                     continue
                 if part == "..":

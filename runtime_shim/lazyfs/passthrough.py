@@ -474,7 +474,10 @@ class PassthroughFS:
             self.readahead.schedule(node.read_path.rpartition("/")[0])
         data = self.lazy_layer.read(node.read_path)
         if self.on_elf is not None and data[:4] == b"\x7fELF":
-            self.on_elf(self, data)
+            try:
+                self.on_elf(self, data)
+            except Exception:  # noqa: BLE001 - a hint only: never fail the open for it
+                log.exception("fetch ahead after %s", node.read_path)
         return data
 
     def _load_behind(self, nodes: list[Node]) -> None:

@@ -139,3 +139,9 @@ def test_symlink_loops_and_dotdot_stay_bounded_and_inside_the_trees():
     assert stack.lookup("c") is None            # resolves to itself from the root, a loop
     assert _found(stack.lookup("d/e")) == ("l", "etc/x")   # ".." stops at the root
     assert stack.lookup("") is None and stack.lookup("/") is None
+    # a walk is bounded in components (MAX_STEPS; a real path is at most PATH_MAX bytes)
+    deep = "/".join(["d"] * 3000)
+    around = deep + "/.." * 1000 + "/" + "/".join(["d"] * 1000) + "/x"   # = deep/x
+    ops = Ops("deep", {f"{deep}/x": 1, "near": f"{deep}/../d/x", "around": around})
+    assert _found(Stack([ops]).lookup("near")) == ("deep", f"{deep}/x")
+    assert Stack([ops]).lookup("around") is None   # 5,000 components: past the bound
