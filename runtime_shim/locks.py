@@ -23,6 +23,7 @@ from envbuild.errors import (
     RefNotFound,
     RuntimeShimError,
     StoreError,
+    StoreUnavailable,
 )
 from envbuild.oci import (
     ANNOTATION_KEY,
@@ -126,10 +127,14 @@ def _lock_json(store: Store, digest: str) -> Any:
     ``stat`` and a ``get``: over a link every request is a round trip, and a sandbox's create
     reads two of these before anything else (half of a lazy create's time before its mounts).
     Only for an ``S3Store`` with plain-HTTP ranges (its bodies are bounded by the range);
-    other stores keep ``get_json`` (a registry may answer a range with the whole blob)."""
+    other stores keep ``get_json`` (a registry may answer a range with the whole blob), and so
+    does a ranged read that gets no answer (boto3's retries then decide)."""
     if getattr(store, "fast_ranges", False) is not True or not digest.startswith("sha256:"):
         return get_json(store, digest, max_size=MAX_LOCK_JSON)
-    data = store.get_range(digest, 0, MAX_LOCK_JSON + 1)
+    try:
+        data = store.get_range(digest, 0, MAX_LOCK_JSON + 1)
+    except StoreUnavailable:  # no answer over plain HTTP: the store's own client retries
+        return get_json(store, digest, max_size=MAX_LOCK_JSON)
     if len(data) > MAX_LOCK_JSON:
         raise StoreError(f"blob {digest} is over {MAX_LOCK_JSON} bytes, too large for a JSON "
                          "document", hint="is this a layer digest where a manifest was expected?")

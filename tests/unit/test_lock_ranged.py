@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from envbuild.canonical import canonical_json
-from envbuild.errors import DigestMismatch, EnvbuildError, LockNotFound
+from envbuild.errors import DigestMismatch, EnvbuildError, LockNotFound, StoreUnavailable
 from envbuild.oci import MEDIA_TYPE_MANIFEST as MANIFEST
 from envbuild.store import MemoryStore, put_bytes
 from runtime_shim.locks import MAX_LOCK_JSON, resolve
@@ -19,9 +19,12 @@ class RangedStore(MemoryStore):
     def __init__(self) -> None:
         super().__init__()
         self.asked: list[str] = []
+        self.unreachable = False
 
     def get_range(self, digest, offset, length):
         self.asked.append(f"range {offset}+{length}")
+        if self.unreachable:
+            raise StoreUnavailable("read range: cannot reach S3 endpoint (test)")
         return super().get_range(digest, offset, length)
 
     def stat(self, digest):
@@ -63,3 +66,13 @@ def test_ranged_reads_keep_the_bounds_and_errors():
     store.blobs[good] = b'{"mediaType": "x"}'
     with pytest.raises(DigestMismatch):
         resolve(store, good)
+
+
+def test_a_ranged_read_without_an_answer_falls_back_to_the_stores_own_reads():
+    store = RangedStore()
+    cfg = put_bytes(store, canonical_json({"rootfs": {"diff_ids": []}}))
+    digest = _lock(store, {"mediaType": MANIFEST, "config": {"digest": cfg}, "layers": []})
+    store.unreachable = True
+    store.asked.clear()
+    assert resolve(store, digest).digest == digest
+    assert store.asked == [f"range 0+{MAX_LOCK_JSON + 1}", "stat", "get"] * 2
