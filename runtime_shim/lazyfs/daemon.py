@@ -222,8 +222,8 @@ class _NodeDaemon:
             if self.mode == MODE_PASSTHROUGH:
                 from runtime_shim.lazyfs.passthrough import PassthroughFS
 
-                # without a profile (one is recorded), a fetched program's libraries are
-                # fetched ahead of the loader, looked up in this stack (elfdeps)
+                # a fetched program's libraries are fetched ahead of the loader, looked up in
+                # the stack this layer is mounted for (its profile record names it; elfdeps)
                 stack = list(prof["layers"]) if prof else None
                 on_elf = ((lambda fs, data: self.elf_pool.submit(self._elf_deps, stack, fs,
                                                                  data, ELF_DEPTH))
