@@ -74,6 +74,10 @@ class RangeResponse:
         return self.status in (200, 206)
 
 
+#: What a request on a kept-alive connection the server has closed fails with.
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+
+
 class _TooLong(Exception):
     """A response body longer than the range asked for (a broken or hostile server)."""
 
@@ -124,14 +128,18 @@ class RangeClient:
         target = parts.path + (f"?{parts.query}" if parts.query else "")
         headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
         last = ""
-        for attempt in range(self.attempts):
-            if attempt:
+        attempt = 0
+        stale_retried = again = False
+        while attempt < self.attempts:
+            if attempt and not again:
                 time.sleep(self.backoff.delay(attempt))
+            again = False
             conn = self._conn(parts.scheme, parts.netloc)
+            reused = conn.sock is not None
             with self._count_lock:
                 self.requests += 1
             try:
-                if conn.sock is None:
+                if not reused:
                     conn.connect()
                     cast(socket.socket, conn.sock).settimeout(self.read_timeout)
                 conn.request("GET", target, headers=headers)
@@ -143,11 +151,18 @@ class RangeClient:
             except (TimeoutError, OSError, http.client.HTTPException) as e:
                 conn.close()
                 last = f"{type(e).__name__}: {e}"
+                if reused and not stale_retried and isinstance(e, _STALE):
+                    # a keep-alive connection the server closed while it was idle (servers
+                    # do after a few seconds): once more at once on a new one, not a try
+                    stale_retried = again = True
+                    continue
+                attempt += 1
                 continue
             if not reusable or (resp.getheader("Connection") or "").lower() == "close":
                 conn.close()
             if status in RETRY_STATUSES:
                 last = f"HTTP {status}"
+                attempt += 1
                 continue
             return RangeResponse(status, body)
         return RangeResponse(0, b"", error=f"{last} (after {self.attempts} attempts)")

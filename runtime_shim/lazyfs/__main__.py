@@ -16,7 +16,7 @@ from envbuild.store.lazy import ChunkCache, LazyLayer, MemoryChunkCache
 from runtime_shim.lazyfs.chunks import TieredChunkCache
 from runtime_shim.lazyfs.daemon import _NodeDaemon
 from runtime_shim.lazyfs.fuseops import CACHE_TTL, _operations_base, make_operations
-from runtime_shim.lazyfs.tree import Node, build_tree
+from runtime_shim.lazyfs.tree import Node, tree_of
 
 log = logging.getLogger("envbuild.lazyfs")
 
@@ -55,7 +55,7 @@ def open_layer(args: argparse.Namespace) -> tuple[LazyLayer, dict[str, Node]]:
                              ChunkCache(args.chunk_cache, parse_size(args.chunk_cache_max)))
     layer = LazyLayer(store, args.digest, chunk_cache=cache,
                       expected_toc_digest=args.toc_digest or None, size=args.size)
-    return layer, build_tree(layer.entries())
+    return layer, tree_of(layer.reader)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

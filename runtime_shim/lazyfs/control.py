@@ -20,7 +20,7 @@ with the process). A connection carries **one request and one reply, each one li
      "profile": {"key", "layers", "store", "s3_endpoint"}|null}
                                                      -> {"ok": true, "pid": P, "mode": M}
                                                      |  {"ok": false, "error": TEXT}
-    {"op": "prefetch", "layers": [{"mountpoint": M, "paths": [PATH, ...]}, ...]}
+    {"op": "prefetch", "key": K|null, "layers": [{"mountpoint": M, "paths": [PATH, ...]}, ...]}
                                                      -> {"ok": true, "started": N}
 
 Any other request, one that is not JSON, or one longer than ``MAX_MESSAGE`` gets
@@ -32,7 +32,9 @@ once it has served no mount and no request for ``DAEMON_IDLE_EXIT`` seconds, and
 SIGTERM/SIGINT/SIGHUP it unmounts everything first. "prefetch" (the stack's profile, sent once
 all its mounts are up, so it does not slow their opening) loads files of mounted layers in the
 background; a mount's "profile" makes the daemon record the layer's reads and save the stack's
-profile (``runtime_shim.lazyfs.profile.read_profile``) to the store. A client that finds no
+profile (``runtime_shim.lazyfs.profile.read_profile``) to the store; a "prefetch" naming that
+profile's ``key`` (the client found one, read while the mounts were made) stops the saving. A
+client that finds no
 daemon (connection refused, or reset by one that is exiting) starts one and asks again.
 
 This module imports nothing of the daemon (no FUSE, no store), so ``runtime_shim.nodecache``

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -28,7 +29,7 @@ from runtime_shim.lazyfs.profile import (
     PROFILE_WINDOW,
     _Trace,
 )
-from runtime_shim.lazyfs.tree import build_tree
+from runtime_shim.lazyfs.tree import tree_of
 
 log = logging.getLogger("envbuild.lazyfs")
 
@@ -37,6 +38,16 @@ log = logging.getLogger("envbuild.lazyfs")
 #: fetched files are served.
 MODE_PASSTHROUGH = "passthrough"   # the kernel reads the node's file cache (passthrough.py)
 MODE_FUSE = "fuse"                 # every read through the libfuse filesystem (fuseops.py)
+#: The daemon's GIL switch interval (CPython's default is 5 ms). A miss is a chain of thread
+#: hand-offs (FUSE reader, open worker, fetch, reply) while other threads decompress and
+#: verify windows and readahead in pure Python; each hand-off can wait a whole interval for
+#: the GIL, and a program's first command is a dozen misses one after the other.
+SWITCH_INTERVAL = 0.0005
+#: Libraries larger than this are left to their own open (``elfdeps``: fetched ahead only
+#: when small enough not to hold up the link for the program's other misses).
+ELF_PREFETCH_MAX = 16 << 20
+#: Dependency levels fetched ahead of the loader (the program's libraries, theirs).
+ELF_DEPTH = 2
 
 
 class _NodeDaemon:
@@ -61,6 +72,9 @@ class _NodeDaemon:
         self._stores: dict[tuple[str, str | None], Any] = {}
         self.profiles: dict[str, dict[str, Any]] = {}  # key -> {"req", "traces", "saved"}
         self.ops: dict[str, Any] = {}  # mountpoint -> its Operations
+        self.by_digest: dict[str, Any] = {}  # layer digest -> its Operations (ELF lookups)
+        self.elf_pool = ThreadPoolExecutor(4, thread_name_prefix="lazy-elf")
+        self._elf_seen: set[tuple[str, int]] = set()  # (mountpoint, ino) fetched ahead
 
     def _store(self, url: str, endpoint: str | None) -> Any:
         from envbuild.store import open_store
@@ -78,6 +92,7 @@ class _NodeDaemon:
         import socket
         import time
 
+        sys.setswitchinterval(SWITCH_INTERVAL)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(daemon_address(self.root))
@@ -204,15 +219,21 @@ class _NodeDaemon:
                               expected_toc_digest=req.get("toc_digest") or None,
                               size=req.get("size"))
             phases["open"] = time.monotonic() - t0
-            nodes = build_tree(layer.entries())
+            nodes = tree_of(layer.reader)
             phases["tree"] = time.monotonic() - t0
             prof = req.get("profile")
             trace = self._trace(prof, digest) if prof else None
             if self.mode == MODE_PASSTHROUGH:
                 from runtime_shim.lazyfs.passthrough import PassthroughFS
 
+                # a fetched program's libraries are fetched ahead of the loader, looked up in
+                # the stack this layer is mounted for (its profile record names it; elfdeps)
+                stack = list(prof["layers"]) if prof else None
+                on_elf = ((lambda fs, data: self.elf_pool.submit(self._elf_deps, stack, fs,
+                                                                 data, ELF_DEPTH))
+                          if stack else None)
                 ops = PassthroughFS(layer, nodes, mp, self.files, workers=self.open_workers,
-                                    trace=trace, on_init=ready.set)
+                                    trace=trace, on_init=ready.set, on_elf=on_elf)
                 ops.mount()
             else:
                 ops = make_operations(layer, nodes, on_init=ready.set, trace=trace,
@@ -254,6 +275,9 @@ class _NodeDaemon:
                     del self.mounts[key]
                     if self.ops.get(mp) is ops:
                         del self.ops[mp]
+                    if self.by_digest.get(digest) is ops:
+                        del self.by_digest[digest]
+                    self._elf_seen = {k for k in self._elf_seen if k[0] != mp}
                     self.last = time.monotonic()
                 ready.set()
                 log.info("unmounted %s; stats %s", mp, json.dumps(layer.stats.as_dict()))
@@ -271,10 +295,59 @@ class _NodeDaemon:
                  time.monotonic() - t0, phases.get("open", 0), phases.get("tree", 0))
         with self.lock:
             self.ops[mp] = ops
+            self.by_digest[digest] = ops
         return {"ok": True, "pid": os.getpid(), "mode": self.mode}
+
+    def _elf_deps(self, stack: list[str], fs: Any, data: bytes, depth: int) -> None:
+        """Fetch the interpreter and libraries of the ELF ``data`` (fetched on ``fs``'s layer)
+        that the stack ``stack`` (bottom to top) holds, each in its own background load, and,
+        ``depth`` levels down, theirs (``runtime_shim.lazyfs.elfdeps``)."""
+        from runtime_shim.lazyfs.elfdeps import Stack
+
+        with self.lock:
+            layers = [self.by_digest.get(d) for d in reversed(stack)]
+        layers = [x for x in layers if x is not None] or [fs]
+        try:
+            deps = Stack(layers).dependencies(data)
+        except Exception:  # noqa: BLE001 - a hint only: the loader's own opens fetch them
+            log.exception("ELF dependencies in %s", fs.lazy_layer.digest)
+            return
+        for ops, node in deps:
+            key = (ops.mountpoint, node.ino)
+            with self.lock:
+                if key in self._elf_seen or len(self._elf_seen) > 100_000:
+                    continue
+                self._elf_seen.add(key)
+            self.elf_pool.submit(self._elf_load, stack, ops, node, depth)
+
+    def _elf_load(self, stack: list[str], ops: Any, node: Any, depth: int) -> None:
+        if not node.read_path or node.size > ELF_PREFETCH_MAX:
+            return
+        try:
+            digest = ops.lazy_layer.stat(node.read_path).digest or ""
+            cached = ops.files.cached(digest) if digest else None
+            if cached is not None:   # on the node already: nothing to fetch
+                if depth <= 1:
+                    return
+                with open(cached, "rb") as f:
+                    data = f.read(ELF_PREFETCH_MAX)
+            else:
+                ops.lazy_frames.load([node])
+                data = ops.lazy_layer.read(node.read_path)
+        except EnvbuildError as e:  # its own open reports it
+            log.warning("fetch ahead %s of %s: %s", node.read_path, ops.lazy_layer.digest, e)
+            return
+        if depth > 1 and data[:4] == b"\x7fELF":
+            self._elf_deps(stack, ops, data, depth - 1)
 
     def _start_prefetch(self, req: dict[str, Any]) -> dict[str, Any]:
         started = 0
+        key = req.get("key")
+        if isinstance(key, str):
+            with self.lock:   # the stack has a profile: its mounts' reads need no saving
+                rec = self.profiles.get(key)
+                if rec is not None:
+                    rec["saved"] = True
         for item in req.get("layers", ()):
             with self.lock:
                 ops = self.ops.get(item["mountpoint"])

@@ -4,6 +4,7 @@ mounts of a layer stack from the node daemon (through ``NodeCache.ensure_lazy``)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -46,11 +47,10 @@ def lazy_layer_dirs(node: LazyNode, store: Store, layers: Sequence[Any]) -> list
     """``Sandbox.create(lazy=True)``: the lazy mounts of ``layers`` (``LayerRef``s, bottom to
     top) in node cache ``node``, asked of the node daemon in parallel. An ``S3Store`` hands the
     daemon a presigned URL per blob, so it reads ranges without loading boto3. Layers not
-    mounted yet get the stack's lazy profile prefetched in the background (``read_profile``),
-    or, without one, have their reads recorded as the profile. A layer whose fetched files
-    have a meta layer (``runtime_shim.lazyfs.metalayer``) gets its dir right above the FUSE
-    mount: those files are then opened and read without the daemon."""
-    from concurrent.futures import ThreadPoolExecutor
+    mounted yet get the stack's lazy profile prefetched in the background (``read_profile``,
+    read while they mount), or, without one, have their reads recorded as the profile. A layer
+    whose fetched files have a meta layer (``runtime_shim.lazyfs.metalayer``) gets its dir
+    right above the FUSE mount: those files are then opened and read without the daemon."""
 
     for x in layers:
         # the FUSE daemon serves envbuild's framed layers only (it reads their TOC); a lock's
@@ -66,12 +66,16 @@ def lazy_layer_dirs(node: LazyNode, store: Store, layers: Sequence[Any]) -> list
     url, endpoint = store_location(store)
     presign = store.presigned_get_url if isinstance(store, Presigner) else None
     digests = [x.digest for x in layers]
-    profile, record = None, None
+    record = None
+    profile_read = None
     if not all(node.lazy_mounted(d) for d in digests):
-        profile = read_profile(store, digests)
-        record = None if profile is not None else {
-            "key": profile_key(digests), "layers": digests, "store": url,
-            "s3_endpoint": endpoint}
+        # the profile record is read beside the mounts (a store round trip): they are asked
+        # to record one, and told to stop (the prefetch request) when there is one already
+        record = {"key": profile_key(digests), "layers": digests, "store": url,
+                  "s3_endpoint": endpoint}
+        reader = ThreadPoolExecutor(1, thread_name_prefix="lazy-profile")
+        profile_read = reader.submit(read_profile, store, digests)
+        reader.shutdown(wait=False)
 
     def one(layer: Any) -> str:
         ranges_url = presign(layer.digest) if presign is not None else None
@@ -84,10 +88,11 @@ def lazy_layer_dirs(node: LazyNode, store: Store, layers: Sequence[Any]) -> list
     else:
         with ThreadPoolExecutor(min(8, len(layers)), thread_name_prefix="lazy-mount") as pool:
             dirs = list(pool.map(one, layers))
+    profile = profile_read.result() if profile_read is not None else None
     if profile:
-        daemon_request(node.root, {"op": "prefetch", "layers": [
-            {"mountpoint": d, "paths": profile.get(x.digest, [])}
-            for d, x in zip(dirs, layers)]}, 10.0)
+        daemon_request(node.root, {"op": "prefetch", "key": record["key"] if record else None,
+                                   "layers": [{"mountpoint": d, "paths": profile.get(x.digest, [])}
+                                              for d, x in zip(dirs, layers)]}, 10.0)
     # files already on the node: each layer's meta layer (if any) right above its FUSE mount
     from runtime_shim.lazyfs.metalayer import meta_dirs
 

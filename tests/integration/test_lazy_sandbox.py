@@ -366,9 +366,13 @@ def test_a_lazy_profile_is_recorded_then_prefetched(lock2, tmp_path):
     assert profile[digests[1]] == ["etc/added"]
     other = tmp_path / "n2"
     try:
-        with Sandbox.create("two", store=store, node_dir=other, lazy=True):
+        with Sandbox.create("two", store=store, node_dir=other, lazy=True) as sb:
             mp = NodeCache(other / "node").lazy_dir(digests[0])
             stats = _settled(mp)
             assert stats["files_verified"] >= 2 and stats["frames_fetched"] > 0
+            # reads of a stack that has a profile are not saved over it
+            assert sb.exec("cat /etc/os-release /etc/added >/dev/null").exit_code == 0
+        NodeCache(other / "node").evict((), 0)
+        assert read_profile(store, digests) == profile
     finally:
         _no_leftovers(other)

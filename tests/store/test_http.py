@@ -62,6 +62,8 @@ class Server:
                     self.wfile.write(b"0\r\n\r\n")
                 else:
                     self._send(206, OBJECT[a:b + 1])
+                if outer.mode == "close-idle":  # as a server whose keep-alive timeout passed
+                    self.close_connection = True
 
             def _send(self, status: int, body: bytes) -> None:
                 self.send_response(status)
@@ -164,3 +166,26 @@ def test_http_ranges_read_over_the_url_and_fall_back_to_the_store(server):
     server.mode = "too-long"  # a hostile answer is not used: the store answers instead
     assert ranges.get_range(digest, 200, 10) == OBJECT[200:210] and opened == [1]
     assert store.calls["get_range"] == 1
+
+
+class _NoSleep(Backoff):
+    """A backoff that records the retries it was asked to wait for."""
+
+    def __init__(self) -> None:
+        super().__init__(5.0, 5.0)
+        object.__setattr__(self, "asked", [])
+
+    def delay(self, attempt: int) -> float:
+        self.asked.append(attempt)  # type: ignore[attr-defined]
+        return 0.0
+
+
+def test_a_kept_alive_connection_the_server_closed_is_retried_at_once(server):
+    server.mode = "close-idle"   # every connection is closed after one answer, silently
+    backoff = _NoSleep()
+    client = RangeClient(attempts=2, backoff=backoff)
+    for off in (0, 100, 200):
+        got = client.get(server.url, off, 10)
+        assert got.status == 206 and got.body == OBJECT[off:off + 10]
+    # each stale connection cost one immediate retry on a new one: no backoff, no attempt
+    assert backoff.asked == [] and server.connections == 3 and server.requests == 3

@@ -1,0 +1,164 @@
+"""What an executable or shared library will open next: its ELF interpreter and the libraries
+it needs, found in the stack's lazy layers and fetched before the dynamic loader asks.
+
+A first command is a chain of misses: ``execve`` opens the program, the kernel then its
+interpreter (``PT_INTERP``), which opens ``/etc/ld.so.cache`` and each ``DT_NEEDED`` library
+one after the other — every open a round trip to the store on a cold node. Those names are in the
+bytes the daemon has just fetched, so once a program's (or library's) file is fetched, the
+daemon looks them up in the stack the layer was mounted with (top layer first, symlinks
+followed within the stack, the loader's default directories) and loads their frames in the
+background: the loader's opens then find them in flight or loaded. Nothing is fetched that
+the loader would not open (no guessing beyond its own search of the default directories), so
+the bytes are those of the misses it replaces.
+
+Hostile input: the ELF bytes come from a verified layer but may be anything; ``parse`` reads
+at most ``MAX_PHDRS`` program headers, ``MAX_DYN`` dynamic entries and ``MAX_NAMES`` names of
+at most 255 bytes, never outside the buffer, and returns nothing for anything that is not a
+64-bit little-endian ELF. Lookups follow at most ``MAX_HOPS`` symlinks and walk at most
+``MAX_STEPS`` path components, and never leave the stack's trees (paths are table keys,
+never opened).
+"""
+
+from __future__ import annotations
+
+import stat
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+MAX_PHDRS = 64
+MAX_DYN = 2048
+MAX_NAMES = 64
+MAX_HOPS = 16
+MAX_STEPS = 4096   # path components walked per lookup, over all hops (a hostile long target)
+#: Where the loader looks for a needed library without a cache entry or run path (x86_64,
+#: Debian multiarch first): a name is looked up in these, in order.
+LIBRARY_DIRS = ("lib/x86_64-linux-gnu", "usr/lib/x86_64-linux-gnu", "lib64", "usr/lib64",
+                "lib", "usr/lib")
+#: The dynamic loader's cache of library locations: it opens it to find needed libraries.
+LOADER_CACHE = "etc/ld.so.cache"
+_PT_LOAD, _PT_DYNAMIC, _PT_INTERP = 1, 2, 3
+_DT_NULL, _DT_NEEDED, _DT_STRTAB = 0, 1, 5
+_PHDR = struct.Struct("<IIQQQQQQ")
+_DYN = struct.Struct("<qQ")
+
+
+def parse(data: bytes) -> tuple[str, list[str]]:
+    """``(interpreter, needed libraries)`` of a 64-bit little-endian ELF file (``""`` and
+    ``[]`` when it has none, or is no such ELF, or is malformed). Bounded (module docstring)."""
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return "", []
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    if phentsize != _PHDR.size or phnum > MAX_PHDRS or phoff + phnum * phentsize > len(data):
+        return "", []
+    interp, dynamic, loads = "", None, []
+    for i in range(phnum):
+        p_type, _, off, vaddr, _, filesz, _, _ = _PHDR.unpack_from(data, phoff + i * phentsize)
+        if p_type == _PT_INTERP and 0 < filesz <= 256 and off + filesz <= len(data):
+            interp = _cstr(data, off, off + filesz)
+        elif p_type == _PT_DYNAMIC:
+            dynamic = (off, min(filesz, MAX_DYN * _DYN.size))
+        elif p_type == _PT_LOAD:
+            loads.append((vaddr, off, filesz))
+    if dynamic is None:
+        return interp, []
+    off, size = dynamic
+    strtab: int | None = None
+    needed: list[int] = []
+    for k in range(size // _DYN.size):
+        pos = off + k * _DYN.size
+        if pos + _DYN.size > len(data):
+            break
+        tag, val = _DYN.unpack_from(data, pos)
+        if tag == _DT_NULL:
+            break
+        if tag == _DT_STRTAB:
+            strtab = val
+        elif tag == _DT_NEEDED and len(needed) < MAX_NAMES:
+            needed.append(val)
+    base = next((o + strtab - v for v, o, n in loads if strtab is not None
+                 and v <= strtab < v + n), None)
+    if base is None:
+        return interp, []
+    names = [_cstr(data, base + n, base + n + 256) for n in needed if base + n < len(data)]
+    return interp, [n for n in names if n and "/" not in n]
+
+
+def _cstr(data: bytes, start: int, end: int) -> str:
+    raw = data[start:end]
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+class Stack:
+    """The trees of one stack's lazy mounts, top layer first (``ops`` exposing
+    ``lazy_nodes``): path lookups as the sandbox's overlay would see them, approximately
+    (the topmost layer holding a name wins; a whiteout hides it; opaque directories are not
+    consulted — a lookup that finds a lower file where an opaque upper dir hides it costs at
+    most one needless fetch)."""
+
+    def __init__(self, layers: Sequence[Any]) -> None:
+        self.layers = list(layers)
+
+    def _top(self, path: str) -> tuple[Any, Any] | None:
+        for ops in self.layers:
+            node = ops.lazy_nodes.get(path)
+            if node is not None:
+                if stat.S_ISCHR(node.mode) and node.rdev == 0:
+                    return None   # a whiteout
+                return ops, node
+        return None
+
+    def lookup(self, path: str) -> tuple[Any, Any] | None:
+        """``(ops, node)`` of the regular file at ``path`` (absolute or relative to the root),
+        symlinks followed (at most ``MAX_HOPS``), or None."""
+        parts = path.split("/")
+        steps = 0
+        for _ in range(MAX_HOPS):
+            cur: list[str] = []
+            redirected = False
+            for i, part in enumerate(parts):
+                steps += 1
+                if steps > MAX_STEPS:
+                    return None
+                if part in ("", "."):
+                    continue
+                if part == "..":
+                    if cur:
+                        cur.pop()
+                    continue
+                cur.append(part)
+                hit = self._top("/".join(cur))
+                if hit is None:
+                    return None
+                node = hit[1]
+                if stat.S_ISLNK(node.mode):
+                    target = node.link.split("/")
+                    base = [] if node.link.startswith("/") else cur[:-1]
+                    parts = base + target + parts[i + 1:]
+                    redirected = True
+                    break
+            if not redirected:
+                if not cur:
+                    return None
+                hit = self._top("/".join(cur))
+                return hit if hit is not None and stat.S_ISREG(hit[1].mode) else None
+        return None
+
+    def dependencies(self, data: bytes) -> list[tuple[Any, Any]]:
+        """The files the dynamic loader opens for the ELF ``data``: its interpreter, its cache
+        (``LOADER_CACHE``, read before any needed library is searched) and each needed library
+        found in ``LIBRARY_DIRS``, as ``(ops, node)``."""
+        interp, needed = parse(data)
+        out = []
+        for path in ([interp] if interp else []) + ([LOADER_CACHE] if needed else []):
+            hit = self.lookup(path)
+            if hit is not None:
+                out.append(hit)
+        for name in needed:
+            for d in LIBRARY_DIRS:
+                hit = self.lookup(f"{d}/{name}")
+                if hit is not None:
+                    out.append(hit)
+                    break
+        return out

@@ -1,0 +1,147 @@
+"""What a fetched program's loader opens next (``runtime_shim.lazyfs.elfdeps``): the ELF
+interpreter and needed libraries of a hand-made ELF image, looked up in a stack of layer
+trees the way the sandbox's overlay shows them; malformed ELF bytes and hostile trees
+(symlink loops, ``..``) bounded and harmless."""
+
+from __future__ import annotations
+
+import stat
+import struct
+
+import pytest
+
+from runtime_shim.lazyfs.elfdeps import LOADER_CACHE, MAX_PHDRS, Stack, parse
+from runtime_shim.lazyfs.tree import Node
+
+
+def elf(interp: str = "", needed: tuple[str, ...] = (), *, strtab_vaddr: int = 0x100000,
+        load: bool = True, phnum: int | None = None) -> bytes:
+    """A 64-bit little-endian ELF: header, program headers (PT_INTERP, PT_LOAD over the whole
+    image, PT_DYNAMIC), the dynamic entries and their string table."""
+    strings = b"\0"
+    offsets = []
+    for name in needed:
+        offsets.append(len(strings))
+        strings += name.encode() + b"\0"
+    interp_b = interp.encode() + b"\0" if interp else b""
+    phdrs = (1 if interp else 0) + (1 if load else 0) + 1
+    phoff = 64
+    interp_off = phoff + phdrs * 56
+    dyn_off = interp_off + len(interp_b)
+    dyn = b"".join(struct.pack("<qQ", 1, o) for o in offsets)
+    dyn += struct.pack("<qQ", 5, strtab_vaddr) + struct.pack("<qQ", 0, 0)
+    str_off = dyn_off + len(dyn)
+    total = str_off + len(strings)
+    ph = b""
+    if interp:
+        ph += struct.pack("<IIQQQQQQ", 3, 4, interp_off, 0, 0, len(interp_b), len(interp_b), 1)
+    if load:  # file offset str_off is at vaddr strtab_vaddr
+        ph += struct.pack("<IIQQQQQQ", 1, 5, 0, strtab_vaddr - str_off, 0, total, total, 4096)
+    ph += struct.pack("<IIQQQQQQ", 2, 6, dyn_off, 0, 0, len(dyn), len(dyn), 8)
+    head = bytearray(64)
+    head[:6] = b"\x7fELF\x02\x01"
+    struct.pack_into("<Q", head, 0x20, phoff)
+    struct.pack_into("<HH", head, 0x36, 56, phdrs if phnum is None else phnum)
+    return bytes(head) + ph + interp_b + dyn + strings
+
+
+def test_parse_reads_the_interpreter_and_the_needed_libraries():
+    data = elf("/lib64/ld-linux-x86-64.so.2", ("libm.so.6", "libc.so.6"))
+    assert parse(data) == ("/lib64/ld-linux-x86-64.so.2", ["libm.so.6", "libc.so.6"])
+    assert parse(elf(needed=("libc.so.6",))) == ("", ["libc.so.6"])
+    assert parse(elf("/ld.so")) == ("/ld.so", [])
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"#!/bin/sh\n", b"\x7fELF" + b"\0" * 60,                 # not a 64-bit LE ELF
+    elf("/ld.so", ("libc.so.6",))[:100],                           # truncated
+    elf("/ld.so", ("libc.so.6",), phnum=MAX_PHDRS + 1),            # too many headers
+    elf("/ld.so", ("libc.so.6",), phnum=0xFFFF),
+])
+def test_parse_of_anything_else_is_nothing_and_never_raises(data):
+    interp, needed = parse(data)
+    assert needed == [] and interp in ("", "/ld.so")
+
+
+def test_names_outside_the_image_or_with_a_slash_are_dropped():
+    assert parse(elf("/ld.so", ("libc.so.6",), load=False)) == ("/ld.so", [])  # no PT_LOAD
+    assert parse(elf("/ld.so", ("libc.so.6",), strtab_vaddr=1 << 40))[1] == ["libc.so.6"]
+    assert parse(elf("", ("../../etc/passwd", "libz.so.1"))) == ("", ["libz.so.1"])
+    big = elf("", tuple(f"lib{i}.so" for i in range(500)))
+    assert len(parse(big)[1]) == 64   # MAX_NAMES
+
+
+def _tree(files: dict[str, object]) -> dict[str, Node]:
+    """A layer tree: a ``str`` value is a symlink target, ``None`` a whiteout, else a file."""
+    nodes = {"": Node(1, stat.S_IFDIR | 0o755, 0, 0, 0, children={})}
+    ino = 2
+    for path, what in files.items():
+        parts = path.split("/")
+        for i in range(1, len(parts)):
+            d = "/".join(parts[:i])
+            if d not in nodes:
+                nodes[d] = Node(ino, stat.S_IFDIR | 0o755, 0, 0, 0, children={})
+                ino += 1
+        if isinstance(what, str):
+            nodes[path] = Node(ino, stat.S_IFLNK | 0o777, 0, 0, 0, link=what)
+        elif what is None:
+            nodes[path] = Node(ino, stat.S_IFCHR | 0o600, 0, 0, 0)
+        else:
+            nodes[path] = Node(ino, stat.S_IFREG | 0o644, 0, 0, 0, size=1, read_path=path)
+        ino += 1
+    return nodes
+
+
+class Ops:
+    def __init__(self, name: str, files: dict[str, object]) -> None:
+        self.name, self.lazy_nodes = name, _tree(files)
+
+
+def _found(hit) -> tuple[str, str] | None:
+    return None if hit is None else (hit[0].name, hit[1].read_path)
+
+
+def test_lookups_follow_symlinks_across_layers_and_the_top_layer_wins():
+    base = Ops("base", {"lib": "usr/lib", "lib64": "usr/lib64",
+                        "usr/lib64/ld-linux-x86-64.so.2": "../lib/x86_64-linux-gnu/ld-2.so",
+                        "usr/lib/x86_64-linux-gnu/ld-2.so": 1,
+                        "usr/lib/x86_64-linux-gnu/libc.so.6": 1,
+                        "usr/lib/x86_64-linux-gnu/libz.so.1": "libz.so.1.2",
+                        "usr/lib/x86_64-linux-gnu/libz.so.1.2": 1,
+                        "usr/lib/x86_64-linux-gnu/libgone.so": 1,
+                        "etc/ld.so.cache": 1})
+    top = Ops("top", {"usr/lib/x86_64-linux-gnu/libc.so.6": 1,      # replaces the base's
+                      "usr/lib/x86_64-linux-gnu/libgone.so": None,  # a whiteout
+                      "opt/app/libz.so.1.2": 1})
+    stack = Stack([top, base])
+    assert _found(stack.lookup("/lib64/ld-linux-x86-64.so.2")) == (
+        "base", "usr/lib/x86_64-linux-gnu/ld-2.so")
+    assert _found(stack.lookup("lib/x86_64-linux-gnu/libc.so.6")) == (
+        "top", "usr/lib/x86_64-linux-gnu/libc.so.6")
+    assert stack.lookup("usr/lib/x86_64-linux-gnu/libgone.so") is None
+    assert stack.lookup("usr/lib") is None       # a directory is no file
+    deps = stack.dependencies(elf("/lib64/ld-linux-x86-64.so.2",
+                                  ("libz.so.1", "libc.so.6", "libmissing.so", "libgone.so")))
+    assert [_found(h) for h in deps] == [
+        ("base", "usr/lib/x86_64-linux-gnu/ld-2.so"), ("base", LOADER_CACHE),
+        ("base", "usr/lib/x86_64-linux-gnu/libz.so.1.2"),
+        ("top", "usr/lib/x86_64-linux-gnu/libc.so.6")]
+    # a static program (no needed libraries) has no loader cache to read
+    assert stack.dependencies(elf("/lib64/ld-linux-x86-64.so.2")) == [
+        stack.lookup("lib64/ld-linux-x86-64.so.2")]
+
+
+def test_symlink_loops_and_dotdot_stay_bounded_and_inside_the_trees():
+    ops = Ops("l", {"a": "b", "b": "a", "c": "/../../../c", "d/e": "../../../../etc/x",
+                    "etc/x": 1, "self": "self/x"})
+    stack = Stack([ops])
+    assert stack.lookup("a") is None and stack.lookup("self") is None
+    assert stack.lookup("c") is None            # resolves to itself from the root, a loop
+    assert _found(stack.lookup("d/e")) == ("l", "etc/x")   # ".." stops at the root
+    assert stack.lookup("") is None and stack.lookup("/") is None
+    # a walk is bounded in components (MAX_STEPS; a real path is at most PATH_MAX bytes)
+    deep = "/".join(["d"] * 3000)
+    around = deep + "/.." * 1000 + "/" + "/".join(["d"] * 1000) + "/x"   # = deep/x
+    ops = Ops("deep", {f"{deep}/x": 1, "near": f"{deep}/../d/x", "around": around})
+    assert _found(Stack([ops]).lookup("near")) == ("deep", f"{deep}/x")
+    assert Stack([ops]).lookup("around") is None   # 5,000 components: past the bound
