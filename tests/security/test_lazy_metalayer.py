@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from envbuild.errors import UnsafeLayerError
 from envbuild.layers import Entry
 from runtime_shim.lazyfs import metalayer
 from runtime_shim.lazyfs.tree import build_tree
@@ -55,12 +56,18 @@ def gen(tmp_path):
     assert mounted_targets_under(str(tmp_path)) == []
 
 
-def _make(root: Path, files: Path, entries: list[Entry], contents: dict[str, bytes]) -> int:
+def _make(root: Path, files: Path, entries: list[Entry], contents: dict[str, bytes],
+          inject: dict[str, str] | None = None) -> int:
+    """Build and mount the meta layer of ``entries``; ``inject`` puts more names into the
+    inode table by hand (name -> an existing path whose node it gets): names the TOC decoder
+    refuses itself, to test the meta layer's own checks."""
     for digest, data in contents.items():
         p = files / digest.removeprefix("sha256:")
         if not p.exists():
             p.write_bytes(data)
     nodes = build_tree(entries)
+    for name, existing in (inject or {}).items():
+        nodes[name] = nodes[existing]
     by_path = {e.path.strip("/"): e.digest for e in entries if e.type == "file"}
 
     def digest_of(node):
@@ -79,11 +86,16 @@ def test_hostile_names_stay_inside_the_tree(gen, tmp_path):
     d = _digest(data)
     bad = ["a/../../escape", "../up", "b/./x", "c//y", "nul\0byte", "n" * 300,
            "/".join(["deep"] * 700) + "/f"]
-    entries = [Entry(p, "file", size=len(data), digest=d) for p in bad]
-    entries.append(Entry("good/file", "file", size=len(data), digest=d, mode=0o640, uid=7,
-                         gid=8, mtime=1_600_000_000))
+    good = Entry("good/file", "file", size=len(data), digest=d, mode=0o640, uid=7, gid=8,
+                 mtime=1_600_000_000)
+    for p in bad[:4]:  # the TOC decoder refuses what unpack refuses
+        with pytest.raises(UnsafeLayerError):
+            build_tree([Entry(p, "file", size=len(data), digest=d), good])
+    entries = [Entry(p, "file", size=len(data), digest=d) for p in bad[4:]]
+    entries.append(good)
     before = sorted(os.listdir(tmp_path))
-    placed = _make(root, files, entries, {d: data})
+    # the meta layer checks every name again: the refused ones are put in by hand
+    placed = _make(root, files, entries, {d: data}, inject={p: "good/file" for p in bad[:4]})
     assert placed == 1
     assert sorted(os.listdir(tmp_path)) == before  # nothing next to the generation
     walked = sorted(str(p.relative_to(root / "tree")) for p in (root / "tree").rglob("*"))
