@@ -45,6 +45,7 @@ Ray is imported only here, and this module only by ``--executor ray`` (CLI start
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 import time
@@ -82,6 +83,8 @@ CANCEL_WAIT = 60.0
 ENDED = "ended"
 #: How often a running task asks the driver whether the build was cancelled (seconds).
 CANCEL_POLL = 0.5
+#: A file each task appends its phase times to (profiling; see ``run_layer``).
+TRACE_ENV = "ENVBUILD_RAY_TRACE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,36 +114,41 @@ class _NodeSpec:
 # -- the task (runs on a builder node) --------------------------------------------------------
 
 _stores: dict[tuple[str, str | None], Store] = {}
-_swept: set[str] = set()
+_nodes: dict[str, tuple[Any, Any, Any]] = {}
 _node_lock = threading.Lock()
 
 
 def node_context(settings: Settings, node_id: str) -> BuildContext:
     """The ``BuildContext`` of this node: its own node cache (``{node_id}`` in the node dir
-    expanded), the shared store (opened once per worker process), a fresh ``cancelled``."""
+    expanded), the shared store, both opened once per worker process and reused by every task
+    it runs, and a fresh ``cancelled``. Each call first reaps the build dirs of dead builders
+    in this node cache (``envbuild.build.reaper``: a task killed with its worker or its node's
+    raylet leaves its mounts, loop disk, container and cgroups; the next task here undoes them;
+    a look at the owner files, ~0.1 ms, when there is nothing to reap)."""
     from runtime_shim.layout import NodeLayout
     from runtime_shim.nodecache import NodeCache
     from runtime_shim.runc import OciRuntime
 
-    node_dir = Path(str(settings.node_dir).replace("{node_id}", node_id))
+    node_dir = str(settings.node_dir).replace("{node_id}", node_id)
     with _node_lock:
         key = (settings.store_url, settings.s3_endpoint)
         store = _stores.get(key)
         if store is None:
             store = _stores[key] = open_store(settings.store_url, s3_endpoint=settings.s3_endpoint,
                                               registry_insecure=settings.registry_insecure)
-    layout = NodeLayout(node_dir)
+        state = _nodes.get(node_dir)
+        if state is None:
+            layout = NodeLayout(Path(node_dir))
+            state = _nodes[node_dir] = (layout, NodeCache(layout.node), OciRuntime(
+                settings.oci_runtime, state_root=str(layout.runc)))
+    layout, cache, runtime = state
     log_root = store.root / "logs" if isinstance(store, LocalStore) else layout.logs
-    ctx = BuildContext(store=store, node=NodeCache(layout.node),
-                       runtime=OciRuntime(settings.oci_runtime, state_root=str(layout.runc)),
+    ctx = BuildContext(store=store, node=cache, runtime=runtime,
                        scratch_root=layout.builds, log_root=log_root,
                        source_date_epoch=settings.source_date_epoch,
                        disk_bytes=settings.build_disk_bytes, inodes=settings.build_inodes,
                        lease_ttl=settings.lease_ttl, lease_label=f"ray:{node_id}")
-    with _node_lock:
-        if str(node_dir) not in _swept:  # once per worker process: a killed build's leftovers
-            _swept.add(str(node_dir))
-            sweep_stale_scratch(ctx.scratch_root, ctx.runtime)
+    sweep_stale_scratch(ctx.scratch_root, ctx.runtime)
     return ctx
 
 
@@ -192,7 +200,14 @@ def run_layer(spec: _NodeSpec, job: LayerJob, no_cache: bool, events: Any,
     # (envbuild.defs.load), so builds resolve their sources from there, as the driver would.
     os.chdir(spec.cwd)
 
+    # ENVBUILD_RAY_TRACE=FILE (forward it with --ray-env): each task appends one JSON line
+    # of when (unix time, on its node) it reached each phase, for benchmarks/ray_build.py.
+    trace_to = os.environ.get(TRACE_ENV)
+    marks: list[tuple[str, float]] = [("task", time.time())]
+
     def progress(e: BuildEvent) -> None:
+        if trace_to:
+            marks.append((e.phase, time.time()))
         events.put.remote(dataclasses.replace(e, node=short))
 
     started = time.monotonic()
@@ -252,7 +267,22 @@ def run_layer(spec: _NodeSpec, job: LayerJob, no_cache: bool, events: Any,
         # Ray counts a cancelled task done at once and kills a job's workers when it exits.
         progress(BuildEvent(job.name, ENDED))
     result.update(node=short, seconds=round(time.monotonic() - started, 3), name=job.name)
+    if trace_to:
+        _trace(trace_to, job.name, short, marks, result["status"])
     return result
+
+
+def _trace(path: str, name: str, node: str, marks: list[tuple[str, float]], status: str) -> None:
+    line = json.dumps({"name": name, "node": node, "pid": os.getpid(), "status": status,
+                       "marks": marks}) + "\n"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return
+    try:
+        os.write(fd, line.encode())  # one append of one short line: whole, never interleaved
+    finally:
+        os.close(fd)
 
 
 def _driver_cancelled(events: Any) -> bool:
