@@ -107,12 +107,17 @@ class Runner:
             argv = [argv[0], "--ray-env", "ENVBUILD_RAY_TRACE", *argv[1:]]
         return self._run(argv, env)
 
-    @staticmethod
-    def _run(args: list[str], env: dict[str, str]) -> tuple[float, dict]:
+    #: wall clock (unix time) of the last run's start and end, for the trace's spans
+    last_run: tuple[float, float] = (0.0, 0.0)
+
+    @classmethod
+    def _run(cls, args: list[str], env: dict[str, str]) -> tuple[float, dict]:
+        wall = time.time()
         start = time.monotonic()
         p = subprocess.run([sys.executable, "-m", "envbuild.cli", *args], env=env,
                            capture_output=True, text=True, timeout=3600)
         took = time.monotonic() - start
+        cls.last_run = (wall, time.time())
         if p.returncode != 0:
             sys.exit(f"build failed ({p.returncode}):\n{p.stderr[-3000:]}")
         return took, json.loads(p.stdout)
@@ -146,12 +151,15 @@ def concurrency(spans: list[tuple[float, float]]) -> tuple[int, float]:
     return most, area / (edges[-1][0] - edges[0][0] or 1)
 
 
-def print_trace(path: Path, phase: str) -> None:
+def print_trace(path: Path, phase: str, run: tuple[float, float]) -> None:
     """Median time of each of a Ray task's phases (its node's clock), and step concurrency."""
     import statistics
 
-    tasks = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    tasks = [t for t in tasks if t["status"] == "built"]
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    tasks = [t for t in lines if t["status"] == "built"]
+    for d in (t for t in lines if t["status"] == "driver"):
+        print(f"{phase:>5}: driver, s after its start: " + ", ".join(
+            f"{m} {t - run[0]:.1f}" for m, t in d["marks"]), flush=True)
     if not tasks:
         return
     order = ["task", "started", "importing", "step", "packing", "ended"]
@@ -165,6 +173,10 @@ def print_trace(path: Path, phase: str) -> None:
     most, mean = concurrency(work)
     whole = _spans(tasks, "task", "ended")
     most_t, mean_t = concurrency(whole)
+    first = min(a for a, _ in whole)
+    last = max(b for _, b in whole)
+    print(f"{phase:>5}: driver start -> first task {first - run[0]:.1f} s, tasks "
+          f"{last - first:.1f} s, last task end -> driver exit {run[1] - last:.1f} s", flush=True)
     pids = {(t["node"], t["pid"]) for t in tasks}
     print(f"{phase:>5}: steps at once: max {most}, mean {mean:.2f}; tasks at once: max {most_t}, "
           f"mean {mean_t:.2f}; {len(pids)} worker processes on "
@@ -215,7 +227,7 @@ def main() -> None:
                   f"ray 2x2 {t_ray:7.1f} s ({n / t_ray:5.1f} layers/s) on {len(nodes)} nodes, "
                   f"both into S3; load {load()}", flush=True)
             if trace is not None:
-                print_trace(trace, phase)
+                print_trace(trace, phase, Runner.last_run)
             if args.local_store:  # the local executor into a local store: what S3 costs
                 store = root / f"store-{phase}"
                 run.local(defs, store, "busybox-tiny")

@@ -166,6 +166,9 @@ class BuildContext:
     lease_ttl: float = 30.0
     #: Free text put in this builder's leases, e.g. the Ray node id (for people looking).
     lease_label: str = ""
+    #: Key records the caller already holds (key -> record), used before reading the store:
+    #: a Ray task gets its lower layers' records with its arguments (one store read less each).
+    known_records: Mapping[str, KeyRecord] = dataclasses.field(default_factory=dict)
 
     def stub_dir(self) -> Path:
         return ensure_stub(self.node.root)
@@ -198,7 +201,7 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
     try:
         lowers = []
         for k in job.lower_keys:
-            below = _record_of(ctx.store, k, job.name)
+            below = ctx.known_records.get(k) or _record_of(ctx.store, k, job.name)
             lowers.append(str(ctx.node.ensure(ctx.store, below.layer, below.toc)))
         imported = importers.Imported()
         if isinstance(d, Base) and not isinstance(d.source, BaseSource):

@@ -118,3 +118,37 @@ def test_a_killed_builders_mounts_loop_disk_cgroups_and_processes_are_reaped(tmp
         _cleanup(node, [victim, alive])
     assert [p for p in builds.iterdir()] == []
     assert_nothing_left_under(tmp_path)
+
+
+def test_a_ray_builder_starting_on_the_node_cache_reaps_a_killed_build(tmp_path):
+    """What every Ray build task does first (``ray_executor.node_context``): the build dirs of
+    dead builders in its node cache (``{node_id}`` expanded) are reaped, a live one is not."""
+    require_root()
+    require_tool("runc")
+    require_tool("busybox")
+    from envbuild.build.ray_executor import node_context
+    from envbuild.settings import Settings
+
+    node = tmp_path / "node-abc123"
+    builds = node / "builds"
+    victim = _start(tmp_path, node, "victim")
+    alive = _start(tmp_path, node, "alive")
+    try:
+        dead_dir = _running_step(builds, "started-victim")
+        live_dir = _running_step(builds, "started-alive")
+        cids = bundle_container_ids(dead_dir)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        assert mounted_targets_under(str(dead_dir))
+
+        ctx = node_context(Settings(store_url=str(tmp_path / "store"),
+                                    node_dir=tmp_path / "node-{node_id}"), "abc123")
+
+        assert ctx.scratch_root == builds
+        assert not dead_dir.exists() and mounted_targets_under(str(dead_dir)) == []
+        assert loops_backed_under(dead_dir) == []
+        assert [d for cid in cids for d in cgroup_dirs(cid)] == []
+        assert live_dir.is_dir() and alive.poll() is None
+    finally:
+        _cleanup(node, [victim, alive])
+    assert_nothing_left_under(tmp_path)
