@@ -473,15 +473,19 @@ def build_ray(
     planner = threading.Thread(target=plan_it, name="plan", daemon=True)
     planner.start()
     connect_error: SettingsError | None = None
+    events = None
     try:
         connect(request.address)
         marks.append(("connected", time.time()))
         warm_up(spec, request)
+        events = start_events()
     except SettingsError as e:  # only an error if there is something to build
         connect_error = e
     finally:
         planner.join()
         marks.append(("planned", time.time()))
+    if "error" in planned and events is not None:
+        ray.kill(events)
     if "error" in planned:
         raise planned["error"]
     plan = planned["plan"]
@@ -492,13 +496,15 @@ def build_ray(
             outcomes[s.name] = LayerOutcome(s.name, s.kind, s.key, "cached",
                                             record=records.get(s.key) or get_key_record(store, s.key))
             progress(BuildEvent(s.name, "cached"))
+    if not to_build and events is not None:
+        ray.kill(events)
     if to_build:
         if connect_error is not None:
             raise connect_error
         known = {o.key: o.record.to_json() for o in outcomes.values() if o.record is not None}
         results = _run_tasks(spec, make_jobs(ws, [s.name for s in to_build]),
                              {s.name: s.depends_on for s in to_build}, request, no_cache,
-                             progress, known)
+                             progress, known, events)
         marks.append(("results", time.time()))
         for s in to_build:
             outcomes[s.name] = _outcome(s.name, s.kind, s.key, results[s.name])
@@ -517,20 +523,28 @@ def _outcome(name: str, kind: str, key: str, r: Mapping[str, Any]) -> LayerOutco
                         error=error, blocked_by=r.get("blocked_by"), node=r.get("node", ""))
 
 
-def _run_tasks(spec: _NodeSpec, jobs: Mapping[str, LayerJob],
-               deps: Mapping[str, Sequence[str]], request: RayBuildRequest, no_cache: bool,
-               progress: Progress, known: Mapping[str, Mapping[str, Any]] | None = None
-               ) -> dict[str, dict[str, Any]]:
-    """Submit one task per job (dependencies as arguments), follow them, return each result."""
+def start_events() -> Any:
+    """Start the progress actor (its worker process starts meanwhile; calls queue up)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     # The progress actor lives with the driver where it can; if its node dies anyway (the
     # driver's raylet need not be the head's), Ray restarts it elsewhere and retries the calls
     # made meanwhile: only progress lines are lost, never the build. It still dies with its
     # owner, the driver, which is what tasks read as "cancel".
-    events: Any = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(_Events).options(
+    return ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(_Events).options(
         max_concurrency=100_000, scheduling_strategy=NodeAffinitySchedulingStrategy(
             ray.get_runtime_context().get_node_id(), soft=True)).remote()
+
+
+def _run_tasks(spec: _NodeSpec, jobs: Mapping[str, LayerJob],
+               deps: Mapping[str, Sequence[str]], request: RayBuildRequest, no_cache: bool,
+               progress: Progress, known: Mapping[str, Mapping[str, Any]] | None = None,
+               events: Any = None) -> dict[str, dict[str, Any]]:
+    """Submit one task per job (dependencies as arguments), follow them, return each result.
+    ``events``: the progress actor (``start_events``; killed here at the end), else one is
+    started."""
+    if events is None:
+        events = start_events()
     task = ray.remote(run_layer).options(
         num_cpus=0, resources={BUILDER_RESOURCE: 1.0 / request.jobs_per_node},
         max_retries=request.max_retries, retry_exceptions=False,
