@@ -83,8 +83,17 @@ def load(defs_dir: Path) -> Snapshot:
 
 
 def plan_with_store(ws: Snapshot, store: Store | None, targets: Iterable[str] | None = None,
-                    ) -> BuildPlan:
-    lookup = None if store is None else (lambda key: get_key_record(store, key))
+                    records: dict[str, KeyRecord] | None = None) -> BuildPlan:
+    """The plan against ``store``; ``records`` (if given) collects the key records found."""
+    if store is None:
+        return make_plan(ws.graph, ws.pinned, None, targets, keys=ws.keys)
+
+    def lookup(key: str) -> KeyRecord | None:
+        record = get_key_record(store, key)
+        if records is not None and record is not None:
+            records[key] = record
+        return record
+
     return make_plan(ws.graph, ws.pinned, lookup, targets, keys=ws.keys)
 
 
@@ -260,14 +269,16 @@ def build(
 
 
 def prepare_plan(ws: Snapshot, store: Store, targets: Iterable[str] | None, *,
-                 no_cache: bool, cache_from: Store | None) -> BuildPlan:
-    """The plan of ``targets`` against ``store``, after taking what ``cache_from`` has."""
-    plan = plan_with_store(ws, store, targets)
+                 no_cache: bool, cache_from: Store | None,
+                 records: dict[str, KeyRecord] | None = None) -> BuildPlan:
+    """The plan of ``targets`` against ``store``, after taking what ``cache_from`` has;
+    ``records`` (if given) collects the key records the plan found."""
+    plan = plan_with_store(ws, store, targets, records)
     if cache_from is not None and not no_cache:
         from envbuild.store.sync import pull_cached
 
         if pull_cached(cache_from, store, [s.key for s in plan.layers if s.status == "missing"]):
-            plan = plan_with_store(ws, store, targets)
+            plan = plan_with_store(ws, store, targets, records)
     return plan
 
 

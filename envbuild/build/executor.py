@@ -64,14 +64,14 @@ from envbuild.defs.model import (
     Toolkit,
     Workspace,
 )
-from envbuild.errors import BuildError, EnvbuildError, StepFailed
+from envbuild.errors import BuildError, StepFailed
 from envbuild.layers import pack_tree
 from envbuild.safefs import remove_tree
 from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_record
 from runtime_shim import cpuclass, netns, scratchfs
-from runtime_shim.mount import OverlaySpec, mount_overlay, mounted_targets_under, unmount
+from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
 from runtime_shim.nodecache import NodeCache
-from runtime_shim.runc import OciRuntime, destroy, list_containers, run_container, write_bundle
+from runtime_shim.runc import OciRuntime, run_container, write_bundle
 from runtime_shim.spec import (
     BindMount,
     RuntimeSpecRequest,
@@ -166,6 +166,9 @@ class BuildContext:
     lease_ttl: float = 30.0
     #: Free text put in this builder's leases, e.g. the Ray node id (for people looking).
     lease_label: str = ""
+    #: Key records the caller already holds (key -> record), used before reading the store:
+    #: a Ray task gets its lower layers' records with its arguments (one store read less each).
+    known_records: Mapping[str, KeyRecord] = dataclasses.field(default_factory=dict)
 
     def stub_dir(self) -> Path:
         return ensure_stub(self.node.root)
@@ -198,7 +201,7 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
     try:
         lowers = []
         for k in job.lower_keys:
-            below = _record_of(ctx.store, k, job.name)
+            below = ctx.known_records.get(k) or _record_of(ctx.store, k, job.name)
             lowers.append(str(ctx.node.ensure(ctx.store, below.layer, below.toc)))
         imported = importers.Imported()
         if isinstance(d, Base) and not isinstance(d.source, BaseSource):
@@ -289,50 +292,12 @@ def release_scratch(scratch: Path, owner: int) -> None:
 
 def sweep_stale_scratch(root: Path, runtime: OciRuntime | None = None) -> list[str]:
     """Remove the scratch dirs under ``root`` whose build is gone (its owner file can be
-    locked): first the dead build's containers (their bundles live in the dir), then its
-    mounts, then the tree. Returns the names removed; a dir that cannot be removed now is
+    locked): their containers, cgroups, networks, mounts and loop devices, then the tree
+    (``envbuild.build.reaper``). Returns the names removed; a dir that cannot be removed now is
     left for the next sweep."""
-    removed: list[str] = []
-    try:
-        entries = [e.name for e in os.scandir(root) if e.name.endswith(OWNER_SUFFIX)
-                   and not e.name.startswith(".")]
-    except FileNotFoundError:
-        return removed
-    containers = None
-    for entry in entries:
-        try:
-            fd = os.open(root / entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            continue
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # its build is alive
-            scratch = root / entry[:-len(OWNER_SUFFIX)]
-            if runtime is not None:
-                if containers is None:
-                    try:
-                        containers = list_containers(runtime, "eb-build-")
-                    except Exception:  # noqa: BLE001 - no runtime state: nothing to stop
-                        containers = []
-                for c in containers:
-                    if str(c.get("bundle", "")).startswith(f"{scratch}/"):
-                        destroy(runtime, c["id"])
-            try:
-                for net_dir in scratch.glob("net-*"):  # a dead step's slirp + namespace file
-                    netns.teardown(net_dir)
-                for m in mounted_targets_under(str(scratch)):  # overlay, then the disk
-                    unmount(m)
-                scratchfs.destroy(scratch)
-                remove_tree(scratch)
-                os.unlink(root / entry)
-            except (OSError, EnvbuildError):
-                continue
-            removed.append(scratch.name)
-        finally:
-            os.close(fd)
-    return removed
+    from envbuild.build.reaper import reap_stale_builds
+
+    return [r.name for r in reap_stale_builds(root, runtime)]
 
 
 def _explain_full_disk(ctx: BuildContext, disk: Path, e: StepFailed) -> StepFailed:

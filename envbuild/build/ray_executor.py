@@ -45,6 +45,7 @@ Ray is imported only here, and this module only by ``--executor ray`` (CLI start
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 import time
@@ -82,6 +83,8 @@ CANCEL_WAIT = 60.0
 ENDED = "ended"
 #: How often a running task asks the driver whether the build was cancelled (seconds).
 CANCEL_POLL = 0.5
+#: A file each task appends its phase times to (profiling; see ``run_layer``).
+TRACE_ENV = "ENVBUILD_RAY_TRACE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,36 +114,41 @@ class _NodeSpec:
 # -- the task (runs on a builder node) --------------------------------------------------------
 
 _stores: dict[tuple[str, str | None], Store] = {}
-_swept: set[str] = set()
+_nodes: dict[str, tuple[Any, Any, Any]] = {}
 _node_lock = threading.Lock()
 
 
 def node_context(settings: Settings, node_id: str) -> BuildContext:
     """The ``BuildContext`` of this node: its own node cache (``{node_id}`` in the node dir
-    expanded), the shared store (opened once per worker process), a fresh ``cancelled``."""
+    expanded), the shared store, both opened once per worker process and reused by every task
+    it runs, and a fresh ``cancelled``. Each call first reaps the build dirs of dead builders
+    in this node cache (``envbuild.build.reaper``: a task killed with its worker or its node's
+    raylet leaves its mounts, loop disk, container and cgroups; the next task here undoes them;
+    a look at the owner files, ~0.1 ms, when there is nothing to reap)."""
     from runtime_shim.layout import NodeLayout
     from runtime_shim.nodecache import NodeCache
     from runtime_shim.runc import OciRuntime
 
-    node_dir = Path(str(settings.node_dir).replace("{node_id}", node_id))
+    node_dir = str(settings.node_dir).replace("{node_id}", node_id)
     with _node_lock:
         key = (settings.store_url, settings.s3_endpoint)
         store = _stores.get(key)
         if store is None:
             store = _stores[key] = open_store(settings.store_url, s3_endpoint=settings.s3_endpoint,
                                               registry_insecure=settings.registry_insecure)
-    layout = NodeLayout(node_dir)
+        state = _nodes.get(node_dir)
+        if state is None:
+            layout = NodeLayout(Path(node_dir))
+            state = _nodes[node_dir] = (layout, NodeCache(layout.node), OciRuntime(
+                settings.oci_runtime, state_root=str(layout.runc)))
+    layout, cache, runtime = state
     log_root = store.root / "logs" if isinstance(store, LocalStore) else layout.logs
-    ctx = BuildContext(store=store, node=NodeCache(layout.node),
-                       runtime=OciRuntime(settings.oci_runtime, state_root=str(layout.runc)),
+    ctx = BuildContext(store=store, node=cache, runtime=runtime,
                        scratch_root=layout.builds, log_root=log_root,
                        source_date_epoch=settings.source_date_epoch,
                        disk_bytes=settings.build_disk_bytes, inodes=settings.build_inodes,
                        lease_ttl=settings.lease_ttl, lease_label=f"ray:{node_id}")
-    with _node_lock:
-        if str(node_dir) not in _swept:  # once per worker process: a killed build's leftovers
-            _swept.add(str(node_dir))
-            sweep_stale_scratch(ctx.scratch_root, ctx.runtime)
+    sweep_stale_scratch(ctx.scratch_root, ctx.runtime)
     return ctx
 
 
@@ -177,10 +185,12 @@ def _store_log(ctx: BuildContext, job: LayerJob, node_id: str, err: StepFailed) 
 
 
 def run_layer(spec: _NodeSpec, job: LayerJob, no_cache: bool, events: Any,
-              *below: Mapping[str, Any]) -> dict[str, Any]:
-    """The Ray task of one layer. ``below``: the results of the tasks of the layers it builds
-    on (Ray passes them once those finished). Returns a JSON-able result: ``status`` built,
-    cached, failed or skipped, ``node``, ``seconds``, the key record or the error."""
+              lower: Mapping[str, Mapping[str, Any]], *below: Mapping[str, Any]
+              ) -> dict[str, Any]:
+    """The Ray task of one layer. ``lower``: key records of layers below it that the driver
+    found in the store; ``below``: the results of the tasks of the layers it builds on (Ray
+    passes them once those finished). Returns a JSON-able result: ``status`` built, cached,
+    failed or skipped, ``key``, ``node``, ``seconds``, the key record or the error."""
     node_id = ray.get_runtime_context().get_node_id()
     short = node_id[:8]
     for b in below:
@@ -192,14 +202,39 @@ def run_layer(spec: _NodeSpec, job: LayerJob, no_cache: bool, events: Any,
     # (envbuild.defs.load), so builds resolve their sources from there, as the driver would.
     os.chdir(spec.cwd)
 
+    # ENVBUILD_RAY_TRACE=FILE (forward it with --ray-env): each task appends one JSON line
+    # of when (unix time, on its node) it reached each phase, for benchmarks/ray_build.py.
+    trace_to = os.environ.get(TRACE_ENV)
+    marks: list[tuple[str, float]] = [("task", time.time())]
+
+    # Events are sent in batches (one actor call per CANCEL_POLL, not one per event): each
+    # call costs CPU on this worker, the actor and Ray's RPC layers.
+    outbox: list[BuildEvent] = []
+    outbox_lock = threading.Lock()
+
     def progress(e: BuildEvent) -> None:
-        events.put.remote(dataclasses.replace(e, node=short))
+        if trace_to:
+            marks.append((e.phase, time.time()))
+        with outbox_lock:
+            outbox.append(dataclasses.replace(e, node=short))
+
+    def flush() -> None:
+        with outbox_lock:
+            batch = outbox[:]
+            outbox.clear()
+        if batch:
+            events.put_many.remote(batch)
 
     started = time.monotonic()
     if _driver_cancelled(events):  # started after the driver's Ctrl-C: do nothing
         return {"status": "skipped", "node": short, "blocked_by": "cancelled", "name": job.name}
     ctx = node_context(spec.settings, node_id)
+    known = {k: KeyRecord.from_json(r) for k, r in lower.items()}
+    known.update((b["key"], KeyRecord.from_json(b["record"])) for b in below
+                 if b.get("key") and b.get("record"))
+    ctx.known_records = known
     progress(BuildEvent(job.name, "started"))
+    flush()
     result: dict[str, Any] = {}
 
     def body() -> None:
@@ -233,8 +268,10 @@ def run_layer(spec: _NodeSpec, job: LayerJob, no_cache: bool, events: Any,
         # killed, scratch removed, lease dropped, nothing published).
         while worker.is_alive():
             worker.join(CANCEL_POLL)
-            if worker.is_alive() and not ctx.cancelled.is_set() and _driver_cancelled(events):
-                ctx.cancelled.set()
+            if worker.is_alive():
+                flush()
+                if not ctx.cancelled.is_set() and _driver_cancelled(events):
+                    ctx.cancelled.set()
     except BaseException:
         # ray.cancel: a KeyboardInterrupt, repeated by Ray until the task ends; stop the build
         # and wait until it cleaned up, sitting out every further interrupt.
@@ -251,37 +288,88 @@ def run_layer(spec: _NodeSpec, job: LayerJob, no_cache: bool, events: Any,
         # After everything this task did: the driver of a cancelled build waits for it, as
         # Ray counts a cancelled task done at once and kills a job's workers when it exits.
         progress(BuildEvent(job.name, ENDED))
-    result.update(node=short, seconds=round(time.monotonic() - started, 3), name=job.name)
+        flush()
+    result.update(node=short, seconds=round(time.monotonic() - started, 3), name=job.name,
+                  key=job.key)
+    if trace_to:
+        _trace(trace_to, job.name, short, marks, result["status"])
     return result
 
 
-def _driver_cancelled(events: Any) -> bool:
+def _trace(path: str, name: str, node: str, marks: list[tuple[str, float]], status: str) -> None:
+    line = json.dumps({"name": name, "node": node, "pid": os.getpid(), "status": status,
+                       "marks": marks}) + "\n"
     try:
-        return bool(ray.get(events.cancelled.remote(), timeout=30))
-    except ray.exceptions.GetTimeoutError:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return
+    try:
+        os.write(fd, line.encode())  # one append of one short line: whole, never interleaved
+    finally:
+        os.close(fd)
+
+
+_cancel_watch: dict[str, Any] = {}
+
+
+def _driver_cancelled(events: Any) -> bool:
+    """Whether the driver cancelled the build (or is gone), without a round trip: one pending
+    ``wait_cancelled`` call per worker process and build, which the actor answers when the
+    driver cancels and which fails when the actor dies with its driver; a look at it is a
+    local ``ray.wait``."""
+    key = events._actor_id.hex()
+    with _node_lock:
+        ref = _cancel_watch.get(key)
+        if ref is None:
+            ref = _cancel_watch[key] = events.wait_cancelled.remote()
+    done, _ = ray.wait([ref], timeout=0)
+    if not done:
+        return False
+    try:
+        return bool(ray.get(ref))
+    except ray.exceptions.ActorUnavailableError:  # restarting elsewhere: watch it again
+        with _node_lock:
+            _cancel_watch.pop(key, None)
         return False
     except ray.exceptions.RayError:  # the actor died with its driver
         return True
 
 
 class _Events:
-    """The progress mailbox: tasks ``put`` events, the driver ``drain``s them; the driver's
-    ``cancel`` is what running tasks poll (``cancelled``)."""
+    """The progress mailbox: tasks ``put_many`` events, the driver ``drain``s them; the
+    driver's ``cancel`` answers every pending ``wait_cancelled`` (what running tasks watch).
+    An async actor, so that those pending calls (one per worker process) cost no thread."""
 
     def __init__(self) -> None:
         self._events: list[BuildEvent] = []
         self._cancelled = False
+        self._cancel: Any = None
 
-    def cancel(self) -> None:
+    def _event(self) -> Any:
+        import asyncio
+
+        if self._cancel is None:
+            self._cancel = asyncio.Event()
+        return self._cancel
+
+    async def cancel(self) -> None:
         self._cancelled = True
+        self._event().set()
 
-    def cancelled(self) -> bool:
+    async def cancelled(self) -> bool:
         return self._cancelled
 
-    def put(self, e: BuildEvent) -> None:
+    async def wait_cancelled(self) -> bool:
+        await self._event().wait()
+        return True
+
+    async def put(self, e: BuildEvent) -> None:
         self._events.append(e)
 
-    def drain(self) -> list[BuildEvent]:
+    async def put_many(self, batch: list[BuildEvent]) -> None:
+        self._events.extend(batch)
+
+    async def drain(self) -> list[BuildEvent]:
         out, self._events = self._events, []
         return out
 
@@ -306,6 +394,28 @@ def connect(address: str | None) -> None:
         raise SettingsError(f"no node of the Ray cluster offers the resource {BUILDER_RESOURCE}",
                             hint=f"start builder nodes with ray start --resources "
                                  f"'{{\"{BUILDER_RESOURCE}\": 2}}'")
+
+
+def _warm(spec: _NodeSpec) -> str:
+    """A warm-up task: this worker process imports the build code, opens the store and the
+    node cache (and reaps it) before the first layer arrives."""
+    os.environ.update(spec.environ)
+    node_id = ray.get_runtime_context().get_node_id()
+    try:
+        node_context(spec.settings, node_id)
+    except Exception:  # noqa: BLE001 - the layer's own task reports it, with its name
+        return ""
+    return node_id
+
+
+def warm_up(spec: _NodeSpec, request: RayBuildRequest) -> list[Any]:
+    """Start one warm-up task per build slot of the cluster (not waited for): Ray starts this
+    job's worker processes on every builder node meanwhile, and reuses them for the layers."""
+    slots = int(ray.cluster_resources().get(BUILDER_RESOURCE, 0) * request.jobs_per_node)
+    task = ray.remote(_warm).options(num_cpus=0,
+                                     resources={BUILDER_RESOURCE: 1.0 / request.jobs_per_node},
+                                     max_retries=0, scheduling_strategy="SPREAD")
+    return [task.remote(spec) for _ in range(min(slots, 256))]
 
 
 def disconnect() -> None:
@@ -344,24 +454,65 @@ def build_ray(
     settings = _absolute(settings)
     store = store or open_store(settings.store_url, s3_endpoint=settings.s3_endpoint,
                                 registry_insecure=settings.registry_insecure)
-    plan = prepare_plan(ws, store, targets, no_cache=no_cache, cache_from=cache_from)
+    spec = _NodeSpec(settings, {k: os.environ[k] for k in request.forward_env
+                                if k in os.environ}, cwd=os.getcwd())
+    # Joining the cluster (seconds: ray.init, then each node starting this job's worker
+    # processes, which import envbuild and open the store) overlaps the plan (its store
+    # lookups): the plan on a thread, ray.init on this one (it installs signal handlers).
+    records: dict[str, KeyRecord] = {}
+    planned: dict[str, Any] = {}
+
+    def plan_it() -> None:
+        try:
+            planned["plan"] = prepare_plan(ws, store, targets, no_cache=no_cache,
+                                           cache_from=cache_from, records=records)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+            planned["error"] = e
+
+    marks: list[tuple[str, float]] = [("build_ray", time.time())]
+    planner = threading.Thread(target=plan_it, name="plan", daemon=True)
+    planner.start()
+    connect_error: SettingsError | None = None
+    events = None
+    try:
+        connect(request.address)
+        marks.append(("connected", time.time()))
+        warm_up(spec, request)
+        events = start_events()
+    except SettingsError as e:  # only an error if there is something to build
+        connect_error = e
+    finally:
+        planner.join()
+        marks.append(("planned", time.time()))
+    if "error" in planned and events is not None:
+        ray.kill(events)
+    if "error" in planned:
+        raise planned["error"]
+    plan = planned["plan"]
     outcomes: dict[str, LayerOutcome] = {}
     to_build = [s for s in plan.layers if no_cache or s.status == "missing"]
     for s in plan.layers:
         if s not in to_build:
             outcomes[s.name] = LayerOutcome(s.name, s.kind, s.key, "cached",
-                                            record=get_key_record(store, s.key))
+                                            record=records.get(s.key) or get_key_record(store, s.key))
             progress(BuildEvent(s.name, "cached"))
+    if not to_build and events is not None:
+        ray.kill(events)
     if to_build:
-        connect(request.address)
-        spec = _NodeSpec(settings, {k: os.environ[k] for k in request.forward_env
-                                    if k in os.environ}, cwd=os.getcwd())
+        if connect_error is not None:
+            raise connect_error
+        known = {o.key: o.record.to_json() for o in outcomes.values() if o.record is not None}
         results = _run_tasks(spec, make_jobs(ws, [s.name for s in to_build]),
                              {s.name: s.depends_on for s in to_build}, request, no_cache,
-                             progress)
+                             progress, known, events)
+        marks.append(("results", time.time()))
         for s in to_build:
             outcomes[s.name] = _outcome(s.name, s.kind, s.key, results[s.name])
-    return finish_build(ws, store, plan, outcomes, cache_to)
+    report = finish_build(ws, store, plan, outcomes, cache_to)
+    if os.environ.get(TRACE_ENV):
+        marks.append(("finished", time.time()))
+        _trace(os.environ[TRACE_ENV], "", "driver", marks, "driver")
+    return report
 
 
 def _outcome(name: str, kind: str, key: str, r: Mapping[str, Any]) -> LayerOutcome:
@@ -372,19 +523,28 @@ def _outcome(name: str, kind: str, key: str, r: Mapping[str, Any]) -> LayerOutco
                         error=error, blocked_by=r.get("blocked_by"), node=r.get("node", ""))
 
 
-def _run_tasks(spec: _NodeSpec, jobs: Mapping[str, LayerJob],
-               deps: Mapping[str, Sequence[str]], request: RayBuildRequest, no_cache: bool,
-               progress: Progress) -> dict[str, dict[str, Any]]:
-    """Submit one task per job (dependencies as arguments), follow them, return each result."""
+def start_events() -> Any:
+    """Start the progress actor (its worker process starts meanwhile; calls queue up)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     # The progress actor lives with the driver where it can; if its node dies anyway (the
     # driver's raylet need not be the head's), Ray restarts it elsewhere and retries the calls
     # made meanwhile: only progress lines are lost, never the build. It still dies with its
     # owner, the driver, which is what tasks read as "cancel".
-    events: Any = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(_Events).options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(
+    return ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(_Events).options(
+        max_concurrency=100_000, scheduling_strategy=NodeAffinitySchedulingStrategy(
             ray.get_runtime_context().get_node_id(), soft=True)).remote()
+
+
+def _run_tasks(spec: _NodeSpec, jobs: Mapping[str, LayerJob],
+               deps: Mapping[str, Sequence[str]], request: RayBuildRequest, no_cache: bool,
+               progress: Progress, known: Mapping[str, Mapping[str, Any]] | None = None,
+               events: Any = None) -> dict[str, dict[str, Any]]:
+    """Submit one task per job (dependencies as arguments), follow them, return each result.
+    ``events``: the progress actor (``start_events``; killed here at the end), else one is
+    started."""
+    if events is None:
+        events = start_events()
     task = ray.remote(run_layer).options(
         num_cpus=0, resources={BUILDER_RESOURCE: 1.0 / request.jobs_per_node},
         max_retries=request.max_retries, retry_exceptions=False,
@@ -392,13 +552,18 @@ def _run_tasks(spec: _NodeSpec, jobs: Mapping[str, LayerJob],
         scheduling_strategy="SPREAD")
     refs: dict[str, Any] = {}
     by_key: dict[str, Any] = {}
+    spec_ref = ray.put(spec)  # once, not pickled into every task's arguments
     for name in jobs:  # plan order: dependencies first
         job = jobs[name]
         if job.key in by_key:  # the same key under two names: one build
             refs[name] = by_key[job.key]
             continue
         below = [refs[d] for d in deps.get(name, ()) if d in refs]
-        refs[name] = by_key[job.key] = task.remote(spec, job, no_cache, events, *below)
+        # the records of its lower layers the driver has (those already in the store); the
+        # ones built in this run come with the results in ``below``
+        lower = {k: known[k] for k in job.lower_keys if known and k in known}
+        refs[name] = by_key[job.key] = task.remote(spec_ref, job, no_cache, events, lower,
+                                                   *below)
         progress(BuildEvent(name, "queued"))
     names_of: dict[Any, list[str]] = {}
     for name, ref in refs.items():

@@ -75,6 +75,9 @@ REF_NAME_ANNOTATION: Final = "org.opencontainers.image.ref.name"
 
 #: Bytes moved per read when streaming; bounds the memory of put/get/copy.
 CHUNK_SIZE: Final = 1 << 20
+#: Blobs up to this size are written without asking first whether they are stored: uploading
+#: one again costs about what the question does (a put of a stored blob is a no-op).
+SMALL_BLOB = 1 << 20
 
 _DIGEST_RE = re.compile(r"sha256:([0-9a-f]{64})")
 # The OCI image-layout grammar for ref.name: components of alphanumerics joined by one of

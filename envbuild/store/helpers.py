@@ -21,6 +21,7 @@ from envbuild.errors import StoreError
 from envbuild.store.base import (
     CHUNK_SIZE,
     MEDIA_TYPE_MANIFEST,
+    SMALL_BLOB,
     BlobInfo,
     BlobMounter,
     Descriptor,
@@ -65,7 +66,9 @@ def put_file(store: Store, path: str | os.PathLike[str]) -> BlobInfo:
     changes in between, ``put`` refuses it with ``DigestMismatch``.
     """
     info = digest_file(path)
-    if not store.exists(info.digest):
+    # small: no look first (a store's put of a stored blob is a no-op; on S3 one conditional
+    # PUT instead of a HEAD, then the put's own HEAD, then the PUT)
+    if info.size <= SMALL_BLOB or not store.exists(info.digest):
         with open(path, "rb") as f:
             store.put(info.digest, f, size=info.size)
     return info

@@ -72,6 +72,7 @@ from envbuild.store.base import (
     MEDIA_TYPE_INDEX,
     MEDIA_TYPE_MANIFEST,
     REF_NAME_ANNOTATION,
+    SMALL_BLOB,
     BlobInfo,
     ConditionalRecords,
     Descriptor,
@@ -373,7 +374,9 @@ class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
 
     def put(self, digest: str, data: bytes | BinaryIO, *, size: int | None = None) -> None:
         key = self._blob_key(digest)
-        if self.exists(digest):
+        # A small blob of known size: the conditional PUT (If-None-Match) alone answers
+        # "already stored?" (412: success); a HEAD first would be a second round trip.
+        if not (size is not None and size <= SMALL_BLOB) and self.exists(digest):
             return
         if isinstance(data, (bytes, bytearray, memoryview)):
             data = io.BytesIO(data)

@@ -104,3 +104,81 @@ def build_busybox_env(root: Path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return LocalStore(root / "store"), root / "node"
+
+
+@dataclasses.dataclass
+class ExampleBuild:
+    """``envdefs/`` built once on the session's Ray cluster into S3 (``cluster_examples``):
+    the driver's and the second machine's ``--json`` reports, and that machine's local store
+    (every layer and env ref pulled with ``--cache-from``), which other tests reuse."""
+
+    report: dict
+    pulled: dict
+    url: str
+    endpoint: str
+    local_store: Path
+    defs: Path
+    node_template: str
+    seconds: float
+    stderr: str
+
+
+#: The example tree's parts, copied with their relative paths (``../../sources/...``).
+EXAMPLE_PARTS = ("envdefs/base", "envdefs/envs", "envdefs/toolkits", "envdefs/workspaces",
+                 "envdefs/README.md", "sources")
+RAY_FORWARD = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+               "AWS_EC2_METADATA_DISABLED", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
+
+
+@pytest.fixture(scope="session")
+def cluster_examples(ray_cluster, tmp_path_factory):
+    """The session's one build of the example envdefs (``envdefs/``: busybox, the debootstrap
+    base, the Python base, its workspaces and toolkits, every env), done on the shared Ray
+    cluster (``envbuild build --executor ray``, 2 builder nodes, each its own node cache) into
+    moto S3 over HTTP; then a second machine (an empty local store and node cache,
+    ``--cache-from`` the bucket) builds nothing and pulls it all. Tests that need a built
+    Python env use that local store instead of building one of their own."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from envbuild.build.reaper import reap_stale_builds
+    from runtime_shim.runc import OciRuntime
+    from tests.store.s3server import CREDENTIALS, MotoServer
+
+    require_root()
+    for tool in ("runc", "busybox", "debootstrap"):
+        require_tool(tool)
+    root = tmp_path_factory.mktemp("examples")
+    for rel in EXAMPLE_PARTS:
+        src, target = REPO / rel, root / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, target)
+    moto = MotoServer().start()
+    node_template = str(root / "node-{node_id}")
+    try:
+        url = f"s3://{moto.make_bucket()}/examples"
+        env = {**os.environ, **CREDENTIALS, "PYTHONPATH": str(REPO), "ENVBUILD_STORE": url,
+               "ENVBUILD_S3_ENDPOINT": moto.endpoint, "ENVBUILD_DEFS": str(root / "envdefs"),
+               "ENVBUILD_NODE_CACHE": node_template, "RAY_ADDRESS": ray_cluster.address}
+        env.pop("AWS_ENDPOINT_URL", None)
+        fwd = [a for n in RAY_FORWARD for a in ("--ray-env", n)]
+        started = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "envbuild.cli", "build", "--executor", "ray",
+                            "--ray-address", ray_cluster.address, *fwd, "--json"],
+                           env=env, capture_output=True, text=True, timeout=1800)
+        seconds = time.monotonic() - started
+        assert r.returncode == 0, r.stderr[-4000:]
+        local = root / "b-store"
+        pull_env = {**env, "ENVBUILD_STORE": str(local), "ENVBUILD_NODE_CACHE": str(root / "b-node")}
+        b = subprocess.run([sys.executable, "-m", "envbuild.cli", "--cache-from", url, "build",
+                            "--json"], env=pull_env, capture_output=True, text=True, timeout=900)
+        assert b.returncode == 0, b.stderr[-4000:]
+        yield ExampleBuild(report=json.loads(r.stdout), pulled=json.loads(b.stdout), url=url,
+                           endpoint=moto.endpoint, local_store=local, defs=root / "envdefs",
+                           node_template=node_template, seconds=seconds, stderr=r.stderr)
+    finally:
+        moto.kill()
+        for node in root.glob("node-*"):  # nothing should be there; a failed build's, if any
+            reap_stale_builds(node / "builds", OciRuntime("runc", state_root=str(node / "runc")))

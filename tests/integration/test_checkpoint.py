@@ -235,11 +235,10 @@ while True:
 """
 
 
-def _python_store(tmp_path_factory):
-    """A store with env/py-textstats: $ENVBUILD_TEST_PY_STORE, the repo's cache/, else built
-    now (debootstrap, a few minutes)."""
-    import subprocess
-    import sys
+def _python_store(request):
+    """A store with env/py-textstats: $ENVBUILD_TEST_PY_STORE, the repo's cache/, else the
+    session's one build of the examples (``cluster_examples``: on the Ray cluster, pulled into
+    a local store; debootstrap, a few minutes, shared with the other tests that need it)."""
     from pathlib import Path
 
     from envbuild.store import LocalStore
@@ -253,18 +252,13 @@ def _python_store(tmp_path_factory):
                 return candidate
             except Exception:  # noqa: BLE001 - not built there
                 pass
-    root = tmp_path_factory.mktemp("pystore")
-    env = {**os.environ, "ENVBUILD_STORE": str(root / "store"),
-           "ENVBUILD_NODE_CACHE": str(root / "node"), "ENVBUILD_DEFS": str(repo / "envdefs")}
-    proc = subprocess.run([sys.executable, "-m", "envbuild.cli", "build", "py-textstats"],
-                          env=env, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return LocalStore(root / "store")
+    return LocalStore(request.getfixturevalue("cluster_examples").local_store)
 
 
-def test_python_process_keeps_its_counter_and_listening_socket(built, tmp_path_factory):
+def test_python_process_keeps_its_counter_and_listening_socket(built, tmp_path_factory,
+                                                                request):
     require_criu()
-    store = _python_store(tmp_path_factory)
+    store = _python_store(request)
     node_a = tmp_path_factory.mktemp("py-node-a")
     node_b = tmp_path_factory.mktemp("py-node-b")
     with Sandbox.create("env/py-textstats", store=store, node_dir=node_a,

@@ -213,27 +213,22 @@ def test_killing_the_host_process_kills_qemu(built, tmp_path):
     assert len(removed) == 1 and not (node / "sandboxes" / removed[0]).exists()
 
 
-def _python_env_store(tmp_path_factory) -> LocalStore:
-    """py-textstats from the repo's cache/ when it was built there, else built now (~1 min,
-    needs the network for debootstrap)."""
+def _python_env_store(request) -> LocalStore:
+    """py-textstats from the repo's cache/ when it was built there, else the session's one
+    build of the examples (``cluster_examples``: on the Ray cluster, pulled into a local
+    store; needs the network for debootstrap)."""
     repo_store = LocalStore(REPO / "cache")
     try:
         repo_store.get_ref("env/py-textstats")
         return repo_store
     except Exception:  # noqa: BLE001 - not built there
         pass
-    root = tmp_path_factory.mktemp("pystore")
-    env = {**os.environ, "ENVBUILD_STORE": str(root / "store"),
-           "ENVBUILD_NODE_CACHE": str(root / "node"), "ENVBUILD_DEFS": str(REPO / "envdefs")}
-    proc = subprocess.run([sys.executable, "-m", "envbuild.cli", "build", "py-textstats"],
-                          env=env, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return LocalStore(root / "store")
+    return LocalStore(request.getfixturevalue("cluster_examples").local_store)
 
 
-def test_python_env_boots_and_runs_its_tests(built, tmp_path_factory):
+def test_python_env_boots_and_runs_its_tests(built, request):
     _, node = built
-    store = _python_env_store(tmp_path_factory)
+    store = _python_env_store(request)
     with Sandbox.create("py-textstats", store=store, node_dir=node, backend="microvm",
                         limits=Limits(memory_bytes=768 << 20)) as sb:
         r = sb.exec(["python3", "-c", "import sys, textstats; print(sys.version_info[:2])"])

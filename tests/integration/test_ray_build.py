@@ -22,6 +22,7 @@ from envbuild.store import KEY_RECORDS, get_key_record
 from envbuild.store.lease import LEASES
 from tests.conftest import REPO, require_root, require_tool
 from tests.integration.conftest import copy_busybox_defs
+from tests.leftovers import assert_nothing_left_under
 from tests.store.s3server import CREDENTIALS, moto_s3  # noqa: F401  (session fixture)
 
 pytestmark = pytest.mark.integration
@@ -101,17 +102,17 @@ class Cluster:
 
 
 def assert_no_leftovers(cluster: Cluster) -> None:
-    """No lease in the store, no scratch dir, mount or build container on any node cache."""
+    """No lease in the store; no scratch dir or build container on any node cache; nothing
+    under the test's dir left on the host (mounts, loop devices, processes)."""
     store = cluster.store()
     assert store.list_records(LEASES) == []
-    mounts = Path("/proc/self/mounts").read_text()
     for node in cluster.node_dirs():
         builds = node / "builds"
         left = [p.name for p in builds.iterdir()] if builds.exists() else []
         assert left == [], (node, left)
-        assert str(node) not in mounts
         state = node / "runc"
         assert not state.exists() or not any(state.iterdir()), list(state.iterdir())
+    assert_nothing_left_under(cluster.tmp)
 
 
 @pytest.fixture
@@ -162,6 +163,43 @@ def test_cluster_build_into_s3_then_a_second_machine_builds_nothing(cluster, tmp
     r = cluster.build("--json")
     assert r.returncode == 0, r.stderr
     assert {o["status"] for o in json.loads(r.stdout)["layers"]} == {"cached"}
+
+
+def test_the_example_envdefs_build_on_the_cluster_into_s3_and_a_second_machine_builds_nothing(
+        cluster_examples, ray_cluster, monkeypatch):
+    """The whole of envdefs/ (debootstrap base, Python base, workspaces, toolkits, envs),
+    built once for the session on the cluster (the ``cluster_examples`` fixture, whose local
+    store other tests reuse)."""
+    from envbuild.defs import load_definitions
+    from envbuild.store.s3 import S3Store
+
+    for k, v in CREDENTIALS.items():  # for this process's own look at the bucket
+        monkeypatch.setenv(k, v)
+    ex = cluster_examples
+    layers = {o["name"]: o for o in ex.report["layers"]}
+    defs = load_definitions(str(ex.defs))
+    expected = {n for n, d in defs.by_name.items() if d.kind != "Env"}
+    assert expected >= {"debian-bookworm", "debian-bookworm-py311", "minicalc", "textstats",
+                        "pytest", "ripgrep", "busybox-tiny"}
+    assert set(layers) == expected
+    assert {o["status"] for o in layers.values()} == {"built"}, layers
+    workers = {ray_cluster.node_id(n)[:8] for n in ray_cluster.workers}
+    nodes = {o["node"] for o in layers.values()}
+    assert nodes <= workers and len(nodes) == 2, nodes
+    envs = {n for n, d in defs.by_name.items() if d.kind == "Env"}
+    assert {lk["env"] for lk in ex.report["locks"]} == envs
+    assert all(lk["digest"] and not lk["error"] for lk in ex.report["locks"])
+    store = S3Store.from_url(ex.url, endpoint_url=ex.endpoint)
+    for o in layers.values():
+        rec = get_key_record(store, o["key"])
+        assert rec is not None and rec.layer == o["digest"] and store.exists(rec.layer)
+    assert store.list_records(LEASES) == []
+    # the second machine built nothing and has the same locks
+    assert {o["status"] for o in ex.pulled["layers"]} == {"cached"}
+    assert ex.pulled["locks"] == ex.report["locks"]
+    for node in Path(ex.node_template).parent.glob("node-*"):
+        assert not (node / "builds").exists() or not any((node / "builds").iterdir())
+    assert_nothing_left_under(Path(ex.node_template).parent)
 
 
 def test_step_failure_reports_on_the_driver_skips_only_dependents_and_stores_the_log(cluster):
@@ -217,34 +255,57 @@ def _wait_for(pred, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _owner_pids(builds: Path) -> set[int]:
+    """The builder processes of the scratch dirs under ``builds`` (their owner files say)."""
+    pids = set()
+    for owner in builds.glob("*.owner"):
+        try:
+            pids.add(int(owner.read_text().split()[0]))
+        except (OSError, ValueError, IndexError):
+            pass
+    return pids
+
+
 def test_worker_killed_mid_build_is_retried_elsewhere(cluster):
-    from envbuild.build.executor import sweep_stale_scratch
+    from envbuild.build.reaper import bundle_container_ids, cgroup_dirs, reap_stale_builds
     from runtime_shim.layout import NodeLayout
     from runtime_shim.runc import OciRuntime
 
     names = synthetic_tree(cluster.defs, 8, sleep=4)
     victim = cluster.ray.add_node(resources={"envbuild_builder": 2})
     victim_id = cluster.ray.node_id(victim)
+    victim_dir = Path(cluster.node_template.replace("{node_id}", victim_id))
+    layout = NodeLayout(victim_dir)
     proc = subprocess.Popen(cluster.argv("--json"), env=cluster.env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     reader = _watch(proc, lines)
+    builders: set[int] = set()
+    cids: list[str] = []
     try:
         _wait_for(lambda: any(f" on {victim_id[:8]}: step 1/1" in line for line in lines), 240,
                   "a step running on the added node")
+        builders = _owner_pids(layout.builds)
+        cids = [c for d in layout.builds.iterdir() if d.is_dir() for c in bundle_container_ids(d)]
         cluster.ray.kill_node(victim)
         out, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        # the dead node's leftovers (its runc containers, mounts, scratch) go with the next
-        # sweep there, as after any killed build
-        victim_dir = Path(cluster.node_template.replace("{node_id}", victim_id))
-        layout = NodeLayout(victim_dir)
-        swept = sweep_stale_scratch(layout.builds, OciRuntime("runc", state_root=str(layout.runc)))
+        # The killed node's builders are Ray workers that outlive their raylet a little (they
+        # exit when they notice it is gone, without cleaning up): wait for them, then reap
+        # their leftovers as the next builder on that node cache does.
+        _wait_for(lambda: not [p for p in builders if os.path.exists(f"/proc/{p}")], 60,
+                  "the killed node's builder processes to exit")
+        # (a builder that got to finish before it noticed cleaned up after itself)
+        left = sorted(d.name for d in layout.builds.iterdir() if d.is_dir())
+        reaped = reap_stale_builds(layout.builds, OciRuntime("runc", state_root=str(layout.runc)))
     reader.join(10)
-    assert swept, "the killed node was building something"
+    assert builders and cids, "the killed node was running a step"
+    assert sorted(r.name for r in reaped) == left, (reaped, left)
+    assert [d for c in cids for d in cgroup_dirs(c)] == []
+    assert not [d for d in layout.builds.iterdir()], list(layout.builds.iterdir())
     assert proc.returncode == 0, "".join(lines[-40:])
     report = {o["name"]: o for o in json.loads(out)["layers"]}
     assert all(report[n]["status"] in ("built", "cached") for n in names)
