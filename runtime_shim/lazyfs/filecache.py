@@ -38,6 +38,8 @@ log = logging.getLogger("envbuild.lazyfs")
 DEFAULT_FETCH_CONCURRENCY = 16
 #: Default seconds a read (or passthrough open) waits for the store before it fails with EIO.
 DEFAULT_FETCH_TIMEOUT = 30.0
+#: Files waiting to be written to the file cache in the background (``FileCache.preload``).
+PRELOAD_QUEUE = 512
 #: Longest a background request waits for reads in flight before it goes anyway (seconds).
 BACKGROUND_YIELD = 0.02
 #: The file cache format (the directory layout above); a daemon ignores other versions.
@@ -180,8 +182,10 @@ class FileCache:
         self._flights: dict[str, Future] = {}
         self._verified: set[str] = set()
         self.fetches = 0  # files fetched from the store by this process (not from the cache)
+        # bounded: a writer that falls behind (a busy host) drops the oldest, which an open
+        # then writes itself, instead of spending ever more CPU on files nobody opened yet
         self._preloads: collections.deque[tuple[str, Callable[[], bytes], str]] = \
-            collections.deque()
+            collections.deque(maxlen=PRELOAD_QUEUE)
         self._preload_cv = threading.Condition(self._lock)
         self._writer: threading.Thread | None = None
         self._total = sum(e.stat().st_size for e in os.scandir(directory)

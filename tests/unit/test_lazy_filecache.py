@@ -249,3 +249,25 @@ def test_background_requests_wait_for_a_readers_requests_in_flight_but_not_forev
         limits.request(lambda: None)
     assert 0.02 <= time.monotonic() - t0 < 2
     hold.set()
+
+
+def test_the_preload_queue_is_bounded_and_drops_the_oldest(tmp_path, monkeypatch):
+    import runtime_shim.lazyfs.filecache as fc
+
+    monkeypatch.setattr(fc, "PRELOAD_QUEUE", 3)
+    cache = _cache(tmp_path)
+    gate = threading.Event()
+    first = _digest(b"first")
+    cache.preload(first, lambda: (gate.wait(5), b"first")[1], "first")  # holds the writer
+    time.sleep(0.05)
+    datas = [f"f{i}".encode() for i in range(5)]
+    for d in datas:
+        cache.preload(_digest(d), lambda d=d: d, d.decode())
+    assert [what for _, _, what in cache._preloads] == ["f2", "f3", "f4"]
+    gate.set()
+    for _ in range(200):
+        if _digest(b"f4") in cache._verified:
+            break
+        time.sleep(0.01)
+    assert {_digest(d) for d in datas[2:]} <= cache._verified
+    assert _digest(b"f0") not in cache._verified  # dropped: an open writes it when needed
