@@ -53,6 +53,7 @@ import hashlib
 import os
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -79,7 +80,9 @@ TOC_GUESS = 1 * MiB
 #: frames still arrive about in file order, so hashing follows the transfer.
 STREAM_WORKERS = 3
 _local = threading.local()
-_now = __import__("time").monotonic
+_now = time.monotonic
+#: ``$ENVBUILD_LAZY_OPEN_TRACE``: a file that gets one line per ranged read of frames (when,
+#: how long, bytes, thread, decompression time) beside the daemon's per-open lines.
 _TRACE = os.environ.get("ENVBUILD_LAZY_OPEN_TRACE") or None
 _trace_lock = threading.Lock()
 

@@ -8,13 +8,18 @@ bounded wait for each fetch.
 cache file, fetched once per node. The passthrough mounts (``runtime_shim.lazyfs.passthrough``)
 hand these files to the kernel as backing files, so reads of a fetched file never reach user
 space. A cache file is re-hashed the first time a daemon process uses it (the node's disk is
-trusted only as far as the chunk cache trusts it: checked before use).
+trusted only as far as the chunk cache trusts it: checked before use). Files whose frames a
+fetch brought are written in the background (``FileCache.preload``) so that their first open
+costs a backing open only; a large file is written from a stream of pieces and renamed into
+place only once the stream verified it.
 
 ``FetchLimits`` is the node's budget for the store: at most ``concurrency`` ranged requests
 at a time across every layer and sandbox of the node (``BoundedRanges`` wraps the store each
 ``LazyLayer`` reads), and at most ``timeout`` seconds for a caller to wait for a fetch — past
 that the caller gets ``FetchTimeout`` (the filesystem answers EIO and logs why) while the
 fetch itself goes on in the background, bounded by the store client's own timeouts.
+Background requests (readahead, prefetch: ``envbuild.store.lazy.background``) wait while
+requests a reader waits for are in flight, for at most ``BACKGROUND_YIELD`` seconds.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""Fetching a lazy layer's frames for the filesystem: one fetch per frame at a time
-(``Frames``), directory readahead (``Readahead``) and profile prefetch in order
-(``prefetch_in_order``)."""
+"""Fetching a lazy layer's frames for the filesystem: one fetch per frame at a time, each
+ranged read reported to waiting readers as it lands (``_Frames``), large files streamed in
+parallel frames (``_Frames.stream``), tar-order, directory and extension-module readahead
+(``_Readahead``, background requests that yield to a reader's) and profile prefetch in a few
+coalesced reads (``prefetch_in_order``)."""
 
 from __future__ import annotations
 

@@ -42,6 +42,7 @@ import os
 import stat
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -564,7 +565,7 @@ class PassthroughFS:
 
 
 _TTL = 86400.0
-_now = __import__("time").monotonic
+_now = time.monotonic
 #: ``$ENVBUILD_LAZY_OPEN_TRACE``: a file that gets one line per first open (when, which
 #: layer and file, how long it waited, how it was answered) - for measuring the miss path.
 _TRACE = os.environ.get("ENVBUILD_LAZY_OPEN_TRACE") or None
