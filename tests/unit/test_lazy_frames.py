@@ -6,6 +6,8 @@ from __future__ import annotations
 import stat
 import threading
 
+import pytest
+
 from runtime_shim.lazyfs.frames import WINDOW_MAX_FILE, _Frames, prefetch_in_order
 from runtime_shim.lazyfs.tree import Node
 
@@ -199,3 +201,56 @@ def test_a_loaded_window_reports_every_file_it_made_present():
     assert got == [["f0", "f1"]]
     frames.load([nodes["f0"]])  # already loaded: nothing new
     assert got == [["f0", "f1"]]
+
+
+class StreamingLayer(FakeLayer):
+    """A ``FakeLayer`` whose ``stream`` yields two pieces, or raises after the first."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.fail = fail
+
+    def stream(self, path):
+        yield b"first"
+        if self.fail:
+            raise RuntimeError("does not match its TOC digest")
+        yield b"second"
+
+
+def test_a_large_file_is_streamed_and_its_frames_marked_loaded_only_once_it_verified():
+    nodes = files([9 << 20])  # three frames
+    big = nodes["f0"]
+    layer = StreamingLayer()
+    frames = _Frames(layer, nodes)  # type: ignore[arg-type]
+    stream = frames.stream(big)
+    assert frames.inflight == set(big.frames)  # claimed: a second reader waits for it
+    assert list(stream) == [b"first", b"second"]
+    assert not frames.missing(big) and not frames.inflight
+
+    failing = _Frames(StreamingLayer(fail=True), nodes)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError):
+        list(failing.stream(big))
+    assert failing.missing(big) and not failing.inflight  # released, not loaded
+
+
+def test_a_large_file_whose_frames_are_being_fetched_is_not_streamed_twice():
+    nodes = files([9 << 20])
+    big = nodes["f0"]
+    layer = StreamingLayer()
+    frames = _Frames(layer, nodes)  # type: ignore[arg-type]
+    frames.inflight.add(big.frames[0])  # someone else's fetch
+    done = threading.Event()
+
+    def other_fetch_lands() -> None:
+        threading.Event().wait(0.1)
+        with frames.cv:
+            frames.inflight.discard(big.frames[0])
+            frames.loaded.add(big.frames[0])
+            frames.cv.notify_all()
+        done.set()
+
+    threading.Thread(target=other_fetch_lands).start()
+    layer.read = lambda path: b"whole"  # type: ignore[attr-defined]
+    assert list(frames.stream(big)) == [b"whole"]   # loaded the rest, then read whole
+    assert done.is_set() and layer.calls == [["f0"]]
+    assert not frames.missing(big)
