@@ -443,6 +443,10 @@ class PassthroughFS:
         self.readahead.schedule_extensions(node)
         digest = self._digest(node)
         if digest and self.files.cached(digest):
+            if not self.lazy_frames.missing(node):
+                # written to files/ as its frames landed (a window, readahead): the reader is
+                # going through fetched files, so the tar-order readahead follows it as below
+                self.readahead.schedule_after(node)
             self._finish_open(conn, unique, node, digest, inline=True, t0=_t0, kind="file")
         elif not self.lazy_frames.missing(node):
             # no store request (its frames are in the chunk cache): answer here; a reader
