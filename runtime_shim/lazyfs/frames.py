@@ -294,14 +294,16 @@ def extension_siblings(nodes: dict[str, Node], path: str) -> tuple[list[str], li
 
 class _Readahead:
     """Directory readahead: after a file of directory D was fetched, fetch D's other small
-    regular files in the background, once per directory, at most ``budget`` bytes. Tar order
+    regular files (at most ``max_file`` bytes each: 128 KiB, replayed on the cold_start
+    workload's opens one miss fewer and 1.7 MB less than 256 KiB) in the background, once per
+    directory, at most ``budget`` bytes. Tar order
     keeps a directory's files together, so this is a few merged ranged reads; it serves
     programs that open a package's files one by one (Python imports, shared libraries).
     Extension readahead (``schedule_extensions``): the first open of a Python extension
     module fetches its siblings (``extension_siblings``)."""
 
     def __init__(self, layer: LazyLayer, nodes: dict[str, Node], frames: _Frames, *,
-                 max_file: int = 256 << 10, budget: int = 2 << 20) -> None:
+                 max_file: int = 128 << 10, budget: int = 2 << 20) -> None:
         self.layer, self.nodes, self.frames = layer, nodes, frames
         self.max_file, self.budget = max_file, budget
         self.done: set[str] = set()
