@@ -6,6 +6,7 @@ coalesced reads (``prefetch_in_order``)."""
 
 from __future__ import annotations
 
+import bisect
 import logging
 import re
 import threading
@@ -70,14 +71,28 @@ class _Frames:
         self.profiled = False   # a recorded profile is being prefetched: no tar-order guesses
         self._order: list[Node] | None = None   # regular files in blob (tar) order, on demand
         self._pos: dict[int, int] = {}          # id(node) -> index in _order
+        self._starts: list[int] = []            # first frame of each file of _order
 
     def _tar_order(self) -> list[Node]:
         if self._order is None:
             files = sorted({id(n): n for n in self.nodes.values()
                             if n.read_path and n.frames}.values(), key=lambda n: n.frames[0])
             self._pos = {id(n): i for i, n in enumerate(files)}
+            self._starts = [n.frames[0] for n in files]
             self._order = files
         return self._order
+
+    def ahead_loaded(self, node: Node, distance: int) -> bool:
+        """Whether the file about ``distance`` compressed bytes after ``node`` in the blob
+        (the first one starting there or later) is loaded or being fetched — then a reader
+        at ``node`` is at least that far behind the readahead (cheap: a bisection, no lock
+        wait, so that every open of a fetched file can ask). True past the blob's end."""
+        order = self._tar_order()
+        k = bisect.bisect_left(self._starts, node.frames[-1] + distance)
+        if k >= len(order):
+            return True
+        loaded, inflight = self.loaded, self.inflight
+        return all(f in loaded or f in inflight for f in order[k].frames)
 
     def following(self, node: Node, budget: int) -> list[Node]:
         """The small regular files after ``node`` in blob order (``node`` itself not
@@ -325,7 +340,10 @@ class _Readahead:
         """Tar-order readahead: fetch the ``READAHEAD_WINDOW`` of small files that follow
         ``node`` in the blob, in the background — when the ``MISS_WINDOW`` after it is not
         all loaded yet (so a program reading files in tar order stays ahead of its reads,
-        in requests of about a window each)."""
+        in requests of about a window each). Nothing is woken while the file half a window
+        ahead is loaded already (most opens of a reader going through fetched files)."""
+        if node.frames and self.frames.ahead_loaded(node, MISS_WINDOW // 2):
+            return
         with self.cv:
             self.after.append(node)
             self.cv.notify_all()

@@ -254,3 +254,15 @@ def test_a_large_file_whose_frames_are_being_fetched_is_not_streamed_twice():
     assert list(frames.stream(big)) == [b"whole"]   # loaded the rest, then read whole
     assert done.is_set() and layer.calls == [["f0"]]
     assert not frames.missing(big)
+
+
+def test_ahead_loaded_looks_half_a_window_ahead_of_a_reader():
+    nodes = files([100 * KiB] * 20)
+    frames = _Frames(FakeLayer(), nodes)  # type: ignore[arg-type]
+    assert not frames.ahead_loaded(nodes["f0"], 512 * KiB)  # f6 (600 KiB on) is not loaded
+    frames.loaded.add(nodes["f6"].frames[0])
+    assert frames.ahead_loaded(nodes["f0"], 512 * KiB)
+    frames.inflight.add(nodes["f11"].frames[0])
+    assert frames.ahead_loaded(nodes["f5"], 512 * KiB)      # f11: being fetched
+    assert not frames.ahead_loaded(nodes["f6"], 512 * KiB)  # f12
+    assert frames.ahead_loaded(nodes["f19"], 512 * KiB)     # nothing after the last file
