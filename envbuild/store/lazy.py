@@ -47,13 +47,15 @@ refetches; it evicts least recently used pieces above ``max_bytes``.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import os
 import secrets
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +75,37 @@ MiB = 1 << 20
 #: Bytes of a layer's tail read at open when its size is known: footer and TOC in one
 #: request for TOCs up to this size (the venv layers of benchmarks/cold_start.py: 0.6 MB).
 TOC_GUESS = 1 * MiB
+#: Requests in flight for one large file read by ``LazyLayer.stream``: enough to keep a link
+#: with ~10 ms first-byte latency busy (a frame of ~1 MB takes ~8 ms at 1 Gbit/s) while the
+#: frames still arrive about in file order, so hashing follows the transfer.
+STREAM_WORKERS = 3
 _local = threading.local()
+_now = time.monotonic
+#: ``$ENVBUILD_LAZY_OPEN_TRACE``: a file that gets one line per ranged read of frames (when,
+#: how long, bytes, thread, decompression time) beside the daemon's per-open lines.
+_TRACE = os.environ.get("ENVBUILD_LAZY_OPEN_TRACE") or None
+_trace_lock = threading.Lock()
+
+
+_priority = threading.local()
+
+
+@contextlib.contextmanager
+def background() -> Iterator[None]:
+    """Mark the store requests this thread makes (and the parallel reads they start) as
+    background work (readahead, prefetch): a node's ``FetchLimits`` lets reads a reader
+    waits for go first."""
+    prev = getattr(_priority, "background", False)
+    _priority.background = True
+    try:
+        yield
+    finally:
+        _priority.background = prev
+
+
+def is_background() -> bool:
+    """Whether this thread's store requests are background work (``background``)."""
+    return getattr(_priority, "background", False)
 
 
 def _dctx() -> zstandard.ZstdDecompressor:
@@ -374,7 +406,9 @@ class LazyLayer:
         start, end = run[0].offset, run[-1].offset + run[-1].csize
         if end > self.reader.footer.toc_offset:
             raise self._corrupt(f"a chunk points past the data frames (offset {end})")
+        t0 = _now()
         data = self.store.get_range(self.digest, start, end - start)
+        t1 = _now()
         self._count(len(data), frames=len(run))
         if len(data) != end - start:
             raise self._corrupt(f"short read at offset {start}: wanted {end - start} bytes, "
@@ -394,34 +428,58 @@ class LazyLayer:
             out[c.offset] = plain
         with self._lock:
             self.stats.bytes_decompressed += sum(c.usize for c in run)
+        if _TRACE:
+            with _trace_lock, open(_TRACE, "a") as f:
+                f.write(f"{t0:.6f} {(t1 - t0) * 1e3:.2f} GET {self.digest[7:19]} {len(data)} "
+                        f"{threading.current_thread().name} dec={(_now() - t1) * 1e3:.2f}\n")
         return out
 
-    def _fetch_frames(self, frames: Iterable[Chunk], workers: int | None = None
-                      ) -> dict[int, bytes]:
-        """Fetch frames (deduplicated by offset), adjacent ones (up to ``merge_gap`` apart)
-        merged into one request."""
+    def _runs(self, frames: Iterable[Chunk], max_run: int | None = None,
+              merge_gap: int | None = None) -> list[list[Chunk]]:
+        """Frames (deduplicated by offset) grouped into ranged reads: adjacent ones (up to
+        ``merge_gap``, default the layer's, apart) together, at most ``max_run`` (default
+        ``max_request``) bytes."""
+        cap = self.max_request if max_run is None else max_run
+        gap_max = self.merge_gap if merge_gap is None else merge_gap
         unique = sorted({c.offset: c for c in frames}.values(), key=lambda c: c.offset)
         runs: list[list[Chunk]] = []
         for c in unique:
             if runs:
                 last, first = runs[-1][-1], runs[-1][0]
                 gap = c.offset - (last.offset + last.csize)
-                if (0 <= gap <= self.merge_gap
-                        and c.offset + c.csize - first.offset <= self.max_request):
+                if 0 <= gap <= gap_max and c.offset + c.csize - first.offset <= cap:
                     runs[-1].append(c)
                     continue
             runs.append([c])
-        out: dict[int, bytes] = {}
+        return runs
+
+    def _fetch_frames(self, frames: Iterable[Chunk], workers: int | None = None,
+                      max_run: int | None = None, merge_gap: int | None = None
+                      ) -> Iterator[dict[int, bytes]]:
+        """Fetch frames in ranged reads (``_runs``), ``workers`` at a time; yields each read's
+        decompressed frames (offset -> bytes) as it completes."""
+        runs = self._runs(frames, max_run, merge_gap)
         workers = self.workers if workers is None else workers
         if len(runs) <= 1 or workers <= 1:
             for run in runs:
-                out.update(self._fetch_run(run))
-            return out
-        with concurrent.futures.ThreadPoolExecutor(min(workers, len(runs)),
-                                                   thread_name_prefix="lazy-fetch") as pool:
-            for part in pool.map(self._fetch_run, runs):
-                out.update(part)
-        return out
+                yield self._fetch_run(run)
+            return
+        pool = concurrent.futures.ThreadPoolExecutor(min(workers, len(runs)),
+                                                     thread_name_prefix="lazy-fetch")
+        bg = is_background()
+
+        def fetch(run: list[Chunk]) -> dict[int, bytes]:
+            if not bg:
+                return self._fetch_run(run)
+            with background():  # the workers' requests are as background as ours
+                return self._fetch_run(run)
+
+        try:
+            futs = [pool.submit(fetch, run) for run in runs]
+            for fut in concurrent.futures.as_completed(futs):
+                yield fut.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     # -- files -------------------------------------------------------------------------------
 
@@ -446,9 +504,13 @@ class LazyLayer:
             need -= n
         return pieces
 
-    def _load(self, entries: Sequence[Entry], workers: int | None = None) -> dict[str, bytes]:
+    def _load(self, entries: Sequence[Entry], workers: int | None = None, *,
+              on_frames: Callable[[list[int]], None] | None = None,
+              max_run: int | None = None, merge_gap: int | None = None) -> dict[str, bytes]:
         """Whole, verified contents of ``entries`` (by path), from the cache or fetched; every
-        fetched piece goes into the cache."""
+        fetched piece goes into the cache. ``on_frames(offsets)`` is called as each ranged
+        read completes, once every file whose frames have all arrived is verified and cached
+        (a file wholly inside the reported frames is then readable from the cache)."""
         result: dict[str, bytes] = {}
         todo: list[tuple[Entry, list[_Piece], dict[str, bytes]]] = []
         for e in entries:
@@ -467,30 +529,58 @@ class LazyLayer:
                 todo.append((e, pieces, have))
         if not todo:
             return result
-        frames = self._fetch_frames((p.chunk for _, pieces, have in todo for p in pieces
-                                     if p.key not in have), workers)
-        for e, pieces, have in todo:
-            h, parts = hashlib.sha256(), []
-            for p in pieces:
-                data = have.get(p.key)
-                if data is None:
-                    frame = frames[p.chunk.offset]
-                    data = frame[p.chunk.inner:p.chunk.inner + p.length]
-                    if len(data) != p.length:
-                        raise self._corrupt(f"chunk of {e.path} is outside its frame")
-                h.update(data)
-                parts.append((p, data))
-            if "sha256:" + h.hexdigest() != e.digest or sum(p.length for p in pieces) != e.size:
-                raise self._corrupt(f"content of {e.path} does not match its TOC digest")
-            for p, data in parts:
-                if p.key not in have:
-                    self.cache.put(p.key, bytes(data))
-            with self._lock:
-                self.stats.files_verified += 1
-            result[e.path] = b"".join(bytes(d) for _, d in parts)
+        frames: dict[int, bytes] = {}
+        # the files waiting for each frame, to verify each file as soon as it is complete
+        waiting: dict[int, list[int]] = {}
+        left: list[int] = []
+        for k, (_e, pieces, have) in enumerate(todo):
+            need = {p.chunk.offset for p in pieces if p.key not in have}
+            left.append(len(need))
+            for off in need:
+                waiting.setdefault(off, []).append(k)
+        for got in self._fetch_frames((p.chunk for _, pieces, have in todo for p in pieces
+                                       if p.key not in have), workers, max_run,
+                                      merge_gap):
+            frames.update(got)
+            for off in got:
+                for k in waiting.get(off, ()):
+                    left[k] -= 1
+                    if left[k] == 0:
+                        e, pieces, have = todo[k]
+                        result[e.path] = self._verify(e, pieces, have, frames)
+            if on_frames is not None:
+                on_frames(list(got))
         return result
 
+    def _verify(self, e: Entry, pieces: list[_Piece], have: dict[str, bytes],
+                frames: dict[int, bytes]) -> bytes:
+        """``e``'s contents from cached pieces and fetched frames, checked against its TOC
+        digest; its fetched pieces then go into the cache."""
+        h, parts = hashlib.sha256(), []
+        for p in pieces:
+            data = have.get(p.key)
+            if data is None:
+                frame = frames[p.chunk.offset]
+                data = frame[p.chunk.inner:p.chunk.inner + p.length]
+                if len(data) != p.length:
+                    raise self._corrupt(f"chunk of {e.path} is outside its frame")
+            h.update(data)
+            parts.append((p, data))
+        if "sha256:" + h.hexdigest() != e.digest or sum(p.length for p in pieces) != e.size:
+            raise self._corrupt(f"content of {e.path} does not match its TOC digest")
+        for p, data in parts:
+            if p.key not in have:
+                self.cache.put(p.key, bytes(data))
+        with self._lock:
+            self.stats.files_verified += 1
+        return b"".join(bytes(d) for _, d in parts)
+
     # -- public ------------------------------------------------------------------------------
+
+    def compressed_size(self, path: str) -> int:
+        """Bytes of the frames holding regular file ``path`` (what fetching it costs; frames
+        shared with other files counted whole)."""
+        return sum(c.csize for c in self._file(path).chunks)
 
     def stat(self, path: str) -> Entry:
         """The TOC entry of ``path`` (no request)."""
@@ -531,12 +621,64 @@ class LazyLayer:
             return data[offset - base:end - base]
         return self._load([e])[e.path][offset:end]
 
+    def stream(self, path: str, *, workers: int = STREAM_WORKERS) -> Iterator[bytes]:
+        """The contents of regular file ``path``, in order, piece by piece, for a large file
+        read whole (written to a cache file): its missing frames are fetched one request each,
+        ``workers`` at a time in file order, each decompressed by the thread that fetched it,
+        while this thread hashes and yields the pieces in order — transfer, decompression and
+        hashing overlap instead of following each other. **Verified only at the end**: after
+        the last piece the whole file is checked against its TOC digest and a mismatch raises
+        ``CorruptLayerError`` from the generator, so a consumer must not use (expose, rename
+        into place) what it got before the generator finished. Fetched pieces enter the chunk
+        cache only once the file is verified."""
+        e = self._file(path)
+        pieces = self._pieces(e)
+        have: dict[str, bytes] = {}
+        for p in pieces:
+            data = self.cache.get(p.key)
+            if data is not None and len(data) == p.length:
+                have[p.key] = data
+        with self._lock:
+            self.stats.cache_hits += len(have)
+            self.stats.cache_misses += len(pieces) - len(have)
+        need = list({p.chunk.offset: p.chunk for p in pieces if p.key not in have}.values())
+        pool = concurrent.futures.ThreadPoolExecutor(
+            max(1, min(workers, len(need))), thread_name_prefix="lazy-stream")
+        try:
+            futs = {c.offset: pool.submit(self._fetch_run, [c]) for c in need}
+            h, fetched, total = hashlib.sha256(), [], 0
+            for p in pieces:
+                data = have.get(p.key)
+                if data is None:
+                    frame = futs[p.chunk.offset].result()[p.chunk.offset]
+                    data = frame[p.chunk.inner:p.chunk.inner + p.length]
+                    if len(data) != p.length:
+                        raise self._corrupt(f"chunk of {e.path} is outside its frame")
+                    fetched.append((p, data))
+                h.update(data)
+                total += len(data)
+                yield data
+            if "sha256:" + h.hexdigest() != e.digest or total != e.size:
+                raise self._corrupt(f"content of {e.path} does not match its TOC digest")
+            for p, data in fetched:
+                self.cache.put(p.key, data)
+            with self._lock:
+                self.stats.files_verified += 1
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
     def prefetch(self, paths: Iterable[str], *, batch_bytes: int = 64 * MiB,
-                 workers: int | None = None) -> int:
+                 workers: int | None = None,
+                 on_frames: Callable[[list[int]], None] | None = None,
+                 max_run: int | None = None, merge_gap: int | None = None) -> int:
         """Fetch, verify and cache the regular files among ``paths`` (others are skipped),
-        ``workers`` (default: the layer's) requests at a time, frames shared by several files
-        fetched once; returns
-        how many files were loaded. Memory: about ``batch_bytes`` of frames at a time."""
+        ``workers`` (default: the layer's) requests at a time of at most ``max_run`` bytes
+        each (default ``max_request``; smaller: a large file's frames in parallel) spanning
+        gaps of at most ``merge_gap`` bytes (default: the layer's), frames
+        shared by several files fetched once; returns how many files were loaded.
+        ``on_frames``: told of each ranged read's frames once the files they complete are
+        verified and cached (see ``_load``). Memory: about ``batch_bytes`` of frames at a
+        time."""
         entries = []
         seen = set()
         for p in paths:
@@ -554,11 +696,14 @@ class LazyLayer:
             batch.append(e)
             total += sum(c.csize for c in e.chunks)
             if total >= batch_bytes:
-                self._load(batch, workers)
+                self._load(batch, workers, on_frames=on_frames, max_run=max_run,
+                           merge_gap=merge_gap)
                 batch, total = [], 0
         if batch:
-            self._load(batch, workers)
+            self._load(batch, workers, on_frames=on_frames, max_run=max_run,
+                       merge_gap=merge_gap)
         return len(entries)
 
 
-__all__ = ["ChunkCache", "HttpRanges", "LazyLayer", "LazyStats", "MemoryChunkCache", "piece_key"]
+__all__ = ["ChunkCache", "HttpRanges", "LazyLayer", "LazyStats", "MemoryChunkCache",
+           "background", "is_background", "piece_key"]

@@ -8,24 +8,30 @@ bounded wait for each fetch.
 cache file, fetched once per node. The passthrough mounts (``runtime_shim.lazyfs.passthrough``)
 hand these files to the kernel as backing files, so reads of a fetched file never reach user
 space. A cache file is re-hashed the first time a daemon process uses it (the node's disk is
-trusted only as far as the chunk cache trusts it: checked before use).
+trusted only as far as the chunk cache trusts it: checked before use). Files whose frames a
+fetch brought are written in the background (``FileCache.preload``) so that their first open
+costs a backing open only; a large file is written from a stream of pieces and renamed into
+place only once the stream verified it.
 
 ``FetchLimits`` is the node's budget for the store: at most ``concurrency`` ranged requests
 at a time across every layer and sandbox of the node (``BoundedRanges`` wraps the store each
 ``LazyLayer`` reads), and at most ``timeout`` seconds for a caller to wait for a fetch — past
 that the caller gets ``FetchTimeout`` (the filesystem answers EIO and logs why) while the
 fetch itself goes on in the background, bounded by the store client's own timeouts.
+Background requests (readahead, prefetch: ``envbuild.store.lazy.background``) wait while
+requests a reader waits for are in flight, for at most ``BACKGROUND_YIELD`` seconds.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -37,6 +43,10 @@ log = logging.getLogger("envbuild.lazyfs")
 DEFAULT_FETCH_CONCURRENCY = 16
 #: Default seconds a read (or passthrough open) waits for the store before it fails with EIO.
 DEFAULT_FETCH_TIMEOUT = 30.0
+#: Files waiting to be written to the file cache in the background (``FileCache.preload``).
+PRELOAD_QUEUE = 512
+#: Longest a background request waits for reads in flight before it goes anyway (seconds).
+BACKGROUND_YIELD = 0.02
 #: The file cache format (the directory layout above); a daemon ignores other versions.
 FILE_CACHE_VERSION = 1
 
@@ -88,6 +98,8 @@ class FetchLimits:
         self._lock = threading.Lock()
         self.in_flight = 0
         self.max_in_flight = 0  # the most requests seen at once (a measure, for tests)
+        self._cv = threading.Condition()
+        self.demand = 0          # requests in flight that a reader waits for
 
     def bounded(self, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()`` run in the pool; its result, or ``FetchTimeout`` after ``timeout`` s."""
@@ -95,6 +107,29 @@ class FetchLimits:
         return wait_for(fut, what, self.settings.timeout)
 
     def request(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (one store request) within the node's concurrency bound. A background
+        request (``envbuild.store.lazy.background``: readahead, prefetch) first waits while
+        reads a reader waits for are in flight, for at most ``BACKGROUND_YIELD`` seconds (so
+        a reader waiting for frames a background fetch has claimed is not starved): on a
+        shared link the reader's bytes then arrive without sharing it with guesses."""
+        from envbuild.store.lazy import is_background
+
+        if is_background():
+            with self._cv:
+                if self.demand:
+                    self._cv.wait_for(lambda: not self.demand, BACKGROUND_YIELD)
+            return self._request(fn)
+        with self._cv:
+            self.demand += 1
+        try:
+            return self._request(fn)
+        finally:
+            with self._cv:
+                self.demand -= 1
+                if not self.demand:
+                    self._cv.notify_all()
+
+    def _request(self, fn: Callable[[], Any]) -> Any:
         with self.requests:
             with self._lock:
                 self.in_flight += 1
@@ -152,6 +187,12 @@ class FileCache:
         self._flights: dict[str, Future] = {}
         self._verified: set[str] = set()
         self.fetches = 0  # files fetched from the store by this process (not from the cache)
+        # bounded: a writer that falls behind (a busy host) drops the oldest, which an open
+        # then writes itself, instead of spending ever more CPU on files nobody opened yet
+        self._preloads: collections.deque[tuple[str, Callable[[], bytes], str]] = \
+            collections.deque(maxlen=PRELOAD_QUEUE)
+        self._preload_cv = threading.Condition(self._lock)
+        self._writer: threading.Thread | None = None
         self._total = sum(e.stat().st_size for e in os.scandir(directory)
                           if e.is_file() and not e.name.startswith("."))
 
@@ -192,10 +233,12 @@ class FileCache:
             self._verified.add(digest)
         return path
 
-    def path(self, digest: str, fetch: Callable[[], bytes], what: str, *,
+    def path(self, digest: str, fetch: Callable[[], bytes | Iterable[bytes]], what: str, *,
              inline: bool = False) -> str:
-        """The verified cache file of ``digest``; ``fetch()`` (returning the verified contents)
-        runs once for all concurrent callers. ``FetchTimeout`` after the limits' timeout.
+        """The verified cache file of ``digest``; ``fetch()`` (returning the verified contents,
+        or an iterator of its pieces in order that raises if they do not verify: written as
+        they come, put in place only once it finished) runs once for all concurrent callers.
+        ``FetchTimeout`` after the limits' timeout.
         ``inline``: the caller knows ``fetch`` needs no store request (the bytes are in the
         chunk cache), so the first caller runs it itself instead of in the pool (no thread
         hop: a tree of small files read through readahead'd frames)."""
@@ -214,25 +257,63 @@ class FileCache:
                 self.limits.pool.submit(self._fly, digest, fetch, fut)
         return wait_for(fut, what, self.limits.settings.timeout)
 
-    def _fly(self, digest: str, fetch: Callable[[], bytes], fut: Future) -> None:
+    def preload(self, digest: str, fetch: Callable[[], bytes], what: str) -> None:
+        """Write ``digest``'s cache file soon, in a background thread, when it is not there:
+        ``fetch()`` must need no store request (the bytes are in the chunk cache), as after
+        a window of frames arrived. A reader that opens the file first writes it itself
+        (single-flight as ``path``); a failure is only logged."""
+        with self._lock:
+            if digest in self._verified or digest in self._flights:
+                return
+            self._preloads.append((digest, fetch, what))
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_preloads, daemon=True,
+                                                name="lazy-files-writer")
+                self._writer.start()
+            self._preload_cv.notify()
+
+    def _write_preloads(self) -> None:
+        while True:
+            with self._lock:
+                while not self._preloads:
+                    self._preload_cv.wait()
+                digest, fetch, what = self._preloads.popleft()
+            if digest in self._verified:
+                continue
+            try:
+                self.path(digest, fetch, what, inline=True)
+            except Exception as e:  # noqa: BLE001 - a reader's open fetches it again
+                log.debug("preload %s: %s", what, e)
+
+    def _fly(self, digest: str, fetch: Callable[[], bytes | Iterable[bytes]],
+             fut: Future) -> None:
         try:
             path = self.cached(digest)
             if path is None:
-                data = fetch()
+                got = fetch()
                 path = self._file(digest)
                 tmp = os.path.join(self.dir, f".{uuid.uuid4().hex}.tmp")
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o400)
+                size = 0
                 try:
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view):]
-                finally:
+                    # bytes, or pieces in order (LazyLayer.stream): written as they come,
+                    # renamed into place only once the iterator finished (verified)
+                    for piece in ((got,) if isinstance(got, (bytes, bytearray, memoryview))
+                                  else got):
+                        view = memoryview(piece)
+                        size += len(view)
+                        while view:
+                            view = view[os.write(fd, view):]
+                except BaseException:
                     os.close(fd)
+                    _unlink(tmp)
+                    raise
+                os.close(fd)
                 os.rename(tmp, path)
                 with self._lock:
                     self._verified.add(digest)
                     self.fetches += 1
-                    self._total += len(data)
+                    self._total += size
                 self._evict()
             fut.set_result(path)
         except BaseException as e:  # noqa: BLE001 - handed to every waiter

@@ -124,6 +124,7 @@ def make_operations(layer: LazyLayer, nodes: dict[str, Node], *,
                                        lambda: frames.load(window))
                     readahead.schedule_after(window[-1])
                     readahead.schedule(path.strip("/").rpartition("/")[0])
+                    readahead.schedule_extensions(node)
                 return layer.read(node.read_path, offset, size)
             except EnvbuildError as e:
                 log.error("read %s: %s", node.read_path, e)

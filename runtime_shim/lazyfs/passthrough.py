@@ -35,13 +35,15 @@ from __future__ import annotations
 import collections
 import ctypes
 import errno
+import functools
 import json
 import logging
 import os
 import stat
 import struct
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -214,7 +216,7 @@ class PassthroughFS:
                  want_passthrough: bool = True,
                  on_elf: Callable[[PassthroughFS, bytes], object] | None = None) -> None:
         self.lazy_layer, self.lazy_nodes = layer, nodes
-        self.lazy_frames = _Frames(layer, nodes)
+        self.lazy_frames = _Frames(layer, nodes, on_loaded=self._loaded)
         self.readahead = _Readahead(layer, nodes, self.lazy_frames)
         self.mountpoint, self.files, self.workers = mountpoint, files, workers
         self.trace, self.on_init, self.want_passthrough = trace, on_init, want_passthrough
@@ -416,6 +418,7 @@ class PassthroughFS:
     # -- open: fetch, verify, hand the kernel the cache file --------------------------------------
 
     def _open(self, conn: _Conn, unique: int, nodeid: int, body: bytes) -> None:
+        _t0 = _now()
         flags, _ = _OPEN_IN.unpack_from(body)
         node = self.by_ino.get(nodeid)
         if node is None:
@@ -439,16 +442,22 @@ class PassthroughFS:
         if held is not None:
             conn.reply(unique, _OPEN_OUT.pack(0, _PT, held[0]))
             return
+        self.readahead.schedule_extensions(node)
         digest = self._digest(node)
         if digest and self.files.cached(digest):
-            self._finish_open(conn, unique, node, digest, inline=True)
+            if not self.lazy_frames.missing(node):
+                # written to files/ as its frames landed (a window, readahead): the reader is
+                # going through fetched files, so the tar-order readahead follows it as below
+                self.readahead.schedule_after(node)
+            self._finish_open(conn, unique, node, digest, inline=True, t0=_t0, kind="file")
         elif not self.lazy_frames.missing(node):
             # no store request (its frames are in the chunk cache): answer here; a reader
             # going through the blob in tar order keeps the readahead ahead of it
             self.readahead.schedule_after(node)
-            self._finish_open(conn, unique, node, digest, inline=True)
+            self._finish_open(conn, unique, node, digest, inline=True, t0=_t0, kind="chunk")
         else:
-            self.workers.submit(self._finish_open, conn, unique, node, digest)
+            self.workers.submit(self._finish_open, conn, unique, node, digest, t0=_t0,
+                                kind="miss")
 
     def _digest(self, node: Node) -> str:
         d = self._digests.get(node.ino)
@@ -456,9 +465,13 @@ class PassthroughFS:
             d = self._digests[node.ino] = self.lazy_layer.stat(node.read_path).digest or ""
         return d
 
-    def _fetch(self, node: Node) -> bytes:
+    def _fetch(self, node: Node) -> bytes | Iterable[bytes]:
         # one fetch per frame at a time (a second reader waits); small files that share the
         # frame are cached with it, and the directory's other small files follow (readahead)
+        if len(node.frames) > 1 and self.lazy_frames.missing(node):
+            # a large file: its frames in parallel, written to files/ as they verify-hash
+            self.readahead.schedule_after(node)
+            return self.lazy_frames.stream(node)
         if self.lazy_frames.missing(node):
             own = set(node.frames)
             rest = [n for n in self.lazy_frames.following(node, MISS_WINDOW)
@@ -486,8 +499,18 @@ class PassthroughFS:
         except EnvbuildError as e:  # a foreground open of one of them reports it
             log.warning("window after a miss on %s: %s", self.lazy_layer.digest, e.message)
 
+    def _loaded(self, nodes: list[Node]) -> None:
+        # files whose frames just arrived are written to files/ in the background, so that
+        # their first open is a backing open only (not a write on the reader's thread)
+        for node in nodes:
+            digest = self._digest(node)
+            if digest:
+                self.files.preload(digest, functools.partial(self.lazy_layer.read,
+                                                             node.read_path),
+                                   f"{node.read_path} of {self.lazy_layer.digest}")
+
     def _finish_open(self, conn: _Conn, unique: int, node: Node, digest: str, *,
-                     inline: bool = False) -> None:
+                     inline: bool = False, t0: float = 0.0, kind: str = "") -> None:
         try:
             path = self.files.path(digest, lambda: self._fetch(node),
                                    f"open {node.read_path} of {self.lazy_layer.digest}",
@@ -504,6 +527,8 @@ class PassthroughFS:
             conn.reply(unique, error=errno.EIO)
             return
         conn.reply(unique, payload)
+        if _TRACE is not None:
+            _trace_open(self.lazy_layer.digest, node, t0, kind)
 
     def _open_path(self, conn: _Conn, node: Node, path: str) -> bytes:
         size = os.stat(path).st_size
@@ -566,6 +591,18 @@ class PassthroughFS:
 
 
 _TTL = 86400.0
+_now = time.monotonic
+#: ``$ENVBUILD_LAZY_OPEN_TRACE``: a file that gets one line per first open (when, which
+#: layer and file, how long it waited, how it was answered) - for measuring the miss path.
+_TRACE = os.environ.get("ENVBUILD_LAZY_OPEN_TRACE") or None
+_trace_lock = threading.Lock()
+
+
+def _trace_open(layer: str, node: Node, t0: float, kind: str) -> None:
+    t1 = _now()
+    with _trace_lock, open(_TRACE, "a") as f:  # type: ignore[arg-type]
+        f.write(f"{t0:.6f} {(t1 - t0) * 1e3:.2f} {kind} {layer[7:19]} {node.size} "
+                f"{node.read_path}\n")
 
 
 def passthrough_wanted() -> bool | None:

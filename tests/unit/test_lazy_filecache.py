@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from envbuild.errors import RuntimeShimError
+from envbuild.errors import CorruptLayerError, RuntimeShimError
 from runtime_shim.lazyfs.filecache import (
     BoundedRanges,
     FetchLimits,
@@ -166,3 +166,108 @@ def test_the_passthrough_switch(monkeypatch):
         assert passthrough_wanted() is want
     monkeypatch.delenv("ENVBUILD_LAZY_PASSTHROUGH")
     assert passthrough_wanted() is None
+
+
+def test_pieces_are_written_as_they_come_and_a_failing_stream_leaves_nothing(tmp_path):
+    cache = _cache(tmp_path)
+    data = b"a" * 1000 + b"b" * 1000
+    digest = _digest(data)
+    assert open(cache.path(digest, lambda: iter([data[:1000], data[1000:]]), "f"),
+                "rb").read() == data
+
+    def bad():
+        yield b"x" * 10
+        raise CorruptLayerError("content of f does not match its TOC digest")
+
+    other = _digest(b"y")
+    with pytest.raises(CorruptLayerError):
+        cache.path(other, bad, "g")
+    assert sorted(os.listdir(cache.dir)) == [digest.removeprefix("sha256:")]  # no temp file
+
+
+def test_preload_writes_the_file_in_the_background_once(tmp_path):
+    cache = _cache(tmp_path)
+    data = b"preloaded"
+    digest = _digest(data)
+    calls = []
+    done = threading.Event()
+
+    def fetch():
+        calls.append(1)
+        done.set()
+        return data
+
+    cache.preload(digest, fetch, "f")
+    assert done.wait(5)
+    for _ in range(100):
+        if digest in cache._verified:
+            break
+        time.sleep(0.01)
+    cache.preload(digest, fetch, "f")  # present: not again
+    assert cache.path(digest, lambda: b"never", "f").endswith(digest.removeprefix("sha256:"))
+    assert calls == [1]
+
+
+def test_background_requests_wait_for_a_readers_requests_in_flight_but_not_forever(monkeypatch):
+    import runtime_shim.lazyfs.filecache as fc
+    from envbuild.store.lazy import background
+
+    limits = FetchLimits(FetchSettings(4, 5.0))
+    order: list[str] = []
+    started = threading.Event()
+    release = threading.Event()
+
+    def demand() -> None:
+        def slow():
+            started.set()
+            release.wait(5)
+            order.append("demand")
+        limits.request(slow)
+
+    def guess() -> None:
+        with background():
+            limits.request(lambda: order.append("background"))
+
+    t = threading.Thread(target=demand)
+    t.start()
+    assert started.wait(5)
+    g = threading.Thread(target=guess)
+    g.start()
+    time.sleep(fc.BACKGROUND_YIELD / 4)
+    assert order == []           # the reader's request is in flight: the guess waits
+    release.set()
+    t.join(5)
+    g.join(5)
+    assert order == ["demand", "background"]
+    # a reader's request that never ends holds a background request back only briefly
+    monkeypatch.setattr(fc, "BACKGROUND_YIELD", 0.05)
+    hold = threading.Event()
+    threading.Thread(target=limits.request, args=(lambda: hold.wait(5),), daemon=True).start()
+    time.sleep(0.02)
+    t0 = time.monotonic()
+    with background():
+        limits.request(lambda: None)
+    assert 0.02 <= time.monotonic() - t0 < 2
+    hold.set()
+
+
+def test_the_preload_queue_is_bounded_and_drops_the_oldest(tmp_path, monkeypatch):
+    import runtime_shim.lazyfs.filecache as fc
+
+    monkeypatch.setattr(fc, "PRELOAD_QUEUE", 3)
+    cache = _cache(tmp_path)
+    gate = threading.Event()
+    first = _digest(b"first")
+    cache.preload(first, lambda: (gate.wait(5), b"first")[1], "first")  # holds the writer
+    time.sleep(0.05)
+    datas = [f"f{i}".encode() for i in range(5)]
+    for d in datas:
+        cache.preload(_digest(d), lambda d=d: d, d.decode())
+    assert [what for _, _, what in cache._preloads] == ["f2", "f3", "f4"]
+    gate.set()
+    for _ in range(200):
+        if _digest(b"f4") in cache._verified:
+            break
+        time.sleep(0.01)
+    assert {_digest(d) for d in datas[2:]} <= cache._verified
+    assert _digest(b"f0") not in cache._verified  # dropped: an open writes it when needed

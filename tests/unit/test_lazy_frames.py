@@ -6,6 +6,8 @@ from __future__ import annotations
 import stat
 import threading
 
+import pytest
+
 from runtime_shim.lazyfs.frames import WINDOW_MAX_FILE, _Frames, prefetch_in_order
 from runtime_shim.lazyfs.tree import Node
 
@@ -19,10 +21,21 @@ class FakeLayer:
         self.calls: list[list[str]] = []
         self.lock = threading.Lock()
 
-    def prefetch(self, paths, *, workers=None):
+    def prefetch(self, paths, *, workers=None, on_frames=None, max_run=None, merge_gap=None):
         with self.lock:  # (``_Frames`` adds the files sharing a frame: deduplicated)
             self.calls.append(list(dict.fromkeys(paths)))
         return len(paths)
+
+
+class SizedLayer(FakeLayer):
+    """A ``FakeLayer`` that knows what each file's frames cost (default 4 KiB)."""
+
+    def __init__(self, sizes: dict[str, int] | None = None) -> None:
+        super().__init__()
+        self.sizes = sizes or {}
+
+    def compressed_size(self, path):
+        return self.sizes.get(path, 4 * KiB)
 
 
 def files(sizes: list[int]) -> dict[str, Node]:
@@ -70,15 +83,186 @@ def test_a_miss_window_is_one_load_and_marks_every_frame_loaded():
     assert names(frames.following(nodes["f0"], 300 * KiB)) == []  # nothing left to fetch
 
 
-def test_profile_prefetch_goes_in_small_batches_in_order_and_stops_guessing():
-    layer = FakeLayer()
-    nodes = files([256 * KiB] * 40)  # 10 MiB
+def test_profile_prefetch_coalesces_neighbours_and_starts_with_what_comes_first():
+    nodes = files([256 * KiB] * 40)  # 10 MiB, one frame each, back to back
+    layer = SizedLayer({p: n.size for p, n in nodes.items()})
     frames = _Frames(layer, nodes)  # type: ignore[arg-type]
     order = [f"f{i}" for i in reversed(range(40))]
-    assert prefetch_in_order(frames, nodes, order, first_batch=512 * KiB,
-                             max_batch=2 << 20, workers=1) == 40
+    assert prefetch_in_order(frames, nodes, order, gap=64 * KiB, max_run=2 << 20,
+                             workers=1) == 40
     assert frames.profiled
-    batches = layer.calls
-    assert [p for b in batches for p in b] == order  # every file once, in profile order
-    assert len(batches[0]) == 2 and all(len(b) <= 8 for b in batches)
+    reads = layer.calls
+    assert sorted(p for b in reads for p in b) == sorted(order)  # every file once
+    assert len(reads) == 5 and all(len(b) == 8 for b in reads)   # 2 MiB reads
+    assert reads[0] == [f"f{i}" for i in range(32, 40)]          # the profile's first
+    assert reads[-1] == [f"f{i}" for i in range(8)]
     assert not any(frames.missing(n) for n in nodes.values() if n.read_path)
+
+
+def test_profile_prefetch_does_not_span_gaps_wider_than_allowed():
+    nodes = files([100 * KiB] * 10)
+    layer = SizedLayer({p: n.size for p, n in nodes.items()})
+    frames = _Frames(layer, nodes)  # type: ignore[arg-type]
+    # every other file: 100 KiB gaps; with a 64 KiB gap each file is its own read
+    assert prefetch_in_order(frames, nodes, [f"f{i}" for i in range(0, 10, 2)],
+                             gap=64 * KiB, workers=1) == 5
+    assert len(layer.calls) == 5
+    layer.calls.clear()
+    frames = _Frames(layer, nodes)  # type: ignore[arg-type]
+    assert prefetch_in_order(frames, nodes, [f"f{i}" for i in range(1, 10, 2)],
+                             gap=128 * KiB, workers=1) == 5
+    assert len(layer.calls) == 1
+
+
+def tree(paths: dict[str, int]) -> dict[str, Node]:
+    """Regular files at ``paths`` (sizes), in this order in the blob, with their directories."""
+    nodes: dict[str, Node] = {"": Node(1, stat.S_IFDIR | 0o755, 0, 0, 0, children={})}
+    offset = 0
+    for path, size in paths.items():
+        parts = path.split("/")
+        for k in range(len(parts)):
+            d, name = "/".join(parts[:k]), parts[k]
+            nodes[d].children[name] = None  # type: ignore[index]
+            full = "/".join(parts[:k + 1])
+            if full not in nodes:
+                if k < len(parts) - 1:
+                    nodes[full] = Node(len(nodes) + 1, stat.S_IFDIR | 0o755, 0, 0, 0,
+                                       children={})
+                else:
+                    nodes[full] = Node(len(nodes) + 1, stat.S_IFREG | 0o644, 0, 0, 0,
+                                       size=size, read_path=full, frames=(offset,))
+                    offset += size
+    return nodes
+
+
+SP = "venv/lib/python3.11/site-packages"
+EXT = ".cpython-311-x86_64-linux-gnu.so"
+
+
+def test_extension_siblings_are_the_directorys_modules_and_the_wheels_vendored_libs():
+    from runtime_shim.lazyfs.frames import extension_siblings
+
+    nodes = tree({f"{SP}/np.libs/libopenblas.so": 100, f"{SP}/np/core/a{EXT}": 10,
+                  f"{SP}/np/core/b{EXT}": 10, f"{SP}/np/core/c.py": 10,
+                  f"{SP}/np/core/d.abi3.so": 10, f"{SP}/np/core/_x_tests{EXT}": 10,
+                  f"{SP}/other/e{EXT}": 10,
+                  "usr/lib/python3.11/lib-dynload/_x" + EXT: 1,
+                  "usr/lib/python3.11/lib-dynload/_y" + EXT: 1})
+    dirs, files = extension_siblings(nodes, f"{SP}/np/core/a{EXT}")
+    assert dirs == [f"{SP}/np/core", f"{SP}/np.libs"]
+    assert names(files) == [f"{SP}/np.libs/libopenblas.so", f"{SP}/np/core/a{EXT}",
+                            f"{SP}/np/core/b{EXT}", f"{SP}/np/core/d.abi3.so"]
+    assert extension_siblings(nodes, f"{SP}/np/core/c.py") == ([], [])
+    dirs, files = extension_siblings(nodes, "usr/lib/python3.11/lib-dynload/_x" + EXT)
+    assert len(files) == 2 and dirs == ["usr/lib/python3.11/lib-dynload"]  # no site-packages
+
+
+
+
+def test_the_first_open_of_an_extension_module_fetches_its_siblings_once_in_the_background():
+    from runtime_shim.lazyfs.frames import _Readahead
+
+    layer = SizedLayer()
+    nodes = tree({f"{SP}/np.libs/libopenblas.so": 100, f"{SP}/np/core/a{EXT}": 10,
+                  f"{SP}/np/core/b{EXT}": 10, f"{SP}/np/core/c.py": 10})
+    frames = _Frames(layer, nodes)  # type: ignore[arg-type]
+    ra = _Readahead(layer, nodes, frames)  # type: ignore[arg-type]
+    ra.schedule_extensions(nodes[f"{SP}/np/core/c.py"])  # not an extension: nothing
+    ra.schedule_extensions(nodes[f"{SP}/np/core/a{EXT}"])
+    ra.schedule_extensions(nodes[f"{SP}/np/core/b{EXT}"])  # same directory: once
+    for _ in range(200):
+        if not frames.missing(nodes[f"{SP}/np.libs/libopenblas.so"]):
+            break
+        threading.Event().wait(0.01)
+    assert layer.calls == [[f"{SP}/np.libs/libopenblas.so", f"{SP}/np/core/b{EXT}"]]
+    assert frames.missing(nodes[f"{SP}/np/core/a{EXT}"])  # the opened one is the reader's
+    assert frames.missing(nodes[f"{SP}/np/core/c.py"])
+
+
+def test_a_profiled_mount_fetches_no_extension_siblings():
+    from runtime_shim.lazyfs.frames import _Readahead
+
+    layer = SizedLayer()
+    nodes = tree({f"{SP}/np/core/a{EXT}": 10, f"{SP}/np/core/b{EXT}": 10})
+    frames = _Frames(layer, nodes)  # type: ignore[arg-type]
+    frames.profiled = True
+    _Readahead(layer, nodes, frames).schedule_extensions(  # type: ignore[arg-type]
+        nodes[f"{SP}/np/core/a{EXT}"])
+    threading.Event().wait(0.1)
+    assert layer.calls == []
+
+
+def test_a_loaded_window_reports_every_file_it_made_present():
+    layer = FakeLayer()
+    nodes = files([100 * KiB] * 6)
+    got: list[list[str]] = []
+    frames = _Frames(layer, nodes, on_loaded=lambda ns: got.append(names(ns)))  # type: ignore[arg-type]
+    frames.load([nodes["f0"], nodes["f1"]])
+    assert got == [["f0", "f1"]]
+    frames.load([nodes["f0"]])  # already loaded: nothing new
+    assert got == [["f0", "f1"]]
+
+
+class StreamingLayer(FakeLayer):
+    """A ``FakeLayer`` whose ``stream`` yields two pieces, or raises after the first."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.fail = fail
+
+    def stream(self, path):
+        yield b"first"
+        if self.fail:
+            raise RuntimeError("does not match its TOC digest")
+        yield b"second"
+
+
+def test_a_large_file_is_streamed_and_its_frames_marked_loaded_only_once_it_verified():
+    nodes = files([9 << 20])  # three frames
+    big = nodes["f0"]
+    layer = StreamingLayer()
+    frames = _Frames(layer, nodes)  # type: ignore[arg-type]
+    stream = frames.stream(big)
+    assert frames.inflight == set(big.frames)  # claimed: a second reader waits for it
+    assert list(stream) == [b"first", b"second"]
+    assert not frames.missing(big) and not frames.inflight
+
+    failing = _Frames(StreamingLayer(fail=True), nodes)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError):
+        list(failing.stream(big))
+    assert failing.missing(big) and not failing.inflight  # released, not loaded
+
+
+def test_a_large_file_whose_frames_are_being_fetched_is_not_streamed_twice():
+    nodes = files([9 << 20])
+    big = nodes["f0"]
+    layer = StreamingLayer()
+    frames = _Frames(layer, nodes)  # type: ignore[arg-type]
+    frames.inflight.add(big.frames[0])  # someone else's fetch
+    done = threading.Event()
+
+    def other_fetch_lands() -> None:
+        threading.Event().wait(0.1)
+        with frames.cv:
+            frames.inflight.discard(big.frames[0])
+            frames.loaded.add(big.frames[0])
+            frames.cv.notify_all()
+        done.set()
+
+    threading.Thread(target=other_fetch_lands).start()
+    layer.read = lambda path: b"whole"  # type: ignore[attr-defined]
+    assert list(frames.stream(big)) == [b"whole"]   # loaded the rest, then read whole
+    assert done.is_set() and layer.calls == [["f0"]]
+    assert not frames.missing(big)
+
+
+def test_ahead_loaded_looks_half_a_window_ahead_of_a_reader():
+    nodes = files([100 * KiB] * 20)
+    frames = _Frames(FakeLayer(), nodes)  # type: ignore[arg-type]
+    assert not frames.ahead_loaded(nodes["f0"], 512 * KiB)  # f6 (600 KiB on) is not loaded
+    frames.loaded.add(nodes["f6"].frames[0])
+    assert frames.ahead_loaded(nodes["f0"], 512 * KiB)
+    frames.inflight.add(nodes["f11"].frames[0])
+    assert frames.ahead_loaded(nodes["f5"], 512 * KiB)      # f11: being fetched
+    assert not frames.ahead_loaded(nodes["f6"], 512 * KiB)  # f12
+    assert frames.ahead_loaded(nodes["f19"], 512 * KiB)     # nothing after the last file

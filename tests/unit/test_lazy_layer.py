@@ -197,3 +197,62 @@ def test_http_ranges_use_the_store_once_the_url_expired(layer):
     assert ranges.expires < 1.6e9 and opened == []
     lazy = LazyLayer(ranges, digest, size=size, expected_toc_digest=toc)
     assert lazy.read("hello.txt") == b"hello\n" and opened == [1]
+
+
+def test_stream_yields_a_big_file_in_order_one_request_per_frame(layer):
+    store, digest, size, _ = layer
+    cache = MemoryChunkCache()
+    lazy = LazyLayer(store, digest, size=size, chunk_cache=cache)
+    before = lazy.stats.requests
+    pieces = list(lazy.stream("big.bin"))
+    assert b"".join(pieces) == BIG and len(pieces) == 2
+    assert lazy.stats.requests == before + 2  # each frame its own request (in parallel)
+    assert lazy.stats.files_verified == 1
+    assert lazy.read("big.bin", 5, 10) == BIG[5:15]  # verified pieces went to the cache
+    assert lazy.stats.requests == before + 2
+    assert b"".join(lazy.stream("big.bin")) == BIG  # and a second stream is all hits
+    assert lazy.stats.requests == before + 2
+
+
+def test_stream_raises_at_the_end_on_corrupt_content_and_caches_nothing(layer):
+    store, digest, size, _ = layer
+    lazy = LazyLayer(store, digest, size=size)
+    # a second frame that decompresses fine but to other bytes: a content swap, found only
+    # by the whole-file digest once every piece was yielded
+    e = lazy.stat("big.bin")
+    first, second = e.chunks
+    import zstandard
+
+    other = zstandard.ZstdCompressor().compress(bytes(second.usize))
+    blob = bytearray(store.blobs[digest])
+    assert len(other) <= second.csize
+    blob[second.offset:second.offset + second.csize] = other + bytes(second.csize - len(other))
+    store.blobs[digest] = bytes(blob)
+    cache = MemoryChunkCache()
+    lazy = LazyLayer(store, digest, size=size, chunk_cache=cache)
+    got = []
+    with pytest.raises(CorruptLayerError, match="big.bin"):
+        for piece in lazy.stream("big.bin"):
+            got.append(piece)
+    assert cache._items == {}
+
+
+def test_prefetch_reports_each_read_once_its_files_are_verified(layer):
+    store, digest, size, _ = layer
+    cache = MemoryChunkCache()
+    lazy = LazyLayer(store, digest, size=size, chunk_cache=cache, workers=2)
+    big = lazy.stat("big.bin")
+    reports: list[list[int]] = []
+
+    def on_frames(offsets):
+        # every file wholly inside the reported frames is readable from the cache by now
+        reports.append(sorted(offsets))
+        if set(offsets) >= {c.offset for c in lazy.stat("dir/sub/b.bin").chunks}:
+            assert cache.get(LazyLayer._pieces(lazy.stat("dir/sub/b.bin"))[0].key) is not None
+
+    # max_run below a frame: the big file's two frames are two reads, reported one by one
+    lazy.prefetch(["big.bin", "dir/sub/b.bin"], on_frames=on_frames, max_run=1)
+    assert sorted(o for r in reports for o in r) == sorted(
+        {c.offset for c in big.chunks} | {c.offset for c in lazy.stat("dir/sub/b.bin").chunks})
+    assert len(reports) == 3
+    assert lazy.read("big.bin") == BIG

@@ -1,0 +1,87 @@
+"""``PassthroughFS`` answering ``OPEN`` without a kernel (a recording connection, fake layer):
+which readahead a first open triggers on each path (file cache, frames in memory)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+from runtime_shim.lazyfs.filecache import FetchLimits, FetchSettings, FileCache
+from runtime_shim.lazyfs.passthrough import _OPEN_IN, PassthroughFS
+from runtime_shim.lazyfs.tree import Node
+
+DATA = {f"f{i}": f"contents {i}".encode() * 100 for i in range(4)}
+
+
+class Layer:
+    digest = "sha256:" + "ab" * 32
+
+    def __init__(self) -> None:
+        self.stats = SimpleNamespace(as_dict=lambda: {})
+
+    def stat(self, path):
+        return SimpleNamespace(digest="sha256:" + hashlib.sha256(DATA[path]).hexdigest())
+
+    def read(self, path):
+        return DATA[path]
+
+    def prefetch(self, paths, **kw):
+        return len(paths)
+
+    def compressed_size(self, path):
+        return len(DATA[path])
+
+
+class Conn:
+    passthrough = False
+
+    def __init__(self) -> None:
+        self.replies: list[tuple[int, int]] = []
+
+    def reply(self, unique, payload=b"", error=0):
+        self.replies.append((unique, error))
+
+
+def _fs(tmp_path):
+    nodes = {"": Node(1, stat.S_IFDIR | 0o755, 0, 0, 0, children=dict.fromkeys(DATA))}
+    for i, (path, data) in enumerate(DATA.items()):
+        nodes[path] = Node(i + 2, stat.S_IFREG | 0o644, 0, 0, 0, size=len(data),
+                           read_path=path, frames=(i * 4096,))
+    files = FileCache(str(tmp_path / "files"), FetchLimits(FetchSettings(2, 5.0)), 1 << 30)
+    fs = PassthroughFS(Layer(), nodes, str(tmp_path / "mp"), files,  # type: ignore[arg-type]
+                       workers=ThreadPoolExecutor(2))
+    followed: list[str] = []
+    fs.readahead.schedule_after = lambda node: followed.append(node.read_path)  # type: ignore
+    return fs, nodes, files, followed
+
+
+def _open(fs, conn, node, unique=1):
+    fs._open(conn, unique, node.ino, _OPEN_IN.pack(os.O_RDONLY, 0))
+
+
+def test_a_file_written_from_fetched_frames_keeps_the_tar_readahead_following(tmp_path):
+    fs, nodes, files, followed = _fs(tmp_path)
+    conn = Conn()
+    for f in (nodes["f0"].frames[0], nodes["f1"].frames[0]):
+        fs.lazy_frames.loaded.add(f)
+    # f0: its frames landed and the background writer put it in files/ already
+    digest = fs._digest(nodes["f0"])
+    files.path(digest, lambda: DATA["f0"], "f0", inline=True)
+    _open(fs, conn, nodes["f0"])
+    # f1: frames in memory, not yet in files/ (written on the reader's thread)
+    _open(fs, conn, nodes["f1"], unique=2)
+    assert conn.replies == [(1, 0), (2, 0)]
+    assert followed == ["f0", "f1"]
+    assert files.cached(fs._digest(nodes["f1"]))
+
+
+def test_a_file_in_files_from_an_earlier_daemon_triggers_no_readahead(tmp_path):
+    fs, nodes, files, followed = _fs(tmp_path)
+    conn = Conn()
+    digest = fs._digest(nodes["f2"])  # its frames were never loaded by this daemon
+    files.path(digest, lambda: DATA["f2"], "f2", inline=True)
+    _open(fs, conn, nodes["f2"])
+    assert conn.replies == [(1, 0)] and followed == []
