@@ -93,6 +93,9 @@ _PT = FOPEN_PASSTHROUGH | FOPEN_NOFLUSH
 #: Backing ids kept registered after their last release (reopening a file then costs no
 #: syscall); beyond this many, the least recently opened idle ones are closed.
 MAX_IDLE_BACKING = 4096
+#: a program read whole to find its loader files (``on_elf``) is at most this big: the
+#: interpreter and DT_NEEDED names of a bigger one are not looked for (a hint, not worth the read)
+ELF_HINT_MAX = 64 << 20
 
 _IN_HEADER = struct.Struct("<IIQQIIIHH")           # len opcode unique nodeid uid gid pid ext pad
 _OUT_HEADER = struct.Struct("<IiQ")                 # len error unique
@@ -221,6 +224,7 @@ class PassthroughFS:
         self.mountpoint, self.files, self.workers = mountpoint, files, workers
         self.trace, self.on_init, self.want_passthrough = trace, on_init, want_passthrough
         self.on_elf = on_elf   # told of each fetched ELF file (the daemon fetches its libraries)
+        self._elf_checked: set[int] = set()   # inodes whose first open told on_elf
         self.by_ino: dict[int, Node] = {}
         self.dir_path: dict[int, str] = {}
         for path, node in nodes.items():
@@ -485,13 +489,7 @@ class PassthroughFS:
             self.lazy_frames.load([node])
             self.readahead.schedule_after(rest[-1] if rest else node)
             self.readahead.schedule(node.read_path.rpartition("/")[0])
-        data = self.lazy_layer.read(node.read_path)
-        if self.on_elf is not None and data[:4] == b"\x7fELF":
-            try:
-                self.on_elf(self, data)
-            except Exception:  # noqa: BLE001 - a hint only: never fail the open for it
-                log.exception("fetch ahead after %s", node.read_path)
-        return data
+        return self.lazy_layer.read(node.read_path)
 
     def _load_behind(self, nodes: list[Node]) -> None:
         try:
@@ -527,8 +525,26 @@ class PassthroughFS:
             conn.reply(unique, error=errno.EIO)
             return
         conn.reply(unique, payload)
+        if self.on_elf is not None and node.ino not in self._elf_checked:
+            # the first open of a file, however it was answered (a miss, a window's frames, a
+            # file written to files/ as they landed, a large file streamed): if it is a
+            # program, its loader's files are fetched ahead (after the reply: a hint only)
+            self._elf_checked.add(node.ino)
+            self.workers.submit(self._elf_hint, node, path)
         if _TRACE is not None:
             _trace_open(self.lazy_layer.digest, node, t0, kind)
+
+    def _elf_hint(self, node: Node, path: str) -> None:
+        try:
+            with open(path, "rb") as f:
+                if f.read(4) != b"\x7fELF" or node.size > ELF_HINT_MAX:
+                    return
+                f.seek(0)
+                data = f.read(ELF_HINT_MAX)
+            assert self.on_elf is not None
+            self.on_elf(self, data)
+        except Exception:  # noqa: BLE001 - a hint only: never fail anything for it
+            log.exception("fetch ahead after %s", node.read_path)
 
     def _open_path(self, conn: _Conn, node: Node, path: str) -> bytes:
         size = os.stat(path).st_size

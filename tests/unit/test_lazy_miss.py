@@ -23,7 +23,7 @@ class HeldLayer:
         self.release = threading.Event()
         self.lock = threading.Lock()
 
-    def prefetch(self, paths, *, workers=None):
+    def prefetch(self, paths, *, workers=None, on_frames=None, max_run=None, merge_gap=None):
         paths = list(dict.fromkeys(paths))
         with self.lock:
             self.calls.append(paths)
