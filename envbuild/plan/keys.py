@@ -57,9 +57,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 from envbuild.canonical import canonical_json
 from envbuild.defs.model import (
@@ -183,7 +183,60 @@ class Previous:
     same: Callable[[Definition, Definition], bool]
 
 
-def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None) -> KeySet:
+class KeyMemo(Protocol):
+    """Keys remembered across runs (``envbuild.defs.parsecache.ParseCache``): ``ident(d)``
+    names a definition's content (None: unknown, key it as usual); ``key(what)`` is the key
+    recorded for ``what``, a string naming every input of one key (``note_key`` records)."""
+
+    def ident(self, d: Definition) -> str | None: ...
+    def key(self, what: str) -> str | None: ...
+    def note_key(self, what: str, key: str) -> None: ...
+
+
+class _Later:
+    """Key inputs not computed yet: the arguments of ``key_inputs`` or ``lock_inputs``."""
+
+    __slots__ = ("call", "args", "kwargs")
+
+    def __init__(self, call: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any) -> None:
+        self.call, self.args, self.kwargs = call, args, kwargs
+
+
+class LazyInputs(Mapping[str, Mapping[str, Any]]):
+    """A read-only name -> key input dict whose values for keys found in a ``KeyMemo`` are
+    computed on first access (``explain`` reads one; ``plan`` reads none)."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: dict[str, Any]) -> None:
+        self._raw = raw
+
+    def raw(self, name: str) -> Any:
+        """The value as held: a dict, or the ``_Later`` that computes it."""
+        return self._raw[name]
+
+    def __getitem__(self, name: str) -> Mapping[str, Any]:
+        v = self._raw[name]
+        if v.__class__ is _Later:
+            v = self._raw[name] = v.call(*v.args, **v.kwargs)
+        return v
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._raw
+
+
+def _pins_text(pins: Mapping[str, str]) -> str:
+    return "\0".join(f"{k}={v}" for k, v in sorted(pins.items()))
+
+
+def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None,
+                 memo: KeyMemo | None = None) -> KeySet:
     """Keys of every layer and lock digests of every env in ``graph`` (an ``EnvGraph``).
 
     Linear in the number of definitions: each layer is keyed once, memoised, what it depends on
@@ -191,12 +244,14 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None) 
     and toolkits read only their base's abi (or, with ``pin: digest``, the chain keys). The
     graph is acyclic (``build_graph``), so the recursion ends. With ``previous``, only
     definitions that differ from it (or whose pins or upstreams do) are keyed; the others take
-    the previous key and inputs.
+    the previous key and inputs. With ``memo``, a key whose inputs (definition content, pins,
+    upstream keys/abi; an env's layers, their keys and definitions) were keyed before is looked
+    up, and its input dict is computed only when read (``LazyInputs``).
     """
     defs = graph.defs.by_name
     keys: dict[str, str] = {}
-    inputs: dict[str, Mapping[str, Any]] = {}
-    env_inputs: dict[str, Mapping[str, Any]] = {}
+    inputs: dict[str, Any] = {}  # a dict, or the _Later that computes it
+    env_inputs: dict[str, Any] = {}
     env_locks: dict[str, str] = {}
     old = previous.graph.defs.by_name if previous is not None else {}
     no_pins: Mapping[str, str] = {}
@@ -212,11 +267,30 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None) 
             return None
         return d0
 
+    old_inputs, old_env_inputs = ((previous.keys.inputs, previous.keys.env_inputs)
+                                  if previous is not None else ({}, {}))
+
+    def raw(m: Mapping[str, Any], name: str) -> Any:
+        return m.raw(name) if isinstance(m, LazyInputs) else m[name]
+
     def reuse(name: str) -> str:
         assert previous is not None
-        inputs[name] = previous.keys.inputs[name]
+        inputs[name] = raw(old_inputs, name)
         k = keys[name] = previous.keys.layers[name]
         return k
+
+    ident = memo.ident if memo is not None else None
+
+    def remembered(kind: str, d: Definition, upstream: str) -> tuple[str | None, str | None]:
+        """(what names this key's inputs, the key recorded for it) when ``memo`` knows ``d``."""
+        if ident is None:
+            return None, None
+        i = ident(d)
+        if i is None:
+            return None, None
+        assert memo is not None
+        what = f"{kind}\0{i}\0{_pins_text(pinned.get(d.name, no_pins))}\0{upstream}"
+        return what, memo.key(what)
 
     def env_lock(name: str) -> str:
         k = env_locks.get(name)
@@ -230,11 +304,22 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None) 
                         and layers == previous.graph.env_layers(name)
                         and all(keys[n] == previous.keys.layers.get(n)
                                 and previous.same(defs[n], old[n]) for n in layers)):
-                    env_inputs[name] = previous.keys.env_inputs[name]
+                    env_inputs[name] = raw(old_env_inputs, name)
                     k = env_locks[name] = previous.keys.env_locks[name]
+                    return k
+            what = None
+            if ident is not None and all(ident(defs[n]) is not None for n in layers):
+                what, k = remembered("env", defs[name], "\0".join(
+                    f"{n}={keys[n]}={ident(defs[n])}" for n in layers))
+                if k is not None:
+                    env_inputs[name] = _Later(lock_inputs, graph, defs[name], keys)
+                    env_locks[name] = k
                     return k
             env_inputs[name] = lock_inputs(graph, defs[name], keys)
             k = env_locks[name] = lock_inputs_digest(env_inputs[name])
+            if what is not None:
+                assert memo is not None
+                memo.note_key(what, k)
         return k
 
     def key_of(name: str) -> str:
@@ -247,13 +332,13 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None) 
                 from_envs = {e: env_lock(e) for e in envs} or None
                 if unchanged(d) is not None:
                     assert previous is not None
-                    if ((parent is None or parent == previous.keys.layers.get(d.parent))
+                    if ((parent is None or parent == previous.keys.layers.get(d.parent or ""))
                             and (from_envs is None or all(
                                 previous.keys.env_locks.get(e) == v
                                 for e, v in from_envs.items()))):
                         return reuse(name)
-                inputs[name] = key_inputs(d, pinned.get(name, {}), parent_key=parent,
-                                          from_envs=from_envs)
+                what, k = remembered("layer", d, f"{parent}\0{sorted((from_envs or {}).items())}")
+                kwargs: dict[str, Any] = {"parent_key": parent, "from_envs": from_envs}
             else:
                 base = defs[d.build_on]
                 chain = (tuple(key_of(n) for n in graph.base_chain(d.build_on))
@@ -268,9 +353,18 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None) 
                             previous.keys.layers.get(n)
                             for n in previous.graph.base_chain(d.build_on)):
                         return reuse(name)
-                inputs[name] = key_inputs(d, pinned.get(name, {}), build_on_abi=base.abi,
-                                          build_on_chain_keys=chain)
+                what, k = remembered("layer", d, f"abi={base.abi}" if chain is None
+                                     else "chain=" + ",".join(chain))
+                kwargs = {"build_on_abi": base.abi, "build_on_chain_keys": chain}
+            if k is not None:
+                inputs[name] = _Later(key_inputs, d, pinned.get(name, {}), **kwargs)
+                keys[name] = k
+                return k
+            inputs[name] = key_inputs(d, pinned.get(name, {}), **kwargs)
             k = keys[name] = layer_key(inputs[name])
+            if what is not None:
+                assert memo is not None
+                memo.note_key(what, k)
         return k
 
     for d in graph.defs.layers:
@@ -279,8 +373,12 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None) 
         env_lock(env.name)
     env_inputs = {e.name: env_inputs[e.name] for e in graph.defs.envs}  # definition order
     env_locks = {e.name: env_locks[e.name] for e in graph.defs.envs}
-    return KeySet(layers=MappingProxyType(keys), inputs=MappingProxyType(inputs),
-                  env_locks=MappingProxyType(env_locks), env_inputs=MappingProxyType(env_inputs))
+    lazy = any(v.__class__ is _Later for v in inputs.values()) or any(
+        v.__class__ is _Later for v in env_inputs.values())
+    return KeySet(layers=MappingProxyType(keys),
+                  inputs=LazyInputs(inputs) if lazy else MappingProxyType(inputs),
+                  env_locks=MappingProxyType(env_locks),
+                  env_inputs=LazyInputs(env_inputs) if lazy else MappingProxyType(env_inputs))
 
 
 def lock_inputs(graph, env: Env, keys: Mapping[str, str]) -> dict[str, Any]:
