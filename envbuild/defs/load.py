@@ -213,6 +213,8 @@ def _definition_file_names(root: Path) -> list[str]:
                        and not os.path.exists(os.path.join(directory, d, SEPARATE_TREE_MARKER))]
         found.extend(os.path.join(directory, f) for f in filenames
                      if f.endswith(SUFFIXES) and not f.startswith("."))
+    if str(root) == ".":  # as Path spells them: "a/b.yaml", not "./a/b.yaml"
+        found = [f[2:] for f in found]
     return sorted(found)
 
 

@@ -184,6 +184,8 @@ class ParseCache:
         self._keys: dict[str, str] = {}
         self._used_keys: dict[str, str] = {}
         self._placed: dict[int, tuple[Definition, Definition]] = {}
+        #: every working-tree file loaded with this cache -> its git blob id (this run)
+        self.tree_files: dict[str, str] = {}
         self._ident: dict[int, tuple[Definition, str]] = {}
         self.code = code_fingerprint()
         self.started_ns = time.time_ns()
@@ -258,12 +260,14 @@ class ParseCache:
         if found is None or found[:5] != _stat_key(st):
             return None
         self._used_files[path] = found
+        self.tree_files[path] = found[6]
         return found[5], found[6]
 
     def note_file(self, path: str, st: os.stat_result, digest: str, oid: str) -> None:
         """Record that the file at ``path`` with stat ``st`` has these bytes (digest, blob id);
         kept only when its last change is ``RACY_NS`` older than this run's start."""
         self._used_blobs[oid] = digest
+        self.tree_files[path] = oid
         limit = self.started_ns - RACY_NS
         if st.st_mtime_ns < limit and st.st_ctime_ns < limit:
             self._used_files[path] = (*_stat_key(st), digest, oid)
@@ -305,14 +309,15 @@ class ParseCache:
         if digest not in self._used:
             self._used[digest] = found
             self._identify(digest, found)
-        out = []
-        for d in found:
-            if d.origin.file != file:
-                placed = dataclasses.replace(d, origin=dataclasses.replace(d.origin, file=file))
-                self._placed[id(placed)] = (placed, d)  # holding it keeps its id unique
-                d = placed
-            out.append(d)
-        return out
+        return [d if d.origin.file == file else self.place(d, file) for d in found]
+
+    def place(self, d: Definition, file: str) -> Definition:
+        """A copy of ``d`` (a cached definition, or a copy of one) with its origin at ``file``,
+        whose ``original`` is ``d``'s."""
+        d = self.original(d)
+        placed = dataclasses.replace(d, origin=dataclasses.replace(d.origin, file=file))
+        self._placed[id(placed)] = (placed, d)  # holding it keeps its id unique
+        return placed
 
     def original(self, d: Definition) -> Definition:
         """The cached definition ``d`` is a copy of (placed at another file), else ``d``: two

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import posixpath
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -174,10 +174,33 @@ def build_graph(defs: DefinitionSet, *, unparsed: frozenset[str] = frozenset()) 
     reference to one is not reported (its document's own problem is) and adds no edge."""
     by_name = defs.by_name
     preds: dict[str, list[str]] = {n: [] for n in by_name}
+    problems = check_references(by_name, by_name.values(), preds, unparsed)
+    graph = EnvGraph(defs=defs, preds=preds)
+    gens = _generations(preds, None)
+    if gens is None:
+        problems.extend(_cycles(graph.graph, by_name))
+    else:
+        graph._memo["generations"] = gens
+    if problems:
+        raise PlanError(problems)
+    return graph
+
+
+def check_references(by_name: Mapping[str, Definition], definitions: Iterable[Definition],
+                     preds: dict[str, list[str]],
+                     unparsed: frozenset[str] = frozenset()) -> list[Problem]:
+    """``build_graph``'s checks of the references of ``definitions`` (each in ``by_name``,
+    the whole tree): the problems, in order; each resolved reference is added to
+    ``preds[name]`` (once). Cycles are not looked for here."""
     problems: list[Problem] = []
-    names_of: dict[str, list[str]] = {}
-    for n, d in by_name.items():
-        names_of.setdefault(d.kind, []).append(n)
+    kinds: list[dict[str, list[str]]] = []
+
+    def names_of(want: str) -> list[str]:  # the candidates of a hint, made on the first one
+        if not kinds:
+            kinds.append({})
+            for n, d in by_name.items():
+                kinds[0].setdefault(d.kind, []).append(n)
+        return kinds[0].get(want, [])
 
     def ref(d: Definition, target: str, want: str, paths: Sequence[str], what: str) -> bool:
         """Check one reference; add its edge when it resolves to the right kind."""
@@ -186,20 +209,20 @@ def build_graph(defs: DefinitionSet, *, unparsed: frozenset[str] = frozenset()) 
             return False
         if t is None:
             problems.append(_problem(d, paths, f"{what} {target!r}: no {want} with that name",
-                                     did_you_mean(target, names_of.get(want, ()))))
+                                     did_you_mean(target, names_of(want))))
             return False
         if t.kind != want:
             article = "an" if want[0] in "AEIOU" else "a"
             problems.append(_problem(d, paths, f"{what} {target!r} is a {t.kind}, not {article} "
                                      f"{want}",
-                                     did_you_mean(target, names_of.get(want, ()))))
+                                     did_you_mean(target, names_of(want))))
             return False
         deps = preds[d.name]
         if target not in deps:  # one edge per pair, as a DiGraph keeps it
             deps.append(target)
         return True
 
-    for d in by_name.values():
+    for d in definitions:
         if isinstance(d, Base):
             if d.parent is not None:
                 ref(d, d.parent, "Base", ("from.base", "from"), "from base")
@@ -218,16 +241,7 @@ def build_graph(defs: DefinitionSet, *, unparsed: frozenset[str] = frozenset()) 
                         f"one of {list(d.requires_abi)}"))
         elif isinstance(d, Env):
             _check_env(d, ref, by_name, problems)
-
-    graph = EnvGraph(defs=defs, preds=preds)
-    gens = _generations(preds, None)
-    if gens is None:
-        problems.extend(_cycles(graph.graph, by_name))
-    else:
-        graph._memo["generations"] = gens
-    if problems:
-        raise PlanError(problems)
-    return graph
+    return problems
 
 
 def check_tree(root: Path | str, parse_cache: ParseCache | None = None) -> EnvGraph:

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -236,7 +236,7 @@ def _pins_text(pins: Mapping[str, str]) -> str:
 
 
 def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None,
-                 memo: KeyMemo | None = None) -> KeySet:
+                 memo: KeyMemo | None = None, only: Collection[str] | None = None) -> KeySet:
     """Keys of every layer and lock digests of every env in ``graph`` (an ``EnvGraph``).
 
     Linear in the number of definitions: each layer is keyed once, memoised, what it depends on
@@ -246,7 +246,9 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None,
     definitions that differ from it (or whose pins or upstreams do) are keyed; the others take
     the previous key and inputs. With ``memo``, a key whose inputs (definition content, pins,
     upstream keys/abi; an env's layers, their keys and definitions) were keyed before is looked
-    up, and its input dict is computed only when read (``LazyInputs``).
+    up, and its input dict is computed only when read (``LazyInputs``). With ``previous`` and
+    ``only`` (names of ``graph``, closed under dependents: whatever depends on one is in it),
+    every name not in ``only`` takes previous's key or lock as it is, without a look.
     """
     defs = graph.defs.by_name
     keys: dict[str, str] = {}
@@ -279,7 +281,17 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None,
         k = keys[name] = previous.keys.layers[name]
         return k
 
-    ident = memo.ident if memo is not None else None
+    idents: dict[str, str | None] = {}
+
+    def _ident(d: Definition) -> str | None:
+        try:
+            return idents[d.name]
+        except KeyError:
+            assert memo is not None
+            i = idents[d.name] = memo.ident(d)
+            return i
+
+    ident = _ident if memo is not None else None
 
     def remembered(kind: str, d: Definition, upstream: str) -> tuple[str | None, str | None]:
         """(what names this key's inputs, the key recorded for it) when ``memo`` knows ``d``."""
@@ -367,10 +379,27 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None,
                 memo.note_key(what, k)
         return k
 
-    for d in graph.defs.layers:
-        key_of(d.name)
-    for env in graph.defs.envs:
-        env_lock(env.name)
+    if only is None:
+        for d in graph.defs.layers:
+            key_of(d.name)
+        for env in graph.defs.envs:
+            env_lock(env.name)
+    else:
+        assert previous is not None
+        pk = previous.keys
+        keys.update(pk.layers)
+        inputs.update(old_inputs._raw if isinstance(old_inputs, LazyInputs) else old_inputs)
+        env_locks.update(pk.env_locks)
+        env_inputs.update(old_env_inputs._raw if isinstance(old_env_inputs, LazyInputs)
+                          else old_env_inputs)
+        for table in (keys, inputs, env_locks, env_inputs):
+            for n in [*(table.keys() - defs.keys()), *(n for n in only if n in table)]:
+                del table[n]
+        for n in sorted(only):
+            if defs[n].kind == "Env":
+                env_lock(n)
+            else:
+                key_of(n)
     env_inputs = {e.name: env_inputs[e.name] for e in graph.defs.envs}  # definition order
     env_locks = {e.name: env_locks[e.name] for e in graph.defs.envs}
     lazy = any(v.__class__ is _Later for v in inputs.values()) or any(
