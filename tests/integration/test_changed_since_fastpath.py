@@ -11,9 +11,10 @@ import textwrap
 
 import pytest
 
+from envbuild.build import gitrev
 from envbuild.build.gitrev import keys_at_revision, keys_at_revision_checkout, plan_changes
 from envbuild.build.pin import Pinner, snapshot
-from envbuild.defs.parsecache import ParseCache
+from envbuild.defs.parsecache import RACY_NS, ParseCache
 from envbuild.errors import SourceError
 from envbuild.plan.changes import diff_keys
 from tests.conftest import require_tool
@@ -111,12 +112,29 @@ def as_dicts(keys):
             dict(keys.env_locks), {k: dict(v) for k, v in keys.env_inputs.items()})
 
 
+@pytest.fixture
+def delta_taken(monkeypatch):
+    """Whether each ``_keys_from_delta`` call gave the keys (True) or deferred to loading REV
+    whole (False): the tests below must exercise the path they claim to."""
+    taken: list[bool] = []
+    real = gitrev._keys_from_delta
+
+    def spy(*args, **kwargs):
+        keys = real(*args, **kwargs)
+        taken.append(keys is not None)
+        return keys
+
+    monkeypatch.setattr(gitrev, "_keys_from_delta", spy)
+    return taken
+
+
 def assert_same_as_checkout(defs, rev, cache_dir):
     """Fast keys of ``rev`` (cold and warm parse cache, with and without the working tree's
     keys to reuse) == the full checkout's, and plan_changes agrees with the slow diff."""
     slow = keys_at_revision_checkout(defs, rev, Pinner())
     for _ in range(2):  # cold cache, then warm: blob ids, pins by object id, keys reused
         cache = ParseCache(cache_dir)
+        cache.started_ns += 10 * RACY_NS  # a later run: file stats recorded and trusted
         pinner = Pinner()
         now = snapshot(defs, pinner, cache)
         fast = keys_at_revision(defs, rev, pinner, cache, now)
@@ -128,7 +146,7 @@ def assert_same_as_checkout(defs, rev, cache_dir):
     return changes
 
 
-def test_fast_path_matches_checkout_through_edits(repo, tmp_path):
+def test_fast_path_matches_checkout_through_edits(repo, tmp_path, delta_taken):
     defs, cache_dir = repo / "envdefs", tmp_path / "node" / "parse"
     changes = assert_same_as_checkout(defs, "HEAD", cache_dir)
     assert changes.rebuild == () and changes.relock == ()
@@ -165,6 +183,7 @@ def test_fast_path_matches_checkout_through_edits(repo, tmp_path):
     assert "ws001" not in changes.rebuild  # pin: abi on b1
     # against the first commit, two commits of changes at once
     assert_same_as_checkout(defs, "HEAD~1", cache_dir)
+    assert delta_taken and all(delta_taken)  # REV as a delta of the working tree each time
 
 
 def test_broken_file_at_rev_reported_as_the_checkout_reports_it(repo, tmp_path):
@@ -206,3 +225,77 @@ def test_symlinked_source_dir_at_rev_matches_checkout(repo, tmp_path):
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", "link")
     assert_same_as_checkout(repo / "envdefs", "HEAD", tmp_path / "parse")
+
+
+BROKEN_AT_REV = {
+    # name: (file, text at REV replaced, by), the working tree keeps the valid text
+    "missing base": ("envdefs/base/b1.yaml", "name: b1", "name: b1-old"),
+    "wrong kind": ("envdefs/workspaces/ws001.yaml", "build_on: b1", "build_on: tk001"),
+    "cycle": ("envdefs/base/b0.yaml", "from: {debootstrap: {suite: bookworm}}",
+              "from: {base: b1}"),
+    "duplicate": ("envdefs/toolkits/tk002.yaml", "name: tk002", "name: tk001"),
+    "abi": ("envdefs/base/b0.yaml", "abi: a0", "abi: a9"),
+    "prefix overlap": ("envdefs/toolkits/tk001.yaml", "prefix: /opt/toolkits/tk001",
+                       "prefix: /opt/toolkits/tk002/sub"),
+    "unparsable": ("envdefs/envs/env003.yaml", "base: b1", "base: [b1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_AT_REV))
+def test_a_problem_only_at_rev_is_reported_as_the_checkout_reports_it(repo, tmp_path, case,
+                                                                      delta_taken):
+    """REV's graph is checked only where it can differ from the working tree's: a problem
+    there (in a changed file, or in an unchanged one a change breaks) is never missed, and it
+    is reported with the full check's words."""
+    rel, old, new = BROKEN_AT_REV[case]
+    if case == "abi":  # every workspace on b0 requires a0: the unchanged ones break at REV
+        for w in range(0, N_WS, 2):
+            f = repo / f"envdefs/workspaces/ws{w:03d}.yaml"
+            f.write_text(f.read_text().replace("build_on: b0", "build_on: b0\nrequires: {abi: [a0]}"))
+        git(repo, "commit", "-q", "-a", "-m", "requires a0")
+    f = repo / rel
+    valid = f.read_text()
+    assert old in valid
+    f.write_text(valid.replace(old, new))
+    git(repo, "commit", "-q", "-a", "-m", f"broken: {case}")
+    f.write_text(valid)
+    defs = repo / "envdefs"
+    with pytest.raises(SourceError) as slow:
+        keys_at_revision_checkout(defs, "HEAD", Pinner())
+    for _ in range(2):
+        cache = ParseCache(tmp_path / "parse")
+        pinner = Pinner()
+        now = snapshot(defs, pinner, cache)
+        with pytest.raises(SourceError) as fast:
+            keys_at_revision(defs, "HEAD", pinner, cache, now)
+        assert fast.value.render_lines() == slow.value.render_lines()
+        cache.save(force=True)
+    assert delta_taken == [False, False]  # the delta saw the problem and deferred
+
+
+def test_a_damaged_cache_never_changes_the_plan(repo, tmp_path):
+    """A corrupt or truncated parse cache between two runs is detected and rebuilt: the
+    changes are the full checkout's."""
+    defs, cache_dir = repo / "envdefs", tmp_path / "node" / "parse"
+    ws = defs / "workspaces/ws004.yaml"
+    ws.write_text(ws.read_text().replace("pip install", "pip install -q"))
+    want = diff_keys(keys_at_revision_checkout(defs, "HEAD", Pinner()), snapshot(defs).keys)
+    cache = ParseCache(cache_dir)
+    cache.started_ns += 10 * RACY_NS
+    assert plan_changes(defs, None, "HEAD", parse_cache=cache)[1] == want
+    data = cache.path.read_bytes()
+    assert data.count(b"pip install -e /workspace") >= N_WS - 1
+    # the unchanged workspaces' command and a remembered key flipped: used, they would give
+    # ws010 another key, to rebuild
+    key = snapshot(defs).keys.layers["ws010"].encode()
+    assert key in data
+    flipped = data.replace(b"pip install -e", b"pip install -X").replace(
+        key, key[:-1] + (b"0" if key[-1:] != b"0" else b"1"))
+    for damaged in (flipped, data[: len(data) // 2]):
+        cache.path.write_bytes(damaged)
+        again = ParseCache(cache_dir)
+        again.started_ns += 10 * RACY_NS
+        plan, changes = plan_changes(defs, None, "HEAD", parse_cache=again)
+        assert changes == want and dict(plan.keys.layers) == dict(snapshot(defs).keys.layers)
+        assert again.rejected is not None
+        assert ParseCache(cache_dir)._load() and ParseCache(cache_dir).rejected is None
