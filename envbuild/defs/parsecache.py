@@ -136,10 +136,6 @@ class _Positions(Mapping[str, tuple[int, int]]):
         return _Positions, (self._paths, self._packed)
 
 
-def _origin(file: str, line: int, column: int, paths: tuple[str, ...], packed: bytes) -> Origin:
-    return Origin(file=file, line=line, column=column, field_positions=_Positions(paths, packed))
-
-
 class _Pickler(pickle.Pickler):
     """Writes the model compactly: the read-only mappings, origins with packed positions whose
     path tuples are shared (the pickle memo then writes each shape once)."""
@@ -147,6 +143,8 @@ class _Pickler(pickle.Pickler):
     def __init__(self, f: io.BufferedIOBase) -> None:
         super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
         self._shapes: dict[tuple[str, ...], tuple[str, ...]] = {}
+        self._positions: dict[tuple[tuple[str, ...], bytes], _Positions] = {}
+        self._values: dict[tuple[type, str], Any] = {}
         self.dispatch_table = {**copyreg.dispatch_table, MappingProxyType: _reduce_proxy,
                                Origin: self._reduce_origin}
 
@@ -161,7 +159,24 @@ class _Pickler(pickle.Pickler):
                 return Origin, (o.file, o.line, o.column, _proxy(dict(fp)))
             packed = array.array("I", values).tobytes()
         paths = self._shapes.setdefault(paths, paths)
-        return _origin, (o.file, o.line, o.column, paths, packed)
+        shared = self._positions.setdefault((paths, packed), _Positions(paths, packed))
+        return Origin, (o.file, o.line, o.column, shared)
+
+    def shared(self, d: Definition) -> Definition:
+        """``d`` with each part equal to one already written (a step, a source, a config, a
+        check: the same in thousands of definitions) replaced by that one, so the pickle memo
+        writes it once and loading builds it once. Parts are immutable; equal = same type and
+        repr (every field of the model's parts is in its repr)."""
+        changes = {}
+        for f in dataclasses.fields(d):
+            if f.name in ("name", "origin"):
+                continue
+            v = getattr(d, f.name)
+            if isinstance(v, (tuple, MappingProxyType)) or dataclasses.is_dataclass(v):
+                one = self._values.setdefault((type(v), repr(v)), v)
+                if one is not v:
+                    changes[f.name] = one
+        return dataclasses.replace(d, **changes) if changes else d
 
 
 #: What ``note_file`` records of a file: (size, mtime_ns, ctime_ns, ino, dev).
@@ -347,13 +362,13 @@ class ParseCache:
     def key(self, what: str) -> str | None:
         """The key or digest recorded for ``what`` (``compute_keys``' description of every
         input of one key), if any."""
-        found = self._used_keys.get(what)
-        if found is None:
+        if self._entries is None:
             self._load()
-            found = self._keys.get(what)
-            if found is not None:
-                self._used_keys[what] = found
-        return found
+        found = self._keys.get(what)
+        if found is not None:
+            self._used_keys[what] = found
+            return found
+        return self._used_keys.get(what)
 
     def note_key(self, what: str, key: str) -> None:
         self._used_keys[what] = key
@@ -375,8 +390,10 @@ class ParseCache:
             if not pins and (not changed or (self._entries and new <= self.SMALL_CHANGE)):
                 return
         buf = io.BytesIO()
-        _Pickler(buf).dump({"entries": self._used, "blobs": self._used_blobs,
-                            "files": self._used_files, "keys": self._used_keys})
+        pickler = _Pickler(buf)
+        entries = {k: tuple(pickler.shared(d) for d in v) for k, v in self._used.items()}
+        pickler.dump({"entries": entries, "blobs": self._used_blobs,
+                      "files": self._used_files, "keys": self._used_keys})
         payload = buf.getbuffer()
         header = b"%s%d\n%s\n%s\n" % (MAGIC, VERSION, self.code.encode(),
                                          hashlib.sha256(payload).hexdigest().encode())

@@ -232,6 +232,8 @@ class LazyInputs(Mapping[str, Mapping[str, Any]]):
 
 
 def _pins_text(pins: Mapping[str, str]) -> str:
+    if len(pins) < 2:  # most definitions pin one path or none
+        return "".join(f"{k}={v}" for k, v in pins.items())
     return "\0".join(f"{k}={v}" for k, v in sorted(pins.items()))
 
 
@@ -304,6 +306,18 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None,
         what = f"{kind}\0{i}\0{_pins_text(pinned.get(d.name, no_pins))}\0{upstream}"
         return what, memo.key(what)
 
+    env_parts: dict[str, str | None] = {}
+
+    def layer_part(n: str) -> str | None:
+        """What an env's lock digest takes from its layer ``n``: name, key and definition."""
+        try:
+            return env_parts[n]
+        except KeyError:
+            assert ident is not None
+            i = ident(defs[n])
+            part = env_parts[n] = None if i is None else f"{n}={keys[n]}={i}"
+            return part
+
     def env_lock(name: str) -> str:
         k = env_locks.get(name)
         if k is None:
@@ -320,9 +334,9 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None,
                     k = env_locks[name] = previous.keys.env_locks[name]
                     return k
             what = None
-            if ident is not None and all(ident(defs[n]) is not None for n in layers):
-                what, k = remembered("env", defs[name], "\0".join(
-                    f"{n}={keys[n]}={ident(defs[n])}" for n in layers))
+            parts = [layer_part(n) for n in layers] if ident is not None else [None]
+            if None not in parts:
+                what, k = remembered("env", defs[name], "\0".join(parts))  # type: ignore[arg-type]
                 if k is not None:
                     env_inputs[name] = _Later(lock_inputs, graph, defs[name], keys)
                     env_locks[name] = k

@@ -284,7 +284,7 @@ def test_a_damaged_cache_never_changes_the_plan(repo, tmp_path):
     cache.started_ns += 10 * RACY_NS
     assert plan_changes(defs, None, "HEAD", parse_cache=cache)[1] == want
     data = cache.path.read_bytes()
-    assert data.count(b"pip install -e /workspace") >= N_WS - 1
+    assert b"pip install -e /workspace" in data  # one shared step (the cache interns parts)
     # the unchanged workspaces' command and a remembered key flipped: used, they would give
     # ws010 another key, to rebuild
     key = snapshot(defs).keys.layers["ws010"].encode()
