@@ -6,9 +6,11 @@ workspace files, then measures, each in a fresh process:
 
 - full (the baseline): the path before the fast one, no parse cache, REV checked out in full
   (``git checkout-index``) and loaded, pinned and keyed like the working tree,
-- cached: ``plan_changes(defs, None, "HEAD")`` with the node's parse cache: REV read from git
-  objects (only unseen blobs), its sources pinned by git object id, keys of unchanged
-  definitions reused from the working tree,
+- cached: ``plan_changes(defs, None, "HEAD")`` with the node's parse cache: working-tree files
+  whose stat is unchanged not read, keys remembered by their inputs, REV as a delta of the
+  working tree (only the changed files read from git objects and checked, sources pinned by
+  git object id, only the changed definitions and their dependents keyed; see
+  ``docs/changed-since.md``),
 - cli: ``envbuild plan --changed-since HEAD --json > /dev/null`` end to end, cache warm.
 
 The full and cached runs must report the same rebuild/relock sets; each prints its phases
