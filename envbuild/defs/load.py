@@ -245,12 +245,9 @@ def _load_file(path: Path | str, file: str, problems: list[Problem],
         if parse_cache is not None:
             # stat before reading: a change after the stat gives a newer stat next time
             st = os.stat(path)
-            known = parse_cache.file_digest(file, st)
+            known = parse_cache.known_file(file, st)
             if known is not None:
-                cached = parse_cache.get(known[0], file)
-                if cached is not None:
-                    parse_cache.note_blob(known[1], known[0])
-                    return cached
+                return known
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:

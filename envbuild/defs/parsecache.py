@@ -278,6 +278,27 @@ class ParseCache:
         self.tree_files[path] = found[6]
         return found[5], found[6]
 
+    def known_file(self, path: str, st: os.stat_result) -> list[Definition] | None:
+        """``get`` of ``file_digest``, in one call (the loader's common case); None: read it."""
+        entries = self._load()
+        found = self._files.get(path) or self._used_files.get(path)
+        if (found is None or found[0] != st.st_size or found[1] != st.st_mtime_ns
+                or found[2] != st.st_ctime_ns or found[3] != st.st_ino or found[4] != st.st_dev):
+            return None
+        digest, oid = found[5], found[6]
+        defs = self._used.get(digest)
+        if defs is None:
+            defs = entries.get(digest)
+            if defs is None:
+                return None
+            self._used[digest] = defs
+            self._identify(digest, defs)
+        self.hits += 1
+        self._used_files[path] = found
+        self.tree_files[path] = oid
+        self._used_blobs[oid] = digest
+        return [d if d.origin.file == path else self.place(d, path) for d in defs]
+
     def note_file(self, path: str, st: os.stat_result, digest: str, oid: str) -> None:
         """Record that the file at ``path`` with stat ``st`` has these bytes (digest, blob id);
         kept only when its last change is ``RACY_NS`` older than this run's start."""
