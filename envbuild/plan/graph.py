@@ -125,9 +125,13 @@ class EnvGraph:
     def layer_dependencies(self, name: str) -> tuple[str, ...]:
         """The layers that must be built before layer ``name``: its direct dependencies, with
         an Env (a Dockerfile base's ``FROM envbuild.invalid/env/E``) replaced by E's layers."""
+        by_name = self.defs.by_name
+        deps = self.dependencies(name)
+        if not any(isinstance(by_name[dep], Env) for dep in deps):
+            return deps if not isinstance(by_name[name], Env) else tuple(sorted(set(deps)))
         out: list[str] = []
-        for dep in self.dependencies(name):
-            if isinstance(self.defs.by_name[dep], Env):
+        for dep in deps:
+            if isinstance(by_name[dep], Env):
                 out.extend(self.env_layers(dep))
             else:
                 out.append(dep)
