@@ -2,7 +2,10 @@
 
 ``envbuild plan --changed-since REV`` and ``envbuild explain --against REV`` compare keys at REV
 with keys now. REV is never checked out in full (at 100,000 definitions that alone cost more
-than the whole goal):
+than the whole goal). Given the working tree's snapshot and the parse cache it was loaded
+with, REV is first taken as a delta of the working tree (``_keys_from_delta``: only the files
+whose blob ids differ are read, checked, pinned and keyed, with their dependents); what the
+delta cannot tell is done by loading REV whole from git objects (``_keys_from_objects``):
 
 - the definition files are listed with ``git ls-tree -r -z REV -- DEFS`` (blob ids and names
   inside the tree, never a path followed on disk); a blob id the parse cache knows (every file

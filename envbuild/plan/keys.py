@@ -198,7 +198,8 @@ class _Later:
 
     __slots__ = ("call", "args", "kwargs")
 
-    def __init__(self, call: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any) -> None:
+    def __init__(self, call: Callable[..., dict[str, Any]], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
         self.call, self.args, self.kwargs = call, args, kwargs
 
 
@@ -338,7 +339,7 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None,
             if None not in parts:
                 what, k = remembered("env", defs[name], "\0".join(parts))  # type: ignore[arg-type]
                 if k is not None:
-                    env_inputs[name] = _Later(lock_inputs, graph, defs[name], keys)
+                    env_inputs[name] = _Later(lock_inputs, (graph, defs[name], keys), {})
                     env_locks[name] = k
                     return k
             env_inputs[name] = lock_inputs(graph, defs[name], keys)
@@ -356,8 +357,7 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None,
                 parent = key_of(d.parent) if d.parent else None
                 envs = getattr(d.source, "envs", ())
                 from_envs = {e: env_lock(e) for e in envs} or None
-                if unchanged(d) is not None:
-                    assert previous is not None
+                if previous is not None and unchanged(d) is not None:
                     if ((parent is None or parent == previous.keys.layers.get(d.parent or ""))
                             and (from_envs is None or all(
                                 previous.keys.env_locks.get(e) == v
@@ -369,8 +369,7 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None,
                 base = defs[d.build_on]
                 chain = (tuple(key_of(n) for n in graph.base_chain(d.build_on))
                          if d.pin == "digest" else None)
-                if unchanged(d) is not None:
-                    assert previous is not None
+                if previous is not None and unchanged(d) is not None:
                     b0 = old.get(d.build_on)
                     if b0 is not None and chain is None:
                         if getattr(b0, "abi", None) == base.abi:
@@ -383,10 +382,10 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None,
                                      else "chain=" + ",".join(chain))
                 kwargs = {"build_on_abi": base.abi, "build_on_chain_keys": chain}
             if k is not None:
-                inputs[name] = _Later(key_inputs, d, pinned.get(name, {}), **kwargs)
+                inputs[name] = _Later(key_inputs, (d, pinned.get(name, no_pins)), kwargs)
                 keys[name] = k
                 return k
-            inputs[name] = key_inputs(d, pinned.get(name, {}), **kwargs)
+            inputs[name] = key_inputs(d, pinned.get(name, no_pins), **kwargs)
             k = keys[name] = layer_key(inputs[name])
             if what is not None:
                 assert memo is not None
