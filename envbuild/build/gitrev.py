@@ -590,7 +590,7 @@ def _keys_from_delta(top: str, rel: str, commit: str, tmp: str, pinner: Pinner,
                      preds=preds)
     # what can have another key: the changed and re-pinned definitions and their dependents
     # at REV (the others are now's definitions, pins and upstreams: now's keys)
-    dirty = (names - removed) | placed.keys()
+    dirty = new_names | placed.keys()  # a name of a changed file is new even if it was there
     new_succs: dict[str, list[str]] = {}
     for d in new_defs:
         for dep in preds[d.name]:

@@ -165,8 +165,11 @@ def test_fast_path_matches_checkout_through_edits(repo, tmp_path, delta_taken):
         """)
     (repo / "sources/s1/pkg/mod.py").write_text("x = 'changed'\n")
     (repo / "sources/s2/run.sh").chmod(0o644)
+    env = defs / "envs/env008.yaml"  # an env edited in place, its layers unchanged
+    env.write_text(env.read_text() + "config: {env: {X: '1'}}\n")
     changes = assert_same_as_checkout(defs, "HEAD", cache_dir)
     assert "ws004" in changes.rebuild and "new" in changes.rebuild
+    assert "env008" in changes.relock
     assert "tk003" not in changes.rebuild  # renamed: same content, same key
     assert {f"ws{w:03d}" for w in range(1, N_WS, N_SRC)} <= set(changes.rebuild)  # s1 users
     git(repo, "add", "-A")
