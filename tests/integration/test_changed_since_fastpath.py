@@ -6,6 +6,7 @@ of an upstream base, and a broken file at REV."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import textwrap
 
@@ -302,3 +303,72 @@ def test_a_damaged_cache_never_changes_the_plan(repo, tmp_path):
         assert changes == want and dict(plan.keys.layers) == dict(snapshot(defs).keys.layers)
         assert again.rejected is not None
         assert ParseCache(cache_dir)._load() and ParseCache(cache_dir).rejected is None
+
+
+def _random_edit(repo, rng, n):
+    """One edit that keeps the tree valid (so REV stays a delta): a step, a build_on, a pin
+    mode, a source, a toolkit prefix or config, an env's config, toolkits or workspace, a base
+    step, a renamed file, a changed source file."""
+    defs = repo / "envdefs"
+    kind = rng.choice(["ws-run", "ws-base", "ws-pin", "ws-src", "tk-prefix", "tk-config",
+                       "env-config", "env-tks", "env-ws", "base-step", "rename", "source"])
+    if kind.startswith("ws") or kind.startswith("env"):
+        files = sorted((defs / ("workspaces" if kind.startswith("ws") else "envs")).glob("*.yaml"))
+    elif kind.startswith("tk"):
+        files = sorted((defs / "toolkits").glob("*.yaml"))
+    else:
+        files = sorted((defs / "base").glob("*.yaml"))
+    f = rng.choice(files)
+    text = f.read_text()
+    if kind == "ws-run":
+        text = text.replace("pip install", f"pip install -v{n}", 1)
+    elif kind == "ws-base":
+        text = text.replace("build_on: b0", "build_on: bX").replace(
+            "build_on: b1", "build_on: b0").replace("build_on: bX", "build_on: b1")
+    elif kind == "ws-pin":
+        text = text.replace("pin: abi", "pin: pX").replace(
+            "pin: digest", "pin: abi").replace("pin: pX", "pin: digest")
+    elif kind == "ws-src":
+        text = re.sub(r"sources/s\d", f"sources/s{rng.randrange(N_SRC)}", text)
+    elif kind == "tk-prefix":
+        text = text.replace("/opt/toolkits/", f"/opt/toolkits/v{n}-")
+    elif kind == "tk-config":
+        text = text.replace("/bin:$PATH", f"/bin{n}:$PATH")
+    elif kind == "env-config":
+        text += f"config: {{env: {{N: '{n}'}}}}\n" if "config:" not in text else ""
+        text = text.replace("N: '", f"N: '{n}", 1)
+    elif kind == "env-tks":
+        pick = rng.sample(range(N_TK), 2)
+        text = re.sub(r"toolkits: \[[^]]*\]", f"toolkits: [tk{pick[0]:03d}, tk{pick[1]:03d}]", text)
+    elif kind == "env-ws":
+        text = re.sub(r"workspace: ws\d+", f"workspace: ws{rng.randrange(N_WS):03d}", text)
+    elif kind == "base-step":
+        text = text.replace("apt-get install -y", f"apt-get install -y x{n}", 1)
+    if kind == "rename":
+        f.rename(f.with_name(f"moved{n}-{f.name}"))
+        return
+    if kind == "source":
+        (repo / f"sources/s{rng.randrange(N_SRC)}/pkg/mod.py").write_text(f"x = {n}\n")
+        return
+    f.write_text(text)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_edits_give_the_checkouts_keys(repo, tmp_path, seed, delta_taken):
+    """Rounds of random valid edits, against one and two commits back: the delta's keys are
+    the full checkout's every time."""
+    import random
+
+    rng = random.Random(seed)
+    defs, cache_dir = repo / "envdefs", tmp_path / "node" / "parse"
+    n = 0
+    for round_ in range(3):
+        for _ in range(rng.randrange(1, 6)):
+            n += 1
+            _random_edit(repo, rng, n)
+        assert_same_as_checkout(defs, "HEAD", cache_dir)
+        if round_:
+            assert_same_as_checkout(defs, "HEAD~1", cache_dir)
+        git(repo, "add", "-A")
+        git(repo, "commit", "-q", "-m", f"round {round_}")
+    assert delta_taken and all(delta_taken)
