@@ -82,7 +82,7 @@ from envbuild.defs.model import (
 from envbuild.defs.parsecache import ParseCache
 from envbuild.errors import SourceError
 from envbuild.plan.graph import EnvGraph, field_position
-from envbuild.plan.keys import KeySet, PinnedInputs, Previous, compute_keys
+from envbuild.plan.keys import KeyMemo, KeySet, PinnedInputs, Previous, compute_keys
 
 TREE_TAG = b"envbuild.tree.v1\0"
 IGNORED_NAMES = frozenset({".git"})
@@ -506,14 +506,15 @@ def snapshot(defs_dir: Path, pinner: Pinner | None = None,
     its sources and compute every key."""
     from envbuild.plan.graph import check_tree  # schema and graph problems in one report
 
-    return snapshot_graph(check_tree(defs_dir, parse_cache), pinner)
+    return snapshot_graph(check_tree(defs_dir, parse_cache), pinner, memo=parse_cache)
 
 
 def snapshot_graph(graph: EnvGraph, pinner: Pinner | None = None,
-                   previous: Previous | None = None) -> Snapshot:
+                   previous: Previous | None = None, memo: KeyMemo | None = None) -> Snapshot:
     """``snapshot`` of a tree already loaded and checked; with ``previous`` (another tree's
-    snapshot), keys of unchanged definitions are taken from it (``compute_keys``)."""
+    snapshot), keys of unchanged definitions are taken from it, with ``memo`` (the parse
+    cache) keys computed in an earlier run from the same inputs (``compute_keys``)."""
     defs = graph.defs
     pinned = pin_inputs(defs, pinner)
     return Snapshot(defs=defs, graph=graph, pinned=pinned,
-                    keys=compute_keys(graph, pinned, previous))
+                    keys=compute_keys(graph, pinned, previous, memo))

@@ -17,7 +17,10 @@ problems and raises one ``PlanError``:
   base") does not admit the abi of its ``build_on`` base, or of the base of an Env that uses it;
 - two toolkits of one Env whose prefixes overlap (equal, or one under the other).
 
-Pure: no disk, no processes. ``EnvGraph`` is read-only after construction.
+Pure: no disk, no processes. ``EnvGraph`` is read-only after construction. The edges are kept
+as plain dicts (each node's dependencies) and the checks and orders run over them; a networkx
+``DiGraph`` is built only when asked for (``EnvGraph.graph``) or to print a cycle: building one
+of 100,000 nodes costs more than every check together.
 """
 
 from __future__ import annotations
@@ -25,16 +28,16 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import posixpath
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-import networkx as nx
+from typing import TYPE_CHECKING, Any
 
 from envbuild.defs.model import Base, Definition, DefinitionSet, Env, Origin, Toolkit, Workspace
 from envbuild.errors import DefinitionError, PlanError, Problem
 
 if TYPE_CHECKING:
+    import networkx as nx
+
     from envbuild.defs.load import LoadResult
     from envbuild.defs.parsecache import ParseCache
 
@@ -75,21 +78,41 @@ def _prefix_overlap(a: str, b: str) -> bool:
 class EnvGraph:
     """A checked DAG of definitions. Build it with ``build_graph``.
 
-    ``graph`` is a networkx ``DiGraph`` with edges from dependency to dependent; treat it as
-    read-only. Orders returned here are deterministic (names sorted within a generation).
+    ``preds`` maps every definition name to the names it depends on (each once, in reference
+    order): the edges, from dependency to dependent. ``graph`` is the same as a networkx
+    ``DiGraph``, built on first use; treat both as read-only. Orders returned here are
+    deterministic (names sorted within a generation).
     """
 
     defs: DefinitionSet
-    graph: nx.DiGraph
+    preds: dict[str, list[str]]
     _chains: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict, repr=False)
+    _memo: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
 
     def __getitem__(self, name: str) -> Definition:
         return self.defs.by_name[name]
 
+    @property
+    def graph(self) -> nx.DiGraph:
+        """The edges as a networkx ``DiGraph`` (dependency -> dependent), built once."""
+        g = self._memo.get("nx")
+        if g is None:
+            g = self._memo["nx"] = _to_networkx(self.preds)
+        return g
+
     def generations(self, nodes: Iterable[str] | None = None) -> list[list[str]]:
-        """Topological generations (dependencies first), optionally of a subset of nodes."""
-        g = self.graph if nodes is None else self.graph.subgraph(nodes)
-        return [sorted(gen) for gen in nx.topological_generations(g)]
+        """Topological generations (dependencies first), optionally of a subset of nodes
+        (edges from outside the subset do not count, as in networkx's subgraph)."""
+        if nodes is None:
+            gens = self._memo.get("generations")
+            if gens is None:
+                gens = _generations(self.preds, None)
+                assert gens is not None, "build_graph checked the graph is acyclic"
+                self._memo["generations"] = gens
+            return [list(g) for g in gens]
+        gens = _generations(self.preds, {n for n in nodes if n in self.preds})
+        assert gens is not None, "build_graph checked the graph is acyclic"
+        return gens
 
     def dependencies(self, name: str) -> tuple[str, ...]:
         """Direct dependencies of ``name``, in definition order for an Env, else sorted."""
@@ -97,14 +120,18 @@ class EnvGraph:
         if isinstance(d, Env):
             deps = [d.base] + ([d.workspace] if d.workspace else []) + list(d.toolkits)
             return tuple(dict.fromkeys(deps))
-        return tuple(sorted(self.graph.predecessors(name)))
+        return tuple(sorted(self.preds[name]))
 
     def layer_dependencies(self, name: str) -> tuple[str, ...]:
         """The layers that must be built before layer ``name``: its direct dependencies, with
         an Env (a Dockerfile base's ``FROM envbuild.invalid/env/E``) replaced by E's layers."""
+        by_name = self.defs.by_name
+        deps = self.dependencies(name)
+        if not any(isinstance(by_name[dep], Env) for dep in deps):
+            return deps if not isinstance(by_name[name], Env) else tuple(sorted(set(deps)))
         out: list[str] = []
-        for dep in self.dependencies(name):
-            if isinstance(self.defs.by_name[dep], Env):
+        for dep in deps:
+            if isinstance(by_name[dep], Env):
                 out.extend(self.env_layers(dep))
             else:
                 out.append(dep)
@@ -113,10 +140,16 @@ class EnvGraph:
     def closure(self, names: Iterable[str]) -> set[str]:
         """``names`` and everything they depend on, transitively."""
         out: set[str] = set()
-        for n in names:
+        preds = self.preds
+        stack = [n for n in names if n in preds]  # as networkx: an unknown name is an error
+        missing = [n for n in names if n not in preds]
+        if missing:
+            raise KeyError(missing[0])
+        while stack:
+            n = stack.pop()
             if n not in out:
                 out.add(n)
-                out |= nx.ancestors(self.graph, n)
+                stack.extend(preds[n])
         return out
 
     def base_chain(self, name: str) -> tuple[str, ...]:
@@ -144,12 +177,34 @@ def build_graph(defs: DefinitionSet, *, unparsed: frozenset[str] = frozenset()) 
     ``unparsed``: names of documents that exist but did not validate (``LoadResult``); a
     reference to one is not reported (its document's own problem is) and adds no edge."""
     by_name = defs.by_name
-    g = nx.DiGraph()
-    g.add_nodes_from(by_name)
+    preds: dict[str, list[str]] = {n: [] for n in by_name}
+    problems = check_references(by_name, by_name.values(), preds, unparsed)
+    graph = EnvGraph(defs=defs, preds=preds)
+    gens = _generations(preds, None)
+    if gens is None:
+        problems.extend(_cycles(graph.graph, by_name))
+    else:
+        graph._memo["generations"] = gens
+    if problems:
+        raise PlanError(problems)
+    return graph
+
+
+def check_references(by_name: Mapping[str, Definition], definitions: Iterable[Definition],
+                     preds: dict[str, list[str]],
+                     unparsed: frozenset[str] = frozenset()) -> list[Problem]:
+    """``build_graph``'s checks of the references of ``definitions`` (each in ``by_name``,
+    the whole tree): the problems, in order; each resolved reference is added to
+    ``preds[name]`` (once). Cycles are not looked for here."""
     problems: list[Problem] = []
-    names_of: dict[str, list[str]] = {}
-    for n, d in by_name.items():
-        names_of.setdefault(d.kind, []).append(n)
+    kinds: list[dict[str, list[str]]] = []
+
+    def names_of(want: str) -> list[str]:  # the candidates of a hint, made on the first one
+        if not kinds:
+            kinds.append({})
+            for n, d in by_name.items():
+                kinds[0].setdefault(d.kind, []).append(n)
+        return kinds[0].get(want, [])
 
     def ref(d: Definition, target: str, want: str, paths: Sequence[str], what: str) -> bool:
         """Check one reference; add its edge when it resolves to the right kind."""
@@ -158,18 +213,20 @@ def build_graph(defs: DefinitionSet, *, unparsed: frozenset[str] = frozenset()) 
             return False
         if t is None:
             problems.append(_problem(d, paths, f"{what} {target!r}: no {want} with that name",
-                                     did_you_mean(target, names_of.get(want, ()))))
+                                     did_you_mean(target, names_of(want))))
             return False
         if t.kind != want:
             article = "an" if want[0] in "AEIOU" else "a"
             problems.append(_problem(d, paths, f"{what} {target!r} is a {t.kind}, not {article} "
                                      f"{want}",
-                                     did_you_mean(target, names_of.get(want, ()))))
+                                     did_you_mean(target, names_of(want))))
             return False
-        g.add_edge(target, d.name)
+        deps = preds[d.name]
+        if target not in deps:  # one edge per pair, as a DiGraph keeps it
+            deps.append(target)
         return True
 
-    for d in by_name.values():
+    for d in definitions:
         if isinstance(d, Base):
             if d.parent is not None:
                 ref(d, d.parent, "Base", ("from.base", "from"), "from base")
@@ -188,11 +245,7 @@ def build_graph(defs: DefinitionSet, *, unparsed: frozenset[str] = frozenset()) 
                         f"one of {list(d.requires_abi)}"))
         elif isinstance(d, Env):
             _check_env(d, ref, by_name, problems)
-
-    problems.extend(_cycles(g, by_name))
-    if problems:
-        raise PlanError(problems)
-    return EnvGraph(defs=defs, graph=g)
+    return problems
 
 
 def check_tree(root: Path | str, parse_cache: ParseCache | None = None) -> EnvGraph:
@@ -257,8 +310,49 @@ def _check_env(env: Env, ref, by_name, problems: list[Problem]) -> None:
                     "each toolkit in an env needs its own prefix; one cannot be under another"))
 
 
+def _to_networkx(preds: dict[str, list[str]]) -> nx.DiGraph:
+    import networkx as nx
+
+    g = nx.DiGraph()
+    g.add_nodes_from(preds)
+    g.add_edges_from((dep, n) for n, deps in preds.items() for dep in deps)
+    return g
+
+
+def _generations(preds: dict[str, list[str]], nodes: set[str] | None
+                 ) -> list[list[str]] | None:
+    """Kahn's topological generations of ``nodes`` (None = all), each sorted; None if the
+    (sub)graph has a cycle. Same generations as ``networkx.topological_generations``."""
+    if nodes is None:
+        indegree = {n: len(deps) for n, deps in preds.items()}
+    else:
+        indegree = {n: sum(1 for d in preds[n] if d in nodes) for n in nodes}
+    succs: dict[str, list[str]] = {}
+    for n in indegree:
+        for dep in preds[n]:
+            if nodes is None or dep in nodes:
+                succs.setdefault(dep, []).append(n)
+    current = [n for n, k in indegree.items() if k == 0]
+    out: list[list[str]] = []
+    done = 0
+    while current:
+        out.append(sorted(current))
+        done += len(current)
+        following = []
+        for n in current:
+            for m in succs.get(n, ()):
+                k = indegree[m] - 1
+                indegree[m] = k
+                if k == 0:
+                    following.append(m)
+        current = following
+    return out if done == len(indegree) else None
+
+
 def _cycles(g: nx.DiGraph, by_name) -> list[Problem]:
     """One problem per strongly connected component that is a cycle."""
+    import networkx as nx
+
     if nx.is_directed_acyclic_graph(g):
         return []
     out = []

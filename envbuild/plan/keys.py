@@ -57,9 +57,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 from envbuild.canonical import canonical_json
 from envbuild.defs.model import (
@@ -183,7 +183,63 @@ class Previous:
     same: Callable[[Definition, Definition], bool]
 
 
-def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None) -> KeySet:
+class KeyMemo(Protocol):
+    """Keys remembered across runs (``envbuild.defs.parsecache.ParseCache``): ``ident(d)``
+    names a definition's content (None: unknown, key it as usual); ``key(what)`` is the key
+    recorded for ``what``, a string naming every input of one key (``note_key`` records)."""
+
+    def ident(self, d: Definition) -> str | None: ...
+    def key(self, what: str) -> str | None: ...
+    def note_key(self, what: str, key: str) -> None: ...
+
+
+class _Later:
+    """Key inputs not computed yet: the arguments of ``key_inputs`` or ``lock_inputs``."""
+
+    __slots__ = ("call", "args", "kwargs")
+
+    def __init__(self, call: Callable[..., dict[str, Any]], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
+        self.call, self.args, self.kwargs = call, args, kwargs
+
+
+class LazyInputs(Mapping[str, Mapping[str, Any]]):
+    """A read-only name -> key input dict whose values for keys found in a ``KeyMemo`` are
+    computed on first access (``explain`` reads one; ``plan`` reads none)."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: dict[str, Any]) -> None:
+        self._raw = raw
+
+    def raw(self, name: str) -> Any:
+        """The value as held: a dict, or the ``_Later`` that computes it."""
+        return self._raw[name]
+
+    def __getitem__(self, name: str) -> Mapping[str, Any]:
+        v = self._raw[name]
+        if v.__class__ is _Later:
+            v = self._raw[name] = v.call(*v.args, **v.kwargs)
+        return v
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._raw
+
+
+def _pins_text(pins: Mapping[str, str]) -> str:
+    if len(pins) < 2:  # most definitions pin one path or none
+        return "".join(f"{k}={v}" for k, v in pins.items())
+    return "\0".join(f"{k}={v}" for k, v in sorted(pins.items()))
+
+
+def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None,
+                 memo: KeyMemo | None = None, only: Collection[str] | None = None) -> KeySet:
     """Keys of every layer and lock digests of every env in ``graph`` (an ``EnvGraph``).
 
     Linear in the number of definitions: each layer is keyed once, memoised, what it depends on
@@ -191,12 +247,16 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None) 
     and toolkits read only their base's abi (or, with ``pin: digest``, the chain keys). The
     graph is acyclic (``build_graph``), so the recursion ends. With ``previous``, only
     definitions that differ from it (or whose pins or upstreams do) are keyed; the others take
-    the previous key and inputs.
+    the previous key and inputs. With ``memo``, a key whose inputs (definition content, pins,
+    upstream keys/abi; an env's layers, their keys and definitions) were keyed before is looked
+    up, and its input dict is computed only when read (``LazyInputs``). With ``previous`` and
+    ``only`` (names of ``graph``, closed under dependents: whatever depends on one is in it),
+    every name not in ``only`` takes previous's key or lock as it is, without a look.
     """
     defs = graph.defs.by_name
     keys: dict[str, str] = {}
-    inputs: dict[str, Mapping[str, Any]] = {}
-    env_inputs: dict[str, Mapping[str, Any]] = {}
+    inputs: dict[str, Any] = {}  # a dict, or the _Later that computes it
+    env_inputs: dict[str, Any] = {}
     env_locks: dict[str, str] = {}
     old = previous.graph.defs.by_name if previous is not None else {}
     no_pins: Mapping[str, str] = {}
@@ -212,11 +272,52 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None) 
             return None
         return d0
 
+    old_inputs, old_env_inputs = ((previous.keys.inputs, previous.keys.env_inputs)
+                                  if previous is not None else ({}, {}))
+
+    def raw(m: Mapping[str, Any], name: str) -> Any:
+        return m.raw(name) if isinstance(m, LazyInputs) else m[name]
+
     def reuse(name: str) -> str:
         assert previous is not None
-        inputs[name] = previous.keys.inputs[name]
+        inputs[name] = raw(old_inputs, name)
         k = keys[name] = previous.keys.layers[name]
         return k
+
+    idents: dict[str, str | None] = {}
+
+    def _ident(d: Definition) -> str | None:
+        try:
+            return idents[d.name]
+        except KeyError:
+            assert memo is not None
+            i = idents[d.name] = memo.ident(d)
+            return i
+
+    ident = _ident if memo is not None else None
+
+    def remembered(kind: str, d: Definition, upstream: str) -> tuple[str | None, str | None]:
+        """(what names this key's inputs, the key recorded for it) when ``memo`` knows ``d``."""
+        if ident is None:
+            return None, None
+        i = ident(d)
+        if i is None:
+            return None, None
+        assert memo is not None
+        what = f"{kind}\0{i}\0{_pins_text(pinned.get(d.name, no_pins))}\0{upstream}"
+        return what, memo.key(what)
+
+    env_parts: dict[str, str | None] = {}
+
+    def layer_part(n: str) -> str | None:
+        """What an env's lock digest takes from its layer ``n``: name, key and definition."""
+        try:
+            return env_parts[n]
+        except KeyError:
+            assert ident is not None
+            i = ident(defs[n])
+            part = env_parts[n] = None if i is None else f"{n}={keys[n]}={i}"
+            return part
 
     def env_lock(name: str) -> str:
         k = env_locks.get(name)
@@ -230,11 +331,22 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None) 
                         and layers == previous.graph.env_layers(name)
                         and all(keys[n] == previous.keys.layers.get(n)
                                 and previous.same(defs[n], old[n]) for n in layers)):
-                    env_inputs[name] = previous.keys.env_inputs[name]
+                    env_inputs[name] = raw(old_env_inputs, name)
                     k = env_locks[name] = previous.keys.env_locks[name]
+                    return k
+            what = None
+            parts = [layer_part(n) for n in layers] if ident is not None else [None]
+            if None not in parts:
+                what, k = remembered("env", defs[name], "\0".join(parts))  # type: ignore[arg-type]
+                if k is not None:
+                    env_inputs[name] = _Later(lock_inputs, (graph, defs[name], keys), {})
+                    env_locks[name] = k
                     return k
             env_inputs[name] = lock_inputs(graph, defs[name], keys)
             k = env_locks[name] = lock_inputs_digest(env_inputs[name])
+            if what is not None:
+                assert memo is not None
+                memo.note_key(what, k)
         return k
 
     def key_of(name: str) -> str:
@@ -245,21 +357,19 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None) 
                 parent = key_of(d.parent) if d.parent else None
                 envs = getattr(d.source, "envs", ())
                 from_envs = {e: env_lock(e) for e in envs} or None
-                if unchanged(d) is not None:
-                    assert previous is not None
-                    if ((parent is None or parent == previous.keys.layers.get(d.parent))
+                if previous is not None and unchanged(d) is not None:
+                    if ((parent is None or parent == previous.keys.layers.get(d.parent or ""))
                             and (from_envs is None or all(
                                 previous.keys.env_locks.get(e) == v
                                 for e, v in from_envs.items()))):
                         return reuse(name)
-                inputs[name] = key_inputs(d, pinned.get(name, {}), parent_key=parent,
-                                          from_envs=from_envs)
+                what, k = remembered("layer", d, f"{parent}\0{sorted((from_envs or {}).items())}")
+                kwargs: dict[str, Any] = {"parent_key": parent, "from_envs": from_envs}
             else:
                 base = defs[d.build_on]
                 chain = (tuple(key_of(n) for n in graph.base_chain(d.build_on))
                          if d.pin == "digest" else None)
-                if unchanged(d) is not None:
-                    assert previous is not None
+                if previous is not None and unchanged(d) is not None:
                     b0 = old.get(d.build_on)
                     if b0 is not None and chain is None:
                         if getattr(b0, "abi", None) == base.abi:
@@ -268,19 +378,49 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None) 
                             previous.keys.layers.get(n)
                             for n in previous.graph.base_chain(d.build_on)):
                         return reuse(name)
-                inputs[name] = key_inputs(d, pinned.get(name, {}), build_on_abi=base.abi,
-                                          build_on_chain_keys=chain)
+                what, k = remembered("layer", d, f"abi={base.abi}" if chain is None
+                                     else "chain=" + ",".join(chain))
+                kwargs = {"build_on_abi": base.abi, "build_on_chain_keys": chain}
+            if k is not None:
+                inputs[name] = _Later(key_inputs, (d, pinned.get(name, no_pins)), kwargs)
+                keys[name] = k
+                return k
+            inputs[name] = key_inputs(d, pinned.get(name, no_pins), **kwargs)
             k = keys[name] = layer_key(inputs[name])
+            if what is not None:
+                assert memo is not None
+                memo.note_key(what, k)
         return k
 
-    for d in graph.defs.layers:
-        key_of(d.name)
-    for env in graph.defs.envs:
-        env_lock(env.name)
+    if only is None:
+        for d in graph.defs.layers:
+            key_of(d.name)
+        for env in graph.defs.envs:
+            env_lock(env.name)
+    else:
+        assert previous is not None
+        pk = previous.keys
+        keys.update(pk.layers)
+        inputs.update(old_inputs._raw if isinstance(old_inputs, LazyInputs) else old_inputs)
+        env_locks.update(pk.env_locks)
+        env_inputs.update(old_env_inputs._raw if isinstance(old_env_inputs, LazyInputs)
+                          else old_env_inputs)
+        for table in (keys, inputs, env_locks, env_inputs):
+            for n in [*(table.keys() - defs.keys()), *(n for n in only if n in table)]:
+                del table[n]
+        for n in sorted(only):
+            if defs[n].kind == "Env":
+                env_lock(n)
+            else:
+                key_of(n)
     env_inputs = {e.name: env_inputs[e.name] for e in graph.defs.envs}  # definition order
     env_locks = {e.name: env_locks[e.name] for e in graph.defs.envs}
-    return KeySet(layers=MappingProxyType(keys), inputs=MappingProxyType(inputs),
-                  env_locks=MappingProxyType(env_locks), env_inputs=MappingProxyType(env_inputs))
+    lazy = any(v.__class__ is _Later for v in inputs.values()) or any(
+        v.__class__ is _Later for v in env_inputs.values())
+    return KeySet(layers=MappingProxyType(keys),
+                  inputs=LazyInputs(inputs) if lazy else MappingProxyType(inputs),
+                  env_locks=MappingProxyType(env_locks),
+                  env_inputs=LazyInputs(env_inputs) if lazy else MappingProxyType(env_inputs))
 
 
 def lock_inputs(graph, env: Env, keys: Mapping[str, str]) -> dict[str, Any]:

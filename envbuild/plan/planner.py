@@ -105,7 +105,9 @@ def make_plan(graph: EnvGraph, pinned: PinnedInputs, lookup: Lookup | None = Non
     defs = graph.defs.by_name
     steps = []
     # generations over the envs too (a Dockerfile base can build on an env), envs left out
-    gens = [[n for n in names if defs[n].kind != "Env"] for names in graph.generations(chosen)]
+    everything = targets is None  # then the graph's own generations, computed once
+    gens = [[n for n in names if defs[n].kind != "Env"]
+            for names in graph.generations(None if everything else chosen)]
     for gen, names in enumerate(g for g in gens if g):
         for n in names:
             key = keys.layers[n]
