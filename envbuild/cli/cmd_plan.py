@@ -21,7 +21,24 @@ def _app():
 
 
 def _echo_json(obj: Any) -> None:
-    click.echo(json.dumps(obj, indent=2, sort_keys=False))
+    click.echo(dumps_lines(obj))
+
+
+def dumps_lines(obj: Any) -> str:
+    """``obj`` as JSON with each top-level key, and each item of a top-level list, on a line
+    of its own (the items themselves compact). The same document as ``json.dumps(obj,
+    indent=2)``, but written by the C encoder, which ``indent`` turns off: the plan of 100,000
+    definitions is 20 MB of JSON, ~2 s in the pure-Python indenting encoder."""
+    if not isinstance(obj, dict) or not obj:
+        return json.dumps(obj)
+    parts = []
+    for key, value in obj.items():
+        if isinstance(value, list) and value:
+            items = ",\n".join("    " + json.dumps(x) for x in value)
+            parts.append(f"  {json.dumps(key)}: [\n{items}\n  ]")
+        else:
+            parts.append(f"  {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(parts) + "\n}"
 
 
 def _short(key: str) -> str:

@@ -127,3 +127,21 @@ def test_plan_marks_layers_the_store_has_as_cached(tree, capsys, monkeypatch):
     put_key_record(store, deb["key"], KeyRecord(layer=digest, toc=digest, diff_id=digest, size=1))
     doc = json.loads(run(capsys, "plan", "--json")[1])
     assert [x["status"] for x in doc["layers"]] == ["cached", "missing", "missing"]
+
+
+def test_plan_json_is_one_line_per_layer_and_the_same_document():
+    import json
+
+    from envbuild.cli.cmd_plan import dumps_lines
+
+    doc = {"layers": [{"name": f"w{i}", "depends_on": ["b"], "key": "sha256:" + "0" * 64}
+                      for i in range(3)],
+           "rebuild": [], "changes": {"relock": ["e"]}, "note": "é\n\"x\""}
+    text = dumps_lines(doc)
+    assert json.loads(text) == doc
+    lines = text.splitlines()
+    assert len(lines) == 1 + 1 + 3 + 1 + 3 + 1   # {, "layers": [, 3 items, ], 3 keys, }
+    assert all(json.loads(line.strip().rstrip(",")) == doc["layers"][i]
+               for i, line in enumerate(lines[2:5]))
+    for other in ({}, [], [1, 2], "s", 3, None):
+        assert json.loads(dumps_lines(other)) == other
