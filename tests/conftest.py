@@ -37,3 +37,12 @@ def repo_root() -> Path:
 
 
 from tests.ray_cluster import ray_cluster  # noqa: E402,F401  (session fixture shared by fleet and ray builds)
+
+
+@pytest.fixture(params=["passthrough", "fuse"])
+def lazy_mode(request, monkeypatch) -> str:
+    """Each lazy read path in turn: FUSE passthrough, then today's libfuse path (the fallback),
+    forced with ``ENVBUILD_LAZY_PASSTHROUGH``; the value is the mode the daemon reports."""
+    monkeypatch.setenv("ENVBUILD_LAZY_PASSTHROUGH",
+                       "on" if request.param == "passthrough" else "off")
+    return request.param

@@ -504,6 +504,19 @@ class LazyLayer:
             need -= n
         return pieces
 
+    def _cached(self, pieces: Sequence[_Piece]) -> dict[str, bytes]:
+        """The pieces of ``pieces`` the chunk cache holds whole (by key), counted as hits and
+        the rest as misses."""
+        have: dict[str, bytes] = {}
+        for p in pieces:
+            data = self.cache.get(p.key)
+            if data is not None and len(data) == p.length:
+                have[p.key] = data
+        with self._lock:
+            self.stats.cache_hits += len(have)
+            self.stats.cache_misses += len(pieces) - len(have)
+        return have
+
     def _load(self, entries: Sequence[Entry], workers: int | None = None, *,
               on_frames: Callable[[list[int]], None] | None = None,
               max_run: int | None = None, merge_gap: int | None = None) -> dict[str, bytes]:
@@ -515,14 +528,7 @@ class LazyLayer:
         todo: list[tuple[Entry, list[_Piece], dict[str, bytes]]] = []
         for e in entries:
             pieces = self._pieces(e)
-            have = {}
-            for p in pieces:
-                data = self.cache.get(p.key)
-                if data is not None and len(data) == p.length:
-                    have[p.key] = data
-            with self._lock:
-                self.stats.cache_hits += len(have)
-                self.stats.cache_misses += len(pieces) - len(have)
+            have = self._cached(pieces)
             if len(have) == len(pieces):
                 result[e.path] = b"".join(have[p.key] for p in pieces)
             else:
@@ -633,14 +639,7 @@ class LazyLayer:
         cache only once the file is verified."""
         e = self._file(path)
         pieces = self._pieces(e)
-        have: dict[str, bytes] = {}
-        for p in pieces:
-            data = self.cache.get(p.key)
-            if data is not None and len(data) == p.length:
-                have[p.key] = data
-        with self._lock:
-            self.stats.cache_hits += len(have)
-            self.stats.cache_misses += len(pieces) - len(have)
+        have = self._cached(pieces)
         need = list({p.chunk.offset: p.chunk for p in pieces if p.key not in have}.values())
         pool = concurrent.futures.ThreadPoolExecutor(
             max(1, min(workers, len(need))), thread_name_prefix="lazy-stream")

@@ -28,11 +28,9 @@ SP = "venv/lib/python3.11/site-packages"
 EXT = ".cpython-311-x86_64-linux-gnu.so"
 
 
-@pytest.fixture(params=["passthrough", "fuse"])
-def mode(request, monkeypatch):
-    monkeypatch.setenv("ENVBUILD_LAZY_PASSTHROUGH",
-                       "on" if request.param == "passthrough" else "off")
-    return request.param
+@pytest.fixture
+def mode(lazy_mode):  # both read paths (tests/conftest.py)
+    return lazy_mode
 
 
 @pytest.fixture

@@ -29,11 +29,9 @@ pytestmark = pytest.mark.integration
 SHARED = 2 << 20   # a file of frames of its own, in both layers
 
 
-@pytest.fixture(params=["passthrough", "fuse"])
-def mode(request, monkeypatch):
-    monkeypatch.setenv("ENVBUILD_LAZY_PASSTHROUGH",
-                       "on" if request.param == "passthrough" else "off")
-    return request.param
+@pytest.fixture
+def mode(lazy_mode):  # both read paths (tests/conftest.py)
+    return lazy_mode
 
 
 @pytest.fixture

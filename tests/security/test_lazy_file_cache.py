@@ -24,11 +24,9 @@ from tests.security.test_bombs import assemble, split_frames
 MiB = 1 << 20
 
 
-@pytest.fixture(params=["passthrough", "fuse"])
-def mode(request, monkeypatch):
-    monkeypatch.setenv("ENVBUILD_LAZY_PASSTHROUGH",
-                       "on" if request.param == "passthrough" else "off")
-    return request.param
+@pytest.fixture
+def mode(lazy_mode):  # both read paths (tests/conftest.py)
+    return lazy_mode
 
 
 def _crafted(tmp_path) -> tuple[bytes, bytes]:
