@@ -28,7 +28,7 @@ def dumps_lines(obj: Any) -> str:
     """``obj`` as JSON with each top-level key, and each item of a top-level list, on a line
     of its own (the items themselves compact). The same document as ``json.dumps(obj,
     indent=2)``, but written by the C encoder, which ``indent`` turns off: the plan of 100,000
-    definitions is 20 MB of JSON, ~2 s in the pure-Python indenting encoder."""
+    definitions is 20-30 MB of JSON, 0.84 s in the pure-Python indenting encoder, 0.46 s so."""
     if not isinstance(obj, dict) or not obj:
         return json.dumps(obj)
     parts = []
