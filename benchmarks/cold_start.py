@@ -151,7 +151,7 @@ class Bench:
         """An empty node dir on tmpfs whose node services are up, as on a node of a fleet:
         the exec agent built and the node's lazy daemon started, by a throwaway lazy busybox
         sandbox (so no mode pays for them). Nothing of the env is on the node."""
-        node_dir = SCRATCH / f"cold-node-{tag}"
+        node_dir = SCRATCH / f"cold-node-{os.getpid()}-{tag}"  # per run: others may run it too
         shutil.rmtree(node_dir, ignore_errors=True)
         with Sandbox.create(self.warm_lock, store=self.store, node_dir=node_dir,
                             lazy=True) as sb:
