@@ -26,6 +26,7 @@ _libc.syscall.restype = ctypes.c_long
 
 PAGE_LIMIT = 4095  # mount(2) copies at most one page of options, NUL included
 MNT_DETACH = 2
+UMOUNT_NOFOLLOW = 8
 MS_RDONLY = 1
 
 # x86_64 / generic syscall numbers of the new mount API (same on every architecture since 5.2)
@@ -128,14 +129,17 @@ def _mount_overlay_new_api(spec: OverlaySpec) -> None:
         os.close(fsfd)
 
 
-def unmount(target: str, *, lazy_fallback: bool = True) -> None:
-    """Unmount ``target``; if it is busy, detach it lazily. A target not mounted is fine."""
-    if _libc.umount2(target.encode(), 0) == 0:
+def unmount(target: str, *, lazy_fallback: bool = True, nofollow: bool = False) -> None:
+    """Unmount ``target``; if it is busy, detach it lazily. A target not mounted is fine.
+    ``nofollow``: a symlink in its last component is not followed (``UMOUNT_NOFOLLOW``), for
+    targets under a directory hostile code could write (a dead build's scratch dir)."""
+    path, flags = os.fsencode(target), UMOUNT_NOFOLLOW if nofollow else 0
+    if _libc.umount2(path, flags) == 0:
         return
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOENT):  # not a mount point (any more)
         return
-    if err == errno.EBUSY and lazy_fallback and _libc.umount2(target.encode(), MNT_DETACH) == 0:
+    if err == errno.EBUSY and lazy_fallback and _libc.umount2(path, flags | MNT_DETACH) == 0:
         return
     raise RuntimeShimError(f"unmount {target}: {os.strerror(err)}",
                            hint="find users with `fuser -vm PATH`")

@@ -33,7 +33,6 @@ owner file, so the next reap tries again.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import errno
 import fcntl
@@ -47,7 +46,7 @@ from pathlib import Path
 from envbuild.errors import EnvbuildError
 from envbuild.safefs import remove_tree
 from runtime_shim import netns
-from runtime_shim.mount import MNT_DETACH, _libc, mounted_targets_under
+from runtime_shim.mount import mounted_targets_under, unmount
 from runtime_shim.runc import OciRuntime, destroy, list_containers
 
 OWNER_SUFFIX = ".owner"
@@ -55,7 +54,6 @@ OWNER_SUFFIX = ".owner"
 BUILD_CONTAINER_PREFIX = "eb-build-"
 #: The parent cgroup of build steps (``cgroupsPath`` ``/envbuild/<id>``).
 CGROUP_PARENT = "envbuild"
-UMOUNT_NOFOLLOW = 8
 _LOOP_CLR_FD = 0x4C01
 #: A bundle's config.json is ours, but read bounded all the same.
 _CONFIG_CAP = 1 << 20
@@ -149,7 +147,7 @@ def _reap_dir(scratch: Path, runtime: OciRuntime | None, containers: list[dict])
         if net_dir.is_dir() and not net_dir.is_symlink():
             netns.teardown(net_dir)
     for target in mounted_targets_under(str(scratch)):  # deepest first: overlay, then the disk
-        unmount_nofollow(target)
+        unmount(target, nofollow=True)
     loops = detach_loops_under(scratch)
     remove_tree(scratch)  # the disk image too, if its creator died before unlinking it
     return Reaped(scratch.name, tuple(sorted(ids)), tuple(loops))
@@ -221,20 +219,6 @@ def kill_cgroups(container_id: str) -> None:
         if time.monotonic() > deadline:
             raise OSError(errno.EBUSY, "cgroup still has processes", str(dirs[0]))
         time.sleep(0.05)
-
-
-def unmount_nofollow(target: str) -> None:
-    """Unmount ``target`` (lazily if busy) without following a symlink in its last component.
-    A target that is not a mount point (any more) is fine."""
-    for flags in (UMOUNT_NOFOLLOW, UMOUNT_NOFOLLOW | MNT_DETACH):
-        if _libc.umount2(os.fsencode(target), flags) == 0:
-            return
-        err = ctypes.get_errno()
-        if err in (errno.EINVAL, errno.ENOENT):
-            return
-        if err != errno.EBUSY:
-            raise OSError(err, os.strerror(err), target)
-    raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), target)
 
 
 def loops_backed_under(prefix: Path) -> list[str]:
