@@ -431,15 +431,8 @@ class RowEntries(Sequence):
         layer of a stack at create). Xattr values stay base64 strings (the caller decodes the
         few non-empty ones) and data offsets are not checked against ``tar_size`` (the caller
         turns them into frames). ``TocFormatError`` names the first bad entry."""
-        joined = b"".join(self._lines[1:-1])
-        _check_values(joined.count(b","), " in its entry rows", self._budget)
-        try:
-            rows = json.loads(b"[" + joined + b"]")
-        except (ValueError, UnicodeDecodeError, RecursionError) as err:
-            raise TocFormatError(f"TOC entry rows are not valid JSON ({err})") from None
-        n = len(self._paths)
-        if len(rows) != n:
-            raise TocFormatError(f"TOC lists {n} paths but {len(rows)} entry rows")
+        rows = self._rows()
+        n = len(rows)
         if not n:
             return [()] * 12
         if set(map(type, rows)) == {list} and set(map(len, rows)) == {12}:
@@ -461,18 +454,24 @@ class RowEntries(Sequence):
         self._decode_all()  # names the first bad entry
         raise TocFormatError("TOC entry rows do not match the v2 schema")
 
-    def _decode_all(self) -> None:
-        done = self._done
-        if all(e is not None for e in done):
-            return
+    def _rows(self) -> list:
+        """Every entry row, parsed in one ``json.loads`` (bounded by the value budget), one
+        per path."""
         joined = b"".join(self._lines[1:-1])
         _check_values(joined.count(b","), " in its entry rows", self._budget)
         try:
             rows = json.loads(b"[" + joined + b"]")
         except (ValueError, UnicodeDecodeError, RecursionError) as err:
             raise TocFormatError(f"TOC entry rows are not valid JSON ({err})") from None
-        if len(rows) != len(done):
-            raise TocFormatError(f"TOC lists {len(done)} paths but {len(rows)} entry rows")
+        if len(rows) != len(self._paths):
+            raise TocFormatError(f"TOC lists {len(self._paths)} paths but {len(rows)} entry rows")
+        return rows
+
+    def _decode_all(self) -> None:
+        done = self._done
+        if all(e is not None for e in done):
+            return
+        rows = self._rows()
         for i, row in enumerate(rows):
             if done[i] is None:  # keep entries already handed out (callers may hold them)
                 done[i] = self._decode(i, row)
