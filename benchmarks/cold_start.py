@@ -195,26 +195,28 @@ class Bench:
         out["workload"] = sum(out[k] for k in ("first_cmd", *steps[1:]) if k in out)
         return out
 
+    def timed(self, node_dir: Path, mode: str, *, lazy: bool = False,
+              cold: bool = False) -> dict:
+        """One sandbox of the lock on ``node_dir`` running the workload: the row of ``mode``
+        (create, each step, total, bytes over the link while it ran; ``cold``: also the lazy
+        daemon's store requests and the read path it used)."""
+        rx0 = rx_bytes(self.dev)
+        t0 = time.perf_counter()
+        with Sandbox.create(self.lock, store=self.store, node_dir=node_dir, lazy=lazy) as sb:
+            row = {"mode": mode, "create": time.perf_counter() - t0, **self.workload(sb, t0)}
+            row["bytes"] = rx_bytes(self.dev) - rx0
+            if cold:
+                row["requests"] = self.requests(node_dir)
+                row["transport"] = sb.info().lazy
+        row["total"] = row["create"] + row["workload"]
+        return row
+
     def run_full(self, run: int) -> list[dict]:
         """Full pull + unpack over the link, then the workload; then, on the same node with the
         layers now unpacked, the same workload again: the native floor."""
         node_dir = self.fresh_node(f"full-{run}")
         try:
-            rx0 = rx_bytes(self.dev)
-            t0 = time.perf_counter()
-            with Sandbox.create(self.lock, store=self.store, node_dir=node_dir) as sb:
-                create = time.perf_counter() - t0
-                full = {"mode": "full", "create": create, **self.workload(sb, t0),
-                        "bytes": rx_bytes(self.dev) - rx0}
-            full["total"] = full["create"] + full["workload"]
-            rx0 = rx_bytes(self.dev)
-            t0 = time.perf_counter()
-            with Sandbox.create(self.lock, store=self.store, node_dir=node_dir) as sb:
-                create = time.perf_counter() - t0
-                native = {"mode": "native", "create": create, **self.workload(sb, t0),
-                          "bytes": rx_bytes(self.dev) - rx0}
-            native["total"] = native["create"] + native["workload"]
-            return [full, native]
+            return [self.timed(node_dir, "full"), self.timed(node_dir, "native")]
         finally:
             self.drop_node(node_dir)
 
@@ -229,23 +231,8 @@ class Bench:
             self.run_lazy(run, profile=False)
         node_dir = self.fresh_node(f"{mode}-{run}")
         try:
-            rx0 = rx_bytes(self.dev)
-            t0 = time.perf_counter()
-            with Sandbox.create(self.lock, store=self.store, node_dir=node_dir, lazy=True) as sb:
-                create = time.perf_counter() - t0
-                cold = {"mode": mode, "create": create, **self.workload(sb, t0)}
-                cold["bytes"] = rx_bytes(self.dev) - rx0
-                cold["requests"] = self.requests(node_dir)
-                cold["transport"] = sb.info().lazy
-            cold["total"] = cold["create"] + cold["workload"]
-            rx0 = rx_bytes(self.dev)
-            t0 = time.perf_counter()
-            with Sandbox.create(self.lock, store=self.store, node_dir=node_dir, lazy=True) as sb:
-                create = time.perf_counter() - t0
-                rerun = {"mode": f"{mode}-rerun", "create": create, **self.workload(sb, t0),
-                         "bytes": rx_bytes(self.dev) - rx0}
-            rerun["total"] = rerun["create"] + rerun["workload"]
-            return [cold, rerun]
+            cold = self.timed(node_dir, mode, lazy=True, cold=True)
+            return [cold, self.timed(node_dir, f"{mode}-rerun", lazy=True)]
         finally:
             self.drop_node(node_dir)
 
