@@ -324,7 +324,7 @@ class _NodeDaemon:
         if not node.read_path or node.size > ELF_PREFETCH_MAX:
             return
         try:
-            digest = ops.lazy_layer.stat(node.read_path).digest or ""
+            digest = node.digest
             cached = ops.files.cached(digest) if digest else None
             if cached is not None:   # on the node already: nothing to fetch
                 if depth <= 1:

@@ -236,7 +236,6 @@ class PassthroughFS:
         self._lock = threading.Lock()
         # ino -> [backing id, opens], least recently opened first
         self._backing: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
-        self._digests: dict[int, str] = {}
         self._fds: dict[int, int] = {}             # fh -> cache file fd (no passthrough)
         self._next_fh = 1
         self._no_backing_logged = False
@@ -464,10 +463,7 @@ class PassthroughFS:
                                 kind="miss")
 
     def _digest(self, node: Node) -> str:
-        d = self._digests.get(node.ino)
-        if d is None:
-            d = self._digests[node.ino] = self.lazy_layer.stat(node.read_path).digest or ""
-        return d
+        return node.digest
 
     def _fetch(self, node: Node) -> bytes | Iterable[bytes]:
         # one fetch per frame at a time (a second reader waits); small files that share the

@@ -22,9 +22,6 @@ class Layer:
     def __init__(self) -> None:
         self.stats = SimpleNamespace(as_dict=lambda: {})
 
-    def stat(self, path):
-        return SimpleNamespace(digest="sha256:" + hashlib.sha256(DATA[path]).hexdigest())
-
     def read(self, path):
         return DATA[path]
 
@@ -49,7 +46,8 @@ def _fs(tmp_path):
     nodes = {"": Node(1, stat.S_IFDIR | 0o755, 0, 0, 0, children=dict.fromkeys(DATA))}
     for i, (path, data) in enumerate(DATA.items()):
         nodes[path] = Node(i + 2, stat.S_IFREG | 0o644, 0, 0, 0, size=len(data),
-                           read_path=path, frames=(i * 4096,))
+                           read_path=path, frames=(i * 4096,),
+                           digest="sha256:" + hashlib.sha256(data).hexdigest())
     files = FileCache(str(tmp_path / "files"), FetchLimits(FetchSettings(2, 5.0)), 1 << 30)
     fs = PassthroughFS(Layer(), nodes, str(tmp_path / "mp"), files,  # type: ignore[arg-type]
                        workers=ThreadPoolExecutor(2))
