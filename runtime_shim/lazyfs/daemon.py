@@ -50,6 +50,12 @@ ELF_PREFETCH_MAX = 16 << 20
 ELF_DEPTH = 2
 
 
+def _meta_building(root: str) -> int:
+    from runtime_shim.lazyfs import metalayer
+
+    return metalayer.building(root)
+
+
 class _NodeDaemon:
     def __init__(self, root: str, chunk_cache_max: int, memory_cache: int,
                  fetch: FetchSettings | None = None) -> None:
@@ -182,7 +188,8 @@ class _NodeDaemon:
                     "fetch_concurrency": self.limits.settings.concurrency,
                     "fetch_timeout": self.limits.settings.timeout,
                     "max_requests_in_flight": self.limits.max_in_flight,
-                    "files_fetched": self.files.fetches}
+                    "files_fetched": self.files.fetches,
+                    "meta_building": _meta_building(self.root)}
             elif op == "mount":
                 reply = self._mount(req)
             elif op == "prefetch":

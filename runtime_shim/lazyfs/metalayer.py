@@ -40,8 +40,9 @@ Generations: the tree is built once per (layer, set of fetched files) and shared
 every later sandbox. The next generation (``key`` = hash of the digest set) is built by the
 daemon in the background when a lazy sandbox closes (``refresh_soon``) or once fetches have
 been quiet for ``REFRESH_QUIET`` s, or by a create that finds new verified files and no fetch
-in flight (during a burst's fetches creates build nothing; a create waits at most
-``CREATE_WAIT`` s for a build that is running, then takes the generation there is). The data
+in flight (during a burst's fetches creates build nothing). A create never waits for a build
+that is running or promised (a sandbox just closed): it takes the generation there is, or the
+FUSE mount alone for a layer that has none yet — the next create gets the new one. The data
 dir holds hardlinks, so the file cache's eviction cannot pull a file from under a live
 generation. A superseded generation no mount refers to is unmounted and deleted
 after ``GRACE`` s (``collect``); the node's eviction (``NodeCache.unmount_lazy``) removes at
@@ -87,9 +88,6 @@ ENV_SWITCH = "ENVBUILD_LAZY_METALAYER"
 #: compete with a running workload for CPU).
 REFRESH_EVERY = 1.0
 REFRESH_QUIET = 2.0
-#: How long a create waits for a build of its layer that is already running (after that it
-#: takes the generation there is).
-CREATE_WAIT = 2.0
 #: A superseded generation no mount refers to is removed by later builds after this long.
 GRACE = 60.0
 #: Longest path (bytes, below ``tree``) a meta entry may have; longer ones stay on FUSE.
@@ -499,6 +497,9 @@ class MetaLayers:
         self.files = files  # FileCache: verified digests, the directory
         self._lock = threading.Lock()
         self._layer_locks: dict[str, threading.Lock] = {}
+        # layers a background build was promised for (``refresh_now``): a create takes the
+        # generation there is instead of building (or waiting for) the same one itself
+        self._pending: set[str] = set()
         # per mount (dropped with it): digest of each regular inode, and their set
         self._digests: weakref.WeakKeyDictionary[Any, tuple[dict[int, str], frozenset[str]]] = \
             weakref.WeakKeyDictionary()
@@ -539,13 +540,25 @@ class MetaLayers:
                  time.monotonic() - t0)
         return {"ok": True, "layers": out}
 
+    def building(self) -> int:
+        """How many layers have a build running or promised (the daemon's ping reply)."""
+        with self._lock:
+            return len(self._pending) + sum(lk.locked() for lk in self._layer_locks.values())
+
+    def promise(self, digests: Iterable[str]) -> None:
+        """A background build of these layers is coming (``refresh_now``): until it ran, a
+        create takes the generation there is rather than building the same one itself."""
+        with self._lock:
+            self._pending.update(d.removeprefix("sha256:") for d in digests)
+
     def layer(self, ops: Any, digest: str, mountpoint: str, *, quiet: float = 0.0,
-              wait: bool = True) -> dict[str, Any]:
+              promised: bool = False) -> dict[str, Any]:
         """The current generation of layer ``digest`` served by ``ops`` (the ``Operations``
         of its mount at ``mountpoint``), built first if new files were fetched and none for
-        ``quiet`` seconds and none is in flight. If another build of the layer runs, answer
-        after it (``wait``: for at most ``CREATE_WAIT`` s) or at once with the generation
-        there is."""
+        ``quiet`` seconds and none is in flight. Never waits for another build: while one of
+        the layer runs, or is promised (``promise``; ``promised``: this is that build), the
+        answer is at once the generation there is (none: the FUSE mount alone) — a create
+        right after a sandbox closed must not pay for the build its close started."""
         hexd = digest.removeprefix("sha256:")
         if not _is_hex(hexd):
             raise ValueError(f"bad layer digest {digest!r}")
@@ -554,14 +567,19 @@ class MetaLayers:
             return reply
         layer_dir = os.path.join(self.root, "meta", hexd)
         lock = self._layer_lock(hexd)
-        if not lock.acquire(timeout=CREATE_WAIT if wait else 0):
-            current = _read_current(layer_dir)  # being rebuilt: the one there is
+        with self._lock:
+            elsewhere = hexd in self._pending and not promised
+        if elsewhere or not lock.acquire(blocking=False):
+            current = _read_current(layer_dir)  # being (re)built: the one there is
             if current is not None and _valid(os.path.join(layer_dir, current[0])) \
                     and _is_mount(os.path.join(layer_dir, current[0], "mnt")):
                 reply.update(dir=os.path.join(layer_dir, current[0], "mnt"),
                              files=len(current[1]), generation=current[0])
             return reply
         try:
+            if promised:
+                with self._lock:
+                    self._pending.discard(hexd)
             with _layer_flock(self.root, "gc", shared=True), _layer_flock(self.root, hexd):
                 if not _is_mount(mountpoint):  # unmounted meanwhile (the node's eviction)
                     return reply
@@ -654,9 +672,12 @@ class MetaLayers:
         just closed: its fetches are done, the next create should not wait for the build)."""
         for mp, ops in mounts:
             try:
-                self.layer(ops, ops.lazy_layer.digest, mp, wait=False)
+                self.layer(ops, ops.lazy_layer.digest, mp, promised=True)
             except Exception as e:  # noqa: BLE001 - the next create tries again
                 log.warning("meta layer refresh of %s: %s", mp, e)
+            finally:
+                with self._lock:
+                    self._pending.discard(ops.lazy_layer.digest.removeprefix("sha256:"))
 
     def refresh(self, mounts: Callable[[], list[tuple[str, Any]]],
                 stopped: Callable[[], bool]) -> None:
@@ -675,8 +696,7 @@ class MetaLayers:
             seen = now
             for mp, ops in mounts():
                 try:
-                    self.layer(ops, ops.lazy_layer.digest, mp, quiet=REFRESH_QUIET,
-                               wait=False)
+                    self.layer(ops, ops.lazy_layer.digest, mp, quiet=REFRESH_QUIET)
                 except Exception as e:  # noqa: BLE001 - the next create tries again
                     log.warning("meta layer refresh of %s: %s", mp, e)
 
@@ -709,10 +729,20 @@ def handle(daemon: Any, req: dict[str, Any]) -> dict[str, Any]:
     if req.get("refresh"):
         with daemon.lock:
             now = list(daemon.ops.items())
+        # promised before the answer: the create that follows a close takes what there is
+        meta.promise(ops.lazy_layer.digest for _, ops in now)
         threading.Thread(target=meta.refresh_now, args=(now,), name="meta-refresh-now",
                          daemon=True).start()
         return {"ok": True}
     return meta.request(ops_of, req)
+
+
+def building(root: str) -> int:
+    """Layers of the daemon of node ``root`` with a meta build running or promised (0 before
+    its first ``meta`` request): the daemon's ping reply, for callers that wait for builds."""
+    with _registry_lock:
+        meta = _registry.get(root)
+    return meta.building() if meta is not None else 0
 
 
 def refresh_soon(node_root: str | os.PathLike[str]) -> None:
