@@ -194,6 +194,8 @@ class _NodeDaemon:
                 reply = self._mount(req)
             elif op == "prefetch":
                 reply = self._start_prefetch(req)
+            elif op == "startup":  # a new stack's start-up files, fetched ahead (startup.py)
+                reply = self._start_startup(req)
             elif op == "meta":  # files already on the node, served without FUSE (metalayer)
                 from runtime_shim.lazyfs import metalayer
 
@@ -346,6 +348,51 @@ class _NodeDaemon:
             return
         if depth > 1 and data[:4] == b"\x7fELF":
             self._elf_deps(stack, ops, data, depth - 1)
+
+    def _start_startup(self, req: dict[str, Any]) -> dict[str, Any]:
+        """``{"op": "startup", "mountpoints": [bottom .. top], "env": {...}}``: fetch in the
+        background the files a container start and a program's libc start-up read in that
+        stack under the lock's environment ``env`` (``runtime_shim.lazyfs.startup``)."""
+        mps, env = req.get("mountpoints"), req.get("env")
+        if not isinstance(mps, list) or not isinstance(env, dict) or len(mps) > 1024:
+            return {"ok": False, "error": "startup: mountpoints (a list) and env (a map)"}
+        env = {str(k): str(v) for k, v in list(env.items())[:4096]
+               if isinstance(k, str) and isinstance(v, str)}
+        with self.lock:
+            layers = [self.ops.get(mp) for mp in reversed(mps) if isinstance(mp, str)]
+        layers = [x for x in layers if x is not None and hasattr(x, "lazy_frames")]
+        if layers:
+            self.elf_pool.submit(self._startup, layers, env)
+        return {"ok": True, "layers": len(layers)}
+
+    def _startup(self, layers: list[Any], env: dict[str, str]) -> None:
+        import time
+
+        from runtime_shim.lazyfs.elfdeps import Stack
+        from runtime_shim.lazyfs.startup import startup_files
+
+        t0 = time.monotonic()
+        try:
+            hits = startup_files(Stack(layers), env)
+        except Exception:  # noqa: BLE001 - a hint only: the opens fetch them anyway
+            log.exception("start-up files")
+            return
+        by_ops: dict[int, tuple[Any, list[Any]]] = {}
+        for ops, node in hits:
+            files = getattr(ops, "files", None)   # the fuse fallback has no file cache
+            if files is not None and node.digest and files.cached(node.digest) is not None:
+                continue   # on the node already
+            by_ops.setdefault(id(ops), (ops, []))[1].append(node)
+        for ops, nodes in by_ops.values():   # one load per layer: adjacent frames merged
+            self.elf_pool.submit(self._startup_load, ops, nodes)
+        log.info("start-up files: %d (%d to fetch) found in %.3f s", len(hits),
+                 sum(len(n) for _, n in by_ops.values()), time.monotonic() - t0)
+
+    def _startup_load(self, ops: Any, nodes: list[Any]) -> None:
+        try:
+            ops.lazy_frames.load(nodes, wait=False)
+        except EnvbuildError as e:  # their own opens report it
+            log.warning("fetch ahead of start-up files of %s: %s", ops.lazy_layer.digest, e)
 
     def _start_prefetch(self, req: dict[str, Any]) -> dict[str, Any]:
         started = 0

@@ -83,3 +83,25 @@ def test_a_file_in_files_from_an_earlier_daemon_triggers_no_readahead(tmp_path):
     files.path(digest, lambda: DATA["f2"], "f2", inline=True)
     _open(fs, conn, nodes["f2"])
     assert conn.replies == [(1, 0)] and followed == []
+
+
+def test_a_streamed_program_names_its_loader_files_as_its_bytes_arrive(tmp_path):
+    from tests.unit.test_lazy_elfdeps import elf
+
+    fs, nodes, _, _ = _fs(tmp_path)
+    told: list[bytes] = []
+    fs.on_elf = lambda _fs, data: told.append(data)
+    node = nodes["f0"]
+    data = elf("/lib64/ld-linux-x86-64.so.2", ("libc.so.6",))
+    cut = 64 + 3 * 56 + len("/lib64/ld-linux-x86-64.so.2") + 1   # header, phdrs, interp
+    pieces = [data[:cut], data[cut:cut + 8], data[cut + 8:]]
+    assert list(fs._elf_peek(node, iter(pieces))) == pieces   # passed through unchanged
+    # the interpreter from the first piece, the needed libraries once the dynamic section
+    # and its strings are in (the last piece), not again at the reply
+    assert told == [data[:cut], data]
+    assert node.ino in fs._elf_checked
+    told.clear()
+    other = nodes["f1"]
+    assert list(fs._elf_peek(other, iter([b"#!/bin/sh\n", b"echo\n"]))) == [b"#!/bin/sh\n",
+                                                                        b"echo\n"]
+    assert told == [] and other.ino not in fs._elf_checked   # not a program: nothing told
