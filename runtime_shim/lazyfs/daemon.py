@@ -48,6 +48,8 @@ SWITCH_INTERVAL = 0.0005
 ELF_PREFETCH_MAX = 16 << 20
 #: Dependency levels fetched ahead of the loader (the program's libraries, theirs).
 ELF_DEPTH = 2
+#: Threads fetching loader files and start-up files ahead (each waits for its request).
+ELF_WORKERS = 12
 
 
 def _meta_building(root: str) -> int:
@@ -79,7 +81,10 @@ class _NodeDaemon:
         self.profiles: dict[str, dict[str, Any]] = {}  # key -> {"req", "traces", "saved"}
         self.ops: dict[str, Any] = {}  # mountpoint -> its Operations
         self.by_digest: dict[str, Any] = {}  # layer digest -> its Operations (ELF lookups)
-        self.elf_pool = ThreadPoolExecutor(4, thread_name_prefix="lazy-elf")
+        # each load waits for its request: enough threads that a program's libraries are all
+        # requested at once (4 queued libm behind the loader's own two: ~20 ms; the node's
+        # fetch bound still caps what is in flight)
+        self.elf_pool = ThreadPoolExecutor(ELF_WORKERS, thread_name_prefix="lazy-elf")
         self._elf_seen: set[tuple[str, int]] = set()  # (mountpoint, ino) fetched ahead
 
     def _store(self, url: str, endpoint: str | None) -> Any:
