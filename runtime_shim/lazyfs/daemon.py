@@ -13,6 +13,7 @@ from typing import Any
 
 from envbuild.errors import EnvbuildError
 from envbuild.store.lazy import ChunkCache, HttpRanges, LazyLayer, MemoryChunkCache
+from runtime_shim.lazyfs import startup
 from runtime_shim.lazyfs.chunks import TieredChunkCache
 from runtime_shim.lazyfs.control import (
     DAEMON_IDLE_EXIT,
@@ -358,19 +359,22 @@ class _NodeDaemon:
         """``{"op": "startup", "mountpoints": [bottom .. top], "env": {...}}``: fetch in the
         background the files a container start and a program's libc start-up read in that
         stack under the lock's environment ``env`` (``runtime_shim.lazyfs.startup``)."""
-        mps, env = req.get("mountpoints"), req.get("env")
-        if not isinstance(mps, list) or not isinstance(env, dict) or len(mps) > 1024:
-            return {"ok": False, "error": "startup: mountpoints (a list) and env (a map)"}
+        mps, env, cmd = req.get("mountpoints"), req.get("env"), req.get("cmd") or []
+        if not isinstance(mps, list) or not isinstance(env, dict) or len(mps) > 1024 \
+                or not isinstance(cmd, list):
+            return {"ok": False, "error": "startup: mountpoints (a list), env (a map), cmd "
+                                          "(a list)"}
         env = {str(k): str(v) for k, v in list(env.items())[:4096]
                if isinstance(k, str) and isinstance(v, str)}
+        program = cmd[0] if cmd and isinstance(cmd[0], str) else ""
         with self.lock:
             layers = [self.ops.get(mp) for mp in reversed(mps) if isinstance(mp, str)]
         layers = [x for x in layers if x is not None and hasattr(x, "lazy_frames")]
         if layers:
-            self.elf_pool.submit(self._startup, layers, env)
+            self.elf_pool.submit(self._startup, layers, env, program)
         return {"ok": True, "layers": len(layers)}
 
-    def _startup(self, layers: list[Any], env: dict[str, str]) -> None:
+    def _startup(self, layers: list[Any], env: dict[str, str], program: str = "") -> None:
         import time
 
         from runtime_shim.lazyfs.elfdeps import Stack
@@ -392,6 +396,45 @@ class _NodeDaemon:
             self.elf_pool.submit(self._startup_load, ops, nodes)
         log.info("start-up files: %d (%d to fetch) found in %.3f s", len(hits),
                  sum(len(n) for _, n in by_ops.values()), time.monotonic() - t0)
+        if program:   # then the lock's command, its interpreter and their loader files
+            stack = [ops.lazy_layer.digest for ops in reversed(layers)]
+            self.elf_pool.submit(self._command_load, stack, layers, env, program,
+                                 startup.MAX_SCRIPT_HOPS)
+
+    def _command_load(self, stack: list[str], layers: list[Any], env: dict[str, str],
+                      program: str, hops: int) -> None:
+        """Fetch the file ``program`` runs in the stack (``startup.command_file``); a
+        script's ``#!`` interpreter in turn (``hops`` more), a program's loader files."""
+        from runtime_shim.lazyfs.elfdeps import Stack
+
+        hit = startup.command_file(Stack(layers), env, program)
+        if hit is None:
+            return
+        ops, node = hit
+        key = (ops.mountpoint, node.ino)
+        with self.lock:
+            if key in self._elf_seen or len(self._elf_seen) > 100_000:
+                return
+            self._elf_seen.add(key)
+        if not node.read_path or node.size > ELF_PREFETCH_MAX:
+            return
+        try:
+            cached = ops.files.cached(node.digest) if node.digest and hasattr(ops, "files") \
+                else None
+            if cached is not None:
+                with open(cached, "rb") as f:
+                    data = f.read(ELF_PREFETCH_MAX)
+            else:
+                ops.lazy_frames.load([node])
+                data = ops.lazy_layer.read(node.read_path)
+        except (EnvbuildError, OSError) as e:  # its own open reports it
+            log.warning("fetch ahead %s of %s: %s", node.read_path, ops.lazy_layer.digest, e)
+            return
+        interp = startup.shebang(data[:startup.SHEBANG_MAX])
+        if interp and hops > 0:
+            self._command_load(stack, layers, env, interp, hops - 1)
+        elif data[:4] == b"\x7fELF":
+            self._elf_deps(stack, ops, data, ELF_DEPTH)
 
     def _startup_load(self, ops: Any, nodes: list[Any]) -> None:
         try:

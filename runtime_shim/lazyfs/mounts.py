@@ -47,7 +47,8 @@ def store_location(store: Store) -> tuple[str, str | None]:
 
 
 def lazy_layer_dirs(node: LazyNode, store: Store, layers: Sequence[Any],
-                    env: Mapping[str, str] | None = None) -> list[str]:
+                    env: Mapping[str, str] | None = None,
+                    cmd: Sequence[str] | None = ()) -> list[str]:
     """``Sandbox.create(lazy=True)``: the lazy mounts of ``layers`` (``LayerRef``s, bottom to
     top) in node cache ``node``, asked of the node daemon in parallel. An ``S3Store`` hands the
     daemon a presigned URL per blob, so it reads ranges without loading boto3. Layers not
@@ -57,7 +58,8 @@ def lazy_layer_dirs(node: LazyNode, store: Store, layers: Sequence[Any],
     right above the FUSE mount: those files are then opened and read without the daemon.
     A stack mounted for the first time without a profile has its start-up files fetched
     ahead (``runtime_shim.lazyfs.startup``: what runc and a program's libc start-up read under
-    the lock's environment ``env``) while the container is made."""
+    the lock's environment ``env``, then the lock's command ``cmd``'s program) while the
+    container is made."""
 
     for x in layers:
         # the FUSE daemon serves envbuild's framed layers only (it reads their TOC); a lock's
@@ -100,7 +102,7 @@ def lazy_layer_dirs(node: LazyNode, store: Store, layers: Sequence[Any],
         # a hint (the daemon answers at once and fetches in the background): never fatal
         try:
             daemon_request(node.root, {"op": "startup", "mountpoints": dirs,
-                                       "env": dict(env)}, 5.0)
+                                       "env": dict(env), "cmd": list(cmd or ())[:1]}, 5.0)
         except (RuntimeShimError, OSError, ValueError) as e:
             _log.warning("lazy start-up files: %s", e)
     if profile:

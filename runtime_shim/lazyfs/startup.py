@@ -19,6 +19,12 @@ create; ``LC_CTYPE``, ``gconv-modules.cache`` and the zone file 27–55 ms each 
 - the time zone: the file ``$TZ`` names below ``usr/share/zoneinfo`` (or absolute), else
   ``/etc/localtime``'s target — what any ``localtime()`` reads.
 
+And the lock's command (its ``cmd``: what the env is made to run — a prediction, but the one
+the lock itself makes): the program ``PATH`` finds for it, a script's ``#!`` interpreter, and
+the program's loader files (``elfdeps``), fetched after the files above. In a Python env this
+is the interpreter every Python tool runs (``pytest`` → ``python3`` → ``python3.11``, 6.8 MB:
+60–110 ms of the first command when it was a miss).
+
 Hostile input: names come from the lock's environment and the layers' trees; they are table
 keys looked up in the stack's trees (``elfdeps.Stack``: bounded symlink hops, never leaving
 the trees), never opened as paths; a name with a ``..`` component or a NUL is ignored, and a
@@ -158,3 +164,40 @@ def _children(stack: Stack, path: str) -> set[str]:
         if node is not None and node.children is not None:
             names.update(list(node.children)[:MAX_LOCALE_FILES])
     return names
+
+
+#: PATH entries searched for the lock's command, and ``#!`` hops followed from it.
+MAX_PATH_DIRS = 32
+MAX_SCRIPT_HOPS = 2
+#: Bytes of a script's first line read for its ``#!`` interpreter (the kernel reads 256).
+SHEBANG_MAX = 256
+
+
+def command_file(stack: Stack, env: Mapping[str, str], program: str) -> tuple[Any, Any] | None:
+    """``(ops, node)`` of the file ``execve`` runs for ``program`` (the lock's command, or a
+    script's interpreter): a path as is, a bare name searched in ``env``'s ``PATH`` (the
+    first ``MAX_PATH_DIRS`` entries) as ``execvp`` does; None if the stack has none."""
+    if not program or "\0" in program or len(program) > 4096:
+        return None
+    if "/" in program:
+        return stack.lookup(program)
+    for d in (env.get("PATH") or "").split(":")[:MAX_PATH_DIRS]:
+        if d.startswith("/"):
+            hit = stack.lookup(f"{d}/{program}")
+            if hit is not None:
+                return hit
+    return None
+
+
+def shebang(data: bytes) -> str:
+    """The program a script's ``#!`` line runs (``/usr/bin/env NAME`` → ``NAME``, to be
+    searched in ``PATH``), or ``""`` when ``data`` is no script."""
+    if not data.startswith(b"#!"):
+        return ""
+    line = data[2:SHEBANG_MAX].split(b"\n", 1)[0].decode("utf-8", "replace").split()
+    if not line:
+        return ""
+    if line[0].rsplit("/", 1)[-1] == "env":
+        rest = [a for a in line[1:] if not a.startswith("-")]
+        return rest[0] if rest else ""
+    return line[0]

@@ -1,7 +1,8 @@
 """A lazy create fetches its stack's start-up files ahead (``runtime_shim.lazyfs.startup``), over
 a real FUSE passthrough daemon, overlayfs and runc: runc's ``etc/passwd``/``etc/group`` (the
 upper layer's, where it replaces the base's), the locale the lock's ``LANG`` names, glibc's
-gconv cache and ``/etc/localtime``'s zone file are on the node before anything opens them, so
+gconv cache, ``/etc/localtime``'s zone file, the lock's command and its script's interpreter
+are on the node before anything opens them, so
 their first opens are answered without a fetch (the daemon's open trace says how each first
 open was answered); a file outside that set still misses."""
 
@@ -56,13 +57,22 @@ def startup_lock(tmp_path, monkeypatch):
     (base / "zy" / "big.bin").write_bytes(os.urandom(3 << 20))
     (base / "zz").mkdir()
     (base / "zz" / "control").write_text("not a start-up file\n")
+    # the lock's command: a script on PATH whose interpreter nothing else runs
+    (base / "usr" / "local" / "bin").mkdir(parents=True)
+    (base / "usr" / "local" / "bin" / "mytool").write_text("#!/opt/interp/bb2 sh\necho hi\n")
+    os.chmod(base / "usr" / "local" / "bin" / "mytool", 0o755)
+    (base / "opt" / "interp").mkdir(parents=True)
+    (base / "opt" / "interp" / "bb2").write_bytes((base / "bin" / "busybox").read_bytes()
+                                                   + b"\0" * 16)   # not busybox's digest
+    os.chmod(base / "opt" / "interp" / "bb2", 0o755)
     upper = tmp_path / "upper"
     (upper / "etc").mkdir(parents=True)
     (upper / "etc" / "passwd").write_text("root:x:0:0:upper:/root:/bin/sh\n")
     layers = [_pack(store, base, tmp_path, "base", source_date_epoch=1_700_000_000),
               _pack(store, upper, tmp_path, "upper", source_date_epoch=1_700_000_000)]
     config = merge_config([RuntimeConfig(env={"LANG": "C.UTF-8",
-                                              "PATH": "/bin:/usr/bin"})])
+                                              "PATH": "/usr/local/bin:/bin:/usr/bin"},
+                                         cmd=("mytool",))])
     lock = make_lock("startup", layers, config)
     put_json(store, lock.config, media_type=MEDIA_TYPE_CONFIG)
     store.put_ref("env/startup", put_json(store, lock.manifest).digest)
@@ -88,6 +98,9 @@ def test_a_lazy_create_fetches_the_start_up_files_before_they_are_opened(startup
     wanted = {p: base / p for p in ("etc/group", f"{LOCALE}/LC_CTYPE", f"{LOCALE}/LC_TIME",
                                     f"{LOCALE}/LC_MESSAGES/SYS_LC_MESSAGES", GCONV, ZONE)}
     wanted["etc/passwd"] = upper / "etc" / "passwd"   # the upper layer's: the base's is hidden
+    # the lock's command (found on PATH) and the interpreter its #! line names
+    wanted["usr/local/bin/mytool"] = base / "usr" / "local" / "bin" / "mytool"
+    wanted["opt/interp/bb2"] = base / "opt" / "interp" / "bb2"
     files = node_dir / "node" / "files"
 
     def on_node(p: Path) -> bool:

@@ -103,3 +103,23 @@ def test_a_hostile_stack_stays_bounded():
     hits = startup_files(Stack([Ops("h", many)]), {"LANG": "C.UTF-8"})
     assert len(hits) <= startup.MAX_LOCALE_FILES
     assert sum(n.size for _, n in hits) <= startup.MAX_BYTES
+
+
+def test_the_lock_command_is_found_as_execvp_finds_it_and_scripts_name_their_interpreter():
+    from runtime_shim.lazyfs.startup import command_file, shebang
+
+    top = Ops("top", {"opt/tool/bin/pytest": "../venv/bin/pytest", "opt/tool/venv/bin/pytest": 242,
+                      "opt/tool/venv/bin/python3": "/usr/bin/python3"})
+    base = Ops("base", {"usr/bin/python3": "python3.11", "usr/bin/python3.11": 6_800_000,
+                        "usr/bin/pytest": 10})
+    stack = Stack([top, base])
+    env = {"PATH": "/opt/tool/bin:/usr/bin"}
+    assert _paths([command_file(stack, env, "pytest")]) == [("top", "opt/tool/venv/bin/pytest")]
+    assert _paths([command_file(stack, env, "/opt/tool/venv/bin/python3")]) == [
+        ("base", "usr/bin/python3.11")]
+    assert command_file(stack, {"PATH": "relative:/nowhere"}, "pytest") is None
+    assert command_file(stack, env, "") is None and command_file(stack, env, "a\0b") is None
+    assert shebang(b"#!/opt/tool/venv/bin/python3\n# -*- coding\n") == "/opt/tool/venv/bin/python3"
+    assert shebang(b"#! /usr/bin/env -S python3 -u\n") == "python3"
+    assert shebang(b"\x7fELF...") == "" and shebang(b"#!\n") == "" and shebang(b"#!/usr/bin/env\n") == ""
+    assert len(shebang(b"#!/" + b"x" * 10_000)) < 256   # the kernel's bound
