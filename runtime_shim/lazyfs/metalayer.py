@@ -43,7 +43,9 @@ been quiet for ``REFRESH_QUIET`` s, or when a create finds new verified files an
 flight (during a burst's fetches nothing is built). A create never builds, nor waits for a
 build that is running or promised (a sandbox just closed): it takes the generation there is,
 or the FUSE mount alone for a layer that has none yet, and starts the build it found due in
-the background — the next create gets the new generation. The data
+the background — the next create gets the new generation. A closing sandbox waits (at most
+``CLOSE_WAIT`` s) for the build its close started, so that the next create finds it done. The
+data
 dir holds hardlinks, so the file cache's eviction cannot pull a file from under a live
 generation. A superseded generation no mount refers to is unmounted and deleted
 after ``GRACE`` s (``collect``); the node's eviction (``NodeCache.unmount_lazy``) removes at
@@ -89,8 +91,12 @@ ENV_SWITCH = "ENVBUILD_LAZY_METALAYER"
 #: compete with a running workload for CPU).
 REFRESH_EVERY = 1.0
 REFRESH_QUIET = 2.0
-#: Layers built at once after a sandbox closed (``refresh_now``).
-REFRESH_WORKERS = 3
+#: How long a closing lazy sandbox waits for the meta build of what it fetched (then the
+#: build goes on in the background; the next create takes the generation there is).
+CLOSE_WAIT = 2.0
+#: Layers built at once after a sandbox closed (``refresh_now``): one — three at once took as
+#: long in all (the GIL) and competed more with the FUSE threads serving the next sandbox.
+REFRESH_WORKERS = 1
 #: A superseded generation no mount refers to is removed by later builds after this long.
 GRACE = 60.0
 #: Longest path (bytes, below ``tree``) a meta entry may have; longer ones stay on FUSE.
@@ -778,11 +784,15 @@ def handle(daemon: Any, req: dict[str, Any]) -> dict[str, Any]:
     if req.get("refresh"):
         with daemon.lock:
             now = list(daemon.ops.items())
-        # promised before the answer: the create that follows a close takes what there is
+        # promised before the answer: a create meanwhile takes what there is
         meta.promise(ops.lazy_layer.digest for _, ops in now)
-        threading.Thread(target=meta.refresh_now, args=(now,), name="meta-refresh-now",
-                         daemon=True).start()
-        return {"ok": True}
+        t = threading.Thread(target=meta.refresh_now, args=(now,), name="meta-refresh-now",
+                             daemon=True)
+        t.start()
+        wait = req.get("wait")
+        if isinstance(wait, (int, float)) and wait > 0:   # the closing sandbox waits (bounded)
+            t.join(min(float(wait), CLOSE_WAIT))
+        return {"ok": True, "done": not t.is_alive()}
     return meta.request(ops_of, req)
 
 
@@ -794,15 +804,19 @@ def building(root: str) -> int:
     return meta.building() if meta is not None else 0
 
 
-def refresh_soon(node_root: str | os.PathLike[str]) -> None:
+def refresh_soon(node_root: str | os.PathLike[str], wait: float = CLOSE_WAIT) -> None:
     """Client side (a lazy sandbox closed): ask the node daemon to build the meta layers of
-    what was fetched now, in the background. Never raises; a no-op without a daemon."""
+    what was fetched now, and wait for that build at most ``wait`` s (0: not at all) — the
+    sandbox that fetched the files pays for making them fast for the next one, off any
+    create's path (a create never waits for a build: it would take the FUSE mounts alone,
+    and a build running beside the next sandbox's workload competed with it for the node's
+    CPU). Never raises; a no-op without a daemon."""
     from runtime_shim.lazyfs.control import daemon_request
 
     if not enabled():
         return
     try:
-        daemon_request(node_root, {"op": "meta", "refresh": True}, 2.0)
+        daemon_request(node_root, {"op": "meta", "refresh": True, "wait": wait}, wait + 2.0)
     except Exception as e:  # noqa: BLE001 - an optimisation only
         log.debug("meta layer refresh: %s", e)
 

@@ -165,9 +165,10 @@ def test_generations_are_built_once_shared_and_pinned(lock2):  # noqa: F811
 
 
 def test_a_create_right_after_a_close_does_not_wait_for_the_build_it_started(lock2):  # noqa: F811
-    """The close of a lazy sandbox starts the meta build of what it fetched; a create right
-    after takes the generation there is (here: none, the FUSE mount alone) at once instead of
-    waiting for that build, and the create after the build gets the meta layer."""
+    """The close of a lazy sandbox starts the meta build of what it fetched (and waits for it
+    at most ``CLOSE_WAIT`` s); a create while that build still runs takes the generation there
+    is (here: none, the FUSE mount alone) at once instead of waiting for it, and the create
+    after the build gets the meta layer."""
     import fcntl
 
     store, node_dir, layers = lock2
@@ -178,6 +179,9 @@ def test_a_create_right_after_a_close_does_not_wait_for_the_build_it_started(loc
         # the base layer's build cannot finish while we hold its lock (as if it were slow)
         fd = os.open(node.root / "locks" / f"{base}.meta.lock", os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
+        t_close = time.monotonic()
+    # the close waited for the build, but a bounded time
+    assert time.monotonic() - t_close < metalayer.CLOSE_WAIT + 1.5
     try:
         t0 = time.monotonic()
         with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as second:
@@ -196,6 +200,20 @@ def test_a_create_right_after_a_close_does_not_wait_for_the_build_it_started(loc
         metas = [d for d in _lowerdirs(third.paths.merged) if "/meta/" in d]
         assert any(base in d for d in metas), metas
         assert third.exec("cat /data/small.txt | wc -l").stdout == b"100\n"
+
+
+def test_a_close_waits_for_its_build_so_the_next_create_has_the_meta_layer(lock2):  # noqa: F811
+    store, node_dir, layers = lock2
+    base = layers[0].digest.removeprefix("sha256:")
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as first:
+        assert first.exec("cat /data/small.txt /etc/os-release > /dev/null").exit_code == 0
+    # no waiting here: the close returned once the build it started was done
+    assert _building(node_dir) == 0
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as second:
+        assert second.info().lazy == "passthrough+meta"
+        metas = [d for d in _lowerdirs(second.paths.merged) if "/meta/" in d]
+        assert any(base in d for d in metas), metas
+        assert (Path(next(d for d in metas if base in d)) / "data" / "small.txt").is_file()
 
 
 def test_switched_off_or_on_the_fuse_fallback_there_is_no_meta_layer(lock2, monkeypatch):  # noqa: F811
