@@ -563,7 +563,11 @@ class MetaLayers:
             try:
                 mp = str(item["mountpoint"])
                 ops = ops_of(mp)
-                out.append(self.layer(ops, str(item["digest"]), mp, build=False))
+                # a build is due only once fetches have been quiet (as for the background
+                # refresh): the files this very create fetches ahead (startup.py) land while
+                # it runs, and a build then would compete with its container and first command
+                out.append(self.layer(ops, str(item["digest"]), mp, quiet=REFRESH_QUIET,
+                                      build=False))
                 if out[-1].pop("stale", False):
                     stale.append((mp, ops))
             except Exception as e:  # noqa: BLE001 - a meta layer is an optimisation only
