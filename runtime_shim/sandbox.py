@@ -327,7 +327,8 @@ class Sandbox:
             from runtime_shim.lazyfs.control import daemon_mode
 
             try:
-                layer_dirs = lazy_layer_dirs(node, opened, resolved.layers)
+                layer_dirs = lazy_layer_dirs(node, opened, resolved.layers, resolved.env,
+                                             resolved.cmd)
                 lazy_mode = daemon_mode(node.root) or "fuse"
                 if any(d.startswith(f"{node.root}/meta/") for d in layer_dirs):
                     lazy_mode += "+meta"

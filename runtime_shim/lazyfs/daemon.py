@@ -13,6 +13,7 @@ from typing import Any
 
 from envbuild.errors import EnvbuildError
 from envbuild.store.lazy import ChunkCache, HttpRanges, LazyLayer, MemoryChunkCache
+from runtime_shim.lazyfs import startup
 from runtime_shim.lazyfs.chunks import TieredChunkCache
 from runtime_shim.lazyfs.control import (
     DAEMON_IDLE_EXIT,
@@ -48,6 +49,14 @@ SWITCH_INTERVAL = 0.0005
 ELF_PREFETCH_MAX = 16 << 20
 #: Dependency levels fetched ahead of the loader (the program's libraries, theirs).
 ELF_DEPTH = 2
+#: Threads fetching loader files and start-up files ahead (each waits for its request).
+ELF_WORKERS = 12
+
+
+def _meta_building(root: str) -> int:
+    from runtime_shim.lazyfs import metalayer
+
+    return metalayer.building(root)
 
 
 class _NodeDaemon:
@@ -73,7 +82,10 @@ class _NodeDaemon:
         self.profiles: dict[str, dict[str, Any]] = {}  # key -> {"req", "traces", "saved"}
         self.ops: dict[str, Any] = {}  # mountpoint -> its Operations
         self.by_digest: dict[str, Any] = {}  # layer digest -> its Operations (ELF lookups)
-        self.elf_pool = ThreadPoolExecutor(4, thread_name_prefix="lazy-elf")
+        # each load waits for its request: enough threads that a program's libraries are all
+        # requested at once (4 queued libm behind the loader's own two: ~20 ms; the node's
+        # fetch bound still caps what is in flight)
+        self.elf_pool = ThreadPoolExecutor(ELF_WORKERS, thread_name_prefix="lazy-elf")
         self._elf_seen: set[tuple[str, int]] = set()  # (mountpoint, ino) fetched ahead
 
     def _store(self, url: str, endpoint: str | None) -> Any:
@@ -182,11 +194,14 @@ class _NodeDaemon:
                     "fetch_concurrency": self.limits.settings.concurrency,
                     "fetch_timeout": self.limits.settings.timeout,
                     "max_requests_in_flight": self.limits.max_in_flight,
-                    "files_fetched": self.files.fetches}
+                    "files_fetched": self.files.fetches,
+                    "meta_building": _meta_building(self.root)}
             elif op == "mount":
                 reply = self._mount(req)
             elif op == "prefetch":
                 reply = self._start_prefetch(req)
+            elif op == "startup":  # a new stack's start-up files, fetched ahead (startup.py)
+                reply = self._start_startup(req)
             elif op == "meta":  # files already on the node, served without FUSE (metalayer)
                 from runtime_shim.lazyfs import metalayer
 
@@ -324,7 +339,7 @@ class _NodeDaemon:
         if not node.read_path or node.size > ELF_PREFETCH_MAX:
             return
         try:
-            digest = ops.lazy_layer.stat(node.read_path).digest or ""
+            digest = node.digest
             cached = ops.files.cached(digest) if digest else None
             if cached is not None:   # on the node already: nothing to fetch
                 if depth <= 1:
@@ -339,6 +354,93 @@ class _NodeDaemon:
             return
         if depth > 1 and data[:4] == b"\x7fELF":
             self._elf_deps(stack, ops, data, depth - 1)
+
+    def _start_startup(self, req: dict[str, Any]) -> dict[str, Any]:
+        """``{"op": "startup", "mountpoints": [bottom .. top], "env": {...}}``: fetch in the
+        background the files a container start and a program's libc start-up read in that
+        stack under the lock's environment ``env`` (``runtime_shim.lazyfs.startup``)."""
+        mps, env, cmd = req.get("mountpoints"), req.get("env"), req.get("cmd") or []
+        if not isinstance(mps, list) or not isinstance(env, dict) or len(mps) > 1024 \
+                or not isinstance(cmd, list):
+            return {"ok": False, "error": "startup: mountpoints (a list), env (a map), cmd "
+                                          "(a list)"}
+        env = {str(k): str(v) for k, v in list(env.items())[:4096]
+               if isinstance(k, str) and isinstance(v, str)}
+        program = cmd[0] if cmd and isinstance(cmd[0], str) else ""
+        with self.lock:
+            layers = [self.ops.get(mp) for mp in reversed(mps) if isinstance(mp, str)]
+        layers = [x for x in layers if x is not None and hasattr(x, "lazy_frames")]
+        if layers:
+            self.elf_pool.submit(self._startup, layers, env, program)
+        return {"ok": True, "layers": len(layers)}
+
+    def _startup(self, layers: list[Any], env: dict[str, str], program: str = "") -> None:
+        import time
+
+        from runtime_shim.lazyfs.elfdeps import Stack
+        from runtime_shim.lazyfs.startup import startup_files
+
+        t0 = time.monotonic()
+        try:
+            hits = startup_files(Stack(layers), env)
+        except Exception:  # noqa: BLE001 - a hint only: the opens fetch them anyway
+            log.exception("start-up files")
+            return
+        by_ops: dict[int, tuple[Any, list[Any]]] = {}
+        for ops, node in hits:
+            files = getattr(ops, "files", None)   # the fuse fallback has no file cache
+            if files is not None and node.digest and files.cached(node.digest) is not None:
+                continue   # on the node already
+            by_ops.setdefault(id(ops), (ops, []))[1].append(node)
+        for ops, nodes in by_ops.values():   # one load per layer: adjacent frames merged
+            self.elf_pool.submit(self._startup_load, ops, nodes)
+        log.info("start-up files: %d (%d to fetch) found in %.3f s", len(hits),
+                 sum(len(n) for _, n in by_ops.values()), time.monotonic() - t0)
+        if program:   # then the lock's command, its interpreter and their loader files
+            stack = [ops.lazy_layer.digest for ops in reversed(layers)]
+            self.elf_pool.submit(self._command_load, stack, layers, env, program,
+                                 startup.MAX_SCRIPT_HOPS)
+
+    def _command_load(self, stack: list[str], layers: list[Any], env: dict[str, str],
+                      program: str, hops: int) -> None:
+        """Fetch the file ``program`` runs in the stack (``startup.command_file``); a
+        script's ``#!`` interpreter in turn (``hops`` more), a program's loader files."""
+        from runtime_shim.lazyfs.elfdeps import Stack
+
+        hit = startup.command_file(Stack(layers), env, program)
+        if hit is None:
+            return
+        ops, node = hit
+        key = (ops.mountpoint, node.ino)
+        with self.lock:
+            if key in self._elf_seen or len(self._elf_seen) > 100_000:
+                return
+            self._elf_seen.add(key)
+        if not node.read_path or node.size > ELF_PREFETCH_MAX:
+            return
+        try:
+            cached = ops.files.cached(node.digest) if node.digest and hasattr(ops, "files") \
+                else None
+            if cached is not None:
+                with open(cached, "rb") as f:
+                    data = f.read(ELF_PREFETCH_MAX)
+            else:
+                ops.lazy_frames.load([node])
+                data = ops.lazy_layer.read(node.read_path)
+        except (EnvbuildError, OSError) as e:  # its own open reports it
+            log.warning("fetch ahead %s of %s: %s", node.read_path, ops.lazy_layer.digest, e)
+            return
+        interp = startup.shebang(data[:startup.SHEBANG_MAX])
+        if interp and hops > 0:
+            self._command_load(stack, layers, env, interp, hops - 1)
+        elif data[:4] == b"\x7fELF":
+            self._elf_deps(stack, ops, data, ELF_DEPTH)
+
+    def _startup_load(self, ops: Any, nodes: list[Any]) -> None:
+        try:
+            ops.lazy_frames.load(nodes, wait=False)
+        except EnvbuildError as e:  # their own opens report it
+            log.warning("fetch ahead of start-up files of %s: %s", ops.lazy_layer.digest, e)
 
     def _start_prefetch(self, req: dict[str, Any]) -> dict[str, Any]:
         started = 0

@@ -43,7 +43,7 @@ _PHDR = struct.Struct("<IIQQQQQQ")
 _DYN = struct.Struct("<qQ")
 
 
-def parse(data: bytes) -> tuple[str, list[str]]:
+def parse(data: bytes | bytearray) -> tuple[str, list[str]]:
     """``(interpreter, needed libraries)`` of a 64-bit little-endian ELF file (``""`` and
     ``[]`` when it has none, or is no such ELF, or is malformed). Bounded (module docstring)."""
     if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
@@ -85,7 +85,7 @@ def parse(data: bytes) -> tuple[str, list[str]]:
     return interp, [n for n in names if n and "/" not in n]
 
 
-def _cstr(data: bytes, start: int, end: int) -> str:
+def _cstr(data: bytes | bytearray, start: int, end: int) -> str:
     raw = data[start:end]
     return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
@@ -146,12 +146,15 @@ class Stack:
         return None
 
     def dependencies(self, data: bytes) -> list[tuple[Any, Any]]:
-        """The files the dynamic loader opens for the ELF ``data``: its interpreter, its cache
-        (``LOADER_CACHE``, read before any needed library is searched) and each needed library
-        found in ``LIBRARY_DIRS``, as ``(ops, node)``."""
+        """The files the dynamic loader opens for the ELF ``data`` (the whole file, or a prefix:
+        what it holds): its interpreter, its cache (``LOADER_CACHE``, read before any needed
+        library is searched) and each needed library found in ``LIBRARY_DIRS``, as
+        ``(ops, node)``."""
         interp, needed = parse(data)
         out = []
-        for path in ([interp] if interp else []) + ([LOADER_CACHE] if needed else []):
+        # a program's loader opens its cache before searching for any library: known from
+        # the interpreter alone (the first bytes of a large program being streamed)
+        for path in ([interp] if interp else []) + ([LOADER_CACHE] if needed or interp else []):
             hit = self.lookup(path)
             if hit is not None:
                 out.append(hit)

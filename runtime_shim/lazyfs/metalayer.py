@@ -39,9 +39,13 @@ named ``<hex>`` would have been taken as the data of an upper layer's file).
 Generations: the tree is built once per (layer, set of fetched files) and shared read-only by
 every later sandbox. The next generation (``key`` = hash of the digest set) is built by the
 daemon in the background when a lazy sandbox closes (``refresh_soon``) or once fetches have
-been quiet for ``REFRESH_QUIET`` s, or by a create that finds new verified files and no fetch
-in flight (during a burst's fetches creates build nothing; a create waits at most
-``CREATE_WAIT`` s for a build that is running, then takes the generation there is). The data
+been quiet for ``REFRESH_QUIET`` s, or when a create finds new verified files and no fetch in
+flight (during a burst's fetches nothing is built). A create never builds, nor waits for a
+build that is running or promised (a sandbox just closed): it takes the generation there is,
+or the FUSE mount alone for a layer that has none yet, and starts the build it found due in
+the background — the next create gets the new generation. A closing sandbox waits (at most
+``CLOSE_WAIT`` s) for the build its close started, so that the next create finds it done. The
+data
 dir holds hardlinks, so the file cache's eviction cannot pull a file from under a live
 generation. A superseded generation no mount refers to is unmounted and deleted
 after ``GRACE`` s (``collect``); the node's eviction (``NodeCache.unmount_lazy``) removes at
@@ -87,9 +91,12 @@ ENV_SWITCH = "ENVBUILD_LAZY_METALAYER"
 #: compete with a running workload for CPU).
 REFRESH_EVERY = 1.0
 REFRESH_QUIET = 2.0
-#: How long a create waits for a build of its layer that is already running (after that it
-#: takes the generation there is).
-CREATE_WAIT = 2.0
+#: How long a closing lazy sandbox waits for the meta build of what it fetched (then the
+#: build goes on in the background; the next create takes the generation there is).
+CLOSE_WAIT = 2.0
+#: Layers built at once after a sandbox closed (``refresh_now``): one — three at once took as
+#: long in all (the GIL) and competed more with the FUSE threads serving the next sandbox.
+REFRESH_WORKERS = 1
 #: A superseded generation no mount refers to is removed by later builds after this long.
 GRACE = 60.0
 #: Longest path (bytes, below ``tree``) a meta entry may have; longer ones stay on FUSE.
@@ -153,14 +160,16 @@ def plan(nodes: Mapping[str, Node], digest_of: Callable[[Node], str],
     names (tar order). Names that are not ``safe_path`` are left out."""
     by_inode: dict[int, tuple[Node, list[str]]] = {}
     for path, node in nodes.items():
-        if not stat.S_ISREG(node.mode) or not safe_path(path):
+        if not stat.S_ISREG(node.mode):
             continue
         got = by_inode.get(id(node))
         if got is None:
-            if digest_of(node) not in present:
+            # the set lookup first: most of a layer's files are not fetched, and checking
+            # every name of a 15,000-file layer was most of a small generation's plan
+            if digest_of(node) not in present or not safe_path(path):
                 continue
             by_inode[id(node)] = (node, [path])
-        else:
+        elif safe_path(path):
             got[1].append(path)
     dirs: set[str] = set()
     files = []
@@ -186,13 +195,31 @@ def plan(nodes: Mapping[str, Node], digest_of: Callable[[Node], str],
     return out_dirs, files
 
 
-def _set_meta(fd: int, e: MetaEntry) -> None:
+def _set_meta(fd: int, e: MetaEntry, created: int | None = None) -> None:
+    """Give ``fd`` the entry's xattrs, owner, mode and mtime. ``created``: the mode it was
+    created with (after the umask): no ``fchmod`` when that is the entry's and it has no
+    set-id bits, no ``fchown`` when this process's owner is the entry's (a tree is mostly
+    root's files: two syscalls of the ~9 per file)."""
     for k, v in e.xattrs:
         os.setxattr(fd, k, v)
-    os.fchown(fd, e.uid, e.gid)
-    os.fchmod(fd, e.mode)  # after chown, which clears set-id bits
+    if (e.uid, e.gid) != (os.geteuid(), os.getegid()):
+        os.fchown(fd, e.uid, e.gid)
+    if created != e.mode or e.mode & 0o7000:
+        os.fchmod(fd, e.mode)  # after chown, which clears set-id bits
     t = e.mtime * _NS
     os.utime(fd, ns=(t, t))
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it process-wide)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o7777   # unknown: every created mode counts as different (always fchmod)
 
 
 def build(tree_dir: str, data_dir: str, dirs: Iterable[MetaEntry],
@@ -218,6 +245,7 @@ def build(tree_dir: str, data_dir: str, dirs: Iterable[MetaEntry],
             placed_dirs.add(path)
     linked: set[str] = set()
     placed = 0
+    umask = _umask()
     for f in files:
         hexd = f.digest.removeprefix("sha256:")
         if hexd not in linked:
@@ -238,17 +266,19 @@ def build(tree_dir: str, data_dir: str, dirs: Iterable[MetaEntry],
         if not paths:
             continue
         first = os.path.join(tree_dir, paths[0])
+        mode = f.mode & 0o777   # the tree's dirs are 0700 while it is built
         try:
             fd = os.open(first, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o600)
+                         | os.O_CLOEXEC, mode)
         except OSError as e:
             log.warning("meta tree: %s: %s (stays on FUSE)", paths[0], e)
             continue
         try:
-            os.ftruncate(fd, f.size)
+            if f.size:
+                os.ftruncate(fd, f.size)
             os.setxattr(fd, METACOPY_XATTR, b"")
             os.setxattr(fd, REDIRECT_XATTR, b"/" + hexd.encode())
-            _set_meta(fd, f)
+            _set_meta(fd, f, created=mode & ~umask)
         except OSError as e:
             log.warning("meta tree: %s: %s (stays on FUSE)", paths[0], e)
             os.close(fd)
@@ -499,6 +529,9 @@ class MetaLayers:
         self.files = files  # FileCache: verified digests, the directory
         self._lock = threading.Lock()
         self._layer_locks: dict[str, threading.Lock] = {}
+        # layers a background build was promised for (``refresh_now``): a create takes the
+        # generation there is instead of building (or waiting for) the same one itself
+        self._pending: set[str] = set()
         # per mount (dropped with it): digest of each regular inode, and their set
         self._digests: weakref.WeakKeyDictionary[Any, tuple[dict[int, str], frozenset[str]]] = \
             weakref.WeakKeyDictionary()
@@ -516,31 +549,62 @@ class MetaLayers:
         by_node: dict[int, str] = {}
         for node in ops.lazy_nodes.values():
             if stat.S_ISREG(node.mode) and id(node) not in by_node:
-                by_node[id(node)] = ops.lazy_layer.stat(node.read_path).digest or ""
+                by_node[id(node)] = node.digest  # the TOC's, on the node: no Entry decode
         digests = frozenset(d for d in by_node.values() if d)
         with self._lock:
             self._digests[ops] = (by_node, digests)
         return by_node, digests
 
     def request(self, ops_of: Callable[[str], Any], req: dict[str, Any]) -> dict[str, Any]:
+        t0 = time.monotonic()
         out = []
+        stale: list[tuple[str, Any]] = []
         for item in req.get("layers", ()):
             try:
                 mp = str(item["mountpoint"])
-                out.append(self.layer(ops_of(mp), str(item["digest"]), mp))
+                ops = ops_of(mp)
+                # a build is due only once fetches have been quiet (as for the background
+                # refresh): the files this very create fetches ahead (startup.py) land while
+                # it runs, and a build then would compete with its container and first command
+                out.append(self.layer(ops, str(item["digest"]), mp, quiet=REFRESH_QUIET,
+                                      build=False))
+                if out[-1].pop("stale", False):
+                    stale.append((mp, ops))
             except Exception as e:  # noqa: BLE001 - a meta layer is an optimisation only
                 log.warning("meta layer of %s: %s", item.get("digest"), e)
                 out.append({"digest": item.get("digest"), "dir": "", "files": 0,
                             "error": str(e)})
+        if stale:   # new files on the node: built for the next create, not this one
+            self.promise(ops.lazy_layer.digest for _, ops in stale)
+            threading.Thread(target=self.refresh_now, args=(stale,), name="meta-refresh-new",
+                             daemon=True).start()
+        # a create waits for this answer: how long it took is part of the create's time
+        log.info("meta request: %d layers (%d with a meta layer, %d to build) in %.3f s",
+                 len(out), sum(1 for x in out if x.get("dir")), len(stale),
+                 time.monotonic() - t0)
         return {"ok": True, "layers": out}
 
+    def building(self) -> int:
+        """How many layers have a build running or promised (the daemon's ping reply)."""
+        with self._lock:
+            return len(self._pending) + sum(lk.locked() for lk in self._layer_locks.values())
+
+    def promise(self, digests: Iterable[str]) -> None:
+        """A background build of these layers is coming (``refresh_now``): until it ran, a
+        create takes the generation there is rather than building the same one itself."""
+        with self._lock:
+            self._pending.update(d.removeprefix("sha256:") for d in digests)
+
     def layer(self, ops: Any, digest: str, mountpoint: str, *, quiet: float = 0.0,
-              wait: bool = True) -> dict[str, Any]:
+              promised: bool = False, build: bool = True) -> dict[str, Any]:
         """The current generation of layer ``digest`` served by ``ops`` (the ``Operations``
         of its mount at ``mountpoint``), built first if new files were fetched and none for
-        ``quiet`` seconds and none is in flight. If another build of the layer runs, answer
-        after it (``wait``: for at most ``CREATE_WAIT`` s) or at once with the generation
-        there is."""
+        ``quiet`` seconds and none is in flight. Never waits for another build: while one of
+        the layer runs, or is promised (``promise``; ``promised``: this is that build), the
+        answer is at once the generation there is (none: the FUSE mount alone) — a create
+        right after a sandbox closed must not pay for the build its close started.
+        ``build=False`` (a create): never build here; the reply says ``stale`` when a build
+        is due (the caller starts it in the background, for the next create)."""
         hexd = digest.removeprefix("sha256:")
         if not _is_hex(hexd):
             raise ValueError(f"bad layer digest {digest!r}")
@@ -549,23 +613,28 @@ class MetaLayers:
             return reply
         layer_dir = os.path.join(self.root, "meta", hexd)
         lock = self._layer_lock(hexd)
-        if not lock.acquire(timeout=CREATE_WAIT if wait else 0):
-            current = _read_current(layer_dir)  # being rebuilt: the one there is
+        with self._lock:
+            elsewhere = hexd in self._pending and not promised
+        if elsewhere or not lock.acquire(blocking=False):
+            current = _read_current(layer_dir)  # being (re)built: the one there is
             if current is not None and _valid(os.path.join(layer_dir, current[0])) \
                     and _is_mount(os.path.join(layer_dir, current[0], "mnt")):
                 reply.update(dir=os.path.join(layer_dir, current[0], "mnt"),
                              files=len(current[1]), generation=current[0])
             return reply
         try:
+            if promised:
+                with self._lock:
+                    self._pending.discard(hexd)
             with _layer_flock(self.root, "gc", shared=True), _layer_flock(self.root, hexd):
                 if not _is_mount(mountpoint):  # unmounted meanwhile (the node's eviction)
                     return reply
-                return self._layer(ops, hexd, layer_dir, quiet, reply)
+                return self._layer(ops, hexd, layer_dir, quiet, reply, build)
         finally:
             lock.release()
 
     def _layer(self, ops: Any, hexd: str, layer_dir: str, quiet: float,
-               reply: dict[str, Any]) -> dict[str, Any]:
+               reply: dict[str, Any], build: bool = True) -> dict[str, Any]:
         by_node, layer_set = self._layer_digests(ops)
         current = _read_current(layer_dir)
         have: frozenset[str] = frozenset()
@@ -587,7 +656,9 @@ class MetaLayers:
                 not quiet or time.time() - os.stat(self.files.dir).st_mtime >= quiet)
         except OSError:
             settled = False
-        if wanted != have and wanted and settled:
+        if wanted != have and wanted and settled and not build:
+            reply["stale"] = True
+        elif wanted != have and wanted and settled:
             t0 = time.monotonic()
             gen = self._build(layer_dir, ops, by_node, wanted, current)
             reply["built"], reply["seconds"] = True, round(time.monotonic() - t0, 4)
@@ -646,12 +717,26 @@ class MetaLayers:
 
     def refresh_now(self, mounts: list[tuple[str, Any]]) -> None:
         """Build the next generation of every mounted layer that has new files (a lazy sandbox
-        just closed: its fetches are done, the next create should not wait for the build)."""
-        for mp, ops in mounts:
+        just closed: its fetches are done), ``REFRESH_WORKERS`` layers at a time (the builds
+        are mostly syscalls: they overlap on two cores), so the window in which a create gets
+        the FUSE mount alone is short."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(item: tuple[str, Any]) -> None:
+            mp, ops = item
             try:
-                self.layer(ops, ops.lazy_layer.digest, mp, wait=False)
+                self.layer(ops, ops.lazy_layer.digest, mp, promised=True)
             except Exception as e:  # noqa: BLE001 - the next create tries again
                 log.warning("meta layer refresh of %s: %s", mp, e)
+            finally:
+                with self._lock:
+                    self._pending.discard(ops.lazy_layer.digest.removeprefix("sha256:"))
+
+        # the largest layers first: they take longest
+        order = sorted(mounts, key=lambda m: -len(getattr(m[1], "lazy_nodes", ())))
+        with ThreadPoolExecutor(max(1, min(REFRESH_WORKERS, len(order))),
+                                thread_name_prefix="meta-build") as pool:
+            list(pool.map(one, order))
 
     def refresh(self, mounts: Callable[[], list[tuple[str, Any]]],
                 stopped: Callable[[], bool]) -> None:
@@ -670,8 +755,7 @@ class MetaLayers:
             seen = now
             for mp, ops in mounts():
                 try:
-                    self.layer(ops, ops.lazy_layer.digest, mp, quiet=REFRESH_QUIET,
-                               wait=False)
+                    self.layer(ops, ops.lazy_layer.digest, mp, quiet=REFRESH_QUIET)
                 except Exception as e:  # noqa: BLE001 - the next create tries again
                     log.warning("meta layer refresh of %s: %s", mp, e)
 
@@ -704,21 +788,39 @@ def handle(daemon: Any, req: dict[str, Any]) -> dict[str, Any]:
     if req.get("refresh"):
         with daemon.lock:
             now = list(daemon.ops.items())
-        threading.Thread(target=meta.refresh_now, args=(now,), name="meta-refresh-now",
-                         daemon=True).start()
-        return {"ok": True}
+        # promised before the answer: a create meanwhile takes what there is
+        meta.promise(ops.lazy_layer.digest for _, ops in now)
+        t = threading.Thread(target=meta.refresh_now, args=(now,), name="meta-refresh-now",
+                             daemon=True)
+        t.start()
+        wait = req.get("wait")
+        if isinstance(wait, (int, float)) and wait > 0:   # the closing sandbox waits (bounded)
+            t.join(min(float(wait), CLOSE_WAIT))
+        return {"ok": True, "done": not t.is_alive()}
     return meta.request(ops_of, req)
 
 
-def refresh_soon(node_root: str | os.PathLike[str]) -> None:
+def building(root: str) -> int:
+    """Layers of the daemon of node ``root`` with a meta build running or promised (0 before
+    its first ``meta`` request): the daemon's ping reply, for callers that wait for builds."""
+    with _registry_lock:
+        meta = _registry.get(root)
+    return meta.building() if meta is not None else 0
+
+
+def refresh_soon(node_root: str | os.PathLike[str], wait: float = CLOSE_WAIT) -> None:
     """Client side (a lazy sandbox closed): ask the node daemon to build the meta layers of
-    what was fetched now, in the background. Never raises; a no-op without a daemon."""
+    what was fetched now, and wait for that build at most ``wait`` s (0: not at all) — the
+    sandbox that fetched the files pays for making them fast for the next one, off any
+    create's path (a create never waits for a build: it would take the FUSE mounts alone,
+    and a build running beside the next sandbox's workload competed with it for the node's
+    CPU). Never raises; a no-op without a daemon."""
     from runtime_shim.lazyfs.control import daemon_request
 
     if not enabled():
         return
     try:
-        daemon_request(node_root, {"op": "meta", "refresh": True}, 2.0)
+        daemon_request(node_root, {"op": "meta", "refresh": True, "wait": wait}, wait + 2.0)
     except Exception as e:  # noqa: BLE001 - an optimisation only
         log.debug("meta layer refresh: %s", e)
 

@@ -3,7 +3,8 @@ mounts of a layer stack from the node daemon (through ``NodeCache.ensure_lazy``)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -14,6 +15,8 @@ from envbuild.store import Store
 from envbuild.store.base import Locatable, Presigner
 from runtime_shim.lazyfs.control import daemon_request
 from runtime_shim.lazyfs.profile import profile_key, read_profile
+
+_log = logging.getLogger("envbuild.lazyfs")
 
 
 class LazyNode(Protocol):
@@ -43,14 +46,20 @@ def store_location(store: Store) -> tuple[str, str | None]:
                            hint="use a store directory or an s3:// store, or drop --lazy")
 
 
-def lazy_layer_dirs(node: LazyNode, store: Store, layers: Sequence[Any]) -> list[str]:
+def lazy_layer_dirs(node: LazyNode, store: Store, layers: Sequence[Any],
+                    env: Mapping[str, str] | None = None,
+                    cmd: Sequence[str] | None = ()) -> list[str]:
     """``Sandbox.create(lazy=True)``: the lazy mounts of ``layers`` (``LayerRef``s, bottom to
     top) in node cache ``node``, asked of the node daemon in parallel. An ``S3Store`` hands the
     daemon a presigned URL per blob, so it reads ranges without loading boto3. Layers not
     mounted yet get the stack's lazy profile prefetched in the background (``read_profile``,
     read while they mount), or, without one, have their reads recorded as the profile. A layer
     whose fetched files have a meta layer (``runtime_shim.lazyfs.metalayer``) gets its dir
-    right above the FUSE mount: those files are then opened and read without the daemon."""
+    right above the FUSE mount: those files are then opened and read without the daemon.
+    A stack mounted for the first time without a profile has its start-up files fetched
+    ahead (``runtime_shim.lazyfs.startup``: what runc and a program's libc start-up read under
+    the lock's environment ``env``, then the lock's command ``cmd``'s program) while the
+    container is made."""
 
     for x in layers:
         # the FUSE daemon serves envbuild's framed layers only (it reads their TOC); a lock's
@@ -89,6 +98,13 @@ def lazy_layer_dirs(node: LazyNode, store: Store, layers: Sequence[Any]) -> list
         with ThreadPoolExecutor(min(8, len(layers)), thread_name_prefix="lazy-mount") as pool:
             dirs = list(pool.map(one, layers))
     profile = profile_read.result() if profile_read is not None else None
+    if record is not None and not profile and env is not None:
+        # a hint (the daemon answers at once and fetches in the background): never fatal
+        try:
+            daemon_request(node.root, {"op": "startup", "mountpoints": dirs,
+                                       "env": dict(env), "cmd": list(cmd or ())[:1]}, 5.0)
+        except (RuntimeShimError, OSError, ValueError) as e:
+            _log.warning("lazy start-up files: %s", e)
     if profile:
         daemon_request(node.root, {"op": "prefetch", "key": record["key"] if record else None,
                                    "layers": [{"mountpoint": d, "paths": profile.get(x.digest, [])}

@@ -61,6 +61,7 @@ class Node:
     link: str = ""             # symlink target
     read_path: str = ""        # regular file: the TOC path LazyLayer reads
     frames: tuple[int, ...] = ()  # regular file: blob offsets of the frames holding it
+    digest: str = ""           # regular file: its content digest from the TOC ("" for none)
     # replaced, never mutated (may be shared)
     xattrs: Mapping[str, bytes] = dataclasses.field(default_factory=lambda: NO_XATTRS)
     children: dict[str, None] | None = None  # directory: names in tar order
@@ -78,9 +79,9 @@ class Node:
 
 
 # one member for _assemble: path, type, mode, uid, gid, size, mtime, linkname, xattrs, rdev,
-# frames (blob offsets)
+# frames (blob offsets), content digest (or None)
 _Member = tuple[str, str, int, int, int, int, int, str, Mapping[str, bytes], int,
-                tuple[int, ...]]
+                tuple[int, ...], str | None]
 
 
 def build_tree(entries: Sequence[Entry], name: str = "layer") -> dict[str, Node]:
@@ -91,7 +92,7 @@ def build_tree(entries: Sequence[Entry], name: str = "layer") -> dict[str, Node]
     members = ((e.path, e.type, e.mode, e.uid, e.gid, e.size, e.mtime, e.linkname,
                 dict(e.xattrs) if e.xattrs else NO_XATTRS,
                 os.makedev(e.devmajor, e.devminor) if e.type in ("char", "block") else 0,
-                tuple(c.offset for c in e.chunks)) for e in entries)
+                tuple(c.offset for c in e.chunks), e.digest) for e in entries)
     with _gc_paused():
         return _assemble(len(entries), members)
 
@@ -121,7 +122,7 @@ def _v2_members(paths: list[str], cols: list[tuple], index: Any, name: str
                 ) -> Iterator[_Member]:
     import base64
 
-    types, modes, uids, gids, sizes, mtimes, links, xattrs, dmaj, dmin, _digests, datas = cols
+    types, modes, uids, gids, sizes, mtimes, links, xattrs, dmaj, dmin, digests, datas = cols
     uoffs, offs, tar_size = index.uoffsets, index.offsets, index.tar_size
     last = len(uoffs) - 1
     bisect_right = bisect.bisect_right
@@ -155,7 +156,8 @@ def _v2_members(paths: list[str], cols: list[tuple], index: Any, name: str
         else:
             x = NO_XATTRS
         yield (paths[i], t, modes[i], uids[i], gids[i], sizes[i], mtimes[i], links[i], x,
-               makedev(dmaj[i], dmin[i]) if t == "char" or t == "block" else 0, frames)
+               makedev(dmaj[i], dmin[i]) if t == "char" or t == "block" else 0, frames,
+               digests[i])
 
 
 def check_names(paths: Iterable[str], name: str) -> None:
@@ -188,7 +190,7 @@ def _assemble(n: int, members: Iterable[_Member]) -> dict[str, Node]:
         return node
 
     get = nodes.get
-    for i, (path, t, mode, uid, gid, size, mtime, linkname, xattrs, rdev, frames) \
+    for i, (path, t, mode, uid, gid, size, mtime, linkname, xattrs, rdev, frames, digest) \
             in enumerate(members):
         path = path.strip("/")
         if not path:
@@ -229,7 +231,7 @@ def _assemble(n: int, members: Iterable[_Member]) -> dict[str, Node]:
             continue
         if t == "file":
             node = Node(i + 2, fmt | mode, uid, gid, mtime, size, xattrs=xattrs,
-                        read_path=path, frames=frames)
+                        read_path=path, frames=frames, digest=digest or "")
         elif t == "dir":
             node = Node(i + 2, fmt | mode, uid, gid, mtime, xattrs=xattrs, children={})
         elif t == "symlink":

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from runtime_shim.lazyfs import lazy_stats, metalayer
+from runtime_shim.lazyfs.control import daemon_request
 from runtime_shim.lazyfs.passthrough import OPEN
 from runtime_shim.nodecache import NodeCache
 from runtime_shim.sandbox import Sandbox
@@ -45,10 +46,17 @@ def _opens(mp: Path) -> int:
 
 
 def _quiet(node_dir: Path) -> None:
-    """Wait until no fetch landed in the file cache for a while (background fetches)."""
+    """Wait until no fetch landed in the file cache for a while (background fetches), and no
+    meta build runs or is promised (the one a sandbox's close starts: a create does not wait
+    for it)."""
     files = node_dir / "node" / "files"
-    while time.time() - os.stat(files).st_mtime < 0.3:
+    while time.time() - os.stat(files).st_mtime < 0.3 or _building(node_dir):
         time.sleep(0.05)
+
+
+def _building(node_dir: Path) -> int:
+    reply = daemon_request(node_dir / "node", {"op": "ping"}, 10.0)
+    return int((reply or {}).get("meta_building", 0))
 
 
 def test_a_rerun_opens_fetched_files_without_the_daemon(lock2):  # noqa: F811
@@ -154,6 +162,58 @@ def test_generations_are_built_once_shared_and_pinned(lock2):  # noqa: F811
     assert not os.path.exists(gen[0]) and os.path.isdir(gen3[0])
     node.unmount_lazy(keep=())
     assert not (node_dir / "node" / "meta").exists()
+
+
+def test_a_create_right_after_a_close_does_not_wait_for_the_build_it_started(lock2):  # noqa: F811
+    """The close of a lazy sandbox starts the meta build of what it fetched (and waits for it
+    at most ``CLOSE_WAIT`` s); a create while that build still runs takes the generation there
+    is (here: none, the FUSE mount alone) at once instead of waiting for it, and the create
+    after the build gets the meta layer."""
+    import fcntl
+
+    store, node_dir, layers = lock2
+    node = NodeCache(node_dir / "node")
+    base = layers[0].digest.removeprefix("sha256:")
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as first:
+        assert first.exec("sha256sum /data/small.txt /data/big.bin").exit_code == 0
+        # the base layer's build cannot finish while we hold its lock (as if it were slow)
+        fd = os.open(node.root / "locks" / f"{base}.meta.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        t_close = time.monotonic()
+    # the close waited for the build, but a bounded time
+    assert time.monotonic() - t_close < metalayer.CLOSE_WAIT + 1.5
+    try:
+        t0 = time.monotonic()
+        with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as second:
+            took = time.monotonic() - t0
+            lowers = _lowerdirs(second.paths.merged)
+            assert not any(base in d for d in lowers if "/meta/" in d), lowers
+            assert str(node.lazy_dir(layers[0].digest)) in lowers
+            assert second.exec("cat /data/small.txt | wc -l").stdout == b"100\n"
+        # the build was running (blocked on the lock) all along: the create did not wait
+        assert took < 1.5, took
+        assert _building(node_dir) >= 1
+    finally:
+        os.close(fd)
+    _quiet(node_dir)
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as third:
+        metas = [d for d in _lowerdirs(third.paths.merged) if "/meta/" in d]
+        assert any(base in d for d in metas), metas
+        assert third.exec("cat /data/small.txt | wc -l").stdout == b"100\n"
+
+
+def test_a_close_waits_for_its_build_so_the_next_create_has_the_meta_layer(lock2):  # noqa: F811
+    store, node_dir, layers = lock2
+    base = layers[0].digest.removeprefix("sha256:")
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as first:
+        assert first.exec("cat /data/small.txt /etc/os-release > /dev/null").exit_code == 0
+    # no waiting here: the close returned once the build it started was done
+    assert _building(node_dir) == 0
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as second:
+        assert second.info().lazy == "passthrough+meta"
+        metas = [d for d in _lowerdirs(second.paths.merged) if "/meta/" in d]
+        assert any(base in d for d in metas), metas
+        assert (Path(next(d for d in metas if base in d)) / "data" / "small.txt").is_file()
 
 
 def test_switched_off_or_on_the_fuse_fallback_there_is_no_meta_layer(lock2, monkeypatch):  # noqa: F811

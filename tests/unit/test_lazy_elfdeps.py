@@ -126,9 +126,11 @@ def test_lookups_follow_symlinks_across_layers_and_the_top_layer_wins():
         ("base", "usr/lib/x86_64-linux-gnu/ld-2.so"), ("base", LOADER_CACHE),
         ("base", "usr/lib/x86_64-linux-gnu/libz.so.1.2"),
         ("top", "usr/lib/x86_64-linux-gnu/libc.so.6")]
-    # a static program (no needed libraries) has no loader cache to read
+    # an interpreter alone (a large program's first bytes: its dynamic section comes later)
+    # means the loader and its cache; no interpreter and no needed libraries: nothing
     assert stack.dependencies(elf("/lib64/ld-linux-x86-64.so.2")) == [
-        stack.lookup("lib64/ld-linux-x86-64.so.2")]
+        stack.lookup("lib64/ld-linux-x86-64.so.2"), stack.lookup("etc/ld.so.cache")]
+    assert stack.dependencies(elf("")) == []
 
 
 def test_symlink_loops_and_dotdot_stay_bounded_and_inside_the_trees():

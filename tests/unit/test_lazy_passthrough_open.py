@@ -22,9 +22,6 @@ class Layer:
     def __init__(self) -> None:
         self.stats = SimpleNamespace(as_dict=lambda: {})
 
-    def stat(self, path):
-        return SimpleNamespace(digest="sha256:" + hashlib.sha256(DATA[path]).hexdigest())
-
     def read(self, path):
         return DATA[path]
 
@@ -49,7 +46,8 @@ def _fs(tmp_path):
     nodes = {"": Node(1, stat.S_IFDIR | 0o755, 0, 0, 0, children=dict.fromkeys(DATA))}
     for i, (path, data) in enumerate(DATA.items()):
         nodes[path] = Node(i + 2, stat.S_IFREG | 0o644, 0, 0, 0, size=len(data),
-                           read_path=path, frames=(i * 4096,))
+                           read_path=path, frames=(i * 4096,),
+                           digest="sha256:" + hashlib.sha256(data).hexdigest())
     files = FileCache(str(tmp_path / "files"), FetchLimits(FetchSettings(2, 5.0)), 1 << 30)
     fs = PassthroughFS(Layer(), nodes, str(tmp_path / "mp"), files,  # type: ignore[arg-type]
                        workers=ThreadPoolExecutor(2))
@@ -85,3 +83,25 @@ def test_a_file_in_files_from_an_earlier_daemon_triggers_no_readahead(tmp_path):
     files.path(digest, lambda: DATA["f2"], "f2", inline=True)
     _open(fs, conn, nodes["f2"])
     assert conn.replies == [(1, 0)] and followed == []
+
+
+def test_a_streamed_program_names_its_loader_files_as_its_bytes_arrive(tmp_path):
+    from tests.unit.test_lazy_elfdeps import elf
+
+    fs, nodes, _, _ = _fs(tmp_path)
+    told: list[bytes] = []
+    fs.on_elf = lambda _fs, data: told.append(data)
+    node = nodes["f0"]
+    data = elf("/lib64/ld-linux-x86-64.so.2", ("libc.so.6",))
+    cut = 64 + 3 * 56 + len("/lib64/ld-linux-x86-64.so.2") + 1   # header, phdrs, interp
+    pieces = [data[:cut], data[cut:cut + 8], data[cut + 8:]]
+    assert list(fs._elf_peek(node, iter(pieces))) == pieces   # passed through unchanged
+    # the interpreter from the first piece, the needed libraries once the dynamic section
+    # and its strings are in (the last piece), not again at the reply
+    assert told == [data[:cut], data]
+    assert node.ino in fs._elf_checked
+    told.clear()
+    other = nodes["f1"]
+    assert list(fs._elf_peek(other, iter([b"#!/bin/sh\n", b"echo\n"]))) == [b"#!/bin/sh\n",
+                                                                        b"echo\n"]
+    assert told == [] and other.ino not in fs._elf_checked   # not a program: nothing told

@@ -30,9 +30,9 @@ class _Reader:
         return self.toc.entries[:]
 
 
-def _file(path: str, data: int, size: int, **kw) -> Entry:
+def _file(path: str, data: int, size: int, digest: str = D, **kw) -> Entry:
     # data_offset = uoffset + inner of the first chunk: the v2 row keeps only that
-    return Entry(path, "file", size=size, digest=D, chunks=[Chunk(0, 0, 0, 0, data)], **kw)
+    return Entry(path, "file", size=size, digest=digest, chunks=[Chunk(0, 0, 0, 0, data)], **kw)
 
 
 def _toc(entries: list[Entry], version: int = 2) -> bytes:
@@ -41,7 +41,7 @@ def _toc(entries: list[Entry], version: int = 2) -> bytes:
 
 def _view(nodes) -> dict:
     return {p: (n.ino, n.mode, n.uid, n.gid, n.mtime, n.size, n.rdev, n.nlink, n.link,
-                n.read_path, n.frames, dict(n.xattrs),
+                n.read_path, n.frames, n.digest, dict(n.xattrs),
                 None if n.children is None else list(n.children)) for p, n in nodes.items()}
 
 
@@ -102,6 +102,11 @@ def test_the_tree_follows_the_mount_rules():
     assert nodes["opt"].xattrs == {"user.a": b"1", OPAQUE_XATTR: b"y"}
     assert "opt/.wh..wh..opq" not in nodes and "opt/.wh.gone" not in nodes
     assert list(nodes["opt"].children) == ["gone"]
+    # a regular file carries its TOC digest (the file cache's key: no Entry decoded per open)
+    D2 = "sha256:" + "cd" * 32
+    other = _both([_file("a", 0, 10, digest=D2)])
+    assert nodes["etc/passwd"].digest == D and other["a"].digest == D2
+    assert nodes["etc"].digest == "" and nodes["etc/ln"].digest == ""
     # frames: blob offsets of the frames overlapping the file's bytes in the tar
     assert nodes["etc/passwd"].frames == (0,)
     assert nodes["usr/lib/big"].frames == (0, 100, 200, 300)
