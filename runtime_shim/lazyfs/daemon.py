@@ -75,6 +75,14 @@ class _NodeDaemon:
         self.by_digest: dict[str, Any] = {}  # layer digest -> its Operations (ELF lookups)
         self.elf_pool = ThreadPoolExecutor(4, thread_name_prefix="lazy-elf")
         self._elf_seen: set[tuple[str, int]] = set()  # (mountpoint, ino) fetched ahead
+        from runtime_shim.lazyfs import pyahead
+
+        # a module's imports fetched ahead of the importer (None: $ENVBUILD_LAZY_PYDEPS=off)
+        self.pyahead = (pyahead.PyAhead(
+            self._stack_layers,
+            on_elf=lambda stack, ops, data: self.elf_pool.submit(
+                self._elf_deps, list(stack), ops, data, ELF_DEPTH))
+            if pyahead.enabled() else None)
 
     def _store(self, url: str, endpoint: str | None) -> Any:
         from envbuild.store import open_store
@@ -182,7 +190,9 @@ class _NodeDaemon:
                     "fetch_concurrency": self.limits.settings.concurrency,
                     "fetch_timeout": self.limits.settings.timeout,
                     "max_requests_in_flight": self.limits.max_in_flight,
-                    "files_fetched": self.files.fetches}
+                    "files_fetched": self.files.fetches,
+                    "import_prediction": (self.pyahead.snapshot() if self.pyahead is not None
+                                          else None)}
             elif op == "mount":
                 reply = self._mount(req)
             elif op == "prefetch":
@@ -232,8 +242,12 @@ class _NodeDaemon:
                 on_elf = ((lambda fs, data: self.elf_pool.submit(self._elf_deps, stack, fs,
                                                                  data, ELF_DEPTH))
                           if stack else None)
+                py = self.pyahead
+                on_open = ((lambda fs, node, path: py.opened_file(stack, fs, node, path))
+                           if stack and py is not None else None)
                 ops = PassthroughFS(layer, nodes, mp, self.files, workers=self.open_workers,
-                                    trace=trace, on_init=ready.set, on_elf=on_elf)
+                                    trace=trace, on_init=ready.set, on_elf=on_elf,
+                                    on_first_open=on_open)
                 ops.mount()
             else:
                 ops = make_operations(layer, nodes, on_init=ready.set, trace=trace,
@@ -278,9 +292,13 @@ class _NodeDaemon:
                     if self.by_digest.get(digest) is ops:
                         del self.by_digest[digest]
                     self._elf_seen = {k for k in self._elf_seen if k[0] != mp}
+                if self.pyahead is not None:
+                    self.pyahead.forget(mp)
                     self.last = time.monotonic()
                 ready.set()
-                log.info("unmounted %s; stats %s", mp, json.dumps(layer.stats.as_dict()))
+                log.info("unmounted %s; stats %s%s", mp, json.dumps(layer.stats.as_dict()),
+                         "" if self.pyahead is None else
+                         f"; import prediction {json.dumps(self.pyahead.snapshot())}")
 
         t = threading.Thread(target=run, name=f"fuse-{digest[7:19]}", daemon=True)
         with self.lock:
@@ -297,6 +315,12 @@ class _NodeDaemon:
             self.ops[mp] = ops
             self.by_digest[digest] = ops
         return {"ok": True, "pid": os.getpid(), "mode": self.mode}
+
+    def _stack_layers(self, stack: Sequence[str]) -> list[Any]:
+        """The mounted layers of ``stack`` (bottom to top), top first."""
+        with self.lock:
+            layers = [self.by_digest.get(d) for d in reversed(stack)]
+        return [x for x in layers if x is not None]
 
     def _elf_deps(self, stack: list[str], fs: Any, data: bytes, depth: int) -> None:
         """Fetch the interpreter and libraries of the ELF ``data`` (fetched on ``fs``'s layer)
