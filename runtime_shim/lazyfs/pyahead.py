@@ -63,6 +63,7 @@ SCAN_STARTS = 3
 #: The helper's address-space limit (bytes): a hostile pyc cannot make it take the node's memory.
 SCAN_MEMORY = 1 << 30
 _PYC = re.compile(r"/__pycache__/[^/]+\.pyc$")
+_STARTUP = re.compile(r"(^|/)(bin/python3\.\d{1,2}|pyvenv\.cfg)$")
 _MAX_LINE = 8 << 20
 
 
@@ -92,6 +93,7 @@ class PyAhead:
         self.opened: set[tuple[str, int]] = set()      # predicted files a reader opened
         self.count: dict[tuple[str, ...], int] = {}    # stack -> files predicted
         self.roots: dict[tuple[str, ...], list[str]] = {}
+        self.tags: dict[tuple[str, ...], str] = {}     # stack -> its interpreter's pyc tag
         self.stats = {"pyc_scanned": 0, "files_predicted": 0, "predicted_opened": 0,
                       "unpredicted_opens": 0, "bytes_predicted": 0, "scan_seconds": 0.0,
                       "resolve_seconds": 0.0}
@@ -116,11 +118,15 @@ class PyAhead:
                 return
             if py or node.read_path.endswith(".py") or _EXTENSION.search(node.read_path):
                 self.stats["unpredicted_opens"] += 1
-            if not py:
+            if py:
+                kind = "pyc"
+            elif _STARTUP.search(node.read_path):
+                kind = "startup"   # an interpreter or a venv's pyvenv.cfg: start-up files
+            else:
                 return
             self.seen.add(key)
             self.gen += 1
-            self._push((-self.gen, ()), tuple(stack), fs, node, path)
+            self._push((-self.gen, ()), kind, tuple(stack), fs, node, path)
 
     def forget(self, mountpoint: str) -> None:
         with self.lock:
@@ -133,12 +139,13 @@ class PyAhead:
 
     # -- the scan loop ----------------------------------------------------------------------------
 
-    def _push(self, key: tuple[Any, ...], stack: tuple[str, ...], fs: Any, node: Any,
-              path: str | None) -> None:
-        """(Lock held.) Queue the pyc ``node`` of ``fs`` for a scan (``path``: its cache
-        file, or None to read it from the layer)."""
+    def _push(self, key: tuple[Any, ...], kind: str, stack: tuple[str, ...], fs: Any,
+              node: Any, path: str | None) -> None:
+        """(Lock held.) Queue ``node`` of ``fs`` (``kind``: a ``pyc`` to scan, a ``pth`` to
+        read for its imports, a ``startup`` file) (``path``: its cache file, or None to read
+        it from the layer)."""
         if len(self.heap) < MAX_QUEUE:
-            heapq.heappush(self.heap, (key, next(self.tick), stack, fs, node, path))
+            heapq.heappush(self.heap, (key, next(self.tick), kind, stack, fs, node, path))
             self.cv.notify()
 
     def _run(self) -> None:
@@ -146,9 +153,14 @@ class PyAhead:
             with self.cv:
                 while not self.heap:
                     self.cv.wait()
-                key, _, stack, fs, node, path = heapq.heappop(self.heap)
+                key, _, kind, stack, fs, node, path = heapq.heappop(self.heap)
             try:
-                self._scan(key, stack, fs, node, path)
+                if kind == "pyc":
+                    self._scan(key, stack, fs, node, path)
+                elif kind == "pth":
+                    self._pth(key, stack, fs, node, path)
+                else:
+                    self._startup(key, stack, fs, node)
             except Exception:  # noqa: BLE001 - a hint only: the importer's opens fetch
                 log.exception("import prediction after %s", node.read_path)
 
@@ -182,6 +194,39 @@ class PyAhead:
                 rs = self.roots.setdefault(stack, [])
                 if len(rs) < MAX_ROOTS:
                     rs.append(info.root)
+        self._claim(key, stack, files, after=node)
+
+    def _startup(self, key: tuple[Any, ...], stack: tuple[str, ...], fs: Any,
+                 node: Any) -> None:
+        st = self._stack(stack, fs)
+        tag, sites, files = pydeps.startup_files(st, node.read_path)
+        with self.lock:
+            if tag:
+                self.tags[stack] = tag
+            rs = self.roots.setdefault(stack, [])
+            for site in sites:
+                if site not in rs and len(rs) < MAX_ROOTS and _children_exist(st, site):
+                    rs.append(site)
+        self._claim(key, stack, files, after=node)
+
+    def _pth(self, key: tuple[Any, ...], stack: tuple[str, ...], fs: Any, node: Any,
+             path: str | None) -> None:
+        data = _read(fs, node, path, pydeps.MAX_PTH)
+        if not data:
+            return
+        st = self._stack(stack, fs)
+        m = re.search(r"python3\.(\d{1,2})/", node.read_path)
+        with self.lock:
+            tag = f"cpython-3{m[1]}" if m else self.tags.get(stack, "")
+            roots = list(self.roots.get(stack, ()))
+        if not tag:
+            return
+        site = node.read_path.rpartition("/")[0]
+        where = list(dict.fromkeys([site, *pydeps.stdlib_roots(tag), *roots]))
+        files: list[tuple[Any, Any]] = []
+        for name in pydeps.pth_imports(data):
+            for k in range(1, name.count(".") + 2):
+                files += pydeps.module_files(st, where, ".".join(name.split(".")[:k]), tag)[1]
         self._claim(key, stack, files, after=node)
 
     def _claim(self, key: tuple[Any, ...], stack: tuple[str, ...],
@@ -263,8 +308,14 @@ class PyAhead:
                         self.on_elf(stack, ops, data)
         with self.lock:
             for i, n in zip(idx, nodes):
-                if is_pyc(n.read_path):
-                    self._push((gen, (*base, i)), stack, ops, n, cached.get(id(n)))
+                kind = ("pyc" if is_pyc(n.read_path)
+                        else "pth" if n.read_path.endswith(".pth") else "")
+                if kind:
+                    self._push((gen, (*base, i)), kind, stack, ops, n, cached.get(id(n)))
+
+
+def _children_exist(stack: Any, path: str) -> bool:
+    return any(ops.lazy_nodes.get(path) is not None for ops in stack.layers)
 
 
 def _read(fs: Any, node: Any, path: str | None, limit: int = pydeps.MAX_PYC) -> bytes | None:

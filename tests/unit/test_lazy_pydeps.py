@@ -128,9 +128,10 @@ def _tree(files: list[str]) -> dict[str, Node]:
     ino = 2
     for path in files:
         parts = path.split("/")
-        for i in range(1, len(parts)):
-            d = "/".join(parts[:i])
-            if d not in nodes:
+        for i in range(1, len(parts) + 1):
+            d, parent = "/".join(parts[:i]), "/".join(parts[:i - 1])
+            nodes[parent].children[parts[i - 1]] = None
+            if d not in nodes and i < len(parts):
                 nodes[d] = Node(ino, stat.S_IFDIR | 0o755, 0, 0, 0, children={})
                 ino += 1
         nodes[path] = Node(ino, stat.S_IFREG | 0o644, 0, 0, 0, size=1, read_path=path)
@@ -216,3 +217,36 @@ def test_a_cached_stack_answers_as_the_stack(stack):
     for path in [f"{STD}/os.py", f"{STD}/nope.py", f"{STD}/os.py", f"{SP}/pkg/version.py"]:
         assert cached.lookup(path) == stack.lookup(path)
     assert len(cached.memo) <= 2
+
+
+def test_an_interpreters_start_up_files_and_a_venvs_pth_files():
+    base = Ops("base", ["usr/bin/python3.11", *_pair(f"{STD}/encodings", "__init__"),
+                        *_pair(f"{STD}/encodings", "aliases"), *_pair(f"{STD}/encodings", "utf_8"),
+                        *_pair(f"{STD}/encodings", "latin_1"), *_pair(STD, "sitecustomize"),
+                        "usr/local/lib/python3.11/dist-packages/minicalc.pth",
+                        "usr/local/lib/python3.11/dist-packages/README.txt"])
+    venv = Ops("venv", ["opt/venv/pyvenv.cfg", f"{SP}/distutils-precedence.pth",
+                        f"{SP}/a.pth", *_pair(f"{SP}/_distutils_hack", "__init__")])
+    stack = Stack([venv, base])
+    tag, sites, files = pydeps.startup_files(stack, "usr/bin/python3.11")
+    assert tag == T and "usr/local/lib/python3.11/dist-packages" in sites
+    assert _names(files) == [
+        f"base:{STD}/encodings/__pycache__/__init__.{T}.pyc", f"base:{STD}/encodings/__init__.py",
+        f"base:{STD}/encodings/__pycache__/aliases.{T}.pyc", f"base:{STD}/encodings/aliases.py",
+        f"base:{STD}/encodings/__pycache__/utf_8.{T}.pyc", f"base:{STD}/encodings/utf_8.py",
+        f"base:{STD}/__pycache__/sitecustomize.{T}.pyc", f"base:{STD}/sitecustomize.py",
+        "base:usr/local/lib/python3.11/dist-packages/minicalc.pth"]
+    tag, sites, files = pydeps.startup_files(stack, "opt/venv/pyvenv.cfg")
+    assert (tag, sites) == (T, [SP])
+    assert _names(files) == [f"venv:{SP}/a.pth", f"venv:{SP}/distutils-precedence.pth"]
+    assert pydeps.startup_files(stack, "opt/venv/bin/pip") == ("", [], [])
+
+
+def test_the_imports_of_a_pth_file():
+    pth = (b"/workspace/src\n"
+           b"import os; var = 'SETUPTOOLS_USE_DISTUTILS'; enabled = os.environ.get(var, 'local')"
+           b" == 'local'; enabled and __import__('_distutils_hack').add_shim(); \n"
+           b"import a_mod, b.sub as c\n#import commented\n  import indented\n")
+    assert pydeps.pth_imports(pth) == ["os", "_distutils_hack", "a_mod", "b.sub", "indented"]
+    assert pydeps.pth_imports(b"\xff\xfe garbage") == []
+    assert pydeps.pth_imports(b"import x\n" * 10_000) == ["x"]
