@@ -188,6 +188,8 @@ class Bench:
         ping = daemon_request(node_dir / "node", {"op": "ping"}, 5) or {}
         if ping.get("import_prediction"):   # Python import prediction's counters (pyahead)
             print(f"    import prediction: {ping['import_prediction']}", flush=True)
+        if ping.get("cpu_seconds") is not None:
+            print(f"    lazy daemon CPU: {ping['cpu_seconds']} s", flush=True)
         node.evict((), 0)  # the lazy daemons save the profile and exit
         shutil.rmtree(node_dir, ignore_errors=True)
 

@@ -191,6 +191,7 @@ class _NodeDaemon:
                     "fetch_timeout": self.limits.settings.timeout,
                     "max_requests_in_flight": self.limits.max_in_flight,
                     "files_fetched": self.files.fetches,
+                    "cpu_seconds": round(sum(os.times()[:2]), 3),
                     "import_prediction": (self.pyahead.snapshot() if self.pyahead is not None
                                           else None)}
             elif op == "mount":

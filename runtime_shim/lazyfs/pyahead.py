@@ -49,7 +49,13 @@ MAX_FILE = 32 << 20
 #: Pycs waiting to be scanned.
 MAX_QUEUE = 20_000
 #: Parallel loads (each a coalesced prefetch of one module's predictions in one layer).
-LOAD_WORKERS = 4
+LOAD_WORKERS = int(os.environ.get("ENVBUILD_LAZY_PYDEPS_LOADS", "4"))
+#: Loads running at once per layer (each takes everything predicted since the last began).
+DRAINS = int(os.environ.get("ENVBUILD_LAZY_PYDEPS_DRAINS", "2"))
+#: Compressed bytes between two predicted files that one read may span (fetched and dropped).
+GAP = int(os.environ.get("ENVBUILD_LAZY_PYDEPS_GAP", str(64 << 10)))
+#: Ranged reads in flight per load.
+READ_WORKERS = int(os.environ.get("ENVBUILD_LAZY_PYDEPS_READS", "6"))
 #: A predicted extension module up to this size is read to fetch its libraries (elfdeps).
 ELF_MAX = 16 << 20
 #: Whether the prediction's loads are background requests (yield to a reader's misses).
@@ -101,6 +107,9 @@ class PyAhead:
         self.scanner = _Scanner()
         threading.Thread(target=self.scanner.start, name="lazy-py-helper", daemon=True).start()
         self.stacks: dict[tuple[str, ...], tuple[list[int], pydeps.CachedStack]] = {}
+        # mountpoint -> (its layer, predicted files waiting for a load), loads running
+        self.pending: dict[str, tuple[Any, list[tuple[tuple[Any, ...], tuple[str, ...], Any]]]] = {}
+        self.draining: dict[str, int] = {}
         threading.Thread(target=self._run, name="lazy-py-scan", daemon=True).start()
 
     # -- told by a mount ------------------------------------------------------------------------
@@ -132,6 +141,7 @@ class PyAhead:
         with self.lock:
             self.seen = {k for k in self.seen if k[0] != mountpoint}
             self.opened = {k for k in self.opened if k[0] != mountpoint}
+            self.pending.pop(mountpoint, None)
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
@@ -251,13 +261,35 @@ class PyAhead:
             _trace(todo, after)
         if not todo:
             return
-        groups: dict[int, tuple[Any, list[Any]]] = {}
-        for ops, n in todo:
-            groups.setdefault(id(ops), (ops, []))[1].append(n)
         base = key[1]
-        for ops, nodes in groups.values():
-            idx = [i for i, (o, _) in enumerate(todo) if o is ops]
-            self.loads.submit(self._load, key[0], base, stack, ops, nodes, idx)
+        with self.lock:
+            for i, (ops, n) in enumerate(todo):
+                mp = ops.mountpoint
+                if mp not in self.pending:
+                    self.pending[mp] = (ops, [])
+                self.pending[mp][1].append(((key[0], (*base, i)), stack, n))
+            for mp in {ops.mountpoint for ops, _ in todo}:
+                if self.draining.get(mp, 0) < DRAINS:
+                    self.draining[mp] = self.draining.get(mp, 0) + 1
+                    self.loads.submit(self._drain, mp)
+
+    def _drain(self, mp: str) -> None:
+        """Load what was predicted in the layer mounted at ``mp`` until nothing is pending:
+        each round takes all of it at once (in the importer's order), so predictions made
+        while a load was in flight go in one coalesced load instead of one each."""
+        while True:
+            with self.lock:
+                ops, batch = self.pending.get(mp, (None, []))
+                if not batch:
+                    self.pending.pop(mp, None)
+                    self.draining[mp] -= 1
+                    return
+                self.pending[mp] = (ops, [])
+            batch.sort(key=lambda e: e[0])
+            try:
+                self._load(ops, batch)
+            except Exception:  # noqa: BLE001 - a hint only: the importer's opens fetch
+                log.exception("import prediction: load in %s", ops.lazy_layer.digest)
 
     def _stack(self, stack: tuple[str, ...], fs: Any) -> pydeps.CachedStack:
         """The stack's layers with remembered lookups (renewed when its mounts change)."""
@@ -275,8 +307,12 @@ class PyAhead:
             self.stacks[stack] = (ids, st)
             return st
 
-    def _load(self, gen: int, base: tuple[int, ...], stack: tuple[str, ...], ops: Any,
-              nodes: list[Any], idx: list[int]) -> None:
+    def _load(self, ops: Any, batch: list[tuple[tuple[Any, ...], tuple[str, ...], Any]]
+              ) -> None:
+        """Fetch the files of ``batch`` (``(heap key, stack, node)``, in order) of the layer
+        ``ops`` in coalesced background reads; then queue its pycs and .pth files for their
+        imports and tell ``on_elf`` of its extension modules."""
+        nodes = [n for _, _, n in batch]
         fetch, cached = [], {}
         for n in nodes:
             digest = ops.lazy_layer.stat(n.read_path).digest or ""
@@ -292,26 +328,28 @@ class PyAhead:
                 if BACKGROUND:
                     with background():
                         prefetch_in_order(ops.lazy_frames, ops.lazy_nodes,
-                                          [n.read_path for n in fetch], profiled=False)
+                                          [n.read_path for n in fetch], profiled=False,
+                                          workers=READ_WORKERS, gap=GAP)
                 else:
                     prefetch_in_order(ops.lazy_frames, ops.lazy_nodes,
-                                      [n.read_path for n in fetch], profiled=False)
+                                      [n.read_path for n in fetch], profiled=False,
+                                          workers=READ_WORKERS, gap=GAP)
             except EnvbuildError as e:   # the importer's own open reports it
                 log.warning("import prediction: fetch in %s: %s", ops.lazy_layer.digest,
                             e.message)
                 return
         if self.on_elf is not None:
-            for n in nodes:
+            for _, stack, n in batch:
                 if _EXTENSION.search(n.read_path) and n.size <= ELF_MAX:
                     data = _read(ops, n, cached.get(id(n)), ELF_MAX)
                     if data is not None and data[:4] == b"\x7fELF":
                         self.on_elf(stack, ops, data)
         with self.lock:
-            for i, n in zip(idx, nodes):
+            for key, stack, n in batch:
                 kind = ("pyc" if is_pyc(n.read_path)
                         else "pth" if n.read_path.endswith(".pth") else "")
                 if kind:
-                    self._push((gen, (*base, i)), kind, stack, ops, n, cached.get(id(n)))
+                    self._push(key, kind, stack, ops, n, cached.get(id(n)))
 
 
 def _children_exist(stack: Any, path: str) -> bool:
