@@ -49,17 +49,18 @@ MAX_FILE = 32 << 20
 #: Pycs waiting to be scanned.
 MAX_QUEUE = 20_000
 #: Parallel loads (each a coalesced prefetch of one module's predictions in one layer).
-LOAD_WORKERS = int(os.environ.get("ENVBUILD_LAZY_PYDEPS_LOADS", "4"))
+LOAD_WORKERS = 4
 #: Loads running at once per layer (each takes everything predicted since the last began).
-DRAINS = int(os.environ.get("ENVBUILD_LAZY_PYDEPS_DRAINS", "2"))
+DRAINS = 2
 #: Compressed bytes between two predicted files that one read may span (fetched and dropped).
-GAP = int(os.environ.get("ENVBUILD_LAZY_PYDEPS_GAP", str(64 << 10)))
+GAP = 64 << 10   # as a profile's (measured: 256 KiB, one drain -> +4 MB, no faster)
 #: Ranged reads in flight per load.
-READ_WORKERS = int(os.environ.get("ENVBUILD_LAZY_PYDEPS_READS", "6"))
-#: A predicted extension module up to this size is read to fetch its libraries (elfdeps).
-ELF_MAX = 16 << 20
-#: Whether the prediction's loads are background requests (yield to a reader's misses).
-BACKGROUND = os.environ.get("ENVBUILD_LAZY_PYDEPS_PRIORITY", "") != "reader"
+READ_WORKERS = 6
+#: A predicted extension module up to this size is read to fetch its libraries (elfdeps:
+#: lib-dynload's ``_lzma``, ``_hashlib``, ``_ssl`` need liblzma, libcrypto); larger ones
+#: (numpy's 10 MB ufunc module) link what ``elfdeps`` does not search (their wheel's
+#: ``P.libs``, which the extension readahead fetches), and reading them back costs CPU.
+ELF_MAX = 2 << 20
 #: Roots (sys.path entries) remembered per stack from the pycs readers opened.
 MAX_ROOTS = 16
 #: Seconds a scan in the helper process may take before it is killed (and restarted).
@@ -325,15 +326,12 @@ class PyAhead:
                 ops.readahead.schedule_extensions(n)   # siblings, vendored libraries
         if fetch:
             try:
-                if BACKGROUND:
-                    with background():
-                        prefetch_in_order(ops.lazy_frames, ops.lazy_nodes,
-                                          [n.read_path for n in fetch], profiled=False,
-                                          workers=READ_WORKERS, gap=GAP)
-                else:
+                # background requests: a reader's own misses go first (measured: as
+                # reader requests, no faster)
+                with background():
                     prefetch_in_order(ops.lazy_frames, ops.lazy_nodes,
                                       [n.read_path for n in fetch], profiled=False,
-                                          workers=READ_WORKERS, gap=GAP)
+                                      workers=READ_WORKERS, gap=GAP)
             except EnvbuildError as e:   # the importer's own open reports it
                 log.warning("import prediction: fetch in %s: %s", ops.lazy_layer.digest,
                             e.message)
