@@ -248,7 +248,8 @@ class _NodeDaemon:
                            if stack and py is not None else None)
                 ops = PassthroughFS(layer, nodes, mp, self.files, workers=self.open_workers,
                                     trace=trace, on_init=ready.set, on_elf=on_elf,
-                                    on_first_open=on_open)
+                                    on_first_open=on_open,
+                                    predicted=py.predicted if on_open and py else None)
                 ops.mount()
             else:
                 ops = make_operations(layer, nodes, on_init=ready.set, trace=trace,

@@ -218,8 +218,8 @@ class PassthroughFS:
                  trace: _Trace | None = None, on_init: Callable[[], None] | None = None,
                  want_passthrough: bool = True,
                  on_elf: Callable[[PassthroughFS, bytes], object] | None = None,
-                 on_first_open: Callable[[PassthroughFS, Node, str], object] | None = None
-                 ) -> None:
+                 on_first_open: Callable[[PassthroughFS, Node, str], object] | None = None,
+                 predicted: Callable[[PassthroughFS, Node], bool] | None = None) -> None:
         self.lazy_layer, self.lazy_nodes = layer, nodes
         self.lazy_frames = _Frames(layer, nodes, on_loaded=self._loaded)
         self.readahead = _Readahead(layer, nodes, self.lazy_frames)
@@ -229,6 +229,7 @@ class PassthroughFS:
         self._elf_checked: set[int] = set()   # inodes whose first open told on_elf
         # told of each file's first open with its cache file (Python import prediction)
         self.on_first_open = on_first_open
+        self.predicted = predicted   # whether the import prediction fetched a file (pyahead)
         self.by_ino: dict[int, Node] = {}
         self.dir_path: dict[int, str] = {}
         for path, node in nodes.items():
@@ -452,8 +453,11 @@ class PassthroughFS:
             return
         self.readahead.schedule_extensions(node)
         digest = self._digest(node)
+        # a file the import prediction fetched says nothing of the blob's tar order (the
+        # reader follows the imports, not the blob; ``predicted``)
+        follow = self.predicted is None or not self.predicted(self, node)
         if digest and self.files.cached(digest):
-            if not self.lazy_frames.missing(node):
+            if follow and not self.lazy_frames.missing(node):
                 # written to files/ as its frames landed (a window, readahead): the reader is
                 # going through fetched files, so the tar-order readahead follows it as below
                 self.readahead.schedule_after(node)
@@ -461,7 +465,8 @@ class PassthroughFS:
         elif not self.lazy_frames.missing(node):
             # no store request (its frames are in the chunk cache): answer here; a reader
             # going through the blob in tar order keeps the readahead ahead of it
-            self.readahead.schedule_after(node)
+            if follow:
+                self.readahead.schedule_after(node)
             self._finish_open(conn, unique, node, digest, inline=True, t0=_t0, kind="chunk")
         else:
             self.workers.submit(self._finish_open, conn, unique, node, digest, t0=_t0,

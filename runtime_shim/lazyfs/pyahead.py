@@ -37,7 +37,12 @@ from typing import Any
 from envbuild.errors import EnvbuildError
 from envbuild.store.lazy import background
 from runtime_shim.lazyfs import pydeps
-from runtime_shim.lazyfs.frames import _EXTENSION, prefetch_in_order
+from runtime_shim.lazyfs.frames import (
+    _EXTENSION,
+    PROFILE_FILE_WORKERS,
+    PROFILE_RUN,
+    coalesced_runs,
+)
 
 log = logging.getLogger("envbuild.lazyfs")
 
@@ -50,11 +55,16 @@ MAX_FILE = 32 << 20
 MAX_QUEUE = 20_000
 #: Parallel loads (each a coalesced prefetch of one module's predictions in one layer).
 LOAD_WORKERS = 4
+#: Whether opens of predicted files still move the tar-order readahead (A/B).
+TAR_FOLLOW = os.environ.get("ENVBUILD_LAZY_PYDEPS_TAR", "") == "on"
+#: Import levels scanned ahead of the pycs a reader opened (0: no limit); a predicted pyc
+#: deeper than that is scanned when the reader opens it.
+AHEAD_DEPTH = int(os.environ.get("ENVBUILD_LAZY_PYDEPS_DEPTH", "2"))
 #: Loads running at once per layer (each takes everything predicted since the last began).
 DRAINS = 2
 #: Compressed bytes between two predicted files that one read may span (fetched and dropped).
 GAP = 64 << 10   # as a profile's (measured: 256 KiB, one drain -> +4 MB, no faster)
-#: Ranged reads in flight per load.
+#: Ranged reads of predicted files in flight (all layers).
 READ_WORKERS = 6
 #: A predicted extension module up to this size is read to fetch its libraries (elfdeps:
 #: lib-dynload's ``_lzma``, ``_hashlib``, ``_ssl`` need liblzma, libcrypto); larger ones
@@ -98,6 +108,8 @@ class PyAhead:
         self.tick = itertools.count()
         self.seen: set[tuple[str, int]] = set()        # (mountpoint, ino) predicted
         self.opened: set[tuple[str, int]] = set()      # predicted files a reader opened
+        self.queued: set[tuple[str, int]] = set()      # pycs (and .pth) queued for a scan
+        self.tar_follow = TAR_FOLLOW
         self.count: dict[tuple[str, ...], int] = {}    # stack -> files predicted
         self.roots: dict[tuple[str, ...], list[str]] = {}
         self.tags: dict[tuple[str, ...], str] = {}     # stack -> its interpreter's pyc tag
@@ -105,6 +117,7 @@ class PyAhead:
                       "unpredicted_opens": 0, "bytes_predicted": 0, "scan_seconds": 0.0,
                       "resolve_seconds": 0.0}
         self.loads = ThreadPoolExecutor(LOAD_WORKERS, thread_name_prefix="lazy-py-load")
+        self.reads = ThreadPoolExecutor(READ_WORKERS, thread_name_prefix="lazy-py-read")
         self.scanner = _Scanner()
         threading.Thread(target=self.scanner.start, name="lazy-py-helper", daemon=True).start()
         self.stacks: dict[tuple[str, ...], tuple[list[int], pydeps.CachedStack]] = {}
@@ -125,6 +138,10 @@ class PyAhead:
                 if key not in self.opened:
                     self.opened.add(key)
                     self.stats["predicted_opened"] += 1
+                if py and key not in self.queued:   # predicted beyond AHEAD_DEPTH: scan now
+                    self.queued.add(key)
+                    self.gen += 1
+                    self._push((-self.gen, ()), "pyc", tuple(stack), fs, node, path)
                 return
             if py or node.read_path.endswith(".py") or _EXTENSION.search(node.read_path):
                 self.stats["unpredicted_opens"] += 1
@@ -135,13 +152,21 @@ class PyAhead:
             else:
                 return
             self.seen.add(key)
+            self.queued.add(key)
             self.gen += 1
             self._push((-self.gen, ()), kind, tuple(stack), fs, node, path)
+
+    def predicted(self, fs: Any, node: Any) -> bool:
+        """Whether ``node`` of ``fs`` was fetched as a prediction (a reader's open of it then
+        does not move the tar-order readahead: it follows the imports, not the blob).
+        Lock-free: a set lookup (the FUSE reader thread asks on every first open)."""
+        return (fs.mountpoint, node.ino) in self.seen and not self.tar_follow
 
     def forget(self, mountpoint: str) -> None:
         with self.lock:
             self.seen = {k for k in self.seen if k[0] != mountpoint}
             self.opened = {k for k in self.opened if k[0] != mountpoint}
+            self.queued = {k for k in self.queued if k[0] != mountpoint}
             self.pending.pop(mountpoint, None)
 
     def snapshot(self) -> dict[str, Any]:
@@ -326,12 +351,12 @@ class PyAhead:
                 ops.readahead.schedule_extensions(n)   # siblings, vendored libraries
         if fetch:
             try:
-                # background requests: a reader's own misses go first (measured: as
-                # reader requests, no faster)
-                with background():
-                    prefetch_in_order(ops.lazy_frames, ops.lazy_nodes,
-                                      [n.read_path for n in fetch], profiled=False,
-                                      workers=READ_WORKERS, gap=GAP)
+                # coalesced reads as a profile's (without marking the layer profiled), in
+                # this object's pool (a pool per load cost a thread start per read)
+                runs = coalesced_runs(ops.lazy_frames, ops.lazy_nodes,
+                                      [n.read_path for n in fetch], gap=GAP)
+                for f in [self.reads.submit(_load_run, ops, run) for run in runs]:
+                    f.result()
             except EnvbuildError as e:   # the importer's own open reports it
                 log.warning("import prediction: fetch in %s: %s", ops.lazy_layer.digest,
                             e.message)
@@ -346,8 +371,19 @@ class PyAhead:
             for key, stack, n in batch:
                 kind = ("pyc" if is_pyc(n.read_path)
                         else "pth" if n.read_path.endswith(".pth") else "")
-                if kind:
+                k = (ops.mountpoint, n.ino)
+                if kind and (not AHEAD_DEPTH or len(key[1]) < AHEAD_DEPTH) \
+                        and k not in self.queued:
+                    self.queued.add(k)
                     self._push(key, kind, stack, ops, n, cached.get(id(n)))
+
+
+def _load_run(ops: Any, run: list[Any]) -> None:
+    # background requests: a reader's own misses go first (measured: as reader requests,
+    # no faster); a large file alone is several reads in parallel
+    with background():
+        ops.lazy_frames.load(run, wait=False, workers=PROFILE_FILE_WORKERS, max_run=PROFILE_RUN,
+                             merge_gap=GAP)
 
 
 def _children_exist(stack: Any, path: str) -> bool:

@@ -36,11 +36,13 @@ FAN = 5   # pkg imports pkg.m0 .. pkg.m4; m4 imports m5
 
 
 def _module(path: Path, source: str, pad: int = 1_300_000) -> None:
-    """A module with ``source`` and an incompressible constant of ``pad`` characters (its
-    pyc and py both larger than a miss window), compiled as a checked-hash pyc."""
+    """A module with ``source``, 50 ms of work (a real module's body runs too; without it,
+    on a loaded host, the importer can catch up with the prediction) and an incompressible
+    constant of ``pad`` characters (its pyc and py both larger than a miss window),
+    compiled as a checked-hash pyc."""
     path.parent.mkdir(parents=True, exist_ok=True)
     blob = base64.b64encode(os.urandom(pad * 3 // 4)).decode()
-    path.write_text(f"{source}\nPAD = {blob!r}\n")
+    path.write_text(f"{source}\nimport time\ntime.sleep(0.05)\nPAD = {blob!r}\n")
     pyc = path.parent / "__pycache__" / f"{path.stem}.{sys.implementation.cache_tag}.pyc"
     py_compile.compile(str(path), str(pyc), doraise=True,
                        invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
@@ -71,7 +73,7 @@ def _pack(src: Path, store: LocalStore, tmp_path: Path) -> tuple[str, str]:
 
 
 def _import(node: NodeCache, store: LocalStore, layers: list[tuple[str, str]],
-            trace: Path) -> tuple[list[str], dict, dict]:
+            trace: Path) -> tuple[list[str], dict, dict | None]:
     """Mount the stack (base first) on ``node``, import ``pkg`` from it with the host's
     Python, and return (the files that missed, in order; the venv mount's stats; the
     daemon's import prediction counters)."""

@@ -130,7 +130,9 @@ def _tree(files: list[str]) -> dict[str, Node]:
         parts = path.split("/")
         for i in range(1, len(parts) + 1):
             d, parent = "/".join(parts[:i]), "/".join(parts[:i - 1])
-            nodes[parent].children[parts[i - 1]] = None
+            kids = nodes[parent].children
+            assert kids is not None
+            kids[parts[i - 1]] = None
             if d not in nodes and i < len(parts):
                 nodes[d] = Node(ino, stat.S_IFDIR | 0o755, 0, 0, 0, children={})
                 ino += 1
