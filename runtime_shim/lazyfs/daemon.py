@@ -77,7 +77,7 @@ class _NodeDaemon:
         self._elf_seen: set[tuple[str, int]] = set()  # (mountpoint, ino) fetched ahead
         from runtime_shim.lazyfs import pyahead
 
-        # a module's imports fetched ahead of the importer (None: $ENVBUILD_LAZY_PYDEPS=off)
+        # a module's imports fetched ahead of the importer (None unless $ENVBUILD_LAZY_PYDEPS=on)
         self.pyahead = (pyahead.PyAhead(
             self._stack_layers,
             on_elf=lambda stack, ops, data: self.elf_pool.submit(

@@ -6,8 +6,8 @@ and a module of a lazy "stdlib" layer (another mount of the same stack). Each mo
 them is a miss (the import waits for the store twice per module, one module after the
 other); with it, the first pyc's imports and theirs are fetched before the importer opens
 them — fewer misses than modules — and a function-level import is not fetched. The same
-import, prediction switched off (``$ENVBUILD_LAZY_PYDEPS=off``), on a second node, is the
-baseline of the same run."""
+import without prediction (the default; ``$ENVBUILD_LAZY_PYDEPS=on`` enables it), on a second
+node, is the baseline of the same run."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def test_a_packages_imports_are_fetched_ahead_of_the_importer(tmp_path, monkeypa
     layers = [_pack(std, store, tmp_path), _pack(venv, store, tmp_path)]
     modules = FAN + 3   # pkg, m0..m5, pydeps_std_mod: each a pyc and a py
     runs = {}
-    for name, switch in (("off", "off"), ("on", "")):
+    for name, switch in (("off", ""), ("on", "on")):   # off by default
         monkeypatch.setenv("ENVBUILD_LAZY_PYDEPS", switch)
         trace = tmp_path / f"trace-{name}"
         trace.touch()
