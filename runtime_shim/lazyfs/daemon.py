@@ -294,9 +294,9 @@ class _NodeDaemon:
                     if self.by_digest.get(digest) is ops:
                         del self.by_digest[digest]
                     self._elf_seen = {k for k in self._elf_seen if k[0] != mp}
+                    self.last = time.monotonic()
                 if self.pyahead is not None:
                     self.pyahead.forget(mp)
-                    self.last = time.monotonic()
                 ready.set()
                 log.info("unmounted %s; stats %s%s", mp, json.dumps(layer.stats.as_dict()),
                          "" if self.pyahead is None else

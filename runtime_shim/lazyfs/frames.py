@@ -224,7 +224,7 @@ class _Frames:
 
 def prefetch_in_order(frames: _Frames, nodes: dict[str, Node], paths: Sequence[str], *,
                       gap: int = PROFILE_GAP, max_run: int = PROFILE_RUN,
-                      workers: int = PREFETCH_WORKERS, profiled: bool = True) -> int:
+                      workers: int = PREFETCH_WORKERS) -> int:
     """Load the regular files among ``paths`` (a recorded profile: the files a run read, in
     order) in few large ranged reads: the files sorted by blob offset, neighbours at most
     ``gap`` compressed bytes apart coalesced into reads of at most ``max_run`` bytes (the gap
@@ -234,10 +234,9 @@ def prefetch_in_order(frames: _Frames, nodes: dict[str, Node], paths: Sequence[s
     first). Each read is reported to waiting readers as soon as it landed and verified
     (``_Frames.fetch``), so a reader needing a file of an in-flight read waits for that read
     only; frames someone else is fetching are skipped. Marks ``frames`` as profiled (the
-    tar-order readahead stops guessing) unless ``profiled`` is False (a prediction's files,
-    not a whole recorded profile). Returns the files asked for."""
-    if profiled:
-        frames.profiled = True
+    tar-order readahead stops guessing). Returns the files asked for (``coalesced_runs``
+    makes the reads)."""
+    frames.profiled = True
     runs = coalesced_runs(frames, nodes, paths, gap=gap, max_run=max_run)
     if not runs:
         return 0
