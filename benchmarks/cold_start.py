@@ -189,7 +189,8 @@ class Bench:
         if ping.get("import_prediction"):   # Python import prediction's counters (pyahead)
             print(f"    import prediction: {ping['import_prediction']}", flush=True)
         if ping.get("cpu_seconds") is not None:
-            print(f"    lazy daemon CPU: {ping['cpu_seconds']} s", flush=True)
+            print(f"    lazy daemon CPU: {ping['cpu_seconds']} s, FUSE requests by opcode "
+                  f"{ping.get('fuse_requests')}", flush=True)
         node.evict((), 0)  # the lazy daemons save the profile and exit
         shutil.rmtree(node_dir, ignore_errors=True)
 

@@ -192,6 +192,7 @@ class _NodeDaemon:
                     "max_requests_in_flight": self.limits.max_in_flight,
                     "files_fetched": self.files.fetches,
                     "cpu_seconds": round(sum(os.times()[:2]), 3),
+                    "fuse_requests": self._fuse_requests(),
                     "import_prediction": (self.pyahead.snapshot() if self.pyahead is not None
                                           else None)}
             elif op == "mount":
@@ -317,6 +318,18 @@ class _NodeDaemon:
             self.ops[mp] = ops
             self.by_digest[digest] = ops
         return {"ok": True, "pid": os.getpid(), "mode": self.mode}
+
+    def _fuse_requests(self) -> dict[str, int]:
+        """FUSE requests answered so far by opcode, summed over the passthrough mounts."""
+        import collections
+
+        with self.lock:
+            mounts = list(self.ops.values())
+        total: collections.Counter[str] = collections.Counter()
+        for ops in mounts:
+            for k, v in list(getattr(ops, "ops", {}).items()):
+                total[str(k)] += v
+        return dict(sorted(total.items()))
 
     def _stack_layers(self, stack: Sequence[str]) -> list[Any]:
         """The mounted layers of ``stack`` (bottom to top), top first."""
