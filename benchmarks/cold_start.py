@@ -183,6 +183,14 @@ class Bench:
                 if (" ERROR " in line or " WARNING " in line or line.startswith("error")
                         or "meta layer g-" in line):  # and the meta layers built (metalayer)
                     print(f"    {log.name[:12]}: {line}", flush=True)
+        from runtime_shim.lazyfs.control import daemon_request
+
+        ping = daemon_request(node_dir / "node", {"op": "ping"}, 5) or {}
+        if ping.get("import_prediction"):   # Python import prediction's counters (pyahead)
+            print(f"    import prediction: {ping['import_prediction']}", flush=True)
+        if ping.get("cpu_seconds") is not None:
+            print(f"    lazy daemon CPU: {ping['cpu_seconds']} s, FUSE requests by opcode "
+                  f"{ping.get('fuse_requests')}", flush=True)
         node.evict((), 0)  # the lazy daemons save the profile and exit
         shutil.rmtree(node_dir, ignore_errors=True)
 

@@ -87,6 +87,14 @@ class _NodeDaemon:
         # fetch bound still caps what is in flight)
         self.elf_pool = ThreadPoolExecutor(ELF_WORKERS, thread_name_prefix="lazy-elf")
         self._elf_seen: set[tuple[str, int]] = set()  # (mountpoint, ino) fetched ahead
+        from runtime_shim.lazyfs import pyahead
+
+        # a module's imports fetched ahead of the importer (None unless $ENVBUILD_LAZY_PYDEPS=on)
+        self.pyahead = (pyahead.PyAhead(
+            self._stack_layers,
+            on_elf=lambda stack, ops, data: self.elf_pool.submit(
+                self._elf_deps, list(stack), ops, data, ELF_DEPTH))
+            if pyahead.enabled() else None)
 
     def _store(self, url: str, endpoint: str | None) -> Any:
         from envbuild.store import open_store
@@ -195,7 +203,11 @@ class _NodeDaemon:
                     "fetch_timeout": self.limits.settings.timeout,
                     "max_requests_in_flight": self.limits.max_in_flight,
                     "files_fetched": self.files.fetches,
-                    "meta_building": _meta_building(self.root)}
+                    "meta_building": _meta_building(self.root),
+                    "cpu_seconds": round(sum(os.times()[:2]), 3),
+                    "fuse_requests": self._fuse_requests(),
+                    "import_prediction": (self.pyahead.snapshot() if self.pyahead is not None
+                                          else None)}
             elif op == "mount":
                 reply = self._mount(req)
             elif op == "prefetch":
@@ -247,8 +259,13 @@ class _NodeDaemon:
                 on_elf = ((lambda fs, data: self.elf_pool.submit(self._elf_deps, stack, fs,
                                                                  data, ELF_DEPTH))
                           if stack else None)
+                py = self.pyahead
+                on_open = ((lambda fs, node, path: py.opened_file(stack, fs, node, path))
+                           if stack and py is not None else None)
                 ops = PassthroughFS(layer, nodes, mp, self.files, workers=self.open_workers,
-                                    trace=trace, on_init=ready.set, on_elf=on_elf)
+                                    trace=trace, on_init=ready.set, on_elf=on_elf,
+                                    on_first_open=on_open,
+                                    predicted=py.predicted if on_open and py else None)
                 ops.mount()
             else:
                 ops = make_operations(layer, nodes, on_init=ready.set, trace=trace,
@@ -294,8 +311,12 @@ class _NodeDaemon:
                         del self.by_digest[digest]
                     self._elf_seen = {k for k in self._elf_seen if k[0] != mp}
                     self.last = time.monotonic()
+                if self.pyahead is not None:
+                    self.pyahead.forget(mp)
                 ready.set()
-                log.info("unmounted %s; stats %s", mp, json.dumps(layer.stats.as_dict()))
+                log.info("unmounted %s; stats %s%s", mp, json.dumps(layer.stats.as_dict()),
+                         "" if self.pyahead is None else
+                         f"; import prediction {json.dumps(self.pyahead.snapshot())}")
 
         t = threading.Thread(target=run, name=f"fuse-{digest[7:19]}", daemon=True)
         with self.lock:
@@ -312,6 +333,24 @@ class _NodeDaemon:
             self.ops[mp] = ops
             self.by_digest[digest] = ops
         return {"ok": True, "pid": os.getpid(), "mode": self.mode}
+
+    def _fuse_requests(self) -> dict[str, int]:
+        """FUSE requests answered so far by opcode, summed over the passthrough mounts."""
+        import collections
+
+        with self.lock:
+            mounts = list(self.ops.values())
+        total: collections.Counter[str] = collections.Counter()
+        for ops in mounts:
+            for k, v in list(getattr(ops, "ops", {}).items()):
+                total[str(k)] += v
+        return dict(sorted(total.items()))
+
+    def _stack_layers(self, stack: Sequence[str]) -> list[Any]:
+        """The mounted layers of ``stack`` (bottom to top), top first."""
+        with self.lock:
+            layers = [self.by_digest.get(d) for d in reversed(stack)]
+        return [x for x in layers if x is not None]
 
     def _elf_deps(self, stack: list[str], fs: Any, data: bytes, depth: int) -> None:
         """Fetch the interpreter and libraries of the ELF ``data`` (fetched on ``fs``'s layer)

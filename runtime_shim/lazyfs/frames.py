@@ -234,8 +234,33 @@ def prefetch_in_order(frames: _Frames, nodes: dict[str, Node], paths: Sequence[s
     first). Each read is reported to waiting readers as soon as it landed and verified
     (``_Frames.fetch``), so a reader needing a file of an in-flight read waits for that read
     only; frames someone else is fetching are skipped. Marks ``frames`` as profiled (the
-    tar-order readahead stops guessing). Returns the files asked for."""
+    tar-order readahead stops guessing). Returns the files asked for (``coalesced_runs``
+    makes the reads)."""
     frames.profiled = True
+    runs = coalesced_runs(frames, nodes, paths, gap=gap, max_run=max_run)
+    if not runs:
+        return 0
+    wanted = sum(len(r) for r in runs)
+
+    def load(run: list[Node]) -> None:
+        with background():
+            # a large file alone is several reads of max_run: those in parallel
+            frames.load(run, wait=False, workers=PROFILE_FILE_WORKERS, max_run=max_run,
+                        merge_gap=gap)
+
+    with ThreadPoolExecutor(max(1, min(workers, len(runs))),
+                            thread_name_prefix="lazy-prefetch") as pool:
+        for f in [pool.submit(load, run) for run in runs]:
+            f.result()
+    return wanted
+
+
+def coalesced_runs(frames: _Frames, nodes: dict[str, Node], paths: Sequence[str], *,
+                   gap: int = PROFILE_GAP, max_run: int = PROFILE_RUN) -> list[list[Node]]:
+    """The regular files among ``paths`` whose frames are missing, as ``prefetch_in_order``
+    reads them: sorted by blob offset, neighbours at most ``gap`` compressed bytes apart in
+    one run of at most ``max_run`` bytes, the runs in the order of their earliest file in
+    ``paths``."""
     wanted: dict[int, tuple[int, Node]] = {}
     for k, p in enumerate(paths):
         n = nodes.get(p.strip("/"))
@@ -255,21 +280,8 @@ def prefetch_in_order(frames: _Frames, nodes: dict[str, Node], paths: Sequence[s
         else:
             runs.append((k, [n]))
             start, end = n_start, n_end
-    if not runs:
-        return len(wanted)
     runs.sort(key=lambda r: r[0])
-
-    def load(run: list[Node]) -> None:
-        with background():
-            # a large file alone is several reads of max_run: those in parallel
-            frames.load(run, wait=False, workers=PROFILE_FILE_WORKERS, max_run=max_run,
-                        merge_gap=gap)
-
-    with ThreadPoolExecutor(max(1, min(workers, len(runs))),
-                            thread_name_prefix="lazy-prefetch") as pool:
-        for f in [pool.submit(load, run) for _, run in runs]:
-            f.result()
-    return len(wanted)
+    return [run for _, run in runs]
 
 
 #: A Python extension module (``*.cpython-311-x86_64-linux-gnu.so``, ``*.abi3.so``).

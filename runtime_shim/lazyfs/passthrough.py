@@ -217,7 +217,9 @@ class PassthroughFS:
                  files: FileCache, *, workers: ThreadPoolExecutor,
                  trace: _Trace | None = None, on_init: Callable[[], None] | None = None,
                  want_passthrough: bool = True,
-                 on_elf: Callable[[PassthroughFS, bytes], object] | None = None) -> None:
+                 on_elf: Callable[[PassthroughFS, bytes], object] | None = None,
+                 on_first_open: Callable[[PassthroughFS, Node, str], object] | None = None,
+                 predicted: Callable[[PassthroughFS, Node], bool] | None = None) -> None:
         self.lazy_layer, self.lazy_nodes = layer, nodes
         self.lazy_frames = _Frames(layer, nodes, on_loaded=self._loaded)
         self.readahead = _Readahead(layer, nodes, self.lazy_frames)
@@ -225,6 +227,9 @@ class PassthroughFS:
         self.trace, self.on_init, self.want_passthrough = trace, on_init, want_passthrough
         self.on_elf = on_elf   # told of each fetched ELF file (the daemon fetches its libraries)
         self._elf_checked: set[int] = set()   # inodes whose first open told on_elf
+        # told of each file's first open with its cache file (Python import prediction)
+        self.on_first_open = on_first_open
+        self.predicted = predicted   # whether the import prediction fetched a file (pyahead)
         self.by_ino: dict[int, Node] = {}
         self.dir_path: dict[int, str] = {}
         for path, node in nodes.items():
@@ -447,8 +452,11 @@ class PassthroughFS:
             return
         self.readahead.schedule_extensions(node)
         digest = self._digest(node)
+        # a file the import prediction fetched says nothing of the blob's tar order (the
+        # reader follows the imports, not the blob; ``predicted``)
+        follow = self.predicted is None or not self.predicted(self, node)
         if digest and self.files.cached(digest):
-            if not self.lazy_frames.missing(node):
+            if follow and not self.lazy_frames.missing(node):
                 # written to files/ as its frames landed (a window, readahead): the reader is
                 # going through fetched files, so the tar-order readahead follows it as below
                 self.readahead.schedule_after(node)
@@ -456,7 +464,8 @@ class PassthroughFS:
         elif not self.lazy_frames.missing(node):
             # no store request (its frames are in the chunk cache): answer here; a reader
             # going through the blob in tar order keeps the readahead ahead of it
-            self.readahead.schedule_after(node)
+            if follow:
+                self.readahead.schedule_after(node)
             self._finish_open(conn, unique, node, digest, inline=True, t0=_t0, kind="chunk")
         else:
             self.workers.submit(self._finish_open, conn, unique, node, digest, t0=_t0,
@@ -551,12 +560,20 @@ class PassthroughFS:
             conn.reply(unique, error=errno.EIO)
             return
         conn.reply(unique, payload)
-        if self.on_elf is not None and node.ino not in self._elf_checked:
+        if (self.on_elf is not None or self.on_first_open is not None) \
+                and node.ino not in self._elf_checked:
             # the first open of a file, however it was answered (a miss, a window's frames, a
             # file written to files/ as they landed, a large file streamed): if it is a
-            # program, its loader's files are fetched ahead (after the reply: a hint only)
+            # program, its loader's files are fetched ahead (after the reply: a hint only);
+            # a module's imports likewise (on_first_open)
             self._elf_checked.add(node.ino)
-            self.workers.submit(self._elf_hint, node, path)
+            if self.on_first_open is not None:
+                try:
+                    self.on_first_open(self, node, path)
+                except Exception:  # noqa: BLE001 - a hint only
+                    log.exception("first-open hint after %s", node.read_path)
+            if self.on_elf is not None:
+                self.workers.submit(self._elf_hint, node, path)
         if _TRACE is not None:
             _trace_open(self.lazy_layer.digest, node, t0, kind)
 
