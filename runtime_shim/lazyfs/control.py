@@ -22,6 +22,8 @@ with the process). A connection carries **one request and one reply, each one li
                                                      |  {"ok": false, "error": TEXT}
     {"op": "prefetch", "key": K|null, "layers": [{"mountpoint": M, "paths": [PATH, ...]}, ...]}
                                                      -> {"ok": true, "started": N}
+    {"op": "stats", "mountpoint": M}                -> {"ok": true, "stats": {...}}
+                                                     |  {"ok": false, "error": TEXT}
 
 Any other request, one that is not JSON, or one longer than ``MAX_MESSAGE`` gets
 ``{"ok": false, "error": TEXT}`` (or the connection closed); it never takes the daemon down.

@@ -89,7 +89,8 @@ class _NodeDaemon:
         self._elf_seen: set[tuple[str, int]] = set()  # (mountpoint, ino) fetched ahead
         from runtime_shim.lazyfs import pyahead
 
-        # a module's imports fetched ahead of the importer (None unless $ENVBUILD_LAZY_PYDEPS=on)
+        # an interpreter's start-up files (and, with $ENVBUILD_LAZY_PYDEPS=on, every module's
+        # imports) fetched ahead of the importer (None with $ENVBUILD_LAZY_PYDEPS=off)
         self.pyahead = (pyahead.PyAhead(
             self._stack_layers,
             on_elf=lambda stack, ops, data: self.elf_pool.submit(
@@ -212,6 +213,11 @@ class _NodeDaemon:
                 reply = self._mount(req)
             elif op == "prefetch":
                 reply = self._start_prefetch(req)
+            elif op == "stats":   # a mount's counters (its root's stats xattr, when it has none)
+                with self.lock:
+                    served = self.ops.get(str(req.get("mountpoint")))
+                reply = ({"ok": True, "stats": served.lazy_stats()} if served is not None
+                         else {"ok": False, "error": "no such lazy mount"})
             elif op == "startup":  # a new stack's start-up files, fetched ahead (startup.py)
                 reply = self._start_startup(req)
             elif op == "meta":  # files already on the node, served without FUSE (metalayer)
@@ -265,7 +271,8 @@ class _NodeDaemon:
                 ops = PassthroughFS(layer, nodes, mp, self.files, workers=self.open_workers,
                                     trace=trace, on_init=ready.set, on_elf=on_elf,
                                     on_first_open=on_open,
-                                    predicted=py.predicted if on_open and py else None)
+                                    predicted=py.predicted if on_open and py else None,
+                                    no_xattrs_enosys=True)
                 ops.mount()
             else:
                 ops = make_operations(layer, nodes, on_init=ready.set, trace=trace,

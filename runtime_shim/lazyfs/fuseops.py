@@ -161,9 +161,26 @@ def make_operations(layer: LazyLayer, nodes: dict[str, Node], *,
 
 
 def lazy_stats(mountpoint: str | os.PathLike[str]) -> dict[str, int]:
-    """The ``LazyStats`` (and ``pid``) of the daemon serving ``mountpoint``."""
+    """The ``LazyStats`` (and ``pid``) of the daemon serving ``mountpoint``: its root's
+    ``LAZY_STATS_XATTR``, or, for a mount of a layer without extended attributes (which
+    answers no getxattr at all: ``PassthroughFS.xattrs_enosys``), the node daemon's "stats"
+    reply (a node cache's mounts are ``<node>/lazy/<hex>``)."""
     try:
         return json.loads(os.getxattr(mountpoint, LAZY_STATS_XATTR))
     except OSError as e:
-        raise RuntimeShimError(f"read lazy layer stats at {mountpoint}: {e.strerror}") from e
+        if e.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise RuntimeShimError(f"read lazy layer stats at {mountpoint}: {e.strerror}") from e
+    from runtime_shim.lazyfs.control import daemon_request
+
+    mp = os.path.abspath(os.fspath(mountpoint))
+    try:
+        reply = daemon_request(os.path.dirname(os.path.dirname(mp)),
+                               {"op": "stats", "mountpoint": mp}, 10.0)
+    except OSError as e:
+        raise RuntimeShimError(f"read lazy layer stats at {mountpoint}: its daemon: "
+                               f"{e.strerror or e}") from e
+    if not reply or not reply.get("ok"):
+        why = reply.get("error", "no stats") if reply else "no daemon answers"
+        raise RuntimeShimError(f"read lazy layer stats at {mountpoint}: {why}")
+    return dict(reply["stats"])
 

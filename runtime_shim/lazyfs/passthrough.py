@@ -219,7 +219,8 @@ class PassthroughFS:
                  want_passthrough: bool = True,
                  on_elf: Callable[[PassthroughFS, bytes], object] | None = None,
                  on_first_open: Callable[[PassthroughFS, Node, str], object] | None = None,
-                 predicted: Callable[[PassthroughFS, Node], bool] | None = None) -> None:
+                 predicted: Callable[[PassthroughFS, Node], bool] | None = None,
+                 no_xattrs_enosys: bool = False) -> None:
         self.lazy_layer, self.lazy_nodes = layer, nodes
         self.lazy_frames = _Frames(layer, nodes, on_loaded=self._loaded)
         self.readahead = _Readahead(layer, nodes, self.lazy_frames)
@@ -232,10 +233,22 @@ class PassthroughFS:
         self.predicted = predicted   # whether the import prediction fetched a file (pyahead)
         self.by_ino: dict[int, Node] = {}
         self.dir_path: dict[int, str] = {}
+        has_xattrs = False
         for path, node in nodes.items():
             self.by_ino.setdefault(node.ino, node)
             if node.is_dir:
                 self.dir_path[node.ino] = path
+            has_xattrs = has_xattrs or bool(node.xattrs)
+        # A layer without one extended attribute (no opaque dir either: those are
+        # ``trusted.overlay.opaque``) answers GETXATTR with ENOSYS, so the kernel never asks
+        # this mount again (``fc->no_getxattr``: getxattr is EOPNOTSUPP, which overlayfs takes
+        # as "no such attribute"; a sandbox's getxattr of such a file gets ENOTSUP where an
+        # unpacked layer says ENODATA, both "none"). Overlay asks each lower dentry it looks
+        # up for its opaque, redirect and metacopy attributes: ~3,000 round trips through
+        # this server's GIL in the cold_start workload, the importer waiting on each. The
+        # root's stats attribute is then asked of the daemon (``fuseops.lazy_stats``). Off
+        # for mounts made without the daemon (tests that read the stats attribute directly).
+        self.xattrs_enosys = no_xattrs_enosys and not has_xattrs
         self.statfs = statfs_of(nodes)
         self._dirents: dict[int, list[bytes]] = {}
         self._lock = threading.Lock()
@@ -359,6 +372,8 @@ class PassthroughFS:
             s = self.statfs
             return _KSTATFS.pack(s["f_blocks"], 0, 0, s["f_files"], 0, 4096, 255, 4096, 0)
         if opcode in (GETXATTR, LISTXATTR):
+            if opcode == GETXATTR and self.xattrs_enosys:   # (listxattr: rare, answered)
+                raise OSError(errno.ENOSYS, "no extended attributes in this layer")
             return self._xattr(opcode, nodeid, body)
         if opcode in _WRITES:
             raise OSError(errno.EROFS, "read-only")

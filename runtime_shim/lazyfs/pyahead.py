@@ -14,7 +14,8 @@ Extension modules among the predictions start their directory's extension readah
 
 Bounded: at most ``MAX_FILES`` predicted files per stack, files larger than ``MAX_FILE`` are
 left to their own open, each file predicted once per mount (``seen``), and the scan heap
-holds at most ``MAX_QUEUE`` pycs. Off unless ``$ENVBUILD_LAZY_PYDEPS=on`` (measurements in
+holds at most ``MAX_QUEUE`` pycs. By default only an interpreter's start-up is predicted; the
+imports of every pyc with ``$ENVBUILD_LAZY_PYDEPS=on`` (``mode``; measurements in
 ``docs/lazy-loading.md``: exact, but not faster on a CPU-saturated host).
 """
 
@@ -87,11 +88,24 @@ _STARTUP = re.compile(r"(^|/)(bin/python3\.\d{1,2}|pyvenv\.cfg)$")
 _MAX_LINE = 8 << 20
 
 
+def mode() -> str:
+    """``$ENVBUILD_LAZY_PYDEPS``: ``on`` (the imports of every fetched pyc predicted),
+    ``startup`` (the default: only an interpreter's start-up files — ``encodings``,
+    ``sitecustomize``, the site dirs' ``.pth`` files and their imports — on the first open of
+    ``bin/python3.N`` or a ``pyvenv.cfg``; a dozen files, no scan helper) or ``off``. Full
+    prediction is not the default: on a CPU-saturated 2-core host its work in the daemon
+    cost the import more than the misses it removed (``docs/lazy-loading.md``)."""
+    value = os.environ.get(ENV_SWITCH, "").strip().lower()
+    if value in ("on", "1", "yes", "true"):
+        return "on"
+    if value in ("off", "0", "no", "false"):
+        return "off"
+    return "startup"
+
+
 def enabled() -> bool:
-    """Whether import prediction runs: ``$ENVBUILD_LAZY_PYDEPS=on`` (off by default: on a
-    CPU-saturated 2-core host its work in the daemon cost the import more than the misses it
-    removed; ``docs/lazy-loading.md``)."""
-    return os.environ.get(ENV_SWITCH, "").strip().lower() in ("on", "1", "yes", "true")
+    """Whether the daemon predicts anything (``mode()`` is not ``off``)."""
+    return mode() != "off"
 
 
 def is_pyc(path: str) -> bool:
@@ -123,8 +137,13 @@ class PyAhead:
                       "resolve_seconds": 0.0}
         self.loads = ThreadPoolExecutor(LOAD_WORKERS, thread_name_prefix="lazy-py-load")
         self.reads = ThreadPoolExecutor(READ_WORKERS, thread_name_prefix="lazy-py-read")
+        #: whether fetched pycs are scanned for their imports (``mode() == "on"``); else
+        #: only interpreter start-up is predicted
+        self.scan_imports = mode() == "on"
         self.scanner = _Scanner()
-        threading.Thread(target=self.scanner.start, name="lazy-py-helper", daemon=True).start()
+        if self.scan_imports:
+            threading.Thread(target=self.scanner.start, name="lazy-py-helper",
+                             daemon=True).start()
         self.stacks: dict[tuple[str, ...], tuple[list[int], pydeps.CachedStack]] = {}
         # mountpoint -> (its layer, predicted files waiting for a load), loads running
         self.pending: dict[str, tuple[Any, list[tuple[tuple[Any, ...], tuple[str, ...], Any]]]] = {}
@@ -143,15 +162,18 @@ class PyAhead:
                 if key not in self.opened:
                     self.opened.add(key)
                     self.stats["predicted_opened"] += 1
-                if py and key not in self.queued:   # predicted beyond AHEAD_DEPTH: scan now
+                if py and self.scan_imports and key not in self.queued:
+                    # predicted beyond AHEAD_DEPTH: scan now
                     self.queued.add(key)
                     self.gen += 1
                     self._push((-self.gen, ()), "pyc", tuple(stack), fs, node, path)
                 return
             if py or node.read_path.endswith(".py") or _EXTENSION.search(node.read_path):
                 self.stats["unpredicted_opens"] += 1
-            if py:
+            if py and self.scan_imports:
                 kind = "pyc"
+            elif py:
+                return
             elif _STARTUP.search(node.read_path):
                 kind = "startup"   # an interpreter or a venv's pyvenv.cfg: start-up files
             else:
@@ -374,7 +396,7 @@ class PyAhead:
                         self.on_elf(stack, ops, data)
         with self.lock:
             for key, stack, n in batch:
-                kind = ("pyc" if is_pyc(n.read_path)
+                kind = ("pyc" if is_pyc(n.read_path) and self.scan_imports
                         else "pth" if n.read_path.endswith(".pth") else "")
                 k = (ops.mountpoint, n.ino)
                 if kind and (not AHEAD_DEPTH or len(key[1]) < AHEAD_DEPTH) \

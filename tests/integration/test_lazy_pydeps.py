@@ -6,16 +6,20 @@ and a module of a lazy "stdlib" layer (another mount of the same stack). Each mo
 them is a miss (the import waits for the store twice per module, one module after the
 other); with it, the first pyc's imports and theirs are fetched before the importer opens
 them — fewer misses than modules — and a function-level import is not fetched. The same
-import without prediction (the default; ``$ENVBUILD_LAZY_PYDEPS=on`` enables it), on a second
-node, is the baseline of the same run."""
+import without prediction (the default predicts only an interpreter's start-up;
+``$ENVBUILD_LAZY_PYDEPS=on`` every import), on a second node, is the baseline of the same run.
+An interpreter's start-up files are fetched on the first open of ``bin/python3.N`` by
+default."""
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import py_compile
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,7 +104,8 @@ def test_a_packages_imports_are_fetched_ahead_of_the_importer(tmp_path, monkeypa
     layers = [_pack(std, store, tmp_path), _pack(venv, store, tmp_path)]
     modules = FAN + 3   # pkg, m0..m5, pydeps_std_mod: each a pyc and a py
     runs = {}
-    for name, switch in (("off", ""), ("on", "on")):   # off by default
+    # the default predicts an interpreter's start-up only (no python3.N in these layers)
+    for name, switch in (("off", ""), ("on", "on")):
         monkeypatch.setenv("ENVBUILD_LAZY_PYDEPS", switch)
         trace = tmp_path / f"trace-{name}"
         trace.touch()
@@ -115,7 +120,8 @@ def test_a_packages_imports_are_fetched_ahead_of_the_importer(tmp_path, monkeypa
         assert mounted_targets_under(str(tmp_path / f"node-{name}")) == []
     off_misses, off_stats, off_pred = runs["off"]
     on_misses, on_stats, pred = runs["on"]
-    assert off_pred is None
+    assert off_pred is not None and off_pred["pyc_scanned"] == 0, off_pred
+    assert off_pred["files_predicted"] == 0, off_pred
     module_misses = [m for m in off_misses if m.endswith((".py", ".pyc"))]
     # without prediction: every pyc and every source waits for the store
     assert len(module_misses) == 2 * modules, off_misses
@@ -135,3 +141,67 @@ def test_a_packages_imports_are_fetched_ahead_of_the_importer(tmp_path, monkeypa
     # and no more bytes than the import itself fetches without prediction (+ slack for
     # coalesced reads' gaps): the prediction fetched nothing the import did not open
     assert on_stats["bytes_fetched"] <= off_stats["bytes_fetched"] + (256 << 10)
+
+
+def test_an_interpreters_start_up_files_are_fetched_on_its_first_open_by_default(
+        tmp_path, monkeypatch):
+    """The default mode: the first open of ``usr/bin/python3.11`` fetches ``encodings`` (its
+    ``__init__``, ``aliases``, ``utf_8``: pyc and source), ``sitecustomize`` and the site
+    dirs' ``.pth`` files before the interpreter opens them — each larger than a miss window,
+    so without the prediction each would be a miss — and no pyc is scanned (no helper)."""
+    require_root()
+    require_tool("fusermount3")
+    monkeypatch.setenv("ENVBUILD_LAZY_PASSTHROUGH", "on")
+    monkeypatch.delenv("ENVBUILD_LAZY_PYDEPS", raising=False)
+    base = tmp_path / "base"
+    (base / "usr/bin").mkdir(parents=True)
+    (base / "usr/bin/python3.11").write_bytes(os.urandom(2_000_000))
+    wanted = []
+    for name in ("encodings/__init__.py", "encodings/aliases.py", "encodings/utf_8.py",
+                 "sitecustomize.py"):
+        path = base / STD / name
+        _module(path, "")
+        pyc = path.parent / "__pycache__" / f"{path.stem}.cpython-311.pyc"
+        if not pyc.exists():   # the host's cache tag may differ: name it as 3.11's
+            (path.parent / "__pycache__" / f"{path.stem}.{sys.implementation.cache_tag}.pyc"
+             ).rename(pyc)
+        wanted += [path, pyc]
+    pth = base / "usr/lib/python3/dist-packages/extra.pth"
+    pth.parent.mkdir(parents=True)
+    pth.write_text("/nowhere\n" + "#" * 1_500_000 + "\n")
+    wanted.append(pth)
+    control = base / STD / "not_at_start_up.py"
+    _module(control, "")
+    store = LocalStore(tmp_path / "store")
+    digest, toc = _pack(base, store, tmp_path)
+    trace = tmp_path / "trace"
+    trace.touch()
+    monkeypatch.setenv("ENVBUILD_LAZY_OPEN_TRACE", str(trace))
+    node = NodeCache(tmp_path / "node")
+    try:
+        # a sandbox's mounts name their stack (its profile record): lookups go through it
+        record = {"key": "sha256:" + os.urandom(32).hex(), "layers": [digest],
+                  "store": str(store.root), "s3_endpoint": None}
+        mp = node.ensure_lazy(str(store.root), digest, toc, record_profile=record)
+        with open(mp / "usr/bin/python3.11", "rb") as f:
+            f.read(1)
+        files = node.root / "files"
+        deadline = time.monotonic() + 30
+        names = {hashlib.sha256(p.read_bytes()).hexdigest() for p in wanted}
+        while time.monotonic() < deadline and not names <= set(os.listdir(files)):
+            time.sleep(0.05)
+        assert names <= set(os.listdir(files)), "start-up files not fetched ahead"
+        for p in wanted + [control]:
+            (mp / p.relative_to(base)).read_bytes()
+        pred = (daemon_request(node.root, {"op": "ping"}, 10) or {})["import_prediction"]
+        log = (node.root / "lazy" / "daemon.log").read_text()
+        assert "Traceback" not in log
+    finally:
+        node.unmount_lazy(keep=())
+    assert mounted_targets_under(str(tmp_path / "node")) == []
+    misses = [line.split()[5] for line in trace.read_text().splitlines()
+              if line.split()[2] == "miss"]
+    rel = [str(p.relative_to(base)) for p in wanted]
+    assert not set(rel) & set(misses), misses
+    assert str(control.relative_to(base)) in misses   # the control: nothing predicts it
+    assert pred["pyc_scanned"] == 0 and pred["files_predicted"] == len(wanted), pred
