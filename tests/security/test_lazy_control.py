@@ -7,16 +7,13 @@ review found the unbounded line read): the daemon refuses the line once it passe
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from runtime_shim.lazyfs.control import MAX_MESSAGE, daemon_address, daemon_request
+from tests.lazy_daemon import bare_daemon
 
-REPO = Path(__file__).resolve().parents[2]
 FLOOD = 3 * MAX_MESSAGE  # 96 MiB without a newline
 
 
@@ -29,18 +26,7 @@ def _hwm_mib(pid: int) -> float:
 
 def test_an_endless_request_line_is_refused_with_bounded_memory(tmp_path):
     node = tmp_path / "node"
-    node.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    daemon = subprocess.Popen([sys.executable, "-m", "runtime_shim.lazyfs", "--node", str(node)],
-                              env=env, cwd="/", stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE,
-                              start_new_session=True)
-    try:
-        deadline = time.monotonic() + 20
-        while daemon_request(node, {"op": "ping"}, 5) is None:
-            assert daemon.poll() is None, daemon.stderr.read().decode()  # type: ignore[union-attr]
-            assert time.monotonic() < deadline, "the daemon did not start"
-            time.sleep(0.05)
+    with bare_daemon(node) as daemon:
         before = _hwm_mib(daemon.pid)
         # keep the daemon from exiting idle while we flood: a second, silent connection
         keeper = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -72,6 +58,3 @@ def test_an_endless_request_line_is_refused_with_bounded_memory(tmp_path):
         pong = daemon_request(node, {"op": "ping"}, 5)
         assert pong is not None and pong["pid"] == daemon.pid
         keeper.close()
-    finally:
-        daemon.terminate()
-        daemon.wait(10)

@@ -6,19 +6,14 @@ files and bytes, and a malformed request is refused without taking the daemon do
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 from runtime_shim.lazyfs import startup
 from runtime_shim.lazyfs.control import daemon_request
 from runtime_shim.lazyfs.elfdeps import Stack
 from runtime_shim.lazyfs.startup import command_file, shebang, startup_files
+from tests.lazy_daemon import bare_daemon
 from tests.unit.test_lazy_startup import Ops, _paths
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_symlinks_cannot_leave_the_stack_and_loops_end():
@@ -52,16 +47,7 @@ def test_huge_directories_paths_and_lines_stay_bounded():
 
 def test_a_malformed_startup_request_is_refused_and_the_daemon_serves_on(tmp_path):
     node = tmp_path / "node"
-    node.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    daemon = subprocess.Popen([sys.executable, "-m", "runtime_shim.lazyfs", "--node", str(node)],
-                              env=env, cwd="/", stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 20
-        while daemon_request(node, {"op": "ping"}, 5) is None:
-            assert daemon.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
+    with bare_daemon(node):
         for bad in ({"mountpoints": "x", "env": {}}, {"mountpoints": [], "env": []},
                     {"mountpoints": [1] * 2000, "env": {}},
                     {"mountpoints": [], "env": {}, "cmd": "sh"}):
@@ -73,6 +59,3 @@ def test_a_malformed_startup_request_is_refused_and_the_daemon_serves_on(tmp_pat
                                       "cmd": [{"a": 1}]}, 10)
         assert reply == {"ok": True, "layers": 0}
         assert daemon_request(node, {"op": "ping"}, 10)["ok"] is True
-    finally:
-        daemon.terminate()
-        daemon.wait(20)
