@@ -288,7 +288,16 @@ def test_worker_killed_mid_build_is_retried_elsewhere(cluster):
         builders = _owner_pids(layout.builds)
         cids = [c for d in layout.builds.iterdir() if d.is_dir() for c in bundle_container_ids(d)]
         cluster.ray.kill_node(victim)
-        out, _ = proc.communicate(timeout=600)
+        # stdout in a thread of its own: stderr is the reader thread's (communicate() would
+        # read and close it under that thread: lost lines, and a ValueError in the thread)
+        assert proc.stdout is not None
+        stdout = proc.stdout
+        outs: list[str] = []
+        out_reader = threading.Thread(target=lambda: outs.append(stdout.read()), daemon=True)
+        out_reader.start()
+        proc.wait(timeout=600)
+        out_reader.join(30)
+        out = "".join(outs)
     finally:
         if proc.poll() is None:
             proc.kill()
