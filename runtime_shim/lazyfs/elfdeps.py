@@ -109,6 +109,17 @@ class Stack:
                 return ops, node
         return None
 
+    def names(self, path: str, per_layer: int) -> list[str]:
+        """The names in directory ``path`` of any of the stack's layers (no symlinks followed;
+        at most ``per_layer`` taken from each layer), each once, in first-seen order: a
+        ``lookup`` of each then decides which layer's, whiteouts included."""
+        out: dict[str, None] = {}
+        for ops in self.layers:
+            node = ops.lazy_nodes.get(path)
+            if node is not None and node.children is not None:
+                out.update(dict.fromkeys(list(node.children)[:per_layer]))
+        return list(out)
+
     def lookup(self, path: str) -> tuple[Any, Any] | None:
         """``(ops, node)`` of the regular file at ``path`` (absolute or relative to the root),
         symlinks followed (at most ``MAX_HOPS``), or None."""

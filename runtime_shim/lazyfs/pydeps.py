@@ -74,6 +74,9 @@ class CachedStack:
         self.stack, self.layers, self.limit = stack, stack.layers, limit
         self.memo: dict[str, Any] = {}
 
+    def names(self, path: str, per_layer: int) -> list[str]:
+        return list(self.stack.names(path, per_layer))
+
     def lookup(self, path: str) -> Any:
         try:
             return self.memo[path]
@@ -496,6 +499,8 @@ _INTERPRETER = re.compile(r"^(?P<prefix>(?:.*/)?)bin/python3\.(?P<minor>\d{1,2})
 _PYVENV = re.compile(r"^(?P<venv>(?:.*/)?)pyvenv\.cfg$")
 #: Largest ``.pth`` file read for its ``import`` lines (site.py runs them at start-up).
 MAX_PTH = 64 << 10
+#: Names read per layer from a site or venv lib directory (``Stack.names``).
+MAX_DIR_NAMES = 10_000
 _PTH_IMPORT = re.compile(r"__import__\(\s*['\"]([A-Za-z_][A-Za-z0-9_.]*)['\"]")
 
 
@@ -527,27 +532,17 @@ def startup_files(stack: Any, path: str) -> tuple[str, list[str], list[tuple[Any
     m = _PYVENV.match(path)
     if m is not None:
         lib = f"{m['venv']}lib"
-        sites = [f"{lib}/{name}/site-packages" for name in sorted(_children(stack, lib))
+        sites = [f"{lib}/{name}/site-packages" for name in sorted(stack.names(lib, MAX_DIR_NAMES))
                  if re.match(r"^python3\.\d{1,2}$", name)][:4]
         tags = [f"cpython-3{s.split('/')[-2].split('.')[1]}" for s in sites]
         return (tags[0] if tags else ""), sites, _pth_files(stack, sites)
     return "", [], []
 
 
-def _children(stack: Any, path: str) -> list[str]:
-    """Names in the directory ``path`` of the stack's layers (union, no symlinks followed)."""
-    out: dict[str, None] = {}
-    for ops in stack.layers:
-        node = ops.lazy_nodes.get(path)
-        if node is not None and node.children is not None:
-            out.update(dict.fromkeys(list(node.children)[:10_000]))
-    return list(out)
-
-
 def _pth_files(stack: Any, sites: Sequence[str]) -> list[tuple[Any, Any]]:
     out = []
     for site in sites:
-        for name in sorted(_children(stack, site)):
+        for name in sorted(stack.names(site, MAX_DIR_NAMES)):
             if name.endswith(".pth"):
                 hit = stack.lookup(f"{site}/{name}")
                 if hit is not None:

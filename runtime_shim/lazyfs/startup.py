@@ -133,7 +133,8 @@ def startup_files(stack: Stack, env: Mapping[str, str]) -> list[tuple[Any, Any]]
                     continue
                 files = 0
                 for sub in ("", "LC_MESSAGES/"):   # glibc's category files, and messages'
-                    for child in sorted(_children(stack, f"{LOCALE_DIR}/{d}/{sub}".rstrip("/"))):
+                    for child in sorted(stack.names(f"{LOCALE_DIR}/{d}/{sub}".rstrip("/"),
+                                                    MAX_LOCALE_FILES)):
                         if files >= MAX_LOCALE_FILES:
                             break
                         hit = stack.lookup(f"{LOCALE_DIR}/{d}/{sub}{child}")
@@ -153,17 +154,6 @@ def startup_files(stack: Stack, env: Mapping[str, str]) -> list[tuple[Any, Any]]
     if zone:
         add(stack.lookup(zone))
     return out
-
-
-def _children(stack: Stack, path: str) -> set[str]:
-    """Names below directory ``path`` in any layer of the stack (a lookup per name then
-    decides which layer's, whiteouts included)."""
-    names: set[str] = set()
-    for ops in stack.layers:
-        node = ops.lazy_nodes.get(path)
-        if node is not None and node.children is not None:
-            names.update(list(node.children)[:MAX_LOCALE_FILES])
-    return names
 
 
 #: PATH entries searched for the lock's command, and ``#!`` hops followed from it.
