@@ -6,6 +6,7 @@ live build beside it is not touched."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -68,6 +69,19 @@ def _cleanup(node: Path, procs: list[subprocess.Popen]) -> None:
     reap_stale_builds(node / "builds", OciRuntime("runc", state_root=str(node / "runc")))
 
 
+@contextlib.contextmanager
+def _two_running_builds(tmp: Path, node: Path):
+    """Two builders on ``node`` ("victim" and "alive"), each with its step running: yields
+    ``(victim, alive, victim's build dir, alive's build dir)``; kills both and reaps after."""
+    victim = _start(tmp, node, "victim")
+    alive = _start(tmp, node, "alive")
+    try:
+        yield (victim, alive, _running_step(node / "builds", "started-victim"),
+               _running_step(node / "builds", "started-alive"))
+    finally:
+        _cleanup(node, [victim, alive])
+
+
 @pytest.mark.parametrize("runc_state", ["kept", "lost"])
 def test_a_killed_builders_mounts_loop_disk_cgroups_and_processes_are_reaped(tmp_path, runc_state):
     """``lost``: the runc state root is gone too (as when ``runc run`` was killed before it
@@ -78,11 +92,7 @@ def test_a_killed_builders_mounts_loop_disk_cgroups_and_processes_are_reaped(tmp
     node = tmp_path / "node"
     builds = node / "builds"
     runtime = OciRuntime("runc", state_root=str(node / "runc"))
-    victim = _start(tmp_path, node, "victim")
-    alive = _start(tmp_path, node, "alive")
-    try:
-        dead_dir = _running_step(builds, "started-victim")
-        live_dir = _running_step(builds, "started-alive")
+    with _two_running_builds(tmp_path, node) as (victim, alive, dead_dir, live_dir):
         cids = bundle_container_ids(dead_dir)
         assert len(cids) == 1, cids
         step_pids = _pids_of(cids)
@@ -114,8 +124,6 @@ def test_a_killed_builders_mounts_loop_disk_cgroups_and_processes_are_reaped(tmp
         assert live_dir.is_dir() and len(mounted_targets_under(str(live_dir))) == 2
         assert alive.poll() is None
         assert reap_stale_builds(builds, runtime) == []  # nothing else is stale
-    finally:
-        _cleanup(node, [victim, alive])
     assert [p for p in builds.iterdir()] == []
     assert_nothing_left_under(tmp_path)
 
@@ -131,11 +139,7 @@ def test_a_ray_builder_starting_on_the_node_cache_reaps_a_killed_build(tmp_path)
 
     node = tmp_path / "node-abc123"
     builds = node / "builds"
-    victim = _start(tmp_path, node, "victim")
-    alive = _start(tmp_path, node, "alive")
-    try:
-        dead_dir = _running_step(builds, "started-victim")
-        live_dir = _running_step(builds, "started-alive")
+    with _two_running_builds(tmp_path, node) as (victim, alive, dead_dir, live_dir):
         cids = bundle_container_ids(dead_dir)
         victim.send_signal(signal.SIGKILL)
         victim.wait()
@@ -149,6 +153,4 @@ def test_a_ray_builder_starting_on_the_node_cache_reaps_a_killed_build(tmp_path)
         assert loops_backed_under(dead_dir) == []
         assert [d for cid in cids for d in cgroup_dirs(cid)] == []
         assert live_dir.is_dir() and alive.poll() is None
-    finally:
-        _cleanup(node, [victim, alive])
     assert_nothing_left_under(tmp_path)
