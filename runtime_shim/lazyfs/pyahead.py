@@ -368,8 +368,7 @@ class PyAhead:
         nodes = [n for _, _, n in batch]
         fetch, cached = [], {}
         for n in nodes:
-            digest = ops.lazy_layer.stat(n.read_path).digest or ""
-            hit = ops.files.cached(digest) if digest else None
+            hit = ops.files.cached(n.digest) if n.digest else None
             if hit is not None:
                 cached[id(n)] = hit
             else:
