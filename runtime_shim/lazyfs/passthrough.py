@@ -466,7 +466,7 @@ class PassthroughFS:
             conn.reply(unique, _OPEN_OUT.pack(0, _PT, held[0]))
             return
         self.readahead.schedule_extensions(node)
-        digest = self._digest(node)
+        digest = node.digest
         # a file the import prediction fetched says nothing of the blob's tar order (the
         # reader follows the imports, not the blob; ``predicted``)
         follow = self.predicted is None or not self.predicted(self, node)
@@ -485,9 +485,6 @@ class PassthroughFS:
         else:
             self.workers.submit(self._finish_open, conn, unique, node, digest, t0=_t0,
                                 kind="miss")
-
-    def _digest(self, node: Node) -> str:
-        return node.digest
 
     def _fetch(self, node: Node) -> bytes | Iterable[bytes]:
         # one fetch per frame at a time (a second reader waits); small files that share the
@@ -551,7 +548,7 @@ class PassthroughFS:
         # files whose frames just arrived are written to files/ in the background, so that
         # their first open is a backing open only (not a write on the reader's thread)
         for node in nodes:
-            digest = self._digest(node)
+            digest = node.digest
             if digest:
                 self.files.preload(digest, functools.partial(self.lazy_layer.read,
                                                              node.read_path),

@@ -66,20 +66,20 @@ def test_a_file_written_from_fetched_frames_keeps_the_tar_readahead_following(tm
     for f in (nodes["f0"].frames[0], nodes["f1"].frames[0]):
         fs.lazy_frames.loaded.add(f)
     # f0: its frames landed and the background writer put it in files/ already
-    digest = fs._digest(nodes["f0"])
+    digest = nodes["f0"].digest
     files.path(digest, lambda: DATA["f0"], "f0", inline=True)
     _open(fs, conn, nodes["f0"])
     # f1: frames in memory, not yet in files/ (written on the reader's thread)
     _open(fs, conn, nodes["f1"], unique=2)
     assert conn.replies == [(1, 0), (2, 0)]
     assert followed == ["f0", "f1"]
-    assert files.cached(fs._digest(nodes["f1"]))
+    assert files.cached(nodes["f1"].digest)
 
 
 def test_a_file_in_files_from_an_earlier_daemon_triggers_no_readahead(tmp_path):
     fs, nodes, files, followed = _fs(tmp_path)
     conn = Conn()
-    digest = fs._digest(nodes["f2"])  # its frames were never loaded by this daemon
+    digest = nodes["f2"].digest  # its frames were never loaded by this daemon
     files.path(digest, lambda: DATA["f2"], "f2", inline=True)
     _open(fs, conn, nodes["f2"])
     assert conn.replies == [(1, 0)] and followed == []
