@@ -53,6 +53,24 @@ ELF_DEPTH = 2
 ELF_WORKERS = 12
 
 
+def _cached_path(ops: Any, node: Any) -> str | None:
+    """The node's file cache path of the regular file ``node`` of mount ``ops``, if its
+    content is on the node (the fuse fallback has no file cache: None)."""
+    files = getattr(ops, "files", None)
+    return files.cached(node.digest) if files is not None and node.digest else None
+
+
+def _node_bytes(ops: Any, node: Any, cached: str | None) -> bytes:
+    """The content of ``node`` (a loader or command file fetched ahead): at most
+    ``ELF_PREFETCH_MAX`` bytes of its cache file ``cached``, or, when it is not on the node,
+    its frames loaded (verified) and the file read from them."""
+    if cached is not None:
+        with open(cached, "rb") as f:
+            return f.read(ELF_PREFETCH_MAX)
+    ops.lazy_frames.load([node])
+    return ops.lazy_layer.read(node.read_path)
+
+
 def _meta_building(root: str) -> int:
     from runtime_shim.lazyfs import metalayer
 
@@ -365,9 +383,7 @@ class _NodeDaemon:
         ``depth`` levels down, theirs (``runtime_shim.lazyfs.elfdeps``)."""
         from runtime_shim.lazyfs.elfdeps import Stack
 
-        with self.lock:
-            layers = [self.by_digest.get(d) for d in reversed(stack)]
-        layers = [x for x in layers if x is not None] or [fs]
+        layers = self._stack_layers(stack) or [fs]
         try:
             deps = Stack(layers).dependencies(data)
         except Exception:  # noqa: BLE001 - a hint only: the loader's own opens fetch them
@@ -385,16 +401,10 @@ class _NodeDaemon:
         if not node.read_path or node.size > ELF_PREFETCH_MAX:
             return
         try:
-            digest = node.digest
-            cached = ops.files.cached(digest) if digest else None
-            if cached is not None:   # on the node already: nothing to fetch
-                if depth <= 1:
-                    return
-                with open(cached, "rb") as f:
-                    data = f.read(ELF_PREFETCH_MAX)
-            else:
-                ops.lazy_frames.load([node])
-                data = ops.lazy_layer.read(node.read_path)
+            cached = _cached_path(ops, node)
+            if cached is not None and depth <= 1:   # on the node already: nothing to fetch
+                return
+            data = _node_bytes(ops, node, cached)
         except EnvbuildError as e:  # its own open reports it
             log.warning("fetch ahead %s of %s: %s", node.read_path, ops.lazy_layer.digest, e)
             return
@@ -434,8 +444,7 @@ class _NodeDaemon:
             return
         by_ops: dict[int, tuple[Any, list[Any]]] = {}
         for ops, node in hits:
-            files = getattr(ops, "files", None)   # the fuse fallback has no file cache
-            if files is not None and node.digest and files.cached(node.digest) is not None:
+            if _cached_path(ops, node) is not None:
                 continue   # on the node already
             by_ops.setdefault(id(ops), (ops, []))[1].append(node)
         for ops, nodes in by_ops.values():   # one load per layer: adjacent frames merged
@@ -465,14 +474,7 @@ class _NodeDaemon:
         if not node.read_path or node.size > ELF_PREFETCH_MAX:
             return
         try:
-            cached = ops.files.cached(node.digest) if node.digest and hasattr(ops, "files") \
-                else None
-            if cached is not None:
-                with open(cached, "rb") as f:
-                    data = f.read(ELF_PREFETCH_MAX)
-            else:
-                ops.lazy_frames.load([node])
-                data = ops.lazy_layer.read(node.read_path)
+            data = _node_bytes(ops, node, _cached_path(ops, node))
         except (EnvbuildError, OSError) as e:  # its own open reports it
             log.warning("fetch ahead %s of %s: %s", node.read_path, ops.lazy_layer.digest, e)
             return
