@@ -717,9 +717,9 @@ class MetaLayers:
 
     def refresh_now(self, mounts: list[tuple[str, Any]]) -> None:
         """Build the next generation of every mounted layer that has new files (a lazy sandbox
-        just closed: its fetches are done), ``REFRESH_WORKERS`` layers at a time (the builds
-        are mostly syscalls: they overlap on two cores), so the window in which a create gets
-        the FUSE mount alone is short."""
+        just closed: its fetches are done), ``REFRESH_WORKERS`` layers at a time (one: more
+        at once took as long in all, under the GIL), the largest first, so the window in which
+        a create gets the FUSE mount alone is short."""
         from concurrent.futures import ThreadPoolExecutor
 
         def one(item: tuple[str, Any]) -> None:
