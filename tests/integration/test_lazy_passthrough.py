@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from envbuild.errors import RuntimeShimError
+from envbuild.errors import EnvbuildError, RuntimeShimError
 from envbuild.store import LocalStore
 from runtime_shim.lazyfs import lazy_stats
 from runtime_shim.lazyfs.control import daemon_request
@@ -82,6 +82,13 @@ def test_identical_files_of_two_layers_are_fetched_once(dup, mode):
             assert top["bytes_fetched"] - top["toc_bytes"] < SHARED // 2, top
 
 
+def _described(e: BaseException) -> str:
+    """An error with what it carries: a failed start's context is runc's own message."""
+    if isinstance(e, EnvbuildError):
+        return "\n".join(e.render_lines())
+    return repr(e)
+
+
 def test_a_burst_of_sandboxes_fetches_each_byte_once_within_the_concurrency_bound(
         dup, mode, monkeypatch):
     store, node_dir, layers, payload = dup
@@ -111,7 +118,7 @@ def test_a_burst_of_sandboxes_fetches_each_byte_once_within_the_concurrency_boun
             t.start()
         for t in threads:
             t.join(120)
-        assert not errors, errors
+        assert not errors, [_described(e) for e in errors]
         assert len(set(outs)) == 1
         base = lazy_stats(node.lazy_dir(layers[0].digest))
         ping = _ping(node_dir)
