@@ -89,6 +89,15 @@ def _described(e: BaseException) -> str:
     return repr(e)
 
 
+def _daemon_complaints(node_dir: Path) -> list[str]:
+    """The lazy daemon's errors and warnings (its log), for a failure's message."""
+    log = node_dir / "node" / "lazy" / "daemon.log"
+    if not log.exists():
+        return []
+    return [line for line in log.read_text(errors="replace").splitlines()
+            if " ERROR " in line or " WARNING " in line or "Traceback" in line][-20:]
+
+
 def test_a_burst_of_sandboxes_fetches_each_byte_once_within_the_concurrency_bound(
         dup, mode, monkeypatch):
     store, node_dir, layers, payload = dup
@@ -118,7 +127,7 @@ def test_a_burst_of_sandboxes_fetches_each_byte_once_within_the_concurrency_boun
             t.start()
         for t in threads:
             t.join(120)
-        assert not errors, [_described(e) for e in errors]
+        assert not errors, ([_described(e) for e in errors], _daemon_complaints(node_dir))
         assert len(set(outs)) == 1
         base = lazy_stats(node.lazy_dir(layers[0].digest))
         ping = _ping(node_dir)
