@@ -66,8 +66,8 @@ FUSE_ROOT_ID = 1
     8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18)
 (FSYNC, SETXATTR, GETXATTR, LISTXATTR, REMOVEXATTR, FLUSH, INIT, OPENDIR, READDIR,
  RELEASEDIR, FSYNCDIR) = (20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30)
-(ACCESS, CREATE, INTERRUPT, DESTROY, BATCH_FORGET, FALLOCATE, RENAME2, TMPFILE) = (
-    34, 35, 36, 38, 42, 43, 45, 51)
+(ACCESS, CREATE, INTERRUPT, DESTROY, BATCH_FORGET, FALLOCATE, READDIRPLUS, RENAME2,
+ TMPFILE) = (34, 35, 36, 38, 42, 43, 44, 45, 51)
 _NO_REPLY = {FORGET, BATCH_FORGET, INTERRUPT}
 _WRITES = {SETATTR, SYMLINK, MKNOD, MKDIR, UNLINK, RMDIR, RENAME, LINK, WRITE, SETXATTR,
            REMOVEXATTR, CREATE, FALLOCATE, RENAME2, TMPFILE}
@@ -75,6 +75,7 @@ _WRITES = {SETATTR, SYMLINK, MKNOD, MKDIR, UNLINK, RMDIR, RENAME, LINK, WRITE, S
 # init flags
 FUSE_ASYNC_READ = 1 << 0
 FUSE_BIG_WRITES = 1 << 5
+FUSE_DO_READDIRPLUS = 1 << 13
 FUSE_PARALLEL_DIROPS = 1 << 18
 FUSE_MAX_PAGES = 1 << 22
 FUSE_CACHE_SYMLINKS = 1 << 23
@@ -113,7 +114,10 @@ _KSTATFS = struct.Struct("<QQQQQIIII24x")           # 80 bytes
 _DIRENT = struct.Struct("<QQII")
 _BACKING_MAP = struct.Struct("<iIQ")                # fd flags padding
 
+_ENTRY_OUT_SIZE = _ENTRY_HEAD.size + _ATTR.size     # fuse_entry_out, 128 bytes
+
 assert _INIT_OUT.size == 64 and _ATTR.size == 88 and _KSTATFS.size == 80
+assert _ENTRY_OUT_SIZE == 128
 
 
 def _iow(nr: int, size: int) -> int:
@@ -154,6 +158,7 @@ class _Conn:
             os.close(self.fd)
             raise RuntimeShimError(f"mount FUSE at {mountpoint}: {os.strerror(err)}")
         self.passthrough = False
+        self.readdirplus = False
         self.kernel_minor = 0
         self.lock = threading.Lock()
 
@@ -168,8 +173,10 @@ class _Conn:
         major, minor, max_readahead, flags, flags2 = _INIT_IN.unpack_from(body)
         kflags = flags | (flags2 << 32 if flags & FUSE_INIT_EXT else 0)
         self.kernel_minor = minor
-        want = _WANT | (FUSE_PASSTHROUGH if want_passthrough else 0)
+        want = _WANT | (FUSE_PASSTHROUGH if want_passthrough else 0) \
+            | (FUSE_DO_READDIRPLUS if readdirplus_wanted() else 0)
         got = want & kflags
+        self.readdirplus = bool(got & FUSE_DO_READDIRPLUS)
         self.passthrough = bool(got & FUSE_PASSTHROUGH)
         self.reply(unique, _INIT_OUT.pack(
             FUSE_KERNEL_VERSION, FUSE_KERNEL_MINOR, max_readahead, got & 0xFFFFFFFF,
@@ -251,6 +258,7 @@ class PassthroughFS:
         self.xattrs_enosys = no_xattrs_enosys and not has_xattrs
         self.statfs = statfs_of(nodes)
         self._dirents: dict[int, list[bytes]] = {}
+        self._dirents_plus: dict[int, list[bytes]] = {}
         self._lock = threading.Lock()
         # ino -> [backing id, opens], least recently opened first
         self._backing: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
@@ -351,9 +359,9 @@ class PassthroughFS:
             if nodeid not in self.dir_path:
                 raise OSError(errno.ENOTDIR, "not a directory")
             return _OPEN_OUT.pack(0, FOPEN_KEEP_CACHE | FOPEN_CACHE_DIR, 0)
-        if opcode == READDIR:
+        if opcode == READDIR or opcode == READDIRPLUS:
             fh, offset, size, _ = _READ_IN.unpack_from(body)
-            return self._readdir(nodeid, offset, size)
+            return self._readdir(nodeid, offset, size, plus=opcode == READDIRPLUS)
         if opcode == READ:
             fh, offset, size, _ = _READ_IN.unpack_from(body)
             with self._lock:
@@ -379,28 +387,37 @@ class PassthroughFS:
             raise OSError(errno.EROFS, "read-only")
         raise OSError(errno.ENOSYS, "not implemented")
 
-    def _readdir(self, nodeid: int, offset: int, size: int) -> bytes:
+    def _readdir(self, nodeid: int, offset: int, size: int, *, plus: bool = False) -> bytes:
+        """A directory's entries from ``offset`` on, as many as fit in ``size`` bytes. With
+        ``plus`` (READDIRPLUS) each entry carries its lookup reply too, so the kernel makes
+        the children's dentries as the directory is listed and a later lookup of a listed name
+        is answered from its dcache instead of by a LOOKUP round trip (``.`` and ``..`` carry
+        node id 0: the kernel links nothing for them)."""
+        cache = self._dirents_plus if plus else self._dirents
         with self._lock:
-            ents = self._dirents.get(nodeid)
+            ents = cache.get(nodeid)
         if ents is None:
             path = self.dir_path.get(nodeid)
             if path is None:
                 raise OSError(errno.ENOTDIR, "not a directory")
             node = self.lazy_nodes[path]
             parent = self.lazy_nodes[path.rpartition("/")[0]] if path else node
-            items = [(b".", node), (b"..", parent)]
+            items = [(b".", node, False), (b"..", parent, False)]
             prefix = path + "/" if path else ""
             assert node.children is not None
             for name in node.children:
                 child = self.lazy_nodes.get(prefix + name)
                 if child is not None:
-                    items.append((os.fsencode(name), child))
+                    items.append((os.fsencode(name), child, True))
             ents = []
-            for i, (bname, child) in enumerate(items):
+            for i, (bname, child, link) in enumerate(items):
                 raw = _DIRENT.pack(child.ino, i + 1, len(bname), (child.mode >> 12) & 0xF) + bname
-                ents.append(raw + b"\0" * (-len(raw) % 8))
+                raw += b"\0" * (-len(raw) % 8)
+                if plus:
+                    raw = (self._entry(child) if link else bytes(_ENTRY_OUT_SIZE)) + raw
+                ents.append(raw)
             with self._lock:
-                self._dirents[nodeid] = ents
+                cache[nodeid] = ents
         out, used = [], 0
         for raw in ents[offset:]:
             if used + len(raw) > size:
@@ -674,6 +691,15 @@ def _trace_open(layer: str, node: Node, t0: float, kind: str) -> None:
     with _trace_lock, open(_TRACE, "a") as f:  # type: ignore[arg-type]
         f.write(f"{t0:.6f} {(t1 - t0) * 1e3:.2f} {kind} {layer[7:19]} {node.size} "
                 f"{node.read_path}\n")
+
+
+#: ``0``/``off`` answers directory listings without lookup replies (READDIR only); unset or
+#: ``on``: READDIRPLUS (see ``PassthroughFS._readdir``).
+READDIRPLUS_ENV = "ENVBUILD_LAZY_READDIRPLUS"
+
+
+def readdirplus_wanted() -> bool:
+    return os.environ.get(READDIRPLUS_ENV, "").strip().lower() not in ("0", "off", "no")
 
 
 def passthrough_wanted() -> bool | None:
