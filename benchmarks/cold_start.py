@@ -188,6 +188,9 @@ class Bench:
         ping = daemon_request(node_dir / "node", {"op": "ping"}, 5) or {}
         if ping.get("import_prediction"):   # Python import prediction's counters (pyahead)
             print(f"    import prediction: {ping['import_prediction']}", flush=True)
+        if ping.get("slot_wait"):   # readers waiting for a request slot (FetchLimits)
+            print(f"    fetch slots: {ping['slot_wait']}, at most "
+                  f"{ping.get('max_requests_in_flight')} requests in flight", flush=True)
         if ping.get("cpu_seconds") is not None:
             print(f"    lazy daemon CPU: {ping['cpu_seconds']} s, FUSE requests by opcode "
                   f"{ping.get('fuse_requests')}", flush=True)

@@ -30,6 +30,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -100,6 +101,9 @@ class FetchLimits:
         self.max_in_flight = 0  # the most requests seen at once (a measure, for tests)
         self._cv = threading.Condition()
         self.demand = 0          # requests in flight that a reader waits for
+        # what readers waited for a free slot (seconds in all, and the longest): a measure of
+        # background requests holding the budget when a reader needs it
+        self.slot_wait = {"foreground_s": 0.0, "foreground_max_s": 0.0, "foreground_n": 0}
 
     def bounded(self, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()`` run in the pool; its result, or ``FetchTimeout`` after ``timeout`` s."""
@@ -122,16 +126,23 @@ class FetchLimits:
         with self._cv:
             self.demand += 1
         try:
-            return self._request(fn)
+            return self._request(fn, foreground=True)
         finally:
             with self._cv:
                 self.demand -= 1
                 if not self.demand:
                     self._cv.notify_all()
 
-    def _request(self, fn: Callable[[], Any]) -> Any:
+    def _request(self, fn: Callable[[], Any], *, foreground: bool = False) -> Any:
+        t0 = time.monotonic() if foreground else 0.0
         with self.requests:
             with self._lock:
+                if foreground:
+                    waited = time.monotonic() - t0
+                    w = self.slot_wait
+                    w["foreground_s"] += waited
+                    w["foreground_max_s"] = max(w["foreground_max_s"], waited)
+                    w["foreground_n"] += 1
                 self.in_flight += 1
                 self.max_in_flight = max(self.max_in_flight, self.in_flight)
             try:
