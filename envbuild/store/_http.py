@@ -187,3 +187,37 @@ class RangeClient:
             return 200, body[offset:], done
         body = resp.read(ERROR_BODY_LIMIT)
         return resp.status, body, resp.isclosed()
+
+
+def put_bytes(url: str, data: bytes, *, attempts: int = 3, timeout: float = 10.0,
+              backoff: Backoff = Backoff()) -> RangeResponse:
+    """A plain ``PUT`` of ``data`` to ``url`` (a presigned record URL: ``Presigner``), on a
+    connection of its own, retried on connection errors and ``RETRY_STATUSES`` at most
+    ``attempts`` times; ``status`` 0 and ``error`` when no answer came. The answer's body is
+    read up to 64 KiB (an error document) and dropped."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return RangeResponse(0, b"", error=f"not an http(s) URL: {url[:60]!r}")
+    target = parts.path + (f"?{parts.query}" if parts.query else "")
+    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    last = ""
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(backoff.delay(attempt))
+        conn = cls(parts.netloc, timeout=timeout)
+        try:
+            conn.request("PUT", target, body=data,
+                         headers={"Content-Length": str(len(data))})
+            resp = conn.getresponse()
+            resp.read(64 << 10)
+            status = resp.status
+        except (TimeoutError, OSError, http.client.HTTPException) as e:
+            last = f"{type(e).__name__}: {e}"
+            continue
+        finally:
+            conn.close()
+        if status in RETRY_STATUSES:
+            last = f"HTTP {status}"
+            continue
+        return RangeResponse(status, b"")
+    return RangeResponse(0, b"", error=f"{last} (after {attempts} attempts)")

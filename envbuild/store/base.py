@@ -647,9 +647,20 @@ class Presigner(Protocol):
         answers ``404``. Readers handle ``403`` (expired) by going back to the store; the lazy
         daemon reads ranges this way (``envbuild.store.lazy.HttpRanges``) without loading
         boto3, whose CPU cost per request would dominate its reads.
+
+    ``presigned_put_record_url(namespace, name, expires=3600) -> str``
+        A URL that answers a plain ``PUT`` of a record's bytes (``encode_record``) by storing
+        them as record ``namespace/name`` (last writer wins, as ``put_record``), for about
+        ``expires`` seconds: the lazy daemon saves a recorded profile this way, so it never
+        loads boto3 (creating its client holds the daemon's GIL for ~0.4 s, stalling every
+        FUSE request of the node). The same bearer-secret rule; ``StoreError`` for a bad name
+        or lifetime.
     """
 
     def presigned_get_url(self, digest: str, expires: int = 12 * 3600) -> str: ...
+
+    def presigned_put_record_url(self, namespace: str, name: str,
+                                 expires: int = 3600) -> str: ...
 
 
 @runtime_checkable

@@ -14,10 +14,12 @@ with the process). A connection carries **one request and one reply, each one li
                                                          "fetch_concurrency": N,
                                                          "fetch_timeout": S,
                                                          "max_requests_in_flight": N,
-                                                         "files_fetched": N}
+                                                         "slot_wait": {...},
+                                                         "files_fetched": N,
+                                                         "boto3_loaded": B, ...}
     {"op": "mount", "mountpoint": M, "store": URL, "s3_endpoint": E|null, "digest": D,
      "toc_digest": T|null, "size": N|null, "ranges_url": U|null, "timeout": S,
-     "profile": {"key", "layers", "store", "s3_endpoint"}|null}
+     "profile": {"key", "layers", "store", "s3_endpoint", "put_url"?}|null}
                                                      -> {"ok": true, "pid": P, "mode": M}
                                                      |  {"ok": false, "error": TEXT}
     {"op": "prefetch", "key": K|null, "layers": [{"mountpoint": M, "paths": [PATH, ...]}, ...]}
@@ -34,7 +36,8 @@ once it has served no mount and no request for ``DAEMON_IDLE_EXIT`` seconds, and
 SIGTERM/SIGINT/SIGHUP it unmounts everything first. "prefetch" (the stack's profile, sent once
 all its mounts are up, so it does not slow their opening) loads files of mounted layers in the
 background; a mount's "profile" makes the daemon record the layer's reads and save the stack's
-profile (``runtime_shim.lazyfs.profile.read_profile``) to the store; a "prefetch" naming that
+profile (``runtime_shim.lazyfs.profile.read_profile``) to the store — with a ``put_url`` (a
+presigned PUT of the record, ``Presigner``) without a store client of its own; a "prefetch" naming that
 profile's ``key`` (the client found one, read while the mounts were made) stops the saving. A
 client that finds no
 daemon (connection refused, or reset by one that is exiting) starts one and asks again.

@@ -221,9 +221,12 @@ class _NodeDaemon:
                     "fetch_concurrency": self.limits.settings.concurrency,
                     "fetch_timeout": self.limits.settings.timeout,
                     "max_requests_in_flight": self.limits.max_in_flight,
+                    "slot_wait": {k: round(v, 4) for k, v in self.limits.slot_wait.items()},
                     "files_fetched": self.files.fetches,
                     "meta_building": _meta_building(self.root),
                     "cpu_seconds": round(sum(os.times()[:2]), 3),
+                    # a store client (boto3) in this process: only if a presigned URL failed
+                    "boto3_loaded": "boto3" in sys.modules,
                     "fuse_requests": self._fuse_requests(),
                     "import_prediction": (self.pyahead.snapshot() if self.pyahead is not None
                                           else None)}
@@ -547,13 +550,31 @@ class _NodeDaemon:
                       for d in prof["layers"] if d in traces]
         if not any(x["files"] for x in layers):
             return
+        record = {"version": PROFILE_VERSION, "layers": layers}
+        files = sum(len(x["files"]) for x in layers)
+        put_url = prof.get("put_url")
+        if isinstance(put_url, str) and put_url:
+            # a presigned PUT (``Presigner``): no store client in this process (boto3's would
+            # hold the GIL for ~0.4 s while every FUSE request of the node waits)
+            from envbuild.store._http import put_bytes
+            from envbuild.store.base import StoreError, encode_record
+
+            try:
+                got = put_bytes(put_url, encode_record(record))
+            except StoreError as e:
+                log.warning("save lazy profile %s: %s", key, e)
+                return
+            if 200 <= got.status < 300:
+                log.info("saved lazy profile %s (%d files) through its presigned URL", key,
+                         files)
+                return
+            log.warning("save lazy profile %s through its presigned URL: %s; through the "
+                        "store instead", key, got.error or f"HTTP {got.status}")
         try:
             store = self._store(prof["store"], prof.get("s3_endpoint"))
-            store.put_record(PROFILE_NAMESPACE, key,
-                             {"version": PROFILE_VERSION, "layers": layers})
+            store.put_record(PROFILE_NAMESPACE, key, record)
         except Exception as e:  # noqa: BLE001 - a hint only; never take a mount down for it
             log.warning("save lazy profile %s: %s", key, e)
             return
-        log.info("saved lazy profile %s (%d files)", key,
-                 sum(len(x["files"]) for x in layers))
+        log.info("saved lazy profile %s (%d files)", key, files)
 

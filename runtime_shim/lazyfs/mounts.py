@@ -14,7 +14,12 @@ from envbuild.oci import MEDIA_TYPE_LAYER_ZSTD
 from envbuild.store import Store
 from envbuild.store.base import Locatable, Presigner
 from runtime_shim.lazyfs.control import daemon_request
-from runtime_shim.lazyfs.profile import profile_key, read_profile
+from runtime_shim.lazyfs.profile import (
+    PROFILE_NAMESPACE,
+    PROFILE_PUT_EXPIRES,
+    profile_key,
+    read_profile,
+)
 
 _log = logging.getLogger("envbuild.lazyfs")
 
@@ -82,6 +87,9 @@ def lazy_layer_dirs(node: LazyNode, store: Store, layers: Sequence[Any],
         # to record one, and told to stop (the prefetch request) when there is one already
         record = {"key": profile_key(digests), "layers": digests, "store": url,
                   "s3_endpoint": endpoint}
+        if isinstance(store, Presigner):   # the daemon saves it without a store client
+            record["put_url"] = store.presigned_put_record_url(
+                PROFILE_NAMESPACE, record["key"], PROFILE_PUT_EXPIRES)
         reader = ThreadPoolExecutor(1, thread_name_prefix="lazy-profile")
         profile_read = reader.submit(read_profile, store, digests)
         reader.shutdown(wait=False)

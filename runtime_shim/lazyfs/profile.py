@@ -17,6 +17,10 @@ PROFILE_NAMESPACE = "lazy-profiles"
 PROFILE_VERSION = 1
 #: Seconds after a layer stack's first mount during which its reads are recorded.
 PROFILE_WINDOW = 10.0
+#: Lifetime of the presigned URL a profile is saved through (``Presigner``): the daemon saves
+#: ``PROFILE_WINDOW`` s after the stack's first mount (or at its unmount, if sooner); past it,
+#: the daemon falls back to a store client of its own.
+PROFILE_PUT_EXPIRES = 3600
 
 
 class _Trace:

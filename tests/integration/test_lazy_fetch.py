@@ -14,6 +14,7 @@ import pytest
 
 from envbuild.store import open_store
 from runtime_shim.lazyfs import PROFILE_NAMESPACE, lazy_stats
+from runtime_shim.lazyfs.control import daemon_request
 from runtime_shim.nodecache import NodeCache
 from runtime_shim.sandbox import Sandbox
 from tests.conftest import require_root, require_tool
@@ -123,8 +124,13 @@ def test_a_recorded_profile_is_prefetched_in_a_few_coalesced_reads(s3, mode, tmp
     _lock(store, "prof", [layer])
     with Sandbox.create("prof", store=store, node_dir=node_dir, lazy=True) as sb:
         assert sb.exec("cat " + " ".join(wanted) + " > /dev/null").exit_code == 0
+        ping = daemon_request(node_dir / "node", {"op": "ping"}, 5.0)
+        assert ping is not None and ping["boto3_loaded"] is False, ping
     NodeCache(node_dir / "node").evict((), 0)  # unmounting saves the profile
     assert store.list_records(PROFILE_NAMESPACE)
+    # saved through the presigned PUT URL the create handed over: no boto3 in the daemon
+    log = (node_dir / "node" / "lazy" / "daemon.log").read_text()
+    assert "through its presigned URL" in log and "through the store instead" not in log, log
     other = tmp_path / "n2"
     try:
         with Sandbox.create("prof", store=store, node_dir=other, lazy=True) as sb:

@@ -567,6 +567,33 @@ def test_presigner_urls_serve_plain_ranged_gets(declared):
         store.presigned_get_url(D, expires=0)
 
 
+@pytest.mark.parametrize("declared", declaring(Presigner), indirect=True)
+def test_presigner_record_urls_take_a_plain_put(declared):
+    """A record written with a plain PUT to its presigned URL (what the lazy daemon saves a
+    profile with) is the record ``get_record`` reads; a second PUT replaces it; names are
+    checked as ``put_record`` checks them."""
+    from envbuild.store._http import put_bytes
+    from envbuild.store.base import encode_record
+
+    store = declared.store
+    ns, name = "lazy-profiles", "cd" * 32
+    url = store.presigned_put_record_url(ns, name, expires=600)
+    assert url.startswith(("http://", "https://"))
+    assert store.get_record(ns, name) is None   # making the URL writes nothing
+    assert put_bytes(url, encode_record({"version": 1, "n": 1})).status in (200, 201, 204)
+    assert store.get_record(ns, name) == {"version": 1, "n": 1}
+    assert put_bytes(url, encode_record({"version": 1, "n": 2})).status in (200, 201, 204)
+    assert store.get_record(ns, name) == {"version": 1, "n": 2}
+    assert name in store.list_records(ns)
+    with pytest.raises(StoreError):
+        store.presigned_put_record_url(ns, "../escape", expires=600)
+    with pytest.raises(StoreError):
+        store.presigned_put_record_url(ns, name, expires=0)
+    # an unanswerable URL is an answer with status 0 and a reason, not an exception
+    bad = put_bytes("http://127.0.0.1:9/x", b"{}", attempts=1, timeout=2)
+    assert bad.status == 0 and bad.error
+
+
 @pytest.mark.parametrize("declared", declaring(ConditionalRecords), indirect=True)
 def test_conditional_records(declared):
     """Create only if absent (of 8 racing creators exactly one wins), replace and delete only
