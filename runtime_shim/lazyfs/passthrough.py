@@ -405,10 +405,13 @@ class PassthroughFS:
             items = [(b".", node, False), (b"..", parent, False)]
             prefix = path + "/" if path else ""
             assert node.children is not None
+            # a directory beyond READDIRPLUS_MAX_ENTRIES is listed without lookup replies:
+            # the kernel would keep an inode per entry of a listing nobody looks through
+            link = len(node.children) <= READDIRPLUS_MAX_ENTRIES
             for name in node.children:
                 child = self.lazy_nodes.get(prefix + name)
                 if child is not None:
-                    items.append((os.fsencode(name), child, True))
+                    items.append((os.fsencode(name), child, link))
             ents = []
             for i, (bname, child, link) in enumerate(items):
                 raw = _DIRENT.pack(child.ino, i + 1, len(bname), (child.mode >> 12) & 0xF) + bname
@@ -696,6 +699,10 @@ def _trace_open(layer: str, node: Node, t0: float, kind: str) -> None:
 #: ``0``/``off`` answers directory listings without lookup replies (READDIR only); unset or
 #: ``on``: READDIRPLUS (see ``PassthroughFS._readdir``).
 READDIRPLUS_ENV = "ENVBUILD_LAZY_READDIRPLUS"
+#: A directory with more entries is listed without lookup replies (node id 0: the kernel makes
+#: no dentry): a package directory has tens to hundreds; a hostile layer's 100,000 would pin
+#: as many kernel inodes for one ``ls``.
+READDIRPLUS_MAX_ENTRIES = 2048
 
 
 def readdirplus_wanted() -> bool:

@@ -4,7 +4,8 @@ directory is listed and a later lookup of a listed name costs no LOOKUP round tr
 daemon (the cold_start workload: 2,093 LOOKUPs -> 1,411, Python's importer lists each package
 directory before it opens its modules). What the entries say is what a lookup would have said:
 sizes, modes, one inode for a hardlink's names. ``$ENVBUILD_LAZY_READDIRPLUS=off`` keeps plain
-READDIR (and every lookup). Real passthrough mounts served by the node daemon from a store
+READDIR (and every lookup); a directory of more than ``READDIRPLUS_MAX_ENTRIES`` makes no dentries.
+Real passthrough mounts served by the node daemon from a store
 directory."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from runtime_shim.lazyfs import lazy_stats
+from runtime_shim.lazyfs.passthrough import READDIRPLUS_MAX_ENTRIES
 from runtime_shim.mount import mounted_targets_under
 from runtime_shim.nodecache import NodeCache
 from tests.conftest import require_root, require_tool
@@ -34,6 +36,9 @@ def _tree(root: Path) -> None:
             (root / d / name).write_bytes(b"x" * i)
     (root / "listed" / "sub").mkdir()
     os.link(root / "listed" / "m05.py", root / "listed" / "again.py")
+    (root / "huge").mkdir()
+    for i in range(READDIRPLUS_MAX_ENTRIES + 1):
+        (root / "huge" / f"e{i}").touch()
 
 
 def _ops(mp: Path) -> dict[str, int]:
@@ -83,6 +88,14 @@ def test_a_listed_directory_needs_no_lookup_of_its_names(tmp_path, monkeypatch, 
         again = os.lstat(mp / "listed" / "again.py")
         assert again.st_ino == got["m05.py"].st_ino and again.st_nlink == 2
         assert stat.S_ISDIR(os.lstat(mp / "listed" / "sub").st_mode)
+        # a directory beyond the bound is listed whole, but makes no dentries: its names are
+        # looked up as before (the kernel keeps no inode per entry of a huge listing)
+        huge = sorted(os.listdir(mp / "huge"))
+        assert huge == sorted(f"e{i}" for i in range(READDIRPLUS_MAX_ENTRIES + 1))
+        a = _ops(mp)
+        for name in huge[:20]:
+            os.lstat(mp / "huge" / name)
+        assert lookups(a, _ops(mp)) >= 20
     finally:
         node.unmount_lazy(keep=())
     assert mounted_targets_under(str(tmp_path / "node")) == []
