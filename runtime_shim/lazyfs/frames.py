@@ -7,9 +7,11 @@ coalesced reads (``prefetch_in_order``)."""
 from __future__ import annotations
 
 import bisect
+import heapq
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,6 +29,9 @@ BACKGROUND_WORKERS = 2
 #: cost about one more round trip's time, and a program that opens the neighbours next (an
 #: import, a test run, ``grep -r``) finds them without a request.
 MISS_WINDOW = 1 << 20
+#: Deferred tar-order readaheads waiting (``_Readahead.schedule_after(delay=...)``); more are
+#: dropped (a hint only).
+MAX_LATER = 256
 #: Compressed bytes the background readahead fetches past a miss's window, in tar order.
 #: 768 KiB: replayed on the cold_start workload's opens, 2.5 MB less than 1 MiB for one miss
 #: more — margin under the 15 % byte budget, which the 1 MiB readahead touched (0.150-0.151).
@@ -341,6 +346,7 @@ class _Readahead:
         self.ext_done: set[str] = set()
         self.cv = threading.Condition()
         self.after: list[Node] = []
+        self.later: list[tuple[float, int, Node]] = []   # (due, tiebreak, node): a heap
         threading.Thread(target=self._run, name="lazy-readahead", daemon=True).start()
         threading.Thread(target=self._run_extensions, name="lazy-readahead-ext",
                          daemon=True).start()
@@ -348,16 +354,21 @@ class _Readahead:
             threading.Thread(target=self._run_after, name="lazy-readahead-tar",
                              daemon=True).start()
 
-    def schedule_after(self, node: Node) -> None:
+    def schedule_after(self, node: Node, *, delay: float = 0.0) -> None:
         """Tar-order readahead: fetch the ``READAHEAD_WINDOW`` of small files that follow
         ``node`` in the blob, in the background — when the ``MISS_WINDOW`` after it is not
         all loaded yet (so a program reading files in tar order stays ahead of its reads,
         in requests of about a window each). Nothing is woken while the file half a window
-        ahead is loaded already (most opens of a reader going through fetched files)."""
+        ahead is loaded already (most opens of a reader going through fetched files).
+        ``delay``: not before that many seconds from now (``_NodeDaemon._follow_delay``)."""
         if node.frames and self.frames.ahead_loaded(node, MISS_WINDOW // 2):
             return
         with self.cv:
-            self.after.append(node)
+            if delay > 0:
+                if len(self.later) < MAX_LATER:
+                    heapq.heappush(self.later, (time.monotonic() + delay, id(node), node))
+            else:
+                self.after.append(node)
             self.cv.notify_all()
 
     def _run_after(self) -> None:
@@ -367,8 +378,13 @@ class _Readahead:
     def _loop_after(self) -> None:
         while True:
             with self.cv:
-                while not self.after:
-                    self.cv.wait()
+                while True:
+                    now = time.monotonic()
+                    while self.later and self.later[0][0] <= now:   # deferred ones now due
+                        self.after.append(heapq.heappop(self.later)[2])
+                    if self.after:
+                        break
+                    self.cv.wait(self.later[0][0] - now if self.later else None)
                 node = self.after.pop()  # the latest first: what runs now
                 del self.after[:-8]      # a reader far ahead made older positions moot
             if self.frames.profiled or not self.frames.following(node, MISS_WINDOW):

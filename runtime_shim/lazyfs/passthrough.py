@@ -226,7 +226,7 @@ class PassthroughFS:
                  want_passthrough: bool = True,
                  on_elf: Callable[[PassthroughFS, bytes], object] | None = None,
                  on_first_open: Callable[[PassthroughFS, Node, str], object] | None = None,
-                 predicted: Callable[[PassthroughFS, Node], bool] | None = None,
+                 follow_delay: Callable[[PassthroughFS, Node], float | None] | None = None,
                  no_xattrs_enosys: bool = False) -> None:
         self.lazy_layer, self.lazy_nodes = layer, nodes
         self.lazy_frames = _Frames(layer, nodes, on_loaded=self._loaded)
@@ -237,7 +237,8 @@ class PassthroughFS:
         self._elf_checked: set[int] = set()   # inodes whose first open told on_elf
         # told of each file's first open with its cache file (Python import prediction)
         self.on_first_open = on_first_open
-        self.predicted = predicted   # whether the import prediction fetched a file (pyahead)
+        # when a first open moves the tar-order readahead (None: never; see ``_open``)
+        self.follow_delay = follow_delay
         self.by_ino: dict[int, Node] = {}
         self.dir_path: dict[int, str] = {}
         has_xattrs = False
@@ -487,20 +488,21 @@ class PassthroughFS:
             return
         self.readahead.schedule_extensions(node)
         digest = node.digest
-        # a file the import prediction fetched says nothing of the blob's tar order (the
-        # reader follows the imports, not the blob; ``predicted``)
-        follow = self.predicted is None or not self.predicted(self, node)
+        # a file fetched ahead of its reader (the daemon's ``follow_delay``) says less of the
+        # blob's tar order: an import prediction's never moves it, a loader's or start-up
+        # file's only a moment later (after the command that is starting)
+        delay = 0.0 if self.follow_delay is None else self.follow_delay(self, node)
         if digest and self.files.cached(digest):
-            if follow and not self.lazy_frames.missing(node):
+            if delay is not None and not self.lazy_frames.missing(node):
                 # written to files/ as its frames landed (a window, readahead): the reader is
                 # going through fetched files, so the tar-order readahead follows it as below
-                self.readahead.schedule_after(node)
+                self.readahead.schedule_after(node, delay=delay)
             self._finish_open(conn, unique, node, digest, inline=True, t0=_t0, kind="file")
         elif not self.lazy_frames.missing(node):
             # no store request (its frames are in the chunk cache): answer here; a reader
             # going through the blob in tar order keeps the readahead ahead of it
-            if follow:
-                self.readahead.schedule_after(node)
+            if delay is not None:
+                self.readahead.schedule_after(node, delay=delay)
             self._finish_open(conn, unique, node, digest, inline=True, t0=_t0, kind="chunk")
         else:
             self.workers.submit(self._finish_open, conn, unique, node, digest, t0=_t0,

@@ -185,7 +185,8 @@ class PyAhead:
 
     def predicted(self, fs: Any, node: Any) -> bool:
         """Whether ``node`` of ``fs`` was fetched as a prediction (a reader's open of it then
-        does not move the tar-order readahead: it follows the imports, not the blob).
+        does not move the tar-order readahead: it follows the imports, not the blob;
+        ``_NodeDaemon._follow_delay``).
         Lock-free: a set lookup (the FUSE reader thread asks on every first open)."""
         return (fs.mountpoint, node.ino) in self.seen and not self.tar_follow
 

@@ -266,3 +266,26 @@ def test_ahead_loaded_looks_half_a_window_ahead_of_a_reader():
     assert frames.ahead_loaded(nodes["f5"], 512 * KiB)      # f11: being fetched
     assert not frames.ahead_loaded(nodes["f6"], 512 * KiB)  # f12
     assert frames.ahead_loaded(nodes["f19"], 512 * KiB)     # nothing after the last file
+
+
+def test_a_deferred_tar_readahead_waits_its_delay_then_loads():
+    """``schedule_after(node, delay=)``: nothing is asked of the store before the delay, the
+    window after ``node`` once it passed; an undelayed one meanwhile runs at once."""
+    import time
+
+    from runtime_shim.lazyfs.frames import _Readahead
+
+    layer = SizedLayer()
+    nodes = files([100 * KiB] * 16)   # more than half a window ahead of f0
+    frames = _Frames(layer, nodes)  # type: ignore[arg-type]
+    ra = _Readahead(layer, nodes, frames)  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    ra.schedule_after(nodes["f0"], delay=0.4)
+    time.sleep(0.15)
+    assert layer.calls == []   # not yet
+    for _ in range(300):
+        if layer.calls:
+            break
+        time.sleep(0.01)
+    assert layer.calls and time.monotonic() - t0 >= 0.4
+    assert "f1" in layer.calls[0] and "f0" not in layer.calls[0]

@@ -52,7 +52,13 @@ def _fs(tmp_path):
     fs = PassthroughFS(Layer(), nodes, str(tmp_path / "mp"), files,  # type: ignore[arg-type]
                        workers=ThreadPoolExecutor(2))
     followed: list[str] = []
-    fs.readahead.schedule_after = lambda node: followed.append(node.read_path)  # type: ignore
+    delays: list[float] = []
+
+    def schedule_after(node, delay=0.0):
+        followed.append(node.read_path)
+        delays.append(delay)
+    fs.readahead.schedule_after = schedule_after  # type: ignore[method-assign]
+    fs.delays = delays  # type: ignore[attr-defined]
     return fs, nodes, files, followed
 
 
@@ -105,3 +111,18 @@ def test_a_streamed_program_names_its_loader_files_as_its_bytes_arrive(tmp_path)
     assert list(fs._elf_peek(other, iter([b"#!/bin/sh\n", b"echo\n"]))) == [b"#!/bin/sh\n",
                                                                         b"echo\n"]
     assert told == [] and other.ino not in fs._elf_checked   # not a program: nothing told
+
+
+def test_a_file_fetched_ahead_moves_the_readahead_later_and_a_predicted_one_never(tmp_path):
+    """``follow_delay`` (the daemon's ``_follow_delay``): 0 follows at once, a delay follows
+    that much later (a loader's or start-up file), None never (an import prediction's)."""
+    fs, nodes, files, followed = _fs(tmp_path)
+    said = {"f0": 0.0, "f1": 0.2, "f2": None}
+    fs.follow_delay = lambda _fs, node: said[node.read_path]
+    conn = Conn()
+    for i, name in enumerate(said):
+        fs.lazy_frames.loaded.add(nodes[name].frames[0])
+        files.path(nodes[name].digest, lambda name=name: DATA[name], name, inline=True)
+        _open(fs, conn, nodes[name], unique=i + 1)
+    assert conn.replies == [(1, 0), (2, 0), (3, 0)]
+    assert followed == ["f0", "f1"] and fs.delays == [0.0, 0.2]  # type: ignore[attr-defined]
