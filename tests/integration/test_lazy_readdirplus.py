@@ -1,11 +1,11 @@
-"""A passthrough mount answers directory listings with READDIRPLUS (``PassthroughFS._readdir``):
-each entry carries its lookup reply, so the kernel makes the children's dentries while the
-directory is listed and a later lookup of a listed name costs no LOOKUP round trip to the
-daemon (the cold_start workload: 2,093 LOOKUPs -> 1,411, Python's importer lists each package
-directory before it opens its modules). What the entries say is what a lookup would have said:
-sizes, modes, one inode for a hardlink's names. ``$ENVBUILD_LAZY_READDIRPLUS=off`` keeps plain
-READDIR (and every lookup); a directory of more than ``READDIRPLUS_MAX_ENTRIES`` makes no dentries.
-Real passthrough mounts served by the node daemon from a store
+"""With ``$ENVBUILD_LAZY_READDIRPLUS=on`` a passthrough mount answers directory listings with
+READDIRPLUS (``PassthroughFS._readdir``): each entry carries its lookup reply, so the kernel
+makes the children's dentries while the directory is listed and a later lookup of a listed
+name costs no LOOKUP round trip to the daemon (the cold_start workload: 2,093 LOOKUPs ->
+1,411; off by default: no faster there, see ``READDIRPLUS_ENV``). What the entries say is
+what a lookup would have said: sizes, modes, one inode for a hardlink's names; a directory of
+more than ``READDIRPLUS_MAX_ENTRIES`` makes no dentries. ``off`` (the default) keeps plain
+READDIR (and every lookup). Real passthrough mounts served by the node daemon from a store
 directory."""
 
 from __future__ import annotations
