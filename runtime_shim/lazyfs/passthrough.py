@@ -158,7 +158,6 @@ class _Conn:
             os.close(self.fd)
             raise RuntimeShimError(f"mount FUSE at {mountpoint}: {os.strerror(err)}")
         self.passthrough = False
-        self.readdirplus = False
         self.kernel_minor = 0
         self.lock = threading.Lock()
 
@@ -176,7 +175,6 @@ class _Conn:
         want = _WANT | (FUSE_PASSTHROUGH if want_passthrough else 0) \
             | (FUSE_DO_READDIRPLUS if readdirplus_wanted() else 0)
         got = want & kflags
-        self.readdirplus = bool(got & FUSE_DO_READDIRPLUS)
         self.passthrough = bool(got & FUSE_PASSTHROUGH)
         self.reply(unique, _INIT_OUT.pack(
             FUSE_KERNEL_VERSION, FUSE_KERNEL_MINOR, max_readahead, got & 0xFFFFFFFF,
@@ -408,11 +406,11 @@ class PassthroughFS:
             assert node.children is not None
             # a directory beyond READDIRPLUS_MAX_ENTRIES is listed without lookup replies:
             # the kernel would keep an inode per entry of a listing nobody looks through
-            link = len(node.children) <= READDIRPLUS_MAX_ENTRIES
+            linked = len(node.children) <= READDIRPLUS_MAX_ENTRIES
             for name in node.children:
                 child = self.lazy_nodes.get(prefix + name)
                 if child is not None:
-                    items.append((os.fsencode(name), child, link))
+                    items.append((os.fsencode(name), child, linked))
             ents = []
             for i, (bname, child, link) in enumerate(items):
                 raw = _DIRENT.pack(child.ino, i + 1, len(bname), (child.mode >> 12) & 0xF) + bname
