@@ -10,12 +10,15 @@ directory."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from envbuild.store import LocalStore
 from runtime_shim.lazyfs import lazy_stats
 from runtime_shim.lazyfs.passthrough import READDIRPLUS_MAX_ENTRIES
 from runtime_shim.mount import mounted_targets_under
@@ -45,21 +48,30 @@ def _ops(mp: Path) -> dict[str, int]:
     return lazy_stats(mp)["requests_by_opcode"]
 
 
-@pytest.mark.parametrize("plus", ["on", "off"])
-def test_a_listed_directory_needs_no_lookup_of_its_names(tmp_path, monkeypatch, plus):
+@contextlib.contextmanager
+def _mounted(tmp_path: Path, monkeypatch, **env: str) -> Iterator[Path]:
+    """``_tree`` packed into a store and mounted lazily by the node daemon (passthrough, with
+    ``env`` set for it); unmounted after, leaving no mount."""
     require_root()
     require_tool("fusermount3")
     monkeypatch.setenv("ENVBUILD_LAZY_PASSTHROUGH", "on")
-    monkeypatch.setenv("ENVBUILD_LAZY_READDIRPLUS", plus)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     src = tmp_path / "src"
     _tree(src)
-    from envbuild.store import LocalStore
-
     store = LocalStore(tmp_path / "store")
     digest, toc = _layer(src, store, tmp_path)
     node = NodeCache(tmp_path / "node")
     try:
-        mp = node.ensure_lazy(str(store.root), digest, toc)
+        yield node.ensure_lazy(str(store.root), digest, toc)
+    finally:
+        node.unmount_lazy(keep=())
+    assert mounted_targets_under(str(tmp_path / "node")) == []
+
+
+@pytest.mark.parametrize("plus", ["on", "off"])
+def test_a_listed_directory_needs_no_lookup_of_its_names(tmp_path, monkeypatch, plus):
+    with _mounted(tmp_path, monkeypatch, ENVBUILD_LAZY_READDIRPLUS=plus) as mp:
         (mp / "listed").stat(), (mp / "unlisted").stat()
         assert sorted(os.listdir(mp / "listed")) == sorted([*NAMES, "again.py", "sub"])
         before = _ops(mp)
@@ -96,9 +108,6 @@ def test_a_listed_directory_needs_no_lookup_of_its_names(tmp_path, monkeypatch, 
         for name in huge[:20]:
             os.lstat(mp / "huge" / name)
         assert lookups(a, _ops(mp)) >= 20
-    finally:
-        node.unmount_lazy(keep=())
-    assert mounted_targets_under(str(tmp_path / "node")) == []
 
 
 @pytest.mark.parametrize("no_opendir", ["1", "0"])
@@ -108,19 +117,7 @@ def test_directories_open_without_a_round_trip(tmp_path, monkeypatch, no_opendir
     workload: 2 x 253 requests fewer), while listings stay whole and cached (the second
     listing of a directory sends no READDIR). ``$ENVBUILD_LAZY_NO_OPENDIR=0``: a round trip
     per open and per close."""
-    require_root()
-    require_tool("fusermount3")
-    monkeypatch.setenv("ENVBUILD_LAZY_PASSTHROUGH", "on")
-    monkeypatch.setenv("ENVBUILD_LAZY_NO_OPENDIR", no_opendir)
-    src = tmp_path / "src"
-    _tree(src)
-    from envbuild.store import LocalStore
-
-    store = LocalStore(tmp_path / "store")
-    digest, toc = _layer(src, store, tmp_path)
-    node = NodeCache(tmp_path / "node")
-    try:
-        mp = node.ensure_lazy(str(store.root), digest, toc)
+    with _mounted(tmp_path, monkeypatch, ENVBUILD_LAZY_NO_OPENDIR=no_opendir) as mp:
         want = sorted([*NAMES, "again.py", "sub"])
         for _ in range(3):
             assert sorted(os.listdir(mp / "listed")) == want
@@ -133,6 +130,3 @@ def test_directories_open_without_a_round_trip(tmp_path, monkeypatch, no_opendir
         assert ops.get(READDIR, 0) <= 4, ops   # each directory listed once, then cached
         with os.scandir(mp / "listed") as it:   # a handle still reads
             assert sorted(e.name for e in it) == want
-    finally:
-        node.unmount_lazy(keep=())
-    assert mounted_targets_under(str(tmp_path / "node")) == []
