@@ -256,8 +256,8 @@ class PassthroughFS:
         # for mounts made without the daemon (tests that read the stats attribute directly).
         self.xattrs_enosys = no_xattrs_enosys and not has_xattrs
         self.statfs = statfs_of(nodes)
-        self._dirents: dict[int, list[bytes]] = {}
-        self._dirents_plus: dict[int, list[bytes]] = {}
+        # (node id, READDIRPLUS?) -> the directory's encoded entries
+        self._dirents: dict[tuple[int, bool], list[bytes]] = {}
         self._lock = threading.Lock()
         # ino -> [backing id, opens], least recently opened first
         self._backing: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
@@ -398,9 +398,8 @@ class PassthroughFS:
         the children's dentries as the directory is listed and a later lookup of a listed name
         is answered from its dcache instead of by a LOOKUP round trip (``.`` and ``..`` carry
         node id 0: the kernel links nothing for them)."""
-        cache = self._dirents_plus if plus else self._dirents
         with self._lock:
-            ents = cache.get(nodeid)
+            ents = self._dirents.get((nodeid, plus))
         if ents is None:
             path = self.dir_path.get(nodeid)
             if path is None:
@@ -425,7 +424,7 @@ class PassthroughFS:
                     raw = (self._entry(child) if link else bytes(_ENTRY_OUT_SIZE)) + raw
                 ents.append(raw)
             with self._lock:
-                cache[nodeid] = ents
+                self._dirents[(nodeid, plus)] = ents
         out, used = [], 0
         for raw in ents[offset:]:
             if used + len(raw) > size:

@@ -270,7 +270,7 @@ def test_ahead_loaded_looks_half_a_window_ahead_of_a_reader():
 
 def test_a_deferred_tar_readahead_waits_its_delay_then_loads():
     """``schedule_after(node, delay=)``: nothing is asked of the store before the delay, the
-    window after ``node`` once it passed; an undelayed one meanwhile runs at once."""
+    window after ``node`` once it passed."""
     import time
 
     from runtime_shim.lazyfs.frames import _Readahead
