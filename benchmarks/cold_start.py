@@ -192,8 +192,8 @@ class Bench:
             print(f"    fetch slots: {ping['slot_wait']}, at most "
                   f"{ping.get('max_requests_in_flight')} requests in flight", flush=True)
         if ping.get("cpu_seconds") is not None:
-            print(f"    lazy daemon CPU: {ping['cpu_seconds']} s, FUSE requests by opcode "
-                  f"{ping.get('fuse_requests')}", flush=True)
+            print(f"    lazy daemon CPU: {ping['cpu_seconds']} s, GC pauses {ping.get('gc')}, "
+                  f"FUSE requests by opcode {ping.get('fuse_requests')}", flush=True)
         node.evict((), 0)  # the lazy daemons save the profile and exit
         shutil.rmtree(node_dir, ignore_errors=True)
 

@@ -61,7 +61,8 @@ class _Frames:
     inside it, which costs no extra request."""
 
     def __init__(self, layer: LazyLayer, nodes: dict[str, Node], *,
-                 on_loaded: Callable[[list[Node]], None] | None = None) -> None:
+                 on_loaded: Callable[[list[Node]], None] | None = None,
+                 report_all: bool = True) -> None:
         self.layer = layer
         self.cv = threading.Condition()
         self.loaded: set[int] = set()
@@ -71,8 +72,12 @@ class _Frames:
             if len(node.frames) == 1 and node.read_path:
                 self.mates.setdefault(node.frames[0], []).append(node)
         self.nodes = nodes
-        #: called (in the loading thread) with the files a load made wholly present
+        #: called (in the loading thread) with the files a load made wholly present; with
+        #: ``report_all`` False, only with those a ``load(..., ahead=True)`` asked for (files
+        #: predicted to be opened soon), not the window's or the readahead's guesses
         self.on_loaded = on_loaded
+        self.report_all = report_all
+        self._ahead: set[int] = set()   # id(node) of files asked for ahead, not yet reported
         self.profiled = False   # a recorded profile is being prefetched: no tar-order guesses
         self._order: list[Node] | None = None   # regular files in blob (tar) order, on demand
         self._pos: dict[int, int] = {}          # id(node) -> index in _order
@@ -137,7 +142,8 @@ class _Frames:
         frames are marked loaded as soon as it completed and the files it completes are
         verified (a reader waiting for one file of a batch waits for its own read only); on
         failure the rest are released (a waiting reader then tries itself). ``on_loaded`` is
-        told of the files each read made wholly present."""
+        told of the files each read made wholly present (``report_all``; else of those asked
+        for ahead)."""
         if not mine:
             return
         ok = False
@@ -160,6 +166,10 @@ class _Frames:
             self._report(self._settle(mine - arrived, ok, related))
 
     def _report(self, done: list[Node]) -> None:
+        if not self.report_all:
+            with self.cv:
+                done = [n for n in done if id(n) in self._ahead]
+                self._ahead.difference_update(id(n) for n in done)
         if done and self.on_loaded is not None:
             try:
                 self.on_loaded(done)
@@ -205,11 +215,20 @@ class _Frames:
 
     def load(self, nodes: Sequence[Node], *, wait: bool = True,
              workers: int | None = None, max_run: int | None = None,
-             merge_gap: int | None = None) -> None:
+             merge_gap: int | None = None, ahead: bool = False) -> None:
         """Load the frames of ``nodes``; ``wait=False`` (background): only those no one is
         fetching, and return at once if there are none. ``workers``: parallel requests
         (default: the layer's) of at most ``max_run`` bytes spanning gaps of at most
-        ``merge_gap`` bytes (defaults: the layer's)."""
+        ``merge_gap`` bytes (defaults: the layer's). ``ahead``: ``nodes`` are predicted to
+        be opened soon (start-up files, a program's libraries, an import prediction, a
+        profile), so ``on_loaded`` is told of them even without ``report_all``: when their
+        frames land, whoever fetches them, or now if they are loaded already."""
+        if ahead and not self.report_all:
+            with self.cv:
+                self._ahead.update(id(n) for n in nodes if n.read_path)
+                present = [n for n in nodes if n.frames
+                           and all(f in self.loaded for f in n.frames)]
+            self._report(present)
         while True:
             with self.cv:
                 missing = {f for n in nodes for f in n.frames if f not in self.loaded}
@@ -251,7 +270,7 @@ def prefetch_in_order(frames: _Frames, nodes: dict[str, Node], paths: Sequence[s
         with background():
             # a large file alone is several reads of max_run: those in parallel
             frames.load(run, wait=False, workers=PROFILE_FILE_WORKERS, max_run=max_run,
-                        merge_gap=gap)
+                        merge_gap=gap, ahead=True)
 
     with ThreadPoolExecutor(max(1, min(workers, len(runs))),
                             thread_name_prefix="lazy-prefetch") as pool:

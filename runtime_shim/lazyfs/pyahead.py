@@ -410,7 +410,7 @@ def _load_run(ops: Any, run: list[Any]) -> None:
     # no faster); a large file alone is several reads in parallel
     with background():
         ops.lazy_frames.load(run, wait=False, workers=PROFILE_FILE_WORKERS, max_run=PROFILE_RUN,
-                             merge_gap=GAP)
+                             merge_gap=GAP, ahead=True)
 
 
 def _children_exist(stack: Any, path: str) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -49,16 +49,17 @@ def _ops(mp: Path) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def _mounted(tmp_path: Path, monkeypatch, **env: str) -> Iterator[Path]:
-    """``_tree`` packed into a store and mounted lazily by the node daemon (passthrough, with
-    ``env`` set for it); unmounted after, leaving no mount."""
+def _mounted(tmp_path: Path, monkeypatch, tree: Callable[[Path], None] | None = None,
+             **env: str) -> Iterator[Path]:
+    """``tree`` (default ``_tree``) packed into a store and mounted lazily by the node daemon
+    (passthrough, with ``env`` set for it); unmounted after, leaving no mount."""
     require_root()
     require_tool("fusermount3")
     monkeypatch.setenv("ENVBUILD_LAZY_PASSTHROUGH", "on")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     src = tmp_path / "src"
-    _tree(src)
+    (tree or _tree)(src)
     store = LocalStore(tmp_path / "store")
     digest, toc = _layer(src, store, tmp_path)
     node = NodeCache(tmp_path / "node")

@@ -68,11 +68,12 @@ def test_a_rerun_opens_fetched_files_without_the_daemon(lock2):  # noqa: F811
         assert first.info().lazy == "passthrough"
         a = first.exec(LISTING)  # reads every file: all fetched
         assert a.exit_code == 0, a.stderr
-    # and the base's files the upper layer hides (whiteout, opaque dir, replaced dir), read
-    # on the base's own mount: they are in its meta layer, and must stay hidden
-    hidden = ["etc/gone", "opq/old0", "opq/old1", "replaced/inside"]
-    for p in hidden:
-        assert (mounts[0] / p).read_bytes()
+        # and the base's files the upper layer hides (whiteout, opaque dir, replaced dir),
+        # read on the base's own mount before the close builds the meta layers: they are in
+        # its meta layer, and must stay hidden
+        hidden = ["etc/gone", "opq/old0", "opq/old1", "replaced/inside"]
+        for p in hidden:
+            assert (mounts[0] / p).read_bytes()
     _quiet(node_dir)
     with Sandbox.create("two", store=store, node_dir=node_dir) as full, \
             Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb:

@@ -203,6 +203,50 @@ def test_a_loaded_window_reports_every_file_it_made_present():
     assert got == [["f0", "f1"]]
 
 
+def test_without_report_all_only_files_asked_for_ahead_are_reported():
+    """``report_all=False`` (a passthrough mount without ``PRELOAD``): a window's or a
+    readahead's guesses are not reported (their first open writes them); files loaded
+    ``ahead`` are, when their frames land or at once if they are loaded already."""
+    layer = FakeLayer()
+    nodes = files([100 * KiB] * 6)
+    got: list[list[str]] = []
+    frames = _Frames(layer, nodes, on_loaded=lambda ns: got.append(names(ns)),  # type: ignore[arg-type]
+                     report_all=False)
+    frames.load([nodes["f0"], nodes["f1"]])            # a miss and its window
+    assert got == [] and len(layer.calls) == 1
+    frames.load([nodes["f2"], nodes["f3"]], ahead=True)  # start-up files, say
+    assert got == [["f2", "f3"]]
+    frames.load([nodes["f1"]], ahead=True)   # loaded by the window already: no request
+    assert got == [["f2", "f3"], ["f1"]] and len(layer.calls) == 2
+    frames.load([nodes["f2"]], ahead=True)   # reported once it was written: again, once
+    assert got[-1] == ["f2"]
+    frames.load([nodes["f4"]])
+    assert got[-1] == ["f2"]                 # a guess again: not reported
+
+
+def test_a_file_asked_for_ahead_while_a_guess_fetches_it_is_reported_when_it_lands():
+    gate, entered = threading.Event(), threading.Event()
+
+    class SlowLayer(FakeLayer):
+        def prefetch(self, paths, **kw):
+            entered.set()
+            gate.wait(5)
+            return super().prefetch(paths, **kw)
+
+    nodes = files([100 * KiB] * 3)
+    got: list[list[str]] = []
+    frames = _Frames(SlowLayer(), nodes, on_loaded=lambda ns: got.append(names(ns)),  # type: ignore[arg-type]
+                     report_all=False)
+    guess = threading.Thread(target=frames.load, args=([nodes["f0"], nodes["f1"]],))
+    guess.start()
+    assert entered.wait(5)
+    frames.load([nodes["f1"]], wait=False, ahead=True)   # in flight: nothing to fetch
+    assert got == []
+    gate.set()
+    guess.join(5)
+    assert got == [["f1"]]
+
+
 class StreamingLayer(FakeLayer):
     """A ``FakeLayer`` whose ``stream`` yields two pieces, or raises after the first."""
 
