@@ -278,10 +278,16 @@ class PassthroughFS:
     def serve(self) -> None:
         conn = self.conn
         assert conn is not None
+        # one buffer for the mount's reads: os.read would allocate (and shrink) 1 MiB for each
+        # request of ~100 bytes; each request is copied out as bytes, so nothing keeps a view
+        # of the buffer past the next read
+        rbuf = bytearray(_BUFSIZE)
+        view = memoryview(rbuf)
         try:
             while True:
                 try:
-                    buf = os.read(conn.fd, _BUFSIZE)
+                    n = os.readv(conn.fd, (rbuf,))
+                    buf = view[:n].tobytes()
                 except OSError as e:
                     if e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
                         continue   # ENOENT: the request was interrupted before we read it
@@ -518,7 +524,7 @@ class PassthroughFS:
             # a large file: its frames in parallel, written to files/ as they verify-hash
             self.readahead.schedule_after(node)
             pieces = self.lazy_frames.stream(node)
-            if self.on_elf is not None and node.size <= ELF_HINT_MAX:
+            if self.on_elf is not None and may_be_elf(node):
                 return self._elf_peek(node, pieces)
             return pieces
         if self.lazy_frames.missing(node):
@@ -611,7 +617,7 @@ class PassthroughFS:
                     self.on_first_open(self, node, path)
                 except Exception:  # noqa: BLE001 - a hint only
                     log.exception("first-open hint after %s", node.read_path)
-            if self.on_elf is not None:
+            if self.on_elf is not None and may_be_elf(node):
                 self.workers.submit(self._elf_hint, node, path)
         if _TRACE is not None:
             _trace_open(self.lazy_layer.digest, node, t0, kind)
@@ -686,6 +692,18 @@ class PassthroughFS:
                     held[1] -= 1
         if fd is not None:
             os.close(fd)
+
+
+def may_be_elf(node: Node) -> bool:
+    """Whether the first open of ``node`` is worth reading for an ELF header (the loader
+    files of a program or library, fetched ahead): an executable, or a name with ``.so`` in it
+    (``libc.so.6``, ``_multiarray_umath.cpython-311-x86_64-linux-gnu.so``), of at most
+    ``ELF_HINT_MAX`` bytes. The cold_start workload's ~1,200 first opens are mostly modules
+    and data: each was a thread-pool hand-off, an open and a read under the GIL, for nothing.
+    A hint only: a library named otherwise is fetched by the loader's own open."""
+    if not stat.S_ISREG(node.mode) or node.size < 64 or node.size > ELF_HINT_MAX:
+        return False
+    return bool(node.mode & 0o111) or ".so" in node.read_path.rpartition("/")[2]
 
 
 _TTL = 86400.0

@@ -42,10 +42,11 @@ class Conn:
         self.replies.append((unique, error))
 
 
-def _fs(tmp_path):
+def _fs(tmp_path, modes=None):
     nodes = {"": Node(1, stat.S_IFDIR | 0o755, 0, 0, 0, children=dict.fromkeys(DATA))}
     for i, (path, data) in enumerate(DATA.items()):
-        nodes[path] = Node(i + 2, stat.S_IFREG | 0o644, 0, 0, 0, size=len(data),
+        mode = (modes or {}).get(path, 0o644)
+        nodes[path] = Node(i + 2, stat.S_IFREG | mode, 0, 0, 0, size=len(data),
                            read_path=path, frames=(i * 4096,),
                            digest="sha256:" + hashlib.sha256(data).hexdigest())
     files = FileCache(str(tmp_path / "files"), FetchLimits(FetchSettings(2, 5.0)), 1 << 30)
@@ -126,3 +127,35 @@ def test_a_file_fetched_ahead_moves_the_readahead_later_and_a_predicted_one_neve
         _open(fs, conn, nodes[name], unique=i + 1)
     assert conn.replies == [(1, 0), (2, 0), (3, 0)]
     assert followed == ["f0", "f1"] and fs.delays == [0.0, 0.2]  # type: ignore[attr-defined]
+
+
+def test_only_files_that_may_be_programs_or_libraries_are_read_for_an_elf_header():
+    from runtime_shim.lazyfs.passthrough import ELF_HINT_MAX, may_be_elf
+
+    def node(path, mode=0o644, size=4096):
+        return Node(2, stat.S_IFREG | mode, 0, 0, 0, size=size, read_path=path)
+
+    assert may_be_elf(node("usr/bin/python3.11", 0o755))
+    assert may_be_elf(node("usr/lib/x86_64-linux-gnu/libc.so.6"))
+    assert may_be_elf(node("sp/np/_core/_multiarray_umath.cpython-311-x86_64-linux-gnu.so"))
+    assert not may_be_elf(node("sp/np/__init__.py"))
+    assert not may_be_elf(node("sp/np/__pycache__/__init__.cpython-311.pyc"))
+    assert not may_be_elf(node("sp/so/readme.txt"))            # ".so" in a directory's name
+    assert not may_be_elf(node("usr/bin/tiny", 0o755, size=10))  # smaller than an ELF header
+    assert not may_be_elf(node("lib/big.so", size=ELF_HINT_MAX + 1))
+    assert not may_be_elf(Node(3, stat.S_IFDIR | 0o755, 0, 0, 0, read_path="lib.so"))
+
+
+def test_a_first_open_asks_for_the_elf_header_of_a_library_only(tmp_path):
+    fs, nodes, files, _ = _fs(tmp_path, modes={"f1": 0o755})
+    hinted: list[str] = []
+    fs.on_elf = lambda _fs, data: None
+    fs._elf_hint = lambda node, path: hinted.append(node.read_path)  # type: ignore[method-assign]
+    conn = Conn()
+    for i, name in enumerate(("f0", "f1")):
+        fs.lazy_frames.loaded.add(nodes[name].frames[0])
+        files.path(nodes[name].digest, lambda name=name: DATA[name], name, inline=True)
+        _open(fs, conn, nodes[name], unique=i + 1)
+    fs.workers.shutdown(wait=True)
+    assert conn.replies == [(1, 0), (2, 0)]
+    assert hinted == ["f1"]     # the executable; not the 0644 module
