@@ -108,6 +108,30 @@ def is_background() -> bool:
     return getattr(_priority, "background", False)
 
 
+#: Threads of the process-wide pools that send one ranged read each for a ``LazyLayer``
+#: (``_fetch_frames``, ``stream``); a node's store budget (``FetchLimits``) bounds the
+#: requests in flight anyway.
+LEAF_WORKERS = 16
+_leaf_pools: dict[bool, concurrent.futures.ThreadPoolExecutor] = {}
+_leaf_lock = threading.Lock()
+
+
+def _leaf_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The pool for the calling thread's parallel reads: one for a reader's, one for
+    background work (``is_background``), so a reader's reads never queue behind readahead.
+    Kept for the process: a pool per call started new threads, and each new thread a new
+    keep-alive connection (``RangeClient`` keeps one per thread): 134 connects for 240 requests
+    in cold_start's lazy workload. Its tasks are leaves (one request each, never waiting for
+    another task), so sharing the threads cannot deadlock."""
+    bg = is_background()
+    with _leaf_lock:
+        pool = _leaf_pools.get(bg)
+        if pool is None:
+            pool = _leaf_pools[bg] = concurrent.futures.ThreadPoolExecutor(
+                LEAF_WORKERS, thread_name_prefix="lazy-get-bg" if bg else "lazy-get")
+        return pool
+
+
 def _dctx() -> zstandard.ZstdDecompressor:
     d = getattr(_local, "dctx", None)
     if d is None:
@@ -464,8 +488,7 @@ class LazyLayer:
             for run in runs:
                 yield self._fetch_run(run)
             return
-        pool = concurrent.futures.ThreadPoolExecutor(min(workers, len(runs)),
-                                                     thread_name_prefix="lazy-fetch")
+        pool = _leaf_pool()
         bg = is_background()
 
         def fetch(run: list[Chunk]) -> dict[int, bytes]:
@@ -474,12 +497,26 @@ class LazyLayer:
             with background():  # the workers' requests are as background as ours
                 return self._fetch_run(run)
 
+        todo = iter(runs)
+        pending: set[concurrent.futures.Future[dict[int, bytes]]] = set()
+
+        def top_up() -> None:   # at most ``workers`` of this call's reads at once
+            while len(pending) < workers and (run := next(todo, None)) is not None:
+                pending.add(pool.submit(fetch, run))
+
         try:
-            futs = [pool.submit(fetch, run) for run in runs]
-            for fut in concurrent.futures.as_completed(futs):
-                yield fut.result()
+            top_up()
+            while pending:
+                done, _ = concurrent.futures.wait(
+                    pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                pending.difference_update(done)
+                top_up()
+                for fut in done:
+                    yield fut.result()
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            for fut in pending:
+                fut.cancel()
+            concurrent.futures.wait(pending)   # none of this call's reads outlives it
 
     # -- files -------------------------------------------------------------------------------
 
@@ -641,14 +678,20 @@ class LazyLayer:
         pieces = self._pieces(e)
         have = self._cached(pieces)
         need = list({p.chunk.offset: p.chunk for p in pieces if p.key not in have}.values())
-        pool = concurrent.futures.ThreadPoolExecutor(
-            max(1, min(workers, len(need))), thread_name_prefix="lazy-stream")
+        pool = _leaf_pool()
+        index = {c.offset: i for i, c in enumerate(need)}
+        futs: dict[int, concurrent.futures.Future[dict[int, bytes]]] = {}
+
+        def submit_upto(n: int) -> None:   # in file order, at most ``workers`` ahead of use
+            for c in need[len(futs):n]:
+                futs[c.offset] = pool.submit(self._fetch_run, [c])
+
         try:
-            futs = {c.offset: pool.submit(self._fetch_run, [c]) for c in need}
             h, fetched, total = hashlib.sha256(), [], 0
             for p in pieces:
                 data = have.get(p.key)
                 if data is None:
+                    submit_upto(index[p.chunk.offset] + max(1, workers))
                     frame = futs[p.chunk.offset].result()[p.chunk.offset]
                     data = frame[p.chunk.inner:p.chunk.inner + p.length]
                     if len(data) != p.length:
@@ -664,7 +707,8 @@ class LazyLayer:
             with self._lock:
                 self.stats.files_verified += 1
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            for fut in futs.values():
+                fut.cancel()   # those not started yet
 
     def prefetch(self, paths: Iterable[str], *, batch_bytes: int = 64 * MiB,
                  workers: int | None = None,

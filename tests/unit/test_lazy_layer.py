@@ -256,3 +256,77 @@ def test_prefetch_reports_each_read_once_its_files_are_verified(layer):
         {c.offset for c in big.chunks} | {c.offset for c in lazy.stat("dir/sub/b.bin").chunks})
     assert len(reports) == 3
     assert lazy.read("big.bin") == BIG
+
+
+class _Gauge(MemoryStore):
+    """A ``MemoryStore`` that records how many ranged reads run at once, and on which
+    threads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.now = self.most = 0
+        self.threads: set[str] = set()
+        self._gauge = threading.Lock()
+
+    def get_range(self, digest, offset, length):
+        import threading
+        import time
+
+        with self._gauge:
+            self.now += 1
+            self.most = max(self.most, self.now)
+            self.threads.add(threading.current_thread().name)
+        time.sleep(0.01)
+        try:
+            return super().get_range(digest, offset, length)
+        finally:
+            with self._gauge:
+                self.now -= 1
+
+
+def test_parallel_reads_keep_to_their_worker_count_on_threads_kept_across_calls(tmp_path):
+    """``_fetch_frames`` on the process's leaf pools: at most ``workers`` of one call's reads
+    at once, the same threads (and so the same keep-alive connections) for the next call,
+    and background work on a pool of its own."""
+    from envbuild.store.lazy import background
+
+    store = _Gauge()
+    digest, size, _ = put_layer(store, make_tree(tmp_path / "t"))
+    lazy = LazyLayer(store, digest, size=size)
+    files = [f"dir/f{i:02}.py" for i in range(30)]
+    store.threads.clear()
+    lazy.prefetch(files[:15], workers=3, max_run=8 << 10, merge_gap=0)
+    assert 1 < store.most <= 3
+    first = set(store.threads)
+    assert first and all(t.startswith("lazy-get_") for t in first), first
+    store.most = 0
+    lazy.prefetch(files[15:], workers=3, max_run=8 << 10, merge_gap=0)
+    assert store.threads == first        # no new threads: their connections are reused
+    assert 1 < store.most <= 3
+    other = LazyLayer(store, digest, size=size)   # its TOC read on this thread
+    store.threads.clear()
+    with background():
+        other.prefetch(files, workers=2, max_run=8 << 10, merge_gap=0)
+    assert store.threads and all(t.startswith("lazy-get-bg_") for t in store.threads)
+
+
+def test_a_stream_fetches_at_most_its_workers_ahead_of_its_consumer(tmp_path):
+    store = _Gauge()
+    root = tmp_path / "t"
+    root.mkdir()
+    big = random.Random(3).randbytes(20 * MiB)   # five frames of its own
+    (root / "big.bin").write_bytes(big)
+    digest, size, _ = put_layer(store, root)
+    lazy = LazyLayer(store, digest, size=size)
+    assert len(lazy.stat("big.bin").chunks) == 5
+    calls = store.calls["get_range"]
+    stream = lazy.stream("big.bin", workers=2)
+    first = next(stream)
+    import time
+
+    time.sleep(0.2)   # a consumer that stops: no more than 2 frames were asked for
+    assert store.calls["get_range"] - calls <= 2
+    assert first + b"".join(stream) == big
+    assert store.calls["get_range"] - calls == 5
