@@ -10,10 +10,15 @@ blob), and the lazy layer daemon reads with the presigned URL its client handed 
 
 What ``RangeClient.get(url, offset, length)`` does:
 
-* **Connections**: one keep-alive HTTP/1.1 connection per thread and ``(scheme, host:port)``
-  (``http.client`` connections are not thread-safe; a thread per in-flight request is how
-  callers parallelise). A connection is closed after any error, after a response that says
-  ``Connection: close``, and after a body it did not read to the end.
+* **Connections**: keep-alive HTTP/1.1 connections per ``(scheme, host:port)``, each used by
+  one request at a time (``http.client`` connections are not thread-safe; a thread per
+  in-flight request is how callers parallelise): a request takes the most recently used idle
+  one or opens a new one, and gives it back when its answer was read to the end (at most
+  ``MAX_IDLE`` kept). So the client opens about as many connections as it has requests in
+  flight at once, not one per thread that ever asked (the lazy daemon's many pools: 104
+  connects for 257 requests of one workload when they were per thread). A connection is
+  closed after any error, after a response that says ``Connection: close``, and after a body
+  it did not read to the end.
 * **Timeouts**: ``connect_timeout`` for the TCP (and TLS) handshake, then ``read_timeout`` for
   every socket read.
 * **Retries**: connection errors, timeouts and the transient statuses ``RETRY_STATUSES`` (429,
@@ -82,11 +87,15 @@ class _TooLong(Exception):
     """A response body longer than the range asked for (a broken or hostile server)."""
 
 
-class RangeClient:
-    """Ranged GETs with per-thread keep-alive connections, bounded retries and bounded bodies.
+#: Idle keep-alive connections a ``RangeClient`` keeps per ``(scheme, host:port)``.
+MAX_IDLE = 32
 
-    Thread-safe: each thread gets its own connections. ``close()`` closes those of the calling
-    thread; the others close when their threads end (or on garbage collection).
+
+class RangeClient:
+    """Ranged GETs with shared keep-alive connections, bounded retries and bounded bodies.
+
+    Thread-safe: a connection serves one request at a time (module docstring). ``close()``
+    closes the idle connections; those in use close when their request ends.
     """
 
     def __init__(self, *, attempts: int = 4, connect_timeout: float = 3.0,
@@ -97,28 +106,41 @@ class RangeClient:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.backoff = backoff
-        self._local = threading.local()
+        self._idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}
+        self._idle_lock = threading.Lock()
+        #: new connections opened (for tests and benchmarks)
+        self.connects = 0
         #: GETs sent (every try counts): for tests and benchmarks.
         self.requests = 0
         self._count_lock = threading.Lock()
 
-    def _conn(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
-        conns: dict[tuple[str, str], http.client.HTTPConnection] | None = \
-            getattr(self._local, "conns", None)
-        if conns is None:
-            conns = self._local.conns = {}
-        conn = conns.get((scheme, netloc))
-        if conn is None:
-            cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
-            conn = conns[(scheme, netloc)] = cls(netloc, timeout=self.connect_timeout)
-        return conn
+    def _take(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
+        """An idle connection to ``netloc`` (the most recently used: the likeliest to be
+        still open), or a new, unconnected one."""
+        with self._idle_lock:
+            idle = self._idle.get((scheme, netloc))
+            if idle:
+                return idle.pop()
+        cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+        return cls(netloc, timeout=self.connect_timeout)
+
+    def _give_back(self, scheme: str, netloc: str, conn: http.client.HTTPConnection) -> None:
+        if conn.sock is None:
+            return
+        with self._idle_lock:
+            idle = self._idle.setdefault((scheme, netloc), [])
+            if len(idle) < MAX_IDLE:
+                idle.append(conn)
+                return
+        conn.close()
 
     def close(self) -> None:
-        """Close the calling thread's connections."""
-        conns = getattr(self._local, "conns", None) or {}
-        for conn in conns.values():
+        """Close the idle connections."""
+        with self._idle_lock:
+            conns = [c for idle in self._idle.values() for c in idle]
+            self._idle.clear()
+        for conn in conns:
             conn.close()
-        conns.clear()
 
     def get(self, url: str, offset: int, length: int) -> RangeResponse:
         """GET bytes ``[offset, offset + length)`` of ``url`` (``length`` > 0)."""
@@ -134,10 +156,11 @@ class RangeClient:
             if attempt and not again:
                 time.sleep(self.backoff.delay(attempt))
             again = False
-            conn = self._conn(parts.scheme, parts.netloc)
+            conn = self._take(parts.scheme, parts.netloc)
             reused = conn.sock is not None
             with self._count_lock:
                 self.requests += 1
+                self.connects += not reused
             try:
                 if not reused:
                     conn.connect()
@@ -148,8 +171,10 @@ class RangeClient:
             except _TooLong as e:
                 conn.close()
                 return RangeResponse(502, b"", error=str(e))  # final: retrying gets the same
-            except (TimeoutError, OSError, http.client.HTTPException) as e:
+            except BaseException as e:
                 conn.close()
+                if not isinstance(e, (TimeoutError, OSError, http.client.HTTPException)):
+                    raise
                 last = f"{type(e).__name__}: {e}"
                 if reused and not stale_retried and isinstance(e, _STALE):
                     # a keep-alive connection the server closed while it was idle (servers
@@ -160,6 +185,8 @@ class RangeClient:
                 continue
             if not reusable or (resp.getheader("Connection") or "").lower() == "close":
                 conn.close()
+            else:
+                self._give_back(parts.scheme, parts.netloc, conn)
             if status in RETRY_STATUSES:
                 last = f"HTTP {status}"
                 attempt += 1

@@ -119,10 +119,9 @@ _leaf_lock = threading.Lock()
 def _leaf_pool() -> concurrent.futures.ThreadPoolExecutor:
     """The pool for the calling thread's parallel reads: one for a reader's, one for
     background work (``is_background``), so a reader's reads never queue behind readahead.
-    Kept for the process: a pool per call started new threads, and each new thread a new
-    keep-alive connection (``RangeClient`` keeps one per thread): 134 connects for 240 requests
-    in cold_start's lazy workload. Its tasks are leaves (one request each, never waiting for
-    another task), so sharing the threads cannot deadlock."""
+    Kept for the process: a pool per call started new threads for every call. Its tasks are
+    leaves (one request each, never waiting for another task), so sharing the threads cannot
+    deadlock."""
     bg = is_background()
     with _leaf_lock:
         pool = _leaf_pools.get(bg)
@@ -286,13 +285,30 @@ class ChunkCache:
             self._size = total
 
 
+_clients: dict[tuple[int, float], RangeClient] = {}
+_clients_lock = threading.Lock()
+
+
+def _range_client(attempts: int, timeout: float) -> RangeClient:
+    """The process's ``RangeClient`` for these settings, shared by every layer's
+    ``HttpRanges``: the layers of a stack live on one store server, so their reads share its
+    keep-alive connections (a client per layer opened one per layer and thread)."""
+    with _clients_lock:
+        client = _clients.get((attempts, timeout))
+        if client is None:
+            client = _clients[(attempts, timeout)] = RangeClient(
+                attempts=attempts, connect_timeout=timeout, read_timeout=timeout,
+                backoff=Backoff(0.05, 2.0))
+        return client
+
+
 class HttpRanges(RangeReader):
     """Ranged reads of one blob over plain keep-alive HTTP to a presigned GET URL: the store of
     a process that should not load boto3 to read (the lazy layer daemon: boto3 costs it ~0.3 s
     of start-up and ~2.4 ms of CPU per request, ``http.client`` ~0.5 ms).
 
     A ``RangeReader``. Only ``get_range`` of ``digest`` goes over the URL, through the shared
-    ``envbuild.store._http.RangeClient`` (keep-alive connections per thread, ``attempts`` tries
+    ``envbuild.store._http.RangeClient`` (shared keep-alive connections, ``attempts`` tries
     on connection errors and 5xx with bounded backoff, bodies bounded by the range);
     everything else, any range once the URL is within a minute of its expiry (``X-Amz-Date`` +
     ``X-Amz-Expires``) or refused (403), and any answer that is not the bytes (404, 416, no
@@ -305,8 +321,7 @@ class HttpRanges(RangeReader):
 
         self.digest = digest
         self.url = url
-        self.client = RangeClient(attempts=attempts, connect_timeout=timeout,
-                                  read_timeout=timeout, backoff=Backoff(0.05, 2.0))
+        self.client = _range_client(attempts, timeout)
         self._fallback = fallback
         self._store: RangeReader | None = None
         self.expires = float("inf")

@@ -101,6 +101,33 @@ def test_ranges_reuse_one_connection(server):
     assert server.requests == 10 and server.connections == 1
 
 
+def test_threads_share_the_idle_connections(server):
+    """A connection serves one request at a time but any thread: threads asking one after
+    another share one connection, threads asking at once open one each, kept for later."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = RangeClient()
+    for i in range(6):   # a new thread each time, as a pool per call made them
+        t = threading.Thread(target=client.get, args=(server.url, i * 100, 100))
+        t.start()
+        t.join()
+    assert server.requests == 6 and server.connections == 1 and client.connects == 1
+    barrier = threading.Barrier(4)
+
+    def at_once(off):
+        barrier.wait(5)
+        return client.get(server.url, off, 1000)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(at_once, range(0, 4000, 1000)))
+    assert [g.body for g in got] == [OBJECT[o:o + 1000] for o in range(0, 4000, 1000)]
+    assert 2 <= server.connections <= 4
+    opened = server.connections
+    with ThreadPoolExecutor(opened) as pool:   # no more at once than kept: none new
+        list(pool.map(lambda off: client.get(server.url, off, 10), range(0, 80, 10)))
+    assert server.connections == opened and client.connects == opened
+    client.close()
+
+
 def test_transient_errors_are_retried_with_bounded_backoff(server):
     server.fail_first = 2
     client = RangeClient(attempts=3, backoff=Backoff(0.01, 0.02))
