@@ -227,6 +227,8 @@ class PassthroughFS:
                  follow_delay: Callable[[PassthroughFS, Node], float | None] | None = None,
                  no_xattrs_enosys: bool = False) -> None:
         self.lazy_layer, self.lazy_nodes = layer, nodes
+        # this layer's pycs read so far: [checked-hash, all] (``_learn_pyc``)
+        self._pycs = [0, 0]
         self.lazy_frames = _Frames(layer, nodes, on_loaded=self._loaded, report_all=PRELOAD)
         self.readahead = _Readahead(layer, nodes, self.lazy_frames)
         self.mountpoint, self.files, self.workers = mountpoint, files, workers
@@ -496,6 +498,8 @@ class PassthroughFS:
             conn.reply(unique, _OPEN_OUT.pack(0, _PT, held[0]))
             return
         self.readahead.schedule_extensions(node)
+        if PYC_SOURCES and node.read_path.endswith(".pyc"):
+            self._source_ahead(node)
         digest = node.digest
         # a file fetched ahead of its reader (the daemon's ``follow_delay``) says less of the
         # blob's tar order: an import prediction's never moves it, a loader's or start-up
@@ -569,6 +573,39 @@ class PassthroughFS:
                     buf = bytearray()
             yield piece
 
+    def _source_ahead(self, node: Node) -> None:
+        """At the first open of a pyc, when this layer's pycs are checked-hash ones
+        (``pyc_source_wanted``): fetch its source beside it (the importer opens the source
+        right after to check the hash), as a file predicted to be opened."""
+        checked, seen = self._pycs
+        if not pyc_source_wanted(checked, seen):
+            return
+        src = pyc_source(node.read_path)
+        s = self.lazy_nodes.get(src) if src else None
+        if s is None or not s.read_path or s.size > PYC_SOURCE_MAX \
+                or not self.lazy_frames.missing(s):
+            return
+        self.workers.submit(self._load_ahead, [s])
+
+    def _load_ahead(self, nodes: list[Node]) -> None:
+        try:
+            self.lazy_frames.load(nodes, wait=False, ahead=True)
+        except EnvbuildError as e:  # its own open reports it
+            log.warning("source ahead on %s: %s", self.lazy_layer.digest, e.message)
+
+    def _learn_pyc(self, path: str) -> None:
+        """Count the pyc at ``path`` (its cache file) as checked-hash or not (the header's
+        flags word: 3 = a hash the importer checks against the source)."""
+        try:
+            with open(path, "rb", buffering=0) as f:
+                head = f.read(8)
+        except OSError:
+            return
+        checked = len(head) == 8 and int.from_bytes(head[4:8], "little") == 3
+        with self._lock:
+            self._pycs[0] += checked
+            self._pycs[1] += 1
+
     def _load_behind(self, nodes: list[Node]) -> None:
         try:
             self.lazy_frames.load(nodes, wait=False)
@@ -594,6 +631,8 @@ class PassthroughFS:
                                    f"open {node.read_path} of {self.lazy_layer.digest}",
                                    inline=inline)
             payload = self._open_path(conn, node, path)
+            if PYC_SOURCES and node.read_path.endswith(".pyc"):
+                self._learn_pyc(path)
             with self._lock:
                 self.stats["opens"] += 1
         except EnvbuildError as e:
@@ -692,6 +731,34 @@ class PassthroughFS:
                     held[1] -= 1
         if fd is not None:
             os.close(fd)
+
+
+#: ``$ENVBUILD_LAZY_PYC_SOURCES=0`` turns off fetching a checked-hash pyc's source beside it
+#: (``PassthroughFS._source_ahead``). Measured: see docs/lazy-loading.md, "Fifth pass".
+PYC_SOURCES = os.environ.get("ENVBUILD_LAZY_PYC_SOURCES", "1").strip().lower() \
+    not in ("0", "off")
+#: Sources larger than this are left to their own open.
+PYC_SOURCE_MAX = 1 << 20
+
+
+def pyc_source(pyc: str) -> str | None:
+    """The source path of ``D/__pycache__/M.TAG[.opt-N].pyc``: ``D/M.py`` (None for a pyc
+    outside a ``__pycache__``, which is sourceless)."""
+    head, _, name = pyc.rpartition("/")
+    parent, _, cache = head.rpartition("/")
+    if cache != "__pycache__" or not name.endswith(".pyc"):
+        return None
+    module = name.split(".", 1)[0]
+    if not module:
+        return None
+    return f"{parent}/{module}.py" if parent else f"{module}.py"
+
+
+def pyc_source_wanted(checked: int, seen: int) -> bool:
+    """Whether a layer whose pycs read so far were ``checked`` checked-hash ones of ``seen``
+    has its pycs' sources fetched ahead: once one was, while nine in ten are (a layer of
+    timestamp pycs, whose sources the importer only stats, costs no bytes)."""
+    return checked > 0 and checked * 10 >= seen * 9
 
 
 def may_be_elf(node: Node) -> bool:

@@ -159,3 +159,56 @@ def test_a_first_open_asks_for_the_elf_header_of_a_library_only(tmp_path):
     fs.workers.shutdown(wait=True)
     assert conn.replies == [(1, 0), (2, 0)]
     assert hinted == ["f1"]     # the executable; not the 0644 module
+
+
+def test_a_pycs_source_path():
+    from runtime_shim.lazyfs.passthrough import pyc_source
+
+    assert pyc_source("sp/np/__pycache__/__init__.cpython-311.pyc") == "sp/np/__init__.py"
+    assert pyc_source("sp/np/__pycache__/m.cpython-311.opt-1.pyc") == "sp/np/m.py"
+    assert pyc_source("__pycache__/top.cpython-311.pyc") == "top.py"
+    assert pyc_source("sp/np/m.pyc") is None                 # sourceless: no __pycache__
+    assert pyc_source("sp/np/__pycache__/.cpython-311.pyc") is None
+    assert pyc_source("sp/np/__pycache__/notes.txt") is None
+
+
+def test_sources_are_fetched_ahead_once_the_layers_pycs_are_checked_hash_ones():
+    from runtime_shim.lazyfs.passthrough import pyc_source_wanted
+
+    assert not pyc_source_wanted(0, 0)        # nothing known yet: the first pyc teaches
+    assert pyc_source_wanted(1, 1)
+    assert pyc_source_wanted(9, 10)
+    assert not pyc_source_wanted(8, 10)       # timestamp pycs: the importer only stats
+    assert not pyc_source_wanted(0, 5)
+
+
+def _pyc(flags: int) -> bytes:
+    return b"\xa7\r\r\n" + flags.to_bytes(4, "little") + bytes(8) + b"\xe3" * 20
+
+
+def test_a_pyc_open_fetches_its_source_ahead_when_the_layer_uses_checked_hashes(tmp_path):
+    global DATA
+    saved = DATA
+    DATA = {"pkg/__pycache__/a.cpython-311.pyc": _pyc(3),
+            "pkg/__pycache__/b.cpython-311.pyc": _pyc(3),
+            "pkg/a.py": b"a = 1\n" * 50, "pkg/b.py": b"b = 1\n" * 50}
+    try:
+        fs, nodes, files, _ = _fs(tmp_path)
+        submitted: list[list[str]] = []
+        fs._load_ahead = lambda ns: submitted.append(names(ns))  # type: ignore[method-assign]
+        conn = Conn()
+        first = nodes["pkg/__pycache__/a.cpython-311.pyc"]
+        fs.lazy_frames.loaded.add(first.frames[0])
+        _open(fs, conn, first)          # nothing known of the layer's pycs yet
+        fs.workers.shutdown(wait=True)
+        assert submitted == [] and fs._pycs == [1, 1]   # learnt from its header
+        fs.workers = ThreadPoolExecutor(2)
+        _open(fs, conn, nodes["pkg/__pycache__/b.cpython-311.pyc"], unique=2)   # a miss
+        fs.workers.shutdown(wait=True)
+        assert submitted == [["pkg/b.py"]]
+    finally:
+        DATA = saved
+
+
+def names(nodes):
+    return [n.read_path for n in nodes]
