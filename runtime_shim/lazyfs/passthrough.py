@@ -231,6 +231,8 @@ class PassthroughFS:
         self._pycs = [0, 0]
         self.lazy_frames = _Frames(layer, nodes, on_loaded=self._loaded, report_all=PRELOAD)
         self.readahead = _Readahead(layer, nodes, self.lazy_frames)
+        if PYC_SOURCES:   # a guessed checked-hash pyc brings its source (``_pyc_companion``)
+            self.lazy_frames.companion = self._pyc_companion
         self.mountpoint, self.files, self.workers = mountpoint, files, workers
         self.trace, self.on_init, self.want_passthrough = trace, on_init, want_passthrough
         self.on_elf = on_elf   # told of each fetched ELF file (the daemon fetches its libraries)
@@ -586,6 +588,19 @@ class PassthroughFS:
                 or not self.lazy_frames.missing(s):
             return
         self.workers.submit(self._load_ahead, [s])
+
+    def _pyc_companion(self, node: Node) -> Node | None:
+        """The source to load with ``node`` when a window or the readahead guesses it: a
+        checked-hash pyc's (``_source_ahead``), whose open reads it a moment after the pyc's
+        — too late to fetch it then."""
+        if not node.read_path.endswith(".pyc") or not pyc_source_wanted(*self._pycs):
+            return None
+        src = pyc_source(node.read_path)
+        s = self.lazy_nodes.get(src) if src else None
+        if s is None or not s.read_path or s.size > PYC_SOURCE_MAX \
+                or not self.lazy_frames.missing(s):
+            return None
+        return s
 
     def _load_ahead(self, nodes: list[Node]) -> None:
         try:

@@ -206,6 +206,15 @@ def test_a_pyc_open_fetches_its_source_ahead_when_the_layer_uses_checked_hashes(
         _open(fs, conn, nodes["pkg/__pycache__/b.cpython-311.pyc"], unique=2)   # a miss
         fs.workers.shutdown(wait=True)
         assert submitted == [["pkg/b.py"]]
+        # a window's or the readahead's load of a pyc brings its source along (not the
+        # source of a source, nor one already on the node)
+        pyc = nodes["pkg/__pycache__/a.cpython-311.pyc"]
+        assert fs._pyc_companion(pyc) is nodes["pkg/a.py"]
+        assert fs._pyc_companion(nodes["pkg/a.py"]) is None
+        fs.lazy_frames.loaded.add(nodes["pkg/a.py"].frames[0])
+        assert fs._pyc_companion(pyc) is None
+        fs._pycs = [1, 5]     # mostly timestamp pycs: sources are only stat'ed
+        assert fs._pyc_companion(nodes["pkg/__pycache__/b.cpython-311.pyc"]) is None
     finally:
         DATA = saved
 
