@@ -78,7 +78,8 @@ class _Frames:
         self.on_loaded = on_loaded
         self.report_all = report_all
         self._ahead: set[int] = set()   # id(node) of files asked for ahead, not yet reported
-        #: a file that a guessed load of ``node`` brings along (``load``), or None
+        #: a file that a background guess's load of ``node`` brings along (``load`` with
+        #: ``wait=False``, not ``ahead``: a window, the readahead), or None
         self.companion: Callable[[Node], Node | None] | None = None
         self.profiled = False   # a recorded profile is being prefetched: no tar-order guesses
         self._order: list[Node] | None = None   # regular files in blob (tar) order, on demand
@@ -225,7 +226,7 @@ class _Frames:
         be opened soon (start-up files, a program's libraries, an import prediction, a
         profile), so ``on_loaded`` is told of them even without ``report_all``: when their
         frames land, whoever fetches them, or now if they are loaded already."""
-        if self.companion is not None and not ahead:
+        if self.companion is not None and not wait and not ahead:   # a guess in the background
             extra = [c for n in nodes if (c := self.companion(n)) is not None]
             if extra:
                 nodes = [*nodes, *extra]

@@ -646,7 +646,8 @@ class PassthroughFS:
                                    f"open {node.read_path} of {self.lazy_layer.digest}",
                                    inline=inline)
             payload = self._open_path(conn, node, path)
-            if PYC_SOURCES and node.read_path.endswith(".pyc"):
+            if PYC_SOURCES and node.read_path.endswith(".pyc") \
+                    and self._pycs[1] < PYC_LEARN_MAX:
                 self._learn_pyc(path)
             with self._lock:
                 self.stats["opens"] += 1
@@ -754,6 +755,9 @@ PYC_SOURCES = os.environ.get("ENVBUILD_LAZY_PYC_SOURCES", "1").strip().lower() \
     not in ("0", "off")
 #: Sources larger than this are left to their own open.
 PYC_SOURCE_MAX = 1 << 20
+#: A layer's first pycs whose headers are read to learn whether they are checked-hash ones
+#: (then the decision stands: a header read is an open, a read and a close per pyc open).
+PYC_LEARN_MAX = 64
 
 
 def pyc_source(pyc: str) -> str | None:

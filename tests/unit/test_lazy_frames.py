@@ -337,15 +337,16 @@ def test_a_deferred_tar_readahead_waits_its_delay_then_loads():
 
 def test_a_guessed_load_brings_each_files_companion_and_an_exact_one_does_not():
     """``_Frames.companion`` (a checked-hash pyc's source, in passthrough): a window's or the
-    readahead's load of a file fetches its companion in the same load; a load ``ahead`` (an
-    exact prediction) does not."""
+    readahead's load of a file (in the background) fetches its companion in the same load; a
+    load ``ahead`` (an exact prediction) and a reader's own (it waits) do not."""
     layer = FakeLayer()
     nodes = files([100 * KiB] * 6)
     frames = _Frames(layer, nodes)  # type: ignore[arg-type]
     frames.companion = lambda n: nodes["f5"] if n.read_path == "f0" else None
-    frames.load([nodes["f0"], nodes["f1"]])
+    frames.load([nodes["f0"], nodes["f1"]], wait=False)
     assert layer.calls == [["f0", "f1", "f5"]]
     assert not frames.missing(nodes["f5"])
     frames.companion = lambda n: nodes["f4"]
-    frames.load([nodes["f2"]], ahead=True)
-    assert layer.calls[-1] == ["f2"]
+    frames.load([nodes["f2"]], wait=False, ahead=True)   # an exact prediction
+    frames.load([nodes["f3"]])                           # a reader's own miss waits
+    assert layer.calls[1:] == [["f2"], ["f3"]]
