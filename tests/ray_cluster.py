@@ -67,12 +67,25 @@ def start_cluster(workers: int = 2) -> RayTestCluster:
     # Ray's session dirs (logs, sockets, spilled objects) under a dir of our own, removed at
     # shutdown, instead of piling up in /tmp/ray; short, for the 107-byte unix socket limit.
     temp_dir = tempfile.mkdtemp(prefix="ebray-", dir="/tmp")
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 1, "include_dashboard": False,
-                                      "temp_dir": temp_dir})
-    test_cluster = RayTestCluster(cluster=cluster, temp_dir=temp_dir)
-    for _ in range(workers):
-        test_cluster.workers.append(test_cluster.add_node())
+    # Ray (2.60 at least) writes the head's address to <$RAY_TMPDIR or /tmp>/ray/
+    # ray_current_cluster whatever temp_dir says, and fails if that directory does not exist
+    # (a clean machine that never ran Ray): point it into our dir too, removed with it.
+    os.environ["RAY_TMPDIR"] = temp_dir
+    os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
+    cluster = None
+    try:
+        cluster = Cluster(initialize_head=True,
+                          head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                          "temp_dir": temp_dir})
+        test_cluster = RayTestCluster(cluster=cluster, temp_dir=temp_dir)
+        for _ in range(workers):
+            test_cluster.workers.append(test_cluster.add_node())
+    except BaseException:   # a cluster that did not start leaves no process and no dir
+        if cluster is not None:
+            cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        os.environ.pop("RAY_TMPDIR", None)
+        raise
     return test_cluster
 
 
@@ -90,3 +103,5 @@ def ray_cluster() -> Iterator[RayTestCluster]:
         finally:
             test_cluster.cluster.shutdown()
             shutil.rmtree(test_cluster.temp_dir, ignore_errors=True)
+            if os.environ.get("RAY_TMPDIR") == test_cluster.temp_dir:
+                del os.environ["RAY_TMPDIR"]
