@@ -84,7 +84,8 @@ def start_cluster(workers: int = 2) -> RayTestCluster:
         if cluster is not None:
             cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
-        os.environ.pop("RAY_TMPDIR", None)
+        if os.environ.get("RAY_TMPDIR") == temp_dir:
+            del os.environ["RAY_TMPDIR"]
         raise
     return test_cluster
 

@@ -171,10 +171,8 @@ class RangeClient:
             except _TooLong as e:
                 conn.close()
                 return RangeResponse(502, b"", error=str(e))  # final: retrying gets the same
-            except BaseException as e:
+            except (TimeoutError, OSError, http.client.HTTPException) as e:
                 conn.close()
-                if not isinstance(e, (TimeoutError, OSError, http.client.HTTPException)):
-                    raise
                 last = f"{type(e).__name__}: {e}"
                 if reused and not stale_retried and isinstance(e, _STALE):
                     # a keep-alive connection the server closed while it was idle (servers
@@ -183,6 +181,9 @@ class RangeClient:
                     continue
                 attempt += 1
                 continue
+            except BaseException:   # taken from the idle list: never handed back half-used
+                conn.close()
+                raise
             if not reusable or (resp.getheader("Connection") or "").lower() == "close":
                 conn.close()
             else:

@@ -116,13 +116,12 @@ _leaf_pools: dict[bool, concurrent.futures.ThreadPoolExecutor] = {}
 _leaf_lock = threading.Lock()
 
 
-def _leaf_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The pool for the calling thread's parallel reads: one for a reader's, one for
-    background work (``is_background``), so a reader's reads never queue behind readahead.
+def _leaf_pool(bg: bool) -> concurrent.futures.ThreadPoolExecutor:
+    """The pool for parallel reads: one for a reader's, one for background work (``bg``:
+    ``is_background`` of the caller), so a reader's reads never queue behind readahead.
     Kept for the process: a pool per call started new threads for every call. Its tasks are
     leaves (one request each, never waiting for another task), so sharing the threads cannot
     deadlock."""
-    bg = is_background()
     with _leaf_lock:
         pool = _leaf_pools.get(bg)
         if pool is None:
@@ -503,8 +502,8 @@ class LazyLayer:
             for run in runs:
                 yield self._fetch_run(run)
             return
-        pool = _leaf_pool()
         bg = is_background()
+        pool = _leaf_pool(bg)
 
         def fetch(run: list[Chunk]) -> dict[int, bytes]:
             if not bg:
@@ -693,7 +692,7 @@ class LazyLayer:
         pieces = self._pieces(e)
         have = self._cached(pieces)
         need = list({p.chunk.offset: p.chunk for p in pieces if p.key not in have}.values())
-        pool = _leaf_pool()
+        pool = _leaf_pool(is_background())
         index = {c.offset: i for i, c in enumerate(need)}
         futs: dict[int, concurrent.futures.Future[dict[int, bytes]]] = {}
 

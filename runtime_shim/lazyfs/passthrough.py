@@ -579,20 +579,15 @@ class PassthroughFS:
         """At the first open of a pyc, when this layer's pycs are checked-hash ones
         (``pyc_source_wanted``): fetch its source beside it (the importer opens the source
         right after to check the hash), as a file predicted to be opened."""
-        checked, seen = self._pycs
-        if not pyc_source_wanted(checked, seen):
-            return
-        src = pyc_source(node.read_path)
-        s = self.lazy_nodes.get(src) if src else None
-        if s is None or not s.read_path or s.size > PYC_SOURCE_MAX \
-                or not self.lazy_frames.missing(s):
-            return
-        self.workers.submit(self._load_ahead, [s])
+        source = self._pyc_companion(node)
+        if source is not None:
+            self.workers.submit(self._load_ahead, [source])
 
     def _pyc_companion(self, node: Node) -> Node | None:
-        """The source to load with ``node`` when a window or the readahead guesses it: a
-        checked-hash pyc's (``_source_ahead``), whose open reads it a moment after the pyc's
-        — too late to fetch it then."""
+        """The source of the pyc ``node`` still to fetch, when this layer's pycs are
+        checked-hash ones (``pyc_source_wanted``), else None: loaded beside the pyc at its
+        open (``_source_ahead``) and with it when a window or the readahead guesses it (its
+        open reads the source a moment after the pyc's — too late to fetch it then)."""
         if not node.read_path.endswith(".pyc") or not pyc_source_wanted(*self._pycs):
             return None
         src = pyc_source(node.read_path)
