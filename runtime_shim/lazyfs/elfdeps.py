@@ -90,6 +90,10 @@ def _cstr(data: bytes | bytearray, start: int, end: int) -> str:
     return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
 
+#: Directory depth ``Stack._dir`` resolves parent by parent (recursively); deeper ones walk.
+MAX_DIR_DEPTH = 200
+
+
 class Stack:
     """The trees of one stack's lazy mounts, top layer first (``ops`` exposing
     ``lazy_nodes``): path lookups as the sandbox's overlay would see them, approximately
@@ -97,17 +101,31 @@ class Stack:
     consulted — a lookup that finds a lower file where an opaque upper dir hides it costs at
     most one needless fetch)."""
 
+    #: Prefixes whose topmost entry is remembered (a lookup walks every prefix of its path,
+    #: and an import closure looks up thousands of paths under the same few directories).
+    TOPS_MAX = 500_000
+
     def __init__(self, layers: Sequence[Any]) -> None:
         self.layers = list(layers)
+        self._tops: dict[str, tuple[Any, Any] | None] = {}   # the trees never change
+        self._dirs: dict[str, str | None] = {}
 
     def _top(self, path: str) -> tuple[Any, Any] | None:
+        try:
+            return self._tops[path]
+        except KeyError:
+            pass
+        hit = None
         for ops in self.layers:
             node = ops.lazy_nodes.get(path)
             if node is not None:
-                if stat.S_ISCHR(node.mode) and node.rdev == 0:
-                    return None   # a whiteout
-                return ops, node
-        return None
+                if not (stat.S_ISCHR(node.mode) and node.rdev == 0):   # else a whiteout
+                    hit = (ops, node)
+                break
+        if len(self._tops) >= self.TOPS_MAX:
+            self._tops.clear()
+        self._tops[path] = hit
+        return hit
 
     def names(self, path: str, per_layer: int) -> list[str]:
         """The names in directory ``path`` of any of the stack's layers (no symlinks followed;
@@ -122,8 +140,54 @@ class Stack:
 
     def lookup(self, path: str) -> tuple[Any, Any] | None:
         """``(ops, node)`` of the regular file at ``path`` (absolute or relative to the root),
-        symlinks followed (at most ``MAX_HOPS``), or None."""
+        symlinks followed (at most ``MAX_HOPS``), or None. A plain relative path (no empty,
+        ``.`` or ``..`` part) resolves its directory once (``_dir``, remembered) and then looks
+        up one name: an import closure asks for ~16,000 paths in a few hundred directories."""
         parts = path.split("/")
+        if len(parts) > 1 and "" not in parts and "." not in parts and ".." not in parts:
+            where = self._dir("/".join(parts[:-1]))
+            if where is None:
+                return None
+            hit = self._top(f"{where}/{parts[-1]}" if where else parts[-1])
+            if hit is None or stat.S_ISREG(hit[1].mode):
+                return hit
+            if not stat.S_ISLNK(hit[1].mode):
+                return None
+        got = self._walk(parts)
+        return got[1] if got is not None and stat.S_ISREG(got[1][1].mode) else None
+
+    def _dir(self, path: str) -> str | None:
+        """The path of directory ``path`` with its symlinks resolved (``""``: the root), or
+        None when it is not a directory of the stack. Remembered; resolved from its parent's
+        (itself remembered), so each directory costs one name lookup."""
+        try:
+            return self._dirs[path]
+        except KeyError:
+            pass
+        head, _, leaf = path.rpartition("/")
+        where: str | None = None
+        if not head or leaf in ("", ".", "..") or path.count("/") > MAX_DIR_DEPTH:
+            # a top-level name, a path to normalise, or one too deep to resolve recursively
+            where = self._walked_dir(path)
+        else:
+            up = self._dir(head)
+            hit = None if up is None else self._top(f"{up}/{leaf}" if up else leaf)
+            if hit is not None and stat.S_ISDIR(hit[1].mode):
+                where = f"{up}/{leaf}" if up else leaf
+            elif hit is not None and stat.S_ISLNK(hit[1].mode):
+                where = self._walked_dir(path)
+        if len(self._dirs) >= self.TOPS_MAX:
+            self._dirs.clear()
+        self._dirs[path] = where
+        return where
+
+    def _walked_dir(self, path: str) -> str | None:
+        got = self._walk(path.split("/"))
+        return got[0] if got is not None and stat.S_ISDIR(got[1][1].mode) else None
+
+    def _walk(self, parts: list[str]) -> tuple[str, tuple[Any, Any]] | None:
+        """``(resolved path, (ops, node))`` of the entry at ``parts``, symlinks followed (at
+        most ``MAX_HOPS``, ``MAX_STEPS`` components in all), or None."""
         steps = 0
         for _ in range(MAX_HOPS):
             cur: list[str] = []
@@ -149,11 +213,12 @@ class Stack:
                     parts = base + target + parts[i + 1:]
                     redirected = True
                     break
+                if node.children is None and i < len(parts) - 1:
+                    return None   # not a directory: nothing below it (an upper file hides)
             if not redirected:
-                if not cur:
-                    return None
-                hit = self._top("/".join(cur))
-                return hit if hit is not None and stat.S_ISREG(hit[1].mode) else None
+                where = "/".join(cur)   # "": the root (a directory)
+                hit = self._top(where)
+                return (where, hit) if hit is not None else None
         return None
 
     def dependencies(self, data: bytes) -> list[tuple[Any, Any]]:
