@@ -65,8 +65,17 @@ from shaped_link import LinkProfile, ShapedLink  # noqa: E402
 from envbuild.layers import LayerReader, pack_tree  # noqa: E402
 from envbuild.oci import MEDIA_TYPE_CONFIG  # noqa: E402
 from envbuild.plan.lockspec import LockLayer, RuntimeConfig, make_lock, merge_config  # noqa: E402
-from envbuild.store import LocalStore, copy_blobs, open_store, put_file, put_json  # noqa: E402
+from envbuild.store import (  # noqa: E402
+    PYIMPORT_RECORDS,
+    LocalStore,
+    copy_blobs,
+    copy_layer_records,
+    open_store,
+    put_file,
+    put_json,
+)
 from runtime_shim.lazyfs import PROFILE_NAMESPACE, lazy_stats  # noqa: E402
+from runtime_shim.lazyfs.pyindex import index_layer_file  # noqa: E402
 from runtime_shim.locks import resolve  # noqa: E402
 from runtime_shim.nodecache import NodeCache  # noqa: E402
 from runtime_shim.sandbox import Sandbox  # noqa: E402
@@ -128,6 +137,8 @@ def venv_layer(local: LocalStore) -> LockLayer:
             pack_tree(tree, f, source_date_epoch=0)
         blob.with_suffix(".tmp").rename(blob)
     info = put_file(local, blob)
+    if local.get_record(PYIMPORT_RECORDS, info.digest[7:]) is None:
+        index_layer_file(local, str(blob), info.digest)   # as a build does (pyindex)
     with LayerReader.open_file(blob) as r:
         return LockLayer(name="venv", role="toolkit", key="sha256:" + "0" * 64,
                          digest=info.digest, diff_id=r.toc.diff_id, size=info.size,
@@ -325,6 +336,7 @@ def start_store(link: ShapedLink, cache: LocalStore, digests: list[str]):
     store = open_store("s3://cold/envs", s3_endpoint=endpoint)
     print("  pushing the env through the link ...", flush=True)
     copy_blobs(cache, store, digests)
+    copy_layer_records(cache, store, digests)   # the layers' import indexes
     return store, server.data
 
 

@@ -206,6 +206,7 @@ class NodeCache:
     def ensure_lazy(self, store_url: str, digest: str, toc_digest: str | None = None, *,
                     s3_endpoint: str | None = None, size: int | None = None,
                     ranges_url: str | None = None, record_profile: dict | None = None,
+                    index_url: str | None = None,
                     chunk_cache_max: int = DEFAULT_CHUNK_CACHE_MAX,
                     timeout: float = LAZY_MOUNT_TIMEOUT) -> Path:
         """The read-only FUSE mount of layer ``digest`` (an overlay lower dir), served from the
@@ -213,7 +214,9 @@ class NodeCache:
         gives it for a ``Store``) by the node's lazy layer daemon, shared by every sandbox on
         this host; ``ranges_url`` (a presigned GET URL of the blob) lets it read ranges without
         opening the store itself. ``record_profile`` goes to the daemon with a new mount
-        (``runtime_shim.lazyfs.lazy_layer_dirs``: lazy profiles).
+        (``runtime_shim.lazyfs.lazy_layer_dirs``: lazy profiles), and ``index_url`` (a
+        presigned GET URL of the layer's import index record, ``lazyfs.pyindex``; without
+        it the daemon reads the record from the store itself).
 
         Idempotent: a healthy mount is returned as is. Otherwise, under the layer's lock, a
         stale mount (its daemon died) is unmounted and the daemon (started if none runs) asked
@@ -231,14 +234,14 @@ class NodeCache:
                 if state != "ok":
                     self._start_lazy(store_url, digest, toc_digest, s3_endpoint, size,
                                      ranges_url, chunk_cache_max, timeout,
-                                     record_profile=record_profile)
+                                     record_profile=record_profile, index_url=index_url)
         _touch(self.root / "lazy" / f"{hexd}.used")
         return target
 
     def _start_lazy(self, store_url: str, digest: str, toc_digest: str | None,
                     s3_endpoint: str | None, size: int | None, ranges_url: str | None,
                     chunk_cache_max: int, timeout: float, *,
-                    record_profile: dict | None = None) -> None:
+                    record_profile: dict | None = None, index_url: str | None = None) -> None:
         from runtime_shim.lazyfs.control import daemon_request
 
         target = self.lazy_dir(digest)
@@ -247,7 +250,7 @@ class NodeCache:
         req = {"op": "mount", "mountpoint": str(target), "store": store_url,
                "s3_endpoint": s3_endpoint, "digest": digest, "toc_digest": toc_digest,
                "size": size, "ranges_url": ranges_url, "timeout": timeout,
-               "profile": record_profile}
+               "profile": record_profile, "index_url": index_url}
         for _ in range(5):  # a daemon that was exiting as we asked: start one, ask again
             reply = daemon_request(self.root, req, timeout + 5)
             if reply is None:

@@ -240,6 +240,11 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
         if stored.digest != info.digest:
             raise BuildError(f"{job.name}: packed layer hashed to {stored.digest}, "
                              f"the writer reported {info.digest}")
+        # the layer's pyc imports, for lazy sandboxes' import prediction (a hint: never fails
+        # the build); before the key record, so a layer found built has its index
+        from runtime_shim.lazyfs.pyindex import index_layer_file
+
+        index_layer_file(ctx.store, str(blob), info.digest)
         record = KeyRecord(
             layer=info.digest, toc=info.toc_digest, diff_id=info.diff_id, size=info.size,
             built_from={"name": job.name, "kind": d.kind, "lower_keys": list(job.lower_keys),

@@ -40,8 +40,11 @@ from envbuild.store.base import (
 )
 from envbuild.store.helpers import (
     KEY_RECORDS,
+    LAYER_RECORDS,
+    PYIMPORT_RECORDS,
     KeyRecord,
     copy_blobs,
+    copy_layer_records,
     digest_bytes,
     digest_file,
     get_json,
@@ -61,6 +64,8 @@ __all__ = [
     "ConditionalRecords",
     "Descriptor",
     "KEY_RECORDS",
+    "LAYER_RECORDS",
+    "PYIMPORT_RECORDS",
     "KeyRecord",
     "LocalBlobPaths",
     "LocalStore",
@@ -82,6 +87,7 @@ __all__ = [
     "capabilities",
     "check_digest",
     "copy_blobs",
+    "copy_layer_records",
     "digest_bytes",
     "digest_file",
     "get_json",

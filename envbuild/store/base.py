@@ -655,9 +655,17 @@ class Presigner(Protocol):
         loads boto3 (creating its client holds the daemon's GIL for ~0.4 s, stalling every
         FUSE request of the node). The same bearer-secret rule; ``StoreError`` for a bad name
         or lifetime.
+
+    ``presigned_get_record_url(namespace, name, expires=3600) -> str``
+        A URL that answers a plain ``GET`` with record ``namespace/name``'s bytes (``404``
+        while it is absent), for about ``expires`` seconds: the lazy daemon reads a layer's
+        import index (``runtime_shim.lazyfs.pyindex``) this way. The same rules.
     """
 
     def presigned_get_url(self, digest: str, expires: int = 12 * 3600) -> str: ...
+
+    def presigned_get_record_url(self, namespace: str, name: str,
+                                 expires: int = 3600) -> str: ...
 
     def presigned_put_record_url(self, namespace: str, name: str,
                                  expires: int = 3600) -> str: ...

@@ -127,6 +127,29 @@ def copy_blobs(src: Store, dst: Store, digests: Iterable[str]) -> list[str]:
     return copied
 
 
+#: Namespace of the records kept beside a layer blob, named by its digest's hex: its import
+#: index (``runtime_shim.lazyfs.pyindex``). Copied with the blob (``copy_layer_records``).
+PYIMPORT_RECORDS = "lazy-pyimports"
+LAYER_RECORDS = (PYIMPORT_RECORDS,)
+
+
+def copy_layer_records(src: Store, dst: Store, digests: Iterable[str]) -> int:
+    """Copy the records kept beside layer blobs (``LAYER_RECORDS``) of ``digests`` that
+    ``dst`` lacks; returns how many were copied. They are hints (a lazy sandbox's import
+    prediction), so a blob that is not a layer simply has none."""
+    copied = 0
+    for digest in dict.fromkeys(digests):
+        name = check_digest(digest)
+        for ns in LAYER_RECORDS:
+            if dst.get_record(ns, name) is not None:
+                continue
+            rec = src.get_record(ns, name)
+            if rec is not None:
+                dst.put_record(ns, name, rec)
+                copied += 1
+    return copied
+
+
 @dataclasses.dataclass(frozen=True)
 class KeyRecord:
     """What a layer key produced: the record at ``keys/v1/<key-hex>``.

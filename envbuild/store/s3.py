@@ -569,6 +569,16 @@ class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
             "get_object", Params={"Bucket": self.bucket, "Key": self._blob_key(digest)},
             ExpiresIn=expires)
 
+    def presigned_get_record_url(self, namespace: str, name: str, expires: int = 3600) -> str:
+        """A presigned GET URL of record ``namespace/name`` (the ``Presigner`` capability):
+        answers the record's bytes (``404`` while it is absent)."""
+        if expires <= 0:
+            raise StoreError(f"presigned URL lifetime must be positive, not {expires}")
+        return self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket,
+                                  "Key": self._record_key(namespace, name)},
+            ExpiresIn=expires)
+
     def presigned_put_record_url(self, namespace: str, name: str, expires: int = 3600) -> str:
         """A presigned PUT URL of record ``namespace/name`` (the ``Presigner`` capability):
         its body is the record's bytes, stored as ``put_record`` stores them."""

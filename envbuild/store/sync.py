@@ -38,6 +38,7 @@ from envbuild.store.base import Descriptor, Store, check_digest
 from envbuild.store.helpers import (
     KEY_RECORDS,
     copy_blobs,
+    copy_layer_records,
     get_json,
     get_key_record,
     put_key_record,
@@ -150,6 +151,8 @@ def sync(src: Store, dst: Store, refs: Iterable[str] = (), keys: Iterable[str] =
     # layers of records come first (they are usually the big ones), then the lock blobs
     layer_blobs = [r.layer for r in records.values()]
     _copy_all(src, dst, list(dict.fromkeys(layer_blobs + leaves)), report, jobs, progress)
+    # what is kept beside a layer (its import index) goes with it, before the refs name it
+    copy_layer_records(src, dst, list(dict.fromkeys(layer_blobs + leaves)))
     _copy_all(src, dst, list(dict.fromkeys(manifests)), report, 1, progress)
     for key, rec in records.items():
         put_key_record(dst, key, rec)

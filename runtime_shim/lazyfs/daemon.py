@@ -296,7 +296,8 @@ class _NodeDaemon:
                     "boto3_loaded": "boto3" in sys.modules,
                     "fuse_requests": self._fuse_requests(),
                     "import_prediction": (self.pyahead.snapshot() if self.pyahead is not None
-                                          else None)}
+                                          else None),
+                    "import_indexes": self._import_indexes()}
             elif op == "mount":
                 reply = self._mount(req)
             elif op == "prefetch":
@@ -429,7 +430,52 @@ class _NodeDaemon:
         with self.lock:
             self.ops[mp] = ops
             self.by_digest[digest] = ops
+        if self.pyahead is not None and self.mode == MODE_PASSTHROUGH:
+            # after the answer's work: the sandbox's first pycs open a few hundred ms later
+            self.elf_pool.submit(self._read_index, ops, req)
         return {"ok": True, "pid": os.getpid(), "mode": self.mode}
+
+    def _read_index(self, ops: Any, req: dict[str, Any]) -> None:
+        """Give the mount ``ops`` its layer's import index (``pyindex``; ``ops.py_index``):
+        through the presigned URL the client sent, else from a store the daemon opens
+        without boto3 (a directory). A hint: absent or unreadable, the layer predicts only
+        interpreter start-up."""
+        import time
+
+        from runtime_shim.lazyfs import pyindex
+
+        t0 = time.monotonic()
+        digest = req["digest"]
+        name = pyindex.record_name(digest)
+        index = None
+        try:
+            if req.get("index_url"):
+                from envbuild.store.lazy import _range_client
+
+                # HttpRanges' client (its default settings): the layers' keep-alive connections
+                resp = _range_client(4, 30.0).get(req["index_url"], 0, pyindex.MAX_RECORD)
+                if resp.status in (200, 206):
+                    index = pyindex.read_index_bytes(resp.body, digest)
+                elif resp.status != 404:
+                    log.warning("import index of %s: HTTP %s %s", digest[:19], resp.status,
+                                resp.error or "")
+            elif not str(req["store"]).startswith("s3://"):   # boto3 costs the GIL ~0.4 s
+                rec = self._store(req["store"], req.get("s3_endpoint")).get_record(
+                    pyindex.INDEX_NAMESPACE, name)
+                index = pyindex.decode_index(rec, digest) if rec is not None else None
+        except (EnvbuildError, OSError, ValueError) as e:
+            log.warning("import index of %s: %s", digest[:19], getattr(e, "message", e))
+        if index is not None:
+            ops.py_index = index
+            log.info("import index of %s: %d pycs in %.3f s", digest[:19], len(index),
+                     time.monotonic() - t0)
+
+    def _import_indexes(self) -> dict[str, int]:
+        """Layer digest -> pycs in its import index, for the mounts that have one."""
+        with self.lock:
+            mounts = list(self.by_digest.items())
+        return {d: len(ops.py_index) for d, ops in mounts
+                if getattr(ops, "py_index", None) is not None}
 
     def _fuse_requests(self) -> dict[str, int]:
         """FUSE requests answered so far by opcode, summed over the passthrough mounts."""

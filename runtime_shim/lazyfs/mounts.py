@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from envbuild.errors import RuntimeShimError
 from envbuild.oci import MEDIA_TYPE_LAYER_ZSTD
-from envbuild.store import Store
+from envbuild.store import PYIMPORT_RECORDS, Store
 from envbuild.store.base import Locatable, Presigner
 from runtime_shim.lazyfs.control import daemon_request
 from runtime_shim.lazyfs.profile import (
@@ -35,7 +35,8 @@ class LazyNode(Protocol):
     def ensure_lazy(self, store_url: str, digest: str, toc_digest: str | None = None, *,
                     s3_endpoint: str | None = None, size: int | None = None,
                     ranges_url: str | None = None,
-                    record_profile: dict | None = None) -> Path: ...
+                    record_profile: dict | None = None,
+                    index_url: str | None = None) -> Path: ...
 
 
 def store_location(store: Store) -> tuple[str, str | None]:
@@ -96,9 +97,13 @@ def lazy_layer_dirs(node: LazyNode, store: Store, layers: Sequence[Any],
 
     def one(layer: Any) -> str:
         ranges_url = presign(layer.digest) if presign is not None else None
+        # the layer's import index (lazyfs.pyindex), read by the daemon after the mount
+        index_url = (store.presigned_get_record_url(PYIMPORT_RECORDS, layer.digest[7:])
+                     if isinstance(store, Presigner) else None)
         return str(node.ensure_lazy(url, layer.digest, layer.toc_digest or None,
                                     s3_endpoint=endpoint, size=layer.size,
-                                    ranges_url=ranges_url, record_profile=record))
+                                    ranges_url=ranges_url, record_profile=record,
+                                    index_url=index_url))
 
     if len(layers) <= 1:
         dirs = [one(layer) for layer in layers]

@@ -49,6 +49,10 @@ from runtime_shim.lazyfs.frames import (
 log = logging.getLogger("envbuild.lazyfs")
 
 ENV_SWITCH = "ENVBUILD_LAZY_PYDEPS"
+#: Whether layers' import indexes (``pyindex``: each pyc's imports, scanned when the layer
+#: was packed) drive prediction: ``$ENVBUILD_LAZY_PYINDEX=0`` turns it off.
+USE_INDEX = os.environ.get("ENVBUILD_LAZY_PYINDEX", "").strip().lower() not in (
+    "0", "off", "no", "false")
 #: Predicted files per stack (a whole site-packages is far more than an import touches).
 MAX_FILES = 6000
 #: A predicted file larger than this is left to its own open (numpy's ufunc module: 10 MB).
@@ -83,7 +87,6 @@ SCAN_TIMEOUT = 5.0
 SCAN_STARTS = 3
 #: The helper's address-space limit (bytes): a hostile pyc cannot make it take the node's memory.
 SCAN_MEMORY = 1 << 30
-_PYC = re.compile(r"/__pycache__/[^/]+\.pyc$")
 _STARTUP = re.compile(r"(^|/)(bin/python3\.\d{1,2}|pyvenv\.cfg)$")
 _MAX_LINE = 8 << 20
 
@@ -108,8 +111,7 @@ def enabled() -> bool:
     return mode() != "off"
 
 
-def is_pyc(path: str) -> bool:
-    return bool(_PYC.search("/" + path))
+is_pyc = pydeps.is_pyc
 
 
 class PyAhead:
@@ -157,12 +159,14 @@ class PyAhead:
         counts hits, and a pyc not predicted yet is scanned first of all."""
         key = (fs.mountpoint, node.ino)
         py = is_pyc(node.read_path)
+        if py and not self.scan_imports:
+            py = _indexed(fs, node)   # its imports are known without its bytes
         with self.lock:
             if key in self.seen:
                 if key not in self.opened:
                     self.opened.add(key)
                     self.stats["predicted_opened"] += 1
-                if py and self.scan_imports and key not in self.queued:
+                if py and key not in self.queued:
                     # predicted beyond AHEAD_DEPTH: scan now
                     self.queued.add(key)
                     self.gen += 1
@@ -170,9 +174,9 @@ class PyAhead:
                 return
             if py or node.read_path.endswith(".py") or _EXTENSION.search(node.read_path):
                 self.stats["unpredicted_opens"] += 1
-            if py and self.scan_imports:
+            if py:
                 kind = "pyc"
-            elif py:
+            elif is_pyc(node.read_path):
                 return
             elif _STARTUP.search(node.read_path):
                 kind = "startup"   # an interpreter or a venv's pyvenv.cfg: start-up files
@@ -232,11 +236,16 @@ class PyAhead:
               path: str | None) -> None:
         import time
 
-        if node.size > pydeps.MAX_PYC:
-            return
-        data = _read(fs, node, path)
-        if data is None:
-            return
+        index = _index_of(fs)
+        known = index.imports(node.read_path) if index is not None else None
+        data = b""
+        if known is None:
+            if not self.scan_imports or node.size > pydeps.MAX_PYC:
+                return
+            got = _read(fs, node, path)
+            if got is None:
+                return
+            data = got
         st = self._stack(stack, fs)
         # its source first, before the scan: the importer opens it next (to hash it, for a
         # checked-hash pyc; to compile it, for a pyc whose timestamp does not match)
@@ -245,7 +254,7 @@ class PyAhead:
         if src is not None:
             self._claim(key, stack, [src], source=True)
         t0 = time.monotonic()
-        imports = self.scanner.scan(data)
+        imports = list(known) if known is not None else self.scanner.scan(data)
         t1 = time.monotonic()
         with self.lock:
             roots = list(self.roots.get(stack, ()))
@@ -321,7 +330,14 @@ class PyAhead:
                 mp = ops.mountpoint
                 if mp not in self.pending:
                     self.pending[mp] = (ops, [])
-                self.pending[mp][1].append(((key[0], (*base, i)), stack, n))
+                at = (key[0], (*base, i))
+                self.pending[mp][1].append((at, stack, n))
+                k = (mp, n.ino)
+                if k not in self.queued and _indexed(ops, n):
+                    # its imports are in the layer's index: resolved now, ahead of its fetch
+                    # (no scan waits for bytes: the whole import closure is known at once)
+                    self.queued.add(k)
+                    self._push(at, "pyc", stack, ops, n, None)
             for mp in {ops.mountpoint for ops, _ in todo}:
                 if self.draining.get(mp, 0) < DRAINS:
                     self.draining[mp] = self.draining.get(mp, 0) + 1
@@ -411,6 +427,18 @@ def _load_run(ops: Any, run: list[Any]) -> None:
     with background():
         ops.lazy_frames.load(run, wait=False, workers=PROFILE_FILE_WORKERS, max_run=PROFILE_RUN,
                              merge_gap=GAP, ahead=True)
+
+
+def _index_of(fs: Any) -> Any:
+    """The import index of the layer mounted as ``fs`` (``pyindex.ImportIndex``, set by the
+    daemon once read) or None."""
+    return getattr(fs, "py_index", None) if USE_INDEX else None
+
+
+def _indexed(fs: Any, node: Any) -> bool:
+    """Whether ``node`` is a pyc whose imports the index of ``fs``'s layer holds."""
+    index = _index_of(fs)
+    return index is not None and node.read_path in index.pycs and is_pyc(node.read_path)
 
 
 def _children_exist(stack: Any, path: str) -> bool:

@@ -205,3 +205,66 @@ def test_an_interpreters_start_up_files_are_fetched_on_its_first_open_by_default
     assert not set(rel) & set(misses), misses
     assert str(control.relative_to(base)) in misses   # the control: nothing predicts it
     assert pred["pyc_scanned"] == 0 and pred["files_predicted"] == len(wanted), pred
+
+
+def test_a_layers_import_index_predicts_the_closure_before_any_of_it_lands(
+        tmp_path, monkeypatch):
+    """The default mode with layers indexed when packed (``pyindex``, as a build does): the
+    daemon reads each layer's index after its mount, and the first open of ``pkg``'s pyc
+    resolves pkg's whole import closure at once — no pyc's bytes needed, no scan helper — so
+    only that first pyc (and perhaps its source, asked for right after) waits for the store;
+    the function-level import is not fetched, every prediction is opened, and no more bytes
+    are fetched than without prediction."""
+    require_root()
+    require_tool("fusermount3")
+    from runtime_shim.lazyfs.pyindex import index_layer_file
+
+    monkeypatch.setenv("ENVBUILD_LAZY_PASSTHROUGH", "on")
+    monkeypatch.delenv("ENVBUILD_LAZY_PYDEPS", raising=False)
+    venv, std = _layers(tmp_path)
+    store = LocalStore(tmp_path / "store")
+    layers = []
+    for src in (std, venv):
+        digest, toc = _pack(src, store, tmp_path)
+        assert index_layer_file(store, str(tmp_path / f"{src.name}.blob"), digest) > 0
+        layers.append((digest, toc))
+    modules = FAN + 3
+    runs = {}
+    for name, switch in (("index", "1"), ("none", "0")):
+        monkeypatch.setenv("ENVBUILD_LAZY_PYINDEX", switch)
+        trace = tmp_path / f"trace-{name}"
+        trace.touch()
+        monkeypatch.setenv("ENVBUILD_LAZY_OPEN_TRACE", str(trace))
+        node = NodeCache(tmp_path / f"node-{name}")
+        try:
+            record = {"key": "sha256:" + os.urandom(32).hex(), "layers": [d for d, _ in layers],
+                      "store": str(store.root), "s3_endpoint": None}
+            for d, t in layers:
+                node.ensure_lazy(str(store.root), d, t, record_profile=record)
+            deadline = time.monotonic() + 20   # read in the background after each mount
+            indexes: dict = {}
+            while time.monotonic() < deadline and len(indexes) < 2:
+                indexes = (daemon_request(node.root, {"op": "ping"}, 10) or {})[
+                    "import_indexes"]
+                time.sleep(0.02)
+            assert set(indexes) == {d for d, _ in layers}, indexes
+            runs[name] = _import(node, store, layers, trace)
+            log = (node.root / "lazy" / "daemon.log").read_text()
+            assert "Traceback" not in log and "import index of" in log
+        finally:
+            node.unmount_lazy(keep=())
+        assert mounted_targets_under(str(tmp_path / f"node-{name}")) == []
+    misses, stats, pred = runs["index"]
+    none_misses, none_stats, none_pred = runs["none"]
+    first = f"{SP}/pkg/__pycache__/__init__.{sys.implementation.cache_tag}.pyc"
+    module_misses = [m for m in misses if m.endswith((".py", ".pyc"))]
+    assert first in module_misses and set(module_misses) <= {first, f"{SP}/pkg/__init__.py"}, \
+        misses
+    # the switch off: the index is read but unused, every module waits for the store
+    assert len([m for m in none_misses if m.endswith((".py", ".pyc"))]) == 2 * modules
+    assert none_pred["pyc_scanned"] == 0 and none_pred["files_predicted"] == 0, none_pred
+    assert pred["pyc_scanned"] == modules and pred["scan_seconds"] < 0.05, pred
+    assert pred["predicted_opened"] == pred["files_predicted"], pred
+    assert pred["files_predicted"] + pred["unpredicted_opens"] == 2 * modules, pred
+    assert not any("only_in_function" in m for m in misses)
+    assert stats["bytes_fetched"] <= none_stats["bytes_fetched"] + (256 << 10)
