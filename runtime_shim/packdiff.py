@@ -397,6 +397,9 @@ def squash_snapshots(store: Store, lock: ResolvedLock, *, scratch: Path, ref: st
         stored = put_file(store, blob)
         if stored.digest != info.digest:
             raise RuntimeShimError(f"squash: stored {stored.digest}, packed {info.digest}")
+        from runtime_shim.lazyfs.pyindex import index_layer_file
+
+        index_layer_file(store, str(blob), info.digest)   # for lazy sandboxes (pyindex)
         manifest, config = derive_lock(lock, [{"digest": info.digest, "size": info.size,
                                                "diff_id": info.diff_id,
                                                "toc_digest": info.toc_digest, "name": name}],

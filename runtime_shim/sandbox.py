@@ -171,6 +171,10 @@ class Sandbox:
                     policy or packdiff.SnapshotPolicy.for_limits(self._backend.limits),
                     name=name, source_date_epoch=source_date_epoch)
             stored = put_file(self._store, blob)
+            if stored.digest == info.digest:   # its pycs' imports, for lazy sandboxes of it
+                from runtime_shim.lazyfs.pyindex import index_layer_file
+
+                index_layer_file(self._store, str(blob), info.digest)
         finally:
             blob.unlink(missing_ok=True)
         if stored.digest != info.digest:

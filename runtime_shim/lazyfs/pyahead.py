@@ -38,7 +38,7 @@ from typing import Any
 
 from envbuild.errors import EnvbuildError
 from envbuild.store.lazy import background
-from runtime_shim.lazyfs import pydeps
+from runtime_shim.lazyfs import pydeps, pyindex
 from runtime_shim.lazyfs.frames import (
     _EXTENSION,
     PROFILE_FILE_WORKERS,
@@ -49,10 +49,6 @@ from runtime_shim.lazyfs.frames import (
 log = logging.getLogger("envbuild.lazyfs")
 
 ENV_SWITCH = "ENVBUILD_LAZY_PYDEPS"
-#: Whether layers' import indexes (``pyindex``: each pyc's imports, scanned when the layer
-#: was packed) drive prediction: ``$ENVBUILD_LAZY_PYINDEX=0`` turns it off.
-USE_INDEX = os.environ.get("ENVBUILD_LAZY_PYINDEX", "").strip().lower() not in (
-    "0", "off", "no", "false")
 #: Predicted files per stack (a whole site-packages is far more than an import touches).
 MAX_FILES = 6000
 #: A predicted file larger than this is left to its own open (numpy's ufunc module: 10 MB).
@@ -432,7 +428,7 @@ def _load_run(ops: Any, run: list[Any]) -> None:
 def _index_of(fs: Any) -> Any:
     """The import index of the layer mounted as ``fs`` (``pyindex.ImportIndex``, set by the
     daemon once read) or None."""
-    return getattr(fs, "py_index", None) if USE_INDEX else None
+    return getattr(fs, "py_index", None) if pyindex.USE_INDEX else None
 
 
 def _indexed(fs: Any, node: Any) -> bool:

@@ -29,6 +29,7 @@ use, and entries are decoded only when looked up).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -40,6 +41,10 @@ from runtime_shim.lazyfs import pydeps
 log = logging.getLogger("envbuild.lazyfs")
 
 INDEX_NAMESPACE = PYIMPORT_RECORDS
+#: Whether the lazy daemon predicts imports from layers' indexes (``pyahead``):
+#: ``$ENVBUILD_LAZY_PYINDEX=0`` turns it off (the index is still read and reported).
+USE_INDEX = os.environ.get("ENVBUILD_LAZY_PYINDEX", "").strip().lower() not in (
+    "0", "off", "no", "false")
 INDEX_VERSION = 1
 #: Pycs indexed per layer (a large venv has ~20,000).
 MAX_PYCS = 100_000

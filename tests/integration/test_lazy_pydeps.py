@@ -222,6 +222,10 @@ def test_a_layers_import_index_predicts_the_closure_before_any_of_it_lands(
     monkeypatch.setenv("ENVBUILD_LAZY_PASSTHROUGH", "on")
     monkeypatch.delenv("ENVBUILD_LAZY_PYDEPS", raising=False)
     venv, std = _layers(tmp_path)
+    # pkg's body works 50 ms before its first import too (as the modules do after theirs):
+    # the importer otherwise asks for m0 within a millisecond of pkg's own pyc and source
+    init = venv / SP / "pkg" / "__init__.py"
+    _module(init, "import time\ntime.sleep(0.05)\n" + init.read_text().split("\nimport time")[0])
     store = LocalStore(tmp_path / "store")
     layers = []
     for src in (std, venv):

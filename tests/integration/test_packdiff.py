@@ -226,3 +226,30 @@ def test_hardlink_leaving_the_upper_dir_is_refused(tmp_path):
     os.link(up / "inside", up / "second")
     entries, _ = _pack(up)
     assert entries["second"].type == "hardlink" or entries["inside"].type == "hardlink"
+
+
+def test_a_snapshot_layer_gets_the_import_index_of_the_pycs_it_holds(built, tmp_path):
+    """An agent's ``pip install`` lands pycs in the sandbox: the snapshot layer of them is
+    indexed as it is stored (``runtime_shim.lazyfs.pyindex``), so lazy sandboxes started
+    from the snapshot predict those modules' imports as they do a built layer's."""
+    import py_compile
+    import sys
+
+    from envbuild.store import PYIMPORT_RECORDS
+
+    store, _ = built
+    src = tmp_path / "mod.py"
+    src.write_text("import json\nfrom . import sibling\n")
+    pyc = tmp_path / "mod.pyc"
+    py_compile.compile(str(src), str(pyc), doraise=True,
+                       invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
+    path = f"workspace/site/pkg/__pycache__/mod.{sys.implementation.cache_tag}.pyc"
+    with _sandbox(built) as sb:
+        assert sb.exec("mkdir -p /workspace/site/pkg/__pycache__").exit_code == 0
+        sb.write_file("/" + path, pyc.read_bytes())
+        result = sb.pack_diff("snap/with-a-pyc")
+    rec = store.get_record(PYIMPORT_RECORDS, result.layer[7:])
+    assert rec is not None and rec["layer"] == result.layer and list(rec["pycs"]) == [path]
+    names = rec["names"]
+    flat = rec["pycs"][path]
+    assert [names[flat[0]], flat[1]] == ["json", 0] and names[flat[3]] == ""   # from . import
