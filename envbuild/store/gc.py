@@ -25,6 +25,10 @@ Mark: the roots, and everything they reach
       a build or a pack-diff that stored a lock but has not yet written its ref keeps the
       (older) layers and parent lock that lock names.
 
+Records kept beside a layer blob (``LAYER_RECORDS``: its import index) go with it: those of
+the blobs a sweep deletes, and those whose blob is absent once they are older than the grace
+period (a writer stores the blob first).
+
 Sweep: a blob is deleted only if it is not marked **and** it is older than the grace period
 (its age is known and ``mtime <= start - grace``, where ``start`` is when GC began: a blob
 stored while GC runs is never old enough, even with ``grace=0``). Unfinished writes (local
@@ -64,7 +68,7 @@ from typing import Any
 from envbuild.errors import BlobNotFound, StoreError
 from envbuild.oci import ANNOTATION_PARENT, MEDIA_TYPE_MANIFEST
 from envbuild.store.base import BlobInfo, PartialWrite, Store, check_digest
-from envbuild.store.helpers import KEY_RECORDS, MAX_JSON_SIZE, get_json
+from envbuild.store.helpers import KEY_RECORDS, LAYER_RECORDS, MAX_JSON_SIZE, get_json
 from envbuild.store.sync import _MANIFESTS  # the media types sync.walk descends into
 
 #: Records naming blobs that fleet exec logs hold (``runtime_shim.fleet.execlog.BLOB_INDEX``;
@@ -285,12 +289,33 @@ def gc(store: Store, *, grace: float = DEFAULT_GRACE, roots: Iterable[str] = (),
         if not dry_run:
             store.delete(info.digest)
             progress(f"deleted {info.digest} ({info.size} bytes)")
+    _sweep_layer_records(store, report, {i.digest for i in garbage},
+                         {i.digest for i in infos}, cutoff, start, dry_run)
     for partial in _stale_partials(store, min(cutoff, start - PARTIAL_MIN_AGE)):
         report.deleted.append(GcItem("partial", partial.name, partial.size,
                                      start - partial.mtime))
         if not dry_run:
             store.delete_partial(partial)
     return report
+
+
+def _sweep_layer_records(store: Store, report: GcReport, deleted: set[str], listed: set[str],
+                         cutoff: float, start: float, dry_run: bool) -> None:
+    """Delete the records beside layer blobs (``LAYER_RECORDS``) of the blobs this sweep
+    deleted, and those older than the grace period whose blob is not in the store."""
+    for ns in LAYER_RECORDS:
+        for name in store.list_records(ns):
+            digest = "sha256:" + name
+            if digest in listed and digest not in deleted:
+                continue
+            mtime = store.record_mtime(ns, name)
+            if digest not in deleted and (mtime is None or mtime > cutoff
+                                          or store.exists(digest)):
+                continue   # age unknown, young, or its blob came after the listing
+            report.deleted.append(GcItem("record", f"{ns}/{name}", 0,
+                                         start - mtime if mtime is not None else 0.0))
+            if not dry_run:
+                store.delete_record(ns, name)
 
 
 def _old(info: BlobInfo, cutoff: float) -> bool:

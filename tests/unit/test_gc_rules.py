@@ -253,3 +253,24 @@ def test_exec_log_blobs_are_kept_and_a_replay_reads_them(kind, tmp_path):
     store.put_record(execlog.BLOB_INDEX, "eb-0123456789ab.00000002", {"blob": "../x"})
     gc(store, grace=0)
     assert execlog.read(store, "eb-0123456789ab").entries[0].data == big
+
+
+def test_a_layers_import_index_goes_with_its_blob():
+    """The record beside a layer blob (``PYIMPORT_RECORDS``: its import index) is deleted
+    with the blob; one whose blob is gone is deleted once older than the grace period; a
+    young orphan (its blob being stored right now) and a kept blob's record stay."""
+    from envbuild.store import PYIMPORT_RECORDS
+
+    store = MemoryStore()
+    kept, dropped = put_bytes(store, b"kept layer"), put_bytes(store, b"dropped layer")
+    key_record(store, b"k", kept)
+    rec = {"version": 1}
+    for d in (kept, dropped, "sha256:" + "1" * 64, "sha256:" + "2" * 64):
+        store.put_record(PYIMPORT_RECORDS, d[7:], rec)
+    store.mtimes[dropped] = store.mtimes[kept] = time.time() - 7200
+    store.record_mtimes[(PYIMPORT_RECORDS, "1" * 64)] = time.time() - 7200   # an old orphan
+    report = gc(store, grace=3600)
+    assert not store.exists(dropped) and store.exists(kept)
+    assert sorted(store.list_records(PYIMPORT_RECORDS)) == sorted([kept[7:], "2" * 64])
+    assert {i.name for i in report.deleted if i.kind == "record"} == {
+        f"{PYIMPORT_RECORDS}/{dropped[7:]}", f"{PYIMPORT_RECORDS}/{'1' * 64}"}
