@@ -1,4 +1,4 @@
-"""``envbuild layer pack|ls|cat|unpack|verify|stat``: make and inspect layer blobs.
+"""``envbuild layer pack|ls|cat|unpack|verify|index|stat``: make and inspect layer blobs.
 
 LAYER is a layer file or a digest in the store (``sha256:<hex>``, or a unique prefix of at least
 12 hex digits); the logic is in ``envbuild.layers._tools``.
@@ -175,6 +175,58 @@ def register(group: click.Group) -> None:
         click.echo(f"ok: {info.digest} ({info.entries} entries, {human_size(info.size)} "
                    f"compressed, {human_size(info.uncompressed_size)} uncompressed, "
                    f"{info.frames} frames)")
+
+    @layer.command("index", epilog=_LAYER_HELP)
+    @click.argument("layer_refs", metavar="[LAYER]...", nargs=-1)
+    @click.option("--env", "envs", multiple=True, metavar="NAME",
+                  help="Every layer of the lock NAME (an env name, ref or lock digest); "
+                       "repeatable.")
+    @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+    @pass_app
+    def index_cmd(app: App, layer_refs: tuple[str, ...], envs: tuple[str, ...],
+                  as_json: bool) -> None:
+        """Store the import index of layers in the store: each `.pyc`'s module-level imports,
+        which lazy sandboxes use to fetch a module's whole import closure on its first
+        import. Builds, `layer pack --store` and pack-diff index every layer they store;
+        this is for layers stored by an older envbuild or copied in by other means."""
+        import time
+
+        from envbuild.errors import LayerError
+        from envbuild.layers._tools import human_size
+        from runtime_shim.lazyfs.pyindex import index_reader
+
+        if not layer_refs and not envs:
+            raise LayerError("layer index: no layer named",
+                             hint="give layer digests, or --env NAME for every layer of a lock")
+        store = _existing_store(app)
+        digests: list[str] = []
+        for ref in layer_refs:
+            if not ref.startswith("sha256:") and Path(ref).exists():
+                raise LayerError(f"layer index {ref}: a layer file has no store record",
+                                 hint="put it into the store first: envbuild layer pack "
+                                      "--store, or give its digest")
+            with open_layer(app, ref) as reader:
+                digests.append(reader.name)
+        if envs:
+            from runtime_shim.locks import resolve
+
+            for name in envs:
+                digests += [x.digest for x in resolve(store, name).layers]
+        results = []
+        for digest in dict.fromkeys(digests):
+            t0 = time.monotonic()
+            with open_layer(app, digest) as reader:
+                rec = index_reader(store, reader, digest)
+            row = {"layer": digest, "pycs": len(rec["pycs"]) if rec else 0,
+                   "bytes": len(json.dumps(rec, separators=(",", ":"))) if rec else 0,
+                   "seconds": round(time.monotonic() - t0, 3)}
+            results.append(row)
+            if not as_json:
+                click.echo(f"{digest[:19]}  " + (
+                    f"{row['pycs']} pycs indexed ({human_size(row['bytes'])}) in "
+                    f"{row['seconds']:.1f} s" if rec else "no pycs: nothing to index"))
+        if as_json:
+            _echo_json({"layers": results})
 
     @layer.command("stat", epilog=_LAYER_HELP)
     @click.argument("layer_ref", metavar="LAYER")

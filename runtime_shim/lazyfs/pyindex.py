@@ -118,10 +118,9 @@ def index_layer_file(store: Any, path: str, layer_digest: str) -> int:
     t0 = time.monotonic()
     try:
         with LayerReader.open_file(path, name=layer_digest[:19]) as reader:
-            rec = build_index(pyc_members(reader), layer_digest)
+            rec = index_reader(store, reader, layer_digest)
         if rec is None:
             return 0
-        store.put_record(INDEX_NAMESPACE, record_name(layer_digest), rec)
     except (EnvbuildError, OSError, ValueError) as e:
         log.warning("import index of %s: %s (lazy sandboxes of it predict no imports)",
                     layer_digest[:19], getattr(e, "message", e))
@@ -129,6 +128,17 @@ def index_layer_file(store: Any, path: str, layer_digest: str) -> int:
     log.info("import index of %s: %d pycs in %.2f s", layer_digest[:19], len(rec["pycs"]),
              time.monotonic() - t0)
     return len(rec["pycs"])
+
+
+def index_reader(store: Any, reader: Any, layer_digest: str) -> dict[str, Any] | None:
+    """Scan the open layer ``reader`` (blob ``layer_digest``) and store its record in
+    ``store`` (replacing one there); returns the record, or None when the layer has no pycs
+    (any record of it is then left as it is). Errors are the reader's and the store's
+    (``envbuild layer index``: a user asked for it, so they are reported)."""
+    rec = build_index(pyc_members(reader), layer_digest)
+    if rec is not None:
+        store.put_record(INDEX_NAMESPACE, record_name(layer_digest), rec)
+    return rec
 
 
 class ImportIndex:

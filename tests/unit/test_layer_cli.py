@@ -350,3 +350,38 @@ def test_damaged_layers_never_crash(env, capsysbinary):
             code, _, err = run(capsys, "layer", "cat", "bad", path)
             if code:
                 assert_error(code, err)
+
+
+def test_index_stores_a_layers_import_index_and_pack_store_writes_one(env, capsys):
+    """``layer pack --store`` indexes the pycs it stores; ``layer index LAYER`` (re)builds the
+    record of a stored layer (an older envbuild's); a layer without pycs says so; no layer
+    named, a layer file and an unknown digest are one-line errors."""
+    import py_compile
+    import sys
+
+    from envbuild.store import PYIMPORT_RECORDS, LocalStore
+
+    mod = env / "src" / "lib" / "mod.py"
+    mod.parent.mkdir()
+    mod.write_text("import json\n")
+    py_compile.compile(str(mod), str(mod.parent / "__pycache__" /
+                                     f"mod.{sys.implementation.cache_tag}.pyc"), doraise=True)
+    digest = pack_json(capsys)["digest"]
+    store = LocalStore(env / "store")
+    assert store.get_record(PYIMPORT_RECORDS, digest[7:])["layer"] == digest
+    store.delete_record(PYIMPORT_RECORDS, digest[7:])
+    code, out, err = run(capsys, "layer", "index", digest[:19])
+    assert code == 0 and "1 pycs indexed" in out, err
+    assert store.get_record(PYIMPORT_RECORDS, digest[7:])["pycs"]
+    code, out, _ = run(capsys, "layer", "index", "--json", digest)
+    assert json.loads(out)["layers"][0]["pycs"] == 1
+    (env / "plain").mkdir()
+    (env / "plain" / "f").write_text("x")
+    code, out, err = run(capsys, "layer", "pack", "plain", "--json")
+    plain = json.loads(out)["digest"]
+    code, out, _ = run(capsys, "layer", "index", plain)
+    assert code == 0 and "no pycs" in out
+    assert_error(*run(capsys, "layer", "index")[::2], "no layer named")
+    (env / "layer.file").write_bytes(b"x")
+    assert_error(*run(capsys, "layer", "index", "layer.file")[::2], "no store record")
+    assert_error(*run(capsys, "layer", "index", "sha256:" + "f" * 12)[::2], "no blob")
