@@ -14,9 +14,14 @@ Extension modules among the predictions start their directory's extension readah
 
 Bounded: at most ``MAX_FILES`` predicted files per stack, files larger than ``MAX_FILE`` are
 left to their own open, each file predicted once per mount (``seen``), and the scan heap
-holds at most ``MAX_QUEUE`` pycs. By default only an interpreter's start-up is predicted; the
-imports of every pyc with ``$ENVBUILD_LAZY_PYDEPS=on`` (``mode``; measurements in
-``docs/lazy-loading.md``: exact, but not faster on a CPU-saturated host).
+holds at most ``MAX_QUEUE`` pycs. By default an interpreter's start-up is predicted, and the
+imports of every pyc of a layer with an import index (``pyindex``: each pyc's imports, scanned
+when the layer was packed; read by the daemon after the mount). An indexed pyc needs no bytes
+to be resolved, so each predicted pyc of an indexed layer is queued for resolution as soon as
+it is predicted: a module's whole import closure is known at its first open. With
+``$ENVBUILD_LAZY_PYDEPS=on`` the pycs of layers without an index are scanned as they land
+(``mode``; measurements in ``docs/lazy-loading.md``: exact, but not faster on a
+CPU-saturated host); ``$ENVBUILD_LAZY_PYINDEX=0`` leaves the indexes unused.
 """
 
 from __future__ import annotations
@@ -89,9 +94,10 @@ _MAX_LINE = 8 << 20
 
 def mode() -> str:
     """``$ENVBUILD_LAZY_PYDEPS``: ``on`` (the imports of every fetched pyc predicted),
-    ``startup`` (the default: only an interpreter's start-up files — ``encodings``,
+    ``startup`` (the default: an interpreter's start-up files — ``encodings``,
     ``sitecustomize``, the site dirs' ``.pth`` files and their imports — on the first open of
-    ``bin/python3.N`` or a ``pyvenv.cfg``; a dozen files, no scan helper) or ``off``. Full
+    ``bin/python3.N`` or a ``pyvenv.cfg``, a dozen files, and the imports of the pycs of
+    indexed layers; no scan helper) or ``off`` (nothing, indexes included). Full
     prediction is not the default: on a CPU-saturated 2-core host its work in the daemon
     cost the import more than the misses it removed (``docs/lazy-loading.md``)."""
     value = os.environ.get(ENV_SWITCH, "").strip().lower()
