@@ -192,7 +192,7 @@ class Bench:
         for log in (node_dir / "node" / "lazy").glob("*.log"):
             for line in log.read_text(errors="replace").splitlines():
                 if (" ERROR " in line or " WARNING " in line or line.startswith("error")
-                        or "meta layer g-" in line):  # and the meta layers built (metalayer)
+                        or "meta layer g-" in line or " mounted sha256:" in line):  # meta layers, mounts
                     print(f"    {log.name[:12]}: {line}", flush=True)
         from runtime_shim.lazyfs.control import daemon_request
 
