@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from envbuild.cli.main import App, pass_app
+from envbuild.errors import EnvbuildError
 
 _LAYER_HELP = ("LAYER is a layer file, or a digest in the store: sha256:<hex> or a unique "
                "prefix of at least 12 hex digits.")
@@ -77,10 +78,20 @@ def register(group: click.Group) -> None:
         use_store = output is None or to_store
         if sys.stderr.isatty() and not as_json:
             click.echo(f"packing {src} ...", err=True)
-        info = pack_layer(src, output=output, store=app.open_store() if use_store else None,
+        store = app.open_store() if use_store else None
+        info = pack_layer(src, output=output, store=store,
                           framing=framing, overlay_upper=overlay_upper,
                           allow_devices=not no_devices,
                           source_date_epoch=app.settings.source_date_epoch)
+        if store is not None:   # its pycs' imports, for lazy sandboxes (a hint: never fails)
+            from envbuild.layers import LayerReader
+            from runtime_shim.lazyfs.pyindex import index_reader
+
+            try:
+                with LayerReader.from_store(store, info.digest) as reader:
+                    index_reader(store, reader, info.digest)
+            except (EnvbuildError, OSError) as e:
+                click.echo(f"warning: import index of {info.digest[:19]}: {e}", err=True)
         where = {"output": str(output) if output else None,
                  "store": app.settings.store_url if use_store else None}
         if as_json:

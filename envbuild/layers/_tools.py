@@ -217,9 +217,6 @@ def _put(store, path: str | os.PathLike, info: LayerInfo, src) -> None:
     if stored.digest != info.digest:
         raise LayerError(f"pack {src}: the stored blob hashes to {stored.digest}, the writer "
                          f"reported {info.digest}", hint="did the output file change meanwhile?")
-    from runtime_shim.lazyfs.pyindex import index_layer_file
-
-    index_layer_file(store, str(path), info.digest)   # its pycs' imports, for lazy sandboxes
 
 
 # -- reading and describing -----------------------------------------------------------------
