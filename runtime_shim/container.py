@@ -47,7 +47,13 @@ from runtime_shim.layout import NodeLayout, SandboxPaths
 from runtime_shim.locks import ResolvedLock
 from runtime_shim.model import Limits, MemoryInfo
 from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
-from runtime_shim.runc import OciRuntime, destroy, kill_and_delete, write_bundle
+from runtime_shim.runc import (
+    OciRuntime,
+    destroy,
+    kill_and_delete,
+    runtime_error_line,
+    write_bundle,
+)
 from runtime_shim.spec import BindMount, Rlimit, RuntimeSpecRequest, env_list, parse_user, runtime_spec
 from runtime_shim.stub import AGENT_LISTEN_FD, AGENT_PATH, ensure_stub
 
@@ -154,9 +160,12 @@ class ContainerSandbox:
             os.close(self._dir_fd)
             if restore is not None:
                 raise criu.restore_refusal(sandbox_id, paths, restore, returncode)
+            said = _log_tail(start_log)
+            cause = runtime_error_line(said)
             raise SandboxStartError(f"start sandbox {sandbox_id}: {runtime.name} exited "
-                                   f"{returncode}",
-                                    context=start_log.read_text(errors="replace").strip()[-2000:])
+                                    f"{returncode}" + (f": {cause}" if cause else ""),
+                                    context=said.strip()[-2000:] or None,
+                                    hint="see start.log in the sandbox directory")
         try:
             self.init_pid = _init_pid(runtime, sandbox_id, pid_file)
         except BaseException:
@@ -181,7 +190,7 @@ class ContainerSandbox:
             why = "exited" if not os.path.exists(f"/proc/{self.init_pid}") else e.message
             raise SandboxStartError(
                 f"start sandbox {self.id}: the exec agent {why}",
-                context=start_log.read_text(errors="replace").strip()[-2000:] or None,
+                context=_log_tail(start_log).strip()[-2000:] or None,
                 hint="see start.log in the sandbox directory") from None
 
     connect = _connect
@@ -264,6 +273,27 @@ class ContainerSandbox:
         finally:
             subprocess.run(self.runtime.command("resume", self.id), capture_output=True,
                            check=False)
+
+
+#: How much of a start log a failure reads: its end (the sandbox's stderr shares the file, so
+#: it can be as large as the sandbox's disk).
+START_LOG_TAIL = 64 << 10
+
+
+def _log_tail(path: Path, limit: int = START_LOG_TAIL) -> str:
+    """The last ``limit`` bytes of ``path`` as text ('' when it cannot be read); never
+    followed through a symlink."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        size = os.fstat(fd).st_size
+        return os.pread(fd, limit, max(0, size - limit)).decode(errors="replace")
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
 
 
 def _spawn_with_fd(argv: list[str], stderr_fd: int, pass_fd: int) -> int:

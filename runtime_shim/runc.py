@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -60,6 +61,31 @@ class OciRuntime:
             script = 'umount /sys/fs/cgroup/unified 2>/dev/null; exec "$@"'
             return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *base]
         return base
+
+
+#: runc's log lines: ``time="..." level=error msg="..."`` (logrus text format).
+_LOGRUS_ERROR = re.compile(r'level=(?:error|fatal) msg="((?:[^"\\]|\\.)*)"')
+#: The longest cause taken from a runtime's output into a one-line message.
+MAX_CAUSE_CHARS = 300
+
+
+def runtime_error_line(output: str) -> str | None:
+    """The cause a runtime printed before it failed, as one printable line: runc's last
+    ``level=error`` message, else (crun, or an unformatted message) the last non-empty line.
+    ``output`` may hold what the sandbox itself wrote (its stderr shares the file), so the
+    line is cut to ``MAX_CAUSE_CHARS`` and stripped of control characters."""
+    found = _LOGRUS_ERROR.findall(output)
+    if found:
+        line = found[-1].replace('\\"', '"').replace("\\\\", "\\")
+    else:
+        lines = [ln for ln in output.splitlines() if ln.strip()]
+        if not lines:
+            return None
+        line = lines[-1]
+    line = "".join(c if c.isprintable() else " " for c in line).strip()
+    if len(line) > MAX_CAUSE_CHARS:
+        line = line[:MAX_CAUSE_CHARS - 3] + "..."
+    return line or None
 
 
 def write_bundle(bundle: Path, config: dict[str, Any]) -> None:

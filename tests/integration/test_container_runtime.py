@@ -106,3 +106,24 @@ def test_many_lower_dirs_use_the_new_mount_api(tmp_path):
     finally:
         unmount(str(merged))
     assert mounted_targets_under(str(tmp_path)) == []
+
+
+def test_a_failed_runc_start_names_its_cause_in_one_line(tmp_path, overlay_root):
+    """What a start error's message carries (``runtime_error_line``), from runc's real output:
+    its logrus ``level=error`` line, unquoted, not the whole log."""
+    from runtime_shim.runc import runtime_error_line
+
+    runtime = OciRuntime(state_root=str(tmp_path / "state"))
+    bundle = tmp_path / "bundle"
+    write_bundle(bundle, runtime_spec(RuntimeSpecRequest(rootfs=overlay_root.target,
+                                                         args=("/bin/no-such-program",))))
+    cid = f"eb-test-{uuid.uuid4().hex[:8]}"
+    try:
+        done = subprocess.run(runtime.command("run", "--bundle", str(bundle), cid),
+                              capture_output=True, text=True, timeout=60, check=False)
+    finally:
+        destroy(runtime, cid)
+    assert done.returncode != 0
+    cause = runtime_error_line(done.stderr)
+    assert cause is not None and "no-such-program" in cause, done.stderr
+    assert "level=" not in cause and 'time="' not in cause and "\n" not in cause

@@ -283,10 +283,19 @@ def test_worker_killed_mid_build_is_retried_elsewhere(cluster):
     builders: set[int] = set()
     cids: list[str] = []
     try:
-        _wait_for(lambda: any(f" on {victim_id[:8]}: step 1/1" in line for line in lines), 240,
-                  "a step running on the added node")
-        builders = _owner_pids(layout.builds)
-        cids = [c for d in layout.builds.iterdir() if d.is_dir() for c in bundle_container_ids(d)]
+        # The node's own scratch dirs say a step runs there: its progress line reaches the
+        # driver's stderr up to a flush later, and on a slow machine the 4 s step could be
+        # over (its scratch gone) by then.
+        def running_step() -> bool:
+            nonlocal builders, cids
+            if not layout.builds.is_dir():
+                return False
+            builders = _owner_pids(layout.builds)
+            cids = [c for d in layout.builds.iterdir() if d.is_dir()
+                    for c in bundle_container_ids(d)]
+            return bool(builders and cids)
+
+        _wait_for(running_step, 240, "a step running on the added node")
         cluster.ray.kill_node(victim)
         # stdout in a thread of its own: stderr is the reader thread's (communicate() would
         # read and close it under that thread: lost lines, and a ValueError in the thread)
