@@ -30,6 +30,7 @@ import fcntl
 import os
 import resource
 import socket
+import stat
 import subprocess
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -281,15 +282,17 @@ START_LOG_TAIL = 64 << 10
 
 
 def _log_tail(path: Path, limit: int = START_LOG_TAIL) -> str:
-    """The last ``limit`` bytes of ``path`` as text ('' when it cannot be read); never
-    followed through a symlink."""
+    """The last ``limit`` bytes of ``path`` as text ('' when it cannot be read, or is no
+    regular file); never followed through a symlink, never blocked on a FIFO."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return ""
     try:
-        size = os.fstat(fd).st_size
-        return os.pread(fd, limit, max(0, size - limit)).decode(errors="replace")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return ""
+        return os.pread(fd, limit, max(0, st.st_size - limit)).decode(errors="replace")
     except OSError:
         return ""
     finally:

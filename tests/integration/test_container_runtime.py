@@ -127,3 +127,21 @@ def test_a_failed_runc_start_names_its_cause_in_one_line(tmp_path, overlay_root)
     cause = runtime_error_line(done.stderr)
     assert cause is not None and "no-such-program" in cause, done.stderr
     assert "level=" not in cause and 'time="' not in cause and "\n" not in cause
+
+
+def test_a_start_logs_tail_is_bounded_and_never_a_fifo_or_a_link(tmp_path):
+    import os
+
+    from runtime_shim.container import _log_tail
+
+    log = tmp_path / "start.log"
+    log.write_bytes(b"x" * 100_000 + b"\nlast line\n")
+    tail = _log_tail(log, 1000)
+    assert len(tail) == 1000 and tail.endswith("last line\n")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert _log_tail(fifo) == ""   # returns at once: no writer would ever come
+    link = tmp_path / "link"
+    link.symlink_to(log)
+    assert _log_tail(link) == ""
+    assert _log_tail(tmp_path / "missing") == ""

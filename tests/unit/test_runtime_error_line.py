@@ -24,3 +24,4 @@ def test_is_bounded_and_printable():
     assert line is not None and len(line) == MAX_CAUSE_CHARS and line.endswith("...")
     assert all(c.isprintable() for c in line)
     assert runtime_error_line('level=error msg="a\\x1b[2Jb"') == "a\\x1b[2Jb"
+
