@@ -12,7 +12,7 @@ turns ``--repeat`` times:
 - ``busy``: the daemon prefetches the whole layer meanwhile (reads, decompresses, verifies and
   writes every file on its background threads: what a lazy sandbox's daemon does while the
   workload runs);
-- ``hog``: the daemon is idle, and two busy-loop processes load the host's CPUs as much: the
+- ``hog``: the daemon is idle, and one busy-loop process per CPU loads the host as much: the
   same CPU contention without a share of the daemon's interpreter.
 
 ``busy`` / ``idle`` is what background work costs a metadata request; ``hog`` / ``idle`` is

@@ -395,10 +395,10 @@ def _ping(sock: Path) -> bool:
 
 
 def _tail(log: Path) -> str:
+    from envbuild.safefs import read_tail  # imported where used, as remove_tree below
+
     try:
-        with open(log, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - 64 * 1024))
-            text = f.read().decode(errors="replace")
+        text = read_tail(log, 64 * 1024)
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-LOG_TAIL_LINES:])

@@ -20,7 +20,10 @@ This module is the one mechanism every unpacker, importer, snapshotter and file 
   fd per level;
 - ``iter_tree(path)``: every entry below ``path`` with the fd of its directory, unsorted;
 - ``listxattr_at(dir_fd, name)``: the xattr names of ``name`` in ``dir_fd``, no-follow
-  (``listxattrat(2)``, Linux >= 6.13, else through ``/proc/<pid>/fd``).
+  (``listxattrat(2)``, Linux >= 6.13, else through ``/proc/<pid>/fd``);
+- ``read_tail(path, limit)``: the last ``limit`` bytes of a log as text, never through a
+  symlink, never blocked on a FIFO put in its place (a sandbox's stderr log can be as large as
+  its disk).
 
 Everything here raises ``OSError``; callers wrap it with their own "verb object:" context.
 """
@@ -31,6 +34,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import stat
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _SYS_OPENAT2 = 437  # x86_64 and aarch64 share the generic syscall number
@@ -106,6 +110,20 @@ def listxattr_at(dir_fd: int, name: str) -> list[str]:
             raise OSError(err, os.strerror(err), name)
         _listxattrat_missing = True
     return os.listxattr(proc_path(dir_fd, name), follow_symlinks=False)
+
+
+def read_tail(path: str | os.PathLike[str], limit: int) -> str:
+    """The last ``limit`` bytes of the regular file ``path``, decoded (invalid UTF-8
+    replaced). No component's symlink is followed at the end, a FIFO or device in its place is
+    refused without blocking (``OSError`` ``EINVAL``), and memory stays ``limit`` bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        return os.pread(fd, limit, max(0, st.st_size - limit)).decode(errors="replace")
+    finally:
+        os.close(fd)
 
 
 def proc_path(dir_fd: int, name: str = "") -> str:

@@ -30,7 +30,6 @@ import fcntl
 import os
 import resource
 import socket
-import stat
 import subprocess
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -42,6 +41,7 @@ from envbuild.errors import (
     SandboxNotFound,
     SandboxStartError,
 )
+from envbuild.safefs import read_tail
 from runtime_shim import agent, cpuclass, criu, fsaccess, netns, scratchfs
 from runtime_shim.backend import CheckpointImage, CreateRequest
 from runtime_shim.layout import NodeLayout, SandboxPaths
@@ -281,22 +281,12 @@ class ContainerSandbox:
 START_LOG_TAIL = 64 << 10
 
 
-def _log_tail(path: Path, limit: int = START_LOG_TAIL) -> str:
-    """The last ``limit`` bytes of ``path`` as text ('' when it cannot be read, or is no
-    regular file); never followed through a symlink, never blocked on a FIFO."""
+def _log_tail(path: Path) -> str:
+    """The end of a start log ('' when it cannot be read, or is no regular file)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        return read_tail(path, START_LOG_TAIL)
     except OSError:
         return ""
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return ""
-        return os.pread(fd, limit, max(0, st.st_size - limit)).decode(errors="replace")
-    except OSError:
-        return ""
-    finally:
-        os.close(fd)
 
 
 def _spawn_with_fd(argv: list[str], stderr_fd: int, pass_fd: int) -> int:

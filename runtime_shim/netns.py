@@ -53,6 +53,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from envbuild.errors import RuntimeShimError
+from envbuild.safefs import read_tail
 
 NETNS_RECORD_VERSION = 1
 SLIRP_NETWORK = ipaddress.IPv4Network("10.0.2.0/24")
@@ -403,6 +404,6 @@ def _write_record(d: Path, record: dict) -> None:
 
 def _tail(log: Path) -> str | None:
     try:
-        return log.read_text(errors="replace").strip()[-2000:] or None
+        return read_tail(log, 64 * 1024).strip()[-2000:] or None
     except OSError:
         return None

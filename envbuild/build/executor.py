@@ -66,7 +66,7 @@ from envbuild.defs.model import (
 )
 from envbuild.errors import BuildError, StepFailed
 from envbuild.layers import pack_tree
-from envbuild.safefs import remove_tree
+from envbuild.safefs import read_tail, remove_tree
 from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_record
 from runtime_shim import cpuclass, netns, scratchfs
 from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
@@ -514,12 +514,7 @@ def _copy_step(d: LayerDefinition, step: CopyStep, merged: Path) -> None:
 
 
 def _tail(log: Path, lines: int) -> str:
-    with open(log, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        f.seek(max(0, size - 256 * 1024))
-        data = f.read().decode(errors="replace")
-    return "\n".join(data.splitlines()[-lines:])
+    return "\n".join(read_tail(log, 256 * 1024).splitlines()[-lines:])
 
 
 def check_toolkit_prefix(name: str, upper: Path, prefix: str) -> None:

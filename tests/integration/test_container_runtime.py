@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from runtime_shim.mount import OverlaySpec, mount_overlay, mounted_targets_under, unmount
-from runtime_shim.runc import OciRuntime, destroy, list_containers, run_container, write_bundle
+from runtime_shim.runc import (
+    OciRuntime,
+    destroy,
+    list_containers,
+    run_container,
+    runtime_error_line,
+    write_bundle,
+)
 from runtime_shim.spec import RuntimeSpecRequest, runtime_spec
 from tests.conftest import require_root, require_tool
 
@@ -111,8 +118,6 @@ def test_many_lower_dirs_use_the_new_mount_api(tmp_path):
 def test_a_failed_runc_start_names_its_cause_in_one_line(tmp_path, overlay_root):
     """What a start error's message carries (``runtime_error_line``), from runc's real output:
     its logrus ``level=error`` line, unquoted, not the whole log."""
-    from runtime_shim.runc import runtime_error_line
-
     runtime = OciRuntime(state_root=str(tmp_path / "state"))
     bundle = tmp_path / "bundle"
     write_bundle(bundle, runtime_spec(RuntimeSpecRequest(rootfs=overlay_root.target,
@@ -129,15 +134,14 @@ def test_a_failed_runc_start_names_its_cause_in_one_line(tmp_path, overlay_root)
     assert "level=" not in cause and 'time="' not in cause and "\n" not in cause
 
 
-def test_a_start_logs_tail_is_bounded_and_never_a_fifo_or_a_link(tmp_path):
-    import os
 
-    from runtime_shim.container import _log_tail
+def test_a_start_logs_tail_is_bounded_and_never_a_fifo_or_a_link(tmp_path):
+    from runtime_shim.container import START_LOG_TAIL, _log_tail
 
     log = tmp_path / "start.log"
-    log.write_bytes(b"x" * 100_000 + b"\nlast line\n")
-    tail = _log_tail(log, 1000)
-    assert len(tail) == 1000 and tail.endswith("last line\n")
+    log.write_bytes(b"x" * (START_LOG_TAIL + 100_000) + b"\nlast line\n")
+    tail = _log_tail(log)
+    assert len(tail) == START_LOG_TAIL and tail.endswith("last line\n")
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     assert _log_tail(fifo) == ""   # returns at once: no writer would ever come

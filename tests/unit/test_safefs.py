@@ -75,3 +75,21 @@ def test_open_in_root_and_beneath_refuse_escapes(tmp_path):
         os.close(fd)
     finally:
         os.close(rfd)
+
+
+def test_read_tail_reads_only_the_end_of_a_regular_file(tmp_path):
+    log = tmp_path / "log"
+    log.write_bytes(b"x" * 100_000 + b"\nlast line \xff\n")
+    tail = safefs.read_tail(log, 1000)
+    assert len(tail) == 1000 and tail.endswith("last line \ufffd\n")
+    assert safefs.read_tail(log, 1 << 20) == log.read_bytes().decode(errors="replace")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError) as e:   # at once: it never waits for a writer
+        safefs.read_tail(fifo, 1000)
+    assert e.value.errno == errno.EINVAL
+    link = tmp_path / "link"
+    link.symlink_to(log)
+    with pytest.raises(OSError) as e:
+        safefs.read_tail(link, 1000)
+    assert e.value.errno == errno.ELOOP
