@@ -58,6 +58,9 @@ AHEAD_FOLLOW_DELAY = 0.2
 #: Libraries larger than this are left to their own open (``elfdeps``: fetched ahead only
 #: when small enough not to hold up the link for the program's other misses).
 ELF_PREFETCH_MAX = 16 << 20
+#: ``$ENVBUILD_LAZY_PY_STARTUP=0``: predict no Python start-up files at create
+#: (``_NodeDaemon._python_startup``); the interpreter's first open still does.
+PY_STARTUP = os.environ.get("ENVBUILD_LAZY_PY_STARTUP", "1").strip().lower() not in ("0", "off")
 #: Dependency levels fetched ahead of the loader (the program's libraries, theirs).
 ELF_DEPTH = 2
 #: Threads fetching loader files and start-up files ahead (each waits for its request).
@@ -154,6 +157,7 @@ class _NodeDaemon:
         self.files = FileCache(os.path.join(root, "files"), self.limits, chunk_cache_max)
         self.open_workers = ThreadPoolExecutor(32, thread_name_prefix="lazy-open")
         self.mode, self.mode_reason = MODE_FUSE, "not probed"
+        self.metaserver: Any = None   # metaserve.MetaServer, in passthrough mode
         self.lock = threading.Lock()
         self.mounts: dict[int, str] = {}      # id -> mountpoint
         self.threads: list[threading.Thread] = []
@@ -246,6 +250,8 @@ class _NodeDaemon:
                     log.warning("%s", e)
         for t in list(self.threads):
             t.join(5)
+        if self.metaserver is not None:
+            self.metaserver.close()
         log.info("lazy layer daemon of %s exits", self.root)
         return 0
 
@@ -261,6 +267,10 @@ class _NodeDaemon:
             # files/ is the disk tier now: pieces stay in memory only (readahead, prefetch)
             # until an open writes their file, instead of being hashed and written twice
             self.cache.disk = None
+            from runtime_shim.lazyfs import metaserve
+
+            if metaserve.wanted():   # lookups answered off this interpreter's lock
+                self.metaserver = metaserve.MetaServer.start()
         elif passthrough_wanted() is True:
             raise SystemExit(f"error: ${PASSTHROUGH_ENV}=on but passthrough is unavailable: "
                              f"{why}")
@@ -295,6 +305,8 @@ class _NodeDaemon:
                     # a store client (boto3) in this process: only if a presigned URL failed
                     "boto3_loaded": "boto3" in sys.modules,
                     "fuse_requests": self._fuse_requests(),
+                    "metadata_server": (self.metaserver.describe()
+                                        if self.metaserver is not None else None),
                     "import_prediction": (self.pyahead.snapshot() if self.pyahead is not None
                                           else None),
                     "import_indexes": self._import_indexes()}
@@ -362,7 +374,7 @@ class _NodeDaemon:
                                     trace=trace, on_init=ready.set, on_elf=on_elf,
                                     on_first_open=on_open,
                                     follow_delay=self._follow_delay,
-                                    no_xattrs_enosys=True)
+                                    no_xattrs_enosys=True, metaserver=self.metaserver)
                 ops.mount()
             else:
                 ops = make_operations(layer, nodes, on_init=ready.set, trace=trace,
@@ -485,7 +497,8 @@ class _NodeDaemon:
             mounts = list(self.ops.values())
         total: collections.Counter[str] = collections.Counter()
         for ops in mounts:
-            for k, v in list(getattr(ops, "ops", {}).items()):
+            counts = ops.requests_by_opcode() if hasattr(ops, "requests_by_opcode") else {}
+            for k, v in list(counts.items()):
                 total[str(k)] += v
         return dict(sorted(total.items()))
 
@@ -588,10 +601,33 @@ class _NodeDaemon:
             self.elf_pool.submit(self._startup_load, ops, nodes)
         log.info("start-up files: %d (%d to fetch) found in %.3f s", len(hits),
                  sum(len(n) for _, n in by_ops.values()), time.monotonic() - t0)
+        stack = [ops.lazy_layer.digest for ops in reversed(layers)]
+        if self.pyahead is not None and PY_STARTUP:
+            self._python_startup(stack, layers, env)
         if program:   # then the lock's command, its interpreter and their loader files
-            stack = [ops.lazy_layer.digest for ops in reversed(layers)]
             self.elf_pool.submit(self._command_load, stack, layers, env, program,
                                  startup.MAX_SCRIPT_HOPS)
+
+    def _python_startup(self, stack: list[str], layers: list[Any], env: dict[str, str]) -> None:
+        """Predict, at create, the start-up files of the stack's Python: the interpreter
+        ``python3`` on the lock's ``PATH`` (``encodings``, ``sitecustomize``, the site
+        directories' ``.pth`` files) and each venv near the root (``startup.venv_configs``:
+        its ``pyvenv.cfg``, its ``.pth`` files and their imports). Every Python program's
+        start opens them one after the other, each a serial miss on a cold node (the
+        cold_start workload: ~12 of them, 12–39 ms each, over its first two commands);
+        predicted at the interpreter's first open, they were still in flight when asked."""
+        from runtime_shim.lazyfs.elfdeps import Stack
+
+        py = self.pyahead
+        assert py is not None
+        st = Stack(layers)
+        hits = [startup.command_file(st, env, "python3")]
+        hits += [st.lookup(path) for path in startup.venv_configs(layers)]
+        n = 0
+        for hit in hits:
+            if hit is not None:
+                n += py.expect(stack, *hit)
+        log.info("python start-up: %d interpreters and venvs predicted", n)
 
     def _command_load(self, stack: list[str], layers: list[Any], env: dict[str, str],
                       program: str, hops: int) -> None:

@@ -13,13 +13,12 @@ from typing import Any
 from envbuild.errors import EnvbuildError, RuntimeShimError
 from envbuild.store.lazy import LazyLayer
 from runtime_shim.lazyfs.frames import MISS_WINDOW, _Frames, _Readahead
+from runtime_shim.lazyfs.fusewire import LAZY_STATS_XATTR
 from runtime_shim.lazyfs.profile import _Trace
 from runtime_shim.lazyfs.tree import Node, statfs_of
 
 log = logging.getLogger("envbuild.lazyfs")
 
-#: xattr of the mount root that returns the daemon's ``LazyStats`` as JSON (not listed).
-LAZY_STATS_XATTR = "user.envbuild.lazy.stats"
 #: The immutable layer's kernel cache lifetime (entries, attributes, negative lookups).
 CACHE_TTL = 86400.0
 
@@ -163,7 +162,7 @@ def make_operations(layer: LazyLayer, nodes: dict[str, Node], *,
 def lazy_stats(mountpoint: str | os.PathLike[str]) -> dict[str, int]:
     """The ``LazyStats`` (and ``pid``) of the daemon serving ``mountpoint``: its root's
     ``LAZY_STATS_XATTR``, or, for a mount of a layer without extended attributes (which
-    answers no getxattr at all: ``PassthroughFS.xattrs_enosys``), the node daemon's "stats"
+    answers no getxattr at all: ``fusewire.MetaTree.xattrs_enosys``), the node daemon's "stats"
     reply (a node cache's mounts are ``<node>/lazy/<hex>``)."""
     try:
         return json.loads(os.getxattr(mountpoint, LAZY_STATS_XATTR))

@@ -36,88 +36,78 @@ import collections
 import ctypes
 import errno
 import functools
-import json
 import logging
 import os
+import select
 import stat
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envbuild.errors import EnvbuildError, RuntimeShimError
 from envbuild.store.lazy import LazyLayer
 from runtime_shim.lazyfs.filecache import FileCache
 from runtime_shim.lazyfs.frames import MISS_WINDOW, _Frames, _Readahead
+from runtime_shim.lazyfs.fusewire import (  # noqa: F401 - the wire names, re-exported
+    _BACKING_MAP,
+    _BUFSIZE,
+    _IN_HEADER,
+    _INIT_IN,
+    _INIT_OUT,
+    _NO_REPLY,
+    _OPEN_IN,
+    _OPEN_OUT,
+    _READ_IN,
+    _RELEASE_IN,
+    _WANT,
+    _WRITES,
+    DESTROY,
+    FLUSH,
+    FOPEN_KEEP_CACHE,
+    FOPEN_NOFLUSH,
+    FOPEN_PASSTHROUGH,
+    FSYNC,
+    FUSE_DO_READDIRPLUS,
+    FUSE_INIT_EXT,
+    FUSE_KERNEL_MINOR,
+    FUSE_KERNEL_VERSION,
+    FUSE_PASSTHROUGH,
+    FUSE_ROOT_ID,
+    GETATTR,
+    GETXATTR,
+    INIT,
+    LISTXATTR,
+    LOOKUP,
+    NO_OPENDIR,
+    OPEN,
+    OPENDIR,
+    READ,
+    READDIR,
+    READDIRPLUS,
+    READDIRPLUS_MAX_ENTRIES,
+    READLINK,
+    RELEASE,
+    RELEASEDIR,
+    STATFS,
+    MetaTree,
+    readdirplus_wanted,
+    reply_bytes,
+)
 from runtime_shim.lazyfs.profile import _Trace
 from runtime_shim.lazyfs.tree import Node, statfs_of
+
+if TYPE_CHECKING:
+    from runtime_shim.lazyfs.metaserve import MetaServer
 
 log = logging.getLogger("envbuild.lazyfs")
 
 # -- the kernel ABI (include/uapi/linux/fuse.h) --------------------------------------------------
-FUSE_KERNEL_VERSION = 7
-FUSE_KERNEL_MINOR = 40           # 7.40: passthrough; every struct below has this layout
-FUSE_ROOT_ID = 1
-
-(LOOKUP, FORGET, GETATTR, SETATTR, READLINK, SYMLINK) = (1, 2, 3, 4, 5, 6)
-(MKNOD, MKDIR, UNLINK, RMDIR, RENAME, LINK, OPEN, READ, WRITE, STATFS, RELEASE) = (
-    8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18)
-(FSYNC, SETXATTR, GETXATTR, LISTXATTR, REMOVEXATTR, FLUSH, INIT, OPENDIR, READDIR,
- RELEASEDIR, FSYNCDIR) = (20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30)
-(ACCESS, CREATE, INTERRUPT, DESTROY, BATCH_FORGET, FALLOCATE, READDIRPLUS, RENAME2,
- TMPFILE) = (34, 35, 36, 38, 42, 43, 44, 45, 51)
-_NO_REPLY = {FORGET, BATCH_FORGET, INTERRUPT}
-_WRITES = {SETATTR, SYMLINK, MKNOD, MKDIR, UNLINK, RMDIR, RENAME, LINK, WRITE, SETXATTR,
-           REMOVEXATTR, CREATE, FALLOCATE, RENAME2, TMPFILE}
-
-# init flags
-FUSE_ASYNC_READ = 1 << 0
-FUSE_BIG_WRITES = 1 << 5
-FUSE_DO_READDIRPLUS = 1 << 13
-FUSE_PARALLEL_DIROPS = 1 << 18
-FUSE_MAX_PAGES = 1 << 22
-FUSE_CACHE_SYMLINKS = 1 << 23
-FUSE_CACHE_READDIR = 1 << 25
-FUSE_INIT_EXT = 1 << 30
-FUSE_PASSTHROUGH = 1 << 37       # flags2 bit 5
-_WANT = (FUSE_ASYNC_READ | FUSE_PARALLEL_DIROPS | FUSE_MAX_PAGES | FUSE_CACHE_SYMLINKS
-         | FUSE_CACHE_READDIR | FUSE_INIT_EXT)
-
-# open reply flags
-FOPEN_KEEP_CACHE = 1 << 1
-FOPEN_CACHE_DIR = 1 << 3
-FOPEN_NOFLUSH = 1 << 5           # close() does not wait for a FLUSH round trip (read-only)
-FOPEN_PASSTHROUGH = 1 << 7
 _PT = FOPEN_PASSTHROUGH | FOPEN_NOFLUSH
-#: Backing ids kept registered after their last release (reopening a file then costs no
-#: syscall); beyond this many, the least recently opened idle ones are closed.
 MAX_IDLE_BACKING = 4096
-#: a program read whole to find its loader files (``on_elf``) is at most this big: the
-#: interpreter and DT_NEEDED names of a bigger one are not looked for (a hint, not worth the read)
 ELF_HINT_MAX = 64 << 20
-
-_IN_HEADER = struct.Struct("<IIQQIIIHH")           # len opcode unique nodeid uid gid pid ext pad
-_OUT_HEADER = struct.Struct("<IiQ")                 # len error unique
-_INIT_IN = struct.Struct("<IIIII")                  # major minor max_readahead flags flags2
-_INIT_OUT = struct.Struct("<IIIIHHIIHHIIH22x")      # 64 bytes
-_ATTR = struct.Struct("<QQQQQQIIIIIIIIII")          # fuse_attr, 88 bytes
-_ENTRY_HEAD = struct.Struct("<QQQQII")              # nodeid generation entry/attr valid (+nsec)
-_ATTR_OUT_HEAD = struct.Struct("<QII")              # attr_valid attr_valid_nsec dummy
-_OPEN_IN = struct.Struct("<II")
-_OPEN_OUT = struct.Struct("<QIi")                   # fh open_flags backing_id
-_READ_IN = struct.Struct("<QQII")                   # fh offset size read_flags (...)
-_RELEASE_IN = struct.Struct("<QII")
-_GETXATTR_IN = struct.Struct("<II")
-_KSTATFS = struct.Struct("<QQQQQIIII24x")           # 80 bytes
-_DIRENT = struct.Struct("<QQII")
-_BACKING_MAP = struct.Struct("<iIQ")                # fd flags padding
-
-_ENTRY_OUT_SIZE = _ENTRY_HEAD.size + _ATTR.size     # fuse_entry_out, 128 bytes
-
-assert _INIT_OUT.size == 64 and _ATTR.size == 88 and _KSTATFS.size == 80
-assert _ENTRY_OUT_SIZE == 128
 
 
 def _iow(nr: int, size: int) -> int:
@@ -132,16 +122,10 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
                         ctypes.c_char_p]
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
-_BUFSIZE = (1 << 20) + 4096      # max_write is never used (read-only), reads are replies
 
 #: Where the mode choice can be forced: ``0``/``off`` (always the libfuse path), ``1``/``on``
 #: (passthrough or fail), unset/``auto`` (passthrough when the kernel offers it).
 PASSTHROUGH_ENV = "ENVBUILD_LAZY_PASSTHROUGH"
-
-
-def _encode_dev(rdev: int) -> int:
-    major, minor = os.major(rdev), os.minor(rdev)   # the kernel's new_encode_dev
-    return (minor & 0xFF) | (major << 8) | ((minor & ~0xFF) << 12)
 
 
 class _Conn:
@@ -163,7 +147,7 @@ class _Conn:
 
     def reply(self, unique: int, payload: bytes = b"", error: int = 0) -> None:
         try:
-            os.write(self.fd, _OUT_HEADER.pack(16 + len(payload), -error, unique) + payload)
+            os.write(self.fd, reply_bytes(unique, payload, error))
         except OSError as e:   # ENOENT: the request was interrupted; ENODEV: unmounted
             if e.errno not in (errno.ENOENT, errno.ENODEV):
                 log.warning("fuse reply on %s: %s", self.mountpoint, e.strerror)
@@ -225,7 +209,8 @@ class PassthroughFS:
                  on_elf: Callable[[PassthroughFS, bytes], object] | None = None,
                  on_first_open: Callable[[PassthroughFS, Node, str], object] | None = None,
                  follow_delay: Callable[[PassthroughFS, Node], float | None] | None = None,
-                 no_xattrs_enosys: bool = False) -> None:
+                 no_xattrs_enosys: bool = False,
+                 metaserver: MetaServer | None = None) -> None:
         self.lazy_layer, self.lazy_nodes = layer, nodes
         # this layer's pycs read so far: [checked-hash, all] (``_learn_pyc``)
         self._pycs = [0, 0]
@@ -241,14 +226,7 @@ class PassthroughFS:
         self.on_first_open = on_first_open
         # when a first open moves the tar-order readahead (None: never; see ``_open``)
         self.follow_delay = follow_delay
-        self.by_ino: dict[int, Node] = {}
-        self.dir_path: dict[int, str] = {}
-        has_xattrs = False
-        for path, node in nodes.items():
-            self.by_ino.setdefault(node.ino, node)
-            if node.is_dir:
-                self.dir_path[node.ino] = path
-            has_xattrs = has_xattrs or bool(node.xattrs)
+        has_xattrs = any(node.xattrs for node in nodes.values())
         # A layer without one extended attribute (no opaque dir either: those are
         # ``trusted.overlay.opaque``) answers GETXATTR with ENOSYS, so the kernel never asks
         # this mount again (``fc->no_getxattr``: getxattr is EOPNOTSUPP, which overlayfs takes
@@ -258,10 +236,14 @@ class PassthroughFS:
         # this server's GIL in the cold_start workload, the importer waiting on each. The
         # root's stats attribute is then asked of the daemon (``fuseops.lazy_stats``). Off
         # for mounts made without the daemon (tests that read the stats attribute directly).
-        self.xattrs_enosys = no_xattrs_enosys and not has_xattrs
-        self.statfs = statfs_of(nodes)
-        # (node id, READDIRPLUS?) -> the directory's encoded entries
-        self._dirents: dict[tuple[int, bool], list[bytes]] = {}
+        self.meta = MetaTree(nodes, statfs_of(nodes),
+                             xattrs_enosys=no_xattrs_enosys and not has_xattrs,
+                             stats=self.lazy_stats)
+        self.by_ino, self.dir_path = self.meta.by_ino, self.meta.dir_path
+        # the metadata server that reads this mount's requests (``metaserve``), if any
+        self.metaserver = metaserver
+        self.served_by_metaserver = False
+        self._meta_counts: memoryview | None = None   # the server's counters (``metaserve``)
         self._lock = threading.Lock()
         # ino -> [backing id, opens], least recently opened first
         self._backing: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
@@ -282,29 +264,120 @@ class PassthroughFS:
     def serve(self) -> None:
         conn = self.conn
         assert conn is not None
-        # one buffer for the mount's reads: os.read would allocate (and shrink) 1 MiB for each
-        # request of ~100 bytes; each request is copied out as bytes, so nothing keeps a view
-        # of the buffer past the next read
-        rbuf = bytearray(_BUFSIZE)
-        view = memoryview(rbuf)
+        fwd = None
+        if self.metaserver is not None:
+            # INIT first, here: the mount is ready (the create goes on) while the server
+            # takes the tree; requests meanwhile wait in the kernel for it
+            self._serve_fuse(conn, until_init=True)
+            got = self.metaserver.adopt(self.mountpoint, conn.fd, self.lazy_nodes,
+                                        self.meta.statfs, self.meta.xattrs_enosys)
+            if got is not None:
+                fwd, self._meta_counts = got
         try:
-            while True:
-                try:
-                    n = os.readv(conn.fd, (rbuf,))
-                    buf = view[:n].tobytes()
-                except OSError as e:
-                    if e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
-                        continue   # ENOENT: the request was interrupted before we read it
-                    if e.errno != errno.ENODEV:   # ENODEV: unmounted
-                        log.error("fuse read on %s: %s", self.mountpoint, e.strerror)
-                    return
-                self._dispatch(conn, buf)
+            if fwd is not None:
+                os.set_blocking(conn.fd, False)
+                if self._serve_until_ready(conn, fwd):
+                    self.served_by_metaserver = True
+                    if self._serve_forwarded(conn, fwd):
+                        return
+                    self.served_by_metaserver = False
+                os.set_blocking(conn.fd, True)
+                log.warning("the metadata server stopped serving %s: the daemon reads its "
+                            "requests from now on", self.mountpoint)
+            self._serve_fuse(conn)
         finally:
+            if fwd is not None:
+                fwd.close()
             with self._lock:
                 for fd in self._fds.values():
                     os.close(fd)
                 self._fds.clear()
             conn.close()
+
+    def _serve_fuse(self, conn: _Conn, *, until_init: bool = False) -> None:
+        """Read and answer the mount's requests until it goes away (``until_init``: or until
+        INIT was answered)."""
+        # one buffer for the mount's reads: os.read would allocate (and shrink) 1 MiB for each
+        # request of ~100 bytes; each request is copied out as bytes, so nothing keeps a view
+        # of the buffer past the next read
+        rbuf = bytearray(_BUFSIZE)
+        view = memoryview(rbuf)
+        while True:
+            try:
+                n = os.readv(conn.fd, (rbuf,))
+                buf = view[:n].tobytes()
+            except OSError as e:
+                if e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
+                    continue   # ENOENT: the request was interrupted before we read it
+                if e.errno != errno.ENODEV:   # ENODEV: unmounted
+                    log.error("fuse read on %s: %s", self.mountpoint, e.strerror)
+                return
+            self._dispatch(conn, buf)
+            if until_init and _IN_HEADER.unpack_from(buf)[1] == INIT:
+                return
+
+    def _serve_until_ready(self, conn: _Conn, fwd: Any) -> bool:
+        """Read the mount's requests (``conn.fd`` non-blocking) until the metadata server says
+        it is ready to; True then, False if it went away first."""
+        from runtime_shim.lazyfs.metaserve import READY
+
+        rbuf = bytearray(_BUFSIZE)
+        view = memoryview(rbuf)
+        poller = select.poll()
+        poller.register(conn.fd, select.POLLIN)
+        poller.register(fwd.fileno(), select.POLLIN)
+        while True:
+            for fd, _ in poller.poll():
+                if fd != conn.fd:
+                    try:
+                        return fwd.recv(16) == READY
+                    except OSError:
+                        return False
+            try:
+                n = os.readv(conn.fd, (rbuf,))
+            except OSError as e:
+                if e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
+                    continue
+                if e.errno != errno.ENODEV:
+                    log.error("fuse read on %s: %s", self.mountpoint, e.strerror)
+                return False
+            self._dispatch(conn, view[:n].tobytes())
+
+    def _serve_forwarded(self, conn: _Conn, fwd: Any) -> bool:
+        """Answer the requests the metadata server forwards (``metaserve``); True when the
+        mount went away, False when the server did (its socket closed without ``GONE``)."""
+        from runtime_shim.lazyfs.metaserve import FORWARD_MAX, GONE, RELEASED, RELEASES_MAX, REQUEST
+
+        while True:
+            try:
+                buf = fwd.recv(FORWARD_MAX + 8 * RELEASES_MAX + 1)
+            except InterruptedError:
+                continue
+            except OSError:
+                return False
+            tag = buf[:1]
+            if tag == REQUEST and len(buf) >= 1 + _IN_HEADER.size:
+                length = int.from_bytes(buf[1:5], "little")
+                self._dispatch(conn, buf[1:1 + length])
+                released = buf[1 + length:]
+            elif tag == RELEASED:
+                released = buf[1:]
+            elif tag == GONE:
+                return True
+            else:   # closed (b""), or not a message of ours
+                return False
+            for (nodeid,) in struct.iter_unpack("<Q", released[:len(released) // 8 * 8]):
+                self._release(nodeid, 0)
+
+    def requests_by_opcode(self) -> collections.Counter[int]:
+        """FUSE requests of this mount by opcode: the daemon's and its metadata server's."""
+        total = collections.Counter(self.ops)
+        counts = self._meta_counts
+        if counts is not None:
+            for opcode, n in enumerate(counts):
+                if n:
+                    total[opcode] += n
+        return total
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -333,50 +406,9 @@ class PassthroughFS:
             return
         conn.reply(unique, payload)
 
-    def _node(self, nodeid: int) -> Node:
-        node = self.by_ino.get(nodeid)
-        if node is None:
-            raise OSError(errno.ENOENT, "no such inode")
-        return node
-
-    def _attr(self, node: Node) -> bytes:
-        return _ATTR.pack(node.ino, node.size, (node.size + 511) // 512, node.mtime,
-                          node.mtime, node.mtime, 0, 0, 0, node.mode, node.nlink, node.uid,
-                          node.gid, _encode_dev(node.rdev), 4096, 0)
-
-    def _entry(self, node: Node | None) -> bytes:
-        ttl = int(_TTL)
-        if node is None:   # a negative entry, cached as long as a positive one
-            return _ENTRY_HEAD.pack(0, 0, ttl, ttl, 0, 0) + bytes(_ATTR.size)
-        return _ENTRY_HEAD.pack(node.ino, 0, ttl, ttl, 0, 0) + self._attr(node)
-
     def _answer(self, opcode: int, nodeid: int, body: memoryview) -> bytes:
-        if opcode == LOOKUP:
-            parent = self.dir_path.get(nodeid)
-            if parent is None:
-                raise OSError(errno.ENOTDIR, "not a directory")
-            name = bytes(body).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            return self._entry(self.lazy_nodes.get(f"{parent}/{name}" if parent else name))
-        if opcode == GETATTR:
-            return _ATTR_OUT_HEAD.pack(int(_TTL), 0, 0) + self._attr(self._node(nodeid))
-        if opcode == READLINK:
-            node = self._node(nodeid)
-            if not stat.S_ISLNK(node.mode):
-                raise OSError(errno.EINVAL, "not a symlink")
-            return os.fsencode(node.link)
-        if opcode == OPENDIR:
-            if nodeid not in self.dir_path:
-                raise OSError(errno.ENOTDIR, "not a directory")
-            if NO_OPENDIR:
-                # "not implemented": the kernel then opens this mount's directories without
-                # asking (zero-message opendir, FUSE 7.29) and sends no RELEASEDIR, with
-                # FOPEN_KEEP_CACHE | FOPEN_CACHE_DIR — what this answer said anyway (the
-                # listing needs no handle: READDIR goes by node id)
-                raise OSError(errno.ENOSYS, "directories need no open")
-            return _OPEN_OUT.pack(0, FOPEN_KEEP_CACHE | FOPEN_CACHE_DIR, 0)
-        if opcode == READDIR or opcode == READDIRPLUS:
-            fh, offset, size, _ = _READ_IN.unpack_from(body)
-            return self._readdir(nodeid, offset, size, plus=opcode == READDIRPLUS)
+        if self.meta.answers(opcode, nodeid, body):
+            return self.meta.answer(opcode, nodeid, body)
         if opcode == READ:
             fh, offset, size, _ = _READ_IN.unpack_from(body)
             with self._lock:
@@ -389,88 +421,24 @@ class PassthroughFS:
             fh, _, _ = _RELEASE_IN.unpack_from(body)
             self._release(nodeid, fh)
             return b""
-        if opcode in (RELEASEDIR, FLUSH, FSYNC, FSYNCDIR, DESTROY):
+        if opcode in (FLUSH, FSYNC, DESTROY):
             return b""
-        if opcode == STATFS:
-            s = self.statfs
-            return _KSTATFS.pack(s["f_blocks"], 0, 0, s["f_files"], 0, 4096, 255, 4096, 0)
-        if opcode in (GETXATTR, LISTXATTR):
-            if opcode == GETXATTR and self.xattrs_enosys:   # (listxattr: rare, answered)
-                raise OSError(errno.ENOSYS, "no extended attributes in this layer")
-            return self._xattr(opcode, nodeid, body)
         if opcode in _WRITES:
             raise OSError(errno.EROFS, "read-only")
         raise OSError(errno.ENOSYS, "not implemented")
-
-    def _readdir(self, nodeid: int, offset: int, size: int, *, plus: bool = False) -> bytes:
-        """A directory's entries from ``offset`` on, as many as fit in ``size`` bytes. With
-        ``plus`` (READDIRPLUS) each entry carries its lookup reply too, so the kernel makes
-        the children's dentries as the directory is listed and a later lookup of a listed name
-        is answered from its dcache instead of by a LOOKUP round trip (``.`` and ``..`` carry
-        node id 0: the kernel links nothing for them)."""
-        with self._lock:
-            ents = self._dirents.get((nodeid, plus))
-        if ents is None:
-            path = self.dir_path.get(nodeid)
-            if path is None:
-                raise OSError(errno.ENOTDIR, "not a directory")
-            node = self.lazy_nodes[path]
-            parent = self.lazy_nodes[path.rpartition("/")[0]] if path else node
-            items = [(b".", node, False), (b"..", parent, False)]
-            prefix = path + "/" if path else ""
-            assert node.children is not None
-            # a directory beyond READDIRPLUS_MAX_ENTRIES is listed without lookup replies:
-            # the kernel would keep an inode per entry of a listing nobody looks through
-            linked = len(node.children) <= READDIRPLUS_MAX_ENTRIES
-            for name in node.children:
-                child = self.lazy_nodes.get(prefix + name)
-                if child is not None:
-                    items.append((os.fsencode(name), child, linked))
-            ents = []
-            for i, (bname, child, link) in enumerate(items):
-                raw = _DIRENT.pack(child.ino, i + 1, len(bname), (child.mode >> 12) & 0xF) + bname
-                raw += b"\0" * (-len(raw) % 8)
-                if plus:
-                    raw = (self._entry(child) if link else bytes(_ENTRY_OUT_SIZE)) + raw
-                ents.append(raw)
-            with self._lock:
-                self._dirents[(nodeid, plus)] = ents
-        out, used = [], 0
-        for raw in ents[offset:]:
-            if used + len(raw) > size:
-                break
-            out.append(raw)
-            used += len(raw)
-        return b"".join(out)
-
-    def _xattr(self, opcode: int, nodeid: int, body: memoryview) -> bytes:
-        from runtime_shim.lazyfs.fuseops import LAZY_STATS_XATTR
-
-        size, _ = _GETXATTR_IN.unpack_from(body)
-        node = self._node(nodeid)
-        if opcode == LISTXATTR:
-            value = b"".join(os.fsencode(k) + b"\0" for k in node.xattrs)
-        else:
-            name = bytes(body[_GETXATTR_IN.size:]).split(b"\0", 1)[0].decode(
-                "utf-8", "surrogateescape")
-            got = node.xattrs.get(name)
-            if got is None and name == LAZY_STATS_XATTR and nodeid == FUSE_ROOT_ID:
-                got = json.dumps(self.lazy_stats()).encode()
-            if got is None:
-                raise OSError(errno.ENODATA, "no such attribute")
-            value = got
-        if size == 0:
-            return struct.pack("<II", len(value), 0)
-        if len(value) > size:
-            raise OSError(errno.ERANGE, "buffer too small")
-        return value
 
     def lazy_stats(self) -> dict[str, Any]:
         with self._lock:
             extra = dict(self.stats)
         return {**self.lazy_layer.stats.as_dict(), **extra, "pid": os.getpid(),
-                "requests_by_opcode": {str(k): v for k, v in sorted(self.ops.items())},
-                "mode": "passthrough" if self.passthrough else "userspace"}
+                "requests_by_opcode": {str(k): v for k, v in
+                                       sorted(self.requests_by_opcode().items())},
+                "mode": "passthrough" if self.passthrough else "userspace",
+                # who reads this mount's requests: its metadata server (``metaserve``), or
+                # the daemon alone; what the server answered itself
+                "metadata_server": self.served_by_metaserver,
+                "metadata_server_requests": (sum(self._meta_counts)
+                                             if self._meta_counts is not None else 0)}
 
     # -- open: fetch, verify, hand the kernel the cache file --------------------------------------
 
@@ -787,7 +755,6 @@ def may_be_elf(node: Node) -> bool:
     return bool(node.mode & 0o111) or ".so" in node.read_path.rpartition("/")[2]
 
 
-_TTL = 86400.0
 _now = time.monotonic
 #: ``$ENVBUILD_LAZY_OPEN_TRACE``: a file that gets one line per first open (when, which
 #: layer and file, how long it waited, how it was answered) - for measuring the miss path.
@@ -802,26 +769,6 @@ def _trace_open(layer: str, node: Node, t0: float, kind: str) -> None:
                 f"{node.read_path}\n")
 
 
-#: ``on`` answers directory listings with lookup replies (READDIRPLUS, see
-#: ``PassthroughFS._readdir``); unset or ``off``: READDIR. Off by default, as measured
-#: (cold_start at 1gbit:10ms, 9 pairs taking turns): a third fewer LOOKUPs (2,093 -> 1,411)
-#: but no faster cold (total 3.49 vs 3.51 s, 3.92 vs 4.01 s), and the re-run of the
-#: fetched files slower in 8 of 9 pairs (medians 0.79 vs 0.68 s; the cause not found).
-READDIRPLUS_ENV = "ENVBUILD_LAZY_READDIRPLUS"
-#: A directory with more entries is listed without lookup replies (node id 0: the kernel makes
-#: no dentry): a package directory has tens to hundreds; a hostile layer's 100,000 would pin
-#: as many kernel inodes for one ``ls``.
-READDIRPLUS_MAX_ENTRIES = 2048
-
-
-#: Answer OPENDIR with ENOSYS (see ``PassthroughFS._answer``): 2 x 253 requests fewer in the
-#: cold_start workload, 2 x 123 in its re-run; no measurable change in their times on one
-#: sandbox (10 pairs taking turns: totals 3.44 vs 3.52 s and 3.57 vs 3.50 s, re-runs
-#: 0.72 vs 0.72 and 0.71 vs 0.73 s), fewer daemon round trips for a node's burst.
-#: ``$ENVBUILD_LAZY_NO_OPENDIR=0`` keeps the OPENDIR/RELEASEDIR round trips.
-NO_OPENDIR = os.environ.get("ENVBUILD_LAZY_NO_OPENDIR", "1").strip().lower() not in ("0", "off")
-
-
 #: ``$ENVBUILD_LAZY_PRELOAD=on`` writes every file a fetch made wholly present (a miss
 #: window, readahead) to the file cache at once, by one background writer
 #: (``FileCache.preload``). Off (the default), only the files fetched because they are
@@ -833,10 +780,6 @@ NO_OPENDIR = os.environ.get("ENVBUILD_LAZY_NO_OPENDIR", "1").strip().lower() not
 #: read-ahead files nobody opened, each a handful of syscalls under the GIL), the import
 #: 2.63 vs 3.04 s, the total 3.93 vs 4.56 s (lower in 5 of 6 pairs).
 PRELOAD = os.environ.get("ENVBUILD_LAZY_PRELOAD", "").strip().lower() in ("1", "on", "yes")
-
-
-def readdirplus_wanted() -> bool:
-    return os.environ.get(READDIRPLUS_ENV, "").strip().lower() in ("1", "on", "yes")
 
 
 def passthrough_wanted() -> bool | None:

@@ -189,6 +189,22 @@ class PyAhead:
             self.gen += 1
             self._push((-self.gen, ()), kind, tuple(stack), fs, node, path)
 
+    def expect(self, stack: Sequence[str], fs: Any, node: Any) -> bool:
+        """Predict the start-up files of an interpreter or a venv's ``pyvenv.cfg`` before its
+        first open (``_NodeDaemon._python_startup``, at create): what that open would queue,
+        queued now. False if ``node`` is neither, or was seen already."""
+        if not _STARTUP.search(node.read_path):
+            return False
+        key = (fs.mountpoint, node.ino)
+        with self.lock:
+            if key in self.seen:
+                return False
+            # not marked seen here: the scan thread claims the file itself with the files
+            # its start opens (``_startup(itself=True)``)
+            self.gen += 1
+            self._push((-self.gen, ()), "expected", tuple(stack), fs, node, None)
+        return True
+
     def predicted(self, fs: Any, node: Any) -> bool:
         """Whether ``node`` of ``fs`` was fetched as a prediction (a reader's open of it then
         does not move the tar-order readahead: it follows the imports, not the blob;
@@ -230,7 +246,7 @@ class PyAhead:
                 elif kind == "pth":
                     self._pth(key, stack, fs, node, path)
                 else:
-                    self._startup(key, stack, fs, node)
+                    self._startup(key, stack, fs, node, itself=kind == "expected")
             except Exception:  # noqa: BLE001 - a hint only: the importer's opens fetch
                 log.exception("import prediction after %s", node.read_path)
 
@@ -272,9 +288,13 @@ class PyAhead:
         self._claim(key, stack, files, after=node)
 
     def _startup(self, key: tuple[Any, ...], stack: tuple[str, ...], fs: Any,
-                 node: Any) -> None:
+                 node: Any, *, itself: bool = False) -> None:
+        """The start-up files of an interpreter or a venv (``node``, opened or, ``itself``,
+        expected at create: then fetched too, first)."""
         st = self._stack(stack, fs)
         tag, sites, files = pydeps.startup_files(st, node.read_path)
+        if itself:
+            files = [(fs, node), *files]
         with self.lock:
             if tag:
                 self.tags[stack] = tag

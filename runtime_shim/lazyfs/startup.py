@@ -179,6 +179,24 @@ def command_file(stack: Stack, env: Mapping[str, str], program: str) -> tuple[An
     return None
 
 
+#: How deep below the root a venv's ``pyvenv.cfg`` is looked for (``opt/venv/pyvenv.cfg``:
+#: 3 parts; ``opt/toolkits/pytest/venv/pyvenv.cfg``: 5), and how many are taken.
+VENV_DEPTH = 6
+MAX_VENVS = 16
+
+
+def venv_configs(layers: list[Any]) -> list[str]:
+    """The ``pyvenv.cfg`` files of the venvs in ``layers`` (mounts, top first), at most
+    ``VENV_DEPTH`` path parts deep and ``MAX_VENVS`` of them, shallowest first: a venv in an
+    env's image is there to be run. Paths of the stack's trees (names, not opened paths)."""
+    found: set[str] = set()
+    for ops in layers:
+        for path in ops.lazy_nodes:
+            if path.endswith("/pyvenv.cfg") and path.count("/") < VENV_DEPTH:
+                found.add(path)
+    return sorted(found, key=lambda p: (p.count("/"), p))[:MAX_VENVS]
+
+
 def shebang(data: bytes) -> str:
     """The program a script's ``#!`` line runs (``/usr/bin/env NAME`` → ``NAME``, to be
     searched in ``PATH``), or ``""`` when ``data`` is no script."""

@@ -1,5 +1,5 @@
 """With ``$ENVBUILD_LAZY_READDIRPLUS=on`` a passthrough mount answers directory listings with
-READDIRPLUS (``PassthroughFS._readdir``): each entry carries its lookup reply, so the kernel
+READDIRPLUS (``fusewire.MetaTree._readdir``): each entry carries its lookup reply, so the kernel
 makes the children's dentries while the directory is listed and a later lookup of a listed
 name costs no LOOKUP round trip to the daemon (the cold_start workload: 2,093 LOOKUPs ->
 1,411; off by default: no faster there, see ``READDIRPLUS_ENV``). What the entries say is

@@ -127,3 +127,76 @@ def test_a_lazy_create_fetches_the_start_up_files_before_they_are_opened(startup
     # create built from them: no FUSE open at all); the control's did
     assert [p for p in wanted if opens.get(p, ("",))[0] == "miss"] == [], opens
     assert opens["zz/control"] == ("miss", layers[0].digest[7:19]), opens
+
+
+@pytest.fixture
+def python_lock(tmp_path, monkeypatch):
+    """A stack with a Python's start-up files: the interpreter ``python3`` on PATH names
+    (a symlink to ``python3.11``), its ``encodings`` package and ``sitecustomize``, and a
+    venv near the root with a ``.pth`` file that imports a module. The lock's command is not
+    Python: only the stack says a Python runs here."""
+    require_root()
+    require_tool("runc")
+    monkeypatch.setenv("ENVBUILD_LAZY_PASSTHROUGH", "on")
+    store = LocalStore(tmp_path / "store")
+    base = make_busybox_root(tmp_path / "base")
+    std = base / "usr" / "lib" / "python3.11"
+    (std / "encodings" / "__pycache__").mkdir(parents=True)
+    (std / "encodings" / "__init__.py").write_bytes(os.urandom(9000))
+    (std / "encodings" / "__pycache__" / "__init__.cpython-311.pyc").write_bytes(
+        os.urandom(7000))
+    (std / "sitecustomize.py").write_bytes(os.urandom(200))
+    (base / "usr" / "bin").mkdir(parents=True, exist_ok=True)
+    (base / "usr" / "bin" / "python3.11").write_bytes(b"\x7fELF" + os.urandom(50_000))
+    os.chmod(base / "usr" / "bin" / "python3.11", 0o755)
+    os.symlink("python3.11", base / "usr" / "bin" / "python3")
+    venv = base / "opt" / "venv"
+    site = venv / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\nversion = 3.11.2\n")
+    (site / "hook.pth").write_text("import hookmod\n")
+    # frames of its own (not in hook.pth's frame, which brings it into memory before the
+    # .pth is read: then it is predicted but needs no load, and is written at its open)
+    (site / "hookmod.py").write_bytes(os.urandom(300_000))
+    (base / "zy").mkdir()   # behind 3 MiB no readahead window spans: the control
+    (base / "zy" / "big.bin").write_bytes(os.urandom(3 << 20))
+    (base / "zz").mkdir()
+    (base / "zz" / "control.py").write_text("not a start-up file\n")
+    layers = [_pack(store, base, tmp_path, "base", source_date_epoch=1_700_000_000)]
+    config = merge_config([RuntimeConfig(env={"PATH": "/usr/local/bin:/usr/bin:/bin"},
+                                         cmd=("sh",))])
+    lock = make_lock("pystart", layers, config)
+    put_json(store, lock.config, media_type=MEDIA_TYPE_CONFIG)
+    store.put_ref("env/pystart", put_json(store, lock.manifest).digest)
+    node_dir = tmp_path / "n"
+    yield store, node_dir, base
+    _no_leftovers(node_dir)
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_a_lazy_create_fetches_pythons_start_up_files(python_lock, monkeypatch, switch):
+    monkeypatch.setenv("ENVBUILD_LAZY_PY_STARTUP", switch)   # the daemon inherits it
+    store, node_dir, base = python_lock
+    std = base / "usr" / "lib" / "python3.11"
+    site = base / "opt" / "venv" / "lib" / "python3.11" / "site-packages"
+    wanted = [base / "usr" / "bin" / "python3.11", std / "encodings" / "__init__.py",
+              std / "encodings" / "__pycache__" / "__init__.cpython-311.pyc",
+              std / "sitecustomize.py", base / "opt" / "venv" / "pyvenv.cfg",
+              site / "hook.pth", site / "hookmod.py"]
+    files = node_dir / "node" / "files"
+
+    def on_node(p: Path) -> bool:
+        return (files / hashlib.sha256(p.read_bytes()).hexdigest()).is_file()
+
+    with Sandbox.create("pystart", store=store, node_dir=node_dir, lazy=True) as sb:
+        assert sb.info().lazy.startswith("passthrough")
+        # before any command runs: on the node (fetched, verified, written) — or, switched
+        # off, not (nothing opened them: the interpreter's first open would predict them)
+        deadline = time.monotonic() + (10 if switch == "1" else 2)
+        while not all(map(on_node, wanted)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        missing = [str(p.relative_to(base)) for p in wanted if not on_node(p)]
+        assert missing == ([] if switch == "1" else [str(p.relative_to(base)) for p in wanted])
+        assert not on_node(base / "zz" / "control.py")
+        r = sb.exec("cat /opt/venv/lib/python3.11/site-packages/hook.pth")
+        assert (r.exit_code, r.stdout) == (0, b"import hookmod\n"), r.stderr

@@ -1,5 +1,5 @@
-"""A lazy layer without one extended attribute answers no getxattr (``PassthroughFS
-.xattrs_enosys``): its first GETXATTR gets ENOSYS, after which the kernel asks that mount no
+"""A lazy layer without one extended attribute answers no getxattr (``fusewire
+.MetaTree.xattrs_enosys``): its first GETXATTR gets ENOSYS, after which the kernel asks that mount no
 more (overlayfs asks every lower dentry it looks up for its opaque, redirect and metacopy
 attributes: ~3,000 daemon round trips in the cold_start workload). A layer with attributes
 answers them as before, and both mounts' stats are still readable (``lazy_stats``: the root's

@@ -145,17 +145,18 @@ def test_settings_from_the_environment(monkeypatch):
 
 
 def test_the_passthrough_abi_constants():
+    from runtime_shim.lazyfs import fusewire as fw
     from runtime_shim.lazyfs import passthrough as pt
 
     # include/uapi/linux/fuse.h: _IOW(229, 1, struct fuse_backing_map), _IOW(229, 2, uint32_t)
     assert pt.FUSE_DEV_IOC_BACKING_OPEN == 0x4010E501
     assert pt.FUSE_DEV_IOC_BACKING_CLOSE == 0x4004E502
-    assert pt.FUSE_PASSTHROUGH >> 32 == 1 << 5
-    assert pt._INIT_OUT.size == 64 and pt._ATTR.size == 88 and pt._OPEN_OUT.size == 16
-    assert pt._IN_HEADER.size == 40 and pt._OUT_HEADER.size == 16
-    assert pt._encode_dev(os.makedev(0, 0)) == 0
-    assert pt._encode_dev(os.makedev(8, 1)) == (8 << 8) | 1
-    assert pt._encode_dev(os.makedev(1, 300)) == (300 & 0xFF) | (1 << 8) | ((300 & ~0xFF) << 12)
+    assert fw.FUSE_PASSTHROUGH >> 32 == 1 << 5
+    assert fw._INIT_OUT.size == 64 and fw._ATTR.size == 88 and fw._OPEN_OUT.size == 16
+    assert fw._IN_HEADER.size == 40 and fw._OUT_HEADER.size == 16
+    assert fw._encode_dev(os.makedev(0, 0)) == 0
+    assert fw._encode_dev(os.makedev(8, 1)) == (8 << 8) | 1
+    assert fw._encode_dev(os.makedev(1, 300)) == (300 & 0xFF) | (1 << 8) | ((300 & ~0xFF) << 12)
 
 
 def test_the_passthrough_switch(monkeypatch):
