@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
+import os
 import re
 import threading
 import time
@@ -50,6 +51,14 @@ PROFILE_RUN = 2 << 20
 PROFILE_FILE_WORKERS = 3
 #: Files larger than this end a tar-order window (they are fetched when opened).
 WINDOW_MAX_FILE = 1 << 20
+#: A reader whose file's frames are in another fetch's flight (a prediction's, a window's,
+#: the readahead's coalesced read) waits this long, then fetches them itself in a ranged read
+#: of its own ("hedged"): a small pyc queued at the end of a 1.5 MB read, on a link and a GIL
+#: busy with the other loads, waited 50–140 ms where its own GET takes ~15–25 ms.
+#: ``$ENVBUILD_LAZY_HEDGE_MS`` (0: never).
+HEDGE_AFTER = max(0.0, float(os.environ.get("ENVBUILD_LAZY_HEDGE_MS", "25") or 0) / 1000)
+#: Files larger than this are not hedged (their bytes would go over the link twice).
+HEDGE_MAX_BYTES = 256 << 10
 #: Parallel requests of an extension module's siblings (``_Readahead.schedule_extensions``).
 EXTENSION_WORKERS = 4
 
@@ -82,6 +91,7 @@ class _Frames:
         #: ``wait=False``, not ``ahead``: a window, the readahead), or None
         self.companion: Callable[[Node], Node | None] | None = None
         self.profiled = False   # a recorded profile is being prefetched: no tar-order guesses
+        self.hedged = 0   # reads a waiting reader sent for frames already in flight (``_hedge``)
         self._order: list[Node] | None = None   # regular files in blob (tar) order, on demand
         self._pos: dict[int, int] = {}          # id(node) -> index in _order
         self._starts: list[int] = []            # first frame of each file of _order
@@ -236,6 +246,8 @@ class _Frames:
                 present = [n for n in nodes if n.frames
                            and all(f in self.loaded for f in n.frames)]
             self._report(present)
+        waited: float | None = None   # when this reader began waiting for others' fetches
+        hedge = wait and HEDGE_AFTER > 0 and sum(n.size for n in nodes) <= HEDGE_MAX_BYTES
         while True:
             with self.cv:
                 missing = {f for n in nodes for f in n.frames if f not in self.loaded}
@@ -244,12 +256,42 @@ class _Frames:
                 if not (missing - self.inflight):
                     if not wait:
                         return
-                    self.cv.wait()
-                    continue
+                    if not hedge:
+                        self.cv.wait()
+                        continue
+                    now = time.monotonic()
+                    waited = now if waited is None else waited
+                    if now - waited < HEDGE_AFTER:
+                        self.cv.wait(HEDGE_AFTER - (now - waited))
+                        continue
+                    hedge = False   # once: then wait for whichever read lands first
+            if waited is not None and not hedge:
+                waited = None
+                self._hedge(nodes, missing)
+                continue
             self.fetch(nodes, self.claim(nodes), workers=workers, max_run=max_run,
                        merge_gap=merge_gap)
             if not wait:
                 return
+
+    def _hedge(self, nodes: Sequence[Node], frames: set[int]) -> None:
+        """Fetch ``frames`` of ``nodes``, which another fetch has in flight, in a read of our
+        own (``HEDGE_AFTER``): marked loaded when it lands, left in flight for the other
+        fetch (which settles them as usual). A failure is left to that fetch."""
+        def on_frames(offsets: list[int]) -> None:
+            with self.cv:
+                self.loaded |= frames.intersection(offsets)
+                self.cv.notify_all()
+
+        with self.cv:
+            self.hedged += 1
+        try:
+            self.layer.prefetch([n.read_path for n in nodes], on_frames=on_frames)
+        except EnvbuildError as e:
+            log.debug("hedged read of %s in %s: %s", [n.read_path for n in nodes],
+                      self.layer.digest, e.message)
+            return
+        on_frames(list(frames))   # all verified and cached (a read may report none)
 
 
 

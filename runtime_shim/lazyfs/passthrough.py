@@ -436,6 +436,7 @@ class PassthroughFS:
                 "mode": "passthrough" if self.passthrough else "userspace",
                 # who reads this mount's requests: its metadata server (``metaserve``), or
                 # the daemon alone; what the server answered itself
+                "hedged_reads": self.lazy_frames.hedged,
                 "metadata_server": self.served_by_metaserver,
                 "metadata_server_requests": (sum(self._meta_counts)
                                              if self._meta_counts is not None else 0)}

@@ -56,7 +56,8 @@ def test_a_miss_waits_for_its_own_frames_while_the_window_comes_beside_it():
     assert not any(fs.lazy_frames.missing(n) for p, n in nodes.items() if p)
 
 
-def test_a_second_reader_of_the_window_waits_for_it_instead_of_fetching_again():
+def test_a_second_reader_of_the_window_waits_for_it_instead_of_fetching_again(monkeypatch):
+    monkeypatch.setattr("runtime_shim.lazyfs.frames.HEDGE_AFTER", 0.0)   # never hedged
     layer = HeldLayer()
     nodes = files([100 * KiB] * 4)
     with ThreadPoolExecutor(4) as workers:
@@ -74,3 +75,34 @@ def test_a_second_reader_of_the_window_waits_for_it_instead_of_fetching_again():
         assert got == [b"x"]
     with layer.lock:
         assert sorted(map(tuple, layer.calls)) == [("f0",), ("f1", "f2", "f3")]
+
+
+def test_a_reader_kept_waiting_by_anothers_read_sends_its_own(monkeypatch):
+    monkeypatch.setattr("runtime_shim.lazyfs.frames.HEDGE_AFTER", 0.05)
+    layer = HeldLayer()
+    nodes = files([100 * KiB] * 4 + [300 * KiB])
+    with ThreadPoolExecutor(4) as workers:
+        fs = PassthroughFS(layer, nodes, "/nonexistent", None,  # type: ignore[arg-type]
+                           workers=workers)
+        layer.hold = {"f1"}   # the window's read (f1..f4) does not answer
+        fs._fetch(nodes["f0"])
+        got: list[bytes] = []
+        t = threading.Thread(target=lambda: got.append(fs._fetch(nodes["f2"])))
+        t.start()
+        t.join(0.02)
+        assert t.is_alive() and not got   # within HEDGE_AFTER it waits for the window
+        t.join(5)
+        assert got == [b"x"]   # then its own read: answered while the window is still held
+        assert not fs.lazy_frames.missing(nodes["f2"])
+        assert fs.lazy_frames.missing(nodes["f3"]) and fs.lazy_frames.hedged == 1
+        # a large file is not read twice: it waits for the window
+        big: list[bytes] = []
+        t2 = threading.Thread(target=lambda: big.append(fs._fetch(nodes["f4"])))
+        t2.start()
+        t2.join(0.3)
+        assert t2.is_alive() and fs.lazy_frames.hedged == 1
+        layer.release.set()
+        t2.join(10)
+        assert big == [b"x"]
+    with layer.lock:
+        assert sorted(map(tuple, layer.calls)) == [("f0",), ("f1", "f2", "f3", "f4"), ("f2",)]
