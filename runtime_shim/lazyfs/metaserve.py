@@ -62,30 +62,9 @@ from collections.abc import Mapping
 from typing import Any
 
 if __package__:
-    from runtime_shim.lazyfs.fusewire import (
-        _BUFSIZE,
-        _IN_HEADER,
-        _NO_REPLY,
-        _RELEASE_IN,
-        OPCODE_SLOTS,
-        RELEASE,
-        MetaTree,
-        nodes_of_table,
-        reply_bytes,
-        table_rows,
-    )
+    from runtime_shim.lazyfs import fusewire as fw
 else:   # run by path (``MetaServer.start``): the standard library and this sibling only
-    from fusewire import (  # type: ignore[import-not-found,no-redef]
-        _BUFSIZE,
-        _IN_HEADER,
-        _NO_REPLY,
-        _RELEASE_IN,
-        OPCODE_SLOTS,
-        RELEASE,
-        MetaTree,
-        nodes_of_table,
-        reply_bytes,
-    )
+    import fusewire as fw  # type: ignore[import-not-found,no-redef]
 
 log = logging.getLogger("envbuild.lazyfs")
 
@@ -159,7 +138,7 @@ class MetaServer:
         if not self.alive:
             return None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        table = marshal.dumps(table_rows(nodes))
+        table = marshal.dumps(fw.table_rows(nodes))
         shm = os.memfd_create("envbuild-meta", os.MFD_CLOEXEC)
         try:
             os.ftruncate(shm, COUNTS_BYTES + len(table))
@@ -198,10 +177,10 @@ def _serve_mount(mountpoint: str, fuse_fd: int, fwd: socket.socket, shm: int,
     clean = False
     try:
         counts = memoryview(mmap.mmap(shm, COUNTS_BYTES)).cast("Q")
-        nodes = nodes_of_table(marshal.loads(os.pread(shm, table_len, COUNTS_BYTES)))
+        nodes = fw.nodes_of_table(marshal.loads(os.pread(shm, table_len, COUNTS_BYTES)))
         os.ftruncate(shm, COUNTS_BYTES)   # the table is ours now
-        tree = MetaTree(nodes, statfs, xattrs_enosys=xattrs_enosys)
-        rbuf = bytearray(_BUFSIZE)
+        tree = fw.MetaTree(nodes, statfs, xattrs_enosys=xattrs_enosys)
+        rbuf = bytearray(fw._BUFSIZE)
         view = memoryview(rbuf)
         released = array.array("Q")   # node ids released since the last forward
         # the daemon read the mount's requests until now (non-blocking, as we do: a request
@@ -222,34 +201,34 @@ def _serve_mount(mountpoint: str, fuse_fd: int, fwd: socket.socket, shm: int,
                     log.error("metadata server: fuse read on %s: %s", mountpoint, e.strerror)
                 clean = e.errno == errno.ENODEV
                 return
-            length, opcode, unique, nodeid = _IN_HEADER.unpack_from(rbuf)[:4]
-            if opcode in _NO_REPLY:
-                counts[opcode % OPCODE_SLOTS] += 1
+            length, opcode, unique, nodeid = fw._IN_HEADER.unpack_from(rbuf)[:4]
+            if opcode in fw._NO_REPLY:
+                counts[opcode % fw.OPCODE_SLOTS] += 1
                 continue
-            body = view[_IN_HEADER.size:length]
-            if opcode == RELEASE and _RELEASE_IN.unpack_from(body)[0] == 0:
+            body = view[fw._IN_HEADER.size:length]
+            if opcode == fw.RELEASE and fw._RELEASE_IN.unpack_from(body)[0] == 0:
                 counts[opcode] += 1   # a passthrough file's: only the daemon's count of opens
                 released.append(nodeid)
-                out = reply_bytes(unique)
+                out = fw.reply_bytes(unique)
                 if len(released) >= RELEASES_MAX:
                     if not _send(fwd, mountpoint, RELEASED, released):
                         return
             elif not tree.answers(opcode, nodeid, body):
                 if n > FORWARD_MAX:
-                    out = reply_bytes(unique, error=errno.EROFS)
+                    out = fw.reply_bytes(unique, error=errno.EROFS)
                 else:
                     if not _send(fwd, mountpoint, REQUEST, released, view[:n]):
                         return
                     continue
             else:
-                counts[opcode % OPCODE_SLOTS] += 1
+                counts[opcode % fw.OPCODE_SLOTS] += 1
                 try:
-                    out = reply_bytes(unique, tree.answer(opcode, nodeid, body))
+                    out = fw.reply_bytes(unique, tree.answer(opcode, nodeid, body))
                 except OSError as e:
-                    out = reply_bytes(unique, error=e.errno or errno.EIO)
+                    out = fw.reply_bytes(unique, error=e.errno or errno.EIO)
                 except Exception:  # noqa: BLE001 - one bad request must not end the mount
                     log.exception("metadata server: request %d on %s", opcode, mountpoint)
-                    out = reply_bytes(unique, error=errno.EIO)
+                    out = fw.reply_bytes(unique, error=errno.EIO)
             try:
                 os.write(fuse_fd, out)
             except OSError as e:   # ENOENT: the request was interrupted; ENODEV: unmounted

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from runtime_shim.lazyfs.control import daemon_request
 from runtime_shim.mount import mounted_targets_under, unmount
 from tests.integration.test_lazy_dirs import NAMES
 from tests.integration.test_lazy_dirs import _mounted as _dirs_mounted
+from tests.integration.test_lazy_preload import _wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -43,22 +43,13 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _wait(predicate, seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
 def test_lookups_are_answered_by_the_metadata_server(tmp_path, monkeypatch):
     with _mounted(tmp_path, monkeypatch) as mp:
         server = _ping(tmp_path / "node")["metadata_server"]
         assert server is not None and server["alive"], server
         assert _alive(server["pid"]) and server["pid"] != lazy_stats(mp)["pid"]
         # the daemon reads the mount's first requests until the server has its tree
-        assert _wait(lambda: lazy_stats(mp)["metadata_server"] is True)
+        assert _wait_for(lambda: lazy_stats(mp)["metadata_server"] is True)
         before = lazy_stats(mp)
         sizes = {name: os.lstat(mp / "unlisted" / name).st_size for name in NAMES}
         assert sizes == {name: i for i, name in enumerate(NAMES)}
@@ -78,10 +69,10 @@ def test_lookups_are_answered_by_the_metadata_server(tmp_path, monkeypatch):
 def test_when_the_metadata_server_dies_the_daemon_serves_the_mount(tmp_path, monkeypatch):
     with _mounted(tmp_path, monkeypatch) as mp:
         assert (mp / "listed" / "m03.py").read_bytes() == b"xxx"
-        assert _wait(lambda: lazy_stats(mp)["metadata_server"] is True)
+        assert _wait_for(lambda: lazy_stats(mp)["metadata_server"] is True)
         server = _ping(tmp_path / "node")["metadata_server"]
         os.kill(server["pid"], signal.SIGKILL)
-        assert _wait(lambda: not _ping(tmp_path / "node")["metadata_server"]["alive"])
+        assert _wait_for(lambda: not _ping(tmp_path / "node")["metadata_server"]["alive"])
         # names never looked up before (the kernel must ask), opens, a listing: all answered
         sizes = {name: os.lstat(mp / "unlisted" / name).st_size for name in NAMES}
         assert sizes == {name: i for i, name in enumerate(NAMES)}
@@ -92,14 +83,14 @@ def test_when_the_metadata_server_dies_the_daemon_serves_the_mount(tmp_path, mon
 
 def test_the_metadata_server_follows_its_daemon(tmp_path, monkeypatch):
     with _mounted(tmp_path, monkeypatch) as mp:
-        assert _wait(lambda: lazy_stats(mp)["metadata_server"] is True)
+        assert _wait_for(lambda: lazy_stats(mp)["metadata_server"] is True)
         ping = _ping(tmp_path / "node")
         server = ping["metadata_server"]["pid"]
         os.kill(ping["pid"], signal.SIGKILL)
         try:
             # its control socket closed: the server exits, and the dead daemon's mount ends
             # with it (ENOTCONN) instead of answering lookups while every open hangs
-            assert _wait(lambda: not _alive(server), 5), \
+            assert _wait_for(lambda: not _alive(server)), \
                 "the metadata server outlived its daemon"
             with pytest.raises(OSError):
                 os.statvfs(mp)
