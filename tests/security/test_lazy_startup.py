@@ -59,3 +59,26 @@ def test_a_malformed_startup_request_is_refused_and_the_daemon_serves_on(tmp_pat
                                       "cmd": [{"a": 1}]}, 10)
         assert reply == {"ok": True, "layers": 0}
         assert daemon_request(node, {"op": "ping"}, 10)["ok"] is True
+
+
+def test_pythons_start_up_hints_stay_bounded():
+    """A layer of 50,000 venvs, a ``python3`` that loops, a ``pyvenv.cfg`` that is a symlink out
+    of the stack or a whiteout: the create's Python start-up lookups (``venv_configs``,
+    ``command_file``) take a bounded number of venvs, at bounded depth, in bounded time, and
+    resolve nothing outside the trees."""
+    venvs = {f"v{i}/pyvenv.cfg": 10 for i in range(50_000)}
+    venvs.update({"opt/venv/pyvenv.cfg": "/../../../../etc/shadow",   # a table key, in-stack
+                  "etc/shadow": 5,
+                  "srv/gone/pyvenv.cfg": None,                        # a whiteout
+                  "/".join(["d"] * 40) + "/pyvenv.cfg": 10,           # too deep
+                  "usr/bin/python3": "python3.11", "usr/bin/python3.11": "python3"})   # a loop
+    layer = Ops("evil", venvs)
+    t0 = time.monotonic()
+    found = startup.venv_configs([layer])
+    assert len(found) == startup.MAX_VENVS and time.monotonic() - t0 < 2
+    assert all(p.count("/") < startup.VENV_DEPTH for p in found)
+    stack = Stack([layer])
+    assert command_file(stack, {"PATH": "/usr/bin"}, "python3") is None   # the loop ends
+    hit = stack.lookup("opt/venv/pyvenv.cfg")
+    assert hit is not None and hit[1].read_path == "etc/shadow"   # the stack's own file
+    assert stack.lookup("srv/gone/pyvenv.cfg") is None
