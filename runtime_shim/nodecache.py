@@ -315,7 +315,7 @@ class NodeCache:
                                                     else f"did not start within {timeout:.0f} s"),
                         context=_log_tail(log_path, log_start), hint=f"see {log_path}")
                 time.sleep(delay)
-                delay = min(delay * 2, 0.05)
+                delay = min(delay * 2, 0.01)   # a connect refused costs ~20 µs: look often
 
     def _stop_lazy(self, hexd: str) -> None:
         """Unmount ``lazy/<hex>`` (caller holds the lock); the daemon drops that mount, and
