@@ -584,8 +584,9 @@ class _NodeDaemon:
         from runtime_shim.lazyfs.startup import startup_files
 
         t0 = time.monotonic()
+        st = Stack(layers)
         try:
-            hits = startup_files(Stack(layers), env)
+            hits = startup_files(st, env)
         except Exception:  # noqa: BLE001 - a hint only: the opens fetch them anyway
             log.exception("start-up files")
             return
@@ -603,24 +604,23 @@ class _NodeDaemon:
                  sum(len(n) for _, n in by_ops.values()), time.monotonic() - t0)
         stack = [ops.lazy_layer.digest for ops in reversed(layers)]
         if self.pyahead is not None and PY_STARTUP:
-            self._python_startup(stack, layers, env)
+            self._python_startup(stack, st, layers, env)
         if program:   # then the lock's command, its interpreter and their loader files
             self.elf_pool.submit(self._command_load, stack, layers, env, program,
                                  startup.MAX_SCRIPT_HOPS)
 
-    def _python_startup(self, stack: list[str], layers: list[Any], env: dict[str, str]) -> None:
+    def _python_startup(self, stack: list[str], st: Any, layers: list[Any],
+                        env: dict[str, str]) -> None:
         """Predict, at create, the start-up files of the stack's Python: the interpreter
         ``python3`` on the lock's ``PATH`` (``encodings``, ``sitecustomize``, the site
         directories' ``.pth`` files) and each venv near the root (``startup.venv_configs``:
         its ``pyvenv.cfg``, its ``.pth`` files and their imports). Every Python program's
         start opens them one after the other, each a serial miss on a cold node (the
         cold_start workload: ~12 of them, 12–39 ms each, over its first two commands);
-        predicted at the interpreter's first open, they were still in flight when asked."""
-        from runtime_shim.lazyfs.elfdeps import Stack
-
+        predicted at the interpreter's first open, they were still in flight when asked.
+        ``st``: the stack's ``elfdeps.Stack``, as the start-up files were looked up in."""
         py = self.pyahead
         assert py is not None
-        st = Stack(layers)
         hits = [startup.command_file(st, env, "python3")]
         hits += [st.lookup(path) for path in startup.venv_configs(layers)]
         n = 0

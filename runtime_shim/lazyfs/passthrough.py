@@ -51,7 +51,7 @@ from envbuild.errors import EnvbuildError, RuntimeShimError
 from envbuild.store.lazy import LazyLayer
 from runtime_shim.lazyfs.filecache import FileCache
 from runtime_shim.lazyfs.frames import MISS_WINDOW, _Frames, _Readahead
-from runtime_shim.lazyfs.fusewire import (  # noqa: F401 - the wire names, re-exported
+from runtime_shim.lazyfs.fusewire import (
     _BACKING_MAP,
     _BUFSIZE,
     _IN_HEADER,
@@ -75,23 +75,10 @@ from runtime_shim.lazyfs.fusewire import (  # noqa: F401 - the wire names, re-ex
     FUSE_KERNEL_MINOR,
     FUSE_KERNEL_VERSION,
     FUSE_PASSTHROUGH,
-    FUSE_ROOT_ID,
-    GETATTR,
-    GETXATTR,
     INIT,
-    LISTXATTR,
-    LOOKUP,
-    NO_OPENDIR,
     OPEN,
-    OPENDIR,
     READ,
-    READDIR,
-    READDIRPLUS,
-    READDIRPLUS_MAX_ENTRIES,
-    READLINK,
     RELEASE,
-    RELEASEDIR,
-    STATFS,
     MetaTree,
     readdirplus_wanted,
     reply_bytes,
@@ -104,9 +91,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("envbuild.lazyfs")
 
-# -- the kernel ABI (include/uapi/linux/fuse.h) --------------------------------------------------
+# -- passthrough's part of the kernel ABI (the rest, and the wire format: ``fusewire``) ------
 _PT = FOPEN_PASSTHROUGH | FOPEN_NOFLUSH
+#: Backing ids kept registered after their last release (reopening a file then costs no
+#: syscall); beyond this many, the least recently opened idle ones are closed.
 MAX_IDLE_BACKING = 4096
+#: a program read whole to find its loader files (``on_elf``) is at most this big: the
+#: interpreter and DT_NEEDED names of a bigger one are not looked for (a hint, not worth the read)
 ELF_HINT_MAX = 64 << 20
 
 
@@ -276,7 +267,7 @@ class PassthroughFS:
         try:
             if fwd is not None:
                 os.set_blocking(conn.fd, False)
-                if self._serve_until_ready(conn, fwd):
+                if self._serve_fuse(conn, server=fwd):
                     self.served_by_metaserver = True
                     if self._serve_forwarded(conn, fwd):
                         return
@@ -294,15 +285,30 @@ class PassthroughFS:
                 self._fds.clear()
             conn.close()
 
-    def _serve_fuse(self, conn: _Conn, *, until_init: bool = False) -> None:
-        """Read and answer the mount's requests until it goes away (``until_init``: or until
-        INIT was answered)."""
+    def _serve_fuse(self, conn: _Conn, *, until_init: bool = False,
+                    server: Any = None) -> bool:
+        """Read and answer the mount's requests until it goes away (False), or until INIT was
+        answered (``until_init``), or, with ``server`` (the metadata server's forwarding
+        socket; ``conn.fd`` non-blocking), until the server says it is ready to read them
+        (True; False if it went away first)."""
+        from runtime_shim.lazyfs.metaserve import READY
+
         # one buffer for the mount's reads: os.read would allocate (and shrink) 1 MiB for each
         # request of ~100 bytes; each request is copied out as bytes, so nothing keeps a view
         # of the buffer past the next read
         rbuf = bytearray(_BUFSIZE)
         view = memoryview(rbuf)
+        poller = None
+        if server is not None:
+            poller = select.poll()
+            poller.register(conn.fd, select.POLLIN)
+            poller.register(server.fileno(), select.POLLIN)
         while True:
+            if poller is not None and any(fd != conn.fd for fd, _ in poller.poll()):
+                try:
+                    return bool(server.recv(16) == READY)
+                except OSError:
+                    return False
             try:
                 n = os.readv(conn.fd, (rbuf,))
                 buf = view[:n].tobytes()
@@ -311,37 +317,10 @@ class PassthroughFS:
                     continue   # ENOENT: the request was interrupted before we read it
                 if e.errno != errno.ENODEV:   # ENODEV: unmounted
                     log.error("fuse read on %s: %s", self.mountpoint, e.strerror)
-                return
+                return False
             self._dispatch(conn, buf)
             if until_init and _IN_HEADER.unpack_from(buf)[1] == INIT:
-                return
-
-    def _serve_until_ready(self, conn: _Conn, fwd: Any) -> bool:
-        """Read the mount's requests (``conn.fd`` non-blocking) until the metadata server says
-        it is ready to; True then, False if it went away first."""
-        from runtime_shim.lazyfs.metaserve import READY
-
-        rbuf = bytearray(_BUFSIZE)
-        view = memoryview(rbuf)
-        poller = select.poll()
-        poller.register(conn.fd, select.POLLIN)
-        poller.register(fwd.fileno(), select.POLLIN)
-        while True:
-            for fd, _ in poller.poll():
-                if fd != conn.fd:
-                    try:
-                        return fwd.recv(16) == READY
-                    except OSError:
-                        return False
-            try:
-                n = os.readv(conn.fd, (rbuf,))
-            except OSError as e:
-                if e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
-                    continue
-                if e.errno != errno.ENODEV:
-                    log.error("fuse read on %s: %s", self.mountpoint, e.strerror)
                 return False
-            self._dispatch(conn, view[:n].tobytes())
 
     def _serve_forwarded(self, conn: _Conn, fwd: Any) -> bool:
         """Answer the requests the metadata server forwards (``metaserve``); True when the
@@ -434,9 +413,9 @@ class PassthroughFS:
                 "requests_by_opcode": {str(k): v for k, v in
                                        sorted(self.requests_by_opcode().items())},
                 "mode": "passthrough" if self.passthrough else "userspace",
+                "hedged_reads": self.lazy_frames.hedged,
                 # who reads this mount's requests: its metadata server (``metaserve``), or
                 # the daemon alone; what the server answered itself
-                "hedged_reads": self.lazy_frames.hedged,
                 "metadata_server": self.served_by_metaserver,
                 "metadata_server_requests": (sum(self._meta_counts)
                                              if self._meta_counts is not None else 0)}
