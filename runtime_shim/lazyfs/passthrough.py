@@ -256,15 +256,15 @@ class PassthroughFS:
         conn = self.conn
         assert conn is not None
         fwd = None
-        if self.metaserver is not None:
-            # INIT first, here: the mount is ready (the create goes on) while the server
-            # takes the tree; requests meanwhile wait in the kernel for it
-            self._serve_fuse(conn, until_init=True)
-            got = self.metaserver.adopt(self.mountpoint, conn.fd, self.lazy_nodes,
-                                        self.meta.statfs, self.meta.xattrs_enosys)
-            if got is not None:
-                fwd, self._meta_counts = got
         try:
+            if self.metaserver is not None:
+                # INIT first, here: the mount is ready (the create goes on) while the server
+                # takes the tree; requests meanwhile wait in the kernel for it
+                self._serve_fuse(conn, until_init=True)
+                got = self.metaserver.adopt(self.mountpoint, conn.fd, self.lazy_nodes,
+                                            self.meta.statfs, self.meta.xattrs_enosys)
+                if got is not None:
+                    fwd, self._meta_counts = got
             if fwd is not None:
                 os.set_blocking(conn.fd, False)
                 if self._serve_fuse(conn, server=fwd):
