@@ -133,6 +133,7 @@ def test_a_burst_of_sandboxes_fetches_each_byte_once_within_the_concurrency_boun
         ping = _ping(node_dir)
         assert ping["fetch_concurrency"] == 2
         assert 1 <= ping["max_requests_in_flight"] <= 2, ping
+        assert ping["malloc"] == "tuned", ping   # one glibc arena, freed buffers kept
         # each needed byte once: the two files, busybox and readahead, not n times that
         data = base["bytes_fetched"] - base["toc_bytes"]
         assert data < 1.1 * (2 * SHARED + (4 << 20)), base

@@ -1,6 +1,7 @@
-"""The lazy daemon's cyclic-GC settings (``runtime_shim.lazyfs.daemon``): a larger
-generation-0 threshold, the mounts' trees frozen out of the collector's reach after a mount
-and handed back after an unmount, and what collections cost counted for the ping."""
+"""The lazy daemon's memory settings (``runtime_shim.lazyfs.daemon``): for the cyclic GC a
+larger generation-0 threshold, the mounts' trees frozen out of the collector's reach after a
+mount and handed back after an unmount, and what collections cost counted for the ping; for
+glibc's malloc one arena and freed buffers kept (``tune_malloc``)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,12 @@ def test_a_tree_frozen_at_mount_is_collected_after_its_unmount(gc_state):
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert alive() is None          # the unmounted tree's cycle is freed
+
+
+
+def test_the_operators_malloc_settings_win(monkeypatch):
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert daemon.tune_malloc() == "set by the environment"
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1")
+    assert daemon.tune_malloc() == "set by the environment"
