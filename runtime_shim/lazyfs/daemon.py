@@ -51,14 +51,15 @@ GC_GEN0_THRESHOLD = 20_000
 #: glibc malloc settings for the daemon (``tune_malloc``). Every fetched byte passes through
 #: freshly allocated buffers (each response body, each frame's decompressed bytes, a file's
 #: joined contents) on one of the daemon's dozens of threads; glibc gives each thread that
-#: allocates its own arena (up to 8 per CPU), and each arena's heap grows on its own, so
-#: memory freed on one thread was not reused on the next, and new pages were faulted in and
-#: zeroed (``perf record -g`` of the daemon in a cold_start lazy run: 20 % of its samples in
-#: ``clear_page_erms``, from ZSTD's output and memmove). One arena (measured with
-#: ``MALLOC_ARENA_MAX=1``, 3 runs against 3, ``cold_start.py --modes lazy --repeat 1`` at
-#: 1gbit:10ms): the daemon's minor faults 75-77 k against 100-113 k, its system time
-#: 1.1-1.25 s against 1.6-3.4 s, the lazy total 4.8-5.0 s against 6.0-7.6 s. The threads
-#: allocate under the GIL anyway, so the one arena's lock costs little.
+#: allocates its own arena (up to 8 per CPU), each arena's heap grows and is trimmed on its
+#: own, so memory freed on one thread was not reused by the next and new buffers were new
+#: pages, faulted in and zeroed (``perf record -g`` of the daemon in a cold_start lazy run:
+#: 20 % of its samples in ``clear_page_erms``, from ZSTD's output and memmove). Measured per
+#: lazy run (``cold_start.py --modes lazy --repeat 1``, 1gbit:10ms), the daemon's minor
+#: faults: 100-113 k by default, ~102 k with one arena alone or the thresholds alone, 75-88 k
+#: with both; sets of ``--modes full,lazy --repeat 3``: total 0.81-0.83 of full against
+#: 0.91-1.05 (docs/lazy-loading.md, tenth pass). The threads allocate under the GIL anyway,
+#: so the one arena's lock costs little.
 MALLOC_ARENA_MAX = 1
 MALLOC_MMAP_THRESHOLD = 32 << 20    # glibc's maximum on 64-bit: buffers up to this from the heap
 MALLOC_TRIM_THRESHOLD = 256 << 20   # give memory back only when this much is free at the top
