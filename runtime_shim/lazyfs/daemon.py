@@ -64,6 +64,9 @@ MALLOC_ARENA_MAX = 1
 MALLOC_MMAP_THRESHOLD = 32 << 20    # glibc's maximum on 64-bit: buffers up to this from the heap
 MALLOC_TRIM_THRESHOLD = 256 << 20   # give memory back only when this much is free at the top
 MALLOC_TOP_PAD = 64 << 20           # and grow the heap by this much at a time
+#: glibc's own environment names for these: an operator who sets one keeps glibc's reading
+_MALLOC_ENV = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+               "MALLOC_TOP_PAD_")
 #: How long after the first open of a file fetched ahead of its reader (a loader file, the
 #: lock's command, a start-up file) the tar-order readahead follows it (``_follow_delay``).
 #: Measured (cold_start, 1gbit:10ms, pairs taking turns, medians of 4-5): the first command
@@ -138,11 +141,6 @@ def tune_malloc() -> str:
         (m_arena_max, MALLOC_ARENA_MAX), (m_mmap_threshold, MALLOC_MMAP_THRESHOLD),
         (m_trim_threshold, MALLOC_TRIM_THRESHOLD), (m_top_pad, MALLOC_TOP_PAD)))
     return "tuned" if ok else "mallopt refused"
-
-
-#: glibc's own environment names for what ``tune_malloc`` sets
-_MALLOC_ENV = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
-               "MALLOC_TOP_PAD_")
 
 
 def _settle_heap() -> None:

@@ -54,7 +54,6 @@ def test_a_tree_frozen_at_mount_is_collected_after_its_unmount(gc_state):
     assert alive() is None          # the unmounted tree's cycle is freed
 
 
-
 def test_the_operators_malloc_settings_win(monkeypatch):
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
     assert daemon.tune_malloc() == "set by the environment"
