@@ -79,6 +79,9 @@ TOC_GUESS = 1 * MiB
 #: with ~10 ms first-byte latency busy (a frame of ~1 MB takes ~8 ms at 1 Gbit/s) while the
 #: frames still arrive about in file order, so hashing follows the transfer.
 STREAM_WORKERS = 3
+#: TOC entries (and their pieces) a layer remembers by path (``LazyLayer._file``); past
+#: this many the memo starts over.
+MAX_REMEMBERED_ENTRIES = 65536
 _local = threading.local()
 _now = time.monotonic
 #: ``$ENVBUILD_LAZY_OPEN_TRACE``: a file that gets one line per ranged read of frames (when,
@@ -390,6 +393,8 @@ class LazyLayer:
         self.stats = LazyStats()
         self._lock = threading.Lock()
         self._children: dict[str, list[str]] | None = None
+        self._files: dict[str, Entry] = {}            # path -> its regular file's entry
+        self._piece_lists: dict[str, list[_Piece]] = {}   # entry path -> its pieces
         self._tail: tuple[int, bytes] | None = None
         kwargs = dict(name=digest, expected_toc_digest=expected_toc_digest or None)
         if size is None and isinstance(store, TailReader):
@@ -538,12 +543,32 @@ class LazyLayer:
         return CorruptLayerError(f"layer {self.digest}: {what}")
 
     def _file(self, path: str) -> Entry:
+        # remembered: a fetched file is looked up by each of its reads, its verification, its
+        # cache file's write and the predictions naming it; its TOC row (a JSON cell, checks)
+        # was decoded 9,567 times during one cold_start heavy import
+        e = self._files.get(path)
+        if e is not None:
+            return e
         e = self.reader.stat(path)
         if e.type == "hardlink":
             e = self.reader.stat(e.linkname)
         if e.type != "file":
             raise LayerError(f"layer {self.digest}: {path} is a {e.type}, not a regular file")
+        if len(self._files) >= MAX_REMEMBERED_ENTRIES:
+            self._files.clear()
+        self._files[path] = e
         return e
+
+    def _pieces_for(self, e: Entry) -> list[_Piece]:
+        """``_pieces(e)``, remembered by path (as ``_file``); the list is shared: not to be
+        changed."""
+        got = self._piece_lists.get(e.path)
+        if got is not None:
+            return got
+        if len(self._piece_lists) >= MAX_REMEMBERED_ENTRIES:
+            self._piece_lists.clear()
+        got = self._piece_lists[e.path] = self._pieces(e)
+        return got
 
     @staticmethod
     def _pieces(e: Entry) -> list[_Piece]:
@@ -578,7 +603,7 @@ class LazyLayer:
         result: dict[str, bytes] = {}
         todo: list[tuple[Entry, list[_Piece], dict[str, bytes]]] = []
         for e in entries:
-            pieces = self._pieces(e)
+            pieces = self._pieces_for(e)
             have = self._cached(pieces)
             if len(have) == len(pieces):
                 result[e.path] = b"".join(have[p.key] for p in pieces)
@@ -668,7 +693,8 @@ class LazyLayer:
         end = e.size if size is None else min(e.size, offset + max(size, 0))
         if offset >= end:
             return b""
-        pieces = [p for p in self._pieces(e) if p.start < end and p.start + p.length > offset]
+        pieces = [p for p in self._pieces_for(e)
+                  if p.start < end and p.start + p.length > offset]
         cached = [self.cache.get(p.key) for p in pieces]
         if all(d is not None and len(d) == p.length for d, p in zip(cached, pieces)):
             with self._lock:
@@ -689,7 +715,7 @@ class LazyLayer:
         into place) what it got before the generator finished. Fetched pieces enter the chunk
         cache only once the file is verified."""
         e = self._file(path)
-        pieces = self._pieces(e)
+        pieces = self._pieces_for(e)
         have = self._cached(pieces)
         need = list({p.chunk.offset: p.chunk for p in pieces if p.key not in have}.values())
         pool = _leaf_pool(is_background())

@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -48,6 +49,8 @@ DEFAULT_FETCH_TIMEOUT = 30.0
 PRELOAD_QUEUE = 512
 #: Longest a background request waits for reads in flight before it goes anyway (seconds).
 BACKGROUND_YIELD = 0.02
+#: A content digest as a cache file's name is made of (its hex part; the prefix optional).
+_DIGEST = re.compile(r"(?:sha256:)?([0-9a-f]{64})")
 #: The file cache format (the directory layout above); a daemon ignores other versions.
 FILE_CACHE_VERSION = 1
 
@@ -208,10 +211,12 @@ class FileCache:
                           if e.is_file() and not e.name.startswith("."))
 
     def _file(self, digest: str) -> str:
-        hexd = digest.removeprefix("sha256:")
-        if len(hexd) != 64 or not all(c in "0123456789abcdef" for c in hexd):
+        # one regular expression, not a generator over 64 characters: every open and every
+        # predicted file asks
+        m = _DIGEST.fullmatch(digest)
+        if m is None:
             raise RuntimeShimError(f"bad content digest {digest!r} in a TOC")
-        return os.path.join(self.dir, hexd)
+        return os.path.join(self.dir, m[1])
 
     def verified(self) -> frozenset[str]:
         """The digests whose cache files this process verified (fetched, or hashed on first

@@ -100,6 +100,32 @@ def test_stat_listdir_read(layer):
         lazy.read("dir/a-sym")
 
 
+def test_a_file_entry_is_decoded_from_the_toc_once_and_the_memo_is_bounded(layer,
+                                                                            monkeypatch):
+    import envbuild.store.lazy as lazy_mod
+
+    store, digest, size, _ = layer
+    lazy = LazyLayer(store, digest, size=size)
+    decoded = []
+    stat = lazy.reader.stat
+    monkeypatch.setattr(lazy.reader, "stat", lambda p: decoded.append(p) or stat(p))
+    assert lazy.read("dir/sub/b.bin") == random.Random(2).randbytes(40_000)
+    assert decoded == ["dir/sub/b.bin"]
+    for _ in range(3):
+        assert lazy.read("dir/sub/b.bin", 5, 5) == random.Random(2).randbytes(40_000)[5:10]
+        assert lazy.compressed_size("dir/sub/b.bin") > 0
+        assert lazy.read("dir/a.txt") == b"a" * 100   # one of the pair is a hardlink
+    assert decoded[0] == "dir/sub/b.bin" and len(decoded) <= 3   # b.bin once; a.txt's once
+    monkeypatch.setattr(lazy_mod, "MAX_REMEMBERED_ENTRIES", 2)
+    for name in ("f00.py", "f01.py", "f02.py"):
+        assert lazy.read(f"dir/{name}").startswith(b"print(")
+    assert len(lazy._files) <= 2 and len(lazy._piece_lists) <= 2
+    with pytest.raises(LayerError, match="not a regular file"):   # errors are not remembered
+        lazy.read("dir/a-sym")
+    with pytest.raises(LayerError, match="not a regular file"):
+        lazy.read("dir/a-sym")
+
+
 def test_reading_one_file_fetches_only_its_frames(layer):
     store, digest, size, _ = layer
     lazy = LazyLayer(store, digest, size=size)

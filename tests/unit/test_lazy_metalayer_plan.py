@@ -65,3 +65,48 @@ def test_safe_path():
     assert metalayer.safe_path("a/b.c/d")
     for bad in ("", "a//b", "./a", "a/..", "a/\0", "x" * 256, "/".join(["d"] * 2000)):
         assert not metalayer.safe_path(bad), bad
+
+
+def _slow_daemon(monkeypatch, reply):
+    """``daemon_request`` replaced by one that records each request and answers ``reply``
+    only once released (a daemon busy with the mounts it just made)."""
+    import threading
+
+    from runtime_shim.lazyfs import control
+
+    calls, release = [], threading.Event()
+
+    def request(root, req, timeout):
+        calls.append(req)
+        release.wait(5)
+        return reply
+
+    monkeypatch.setattr(control, "daemon_request", request)
+    return calls, release
+
+
+def test_a_stack_with_no_generation_on_disk_is_answered_without_waiting(tmp_path, monkeypatch):
+    import time
+
+    calls, release = _slow_daemon(monkeypatch, {"layers": []})
+    t0 = time.monotonic()
+    try:
+        assert metalayer.meta_dirs(tmp_path, [(A, "/mp/a"), (B, "/mp/b")]) == ["", ""]
+        assert time.monotonic() - t0 < 2   # the daemon's answer was not waited for
+        deadline = time.monotonic() + 5
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # the request still went (it may start a build that is due, for the next create)
+        assert [x["digest"] for x in calls[0]["layers"]] == [A, B]
+    finally:
+        release.set()
+
+
+def test_a_layer_with_a_generation_on_disk_waits_for_the_daemon_answer(tmp_path, monkeypatch):
+    gen = tmp_path / "meta" / B.removeprefix("sha256:") / "g-1"
+    gen.mkdir(parents=True)
+    calls, release = _slow_daemon(monkeypatch, {"layers": [
+        {"digest": A, "dir": ""}, {"digest": B, "dir": str(gen)}]})
+    release.set()
+    assert metalayer.meta_dirs(tmp_path, [(A, "/mp/a"), (B, "/mp/b")]) == ["", str(gen)]
+    assert len(calls) == 1
