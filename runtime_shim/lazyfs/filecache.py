@@ -207,8 +207,14 @@ class FileCache:
             collections.deque(maxlen=PRELOAD_QUEUE)
         self._preload_cv = threading.Condition(self._lock)
         self._writer: threading.Thread | None = None
-        self._total = sum(e.stat().st_size for e in os.scandir(directory)
-                          if e.is_file() and not e.name.startswith("."))
+        # what earlier processes left here (by hex name): on the node, to be hashed at first
+        # use; ``present`` answers from it and ``_verified`` without a system call
+        self._on_disk: set[str] = set()
+        self._total = 0
+        for e in os.scandir(directory):
+            if e.is_file() and not e.name.startswith("."):
+                self._on_disk.add(e.name)
+                self._total += e.stat().st_size
 
     def _file(self, digest: str) -> str:
         # one regular expression, not a generator over 64 characters: every open and every
@@ -229,6 +235,14 @@ class FileCache:
         with self._lock:
             return len(self._flights)
 
+    def present(self, digest: str) -> bool:
+        """Whether ``digest``'s cache file is here: verified by this process, or left by an
+        earlier one (to be hashed at its first use). Two set lookups, no system call: the
+        guesses ask it of every candidate (a ``stat`` each cost the cold_start workload
+        0.5 s of daemon CPU)."""
+        return digest in self._verified or (
+            digest.startswith("sha256:") and digest[7:] in self._on_disk)
+
     def cached(self, digest: str) -> str | None:
         """The cache file of ``digest`` if present and verified (hashing it on first use)."""
         path = self._file(digest)
@@ -240,10 +254,12 @@ class FileCache:
                 while chunk := f.read(1 << 20):
                     h.update(chunk)
         except FileNotFoundError:
+            self._on_disk.discard(os.path.basename(path))
             return None
         if "sha256:" + h.hexdigest() != digest:
             log.warning("file cache %s does not match its digest: removed", path)
             _unlink(path)
+            self._on_disk.discard(os.path.basename(path))
             return None
         with self._lock:
             self._verified.add(digest)
@@ -353,6 +369,7 @@ class FileCache:
                     break
                 _unlink(path)
                 self._verified.discard("sha256:" + name)
+                self._on_disk.discard(name)
                 self._total -= size
 
 

@@ -71,8 +71,12 @@ class _Frames:
 
     def __init__(self, layer: LazyLayer, nodes: dict[str, Node], *,
                  on_loaded: Callable[[list[Node]], None] | None = None,
-                 report_all: bool = True) -> None:
+                 report_all: bool = True,
+                 present: Callable[[Node], bool] | None = None) -> None:
         self.layer = layer
+        #: whether a file's contents are on the node already (the node's file cache): the
+        #: guesses (windows, readahead) leave such files out; None: nothing is
+        self.present = present
         self.cv = threading.Condition()
         self.loaded: set[int] = set()
         self.inflight: set[int] = set()
@@ -135,6 +139,11 @@ class _Frames:
                 if any(f not in self.loaded and f not in self.inflight for f in n.frames):
                     out.append(n)
         return out
+
+    def on_node(self, node: Node) -> bool:
+        """Whether ``node``'s contents are on the node already (``present``): a guess need
+        not fetch its frames (its open is answered from the file cache)."""
+        return self.present is not None and self.present(node)
 
     def missing(self, node: Node) -> bool:
         return any(f not in self.loaded for f in node.frames)
@@ -237,7 +246,8 @@ class _Frames:
         profile), so ``on_loaded`` is told of them even without ``report_all``: when their
         frames land, whoever fetches them, or now if they are loaded already."""
         if self.companion is not None and not wait and not ahead:   # a guess in the background
-            extra = [c for n in nodes if (c := self.companion(n)) is not None]
+            extra = [c for n in nodes
+                     if (c := self.companion(n)) is not None and not self.on_node(c)]
             if extra:
                 nodes = [*nodes, *extra]
         if ahead and not self.report_all:
@@ -330,15 +340,15 @@ def prefetch_in_order(frames: _Frames, nodes: dict[str, Node], paths: Sequence[s
 
 def coalesced_runs(frames: _Frames, nodes: dict[str, Node], paths: Sequence[str], *,
                    gap: int = PROFILE_GAP, max_run: int = PROFILE_RUN) -> list[list[Node]]:
-    """The regular files among ``paths`` whose frames are missing, as ``prefetch_in_order``
-    reads them: sorted by blob offset, neighbours at most ``gap`` compressed bytes apart in
-    one run of at most ``max_run`` bytes, the runs in the order of their earliest file in
-    ``paths``."""
+    """The regular files among ``paths`` whose frames are missing and whose contents are not
+    on the node already (``_Frames.on_node``), as ``prefetch_in_order`` reads them: sorted
+    by blob offset, neighbours at most ``gap`` compressed bytes apart in one run of at most
+    ``max_run`` bytes, the runs in the order of their earliest file in ``paths``."""
     wanted: dict[int, tuple[int, Node]] = {}
     for k, p in enumerate(paths):
         n = nodes.get(p.strip("/"))
         if (n is None or not n.read_path or not n.frames or id(n) in wanted
-                or not frames.missing(n)):
+                or not frames.missing(n) or frames.on_node(n)):
             continue
         wanted[id(n)] = (k, n)
     runs: list[tuple[int, list[Node]]] = []   # (earliest profile index, files), blob order
@@ -488,7 +498,8 @@ class _Readahead:
         dirs, siblings = extension_siblings(self.nodes, node.read_path)
         with self.cv:
             self.ext_done.update(dirs)
-        todo = [n for n in siblings if n is not node and self.frames.missing(n)]
+        todo = [n for n in siblings if n is not node and self.frames.missing(n)
+                and not self.frames.on_node(n)]
         # bounded by compressed bytes: what the frames cost on the link
         sized, spent = [], 0
         for n in todo:
@@ -535,7 +546,7 @@ class _Readahead:
             for name in d.children:
                 n = self.nodes.get(prefix + name)
                 if (n is None or not n.read_path or n.size > self.max_file
-                        or not self.frames.missing(n)):
+                        or not self.frames.missing(n) or self.frames.on_node(n)):
                     continue
                 total += n.size
                 if total > self.budget:

@@ -205,7 +205,8 @@ class PassthroughFS:
         self.lazy_layer, self.lazy_nodes = layer, nodes
         # this layer's pycs read so far: [checked-hash, all] (``_learn_pyc``)
         self._pycs = [0, 0]
-        self.lazy_frames = _Frames(layer, nodes, on_loaded=self._loaded, report_all=PRELOAD)
+        self.lazy_frames = _Frames(layer, nodes, on_loaded=self._loaded, report_all=PRELOAD,
+                                   present=lambda n: bool(n.digest) and self.files.present(n.digest))
         self.readahead = _Readahead(layer, nodes, self.lazy_frames)
         if PYC_SOURCES:   # a guessed checked-hash pyc brings its source (``_pyc_companion``)
             self.lazy_frames.companion = self._pyc_companion
@@ -541,7 +542,7 @@ class PassthroughFS:
         src = pyc_source(node.read_path)
         s = self.lazy_nodes.get(src) if src else None
         if s is None or not s.read_path or s.size > PYC_SOURCE_MAX \
-                or not self.lazy_frames.missing(s):
+                or not self.lazy_frames.missing(s) or self.lazy_frames.on_node(s):
             return None
         return s
 

@@ -8,6 +8,7 @@ cannot start. ``envbuild node ls`` reports the mode."""
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -227,3 +228,45 @@ def test_node_ls_reports_the_mode(dup, mode):
         if mode == "fuse":
             assert "disabled by $ENVBUILD_LAZY_PASSTHROUGH" in res.output
         assert res.output.count(" mounted") == 2
+
+
+def test_a_node_that_has_the_files_fetches_none_of_them_again(tmp_path, monkeypatch):
+    """A new daemon on a node whose file cache holds a layer's files (a node that ran the env
+    before, or another env sharing the layer) guesses none of them: opening one extension
+    module would fetch its siblings' frames (the extension readahead), every one of them
+    already in ``files/``."""
+    require_root()
+    require_tool("runc")
+    require_tool("fusermount3")
+    monkeypatch.setenv("ENVBUILD_LAZY_PASSTHROUGH", "on")
+    store = LocalStore(tmp_path / "store")
+    base = make_busybox_root(tmp_path / "base")
+    pkg = base / "opt" / "pkg"
+    pkg.mkdir(parents=True)
+    names = [f"m{i}.cpython-311-x86_64-linux-gnu.so" for i in range(4)]
+    for name in names:
+        (pkg / name).write_bytes(os.urandom(300_000))
+    layers = [_pack(store, base, tmp_path, "base")]
+    _lock(store, "warm", layers)
+    node_dir = tmp_path / "n"
+    node = NodeCache(node_dir / "node")
+    try:
+        with Sandbox.create("warm", store=store, node_dir=node_dir, lazy=True) as sb:
+            assert _ping(node_dir)["mode"] == "passthrough"
+            r = sb.exec(["cat", *(f"/opt/pkg/{n}" for n in names)])
+            assert r.exit_code == 0 and len(r.stdout) == 4 * 300_000, r.stderr
+        node.evict((), 0)   # the daemon exits with its mounts; files/ stays
+        for d in ("chunks", "meta"):
+            shutil.rmtree(node_dir / "node" / d, ignore_errors=True)
+        with Sandbox.create("warm", store=store, node_dir=node_dir, lazy=True) as sb:
+            r = sb.exec(["cat", f"/opt/pkg/{names[0]}"])
+            assert r.exit_code == 0, r.stderr
+            time.sleep(0.5)   # the extension readahead runs in the background
+            r = sb.exec(["cat", *(f"/opt/pkg/{n}" for n in names[1:])])
+            assert r.exit_code == 0 and len(r.stdout) == 3 * 300_000, r.stderr
+            stats = lazy_stats(node.lazy_dir(layers[0].digest))
+            # the busybox tree's files and the modules all came from files/: footer and TOC only
+            assert stats["frames_fetched"] == 0, (stats, _daemon_complaints(node_dir))
+            assert stats["bytes_fetched"] == stats["toc_bytes"], stats
+    finally:
+        _no_leftovers(node_dir)

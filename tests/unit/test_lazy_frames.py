@@ -71,6 +71,18 @@ def test_the_window_skips_loaded_and_inflight_frames_and_stops_at_a_large_file()
     assert names(frames.following(nodes["f0"], 4 << 20)) == ["f1", "f4"]  # f5 is large
 
 
+def test_a_profile_prefetch_leaves_out_files_already_on_the_node():
+    nodes = files([100 * KiB] * 10)
+    layer = SizedLayer({p: n.size for p, n in nodes.items()})
+    on_node = {"f1", "f3", "f4"}   # in the node's file cache (a node that ran the env before)
+    frames = _Frames(layer, nodes, present=lambda n: n.read_path in on_node)  # type: ignore[arg-type]
+    assert frames.on_node(nodes["f3"]) and not frames.on_node(nodes["f2"])
+    assert prefetch_in_order(frames, nodes, [f"f{i}" for i in range(6)], gap=64 * KiB,
+                             workers=1) == 3   # a recorded profile: f0, f2, f5
+    assert sorted(p for b in layer.calls for p in b) == ["f0", "f2", "f5"]
+    assert frames.missing(nodes["f1"])   # not fetched: its open reads the file cache
+
+
 def test_a_miss_window_is_one_load_and_marks_every_frame_loaded():
     layer = FakeLayer()
     nodes = files([100 * KiB] * 10)
@@ -177,6 +189,23 @@ def test_the_first_open_of_an_extension_module_fetches_its_siblings_once_in_the_
     assert layer.calls == [[f"{SP}/np.libs/libopenblas.so", f"{SP}/np/core/b{EXT}"]]
     assert frames.missing(nodes[f"{SP}/np/core/a{EXT}"])  # the opened one is the reader's
     assert frames.missing(nodes[f"{SP}/np/core/c.py"])
+
+
+def test_the_extension_readahead_leaves_out_siblings_already_on_the_node():
+    from runtime_shim.lazyfs.frames import _Readahead
+
+    layer = SizedLayer()
+    nodes = tree({f"{SP}/np.libs/libopenblas.so": 100, f"{SP}/np/core/a{EXT}": 10,
+                  f"{SP}/np/core/b{EXT}": 10, f"{SP}/np/core/c{EXT}": 10})
+    frames = _Frames(layer, nodes,  # type: ignore[arg-type]
+                     present=lambda n: n.read_path.endswith(("libopenblas.so", f"b{EXT}")))
+    ra = _Readahead(layer, nodes, frames)  # type: ignore[arg-type]
+    ra.schedule_extensions(nodes[f"{SP}/np/core/a{EXT}"])
+    for _ in range(200):
+        if not frames.missing(nodes[f"{SP}/np/core/c{EXT}"]):
+            break
+        threading.Event().wait(0.01)
+    assert layer.calls == [[f"{SP}/np/core/c{EXT}"]]
 
 
 def test_a_profiled_mount_fetches_no_extension_siblings():

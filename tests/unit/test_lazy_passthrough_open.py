@@ -211,6 +211,16 @@ def test_a_pyc_open_fetches_its_source_ahead_when_the_layer_uses_checked_hashes(
         pyc = nodes["pkg/__pycache__/a.cpython-311.pyc"]
         assert fs._pyc_companion(pyc) is nodes["pkg/a.py"]
         assert fs._pyc_companion(nodes["pkg/a.py"]) is None
+        # a source in the node's file cache (left by an earlier daemon): its open reads it
+        # there, nothing to fetch
+        src = nodes["pkg/a.py"]
+        (tmp_path / "files" / src.digest.removeprefix("sha256:")).write_bytes(b"a = 1\n" * 50)
+        on_disk = FileCache(str(tmp_path / "files"), files.limits, 1 << 30)
+        assert on_disk.present(src.digest) and not on_disk.present(nodes["pkg/b.py"].digest)
+        fs.files = on_disk
+        assert fs._pyc_companion(pyc) is None
+        fs.files = files
+        assert fs._pyc_companion(pyc) is src
         fs.lazy_frames.loaded.add(nodes["pkg/a.py"].frames[0])
         assert fs._pyc_companion(pyc) is None
         fs._pycs = [1, 5]     # mostly timestamp pycs: sources are only stat'ed
