@@ -25,8 +25,10 @@ from tests.integration.test_microvm import _gone, _qemu_pids, _require_vm_tools
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 LIMITS = Limits(memory_bytes=256 << 20)
-COUNTER = ("i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done "
-           ">/dev/null 2>&1 & echo $!")
+# written to a temporary name, then renamed over the counter: ``echo > file`` truncates first,
+# so a ``cat`` between the truncation and the write read nothing (a CI run failed on b'')
+COUNTER = ("i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; "
+           "mv /tmp/counter.new /tmp/counter; sleep 0.1; done >/dev/null 2>&1 & echo $!")
 
 
 @pytest.fixture(scope="module")
