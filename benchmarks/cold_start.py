@@ -386,6 +386,29 @@ def report(profile: LinkProfile, rows: list[dict], burst: dict | None, env_bytes
             "goals": {k: {"value": v, "goal": g, "met": ok} for k, (v, g, ok) in goals.items()}}
 
 
+def bench_env(cache: LocalStore, where: Path,
+              tool: str) -> tuple[list[LockLayer], list[LockLayer], RuntimeConfig]:
+    """The benchmark's env from the store ``cache`` (at ``where``): the cold lock's layers
+    (py-minicalc's and the venv's), the warm lock's (busybox-shell's) and the cold lock's
+    config. Exits with the build command when they are not built (``tool``: who says so)."""
+    try:
+        minicalc = resolve(cache, "py-minicalc")
+        busybox = resolve(cache, "busybox-shell").layers
+    except Exception as e:  # noqa: BLE001
+        raise SystemExit(f"{tool}: {e}; build them first: envbuild --store {where} "
+                         "build py-minicalc busybox-shell") from None
+
+    def as_lock(x) -> LockLayer:
+        return LockLayer(name=x.name, role=x.role, key=x.key or "sha256:" + "0" * 64,
+                         digest=x.digest, diff_id=x.diff_id, size=x.size,
+                         toc_digest=x.toc_digest)
+
+    layers = [as_lock(x) for x in minicalc.layers] + [venv_layer(cache)]
+    config = RuntimeConfig(env=dict(minicalc.env), workdir=minicalc.workdir,
+                           user=minicalc.user, cmd=minicalc.cmd)
+    return layers, [as_lock(x) for x in busybox], config
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--link", default="1gbit:10ms,10gbit:2ms",
@@ -401,20 +424,7 @@ def main() -> None:
 
     COLD.mkdir(parents=True, exist_ok=True)
     cache = LocalStore(args.cache)
-    try:
-        minicalc = resolve(cache, "py-minicalc")
-        busybox = resolve(cache, "busybox-shell").layers
-    except Exception as e:  # noqa: BLE001
-        raise SystemExit(f"cold_start: {e}; build them first: envbuild --store {args.cache} "
-                         "build py-minicalc busybox-shell") from None
-    venv = venv_layer(cache)
-    as_lock = lambda x: LockLayer(name=x.name, role=x.role, key=x.key or "sha256:" + "0" * 64,  # noqa: E731
-                                  digest=x.digest, diff_id=x.diff_id, size=x.size,
-                                  toc_digest=x.toc_digest)
-    layers = [as_lock(x) for x in minicalc.layers] + [venv]
-    warm = [as_lock(x) for x in busybox]
-    config = RuntimeConfig(env=dict(minicalc.env), workdir=minicalc.workdir,
-                           user=minicalc.user, cmd=minicalc.cmd)
+    layers, warm, config = bench_env(cache, args.cache, "cold_start")
     unpacked = 0
     for x in layers:
         with LayerReader.open_file(cache.blob_path(x.digest)) as r:

@@ -70,22 +70,7 @@ def main() -> None:
 
     cs.COLD.mkdir(parents=True, exist_ok=True)
     cache = LocalStore(args.cache)
-    try:
-        minicalc = cs.resolve(cache, "py-minicalc")
-        busybox = cs.resolve(cache, "busybox-shell").layers
-    except Exception as e:  # noqa: BLE001
-        raise SystemExit(f"lazy_settings: {e}; build them first: envbuild --store {args.cache} "
-                         "build py-minicalc busybox-shell") from None
-
-    def as_lock(x):
-        return cs.LockLayer(name=x.name, role=x.role, key=x.key or "sha256:" + "0" * 64,
-                            digest=x.digest, diff_id=x.diff_id, size=x.size,
-                            toc_digest=x.toc_digest)
-
-    layers = [as_lock(x) for x in minicalc.layers] + [cs.venv_layer(cache)]
-    warm = [as_lock(x) for x in busybox]
-    config = cs.RuntimeConfig(env=dict(minicalc.env), workdir=minicalc.workdir,
-                              user=minicalc.user, cmd=minicalc.cmd)
+    layers, warm, config = cs.bench_env(cache, args.cache, "lazy_settings")
     profile = cs.LinkProfile.parse(args.link)
     print(f"link {profile}; {args.rounds} rounds of {len(settings)} settings, taking turns",
           flush=True)

@@ -49,8 +49,10 @@ DEFAULT_FETCH_TIMEOUT = 30.0
 PRELOAD_QUEUE = 512
 #: Longest a background request waits for reads in flight before it goes anyway (seconds).
 BACKGROUND_YIELD = 0.02
-#: A content digest as a cache file's name is made of (its hex part; the prefix optional).
-_DIGEST = re.compile(r"(?:sha256:)?([0-9a-f]{64})")
+#: A content digest, as TOCs write it; its hex part names the cache file. Only this one form:
+#: ``cached`` verifies against ``sha256:<hex>`` and ``present`` looks that form up, so a bare
+#: hex digest accepted here would see a good cache file as corrupt and remove it.
+_DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
 #: The file cache format (the directory layout above); a daemon ignores other versions.
 FILE_CACHE_VERSION = 1
 
@@ -240,7 +242,7 @@ class FileCache:
         earlier one (to be hashed at its first use). Two set lookups, no system call: the
         guesses ask it of every candidate (a ``stat`` each cost the cold_start workload
         0.5 s of daemon CPU)."""
-        return digest in self._verified or (
+        return digest in self._verified or (   # _DIGEST's one form
             digest.startswith("sha256:") and digest[7:] in self._on_disk)
 
     def cached(self, digest: str) -> str | None:

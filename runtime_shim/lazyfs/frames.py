@@ -92,7 +92,8 @@ class _Frames:
         self.report_all = report_all
         self._ahead: set[int] = set()   # id(node) of files asked for ahead, not yet reported
         #: a file that a background guess's load of ``node`` brings along (``load`` with
-        #: ``wait=False``, not ``ahead``: a window, the readahead), or None
+        #: ``wait=False``, not ``ahead``: a window, the readahead), or None when there is
+        #: none to fetch (the producer filters with ``to_fetch``)
         self.companion: Callable[[Node], Node | None] | None = None
         self.profiled = False   # a recorded profile is being prefetched: no tar-order guesses
         self.hedged = 0   # reads a waiting reader sent for frames already in flight (``_hedge``)
@@ -147,6 +148,11 @@ class _Frames:
 
     def missing(self, node: Node) -> bool:
         return any(f not in self.loaded for f in node.frames)
+
+    def to_fetch(self, node: Node) -> bool:
+        """Whether a guess should fetch ``node``: some of its frames are missing and its
+        contents are not on the node already (``on_node``)."""
+        return self.missing(node) and not self.on_node(node)
 
     def claim(self, nodes: Sequence[Node]) -> set[int]:
         """Mark the frames of ``nodes`` that are neither loaded nor being fetched as being
@@ -246,8 +252,8 @@ class _Frames:
         profile), so ``on_loaded`` is told of them even without ``report_all``: when their
         frames land, whoever fetches them, or now if they are loaded already."""
         if self.companion is not None and not wait and not ahead:   # a guess in the background
-            extra = [c for n in nodes
-                     if (c := self.companion(n)) is not None and not self.on_node(c)]
+            # the companion is None when it need not be fetched (``to_fetch``)
+            extra = [c for n in nodes if (c := self.companion(n)) is not None]
             if extra:
                 nodes = [*nodes, *extra]
         if ahead and not self.report_all:
@@ -348,7 +354,7 @@ def coalesced_runs(frames: _Frames, nodes: dict[str, Node], paths: Sequence[str]
     for k, p in enumerate(paths):
         n = nodes.get(p.strip("/"))
         if (n is None or not n.read_path or not n.frames or id(n) in wanted
-                or not frames.missing(n) or frames.on_node(n)):
+                or not frames.to_fetch(n)):
             continue
         wanted[id(n)] = (k, n)
     runs: list[tuple[int, list[Node]]] = []   # (earliest profile index, files), blob order
@@ -498,8 +504,7 @@ class _Readahead:
         dirs, siblings = extension_siblings(self.nodes, node.read_path)
         with self.cv:
             self.ext_done.update(dirs)
-        todo = [n for n in siblings if n is not node and self.frames.missing(n)
-                and not self.frames.on_node(n)]
+        todo = [n for n in siblings if n is not node and self.frames.to_fetch(n)]
         # bounded by compressed bytes: what the frames cost on the link
         sized, spent = [], 0
         for n in todo:
@@ -546,7 +551,7 @@ class _Readahead:
             for name in d.children:
                 n = self.nodes.get(prefix + name)
                 if (n is None or not n.read_path or n.size > self.max_file
-                        or not self.frames.missing(n) or self.frames.on_node(n)):
+                        or not self.frames.to_fetch(n)):
                     continue
                 total += n.size
                 if total > self.budget:

@@ -542,7 +542,7 @@ class PassthroughFS:
         src = pyc_source(node.read_path)
         s = self.lazy_nodes.get(src) if src else None
         if s is None or not s.read_path or s.size > PYC_SOURCE_MAX \
-                or not self.lazy_frames.missing(s) or self.lazy_frames.on_node(s):
+                or not self.lazy_frames.to_fetch(s):
             return None
         return s
 

@@ -103,6 +103,12 @@ def test_bad_digests_are_refused(tmp_path):
     cache = _cache(tmp_path)
     with pytest.raises(RuntimeShimError, match="bad content digest"):
         cache.cached("sha256:../../etc/passwd")
+    bare = _digest(b"good")[7:]   # a digest without its algorithm: one form only
+    with open(os.path.join(cache.dir, bare), "wb") as f:
+        f.write(b"good")
+    with pytest.raises(RuntimeShimError, match="bad content digest"):
+        cache.cached(bare)
+    assert os.path.exists(os.path.join(cache.dir, bare))   # not taken for a corrupt file
 
 
 def test_eviction_keeps_the_cache_under_its_budget(tmp_path):
