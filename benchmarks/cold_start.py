@@ -60,6 +60,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from _stats import host_speed, process_cpu  # noqa: E402
 from layer_pack import SCRATCH, WORK, make_venv  # noqa: E402
 from shaped_link import LinkProfile, ShapedLink  # noqa: E402
 
@@ -260,9 +261,13 @@ class Bench:
     def timed(self, node_dir: Path, mode: str, *, lazy: bool = False,
               cold: bool = False) -> dict:
         """One sandbox of the lock on ``node_dir`` running the workload: the row of ``mode``
-        (create, each step, total, bytes over the link while it ran; ``cold``: also the lazy
-        daemon's store requests and the read path it used)."""
+        (create, each step, total, bytes over the link while it ran, the CPU-seconds the
+        store's processes used until the sandbox closed — s3rver and the latency proxy share
+        the node's cores here, as a real store would not —; ``lazy``: also the lazy daemon's
+        CPU-seconds until the close; ``cold``: also its store requests and the read path)."""
         rx0 = rx_bytes(self.dev)
+        store0 = process_cpu(self.link.pids)
+        daemon0 = daemon_cpu(node_dir) if lazy else 0.0
         t0 = time.perf_counter()
         with Sandbox.create(self.lock, store=self.store, node_dir=node_dir, lazy=lazy) as sb:
             row = {"mode": mode, "create": time.perf_counter() - t0, **self.workload(sb, t0)}
@@ -271,6 +276,9 @@ class Bench:
                 row["requests"] = self.requests(node_dir)
                 row["transport"] = sb.info().lazy
         row["total"] = row["create"] + row["workload"]
+        row["store_cpu"] = process_cpu(self.link.pids) - store0
+        if lazy:
+            row["daemon_cpu"] = daemon_cpu(node_dir) - daemon0
         return row
 
     def run_full(self, run: int) -> list[dict]:
@@ -295,10 +303,8 @@ class Bench:
         try:
             cold = self.timed(node_dir, mode, lazy=True, cold=True)
             settle = self.settle(node_dir)
-            cpu0 = daemon_cpu(node_dir)
             rerun = self.timed(node_dir, f"{mode}-rerun", lazy=True)
             rerun["settle"] = settle
-            rerun["daemon_cpu"] = daemon_cpu(node_dir) - cpu0
             return [cold, rerun]
         finally:
             self.drop_node(node_dir)
@@ -393,12 +399,17 @@ def report(profile: LinkProfile, rows: list[dict], burst: dict | None, env_bytes
     print(f"\nlink {profile}; median of {repeat} runs")
     cols = ["create", "first", "import", "tests", "grep", "total"]
     print(f"{'mode':<20}" + "".join(f"{c + ' s':>9}" for c in cols)
-          + f"{'MB on link':>12}{'requests':>10}")
+          + f"{'MB on link':>12}{'store CPU':>10}{'lazyd CPU':>10}{'requests':>10}")
+
+    def has(mode: str, key: str) -> bool:
+        return any(key in r for r in rows if r["mode"] == mode)
+
     for mode in modes:
         print(f"{mode:<20}" + "".join(f"{med(rows, mode, c):>9.2f}" for c in cols)
               + f"{med(rows, mode, 'bytes') / MB:>12.1f}"
-              + (f"{med(rows, mode, 'requests'):>10.0f}"
-                 if any("requests" in r for r in rows if r["mode"] == mode) else ""))
+              + "".join(f"{med(rows, mode, k):>10.2f}" if has(mode, k) else f"{'':>10}"
+                        for k in ("store_cpu", "daemon_cpu"))
+              + (f"{med(rows, mode, 'requests'):>10.0f}" if has(mode, "requests") else ""))
     goals: dict[str, tuple[float, str, bool]] = {}
     if "full" in modes and "lazy" in modes:
         first = med(rows, "full", "first") / med(rows, "lazy", "first")
@@ -413,8 +424,7 @@ def report(profile: LinkProfile, rows: list[dict], burst: dict | None, env_bytes
         rerun = med(rows, "lazy-rerun", "workload") / med(rows, "native", "workload")
         goals["re-run (files fetched) vs native"] = (rerun, "<= 1.1x", rerun <= 1.1)
         print(f"lazy-rerun: started {med(rows, 'lazy-rerun', 'settle'):.2f} s after the cold "
-              f"sandbox closed (the daemon idle); daemon CPU during it "
-              f"{med(rows, 'lazy-rerun', 'daemon_cpu'):.2f} s (medians)")
+              f"sandbox closed, the lazy daemon idle (median)")
     if "lazy-profile" in modes and "full" in modes:
         total = med(rows, "lazy-profile", "total") / med(rows, "full", "total")
         goals["total with profile vs full (reported)"] = (total, "-", True)
@@ -477,6 +487,8 @@ def main() -> None:
     # The env's size is its unpacked size (the issue's "506 MB env"); the full pull's bytes on
     # the link (the compressed blobs) are printed beside it.
     env_bytes = unpacked
+    host = host_speed()
+    print(f"host: {host}", flush=True)
     print(f"env: py-minicalc + a numpy/pandas/django venv: {len(layers)} layers, "
           f"{sum(x.size for x in layers) / MB:.0f} MB compressed, {unpacked / MB:.0f} MB of tar",
           flush=True)
@@ -509,8 +521,10 @@ def main() -> None:
                                      else "")
                                   + (f", reads: {row['transport']}" if row.get("transport")
                                      else "")
-                                  + (f" (after {row['settle']:.2f} s for the daemon to go idle;"
-                                     f" daemon CPU {row['daemon_cpu']:.2f} s)"
+                                  + f"; CPU-s: store {row['store_cpu']:.2f}"
+                                  + (f", lazy daemon {row['daemon_cpu']:.2f}"
+                                     if "daemon_cpu" in row else "")
+                                  + (f" (after {row['settle']:.2f} s for the daemon to go idle)"
                                      if "settle" in row else ""), flush=True)
                         rows.extend(got)
                 burst = bench.run_burst(args.burst) if args.burst else None
@@ -518,7 +532,9 @@ def main() -> None:
             finally:
                 shutil.rmtree(data, ignore_errors=True)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        # version 2: an object with the host line (version 1 was the bare list of links)
+        args.json.write_text(json.dumps({"version": 2, "host": host, "links": results},
+                                        indent=2))
 
 
 if __name__ == "__main__":

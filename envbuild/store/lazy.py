@@ -474,7 +474,8 @@ class LazyLayer:
         if _TRACE:
             with _trace_lock, open(_TRACE, "a") as f:
                 f.write(f"{t0:.6f} {(t1 - t0) * 1e3:.2f} GET {self.digest[7:19]} {len(data)} "
-                        f"{threading.current_thread().name} dec={(_now() - t1) * 1e3:.2f}\n")
+                        f"{threading.current_thread().name} dec={(_now() - t1) * 1e3:.2f} "
+                        f"at={start} bg={int(is_background())}\n")
         return out
 
     def _runs(self, frames: Iterable[Chunk], max_run: int | None = None,
