@@ -16,6 +16,7 @@ from tests.conftest import REPO, require_root, require_tool
 pytestmark = pytest.mark.integration
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from _stats import process_cpu  # noqa: E402
 from shaped_link import LinkProfile, ShapedLink  # noqa: E402
 
 
@@ -40,11 +41,14 @@ def test_a_shaped_link_caps_the_rate_adds_latency_per_request_and_leaves_nothing
                          "-d", str(tmp_path)], 8765, stdout=subprocess.DEVNULL,
                         stderr=subprocess.DEVNULL)
         host = link.endpoint(8765).removeprefix("http://")
+        cpu0 = process_cpu(link.pids)
         conn = http.client.HTTPConnection(host, timeout=30)
         t = time.perf_counter()
         conn.request("GET", "/big")
         assert len(conn.getresponse().read()) == 6 * 10**6
         mbit = 6 * 8 / (time.perf_counter() - t)
+        # the benchmark's "store CPU": both processes started (cpu0), then copied 6 MB
+        assert process_cpu(link.pids) > cpu0 > 0.0
         # 48 Mbit at 40 Mbit/s: ~1.2 s; unshaped loopback would take milliseconds
         assert 25 < mbit < 44, f"{mbit:.0f} Mbit/s through a 40 Mbit/s link"
         conn = http.client.HTTPConnection(host, timeout=30)  # http.server closes after each
@@ -65,3 +69,4 @@ def test_a_shaped_link_caps_the_rate_adds_latency_per_request_and_leaves_nothing
     assert subprocess.run(["ip", "link", "show", veth], capture_output=True).returncode != 0
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists(), f"process {pid} outlived the link"
+    assert process_cpu(pids) == 0.0   # processes gone count nothing (no error)
