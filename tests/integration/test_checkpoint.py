@@ -22,8 +22,10 @@ from tests.conftest import require_root
 
 pytestmark = pytest.mark.integration
 
-COUNTER = ("cd /workspace && (i=0; while true; do i=$((i+1)); echo $i > /workspace/count; "
-           "sleep 0.1; done) > /dev/null 2>&1 &")
+# written to a temporary name, then renamed over the counter: ``echo > file`` truncates first,
+# and a CI run of 7eeae2d checkpointed the job between the truncation and the write (b'')
+COUNTER = ("cd /workspace && (i=0; while true; do i=$((i+1)); echo $i > /workspace/count.new; "
+           "mv /workspace/count.new /workspace/count; sleep 0.1; done) > /dev/null 2>&1 &")
 
 
 def require_criu() -> str:
