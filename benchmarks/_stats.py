@@ -44,8 +44,8 @@ def process_cpu(pids: Iterable[int]) -> float:
 def host_speed() -> str:
     """One line on the host, so figures from different machines can be compared: its cores
     and how long this Python takes for a 10^7-iteration loop (the lazy path's daemon is
-    bound by it; a host twice as slow moved ``cold_start``'s lazy total from 0.6 to 0.7-0.87
-    of full's)."""
+    bound by it; on a host half as fast ``cold_start``'s lazy total was 0.65-0.87 of full's,
+    against 0.57-0.70 here)."""
     t = time.perf_counter()
     for _ in range(10 ** 7):
         pass

@@ -169,20 +169,16 @@ def rx_bytes(dev: str) -> int:
 IDLE_CPU = 0.1
 
 
-def _ping(node_dir: Path) -> dict:
+def ping(node_dir: Path) -> dict:
+    """The node's lazy daemon's ping reply (its counters; ``{}`` without an answer)."""
     from runtime_shim.lazyfs.control import daemon_request
 
     return daemon_request(node_dir / "node", {"op": "ping"}, 5) or {}
 
 
-def daemon_cpu(node_dir: Path) -> float:
-    """CPU-seconds the node's lazy daemon has used."""
-    return float(_ping(node_dir).get("cpu_seconds") or 0.0)
-
-
-def meta_building(node_dir: Path) -> int:
-    """Meta layer builds running in the node's lazy daemon."""
-    return int(_ping(node_dir).get("meta_building") or 0)
+def daemon_cpu(node_dir: Path, reply: dict | None = None) -> float:
+    """CPU-seconds the node's lazy daemon has used (from ``reply``, else a new ping)."""
+    return float((ping(node_dir) if reply is None else reply).get("cpu_seconds") or 0.0)
 
 
 def drop_profiles(store) -> None:
@@ -217,17 +213,15 @@ class Bench:
                 if (" ERROR " in line or " WARNING " in line or line.startswith("error")
                         or "meta layer g-" in line or " mounted sha256:" in line):  # meta layers, mounts
                     print(f"    {log.name[:12]}: {line}", flush=True)
-        from runtime_shim.lazyfs.control import daemon_request
-
-        ping = daemon_request(node_dir / "node", {"op": "ping"}, 5) or {}
-        if ping.get("import_prediction"):   # Python import prediction's counters (pyahead)
-            print(f"    import prediction: {ping['import_prediction']}", flush=True)
-        if ping.get("slot_wait"):   # readers waiting for a request slot (FetchLimits)
-            print(f"    fetch slots: {ping['slot_wait']}, at most "
-                  f"{ping.get('max_requests_in_flight')} requests in flight", flush=True)
-        if ping.get("cpu_seconds") is not None:
-            print(f"    lazy daemon CPU: {ping['cpu_seconds']} s, GC pauses {ping.get('gc')}, "
-                  f"FUSE requests by opcode {ping.get('fuse_requests')}", flush=True)
+        reply = ping(node_dir)
+        if reply.get("import_prediction"):   # Python import prediction's counters (pyahead)
+            print(f"    import prediction: {reply['import_prediction']}", flush=True)
+        if reply.get("slot_wait"):   # readers waiting for a request slot (FetchLimits)
+            print(f"    fetch slots: {reply['slot_wait']}, at most "
+                  f"{reply.get('max_requests_in_flight')} requests in flight", flush=True)
+        if reply.get("cpu_seconds") is not None:
+            print(f"    lazy daemon CPU: {reply['cpu_seconds']} s, GC pauses {reply.get('gc')}, "
+                  f"FUSE requests by opcode {reply.get('fuse_requests')}", flush=True)
         node.evict((), 0)  # the lazy daemons save the profile and exit
         shutil.rmtree(node_dir, ignore_errors=True)
 
@@ -318,8 +312,9 @@ class Bench:
         last = daemon_cpu(node_dir)
         while time.perf_counter() - t0 < limit:
             time.sleep(window)
-            now = daemon_cpu(node_dir)
-            if now - last < IDLE_CPU * window and not meta_building(node_dir):
+            reply = ping(node_dir)   # one request a look: the reply is not small
+            now = daemon_cpu(node_dir, reply)
+            if now - last < IDLE_CPU * window and not reply.get("meta_building"):
                 break
             last = now
         return time.perf_counter() - t0

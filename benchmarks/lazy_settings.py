@@ -35,7 +35,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import cold_start as cs  # noqa: E402
 
 from envbuild.store import LocalStore  # noqa: E402
-from runtime_shim.lazyfs.control import daemon_request  # noqa: E402
 
 STEPS = ("create", "first_cmd", "import", "tests", "grep", "total", "cpu", "bytes", "requests")
 
@@ -90,8 +89,7 @@ def main() -> None:
                         cs.drop_profiles(store)
                         node_dir = bench.fresh_node(f"settings-{r}-{name}")
                         row = bench.timed(node_dir, name, lazy=True, cold=True)
-                        ping = daemon_request(node_dir / "node", {"op": "ping"}, 5) or {}
-                        row["cpu"] = float(ping.get("cpu_seconds") or 0.0)
+                        row["cpu"] = cs.daemon_cpu(node_dir)   # since the daemon started
                         cs.NodeCache(node_dir / "node").evict((), 0)
                         shutil.rmtree(node_dir, ignore_errors=True)
                     finally:
