@@ -88,26 +88,37 @@ _FLAGS = F_SIGNALED | F_TIMED_OUT | F_OUTPUT_OPEN
 # ---- building ----------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
-def _source_key() -> str:
+def _key(source: Path) -> str:
     h = hashlib.sha256(KEY_TAG.encode())
     h.update(" ".join(CFLAGS).encode() + b"\0")
-    h.update(SOURCE.read_bytes())
+    h.update(source.read_bytes())
     return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def _source_key() -> str:
+    return _key(SOURCE)
 
 
 def agent_binary(cache_dir: str | os.PathLike[str]) -> Path:
     """The agent binary for this source under ``cache_dir``, compiled on first use."""
-    target = Path(cache_dir) / "agent" / _source_key() / BINARY_NAME
+    return static_binary(cache_dir, SOURCE, BINARY_NAME, _source_key(), "the sandbox agent")
+
+
+def static_binary(cache_dir: str | os.PathLike[str], source: Path, name: str, key: str,
+                  what: str) -> Path:
+    """``source`` (C, libc only) compiled static as ``<cache_dir>/agent/<key>/<name>`` on
+    first use (``key``: ``_key(source)``); ``what`` names it in errors."""
+    target = Path(cache_dir) / "agent" / key / name
     if target.is_file():
         return target
     gcc = shutil.which("gcc")
     if gcc is None:
-        raise RuntimeShimError("build the sandbox agent: gcc is not installed",
+        raise RuntimeShimError(f"build {what}: gcc is not installed",
                                hint="apt-get install gcc libc6-dev (or run scripts/setup.sh)")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{BINARY_NAME}-{uuid.uuid4().hex[:8]}")
-    argv = [gcc, *CFLAGS, "-o", str(tmp), str(SOURCE)]
+    tmp = target.with_name(f".{name}-{uuid.uuid4().hex[:8]}")
+    argv = [gcc, *CFLAGS, "-o", str(tmp), str(source)]
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
@@ -117,7 +128,7 @@ def agent_binary(cache_dir: str | os.PathLike[str]) -> Path:
                 hint = ("static linking needs glibc's static library and headers: "
                         "apt-get install libc6-dev (or run scripts/setup.sh)")
             raise RuntimeShimError(
-                f"build the sandbox agent: gcc exited {proc.returncode}",
+                f"build {what}: gcc exited {proc.returncode}",
                 context=f"$ {' '.join(argv)}\n{output[-3000:]}", hint=hint)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())

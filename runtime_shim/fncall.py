@@ -48,6 +48,7 @@ import dataclasses
 import os
 import queue
 import signal
+import socket
 import stat
 import threading
 import time
@@ -57,7 +58,7 @@ from typing import Any
 
 from envbuild.errors import BackendUnavailable, RuntimeShimError
 from envbuild.safefs import remove_tree
-from runtime_shim import agent, cgroupfs, scratchfs
+from runtime_shim import agent, cgroupfs, fncall_ns, scratchfs
 from runtime_shim import seccomp as seccomp_profiles
 from runtime_shim.backend import CreateRequest
 from runtime_shim.container import ContainerSandbox
@@ -98,6 +99,8 @@ _NOT_SLOTS = frozenset({"proc", "sys", "dev", ".envbuild"})
 KILL_WAIT = 5.0
 #: More entries than this in ``/dev`` (runc makes ~15) retire the container unread.
 DEV_ENTRIES_MAX = 256
+#: The listening socket of the current call's agent, in the sandbox dir (beside the anchor's).
+CALL_SOCKET = "call.sock"
 _CLONE_NEWNS = 0x00020000
 _MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV = 0x2, 0x4
 
@@ -212,6 +215,9 @@ class FnSandbox(ContainerSandbox):
         try:
             self._swap(self._slots)  # the first layers, put into the running container
             self._dev = self._dev_state()
+            self._confinement = fncall_ns.read_confinement(self.init_pid)
+            self._spawn_argv = fncall_ns.spawn_argv(
+                fncall_ns.spawner_binary(req.node.root), self._confinement)
         except BaseException:
             ContainerSandbox.close(self)
             raise
@@ -356,10 +362,32 @@ class FnSandbox(ContainerSandbox):
             self.reset()
             self._used = True  # from here on, whatever happens, the next call gets a reset
             try:
-                return super().exec(req, on_stdout=on_stdout, on_stderr=on_stderr)
+                call_pid = self._spawn_call_agent()
+                try:
+                    return agent.run(self._connect_call, req, self.limits.output_bytes,
+                                     deadline=self.limits.exec_timeout, on_stdout=on_stdout,
+                                     on_stderr=on_stderr)
+                finally:
+                    with contextlib.suppress(ProcessLookupError):  # ends its PID namespace
+                        os.kill(call_pid, signal.SIGKILL)
             finally:
                 with contextlib.suppress(OSError):  # else the reset's own kill retries
                     self.kill_strays()
+
+    def _spawn_call_agent(self) -> int:
+        """The agent of one call, in namespaces of its own (``runtime_shim.fncall_ns``), on
+        a listening socket in the sandbox dir that only this call's agent holds."""
+        listener = agent.listen_socket(self._dir_fd, CALL_SOCKET)
+        log = os.open(self.paths.start_log, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        try:
+            return fncall_ns.spawn(self.init_pid, self._spawn_argv, self._confinement,
+                                   listener.fileno(), log)
+        finally:
+            os.close(log)
+            listener.close()
+
+    def _connect_call(self) -> socket.socket:
+        return agent.connect_agent(f"/proc/self/fd/{self._dir_fd}/{CALL_SOCKET}")
 
     def call(self, req: agent.ExecRequest, files: Mapping[str, bytes | str] | None = None
              ) -> agent.ExecOutcome:
