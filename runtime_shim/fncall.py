@@ -7,11 +7,10 @@ wrote, started or changed is seen by the next (``tests/security/test_fncall.py``
 
 How (measured to be the fast way that keeps a container sandbox's isolation): a sandbox is one
 warm runc container, with the container backend's seccomp filter (narrowed further: SysV IPC
-and POSIX message queues, which live in the IPC namespace rather than a file system and would
-outlive a call, are refused), dropped capabilities, no network, ``noNewPrivileges``, its pids /
-memory / CPU cgroup and its capped disk (``runtime_shim.scratchfs``). Its root is the lock's
-layers as a **read-only** overlay (``<sandbox>/base``); every top-level directory of the image
-(``/tmp``, ``/root``, ``/etc``, ``/usr``, … but not ``/proc``, ``/sys``, ``/dev``) and
+and POSIX message queues are refused), dropped capabilities, no network, ``noNewPrivileges``,
+its pids / memory / CPU cgroup and its capped disk (``runtime_shim.scratchfs``). Its root is
+the lock's layers as a **read-only** overlay (``<sandbox>/base``); every top-level directory of
+the image (``/tmp``, ``/root``, ``/etc``, ``/usr``, … but not ``/proc``, ``/sys``, ``/dev``) and
 ``/dev/shm`` is a *slot*, covered by an overlay whose lower dir is that directory of the base
 and whose upper dir is fresh and empty (on the sandbox's disk). The host makes each such
 overlay as a detached mount (``fsopen``/``fsmount``) and a short-lived child that joined the
@@ -21,9 +20,20 @@ nothing of the slots is mounted in the host's namespace (so no mount namespace c
 on the host holds a copy or a peer of one; an earlier design with shared mounts and ``rslave``
 propagation lost slots that way to other users' ``runc init`` and CRIU on this machine).
 
-Between two calls (``reset``): every process but the agent (PID 1) is killed — the cgroup is
-frozen first, so nothing forks past the kill — and the sandbox waits until its cgroup holds the
-agent alone; then each slot whose upper dir is not exactly as mounted (an entry in it, or its
+**Every call in namespaces of its own** (issue 34: a queue made through ``/dev/mqueue``,
+``/dev/pts`` modes, the pid counter, the network namespace's counters and the agent's rlimits,
+nice value, affinity … that a root call could change with ``prlimit``/``renice``/``taskset``
+all reached the next tenant). The container's PID 1 (the *anchor*) runs no call: each call
+gets an agent of its own, PID 1 of new PID, IPC, UTS, network and mount namespaces, in the
+container's cgroup and with exactly the anchor's confinement, with its own ``/proc``, ``/sys``,
+``/dev/pts`` and ``/dev/mqueue`` (``runtime_shim.fncall_ns``). A call cannot see the anchor or
+any earlier call's processes or kernel objects; when it returns its PID 1 is killed, which ends
+every process it started. What calls still share is the container's file systems, which the
+reset below puts back.
+
+Between two calls (``reset``): every process but the anchor is killed — the cgroup is frozen
+first, so nothing forks past the kill — and the sandbox waits until its cgroup holds the
+anchor alone; then each slot whose upper dir is not exactly as mounted (an entry in it, or its
 own mode/owner/times/xattrs changed) gets a fresh overlay and the old upper dir is deleted. A
 slot no call wrote to is, by construction of overlayfs, the base unchanged, and is kept. What
 cannot be reset in place — a change to ``/dev`` (a tmpfs runc makes, root-writable), processes
@@ -87,8 +97,9 @@ from runtime_shim.stub import AGENT_PATH, ensure_stub
 
 __all__ = ["FNCALL_DENIED_SYSCALLS", "FnCallBackend", "FnPool", "FnSandbox", "fncall_profile"]
 
-#: Syscalls whose objects live in the IPC namespace (not in any file system a reset swaps):
-#: refused in FnCall sandboxes (EPERM, like every syscall the profile does not allow).
+#: Syscalls whose objects live in the IPC namespace: refused in FnCall sandboxes (EPERM, like
+#: every syscall the profile does not allow). Each call has a new IPC namespace now
+#: (``runtime_shim.fncall_ns``); the refusal stays as a second wall.
 FNCALL_DENIED_SYSCALLS = frozenset({
     "shmget", "shmat", "shmdt", "shmctl", "semget", "semop", "semctl", "semtimedop",
     "msgget", "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend",
@@ -277,8 +288,8 @@ class FnSandbox(ContainerSandbox):
                                  tuple(sorted(os.listxattr(root, follow_symlinks=False))))]
         with os.scandir(root) as it:
             for e in it:
-                if e.name in ("shm", "pts"):  # a slot; ptys come and go with their users
-                    continue
+                if e.name == "shm":  # a slot (calls have /dev/pts and /dev/mqueue of their
+                    continue         # own: these are the container's, checked as a wall)
                 if len(entries) > DEV_ENTRIES_MAX:
                     return None
                 st = e.stat(follow_symlinks=False)
@@ -296,7 +307,7 @@ class FnSandbox(ContainerSandbox):
             return False
 
     def kill_strays(self) -> bool:
-        """Kill every process but the agent; True once the cgroup holds the agent alone."""
+        """Kill every process but the anchor; True once the cgroup holds the anchor alone."""
         others = [p for p in cgroupfs.procs(self.id) if p != self.init_pid]
         if not others:
             return True
@@ -362,19 +373,18 @@ class FnSandbox(ContainerSandbox):
             self.reset()
             self._used = True  # from here on, whatever happens, the next call gets a reset
             try:
-                call_pid = self._spawn_call_agent()
+                call_agent = self._spawn_call_agent()
                 try:
                     return agent.run(self._connect_call, req, self.limits.output_bytes,
                                      deadline=self.limits.exec_timeout, on_stdout=on_stdout,
                                      on_stderr=on_stderr)
                 finally:
-                    with contextlib.suppress(ProcessLookupError):  # ends its PID namespace
-                        os.kill(call_pid, signal.SIGKILL)
+                    call_agent.stop()  # ends its PID namespace
             finally:
                 with contextlib.suppress(OSError):  # else the reset's own kill retries
                     self.kill_strays()
 
-    def _spawn_call_agent(self) -> int:
+    def _spawn_call_agent(self) -> fncall_ns.CallAgent:
         """The agent of one call, in namespaces of its own (``runtime_shim.fncall_ns``), on
         a listening socket in the sandbox dir that only this call's agent holds."""
         listener = agent.listen_socket(self._dir_fd, CALL_SOCKET)

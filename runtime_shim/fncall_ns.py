@@ -27,11 +27,13 @@ host resets and checks between them (``runtime_shim.fncall``: the slots, ``/dev`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import fcntl
 import os
 import resource
+import signal
 from pathlib import Path
 
 from envbuild.errors import RuntimeShimError
@@ -39,7 +41,7 @@ from runtime_shim import agent, cgroupfs
 from runtime_shim.mount import _libc
 from runtime_shim.spec import MASKED_PATHS, READONLY_PATHS
 
-__all__ = ["Confinement", "read_confinement", "spawn", "spawn_argv", "spawner_binary"]
+__all__ = ["CallAgent", "Confinement", "read_confinement", "spawn", "spawn_argv", "spawner_binary"]
 
 SPAWN_SOURCE = Path(__file__).with_name("agent") / "fncall_spawn.c"
 SPAWN_BINARY = "envbuild-fncall-spawn"
@@ -160,10 +162,28 @@ def spawn_argv(binary: Path, conf: Confinement) -> list[str]:
     return argv + [os.fsdecode(a) for a in conf.argv]
 
 
-def spawn(anchor: int, argv: list[str], conf: Confinement, listener: int, stderr: int) -> int:
+@dataclasses.dataclass(frozen=True)
+class CallAgent:
+    """A running call's agent: ``pid`` (host pid of the call's PID 1) and ``helper`` (the
+    helper that started it, its parent until it dies)."""
+
+    pid: int
+    helper: int
+
+    def stop(self) -> None:
+        """Kill the call's PID 1 (the kernel then kills every process of its PID namespace)
+        and reap the helper, which reaps it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.helper, 0)
+
+
+def spawn(anchor: int, argv: list[str], conf: Confinement, listener: int,
+          stderr: int) -> CallAgent:
     """Start a call's agent (see the module docstring) on the listening socket ``listener``
-    (its fd 3), with ``stderr`` as its stderr; returns its host pid once it is about to
-    execute the agent binary, or raises ``RuntimeShimError`` with the step that failed."""
+    (its fd 3), with ``stderr`` as its stderr; returns once it is about to execute the agent
+    binary, or raises ``RuntimeShimError`` with the step that failed."""
     opened: list[int] = []
     try:
         for name in ("mnt", "uts"):
@@ -189,14 +209,16 @@ def spawn(anchor: int, argv: list[str], conf: Confinement, listener: int, stderr
         said = b""
         while chunk := os.read(report_r, 4096):  # EOF: the agent is executed (or all failed)
             said += chunk
-        _, status = os.waitpid(pid, 0)
     finally:
         for fd in opened:
             os.close(fd)
     pid_text, _, failure = said.partition(b"\n")
-    code = os.waitstatus_to_exitcode(status)
-    if code != 0 or failure or not pid_text:
+    if failure or not pid_text:
+        if pid_text:
+            CallAgent(int(pid_text), pid).stop()
+        _, status = os.waitpid(pid, 0)
         raise RuntimeShimError("start the agent of an fncall call: "
-                               + (failure.decode(errors="replace").strip() or f"exit {code}"),
+                               + (failure.decode(errors="replace").strip() or
+                                  f"exit {os.waitstatus_to_exitcode(status)}"),
                                hint="see start.log in the sandbox directory")
-    return int(pid_text)
+    return CallAgent(int(pid_text), pid)

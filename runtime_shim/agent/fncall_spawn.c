@@ -8,9 +8,10 @@
  *
  * fds: 3 the call's listening socket (the agent's fd 3), 4 the agent's stderr, 5 the report
  * pipe, 6 the container's mount namespace, 7 its UTS namespace, 8 the seccomp BPF program.
- * The environment is the agent's. On the report pipe (close-on-exec) the first child writes
+ * The environment is the agent's. On the report pipe (close-on-exec) the helper writes
  * "PID\n" (the host pid of the call's PID 1); any failure adds "\nSTEP: ERROR" and the exit
- * status is 1. The host reads to EOF: every copy is closed once the agent is executed. */
+ * status is 1. The host reads to EOF: every copy is closed once the agent is executed. The
+ * helper then waits for the call's PID 1 and exits when it is gone (the host kills it). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -30,6 +31,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #define REPORT_FD 5
@@ -252,5 +254,11 @@ int main(int argc, char **argv) {
     int len = snprintf(text, sizeof text, "%d\n", pid);
     if (write(REPORT_FD, text, (size_t)len) != len)
         return 1;
+    close(REPORT_FD);
+    /* Stay its parent, so it is reaped the moment it dies: a zombie would count against the
+     * sandbox's pids limit until the host's init got to it. */
+    int status;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+        ;
     return 0;
 }

@@ -127,3 +127,18 @@ def test_fncall_refuses_network_and_keep_and_leaves_nothing(built):
         with pytest.raises(BackendUnavailable, match="fncall"):
             plain.call("true")
     _assert_clean(node)
+
+
+def test_calls_are_reaped_at_once_and_never_use_up_the_pids_limit(built):
+    """Each call has a PID 1 of its own (``runtime_shim.fncall_ns``); the helper that starts it
+    stays its parent and reaps it, so no zombie of an earlier call counts against ``pids``."""
+    from runtime_shim.model import Limits
+
+    store, node = built
+    with Sandbox.create(ENV, store=store, node_dir=node, backend="fncall",
+                        limits=Limits(pids=8)) as fn:
+        for i in range(40):
+            got = fn.call(f"echo $$ {i}")
+            assert got.stdout == f"2 {i}\n".encode(), got  # the call's agent is its PID 1
+        assert cgroupfs.procs(fn.id) == [fn._backend.init_pid]
+    _assert_clean(node)
