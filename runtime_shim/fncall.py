@@ -226,19 +226,30 @@ class FnSandbox(ContainerSandbox):
         try:
             self._swap(self._slots)  # the first layers, put into the running container
             self._dev = self._dev_state()
-            self._confinement = fncall_ns.read_confinement(self.init_pid)
+            self._anchor_fd = os.pidfd_open(self.init_pid)
+            self._confinement = fncall_ns.read_confinement(
+                self.init_pid, seccomp=req.seccomp != "unconfined")
             self._spawn_argv = fncall_ns.spawn_argv(
                 fncall_ns.spawner_binary(req.node.root), self._confinement)
         except BaseException:
-            ContainerSandbox.close(self)
+            self._close_container()
             raise
         self._used = False
+
+    def _close_container(self) -> None:
+        anchor_fd, self._anchor_fd = getattr(self, "_anchor_fd", -1), -1
+        if anchor_fd >= 0:
+            os.close(anchor_fd)
+        ContainerSandbox.close(self)
+
+    def close(self) -> None:
+        self._close_container()
 
     def _restart(self) -> None:
         """Retire the container and start a new one on fresh slots (what cannot be reset in
         place)."""
         self.restarts += 1
-        ContainerSandbox.close(self)  # its mount namespace, and every layer in it, goes too
+        self._close_container()  # its mount namespace, and every layer in it, goes too
         for slot in self._slots:
             if slot.layer is not None:
                 remove_tree(slot.layer)
@@ -390,8 +401,8 @@ class FnSandbox(ContainerSandbox):
         listener = agent.listen_socket(self._dir_fd, CALL_SOCKET)
         log = os.open(self.paths.start_log, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         try:
-            return fncall_ns.spawn(self.init_pid, self._spawn_argv, self._confinement,
-                                   listener.fileno(), log)
+            return fncall_ns.spawn(self.init_pid, self._anchor_fd, self._spawn_argv,
+                                   self._confinement, listener.fileno(), log)
         finally:
             os.close(log)
             listener.close()

@@ -72,21 +72,24 @@ class Confinement:
     cgroups: tuple[str, ...]  # the cgroup.procs file of each hierarchy it is in
 
 
-def read_confinement(pid: int) -> Confinement:
+def read_confinement(pid: int, *, seccomp: bool = True) -> Confinement:
     """The confinement of ``pid`` (a container's PID 1 that has run nothing yet). Refused
-    unless it has ``no_new_privs``, exactly one seccomp filter and no ambient capabilities."""
+    unless it has ``no_new_privs``, no ambient capabilities and exactly one seccomp filter
+    (none when ``seccomp`` is False: a sandbox created ``seccomp="unconfined"``)."""
     status = dict(line.split(":\t", 1) for line in
                   _read(f"/proc/{pid}/status").decode().splitlines() if ":\t" in line)
+    filters = "1" if seccomp else "0"
     if status.get("NoNewPrivs", "").strip() != "1" or \
-            status.get("Seccomp_filters", "").strip() != "1" or \
+            status.get("Seccomp_filters", "").strip() != filters or \
             int(status.get("CapAmb", "1"), 16) != 0:
         raise RuntimeShimError(f"fncall: sandbox process {pid} is not confined as expected "
-                               "(no_new_privs, one seccomp filter, no ambient capabilities)")
+                               f"(no_new_privs, {filters} seccomp filter, no ambient "
+                               "capabilities)")
     caps = tuple(int(status[k], 16) for k in ("CapBnd", "CapEff", "CapPrm", "CapInh"))
     return Confinement(
         argv=tuple(_read(f"/proc/{pid}/cmdline").split(b"\0")[:-1]),
         env=tuple(_read(f"/proc/{pid}/environ").split(b"\0")[:-1]),
-        seccomp=_seccomp_filter(pid), caps=caps,  # type: ignore[arg-type]
+        seccomp=_seccomp_filter(pid) if seccomp else b"", caps=caps,  # type: ignore[arg-type]
         rlimits=tuple((r, *resource.prlimit(pid, r)) for r in _RLIMITS),
         policy=os.sched_getscheduler(pid), nice=os.getpriority(os.PRIO_PROCESS, pid),
         affinity=frozenset(os.sched_getaffinity(pid)),
@@ -158,7 +161,8 @@ def spawn_argv(binary: Path, conf: Confinement) -> list[str]:
         argv += ["-l", f"{kind}:{soft}:{hard}"]  # RLIM_INFINITY is -1 here and there
     argv += ["-C", ":".join(f"{c:x}" for c in conf.caps), "-s", f"{conf.policy}:{conf.nice}",
              "-a", ",".join(str(c) for c in sorted(conf.affinity)),
-             "-o", str(conf.oom_score_adj), "-u", f"{conf.umask:o}", "--"]
+             "-o", str(conf.oom_score_adj), "-u", f"{conf.umask:o}",
+             *(() if conf.seccomp else ("-S",)), "--"]
     return argv + [os.fsdecode(a) for a in conf.argv]
 
 
@@ -179,15 +183,21 @@ class CallAgent:
             os.waitpid(self.helper, 0)
 
 
-def spawn(anchor: int, argv: list[str], conf: Confinement, listener: int,
+def spawn(anchor: int, anchor_fd: int, argv: list[str], conf: Confinement, listener: int,
           stderr: int) -> CallAgent:
     """Start a call's agent (see the module docstring) on the listening socket ``listener``
     (its fd 3), with ``stderr`` as its stderr; returns once it is about to execute the agent
-    binary, or raises ``RuntimeShimError`` with the step that failed."""
+    binary, or raises ``RuntimeShimError`` with the step that failed. ``anchor_fd`` is a
+    pidfd of ``anchor``, opened when the container started: the namespaces joined are its,
+    never those of a process that got its pid after it died."""
     opened: list[int] = []
     try:
         for name in ("mnt", "uts"):
             opened.append(os.open(f"/proc/{anchor}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC))
+        try:  # still alive after the opens: the pid was not reused
+            signal.pidfd_send_signal(anchor_fd, 0)
+        except ProcessLookupError:
+            raise RuntimeShimError(f"fncall: sandbox process {anchor} is gone") from None
         program = os.memfd_create("envbuild-fncall-seccomp", os.MFD_CLOEXEC)
         opened.append(program)
         os.write(program, conf.seccomp)

@@ -4,7 +4,10 @@
  * the host's Python process twice per call cost ~6 ms.
  *
  *   envbuild-fncall-spawn [-c CGROUP_PROCS]... [-m MASKED]... [-r READONLY]... [-l RES:SOFT:HARD]...
- *       -C BND:EFF:PRM:INH -s POLICY:NICE -a CPU,CPU... -o OOM_SCORE_ADJ -u UMASK -- AGENT ARGV...
+ *       -C BND:EFF:PRM:INH -s POLICY:NICE -a CPU,CPU... -o OOM_SCORE_ADJ -u UMASK [-S]
+ *       -- AGENT ARGV...
+ * (-S: no seccomp filter, for a sandbox created with seccomp="unconfined"; else fd 8 must hold
+ * the program.)
  *
  * fds: 3 the call's listening socket (the agent's fd 3), 4 the agent's stderr, 5 the report
  * pipe, 6 the container's mount namespace, 7 its UTS namespace, 8 the seccomp BPF program.
@@ -69,7 +72,7 @@ struct conf {
     const char *cgroups[MAX_LIST], *masked[MAX_LIST], *readonly[MAX_LIST], *rlimits[MAX_LIST];
     int ncgroups, nmasked, nreadonly, nrlimits;
     unsigned long long caps[4]; /* bounding, effective, permitted, inheritable */
-    int policy, nice, oom, umask;
+    int policy, nice, oom, umask, no_seccomp;
     cpu_set_t cpus;
     char **argv;
 };
@@ -86,7 +89,7 @@ static void parse(int argc, char **argv, struct conf *c) {
     int opt;
     memset(c, 0, sizeof *c);
     CPU_ZERO(&c->cpus);
-    while ((opt = getopt(argc, argv, "+c:m:r:l:C:s:a:o:u:")) != -1) {
+    while ((opt = getopt(argc, argv, "+c:m:r:l:C:s:a:o:u:S")) != -1) {
         errno = EINVAL;
         switch (opt) {
         case 'c': add(c->cgroups, &c->ncgroups, optarg); break;
@@ -114,6 +117,7 @@ static void parse(int argc, char **argv, struct conf *c) {
             break;
         case 'o': c->oom = atoi(optarg); break;
         case 'u': c->umask = (int)strtol(optarg, NULL, 8); break;
+        case 'S': c->no_seccomp = 1; break;
         default: fail("usage");
         }
     }
@@ -215,13 +219,17 @@ static void confine(const struct conf *c) {
     }
     if (syscall(SYS_capset, &hdr, data) < 0)
         fail("set the capabilities");
-    static struct sock_filter program[BPF_MAXINSNS];
-    ssize_t size = pread(8, program, sizeof program, 0);
-    if (size <= 0 || size % (ssize_t)sizeof *program != 0)
-        fail("read the seccomp program");
-    struct sock_fprog prog = {(unsigned short)(size / (ssize_t)sizeof *program), program};
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
         fail("set no_new_privs");
+    if (c->no_seccomp)
+        return;
+    static struct sock_filter program[BPF_MAXINSNS];
+    ssize_t size = pread(8, program, sizeof program, 0);
+    if (size <= 0 || size % (ssize_t)sizeof *program != 0) {
+        errno = size < 0 ? errno : EINVAL;
+        fail("read the seccomp program");
+    }
+    struct sock_fprog prog = {(unsigned short)(size / (ssize_t)sizeof *program), program};
     if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog) < 0)
         fail("install the seccomp filter");
 }

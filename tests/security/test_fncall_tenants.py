@@ -164,3 +164,32 @@ def test_pid_1_cannot_be_tuned_for_the_next_call(fn, probe):
             files={"/tmp/probe": probe})
     after = fn.call(look).stdout
     assert after == before, _diff(before.decode().splitlines(), after.decode().splitlines())
+
+
+def test_the_call_gets_the_very_seccomp_filter_of_the_container(fn, busybox_store):
+    """Each call's PID 1 is started by the host, not by runc: it must end up with the filter
+    runc installed (read back from the container's PID 1). The kernel-surface probe of
+    ``test_syscalls.py`` gets the same answer from every syscall in both."""
+    gcc = require_tool("gcc")
+    out = Path(fn.paths.root) / "syscall-probe"
+    subprocess.run([gcc, "-static", "-O1", "-o", str(out),
+                    str(PROBE_SOURCE.with_name("syscall_probe.c"))], check=True,
+                   capture_output=True)
+    probe = out.read_bytes()
+
+    def answers(stdout: bytes) -> list[tuple[str, bool, str]]:  # pids differ, not outcomes
+        return [(name, int(rc) < 0, err) for name, rc, err in
+                (line.split() for line in stdout.decode().splitlines())]
+
+    called = fn.call("chmod 0755 /tmp/p && /tmp/p", files={"/tmp/p": probe}, timeout=60)
+    store, node = busybox_store
+    with Sandbox.create(LOCK, store=store, node_dir=node, backend="fncall",
+                        seccomp="unconfined") as loose:
+        unconfined = loose.call("chmod 0755 /tmp/p && /tmp/p", files={"/tmp/p": probe},
+                                timeout=60)
+    with Sandbox.create(LOCK, store=store, node_dir=node) as plain:
+        plain.write_file("/tmp/p", probe, mode=0o755)
+        direct = plain.exec(["/tmp/p"], timeout=60)
+    assert called.exit_code == direct.exit_code == unconfined.exit_code == 0
+    assert answers(called.stdout) == answers(direct.stdout)
+    assert answers(called.stdout) != answers(unconfined.stdout)  # the probe tells them apart
