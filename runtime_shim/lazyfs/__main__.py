@@ -76,8 +76,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except EnvbuildError as e:
             print("\n".join(e.render_lines()), file=sys.stderr)
             return 1
-        code = _NodeDaemon(os.path.abspath(args.node), parse_size(args.chunk_cache_max),
-                           parse_size(args.memory_cache), fetch).serve()
+        try:
+            code = _NodeDaemon(os.path.abspath(args.node), parse_size(args.chunk_cache_max),
+                               parse_size(args.memory_cache), fetch).serve()
+        except EnvbuildError as e:   # e.g. a node dir another user can write
+            print("\n".join(e.render_lines()), file=sys.stderr)
+            code = 1
         # Exit now: a fetch stuck on a dead store (its caller already got EIO) must not keep
         # the interpreter joining its worker thread forever.
         logging.shutdown()

@@ -18,8 +18,9 @@ from runtime_shim.lazyfs.chunks import TieredChunkCache
 from runtime_shim.lazyfs.control import (
     DAEMON_IDLE_EXIT,
     REQUEST_TIMEOUT,
+    ControlListener,
     _read_line,
-    daemon_address,
+    trusted_uids,
 )
 from runtime_shim.lazyfs.filecache import BoundedRanges, FetchLimits, FetchSettings, FileCache
 from runtime_shim.lazyfs.frames import prefetch_in_order
@@ -179,6 +180,40 @@ def _node_bytes(ops: Any, node: Any, cached: str | None) -> bytes:
     return ops.lazy_layer.read(node.read_path)
 
 
+def _refuse(conn: Any, why: str) -> None:
+    try:
+        conn.settimeout(1.0)
+        conn.sendall(json.dumps({"ok": False, "error": why}).encode() + b"\n")
+    except OSError:
+        pass
+    finally:
+        conn.close()
+
+
+def owned_mountpoint(root: str, digest: object, requested: object) -> str:
+    """Where the daemon of node ``root`` mounts layer ``digest``: ``<root>/lazy/<hex>``, and
+    only there — a request naming another place (``requested``) is refused, as is a path that is
+    not a real directory of the daemon's own user (a symlink, another user's dir)."""
+    import stat
+
+    from envbuild.errors import RuntimeShimError
+    from envbuild.store import check_digest
+
+    mp = os.path.join(root, "lazy", check_digest(digest))
+    if requested != mp:
+        raise RuntimeShimError(f"the lazy daemon mounts layer {digest} only at {mp}, not at "
+                               f"{str(requested)[:300]!r}")
+    for path in (os.path.join(root, "lazy"), mp):
+        try:
+            st = os.lstat(path)
+        except OSError as e:
+            raise RuntimeShimError(f"lazy mount point {path}: {e.strerror}") from None
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise RuntimeShimError(f"lazy mount point {path} is not a directory of the "
+                                   f"daemon's user (uid {st.st_uid}, mode {st.st_mode:o})")
+    return mp
+
+
 def _meta_building(root: str) -> int:
     from runtime_shim.lazyfs import metalayer
 
@@ -238,20 +273,16 @@ class _NodeDaemon:
 
     def serve(self) -> int:
         import signal
-        import socket
         import time
 
         sys.setswitchinterval(SWITCH_INTERVAL)
         _GC_PAUSES.install()
         self.malloc = tune_malloc()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(daemon_address(self.root))
-        except OSError as e:
-            log.info("another daemon serves %s (%s): exiting", self.root, e.strerror)
+        listener = ControlListener.open(self.root)
+        if listener is None:
+            log.info("another daemon serves %s: exiting", self.root)
             return 0
-        sock.listen(64)
-        sock.settimeout(0.1)
+        listener.sock.settimeout(0.1)
 
         def stop(signum: int, frame: Any) -> None:
             self.stop = True
@@ -267,7 +298,7 @@ class _NodeDaemon:
         try:
             while not self.stop:
                 try:
-                    conn, _ = sock.accept()
+                    conn, uid = listener.accept()
                 except TimeoutError:
                     with self.lock:
                         idle = (not self.mounts and not self.busy
@@ -275,11 +306,15 @@ class _NodeDaemon:
                     if idle:
                         break
                     continue
+                if uid not in trusted_uids():   # defence in depth: the dir is 0700 already
+                    log.warning("refused a control connection from uid %d", uid)
+                    _refuse(conn, f"permission denied: uid {uid} may not use this daemon")
+                    continue
                 with self.lock:
                     self.busy += 1
                 threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
         finally:
-            sock.close()
+            listener.close()
         if self.stop:
             from runtime_shim.mount import unmount
 
@@ -382,7 +417,12 @@ class _NodeDaemon:
     def _mount(self, req: dict[str, Any]) -> dict[str, Any]:
         import time
 
-        mp, digest = req["mountpoint"], req["digest"]
+        digest = req.get("digest")
+        try:
+            mp = owned_mountpoint(self.root, digest, req.get("mountpoint"))
+        except EnvbuildError as e:
+            log.warning("refused a mount: %s", e.message)
+            return {"ok": False, "error": "\n".join(e.render_lines())}
         url, endpoint = req["store"], req.get("s3_endpoint")
         ready = threading.Event()
         t0 = time.monotonic()

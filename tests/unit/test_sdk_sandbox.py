@@ -229,5 +229,6 @@ def test_concurrent_first_creates_on_a_fresh_node_agree_on_the_layout(tmp_path):
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda _: NodeLayout(node).ensure(), range(8)))
         assert (node / "layout.json").is_file()
-        assert [p.name for p in node.iterdir()] == ["layout.json"]
+        assert sorted(p.name for p in node.iterdir()) == ["layout.json", "sandboxes"]
+        assert (node / "sandboxes").stat().st_mode & 0o777 == 0o700
         (node / "layout.json").unlink()
