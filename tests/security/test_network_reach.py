@@ -239,6 +239,31 @@ def test_cli_sandbox_network(busybox_store, site):
     assert "Traceback" not in r.stderr
 
 
+def test_fleet_daemon_set_network(busybox_store, site, tmp_path):
+    """The fleet's node daemon (the real class; Ray only carries calls) changes a sandbox's
+    egress by fleet id, and refuses ids that are not its live sandboxes."""
+    from envbuild.errors import SandboxNotFound
+    from runtime_shim.fleet.daemon import CreateSpec, DaemonConfig, NodeDaemon
+    from runtime_shim.locks import resolve
+
+    store, _ = busybox_store
+    d = NodeDaemon(DaemonConfig(store=str(store.root), node_dir=str(tmp_path / "n-{node_id}"),
+                                slots=2), node_id="cd" * 28)
+    try:
+        spec = CreateSpec(lock=resolve(store, "env/busybox-shell").digest, network=True)
+        (rec,) = d.create_batch(spec, 1)
+        sid = rec.id.split("@")[0]
+        sb = d._entry(sid).sandbox
+        assert _reachable(sb, site) == _only(site, "public")
+        d.set_network(sid, ("public", f"{site.addrs['rfc1918-172']}/32"))
+        assert _reachable(sb, site) == _only(site, "public", "rfc1918-172")
+        for bad in ("../../x", "eb-0123456789ab"):
+            with pytest.raises(SandboxNotFound):
+                d.set_network(bad, True)
+    finally:
+        d.shutdown()
+
+
 def test_microvm_default_network_and_set_network(busybox_store, site):
     """QEMU runs in the sandbox's namespace: the same firewall holds for the guest."""
     for tool in ("qemu-system-x86_64", "mkfs.erofs", "mkfs.ext4"):
