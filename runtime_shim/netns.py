@@ -24,10 +24,13 @@ networked sandbox (container or the QEMU process of a microVM) gets instead:
      host) and every address the host owns when the rules are written (``ip route show table
      local``: a service on ``0.0.0.0`` listens on them);
   4. the allow-list entries: allowed;
-  5. with ``public``: refused the private and special ranges (``PRIVATE``: RFC 1918, CGNAT
-     ``100.64.0.0/10``, link-local, loopback, ``0/8``, multicast and reserved) and the node's
-     configured ones (``$ENVBUILD_NETWORK_REFUSE``, e.g. the cluster's public addresses),
-     then anything else allowed: the public internet, where the package registries are;
+  5. with ``public``, the node's own additions (``NodeNetwork``): refused its networks of
+     ``$ENVBUILD_NETWORK_REFUSE`` (e.g. the cluster's addresses, public ones too), allowed its
+     private package mirrors of ``$ENVBUILD_NETWORK_MIRRORS`` (``CIDR[:PORT]``, e.g. an apt
+     or PyPI mirror on ``10.x``); then refused the private and special ranges (``PRIVATE``:
+     RFC 1918, CGNAT ``100.64.0.0/10``, link-local, loopback, ``0/8``, multicast and
+     reserved); then anything else allowed: the public internet, where the package registries
+     are;
   6. everything else refused.
 
   A private destination (a package mirror on ``10.x``, a service of the task) is therefore
@@ -50,13 +53,13 @@ sent after ``update`` returns: new connections, and packets of connections opene
 to a destination now refused (those fail).
 
 Everything the namespace owns is recorded in ``<dir>/netns.json`` (versioned; version 2 adds
-the policy in force and the node's refused networks, which ``update`` from another process
-keeps) before it is made, so ``teardown(dir)`` can remove the leftovers of a crashed creator:
-it kills the slirp process it recorded (only if that pid is still slirp4netns on this
-namespace file), unmounts the namespace file and removes the files. Teardown is idempotent.
+the policy in force and the node's additions, which ``update`` from another process keeps)
+before it is made, so ``teardown(dir)`` can remove the leftovers of a crashed creator: it
+kills the slirp process it recorded (only if that pid is still slirp4netns on this namespace
+file), unmounts the namespace file and removes the files. Teardown is idempotent.
 
-Planning (``parse_network``, ``parse_refused``, ``firewall_rules``, ``resolv_conf``) is pure;
-``create``, ``update`` and ``teardown`` do the side effects.
+Planning (``parse_network``, ``NodeNetwork.from_env``, ``firewall_rules``, ``resolv_conf``)
+is pure; ``create``, ``update`` and ``teardown`` do the side effects.
 """
 
 from __future__ import annotations
@@ -103,6 +106,8 @@ PRIVATE = tuple(ipaddress.IPv4Network(n) for n in (
 PUBLIC = "public"
 #: The node's own refused networks (comma-separated CIDRs), e.g. the cluster's addresses.
 REFUSE_ENV = "ENVBUILD_NETWORK_REFUSE"
+#: The node's private package mirrors (comma-separated ``CIDR[:PORT]``), part of ``public``.
+MIRRORS_ENV = "ENVBUILD_NETWORK_MIRRORS"
 
 NS_FILE = "netns"
 RECORD_FILE = "netns.json"
@@ -191,25 +196,50 @@ def parse_network(network: bool | Sequence[str] | None) -> NetworkPolicy | None:
     return NetworkPolicy(public=public, allow=allow)
 
 
-def parse_refused(text: str | None) -> tuple[ipaddress.IPv4Network, ...]:
-    """``$ENVBUILD_NETWORK_REFUSE`` (comma-separated CIDRs, e.g. the cluster's addresses) →
-    networks ``public`` egress refuses (an allow-list entry still opens them)."""
-    found = []
-    for item in (text or "").split(","):
-        if not item.strip():
-            continue
-        try:
-            found.append(ipaddress.IPv4Network(item.strip(), strict=True))
-        except ValueError as e:
-            raise RuntimeShimError(f"{REFUSE_ENV}: {item.strip()!r} is not an IPv4 network "
-                                   f"({e})", hint="comma-separated CIDRs, e.g. "
-                                   "203.0.113.0/24,198.51.100.7") from None
-    return tuple(found)
+@dataclasses.dataclass(frozen=True)
+class NodeNetwork:
+    """What ``public`` means on this node besides the internet: ``refused`` networks (the
+    cluster's addresses) and private ``mirrors`` reached (package mirrors, registries). Read
+    from the environment of the process that creates a namespace, then recorded with it."""
+
+    refused: tuple[ipaddress.IPv4Network, ...] = ()
+    mirrors: tuple[Allow, ...] = ()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> NodeNetwork:
+        """``$ENVBUILD_NETWORK_REFUSE`` and ``$ENVBUILD_NETWORK_MIRRORS``; a one-line
+        ``RuntimeShimError`` naming the variable for a bad item."""
+        refused, mirrors = [], []
+        for item in _items(environ.get(REFUSE_ENV)):
+            try:
+                refused.append(ipaddress.IPv4Network(item, strict=True))
+            except ValueError as e:
+                raise RuntimeShimError(f"{REFUSE_ENV}: {item!r} is not an IPv4 network ({e})",
+                                       hint="comma-separated CIDRs, e.g. "
+                                            "203.0.113.0/24,198.51.100.7") from None
+        for item in _items(environ.get(MIRRORS_ENV)):
+            try:
+                mirrors.append(parse_allow(item))
+            except RuntimeShimError as e:
+                raise RuntimeShimError(f"{MIRRORS_ENV}: {e.message}", hint=e.hint) from None
+        return cls(tuple(refused), tuple(mirrors))
+
+    def to_record(self) -> dict:
+        return {"refused": [str(n) for n in self.refused],
+                "mirrors": [str(a) for a in self.mirrors]}
+
+    @classmethod
+    def from_record(cls, record: Mapping) -> NodeNetwork:
+        return cls(tuple(ipaddress.IPv4Network(n) for n in record.get("refused", ())),
+                   tuple(parse_allow(a) for a in record.get("mirrors", ())))
+
+
+def _items(text: str | None) -> list[str]:
+    return [item.strip() for item in (text or "").split(",") if item.strip()]
 
 
 def firewall_rules(policy: NetworkPolicy, host_addresses: Sequence[str],
-                   resolvers: Sequence[str] = (),
-                   refused: Sequence[ipaddress.IPv4Network] = ()) -> str:
+                   resolvers: Sequence[str] = (), node: NodeNetwork = NodeNetwork()) -> str:
     """The ``iptables-restore`` input for the sandbox's namespace (pure; the order is the
     module docstring's). REJECT rather than DROP so a refused connection fails at once
     instead of timing out."""
@@ -221,20 +251,28 @@ def firewall_rules(policy: NetworkPolicy, host_addresses: Sequence[str],
             lines.append(f"-A OUTPUT -d {dns}/32 -p {proto} --dport 53 -j ACCEPT")
     hard = [str(n) for n in ALWAYS_REFUSED] + [f"{a}/32" for a in sorted(set(host_addresses))]
     lines += _reject(hard)
-    for a in policy.allow:
+    lines += _accept(policy.allow)
+    if policy.public:
+        lines += _reject([str(n) for n in node.refused])
+        lines += _accept(node.mirrors)
+        lines += _reject([str(n) for n in PRIVATE])
+        lines.append(f"-A OUTPUT -o {TAP} -j ACCEPT")
+    lines.append("-A OUTPUT -p tcp -j REJECT --reject-with tcp-reset")
+    lines.append("-A OUTPUT -j REJECT --reject-with icmp-port-unreachable")
+    lines.append("COMMIT")
+    return "\n".join(lines) + "\n"
+
+
+def _accept(entries: Sequence[Allow]) -> list[str]:
+    lines = []
+    for a in entries:
         if a.port is None:
             lines.append(f"-A OUTPUT -o {TAP} -d {a.network} -j ACCEPT")
         else:
             for proto in ("tcp", "udp"):
                 lines.append(f"-A OUTPUT -o {TAP} -d {a.network} -p {proto} "
                              f"--dport {a.port} -j ACCEPT")
-    if policy.public:
-        lines += _reject([str(n) for n in (*PRIVATE, *refused)])
-        lines.append(f"-A OUTPUT -o {TAP} -j ACCEPT")
-    lines.append("-A OUTPUT -p tcp -j REJECT --reject-with tcp-reset")
-    lines.append("-A OUTPUT -j REJECT --reject-with icmp-port-unreachable")
-    lines.append("COMMIT")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _reject(networks: Sequence[str]) -> list[str]:
@@ -350,13 +388,13 @@ def create(directory: str | os.PathLike[str], policy: NetworkPolicy, *,
     """Make the namespace under ``directory`` (which must exist), install the firewall, start
     slirp4netns and wait until ``tap0`` is configured. ``outlive_creator``: no exit fd, for
     sandboxes kept after their creator exits (``teardown`` still kills slirp). The node's
-    refused networks come from ``environ`` (``$ENVBUILD_NETWORK_REFUSE``)."""
+    additions come from ``environ`` (``NodeNetwork.from_env``)."""
     d = Path(directory)
-    refused = parse_refused(environ.get(REFUSE_ENV))
-    rules = firewall_rules(policy, host_local_addresses(), host_resolvers(), refused)
+    node = NodeNetwork.from_env(environ)
+    rules = firewall_rules(policy, host_local_addresses(), host_resolvers(), node)
     ns = d / NS_FILE
     (d / RESOLV_FILE).write_text(resolv_conf())
-    _write_record(d, _record(ns, 0, policy, refused))
+    _write_record(d, _record(ns, 0, policy, node))
     handle = NetworkHandle(d, None, None)
     try:
         ns.touch(mode=0o600)
@@ -386,7 +424,7 @@ def create(directory: str | os.PathLike[str], policy: NetworkPolicy, *,
                                                 "(scripts/setup.sh)") from None
             os.close(ready_w)
             ready_w = -1  # slirp holds it now: EOF on ready_r means slirp exited
-            _write_record(d, _record(ns, handle._proc.pid, policy, refused))
+            _write_record(d, _record(ns, handle._proc.pid, policy, node))
             _wait_ready(ready_r, handle._proc, d / LOG_FILE)
         finally:
             for fd in (ready_r, ready_w, exit_r):
@@ -445,8 +483,8 @@ def update(directory: str | os.PathLike[str], policy: NetworkPolicy, *,
            environ: Mapping[str, str] = os.environ) -> None:
     """Replace the firewall of the namespace ``create`` made under ``directory`` (from any
     process) by ``policy``'s, in one ``iptables-restore`` transaction: every packet sent after
-    this returns obeys it. The node's refused networks recorded at create are kept (``environ``
-    gives them for a version-1 record). Calls on one directory are serialised."""
+    this returns obeys it. The node's additions recorded at create are kept (``environ`` gives
+    them for a version-1 record). Calls on one directory are serialised."""
     d = Path(directory)
     fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -458,23 +496,20 @@ def update(directory: str | os.PathLike[str], policy: NetworkPolicy, *,
                                    hint="a sandbox made with network=[] (DNS only) can be "
                                         "opened later; one made without network= cannot") from None
         _check_version(d, record)
-        refused = (tuple(ipaddress.IPv4Network(n) for n in record["refused"])
-                   if "refused" in record else parse_refused(environ.get(REFUSE_ENV)))
-        rules = firewall_rules(policy, host_local_addresses(), host_resolvers(), refused)
+        node = (NodeNetwork.from_record(record) if record.get("version") == NETNS_RECORD_VERSION
+                else NodeNetwork.from_env(environ))
+        rules = firewall_rules(policy, host_local_addresses(), host_resolvers(), node)
         # nsenter fails on a file that is not a namespace (never the host's firewall)
         _run(["nsenter", f"--net={d / NS_FILE}", "--", "iptables-restore"],
              "change the sandbox's firewall", stdin=rules)
-        _write_record(d, _record(d / NS_FILE, int(record.get("slirp_pid") or 0), policy,
-                                 refused))
+        _write_record(d, _record(d / NS_FILE, int(record.get("slirp_pid") or 0), policy, node))
     finally:
         os.close(fd)
 
 
-def _record(ns: Path, slirp_pid: int, policy: NetworkPolicy,
-            refused: Sequence[ipaddress.IPv4Network]) -> dict:
+def _record(ns: Path, slirp_pid: int, policy: NetworkPolicy, node: NodeNetwork) -> dict:
     return {"version": NETNS_RECORD_VERSION, "netns": str(ns), "slirp_pid": slirp_pid,
-            "network": policy.entries(), "dns": policy.dns,
-            "refused": [str(n) for n in refused]}
+            "network": policy.entries(), "dns": policy.dns, **node.to_record()}
 
 
 def _check_version(d: Path, record: dict) -> None:

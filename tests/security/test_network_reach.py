@@ -159,6 +159,22 @@ def test_configured_cluster_addresses_are_refused(busybox_store, site, monkeypat
         assert _reachable(sb, site) == _only(site, "public")
 
 
+def test_configured_mirrors_are_part_of_public(busybox_store, site, monkeypatch):
+    """``$ENVBUILD_NETWORK_MIRRORS`` (a package mirror on a private address) is reached by
+    public egress, on its port only, and by nothing else; recorded like the refused ones."""
+    store, node = busybox_store
+    ten = site.addrs["rfc1918-10"]
+    monkeypatch.setenv(netns.MIRRORS_ENV, f"{ten}/32:{site.ports[0]}")
+    with _create(busybox_store, network=True) as sb:
+        assert _reachable(sb, site) == _only(site, "public", "rfc1918-10")
+        assert not _reaches(sb, ten, site.ports[1])
+        monkeypatch.delenv(netns.MIRRORS_ENV)
+        _cli_set_network(node, sb.id)  # DNS only: the setup phase is over
+        assert _reachable(sb, site) == _only(site)
+        _cli_set_network(node, sb.id, "public")  # a process without the setting
+        assert _reachable(sb, site) == _only(site, "public", "rfc1918-10")
+
+
 def test_bad_refuse_setting_is_one_line(busybox_store, monkeypatch):
     store, node = busybox_store
     before = set(os.listdir(node / "sandboxes")) if (node / "sandboxes").exists() else set()

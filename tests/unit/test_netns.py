@@ -57,6 +57,10 @@ PRIVATE_RANGES = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/1
                   "169.254.0.0/16", "127.0.0.0/8")
 
 
+NODE = netns.NodeNetwork.from_env({"ENVBUILD_NETWORK_REFUSE": "203.0.113.0/24,198.51.100.7",
+                                   "ENVBUILD_NETWORK_MIRRORS": "10.9.0.5:3142"})
+
+
 def _out(rules: str) -> list[str]:
     return [line for line in rules.splitlines() if line.startswith("-A OUTPUT")]
 
@@ -94,19 +98,18 @@ def test_allow_list_rules_only_name_the_entries():
 
 def test_allow_entries_open_private_ranges_but_never_the_host():
     policy = netns.parse_network(["public", "10.1.2.0/24:8080", "192.0.2.0/24"])
-    out = _out(netns.firewall_rules(policy, ["192.0.2.2"],
-                                    refused=netns.parse_refused("203.0.113.0/24")))
+    out = _out(netns.firewall_rules(policy, ["192.0.2.2"], node=NODE))
     host = out.index("-A OUTPUT -d 192.0.2.2/32 -p tcp -j REJECT --reject-with tcp-reset")
     entry = out.index("-A OUTPUT -o tap0 -d 10.1.2.0/24 -p tcp --dport 8080 -j ACCEPT")
-    private = out.index("-A OUTPUT -d 10.0.0.0/8 -p tcp -j REJECT --reject-with tcp-reset")
     cluster = out.index("-A OUTPUT -d 203.0.113.0/24 -p tcp -j REJECT --reject-with tcp-reset")
-    assert host < entry < private < cluster < out.index("-A OUTPUT -o tap0 -j ACCEPT")
+    mirror = out.index("-A OUTPUT -o tap0 -d 10.9.0.5/32 -p tcp --dport 3142 -j ACCEPT")
+    private = out.index("-A OUTPUT -d 10.0.0.0/8 -p tcp -j REJECT --reject-with tcp-reset")
+    assert host < entry < cluster < mirror < private < out.index("-A OUTPUT -o tap0 -j ACCEPT")
 
 
 def test_without_public_nothing_else_is_accepted():
     for policy in (netns.parse_network([]), netns.CLOSED):
-        out = _out(netns.firewall_rules(policy, ["192.0.2.2"], ["10.255.255.53"],
-                                        refused=netns.parse_refused("203.0.113.0/24")))
+        out = _out(netns.firewall_rules(policy, ["192.0.2.2"], ["10.255.255.53"], NODE))
         assert [r for r in out if r.endswith("ACCEPT") and "--dport 53" not in r] == \
             ["-A OUTPUT -o lo -j ACCEPT"]
         assert bool([r for r in out if "--dport 53" in r]) == policy.dns
@@ -119,19 +122,27 @@ def test_ipv6_rules_allow_only_loopback():
     assert ":OUTPUT DROP [0:0]" in netns.firewall6_rules()
 
 
-@pytest.mark.parametrize("text, words", [("10.0.0.1/8", "host bits"), ("ray-head", "ray-head"),
-                                         ("fd00::/8", "fd00::/8")])
-def test_bad_refused_networks_are_one_line_errors(text, words):
+@pytest.mark.parametrize("var, text, words", [
+    ("ENVBUILD_NETWORK_REFUSE", "10.0.0.1/8", "host bits"),
+    ("ENVBUILD_NETWORK_REFUSE", "ray-head", "ray-head"),
+    ("ENVBUILD_NETWORK_REFUSE", "fd00::/8", "fd00::/8"),
+    ("ENVBUILD_NETWORK_MIRRORS", "mirror.internal:3142", "host names are not allowed"),
+    ("ENVBUILD_NETWORK_MIRRORS", "127.0.0.1:3142", "never reachable"),
+])
+def test_bad_node_settings_are_one_line_errors(var, text, words):
     with pytest.raises(RuntimeShimError) as e:
-        netns.parse_refused(f"203.0.113.0/24, {text}")
-    assert words in e.value.message and "ENVBUILD_NETWORK_REFUSE" in e.value.message
+        netns.NodeNetwork.from_env({var: f"203.0.113.0/24, {text}"})
+    assert words in e.value.message and e.value.message.startswith(var)
     assert "\n" not in e.value.message and e.value.hint
 
 
-def test_refused_networks_parse():
-    assert netns.parse_refused(None) == () == netns.parse_refused(" , ")
-    assert netns.parse_refused("203.0.113.0/24,198.51.100.7") == (
-        ipaddress.IPv4Network("203.0.113.0/24"), ipaddress.IPv4Network("198.51.100.7/32"))
+def test_node_settings_parse_and_round_trip_through_the_record():
+    assert netns.NodeNetwork.from_env({}) == netns.NodeNetwork()
+    assert netns.NodeNetwork.from_env({"ENVBUILD_NETWORK_REFUSE": " , "}) == netns.NodeNetwork()
+    assert NODE.refused == (ipaddress.IPv4Network("203.0.113.0/24"),
+                            ipaddress.IPv4Network("198.51.100.7/32"))
+    assert [str(a) for a in NODE.mirrors] == ["10.9.0.5/32:3142"]
+    assert netns.NodeNetwork.from_record(NODE.to_record()) == NODE
 
 
 def test_resolv_conf_points_at_slirp():
