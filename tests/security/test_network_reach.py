@@ -11,6 +11,8 @@ outside this machine is ever a target: every address below lives in the test's n
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -311,6 +313,34 @@ def test_build_step_network_does_not_reach_private_hosts(envbuild_cli, site):
     got = dict(line.split("=", 1) for line in r.out.split())
     assert got == {name: "site-secret" if name == "public" else "refused"
                    for name in site.addrs}, got
+
+
+def test_dockerfile_network_host_does_not_reach_private_hosts(envbuild_cli, site,
+                                                              monkeypatch):
+    """``network: host`` in a Dockerfile base: its RUN steps run in the private dockerd's
+    namespace behind slirp4netns, with the same public-only egress."""
+    from tests.integration.test_dockerfile_base import _assert_daemon_gone, _ours, _require_docker
+    from tests.security.test_dockerfile_inputs import _defs
+
+    _require_docker()
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    probes = " ; ".join(
+        f"(printf 'GET / HTTP/1.0\\r\\n\\r\\n' | timeout 5 nc {addr} {site.ports[0]} "
+        f"2>/dev/null | grep -q site-secret && echo {name}=open || echo {name}=refused)"
+        for name, addr in site.addrs.items())
+    ctx = envbuild_cli.defs / "base" / "ctx"
+    ctx.mkdir(parents=True)
+    shutil.copy2("/bin/busybox", ctx / "busybox")
+    (ctx / "Dockerfile").write_text(
+        "FROM scratch\nCOPY busybox /bin/busybox\nSHELL [\"/bin/busybox\", \"sh\", \"-c\"]\n"
+        f"RUN /bin/busybox --install -s /bin && ({probes}) && exit 9\n")
+    before = _ours()
+    r = envbuild_cli("build", "hostile", defs=_defs(envbuild_cli, "ctx", "    network: host\n"))
+    assert r.code == 1  # exit 9: the probes' output is in the error's tail
+    got = dict(re.findall(r"^#\d+ [\d.]+ ([a-z0-9-]+)=(open|refused)$", r.err, re.M))
+    assert got == {name: "open" if name == "public" else "refused" for name in site.addrs}, \
+        r.err
+    _assert_daemon_gone(envbuild_cli.node / "node", before)
 
 
 def _dns_accepts(sb: Sandbox) -> int:
