@@ -502,6 +502,8 @@ def update(directory: str | os.PathLike[str], policy: NetworkPolicy, *,
         # nsenter fails on a file that is not a namespace (never the host's firewall)
         _run(["nsenter", f"--net={d / NS_FILE}", "--", "iptables-restore"],
              "change the sandbox's firewall", stdin=rules)
+        if not (d / RECORD_FILE).exists():  # torn down meanwhile: leave nothing behind
+            raise RuntimeShimError(f"{d.name} was closed while its network was changed")
         _write_record(d, _record(d / NS_FILE, int(record.get("slirp_pid") or 0), policy, node))
     finally:
         os.close(fd)
