@@ -193,6 +193,17 @@ class Sandbox:
                                        size=info.size, report=report, squashed=squash,
                                        seconds=time.monotonic() - started)
 
+    def set_network(self, network: bool | Sequence[str]) -> None:
+        """Change what this running sandbox may reach: ``network`` as for ``create``
+        (``True`` or ``["public", ...]``: the public internet; a list of ``CIDR[:PORT]``: those
+        too, private ones included; ``[]``: DNS only), or ``False``: nothing, not even DNS.
+        Every packet sent after this returns obeys the new rules: new connections, and
+        connections opened earlier to a destination now refused fail. Only a sandbox created
+        with network (``network=[]`` is enough) has a namespace to change; one without raises
+        ``RuntimeShimError`` (``runtime_shim.netns.update``)."""
+        self._check_open()
+        set_sandbox_network(self._layout, self.id, network)
+
     def checkpoint(self, publish: str | None = None, *, leave_running: bool = False):
         """Freeze this sandbox and save its processes (memory, open files, cwd) and its
         files as one checkpoint lock in the store, published as ``publish`` (e.g.
@@ -288,9 +299,12 @@ class Sandbox:
         ``"unconfined"`` for none, or a full OCI ``linux.seccomp`` object (checked here). A
         microVM is bounded by its guest kernel, not a filter: it takes None or "unconfined".
 
-        ``network``: False for none; True for egress through the sandbox's own namespace and
-        user-mode NAT, the host itself unreachable; a list of ``CIDR[:PORT]`` for egress to
-        those only (``runtime_shim.netns``).
+        ``network``: False for none; True for egress to the public internet through the
+        sandbox's own namespace and user-mode NAT (the host, private ranges such as RFC 1918,
+        CGNAT and link-local, and ``$ENVBUILD_NETWORK_REFUSE`` unreachable); a list of
+        ``CIDR[:PORT]`` for egress to those only, private ones included, plus ``"public"`` for
+        the public internet too (``runtime_shim.netns``). ``set_network`` changes it while the
+        sandbox runs.
 
         ``checkpointable``: ``checkpoint`` / ``fork`` will be asked of it (container: its agent
         socket is made inside its network namespace, where CRIU can dump it).
@@ -591,6 +605,18 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def set_sandbox_network(node_dir: str | os.PathLike[str] | NodeLayout | None, sandbox_id: str,
+                        network: bool | Sequence[str]) -> None:
+    """``Sandbox.set_network`` for a sandbox of this node made by any process
+    (``envbuild sandbox network``); ``SandboxNotFound`` if there is none by that id."""
+    policy = netns.parse_network(network) or netns.CLOSED  # bad entries: before anything
+    paths = _layout(node_dir).sandbox(sandbox_id)
+    if _read_meta(paths) is None:
+        raise SandboxNotFound(f"no sandbox {sandbox_id} on this host",
+                              hint="envbuild sandbox ls lists them")
+    netns.update(paths.root, policy)
 
 
 def remove_sandbox(node_dir: str | os.PathLike[str] | NodeLayout | None, sandbox_id: str,
