@@ -351,7 +351,8 @@ def _import_base(d: Base, upper: Path, log: Path, cancelled: threading.Event, *,
     if isinstance(src, ScratchSource):
         return importers.import_scratch(upper)
     if isinstance(src, BusyboxSource):
-        return importers.import_busybox(Path(src.binary), upper)
+        # against the definition's directory, as pinning checked it (not the working directory)
+        return importers.import_busybox(here / src.binary, upper)
     if isinstance(src, RootfsSource):
         return importers.import_rootfs(here / src.path, src.sha256, upper)
     if isinstance(src, DebootstrapSource):

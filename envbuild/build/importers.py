@@ -36,6 +36,7 @@ from envbuild.build.pin import (
     IGNORED_NAMES,
     check_git_source,
     git_env,
+    static_elf_problem,
 )
 from envbuild.canonical import read_json_file
 from envbuild.errors import BuildError, SourceError, UnsafeLayerError
@@ -64,6 +65,8 @@ def _run(argv: list[str], what: str, *, cwd: str | None = None,
     except FileNotFoundError:
         raise BuildError(f"{what}: {argv[0]} is not installed",
                          hint="run scripts/setup.sh to install the tools envbuild drives") from None
+    except OSError as e:  # e.g. not executable
+        raise BuildError(f"{what}: run {argv[0]}: {e.strerror}") from None
     out_chunks: list[bytes] = []
     err_chunks: list[bytes] = []
     readers = [threading.Thread(target=lambda p=p, acc=acc: acc.append(p.read()), daemon=True)
@@ -131,6 +134,9 @@ def import_busybox(binary: Path, dest: Path) -> Imported:
     if not binary.is_file():
         raise SourceError(f"busybox binary {binary} not found",
                           hint="apt-get install busybox-static, or set from.busybox.binary")
+    problem = static_elf_problem(str(binary))  # checked when pinned too; never run a script
+    if problem is not None:
+        raise SourceError(problem, hint="name a static busybox (apt-get install busybox-static)")
     listing = _run([str(binary), "--list-full"], "list busybox applets")
     for d, mode in (("bin", 0o755), ("sbin", 0o755), ("usr/bin", 0o755), ("usr/sbin", 0o755),
                     ("etc", 0o755), ("root", 0o700), ("tmp", 0o1777), ("proc", 0o555),
