@@ -500,7 +500,10 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
     t0 = time.monotonic()
     # network: host means egress, not the host (as for envbuild's own run steps): a private
     # daemon runs in a namespace of its own behind slirp4netns for it
-    with docker_daemon(daemon_root, egress_only=src.network == "host") as d:
+    # Its data root (images, BuildKit's cache, what RUN steps write) is on the layer's capped
+    # scratch disk, as the rest of the build's writes: a RUN step meets ENOSPC at the cap.
+    with docker_daemon(daemon_root, egress_only=src.network == "host",
+                       data_root=scratch / "daemon-data") as d:
         _note(log, f"daemon ready in {time.monotonic() - t0:.1f} s")
         t0 = time.monotonic()
         for i, (ref, archive) in enumerate(locks):
@@ -681,7 +684,7 @@ def _prefetch(text: str, src, name: str, scratch: Path, daemon_root: Path, first
             raise SourceError(f"{name}: FROM {ref} must be written literally (not built from "
                               "ARGs) with network: host")
     out: list[tuple[str, Path]] = []
-    with docker_daemon(daemon_root) as pre:
+    with docker_daemon(daemon_root, data_root=scratch / "prefetch-data") as pre:
         for ref in refs:
             tag = _lock_tag(scratch, first + len(out))
             archive = scratch / f"from-{first + len(out)}.tar"

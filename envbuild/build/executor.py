@@ -19,10 +19,12 @@ The plan says *what* to build (``LayerJob``: plain data); this module does it (s
    point publishes nothing.
 
 Everything lives under one scratch directory per build that is removed at the end, mounts
-included, also on Ctrl-C. A layer's upper dir, work dir and its steps' ``/tmp`` are on a capped
-filesystem of their own (``runtime_shim.scratchfs``: ``BuildContext.disk_bytes`` /
-``inodes``, 50 GiB and 5 M by default, ``ENVBUILD_BUILD_DISK`` / ``ENVBUILD_BUILD_INODES``), so
-a runaway step or import fails with ENOSPC instead of filling the host.
+included, also on Ctrl-C. A layer's upper dir, work dir, its steps' ``/tmp``, a git import's
+clone and a Dockerfile base's private dockerd data root (its images and what its ``RUN`` steps
+write) are on a capped filesystem of their own (``runtime_shim.scratchfs``:
+``BuildContext.disk_bytes`` / ``inodes``, 50 GiB and 5 M by default, ``ENVBUILD_BUILD_DISK`` /
+``ENVBUILD_BUILD_INODES``), so a runaway step or import fails with ENOSPC instead of filling
+the host.
 A build that dies without cleaning up (SIGKILL, OOM, power loss)
 leaves its dir owned by nobody: each scratch dir ``<root>/<id>`` has an owner file
 ``<root>/<id>.owner`` that the build holds ``flock``ed for its whole life (the kernel drops the
@@ -34,6 +36,7 @@ destroyed and mounts detached first, then ``safefs.remove_tree``).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import os
 import threading
@@ -206,8 +209,11 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
         imported = importers.Imported()
         if isinstance(d, Base) and not isinstance(d.source, BaseSource):
             progress(BuildEvent(job.name, "importing", detail=d.source.kind))
-            imported = _import_base(d, upper, log, ctx.cancelled, job=job, scratch=disk,
-                                    daemon_root=ctx.node.root / "dockerd", store=ctx.store)
+            try:
+                imported = _import_base(d, upper, log, ctx.cancelled, job=job, scratch=disk,
+                                        daemon_root=ctx.node.root / "dockerd", store=ctx.store)
+            except BuildError as e:
+                raise _explain_full_import(ctx, e) from None
         needs_rootfs = bool(d.steps) or isinstance(d, Workspace)
         if needs_rootfs:
             spec = OverlaySpec(str(merged), (*lowers, str(ctx.stub_dir())), str(upper), str(work))
@@ -320,6 +326,23 @@ def _explain_full_disk(ctx: BuildContext, disk: Path, e: StepFailed) -> StepFail
                       argv=e.argv, exit_code=e.exit_code, output_tail=e.output_tail,
                       log_path=e.log_path,
                       hint="raise ENVBUILD_BUILD_DISK / ENVBUILD_BUILD_INODES, or write less")
+
+
+#: How every tool (and Python) spells ENOSPC.
+_ENOSPC = os.strerror(errno.ENOSPC).lower()
+
+
+def _explain_full_import(ctx: BuildContext, e: BuildError) -> BuildError:
+    """``e``, or when an import (a Dockerfile's ``RUN`` steps in the private dockerd, whose
+    data root is on the layer's disk) ran out of space, the same error saying it met the
+    layer's disk limit. Its disk is gone by now (the daemon removed its data): the cause is
+    read from the error."""
+    if ctx.disk_bytes is None or _ENOSPC not in f"{e.message}\n{e.context or ''}".lower():
+        return e
+    return BuildError(f"{e.message} (out of space: the layer's disk limit is "
+                      f"{ctx.disk_bytes >> 20} MiB)", context=e.context,
+                      hint="raise ENVBUILD_BUILD_DISK, or write less"
+                           + (f"; {e.hint}" if e.hint else ""))
 
 
 def _stop_if_cancelled(ctx: BuildContext, job: LayerJob) -> None:
