@@ -39,6 +39,7 @@ import dataclasses
 import errno
 import fcntl
 import os
+import subprocess
 import threading
 import time
 import uuid
@@ -47,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from envbuild.build import importers
-from envbuild.build.pin import local_git_path
+from envbuild.build.pin import HOST_BUSYBOX, local_git_path
 from envbuild.defs.model import (
     ArchiveSource,
     Base,
@@ -211,7 +212,8 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
             progress(BuildEvent(job.name, "importing", detail=d.source.kind))
             try:
                 imported = _import_base(d, upper, log, ctx.cancelled, job=job, scratch=disk,
-                                        daemon_root=ctx.node.root / "dockerd", store=ctx.store)
+                                        daemon_root=ctx.node.root / "dockerd", store=ctx.store,
+                                        runtime=ctx.runtime)
             except BuildError as e:
                 raise _explain_full_import(ctx, e) from None
         needs_rootfs = bool(d.steps) or isinstance(d, Workspace)
@@ -367,15 +369,20 @@ def _describe(step) -> str:
 
 def _import_base(d: Base, upper: Path, log: Path, cancelled: threading.Event, *,
                  job: LayerJob | None = None, scratch: Path | None = None,
-                 daemon_root: Path | None = None, store: Store | None = None
-                 ) -> importers.Imported:
+                 daemon_root: Path | None = None, store: Store | None = None,
+                 runtime: OciRuntime | None = None) -> importers.Imported:
     src = d.source
     here = d.origin.directory
     if isinstance(src, ScratchSource):
         return importers.import_scratch(upper)
     if isinstance(src, BusyboxSource):
         # against the definition's directory, as pinning checked it (not the working directory)
-        return importers.import_busybox(here / src.binary, upper)
+        binary = here / src.binary
+        if os.path.realpath(binary) in HOST_BUSYBOX or runtime is None or scratch is None:
+            return importers.import_busybox(binary, upper)  # the host's own package binary
+        # any other binary comes with the definitions: it runs in a container, never on the host
+        return importers.import_busybox(binary, upper, list_applets=lambda root: _output_of(
+            runtime, root, ("/bin/busybox", "--list-full"), scratch / "bundle-import", cancelled))
     if isinstance(src, RootfsSource):
         return importers.import_rootfs(here / src.path, src.sha256, upper)
     if isinstance(src, DebootstrapSource):
@@ -393,6 +400,36 @@ def _import_base(d: Base, upper: Path, log: Path, cancelled: threading.Event, *,
         return build_dockerfile(src, d.name, here, job.pins, upper, scratch / "docker",
                                 daemon_root, log, cancelled, store)
     raise BuildError(f"{d.name}: source kind {src.kind!r} cannot be imported")
+
+
+#: What ``_output_of`` keeps of a command's output, and how long it may run.
+_IMPORT_OUTPUT_CAP = 1 << 20
+_IMPORT_TIMEOUT = 60.0
+
+
+def _output_of(runtime: OciRuntime, rootfs: Path, args: tuple[str, ...], bundle: Path,
+               cancelled: threading.Event) -> str:
+    """The output of ``args`` run in a container on ``rootfs`` (read-only, no network, small
+    limits, the default seccomp profile), for an importer that must run a file the definitions
+    brought (a busybox binary listing its applets). Raises ``BuildError`` if it fails."""
+    container_id = f"eb-build-{uuid.uuid4().hex[:12]}"  # the reaper's prefix: swept after a crash
+    request = RuntimeSpecRequest(
+        rootfs=str(rootfs), args=args, readonly_rootfs=True, tmpfs=(), hostname=BUILD_HOSTNAME,
+        pids_limit=64, memory_limit=256 << 20, cpus=1.0, cgroups_path=f"/envbuild/{container_id}")
+    write_bundle(bundle, runtime_spec(request))
+    out = bundle / "output"
+    with open(out, "wb") as f:
+        result = run_container(runtime, container_id, bundle, stdout=f,
+                               stderr=subprocess.DEVNULL, timeout=_IMPORT_TIMEOUT,
+                               cancelled=cancelled, cpu_class=cpuclass.BUILD_CPU_CLASS)
+    text = read_tail(out, _IMPORT_OUTPUT_CAP) if out.stat().st_size <= _IMPORT_OUTPUT_CAP else ""
+    if result.cancelled:
+        raise BuildError(f"{' '.join(args)}: cancelled")
+    if result.exit_code != 0 or not text:
+        raise BuildError(f"{' '.join(args)} exited {result.exit_code} in its container"
+                         + ("" if text else " (no output, or more than 1 MiB)"),
+                         hint="the binary must be a static busybox for this architecture")
+    return text
 
 
 def _import_workspace(d: Workspace, job: LayerJob, merged: Path, scratch: Path,

@@ -407,9 +407,9 @@ _ELF_PT_INTERP = 3
 
 
 def static_elf_problem(path: str) -> str | None:
-    """Why ``path`` is not a static ELF executable (None if it is). The busybox importer runs
-    its binary on the host to list the applets: never a script, nor a binary that would load
-    libraries (nor a secret file, whose first bytes an error could show: none are)."""
+    """Why ``path`` is not a static ELF executable (None if it is): what a busybox rootfs
+    needs (it has no libc), checked before the binary is run to list its applets (on the host
+    for ``HOST_BUSYBOX``, else in a container). The message shows none of the file's bytes."""
     try:
         with open(path, "rb") as f:
             head = f.read(64)

@@ -224,3 +224,63 @@ def test_the_host_busybox_package_binary_stays_allowed(envbuild_cli):
     require_tool("busybox")
     result = envbuild_cli("build", "busybox-tiny")
     assert result.code == 0, result.err
+
+
+FAKE_BUSYBOX = r"""
+#include <fcntl.h>
+#include <stdio.h>
+int main(void) {
+    open(MARKER, O_CREAT | O_WRONLY, 0644);  /* on the host, if it ran there */
+    fputs(LISTING, stdout);
+    return 0;
+}
+"""
+
+
+def _fake_busybox(tmp_path: Path, listing: str) -> tuple[Path, Path]:
+    """A static ELF in the repository that says it is busybox: it prints ``listing`` and
+    creates a marker file at a host path if it can."""
+    require_tool("gcc")
+    marker = tmp_path / "ran-on-host"
+    src = tmp_path / "fake.c"
+    src.write_text(FAKE_BUSYBOX)
+    binary = tmp_path / "envdefs" / "base" / "files" / "fakebox"
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["gcc", "-static", "-O0", "-o", str(binary), str(src),
+                    f'-DMARKER="{marker}"', f'-DLISTING="{listing}"'],  # C escapes: \\n
+                   check=True, capture_output=True)
+    return binary, marker
+
+
+def test_a_static_busybox_from_the_repository_lists_its_applets_in_a_container(envbuild_cli,
+                                                                              tmp_path):
+    """The importer ran the binary as root on the host to list its applets: a static ELF
+    in the definitions' repository ran there. It runs in a container now (read-only root, no
+    network); what it prints still becomes the applet links."""
+    binary, marker = _fake_busybox(tmp_path, "bin/sh\\nusr/bin/env\\n")
+    _base(tmp_path, f"{{busybox: {{binary: {binary}}}}}")
+    result = envbuild_cli("build", "evil")
+    assert not marker.exists(), "the definition's binary ran on the host"
+    assert result.code == 0, result.err
+    from envbuild.layers import LayerReader
+    from envbuild.store import get_key_record
+
+    store = LocalStore(envbuild_cli.store)
+    (key,) = _published(envbuild_cli)
+    with LayerReader.open_file(store.blob_path(get_key_record(store, "sha256:" + key).layer)) as r:
+        assert r.stat("bin/sh").type == "symlink" and r.stat("usr/bin/env").type == "symlink"
+
+
+@pytest.mark.parametrize("printed", ["{up}{tmp}/escaped", "{tmp}/escaped",
+                                     "usr/bin/env\\nusr/bin/env/x"])
+def test_a_busybox_listing_that_escapes_is_one_line(envbuild_cli, tmp_path, printed):
+    """Applet paths come from the binary: a link is never made outside the rootfs."""
+    printed = printed.format(up="../" * 40, tmp=str(tmp_path).lstrip("/") if "{up}" in printed
+                             else tmp_path)
+    binary, _marker = _fake_busybox(tmp_path, printed + "\\n")
+    _base(tmp_path, f"{{busybox: {{binary: {binary}}}}}")
+    result = envbuild_cli("build", "evil")
+    assert result.code == 1 and "Traceback" not in result.err, result.err
+    assert "busybox" in result.err and "hint: the binary must be a genuine static busybox" in \
+        result.err, result.err
+    assert not os.path.lexists(tmp_path / "escaped") and not _published(envbuild_cli)
