@@ -19,10 +19,12 @@ The plan says *what* to build (``LayerJob``: plain data); this module does it (s
    point publishes nothing.
 
 Everything lives under one scratch directory per build that is removed at the end, mounts
-included, also on Ctrl-C. A layer's upper dir, work dir and its steps' ``/tmp`` are on a capped
-filesystem of their own (``runtime_shim.scratchfs``: ``BuildContext.disk_bytes`` /
-``inodes``, 50 GiB and 5 M by default, ``ENVBUILD_BUILD_DISK`` / ``ENVBUILD_BUILD_INODES``), so
-a runaway step or import fails with ENOSPC instead of filling the host.
+included, also on Ctrl-C. A layer's upper dir, work dir, its steps' ``/tmp``, a git import's
+clone and a Dockerfile base's private dockerd data root (its images and what its ``RUN`` steps
+write) are on a capped filesystem of their own (``runtime_shim.scratchfs``:
+``BuildContext.disk_bytes`` / ``inodes``, 50 GiB and 5 M by default, ``ENVBUILD_BUILD_DISK`` /
+``ENVBUILD_BUILD_INODES``), so a runaway step or import fails with ENOSPC instead of filling
+the host.
 A build that dies without cleaning up (SIGKILL, OOM, power loss)
 leaves its dir owned by nobody: each scratch dir ``<root>/<id>`` has an owner file
 ``<root>/<id>.owner`` that the build holds ``flock``ed for its whole life (the kernel drops the
@@ -34,8 +36,10 @@ destroyed and mounts detached first, then ``safefs.remove_tree``).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import os
+import subprocess
 import threading
 import time
 import uuid
@@ -44,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from envbuild.build import importers
-from envbuild.build.pin import local_git_path
+from envbuild.build.pin import HOST_BUSYBOX, local_git_path
 from envbuild.defs.model import (
     ArchiveSource,
     Base,
@@ -206,8 +210,12 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
         imported = importers.Imported()
         if isinstance(d, Base) and not isinstance(d.source, BaseSource):
             progress(BuildEvent(job.name, "importing", detail=d.source.kind))
-            imported = _import_base(d, upper, log, ctx.cancelled, job=job, scratch=disk,
-                                    daemon_root=ctx.node.root / "dockerd", store=ctx.store)
+            try:
+                imported = _import_base(d, upper, log, ctx.cancelled, job=job, scratch=disk,
+                                        daemon_root=ctx.node.root / "dockerd", store=ctx.store,
+                                        runtime=ctx.runtime)
+            except BuildError as e:
+                raise _explain_full_import(ctx, e) from None
         needs_rootfs = bool(d.steps) or isinstance(d, Workspace)
         if needs_rootfs:
             spec = OverlaySpec(str(merged), (*lowers, str(ctx.stub_dir())), str(upper), str(work))
@@ -322,6 +330,23 @@ def _explain_full_disk(ctx: BuildContext, disk: Path, e: StepFailed) -> StepFail
                       hint="raise ENVBUILD_BUILD_DISK / ENVBUILD_BUILD_INODES, or write less")
 
 
+#: How every tool (and Python) spells ENOSPC.
+_ENOSPC = os.strerror(errno.ENOSPC).lower()
+
+
+def _explain_full_import(ctx: BuildContext, e: BuildError) -> BuildError:
+    """``e``, or when an import (a Dockerfile's ``RUN`` steps in the private dockerd, whose
+    data root is on the layer's disk) ran out of space, the same error saying it met the
+    layer's disk limit. Its disk is gone by now (the daemon removed its data): the cause is
+    read from the error."""
+    if ctx.disk_bytes is None or _ENOSPC not in f"{e.message}\n{e.context or ''}".lower():
+        return e
+    return BuildError(f"{e.message} (out of space: the layer's disk limit is "
+                      f"{ctx.disk_bytes >> 20} MiB)", context=e.context,
+                      hint="raise ENVBUILD_BUILD_DISK, or write less"
+                           + (f"; {e.hint}" if e.hint else ""))
+
+
 def _stop_if_cancelled(ctx: BuildContext, job: LayerJob) -> None:
     if ctx.cancelled.is_set():
         raise BuildError(f"{job.name}: cancelled", hint="nothing was published for this layer")
@@ -344,14 +369,20 @@ def _describe(step) -> str:
 
 def _import_base(d: Base, upper: Path, log: Path, cancelled: threading.Event, *,
                  job: LayerJob | None = None, scratch: Path | None = None,
-                 daemon_root: Path | None = None, store: Store | None = None
-                 ) -> importers.Imported:
+                 daemon_root: Path | None = None, store: Store | None = None,
+                 runtime: OciRuntime | None = None) -> importers.Imported:
     src = d.source
     here = d.origin.directory
     if isinstance(src, ScratchSource):
         return importers.import_scratch(upper)
     if isinstance(src, BusyboxSource):
-        return importers.import_busybox(Path(src.binary), upper)
+        # against the definition's directory, as pinning checked it (not the working directory)
+        binary = here / src.binary
+        if os.path.realpath(binary) in HOST_BUSYBOX or runtime is None or scratch is None:
+            return importers.import_busybox(binary, upper)  # the host's own package binary
+        # any other binary comes with the definitions: it runs in a container, never on the host
+        return importers.import_busybox(binary, upper, list_applets=lambda root: _output_of(
+            runtime, root, ("/bin/busybox", "--list-full"), scratch / "bundle-import", cancelled))
     if isinstance(src, RootfsSource):
         return importers.import_rootfs(here / src.path, src.sha256, upper)
     if isinstance(src, DebootstrapSource):
@@ -369,6 +400,36 @@ def _import_base(d: Base, upper: Path, log: Path, cancelled: threading.Event, *,
         return build_dockerfile(src, d.name, here, job.pins, upper, scratch / "docker",
                                 daemon_root, log, cancelled, store)
     raise BuildError(f"{d.name}: source kind {src.kind!r} cannot be imported")
+
+
+#: What ``_output_of`` keeps of a command's output, and how long it may run.
+_IMPORT_OUTPUT_CAP = 1 << 20
+_IMPORT_TIMEOUT = 60.0
+
+
+def _output_of(runtime: OciRuntime, rootfs: Path, args: tuple[str, ...], bundle: Path,
+               cancelled: threading.Event) -> str:
+    """The output of ``args`` run in a container on ``rootfs`` (read-only, no network, small
+    limits, the default seccomp profile), for an importer that must run a file the definitions
+    brought (a busybox binary listing its applets). Raises ``BuildError`` if it fails."""
+    container_id = f"eb-build-{uuid.uuid4().hex[:12]}"  # the reaper's prefix: swept after a crash
+    request = RuntimeSpecRequest(
+        rootfs=str(rootfs), args=args, readonly_rootfs=True, tmpfs=(), hostname=BUILD_HOSTNAME,
+        pids_limit=64, memory_limit=256 << 20, cpus=1.0, cgroups_path=f"/envbuild/{container_id}")
+    write_bundle(bundle, runtime_spec(request))
+    out = bundle / "output"
+    with open(out, "wb") as f:
+        result = run_container(runtime, container_id, bundle, stdout=f,
+                               stderr=subprocess.DEVNULL, timeout=_IMPORT_TIMEOUT,
+                               cancelled=cancelled, cpu_class=cpuclass.BUILD_CPU_CLASS)
+    text = read_tail(out, _IMPORT_OUTPUT_CAP) if out.stat().st_size <= _IMPORT_OUTPUT_CAP else ""
+    if result.cancelled:
+        raise BuildError(f"{' '.join(args)}: cancelled")
+    if result.exit_code != 0 or not text:
+        raise BuildError(f"{' '.join(args)} exited {result.exit_code} in its container"
+                         + ("" if text else " (no output, or more than 1 MiB)"),
+                         hint="the binary must be a static busybox for this architecture")
+    return text
 
 
 def _import_workspace(d: Workspace, job: LayerJob, merged: Path, scratch: Path,
