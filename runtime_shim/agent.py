@@ -308,8 +308,9 @@ def run(connect: Callable[[], socket.socket], req: ExecRequest, cap: int, *,
     """Run ``req`` on a new connection and wait for it.
 
     stdout and stderr keep at most ``cap`` bytes each, a frame counting as at least
-    ``FRAME_CHARGE``; past that the command is killed (KILL frame) and the rest discarded. ``req.timeout``, or ``deadline`` seconds when it is None,
-    is sent to the agent, which kills the command then; the host sends KILL itself
+    ``FRAME_CHARGE``; past that the command is killed (KILL frame) and the rest discarded.
+    ``req.timeout``, or ``deadline`` seconds when it is None, is sent to the agent, which
+    kills the command then; the host sends KILL itself
     ``HOST_TIMEOUT_SLACK`` later should the agent not have, and gives up ``KILL_WAIT`` after
     that (the result says ``timed_out``). An agent that never says HELLO raises at the
     deadline. A hang-up by either side before the end kills the command (the agent's rule) or
