@@ -109,7 +109,9 @@ def guarded_connect(allowed: Collection[str]) -> Callable[..., socket.socket]:
 
 class Watchdog:
     """Shuts down a connection's socket when its deadline passes; one daemon thread for every
-    request of the process. ``arm`` returns a token for ``disarm``."""
+    request of the process. ``arm`` returns a token for ``disarm``, which says whether the
+    deadline was still ahead: once it returns, the socket is not touched again; when it says
+    False the connection was shut down and must not be reused."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -130,9 +132,9 @@ class Watchdog:
             self._cond.notify()
             return token
 
-    def disarm(self, token: int) -> None:
+    def disarm(self, token: int) -> bool:
         with self._cond:
-            self._live.pop(token, None)
+            return self._live.pop(token, None) is not None
 
     def _run(self) -> None:
         while True:
@@ -145,13 +147,12 @@ class Watchdog:
                         break
                     self._cond.wait(wait)
                 _, token = heapq.heappop(self._heap)
-                conn = self._live.pop(token)
-            sock = conn.sock
-            if sock is not None:
-                try:  # the plain socket's shutdown, also under TLS: the SSL object is untouched
-                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                sock = self._live.pop(token).sock
+                if sock is not None:  # (under the lock: a disarm that returned is final)
+                    try:  # the plain socket's shutdown, also under TLS: the SSL object is untouched
+                        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+                    except OSError:
+                        pass
 
 
 WATCHDOG = Watchdog()

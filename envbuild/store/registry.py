@@ -564,10 +564,10 @@ class _Stream(io.RawIOBase):
             return n
 
     def _release(self) -> None:
-        WATCHDOG.disarm(self._token)
+        fired = not WATCHDOG.disarm(self._token)
         if self._conn is not None:
             split = urllib.parse.urlsplit(self._url)
-            if self._resp.will_close:
+            if self._resp.will_close or fired:
                 self._conn.close()
             else:
                 self._resp.read()  # nothing left: completes the response for reuse
@@ -819,7 +819,8 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
                 self._sleep(attempt, deadline=deadline)
                 continue
             finally:
-                WATCHDOG.disarm(token)
+                if not WATCHDOG.disarm(token):
+                    conn.close()  # shut down at the deadline: never back to the pool
             resp = _Response(status, raw.headers, data, url)
             if raw.will_close:
                 conn.close()
