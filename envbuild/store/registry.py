@@ -188,6 +188,14 @@ MAX_TAG_PAGES = 1000
 MAX_TAGS = 100_000
 #: A blob download's deadline grows by one second for this many bytes.
 MIN_RATE = 256 << 10
+#: The blob hosts public registries redirect blob reads to (their documented CDN hosts),
+#: allowed for that registry without configuration; any other is ``blob_hosts``' business.
+KNOWN_BLOB_HOSTS = {
+    "registry-1.docker.io": frozenset({"production.cloudflare.docker.com"}),
+    "ghcr.io": frozenset({"pkg-containers.githubusercontent.com"}),
+    **{host: frozenset({"cdn.quay.io", "cdn01.quay.io", "cdn02.quay.io", "cdn03.quay.io"})
+       for host in ("quay.io", "registry.redhat.io", "registry.access.redhat.com")},
+}
 
 _TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _ENV_TAG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,127}")
@@ -622,7 +630,8 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
 
     ``blob_hosts``: hosts (``HOST`` or ``HOST:PORT``) besides the registry that it may redirect
     a read to (a CDN or object store serving its blobs), default from
-    ``$ENVBUILD_REGISTRY_BLOB_HOSTS`` (comma-separated). A redirect anywhere else is refused;
+    ``$ENVBUILD_REGISTRY_BLOB_HOSTS`` (comma-separated), plus the ``KNOWN_BLOB_HOSTS`` of a
+    public registry (Docker Hub's, GHCR's and Quay's CDNs). A redirect anywhere else is refused;
     so is any connection off the registry to a non-public address the registry is not at
     (``_http_guard``), and the ``Authorization`` header never leaves the registry.
     """
@@ -647,7 +656,8 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
         self.deadline = deadline
         if blob_hosts is None:
             blob_hosts = environ.get("ENVBUILD_REGISTRY_BLOB_HOSTS", "").split(",")
-        self.blob_hosts = frozenset(h.strip().lower() for h in blob_hosts if h.strip())
+        self.blob_hosts = (frozenset(h.strip().lower() for h in blob_hosts if h.strip())
+                           | KNOWN_BLOB_HOSTS.get(self.address.hostname, frozenset()))
         self._guard: Callable[..., socket.socket] | None = None
         files = list(auth_paths) if auth_paths is not None else auth_files(environ)
         self.credentials = (credentials if credentials is not None
