@@ -475,14 +475,22 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
 
 
 class _Tee:
-    """The log file, with each write also handed to ``on_output`` (for ``build -v``)."""
+    """The log file, with each write also handed to ``on_output`` (for ``build -v``): the
+    first ``BUILD_LOG_CAP`` bytes of the step's output, then a note (the log keeps the end)."""
 
     def __init__(self, out, name: str, on_output: Callable[[str, bytes], None]) -> None:
         self.out, self.name, self.on_output = out, name, on_output
+        self.left = BUILD_LOG_CAP
 
     def write(self, data: bytes) -> int:
         n = self.out.write(data)
-        self.on_output(self.name, bytes(data))
+        if self.left > 0:
+            shown = bytes(data[:self.left])
+            self.left -= len(data)
+            if self.left <= 0:
+                shown += f"\n[envbuild: output past {BUILD_LOG_CAP >> 10} KiB not shown; the " \
+                         "log keeps its end]\n".encode()
+            self.on_output(self.name, shown)
         return n
 
     def flush(self) -> None:
