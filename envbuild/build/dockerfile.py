@@ -60,6 +60,7 @@ import re
 import signal
 import stat
 import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -567,10 +568,12 @@ def _note(log: Path, text: str) -> None:
 
 def _run_logged(argv: list[str], env: Mapping[str, str], log: Path,
                 stop: threading.Event) -> int | None:
-    """Run ``argv`` with its output appended to ``log``, at most ``STEP_LOG_CAP`` bytes of it
-    (a build's output is untrusted and the log is on the host, outside any capped disk).
-    Returns the exit code, or None when ``stop`` was set first (its process group killed)."""
-    from envbuild.build.executor import STEP_LOG_CAP
+    """Run ``argv`` with its output appended to ``log``, which keeps its head and tail past
+    ``BUILD_LOG_CAP`` (a build's output is untrusted and the log is on the host, outside any
+    capped disk). Returns the exit code, or None when ``stop`` was set first (its process
+    group killed)."""
+    from envbuild.build.buildlog import CappedLog
+    from envbuild.build.executor import BUILD_LOG_CAP
     from runtime_shim.scratchfs import copy_capped
 
     read_fd, write_fd = os.pipe()
@@ -583,7 +586,8 @@ def _run_logged(argv: list[str], env: Mapping[str, str], log: Path,
                          hint="apt-get install docker.io (scripts/setup.sh)") from None
     finally:
         os.close(write_fd)
-    copier = threading.Thread(target=copy_capped, args=(read_fd, open(log, "ab"), STEP_LOG_CAP),
+    copier = threading.Thread(target=copy_capped,
+                              args=(read_fd, CappedLog(log, BUILD_LOG_CAP), sys.maxsize),
                               daemon=True)
     copier.start()
     try:

@@ -40,6 +40,7 @@ import errno
 import fcntl
 import os
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -47,7 +48,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from envbuild.build import importers
+from envbuild.build import buildlog, importers
 from envbuild.build.pin import HOST_BUSYBOX, local_git_path
 from envbuild.defs.model import (
     ArchiveSource,
@@ -87,9 +88,10 @@ from runtime_shim.spec import (
 from runtime_shim.stub import CA_ENV_VARS, HOST_CA_PATH, ensure_stub, host_ca_bundle
 
 OUTPUT_TAIL_LINES = 50
-#: What one step may write to the build log (on the host, outside its capped disk): a step
-#: that prints forever (``yes``) is logged up to here, the rest is read and dropped.
-STEP_LOG_CAP = 64 << 20
+#: What one build's log may hold (on the host, outside its capped disk): past it the log keeps
+#: its first and last quarter (``envbuild.build.buildlog``), so a step that prints forever
+#: (``yes``) costs the host this much, and the end of its output (why it failed) is kept.
+BUILD_LOG_CAP = 16 << 20
 BUILD_HOSTNAME = "envbuild"
 #: Defaults of ``BuildContext.disk_bytes`` / ``inodes``: generous (a debootstrap + pip install
 #: is a few GB), only there so a runaway step cannot fill the build host. The image is sparse.
@@ -163,7 +165,7 @@ class BuildContext:
     disk_bytes: int | None = DEFAULT_BUILD_DISK_BYTES
     inodes: int | None = DEFAULT_BUILD_INODES
     #: Called with (layer name, bytes) as a ``run`` step writes its output (``envbuild build
-    #: -v``), from the step's copier thread; what reaches the log (capped at STEP_LOG_CAP).
+    #: -v``), from the step's copier thread: all of it (the log keeps only its head and tail).
     on_output: Callable[[str, bytes], None] | None = None
     #: Lifetime of the build lease on a key in the store (``envbuild.store.lease``): how long
     #: a builder that died can keep others waiting. Renewed every third of it while building.
@@ -199,6 +201,7 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
         p.mkdir(parents=True, exist_ok=True)
     os.chmod(disk / "tmp", 0o1777)
     ctx.log_root.mkdir(parents=True, exist_ok=True)
+    buildlog.prune(ctx.log_root)
     log = ctx.log_root / f"{job.name}-{job.key.removeprefix('sha256:')[:12]}.log"
     log.write_bytes(b"")
     mounted = False
@@ -216,6 +219,8 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
                                         runtime=ctx.runtime)
             except BuildError as e:
                 raise _explain_full_import(ctx, e) from None
+            finally:  # importers' subprocesses append to the log themselves
+                buildlog.trim(log, BUILD_LOG_CAP)
         needs_rootfs = bool(d.steps) or isinstance(d, Workspace)
         if needs_rootfs:
             spec = OverlaySpec(str(merged), (*lowers, str(ctx.stub_dir())), str(upper), str(work))
@@ -501,14 +506,15 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
         cgroups_path=f"/envbuild/{container_id}", seccomp=ctx.seccomp)
     bundle = scratch / f"bundle-{index}"
     write_bundle(bundle, runtime_spec(request))
-    with open(log, "ab") as out:
+    with buildlog.CappedLog(log, BUILD_LOG_CAP) as out:
         # The step runs on a pool thread, which Ctrl-C/SIGTERM never interrupts: the engine
         # sets ctx.cancelled and run_container kills and deletes the container when it sees it.
-        # Its output reaches the log through a pipe and a copier capped at STEP_LOG_CAP.
+        # Its output reaches the log through a pipe and a copier; the log keeps its head and
+        # tail (BUILD_LOG_CAP), the copier reads everything so the step never blocks on it.
         read_fd, write_fd = os.pipe()
         sink = out if ctx.on_output is None else _Tee(out, job.name, ctx.on_output)
         copier = threading.Thread(target=scratchfs.copy_capped,
-                                  args=(read_fd, sink, STEP_LOG_CAP), daemon=True)
+                                  args=(read_fd, sink, sys.maxsize), daemon=True)
         copier.start()
         try:
             result = run_container(ctx.runtime, container_id, bundle, stdout=write_fd,
@@ -529,14 +535,22 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
 
 
 class _Tee:
-    """The log file, with each write also handed to ``on_output`` (for ``build -v``)."""
+    """The log file, with each write also handed to ``on_output`` (for ``build -v``): the
+    first ``BUILD_LOG_CAP`` bytes of the step's output, then a note (the log keeps the end)."""
 
     def __init__(self, out, name: str, on_output: Callable[[str, bytes], None]) -> None:
         self.out, self.name, self.on_output = out, name, on_output
+        self.left = BUILD_LOG_CAP
 
     def write(self, data: bytes) -> int:
         n = self.out.write(data)
-        self.on_output(self.name, bytes(data))
+        if self.left > 0:
+            shown = bytes(data[:self.left])
+            self.left -= len(data)
+            if self.left <= 0:
+                shown += f"\n[envbuild: output past {BUILD_LOG_CAP >> 10} KiB not shown; the " \
+                         "log keeps its end]\n".encode()
+            self.on_output(self.name, shown)
         return n
 
     def flush(self) -> None:
