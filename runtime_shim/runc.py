@@ -13,6 +13,7 @@ crun refuses this machine's hybrid cgroup setup unless the cgroup2 mount is hidd
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import re
@@ -210,7 +211,7 @@ def kill_and_delete(runtime: OciRuntime, container_id: str, init_pid: int,
 def _running(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie (a killed init waits to be reaped)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with io.open(f"/proc/{pid}/stat", "rb") as f:  # noqa: UP020 - none at finalization
             state = f.read().rsplit(b")", 1)[1].split()[0]
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False

@@ -44,7 +44,7 @@ from envbuild.errors import (
     StoreUnavailable,
 )
 from envbuild.store import Store, put_file
-from runtime_shim import agent, netns
+from runtime_shim import agent, lifecycle, netns
 from runtime_shim import seccomp as seccomp_profiles
 from runtime_shim.backend import (
     CreateRequest,
@@ -376,6 +376,8 @@ class Sandbox:
                 handle.close()
                 raise
         sb = cls(sandbox_id, resolved, paths, handle, layout, opened, backend_name=backend)
+        if not keep:
+            lifecycle.track(sb)  # closed at this process's exit if nobody closes it
         if ttl:
             _REAPER.watch(sb, expires)
         return sb
@@ -458,18 +460,21 @@ class Sandbox:
 
     def close(self) -> None:
         """Stop every process, unmount and remove the sandbox's files. Idempotent, and safe
-        from another thread (the TTL reaper)."""
+        from another thread (the TTL reaper) and from ``__del__`` at interpreter exit
+        (``runtime_shim.lifecycle``: no import, no new thread then)."""
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
         _REAPER.forget(self)
+        lifecycle.untrack(self)
         lazy = (_read_meta(self.paths) or {}).get("lazy")
         try:
             self._backend.close()
         finally:
             remove_sandbox_dir(self.paths)
-        if str(lazy).startswith("passthrough"):  # what it fetched: meta layers for the next
+        # what it fetched: meta layers for the next sandbox; nobody is next at exit
+        if str(lazy).startswith("passthrough") and not lifecycle.exiting():
             from runtime_shim.lazyfs.metalayer import refresh_soon
 
             refresh_soon(self._layout.node)
