@@ -9,6 +9,7 @@ scratch disk on a loop device) on a node dir of its own, then checks what is lef
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +26,8 @@ ENV = "busybox-shell"
 REPO = Path(__file__).resolve().parents[2]
 #: How long an exiting owner may take (a close costs well under a second here).
 EXIT_BOUND = 30.0
+#: How soon after a killed owner its sandboxes must be gone (a removal takes ~0.1-0.5 s).
+REMOVAL_BOUND = 15.0
 
 
 @pytest.fixture(scope="module")
@@ -129,4 +132,33 @@ def test_kept_sandbox_outlives_its_owner(built, node):
     time.sleep(1.0)
     assert [i.id for i in list_sandboxes(node)] == [sandbox_id]
     remove_sandbox(node, sandbox_id)
+    assert _left(node) == NOTHING
+
+
+@pytest.mark.parametrize("death", ["SIGKILL", "os._exit"])
+def test_killed_owner_sandboxes_go_without_another_create(built, node, death):
+    """The owner dies running no hook (SIGKILL, or ``os._exit``): its sandboxes are removed
+    soon after, though nothing else happens on the node; its kept one stays."""
+    end = ("os._exit(0)\n" if death == "os._exit" else "time.sleep(600)\n")
+    code = _owner_script(built, node, "a = create()\nb = create(network=True)\n"
+                                      "k = create(keep=True)\n"
+                                      "print(a.id, b.id, k.id, flush=True)\n" + end)
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        ids = owner.stdout.readline().split()
+        assert len(ids) == 3, ids
+        if death == "SIGKILL":
+            owner.send_signal(signal.SIGKILL)
+        owner.wait(EXIT_BOUND)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+    kept = ids[2]
+    deadline = time.monotonic() + REMOVAL_BOUND
+    while time.monotonic() < deadline and [i.id for i in list_sandboxes(node)] != [kept]:
+        time.sleep(0.1)
+    assert [i.id for i in list_sandboxes(node)] == [kept]
+    remove_sandbox(node, kept)
     assert _left(node) == NOTHING

@@ -172,6 +172,7 @@ def _orphans(busybox_store, node: Path, n: int, deep: int, probe: bytes,
     code = (
         "import sys, time\n"
         "from envbuild.store import LocalStore\n"
+        "from runtime_shim import exitwatch\n"
         "from runtime_shim.sandbox import Sandbox\n"
         f"for i in range({n}):\n"
         f"    sb = Sandbox.create({ENV!r}, store=LocalStore({str(store.root)!r}),"
@@ -181,6 +182,7 @@ def _orphans(busybox_store, node: Path, n: int, deep: int, probe: bytes,
         " mode=0o755)\n"
         "        r = sb.exec('mkdir /workspace/deep && /probe mkdeep 4096 /workspace/deep')\n"
         "        assert r.exit_code == 0, r.stderr\n"
+        "    exitwatch.stop()\n"  # a crash its watcher dies in too: gc removes what is left
         "    print(sb.id, flush=True)\n"
         "time.sleep(300)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
