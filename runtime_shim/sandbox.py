@@ -9,7 +9,10 @@ and record (``sandbox.json``), TTLs and their reaper, argument handling of ``exe
 
 Lifecycle: ``create(ttl=seconds)`` records an expiry; a sandbox past it is removed by the
 reaper thread of the process that created it, by the next ``create`` on the node (which also
-removes sandboxes whose creating process died), and by ``envbuild sandbox gc``. ``info()`` is
+removes sandboxes whose creating process died), and by ``envbuild sandbox gc``. A sandbox its
+process never closed (not ``keep``) is closed at that process's exit (``runtime_shim.lifecycle``;
+``close`` is safe from ``__del__`` then), or, if it died without running its exit hooks
+(SIGKILL), removed by its watcher process (``runtime_shim.exitwatch``). ``info()`` is
 its ``SandboxInfo``; ``attach(id)`` gives another process's running container sandbox;
 ``list_sandboxes()`` lists a node's.
 
