@@ -85,7 +85,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
 HARNESS = """
 class Environment:
     def __init__(self):
-        self.sb = create()
+        self.sb = create(network=NETWORK)
     def __del__(self):
         self.sb.close()
 env = Environment()
@@ -104,11 +104,15 @@ else:
 """
 
 
+@pytest.mark.parametrize("network", [False, True])
 @pytest.mark.parametrize("hook", ["with-exit-hook", "close-while-finalizing"])
-def test_close_in_del_at_interpreter_exit(built, node, hook):
+def test_close_in_del_at_interpreter_exit(built, node, hook, network):
+    """The harness's object is destroyed at exit: the process exits within the bound, no
+    "Exception ignored in __del__", nothing of the sandbox is left (with ``network``: its
+    slirp4netns and namespace too)."""
     started = time.monotonic()
-    done = _run(_owner_script(built, node, HARNESS + (NO_HOOK if hook != "with-exit-hook"
-                                                      else "")))
+    body = f"NETWORK = {network}\n" + HARNESS + (NO_HOOK if hook != "with-exit-hook" else "")
+    done = _run(_owner_script(built, node, body))
     took = time.monotonic() - started
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("eb-"), done.stdout
