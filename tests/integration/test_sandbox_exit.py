@@ -45,18 +45,31 @@ def node(tmp_path):
         remove_sandbox(node, info.id)
 
 
-def _left(node: Path) -> dict[str, list[str]]:
+def _left(node: Path, ids: list[str] = ()) -> dict[str, list[str]]:
     """Everything of a sandbox still on the host under ``node``: mounts, loop devices,
-    processes, runc state and sandbox dirs (scratch disks live in the sandbox dirs)."""
+    processes, runc state and sandbox dirs (scratch disks live in the sandbox dirs), and the
+    cgroups of the sandboxes ``ids``."""
     left = leftovers_under(node)
     left["runc state"] = [c["id"] for c in list_containers(OciRuntime(state_root=str(node / "runc")))]
     sandboxes = node / "sandboxes"
     left["sandbox dirs"] = sorted(os.listdir(sandboxes)) if sandboxes.is_dir() else []
+    left["cgroups"] = [cg for i in ids for cg in _cgroups(i)]
     return left
 
 
+def _cgroups(sandbox_id: str) -> list[str]:
+    found = []
+    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+        for hierarchy in (os.listdir(root) if os.path.isdir(root) else []):
+            for cg in (os.path.join(root, "envbuild", sandbox_id),
+                       os.path.join(root, hierarchy, "envbuild", sandbox_id)):
+                if os.path.exists(cg):
+                    found.append(cg)
+    return sorted(set(found))
+
+
 NOTHING = {"mounts": [], "loop devices": [], "processes": [], "runc state": [],
-           "sandbox dirs": []}
+           "sandbox dirs": [], "cgroups": []}
 
 
 def _owner_script(built, node: Path, body: str) -> str:
@@ -118,7 +131,7 @@ def test_close_in_del_at_interpreter_exit(built, node, hook, network):
     assert done.stdout.startswith("eb-"), done.stdout
     assert "Exception ignored" not in done.stderr, done.stderr
     assert took < EXIT_BOUND
-    assert _left(node) == NOTHING
+    assert _left(node, [done.stdout.strip()]) == NOTHING
 
 
 def test_exit_without_close_removes_the_sandbox(built, node):
@@ -126,7 +139,7 @@ def test_exit_without_close_removes_the_sandbox(built, node):
     with it (no create or gc after it)."""
     done = _run(_owner_script(built, node, "sb = create()\nprint(sb.id, flush=True)\n"))
     assert done.returncode == 0, done.stderr
-    assert _left(node) == NOTHING
+    assert _left(node, [done.stdout.strip()]) == NOTHING
 
 
 def test_kept_sandbox_outlives_its_owner(built, node):
@@ -135,8 +148,9 @@ def test_kept_sandbox_outlives_its_owner(built, node):
     sandbox_id = done.stdout.strip()
     time.sleep(1.0)
     assert [i.id for i in list_sandboxes(node)] == [sandbox_id]
+    assert _cgroups(sandbox_id)  # what _left looks for is there while it lives
     remove_sandbox(node, sandbox_id)
-    assert _left(node) == NOTHING
+    assert _left(node, [sandbox_id]) == NOTHING
 
 
 @pytest.mark.parametrize("death", ["SIGKILL", "os._exit"])
@@ -165,4 +179,4 @@ def test_killed_owner_sandboxes_go_without_another_create(built, node, death):
         time.sleep(0.1)
     assert [i.id for i in list_sandboxes(node)] == [kept]
     remove_sandbox(node, kept)
-    assert _left(node) == NOTHING
+    assert _left(node, ids) == NOTHING
