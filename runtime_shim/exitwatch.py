@@ -74,7 +74,8 @@ def watch(node_root: str | os.PathLike[str]) -> None:
 
 
 def _spawn(owner: int) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", _BOOT, str(owner)], stdin=subprocess.PIPE,
+    # -P: the cwd ("/") is not put on sys.path; the package root is, by _BOOT
+    return subprocess.Popen([sys.executable, "-P", "-c", _BOOT, str(owner)], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             close_fds=True, start_new_session=True, cwd="/")
 
