@@ -96,6 +96,7 @@ class SandboxInfo:
     # cache) or "virtio-blk" (runtime_shim.vm.backend.choose_layer_transport); else None.
     layer_transport: str | None = None
     lazy: str = ""  # lazy layers: "passthrough" or "fuse" (how reads are served); "" if pulled
+    runtime: str = ""  # the OCI runtime it was created with ("" in records made before 34)
 
     def expired(self, now: float) -> bool:
         return bool(self.expires) and now >= self.expires

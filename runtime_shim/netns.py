@@ -79,6 +79,7 @@ from pathlib import Path
 
 from envbuild.errors import RuntimeShimError
 from envbuild.safefs import read_tail
+from runtime_shim.mount import unmount  # at the top: teardown runs at interpreter exit too
 
 NETNS_RECORD_VERSION = 2
 #: Record versions ``teardown`` and ``update`` read (1: before the policy was recorded).
@@ -455,8 +456,6 @@ def _wait_ready(fd: int, proc: subprocess.Popen, log: Path) -> None:
 def teardown(directory: str | os.PathLike[str]) -> None:
     """Remove what ``create`` left under ``directory``, whoever created it. Idempotent; a
     directory without a namespace record is fine."""
-    from runtime_shim.mount import unmount
-
     d = Path(directory)
     live = _LIVE.get(str(d))
     if live is not None:

@@ -9,7 +9,10 @@ and record (``sandbox.json``), TTLs and their reaper, argument handling of ``exe
 
 Lifecycle: ``create(ttl=seconds)`` records an expiry; a sandbox past it is removed by the
 reaper thread of the process that created it, by the next ``create`` on the node (which also
-removes sandboxes whose creating process died), and by ``envbuild sandbox gc``. ``info()`` is
+removes sandboxes whose creating process died), and by ``envbuild sandbox gc``. A sandbox its
+process never closed (not ``keep``) is closed at that process's exit (``runtime_shim.lifecycle``;
+``close`` is safe from ``__del__`` then), or, if it died without running its exit hooks
+(SIGKILL), removed by its watcher process (``runtime_shim.exitwatch``). ``info()`` is
 its ``SandboxInfo``; ``attach(id)`` gives another process's running container sandbox;
 ``list_sandboxes()`` lists a node's.
 
@@ -44,7 +47,7 @@ from envbuild.errors import (
     StoreUnavailable,
 )
 from envbuild.store import Store, put_file
-from runtime_shim import agent, netns
+from runtime_shim import agent, exitwatch, lifecycle, netns
 from runtime_shim import seccomp as seccomp_profiles
 from runtime_shim.backend import (
     CreateRequest,
@@ -367,8 +370,10 @@ class Sandbox:
                 "backend": backend, "pid": os.getpid(), "kept": keep, "created": created,
                 "layers": [layer.digest for layer in resolved.layers],
                 "store": _store_url(store if store is not None else opened), "ttl": ttl,
-                "expires": expires, "ready": 0.0, "lazy": lazy_mode}
+                "expires": expires, "ready": 0.0, "lazy": lazy_mode, "runtime": runtime}
         layout.sandboxes.mkdir(exist_ok=True)
+        if not keep:  # removed if this process dies without closing it (SIGKILL)
+            exitwatch.watch(layout.root)
         paths.root.mkdir()
         with undo_on_error(paths):
             _write_meta(paths, meta)  # first: a dir with a live creator is never swept
@@ -390,6 +395,8 @@ class Sandbox:
                 handle.close()
                 raise
         sb = cls(sandbox_id, resolved, paths, handle, layout, opened, backend_name=backend)
+        if not keep:
+            lifecycle.track(sb)  # closed at this process's exit if nobody closes it
         if ttl:
             _REAPER.watch(sb, expires)
         return sb
@@ -472,18 +479,21 @@ class Sandbox:
 
     def close(self) -> None:
         """Stop every process, unmount and remove the sandbox's files. Idempotent, and safe
-        from another thread (the TTL reaper)."""
+        from another thread (the TTL reaper) and from ``__del__`` at interpreter exit
+        (``runtime_shim.lifecycle``: no import, no new thread then)."""
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
         _REAPER.forget(self)
+        lifecycle.untrack(self)
         lazy = (_read_meta(self.paths) or {}).get("lazy")
         try:
             self._backend.close()
         finally:
             remove_sandbox_dir(self.paths)
-        if str(lazy).startswith("passthrough"):  # what it fetched: meta layers for the next
+        # what it fetched: meta layers for the next sandbox; nobody is next at exit
+        if str(lazy).startswith("passthrough") and not lifecycle.exiting():
             from runtime_shim.lazyfs.metalayer import refresh_soon
 
             refresh_soon(self._layout.node)
@@ -579,7 +589,7 @@ def _info(path: Path, meta: dict, layout: NodeLayout) -> SandboxInfo:
                        ttl=float(ttl) if ttl else None,
                        expires=float(meta.get("expires") or 0.0),
                        layer_transport=(meta.get("details") or {}).get("layer_transport"),
-                       lazy=str(meta.get("lazy") or ""))
+                       lazy=str(meta.get("lazy") or ""), runtime=str(meta.get("runtime") or ""))
 
 
 def list_sandboxes(node_dir: str | os.PathLike[str] | NodeLayout | None = None
@@ -665,25 +675,32 @@ class SandboxRemoval:
 
 def sweep_sandboxes(node_dir: str | os.PathLike[str] | NodeLayout | None = None,
                     runtime: str = "runc", *, automatic: bool = False,
-                    now: float | None = None) -> list[SandboxRemoval]:
+                    now: float | None = None, dead_owner: int | None = None
+                    ) -> list[SandboxRemoval]:
     """Try to remove every sandbox past its TTL, and every one whose creating process is gone
     (a crash or kill -9) except kept ones; one that fails never stops the others. One
     ``SandboxRemoval`` per sandbox. ``automatic`` (the sweep at each ``create``): only
     sandboxes with a readable record are considered, since a dir without one may be a create
-    in progress; ``envbuild sandbox gc`` takes those too."""
+    in progress; ``envbuild sandbox gc`` takes those too. ``dead_owner`` (a pid known to have
+    died at ``now``: ``runtime_shim.exitwatch``): only the sandboxes it created before then,
+    except kept ones. Each is removed with the runtime its record names, else ``runtime``."""
     now = time.time() if now is None else now
     done = []
     for info in list_sandboxes(node_dir):
         if automatic and info.lock == "?":
             continue
-        if info.expired(now):
+        if dead_owner is not None:
+            if info.pid != dead_owner or info.created > now or info.kept:
+                continue
+            reason = "orphaned"
+        elif info.expired(now):
             reason = "expired"
         elif info.alive or info.kept:
             continue
         else:
             reason = "orphaned"
         try:
-            remove_sandbox(node_dir, info.id, runtime)
+            remove_sandbox(node_dir, info.id, info.runtime or runtime)
         except SandboxNotFound:
             continue  # another sweep got there first
         except RuntimeShimError as e:

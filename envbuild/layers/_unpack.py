@@ -226,7 +226,7 @@ class _Tree:
             os.chmod(base, e.mode & mode_mask, dir_fd=pfd)  # just created by us: not a symlink
             for k, v in e.xattrs.items():
                 # no *xattrat in Python: the verified dir fd's /proc name, then one name
-                os.setxattr(f"/proc/self/fd/{pfd}/{base}", k, v, follow_symlinks=False)
+                set_xattr(f"/proc/self/fd/{pfd}/{base}", k, v, f"layer {self.name}", rel)
         os.utime(base, (e.mtime, e.mtime), dir_fd=pfd, follow_symlinks=False)
 
     def hardlink(self, pfd: int, base: str, rel: str, target: list[str], tpath: str) -> None:
@@ -251,20 +251,44 @@ class _Tree:
                     continue
                 raise
             try:
-                _apply_meta(fd, e, same_owner)
+                _apply_meta(fd, e, same_owner, self.name, rel)
             finally:
                 os.close(fd)
 
 
-def _apply_meta(fd: int, e: Entry, same_owner: bool, mode_mask: int = 0o7777) -> None:
+def _apply_meta(fd: int, e: Entry, same_owner: bool, name: str, rel: str,
+                mode_mask: int = 0o7777) -> None:
     """Owner (when restoring owners), mode (``& mode_mask``), xattrs and mtime of ``e`` onto the
-    open ``fd``."""
+    open ``fd`` (member ``rel`` of layer ``name``, for errors)."""
     if same_owner:
         os.fchown(fd, e.uid, e.gid)
     os.fchmod(fd, e.mode & mode_mask)
     for k, v in e.xattrs.items():
-        os.setxattr(fd, k, v)
+        set_xattr(fd, k, v, f"layer {name}", rel)
     os.utime(fd, (e.mtime, e.mtime))
+
+
+def set_xattr(target: int | str, key: str, value: bytes, where: str, rel: str, *,
+              drop_unsupported: bool = False) -> None:
+    """``setxattr`` of one member's attribute (``target``: an fd, or a path never followed),
+    a refusal of the kernel raised as one line naming ``where`` (the layer), the member and
+    the attribute: an invalid ``security.capability`` value (a hand-made layer's) is EINVAL,
+    which said only "[Errno 22] Invalid argument: 5" before (issue 34). With
+    ``drop_unsupported`` an attribute this filesystem cannot hold is dropped, as GNU tar does."""
+    try:
+        if isinstance(target, str):
+            os.setxattr(target, key, value, follow_symlinks=False)
+        else:
+            os.setxattr(target, key, value)
+    except OSError as err:
+        if drop_unsupported and err.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            return
+        why = " (not a file capability of a known version)" \
+            if key == "security.capability" and err.errno == errno.EINVAL else ""
+        raise CorruptLayerError(f"{where}: member {rel!r}: the kernel refuses its xattr "
+                                f"{key!r}: {err.strerror}{why}",
+                                hint="rebuild the layer from a real tree, or without that "
+                                     "attribute") from None
 
 
 def _open_dir_beneath(root_fd: int, rel: str) -> int:
@@ -411,7 +435,7 @@ def unpack_layer(reader, dest, *, whiteouts: str = "apply",
                     if "sha256:" + h.hexdigest() != e.digest:
                         raise CorruptLayerError(f"layer {name}: content of {path} does not "
                                                 "match its TOC digest")
-                    _apply_meta(fd, e, same_owner, mask)
+                    _apply_meta(fd, e, same_owner, name, path, mask)
                 finally:
                     os.close(fd)
                 _skip_pad(stream, e.size)
@@ -764,7 +788,8 @@ def unpack_tar(source, dest, *, name: str, whiteouts: str = "refuse",
                     if same_owner:
                         os.fchown(fd, e.uid, e.gid)
                     os.fchmod(fd, e.mode)
-                    _set_xattrs(fd, e)
+                    for k, v in e.xattrs.items():
+                        set_xattr(fd, k, v, name, path, drop_unsupported=True)
                     os.utime(fd, (e.mtime, e.mtime))
                 finally:
                     os.close(fd)
@@ -814,16 +839,6 @@ class _NoHash:
     @staticmethod
     def update(_data) -> None:
         pass
-
-
-def _set_xattrs(fd: int, e: Entry) -> None:
-    for k, v in e.xattrs.items():
-        try:
-            os.setxattr(fd, k, v)
-        except OSError as err:
-            # as GNU tar: an attribute this filesystem cannot hold is dropped, not fatal
-            if err.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
-                raise
 
 
 def _foreign_whiteout(tree: _Tree, parts: list[str], path: str, created: set[str]) -> None:

@@ -171,6 +171,8 @@ def test_gc_removes_sandboxes_of_a_crashed_process(built):
         "from envbuild.store import LocalStore\n"
         "from runtime_shim.sandbox import Sandbox\n"
         f"sb = Sandbox.create({ENV!r}, store=LocalStore({str(store.root)!r}), node_dir={str(node)!r})\n"
+        "from runtime_shim import exitwatch\n"
+        "exitwatch.stop()\n"  # a crash its watcher dies in too: gc removes what is left
         "print(sb.id, flush=True)\n"
         "time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -114,6 +114,8 @@ def test_orphans_and_expired_kept_sandboxes_are_reaped(built, tmp_path):
         sb = Sandbox.create({ENV!r}, store={str(store.root)!r}, node_dir={str(node)!r})
         kept = Sandbox.create({ENV!r}, store={str(store.root)!r}, node_dir={str(node)!r},
                               keep=True, ttl=2)
+        from runtime_shim import exitwatch
+        exitwatch.stop()  # a crash its watcher dies in too: the next create reaps
         print(sb.id, kept.id, flush=True)
         sys.stdin.read()
     """)
