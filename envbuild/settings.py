@@ -6,6 +6,10 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtime_shim.admission import BudgetSettings
 
 DEFAULT_STORE = "cache"
 DEFAULT_DEFS = "envdefs"
@@ -47,6 +51,9 @@ class Settings:
     # Ray build issue (15): lifetime of a build lease in the store (envbuild.store.lease),
     # ENVBUILD_LEASE_TTL seconds: how long a dead builder can keep others waiting.
     lease_ttl: float = 30.0
+    # Issue 34: the node's budget of host-wide tables and disk (runtime_shim.admission):
+    # ENVBUILD_HOST_RESERVE, ENVBUILD_DISK_RESERVE, ENVBUILD_NODE_BUDGET.
+    admission: BudgetSettings = dataclasses.field(default_factory=lambda: _budget({}))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -77,6 +84,7 @@ class Settings:
             raise SettingsError(f"ENVBUILD_LEASE_TTL is not a number of seconds: {ttl_text!r}",
                                 hint="e.g. 30") from None
         return cls(
+            admission=_budget(environ),
             node_cache_max=node_max,
             lease_ttl=lease_ttl,
             build_disk_bytes=build_disk or None,
@@ -93,6 +101,12 @@ class Settings:
                                     environ.get("ENVBUILD_REGISTRY_INSECURE", "").split(",")
                                     if h.strip()),
         )
+
+
+def _budget(environ: Mapping[str, str]) -> BudgetSettings:
+    from runtime_shim.admission import BudgetSettings
+
+    return BudgetSettings.from_env(environ)
 
 
 def parse_size(text: str) -> int:

@@ -69,6 +69,7 @@ from envbuild.layers import pack_tree
 from envbuild.safefs import read_tail, remove_tree
 from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_record
 from runtime_shim import cpuclass, netns, scratchfs
+from runtime_shim.admission import BudgetSettings, Ledger, Reservation, build_key
 from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
 from runtime_shim.nodecache import NodeCache
 from runtime_shim.runc import OciRuntime, run_container, write_bundle
@@ -158,6 +159,11 @@ class BuildContext:
     # The cap of one layer's writes (its upper dir and /tmp; runtime_shim.scratchfs). None: none.
     disk_bytes: int | None = DEFAULT_BUILD_DISK_BYTES
     inodes: int | None = DEFAULT_BUILD_INODES
+    #: The node's budget (``runtime_shim.admission``): a layer's disk is reserved in the node's
+    #: ledger before it is made; one that does not fit waits up to ``admission_wait`` seconds
+    #: for other builds to give theirs back, one that could never fit is refused at once.
+    admission: BudgetSettings = dataclasses.field(default_factory=BudgetSettings)
+    admission_wait: float = 1800.0
     #: Called with (layer name, bytes) as a ``run`` step writes its output (``envbuild build
     #: -v``), from the step's copier thread; what reaches the log (capped at STEP_LOG_CAP).
     on_output: Callable[[str, bytes], None] | None = None
@@ -183,13 +189,18 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
                                    f"{job.key.removeprefix('sha256:')[:16]}-{uuid.uuid4().hex[:8]}")
     disk = scratch / scratchfs.MOUNT_NAME
     upper, work, merged = disk / "upper", disk / "work", scratch / "merged"
+    ledger, reserved = Ledger(ctx.node.root), build_key(scratch.name)
     if ctx.disk_bytes is not None:
         try:
+            ledger.admit(reserved, Reservation(disk_bytes=ctx.disk_bytes), scratch,
+                         what=f"the build of {job.name}", settings=ctx.admission,
+                         wait=ctx.admission_wait)
             # dev + suid: debootstrap makes /dev nodes in the upper dir and chroots into it
             scratchfs.create(scratch, ctx.disk_bytes, ctx.inodes,
                              template_root=ctx.node.root / "scratchfs", nodev_nosuid=False)
         except BaseException:
             release_scratch(scratch, owner)
+            ledger.release(reserved)
             raise
     for p in (upper, work, merged, disk / "tmp"):
         p.mkdir(parents=True, exist_ok=True)
@@ -263,6 +274,8 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
             netns.teardown(net_dir)
         scratchfs.destroy(scratch)
         release_scratch(scratch, owner)
+        if ctx.disk_bytes is not None:
+            ledger.release(reserved)
 
 
 OWNER_SUFFIX = ".owner"
