@@ -172,7 +172,8 @@ def node_budget(host: HostTables, settings: BudgetSettings) -> NodeBudget:
     for key, cap in settings.caps.items():
         if cap < limits[key]:
             limits[key] = cap
-            sources[key] = f"ENVBUILD_NODE_BUDGET {key.removesuffix('_bytes')}={cap}"
+            shown = _gib(cap) if key == "disk_bytes" else cap
+            sources[key] = f"ENVBUILD_NODE_BUDGET {key.removesuffix('_bytes')}={shown}"
     return NodeBudget(Reservation(**limits), sources)
 
 
@@ -212,8 +213,19 @@ def refusal(budget: NodeBudget, committed: Reservation, holders: int, new: Reser
     return None
 
 
+def fit(budget: NodeBudget, committed: Reservation, want: Reservation,
+        min_disk: int | None) -> Reservation:
+    """``want`` with its disk lowered to what ``budget`` has left after ``committed`` (whole
+    MiB), if that is less and at least ``min_disk``; else ``want`` (pure)."""
+    room = (budget.limits.disk_bytes - committed.disk_bytes) // (1 << 20) << 20
+    if min_disk is None or want.disk_bytes <= room or room < min_disk:
+        return want
+    return dataclasses.replace(want, disk_bytes=room)
+
+
 def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB"
+    """A size for messages: ``1.5 GiB``, ``64 MiB``."""
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"
 
 
 def read_host(node_dir: str | os.PathLike[str], proc_sys: str = "/proc/sys") -> HostTables:
@@ -277,18 +289,22 @@ class Ledger:
         tmp.replace(self.path)
 
     def admit(self, key: str, want: Reservation, path: str | os.PathLike[str], *,
-              what: str, settings: BudgetSettings, wait: float = 0.0) -> None:
-        """Reserve ``want`` under ``key`` for the thing at ``path``, or raise
-        ``AdmissionRefused``. With ``wait``, a refusal that only others' reservations cause
-        is retried for up to that many seconds (a build waits for another build's disk)."""
+              what: str, settings: BudgetSettings, wait: float = 0.0,
+              min_disk: int | None = None) -> Reservation:
+        """Reserve ``want`` under ``key`` for the thing at ``path`` and return what was
+        granted, or raise ``AdmissionRefused``. ``min_disk``: ``want``'s disk may be lowered
+        to what the budget has left, down to this (a build's cap is a safety cap, not a
+        promise). With ``wait``, a refusal that only others' reservations cause is retried for
+        up to that many seconds (a build waits for another build's disk)."""
         deadline = time.monotonic() + wait
         while True:
             with self._locked() as entries:
                 budget = node_budget(read_host(self.dir), settings)
-                refused = self._try(entries, key, want, path, budget, what)
+                granted, refused = self._try(entries, key, want, path, budget, what, min_disk)
                 if refused is None:
-                    return
-                alone = refusal(budget, Reservation(), 0, want, what)
+                    return granted
+                alone = refusal(budget, Reservation(), 0,
+                                fit(budget, Reservation(), want, min_disk), what)
             if alone is not None or time.monotonic() >= deadline:
                 resource, line = refused
                 raise AdmissionRefused(line, hint=HINTS[resource])
@@ -296,20 +312,21 @@ class Ledger:
 
     @staticmethod
     def _try(entries: dict[str, dict], key: str, want: Reservation,
-             path: str | os.PathLike[str], budget: NodeBudget, what: str
-             ) -> tuple[str, str] | None:
+             path: str | os.PathLike[str], budget: NodeBudget, what: str,
+             min_disk: int | None) -> tuple[Reservation, tuple[str, str] | None]:
         for attempt in range(2):
             others = {k: e for k, e in entries.items() if k != key}
             committed = sum((_entry(e) for e in others.values()), Reservation())
-            refused = refusal(budget, committed, len(others), want, what)
+            granted = fit(budget, committed, want, min_disk)
+            refused = refusal(budget, committed, len(others), granted, what)
             if refused is None:
-                entries[key] = {**want.to_json(), "path": os.fspath(path)}
-                return None
+                entries[key] = {**granted.to_json(), "path": os.fspath(path)}
+                return granted, None
             if attempt == 0:  # owners gone without a word: drop them, then look again
                 for k in [k for k, e in others.items()
                           if not os.path.lexists(str(e.get("path", "")))]:
                     del entries[k]
-        return refused
+        return want, refused
 
     def release(self, key: str) -> None:
         """Forget ``key``'s reservation (idempotent)."""

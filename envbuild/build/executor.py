@@ -92,6 +92,8 @@ BUILD_HOSTNAME = "envbuild"
 #: is a few GB), only there so a runaway step cannot fill the build host. The image is sparse.
 DEFAULT_BUILD_DISK_BYTES = 50 << 30
 DEFAULT_BUILD_INODES = 5_000_000
+#: The smallest disk a layer gets when the node's disk budget has less left than its cap.
+MIN_BUILD_DISK_BYTES = 1 << 30
 
 
 
@@ -160,8 +162,9 @@ class BuildContext:
     disk_bytes: int | None = DEFAULT_BUILD_DISK_BYTES
     inodes: int | None = DEFAULT_BUILD_INODES
     #: The node's budget (``runtime_shim.admission``): a layer's disk is reserved in the node's
-    #: ledger before it is made; one that does not fit waits up to ``admission_wait`` seconds
-    #: for other builds to give theirs back, one that could never fit is refused at once.
+    #: ledger before it is made, at ``disk_bytes`` or what the budget has left if that is less
+    #: (at least ``MIN_BUILD_DISK_BYTES``); below that it waits up to ``admission_wait``
+    #: seconds for other builds to give theirs back, and one that could never fit is refused.
     admission: BudgetSettings = dataclasses.field(default_factory=BudgetSettings)
     admission_wait: float = 1800.0
     #: Called with (layer name, bytes) as a ``run`` step writes its output (``envbuild build
@@ -190,13 +193,16 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
     disk = scratch / scratchfs.MOUNT_NAME
     upper, work, merged = disk / "upper", disk / "work", scratch / "merged"
     ledger, reserved = Ledger(ctx.node.root), build_key(scratch.name)
+    disk_limit = ctx.disk_bytes  # lowered by admission when the node has less left
     if ctx.disk_bytes is not None:
         try:
-            ledger.admit(reserved, Reservation(disk_bytes=ctx.disk_bytes), scratch,
-                         what=f"the build of {job.name}", settings=ctx.admission,
-                         wait=ctx.admission_wait)
+            granted = ledger.admit(reserved, Reservation(disk_bytes=ctx.disk_bytes), scratch,
+                                   what=f"the build of {job.name}", settings=ctx.admission,
+                                   wait=ctx.admission_wait,
+                                   min_disk=min(ctx.disk_bytes, MIN_BUILD_DISK_BYTES))
             # dev + suid: debootstrap makes /dev nodes in the upper dir and chroots into it
-            scratchfs.create(scratch, ctx.disk_bytes, ctx.inodes,
+            disk_limit = granted.disk_bytes
+            scratchfs.create(scratch, disk_limit, ctx.inodes,
                              template_root=ctx.node.root / "scratchfs", nodev_nosuid=False)
         except BaseException:
             release_scratch(scratch, owner)
@@ -234,7 +240,7 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
                 try:
                     _run_step(ctx, job, i, step, merged, scratch, log)
                 except StepFailed as e:
-                    raise _explain_full_disk(ctx, disk, e) from None
+                    raise _explain_full_disk(ctx, disk, disk_limit, e) from None
             unmount(str(merged))
             mounted = False
         if isinstance(d, Toolkit):
@@ -318,10 +324,11 @@ def sweep_stale_scratch(root: Path, runtime: OciRuntime | None = None) -> list[s
     return [r.name for r in reap_stale_builds(root, runtime)]
 
 
-def _explain_full_disk(ctx: BuildContext, disk: Path, e: StepFailed) -> StepFailed:
+def _explain_full_disk(ctx: BuildContext, disk: Path, limit: int | None,
+                       e: StepFailed) -> StepFailed:
     """``e``, or when the step left its disk (nearly) full, which most likely made it fail,
     the same error saying so in its one line."""
-    if ctx.disk_bytes is None:
+    if limit is None:
         return e
     st = os.statvfs(disk)
     out_of = ("space" if st.f_bavail * st.f_frsize < (1 << 20) else
@@ -329,7 +336,7 @@ def _explain_full_disk(ctx: BuildContext, disk: Path, e: StepFailed) -> StepFail
     if out_of is None:
         return e
     return StepFailed(f"{e.message} (out of {out_of}: the layer's disk limit is "
-                      f"{ctx.disk_bytes >> 20} MiB / {ctx.inodes} inodes)",
+                      f"{limit >> 20} MiB / {ctx.inodes} inodes)",
                       argv=e.argv, exit_code=e.exit_code, output_tail=e.output_tail,
                       log_path=e.log_path,
                       hint="raise ENVBUILD_BUILD_DISK / ENVBUILD_BUILD_INODES, or write less")

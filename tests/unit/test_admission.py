@@ -9,6 +9,7 @@ from envbuild.errors import AdmissionRefused, SettingsError
 from runtime_shim.admission import (
     BudgetSettings,
     HostTables,
+    fit,
     Reservation,
     node_budget,
     parse_caps,
@@ -65,6 +66,17 @@ def test_refusal_names_the_budget_in_one_line():
     line = refusal(budget, Reservation(), 0, Reservation(disk_bytes=100 * GiB), "the build of x")
     assert line is not None and line[0] == "disk_bytes" and "\n" not in line[1]
     assert "needs 100.0 GiB" in line[1] and "kept free" in line[1]
+
+
+def test_a_build_disk_is_lowered_to_what_is_left_not_below_its_minimum():
+    budget = node_budget(HostTables(10 ** 9, 32768, 32768, 60 * GiB, 100 * GiB),
+                         BudgetSettings())  # 55 GiB of disk
+    want = Reservation(disk_bytes=50 * GiB)
+    assert fit(budget, Reservation(), want, GiB) == want
+    assert fit(budget, Reservation(disk_bytes=50 * GiB), want, GiB) == Reservation(
+        disk_bytes=5 * GiB)
+    assert fit(budget, Reservation(disk_bytes=54 * GiB + 1), want, GiB) == want  # < 1 GiB left
+    assert fit(budget, Reservation(disk_bytes=50 * GiB), want, None) == want  # a sandbox's
 
 
 def test_unbounded_limits_are_refused_not_counted_as_zero():

@@ -1,0 +1,240 @@
+"""Issue 34, items 3 and 7: a node admits sandboxes and build disks only within its budget.
+
+Observed before: two default sandboxes (505 processes x 4,090 open files each, within their
+limits) filled ``fs.file-max``, after which a third sandbox's exec failed and unprivileged
+host processes could not start; and nothing compared the sum of sparse sandbox and build disks
+with the node's free space. Now every sandbox reserves its worst case (``pids × nofile`` open
+files, ``pids`` tasks, ``disk_bytes``) in the node's ledger and one past the budget is refused
+with one line naming it (``runtime_shim.admission``).
+
+Real runc sandboxes of the busybox env, each test on a node dir of its own (the budget and the
+ledger are per node dir). Budgets are made small with ``ENVBUILD_NODE_BUDGET`` so nothing here
+comes near the host's real tables, except ``test_the_observed_attack_is_refused_on_the_real_
+file_table``, which only reserves (the sandboxes it admits open nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from envbuild.errors import AdmissionRefused
+from runtime_shim import scratchfs
+from runtime_shim.admission import LEDGER_NAME, Ledger, sandbox_key
+from runtime_shim.sandbox import Limits, Sandbox, gc_sandboxes
+from tests.conftest import REPO, require_tool
+
+ENV = "env/busybox-shell"
+MiB = 1 << 20
+#: 16 tasks, 16 x 64 = 1024 open files, no disk: small and quick
+SMALL = Limits(pids=16, nofile=64, memory_bytes=64 * MiB, disk_bytes=None)
+
+
+def _create(store, node: Path, limits: Limits = SMALL) -> Sandbox:
+    return Sandbox.create(ENV, store=store, node_dir=node, limits=limits)
+
+
+def _ledger(node: Path) -> dict:
+    path = node / "node" / LEDGER_NAME
+    return json.loads(path.read_text())["entries"] if path.exists() else {}
+
+
+def _sandbox_dirs(node: Path) -> list[str]:
+    root = node / "sandboxes"
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+@pytest.mark.parametrize("budget, limits, name, shown", [
+    ("files=2500", SMALL, "open files", "files=2500"),
+    ("tasks=40", SMALL, "tasks", "tasks=40"),
+    ("disk=150M", dataclasses.replace(SMALL, disk_bytes=64 * MiB, inodes=2048), "disk",
+     "disk=150 MiB"),
+])
+def test_the_sandbox_past_the_node_budget_is_refused_with_one_line(
+        busybox_store, tmp_path, monkeypatch, budget, limits, name, shown):
+    if limits.disk_bytes:
+        require_tool("mkfs.ext4")
+    store, _ = busybox_store
+    node = tmp_path / "node"
+    monkeypatch.setenv("ENVBUILD_NODE_BUDGET", budget)
+    made = [_create(store, node, limits), _create(store, node, limits)]
+    first, second = made
+    try:
+        for sb in made:  # the admitted ones work
+            assert sb.exec("echo ok").stdout == b"ok\n"
+        with pytest.raises(AdmissionRefused) as e:
+            made.append(_create(store, node, limits))
+        line = e.value.message
+        assert line.startswith(f"node budget of {name} exceeded: sandbox eb-"), line
+        assert "reserved by 2 other(s)" in line and f"ENVBUILD_NODE_BUDGET {shown}" in line
+        assert "\n" not in line and e.value.hint
+        # nothing of the refused one is left: no dir, no ledger entry
+        assert _sandbox_dirs(node) == sorted([first.id, second.id])
+        assert sorted(_ledger(node)) == sorted(sandbox_key(s.id) for s in (first, second))
+        # closing one gives its share back
+        first.close()
+        made.append(_create(store, node, limits))
+        assert made[-1].exec("echo ok").stdout == b"ok\n"
+    finally:
+        for sb in made:
+            sb.close()
+    assert _ledger(node) == {}
+    scratchfs.settle(10)
+
+
+def test_the_observed_attack_is_refused_on_the_real_file_table(busybox_store, tmp_path,
+                                                               monkeypatch):
+    """The old default (512 processes x 4096 files) against this host's real fs.file-max, less
+    the host's quarter: sandboxes are admitted only while the sum of what they could open
+    fits; the default one (256 x 1024) is admitted and reserves exactly its product."""
+    monkeypatch.delenv("ENVBUILD_NODE_BUDGET", raising=False)
+    monkeypatch.delenv("ENVBUILD_HOST_RESERVE", raising=False)
+    store, _ = busybox_store
+    node = tmp_path / "node"
+    file_max = int(Path("/proc/sys/fs/file-max").read_text())
+    old = Limits(pids=512, nofile=4096, disk_bytes=None)
+    each = 512 * 4096
+    fits = int(file_max * 0.75) // each
+    assert fits <= 32, f"fs.file-max {file_max}: this host's table is too large for this test"
+    admitted: list[Sandbox] = []
+    try:
+        with pytest.raises(AdmissionRefused) as e:
+            for _ in range(fits + 1):
+                admitted.append(_create(store, node, old))
+        assert len(admitted) == fits
+        assert "node budget of open files exceeded" in e.value.message
+        assert f"of fs.file-max {file_max}" in e.value.message
+        for sb in admitted:
+            sb.close()
+        admitted.clear()
+        default = dataclasses.replace(Limits(), disk_bytes=None)
+        with _create(store, node, default) as sb:
+            assert _ledger(node)[sandbox_key(sb.id)]["files"] == 256 * 1024
+            assert sb.exec("ulimit -n").stdout == b"1024\n"
+    finally:
+        for sb in admitted:
+            sb.close()
+
+
+def test_concurrent_creates_never_overshoot_the_budget(busybox_store, tmp_path, monkeypatch):
+    """Six creates at once on a node whose budget holds three: the ledger's lock admits three
+    exactly, whatever the interleaving."""
+    store, _ = busybox_store
+    node = tmp_path / "node"
+    _create(store, node).close()  # the layers fetched: the six race on admission alone
+    monkeypatch.setenv("ENVBUILD_NODE_BUDGET", "tasks=48")
+    made: list[Sandbox] = []
+    refused: list[AdmissionRefused] = []
+    lock = threading.Lock()
+
+    def create() -> None:
+        try:
+            sb = _create(store, node)
+        except AdmissionRefused as e:
+            with lock:
+                refused.append(e)
+        else:
+            with lock:
+                made.append(sb)
+
+    threads = [threading.Thread(target=create) for _ in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert (len(made), len(refused)) == (3, 3), (made, refused)
+        assert sum(e["tasks"] for e in _ledger(node).values()) == 48
+    finally:
+        for sb in made:
+            sb.close()
+
+
+def test_a_killed_creators_reservation_is_given_back(busybox_store, tmp_path, monkeypatch):
+    """A process that dies without closing its sandbox (kill -9) leaves its reservation; the
+    next create sweeps the orphan and its reservation with it, and is admitted."""
+    store, _ = busybox_store
+    node = tmp_path / "node"
+    script = textwrap.dedent(f"""
+        import os, sys
+        from runtime_shim.sandbox import Limits, Sandbox
+        sb = Sandbox.create({ENV!r}, store={str(store.root)!r}, node_dir={str(node)!r},
+                            limits=Limits(pids=16, nofile=64, memory_bytes=64 << 20,
+                                          disk_bytes=None))
+        print(sb.id, flush=True)
+        os.kill(os.getpid(), 9)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    orphan = proc.stdout.strip()
+    try:
+        assert sandbox_key(orphan) in _ledger(node)  # the crash really left it reserved
+        monkeypatch.setenv("ENVBUILD_NODE_BUDGET", "tasks=16")  # room for one sandbox
+        with _create(store, node) as sb:
+            assert sorted(_ledger(node)) == [sandbox_key(sb.id)]
+            assert _sandbox_dirs(node) == [sb.id]
+    finally:
+        gc_sandboxes(node)
+
+
+def test_an_entry_whose_owner_vanished_does_not_hold_the_budget(busybox_store, tmp_path,
+                                                                monkeypatch):
+    """A reservation whose dir is gone (a host rebooted, a node dir cleaned by hand) is
+    dropped when it would cause a refusal, never counted forever."""
+    store, _ = busybox_store
+    node = tmp_path / "node"
+    monkeypatch.setenv("ENVBUILD_NODE_BUDGET", "tasks=16")
+    from runtime_shim.admission import BudgetSettings, Reservation
+
+    Ledger(node / "node").admit("sandbox:eb-gone", Reservation(tasks=16),
+                                tmp_path / "no-such-dir", what="sandbox eb-gone",
+                                settings=BudgetSettings.from_env({}))
+    with _create(store, node) as sb:
+        assert sorted(_ledger(node)) == [sandbox_key(sb.id)]
+
+
+BUILD = """\
+apiVersion: envbuild/v1
+kind: Toolkit
+name: small
+description: a layer that writes one file
+build_on: busybox-tiny
+requires: {abi: [busybox-amd64]}
+prefix: /opt/toolkits/small
+steps:
+  - run: mkdir -p /opt/toolkits/small && echo hi > /opt/toolkits/small/hi
+    network: none
+"""
+
+
+def test_a_build_disk_past_the_node_budget_is_refused_with_one_line(envbuild_cli):
+    """A layer's scratch disk is reserved too: one that could never fit the node's disk budget
+    fails the build with one line naming it, and leaves nothing."""
+    require_tool("mkfs.ext4")
+    (envbuild_cli.defs / "toolkits" / "small.yaml").write_text(BUILD)
+    envbuild_cli.monkeypatch.setenv("ENVBUILD_BUILD_DISK", "64M")
+    envbuild_cli.monkeypatch.setenv("ENVBUILD_NODE_BUDGET", "disk=32M")
+    r = envbuild_cli("build", "small")
+    assert r.code == 1, (r.out, r.err)
+    assert "Traceback" not in r.err
+    errors = [line for line in r.err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, r.err
+    assert "node budget of disk exceeded: the build of" in errors[0], r.err
+    assert "ENVBUILD_NODE_BUDGET disk=32 MiB" in errors[0], r.err
+    builds = envbuild_cli.node / "builds"
+    assert not (builds.exists() and any(p.suffix != ".owner" and p.is_dir()
+                                        for p in builds.iterdir())), list(builds.iterdir())
+    assert _ledger(envbuild_cli.node) == {}
+    # within the budget the same build passes, and gives its disk back
+    envbuild_cli.monkeypatch.setenv("ENVBUILD_NODE_BUDGET", "disk=256M")
+    r = envbuild_cli("build", "small")
+    assert r.code == 0, r.err
+    assert _ledger(envbuild_cli.node) == {}
