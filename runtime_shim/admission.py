@@ -177,12 +177,16 @@ def node_budget(host: HostTables, settings: BudgetSettings) -> NodeBudget:
     return NodeBudget(Reservation(**limits), sources)
 
 
-def reservation(limits, backend: str = "container") -> Reservation:
-    """What a sandbox of ``limits`` (``runtime_shim.model.Limits``) on ``backend`` reserves
-    (pure); ``AdmissionRefused`` for a container-like sandbox without a pids or memory limit."""
+def vm_reservation(limits) -> Reservation:
+    """What a microVM of ``limits`` reserves (pure): its disk and one QEMU process."""
+    return Reservation(VM_FILES, VM_TASKS, limits.disk_bytes or 0)
+
+
+def reservation(limits) -> Reservation:
+    """What a container (or FnCall) sandbox of ``limits`` (``runtime_shim.model.Limits``)
+    reserves (pure): the charge of every backend that does not say otherwise
+    (``backend.HostCosted``); ``AdmissionRefused`` without a pids or memory limit."""
     disk = limits.disk_bytes or 0
-    if backend == "microvm":
-        return Reservation(VM_FILES, VM_TASKS, disk)
     for field, value in (("pids", limits.pids), ("memory_bytes", limits.memory_bytes)):
         if value is None:
             raise AdmissionRefused(

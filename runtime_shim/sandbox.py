@@ -49,6 +49,7 @@ from runtime_shim import seccomp as seccomp_profiles
 from runtime_shim.backend import (
     CreateRequest,
     Describable,
+    HostCosted,
     MemoryReporting,
     SandboxHandle,
     Snapshottable,
@@ -324,7 +325,9 @@ class Sandbox:
         if ttl is not None and not ttl > 0:
             raise RuntimeShimError(f"ttl must be a positive number of seconds, not {ttl!r}")
         limits = limits or Limits()
-        want = admission.reservation(limits, backend)  # no pids limit: refused before any work
+        # before any work: no pids limit is refused here
+        want = impl.host_reservation(limits) if isinstance(impl, HostCosted) \
+            else admission.reservation(limits)
         budget = admission.BudgetSettings.from_env(os.environ)
         opened = open_store(store)
         layout = _layout(node_dir)

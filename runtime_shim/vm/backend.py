@@ -98,9 +98,11 @@ from runtime_shim import (
     agent,
     netns,  # a networked sandbox's own namespace
 )
+from runtime_shim.admission import Reservation, vm_reservation
 from runtime_shim.backend import CheckpointImage, CreateRequest
 from runtime_shim.layout import NodeLayout, SandboxPaths
 from runtime_shim.locks import ResolvedLock
+from runtime_shim.model import Limits
 from runtime_shim.mount import unmount
 from runtime_shim.nodecache import NodeCache, parse_size
 from runtime_shim.spec import parse_user
@@ -673,6 +675,10 @@ class MicroVmBackend:
     past that process nor attached to from another one."""
 
     name = "microvm"
+
+    def host_reservation(self, limits: Limits) -> Reservation:
+        """``backend.HostCosted``: the guest's processes and files are its own."""
+        return vm_reservation(limits)
 
     def check(self, *, keep: bool, seccomp: str | Mapping | None, lazy: bool) -> None:
         if keep:

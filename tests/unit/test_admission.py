@@ -9,12 +9,13 @@ from envbuild.errors import AdmissionRefused, SettingsError
 from runtime_shim.admission import (
     BudgetSettings,
     HostTables,
-    fit,
     Reservation,
+    fit,
     node_budget,
     parse_caps,
     refusal,
     reservation,
+    vm_reservation,
 )
 from runtime_shim.model import Limits, default_cpus
 
@@ -83,9 +84,9 @@ def test_unbounded_limits_are_refused_not_counted_as_zero():
     with pytest.raises(AdmissionRefused, match=r"Limits.pids=None.*process and file tables"):
         reservation(Limits(pids=None))
     with pytest.raises(AdmissionRefused, match=r"Limits.memory_bytes=None.*kernel memory"):
-        reservation(Limits(memory_bytes=None), "fncall")
+        reservation(Limits(memory_bytes=None))
     # a microVM's processes live in its guest: its disk and one QEMU on the host
-    vm = reservation(Limits(pids=None, memory_bytes=None), "microvm")
+    vm = vm_reservation(Limits(pids=None, memory_bytes=None))
     assert vm.disk_bytes == 10 * GiB and 0 < vm.files <= 1024
     assert reservation(Limits(disk_bytes=None)).disk_bytes == 0  # documented: uncapped dirs
 
