@@ -21,6 +21,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -236,5 +237,48 @@ def test_a_build_disk_past_the_node_budget_is_refused_with_one_line(envbuild_cli
     # within the budget the same build passes, and gives its disk back
     envbuild_cli.monkeypatch.setenv("ENVBUILD_NODE_BUDGET", "disk=256M")
     r = envbuild_cli("build", "small")
+    assert r.code == 0, r.err
+    assert _ledger(envbuild_cli.node) == {}
+
+
+def test_a_build_disk_waits_for_another_builds_or_gets_what_is_left(tmp_path):
+    """The ledger's rules for build disks, on real files: a disk that fits only once another
+    build gives its back waits for it; one that may be smaller gets what is left; one that
+    could never fit is refused at once, whatever the wait."""
+    from runtime_shim.admission import BudgetSettings, Reservation
+
+    ledger = Ledger(tmp_path / "node")
+    settings = BudgetSettings(caps={"disk_bytes": 100 * MiB})
+    want = Reservation(disk_bytes=64 * MiB)
+    assert ledger.admit("build:a", want, tmp_path, what="the build of a", settings=settings,
+                        min_disk=64 * MiB) == want
+    timer = threading.Timer(1.0, ledger.release, args=("build:a",))
+    timer.start()
+    started = time.monotonic()
+    got = ledger.admit("build:b", want, tmp_path, what="the build of b", settings=settings,
+                       wait=30, min_disk=64 * MiB)
+    assert got == want and 0.9 < time.monotonic() - started < 10
+    assert ledger.admit("build:c", want, tmp_path, what="the build of c", settings=settings,
+                        min_disk=16 * MiB) == Reservation(disk_bytes=36 * MiB)
+    started = time.monotonic()
+    with pytest.raises(AdmissionRefused, match="node budget of disk exceeded: the build of d"):
+        ledger.admit("build:d", Reservation(disk_bytes=200 * MiB), tmp_path,
+                     what="the build of d", settings=settings, wait=30, min_disk=128 * MiB)
+    assert time.monotonic() - started < 1
+    assert sorted(ledger.reserved()) == ["build:b", "build:c"]
+
+
+SMALL2 = BUILD.replace("small", "small2")
+
+
+def test_parallel_builds_share_the_disk_budget(envbuild_cli):
+    """Two layers built at once on a node whose disk budget holds one of their disks: the
+    second waits for the first's, and both build."""
+    require_tool("mkfs.ext4")
+    (envbuild_cli.defs / "toolkits" / "small.yaml").write_text(BUILD)
+    (envbuild_cli.defs / "toolkits" / "small2.yaml").write_text(SMALL2)
+    envbuild_cli.monkeypatch.setenv("ENVBUILD_BUILD_DISK", "64M")
+    envbuild_cli.monkeypatch.setenv("ENVBUILD_NODE_BUDGET", "disk=100M")
+    r = envbuild_cli("build", "small", "small2")
     assert r.code == 0, r.err
     assert _ledger(envbuild_cli.node) == {}
