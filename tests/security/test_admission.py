@@ -124,6 +124,25 @@ def test_the_observed_attack_is_refused_on_the_real_file_table(busybox_store, tm
             sb.close()
 
 
+@pytest.mark.parametrize("field", ["pids", "memory_bytes"])
+def test_a_sandbox_without_a_pids_or_memory_limit_is_refused(busybox_store, tmp_path, field):
+    """``pids=None`` leaves the tasks and (with ``nofile``) the file table unbounded;
+    ``memory_bytes=None`` the kernel memory its processes pin (dentries, inodes, open files:
+    charged to its memory cgroup, so the memory limit is what bounds them). Refused before
+    anything is made, with one line."""
+    store, _ = busybox_store
+    node = tmp_path / "node"
+    made: list[Sandbox] = []
+    try:
+        with pytest.raises(AdmissionRefused, match=f"Limits.{field}=None") as e:
+            made.append(_create(store, node, dataclasses.replace(SMALL, **{field: None})))
+    finally:
+        for sb in made:
+            sb.close()
+    assert e.value.hint and "\n" not in e.value.message
+    assert _sandbox_dirs(node) == [] and _ledger(node) == {}
+
+
 def test_concurrent_creates_never_overshoot_the_budget(busybox_store, tmp_path, monkeypatch):
     """Six creates at once on a node whose budget holds three: the ledger's lock admits three
     exactly, whatever the interleaving."""
