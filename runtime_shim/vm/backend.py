@@ -98,7 +98,13 @@ from runtime_shim import (
     agent,
     netns,  # a networked sandbox's own namespace
 )
-from runtime_shim.admission import Reservation, vm_reservation
+from runtime_shim.admission import (
+    BudgetSettings,
+    Ledger,
+    Reservation,
+    sandbox_key,
+    vm_reservation,
+)
 from runtime_shim.backend import CheckpointImage, CreateRequest
 from runtime_shim.layout import NodeLayout, SandboxPaths
 from runtime_shim.locks import ResolvedLock
@@ -779,8 +785,11 @@ def restore_sandbox(image: CheckpointImage, *, store, node_dir=None, limits=None
             "store": sdk._store_url(store), "ttl": None, "expires": 0.0, "ready": 0.0}
     layout.sandboxes.mkdir(exist_ok=True)
     paths.root.mkdir()
-    with undo_on_error(paths):
+    ledger = Ledger(layout.node)
+    with sdk._released_on_error(ledger, sandbox_id), undo_on_error(paths):
         sdk._write_meta(paths, meta)
+        ledger.admit(sandbox_key(sandbox_id), vm_reservation(limits), paths.root,
+                     what=f"sandbox {sandbox_id}", settings=BudgetSettings.from_env(os.environ))
         backend = get_backend("microvm")
         assert isinstance(backend, MicroVmBackend)
         handle = backend.restore(CreateRequest(
