@@ -9,18 +9,20 @@ with 50 GiB free (item 7). So before a sandbox (or a build layer's scratch disk)
 node checks that the worst case of everything it admitted, this one included, fits a budget,
 and refuses it with one line naming the budget otherwise (``AdmissionRefused``).
 
-What one admission reserves (``reservation``; pure):
+What a container or FnCall sandbox reserves (``reservation``; pure):
 
 - ``files``: ``Limits.pids × Limits.nofile``, the open files its processes can hold at once
   (each process at most ``nofile`` descriptors, at most ``pids`` processes);
 - ``tasks``: ``Limits.pids`` (the pids cgroup counts threads too);
 - ``disk_bytes``: ``Limits.disk_bytes``, the size of its scratch disk.
 
-A microVM's processes and files live in its guest: on the host it reserves its disk and a
-QEMU process's share (``VM_FILES``, ``VM_TASKS``). ``pids=None`` or ``memory_bytes=None`` on a
-container or FnCall sandbox is refused: without them neither table nor the kernel memory its
-processes pin (charged to its memory cgroup) is bounded. ``disk_bytes=None`` (plain dirs on
-the node's filesystem, a documented opt-out of the disk cap) reserves no disk.
+That is what every backend is charged unless it says otherwise (``backend.HostCosted``): a
+microVM's processes and files live in its guest, so on the host it reserves its disk and a
+QEMU process's share (``vm_reservation``: ``VM_FILES``, ``VM_TASKS``). ``pids=None`` or
+``memory_bytes=None`` on a container or FnCall sandbox is refused: without them neither table
+nor the kernel memory its processes pin (charged to its memory cgroup) is bounded.
+``disk_bytes=None`` (plain dirs on the node's filesystem, a documented opt-out of the disk cap)
+reserves no disk.
 
 The budget (``node_budget``; pure over what ``read_host`` measured at admission): each kernel
 table's limit read from ``/proc/sys`` less a share kept for the host (``ENVBUILD_HOST_RESERVE``,
@@ -32,17 +34,23 @@ that shares its host with others: the budget is per node dir, and the tables are
 
 The ledger (``Ledger``): ``<node cache>/admission.json``, ``{"version": 1, "entries": {key:
 {"files", "tasks", "disk_bytes", "path"}}}``, read and rewritten (temp file + rename) under an
-exclusive ``flock`` of ``admission.lock`` beside it: an admission costs one small read and write
-whatever number of sandboxes live, and never scans the sandboxes dir. A sandbox's entry is
+exclusive ``flock`` of ``admission.lock`` beside it: an admission never scans the sandboxes
+dir, it reads and writes one small file (~100 bytes a live reservation). A sandbox's entry is
 removed when it is closed or removed (``Sandbox.close``, ``remove_sandbox``, the sweep of a dead
-creator's sandboxes); a build's when its scratch dir is released or reaped. An entry whose
+creator's sandboxes); a build's when its scratch dir is released. An entry whose
 ``path`` no longer exists (its owner vanished without a word: a rebooted host, a hand-deleted
-dir) is dropped, but only when an admission would otherwise be refused.
+dir, a build reaped after its builder died) is dropped, but only when an admission would
+otherwise be refused.
+
+Build disks (``envbuild.build.executor``) differ in two ways: their cap is a safety cap, so a
+disk the budget cannot hold in full gets what is left (``fit``; at least 1 GiB), and one that
+does not fit even so waits for other builds to give theirs back before it is refused.
 
 Not covered: struct files held by memory mappings rather than descriptors (bounded by the
-sandbox's memory limit and ``vm.max_map_count``, not by this budget), and inotify instances and
-watches (per-uid counters every sandbox's root shares with the host's root: no cgroup bounds
-them).
+sandbox's memory limit and ``vm.max_map_count``, not by this budget); inotify instances and
+watches and ``fs.aio-max-nr`` (per-uid or host-wide counters that a sandbox's root shares with
+the host's root: no cgroup or rlimit bounds them per sandbox); a build step's tables
+(``BuildLimits``: 8192 tasks x 65536 files, bounded per step, not admitted).
 """
 
 from __future__ import annotations
