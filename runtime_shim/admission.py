@@ -322,7 +322,9 @@ class Ledger:
                                 fit(budget, Reservation(), want, min_disk), what)
             if alone is not None or time.monotonic() >= deadline:
                 resource, line = refused
-                raise AdmissionRefused(line, hint=HINTS[resource])
+                capped = budget.sources[resource].startswith("ENVBUILD_NODE_BUDGET")
+                raise AdmissionRefused(line, hint="close sandboxes, or raise "
+                                       "ENVBUILD_NODE_BUDGET" if capped else HINTS[resource])
             time.sleep(WAIT_POLL)
 
     @staticmethod

@@ -75,7 +75,7 @@ def test_the_sandbox_past_the_node_budget_is_refused_with_one_line(
         line = e.value.message
         assert line.startswith(f"node budget of {name} exceeded: sandbox eb-"), line
         assert "reserved by 2 other(s)" in line and f"ENVBUILD_NODE_BUDGET {shown}" in line
-        assert "\n" not in line and e.value.hint
+        assert "\n" not in line and "ENVBUILD_NODE_BUDGET" in e.value.hint
         # nothing of the refused one is left: no dir, no ledger entry
         assert _sandbox_dirs(node) == sorted([first.id, second.id])
         assert sorted(_ledger(node)) == sorted(sandbox_key(s.id) for s in (first, second))
@@ -112,6 +112,7 @@ def test_the_observed_attack_is_refused_on_the_real_file_table(busybox_store, tm
         assert len(admitted) == fits
         assert "node budget of open files exceeded" in e.value.message
         assert f"of fs.file-max {file_max}" in e.value.message
+        assert "fs.file-max" in e.value.hint and "Limits.nofile" in e.value.hint
         for sb in admitted:
             sb.close()
         admitted.clear()
