@@ -50,6 +50,13 @@ class Limits:
     ``disk_bytes=None`` those dirs are plain dirs under the node dir, uncapped. The microVM
     backend sizes its writable disk from the same two fields.
 
+    ``inotify``: allow the sandbox inotify (file-change watches; off by default: its calls
+    answer ``ENOSYS``, as on a kernel without it, and most watchers poll instead). Off because
+    inotify instances and watches are counted per uid (``fs.inotify.max_user_instances``, 128
+    by default), the sandbox's root is the host's uid 0, and no cgroup bounds them: a sandbox
+    allowed inotify can exhaust the host root's. Containers only (a microVM's guest kernel has
+    its own; FnCall refuses it).
+
     ``cpu_class``: ``"latency"`` (the default) or ``"best-effort"``: ``SCHED_IDLE`` and the
     minimum CPU weight, so latency-class sandboxes keep their tail latency
     (``runtime_shim.cpuclass``; containers and FnCall)."""
@@ -63,6 +70,7 @@ class Limits:
     disk_bytes: int | None = 10 << 30
     inodes: int | None = 1_000_000
     cpu_class: str = "latency"
+    inotify: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ file_table``, which only reserves (the sandboxes it admits open nothing).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from envbuild.errors import AdmissionRefused
+from envbuild.errors import AdmissionRefused, BackendUnavailable
 from runtime_shim import scratchfs
 from runtime_shim.admission import LEDGER_NAME, Ledger, sandbox_key
 from runtime_shim.sandbox import Limits, Sandbox, gc_sandboxes
@@ -302,3 +303,59 @@ def test_parallel_builds_share_the_disk_budget(envbuild_cli):
     r = envbuild_cli("build", "small", "small2")
     assert r.code == 0, r.err
     assert _ledger(envbuild_cli.node) == {}
+
+
+INOTIFY_PROBE = r"""
+#include <errno.h>
+#include <stdio.h>
+#include <sys/inotify.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+    long rc = inotify_init1(0);
+    printf("inotify_init1 %ld %d\n", rc, rc < 0 ? errno : 0);
+#ifdef SYS_inotify_init
+    rc = syscall(SYS_inotify_init);
+    printf("inotify_init %ld %d\n", rc, rc < 0 ? errno : 0);
+#endif
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def inotify_probe(tmp_path_factory) -> bytes:
+    gcc = require_tool("gcc")
+    src = tmp_path_factory.mktemp("inotify") / "probe.c"
+    src.write_text(INOTIFY_PROBE)
+    subprocess.run([gcc, "-static", "-O1", "-o", str(src.with_suffix("")), str(src)],
+                   check=True, capture_output=True)
+    return src.with_suffix("").read_bytes()
+
+
+def _inotify_calls(sb: Sandbox, probe: bytes) -> dict[str, tuple[int, int]]:
+    sb.write_file("/tmp/probe", probe, mode=0o755)
+    r = sb.exec(["/tmp/probe"])
+    assert r.exit_code == 0, r.stderr
+    return {name: (int(rc), int(err)) for name, rc, err in
+            (line.split() for line in r.stdout.decode().splitlines())}
+
+
+def test_inotify_is_refused_unless_the_sandbox_is_allowed_it(busybox_store, tmp_path,
+                                                             inotify_probe):
+    """inotify instances and watches are counted per uid, and a sandbox's root is the host's
+    uid 0: a sandbox could take the host root's 128 instances (no cgroup bounds them). So its
+    syscalls answer ENOSYS (as on a kernel without inotify) unless ``Limits.inotify``."""
+    store, _ = busybox_store
+    node = tmp_path / "node"
+    with _create(store, node) as sb:
+        calls = _inotify_calls(sb, inotify_probe)
+        assert calls and all(v == (-1, errno.ENOSYS) for v in calls.values()), calls
+        assert sb.exec("tail -f /dev/null & sleep 0.2; kill $!; echo ok").stdout == b"ok\n"
+    with _create(store, node, dataclasses.replace(SMALL, inotify=True)) as sb:
+        calls = _inotify_calls(sb, inotify_probe)
+        assert calls and all(rc >= 0 for rc, _ in calls.values()), calls
+    with pytest.raises(BackendUnavailable, match="no inotify"):
+        Sandbox.create(ENV, store=store, node_dir=node, backend="fncall",
+                       limits=dataclasses.replace(SMALL, inotify=True, disk_bytes=64 * MiB))
+    assert _sandbox_dirs(node) == [] and _ledger(node) == {}
