@@ -112,3 +112,21 @@ def test_default_cpus_is_a_share_of_the_host():
     assert default_cpus(64) == 2.0
     cpus = Limits().cpus
     assert cpus is not None and cpus == default_cpus() and cpus <= 2.0
+
+
+def test_inotify_is_off_in_the_default_profile_unless_asked():
+    """Issue 34, item 3: inotify instances are a per-uid table the host's root shares."""
+    from runtime_shim.seccomp import default_profile
+    from runtime_shim.spec import RuntimeSpecRequest, runtime_spec
+
+    def rules(profile):
+        return {n: (r["action"], r.get("errnoRet")) for r in profile["syscalls"]
+                for n in r["names"] if n.startswith("inotify_init")}
+
+    assert rules(default_profile()) == {"inotify_init": ("SCMP_ACT_ERRNO", 38),
+                                        "inotify_init1": ("SCMP_ACT_ERRNO", 38)}
+    assert rules(default_profile(inotify=True)) == {"inotify_init": ("SCMP_ACT_ALLOW", None),
+                                                    "inotify_init1": ("SCMP_ACT_ALLOW", None)}
+    spec = runtime_spec(RuntimeSpecRequest(rootfs="/r", args=("sh",), inotify=True))
+    assert rules(spec["linux"]["seccomp"])["inotify_init1"][0] == "SCMP_ACT_ALLOW"
+    assert Limits().inotify is False
