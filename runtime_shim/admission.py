@@ -50,10 +50,11 @@ Descriptors are what counts: a file mapped and then closed no longer counts towa
 ``fs.file-nr`` (measured on 6.18: 30,000 such mappings in a sandbox left it unchanged, 20,000
 open descriptors raised it by 20,000).
 
-Not covered: inotify instances and
-watches and ``fs.aio-max-nr`` (per-uid or host-wide counters that a sandbox's root shares with
-the host's root: no cgroup or rlimit bounds them per sandbox); a build step's tables
-(``BuildLimits``: 8192 tasks x 65536 files, bounded per step, not admitted).
+inotify instances and watches are per-uid counters a sandbox's root shares with the host's
+root, and nothing bounds them per sandbox: so no budget here, they are off instead unless a
+sandbox opts in (``Limits.inotify``; ``runtime_shim.seccomp``). Not covered: ``fs.aio-max-nr``
+(host-wide, ``io_setup`` is allowed), inotify in a sandbox that opted in, and a build step's
+tables (``BuildLimits``: 8192 tasks x 65536 files, bounded per step, not admitted).
 """
 
 from __future__ import annotations
