@@ -6,6 +6,10 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtime_shim.admission import BudgetSettings
 
 DEFAULT_STORE = "cache"
 DEFAULT_DEFS = "envdefs"
@@ -51,6 +55,9 @@ class Settings:
     # item 5): the node operator's opt-in for trusted definition trees, never the definition's.
     # ENVBUILD_TRUSTED_SOURCES (absolute paths, ':'-separated) or --trust-sources DIR.
     trusted_sources: tuple[str, ...] = ()
+    # Issue 34: the node's budget of host-wide tables and disk (runtime_shim.admission):
+    # ENVBUILD_HOST_RESERVE, ENVBUILD_DISK_RESERVE, ENVBUILD_NODE_BUDGET.
+    admission: BudgetSettings = dataclasses.field(default_factory=lambda: _budget({}))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -82,6 +89,7 @@ class Settings:
                                 hint="e.g. 30") from None
         return cls(
             trusted_sources=trusted_sources(environ),
+            admission=_budget(environ),
             node_cache_max=node_max,
             lease_ttl=lease_ttl,
             build_disk_bytes=build_disk or None,
@@ -123,6 +131,12 @@ def check_trusted_sources(paths) -> tuple[str, ...]:
                                 hint=f"name it from / (--trust-sources / {TRUSTED_SOURCES_ENV})")
         out.append(os.path.normpath(p))
     return tuple(out)
+
+
+def _budget(environ: Mapping[str, str]) -> BudgetSettings:
+    from runtime_shim.admission import BudgetSettings
+
+    return BudgetSettings.from_env(environ)
 
 
 def parse_size(text: str) -> int:

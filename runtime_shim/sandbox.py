@@ -47,11 +47,12 @@ from envbuild.errors import (
     StoreUnavailable,
 )
 from envbuild.store import Store, put_file
-from runtime_shim import agent, exitwatch, lifecycle, netns
+from runtime_shim import admission, agent, exitwatch, lifecycle, netns
 from runtime_shim import seccomp as seccomp_profiles
 from runtime_shim.backend import (
     CreateRequest,
     Describable,
+    HostCosted,
     MemoryReporting,
     SandboxHandle,
     Snapshottable,
@@ -317,9 +318,15 @@ class Sandbox:
         docstring). ``reap``: first remove the node's expired sandboxes and those whose
         creating process died (not kept ones).
 
+        Admission (``runtime_shim.admission``): the sandbox's worst case of host-wide tables
+        (``limits.pids × limits.nofile`` open files, ``pids`` tasks, ``disk_bytes`` of disk)
+        is reserved in the node's ledger before its disk is made, and given back when it is
+        closed or removed; a sandbox that would exceed the node's budget raises
+        ``AdmissionRefused`` naming the budget, and nothing is left.
+
         Errors: ``LockNotFound``, ``StoreUnavailable`` (no store at that path),
         ``BackendUnavailable`` (unknown backend, a request it cannot honour, its runtime
-        missing), ``SandboxStartError``, else ``RuntimeShimError``."""
+        missing), ``AdmissionRefused``, ``SandboxStartError``, else ``RuntimeShimError``."""
         policy = netns.parse_network(network)  # bad entries fail before anything is made
         impl = get_backend(backend)
         seccomp_profiles.check_setting(seccomp)
@@ -334,6 +341,11 @@ class Sandbox:
             impl.check(keep=keep, seccomp=seccomp, lazy=False)
         if ttl is not None and not ttl > 0:
             raise RuntimeShimError(f"ttl must be a positive number of seconds, not {ttl!r}")
+        limits = limits or Limits()
+        # before any work: no pids limit is refused here
+        want = impl.host_reservation(limits) if isinstance(impl, HostCosted) \
+            else admission.reservation(limits)
+        budget = admission.BudgetSettings.from_env(os.environ)
         opened = open_store(store)
         layout = _layout(node_dir)
         resolved = resolve(opened, lock)  # before anything exists on disk
@@ -363,7 +375,6 @@ class Sandbox:
                           for layer in resolved.layers]
         sandbox_id = f"eb-{uuid.uuid4().hex[:12]}"
         paths = layout.sandbox(sandbox_id)
-        limits = limits or Limits()
         created = time.time()
         expires = created + ttl if ttl else 0.0
         meta = {"version": SANDBOX_META_VERSION, "id": sandbox_id, "lock": resolved.digest,
@@ -375,8 +386,12 @@ class Sandbox:
         if not keep:  # removed if this process dies without closing it (SIGKILL)
             exitwatch.watch(layout.root)
         paths.root.mkdir()
-        with undo_on_error(paths):
+        ledger = admission.Ledger(layout.node)
+        with _released_on_error(ledger, sandbox_id), undo_on_error(paths):
             _write_meta(paths, meta)  # first: a dir with a live creator is never swept
+            # after the dir exists: an entry whose path is gone may be dropped by another
+            ledger.admit(admission.sandbox_key(sandbox_id), want, paths.root,
+                         what=f"sandbox {sandbox_id}", settings=budget)
             req = CreateRequest(
                 id=sandbox_id, paths=paths, layout=layout, lock=resolved,
                 layer_dirs=tuple(layer_dirs), node=node, network=policy, limits=limits,
@@ -492,6 +507,10 @@ class Sandbox:
             self._backend.close()
         finally:
             remove_sandbox_dir(self.paths)
+        try:
+            admission.Ledger(self._layout.node).release(admission.sandbox_key(self.id))
+        except Exception as e:  # noqa: BLE001 - e.g. late at exit; the entry of a dir that
+            _log.debug("release %s's admission: %s", self.id, e)  # is gone is dropped anyway
         # what it fetched: meta layers for the next sandbox; nobody is next at exit
         if str(lazy).startswith("passthrough") and not lifecycle.exiting():
             from runtime_shim.lazyfs.metalayer import refresh_soon
@@ -561,6 +580,17 @@ class _Reaper:
 
 
 _REAPER = _Reaper()
+
+
+@contextlib.contextmanager
+def _released_on_error(ledger: admission.Ledger, sandbox_id: str):
+    """Give back the sandbox's reservation if the block fails (its dir is removed first)."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError, RuntimeShimError):
+            ledger.release(admission.sandbox_key(sandbox_id))
+        raise
 
 
 def _write_meta(paths: SandboxPaths, meta: dict) -> None:
@@ -648,6 +678,7 @@ def remove_sandbox(node_dir: str | os.PathLike[str] | NodeLayout | None, sandbox
     if name != "container" and (layout.runc / sandbox_id).exists():  # whatever the record says
         get_backend("container").remove(layout, sandbox_id, runtime)
     remove_sandbox_dir(paths)
+    admission.Ledger(layout.node).release(admission.sandbox_key(sandbox_id))
 
 
 def layers_in_use(node_dir: str | os.PathLike[str] | NodeLayout | None) -> set[str]:

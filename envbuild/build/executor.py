@@ -74,6 +74,7 @@ from envbuild.layers import pack_tree
 from envbuild.safefs import read_tail, remove_tree
 from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_record
 from runtime_shim import cpuclass, netns, scratchfs
+from runtime_shim.admission import BudgetSettings, Ledger, Reservation, build_key
 from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
 from runtime_shim.nodecache import NodeCache
 from runtime_shim.runc import OciRuntime, run_container, write_bundle
@@ -97,6 +98,8 @@ BUILD_HOSTNAME = "envbuild"
 #: is a few GB), only there so a runaway step cannot fill the build host. The image is sparse.
 DEFAULT_BUILD_DISK_BYTES = 50 << 30
 DEFAULT_BUILD_INODES = 5_000_000
+#: The smallest disk a layer gets when the node's disk budget has less left than its cap.
+MIN_BUILD_DISK_BYTES = 1 << 30
 
 
 
@@ -164,6 +167,12 @@ class BuildContext:
     # The cap of one layer's writes (its upper dir and /tmp; runtime_shim.scratchfs). None: none.
     disk_bytes: int | None = DEFAULT_BUILD_DISK_BYTES
     inodes: int | None = DEFAULT_BUILD_INODES
+    #: The node's budget (``runtime_shim.admission``): a layer's disk is reserved in the node's
+    #: ledger before it is made, at ``disk_bytes`` or what the budget has left if that is less
+    #: (at least ``MIN_BUILD_DISK_BYTES``); below that it waits up to ``admission_wait``
+    #: seconds for other builds to give theirs back, and one that could never fit is refused.
+    admission: BudgetSettings = dataclasses.field(default_factory=BudgetSettings)
+    admission_wait: float = 1800.0
     #: Called with (layer name, bytes) as a ``run`` step writes its output (``envbuild build
     #: -v``), from the step's copier thread: all of it (the log keeps only its head and tail).
     on_output: Callable[[str, bytes], None] | None = None
@@ -189,13 +198,21 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
                                    f"{job.key.removeprefix('sha256:')[:16]}-{uuid.uuid4().hex[:8]}")
     disk = scratch / scratchfs.MOUNT_NAME
     upper, work, merged = disk / "upper", disk / "work", scratch / "merged"
+    ledger, reserved = Ledger(ctx.node.root), build_key(scratch.name)
+    disk_limit = ctx.disk_bytes  # lowered by admission when the node has less left
     if ctx.disk_bytes is not None:
         try:
+            granted = ledger.admit(reserved, Reservation(disk_bytes=ctx.disk_bytes), scratch,
+                                   what=f"the build of {job.name}", settings=ctx.admission,
+                                   wait=ctx.admission_wait,
+                                   min_disk=min(ctx.disk_bytes, MIN_BUILD_DISK_BYTES))
             # dev + suid: debootstrap makes /dev nodes in the upper dir and chroots into it
-            scratchfs.create(scratch, ctx.disk_bytes, ctx.inodes,
+            disk_limit = granted.disk_bytes
+            scratchfs.create(scratch, disk_limit, ctx.inodes,
                              template_root=ctx.node.root / "scratchfs", nodev_nosuid=False)
         except BaseException:
             release_scratch(scratch, owner)
+            ledger.release(reserved)
             raise
     for p in (upper, work, merged, disk / "tmp"):
         p.mkdir(parents=True, exist_ok=True)
@@ -236,7 +253,7 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
                 try:
                     _run_step(ctx, job, i, step, merged, scratch, log)
                 except StepFailed as e:
-                    raise _explain_full_disk(ctx, disk, e) from None
+                    raise _explain_full_disk(ctx, disk, disk_limit, e) from None
             unmount(str(merged))
             mounted = False
         if isinstance(d, Toolkit):
@@ -276,6 +293,8 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
             netns.teardown(net_dir)
         scratchfs.destroy(scratch)
         release_scratch(scratch, owner)
+        if ctx.disk_bytes is not None:
+            ledger.release(reserved)
 
 
 OWNER_SUFFIX = ".owner"
@@ -318,10 +337,11 @@ def sweep_stale_scratch(root: Path, runtime: OciRuntime | None = None) -> list[s
     return [r.name for r in reap_stale_builds(root, runtime)]
 
 
-def _explain_full_disk(ctx: BuildContext, disk: Path, e: StepFailed) -> StepFailed:
+def _explain_full_disk(ctx: BuildContext, disk: Path, limit: int | None,
+                       e: StepFailed) -> StepFailed:
     """``e``, or when the step left its disk (nearly) full, which most likely made it fail,
     the same error saying so in its one line."""
-    if ctx.disk_bytes is None:
+    if limit is None:
         return e
     st = os.statvfs(disk)
     out_of = ("space" if st.f_bavail * st.f_frsize < (1 << 20) else
@@ -329,7 +349,7 @@ def _explain_full_disk(ctx: BuildContext, disk: Path, e: StepFailed) -> StepFail
     if out_of is None:
         return e
     return StepFailed(f"{e.message} (out of {out_of}: the layer's disk limit is "
-                      f"{ctx.disk_bytes >> 20} MiB / {ctx.inodes} inodes)",
+                      f"{limit >> 20} MiB / {ctx.inodes} inodes)",
                       argv=e.argv, exit_code=e.exit_code, output_tail=e.output_tail,
                       log_path=e.log_path,
                       hint="raise ENVBUILD_BUILD_DISK / ENVBUILD_BUILD_INODES, or write less")

@@ -57,6 +57,7 @@ class App:
                             source_date_epoch=self.settings.source_date_epoch,
                             disk_bytes=self.settings.build_disk_bytes,
                             inodes=self.settings.build_inodes,
+                            admission=self.settings.admission,
                             lease_ttl=self.settings.lease_ttl)
 
     def run_build(self, project, ctx, targets, **kw):

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from runtime_shim import AsyncSandbox, LockNotFound, Sandbox, SandboxClosed, list_sandboxes
+from runtime_shim import (
+    AsyncSandbox,
+    Limits,
+    LockNotFound,
+    Sandbox,
+    SandboxClosed,
+    list_sandboxes,
+)
 from runtime_shim.mount import mounted_targets_under
 from runtime_shim.runc import OciRuntime, list_containers
 from tests.integration.conftest import build_busybox_env
@@ -70,8 +77,13 @@ def test_twenty_async_sandboxes_stream_and_leave_nothing(built):
     store, node = built
     n = 20
 
+    # small ones: twenty default sandboxes (10 GiB disks, 256 x 1024 files) are past the
+    # node's budget (runtime_shim.admission; issue 34)
+    small = Limits(pids=32, nofile=256, disk_bytes=64 << 20, inodes=4096)
+
     async def one(i: int, lines: list[bytes]) -> int:
-        async with await AsyncSandbox.create(ENV, store=store, node_dir=node) as sb:
+        async with await AsyncSandbox.create(ENV, store=store, node_dir=node,
+                                             limits=small) as sb:
             r = await sb.exec(f"for k in 1 2 3; do echo {i}.$k; sleep 0.2; done",
                               on_stdout=lines.append)
             await sb.write_file("/tmp/x", b"y")
