@@ -9,7 +9,10 @@
   ``with`` block and stopped at its end, also on an exception or Ctrl-C:
 
   - everything it writes lives in one fresh directory ``ROOT/dockerd-<id>/``: ``data/``
-    (``--data-root``: images, BuildKit's cache), ``dockerd.pid``, ``dockerd.log``,
+    (``--data-root``: images, BuildKit's cache, the files its ``RUN`` steps write), unless
+    the caller names another ``data_root`` (a build's size-capped scratch disk, so a
+    ``RUN dd ...`` meets ``ENOSPC`` at the layer's cap instead of filling the host: issue 34,
+    item 4; its path is recorded in ``data-root`` for the sweep), ``dockerd.pid``, ``dockerd.log``,
     ``daemon.json`` (empty: the host's ``/etc/docker/daemon.json`` is never read), ``config/``
     (``DOCKER_CONFIG`` of the CLI: no host credentials reach the build), and ``x/``
     (``--exec-root``: the API socket ``x/docker.sock`` and the state of the containerd that
@@ -182,14 +185,16 @@ def dockerd_binary() -> str:
 def docker_daemon(root: Path, *, start_timeout: float = DEFAULT_START_TIMEOUT,
                   stop_timeout: float = DEFAULT_STOP_TIMEOUT,
                   limits: DaemonLimits | None = None,
-                  egress_only: bool = False) -> Iterator[DockerDaemon]:
-    """The user's daemon if ``DOCKER_HOST`` is set, else a private dockerd under ``root``."""
+                  egress_only: bool = False,
+                  data_root: Path | None = None) -> Iterator[DockerDaemon]:
+    """The user's daemon if ``DOCKER_HOST`` is set, else a private dockerd under ``root``
+    (its images and build files in ``data_root`` if given, a fresh directory)."""
     host = os.environ.get("DOCKER_HOST", "").strip()
     if host:
         yield _user_daemon(host)
         return
     with private_daemon(root, start_timeout=start_timeout, stop_timeout=stop_timeout,
-                        limits=limits, egress_only=egress_only) as d:
+                        limits=limits, egress_only=egress_only, data_root=data_root) as d:
         yield d
 
 
@@ -214,11 +219,14 @@ def _user_daemon(host: str) -> DockerDaemon:
 def private_daemon(root: Path, *, start_timeout: float = DEFAULT_START_TIMEOUT,
                    stop_timeout: float = DEFAULT_STOP_TIMEOUT,
                    limits: DaemonLimits | None = None,
-                   egress_only: bool = False) -> Iterator[DockerDaemon]:
+                   egress_only: bool = False,
+                   data_root: Path | None = None) -> Iterator[DockerDaemon]:
     """Start a throwaway dockerd under ``root``, yield it ready, stop and remove it. With
     ``egress_only`` it runs in a network namespace of its own behind slirp4netns
     (``runtime_shim.netns``: the host's addresses and loopback refused), so that
-    ``--network=host`` steps get egress, not the host."""
+    ``--network=host`` steps get egress, not the host. ``data_root`` (a directory that must
+    not exist yet, e.g. on a build's capped disk) holds everything the daemon stores; it is
+    removed with the daemon."""
     binary = dockerd_binary()
     cli = docker_cli()
     ident = uuid.uuid4().hex[:12]
@@ -235,8 +243,8 @@ def private_daemon(root: Path, *, start_timeout: float = DEFAULT_START_TIMEOUT,
     try:
         _limit_cgroup(cgroup, limits or DaemonLimits.from_env(os.environ))
         exec_root.mkdir(mode=0o700, exist_ok=exec_root.parent == top)
-        for sub in ("data", "config"):
-            (top / sub).mkdir(mode=0o700)
+        (top / "config").mkdir(mode=0o700)
+        data = _place_data_root(top, data_root)
         (top / "daemon.json").write_text("{}\n")
         (top / "config" / "config.json").write_text("{}\n")
         log_path = top / "dockerd.log"
@@ -248,7 +256,7 @@ def private_daemon(root: Path, *, start_timeout: float = DEFAULT_START_TIMEOUT,
             net = netns.create(top / "net", netns.NetworkPolicy())
             prefix = ["nsenter", f"--net={net.path}", "--"]
         argv = [*prefix, binary, "--config-file", str(top / "daemon.json"),
-                "--data-root", str(top / "data"), "--exec-root", str(exec_root),
+                "--data-root", str(data), "--exec-root", str(exec_root),
                 "--pidfile", str(top / "dockerd.pid"), "-H", f"unix://{sock}",
                 f"--cgroup-parent={cgroup}", *_DOCKERD_FLAGS]
         with open(log_path, "ab") as log:
@@ -290,16 +298,43 @@ def _claim(top: Path) -> int:
     return fd
 
 
+_DATA_ROOT_RECORD = "data-root"
+
+
+def _place_data_root(top: Path, data_root: Path | None) -> Path:
+    """The daemon's ``--data-root``: ``top/data``, or ``data_root`` (created here, recorded
+    in ``top/data-root`` before the daemon can write to it, so a sweep after a crash finds
+    and removes it too)."""
+    if data_root is None:
+        (top / "data").mkdir(mode=0o700)
+        return top / "data"
+    data = Path(os.path.abspath(data_root))
+    (top / _DATA_ROOT_RECORD).write_text(f"{data}\n")
+    data.mkdir(mode=0o700, parents=True)
+    return data
+
+
+def _data_root_of(top: Path) -> Path | None:
+    """The data root recorded for the daemon in ``top`` (None: ``top/data``, or none)."""
+    try:
+        text = (top / _DATA_ROOT_RECORD).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return Path(text) if os.path.isabs(text) and "\0" not in text else None
+
+
 def _teardown(top: Path, ident: str, proc: subprocess.Popen | None, stop_timeout: float) -> None:
     exec_root = _exec_root(top, ident)
-    _stop(proc, stop_timeout, (top, exec_root))
+    data = _data_root_of(top)
+    dirs = (top, exec_root) if data is None else (top, exec_root, data)
+    _stop(proc, stop_timeout, dirs)
     _remove_cgroups(f"/envbuild-dockerd-{ident}")
     if (top / "net").is_dir():  # egress_only: slirp4netns and the namespace file
         from runtime_shim import netns
 
         with contextlib.suppress(Exception):
             netns.teardown(top / "net")
-    for d in (exec_root, top):
+    for d in (exec_root, *([data] if data is not None else []), top):
         _remove_dir(d)
 
 

@@ -37,6 +37,8 @@ bug and exits 2 with a traceback and a request to report it.
         │                          exited, the agent never answered); nothing of it is left
         ├── BackendUnavailable     the backend is unknown, cannot run here (no runc, no QEMU),
         │                          or cannot do what was asked (keep/attach a microVM)
+        ├── AdmissionRefused       the node's budget (file table, tasks, disk) has no room
+        │                          for this sandbox or build disk (runtime_shim.admission)
         ├── SandboxClosed          a method of a sandbox that was closed (or reaped at its TTL)
         ├── ExecTimeout            a command ran past its timeout, raised only for
         │                          ``exec(..., check_timeout=True)`` (else ``timed_out``)
@@ -264,6 +266,13 @@ class SandboxStartError(RuntimeShimError):
 
 class BackendUnavailable(RuntimeShimError):
     reference = "backend-unavailable"
+
+
+class AdmissionRefused(RuntimeShimError):
+    """The node cannot take this sandbox (or build disk) within its budget of a host-wide
+    table: the message names the budget, the hint what to change. Nothing was created."""
+
+    reference = "admission-refused"
 
 
 class SandboxClosed(RuntimeShimError):

@@ -6,6 +6,10 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtime_shim.admission import BudgetSettings
 
 DEFAULT_STORE = "cache"
 DEFAULT_DEFS = "envdefs"
@@ -47,6 +51,13 @@ class Settings:
     # Ray build issue (15): lifetime of a build lease in the store (envbuild.store.lease),
     # ENVBUILD_LEASE_TTL seconds: how long a dead builder can keep others waiting.
     lease_ttl: float = 30.0
+    # Directories outside the source root that definitions may read sources from (issue 34,
+    # item 5): the node operator's opt-in for trusted definition trees, never the definition's.
+    # ENVBUILD_TRUSTED_SOURCES (absolute paths, ':'-separated) or --trust-sources DIR.
+    trusted_sources: tuple[str, ...] = ()
+    # Issue 34: the node's budget of host-wide tables and disk (runtime_shim.admission):
+    # ENVBUILD_HOST_RESERVE, ENVBUILD_DISK_RESERVE, ENVBUILD_NODE_BUDGET.
+    admission: BudgetSettings = dataclasses.field(default_factory=lambda: _budget({}))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -77,6 +88,8 @@ class Settings:
             raise SettingsError(f"ENVBUILD_LEASE_TTL is not a number of seconds: {ttl_text!r}",
                                 hint="e.g. 30") from None
         return cls(
+            trusted_sources=trusted_sources(environ),
+            admission=_budget(environ),
             node_cache_max=node_max,
             lease_ttl=lease_ttl,
             build_disk_bytes=build_disk or None,
@@ -93,6 +106,37 @@ class Settings:
                                     environ.get("ENVBUILD_REGISTRY_INSECURE", "").split(",")
                                     if h.strip()),
         )
+
+
+#: The environment variable naming trusted source directories (``Settings.trusted_sources``).
+TRUSTED_SOURCES_ENV = "ENVBUILD_TRUSTED_SOURCES"
+
+
+def trusted_sources(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The directories of ``$ENVBUILD_TRUSTED_SOURCES`` (``os.pathsep``-separated), each
+    absolute: trust never depends on the working directory. Raises ``SettingsError``."""
+    return check_trusted_sources(environ.get(TRUSTED_SOURCES_ENV, "").split(os.pathsep))
+
+
+def check_trusted_sources(paths) -> tuple[str, ...]:
+    """``paths`` without empty entries, normalised; a relative one raises ``SettingsError``."""
+    from envbuild.errors import SettingsError
+
+    out = []
+    for p in paths:
+        if not p:
+            continue
+        if not os.path.isabs(p):
+            raise SettingsError(f"trusted source directory {p!r} is not an absolute path",
+                                hint=f"name it from / (--trust-sources / {TRUSTED_SOURCES_ENV})")
+        out.append(os.path.normpath(p))
+    return tuple(out)
+
+
+def _budget(environ: Mapping[str, str]) -> BudgetSettings:
+    from runtime_shim.admission import BudgetSettings
+
+    return BudgetSettings.from_env(environ)
 
 
 def parse_size(text: str) -> int:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from envbuild._lazy import lazy_exports
 
 __all__ = [
+    "AdmissionRefused",
     "AsyncSandbox",
     "BackendUnavailable",
     "CheckpointRefused",
@@ -53,13 +54,15 @@ _WHERE = {
     "Sandbox": "runtime_shim.sandbox",
     "list_sandboxes": "runtime_shim.sandbox",
     **{name: "envbuild.errors" for name in (
-        "BackendUnavailable", "CheckpointRefused", "ExecTimeout", "LockNotFound", "RuntimeShimError",
+        "AdmissionRefused", "BackendUnavailable", "CheckpointRefused", "ExecTimeout",
+        "LockNotFound", "RuntimeShimError",
         "SandboxClosed", "SandboxCompromised", "SandboxNotFound", "SandboxStartError",
         "SnapshotRefused")},
 }
 
 if TYPE_CHECKING:
     from envbuild.errors import (
+        AdmissionRefused,
         BackendUnavailable,
         CheckpointRefused,
         ExecTimeout,

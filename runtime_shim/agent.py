@@ -24,7 +24,9 @@ default ``DEFAULT_EXEC_TIMEOUT``). What
 comes back is parsed as hostile input: each frame's type, order and payload length are checked
 against the protocol, and anything else raises ``SandboxCompromised`` (the trust model is in
 ``runtime_shim/agent/README.md``). The microVM backend's serial line feeds the same parser.
-``on_stdout`` / ``on_stderr`` are called with each chunk of output as its frame arrives.
+``on_stdout`` / ``on_stderr`` are called with each chunk of output as it arrives (the frames
+of one stream that came in together are one chunk). Each output frame is charged at least
+``FRAME_CHARGE`` bytes of the cap, so one-byte frames cannot cost the host more than the cap.
 
 One exchange is a state machine (``_Exchange``) that does no waiting itself: ``interest()``
 says whether it wants to write and how long it may wait, ``on_events(readable, writable)``
@@ -70,6 +72,10 @@ R_HELLO, R_STDOUT, R_STDERR, R_EXIT, R_START_FAILED, R_ERROR = range(0x81, 0x87)
 F_SIGNALED, F_TIMED_OUT, F_OUTPUT_OPEN = 1, 2, 4
 
 MAX_PAYLOAD = 1 << 20
+#: What one STDOUT/STDERR frame costs of ``output_bytes`` at least, whatever its payload: the
+#: host's per-frame work (parsing, a callback) is paid for, so one-byte frames cannot make an
+#: exec cost the host far more than its cap (issue 34, item 7).
+FRAME_CHARGE = 64
 STDIN_CHUNK = 64 << 10
 #: After the host-side deadline (or output cap) the command is killed; how long to wait for
 #: the agent's EXIT before hanging up (a hang-up kills the command too, see ``run``).
@@ -195,25 +201,29 @@ def _text(value: str, what: str) -> bytes:
 
 
 class _Bounded:
-    """Output of one stream, keeping at most ``cap`` bytes."""
+    """Output of one stream in one buffer, charged at most ``cap`` bytes.
+
+    Every frame costs at least ``FRAME_CHARGE`` bytes of the cap whatever its payload, so a
+    stream of tiny frames runs out of cap (and the command is killed) after ``cap /
+    FRAME_CHARGE`` frames: the host's work per exec is bounded by the cap, not by how finely
+    the output was cut. The bytes are kept in one ``bytearray``, never one object per frame."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
-        self.chunks: list[bytes] = []
-        self.size = 0
+        self.buf = bytearray()
+        self.charged = 0
         self.overflow = False
 
-    def add(self, data: bytes) -> None:
-        room = self.cap - self.size
-        if len(data) > room:
-            self.overflow = True
-            data = data[:room]
-        if data:
-            self.chunks.append(data)
-            self.size += len(data)
+    def add(self, data: bytes | bytearray | memoryview, frames: int = 1) -> bytes:
+        """Keep what the cap allows of ``data`` (``frames`` frames' payloads); return it."""
+        kept = bytes(data[:max(0, self.cap - self.charged)])
+        self.buf += kept
+        self.charged += max(len(data), frames * FRAME_CHARGE)
+        self.overflow = self.overflow or self.charged > self.cap
+        return kept
 
     def data(self) -> bytes:
-        return b"".join(self.chunks)
+        return bytes(self.buf)
 
 
 def listen_socket(dir_fd: int, name: str = "agent.sock") -> socket.socket:
@@ -308,9 +318,10 @@ def run(connect: Callable[[], socket.socket], req: ExecRequest, cap: int, *,
         on_stderr: OutputCallback | None = None) -> ExecOutcome:
     """Run ``req`` on a new connection and wait for it.
 
-    stdout and stderr keep at most ``cap`` bytes each; past that the command is killed (KILL
-    frame) and the rest discarded. ``req.timeout``, or ``deadline`` seconds when it is None,
-    is sent to the agent, which kills the command then; the host sends KILL itself
+    stdout and stderr keep at most ``cap`` bytes each, a frame counting as at least
+    ``FRAME_CHARGE``; past that the command is killed (KILL frame) and the rest discarded.
+    ``req.timeout``, or ``deadline`` seconds when it is None, is sent to the agent, which
+    kills the command then; the host sends KILL itself
     ``HOST_TIMEOUT_SLACK`` later should the agent not have, and gives up ``KILL_WAIT`` after
     that (the result says ``timed_out``). An agent that never says HELLO raises at the
     deadline. A hang-up by either side before the end kills the command (the agent's rule) or
@@ -525,8 +536,10 @@ class _Exchange:
     def _parse(self) -> None:
         """Consume whole frames from ``rx``. Every rule of the agent's side of the protocol is
         checked here (README.md, "Agent → host"): HELLO first and once, a known type, the
-        payload length of each type, a consistent EXIT, and nothing after the final frame."""
+        payload length of each type, a consistent EXIT, and nothing after the final frame.
+        A run of output frames of one stream is handled as one chunk (``_output``)."""
         rx = self.rx
+        run_kind, run, frames = 0, bytearray(), 0
         while len(rx) >= 5 and self.result is None:
             kind = rx[0]
             n = int.from_bytes(rx[1:5], "big")
@@ -535,14 +548,36 @@ class _Exchange:
             if kind not in _AGENT_FRAMES:
                 raise _compromised(f"an unknown frame 0x{kind:02x}")
             if len(rx) < 5 + n:
-                return
+                break
+            if kind in (R_STDOUT, R_STDERR) and self.hello:
+                if kind != run_kind:
+                    self._output(run_kind, run, frames)
+                    run_kind, run, frames = kind, bytearray(), 0
+                run += rx[5:5 + n]
+                frames += 1
+                del rx[:5 + n]
+                continue
+            self._output(run_kind, run, frames)
+            run_kind, run, frames = 0, bytearray(), 0
             payload = bytes(rx[5:5 + n])
             del rx[:5 + n]
             self._frame(kind, payload)
+        self._output(run_kind, run, frames)
         if self.result is not None:
             if rx:
                 raise _compromised(f"{len(rx)} bytes after its final frame")
             self.ended_at = time.monotonic()
+
+    def _output(self, kind: int, data: bytearray, frames: int) -> None:
+        """``frames`` STDOUT or STDERR frames in a row, their payloads joined in ``data``."""
+        if not frames or self.killed_at is not None:
+            return
+        kept = (self.out if kind == R_STDOUT else self.err).add(data, frames)
+        callback = self.on_stdout if kind == R_STDOUT else self.on_stderr
+        if callback is not None and kept:
+            callback(kept)
+        if self.out.overflow or self.err.overflow:
+            self._kill()
 
     def _frame(self, kind: int, payload: bytes) -> None:
         n = len(payload)
@@ -560,13 +595,7 @@ class _Exchange:
         if not self.hello:
             raise _compromised(f"frame 0x{kind:02x} before HELLO")
         if kind in (R_STDOUT, R_STDERR):
-            if self.killed_at is None:
-                (self.out if kind == R_STDOUT else self.err).add(payload)
-                callback = self.on_stdout if kind == R_STDOUT else self.on_stderr
-                if callback is not None and payload:
-                    callback(payload)
-                if self.out.overflow or self.err.overflow:
-                    self._kill()
+            self._output(kind, bytearray(payload), 1)  # (_parse hands runs to _output itself)
         elif kind == R_EXIT:
             if n != 6:
                 raise _compromised(f"an EXIT of {n} bytes (exactly 6)")

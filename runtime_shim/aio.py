@@ -88,6 +88,10 @@ class AsyncSandbox:
         return await asyncio.get_running_loop().run_in_executor(
             None, functools.partial(self.sync.pack_diff, publish, **kwargs))
 
+    async def set_network(self, network: bool | Sequence[str]) -> None:
+        """``Sandbox.set_network`` in the default executor."""
+        await asyncio.get_running_loop().run_in_executor(None, self.sync.set_network, network)
+
     async def checkpoint(self, publish: str | None = None, *, leave_running: bool = False):
         """``Sandbox.checkpoint`` in the default executor."""
         return await asyncio.get_running_loop().run_in_executor(

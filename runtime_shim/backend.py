@@ -9,6 +9,8 @@ pack-diff. A backend does the rest, behind three runtime-checkable protocols:
 - ``SandboxHandle``: one running sandbox: ``connect`` (a fresh connection to its exec agent),
   ``exec``, ``read_file``, ``write_file``, ``close``;
 - ``MemoryReporting``: optional, ``memory()`` for ``info().memory`` (RSS, shared, reclaimed);
+- ``HostCosted``: optional, a backend's own ``host_reservation(limits)`` for node admission
+  (``runtime_shim.admission``) where a container's worst case is not what it takes;
 - ``Snapshottable``: optional, for pack-diff: ``quiesce`` (a context manager in which the
   sandbox's writes are stopped) and ``upper_dir`` (its changes, readable inside it).
 - ``Checkpointable`` (a handle) and ``Restorable`` (a backend): optional, for checkpoints with
@@ -41,6 +43,7 @@ from runtime_shim.model import Limits, MemoryInfo
 from runtime_shim.mount import mounted_targets_under, unmount
 
 if TYPE_CHECKING:
+    from runtime_shim.admission import Reservation
     from runtime_shim.locks import ResolvedLock
     from runtime_shim.nodecache import NodeCache
 
@@ -149,6 +152,19 @@ class Restorable(Protocol):
         ``image.record`` (``CheckpointRefused``); the isolation is that of a fresh sandbox of
         ``req`` (network, capabilities, seccomp, limits). On failure, undo what was made under
         ``req.paths.root`` as ``create`` does."""
+        ...
+
+
+@runtime_checkable
+class HostCosted(Protocol):
+    """A backend whose sandboxes take something else of the host's shared tables than a
+    container's worst case (``runtime_shim.admission.reservation``, what a backend without
+    this method is charged): a microVM (its processes live in its guest), a test's fake
+    (nothing)."""
+
+    def host_reservation(self, limits: Limits) -> Reservation:
+        """What one sandbox of ``limits`` may take, at worst, of the host's tables and disk
+        (``AdmissionRefused`` for limits that leave one unbounded)."""
         ...
 
 

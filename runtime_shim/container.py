@@ -120,6 +120,7 @@ class ContainerSandbox:
             rlimits=(_clamped_nofile(limits.nofile),), pids_limit=limits.pids,
             memory_limit=limits.memory_bytes, cgroups_path=f"/envbuild/{sandbox_id}",
             binds=tuple(binds), tmpfs=(), cpus=limits.cpus, seccomp=seccomp,
+            inotify=limits.inotify,
             cpu_shares=cpuclass.cpu_shares(limits.cpu_class))
         if spec_hook is not None:  # a backend built on this one (runtime_shim.fncall)
             request = spec_hook(request)

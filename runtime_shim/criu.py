@@ -210,6 +210,14 @@ def _status(pid: int) -> dict[str, str]:
 def process_tree(init_pid: int) -> list[dict[str, Any]]:
     """The sandbox's processes as ``/proc`` shows them from the host: pid and parent in the
     sandbox's pid namespace, command name; parents first."""
+    found = _processes(init_pid)
+    by_host = {p["host_pid"]: p["pid"] for p in found}
+    return [{"pid": p["pid"], "ppid": by_host.get(p["ppid_host"], 0), "comm": p["comm"]}
+            for p in found]
+
+
+def _processes(init_pid: int) -> list[dict[str, Any]]:
+    """``process_tree``'s walk, each process with its ``host_pid`` and ``ppid_host``."""
     found: list[dict[str, Any]] = []
     todo = [init_pid]
     while todo:
@@ -228,9 +236,29 @@ def process_tree(init_pid: int) -> list[dict[str, Any]]:
         todo += kids
         if len(found) > MAX_RECORD_PROCESSES:
             raise CheckpointRefused(f"checkpoint: more than {MAX_RECORD_PROCESSES} processes")
-    by_host = {p["host_pid"]: p["pid"] for p in found}
-    return [{"pid": p["pid"], "ppid": by_host.get(p["ppid_host"], 0), "comm": p["comm"]}
-            for p in found]
+    return found
+
+
+def refuse_named_pipes(sandbox_id: str, init_pid: int) -> None:
+    """``CheckpointRefused`` naming the first process of the sandbox that holds a named pipe
+    (FIFO) open: CRIU dumps it, but a restore must reopen it by path and the FIFO is not there
+    (``/tmp`` is the new sandbox's, and the snapshot policy drops FIFOs), so the checkpoint
+    would be published and never restore. Anonymous pipes are dumped whole and are fine."""
+    for p in _processes(init_pid):
+        fd_dir = f"/proc/{p['host_pid']}/fd"
+        with contextlib.suppress(OSError):  # it exited meanwhile
+            for fd in sorted(os.listdir(fd_dir), key=int):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"{fd_dir}/{fd}")
+                    if link.startswith(("pipe:", "socket:", "anon_inode:")):
+                        continue
+                    if stat.S_ISFIFO(os.stat(f"{fd_dir}/{fd}").st_mode):  # no open: no block
+                        raise CheckpointRefused(
+                            f"checkpoint {sandbox_id} (process {p['pid']} {p['comm']}): it "
+                            f"holds the named pipe {link!r} open (fd {fd}), which a restore "
+                            "cannot reopen",
+                            hint="close it before the checkpoint (an anonymous pipe is fine); "
+                                 "the sandbox runs on")
 
 
 def mount_table(init_pid: int) -> list[list[str]]:
@@ -352,6 +380,7 @@ def checkpoint(sb: ContainerSandbox, dest: Path, *, leave_running: bool) -> Chec
     pid = sb.init_pid
     _settle(sb)
     tree = process_tree(pid)
+    refuse_named_pipes(sb.id, pid)
     record: dict[str, Any] = {
         "version": RECORD_VERSION, "kind": IMAGE_KIND, "criu": _version(binary),
         "lock": sb.lock.digest, "processes": tree, "mounts": mount_table(pid),

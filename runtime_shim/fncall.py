@@ -181,6 +181,9 @@ class FnSandbox(ContainerSandbox):
         if req.network is not None:
             raise BackendUnavailable("fncall sandboxes have no network",
                                      hint="use the container backend for network=")
+        if req.limits.inotify:  # its profile is fncall_profile's, which never allows it
+            raise BackendUnavailable("fncall sandboxes have no inotify",
+                                     hint="use the container backend for Limits(inotify=True)")
         paths, limits = req.paths, req.limits
         if limits.disk_bytes is not None:
             scratchfs.create(paths.root, limits.disk_bytes, limits.inodes,

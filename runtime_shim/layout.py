@@ -5,7 +5,9 @@ host's, never shared between hosts::
 
     layout.json          {"version": LAYOUT_VERSION}: written with the first dir below
     node/                the node cache (``runtime_shim.nodecache``): unpacked layers, the
-                         agent binary, the stub, scratchfs templates, EROFS images, VM kernel
+                         agent binary, the stub, scratchfs templates, EROFS images, VM kernel;
+                         and admission.json, the ledger of what the node's sandboxes and
+                         build disks reserved of the host (``runtime_shim.admission``)
     sandboxes/<id>/      one sandbox (``SandboxPaths``): sandbox.json, its disk, overlay, bundle
     runc/                the OCI runtime's state root (containers named by sandbox id)
     builds/              build scratch (``envbuild.build.executor``)
@@ -127,7 +129,18 @@ class NodeLayout:
         return SandboxPaths(self.sandboxes / sandbox_id)
 
     def ensure(self) -> NodeLayout:
-        """Create the node dir and record its layout version, or check the recorded one."""
+        """Create the node dir and record its layout version, or check the recorded one.
+
+        ``sandboxes/`` is the node's only (mode 0700): a sandbox's dir holds its merged root
+        (the agent's files), its QMP and agent sockets; no other local user may enter it."""
+        self._check_version()
+        self.sandboxes.mkdir(mode=0o700, exist_ok=True)
+        st = self.sandboxes.stat()
+        if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+            os.chmod(self.sandboxes, 0o700)   # made by an older envbuild: 0755
+        return self
+
+    def _check_version(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         try:
             version = json.loads(self.version_file.read_text()).get("version")
@@ -136,7 +149,7 @@ class NodeLayout:
             tmp = self.root / f".{LAYOUT_FILE}.{uuid.uuid4().hex}"
             tmp.write_text(json.dumps({"version": LAYOUT_VERSION}))
             tmp.replace(self.version_file)
-            return self
+            return
         except (OSError, ValueError, AttributeError):
             version = None
         if version != LAYOUT_VERSION:
@@ -145,7 +158,6 @@ class NodeLayout:
                 f"uses {LAYOUT_VERSION}",
                 hint="point ENVBUILD_NODE_CACHE at a fresh dir (a node dir is a cache: "
                      "deleting it is safe once no sandbox runs)")
-        return self
 
 
 def default_layout() -> NodeLayout:

@@ -14,6 +14,7 @@ import ctypes
 import ctypes.util
 import dataclasses
 import errno
+import io
 import os
 
 from envbuild.errors import RuntimeShimError
@@ -149,7 +150,8 @@ def mounted_targets_under(prefix: str) -> list[str]:
     """Mount points at or below ``prefix`` (from /proc/self/mountinfo), deepest first."""
     prefix = prefix.rstrip("/")
     found = []
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+    # io.open: the builtin open is gone while the interpreter finalizes (a close in __del__)
+    with io.open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:  # noqa: UP020
         for line in f:
             mount_point = line.split(" ", 5)[4].replace("\\040", " ")
             if mount_point == prefix or mount_point.startswith(prefix + "/"):

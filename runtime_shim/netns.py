@@ -15,33 +15,58 @@ networked sandbox (container or the QEMU process of a microVM) gets instead:
   the process that created it does;
 - a firewall in the namespace (``iptables-restore``, installed before slirp starts and before
   any sandbox process exists; sandbox processes have no ``CAP_NET_ADMIN`` to change it, see
-  ``runtime_shim.spec``): loopback of the namespace allowed; DNS allowed to slirp's forwarder
-  ``10.0.2.3`` (and to the host's own resolvers on port 53, which that forwarder queries
-  anyway, for QEMU's inner slirp); refused: the slirp network ``10.0.2.0/24`` (its gateway is
-  the host), every address the host owns at create time (``ip route show table local``: a
-  service on ``0.0.0.0`` listens on them), and link-local ``169.254.0.0/16`` (cloud metadata
-  endpoints). Then either any other destination (``network=True``) or only an allow-list.
+  ``runtime_shim.spec``), stateless, in this order:
 
-Allow-list entries are ``CIDR[:PORT]`` (``"10.0.0.0/8:443"``, ``"198.18.0.7"`` = ``/32``, any
-port); a port allows TCP and UDP to it. Host names are refused: a name resolves differently
-over time and per resolver, so an allow-list of names is not a boundary. Entries inside the
-loopback or slirp networks are refused (never reachable); an entry covering a host address
-does not open it (the host rules come first). IPv6: slirp4netns runs without ``--enable-ipv6``,
-so the namespace has no IPv6 route out.
+  1. the namespace's loopback: allowed;
+  2. DNS to slirp's forwarder ``10.0.2.3`` (and to the host's own resolvers on port 53, which
+     that forwarder queries anyway, for QEMU's inner slirp), unless the policy closes DNS;
+  3. refused whatever the policy: the slirp network ``10.0.2.0/24`` (its gateway is the
+     host) and every address the host owns when the rules are written (``ip route show table
+     local``: a service on ``0.0.0.0`` listens on them);
+  4. the allow-list entries: allowed;
+  5. with ``public``, the node's own additions (``NodeNetwork``): refused its networks of
+     ``$ENVBUILD_NETWORK_REFUSE`` (e.g. the cluster's addresses, public ones too), allowed its
+     private package mirrors of ``$ENVBUILD_NETWORK_MIRRORS`` (``CIDR[:PORT]``, e.g. an apt
+     or PyPI mirror on ``10.x``); then refused the private and special ranges (``PRIVATE``:
+     RFC 1918, CGNAT ``100.64.0.0/10``, link-local, loopback, ``0/8``, multicast and
+     reserved); then anything else allowed: the public internet, where the package registries
+     are;
+  6. everything else refused.
 
-Everything the namespace owns is recorded in ``<dir>/netns.json`` (versioned) before it is
-made, so ``teardown(dir)`` can remove the leftovers of a crashed creator: it kills the slirp
-process it recorded (only if that pid is still slirp4netns on this namespace file), unmounts
-the namespace file and removes the files. Teardown is idempotent.
+  A private destination (a package mirror on ``10.x``, a service of the task) is therefore
+  reachable only when an allow-list entry names it. IPv6: slirp4netns runs without
+  ``--enable-ipv6`` and an ``ip6tables`` firewall refuses everything but the namespace's
+  loopback (QEMU's inner slirp would otherwise try IPv6 from the namespace), so ULA and every
+  other IPv6 destination are unreachable.
 
-Planning (``parse_network``, ``firewall_rules``, ``resolv_conf``) is pure; ``create`` and
-``teardown`` do the side effects.
+A policy is written as ``network=``: ``True`` (``["public"]``), or a list of destinations:
+``"public"`` and allow-list entries ``CIDR[:PORT]`` (``"10.0.0.0/8:443"``, ``"198.18.0.7"`` =
+``/32``, any port); a port allows TCP and UDP to it. ``[]`` allows DNS only. Host names are
+refused: a name resolves differently over time and per resolver, so an allow-list of names is
+not a boundary. Entries inside the loopback or slirp networks are refused (never reachable);
+an entry covering a host address does not open it (rule 3 comes first).
+
+The rules can be replaced while the sandbox runs (``update``: one ``iptables-restore``
+transaction in the namespace, e.g. the package index open during setup and closed while an
+agent works). The firewall keeps no connection state, so the new rules apply to every packet
+sent after ``update`` returns: new connections, and packets of connections opened before it
+to a destination now refused (those fail).
+
+Everything the namespace owns is recorded in ``<dir>/netns.json`` (versioned; version 2 adds
+the policy in force and the node's additions, which ``update`` from another process keeps)
+before it is made, so ``teardown(dir)`` can remove the leftovers of a crashed creator: it
+kills the slirp process it recorded (only if that pid is still slirp4netns on this namespace
+file), unmounts the namespace file and removes the files. Teardown is idempotent.
+
+Planning (``parse_network``, ``NodeNetwork.from_env``, ``firewall_rules``, ``resolv_conf``)
+is pure; ``create``, ``update`` and ``teardown`` do the side effects.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import ipaddress
 import json
 import os
@@ -49,13 +74,16 @@ import select
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from envbuild.errors import RuntimeShimError
 from envbuild.safefs import read_tail
+from runtime_shim.mount import unmount  # at the top: teardown runs at interpreter exit too
 
-NETNS_RECORD_VERSION = 1
+NETNS_RECORD_VERSION = 2
+#: Record versions ``teardown`` and ``update`` read (1: before the policy was recorded).
+READABLE_RECORD_VERSIONS = (1, 2)
 SLIRP_NETWORK = ipaddress.IPv4Network("10.0.2.0/24")
 SLIRP_GATEWAY = "10.0.2.2"
 SLIRP_DNS = "10.0.2.3"
@@ -64,7 +92,23 @@ MTU = 65520
 #: How long ``create`` waits for slirp4netns to configure ``tap0``.
 READY_TIMEOUT = 10.0
 NEVER_ALLOWED = (ipaddress.IPv4Network("127.0.0.0/8"), SLIRP_NETWORK)
-ALWAYS_REFUSED = (SLIRP_NETWORK, ipaddress.IPv4Network("169.254.0.0/16"))
+ALWAYS_REFUSED = (SLIRP_NETWORK,)
+#: Refused to ``public`` egress unless an allow-list entry names them: not the internet but a
+#: site's own networks (another host's services, the fleet's cluster, cloud metadata).
+PRIVATE = tuple(ipaddress.IPv4Network(n) for n in (
+    "0.0.0.0/8",        # "this network"
+    "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",  # RFC 1918
+    "100.64.0.0/10",    # CGNAT (RFC 6598): a provider's or a VPN's internal hosts
+    "127.0.0.0/8",      # loopback (the namespace's own lo is allowed before this)
+    "169.254.0.0/16",   # link-local, cloud metadata endpoints
+    "224.0.0.0/4", "240.0.0.0/4",  # multicast, reserved and broadcast
+))
+#: The word for the public internet in a ``network=`` list.
+PUBLIC = "public"
+#: The node's own refused networks (comma-separated CIDRs), e.g. the cluster's addresses.
+REFUSE_ENV = "ENVBUILD_NETWORK_REFUSE"
+#: The node's private package mirrors (comma-separated ``CIDR[:PORT]``), part of ``public``.
+MIRRORS_ENV = "ENVBUILD_NETWORK_MIRRORS"
 
 NS_FILE = "netns"
 RECORD_FILE = "netns.json"
@@ -85,12 +129,23 @@ class Allow:
 
 @dataclasses.dataclass(frozen=True)
 class NetworkPolicy:
-    """What a networked sandbox may reach. ``allow`` None: any destination but the host's."""
+    """What a networked sandbox may reach: the public internet (``public``: anything but the
+    host and the private ranges), the ``allow`` entries (private ones included), DNS."""
 
-    allow: tuple[Allow, ...] | None = None
+    public: bool = True
+    allow: tuple[Allow, ...] = ()
+    dns: bool = True
+
+    def entries(self) -> list[str]:
+        """The ``network=`` list that parses back to this policy (DNS aside)."""
+        return ([PUBLIC] if self.public else []) + [str(a) for a in self.allow]
 
 
-_HINT = "write CIDR[:PORT], e.g. 10.0.0.0/8:443 or 198.18.0.7 (addresses only, no names)"
+#: ``set_network(False)``: nothing at all leaves the namespace, not even DNS.
+CLOSED = NetworkPolicy(public=False, allow=(), dns=False)
+
+_HINT = (f"write {PUBLIC!r} or CIDR[:PORT], e.g. 10.0.0.0/8:443 or 198.18.0.7 "
+         "(addresses only, no names)")
 
 
 def parse_allow(entry: str) -> Allow:
@@ -126,8 +181,9 @@ def parse_allow(entry: str) -> Allow:
 def parse_network(network: bool | Sequence[str] | None) -> NetworkPolicy | None:
     """The ``network=`` option of a sandbox → a policy, or None for no network at all.
 
-    ``False``/``None``: an empty namespace; ``True``: egress to anything but the host; a list
-    of ``CIDR[:PORT]``: egress to those only (an empty list allows only DNS)."""
+    ``False``/``None``: an empty namespace; ``True``: the public internet (``["public"]``); a
+    list of ``"public"`` and ``CIDR[:PORT]`` entries: egress to those only (an empty list
+    allows only DNS)."""
     if network is None or network is False:
         return None
     if network is True:
@@ -135,41 +191,106 @@ def parse_network(network: bool | Sequence[str] | None) -> NetworkPolicy | None:
     if isinstance(network, (str, bytes)) or not isinstance(network, Sequence):
         raise RuntimeShimError(f"network={network!r} is neither a bool nor a list of "
                                "destinations", hint=_HINT)
-    return NetworkPolicy(allow=tuple(parse_allow(e) for e in network))
+    public = any(isinstance(e, str) and e.strip() == PUBLIC for e in network)
+    allow = tuple(parse_allow(e) for e in network
+                  if not (isinstance(e, str) and e.strip() == PUBLIC))
+    return NetworkPolicy(public=public, allow=allow)
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeNetwork:
+    """What ``public`` means on this node besides the internet: ``refused`` networks (the
+    cluster's addresses) and private ``mirrors`` reached (package mirrors, registries). Read
+    from the environment of the process that creates a namespace, then recorded with it."""
+
+    refused: tuple[ipaddress.IPv4Network, ...] = ()
+    mirrors: tuple[Allow, ...] = ()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> NodeNetwork:
+        """``$ENVBUILD_NETWORK_REFUSE`` and ``$ENVBUILD_NETWORK_MIRRORS``; a one-line
+        ``RuntimeShimError`` naming the variable for a bad item."""
+        refused, mirrors = [], []
+        for item in _items(environ.get(REFUSE_ENV)):
+            try:
+                refused.append(ipaddress.IPv4Network(item, strict=True))
+            except ValueError as e:
+                raise RuntimeShimError(f"{REFUSE_ENV}: {item!r} is not an IPv4 network ({e})",
+                                       hint="comma-separated CIDRs, e.g. "
+                                            "203.0.113.0/24,198.51.100.7") from None
+        for item in _items(environ.get(MIRRORS_ENV)):
+            try:
+                mirrors.append(parse_allow(item))
+            except RuntimeShimError as e:
+                raise RuntimeShimError(f"{MIRRORS_ENV}: {e.message}", hint=e.hint) from None
+        return cls(tuple(refused), tuple(mirrors))
+
+    def to_record(self) -> dict:
+        return {"refused": [str(n) for n in self.refused],
+                "mirrors": [str(a) for a in self.mirrors]}
+
+    @classmethod
+    def from_record(cls, record: Mapping) -> NodeNetwork:
+        return cls(tuple(ipaddress.IPv4Network(n) for n in record.get("refused", ())),
+                   tuple(parse_allow(a) for a in record.get("mirrors", ())))
+
+
+def _items(text: str | None) -> list[str]:
+    return [item.strip() for item in (text or "").split(",") if item.strip()]
 
 
 def firewall_rules(policy: NetworkPolicy, host_addresses: Sequence[str],
-                   resolvers: Sequence[str] = ()) -> str:
-    """The ``iptables-restore`` input for the sandbox's namespace (pure).
-
-    Order matters: the namespace's loopback and DNS first, then what is refused whatever the
-    policy (slirp's network, the host's addresses, link-local), then the policy. REJECT rather
-    than DROP so a refused connection fails at once instead of timing out."""
+                   resolvers: Sequence[str] = (), node: NodeNetwork = NodeNetwork()) -> str:
+    """The ``iptables-restore`` input for the sandbox's namespace (pure; the order is the
+    module docstring's). REJECT rather than DROP so a refused connection fails at once
+    instead of timing out."""
     lines = ["*filter", ":INPUT ACCEPT [0:0]", ":FORWARD DROP [0:0]", ":OUTPUT DROP [0:0]",
              "-A OUTPUT -o lo -j ACCEPT"]
     # A resolver the host itself owns stays refused below: DNS then goes through 10.0.2.3.
     for dns in (SLIRP_DNS, *(r for r in resolvers if r not in set(host_addresses))):
-        for proto in ("udp", "tcp"):
+        for proto in ("udp", "tcp") if policy.dns else ():
             lines.append(f"-A OUTPUT -d {dns}/32 -p {proto} --dport 53 -j ACCEPT")
-    refused = [str(n) for n in ALWAYS_REFUSED]
-    refused += [f"{a}/32" for a in sorted(set(host_addresses))]
-    for net in refused:
-        lines.append(f"-A OUTPUT -d {net} -p tcp -j REJECT --reject-with tcp-reset")
-        lines.append(f"-A OUTPUT -d {net} -j REJECT --reject-with icmp-port-unreachable")
-    if policy.allow is None:
+    hard = [str(n) for n in ALWAYS_REFUSED] + [f"{a}/32" for a in sorted(set(host_addresses))]
+    lines += _reject(hard)
+    lines += _accept(policy.allow)
+    if policy.public:
+        lines += _reject([str(n) for n in node.refused])
+        lines += _accept(node.mirrors)
+        lines += _reject([str(n) for n in PRIVATE])
         lines.append(f"-A OUTPUT -o {TAP} -j ACCEPT")
-    else:
-        for a in policy.allow:
-            if a.port is None:
-                lines.append(f"-A OUTPUT -o {TAP} -d {a.network} -j ACCEPT")
-            else:
-                for proto in ("tcp", "udp"):
-                    lines.append(f"-A OUTPUT -o {TAP} -d {a.network} -p {proto} "
-                                 f"--dport {a.port} -j ACCEPT")
     lines.append("-A OUTPUT -p tcp -j REJECT --reject-with tcp-reset")
     lines.append("-A OUTPUT -j REJECT --reject-with icmp-port-unreachable")
     lines.append("COMMIT")
     return "\n".join(lines) + "\n"
+
+
+def _accept(entries: Sequence[Allow]) -> list[str]:
+    lines = []
+    for a in entries:
+        if a.port is None:
+            lines.append(f"-A OUTPUT -o {TAP} -d {a.network} -j ACCEPT")
+        else:
+            for proto in ("tcp", "udp"):
+                lines.append(f"-A OUTPUT -o {TAP} -d {a.network} -p {proto} "
+                             f"--dport {a.port} -j ACCEPT")
+    return lines
+
+
+def _reject(networks: Sequence[str]) -> list[str]:
+    lines = []
+    for net in networks:
+        lines.append(f"-A OUTPUT -d {net} -p tcp -j REJECT --reject-with tcp-reset")
+        lines.append(f"-A OUTPUT -d {net} -j REJECT --reject-with icmp-port-unreachable")
+    return lines
+
+
+def firewall6_rules() -> str:
+    """The ``ip6tables-restore`` input: nothing but the namespace's loopback (pure)."""
+    return "\n".join([
+        "*filter", ":INPUT ACCEPT [0:0]", ":FORWARD DROP [0:0]", ":OUTPUT DROP [0:0]",
+        "-A OUTPUT -o lo -j ACCEPT",
+        "-A OUTPUT -p tcp -j REJECT --reject-with tcp-reset",
+        "-A OUTPUT -j REJECT --reject-with icmp6-port-unreachable", "COMMIT"]) + "\n"
 
 
 def resolv_conf() -> str:
@@ -263,15 +384,18 @@ class NetworkHandle:
 
 
 def create(directory: str | os.PathLike[str], policy: NetworkPolicy, *,
-           outlive_creator: bool = False) -> NetworkHandle:
+           outlive_creator: bool = False,
+           environ: Mapping[str, str] = os.environ) -> NetworkHandle:
     """Make the namespace under ``directory`` (which must exist), install the firewall, start
     slirp4netns and wait until ``tap0`` is configured. ``outlive_creator``: no exit fd, for
-    sandboxes kept after their creator exits (``teardown`` still kills slirp)."""
+    sandboxes kept after their creator exits (``teardown`` still kills slirp). The node's
+    additions come from ``environ`` (``NodeNetwork.from_env``)."""
     d = Path(directory)
-    rules = firewall_rules(policy, host_local_addresses(), host_resolvers())
+    node = NodeNetwork.from_env(environ)
+    rules = firewall_rules(policy, host_local_addresses(), host_resolvers(), node)
     ns = d / NS_FILE
     (d / RESOLV_FILE).write_text(resolv_conf())
-    _write_record(d, {"version": NETNS_RECORD_VERSION, "netns": str(ns), "slirp_pid": 0})
+    _write_record(d, _record(ns, 0, policy, node))
     handle = NetworkHandle(d, None, None)
     try:
         ns.touch(mode=0o600)
@@ -279,6 +403,9 @@ def create(directory: str | os.PathLike[str], policy: NetworkPolicy, *,
         # iptables-restore in it, so the firewall is in place before anything else joins.
         _run(["unshare", f"--net={ns}", "--", "iptables-restore"],
              "create the network namespace and its firewall", stdin=rules)
+        if os.path.exists("/proc/sys/net/ipv6"):  # still nothing else in the namespace
+            _run(["nsenter", f"--net={ns}", "--", "ip6tables-restore"],
+                 "install the namespace's IPv6 firewall", stdin=firewall6_rules())
         ready_r, ready_w = os.pipe()
         exit_r, handle._exit_fd = os.pipe() if not outlive_creator else (None, None)
         fds = (ready_w,) + ((exit_r,) if exit_r is not None else ())
@@ -298,8 +425,7 @@ def create(directory: str | os.PathLike[str], policy: NetworkPolicy, *,
                                                 "(scripts/setup.sh)") from None
             os.close(ready_w)
             ready_w = -1  # slirp holds it now: EOF on ready_r means slirp exited
-            _write_record(d, {"version": NETNS_RECORD_VERSION, "netns": str(ns),
-                              "slirp_pid": handle._proc.pid})
+            _write_record(d, _record(ns, handle._proc.pid, policy, node))
             _wait_ready(ready_r, handle._proc, d / LOG_FILE)
         finally:
             for fd in (ready_r, ready_w, exit_r):
@@ -330,8 +456,6 @@ def _wait_ready(fd: int, proc: subprocess.Popen, log: Path) -> None:
 def teardown(directory: str | os.PathLike[str]) -> None:
     """Remove what ``create`` left under ``directory``, whoever created it. Idempotent; a
     directory without a namespace record is fine."""
-    from runtime_shim.mount import unmount
-
     d = Path(directory)
     live = _LIVE.get(str(d))
     if live is not None:
@@ -343,9 +467,7 @@ def teardown(directory: str | os.PathLike[str]) -> None:
         return
     except (OSError, ValueError):
         record = {}
-    if record.get("version", NETNS_RECORD_VERSION) != NETNS_RECORD_VERSION:
-        raise RuntimeShimError(f"{d / RECORD_FILE}: unknown version {record.get('version')!r}",
-                               hint="remove it with the envbuild that wrote it")
+    _check_version(d, record)
     ns = str(d / NS_FILE)
     pid = int(record.get("slirp_pid") or 0)
     if pid > 0 and _is_slirp_for(pid, ns):
@@ -354,6 +476,47 @@ def teardown(directory: str | os.PathLike[str]) -> None:
     for name in (NS_FILE, RESOLV_FILE, LOG_FILE, RECORD_FILE):
         with contextlib.suppress(FileNotFoundError):
             (d / name).unlink()
+
+
+def update(directory: str | os.PathLike[str], policy: NetworkPolicy, *,
+           environ: Mapping[str, str] = os.environ) -> None:
+    """Replace the firewall of the namespace ``create`` made under ``directory`` (from any
+    process) by ``policy``'s, in one ``iptables-restore`` transaction: every packet sent after
+    this returns obeys it. The node's additions recorded at create are kept (``environ`` gives
+    them for a version-1 record). Calls on one directory are serialised."""
+    d = Path(directory)
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            record = json.loads((d / RECORD_FILE).read_text())
+        except FileNotFoundError:
+            raise RuntimeShimError(f"{d.name} has no network namespace to change",
+                                   hint="a sandbox made with network=[] (DNS only) can be "
+                                        "opened later; one made without network= cannot") from None
+        _check_version(d, record)
+        node = (NodeNetwork.from_record(record) if record.get("version") == NETNS_RECORD_VERSION
+                else NodeNetwork.from_env(environ))
+        rules = firewall_rules(policy, host_local_addresses(), host_resolvers(), node)
+        # nsenter fails on a file that is not a namespace (never the host's firewall)
+        _run(["nsenter", f"--net={d / NS_FILE}", "--", "iptables-restore"],
+             "change the sandbox's firewall", stdin=rules)
+        if not (d / RECORD_FILE).exists():  # torn down meanwhile: leave nothing behind
+            raise RuntimeShimError(f"{d.name} was closed while its network was changed")
+        _write_record(d, _record(d / NS_FILE, int(record.get("slirp_pid") or 0), policy, node))
+    finally:
+        os.close(fd)
+
+
+def _record(ns: Path, slirp_pid: int, policy: NetworkPolicy, node: NodeNetwork) -> dict:
+    return {"version": NETNS_RECORD_VERSION, "netns": str(ns), "slirp_pid": slirp_pid,
+            "network": policy.entries(), "dns": policy.dns, **node.to_record()}
+
+
+def _check_version(d: Path, record: dict) -> None:
+    if record.get("version", NETNS_RECORD_VERSION) not in READABLE_RECORD_VERSIONS:
+        raise RuntimeShimError(f"{d / RECORD_FILE}: unknown version {record.get('version')!r}",
+                               hint="remove it with the envbuild that wrote it")
 
 
 def _is_slirp_for(pid: int, ns: str) -> bool:

@@ -13,6 +13,8 @@ Layout (version 1, under ``root``)::
                                daemon, and how it serves reads ("passthrough" or "fuse")
     lazy/<hex>.used            touched on every use
     lazy/daemon.json           {"version": 1, "pid", "started"}: the node's lazy layer daemon
+    run/                       0700: the lazy daemon's control socket ``lazyfs.sock`` and its
+                               lock (runtime_shim.lazyfs.control: who may talk to it)
     lazy/daemon.log            its stderr (appended across restarts)
     locks/<hex>.lazy.lock      flock: one mount request per layer across threads and processes
     locks/lazy-daemon.lock     flock: one daemon start at a time
@@ -74,7 +76,8 @@ class NodeCache:
     """Unpacked layers on this host. Thread-safe; process-safe through lock files."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = Path(root)
+        # absolute: the lazy daemon mounts only at <root>/lazy/<hex> and compares the path
+        self.root = Path(os.path.abspath(root))
         self._thread_locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         self._open()
@@ -263,6 +266,7 @@ class NodeCache:
                     f"lazy layer {digest}: the FUSE daemon cannot serve it",
                     context=str(reply.get("error", ""))[-2000:] or None,
                     hint=f"see {self.root / 'lazy' / 'daemon.log'}; store {store_url}")
+            _check_claimed_mount(target, digest)
             state = {"version": LAZY_STATE_VERSION, "pid": reply.get("pid"), "digest": digest,
                      "store": store_url, "started": time.time(),
                      "mode": reply.get("mode") or "fuse"}
@@ -476,13 +480,37 @@ def _lazy_mount_state(target: Path) -> str:
 
 def _mount_fstype(target: str) -> str | None:
     """The filesystem type mounted at ``target`` (topmost), from /proc/self/mountinfo."""
+    found = _mount_entry(target)
+    return found[0] if found else None
+
+
+def _mount_entry(target: str) -> tuple[str, str] | None:
+    """``(fstype, super options)`` of the topmost mount at ``target``, from mountinfo."""
     found = None
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
-            fields = line.split(" ")
+            fields = line.rstrip("\n").split(" ")
             if fields[4].replace("\\040", " ") == target:
-                found = fields[fields.index("-") + 1]
+                sep = fields.index("-")
+                found = (fields[sep + 1], fields[sep + 3] if len(fields) > sep + 3 else "")
     return found
+
+
+def _check_claimed_mount(target: Path, digest: str) -> None:
+    """After the daemon said it mounted ``digest`` at ``target``: a FUSE mount of envbuild's,
+    made by root (or this user), answers there — a reply is not taken on its word."""
+    from runtime_shim.lazyfs.control import trusted_uids
+
+    entry = _mount_entry(str(target))
+    opts = dict(o.partition("=")[::2] for o in entry[1].split(",")) if entry else {}
+    owner = opts.get("user_id", "")
+    if entry is None or entry[0] != "fuse.envbuild" or not owner.isdigit() \
+            or int(owner) not in trusted_uids() or _lazy_mount_state(target) != "ok":
+        raise RuntimeShimError(
+            f"lazy layer {digest}: the daemon said it is mounted at {target}, but "
+            + ("nothing is" if entry is None else f"a {entry[0]} mount (user_id={owner or '?'})"
+               " that is not the daemon's is there"),
+            hint=f"see {target.parent / 'daemon.log'}")
 
 
 def _unmount_fuse(target: Path) -> None:
@@ -500,9 +528,14 @@ def _is_daemon(pid: int, root: Path) -> bool:
         return False
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        owner = os.stat(f"/proc/{pid}").st_uid
     except OSError:
         return False
-    return b"runtime_shim.lazyfs" in cmdline and os.fsencode(os.path.abspath(root)) in cmdline
+    from runtime_shim.lazyfs.control import trusted_uids
+
+    # another user's process can claim any command line: never one to signal
+    return (owner in trusted_uids() and b"runtime_shim.lazyfs" in cmdline
+            and os.fsencode(os.path.abspath(root)) in cmdline)
 
 
 def _terminate(pid: int) -> None:

@@ -13,6 +13,7 @@ crun refuses this machine's hybrid cgroup setup unless the cgroup2 mount is hidd
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import re
@@ -180,13 +181,29 @@ def _stop(runtime: OciRuntime, container_id: str, proc: subprocess.Popen) -> Non
     destroy(runtime, container_id)
 
 
+#: The longest a ``delete`` may take: a close (also one at interpreter exit) never hangs.
+DELETE_TIMEOUT = 60.0
+
+
 def destroy(runtime: OciRuntime, container_id: str) -> None:
     """Kill every process of the container and delete its runtime state. Idempotent.
 
     ``delete --force`` SIGKILLs the init process, and with it (a new pid namespace) every
     process of the container, then removes state and cgroups: one runtime call, not two."""
-    subprocess.run(runtime.command("delete", "--force", container_id),
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    _delete(runtime, container_id, "--force")
+
+
+def _delete(runtime: OciRuntime, container_id: str, *flags: str) -> int:
+    """``delete`` within ``DELETE_TIMEOUT``; its exit code."""
+    try:
+        return subprocess.run(runtime.command("delete", *flags, container_id),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
+                              timeout=DELETE_TIMEOUT).returncode
+    except subprocess.TimeoutExpired:
+        raise RuntimeShimError(f"{runtime.name} delete {container_id} did not finish in "
+                               f"{DELETE_TIMEOUT:.0f} s",
+                               hint="envbuild sandbox gc retries; check the container's cgroup "
+                                    "(a frozen one?)") from None
 
 
 def kill_and_delete(runtime: OciRuntime, container_id: str, init_pid: int,
@@ -201,16 +218,14 @@ def kill_and_delete(runtime: OciRuntime, container_id: str, init_pid: int,
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline and _running(init_pid):
         time.sleep(0.0005)
-    done = subprocess.run(runtime.command("delete", container_id), stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL, check=False)
-    if done.returncode != 0:
+    if _delete(runtime, container_id) != 0:
         destroy(runtime, container_id)
 
 
 def _running(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie (a killed init waits to be reaped)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with io.open(f"/proc/{pid}/stat", "rb") as f:  # noqa: UP020 - none at finalization
             state = f.read().rsplit(b")", 1)[1].split()[0]
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False

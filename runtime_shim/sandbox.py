@@ -9,7 +9,10 @@ and record (``sandbox.json``), TTLs and their reaper, argument handling of ``exe
 
 Lifecycle: ``create(ttl=seconds)`` records an expiry; a sandbox past it is removed by the
 reaper thread of the process that created it, by the next ``create`` on the node (which also
-removes sandboxes whose creating process died), and by ``envbuild sandbox gc``. ``info()`` is
+removes sandboxes whose creating process died), and by ``envbuild sandbox gc``. A sandbox its
+process never closed (not ``keep``) is closed at that process's exit (``runtime_shim.lifecycle``;
+``close`` is safe from ``__del__`` then), or, if it died without running its exit hooks
+(SIGKILL), removed by its watcher process (``runtime_shim.exitwatch``). ``info()`` is
 its ``SandboxInfo``; ``attach(id)`` gives another process's running container sandbox;
 ``list_sandboxes()`` lists a node's.
 
@@ -44,11 +47,12 @@ from envbuild.errors import (
     StoreUnavailable,
 )
 from envbuild.store import Store, put_file
-from runtime_shim import agent, netns
+from runtime_shim import admission, agent, exitwatch, lifecycle, netns
 from runtime_shim import seccomp as seccomp_profiles
 from runtime_shim.backend import (
     CreateRequest,
     Describable,
+    HostCosted,
     MemoryReporting,
     SandboxHandle,
     Snapshottable,
@@ -193,6 +197,17 @@ class Sandbox:
                                        size=info.size, report=report, squashed=squash,
                                        seconds=time.monotonic() - started)
 
+    def set_network(self, network: bool | Sequence[str]) -> None:
+        """Change what this running sandbox may reach: ``network`` as for ``create``
+        (``True`` or ``["public", ...]``: the public internet; a list of ``CIDR[:PORT]``: those
+        too, private ones included; ``[]``: DNS only), or ``False``: nothing, not even DNS.
+        Every packet sent after this returns obeys the new rules: new connections, and
+        connections opened earlier to a destination now refused fail. Only a sandbox created
+        with network (``network=[]`` is enough) has a namespace to change; one without raises
+        ``RuntimeShimError`` (``runtime_shim.netns.update``)."""
+        self._check_open()
+        set_sandbox_network(self._layout, self.id, network)
+
     def checkpoint(self, publish: str | None = None, *, leave_running: bool = False):
         """Freeze this sandbox and save its processes (memory, open files, cwd) and its
         files as one checkpoint lock in the store, published as ``publish`` (e.g.
@@ -288,9 +303,12 @@ class Sandbox:
         ``"unconfined"`` for none, or a full OCI ``linux.seccomp`` object (checked here). A
         microVM is bounded by its guest kernel, not a filter: it takes None or "unconfined".
 
-        ``network``: False for none; True for egress through the sandbox's own namespace and
-        user-mode NAT, the host itself unreachable; a list of ``CIDR[:PORT]`` for egress to
-        those only (``runtime_shim.netns``).
+        ``network``: False for none; True for egress to the public internet through the
+        sandbox's own namespace and user-mode NAT (the host, private ranges such as RFC 1918,
+        CGNAT and link-local, and ``$ENVBUILD_NETWORK_REFUSE`` unreachable); a list of
+        ``CIDR[:PORT]`` for egress to those only, private ones included, plus ``"public"`` for
+        the public internet too (``runtime_shim.netns``). ``set_network`` changes it while the
+        sandbox runs.
 
         ``checkpointable``: ``checkpoint`` / ``fork`` will be asked of it (container: its agent
         socket is made inside its network namespace, where CRIU can dump it).
@@ -300,9 +318,15 @@ class Sandbox:
         docstring). ``reap``: first remove the node's expired sandboxes and those whose
         creating process died (not kept ones).
 
+        Admission (``runtime_shim.admission``): the sandbox's worst case of host-wide tables
+        (``limits.pids × limits.nofile`` open files, ``pids`` tasks, ``disk_bytes`` of disk)
+        is reserved in the node's ledger before its disk is made, and given back when it is
+        closed or removed; a sandbox that would exceed the node's budget raises
+        ``AdmissionRefused`` naming the budget, and nothing is left.
+
         Errors: ``LockNotFound``, ``StoreUnavailable`` (no store at that path),
         ``BackendUnavailable`` (unknown backend, a request it cannot honour, its runtime
-        missing), ``SandboxStartError``, else ``RuntimeShimError``."""
+        missing), ``AdmissionRefused``, ``SandboxStartError``, else ``RuntimeShimError``."""
         policy = netns.parse_network(network)  # bad entries fail before anything is made
         impl = get_backend(backend)
         seccomp_profiles.check_setting(seccomp)
@@ -317,6 +341,11 @@ class Sandbox:
             impl.check(keep=keep, seccomp=seccomp, lazy=False)
         if ttl is not None and not ttl > 0:
             raise RuntimeShimError(f"ttl must be a positive number of seconds, not {ttl!r}")
+        limits = limits or Limits()
+        # before any work: no pids limit is refused here
+        want = impl.host_reservation(limits) if isinstance(impl, HostCosted) \
+            else admission.reservation(limits)
+        budget = admission.BudgetSettings.from_env(os.environ)
         opened = open_store(store)
         layout = _layout(node_dir)
         resolved = resolve(opened, lock)  # before anything exists on disk
@@ -346,18 +375,23 @@ class Sandbox:
                           for layer in resolved.layers]
         sandbox_id = f"eb-{uuid.uuid4().hex[:12]}"
         paths = layout.sandbox(sandbox_id)
-        limits = limits or Limits()
         created = time.time()
         expires = created + ttl if ttl else 0.0
         meta = {"version": SANDBOX_META_VERSION, "id": sandbox_id, "lock": resolved.digest,
                 "backend": backend, "pid": os.getpid(), "kept": keep, "created": created,
                 "layers": [layer.digest for layer in resolved.layers],
                 "store": _store_url(store if store is not None else opened), "ttl": ttl,
-                "expires": expires, "ready": 0.0, "lazy": lazy_mode}
+                "expires": expires, "ready": 0.0, "lazy": lazy_mode, "runtime": runtime}
         layout.sandboxes.mkdir(exist_ok=True)
+        if not keep:  # removed if this process dies without closing it (SIGKILL)
+            exitwatch.watch(layout.root)
         paths.root.mkdir()
-        with undo_on_error(paths):
+        ledger = admission.Ledger(layout.node)
+        with _released_on_error(ledger, sandbox_id), undo_on_error(paths):
             _write_meta(paths, meta)  # first: a dir with a live creator is never swept
+            # after the dir exists: an entry whose path is gone may be dropped by another
+            ledger.admit(admission.sandbox_key(sandbox_id), want, paths.root,
+                         what=f"sandbox {sandbox_id}", settings=budget)
             req = CreateRequest(
                 id=sandbox_id, paths=paths, layout=layout, lock=resolved,
                 layer_dirs=tuple(layer_dirs), node=node, network=policy, limits=limits,
@@ -376,6 +410,8 @@ class Sandbox:
                 handle.close()
                 raise
         sb = cls(sandbox_id, resolved, paths, handle, layout, opened, backend_name=backend)
+        if not keep:
+            lifecycle.track(sb)  # closed at this process's exit if nobody closes it
         if ttl:
             _REAPER.watch(sb, expires)
         return sb
@@ -458,18 +494,25 @@ class Sandbox:
 
     def close(self) -> None:
         """Stop every process, unmount and remove the sandbox's files. Idempotent, and safe
-        from another thread (the TTL reaper)."""
+        from another thread (the TTL reaper) and from ``__del__`` at interpreter exit
+        (``runtime_shim.lifecycle``: no import, no new thread then)."""
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
         _REAPER.forget(self)
+        lifecycle.untrack(self)
         lazy = (_read_meta(self.paths) or {}).get("lazy")
         try:
             self._backend.close()
         finally:
             remove_sandbox_dir(self.paths)
-        if str(lazy).startswith("passthrough"):  # what it fetched: meta layers for the next
+        try:
+            admission.Ledger(self._layout.node).release(admission.sandbox_key(self.id))
+        except Exception as e:  # noqa: BLE001 - e.g. late at exit; the entry of a dir that
+            _log.debug("release %s's admission: %s", self.id, e)  # is gone is dropped anyway
+        # what it fetched: meta layers for the next sandbox; nobody is next at exit
+        if str(lazy).startswith("passthrough") and not lifecycle.exiting():
             from runtime_shim.lazyfs.metalayer import refresh_soon
 
             refresh_soon(self._layout.node)
@@ -539,6 +582,17 @@ class _Reaper:
 _REAPER = _Reaper()
 
 
+@contextlib.contextmanager
+def _released_on_error(ledger: admission.Ledger, sandbox_id: str):
+    """Give back the sandbox's reservation if the block fails (its dir is removed first)."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError, RuntimeShimError):
+            ledger.release(admission.sandbox_key(sandbox_id))
+        raise
+
+
 def _write_meta(paths: SandboxPaths, meta: dict) -> None:
     tmp = paths.root / "sandbox.json.tmp"
     tmp.write_text(json.dumps(meta))
@@ -565,7 +619,7 @@ def _info(path: Path, meta: dict, layout: NodeLayout) -> SandboxInfo:
                        ttl=float(ttl) if ttl else None,
                        expires=float(meta.get("expires") or 0.0),
                        layer_transport=(meta.get("details") or {}).get("layer_transport"),
-                       lazy=str(meta.get("lazy") or ""))
+                       lazy=str(meta.get("lazy") or ""), runtime=str(meta.get("runtime") or ""))
 
 
 def list_sandboxes(node_dir: str | os.PathLike[str] | NodeLayout | None = None
@@ -593,6 +647,18 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def set_sandbox_network(node_dir: str | os.PathLike[str] | NodeLayout | None, sandbox_id: str,
+                        network: bool | Sequence[str]) -> None:
+    """``Sandbox.set_network`` for a sandbox of this node made by any process
+    (``envbuild sandbox network``); ``SandboxNotFound`` if there is none by that id."""
+    policy = netns.parse_network(network) or netns.CLOSED  # bad entries: before anything
+    paths = _layout(node_dir).sandbox(sandbox_id)
+    if _read_meta(paths) is None:
+        raise SandboxNotFound(f"no sandbox {sandbox_id} on this host",
+                              hint="envbuild sandbox ls lists them")
+    netns.update(paths.root, policy)
+
+
 def remove_sandbox(node_dir: str | os.PathLike[str] | NodeLayout | None, sandbox_id: str,
                    runtime: str = "runc") -> None:
     """Kill, unmount and delete one sandbox, whoever created it; ``SandboxNotFound`` if the
@@ -612,6 +678,7 @@ def remove_sandbox(node_dir: str | os.PathLike[str] | NodeLayout | None, sandbox
     if name != "container" and (layout.runc / sandbox_id).exists():  # whatever the record says
         get_backend("container").remove(layout, sandbox_id, runtime)
     remove_sandbox_dir(paths)
+    admission.Ledger(layout.node).release(admission.sandbox_key(sandbox_id))
 
 
 def layers_in_use(node_dir: str | os.PathLike[str] | NodeLayout | None) -> set[str]:
@@ -639,25 +706,32 @@ class SandboxRemoval:
 
 def sweep_sandboxes(node_dir: str | os.PathLike[str] | NodeLayout | None = None,
                     runtime: str = "runc", *, automatic: bool = False,
-                    now: float | None = None) -> list[SandboxRemoval]:
+                    now: float | None = None, dead_owner: int | None = None
+                    ) -> list[SandboxRemoval]:
     """Try to remove every sandbox past its TTL, and every one whose creating process is gone
     (a crash or kill -9) except kept ones; one that fails never stops the others. One
     ``SandboxRemoval`` per sandbox. ``automatic`` (the sweep at each ``create``): only
     sandboxes with a readable record are considered, since a dir without one may be a create
-    in progress; ``envbuild sandbox gc`` takes those too."""
+    in progress; ``envbuild sandbox gc`` takes those too. ``dead_owner`` (a pid known to have
+    died at ``now``: ``runtime_shim.exitwatch``): only the sandboxes it created before then,
+    except kept ones. Each is removed with the runtime its record names, else ``runtime``."""
     now = time.time() if now is None else now
     done = []
     for info in list_sandboxes(node_dir):
         if automatic and info.lock == "?":
             continue
-        if info.expired(now):
+        if dead_owner is not None:
+            if info.pid != dead_owner or info.created > now or info.kept:
+                continue
+            reason = "orphaned"
+        elif info.expired(now):
             reason = "expired"
         elif info.alive or info.kept:
             continue
         else:
             reason = "orphaned"
         try:
-            remove_sandbox(node_dir, info.id, runtime)
+            remove_sandbox(node_dir, info.id, info.runtime or runtime)
         except SandboxNotFound:
             continue  # another sweep got there first
         except RuntimeShimError as e:

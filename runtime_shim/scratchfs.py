@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from envbuild.errors import RuntimeShimError
+from runtime_shim.lifecycle import exiting
 from runtime_shim.mount import _libc, unmount
 
 #: Bumped when the template's mkfs options change (a template of an older version is ignored).
@@ -137,7 +138,8 @@ def destroy(dir: str | os.PathLike[str]) -> None:
     In the process that created the disk, the unmount leaves the loop device to this
     process's fd, whose close (where the kernel detaches the device and frees the image) runs
     on a daemon thread: it waits for an RCU grace period, ~3 ms on a quiet host and 50 ms on a
-    loaded one. ``settle()`` waits for those closes; process exit does them too."""
+    loaded one. ``settle()`` waits for those closes; process exit does them too. While the
+    interpreter exits (``runtime_shim.lifecycle.exiting``), the close runs in the caller."""
     root = Path(dir)
     target = str(root / MOUNT_NAME)
     try:
@@ -162,6 +164,10 @@ def settle(timeout: float | None = None) -> None:
 
 
 def _release(loop_fd: int) -> None:
+    if exiting():  # a thread started now may never run, and its start would wait forever
+        os.close(loop_fd)
+        return
+
     def close() -> None:
         try:
             os.close(loop_fd)

@@ -16,6 +16,11 @@ them with ``CAP_SYS_ADMIN``; we never grant that group, a caller who needs it pa
   (``keyctl``, ``add_key``, ``request_key``), ``bpf``, ``perf_event_open``, ``userfaultfd``,
   ``kexec_*``, module loading, ``io_uring_*`` (off by default since Docker 25), swap, reboot,
   clock setting, ``quotactl``, ``lookup_dcookie``, ``open_by_handle_at``;
+- ``inotify_init`` / ``inotify_init1`` (``ENOSYS``) unless the sandbox's ``Limits.inotify``
+  allows them: inotify instances and watches are counted per uid (``fs.inotify.max_user_
+  instances``, 128 by default, and ``max_user_watches``), and a sandbox's root is the host's
+  uid 0, so a sandbox allowed them can exhaust the host root's (no cgroup bounds them; issue
+  34, item 3);
 - ioctls that swap a file's blocks with another's or inject terminal input: a deny list
   (``IOCTL_DENY``) matched on the low 32 bits only (the kernel's ``unsigned int cmd``), and for
   ``_IOC``-encoded requests on their type and number bytes only, so neither a different
@@ -73,7 +78,7 @@ ALLOWED = (
     "getpgid", "getpgrp", "getpid", "getppid", "getpriority", "getrandom", "getresgid",
     "getresgid32", "getresuid", "getresuid32", "getrlimit", "get_robust_list", "getrusage",
     "getsid", "getsockname", "getsockopt", "get_thread_area", "gettid", "gettimeofday",
-    "getuid", "getuid32", "getxattr", "inotify_add_watch", "inotify_init", "inotify_init1",
+    "getuid", "getuid32", "getxattr", "inotify_add_watch",
     "inotify_rm_watch", "io_cancel", "io_destroy", "io_getevents", "io_pgetevents",
     "io_pgetevents_time64", "ioprio_get", "ioprio_set", "io_setup", "io_submit", "ipc", "kill",
     "landlock_add_rule", "landlock_create_ruleset", "landlock_restrict_self", "lchown",
@@ -115,6 +120,8 @@ ALLOWED = (
     # Docker: allowed from kernel 4.8 on, when ptrace can no longer bypass seccomp.
     "process_vm_readv", "process_vm_writev", "ptrace",
 )
+#: Allowed only to a sandbox whose ``Limits.inotify`` says so (see the module docstring).
+INOTIFY_INIT = ("inotify_init", "inotify_init1")
 
 # Extra syscalls per capability (Docker's ``Includes: Caps``), except CAP_SYS_ADMIN's group
 # (mount, namespaces, bpf, …), which this profile never grants.
@@ -209,14 +216,15 @@ def _complement(deny: tuple[tuple[str, int, int], ...]) -> tuple[tuple[int, int]
 IOCTL_ALLOW = _complement(IOCTL_DENY)
 
 
-def default_profile(capabilities: Iterable[str] = (), machine: str | None = None
-                    ) -> dict[str, Any]:
+def default_profile(capabilities: Iterable[str] = (), machine: str | None = None, *,
+                    inotify: bool = False) -> dict[str, Any]:
     """The default ``linux.seccomp`` for a container holding ``capabilities`` (their
     bounding set), for the native architecture ``machine`` (``platform.machine()`` when
-    None; an unknown one gets native-only filtering)."""
+    None; an unknown one gets native-only filtering); ``inotify``: allow ``INOTIFY_INIT``."""
     machine = machine or platform.machine()
     caps = set(capabilities)
     allowed = list(ALLOWED) + list(ARCH_SYSCALLS.get(machine, ()))
+    allowed += INOTIFY_INIT if inotify else ()
     for cap, names in BY_CAPABILITY.items():
         if cap in caps:
             allowed += names
@@ -241,6 +249,9 @@ def default_profile(capabilities: Iterable[str] = (), machine: str | None = None
          "args": [{"index": 0, "value": UNSHARE_NAMESPACES, "valueTwo": 0,
                    "op": "SCMP_CMP_MASKED_EQ"}]},
         {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS},
+        # ENOSYS, as on a kernel without inotify: tail -f and most watchers fall back to polling
+        *([] if inotify else
+          [{"names": list(INOTIFY_INIT), "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS}]),
     ]
     profile: dict[str, Any] = {"defaultAction": "SCMP_ACT_ERRNO", "defaultErrnoRet": eperm,
                                "syscalls": syscalls}
@@ -347,12 +358,13 @@ def check_setting(seccomp: str | Mapping[str, Any] | None) -> None:
 
 
 def resolve(seccomp: str | Mapping[str, Any] | None, capabilities: Iterable[str],
-            machine: str | None = None) -> dict[str, Any] | None:
+            machine: str | None = None, *, inotify: bool = False) -> dict[str, Any] | None:
     """The ``linux.seccomp`` object for a ``seccomp=`` setting: None → the default profile
-    for ``capabilities``, ``"unconfined"`` → no filter (None), a mapping → itself, checked."""
+    for ``capabilities`` (``inotify`` as for ``default_profile``), ``"unconfined"`` → no
+    filter (None), a mapping → itself, checked."""
     check_setting(seccomp)
     if seccomp is None:
-        return default_profile(capabilities, machine)
+        return default_profile(capabilities, machine, inotify=inotify)
     if seccomp == UNCONFINED:
         return None
     assert isinstance(seccomp, Mapping)

@@ -134,6 +134,8 @@ class RuntimeSpecRequest:
     cpu_shares: int | None = None
     seccomp: str | Mapping[str, Any] | None = None
     machine: str | None = None
+    # With the default profile: allow inotify_init (``Limits.inotify``; runtime_shim.seccomp)
+    inotify: bool = False
 
 
 def parse_user(user: str | None, default: tuple[int, int] = (0, 0)) -> tuple[int, int]:
@@ -224,7 +226,7 @@ def runtime_spec(req: RuntimeSpecRequest) -> dict[str, Any]:
     }
     if req.cgroups_path is not None:
         linux["cgroupsPath"] = req.cgroups_path
-    profile = _seccomp.resolve(req.seccomp, caps, req.machine)
+    profile = _seccomp.resolve(req.seccomp, caps, req.machine, inotify=req.inotify)
     if profile is not None:
         linux["seccomp"] = profile
     process: dict[str, Any] = {

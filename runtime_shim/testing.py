@@ -27,6 +27,7 @@ from envbuild.errors import SandboxNotFound
 from envbuild.oci import MEDIA_TYPE_MANIFEST
 from envbuild.store import Store, put_json
 from runtime_shim import agent
+from runtime_shim.admission import Reservation
 from runtime_shim.backend import CreateRequest
 from runtime_shim.layout import NodeLayout, SandboxPaths
 from runtime_shim.locks import ResolvedLock
@@ -236,6 +237,11 @@ class FakeBackend:
 
     def check(self, *, keep: bool, seccomp: str | Mapping | None, lazy: bool) -> None:
         self.calls["check"] += 1
+
+    def host_reservation(self, limits: Limits) -> Reservation:
+        """``backend.HostCosted``: a fake takes nothing of the host (admission lets any number
+        in; ``runtime_shim.admission`` has its own tests)."""
+        return Reservation()
 
     def create(self, req: CreateRequest) -> FakeSandbox:
         self.calls["create"] += 1

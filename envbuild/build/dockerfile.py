@@ -60,6 +60,7 @@ import re
 import signal
 import stat
 import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -423,8 +424,9 @@ def _read_small(path: str, *, missing_ok: bool = False, limit: int = MAX_DOCKERF
 # ----------------------------------------------------------------------------- pinning
 
 
-def locate(src, base_dir: str, root: str | None) -> tuple[str, str]:
-    """``(context dir, Dockerfile path)``, both checked inside ``root`` when given."""
+def locate(src, base_dir: str, roots: tuple[str, ...] | None) -> tuple[str, str]:
+    """``(context dir, Dockerfile path)``, both checked inside ``roots`` when given
+    (``envbuild.build.pin.source_roots``)."""
     from envbuild.build.pin import _Unpinnable, confined_path
 
     context = os.path.join(base_dir, src.context)
@@ -432,23 +434,23 @@ def locate(src, base_dir: str, root: str | None) -> tuple[str, str]:
         raise Unpinnable(f"docker context {src.context} is not a directory",
                          f"it is resolved against {base_dir or '.'}/")
     try:
-        if root is not None:
-            context = confined_path(root, base_dir, src.context)
+        if roots is not None:
+            context = confined_path(roots, base_dir, src.context)
         dockerfile = os.path.join(context, src.file)
         # The Dockerfile's directory may be reached through links inside the source root; the
         # file itself is opened without following a final symlink.
         parent = os.path.dirname(dockerfile)
-        if root is not None:
-            confined_path(root, context, os.path.dirname(src.file) or ".")
+        if roots is not None:
+            confined_path(roots, context, os.path.dirname(src.file) or ".")
     except _Unpinnable as e:
         raise Unpinnable(e.message, e.hint) from None
     dockerfile = os.path.join(os.path.realpath(parent), os.path.basename(dockerfile))
     return os.path.realpath(context), dockerfile
 
 
-def pin_dockerfile(src, base_dir: str, root: str | None = None) -> dict[str, str]:
+def pin_dockerfile(src, base_dir: str, roots: tuple[str, ...] | None = None) -> dict[str, str]:
     """The pins of a Dockerfile base (module docstring); raises ``Unpinnable``."""
-    context, dockerfile = locate(src, base_dir, root)
+    context, dockerfile = locate(src, base_dir, roots)
     try:
         text = _read_small(dockerfile)
     except FileNotFoundError:
@@ -499,7 +501,10 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
     t0 = time.monotonic()
     # network: host means egress, not the host (as for envbuild's own run steps): a private
     # daemon runs in a namespace of its own behind slirp4netns for it
-    with docker_daemon(daemon_root, egress_only=src.network == "host") as d:
+    # Its data root (images, BuildKit's cache, what RUN steps write) is on the layer's capped
+    # scratch disk, as the rest of the build's writes: a RUN step meets ENOSPC at the cap.
+    with docker_daemon(daemon_root, egress_only=src.network == "host",
+                       data_root=scratch / "daemon-data") as d:
         _note(log, f"daemon ready in {time.monotonic() - t0:.1f} s")
         t0 = time.monotonic()
         for i, (ref, archive) in enumerate(locks):
@@ -563,10 +568,12 @@ def _note(log: Path, text: str) -> None:
 
 def _run_logged(argv: list[str], env: Mapping[str, str], log: Path,
                 stop: threading.Event) -> int | None:
-    """Run ``argv`` with its output appended to ``log``, at most ``STEP_LOG_CAP`` bytes of it
-    (a build's output is untrusted and the log is on the host, outside any capped disk).
-    Returns the exit code, or None when ``stop`` was set first (its process group killed)."""
-    from envbuild.build.executor import STEP_LOG_CAP
+    """Run ``argv`` with its output appended to ``log``, which keeps its head and tail past
+    ``BUILD_LOG_CAP`` (a build's output is untrusted and the log is on the host, outside any
+    capped disk). Returns the exit code, or None when ``stop`` was set first (its process
+    group killed)."""
+    from envbuild.build.buildlog import CappedLog
+    from envbuild.build.executor import BUILD_LOG_CAP
     from runtime_shim.scratchfs import copy_capped
 
     read_fd, write_fd = os.pipe()
@@ -579,7 +586,8 @@ def _run_logged(argv: list[str], env: Mapping[str, str], log: Path,
                          hint="apt-get install docker.io (scripts/setup.sh)") from None
     finally:
         os.close(write_fd)
-    copier = threading.Thread(target=copy_capped, args=(read_fd, open(log, "ab"), STEP_LOG_CAP),
+    copier = threading.Thread(target=copy_capped,
+                              args=(read_fd, CappedLog(log, BUILD_LOG_CAP), sys.maxsize),
                               daemon=True)
     copier.start()
     try:
@@ -680,7 +688,7 @@ def _prefetch(text: str, src, name: str, scratch: Path, daemon_root: Path, first
             raise SourceError(f"{name}: FROM {ref} must be written literally (not built from "
                               "ARGs) with network: host")
     out: list[tuple[str, Path]] = []
-    with docker_daemon(daemon_root) as pre:
+    with docker_daemon(daemon_root, data_root=scratch / "prefetch-data") as pre:
         for ref in refs:
             tag = _lock_tag(scratch, first + len(out))
             archive = scratch / f"from-{first + len(out)}.tar"

@@ -186,11 +186,13 @@ def build(
 
     ``cache_from`` / ``cache_to``: a remote build cache (another store, e.g. S3) consulted for
     missing layers before building, and pushed to afterwards (``envbuild.store.sync``)."""
-    # scratch dirs of builds that were killed before they could clean up (issue 11, item 14)
-    sweep_stale_scratch(ctx.scratch_root, ctx.runtime)
-    from envbuild.dockerd import sweep_stale_daemons  # and their private dockerds (issue 17)
+    # private dockerds of builds that were killed before they could clean up (issue 17), first:
+    # their data roots are on those builds' scratch disks (issue 34, item 4)
+    from envbuild.dockerd import sweep_stale_daemons
 
     sweep_stale_daemons(ctx.node.root / "dockerd")
+    # then the scratch dirs of those builds (issue 11, item 14)
+    sweep_stale_scratch(ctx.scratch_root, ctx.runtime)
     plan = plan_with_store(ws, ctx.store, targets)
     # -- remote build cache, pull side (S3 issue; logic in envbuild.store.sync) ---------------
     # Layers another machine built: layer blob, then key record, into ctx.store; the re-plan

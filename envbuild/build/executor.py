@@ -19,10 +19,12 @@ The plan says *what* to build (``LayerJob``: plain data); this module does it (s
    point publishes nothing.
 
 Everything lives under one scratch directory per build that is removed at the end, mounts
-included, also on Ctrl-C. A layer's upper dir, work dir and its steps' ``/tmp`` are on a capped
-filesystem of their own (``runtime_shim.scratchfs``: ``BuildContext.disk_bytes`` /
-``inodes``, 50 GiB and 5 M by default, ``ENVBUILD_BUILD_DISK`` / ``ENVBUILD_BUILD_INODES``), so
-a runaway step or import fails with ENOSPC instead of filling the host.
+included, also on Ctrl-C. A layer's upper dir, work dir, its steps' ``/tmp``, a git import's
+clone and a Dockerfile base's private dockerd data root (its images and what its ``RUN`` steps
+write) are on a capped filesystem of their own (``runtime_shim.scratchfs``:
+``BuildContext.disk_bytes`` / ``inodes``, 50 GiB and 5 M by default, ``ENVBUILD_BUILD_DISK`` /
+``ENVBUILD_BUILD_INODES``), so a runaway step or import fails with ENOSPC instead of filling
+the host.
 A build that dies without cleaning up (SIGKILL, OOM, power loss)
 leaves its dir owned by nobody: each scratch dir ``<root>/<id>`` has an owner file
 ``<root>/<id>.owner`` that the build holds ``flock``ed for its whole life (the kernel drops the
@@ -34,8 +36,11 @@ destroyed and mounts detached first, then ``safefs.remove_tree``).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -43,8 +48,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from envbuild.build import importers
-from envbuild.build.pin import local_git_path
+from envbuild.build import buildlog, importers
+from envbuild.build.pin import HOST_BUSYBOX, local_git_path
 from envbuild.defs.model import (
     ArchiveSource,
     Base,
@@ -69,6 +74,7 @@ from envbuild.layers import pack_tree
 from envbuild.safefs import read_tail, remove_tree
 from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_record
 from runtime_shim import cpuclass, netns, scratchfs
+from runtime_shim.admission import BudgetSettings, Ledger, Reservation, build_key
 from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
 from runtime_shim.nodecache import NodeCache
 from runtime_shim.runc import OciRuntime, run_container, write_bundle
@@ -83,14 +89,17 @@ from runtime_shim.spec import (
 from runtime_shim.stub import CA_ENV_VARS, HOST_CA_PATH, ensure_stub, host_ca_bundle
 
 OUTPUT_TAIL_LINES = 50
-#: What one step may write to the build log (on the host, outside its capped disk): a step
-#: that prints forever (``yes``) is logged up to here, the rest is read and dropped.
-STEP_LOG_CAP = 64 << 20
+#: What one build's log may hold (on the host, outside its capped disk): past it the log keeps
+#: its first and last quarter (``envbuild.build.buildlog``), so a step that prints forever
+#: (``yes``) costs the host this much, and the end of its output (why it failed) is kept.
+BUILD_LOG_CAP = 16 << 20
 BUILD_HOSTNAME = "envbuild"
 #: Defaults of ``BuildContext.disk_bytes`` / ``inodes``: generous (a debootstrap + pip install
 #: is a few GB), only there so a runaway step cannot fill the build host. The image is sparse.
 DEFAULT_BUILD_DISK_BYTES = 50 << 30
 DEFAULT_BUILD_INODES = 5_000_000
+#: The smallest disk a layer gets when the node's disk budget has less left than its cap.
+MIN_BUILD_DISK_BYTES = 1 << 30
 
 
 
@@ -158,8 +167,14 @@ class BuildContext:
     # The cap of one layer's writes (its upper dir and /tmp; runtime_shim.scratchfs). None: none.
     disk_bytes: int | None = DEFAULT_BUILD_DISK_BYTES
     inodes: int | None = DEFAULT_BUILD_INODES
+    #: The node's budget (``runtime_shim.admission``): a layer's disk is reserved in the node's
+    #: ledger before it is made, at ``disk_bytes`` or what the budget has left if that is less
+    #: (at least ``MIN_BUILD_DISK_BYTES``); below that it waits up to ``admission_wait``
+    #: seconds for other builds to give theirs back, and one that could never fit is refused.
+    admission: BudgetSettings = dataclasses.field(default_factory=BudgetSettings)
+    admission_wait: float = 1800.0
     #: Called with (layer name, bytes) as a ``run`` step writes its output (``envbuild build
-    #: -v``), from the step's copier thread; what reaches the log (capped at STEP_LOG_CAP).
+    #: -v``), from the step's copier thread: all of it (the log keeps only its head and tail).
     on_output: Callable[[str, bytes], None] | None = None
     #: Lifetime of the build lease on a key in the store (``envbuild.store.lease``): how long
     #: a builder that died can keep others waiting. Renewed every third of it while building.
@@ -183,18 +198,27 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
                                    f"{job.key.removeprefix('sha256:')[:16]}-{uuid.uuid4().hex[:8]}")
     disk = scratch / scratchfs.MOUNT_NAME
     upper, work, merged = disk / "upper", disk / "work", scratch / "merged"
+    ledger, reserved = Ledger(ctx.node.root), build_key(scratch.name)
+    disk_limit = ctx.disk_bytes  # lowered by admission when the node has less left
     if ctx.disk_bytes is not None:
         try:
+            granted = ledger.admit(reserved, Reservation(disk_bytes=ctx.disk_bytes), scratch,
+                                   what=f"the build of {job.name}", settings=ctx.admission,
+                                   wait=ctx.admission_wait,
+                                   min_disk=min(ctx.disk_bytes, MIN_BUILD_DISK_BYTES))
             # dev + suid: debootstrap makes /dev nodes in the upper dir and chroots into it
-            scratchfs.create(scratch, ctx.disk_bytes, ctx.inodes,
+            disk_limit = granted.disk_bytes
+            scratchfs.create(scratch, disk_limit, ctx.inodes,
                              template_root=ctx.node.root / "scratchfs", nodev_nosuid=False)
         except BaseException:
             release_scratch(scratch, owner)
+            ledger.release(reserved)
             raise
     for p in (upper, work, merged, disk / "tmp"):
         p.mkdir(parents=True, exist_ok=True)
     os.chmod(disk / "tmp", 0o1777)
     ctx.log_root.mkdir(parents=True, exist_ok=True)
+    buildlog.prune(ctx.log_root)
     log = ctx.log_root / f"{job.name}-{job.key.removeprefix('sha256:')[:12]}.log"
     log.write_bytes(b"")
     mounted = False
@@ -206,8 +230,14 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
         imported = importers.Imported()
         if isinstance(d, Base) and not isinstance(d.source, BaseSource):
             progress(BuildEvent(job.name, "importing", detail=d.source.kind))
-            imported = _import_base(d, upper, log, ctx.cancelled, job=job, scratch=disk,
-                                    daemon_root=ctx.node.root / "dockerd", store=ctx.store)
+            try:
+                imported = _import_base(d, upper, log, ctx.cancelled, job=job, scratch=disk,
+                                        daemon_root=ctx.node.root / "dockerd", store=ctx.store,
+                                        runtime=ctx.runtime)
+            except BuildError as e:
+                raise _explain_full_import(ctx, e) from None
+            finally:  # importers' subprocesses append to the log themselves
+                buildlog.trim(log, BUILD_LOG_CAP)
         needs_rootfs = bool(d.steps) or isinstance(d, Workspace)
         if needs_rootfs:
             spec = OverlaySpec(str(merged), (*lowers, str(ctx.stub_dir())), str(upper), str(work))
@@ -223,7 +253,7 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
                 try:
                     _run_step(ctx, job, i, step, merged, scratch, log)
                 except StepFailed as e:
-                    raise _explain_full_disk(ctx, disk, e) from None
+                    raise _explain_full_disk(ctx, disk, disk_limit, e) from None
             unmount(str(merged))
             mounted = False
         if isinstance(d, Toolkit):
@@ -263,6 +293,8 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
             netns.teardown(net_dir)
         scratchfs.destroy(scratch)
         release_scratch(scratch, owner)
+        if ctx.disk_bytes is not None:
+            ledger.release(reserved)
 
 
 OWNER_SUFFIX = ".owner"
@@ -305,10 +337,11 @@ def sweep_stale_scratch(root: Path, runtime: OciRuntime | None = None) -> list[s
     return [r.name for r in reap_stale_builds(root, runtime)]
 
 
-def _explain_full_disk(ctx: BuildContext, disk: Path, e: StepFailed) -> StepFailed:
+def _explain_full_disk(ctx: BuildContext, disk: Path, limit: int | None,
+                       e: StepFailed) -> StepFailed:
     """``e``, or when the step left its disk (nearly) full, which most likely made it fail,
     the same error saying so in its one line."""
-    if ctx.disk_bytes is None:
+    if limit is None:
         return e
     st = os.statvfs(disk)
     out_of = ("space" if st.f_bavail * st.f_frsize < (1 << 20) else
@@ -316,10 +349,27 @@ def _explain_full_disk(ctx: BuildContext, disk: Path, e: StepFailed) -> StepFail
     if out_of is None:
         return e
     return StepFailed(f"{e.message} (out of {out_of}: the layer's disk limit is "
-                      f"{ctx.disk_bytes >> 20} MiB / {ctx.inodes} inodes)",
+                      f"{limit >> 20} MiB / {ctx.inodes} inodes)",
                       argv=e.argv, exit_code=e.exit_code, output_tail=e.output_tail,
                       log_path=e.log_path,
                       hint="raise ENVBUILD_BUILD_DISK / ENVBUILD_BUILD_INODES, or write less")
+
+
+#: How every tool (and Python) spells ENOSPC.
+_ENOSPC = os.strerror(errno.ENOSPC).lower()
+
+
+def _explain_full_import(ctx: BuildContext, e: BuildError) -> BuildError:
+    """``e``, or when an import (a Dockerfile's ``RUN`` steps in the private dockerd, whose
+    data root is on the layer's disk) ran out of space, the same error saying it met the
+    layer's disk limit. Its disk is gone by now (the daemon removed its data): the cause is
+    read from the error."""
+    if ctx.disk_bytes is None or _ENOSPC not in f"{e.message}\n{e.context or ''}".lower():
+        return e
+    return BuildError(f"{e.message} (out of space: the layer's disk limit is "
+                      f"{ctx.disk_bytes >> 20} MiB)", context=e.context,
+                      hint="raise ENVBUILD_BUILD_DISK, or write less"
+                           + (f"; {e.hint}" if e.hint else ""))
 
 
 def _stop_if_cancelled(ctx: BuildContext, job: LayerJob) -> None:
@@ -344,14 +394,20 @@ def _describe(step) -> str:
 
 def _import_base(d: Base, upper: Path, log: Path, cancelled: threading.Event, *,
                  job: LayerJob | None = None, scratch: Path | None = None,
-                 daemon_root: Path | None = None, store: Store | None = None
-                 ) -> importers.Imported:
+                 daemon_root: Path | None = None, store: Store | None = None,
+                 runtime: OciRuntime | None = None) -> importers.Imported:
     src = d.source
     here = d.origin.directory
     if isinstance(src, ScratchSource):
         return importers.import_scratch(upper)
     if isinstance(src, BusyboxSource):
-        return importers.import_busybox(Path(src.binary), upper)
+        # against the definition's directory, as pinning checked it (not the working directory)
+        binary = here / src.binary
+        if os.path.realpath(binary) in HOST_BUSYBOX or runtime is None or scratch is None:
+            return importers.import_busybox(binary, upper)  # the host's own package binary
+        # any other binary comes with the definitions: it runs in a container, never on the host
+        return importers.import_busybox(binary, upper, list_applets=lambda root: _output_of(
+            runtime, root, ("/bin/busybox", "--list-full"), scratch / "bundle-import", cancelled))
     if isinstance(src, RootfsSource):
         return importers.import_rootfs(here / src.path, src.sha256, upper)
     if isinstance(src, DebootstrapSource):
@@ -369,6 +425,36 @@ def _import_base(d: Base, upper: Path, log: Path, cancelled: threading.Event, *,
         return build_dockerfile(src, d.name, here, job.pins, upper, scratch / "docker",
                                 daemon_root, log, cancelled, store)
     raise BuildError(f"{d.name}: source kind {src.kind!r} cannot be imported")
+
+
+#: What ``_output_of`` keeps of a command's output, and how long it may run.
+_IMPORT_OUTPUT_CAP = 1 << 20
+_IMPORT_TIMEOUT = 60.0
+
+
+def _output_of(runtime: OciRuntime, rootfs: Path, args: tuple[str, ...], bundle: Path,
+               cancelled: threading.Event) -> str:
+    """The output of ``args`` run in a container on ``rootfs`` (read-only, no network, small
+    limits, the default seccomp profile), for an importer that must run a file the definitions
+    brought (a busybox binary listing its applets). Raises ``BuildError`` if it fails."""
+    container_id = f"eb-build-{uuid.uuid4().hex[:12]}"  # the reaper's prefix: swept after a crash
+    request = RuntimeSpecRequest(
+        rootfs=str(rootfs), args=args, readonly_rootfs=True, tmpfs=(), hostname=BUILD_HOSTNAME,
+        pids_limit=64, memory_limit=256 << 20, cpus=1.0, cgroups_path=f"/envbuild/{container_id}")
+    write_bundle(bundle, runtime_spec(request))
+    out = bundle / "output"
+    with open(out, "wb") as f:
+        result = run_container(runtime, container_id, bundle, stdout=f,
+                               stderr=subprocess.DEVNULL, timeout=_IMPORT_TIMEOUT,
+                               cancelled=cancelled, cpu_class=cpuclass.BUILD_CPU_CLASS)
+    text = read_tail(out, _IMPORT_OUTPUT_CAP) if out.stat().st_size <= _IMPORT_OUTPUT_CAP else ""
+    if result.cancelled:
+        raise BuildError(f"{' '.join(args)}: cancelled")
+    if result.exit_code != 0 or not text:
+        raise BuildError(f"{' '.join(args)} exited {result.exit_code} in its container"
+                         + ("" if text else " (no output, or more than 1 MiB)"),
+                         hint="the binary must be a static busybox for this architecture")
+    return text
 
 
 def _import_workspace(d: Workspace, job: LayerJob, merged: Path, scratch: Path,
@@ -440,14 +526,15 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
         cgroups_path=f"/envbuild/{container_id}", seccomp=ctx.seccomp)
     bundle = scratch / f"bundle-{index}"
     write_bundle(bundle, runtime_spec(request))
-    with open(log, "ab") as out:
+    with buildlog.CappedLog(log, BUILD_LOG_CAP) as out:
         # The step runs on a pool thread, which Ctrl-C/SIGTERM never interrupts: the engine
         # sets ctx.cancelled and run_container kills and deletes the container when it sees it.
-        # Its output reaches the log through a pipe and a copier capped at STEP_LOG_CAP.
+        # Its output reaches the log through a pipe and a copier; the log keeps its head and
+        # tail (BUILD_LOG_CAP), the copier reads everything so the step never blocks on it.
         read_fd, write_fd = os.pipe()
         sink = out if ctx.on_output is None else _Tee(out, job.name, ctx.on_output)
         copier = threading.Thread(target=scratchfs.copy_capped,
-                                  args=(read_fd, sink, STEP_LOG_CAP), daemon=True)
+                                  args=(read_fd, sink, sys.maxsize), daemon=True)
         copier.start()
         try:
             result = run_container(ctx.runtime, container_id, bundle, stdout=write_fd,
@@ -468,14 +555,22 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
 
 
 class _Tee:
-    """The log file, with each write also handed to ``on_output`` (for ``build -v``)."""
+    """The log file, with each write also handed to ``on_output`` (for ``build -v``): the
+    first ``BUILD_LOG_CAP`` bytes of the step's output, then a note (the log keeps the end)."""
 
     def __init__(self, out, name: str, on_output: Callable[[str, bytes], None]) -> None:
         self.out, self.name, self.on_output = out, name, on_output
+        self.left = BUILD_LOG_CAP
 
     def write(self, data: bytes) -> int:
         n = self.out.write(data)
-        self.on_output(self.name, bytes(data))
+        if self.left > 0:
+            shown = bytes(data[:self.left])
+            self.left -= len(data)
+            if self.left <= 0:
+                shown += f"\n[envbuild: output past {BUILD_LOG_CAP >> 10} KiB not shown; the " \
+                         "log keeps its end]\n".encode()
+            self.on_output(self.name, shown)
         return n
 
     def flush(self) -> None:

@@ -25,7 +25,7 @@ import signal
 import stat
 import subprocess
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 # Shared with envbuild.build.pin's tree hash: what is not hashed must not be copied either,
@@ -36,6 +36,7 @@ from envbuild.build.pin import (
     IGNORED_NAMES,
     check_git_source,
     git_env,
+    static_elf_problem,
 )
 from envbuild.canonical import read_json_file
 from envbuild.errors import BuildError, SourceError, UnsafeLayerError
@@ -64,6 +65,8 @@ def _run(argv: list[str], what: str, *, cwd: str | None = None,
     except FileNotFoundError:
         raise BuildError(f"{what}: {argv[0]} is not installed",
                          hint="run scripts/setup.sh to install the tools envbuild drives") from None
+    except OSError as e:  # e.g. not executable
+        raise BuildError(f"{what}: run {argv[0]}: {e.strerror}") from None
     out_chunks: list[bytes] = []
     err_chunks: list[bytes] = []
     readers = [threading.Thread(target=lambda p=p, acc=acc: acc.append(p.read()), daemon=True)
@@ -121,17 +124,24 @@ def import_scratch(dest: Path) -> Imported:
     return Imported()
 
 
-def import_busybox(binary: Path, dest: Path) -> Imported:
+def import_busybox(binary: Path, dest: Path,
+                   list_applets: Callable[[Path], str] | None = None) -> Imported:
     """A minimal rootfs: the static busybox binary, a link per applet, and the FHS skeleton.
 
     Applet locations come from ``busybox --list-full`` (``usr/bin/awk``, ``sbin/ip`` …), so the
-    result looks like a busybox-based distribution. The binary must be static: it is executed
-    on the host to list its applets and later inside containers with no libc.
+    result looks like a busybox-based distribution. The binary must be a static ELF executable
+    (it runs in containers with no libc). ``list_applets(dest)`` runs ``/bin/busybox
+    --list-full`` once the binary is in ``dest`` (the executor's: in a container); without
+    it, the binary is run on the host: only for the host's own package binary.
     """
     if not binary.is_file():
         raise SourceError(f"busybox binary {binary} not found",
                           hint="apt-get install busybox-static, or set from.busybox.binary")
-    listing = _run([str(binary), "--list-full"], "list busybox applets")
+    problem = static_elf_problem(str(binary))  # checked when pinned too; never run a script
+    if problem is not None:
+        raise SourceError(problem, hint="name a static busybox (apt-get install busybox-static)")
+    if list_applets is None:
+        listing = _run([str(binary), "--list-full"], "list busybox applets")
     for d, mode in (("bin", 0o755), ("sbin", 0o755), ("usr/bin", 0o755), ("usr/sbin", 0o755),
                     ("etc", 0o755), ("root", 0o700), ("tmp", 0o1777), ("proc", 0o555),
                     ("sys", 0o555), ("dev", 0o755), ("var/tmp", 0o1777), ("home", 0o755)):
@@ -139,14 +149,25 @@ def import_busybox(binary: Path, dest: Path) -> Imported:
         os.chmod(dest / d, mode)
     shutil.copyfile(binary, dest / "bin" / "busybox")
     os.chmod(dest / "bin" / "busybox", 0o755)
+    if list_applets is not None:
+        listing = list_applets(dest)
     for applet in sorted(set(listing.split())):
         if applet in ("bin/busybox", "linuxrc") or "/" not in applet:
             continue
+        # what the binary printed: never a path out of dest (nor through a link made here)
+        if applet.startswith("/") or any(p in ("", ".", "..") for p in applet.split("/")) \
+                or applet.count("/") > 3:
+            raise SourceError(f"busybox --list-full printed {applet[:80]!r}, not an applet path",
+                              hint="the binary must be a genuine static busybox")
         target = dest / applet
-        target.parent.mkdir(parents=True, exist_ok=True)
-        rel = os.path.relpath(dest / "bin" / "busybox", target.parent)
-        if not target.exists() and not target.is_symlink():
-            os.symlink(rel, target)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            rel = os.path.relpath(dest / "bin" / "busybox", target.parent)
+            if not target.exists() and not target.is_symlink():
+                os.symlink(rel, target)
+        except OSError as e:  # e.g. a/b after a (a link to the binary): printed by a fake
+            raise SourceError(f"busybox applet {applet[:80]!r}: {e.strerror}",
+                              hint="the binary must be a genuine static busybox") from None
     return Imported()
 
 

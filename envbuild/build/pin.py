@@ -22,11 +22,17 @@ What is pinned, per definition (``PinnedInputs[name][field]``):
 ==================================  ===========================================================
 
 Relative paths resolve against the directory of the definition file (``origin.directory``).
-**Confinement**: ``copy.src`` and a workspace's ``path`` must resolve (symlinks followed) inside
-the *source root*, the parent of the definitions directory (the repository holding ``envdefs/``
-and the ``sources/`` that ``../../sources/x`` names); ``/etc/shadow``, ``../../../../etc``
-or a symlink out are refused at the definition's line. Inside a copied tree, symlinks are
-copied as links and never followed.
+**Confinement** (a definition is hostile input): every path a definition names — ``copy.src``,
+a workspace's ``path``, ``archive`` and local or ``file://`` ``git`` sources, a base's
+``rootfs``, ``oci`` layout, ``busybox`` binary and Dockerfile context — must resolve (symlinks
+followed) inside the *source root*, the parent of the definitions directory (the repository
+holding ``envdefs/`` and the ``sources/`` that ``../../sources/x`` names); ``/etc``,
+``../../../../etc`` or a symlink out are refused at the definition's line. Two exceptions:
+the host's busybox package binary (``HOST_BUSYBOX``, the default of ``from: {busybox}``),
+and the *trusted directories* the one running the build names (``--trust-sources DIR``,
+``ENVBUILD_TRUSTED_SOURCES``; ``envbuild.settings.trusted_sources``): the operator's opt-in
+for a definition tree it trusts, never something a definition can grant itself. Inside a
+copied tree, symlinks are copied as links and never followed.
 
 **Git** (a definition is hostile input): the url must be ``https``/``http``/``ssh``/``git``/
 ``file`` URL, scp-like ``[user@]host:path`` or a local path, never start with ``-`` and never
@@ -60,7 +66,7 @@ import os
 import re
 import stat
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from urllib.parse import unquote, urlsplit
@@ -83,6 +89,7 @@ from envbuild.defs.parsecache import ParseCache
 from envbuild.errors import SourceError
 from envbuild.plan.graph import EnvGraph, field_position
 from envbuild.plan.keys import KeyMemo, KeySet, PinnedInputs, Previous, compute_keys
+from envbuild.settings import TRUSTED_SOURCES_ENV, trusted_sources
 
 TREE_TAG = b"envbuild.tree.v1\0"
 IGNORED_NAMES = frozenset({".git"})
@@ -154,12 +161,15 @@ def _run_git(argv: list[str], what: str) -> str:
 class Pinner:
     """Computes digests, each at most once per instance (one instance per run)."""
 
-    def __init__(self, run_git: Callable[[list[str], str], str] = _run_git) -> None:
+    def __init__(self, run_git: Callable[[list[str], str], str] = _run_git,
+                 trusted: Sequence[str] | None = None) -> None:
         self._run_git = run_git
+        #: directories outside the source root sources may name (None: from the environment)
+        self.trusted = tuple(trusted) if trusted is not None else trusted_sources(os.environ)
         self._by_spelling: dict[str, str] = {}   # joined path as written -> digest
         self._by_real: dict[str, str] = {}       # realpath -> digest
         self._git: dict[tuple[str, str], str] = {}
-        self._confined: dict[tuple[str, str, str], str | _Unpinnable] = {}
+        self._confined: dict[tuple[tuple[str, ...], str, str], str | _Unpinnable] = {}
         self._dirs: dict[str, str] = {}
         self._buf = bytearray(_BUF_SIZE)
         self._view = memoryview(self._buf)
@@ -183,14 +193,14 @@ class Pinner:
         """The digest this run computed for ``path`` (by realpath), if any."""
         return self._by_real.get(os.path.realpath(path))
 
-    def confined(self, root: str, base_dir: str, rel: str) -> str:
-        """``confined_path``, once per (root, base_dir, rel) and run: 100,000 workspaces
+    def confined(self, roots: tuple[str, ...], base_dir: str, rel: str) -> str:
+        """``confined_path``, once per (roots, base_dir, rel) and run: 100,000 workspaces
         naming a few shared source directories cost a few ``realpath`` calls, not 100,000."""
-        key = (root, base_dir, rel)
+        key = (roots, base_dir, rel)
         found = self._confined.get(key)
         if found is None:
             try:
-                found = confined_path(root, base_dir, rel)
+                found = confined_path(roots, base_dir, rel)
             except _Unpinnable as e:
                 found = e
             self._confined[key] = found
@@ -359,20 +369,85 @@ def local_git_path(url: str, base_dir: str) -> str | None:
 
 
 def source_root(defs_root: str | os.PathLike[str]) -> str:
-    """The directory ``copy.src`` and ``path`` sources must stay in: the parent of the
+    """The directory every source a definition names must stay in: the parent of the
     definitions directory (symlinks resolved)."""
     return os.path.dirname(os.path.realpath(defs_root))
 
 
-def confined_path(root: str, base_dir: str, rel: str) -> str:
-    """``rel`` (against ``base_dir``) with every symlink resolved, if that is inside ``root``;
-    else ``_Unpinnable``. Used for what a build copies from the host into a layer."""
+def source_roots(defs_root: str | os.PathLike[str], trusted: Sequence[str] = ()) -> tuple[str, ...]:
+    """The source root of ``defs_root``, then the ``trusted`` directories (symlinks resolved):
+    the directories ``confined_path`` accepts."""
+    return (source_root(defs_root), *(os.path.realpath(t) for t in trusted))
+
+
+def _within(real: str, root: str) -> bool:
+    return real == root or real.startswith(root.rstrip("/") + "/")
+
+
+def confined_path(roots: tuple[str, ...], base_dir: str, rel: str) -> str:
+    """``rel`` (against ``base_dir``) with every symlink resolved, if that is inside one of
+    ``roots`` (``source_roots``: the source root first); else ``_Unpinnable``. Used for every
+    path a definition names on the host."""
     real = os.path.realpath(os.path.join(base_dir, rel))
-    if real != root and not real.startswith(root.rstrip("/") + "/"):
-        raise _Unpinnable(f"{rel} resolves to {real}, outside the source root {root}",
-                          "copy and path sources must stay inside the repository holding "
-                          "the definitions (the parent of the definitions directory)")
+    if not any(_within(real, root) for root in roots):
+        raise _Unpinnable(f"{rel} resolves to {real}, outside the source root {roots[0]}",
+                          "sources must stay inside the repository holding the definitions "
+                          "(the parent of the definitions directory); to build a trusted tree "
+                          f"that reads {real}, name a directory holding it with --trust-sources "
+                          f"DIR or {TRUSTED_SOURCES_ENV}")
     return real
+
+
+#: The host's busybox package binary (busybox-static; ``/bin`` may be a link to ``/usr/bin``):
+#: what ``from: {busybox}`` names by default, allowed without a trusted directory. Public
+#: bytes, and the path is checked after resolving links, so a link there to a secret is not.
+HOST_BUSYBOX = frozenset({"/bin/busybox", "/usr/bin/busybox"})
+
+_ELF_PT_INTERP = 3
+
+
+def static_elf_problem(path: str) -> str | None:
+    """Why ``path`` is not a static ELF executable (None if it is): what a busybox rootfs
+    needs (it has no libc), checked before the binary is run to list its applets (on the host
+    for ``HOST_BUSYBOX``, else in a container). The message shows none of the file's bytes."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) \
+                    or head[5] not in (1, 2):
+                return f"busybox binary {path} is not a static ELF executable (not ELF)"
+            order = "little" if head[5] == 1 else "big"
+            wide = head[4] == 2
+            e_type = int.from_bytes(head[16:18], order)
+            phoff = int.from_bytes(head[32:40] if wide else head[28:32], order)
+            phentsize = int.from_bytes(head[54:56] if wide else head[42:44], order)
+            phnum = int.from_bytes(head[56:58] if wide else head[44:46], order)
+            if e_type not in (2, 3) or not 4 <= phentsize <= 256 or phnum == 0:
+                return f"busybox binary {path} is not a static ELF executable (no program)"
+            f.seek(phoff)
+            table = f.read(phentsize * phnum)
+    except OSError as e:
+        return f"read busybox binary {path}: {e.strerror}"
+    if len(table) < phentsize * phnum:
+        return f"busybox binary {path} is not a static ELF executable (truncated)"
+    for i in range(phnum):
+        if int.from_bytes(table[i * phentsize:i * phentsize + 4], order) == _ELF_PT_INTERP:
+            return (f"busybox binary {path} is not a static ELF executable (it is "
+                    "dynamically linked)")
+    return None
+
+
+def _pin_busybox(p: Pinner, roots: tuple[str, ...] | None, base_dir: str, binary: str) -> str:
+    """The digest of a busybox binary, once it is known to be the host's package binary or a
+    confined static ELF executable."""
+    real = os.path.realpath(os.path.join(base_dir, binary))
+    if roots is not None and real not in HOST_BUSYBOX:
+        p.confined(roots, base_dir, binary)
+    problem = static_elf_problem(real)
+    if problem is not None:
+        raise _Unpinnable(problem, "name a static busybox (apt-get install busybox-static: "
+                                   "/bin/busybox)")
+    return p.path(base_dir, binary)
 
 
 def _check_image_pinned(src: ImageSource) -> None:
@@ -405,30 +480,37 @@ def _check_sha256(digest: str, declared: str | None, what: str) -> None:
                           "update sha256 in the definition if the new file is intended")
 
 
-def _pin_one(d: LayerDefinition, p: Pinner, root: str | None = None) -> dict[str, str]:
+def _pin_one(d: LayerDefinition, p: Pinner, roots: tuple[str, ...] | None = None
+             ) -> dict[str, str]:
     """The pins of one definition: {field: digest}. Raises (field, _Unpinnable). With
-    ``root``, copy and path sources must resolve inside it (``confined_path``)."""
+    ``roots`` (``source_roots``), every path it names must resolve inside one of them
+    (``confined_path``)."""
     base_dir = p.directory_of(d.origin.file)
     src = getattr(d, "source", None)
     pins: dict[str, str] = {}
     field = "from" if d.kind == "Base" else "source"
+
+    def confine(rel: str) -> None:
+        if roots is not None:
+            p.confined(roots, base_dir, rel)
+
     try:
-        if isinstance(src, PathSource):
-            if root is not None:
-                p.confined(root, base_dir, src.path)
+        if isinstance(src, (PathSource, ArchiveSource, RootfsSource)):
+            confine(src.path)
             pins["source"] = p.path(base_dir, src.path)
-        elif isinstance(src, ArchiveSource):
-            pins["source"] = p.path(base_dir, src.path)
-            _check_sha256(pins["source"], src.sha256, src.path)
-        elif isinstance(src, RootfsSource):
-            pins["source"] = p.path(base_dir, src.path)
-            if not os.path.isdir(os.path.join(base_dir, src.path)):
+            if isinstance(src, ArchiveSource) or (
+                    isinstance(src, RootfsSource)
+                    and not os.path.isdir(os.path.join(base_dir, src.path))):
                 _check_sha256(pins["source"], src.sha256, src.path)
         elif isinstance(src, BusyboxSource):
-            pins["source"] = p.path(base_dir, src.binary)
+            pins["source"] = _pin_busybox(p, roots, base_dir, src.binary)
         elif isinstance(src, GitSource):
+            local = local_git_path(src.url, base_dir)
+            if local is not None and git_source_problem(src.url, src.rev) is None:
+                confine(local)
             pins["source"] = p.git(src.url, src.rev, base_dir)
         elif isinstance(src, OciSource):
+            confine(src.layout)
             pins["source"] = p.oci(os.path.join(base_dir, src.layout), src.ref)
         elif isinstance(src, ImageSource):
             _check_image_pinned(src)
@@ -436,14 +518,13 @@ def _pin_one(d: LayerDefinition, p: Pinner, root: str | None = None) -> dict[str
             from envbuild.build.dockerfile import Unpinnable, pin_dockerfile
 
             try:
-                pins.update(pin_dockerfile(src, base_dir, root))
+                pins.update(pin_dockerfile(src, base_dir, roots))
             except Unpinnable as e:
                 raise _Unpinnable(e.message, e.hint) from None
         for i, s in enumerate(d.steps):
             if isinstance(s, CopyStep):
                 field = f"steps[{i}].copy.src"
-                if root is not None:
-                    p.confined(root, base_dir, s.src)
+                confine(s.src)
                 pins[field] = p.path(base_dir, s.src)
     except _Unpinnable as e:
         raise _Failed(field, e) from None
@@ -461,13 +542,13 @@ def pin_inputs(defs: DefinitionSet, pinner: Pinner | None = None) -> PinnedInput
     Every definition is tried; all failures are reported together, each at its file:line.
     """
     p = pinner or Pinner()
-    root = source_root(defs.root)
+    roots = source_roots(defs.root, p.trusted)
     out: dict[str, MappingProxyType] = {}
     failures: list[str] = []
     hints: list[str] = []
     for d in defs.layers:
         try:
-            pins = _pin_one(d, p, root)
+            pins = _pin_one(d, p, roots)
         except _Failed as f:
             paths = (f.field, f"{f.field}.path") if f.field in ("source", "from") else (f.field,)
             line, col = field_position(d.origin, *paths)

@@ -147,6 +147,7 @@ def node_context(settings: Settings, node_id: str) -> BuildContext:
                        scratch_root=layout.builds, log_root=log_root,
                        source_date_epoch=settings.source_date_epoch,
                        disk_bytes=settings.build_disk_bytes, inodes=settings.build_inodes,
+                       admission=settings.admission,
                        lease_ttl=settings.lease_ttl, lease_label=f"ray:{node_id}")
     sweep_stale_scratch(ctx.scratch_root, ctx.runtime)
     return ctx

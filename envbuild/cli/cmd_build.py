@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 
 from envbuild.cli.main import App, pass_app
+from envbuild.cli.richtext import literal
 
 
 class PlainProgress:
@@ -58,11 +59,11 @@ class RichProgress:
         if self._nodes:
             t.add_column("node")
         t.add_column("status")
-        for name, status in self._rows.items():
+        for name, status in self._rows.items():  # status: markup made by __call__
             if self._nodes:
-                t.add_row(name, self._nodes.get(name, ""), status)
+                t.add_row(literal(name), literal(self._nodes.get(name, "")), status)
             else:
-                t.add_row(name, status)
+                t.add_row(literal(name), status)
         return t
 
     def __enter__(self):
@@ -76,11 +77,12 @@ class RichProgress:
         styles = {"failed": "[red]failed[/red]", "cached": "[dim]cached[/dim]",
                   "skipped": "[yellow]skipped[/yellow]"}
         if e.phase == "step":
-            status = f"[cyan]step {e.step}/{e.steps}[/cyan] {e.detail}"
+            status = f"[cyan]step {e.step}/{e.steps}[/cyan] {literal(e.detail)}"
         elif e.phase == "done":
             status = f"[green]built[/green] in {e.seconds:.1f}s"
         else:
-            status = styles.get(e.phase, e.phase) + (f" {e.detail}" if e.detail and e.phase != "step" else "")
+            status = styles.get(e.phase, literal(e.phase)) + (
+                f" {literal(e.detail)}" if e.detail and e.phase != "step" else "")
         with self._lock:
             self._rows[e.name] = status
             if e.node:

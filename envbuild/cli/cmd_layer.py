@@ -153,19 +153,29 @@ def register(group: click.Group) -> None:
                   help="apply: delete what the layer's whiteouts name from DEST, write no "
                        ".wh.* files; overlay: write overlayfs whiteouts (DEST becomes an "
                        "overlay lower dir); keep: write .wh.* files as they are.")
-    @click.option("--no-devices", is_flag=True, help="Refuse device nodes and FIFOs.")
+    @click.option("--allow-devices", is_flag=True,
+                  help="Create the layer's device nodes (refused by default: a layer's "
+                       "/dev/sda, mode 0666, is the host's disk).")
+    @click.option("--keep-setid", is_flag=True,
+                  help="Keep setuid/setgid bits on files (cleared by default).")
+    @click.option("--no-devices", is_flag=True, hidden=True)  # the default now
     @pass_app
-    def unpack(app: App, layer_ref: str, dest: Path, whiteouts: str, no_devices: bool) -> None:
+    def unpack(app: App, layer_ref: str, dest: Path, whiteouts: str, allow_devices: bool,
+               keep_setid: bool, no_devices: bool) -> None:
         """Extract LAYER into DEST.
 
         DEST is created if missing. It may hold a tree already: the layer is stacked onto it
         (members replace what is at their path, whiteouts delete with --whiteouts apply), which
-        is how layers compose. Unsafe members (absolute, .., through a symlink) are refused.
+        is how layers compose. Unsafe members (absolute, .., through a symlink) are refused; a
+        layer with device nodes is refused unless --allow-devices, and setuid/setgid bits are
+        cleared unless --keep-setid (a layer is untrusted input; DEST is on the host).
         """
         from envbuild.layers._tools import unpack as unpack_into
 
         with open_layer(app, layer_ref) as reader:
-            unpack_into(reader, dest, whiteouts=whiteouts, allow_devices=not no_devices)
+            unpack_into(reader, dest, whiteouts=whiteouts,
+                        allow_devices=allow_devices and not no_devices,
+                        strip_setid=not keep_setid)
         click.echo(f"unpacked {reader.name} into {dest}", err=True)
 
     @layer.command("verify", epilog=_LAYER_HELP)

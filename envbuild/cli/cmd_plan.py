@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from envbuild.cli.richtext import literal
 from envbuild.plan.changes import Changes, Explanation
 from envbuild.plan.graph import EnvGraph
 from envbuild.plan.planner import BuildPlan
@@ -51,11 +52,11 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        t = Table(title=title, title_justify="left")
+        t = Table(title=literal(title), title_justify="left")
         for c in columns:
-            t.add_column(c)
+            t.add_column(literal(c))
         for r in rows:
-            t.add_row(*r)
+            t.add_row(*map(literal, r))
         Console().print(t)
         return
     widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]

@@ -16,11 +16,12 @@ def register(group: click.Group) -> None:
     @click.argument("target")
     @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
     @click.option("--network", is_flag=True,
-                  help="Give the sandbox egress through its own NATed network namespace "
-                       "(the host itself stays unreachable).")
-    @click.option("--allow", "allow", multiple=True, metavar="CIDR[:PORT]",
-                  help="With --network (implied): egress only to these destinations "
-                       "(repeatable; DNS is always allowed).")
+                  help="Give the sandbox egress to the public internet through its own NATed "
+                       "network namespace (the host and private ranges stay unreachable).")
+    @click.option("--allow", "allow", multiple=True, metavar="CIDR[:PORT]|public",
+                  help="With --network (implied): egress only to these destinations, private "
+                       "ones included, and to the public internet with 'public' (repeatable; "
+                       "DNS is always allowed).")
     @click.option("--keep", is_flag=True, help="Leave the sandbox running; print its id.")
     @click.option("--timeout", type=float, default=None, help="Kill CMD after this many seconds.")
     @click.option("--lazy", is_flag=True,  # lazy mode (runtime_shim.lazyfs)
@@ -146,6 +147,25 @@ def register(group: click.Group) -> None:
                      else "alive" if s.alive else "orphaned")
             ttl = f"  expires in {s.expires - now:.0f}s" if s.expires and s.expires > now else ""
             click.echo(f"{s.id}  {s.backend:<9}  {state:<8}  {s.lock}{ttl}")
+
+    @sandbox.command("network")
+    @click.argument("sandbox_id", metavar="SANDBOX")
+    @click.argument("dests", nargs=-1, metavar="[public|CIDR[:PORT]]...")
+    @click.option("--off", is_flag=True, help="Refuse everything, DNS too.")
+    @pass_app
+    def sandbox_network(app: App, sandbox_id: str, dests: tuple[str, ...], off: bool) -> None:
+        """Change what a running sandbox may reach, for connections from now on: 'public'
+        (the public internet) and CIDR[:PORT] destinations (private ones included); none: DNS
+        only. The sandbox must have been made with network (--network or --allow)."""
+        from envbuild.errors import RuntimeShimError
+        from runtime_shim.sandbox import set_sandbox_network
+
+        if off and dests:
+            raise RuntimeShimError("--off refuses everything: give it no destinations",
+                                   hint="envbuild sandbox network ID --off, or ID public ...")
+        set_sandbox_network(app.settings.node_dir, sandbox_id, False if off else list(dests))
+        click.echo(f"sandbox {sandbox_id} network: " +
+                   ("off" if off else " ".join(dests) + " + DNS" if dests else "DNS only"))
 
     @sandbox.command("rm")
     @click.argument("ids", nargs=-1, required=True)

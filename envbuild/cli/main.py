@@ -18,7 +18,7 @@ import click
 
 from envbuild import __version__
 from envbuild.errors import EnvbuildError, bug
-from envbuild.settings import Settings
+from envbuild.settings import TRUSTED_SOURCES_ENV, Settings, check_trusted_sources
 
 
 @dataclasses.dataclass
@@ -57,6 +57,7 @@ class App:
                             source_date_epoch=self.settings.source_date_epoch,
                             disk_bytes=self.settings.build_disk_bytes,
                             inodes=self.settings.build_inodes,
+                            admission=self.settings.admission,
                             lease_ttl=self.settings.lease_ttl)
 
     def run_build(self, project, ctx, targets, **kw):
@@ -139,13 +140,19 @@ def load_command_module(name: str) -> None:
 @click.option("--platform", metavar="OS/ARCH", default=None,
               help="Platform an image index resolves to for image bases (default: this host's, "
                    "or $ENVBUILD_PLATFORM), e.g. linux/arm64.")
+# issue 34 item 5: sources outside the repository are refused unless the operator trusts them
+@click.option("--trust-sources", "trusted", metavar="DIR", multiple=True,
+              help="Let definitions read sources (rootfs, archives, git repositories, ...) "
+                   "under this absolute directory, outside their repository (repeatable; "
+                   "$ENVBUILD_TRUSTED_SOURCES, ':'-separated). Only for definitions you trust.")
 # The version from envbuild.__version__ (pyproject reads it from there too), not from the
 # installed metadata: importlib.metadata costs ~13 ms, more than the rest of --version.
 @click.version_option(version=__version__, prog_name="envbuild")
 @click.pass_context
 def cli(ctx: click.Context, store_url: str | None, defs_dir: Path | None,
         s3_endpoint: str | None, cache_from: str | None, cache_to: str | None,
-        registry_insecure: tuple[str, ...], platform: str | None) -> None:
+        registry_insecure: tuple[str, ...], platform: str | None,
+        trusted: tuple[str, ...]) -> None:
     """Declarative, content-addressed environments for agent-training sandboxes."""
     if platform is not None:
         if platform.count("/") not in (1, 2) or not all(platform.split("/")):
@@ -153,6 +160,9 @@ def cli(ctx: click.Context, store_url: str | None, defs_dir: Path | None,
                                      param_hint="--platform")
         # the definitions model reads it when it builds an image source (defs.model.host_platform)
         os.environ["ENVBUILD_PLATFORM"] = platform
+    if trusted:
+        # what pinning reads (envbuild.build.pin.Pinner), as --platform: every command sees it
+        os.environ[TRUSTED_SOURCES_ENV] = os.pathsep.join(check_trusted_sources(trusted))
     settings = Settings.from_env(os.environ)
     if store_url is not None:
         settings = dataclasses.replace(settings, store_url=store_url)

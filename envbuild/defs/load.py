@@ -66,7 +66,7 @@ from envbuild.defs.model import (
 )
 from envbuild.defs.parsecache import ParseCache, git_blob_id
 from envbuild.defs.validate import Positions, check_document
-from envbuild.errors import DefinitionError, Problem
+from envbuild.errors import DefinitionError, EnvbuildError, Problem
 
 # libyaml's parser and composer are C: several times faster than the pure-Python ones, which
 # matters for trees of 100,000 definitions. Without libyaml we are slower, not wrong.
@@ -185,12 +185,14 @@ def _dockerfile_envs(d: Base, src: DockerfileSource, root: str) -> tuple[str, ..
     root, no final symlink, bounded); one that cannot be located, read or parsed names none
     here: pinning reports why, at the definition's line."""
     from envbuild.build.dockerfile import Unpinnable, env_upstreams, locate
-    from envbuild.build.pin import source_root
+    from envbuild.build.pin import source_roots
+    from envbuild.settings import trusted_sources
 
     try:
-        _context, dockerfile = locate(src, str(d.origin.directory), source_root(root))
+        roots = source_roots(root, trusted_sources(os.environ))
+        _context, dockerfile = locate(src, str(d.origin.directory), roots)
         return env_upstreams(dockerfile, dict(src.args))
-    except (Unpinnable, OSError, ValueError):
+    except (Unpinnable, OSError, ValueError, EnvbuildError):
         return ()
 
 

@@ -13,10 +13,10 @@ imports nothing but ``envbuild.errors`` at module level, so the runtime shim
     groups:
       - name: swe                         # optional, unique
         lock: env/swe-requests            # a ref (env name, env/NAME, snap/NAME) or sha256:...
-        count: 64                         # sandboxes of this group (default 1)
+        count: 64                         # sandboxes of this group (default 1, at most 100000)
         backend: container                # container | microvm (default container)
         network: false                    # default false
-        limits: {pids: 512, memory: 2GiB, nofile: 4096, output_bytes: 16MiB}  # defaults shown
+        limits: {pids: 256, memory: 2GiB, nofile: 1024, output_bytes: 16MiB}  # defaults shown
 
 **Resolved** (``envbuild job resolve``): every ``lock`` is a digest and every group carries
 ``pinned``: where the digest came from and the exact bytes the lock closes over, so a resolved
@@ -59,9 +59,9 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 # Defaults, the same as runtime_shim.sandbox.Limits (kept here so the model imports nothing
 # heavy; tests/unit/test_jobs_model.py checks they agree).
-DEFAULT_PIDS = 512
+DEFAULT_PIDS = 256
 DEFAULT_MEMORY = 2 << 30
-DEFAULT_NOFILE = 4096
+DEFAULT_NOFILE = 1024
 DEFAULT_OUTPUT_BYTES = 16 << 20
 
 
@@ -89,25 +89,27 @@ def format_size(n: int) -> int | str:
 
 @dataclasses.dataclass(frozen=True)
 class GroupLimits:
-    """Limits of each sandbox of a group (``runtime_shim.sandbox.Limits``); ``None`` for
-    ``pids``/``memory`` leaves the limit off."""
+    """Limits of each sandbox of a group (``runtime_shim.sandbox.Limits``). A limit left out
+    is the default; there is no "no limit" (the schema refuses ``null``, and ``from_mapping``
+    reads a ``None`` that got past it as the default, never as "off")."""
 
-    pids: int | None = DEFAULT_PIDS
-    memory: int | None = DEFAULT_MEMORY
+    pids: int = DEFAULT_PIDS
+    memory: int = DEFAULT_MEMORY
     nofile: int = DEFAULT_NOFILE
     output_bytes: int = DEFAULT_OUTPUT_BYTES
 
     @classmethod
     def from_mapping(cls, obj: Mapping[str, Any]) -> GroupLimits:
-        memory = obj.get("memory", DEFAULT_MEMORY)
-        return cls(pids=obj.get("pids", DEFAULT_PIDS),
-                   memory=None if memory is None else parse_size(memory),
-                   nofile=obj.get("nofile", DEFAULT_NOFILE),
-                   output_bytes=parse_size(obj.get("output_bytes", DEFAULT_OUTPUT_BYTES)))
+        def get(key: str, default: int | str) -> Any:
+            value = obj.get(key)
+            return default if value is None else value
+
+        return cls(pids=get("pids", DEFAULT_PIDS), memory=parse_size(get("memory", DEFAULT_MEMORY)),
+                   nofile=get("nofile", DEFAULT_NOFILE),
+                   output_bytes=parse_size(get("output_bytes", DEFAULT_OUTPUT_BYTES)))
 
     def to_mapping(self) -> dict[str, Any]:
-        return {"pids": self.pids,
-                "memory": None if self.memory is None else format_size(self.memory),
+        return {"pids": self.pids, "memory": format_size(self.memory),
                 "nofile": self.nofile, "output_bytes": format_size(self.output_bytes)}
 
     def to_limits(self) -> Limits:

@@ -217,9 +217,7 @@ class Toc:
         ``TocVersionError``; the reader turns them into layer errors. With ``lazy``, entries
         are validated and turned into ``Entry`` objects only when first accessed (a reader
         that stats one file out of 15,000 should not pay for all of them)."""
-        if len(data) > MAX_TOC_USIZE:
-            raise TocFormatError(f"TOC of {len(data)} bytes exceeds the reader limit of "
-                                 f"{MAX_TOC_USIZE >> 20} MiB")
+        _check_size(len(data))
         if data.find(b"\n") >= 0:  # only a v2 TOC has line breaks
             toc = cls._from_v2(data, lazy)
             if toc is not None:
@@ -301,6 +299,21 @@ _V2_KEYS = {"diff_id", "entries", "frames", "framing", "paths", "tar_size", "ver
 
 class TocFormatError(ValueError):
     pass
+
+
+def check_writable(toc_json: bytes, members: int) -> None:
+    """Raise ``TocFormatError`` if a reader would refuse ``toc_json`` (of ``members``
+    entries) by the limits above: the writer's check, with the readers' own checks, so no
+    layer is published that no reader can open."""
+    _check_size(len(toc_json))
+    _check_count(members)
+    _check_values(toc_json.count(b","), "")
+
+
+def _check_size(n: int) -> None:
+    if n > MAX_TOC_USIZE:
+        raise TocFormatError(f"TOC of {n} bytes exceeds the reader limit of "
+                             f"{MAX_TOC_USIZE >> 20} MiB")
 
 
 def _check_count(n: int) -> None:

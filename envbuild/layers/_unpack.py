@@ -209,7 +209,8 @@ class _Tree:
                 os.unlink(base, dir_fd=pfd)
                 os.mkdir(base, 0o700, dir_fd=pfd)
 
-    def node(self, pfd: int, base: str, rel: str, e: Entry, same_owner: bool) -> None:
+    def node(self, pfd: int, base: str, rel: str, e: Entry, same_owner: bool,
+             mode_mask: int = 0o7777) -> None:
         """A symlink, FIFO or device node (replacing what is there)."""
         self.remove(pfd, base, rel)
         if e.type == "symlink":
@@ -222,10 +223,10 @@ class _Tree:
         if same_owner:
             os.chown(base, e.uid, e.gid, dir_fd=pfd, follow_symlinks=False)
         if e.type != "symlink":
-            os.chmod(base, e.mode, dir_fd=pfd)  # just created by us: not a symlink
+            os.chmod(base, e.mode & mode_mask, dir_fd=pfd)  # just created by us: not a symlink
             for k, v in e.xattrs.items():
                 # no *xattrat in Python: the verified dir fd's /proc name, then one name
-                os.setxattr(f"/proc/self/fd/{pfd}/{base}", k, v, follow_symlinks=False)
+                set_xattr(f"/proc/self/fd/{pfd}/{base}", k, v, f"layer {self.name}", rel)
         os.utime(base, (e.mtime, e.mtime), dir_fd=pfd, follow_symlinks=False)
 
     def hardlink(self, pfd: int, base: str, rel: str, target: list[str], tpath: str) -> None:
@@ -250,19 +251,44 @@ class _Tree:
                     continue
                 raise
             try:
-                _apply_meta(fd, e, same_owner)
+                _apply_meta(fd, e, same_owner, self.name, rel)
             finally:
                 os.close(fd)
 
 
-def _apply_meta(fd: int, e: Entry, same_owner: bool) -> None:
-    """Owner (when restoring owners), mode, xattrs and mtime of ``e`` onto the open ``fd``."""
+def _apply_meta(fd: int, e: Entry, same_owner: bool, name: str, rel: str,
+                mode_mask: int = 0o7777) -> None:
+    """Owner (when restoring owners), mode (``& mode_mask``), xattrs and mtime of ``e`` onto the
+    open ``fd`` (member ``rel`` of layer ``name``, for errors)."""
     if same_owner:
         os.fchown(fd, e.uid, e.gid)
-    os.fchmod(fd, e.mode)
+    os.fchmod(fd, e.mode & mode_mask)
     for k, v in e.xattrs.items():
-        os.setxattr(fd, k, v)
+        set_xattr(fd, k, v, f"layer {name}", rel)
     os.utime(fd, (e.mtime, e.mtime))
+
+
+def set_xattr(target: int | str, key: str, value: bytes, where: str, rel: str, *,
+              drop_unsupported: bool = False) -> None:
+    """``setxattr`` of one member's attribute (``target``: an fd, or a path never followed),
+    a refusal of the kernel raised as one line naming ``where`` (the layer), the member and
+    the attribute: an invalid ``security.capability`` value (a hand-made layer's) is EINVAL,
+    which said only "[Errno 22] Invalid argument: 5" before (issue 34). With
+    ``drop_unsupported`` an attribute this filesystem cannot hold is dropped, as GNU tar does."""
+    try:
+        if isinstance(target, str):
+            os.setxattr(target, key, value, follow_symlinks=False)
+        else:
+            os.setxattr(target, key, value)
+    except OSError as err:
+        if drop_unsupported and err.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            return
+        why = " (not a file capability of a known version)" \
+            if key == "security.capability" and err.errno == errno.EINVAL else ""
+        raise CorruptLayerError(f"{where}: member {rel!r}: the kernel refuses its xattr "
+                                f"{key!r}: {err.strerror}{why}",
+                                hint="rebuild the layer from a real tree, or without that "
+                                     "attribute") from None
 
 
 def _open_dir_beneath(root_fd: int, rel: str) -> int:
@@ -338,7 +364,7 @@ def _open_root(dest) -> tuple[int, str]:
 
 def unpack_layer(reader, dest, *, whiteouts: str = "apply",
                  same_owner: bool | None = None, allow_devices: bool = True,
-                 overlay_xattr: str = "trusted") -> None:
+                 strip_setid: bool = False, overlay_xattr: str = "trusted") -> None:
     """Extract the layer read by ``reader`` (a ``LayerReader``) below ``dest`` (a path or a
     directory fd).
 
@@ -349,7 +375,9 @@ def unpack_layer(reader, dest, *, whiteouts: str = "apply",
     ``"keep"`` writes them as the plain files they are in the tar.
     ``same_owner`` (default: running as root) restores uid/gid; ``allow_devices=False`` refuses
     character and block devices (FIFOs stay: they reach no hardware, and the host's file APIs
-    never open one, ``runtime_shim.fsaccess``). Raises ``UnsafeLayerError`` before writing anything unsafe and
+    never open one, ``runtime_shim.fsaccess``); ``strip_setid`` clears the setuid and setgid
+    bits of every file and node (directories keep theirs: a setgid directory grants nothing).
+    Raises ``UnsafeLayerError`` before writing anything unsafe and
     ``CorruptLayerError`` when a file's contents fail their TOC digest, a tar header disagrees
     with its TOC entry, or the frames end early.
     """
@@ -359,6 +387,8 @@ def unpack_layer(reader, dest, *, whiteouts: str = "apply",
     if same_owner is None:
         same_owner = os.geteuid() == 0
     toc = reader.entries()
+    if not allow_devices:
+        _refuse_devices(toc, name)
     root_fd, root = _open_root(dest)
     tree = _Tree(root_fd, name)
     opaque_key = f"{overlay_xattr}.overlay.opaque"
@@ -366,6 +396,7 @@ def unpack_layer(reader, dest, *, whiteouts: str = "apply",
     frames = reader.iter_frames()
     stream = TarStream(frames)
     sha256 = hashlib.sha256
+    mask = 0o7777 & ~(stat.S_ISUID | stat.S_ISGID) if strip_setid else 0o7777
     try:
         if whiteouts == "apply":
             _apply_whiteouts(toc, tree, name)
@@ -404,7 +435,7 @@ def unpack_layer(reader, dest, *, whiteouts: str = "apply",
                     if "sha256:" + h.hexdigest() != e.digest:
                         raise CorruptLayerError(f"layer {name}: content of {path} does not "
                                                 "match its TOC digest")
-                    _apply_meta(fd, e, same_owner)
+                    _apply_meta(fd, e, same_owner, name, path, mask)
                 finally:
                     os.close(fd)
                 _skip_pad(stream, e.size)
@@ -420,10 +451,7 @@ def unpack_layer(reader, dest, *, whiteouts: str = "apply",
                                            "earlier in this layer")
                 tree.hardlink(pfd, base, path, target, e.linkname)
             else:  # symlink, char, block, fifo
-                if kind in ("char", "block") and not allow_devices:
-                    raise UnsafeLayerError(f"layer {name}: {path} is a {kind} node, refused "
-                                           "(allow_devices=False)")
-                tree.node(pfd, base, path, e, same_owner)
+                tree.node(pfd, base, path, e, same_owner, mask)
         frames.close()
         tree.finish_dirs(dir_meta, same_owner)
     except (TarFormatError, Truncated) as err:
@@ -434,6 +462,18 @@ def unpack_layer(reader, dest, *, whiteouts: str = "apply",
         frames.close()
         tree.close()
         os.close(root_fd)
+
+
+def _refuse_devices(toc: list[Entry], name: str) -> None:
+    """``UnsafeLayerError`` naming the first device node of ``toc``, before anything is
+    written (each member's tar header is checked against its TOC entry as it is unpacked)."""
+    for e in toc:
+        if e.type in ("char", "block"):
+            raise UnsafeLayerError(
+                f"layer {name}: {e.path} is a {e.type} node, refused (a device, "
+                f"{e.devmajor}:{e.devminor}); nothing was unpacked",
+                hint="device nodes are created only when asked for: envbuild layer unpack "
+                     "--allow-devices (as root, from a layer you trust)")
 
 
 def _skip_pad(stream: TarStream, size: int) -> None:
@@ -748,7 +788,8 @@ def unpack_tar(source, dest, *, name: str, whiteouts: str = "refuse",
                     if same_owner:
                         os.fchown(fd, e.uid, e.gid)
                     os.fchmod(fd, e.mode)
-                    _set_xattrs(fd, e)
+                    for k, v in e.xattrs.items():
+                        set_xattr(fd, k, v, name, path, drop_unsupported=True)
                     os.utime(fd, (e.mtime, e.mtime))
                 finally:
                     os.close(fd)
@@ -798,16 +839,6 @@ class _NoHash:
     @staticmethod
     def update(_data) -> None:
         pass
-
-
-def _set_xattrs(fd: int, e: Entry) -> None:
-    for k, v in e.xattrs.items():
-        try:
-            os.setxattr(fd, k, v)
-        except OSError as err:
-            # as GNU tar: an attribute this filesystem cannot hold is dropped, not fatal
-            if err.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
-                raise
 
 
 def _foreign_whiteout(tree: _Tree, parts: list[str], path: str, created: set[str]) -> None:

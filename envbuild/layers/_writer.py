@@ -30,7 +30,15 @@ from envbuild.layers._tar import (
     TarFormatError,
     encode_header,
 )
-from envbuild.layers._toc import Entry, LayerInfo, encode_v2, entry_row, json_string
+from envbuild.layers._toc import (
+    Entry,
+    LayerInfo,
+    TocFormatError,
+    check_writable,
+    encode_v2,
+    entry_row,
+    json_string,
+)
 from envbuild.layers._walk import FileSource, OnDropped, walk_tree
 
 ZSTD_LEVEL = 3
@@ -431,6 +439,12 @@ class LayerWriter:
         uoff = sink.pos
         diff_id = "sha256:" + sink.tar_hash.hexdigest()
         toc_json = encode_v2(self.framing.name, diff_id, uoff, frames, sink.paths, sink.rows)
+        try:
+            check_writable(toc_json, self.count)
+        except TocFormatError as err:
+            raise LayerError(f"write layer {self.name}: {err}",
+                             hint="fewer members, shorter paths or smaller xattrs per layer "
+                                  "(split the tree into several layers)") from None
         toc_z = zstandard.ZstdCompressor(level=TOC_ZSTD_LEVEL).compress(toc_json)
         toc_sha = hashlib.sha256(toc_z).digest()
         footer = Footer(toc_offset=off, toc_csize=len(toc_z), toc_usize=len(toc_json),

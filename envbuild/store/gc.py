@@ -29,6 +29,11 @@ Records kept beside a layer blob (``LAYER_RECORDS``: its import index) go with i
 the blobs a sweep deletes, and those whose blob is absent once they are older than the grace
 period (a writer stores the blob first).
 
+Build logs of a local store (``<store>/logs/<layer>-<key hex, 12>.log``, written by the
+builder; ``envbuild.build.buildlog``) are collected once older than the grace period unless a
+key record that survives this run has that key: the log of a build that failed, or whose
+record was dropped, goes; the log of a layer in the build cache stays.
+
 Sweep: a blob is deleted only if it is not marked **and** it is older than the grace period
 (its age is known and ``mtime <= start - grace``, where ``start`` is when GC began: a blob
 stored while GC runs is never old enough, even with ``grace=0``). Unfinished writes (local
@@ -59,16 +64,20 @@ reaches means not knowing what is garbage.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import re
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from envbuild.errors import BlobNotFound, StoreError
 from envbuild.oci import ANNOTATION_PARENT, MEDIA_TYPE_MANIFEST
 from envbuild.store.base import BlobInfo, PartialWrite, Store, check_digest
 from envbuild.store.helpers import KEY_RECORDS, LAYER_RECORDS, MAX_JSON_SIZE, get_json
+from envbuild.store.local import LocalStore
 from envbuild.store.sync import _MANIFESTS  # the media types sync.walk descends into
 
 #: Records naming blobs that fleet exec logs hold (``runtime_shim.fleet.execlog.BLOB_INDEX``;
@@ -100,7 +109,7 @@ class GcItem:
     """One thing GC deleted (or would delete): a ``blob``, a key ``record`` or a ``partial``
     write; ``age`` in seconds at the start of GC."""
 
-    kind: str
+    kind: str  # blob, record, partial or log
     name: str
     size: int
     age: float
@@ -131,12 +140,13 @@ class GcReport:
 
     def summary(self) -> str:
         counts = {k: sum(1 for i in self.deleted if i.kind == k)
-                  for k in ("blob", "record", "partial")}
+                  for k in ("blob", "record", "partial", "log")}
         verb = "would delete" if self.dry_run else "deleted"
         return (f"{self.blobs} blob(s) ({self.blob_bytes / 1e6:.1f} MB), {self.reachable} "
                 f"reachable, {self.young} unreachable but younger than the grace period; "
                 f"{verb} {counts['blob']} blob(s) ({self.deleted_bytes / 1e6:.1f} MB), "
-                f"{counts['record']} key record(s), {counts['partial']} partial write(s)")
+                f"{counts['record']} key record(s), {counts['partial']} partial write(s), "
+                f"{counts['log']} build log(s)")
 
     def to_json(self) -> dict[str, Any]:
         return {"dry_run": self.dry_run, "grace": self.grace, "blobs": self.blobs,
@@ -272,7 +282,7 @@ def gc(store: Store, *, grace: float = DEFAULT_GRACE, roots: Iterable[str] = (),
     progress(f"marked {len(marker.marked)} blob(s) from {len(refs)} ref(s)")
     # Re-read the roots a concurrent writer may have added since, then decide.
     _mark_refs(store, marker, refs)
-    _, drop = _mark_records(store, marker, cutoff, drop_cache, records)
+    records, drop = _mark_records(store, marker, cutoff, drop_cache, records)
     _mark_exec_log_blobs(store, marker, logged)
     drop = {name: rec for name, rec in drop.items() if rec[0] not in marker.marked}
 
@@ -296,7 +306,32 @@ def gc(store: Store, *, grace: float = DEFAULT_GRACE, roots: Iterable[str] = (),
                                      start - partial.mtime))
         if not dry_run:
             store.delete_partial(partial)
+    if isinstance(store, LocalStore):
+        kept = {name[:12] for name in records if name not in drop}
+        _sweep_logs(store.root / "logs", report, kept, cutoff, start, dry_run)
     return report
+
+
+def _sweep_logs(logs: Path, report: GcReport, keys: set[str], cutoff: float, start: float,
+                dry_run: bool) -> None:
+    """Delete the build logs in ``logs`` older than ``cutoff`` whose key is not in ``keys``
+    (the 12-hex-digit prefixes of the key records that remain)."""
+    try:
+        entries = list(os.scandir(logs))
+    except FileNotFoundError:
+        return
+    for entry in sorted(entries, key=lambda e: e.name):
+        if not entry.name.endswith(".log") or not entry.is_file(follow_symlinks=False):
+            continue
+        key = re.search(r"-([0-9a-f]{12})\.log$", entry.name)
+        st = entry.stat(follow_symlinks=False)
+        if (key and key.group(1) in keys) or st.st_mtime > cutoff:
+            continue
+        report.deleted.append(GcItem("log", f"logs/{entry.name}", st.st_size,
+                                     start - st.st_mtime))
+        if not dry_run:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
 
 
 def _sweep_layer_records(store: Store, report: GcReport, deleted: set[str], listed: set[str],

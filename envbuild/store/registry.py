@@ -83,6 +83,16 @@ Failures: connection errors, ``429`` and ``5xx`` are retried ``attempts`` times 
 exponential backoff and jitter; a registry that stays down, refuses credentials (``401``),
 denies access (``403``) or serves a wrong digest fails with one line naming the registry and
 a hint. Opening the store does one ``GET /v2/`` (no retries), so a wrong URL fails at once.
+
+A registry is untrusted input (``envbuild.store._http_guard``): every answer read whole is
+read with a limit (``MAX_RESPONSE``; a range its length), a declared ``Content-Length`` over
+it refused before reading; ``tags/list`` stops at ``MAX_TAG_PAGES`` pages or ``MAX_TAGS``
+tags (one line, ``too-many-tags``); every request, retries included, ends by ``deadline``
+seconds (a blob download gets one more second per ``MIN_RATE`` bytes), whatever the server
+dribbles; redirects go only to the registry itself or a configured blob host
+(``$ENVBUILD_REGISTRY_BLOB_HOSTS``), and any connection off the registry (a blob host, a
+token realm) only to public addresses or to the registry's own, checked before connecting.
+``Authorization`` is sent to the registry only (a token realm gets the Basic credentials).
 """
 
 from __future__ import annotations
@@ -103,7 +113,7 @@ import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -113,6 +123,14 @@ from envbuild.errors import (
     SettingsError,
     StoreError,
     StoreUnavailable,
+)
+from envbuild.store._http_guard import (
+    WATCHDOG,
+    AddressRefused,
+    BodyTooLarge,
+    guarded_connect,
+    read_body,
+    resolve,
 )
 from envbuild.store.base import (
     ANY,
@@ -161,6 +179,23 @@ ANN_NAME = "dev.envbuild.record.name"
 ANN_WRITTEN = "dev.envbuild.record.written"
 #: Manifests and records are small; refuse to buffer anything larger.
 MAX_MANIFEST_SIZE = 4 * MiB
+#: The most any answer that is read whole may hold (manifests, tag pages, errors, tokens).
+MAX_RESPONSE = MAX_MANIFEST_SIZE
+#: A registry that ignores ``Range`` sends whole blobs: read at most this much of one.
+MAX_RANGE_FALLBACK = 64 * MiB
+#: ``tags/list`` of one repository: at most this many pages and tags, then refuse.
+MAX_TAG_PAGES = 1000
+MAX_TAGS = 100_000
+#: A blob download's deadline grows by one second for this many bytes.
+MIN_RATE = 256 << 10
+#: The blob hosts public registries redirect blob reads to (their documented CDN hosts),
+#: allowed for that registry without configuration; any other is ``blob_hosts``' business.
+KNOWN_BLOB_HOSTS = {
+    "registry-1.docker.io": frozenset({"production.cloudflare.docker.com"}),
+    "ghcr.io": frozenset({"pkg-containers.githubusercontent.com"}),
+    **{host: frozenset({"cdn.quay.io", "cdn01.quay.io", "cdn02.quay.io", "cdn03.quay.io"})
+       for host in ("quay.io", "registry.redhat.io", "registry.access.redhat.com")},
+}
 
 _TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _ENV_TAG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,127}")
@@ -464,7 +499,10 @@ class _Pool:
         self.connect_timeout = connect_timeout
         self._ssl: ssl.SSLContext | None = None  # made on first HTTPS use (~20 ms)
 
-    def take(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
+    def take(self, scheme: str, netloc: str,
+             guard: Callable[..., socket.socket] | None = None) -> http.client.HTTPConnection:
+        """A connection to ``netloc``; a new one connects through ``guard`` if given (the
+        address check of ``_http_guard.guarded_connect``)."""
         with self._lock:
             free = self._free.get((scheme, netloc))
             if free:
@@ -476,6 +514,8 @@ class _Pool:
                 netloc, timeout=self.connect_timeout, context=self._ssl)
         else:
             conn = http.client.HTTPConnection(netloc, timeout=self.connect_timeout)
+        if guard is not None:
+            conn._create_connection = guard  # type: ignore[attr-defined]
         return conn
 
     def give(self, scheme: str, netloc: str, conn: http.client.HTTPConnection) -> None:
@@ -497,13 +537,17 @@ class _Pool:
 class _Stream(io.RawIOBase):
     """A response body read as a stream; the connection goes back to the pool once the body is
     read to the end (closed otherwise). If the connection breaks, the rest is fetched with a
-    ``Range`` request (pinned to the digest), at most ``resumes`` times."""
+    ``Range`` request (pinned to the digest), at most ``resumes`` times. The whole download,
+    resumes included, ends by ``deadline`` (monotonic): the connection is shut down then."""
 
     def __init__(self, store: RegistryStore, url: str, resp: http.client.HTTPResponse,
-                 conn: http.client.HTTPConnection, size: int, resumes: int) -> None:
+                 conn: http.client.HTTPConnection, size: int, resumes: int,
+                 deadline: float) -> None:
         super().__init__()
         self._store, self._url, self._resp, self._conn = store, url, resp, conn
         self._size, self._pos, self._resumes = size, 0, resumes
+        self._deadline = deadline
+        self._token = WATCHDOG.arm(deadline, conn)
 
     def readable(self) -> bool:
         return True
@@ -528,9 +572,10 @@ class _Stream(io.RawIOBase):
             return n
 
     def _release(self) -> None:
+        fired = not WATCHDOG.disarm(self._token)
         if self._conn is not None:
             split = urllib.parse.urlsplit(self._url)
-            if self._resp.will_close:
+            if self._resp.will_close or fired:
                 self._conn.close()
             else:
                 self._resp.read()  # nothing left: completes the response for reuse
@@ -538,9 +583,13 @@ class _Stream(io.RawIOBase):
             self._conn = None
 
     def _resume(self, cause: BaseException | None) -> None:
+        WATCHDOG.disarm(self._token)
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        if time.monotonic() >= self._deadline:
+            raise self._store._too_slow("read", f"broke off at byte {self._pos} of "
+                                                f"{self._size} of {self._url}")
         if self._resumes <= 0:
             why = f"{type(cause).__name__}: {cause}" if cause else "the connection closed early"
             raise StoreUnavailable(f"read {self._url}: broke off at byte {self._pos} of "
@@ -550,13 +599,15 @@ class _Stream(io.RawIOBase):
         self._resumes -= 1
         time.sleep(random.uniform(0, 0.2))
         resp, conn = self._store._open_stream(
-            self._url, {"Range": f"bytes={self._pos}-"}, want=(206,))
+            self._url, {"Range": f"bytes={self._pos}-"}, want=(206,), deadline=self._deadline)
         if conn is None:
             raise StoreError(f"read {self._url}: resuming at byte {self._pos} answered "
                              f"{resp.status} {resp.error_text()}".rstrip())
         self._resp, self._conn = resp, conn
+        self._token = WATCHDOG.arm(self._deadline, conn)
 
     def close(self) -> None:
+        WATCHDOG.disarm(self._token)
         if not self.closed and self._conn is not None:
             self._conn.close()  # not read to the end: the connection cannot be reused
             self._conn = None
@@ -574,7 +625,15 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
     ``environ``, see ``auth_files``). Tuning: ``chunk_size`` (blobs up to it are one PUT,
     larger ones PATCH chunks of it; memory per upload), ``attempts`` (tries per request on
     connection errors, 429 and 5xx), ``timeout`` (seconds per socket read), ``resume_attempts``
-    (a broken blob download is resumed this often).
+    (a broken blob download is resumed this often), ``deadline`` (seconds one request may take
+    in all, retries included; a blob download gets one more second per ``MIN_RATE`` bytes).
+
+    ``blob_hosts``: hosts (``HOST`` or ``HOST:PORT``) besides the registry that it may redirect
+    a read to (a CDN or object store serving its blobs), default from
+    ``$ENVBUILD_REGISTRY_BLOB_HOSTS`` (comma-separated), plus the ``KNOWN_BLOB_HOSTS`` of a
+    public registry (Docker Hub's, GHCR's and Quay's CDNs). A redirect anywhere else is refused;
+    so is any connection off the registry to a non-public address the registry is not at
+    (``_http_guard``), and the ``Authorization`` header never leaves the registry.
     """
 
     supports_cas = False
@@ -584,7 +643,8 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
                  auth_paths: Iterable[Path] | None = None,
                  environ: Mapping[str, str] | None = None, chunk_size: int = 16 * MiB,
                  attempts: int = 4, timeout: float = 30.0, connect_timeout: float = 5.0,
-                 resume_attempts: int = 3, backoff: float = 0.1) -> None:
+                 resume_attempts: int = 3, backoff: float = 0.1, deadline: float = 300.0,
+                 blob_hosts: Iterable[str] | None = None) -> None:
         self.address = url if isinstance(url, RegistryURL) else parse_url(url)
         self.insecure = tuple(insecure)
         self.scheme = "http" if plain_http(self.address.hostname, self.insecure) else "https"
@@ -593,6 +653,12 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
         self.resume_attempts = resume_attempts
         self.backoff = backoff
         environ = os.environ if environ is None else environ
+        self.deadline = deadline
+        if blob_hosts is None:
+            blob_hosts = environ.get("ENVBUILD_REGISTRY_BLOB_HOSTS", "").split(",")
+        self.blob_hosts = (frozenset(h.strip().lower() for h in blob_hosts if h.strip())
+                           | KNOWN_BLOB_HOSTS.get(self.address.hostname, frozenset()))
+        self._guard: Callable[..., socket.socket] | None = None
         files = list(auth_paths) if auth_paths is not None else auth_files(environ)
         self.credentials = (credentials if credentials is not None
                             else find_credentials(self.address, files))
@@ -641,29 +707,73 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
 
     def _request(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
                  body: bytes | None = None, attempts: int | None = None,
-                 what: str = "", give_up_quietly: bool = False) -> _Response:
+                 what: str = "", give_up_quietly: bool = False,
+                 limit: int = MAX_RESPONSE) -> _Response:
         """One request with retries (connection errors, 429, 5xx), the auth dance on 401 and
-        redirects followed for GET/HEAD; the whole response body is read. With
-        ``give_up_quietly`` the last 429/5xx answer is returned instead of raised."""
+        redirects followed for GET/HEAD (``_redirect``); the whole response body is read, at
+        most ``limit`` bytes, and all of it within ``deadline``. With ``give_up_quietly`` the
+        last 429/5xx answer is returned instead of raised."""
         resp, _ = self._send(method, url, headers or {}, body, attempts, what,
-                             stream=False, want=(), quiet=give_up_quietly)
+                             stream=False, want=(), quiet=give_up_quietly, limit=limit)
         return resp
 
-    def _open_stream(self, url: str, headers: Mapping[str, str],
-                     want: tuple[int, ...]) -> tuple[http.client.HTTPResponse, Any]:
-        resp, conn = self._send("GET", url, headers, None, None, "read", stream=True, want=want)
+    def _open_stream(self, url: str, headers: Mapping[str, str], want: tuple[int, ...],
+                     deadline: float | None = None) -> tuple[http.client.HTTPResponse, Any]:
+        resp, conn = self._send("GET", url, headers, None, None, "read", stream=True, want=want,
+                                deadline=deadline)
         return resp, conn  # type: ignore[return-value]
+
+    def _same_registry(self, split: urllib.parse.SplitResult) -> bool:
+        return (split.scheme, split.netloc.lower()) == (self.scheme, self.address.host)
+
+    def _connect_guard(self) -> Callable[..., socket.socket]:
+        """The connector for every host but the registry: public addresses, or the
+        registry's own (``_http_guard.guarded_connect``)."""
+        if self._guard is None:
+            try:
+                own = [a for _, a in resolve(self.address.hostname, 0)]
+            except OSError:
+                own = []
+            self._guard = guarded_connect(own)
+        return self._guard
+
+    def _redirect(self, url: str, location: str, what: str) -> str:
+        """Where a redirect from ``url`` may go: the registry itself or a blob host."""
+        target = urllib.parse.urljoin(url, location)
+        split = urllib.parse.urlsplit(target)
+        host = (split.hostname or "").lower()
+        if self._same_registry(split):
+            return target
+        if split.scheme in ("http", "https") and (split.netloc.lower() in self.blob_hosts
+                                                  or host in self.blob_hosts):
+            if split.scheme == "https" or plain_http(host, self.insecure):
+                return target
+        raise StoreError(f"{what or 'request'} {self.url}: {self._where()} redirected to "
+                         f"{target[:120]}, which is neither the registry nor a blob host",
+                         reference="redirect-refused",
+                         hint="if the registry serves blobs from that host, allow it with "
+                              "$ENVBUILD_REGISTRY_BLOB_HOSTS=HOST[:PORT] (plain HTTP also "
+                              "needs --registry-insecure)")
+
+    def _too_slow(self, what: str, detail: str = "") -> StoreUnavailable:
+        return StoreUnavailable(
+            f"{what} {self.url}: {self._where()} did not answer within the request deadline"
+            f"{f' ({detail})' if detail else ''}",
+            hint=f"the registry is too slow or stalls on purpose; a request may take "
+                 f"{self.deadline:.0f} s (a blob download one more second per "
+                 f"{MIN_RATE >> 10} KiB)")
 
     def _send(self, method: str, url: str, headers: Mapping[str, str], body: bytes | None,
               attempts: int | None, what: str, *, stream: bool, want: tuple[int, ...],
-              quiet: bool = False):
+              quiet: bool = False, limit: int = MAX_RESPONSE, deadline: float | None = None):
         attempts = attempts or self.attempts
+        deadline = deadline if deadline is not None else time.monotonic() + self.deadline
         auth_tries = 0
         redirects = 0
         attempt = 0
         while True:
             split = urllib.parse.urlsplit(url)
-            same_host = split.netloc == self.address.host
+            same_host = self._same_registry(split)
             hdrs = {"User-Agent": "envbuild", **headers}
             if body is not None:
                 hdrs.setdefault("Content-Type", "application/octet-stream")
@@ -673,8 +783,14 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
             if same_host and self._auth:
                 hdrs["Authorization"] = self._auth
             path = split.path + (f"?{split.query}" if split.query else "")
-            conn = self._pool.take(split.scheme, split.netloc)
+            conn = self._pool.take(split.scheme, split.netloc,
+                                   None if same_host else self._connect_guard())
+            token = WATCHDOG.arm(deadline, conn)
             try:
+                if conn.sock is None:
+                    conn.connect()
+                if time.monotonic() >= deadline:
+                    raise TimeoutError("deadline")
                 conn.request(method, path, body=body, headers=hdrs)
                 if conn.sock is not None:
                     conn.sock.settimeout(self._pool.timeout)
@@ -687,14 +803,34 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
                     # the body cannot be read in step with the header, so drop the connection
                     conn.close()
                     return _Response(status, raw.headers, b"", url), None
-                data = raw.read()  # also for HEAD (b""): completes the response for reuse
+                # (error answers get the limit of small ones; HEAD reads b"" and completes)
+                data = read_body(raw, limit if 200 <= status < 300 else MAX_RESPONSE)
+            except BodyTooLarge as e:
+                conn.close()
+                size = f"{e.declared} bytes" if e.declared is not None else "more"
+                raise StoreError(f"{what or method.lower()} {self.url}: {self._where()} sent "
+                                 f"{size} for an answer of at most {e.limit} bytes",
+                                 reference="response-too-large",
+                                 hint="the registry is misbehaving or hostile; nothing of the "
+                                      "answer was kept") from None
+            except AddressRefused as e:
+                conn.close()
+                raise StoreError(f"{what or method.lower()} {self.url}: refusing to connect "
+                                 f"to {split.netloc}: {e}", reference="redirect-refused",
+                                 hint="a registry may send clients to public addresses only, "
+                                      "or to its own") from None
             except (OSError, http.client.HTTPException) as e:
                 conn.close()
+                if time.monotonic() >= deadline:
+                    raise self._too_slow(what or method.lower()) from None
                 attempt += 1
                 if attempt >= attempts:
                     raise self._unreachable(e, what, attempts, split.netloc) from None
-                self._sleep(attempt)
+                self._sleep(attempt, deadline=deadline)
                 continue
+            finally:
+                if not WATCHDOG.disarm(token):
+                    conn.close()  # shut down at the deadline: never back to the pool
             resp = _Response(status, raw.headers, data, url)
             if raw.will_close:
                 conn.close()
@@ -702,14 +838,14 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
                 self._pool.give(split.scheme, split.netloc, conn)
             if status in _RETRY_STATUS:
                 attempt += 1
-                if attempt < attempts:
-                    self._sleep(attempt, resp.header("Retry-After"))
+                if attempt < attempts and time.monotonic() < deadline:
+                    self._sleep(attempt, resp.header("Retry-After"), deadline=deadline)
                     continue
                 if quiet:
                     return resp, None
                 raise StoreUnavailable(
                     f"{what or method.lower()} {self.url}: {self._where()} answered {status} "
-                    f"{resp.error_text() or raw.reason} ({attempts} attempts)",
+                    f"{resp.error_text() or raw.reason} ({attempt} attempts)",
                     hint="the registry is overloaded or failing; retry later")
             if status == 401 and same_host and auth_tries < 2:
                 auth_tries += 1
@@ -718,7 +854,7 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
             if status in (301, 302, 303, 307, 308) and method in ("GET", "HEAD") \
                     and redirects < 5 and resp.header("Location"):
                 redirects += 1
-                url = urllib.parse.urljoin(url, resp.header("Location"))
+                url = self._redirect(url, resp.header("Location"), what)
                 continue
             if status == 401:
                 raise self._denied(resp, what)
@@ -731,11 +867,14 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
                          "check it with the registry's administrator")
             return resp, None
 
-    def _sleep(self, attempt: int, retry_after: str = "") -> None:
+    def _sleep(self, attempt: int, retry_after: str = "", *,
+               deadline: float = float("inf")) -> None:
         delay = min(2.0, self.backoff * (2 ** (attempt - 1)))
         if retry_after.isdigit():
             delay = min(5.0, float(retry_after))
-        time.sleep(random.uniform(delay / 2, delay))
+        delay = min(random.uniform(delay / 2, delay), deadline - time.monotonic())
+        if delay > 0:
+            time.sleep(delay)
 
     def _unreachable(self, e: BaseException, what: str, attempts: int,
                      netloc: str) -> StoreUnavailable:
@@ -799,21 +938,31 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
         realm = params["realm"]
         url = realm + ("&" if "?" in realm else "?") + urllib.parse.urlencode(query)
         split = urllib.parse.urlsplit(url)
-        conn = self._pool.take(split.scheme, split.netloc)
+        if split.scheme not in ("http", "https"):
+            raise StoreError(f"{what or 'request'} {self.url}: the registry's auth realm "
+                             f"{realm[:120]!r} is not an http(s) URL")
+        conn = self._pool.take(split.scheme, split.netloc,
+                               None if self._same_registry(split) else self._connect_guard())
         headers = {"User-Agent": "envbuild"}
         if basic:
             headers["Authorization"] = basic
+        token = WATCHDOG.arm(time.monotonic() + self.deadline, conn)
         try:
             conn.request("GET", split.path + "?" + split.query, headers=headers)
             raw = conn.getresponse()
-            data = raw.read()
+            data = read_body(raw, MAX_RESPONSE)
+        except BodyTooLarge:
+            raise StoreError(f"{what or 'request'} {self.url}: the token server "
+                             f"{split.netloc} sent an answer over {MAX_RESPONSE} bytes",
+                             reference="response-too-large") from None
         except (OSError, http.client.HTTPException) as e:
-            conn.close()
             raise StoreUnavailable(f"{what or 'request'} {self.url}: cannot reach the token "
                                    f"server {split.netloc}: {e}",
                                    hint="the registry sent clients to this auth realm; "
                                         "check that it is up") from None
-        conn.close()
+        finally:
+            WATCHDOG.disarm(token)
+            conn.close()
         if raw.status in (401, 403):
             files = " or ".join(str(p) for p in auth_files(os.environ)) or "an auth file"
             who = (f"the credentials of {self.credentials[0]!r}" if self.credentials
@@ -1011,7 +1160,8 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
         if size < 0:
             conn.close()
             raise StoreError(f"read blob {digest} from {self.url}: no Content-Length")
-        stream = _Stream(self, url, resp, conn, size, self.resume_attempts)
+        stream = _Stream(self, url, resp, conn, size, self.resume_attempts,
+                         time.monotonic() + self.deadline + size / MIN_RATE)
         return VerifyingReader(stream, digest, size=size,  # type: ignore[return-value]
                                location=f"{self.url}@{digest}")
 
@@ -1022,11 +1172,13 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
             if offset > self.stat(digest).size:
                 raise range_beyond_end(digest, offset, self.stat(digest).size)
             return b""
+        # a registry that ignores Range answers the whole blob: read at most so much of it
         resp = self._request("GET", self._blob_url(digest),
                              headers={"Range": f"bytes={offset}-{offset + length - 1}"},
-                             what=f"read blob {digest} from")
+                             what=f"read blob {digest} from",
+                             limit=max(length, min(offset + length, MAX_RANGE_FALLBACK)))
         if resp.status == 206:
-            return resp.body
+            return resp.body[:length]
         if resp.status == 200:  # a registry that ignores Range: the whole blob
             return resp.body[offset:offset + length]
         if resp.status == 416:
@@ -1049,7 +1201,8 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
         check_tail_length(length)
         resp = self._request("GET", self._blob_url(digest),
                              headers={"Range": f"bytes=-{length}"},
-                             what=f"read blob {digest} from")
+                             what=f"read blob {digest} from",
+                             limit=max(length, MAX_RANGE_FALLBACK))
         if resp.status == 404:
             raise blob_not_found(digest)
         if resp.status == 200:
@@ -1059,6 +1212,9 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
         if resp.status != 206:
             raise self._status_error(resp, f"read blob {digest} from")
         total = resp.header("Content-Range").rpartition("/")[2]
+        if len(resp.body) > length:
+            raise StoreError(f"read blob {digest} from {self.url}: asked for the last {length} "
+                             f"bytes, {self._where()} sent {len(resp.body)}")
         return resp.body, int(total) if total.isdigit() else len(resp.body)
 
     def stat(self, digest: str) -> BlobInfo:
@@ -1137,10 +1293,11 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
             yield from self._reachable_desc(child, seen)
 
     def _tags(self) -> list[str]:
-        """All tags of REPO (``tags/list``, following ``Link`` pages); none if REPO is new."""
+        """All tags of REPO (``tags/list``, following ``Link`` pages on the registry); none if
+        REPO is new. More than ``MAX_TAG_PAGES`` pages or ``MAX_TAGS`` tags is refused."""
         url = f"{self._base()}/tags/list?n=1000"
         tags: list[str] = []
-        for _ in range(100000):
+        for _ in range(MAX_TAG_PAGES):
             resp = self._request("GET", url, what="list tags of")
             if resp.status == 404:
                 return tags  # NAME_UNKNOWN: nothing was pushed yet
@@ -1151,11 +1308,19 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
                          if isinstance(t, str)]
             except (ValueError, AttributeError) as e:
                 raise StoreError(f"list tags of {self.url}: bad answer: {e}") from None
+            if len(tags) > MAX_TAGS:
+                break
             link = re.match(r"\s*<([^>]+)>\s*;\s*rel=\"?next\"?", resp.header("Link"))
             if not link:
                 return tags
             url = urllib.parse.urljoin(url, link.group(1))
-        return tags
+            if not self._same_registry(urllib.parse.urlsplit(url)):
+                raise StoreError(f"list tags of {self.url}: the next page is on another host "
+                                 f"({url[:120]})", hint="the registry is misbehaving or hostile")
+        raise StoreError(f"list tags of {self.url}: more than {MAX_TAGS} tags or "
+                         f"{MAX_TAG_PAGES} pages", reference="too-many-tags",
+                         hint="the registry is misbehaving, or the repository holds more tags "
+                              "than envbuild lists; use a repository of its own for the store")
 
     # -- manifests and tags --------------------------------------------------------------------
 

@@ -45,6 +45,7 @@
 #define MAX_SESSIONS 1000
 #define MAX_ARGS 65536
 #define EXIT_GRACE_MS 50         /* how long output pipes may stay open after the exit */
+#define COALESCE_MS 2            /* how long a short output frame waits for more of its stream */
 
 /* host -> agent */
 enum { T_HELLO = 0x01, T_ARG, T_ENV, T_CWD, T_USER, T_TIMEOUT, T_START, T_STDIN, T_STDIN_EOF,
@@ -76,6 +77,8 @@ struct session {
     int reaped, wstatus, flags, stdin_eof, start_failed;
     size_t owed[2];                 /* bytes in the out/err pipe when the command exited */
     int64_t deadline, grace;        /* monotonic ms; 0 = none */
+    int64_t hold;                   /* tx is one output frame still filling until then; 0 = none */
+    int hold_which;                 /* its stream: 0 stdout, 1 stderr */
     uint32_t timeout_ms;
     char **argv;
     size_t argc;
@@ -175,6 +178,7 @@ static void queue_frame(struct session *s, int type, const void *payload, size_t
         session_drop(s);
         return;
     }
+    s->hold = 0; /* a frame after the held one: that one is complete */
     unsigned char *p = buf_tail(&s->tx);
     p[0] = type;
     put_u32(p + 1, len);
@@ -209,6 +213,7 @@ static void session_drop(struct session *s) {
     if (s->phase != P_FINISHED)
         kill_group(s, SIGKILL);
     s->phase = P_FINISHED;
+    s->hold = 0;
     closefd(&s->conn);
     closefd(&s->in);
     buf_free(&s->tx);
@@ -612,14 +617,27 @@ static void on_conn_writable(struct session *s) {
         closefd(&s->conn);
 }
 
-/* One chunk of the command's stdout (which = 0) or stderr (which = 1). Only called while tx is
- * empty, so the agent holds at most one chunk per session: backpressure reaches the command. */
+/* Output of the command's stdout (which = 0) or stderr (which = 1), one frame at a time: read
+ * only while tx is empty, so the agent holds at most one chunk per session and backpressure
+ * reaches the command. A frame shorter than CHUNK is held back up to COALESCE_MS and filled
+ * with what the stream writes meanwhile (until it is full or the stream ends): a command
+ * writing one byte at a time costs the host one frame per COALESCE_MS, not one per byte. */
 static void on_pipe_readable(struct session *s, int which) {
     int *fd = which ? &s->err : &s->out;
     unsigned char scratch[4096];
     ssize_t r;
     if (s->conn < 0 || s->phase == P_FINISHED) { /* nobody to send to: discard */
         r = read(*fd, scratch, sizeof scratch);
+    } else if (s->hold) { /* tx is the held frame of this stream (tx.off is 0) */
+        unsigned char *p = s->tx.p;
+        uint32_t have = get_u32(p + 1);
+        r = read(*fd, p + 5 + have, CHUNK - have);
+        if (r > 0) {
+            put_u32(p + 1, have + r);
+            s->tx.len += r;
+            if (have + r == CHUNK)
+                s->hold = 0;
+        }
     } else {
         if (buf_reserve(&s->tx, 5 + CHUNK) < 0) {
             session_drop(s);
@@ -631,12 +649,17 @@ static void on_pipe_readable(struct session *s, int which) {
             p[0] = which ? R_STDERR : R_STDOUT;
             put_u32(p + 1, r);
             s->tx.len += 5 + r;
+            if ((size_t)r < CHUNK) {
+                s->hold = now_ms() + COALESCE_MS;
+                s->hold_which = which;
+            }
         }
     }
     if (r < 0 && (errno == EAGAIN || errno == EINTR))
         return;
     if (r <= 0) {
         closefd(fd);
+        s->hold = 0; /* the stream ended: nothing more will fill the frame */
         return;
     }
     s->owed[which] = s->owed[which] > (size_t)r ? s->owed[which] - r : 0;
@@ -1133,11 +1156,13 @@ int main(int argc, char **argv) {
                  * bound; a hang-up (POLLHUP) is reported whatever the events */
                 if (!s->closing && s->inq.len < STDIN_HIGH)
                     ev[0] |= POLLIN;
-                if (s->tx.len)
+                if (s->tx.len && !s->hold)
                     ev[0] |= POLLOUT;
             }
             if (s->tx.len == 0)
                 ev[1] = ev[2] = POLLIN;
+            else if (s->hold)
+                ev[1 + s->hold_which] = POLLIN;
             if (s->inq.len)
                 ev[3] = POLLOUT;
             for (int k = 0; k < 5; k++) {
@@ -1152,6 +1177,8 @@ int main(int argc, char **argv) {
                 t = s->deadline;
             if (s->reaped && s->phase == P_RUNNING && now < s->grace && (!t || s->grace < t))
                 t = s->grace;
+            if (s->hold && (!t || s->hold < t))
+                t = s->hold;
             if (t && (wake < 0 || t < wake))
                 wake = t;
         }
@@ -1199,10 +1226,13 @@ int main(int argc, char **argv) {
                 }
                 break;
             case ROLE_OUT:
-            case ROLE_ERR:
-                if ((who[k].role == ROLE_OUT ? s->out : s->err) == fd && s->tx.len == 0)
-                    on_pipe_readable(s, who[k].role == ROLE_ERR);
+            case ROLE_ERR: {
+                int which = who[k].role == ROLE_ERR;
+                if ((which ? s->err : s->out) == fd &&
+                    (s->tx.len == 0 || (s->hold && s->hold_which == which)))
+                    on_pipe_readable(s, which);
                 break;
+            }
             case ROLE_IN:
                 if (s->in == fd) {
                     if (re & POLLOUT)
@@ -1245,6 +1275,8 @@ int main(int argc, char **argv) {
         now = now_ms();
         for (int i = nsessions - 1; i >= 0; i--) {
             struct session *s = sessions[i];
+            if (s->hold && now >= s->hold)
+                s->hold = 0; /* the held frame goes out */
             if (s->deadline && !s->reaped && now >= s->deadline) {
                 kill_group(s, SIGKILL);
                 s->flags |= F_TIMED_OUT;

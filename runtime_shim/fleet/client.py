@@ -664,6 +664,10 @@ class FleetSandbox:
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         self._call("write_file", path, data.encode() if isinstance(data, str) else data, mode)
 
+    def set_network(self, network: bool | Sequence[str]) -> None:
+        """``Sandbox.set_network`` on the node."""
+        self._call("set_network", network if isinstance(network, bool) else list(network))
+
     def pack_diff(self, publish: str | None = None, **kwargs: Any):
         """``Sandbox.pack_diff`` on the node (a ``SnapshotResult``)."""
         return self._call("pack_diff", publish, kwargs, timeout=CALL_TIMEOUT * 10)
@@ -753,6 +757,10 @@ class AsyncFleetSandbox:
     async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         await self._call("write_file", path, data.encode() if isinstance(data, str) else data,
                          mode)
+
+    async def set_network(self, network: bool | Sequence[str]) -> None:
+        await self._call("set_network",
+                         network if isinstance(network, bool) else list(network))
 
     async def pack_diff(self, publish: str | None = None, **kwargs: Any):
         return await self._call("pack_diff", publish, kwargs, timeout=CALL_TIMEOUT * 10)

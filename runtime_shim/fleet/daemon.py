@@ -538,6 +538,11 @@ class NodeDaemon:
         entry.sandbox.write_file(path, data, mode)
         self._log(entry, "write", path=path, data=data, mode=mode)
 
+    def set_network(self, sandbox_id: str, network: bool | Sequence[str]) -> None:
+        """``Sandbox.set_network`` (not in the exec log: a replay keeps its sandbox's own)."""
+        self._entry(sandbox_id).sandbox.set_network(
+            network if isinstance(network, bool) else list(network))
+
     def pack_diff(self, sandbox_id: str, publish: str | None, kwargs: Mapping[str, Any]):
         return self._entry(sandbox_id).sandbox.pack_diff(publish, **kwargs)
 

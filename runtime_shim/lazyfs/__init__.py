@@ -73,7 +73,8 @@ Where each concern lives (this package re-exports the public names):
 ``fuseops``         the libfuse filesystem (the fallback): ``make_operations`` (mfusepy),
                     ``lazy_stats``
 ``profile``         lazy profiles: record the first run's reads, prefetch them next time
-``control``         the daemon's control socket: address, protocol, ``daemon_request``
+``control``         the daemon's control socket: who may talk to it, the protocol,
+                    ``daemon_request``
 ``daemon``          the node daemon process serving every lazy mount of a node cache
 ``mounts``          client side: ``lazy_layer_dirs`` (``Sandbox.create(lazy=True)``),
                     ``store_location``
@@ -87,7 +88,7 @@ daemon); nothing here imports ``nodecache``.
 from __future__ import annotations
 
 from runtime_shim.lazyfs.chunks import TieredChunkCache
-from runtime_shim.lazyfs.control import DAEMON_IDLE_EXIT, daemon_address, daemon_request
+from runtime_shim.lazyfs.control import DAEMON_IDLE_EXIT, daemon_request
 from runtime_shim.lazyfs.frames import BACKGROUND_WORKERS, prefetch_in_order
 from runtime_shim.lazyfs.fuseops import (
     CACHE_TTL,
@@ -116,7 +117,6 @@ __all__ = [
     "PROFILE_WINDOW",
     "TieredChunkCache",
     "build_tree",
-    "daemon_address",
     "daemon_request",
     "lazy_layer_dirs",
     "lazy_stats",

@@ -14,7 +14,7 @@ from envbuild.errors import EnvbuildError
 from envbuild.settings import parse_size
 from envbuild.store.lazy import ChunkCache, LazyLayer, MemoryChunkCache
 from runtime_shim.lazyfs.chunks import TieredChunkCache
-from runtime_shim.lazyfs.daemon import _NodeDaemon
+from runtime_shim.lazyfs.daemon import DEFAULT_TREE_BUDGET, TREE_BUDGET_ENV, _NodeDaemon
 from runtime_shim.lazyfs.fuseops import CACHE_TTL, _operations_base, make_operations
 from runtime_shim.lazyfs.tree import Node, tree_of
 
@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fetch-timeout", type=float, default=None,
                    help="seconds a read waits for the store before it fails with EIO "
                         "(default $ENVBUILD_LAZY_FETCH_TIMEOUT or 30)")
+    p.add_argument("--tree-budget", default=None,
+                   help="memory all mounted layers' trees may take; a mount past it is refused "
+                        "(default $ENVBUILD_LAZY_TREE_BUDGET or 2G)")
     p.add_argument("--debug", action="store_true", help="libfuse debug output")
     return p
 
@@ -76,8 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except EnvbuildError as e:
             print("\n".join(e.render_lines()), file=sys.stderr)
             return 1
-        code = _NodeDaemon(os.path.abspath(args.node), parse_size(args.chunk_cache_max),
-                           parse_size(args.memory_cache), fetch).serve()
+        try:
+            budget = parse_size(args.tree_budget or os.environ.get(TREE_BUDGET_ENV)
+                                or str(DEFAULT_TREE_BUDGET))
+            code = _NodeDaemon(os.path.abspath(args.node), parse_size(args.chunk_cache_max),
+                               parse_size(args.memory_cache), fetch, budget).serve()
+        except EnvbuildError as e:   # e.g. a node dir another user can write
+            print("\n".join(e.render_lines()), file=sys.stderr)
+            code = 1
         # Exit now: a fetch stuck on a dead store (its caller already got EIO) must not keep
         # the interpreter joining its worker thread forever.
         logging.shutdown()

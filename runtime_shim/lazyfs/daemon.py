@@ -3,6 +3,7 @@ own FUSE mount (protocol: ``runtime_shim.lazyfs.control``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -18,8 +19,9 @@ from runtime_shim.lazyfs.chunks import TieredChunkCache
 from runtime_shim.lazyfs.control import (
     DAEMON_IDLE_EXIT,
     REQUEST_TIMEOUT,
+    ControlListener,
     _read_line,
-    daemon_address,
+    trusted_uids,
 )
 from runtime_shim.lazyfs.filecache import BoundedRanges, FetchLimits, FetchSettings, FileCache
 from runtime_shim.lazyfs.frames import prefetch_in_order
@@ -121,6 +123,17 @@ class _GcPauses:
 
 _GC_PAUSES = _GcPauses()
 
+#: What a layer's tree costs the daemon per TOC member (``tree.Node``, its path, the tables
+#: that index it): measured 1.56 KB on a 190,000-member layer of short names.
+TREE_BYTES_PER_ENTRY = 1600
+#: The default of ``--tree-budget``/``$ENVBUILD_LAZY_TREE_BUDGET``: the memory all mounted
+#: layers' trees may take (~1.3 million members: five layers of the TOC's largest size).
+DEFAULT_TREE_BUDGET = 2 << 30
+TREE_BUDGET_ENV = "ENVBUILD_LAZY_TREE_BUDGET"
+#: Seconds after a mount's end before its tree's memory is given back (the work it started —
+#: an import index read, a prefetch — holds the tree until it is done).
+HEAP_RELEASE_DELAY = 1.0
+
 
 def tune_malloc() -> str:
     """Keep the daemon's freed buffers for reuse (``MALLOC_*`` above) with glibc's
@@ -153,12 +166,27 @@ def _settle_heap() -> None:
 
 
 def _release_heap() -> None:
-    """After an unmount: hand the frozen objects back to the collector (``gc.unfreeze``),
-    so that the unmounted tree's cycles are freed by a later collection instead of living as
-    long as the daemon; the next mount freezes what is still held."""
+    """After an unmount (``_NodeDaemon.serve``, once its thread and the work it started are
+    done): collect the unmounted tree's cycles now (``gc.unfreeze``, ``collect``, ``freeze``
+    again) and give the freed pages back to the system."""
+    import ctypes
     import gc
 
     gc.unfreeze()
+    gc.collect()   # the tree is cycles: gone now, not at some later collection
+    gc.freeze()    # what is still held (other mounts' trees) out of the collector's reach
+    # give the freed pages back (``tune_malloc`` keeps them otherwise): a tree is ~1.6 KB
+    # a member, hundreds of MB for a big layer
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _serve(box: list[Any]) -> None:
+    """A mount's thread: run its serving function, whose closure holds the layer's tree, and
+    drop it when the mount is gone (``box`` holds the only other reference), so that the
+    daemon's next heap release (``_NodeDaemon.serve``) finds the tree unreachable."""
+    serve = box.pop()
+    serve()
 
 
 def _cached_path(ops: Any, node: Any) -> str | None:
@@ -179,6 +207,40 @@ def _node_bytes(ops: Any, node: Any, cached: str | None) -> bytes:
     return ops.lazy_layer.read(node.read_path)
 
 
+def _refuse(conn: Any, why: str) -> None:
+    try:
+        conn.settimeout(1.0)
+        conn.sendall(json.dumps({"ok": False, "error": why}).encode() + b"\n")
+    except OSError:
+        pass
+    finally:
+        conn.close()
+
+
+def owned_mountpoint(root: str, digest: object, requested: object) -> str:
+    """Where the daemon of node ``root`` mounts layer ``digest``: ``<root>/lazy/<hex>``, and
+    only there — a request naming another place (``requested``) is refused, as is a path that is
+    not a real directory of the daemon's own user (a symlink, another user's dir)."""
+    import stat
+
+    from envbuild.errors import RuntimeShimError
+    from envbuild.store import check_digest
+
+    mp = os.path.join(root, "lazy", check_digest(digest))
+    if requested != mp:
+        raise RuntimeShimError(f"the lazy daemon mounts layer {digest} only at {mp}, not at "
+                               f"{str(requested)[:300]!r}")
+    for path in (os.path.join(root, "lazy"), mp):
+        try:
+            st = os.lstat(path)
+        except OSError as e:
+            raise RuntimeShimError(f"lazy mount point {path}: {e.strerror}") from None
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise RuntimeShimError(f"lazy mount point {path} is not a directory of the "
+                                   f"daemon's user (uid {st.st_uid}, mode {st.st_mode:o})")
+    return mp
+
+
 def _meta_building(root: str) -> int:
     from runtime_shim.lazyfs import metalayer
 
@@ -187,10 +249,14 @@ def _meta_building(root: str) -> int:
 
 class _NodeDaemon:
     def __init__(self, root: str, chunk_cache_max: int, memory_cache: int,
-                 fetch: FetchSettings | None = None) -> None:
+                 fetch: FetchSettings | None = None,
+                 tree_budget: int = DEFAULT_TREE_BUDGET) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.root = root
+        self.tree_budget = tree_budget
+        self.tree_bytes = 0   # what the mounted layers' trees are charged (``_charge_tree``)
+        self.heap_dirty = 0.0  # when a mount last ended (its tree to free), 0: nothing to free
         self.cache = TieredChunkCache(MemoryChunkCache(memory_cache),
                                       ChunkCache(os.path.join(root, "chunks"), chunk_cache_max))
         self.limits = FetchLimits(fetch or FetchSettings.from_env())
@@ -238,20 +304,16 @@ class _NodeDaemon:
 
     def serve(self) -> int:
         import signal
-        import socket
         import time
 
         sys.setswitchinterval(SWITCH_INTERVAL)
         _GC_PAUSES.install()
         self.malloc = tune_malloc()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(daemon_address(self.root))
-        except OSError as e:
-            log.info("another daemon serves %s (%s): exiting", self.root, e.strerror)
+        listener = ControlListener.open(self.root)
+        if listener is None:
+            log.info("another daemon serves %s: exiting", self.root)
             return 0
-        sock.listen(64)
-        sock.settimeout(0.1)
+        listener.sock.settimeout(0.1)
 
         def stop(signum: int, frame: Any) -> None:
             self.stop = True
@@ -267,19 +329,28 @@ class _NodeDaemon:
         try:
             while not self.stop:
                 try:
-                    conn, _ = sock.accept()
+                    conn, uid = listener.accept()
                 except TimeoutError:
                     with self.lock:
                         idle = (not self.mounts and not self.busy
                                 and time.monotonic() - self.last > DAEMON_IDLE_EXIT)
+                        release = 0 < self.heap_dirty < time.monotonic() - HEAP_RELEASE_DELAY
+                        if release:
+                            self.heap_dirty = 0.0
                     if idle:
                         break
+                    if release:   # again a delay after the last end: work it started is done
+                        _release_heap()
+                    continue
+                if uid not in trusted_uids():   # defence in depth: the dir is 0700 already
+                    log.warning("refused a control connection from uid %d", uid)
+                    _refuse(conn, f"permission denied: uid {uid} may not use this daemon")
                     continue
                 with self.lock:
                     self.busy += 1
                 threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
         finally:
-            sock.close()
+            listener.close()
         if self.stop:
             from runtime_shim.mount import unmount
 
@@ -341,6 +412,7 @@ class _NodeDaemon:
                     "max_requests_in_flight": self.limits.max_in_flight,
                     "slot_wait": {k: round(v, 4) for k, v in self.limits.slot_wait.items()},
                     "files_fetched": self.files.fetches,
+                    "tree_bytes": self.tree_bytes, "tree_budget": self.tree_budget,
                     "meta_building": _meta_building(self.root),
                     "cpu_seconds": round(sum(os.times()[:2]), 3),
                     "gc": _GC_PAUSES.snapshot(),
@@ -382,7 +454,12 @@ class _NodeDaemon:
     def _mount(self, req: dict[str, Any]) -> dict[str, Any]:
         import time
 
-        mp, digest = req["mountpoint"], req["digest"]
+        digest = req.get("digest")
+        try:
+            mp = owned_mountpoint(self.root, digest, req.get("mountpoint"))
+        except EnvbuildError as e:
+            log.warning("refused a mount: %s", e.message)
+            return {"ok": False, "error": "\n".join(e.render_lines())}
         url, endpoint = req["store"], req.get("s3_endpoint")
         ready = threading.Event()
         t0 = time.monotonic()
@@ -396,6 +473,11 @@ class _NodeDaemon:
                               expected_toc_digest=req.get("toc_digest") or None,
                               size=req.get("size"))
             phases["open"] = time.monotonic() - t0
+            charge = self._charge_tree(digest, len(layer.reader.toc.entries))
+        except EnvbuildError as e:
+            log.error("serve %s: %s", digest, e.message)
+            return {"ok": False, "error": "\n".join(e.render_lines())}
+        try:
             nodes = tree_of(layer.reader)
             phases["tree"] = time.monotonic() - t0
             _settle_heap()
@@ -423,6 +505,7 @@ class _NodeDaemon:
                 ops = make_operations(layer, nodes, on_init=ready.set, trace=trace,
                                       limits=self.limits)
         except EnvbuildError as e:
+            self._uncharge_tree(charge)
             log.error("serve %s: %s", digest, e.message)
             return {"ok": False, "error": "\n".join(e.render_lines())}
         failed: list[str] = []
@@ -455,7 +538,9 @@ class _NodeDaemon:
             finally:
                 if prof:
                     self._save_profile(prof["key"])
+                self._uncharge_tree(charge)
                 with self.lock:
+                    self.heap_dirty = time.monotonic()
                     del self.mounts[key]
                     if self.ops.get(mp) is ops:
                         del self.ops[mp]
@@ -465,13 +550,14 @@ class _NodeDaemon:
                     self.last = time.monotonic()
                 if self.pyahead is not None:
                     self.pyahead.forget(mp)
+                ops.lazy_readahead.stop()
                 ready.set()
-                _release_heap()
                 log.info("unmounted %s; stats %s%s", mp, json.dumps(layer.stats.as_dict()),
                          "" if self.pyahead is None else
                          f"; import prediction {json.dumps(self.pyahead.snapshot())}")
 
-        t = threading.Thread(target=run, name=f"fuse-{digest[7:19]}", daemon=True)
+        t = threading.Thread(target=_serve, args=([run],),
+                             name=f"fuse-{digest[7:19]}", daemon=True)
         with self.lock:
             self.threads = [x for x in self.threads if x.is_alive()] + [t]
         t.start()
@@ -489,6 +575,30 @@ class _NodeDaemon:
             # after the answer's work: the sandbox's first pycs open a few hundred ms later
             self.elf_pool.submit(self._read_index, ops, req)
         return {"ok": True, "pid": os.getpid(), "mode": self.mode}
+
+    def _charge_tree(self, digest: str, entries: int) -> int:
+        """Reserve the memory of a new mount's tree (``entries`` TOC members) against the
+        daemon's ``tree_budget``, before the tree is built: a ``RuntimeShimError`` when it does
+        not fit (a hostile layer of 190,000 members cost 300 MB). The mount's end gives it
+        back (``_uncharge_tree``)."""
+        from envbuild.errors import RuntimeShimError
+
+        charge = entries * TREE_BYTES_PER_ENTRY
+        with self.lock:
+            if self.tree_bytes + charge <= self.tree_budget:
+                self.tree_bytes += charge
+                return charge
+            used, mounts = self.tree_bytes, len(self.mounts)
+        raise RuntimeShimError(
+            f"lazy layer {digest}: its tree ({entries} members, ~{charge >> 20} MiB) would take "
+            f"the lazy daemon over its memory budget ({used >> 20} of "
+            f"{self.tree_budget >> 20} MiB used by {mounts} mounts)",
+            hint=f"unmount unused layers (envbuild node gc), raise ${TREE_BUDGET_ENV}, or run "
+                 "it without lazy (a full pull)")
+
+    def _uncharge_tree(self, charge: int) -> None:
+        with self.lock:
+            self.tree_bytes -= charge
 
     def _read_index(self, ops: Any, req: dict[str, Any]) -> None:
         """Give the mount ``ops`` its layer's import index (``pyindex``; ``ops.py_index``):

@@ -57,6 +57,7 @@ def make_operations(layer: LazyLayer, nodes: dict[str, Node], *,
         use_ns = True
         # exposed for the node daemon (profile prefetch) and tests
         lazy_layer, lazy_nodes, lazy_frames = layer, nodes, frames
+        lazy_readahead = readahead   # stopped by the daemon when the mount is gone
 
         def init_with_config(self, conn, config) -> None:
             if config is not None:

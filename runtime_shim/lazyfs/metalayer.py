@@ -69,6 +69,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 import threading
@@ -844,7 +845,7 @@ def meta_dirs(node_root: str | os.PathLike[str], layers: list[tuple[str, str]],
     if not enabled() or not layers:
         return ["" for _ in layers]
     request = {"op": "meta", "layers": [{"digest": d, "mountpoint": mp} for d, mp in layers]}
-    root = os.fspath(node_root)
+    root = os.path.abspath(node_root)
     if not any(os.path.isdir(os.path.join(root, "meta", d.removeprefix("sha256:")))
                for d, _ in layers):
         # No layer has a generation on disk (a stack new to the node): there is nothing to
@@ -863,10 +864,24 @@ def meta_dirs(node_root: str | os.PathLike[str], layers: list[tuple[str, str]],
     out = []
     for i, (digest, _) in enumerate(layers):
         x = got[i] if i < len(got) and isinstance(got[i], dict) else {}
-        d = str(x.get("dir") or "") if x.get("digest") == digest else ""
-        expected = os.path.join(os.fspath(node_root), "meta", digest.removeprefix("sha256:"))
-        out.append(d if d.startswith(expected + os.sep) else "")
+        d = x.get("dir") if x.get("digest") == digest else ""
+        out.append(d if d and trusted_meta_dir(root, digest, d) else "")
     return out
+
+
+def trusted_meta_dir(node_root: str, digest: str, claimed: object) -> bool:
+    """Whether a meta dir the daemon named for layer ``digest`` is one to stack under a
+    sandbox: exactly ``<node>/meta/<hex>/g-<16 hex>/mnt`` (no ``..``, no other name), with no
+    symlink on the way, and a read-only overlay mount really there. A reply is hostile until
+    checked: a prefix test let ``<node>/meta/<hex>/../../../usr`` through (issue 34, item 1)."""
+    hexd = digest.removeprefix("sha256:")
+    if not isinstance(claimed, str) or not _is_hex(hexd):
+        return False
+    pattern = re.escape(os.path.join(node_root, "meta", hexd)) + r"/g-[0-9a-f]{16}/mnt"
+    if not re.fullmatch(pattern, claimed) or os.path.realpath(claimed) != claimed:
+        log.warning("meta layers: the daemon named %r for %s: ignored", claimed[:300], digest)
+        return False
+    return _is_mount(claimed)
 
 
 __all__ = ["ENV_SWITCH", "META_VERSION", "MetaEntry", "MetaLayers", "build", "collect", "describe",

@@ -207,7 +207,7 @@ class PassthroughFS:
         self._pycs = [0, 0]
         self.lazy_frames = _Frames(layer, nodes, on_loaded=self._loaded, report_all=PRELOAD,
                                    present=lambda n: bool(n.digest) and self.files.present(n.digest))
-        self.readahead = _Readahead(layer, nodes, self.lazy_frames)
+        self.readahead = self.lazy_readahead = _Readahead(layer, nodes, self.lazy_frames)
         if PYC_SOURCES:   # a guessed checked-hash pyc brings its source (``_pyc_companion``)
             self.lazy_frames.companion = self._pyc_companion
         self.mountpoint, self.files, self.workers = mountpoint, files, workers

@@ -98,9 +98,17 @@ from runtime_shim import (
     agent,
     netns,  # a networked sandbox's own namespace
 )
+from runtime_shim.admission import (
+    BudgetSettings,
+    Ledger,
+    Reservation,
+    sandbox_key,
+    vm_reservation,
+)
 from runtime_shim.backend import CheckpointImage, CreateRequest
 from runtime_shim.layout import NodeLayout, SandboxPaths
 from runtime_shim.locks import ResolvedLock
+from runtime_shim.model import Limits
 from runtime_shim.mount import unmount
 from runtime_shim.nodecache import NodeCache, parse_size
 from runtime_shim.spec import parse_user
@@ -674,6 +682,10 @@ class MicroVmBackend:
 
     name = "microvm"
 
+    def host_reservation(self, limits: Limits) -> Reservation:
+        """``backend.HostCosted``: the guest's processes and files are its own."""
+        return vm_reservation(limits)
+
     def check(self, *, keep: bool, seccomp: str | Mapping | None, lazy: bool) -> None:
         if keep:
             raise BackendUnavailable("keep=True works with the container backend only",
@@ -773,8 +785,11 @@ def restore_sandbox(image: CheckpointImage, *, store, node_dir=None, limits=None
             "store": sdk._store_url(store), "ttl": None, "expires": 0.0, "ready": 0.0}
     layout.sandboxes.mkdir(exist_ok=True)
     paths.root.mkdir()
-    with undo_on_error(paths):
+    ledger = Ledger(layout.node)
+    with sdk._released_on_error(ledger, sandbox_id), undo_on_error(paths):
         sdk._write_meta(paths, meta)
+        ledger.admit(sandbox_key(sandbox_id), vm_reservation(limits), paths.root,
+                     what=f"sandbox {sandbox_id}", settings=BudgetSettings.from_env(os.environ))
         backend = get_backend("microvm")
         assert isinstance(backend, MicroVmBackend)
         handle = backend.restore(CreateRequest(

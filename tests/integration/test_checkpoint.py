@@ -126,6 +126,26 @@ def test_a_process_criu_cannot_dump_is_named_and_the_sandbox_runs_on(built):
         resolve(store, "ckpt/bad")  # nothing published
 
 
+def test_a_named_pipe_held_open_refuses_the_checkpoint(built):
+    """A process holds a FIFO open: CRIU dumps it, but no restore can reopen it (before: the
+    checkpoint was published and every restore failed, "Can't open fake fifo"). Refused at
+    checkpoint in one line naming the process and the pipe; the sandbox runs on."""
+    require_criu()
+    store, node = built
+    with Sandbox.create("env/busybox-shell", store=store, node_dir=node,
+                        checkpointable=True) as sb:
+        made = sb.exec("mkfifo /workspace/f && (sleep 1000 <> /workspace/f >/dev/null 2>&1 &)")
+        assert made.exit_code == 0, made.stderr
+        with pytest.raises(CheckpointRefused) as err:
+            sb.checkpoint("ckpt/fifo", leave_running=True)
+        message = err.value.message
+        assert "\n" not in message and message.startswith("checkpoint "), message
+        assert "sleep" in message and "'/workspace/f'" in message, message
+        assert sb.exec("echo alive").stdout == b"alive\n"
+    with pytest.raises(LockNotFound):
+        resolve(store, "ckpt/fifo")  # nothing published
+
+
 def _leftovers(node, sandbox_id: str) -> list[str]:
     """What of a closed sandbox is still on the host: mounts under the node dir, its cgroup
     in any hierarchy, its runc state, its dir (memory images included)."""

@@ -56,18 +56,29 @@ def test_private_daemon_answers_and_leaves_nothing_also_on_an_exception(tmp_path
     _assert_clean(root, before)
 
 
-def test_an_orphan_of_a_killed_owner_is_swept(tmp_path, monkeypatch):
+@pytest.mark.parametrize("elsewhere", [False, True])
+def test_an_orphan_of_a_killed_owner_is_swept(tmp_path, monkeypatch, elsewhere):
+    """``elsewhere``: its data root on another directory (a build's capped disk, issue 34
+    item 4), which the sweep finds through the daemon's record and removes too."""
     _require_docker()
     monkeypatch.delenv("DOCKER_HOST", raising=False)
     root = tmp_path / "d"
+    data = tmp_path / "build-disk" / "daemon-data"
     before = _ours()
     code = ("import sys, time; from pathlib import Path; from envbuild.dockerd import docker_daemon\n"
-            "with docker_daemon(Path(sys.argv[1])):\n    print('up', flush=True); time.sleep(300)\n")
-    owner = subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE,
+            "data = Path(sys.argv[2]) if len(sys.argv) > 2 else None\n"
+            "with docker_daemon(Path(sys.argv[1]), data_root=data):\n"
+            "    print('up', flush=True); time.sleep(300)\n")
+    owner = subprocess.Popen([sys.executable, "-c", code, str(root),
+                              *([str(data)] if elsewhere else [])], stdout=subprocess.PIPE,
                              text=True, env={k: v for k, v in os.environ.items()
                                              if k != "DOCKER_HOST"})
     try:
         assert owner.stdout.readline().strip() == "up"
+        if elsewhere:
+            assert any(data.iterdir()), "the daemon stores nothing in its data root"
+            (top,) = [p for p in root.iterdir() if p.is_dir()]
+            assert not (top / "data").exists()
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait()
         time.sleep(0.5)
@@ -79,3 +90,4 @@ def test_an_orphan_of_a_killed_owner_is_swept(tmp_path, monkeypatch):
             owner.kill()
             owner.wait()
     _assert_clean(root, before)
+    assert not data.exists() and not _naming(data) and not mounts_under((data,))

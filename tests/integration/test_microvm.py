@@ -191,6 +191,8 @@ def test_killing_the_host_process_kills_qemu(built, tmp_path):
         t.start(); t.join()
         sb = box[0]
         assert sb.exec("true").ok
+        from runtime_shim import exitwatch
+        exitwatch.stop()  # a crash its watcher dies in too: gc removes what is left
         print(sb._backend.pid, flush=True)
         time.sleep(600)
     """))

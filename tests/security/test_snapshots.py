@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from envbuild.errors import LayerError
 from envbuild.safefs import iter_tree, remove_tree
 from runtime_shim.packdiff import SnapshotRefused
 from runtime_shim.sandbox import Sandbox, SandboxPaths, list_sandboxes, remove_sandbox
@@ -106,6 +107,22 @@ def test_a_4096_deep_tree_refuses_the_snapshot_in_one_line_and_close_removes_it(
     assert sb.id not in {i.id for i in list_sandboxes(node)}
 
 
+def test_a_snapshot_whose_toc_no_reader_takes_is_refused_and_not_published(busybox_store):
+    """22,000 empty files under a 3.4 KB path give a TOC of ~75 MB, over the readers' 64 MiB
+    (``envbuild.layers._toc.MAX_TOC_USIZE``): the writer refuses it in one line naming that
+    limit and nothing is published (before: published, then no restore could open it)."""
+    store, _ = busybox_store
+    deep = "/workspace/" + "/".join(["n" * 240] * 14)
+    with _sandbox(busybox_store) as sb:
+        r = sb.exec(f"mkdir -p {deep} && cd {deep} && seq 1 22000 | xargs touch", timeout=300)
+        assert r.exit_code == 0, r.stderr
+        with pytest.raises(LayerError) as err:
+            sb.pack_diff(publish="snap/huge-toc")
+    message = str(err.value)
+    assert "\n" not in message and "exceeds the reader limit of 64 MiB" in message, message
+    assert "snap/huge-toc" not in store.list_refs()
+
+
 LOOK_ALIKES = r"""
 set -e
 cd /workspace
@@ -172,6 +189,7 @@ def _orphans(busybox_store, node: Path, n: int, deep: int, probe: bytes,
     code = (
         "import sys, time\n"
         "from envbuild.store import LocalStore\n"
+        "from runtime_shim import exitwatch\n"
         "from runtime_shim.sandbox import Sandbox\n"
         f"for i in range({n}):\n"
         f"    sb = Sandbox.create({ENV!r}, store=LocalStore({str(store.root)!r}),"
@@ -181,6 +199,7 @@ def _orphans(busybox_store, node: Path, n: int, deep: int, probe: bytes,
         " mode=0o755)\n"
         "        r = sb.exec('mkdir /workspace/deep && /probe mkdeep 4096 /workspace/deep')\n"
         "        assert r.exit_code == 0, r.stderr\n"
+        "    exitwatch.stop()\n"  # a crash its watcher dies in too: gc removes what is left
         "    print(sb.id, flush=True)\n"
         "time.sleep(300)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,

@@ -7,6 +7,8 @@ import subprocess
 
 import pytest
 
+from runtime_shim import exitwatch
+
 
 @pytest.fixture(autouse=True)
 def _no_side_effects(monkeypatch):
@@ -15,4 +17,6 @@ def _no_side_effects(monkeypatch):
                              "move this test to tests/integration")
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    # a sandbox's create starts its process's exit watcher (a process): not for fakes
+    monkeypatch.setattr(exitwatch, "watch", lambda node_root: None)
     monkeypatch.setattr(socket.socket, "connect", refuse)

@@ -44,7 +44,7 @@ def test_resolve_pins_refs_and_records_the_closure(store):
     assert set(m.blobs()) >= {alpha, swe.pinned.config, *(p.digest for p in swe.pinned.layers)}
     # options survive, defaults are written out
     doc = yaml.safe_load(render_job_manifest(m))
-    assert doc["groups"][0]["limits"] == {"pids": 64, "memory": "1GiB", "nofile": 4096,
+    assert doc["groups"][0]["limits"] == {"pids": 64, "memory": "1GiB", "nofile": 1024,
                                           "output_bytes": "16MiB"}
     assert doc["groups"][1]["backend"] == "microvm" and doc["groups"][1]["count"] == 1
 

@@ -101,5 +101,18 @@ def test_sizes_and_limits_agree_with_the_sandbox_defaults():
     assert GroupLimits().to_limits() == Limits()
     assert parse_size("2GiB") == parse_size("2G") == parse_size(2 << 30) == 2 << 30
     assert format_size(2 << 30) == "2GiB" and format_size(1000) == 1000
-    assert GroupLimits.from_mapping({"memory": None, "pids": None}).to_limits() == Limits(
-        pids=None, memory_bytes=None)
+    # a None that got past the schema is the default, never "no limit" (issue 34, item 7)
+    assert GroupLimits.from_mapping({"memory": None, "pids": None}).to_limits() == Limits()
+
+
+def test_null_limits_and_huge_counts_are_refused():
+    """Issue 34, item 7: ``limits: {pids: null, memory: null}`` and ``count: 10^21`` loaded
+    without a word (no limit at all, a count no node can start): now one line each."""
+    text = MANIFEST.replace("pids: 64}", "pids: null, nofile: null}").replace(
+        "count: 4", "count: 1000000000000000000000").replace("memory: 1GiB", "memory: null")
+    got = problems(text)
+    assert len(got) == 4, got
+    assert "(at groups[0].count)" in got[0] and "maximum of 100000" in got[0], got
+    for key in ("memory", "nofile", "pids"):
+        (line,) = [p for p in got if f"(at groups[0].limits.{key})" in p]
+        assert "got nothing" in line and "remove the key" in line, got

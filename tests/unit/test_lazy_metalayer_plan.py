@@ -103,8 +103,9 @@ def test_a_stack_with_no_generation_on_disk_is_answered_without_waiting(tmp_path
 
 
 def test_a_layer_with_a_generation_on_disk_waits_for_the_daemon_answer(tmp_path, monkeypatch):
-    gen = tmp_path / "meta" / B.removeprefix("sha256:") / "g-1"
+    gen = tmp_path / "meta" / B.removeprefix("sha256:") / "g-0123456789abcdef" / "mnt"
     gen.mkdir(parents=True)
+    monkeypatch.setattr(metalayer, "_is_mount", lambda p: p == str(gen))  # no mounts here
     calls, release = _slow_daemon(monkeypatch, {"layers": [
         {"digest": A, "dir": ""}, {"digest": B, "dir": str(gen)}]})
     release.set()

@@ -8,7 +8,8 @@ import runtime_shim.packdiff  # noqa: F401
 from envbuild import errors
 
 EXPECTED = {
-    "AsyncSandbox", "BackendUnavailable", "CheckpointRefused", "ExecResult", "ExecTimeout",
+    "AdmissionRefused", "AsyncSandbox", "BackendUnavailable", "CheckpointRefused", "ExecResult",
+    "ExecTimeout",
     "FnPool", "Limits", "LockNotFound", "RuntimeShimError", "Sandbox", "SandboxClosed",
     "SandboxCompromised", "SandboxInfo",
     "SandboxNotFound", "SandboxStartError", "SnapshotRefused", "list_sandboxes",

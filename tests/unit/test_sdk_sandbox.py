@@ -229,5 +229,44 @@ def test_concurrent_first_creates_on_a_fresh_node_agree_on_the_layout(tmp_path):
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda _: NodeLayout(node).ensure(), range(8)))
         assert (node / "layout.json").is_file()
-        assert [p.name for p in node.iterdir()] == ["layout.json"]
+        assert sorted(p.name for p in node.iterdir()) == ["layout.json", "sandboxes"]
+        assert (node / "sandboxes").stat().st_mode & 0o777 == 0o700
         (node / "layout.json").unlink()
+
+
+def test_a_dead_owners_sweep_takes_only_what_it_made_before_it_died(fake, store, tmp_path):
+    """``runtime_shim.exitwatch``'s sweep: the owner's sandboxes made before its death, not
+    its kept ones, not another process's, not one made after (by a process that reused the
+    pid)."""
+    node = tmp_path / "node"
+    died = time.time()
+    mine = _create(store, node)
+    kept = _create(store, node, keep=True)
+    other = _create(store, node)
+    later = _create(store, node)
+    other.paths.meta.write_text(other.paths.meta.read_text().replace(
+        f'"pid": {os.getpid()}', '"pid": 999999999'))
+    later.paths.meta.write_text(later.paths.meta.read_text().replace(
+        '"created": ', f'"created": {died + 100}, "was": '))
+    done = sweep_sandboxes(node, dead_owner=os.getpid(), now=died + 10)
+    assert [(r.id, r.reason, r.removed) for r in done] == [(mine.id, "orphaned", True)]
+    assert {s.id for s in list_sandboxes(node)} == {kept.id, other.id, later.id}
+    for sb in (kept, other, later):
+        sb.close()
+
+
+def test_exit_hook_closes_what_this_process_did_not_close_but_kept_ones(fake, store, tmp_path,
+                                                                        monkeypatch):
+    from runtime_shim import lifecycle
+
+    monkeypatch.setattr(lifecycle, "_exiting", False)  # the hook sets it; undone afterwards
+    node = tmp_path / "node"
+    left = _create(store, node)
+    kept = _create(store, node, keep=True)
+    closed = _create(store, node)
+    closed.close()
+    lifecycle.close_at_exit()
+    assert left.closed and not kept.closed
+    assert lifecycle.exiting()
+    assert {s.id for s in list_sandboxes(node)} == {kept.id}
+    kept.close()
