@@ -23,6 +23,14 @@ not the network namespace's counters or sockets, and not the process that starts
 ``taskset``, ``ionice`` or ``/proc/1/oom_score_adj`` it). When the call ends the host kills its
 PID 1, which ends every process of the call's PID namespace. What calls still share is what the
 host resets and checks between them (``runtime_shim.fncall``: the slots, ``/dev``).
+
+Cost (``benchmarks/fncall_call_cost.py``, 3 runs of 100 sequential calls on this 2-core host
+under other load): ``fn.call("true")`` went from 2.4-3.2 ms wall / 2.1-2.3 ms CPU to
+10.5-16 ms wall / 6.8-7.4 ms CPU; a call that writes ``/tmp`` from 8-14 / 4.0-4.8 ms to 22-29 /
+10 ms. About 5 ms of CPU a call: the helper (``agent/fncall_spawn.c``: joining ten cgroup
+hierarchies ~1.4 ms, new namespaces and the fork into them ~1.2 ms, mounts ~0.9 ms, the
+confinement with its seccomp program ~1.1 ms) and a fresh agent. A fresh container per call
+(the other design that gives the same guarantee) measured 52-100 ms a call.
 """
 
 from __future__ import annotations
