@@ -12,8 +12,9 @@ a new ``devpts`` instance on ``/dev/pts`` and the new IPC namespace's ``mqueue``
 exactly the confinement runc gave the anchor (``Confinement``, read back from it once when the
 container starts): its capability sets, ``no_new_privs``, seccomp filter (the very BPF program,
 read with ``PTRACE_SECCOMP_GET_FILTER`` as CRIU does), rlimits, scheduling policy, nice value,
-CPU affinity, ``oom_score_adj``, umask and environment, and executes the agent binary on a
-listening socket the host made for that one call.
+CPU affinity, ``oom_score_adj``, umask and environment, joins a new empty session keyring (as
+runc does for a container), and executes the agent binary on a listening socket the host made
+for that one call.
 
 So a call cannot see or change anything of another call's processes or namespaces: not the pid
 counter (the call's processes are numbered from 1 in each call), not a message queue or SysV

@@ -237,6 +237,9 @@ static void confine(const struct conf *c) {
 /* PID 1 of the call: its own /proc, /sys, /dev/pts, /dev/mqueue and lo; then the anchor's
  * confinement and the agent. */
 static void call_init(const struct conf *c) {
+    /* a new, empty session keyring, as runc gives every container (never the host's) */
+    if (syscall(SYS_keyctl, 1 /* KEYCTL_JOIN_SESSION_KEYRING */, NULL) < 0)
+        fail("join a new session keyring");
     fresh_mounts(c);
     loopback_up();
     int null = open("/dev/null", O_RDWR | O_CLOEXEC);
