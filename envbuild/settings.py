@@ -56,8 +56,18 @@ class Settings:
     # ENVBUILD_TRUSTED_SOURCES (absolute paths, ':'-separated) or --trust-sources DIR.
     trusted_sources: tuple[str, ...] = ()
     # Issue 34: the node's budget of host-wide tables and disk (runtime_shim.admission):
-    # ENVBUILD_HOST_RESERVE, ENVBUILD_DISK_RESERVE, ENVBUILD_NODE_BUDGET.
-    admission: BudgetSettings = dataclasses.field(default_factory=lambda: _budget({}))
+    # ENVBUILD_HOST_RESERVE, ENVBUILD_DISK_RESERVE, ENVBUILD_NODE_BUDGET, as given; parsed by
+    # ``admission`` where a build or sandbox needs it (a command that makes neither, such as
+    # ``envbuild layer ls``, must not import the runtime: tests/integration/test_cli_startup.py)
+    budget_env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def admission(self) -> BudgetSettings:
+        """The node budget's settings (``runtime_shim.admission.BudgetSettings``); a bad value
+        is a ``SettingsError``."""
+        from runtime_shim.admission import BudgetSettings
+
+        return BudgetSettings.from_env(dict(self.budget_env))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -89,7 +99,7 @@ class Settings:
                                 hint="e.g. 30") from None
         return cls(
             trusted_sources=trusted_sources(environ),
-            admission=_budget(environ),
+            budget_env=tuple((k, environ[k]) for k in BUDGET_ENV if k in environ),
             node_cache_max=node_max,
             lease_ttl=lease_ttl,
             build_disk_bytes=build_disk or None,
@@ -133,10 +143,8 @@ def check_trusted_sources(paths) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _budget(environ: Mapping[str, str]) -> BudgetSettings:
-    from runtime_shim.admission import BudgetSettings
-
-    return BudgetSettings.from_env(environ)
+#: The environment variables of the node budget (``Settings.admission``).
+BUDGET_ENV = ("ENVBUILD_HOST_RESERVE", "ENVBUILD_DISK_RESERVE", "ENVBUILD_NODE_BUDGET")
 
 
 def parse_size(text: str) -> int:

@@ -27,7 +27,9 @@ pytestmark = pytest.mark.integration
 
 LOCK = "env/busybox-shell"
 #: no scratch disk per sandbox (a loop device each): 50 at once stay cheap on this host
-LIMITS = Limits(disk_bytes=None, memory_bytes=64 << 20)
+# small: 50 sandboxes on this host's two nodes fit the node budget (runtime_shim.admission: a
+# default sandbox reserves 256 x 1024 of fs.file-max)
+LIMITS = Limits(disk_bytes=None, memory_bytes=64 << 20, pids=32, nofile=256)
 
 
 def _mounts_under(root: Path) -> list[str]:
@@ -100,7 +102,8 @@ DRIVER = textwrap.dedent("""
     address, store, out = sys.argv[1:4]
     fleet = Fleet.connect(address=address, store=store, start=False)
     sbs = fleet.create("env/busybox-shell", n=50, exec_log=True, ttl=600,
-                       limits=Limits(disk_bytes=None, memory_bytes=64 << 20))
+                       limits=Limits(disk_bytes=None, memory_bytes=64 << 20, pids=32,
+                                     nofile=256))
     for sb in sbs:
         sb.write_file("/tmp/who", sb.id)
         r = sb.exec("echo state-of-$(cat /tmp/who) > /tmp/state; mkdir -p /work/a/b")

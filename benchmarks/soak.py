@@ -1,0 +1,355 @@
+#!/usr/bin/env python3
+"""Soak (issue 34): sandbox lifecycles on one node while faults are injected at random, with
+the node's invariants checked after every phase.
+
+    .venv/bin/python benchmarks/soak.py [--phases 4] [--lifecycles 200] [--workers 3]
+        [--vms 2] [--no-lazy] [--seed N] [--store DIR] [--json]
+
+Each phase runs ``--lifecycles`` create → exec → check → close cycles spread over worker
+processes (full-pull and lazy containers, FnCall calls, and ``--vms`` microVMs per phase),
+next to one hostile tenant (a fork bomb, an output flood, a disk fill, inside its limits),
+while a fault is injected every second or so, chosen at random:
+
+- ``kill-creator``: SIGKILL a worker mid-lifecycle (its sandboxes must go: the exit watcher);
+- ``kill-runc``: SIGKILL a ``runc`` working for this node;
+- ``kill-lazy-daemon``: SIGKILL the node's lazy layer daemon;
+- ``store-away``: the store directory disappears for two seconds;
+- ``disk-nearly-full``: the node's filesystem (an ext4 image of the soak's own, so the host's
+  disk is never at risk) is filled to 32 MiB of free space for three seconds.
+
+A lifecycle ends ``ok`` (its output is exactly what was asked for), ``error`` (an exception, a
+refusal: expected under faults) or ``wrong`` (an exit 0 with other output: never allowed). After
+each phase every sandbox is closed or collected (``gc_sandboxes``, unused lazy mounts unmounted)
+and the node is checked: no mount (a sandbox's network namespace is one), loop device, process
+(slirp4netns, runc, QEMU, agents, watchers, the lazy daemon), new sandbox cgroup, sandbox dir or
+admission reservation of the soak may be left. It prints lifecycles per second, the faults
+injected and the leaks found (goal: 0 wrong, 0 leaks); exit 1 if either is not 0.
+
+A fleet daemon is not among the faults here (a Ray cluster costs ~1 GB and its own minutes on a
+2-core host): ``tests/integration/test_fleet.py`` kills fleet daemons. Needs root, runc, QEMU
+for ``--vms``, and the busybox env (built into ``--store`` first if missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+ENV = "env/busybox-shell"
+KINDS = ("full", "lazy", "fncall")
+FAULTS = ("kill-creator", "kill-runc", "kill-lazy-daemon", "store-away", "disk-nearly-full")
+NODE_IMAGE_SIZE = 3 << 30
+# small sandboxes: a phase's worth fits the soak's own node filesystem and budget
+LIMITS = {"disk_bytes": 64 << 20, "inodes": 20_000, "pids": 64, "nofile": 256,
+          "memory_bytes": 128 << 20}
+
+
+# -- one worker: lifecycles of one kind, one JSON line each --------------------------------------
+
+def _expected(nonce: str) -> bytes:
+    return f"{nonce}\n42\n".encode()
+
+
+def _command(nonce: str) -> str:
+    return f"echo {nonce}; echo $((6 * 7))"
+
+
+def worker(kind: str, count: int, store: str, node: str, seed: int, out: str) -> None:
+    from runtime_shim.model import Limits
+    from runtime_shim.sandbox import Sandbox
+
+    rng = random.Random(seed)
+    # a microVM's guest kernel needs more memory than a container's shell
+    limits = Limits(**{**LIMITS, **({"memory_bytes": 256 << 20} if kind == "vm" else {})})
+    pool = None
+    with open(out, "a", buffering=1) as log:
+        for _ in range(count):
+            nonce = f"n{rng.getrandbits(48):012x}"
+            t0 = time.monotonic()
+            rec: dict = {"kind": kind}
+            try:
+                if kind == "fncall":
+                    if pool is None:
+                        from runtime_shim.fncall import FnPool
+
+                        pool = FnPool(ENV, size=1, store=store, node_dir=node, limits=limits)
+                    r = pool.call(_command(nonce), timeout=60)
+                else:
+                    backend = "microvm" if kind == "vm" else "container"
+                    with Sandbox.create(ENV, store=store, node_dir=node, backend=backend,
+                                        lazy=(kind == "lazy"), limits=limits) as sb:
+                        r = sb.exec(_command(nonce), timeout=60)
+                if r.exit_code == 0 and r.stdout == _expected(nonce):
+                    rec["result"] = "ok"
+                elif r.exit_code == 0:
+                    rec.update(result="wrong", stdout=r.stdout[:200].decode(errors="replace"))
+                else:
+                    rec.update(result="error", error=f"exit {r.exit_code}: "
+                               f"{r.stderr[-200:].decode(errors='replace')}")
+            except Exception as e:  # noqa: BLE001 - every failure is a counted outcome
+                rec.update(result="error", error=f"{type(e).__name__}: {str(e)[:200]}")
+            rec["seconds"] = round(time.monotonic() - t0, 3)
+            log.write(json.dumps(rec) + "\n")
+    if pool is not None:
+        pool.close()
+
+
+# -- the node the soak owns: an ext4 image, so "disk nearly full" is safe --------------------------
+
+class SoakNode:
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.image = base / "node.ext4"
+        self.dir = base / "node"
+        self.dir.mkdir()
+        with open(self.image, "wb") as f:
+            f.truncate(NODE_IMAGE_SIZE)
+        subprocess.run(["mkfs.ext4", "-q", "-F", str(self.image)], check=True)
+        subprocess.run(["mount", "-o", "loop", str(self.image), str(self.dir)], check=True)
+
+    def close(self) -> None:
+        subprocess.run(["umount", "-l", str(self.dir)], check=False)
+
+
+# -- faults ---------------------------------------------------------------------------------------
+
+def _pids_naming(text: str, name: bytes | None = None) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = Path(entry.path, "cmdline").read_bytes()
+        except OSError:
+            continue
+        if text.encode() in cmdline and (name is None or name in cmdline.split(b"\0")[0]):
+            found.append(int(entry.name))
+    return found
+
+
+def inject(fault: str, rng: random.Random, node: SoakNode, store: Path,
+           workers: list[subprocess.Popen]) -> bool:
+    """Inject ``fault``; whether there was something to inject it into."""
+    if fault == "kill-creator":
+        alive = [w for w in workers if w.poll() is None]
+        if not alive:
+            return False
+        rng.choice(alive).send_signal(signal.SIGKILL)
+        return True
+    if fault in ("kill-runc", "kill-lazy-daemon"):
+        pids = (_pids_naming(str(node.dir), b"runc") if fault == "kill-runc"
+                else _pids_naming(str(node.dir / "node"), b"python"))
+        if fault == "kill-lazy-daemon":
+            pids = [p for p in pids if b"runtime_shim.lazyfs" in
+                    Path(f"/proc/{p}/cmdline").read_bytes()] if pids else []
+        for pid in pids[:1]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return bool(pids)
+    if fault == "store-away":
+        away = store.with_name(store.name + ".away")
+        store.rename(away)
+        time.sleep(2)
+        away.rename(store)
+        return True
+    if fault == "disk-nearly-full":
+        st = os.statvfs(node.dir)
+        free = st.f_bavail * st.f_frsize
+        filler = node.dir / "soak-filler"
+        if free <= 64 << 20:
+            return False
+        subprocess.run(["fallocate", "-l", str(free - (32 << 20)), str(filler)], check=False)
+        time.sleep(3)
+        filler.unlink(missing_ok=True)
+        return True
+    raise ValueError(fault)
+
+
+# -- the hostile tenant -----------------------------------------------------------------------------
+
+HOSTILE = [
+    ":(){ :|:& };: ; sleep 2",                                   # fork bomb (pids limit)
+    "i=0; while [ $i -lt 200000 ]; do echo x; i=$((i+1)); done",  # output flood, tiny writes
+    "dd if=/dev/zero of=/fill bs=1M count=1000 2>&1; sync",      # disk fill (disk limit)
+]
+
+
+def hostile_tenant(store: str, node: str, rounds: int) -> subprocess.Popen:
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+            "from runtime_shim.model import Limits\n"
+            "from runtime_shim.sandbox import Sandbox\n"
+            f"with Sandbox.create({ENV!r}, store={store!r}, node_dir={node!r}, "
+            f"limits=Limits(**{LIMITS!r})) as sb:\n"
+            f"    for cmd in {HOSTILE!r} * {rounds}:\n"
+            "        try:\n"
+            "            sb.exec(cmd, timeout=30)\n"
+            "        except Exception as e:\n"
+            "            print(type(e).__name__, e, file=sys.stderr)\n")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+# -- invariants -------------------------------------------------------------------------------------
+
+def settle(node: Path) -> None:
+    """Close what the phase left: crashed owners' sandboxes (their exit watchers first, then
+    ``gc_sandboxes``), unused lazy mounts; then wait (bounded) for the node's helper processes
+    — exit watchers, the lazy daemon — to end by themselves."""
+    from runtime_shim.nodecache import NodeCache
+    from runtime_shim.sandbox import gc_sandboxes, layers_in_use
+    from tests.leftovers import processes_under
+
+    deadline = time.monotonic() + 30
+    while _sandbox_dirs(node) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    gc_sandboxes(node)
+    NodeCache(node / "node").evict(layers_in_use(node), 0)
+    deadline = time.monotonic() + 30
+    while processes_under(node) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def _sandbox_dirs(node: Path) -> list[str]:
+    d = node / "sandboxes"
+    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
+def sandbox_cgroups() -> set[str]:
+    """Every sandbox cgroup (``/envbuild/eb-*`` in any hierarchy) on the host."""
+    found = set()
+    for hierarchy in Path("/sys/fs/cgroup").iterdir():
+        parent = hierarchy / "envbuild"
+        if parent.is_dir():
+            found |= {str(p) for p in parent.iterdir() if p.name.startswith("eb-")}
+    return found
+
+
+def leaks(node: Path, cgroups_before: set[str]) -> dict[str, list[str]]:
+    """What the phase left on the node: mounts (the node's own filesystem aside), loop devices,
+    processes, sandbox dirs, admission reservations, and sandbox cgroups that were not there
+    before the phase (run the soak on a node nothing else creates sandboxes on)."""
+    from tests.leftovers import leftovers_under
+
+    found = leftovers_under(node)
+    found["mounts"] = [m for m in found["mounts"] if m != str(node)]
+    found["sandbox dirs"] = _sandbox_dirs(node)
+    ledger = node / "node" / "admission.json"
+    entries = json.loads(ledger.read_text()).get("entries", {}) if ledger.exists() else {}
+    found["admission reservations"] = sorted(entries)
+    found["cgroups"] = sorted(sandbox_cgroups() - cgroups_before)
+    return {k: v for k, v in found.items() if v}
+
+
+# -- the driver -------------------------------------------------------------------------------------
+
+def run_phase(args, phase: int, rng: random.Random, node: SoakNode, store: Path,
+              tmp: Path) -> dict:
+    out = tmp / f"phase{phase}.jsonl"
+    kinds = [k for k in KINDS if not (k == "lazy" and args.no_lazy)]
+    per = max(1, args.lifecycles // max(1, args.workers))
+    plan = [(kinds[i % len(kinds)], per) for i in range(args.workers)]
+    if args.vms:
+        plan.append(("vm", args.vms))
+    workers = [subprocess.Popen([sys.executable, __file__, "--worker", kind, "--count", str(n),
+                                 "--store", str(store), "--node", str(node.dir),
+                                 "--seed", str(rng.getrandbits(32)), "--out", str(out)],
+                                start_new_session=True) for kind, n in plan]
+    cgroups_before = sandbox_cgroups()
+    hostile = hostile_tenant(str(store), str(node.dir), rounds=2)
+    faults: dict[str, int] = {}
+    t0 = time.monotonic()
+    while any(w.poll() is None for w in workers):
+        time.sleep(rng.uniform(0.5, 1.5))
+        fault = rng.choice(FAULTS)
+        if inject(fault, rng, node, store, workers):
+            faults[fault] = faults.get(fault, 0) + 1
+    elapsed = time.monotonic() - t0
+    hostile.kill()
+    hostile.wait()
+    settle(node.dir)
+    records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    outcome = {r: sum(1 for x in records if x["result"] == r) for r in ("ok", "error", "wrong")}
+    return {"phase": phase, "lifecycles": len(records), "seconds": round(elapsed, 1),
+            "per_second": round(len(records) / elapsed, 2) if elapsed else 0.0, **outcome,
+            "wrong_examples": [x for x in records if x["result"] == "wrong"][:3],
+            "errors_by_kind": {k: sum(1 for x in records if x["kind"] == k and
+                                      x["result"] == "error") for k in {*kinds, "vm"}},
+            "faults": faults, "leaks": leaks(node.dir, cgroups_before)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--phases", type=int, default=4)
+    p.add_argument("--lifecycles", type=int, default=200, help="per phase")
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--vms", type=int, default=2, help="microVM lifecycles per phase (0: none)")
+    p.add_argument("--no-lazy", action="store_true")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--store", default=str(REPO / "cache"))
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--worker", choices=(*KINDS, "vm"), help=argparse.SUPPRESS)
+    p.add_argument("--count", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--node", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.count, args.store, args.node, args.seed, args.out)
+        return 0
+    from _envs import ensure_built
+
+    seed = args.seed if args.seed is not None else random.randrange(1 << 32)
+    rng = random.Random(seed)
+    tmp = Path(tempfile.mkdtemp(prefix="envbuild-soak-"))
+    store = tmp / "store"
+    ensure_built(Path(args.store), ENV.removeprefix("env/"))
+    subprocess.run(["cp", "-a", args.store, str(store)], check=True)   # faults move it around
+    node = SoakNode(tmp)
+    print(f"soak: seed {seed}, host {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
+          f"{args.phases} phases of {args.lifecycles} lifecycles, {args.vms} microVMs each",
+          flush=True)
+    results = []
+    try:
+        for phase in range(args.phases):
+            r = run_phase(args, phase, rng, node, store, tmp)
+            results.append(r)
+            if not args.json:
+                print(f"phase {phase}: {r['lifecycles']} lifecycles in {r['seconds']} s "
+                      f"({r['per_second']}/s): {r['ok']} ok, {r['error']} errors, "
+                      f"{r['wrong']} wrong; faults {r['faults']}; leaks {r['leaks'] or 'none'}",
+                      flush=True)
+    finally:
+        node.close()
+    total = {"version": 1, "seed": seed, "phases": results,
+             "lifecycles": sum(r["lifecycles"] for r in results),
+             "wrong": sum(r["wrong"] for r in results),
+             "leaks": sum(len(v) for r in results for v in r["leaks"].values()),
+             "faults": sum(sum(r["faults"].values()) for r in results),
+             "load_after": round(os.getloadavg()[0], 1)}
+    seconds = sum(r["seconds"] for r in results)
+    total["per_second"] = round(total["lifecycles"] / seconds, 2) if seconds else 0.0
+    if args.json:
+        print(json.dumps(total))
+    else:
+        print(f"total: {total['lifecycles']} lifecycles, {total['per_second']}/s, "
+              f"{total['faults']} faults injected, {total['wrong']} wrong, "
+              f"{total['leaks']} leaks (goal 0 and 0); load after {total['load_after']}")
+    subprocess.run(["rm", "-rf", "--one-file-system", str(tmp)], check=False)
+    return 1 if total["wrong"] or total["leaks"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
