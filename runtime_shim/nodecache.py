@@ -339,7 +339,9 @@ class NodeCache:
         lazy = self.root / "lazy"
         if not lazy.is_dir():
             return []
-        found = {p.name for p in lazy.iterdir() if p.is_dir()}
+        # the dir entry's type, never a stat: a mount whose daemon died answers ENOTCONN
+        with os.scandir(lazy) as entries:
+            found = {e.name for e in entries if e.is_dir(follow_symlinks=False)}
         found |= {p.name.removesuffix(".json") for p in lazy.glob("*.json")}
         return sorted("sha256:" + h for h in found if len(h) == 64)
 

@@ -9,6 +9,7 @@ stays empty until a file is read). Every test ends with no FUSE mount and no dae
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import signal
@@ -292,6 +293,26 @@ def test_ensure_lazy_is_idempotent_and_replaces_a_dead_daemon(lock2):
     assert mounted_targets_under(str(mp)) == [str(mp)]  # the stale mount is gone, not stacked
     assert node.unmount_lazy(keep=()) == [layer.digest]
     assert mounted_targets_under(str(node_dir)) == []
+
+
+def test_node_gc_unmounts_the_stale_mount_of_a_dead_daemon(tmp_path):
+    """``envbuild node gc`` (``evict``) right after the daemon died: its mounts answer ENOTCONN
+    to every stat, and the node's listing must not stat them (the soak found ``list_lazy``
+    failing there with a traceback). The dead mount is a real FUSE mount whose connection is
+    closed before it answered anything, as a daemon killed mid-mount leaves it."""
+    require_root()
+    from runtime_shim.lazyfs.passthrough import _Conn
+
+    node = NodeCache(tmp_path / "node")
+    digest = "sha256:" + "ab" * 32
+    mp = node.lazy_dir(digest)
+    mp.mkdir(parents=True)
+    os.close(_Conn(str(mp), "envbuild-lazy-dead").fd)
+    with pytest.raises(OSError) as dead:
+        os.stat(mp)
+    assert dead.value.errno == errno.ENOTCONN
+    assert node.evict([], 0) == [digest]
+    assert mounted_targets_under(str(tmp_path)) == []
 
 
 def test_a_daemon_that_cannot_serve_is_a_clear_error(lock2):

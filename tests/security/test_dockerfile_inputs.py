@@ -216,6 +216,30 @@ def test_add_of_a_host_loopback_url_is_refused_before_any_daemon_runs(envbuild_c
     assert r.code == 1 and "FROM busybox:latest names a tag" in _error(r.err), r.err
 
 
+def network_host_probes(envbuild_cli, targets: dict[str, tuple[str, int]],
+                        answer: str) -> dict[str, str]:
+    """Build a Dockerfile base with ``network: host`` whose one RUN step sends a GET to each
+    ``name: (addr, port)`` of ``targets``; ``{name: "open" | "refused"}`` (open: the answer
+    held ``answer``). The step fails on purpose (exit 9) so its output is in the error's tail;
+    the build leaves no daemon behind."""
+    probes = " ; ".join(
+        # nc, not wget: the static busybox's wget crashes in a rootfs without a libc
+        f"(printf 'GET / HTTP/1.0\\r\\n\\r\\n' | timeout 5 nc {addr} {port} 2>/dev/null"
+        f" | grep -q '{answer}' && echo {name}=open || echo {name}=refused)"
+        for name, (addr, port) in targets.items())
+    ctx = envbuild_cli.defs / "base" / "ctx"
+    ctx.mkdir(parents=True)
+    shutil.copy2("/bin/busybox", ctx / "busybox")
+    (ctx / "Dockerfile").write_text(
+        "FROM scratch\nCOPY busybox /bin/busybox\nSHELL [\"/bin/busybox\", \"sh\", \"-c\"]\n"
+        f"RUN /bin/busybox --install -s /bin && ({probes}) && exit 9\n")
+    before = _ours()
+    r = envbuild_cli("build", "hostile", defs=_defs(envbuild_cli, "ctx", "    network: host\n"))
+    assert r.code == 1, r.err  # exit 9: the probes' output is in the error's tail
+    _assert_daemon_gone(envbuild_cli.node / "node", before)
+    return dict(re.findall(r"^#\d+ [\d.]+ ([a-z0-9-]+)=(open|refused)$", r.err, re.M))
+
+
 def test_network_host_is_egress_not_the_host(envbuild_cli, host_services, remote_host,  # noqa: F811
                                              monkeypatch):
     """``network: host`` in a Dockerfile base (untrusted input, like any definition): a RUN
@@ -227,25 +251,10 @@ def test_network_host_is_egress_not_the_host(envbuild_cli, host_services, remote
 
     monkeypatch.delenv("DOCKER_HOST", raising=False)
     port = host_services
-    probes = " ; ".join(
-        # nc, not wget: the static busybox's wget crashes in a rootfs without a libc
-        f"(printf 'GET / HTTP/1.0\\r\\n\\r\\n' | timeout 5 nc {addr} {p} 2>/dev/null"
-        f" | grep -q ' 200 ' && echo {name}=open || echo {name}=refused)"
-        for name, addr, p in (("lo", "127.0.0.1", port), ("gw", netns.SLIRP_GATEWAY, port),
-                              ("eth", _host_address(), port),
-                              ("remote", REMOTE_ADDR, remote_host[0])))
-    ctx = envbuild_cli.defs / "base" / "ctx"
-    ctx.mkdir(parents=True)
-    shutil.copy2("/bin/busybox", ctx / "busybox")
-    (ctx / "Dockerfile").write_text(
-        "FROM scratch\nCOPY busybox /bin/busybox\nSHELL [\"/bin/busybox\", \"sh\", \"-c\"]\n"
-        f"RUN /bin/busybox --install -s /bin && ({probes}) && exit 9\n")
-    before = _ours()
-    r = envbuild_cli("build", "hostile", defs=_defs(envbuild_cli, "ctx", "    network: host\n"))
-    assert r.code == 1  # exit 9: the probes' output is in the error's tail
-    got = dict(re.findall(r"^#\d+ [\d.]+ (lo|gw|eth|remote)=(open|refused)$", r.err, re.M))
-    assert got == {"lo": "refused", "gw": "refused", "eth": "refused", "remote": "open"}, r.err
-    _assert_daemon_gone(envbuild_cli.node / "node", before)
+    got = network_host_probes(envbuild_cli, {
+        "lo": ("127.0.0.1", port), "gw": (netns.SLIRP_GATEWAY, port),
+        "eth": (_host_address(), port), "remote": (REMOTE_ADDR, remote_host[0])}, " 200 ")
+    assert got == {"lo": "refused", "gw": "refused", "eth": "refused", "remote": "open"}
 
 
 from tests.security.test_network import host_services, remote_host  # noqa: E402,F401 (fixtures)

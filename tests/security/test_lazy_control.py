@@ -135,14 +135,21 @@ def _victim(open_dir: Path) -> Path:
     return victim
 
 
-def test_an_unprivileged_user_cannot_make_the_daemon_mount(open_dir, attacker_layer):
+@pytest.fixture
+def mount_over_victim(open_dir, attacker_layer) -> tuple[Path, Path, dict]:
+    """``(node, victim, request)``: a node dir every user may traverse (0755), a root-only dir,
+    and the request that mounts the unprivileged user's layer over it."""
     require_tool("fusermount3")
     store_dir, digest, toc = attacker_layer
     node = open_dir / "node"
     node.mkdir(mode=0o755)
     victim = _victim(open_dir)
-    request = {"op": "mount", "mountpoint": str(victim), "store": store_dir, "digest": digest,
-               "toc_digest": toc, "timeout": 20}
+    return node, victim, {"op": "mount", "mountpoint": str(victim), "store": store_dir,
+                          "digest": digest, "toc_digest": toc, "timeout": 20}
+
+
+def test_an_unprivileged_user_cannot_make_the_daemon_mount(open_dir, mount_over_victim):
+    node, victim, request = mount_over_victim
     with bare_daemon(node):
         tries = _attack(node, request)
         assert str(victim) not in mounted_targets_under(str(open_dir)), tries
@@ -153,16 +160,10 @@ def test_an_unprivileged_user_cannot_make_the_daemon_mount(open_dir, attacker_la
 
 
 def test_the_daemon_refuses_other_users_even_through_an_opened_up_socket(open_dir,
-                                                                         attacker_layer):
+                                                                         mount_over_victim):
     """Defence in depth: with the node's private dir and the socket opened to everyone by
     mistake, the daemon still serves no peer but root (``SO_PEERCRED``)."""
-    require_tool("fusermount3")
-    store_dir, digest, toc = attacker_layer
-    node = open_dir / "node"
-    node.mkdir(mode=0o755)
-    victim = _victim(open_dir)
-    request = {"op": "mount", "mountpoint": str(victim), "store": store_dir, "digest": digest,
-               "toc_digest": toc, "timeout": 20}
+    node, victim, request = mount_over_victim
     with bare_daemon(node) as daemon:
         (node / "run").chmod(0o755)
         (node / "run" / "lazyfs.sock").chmod(0o666)

@@ -29,6 +29,7 @@ from envbuild.errors import RuntimeShimError
 from runtime_shim import netns
 from runtime_shim.sandbox import Sandbox, gc_sandboxes
 from tests.conftest import require_root, require_tool
+from tests.security.netsite import http_servers, veth_namespace
 
 REMOTE_HOST_SIDE = "198.18.0.1"
 REMOTE_ADDR = "198.18.0.2"
@@ -93,47 +94,10 @@ def host_services():
 def remote_host():
     """A "remote" host in a network namespace the test makes (veth, 198.18.0.2/30) with an
     HTTP server on two ports; everything is removed afterwards, and checked to be gone."""
-    tag = uuid.uuid4().hex[:6]
-    ns, host_if, peer_if = f"eb-remote-{tag}", f"ebr{tag}a", f"ebr{tag}b"
-    run = lambda *a: subprocess.run(a, check=True, capture_output=True)  # noqa: E731
-    run("ip", "netns", "add", ns)
-    servers = []
-    try:
-        run("ip", "link", "add", host_if, "type", "veth", "peer", "name", peer_if)
-        run("ip", "link", "set", peer_if, "netns", ns)
-        run("ip", "addr", "add", f"{REMOTE_HOST_SIDE}/30", "dev", host_if)
-        run("ip", "link", "set", host_if, "up")
-        run("ip", "-n", ns, "addr", "add", f"{REMOTE_ADDR}/30", "dev", peer_if)
-        run("ip", "-n", ns, "link", "set", peer_if, "up")
-        run("ip", "-n", ns, "link", "set", "lo", "up")
-        ports = (_free_port(), _free_port())
-        code = textwrap.dedent(f"""
-            import http.server, threading
-            class H(http.server.BaseHTTPRequestHandler):
-                def do_GET(self):
-                    b = b"remote-ok\\n"
-                    self.send_response(200); self.send_header("Content-Length", str(len(b)))
-                    self.end_headers(); self.wfile.write(b)
-                def log_message(self, *a): pass
-            for p in {list(ports)}:
-                s = http.server.ThreadingHTTPServer(("{REMOTE_ADDR}", p), H)
-                threading.Thread(target=s.serve_forever).start()
-            print("ready", flush=True)
-        """)
-        srv = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", code],
-                               stdout=subprocess.PIPE, text=True)
-        servers.append(srv)
-        assert srv.stdout.readline().strip() == "ready"
+    ports = (_free_port(), _free_port())
+    with veth_namespace("remote", [(f"{REMOTE_HOST_SIDE}/30", f"{REMOTE_ADDR}/30")]) as ns, \
+            http_servers(ns, REMOTE_ADDR, ports, b"remote-ok\n"):
         yield ports
-    finally:
-        for srv in servers:
-            srv.kill()
-            srv.wait()
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-    assert ns not in subprocess.run(["ip", "netns", "list"], capture_output=True,
-                                    text=True).stdout
-    assert subprocess.run(["ip", "link", "show", host_if], capture_output=True).returncode != 0
 
 
 def _create(busybox_store, **kw) -> Sandbox:

@@ -11,13 +11,10 @@ outside this machine is ever a target: every address below lives in the test's n
 from __future__ import annotations
 
 import os
-import re
-import shutil
+import random
 import subprocess
 import sys
-import textwrap
 import urllib.request
-import uuid
 from pathlib import Path
 
 import pytest
@@ -26,6 +23,7 @@ from envbuild.errors import RuntimeShimError
 from runtime_shim import netns
 from runtime_shim.sandbox import Sandbox
 from tests.conftest import require_root, require_tool
+from tests.security.netsite import http_servers, veth_namespace
 from tests.security.test_network import _create, _free_port, _wget
 
 #: (range, the test host's address in it); the host side of each /30 is the address minus 1.
@@ -64,55 +62,17 @@ def site():
     """A network namespace with an address in every private range and one "public" one, each
     on its own /30 of one veth pair, an HTTP server on two ports of all of them; removed
     afterwards and checked to be gone."""
-    tag = uuid.uuid4().hex[:6]
-    t = int(tag[:2], 16)  # a third octet per run: concurrent runs do not share subnets
-    ns, host_if, peer_if = f"eb-site-{tag}", f"ebs{tag}a", f"ebs{tag}b"
+    t = random.randrange(256)  # a third octet per run: concurrent runs do not share subnets
     addrs = {k: v.format(t=t) for k, v in {**PRIVATE, "public": PUBLIC}.items()}
-    run = lambda *a: subprocess.run(a, check=True, capture_output=True)  # noqa: E731
-    run("ip", "netns", "add", ns)
-    srv = None
-    try:
-        run("ip", "link", "add", host_if, "type", "veth", "peer", "name", peer_if)
-        run("ip", "link", "set", peer_if, "netns", ns)
-        for addr in addrs.values():
-            host_side = addr.rsplit(".", 1)[0] + ".1"
-            run("ip", "addr", "add", f"{host_side}/30", "dev", host_if)
-            run("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", peer_if)
-        run("ip", "link", "set", host_if, "up")
-        run("ip", "-n", ns, "link", "set", peer_if, "up")
-        run("ip", "-n", ns, "link", "set", "lo", "up")
-        ports = (_free_port(), _free_port())
-        code = textwrap.dedent(f"""
-            import http.server, threading
-            class H(http.server.BaseHTTPRequestHandler):
-                protocol_version = "HTTP/1.1"  # keep-alive: one connection, many answers
-                def do_GET(self):
-                    b = b"site-secret\\n"
-                    self.send_response(200); self.send_header("Content-Length", str(len(b)))
-                    self.end_headers(); self.wfile.write(b)
-                def log_message(self, *a): pass
-            for p in {list(ports)}:
-                s = http.server.ThreadingHTTPServer(("0.0.0.0", p), H)
-                threading.Thread(target=s.serve_forever).start()
-            print("ready", flush=True)
-        """)
-        srv = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", code],
-                               stdout=subprocess.PIPE, text=True)
-        assert srv.stdout.readline().strip() == "ready"
+    links = [(addr.rsplit(".", 1)[0] + ".1/30", f"{addr}/30") for addr in addrs.values()]
+    ports = (_free_port(), _free_port())
+    with veth_namespace("site", links) as ns, \
+            http_servers(ns, "0.0.0.0", ports, b"site-secret\n"):
         # The attack's precondition: every address answers from the host's namespace.
         for addr in addrs.values():
             with urllib.request.urlopen(f"http://{addr}:{ports[0]}/", timeout=5) as got:
                 assert got.read() == b"site-secret\n", addr
         yield _Site(addrs, ports)
-    finally:
-        if srv is not None:
-            srv.kill()
-            srv.wait()
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-    assert ns not in subprocess.run(["ip", "netns", "list"], capture_output=True,
-                                    text=True).stdout
-    assert subprocess.run(["ip", "link", "show", host_if], capture_output=True).returncode != 0
 
 
 def _reaches(sb: Sandbox, addr: str, port: int) -> bool:
@@ -319,28 +279,14 @@ def test_dockerfile_network_host_does_not_reach_private_hosts(envbuild_cli, site
                                                               monkeypatch):
     """``network: host`` in a Dockerfile base: its RUN steps run in the private dockerd's
     namespace behind slirp4netns, with the same public-only egress."""
-    from tests.integration.test_dockerfile_base import _assert_daemon_gone, _ours, _require_docker
-    from tests.security.test_dockerfile_inputs import _defs
+    from tests.integration.test_dockerfile_base import _require_docker
+    from tests.security.test_dockerfile_inputs import network_host_probes
 
     _require_docker()
     monkeypatch.delenv("DOCKER_HOST", raising=False)
-    probes = " ; ".join(
-        f"(printf 'GET / HTTP/1.0\\r\\n\\r\\n' | timeout 5 nc {addr} {site.ports[0]} "
-        f"2>/dev/null | grep -q site-secret && echo {name}=open || echo {name}=refused)"
-        for name, addr in site.addrs.items())
-    ctx = envbuild_cli.defs / "base" / "ctx"
-    ctx.mkdir(parents=True)
-    shutil.copy2("/bin/busybox", ctx / "busybox")
-    (ctx / "Dockerfile").write_text(
-        "FROM scratch\nCOPY busybox /bin/busybox\nSHELL [\"/bin/busybox\", \"sh\", \"-c\"]\n"
-        f"RUN /bin/busybox --install -s /bin && ({probes}) && exit 9\n")
-    before = _ours()
-    r = envbuild_cli("build", "hostile", defs=_defs(envbuild_cli, "ctx", "    network: host\n"))
-    assert r.code == 1  # exit 9: the probes' output is in the error's tail
-    got = dict(re.findall(r"^#\d+ [\d.]+ ([a-z0-9-]+)=(open|refused)$", r.err, re.M))
-    assert got == {name: "open" if name == "public" else "refused" for name in site.addrs}, \
-        r.err
-    _assert_daemon_gone(envbuild_cli.node / "node", before)
+    got = network_host_probes(envbuild_cli, {name: (addr, site.ports[0])
+                                             for name, addr in site.addrs.items()}, "site-secret")
+    assert got == {name: "open" if name == "public" else "refused" for name in site.addrs}
 
 
 def _dns_accepts(sb: Sandbox) -> int:
