@@ -256,32 +256,68 @@ def leaks(node: Path, cgroups_before: set[str]) -> dict[str, list[str]]:
 
 # -- the driver -------------------------------------------------------------------------------------
 
+def _record(line: str) -> dict:
+    """One lifecycle's record; a line cut short by a SIGKILL mid-write is an error."""
+    try:
+        return json.loads(line)
+    except ValueError:
+        return {"kind": "?", "result": "error", "error": "record cut short by a kill"}
+
+
+class Worker:
+    """One worker process of a phase and the lifecycles it still owes: one killed by a fault
+    is replaced by another for the rest (``respawn``), so a phase runs all it planned."""
+
+    def __init__(self, kind: str, count: int, out: Path, args, node: SoakNode, store: Path,
+                 seed: int) -> None:
+        self.kind, self.count, self.out = kind, count, out
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", kind, "--count", str(count), "--store",
+             str(store), "--node", str(node.dir), "--seed", str(seed), "--out", str(out)],
+            start_new_session=True)
+
+    def done(self) -> int:
+        return len(self.out.read_text().splitlines()) if self.out.exists() else 0
+
+    def respawn(self, args, node: SoakNode, store: Path, seed: int) -> Worker | None:
+        """A replacement for the lifecycles a killed worker did not run, else ``None``."""
+        if self.proc.returncode != -signal.SIGKILL or self.done() >= self.count:
+            return None
+        out = self.out.with_name(f"{self.out.stem}r.jsonl")
+        return Worker(self.kind, self.count - self.done(), out, args, node, store, seed)
+
+
 def run_phase(args, phase: int, rng: random.Random, node: SoakNode, store: Path,
               tmp: Path) -> dict:
-    out = tmp / f"phase{phase}.jsonl"
     kinds = [k for k in KINDS if not (k == "lazy" and args.no_lazy)]
     per = max(1, args.lifecycles // max(1, args.workers))
     plan = [(kinds[i % len(kinds)], per) for i in range(args.workers)]
     if args.vms:
         plan.append(("vm", args.vms))
-    workers = [subprocess.Popen([sys.executable, __file__, "--worker", kind, "--count", str(n),
-                                 "--store", str(store), "--node", str(node.dir),
-                                 "--seed", str(rng.getrandbits(32)), "--out", str(out)],
-                                start_new_session=True) for kind, n in plan]
+    workers = [Worker(kind, n, tmp / f"phase{phase}-w{i}.jsonl", args, node, store,
+                      rng.getrandbits(32)) for i, (kind, n) in enumerate(plan)]
     cgroups_before = sandbox_cgroups()
     hostile = hostile_tenant(str(store), str(node.dir), rounds=2)
     faults: dict[str, int] = {}
     t0 = time.monotonic()
-    while any(w.poll() is None for w in workers):
+    while any(w.proc.poll() is None for w in workers):
         time.sleep(rng.uniform(0.5, 1.5))
         fault = rng.choice(FAULTS)
-        if inject(fault, rng, node, store, workers):
+        if inject(fault, rng, node, store, [w.proc for w in workers]):
             faults[fault] = faults.get(fault, 0) + 1
+        for w in list(workers):
+            if w.proc.poll() is not None and (new := w.respawn(args, node, store,
+                                                               rng.getrandbits(32))):
+                workers.remove(w)
+                workers.append(new)
+                workers.append(w)   # kept for its records; it is done
+                w.count = w.done()
     elapsed = time.monotonic() - t0
     hostile.kill()
     hostile.wait()
     settle(node.dir)
-    records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    records = [_record(line) for f in sorted(tmp.glob(f"phase{phase}-w*.jsonl"))
+               for line in f.read_text().splitlines()]
     outcome = {r: sum(1 for x in records if x["result"] == r) for r in ("ok", "error", "wrong")}
     return {"phase": phase, "lifecycles": len(records), "seconds": round(elapsed, 1),
             "per_second": round(len(records) / elapsed, 2) if elapsed else 0.0, **outcome,
