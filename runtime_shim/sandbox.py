@@ -92,11 +92,15 @@ def open_store(store: StoreLike | None) -> Store:
         from envbuild.store import open_store as open_url
 
         where = os.fspath(store)
-        if "://" not in where and not os.path.isdir(where):  # never create a store to read it
-            raise StoreUnavailable(f"no store at {where}",
+        try:   # never create a store to read it
+            return open_url(where, s3_endpoint=os.environ.get("ENVBUILD_S3_ENDPOINT"),
+                            create=False)
+        except StoreUnavailable as e:
+            if not e.message.startswith("no store at"):
+                raise
+            raise StoreUnavailable(e.message,
                                    hint="build one with `envbuild build` (--store DIR), or pass "
-                                        "store= a Store, a directory or an s3:// URL")
-        return open_url(os.fspath(store), s3_endpoint=os.environ.get("ENVBUILD_S3_ENDPOINT"))
+                                        "store= a Store, a directory or an s3:// URL") from None
     return store
 
 

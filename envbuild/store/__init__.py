@@ -102,10 +102,11 @@ __all__ = [
 
 
 def open_store(url: str, *, s3_endpoint: str | None = None,
-               registry_insecure: tuple[str, ...] = ()) -> Store:
+               registry_insecure: tuple[str, ...] = (), create: bool = True) -> Store:
     """Open the store a ``--store`` / ``ENVBUILD_STORE`` value names.
 
-    * a path (``cache``, ``/srv/envbuild``) → ``LocalStore``, created if missing
+    * a path (``cache``, ``/srv/envbuild``) → ``LocalStore``, created if missing (unless
+      ``create=False``: a reader's ``StoreUnavailable``)
     * ``memory://`` → a new, empty ``MemoryStore`` (tests)
     * ``s3://BUCKET/PREFIX`` → ``S3Store`` at ``s3_endpoint`` (``--s3-endpoint``), else the
       endpoint boto3 is configured with (``AWS_ENDPOINT_URL``, or AWS itself)
@@ -119,7 +120,7 @@ def open_store(url: str, *, s3_endpoint: str | None = None,
                             hint="pass --store DIR or set ENVBUILD_STORE (default: cache)")
     scheme, sep, _ = url.partition("://")
     if not sep:
-        return LocalStore(url)
+        return LocalStore(url, create=create)
     if scheme == "memory":
         return MemoryStore()
     if scheme == "s3":

@@ -173,10 +173,14 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
 
     supports_cas = True
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
+        """Open the store at ``root``; ``create=False`` (a reader: a sandbox, the lazy daemon)
+        never makes a missing one — ``StoreUnavailable`` instead, with no window in which a
+        store that is away for a moment is made anew, empty, in its place."""
         self.root = Path(root)
         self._blobs = self.root / "blobs" / "sha256"
         self._index = self.root / INDEX_FILE
+        self._create = create
         self._open()
 
     def __repr__(self) -> str:
@@ -213,7 +217,13 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
         """Create the store's directory and files where missing; check it is writable."""
         root = self.root
         try:
-            self._blobs.mkdir(parents=True, exist_ok=True)
+            if self._create:
+                self._blobs.mkdir(parents=True, exist_ok=True)
+            else:   # inside the root only: a missing root is FileNotFoundError, never made
+                for d in (root / "blobs", self._blobs):
+                    d.mkdir(exist_ok=True)
+        except FileNotFoundError:
+            raise StoreUnavailable(f"no store at {root}", hint=_WHERE_HINT) from None
         except OSError as e:
             raise StoreUnavailable(f"create store directory {root}: {e.strerror}",
                                    hint=_WHERE_HINT) from e

@@ -297,7 +297,7 @@ class _NodeDaemon:
         with self.lock:
             store = self._stores.get((url, endpoint))
         if store is None:
-            store = open_store(url, s3_endpoint=endpoint)
+            store = open_store(url, s3_endpoint=endpoint, create=False)  # a reader
             with self.lock:
                 store = self._stores.setdefault((url, endpoint), store)
         return store

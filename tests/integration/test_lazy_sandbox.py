@@ -315,6 +315,20 @@ def test_node_gc_unmounts_the_stale_mount_of_a_dead_daemon(tmp_path):
     assert mounted_targets_under(str(tmp_path)) == []
 
 
+def test_a_store_that_is_away_is_never_made_anew_by_the_daemon(lock2, tmp_path):
+    """The soak moved the store away for two seconds: a lazy mount asked meanwhile made an
+    empty store in its place (the daemon opened the store as a writer would), and moving the
+    real one back failed. A reader never creates a store."""
+    store, node_dir, layers = lock2
+    node = NodeCache(node_dir / "node")
+    away = tmp_path / "away"
+    with pytest.raises(RuntimeShimError, match="cannot serve it") as e:
+        node.ensure_lazy(str(away), layers[0].digest, layers[0].toc_digest)
+    assert "no store at" in (e.value.context or ""), e.value.context
+    assert not away.exists()
+    node.unmount_lazy(keep=())
+
+
 def test_a_daemon_that_cannot_serve_is_a_clear_error(lock2):
     store, node_dir, layers = lock2
     node = NodeCache(node_dir / "node")
