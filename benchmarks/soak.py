@@ -256,6 +256,16 @@ def leaks(node: Path, cgroups_before: set[str]) -> dict[str, list[str]]:
 
 # -- the driver -------------------------------------------------------------------------------------
 
+def _top_errors(records: list[dict], n: int = 4) -> list[tuple[str, int]]:
+    """The commonest error messages (numbers and ids blanked out so alike ones group)."""
+    import collections
+    import re
+
+    shapes = collections.Counter(re.sub(r"[0-9a-f]{6,}|\d+", "#", x.get("error", ""))[:120]
+                                 for x in records if x["result"] == "error")
+    return shapes.most_common(n)
+
+
 def _record(line: str) -> dict:
     """One lifecycle's record; a line cut short by a SIGKILL mid-write is an error."""
     try:
@@ -324,6 +334,7 @@ def run_phase(args, phase: int, rng: random.Random, node: SoakNode, store: Path,
             "wrong_examples": [x for x in records if x["result"] == "wrong"][:3],
             "errors_by_kind": {k: sum(1 for x in records if x["kind"] == k and
                                       x["result"] == "error") for k in {*kinds, "vm"}},
+            "top_errors": _top_errors(records),
             "faults": faults, "leaks": leaks(node.dir, cgroups_before)}
 
 
@@ -367,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"({r['per_second']}/s): {r['ok']} ok, {r['error']} errors, "
                       f"{r['wrong']} wrong; faults {r['faults']}; leaks {r['leaks'] or 'none'}",
                       flush=True)
+                for shape, count in r["top_errors"]:
+                    print(f"  {count:5d} x {shape}", flush=True)
     finally:
         node.close()
     total = {"version": 1, "seed": seed, "phases": results,

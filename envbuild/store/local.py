@@ -510,6 +510,18 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
 
     # -- records -------------------------------------------------------------------------------
 
+    def _mkdirs(self, path: Path) -> None:
+        """Make ``path`` and its parents below the store's root — never the root itself: a
+        store moved or removed under an open ``LocalStore`` is an error (``FileNotFoundError``),
+        not an empty store made in its place (the soak found a lazy profile save doing that)."""
+        d = self.root
+        for part in path.relative_to(self.root).parts:
+            d = d / part
+            try:
+                d.mkdir()
+            except FileExistsError:
+                pass
+
     def _record_path(self, namespace: str, name: str) -> Path:
         check_record_name(namespace, name)
         return self.root.joinpath(*namespace.split("/"), name)
@@ -518,7 +530,7 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
         path = self._record_path(namespace, name)
         data = encode_record(obj)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            self._mkdirs(path.parent)
             _write_atomic(path, data)
         except OSError as e:
             raise StoreError(f"write record {path}: {e}") from e
@@ -565,7 +577,7 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
 
     @contextlib.contextmanager
     def _cas_locked(self, path: Path) -> Iterator[None]:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self._mkdirs(path.parent)
         fd = os.open(path.parent / ".cas.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -587,7 +599,7 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
         path = self._record_path(namespace, name)
         data = encode_record(obj)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            self._mkdirs(path.parent)
             tmp = _write_tmp(path.parent, data)
             try:
                 os.link(tmp, path)

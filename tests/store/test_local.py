@@ -323,3 +323,21 @@ def test_read_only_commands_write_nothing_into_a_foreign_layout(tmp_path, monkey
     assert _tree_state(foreign) == before
     # and a store it opens is still an ordinary store for writes
     LocalStore(foreign).put(digest_bytes(b"x"), b"x")
+
+
+def test_a_store_moved_away_is_never_made_anew(tmp_path):
+    """A reader never creates a store (``create=False``), and an open store whose directory
+    was moved away makes no empty one in its place when it writes a record, a conditional
+    record (the soak moved the store away for two seconds: a lazy profile save re-created
+    it, and moving the real one back failed)."""
+    root = tmp_path / "store"
+    with pytest.raises(StoreUnavailable, match="no store at"):
+        LocalStore(root, create=False)
+    assert not root.exists()
+    store = LocalStore(root)
+    root.rename(tmp_path / "away")
+    with pytest.raises(StoreError):
+        store.put_record("lazy-profiles", "p1", {"x": 1})
+    with pytest.raises(StoreError):
+        store.create_record("leases/v1", "k", {"x": 1})
+    assert not root.exists()
