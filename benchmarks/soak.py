@@ -51,6 +51,7 @@ ENV = "env/busybox-shell"
 KINDS = ("full", "lazy", "fncall")
 FAULTS = ("kill-creator", "kill-runc", "kill-lazy-daemon", "store-away", "disk-nearly-full")
 NODE_IMAGE_SIZE = 3 << 30
+ERROR_BACKOFF = 0.5   # seconds a worker waits after a failed lifecycle
 # small sandboxes: a phase's worth fits the soak's own node filesystem and budget
 LIMITS = {"disk_bytes": 64 << 20, "inodes": 20_000, "pids": 64, "nofile": 256,
           "memory_bytes": 128 << 20}
@@ -102,6 +103,8 @@ def worker(kind: str, count: int, store: str, node: str, seed: int, out: str) ->
                 rec.update(result="error", error=f"{type(e).__name__}: {str(e)[:200]}")
             rec["seconds"] = round(time.monotonic() - t0, 3)
             log.write(json.dumps(rec) + "\n")
+            if rec["result"] == "error":   # a harness backs off: a fault lasting seconds must
+                time.sleep(ERROR_BACKOFF)  # not use up the lifecycles in refusals
     if pool is not None:
         pool.close()
 
@@ -390,10 +393,13 @@ def main(argv: list[str] | None = None) -> int:
              "load_after": round(os.getloadavg()[0], 1)}
     seconds = sum(r["seconds"] for r in results)
     total["per_second"] = round(total["lifecycles"] / seconds, 2) if seconds else 0.0
+    total["ok"] = sum(r["ok"] for r in results)
+    total["ok_per_second"] = round(total["ok"] / seconds, 2) if seconds else 0.0
     if args.json:
         print(json.dumps(total))
     else:
-        print(f"total: {total['lifecycles']} lifecycles, {total['per_second']}/s, "
+        print(f"total: {total['lifecycles']} lifecycles, {total['per_second']}/s "
+              f"({total['ok']} ok, {total['ok_per_second']}/s), "
               f"{total['faults']} faults injected, {total['wrong']} wrong, "
               f"{total['leaks']} leaks (goal 0 and 0); load after {total['load_after']}")
     subprocess.run(["rm", "-rf", "--one-file-system", str(tmp)], check=False)
