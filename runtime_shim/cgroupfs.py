@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
+import time
 from pathlib import Path
 
 #: The parent of every sandbox's and build step's cgroup (``RuntimeSpecRequest.cgroups_path``).
@@ -69,3 +71,39 @@ def procs(sandbox_id: str) -> list[int]:
 
 def exists(pid: int) -> bool:
     return os.path.exists(f"/proc/{pid}")
+
+
+def dirs(sandbox_id: str) -> list[Path]:
+    """Every cgroup dir ``sandbox_id`` has on this host (one per hierarchy it is in)."""
+    v1, v2 = _mounts()
+    points = set(v1.values()) | ({v2} if v2 else set())
+    return sorted(p for p in (Path(m) / PARENT / sandbox_id for m in points) if p.is_dir())
+
+
+def remove(sandbox_id: str, wait: float = 2.0) -> list[str]:
+    """Remove ``sandbox_id``'s cgroup dirs, SIGKILLing what still runs in them; what could not
+    be removed within ``wait`` seconds (empty: all gone). For a runtime killed mid-create: it
+    made the dirs but no state, so its ``delete`` knows no container and leaves them (the
+    soak found them after SIGKILLs of runc)."""
+    if not sandbox_id or "/" in sandbox_id or sandbox_id in (".", ".."):
+        raise ValueError(f"not a sandbox id: {sandbox_id!r}")
+    deadline = time.monotonic() + wait
+    left = dirs(sandbox_id)
+    while left:
+        for d in left:
+            try:
+                for pid in (d / "cgroup.procs").read_text().split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                d.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:   # EBUSY: a killed process not reaped yet
+                pass
+        left = [d for d in left if d.is_dir()]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    return [str(d) for d in left]

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from envbuild.errors import RuntimeShimError
+from runtime_shim import cgroupfs
 
 DEFAULT_STATE_ROOT = "/run/envbuild/runc"
 #: How often a foreground container's waiter looks at its ``cancelled`` event (seconds).
@@ -189,8 +190,11 @@ def destroy(runtime: OciRuntime, container_id: str) -> None:
     """Kill every process of the container and delete its runtime state. Idempotent.
 
     ``delete --force`` SIGKILLs the init process, and with it (a new pid namespace) every
-    process of the container, then removes state and cgroups: one runtime call, not two."""
+    process of the container, then removes state and cgroups: one runtime call, not two. The
+    cgroups of a runtime killed mid-create (no state: ``delete`` knows no container) are
+    removed by ``cgroupfs.remove``."""
     _delete(runtime, container_id, "--force")
+    cgroupfs.remove(container_id)
 
 
 def _delete(runtime: OciRuntime, container_id: str, *flags: str) -> int:
@@ -220,6 +224,8 @@ def kill_and_delete(runtime: OciRuntime, container_id: str, init_pid: int,
         time.sleep(0.0005)
     if _delete(runtime, container_id) != 0:
         destroy(runtime, container_id)
+    else:
+        cgroupfs.remove(container_id)
 
 
 def _running(pid: int) -> bool:

@@ -149,3 +149,35 @@ def test_a_start_logs_tail_is_bounded_and_never_a_fifo_or_a_link(tmp_path):
     link.symlink_to(log)
     assert _log_tail(link) == ""
     assert _log_tail(tmp_path / "missing") == ""
+
+
+def test_destroy_removes_the_cgroups_of_a_runtime_killed_mid_create(tmp_path):
+    """runc SIGKILLed while it creates a container has made the container's cgroup dirs (and
+    maybe moved a process in) but saved no state, so ``runc delete`` knows no container and
+    left the dirs: the soak found them after its ``kill-runc`` faults. ``destroy`` removes them,
+    killing what runs there."""
+    require_root()
+    require_tool("runc")
+    from runtime_shim import cgroupfs
+
+    sandbox_id = f"eb-{uuid.uuid4().hex[:12]}"
+    made = []
+    for hierarchy in sorted(Path("/sys/fs/cgroup").iterdir()):
+        parent = hierarchy / cgroupfs.PARENT
+        if hierarchy.is_dir() and (parent.is_dir() or (hierarchy / "cgroup.procs").exists()):
+            parent.mkdir(exist_ok=True)
+            (parent / sandbox_id).mkdir()
+            made.append(parent / sandbox_id)
+    assert made, "no cgroup hierarchy on this host"
+    orphan = subprocess.Popen(["sleep", "600"])
+    try:
+        (made[0] / "cgroup.procs").write_text(str(orphan.pid))
+        destroy(OciRuntime("runc", state_root=str(tmp_path / "state")), sandbox_id)
+        assert [d for d in made if d.exists()] == []
+        assert orphan.wait(5) == -9
+    finally:
+        orphan.kill()
+        orphan.wait()
+        for d in made:
+            if d.exists():
+                d.rmdir()
