@@ -226,6 +226,15 @@ def settle(node: Path) -> None:
         time.sleep(0.5)
 
 
+def _shares_our_mounts(entry: str, node: Path) -> bool:
+    pid, _, cmdline = entry.partition(" ")
+    try:
+        same = os.readlink(f"/proc/{pid}/ns/mnt") == os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        return True   # gone meanwhile
+    return same and str(node) not in cmdline
+
+
 def _sandbox_dirs(node: Path) -> list[str]:
     d = node / "sandboxes"
     return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
@@ -249,6 +258,9 @@ def leaks(node: Path, cgroups_before: set[str]) -> dict[str, list[str]]:
 
     found = leftovers_under(node)
     found["mounts"] = [m for m in found["mounts"] if m != str(node)]
+    # a process of this mount namespace lists a leaked mount in its mount table too: that is
+    # the mount's leak, counted once above, not the process's
+    found["processes"] = [p for p in found["processes"] if not _shares_our_mounts(p, node)]
     found["sandbox dirs"] = _sandbox_dirs(node)
     ledger = node / "node" / "admission.json"
     entries = json.loads(ledger.read_text()).get("entries", {}) if ledger.exists() else {}

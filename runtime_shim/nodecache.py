@@ -360,10 +360,29 @@ class NodeCache:
             done.append(digest)
         from runtime_shim.lazyfs.metalayer import remove_unused
 
+        self._sweep_probes()
         remove_unused(self.root, keep_hex)  # meta layers: of unused layers, and old generations
         if done:
             self._wait_daemon_gone()
         return done
+
+    def _sweep_probes(self) -> None:
+        """Unmount and remove ``lazy/.probe-<pid>`` of daemons that are gone: a daemon killed
+        while it probed the kernel for FUSE passthrough left its probe's mount (the soak)."""
+        lazy = self.root / "lazy"
+        if not lazy.is_dir():
+            return
+        with os.scandir(lazy) as entries:   # no stat: a dead probe mount answers ENOTCONN
+            probes = [e.name for e in entries if e.name.startswith(".probe-")]
+        for name in probes:
+            pid = name.removeprefix(".probe-")
+            if pid.isdigit() and _is_daemon(int(pid), self.root):
+                continue   # probing now
+            target = lazy / name
+            if _lazy_mount_state(target) != "absent":
+                _unmount_fuse(target)
+            with contextlib.suppress(OSError):
+                target.rmdir()
 
     def _wait_daemon_gone(self) -> None:
         """Once no lazy mount is left, the daemon exits by itself; one that is still there

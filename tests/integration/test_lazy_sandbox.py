@@ -315,6 +315,23 @@ def test_node_gc_unmounts_the_stale_mount_of_a_dead_daemon(tmp_path):
     assert mounted_targets_under(str(tmp_path)) == []
 
 
+def test_node_gc_removes_the_probe_mount_of_a_daemon_killed_while_it_probed(tmp_path):
+    """A daemon probes the kernel for FUSE passthrough on a scratch mount ``lazy/.probe-PID``
+    when it starts; killed then (the soak), it left the mount. ``evict`` removes it."""
+    require_root()
+    from runtime_shim.lazyfs.passthrough import _Conn
+
+    node = NodeCache(tmp_path / "node")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    probe = node.root / "lazy" / f".probe-{gone.pid}"
+    probe.mkdir(parents=True)
+    os.close(_Conn(str(probe), "envbuild-lazy-probe").fd)
+    node.evict([], 0)
+    assert mounted_targets_under(str(tmp_path)) == []
+    assert not probe.exists()
+
+
 def test_a_store_that_is_away_is_never_made_anew_by_the_daemon(lock2, tmp_path):
     """The soak moved the store away for two seconds: a lazy mount asked meanwhile made an
     empty store in its place (the daemon opened the store as a writer would), and moving the
