@@ -10,6 +10,7 @@ pure cgroup v2 host one dir in the unified tree holding every controller's files
 from __future__ import annotations
 
 import functools
+import io
 import os
 import signal
 import time
@@ -24,7 +25,9 @@ def _mounts() -> tuple[dict[str, str], str | None]:
     """(v1 controller → mount point, cgroup2 mount point or None)."""
     v1: dict[str, str] = {}
     v2 = None
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+    # io.open: the builtin is gone late at interpreter exit, where a sandbox may still close
+    with io.open("/proc/self/mountinfo", encoding="utf-8",  # noqa: UP020
+                 errors="surrogateescape") as f:
         for line in f:
             left, _, right = line.partition(" - ")
             fields, rfields = left.split(), right.split()

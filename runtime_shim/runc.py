@@ -224,8 +224,6 @@ def kill_and_delete(runtime: OciRuntime, container_id: str, init_pid: int,
         time.sleep(0.0005)
     if _delete(runtime, container_id) != 0:
         destroy(runtime, container_id)
-    else:
-        cgroupfs.remove(container_id)
 
 
 def _running(pid: int) -> bool:
