@@ -128,16 +128,19 @@ class SoakNode:
 
 # -- faults ---------------------------------------------------------------------------------------
 
-def _pids_naming(text: str, name: bytes | None = None) -> list[int]:
+def _pids_naming(text: str, *, program: bytes = b"", arg: bytes = b"") -> list[int]:
+    """Processes whose command line names ``text``, whose program (``argv[0]``) holds
+    ``program`` and one of whose arguments holds ``arg``."""
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            cmdline = Path(entry.path, "cmdline").read_bytes()
+            argv = Path(entry.path, "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if text.encode() in cmdline and (name is None or name in cmdline.split(b"\0")[0]):
+        if text.encode() in b"\0".join(argv) and program in argv[0] \
+                and any(arg in a for a in argv[1:]):
             found.append(int(entry.name))
     return found
 
@@ -152,11 +155,8 @@ def inject(fault: str, rng: random.Random, node: SoakNode, store: Path,
         rng.choice(alive).send_signal(signal.SIGKILL)
         return True
     if fault in ("kill-runc", "kill-lazy-daemon"):
-        pids = (_pids_naming(str(node.dir), b"runc") if fault == "kill-runc"
-                else _pids_naming(str(node.dir / "node"), b"python"))
-        if fault == "kill-lazy-daemon":
-            pids = [p for p in pids if b"runtime_shim.lazyfs" in
-                    Path(f"/proc/{p}/cmdline").read_bytes()] if pids else []
+        pids = (_pids_naming(str(node.dir), program=b"runc") if fault == "kill-runc"
+                else _pids_naming(str(node.dir / "node"), arg=b"runtime_shim.lazyfs"))
         for pid in pids[:1]:
             try:
                 os.kill(pid, signal.SIGKILL)

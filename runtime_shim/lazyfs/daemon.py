@@ -4,6 +4,7 @@ own FUSE mount (protocol: ``runtime_shim.lazyfs.control``)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -142,11 +143,8 @@ def tune_malloc() -> str:
     if any(k in os.environ for k in _MALLOC_ENV) \
             or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return "set by the environment"
-    import ctypes
-    import ctypes.util
-
     try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+        mallopt = _glibc().mallopt
     except (OSError, AttributeError):
         return "not glibc"
     m_trim_threshold, m_top_pad, m_mmap_threshold, m_arena_max = -1, -2, -3, -8  # <malloc.h>
@@ -169,7 +167,6 @@ def _release_heap() -> None:
     """After an unmount (``_NodeDaemon.serve``, once its thread and the work it started are
     done): collect the unmounted tree's cycles now (``gc.unfreeze``, ``collect``, ``freeze``
     again) and give the freed pages back to the system."""
-    import ctypes
     import gc
 
     gc.unfreeze()
@@ -178,7 +175,17 @@ def _release_heap() -> None:
     # give the freed pages back (``tune_malloc`` keeps them otherwise): a tree is ~1.6 KB
     # a member, hundreds of MB for a big layer
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        _glibc().malloc_trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _glibc() -> Any:
+    """The C library this process runs on, for glibc's malloc controls (``mallopt``,
+    ``malloc_trim``: an ``AttributeError`` where it is not glibc). ``CDLL(None)``: the one
+    already loaded, with no ``find_library`` (which spawns ``ldconfig``)."""
+    import ctypes
+
+    return ctypes.CDLL(None)
 
 
 def _serve(box: list[Any]) -> None:
