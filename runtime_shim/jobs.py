@@ -28,7 +28,7 @@ from envbuild.jobs.model import (  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from envbuild.store import Store
-    from runtime_shim.sandbox import Sandbox
+    from runtime_shim.sdk.sandbox import Sandbox
 
 
 def create_sandbox(group: SandboxGroup, *, store: Store, node_dir: str | os.PathLike[str],
@@ -37,8 +37,8 @@ def create_sandbox(group: SandboxGroup, *, store: Store, node_dir: str | os.Path
 
     ``kwargs`` go to ``Sandbox.create`` (``runtime=``, ``keep=``, ``lazy=``). The lock is read
     once more first to check it still closes over the pinned layers (a few hundred bytes)."""
-    from runtime_shim.locks import resolve
-    from runtime_shim.sandbox import Sandbox
+    from runtime_shim.node.locks import resolve
+    from runtime_shim.sdk.sandbox import Sandbox
 
     group.require_resolved()
     group.check_lock(resolve(store, group.lock))

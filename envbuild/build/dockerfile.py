@@ -512,7 +512,7 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
         argv = [d.cli, "build", "--progress=plain", f"--network={src.network}",
                 "--iidfile", str(iid), "-f", str(scratch / "Dockerfile")]
         if src.network == "host":
-            from runtime_shim.stub import host_ca_bundle
+            from runtime_shim.isolation.stub import host_ca_bundle
 
             ca = host_ca_bundle()
             if ca is not None:  # a secret: never in the image, never in the build cache key
@@ -574,7 +574,7 @@ def _run_logged(argv: list[str], env: Mapping[str, str], log: Path,
     group killed)."""
     from envbuild.build.buildlog import CappedLog
     from envbuild.build.executor import BUILD_LOG_CAP
-    from runtime_shim.scratchfs import copy_capped
+    from runtime_shim.isolation.scratchfs import copy_capped
 
     read_fd, write_fd = os.pipe()
     try:

@@ -125,9 +125,9 @@ def node_context(settings: Settings, node_id: str) -> BuildContext:
     in this node cache (``envbuild.build.reaper``: a task killed with its worker or its node's
     raylet leaves its mounts, loop disk, container and cgroups; the next task here undoes them;
     a look at the owner files, ~0.1 ms, when there is nothing to reap)."""
-    from runtime_shim.layout import NodeLayout
-    from runtime_shim.nodecache import NodeCache
-    from runtime_shim.runc import OciRuntime
+    from runtime_shim.isolation.runc import OciRuntime
+    from runtime_shim.node.layout import NodeLayout
+    from runtime_shim.node.nodecache import NodeCache
 
     node_dir = str(settings.node_dir).replace("{node_id}", node_id)
     with _node_lock:

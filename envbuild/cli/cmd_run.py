@@ -33,7 +33,7 @@ def register(group: click.Group) -> None:
     def run(app: App, target: str, cmd: tuple[str, ...], network: bool, allow: tuple[str, ...],
             keep: bool, timeout: float | None, lazy: bool, backend: str) -> int:
         """Run CMD in a fresh sandbox of TARGET (env name, ref or lock digest); builds nothing."""
-        from runtime_shim.sandbox import Sandbox
+        from runtime_shim.sdk.sandbox import Sandbox
 
         # keep with a microVM: refused by the backend itself (BackendUnavailable)
         sb = Sandbox.create(target, store=app.open_store(), node_dir=app.settings.node_dir,
@@ -90,9 +90,9 @@ def register(group: click.Group) -> None:
     def pack_diff(app: App, sandbox_id: str, ref: str | None, max_file_size: str,
                   max_total_size: str, as_json: bool) -> None:
         """Snapshot a running sandbox (envbuild run --keep) as a layer + derived lock."""
-        from runtime_shim.nodecache import parse_size
-        from runtime_shim.packdiff import SnapshotPolicy
-        from runtime_shim.sandbox import Sandbox
+        from runtime_shim.node.nodecache import parse_size
+        from runtime_shim.node.packdiff import SnapshotPolicy
+        from runtime_shim.sdk.sandbox import Sandbox
 
         sb = Sandbox.attach(sandbox_id, store=app.open_store(), node_dir=app.settings.node_dir,
                             runtime=app.settings.oci_runtime)
@@ -115,11 +115,11 @@ def register(group: click.Group) -> None:
     @pass_app
     def squash(app: App, ref: str, new_ref: str) -> None:
         """Merge the snapshot layers at the top of REF's lock into one layer."""
-        from runtime_shim.locks import resolve
-        from runtime_shim.packdiff import squash_snapshots
+        from runtime_shim.node.locks import resolve
+        from runtime_shim.node.packdiff import squash_snapshots
 
         store = app.open_store()
-        from runtime_shim.layout import NodeLayout
+        from runtime_shim.node.layout import NodeLayout
 
         scratch = NodeLayout(app.settings.node_dir).builds
         scratch.mkdir(parents=True, exist_ok=True)
@@ -139,7 +139,7 @@ def register(group: click.Group) -> None:
     @pass_app
     def sandbox_ls(app: App) -> None:
         """List sandboxes (and whether the process that made them is alive)."""
-        from runtime_shim.sandbox import list_sandboxes
+        from runtime_shim.sdk.sandbox import list_sandboxes
 
         now = time.time()
         for s in list_sandboxes(app.settings.node_dir):
@@ -158,7 +158,7 @@ def register(group: click.Group) -> None:
         (the public internet) and CIDR[:PORT] destinations (private ones included); none: DNS
         only. The sandbox must have been made with network (--network or --allow)."""
         from envbuild.errors import RuntimeShimError
-        from runtime_shim.sandbox import set_sandbox_network
+        from runtime_shim.sdk.sandbox import set_sandbox_network
 
         if off and dests:
             raise RuntimeShimError("--off refuses everything: give it no destinations",
@@ -173,7 +173,7 @@ def register(group: click.Group) -> None:
     def sandbox_rm(app: App, ids: tuple[str, ...]) -> int:
         """Kill, unmount and delete sandboxes by id (each one tried; exit 1 if any failed)."""
         from envbuild.errors import RuntimeShimError
-        from runtime_shim.sandbox import remove_sandbox
+        from runtime_shim.sdk.sandbox import remove_sandbox
 
         failed = 0
         for i in ids:
@@ -195,9 +195,9 @@ def register(group: click.Group) -> None:
     def node_ls(app: App) -> None:
         """List unpacked layers with their size and last use, then the lazy layer daemon: how
         it serves reads (passthrough, or the fuse fallback and why) and its lazy mounts."""
-        from runtime_shim.layout import NodeLayout
         from runtime_shim.lazyfs.control import daemon_request
-        from runtime_shim.nodecache import NodeCache
+        from runtime_shim.node.layout import NodeLayout
+        from runtime_shim.node.nodecache import NodeCache
 
         cache = NodeCache(NodeLayout(app.settings.node_dir).node)
         layers = cache.usage()
@@ -232,10 +232,10 @@ def register(group: click.Group) -> None:
         is within its budget (and unmount unused lazy mounts)."""
         from envbuild.build.executor import sweep_stale_scratch
         from envbuild.settings import node_cache_budget
-        from runtime_shim.layout import NodeLayout
-        from runtime_shim.nodecache import NodeCache
-        from runtime_shim.runc import OciRuntime
-        from runtime_shim.sandbox import layers_in_use
+        from runtime_shim.isolation.runc import OciRuntime
+        from runtime_shim.node.layout import NodeLayout
+        from runtime_shim.node.nodecache import NodeCache
+        from runtime_shim.sdk.sandbox import layers_in_use
 
         layout = NodeLayout(app.settings.node_dir)
         budget = node_cache_budget(max_size or app.settings.node_cache_max, app.settings.node_dir)
@@ -256,7 +256,7 @@ def register(group: click.Group) -> None:
         """Remove sandboxes past their TTL and those left behind by crashed processes (kept
         ones stay until their TTL): one line per sandbox, removed or failed with its cause;
         one failure never stops the others, and makes the exit code 1."""
-        from runtime_shim.sandbox import sweep_sandboxes
+        from runtime_shim.sdk.sandbox import sweep_sandboxes
 
         done = sweep_sandboxes(app.settings.node_dir, app.settings.oci_runtime)
         for r in done:

@@ -38,9 +38,9 @@ class App:
         """Store, node cache and OCI runtime for building, from the settings."""
         from envbuild.build.executor import BuildContext
         from envbuild.store import LocalStore
-        from runtime_shim.layout import NodeLayout
-        from runtime_shim.nodecache import NodeCache
-        from runtime_shim.runc import OciRuntime
+        from runtime_shim.isolation.runc import OciRuntime
+        from runtime_shim.node.layout import NodeLayout
+        from runtime_shim.node.nodecache import NodeCache
 
         store = self.open_store()
         layout = NodeLayout(self.settings.node_dir)
@@ -48,7 +48,7 @@ class App:
         log_root = (store.root / "logs" if isinstance(store, LocalStore) else layout.logs)
         return BuildContext(store=store, node=node,
                             # Runtime state next to the node's sandboxes (same root as
-                            # runtime_shim.sandbox), not /run/envbuild: per node dir, so test
+                            # runtime_shim.sdk.sandbox), not /run/envbuild: per node dir, so test
                             # and CI nodes never see each other's containers, and leftovers of
                             # a killed build are found where the node's other state lives.
                             runtime=OciRuntime(self.settings.oci_runtime,

@@ -23,7 +23,7 @@ from envbuild.oci import ANNOTATION_TOC
 from envbuild.store import Store
 from envbuild.store.base import CHUNK_SIZE
 from envbuild.store.sync import resolve_ref
-from runtime_shim.locks import MAX_LOCK_JSON
+from runtime_shim.node.locks import MAX_LOCK_JSON
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +125,7 @@ def verify_job_manifest(manifest: JobManifest, store: Store, *, jobs: int = 4) -
             need(config, "config", label)
             for layer, toc in layers:
                 need(layer, "layer", label, toc)
-            # a checkpoint lock (runtime_shim.checkpoint): its memory image (a layer, with
+            # a checkpoint lock (runtime_shim.sdk.checkpoint): its memory image (a layer, with
             # its TOC digest) and the record of what was dumped
             if isinstance(notes.get("org.envbuild.checkpoint.image"), str):
                 need(notes["org.envbuild.checkpoint.image"], "layer", label,

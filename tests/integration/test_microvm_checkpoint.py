@@ -15,10 +15,10 @@ import time
 import pytest
 
 from envbuild.errors import CheckpointRefused
-from runtime_shim.mount import mounted_targets_under
-from runtime_shim.sandbox import Limits, Sandbox
-from runtime_shim.vm.backend import restore_sandbox
-from runtime_shim.vm.checkpoint import RECORD_FILE, VmCheckpoint
+from runtime_shim.backends.vm.backend import restore_sandbox
+from runtime_shim.backends.vm.checkpoint import RECORD_FILE, VmCheckpoint
+from runtime_shim.isolation.mount import mounted_targets_under
+from runtime_shim.sdk.sandbox import Limits, Sandbox
 from tests.integration.conftest import build_busybox_env
 from tests.integration.test_microvm import _gone, _qemu_pids, _require_vm_tools
 

@@ -10,8 +10,8 @@ from envbuild.errors import RuntimeShimError
 from envbuild.jobs import parse_job_manifest, resolve_job_manifest
 from envbuild.store import MemoryStore
 from runtime_shim.jobs import create_sandbox
-from runtime_shim.locks import resolve
-from runtime_shim.sandbox import Limits
+from runtime_shim.node.locks import resolve
+from runtime_shim.sdk.sandbox import Limits
 from tests.unit.test_jobs_support import MANIFEST, make_env
 
 

@@ -1,0 +1,766 @@
+"""The sandbox SDK: ``Sandbox.create(lock) → exec / read_file / write_file → close``.
+
+One class for every backend; ``backend=`` names one in the registry
+(``runtime_shim.backends.base``: ``"container"``, ``runtime_shim.backends.container``, the
+default; ``"microvm"``, ``runtime_shim.backends.vm``; ``"fncall"``).
+What every backend shares lives here: opening the store (a ``Store``, a directory or an
+``s3://`` URL), the node dir (``runtime_shim.node.layout``; by default the CLI's), resolving the lock
+before anything is made on disk, fetching its layers into the node cache, the sandbox's id, dir
+and record (``sandbox.json``), TTLs and their reaper, argument handling of ``exec`` and pack-diff.
+
+Lifecycle: ``create(ttl=seconds)`` records an expiry; a sandbox past it is removed by the
+reaper thread of the process that created it, by the next ``create`` on the node (which also
+removes sandboxes whose creating process died), and by ``envbuild sandbox gc``. A sandbox its
+process never closed (not ``keep``) is closed at that process's exit (``runtime_shim.isolation.lifecycle``;
+``close`` is safe from ``__del__`` then), or, if it died without running its exit hooks
+(SIGKILL), removed by its watcher process (``runtime_shim.sdk.exitwatch``). ``info()`` is
+its ``SandboxInfo``; ``attach(id)`` gives another process's running container sandbox;
+``list_sandboxes()`` lists a node's.
+
+Everything a sandbox owns is under its directory (``NodeLayout.sandbox(id)``) and, for a
+container, its runtime state under the node's runc root, both named by the sandbox id
+(``eb-…``), so ``sweep_sandboxes`` can find and remove the leftovers of a crashed process.
+
+``AsyncSandbox`` (``runtime_shim.sdk.aio``) is the same sandbox for asyncio programs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import heapq
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from envbuild.errors import (
+    BackendUnavailable,
+    ExecTimeout,
+    RuntimeShimError,
+    SandboxClosed,
+    SandboxNotFound,
+    StoreUnavailable,
+)
+from envbuild.store import Store, put_file
+from runtime_shim.backends.base import (
+    CreateRequest,
+    Describable,
+    HostCosted,
+    MemoryReporting,
+    SandboxHandle,
+    Snapshottable,
+    get_backend,
+    remove_sandbox_dir,
+    undo_on_error,
+)
+from runtime_shim.isolation import agent, lifecycle, netns
+from runtime_shim.isolation import seccomp as seccomp_profiles
+from runtime_shim.isolation.spec import parse_user
+from runtime_shim.node import admission
+from runtime_shim.node.layout import NodeLayout, SandboxPaths, default_layout
+from runtime_shim.node.locks import ResolvedLock, resolve
+from runtime_shim.node.model import DEFAULT_OUTPUT_CAP, ExecResult, Limits, SandboxInfo
+from runtime_shim.node.nodecache import NodeCache
+from runtime_shim.sdk import exitwatch
+
+_log = logging.getLogger("envbuild.sandbox")
+
+__all__ = ["DEFAULT_OUTPUT_CAP", "ExecResult", "Limits", "Sandbox", "SandboxInfo", "SandboxPaths",
+           "gc_sandboxes", "list_sandboxes", "remove_sandbox", "remove_sandbox_dir",
+           "sweep_sandboxes"]
+
+SANDBOX_META_VERSION = 1
+#: Snapshot layers a lock may end in before pack-diff squashes them into one.
+DEFAULT_MAX_CHAIN = 8
+BACKENDS = ("container", "microvm")  # the built-in ones (runtime_shim.backends.base.backend_names)
+
+StoreLike = Store | str | os.PathLike[str]
+
+
+def open_store(store: StoreLike | None) -> Store:
+    """A ``Store`` as is; a directory path or ``s3://`` URL through ``envbuild.store.open_store``
+    (``$ENVBUILD_S3_ENDPOINT`` as the CLI reads it); None: the CLI's store (``$ENVBUILD_STORE``,
+    else ``cache``)."""
+    if store is None:
+        from envbuild.settings import DEFAULT_STORE
+
+        store = os.environ.get("ENVBUILD_STORE") or DEFAULT_STORE
+    if isinstance(store, (str, os.PathLike)):
+        from envbuild.store import open_store as open_url
+
+        where = os.fspath(store)
+        try:   # never create a store to read it
+            return open_url(where, s3_endpoint=os.environ.get("ENVBUILD_S3_ENDPOINT"),
+                            create=False)
+        except StoreUnavailable as e:
+            if not e.message.startswith("no store at"):
+                raise
+            raise StoreUnavailable(e.message,
+                                   hint="build one with `envbuild build` (--store DIR), or pass "
+                                        "store= a Store, a directory or an s3:// URL") from None
+    return store
+
+
+def _layout(node_dir: str | os.PathLike[str] | NodeLayout | None) -> NodeLayout:
+    if node_dir is None:
+        return default_layout()
+    return node_dir if isinstance(node_dir, NodeLayout) else NodeLayout(node_dir)
+
+
+class Sandbox:
+    """A running, isolated, disposable instance of a lock. Use as a context manager."""
+
+    def __init__(self, sandbox_id: str, lock: ResolvedLock, paths: SandboxPaths,
+                 backend: SandboxHandle, layout: NodeLayout, store: Store | None = None, *,
+                 backend_name: str = "container") -> None:
+        self.id = sandbox_id
+        self.lock = lock
+        self.paths = paths
+        self.backend = backend_name
+        self._backend = backend
+        self._layout = layout
+        self._store = store
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    @classmethod
+    def attach(cls, sandbox_id: str, *, store: StoreLike | None = None,
+               node_dir: str | os.PathLike[str] | None = None, runtime: str = "runc") -> Sandbox:
+        """A running sandbox created by another process (e.g. ``envbuild run --keep``):
+        ``SandboxNotFound`` if there is none by that id, ``BackendUnavailable`` for a microVM
+        (it lives only as long as its creator). Closing it removes it, as for one this process
+        created. ``store`` (needed for pack-diff) defaults to the store it was created from."""
+        layout = _layout(node_dir)
+        paths = layout.sandbox(sandbox_id)
+        meta = _read_meta(paths)
+        if meta is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id} on this host",
+                                  hint="envbuild sandbox ls lists them")
+        name = meta.get("backend", "container")
+        impl = get_backend(name)
+        if store is None:
+            if not meta.get("store"):
+                raise RuntimeShimError(f"sandbox {sandbox_id} records no store",
+                                       hint="pass store=")
+            store = meta["store"]
+        opened = open_store(store)
+        lock = resolve(opened, meta["lock"])
+        handle = impl.attach(paths, layout, lock, runtime)
+        sb = cls(sandbox_id, lock, paths, handle, layout, opened, backend_name=name)
+        if meta.get("expires"):
+            _REAPER.watch(sb, float(meta["expires"]))
+        return sb
+
+    def pack_diff(self, publish: str | None = None, *, policy=None,
+                  max_chain: int | None = DEFAULT_MAX_CHAIN, source_date_epoch: int = 0):
+        """Snapshot this sandbox: its changes become a layer (hostile-content policy applied,
+        ``runtime_shim.node.packdiff``), stored with a derived lock = this lock + that layer,
+        published under ``publish`` (e.g. ``snap/NAME``) if given. Processes are paused while
+        the upper dir is read. When the lock would end in more than ``max_chain`` snapshot
+        layers, they are squashed into one. Returns a ``SnapshotResult``."""
+        from runtime_shim.node import packdiff
+
+        self._check_open()
+        if self._store is None:
+            raise RuntimeShimError("pack_diff needs the store the sandbox was created from")
+        handle = self._backend
+        if not isinstance(handle, Snapshottable):
+            raise BackendUnavailable(f"pack-diff is not supported by the {self.backend} backend")
+        started = time.monotonic()
+        name = publish or self.id
+        blob = self.paths.root / "snapshot.tar.zst"
+        try:
+            with handle.quiesce(), open(blob, "wb") as out:
+                info, report = packdiff.pack_upper(
+                    handle.upper_dir(), out,
+                    policy or packdiff.SnapshotPolicy.for_limits(self._backend.limits),
+                    name=name, source_date_epoch=source_date_epoch)
+            stored = put_file(self._store, blob)
+            if stored.digest == info.digest:   # its pycs' imports, for lazy sandboxes of it
+                from runtime_shim.lazyfs.pyindex import index_layer_file
+
+                index_layer_file(self._store, str(blob), info.digest)
+        finally:
+            blob.unlink(missing_ok=True)
+        if stored.digest != info.digest:
+            raise RuntimeShimError(f"snapshot stored as {stored.digest}, packed {info.digest}")
+        layer = {"digest": info.digest, "size": info.size, "diff_id": info.diff_id,
+                 "toc_digest": info.toc_digest, "name": name}
+        manifest, config = packdiff.derive_lock(self.lock, [layer], keep=len(self.lock.layers))
+        squash = max_chain is not None and packdiff.snapshot_chain(self.lock) + 1 > max_chain
+        digest = packdiff.publish_lock(self._store, manifest, config,
+                                       None if squash else publish)
+        if squash:
+            digest = packdiff.squash_snapshots(self._store, resolve(self._store, digest),
+                                               scratch=self.paths.root, ref=publish,
+                                               name=name) or digest
+        return packdiff.SnapshotResult(layer=info.digest, lock=digest, ref=publish,
+                                       size=info.size, report=report, squashed=squash,
+                                       seconds=time.monotonic() - started)
+
+    def set_network(self, network: bool | Sequence[str]) -> None:
+        """Change what this running sandbox may reach: ``network`` as for ``create``
+        (``True`` or ``["public", ...]``: the public internet; a list of ``CIDR[:PORT]``: those
+        too, private ones included; ``[]``: DNS only), or ``False``: nothing, not even DNS.
+        Every packet sent after this returns obeys the new rules: new connections, and
+        connections opened earlier to a destination now refused fail. Only a sandbox created
+        with network (``network=[]`` is enough) has a namespace to change; one without raises
+        ``RuntimeShimError`` (``runtime_shim.isolation.netns.update``)."""
+        self._check_open()
+        set_sandbox_network(self._layout, self.id, network)
+
+    def checkpoint(self, publish: str | None = None, *, leave_running: bool = False):
+        """Freeze this sandbox and save its processes (memory, open files, cwd) and its
+        files as one checkpoint lock in the store, published as ``publish`` (e.g.
+        ``ckpt/NAME``) if given (``runtime_shim.sdk.checkpoint``). ``leave_running=False`` closes
+        the sandbox afterwards. What cannot be dumped raises ``CheckpointRefused`` naming the
+        process and the reason (the sandbox runs on). Returns a ``CheckpointResult`` (lock,
+        blobs, sizes, times)."""
+        from runtime_shim.sdk import checkpoint
+
+        self._check_open()
+        if self._store is None:
+            raise RuntimeShimError("checkpoint needs the store the sandbox was created from")
+        return checkpoint.take(self, self._store, publish=publish, leave_running=leave_running)
+
+    @classmethod
+    def restore(cls, checkpoint: str, *, store: StoreLike | None = None,
+                node_dir: str | os.PathLike[str] | NodeLayout | None = None,
+                network: bool | Sequence[str] = False, limits: Limits | None = None,
+                runtime: str = "runc", ttl: float | None = None) -> Sandbox:
+        """A new sandbox whose processes continue from ``checkpoint`` (a ref such as
+        ``ckpt/NAME`` or a lock digest made by ``checkpoint``), on this node or another, with
+        the isolation of a fresh sandbox (``network``, ``limits`` as for ``create``). An image
+        that does not match envbuild's record of it is refused (``CheckpointRefused``) and
+        nothing is left."""
+        from runtime_shim.sdk.checkpoint import read_record
+
+        opened = open_store(store)
+        lock = resolve(opened, checkpoint)
+        record = read_record(opened, lock)
+        return cls.create(lock.digest, store=opened, node_dir=node_dir,
+                          backend=str(record.get("backend", "container")), network=network,
+                          limits=limits, runtime=runtime, ttl=ttl, _checkpoint=record)
+
+    def fork(self, n: int, *, network: bool | Sequence[str] = False,
+             limits: Limits | None = None) -> list[Sandbox]:
+        """``n`` new sandboxes that continue from this one's current processes and files
+        (checkpoint with ``leave_running=True``, then ``n`` restores on this node); this
+        sandbox runs on. If one restore fails, the others are closed and the error raised."""
+        if n < 1:
+            raise RuntimeShimError(f"fork needs n >= 1, not {n!r}")
+        made = self.checkpoint(None, leave_running=True)
+        children: list[Sandbox] = []
+        try:
+            for _ in range(n):
+                children.append(Sandbox.restore(made.lock, store=self._store,
+                                                node_dir=self._layout, network=network,
+                                                limits=limits or self._backend.limits))
+        except BaseException:
+            for child in children:
+                with contextlib.suppress(Exception):
+                    child.close()
+            raise
+        return children
+
+    @classmethod
+    def create(
+        cls,
+        lock: str,
+        *,
+        store: StoreLike | None = None,
+        node_dir: str | os.PathLike[str] | NodeLayout | None = None,
+        backend: str = "container",
+        network: bool | Sequence[str] = False,
+        limits: Limits | None = None,
+        runtime: str = "runc",
+        keep: bool = False,
+        lazy: bool | str = False,
+        seccomp: str | Mapping | None = None,
+        ttl: float | None = None,
+        reap: bool = True,
+        checkpointable: bool = False,
+        _checkpoint: Mapping | None = None,
+    ) -> Sandbox:
+        """Fetch what is missing, compose and start a sandbox of ``lock`` (digest or ref).
+
+        ``store``: a ``Store``, a directory path or an ``s3://BUCKET/PREFIX`` URL (default: the
+        CLI's, ``$ENVBUILD_STORE``, else the ``cache`` dir). ``node_dir``: this host's node
+        cache, by default the CLI's (``$ENVBUILD_NODE_CACHE``, else
+        ``envbuild.settings.default_node_dir``). The lock is resolved before anything is
+        created on disk: a wrong ref raises ``LockNotFound`` and leaves nothing behind.
+
+        ``lazy``: instead of unpacking the layers, mount each one read-only with FUSE, served
+        from ``store`` file by file on first read (``runtime_shim.lazyfs``); ``store`` must be
+        one another process can open (a directory or S3). ``lazy="auto"`` (the fleet's
+        default): lazy when the node's lazy daemon can serve the layers, else a full pull (a
+        warning says why; ``info().lazy`` is ``""`` then); ``lazy=True`` fails with one line
+        instead. ``info().lazy`` says how a lazy sandbox's reads are served: ``"passthrough"``
+        (the kernel reads fetched files natively), ``"passthrough+meta"`` (and the files the
+        node already had are opened without the daemon: ``runtime_shim.lazyfs.metalayer``) or
+        ``"fuse"`` (the fallback: every read through the daemon).
+
+        ``seccomp``: None for the default syscall filter (``runtime_shim.isolation.seccomp``),
+        ``"unconfined"`` for none, or a full OCI ``linux.seccomp`` object (checked here). A
+        microVM is bounded by its guest kernel, not a filter: it takes None or "unconfined".
+
+        ``network``: False for none; True for egress to the public internet through the
+        sandbox's own namespace and user-mode NAT (the host, private ranges such as RFC 1918,
+        CGNAT and link-local, and ``$ENVBUILD_NETWORK_REFUSE`` unreachable); a list of
+        ``CIDR[:PORT]`` for egress to those only, private ones included, plus ``"public"`` for
+        the public internet too (``runtime_shim.isolation.netns``). ``set_network`` changes it while the
+        sandbox runs.
+
+        ``checkpointable``: ``checkpoint`` / ``fork`` will be asked of it (container: its agent
+        socket is made inside its network namespace, where CRIU can dump it).
+
+        ``keep``: the sandbox outlives this process (``envbuild run --keep``; container only).
+        ``ttl``: seconds after which the sandbox is removed if nobody closed it (see the module
+        docstring). ``reap``: first remove the node's expired sandboxes and those whose
+        creating process died (not kept ones).
+
+        Admission (``runtime_shim.node.admission``): the sandbox's worst case of host-wide tables
+        (``limits.pids × limits.nofile`` open files, ``pids`` tasks, ``disk_bytes`` of disk)
+        is reserved in the node's ledger before its disk is made, and given back when it is
+        closed or removed; a sandbox that would exceed the node's budget raises
+        ``AdmissionRefused`` naming the budget, and nothing is left.
+
+        Errors: ``LockNotFound``, ``StoreUnavailable`` (no store at that path),
+        ``BackendUnavailable`` (unknown backend, a request it cannot honour, its runtime
+        missing), ``AdmissionRefused``, ``SandboxStartError``, else ``RuntimeShimError``."""
+        policy = netns.parse_network(network)  # bad entries fail before anything is made
+        impl = get_backend(backend)
+        seccomp_profiles.check_setting(seccomp)
+        if lazy not in (False, True, "auto"):
+            raise RuntimeShimError(f"lazy must be False, True or 'auto', not {lazy!r}")
+        try:
+            impl.check(keep=keep, seccomp=seccomp, lazy=bool(lazy))
+        except BackendUnavailable:
+            if lazy != "auto":
+                raise
+            lazy = False  # auto: this backend cannot run lazy layers, pull them in full
+            impl.check(keep=keep, seccomp=seccomp, lazy=False)
+        if ttl is not None and not ttl > 0:
+            raise RuntimeShimError(f"ttl must be a positive number of seconds, not {ttl!r}")
+        limits = limits or Limits()
+        # before any work: no pids limit is refused here
+        want = impl.host_reservation(limits) if isinstance(impl, HostCosted) \
+            else admission.reservation(limits)
+        budget = admission.BudgetSettings.from_env(os.environ)
+        opened = open_store(store)
+        layout = _layout(node_dir)
+        resolved = resolve(opened, lock)  # before anything exists on disk
+        layout.ensure()
+        if reap:
+            sweep_sandboxes(layout, runtime, automatic=True)
+        node = NodeCache(layout.node)
+        layer_dirs: list[str] | None = None
+        lazy_mode = ""
+        if lazy:  # lazy mode: FUSE mounts instead of unpacked layers
+            from runtime_shim.lazyfs import lazy_layer_dirs
+            from runtime_shim.lazyfs.control import daemon_mode
+
+            try:
+                layer_dirs = lazy_layer_dirs(node, opened, resolved.layers, resolved.env,
+                                             resolved.cmd)
+                lazy_mode = daemon_mode(node.root) or "fuse"
+                if any(d.startswith(f"{node.root}/meta/") for d in layer_dirs):
+                    lazy_mode += "+meta"
+            except RuntimeShimError as e:
+                if lazy != "auto":
+                    raise
+                _log.warning("lazy='auto': %s; pulling the layers in full instead", e.message)
+        if layer_dirs is None:
+            layer_dirs = [str(node.ensure(opened, layer.digest, layer.toc_digest,
+                                          media_type=layer.media_type))
+                          for layer in resolved.layers]
+        sandbox_id = f"eb-{uuid.uuid4().hex[:12]}"
+        paths = layout.sandbox(sandbox_id)
+        created = time.time()
+        expires = created + ttl if ttl else 0.0
+        meta = {"version": SANDBOX_META_VERSION, "id": sandbox_id, "lock": resolved.digest,
+                "backend": backend, "pid": os.getpid(), "kept": keep, "created": created,
+                "layers": [layer.digest for layer in resolved.layers],
+                "store": _store_url(store if store is not None else opened), "ttl": ttl,
+                "expires": expires, "ready": 0.0, "lazy": lazy_mode, "runtime": runtime}
+        layout.sandboxes.mkdir(exist_ok=True)
+        if not keep:  # removed if this process dies without closing it (SIGKILL)
+            exitwatch.watch(layout.root)
+        paths.root.mkdir()
+        ledger = admission.Ledger(layout.node)
+        with _released_on_error(ledger, sandbox_id), undo_on_error(paths):
+            _write_meta(paths, meta)  # first: a dir with a live creator is never swept
+            # after the dir exists: an entry whose path is gone may be dropped by another
+            ledger.admit(admission.sandbox_key(sandbox_id), want, paths.root,
+                         what=f"sandbox {sandbox_id}", settings=budget)
+            req = CreateRequest(
+                id=sandbox_id, paths=paths, layout=layout, lock=resolved,
+                layer_dirs=tuple(layer_dirs), node=node, network=policy, limits=limits,
+                runtime=runtime, keep=keep, seccomp=seccomp,
+                checkpointable=checkpointable or _checkpoint is not None)
+            if _checkpoint is None:
+                handle = impl.create(req)
+            else:  # Sandbox.restore: the processes come from a checkpoint's memory image
+                from runtime_shim.sdk.checkpoint import restore_into
+
+                handle = restore_into(_checkpoint, impl, req, opened, resolved)
+            try:
+                details = dict(handle.describe()) if isinstance(handle, Describable) else {}
+                _write_meta(paths, {**meta, "ready": time.time(), "details": details})
+            except BaseException:
+                handle.close()
+                raise
+        sb = cls(sandbox_id, resolved, paths, handle, layout, opened, backend_name=backend)
+        if not keep:
+            lifecycle.track(sb)  # closed at this process's exit if nobody closes it
+        if ttl:
+            _REAPER.watch(sb, expires)
+        return sb
+
+    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
+             env: Mapping[str, str] | None = None, cwd: str | None = None,
+             user: str | None = None, stdin: bytes | None = None,
+             on_stdout: agent.OutputCallback | None = None,
+             on_stderr: agent.OutputCallback | None = None,
+             check_timeout: bool = False) -> ExecResult:
+        """Run ``cmd`` (a string goes through ``/bin/sh -c``) and wait for it.
+
+        ``on_stdout`` / ``on_stderr`` are called with each chunk of output as it arrives (in
+        the calling thread, in the order the sandbox wrote it); the result still carries all
+        of it (up to ``Limits.output_bytes``). A command past its ``timeout`` is killed and its
+        result says ``timed_out``; with ``check_timeout=True`` that raises ``ExecTimeout``
+        (carrying the result) instead."""
+        req = self._request(cmd, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin)
+        started = time.monotonic()
+        done = self._backend.exec(req, on_stdout=on_stdout, on_stderr=on_stderr)
+        return self._result(done, started, check_timeout)
+
+    def call(self, argv: str | Sequence[str], *, stdin: bytes | str | None = None,
+             files: Mapping[str, bytes | str] | None = None, timeout: float | None = None,
+             env: Mapping[str, str] | None = None, cwd: str | None = None,
+             user: str | None = None) -> ExecResult:
+        """A stateless call (``backend="fncall"``, ``runtime_shim.backends.fncall``): ``files``
+        written, then ``argv`` run with ``stdin``, in a fresh writable layer; nothing of an
+        earlier call is visible to it."""
+        from runtime_shim.backends.fncall import call_in
+
+        self._check_open()
+        return call_in(self, argv, stdin=stdin, files=files, timeout=timeout, env=env,
+                       cwd=cwd, user=user)
+
+    def _request(self, cmd: str | Sequence[str], *, timeout: float | None,
+                 env: Mapping[str, str] | None, cwd: str | None, user: str | None,
+                 stdin: bytes | None) -> agent.ExecRequest:
+        """The agent request of one exec (shared by ``AsyncSandbox``)."""
+        self._check_open()
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        if not argv:
+            raise RuntimeShimError("exec needs a command")
+        uid, gid = parse_user(user or self.lock.user)  # numeric: the agent reads no passwd
+        return agent.ExecRequest(argv=tuple(argv), env=dict(env or {}),
+                                 cwd=cwd or self.lock.workdir, user=f"{uid}:{gid}",
+                                 timeout=timeout, stdin=stdin)
+
+    def _result(self, done: agent.ExecOutcome, started: float, check_timeout: bool
+                ) -> ExecResult:
+        result = ExecResult(exit_code=done.exit_code, stdout=done.stdout, stderr=done.stderr,
+                            duration=time.monotonic() - started, timed_out=done.timed_out,
+                            output_truncated=done.output_truncated)
+        if check_timeout and result.timed_out:
+            raise ExecTimeout(f"command in sandbox {self.id} timed out after "
+                              f"{result.duration:.1f} s", result=result,
+                              hint="pass a larger timeout=, or check_timeout=False to get the "
+                                   "result with timed_out set")
+        return result
+
+    def read_file(self, path: str) -> bytes:
+        self._check_open()
+        return self._backend.read_file(path)
+
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        self._check_open()
+        self._backend.write_file(path, data.encode() if isinstance(data, str) else data, mode)
+
+    def info(self) -> SandboxInfo:
+        """This sandbox as its record says (id, backend, lock digest, created/ready times,
+        node dir, TTL and expiry; ``memory`` from a backend that reports it:
+        ``runtime_shim.node.reclaim`` for containers)."""
+        meta = _read_meta(self.paths)
+        if meta is None:
+            raise SandboxClosed(f"sandbox {self.id} is gone", hint="it was closed or reaped")
+        info = _info(self.paths.root, meta, self._layout)
+        if isinstance(self._backend, MemoryReporting) and not self._closed:
+            info = dataclasses.replace(info, memory=self._backend.memory())
+        return info
+
+    def close(self) -> None:
+        """Stop every process, unmount and remove the sandbox's files. Idempotent, and safe
+        from another thread (the TTL reaper) and from ``__del__`` at interpreter exit
+        (``runtime_shim.isolation.lifecycle``: no import, no new thread then)."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        _REAPER.forget(self)
+        lifecycle.untrack(self)
+        lazy = (_read_meta(self.paths) or {}).get("lazy")
+        try:
+            self._backend.close()
+        finally:
+            remove_sandbox_dir(self.paths)
+        try:
+            admission.Ledger(self._layout.node).release(admission.sandbox_key(self.id))
+        except Exception as e:  # noqa: BLE001 - e.g. late at exit; the entry of a dir that
+            _log.debug("release %s's admission: %s", self.id, e)  # is gone is dropped anyway
+        # what it fetched: meta layers for the next sandbox; nobody is next at exit
+        if str(lazy).startswith("passthrough") and not lifecycle.exiting():
+            from runtime_shim.lazyfs.metalayer import refresh_soon
+
+            refresh_soon(self._layout.node)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxClosed(f"sandbox {self.id} is closed",
+                                hint="create a new one (a sandbox past its ttl is closed)")
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} {self.backend} lock={self.lock.digest[:19]}>"
+
+
+def _store_url(store: StoreLike) -> str | None:
+    """What ``attach`` reopens the store from: the path or URL given, a LocalStore's root."""
+    if isinstance(store, (str, os.PathLike)):
+        value = os.fspath(store)
+        return value if "://" in value else os.path.abspath(value)
+    root = getattr(store, "root", None)  # a LocalStore; other stores are passed to attach
+    return os.path.abspath(root) if isinstance(root, (str, Path)) else None
+
+
+class _Reaper:
+    """One daemon thread per process that closes this process's sandboxes at their expiry."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, weakref.ref[Sandbox]]] = []
+        self._thread: threading.Thread | None = None
+
+    def watch(self, sb: Sandbox, expires: float) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (expires, id(sb), weakref.ref(sb)))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="envbuild-ttl-reaper",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def forget(self, sb: Sandbox) -> None:
+        with self._cond:
+            self._heap = [e for e in self._heap if e[2]() not in (sb, None)]
+            heapq.heapify(self._heap)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.time():
+                    self._cond.wait(None if not self._heap else self._heap[0][0] - time.time())
+                _, _, ref = heapq.heappop(self._heap)
+            sb = ref()
+            if sb is not None:
+                with contextlib.suppress(Exception):  # a failed removal stays for gc
+                    sb.close()
+
+
+_REAPER = _Reaper()
+
+
+@contextlib.contextmanager
+def _released_on_error(ledger: admission.Ledger, sandbox_id: str):
+    """Give back the sandbox's reservation if the block fails (its dir is removed first)."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError, RuntimeShimError):
+            ledger.release(admission.sandbox_key(sandbox_id))
+        raise
+
+
+def _write_meta(paths: SandboxPaths, meta: dict) -> None:
+    tmp = paths.root / "sandbox.json.tmp"
+    tmp.write_text(json.dumps(meta))
+    tmp.replace(paths.meta)
+
+
+def _read_meta(paths: SandboxPaths) -> dict | None:
+    try:
+        meta = json.loads(paths.meta.read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _info(path: Path, meta: dict, layout: NodeLayout) -> SandboxInfo:
+    pid = int(meta.get("pid", 0))
+    ttl = meta.get("ttl")
+    return SandboxInfo(id=path.name, lock=meta.get("lock", "?"), pid=pid,
+                       alive=_pid_alive(pid), kept=bool(meta.get("kept")),
+                       created=float(meta.get("created", 0.0)),
+                       layers=tuple(meta.get("layers", ())), path=path,
+                       backend=meta.get("backend", "container"),
+                       ready=float(meta.get("ready") or 0.0), node=str(layout.root),
+                       ttl=float(ttl) if ttl else None,
+                       expires=float(meta.get("expires") or 0.0),
+                       layer_transport=(meta.get("details") or {}).get("layer_transport"),
+                       lazy=str(meta.get("lazy") or ""), runtime=str(meta.get("runtime") or ""))
+
+
+def list_sandboxes(node_dir: str | os.PathLike[str] | NodeLayout | None = None
+                   ) -> list[SandboxInfo]:
+    """Every sandbox of a node (default: the CLI's node dir), of every backend, sorted by id;
+    a dir without a readable record is listed with ``lock="?"`` and pid 0."""
+    layout = _layout(node_dir)
+    found: list[SandboxInfo] = []
+    if not layout.sandboxes.is_dir():
+        return found
+    for d in sorted(layout.sandboxes.iterdir()):
+        found.append(_info(d, _read_meta(SandboxPaths(d)) or {}, layout))
+    return found
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def set_sandbox_network(node_dir: str | os.PathLike[str] | NodeLayout | None, sandbox_id: str,
+                        network: bool | Sequence[str]) -> None:
+    """``Sandbox.set_network`` for a sandbox of this node made by any process
+    (``envbuild sandbox network``); ``SandboxNotFound`` if there is none by that id."""
+    policy = netns.parse_network(network) or netns.CLOSED  # bad entries: before anything
+    paths = _layout(node_dir).sandbox(sandbox_id)
+    if _read_meta(paths) is None:
+        raise SandboxNotFound(f"no sandbox {sandbox_id} on this host",
+                              hint="envbuild sandbox ls lists them")
+    netns.update(paths.root, policy)
+
+
+def remove_sandbox(node_dir: str | os.PathLike[str] | NodeLayout | None, sandbox_id: str,
+                   runtime: str = "runc") -> None:
+    """Kill, unmount and delete one sandbox, whoever created it; ``SandboxNotFound`` if the
+    node has no sandbox by that id."""
+    layout = _layout(node_dir)
+    paths = layout.sandbox(sandbox_id)
+    if not os.path.lexists(paths.root):
+        raise SandboxNotFound(f"no sandbox {sandbox_id} on this host",
+                              hint="envbuild sandbox ls lists them")
+    meta = _read_meta(paths) or {}
+    name = meta.get("backend", "container")
+    try:
+        impl = get_backend(name)
+    except BackendUnavailable:
+        impl = get_backend("container")  # an unknown record: at least its runc state goes
+    impl.remove(layout, sandbox_id, runtime)
+    if name != "container" and (layout.runc / sandbox_id).exists():  # whatever the record says
+        get_backend("container").remove(layout, sandbox_id, runtime)
+    remove_sandbox_dir(paths)
+    admission.Ledger(layout.node).release(admission.sandbox_key(sandbox_id))
+
+
+def layers_in_use(node_dir: str | os.PathLike[str] | NodeLayout | None) -> set[str]:
+    """Layer digests of the sandboxes on this host that are alive or kept: never evict those."""
+    in_use: set[str] = set()
+    for info in list_sandboxes(node_dir):
+        if info.alive or info.kept:
+            in_use.update(info.layers)
+    return in_use
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxRemoval:
+    """What ``sweep_sandboxes`` did with one sandbox: removed, or ``error`` (one line: the
+    cause, then the hint). ``reason`` is "orphaned" (its creator is gone) or "expired"."""
+
+    id: str
+    error: str | None = None
+    reason: str = "orphaned"
+
+    @property
+    def removed(self) -> bool:
+        return self.error is None
+
+
+def sweep_sandboxes(node_dir: str | os.PathLike[str] | NodeLayout | None = None,
+                    runtime: str = "runc", *, automatic: bool = False,
+                    now: float | None = None, dead_owner: int | None = None
+                    ) -> list[SandboxRemoval]:
+    """Try to remove every sandbox past its TTL, and every one whose creating process is gone
+    (a crash or kill -9) except kept ones; one that fails never stops the others. One
+    ``SandboxRemoval`` per sandbox. ``automatic`` (the sweep at each ``create``): only
+    sandboxes with a readable record are considered, since a dir without one may be a create
+    in progress; ``envbuild sandbox gc`` takes those too. ``dead_owner`` (a pid known to have
+    died at ``now``: ``runtime_shim.sdk.exitwatch``): only the sandboxes it created before then,
+    except kept ones. Each is removed with the runtime its record names, else ``runtime``."""
+    now = time.time() if now is None else now
+    done = []
+    for info in list_sandboxes(node_dir):
+        if automatic and info.lock == "?":
+            continue
+        if dead_owner is not None:
+            if info.pid != dead_owner or info.created > now or info.kept:
+                continue
+            reason = "orphaned"
+        elif info.expired(now):
+            reason = "expired"
+        elif info.alive or info.kept:
+            continue
+        else:
+            reason = "orphaned"
+        try:
+            remove_sandbox(node_dir, info.id, info.runtime or runtime)
+        except SandboxNotFound:
+            continue  # another sweep got there first
+        except RuntimeShimError as e:
+            done.append(SandboxRemoval(info.id, e.message + (f" — {e.hint}" if e.hint else ""),
+                                       reason))
+        except OSError as e:
+            done.append(SandboxRemoval(info.id, f"{e.strerror} ({e.filename or info.path})",
+                                       reason))
+        else:
+            done.append(SandboxRemoval(info.id, reason=reason))
+    return done
+
+
+def gc_sandboxes(node_dir: str | os.PathLike[str] | NodeLayout | None = None,
+                 runtime: str = "runc") -> list[str]:
+    """Remove expired sandboxes and those whose creating process is gone, except kept ones:
+    the ids removed. Every one is tried; if any could not be removed, ``RuntimeShimError``
+    afterwards names each with its cause (``sweep_sandboxes`` gives the outcomes instead)."""
+    done = sweep_sandboxes(node_dir, runtime)
+    failed = [r for r in done if not r.removed]
+    if failed:
+        raise RuntimeShimError(f"{len(failed)} sandbox(es) could not be removed "
+                               f"({len(done) - len(failed)} removed)",
+                               context="\n".join(f"{r.id}: {r.error}" for r in failed))
+    return [r.id for r in done]
