@@ -27,10 +27,10 @@ sys.path.insert(0, str(REPO))
 
 from _stats import meminfo, pct  # noqa: E402
 
-from runtime_shim.backends.fncall import FnPool  # noqa: E402
 from runtime_shim.isolation import cgroupfs  # noqa: E402
 from runtime_shim.node import reclaim  # noqa: E402
 from runtime_shim.node.model import Limits  # noqa: E402
+from runtime_shim.sdk.fnpool import FnPool  # noqa: E402
 from runtime_shim.sdk.sandbox import Sandbox  # noqa: E402
 
 MiB = 1 << 20

@@ -83,7 +83,7 @@ def worker(kind: str, count: int, store: str, node: str, seed: int, out: str) ->
             try:
                 if kind == "fncall":
                     if pool is None:
-                        from runtime_shim.backends.fncall import FnPool
+                        from runtime_shim.sdk.fnpool import FnPool
 
                         pool = FnPool(ENV, size=1, store=store, node_dir=node, limits=limits)
                     r = pool.call(_command(nonce), timeout=60)

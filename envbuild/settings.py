@@ -6,10 +6,6 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from runtime_shim.node.admission import BudgetSettings
 
 DEFAULT_STORE = "cache"
 DEFAULT_DEFS = "envdefs"
@@ -57,17 +53,10 @@ class Settings:
     trusted_sources: tuple[str, ...] = ()
     # Issue 34: the node's budget of host-wide tables and disk (runtime_shim.node.admission):
     # ENVBUILD_HOST_RESERVE, ENVBUILD_DISK_RESERVE, ENVBUILD_NODE_BUDGET, as given; parsed by
-    # ``admission`` where a build or sandbox needs it (a command that makes neither, such as
-    # ``envbuild layer ls``, must not import the runtime: tests/integration/test_cli_startup.py)
+    # ``BudgetSettings.from_env`` where a build or sandbox needs it (a command that makes
+    # neither, such as ``envbuild layer ls``, must not import the runtime:
+    # tests/integration/test_cli_startup.py; and settings sit below the runtime, never above)
     budget_env: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def admission(self) -> BudgetSettings:
-        """The node budget's settings (``runtime_shim.node.admission.BudgetSettings``); a bad value
-        is a ``SettingsError``."""
-        from runtime_shim.node.admission import BudgetSettings
-
-        return BudgetSettings.from_env(dict(self.budget_env))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -143,7 +132,7 @@ def check_trusted_sources(paths) -> tuple[str, ...]:
     return tuple(out)
 
 
-#: The environment variables of the node budget (``Settings.admission``).
+#: The environment variables of the node budget (``Settings.budget_env``).
 BUDGET_ENV = ("ENVBUILD_HOST_RESERVE", "ENVBUILD_DISK_RESERVE", "ENVBUILD_NODE_BUDGET")
 
 

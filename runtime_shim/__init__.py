@@ -48,7 +48,7 @@ __all__ = [
 _WHERE = {
     "AsyncSandbox": "runtime_shim.sdk.aio",
     "ExecResult": "runtime_shim.node.model",
-    "FnPool": "runtime_shim.backends.fncall",
+    "FnPool": "runtime_shim.sdk.fnpool",
     "Limits": "runtime_shim.node.model",
     "SandboxInfo": "runtime_shim.node.model",
     "Sandbox": "runtime_shim.sdk.sandbox",
@@ -74,9 +74,9 @@ if TYPE_CHECKING:
         SandboxStartError,
         SnapshotRefused,
     )
-    from runtime_shim.backends.fncall import FnPool
     from runtime_shim.node.model import ExecResult, Limits, SandboxInfo
     from runtime_shim.sdk.aio import AsyncSandbox
+    from runtime_shim.sdk.fnpool import FnPool
     from runtime_shim.sdk.sandbox import Sandbox, list_sandboxes
 
 

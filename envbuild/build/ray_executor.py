@@ -126,6 +126,7 @@ def node_context(settings: Settings, node_id: str) -> BuildContext:
     raylet leaves its mounts, loop disk, container and cgroups; the next task here undoes them;
     a look at the owner files, ~0.1 ms, when there is nothing to reap)."""
     from runtime_shim.isolation.runc import OciRuntime
+    from runtime_shim.node.admission import BudgetSettings
     from runtime_shim.node.layout import NodeLayout
     from runtime_shim.node.nodecache import NodeCache
 
@@ -147,7 +148,7 @@ def node_context(settings: Settings, node_id: str) -> BuildContext:
                        scratch_root=layout.builds, log_root=log_root,
                        source_date_epoch=settings.source_date_epoch,
                        disk_bytes=settings.build_disk_bytes, inodes=settings.build_inodes,
-                       admission=settings.admission,
+                       admission=BudgetSettings.from_env(dict(settings.budget_env)),
                        lease_ttl=settings.lease_ttl, lease_label=f"ray:{node_id}")
     sweep_stale_scratch(ctx.scratch_root, ctx.runtime)
     return ctx

@@ -39,6 +39,7 @@ class App:
         from envbuild.build.executor import BuildContext
         from envbuild.store import LocalStore
         from runtime_shim.isolation.runc import OciRuntime
+        from runtime_shim.node.admission import BudgetSettings
         from runtime_shim.node.layout import NodeLayout
         from runtime_shim.node.nodecache import NodeCache
 
@@ -57,7 +58,7 @@ class App:
                             source_date_epoch=self.settings.source_date_epoch,
                             disk_bytes=self.settings.build_disk_bytes,
                             inodes=self.settings.build_inodes,
-                            admission=self.settings.admission,
+                            admission=BudgetSettings.from_env(dict(self.settings.budget_env)),
                             lease_ttl=self.settings.lease_ttl)
 
     def run_build(self, project, ctx, targets, **kw):

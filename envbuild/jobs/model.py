@@ -5,7 +5,7 @@ launches. The schema is ``envbuild/defs/schema/jobmanifest.json``; ``envbuild.jo
 file against it (``FILE:LINE:COL`` errors with hints), pins it (``envbuild job resolve``) and
 verifies it against a store (``envbuild job verify``). This module is the model only: it
 imports nothing but ``envbuild.errors`` at module level, so the runtime shim
-(``runtime_shim.jobs``) reads manifests without loading definition or planning code::
+(``envbuild.jobs.start``) reads manifests without loading definition or planning code::
 
     apiVersion: envbuild/v1
     kind: JobManifest
@@ -32,7 +32,7 @@ manifest means the same sandboxes forever (and GC keeps them: ``envbuild gc --jo
 Defaults are written out in a resolved manifest, sizes as ``<n>KiB|MiB|GiB|TiB`` when exact.
 Resolving a resolved manifest gives the same manifest, byte for byte.
 
-SDK: ``runtime_shim.jobs.create_sandbox(group, store=..., node_dir=...)`` starts one sandbox
+SDK: ``envbuild.jobs.create_sandbox(group, store=..., node_dir=...)`` starts one sandbox
 of a resolved group (checking the lock still closes over the pinned layers), or pass the options yourself:
 ``Sandbox.create(group.lock, store=..., node_dir=..., **group.sandbox_options())``.
 """

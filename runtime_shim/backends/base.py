@@ -65,6 +65,9 @@ class CreateRequest:
     keep: bool = False
     seccomp: str | Mapping | None = None
     checkpointable: bool = False  # Checkpointable.checkpoint will be asked of it
+    # The processes come from this checkpoint image instead of a fresh start (containerd's
+    # CreateOpts.Checkpoint): the SDK calls ``Restorable.restore`` instead of ``create``.
+    restore: CheckpointImage | None = None
 
 
 @runtime_checkable
@@ -152,6 +155,26 @@ class Restorable(Protocol):
         ``image.record`` (``CheckpointRefused``); the isolation is that of a fresh sandbox of
         ``req`` (network, capabilities, seccomp, limits). On failure, undo what was made under
         ``req.paths.root`` as ``create`` does."""
+        ...
+
+    def restored_limits(self, image: CheckpointImage) -> Limits | None:
+        """The limits a restore of ``image`` gets when the caller names none (a microVM's
+        RAM is part of its image), or None for the defaults."""
+        ...
+
+
+@runtime_checkable
+class StatelessCalls(Protocol):
+    """A handle that serves stateless calls (``Sandbox.call``; the fncall backend): each in a
+    fresh writable layer, ``reset`` between them."""
+
+    def call(self, req: agent.ExecRequest, files: Mapping[str, bytes | str] | None = None
+             ) -> agent.ExecOutcome:
+        """``files`` (sandbox path → content) written into a fresh layer, then ``req`` run."""
+        ...
+
+    def reset(self) -> None:
+        """Make the sandbox as it was before any call."""
         ...
 
 

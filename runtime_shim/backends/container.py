@@ -343,6 +343,9 @@ class ContainerBackend:
     def create(self, req: CreateRequest) -> ContainerSandbox:
         return self._start(req, None)
 
+    def restored_limits(self, image: CheckpointImage) -> Limits | None:
+        return None  # a container's limits are not part of its image: the defaults
+
     def restore(self, req: CreateRequest, image: CheckpointImage) -> ContainerSandbox:
         """A sandbox of ``req`` whose processes come from ``image`` (``backend.Restorable``;
         ``runtime_shim.backends.criu``): checked against its record before anything starts."""

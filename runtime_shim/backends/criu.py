@@ -62,16 +62,28 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from envbuild.errors import BackendUnavailable, CheckpointRefused, RuntimeShimError
 from runtime_shim.backends.base import CheckpointImage
 
 if TYPE_CHECKING:
     from runtime_shim.backends.base import CreateRequest
-    from runtime_shim.backends.container import ContainerSandbox
     from runtime_shim.isolation.runc import OciRuntime
     from runtime_shim.node.layout import SandboxPaths
+    from runtime_shim.node.locks import ResolvedLock
+
+
+class ContainerSandbox(Protocol):
+    """What a checkpoint reads of a running container sandbox
+    (``runtime_shim.backends.container.ContainerSandbox``, which imports this module: a
+    protocol here, not an import back)."""
+
+    id: str
+    init_pid: int
+    lock: ResolvedLock
+    paths: SandboxPaths
+    runtime: OciRuntime
 
 RECORD_VERSION = 1
 IMAGE_KIND = "criu"

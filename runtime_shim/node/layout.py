@@ -11,6 +11,8 @@ host's, never shared between hosts::
     sandboxes/<id>/      one sandbox (``SandboxPaths``): sandbox.json, its disk, overlay, bundle
     runc/                the OCI runtime's state root (containers named by sandbox id)
     builds/              build scratch (``envbuild.build.executor``)
+    restores/<random>/   a checkpoint's memory image while it is restored (0700; removed once
+                         the processes run: ``runtime_shim.sdk.checkpoint.unpacked_image``)
     logs/                build step logs of a store that is not a directory
 
 Code that needs one of these paths asks a ``NodeLayout`` (or ``SandboxPaths``) for it instead
@@ -121,6 +123,10 @@ class NodeLayout:
     @property
     def logs(self) -> Path:
         return self.root / "logs"
+
+    @property
+    def restores(self) -> Path:
+        return self.root / "restores"
 
     def sandbox(self, sandbox_id: str) -> SandboxPaths:
         if not sandbox_id or "/" in sandbox_id or sandbox_id in (".", ".."):

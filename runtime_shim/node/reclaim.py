@@ -181,7 +181,7 @@ def reclaim_idle(node_dir: str | os.PathLike[str] | NodeLayout, policy: ReclaimP
                  = None, *, now: float | None = None) -> list[ReclaimResult]:
     """One pass of the node's policy over its live container and FnCall sandboxes: reclaim
     each idle one (module docstring). A sandbox seen for the first time is only recorded."""
-    from runtime_shim.sdk.sandbox import list_sandboxes
+    from runtime_shim.node.records import list_sandboxes
 
     layout = node_dir if isinstance(node_dir, NodeLayout) else NodeLayout(node_dir)
     policy = policy or ReclaimPolicy.for_node(layout)

@@ -22,10 +22,12 @@ call, the default capabilities and seccomp filter).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import time
-from collections.abc import Mapping
+import uuid
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +36,8 @@ from envbuild.store import Store, get_json, put_file, put_json
 from runtime_shim.backends.base import Checkpointable, CheckpointImage, Snapshottable
 
 if TYPE_CHECKING:
+    from runtime_shim.node.layout import NodeLayout, SandboxPaths
     from runtime_shim.node.locks import ResolvedLock
-    from runtime_shim.sdk.sandbox import Sandbox
 
 CHECKPOINT_VERSION = 1
 ANNOTATION_IMAGE = "org.envbuild.checkpoint.image"
@@ -75,22 +77,22 @@ class CheckpointResult:
         return out
 
 
-def take(sb: Sandbox, store: Store, *, publish: str | None, leave_running: bool
-         ) -> CheckpointResult:
-    """Checkpoint ``sb`` (see the module docstring); with ``leave_running=False`` it is closed
-    afterwards (its processes are gone)."""
+def take(handle: Any, *, sandbox_id: str, backend: str, lock: ResolvedLock, paths: SandboxPaths,
+         store: Store, publish: str | None, leave_running: bool) -> CheckpointResult:
+    """Checkpoint the running sandbox ``handle`` (its id, backend name, lock and dir given;
+    see the module docstring). With ``leave_running=False`` its processes are gone afterwards
+    and the caller closes it."""
     from envbuild.layers import pack_tree
     from runtime_shim.node import packdiff
 
-    handle = sb._backend
     if not isinstance(handle, Checkpointable) or not isinstance(handle, Snapshottable):
-        raise BackendUnavailable(f"checkpoint with memory is not supported by the {sb.backend} "
+        raise BackendUnavailable(f"checkpoint with memory is not supported by the {backend} "
                                  "backend", hint="sb.pack_diff() saves the files only")
     started = time.monotonic()
-    name = publish or sb.id
-    image_dir = sb.paths.root / IMAGE_DIR
-    snap = sb.paths.root / "checkpoint-files.tar.zst"
-    packed = sb.paths.root / "checkpoint-image.tar.zst"
+    name = publish or sandbox_id
+    image_dir = paths.root / IMAGE_DIR
+    snap = paths.root / "checkpoint-files.tar.zst"
+    packed = paths.root / "checkpoint-image.tar.zst"
     shutil.rmtree(image_dir, ignore_errors=True)
     try:
         with handle.quiesce():
@@ -105,8 +107,8 @@ def take(sb: Sandbox, store: Store, *, publish: str | None, leave_running: bool
         if stored.digest != info.digest:
             raise RuntimeShimError(f"snapshot stored as {stored.digest}, packed {info.digest}")
         put_file(store, packed)
-        record = {"version": CHECKPOINT_VERSION, "backend": sb.backend, "kind": image.kind,
-                  "lock": sb.lock.digest, "image": img_info.digest,
+        record = {"version": CHECKPOINT_VERSION, "backend": backend, "kind": image.kind,
+                  "lock": lock.digest, "image": img_info.digest,
                   "image_bytes": image.bytes, "dump_seconds": round(image.seconds, 3),
                   "backend_record": dict(image.record)}
         rec = put_json(store, record, media_type=MEDIA_TYPE_RECORD)
@@ -116,13 +118,11 @@ def take(sb: Sandbox, store: Store, *, publish: str | None, leave_running: bool
         shutil.rmtree(image_dir, ignore_errors=True)
     layer = {"digest": info.digest, "size": info.size, "diff_id": info.diff_id,
              "toc_digest": info.toc_digest, "name": name}
-    manifest, config = packdiff.derive_lock(sb.lock, [layer], keep=len(sb.lock.layers))
+    manifest, config = packdiff.derive_lock(lock, [layer], keep=len(lock.layers))
     manifest["annotations"] = {**manifest["annotations"], ANNOTATION_IMAGE: img_info.digest,
                                ANNOTATION_IMAGE_TOC: img_info.toc_digest,
                                ANNOTATION_RECORD: rec.digest}
     digest = packdiff.publish_lock(store, manifest, config, publish)
-    if not leave_running:
-        sb.close()
     return CheckpointResult(lock=digest, ref=publish, layer=info.digest, image=img_info.digest,
                             record=rec.digest, image_bytes=image.bytes,
                             image_stored=img_info.size, files_bytes=info.size,
@@ -174,22 +174,15 @@ def unpack_image(store: Store, lock: ResolvedLock, record: Mapping[str, Any], de
                            bytes=int(record.get("image_bytes") or 0))
 
 
-def restore_into(record: Mapping[str, Any], impl: Any, req: Any, store: Store,
-                 lock: ResolvedLock) -> Any:
-    """The handle of a sandbox of ``req`` restored by backend ``impl`` from the checkpoint
-    ``lock`` (its ``record`` read by ``read_record``); the unpacked image is deleted once the
-    processes run (nothing of it stays under the node dir)."""
-    from runtime_shim.backends.base import Restorable
-
-    if not isinstance(impl, Restorable):
-        raise BackendUnavailable(f"the {getattr(impl, 'name', impl)} backend cannot restore "
-                                 "a checkpoint with memory")
-    if record.get("backend") != getattr(impl, "name", None):
-        raise CheckpointRefused(f"checkpoint of a {record.get('backend')} sandbox: restore it "
-                                f"with backend={record.get('backend')!r}")
-    dest = req.paths.root / IMAGE_DIR
+@contextlib.contextmanager
+def unpacked_image(store: Store, lock: ResolvedLock, record: Mapping[str, Any],
+                   layout: NodeLayout) -> Iterator[CheckpointImage]:
+    """The memory image of the checkpoint ``lock`` (its ``record`` read by ``read_record``)
+    unpacked under the node's ``restores/`` dir for ``Sandbox.create(restore=...)``; deleted
+    on leaving (once the processes run, nothing of it stays under the node dir)."""
+    layout.restores.mkdir(mode=0o700, exist_ok=True)
+    dest = layout.restores / uuid.uuid4().hex
     try:
-        image = unpack_image(store, lock, record, dest)
-        return impl.restore(req, image)
+        yield unpack_image(store, lock, record, dest)
     finally:
         shutil.rmtree(dest, ignore_errors=True)

@@ -109,7 +109,7 @@ def main(owner: int) -> None:
         while chunk := os.read(stdin, 1 << 16):
             pending = _take_lines(pending + chunk, nodes)
     _take_lines(pending + b"\n", nodes)
-    from runtime_shim.sdk.sandbox import sweep_sandboxes
+    from runtime_shim.sdk.sweep import sweep_sandboxes
 
     for node in nodes:
         with contextlib.suppress(Exception):  # what fails stays for gc

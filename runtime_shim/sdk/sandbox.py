@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import heapq
-import json
 import logging
 import os
 import threading
@@ -37,7 +36,6 @@ import time
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 from envbuild.errors import (
     BackendUnavailable,
@@ -45,16 +43,18 @@ from envbuild.errors import (
     RuntimeShimError,
     SandboxClosed,
     SandboxNotFound,
-    StoreUnavailable,
 )
 from envbuild.store import Store, put_file
 from runtime_shim.backends.base import (
+    CheckpointImage,
     CreateRequest,
     Describable,
     HostCosted,
     MemoryReporting,
+    Restorable,
     SandboxHandle,
     Snapshottable,
+    StatelessCalls,
     get_backend,
     remove_sandbox_dir,
     undo_on_error,
@@ -63,55 +63,38 @@ from runtime_shim.isolation import agent, lifecycle, netns
 from runtime_shim.isolation import seccomp as seccomp_profiles
 from runtime_shim.isolation.spec import parse_user
 from runtime_shim.node import admission
-from runtime_shim.node.layout import NodeLayout, SandboxPaths, default_layout
+from runtime_shim.node.layout import NodeLayout, SandboxPaths
 from runtime_shim.node.locks import ResolvedLock, resolve
 from runtime_shim.node.model import DEFAULT_OUTPUT_CAP, ExecResult, Limits, SandboxInfo
 from runtime_shim.node.nodecache import NodeCache
+from runtime_shim.node.records import (
+    SANDBOX_META_VERSION,
+    StoreLike,
+    layers_in_use,
+    list_sandboxes,
+    node_layout,
+    open_store,
+    read_record,
+    released_on_error,
+    sandbox_info,
+    set_sandbox_network,
+    store_url,
+    write_record,
+)
 from runtime_shim.sdk import exitwatch
+from runtime_shim.sdk.sweep import SandboxRemoval, gc_sandboxes, remove_sandbox, sweep_sandboxes
 
 _log = logging.getLogger("envbuild.sandbox")
 
-__all__ = ["DEFAULT_OUTPUT_CAP", "ExecResult", "Limits", "Sandbox", "SandboxInfo", "SandboxPaths",
-           "gc_sandboxes", "list_sandboxes", "remove_sandbox", "remove_sandbox_dir",
-           "sweep_sandboxes"]
+# The node's records and sweeps are re-exported: this module is where the SDK's callers look.
+__all__ = ["DEFAULT_OUTPUT_CAP", "SANDBOX_META_VERSION", "ExecResult", "Limits", "Sandbox",
+           "SandboxInfo", "SandboxPaths", "SandboxRemoval", "StoreLike", "gc_sandboxes",
+           "layers_in_use", "list_sandboxes", "open_store", "remove_sandbox",
+           "remove_sandbox_dir", "set_sandbox_network", "sweep_sandboxes"]
 
-SANDBOX_META_VERSION = 1
 #: Snapshot layers a lock may end in before pack-diff squashes them into one.
 DEFAULT_MAX_CHAIN = 8
 BACKENDS = ("container", "microvm")  # the built-in ones (runtime_shim.backends.base.backend_names)
-
-StoreLike = Store | str | os.PathLike[str]
-
-
-def open_store(store: StoreLike | None) -> Store:
-    """A ``Store`` as is; a directory path or ``s3://`` URL through ``envbuild.store.open_store``
-    (``$ENVBUILD_S3_ENDPOINT`` as the CLI reads it); None: the CLI's store (``$ENVBUILD_STORE``,
-    else ``cache``)."""
-    if store is None:
-        from envbuild.settings import DEFAULT_STORE
-
-        store = os.environ.get("ENVBUILD_STORE") or DEFAULT_STORE
-    if isinstance(store, (str, os.PathLike)):
-        from envbuild.store import open_store as open_url
-
-        where = os.fspath(store)
-        try:   # never create a store to read it
-            return open_url(where, s3_endpoint=os.environ.get("ENVBUILD_S3_ENDPOINT"),
-                            create=False)
-        except StoreUnavailable as e:
-            if not e.message.startswith("no store at"):
-                raise
-            raise StoreUnavailable(e.message,
-                                   hint="build one with `envbuild build` (--store DIR), or pass "
-                                        "store= a Store, a directory or an s3:// URL") from None
-    return store
-
-
-def _layout(node_dir: str | os.PathLike[str] | NodeLayout | None) -> NodeLayout:
-    if node_dir is None:
-        return default_layout()
-    return node_dir if isinstance(node_dir, NodeLayout) else NodeLayout(node_dir)
-
 
 class Sandbox:
     """A running, isolated, disposable instance of a lock. Use as a context manager."""
@@ -136,9 +119,9 @@ class Sandbox:
         ``SandboxNotFound`` if there is none by that id, ``BackendUnavailable`` for a microVM
         (it lives only as long as its creator). Closing it removes it, as for one this process
         created. ``store`` (needed for pack-diff) defaults to the store it was created from."""
-        layout = _layout(node_dir)
+        layout = node_layout(node_dir)
         paths = layout.sandbox(sandbox_id)
-        meta = _read_meta(paths)
+        meta = read_record(paths)
         if meta is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id} on this host",
                                   hint="envbuild sandbox ls lists them")
@@ -227,7 +210,12 @@ class Sandbox:
         self._check_open()
         if self._store is None:
             raise RuntimeShimError("checkpoint needs the store the sandbox was created from")
-        return checkpoint.take(self, self._store, publish=publish, leave_running=leave_running)
+        made = checkpoint.take(self._backend, sandbox_id=self.id, backend=self.backend,
+                               lock=self.lock, paths=self.paths, store=self._store,
+                               publish=publish, leave_running=leave_running)
+        if not leave_running:
+            self.close()
+        return made
 
     @classmethod
     def restore(cls, checkpoint: str, *, store: StoreLike | None = None,
@@ -239,14 +227,17 @@ class Sandbox:
         the isolation of a fresh sandbox (``network``, ``limits`` as for ``create``). An image
         that does not match envbuild's record of it is refused (``CheckpointRefused``) and
         nothing is left."""
-        from runtime_shim.sdk.checkpoint import read_record
+        from runtime_shim.sdk import checkpoint as checkpoints
 
         opened = open_store(store)
         lock = resolve(opened, checkpoint)
-        record = read_record(opened, lock)
-        return cls.create(lock.digest, store=opened, node_dir=node_dir,
-                          backend=str(record.get("backend", "container")), network=network,
-                          limits=limits, runtime=runtime, ttl=ttl, _checkpoint=record)
+        record = checkpoints.read_record(opened, lock)
+        layout = node_layout(node_dir).ensure()
+        with checkpoints.unpacked_image(opened, lock, record, layout) as image:
+            return cls.create(lock.digest, store=opened, node_dir=layout,
+                              backend=str(record.get("backend", "container")),
+                              network=network, limits=limits, runtime=runtime, ttl=ttl,
+                              restore=image)
 
     def fork(self, n: int, *, network: bool | Sequence[str] = False,
              limits: Limits | None = None) -> list[Sandbox]:
@@ -286,7 +277,7 @@ class Sandbox:
         ttl: float | None = None,
         reap: bool = True,
         checkpointable: bool = False,
-        _checkpoint: Mapping | None = None,
+        restore: CheckpointImage | None = None,
     ) -> Sandbox:
         """Fetch what is missing, compose and start a sandbox of ``lock`` (digest or ref).
 
@@ -320,6 +311,11 @@ class Sandbox:
         ``checkpointable``: ``checkpoint`` / ``fork`` will be asked of it (container: its agent
         socket is made inside its network namespace, where CRIU can dump it).
 
+        ``restore``: the processes continue from this checkpoint image (unpacked on the host;
+        ``Sandbox.restore`` reads one from the store) instead of a fresh start; the backend
+        refuses an image that does not match its record. ``limits`` default to the image's
+        where the backend keeps them in it (a microVM's RAM).
+
         ``keep``: the sandbox outlives this process (``envbuild run --keep``; container only).
         ``ttl``: seconds after which the sandbox is removed if nobody closed it (see the module
         docstring). ``reap``: first remove the node's expired sandboxes and those whose
@@ -348,13 +344,20 @@ class Sandbox:
             impl.check(keep=keep, seccomp=seccomp, lazy=False)
         if ttl is not None and not ttl > 0:
             raise RuntimeShimError(f"ttl must be a positive number of seconds, not {ttl!r}")
+        restorer = None
+        if restore is not None:
+            if not isinstance(impl, Restorable):
+                raise BackendUnavailable(f"the {backend} backend cannot restore a checkpoint "
+                                         "with memory")
+            restorer = impl
+            limits = limits or impl.restored_limits(restore)
         limits = limits or Limits()
         # before any work: no pids limit is refused here
         want = impl.host_reservation(limits) if isinstance(impl, HostCosted) \
             else admission.reservation(limits)
         budget = admission.BudgetSettings.from_env(os.environ)
         opened = open_store(store)
-        layout = _layout(node_dir)
+        layout = node_layout(node_dir)
         resolved = resolve(opened, lock)  # before anything exists on disk
         layout.ensure()
         if reap:
@@ -387,15 +390,15 @@ class Sandbox:
         meta = {"version": SANDBOX_META_VERSION, "id": sandbox_id, "lock": resolved.digest,
                 "backend": backend, "pid": os.getpid(), "kept": keep, "created": created,
                 "layers": [layer.digest for layer in resolved.layers],
-                "store": _store_url(store if store is not None else opened), "ttl": ttl,
+                "store": store_url(store if store is not None else opened), "ttl": ttl,
                 "expires": expires, "ready": 0.0, "lazy": lazy_mode, "runtime": runtime}
         layout.sandboxes.mkdir(exist_ok=True)
         if not keep:  # removed if this process dies without closing it (SIGKILL)
             exitwatch.watch(layout.root)
         paths.root.mkdir()
         ledger = admission.Ledger(layout.node)
-        with _released_on_error(ledger, sandbox_id), undo_on_error(paths):
-            _write_meta(paths, meta)  # first: a dir with a live creator is never swept
+        with released_on_error(ledger, sandbox_id), undo_on_error(paths):
+            write_record(paths, meta)  # first: a dir with a live creator is never swept
             # after the dir exists: an entry whose path is gone may be dropped by another
             ledger.admit(admission.sandbox_key(sandbox_id), want, paths.root,
                          what=f"sandbox {sandbox_id}", settings=budget)
@@ -403,16 +406,13 @@ class Sandbox:
                 id=sandbox_id, paths=paths, layout=layout, lock=resolved,
                 layer_dirs=tuple(layer_dirs), node=node, network=policy, limits=limits,
                 runtime=runtime, keep=keep, seccomp=seccomp,
-                checkpointable=checkpointable or _checkpoint is not None)
-            if _checkpoint is None:
-                handle = impl.create(req)
-            else:  # Sandbox.restore: the processes come from a checkpoint's memory image
-                from runtime_shim.sdk.checkpoint import restore_into
-
-                handle = restore_into(_checkpoint, impl, req, opened, resolved)
+                checkpointable=checkpointable or restore is not None, restore=restore)
+            # restore: the processes come from a checkpoint's memory image
+            handle = impl.create(req) if restorer is None or restore is None \
+                else restorer.restore(req, restore)
             try:
                 details = dict(handle.describe()) if isinstance(handle, Describable) else {}
-                _write_meta(paths, {**meta, "ready": time.time(), "details": details})
+                write_record(paths, {**meta, "ready": time.time(), "details": details})
             except BaseException:
                 handle.close()
                 raise
@@ -445,14 +445,18 @@ class Sandbox:
              files: Mapping[str, bytes | str] | None = None, timeout: float | None = None,
              env: Mapping[str, str] | None = None, cwd: str | None = None,
              user: str | None = None) -> ExecResult:
-        """A stateless call (``backend="fncall"``, ``runtime_shim.backends.fncall``): ``files``
-        written, then ``argv`` run with ``stdin``, in a fresh writable layer; nothing of an
-        earlier call is visible to it."""
-        from runtime_shim.backends.fncall import call_in
-
+        """A stateless call (``backend="fncall"``, ``runtime_shim.backends.fncall``, or any
+        backend whose handle is ``StatelessCalls``): ``files`` written, then ``argv`` run
+        with ``stdin``, in a fresh writable layer; nothing of an earlier call is visible to it."""
         self._check_open()
-        return call_in(self, argv, stdin=stdin, files=files, timeout=timeout, env=env,
-                       cwd=cwd, user=user)
+        handle = self._backend
+        if not isinstance(handle, StatelessCalls):
+            raise BackendUnavailable(f"call() needs the fncall backend, not {self.backend}",
+                                     hint="Sandbox.create(..., backend='fncall'), or use exec()")
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        req = self._request(argv, timeout=timeout, env=env, cwd=cwd, user=user, stdin=data)
+        started = time.monotonic()
+        return self._result(handle.call(req, files), started, False)
 
     def _request(self, cmd: str | Sequence[str], *, timeout: float | None,
                  env: Mapping[str, str] | None, cwd: str | None, user: str | None,
@@ -491,10 +495,10 @@ class Sandbox:
         """This sandbox as its record says (id, backend, lock digest, created/ready times,
         node dir, TTL and expiry; ``memory`` from a backend that reports it:
         ``runtime_shim.node.reclaim`` for containers)."""
-        meta = _read_meta(self.paths)
+        meta = read_record(self.paths)
         if meta is None:
             raise SandboxClosed(f"sandbox {self.id} is gone", hint="it was closed or reaped")
-        info = _info(self.paths.root, meta, self._layout)
+        info = sandbox_info(self.paths.root, meta, self._layout)
         if isinstance(self._backend, MemoryReporting) and not self._closed:
             info = dataclasses.replace(info, memory=self._backend.memory())
         return info
@@ -509,7 +513,7 @@ class Sandbox:
             self._closed = True
         _REAPER.forget(self)
         lifecycle.untrack(self)
-        lazy = (_read_meta(self.paths) or {}).get("lazy")
+        lazy = (read_record(self.paths) or {}).get("lazy")
         try:
             self._backend.close()
         finally:
@@ -541,15 +545,6 @@ class Sandbox:
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.id} {self.backend} lock={self.lock.digest[:19]}>"
-
-
-def _store_url(store: StoreLike) -> str | None:
-    """What ``attach`` reopens the store from: the path or URL given, a LocalStore's root."""
-    if isinstance(store, (str, os.PathLike)):
-        value = os.fspath(store)
-        return value if "://" in value else os.path.abspath(value)
-    root = getattr(store, "root", None)  # a LocalStore; other stores are passed to attach
-    return os.path.abspath(root) if isinstance(root, (str, Path)) else None
 
 
 class _Reaper:
@@ -589,178 +584,3 @@ class _Reaper:
 _REAPER = _Reaper()
 
 
-@contextlib.contextmanager
-def _released_on_error(ledger: admission.Ledger, sandbox_id: str):
-    """Give back the sandbox's reservation if the block fails (its dir is removed first)."""
-    try:
-        yield
-    except BaseException:
-        with contextlib.suppress(OSError, RuntimeShimError):
-            ledger.release(admission.sandbox_key(sandbox_id))
-        raise
-
-
-def _write_meta(paths: SandboxPaths, meta: dict) -> None:
-    tmp = paths.root / "sandbox.json.tmp"
-    tmp.write_text(json.dumps(meta))
-    tmp.replace(paths.meta)
-
-
-def _read_meta(paths: SandboxPaths) -> dict | None:
-    try:
-        meta = json.loads(paths.meta.read_text())
-    except (OSError, ValueError):
-        return None
-    return meta if isinstance(meta, dict) else None
-
-
-def _info(path: Path, meta: dict, layout: NodeLayout) -> SandboxInfo:
-    pid = int(meta.get("pid", 0))
-    ttl = meta.get("ttl")
-    return SandboxInfo(id=path.name, lock=meta.get("lock", "?"), pid=pid,
-                       alive=_pid_alive(pid), kept=bool(meta.get("kept")),
-                       created=float(meta.get("created", 0.0)),
-                       layers=tuple(meta.get("layers", ())), path=path,
-                       backend=meta.get("backend", "container"),
-                       ready=float(meta.get("ready") or 0.0), node=str(layout.root),
-                       ttl=float(ttl) if ttl else None,
-                       expires=float(meta.get("expires") or 0.0),
-                       layer_transport=(meta.get("details") or {}).get("layer_transport"),
-                       lazy=str(meta.get("lazy") or ""), runtime=str(meta.get("runtime") or ""))
-
-
-def list_sandboxes(node_dir: str | os.PathLike[str] | NodeLayout | None = None
-                   ) -> list[SandboxInfo]:
-    """Every sandbox of a node (default: the CLI's node dir), of every backend, sorted by id;
-    a dir without a readable record is listed with ``lock="?"`` and pid 0."""
-    layout = _layout(node_dir)
-    found: list[SandboxInfo] = []
-    if not layout.sandboxes.is_dir():
-        return found
-    for d in sorted(layout.sandboxes.iterdir()):
-        found.append(_info(d, _read_meta(SandboxPaths(d)) or {}, layout))
-    return found
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def set_sandbox_network(node_dir: str | os.PathLike[str] | NodeLayout | None, sandbox_id: str,
-                        network: bool | Sequence[str]) -> None:
-    """``Sandbox.set_network`` for a sandbox of this node made by any process
-    (``envbuild sandbox network``); ``SandboxNotFound`` if there is none by that id."""
-    policy = netns.parse_network(network) or netns.CLOSED  # bad entries: before anything
-    paths = _layout(node_dir).sandbox(sandbox_id)
-    if _read_meta(paths) is None:
-        raise SandboxNotFound(f"no sandbox {sandbox_id} on this host",
-                              hint="envbuild sandbox ls lists them")
-    netns.update(paths.root, policy)
-
-
-def remove_sandbox(node_dir: str | os.PathLike[str] | NodeLayout | None, sandbox_id: str,
-                   runtime: str = "runc") -> None:
-    """Kill, unmount and delete one sandbox, whoever created it; ``SandboxNotFound`` if the
-    node has no sandbox by that id."""
-    layout = _layout(node_dir)
-    paths = layout.sandbox(sandbox_id)
-    if not os.path.lexists(paths.root):
-        raise SandboxNotFound(f"no sandbox {sandbox_id} on this host",
-                              hint="envbuild sandbox ls lists them")
-    meta = _read_meta(paths) or {}
-    name = meta.get("backend", "container")
-    try:
-        impl = get_backend(name)
-    except BackendUnavailable:
-        impl = get_backend("container")  # an unknown record: at least its runc state goes
-    impl.remove(layout, sandbox_id, runtime)
-    if name != "container" and (layout.runc / sandbox_id).exists():  # whatever the record says
-        get_backend("container").remove(layout, sandbox_id, runtime)
-    remove_sandbox_dir(paths)
-    admission.Ledger(layout.node).release(admission.sandbox_key(sandbox_id))
-
-
-def layers_in_use(node_dir: str | os.PathLike[str] | NodeLayout | None) -> set[str]:
-    """Layer digests of the sandboxes on this host that are alive or kept: never evict those."""
-    in_use: set[str] = set()
-    for info in list_sandboxes(node_dir):
-        if info.alive or info.kept:
-            in_use.update(info.layers)
-    return in_use
-
-
-@dataclasses.dataclass(frozen=True)
-class SandboxRemoval:
-    """What ``sweep_sandboxes`` did with one sandbox: removed, or ``error`` (one line: the
-    cause, then the hint). ``reason`` is "orphaned" (its creator is gone) or "expired"."""
-
-    id: str
-    error: str | None = None
-    reason: str = "orphaned"
-
-    @property
-    def removed(self) -> bool:
-        return self.error is None
-
-
-def sweep_sandboxes(node_dir: str | os.PathLike[str] | NodeLayout | None = None,
-                    runtime: str = "runc", *, automatic: bool = False,
-                    now: float | None = None, dead_owner: int | None = None
-                    ) -> list[SandboxRemoval]:
-    """Try to remove every sandbox past its TTL, and every one whose creating process is gone
-    (a crash or kill -9) except kept ones; one that fails never stops the others. One
-    ``SandboxRemoval`` per sandbox. ``automatic`` (the sweep at each ``create``): only
-    sandboxes with a readable record are considered, since a dir without one may be a create
-    in progress; ``envbuild sandbox gc`` takes those too. ``dead_owner`` (a pid known to have
-    died at ``now``: ``runtime_shim.sdk.exitwatch``): only the sandboxes it created before then,
-    except kept ones. Each is removed with the runtime its record names, else ``runtime``."""
-    now = time.time() if now is None else now
-    done = []
-    for info in list_sandboxes(node_dir):
-        if automatic and info.lock == "?":
-            continue
-        if dead_owner is not None:
-            if info.pid != dead_owner or info.created > now or info.kept:
-                continue
-            reason = "orphaned"
-        elif info.expired(now):
-            reason = "expired"
-        elif info.alive or info.kept:
-            continue
-        else:
-            reason = "orphaned"
-        try:
-            remove_sandbox(node_dir, info.id, info.runtime or runtime)
-        except SandboxNotFound:
-            continue  # another sweep got there first
-        except RuntimeShimError as e:
-            done.append(SandboxRemoval(info.id, e.message + (f" — {e.hint}" if e.hint else ""),
-                                       reason))
-        except OSError as e:
-            done.append(SandboxRemoval(info.id, f"{e.strerror} ({e.filename or info.path})",
-                                       reason))
-        else:
-            done.append(SandboxRemoval(info.id, reason=reason))
-    return done
-
-
-def gc_sandboxes(node_dir: str | os.PathLike[str] | NodeLayout | None = None,
-                 runtime: str = "runc") -> list[str]:
-    """Remove expired sandboxes and those whose creating process is gone, except kept ones:
-    the ids removed. Every one is tried; if any could not be removed, ``RuntimeShimError``
-    afterwards names each with its cause (``sweep_sandboxes`` gives the outcomes instead)."""
-    done = sweep_sandboxes(node_dir, runtime)
-    failed = [r for r in done if not r.removed]
-    if failed:
-        raise RuntimeShimError(f"{len(failed)} sandbox(es) could not be removed "
-                               f"({len(done) - len(failed)} removed)",
-                               context="\n".join(f"{r.id}: {r.error}" for r in failed))
-    return [r.id for r in done]

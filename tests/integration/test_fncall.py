@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from envbuild.errors import BackendUnavailable
-from runtime_shim.backends.fncall import FnPool
 from runtime_shim.isolation import cgroupfs
 from runtime_shim.isolation.mount import mounted_targets_under
 from runtime_shim.isolation.runc import OciRuntime, list_containers
+from runtime_shim.sdk.fnpool import FnPool
 from runtime_shim.sdk.sandbox import Sandbox
 from tests.integration.conftest import build_busybox_env
 

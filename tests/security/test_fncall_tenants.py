@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime_shim.backends.fncall import FnPool
 from runtime_shim.node.model import Limits
+from runtime_shim.sdk.fnpool import FnPool
 from runtime_shim.sdk.sandbox import Sandbox
 from tests.conftest import require_tool
 

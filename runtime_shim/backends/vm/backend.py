@@ -106,10 +106,7 @@ from runtime_shim.isolation import (
 from runtime_shim.isolation.mount import unmount
 from runtime_shim.isolation.spec import parse_user
 from runtime_shim.node.admission import (
-    BudgetSettings,
-    Ledger,
     Reservation,
-    sandbox_key,
     vm_reservation,
 )
 from runtime_shim.node.layout import NodeLayout, SandboxPaths
@@ -701,6 +698,11 @@ class MicroVmBackend:
         return MicroVmSandbox(req.id, req.paths.root, req.lock, req.node, req.layer_dirs,
                               network=req.network, limits=req.limits)
 
+    def restored_limits(self, image: CheckpointImage) -> Limits | None:
+        """The checkpointed VM's RAM: its devices must match the image's."""
+        record = ckpt.VmCheckpoint.from_record(image.record)
+        return Limits(memory_bytes=int(record.model["memory_mib"]) << 20)
+
     def restore(self, req: CreateRequest, image: CheckpointImage) -> MicroVmSandbox:
         """A new sandbox (``req``, as for ``create``) continuing from ``image`` (kind
         ``qemu``, ``MicroVmSandbox.checkpoint``; ``runtime_shim.backends.base.Restorable``): no
@@ -750,55 +752,3 @@ def _is_qemu(pid: int, root: Path) -> bool:
     except OSError:
         return False
     return str(root).encode() in cmdline
-
-
-def restore_sandbox(image: CheckpointImage, *, store, node_dir=None, limits=None,
-                    network: bool | Sequence[str] = False):
-    """A ``runtime_shim.sdk.sandbox.Sandbox`` continuing the microVM checkpoint ``image``
-    (``MicroVmSandbox.checkpoint``; its ``record`` is envbuild's own), on the node
-    ``node_dir``: the same steps as ``Sandbox.create`` (resolve the record's lock, fetch its
-    layers, make the sandbox's dir and record) with ``MicroVmBackend.restore`` instead of a
-    boot. ``limits`` default to the checkpoint's RAM; they and ``network`` must match the
-    checkpointed VM's devices or the restore is refused (nothing left behind)."""
-    import uuid
-
-    from runtime_shim.backends.base import get_backend, undo_on_error
-    from runtime_shim.node.locks import resolve
-    from runtime_shim.node.model import Limits
-    from runtime_shim.sdk import sandbox as sdk
-
-    policy = netns.parse_network(network)
-    record = ckpt.VmCheckpoint.from_record(image.record)
-    opened = sdk.open_store(store)
-    layout = sdk._layout(node_dir)
-    lock = resolve(opened, record.lock)
-    layout.ensure()
-    node = NodeCache(layout.node)
-    layer_dirs = tuple(str(node.ensure(opened, layer.digest, layer.toc_digest,
-                                       media_type=layer.media_type)) for layer in lock.layers)
-    limits = limits or Limits(memory_bytes=int(record.model["memory_mib"]) << 20)
-    sandbox_id = f"eb-{uuid.uuid4().hex[:12]}"
-    paths = layout.sandbox(sandbox_id)
-    meta = {"version": sdk.SANDBOX_META_VERSION, "id": sandbox_id, "lock": lock.digest,
-            "backend": "microvm", "pid": os.getpid(), "kept": False, "created": time.time(),
-            "layers": [layer.digest for layer in lock.layers],
-            "store": sdk._store_url(store), "ttl": None, "expires": 0.0, "ready": 0.0}
-    layout.sandboxes.mkdir(exist_ok=True)
-    paths.root.mkdir()
-    ledger = Ledger(layout.node)
-    with sdk._released_on_error(ledger, sandbox_id), undo_on_error(paths):
-        sdk._write_meta(paths, meta)
-        ledger.admit(sandbox_key(sandbox_id), vm_reservation(limits), paths.root,
-                     what=f"sandbox {sandbox_id}", settings=BudgetSettings.from_env(os.environ))
-        backend = get_backend("microvm")
-        assert isinstance(backend, MicroVmBackend)
-        handle = backend.restore(CreateRequest(
-            id=sandbox_id, paths=paths, layout=layout, lock=lock, layer_dirs=layer_dirs,
-            node=node, network=policy, limits=limits), image)
-        try:
-            sdk._write_meta(paths, {**meta, "ready": time.time(), "details": handle.describe(),
-                                    "restored_from": record.files[ckpt.MEMORY_FILE].sha256})
-        except BaseException:
-            handle.close()
-            raise
-    return sdk.Sandbox(sandbox_id, lock, paths, handle, layout, opened, backend_name="microvm")
