@@ -315,7 +315,7 @@ def bug(message: str) -> AssertionError:
     """An invariant was violated: envbuild itself is wrong. Raise the returned error."""
     import platform  # only for this message: keeps it out of every CLI start-up
 
-    from envbuild import __version__
+    from envbuild._version import __version__
 
     return AssertionError(
         f"{message}\nthis is a bug in envbuild {__version__} "
