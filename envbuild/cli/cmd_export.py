@@ -3,11 +3,10 @@ outside envbuild (``envbuild.export``)."""
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from envbuild.cli.main import App, pass_app
+from envbuild.cli.output import echo_json
 
 
 def register(group: click.Group) -> None:
@@ -32,11 +31,9 @@ def register(group: click.Group) -> None:
         store = app.open_store()
         report = export_lock(store, ExportRequest(resolve_ref(store, ref), target, compression))
         if as_json:
-            click.echo(json.dumps({"target": report.target, "tag": report.tag,
-                                   "manifest": report.manifest_digest,
-                                   "compression": report.compression,
-                                   "reencoded": report.reencoded,
-                                   "layers": [list(p) for p in report.layers],
-                                   "bytes": report.bytes_written}, indent=1))
+            echo_json({"target": report.target, "tag": report.tag,
+                       "manifest": report.manifest_digest, "compression": report.compression,
+                       "reencoded": report.reencoded, "layers": [list(p) for p in report.layers],
+                       "bytes": report.bytes_written})
         else:
             click.echo(report.summary())

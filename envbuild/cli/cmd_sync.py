@@ -5,19 +5,17 @@ Refs are published last, only after everything they point to is in the destinati
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from envbuild.cli.main import App, pass_app
+from envbuild.cli.output import echo_json
 
 
 def _render(report, as_json: bool) -> None:
     if as_json:
-        click.echo(json.dumps({"refs": report.refs, "blobs_copied": report.blobs_copied,
-                               "bytes_copied": report.bytes_copied,
-                               "blobs_present": report.blobs_present,
-                               "records_copied": report.records_copied}, indent=1))
+        echo_json({"refs": report.refs, "blobs_copied": report.blobs_copied,
+                   "bytes_copied": report.bytes_copied, "blobs_present": report.blobs_present,
+                   "records_copied": report.records_copied})
         return
     for name, digest in report.refs.items():
         click.echo(f"{name} {digest}")
