@@ -164,18 +164,10 @@ def build(app: App, names: tuple[str, ...], jobs: int | None, no_cache: bool,
     output = StepOutput() if verbose else None
     ctx.on_output = output
     # Streamed lines and a live rich display would garble each other: plain lines then.
-    use_rich = sys.stderr.isatty() and not as_json and not verbose
-    progress = RichProgress() if use_rich else PlainProgress()
-
-    def run():
-        return app.run_build(project, ctx, names or None, jobs=jobs or app.settings.jobs,
-                             no_cache=no_cache, progress=progress)
-
-    if use_rich:
-        with progress:
-            report = run()
-    else:
-        report = run()
+    rich = RichProgress() if sys.stderr.isatty() and not as_json and not verbose else None
+    with rich if rich is not None else contextlib.nullcontext():
+        report = app.run_build(project, ctx, names or None, jobs=jobs or app.settings.jobs,
+                               no_cache=no_cache, progress=rich or PlainProgress())
     if output is not None:
         output.flush()
     return _print_report(report, as_json)

@@ -58,7 +58,8 @@ def _section(cmd: click.Command, ctx: click.Context) -> list[str]:
     if args:
         lines += ["Arguments: " + ", ".join(f"`{a}`" for a in args), ""]
     if isinstance(cmd, click.Group):
-        subs = [n for n in cmd.list_commands(ctx) if not cmd.get_command(ctx, n).hidden]
+        subs = [n for n in cmd.list_commands(ctx)
+                if (sub := cmd.get_command(ctx, n)) is not None and not sub.hidden]
         lines += ["Commands: " + ", ".join(f"`{n}`" for n in subs), ""]
     help_option = cmd.get_help_option(ctx)  # the same on every command: in the header
     options = [r for p in cmd.get_params(ctx) if isinstance(p, click.Option)

@@ -53,6 +53,26 @@ def test_sandbox_and_node_json(cli):
     r = cli("run", "--keep", "busybox-shell", "true")
     assert r.code == 0, r.err
     sid = re.search(r"sandbox (eb-\S+) kept", r.err).group(1)
+    try:
+        _ls_and_rm(cli, sid)
+    finally:  # a failed assertion leaves no kept sandbox (and its mounts) behind
+        from runtime_shim.sandbox import list_sandboxes, remove_sandbox
+
+        if any(s.id == sid for s in list_sandboxes(cli.node)):
+            remove_sandbox(cli.node, sid)
+    r = cli("sandbox", "gc", "--json")
+    assert (r.code, r.json()) == (0, {"removed": [], "failed": []})
+    layers = cli("node", "ls", "--json").json()["layers"]
+    r = cli("node", "gc", "--json", "--max-size", "0")
+    assert r.code == 0, r.err
+    doc = r.json()
+    assert set(doc) == {"evicted", "budget", "in_use", "scratch_removed"}
+    assert sorted(doc["evicted"]) == sorted(u["digest"] for u in layers)
+    assert (doc["budget"], doc["in_use"]) == (0, [])
+    assert cli("node", "ls", "--json").json()["layers"] == []
+
+
+def _ls_and_rm(cli, sid: str) -> None:
     doc = cli("sandbox", "ls", "--json").json()
     [mine] = [s for s in doc["sandboxes"] if s["id"] == sid]
     assert set(mine) == {"id", "backend", "state", "lock", "pid", "alive", "kept", "created",
@@ -73,16 +93,6 @@ def test_sandbox_and_node_json(cli):
     assert [f["id"] for f in doc["failed"]] == ["eb-0123456789ab"]
     assert "no sandbox eb-0123456789ab" in doc["failed"][0]["error"]
     assert cli("sandbox", "ls", "--json").json() == {"sandboxes": []}
-
-    r = cli("sandbox", "gc", "--json")
-    assert (r.code, r.json()) == (0, {"removed": [], "failed": []})
-    r = cli("node", "gc", "--json", "--max-size", "0")
-    assert r.code == 0, r.err
-    doc = r.json()
-    assert set(doc) == {"evicted", "budget", "in_use", "scratch_removed"}
-    assert sorted(doc["evicted"]) == sorted(u["digest"] for u in node["layers"])
-    assert (doc["budget"], doc["in_use"]) == (0, [])
-    assert cli("node", "ls", "--json").json()["layers"] == []
 
 
 def test_run_with_the_fncall_backend(cli):
