@@ -139,11 +139,14 @@ def register(group: click.Group) -> None:
 @click.command("graph")
 @click.option("--format", "fmt", type=click.Choice(["text", "dot", "json"]), default="text",
               show_default=True, help="Aligned text, Graphviz dot, or JSON.")
-def graph_cmd(fmt: str) -> None:
+@json_option("The same as --format json.")
+def graph_cmd(fmt: str, as_json: bool) -> None:
     """Print the definition DAG, dependencies first."""
     from envbuild.plan.graph import check_tree
 
-    render_graph(check_tree(_app().settings.defs_dir), fmt)
+    if as_json and fmt == "dot":
+        raise click.UsageError("--json prints JSON, --format dot prints dot: give one")
+    render_graph(check_tree(_app().settings.defs_dir), "json" if as_json else fmt)
 
 
 @click.command("plan")

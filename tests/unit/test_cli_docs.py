@@ -7,8 +7,13 @@ import difflib
 
 import click
 
+import runtime_shim.backend  # noqa: F401  (see below)
 from envbuild.cli import docgen
 from envbuild.cli.main import cli
+
+# ``--backend``'s metavar lists runtime_shim.backend's registry, and importing that module
+# imports envbuild.safefs, whose libc lookup (ctypes.util.find_library) runs ldconfig: done
+# here, at collection, not inside a test where tests/unit/conftest.py refuses subprocesses.
 
 
 def test_docs_cli_md_is_up_to_date():

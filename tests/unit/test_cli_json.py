@@ -30,7 +30,7 @@ base: b
 
 #: Every command that lists or reports, by its path: each takes --json.
 REPORTING = [
-    ("validate",), ("plan",), ("explain",), ("build",), ("lock",), ("check",),
+    ("validate",), ("graph",), ("plan",), ("explain",), ("build",), ("lock",), ("check",),
     ("pack-diff",), ("squash",), ("export",), ("push",), ("pull",), ("gc",),
     ("sandbox", "ls"), ("sandbox", "rm"), ("sandbox", "gc"), ("node", "ls"), ("node", "gc"),
     ("job", "verify"), ("job", "run"),
@@ -71,6 +71,15 @@ def test_validate_json_is_the_tree_and_its_counts(tree, capsys):
     assert json.loads(capsys.readouterr().out) == {
         "ok": True, "root": "envdefs", "definitions": 2,
         "kinds": {"Base": 1, "Workspace": 0, "Toolkit": 0, "Env": 1}}
+
+
+def test_graph_json_is_format_json(tree, capsys):
+    assert main(["graph", "--format", "json"]) == 0
+    want = capsys.readouterr().out
+    assert json.loads(want)["generations"] == [["b"], ["e"]]
+    assert main(["graph", "--json"]) == 0
+    assert capsys.readouterr().out == want
+    assert main(["graph", "--json", "--format", "dot"]) == 2
 
 
 def test_a_json_command_that_fails_prints_no_json_and_its_usual_error_lines(tree, capsys):
