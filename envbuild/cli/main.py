@@ -14,6 +14,7 @@ import importlib
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -170,8 +171,9 @@ def cli(ctx: click.Context, store_url: str | None, defs_dir: Path | None,
         settings = dataclasses.replace(settings, store_url=store_url)
     if defs_dir is not None:
         settings = dataclasses.replace(settings, defs_dir=defs_dir)
-    overrides = {k: v for k, v in (("s3_endpoint", s3_endpoint), ("cache_from", cache_from),
-                                   ("cache_to", cache_to)) if v is not None}
+    overrides: dict[str, Any] = {
+        k: v for k, v in (("s3_endpoint", s3_endpoint), ("cache_from", cache_from),
+                          ("cache_to", cache_to)) if v is not None}
     if overrides:
         settings = dataclasses.replace(settings, **overrides)
     if registry_insecure:
