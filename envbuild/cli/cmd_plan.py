@@ -51,9 +51,9 @@ def render_graph(graph: EnvGraph, fmt: str) -> None:
     gens = graph.generations()
     if fmt == "json":
         echo_json({"nodes": [{"name": n, "kind": graph[n].kind,
-                               "depends_on": list(graph.dependencies(n))}
-                              for gen in gens for n in gen],
-                    "generations": gens})
+                              "depends_on": list(graph.dependencies(n))}
+                             for gen in gens for n in gen],
+                   "generations": gens})
     elif fmt == "dot":
         click.echo("digraph envbuild {\n  rankdir=BT;")
         for gen in gens:
