@@ -2,8 +2,9 @@
 
 One boundary maps errors to exit codes: an ``EnvbuildError`` prints its one-line cause (and
 hint) and exits 1; anything else is a bug and exits 2 with a traceback. Each command module
-(``cmd_*.py``) defines ``register(group)`` and keeps its commands to parse → one library call →
-render.
+(``cmd_*.py``) defines its commands as module-level click commands, keeps each to parse → one
+library call → render, and adds them to the group in ``register(group)``. Options more than one
+module takes are in ``options``; every ``--json`` prints through ``output.echo_json``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import importlib
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -86,8 +88,9 @@ COMMAND_MODULES: dict[str, str] = {
     "validate": "cmd_defs",
     "graph": "cmd_plan", "plan": "cmd_plan", "explain": "cmd_plan",
     "build": "cmd_build", "lock": "cmd_build",
-    "run": "cmd_run", "check": "cmd_run", "pack-diff": "cmd_run", "squash": "cmd_run",
-    "sandbox": "cmd_run", "node": "cmd_run",
+    "run": "cmd_run", "check": "cmd_run",
+    "pack-diff": "cmd_snapshot", "squash": "cmd_snapshot",
+    "sandbox": "cmd_sandbox", "node": "cmd_node",
     "layer": "cmd_layer",
     "push": "cmd_sync", "pull": "cmd_sync",
     "job": "cmd_jobs", "gc": "cmd_jobs",
@@ -169,8 +172,9 @@ def cli(ctx: click.Context, store_url: str | None, defs_dir: Path | None,
         settings = dataclasses.replace(settings, store_url=store_url)
     if defs_dir is not None:
         settings = dataclasses.replace(settings, defs_dir=defs_dir)
-    overrides = {k: v for k, v in (("s3_endpoint", s3_endpoint), ("cache_from", cache_from),
-                                   ("cache_to", cache_to)) if v is not None}
+    overrides: dict[str, Any] = {
+        k: v for k, v in (("s3_endpoint", s3_endpoint), ("cache_from", cache_from),
+                          ("cache_to", cache_to)) if v is not None}
     if overrides:
         settings = dataclasses.replace(settings, **overrides)
     if registry_insecure:

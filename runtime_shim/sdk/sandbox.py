@@ -94,7 +94,6 @@ __all__ = ["DEFAULT_OUTPUT_CAP", "SANDBOX_META_VERSION", "ExecResult", "Limits",
 
 #: Snapshot layers a lock may end in before pack-diff squashes them into one.
 DEFAULT_MAX_CHAIN = 8
-BACKENDS = ("container", "microvm")  # the built-in ones (runtime_shim.backends.base.backend_names)
 
 class Sandbox:
     """A running, isolated, disposable instance of a lock. Use as a context manager."""

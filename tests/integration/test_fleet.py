@@ -465,9 +465,18 @@ def test_cli_job_run_and_fleet_commands(clean, env, tmp_path, capsys):
     assert code == 0 and out.strip() == f"removed {first}"
     code, out, _ = cli("fleet", "rm", "eb-0123456789ab@ffffffffffff", "--address", address)
     assert code == 1 and "not of this cluster" in out
+    second = sorted(ids)[1]
+    code, out, _ = cli("fleet", "rm", second, "eb-0123456789ab@ffffffffffff", "--address",
+                       address, "--json")
+    doc = json.loads(out)
+    assert code == 1 and doc["removed"] == [second]
+    assert [f["id"] for f in doc["failed"]] == ["eb-0123456789ab@ffffffffffff"]
+    assert "not of this cluster" in doc["failed"][0]["error"]
     assert cli("fleet", "gc", "--address", address)[0] == 0
-    code, out, _ = cli("fleet", "rm", "--all", "--address", address)
-    assert code == 0 and len(out.splitlines()) == 4
+    code, out, _ = cli("fleet", "gc", "--address", address, "--json")
+    assert (code, json.loads(out)) == (0, {"removed": []})
+    code, out, _ = cli("fleet", "rm", "--all", "--address", address, "--json")
+    assert code == 0 and len(json.loads(out)["removed"]) == 3
     code, out, _ = cli("fleet", "ls", "--address", address)
     assert code == 0 and out == ""
 
