@@ -40,6 +40,7 @@ __all__ = [
     "SandboxCompromised",
     "SandboxInfo",
     "SandboxNotFound",
+    "SandboxOptions",
     "SandboxStartError",
     "SnapshotRefused",
     "list_sandboxes",
@@ -52,6 +53,7 @@ _WHERE = {
     "Limits": "runtime_shim.node.model",
     "SandboxInfo": "runtime_shim.node.model",
     "Sandbox": "runtime_shim.sdk.sandbox",
+    "SandboxOptions": "runtime_shim.sdk.options",
     "list_sandboxes": "runtime_shim.sdk.sandbox",
     **{name: "envbuild.errors" for name in (
         "AdmissionRefused", "BackendUnavailable", "CheckpointRefused", "ExecTimeout",
@@ -77,6 +79,7 @@ if TYPE_CHECKING:
     from runtime_shim.node.model import ExecResult, Limits, SandboxInfo
     from runtime_shim.sdk.aio import AsyncSandbox
     from runtime_shim.sdk.fnpool import FnPool
+    from runtime_shim.sdk.options import SandboxOptions
     from runtime_shim.sdk.sandbox import Sandbox, list_sandboxes
 
 

@@ -36,6 +36,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from envbuild.errors import (
     BackendUnavailable,
@@ -46,12 +47,9 @@ from envbuild.errors import (
 )
 from envbuild.store import Store, put_file
 from runtime_shim.backends.base import (
-    CheckpointImage,
     CreateRequest,
     Describable,
-    HostCosted,
     MemoryReporting,
-    Restorable,
     SandboxHandle,
     Snapshottable,
     StatelessCalls,
@@ -59,8 +57,7 @@ from runtime_shim.backends.base import (
     remove_sandbox_dir,
     undo_on_error,
 )
-from runtime_shim.isolation import agent, lifecycle, netns
-from runtime_shim.isolation import seccomp as seccomp_profiles
+from runtime_shim.isolation import agent, lifecycle
 from runtime_shim.isolation.spec import parse_user
 from runtime_shim.node import admission
 from runtime_shim.node.layout import NodeLayout, SandboxPaths
@@ -82,6 +79,7 @@ from runtime_shim.node.records import (
     write_record,
 )
 from runtime_shim.sdk import exitwatch
+from runtime_shim.sdk.options import CreatePlan, SandboxOptions, plan_create
 from runtime_shim.sdk.sweep import SandboxRemoval, gc_sandboxes, remove_sandbox, sweep_sandboxes
 
 _log = logging.getLogger("envbuild.sandbox")
@@ -260,165 +258,43 @@ class Sandbox:
         return children
 
     @classmethod
-    def create(
-        cls,
-        lock: str,
-        *,
-        store: StoreLike | None = None,
-        node_dir: str | os.PathLike[str] | NodeLayout | None = None,
-        backend: str = "container",
-        network: bool | Sequence[str] = False,
-        limits: Limits | None = None,
-        runtime: str = "runc",
-        keep: bool = False,
-        lazy: bool | str = False,
-        seccomp: str | Mapping | None = None,
-        ttl: float | None = None,
-        reap: bool = True,
-        checkpointable: bool = False,
-        restore: CheckpointImage | None = None,
-    ) -> Sandbox:
-        """Fetch what is missing, compose and start a sandbox of ``lock`` (digest or ref).
+    def create(cls, lock: str, options: SandboxOptions | None = None, /, *,
+               store: StoreLike | None = None,
+               node_dir: str | os.PathLike[str] | NodeLayout | None = None,
+               **fields: Any) -> Sandbox:
+        """Fetch what is missing, compose and start a sandbox of ``lock`` (digest or ref) as
+        ``options`` say (``SandboxOptions``, or its fields as keyword arguments:
+        ``backend=``, ``network=``, ``limits=``, ``ttl=``, ``lazy=`` …).
 
         ``store``: a ``Store``, a directory path or an ``s3://BUCKET/PREFIX`` URL (default: the
         CLI's, ``$ENVBUILD_STORE``, else the ``cache`` dir). ``node_dir``: this host's node
         cache, by default the CLI's (``$ENVBUILD_NODE_CACHE``, else
-        ``envbuild.settings.default_node_dir``). The lock is resolved before anything is
-        created on disk: a wrong ref raises ``LockNotFound`` and leaves nothing behind.
-
-        ``lazy``: instead of unpacking the layers, mount each one read-only with FUSE, served
-        from ``store`` file by file on first read (``runtime_shim.lazyfs``); ``store`` must be
-        one another process can open (a directory or S3). ``lazy="auto"`` (the fleet's
-        default): lazy when the node's lazy daemon can serve the layers, else a full pull (a
-        warning says why; ``info().lazy`` is ``""`` then); ``lazy=True`` fails with one line
-        instead. ``info().lazy`` says how a lazy sandbox's reads are served: ``"passthrough"``
-        (the kernel reads fetched files natively), ``"passthrough+meta"`` (and the files the
-        node already had are opened without the daemon: ``runtime_shim.lazyfs.metalayer``) or
-        ``"fuse"`` (the fallback: every read through the daemon).
-
-        ``seccomp``: None for the default syscall filter (``runtime_shim.isolation.seccomp``),
-        ``"unconfined"`` for none, or a full OCI ``linux.seccomp`` object (checked here). A
-        microVM is bounded by its guest kernel, not a filter: it takes None or "unconfined".
-
-        ``network``: False for none; True for egress to the public internet through the
-        sandbox's own namespace and user-mode NAT (the host, private ranges such as RFC 1918,
-        CGNAT and link-local, and ``$ENVBUILD_NETWORK_REFUSE`` unreachable); a list of
-        ``CIDR[:PORT]`` for egress to those only, private ones included, plus ``"public"`` for
-        the public internet too (``runtime_shim.isolation.netns``). ``set_network`` changes it while the
-        sandbox runs.
-
-        ``checkpointable``: ``checkpoint`` / ``fork`` will be asked of it (container: its agent
-        socket is made inside its network namespace, where CRIU can dump it).
-
-        ``restore``: the processes continue from this checkpoint image (unpacked on the host;
-        ``Sandbox.restore`` reads one from the store) instead of a fresh start; the backend
-        refuses an image that does not match its record. ``limits`` default to the image's
-        where the backend keeps them in it (a microVM's RAM).
-
-        ``keep``: the sandbox outlives this process (``envbuild run --keep``; container only).
-        ``ttl``: seconds after which the sandbox is removed if nobody closed it (see the module
-        docstring). ``reap``: first remove the node's expired sandboxes and those whose
-        creating process died (not kept ones).
-
-        Admission (``runtime_shim.node.admission``): the sandbox's worst case of host-wide tables
-        (``limits.pids × limits.nofile`` open files, ``pids`` tasks, ``disk_bytes`` of disk)
-        is reserved in the node's ledger before its disk is made, and given back when it is
-        closed or removed; a sandbox that would exceed the node's budget raises
-        ``AdmissionRefused`` naming the budget, and nothing is left.
+        ``envbuild.settings.default_node_dir``). The options are checked and the lock resolved
+        before anything is created on disk: a wrong ref raises ``LockNotFound`` and leaves
+        nothing behind.
 
         Errors: ``LockNotFound``, ``StoreUnavailable`` (no store at that path),
         ``BackendUnavailable`` (unknown backend, a request it cannot honour, its runtime
         missing), ``AdmissionRefused``, ``SandboxStartError``, else ``RuntimeShimError``."""
-        policy = netns.parse_network(network)  # bad entries fail before anything is made
-        impl = get_backend(backend)
-        seccomp_profiles.check_setting(seccomp)
-        if lazy not in (False, True, "auto"):
-            raise RuntimeShimError(f"lazy must be False, True or 'auto', not {lazy!r}")
-        try:
-            impl.check(keep=keep, seccomp=seccomp, lazy=bool(lazy))
-        except BackendUnavailable:
-            if lazy != "auto":
-                raise
-            lazy = False  # auto: this backend cannot run lazy layers, pull them in full
-            impl.check(keep=keep, seccomp=seccomp, lazy=False)
-        if ttl is not None and not ttl > 0:
-            raise RuntimeShimError(f"ttl must be a positive number of seconds, not {ttl!r}")
-        restorer = None
-        if restore is not None:
-            if not isinstance(impl, Restorable):
-                raise BackendUnavailable(f"the {backend} backend cannot restore a checkpoint "
-                                         "with memory")
-            restorer = impl
-            limits = limits or impl.restored_limits(restore)
-        limits = limits or Limits()
-        # before any work: no pids limit is refused here
-        want = impl.host_reservation(limits) if isinstance(impl, HostCosted) \
-            else admission.reservation(limits)
-        budget = admission.BudgetSettings.from_env(os.environ)
+        opts = SandboxOptions.of(options, fields)
+        plan = plan_create(opts)
         opened = open_store(store)
         layout = node_layout(node_dir)
         resolved = resolve(opened, lock)  # before anything exists on disk
         layout.ensure()
-        if reap:
-            sweep_sandboxes(layout, runtime, automatic=True)
+        if opts.reap:
+            sweep_sandboxes(layout, opts.runtime, automatic=True)
         node = NodeCache(layout.node)
-        layer_dirs: list[str] | None = None
-        lazy_mode = ""
-        if lazy:  # lazy mode: FUSE mounts instead of unpacked layers
-            from runtime_shim.lazyfs import lazy_layer_dirs
-            from runtime_shim.lazyfs.control import daemon_mode
-
-            try:
-                layer_dirs = lazy_layer_dirs(node, opened, resolved.layers, resolved.env,
-                                             resolved.cmd)
-                lazy_mode = daemon_mode(node.root) or "fuse"
-                if any(d.startswith(f"{node.root}/meta/") for d in layer_dirs):
-                    lazy_mode += "+meta"
-            except RuntimeShimError as e:
-                if lazy != "auto":
-                    raise
-                _log.warning("lazy='auto': %s; pulling the layers in full instead", e.message)
-        if layer_dirs is None:
-            layer_dirs = [str(node.ensure(opened, layer.digest, layer.toc_digest,
-                                          media_type=layer.media_type))
-                          for layer in resolved.layers]
-        sandbox_id = f"eb-{uuid.uuid4().hex[:12]}"
-        paths = layout.sandbox(sandbox_id)
-        created = time.time()
-        expires = created + ttl if ttl else 0.0
-        meta = {"version": SANDBOX_META_VERSION, "id": sandbox_id, "lock": resolved.digest,
-                "backend": backend, "pid": os.getpid(), "kept": keep, "created": created,
-                "layers": [layer.digest for layer in resolved.layers],
-                "store": store_url(store if store is not None else opened), "ttl": ttl,
-                "expires": expires, "ready": 0.0, "lazy": lazy_mode, "runtime": runtime}
-        layout.sandboxes.mkdir(exist_ok=True)
-        if not keep:  # removed if this process dies without closing it (SIGKILL)
-            exitwatch.watch(layout.root)
-        paths.root.mkdir()
-        ledger = admission.Ledger(layout.node)
-        with released_on_error(ledger, sandbox_id), undo_on_error(paths):
-            write_record(paths, meta)  # first: a dir with a live creator is never swept
-            # after the dir exists: an entry whose path is gone may be dropped by another
-            ledger.admit(admission.sandbox_key(sandbox_id), want, paths.root,
-                         what=f"sandbox {sandbox_id}", settings=budget)
-            req = CreateRequest(
-                id=sandbox_id, paths=paths, layout=layout, lock=resolved,
-                layer_dirs=tuple(layer_dirs), node=node, network=policy, limits=limits,
-                runtime=runtime, keep=keep, seccomp=seccomp,
-                checkpointable=checkpointable or restore is not None, restore=restore)
-            # restore: the processes come from a checkpoint's memory image
-            handle = impl.create(req) if restorer is None or restore is None \
-                else restorer.restore(req, restore)
-            try:
-                details = dict(handle.describe()) if isinstance(handle, Describable) else {}
-                write_record(paths, {**meta, "ready": time.time(), "details": details})
-            except BaseException:
-                handle.close()
-                raise
-        sb = cls(sandbox_id, resolved, paths, handle, layout, opened, backend_name=backend)
-        if not keep:
+        layer_dirs, lazy_mode = _layer_dirs(node, opened, resolved, plan.lazy)
+        record = {"lock": resolved.digest, "backend": opts.backend, "kept": opts.keep,
+                  "layers": [layer.digest for layer in resolved.layers],
+                  "store": store_url(store if store is not None else opened), "ttl": opts.ttl,
+                  "lazy": lazy_mode, "runtime": opts.runtime}
+        handle, paths, expires = _start(layout, node, resolved, layer_dirs, opts, plan, record)
+        sb = cls(paths.id, resolved, paths, handle, layout, opened, backend_name=opts.backend)
+        if not opts.keep:
             lifecycle.track(sb)  # closed at this process's exit if nobody closes it
-        if ttl:
+        if opts.ttl:
             _REAPER.watch(sb, expires)
         return sb
 
@@ -544,6 +420,67 @@ class Sandbox:
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.id} {self.backend} lock={self.lock.digest[:19]}>"
+
+
+def _layer_dirs(node: NodeCache, store: Store, lock: ResolvedLock, lazy: bool | str
+                ) -> tuple[list[str], str]:
+    """The lower dirs of ``lock``'s layers, bottom first, and how they are served: lazy FUSE
+    mounts (``runtime_shim.lazyfs``; ``"auto"`` falls back to a full pull with a warning), or
+    the node cache's unpacked dirs (``""``)."""
+    if lazy:
+        from runtime_shim.lazyfs import lazy_layer_dirs
+        from runtime_shim.lazyfs.control import daemon_mode
+
+        try:
+            dirs = lazy_layer_dirs(node, store, lock.layers, lock.env, lock.cmd)
+            mode = daemon_mode(node.root) or "fuse"
+            if any(d.startswith(f"{node.root}/meta/") for d in dirs):
+                mode += "+meta"
+            return dirs, mode
+        except RuntimeShimError as e:
+            if lazy != "auto":
+                raise
+            _log.warning("lazy='auto': %s; pulling the layers in full instead", e.message)
+    return [str(node.ensure(store, layer.digest, layer.toc_digest, media_type=layer.media_type))
+            for layer in lock.layers], ""
+
+
+def _start(layout: NodeLayout, node: NodeCache, lock: ResolvedLock, layer_dirs: list[str],
+           opts: SandboxOptions, plan: CreatePlan, record: dict
+           ) -> tuple[SandboxHandle, SandboxPaths, float]:
+    """Make the sandbox's dir and record, reserve its share of the node, and have the backend
+    start (or restore) it; on any failure, nothing of it is left. Returns its handle, paths
+    and expiry (0: none)."""
+    sandbox_id = f"eb-{uuid.uuid4().hex[:12]}"
+    paths = layout.sandbox(sandbox_id)
+    created = time.time()
+    meta = {"version": SANDBOX_META_VERSION, "id": sandbox_id, "pid": os.getpid(),
+            "created": created, "expires": created + opts.ttl if opts.ttl else 0.0,
+            "ready": 0.0, **record}
+    layout.sandboxes.mkdir(exist_ok=True)
+    if not opts.keep:  # removed if this process dies without closing it (SIGKILL)
+        exitwatch.watch(layout.root)
+    paths.root.mkdir()
+    ledger = admission.Ledger(layout.node)
+    with released_on_error(ledger, sandbox_id), undo_on_error(paths):
+        write_record(paths, meta)  # first: a dir with a live creator is never swept
+        # after the dir exists: an entry whose path is gone may be dropped by another
+        ledger.admit(admission.sandbox_key(sandbox_id), plan.reservation, paths.root,
+                     what=f"sandbox {sandbox_id}", settings=plan.budget)
+        req = CreateRequest(
+            id=sandbox_id, paths=paths, layout=layout, lock=lock, layer_dirs=tuple(layer_dirs),
+            node=node, network=plan.network, limits=plan.limits, runtime=opts.runtime,
+            keep=opts.keep, seccomp=opts.seccomp, restore=opts.restore,
+            checkpointable=opts.checkpointable or opts.restore is not None)
+        handle = plan.impl.create(req) if plan.restorer is None or opts.restore is None \
+            else plan.restorer.restore(req, opts.restore)
+        try:
+            details = dict(handle.describe()) if isinstance(handle, Describable) else {}
+            write_record(paths, {**meta, "ready": time.time(), "details": details})
+        except BaseException:
+            handle.close()
+            raise
+    return handle, paths, meta["expires"]
 
 
 class _Reaper:

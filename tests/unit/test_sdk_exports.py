@@ -12,7 +12,7 @@ EXPECTED = {
     "ExecTimeout",
     "FnPool", "Limits", "LockNotFound", "RuntimeShimError", "Sandbox", "SandboxClosed",
     "SandboxCompromised", "SandboxInfo",
-    "SandboxNotFound", "SandboxStartError", "SnapshotRefused", "list_sandboxes",
+    "SandboxNotFound", "SandboxOptions", "SandboxStartError", "SnapshotRefused", "list_sandboxes",
 }
 
 

@@ -12,6 +12,7 @@ from envbuild.errors import (
     ExecTimeout,
     LockNotFound,
     RefNotFound,
+    RuntimeShimError,
     SandboxClosed,
     SandboxNotFound,
 )
@@ -270,3 +271,16 @@ def test_exit_hook_closes_what_this_process_did_not_close_but_kept_ones(fake, st
     assert lifecycle.exiting()
     assert {s.id for s in list_sandboxes(node)} == {kept.id}
     kept.close()
+
+
+def test_create_takes_one_options_value_or_its_fields(tmp_path):
+    """``Sandbox.create(lock, SandboxOptions(...))`` and keyword fields are the same request;
+    an unknown option is one clear error before anything is made."""
+    from runtime_shim import SandboxOptions
+
+    opts = SandboxOptions(ttl=30)
+    assert SandboxOptions.of(opts, {"keep": True}) == SandboxOptions(ttl=30, keep=True)
+    assert SandboxOptions.of(None, {}) == SandboxOptions()
+    with pytest.raises(RuntimeShimError, match="unknown sandbox option") as e:
+        SandboxOptions.of(None, {"tll": 30})
+    assert "ttl" in (e.value.hint or "")
