@@ -51,8 +51,8 @@ def all_modules() -> dict[str, Path]:
 
 
 def imported_modules(path: Path) -> Iterator[tuple[int, str]]:
-    """(line, module) for every import in ``path``; ``from a import b`` yields ``a`` and
-    ``a.b`` (``b`` may be a submodule)."""
+    """(line, name) for every import in ``path``: ``import a.b`` yields ``a.b``; ``from a
+    import b`` yields ``a.b`` (a submodule, or a name that ``resolve`` maps to ``a``)."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     return imports_in(path.read_bytes(), package)
@@ -70,7 +70,6 @@ def imports_in(source: bytes | str, package: str) -> Iterator[tuple[int, str]]:
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
-            yield node.lineno, module
             for alias in node.names:
                 yield node.lineno, f"{module}.{alias.name}"
 

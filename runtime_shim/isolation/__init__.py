@@ -18,3 +18,58 @@ The bottom of ``runtime_shim``: it imports nothing of the layers above (``node``
 - ``fncall_ns``  the namespaces each FnCall call runs in
 - ``lifecycle``  what becomes of a process's sandboxes when it exits
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from envbuild._lazy import lazy_exports
+
+# The surface the rest of envbuild (the build's executor, the private dockerd) uses; its
+# modules ``cpuclass``, ``netns`` and ``scratchfs`` are public as a whole. Imported on first use.
+_EXPORTS = {
+    **{name: "runtime_shim.isolation.mount" for name in (
+        "OverlaySpec", "mount_overlay", "mounted_targets_under", "unmount")},
+    **{name: "runtime_shim.isolation.runc" for name in (
+        "OciRuntime", "destroy", "list_containers", "run_container", "write_bundle")},
+    **{name: "runtime_shim.isolation.spec" for name in (
+        "BindMount", "RuntimeSpecRequest", "clamped_rlimit", "env_list", "parse_user",
+        "runtime_spec")},
+    **{name: "runtime_shim.isolation.stub" for name in (
+        "CA_ENV_VARS", "HOST_CA_PATH", "ensure_stub", "host_ca_bundle")},
+    "copy_capped": "runtime_shim.isolation.scratchfs",
+}
+__all__ = sorted([*_EXPORTS, "cpuclass", "netns", "scratchfs"])
+
+if TYPE_CHECKING:
+    from runtime_shim.isolation import cpuclass, netns, scratchfs  # noqa: F401
+    from runtime_shim.isolation.mount import (  # noqa: F401
+        OverlaySpec,
+        mount_overlay,
+        mounted_targets_under,
+        unmount,
+    )
+    from runtime_shim.isolation.runc import (  # noqa: F401
+        OciRuntime,
+        destroy,
+        list_containers,
+        run_container,
+        write_bundle,
+    )
+    from runtime_shim.isolation.scratchfs import copy_capped  # noqa: F401
+    from runtime_shim.isolation.spec import (  # noqa: F401
+        BindMount,
+        RuntimeSpecRequest,
+        clamped_rlimit,
+        env_list,
+        parse_user,
+        runtime_spec,
+    )
+    from runtime_shim.isolation.stub import (  # noqa: F401
+        CA_ENV_VARS,
+        HOST_CA_PATH,
+        ensure_stub,
+        host_ca_bundle,
+    )
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
