@@ -27,6 +27,7 @@ from envbuild._lazy import lazy_exports
 __all__ = [
     "AdmissionRefused",
     "AsyncSandbox",
+    "AsyncSandboxAPI",
     "BackendUnavailable",
     "CheckpointRefused",
     "ExecResult",
@@ -36,6 +37,7 @@ __all__ = [
     "LockNotFound",
     "RuntimeShimError",
     "Sandbox",
+    "SandboxAPI",
     "SandboxClosed",
     "SandboxCompromised",
     "SandboxInfo",
@@ -54,6 +56,8 @@ _WHERE = {
     "SandboxInfo": "runtime_shim.node.model",
     "Sandbox": "runtime_shim.sdk.sandbox",
     "SandboxOptions": "runtime_shim.sdk.options",
+    "SandboxAPI": "runtime_shim.sdk.protocol",
+    "AsyncSandboxAPI": "runtime_shim.sdk.protocol",
     "list_sandboxes": "runtime_shim.sdk.sandbox",
     **{name: "envbuild.errors" for name in (
         "AdmissionRefused", "BackendUnavailable", "CheckpointRefused", "ExecTimeout",
@@ -80,6 +84,7 @@ if TYPE_CHECKING:
     from runtime_shim.sdk.aio import AsyncSandbox
     from runtime_shim.sdk.fnpool import FnPool
     from runtime_shim.sdk.options import SandboxOptions
+    from runtime_shim.sdk.protocol import AsyncSandboxAPI, SandboxAPI
     from runtime_shim.sdk.sandbox import Sandbox, list_sandboxes
 
 

@@ -8,9 +8,9 @@ import runtime_shim.sdk.aio  # noqa: F401  (imported at collection: safefs loads
 from envbuild import errors
 
 EXPECTED = {
-    "AdmissionRefused", "AsyncSandbox", "BackendUnavailable", "CheckpointRefused", "ExecResult",
-    "ExecTimeout",
-    "FnPool", "Limits", "LockNotFound", "RuntimeShimError", "Sandbox", "SandboxClosed",
+    "AdmissionRefused", "AsyncSandbox", "AsyncSandboxAPI", "BackendUnavailable",
+    "CheckpointRefused", "ExecResult", "ExecTimeout",
+    "FnPool", "Limits", "LockNotFound", "RuntimeShimError", "Sandbox", "SandboxAPI", "SandboxClosed",
     "SandboxCompromised", "SandboxInfo",
     "SandboxNotFound", "SandboxOptions", "SandboxStartError", "SnapshotRefused", "list_sandboxes",
 }
