@@ -9,7 +9,7 @@ import dataclasses
 import hashlib
 import io
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, BinaryIO, Final
 
 from envbuild.canonical import canonical_json, load_json
@@ -227,6 +227,12 @@ class VerifyingReader(io.RawIOBase):
         self._hash = hashlib.sha256()
         self._count = 0
         self._verified = False
+        self._watchers: list[Callable[[int], None]] = []
+
+    def watch(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(n)`` with the number of bytes of each read from now on (progress
+        meters: ``envbuild.store.progress.TransferMeter``)."""
+        self._watchers.append(callback)
 
     def readable(self) -> bool:
         return True
@@ -247,6 +253,8 @@ class VerifyingReader(io.RawIOBase):
             return 0
         self._hash.update(chunk)
         self._count += n
+        for watcher in self._watchers:
+            watcher(n)
         if self._size is not None and self._count >= self._size:
             # Verify as soon as the promised size arrived: callers that read exactly ``size``
             # bytes never see EOF. A byte beyond it is a mismatch in itself.
