@@ -36,7 +36,7 @@ ROOMS: tuple[tuple[str, ...], ...] = (
     ("envbuild", "envbuild.oci", "envbuild.canonical", "envbuild.safefs", "envbuild._lazy"),
     ("envbuild.settings",),
     ("envbuild.errors",),
-    ("envbuild._version",),
+    ("envbuild._version", "envbuild.libc"),
 )
 
 def module_name(path: Path) -> str:

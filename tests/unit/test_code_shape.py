@@ -28,7 +28,6 @@ KNOWN = {
     'envbuild/build/ray_executor.py:run_layer',  # build
     'envbuild/build/scheduler.py:run_dag',  # build
     'envbuild/cli/cmd_layer.py:register',  # layers
-    'envbuild/jobs/verify.py:verify_job_manifest',  # lead
     'envbuild/layers/_reader.py:__init__',  # layers
     'envbuild/layers/_reader.py:iter_frames',  # layers
     'envbuild/layers/_unpack.py',  # layers
