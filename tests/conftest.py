@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -75,17 +76,31 @@ _running_tier: list[str] = []
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    outer = list(_running_tier)  # a test that runs pytest in-process (tests/unit/test_tiers.py)
     _running_tier[:] = tiers_of(item)
     try:
         return (yield)
     finally:
-        _running_tier.clear()
+        _running_tier[:] = outer
 
 
 def _refuse_in_fast_tier(need: str) -> None:
     if _running_tier == ["fast"]:
         pytest.fail(f"a fast-tier test needs {need}: it belongs in the integration tier "
                     "(mark the test or its module `integration`, docs/testing.md)", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_runs_no_program(request: pytest.FixtureRequest) -> None:
+    """A fast-tier test runs no program (no real tools): starting one fails it. (A forked
+    Python, ``multiprocessing``'s fork context, is no program.)"""
+    if tiers_of(request.node) == ["fast"]:
+        def refuse(*args, **kwargs):
+            raise AssertionError("a fast-tier test must not start programs: it belongs in the "
+                                 "integration tier (mark the test or its module `integration`, "
+                                 "docs/testing.md)")
+
+        request.getfixturevalue("monkeypatch").setattr(subprocess.Popen, "__init__", refuse)
 
 
 def require_tool(name: str) -> str:

@@ -107,6 +107,7 @@ def test_unknown_envbuild_artifact_version_is_refused_by_name(store):
     assert "ref.v9" in e.value.message and "upgrade" in e.value.hint
 
 
+@pytest.mark.integration  # starts the real docker-registry
 def test_deletes_disabled_in_the_registry(tmp_path):
     with running_registry(tmp_path / "reg", deletes=False) as reg:
         store = RegistryStore(reg.url("unit/nodelete"), auth_paths=[])
