@@ -12,8 +12,10 @@ it belongs in ``integration``.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -91,16 +93,38 @@ def _refuse_in_fast_tier(need: str) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _fast_tier_runs_no_program(request: pytest.FixtureRequest) -> None:
-    """A fast-tier test runs no program (no real tools): starting one fails it. (A forked
-    Python, ``multiprocessing``'s fork context, is no program.)"""
-    if tiers_of(request.node) == ["fast"]:
-        def refuse(*args, **kwargs):
-            raise AssertionError("a fast-tier test must not start programs: it belongs in the "
-                                 "integration tier (mark the test or its module `integration`, "
-                                 "docs/testing.md)")
+def _fast_tier_guard(request: pytest.FixtureRequest) -> None:
+    """A fast-tier test runs no program (no real tools) and connects nowhere but loopback (no
+    network): either fails it. (A forked Python, ``multiprocessing``'s fork context, is no
+    program; a server the test runs on 127.0.0.1 in a thread is no network.)"""
+    if tiers_of(request.node) != ["fast"]:
+        return
+    monkeypatch = request.getfixturevalue("monkeypatch")
 
-        request.getfixturevalue("monkeypatch").setattr(subprocess.Popen, "__init__", refuse)
+    def refuse(what: str) -> AssertionError:
+        return AssertionError(f"a fast-tier test must not {what}: it belongs in the integration "
+                              "tier (mark the test or its module `integration`, docs/testing.md)")
+
+    def no_program(*args, **kwargs):
+        raise refuse("start programs")
+
+    def loopback_only(real):
+        def connect(sock: socket.socket, address, *args):
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and not _loopback(address[0]):
+                raise refuse(f"connect to {address[0]} (loopback only)")
+            return real(sock, address, *args)
+        return connect
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", no_program)
+    for name in ("connect", "connect_ex"):
+        monkeypatch.setattr(socket.socket, name, loopback_only(getattr(socket.socket, name)))
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def require_tool(name: str) -> str:

@@ -1,6 +1,6 @@
 """The test tiers (docs/testing.md, tests/conftest.py): every test is in exactly one, from its
 directory or its own mark, and a run with a test in none or in two stops at collection; a
-fast-tier test that asks for root, a tool or a program fails.
+fast-tier test that asks for root or a tool, starts a program or connects beyond loopback fails.
 
 Each case runs pytest in-process (``pytester``) on a small tree of its own whose conftest uses
 the real tier code of tests/conftest.py with its own directory table."""
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import (  # noqa: F401  (hooks and fixtures registered by name)
-    _fast_tier_runs_no_program, assign_tiers, pytest_runtest_protocol, tier_error)
+    _fast_tier_guard, assign_tiers, pytest_runtest_protocol, tier_error)
 
 
 def pytest_configure(config):
@@ -89,15 +89,17 @@ def test_a_test_in_two_tiers_stops_the_run_naming_both(tree):
     ("from tests.conftest import require_root\n    require_root()", "needs root"),
     ("from tests.conftest import require_tool\n    require_tool('runc')", "needs the tool 'runc'"),
     ("import subprocess\n    subprocess.run(['true'])", "must not start programs"),
+    ("import socket\n    socket.create_connection(('192.0.2.1', 80), timeout=5)",
+     "must not connect to 192.0.2.1 (loopback only)"),
 ])
-def test_a_fast_test_that_needs_root_a_tool_or_a_program_fails(tree, body, need):
+def test_a_fast_test_that_needs_root_or_a_tool_starts_a_program_or_connects_out_fails(tree, body, need):
     _write(tree, "quick/test_a.py", f"def test_greedy():\n    {body}\n")
     _write(tree, "real/test_b.py", f"def test_allowed():\n    {body}\n")
     result = tree.runpytest("-q", "quick/test_a.py")
     result.assert_outcomes(failed=1)
     assert f"a fast-tier test {need}" in result.stdout.str()
     assert "integration tier" in result.stdout.str()
-    if "subprocess" not in body:  # (this test is fast itself: it cannot start one either)
+    if "require" in body:  # (this test is fast itself: it cannot start or connect either)
         # the same code in the integration tier passes the guard (then fails without root)
         result = tree.runpytest("-q", "real/test_b.py")
         assert "fast-tier" not in result.stdout.str()
