@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
 
 
 #: The tiers, each a marker (pyproject.toml [tool.pytest.ini_options] says what each means).
