@@ -47,9 +47,11 @@ fresh() { [ -f "$1" ] && [ ! pyproject.toml -nt "$1" ]; }
 install_venv() {  # $1: the extras, $2: the stamp that says they are installed
   local python=${PYTHON:-python3}
   if [ ! -x .venv/bin/python ]; then
+    command -v "$python" >/dev/null || {
+      echo "setup: no $python on PATH (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
     "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || {
-      echo "setup: envbuild needs Python >= 3.11; $python is $("$python" --version 2>&1)" \
-           "(set PYTHON=/path/to/python3.11)" >&2; exit 1; }
+      echo "setup: envbuild needs Python >= 3.11; $python is" \
+           "$("$python" --version 2>&1 | head -1) (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
     echo "setup: creating .venv with $("$python" --version)"
     "$python" -m venv .venv
   fi
