@@ -126,7 +126,7 @@ def test_not_a_registry(tmp_path):
     import threading
 
     server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
     try:
         with pytest.raises(StoreUnavailable, match="is not an OCI registry"):
             RegistryStore(f"docker://127.0.0.1:{server.server_port}/x", auth_paths=[])
