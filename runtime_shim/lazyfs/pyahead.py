@@ -481,13 +481,13 @@ def _read(fs: Any, node: Any, path: str | None, limit: int = pydeps.MAX_PYC) -> 
 
 def _trace(todo: list[tuple[Any, Any]], after: Any) -> None:
     """``$ENVBUILD_LAZY_OPEN_TRACE``: one ``predict`` line per predicted file."""
-    from runtime_shim.lazyfs import passthrough
+    from runtime_shim.lazyfs import passthrough_open
 
-    if passthrough._TRACE is None:
+    if passthrough_open._TRACE is None:
         return
     import time
 
-    with passthrough._trace_lock, open(passthrough._TRACE, "a") as f:
+    with passthrough_open._trace_lock, open(passthrough_open._TRACE, "a") as f:
         for ops, n in todo:
             f.write(f"{time.monotonic():.6f} 0 predict {ops.lazy_layer.digest[7:19]} {n.size} "
                     f"{n.read_path} <- {after.read_path}\n")
