@@ -99,7 +99,7 @@ class _LazyOperations:
         nodes = self.lazy_nodes
         key = path.strip("/")
         node = self._node_at(key)
-        if not node.is_dir:
+        if node.children is None:   # not a directory
             raise self._error(errno.ENOTDIR)
         parent = nodes[key.rpartition("/")[0]] if key else node
         yield ".", {"st_mode": node.mode, "st_ino": node.ino}, 0
