@@ -1,7 +1,9 @@
-"""The node daemon's fetches ahead of the readers: a program's loader files (its ELF
-interpreter and libraries, ``elfdeps``), a new stack's start-up files and the lock's command
-(``startup``), the Python start-up files predicted at create (``pyahead``), each mount's
-import index (``pyindex``), and when the tar-order readahead follows a file fetched ahead."""
+"""The node daemon's fetches ahead of the readers: loader files, start-up files, commands.
+
+A program's loader files (its ELF interpreter and libraries, ``elfdeps``), a new stack's
+start-up files and the lock's command (``startup``), the Python start-up files predicted at
+create (``pyahead``), each mount's import index (``pyindex``), and when the tar-order
+readahead follows a file fetched ahead (``_follow_delay``)."""
 
 from __future__ import annotations
 

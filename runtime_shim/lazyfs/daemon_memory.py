@@ -1,7 +1,9 @@
-"""The node daemon's memory: its GIL switch interval and cyclic-GC settings (and what the
-collections cost), glibc's malloc kept from handing freed buffers back, the heap settled after
-a mount's tree is built and released after an unmount, and the budget every mounted layer's
-tree is charged against (``_TreeBudget``: a mount past it is refused)."""
+"""The node daemon's memory: GC and GIL settings, malloc, heap release, the trees' budget.
+
+Its GIL switch interval and cyclic-GC settings (and what the collections cost), glibc's malloc
+kept from handing freed buffers back, the heap settled after a mount's tree is built and
+released after an unmount, and the budget every mounted layer's tree is charged against
+(``_TreeBudget``: a mount past it is refused)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""The node daemon's mounts: where a layer may be mounted (``owned_mountpoint``), how its
-reads are served (``MODE_PASSTHROUGH`` where the kernel offers it, else ``MODE_FUSE``),
-opening the layer and charging its tree before anything is mounted, one thread per mount
-serving it, and the bookkeeping when it goes away."""
+"""The node daemon's mounts: where, in which mode, and the bookkeeping as they come and go.
+
+Where a layer may be mounted (``owned_mountpoint``), how its reads are served
+(``MODE_PASSTHROUGH`` where the kernel offers it, else ``MODE_FUSE``), opening the layer and
+charging its tree before anything is mounted, one thread per mount serving it, and the
+daemon's tables when it goes away."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""The node daemon's lazy profiles (``runtime_shim.lazyfs.profile``): the reads of a stack's
-first lazy run recorded per mount and saved to the store once ``PROFILE_WINDOW`` is over,
-and a later run's profile prefetched (the ``prefetch`` request)."""
+"""The node daemon's lazy profiles: a first run's reads recorded and saved, a later run's prefetched.
+
+The reads of a stack's first lazy run are recorded per mount and saved to the store once
+``PROFILE_WINDOW`` is over (``runtime_shim.lazyfs.profile``); a later run's profile is
+prefetched (the ``prefetch`` request)."""
 
 from __future__ import annotations
 

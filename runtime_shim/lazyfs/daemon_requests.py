@@ -1,6 +1,7 @@
-"""The node daemon's control requests (protocol: ``runtime_shim.lazyfs.control``): one
-connection, one request line, one reply line; each ``op`` answered by its handler, and a
-bad client never takes the daemon down."""
+"""The node daemon's control requests: each ``op`` answered by its handler.
+
+Protocol: ``runtime_shim.lazyfs.control`` (one connection, one request line, one reply line).
+A bad client never takes the daemon down."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""The ``/dev/fuse`` connection of a passthrough mount (``runtime_shim.lazyfs.passthrough``):
+"""The ``/dev/fuse`` connection of a passthrough mount: mount, INIT, backing files, the probe.
+
 ``mount(2)`` of a FUSE filesystem on an fd of our own, ``FUSE_INIT`` asking for
 ``FUSE_PASSTHROUGH``, the backing-file ioctls, and ``probe``: whether this kernel serves
-passthrough for us at all (``$ENVBUILD_LAZY_PASSTHROUGH`` can force the answer)."""
+passthrough for us at all (``$ENVBUILD_LAZY_PASSTHROUGH`` can force the answer). Used by
+``runtime_shim.lazyfs.passthrough``."""
 
 from __future__ import annotations
 

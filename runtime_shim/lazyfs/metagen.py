@@ -1,8 +1,10 @@
-"""A meta layer's generations on the node (``runtime_shim.lazyfs.metalayer``): the layout
-``<node>/meta/<hex>/g-<key>/{data,mnt}`` with its tree on the node's tree tmpfs
+"""A meta layer's generations on the node: layout, mounts, locks and removal.
+
+The layout ``<node>/meta/<hex>/g-<key>/{data,mnt}`` with its tree on the node's tree tmpfs
 (``<node>/meta/trees``), ``current.json`` naming the current one, mounting a generation's
 read-only overlay, the locks that order the daemon's builds against the node's eviction, and
-removing the generations no mount refers to (``collect``, ``remove_unused``)."""
+removing the generations no mount refers to (``collect``, ``remove_unused``). The meta layer
+itself: ``runtime_shim.lazyfs.metalayer``."""
 
 from __future__ import annotations
 

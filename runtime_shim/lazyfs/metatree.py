@@ -1,9 +1,11 @@
-"""A meta layer's tree (``runtime_shim.lazyfs.metalayer``), planned and built: ``plan`` picks
-the regular files of a lazy layer whose verified contents are on the node and the directories
-above them (pure); ``build`` creates the tree — directories and sparse metacopy files carrying
-a ``trusted.overlay.redirect`` to their content — and the data-only layer of hardlinks beside
-it. Hostile layers: only names made of plain components (``safe_path``) are created, never
-through a symlink, and the TOC's ``trusted.overlay.*`` xattrs are never copied."""
+"""A meta layer's tree, planned (``plan``) and built (``build``).
+
+``plan`` picks the regular files of a lazy layer whose verified contents are on the node and
+the directories above them (pure); ``build`` creates the tree — directories and sparse
+metacopy files carrying a ``trusted.overlay.redirect`` to their content — and the data-only
+layer of hardlinks beside it (``runtime_shim.lazyfs.metalayer``). Hostile layers: only names
+made of plain components (``safe_path``) are created, never through a symlink, and the TOC's
+``trusted.overlay.*`` xattrs are never copied."""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
-"""A passthrough mount's ``open`` (``runtime_shim.lazyfs.passthrough``): the file's contents
-made present in the node's file cache (fetched, verified, written once per node), the cache
-file registered with the kernel as the open's backing file (reads then never reach user
-space), and the hints a first open gives — a program's loader files, a checked-hash pyc's
-source, a module's imports (the daemon's ``on_elf`` and ``on_first_open``)."""
+"""A passthrough mount's ``open``: the file made present on the node and handed to the kernel.
+
+The file's contents are made present in the node's file cache (fetched, verified, written
+once per node), the cache file is registered with the kernel as the open's backing file
+(reads then never reach user space), and a first open gives hints — a program's loader
+files, a checked-hash pyc's source, a module's imports (the daemon's ``on_elf`` and
+``on_first_open``). A part of ``runtime_shim.lazyfs.passthrough.PassthroughFS``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""What every ``python3`` opens before its first import of the program's: the interpreter's
-start-up files (the ``encodings`` package, ``sitecustomize``, the ``.pth`` files of its site
-directories, a venv's ``pyvenv.cfg`` and its ``.pth`` files) and the modules those ``.pth``
-files import — predicted at the interpreter's first open (``pyahead``) so they are fetched
-before the interpreter asks for them one after the other."""
+"""What every ``python3`` opens before its first import of the program's.
+
+The interpreter's start-up files (the ``encodings`` package, ``sitecustomize``, the ``.pth``
+files of its site directories, a venv's ``pyvenv.cfg`` and its ``.pth`` files) and the
+modules those ``.pth`` files import — predicted at the interpreter's first open
+(``pyahead``) so they are fetched before the interpreter asks for them one after the other."""
 
 from __future__ import annotations
 
