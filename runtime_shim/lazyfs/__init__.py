@@ -67,7 +67,9 @@ Where each concern lives (this package re-exports the public names):
 ``frames``          fetching frames for the filesystem: one fetch per frame at a time,
                     directory readahead, profile prefetch in order
 ``passthrough``     the FUSE passthrough filesystem over ``/dev/fuse`` (the default where
-                    the kernel offers it): fetched files are read by the kernel itself
+                    the kernel offers it): fetched files are read by the kernel itself;
+                    its connection and probe in ``fuseconn``, its open in
+                    ``passthrough_open``
 ``filecache``       the node's content-addressed file cache (single-flight), fetch
                     concurrency and timeouts
 ``fuseops``         the libfuse filesystem (the fallback): ``make_operations`` (mfusepy),
@@ -75,7 +77,13 @@ Where each concern lives (this package re-exports the public names):
 ``profile``         lazy profiles: record the first run's reads, prefetch them next time
 ``control``         the daemon's control socket: who may talk to it, the protocol,
                     ``daemon_request``
-``daemon``          the node daemon process serving every lazy mount of a node cache
+``daemon``          the node daemon process serving every lazy mount of a node cache;
+                    its parts: ``daemon_requests``, ``daemon_mounts``, ``daemon_ahead``,
+                    ``daemon_profiles``, ``daemon_memory``
+``metalayer``       files already on the node served by overlayfs alone (meta layers);
+                    their trees in ``metatree``, their generations on disk in ``metagen``
+``pydeps``          what a ``.pyc`` imports next (``pystartup``: an interpreter's start-up
+                    files), fetched ahead by ``pyahead``
 ``mounts``          client side: ``lazy_layer_dirs`` (``Sandbox.create(lazy=True)``),
                     ``store_location``
 ``__main__``        ``python -m runtime_shim.lazyfs``

@@ -42,122 +42,132 @@ def make_operations(layer: LazyLayer, nodes: dict[str, Node], *,
     when given, bounds how long a read waits for a fetch (then EIO, logged)."""
     import mfusepy
 
-    FuseOSError = mfusepy.FuseOSError
-    stats_of = statfs_of(nodes)
-    frames = _Frames(layer, nodes)
-    readahead = _Readahead(layer, nodes, frames)
+    cls = type("LazyOperations", (_LazyOperations, _operations_base()),
+               {"_error": mfusepy.FuseOSError})
+    return cls(layer, nodes, on_init, trace, limits)
 
-    def node_at(path: str) -> Node:
-        node = nodes.get(path.strip("/"))
+
+class _LazyOperations:
+    """The methods of ``make_operations``' filesystem (mixed into mfusepy's ``Operations``,
+    which is imported only when a filesystem is made)."""
+
+    use_ns = True
+    _error: type[OSError]   # mfusepy's FuseOSError (set by ``make_operations``)
+
+    def __init__(self, layer: LazyLayer, nodes: dict[str, Node], on_init: Any,
+                 trace: _Trace | None, limits: Any) -> None:
+        # exposed for the node daemon (profile prefetch) and tests
+        self.lazy_layer, self.lazy_nodes = layer, nodes
+        self.lazy_frames = _Frames(layer, nodes)
+        # stopped by the daemon when the mount is gone
+        self.lazy_readahead = _Readahead(layer, nodes, self.lazy_frames)
+        self._stats_of = statfs_of(nodes)
+        self._on_init, self._trace, self._limits = on_init, trace, limits
+
+    def _node_at(self, path: str) -> Node:
+        node = self.lazy_nodes.get(path.strip("/"))
         if node is None:
-            raise FuseOSError(errno.ENOENT)
+            raise self._error(errno.ENOENT)
         return node
 
-    class LazyOperations(_operations_base()):
-        use_ns = True
-        # exposed for the node daemon (profile prefetch) and tests
-        lazy_layer, lazy_nodes, lazy_frames = layer, nodes, frames
-        lazy_readahead = readahead   # stopped by the daemon when the mount is gone
+    def init_with_config(self, conn, config) -> None:
+        if config is not None:
+            config.kernel_cache = 1
+            config.use_ino = 1
+            config.readdir_ino = 1
+            config.entry_timeout = CACHE_TTL
+            config.attr_timeout = CACHE_TTL
+            config.negative_timeout = CACHE_TTL
+        if self._on_init is not None:
+            self._on_init()
 
-        def init_with_config(self, conn, config) -> None:
-            if config is not None:
-                config.kernel_cache = 1
-                config.use_ino = 1
-                config.readdir_ino = 1
-                config.entry_timeout = CACHE_TTL
-                config.attr_timeout = CACHE_TTL
-                config.negative_timeout = CACHE_TTL
-            if on_init is not None:
-                on_init()
+    def getattr(self, path: str, fh: int | None = None) -> dict[str, int]:
+        return self._node_at(path).attrs()
 
-        def getattr(self, path: str, fh: int | None = None) -> dict[str, int]:
-            return node_at(path).attrs()
+    def readlink(self, path: str) -> str:
+        node = self._node_at(path)
+        if not stat.S_ISLNK(node.mode):
+            raise self._error(errno.EINVAL)
+        return node.link
 
-        def readlink(self, path: str) -> str:
-            node = node_at(path)
-            if not stat.S_ISLNK(node.mode):
-                raise FuseOSError(errno.EINVAL)
-            return node.link
+    def opendir(self, path: str) -> int:
+        if not self._node_at(path).is_dir:
+            raise self._error(errno.ENOTDIR)
+        return 0
 
-        def opendir(self, path: str) -> int:
-            if not node_at(path).is_dir:
-                raise FuseOSError(errno.ENOTDIR)
-            return 0
+    def readdir(self, path: str, fh: int) -> Iterator[tuple[str, dict[str, int], int]]:
+        nodes = self.lazy_nodes
+        key = path.strip("/")
+        node = self._node_at(key)
+        if node.children is None:   # not a directory
+            raise self._error(errno.ENOTDIR)
+        parent = nodes[key.rpartition("/")[0]] if key else node
+        yield ".", {"st_mode": node.mode, "st_ino": node.ino}, 0
+        yield "..", {"st_mode": parent.mode, "st_ino": parent.ino}, 0
+        prefix = key + "/" if key else ""
+        for name in list(node.children):
+            child = nodes.get(prefix + name)
+            if child is not None:
+                yield name, {"st_mode": child.mode, "st_ino": child.ino}, 0
 
-        def readdir(self, path: str, fh: int) -> Iterator[tuple[str, dict[str, int], int]]:
-            key = path.strip("/")
-            node = node_at(key)
-            if not node.is_dir:
-                raise FuseOSError(errno.ENOTDIR)
-            parent = nodes[key.rpartition("/")[0]] if key else node
-            yield ".", {"st_mode": node.mode, "st_ino": node.ino}, 0
-            yield "..", {"st_mode": parent.mode, "st_ino": parent.ino}, 0
-            prefix = key + "/" if key else ""
-            for name in list(node.children):
-                child = nodes.get(prefix + name)
-                if child is not None:
-                    yield name, {"st_mode": child.mode, "st_ino": child.ino}, 0
+    def open(self, path: str, flags: int) -> int:
+        node = self._node_at(path)
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
+            raise self._error(errno.EROFS)
+        if not node.read_path:
+            raise self._error(errno.EISDIR if node.is_dir else errno.EACCES)
+        return 0  # nothing fetched until the first read
 
-        def open(self, path: str, flags: int) -> int:
-            node = node_at(path)
-            if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
-                raise FuseOSError(errno.EROFS)
-            if not node.read_path:
-                raise FuseOSError(errno.EISDIR if node.is_dir else errno.EACCES)
-            return 0  # nothing fetched until the first read
+    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+        node = self._node_at(path)
+        if offset >= node.size:
+            return b""
+        if self._trace is not None:
+            self._trace.add(node)
+        frames, readahead, layer = self.lazy_frames, self.lazy_readahead, self.lazy_layer
+        try:
+            if frames.missing(node):
+                # one fetch per frame at a time: a second reader waits for it; the files
+                # that follow in tar order come in the same ranged read (MISS_WINDOW)
+                window = [node, *frames.following(node, MISS_WINDOW)]
+                if self._limits is None:
+                    frames.load(window)
+                else:  # a store that stops answering is EIO in bounded time, not a hang
+                    self._limits.bounded(f"read {node.read_path} of {layer.digest}",
+                                         lambda: frames.load(window))
+                readahead.schedule_after(window[-1])
+                readahead.schedule(path.strip("/").rpartition("/")[0])
+                readahead.schedule_extensions(node)
+            return layer.read(node.read_path, offset, size)
+        except EnvbuildError as e:
+            log.error("read %s: %s", node.read_path, e)
+            raise self._error(errno.EIO) from None
 
-        def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
-            node = node_at(path)
-            if offset >= node.size:
-                return b""
-            if trace is not None:
-                trace.add(node)
-            try:
-                if frames.missing(node):
-                    # one fetch per frame at a time: a second reader waits for it; the files
-                    # that follow in tar order come in the same ranged read (MISS_WINDOW)
-                    window = [node, *frames.following(node, MISS_WINDOW)]
-                    if limits is None:
-                        frames.load(window)
-                    else:  # a store that stops answering is EIO in bounded time, not a hang
-                        limits.bounded(f"read {node.read_path} of {layer.digest}",
-                                       lambda: frames.load(window))
-                    readahead.schedule_after(window[-1])
-                    readahead.schedule(path.strip("/").rpartition("/")[0])
-                    readahead.schedule_extensions(node)
-                return layer.read(node.read_path, offset, size)
-            except EnvbuildError as e:
-                log.error("read %s: %s", node.read_path, e)
-                raise FuseOSError(errno.EIO) from None
+    def release(self, path: str, fh: int) -> int:
+        return 0
 
-        def release(self, path: str, fh: int) -> int:
-            return 0
+    def statfs(self, path: str) -> dict[str, int]:
+        return self._stats_of
 
-        def statfs(self, path: str) -> dict[str, int]:
-            return stats_of
+    def listxattr(self, path: str) -> list[str]:
+        return list(self._node_at(path).xattrs)
 
-        def listxattr(self, path: str) -> list[str]:
-            return list(node_at(path).xattrs)
+    def getxattr(self, path: str, name: str, position: int = 0) -> bytes:
+        node = self._node_at(path)
+        value = node.xattrs.get(name)
+        if value is None:
+            if name == LAZY_STATS_XATTR and path.strip("/") == "":
+                return json.dumps({**self.lazy_layer.stats.as_dict(), "pid": os.getpid(),
+                                   "mode": "fuse"}).encode()
+            raise self._error(errno.ENODATA)
+        return value
 
-        def getxattr(self, path: str, name: str, position: int = 0) -> bytes:
-            node = node_at(path)
-            value = node.xattrs.get(name)
-            if value is None:
-                if name == LAZY_STATS_XATTR and path.strip("/") == "":
-                    return json.dumps({**layer.stats.as_dict(), "pid": os.getpid(),
-                                       "mode": "fuse"}).encode()
-                raise FuseOSError(errno.ENODATA)
-            return value
+    # writes: refused (the mount is ro too; these make the answer EROFS, not ENOSYS)
+    def _rofs(self, *args: Any, **kwargs: Any) -> int:
+        raise self._error(errno.EROFS)
 
-        # writes: refused (the mount is ro too; these make the answer EROFS, not ENOSYS)
-        def _rofs(self, *args: Any, **kwargs: Any) -> int:
-            raise FuseOSError(errno.EROFS)
-
-        chmod = chown = create = mkdir = mknod = rename = rmdir = symlink = truncate = \
-            unlink = utimens = write = setxattr = removexattr = link = _rofs
-
-    return LazyOperations()
-
+    chmod = chown = create = mkdir = mknod = rename = rmdir = symlink = truncate = \
+        unlink = utimens = write = setxattr = removexattr = link = _rofs
 
 
 def lazy_stats(mountpoint: str | os.PathLike[str]) -> dict[str, int]:

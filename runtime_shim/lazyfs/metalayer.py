@@ -57,14 +57,15 @@ a path longer than ``MAX_PATH`` is skipped), so nothing can leave the tree; the 
 ``trusted.overlay.*`` xattrs are never copied (the inner overlay would follow them); a file
 whose metadata cannot be set is left to the FUSE mount. Building is linear in the fetched
 files (``$ENVBUILD_LAZY_METALAYER=off`` disables it all).
+
+Where the parts live: planning and building a tree in ``metatree``; the generations on disk
+(layout, mounts, locks, removal) in ``metagen``; here the daemon's side (``MetaLayers``, the
+``meta`` request) and the client's (``meta_dirs``, ``refresh_soon``), and this module
+re-exports the others' public names.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
-import dataclasses
 import hashlib
 import json
 import logging
@@ -76,15 +77,38 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from runtime_shim.lazyfs.tree import Node
+from runtime_shim.lazyfs.metagen import (
+    META_VERSION,
+    TREES,
+    TREES_OPTIONS,
+    _ensure_trees,
+    _is_hex,
+    _is_mount,
+    _layer_flock,
+    _mount_gen,
+    _read_current,
+    _remove_generation,
+    _tree_of,
+    _valid,
+    collect,
+    mount_generation,
+    remove_unused,
+)
+from runtime_shim.lazyfs.metatree import (
+    MAX_PATH,
+    METACOPY_XATTR,
+    REDIRECT_XATTR,
+    MetaEntry,
+    build,
+    plan,
+    safe_path,
+)
 
 log = logging.getLogger("envbuild.lazyfs")
 
-#: The on-disk format of a generation (layout above, ``current.json``).
-META_VERSION = 1
 #: ``off`` disables meta layers (sandboxes get the FUSE mounts only); ``on``/unset uses them.
 ENV_SWITCH = "ENVBUILD_LAZY_METALAYER"
 #: The daemon's background refresh: how often it looks, and how long fetches must have been
@@ -100,362 +124,11 @@ CLOSE_WAIT = 2.0
 REFRESH_WORKERS = 1
 #: A superseded generation no mount refers to is removed by later builds after this long.
 GRACE = 60.0
-#: Longest path (bytes, below ``tree``) a meta entry may have; longer ones stay on FUSE.
-MAX_PATH = 3000
-METACOPY_XATTR = "trusted.overlay.metacopy"
-REDIRECT_XATTR = "trusted.overlay.redirect"
-_OVERLAY_PREFIX = "trusted.overlay."
-_NS = 10 ** 9
-_MS_RDONLY = 1
-_MS_NODEV = 4
-#: ``<node>/meta/trees``: the tmpfs holding every meta tree of the node (inodes only).
-TREES = "trees"
-#: Its bounds: no file has data (sparse), so ``size`` only caps directories and xattrs;
-#: ``nr_inodes`` caps the node's meta entries (~1 KiB of kernel memory each).
-TREES_OPTIONS = "mode=0700,size=64m,nr_inodes=1000000"
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
-                        ctypes.c_char_p]
 
 
 def enabled() -> bool:
     """Whether sandboxes get meta layers (``$ENVBUILD_LAZY_METALAYER`` is not ``off``)."""
     return os.environ.get(ENV_SWITCH, "").strip().lower() not in ("off", "0", "no", "false")
-
-
-@dataclasses.dataclass(frozen=True)
-class MetaEntry:
-    """One inode of a meta tree: a directory (``digest`` empty) or a regular file with all its
-    names (hardlinks)."""
-
-    paths: tuple[str, ...]
-    mode: int
-    uid: int
-    gid: int
-    mtime: int
-    xattrs: tuple[tuple[str, bytes], ...] = ()
-    size: int = 0
-    digest: str = ""
-
-
-def safe_path(path: str) -> bool:
-    """Whether ``path`` (relative, ``/``-separated) is made only of plain names: it cannot
-    leave the directory it is created in."""
-    if not path or len(os.fsencode(path)) > MAX_PATH:
-        return False
-    for part in path.split("/"):
-        if part in ("", ".", "..") or "\0" in part or len(os.fsencode(part)) > 255:
-            return False
-    return True
-
-
-def _xattrs(node: Node) -> tuple[tuple[str, bytes], ...]:
-    return tuple(sorted((k, bytes(v)) for k, v in node.xattrs.items()
-                        if not k.startswith(_OVERLAY_PREFIX)))
-
-
-def plan(nodes: Mapping[str, Node], digest_of: Callable[[Node], str],
-         present: Collection[str]) -> tuple[list[MetaEntry], list[MetaEntry]]:
-    """The meta tree of a layer (pure): ``(dirs, files)`` for the regular files of ``nodes``
-    whose digest is in ``present``, dirs parents first, each file once with all its safe
-    names (tar order). Names that are not ``safe_path`` are left out."""
-    by_inode: dict[int, tuple[Node, list[str]]] = {}
-    for path, node in nodes.items():
-        if not stat.S_ISREG(node.mode):
-            continue
-        got = by_inode.get(id(node))
-        if got is None:
-            # the set lookup first: most of a layer's files are not fetched, and checking
-            # every name of a 15,000-file layer was most of a small generation's plan
-            if digest_of(node) not in present or not safe_path(path):
-                continue
-            by_inode[id(node)] = (node, [path])
-        elif safe_path(path):
-            got[1].append(path)
-    dirs: set[str] = set()
-    files = []
-    for node, paths in by_inode.values():
-        for p in paths:
-            parent = p.rpartition("/")[0]
-            while parent and parent not in dirs:
-                dirs.add(parent)
-                parent = parent.rpartition("/")[0]
-        files.append(MetaEntry(tuple(paths), stat.S_IMODE(node.mode), node.uid, node.gid,
-                               node.mtime, _xattrs(node), node.size, digest_of(node)))
-    out_dirs = []
-    for d in sorted(dirs, key=lambda p: (p.count("/"), p)):
-        dnode = nodes.get(d)
-        if dnode is None or not dnode.is_dir:  # cannot happen with build_tree: be safe
-            continue
-        out_dirs.append(MetaEntry((d,), stat.S_IMODE(dnode.mode), dnode.uid, dnode.gid,
-                                  dnode.mtime, _xattrs(dnode)))
-    root = nodes.get("")
-    if root is not None:
-        out_dirs.insert(0, MetaEntry(("",), stat.S_IMODE(root.mode), root.uid, root.gid,
-                                     root.mtime, _xattrs(root)))
-    return out_dirs, files
-
-
-def _set_meta(fd: int, e: MetaEntry, created: int | None = None) -> None:
-    """Give ``fd`` the entry's xattrs, owner, mode and mtime. ``created``: the mode it was
-    created with (after the umask): no ``fchmod`` when that is the entry's and it has no
-    set-id bits, no ``fchown`` when this process's owner is the entry's (a tree is mostly
-    root's files: two syscalls of the ~9 per file)."""
-    for k, v in e.xattrs:
-        os.setxattr(fd, k, v)
-    if (e.uid, e.gid) != (os.geteuid(), os.getegid()):
-        os.fchown(fd, e.uid, e.gid)
-    if created != e.mode or e.mode & 0o7000:
-        os.fchmod(fd, e.mode)  # after chown, which clears set-id bits
-    t = e.mtime * _NS
-    os.utime(fd, ns=(t, t))
-
-
-def _umask() -> int:
-    """This process's umask, read without changing it (``os.umask`` sets it process-wide)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return 0o7777   # unknown: every created mode counts as different (always fchmod)
-
-
-def build(tree_dir: str, data_dir: str, dirs: Iterable[MetaEntry],
-          files: Iterable[MetaEntry], sources: Callable[[str], list[str]]) -> int:
-    """Create the meta tree in the empty ``tree_dir`` and the data-only layer in the empty
-    ``data_dir`` (hardlinks, from the first of ``sources(hex)`` that is a regular file of the
-    entry's size; the caller names only verified cache files). A file whose
-    data or metadata cannot be placed is skipped (left to the FUSE mount). Returns the number
-    of files placed."""
-    dirs = list(dirs)
-    placed_dirs = {""}
-    for d in dirs:
-        path = d.paths[0]
-        if path:
-            parent = path.rpartition("/")[0]
-            if parent not in placed_dirs:
-                continue
-            try:
-                os.mkdir(os.path.join(tree_dir, path), 0o700)
-            except OSError as e:
-                log.warning("meta tree: directory %s: %s (its files stay on FUSE)", path, e)
-                continue
-            placed_dirs.add(path)
-    linked: set[str] = set()
-    placed = 0
-    umask = _umask()
-    for f in files:
-        hexd = f.digest.removeprefix("sha256:")
-        if hexd not in linked:
-            for src in sources(hexd):
-                try:  # a regular file of the right size, never a symlink's target
-                    st = os.lstat(src)
-                    if not stat.S_ISREG(st.st_mode) or st.st_size != f.size:
-                        log.warning("meta tree: %s is not a %d-byte file: not used", src, f.size)
-                        continue
-                    os.link(src, os.path.join(data_dir, hexd), follow_symlinks=False)
-                    break
-                except FileNotFoundError:
-                    continue
-            else:
-                continue  # evicted meanwhile: on FUSE
-            linked.add(hexd)
-        paths = [p for p in f.paths if p.rpartition("/")[0] in placed_dirs]
-        if not paths:
-            continue
-        first = os.path.join(tree_dir, paths[0])
-        mode = f.mode & 0o777   # the tree's dirs are 0700 while it is built
-        try:
-            fd = os.open(first, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, mode)
-        except OSError as e:
-            log.warning("meta tree: %s: %s (stays on FUSE)", paths[0], e)
-            continue
-        try:
-            if f.size:
-                os.ftruncate(fd, f.size)
-            os.setxattr(fd, METACOPY_XATTR, b"")
-            os.setxattr(fd, REDIRECT_XATTR, b"/" + hexd.encode())
-            _set_meta(fd, f, created=mode & ~umask)
-        except OSError as e:
-            log.warning("meta tree: %s: %s (stays on FUSE)", paths[0], e)
-            os.close(fd)
-            os.unlink(first)
-            continue
-        os.close(fd)
-        for p in paths[1:]:
-            try:
-                os.link(first, os.path.join(tree_dir, p), follow_symlinks=False)
-            except OSError as e:
-                log.warning("meta tree: hardlink %s: %s", p, e)
-        placed += 1
-    for d in reversed(dirs):  # children first: creating entries moves a directory's mtime
-        path = d.paths[0]
-        if path not in placed_dirs:
-            continue
-        fd = os.open(os.path.join(tree_dir, path) if path else tree_dir,
-                     os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            _set_meta(fd, d)
-        except OSError as e:
-            log.warning("meta tree: directory %s metadata: %s", path or "/", e)
-        finally:
-            os.close(fd)
-    return placed
-
-
-def mount_generation(tree: str, data: str, target: str) -> None:
-    """Mount ``target``: a read-only overlay of the meta tree ``tree`` with ``data`` as its
-    data-only lower layer, following metacopy redirects (nothing is ever written there)."""
-    for p in (tree, data):
-        if any(c in p for c in ":,\\"):
-            raise OSError(f"meta layer path has a ':' ',' or '\\': {p}")
-    opts = f"lowerdir={tree}::{data},metacopy=on,redirect_dir=follow,xino=off"
-    if _libc.mount(b"overlay", target.encode(), b"overlay", _MS_RDONLY, opts.encode()) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount meta layer {target}: {os.strerror(err)}")
-
-
-def _tree_of(gen_dir: str) -> str:
-    """``<node>/meta/<hex>/<gen>`` → its tree, ``<node>/meta/trees/<hex>/<gen>`` (tmpfs)."""
-    layer_dir, name = os.path.split(gen_dir)
-    meta, hexd = os.path.split(layer_dir)
-    return os.path.join(meta, TREES, hexd, name)
-
-
-def _valid(gen_dir: str) -> bool:
-    return os.path.isdir(gen_dir) and os.path.isdir(_tree_of(gen_dir))
-
-
-def _mount_gen(gen_dir: str) -> None:
-    mount_generation(_tree_of(gen_dir), os.path.join(gen_dir, "data"),
-                     os.path.join(gen_dir, "mnt"))
-
-
-_trees_lock = threading.Lock()
-
-
-def _ensure_trees(meta: str) -> None:
-    """Mount the node's tree tmpfs at ``<node>/meta/trees`` unless it is. Why tmpfs: a tree
-    is only inodes (sparse files, xattrs, no data) and creating inodes on the node's disk
-    took ~1-2 ms each on this host's busy ext4 (2.6 s of 3.5 s for 1,111 files in ``open``
-    and ``mkdir``); on tmpfs a few µs. Bounded: ``TREES_OPTIONS``."""
-    trees = os.path.join(meta, TREES)
-    with _trees_lock, _layer_flock(os.path.dirname(meta), "trees"):
-        if _is_mount(trees):
-            return
-        os.makedirs(trees, mode=0o700, exist_ok=True)
-        if _libc.mount(b"envbuild-meta", trees.encode(), b"tmpfs", _MS_NODEV,
-                       TREES_OPTIONS.encode()) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"mount tmpfs at {trees}: {os.strerror(err)}")
-
-
-def _mountinfo() -> list[tuple[str, str]]:
-    """(mount point, super options) of every mount of this namespace."""
-    out = []
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            fields = line.split()
-            if " - " not in line:
-                continue
-            tail = line.split(" - ", 1)[1].split()
-            out.append((fields[4].replace("\\040", " "), tail[2] if len(tail) > 2 else ""))
-    return out
-
-
-def _unmount(target: str) -> None:
-    from runtime_shim.isolation.mount import unmount
-
-    unmount(target)
-
-
-def _remove_generation(gen_dir: str) -> None:
-    _unmount(os.path.join(gen_dir, "mnt"))
-    shutil.rmtree(gen_dir, ignore_errors=True)
-    shutil.rmtree(_tree_of(gen_dir), ignore_errors=True)
-
-
-def collect(layer_dir: str, keep: str | None, *, everything: bool = False,
-            grace: float = 0.0) -> list[str]:
-    """Unmount and delete the generations under ``layer_dir`` (``<node>/meta/<hex>``) other
-    than ``keep`` that no other mount refers to (a sandbox's overlay names them in its
-    lowerdir) and, with ``grace``, were superseded at least ``grace`` s ago (a create may
-    have been handed one and not mounted its overlay yet); ``everything``: all of them,
-    referred to or not (no sandbox uses the layer). Returns the removed generation names."""
-    try:
-        names = [n for n in os.listdir(layer_dir) if n.startswith(("g-", ".tmp-"))]
-    except FileNotFoundError:
-        return []
-    mounts = _mountinfo() if not everything else []
-    removed = []
-    for name in names:
-        if name == keep and not everything:
-            continue
-        gen = os.path.join(layer_dir, name)
-        mnt = os.path.join(gen, "mnt")
-        used = any(mnt in opts for point, opts in mounts if point != mnt)
-        if used and not name.startswith(".tmp-"):
-            continue
-        if grace and not name.startswith(".tmp-"):
-            marker = os.path.join(gen, "superseded")
-            try:
-                if time.time() - os.stat(marker).st_mtime < grace:
-                    continue
-            except FileNotFoundError:
-                open(marker, "w").close()
-                continue
-        _remove_generation(gen)
-        removed.append(name)
-    if everything:
-        try:
-            os.unlink(os.path.join(layer_dir, "current.json"))
-        except FileNotFoundError:
-            pass
-        for d in (layer_dir, os.path.join(os.path.dirname(layer_dir), TREES,
-                                          os.path.basename(layer_dir))):
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass
-    return removed
-
-
-def remove_unused(node_root: str | os.PathLike[str], keep_hex: Collection[str]) -> list[str]:
-    """The node's eviction (``NodeCache.unmount_lazy``): every generation of a layer not in
-    ``keep_hex`` is removed; of the others, the old generations no mount refers to."""
-    with _layer_flock(os.fspath(node_root), "gc"):
-        return _remove_unused(node_root, keep_hex)
-
-
-def _remove_unused(node_root: str | os.PathLike[str], keep_hex: Collection[str]) -> list[str]:
-    meta = os.path.join(os.fspath(node_root), "meta")
-    try:
-        layers = [n for n in os.listdir(meta) if _is_hex(n)]
-    except FileNotFoundError:
-        return []
-    done = []
-    for hexd in layers:
-        layer_dir = os.path.join(meta, hexd)
-        with _layer_flock(os.fspath(node_root), hexd):
-            if hexd in keep_hex:
-                current = _read_current(layer_dir)
-                done += collect(layer_dir, current[0] if current else None)
-            else:
-                done += collect(layer_dir, None, everything=True)
-    if not any(_is_hex(n) for n in os.listdir(meta)):  # no generation left: the tmpfs too
-        trees = os.path.join(meta, TREES)
-        with _trees_lock, _layer_flock(os.fspath(node_root), "trees"):
-            _unmount(trees)
-            shutil.rmtree(trees, ignore_errors=True)
-        try:
-            os.rmdir(meta)
-        except OSError:
-            pass
-    return done
 
 
 def describe(node_root: str | os.PathLike[str]) -> list[str]:
@@ -479,45 +152,7 @@ def describe(node_root: str | os.PathLike[str]) -> list[str]:
     return lines
 
 
-def _is_hex(name: str) -> bool:
-    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
 
-
-def _read_current(layer_dir: str) -> tuple[str, frozenset[str]] | None:
-    try:
-        with open(os.path.join(layer_dir, "current.json"), encoding="utf-8") as f:
-            doc = json.load(f)
-        if doc.get("version") != META_VERSION or not str(doc["gen"]).startswith("g-"):
-            return None
-        return str(doc["gen"]), frozenset(str(d) for d in doc["digests"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-@contextlib.contextmanager
-def _layer_flock(node_root: str, hexd: str, *, shared: bool = False) -> Iterator[None]:
-    """``<node>/locks/<hex>.meta.lock``: the daemon's builds and the node's eviction of one
-    layer's generations, one at a time across processes (``gc.meta.lock``: builds shared,
-    the node's eviction exclusive — a build that started before an eviction listed the
-    layers is waited for, one after it finds the layer's FUSE mount gone)."""
-    import fcntl
-
-    locks = os.path.join(node_root, "locks")
-    os.makedirs(locks, exist_ok=True)
-    fd = os.open(os.path.join(locks, f"{hexd}.meta.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _is_mount(path: str) -> bool:
-    return any(point == path for point, _ in _mountinfo())
-
-
-# -- the daemon side ------------------------------------------------------------------------
 
 
 class MetaLayers:
@@ -884,7 +519,10 @@ def trusted_meta_dir(node_root: str, digest: str, claimed: object) -> bool:
     return _is_mount(claimed)
 
 
-__all__ = ["ENV_SWITCH", "META_VERSION", "MetaEntry", "MetaLayers", "build", "collect", "describe",
-           "enabled", "handle", "meta_dirs", "mount_generation", "plan", "refresh_soon",
-           "remove_unused",
-           "safe_path"]
+
+__all__ = ["CLOSE_WAIT", "ENV_SWITCH", "GRACE", "MAX_PATH", "METACOPY_XATTR", "META_VERSION",
+           "MetaEntry", "MetaLayers", "REDIRECT_XATTR", "REFRESH_EVERY", "REFRESH_QUIET",
+           "REFRESH_WORKERS", "TREES", "TREES_OPTIONS", "build",
+           "building", "collect", "describe", "enabled", "handle", "meta_dirs",
+           "mount_generation", "plan", "refresh_soon", "remove_unused", "safe_path",
+           "trusted_meta_dir"]

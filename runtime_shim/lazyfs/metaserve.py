@@ -180,60 +180,7 @@ def _serve_mount(mountpoint: str, fuse_fd: int, fwd: socket.socket, shm: int,
         nodes = fw.nodes_of_table(marshal.loads(os.pread(shm, table_len, COUNTS_BYTES)))
         os.ftruncate(shm, COUNTS_BYTES)   # the table is ours now
         tree = fw.MetaTree(nodes, statfs, xattrs_enosys=xattrs_enosys)
-        rbuf = bytearray(fw._BUFSIZE)
-        view = memoryview(rbuf)
-        released = array.array("Q")   # node ids released since the last forward
-        # the daemon read the mount's requests until now (non-blocking, as we do: a request
-        # one of us reads is the other's EAGAIN); from here on it reads ours
-        poller = select.poll()
-        poller.register(fuse_fd, select.POLLIN)
-        fwd.send(READY)
-        while True:
-            try:
-                n = os.readv(fuse_fd, (rbuf,))
-            except OSError as e:
-                if e.errno == errno.EAGAIN:
-                    poller.poll()
-                    continue
-                if e.errno in (errno.EINTR, errno.ENOENT):
-                    continue   # ENOENT: the request was interrupted before we read it
-                if e.errno != errno.ENODEV:   # ENODEV: unmounted
-                    log.error("metadata server: fuse read on %s: %s", mountpoint, e.strerror)
-                clean = e.errno == errno.ENODEV
-                return
-            length, opcode, unique, nodeid = fw._IN_HEADER.unpack_from(rbuf)[:4]
-            if opcode in fw._NO_REPLY:
-                counts[opcode % fw.OPCODE_SLOTS] += 1
-                continue
-            body = view[fw._IN_HEADER.size:length]
-            if opcode == fw.RELEASE and fw._RELEASE_IN.unpack_from(body)[0] == 0:
-                counts[opcode] += 1   # a passthrough file's: only the daemon's count of opens
-                released.append(nodeid)
-                out = fw.reply_bytes(unique)
-                if len(released) >= RELEASES_MAX:
-                    if not _send(fwd, mountpoint, RELEASED, released):
-                        return
-            elif not tree.answers(opcode, nodeid, body):
-                if n > FORWARD_MAX:
-                    out = fw.reply_bytes(unique, error=errno.EROFS)
-                else:
-                    if not _send(fwd, mountpoint, REQUEST, released, view[:n]):
-                        return
-                    continue
-            else:
-                counts[opcode % fw.OPCODE_SLOTS] += 1
-                try:
-                    out = fw.reply_bytes(unique, tree.answer(opcode, nodeid, body))
-                except OSError as e:
-                    out = fw.reply_bytes(unique, error=e.errno or errno.EIO)
-                except Exception:  # noqa: BLE001 - one bad request must not end the mount
-                    log.exception("metadata server: request %d on %s", opcode, mountpoint)
-                    out = fw.reply_bytes(unique, error=errno.EIO)
-            try:
-                os.write(fuse_fd, out)
-            except OSError as e:   # ENOENT: the request was interrupted; ENODEV: unmounted
-                if e.errno not in (errno.ENOENT, errno.ENODEV):
-                    log.warning("metadata server: reply on %s: %s", mountpoint, e.strerror)
+        clean = _serve_requests(mountpoint, fuse_fd, fwd, counts, tree)
     except Exception:  # noqa: BLE001 - the daemon takes the mount back (no GONE)
         log.exception("metadata server: serving %s failed; the daemon takes it", mountpoint)
     finally:
@@ -245,6 +192,72 @@ def _serve_mount(mountpoint: str, fuse_fd: int, fwd: socket.socket, shm: int,
         fwd.close()
         os.close(fuse_fd)
         os.close(shm)
+
+
+def _serve_requests(mountpoint: str, fuse_fd: int, fwd: socket.socket, counts: memoryview,
+                    tree: fw.MetaTree) -> bool:
+    """The mount's request loop (``_serve_mount``): True when the mount went away (unmounted),
+    False when reading failed otherwise or the daemon did."""
+    rbuf = bytearray(fw._BUFSIZE)
+    view = memoryview(rbuf)
+    released = array.array("Q")   # node ids released since the last forward
+    # the daemon read the mount's requests until now (non-blocking, as we do: a request
+    # one of us reads is the other's EAGAIN); from here on it reads ours
+    poller = select.poll()
+    poller.register(fuse_fd, select.POLLIN)
+    fwd.send(READY)
+    while True:
+        try:
+            n = os.readv(fuse_fd, (rbuf,))
+        except OSError as e:
+            if e.errno == errno.EAGAIN:
+                poller.poll()
+                continue
+            if e.errno in (errno.EINTR, errno.ENOENT):
+                continue   # ENOENT: the request was interrupted before we read it
+            if e.errno != errno.ENODEV:   # ENODEV: unmounted
+                log.error("metadata server: fuse read on %s: %s", mountpoint, e.strerror)
+            return e.errno == errno.ENODEV
+        length, opcode, unique, nodeid = fw._IN_HEADER.unpack_from(rbuf)[:4]
+        if opcode in fw._NO_REPLY:
+            counts[opcode % fw.OPCODE_SLOTS] += 1
+            continue
+        body = view[fw._IN_HEADER.size:length]
+        if opcode == fw.RELEASE and fw._RELEASE_IN.unpack_from(body)[0] == 0:
+            counts[opcode] += 1   # a passthrough file's: only the daemon's count of opens
+            released.append(nodeid)
+            out = fw.reply_bytes(unique)
+            if len(released) >= RELEASES_MAX:
+                if not _send(fwd, mountpoint, RELEASED, released):
+                    return False
+        elif not tree.answers(opcode, nodeid, body):
+            if n > FORWARD_MAX:
+                out = fw.reply_bytes(unique, error=errno.EROFS)
+            else:
+                if not _send(fwd, mountpoint, REQUEST, released, view[:n]):
+                    return False
+                continue
+        else:
+            counts[opcode % fw.OPCODE_SLOTS] += 1
+            out = _answer(mountpoint, tree, opcode, unique, nodeid, body)
+        try:
+            os.write(fuse_fd, out)
+        except OSError as e:   # ENOENT: the request was interrupted; ENODEV: unmounted
+            if e.errno not in (errno.ENOENT, errno.ENODEV):
+                log.warning("metadata server: reply on %s: %s", mountpoint, e.strerror)
+
+
+def _answer(mountpoint: str, tree: fw.MetaTree, opcode: int, unique: int, nodeid: int,
+            body: memoryview) -> bytes:
+    """The reply to a metadata request the server answers itself (an error reply when the
+    answer fails: one bad request must not end the mount)."""
+    try:
+        return fw.reply_bytes(unique, tree.answer(opcode, nodeid, body))
+    except OSError as e:
+        return fw.reply_bytes(unique, error=e.errno or errno.EIO)
+    except Exception:  # noqa: BLE001 - one bad request must not end the mount
+        log.exception("metadata server: request %d on %s", opcode, mountpoint)
+        return fw.reply_bytes(unique, error=errno.EIO)
 
 
 def _send(fwd: socket.socket, mountpoint: str, tag: bytes, released: array.array,

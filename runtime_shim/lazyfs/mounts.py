@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -66,34 +66,14 @@ def lazy_layer_dirs(node: LazyNode, store: Store, layers: Sequence[Any],
     ahead (``runtime_shim.lazyfs.startup``: what runc and a program's libc start-up read under
     the lock's environment ``env``, then the lock's command ``cmd``'s program) while the
     container is made."""
-
-    for x in layers:
-        # the FUSE daemon serves envbuild's framed layers only (it reads their TOC); a lock's
-        # envbuild layers always carry the TOC annotation, so this costs no request
-        media_type = getattr(x, "media_type", MEDIA_TYPE_LAYER_ZSTD)
-        if media_type != MEDIA_TYPE_LAYER_ZSTD or not x.toc_digest:
-            raise RuntimeShimError(
-                f"lazy mode needs envbuild layers: layer {x.digest} ({media_type}) is not in "
-                "envbuild's format (no envbuild TOC)",
-                hint="run it without lazy (the node cache unpacks it in full), or convert the "
-                     "image: `from: {oci: {layout: DIR, ref: TAG}}` in a definition and "
-                     "`envbuild build` re-encodes it as envbuild layers")
+    _check_envbuild_layers(layers)
     url, endpoint = store_location(store)
     presign = store.presigned_get_url if isinstance(store, Presigner) else None
     digests = [x.digest for x in layers]
-    record = None
-    profile_read = None
+    record: dict[str, Any] | None = None
+    profile_read: Future[Any] | None = None
     if not all(node.lazy_mounted(d) for d in digests):
-        # the profile record is read beside the mounts (a store round trip): they are asked
-        # to record one, and told to stop (the prefetch request) when there is one already
-        record = {"key": profile_key(digests), "layers": digests, "store": url,
-                  "s3_endpoint": endpoint}
-        if isinstance(store, Presigner):   # the daemon saves it without a store client
-            record["put_url"] = store.presigned_put_record_url(
-                PROFILE_NAMESPACE, record["key"], PROFILE_PUT_EXPIRES)
-        reader = ThreadPoolExecutor(1, thread_name_prefix="lazy-profile")
-        profile_read = reader.submit(read_profile, store, digests)
-        reader.shutdown(wait=False)
+        record, profile_read = _profile_record(store, url, endpoint, digests)
 
     def one(layer: Any) -> str:
         ranges_url = presign(layer.digest) if presign is not None else None
@@ -111,6 +91,50 @@ def lazy_layer_dirs(node: LazyNode, store: Store, layers: Sequence[Any],
         with ThreadPoolExecutor(min(8, len(layers)), thread_name_prefix="lazy-mount") as pool:
             dirs = list(pool.map(one, layers))
     profile = profile_read.result() if profile_read is not None else None
+    _ahead(node, layers, dirs, record, profile, env, cmd)
+    # files already on the node: each layer's meta layer (if any) right above its FUSE mount
+    from runtime_shim.lazyfs.metalayer import meta_dirs
+
+    metas = meta_dirs(node.root, list(zip(digests, dirs)))
+    return [d for fuse, meta in zip(dirs, metas) for d in (fuse, meta) if d]
+
+
+def _check_envbuild_layers(layers: Sequence[Any]) -> None:
+    """``RuntimeShimError`` unless every layer is in envbuild's format: the FUSE daemon serves
+    envbuild's framed layers only (it reads their TOC); a lock's envbuild layers always carry
+    the TOC annotation, so this costs no request."""
+    for x in layers:
+        media_type = getattr(x, "media_type", MEDIA_TYPE_LAYER_ZSTD)
+        if media_type != MEDIA_TYPE_LAYER_ZSTD or not x.toc_digest:
+            raise RuntimeShimError(
+                f"lazy mode needs envbuild layers: layer {x.digest} ({media_type}) is not in "
+                "envbuild's format (no envbuild TOC)",
+                hint="run it without lazy (the node cache unpacks it in full), or convert the "
+                     "image: `from: {oci: {layout: DIR, ref: TAG}}` in a definition and "
+                     "`envbuild build` re-encodes it as envbuild layers")
+
+
+def _profile_record(store: Store, url: str, endpoint: str | None,
+                    digests: list[str]) -> tuple[dict[str, Any], Future[Any]]:
+    """For a stack not all mounted yet: the profile record its mounts are asked to make, and
+    the stack's profile being read beside the mounts (a store round trip) — when there is
+    one, the mounts are told to stop recording (the prefetch request)."""
+    record: dict[str, Any] = {"key": profile_key(digests), "layers": digests, "store": url,
+                              "s3_endpoint": endpoint}
+    if isinstance(store, Presigner):   # the daemon saves it without a store client
+        record["put_url"] = store.presigned_put_record_url(
+            PROFILE_NAMESPACE, record["key"], PROFILE_PUT_EXPIRES)
+    reader = ThreadPoolExecutor(1, thread_name_prefix="lazy-profile")
+    profile_read = reader.submit(read_profile, store, digests)
+    reader.shutdown(wait=False)
+    return record, profile_read
+
+
+def _ahead(node: LazyNode, layers: Sequence[Any], dirs: list[str],
+           record: dict[str, Any] | None, profile: Any, env: Mapping[str, str] | None,
+           cmd: Sequence[str] | None) -> None:
+    """Once the stack is mounted: its profile prefetched, or, for a stack new here without
+    one, its start-up files fetched ahead (both in the daemon's background)."""
     if record is not None and not profile and env is not None:
         # a hint (the daemon answers at once and fetches in the background): never fatal
         try:
@@ -122,9 +146,3 @@ def lazy_layer_dirs(node: LazyNode, store: Store, layers: Sequence[Any],
         daemon_request(node.root, {"op": "prefetch", "key": record["key"] if record else None,
                                    "layers": [{"mountpoint": d, "paths": profile.get(x.digest, [])}
                                               for d, x in zip(dirs, layers)]}, 10.0)
-    # files already on the node: each layer's meta layer (if any) right above its FUSE mount
-    from runtime_shim.lazyfs.metalayer import meta_dirs
-
-    metas = meta_dirs(node.root, list(zip(digests, dirs)))
-    return [d for fuse, meta in zip(dirs, metas) for d in (fuse, meta) if d]
-

@@ -43,7 +43,7 @@ from typing import Any
 
 from envbuild.errors import EnvbuildError
 from envbuild.store.lazy import background
-from runtime_shim.lazyfs import pydeps, pyindex
+from runtime_shim.lazyfs import pydeps, pyindex, pystartup
 from runtime_shim.lazyfs.frames import (
     _EXTENSION,
     PROFILE_FILE_WORKERS,
@@ -292,7 +292,7 @@ class PyAhead:
         """The start-up files of an interpreter or a venv (``node``, opened or, ``itself``,
         expected at create: then fetched too, first)."""
         st = self._stack(stack, fs)
-        tag, sites, files = pydeps.startup_files(st, node.read_path)
+        tag, sites, files = pystartup.startup_files(st, node.read_path)
         if itself:
             files = [(fs, node), *files]
         with self.lock:
@@ -306,7 +306,7 @@ class PyAhead:
 
     def _pth(self, key: tuple[Any, ...], stack: tuple[str, ...], fs: Any, node: Any,
              path: str | None) -> None:
-        data = _read(fs, node, path, pydeps.MAX_PTH)
+        data = _read(fs, node, path, pystartup.MAX_PTH)
         if not data:
             return
         st = self._stack(stack, fs)
@@ -319,7 +319,7 @@ class PyAhead:
         site = node.read_path.rpartition("/")[0]
         where = list(dict.fromkeys([site, *pydeps.stdlib_roots(tag), *roots]))
         files: list[tuple[Any, Any]] = []
-        for name in pydeps.pth_imports(data):
+        for name in pystartup.pth_imports(data):
             for k in range(1, name.count(".") + 2):
                 files += pydeps.module_files(st, where, ".".join(name.split(".")[:k]), tag)[1]
         self._claim(key, stack, files, after=node)
@@ -481,13 +481,13 @@ def _read(fs: Any, node: Any, path: str | None, limit: int = pydeps.MAX_PYC) -> 
 
 def _trace(todo: list[tuple[Any, Any]], after: Any) -> None:
     """``$ENVBUILD_LAZY_OPEN_TRACE``: one ``predict`` line per predicted file."""
-    from runtime_shim.lazyfs import passthrough
+    from runtime_shim.lazyfs import passthrough_open
 
-    if passthrough._TRACE is None:
+    if passthrough_open._TRACE is None:
         return
     import time
 
-    with passthrough._trace_lock, open(passthrough._TRACE, "a") as f:
+    with passthrough_open._trace_lock, open(passthrough_open._TRACE, "a") as f:
         for ops, n in todo:
             f.write(f"{time.monotonic():.6f} 0 predict {ops.lazy_layer.digest[7:19]} {n.size} "
                     f"{n.read_path} <- {after.read_path}\n")

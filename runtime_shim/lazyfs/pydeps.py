@@ -11,6 +11,7 @@ before it. ``scan`` finds them (module level and class bodies only: functions' i
 never run; imports under ``if TYPE_CHECKING:`` are skipped), ``module_files`` maps a module to
 the files its import opens (``__pycache__/NAME.TAG.pyc`` + ``NAME.py``, a package's
 ``__init__`` pair, or an extension module), looked up in the stack's trees (``elfdeps.Stack``).
+(The files every interpreter opens before its first import are in ``pystartup``.)
 
 Hostile input: a pyc comes from a verified layer, but its content is anyone's. It is never
 given to ``marshal.loads`` (not safe against malicious data); ``scan`` is a reader of the
@@ -31,6 +32,13 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+if __name__ != "__main__":   # the scan helper (``python -I -S pydeps.py``) imports no more
+    # re-exported: interpreter start-up lives in ``pystartup``
+    from runtime_shim.lazyfs.pystartup import MAX_DIR_NAMES as MAX_DIR_NAMES
+    from runtime_shim.lazyfs.pystartup import MAX_PTH as MAX_PTH
+    from runtime_shim.lazyfs.pystartup import pth_imports as pth_imports
+    from runtime_shim.lazyfs.pystartup import startup_files as startup_files
 
 #: Largest pyc read (bytes): larger ones are not scanned (numpy's largest is ~300 KB).
 MAX_PYC = 4 << 20
@@ -129,6 +137,11 @@ class _Code:
 _UNSET = object()   # a reserved ref slot not filled yet (refs to it read as None)
 
 
+# The reader's state (the buffer, the position, the refs) lives in closure cells: it runs over
+# every pyc an import touches, in the daemon, and methods reading that state from an object
+# were 3x slower. ``r`` reads one object (scalars and sequences, the most frequent, inline)
+# and hands the others to ``code``, ``mapping`` and ``number``.
+# shape: one closure for speed (above); each function inside it is under 60 lines
 def _parse(data: bytes, start: int) -> Any:
     """The object at ``start`` of marshal data (CPython 3.11's ``Python/marshal.c``), bounded
     (module docstring); raises ``_Malformed``. Values: None/bool/int/str/bytes/tuple (lists,
@@ -146,6 +159,14 @@ def _parse(data: bytes, start: int) -> Any:
             raise _Malformed
         v = int.from_bytes(data[pos:pos + 4], "little")
         pos += 4
+        return v
+
+    def byte() -> int:
+        nonlocal pos
+        if pos >= n:
+            raise _Malformed
+        v = data[pos]
+        pos += 1
         return v
 
     def skip(k: int) -> None:
@@ -177,19 +198,9 @@ def _parse(data: bytes, start: int) -> Any:
             v = refs[idx]
             return None if v is _UNSET else v
         if t in (0x5A, 0x7A):    # Z z: short ASCII (interned)
-            if pos >= n:
-                raise _Malformed
-            k = data[pos]
-            pos += 1
-            return _ref(flag, blob(k).decode("latin-1"))
+            return _ref(flag, blob(byte()).decode("latin-1"))
         if t in (0x29, 0x28, 0x5B, 0x3C, 0x3E):   # ) ( [ < >: tuple, list, set, frozenset
-            if t == 0x29:
-                if pos >= n:
-                    raise _Malformed
-                k = data[pos]
-                pos += 1
-            else:
-                k = u32()
+            k = byte() if t == 0x29 else u32()
             if k > n - pos:   # each item is at least one byte
                 raise _Malformed
             idx = _reserve(flag)
@@ -202,55 +213,63 @@ def _parse(data: bytes, start: int) -> Any:
         if t in (0x61, 0x41, 0x75, 0x74):   # a A u t: str
             return _ref(flag, blob(u32()).decode("utf-8", "surrogatepass"))
         if t == 0x63:    # c: code
-            idx = _reserve(flag)
-            skip(16)     # argcount, posonlyargcount, kwonlyargcount, stacksize
-            flags = u32()
-            co, consts, names = r(depth + 1), r(depth + 1), r(depth + 1)
-            for _ in range(5):   # localsplusnames, localspluskinds, filename, name, qualname
-                r(depth + 1)
-            skip(4)      # firstlineno
-            r(depth + 1)  # linetable
-            r(depth + 1)  # exceptiontable
-            if not (isinstance(co, bytes) and isinstance(consts, tuple)
-                    and isinstance(names, tuple)):
-                raise _Malformed
-            v = _Code(flags, co, consts, names)
-            if idx >= 0:
-                refs[idx] = v
-            return v
+            return code(flag, depth)
         if t == 0x69:    # i: int32
             return _ref(flag, int.from_bytes(blob(4), "little", signed=True))
         if t in (0x4E, 0x46, 0x54, 0x53, 0x2E):   # N F T S .
             return _ref(flag, True if t == 0x54 else False if t == 0x46 else None)
+        if t == 0x7B:    # {: dict, pairs until NULL
+            return mapping(flag, depth)
+        return number(flag, t)
+
+    def code(flag: int, depth: int) -> _Code:
+        idx = _reserve(flag)
+        skip(16)     # argcount, posonlyargcount, kwonlyargcount, stacksize
+        flags = u32()
+        co, consts, names = r(depth + 1), r(depth + 1), r(depth + 1)
+        for _ in range(5):   # localsplusnames, localspluskinds, filename, name, qualname
+            r(depth + 1)
+        skip(4)      # firstlineno
+        r(depth + 1)  # linetable
+        r(depth + 1)  # exceptiontable
+        if not (isinstance(co, bytes) and isinstance(consts, tuple)
+                and isinstance(names, tuple)):
+            raise _Malformed
+        v = _Code(flags, co, consts, names)
+        if idx >= 0:
+            refs[idx] = v
+        return v
+
+    def mapping(flag: int, depth: int) -> tuple[Any, ...]:
+        nonlocal pos
+        idx = _reserve(flag)
+        items = []
+        while True:
+            if pos >= n:
+                raise _Malformed
+            if data[pos] == 0x30:
+                pos += 1
+                break
+            items.append(r(depth + 1))
+            items.append(r(depth + 1))
+        v = tuple(items)
+        if idx >= 0:
+            refs[idx] = v
+        return v
+
+    def number(flag: int, t: int) -> Any:
+        """A long, int64, float or complex, skipped (read as None)."""
         if t == 0x6C:    # l: long, digits of 15 bits
             k = int.from_bytes(blob(4), "little", signed=True)
             skip(2 * abs(k))
-            return _ref(flag, None)
-        if t in (0x49, 0x67, 0x79):   # I g y: int64, binary float, binary complex
+        elif t in (0x49, 0x67, 0x79):   # I g y: int64, binary float, binary complex
             skip(16 if t == 0x79 else 8)
-            return _ref(flag, None)
-        if t in (0x66, 0x78):   # f x: float, complex as text
+        elif t in (0x66, 0x78):   # f x: float, complex as text
             for _ in range(1 if t == 0x66 else 2):
-                if pos >= n:
-                    raise _Malformed
-                skip(data[pos] + 1)
-            return _ref(flag, None)
-        if t == 0x7B:    # {: dict, pairs until NULL
-            idx = _reserve(flag)
-            items = []
-            while True:
-                if pos >= n:
-                    raise _Malformed
-                if data[pos] == 0x30:
-                    pos += 1
-                    break
-                items.append(r(depth + 1))
-                items.append(r(depth + 1))
-            v = tuple(items)
-            if idx >= 0:
-                refs[idx] = v
-            return v
-        raise _Malformed   # 0 (NULL outside a dict), ? (unknown), anything else
+                skip(byte())
+        else:
+            raise _Malformed   # 0 (NULL outside a dict), ? (unknown), anything else
+        return _ref(flag, None)
 
     def _reserve(flag: int) -> int:
         if not flag:
@@ -533,83 +552,6 @@ def predict(stack: Any, path: str, data: bytes, extra_roots: Iterable[str] = (),
             seen.add(key)
             uniq.append((ops, node))
     return info, uniq
-
-
-# -- interpreter start-up: the files every ``python3`` opens before its first import ---------------
-
-#: ``.../bin/python3.N`` (the interpreter's own file: ``python3`` and a venv's ``python`` are
-#: symlinks to it) and a venv's ``pyvenv.cfg``.
-_INTERPRETER = re.compile(r"^(?P<prefix>(?:.*/)?)bin/python3\.(?P<minor>\d{1,2})$")
-_PYVENV = re.compile(r"^(?P<venv>(?:.*/)?)pyvenv\.cfg$")
-#: Largest ``.pth`` file read for its ``import`` lines (site.py runs them at start-up).
-MAX_PTH = 64 << 10
-#: Names read per layer from a site or venv lib directory (``Stack.names``).
-MAX_DIR_NAMES = 10_000
-_PTH_IMPORT = re.compile(r"__import__\(\s*['\"]([A-Za-z_][A-Za-z0-9_.]*)['\"]")
-
-
-def startup_files(stack: Any, path: str) -> tuple[str, list[str], list[tuple[Any, Any]]]:
-    """For the first open of ``path``: when it is an interpreter (``PREFIX/bin/python3.N``),
-    the files its start-up opens before any import of the program's — the ``encodings``
-    package (``__init__``, ``aliases``, ``utf_8``), ``sitecustomize`` and the ``.pth`` files
-    of its site directories (Debian's and a source build's); when it is a venv's
-    ``pyvenv.cfg``, the ``.pth`` files of the venv's site-packages. Returns ``(pyc tag,
-    site directories, files)``; ``("", [], [])`` for any other path."""
-    m = _INTERPRETER.match(path)
-    if m is not None:
-        prefix, v = m["prefix"], f"3.{m['minor']}"
-        tag = f"cpython-3{m['minor']}"
-        std = f"{prefix}lib/python{v}"
-        files: list[tuple[Any, Any]] = []
-        for name in ("encodings.__init__", "encodings.aliases", "encodings.utf_8",
-                     "sitecustomize"):
-            pkg, _, leaf = name.rpartition(".")
-            d = f"{std}/{pkg}" if pkg else std
-            for p in (f"{d}/__pycache__/{leaf}.{tag}.pyc", f"{d}/{leaf}.py"):
-                hit = stack.lookup(p)
-                if hit is not None:
-                    files.append(hit)
-        sites = [f"{prefix}local/lib/python{v}/dist-packages", f"{prefix}lib/python3/dist-packages",
-                 f"{prefix}lib/python{v}/dist-packages", f"{prefix}lib/python{v}/site-packages",
-                 f"{prefix}local/lib/python{v}/site-packages"]
-        return tag, sites, files + _pth_files(stack, sites)
-    m = _PYVENV.match(path)
-    if m is not None:
-        lib = f"{m['venv']}lib"
-        sites = [f"{lib}/{name}/site-packages" for name in sorted(stack.names(lib, MAX_DIR_NAMES))
-                 if re.match(r"^python3\.\d{1,2}$", name)][:4]
-        tags = [f"cpython-3{s.split('/')[-2].split('.')[1]}" for s in sites]
-        return (tags[0] if tags else ""), sites, _pth_files(stack, sites)
-    return "", [], []
-
-
-def _pth_files(stack: Any, sites: Sequence[str]) -> list[tuple[Any, Any]]:
-    out = []
-    for site in sites:
-        for name in sorted(stack.names(site, MAX_DIR_NAMES)):
-            if name.endswith(".pth"):
-                hit = stack.lookup(f"{site}/{name}")
-                if hit is not None:
-                    out.append(hit)
-    return out[:256]
-
-
-def pth_imports(data: bytes) -> list[str]:
-    """The modules a ``.pth`` file imports when ``site`` processes it: its lines that start
-    with ``import`` are executed — ``import a, b`` and ``__import__('c')`` in them name
-    modules (other lines are path entries). At most ``MAX_PTH`` bytes are read."""
-    out: list[str] = []
-    for raw in data[:MAX_PTH].decode("utf-8", "replace").splitlines():
-        line = raw.strip()
-        if not (line.startswith("import ") or line.startswith("import\t")):
-            continue
-        first = line[len("import"):].split(";", 1)[0]
-        for part in first.split(","):
-            name = part.strip().split(" as ", 1)[0].strip()
-            if re.match(r"^[A-Za-z_][A-Za-z0-9_.]*$", name):
-                out.append(name)
-        out.extend(_PTH_IMPORT.findall(line))
-    return list(dict.fromkeys(out))[:64]
 
 
 def serve_scans(memory: int) -> int:

@@ -175,20 +175,7 @@ def check_names(paths: Iterable[str], name: str) -> None:
 def _assemble(n: int, members: Iterable[_Member]) -> dict[str, Node]:
     """The tree of ``n`` TOC members in tar order (see the module docstring)."""
     nodes: dict[str, Node] = {"": Node(1, stat.S_IFDIR | 0o755, 0, 0, 0, children={})}
-    next_ino = n + 2
-
-    def parent_dir(path: str) -> Node:
-        nonlocal next_ino
-        parent = path.rpartition("/")[0]
-        node = nodes.get(parent)
-        if node is not None and node.children is not None:
-            return node
-        grand = parent_dir(parent)  # missing (or shadowed by a non-dir): synthesise
-        node = Node(next_ino, stat.S_IFDIR | 0o755, 0, 0, 0, children={})
-        next_ino += 1
-        _place(nodes, grand, parent, node)
-        return node
-
+    next_ino = [n + 2]   # the next synthesised directory's inode number
     get = nodes.get
     for i, (path, t, mode, uid, gid, size, mtime, linkname, xattrs, rdev, frames, digest) \
             in enumerate(members):
@@ -198,25 +185,12 @@ def _assemble(n: int, members: Iterable[_Member]) -> dict[str, Node]:
         head, _, base = path.rpartition("/")
         parent = get(head)
         if parent is None or parent.children is None:
-            parent = parent_dir(path)
+            parent = _parent_dir(nodes, path, next_ino)
         if base.startswith(WHITEOUT_PREFIX):
-            if base == OPAQUE_MARKER:
-                parent.xattrs = {**parent.xattrs, OPAQUE_XATTR: b"y"}
-            elif not base.startswith(".wh..wh.") and base[4:] not in ("", ".", ".."):
-                target = path[:len(path) - len(base)] + base[4:]
-                _place(nodes, parent, target,
-                       Node(i + 2, stat.S_IFCHR | 0o600, uid, gid, mtime, rdev=0))
+            _whiteout(nodes, parent, path, base, (i + 2, uid, gid, mtime))
             continue
         if t == "hardlink":
-            node = get(linkname.strip("/"))
-            if node is None or not stat.S_ISREG(node.mode):
-                log.warning("hardlink %s points to %s, not an earlier regular file: skipped",
-                            path, linkname)
-                continue
-            if get(path) is node:
-                continue
-            node.nlink += 1
-            _place(nodes, parent, path, node)
+            _hardlink(nodes, parent, path, linkname)
             continue
         old = get(path)
         if t == "dir" and old is not None and old.children is not None:
@@ -246,13 +220,60 @@ def _assemble(n: int, members: Iterable[_Member]) -> dict[str, Node]:
             children[base] = None
         else:
             _place(nodes, parent, path, node)
+    _count_dir_links(nodes)
+    return nodes
+
+
+def _parent_dir(nodes: dict[str, Node], path: str, next_ino: list[int]) -> Node:
+    """The directory ``path`` is in; synthesised (mode 0755, root's, the next of
+    ``next_ino``) with its missing ancestors when it is missing or shadowed by a non-dir."""
+    parent = path.rpartition("/")[0]
+    node = nodes.get(parent)
+    if node is not None and node.children is not None:
+        return node
+    grand = _parent_dir(nodes, parent, next_ino)
+    node = Node(next_ino[0], stat.S_IFDIR | 0o755, 0, 0, 0, children={})
+    next_ino[0] += 1
+    _place(nodes, grand, parent, node)
+    return node
+
+
+def _whiteout(nodes: dict[str, Node], parent: Node, path: str, base: str,
+              meta: tuple[int, int, int, int]) -> None:
+    """The whiteout member ``path`` (``base``: its name; ``meta``: its inode number, owner
+    and mtime): an opaque marker makes ``parent`` opaque; ``.wh.NAME`` puts a 0/0 character
+    device (the overlayfs whiteout) at ``NAME``; other ``.wh..wh.*`` names and empty, ``.``
+    or ``..`` targets are skipped."""
+    if base == OPAQUE_MARKER:
+        parent.xattrs = {**parent.xattrs, OPAQUE_XATTR: b"y"}
+    elif not base.startswith(".wh..wh.") and base[4:] not in ("", ".", ".."):
+        target = path[:len(path) - len(base)] + base[4:]
+        ino, uid, gid, mtime = meta
+        _place(nodes, parent, target, Node(ino, stat.S_IFCHR | 0o600, uid, gid, mtime, rdev=0))
+
+
+def _hardlink(nodes: dict[str, Node], parent: Node, path: str, linkname: str) -> None:
+    """The hardlink member ``path``: one more name of the earlier regular file
+    ``linkname`` (skipped when there is none)."""
+    node = nodes.get(linkname.strip("/"))
+    if node is None or not stat.S_ISREG(node.mode):
+        log.warning("hardlink %s points to %s, not an earlier regular file: skipped",
+                    path, linkname)
+        return
+    if nodes.get(path) is node:
+        return
+    node.nlink += 1
+    _place(nodes, parent, path, node)
+
+
+def _count_dir_links(nodes: dict[str, Node]) -> None:
+    """Each directory's ``st_nlink``: 2, plus one for each subdirectory's ``..``."""
     dirs = [(path, node) for path, node in nodes.items() if node.children is not None]
     for _, node in dirs:
         node.nlink = 2
     for path, _node in dirs:  # a directory's ".." links its parent
         if path:
             nodes[path.rpartition("/")[0]].nlink += 1
-    return nodes
 
 
 def _place(nodes: dict[str, Node], parent: Node, path: str, node: Node) -> None:
