@@ -46,19 +46,6 @@ KNOWN = {
     'runtime_shim/fleet/daemon.py',  # fleetshape
     'runtime_shim/fleet/placement.py:plan_groups',  # fleetshape
     'runtime_shim/isolation/agent.py',  # fleetshape
-    'runtime_shim/lazyfs/daemon.py',  # lazyshape
-    'runtime_shim/lazyfs/daemon.py:_mount',  # lazyshape
-    'runtime_shim/lazyfs/daemon.py:serve',  # lazyshape
-    'runtime_shim/lazyfs/fuseops.py:make_operations',  # lazyshape
-    'runtime_shim/lazyfs/metalayer.py',  # lazyshape
-    'runtime_shim/lazyfs/metalayer.py:build',  # lazyshape
-    'runtime_shim/lazyfs/metaserve.py:_serve_mount',  # lazyshape
-    'runtime_shim/lazyfs/mounts.py:lazy_layer_dirs',  # lazyshape
-    'runtime_shim/lazyfs/passthrough.py',  # lazyshape
-    'runtime_shim/lazyfs/pydeps.py',  # lazyshape
-    'runtime_shim/lazyfs/pydeps.py:_parse',  # lazyshape
-    'runtime_shim/lazyfs/pydeps.py:r',  # lazyshape
-    'runtime_shim/lazyfs/tree.py:_assemble',  # lazyshape
 }
 
 
