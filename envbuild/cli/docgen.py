@@ -50,7 +50,7 @@ def _commands(cmd: click.Command, ctx: click.Context) -> Iterator[tuple[click.Co
 
 def _section(cmd: click.Command, ctx: click.Context) -> list[str]:
     path = ctx.command_path
-    lines = [f"## {path}", "", "```", f"{path} {' '.join(cmd.collect_usage_pieces(ctx))}",
+    lines = [f"## {path}", "", "```text", f"{path} {' '.join(cmd.collect_usage_pieces(ctx))}",
              "```", ""]
     if cmd.help:
         lines += [inspect.cleandoc(cmd.help.split("\f")[0]), ""]
