@@ -32,7 +32,7 @@ GC_GEN0_THRESHOLD = 20_000
 #: lazy run (``cold_start.py --modes lazy --repeat 1``, 1gbit:10ms), the daemon's minor
 #: faults: 100-113 k by default, ~102 k with one arena alone or the thresholds alone, 75-88 k
 #: with both; sets of ``--modes full,lazy --repeat 3``: total 0.81-0.83 of full against
-#: 0.91-1.05 (docs/lazy-loading.md, tenth pass). The threads allocate under the GIL anyway,
+#: 0.91-1.05 (docs/notes/lazy-loading-log.md, tenth pass). The threads allocate under the GIL anyway,
 #: so the one arena's lock costs little.
 MALLOC_ARENA_MAX = 1
 MALLOC_MMAP_THRESHOLD = 32 << 20    # glibc's maximum on 64-bit: buffers up to this from the heap

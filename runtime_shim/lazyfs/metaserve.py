@@ -83,7 +83,7 @@ PR_SET_PDEATHSIG = 1
 
 
 def wanted() -> bool:
-    """``$ENVBUILD_LAZY_METASERVER=on``. Off by default, as measured (docs/lazy-loading.md,
+    """``$ENVBUILD_LAZY_METASERVER=on``. Off by default, as measured (docs/notes/lazy-loading-log.md,
     "Eighth pass"): a LOOKUP beside a busy daemon took ~10x less time with the server, but the
     cold_start workload was no faster (the daemon's time goes to fetched bytes, not to
     metadata), and a cold node's first create 0.04-0.07 s slower."""

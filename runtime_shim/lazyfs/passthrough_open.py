@@ -48,7 +48,7 @@ MAX_IDLE_BACKING = 4096
 ELF_HINT_MAX = 64 << 20
 
 #: ``$ENVBUILD_LAZY_PYC_SOURCES=0`` turns off fetching a checked-hash pyc's source beside it
-#: (``PassthroughFS._source_ahead``). Measured: see docs/lazy-loading.md, "Fifth pass".
+#: (``PassthroughFS._source_ahead``). Measured: see docs/notes/lazy-loading-log.md, "Fifth pass".
 PYC_SOURCES = os.environ.get("ENVBUILD_LAZY_PYC_SOURCES", "1").strip().lower() \
     not in ("0", "off")
 #: Sources larger than this are left to their own open.

@@ -20,7 +20,7 @@ when the layer was packed; read by the daemon after the mount). An indexed pyc n
 to be resolved, so each predicted pyc of an indexed layer is queued for resolution as soon as
 it is predicted: a module's whole import closure is known at its first open. With
 ``$ENVBUILD_LAZY_PYDEPS=on`` the pycs of layers without an index are scanned as they land
-(``mode``; measurements in ``docs/lazy-loading.md``: exact, but not faster on a
+(``mode``; measurements in ``docs/notes/lazy-loading-log.md``: exact, but not faster on a
 CPU-saturated host); ``$ENVBUILD_LAZY_PYINDEX=0`` leaves the indexes unused.
 """
 
@@ -99,7 +99,7 @@ def mode() -> str:
     ``bin/python3.N`` or a ``pyvenv.cfg``, a dozen files, and the imports of the pycs of
     indexed layers; no scan helper) or ``off`` (nothing, indexes included). Full
     prediction is not the default: on a CPU-saturated 2-core host its work in the daemon
-    cost the import more than the misses it removed (``docs/lazy-loading.md``)."""
+    cost the import more than the misses it removed (``docs/notes/lazy-loading-log.md``)."""
     value = os.environ.get(ENV_SWITCH, "").strip().lower()
     if value in ("on", "1", "yes", "true"):
         return "on"
