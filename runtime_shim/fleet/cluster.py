@@ -1,5 +1,7 @@
-"""The fleet client's connection to the cluster: joining Ray, finding and starting the node
-daemons (``runtime_shim.fleet.daemon``), and every call to a daemon waited on with a deadline.
+"""The fleet client's connection to the cluster: joining Ray, starting the node daemons, and
+every call to one with a deadline.
+
+The daemons are ``runtime_shim.fleet.daemon``'s ``NodeDaemon`` as Ray actors.
 
 A daemon that died (its node lost, or the actor killed) gives ``NodeLost``, one that does not
 answer in time gives ``NodeLost`` too, never a hang; an error the daemon raised

@@ -1,6 +1,8 @@
-"""Handles of fleet sandboxes: ``FleetSandbox`` (the ``Sandbox`` methods, each one call to its
-node's daemon), ``AsyncFleetSandbox`` (the same as coroutines) and ``FastForward`` (a restarted
-rollout answered from its exec log). ``runtime_shim.fleet.client.Fleet`` makes them.
+"""Handles of fleet sandboxes, which ``runtime_shim.fleet.client.Fleet`` makes.
+
+``FleetSandbox`` has the ``Sandbox`` methods, each one call to its node's daemon;
+``AsyncFleetSandbox`` the same as coroutines; ``FastForward`` is a restarted rollout answered
+from its exec log.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""A node daemon's bookkeeping of its sandboxes: the entry it keeps per sandbox, the on-disk
-fleet record, and re-adoption after a restart (``runtime_shim.fleet.daemon`` drives them).
+"""A node daemon's bookkeeping of its sandboxes: their entries, leases and on-disk records,
+and re-adoption after a restart.
 
 On-disk record (version ``FLEET_RECORD_VERSION``): next to each sandbox's ``sandbox.json``, a
 ``fleet.json`` ``{version, id, node_id, lock, backend, lazy, ttl, lease_expires, exec_log,

@@ -1,5 +1,6 @@
-"""The fleet's plain data, shared by the client and the node daemons: the daemon's
-``DaemonConfig``, what to create (``CreateSpec``), what a daemon reports (``SandboxRecord``,
+"""The fleet's plain data, shared by the client and the node daemons.
+
+The daemon's ``DaemonConfig``, what to create (``CreateSpec``), what a daemon reports (``SandboxRecord``,
 ``NodeStatus``), and fleet ids (``SDK-ID@NODE``). No Ray, no threads, no sandboxes: every value
 here crosses the Ray boundary by pickle.
 """

@@ -1,5 +1,5 @@
-"""A node daemon's warm pools: ready sandboxes of a ``CreateSpec`` kept on the node so a
-``create`` (or ``claim``) of that spec takes one instead of starting one.
+"""A node daemon's warm pools: ready sandboxes a ``create`` of their spec takes instead of
+starting one.
 
 ``WarmPools`` is a part of ``runtime_shim.fleet.daemon.NodeDaemon`` (a mixin: it shares the
 daemon's lock, entries and slot reservations); a pooled sandbox is an ``Entry`` whose ``pool``

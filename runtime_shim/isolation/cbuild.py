@@ -1,5 +1,6 @@
-"""The host's small static C helpers, compiled once per source: the exec agent
-(``runtime_shim.isolation.agent.agent_binary``) and the FnCall spawner
+"""The host's small static C helpers, compiled once per source.
+
+They are the exec agent (``runtime_shim.isolation.agent.agent_binary``) and the FnCall spawner
 (``runtime_shim.isolation.fncall_ns.spawner_binary``).
 
 ``static_binary`` compiles a C source (libc only) with gcc against static glibc into

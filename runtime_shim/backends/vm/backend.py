@@ -1,7 +1,9 @@
 """``MicroVmBackend``: a sandbox as a QEMU microVM, behind the same ``Backend`` protocol
-(``runtime_shim.backends.base``); ``MicroVmSandbox`` (``runtime_shim.backends.vm.sandbox``: the
-VM's files, disks, exec, pack-diff and checkpoints) is its handle, planned as data by
-``runtime_shim.backends.vm.plan`` (options, layer transport, config disk, drives, devices).
+(``runtime_shim.backends.base``).
+
+Its handle is ``MicroVmSandbox`` (``runtime_shim.backends.vm.sandbox``: the VM's files, disks,
+exec, pack-diff and checkpoints), planned as data by ``runtime_shim.backends.vm.plan`` (options,
+layer transport, config disk, drives, devices).
 
 Isolation boundary: the guest's own kernel, so a seccomp profile is refused for
 ``backend="microvm"``; a VM is a child of the process that created it, so it can be neither

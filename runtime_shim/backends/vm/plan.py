@@ -1,5 +1,6 @@
-"""What a microVM is made of, planned as data before anything runs: its options
-(``VmOptions``), how the layers reach the guest (``choose_layer_transport``), the config disk
+"""What a microVM is made of, planned as data before anything runs.
+
+Its options (``VmOptions``), how the layers reach the guest (``choose_layer_transport``), the config disk
 (``guest_config``), the drives and pmem devices (``vm_drives``, ``vm_pmem``), and the QEMU request
 and device model of one VM (``vm_request``, ``request_model``). ``runtime_shim.backends.vm.backend``
 makes the files these name and runs QEMU; the disk contract with the guest is in its docstring.
