@@ -80,7 +80,6 @@ import dataclasses
 import os
 import select
 import shlex
-import shutil
 import signal
 import socket
 import stat
@@ -517,7 +516,7 @@ class MicroVmSandbox:
             undo.callback(setattr, self, "_quiesced", False)
             mnt.mkdir()
             undo.callback(mnt.rmdir)
-            _mount_image_readonly(self.rw_disk, mnt)
+            erofs.mount_writable_disk(self.rw_disk, mnt)
             undo.callback(unmount, str(mnt))
             self._snapshot_upper = _real_dir(mnt / "upper")
             undo.callback(setattr, self, "_snapshot_upper", None)
@@ -559,25 +558,6 @@ class MicroVmSandbox:
         net, self.net = getattr(self, "net", None), None
         if net is not None:
             net.close()
-
-
-def _mount_image_readonly(image: Path, target: Path) -> None:
-    """Mount the guest-written ext4 ``image`` read-only at ``target`` with ``fuse2fs``.
-
-    The guest's root can write any bytes to its disk, so its ext4 metadata is untrusted input:
-    it is parsed in user space by fuse2fs (e2fsprogs' library), never by the host kernel's
-    ext4 driver, which is not hardened against crafted images. fuse2fs shows device nodes
-    (overlay whiteouts) and ``trusted.*`` xattrs (opaque dirs) as they are on disk."""
-    fuse2fs = shutil.which("fuse2fs") or shutil.which("fuse2fs", path="/usr/sbin:/sbin")
-    if fuse2fs is None:
-        raise RuntimeShimError("pack-diff of a microVM needs fuse2fs to read its disk safely",
-                               hint="apt-get install fuse2fs (or run scripts/setup.sh)")
-    argv = [fuse2fs, "-o", "ro", str(image), str(target)]
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if proc.returncode != 0 or not os.path.ismount(target):
-        raise RuntimeShimError(f"mount the writable disk {image.name} read-only: fuse2fs exited "
-                               f"{proc.returncode}",
-                               context=f"$ {' '.join(argv)}\n{proc.stderr.strip()[-2000:]}")
 
 
 def _real_dir(path: Path) -> Path:
