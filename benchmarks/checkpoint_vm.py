@@ -8,7 +8,7 @@ item 2), measured in the same run.
 1. Cold boot: ``Sandbox.create(backend="microvm")`` → first ``exec true`` (p50 of ``--runs``).
 2. One VM booted, a background loop started in it, checkpointed with ``leave_running=True``:
    seconds, memory-image and disk bytes.
-3. Restore: ``restore_sandbox(image)`` → first ``exec true`` (p50 of ``--runs``), each
+3. Restore: ``Sandbox.create(lock, backend="microvm", restore=image)`` → first ``exec true`` (p50 of ``--runs``), each
    restored VM checked to still run the loop; then closed.
 4. Fork: ``--fork`` restores of the one image started at once (threads): time until all
    answered exec (what ``sb.fork(n)`` costs built on checkpoint + n restores).
@@ -33,10 +33,16 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._envs import ensure_built  # noqa: E402
 from envbuild.store import LocalStore  # noqa: E402
-from runtime_shim.backends.vm.backend import restore_sandbox  # noqa: E402
+from runtime_shim.backends.vm.checkpoint import VmCheckpoint  # noqa: E402
 from runtime_shim.sdk.sandbox import Limits, Sandbox  # noqa: E402
 
 LIMITS = Limits(memory_bytes=256 << 20)
+
+
+def _restore(image, store, node) -> Sandbox:
+    """A VM continuing the unpacked checkpoint ``image``: restore is a field of create."""
+    return Sandbox.create(VmCheckpoint.from_record(image.record).lock, store=store,
+                          node_dir=node, backend="microvm", restore=image)
 
 
 def main() -> None:
@@ -73,7 +79,7 @@ def main() -> None:
         restore, phases = [], []
         for _ in range(args.runs):
             t = time.perf_counter()
-            with restore_sandbox(image, store=store, node_dir=node) as rb:
+            with _restore(image, store, node) as rb:
                 assert rb.exec("true").ok
                 restore.append(time.perf_counter() - t)
                 phases.append(rb._backend.timings)
@@ -83,7 +89,7 @@ def main() -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         def one():
-            rb = restore_sandbox(image, store=store, node_dir=node)
+            rb = _restore(image, store, node)
             assert rb.exec("true").ok
             return rb
 

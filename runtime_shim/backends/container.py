@@ -33,6 +33,7 @@ import socket
 import subprocess
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from envbuild.errors import (
     BackendUnavailable,
@@ -95,23 +96,16 @@ class ContainerSandbox:
                  seccomp: str | Mapping | None = None,
                  spec_hook: Callable[[RuntimeSpecRequest], RuntimeSpecRequest] | None = None,
                  restore: CheckpointImage | None = None, checkpointable: bool = False) -> None:
+        """Start the sandbox in named steps: its binds, environment and network
+        (``_bind_network``), its runtime spec (``_write_spec``), the container
+        (``_run_container``: a fresh agent, or with ``restore`` a checkpoint's processes), then
+        the agent's first answer."""
         self.id = sandbox_id
         self.paths = paths
         self.lock = lock
         self.runtime = runtime
         self.limits = limits
-        binds = [BindMount(str(agent_path), AGENT_PATH),
-                 BindMount(str(paths.tmp), "/tmp", readonly=False)]
-        env = dict(lock.env)
-        # Own namespace + slirp + firewall (runtime_shim.isolation.netns); on a failure below,
-        # Sandbox.create's cleanup (remove_sandbox_dir → netns.teardown) removes it.
-        self.net = netns.create(paths.root, network, outlive_creator=keep) \
-            if network is not None else None
-        if self.net is not None:
-            binds += [BindMount(self.net.resolv_conf, "/etc/resolv.conf")]
-            ca_binds, ca_env = netns.host_ca()
-            binds += ca_binds
-            env = {**ca_env, **env}
+        binds, env = self._bind_network(agent_path, network, keep)
         # checkpointable: the agent's socket is made inside the sandbox's network namespace
         # (without network= too: one made here), since CRIU finds a socket only in the
         # namespace of the process it dumps; the price is that the sandbox sees the socket in
@@ -119,65 +113,19 @@ class ContainerSandbox:
         self.checkpointable = checkpointable or restore is not None
         own_ns = criu.own_netns(paths.root) if self.net is None and self.checkpointable \
             else None
-        request = RuntimeSpecRequest(
-            rootfs=str(paths.merged),
-            args=(AGENT_PATH, "--listen-fd", str(AGENT_LISTEN_FD)),
-            env=env_list(env), cwd=lock.workdir, uid=0, gid=0,
-            hostname=lock.hostname or "sandbox", network=network is not None or bool(own_ns),
-            network_ns=self.net.path if self.net else own_ns,
-            rlimits=(_clamped_nofile(limits.nofile),), pids_limit=limits.pids,
-            memory_limit=limits.memory_bytes, cgroups_path=f"/envbuild/{sandbox_id}",
-            binds=tuple(binds), tmpfs=(), cpus=limits.cpus, seccomp=seccomp,
-            inotify=limits.inotify,
-            cpu_shares=cpuclass.cpu_shares(limits.cpu_class))
-        if spec_hook is not None:  # a backend built on this one (runtime_shim.backends.fncall)
-            request = spec_hook(request)
-        config = runtime_spec(request)
-        # CRIU reads its options for this container from here (``runtime_shim.backends.criu``)
-        config["annotations"] = {"org.criu.config": str(paths.root / CRIU_CONFIG)}
-        write_bundle(paths.bundle, config)
-        Path(runtime.state_root).mkdir(parents=True, exist_ok=True)
+        self._write_spec(binds, env, network is not None, own_ns, seccomp, spec_hook)
         # A detached container inherits runc's stdio: a pipe would never reach EOF while the
         # sandbox lives, so runc's (and the agent's) messages go to a file.
         # On the sandbox's disk: it is the agent's stderr, which sandbox root can reach
         # (/proc/1/fd/2) and would otherwise fill the host with.
         start_log = paths.start_log
-        pid_file = paths.init_pid
         # Held for the sandbox's life: the socket is bound and reached through it.
         self._dir_fd = os.open(paths.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        # The agent's socket lives in the sandbox dir, which no mount of the sandbox shows; the
-        # agent gets the listening fd from runc and the host keeps no copy, so a dead agent
-        # means ECONNREFUSED rather than a connection nobody accepts.
-        try:
-            netns_path = (self.net.path if self.net else own_ns) if self.checkpointable \
-                else None
-            with criu.in_netns(netns_path, lambda: agent.listen_socket(self._dir_fd)) \
-                    as listener, open(start_log, "wb") as log:
-                if restore is None:
-                    returncode = _spawn_with_fd(
-                        runtime.command("run", "--detach", "--preserve-fds", "1", "--pid-file",
-                                        str(pid_file), "--bundle", str(paths.bundle),
-                                        sandbox_id),
-                        log.fileno(), listener.fileno())
-                else:  # the processes of a checkpoint instead of a fresh agent
-                    returncode = criu.spawn_restore(runtime, sandbox_id, paths, restore,
-                                                    log.fileno(), listener.fileno())
-        except BaseException:
-            os.close(self._dir_fd)
-            raise
+        returncode = self._run_container(own_ns, restore, start_log)
         if returncode != 0:
-            destroy(runtime, sandbox_id)
-            os.close(self._dir_fd)
-            if restore is not None:
-                raise criu.restore_refusal(sandbox_id, paths, restore, returncode)
-            said = _log_tail(start_log)
-            cause = runtime_error_line(said)
-            raise SandboxStartError(f"start sandbox {sandbox_id}: {runtime.name} exited "
-                                    f"{returncode}" + (f": {cause}" if cause else ""),
-                                    context=said.strip()[-2000:] or None,
-                                    hint="see start.log in the sandbox directory")
+            self._refuse_start(returncode, restore, start_log)
         try:
-            self.init_pid = _init_pid(runtime, sandbox_id, pid_file)
+            self.init_pid = _init_pid(runtime, sandbox_id, paths.init_pid)
         except BaseException:
             os.close(self._dir_fd)
             raise
@@ -187,6 +135,88 @@ class ContainerSandbox:
         except BaseException:
             self.close()
             raise
+
+    def _bind_network(self, agent_path: Path, network: netns.NetworkPolicy | None, keep: bool
+                      ) -> tuple[list[BindMount], dict[str, str]]:
+        """The sandbox's binds (the agent, its /tmp) and environment (the lock's); with
+        ``network``, its own namespace (``self.net``), its resolv.conf and the host's CAs."""
+        binds = [BindMount(str(agent_path), AGENT_PATH),
+                 BindMount(str(self.paths.tmp), "/tmp", readonly=False)]
+        env = dict(self.lock.env)
+        # Own namespace + slirp + firewall (runtime_shim.isolation.netns); on a failure below,
+        # Sandbox.create's cleanup (remove_sandbox_dir → netns.teardown) removes it.
+        self.net = netns.create(self.paths.root, network, outlive_creator=keep) \
+            if network is not None else None
+        if self.net is not None:
+            binds += [BindMount(self.net.resolv_conf, "/etc/resolv.conf")]
+            ca_binds, ca_env = netns.host_ca()
+            binds += ca_binds
+            env = {**ca_env, **env}
+        return binds, env
+
+    def _write_spec(self, binds: Sequence[BindMount], env: Mapping[str, str], networked: bool,
+                    own_ns: str | None, seccomp: str | Mapping | None,
+                    spec_hook: Callable[[RuntimeSpecRequest], RuntimeSpecRequest] | None
+                    ) -> None:
+        """The OCI bundle of the container: its runtime spec, from the lock and the limits."""
+        lock, limits = self.lock, self.limits
+        request = RuntimeSpecRequest(
+            rootfs=str(self.paths.merged),
+            args=(AGENT_PATH, "--listen-fd", str(AGENT_LISTEN_FD)),
+            env=env_list(env), cwd=lock.workdir, uid=0, gid=0,
+            hostname=lock.hostname or "sandbox", network=networked or bool(own_ns),
+            network_ns=self.net.path if self.net else own_ns,
+            rlimits=(_clamped_nofile(limits.nofile),), pids_limit=limits.pids,
+            memory_limit=limits.memory_bytes, cgroups_path=f"/envbuild/{self.id}",
+            binds=tuple(binds), tmpfs=(), cpus=limits.cpus, seccomp=seccomp,
+            inotify=limits.inotify,
+            cpu_shares=cpuclass.cpu_shares(limits.cpu_class))
+        if spec_hook is not None:  # a backend built on this one (runtime_shim.backends.fncall)
+            request = spec_hook(request)
+        config = runtime_spec(request)
+        # CRIU reads its options for this container from here (``runtime_shim.backends.criu``)
+        config["annotations"] = {"org.criu.config": str(self.paths.root / CRIU_CONFIG)}
+        write_bundle(self.paths.bundle, config)
+        Path(self.runtime.state_root).mkdir(parents=True, exist_ok=True)
+
+    def _run_container(self, own_ns: str | None, restore: CheckpointImage | None,
+                       start_log: Path) -> int:
+        """``runc run --detach`` (or a CRIU restore) with the agent's listening socket as fd
+        3: the runtime's exit code. The dir fd is closed if this raises."""
+        # The agent's socket lives in the sandbox dir, which no mount of the sandbox shows; the
+        # agent gets the listening fd from runc and the host keeps no copy, so a dead agent
+        # means ECONNREFUSED rather than a connection nobody accepts.
+        try:
+            netns_path = (self.net.path if self.net else own_ns) if self.checkpointable \
+                else None
+            with criu.in_netns(netns_path, lambda: agent.listen_socket(self._dir_fd)) \
+                    as listener, open(start_log, "wb") as log:
+                if restore is None:
+                    return _spawn_with_fd(
+                        self.runtime.command("run", "--detach", "--preserve-fds", "1",
+                                             "--pid-file", str(self.paths.init_pid), "--bundle",
+                                             str(self.paths.bundle), self.id),
+                        log.fileno(), listener.fileno())
+                # the processes of a checkpoint instead of a fresh agent
+                return criu.spawn_restore(self.runtime, self.id, self.paths, restore,
+                                          log.fileno(), listener.fileno())
+        except BaseException:
+            os.close(self._dir_fd)
+            raise
+
+    def _refuse_start(self, returncode: int, restore: CheckpointImage | None,
+                      start_log: Path) -> NoReturn:
+        """Remove what the failed start left and raise why it failed."""
+        destroy(self.runtime, self.id)
+        os.close(self._dir_fd)
+        if restore is not None:
+            raise criu.restore_refusal(self.id, self.paths, restore, returncode)
+        said = _log_tail(start_log)
+        cause = runtime_error_line(said)
+        raise SandboxStartError(f"start sandbox {self.id}: {self.runtime.name} exited "
+                                f"{returncode}" + (f": {cause}" if cause else ""),
+                                context=said.strip()[-2000:] or None,
+                                hint="see start.log in the sandbox directory")
 
     def _connect(self) -> socket.socket:
         return agent.connect_agent(f"/proc/self/fd/{self._dir_fd}/agent.sock")

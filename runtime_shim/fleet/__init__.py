@@ -8,7 +8,9 @@ sandboxes, made through the SDK's backend registry). ``fleet.create(lock, n=...)
 sandboxes by free capacity and layer locality (``runtime_shim.fleet.placement``, pure), one
 batched call per node, and returns ``FleetSandbox`` handles with the ``Sandbox`` methods.
 Sandboxes belong to the daemons, so a new driver ``attach``es to those of a killed one.
-Exec logs and replay: ``runtime_shim.fleet.execlog``.
+Exec logs and replay: ``runtime_shim.fleet.execlog``. The client's parts: ``cluster`` (Ray, the
+daemons, calls with deadlines) and ``handle`` (the sandbox handles); the daemon's: ``leases``
+(records, leases, re-adoption) and ``pools`` (warm pools); the data both exchange: ``model``.
 
 Ray is imported only when a fleet is used: ``import runtime_shim.fleet`` itself loads nothing
 of it.
@@ -20,13 +22,13 @@ from envbuild._lazy import lazy_exports
 
 _EXPORTS = {
     "Fleet": "runtime_shim.fleet.client",
-    "FleetSandbox": "runtime_shim.fleet.client",
-    "AsyncFleetSandbox": "runtime_shim.fleet.client",
-    "CreateSpec": "runtime_shim.fleet.daemon",
-    "DaemonConfig": "runtime_shim.fleet.daemon",
-    "NodeStatus": "runtime_shim.fleet.daemon",
-    "SandboxRecord": "runtime_shim.fleet.daemon",
-    "start_daemons": "runtime_shim.fleet.client",
+    "FleetSandbox": "runtime_shim.fleet.handle",
+    "AsyncFleetSandbox": "runtime_shim.fleet.handle",
+    "CreateSpec": "runtime_shim.fleet.model",
+    "DaemonConfig": "runtime_shim.fleet.model",
+    "NodeStatus": "runtime_shim.fleet.model",
+    "SandboxRecord": "runtime_shim.fleet.model",
+    "start_daemons": "runtime_shim.fleet.cluster",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -87,67 +87,88 @@ def plan_groups(nodes: Sequence[NodeLoad], groups: Sequence[Group], *,
     for g in groups:
         if g.n < 0:
             raise RuntimeShimError(f"cannot create {g.n} sandboxes", hint="pass n >= 1")
-    by_id = {x.node_id: x for x in nodes}
-    slots = {x.node_id: max(0, x.slots - x.used) for x in nodes}
-    memory = {x.node_id: max(0, x.memory_bytes - x.memory_used) for x in nodes}
-    want = sum(g.n for g in groups)
-
-    def room(node_id: str, g: Group) -> bool:
-        return slots[node_id] > 0 and (g.memory <= 0 or memory[node_id] >= g.memory)
-
-    total_free = sum(slots.values())
-    fair = {i: want * slots[i] / max(1, total_free) for i in slots}
-    planned = {i: 0 for i in slots}  # sandboxes this plan puts on each node
-    holds = {i: set(by_id[i].cached) for i in slots}  # layers it has or will have
-    rng = _random.Random(seed)
+    state = _Plan(nodes, sum(g.n for g in groups), locality_weight, seed)
     out: list[dict[str, int]] = []
     for g in groups:
-        counts = {i: 0 for i in slots}
-
-        def put(node_id: str, g: Group = g, counts: dict[str, int] = counts) -> None:
-            counts[node_id] += 1
-            planned[node_id] += 1
-            slots[node_id] -= 1
-            memory[node_id] -= max(0, g.memory)
-            holds[node_id].update(g.layers)
-
-        left = g.n
-        for i in slots:  # a claim from a warm pool first: no start at all
-            while left and g.warm.get(i, 0) > counts[i] and room(i, g):
-                put(i)
-                left -= 1
-        size = sum(g.layers.values()) or 1
-
-        def score(node_id: str, g: Group = g, size: int = size) -> float:
-            x = by_id[node_id]
-            s = slots[node_id] / max(1, x.slots)
-            if planned[node_id] < fair[node_id]:
-                s += locality_weight * sum(
-                    b for d, b in g.layers.items() if d in holds[node_id]) / size
-            return s
-
+        counts = {i: 0 for i in state.slots}
+        left = state.place_warm(g, counts)
         if policy == "random":
-            while left:
-                candidates = [i for i in slots if room(i, g)]
-                if not candidates:
-                    raise _full(total_free, want, len(nodes))
-                put(rng.choice(candidates))
-                left -= 1
+            state.place_random(g, counts, left)
         else:
-            # a node's score changes only when it is given a sandbox: a heap keeps the
-            # plan O(n log nodes) (32,000 sandboxes on 160 nodes in well under a second)
-            heap = [(-score(i), -slots[i], i) for i in slots if room(i, g)]
-            heapq.heapify(heap)
-            while left:
-                if not heap:
-                    raise _full(total_free, want, len(nodes))
-                _, _, node_id = heapq.heappop(heap)
-                put(node_id)
-                left -= 1
-                if room(node_id, g):
-                    heapq.heappush(heap, (-score(node_id), -slots[node_id], node_id))
+            state.place_best(g, counts, left)
         out.append({k: v for k, v in counts.items() if v})
     return out
+
+
+class _Plan:
+    """The nodes' capacity as one ``plan_groups`` call uses it up."""
+
+    def __init__(self, nodes: Sequence[NodeLoad], want: int, locality_weight: float,
+                 seed: int | None) -> None:
+        self.nodes = len(nodes)
+        self.want = want
+        self.weight = locality_weight
+        self.by_id = {x.node_id: x for x in nodes}
+        self.slots = {x.node_id: max(0, x.slots - x.used) for x in nodes}
+        self.memory = {x.node_id: max(0, x.memory_bytes - x.memory_used) for x in nodes}
+        self.total_free = sum(self.slots.values())
+        self.fair = {i: want * self.slots[i] / max(1, self.total_free) for i in self.slots}
+        self.planned = {i: 0 for i in self.slots}  # sandboxes this plan puts on each node
+        self.holds = {i: set(self.by_id[i].cached) for i in self.slots}  # layers it has or will have
+        self.rng = _random.Random(seed)
+
+    def room(self, node_id: str, g: Group) -> bool:
+        return self.slots[node_id] > 0 and (g.memory <= 0 or self.memory[node_id] >= g.memory)
+
+    def put(self, node_id: str, g: Group, counts: dict[str, int]) -> None:
+        counts[node_id] += 1
+        self.planned[node_id] += 1
+        self.slots[node_id] -= 1
+        self.memory[node_id] -= max(0, g.memory)
+        self.holds[node_id].update(g.layers)
+
+    def score(self, node_id: str, g: Group) -> float:
+        x = self.by_id[node_id]
+        s = self.slots[node_id] / max(1, x.slots)
+        if self.planned[node_id] < self.fair[node_id]:
+            size = sum(g.layers.values()) or 1
+            s += self.weight * sum(
+                b for d, b in g.layers.items() if d in self.holds[node_id]) / size
+        return s
+
+    def full(self) -> RuntimeShimError:
+        return _full(self.total_free, self.want, self.nodes)
+
+    def place_warm(self, g: Group, counts: dict[str, int]) -> int:
+        """A claim from a warm pool first: no start at all. How many are left to place."""
+        left = g.n
+        for i in self.slots:
+            while left and g.warm.get(i, 0) > counts[i] and self.room(i, g):
+                self.put(i, g, counts)
+                left -= 1
+        return left
+
+    def place_random(self, g: Group, counts: dict[str, int], left: int) -> None:
+        while left:
+            candidates = [i for i in self.slots if self.room(i, g)]
+            if not candidates:
+                raise self.full()
+            self.put(self.rng.choice(candidates), g, counts)
+            left -= 1
+
+    def place_best(self, g: Group, counts: dict[str, int], left: int) -> None:
+        # a node's score changes only when it is given a sandbox: a heap keeps the
+        # plan O(n log nodes) (32,000 sandboxes on 160 nodes in well under a second)
+        heap = [(-self.score(i, g), -self.slots[i], i) for i in self.slots if self.room(i, g)]
+        heapq.heapify(heap)
+        while left:
+            if not heap:
+                raise self.full()
+            _, _, node_id = heapq.heappop(heap)
+            self.put(node_id, g, counts)
+            left -= 1
+            if self.room(node_id, g):
+                heapq.heappush(heap, (-self.score(node_id, g), -self.slots[node_id], node_id))
 
 
 __all__ = ["LOCALITY_WEIGHT", "Group", "NodeLoad", "free_slots", "plan", "plan_groups"]

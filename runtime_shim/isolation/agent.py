@@ -14,8 +14,8 @@ protocol
                     | ERROR(msg)
 
 Building: ``agent_binary(cache_dir)`` compiles ``agent.c`` with gcc against static glibc once per
-source hash into ``<cache_dir>/agent/<key>/envbuild-agent`` (compile beside, rename into place),
-so every sandbox on the host bind-mounts the same file.
+source hash into ``<cache_dir>/agent/<key>/envbuild-agent`` (compile beside, rename into place:
+``runtime_shim.isolation.cbuild``), so every sandbox on the host bind-mounts the same file.
 
 Talking: ``run(connect, request, cap, deadline=)`` (or ``await run_async(...)``) sends an
 ``ExecRequest`` (plain data) over a fresh connection and streams the answer into buffers
@@ -41,28 +41,21 @@ import asyncio
 import dataclasses
 import errno
 import functools
-import hashlib
 import os
 import select
-import shutil
 import signal
 import socket
-import subprocess
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from envbuild.errors import RuntimeShimError, SandboxCompromised
+from runtime_shim.isolation import cbuild
 
 PROTOCOL_VERSION = 1
 SOURCE = Path(__file__).with_name("agent") / "agent.c"
 BINARY_NAME = "envbuild-agent"
-CFLAGS = ("-static", "-O2", "-Wall", "-Wextra", "-Werror")
-# The key covers what decides the binary's behaviour: the source and the flags. The compiler
-# version is left out on purpose: another gcc builds the same program.
-KEY_TAG = "envbuild.agent.v1"
 
 # host -> agent
 T_HELLO, T_ARG, T_ENV, T_CWD, T_USER, T_TIMEOUT, T_START, T_STDIN, T_STDIN_EOF, T_KILL = \
@@ -94,55 +87,16 @@ _FLAGS = F_SIGNALED | F_TIMED_OUT | F_OUTPUT_OPEN
 # ---- building ----------------------------------------------------------------------------
 
 
-def _key(source: Path) -> str:
-    h = hashlib.sha256(KEY_TAG.encode())
-    h.update(" ".join(CFLAGS).encode() + b"\0")
-    h.update(source.read_bytes())
-    return h.hexdigest()[:16]
-
-
 @functools.lru_cache(maxsize=1)
 def _source_key() -> str:
-    return _key(SOURCE)
+    return cbuild.source_key(SOURCE)
 
 
 def agent_binary(cache_dir: str | os.PathLike[str]) -> Path:
-    """The agent binary for this source under ``cache_dir``, compiled on first use."""
-    return static_binary(cache_dir, SOURCE, BINARY_NAME, _source_key(), "the sandbox agent")
-
-
-def static_binary(cache_dir: str | os.PathLike[str], source: Path, name: str, key: str,
-                  what: str) -> Path:
-    """``source`` (C, libc only) compiled static as ``<cache_dir>/agent/<key>/<name>`` on
-    first use (``key``: ``_key(source)``); ``what`` names it in errors."""
-    target = Path(cache_dir) / "agent" / key / name
-    if target.is_file():
-        return target
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        raise RuntimeShimError(f"build {what}: gcc is not installed",
-                               hint="apt-get install gcc libc6-dev (or run scripts/setup.sh)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{name}-{uuid.uuid4().hex[:8]}")
-    argv = [gcc, *CFLAGS, "-o", str(tmp), str(source)]
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            output = (proc.stderr + proc.stdout).strip()
-            hint = "run scripts/setup.sh"
-            if "cannot find -lc" in output or "stdio.h" in output:
-                hint = ("static linking needs glibc's static library and headers: "
-                        "apt-get install libc6-dev (or run scripts/setup.sh)")
-            raise RuntimeShimError(
-                f"build {what}: gcc exited {proc.returncode}",
-                context=f"$ {' '.join(argv)}\n{output[-3000:]}", hint=hint)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o755)
-        tmp.replace(target)  # another process may have won: same bytes, either is fine
-    finally:
-        tmp.unlink(missing_ok=True)
-    return target
+    """The agent binary for this source under ``cache_dir``, compiled on first use
+    (``runtime_shim.isolation.cbuild``)."""
+    return cbuild.static_binary(cache_dir, SOURCE, BINARY_NAME, _source_key(),
+                                "the sandbox agent")
 
 
 # ---- talking -----------------------------------------------------------------------------

@@ -46,7 +46,7 @@ import signal
 from pathlib import Path
 
 from envbuild.errors import RuntimeShimError
-from runtime_shim.isolation import agent, cgroupfs
+from runtime_shim.isolation import cbuild, cgroupfs
 from runtime_shim.isolation.mount import raw_syscall
 from runtime_shim.isolation.spec import MASKED_PATHS, READONLY_PATHS
 
@@ -153,8 +153,8 @@ def _error(what: str) -> RuntimeShimError:
 def spawner_binary(cache_dir: str | os.PathLike[str]) -> Path:
     """The helper that starts a call's agent (``agent/fncall_spawn.c``), compiled on first
     use next to the agent binary."""
-    return agent.static_binary(cache_dir, SPAWN_SOURCE, SPAWN_BINARY, agent._key(SPAWN_SOURCE),
-                               "the fncall spawner")
+    return cbuild.static_binary(cache_dir, SPAWN_SOURCE, SPAWN_BINARY,
+                                cbuild.source_key(SPAWN_SOURCE), "the fncall spawner")
 
 
 def spawn_argv(binary: Path, conf: Confinement) -> list[str]:

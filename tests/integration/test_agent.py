@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from runtime_shim.isolation import agent
+from runtime_shim.isolation import agent, cbuild
 from runtime_shim.sdk.sandbox import Limits, Sandbox
 from tests.conftest import require_tool
 from tests.integration.conftest import build_busybox_env
@@ -269,7 +269,7 @@ def test_agent_binary_is_built_once_and_errors_are_clear(tmp_path, monkeypatch):
     assert out.stdout == f"envbuild-agent protocol {agent.PROTOCOL_VERSION}\n"
     assert [p.name for p in first.parent.iterdir()] == ["envbuild-agent"]  # no temp left
 
-    monkeypatch.setattr(agent.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cbuild.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeShimError, match="gcc is not installed") as e:
         agent.agent_binary(tmp_path / "other")
     assert "libc6-dev" in e.value.hint

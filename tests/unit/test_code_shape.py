@@ -37,15 +37,6 @@ KNOWN = {
     'envbuild/layers/_walk.py:listdir',  # layers
     'envbuild/layers/_walk.py:walk_tree',  # layers
     'envbuild/plan/keys.py:compute_keys',  # build
-    'runtime_shim/backends/container.py:__init__',  # fleetshape
-    'runtime_shim/backends/vm/backend.py',  # fleetshape
-    'runtime_shim/backends/vm/backend.py:__init__',  # fleetshape
-    'runtime_shim/backends/vm/qemu.py:qemu_argv',  # fleetshape
-    'runtime_shim/fleet/client.py',  # fleetshape
-    'runtime_shim/fleet/client.py:connect',  # fleetshape
-    'runtime_shim/fleet/daemon.py',  # fleetshape
-    'runtime_shim/fleet/placement.py:plan_groups',  # fleetshape
-    'runtime_shim/isolation/agent.py',  # fleetshape
 }
 
 

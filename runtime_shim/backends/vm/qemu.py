@@ -111,9 +111,24 @@ def qemu_argv(req: VmRequest) -> list[str]:
         raise ValueError(f"machine must be one of {MACHINES}, not {req.machine!r}")
     if req.pmem and req.machine != "q35":
         raise ValueError("virtio-pmem devices need the q35 machine")
-    bus = "pci" if req.machine == "q35" else "device"  # virtio-blk-pci / virtio-blk-device
     # nsenter execs QEMU in the namespace (no fork for --net): the pid stays QEMU's.
     prefix = ["nsenter", f"--net={req.network_ns}", "--"] if req.network_ns else []
+    memory = _memory_arg(req)
+    machine = (["-M", "microvm"] if req.machine == "microvm" else
+               # qboot: a firmware that only loads the kernel (SeaBIOS costs ~1 s under TCG)
+               # and without the chipset devices a guest here never uses: ~0.3 s less boot
+               ["-M", "q35,hpet=off,smbus=off,sata=off,vmport=off", "-bios", "qboot.rom"])
+    argv = [*prefix, req.qemu, *machine, "-accel", req.accel,
+            *(["-cpu", "host"] if req.accel == "kvm" else []), "-m", memory,
+            "-smp", str(req.vcpus),
+            "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+            "-serial", "stdio", "-kernel", req.kernel, "-initrd", req.initrd,
+            "-append", req.cmdline]
+    return argv + _device_args(req)
+
+
+def _memory_arg(req: VmRequest) -> str:
+    """``-m``: the RAM, and with pmem devices the device-memory region they live in."""
     memory = f"{req.memory_mib}M"
     if req.pmem:
         for p in req.pmem:
@@ -125,16 +140,13 @@ def qemu_argv(req: VmRequest) -> list[str]:
         # The pmem devices live in the machine's device-memory region, above the RAM.
         total = sum(p.size for p in req.pmem) >> 20
         memory += f",slots={len(req.pmem)},maxmem={req.memory_mib + total}M"
-    machine = (["-M", "microvm"] if req.machine == "microvm" else
-               # qboot: a firmware that only loads the kernel (SeaBIOS costs ~1 s under TCG)
-               # and without the chipset devices a guest here never uses: ~0.3 s less boot
-               ["-M", "q35,hpet=off,smbus=off,sata=off,vmport=off", "-bios", "qboot.rom"])
-    argv = [*prefix, req.qemu, *machine, "-accel", req.accel,
-            *(["-cpu", "host"] if req.accel == "kvm" else []), "-m", memory,
-            "-smp", str(req.vcpus),
-            "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
-            "-serial", "stdio", "-kernel", req.kernel, "-initrd", req.initrd,
-            "-append", req.cmdline]
+    return memory
+
+
+def _device_args(req: VmRequest) -> list[str]:
+    """The devices of ``req`` in QEMU's order: pmem, disks, agent port, balloon, QMP, network."""
+    bus = "pci" if req.machine == "q35" else "device"  # virtio-blk-pci / virtio-blk-device
+    argv: list[str] = []
     for i, p in enumerate(req.pmem):  # first: their fixed slots are taken before any other
         argv += ["-object", f"memory-backend-file,id=pm{i},share=on,readonly=on,"
                             f"mem-path={_opt(p.path)},size={p.size}",
