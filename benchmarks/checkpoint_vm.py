@@ -8,8 +8,8 @@ item 2), measured in the same run.
 1. Cold boot: ``Sandbox.create(backend="microvm")`` → first ``exec true`` (p50 of ``--runs``).
 2. One VM booted, a background loop started in it, checkpointed with ``leave_running=True``:
    seconds, memory-image and disk bytes.
-3. Restore: ``Sandbox.create(lock, backend="microvm", restore=image)`` → first ``exec true`` (p50 of ``--runs``), each
-   restored VM checked to still run the loop; then closed.
+3. Restore: ``Sandbox.create(lock, backend="microvm", restore=image)`` → first ``exec true``
+   (p50 of ``--runs``), each restored VM checked to still run the loop; then closed.
 4. Fork: ``--fork`` restores of the one image started at once (threads): time until all
    answered exec (what ``sb.fork(n)`` costs built on checkpoint + n restores).
 
