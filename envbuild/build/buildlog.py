@@ -3,8 +3,8 @@
 A build's output is untrusted (a definition's ``run`` steps, a Dockerfile, an importer) and
 its log lives on the host, outside every capped disk. So:
 
-* **Per build**, a log holds at most ``cap`` bytes (``BUILD_LOG_CAP`` in
-  ``envbuild.build.executor``): once it grows past that it is trimmed in place to its first
+* **Per build**, a log holds at most ``cap`` bytes (``BUILD_LOG_CAP``, for run steps and
+  Dockerfile builds alike): once it grows past that it is trimmed in place to its first
   ``cap // 4`` bytes, a ``TRIM_NOTE`` line, and its last ``cap // 4`` bytes, so the start
   (what ran) and the end (why it failed) are both kept, whatever was printed in between.
   ``CappedLog`` trims as it is written; ``trim`` trims a log another writer (a subprocess
@@ -22,6 +22,10 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+#: What one build's log may hold (on the host, outside its capped disk): past it the log keeps
+#: its first and last quarter, so a step that prints forever (``yes``) costs the host this
+#: much, and the end of its output (why it failed) is kept. Read at each use (tests lower it).
+BUILD_LOG_CAP = 16 << 20
 #: What a log directory may hold before ``prune`` deletes its oldest logs.
 LOG_DIR_CAP = 1 << 30
 #: ``prune`` never deletes a log written to more recently than this (seconds).

@@ -89,10 +89,7 @@ from runtime_shim.spec import (
 from runtime_shim.stub import CA_ENV_VARS, HOST_CA_PATH, ensure_stub, host_ca_bundle
 
 OUTPUT_TAIL_LINES = 50
-#: What one build's log may hold (on the host, outside its capped disk): past it the log keeps
-#: its first and last quarter (``envbuild.build.buildlog``), so a step that prints forever
-#: (``yes``) costs the host this much, and the end of its output (why it failed) is kept.
-BUILD_LOG_CAP = 16 << 20
+BUILD_LOG_CAP = buildlog.BUILD_LOG_CAP  # re-exported; read as buildlog.BUILD_LOG_CAP
 BUILD_HOSTNAME = "envbuild"
 #: Defaults of ``BuildContext.disk_bytes`` / ``inodes``: generous (a debootstrap + pip install
 #: is a few GB), only there so a runaway step cannot fill the build host. The image is sparse.
@@ -237,7 +234,7 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
             except BuildError as e:
                 raise _explain_full_import(ctx, e) from None
             finally:  # importers' subprocesses append to the log themselves
-                buildlog.trim(log, BUILD_LOG_CAP)
+                buildlog.trim(log, buildlog.BUILD_LOG_CAP)
         needs_rootfs = bool(d.steps) or isinstance(d, Workspace)
         if needs_rootfs:
             spec = OverlaySpec(str(merged), (*lowers, str(ctx.stub_dir())), str(upper), str(work))
@@ -526,7 +523,7 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
         cgroups_path=f"/envbuild/{container_id}", seccomp=ctx.seccomp)
     bundle = scratch / f"bundle-{index}"
     write_bundle(bundle, runtime_spec(request))
-    with buildlog.CappedLog(log, BUILD_LOG_CAP) as out:
+    with buildlog.CappedLog(log, buildlog.BUILD_LOG_CAP) as out:
         # The step runs on a pool thread, which Ctrl-C/SIGTERM never interrupts: the engine
         # sets ctx.cancelled and run_container kills and deletes the container when it sees it.
         # Its output reaches the log through a pipe and a copier; the log keeps its head and
@@ -560,7 +557,7 @@ class _Tee:
 
     def __init__(self, out, name: str, on_output: Callable[[str, bytes], None]) -> None:
         self.out, self.name, self.on_output = out, name, on_output
-        self.left = BUILD_LOG_CAP
+        self.left = buildlog.BUILD_LOG_CAP
 
     def write(self, data: bytes) -> int:
         n = self.out.write(data)
@@ -568,7 +565,7 @@ class _Tee:
             shown = bytes(data[:self.left])
             self.left -= len(data)
             if self.left <= 0:
-                shown += f"\n[envbuild: output past {BUILD_LOG_CAP >> 10} KiB not shown; the " \
+                shown += f"\n[envbuild: output past {buildlog.BUILD_LOG_CAP >> 10} KiB not shown; the " \
                          "log keeps its end]\n".encode()
             self.on_output(self.name, shown)
         return n

@@ -49,7 +49,7 @@ from envbuild.build.pin import (
     snapshot,
     snapshot_graph,
 )
-from envbuild.build.pin import _Unpinnable as Unpinnable
+from envbuild.defs.confine import Unpinnable
 from envbuild.defs.load import (
     MAX_YAML_BYTES,
     SEPARATE_TREE_MARKER,

@@ -53,9 +53,9 @@ class Imported:
     cmd: tuple[str, ...] | None = None
 
 
-def _run(argv: list[str], what: str, *, cwd: str | None = None,
-         cancelled: threading.Event | None = None, stdout=subprocess.PIPE,
-         stderr=subprocess.PIPE, env: Mapping[str, str] | None = None) -> str:
+def run_tool(argv: list[str], what: str, *, cwd: str | None = None,
+             cancelled: threading.Event | None = None, stdout=subprocess.PIPE,
+             stderr=subprocess.PIPE, env: Mapping[str, str] | None = None) -> str:
     """Run a tool to completion; a set ``cancelled`` event (Ctrl-C / SIGTERM of the build)
     kills its whole process group within ~0.1 s instead of waiting for, say, debootstrap."""
     try:
@@ -141,7 +141,7 @@ def import_busybox(binary: Path, dest: Path,
     if problem is not None:
         raise SourceError(problem, hint="name a static busybox (apt-get install busybox-static)")
     if list_applets is None:
-        listing = _run([str(binary), "--list-full"], "list busybox applets")
+        listing = run_tool([str(binary), "--list-full"], "list busybox applets")
     for d, mode in (("bin", 0o755), ("sbin", 0o755), ("usr/bin", 0o755), ("usr/sbin", 0o755),
                     ("etc", 0o755), ("root", 0o700), ("tmp", 0o1777), ("proc", 0o555),
                     ("sys", 0o555), ("dev", 0o755), ("var/tmp", 0o1777), ("home", 0o755)):
@@ -219,7 +219,7 @@ def copy_tree(src: Path, dest: Path) -> None:
     """Copy a directory tree keeping modes, owners, symlinks, hardlinks and xattrs (a rootfs
     directory: device nodes are refused afterwards, as in tarballs)."""
     dest.mkdir(parents=True, exist_ok=True)
-    _run(["cp", "-a", "--", f"{src}/.", str(dest)], f"copy {src}")
+    run_tool(["cp", "-a", "--", f"{src}/.", str(dest)], f"copy {src}")
     _drop_devices(dest, refuse=f"rootfs {src}")
 
 
@@ -403,7 +403,7 @@ def import_debootstrap(suite: str, variant: str, include: tuple[str, ...], mirro
     argv += [suite, str(dest), mirror or default_debian_mirror()]
     with open(log, "ab") as out:
         try:
-            _run(argv, f"debootstrap {suite}", cancelled=cancelled, stdout=out,
+            run_tool(argv, f"debootstrap {suite}", cancelled=cancelled, stdout=out,
                  stderr=subprocess.STDOUT)
         except BuildError as e:
             if e.message.endswith("cancelled") or "not installed" in e.message:
@@ -619,11 +619,11 @@ def import_git(url: str, commit: str, dest: Path | int, scratch: Path,
         raise SourceError(f"git source {url}: {commit!r} is not a pinned commit id")
     env = git_env()
     repo = scratch / "git"
-    _run(["git", "init", "-q", "--bare", "--", str(repo)], "git init", env=env)
-    _run(["git", "-C", str(repo), "-c", "protocol.ext.allow=never", "fetch", "-q", "--depth=1",
+    run_tool(["git", "init", "-q", "--bare", "--", str(repo)], "git init", env=env)
+    run_tool(["git", "-C", str(repo), "-c", "protocol.ext.allow=never", "fetch", "-q", "--depth=1",
           "--end-of-options", url, commit], f"git fetch {url}", cancelled=cancelled, env=env)
     archive = scratch / "src.tar"
-    _run(["git", "-C", str(repo), "archive", "--format=tar", "-o", str(archive),
+    run_tool(["git", "-C", str(repo), "archive", "--format=tar", "-o", str(archive),
           "--end-of-options", commit], f"git archive {commit}", env=env)
     extract_tar(archive, dest, f"git archive of {url}@{commit[:12]}",
                 strip_components=strip_components)
