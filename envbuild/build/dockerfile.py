@@ -138,11 +138,11 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
             if cancelled is not None and cancelled.is_set():
                 raise BuildError(f"{name}: cancelled", hint="nothing was published for this layer")
             raise BuildError(f"{name}: docker build timed out after {limit} s",
-                             context=_build_failed(name, log).context,
+                             context=_build_failed(name, log, src.network).context,
                              hint="raise ENVBUILD_DOCKER_BUILD_TIMEOUT if the build is meant to "
                                   "take that long")
         if code != 0:
-            raise _build_failed(name, log)
+            raise _build_failed(name, log, src.network)
         t1 = time.monotonic()
         _note(log, f"docker build took {t1 - t0:.1f} s")
         image_id = iid.read_text().strip()
@@ -307,7 +307,36 @@ def _load_lock(d, ref: str, archive: Path, tag: str, cancelled) -> None:
          cancelled=cancelled, env=d.env())
 
 
-def _build_failed(name: str, log: Path) -> BuildError:
+#: How TLS clients (pip/requests/urllib3, curl, git, Go, OpenSSL, apt) say they did not trust
+#: a server's certificate: here, the host's intercepting proxy without the host's CA bundle.
+_UNTRUSTED_CERT_RE = re.compile(
+    r"CERTIFICATE_VERIFY_FAILED|certificate verify failed|SSL certificate problem"
+    r"|x509: certificate signed by unknown authority|server certificate verification failed"
+    r"|unable to get local issuer certificate|self[- ]signed certificate in certificate chain",
+    re.IGNORECASE)
+
+
+def ca_secret_hint(output: str, network: str) -> str | None:
+    """The hint for a Dockerfile build whose output shows a TLS client that did not trust a
+    certificate, else None: a ``RUN`` that downloads must mount the host's CA bundle (the
+    secret ``HOST_CA_SECRET``, given with ``network: host`` only), and a secret is mounted
+    only in the ``RUN`` that names it."""
+    if not _UNTRUSTED_CERT_RE.search(output):
+        return None
+    target = "/etc/ssl/certs/ca-certificates.crt"
+    mount = f"RUN --mount=type=secret,id={HOST_CA_SECRET},target={target}"
+    if network != "host":
+        return (f"a download did not trust its server's certificate: set network: host, whose "
+                f"builds get the host's CA bundle as the secret {HOST_CA_SECRET}, and mount it "
+                f"in every RUN that downloads ({mount} pip install …)")
+    return (f"a download did not trust its server's certificate: this host reaches the network "
+            f"through a proxy only its CA bundle trusts, given to the build as the secret "
+            f"{HOST_CA_SECRET}, and a secret is mounted only in the RUN that names it: write "
+            f"{mount} … in every RUN that downloads (pip: also PIP_CERT={target}; other "
+            f"clients: SSL_CERT_FILE={target})")
+
+
+def _build_failed(name: str, log: Path, network: str = "none") -> BuildError:
     with open(log, "rb") as f:
         f.seek(max(0, os.fstat(f.fileno()).st_size - 256 * 1024))
         lines = f.read().decode(errors="replace").splitlines()
@@ -316,8 +345,10 @@ def _build_failed(name: str, log: Path) -> BuildError:
     cause = re.sub(r"^#\d+ (\d+\.\d+ )?", "", cause)
     if len(cause) > 300:
         cause = cause[:300] + "…"
+    hint = f"full log: {log}; nothing was published"
+    ca = ca_secret_hint("\n".join(lines), network)
     return BuildError(f"{name}: docker build failed: {cause}", context="\n".join(tail),
-                      hint=f"full log: {log}; nothing was published")
+                      hint=f"{ca}; {hint}" if ca else hint)
 
 
 class _Hashing:

@@ -383,10 +383,10 @@ def _record_of(store: Store, key: str, for_name: str) -> KeyRecord:
 
 
 def _describe(step) -> str:
-    if isinstance(step, RunStep):
-        first = step.run.strip().splitlines()[0] if step.run.strip() else ""
-        return f"run: {first[:60]}"
-    return f"copy: {step.src} -> {step.dest}"
+    """A step in progress lines and the log: its kind and ``label`` (its ``name:``, or what its
+    script does: ``envbuild.defs.model.run_label``)."""
+    label = step.label if len(step.label) <= 60 else step.label[:59] + "…"
+    return f"{'run' if isinstance(step, RunStep) else 'copy'}: {label}"
 
 
 def _import_base(d: Base, upper: Path, log: Path, cancelled: threading.Event, *,
@@ -545,8 +545,7 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
         _stop_if_cancelled(ctx, job)
     if result.exit_code != 0:
         raise StepFailed(
-            f"{job.name}: step {index}/{len(d.steps)} exited {result.exit_code}: "
-            f"{step.run.strip().splitlines()[0] if step.run.strip() else ''}",
+            f"{job.name}: step {index}/{len(d.steps)} exited {result.exit_code}: {step.label}",
             argv=list(request.args), exit_code=result.exit_code,
             output_tail=_tail(log, OUTPUT_TAIL_LINES), log_path=str(log))
 
