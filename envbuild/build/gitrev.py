@@ -323,6 +323,15 @@ def _input_paths(d: LayerDefinition) -> list[tuple[str, bool]]:
     return out
 
 
+def _sha256_input(d: LayerDefinition) -> str | None:
+    """The path ``d`` reads whose content its YAML pins by sha256 (an ``archive``, a ``rootfs``
+    file with ``sha256``): a revision may lack it (``Pinner.read_missing_from``)."""
+    src = getattr(d, "source", None)
+    if isinstance(src, (ArchiveSource, RootfsSource)) and src.sha256 is not None:
+        return src.path
+    return None
+
+
 class _NeedCheckout(Exception):
     """An input of REV that only a full checkout reads as the slow path does (a symlink on the
     way, or a path git does not have): ``keys_at_revision`` falls back to it."""
@@ -358,28 +367,34 @@ def materialize_inputs(top: str, commit: str, tmp: str, defs: DefinitionSet, pin
     (a symlink on its way, or missing: the full checkout reports it exactly as before).
     """
     wanted: dict[str, bool] = {}
-    _wanted_paths(defs.layers, pinner, tmp, wanted)
-    return _materialize(top, commit, tmp, wanted, pinner, parse_cache)
+    optional: dict[str, bool] = {}
+    _wanted_paths(defs.layers, pinner, tmp, wanted, optional)
+    return _materialize(top, commit, tmp, wanted, pinner, parse_cache, optional)
 
 
 def _wanted_paths(layers: list[LayerDefinition], pinner: Pinner, tmp: str,
-                  wanted: dict[str, bool]) -> None:
+                  wanted: dict[str, bool], optional: dict[str, bool]) -> None:
     """Add what pinning ``layers`` (origins under ``tmp``) reads inside the repository to
-    ``wanted``: repository path -> read only through ``Pinner.path``."""
+    ``wanted``: repository path -> read only through ``Pinner.path``; and to ``optional``:
+    repository path -> only ever pinned by a sha256 of the YAML (``_sha256_input``)."""
     for d in layers:
         base_dir = pinner.directory_of(d.origin.file)
+        by_sha256 = _sha256_input(d)
         for p, through_path in _input_paths(d):
             if os.path.isabs(p):
                 continue
             rel = os.path.relpath(os.path.normpath(os.path.join(base_dir, p)), tmp)
             if rel != "." and not rel.startswith(".."):
                 wanted[rel] = wanted.get(rel, True) and through_path
+                optional[rel] = optional.get(rel, True) and p == by_sha256
 
 
 def _materialize(top: str, commit: str, tmp: str, wanted: dict[str, bool], pinner: Pinner,
-                 parse_cache: ParseCache | None) -> list[tuple[str, str]]:
+                 parse_cache: ParseCache | None, optional: dict[str, bool]
+                 ) -> list[tuple[str, str]]:
     """``materialize_inputs`` of the paths ``wanted`` (relative to the repository, each
-    True when read only through ``Pinner.path``)."""
+    True when read only through ``Pinner.path``); a path ``optional`` says only a sha256 of
+    the YAML pins may be missing at the commit (the pinner reads the working tree's)."""
     if not wanted:
         return []
     found = {name: (mode, oid) for mode, _, oid, name in _ls_tree(top, commit, sorted(wanted),
@@ -388,6 +403,8 @@ def _materialize(top: str, commit: str, tmp: str, wanted: dict[str, bool], pinne
     checkout: list[str] = []
     record: list[tuple[str, str]] = []
     for rel, through_path in sorted(wanted.items()):
+        if rel not in found and optional.get(rel):
+            continue
         if rel not in found or found[rel][0] == "120000":
             raise _NeedCheckout(rel)
         mode, oid = found[rel]
@@ -527,6 +544,8 @@ def _keys_from_delta(top: str, rel: str, commit: str, tmp: str, pinner: Pinner,
     rev_dirs: dict[str, str] = {}
     groups: dict[tuple[str, str, str], list[str]] = {}
     wanted: dict[str, bool] = {}
+    optional: dict[str, bool] = {}
+    group_rel: dict[tuple[str, str, str], str] = {}
     for n, d in now.defs.by_name.items():
         if n in removed or d.kind == "Env":
             continue
@@ -553,13 +572,16 @@ def _keys_from_delta(top: str, rel: str, commit: str, tmp: str, pinner: Pinner,
                     slow[n] = d
                     break
                 users = groups[group] = []
+                group_rel[group] = rel_path
                 wanted[rel_path] = wanted.get(rel_path, True) and through_path
             users.append(n)
+            rp = group_rel[group]
+            optional[rp] = optional.get(rp, True) and path == _sha256_input(d)
     new_names = {d.name for d in new_defs}  # placed at REV's files already
     placed = {n: d if n in new_names else cache.place(d, rev_file(d.origin.file[len(prefix):]))
               for n, d in slow.items()}
-    _wanted_paths(list(placed.values()), pinner, tmp, wanted)  # type: ignore[arg-type]
-    record = _materialize(top, commit, tmp, wanted, pinner, cache)
+    _wanted_paths(list(placed.values()), pinner, tmp, wanted, optional)  # type: ignore[arg-type]
+    record = _materialize(top, commit, tmp, wanted, pinner, cache, optional)
     for (now_dir, at_rev, path), users in groups.items():
         try:
             same = pinner.path(now_dir, path) == pinner.path(at_rev, path)
@@ -639,8 +661,9 @@ def keys_at_revision(defs_dir: Path, rev: str, pinner: Pinner | None = None,
             with tempfile.TemporaryDirectory(prefix="envbuild-rev-") as tmp:
                 root = os.path.join(tmp, "tree")
                 os.mkdir(root)
-                keys = _keys_from_delta(top, rel, commit, root, pinner or Pinner(),
-                                        parse_cache, now)
+                pinner = pinner or Pinner()
+                pinner.read_missing_from(root, top)
+                keys = _keys_from_delta(top, rel, commit, root, pinner, parse_cache, now)
             if keys is not None:
                 return keys
         return _keys_from_objects(defs_dir, rev, top, rel, commit, pinner, parse_cache, now)
@@ -661,6 +684,7 @@ def _keys_from_objects(defs_dir: Path, rev: str, top: str, rel: str, commit: str
                 return KeySet(layers=empty, inputs=empty, env_locks=empty, env_inputs=empty)
             graph = check_loaded(loaded)
             pinner = pinner or Pinner()
+            pinner.read_missing_from(root, top)
             record = materialize_inputs(top, commit, root, graph.defs, pinner, parse_cache)
             previous = None
             if now is not None and parse_cache is not None:
@@ -688,6 +712,8 @@ def keys_at_revision_checkout(defs_dir: Path, rev: str, pinner: Pinner | None = 
         if not then.is_dir():
             empty: MappingProxyType = MappingProxyType({})
             return KeySet(layers=empty, inputs=empty, env_locks=empty, env_inputs=empty)
+        pinner = pinner or Pinner()
+        pinner.read_missing_from(str(root), _revision(defs_dir, rev)[0])
         try:
             return snapshot(then, pinner).keys
         except EnvbuildError as e:

@@ -78,6 +78,7 @@ from envbuild.defs.confine import (  # noqa: F401  (source_root, confined_path: 
     confined_path,
     source_root,
     source_roots,
+    within,
 )
 from envbuild.defs.model import (
     ArchiveSource,
@@ -170,8 +171,47 @@ class Pinner:
         self._git: dict[tuple[str, str], str] = {}
         self._confined: dict[tuple[tuple[str, ...], str, str], str | Unpinnable] = {}
         self._dirs: dict[str, str] = {}
+        #: (revision root, working tree root): see ``read_missing_from``
+        self._worktrees: list[tuple[str, str]] = []
         self._buf = bytearray(_BUF_SIZE)
         self._view = memoryview(self._buf)
+
+    def read_missing_from(self, rev_root: str, work_root: str) -> None:
+        """Files under ``rev_root`` (a revision's tree laid out as the repository at
+        ``work_root``) that the YAML pins by sha256 and that the revision lacks (an archive too
+        big to commit, or ignored) are read from the working tree at the same place: the
+        sha256 pins their content, so a file there with that sha256 is the one REV meant, and
+        one without it is a mismatch (``by_sha256``)."""
+        self._worktrees.append((os.path.normpath(rev_root), os.path.normpath(work_root)))
+
+    def by_sha256(self, base_dir: str, rel: str, declared: str | None,
+                  roots: tuple[str, ...] | None) -> str:
+        """``path`` of a file the definition pins by its ``declared`` sha256 (an ``archive``,
+        a ``rootfs`` tarball), checked against it; a file a revision lacks is read from the
+        working tree (``read_missing_from``), confined to the working tree's source roots."""
+        try:
+            digest = self.path(base_dir, rel)
+        except Unpinnable:
+            spelled = os.path.normpath(os.path.join(base_dir, rel))
+            moved = None if declared is None or os.path.lexists(spelled) else self._moved(spelled)
+            if moved is None:
+                raise
+            rev_root, work_root = moved
+            work = work_root + spelled[len(rev_root):]
+            if roots is not None:
+                self.confined(tuple(work_root + r[len(rev_root):] if within(r, rev_root) else r
+                                    for r in roots), os.path.dirname(work), os.path.basename(work))
+            digest = self.path(os.path.dirname(work), os.path.basename(work))
+            _check_sha256(digest, declared, f"{rel} is not in the revision's tree and the working "
+                                             f"tree's {work} does not match",
+                          "commit the file, or compare against a revision whose definition "
+                          "declares the working tree's file")
+            return digest
+        _check_sha256(digest, declared, rel)
+        return digest
+
+    def _moved(self, path: str) -> tuple[str, str] | None:
+        return next(((rev, work) for rev, work in self._worktrees if within(path, rev)), None)
 
     def directory_of(self, file: str) -> str:
         """``str(Origin.directory)`` of a definition in ``file``, computed once per file."""
@@ -419,13 +459,14 @@ def _pin_busybox(p: Pinner, roots: tuple[str, ...] | None, base_dir: str, binary
     return p.path(base_dir, binary)
 
 
-def _check_sha256(digest: str, declared: str | None, what: str) -> None:
+def _check_sha256(digest: str, declared: str | None, what: str,
+                  hint: str = "update sha256 in the definition if the new file is intended"
+                  ) -> None:
     if declared is None:
         return
     want = declared if declared.startswith("sha256:") else "sha256:" + declared
     if want.lower() != digest:
-        raise Unpinnable(f"{what}: sha256 mismatch: declared {want}, file has {digest}",
-                          "update sha256 in the definition if the new file is intended")
+        raise Unpinnable(f"{what}: sha256 mismatch: declared {want}, file has {digest}", hint)
 
 
 def _pin_one(d: LayerDefinition, p: Pinner, roots: tuple[str, ...] | None = None
@@ -445,11 +486,12 @@ def _pin_one(d: LayerDefinition, p: Pinner, roots: tuple[str, ...] | None = None
     try:
         if isinstance(src, (PathSource, ArchiveSource, RootfsSource)):
             confine(src.path)
-            pins["source"] = p.path(base_dir, src.path)
             if isinstance(src, ArchiveSource) or (
                     isinstance(src, RootfsSource)
                     and not os.path.isdir(os.path.join(base_dir, src.path))):
-                _check_sha256(pins["source"], src.sha256, src.path)
+                pins["source"] = p.by_sha256(base_dir, src.path, src.sha256, roots)
+            else:
+                pins["source"] = p.path(base_dir, src.path)
         elif isinstance(src, BusyboxSource):
             pins["source"] = _pin_busybox(p, roots, base_dir, src.binary)
         elif isinstance(src, GitSource):
