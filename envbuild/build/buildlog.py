@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -109,3 +110,29 @@ def prune(log_dir: Path, cap: int = LOG_DIR_CAP, *, min_age: float = PRUNE_MIN_A
         except FileNotFoundError:
             pass
         total -= st.st_size
+
+
+class Tee:
+    """The log file, with each write also handed to ``on_output`` (for ``build -v``): the
+    first ``BUILD_LOG_CAP`` bytes of the step's output, then a note (the log keeps the end)."""
+
+    def __init__(self, out, name: str, on_output: Callable[[str, bytes], None]) -> None:
+        self.out, self.name, self.on_output = out, name, on_output
+        self.left = BUILD_LOG_CAP
+
+    def write(self, data: bytes) -> int:
+        n = self.out.write(data)
+        if self.left > 0:
+            shown = bytes(data[:self.left])
+            self.left -= len(data)
+            if self.left <= 0:
+                shown += f"\n[envbuild: output past {BUILD_LOG_CAP >> 10} KiB not shown; the " \
+                         "log keeps its end]\n".encode()
+            self.on_output(self.name, shown)
+        return n
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def close(self) -> None:
+        self.out.close()
