@@ -47,7 +47,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from envbuild.build import buildlog, importers
+from envbuild.build import buildlog, copying, importers
 from envbuild.build.layerjob import BuildEvent, LayerJob, Progress
 from envbuild.build.pin import HOST_BUSYBOX, local_git_path
 from envbuild.build.prefix import check_toolkit_prefix
@@ -437,7 +437,7 @@ def _output_of(runtime: OciRuntime, rootfs: Path, args: tuple[str, ...], bundle:
 def _import_workspace(d: Workspace, job: LayerJob, merged: Path, scratch: Path,
                       cancelled: threading.Event) -> None:
     # dest is resolved inside the rootfs: an image's symlink never sends the source to the host
-    dest = importers.open_dir_in_root(merged, d.dest)
+    dest = copying.open_dir_in_root(merged, d.dest)
     try:
         src = d.source
         here = d.origin.directory
@@ -544,7 +544,7 @@ def _run_logged(ctx: BuildContext, job: LayerJob, container_id: str, bundle: Pat
 def _copy_step(d: LayerDefinition, step: CopyStep, merged: Path) -> None:
     """Copy ``step.src`` (confined to the source root when the tree was pinned) into the
     rootfs: the destination resolved inside ``merged``, symlinks of a copied tree kept as links,
-    nothing written through a symlink (``importers.copy_source_tree``)."""
+    nothing written through a symlink (``copying.copy_source_tree``)."""
     # the same resolution the pin checked (envbuild.build.pin.confined_path)
     src = Path(os.path.realpath(d.origin.directory / step.src))
     uid, gid = parse_user(step.owner)
@@ -553,18 +553,18 @@ def _copy_step(d: LayerDefinition, step: CopyStep, merged: Path) -> None:
                          hint="copy.src is relative to the definition file")
     rel = step.dest.strip("/")
     if src.is_dir():
-        dest = importers.open_dir_in_root(merged, rel)
+        dest = copying.open_dir_in_root(merged, rel)
         try:
-            importers.copy_source_tree(src, dest, owner=(uid, gid), mode=step.mode)
+            copying.copy_source_tree(src, dest, owner=(uid, gid), mode=step.mode)
         finally:
             os.close(dest)
         return
     parent, _, base = rel.rpartition("/")
     if step.dest.endswith("/") or not base:
         parent, base = rel, src.name
-    pfd = importers.open_dir_in_root(merged, parent)
+    pfd = copying.open_dir_in_root(merged, parent)
     try:
-        importers.copy_file_into(str(src), pfd, base, owner=(uid, gid), mode=step.mode)
+        copying.copy_file_into(str(src), pfd, base, owner=(uid, gid), mode=step.mode)
     finally:
         os.close(pfd)
 
