@@ -84,15 +84,7 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
     image's config as ``importers.Imported``."""
     from envbuild.dockerd import docker_daemon
 
-    try:
-        context, dockerfile = locate(src, str(base_dir), None)
-        text = read_small(dockerfile)
-    except (Unpinnable, OSError) as e:
-        raise SourceError(f"{name}: {getattr(e, 'message', None) or e}") from None
-    digest = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
-    if pins.get("source.dockerfile") not in (None, digest):
-        raise SourceError(f"{name}: {src.file} changed since it was planned",
-                          hint="run the build again (it re-plans)")
+    context, text = _pinned_dockerfile(src, name, base_dir, pins)
     scratch.mkdir(parents=True, exist_ok=True)
     locks = _lock_archives(text, src, name, store, scratch)
     locks += _prefetch(text, src, name, scratch, daemon_root, len(locks), cancelled)
@@ -102,7 +94,7 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
         tag = _lock_tag(scratch, i)
         text = re.sub(re.escape(ref) + r"(?![A-Za-z0-9._@:/-])", tag, text)  # no backslash in a tag
     (scratch / "Dockerfile").write_text(text)
-    iid, image = scratch / "iid", scratch / "image.tar"
+    image = scratch / "image.tar"
     t0 = time.monotonic()
     # network: host means egress, not the host (as for envbuild's own run steps): a private
     # daemon runs in a namespace of its own behind slirp4netns for it
@@ -114,49 +106,10 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
         t0 = time.monotonic()
         for i, (ref, archive) in enumerate(locks):
             _load_lock(d, ref, archive, _lock_tag(scratch, i), cancelled)
-        argv = [d.cli, "build", "--progress=plain", f"--network={src.network}",
-                "--iidfile", str(iid), "-f", str(scratch / "Dockerfile")]
-        if src.network == "host":
-            from runtime_shim.stub import host_ca_bundle
-
-            ca = host_ca_bundle()
-            if ca is not None:  # a secret: never in the image, never in the build cache key
-                argv += ["--secret", f"id={HOST_CA_SECRET},src={ca}"]
-        for k, v in src.args:
-            argv += ["--build-arg", f"{k}={v}"]
-        if src.target:
-            argv += ["--target", src.target]
-        argv += ["--", context]
-        _note(log, f"{name}: docker build ({'private dockerd' if d.private else d.host})")
-        limit = env_limit("ENVBUILD_DOCKER_BUILD_TIMEOUT", DEFAULT_BUILD_TIMEOUT)
-        stop = _deadline(cancelled, limit)
-        try:
-            code = _run_logged(argv, d.env(), log, stop)
-        finally:
-            stop.set()  # ends the watcher
-        if code is None:
-            if cancelled is not None and cancelled.is_set():
-                raise BuildError(f"{name}: cancelled", hint="nothing was published for this layer")
-            raise BuildError(f"{name}: docker build timed out after {limit} s",
-                             context=_build_failed(name, log, src.network).context,
-                             hint="raise ENVBUILD_DOCKER_BUILD_TIMEOUT if the build is meant to "
-                                  "take that long")
-        if code != 0:
-            raise _build_failed(name, log, src.network)
+        image_id = _docker_build(d, src, name, context, scratch, log, cancelled)
         t1 = time.monotonic()
         _note(log, f"docker build took {t1 - t0:.1f} s")
-        image_id = iid.read_text().strip()
-        if not re.fullmatch(r"sha256:[0-9a-f]{64}", image_id):
-            raise BuildError(f"{name}: docker build wrote no image id ({image_id[:80]!r})")
-        try:
-            run_tool([d.cli, "save", "-o", str(image), "--", image_id], "docker save",
-                 cancelled=cancelled, env=d.env())
-        finally:
-            if not d.private:  # leave no image behind in the user's daemon (its cache stays)
-                for ref in [image_id] + [_lock_tag(scratch, i) for i in range(len(locks))]:
-                    subprocess.run([d.cli, "image", "rm", "--", ref], env=d.env(),
-                                   capture_output=True, stdin=subprocess.DEVNULL, timeout=60,
-                                   check=False)
+        _save(d, image_id, image, [_lock_tag(scratch, i) for i in range(len(locks))], cancelled)
         t2 = time.monotonic()
         _note(log, f"docker save took {t2 - t1:.1f} s")
     t3 = time.monotonic()
@@ -164,6 +117,75 @@ def build_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str], de
     imported = import_docker_archive(image, dest, f"{name}: image")
     _note(log, f"image unpacked in {time.monotonic() - t3:.1f} s")
     return imported
+
+
+def _pinned_dockerfile(src, name: str, base_dir: Path, pins: Mapping[str, str]
+                       ) -> tuple[str, str]:
+    """(the context dir, the Dockerfile's text), read again and checked against its pin."""
+    try:
+        context, dockerfile = locate(src, str(base_dir), None)
+        text = read_small(dockerfile)
+    except (Unpinnable, OSError) as e:
+        raise SourceError(f"{name}: {getattr(e, 'message', None) or e}") from None
+    digest = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    if pins.get("source.dockerfile") not in (None, digest):
+        raise SourceError(f"{name}: {src.file} changed since it was planned",
+                          hint="run the build again (it re-plans)")
+    return context, text
+
+
+def _docker_build(d, src, name: str, context: str, scratch: Path, log: Path,
+                  cancelled: threading.Event | None) -> str:
+    """Run ``docker build`` of ``scratch/Dockerfile`` against the daemon ``d``, its output to
+    ``log``, bounded in time; returns the image id."""
+    iid = scratch / "iid"
+    argv = [d.cli, "build", "--progress=plain", f"--network={src.network}",
+            "--iidfile", str(iid), "-f", str(scratch / "Dockerfile")]
+    if src.network == "host":
+        from runtime_shim.stub import host_ca_bundle
+
+        ca = host_ca_bundle()
+        if ca is not None:  # a secret: never in the image, never in the build cache key
+            argv += ["--secret", f"id={HOST_CA_SECRET},src={ca}"]
+    for k, v in src.args:
+        argv += ["--build-arg", f"{k}={v}"]
+    if src.target:
+        argv += ["--target", src.target]
+    argv += ["--", context]
+    _note(log, f"{name}: docker build ({'private dockerd' if d.private else d.host})")
+    limit = env_limit("ENVBUILD_DOCKER_BUILD_TIMEOUT", DEFAULT_BUILD_TIMEOUT)
+    stop = _deadline(cancelled, limit)
+    try:
+        code = _run_logged(argv, d.env(), log, stop)
+    finally:
+        stop.set()  # ends the watcher
+    if code is None:
+        if cancelled is not None and cancelled.is_set():
+            raise BuildError(f"{name}: cancelled", hint="nothing was published for this layer")
+        raise BuildError(f"{name}: docker build timed out after {limit} s",
+                         context=_build_failed(name, log, src.network).context,
+                         hint="raise ENVBUILD_DOCKER_BUILD_TIMEOUT if the build is meant to "
+                              "take that long")
+    if code != 0:
+        raise _build_failed(name, log, src.network)
+    image_id = iid.read_text().strip()
+    if not re.fullmatch(r"sha256:[0-9a-f]{64}", image_id):
+        raise BuildError(f"{name}: docker build wrote no image id ({image_id[:80]!r})")
+    return image_id
+
+
+def _save(d, image_id: str, image: Path, tags: list[str], cancelled) -> None:
+    """``docker save`` the image into ``image``; then, in the user's daemon, remove it and the
+    lock ``tags`` (its cache stays)."""
+    try:
+        run_tool([d.cli, "save", "-o", str(image), "--", image_id], "docker save",
+                 cancelled=cancelled, env=d.env())
+    finally:
+        if not d.private:  # leave no image behind in the user's daemon (its cache stays)
+            for ref in [image_id, *tags]:
+                subprocess.run([d.cli, "image", "rm", "--", ref], env=d.env(),
+                               capture_output=True, stdin=subprocess.DEVNULL, timeout=60,
+                               check=False)
 
 
 def _note(log: Path, text: str) -> None:

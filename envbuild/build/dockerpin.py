@@ -185,16 +185,38 @@ class DockerIgnore:
 
 def context_digest(root: str) -> str:
     """Context digest v1 of the directory ``root`` (module docstring)."""
-    max_bytes = env_limit("ENVBUILD_DOCKER_CONTEXT_MAX_BYTES", DEFAULT_MAX_BYTES)
-    max_entries = env_limit("ENVBUILD_DOCKER_CONTEXT_MAX_ENTRIES", DEFAULT_MAX_ENTRIES)
     ignore = DockerIgnore(read_small(os.path.join(root, ".dockerignore"), missing_ok=True))
     h = hashlib.sha256(CONTEXT_TAG)
     h.update(b"d\0%o\0.\0\0" % stat.S_IMODE(os.stat(root).st_mode))
+    # Two passes: first the whole listing (sizes from stat, so a huge context is refused before
+    # a byte of it is read), then the file hashes in listing order.
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    for head, tail, fpath in _context_records(root, ignore):
+        h.update(head)
+        if fpath is not None:
+            fh = hashlib.sha256()
+            try:
+                fd = os.open(fpath, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                with open(fd, "rb", buffering=0) as f:
+                    while n := f.readinto(buf):
+                        fh.update(view[:n])
+            except OSError as e:
+                raise Unpinnable(f"read {fpath}: {e.strerror}") from None
+            h.update(fh.hexdigest().encode() + (tail or b""))
+    return "sha256:" + h.hexdigest()
+
+
+def _context_records(root: str, ignore: DockerIgnore
+                     ) -> list[tuple[bytes, bytes | None, str | None]]:
+    """The records of the entries sent to the daemon, depth first, names sorted by bytes:
+    (record, or for a file its head, the tail after the file's sha256, the file to hash).
+    Bounded by ``ENVBUILD_DOCKER_CONTEXT_MAX_BYTES`` / ``_MAX_ENTRIES``, from ``stat``."""
+    max_bytes = env_limit("ENVBUILD_DOCKER_CONTEXT_MAX_BYTES", DEFAULT_MAX_BYTES)
+    max_entries = env_limit("ENVBUILD_DOCKER_CONTEXT_MAX_ENTRIES", DEFAULT_MAX_ENTRIES)
     total = entries = 0
     todo: list[tuple[str, bytes]] = [(root, b"")]
     records: list[tuple[bytes, bytes | None, str | None]] = []
-    # Two passes: first the whole listing (sizes from stat, so a huge context is refused before
-    # a byte of it is read), then the file hashes in listing order.
     while todo:
         dirpath, rel = todo.pop()
         try:
@@ -237,22 +259,7 @@ def context_digest(root: str) -> str:
                         else b"c" if stat.S_ISCHR(mode) else b"b")
                 records.append((b"%b\0%o\0%b\0\0" % (kind, stat.S_IMODE(mode), path), None, None))
         todo.extend(reversed(subdirs))
-    buf = bytearray(1 << 20)
-    view = memoryview(buf)
-    for head, tail, fpath in records:
-        h.update(head)
-        if fpath is not None:
-            fh = hashlib.sha256()
-            try:
-                fd = os.open(fpath, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                with open(fd, "rb", buffering=0) as f:
-                    while n := f.readinto(buf):
-                        fh.update(view[:n])
-            except OSError as e:
-                raise Unpinnable(f"read {fpath}: {e.strerror}") from None
-            h.update(fh.hexdigest().encode() + (tail or b""))
-    return "sha256:" + h.hexdigest()
-
+    return records
 
 
 # ----------------------------------------------------------------------------- pinning

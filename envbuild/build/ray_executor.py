@@ -55,7 +55,14 @@ from typing import Any
 
 import ray
 
-from envbuild.build.engine import BuildReport, LayerOutcome, finish_build, make_jobs, prepare_plan
+from envbuild.build.engine import (
+    BuildReport,
+    LayerOutcome,
+    cached_outcomes,
+    finish_build,
+    make_jobs,
+    prepare_plan,
+)
 from envbuild.build.layerjob import BuildEvent, LayerJob, Progress
 from envbuild.build.pin import Snapshot
 from envbuild.build.ray_task import (  # noqa: F401  (node_context, run_layer: re-exported)
@@ -72,7 +79,7 @@ from envbuild.build.ray_task import (  # noqa: F401  (node_context, run_layer: r
 from envbuild.errors import BuildError, EnvbuildError, SettingsError, StepFailed
 from envbuild.plan.planner import BuildPlan
 from envbuild.settings import Settings
-from envbuild.store import KeyRecord, Store, get_key_record, open_store
+from envbuild.store import KeyRecord, Store, open_store
 
 #: The custom resource a node offers to run builds (its amount: build slots).
 BUILDER_RESOURCE = "envbuild_builder"
@@ -172,13 +179,8 @@ def build_ray(
         ws, store, targets, request, spec, marks,
         lambda: prepare_plan(ws, store, targets, no_cache=no_cache, cache_from=cache_from,
                              records=records))
-    outcomes: dict[str, LayerOutcome] = {}
     to_build = [s for s in plan.layers if no_cache or s.status == "missing"]
-    for s in plan.layers:
-        if s not in to_build:
-            outcomes[s.name] = LayerOutcome(s.name, s.kind, s.key, "cached",
-                                            record=records.get(s.key) or get_key_record(store, s.key))
-            progress(BuildEvent(s.name, "cached"))
+    outcomes = cached_outcomes(plan, store, to_build, progress, records)
     if not to_build and events is not None:
         ray.kill(events)
     if to_build:
