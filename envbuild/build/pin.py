@@ -69,6 +69,7 @@ import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import MappingProxyType
+from typing import Literal
 from urllib.parse import unquote, urlsplit
 
 from envbuild.build.dockerpin import check_image_pinned, pin_dockerfile
@@ -297,26 +298,26 @@ class Pinner:
                 entries = sorted(it, key=lambda e: os.fsencode(e.name))
         except OSError as e:
             raise Unpinnable(f"list {dirpath}: {e.strerror}") from None
-        for e in entries:
-            name = e.name
+        for ent in entries:
+            name = ent.name
             if name in IGNORED_NAMES:
                 continue
-            st = e.stat(follow_symlinks=False)
+            st = ent.stat(follow_symlinks=False)
             mode = st.st_mode
             path = rel + os.fsencode(name)
             if stat.S_ISDIR(mode):
                 if name in IGNORED_DIR_NAMES:
                     continue
                 h.update(b"d\0%o\0%b\0\0" % (stat.S_IMODE(mode), path))
-                self._walk(e.path, path + b"/", h)
+                self._walk(ent.path, path + b"/", h)
             elif stat.S_ISREG(mode):
                 if name.endswith(IGNORED_FILE_SUFFIXES):
                     continue
-                digest = self._file_sha256(e.path)
+                digest = self._file_sha256(ent.path)
                 h.update(b"f\0%o\0%b\0%d:%b\0" % (stat.S_IMODE(mode), path, st.st_size,
                                                   digest.hex().encode()))
             elif stat.S_ISLNK(mode):
-                h.update(b"l\x000\0%b\0%b\0" % (path, os.fsencode(os.readlink(e.path))))
+                h.update(b"l\x000\0%b\0%b\0" % (path, os.fsencode(os.readlink(ent.path))))
             else:
                 kind = (b"p" if stat.S_ISFIFO(mode) else b"s" if stat.S_ISSOCK(mode)
                         else b"c" if stat.S_ISCHR(mode) else b"b")
@@ -425,7 +426,7 @@ def static_elf_problem(path: str) -> str | None:
             if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) \
                     or head[5] not in (1, 2):
                 return f"busybox binary {path} is not a static ELF executable (not ELF)"
-            order = "little" if head[5] == 1 else "big"
+            order: Literal["little", "big"] = "little" if head[5] == 1 else "big"
             wide = head[4] == 2
             e_type = int.from_bytes(head[16:18], order)
             phoff = int.from_bytes(head[32:40] if wide else head[28:32], order)

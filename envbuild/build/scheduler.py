@@ -102,12 +102,12 @@ class _Dag:
 
     def start(self, pool: ThreadPoolExecutor, name: str) -> None:
         key = self.key_of(name)
-        shared = self.key_futures.get(key)
-        if shared is None:
+        first = self.key_futures.get(key)
+        if first is None:
             shared = self.key_futures[key] = pool.submit(self.work, name)
         else:
             # Same key already building or built: wait for that build, do not start another.
-            shared = pool.submit(lambda f=shared: f.result())
+            shared = pool.submit(first.result)
         self.running[shared] = name
 
     def finished(self, fut: Future) -> None:

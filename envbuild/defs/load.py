@@ -209,7 +209,7 @@ def definition_files(root: Path) -> list[Path]:
 
 def _definition_file_names(root: Path) -> list[str]:
     """``definition_files`` as strings (100,000 ``Path`` objects cost half a second)."""
-    found = []
+    found: list[str] = []
     for directory, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")
                        and not os.path.exists(os.path.join(directory, d, SEPARATE_TREE_MARKER))]

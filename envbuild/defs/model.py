@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
@@ -571,8 +571,9 @@ class Env(_Common):
 Definition = Base | Workspace | Toolkit | Env
 LayerDefinition = Base | Workspace | Toolkit
 
-CONSTRUCTORS = {"Base": Base.from_mapping, "Workspace": Workspace.from_mapping,
-                "Toolkit": Toolkit.from_mapping, "Env": Env.from_mapping}
+CONSTRUCTORS: Mapping[str, Callable[[Mapping[str, Any], Origin], Definition]] = {
+    "Base": Base.from_mapping, "Workspace": Workspace.from_mapping,
+    "Toolkit": Toolkit.from_mapping, "Env": Env.from_mapping}
 
 
 @dataclasses.dataclass(frozen=True)
