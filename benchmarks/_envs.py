@@ -7,7 +7,7 @@ from pathlib import Path
 
 from envbuild.errors import EnvbuildError
 from envbuild.store import LocalStore
-from runtime_shim.locks import resolve
+from runtime_shim.node.locks import resolve
 
 REPO = Path(__file__).resolve().parent.parent
 

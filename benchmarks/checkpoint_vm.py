@@ -33,8 +33,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._envs import ensure_built  # noqa: E402
 from envbuild.store import LocalStore  # noqa: E402
-from runtime_shim.sandbox import Limits, Sandbox  # noqa: E402
-from runtime_shim.vm.backend import restore_sandbox  # noqa: E402
+from runtime_shim.backends.vm.backend import restore_sandbox  # noqa: E402
+from runtime_shim.sdk.sandbox import Limits, Sandbox  # noqa: E402
 
 LIMITS = Limits(memory_bytes=256 << 20)
 

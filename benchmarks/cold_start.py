@@ -78,9 +78,9 @@ from envbuild.store import (  # noqa: E402
 )
 from runtime_shim.lazyfs import PROFILE_NAMESPACE, lazy_stats  # noqa: E402
 from runtime_shim.lazyfs.pyindex import index_layer_file  # noqa: E402
-from runtime_shim.locks import resolve  # noqa: E402
-from runtime_shim.nodecache import NodeCache  # noqa: E402
-from runtime_shim.sandbox import Sandbox  # noqa: E402
+from runtime_shim.node.locks import resolve  # noqa: E402
+from runtime_shim.node.nodecache import NodeCache  # noqa: E402
+from runtime_shim.sdk.sandbox import Sandbox  # noqa: E402
 
 COLD = WORK / "cold"
 MB = 1e6

@@ -36,7 +36,7 @@ from envbuild.store import LocalStore  # noqa: E402
 
 def _has_lock(store_dir: Path, ref: str) -> bool:
     from envbuild.errors import EnvbuildError
-    from runtime_shim.locks import resolve
+    from runtime_shim.node.locks import resolve
 
     try:
         resolve(LocalStore(store_dir), ref)

@@ -10,7 +10,7 @@ in the same run. Imported by ``density.py``; runnable alone with the same argume
 3. ``bench_reclaim``: N idle container sandboxes that each allocated and freed 200 MB (a
    Python ``bytearray``, written to a file in ``/tmp`` and read back, then freed; the file
    stays): the memory charged to them and the host's free memory, before and after one pass
-   of host-side reclaim (``runtime_shim.reclaim``).
+   of host-side reclaim (``runtime_shim.node.reclaim``).
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ sys.path.insert(0, str(REPO))
 
 from _stats import meminfo, pct  # noqa: E402
 
-from runtime_shim import cgroupfs, reclaim  # noqa: E402
-from runtime_shim.fncall import FnPool  # noqa: E402
-from runtime_shim.model import Limits  # noqa: E402
-from runtime_shim.sandbox import Sandbox  # noqa: E402
+from runtime_shim.isolation import cgroupfs  # noqa: E402
+from runtime_shim.node import reclaim  # noqa: E402
+from runtime_shim.node.model import Limits  # noqa: E402
+from runtime_shim.sdk.fnpool import FnPool  # noqa: E402
+from runtime_shim.sdk.sandbox import Sandbox  # noqa: E402
 
 MiB = 1 << 20
 PY_ECHO = ["python3", "-c", "print(input())"]

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from envbuild.store import LocalStore  # noqa: E402
-from runtime_shim.sandbox import Limits, Sandbox  # noqa: E402
+from runtime_shim.sdk.sandbox import Limits, Sandbox  # noqa: E402
 from tests.data_env import build_data_env  # noqa: E402
 
 FILE_MB = 2

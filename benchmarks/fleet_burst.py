@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _stats import pct  # noqa: E402
 
-from runtime_shim.model import Limits  # noqa: E402
+from runtime_shim.node.model import Limits  # noqa: E402
 from tests import ray_cluster  # noqa: E402,F401  (sets Ray's loopback env before ray loads)
 
 ENV = "env/busybox-shell"  # --env
@@ -52,7 +52,7 @@ LIMITS = Limits(disk_bytes=None, memory_bytes=64 << 20)
 
 
 def local_burst(store: str, node_dir: str, n: int, threads: int) -> dict[str, float]:
-    from runtime_shim.sandbox import Sandbox
+    from runtime_shim.sdk.sandbox import Sandbox
 
     t0 = time.time()
     with ThreadPoolExecutor(threads) as pool:
@@ -107,7 +107,7 @@ def _noop_actor(node_id: str):
 
 def make_locks(store: str, node_dir: str) -> list[str]:
     """4 locks: the busybox env plus one 4 MiB random snapshot layer each."""
-    from runtime_shim.sandbox import Sandbox
+    from runtime_shim.sdk.sandbox import Sandbox
 
     locks = []
     for i in range(4):
@@ -177,7 +177,7 @@ def main() -> None:
             fleet.stop_daemons()
             return
 
-        from runtime_shim.sandbox import Sandbox
+        from runtime_shim.sdk.sandbox import Sandbox
 
         sb = fleet.create(ENV, n=1, limits=LIMITS)[0]
         with Sandbox.create(ENV, store=store_dir, node_dir=str(tmp / "local"),

@@ -22,9 +22,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from runtime_shim import cgroupfs  # noqa: E402
-from runtime_shim.model import Limits  # noqa: E402
-from runtime_shim.sandbox import Sandbox  # noqa: E402
+from runtime_shim.isolation import cgroupfs  # noqa: E402
+from runtime_shim.node.model import Limits  # noqa: E402
+from runtime_shim.sdk.sandbox import Sandbox  # noqa: E402
 from tests.integration.conftest import build_busybox_env  # noqa: E402
 
 

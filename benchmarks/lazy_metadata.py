@@ -47,7 +47,7 @@ from _stats import pct  # noqa: E402
 from envbuild.layers import LayerReader, pack_tree  # noqa: E402
 from envbuild.store import LocalStore, put_file  # noqa: E402
 from runtime_shim.lazyfs.control import daemon_request  # noqa: E402
-from runtime_shim.nodecache import NodeCache  # noqa: E402
+from runtime_shim.node.nodecache import NodeCache  # noqa: E402
 
 SCRATCH_PARENT = "/dev/shm" if os.path.isdir("/dev/shm") else None
 CONDITIONS = ("idle", "busy", "hog")

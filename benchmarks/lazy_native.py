@@ -46,9 +46,9 @@ sys.path.insert(0, str(REPO))
 
 from envbuild.layers import pack_tree  # noqa: E402
 from envbuild.store import LocalStore, put_file  # noqa: E402
+from runtime_shim.isolation.mount import OverlaySpec, mount_overlay, unmount  # noqa: E402
 from runtime_shim.lazyfs.metalayer import meta_dirs  # noqa: E402
-from runtime_shim.mount import OverlaySpec, mount_overlay, unmount  # noqa: E402
-from runtime_shim.nodecache import NodeCache  # noqa: E402
+from runtime_shim.node.nodecache import NodeCache  # noqa: E402
 
 PACKAGES = ["boto3", "botocore", "moto", "flask", "werkzeug", "jinja2", "markupsafe",
             "itsdangerous", "click", "blinker", "aiohttp", "aiosignal", "aiohappyeyeballs",

@@ -36,11 +36,11 @@ sys.path.insert(0, str(REPO))
 from _stats import pct  # noqa: E402
 
 from envbuild.store import LocalStore  # noqa: E402
-from runtime_shim.locks import resolve  # noqa: E402
-from runtime_shim.nodecache import NodeCache  # noqa: E402
-from runtime_shim.sandbox import Limits, Sandbox  # noqa: E402
-from runtime_shim.vm import erofs, initramfs, qemu  # noqa: E402
-from runtime_shim.vm import kernel as vmkernel  # noqa: E402
+from runtime_shim.backends.vm import erofs, initramfs, qemu  # noqa: E402
+from runtime_shim.backends.vm import kernel as vmkernel  # noqa: E402
+from runtime_shim.node.locks import resolve  # noqa: E402
+from runtime_shim.node.nodecache import NodeCache  # noqa: E402
+from runtime_shim.sdk.sandbox import Limits, Sandbox  # noqa: E402
 
 MEMORY = 512 << 20
 

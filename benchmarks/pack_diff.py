@@ -38,8 +38,8 @@ from cold_start import lock_into, venv_layer  # noqa: E402
 from envbuild.layers import pack_tree  # noqa: E402
 from envbuild.plan.lockspec import LockLayer  # noqa: E402
 from envbuild.store import LocalStore  # noqa: E402
-from runtime_shim.locks import resolve  # noqa: E402
-from runtime_shim.sandbox import Sandbox  # noqa: E402
+from runtime_shim.node.locks import resolve  # noqa: E402
+from runtime_shim.sdk.sandbox import Sandbox  # noqa: E402
 
 CHANGE_SCRIPT = r"""
 set -e

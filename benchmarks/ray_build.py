@@ -272,8 +272,8 @@ def main() -> None:
         if not args.keep:
             for node in list(root.glob("ray-node-*")) + [root / "local-node"]:
                 subprocess.run([sys.executable, "-c",
-                                "import sys; from runtime_shim.layout import NodeLayout;"
-                                "from runtime_shim.runc import OciRuntime;"
+                                "import sys; from runtime_shim.node.layout import NodeLayout;"
+                                "from runtime_shim.isolation.runc import OciRuntime;"
                                 "from envbuild.build.executor import sweep_stale_scratch;"
                                 "l = NodeLayout(sys.argv[1]);"
                                 "sweep_stale_scratch(l.builds, OciRuntime('runc', "

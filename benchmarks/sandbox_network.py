@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What a sandbox's own network costs: create → exec ``true`` → close, p50 / p90, for
-``network=False``, ``network=True`` and an allow-list (``runtime_shim.netns``: a namespace,
+``network=False``, ``network=True`` and an allow-list (``runtime_shim.isolation.netns``: a namespace,
 its firewall and slirp4netns per sandbox).
 
     .venv/bin/python benchmarks/sandbox_network.py [--store DIR] [--env busybox-shell] [--runs 30]
@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from _envs import ensure_built  # noqa: E402
 
 from envbuild.store import LocalStore  # noqa: E402
-from runtime_shim.sandbox import Sandbox  # noqa: E402
+from runtime_shim.sdk.sandbox import Sandbox  # noqa: E402
 
 
 def main() -> None:

@@ -5,7 +5,7 @@
 
 ``--disk`` is ``Limits.disk_bytes`` of every sandbox (default: the Limits default; ``0``: no disk
 limit, the writable layer straight on the node dir), to measure the start-up cost of the
-per-sandbox disk (``runtime_shim.scratchfs``).
+per-sandbox disk (``runtime_shim.isolation.scratchfs``).
 
 1. create → exec ``true`` → close, p50 / p95 over ``--runs`` sandboxes (warm node cache), and
    sandboxes per second with 2 workers; baseline: ``runc run`` of ``true`` in a pre-made rootfs
@@ -43,11 +43,11 @@ from _stats import meminfo, pct  # noqa: E402
 
 from envbuild.layers import LayerReader  # noqa: E402
 from envbuild.store import LocalStore  # noqa: E402
-from runtime_shim.locks import resolve  # noqa: E402
-from runtime_shim.nodecache import parse_size  # noqa: E402
-from runtime_shim.runc import OciRuntime, write_bundle  # noqa: E402
-from runtime_shim.sandbox import Limits, Sandbox  # noqa: E402
-from runtime_shim.spec import RuntimeSpecRequest, env_list, runtime_spec  # noqa: E402
+from runtime_shim.isolation.runc import OciRuntime, write_bundle  # noqa: E402
+from runtime_shim.isolation.spec import RuntimeSpecRequest, env_list, runtime_spec  # noqa: E402
+from runtime_shim.node.locks import resolve  # noqa: E402
+from runtime_shim.node.nodecache import parse_size  # noqa: E402
+from runtime_shim.sdk.sandbox import Limits, Sandbox  # noqa: E402
 
 
 def flatten(store: LocalStore, env: str, dest: Path) -> None:

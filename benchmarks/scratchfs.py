@@ -3,7 +3,7 @@
 ``--runs`` set-up + tear-down cycles of
 
 1. ``mkfs.ext4`` per sandbox + loop device + mount + unmount;
-2. a copy of a pre-formatted sparse template (``runtime_shim.scratchfs.create`` / ``destroy``),
+2. a copy of a pre-formatted sparse template (``runtime_shim.isolation.scratchfs.create`` / ``destroy``),
    with and without waiting for the loop device's detach (``destroy`` leaves it to a thread);
 3. the sparse copy alone, in-process (``SEEK_DATA`` + ``copy_file_range``) and ``cp --sparse=always``;
 4. a tmpfs with ``size=`` and ``nr_inodes=``.
@@ -30,8 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from runtime_shim import scratchfs  # noqa: E402
-from runtime_shim.mount import _libc, unmount  # noqa: E402
+from runtime_shim.isolation import scratchfs  # noqa: E402
+from runtime_shim.isolation.mount import _libc, unmount  # noqa: E402
 
 SHAPES = ((64 << 20, 1000), (10 << 30, 1_000_000), (50 << 30, 5_000_000))
 

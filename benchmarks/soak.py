@@ -68,8 +68,8 @@ def _command(nonce: str) -> str:
 
 
 def worker(kind: str, count: int, store: str, node: str, seed: int, out: str) -> None:
-    from runtime_shim.model import Limits
-    from runtime_shim.sandbox import Sandbox
+    from runtime_shim.node.model import Limits
+    from runtime_shim.sdk.sandbox import Sandbox
 
     rng = random.Random(seed)
     # a microVM's guest kernel needs more memory than a container's shell
@@ -83,7 +83,7 @@ def worker(kind: str, count: int, store: str, node: str, seed: int, out: str) ->
             try:
                 if kind == "fncall":
                     if pool is None:
-                        from runtime_shim.fncall import FnPool
+                        from runtime_shim.sdk.fnpool import FnPool
 
                         pool = FnPool(ENV, size=1, store=store, node_dir=node, limits=limits)
                     r = pool.call(_command(nonce), timeout=60)
@@ -193,8 +193,8 @@ HOSTILE = [
 
 def hostile_tenant(store: str, node: str, rounds: int) -> subprocess.Popen:
     code = (f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
-            "from runtime_shim.model import Limits\n"
-            "from runtime_shim.sandbox import Sandbox\n"
+            "from runtime_shim.node.model import Limits\n"
+            "from runtime_shim.sdk.sandbox import Sandbox\n"
             f"with Sandbox.create({ENV!r}, store={store!r}, node_dir={node!r}, "
             f"limits=Limits(**{LIMITS!r})) as sb:\n"
             f"    for cmd in {HOSTILE!r} * {rounds}:\n"
@@ -212,8 +212,8 @@ def settle(node: Path) -> None:
     """Close what the phase left: crashed owners' sandboxes (their exit watchers first, then
     ``gc_sandboxes``), unused lazy mounts; then wait (bounded) for the node's helper processes
     — exit watchers, the lazy daemon — to end by themselves."""
-    from runtime_shim.nodecache import NodeCache
-    from runtime_shim.sandbox import gc_sandboxes, layers_in_use
+    from runtime_shim.node.nodecache import NodeCache
+    from runtime_shim.sdk.sandbox import gc_sandboxes, layers_in_use
     from tests.leftovers import processes_under
 
     deadline = time.monotonic() + 30

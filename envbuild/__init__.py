@@ -3,6 +3,7 @@
 The public API is re-exported here; implementation lives in subpackages.
 """
 
+from envbuild._version import __version__
 from envbuild.errors import (
     BlobNotFound,
     BuildError,
@@ -24,8 +25,6 @@ from envbuild.errors import (
     UnsupportedFormatError,
 )
 from envbuild.settings import Settings
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BlobNotFound",

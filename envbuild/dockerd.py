@@ -23,7 +23,7 @@
     ``--bridge=none --iptables=false --ip6tables=false --ip-forward=false --ip-masq=false
     --userland-proxy=false``; builds therefore pass ``--network=none`` or ``--network=host``
     (the default bridge network does not exist). With ``egress_only`` the daemon runs in a
-    network namespace of its own behind slirp4netns (``runtime_shim.netns``: egress, the
+    network namespace of its own behind slirp4netns (``runtime_shim.isolation.netns``: egress, the
     host's addresses, its loopback and link-local refused), so "host" networking of its
     containers is that namespace, never the host's;
   - its containers' cgroups, BuildKit's ``RUN`` steps included, live under
@@ -223,7 +223,7 @@ def private_daemon(root: Path, *, start_timeout: float = DEFAULT_START_TIMEOUT,
                    data_root: Path | None = None) -> Iterator[DockerDaemon]:
     """Start a throwaway dockerd under ``root``, yield it ready, stop and remove it. With
     ``egress_only`` it runs in a network namespace of its own behind slirp4netns
-    (``runtime_shim.netns``: the host's addresses and loopback refused), so that
+    (``runtime_shim.isolation.netns``: the host's addresses and loopback refused), so that
     ``--network=host`` steps get egress, not the host. ``data_root`` (a directory that must
     not exist yet, e.g. on a build's capped disk) holds everything the daemon stores; it is
     removed with the daemon."""
@@ -250,7 +250,7 @@ def private_daemon(root: Path, *, start_timeout: float = DEFAULT_START_TIMEOUT,
         log_path = top / "dockerd.log"
         prefix: list[str] = []
         if egress_only:
-            from runtime_shim import netns
+            from runtime_shim.isolation import netns
 
             (top / "net").mkdir(mode=0o700)
             net = netns.create(top / "net", netns.NetworkPolicy())
@@ -330,7 +330,7 @@ def _teardown(top: Path, ident: str, proc: subprocess.Popen | None, stop_timeout
     _stop(proc, stop_timeout, dirs)
     _remove_cgroups(f"/envbuild-dockerd-{ident}")
     if (top / "net").is_dir():  # egress_only: slirp4netns and the namespace file
-        from runtime_shim import netns
+        from runtime_shim.isolation import netns
 
         with contextlib.suppress(Exception):
             netns.teardown(top / "net")
@@ -492,7 +492,7 @@ def mounts_under(paths: tuple[Path, ...]) -> list[str]:
 
 def _remove_dir(d: Path) -> None:
     from envbuild.safefs import remove_tree
-    from runtime_shim.mount import unmount
+    from runtime_shim.isolation.mount import unmount
 
     for target in mounts_under((d,)):
         with contextlib.suppress(Exception):

@@ -38,12 +38,12 @@ bug and exits 2 with a traceback and a request to report it.
         ├── BackendUnavailable     the backend is unknown, cannot run here (no runc, no QEMU),
         │                          or cannot do what was asked (keep/attach a microVM)
         ├── AdmissionRefused       the node's budget (file table, tasks, disk) has no room
-        │                          for this sandbox or build disk (runtime_shim.admission)
+        │                          for this sandbox or build disk (runtime_shim.node.admission)
         ├── SandboxClosed          a method of a sandbox that was closed (or reaped at its TTL)
         ├── ExecTimeout            a command ran past its timeout, raised only for
         │                          ``exec(..., check_timeout=True)`` (else ``timed_out``)
         ├── SnapshotRefused        pack-diff policy: a sandbox's changes exceed a size cap or
-        │                          hold links out of the upper dir (runtime_shim.packdiff);
+        │                          hold links out of the upper dir (runtime_shim.node.packdiff);
         │                          also an UnsafeLayerError
         ├── CheckpointRefused      a memory checkpoint cannot be taken (a process CRIU cannot
         │                          dump: named, with the reason) or restored (an image that
@@ -291,7 +291,7 @@ class ExecTimeout(RuntimeShimError):
 
 
 class SnapshotRefused(RuntimeShimError, UnsafeLayerError):
-    """pack-diff's policy refused a sandbox's changes (``runtime_shim.packdiff``)."""
+    """pack-diff's policy refused a sandbox's changes (``runtime_shim.node.packdiff``)."""
 
     reference = "snapshot-refused"
 
@@ -306,7 +306,7 @@ class CheckpointRefused(RuntimeShimError):
 
 class SandboxCompromised(RuntimeShimError):
     """What came back on a sandbox's exec channel is not what the agent sends: the result of
-    that exec (and of the sandbox) must not be trusted (``runtime_shim/agent/README.md``)."""
+    that exec (and of the sandbox) must not be trusted (``runtime_shim/isolation/agent/README.md``)."""
 
     reference = "sandbox-compromised"
 
@@ -315,7 +315,7 @@ def bug(message: str) -> AssertionError:
     """An invariant was violated: envbuild itself is wrong. Raise the returned error."""
     import platform  # only for this message: keeps it out of every CLI start-up
 
-    from envbuild import __version__
+    from envbuild._version import __version__
 
     return AssertionError(
         f"{message}\nthis is a bug in envbuild {__version__} "

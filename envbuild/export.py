@@ -17,13 +17,9 @@ docker-archive name without ``:TAG`` gets ``:latest``. The path ends at the firs
 
 Compression (``--compression``): ``zstd`` (default for ``oci``/``oci-archive``) copies the
 lock's blobs byte for byte: same digests, and envbuild's TOC annotations stay valid. ``gzip``
-and ``none`` re-encode every layer (the stream is decompressed, its digest checked against the
-config's ``rootfs.diff_ids``, and written as gzip — fixed header, so exports are reproducible —
-or as the plain tar): layer digests change and the ``org.envbuild.toc.digest`` annotations are
-dropped (the TOC is a frame of envbuild's zstd format, which a gzip or plain layer no longer
-has); ``rootfs.diff_ids`` stay the same, since the tar is unchanged, so the config blob is
-copied as is. This is what gzip-only tools (Debian's umoci 0.4.7) need. ``none`` is the default
-for ``docker-archive``.
+and ``none`` re-encode every layer as ``envbuild push --compression`` does
+(``envbuild.store.recompress``: new layer digests, no TOC annotations, the same config).
+``none`` is the default for ``docker-archive``.
 
 Every output is written beside its final name and renamed into place: an export that fails
 leaves nothing half written.
@@ -41,22 +37,29 @@ import shutil
 import tarfile
 import tempfile
 import uuid
-import zlib
-from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
 
 from envbuild.errors import DigestMismatch, SettingsError, StoreError
-from envbuild.oci import ANNOTATION_REF_NAME, ANNOTATION_TOC, MEDIA_TYPE_INDEX, MEDIA_TYPE_MANIFEST
+from envbuild.oci import (  # noqa: F401  (MEDIA_TYPE_LAYER*: re-exported)
+    ANNOTATION_REF_NAME,
+    MEDIA_TYPE_INDEX,
+    MEDIA_TYPE_LAYER,
+    MEDIA_TYPE_LAYER_GZIP,
+    MEDIA_TYPE_MANIFEST,
+)
 from envbuild.store import Store
 from envbuild.store.helpers import get_json, read_bytes
+from envbuild.store.progress import TransferMeter, track
+from envbuild.store.recompress import (  # noqa: F401  (COMPRESSIONS: re-exported)
+    COMPRESSIONS,
+    check_compression,
+    lock_parts,
+    manifest_bytes,
+    reencode,
+    reencoded_descriptor,
+)
 
 TRANSPORTS = ("oci", "oci-archive", "docker-archive")
-COMPRESSIONS = ("zstd", "gzip", "none")
-MEDIA_TYPE_LAYER = "application/vnd.oci.image.layer.v1.tar"
-MEDIA_TYPE_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
-_LAYER_TYPES = {"zstd": "application/vnd.oci.image.layer.v1.tar+zstd",
-                "gzip": MEDIA_TYPE_LAYER_GZIP, "none": MEDIA_TYPE_LAYER}
 _CHUNK = 1 << 20
 
 
@@ -133,72 +136,41 @@ def _check_tag(transport: str, tag: str, text: str) -> None:
         raise SettingsError(f"export target {text!r}: {tag!r} is not {what}")
 
 
-def export_lock(store: Store, request: ExportRequest) -> ExportReport:
-    """Write the lock ``request.ref`` of ``store`` to ``request.target`` (module docstring)."""
+def export_lock(store: Store, request: ExportRequest,
+                meter: TransferMeter | None = None) -> ExportReport:
+    """Write the lock ``request.ref`` of ``store`` to ``request.target`` (module docstring).
+    ``meter`` counts the bytes of the lock's layers read from ``store``."""
     target = request.target
-    compression = request.compression or ("none" if target.transport == "docker-archive"
-                                          else "zstd")
-    if compression not in COMPRESSIONS:
-        raise SettingsError(f"unknown compression {compression!r}",
-                            hint="use one of " + ", ".join(COMPRESSIONS))
-    if target.transport == "docker-archive" and compression == "zstd":
-        raise SettingsError("docker-archive cannot hold zstd layers (docker load, podman load "
-                            "and skopeo read plain or gzip tar there)",
-                            hint="use --compression gzip or --compression none")
+    compression = _compression(request)
     desc = store.get_ref(request.ref)
     if desc.media_type != MEDIA_TYPE_MANIFEST:
         raise StoreError(f"{request.ref} is a {desc.media_type}, not an image manifest",
                          hint="export exports env locks (env/NAME)")
     manifest = get_json(store, desc.digest)
-    manifest_bytes_src = read_bytes(store, desc.digest)
     config_desc = manifest.get("config") or {}
     config_bytes = read_bytes(store, config_desc["digest"])
-    config = json.loads(config_bytes)
-    diff_ids = list((config.get("rootfs") or {}).get("diff_ids") or [])
-    layers = list(manifest.get("layers") or [])
-    if len(diff_ids) != len(layers):
-        raise StoreError(f"lock {request.ref}: {len(layers)} layers but {len(diff_ids)} "
-                         "rootfs.diff_ids in its config", hint="the lock is corrupt; rebuild it")
+    parts = lock_parts(manifest, json.loads(config_bytes), request.ref)
     tag = target.tag or request.ref.rpartition("/")[2]
     if target.transport == "docker-archive" and ":" not in tag:
         tag += ":latest"
     _check_tag(target.transport, tag, str(target))
+    if meter is not None:
+        meter.expect(sum(int(layer.get("size", 0)) for layer, _ in parts))
 
     writer: _Out = (_LayoutDir(target.path) if target.transport == "oci"
                     else _Archive(target.path))
-    pairs = []
     try:
-        new_layers = []
-        for layer, diff_id in zip(layers, diff_ids):
-            if compression == "zstd":
-                with store.get(layer["digest"]) as src:
-                    digest, size = writer.blob(src, expect=layer["digest"])
-                new = dict(layer)
-            else:
-                with store.get(layer["digest"]) as src:
-                    digest, size = writer.blob(_reencode(src, compression, diff_id,
-                                                         layer["digest"]))
-                new = {**layer, "mediaType": _LAYER_TYPES[compression], "digest": digest,
-                       "size": size}
-                ann = {k: v for k, v in (layer.get("annotations") or {}).items()
-                       if k != ANNOTATION_TOC}
-                new.pop("annotations", None)
-                if ann:
-                    new["annotations"] = ann
-            pairs.append((layer["digest"], digest))
-            new_layers.append(new)
+        new_layers = [_write_layer(store, writer, layer, diff_id, compression, meter)
+                      for layer, diff_id in parts]
         if isinstance(writer, _Archive) and target.transport == "docker-archive":
             manifest_digest = _write_docker(writer, config_desc["digest"], config_bytes,
-                                            [(d["digest"], diff) for d, diff
-                                             in zip(new_layers, diff_ids)], tag)
+                                            [(d["digest"], diff) for d, (_, diff)
+                                             in zip(new_layers, parts)], tag)
         else:
             writer.blob(io.BytesIO(config_bytes), expect=config_desc["digest"])
-            if compression == "zstd":
-                out_manifest = manifest_bytes_src
-            else:
-                out_manifest = json.dumps({**manifest, "layers": new_layers}, sort_keys=True,
-                                          separators=(",", ":")).encode()
-            manifest_digest, msize = writer.blob(io.BytesIO(out_manifest))
+            out = (read_bytes(store, desc.digest) if compression == "zstd"
+                   else manifest_bytes(manifest, new_layers))
+            manifest_digest, msize = writer.blob(io.BytesIO(out))
             writer.tag(tag, {"mediaType": MEDIA_TYPE_MANIFEST, "digest": manifest_digest,
                              "size": msize})
         total = writer.commit()
@@ -209,35 +181,32 @@ def export_lock(store: Store, request: ExportRequest) -> ExportReport:
     except BaseException:
         writer.abort()
         raise
-    return ExportReport(str(target), tag, manifest_digest, compression, tuple(pairs), total)
+    pairs = tuple((layer["digest"], new["digest"]) for (layer, _), new in zip(parts, new_layers))
+    return ExportReport(str(target), tag, manifest_digest, compression, pairs, total)
 
 
-def _reencode(src: BinaryIO, compression: str, diff_id: str, digest: str) -> Iterator[bytes]:
-    """The layer's tar, decompressed (skippable TOC/footer frames are skipped by the zstd
-    decoder) and checked against its diff_id, as gzip (fixed header: mtime 0, no name) or as
-    is."""
-    import zstandard
+def _compression(request: ExportRequest) -> str:
+    """The compression asked for, or the transport's default; refused where it cannot go."""
+    target = request.target
+    compression = check_compression(request.compression or (
+        "none" if target.transport == "docker-archive" else "zstd"))
+    if target.transport == "docker-archive" and compression == "zstd":
+        raise SettingsError("docker-archive cannot hold zstd layers (docker load, podman load "
+                            "and skopeo read plain or gzip tar there)",
+                            hint="use --compression gzip or --compression none")
+    return compression
 
-    h = hashlib.sha256()
-    gz = zlib.compressobj(6, zlib.DEFLATED, 31) if compression == "gzip" else None
-    try:
-        reader = zstandard.ZstdDecompressor().stream_reader(src, read_across_frames=True)
-        while True:
-            data = reader.read(_CHUNK)
-            if not data:
-                break
-            h.update(data)
-            out = gz.compress(data) if gz else data
-            if out:
-                yield out
-    except zstandard.ZstdError as e:
-        raise StoreError(f"layer {digest}: cannot decompress: {e}",
-                         hint="only zstd layers can be re-encoded") from None
-    if "sha256:" + h.hexdigest() != diff_id:
-        raise DigestMismatch(f"layer {digest}: its tar hashes to sha256:{h.hexdigest()}, not "
-                             f"its config's diff_id {diff_id}", hint="the lock is corrupt")
-    if gz:
-        yield gz.flush()
+
+def _write_layer(store: Store, writer: _Out, layer: dict, diff_id: str, compression: str,
+                 meter: TransferMeter | None) -> dict:
+    """Write one layer as it is (``zstd``) or re-encoded; its descriptor in the output."""
+    with store.get(layer["digest"]) as src:
+        src = track(meter, src)
+        if compression == "zstd":
+            writer.blob(src, expect=layer["digest"])
+            return dict(layer)
+        digest, size = writer.blob(reencode(src, compression, diff_id, layer["digest"]))
+    return reencoded_descriptor(layer, compression, digest, size)
 
 
 def _write_docker(writer: _Archive, config_digest: str, config_bytes: bytes,

@@ -9,6 +9,9 @@ MEDIA_TYPE_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MEDIA_TYPE_INDEX = "application/vnd.oci.image.index.v1+json"
 MEDIA_TYPE_CONFIG = "application/vnd.oci.image.config.v1+json"
 MEDIA_TYPE_LAYER_ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
+#: layers re-encoded for tools that do not read zstd (``--compression gzip|none``)
+MEDIA_TYPE_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
+MEDIA_TYPE_LAYER = "application/vnd.oci.image.layer.v1.tar"
 
 #: sha256 of the layer's compressed TOC frame payload, as in its footer (docs/layer-format.md)
 ANNOTATION_TOC = "org.envbuild.toc.digest"

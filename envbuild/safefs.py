@@ -31,16 +31,16 @@ Everything here raises ``OSError``; callers wrap it with their own "verb object:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import stat
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+from envbuild.libc import function
+
 _SYS_OPENAT2 = 437  # x86_64 and aarch64 share the generic syscall number
 _SYS_LISTXATTRAT = 465  # likewise (Linux 6.13)
 _AT_SYMLINK_NOFOLLOW = 0x100
-_syscall = _libc.syscall
+_syscall = function("syscall", ctypes.c_long)
 
 RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -63,7 +63,7 @@ def openat2(dir_fd: int, path: str | bytes, flags: int, mode: int = 0o644, *,
     creates = flags & os.O_CREAT or flags & os.O_TMPFILE == os.O_TMPFILE
     how = _OpenHow(flags | os.O_CLOEXEC, mode if creates else 0, resolve)
     raw = os.fsencode(path)
-    fd = _libc.syscall(_SYS_OPENAT2, dir_fd, raw or b".", ctypes.byref(how),
+    fd = _syscall(_SYS_OPENAT2, dir_fd, raw or b".", ctypes.byref(how),
                        ctypes.sizeof(how))
     if fd < 0:
         err = ctypes.get_errno()

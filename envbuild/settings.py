@@ -6,10 +6,6 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from runtime_shim.admission import BudgetSettings
 
 DEFAULT_STORE = "cache"
 DEFAULT_DEFS = "envdefs"
@@ -39,7 +35,7 @@ class Settings:
     s3_endpoint: str | None = None
     cache_from: str | None = None
     cache_to: str | None = None
-    # The cap of one build layer's writes (envbuild.build.executor; runtime_shim.scratchfs):
+    # The cap of one build layer's writes (envbuild.build.executor; runtime_shim.isolation.scratchfs):
     # ENVBUILD_BUILD_DISK (a size, e.g. 50G; 0: no cap) and ENVBUILD_BUILD_INODES.
     build_disk_bytes: int | None = 50 << 30
     build_inodes: int | None = 5_000_000
@@ -55,19 +51,12 @@ class Settings:
     # item 5): the node operator's opt-in for trusted definition trees, never the definition's.
     # ENVBUILD_TRUSTED_SOURCES (absolute paths, ':'-separated) or --trust-sources DIR.
     trusted_sources: tuple[str, ...] = ()
-    # Issue 34: the node's budget of host-wide tables and disk (runtime_shim.admission):
+    # Issue 34: the node's budget of host-wide tables and disk (runtime_shim.node.admission):
     # ENVBUILD_HOST_RESERVE, ENVBUILD_DISK_RESERVE, ENVBUILD_NODE_BUDGET, as given; parsed by
-    # ``admission`` where a build or sandbox needs it (a command that makes neither, such as
-    # ``envbuild layer ls``, must not import the runtime: tests/integration/test_cli_startup.py)
+    # ``BudgetSettings.from_env`` where a build or sandbox needs it (a command that makes
+    # neither, such as ``envbuild layer ls``, must not import the runtime:
+    # tests/integration/test_cli_startup.py; and settings sit below the runtime, never above)
     budget_env: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def admission(self) -> BudgetSettings:
-        """The node budget's settings (``runtime_shim.admission.BudgetSettings``); a bad value
-        is a ``SettingsError``."""
-        from runtime_shim.admission import BudgetSettings
-
-        return BudgetSettings.from_env(dict(self.budget_env))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -143,7 +132,7 @@ def check_trusted_sources(paths) -> tuple[str, ...]:
     return tuple(out)
 
 
-#: The environment variables of the node budget (``Settings.admission``).
+#: The environment variables of the node budget (``Settings.budget_env``).
 BUDGET_ENV = ("ENVBUILD_HOST_RESERVE", "ENVBUILD_DISK_RESERVE", "ENVBUILD_NODE_BUDGET")
 
 

@@ -12,7 +12,7 @@
 
 The names below are the public API (``__all__``, pinned by tests/unit/test_sdk_exports.py);
 everything else in the package is internal. They are imported on first use, so
-``import runtime_shim.nodecache`` (as the CLI does) does not load the sandbox code.
+``import runtime_shim.node.nodecache`` (as the CLI does) does not load the sandbox code.
 
 Imports only envbuild.layers, envbuild.store, envbuild.errors, envbuild.safefs and
 envbuild.settings (the dependency rule, docs/architecture.md).
@@ -27,6 +27,7 @@ from envbuild._lazy import lazy_exports
 __all__ = [
     "AdmissionRefused",
     "AsyncSandbox",
+    "AsyncSandboxAPI",
     "BackendUnavailable",
     "CheckpointRefused",
     "ExecResult",
@@ -36,23 +37,28 @@ __all__ = [
     "LockNotFound",
     "RuntimeShimError",
     "Sandbox",
+    "SandboxAPI",
     "SandboxClosed",
     "SandboxCompromised",
     "SandboxInfo",
     "SandboxNotFound",
+    "SandboxOptions",
     "SandboxStartError",
     "SnapshotRefused",
     "list_sandboxes",
 ]
 
 _WHERE = {
-    "AsyncSandbox": "runtime_shim.aio",
-    "ExecResult": "runtime_shim.model",
-    "FnPool": "runtime_shim.fncall",
-    "Limits": "runtime_shim.model",
-    "SandboxInfo": "runtime_shim.model",
-    "Sandbox": "runtime_shim.sandbox",
-    "list_sandboxes": "runtime_shim.sandbox",
+    "AsyncSandbox": "runtime_shim.sdk.aio",
+    "ExecResult": "runtime_shim.node.model",
+    "FnPool": "runtime_shim.sdk.fnpool",
+    "Limits": "runtime_shim.node.model",
+    "SandboxInfo": "runtime_shim.node.model",
+    "Sandbox": "runtime_shim.sdk.sandbox",
+    "SandboxOptions": "runtime_shim.sdk.options",
+    "SandboxAPI": "runtime_shim.sdk.protocol",
+    "AsyncSandboxAPI": "runtime_shim.sdk.protocol",
+    "list_sandboxes": "runtime_shim.sdk.sandbox",
     **{name: "envbuild.errors" for name in (
         "AdmissionRefused", "BackendUnavailable", "CheckpointRefused", "ExecTimeout",
         "LockNotFound", "RuntimeShimError",
@@ -74,10 +80,12 @@ if TYPE_CHECKING:
         SandboxStartError,
         SnapshotRefused,
     )
-    from runtime_shim.aio import AsyncSandbox
-    from runtime_shim.fncall import FnPool
-    from runtime_shim.model import ExecResult, Limits, SandboxInfo
-    from runtime_shim.sandbox import Sandbox, list_sandboxes
+    from runtime_shim.node.model import ExecResult, Limits, SandboxInfo
+    from runtime_shim.sdk.aio import AsyncSandbox
+    from runtime_shim.sdk.fnpool import FnPool
+    from runtime_shim.sdk.options import SandboxOptions
+    from runtime_shim.sdk.protocol import AsyncSandboxAPI, SandboxAPI
+    from runtime_shim.sdk.sandbox import Sandbox, list_sandboxes
 
 
 __getattr__, _ = lazy_exports(__name__, _WHERE)  # __dir__ below: the public names only

@@ -14,7 +14,7 @@ from pathlib import Path
 
 
 def mounts_under(path: Path) -> list[str]:
-    from runtime_shim.mount import mounted_targets_under
+    from runtime_shim.isolation.mount import mounted_targets_under
 
     return mounted_targets_under(str(path))
 

@@ -4,13 +4,13 @@ The plan says *what* to build (``LayerJob``: plain data); this module does it (s
 
 1. lower dirs: the layers the job builds on (a Base's parent chain, a Workspace/Toolkit's
    ``build_on`` chain), unpacked once into the node cache, read-only, topmost first, plus the
-   stub layer (``runtime_shim.stub``) at the bottom so runc never creates mount points in the
+   stub layer (``runtime_shim.isolation.stub``) at the bottom so runc never creates mount points in the
    upper dir;
 2. a fresh upper dir: a Base's source is imported straight into it; a Workspace's source is
    copied through the overlay into ``dest``;
 3. each step: ``run`` in a runc container over the overlay (mount, pid, ipc, uts namespaces;
    by default egress through the step's own network namespace behind user-mode NAT, the
-   host's loopback and addresses unreachable (``runtime_shim.netns``), because package
+   host's loopback and addresses unreachable (``runtime_shim.isolation.netns``), because package
    installs need it; ``network: none`` for an empty network namespace; the default seccomp
    profile and ``BuildLimits``, as a sandbox gets); ``copy`` through the overlay from the
    definition's directory;
@@ -21,7 +21,7 @@ The plan says *what* to build (``LayerJob``: plain data); this module does it (s
 Everything lives under one scratch directory per build that is removed at the end, mounts
 included, also on Ctrl-C. A layer's upper dir, work dir, its steps' ``/tmp``, a git import's
 clone and a Dockerfile base's private dockerd data root (its images and what its ``RUN`` steps
-write) are on a capped filesystem of their own (``runtime_shim.scratchfs``:
+write) are on a capped filesystem of their own (``runtime_shim.isolation.scratchfs``:
 ``BuildContext.disk_bytes`` / ``inodes``, 50 GiB and 5 M by default, ``ENVBUILD_BUILD_DISK`` /
 ``ENVBUILD_BUILD_INODES``), so a runaway step or import fails with ENOSPC instead of filling
 the host.
@@ -76,12 +76,10 @@ from envbuild.errors import BuildError, StepFailed
 from envbuild.layers import pack_tree
 from envbuild.safefs import read_tail
 from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_record
-from runtime_shim import cpuclass, netns, scratchfs
-from runtime_shim.admission import BudgetSettings, Ledger, Reservation, build_key
-from runtime_shim.mount import OverlaySpec, mount_overlay, unmount
-from runtime_shim.nodecache import NodeCache
-from runtime_shim.runc import OciRuntime, run_container, write_bundle
-from runtime_shim.spec import (
+from runtime_shim.isolation import cpuclass, netns, scratchfs
+from runtime_shim.isolation.mount import OverlaySpec, mount_overlay, unmount
+from runtime_shim.isolation.runc import OciRuntime, run_container, write_bundle
+from runtime_shim.isolation.spec import (
     BindMount,
     RuntimeSpecRequest,
     clamped_rlimit,
@@ -89,7 +87,9 @@ from runtime_shim.spec import (
     parse_user,
     runtime_spec,
 )
-from runtime_shim.stub import CA_ENV_VARS, HOST_CA_PATH, ensure_stub, host_ca_bundle
+from runtime_shim.isolation.stub import CA_ENV_VARS, HOST_CA_PATH, ensure_stub, host_ca_bundle
+from runtime_shim.node.admission import BudgetSettings, Ledger, Reservation, build_key
+from runtime_shim.node.nodecache import NodeCache
 
 OUTPUT_TAIL_LINES = 50
 BUILD_LOG_CAP = buildlog.BUILD_LOG_CAP  # re-exported; read as buildlog.BUILD_LOG_CAP
@@ -109,7 +109,7 @@ class BuildLimits:
     compilers and package managers are hungry, but finite because a definition is untrusted
     input: 8 GiB of memory (no swap beyond it), 8192 tasks, 65536 open files (clamped to the
     host's hard limit), 4 cores of CPU time. ``None`` leaves a limit off. ``cpu_class``:
-    best-effort by default (``SCHED_IDLE``, minimum CPU weight: ``runtime_shim.cpuclass``), so
+    best-effort by default (``SCHED_IDLE``, minimum CPU weight: ``runtime_shim.isolation.cpuclass``), so
     a build never takes CPU from latency-class sandboxes on the same node."""
 
     pids: int | None = 8192
@@ -134,10 +134,10 @@ class BuildContext:
     #: the default profile, ``"unconfined"`` none, or an OCI ``linux.seccomp`` object).
     limits: BuildLimits = BuildLimits()
     seccomp: str | Mapping[str, Any] | None = None
-    # The cap of one layer's writes (its upper dir and /tmp; runtime_shim.scratchfs). None: none.
+    # The cap of one layer's writes (its upper dir and /tmp; runtime_shim.isolation.scratchfs). None: none.
     disk_bytes: int | None = DEFAULT_BUILD_DISK_BYTES
     inodes: int | None = DEFAULT_BUILD_INODES
-    #: The node's budget (``runtime_shim.admission``): a layer's disk is reserved in the node's
+    #: The node's budget (``runtime_shim.node.admission``): a layer's disk is reserved in the node's
     #: ledger before it is made, at ``disk_bytes`` or what the budget has left if that is less
     #: (at least ``MIN_BUILD_DISK_BYTES``); below that it waits up to ``admission_wait``
     #: seconds for other builds to give theirs back, and one that could never fit is refused.
@@ -502,7 +502,7 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
 def _step_network(step: RunStep, net_dir: Path, env: dict[str, str]):
     """(the step's network or None, its binds, its env) for ``network: host``: egress, not the
     host (the step's own namespace behind slirp4netns with the host's loopback and addresses
-    refused, as for sandboxes: ``runtime_shim.netns``; definitions are untrusted input too).
+    refused, as for sandboxes: ``runtime_shim.isolation.netns``; definitions are untrusted input too).
     On an exception the scratch cleanup tears it down."""
     binds: tuple[BindMount, ...] = ()
     if step.network != "host":

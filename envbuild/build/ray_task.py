@@ -59,9 +59,10 @@ def node_context(settings: Settings, node_id: str) -> BuildContext:
     in this node cache (``envbuild.build.reaper``: a task killed with its worker or its node's
     raylet leaves its mounts, loop disk, container and cgroups; the next task here undoes them;
     a look at the owner files, ~0.1 ms, when there is nothing to reap)."""
-    from runtime_shim.layout import NodeLayout
-    from runtime_shim.nodecache import NodeCache
-    from runtime_shim.runc import OciRuntime
+    from runtime_shim.isolation.runc import OciRuntime
+    from runtime_shim.node.admission import BudgetSettings
+    from runtime_shim.node.layout import NodeLayout
+    from runtime_shim.node.nodecache import NodeCache
 
     node_dir = str(settings.node_dir).replace("{node_id}", node_id)
     with _node_lock:
@@ -81,7 +82,7 @@ def node_context(settings: Settings, node_id: str) -> BuildContext:
                        scratch_root=layout.builds, log_root=log_root,
                        source_date_epoch=settings.source_date_epoch,
                        disk_bytes=settings.build_disk_bytes, inodes=settings.build_inodes,
-                       admission=settings.admission,
+                       admission=BudgetSettings.from_env(dict(settings.budget_env)),
                        lease_ttl=settings.lease_ttl, lease_label=f"ray:{node_id}")
     sweep_stale_scratch(ctx.scratch_root, ctx.runtime)
     return ctx

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import threading
 import time
@@ -16,6 +15,8 @@ if TYPE_CHECKING:
 
 
 from envbuild.cli.main import App, pass_app
+from envbuild.cli.options import json_option
+from envbuild.cli.output import echo_json
 from envbuild.cli.richtext import literal
 
 
@@ -127,69 +128,74 @@ class StepOutput:
 
 
 def register(group: click.Group) -> None:
-    @group.command()
-    @click.argument("names", nargs=-1)
-    @click.option("--jobs", "-j", type=click.IntRange(1), default=None,
-                  help="Layers built at once (default: number of cores).")
-    @click.option("--no-cache", is_flag=True, help="Rebuild even layers the store already has.")
-    @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-    @click.option("-v", "--verbose", is_flag=True,
-                  help="Stream each run step's output to stderr (it always goes to the log).")
-    # Ray build issue (15): a Ray task per missing layer on nodes offering envbuild_builder
-    @click.option("--executor", type=click.Choice(["local", "ray"]), default="local",
-                  help="Build here (default) or as Ray tasks on a cluster.")
-    @click.option("--ray-address", metavar="ADDR", default=None,
-                  help="Ray cluster to join (default: $RAY_ADDRESS, else a running local one).")
-    @click.option("--jobs-per-node", type=click.IntRange(1), default=1,
-                  help="Builds per unit of a node's envbuild_builder resource (default 1).")
-    @click.option("--ray-env", "ray_env", metavar="NAME", multiple=True,
-                  help="Pass the driver's environment variable NAME to the build tasks "
-                       "(repeatable; e.g. AWS_ACCESS_KEY_ID when nodes have no credentials).")
-    @pass_app
-    def build(app: App, names: tuple[str, ...], jobs: int | None, no_cache: bool,
-              as_json: bool, verbose: bool, executor: str, ray_address: str | None,
-              jobs_per_node: int, ray_env: tuple[str, ...]) -> int:
-        """Build the layers of NAMES (default: everything) and lock their envs."""
-        from envbuild.build.engine import load
+    group.add_command(build)
+    group.add_command(lock)
 
-        if executor == "ray":
-            return _build_ray(app, names, no_cache, as_json, ray_address, jobs_per_node, ray_env)
-        project = load(app.settings.defs_dir)
-        ctx = app.build_context()
-        output = StepOutput() if verbose else None
-        ctx.on_output = output
-        # Streamed lines and a live rich display would garble each other: plain lines then.
-        use_rich = sys.stderr.isatty() and not as_json and not verbose
-        progress = RichProgress() if use_rich else PlainProgress()
-        def run():
-            return app.run_build(project, ctx, names or None, jobs=jobs or app.settings.jobs,
-                                 no_cache=no_cache, progress=progress)
 
-        if use_rich:
-            with progress:
-                report = run()
-        else:
-            report = run()
-        if output is not None:
-            output.flush()
-        return _print_report(report, as_json)
+@click.command()
+@click.argument("names", nargs=-1)
+@click.option("--jobs", "-j", type=click.IntRange(1), default=None,
+              help="Layers built at once (default: number of cores).")
+@click.option("--no-cache", is_flag=True, help="Rebuild even layers the store already has.")
+@json_option("Print the report as JSON.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="Stream each run step's output to stderr (it always goes to the log).")
+# Ray build issue (15): a Ray task per missing layer on nodes offering envbuild_builder
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local",
+              help="Build here (default) or as Ray tasks on a cluster.")
+@click.option("--ray-address", metavar="ADDR", default=None,
+              help="Ray cluster to join (default: $RAY_ADDRESS, else a running local one).")
+@click.option("--jobs-per-node", type=click.IntRange(1), default=1,
+              help="Builds per unit of a node's envbuild_builder resource (default 1).")
+@click.option("--ray-env", "ray_env", metavar="NAME", multiple=True,
+              help="Pass the driver's environment variable NAME to the build tasks "
+                   "(repeatable; e.g. AWS_ACCESS_KEY_ID when nodes have no credentials).")
+@pass_app
+def build(app: App, names: tuple[str, ...], jobs: int | None, no_cache: bool,
+          as_json: bool, verbose: bool, executor: str, ray_address: str | None,
+          jobs_per_node: int, ray_env: tuple[str, ...]) -> int:
+    """Build the layers of NAMES (default: everything) and lock their envs."""
+    from envbuild.build.engine import load
 
-    @group.command()
-    @click.argument("envs", nargs=-1, required=True)
-    @pass_app
-    def lock(app: App, envs: tuple[str, ...]) -> None:
-        """Write the lock of each ENV (every layer must be built) and print its digest."""
-        from envbuild.build.engine import load, publish_lock
+    if executor == "ray":
+        return _build_ray(app, names, no_cache, as_json, ray_address, jobs_per_node, ray_env)
+    project = load(app.settings.defs_dir)
+    ctx = app.build_context()
+    output = StepOutput() if verbose else None
+    ctx.on_output = output
+    # Streamed lines and a live rich display would garble each other: plain lines then.
+    rich = RichProgress() if sys.stderr.isatty() and not as_json and not verbose else None
+    with rich if rich is not None else contextlib.nullcontext():
+        report = app.run_build(project, ctx, names or None, jobs=jobs or app.settings.jobs,
+                               no_cache=no_cache, progress=rich or PlainProgress())
+    if output is not None:
+        output.flush()
+    return _print_report(report, as_json)
 
-        project = load(app.settings.defs_dir)
-        store = app.open_store()
-        for env in envs:
-            click.echo(f"{env} {publish_lock(project, store, env)}")
+
+@click.command()
+@click.argument("envs", nargs=-1, required=True)
+@json_option()
+@pass_app
+def lock(app: App, envs: tuple[str, ...], as_json: bool) -> None:
+    """Write the lock of each ENV (every layer must be built) and print its digest."""
+    from envbuild.build.engine import load, publish_lock
+
+    project = load(app.settings.defs_dir)
+    store = app.open_store()
+    locks = []
+    for env in envs:
+        digest = publish_lock(project, store, env)
+        locks.append({"env": env, "digest": digest})
+        if not as_json:  # as each is written: the ones before a failure are reported
+            click.echo(f"{env} {digest}")
+    if as_json:
+        echo_json({"locks": locks})
 
 
 def _print_report(report, as_json: bool) -> int:
     if as_json:
-        click.echo(json.dumps(report_json(report), indent=1))
+        echo_json(report_json(report))
     else:
         for line in _summary(report):
             click.echo(line)

@@ -9,7 +9,6 @@ runs.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -17,8 +16,8 @@ from typing import Any
 import click
 
 from envbuild.cli.main import App, pass_app
-
-_ADDRESS_HELP = "Ray cluster address (default: $ENVBUILD_FLEET, else auto)."
+from envbuild.cli.options import json_option
+from envbuild.cli.output import echo_json, remove_each
 
 
 def _address(value: str | None) -> str:
@@ -39,105 +38,123 @@ def _record_json(r) -> dict[str, Any]:
             "labels": dict(r.labels)}
 
 
-def register(group: click.Group) -> None:
-    @group.group("fleet")
-    def fleet() -> None:
-        """Sandboxes across a Ray cluster's envbuild_node nodes."""
+address_option = click.option("--address", default=None,
+                              help="Ray cluster address (default: $ENVBUILD_FLEET, else auto).")
 
-    @fleet.command("start")
-    @click.option("--address", default=None, help=_ADDRESS_HELP)
-    @click.option("--node-dir", default="/var/lib/envbuild/fleet/{node_id}", show_default=True,
-                  help="Each daemon's node dir; {node_id} is its Ray node id.")
-    @click.option("--slots", type=click.IntRange(1), default=256, show_default=True,
-                  help="Sandboxes per node.")
-    @click.option("--max-starting", type=click.IntRange(1), default=4, show_default=True,
-                  help="Sandboxes a node starts at once (more wait in its queue).")
-    @pass_app
-    def fleet_start(app: App, address: str | None, node_dir: str, slots: int,
-                    max_starting: int) -> None:
-        """Start a node daemon on every node offering envbuild_node (idempotent)."""
-        f = connect(app, address, start=True, node_dir=node_dir, slots=slots,
-                    max_starting=max_starting)
+
+def register(group: click.Group) -> None:
+    group.add_command(fleet)
+
+
+@click.group("fleet")
+def fleet() -> None:
+    """Sandboxes across a Ray cluster's envbuild_node nodes."""
+
+
+@fleet.command("start")
+@address_option
+@click.option("--node-dir", default="/var/lib/envbuild/fleet/{node_id}", show_default=True,
+              help="Each daemon's node dir; {node_id} is its Ray node id.")
+@click.option("--slots", type=click.IntRange(1), default=256, show_default=True,
+              help="Sandboxes per node.")
+@click.option("--max-starting", type=click.IntRange(1), default=4, show_default=True,
+              help="Sandboxes a node starts at once (more wait in its queue).")
+@json_option()
+@pass_app
+def fleet_start(app: App, address: str | None, node_dir: str, slots: int,
+                max_starting: int, as_json: bool) -> None:
+    """Start a node daemon on every node offering envbuild_node (idempotent)."""
+    f = connect(app, address, start=True, node_dir=node_dir, slots=slots,
+                max_starting=max_starting)
+    if as_json:
+        echo_json({"nodes": list(f.node_ids), "store": f.store_url})
+    else:
         click.echo(f"{len(f.node_ids)} node daemon(s) running, store {f.store_url}")
 
-    @fleet.command("nodes")
-    @click.option("--address", default=None, help=_ADDRESS_HELP)
-    @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-    @pass_app
-    def fleet_nodes(app: App, address: str | None, as_json: bool) -> None:
-        """Each node's capacity and load."""
-        nodes = connect(app, address).nodes()
+
+@fleet.command("nodes")
+@address_option
+@json_option("Print JSON.")
+@pass_app
+def fleet_nodes(app: App, address: str | None, as_json: bool) -> None:
+    """Each node's capacity and load."""
+    nodes = connect(app, address).nodes()
+    if as_json:
+        echo_json([{"node": n.node_id, "slots": n.slots, "used": n.used,
+                    "starting": n.starting, "queued": n.queued, "warm": n.warm,
+                    "memory_bytes": n.memory_bytes, "memory_used": n.memory_used,
+                    "pulled_bytes": n.pulled_bytes, "node_dir": n.node_dir} for n in nodes])
+        return
+    for n in nodes:
+        click.echo(f"{n.node_id[:12]}  {n.used}/{n.slots} sandboxes  {n.starting} starting"
+                   f"  {n.queued} queued  {n.warm} warm  "
+                   f"{n.memory_used >> 20}/{n.memory_bytes >> 20} MiB  {n.node_dir}")
+
+
+@fleet.command("ls")
+@address_option
+@json_option("Print JSON.")
+@pass_app
+def fleet_ls(app: App, address: str | None, as_json: bool) -> None:
+    """Every live sandbox of the fleet."""
+    records = connect(app, address).list()
+    if as_json:
+        echo_json([_record_json(r) for r in records])
+        return
+    now = time.time()
+    for r in records:
+        left = f"  lease {r.lease_expires - now:.0f}s" if r.lease_expires else ""
+        click.echo(f"{r.id}  {r.backend:<9}  {r.lock}{left}")
+
+
+@fleet.command("rm")
+@click.argument("ids", nargs=-1)
+@click.option("--all", "all_", is_flag=True, help="Every sandbox of the fleet.")
+@address_option
+@json_option()
+@pass_app
+def fleet_rm(app: App, ids: tuple[str, ...], all_: bool, address: str | None,
+             as_json: bool) -> int:
+    """Close sandboxes by fleet id (each one tried; exit 1 if any failed), or --all."""
+    if not ids and not all_:
+        raise click.UsageError("name sandbox ids, or pass --all")
+    f = connect(app, address)
+    if all_:
+        closed = f.close_all()
         if as_json:
-            click.echo(json.dumps([{"node": n.node_id, "slots": n.slots, "used": n.used,
-                                    "starting": n.starting, "queued": n.queued,
-                                    "warm": n.warm, "memory_bytes": n.memory_bytes,
-                                    "memory_used": n.memory_used,
-                                    "pulled_bytes": n.pulled_bytes, "node_dir": n.node_dir}
-                                   for n in nodes], indent=1))
-            return
-        for n in nodes:
-            click.echo(f"{n.node_id[:12]}  {n.used}/{n.slots} sandboxes  {n.starting} starting"
-                       f"  {n.queued} queued  {n.warm} warm  "
-                       f"{n.memory_used >> 20}/{n.memory_bytes >> 20} MiB  {n.node_dir}")
-
-    @fleet.command("ls")
-    @click.option("--address", default=None, help=_ADDRESS_HELP)
-    @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-    @pass_app
-    def fleet_ls(app: App, address: str | None, as_json: bool) -> None:
-        """Every live sandbox of the fleet."""
-        records = connect(app, address).list()
-        if as_json:
-            click.echo(json.dumps([_record_json(r) for r in records], indent=1))
-            return
-        now = time.time()
-        for r in records:
-            left = f"  lease {r.lease_expires - now:.0f}s" if r.lease_expires else ""
-            click.echo(f"{r.id}  {r.backend:<9}  {r.lock}{left}")
-
-    @fleet.command("rm")
-    @click.argument("ids", nargs=-1)
-    @click.option("--all", "all_", is_flag=True, help="Every sandbox of the fleet.")
-    @click.option("--address", default=None, help=_ADDRESS_HELP)
-    @pass_app
-    def fleet_rm(app: App, ids: tuple[str, ...], all_: bool, address: str | None) -> int:
-        """Close sandboxes by fleet id (each one tried; exit 1 if any failed), or --all."""
-        from envbuild.errors import RuntimeShimError
-
-        if not ids and not all_:
-            raise click.UsageError("name sandbox ids, or pass --all")
-        f = connect(app, address)
-        if all_:
-            for i in f.close_all():
+            echo_json({"removed": list(closed), "failed": []})
+        else:
+            for i in closed:
                 click.echo(f"removed {i}")
-            return 0
-        failed = 0
-        for i in ids:
-            try:
-                f.attach(i).close()
-            except RuntimeShimError as e:
-                failed += 1
-                click.echo(f"failed  {i}: {e.message}" + (f" — {e.hint}" if e.hint else ""))
-            else:
-                click.echo(f"removed {i}")
-        return 1 if failed else 0
+        return 0
+    return remove_each(ids, lambda i: f.attach(i).close(), as_json)
 
-    @fleet.command("gc")
-    @click.option("--address", default=None, help=_ADDRESS_HELP)
-    @pass_app
-    def fleet_gc(app: App, address: str | None) -> None:
-        """Remove sandboxes past their lease and node-dir leftovers nobody owns."""
-        removed = connect(app, address).gc()
-        for i in removed:
-            click.echo(f"removed {i}")
-        click.echo(f"{len(removed)} removed", err=True)
 
-    @fleet.command("stop")
-    @click.option("--address", default=None, help=_ADDRESS_HELP)
-    @pass_app
-    def fleet_stop(app: App, address: str | None) -> None:
-        """Close every sandbox and stop every node daemon."""
-        closed = connect(app, address).stop_daemons()
+@fleet.command("gc")
+@address_option
+@json_option()
+@pass_app
+def fleet_gc(app: App, address: str | None, as_json: bool) -> None:
+    """Remove sandboxes past their lease and node-dir leftovers nobody owns."""
+    removed = connect(app, address).gc()
+    if as_json:
+        echo_json({"removed": list(removed)})
+        return
+    for i in removed:
+        click.echo(f"removed {i}")
+    click.echo(f"{len(removed)} removed", err=True)
+
+
+@fleet.command("stop")
+@address_option
+@json_option()
+@pass_app
+def fleet_stop(app: App, address: str | None, as_json: bool) -> None:
+    """Close every sandbox and stop every node daemon."""
+    closed = connect(app, address).stop_daemons()
+    if as_json:
+        echo_json({"closed": list(closed)})
+    else:
         click.echo(f"{len(closed)} sandbox(es) closed, daemons stopped")
 
 
@@ -149,9 +166,9 @@ def job_run(app: App, file, address: str | None, as_json: bool, ttl: float | Non
     f = connect(app, address)
     made = f.create_groups(manifest.groups, **({"ttl": ttl} if ttl else {}))
     if as_json:
-        click.echo(json.dumps({"groups": [
+        echo_json({"groups": [
             {"group": g.label, "lock": g.lock, "sandboxes": [s.id for s in handles]}
-            for g, handles in zip(manifest.groups, made, strict=True)]}, indent=1))
+            for g, handles in zip(manifest.groups, made, strict=True)]})
         return
     for g, handles in zip(manifest.groups, made, strict=True):
         for s in handles:

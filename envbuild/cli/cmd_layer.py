@@ -229,7 +229,7 @@ def register(group: click.Group) -> None:
             with open_layer(app, ref) as reader:
                 digests.append(reader.name)
         if envs:
-            from runtime_shim.locks import resolve
+            from runtime_shim.node.locks import resolve
 
             for name in envs:
                 digests += [x.digest for x in resolve(store, name).layers]

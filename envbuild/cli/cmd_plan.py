@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import click
 
+from envbuild.cli.options import json_option
+from envbuild.cli.output import echo_json
 from envbuild.cli.richtext import literal
 from envbuild.plan.changes import Changes, Explanation
 from envbuild.plan.graph import EnvGraph
@@ -19,27 +19,6 @@ def _app():
     from envbuild.cli.main import App
 
     return click.get_current_context().find_object(App)
-
-
-def _echo_json(obj: Any) -> None:
-    click.echo(dumps_lines(obj))
-
-
-def dumps_lines(obj: Any) -> str:
-    """``obj`` as JSON with each top-level key, and each item of a top-level list, on a line
-    of its own (the items themselves compact). The same document as ``json.dumps(obj,
-    indent=2)``, but written by the C encoder, which ``indent`` turns off: the plan of 100,000
-    definitions is 20-30 MB of JSON, 0.84 s in the pure-Python indenting encoder, 0.46 s so."""
-    if not isinstance(obj, dict) or not obj:
-        return json.dumps(obj)
-    parts = []
-    for key, value in obj.items():
-        if isinstance(value, list) and value:
-            items = ",\n".join("    " + json.dumps(x) for x in value)
-            parts.append(f"  {json.dumps(key)}: [\n{items}\n  ]")
-        else:
-            parts.append(f"  {json.dumps(key)}: {json.dumps(value)}")
-    return "{\n" + ",\n".join(parts) + "\n}"
 
 
 def _short(key: str) -> str:
@@ -71,10 +50,10 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
 def render_graph(graph: EnvGraph, fmt: str) -> None:
     gens = graph.generations()
     if fmt == "json":
-        _echo_json({"nodes": [{"name": n, "kind": graph[n].kind,
-                               "depends_on": list(graph.dependencies(n))}
-                              for gen in gens for n in gen],
-                    "generations": gens})
+        echo_json({"nodes": [{"name": n, "kind": graph[n].kind,
+                              "depends_on": list(graph.dependencies(n))}
+                             for gen in gens for n in gen],
+                   "generations": gens})
     elif fmt == "dot":
         click.echo("digraph envbuild {\n  rankdir=BT;")
         for gen in gens:
@@ -97,7 +76,7 @@ def render_plan(plan: BuildPlan, changes: Changes | None, as_json: bool) -> None
         out = plan.to_json()
         if changes is not None:
             out.update(changes.to_json())
-        _echo_json(out)
+        echo_json(out)
         return
     rebuild = set(changes.rebuild) if changes else set()
     for i, steps in enumerate(plan.generations):
@@ -151,40 +130,50 @@ def _store_lookup(app):
     return lambda key: get_key_record(store, key)
 
 
-
 def register(group: click.Group) -> None:
-    @group.command("graph")
-    @click.option("--format", "fmt", type=click.Choice(["text", "dot", "json"]), default="text")
-    def graph_cmd(fmt: str) -> None:
-        """Print the definition DAG, dependencies first."""
-        from envbuild.plan.graph import check_tree
+    group.add_command(graph_cmd)
+    group.add_command(plan_cmd)
+    group.add_command(explain_cmd)
 
-        render_graph(check_tree(_app().settings.defs_dir), fmt)
 
-    @group.command("plan")
-    @click.argument("names", nargs=-1)
-    @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-    @click.option("--changed-since", "rev", metavar="REV",
-                  help="Also report layers to rebuild and envs to re-lock since git REV.")
-    def plan_cmd(names: tuple[str, ...], as_json: bool, rev: str | None) -> None:
-        """Show what would be built (layers and keys, cached or missing); build nothing."""
-        from envbuild.build.gitrev import plan_changes
-        from envbuild.defs.parsecache import ParseCache
+@click.command("graph")
+@click.option("--format", "fmt", type=click.Choice(["text", "dot", "json"]), default="text",
+              show_default=True, help="Aligned text, Graphviz dot, or JSON.")
+@json_option("The same as --format json.")
+def graph_cmd(fmt: str, as_json: bool) -> None:
+    """Print the definition DAG, dependencies first."""
+    from envbuild.plan.graph import check_tree
 
-        app = _app()
-        # Ray build issue (15): files parsed before (either tree) are not parsed again
-        plan, changes = plan_changes(app.settings.defs_dir, list(names) or None, rev,
-                                     lookup=_store_lookup(app),
-                                     parse_cache=ParseCache(app.settings.node_dir / "parse"))
-        render_plan(plan, changes, as_json)
+    if as_json and fmt == "dot":
+        raise click.UsageError("--json prints JSON, --format dot prints dot: give one")
+    render_graph(check_tree(_app().settings.defs_dir), "json" if as_json else fmt)
 
-    @group.command("explain")
-    @click.argument("name")
-    @click.option("--against", "rev", metavar="REV", help="Show which inputs changed since REV.")
-    @click.option("--json", "as_json", is_flag=True)
-    def explain_cmd(name: str, rev: str | None, as_json: bool) -> None:
-        """List every input of NAME's key (or an env's lock inputs) and what changed."""
-        from envbuild.build.gitrev import explain_at
 
-        e = explain_at(_app().settings.defs_dir, name, rev)
-        _echo_json(e.to_json()) if as_json else render_explanation(e, rev)
+@click.command("plan")
+@click.argument("names", nargs=-1)
+@json_option("Print one JSON object.")
+@click.option("--changed-since", "rev", metavar="REV",
+              help="Also report layers to rebuild and envs to re-lock since git REV.")
+def plan_cmd(names: tuple[str, ...], as_json: bool, rev: str | None) -> None:
+    """Show what would be built (layers and keys, cached or missing); build nothing."""
+    from envbuild.build.gitrev import plan_changes
+    from envbuild.defs.parsecache import ParseCache
+
+    app = _app()
+    # Ray build issue (15): files parsed before (either tree) are not parsed again
+    plan, changes = plan_changes(app.settings.defs_dir, list(names) or None, rev,
+                                 lookup=_store_lookup(app),
+                                 parse_cache=ParseCache(app.settings.node_dir / "parse"))
+    render_plan(plan, changes, as_json)
+
+
+@click.command("explain")
+@click.argument("name")
+@click.option("--against", "rev", metavar="REV", help="Show which inputs changed since REV.")
+@json_option()
+def explain_cmd(name: str, rev: str | None, as_json: bool) -> None:
+    """List every input of NAME's key (or an env's lock inputs) and what changed."""
+    from envbuild.build.gitrev import explain_at
+
+    e = explain_at(_app().settings.defs_dir, name, rev)
+    echo_json(e.to_json()) if as_json else render_explanation(e, rev)

@@ -2,8 +2,9 @@
 
 One boundary maps errors to exit codes: an ``EnvbuildError`` prints its one-line cause (and
 hint) and exits 1; anything else is a bug and exits 2 with a traceback. Each command module
-(``cmd_*.py``) defines ``register(group)`` and keeps its commands to parse → one library call →
-render.
+(``cmd_*.py``) defines its commands as module-level click commands, keeps each to parse → one
+library call → render, and adds them to the group in ``register(group)``. Options more than one
+module takes are in ``options``; every ``--json`` prints through ``output.echo_json``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import importlib
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -38,9 +40,10 @@ class App:
         """Store, node cache and OCI runtime for building, from the settings."""
         from envbuild.build.executor import BuildContext
         from envbuild.store import LocalStore
-        from runtime_shim.layout import NodeLayout
-        from runtime_shim.nodecache import NodeCache
-        from runtime_shim.runc import OciRuntime
+        from runtime_shim.isolation.runc import OciRuntime
+        from runtime_shim.node.admission import BudgetSettings
+        from runtime_shim.node.layout import NodeLayout
+        from runtime_shim.node.nodecache import NodeCache
 
         store = self.open_store()
         layout = NodeLayout(self.settings.node_dir)
@@ -48,7 +51,7 @@ class App:
         log_root = (store.root / "logs" if isinstance(store, LocalStore) else layout.logs)
         return BuildContext(store=store, node=node,
                             # Runtime state next to the node's sandboxes (same root as
-                            # runtime_shim.sandbox), not /run/envbuild: per node dir, so test
+                            # runtime_shim.sdk.sandbox), not /run/envbuild: per node dir, so test
                             # and CI nodes never see each other's containers, and leftovers of
                             # a killed build are found where the node's other state lives.
                             runtime=OciRuntime(self.settings.oci_runtime,
@@ -57,7 +60,7 @@ class App:
                             source_date_epoch=self.settings.source_date_epoch,
                             disk_bytes=self.settings.build_disk_bytes,
                             inodes=self.settings.build_inodes,
-                            admission=self.settings.admission,
+                            admission=BudgetSettings.from_env(dict(self.settings.budget_env)),
                             lease_ttl=self.settings.lease_ttl)
 
     def run_build(self, project, ctx, targets, **kw):
@@ -85,8 +88,9 @@ COMMAND_MODULES: dict[str, str] = {
     "validate": "cmd_defs",
     "graph": "cmd_plan", "plan": "cmd_plan", "explain": "cmd_plan",
     "build": "cmd_build", "lock": "cmd_build",
-    "run": "cmd_run", "check": "cmd_run", "pack-diff": "cmd_run", "squash": "cmd_run",
-    "sandbox": "cmd_run", "node": "cmd_run",
+    "run": "cmd_run", "check": "cmd_run",
+    "pack-diff": "cmd_snapshot", "squash": "cmd_snapshot",
+    "sandbox": "cmd_sandbox", "node": "cmd_node",
     "layer": "cmd_layer",
     "push": "cmd_sync", "pull": "cmd_sync",
     "job": "cmd_jobs", "gc": "cmd_jobs",
@@ -168,8 +172,9 @@ def cli(ctx: click.Context, store_url: str | None, defs_dir: Path | None,
         settings = dataclasses.replace(settings, store_url=store_url)
     if defs_dir is not None:
         settings = dataclasses.replace(settings, defs_dir=defs_dir)
-    overrides = {k: v for k, v in (("s3_endpoint", s3_endpoint), ("cache_from", cache_from),
-                                   ("cache_to", cache_to)) if v is not None}
+    overrides: dict[str, Any] = {
+        k: v for k, v in (("s3_endpoint", s3_endpoint), ("cache_from", cache_from),
+                          ("cache_to", cache_to)) if v is not None}
     if overrides:
         settings = dataclasses.replace(settings, **overrides)
     if registry_insecure:

@@ -2,9 +2,10 @@
 verify.
 
 * ``envbuild.jobs.model`` — ``JobManifest``, ``SandboxGroup``, ``GroupLimits``, ``Pinned``,
-  ``PinnedLayer``: the model, importing nothing but ``envbuild.errors``, so the runtime shim
-  (``runtime_shim.jobs``, which starts sandboxes from a group) reads manifests without the
-  definition loader;
+  ``PinnedLayer``: the model, importing nothing but ``envbuild.errors``, so a training loop
+  reads manifests without the definition loader;
+* ``create_sandbox(group, store=..., node_dir=...)`` — one sandbox of a resolved group
+  (``envbuild.jobs.start``; jobs drive the runtime's SDK, the runtime never imports jobs);
 * ``load_job_manifest(path)`` / ``parse_job_manifest(text)`` — YAML or JSON, checked against
   ``envbuild/defs/schema/jobmanifest.json``; ``JobManifestError`` lists every problem;
 * ``resolve_job_manifest(manifest, store)`` — pin refs to digests and record each lock's
@@ -29,13 +30,13 @@ _EXPORTS = {
     "PinnedLayer": "model", "SandboxGroup": "model",
     "JobManifestError": "load", "default_output": "load", "load_job_manifest": "load",
     "parse_job_manifest": "load", "render_job_manifest": "load", "write_job_manifest": "load",
-    "resolve_job_manifest": "resolve",
+    "resolve_job_manifest": "resolve", "create_sandbox": "start",
     "VerifyProblem": "verify", "VerifyReport": "verify", "verify_job_manifest": "verify",
 }
 
 __all__ = [
     "GroupLimits", "JobManifest", "JobManifestError", "Pinned", "PinnedLayer", "SandboxGroup",
-    "VerifyProblem", "VerifyReport", "default_output", "load_job_manifest",
+    "VerifyProblem", "VerifyReport", "create_sandbox", "default_output", "load_job_manifest",
     "parse_job_manifest", "render_job_manifest", "resolve_job_manifest",
     "verify_job_manifest", "write_job_manifest",
 ]
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     )
     from envbuild.jobs.model import GroupLimits, JobManifest, Pinned, PinnedLayer, SandboxGroup
     from envbuild.jobs.resolve import resolve_job_manifest
+    from envbuild.jobs.start import create_sandbox
     from envbuild.jobs.verify import VerifyProblem, VerifyReport, verify_job_manifest
 
 

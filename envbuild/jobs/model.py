@@ -5,7 +5,7 @@ launches. The schema is ``envbuild/defs/schema/jobmanifest.json``; ``envbuild.jo
 file against it (``FILE:LINE:COL`` errors with hints), pins it (``envbuild job resolve``) and
 verifies it against a store (``envbuild job verify``). This module is the model only: it
 imports nothing but ``envbuild.errors`` at module level, so the runtime shim
-(``runtime_shim.jobs``) reads manifests without loading definition or planning code::
+(``envbuild.jobs.start``) reads manifests without loading definition or planning code::
 
     apiVersion: envbuild/v1
     kind: JobManifest
@@ -32,7 +32,7 @@ manifest means the same sandboxes forever (and GC keeps them: ``envbuild gc --jo
 Defaults are written out in a resolved manifest, sizes as ``<n>KiB|MiB|GiB|TiB`` when exact.
 Resolving a resolved manifest gives the same manifest, byte for byte.
 
-SDK: ``runtime_shim.jobs.create_sandbox(group, store=..., node_dir=...)`` starts one sandbox
+SDK: ``envbuild.jobs.create_sandbox(group, store=..., node_dir=...)`` starts one sandbox
 of a resolved group (checking the lock still closes over the pinned layers), or pass the options yourself:
 ``Sandbox.create(group.lock, store=..., node_dir=..., **group.sandbox_options())``.
 """
@@ -47,8 +47,8 @@ from typing import TYPE_CHECKING, Any
 from envbuild.errors import RuntimeShimError
 
 if TYPE_CHECKING:
-    from runtime_shim.locks import ResolvedLock
-    from runtime_shim.sandbox import Limits
+    from runtime_shim.node.locks import ResolvedLock
+    from runtime_shim.sdk.sandbox import Limits
 
 API_VERSION = "envbuild/v1"
 KIND = "JobManifest"
@@ -57,7 +57,7 @@ _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _SIZE = re.compile(r"(\d+)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
-# Defaults, the same as runtime_shim.sandbox.Limits (kept here so the model imports nothing
+# Defaults, the same as runtime_shim.sdk.sandbox.Limits (kept here so the model imports nothing
 # heavy; tests/unit/test_jobs_model.py checks they agree).
 DEFAULT_PIDS = 256
 DEFAULT_MEMORY = 2 << 30
@@ -89,7 +89,7 @@ def format_size(n: int) -> int | str:
 
 @dataclasses.dataclass(frozen=True)
 class GroupLimits:
-    """Limits of each sandbox of a group (``runtime_shim.sandbox.Limits``). A limit left out
+    """Limits of each sandbox of a group (``runtime_shim.sdk.sandbox.Limits``). A limit left out
     is the default; there is no "no limit" (the schema refuses ``null``, and ``from_mapping``
     reads a ``None`` that got past it as the default, never as "off")."""
 
@@ -113,7 +113,7 @@ class GroupLimits:
                 "nofile": self.nofile, "output_bytes": format_size(self.output_bytes)}
 
     def to_limits(self) -> Limits:
-        from runtime_shim.sandbox import Limits
+        from runtime_shim.sdk.sandbox import Limits
 
         return Limits(pids=self.pids, memory_bytes=self.memory, nofile=self.nofile,
                       output_bytes=self.output_bytes)

@@ -2,7 +2,7 @@
 
 For each group: a ref (``env/NAME``, ``snap/NAME``, a bare env name — ``envbuild.store.sync
 .resolve_ref`` decides, as ``push`` does) becomes the digest it points at now; the lock is read
-(``runtime_shim.locks.resolve``: it must be a runnable image manifest of ``tar+zstd`` layers)
+(``runtime_shim.node.locks.resolve``: it must be a runnable image manifest of ``tar+zstd`` layers)
 and its closure enumerated (``envbuild.store.sync.walk``); every blob of the closure must be in
 the store. The group then records ``pinned: {ref, config, layers: [{digest, size, toc}]}``.
 
@@ -21,7 +21,7 @@ from envbuild.jobs.model import JobManifest, Pinned, PinnedLayer, SandboxGroup, 
 from envbuild.oci import MEDIA_TYPE_MANIFEST
 from envbuild.store import Store
 from envbuild.store.sync import resolve_ref, walk
-from runtime_shim.locks import resolve
+from runtime_shim.node.locks import resolve
 
 
 def resolve_job_manifest(manifest: JobManifest, store: Store) -> JobManifest:

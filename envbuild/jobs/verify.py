@@ -23,7 +23,7 @@ from envbuild.oci import ANNOTATION_TOC
 from envbuild.store import Store
 from envbuild.store.base import CHUNK_SIZE
 from envbuild.store.sync import resolve_ref
-from runtime_shim.locks import MAX_LOCK_JSON
+from runtime_shim.node.locks import MAX_LOCK_JSON
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,65 +81,10 @@ def verify_job_manifest(manifest: JobManifest, store: Store, *, jobs: int = 4) -
     """Check every blob ``manifest`` needs in ``store``; see the module docstring."""
     report = VerifyReport()
     items: dict[str, _Item] = {}
-
-    def need(digest: str, kind: str, group: str, toc: str | None = None) -> None:
-        item = items.setdefault(digest, _Item(kind))
-        item.groups[group] = None
-        if toc:
-            item.tocs.add(toc)
-
-    locks: dict[str, list[str]] = {}  # lock digest -> labels of the groups using it
-    for group in manifest.groups:
-        label = group.label
-        digest = group.lock
-        if not is_digest(digest):
-            try:
-                digest = store.get_ref(resolve_ref(store, group.lock)).digest
-            except EnvbuildError as e:
-                report.problems.append(VerifyProblem("ref", group.lock, "missing", e.message,
-                                                     (label,)))
-                continue
-        locks.setdefault(digest, []).append(label)
-        need(digest, "lock", label)
-        if group.pinned is not None:
-            need(group.pinned.config, "config", label)
-            for layer in group.pinned.layers:
-                need(layer.digest, "layer", label, layer.toc)
-
+    locks = _pinned_needs(manifest, store, report, items)
     # Locks first: what they list joins the items (the pinned closure may be incomplete).
     for digest, labels in locks.items():
-        data = _read(store, digest, report, items[digest])
-        if data is None:
-            continue
-        try:
-            doc = load_json(data)
-            config = doc["config"]["digest"]
-            layers = [(d["digest"], (d.get("annotations") or {}).get(ANNOTATION_TOC))
-                      for d in doc.get("layers") or []]
-            notes = doc.get("annotations") or {}
-        except (ValueError, KeyError, TypeError) as e:
-            report.problems.append(VerifyProblem("lock", digest, "corrupt",
-                                                 f"not an image manifest ({e})", tuple(labels)))
-            continue
-        for label in labels:
-            need(config, "config", label)
-            for layer, toc in layers:
-                need(layer, "layer", label, toc)
-            # a checkpoint lock (runtime_shim.checkpoint): its memory image (a layer, with
-            # its TOC digest) and the record of what was dumped
-            if isinstance(notes.get("org.envbuild.checkpoint.image"), str):
-                need(notes["org.envbuild.checkpoint.image"], "layer", label,
-                     notes.get("org.envbuild.checkpoint.image.toc"))
-            if isinstance(notes.get("org.envbuild.checkpoint.record"), str):
-                need(notes["org.envbuild.checkpoint.record"], "checkpoint", label)
-        for group in manifest.groups:
-            if group.lock == digest and group.pinned is not None and (
-                    group.pinned.config != config
-                    or [(p.digest, p.toc) for p in group.pinned.layers] != layers):
-                report.problems.append(VerifyProblem(
-                    "lock", digest, "mismatch", "the pinned config and layers differ from the "
-                    "lock's; resolve the manifest again", (group.label,)))
-
+        _lock_needs(manifest, store, digest, labels, report, items)
     rest = [d for d, item in items.items() if item.kind != "lock"]
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs),
                                                thread_name_prefix="verify") as pool:
@@ -151,6 +96,75 @@ def verify_job_manifest(manifest: JobManifest, store: Store, *, jobs: int = 4) -
             report.bytes_checked += size
     report.problems.sort(key=lambda p: (p.kind, p.name, p.status))
     return report
+
+
+def _need(items: dict[str, _Item], digest: str, kind: str, group: str,
+          toc: str | None = None) -> None:
+    item = items.setdefault(digest, _Item(kind))
+    item.groups[group] = None
+    if toc:
+        item.tocs.add(toc)
+
+
+def _pinned_needs(manifest: JobManifest, store: Store, report: VerifyReport,
+                  items: dict[str, _Item]) -> dict[str, list[str]]:
+    """Each group's lock (a ref resolved now) and what the manifest pinned for it, as needs;
+    returns lock digest -> labels of the groups using it."""
+    locks: dict[str, list[str]] = {}
+    for group in manifest.groups:
+        label = group.label
+        digest = group.lock
+        if not is_digest(digest):
+            try:
+                digest = store.get_ref(resolve_ref(store, group.lock)).digest
+            except EnvbuildError as e:
+                report.problems.append(VerifyProblem("ref", group.lock, "missing", e.message,
+                                                     (label,)))
+                continue
+        locks.setdefault(digest, []).append(label)
+        _need(items, digest, "lock", label)
+        if group.pinned is not None:
+            _need(items, group.pinned.config, "config", label)
+            for layer in group.pinned.layers:
+                _need(items, layer.digest, "layer", label, layer.toc)
+    return locks
+
+
+def _lock_needs(manifest: JobManifest, store: Store, digest: str, labels: list[str],
+                report: VerifyReport, items: dict[str, _Item]) -> None:
+    """Read the lock ``digest``: its config, layers and checkpoint blobs become needs, and a
+    group whose pins differ from the lock is a problem."""
+    data = _read(store, digest, report, items[digest])
+    if data is None:
+        return
+    try:
+        doc = load_json(data)
+        config = doc["config"]["digest"]
+        layers = [(d["digest"], (d.get("annotations") or {}).get(ANNOTATION_TOC))
+                  for d in doc.get("layers") or []]
+        notes = doc.get("annotations") or {}
+    except (ValueError, KeyError, TypeError) as e:
+        report.problems.append(VerifyProblem("lock", digest, "corrupt",
+                                             f"not an image manifest ({e})", tuple(labels)))
+        return
+    for label in labels:
+        _need(items, config, "config", label)
+        for layer, toc in layers:
+            _need(items, layer, "layer", label, toc)
+        # a checkpoint lock (runtime_shim.sdk.checkpoint): its memory image (a layer, with
+        # its TOC digest) and the record of what was dumped
+        if isinstance(notes.get("org.envbuild.checkpoint.image"), str):
+            _need(items, notes["org.envbuild.checkpoint.image"], "layer", label,
+                  notes.get("org.envbuild.checkpoint.image.toc"))
+        if isinstance(notes.get("org.envbuild.checkpoint.record"), str):
+            _need(items, notes["org.envbuild.checkpoint.record"], "checkpoint", label)
+    for group in manifest.groups:
+        if group.lock == digest and group.pinned is not None and (
+                group.pinned.config != config
+                or [(p.digest, p.toc) for p in group.pinned.layers] != layers):
+            report.problems.append(VerifyProblem(
+                "lock", digest, "mismatch", "the pinned config and layers differ from the "
+                "lock's; resolve the manifest again", (group.label,)))
 
 
 def _read(store: Store, digest: str, report: VerifyReport, item: _Item) -> bytes | None:

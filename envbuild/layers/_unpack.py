@@ -375,7 +375,7 @@ def unpack_layer(reader, dest, *, whiteouts: str = "apply",
     ``"keep"`` writes them as the plain files they are in the tar.
     ``same_owner`` (default: running as root) restores uid/gid; ``allow_devices=False`` refuses
     character and block devices (FIFOs stay: they reach no hardware, and the host's file APIs
-    never open one, ``runtime_shim.fsaccess``); ``strip_setid`` clears the setuid and setgid
+    never open one, ``runtime_shim.isolation.fsaccess``); ``strip_setid`` clears the setuid and setgid
     bits of every file and node (directories keep theirs: a setgid directory grants nothing).
     Raises ``UnsafeLayerError`` before writing anything unsafe and
     ``CorruptLayerError`` when a file's contents fail their TOC digest, a tar header disagrees

@@ -25,7 +25,7 @@ OVERLAY_NAMESPACES = ("trusted", "user")  # overlayfs keeps its markers in trust
 MAX_PATH_BYTES = 4095  # PATH_MAX (4096) less the NUL: the longest path openat2 resolves
 
 #: ``on_dropped(path, action, reason)``: told about every member or attribute the overlay
-#: conversion leaves out (same signature as ``runtime_shim.packdiff.PolicyReport.note``)
+#: conversion leaves out (same signature as ``runtime_shim.node.packdiff.PolicyReport.note``)
 OnDropped = Callable[[str, str, str], None]
 
 

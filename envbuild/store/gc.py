@@ -237,7 +237,7 @@ def _children(doc: dict[str, Any]) -> list[dict[str, Any]]:
     parent = notes.get(ANNOTATION_PARENT)
     if parent:
         children.append({"mediaType": MEDIA_TYPE_MANIFEST, "digest": parent})
-    # a checkpoint lock (runtime_shim.checkpoint): its memory image and record blobs
+    # a checkpoint lock (runtime_shim.sdk.checkpoint): its memory image and record blobs
     for key in ("org.envbuild.checkpoint.image", "org.envbuild.checkpoint.record"):
         if isinstance(notes.get(key), str):
             children.append({"mediaType": "application/octet-stream", "digest": notes[key]})

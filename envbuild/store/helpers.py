@@ -29,6 +29,7 @@ from envbuild.store.base import (
     canonical_json,
     check_digest,
 )
+from envbuild.store.progress import TransferMeter, track
 
 #: Namespace of key records: layer key -> the layer it produced.
 KEY_RECORDS = "keys/v1"
@@ -104,13 +105,15 @@ def get_json(store: Store, digest: str, *, max_size: int = MAX_JSON_SIZE) -> Any
                          hint="is this a layer digest where a manifest was expected?") from e
 
 
-def copy_blobs(src: Store, dst: Store, digests: Iterable[str]) -> list[str]:
+def copy_blobs(src: Store, dst: Store, digests: Iterable[str],
+               meter: TransferMeter | None = None) -> list[str]:
     """Copy each blob ``dst`` lacks from ``src``, streamed; returns the digests copied.
 
     ``dst.put`` verifies each blob as it arrives, so a corrupt source copy raises
     ``DigestMismatch`` and is not stored. Duplicates in ``digests`` are copied once. A ``dst``
     that can mount blobs from ``src`` (``BlobMounter``: two repositories of one registry)
-    mounts them instead; they count as copied.
+    mounts them instead; they count as copied. ``meter`` counts the bytes read from ``src``
+    (a mounted blob counts whole).
     """
     copied: list[str] = []
     mounter = dst if isinstance(dst, BlobMounter) else None
@@ -119,10 +122,12 @@ def copy_blobs(src: Store, dst: Store, digests: Iterable[str]) -> list[str]:
             continue
         if mounter is not None and mounter.mount(digest, src):
             copied.append(digest)
+            if meter is not None:
+                meter.add(src.stat(digest).size)
             continue
         size = src.stat(digest).size
         with src.get(digest) as f:
-            dst.put(digest, f, size=size)
+            dst.put(digest, track(meter, f), size=size)
         copied.append(digest)
     return copied
 

@@ -31,32 +31,19 @@ checks the whole file against its TOC digest before returning anything (a mismat
 For large files read in small pieces this front-loads the file's fetch; per-frame digests
 would need a TOC format change (see the S3 issue notes).
 
-**Chunk cache key — content, not position**: a cached *piece* is the uncompressed bytes of
-one file that one frame holds: ``file[start:end]``. Its key is
-``sha256("envbuild.chunk.v1\\0" + file_digest + "\\0" + start + "\\0" + end)``: the file's
-content digest (in the TOC) plus the byte range within the file, which determines the bytes
-exactly, whatever layer, blob offset or neighbouring files the frame had. The same file in two
-layers framed the same way (envbuild's framing cuts at the file's start and every 4 MiB
-inside it, so it is) hits the same pieces; a file smaller than a frame is one piece,
-``start=0, end=size``. The cache stores decompressed bytes, so a hit costs no decompression.
-``ChunkCache`` (a node-local directory; ``MemoryChunkCache`` for tests and short-lived readers)
-keeps each piece with a sha256 trailer and drops a piece that fails it (disk damage), then
-refetches; it evicts least recently used pieces above ``max_bytes``.
+The chunk cache (its key, its files): ``envbuild.store._lazy_cache``; reads over a presigned
+URL without boto3 and the background marking of reads: ``envbuild.store._lazy_sources``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import hashlib
 import os
-import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import zstandard
@@ -65,12 +52,16 @@ from envbuild.errors import CorruptLayerError, LayerError
 from envbuild.layers import Chunk, Entry, LayerReader
 from envbuild.layers._reader import MAX_FRAME_USIZE
 from envbuild.layers._zstd import FrameError, decompress_frame
-from envbuild.store._http import Backoff, RangeClient
-from envbuild.store.base import BlobInfo, RangeReader, TailReader
+from envbuild.store._lazy_cache import ChunkCache, MemoryChunkCache, piece_key
+from envbuild.store._lazy_sources import (  # noqa: F401  (_range_client: the lazy daemon's)
+    HttpRanges,
+    _leaf_pool,
+    _range_client,
+    background,
+    is_background,
+)
+from envbuild.store.base import RangeReader, TailReader
 
-CHUNK_CACHE_VERSION = 1
-_KEY_TAG = b"envbuild.chunk.v1\0"
-_TRAILER = 32
 MiB = 1 << 20
 #: Bytes of a layer's tail read at open when its size is known: footer and TOC in one
 #: request for TOCs up to this size (the venv layers of benchmarks/cold_start.py: 0.6 MB).
@@ -90,60 +81,11 @@ _TRACE = os.environ.get("ENVBUILD_LAZY_OPEN_TRACE") or None
 _trace_lock = threading.Lock()
 
 
-_priority = threading.local()
-
-
-@contextlib.contextmanager
-def background() -> Iterator[None]:
-    """Mark the store requests this thread makes (and the parallel reads they start) as
-    background work (readahead, prefetch): a node's ``FetchLimits`` lets reads a reader
-    waits for go first."""
-    prev = getattr(_priority, "background", False)
-    _priority.background = True
-    try:
-        yield
-    finally:
-        _priority.background = prev
-
-
-def is_background() -> bool:
-    """Whether this thread's store requests are background work (``background``)."""
-    return getattr(_priority, "background", False)
-
-
-#: Threads of the process-wide pools that send one ranged read each for a ``LazyLayer``
-#: (``_fetch_frames``, ``stream``); a node's store budget (``FetchLimits``) bounds the
-#: requests in flight anyway.
-LEAF_WORKERS = 16
-_leaf_pools: dict[bool, concurrent.futures.ThreadPoolExecutor] = {}
-_leaf_lock = threading.Lock()
-
-
-def _leaf_pool(bg: bool) -> concurrent.futures.ThreadPoolExecutor:
-    """The pool for parallel reads: one for a reader's, one for background work (``bg``:
-    ``is_background`` of the caller), so a reader's reads never queue behind readahead.
-    Kept for the process: a pool per call started new threads for every call. Its tasks are
-    leaves (one request each, never waiting for another task), so sharing the threads cannot
-    deadlock."""
-    with _leaf_lock:
-        pool = _leaf_pools.get(bg)
-        if pool is None:
-            pool = _leaf_pools[bg] = concurrent.futures.ThreadPoolExecutor(
-                LEAF_WORKERS, thread_name_prefix="lazy-get-bg" if bg else "lazy-get")
-        return pool
-
-
 def _dctx() -> zstandard.ZstdDecompressor:
     d = getattr(_local, "dctx", None)
     if d is None:
         d = _local.dctx = zstandard.ZstdDecompressor()
     return d
-
-
-def piece_key(file_digest: str, start: int, end: int) -> str:
-    """The chunk-cache key of ``file[start:end]`` for a file with content digest
-    ``file_digest``."""
-    return hashlib.sha256(_KEY_TAG + f"{file_digest}\0{start}\0{end}".encode()).hexdigest()
 
 
 @dataclasses.dataclass
@@ -161,206 +103,6 @@ class LazyStats:
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
-
-
-class MemoryChunkCache:
-    """An in-memory LRU of pieces (same interface as ``ChunkCache``)."""
-
-    def __init__(self, max_bytes: int = 256 * MiB) -> None:
-        self.max_bytes = max_bytes
-        self._items: OrderedDict[str, bytes] = OrderedDict()
-        self._size = 0
-        self._lock = threading.Lock()
-
-    def get(self, key: str) -> bytes | None:
-        with self._lock:
-            data = self._items.get(key)
-            if data is not None:
-                self._items.move_to_end(key)
-            return data
-
-    def put(self, key: str, data: bytes) -> None:
-        with self._lock:
-            if key in self._items or len(data) > self.max_bytes:
-                return
-            self._items[key] = data
-            self._size += len(data)
-            while self._size > self.max_bytes:
-                _, old = self._items.popitem(last=False)
-                self._size -= len(old)
-
-
-class ChunkCache:
-    """Verified file pieces on this node's disk, keyed by content (see the module docstring).
-
-    Layout (version 1)::
-
-        <dir>/chunk-cache.json   {"version": 1}
-        <dir>/<aa>/<key-hex>     piece bytes + sha256(piece bytes) (32 bytes)
-
-    Writes are atomic (temp file, rename); a piece whose trailer does not match is deleted and
-    reported as a miss. ``get`` bumps the file's mtime, the clock of the LRU eviction that runs
-    when a ``put`` takes the cache over ``max_bytes`` (down to 90 %). Safe for several threads
-    and processes (the size count is per process and re-scanned on eviction).
-    """
-
-    def __init__(self, directory: str | os.PathLike[str], max_bytes: int) -> None:
-        self.dir = Path(directory)
-        self.max_bytes = max_bytes
-        self._lock = threading.Lock()
-        self.dir.mkdir(parents=True, exist_ok=True)
-        meta = self.dir / "chunk-cache.json"
-        if meta.exists():
-            import json
-
-            version = json.loads(meta.read_text()).get("version")
-            if version != CHUNK_CACHE_VERSION:
-                raise LayerError(f"chunk cache {self.dir} has version {version!r}; this "
-                                 f"envbuild knows {CHUNK_CACHE_VERSION}",
-                                 hint=f"remove {self.dir} (it is only a cache)")
-        else:
-            tmp = self.dir / f".tmp-{secrets.token_hex(6)}"
-            tmp.write_text('{"version": 1}')
-            os.replace(tmp, meta)
-        self._size = self._scan()[1]
-
-    def _path(self, key: str) -> Path:
-        return self.dir / key[:2] / key
-
-    def get(self, key: str) -> bytes | None:
-        path = self._path(key)
-        try:
-            raw = path.read_bytes()
-        except OSError:
-            return None
-        data, trailer = raw[:-_TRAILER], raw[-_TRAILER:]
-        if len(raw) < _TRAILER or hashlib.sha256(data).digest() != trailer:
-            path.unlink(missing_ok=True)  # damaged on disk: refetch
-            return None
-        try:
-            os.utime(path)
-        except OSError:
-            pass
-        return data
-
-    def put(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        if path.exists():
-            return
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.parent / f".tmp-{secrets.token_hex(6)}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.write(hashlib.sha256(data).digest())
-        os.replace(tmp, path)
-        with self._lock:
-            self._size += len(data) + _TRAILER
-            over = self._size > self.max_bytes
-        if over:
-            self._evict()
-
-    def _scan(self) -> tuple[list[tuple[float, int, Path]], int]:
-        items, total = [], 0
-        for sub in self.dir.iterdir():
-            if not sub.is_dir():
-                continue
-            with os.scandir(sub) as it:
-                for e in it:
-                    if e.name.startswith("."):
-                        continue
-                    try:
-                        st = e.stat()
-                    except OSError:
-                        continue
-                    items.append((st.st_mtime, st.st_size, Path(e.path)))
-                    total += st.st_size
-        return items, total
-
-    def _evict(self) -> None:
-        with self._lock:
-            items, total = self._scan()
-            for _, size, path in sorted(items):
-                if total <= self.max_bytes * 0.9:
-                    break
-                path.unlink(missing_ok=True)
-                total -= size
-            self._size = total
-
-
-_clients: dict[tuple[int, float], RangeClient] = {}
-_clients_lock = threading.Lock()
-
-
-def _range_client(attempts: int, timeout: float) -> RangeClient:
-    """The process's ``RangeClient`` for these settings, shared by every layer's
-    ``HttpRanges``: the layers of a stack live on one store server, so their reads share its
-    keep-alive connections (a client per layer opened one per layer and thread)."""
-    with _clients_lock:
-        client = _clients.get((attempts, timeout))
-        if client is None:
-            client = _clients[(attempts, timeout)] = RangeClient(
-                attempts=attempts, connect_timeout=timeout, read_timeout=timeout,
-                backoff=Backoff(0.05, 2.0))
-        return client
-
-
-class HttpRanges(RangeReader):
-    """Ranged reads of one blob over plain keep-alive HTTP to a presigned GET URL: the store of
-    a process that should not load boto3 to read (the lazy layer daemon: boto3 costs it ~0.3 s
-    of start-up and ~2.4 ms of CPU per request, ``http.client`` ~0.5 ms).
-
-    A ``RangeReader``. Only ``get_range`` of ``digest`` goes over the URL, through the shared
-    ``envbuild.store._http.RangeClient`` (shared keep-alive connections, ``attempts`` tries
-    on connection errors and 5xx with bounded backoff, bodies bounded by the range);
-    everything else, any range once the URL is within a minute of its expiry (``X-Amz-Date`` +
-    ``X-Amz-Expires``) or refused (403), and any answer that is not the bytes (404, 416, no
-    answer) goes to ``fallback()``, the full store, opened on first need, so errors are the
-    store's own."""
-
-    def __init__(self, digest: str, url: str, fallback: Callable[[], RangeReader], *,
-                 attempts: int = 4, timeout: float = 30.0) -> None:
-        import urllib.parse
-
-        self.digest = digest
-        self.url = url
-        self.client = _range_client(attempts, timeout)
-        self._fallback = fallback
-        self._store: RangeReader | None = None
-        self.expires = float("inf")
-        q = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)
-        try:
-            import calendar
-            import time
-
-            signed = calendar.timegm(time.strptime(q["X-Amz-Date"][0], "%Y%m%dT%H%M%SZ"))
-            self.expires = signed + int(q["X-Amz-Expires"][0]) - 60
-        except (KeyError, ValueError, IndexError):
-            pass
-
-    def store(self) -> RangeReader:
-        if self._store is None:
-            with _fallback_lock:
-                if self._store is None:
-                    self._store = self._fallback()
-        return self._store
-
-    def stat(self, digest: str) -> BlobInfo:
-        return self.store().stat(digest)
-
-    def get_range(self, digest: str, offset: int, length: int) -> bytes:
-        import time
-
-        if digest != self.digest or length <= 0 or self._store is not None \
-                or time.time() >= self.expires:
-            return self.store().get_range(digest, offset, length)
-        resp = self.client.get(self.url, offset, length)
-        if resp.ok:
-            return resp.body
-        # 403 (expired, refused), 404, 416, or no answer: the store says what it means
-        return self.store().get_range(digest, offset, length)
-
-
-_fallback_lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)

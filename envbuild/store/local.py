@@ -34,13 +34,22 @@ import errno
 import fcntl
 import hashlib
 import os
-import secrets
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from envbuild.canonical import read_json_file
 from envbuild.errors import StoreError, StoreUnavailable
+from envbuild.store._local_files import (  # noqa: F401  (TMP_PREFIX re-exported)
+    TMP_PREFIX,
+    create_if_absent,
+    fsync_dir,
+    read_json,
+    tmp_name,
+    unlocked,
+    write_atomic,
+    write_tmp,
+)
 from envbuild.store.base import (
     ANY,
     MEDIA_TYPE_INDEX,
@@ -81,83 +90,12 @@ VERSION_FILE = "envbuild-store.json"
 LAYOUT_FILE = "oci-layout"
 INDEX_FILE = "index.json"
 LOCK_FILE = "index.json.lock"
-TMP_PREFIX = ".tmp-"
 _HEX = frozenset("0123456789abcdef")
 _WHERE_HINT = "choose another location with --store DIR or ENVBUILD_STORE"
 
 
 def _empty_index() -> dict[str, Any]:
     return {"schemaVersion": 2, "mediaType": MEDIA_TYPE_INDEX, "manifests": []}
-
-
-def _tmp_name(directory: Path) -> Path:
-    return directory / f"{TMP_PREFIX}{secrets.token_hex(8)}"
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_tmp(directory: Path, data: bytes) -> Path:
-    tmp = _tmp_name(directory)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        with open(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return tmp
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data``: temp file, fsync, rename, fsync the directory."""
-    tmp = _write_tmp(path.parent, data)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _create_if_absent(path: Path, data: bytes) -> None:
-    """Create ``path`` with ``data`` unless it exists; safe when several processes race."""
-    if path.exists():
-        return
-    tmp = _write_tmp(path.parent, data)
-    try:
-        os.link(tmp, path)  # unlike rename, link never replaces what a faster process wrote
-    except FileExistsError:
-        pass
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-
-
-@contextlib.contextmanager
-def _unlocked(path: Path) -> Iterator[None]:
-    """Hold ``path``'s flock, or raise ``BlockingIOError`` if a writer holds it."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return read_json_file(path)
-    except ValueError as e:
-        raise StoreUnavailable(f"parse {path}: {e}",
-                               hint="the store is damaged; repair or delete that file") from e
 
 
 class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecords):
@@ -197,7 +135,7 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
         self.foreign = (root / LAYOUT_FILE).is_file() and not (root / VERSION_FILE).exists()
         if not self.foreign:
             self._init_layout()
-        layout = _read_json(root / LAYOUT_FILE)
+        layout = read_json(root / LAYOUT_FILE)
         found = layout.get("imageLayoutVersion") if isinstance(layout, dict) else None
         if found != IMAGE_LAYOUT_VERSION:
             raise StoreUnavailable(
@@ -205,7 +143,7 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
                 hint=f"envbuild reads version {IMAGE_LAYOUT_VERSION}; {_WHERE_HINT}")
         if self.foreign:
             return
-        meta = _read_json(root / VERSION_FILE)
+        meta = read_json(root / VERSION_FILE)
         found = meta.get("version") if isinstance(meta, dict) else None
         if found != STORE_VERSION:
             raise StoreUnavailable(
@@ -231,10 +169,10 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
             raise StoreUnavailable(f"store directory {root} is not writable",
                                    hint=f"fix its permissions, or {_WHERE_HINT}")
         try:
-            _create_if_absent(root / LAYOUT_FILE, canonical_json(
+            create_if_absent(root / LAYOUT_FILE, canonical_json(
                 {"imageLayoutVersion": IMAGE_LAYOUT_VERSION}))
-            _create_if_absent(self._index, canonical_json(_empty_index()))
-            _create_if_absent(root / VERSION_FILE, canonical_json({"version": STORE_VERSION}))
+            create_if_absent(self._index, canonical_json(_empty_index()))
+            create_if_absent(root / VERSION_FILE, canonical_json({"version": STORE_VERSION}))
         except OSError as e:
             raise StoreUnavailable(f"initialise store {root}: {e}", hint=_WHERE_HINT) from e
 
@@ -250,7 +188,7 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
             return
         if self.foreign:  # a foreign layout may have no blobs yet: made on the first write
             self._blobs.mkdir(parents=True, exist_ok=True)
-        tmp = _tmp_name(self._blobs)
+        tmp = tmp_name(self._blobs)
         guard = -1
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -275,7 +213,7 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
             # A concurrent put of the same digest may have renamed first: replacing its file
             # with identical bytes is harmless, and both callers succeed.
             os.replace(tmp, final)
-            _fsync_dir(self._blobs)
+            fsync_dir(self._blobs)
         except OSError as e:
             raise StoreError(f"write blob {digest} to {self._blobs}: {e}") from e
         finally:
@@ -361,7 +299,7 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
                     continue
                 path = Path(directory, name)
                 try:
-                    with _unlocked(path):
+                    with unlocked(path):
                         st = path.stat()
                 except (FileNotFoundError, BlockingIOError):
                     continue  # renamed into place since the listing, or being written
@@ -372,7 +310,7 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
         if not path.name.startswith(TMP_PREFIX) or ".." in Path(partial.name).parts:
             raise StoreError(f"not a partial write of {self}: {partial.name!r}")
         try:
-            with _unlocked(path):
+            with unlocked(path):
                 path.unlink(missing_ok=True)
         except (FileNotFoundError, BlockingIOError):
             pass  # gone, or a writer holds it after all: leave it
@@ -405,7 +343,7 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
             yield index
             after = canonical_json(index)
             if after != before:
-                _write_atomic(self._index, after)
+                write_atomic(self._index, after)
         finally:
             os.close(fd)  # releases the flock
 
@@ -531,7 +469,7 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
         data = encode_record(obj)
         try:
             self._mkdirs(path.parent)
-            _write_atomic(path, data)
+            write_atomic(path, data)
         except OSError as e:
             raise StoreError(f"write record {path}: {e}") from e
 
@@ -600,14 +538,14 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
         data = encode_record(obj)
         try:
             self._mkdirs(path.parent)
-            tmp = _write_tmp(path.parent, data)
+            tmp = write_tmp(path.parent, data)
             try:
                 os.link(tmp, path)
             except FileExistsError:
                 return None
             finally:
                 tmp.unlink(missing_ok=True)
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         except OSError as e:
             raise StoreError(f"create record {path}: {e}") from e
         return hashlib.sha256(data).hexdigest()
@@ -624,7 +562,7 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
                     return None
                 if hashlib.sha256(current).hexdigest() != tag:
                     return None
-                _write_atomic(path, data)
+                write_atomic(path, data)
         except OSError as e:
             raise StoreError(f"replace record {path}: {e}") from e
         return hashlib.sha256(data).hexdigest()

@@ -41,32 +41,36 @@ are instead fetched as ``concurrency`` parallel ranged GETs (what S3 is fast at)
 hashed in order. ``get_range`` is one ranged GET — over plain keep-alive HTTP to a presigned
 URL rather than through boto3, whose per-request CPU cost dominates lazy reads.
 
-Failures: botocore retries transient errors (5xx, throttling, timeouts, connection resets) in
-"standard" mode — ``max_attempts`` tries with exponential backoff and full jitter, capped by
-the connect and read timeouts, so an operation gives up after a bounded time (defaults: 4
-attempts, 3 s connect, 30 s read). Opening the store checks the bucket once with a client that
-does not retry, so a bad endpoint, unknown host, missing bucket or refused credentials fail at
-once with ``StoreUnavailable`` (one line naming the endpoint or bucket, and a hint); an
-unreachable endpoint fails well within 15 s. Permanent errors (403, NoSuchBucket) are never
-retried.
+The S3 client, its retries and error mapping: ``envbuild.store._s3_client``; multipart uploads
+and the read streams: ``envbuild.store._s3_transfer``.
 """
 
 from __future__ import annotations
 
 import base64
-import concurrent.futures
 import hashlib
 import io
 import json
 import random
-import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
 
-from envbuild.canonical import MAX_JSON_BYTES, load_json
+from envbuild.canonical import load_json
 from envbuild.errors import BlobNotFound, StoreError, StoreUnavailable
-from envbuild.store._http import Backoff, RangeClient
+from envbuild.store._s3_client import (  # noqa: F401  (parse_url, MiB re-exported)
+    BLOBS_DIR,
+    CONFLICT,
+    NOT_FOUND,
+    REFS_DIR,
+    MiB,
+    S3Objects,
+    error_code,
+    http_status,
+    parse_url,
+    timestamp,
+)
+from envbuild.store._s3_transfer import MultipartUpload, ParallelBody, ResumingBody, read_exact
 from envbuild.store.base import (
     ANY,
     MEDIA_TYPE_INDEX,
@@ -106,42 +110,11 @@ IMAGE_LAYOUT_VERSION = "1.0.0"
 VERSION_KEY = "envbuild-store.json"
 LAYOUT_KEY = "oci-layout"
 INDEX_KEY = "index.json"
-REFS_DIR = "refs.d/"
-BLOBS_DIR = "blobs/sha256/"
-MiB = 1 << 20
 _HEX = frozenset("0123456789abcdef")
-_NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
-_CONFLICT = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
-_DENIED = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-           "ExpiredToken", "InvalidToken", "AllAccessDisabled"}
 _INDEX_ATTEMPTS = 8
 
 
-def parse_url(url: str) -> tuple[str, str]:
-    """``s3://BUCKET/PREFIX`` → ``(bucket, prefix)`` with ``prefix`` "" or ending in "/"."""
-    from envbuild.errors import SettingsError
-
-    rest = url[len("s3://"):] if url.startswith("s3://") else None
-    bucket, _, prefix = (rest or "").partition("/")
-    if not bucket:
-        raise SettingsError(f"bad S3 store URL {url!r}", hint="use s3://BUCKET or s3://BUCKET/PREFIX")
-    prefix = "/".join(p for p in prefix.split("/") if p)
-    return bucket, (prefix + "/" if prefix else "")
-
-
-def _code(e: BaseException) -> str:
-    resp = getattr(e, "response", None) or {}
-    code = str(resp.get("Error", {}).get("Code", ""))
-    status = str(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
-    return code if code and not code.isdigit() else (status or code)
-
-
-def _status(e: BaseException) -> str:
-    resp = getattr(e, "response", None) or {}
-    return str(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
-
-
-class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
+class S3Store(S3Objects, Store, TailReader, Locatable, Presigner, ConditionalRecords):
     """A ``Store`` in ``s3://bucket/prefix``; see the module docstring for layout and semantics.
 
     Capabilities beyond ``Store``: ``TailReader`` (a suffix-range GET), ``Locatable`` (its URL
@@ -156,63 +129,12 @@ class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
     ranged GETs of ``part_size`` (0: always one streaming GET).
     """
 
-    def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
-                 session: Any = None, part_size: int = 16 * MiB, concurrency: int = 8,
-                 max_attempts: int = 4, connect_timeout: float = 3.0,
-                 read_timeout: float = 30.0, resume_attempts: int = 3,
-                 cas: bool | None = None, fast_ranges: bool = True,
-                 parallel_get: int = 64 * MiB) -> None:
-        import boto3
-        from botocore.config import Config
-
-        self.bucket = bucket
-        self.prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
-        self.part_size = part_size
-        self.concurrency = concurrency
-        self.resume_attempts = resume_attempts
-        self.max_attempts = max_attempts
-        self.read_timeout = read_timeout
-        self.connect_timeout = connect_timeout
-        self.fast_ranges = fast_ranges
-        self.parallel_get = parallel_get
-        self._presigned: dict[str, tuple[str, float]] = {}
-        # ranged reads (the hot path of lazy layers) bypass boto3: see _presign
-        self._ranges = RangeClient(attempts=max_attempts, connect_timeout=connect_timeout,
-                                   read_timeout=read_timeout, backoff=Backoff(0.5, 10.0))
-        self._cas = cas
-        self._cas_lock = threading.Lock()
-        session = session or boto3.session.Session()
-        common = dict(
-            signature_version="s3v4",
-            s3={"addressing_style": "path"} if endpoint_url else {},
-            # we verify sha256 ourselves on every read; CRC trailers (aws-chunked bodies) are not
-            # understood by every S3 implementation
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-            connect_timeout=connect_timeout,
-            max_pool_connections=max(10, concurrency * 2 + 2),
-        )
-        region = session.region_name or "us-east-1"
-        self.client = session.client(
-            "s3", endpoint_url=endpoint_url, region_name=region,
-            config=Config(retries={"max_attempts": max_attempts, "mode": "standard"},
-                          read_timeout=read_timeout, **common))
-        # opening: no retries and a short read timeout, so a wrong endpoint fails at once
-        self._probe_client = session.client(
-            "s3", endpoint_url=endpoint_url, region_name=region,
-            config=Config(retries={"max_attempts": 1, "mode": "standard"},
-                          read_timeout=min(read_timeout, 5.0), **common))
-        self.endpoint = self.client.meta.endpoint_url
-        self._open()
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> S3Store:
         bucket, prefix = parse_url(url)
         return cls(bucket, prefix, **kwargs)
 
-    @property
-    def url(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix}"
 
     def location(self) -> StoreLocation:
         return StoreLocation(self.url, self.endpoint)
@@ -222,111 +144,6 @@ class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def _key(self, rel: str) -> str:
-        return self.prefix + rel
-
-    def _blob_key(self, digest: str) -> str:
-        return self._key(BLOBS_DIR + check_digest(digest))
-
-    def _where(self, key: str) -> str:
-        return f"s3://{self.bucket}/{key}"
-
-    def _fail(self, e: BaseException, what: str) -> StoreError:
-        """Map a boto/botocore exception to the store's errors (one line, with a hint)."""
-        from botocore.exceptions import (
-            ClientError,
-            ConnectionError,
-            HTTPClientError,
-            NoCredentialsError,
-            PartialCredentialsError,
-        )
-
-        if isinstance(e, (NoCredentialsError, PartialCredentialsError)):
-            return StoreUnavailable(f"{what}: no usable AWS credentials for {self.url}",
-                                    hint="set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or "
-                                         "AWS_PROFILE")
-        if isinstance(e, ClientError):
-            code = _code(e)
-            msg = (e.response.get("Error", {}).get("Message") or "").strip()
-            if code == "NoSuchBucket":
-                return StoreUnavailable(f"{what}: bucket {self.bucket!r} does not exist at "
-                                        f"{self.endpoint}",
-                                        hint="create it, or check the store URL and "
-                                             "--s3-endpoint / AWS_ENDPOINT_URL")
-            if code in _DENIED:
-                return StoreUnavailable(f"{what}: access denied to {self.url} ({code})",
-                                        hint="check the credentials (AWS_ACCESS_KEY_ID, "
-                                             "AWS_PROFILE) and the bucket policy")
-            return StoreError(f"{what}: S3 error {code}" + (f": {msg}" if msg else ""))
-        if isinstance(e, (ConnectionError, HTTPClientError)):
-            cause = str(e).splitlines()[0] if str(e) else type(e).__name__
-            return StoreUnavailable(f"{what}: cannot reach S3 endpoint {self.endpoint}: {cause}",
-                                    hint="check --s3-endpoint / AWS_ENDPOINT_URL and that the "
-                                         "server is up; retried with backoff before giving up")
-        return StoreError(f"{what}: {type(e).__name__}: {e}")
-
-    def _call(self, what: str, fn, /, *args, **kwargs):
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            return fn(*args, **kwargs)
-        except (ClientError, BotoCoreError) as e:
-            raise self._fail(e, what) from e
-
-    def _get_object(self, key: str, **kwargs) -> dict | None:
-        """GET, or ``None`` if the key does not exist."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            return self.client.get_object(Bucket=self.bucket, Key=key, **kwargs)
-        except ClientError as e:
-            if _code(e) in _NOT_FOUND:
-                return None
-            raise self._fail(e, f"read {self._where(key)}") from e
-        except BotoCoreError as e:
-            raise self._fail(e, f"read {self._where(key)}") from e
-
-    def _read_small(self, key: str) -> tuple[bytes, str] | None:
-        """Bytes and ETag of a small object (a ref, record or index: JSON), or ``None`` if
-        absent; at most ``MAX_JSON_BYTES + 1`` bytes are read (``load_json`` refuses more)."""
-        resp = self._get_object(key)
-        if resp is None:
-            return None
-        with resp["Body"] as body:
-            data = self._call(f"read {self._where(key)}", body.read, MAX_JSON_BYTES + 1)
-        return data, resp.get("ETag", "")
-
-    def _put_small(self, key: str, data: bytes, **cond) -> bool:
-        """PUT; with a condition (``IfMatch``/``IfNoneMatch``) return False on 412/409/404."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **cond)
-            return True
-        except ClientError as e:
-            code = _code(e)
-            if cond and (code in _CONFLICT or _status(e) in ("412", "409")
-                         or (code in _NOT_FOUND and "IfMatch" in cond)):
-                return False
-            raise self._fail(e, f"write {self._where(key)}") from e
-        except BotoCoreError as e:
-            raise self._fail(e, f"write {self._where(key)}") from e
-
-    def _list(self, rel_prefix: str, delimiter: str | None = None) -> Iterator[str]:
-        """Keys (relative to ``rel_prefix``) under ``PREFIX/rel_prefix``."""
-        full = self._key(rel_prefix)
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full}
-        if delimiter:
-            kwargs["Delimiter"] = delimiter
-        paginator = self.client.get_paginator("list_objects_v2")
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            for page in paginator.paginate(**kwargs):
-                for obj in page.get("Contents", ()):
-                    yield obj["Key"][len(full):]
-        except (ClientError, BotoCoreError) as e:
-            raise self._fail(e, f"list {self._where(full)}") from e
 
     def _open(self) -> None:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -336,7 +153,7 @@ class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
             resp = self._probe_client.get_object(Bucket=self.bucket, Key=key)
             meta = resp["Body"].read()
         except ClientError as e:
-            if _code(e) not in _NOT_FOUND:
+            if error_code(e) not in NOT_FOUND:
                 raise self._fail(e, f"open store {self.url}") from e
             meta = None
         except BotoCoreError as e:
@@ -380,7 +197,7 @@ class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
             return
         if isinstance(data, (bytes, bytearray, memoryview)):
             data = io.BytesIO(data)
-        first = _read_exact(data, self.part_size)
+        first = read_exact(data, self.part_size)
         if len(first) == self.part_size and (size is None or size > len(first)):
             more = data.read(1) if size is None else b"?"
             if more:  # more than one part: multipart (an unsized stream's peeked byte rides along)
@@ -388,7 +205,7 @@ class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
                     first += more
                 handover = [first]
                 del first  # the upload frees each part once sent: hold no reference here
-                return self._put_multipart(digest, key, data, handover, size)
+                return MultipartUpload(self, digest, key).run(data, handover, size)
         actual = "sha256:" + hashlib.sha256(first).hexdigest()
         if actual != digest or (size is not None and len(first) != size):
             raise mismatch_on_put(digest, actual, len(first), size)
@@ -402,99 +219,25 @@ class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
             self.client.put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*",
                                    ChecksumSHA256=sha)
         except ClientError as e:
-            if _code(e) in _CONFLICT or _status(e) in ("412", "409"):
+            if error_code(e) in CONFLICT or http_status(e) in ("412", "409"):
                 return  # stored concurrently by someone else: same bytes, success
             raise self._fail(e, f"write blob {digest} to {self._where(key)}") from e
         except BotoCoreError as e:
             raise self._fail(e, f"write blob {digest} to {self._where(key)}") from e
 
-    def _put_multipart(self, digest: str, key: str, data: BinaryIO, handover: list[bytearray],
-                       size: int | None) -> None:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        what = f"upload blob {digest} to {self._where(key)}"
-        upload_id = self._call(what, self.client.create_multipart_upload, Bucket=self.bucket,
-                               Key=key)["UploadId"]
-        h, count = hashlib.sha256(), 0
-        parts: dict[int, str] = {}
-        slots = threading.BoundedSemaphore(self.concurrency)
-        futures: list[concurrent.futures.Future] = []
-        completed = False
-
-        def upload(number: int, body: bytes) -> None:
-            try:
-                resp = self._call(what, self.client.upload_part, Bucket=self.bucket, Key=key,
-                                  UploadId=upload_id, PartNumber=number, Body=body)
-                parts[number] = resp["ETag"]
-            finally:
-                slots.release()
-
-        pool = concurrent.futures.ThreadPoolExecutor(self.concurrency,
-                                                     thread_name_prefix="s3-put")
-        slots.acquire()  # the slot of the part being read (``first``)
-        try:
-            number, body, peeked = 1, handover.pop(), b""
-            if len(body) > self.part_size:  # an unsized stream's peeked byte starts part 2
-                peeked = bytes(body[self.part_size:])
-                del body[self.part_size:]
-            while body:
-                # hashed in order before it is handed over (parts may upload out of order)
-                h.update(body)
-                count += len(body)
-                futures.append(pool.submit(upload, number, body))
-                number += 1
-                del body  # the pool holds the only reference: freed once uploaded
-                # a slot is taken before the next part is read: at most ``concurrency`` parts
-                # exist at once, including the one being read
-                slots.acquire()
-                for f in futures:
-                    if f.done() and f.exception():
-                        slots.release()
-                        raise f.exception()  # type: ignore[misc]
-                if peeked:
-                    body = bytearray(peeked) + _read_exact(data, self.part_size - len(peeked))
-                    peeked = b""
-                else:
-                    body = _read_exact(data, self.part_size)
-            slots.release()
-            for f in futures:
-                f.result()
-            actual = "sha256:" + h.hexdigest()
-            if actual != digest or (size is not None and count != size):
-                raise mismatch_on_put(digest, actual, count, size)
-            try:
-                self.client.complete_multipart_upload(
-                    Bucket=self.bucket, Key=key, UploadId=upload_id, IfNoneMatch="*",
-                    MultipartUpload={"Parts": [{"PartNumber": n, "ETag": parts[n]}
-                                               for n in sorted(parts)]})
-                completed = True
-            except ClientError as e:
-                if not (_code(e) in _CONFLICT or _status(e) in ("412", "409")):
-                    raise self._fail(e, what) from e
-                # stored concurrently by someone else: success (our upload is aborted below)
-            except BotoCoreError as e:
-                raise self._fail(e, what) from e
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-            if not completed:
-                try:
-                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=key,
-                                                       UploadId=upload_id)
-                except Exception:  # noqa: BLE001 - best effort; lifecycle rules clean up
-                    pass
 
     def get(self, digest: str) -> BinaryIO:
         key = self._blob_key(digest)
         if self.parallel_get and self.concurrency > 1 and self.fast_ranges:
             size = self.stat(digest).size
             if size >= self.parallel_get:
-                raw: io.RawIOBase = _ParallelBody(self, digest, key, size)
+                raw: io.RawIOBase = ParallelBody(self, digest, key, size)
                 return VerifyingReader(raw, digest, size=size,  # type: ignore[return-value]
                                        location=self._where(key))
         resp = self._get_object(key)
         if resp is None:
             raise blob_not_found(digest)
-        raw = _ResumingBody(self, key, resp)
+        raw = ResumingBody(self, key, resp)
         return VerifyingReader(raw, digest, size=resp["ContentLength"],  # type: ignore[return-value]
                                location=self._where(key))
 
@@ -521,93 +264,6 @@ class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
             raise range_beyond_end(digest, offset, size)
         return b""
 
-    def _boto_range(self, digest: str, key: str, offset: int, length: int) -> tuple[int, bytes]:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            resp = self.client.get_object(Bucket=self.bucket, Key=key,
-                                          Range=f"bytes={offset}-{offset + length - 1}")
-            with resp["Body"] as body:
-                return 206, body.read()
-        except ClientError as e:
-            code = _code(e)
-            if code in _NOT_FOUND:
-                raise blob_not_found(digest) from None
-            if code in ("InvalidRange", "416"):
-                return 416, b""
-            raise self._fail(e, f"read range of {self._where(key)}") from e
-        except BotoCoreError as e:
-            raise self._fail(e, f"read range of {self._where(key)}") from e
-
-    # Ranged reads are the hot path of lazy layers: boto3 spends ~2.4 ms of CPU per request
-    # (MACHINE-NOTES), plain http.client ~0.5 ms. So ranges go through envbuild.store._http
-    # (keep-alive connections per thread) to a presigned URL of the object (the signature
-    # covers the host, not the Range header; one URL serves every range of a blob until shortly
-    # before it expires), with the same bounded retries as botocore's standard mode.
-    _PRESIGN_SECONDS = 900
-
-    def _presign(self, key: str) -> str:
-        now = time.monotonic()
-        got = self._presigned.get(key)
-        if got is None or got[1] < now:
-            url = self.client.generate_presigned_url(
-                "get_object", Params={"Bucket": self.bucket, "Key": key},
-                ExpiresIn=self._PRESIGN_SECONDS)
-            got = (url, now + self._PRESIGN_SECONDS - 60)
-            if len(self._presigned) > 4096:
-                self._presigned.clear()
-            self._presigned[key] = got
-        return got[0]
-
-    def presigned_get_url(self, digest: str, expires: int = 12 * 3600) -> str:
-        """A presigned GET URL of blob ``digest``, valid ``expires`` seconds (less if the
-        credentials expire sooner): lets another process read ranges without boto3
-        (``envbuild.store.lazy.HttpRanges``). The ``Presigner`` capability."""
-        if expires <= 0:
-            raise StoreError(f"presigned URL lifetime must be positive, not {expires}")
-        return self.client.generate_presigned_url(
-            "get_object", Params={"Bucket": self.bucket, "Key": self._blob_key(digest)},
-            ExpiresIn=expires)
-
-    def presigned_get_record_url(self, namespace: str, name: str, expires: int = 3600) -> str:
-        """A presigned GET URL of record ``namespace/name`` (the ``Presigner`` capability):
-        answers the record's bytes (``404`` while it is absent)."""
-        if expires <= 0:
-            raise StoreError(f"presigned URL lifetime must be positive, not {expires}")
-        return self.client.generate_presigned_url(
-            "get_object", Params={"Bucket": self.bucket,
-                                  "Key": self._record_key(namespace, name)},
-            ExpiresIn=expires)
-
-    def presigned_put_record_url(self, namespace: str, name: str, expires: int = 3600) -> str:
-        """A presigned PUT URL of record ``namespace/name`` (the ``Presigner`` capability):
-        its body is the record's bytes, stored as ``put_record`` stores them."""
-        if expires <= 0:
-            raise StoreError(f"presigned URL lifetime must be positive, not {expires}")
-        return self.client.generate_presigned_url(
-            "put_object", Params={"Bucket": self.bucket,
-                                  "Key": self._record_key(namespace, name)},
-            ExpiresIn=expires)
-
-    def _fast_range(self, key: str, offset: int, length: int) -> tuple[int, bytes]:
-        """``(status, body)`` of a ranged GET: 206/200 with the bytes, 404, or 416."""
-        resp = self._ranges.get(self._presign(key), offset, length)
-        if resp.status == 403:
-            self._presigned.pop(key, None)  # expired or clock skew: sign again, once
-            resp = self._ranges.get(self._presign(key), offset, length)
-        if resp.ok or resp.status in (404, 416):
-            return resp.status, resp.body
-        if resp.status == 403:
-            raise StoreUnavailable(f"read range of {self._where(key)}: access denied "
-                                   "(HTTP 403)", hint="check the credentials and the bucket "
-                                                      "policy")
-        if resp.status == 0:
-            raise StoreUnavailable(f"read range of {self._where(key)}: cannot reach S3 endpoint "
-                                   f"{self.endpoint}: {resp.error}",
-                                   hint="check --s3-endpoint / AWS_ENDPOINT_URL and that the "
-                                        "server is up")
-        raise StoreError(f"read range of {self._where(key)}: HTTP {resp.status} "
-                         f"{resp.error or resp.body[:200].decode('utf-8', 'replace')}")
 
     def get_tail(self, digest: str, length: int) -> tuple[bytes, int]:
         """The last ``length`` bytes (a suffix range: one request) and the blob's size.
@@ -622,7 +278,7 @@ class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
             resp = self._get_object(key, Range=f"bytes=-{length}")
         except StoreError as e:
             cause = e.__cause__
-            if isinstance(cause, ClientError) and _code(cause) in ("InvalidRange", "416"):
+            if isinstance(cause, ClientError) and error_code(cause) in ("InvalidRange", "416"):
                 return b"", self.stat(digest).size  # an empty blob has no suffix to serve
             raise
         if resp is None:
@@ -646,12 +302,12 @@ class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
         try:
             resp = self.client.head_object(Bucket=self.bucket, Key=key)
         except ClientError as e:
-            if _code(e) in _NOT_FOUND:
+            if error_code(e) in NOT_FOUND:
                 raise blob_not_found(digest) from None
             raise self._fail(e, f"stat {self._where(key)}") from e
         except BotoCoreError as e:
             raise self._fail(e, f"stat {self._where(key)}") from e
-        return BlobInfo(digest, resp["ContentLength"], _timestamp(resp.get("LastModified")))
+        return BlobInfo(digest, resp["ContentLength"], timestamp(resp.get("LastModified")))
 
     def exists(self, digest: str) -> bool:
         try:
@@ -682,7 +338,7 @@ class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
                     name = obj["Key"][len(full):]
                     if len(name) == 64 and _HEX.issuperset(name):
                         yield BlobInfo("sha256:" + name, obj["Size"],
-                                       _timestamp(obj.get("LastModified")))
+                                       timestamp(obj.get("LastModified")))
         except (ClientError, BotoCoreError) as e:
             raise self._fail(e, f"list {self._where(full)}") from e
 
@@ -696,7 +352,7 @@ class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
             for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
                 for up in page.get("Uploads", ()):
                     yield PartialWrite(f"{up['Key']}#{up['UploadId']}", 0,
-                                       _timestamp(up.get("Initiated")) or 0.0)
+                                       timestamp(up.get("Initiated")) or 0.0)
         except (ClientError, BotoCoreError) as e:
             raise self._fail(e, f"list uploads under {self._where(full)}") from e
 
@@ -709,15 +365,13 @@ class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
         try:
             self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
         except ClientError as e:
-            if _code(e) not in _NOT_FOUND and _code(e) != "NoSuchUpload":
+            if error_code(e) not in NOT_FOUND and error_code(e) != "NoSuchUpload":
                 raise self._fail(e, f"abort upload to {self._where(key)}") from e
         except BotoCoreError as e:
             raise self._fail(e, f"abort upload to {self._where(key)}") from e
 
     # -- refs ----------------------------------------------------------------------------------
 
-    def _ref_key(self, name: str) -> str:
-        return self._key(REFS_DIR + check_ref_name(name))
 
     def _read_ref(self, name: str) -> tuple[dict[str, Any], bytes, str] | None:
         got = self._read_small(self._ref_key(name))
@@ -815,9 +469,6 @@ class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
 
     # -- records -------------------------------------------------------------------------------
 
-    def _record_key(self, namespace: str, name: str) -> str:
-        check_record_name(namespace, name)
-        return self._key(f"{namespace}/{name}")
 
     def put_record(self, namespace: str, name: str, obj: Mapping[str, Any]) -> None:
         key = self._record_key(namespace, name)
@@ -840,12 +491,12 @@ class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
         try:
             resp = self.client.head_object(Bucket=self.bucket, Key=key)
         except ClientError as e:
-            if _code(e) in _NOT_FOUND:
+            if error_code(e) in NOT_FOUND:
                 return None
             raise self._fail(e, f"stat {self._where(key)}") from e
         except BotoCoreError as e:
             raise self._fail(e, f"stat {self._where(key)}") from e
-        return _timestamp(resp.get("LastModified"))
+        return timestamp(resp.get("LastModified"))
 
     def delete_record(self, namespace: str, name: str) -> None:
         key = self._record_key(namespace, name)
@@ -888,7 +539,7 @@ class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
             resp = self.client.put_object(Bucket=self.bucket, Key=key, Body=encode_record(obj),
                                           **cond)
         except ClientError as e:
-            if _code(e) in _CONFLICT or _code(e) in _NOT_FOUND or _status(e) in ("412", "409"):
+            if error_code(e) in CONFLICT or error_code(e) in NOT_FOUND or http_status(e) in ("412", "409"):
                 return None
             raise self._fail(e, f"write {self._where(key)}") from e
         except BotoCoreError as e:
@@ -903,16 +554,12 @@ class S3Store(Store, TailReader, Locatable, Presigner, ConditionalRecords):
         try:
             self.client.delete_object(Bucket=self.bucket, Key=key, IfMatch=tag)
         except ClientError as e:
-            if _code(e) in _CONFLICT or _code(e) in _NOT_FOUND or _status(e) in ("412", "409"):
+            if error_code(e) in CONFLICT or error_code(e) in NOT_FOUND or http_status(e) in ("412", "409"):
                 return False
             raise self._fail(e, f"delete {self._where(key)}") from e
         except BotoCoreError as e:
             raise self._fail(e, f"delete {self._where(key)}") from e
         return True
-
-def _timestamp(value: Any) -> float | None:
-    """Seconds since the epoch of a botocore datetime (``LastModified``, ``Initiated``)."""
-    return value.timestamp() if hasattr(value, "timestamp") else None
 
 
 def _valid_ref(name: str) -> bool:
@@ -923,141 +570,3 @@ def _valid_ref(name: str) -> bool:
     return True
 
 
-def _read_exact(f: BinaryIO, n: int) -> bytearray:
-    """Up to ``n`` bytes into one buffer (no intermediate copies); fewer only at the end."""
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    readinto = getattr(f, "readinto", None)
-    while got < n:
-        if readinto is not None:
-            k = readinto(view[got:])
-        else:
-            chunk = f.read(n - got)
-            k = len(chunk)
-            view[got:got + k] = chunk
-        if not k:
-            break
-        got += k
-    view.release()
-    if got < n:
-        del buf[got:]
-    return buf
-
-
-class _ParallelBody(io.RawIOBase):
-    """A large blob read as parallel ranged GETs of ``part_size``, returned in order; at most
-    ``concurrency`` ranges are in flight or buffered (memory: ``concurrency * part_size``)."""
-
-    def __init__(self, store: S3Store, digest: str, key: str, size: int) -> None:
-        super().__init__()
-        self._store, self._digest, self._key, self._size = store, digest, key, size
-        self._pool = concurrent.futures.ThreadPoolExecutor(store.concurrency,
-                                                           thread_name_prefix="s3-get")
-        self._next = 0  # next range offset to request
-        self._pending: list[concurrent.futures.Future] = []
-        self._buf = memoryview(b"")
-        self._fill()
-
-    def _fetch(self, offset: int) -> bytes:
-        length = min(self._store.part_size, self._size - offset)
-        status, data = self._store._fast_range(self._key, offset, length)
-        if status == 404:
-            raise blob_not_found(self._digest)
-        return data  # short if the object changed under us: VerifyingReader reports it
-
-    def _fill(self) -> None:
-        while self._next < self._size and len(self._pending) < self._store.concurrency:
-            self._pending.append(self._pool.submit(self._fetch, self._next))
-            self._next += self._store.part_size
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        while not self._buf:
-            if not self._pending:
-                return 0
-            self._buf = memoryview(self._pending.pop(0).result())
-            self._fill()
-        n = min(len(view), len(self._buf))
-        view[:n] = self._buf[:n]
-        self._buf = self._buf[n:]
-        return n
-
-    def close(self) -> None:
-        if not self.closed:
-            for f in self._pending:
-                f.cancel()
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pending.clear()
-            self._buf = memoryview(b"")
-        super().close()
-
-
-class _ResumingBody(io.RawIOBase):
-    """An object's body that resumes with a ranged GET (pinned by ETag) if the connection breaks.
-
-    botocore retries requests, not a body half read; this covers that case, at most
-    ``store.resume_attempts`` times per stream."""
-
-    def __init__(self, store: S3Store, key: str, resp: dict) -> None:
-        super().__init__()
-        self._store = store
-        self._key = key
-        self._body = resp["Body"]
-        self._etag = resp.get("ETag")
-        self._size = resp["ContentLength"]
-        self._pos = 0
-        self._resumes = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        from botocore.exceptions import BotoCoreError
-        from urllib3.exceptions import HTTPError as Urllib3Error
-
-        view = memoryview(buffer).cast("B")
-        while True:
-            try:
-                chunk = self._body.read(len(view))
-            except (BotoCoreError, Urllib3Error, OSError) as e:
-                self._resume(e)
-                continue
-            if not chunk and self._pos < self._size:
-                self._resume(None)  # closed early without an error
-                continue
-            n = len(chunk)
-            view[:n] = chunk
-            self._pos += n
-            return n
-
-    def _resume(self, cause: BaseException | None) -> None:
-        store = self._store
-        where = store._where(self._key)
-        if self._resumes >= store.resume_attempts:
-            why = f"{type(cause).__name__}: {cause}" if cause else "the connection closed early"
-            raise StoreUnavailable(f"read {where}: broke off at byte {self._pos} of "
-                                   f"{self._size} ({why})",
-                                   hint="the S3 endpoint dropped the connection repeatedly; "
-                                        "retry later")
-        self._resumes += 1
-        time.sleep(random.uniform(0, 0.2 * (2 ** self._resumes)))
-        try:
-            self._body.close()
-        except Exception:  # noqa: BLE001
-            pass
-        extra = {"IfMatch": self._etag} if self._etag else {}
-        resp = store._get_object(self._key, Range=f"bytes={self._pos}-", **extra)
-        if resp is None:
-            raise StoreError(f"read {where}: the object disappeared while it was read")
-        self._body = resp["Body"]
-
-    def close(self) -> None:
-        if not self.closed:
-            try:
-                self._body.close()
-            except Exception:  # noqa: BLE001
-                pass
-        super().close()

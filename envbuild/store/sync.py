@@ -16,6 +16,11 @@ or key record pointing at a blob it does not have. Rerunning the same sync finis
 (everything already present is skipped after one ``exists`` check). Two syncs of the same things
 at once both succeed: blob puts are idempotent and refs get the same value.
 
+``compression="gzip"`` or ``"none"`` (``envbuild push --compression``) publishes each lock
+with its layers re-encoded (``envbuild.store.recompress``: new layer digests, the same config)
+for tools that cannot read zstd; the key records are not copied then (their layers are the
+zstd ones: a build cache is pushed with ``zstd``).
+
 Records already in ``dst`` are left alone (another machine built that key; both layers are
 valid); refs are overwritten (``push`` means publish).
 
@@ -39,9 +44,20 @@ from envbuild.store.helpers import (
     KEY_RECORDS,
     copy_blobs,
     copy_layer_records,
+    digest_bytes,
     get_json,
     get_key_record,
     put_key_record,
+)
+from envbuild.store.progress import TransferMeter, track
+from envbuild.store.recompress import (
+    check_compression,
+    lock_parts,
+    manifest_bytes,
+    reencode,
+    reencoded_descriptor,
+    require_image_manifest,
+    spool,
 )
 
 _MANIFESTS = {MEDIA_TYPE_MANIFEST, MEDIA_TYPE_INDEX,
@@ -58,11 +74,27 @@ class SyncReport:
     bytes_copied: int = 0
     blobs_present: int = 0
     records_copied: list[str] = dataclasses.field(default_factory=list)
+    compression: str = "zstd"
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False,
+                                              compare=False)
 
     def summary(self) -> str:
-        return (f"{len(self.refs)} ref(s), {len(self.blobs_copied)} blob(s) copied "
+        text = (f"{len(self.refs)} ref(s), {len(self.blobs_copied)} blob(s) copied "
                 f"({self.bytes_copied / 1e6:.1f} MB), {self.blobs_present} already there, "
                 f"{len(self.records_copied)} key record(s)")
+        if self.compression != "zstd":
+            text += (f"; layers re-encoded as "
+                     f"{'plain tar' if self.compression == 'none' else 'gzip'} (new digests, "
+                     "no envbuild TOC; key records not pushed)")
+        return text
+
+    def count(self, digest: str, size: int, copied: bool) -> None:
+        with self._lock:
+            if copied:
+                self.blobs_copied.append(digest)
+                self.bytes_copied += size
+            else:
+                self.blobs_present += 1
 
 
 def split_pin(arg: str) -> tuple[str, str | None]:
@@ -118,20 +150,22 @@ def walk(store: Store, desc: Descriptor | dict) -> tuple[list[tuple[str, bool]],
 
 def sync(src: Store, dst: Store, refs: Iterable[str] = (), keys: Iterable[str] = (), *,
          jobs: int = 4, progress=lambda msg: None,
-         pins: Mapping[str, str] | None = None) -> SyncReport:
+         pins: Mapping[str, str] | None = None, compression: str = "zstd",
+         meter: TransferMeter | None = None) -> SyncReport:
     """Copy ``refs`` (and all they point to) and the key records ``keys`` from ``src`` to ``dst``;
     see the module docstring for the order. Refs are names as they exist in ``src``. ``pins``
     maps a ref to the digest it must have in ``src`` (read once: what is copied is what was
-    checked); a ref that moved fails with ``ref-moved`` before anything is copied."""
-    report = SyncReport()
-    descs = {name: src.get_ref(name) for name in dict.fromkeys(refs)}
-    for name, want in (pins or {}).items():
-        have = descs[name].digest if name in descs else src.get_ref(name).digest
-        if have != want:
-            raise StoreError(f"ref {name} in {src!r} moved: it points at {have} now, not at "
-                             f"{want}", reference="ref-moved",
-                             hint=f"it was published again since {want[:19]}… was read; "
-                                  "drop @DIGEST to take the new one, or find out who moved it")
+    checked); a ref that moved fails with ``ref-moved`` before anything is copied.
+    ``compression``: ``zstd`` copies as is, ``gzip``/``none`` re-encode the locks' layers (the
+    module docstring). ``meter`` counts the bytes read from ``src``."""
+    report = SyncReport(compression=check_compression(compression))
+    descs = _pinned_refs(src, refs, pins)
+    if compression != "zstd":
+        for name, desc in descs.items():
+            require_image_manifest(desc.media_type, name, "push --compression")
+        return _publish(dst, descs, report, progress, {
+            name: _recompress(src, dst, name, desc, report, jobs, meter)
+            for name, desc in descs.items()})
     leaves: list[str] = []     # layers, configs: copied in parallel
     manifests: list[str] = []  # children before parents, copied after all leaves, in order
     all_keys = list(keys)
@@ -140,58 +174,122 @@ def sync(src: Store, dst: Store, refs: Iterable[str] = (), keys: Iterable[str] =
         for digest, is_manifest in blobs:
             (manifests if is_manifest else leaves).append(digest)
         all_keys.extend(k)
+    records = _missing_records(src, dst, all_keys)
+    # layers of records come first (they are usually the big ones), then the lock blobs
+    blobs = list(dict.fromkeys([r.layer for r in records.values()] + leaves))
+    _copy_all(src, dst, blobs, report, jobs, progress, meter)
+    # what is kept beside a layer (its import index) goes with it, before the refs name it
+    copy_layer_records(src, dst, blobs)
+    _copy_all(src, dst, list(dict.fromkeys(manifests)), report, 1, progress, meter)
+    for key, rec in records.items():
+        put_key_record(dst, key, rec)
+        report.records_copied.append(key)
+    return _publish(dst, descs, report, progress, {n: d.digest for n, d in descs.items()})
+
+
+def _pinned_refs(src: Store, refs: Iterable[str],
+                 pins: Mapping[str, str] | None) -> dict[str, Descriptor]:
+    """The descriptors of ``refs`` in ``src``, read once; ``ref-moved`` if a pin moved."""
+    descs = {name: src.get_ref(name) for name in dict.fromkeys(refs)}
+    for name, want in (pins or {}).items():
+        have = descs[name].digest if name in descs else src.get_ref(name).digest
+        if have != want:
+            raise StoreError(f"ref {name} in {src!r} moved: it points at {have} now, not at "
+                             f"{want}", reference="ref-moved",
+                             hint=f"it was published again since {want[:19]}… was read; "
+                                  "drop @DIGEST to take the new one, or find out who moved it")
+    return descs
+
+
+def _missing_records(src: Store, dst: Store, keys: Iterable[str]) -> dict:
+    """The key records of ``keys`` that ``dst`` lacks and ``src`` has."""
     records = {}
-    for key in dict.fromkeys(all_keys):
+    for key in dict.fromkeys(keys):
         hex_key = check_digest(key)
         if dst.get_record(KEY_RECORDS, hex_key) is not None:
             continue
         rec = get_key_record(src, key)
         if rec is not None:
             records[key] = rec
-    # layers of records come first (they are usually the big ones), then the lock blobs
-    layer_blobs = [r.layer for r in records.values()]
-    _copy_all(src, dst, list(dict.fromkeys(layer_blobs + leaves)), report, jobs, progress)
-    # what is kept beside a layer (its import index) goes with it, before the refs name it
-    copy_layer_records(src, dst, list(dict.fromkeys(layer_blobs + leaves)))
-    _copy_all(src, dst, list(dict.fromkeys(manifests)), report, 1, progress)
-    for key, rec in records.items():
-        put_key_record(dst, key, rec)
-        report.records_copied.append(key)
+    return records
+
+
+def _publish(dst: Store, descs: Mapping[str, Descriptor], report: SyncReport, progress,
+             digests: Mapping[str, str]) -> SyncReport:
+    """Point each ref at its digest in ``dst`` (last: everything below it is there)."""
     for name, desc in descs.items():
-        dst.put_ref(name, desc.digest, media_type=desc.media_type,
-                    annotations=desc.annotations)
-        report.refs[name] = desc.digest
-        progress(f"ref {name} -> {desc.digest}")
+        digest = digests[name]
+        same = digest == desc.digest
+        dst.put_ref(name, digest, media_type=desc.media_type,
+                    annotations=desc.annotations if same else None)
+        report.refs[name] = digest
+        progress(f"ref {name} -> {digest}")
     return report
 
 
-def _copy_all(src: Store, dst: Store, digests: Sequence[str], report: SyncReport, jobs: int,
-              progress) -> None:
-    """Copy the blobs ``dst`` lacks, ``jobs`` at a time (one at a time keeps their order)."""
-    lock = threading.Lock()
+def _recompress(src: Store, dst: Store, name: str, desc: Descriptor, report: SyncReport,
+                jobs: int, meter: TransferMeter | None) -> str:
+    """Put lock ``name`` into ``dst`` with its layers re-encoded as ``report.compression``
+    (layers and config first, ``jobs`` layers at once); the digest of the manifest written."""
+    manifest = get_json(src, desc.digest)
+    config_digest = (manifest.get("config") or {}).get("digest", "")
+    parts = lock_parts(manifest, get_json(src, config_digest), name)
+    if meter is not None:
+        meter.expect(sum(int(layer.get("size", 0)) for layer, _ in parts))
 
-    def one(d: str) -> None:
+    def one(part: tuple[dict, str]) -> dict:
+        layer, diff_id = part
+        with src.get(layer["digest"]) as f:
+            out, digest, size = spool(reencode(track(meter, f), report.compression, diff_id,
+                                               layer["digest"]))
+        with out:
+            present = dst.exists(digest)
+            if not present:
+                dst.put(digest, out, size=size)
+        report.count(digest, size, not present)
+        return reencoded_descriptor(layer, report.compression, digest, size)
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, jobs), thread_name_prefix="sync") as pool:
+        layers = list(pool.map(one, parts))
+    for d in copy_blobs(src, dst, [config_digest]):
+        report.count(d, src.stat(d).size, True)
+    body = manifest_bytes(manifest, layers)
+    digest = digest_bytes(body)
+    if not dst.exists(digest):
+        dst.put(digest, body, size=len(body))
+    return digest
+
+
+def _copy_all(src: Store, dst: Store, digests: Sequence[str], report: SyncReport, jobs: int,
+              progress, meter: TransferMeter | None) -> None:
+    """Copy the blobs ``dst`` lacks, ``jobs`` at a time (one at a time keeps their order):
+    first which are missing and their sizes (``meter`` learns the total), then the bytes."""
+
+    def missing(d: str) -> tuple[str, int] | None:
         if dst.exists(d):
-            with lock:
-                report.blobs_present += 1
-            return
-        size = src.stat(d).size
-        copied = copy_blobs(src, dst, [d])  # re-checks: a concurrent sync may have won
-        with lock:
-            if copied:
-                report.blobs_copied.append(d)
-                report.bytes_copied += size
-            else:
-                report.blobs_present += 1
+            report.count(d, 0, False)
+            return None
+        return d, src.stat(d).size
+
+    def one(item: tuple[str, int]) -> None:
+        d, size = item
+        copied = copy_blobs(src, dst, [d], meter)  # re-checks: a concurrent sync may have won
+        report.count(d, size, bool(copied))
         if copied:
             progress(f"copied {d} ({size} bytes)")
 
     if jobs <= 1 or len(digests) <= 1:
-        for d in digests:
-            one(d)
+        todo = [m for m in map(missing, digests) if m is not None]
+        if meter is not None:
+            meter.expect(sum(size for _, size in todo))
+        for item in todo:
+            one(item)
         return
     with concurrent.futures.ThreadPoolExecutor(jobs, thread_name_prefix="sync") as pool:
-        for f in [pool.submit(one, d) for d in digests]:
+        todo = [m for m in pool.map(missing, digests) if m is not None]
+        if meter is not None:
+            meter.expect(sum(size for _, size in todo))
+        for f in [pool.submit(one, item) for item in todo]:
             f.result()
 
 

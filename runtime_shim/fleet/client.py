@@ -42,7 +42,7 @@ from runtime_shim.fleet.daemon import (
     actor_name,
     split_fleet_id,
 )
-from runtime_shim.model import ExecResult, Limits, SandboxInfo
+from runtime_shim.node.model import ExecResult, Limits, SandboxInfo
 
 #: Seconds a control call (status, list, close, file access) may take before the node counts
 #: as lost.
@@ -214,7 +214,7 @@ class Fleet:
         ``FleetUnavailable`` (no cluster there, no node offers ``envbuild_node``),
         ``StoreUnavailable``."""
         from runtime_shim.fleet.daemon import _open_url
-        from runtime_shim.sandbox import open_store
+        from runtime_shim.sdk.sandbox import open_store
 
         ray = _ray()
         store = store or os.environ.get("ENVBUILD_STORE")
@@ -339,7 +339,7 @@ class Fleet:
               limits: Limits | None, ttl: float | None, exec_log: bool,
               labels: Mapping[str, str] | None, seccomp: str | None):
         from envbuild.errors import LockNotFound
-        from runtime_shim.locks import resolve
+        from runtime_shim.node.locks import resolve
 
         try:
             resolved = resolve(self.store, lock)
@@ -463,7 +463,7 @@ class Fleet:
         """Every group of a resolved job manifest (``envbuild.jobs`` ``SandboxGroup``s) in
         one plan: one handle list per group, all or none. Each group's lock is checked to
         still close over its pinned layers first."""
-        from runtime_shim.locks import resolve
+        from runtime_shim.node.locks import resolve
 
         requests = []
         for g in groups:

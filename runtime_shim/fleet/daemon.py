@@ -4,7 +4,7 @@
 as a named, detached Ray actor (``actor_name(node_id)`` in namespace ``NAMESPACE``, started by
 ``runtime_shim.fleet.client.start_daemons``, ``num_cpus=0`` plus one unit of ``envbuild_node``
 so exactly one fits a node). It makes every sandbox with the SDK (``Sandbox.create``), so any
-backend in ``runtime_shim.backend``'s registry works unchanged, against one node dir
+backend in ``runtime_shim.backends.base``'s registry works unchanged, against one node dir
 (``DaemonConfig.node_dir``, a template in which ``{node_id}`` is the Ray node id, so several Ray
 nodes on one test host do not collide) and one shared store (S3, or a directory for a
 single-host cluster).
@@ -47,8 +47,8 @@ from envbuild.errors import (
     RuntimeShimError,
     SandboxNotFound,
 )
-from runtime_shim.layout import NodeLayout
-from runtime_shim.model import ExecResult, Limits, SandboxInfo
+from runtime_shim.node.layout import NodeLayout
+from runtime_shim.node.model import ExecResult, Limits, SandboxInfo
 
 NAMESPACE = "envbuild"
 ACTOR_PREFIX = "envbuild-node-"
@@ -191,7 +191,7 @@ def split_fleet_id(value: str) -> tuple[str, str]:
 
 @dataclasses.dataclass
 class _Entry:
-    sandbox: Any  # runtime_shim.sandbox.Sandbox
+    sandbox: Any  # runtime_shim.sdk.sandbox.Sandbox
     spec: CreateSpec
     lease_expires: float
     exec_log: str | None
@@ -206,7 +206,7 @@ class NodeDaemon:
     it with many concurrent calls (``max_concurrency``)."""
 
     def __init__(self, config: DaemonConfig, node_id: str | None = None) -> None:
-        from runtime_shim.sandbox import open_store
+        from runtime_shim.sdk.sandbox import open_store
 
         if node_id is None:
             import ray
@@ -260,7 +260,7 @@ class NodeDaemon:
                 "reaped": self.reaped}
 
     def status(self, layers: Sequence[str] = (), pool_keys: Sequence[str] = ()) -> NodeStatus:
-        from runtime_shim.nodecache import NodeCache
+        from runtime_shim.node.nodecache import NodeCache
 
         node = NodeCache(self.layout.node)
         cached = tuple(d for d in layers if node.has(d) or node.lazy_mounted(d))
@@ -294,7 +294,7 @@ class NodeDaemon:
         the batch like a start that does)."""
         if count < 1:
             return []
-        from runtime_shim.locks import resolve
+        from runtime_shim.node.locks import resolve
 
         lock = resolve(self.store, spec.lock)  # LockNotFound before anything is reserved
         self._reserve(spec, count)
@@ -373,7 +373,7 @@ class NodeDaemon:
 
     def _start_one(self, spec: CreateSpec, pool: str | None = None,
                    first: FirstExec | None = None) -> _Entry:
-        from runtime_shim.sandbox import Sandbox
+        from runtime_shim.sdk.sandbox import Sandbox
 
         with self._lock:
             self._queued += 1
@@ -428,7 +428,7 @@ class NodeDaemon:
             entry = self._entries.pop(sandbox_id, None)
         if entry is None:
             if os.path.lexists(self.layout.sandbox(sandbox_id).root):
-                from runtime_shim.sandbox import remove_sandbox
+                from runtime_shim.sdk.sandbox import remove_sandbox
 
                 remove_sandbox(self.layout, sandbox_id, self.config.runtime)
                 return
@@ -487,7 +487,7 @@ class NodeDaemon:
         removed = self._reap_expired()
         with self._lock:
             known = set(self._entries)
-        from runtime_shim.sandbox import list_sandboxes, remove_sandbox
+        from runtime_shim.sdk.sandbox import list_sandboxes, remove_sandbox
 
         for info in list_sandboxes(self.layout):
             if info.id in known or info.pid == os.getpid():
@@ -705,7 +705,7 @@ class NodeDaemon:
         return 4 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
     def _count_pulled(self, lock: Any) -> None:
-        from runtime_shim.nodecache import NodeCache
+        from runtime_shim.node.nodecache import NodeCache
 
         node = NodeCache(self.layout.node)
         with self._lock:
@@ -733,7 +733,7 @@ class NodeDaemon:
 
     def _adopt(self) -> tuple[list[str], list[str]]:
         """Re-adopt the node dir's live sandboxes, remove the rest (module docstring)."""
-        from runtime_shim.sandbox import Sandbox, list_sandboxes, remove_sandbox
+        from runtime_shim.sdk.sandbox import Sandbox, list_sandboxes, remove_sandbox
 
         adopted: list[str] = []
         reaped: list[str] = []
@@ -773,7 +773,7 @@ class NodeDaemon:
 def reap_node_dir(node_dir: str | os.PathLike[str]) -> list[str]:
     """Remove every sandbox of a node dir (what a daemon does for a node that is gone): the
     ids removed. For operators and tests after a node was lost."""
-    from runtime_shim.sandbox import list_sandboxes, remove_sandbox
+    from runtime_shim.sdk.sandbox import list_sandboxes, remove_sandbox
 
     node_dir = os.path.realpath(node_dir)  # mounts are listed by their real path
     removed = []
@@ -795,7 +795,7 @@ def _open_url(store: str, s3_endpoint: str | None):
 def _can_keep(spec: CreateSpec) -> bool:
     """keep=True (the sandbox outlives its creator: the daemon may crash and re-adopt it)
     where the backend allows it."""
-    from runtime_shim.backend import get_backend
+    from runtime_shim.backends.base import get_backend
 
     try:
         get_backend(spec.backend).check(keep=True, seccomp=spec.seccomp, lazy=spec.lazy)

@@ -33,7 +33,7 @@ from typing import Any, cast
 
 from envbuild.errors import RuntimeShimError, UnsupportedFormatError
 from envbuild.store import Store
-from runtime_shim.model import ExecResult
+from runtime_shim.node.model import ExecResult
 
 LOG_VERSION = 1
 NAMESPACE = "execlog/v1"

@@ -81,7 +81,7 @@ Where each concern lives (this package re-exports the public names):
 ``__main__``        ``python -m runtime_shim.lazyfs``
 ==================  ========================================================================
 
-Dependencies point one way: ``runtime_shim.nodecache`` uses ``control`` (to start and ask the
+Dependencies point one way: ``runtime_shim.node.nodecache`` uses ``control`` (to start and ask the
 daemon); nothing here imports ``nodecache``.
 """
 

@@ -61,7 +61,7 @@ profile's ``key`` (the client found one, read while the mounts were made) stops 
 client that finds no
 daemon (connection refused, or reset by one that is exiting) starts one and asks again.
 
-This module imports nothing of the daemon (no FUSE, no store), so ``runtime_shim.nodecache``
+This module imports nothing of the daemon (no FUSE, no store), so ``runtime_shim.node.nodecache``
 can use it without loading either.
 """
 

@@ -359,7 +359,7 @@ class _NodeDaemon:
         finally:
             listener.close()
         if self.stop:
-            from runtime_shim.mount import unmount
+            from runtime_shim.isolation.mount import unmount
 
             with self.lock:
                 targets = list(self.mounts.values())

@@ -28,7 +28,7 @@ Why a nested overlay and not metacopy files straight in the sandbox's overlay: f
 ``metacopy`` needs ``metacopy=on`` on that overlay, which the kernel only allows with
 ``redirect_dir=on`` when there is an upper dir — both make copy-ups write metadata-only files
 and directory redirects into the sandbox's upper dir, which would then no longer be a plain
-diff (``runtime_shim.mount.OVERLAY_PLAIN_OPTIONS``). The inner overlay has no upper dir, so
+diff (``runtime_shim.isolation.mount.OVERLAY_PLAIN_OPTIONS``). The inner overlay has no upper dir, so
 ``metacopy=on,redirect_dir=follow`` only *reads* redirects, and the sandbox's overlay keeps its
 plain options: a copy-up out of ``mnt`` copies the data. Stacking depth: the FUSE mount is 1
 (passthrough), ``mnt`` is 1 (over ext4), the sandbox's overlay is 2, the kernel's limit. The
@@ -368,7 +368,7 @@ def _mountinfo() -> list[tuple[str, str]]:
 
 
 def _unmount(target: str) -> None:
-    from runtime_shim.mount import unmount
+    from runtime_shim.isolation.mount import unmount
 
     unmount(target)
 

@@ -25,7 +25,7 @@ _log = logging.getLogger("envbuild.lazyfs")
 
 
 class LazyNode(Protocol):
-    """What ``lazy_layer_dirs`` needs of the node cache (``runtime_shim.nodecache.NodeCache``;
+    """What ``lazy_layer_dirs`` needs of the node cache (``runtime_shim.node.nodecache.NodeCache``;
     a protocol so this package does not import the module that imports it)."""
 
     root: Path

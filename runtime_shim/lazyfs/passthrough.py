@@ -777,7 +777,7 @@ def probe(scratch: str, files_dir: str) -> tuple[bool, str]:
     """Whether this kernel serves FUSE passthrough for us: mount an empty filesystem at
     ``scratch`` (created and removed here), answer INIT asking for ``FUSE_PASSTHROUGH``, and
     register a file of ``files_dir`` as a backing file. ``(ok, why not)``."""
-    from runtime_shim.mount import unmount
+    from runtime_shim.isolation.mount import unmount
 
     if passthrough_wanted() is False:
         return False, f"disabled by ${PASSTHROUGH_ENV}"

@@ -144,7 +144,7 @@ def cluster_examples(ray_cluster, tmp_path_factory):
     import time
 
     from envbuild.build.reaper import reap_stale_builds
-    from runtime_shim.runc import OciRuntime
+    from runtime_shim.isolation.runc import OciRuntime
     from tests.store.s3server import CREDENTIALS, MotoServer
 
     require_root()

@@ -1,5 +1,5 @@
 """The sandbox exec agent (PID 1 of every sandbox) over real runc: protocol, process groups,
-backpressure, users, reaping, and who may connect. The protocol is runtime_shim/agent/README.md."""
+backpressure, users, reaping, and who may connect. The protocol is runtime_shim/isolation/agent/README.md."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from runtime_shim import agent
-from runtime_shim.sandbox import Limits, Sandbox
+from runtime_shim.isolation import agent
+from runtime_shim.sdk.sandbox import Limits, Sandbox
 from tests.conftest import require_tool
 from tests.integration.conftest import build_busybox_env
 

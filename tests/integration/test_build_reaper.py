@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from envbuild.build.reaper import bundle_container_ids, cgroup_dirs, loops_backed_under, reap_stale_builds
-from runtime_shim.mount import mounted_targets_under
-from runtime_shim.runc import OciRuntime, list_containers
+from runtime_shim.isolation.mount import mounted_targets_under
+from runtime_shim.isolation.runc import OciRuntime, list_containers
 from tests.conftest import require_root, require_tool
 from tests.leftovers import assert_nothing_left_under
 

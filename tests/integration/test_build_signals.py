@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from envbuild.store import LocalStore, get_key_record
-from runtime_shim.runc import OciRuntime, list_containers
+from runtime_shim.isolation.runc import OciRuntime, list_containers
 from tests.conftest import require_tool
 
 SLOW = "slow-tk"

@@ -1,7 +1,7 @@
 """Checkpoints with memory of container sandboxes, against real runc and CRIU.
 
 CRIU must work on this kernel: Debian 12's 3.17.1 does not on Linux >= 6.13 (``[vvar_vclock]``,
-see ``runtime_shim.criu``); ``$ENVBUILD_CRIU`` names a CRIU >= 4.1. Without one the tests
+see ``runtime_shim.backends.criu``); ``$ENVBUILD_CRIU`` names a CRIU >= 4.1. Without one the tests
 that dump fail loudly (``require_criu``); the probe test pins the reason Debian's gives.
 """
 
@@ -15,9 +15,10 @@ import pytest
 
 from envbuild.errors import BackendUnavailable, CheckpointRefused, LockNotFound
 from envbuild.store import get_json
-from runtime_shim import Sandbox, criu
-from runtime_shim.checkpoint import ANNOTATION_IMAGE, ANNOTATION_RECORD
-from runtime_shim.locks import resolve
+from runtime_shim import Sandbox
+from runtime_shim.backends import criu
+from runtime_shim.node.locks import resolve
+from runtime_shim.sdk.checkpoint import ANNOTATION_IMAGE, ANNOTATION_RECORD
 from tests.conftest import require_root
 
 pytestmark = pytest.mark.integration

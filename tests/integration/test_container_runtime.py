@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime_shim.mount import OverlaySpec, mount_overlay, mounted_targets_under, unmount
-from runtime_shim.runc import (
+from runtime_shim.isolation.mount import OverlaySpec, mount_overlay, mounted_targets_under, unmount
+from runtime_shim.isolation.runc import (
     OciRuntime,
     destroy,
     list_containers,
@@ -19,7 +19,7 @@ from runtime_shim.runc import (
     runtime_error_line,
     write_bundle,
 )
-from runtime_shim.spec import RuntimeSpecRequest, runtime_spec
+from runtime_shim.isolation.spec import RuntimeSpecRequest, runtime_spec
 from tests.conftest import require_root, require_tool
 
 
@@ -136,7 +136,7 @@ def test_a_failed_runc_start_names_its_cause_in_one_line(tmp_path, overlay_root)
 
 
 def test_a_start_logs_tail_is_bounded_and_never_a_fifo_or_a_link(tmp_path):
-    from runtime_shim.container import START_LOG_TAIL, _log_tail
+    from runtime_shim.backends.container import START_LOG_TAIL, _log_tail
 
     log = tmp_path / "start.log"
     log.write_bytes(b"x" * (START_LOG_TAIL + 100_000) + b"\nlast line\n")
@@ -158,7 +158,7 @@ def test_destroy_removes_the_cgroups_of_a_runtime_killed_mid_create(tmp_path):
     killing what runs there."""
     require_root()
     require_tool("runc")
-    from runtime_shim import cgroupfs
+    from runtime_shim.isolation import cgroupfs
 
     sandbox_id = f"eb-{uuid.uuid4().hex[:12]}"
     made = []

@@ -12,11 +12,11 @@ import subprocess
 import pytest
 
 from envbuild.build.executor import BuildLimits
-from runtime_shim import cgroupfs, cpuclass
-from runtime_shim.model import Limits
-from runtime_shim.runc import OciRuntime, run_container, write_bundle
-from runtime_shim.sandbox import Sandbox
-from runtime_shim.spec import RuntimeSpecRequest, runtime_spec
+from runtime_shim.isolation import cgroupfs, cpuclass
+from runtime_shim.isolation.runc import OciRuntime, run_container, write_bundle
+from runtime_shim.isolation.spec import RuntimeSpecRequest, runtime_spec
+from runtime_shim.node.model import Limits
+from runtime_shim.sdk.sandbox import Sandbox
 from tests.conftest import require_root, require_tool
 from tests.integration.conftest import build_busybox_env
 

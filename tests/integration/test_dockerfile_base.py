@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from envbuild.dockerd import docker_daemon, mounts_under
-from runtime_shim.sandbox import Sandbox
+from runtime_shim.sdk.sandbox import Sandbox
 from tests.conftest import require_root, require_tool
 from tests.integration.conftest import copy_busybox_defs
 
@@ -409,7 +409,7 @@ def test_network_host_builds_get_the_host_ca_bundle_as_a_secret(envbuild_cli, tm
     """With ``network: host`` a RUN can mount the host's CA bundle (the secret
     ``envbuild-host-ca``: this host reaches PyPI through an intercepting proxy only that bundle
     trusts); it is the host's bundle byte for byte, and it is not in the image."""
-    from runtime_shim.stub import host_ca_bundle
+    from runtime_shim.isolation.stub import host_ca_bundle
 
     _require_docker()
     monkeypatch.delenv("DOCKER_HOST", raising=False)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from envbuild.errors import LockNotFound, NodeLost, SandboxNotFound
-from runtime_shim.model import Limits
+from runtime_shim.node.model import Limits
 from tests.conftest import REPO
 from tests.store.s3server import moto_s3  # noqa: F401  (session fixture)
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.integration
 
 LOCK = "env/busybox-shell"
 #: no scratch disk per sandbox (a loop device each): 50 at once stay cheap on this host
-# small: 50 sandboxes on this host's two nodes fit the node budget (runtime_shim.admission: a
+# small: 50 sandboxes on this host's two nodes fit the node budget (runtime_shim.node.admission: a
 # default sandbox reserves 256 x 1024 of fs.file-max)
 LIMITS = Limits(disk_bytes=None, memory_bytes=64 << 20, pids=32, nofile=256)
 
@@ -98,7 +98,7 @@ def clean(fleet, env):
 DRIVER = textwrap.dedent("""
     import json, sys, time
     from runtime_shim.fleet import Fleet
-    from runtime_shim.model import Limits
+    from runtime_shim.node.model import Limits
     address, store, out = sys.argv[1:4]
     fleet = Fleet.connect(address=address, store=store, start=False)
     sbs = fleet.create("env/busybox-shell", n=50, exec_log=True, ttl=600,
@@ -192,8 +192,8 @@ def test_a_crashed_daemon_re_adopts_its_sandboxes_and_reaps_half_made_ones(clean
     import ray
 
     from runtime_shim.fleet.daemon import actor_name
-    from runtime_shim.layout import NodeLayout
-    from runtime_shim.sandbox import Sandbox
+    from runtime_shim.node.layout import NodeLayout
+    from runtime_shim.sdk.sandbox import Sandbox
 
     fleet = clean
     sbs = fleet.create(LOCK, n=4, limits=LIMITS)
@@ -341,7 +341,7 @@ def test_a_lost_node_gives_node_lost_never_a_hang(clean, env):
     from runtime_shim.fleet import CreateSpec
     from runtime_shim.fleet.client import FleetSandbox, start_daemons
     from runtime_shim.fleet.daemon import DaemonConfig, reap_node_dir
-    from runtime_shim.locks import resolve
+    from runtime_shim.node.locks import resolve
 
     fleet = clean
     cluster = env["cluster"]
@@ -465,9 +465,18 @@ def test_cli_job_run_and_fleet_commands(clean, env, tmp_path, capsys):
     assert code == 0 and out.strip() == f"removed {first}"
     code, out, _ = cli("fleet", "rm", "eb-0123456789ab@ffffffffffff", "--address", address)
     assert code == 1 and "not of this cluster" in out
+    second = sorted(ids)[1]
+    code, out, _ = cli("fleet", "rm", second, "eb-0123456789ab@ffffffffffff", "--address",
+                       address, "--json")
+    doc = json.loads(out)
+    assert code == 1 and doc["removed"] == [second]
+    assert [f["id"] for f in doc["failed"]] == ["eb-0123456789ab@ffffffffffff"]
+    assert "not of this cluster" in doc["failed"][0]["error"]
     assert cli("fleet", "gc", "--address", address)[0] == 0
-    code, out, _ = cli("fleet", "rm", "--all", "--address", address)
-    assert code == 0 and len(out.splitlines()) == 4
+    code, out, _ = cli("fleet", "gc", "--address", address, "--json")
+    assert (code, json.loads(out)) == (0, {"removed": []})
+    code, out, _ = cli("fleet", "rm", "--all", "--address", address, "--json")
+    assert code == 0 and len(json.loads(out)["removed"]) == 3
     code, out, _ = cli("fleet", "ls", "--address", address)
     assert code == 0 and out == ""
 
@@ -493,7 +502,7 @@ def test_a_node_without_its_oci_runtime_fails_the_batch_in_one_line(env, tmp_pat
     SDK's one-line error, and nothing of the batch is left."""
     from envbuild.errors import RuntimeShimError
     from runtime_shim.fleet.daemon import CreateSpec, DaemonConfig, NodeDaemon
-    from runtime_shim.locks import resolve
+    from runtime_shim.node.locks import resolve
 
     d = NodeDaemon(DaemonConfig(store=env["store"], node_dir=str(tmp_path / "{node_id}"),
                                 runtime="runc-not-installed"), node_id="ef" * 28)

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from envbuild.errors import BackendUnavailable
-from runtime_shim import cgroupfs
-from runtime_shim.fncall import FnPool
-from runtime_shim.mount import mounted_targets_under
-from runtime_shim.runc import OciRuntime, list_containers
-from runtime_shim.sandbox import Sandbox
+from runtime_shim.isolation import cgroupfs
+from runtime_shim.isolation.mount import mounted_targets_under
+from runtime_shim.isolation.runc import OciRuntime, list_containers
+from runtime_shim.sdk.fnpool import FnPool
+from runtime_shim.sdk.sandbox import Sandbox
 from tests.integration.conftest import build_busybox_env
 
 pytestmark = pytest.mark.integration
@@ -130,9 +130,9 @@ def test_fncall_refuses_network_and_keep_and_leaves_nothing(built):
 
 
 def test_calls_are_reaped_at_once_and_never_use_up_the_pids_limit(built):
-    """Each call has a PID 1 of its own (``runtime_shim.fncall_ns``); the helper that starts it
+    """Each call has a PID 1 of its own (``runtime_shim.isolation.fncall_ns``); the helper that starts it
     stays its parent and reaps it, so no zombie of an earlier call counts against ``pids``."""
-    from runtime_shim.model import Limits
+    from runtime_shim.node.model import Limits
 
     store, node = built
     with Sandbox.create(ENV, store=store, node_dir=node, backend="fncall",

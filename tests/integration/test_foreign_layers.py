@@ -14,7 +14,7 @@ import tarfile
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from runtime_shim.sandbox import Sandbox
+from runtime_shim.sdk.sandbox import Sandbox
 from tests.conftest import require_root, require_tool
 from tests.integration.conftest import build_busybox_env
 from tests.integration.foreign_images import add_entry, add_file, add_image, layer_tar

@@ -15,7 +15,7 @@ import tarfile
 import pytest
 
 from envbuild.store.registry import RegistryStore
-from runtime_shim.sandbox import Sandbox
+from runtime_shim.sdk.sandbox import Sandbox
 from tests.conftest import require_root, require_tool
 from tests.integration.conftest import build_busybox_env, copy_busybox_defs
 from tests.integration.foreign_images import add_entry, add_file, add_image, add_index, layer_tar

@@ -40,7 +40,7 @@ def test_resolve_verify_run_and_gc(envbuild_cli, tmp_path):
     assert result.code == 0, result.out + result.err
     assert result.json()["checked"] == 5
 
-    from runtime_shim.jobs import create_sandbox
+    from envbuild.jobs import create_sandbox
 
     store = LocalStore(envbuild_cli.store)
     sandboxes = [create_sandbox(group, store=store, node_dir=envbuild_cli.node)

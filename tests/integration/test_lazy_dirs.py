@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from envbuild.store import LocalStore
+from runtime_shim.isolation.mount import mounted_targets_under
 from runtime_shim.lazyfs import lazy_stats
 from runtime_shim.lazyfs.fusewire import READDIRPLUS_MAX_ENTRIES
-from runtime_shim.mount import mounted_targets_under
-from runtime_shim.nodecache import NodeCache
+from runtime_shim.node.nodecache import NodeCache
 from tests.conftest import require_root, require_tool
 from tests.integration.test_lazy_xattrs import _layer
 

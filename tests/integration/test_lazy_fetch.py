@@ -15,8 +15,8 @@ import pytest
 from envbuild.store import open_store
 from runtime_shim.lazyfs import PROFILE_NAMESPACE, lazy_stats
 from runtime_shim.lazyfs.control import daemon_request
-from runtime_shim.nodecache import NodeCache
-from runtime_shim.sandbox import Sandbox
+from runtime_shim.node.nodecache import NodeCache
+from runtime_shim.sdk.sandbox import Sandbox
 from tests.conftest import require_root, require_tool
 from tests.integration.test_container_runtime import make_busybox_root
 from tests.integration.test_lazy_sandbox import _lock, _no_leftovers, _pack, _settled

@@ -18,8 +18,8 @@ import pytest
 from runtime_shim.lazyfs import lazy_stats, metalayer
 from runtime_shim.lazyfs.control import daemon_request
 from runtime_shim.lazyfs.passthrough import OPEN
-from runtime_shim.nodecache import NodeCache
-from runtime_shim.sandbox import Sandbox
+from runtime_shim.node.nodecache import NodeCache
+from runtime_shim.sdk.sandbox import Sandbox
 from tests.integration.test_lazy_sandbox import LISTING, lock2  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.integration

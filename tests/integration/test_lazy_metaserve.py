@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from runtime_shim.isolation.mount import mounted_targets_under, unmount
 from runtime_shim.lazyfs import lazy_stats
 from runtime_shim.lazyfs.control import daemon_request
-from runtime_shim.mount import mounted_targets_under, unmount
 from tests.integration.test_lazy_dirs import NAMES
 from tests.integration.test_lazy_dirs import _mounted as _dirs_mounted
 from tests.integration.test_lazy_preload import _wait_for

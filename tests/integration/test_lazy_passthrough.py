@@ -19,8 +19,8 @@ from envbuild.errors import EnvbuildError, RuntimeShimError
 from envbuild.store import LocalStore
 from runtime_shim.lazyfs import lazy_stats
 from runtime_shim.lazyfs.control import daemon_request
-from runtime_shim.nodecache import NodeCache
-from runtime_shim.sandbox import Sandbox
+from runtime_shim.node.nodecache import NodeCache
+from runtime_shim.sdk.sandbox import Sandbox
 from tests.conftest import require_root, require_tool
 from tests.integration.test_container_runtime import make_busybox_root
 from tests.integration.test_lazy_sandbox import _lock, _no_leftovers, _pack

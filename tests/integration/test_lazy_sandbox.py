@@ -27,10 +27,10 @@ from envbuild.oci import MEDIA_TYPE_CONFIG
 from envbuild.plan.lockspec import LockLayer, RuntimeConfig, make_lock, merge_config
 from envbuild.store import LocalStore, MemoryStore, open_store, put_file, put_json
 from envbuild.store.sync import sync
+from runtime_shim.isolation.mount import mounted_targets_under
 from runtime_shim.lazyfs import lazy_stats
-from runtime_shim.mount import mounted_targets_under
-from runtime_shim.nodecache import NodeCache
-from runtime_shim.sandbox import Sandbox, layers_in_use
+from runtime_shim.node.nodecache import NodeCache
+from runtime_shim.sdk.sandbox import Sandbox, layers_in_use
 from tests.conftest import require_root, require_tool
 from tests.integration.test_container_runtime import make_busybox_root
 from tests.store.s3server import moto_s3, s3_env  # noqa: F401  (fixtures)
@@ -126,7 +126,7 @@ def lock2(tmp_path):
 
 def _no_leftovers(node_dir: Path) -> None:
     """After ``node gc``'s eviction: no sandbox, FUSE mount or lazyfs daemon of this node."""
-    from runtime_shim.sandbox import gc_sandboxes
+    from runtime_shim.sdk.sandbox import gc_sandboxes
 
     gc_sandboxes(node_dir)
     NodeCache(node_dir / "node").evict(layers_in_use(node_dir), 0)

@@ -18,7 +18,7 @@ import pytest
 from envbuild.oci import MEDIA_TYPE_CONFIG
 from envbuild.plan.lockspec import RuntimeConfig, make_lock, merge_config
 from envbuild.store import LocalStore, put_json
-from runtime_shim.sandbox import Sandbox
+from runtime_shim.sdk.sandbox import Sandbox
 from tests.conftest import require_root, require_tool
 from tests.integration.test_container_runtime import make_busybox_root
 from tests.integration.test_lazy_sandbox import _no_leftovers, _pack

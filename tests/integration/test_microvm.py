@@ -19,8 +19,8 @@ import pytest
 
 from envbuild.errors import RuntimeShimError
 from envbuild.store import LocalStore
-from runtime_shim.mount import mounted_targets_under
-from runtime_shim.sandbox import Limits, Sandbox, gc_sandboxes
+from runtime_shim.isolation.mount import mounted_targets_under
+from runtime_shim.sdk.sandbox import Limits, Sandbox, gc_sandboxes
 from tests.conftest import REPO, require_root, require_tool
 from tests.integration.conftest import build_busybox_env
 
@@ -31,7 +31,7 @@ def _require_vm_tools() -> None:
     require_root()
     for tool in ("qemu-system-x86_64", "mkfs.erofs", "mkfs.ext4", "busybox", "gcc"):
         require_tool(tool)
-    from runtime_shim.vm.kernel import find_kernel
+    from runtime_shim.backends.vm.kernel import find_kernel
 
     try:
         find_kernel(os.environ)
@@ -136,7 +136,7 @@ def test_erofs_images_keep_overlay_whiteouts_and_opaque_dirs(tmp_path):
     """The layer dir → EROFS step keeps both kinds of overlay whiteout (a 0/0 char device and
     the ``trusted.overlay.opaque`` xattr), so the guest's overlayfs honours deletions."""
     _require_vm_tools()
-    from runtime_shim.vm.erofs import ensure_erofs
+    from runtime_shim.backends.vm.erofs import ensure_erofs
 
     layer = tmp_path / "layer"
     (layer / "opaque").mkdir(parents=True)
@@ -182,7 +182,7 @@ def test_killing_the_host_process_kills_qemu(built, tmp_path):
     script.write_text(textwrap.dedent(f"""
         import sys, time, threading
         from envbuild.store import LocalStore
-        from runtime_shim.sandbox import Limits, Sandbox
+        from runtime_shim.sdk.sandbox import Limits, Sandbox
         # created from a short-lived thread: QEMU must outlive the thread, not the process
         box = []
         t = threading.Thread(target=lambda: box.append(Sandbox.create(
@@ -191,7 +191,7 @@ def test_killing_the_host_process_kills_qemu(built, tmp_path):
         t.start(); t.join()
         sb = box[0]
         assert sb.exec("true").ok
-        from runtime_shim import exitwatch
+        from runtime_shim.sdk import exitwatch
         exitwatch.stop()  # a crash its watcher dies in too: gc removes what is left
         print(sb._backend.pid, flush=True)
         time.sleep(600)

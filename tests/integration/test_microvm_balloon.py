@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from runtime_shim.sandbox import Limits, Sandbox
+from runtime_shim.sdk.sandbox import Limits, Sandbox
 from tests.integration.conftest import build_busybox_env
 from tests.integration.test_microvm import _require_vm_tools
 

@@ -15,10 +15,9 @@ import time
 import pytest
 
 from envbuild.errors import CheckpointRefused
-from runtime_shim.mount import mounted_targets_under
-from runtime_shim.sandbox import Limits, Sandbox
-from runtime_shim.vm.backend import restore_sandbox
-from runtime_shim.vm.checkpoint import RECORD_FILE, VmCheckpoint
+from runtime_shim.backends.vm.checkpoint import RECORD_FILE, VmCheckpoint
+from runtime_shim.isolation.mount import mounted_targets_under
+from runtime_shim.sdk.sandbox import Limits, Sandbox
 from tests.integration.conftest import build_busybox_env
 from tests.integration.test_microvm import _gone, _qemu_pids, _require_vm_tools
 
@@ -35,6 +34,13 @@ COUNTER = ("i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; "
 def built(tmp_path_factory):
     _require_vm_tools()
     return build_busybox_env(tmp_path_factory.mktemp("vm-ckpt"))
+
+
+def _restore(image, *, store, node_dir, **kwargs):
+    """A sandbox continuing the unpacked ``image``: restore is a field of create."""
+    lock = VmCheckpoint.from_record(image.record).lock
+    return Sandbox.create(lock, store=store, node_dir=node_dir, backend="microvm",
+                          restore=image, **kwargs)
 
 
 def _counter(sb: Sandbox) -> int:
@@ -72,7 +78,7 @@ def test_restore_continues_the_processes_memory_and_files(built, tmp_path):
         sb.write_file("/workspace/after.txt", "after\n")
 
         qemu_before = _qemu_pids()
-        restored = restore_sandbox(image, store=store, node_dir=node)
+        restored = _restore(image, store=store, node_dir=node)
         assert restored._backend.pid not in qemu_before
         assert b"envbuild-init: ready" not in restored._backend._console()  # no boot
         first = _counter(restored)
@@ -98,7 +104,7 @@ def test_restore_continues_the_processes_memory_and_files(built, tmp_path):
         restored.close()
         assert VmCheckpoint.from_json((tmp_path / "ck2" / RECORD_FILE).read_text()) == \
             VmCheckpoint.from_record(second.record)
-        again = restore_sandbox(second, store=store, node_dir=node)
+        again = _restore(second, store=store, node_dir=node)
         assert again.read_file("/workspace/restored.txt") == b"r\n"
         _wait_counter(again, _counter(again))
     finally:
@@ -118,7 +124,7 @@ def test_restore_with_other_devices_is_refused_before_qemu_starts(built, tmp_pat
         assert sb.exec("true").ok
     qemu_before = _qemu_pids()
     with pytest.raises(CheckpointRefused, match="devices differ") as e:
-        restore_sandbox(image, store=store, node_dir=node,
+        _restore(image, store=store, node_dir=node,
                         limits=Limits(memory_bytes=512 << 20))
     assert "memory_mib" in (e.value.context or "")
     assert _qemu_pids() <= qemu_before

@@ -15,11 +15,11 @@ import time
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from runtime_shim.locks import resolve
-from runtime_shim.mount import mounted_targets_under
-from runtime_shim.packdiff import SnapshotPolicy, SnapshotRefused
-from runtime_shim.sandbox import Limits, Sandbox
-from runtime_shim.stub import STUB_FILES
+from runtime_shim.isolation.mount import mounted_targets_under
+from runtime_shim.isolation.stub import STUB_FILES
+from runtime_shim.node.locks import resolve
+from runtime_shim.node.packdiff import SnapshotPolicy, SnapshotRefused
+from runtime_shim.sdk.sandbox import Limits, Sandbox
 from tests.integration.conftest import build_busybox_env
 from tests.integration.test_microvm import _require_vm_tools
 from tests.integration.test_packdiff import CHANGES, LISTING
@@ -49,7 +49,7 @@ def _listing(sb: Sandbox) -> str:
     """The tree as ``LISTING`` prints it, less what differs by backend and not by snapshot:
     directory sizes (4096 on ext4, the entries' bytes on EROFS) and link counts (overlayfs
     says 1 for a directory merged from several layers), and the container stub's empty
-    placeholders for its bind mounts (``runtime_shim.stub``; a VM has no such binds)."""
+    placeholders for its bind mounts (``runtime_shim.isolation.stub``; a VM has no such binds)."""
     r = sb.exec(LISTING)
     assert r.exit_code == 0, r.stderr
     placeholders = {f"./{f} regular empty file 644 0:0 0 1  {EMPTY_MD5}" for f in STUB_FILES}

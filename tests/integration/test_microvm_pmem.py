@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from envbuild.errors import BackendUnavailable
-from runtime_shim.mount import mounted_targets_under
-from runtime_shim.sandbox import Limits, Sandbox
+from runtime_shim.isolation.mount import mounted_targets_under
+from runtime_shim.sdk.sandbox import Limits, Sandbox
 from tests.data_env import build_data_env
 from tests.integration.test_microvm import _qemu_pids, _require_vm_tools
 
@@ -92,7 +92,7 @@ def test_layers_read_the_same_and_only_dax_skips_the_guest_page_cache(built, mon
 def _kernel_without_dax(tmp_path: Path) -> Path:
     """The host's guest kernel, copied beside a config that lacks CONFIG_FS_DAX (its modules
     stay in /lib/modules/<version>: find_kernel looks them up by version)."""
-    from runtime_shim.vm.kernel import find_kernel
+    from runtime_shim.backends.vm.kernel import find_kernel
 
     kern = find_kernel({})
     boot = tmp_path / "boot"

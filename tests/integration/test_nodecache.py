@@ -9,8 +9,8 @@ from envbuild.layers import pack_tree
 from envbuild.oci import MEDIA_TYPE_CONFIG
 from envbuild.plan.lockspec import LockLayer, RuntimeConfig, make_lock, merge_config
 from envbuild.store import LocalStore, put_file, put_json
-from runtime_shim.nodecache import NodeCache, parse_size
-from runtime_shim.sandbox import Sandbox, layers_in_use
+from runtime_shim.node.nodecache import NodeCache, parse_size
+from runtime_shim.sdk.sandbox import Sandbox, layers_in_use
 from tests.conftest import require_root, require_tool
 from tests.integration.test_container_runtime import make_busybox_root
 

@@ -12,15 +12,15 @@ import sys
 import pytest
 
 from envbuild.layers import LayerReader
-from runtime_shim.locks import resolve
-from runtime_shim.packdiff import (
+from runtime_shim.node.locks import resolve
+from runtime_shim.node.packdiff import (
     SnapshotPolicy,
     SnapshotRefused,
     pack_upper,
     snapshot_chain,
     squash_snapshots,
 )
-from runtime_shim.sandbox import Sandbox
+from runtime_shim.sdk.sandbox import Sandbox
 from tests.conftest import require_root
 from tests.integration.conftest import build_busybox_env
 

@@ -273,8 +273,8 @@ def test_worker_killed_mid_build_is_retried_elsewhere(cluster):
         cgroup_dirs,
         reap_stale_builds,
     )
-    from runtime_shim.layout import NodeLayout
-    from runtime_shim.runc import OciRuntime
+    from runtime_shim.isolation.runc import OciRuntime
+    from runtime_shim.node.layout import NodeLayout
 
     names = synthetic_tree(cluster.defs, 8, sleep=4)
     victim = cluster.ray.add_node(resources={"envbuild_builder": 2})

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from runtime_shim import reclaim
-from runtime_shim.sandbox import Sandbox
+from runtime_shim.node import reclaim
+from runtime_shim.sdk.sandbox import Sandbox
 from tests.integration.conftest import build_busybox_env
 
 pytestmark = pytest.mark.integration
@@ -101,7 +101,7 @@ def test_fncall_sandboxes_report_memory_too(built):
 
 def test_node_policy_file(built, tmp_path):
     _, node = built
-    from runtime_shim.layout import NodeLayout
+    from runtime_shim.node.layout import NodeLayout
 
     layout = NodeLayout(tmp_path)
     assert reclaim.ReclaimPolicy.for_node(layout) == reclaim.ReclaimPolicy()

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from runtime_shim.mount import mounted_targets_under
-from runtime_shim.runc import OciRuntime, list_containers
-from runtime_shim.sandbox import Limits, Sandbox, gc_sandboxes, list_sandboxes
+from runtime_shim.isolation.mount import mounted_targets_under
+from runtime_shim.isolation.runc import OciRuntime, list_containers
+from runtime_shim.sdk.sandbox import Limits, Sandbox, gc_sandboxes, list_sandboxes
 from tests.integration.conftest import build_busybox_env
 
 ENV = "busybox-shell"
@@ -76,7 +76,7 @@ def test_no_network_unless_asked(built):
         assert [line.split(":")[1].strip() for line in links.splitlines()] == ["lo"]
     with _create(built, network=True) as sb:
         links = sb.exec("ip -o link").stdout.decode()
-        # its own namespace (runtime_shim.netns), not the host's interfaces
+        # its own namespace (runtime_shim.isolation.netns), not the host's interfaces
         assert sorted(line.split(":")[1].strip() for line in links.splitlines()) == \
             ["lo", "tap0"]
 
@@ -150,7 +150,7 @@ def test_file_access_cannot_escape_the_sandbox(built, tmp_path):
 def test_many_sandboxes_at_once_leak_nothing(built):
     n = 100
     # small ones: a hundred default sandboxes (10 GiB disks, 256 x 1024 files) are more than
-    # this node's budget (runtime_shim.admission; issue 34), and this test is about leaks
+    # this node's budget (runtime_shim.node.admission; issue 34), and this test is about leaks
     small = Limits(pids=32, nofile=256, memory_bytes=64 << 20, disk_bytes=64 << 20,
                    inodes=4096)
 
@@ -173,9 +173,9 @@ def test_gc_removes_sandboxes_of_a_crashed_process(built):
     code = (
         "import sys, time\n"
         "from envbuild.store import LocalStore\n"
-        "from runtime_shim.sandbox import Sandbox\n"
+        "from runtime_shim.sdk.sandbox import Sandbox\n"
         f"sb = Sandbox.create({ENV!r}, store=LocalStore({str(store.root)!r}), node_dir={str(node)!r})\n"
-        "from runtime_shim import exitwatch\n"
+        "from runtime_shim.sdk import exitwatch\n"
         "exitwatch.stop()\n"  # a crash its watcher dies in too: gc removes what is left
         "print(sb.id, flush=True)\n"
         "time.sleep(60)\n")

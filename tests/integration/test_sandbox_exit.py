@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime_shim.runc import OciRuntime, list_containers
-from runtime_shim.sandbox import list_sandboxes, remove_sandbox
+from runtime_shim.isolation.runc import OciRuntime, list_containers
+from runtime_shim.sdk.sandbox import list_sandboxes, remove_sandbox
 from tests.integration.conftest import build_busybox_env
 from tests.leftovers import leftovers_under
 
@@ -77,7 +77,7 @@ def _owner_script(built, node: Path, body: str) -> str:
     return (
         "import atexit, os, signal, sys, time\n"
         "from envbuild.store import LocalStore\n"
-        "from runtime_shim.sandbox import Sandbox\n"
+        "from runtime_shim.sdk.sandbox import Sandbox\n"
         f"def create(**kw):\n"
         f"    return Sandbox.create({ENV!r}, store=LocalStore({str(store.root)!r}),"
         f" node_dir={str(node)!r}, **kw)\n" + body)
@@ -109,7 +109,7 @@ print(env.sb.id, flush=True)
 # Without the exit hook (as if the sandbox outlived it): close runs during finalization itself.
 NO_HOOK = """
 try:
-    from runtime_shim import lifecycle
+    from runtime_shim.isolation import lifecycle
 except ImportError:
     pass
 else:

@@ -21,8 +21,8 @@ from runtime_shim import (
     SandboxClosed,
     list_sandboxes,
 )
-from runtime_shim.mount import mounted_targets_under
-from runtime_shim.runc import OciRuntime, list_containers
+from runtime_shim.isolation.mount import mounted_targets_under
+from runtime_shim.isolation.runc import OciRuntime, list_containers
 from tests.integration.conftest import build_busybox_env
 
 pytestmark = pytest.mark.integration
@@ -78,7 +78,7 @@ def test_twenty_async_sandboxes_stream_and_leave_nothing(built):
     n = 20
 
     # small ones: twenty default sandboxes (10 GiB disks, 256 x 1024 files) are past the
-    # node's budget (runtime_shim.admission; issue 34)
+    # node's budget (runtime_shim.node.admission; issue 34)
     small = Limits(pids=32, nofile=256, disk_bytes=64 << 20, inodes=4096)
 
     async def one(i: int, lines: list[bytes]) -> int:
@@ -126,7 +126,7 @@ def test_orphans_and_expired_kept_sandboxes_are_reaped(built, tmp_path):
         sb = Sandbox.create({ENV!r}, store={str(store.root)!r}, node_dir={str(node)!r})
         kept = Sandbox.create({ENV!r}, store={str(store.root)!r}, node_dir={str(node)!r},
                               keep=True, ttl=2)
-        from runtime_shim import exitwatch
+        from runtime_shim.sdk import exitwatch
         exitwatch.stop()  # a crash its watcher dies in too: the next create reaps
         print(sb.id, kept.id, flush=True)
         sys.stdin.read()

@@ -5,7 +5,7 @@ limits) filled ``fs.file-max``, after which a third sandbox's exec failed and un
 host processes could not start; and nothing compared the sum of sparse sandbox and build disks
 with the node's free space. Now every sandbox reserves its worst case (``pids × nofile`` open
 files, ``pids`` tasks, ``disk_bytes``) in the node's ledger and one past the budget is refused
-with one line naming it (``runtime_shim.admission``).
+with one line naming it (``runtime_shim.node.admission``).
 
 Real runc sandboxes of the busybox env, each test on a node dir of its own (the budget and the
 ledger are per node dir). Budgets are made small with ``ENVBUILD_NODE_BUDGET`` so nothing here
@@ -28,9 +28,9 @@ from pathlib import Path
 import pytest
 
 from envbuild.errors import AdmissionRefused, BackendUnavailable
-from runtime_shim import scratchfs
-from runtime_shim.admission import LEDGER_NAME, Ledger, sandbox_key
-from runtime_shim.sandbox import Limits, Sandbox, gc_sandboxes
+from runtime_shim.isolation import scratchfs
+from runtime_shim.node.admission import LEDGER_NAME, Ledger, sandbox_key
+from runtime_shim.sdk.sandbox import Limits, Sandbox, gc_sandboxes
 from tests.conftest import REPO, require_tool
 
 ENV = "env/busybox-shell"
@@ -186,7 +186,7 @@ def test_a_killed_creators_reservation_is_given_back(busybox_store, tmp_path, mo
     node = tmp_path / "node"
     script = textwrap.dedent(f"""
         import os, sys
-        from runtime_shim.sandbox import Limits, Sandbox
+        from runtime_shim.sdk.sandbox import Limits, Sandbox
         sb = Sandbox.create({ENV!r}, store={str(store.root)!r}, node_dir={str(node)!r},
                             limits=Limits(pids=16, nofile=64, memory_bytes=64 << 20,
                                           disk_bytes=None))
@@ -214,7 +214,7 @@ def test_an_entry_whose_owner_vanished_does_not_hold_the_budget(busybox_store, t
     store, _ = busybox_store
     node = tmp_path / "node"
     monkeypatch.setenv("ENVBUILD_NODE_BUDGET", "tasks=16")
-    from runtime_shim.admission import BudgetSettings, Reservation
+    from runtime_shim.node.admission import BudgetSettings, Reservation
 
     Ledger(node / "node").admit("sandbox:eb-gone", Reservation(tasks=16),
                                 tmp_path / "no-such-dir", what="sandbox eb-gone",
@@ -266,7 +266,7 @@ def test_a_build_disk_waits_for_another_builds_or_gets_what_is_left(tmp_path):
     """The ledger's rules for build disks, on real files: a disk that fits only once another
     build gives its back waits for it; one that may be smaller gets what is left; one that
     could never fit is refused at once, whatever the wait."""
-    from runtime_shim.admission import BudgetSettings, Reservation
+    from runtime_shim.node.admission import BudgetSettings, Reservation
 
     ledger = Ledger(tmp_path / "node")
     settings = BudgetSettings(caps={"disk_bytes": 100 * MiB})

@@ -326,8 +326,8 @@ def test_job_manifest_bombs_are_refused(tmp_path, suffix):
 def test_sparse_files_in_a_sandbox_are_reported_and_capped_by_the_disk_limit(busybox_store):
     """Two sparse 1000 MiB files pack into a few KB but restore as 2000 MiB: the policy counts
     apparent sizes against the sandbox's disk limit, and reports every sparse file."""
-    from runtime_shim.packdiff import SnapshotPolicy, SnapshotRefused
-    from runtime_shim.sandbox import Limits, Sandbox
+    from runtime_shim.node.packdiff import SnapshotPolicy, SnapshotRefused
+    from runtime_shim.sdk.sandbox import Limits, Sandbox
 
     store, node = busybox_store
     small_disk = 1536 << 20  # room for the sparse files (they hold no blocks), not for restoring

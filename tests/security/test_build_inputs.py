@@ -222,7 +222,7 @@ def test_node_cache_refuses_device_layers_and_is_private(tmp_path):
     from envbuild.errors import UnsafeLayerError
     from envbuild.layers import pack_tree
     from envbuild.store import put_file
-    from runtime_shim.nodecache import NodeCache
+    from runtime_shim.node.nodecache import NodeCache
 
     tree = tmp_path / "tree"
     (tree / "dev").mkdir(parents=True)
@@ -342,7 +342,7 @@ def test_a_sigkilled_build_leaves_no_scratch_dir_after_the_next_build(tmp_path, 
         try:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                # the layer's upper dir is on its capped disk (runtime_shim.scratchfs)
+                # the layer's upper dir is on its capped disk (runtime_shim.isolation.scratchfs)
                 if any((d / "disk" / "upper" / "big").exists() for d in builds.glob("*")
                        if d.is_dir()):
                     break
@@ -369,7 +369,7 @@ def test_a_sigkilled_build_leaves_no_scratch_dir_after_the_next_build(tmp_path, 
         assert [d for d in builds.iterdir()] == [], list(builds.iterdir())
         with open("/proc/self/mountinfo") as f:
             assert not [ln for ln in f if str(builds) in ln]
-        from runtime_shim.runc import OciRuntime, list_containers
+        from runtime_shim.isolation.runc import OciRuntime, list_containers
 
         assert list_containers(OciRuntime(state_root=str(tmp_path / "node" / "runc")),
                                "eb-build-") == []
@@ -379,8 +379,8 @@ def test_a_sigkilled_build_leaves_no_scratch_dir_after_the_next_build(tmp_path, 
 
 def _clean_killed_build(node) -> None:
     from envbuild.build.executor import sweep_stale_scratch
-    from runtime_shim.mount import mounted_targets_under, unmount
-    from runtime_shim.runc import OciRuntime
+    from runtime_shim.isolation.mount import mounted_targets_under, unmount
+    from runtime_shim.isolation.runc import OciRuntime
 
     sweep_stale_scratch(node / "builds", OciRuntime(state_root=str(node / "runc")))
     for target in mounted_targets_under(str(node)):
@@ -395,7 +395,7 @@ def test_a_sparse_snapshot_restores_sparse_in_the_node_cache(tmp_path):
     node cache (what a sandbox resumed from the snapshot does) used to cost 1000 MiB of disk."""
     from envbuild.layers import pack_tree
     from envbuild.store import put_file
-    from runtime_shim.nodecache import NodeCache
+    from runtime_shim.node.nodecache import NodeCache
 
     tree = tmp_path / "tree"
     tree.mkdir()

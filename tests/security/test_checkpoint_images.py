@@ -11,9 +11,10 @@ import shutil
 import pytest
 
 from envbuild.errors import CheckpointRefused
-from runtime_shim import Sandbox, criu
-from runtime_shim.checkpoint import ANNOTATION_IMAGE
-from runtime_shim.locks import resolve
+from runtime_shim import Sandbox
+from runtime_shim.backends import criu
+from runtime_shim.node.locks import resolve
+from runtime_shim.sdk.checkpoint import ANNOTATION_IMAGE
 from tests.integration.test_checkpoint import require_criu
 
 
@@ -51,8 +52,8 @@ def test_restore_refuses_an_image_that_is_not_the_recorded_one(built, tmp_path):
 def test_check_image_refuses_a_changed_file(built, tmp_path):
     """The image's files are checked against envbuild's record before CRIU sees them."""
     require_criu()
-    from runtime_shim.backend import CheckpointImage
-    from runtime_shim.checkpoint import read_record, unpack_image
+    from runtime_shim.backends.base import CheckpointImage
+    from runtime_shim.sdk.checkpoint import read_record, unpack_image
 
     store, node = built
     with Sandbox.create("env/busybox-shell", store=store, node_dir=node,

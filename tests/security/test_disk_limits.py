@@ -1,6 +1,6 @@
 """Issue 11 item 4: a sandbox (or a build step) must not be able to fill the host's disk.
 
-Each sandbox writes to its own capped ext4 (``runtime_shim.scratchfs``): its writable layer,
+Each sandbox writes to its own capped ext4 (``runtime_shim.isolation.scratchfs``): its writable layer,
 ``/tmp`` and agent run dir. The attacks run against real runc sandboxes of the busybox env and
 a real ``envbuild build``; every test checks the write really happened up to the limit and
 that nothing of the disk (mount, loop device, image) outlives the sandbox.
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime_shim import scratchfs
-from runtime_shim.sandbox import Limits, Sandbox, gc_sandboxes, list_sandboxes
+from runtime_shim.isolation import scratchfs
+from runtime_shim.sdk.sandbox import Limits, Sandbox, gc_sandboxes, list_sandboxes
 from tests.conftest import REPO, require_tool
 
 MiB = 1 << 20
@@ -111,10 +111,10 @@ def test_gc_of_a_crashed_creator_leaves_no_loop_device_mount_or_image(busybox_st
     code = textwrap.dedent(f"""
         import os
         from envbuild.store import LocalStore
-        from runtime_shim.sandbox import Limits, Sandbox
+        from runtime_shim.sdk.sandbox import Limits, Sandbox
         sb = Sandbox.create("env/busybox-shell", store=LocalStore({str(store.root)!r}),
                             node_dir={str(node)!r}, limits=Limits(disk_bytes=64 << 20))
-        from runtime_shim import exitwatch
+        from runtime_shim.sdk import exitwatch
         exitwatch.stop()  # a crash its watcher dies in too: gc removes what is left
         print(sb.id, flush=True)
         os._exit(9)  # a crash: nothing closed, nothing unmounted
@@ -167,7 +167,7 @@ def test_microvm_disk_is_sized_from_limits(busybox_store, monkeypatch):
     """One TCG boot: the VM's writable disk has Limits.disk_bytes / inodes, not 4 GiB."""
     for tool in ("qemu-system-x86_64", "mkfs.erofs", "mkfs.ext4", "gcc"):
         require_tool(tool)
-    from runtime_shim.vm import qemu
+    from runtime_shim.backends.vm import qemu
 
     monkeypatch.delenv("ENVBUILD_VM_DISK", raising=False)
     monkeypatch.setattr(qemu, "CONSOLE_LOG_CAP", 256 << 10)

@@ -3,7 +3,7 @@
 Observed before: ``RUN dd if=/dev/zero of=/x bs=1M count=3072`` grew the host's used disk by
 3 GB, because the private dockerd's data root (where BuildKit keeps what ``RUN`` writes) was a
 plain directory of the node cache. Now the data root is on the build's scratch disk
-(``runtime_shim.scratchfs``, ``ENVBUILD_BUILD_DISK``): the step meets ``ENOSPC`` at the cap.
+(``runtime_shim.isolation.scratchfs``, ``ENVBUILD_BUILD_DISK``): the step meets ``ENOSPC`` at the cap.
 
 The node cache lives on a filesystem of the test's own (an ext4 image), so "the host's used
 disk" is measured there, unaffected by whatever else runs on the machine.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime_shim import scratchfs
+from runtime_shim.isolation import scratchfs
 from tests.integration.test_dockerfile_base import _assert_daemon_gone, _error, _ours, _require_docker
 
 CAP_MIB = 64

@@ -246,7 +246,7 @@ def test_network_host_is_egress_not_the_host(envbuild_cli, host_services, remote
     step reaches a remote host, but not the host's loopback, the slirp gateway or the host's
     own address — the private daemon runs in its own namespace behind slirp4netns."""
     _require_docker()
-    from runtime_shim import netns
+    from runtime_shim.isolation import netns
     from tests.security.test_network import REMOTE_ADDR, _host_address
 
     monkeypatch.delenv("DOCKER_HOST", raising=False)

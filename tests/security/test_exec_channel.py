@@ -18,8 +18,8 @@ import time
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from runtime_shim import agent
-from runtime_shim.sandbox import Limits, Sandbox
+from runtime_shim.isolation import agent
+from runtime_shim.sdk.sandbox import Limits, Sandbox
 from tests.conftest import require_tool
 
 SECRET = "s3cr3t-token-do-not-leak"

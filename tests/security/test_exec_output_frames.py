@@ -49,7 +49,7 @@ int main(int argc, char **argv) {
 # Runs in its own process: one exec, then the peak RSS growth and the CPU it took as JSON.
 MEASURE_REAL = """
 import hashlib, json, resource, sys
-from runtime_shim.sandbox import Limits, Sandbox
+from runtime_shim.sdk.sandbox import Limits, Sandbox
 store, node, printer, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 with Sandbox.create("env/busybox-shell", store=store, node_dir=node,
                     limits=Limits(output_bytes=16 << 20)) as sb:
@@ -69,7 +69,7 @@ print(json.dumps({
 # ignoring KILL. The host side is the real ``agent.run``.
 MEASURE_HOSTILE = """
 import json, resource, socket, sys, threading
-from runtime_shim import agent
+from runtime_shim.isolation import agent
 n, cap = int(sys.argv[1]), int(sys.argv[2])
 host, evil = socket.socketpair()
 

@@ -10,8 +10,8 @@ import pytest
 
 from envbuild.errors import EnvbuildError, SandboxNotFound
 from runtime_shim.fleet.daemon import CreateSpec, DaemonConfig, NodeDaemon
-from runtime_shim.locks import resolve
-from runtime_shim.model import Limits
+from runtime_shim.node.locks import resolve
+from runtime_shim.node.model import Limits
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """Issue 19 item 4: nothing of FnCall call N is visible to call N+1.
 
 Each test runs real runc sandboxes of the busybox env on the ``fncall`` backend
-(``runtime_shim.fncall``): call N plants something (files in the writable layer, a changed
+(``runtime_shim.backends.fncall``): call N plants something (files in the writable layer, a changed
 directory, a deleted image file, ``/dev/shm``, ``/dev``, background processes, env, a call past
 its timeout) and call N+1 looks for it, with the host checking the same from outside (the
 sandbox's cgroup, its layer dirs). Every test checks nothing outlives the sandbox.
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime_shim import cgroupfs
-from runtime_shim.model import Limits
-from runtime_shim.sandbox import Sandbox
+from runtime_shim.isolation import cgroupfs
+from runtime_shim.node.model import Limits
+from runtime_shim.sdk.sandbox import Sandbox
 
 LOCK = "env/busybox-shell"
 
@@ -129,7 +129,7 @@ def test_a_slot_unmounted_in_the_sandbox_namespace_is_repaired(fn):
                    for m in host_mounts), host_mounts
     subprocess.run(["nsenter", "-t", str(handle.init_pid), "-m", "--", "umount", "-l", "/tmp"],
                    check=True)
-    from runtime_shim.container import ContainerSandbox
+    from runtime_shim.backends.container import ContainerSandbox
 
     raw = ContainerSandbox.exec(handle, fn._request("echo x > /tmp/escape; ls -A /tmp",
                                                     timeout=10, env=None, cwd=None, user=None,

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime_shim.fncall import FnPool
-from runtime_shim.model import Limits
-from runtime_shim.sandbox import Sandbox
+from runtime_shim.node.model import Limits
+from runtime_shim.sdk.fnpool import FnPool
+from runtime_shim.sdk.sandbox import Sandbox
 from tests.conftest import require_tool
 
 LOCK = "env/busybox-shell"

@@ -31,6 +31,7 @@ import pytest
 from envbuild.errors import RuntimeShimError
 from envbuild.layers import pack_tree
 from envbuild.store import open_store, put_file
+from runtime_shim.isolation.mount import mounted_targets_under
 from runtime_shim.lazyfs.control import (
     MAX_MESSAGE,
     ControlListener,
@@ -39,8 +40,7 @@ from runtime_shim.lazyfs.control import (
     socket_path,
 )
 from runtime_shim.lazyfs.metalayer import meta_dirs
-from runtime_shim.mount import mounted_targets_under
-from runtime_shim.nodecache import NodeCache
+from runtime_shim.node.nodecache import NodeCache
 from tests.conftest import require_root, require_tool
 from tests.lazy_daemon import bare_daemon
 

@@ -16,8 +16,8 @@ import zstandard
 
 from envbuild.layers import LayerReader, pack_tree
 from envbuild.store import LocalStore, put_file
-from runtime_shim.mount import mounted_targets_under
-from runtime_shim.nodecache import NodeCache
+from runtime_shim.isolation.mount import mounted_targets_under
+from runtime_shim.node.nodecache import NodeCache
 from tests.conftest import require_root, require_tool
 from tests.security.test_bombs import assemble, split_frames
 

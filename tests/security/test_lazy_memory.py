@@ -15,9 +15,9 @@ import pytest
 from envbuild.errors import RuntimeShimError
 from envbuild.layers import pack_tree
 from envbuild.store import open_store, put_file
+from runtime_shim.isolation.mount import unmount
 from runtime_shim.lazyfs.control import daemon_request
-from runtime_shim.mount import unmount
-from runtime_shim.nodecache import NodeCache
+from runtime_shim.node.nodecache import NodeCache
 from tests.conftest import require_root, require_tool
 
 

@@ -24,9 +24,9 @@ import pytest
 
 from envbuild.errors import UnsafeLayerError
 from envbuild.layers import Entry
+from runtime_shim.isolation.mount import mounted_targets_under, unmount
 from runtime_shim.lazyfs import metalayer
 from runtime_shim.lazyfs.tree import build_tree
-from runtime_shim.mount import mounted_targets_under, unmount
 from tests.conftest import require_root
 
 
@@ -146,7 +146,7 @@ def test_a_lower_layers_digest_named_file_cannot_stand_in_for_the_data(gen, tmp_
     (lower / "etc" / "conf").write_bytes(b"the lower layer's own conf\n")
     merged = tmp_path / "merged"
     merged.mkdir()
-    from runtime_shim.mount import OverlaySpec, mount_overlay
+    from runtime_shim.isolation.mount import OverlaySpec, mount_overlay
 
     mount_overlay(OverlaySpec(str(merged), (str(root / "mnt"), str(lower))))
     try:

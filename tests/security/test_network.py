@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from runtime_shim import netns
-from runtime_shim.sandbox import Sandbox, gc_sandboxes
+from runtime_shim.isolation import netns
+from runtime_shim.sdk.sandbox import Sandbox, gc_sandboxes
 from tests.conftest import require_root, require_tool
 from tests.security.netsite import http_servers, veth_namespace
 
@@ -257,10 +257,10 @@ def test_crashed_creator_leaves_nothing_after_gc(busybox_store):
     code = textwrap.dedent(f"""
         import sys, time
         from envbuild.store import LocalStore
-        from runtime_shim.sandbox import Sandbox
+        from runtime_shim.sdk.sandbox import Sandbox
         sb = Sandbox.create("env/busybox-shell", store=LocalStore({str(store.root)!r}),
                             node_dir={str(node)!r}, network=True)
-        from runtime_shim import exitwatch
+        from runtime_shim.sdk import exitwatch
         exitwatch.stop()  # a crash its watcher dies in too: gc removes what is left
         print(sb.id, flush=True)
         time.sleep(600)
@@ -286,7 +286,7 @@ def test_kept_sandbox_keeps_network_until_removed(busybox_store, remote_host):
     """``envbuild run --keep --network``: slirp outlives the CLI process (no exit fd) so the
     kept sandbox keeps its network; ``remove_sandbox`` from another process stops it by the
     recorded pid."""
-    from runtime_shim.sandbox import remove_sandbox
+    from runtime_shim.sdk.sandbox import remove_sandbox
 
     store, node = busybox_store
     env = {**os.environ, "ENVBUILD_NODE_CACHE": str(node), "ENVBUILD_STORE": str(store.root),
@@ -331,7 +331,7 @@ def test_microvm_gateway_is_not_host_loopback(busybox_store, host_services, remo
     runs in: with QEMU in the sandbox's own namespace that is empty, not the host's."""
     for tool in ("qemu-system-x86_64", "mkfs.erofs", "mkfs.ext4"):
         require_tool(tool)
-    from runtime_shim.sandbox import Limits
+    from runtime_shim.sdk.sandbox import Limits
 
     with _create(busybox_store, backend="microvm", network=True,
                  limits=Limits(memory_bytes=384 << 20)) as sb:

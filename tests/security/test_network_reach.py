@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from runtime_shim import netns
-from runtime_shim.sandbox import Sandbox
+from runtime_shim.isolation import netns
+from runtime_shim.sdk.sandbox import Sandbox
 from tests.conftest import require_root, require_tool
 from tests.security.netsite import http_servers, veth_namespace
 from tests.security.test_network import _create, _free_port, _wget
@@ -222,7 +222,7 @@ def test_fleet_daemon_set_network(busybox_store, site, tmp_path):
     egress by fleet id, and refuses ids that are not its live sandboxes."""
     from envbuild.errors import SandboxNotFound
     from runtime_shim.fleet.daemon import CreateSpec, DaemonConfig, NodeDaemon
-    from runtime_shim.locks import resolve
+    from runtime_shim.node.locks import resolve
 
     store, _ = busybox_store
     d = NodeDaemon(DaemonConfig(store=str(store.root), node_dir=str(tmp_path / "n-{node_id}"),
@@ -246,7 +246,7 @@ def test_microvm_default_network_and_set_network(busybox_store, site):
     """QEMU runs in the sandbox's namespace: the same firewall holds for the guest."""
     for tool in ("qemu-system-x86_64", "mkfs.erofs", "mkfs.ext4"):
         require_tool(tool)
-    from runtime_shim.sandbox import Limits
+    from runtime_shim.sdk.sandbox import Limits
 
     with _create(busybox_store, backend="microvm", network=True,
                  limits=Limits(memory_bytes=384 << 20)) as sb:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime_shim.sandbox import Sandbox
+from runtime_shim.sdk.sandbox import Sandbox
 from tests.conftest import require_root, require_tool
 
 NOBODY = 65534

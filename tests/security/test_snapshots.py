@@ -14,8 +14,8 @@ import pytest
 
 from envbuild.errors import LayerError
 from envbuild.safefs import iter_tree, remove_tree
-from runtime_shim.packdiff import SnapshotRefused
-from runtime_shim.sandbox import Sandbox, SandboxPaths, list_sandboxes, remove_sandbox
+from runtime_shim.node.packdiff import SnapshotRefused
+from runtime_shim.sdk.sandbox import Sandbox, SandboxPaths, list_sandboxes, remove_sandbox
 from tests.conftest import REPO, require_root, require_tool
 
 ENV = "env/busybox-shell"
@@ -189,8 +189,8 @@ def _orphans(busybox_store, node: Path, n: int, deep: int, probe: bytes,
     code = (
         "import sys, time\n"
         "from envbuild.store import LocalStore\n"
-        "from runtime_shim import exitwatch\n"
-        "from runtime_shim.sandbox import Sandbox\n"
+        "from runtime_shim.sdk import exitwatch\n"
+        "from runtime_shim.sdk.sandbox import Sandbox\n"
         f"for i in range({n}):\n"
         f"    sb = Sandbox.create({ENV!r}, store=LocalStore({str(store.root)!r}),"
         f" node_dir={str(node)!r})\n"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime_shim.sandbox import Limits, Sandbox
+from runtime_shim.sdk.sandbox import Limits, Sandbox
 from tests.conftest import require_tool
 
 PROBE_SOURCE = Path(__file__).with_name("syscall_probe.c")

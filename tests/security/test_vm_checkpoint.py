@@ -13,11 +13,11 @@ import shutil
 import pytest
 
 from envbuild.errors import CheckpointRefused
-from runtime_shim.backend import CheckpointImage
-from runtime_shim.mount import mounted_targets_under
-from runtime_shim.sandbox import Limits, Sandbox
-from runtime_shim.vm.backend import restore_sandbox
-from runtime_shim.vm.checkpoint import DISK_FILE, MEMORY_FILE
+from runtime_shim.backends.base import CheckpointImage
+from runtime_shim.backends.vm.backend import restore_sandbox
+from runtime_shim.backends.vm.checkpoint import DISK_FILE, MEMORY_FILE
+from runtime_shim.isolation.mount import mounted_targets_under
+from runtime_shim.sdk.sandbox import Limits, Sandbox
 from tests.integration.test_microvm import _qemu_pids, _require_vm_tools
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from runtime_shim import exitwatch
+from runtime_shim.sdk import exitwatch
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""The node budget's arithmetic (``runtime_shim.admission``, pure parts) and the default
+"""The node budget's arithmetic (``runtime_shim.node.admission``, pure parts) and the default
 limits it relies on (issue 34, items 3, 7 and 8)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from envbuild.errors import AdmissionRefused, SettingsError
-from runtime_shim.admission import (
+from runtime_shim.node.admission import (
     BudgetSettings,
     HostTables,
     Reservation,
@@ -17,7 +17,7 @@ from runtime_shim.admission import (
     reservation,
     vm_reservation,
 )
-from runtime_shim.model import Limits, default_cpus
+from runtime_shim.node.model import Limits, default_cpus
 
 GiB = 1 << 30
 # This CI host's tables (fs.file-max of a 23 GiB machine), its 252 GiB disk with 79 GiB free
@@ -116,8 +116,8 @@ def test_default_cpus_is_a_share_of_the_host():
 
 def test_inotify_is_off_in_the_default_profile_unless_asked():
     """Issue 34, item 3: inotify instances are a per-uid table the host's root shares."""
-    from runtime_shim.seccomp import default_profile
-    from runtime_shim.spec import RuntimeSpecRequest, runtime_spec
+    from runtime_shim.isolation.seccomp import default_profile
+    from runtime_shim.isolation.spec import RuntimeSpecRequest, runtime_spec
 
     def rules(profile):
         return {n: (r["action"], r.get("errnoRet")) for r in profile["syscalls"]

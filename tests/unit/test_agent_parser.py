@@ -1,4 +1,4 @@
-"""The host's reading of the agent's answer (``runtime_shim.agent.run``) against a fake agent on
+"""The host's reading of the agent's answer (``runtime_shim.isolation.agent.run``) against a fake agent on
 a socketpair: short, forged, out-of-order and trailing frames raise ``SandboxCompromised``
 (never ``IndexError``, never a result built from them), and every exec ends at its deadline."""
 
@@ -12,8 +12,8 @@ import time
 import pytest
 
 from envbuild.errors import RuntimeShimError, SandboxCompromised
-from runtime_shim import agent
-from runtime_shim.agent import frame
+from runtime_shim.isolation import agent
+from runtime_shim.isolation.agent import frame
 
 HELLO = frame(agent.R_HELLO, agent.PROTOCOL_VERSION.to_bytes(4, "big") + b"envbuild-agent 1")
 REQ = agent.ExecRequest(argv=("true",))
@@ -177,7 +177,7 @@ def test_an_agent_that_stops_after_hello_is_killed_and_timed_out(monkeypatch):
 def _line_peer(*chunks: bytes):
     """A fake guest end of the serial line: once the host sent something (its channel is
     open), sends ``chunks``, then keeps reading."""
-    from runtime_shim.vm.serial import SerialMux
+    from runtime_shim.backends.vm.serial import SerialMux
 
     host, guest = socket.socketpair()
     mux = SerialMux(host)
@@ -201,7 +201,7 @@ def _line_peer(*chunks: bytes):
 
 
 def test_forged_inner_frames_over_the_serial_line_raise_in_the_shared_parser():
-    from runtime_shim.vm.serial import T_CHANNEL, outer_frame
+    from runtime_shim.backends.vm.serial import T_CHANNEL, outer_frame
 
     mux, guest = _line_peer(outer_frame(T_CHANNEL, 1, HELLO)
                             + outer_frame(T_CHANNEL, 1, frame(agent.R_EXIT, b"\x00")))
@@ -236,7 +236,7 @@ def test_broken_outer_framing_ends_the_line_as_compromised(line):
 
 
 def test_a_guest_ignoring_its_window_is_stopped_not_buffered():
-    from runtime_shim.vm.serial import SERIAL_WINDOW, T_CHANNEL, outer_frame
+    from runtime_shim.backends.vm.serial import SERIAL_WINDOW, T_CHANNEL, outer_frame
 
     chunk = outer_frame(T_CHANNEL, 1, frame(agent.R_STDOUT, bytes(60 << 10)))
     frames = 3 * (SERIAL_WINDOW + agent.MAX_PAYLOAD) // len(chunk)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from runtime_shim import cpuclass, reclaim
-from runtime_shim.spec import RuntimeSpecRequest, runtime_spec
+from runtime_shim.isolation import cpuclass
+from runtime_shim.isolation.spec import RuntimeSpecRequest, runtime_spec
+from runtime_shim.node import reclaim
 
 
 def test_best_effort_gets_minimum_shares_and_chrt_latency_nothing():

@@ -1,4 +1,4 @@
-"""The pure parts of runtime_shim.criu: the record's shape, CRIU's log lines made into one
+"""The pure parts of runtime_shim.backends.criu: the record's shape, CRIU's log lines made into one
 refusal, mount tables compared after a restore."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from envbuild.errors import CheckpointRefused
-from runtime_shim import criu
+from runtime_shim.backends import criu
 
 GOOD = {"version": 1, "kind": "criu", "files": {"pstree.img": {"sha256": "0" * 64, "size": 1}},
         "processes": [{"pid": 1, "ppid": 0, "comm": "envbuild-agent"}],

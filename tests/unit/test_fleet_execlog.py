@@ -8,7 +8,7 @@ import pytest
 from envbuild.errors import RuntimeShimError, UnsupportedFormatError
 from envbuild.store import MemoryStore
 from runtime_shim.fleet import execlog
-from runtime_shim.model import ExecResult
+from runtime_shim.node.model import ExecResult
 
 
 def _result(code: int, out: bytes) -> ExecResult:

@@ -10,7 +10,7 @@ import pytest
 from envbuild.errors import NodeLost, RuntimeShimError, SandboxNotFound
 from runtime_shim.fleet.daemon import CreateSpec, fleet_id, split_fleet_id
 from runtime_shim.fleet.placement import Group, NodeLoad, plan, plan_groups
-from runtime_shim.model import Limits
+from runtime_shim.node.model import Limits
 
 BIG = 1 << 40
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from runtime_shim.fncall import FNCALL_DENIED_SYSCALLS, fncall_profile, plan_slots
-from runtime_shim.seccomp import default_profile
-from runtime_shim.spec import DEFAULT_CAPABILITIES
+from runtime_shim.backends.fncall import FNCALL_DENIED_SYSCALLS, fncall_profile, plan_slots
+from runtime_shim.isolation.seccomp import default_profile
+from runtime_shim.isolation.spec import DEFAULT_CAPABILITIES
 
 
 def _names(profile):

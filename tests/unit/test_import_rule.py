@@ -1,95 +1,55 @@
-"""The dependency rule between the packages (issue 12, item 7), by static analysis.
+"""The layering of envbuild and runtime_shim, by static analysis (issue 38, item 1).
 
-``runtime_shim`` (the sandbox runtime and SDK) never imports ``envbuild.defs``, ``envbuild.plan``,
-``envbuild.build`` or ``envbuild.cli``: a training job runs sandboxes without the definition,
-planning and build machinery. ``envbuild.layers`` and ``envbuild.store`` never import
-``runtime_shim``: they are the foundation both sides stand on.
+Every module belongs to one **room** (``ROOMS``, top to bottom). A module may import modules
+of its own room and of rooms below it, never of a room above: the CLI drives jobs, builds and
+the fleet; builds drive the runtime; the runtime's SDK drives its backends, which use the
+node's state, the lazy package and the isolation layer; everything stands on the store, the
+layer format and the few foundation modules. And no import cycle between modules, in a room or
+across rooms.
 
-Every import statement of every module counts, at any depth (function-level imports included,
-``if TYPE_CHECKING:`` ones too), with relative imports resolved. Known violations are listed in
-``KNOWN`` by module and target, each with who fixes it; a listed violation that no longer exists
-fails too, so the list only shrinks.
+Every import statement counts, at any depth (function-level imports included, ``if
+TYPE_CHECKING:`` ones too), with relative imports resolved: a lazy import is still an arrow a
+reader has to follow. Known violations are listed in ``KNOWN`` by module and target, each with
+who fixes it; a listed violation that no longer exists fails too, so the list only shrinks.
+``docs/architecture.md`` shows the rooms (``scripts/gen-architecture``; checked in
+``test_architecture_doc``).
 """
 
 from __future__ import annotations
 
-import ast
-from collections.abc import Iterator
-from pathlib import Path
-
 from tests.conftest import REPO
-
-RULES: dict[str, tuple[str, ...]] = {
-    "runtime_shim": ("envbuild.defs", "envbuild.plan", "envbuild.build", "envbuild.cli"),
-    "envbuild.layers": ("runtime_shim",),
-    "envbuild.store": ("runtime_shim",),
-}
+from tests.layering import all_modules, cycles, imported_modules, imports_in, room, violations, within
 
 #: (module, imported module) -> why it is still there and who removes it.
-KNOWN: dict[tuple[str, str], str] = {}
+KNOWN: dict[tuple[str, str], str] = {
+    ("envbuild.layers._tools", "envbuild.store"):
+        "issue 38: the layers helper cuts layers -> store",
+    ("envbuild.layers._tools", "envbuild.store.base"):
+        "issue 38: the layers helper cuts layers -> store",
+    ("envbuild.layers._tools", "envbuild.defs.hints"):
+        "issue 38: the layers helper cuts layers -> defs",
+}
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def test_every_module_is_in_a_room():
+    for module in all_modules():
+        room(module)
 
 
-def imported_modules(path: Path) -> Iterator[tuple[int, str]]:
-    """(line, module) for every import in ``path``; ``from a import b`` yields ``a`` and
-    ``a.b`` (``b`` may be a submodule)."""
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    return imports_in(path.read_bytes(), package)
-
-
-def imports_in(source: bytes | str, package: str) -> Iterator[tuple[int, str]]:
-    """``imported_modules`` of ``source``, a module of ``package``."""
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                yield node.lineno, alias.name
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            yield node.lineno, module
-            for alias in node.names:
-                yield node.lineno, f"{module}.{alias.name}"
-
-
-def _within(module: str, prefix: str) -> bool:
-    return module == prefix or module.startswith(prefix + ".")
-
-
-def violations() -> dict[tuple[str, str], list[str]]:
-    """(module, banned package it reaches) -> ["path:line imports x", ...]."""
-    found: dict[tuple[str, str], list[str]] = {}
-    for path in sorted([*REPO.glob("envbuild/**/*.py"), *REPO.glob("runtime_shim/**/*.py")]):
-        name = module_name(path)
-        for owner, banned in RULES.items():
-            if not _within(name, owner):
-                continue
-            for line, target in imported_modules(path):
-                for prefix in banned:
-                    if _within(target, prefix):
-                        # Report the module imported (drop a trailing imported name).
-                        key = (name, target if (REPO / (target.replace(".", "/") + ".py"))
-                               .exists() else target.rpartition(".")[0])
-                        found.setdefault(key, []).append(
-                            f"{path.relative_to(REPO)}:{line} imports {target}")
-    return found
-
-
-def test_the_dependency_rule_holds():
+def test_no_room_imports_a_room_above_it():
     new = {k: v for k, v in violations().items() if k not in KNOWN}
-    assert new == {}, "imports that break the dependency rule (see this module's docstring)"
+    assert new == {}, "imports that break the layering (see this module's docstring)"
 
 
 def test_every_known_exception_still_exists():
     # A fixed violation must leave KNOWN too, so the exceptions never hide a silent pass.
     assert set(KNOWN) <= set(violations()), set(KNOWN) - set(violations())
+
+
+def test_no_import_cycle():
+    known = {frozenset(k) for k in KNOWN}
+    left = [c for c in cycles() if not any(k <= set(c) for k in known)]
+    assert left == [], "import cycles between modules"
 
 
 def test_the_checker_sees_function_level_and_relative_imports():
@@ -103,11 +63,22 @@ def test_the_checker_sees_function_level_and_relative_imports():
     assert (5, "envbuild.plan.graph") in seen
 
 
+def test_the_checker_finds_what_it_must():
+    # The rules would have failed on the arrows of the last wave (issue 38's evidence).
+    assert room("runtime_shim.node.reclaim")[0] > room("runtime_shim.sdk.sandbox")[0]
+    assert room("envbuild.settings")[0] > room("runtime_shim.node.admission")[0]
+    assert room("runtime_shim.backends.fncall")[0] > room("runtime_shim.sdk.sandbox")[0]
+    assert room("envbuild.defs.load")[0] > room("envbuild.build.pin")[0]
+    assert room("envbuild.layers._tools")[0] > room("envbuild.store.base")[0]
+    assert room("runtime_shim.fleet.client")[0] > room("envbuild.jobs.model")[0] \
+        or room("runtime_shim.fleet.client")[0] == room("envbuild.jobs.model")[0]
+
+
 def test_envbuild_jobs_uses_only_public_names_of_envbuild_defs():
     """The job-manifest loader shares the definition loader's YAML builder and error wording
     through public names (issue 12, item 7), not ``_private`` ones."""
     private = [f"{path.relative_to(REPO)}:{line} imports {target}"
                for path in sorted(REPO.glob("envbuild/jobs/*.py"))
                for line, target in imported_modules(path)
-               if _within(target, "envbuild.defs") and target.rpartition(".")[2].startswith("_")]
+               if within(target, "envbuild.defs") and target.rpartition(".")[2].startswith("_")]
     assert private == []

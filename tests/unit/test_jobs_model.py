@@ -7,11 +7,10 @@ import dataclasses
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from envbuild.jobs import parse_job_manifest, resolve_job_manifest
+from envbuild.jobs import create_sandbox, parse_job_manifest, resolve_job_manifest
 from envbuild.store import MemoryStore
-from runtime_shim.jobs import create_sandbox
-from runtime_shim.locks import resolve
-from runtime_shim.sandbox import Limits
+from runtime_shim.node.locks import resolve
+from runtime_shim.sdk.sandbox import Limits
 from tests.unit.test_jobs_support import MANIFEST, make_env
 
 
@@ -40,14 +39,14 @@ def test_unresolved_entry_is_refused_before_anything_starts(tmp_path):
     assert "envbuild job resolve" in e.value.hint
 
 
-def test_runtime_shim_jobs_imports_no_planning_code():
+def test_job_start_imports_no_planning_code():
     import ast
     import inspect
 
     import envbuild.jobs.model as model
-    import runtime_shim.jobs as mod
+    import envbuild.jobs.start as mod
 
-    for module in (mod, model):  # the runtime's side and the model it re-exports
+    for module in (mod, model):  # what a training loop imports to start a job's sandboxes
         imported = {n.module or "" for n in ast.walk(ast.parse(inspect.getsource(module)))
                     if isinstance(n, ast.ImportFrom)}
         assert not {m for m in imported if m.startswith(("envbuild.defs", "envbuild.plan",

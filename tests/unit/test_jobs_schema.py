@@ -7,8 +7,8 @@ import json
 import pytest
 
 from envbuild.jobs import JobManifestError, load_job_manifest, parse_job_manifest
-from runtime_shim.jobs import GroupLimits, format_size, parse_size
-from runtime_shim.sandbox import Limits
+from envbuild.jobs.model import GroupLimits, format_size, parse_size
+from runtime_shim.sdk.sandbox import Limits
 from tests.unit.test_jobs_support import MANIFEST
 
 

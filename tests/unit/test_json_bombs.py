@@ -12,8 +12,8 @@ from envbuild.canonical import JsonLimitError, canonical_json, load_json, read_j
 from envbuild.errors import EnvbuildError, RuntimeShimError, StoreError
 from envbuild.store import get_json, put_bytes
 from envbuild.store.memory import MemoryStore
-from runtime_shim import locks
-from runtime_shim.locks import MAX_LOCK_JSON, resolve
+from runtime_shim.node import locks
+from runtime_shim.node.locks import MAX_LOCK_JSON, resolve
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
 MANIFEST = "application/vnd.oci.image.manifest.v1+json"

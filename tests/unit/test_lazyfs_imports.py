@@ -1,4 +1,4 @@
-"""``runtime_shim.lazyfs`` and ``runtime_shim.nodecache`` depend one way: the node cache asks the
+"""``runtime_shim.lazyfs`` and ``runtime_shim.node.nodecache`` depend one way: the node cache asks the
 daemon through ``lazyfs.control``; nothing in the lazyfs package imports the node cache, not even
 inside a function (the cycle issue 12 removed). And ``control`` stays light: it loads neither
 FUSE nor a store, so the node cache can use it cheaply."""
@@ -25,7 +25,7 @@ def test_lazyfs_never_imports_nodecache():
     files = sorted(PKG.glob("*.py"))
     assert len(files) >= 9
     for f in files:
-        assert "runtime_shim.nodecache" not in imported(f), f.name
+        assert "runtime_shim.node.nodecache" not in imported(f), f.name
 
 
 def test_control_imports_no_daemon_side():

@@ -10,7 +10,7 @@ from envbuild.canonical import canonical_json
 from envbuild.errors import DigestMismatch, EnvbuildError, LockNotFound, StoreUnavailable
 from envbuild.oci import MEDIA_TYPE_MANIFEST as MANIFEST
 from envbuild.store import MemoryStore, put_bytes
-from runtime_shim.locks import MAX_LOCK_JSON, resolve
+from runtime_shim.node.locks import MAX_LOCK_JSON, resolve
 
 
 class RangedStore(MemoryStore):

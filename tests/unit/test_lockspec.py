@@ -1,6 +1,6 @@
 from envbuild.plan.lockspec import LockLayer, RuntimeConfig, expand, make_lock, merge_config
 from envbuild.store import MEDIA_TYPE_CONFIG, MemoryStore, put_json
-from runtime_shim.locks import resolve
+from runtime_shim.node.locks import resolve
 from tests.oci_schemas import IMAGE_SPEC, assert_valid
 
 D = "sha256:" + "a" * 64

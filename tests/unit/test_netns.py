@@ -1,4 +1,4 @@
-"""The pure planning of ``runtime_shim.netns``: allow-list parsing and the firewall rules."""
+"""The pure planning of ``runtime_shim.isolation.netns``: allow-list parsing and the firewall rules."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import ipaddress
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from runtime_shim import netns
-from runtime_shim.spec import DEFAULT_CAPABILITIES, RuntimeSpecRequest, runtime_spec
+from runtime_shim.isolation import netns
+from runtime_shim.isolation.spec import DEFAULT_CAPABILITIES, RuntimeSpecRequest, runtime_spec
 
 
 def test_parse_network_shapes():

@@ -132,7 +132,7 @@ def test_plan_marks_layers_the_store_has_as_cached(tree, capsys, monkeypatch):
 def test_plan_json_is_one_line_per_layer_and_the_same_document():
     import json
 
-    from envbuild.cli.cmd_plan import dumps_lines
+    from envbuild.cli.output import dumps_lines
 
     doc = {"layers": [{"name": f"w{i}", "depends_on": ["b"], "key": "sha256:" + "0" * 64}
                       for i in range(3)],

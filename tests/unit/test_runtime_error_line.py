@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime_shim.runc import MAX_CAUSE_CHARS, runtime_error_line
+from runtime_shim.isolation.runc import MAX_CAUSE_CHARS, runtime_error_line
 
 
 def test_takes_runcs_last_error_message_unquoted():

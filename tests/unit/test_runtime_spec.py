@@ -1,7 +1,7 @@
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from runtime_shim.spec import BindMount, Rlimit, RuntimeSpecRequest, parse_user, runtime_spec
+from runtime_shim.isolation.spec import BindMount, Rlimit, RuntimeSpecRequest, parse_user, runtime_spec
 from tests.oci_schemas import RUNTIME_SPEC, assert_valid
 
 
@@ -51,7 +51,7 @@ def test_parse_user_rejects_names():
 import copy  # noqa: E402
 import errno  # noqa: E402
 
-from runtime_shim import seccomp  # noqa: E402
+from runtime_shim.isolation import seccomp  # noqa: E402
 
 
 def _rules(profile, name):

@@ -1,4 +1,4 @@
-"""The pure parts of the capped scratch disks (``runtime_shim.scratchfs``) and their settings."""
+"""The pure parts of the capped scratch disks (``runtime_shim.isolation.scratchfs``) and their settings."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 
 from envbuild.errors import SettingsError
 from envbuild.settings import Settings
-from runtime_shim import scratchfs
-from runtime_shim.spec import RuntimeSpecRequest, runtime_spec
+from runtime_shim.isolation import scratchfs
+from runtime_shim.isolation.spec import RuntimeSpecRequest, runtime_spec
 
 
 def test_loop_config_matches_the_kernel_struct():

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import runtime_shim
-import runtime_shim.aio  # noqa: F401  (imported at collection: safefs loads libc, see conftest)
-import runtime_shim.packdiff  # noqa: F401
+import runtime_shim.node.packdiff  # noqa: F401
+import runtime_shim.sdk.aio  # noqa: F401  (imported at collection: safefs loads libc, see conftest)
 from envbuild import errors
 
 EXPECTED = {
-    "AdmissionRefused", "AsyncSandbox", "BackendUnavailable", "CheckpointRefused", "ExecResult",
-    "ExecTimeout",
-    "FnPool", "Limits", "LockNotFound", "RuntimeShimError", "Sandbox", "SandboxClosed",
+    "AdmissionRefused", "AsyncSandbox", "AsyncSandboxAPI", "BackendUnavailable",
+    "CheckpointRefused", "ExecResult", "ExecTimeout",
+    "FnPool", "Limits", "LockNotFound", "RuntimeShimError", "Sandbox", "SandboxAPI", "SandboxClosed",
     "SandboxCompromised", "SandboxInfo",
-    "SandboxNotFound", "SandboxStartError", "SnapshotRefused", "list_sandboxes",
+    "SandboxNotFound", "SandboxOptions", "SandboxStartError", "SnapshotRefused", "list_sandboxes",
 }
 
 
@@ -31,7 +31,7 @@ def test_every_export_resolves_and_says_where_it_lives():
 
 
 def test_the_package_imports_its_exports_lazily():
-    # ``import runtime_shim.nodecache`` (the CLI) must not load the sandbox code: the package
+    # ``import runtime_shim.node.nodecache`` (the CLI) must not load the sandbox code: the package
     # itself imports nothing of it at module level
     import ast
     import inspect
@@ -56,7 +56,7 @@ def test_sdk_errors_sit_under_runtime_shim_error():
         assert cls.reference != errors.RuntimeShimError.reference
     assert issubclass(errors.LockNotFound, errors.RefNotFound)
     assert issubclass(errors.SnapshotRefused, errors.UnsafeLayerError)
-    from runtime_shim import packdiff
+    from runtime_shim.node import packdiff
 
     assert packdiff.SnapshotRefused is errors.SnapshotRefused
 

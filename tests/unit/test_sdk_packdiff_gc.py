@@ -9,11 +9,11 @@ import pytest
 
 from envbuild.errors import BackendUnavailable, SnapshotRefused
 from envbuild.store import LocalStore
-from runtime_shim import backend as registry
-from runtime_shim.locks import resolve
-from runtime_shim.packdiff import SnapshotPolicy
-from runtime_shim.sandbox import Sandbox, gc_sandboxes, list_sandboxes
-from runtime_shim.testing import FakeBackend, fake_lock
+from runtime_shim.backends import base as registry
+from runtime_shim.backends.fake import FakeBackend, fake_lock
+from runtime_shim.node.locks import resolve
+from runtime_shim.node.packdiff import SnapshotPolicy
+from runtime_shim.sdk.sandbox import Sandbox, gc_sandboxes, list_sandboxes
 
 
 @pytest.fixture

@@ -12,15 +12,16 @@ from envbuild.errors import (
     ExecTimeout,
     LockNotFound,
     RefNotFound,
+    RuntimeShimError,
     SandboxClosed,
     SandboxNotFound,
 )
 from envbuild.store import LocalStore
-from runtime_shim import backend as registry
-from runtime_shim.backend import Backend, SandboxHandle, Snapshottable
-from runtime_shim.layout import LAYOUT_VERSION, NodeLayout
-from runtime_shim.sandbox import Sandbox, list_sandboxes, remove_sandbox, sweep_sandboxes
-from runtime_shim.testing import FakeBackend, FakeReply, fake_lock
+from runtime_shim.backends import base as registry
+from runtime_shim.backends.base import Backend, SandboxHandle, Snapshottable
+from runtime_shim.backends.fake import FakeBackend, FakeReply, fake_lock
+from runtime_shim.node.layout import LAYOUT_VERSION, NodeLayout
+from runtime_shim.sdk.sandbox import Sandbox, list_sandboxes, remove_sandbox, sweep_sandboxes
 
 
 @pytest.fixture
@@ -235,7 +236,7 @@ def test_concurrent_first_creates_on_a_fresh_node_agree_on_the_layout(tmp_path):
 
 
 def test_a_dead_owners_sweep_takes_only_what_it_made_before_it_died(fake, store, tmp_path):
-    """``runtime_shim.exitwatch``'s sweep: the owner's sandboxes made before its death, not
+    """``runtime_shim.sdk.exitwatch``'s sweep: the owner's sandboxes made before its death, not
     its kept ones, not another process's, not one made after (by a process that reused the
     pid)."""
     node = tmp_path / "node"
@@ -257,7 +258,7 @@ def test_a_dead_owners_sweep_takes_only_what_it_made_before_it_died(fake, store,
 
 def test_exit_hook_closes_what_this_process_did_not_close_but_kept_ones(fake, store, tmp_path,
                                                                         monkeypatch):
-    from runtime_shim import lifecycle
+    from runtime_shim.isolation import lifecycle
 
     monkeypatch.setattr(lifecycle, "_exiting", False)  # the hook sets it; undone afterwards
     node = tmp_path / "node"
@@ -270,3 +271,16 @@ def test_exit_hook_closes_what_this_process_did_not_close_but_kept_ones(fake, st
     assert lifecycle.exiting()
     assert {s.id for s in list_sandboxes(node)} == {kept.id}
     kept.close()
+
+
+def test_create_takes_one_options_value_or_its_fields(tmp_path):
+    """``Sandbox.create(lock, SandboxOptions(...))`` and keyword fields are the same request;
+    an unknown option is one clear error before anything is made."""
+    from runtime_shim import SandboxOptions
+
+    opts = SandboxOptions(ttl=30)
+    assert SandboxOptions.of(opts, {"keep": True}) == SandboxOptions(ttl=30, keep=True)
+    assert SandboxOptions.of(None, {}) == SandboxOptions()
+    with pytest.raises(RuntimeShimError, match="unknown sandbox option") as e:
+        SandboxOptions.of(None, {"tll": 30})
+    assert "ttl" in (e.value.hint or "")

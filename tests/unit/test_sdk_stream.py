@@ -12,8 +12,8 @@ import pytest
 from envbuild.errors import SandboxClosed
 from envbuild.store import LocalStore
 from runtime_shim import AsyncSandbox
-from runtime_shim import backend as registry
-from runtime_shim.testing import FakeBackend, FakeReply, fake_lock
+from runtime_shim.backends import base as registry
+from runtime_shim.backends.fake import FakeBackend, FakeReply, fake_lock
 
 CHUNKS = [("stdout", b"o1"), ("stderr", b"e1"), ("stdout", b"o2"), ("stdout", b"o3"),
           ("stderr", b"e2")]

@@ -1,4 +1,4 @@
-"""MicroVM checkpoint records and sparse digests (runtime_shim.vm.checkpoint), no QEMU."""
+"""MicroVM checkpoint records and sparse digests (runtime_shim.backends.vm.checkpoint), no QEMU."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from runtime_shim.vm import checkpoint as ckpt
+from runtime_shim.backends.vm import checkpoint as ckpt
 
 
 def _sparse(path, size, writes):

@@ -7,8 +7,8 @@ import stat
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from runtime_shim.vm.initramfs import CpioEntry, initramfs_entries, newc_archive
-from runtime_shim.vm.kernel import extract_vmlinux, module_load_order, module_name
+from runtime_shim.backends.vm.initramfs import CpioEntry, initramfs_entries, newc_archive
+from runtime_shim.backends.vm.kernel import extract_vmlinux, module_load_order, module_name
 
 MODULES_DEP = """\
 kernel/fs/erofs/erofs.ko.xz: kernel/lib/libcrc32c.ko.xz
@@ -118,7 +118,7 @@ def test_extract_vmlinux_finds_a_gzip_payload():
 
 
 def test_strip_signature_drops_the_appended_pkcs7_block():
-    from runtime_shim.vm.kernel import MODULE_SIG_MAGIC, strip_signature
+    from runtime_shim.backends.vm.kernel import MODULE_SIG_MAGIC, strip_signature
 
     body = b"\x7fELF module body"
     sig = b"S" * 37

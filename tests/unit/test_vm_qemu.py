@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from runtime_shim.locks import ResolvedLock
-from runtime_shim.vm.backend import MAX_LAYERS, guest_config, vm_drives
-from runtime_shim.vm.kernel import host_tsc_khz, kernel_cmdline
-from runtime_shim.vm.qemu import Drive, VmRequest, qemu_argv
+from runtime_shim.backends.vm.backend import MAX_LAYERS, guest_config, vm_drives
+from runtime_shim.backends.vm.kernel import host_tsc_khz, kernel_cmdline
+from runtime_shim.backends.vm.qemu import Drive, VmRequest, qemu_argv
+from runtime_shim.node.locks import ResolvedLock
 
 
 def _request(**kw) -> VmRequest:
@@ -124,7 +124,7 @@ def test_drives_order_and_layer_limit(tmp_path):
 
 
 def test_pmem_layers_need_q35_and_get_fixed_slots_before_any_other_device():
-    from runtime_shim.vm.qemu import PMEM_FIRST_SLOT, Pmem
+    from runtime_shim.backends.vm.qemu import PMEM_FIRST_SLOT, Pmem
 
     with pytest.raises(ValueError, match="q35"):
         qemu_argv(_request(pmem=(Pmem("/n/l0.erofs", 2 << 20),)))
@@ -164,7 +164,7 @@ def test_guest_config_says_whether_layers_are_pmem():
 
 
 def test_pmem_dax_needs_dax_in_the_kernel_config(tmp_path):
-    from runtime_shim.vm.kernel import GuestKernel, pmem_dax_missing
+    from runtime_shim.backends.vm.kernel import GuestKernel, pmem_dax_missing
 
     mods = tmp_path / "modules"
     mods.mkdir()

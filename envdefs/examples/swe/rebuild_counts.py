@@ -250,7 +250,7 @@ def docker_build(daemon, chain: Path, store: Path, work: Path, log: Path,
     bytes (image size minus its parent's, from ``docker image inspect``)."""
     from envbuild.export import ExportRequest, ExportTarget, export_lock
     from envbuild.store import LocalStore
-    from runtime_shim.stub import host_ca_bundle
+    from runtime_shim.isolation.stub import host_ca_bundle
 
     started = time.monotonic()
     ca = host_ca_bundle()

@@ -1,0 +1,118 @@
+"""``envbuild node ls|gc``: this host's node cache (``runtime_shim.node.nodecache``) and its lazy
+layer daemon (``runtime_shim.lazyfs``)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from envbuild.cli.main import App, pass_app
+from envbuild.cli.options import json_option
+from envbuild.cli.output import echo_json
+
+#: What ``node ls --json`` reports of the lazy daemon's ping answer.
+DAEMON_KEYS = ("pid", "mode", "mode_reason", "fetch_concurrency", "fetch_timeout",
+               "files_fetched")
+
+
+def register(group: click.Group) -> None:
+    group.add_command(node)
+
+
+@click.group()
+def node() -> None:
+    """This host's node cache: unpacked layers shared by builds and sandboxes."""
+
+
+def node_report(node_dir: Path) -> dict[str, Any]:
+    """What ``node ls`` shows, as data (the ``--json`` document): the unpacked layers, the
+    lazy daemon (None when it is not running) and, while it runs, the lazy mounts and the
+    meta layers' lines (``runtime_shim.lazyfs.metalayer.describe``)."""
+    from runtime_shim.lazyfs.control import daemon_request
+    from runtime_shim.node.layout import NodeLayout
+    from runtime_shim.node.nodecache import NodeCache
+
+    cache = NodeCache(NodeLayout(node_dir).node)
+    layers = cache.usage()
+    report: dict[str, Any] = {
+        "layers": [{"digest": u.digest, "size": u.size, "last_used": u.last_used}
+                   for u in layers],
+        "bytes": sum(u.size for u in layers), "lazy_daemon": None, "lazy_mounts": [],
+        "meta": []}
+    ping = daemon_request(cache.root, {"op": "ping"}, 5.0)
+    if ping is None:
+        return report
+    from runtime_shim.lazyfs.metalayer import describe
+
+    report["lazy_daemon"] = {k: ping.get(k) for k in DAEMON_KEYS}
+    report["lazy_daemon"]["mode"] = ping.get("mode", "fuse")
+    report["lazy_mounts"] = [
+        {"digest": d, "state": "mounted" if cache.lazy_mounted(d) else "stale"}
+        for d in cache.list_lazy()]
+    report["meta"] = describe(cache.root)
+    return report
+
+
+@node.command("ls")
+@json_option()
+@pass_app
+def node_ls(app: App, as_json: bool) -> None:
+    """List unpacked layers with their size and last use, then the lazy layer daemon: how
+    it serves reads (passthrough, or the fuse fallback and why) and its lazy mounts."""
+    report = node_report(app.settings.node_dir)
+    if as_json:
+        echo_json(report)
+        return
+    for u in report["layers"]:
+        click.echo(f"{u['digest']}  {u['size'] / 1e6:9.1f} MB  "
+                   f"last used {time.ctime(u['last_used'])}")
+    click.echo(f"{len(report['layers'])} layers, {report['bytes'] / 1e6:.1f} MB")
+    ping = report["lazy_daemon"]
+    if ping is None:
+        click.echo("lazy daemon: not running (starts with the first lazy sandbox)")
+        return
+    why = f" ({ping['mode_reason']})" if ping.get("mode_reason") else ""
+    click.echo(f"lazy daemon: pid {ping['pid']}, mode {ping['mode']}{why}, "
+               f"fetch concurrency {ping['fetch_concurrency']}, "
+               f"timeout {ping['fetch_timeout']} s, "
+               f"{ping['files_fetched'] or 0} files fetched")
+    for m in report["lazy_mounts"]:
+        click.echo(f"lazy {m['digest']}  {m['state']}")
+    for line in report["meta"]:
+        click.echo(line)
+
+
+@node.command("gc")
+@click.option("--max-size", default=None, metavar="SIZE",
+              help="Keep at most this much (e.g. 20G, 500M, 10%); 0 evicts every unused "
+                   "layer.  [default: the node cache budget, $ENVBUILD_NODE_CACHE_MAX or "
+                   "20% of its filesystem, at most 50G]")
+@json_option()
+@pass_app
+def node_gc(app: App, max_size: str | None, as_json: bool) -> None:
+    """Evict least recently used layers that no live sandbox uses until the node cache
+    is within its budget (and unmount unused lazy mounts)."""
+    from envbuild.build.executor import sweep_stale_scratch
+    from envbuild.settings import node_cache_budget
+    from runtime_shim.isolation.runc import OciRuntime
+    from runtime_shim.node.layout import NodeLayout
+    from runtime_shim.node.nodecache import NodeCache
+    from runtime_shim.sdk.sandbox import layers_in_use
+
+    layout = NodeLayout(app.settings.node_dir)
+    budget = node_cache_budget(max_size or app.settings.node_cache_max, app.settings.node_dir)
+    keep = layers_in_use(layout)
+    evicted = NodeCache(layout.node).evict(keep, budget)
+    swept = sweep_stale_scratch(layout.builds,
+                                OciRuntime(app.settings.oci_runtime, state_root=str(layout.runc)))
+    if as_json:
+        echo_json({"evicted": list(evicted), "budget": budget, "in_use": sorted(keep),
+                   "scratch_removed": [str(p) for p in swept]})
+        return
+    click.echo(f"evicted {len(evicted)} layer(s) (budget {budget / 1e6:.1f} MB); "
+               f"{len(keep)} in use by live sandboxes kept")
+    if swept:
+        click.echo(f"removed {len(swept)} scratch dir(s) of killed builds")

@@ -1,0 +1,371 @@
+"""Node admission: what the sandboxes and build disks of a node may take of host-wide tables.
+
+A sandbox's limits bound it alone: 256 processes with 1024 open files each is within its
+cgroup and rlimits, yet a few such sandboxes fill the host's file table (``fs.file-max``), and
+then no unprivileged process of the host can open a file (issue 34, item 3). The same holds
+for tasks (``kernel.pid_max`` / ``kernel.threads-max``) and for disk: a scratch disk is a
+sparse file that costs nothing until written, so nothing stopped ten 10 GiB disks on a node
+with 50 GiB free (item 7). So before a sandbox (or a build layer's scratch disk) is made, the
+node checks that the worst case of everything it admitted, this one included, fits a budget,
+and refuses it with one line naming the budget otherwise (``AdmissionRefused``).
+
+What a container or FnCall sandbox reserves (``reservation``; pure):
+
+- ``files``: ``Limits.pids × Limits.nofile``, the open files its processes can hold at once
+  (each process at most ``nofile`` descriptors, at most ``pids`` processes);
+- ``tasks``: ``Limits.pids`` (the pids cgroup counts threads too);
+- ``disk_bytes``: ``Limits.disk_bytes``, the size of its scratch disk.
+
+That is what every backend is charged unless it says otherwise (``backend.HostCosted``): a
+microVM's processes and files live in its guest, so on the host it reserves its disk and a
+QEMU process's share (``vm_reservation``: ``VM_FILES``, ``VM_TASKS``). ``pids=None`` or
+``memory_bytes=None`` on a container or FnCall sandbox is refused: without them neither table
+nor the kernel memory its processes pin (charged to its memory cgroup) is bounded.
+``disk_bytes=None`` (plain dirs on the node's filesystem, a documented opt-out of the disk cap)
+reserves no disk.
+
+The budget (``node_budget``; pure over what ``read_host`` measured at admission): each kernel
+table's limit read from ``/proc/sys`` less a share kept for the host (``ENVBUILD_HOST_RESERVE``,
+25% by default); disk: the free space of the node dir's filesystem less a share of its size kept
+free (``ENVBUILD_DISK_RESERVE``, 5%). The disk check is conservative: a disk counts at its full
+size for as long as it exists, although what it already wrote is no longer free. Explicit caps
+(``ENVBUILD_NODE_BUDGET="files=N,tasks=N,disk=SIZE"``) lower any of them, e.g. for a node dir
+that shares its host with others: the budget is per node dir, and the tables are the host's.
+
+The ledger (``Ledger``): ``<node cache>/admission.json``, ``{"version": 1, "entries": {key:
+{"files", "tasks", "disk_bytes", "path"}}}``, read and rewritten (temp file + rename) under an
+exclusive ``flock`` of ``admission.lock`` beside it: an admission never scans the sandboxes
+dir, it reads and writes one small file (~100 bytes a live reservation). A sandbox's entry is
+removed when it is closed or removed (``Sandbox.close``, ``remove_sandbox``, the sweep of a dead
+creator's sandboxes); a build's when its scratch dir is released. An entry whose
+``path`` no longer exists (its owner vanished without a word: a rebooted host, a hand-deleted
+dir, a build reaped after its builder died) is dropped, but only when an admission would
+otherwise be refused.
+
+Build disks (``envbuild.build.executor``) differ in two ways: their cap is a safety cap, so a
+disk the budget cannot hold in full gets what is left (``fit``; at least 1 GiB), and one that
+does not fit even so waits for other builds to give theirs back before it is refused.
+
+Descriptors are what counts: a file mapped and then closed no longer counts toward
+``fs.file-nr`` (measured on 6.18: 30,000 such mappings in a sandbox left it unchanged, 20,000
+open descriptors raised it by 20,000).
+
+inotify instances and watches are per-uid counters a sandbox's root shares with the host's
+root, and nothing bounds them per sandbox: so no budget here, they are off instead unless a
+sandbox opts in (``Limits.inotify``; ``runtime_shim.isolation.seccomp``). Not covered: ``fs.aio-max-nr``
+(host-wide, ``io_setup`` is allowed), inotify in a sandbox that opted in, and a build step's
+tables (``BuildLimits``: 8192 tasks x 65536 files, bounded per step, not admitted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from envbuild.errors import AdmissionRefused, SettingsError
+
+LEDGER_VERSION = 1
+LEDGER_NAME = "admission.json"
+LOCK_NAME = "admission.lock"
+DEFAULT_HOST_RESERVE = 0.25
+DEFAULT_DISK_RESERVE = 0.05
+#: What a microVM takes of the host's tables: one QEMU process (its threads and fds).
+VM_FILES = 1024
+VM_TASKS = 64
+#: How often a waiting admission (a build disk) looks again.
+WAIT_POLL = 0.5
+RESOURCES = ("files", "tasks", "disk_bytes")
+_NAMES = {"files": "open files", "tasks": "tasks", "disk_bytes": "disk"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Reservation:
+    """What one sandbox or build disk may take, at worst, of each host-wide table."""
+
+    files: int = 0
+    tasks: int = 0
+    disk_bytes: int = 0
+
+    def __add__(self, other: Reservation) -> Reservation:
+        return Reservation(*(getattr(self, r) + getattr(other, r) for r in RESOURCES))
+
+    def to_json(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTables:
+    """The host's limits and the node filesystem's space, as measured (``read_host``)."""
+
+    file_max: int
+    pid_max: int
+    threads_max: int
+    disk_free: int  # bytes available to the node dir's filesystem's users
+    disk_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetSettings:
+    """How much of the host the node may give away (``from_env`` reads the variables)."""
+
+    host_reserve: float = DEFAULT_HOST_RESERVE  # share of each kernel table kept for the host
+    disk_reserve: float = DEFAULT_DISK_RESERVE  # share of the filesystem's size kept free
+    caps: Mapping[str, int] = dataclasses.field(default_factory=dict)  # explicit ceilings
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> BudgetSettings:
+        return cls(host_reserve=_share(environ, "ENVBUILD_HOST_RESERVE", DEFAULT_HOST_RESERVE),
+                   disk_reserve=_share(environ, "ENVBUILD_DISK_RESERVE", DEFAULT_DISK_RESERVE),
+                   caps=parse_caps(environ.get("ENVBUILD_NODE_BUDGET", "")))
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeBudget:
+    """The node's budget of each resource, and how each was arrived at (for messages)."""
+
+    limits: Reservation
+    sources: Mapping[str, str]
+
+
+def _share(environ: Mapping[str, str], name: str, default: float) -> float:
+    text = environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        share = float(text.removesuffix("%")) / 100
+    except ValueError:
+        share = -1.0
+    if not text.endswith("%") or not 0 <= share < 1:
+        raise SettingsError(f"{name} is not a percentage below 100%: {text!r}",
+                            hint="e.g. 25%")
+    return share
+
+
+def parse_caps(text: str) -> dict[str, int]:
+    """``"files=100000,tasks=4096,disk=20G"`` → ``{"files": ..., "tasks": ..., "disk_bytes":
+    ...}`` (``ENVBUILD_NODE_BUDGET``); ``SettingsError`` for anything else."""
+    from envbuild.settings import parse_size
+
+    caps: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        key = {"files": "files", "tasks": "tasks", "disk": "disk_bytes"}.get(name.strip())
+        try:
+            if key is None or not value.strip():
+                raise ValueError
+            caps[key] = parse_size(value) if key == "disk_bytes" else int(value)
+            if caps[key] < 0:
+                raise ValueError
+        except (ValueError, SettingsError):
+            raise SettingsError(f"ENVBUILD_NODE_BUDGET: not a budget: {item!r}",
+                                hint="e.g. files=100000,tasks=4096,disk=20G") from None
+    return caps
+
+
+def node_budget(host: HostTables, settings: BudgetSettings) -> NodeBudget:
+    """The budget of each resource for ``host`` (pure)."""
+    keep = 1 - settings.host_reserve
+    pct = f"{round(keep * 100)}%"
+    tasks_from, tasks_max = min(("kernel.pid_max", host.pid_max),
+                                ("kernel.threads-max", host.threads_max), key=lambda t: t[1])
+    disk_kept = int(host.disk_size * settings.disk_reserve)
+    limits = {"files": int(host.file_max * keep), "tasks": int(tasks_max * keep),
+              "disk_bytes": max(0, host.disk_free - disk_kept)}
+    sources = {"files": f"{pct} of fs.file-max {host.file_max}",
+               "tasks": f"{pct} of {tasks_from} {tasks_max}",
+               "disk_bytes": f"the node filesystem's {_gib(host.disk_free)} free less "
+                             f"{_gib(disk_kept)} kept free"}
+    for key, cap in settings.caps.items():
+        if cap < limits[key]:
+            limits[key] = cap
+            shown = _gib(cap) if key == "disk_bytes" else cap
+            sources[key] = f"ENVBUILD_NODE_BUDGET {key.removesuffix('_bytes')}={shown}"
+    return NodeBudget(Reservation(**limits), sources)
+
+
+def vm_reservation(limits) -> Reservation:
+    """What a microVM of ``limits`` reserves (pure): its disk and one QEMU process."""
+    return Reservation(VM_FILES, VM_TASKS, limits.disk_bytes or 0)
+
+
+def reservation(limits) -> Reservation:
+    """What a container (or FnCall) sandbox of ``limits`` (``runtime_shim.node.model.Limits``)
+    reserves (pure): the charge of every backend that does not say otherwise
+    (``backend.HostCosted``); ``AdmissionRefused`` without a pids or memory limit."""
+    disk = limits.disk_bytes or 0
+    for field, value in (("pids", limits.pids), ("memory_bytes", limits.memory_bytes)):
+        if value is None:
+            raise AdmissionRefused(
+                f"Limits.{field}=None: a sandbox without it could exhaust the host's "
+                f"{'process and file tables' if field == 'pids' else 'kernel memory'}",
+                hint=f"set Limits.{field} (the default is {_default(field)})")
+    return Reservation(limits.pids * limits.nofile, limits.pids, disk)
+
+
+def _default(field: str) -> object:
+    from runtime_shim.node.model import Limits
+
+    return getattr(Limits(), field)
+
+
+def refusal(budget: NodeBudget, committed: Reservation, holders: int, new: Reservation,
+            what: str) -> tuple[str, str] | None:
+    """``(resource, the one line refusing new)`` (for ``what``, e.g. "sandbox eb-…") when
+    ``committed`` (reserved by ``holders`` others) plus ``new`` exceeds a budget; None when it
+    fits (pure)."""
+    for key in RESOURCES:
+        want, held, limit = getattr(new, key), getattr(committed, key), getattr(budget.limits, key)
+        if want and held + want > limit:
+            fmt = _gib if key == "disk_bytes" else str
+            return key, (f"node budget of {_NAMES[key]} exceeded: {what} needs {fmt(want)}, "
+                         f"{fmt(held)} reserved by {holders} other(s), budget {fmt(limit)} "
+                         f"({budget.sources[key]})")
+    return None
+
+
+def fit(budget: NodeBudget, committed: Reservation, want: Reservation,
+        min_disk: int | None) -> Reservation:
+    """``want`` with its disk lowered to what ``budget`` has left after ``committed`` (whole
+    MiB), if that is less and at least ``min_disk``; else ``want`` (pure)."""
+    room = (budget.limits.disk_bytes - committed.disk_bytes) // (1 << 20) << 20
+    if min_disk is None or want.disk_bytes <= room or room < min_disk:
+        return want
+    return dataclasses.replace(want, disk_bytes=room)
+
+
+def _gib(n: int) -> str:
+    """A size for messages: ``1.5 GiB``, ``64 MiB``."""
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"
+
+
+def read_host(node_dir: str | os.PathLike[str], proc_sys: str = "/proc/sys") -> HostTables:
+    """The host's table limits (``/proc/sys``) and the space of ``node_dir``'s filesystem."""
+    def sysctl(name: str) -> int:
+        with open(os.path.join(proc_sys, name)) as f:
+            return int(f.read().split()[0])
+
+    st = os.statvfs(node_dir)
+    return HostTables(file_max=sysctl("fs/file-max"), pid_max=sysctl("kernel/pid_max"),
+                      threads_max=sysctl("kernel/threads-max"),
+                      disk_free=st.f_bavail * st.f_frsize, disk_size=st.f_blocks * st.f_frsize)
+
+
+HINTS = {"files": "close sandboxes, lower Limits.pids or Limits.nofile, or raise fs.file-max",
+         "tasks": "close sandboxes, lower Limits.pids, or raise kernel.pid_max",
+         "disk_bytes": "close sandboxes, lower Limits.disk_bytes (or ENVBUILD_BUILD_DISK), or "
+                       "free disk space on the node"}
+
+
+class Ledger:
+    """The reservations of one node dir (see the module docstring), in ``dir``."""
+
+    def __init__(self, dir: str | os.PathLike[str]) -> None:
+        self.dir = Path(dir)
+        self.path = self.dir / LEDGER_NAME
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, dict]]:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            entries = self._read()
+            before = json.dumps(entries, sort_keys=True)
+            yield entries
+            if json.dumps(entries, sort_keys=True) != before:
+                self._write(entries)
+        finally:
+            os.close(fd)
+
+    def _read(self) -> dict[str, dict]:
+        try:
+            doc = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            raise AdmissionRefused(f"read the admission ledger {self.path}: {e}",
+                                   hint="remove it once no sandbox runs on this node") from None
+        if not isinstance(doc, dict) or doc.get("version") != LEDGER_VERSION:
+            raise AdmissionRefused(f"admission ledger {self.path} has version "
+                                   f"{doc.get('version') if isinstance(doc, dict) else None!r}; "
+                                   f"this envbuild uses {LEDGER_VERSION}",
+                                   hint="remove it once no sandbox runs on this node")
+        return dict(doc.get("entries") or {})
+
+    def _write(self, entries: dict[str, dict]) -> None:
+        tmp = self.dir / f".{LEDGER_NAME}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"version": LEDGER_VERSION, "entries": entries}))
+        tmp.replace(self.path)
+
+    def admit(self, key: str, want: Reservation, path: str | os.PathLike[str], *,
+              what: str, settings: BudgetSettings, wait: float = 0.0,
+              min_disk: int | None = None) -> Reservation:
+        """Reserve ``want`` under ``key`` for the thing at ``path`` and return what was
+        granted, or raise ``AdmissionRefused``. ``min_disk``: ``want``'s disk may be lowered
+        to what the budget has left, down to this (a build's cap is a safety cap, not a
+        promise). With ``wait``, a refusal that only others' reservations cause is retried for
+        up to that many seconds (a build waits for another build's disk)."""
+        deadline = time.monotonic() + wait
+        while True:
+            with self._locked() as entries:
+                budget = node_budget(read_host(self.dir), settings)
+                granted, refused = self._try(entries, key, want, path, budget, what, min_disk)
+                if refused is None:
+                    return granted
+                alone = refusal(budget, Reservation(), 0,
+                                fit(budget, Reservation(), want, min_disk), what)
+            if alone is not None or time.monotonic() >= deadline:
+                resource, line = refused
+                capped = budget.sources[resource].startswith("ENVBUILD_NODE_BUDGET")
+                raise AdmissionRefused(line, hint="close sandboxes, or raise "
+                                       "ENVBUILD_NODE_BUDGET" if capped else HINTS[resource])
+            time.sleep(WAIT_POLL)
+
+    @staticmethod
+    def _try(entries: dict[str, dict], key: str, want: Reservation,
+             path: str | os.PathLike[str], budget: NodeBudget, what: str,
+             min_disk: int | None) -> tuple[Reservation, tuple[str, str] | None]:
+        for attempt in range(2):
+            others = {k: e for k, e in entries.items() if k != key}
+            committed = sum((_entry(e) for e in others.values()), Reservation())
+            granted = fit(budget, committed, want, min_disk)
+            refused = refusal(budget, committed, len(others), granted, what)
+            if refused is None:
+                entries[key] = {**granted.to_json(), "path": os.fspath(path)}
+                return granted, None
+            if attempt == 0:  # owners gone without a word: drop them, then look again
+                for k in [k for k, e in others.items()
+                          if not os.path.lexists(str(e.get("path", "")))]:
+                    del entries[k]
+        return want, refused
+
+    def release(self, key: str) -> None:
+        """Forget ``key``'s reservation (idempotent)."""
+        if not self.path.exists():
+            return
+        with self._locked() as entries:
+            entries.pop(key, None)
+
+    def reserved(self) -> dict[str, Reservation]:
+        """Every reservation, by key (for ``envbuild node`` listings and tests)."""
+        with self._locked() as entries:
+            return {k: _entry(e) for k, e in entries.items()}
+
+
+def _entry(e: Mapping[str, object]) -> Reservation:
+    return Reservation(*(int(e.get(r, 0) or 0) for r in RESOURCES))  # type: ignore[call-overload]
+
+
+def sandbox_key(sandbox_id: str) -> str:
+    return f"sandbox:{sandbox_id}"
+
+
+def build_key(scratch_name: str) -> str:
+    return f"build:{scratch_name}"

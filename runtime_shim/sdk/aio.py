@@ -1,0 +1,130 @@
+"""``AsyncSandbox``: the SDK for asyncio programs (RL rollouts drive sandboxes from one loop).
+
+It wraps a ``Sandbox`` and shares its code: the same backend handle, request building and
+result checks; ``exec`` is the same agent exchange (``runtime_shim.isolation.agent._Exchange``) waited on
+with the event loop's ``add_reader``/``add_writer`` instead of ``poll(2)``, so one loop drives
+any number of execs without a thread each. ``create``, ``close`` and file access are blocking
+host work (fetching layers, mounting, runc, the microVM's file execs) and run in the loop's
+default thread executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from runtime_shim.isolation import agent
+from runtime_shim.node.model import ExecResult, SandboxInfo
+from runtime_shim.sdk.sandbox import Sandbox
+
+
+class AsyncSandbox:
+    """A ``Sandbox`` whose methods are coroutines. ``async with`` closes it."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self.sync = sandbox
+
+    @property
+    def id(self) -> str:
+        return self.sync.id
+
+    @property
+    def lock(self):
+        return self.sync.lock
+
+    @classmethod
+    async def create(cls, lock: str, **kwargs: Any) -> AsyncSandbox:
+        """``Sandbox.create`` (same arguments) in the default executor."""
+        loop = asyncio.get_running_loop()
+        sb = await loop.run_in_executor(None, functools.partial(Sandbox.create, lock, **kwargs))
+        return cls(sb)
+
+    @classmethod
+    async def attach(cls, sandbox_id: str, **kwargs: Any) -> AsyncSandbox:
+        loop = asyncio.get_running_loop()
+        sb = await loop.run_in_executor(None, functools.partial(Sandbox.attach, sandbox_id,
+                                                                **kwargs))
+        return cls(sb)
+
+    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
+                   env: Mapping[str, str] | None = None, cwd: str | None = None,
+                   user: str | None = None, stdin: bytes | None = None,
+                   on_stdout: agent.OutputCallback | None = None,
+                   on_stderr: agent.OutputCallback | None = None,
+                   check_timeout: bool = False) -> ExecResult:
+        """``Sandbox.exec`` on the event loop (callbacks run in the loop's thread)."""
+        sb = self.sync
+        # fncall: every exec is a call wrapped in the sandbox's reset (blocking host work; the
+        # callbacks then run in an executor thread)
+        if sb.backend == "fncall":
+            return await asyncio.get_running_loop().run_in_executor(None, functools.partial(
+                sb.exec, cmd, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin,
+                on_stdout=on_stdout, on_stderr=on_stderr, check_timeout=check_timeout))
+        req = sb._request(cmd, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin)
+        started = time.monotonic()
+        handle = sb._backend
+        done = await agent.run_async(handle.connect, req, handle.limits.output_bytes,
+                                     deadline=handle.limits.exec_timeout, on_stdout=on_stdout,
+                                     on_stderr=on_stderr)
+        return sb._result(done, started, check_timeout)
+
+    async def call(self, argv: str | Sequence[str], **kwargs: Any) -> ExecResult:
+        """``Sandbox.call`` (an fncall sandbox's stateless call) in the default executor."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.sync.call, argv, **kwargs))
+
+    async def read_file(self, path: str) -> bytes:
+        return await asyncio.get_running_loop().run_in_executor(None, self.sync.read_file, path)
+
+    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.sync.write_file, path, data,
+                                                         mode)
+
+    async def pack_diff(self, publish: str | None = None, **kwargs: Any):
+        """``Sandbox.pack_diff`` in the default executor."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.sync.pack_diff, publish, **kwargs))
+
+    async def set_network(self, network: bool | Sequence[str]) -> None:
+        """``Sandbox.set_network`` in the default executor."""
+        await asyncio.get_running_loop().run_in_executor(None, self.sync.set_network, network)
+
+    async def checkpoint(self, publish: str | None = None, *, leave_running: bool = False):
+        """``Sandbox.checkpoint`` in the default executor."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.sync.checkpoint, publish, leave_running=leave_running))
+
+    @classmethod
+    async def restore(cls, checkpoint: str, **kwargs: Any) -> AsyncSandbox:
+        """``Sandbox.restore`` (same arguments) in the default executor."""
+        loop = asyncio.get_running_loop()
+        sb = await loop.run_in_executor(None, functools.partial(Sandbox.restore, checkpoint,
+                                                                **kwargs))
+        return cls(sb)
+
+    async def fork(self, n: int, **kwargs: Any) -> list[AsyncSandbox]:
+        """``Sandbox.fork`` in the default executor."""
+        children = await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.sync.fork, n, **kwargs))
+        return [AsyncSandbox(c) for c in children]
+
+    async def info(self) -> SandboxInfo:
+        return self.sync.info()
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.sync.close)
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"<AsyncSandbox {self.sync!r}>"
+
+
+__all__ = ["AsyncSandbox"]

@@ -1,0 +1,134 @@
+"""``SandboxOptions``: how to make a sandbox, as one value (``Sandbox.create(lock, options)``),
+and ``plan_create``, the checks of it against its backend made before anything exists.
+
+Pure: no disk, no store, no process. ``Sandbox.create`` takes the same names as keyword
+arguments (``Sandbox.create(lock, backend="microvm", ttl=600)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from envbuild.errors import BackendUnavailable, RuntimeShimError
+from runtime_shim.backends.base import (
+    Backend,
+    CheckpointImage,
+    HostCosted,
+    Restorable,
+    get_backend,
+)
+from runtime_shim.isolation import netns
+from runtime_shim.isolation import seccomp as seccomp_profiles
+from runtime_shim.node import admission
+from runtime_shim.node.model import Limits
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxOptions:
+    """How to make a sandbox. Every field has a default.
+
+    ``backend``: a name of the registry (``runtime_shim.backends.base.backend_names``):
+    ``"container"`` (runc), ``"microvm"`` (QEMU) or ``"fncall"`` (stateless calls).
+
+    ``network``: False for none; True for egress to the public internet through the sandbox's
+    own namespace and user-mode NAT (the host, private ranges such as RFC 1918, CGNAT and
+    link-local, and ``$ENVBUILD_NETWORK_REFUSE`` unreachable); a list of ``CIDR[:PORT]`` for
+    egress to those only, private ones included, plus ``"public"`` for the public internet too
+    (``runtime_shim.isolation.netns``). ``Sandbox.set_network`` changes it while it runs.
+
+    ``limits``: what it may use (``Limits``; default ``Limits()``, or the checkpoint's for a
+    ``restore`` where the backend keeps them in its image: a microVM's RAM). Admission
+    (``runtime_shim.node.admission``) reserves their worst case of the host's shared tables
+    before anything is made; past the node's budget, ``AdmissionRefused`` and nothing is left.
+
+    ``runtime``: the OCI runtime of a container (``runc``). ``keep``: outlive this process
+    (``envbuild run --keep``; container only). ``ttl``: seconds after which it is removed if
+    nobody closed it. ``reap``: first remove the node's expired sandboxes and those whose
+    creating process died.
+
+    ``lazy``: mount each layer read-only with FUSE, served from the store file by file on
+    first read (``runtime_shim.lazyfs``; the store must be one another process can open),
+    instead of unpacking it; ``"auto"``: lazy where the node's lazy daemon can serve the
+    layers, else a full pull with a warning. ``Sandbox.info().lazy`` says how reads are served.
+
+    ``seccomp``: None for the default syscall filter (``runtime_shim.isolation.seccomp``),
+    ``"unconfined"`` for none, or a full OCI ``linux.seccomp`` object (checked). A microVM
+    takes None or ``"unconfined"`` (its guest kernel bounds it).
+
+    ``checkpointable``: ``checkpoint`` / ``fork`` will be asked of it. ``restore``: the
+    processes continue from this checkpoint image (unpacked on the host; ``Sandbox.restore``
+    reads one from the store); the backend refuses an image that does not match its record.
+    """
+
+    backend: str = "container"
+    network: bool | Sequence[str] = False
+    limits: Limits | None = None
+    runtime: str = "runc"
+    keep: bool = False
+    lazy: bool | str = False
+    seccomp: str | Mapping | None = None
+    ttl: float | None = None
+    reap: bool = True
+    checkpointable: bool = False
+    restore: CheckpointImage | None = None
+
+    @classmethod
+    def of(cls, options: SandboxOptions | None, fields: Mapping[str, Any]) -> SandboxOptions:
+        """``options`` (default: all defaults) with ``fields`` replaced; an unknown name is a
+        ``RuntimeShimError`` naming the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise RuntimeShimError(f"unknown sandbox option(s): {', '.join(unknown)}",
+                                   hint=f"options are: {', '.join(sorted(known))}")
+        return dataclasses.replace(options or cls(), **fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class CreatePlan:
+    """What ``plan_create`` settled: the backend, the parsed network policy, the limits, the
+    lazy mode after the backend's say (``"auto"`` may have become False), the reservation."""
+
+    impl: Backend
+    network: netns.NetworkPolicy | None
+    limits: Limits
+    lazy: bool | str
+    reservation: admission.Reservation
+    budget: admission.BudgetSettings
+    restorer: Restorable | None
+
+
+def plan_create(options: SandboxOptions) -> CreatePlan:
+    """Check ``options`` against their backend before anything is made: bad network entries, an
+    unknown backend, a request it cannot honour, a bad TTL or lazy mode, a restore it cannot
+    do, limits admission refuses outright."""
+    policy = netns.parse_network(options.network)
+    impl = get_backend(options.backend)
+    seccomp_profiles.check_setting(options.seccomp)
+    lazy = options.lazy
+    if lazy not in (False, True, "auto"):
+        raise RuntimeShimError(f"lazy must be False, True or 'auto', not {lazy!r}")
+    try:
+        impl.check(keep=options.keep, seccomp=options.seccomp, lazy=bool(lazy))
+    except BackendUnavailable:
+        if lazy != "auto":
+            raise
+        lazy = False  # auto: this backend cannot run lazy layers, pull them in full
+        impl.check(keep=options.keep, seccomp=options.seccomp, lazy=False)
+    if options.ttl is not None and not options.ttl > 0:
+        raise RuntimeShimError(f"ttl must be a positive number of seconds, not {options.ttl!r}")
+    limits, restorer = options.limits, None
+    if options.restore is not None:
+        if not isinstance(impl, Restorable):
+            raise BackendUnavailable(f"the {options.backend} backend cannot restore a "
+                                     "checkpoint with memory")
+        restorer = impl
+        limits = limits or impl.restored_limits(options.restore)
+    limits = limits or Limits()
+    want = impl.host_reservation(limits) if isinstance(impl, HostCosted) \
+        else admission.reservation(limits)  # no pids limit is refused here
+    return CreatePlan(impl=impl, network=policy, limits=limits, lazy=lazy, reservation=want,
+                      budget=admission.BudgetSettings.from_env(os.environ), restorer=restorer)
