@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from envbuild.errors import BackendUnavailable, RuntimeShimError
+from envbuild.libc import LIBC
 from envbuild.safefs import remove_tree
 from runtime_shim.backends.base import CreateRequest
 from runtime_shim.backends.container import ContainerSandbox
@@ -84,9 +85,10 @@ from runtime_shim.isolation.mount import (
     MNT_DETACH,
     OVERLAY_PLAIN_OPTIONS,
     OverlaySpec,
-    _libc,
     _os_error,
     mount_overlay,
+    raw_syscall,
+    raw_umount2,
 )
 from runtime_shim.isolation.runc import OciRuntime, destroy
 from runtime_shim.isolation.spec import BindMount, RuntimeSpecRequest
@@ -434,7 +436,7 @@ class FnSandbox(ContainerSandbox):
 
 def _detached_overlay(lower: str, upper: str, work: str) -> int:
     """An overlay (nosuid, nodev) as a detached mount: its fd (``fsopen``/``fsmount``)."""
-    sc = _libc.syscall
+    sc = raw_syscall
     fsfd = sc(_SYS_FSOPEN, b"overlay", 0)
     if fsfd < 0:
         raise RuntimeShimError(f"fsopen overlay: {_os_error('fsopen').strerror}",
@@ -469,13 +471,13 @@ def _inject(init_pid: int, ops: list[tuple[str, int, int | None]]) -> None:
         if pid == 0:  # pragma: no cover - the child
             code = 1
             try:
-                if _libc.setns(nsfd, _CLONE_NEWNS) == 0:  # root and cwd: the sandbox's root
+                if LIBC.setns(nsfd, _CLONE_NEWNS) == 0:  # root and cwd: the sandbox's root
                     code = 0
                     for i, (dest, mfd, old) in enumerate(ops):
                         target = dest.encode()
                         if old is not None and os.stat(target).st_dev == old:
-                            _libc.umount2(target, MNT_DETACH)
-                        if _libc.syscall(_SYS_MOVE_MOUNT, mfd, b"", _AT_FDCWD, target,
+                            raw_umount2(target, MNT_DETACH)
+                        if raw_syscall(_SYS_MOVE_MOUNT, mfd, b"", _AT_FDCWD, target,
                                          _MOVE_MOUNT_F_EMPTY_PATH) < 0:
                             code = 2 + i
                             break

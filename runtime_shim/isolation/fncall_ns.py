@@ -47,7 +47,7 @@ from pathlib import Path
 
 from envbuild.errors import RuntimeShimError
 from runtime_shim.isolation import agent, cgroupfs
-from runtime_shim.isolation.mount import _libc
+from runtime_shim.isolation.mount import raw_syscall
 from runtime_shim.isolation.spec import MASKED_PATHS, READONLY_PATHS
 
 __all__ = ["CallAgent", "Confinement", "read_confinement", "spawn", "spawn_argv", "spawner_binary"]
@@ -126,7 +126,7 @@ def _cgroup_files(pid: int) -> tuple[str, ...]:
 def _seccomp_filter(pid: int) -> bytes:
     """The seccomp program runc installed in ``pid`` (``PTRACE_SECCOMP_GET_FILTER``: seize,
     stop, read, detach; the process carries on as before)."""
-    sc = _libc.syscall
+    sc = raw_syscall
     if sc(_SYS_PTRACE, _PTRACE_SEIZE, pid, 0, 0) < 0:
         raise _error(f"ptrace sandbox process {pid}")
     try:

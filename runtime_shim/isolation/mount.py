@@ -19,10 +19,11 @@ import os
 from envbuild.errors import RuntimeShimError
 from envbuild.libc import function
 
-_mount = function("mount", argtypes=[ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+# mount(2) and syscall(2) with their types (scratchfs and fncall_ns call them too)
+raw_mount = function("mount", argtypes=[ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
                                      ctypes.c_ulong, ctypes.c_char_p])
-_umount2 = function("umount2", argtypes=[ctypes.c_char_p, ctypes.c_int])
-_syscall = function("syscall", ctypes.c_long)
+raw_umount2 = function("umount2", argtypes=[ctypes.c_char_p, ctypes.c_int])
+raw_syscall = function("syscall", ctypes.c_long)
 
 PAGE_LIMIT = 4095  # mount(2) copies at most one page of options, NUL included
 MNT_DETACH = 2
@@ -82,7 +83,7 @@ def mount_overlay(spec: OverlaySpec) -> None:
     options = spec.options()
     try:
         if len(options.encode()) <= PAGE_LIMIT:
-            if _mount(b"overlay", spec.target.encode(), b"overlay", 0,
+            if raw_mount(b"overlay", spec.target.encode(), b"overlay", 0,
                            options.encode()) != 0:
                 raise _os_error("mount")
         else:
@@ -96,7 +97,7 @@ def mount_overlay(spec: OverlaySpec) -> None:
 
 
 def _mount_overlay_new_api(spec: OverlaySpec) -> None:
-    sc = _syscall
+    sc = raw_syscall
     sc.argtypes = None
     fsfd = sc(_SYS_FSOPEN, b"overlay", 0)
     if fsfd < 0:
@@ -134,12 +135,12 @@ def unmount(target: str, *, lazy_fallback: bool = True, nofollow: bool = False) 
     ``nofollow``: a symlink in its last component is not followed (``UMOUNT_NOFOLLOW``), for
     targets under a directory hostile code could write (a dead build's scratch dir)."""
     path, flags = os.fsencode(target), UMOUNT_NOFOLLOW if nofollow else 0
-    if _umount2(path, flags) == 0:
+    if raw_umount2(path, flags) == 0:
         return
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOENT):  # not a mount point (any more)
         return
-    if err == errno.EBUSY and lazy_fallback and _umount2(path, flags | MNT_DETACH) == 0:
+    if err == errno.EBUSY and lazy_fallback and raw_umount2(path, flags | MNT_DETACH) == 0:
         return
     raise RuntimeShimError(f"unmount {target}: {os.strerror(err)}",
                            hint="find users with `fuser -vm PATH`")
@@ -161,9 +162,9 @@ def mounted_targets_under(prefix: str) -> list[str]:
 def bind_mount_readonly(source: str, target: str) -> None:
     """Bind ``source`` at ``target`` read-only (two calls: bind, then remount ro)."""
     MS_BIND, MS_REMOUNT = 4096, 32
-    if _mount(source.encode(), target.encode(), None, MS_BIND, None) != 0:
+    if raw_mount(source.encode(), target.encode(), None, MS_BIND, None) != 0:
         raise RuntimeShimError(f"bind mount {source} at {target}: {_os_error('mount').strerror}")
-    if _mount(None, target.encode(), None, MS_BIND | MS_REMOUNT | MS_RDONLY, None) != 0:
+    if raw_mount(None, target.encode(), None, MS_BIND | MS_REMOUNT | MS_RDONLY, None) != 0:
         err = _os_error("remount")
         unmount(target)
         raise RuntimeShimError(f"remount {target} read-only: {err.strerror}")

@@ -61,7 +61,7 @@ from typing import BinaryIO
 
 from envbuild.errors import RuntimeShimError
 from runtime_shim.isolation.lifecycle import exiting
-from runtime_shim.isolation.mount import _libc, unmount
+from runtime_shim.isolation.mount import raw_mount, unmount
 
 #: Bumped when the template's mkfs options change (a template of an older version is ignored).
 TEMPLATE_VERSION = 1
@@ -300,7 +300,7 @@ def _mount_image(image: Path, target: Path, flags: int = MOUNT_FLAGS) -> int:
         loop_fd, loop_dev = _attach_loop(backing)
     finally:
         os.close(backing)
-    if _libc.mount(loop_dev.encode(), str(target).encode(), b"ext4", flags, MOUNT_DATA) != 0:
+    if raw_mount(loop_dev.encode(), str(target).encode(), b"ext4", flags, MOUNT_DATA) != 0:
         err = ctypes.get_errno()
         os.close(loop_fd)
         raise RuntimeShimError(f"mount the scratch disk at {target}: {os.strerror(err)}",

@@ -17,14 +17,6 @@ import pytest
 from tests.conftest import REPO, require_root, require_tool
 
 
-def pytest_collection_modifyitems(config, items):
-    """Every test here is an integration test (real tools); ``-m "not integration"`` leaves
-    them out. tests/unit/test_markers.py checks it."""
-    for item in items:
-        if "tests/integration/" in str(item.fspath):
-            item.add_marker(pytest.mark.integration)
-
-
 @dataclasses.dataclass
 class CliResult:
     code: int

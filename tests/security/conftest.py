@@ -13,12 +13,6 @@ import pytest
 from tests.integration.conftest import *  # noqa: F401,F403  (shared fixtures)
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if "tests/security/" in str(item.fspath):
-            item.add_marker(pytest.mark.integration)
-
-
 @pytest.fixture(scope="session")
 def busybox_store(tmp_path_factory):
     """One built busybox env (``env/busybox-shell``) for every security test of the session:

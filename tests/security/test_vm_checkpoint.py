@@ -14,8 +14,7 @@ import pytest
 
 from envbuild.errors import CheckpointRefused
 from runtime_shim.backends.base import CheckpointImage
-from runtime_shim.backends.vm.backend import restore_sandbox
-from runtime_shim.backends.vm.checkpoint import DISK_FILE, MEMORY_FILE
+from runtime_shim.backends.vm.checkpoint import DISK_FILE, MEMORY_FILE, VmCheckpoint
 from runtime_shim.isolation.mount import mounted_targets_under
 from runtime_shim.sdk.sandbox import Limits, Sandbox
 from tests.integration.test_microvm import _qemu_pids, _require_vm_tools
@@ -48,7 +47,8 @@ def _refused(saved, image: CheckpointImage, match: str) -> None:
     qemu_before = _qemu_pids()
     sandboxes = set((node / "sandboxes").iterdir())
     with pytest.raises(CheckpointRefused, match=match) as e:
-        restore_sandbox(image, store=store, node_dir=node)
+        Sandbox.create(VmCheckpoint.from_record(image.record).lock, store=store, node_dir=node,
+                       backend="microvm", restore=image)
     assert "\n" not in e.value.message
     assert _qemu_pids() <= qemu_before  # QEMU never started
     assert set((node / "sandboxes").iterdir()) == sandboxes

@@ -172,8 +172,9 @@ def starts_a_server(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Store tests that start a server are integration tests (``-m "not integration"`` runs
-    the memory and local backends only). tests/unit/test_markers.py checks it."""
+    """Store tests that start a server are in the integration tier; the others get this
+    directory's tier, fast (tests/conftest.py DIRECTORY_TIERS): ``-m fast`` runs the memory
+    and local backends only. tests/integration/test_markers.py checks it."""
     for item in items:
         if "tests/store/" in str(item.fspath) and starts_a_server(item):
             item.add_marker(pytest.mark.integration)

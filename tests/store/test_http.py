@@ -79,7 +79,8 @@ class Server:
         self.httpd.daemon_threads = True
         self.httpd.handle_error = lambda *a: None  # type: ignore[method-assign]  # clients hang up on purpose
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/blob?sig=x"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        # a short poll: shutdown() waits for it (the default 0.5 s, each test)
+        threading.Thread(target=self.httpd.serve_forever, args=(0.01,), daemon=True).start()
 
     def close(self) -> None:
         self.httpd.shutdown()

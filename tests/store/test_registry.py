@@ -107,6 +107,7 @@ def test_unknown_envbuild_artifact_version_is_refused_by_name(store):
     assert "ref.v9" in e.value.message and "upgrade" in e.value.hint
 
 
+@pytest.mark.integration  # starts the real docker-registry
 def test_deletes_disabled_in_the_registry(tmp_path):
     with running_registry(tmp_path / "reg", deletes=False) as reg:
         store = RegistryStore(reg.url("unit/nodelete"), auth_paths=[])
@@ -125,7 +126,7 @@ def test_not_a_registry(tmp_path):
     import threading
 
     server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
     try:
         with pytest.raises(StoreUnavailable, match="is not an OCI registry"):
             RegistryStore(f"docker://127.0.0.1:{server.server_port}/x", auth_paths=[])

@@ -229,6 +229,8 @@ def _hostile(members) -> bytes:
                 continue
             ti.type = {"dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE,
                        "hardlink": tarfile.LNKTYPE}[kind]
+            if kind == "dir":
+                ti.mode = 0o755  # TarInfo's 0o644 would lock out any user but root
             ti.linkname = extra or ""
             tf.addfile(ti)
     out = io.BytesIO()

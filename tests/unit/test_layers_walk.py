@@ -93,6 +93,7 @@ def _upper(tmp_path):
     return up
 
 
+@pytest.mark.integration  # a real overlay upper: mknod, trusted.* xattrs (root)
 def test_only_the_overlays_own_markers_become_oci_whiteouts(tmp_path):
     up = _upper(tmp_path)
     dropped = []
@@ -111,12 +112,14 @@ def test_only_the_overlays_own_markers_become_oci_whiteouts(tmp_path):
                                ("opq/.wh..wh..opq", "dropped")]
 
 
+@pytest.mark.integration  # a real overlay upper: mknod, trusted.* xattrs (root)
 def test_look_alike_markers_are_refused_without_a_report(tmp_path):
     up = _upper(tmp_path)
     with pytest.raises(UnsafeLayerError, match="reserved for OCI whiteouts"):
         _pack(up, overlay_upper=True)
 
 
+@pytest.mark.integration  # a real overlay upper: mknod, trusted.* xattrs (root)
 def test_a_userxattr_overlay_reads_user_markers_and_drops_trusted_ones(tmp_path):
     up = _upper(tmp_path)
     dropped = []

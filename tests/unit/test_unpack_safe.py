@@ -184,16 +184,22 @@ def test_zero_runs_are_restored_as_holes(tmp_path):
     assert st.st_size == size and st.st_blocks * 512 < 1 << 20
 
 
-def test_a_4096_deep_tree_unpacks_with_bounded_fds(tmp_path):
+def test_a_tree_deeper_than_recursion_and_path_max_unpacks_with_bounded_fds(tmp_path):
     """Depth costs neither recursion nor an fd per level (a sandbox may snapshot such a tree):
-    both unpackers run with 300 fds to spare (the fd cache holds at most 256)."""
+    both unpackers run with 300 fds to spare (the fd cache holds at most 256). 100 levels more
+    than the recursion limit, 5 bytes each: the path is longer than PATH_MAX. (Not deeper: each
+    directory is opened from the root, so time grows with the square of the depth; 4096 levels
+    took 10-19 s, most of the fast tier's budget.)"""
     import resource
+    import sys
 
     from envbuild.layers import pack_tar
     from envbuild.safefs import remove_tree
 
-    members = [("/".join(["a"] * n), "dir", None) for n in range(1, 4097)]
-    members.append(("/".join(["a"] * 4096) + "/f", "file", b"deep"))
+    depth = sys.getrecursionlimit() + 100
+    assert depth * len("aaaa/") > os.pathconf("/", "PC_PATH_MAX")
+    members = [("/".join(["aaaa"] * n), "dir", None) for n in range(1, depth + 1)]
+    members.append(("/".join(["aaaa"] * depth) + "/f", "file", b"deep"))
     tar = _tar(members)
     out = io.BytesIO()
     pack_tar(io.BytesIO(tar), out, framing=TINY)
@@ -207,8 +213,8 @@ def test_a_4096_deep_tree_unpacks_with_bounded_fds(tmp_path):
         for d in ("tar", "layer"):
             fd = os.open(tmp_path / d, os.O_RDONLY)
             try:
-                for _ in range(4096):
-                    nfd = os.open("a", os.O_RDONLY, dir_fd=fd)
+                for _ in range(depth):
+                    nfd = os.open("aaaa", os.O_RDONLY, dir_fd=fd)
                     os.close(fd)
                     fd = nfd
                 assert os.read(os.open("f", os.O_RDONLY, dir_fd=fd), 10) == b"deep"
