@@ -3,8 +3,8 @@
 A build's output is untrusted (a definition's ``run`` steps, a Dockerfile, an importer) and
 its log lives on the host, outside every capped disk. So:
 
-* **Per build**, a log holds at most ``cap`` bytes (``BUILD_LOG_CAP`` in
-  ``envbuild.build.executor``): once it grows past that it is trimmed in place to its first
+* **Per build**, a log holds at most ``cap`` bytes (``BUILD_LOG_CAP``, for run steps and
+  Dockerfile builds alike): once it grows past that it is trimmed in place to its first
   ``cap // 4`` bytes, a ``TRIM_NOTE`` line, and its last ``cap // 4`` bytes, so the start
   (what ran) and the end (why it failed) are both kept, whatever was printed in between.
   ``CappedLog`` trims as it is written; ``trim`` trims a log another writer (a subprocess
@@ -19,9 +19,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
+#: What one build's log may hold (on the host, outside its capped disk): past it the log keeps
+#: its first and last quarter, so a step that prints forever (``yes``) costs the host this
+#: much, and the end of its output (why it failed) is kept. Read at each use (tests lower it).
+BUILD_LOG_CAP = 16 << 20
 #: What a log directory may hold before ``prune`` deletes its oldest logs.
 LOG_DIR_CAP = 1 << 30
 #: ``prune`` never deletes a log written to more recently than this (seconds).
@@ -105,3 +110,29 @@ def prune(log_dir: Path, cap: int = LOG_DIR_CAP, *, min_age: float = PRUNE_MIN_A
         except FileNotFoundError:
             pass
         total -= st.st_size
+
+
+class Tee:
+    """The log file, with each write also handed to ``on_output`` (for ``build -v``): the
+    first ``BUILD_LOG_CAP`` bytes of the step's output, then a note (the log keeps the end)."""
+
+    def __init__(self, out, name: str, on_output: Callable[[str, bytes], None]) -> None:
+        self.out, self.name, self.on_output = out, name, on_output
+        self.left = BUILD_LOG_CAP
+
+    def write(self, data: bytes) -> int:
+        n = self.out.write(data)
+        if self.left > 0:
+            shown = bytes(data[:self.left])
+            self.left -= len(data)
+            if self.left <= 0:
+                shown += f"\n[envbuild: output past {BUILD_LOG_CAP >> 10} KiB not shown; the " \
+                         "log keeps its end]\n".encode()
+            self.on_output(self.name, shown)
+        return n
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def close(self) -> None:
+        self.out.close()

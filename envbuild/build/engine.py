@@ -193,81 +193,83 @@ def build(
     sweep_stale_daemons(ctx.node.root / "dockerd")
     # then the scratch dirs of those builds (issue 11, item 14)
     sweep_stale_scratch(ctx.scratch_root, ctx.runtime)
-    plan = plan_with_store(ws, ctx.store, targets)
-    # -- remote build cache, pull side (S3 issue; logic in envbuild.store.sync) ---------------
-    # Layers another machine built: layer blob, then key record, into ctx.store; the re-plan
-    # then marks them cached, so they are neither rebuilt nor treated differently below.
-    if cache_from is not None and not no_cache:
-        from envbuild.store.sync import pull_cached
-
-        if pull_cached(cache_from, ctx.store, [s.key for s in plan.layers
-                                               if s.status == "missing"]):
-            plan = plan_with_store(ws, ctx.store, targets)
-    # -----------------------------------------------------------------------------------------
-    outcomes: dict[str, LayerOutcome] = {}
+    # Layers another machine built (cache_from) are pulled first: blob, then key record, into
+    # ctx.store; the re-plan then marks them cached (logic in envbuild.store.sync).
+    plan = prepare_plan(ws, ctx.store, targets, no_cache=no_cache, cache_from=cache_from)
     to_build = [s for s in plan.layers if no_cache or s.status == "missing"]
-    for s in plan.layers:
-        if s not in to_build:
-            outcomes[s.name] = LayerOutcome(s.name, s.kind, s.key, "cached",
-                                            record=get_key_record(ctx.store, s.key))
-            progress(BuildEvent(s.name, "cached"))
+    outcomes = cached_outcomes(plan, ctx.store, to_build, progress)
     for s in to_build:
         progress(BuildEvent(s.name, "queued"))
     layer_jobs = make_jobs(ws, [s.name for s in to_build])
-    lock_root = ctx.node.root / "locks"
 
-    def work(name: str) -> tuple[KeyRecord, str, float]:
-        job = layer_jobs[name]
-        started = time.monotonic()
-        if ctx.cancelled.is_set():  # queued before the interrupt: do not start
-            raise BuildError(f"{name}: cancelled", hint="nothing was published for this layer")
-        with _KeyLock(lock_root, job.key, ctx.cancelled):
-            existing = None if no_cache else get_key_record(ctx.store, job.key)
-            if existing is not None:  # another process built it while we waited
-                return existing, "cached", 0.0
-            # a Dockerfile base on an env of this tree (FROM envbuild.invalid/env/E): E's
-            # layers are built (they are its dependencies), so lock E now, from this plan's
-            # keys, for the build to load
-            envs = getattr(getattr(ws.graph[name], "source", None), "envs", ())
-            if envs:
-                publish_locks(ws, ctx.store, envs)
-            got = build_under_lease(ctx, job, progress, no_cache=no_cache)
-        if isinstance(got, KeyRecord):  # another builder (another host) published it
-            return got, "cached", 0.0
-        return got[0], "built", time.monotonic() - started
-
-    def on_skip(name: str, because: str) -> None:
-        progress(BuildEvent(name, "skipped", detail=f"{because} failed"))
-
-    def tracked(name: str):
+    def tracked(name: str) -> tuple[KeyRecord, str, float]:
         try:
-            record, status, seconds = work(name)
+            record, status, seconds = _build_one(ws, ctx, layer_jobs[name], progress, no_cache)
         except EnvbuildError as e:
             progress(BuildEvent(name, "failed", detail=e.message))
             raise
         progress(BuildEvent(name, "done" if status == "built" else "cached", seconds=seconds))
         return record, status, seconds
 
-    deps = {s.name: s.depends_on for s in to_build}
-    results = run_dag([s.name for s in to_build], deps, tracked,
-                      key_of=lambda n: layer_jobs[n].key, jobs=jobs, on_skip=on_skip,
+    results = run_dag([s.name for s in to_build], {s.name: s.depends_on for s in to_build},
+                      tracked, key_of=lambda n: layer_jobs[n].key, jobs=jobs,
+                      on_skip=lambda name, because: progress(
+                          BuildEvent(name, "skipped", detail=f"{because} failed")),
                       cancelled=ctx.cancelled)
     for s in to_build:
-        r = results[s.name]
-        if r.outcome == "done":
-            record, status, seconds = r.value
-            outcomes[s.name] = LayerOutcome(s.name, s.kind, s.key, status, record, seconds)
-        elif r.outcome == "failed":
-            err = r.error if isinstance(r.error, EnvbuildError) else None
-            if err is None and r.error is not None and not isinstance(r.error, Exception):
-                raise r.error  # KeyboardInterrupt and friends
-            if err is None:
-                raise r.error  # a bug: let the CLI boundary print the traceback
-            outcomes[s.name] = LayerOutcome(s.name, s.kind, s.key, "failed", error=err)
-        else:
-            outcomes[s.name] = LayerOutcome(s.name, s.kind, s.key, "skipped",
-                                            blocked_by=r.blocked_by)
+        outcomes[s.name] = _outcome_of(s, results[s.name])
     return finish_build(ws, ctx.store, plan, outcomes, cache_to)
+
+
+def cached_outcomes(plan: BuildPlan, store: Store, to_build: list, progress: Progress,
+                    records: dict[str, KeyRecord] | None = None) -> dict[str, LayerOutcome]:
+    """The outcomes of the plan's layers not in ``to_build`` (cached: their key record from
+    ``records`` or the store), each reported to ``progress``."""
+    outcomes: dict[str, LayerOutcome] = {}
+    for s in plan.layers:
+        if s not in to_build:
+            record = (records or {}).get(s.key) or get_key_record(store, s.key)
+            outcomes[s.name] = LayerOutcome(s.name, s.kind, s.key, "cached", record=record)
+            progress(BuildEvent(s.name, "cached"))
+    return outcomes
+
+
+def _build_one(ws: Snapshot, ctx: BuildContext, job: LayerJob, progress: Progress,
+               no_cache: bool) -> tuple[KeyRecord, str, float]:
+    """Build one layer of a local build under its key's lock file and lease: (record, "built"
+    or "cached" when another builder published it meanwhile, seconds)."""
+    started = time.monotonic()
+    if ctx.cancelled.is_set():  # queued before the interrupt: do not start
+        raise BuildError(f"{job.name}: cancelled", hint="nothing was published for this layer")
+    with _KeyLock(ctx.node.root / "locks", job.key, ctx.cancelled):
+        existing = None if no_cache else get_key_record(ctx.store, job.key)
+        if existing is not None:  # another process built it while we waited
+            return existing, "cached", 0.0
+        # a Dockerfile base on an env of this tree (FROM envbuild.invalid/env/E): E's
+        # layers are built (they are its dependencies), so lock E now, from this plan's
+        # keys, for the build to load
+        envs = getattr(getattr(ws.graph[job.name], "source", None), "envs", ())
+        if envs:
+            publish_locks(ws, ctx.store, envs)
+        got = build_under_lease(ctx, job, progress, no_cache=no_cache)
+    if isinstance(got, KeyRecord):  # another builder (another host) published it
+        return got, "cached", 0.0
+    return got[0], "built", time.monotonic() - started
+
+
+def _outcome_of(s, r) -> LayerOutcome:
+    """The outcome of the planned layer ``s`` from its ``run_dag`` result ``r``."""
+    if r.outcome == "done":
+        record, status, seconds = r.value
+        return LayerOutcome(s.name, s.kind, s.key, status, record, seconds)
+    if r.outcome == "failed":
+        err = r.error if isinstance(r.error, EnvbuildError) else None
+        if err is None and r.error is not None and not isinstance(r.error, Exception):
+            raise r.error  # KeyboardInterrupt and friends
+        if err is None:
+            raise r.error  # a bug: let the CLI boundary print the traceback
+        return LayerOutcome(s.name, s.kind, s.key, "failed", error=err)
+    return LayerOutcome(s.name, s.kind, s.key, "skipped", blocked_by=r.blocked_by)
 
 
 def prepare_plan(ws: Snapshot, store: Store, targets: Iterable[str] | None, *,

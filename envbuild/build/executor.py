@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import fcntl
 import os
 import subprocess
 import sys
@@ -48,8 +47,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from envbuild.build import buildlog, importers
+from envbuild.build import buildlog, copying, importers
+from envbuild.build.layerjob import BuildEvent, LayerJob, Progress
 from envbuild.build.pin import HOST_BUSYBOX, local_git_path
+from envbuild.build.prefix import check_toolkit_prefix
+from envbuild.build.reaper import sweep_stale_scratch  # noqa: F401  (re-exported)
+from envbuild.build.scratch import claim_scratch, release_scratch
 from envbuild.defs.model import (
     ArchiveSource,
     Base,
@@ -71,7 +74,7 @@ from envbuild.defs.model import (
 )
 from envbuild.errors import BuildError, StepFailed
 from envbuild.layers import pack_tree
-from envbuild.safefs import read_tail, remove_tree
+from envbuild.safefs import read_tail
 from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_record
 from runtime_shim.isolation import cpuclass, netns, scratchfs
 from runtime_shim.isolation.mount import OverlaySpec, mount_overlay, unmount
@@ -89,10 +92,7 @@ from runtime_shim.node.admission import BudgetSettings, Ledger, Reservation, bui
 from runtime_shim.node.nodecache import NodeCache
 
 OUTPUT_TAIL_LINES = 50
-#: What one build's log may hold (on the host, outside its capped disk): past it the log keeps
-#: its first and last quarter (``envbuild.build.buildlog``), so a step that prints forever
-#: (``yes``) costs the host this much, and the end of its output (why it failed) is kept.
-BUILD_LOG_CAP = 16 << 20
+BUILD_LOG_CAP = buildlog.BUILD_LOG_CAP  # re-exported; read as buildlog.BUILD_LOG_CAP
 BUILD_HOSTNAME = "envbuild"
 #: Defaults of ``BuildContext.disk_bytes`` / ``inodes``: generous (a debootstrap + pip install
 #: is a few GB), only there so a runaway step cannot fill the build host. The image is sparse.
@@ -101,36 +101,6 @@ DEFAULT_BUILD_INODES = 5_000_000
 #: The smallest disk a layer gets when the node's disk budget has less left than its cap.
 MIN_BUILD_DISK_BYTES = 1 << 30
 
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerJob:
-    """One layer to build. ``lower_keys`` are the keys of the layers to build on, topmost
-    first; ``build_env`` the environment steps see (the chain's merged config env)."""
-
-    name: str
-    key: str
-    definition: LayerDefinition
-    lower_keys: tuple[str, ...]
-    pins: Mapping[str, str]
-    build_env: Mapping[str, str]
-
-
-@dataclasses.dataclass(frozen=True)
-class BuildEvent:
-    """Progress of one layer: ``phase`` is queued, importing, step, packing, done, cached,
-    failed or skipped; ``step``/``steps`` count run/copy steps, ``detail`` is free text."""
-
-    name: str
-    phase: str
-    step: int = 0
-    steps: int = 0
-    detail: str = ""
-    seconds: float = 0.0
-    node: str = ""  # where it ran (the Ray executor's node id; "" for a local build)
-
-
-Progress = Callable[[BuildEvent], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,152 +159,159 @@ class BuildContext:
         return ensure_stub(self.node.root)
 
 
+@dataclasses.dataclass
+class _LayerDirs:
+    """Where one layer is built: its scratch dir (owned through ``owner``), the capped disk in
+    it holding the overlay's upper and work dirs, the overlay's mount point and the log."""
+
+    scratch: Path
+    owner: int
+    reserved: str                # the disk's reservation in the node's ledger
+    disk_limit: int | None       # the disk's cap, lowered by admission when the node has less
+    log: Path = Path()
+
+    @property
+    def disk(self) -> Path:
+        return self.scratch / scratchfs.MOUNT_NAME
+
+    @property
+    def upper(self) -> Path:
+        return self.disk / "upper"
+
+    @property
+    def merged(self) -> Path:
+        return self.scratch / "merged"
+
+
 def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyRecord:
     """Build ``job`` and publish its blob and key record; return the record."""
     started = time.monotonic()
-    d = job.definition
     _stop_if_cancelled(ctx, job)
+    dirs = _claim_dirs(ctx, job)
+    mounted: list[str] = []
+    try:
+        imported = _fill_upper(ctx, job, dirs, progress, mounted)
+        return _publish(ctx, job, dirs, imported, progress, started)
+    finally:
+        for target in mounted:
+            unmount(target)
+        for net_dir in dirs.scratch.glob("net-*"):  # a step's network (slirp, namespace file)
+            netns.teardown(net_dir)
+        scratchfs.destroy(dirs.scratch)
+        release_scratch(dirs.scratch, dirs.owner)
+        if ctx.disk_bytes is not None:
+            Ledger(ctx.node.root).release(dirs.reserved)
+
+
+def _claim_dirs(ctx: BuildContext, job: LayerJob) -> _LayerDirs:
+    """A new scratch dir for ``job`` with its capped disk (admitted by the node's budget) and
+    an empty log; nothing is left behind if this fails."""
     scratch, owner = claim_scratch(ctx.scratch_root,
                                    f"{job.key.removeprefix('sha256:')[:16]}-{uuid.uuid4().hex[:8]}")
-    disk = scratch / scratchfs.MOUNT_NAME
-    upper, work, merged = disk / "upper", disk / "work", scratch / "merged"
-    ledger, reserved = Ledger(ctx.node.root), build_key(scratch.name)
-    disk_limit = ctx.disk_bytes  # lowered by admission when the node has less left
+    ledger = Ledger(ctx.node.root)
+    dirs = _LayerDirs(scratch, owner, build_key(scratch.name), ctx.disk_bytes)
     if ctx.disk_bytes is not None:
         try:
-            granted = ledger.admit(reserved, Reservation(disk_bytes=ctx.disk_bytes), scratch,
+            granted = ledger.admit(dirs.reserved, Reservation(disk_bytes=ctx.disk_bytes), scratch,
                                    what=f"the build of {job.name}", settings=ctx.admission,
                                    wait=ctx.admission_wait,
                                    min_disk=min(ctx.disk_bytes, MIN_BUILD_DISK_BYTES))
             # dev + suid: debootstrap makes /dev nodes in the upper dir and chroots into it
-            disk_limit = granted.disk_bytes
-            scratchfs.create(scratch, disk_limit, ctx.inodes,
+            dirs.disk_limit = granted.disk_bytes
+            scratchfs.create(scratch, dirs.disk_limit, ctx.inodes,
                              template_root=ctx.node.root / "scratchfs", nodev_nosuid=False)
         except BaseException:
             release_scratch(scratch, owner)
-            ledger.release(reserved)
+            ledger.release(dirs.reserved)
             raise
-    for p in (upper, work, merged, disk / "tmp"):
+    for p in (dirs.upper, dirs.disk / "work", dirs.merged, dirs.disk / "tmp"):
         p.mkdir(parents=True, exist_ok=True)
-    os.chmod(disk / "tmp", 0o1777)
+    os.chmod(dirs.disk / "tmp", 0o1777)
     ctx.log_root.mkdir(parents=True, exist_ok=True)
     buildlog.prune(ctx.log_root)
-    log = ctx.log_root / f"{job.name}-{job.key.removeprefix('sha256:')[:12]}.log"
-    log.write_bytes(b"")
-    mounted = False
-    try:
-        lowers = []
-        for k in job.lower_keys:
-            below = ctx.known_records.get(k) or _record_of(ctx.store, k, job.name)
-            lowers.append(str(ctx.node.ensure(ctx.store, below.layer, below.toc)))
-        imported = importers.Imported()
-        if isinstance(d, Base) and not isinstance(d.source, BaseSource):
-            progress(BuildEvent(job.name, "importing", detail=d.source.kind))
-            try:
-                imported = _import_base(d, upper, log, ctx.cancelled, job=job, scratch=disk,
-                                        daemon_root=ctx.node.root / "dockerd", store=ctx.store,
-                                        runtime=ctx.runtime)
-            except BuildError as e:
-                raise _explain_full_import(ctx, e) from None
-            finally:  # importers' subprocesses append to the log themselves
-                buildlog.trim(log, BUILD_LOG_CAP)
-        needs_rootfs = bool(d.steps) or isinstance(d, Workspace)
-        if needs_rootfs:
-            spec = OverlaySpec(str(merged), (*lowers, str(ctx.stub_dir())), str(upper), str(work))
-            mount_overlay(spec)
-            mounted = True
-            if isinstance(d, Workspace):
-                progress(BuildEvent(job.name, "importing", detail=d.source.kind))
-                # git clones into its scratch: on the capped disk too (a hostile repo can be huge)
-                _import_workspace(d, job, merged, disk, ctx.cancelled)
-            for i, step in enumerate(d.steps, 1):
-                _stop_if_cancelled(ctx, job)
-                progress(BuildEvent(job.name, "step", i, len(d.steps), _describe(step)))
-                try:
-                    _run_step(ctx, job, i, step, merged, scratch, log)
-                except StepFailed as e:
-                    raise _explain_full_disk(ctx, disk, disk_limit, e) from None
-            unmount(str(merged))
-            mounted = False
-        if isinstance(d, Toolkit):
-            check_toolkit_prefix(job.name, upper, d.prefix)
+    dirs.log = ctx.log_root / f"{job.name}-{job.key.removeprefix('sha256:')[:12]}.log"
+    dirs.log.write_bytes(b"")
+    return dirs
+
+
+def _fill_upper(ctx: BuildContext, job: LayerJob, dirs: _LayerDirs, progress: Progress,
+                mounted: list[str]) -> importers.Imported:
+    """Import the layer's source and run its steps over its lower layers: what they write is
+    in ``dirs.upper``. Returns the imported image config; ``mounted`` holds what the caller
+    unmounts if this fails."""
+    d = job.definition
+    lowers = []
+    for k in job.lower_keys:
+        below = ctx.known_records.get(k) or _record_of(ctx.store, k, job.name)
+        lowers.append(str(ctx.node.ensure(ctx.store, below.layer, below.toc)))
+    imported = importers.Imported()
+    if isinstance(d, Base) and not isinstance(d.source, BaseSource):
+        progress(BuildEvent(job.name, "importing", detail=d.source.kind))
+        try:
+            imported = _import_base(d, dirs.upper, dirs.log, ctx.cancelled, job=job,
+                                    scratch=dirs.disk, daemon_root=ctx.node.root / "dockerd",
+                                    store=ctx.store, runtime=ctx.runtime)
+        except BuildError as e:
+            raise _explain_full_import(ctx, e) from None
+        finally:  # importers' subprocesses append to the log themselves
+            buildlog.trim(dirs.log, buildlog.BUILD_LOG_CAP)
+    if not d.steps and not isinstance(d, Workspace):
+        return imported
+    merged = dirs.merged
+    spec = OverlaySpec(str(merged), (*lowers, str(ctx.stub_dir())), str(dirs.upper),
+                       str(dirs.disk / "work"))
+    mount_overlay(spec)
+    mounted.append(str(merged))
+    if isinstance(d, Workspace):
+        progress(BuildEvent(job.name, "importing", detail=d.source.kind))
+        # git clones into its scratch: on the capped disk too (a hostile repo can be huge)
+        _import_workspace(d, job, merged, dirs.disk, ctx.cancelled)
+    for i, step in enumerate(d.steps, 1):
         _stop_if_cancelled(ctx, job)
-        progress(BuildEvent(job.name, "packing"))
-        blob = scratch / "layer.tar.zst"
-        with open(blob, "wb") as out:
-            info = pack_tree(upper, out, framing=d.framing, overlay_upper=True,
-                             source_date_epoch=ctx.source_date_epoch)
-        # Last chance to stop without publishing: once the blob is stored, the record follows.
-        _stop_if_cancelled(ctx, job)
-        stored = put_file(ctx.store, blob)
-        if stored.digest != info.digest:
-            raise BuildError(f"{job.name}: packed layer hashed to {stored.digest}, "
-                             f"the writer reported {info.digest}")
-        # the layer's pyc imports, for lazy sandboxes' import prediction (a hint: never fails
-        # the build); before the key record, so a layer found built has its index
-        from runtime_shim.lazyfs.pyindex import index_layer_file
-
-        index_layer_file(ctx.store, str(blob), info.digest)
-        record = KeyRecord(
-            layer=info.digest, toc=info.toc_digest, diff_id=info.diff_id, size=info.size,
-            built_from={"name": job.name, "kind": d.kind, "lower_keys": list(job.lower_keys),
-                        "seconds": round(time.monotonic() - started, 3)},
-            extra={"config": {"env": dict(imported.env), "workdir": imported.workdir,
-                              "user": imported.user,
-                              "cmd": list(imported.cmd) if imported.cmd else None}}
-            if imported != importers.Imported() else {},
-        )
-        put_key_record(ctx.store, job.key, record)  # after the blob: never a record without it
-        return record
-    finally:
-        if mounted:
-            unmount(str(merged))
-        for net_dir in scratch.glob("net-*"):  # a step's network (slirp, namespace file)
-            netns.teardown(net_dir)
-        scratchfs.destroy(scratch)
-        release_scratch(scratch, owner)
-        if ctx.disk_bytes is not None:
-            ledger.release(reserved)
+        progress(BuildEvent(job.name, "step", i, len(d.steps), _describe(step)))
+        try:
+            _run_step(ctx, job, i, step, merged, dirs.scratch, dirs.log)
+        except StepFailed as e:
+            raise _explain_full_disk(ctx, dirs.disk, dirs.disk_limit, e) from None
+    unmount(str(merged))
+    mounted.remove(str(merged))
+    return imported
 
 
-OWNER_SUFFIX = ".owner"
+def _publish(ctx: BuildContext, job: LayerJob, dirs: _LayerDirs, imported: importers.Imported,
+             progress: Progress, started: float) -> KeyRecord:
+    """Pack the upper dir, put the blob into the store, then its key record."""
+    d = job.definition
+    if isinstance(d, Toolkit):
+        check_toolkit_prefix(job.name, dirs.upper, d.prefix)
+    _stop_if_cancelled(ctx, job)
+    progress(BuildEvent(job.name, "packing"))
+    blob = dirs.scratch / "layer.tar.zst"
+    with open(blob, "wb") as out:
+        info = pack_tree(dirs.upper, out, framing=d.framing, overlay_upper=True,
+                         source_date_epoch=ctx.source_date_epoch)
+    # Last chance to stop without publishing: once the blob is stored, the record follows.
+    _stop_if_cancelled(ctx, job)
+    stored = put_file(ctx.store, blob)
+    if stored.digest != info.digest:
+        raise BuildError(f"{job.name}: packed layer hashed to {stored.digest}, "
+                         f"the writer reported {info.digest}")
+    # the layer's pyc imports, for lazy sandboxes' import prediction (a hint: never fails
+    # the build); before the key record, so a layer found built has its index
+    from runtime_shim.lazyfs.pyindex import index_layer_file
 
-
-def claim_scratch(root: Path, name: str) -> tuple[Path, int]:
-    """A new scratch dir ``root/name`` and the fd of its owner file, flocked for as long as the
-    fd is open. The owner file is locked before it gets its final name (a sweeper never sees
-    an owner file nobody holds yet) and exists before the dir (a dir without one is not ours)."""
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{name}{OWNER_SUFFIX}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.write(fd, b"%d\n" % os.getpid())  # for people looking; the lock is what counts
-    os.rename(tmp, root / f"{name}{OWNER_SUFFIX}")
-    scratch = root / name
-    scratch.mkdir()
-    return scratch, fd
-
-
-def release_scratch(scratch: Path, owner: int) -> None:
-    """Remove a finished build's scratch dir, then its owner file. If removal fails the owner
-    file stays and, unlocked once ``owner`` is closed, the next sweep retries."""
-    try:
-        remove_tree(scratch)
-        os.unlink(f"{scratch}{OWNER_SUFFIX}")
-    except OSError:
-        pass
-    finally:
-        os.close(owner)
-
-
-def sweep_stale_scratch(root: Path, runtime: OciRuntime | None = None) -> list[str]:
-    """Remove the scratch dirs under ``root`` whose build is gone (its owner file can be
-    locked): their containers, cgroups, networks, mounts and loop devices, then the tree
-    (``envbuild.build.reaper``). Returns the names removed; a dir that cannot be removed now is
-    left for the next sweep."""
-    from envbuild.build.reaper import reap_stale_builds
-
-    return [r.name for r in reap_stale_builds(root, runtime)]
+    index_layer_file(ctx.store, str(blob), info.digest)
+    record = KeyRecord(
+        layer=info.digest, toc=info.toc_digest, diff_id=info.diff_id, size=info.size,
+        built_from={"name": job.name, "kind": d.kind, "lower_keys": list(job.lower_keys),
+                    "seconds": round(time.monotonic() - started, 3)},
+        extra={"config": {"env": dict(imported.env), "workdir": imported.workdir,
+                          "user": imported.user,
+                          "cmd": list(imported.cmd) if imported.cmd else None}}
+        if imported != importers.Imported() else {},
+    )
+    put_key_record(ctx.store, job.key, record)  # after the blob: never a record without it
+    return record
 
 
 def _explain_full_disk(ctx: BuildContext, disk: Path, limit: int | None,
@@ -386,10 +363,10 @@ def _record_of(store: Store, key: str, for_name: str) -> KeyRecord:
 
 
 def _describe(step) -> str:
-    if isinstance(step, RunStep):
-        first = step.run.strip().splitlines()[0] if step.run.strip() else ""
-        return f"run: {first[:60]}"
-    return f"copy: {step.src} -> {step.dest}"
+    """A step in progress lines and the log: its kind and ``label`` (its ``name:``, or what its
+    script does: ``envbuild.defs.model.run_label``)."""
+    label = step.label if len(step.label) <= 60 else step.label[:59] + "…"
+    return f"{'run' if isinstance(step, RunStep) else 'copy'}: {label}"
 
 
 def _import_base(d: Base, upper: Path, log: Path, cancelled: threading.Event, *,
@@ -460,7 +437,7 @@ def _output_of(runtime: OciRuntime, rootfs: Path, args: tuple[str, ...], bundle:
 def _import_workspace(d: Workspace, job: LayerJob, merged: Path, scratch: Path,
                       cancelled: threading.Event) -> None:
     # dest is resolved inside the rootfs: an image's symlink never sends the source to the host
-    dest = importers.open_dir_in_root(merged, d.dest)
+    dest = copying.open_dir_in_root(merged, d.dest)
     try:
         src = d.source
         here = d.origin.directory
@@ -493,97 +470,81 @@ def _run_step(ctx: BuildContext, job: LayerJob, index: int, step, merged: Path, 
     env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
            "HOME": "/root", "SOURCE_DATE_EPOCH": str(ctx.source_date_epoch),
            **job.build_env, **step.env}
-    uid, gid = parse_user(step.user)
-    binds: tuple[BindMount, ...] = ()
-    network = step.network == "host"
-    net = None
-    if network:
-        # Egress, not the host: the step's own namespace behind slirp4netns with the host's
-        # loopback and addresses refused, as for sandboxes (runtime_shim.isolation.netns): definitions
-        # are untrusted input too. On an exception the scratch cleanup tears it down.
-        (scratch / f"net-{index}").mkdir()
-        net = netns.create(scratch / f"net-{index}", netns.NetworkPolicy())
-        binds = (BindMount(net.resolv_conf, "/etc/resolv.conf"),
-                 BindMount("/etc/hosts", "/etc/hosts"))
-        ca = host_ca_bundle()
-        if ca is not None:
-            # The host may reach registries through a proxy only its own CA bundle trusts;
-            # point the usual clients at it without touching the image's /etc/ssl.
-            binds += (BindMount(ca, HOST_CA_PATH),)
-            env = {**{k: HOST_CA_PATH for k in CA_ENV_VARS}, **env}
+    net, binds, env = _step_network(step, scratch / f"net-{index}", env)
     # /tmp on the layer's capped disk, outside the upper dir (not in the layer), as a tmpfs was.
     binds += (BindMount(str(merged.parent / scratchfs.MOUNT_NAME / "tmp"), "/tmp",
                         readonly=False),)
     container_id = f"eb-build-{uuid.uuid4().hex[:12]}"
+    uid, gid = parse_user(step.user)
     limits = ctx.limits
     request = RuntimeSpecRequest(
         rootfs=str(merged), args=("/bin/sh", "-c", step.run), env=env_list(env),
-        cwd=step.workdir or "/", uid=uid, gid=gid, hostname=BUILD_HOSTNAME, network=network,
-        network_ns=net.path if net else None, binds=binds, tmpfs=(),
+        cwd=step.workdir or "/", uid=uid, gid=gid, hostname=BUILD_HOSTNAME,
+        network=net is not None, network_ns=net.path if net else None, binds=binds, tmpfs=(),
         rlimits=(clamped_rlimit("RLIMIT_NOFILE", limits.nofile),),
         pids_limit=limits.pids, memory_limit=limits.memory_bytes, cpus=limits.cpus,
         cpu_shares=cpuclass.cpu_shares(limits.cpu_class),
         cgroups_path=f"/envbuild/{container_id}", seccomp=ctx.seccomp)
     bundle = scratch / f"bundle-{index}"
     write_bundle(bundle, runtime_spec(request))
-    with buildlog.CappedLog(log, BUILD_LOG_CAP) as out:
-        # The step runs on a pool thread, which Ctrl-C/SIGTERM never interrupts: the engine
-        # sets ctx.cancelled and run_container kills and deletes the container when it sees it.
-        # Its output reaches the log through a pipe and a copier; the log keeps its head and
-        # tail (BUILD_LOG_CAP), the copier reads everything so the step never blocks on it.
-        read_fd, write_fd = os.pipe()
-        sink = out if ctx.on_output is None else _Tee(out, job.name, ctx.on_output)
-        copier = threading.Thread(target=scratchfs.copy_capped,
-                                  args=(read_fd, sink, sys.maxsize), daemon=True)
-        copier.start()
-        try:
-            result = run_container(ctx.runtime, container_id, bundle, stdout=write_fd,
-                                   cancelled=ctx.cancelled, cpu_class=limits.cpu_class)
-        finally:
-            os.close(write_fd)  # the copier sees EOF once the container's processes are gone
-            copier.join()
+    result = _run_logged(ctx, job, container_id, bundle, log)
     if net is not None:
         net.close()
     if result.cancelled:
         _stop_if_cancelled(ctx, job)
     if result.exit_code != 0:
         raise StepFailed(
-            f"{job.name}: step {index}/{len(d.steps)} exited {result.exit_code}: "
-            f"{step.run.strip().splitlines()[0] if step.run.strip() else ''}",
+            f"{job.name}: step {index}/{len(d.steps)} exited {result.exit_code}: {step.label}",
             argv=list(request.args), exit_code=result.exit_code,
             output_tail=_tail(log, OUTPUT_TAIL_LINES), log_path=str(log))
 
 
-class _Tee:
-    """The log file, with each write also handed to ``on_output`` (for ``build -v``): the
-    first ``BUILD_LOG_CAP`` bytes of the step's output, then a note (the log keeps the end)."""
+def _step_network(step: RunStep, net_dir: Path, env: dict[str, str]):
+    """(the step's network or None, its binds, its env) for ``network: host``: egress, not the
+    host (the step's own namespace behind slirp4netns with the host's loopback and addresses
+    refused, as for sandboxes: ``runtime_shim.isolation.netns``; definitions are untrusted input too).
+    On an exception the scratch cleanup tears it down."""
+    binds: tuple[BindMount, ...] = ()
+    if step.network != "host":
+        return None, binds, env
+    net_dir.mkdir()
+    net = netns.create(net_dir, netns.NetworkPolicy())
+    binds = (BindMount(net.resolv_conf, "/etc/resolv.conf"),
+             BindMount("/etc/hosts", "/etc/hosts"))
+    ca = host_ca_bundle()
+    if ca is not None:
+        # The host may reach registries through a proxy only its own CA bundle trusts;
+        # point the usual clients at it without touching the image's /etc/ssl.
+        binds += (BindMount(ca, HOST_CA_PATH),)
+        env = {**{k: HOST_CA_PATH for k in CA_ENV_VARS}, **env}
+    return net, binds, env
 
-    def __init__(self, out, name: str, on_output: Callable[[str, bytes], None]) -> None:
-        self.out, self.name, self.on_output = out, name, on_output
-        self.left = BUILD_LOG_CAP
 
-    def write(self, data: bytes) -> int:
-        n = self.out.write(data)
-        if self.left > 0:
-            shown = bytes(data[:self.left])
-            self.left -= len(data)
-            if self.left <= 0:
-                shown += f"\n[envbuild: output past {BUILD_LOG_CAP >> 10} KiB not shown; the " \
-                         "log keeps its end]\n".encode()
-            self.on_output(self.name, shown)
-        return n
-
-    def flush(self) -> None:
-        self.out.flush()
-
-    def close(self) -> None:
-        self.out.close()
+def _run_logged(ctx: BuildContext, job: LayerJob, container_id: str, bundle: Path, log: Path):
+    """Run the step's container with its output appended to ``log`` (and handed to
+    ``ctx.on_output``); returns ``run_container``'s result."""
+    with buildlog.CappedLog(log, buildlog.BUILD_LOG_CAP) as out:
+        # The step runs on a pool thread, which Ctrl-C/SIGTERM never interrupts: the engine
+        # sets ctx.cancelled and run_container kills and deletes the container when it sees it.
+        # Its output reaches the log through a pipe and a copier; the log keeps its head and
+        # tail (BUILD_LOG_CAP), the copier reads everything so the step never blocks on it.
+        read_fd, write_fd = os.pipe()
+        sink = out if ctx.on_output is None else buildlog.Tee(out, job.name, ctx.on_output)
+        copier = threading.Thread(target=scratchfs.copy_capped,
+                                  args=(read_fd, sink, sys.maxsize), daemon=True)
+        copier.start()
+        try:
+            return run_container(ctx.runtime, container_id, bundle, stdout=write_fd,
+                                 cancelled=ctx.cancelled, cpu_class=ctx.limits.cpu_class)
+        finally:
+            os.close(write_fd)  # the copier sees EOF once the container's processes are gone
+            copier.join()
 
 
 def _copy_step(d: LayerDefinition, step: CopyStep, merged: Path) -> None:
     """Copy ``step.src`` (confined to the source root when the tree was pinned) into the
     rootfs: the destination resolved inside ``merged``, symlinks of a copied tree kept as links,
-    nothing written through a symlink (``importers.copy_source_tree``)."""
+    nothing written through a symlink (``copying.copy_source_tree``)."""
     # the same resolution the pin checked (envbuild.build.pin.confined_path)
     src = Path(os.path.realpath(d.origin.directory / step.src))
     uid, gid = parse_user(step.owner)
@@ -592,50 +553,21 @@ def _copy_step(d: LayerDefinition, step: CopyStep, merged: Path) -> None:
                          hint="copy.src is relative to the definition file")
     rel = step.dest.strip("/")
     if src.is_dir():
-        dest = importers.open_dir_in_root(merged, rel)
+        dest = copying.open_dir_in_root(merged, rel)
         try:
-            importers.copy_source_tree(src, dest, owner=(uid, gid), mode=step.mode)
+            copying.copy_source_tree(src, dest, owner=(uid, gid), mode=step.mode)
         finally:
             os.close(dest)
         return
     parent, _, base = rel.rpartition("/")
     if step.dest.endswith("/") or not base:
         parent, base = rel, src.name
-    pfd = importers.open_dir_in_root(merged, parent)
+    pfd = copying.open_dir_in_root(merged, parent)
     try:
-        importers.copy_file_into(str(src), pfd, base, owner=(uid, gid), mode=step.mode)
+        copying.copy_file_into(str(src), pfd, base, owner=(uid, gid), mode=step.mode)
     finally:
         os.close(pfd)
 
 
 def _tail(log: Path, lines: int) -> str:
     return "\n".join(read_tail(log, 256 * 1024).splitlines()[-lines:])
-
-
-def check_toolkit_prefix(name: str, upper: Path, prefix: str) -> None:
-    """A toolkit layer may only hold files under its prefix (and the directories leading to it);
-    deleting or changing anything else would break the envs it is stacked into."""
-    prefix = "/" + prefix.strip("/")
-    offending: list[str] = []
-    todo = ["/"]  # iterative: a build step's 4096-deep tree costs no recursion
-    while todo:
-        rel_dir = todo.pop()
-        base = rel_dir.rstrip("/")
-        with os.scandir(f"{upper}{base}") as it:
-            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-        if rel_dir != "/" and not (rel_dir == prefix or rel_dir.startswith(prefix + "/")
-                                   or prefix.startswith(rel_dir + "/")) and not entries:
-            offending.append(rel_dir)  # an empty directory outside the prefix
-        for n, is_dir in entries:
-            path = f"{base}/{n}"
-            if is_dir:
-                todo.append(path)
-            elif not (path == prefix or path.startswith(prefix + "/")):
-                offending.append(path)  # files, symlinks (to dirs too) and devices
-        # Directories are copied up as ancestors of what changed inside them: report the
-        # files they hold, not the directories themselves.
-    if offending:
-        shown = ", ".join(sorted(offending)[:20])
-        more = f" and {len(offending) - 20} more" if len(offending) > 20 else ""
-        raise BuildError(f"toolkit {name} wrote outside its prefix {prefix}: {shown}{more}",
-                         hint="clean up in the same step (apt lists, caches, /root) or widen prefix")

@@ -10,8 +10,9 @@ Trust: definitions, images and tarballs are hostile input (DESIGN.md, threat mod
 ``envbuild.layers._unpack.unpack_tar``: nothing is written or removed through a symlink, no
 ``..``, no device nodes (runc provides ``/dev``; a tarball or image holding them is refused),
 whiteouts only in OCI layers and only applied to lower layers. A workspace's ``dest`` and a
-copy step's ``dest`` are resolved inside the build rootfs (``open_dir_in_root``), so a symlink
-in the image can never send a copy to the host; copied trees keep their symlinks as links.
+copy step's ``dest`` are resolved inside the build rootfs (``envbuild.build.copying``), so a
+symlink in the image can never send a copy to the host; copied trees keep their symlinks as
+links.
 """
 
 from __future__ import annotations
@@ -22,25 +23,15 @@ import os
 import re
 import shutil
 import signal
-import stat
 import subprocess
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-# Shared with envbuild.build.pin's tree hash: what is not hashed must not be copied either,
-# or a key would not describe its layer.
-from envbuild.build.pin import (
-    IGNORED_DIR_NAMES,
-    IGNORED_FILE_SUFFIXES,
-    IGNORED_NAMES,
-    check_git_source,
-    git_env,
-    static_elf_problem,
-)
+from envbuild.build.copying import copy_source_tree, drop_devices
+from envbuild.build.pin import check_git_source, git_env, static_elf_problem
 from envbuild.canonical import read_json_file
-from envbuild.errors import BuildError, SourceError, UnsafeLayerError
-from envbuild.safefs import open_in_root, remove_tree
+from envbuild.errors import BuildError, SourceError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +44,9 @@ class Imported:
     cmd: tuple[str, ...] | None = None
 
 
-def _run(argv: list[str], what: str, *, cwd: str | None = None,
-         cancelled: threading.Event | None = None, stdout=subprocess.PIPE,
-         stderr=subprocess.PIPE, env: Mapping[str, str] | None = None) -> str:
+def run_tool(argv: list[str], what: str, *, cwd: str | None = None,
+             cancelled: threading.Event | None = None, stdout=subprocess.PIPE,
+             stderr=subprocess.PIPE, env: Mapping[str, str] | None = None) -> str:
     """Run a tool to completion; a set ``cancelled`` event (Ctrl-C / SIGTERM of the build)
     kills its whole process group within ~0.1 s instead of waiting for, say, debootstrap."""
     try:
@@ -141,7 +132,7 @@ def import_busybox(binary: Path, dest: Path,
     if problem is not None:
         raise SourceError(problem, hint="name a static busybox (apt-get install busybox-static)")
     if list_applets is None:
-        listing = _run([str(binary), "--list-full"], "list busybox applets")
+        listing = run_tool([str(binary), "--list-full"], "list busybox applets")
     for d, mode in (("bin", 0o755), ("sbin", 0o755), ("usr/bin", 0o755), ("usr/sbin", 0o755),
                     ("etc", 0o755), ("root", 0o700), ("tmp", 0o1777), ("proc", 0o555),
                     ("sys", 0o555), ("dev", 0o755), ("var/tmp", 0o1777), ("home", 0o755)):
@@ -183,180 +174,12 @@ def extract_tar(archive: Path, dest: Path | int, what: str, *, whiteouts: str = 
     unpack_tar(archive, dest, name=what, whiteouts=whiteouts, strip_components=strip_components)
 
 
-def open_dir_in_root(root: Path, rel: str) -> int:
-    """A directory fd for ``rel`` inside the tree ``root`` (a build's merged rootfs), missing
-    directories created: every component is resolved with ``root`` as ``/``
-    (``safefs.open_in_root``), so an image's symlink ``/opt -> /root/.ssh`` leads to the
-    rootfs's ``/root/.ssh``, never the host's."""
-    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        parts = [p for p in rel.split("/") if p not in ("", ".")]
-        fd = os.dup(root_fd)
-        for i, comp in enumerate(parts):
-            os.close(fd)
-            sub = "/".join(parts[:i + 1])
-            try:
-                fd = open_in_root(root_fd, sub, _DIR_RO)
-            except FileNotFoundError:
-                parent = open_in_root(root_fd, "/".join(parts[:i]), _DIR_RO)
-                try:
-                    os.mkdir(comp, 0o755, dir_fd=parent)
-                finally:
-                    os.close(parent)
-                fd = open_in_root(root_fd, sub, _DIR_RO)
-        return fd
-    except OSError as e:
-        raise BuildError(f"create {rel} in the build rootfs: {e.strerror}") from None
-    finally:
-        os.close(root_fd)
-
-
-_DIR_RO = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-_DIR_NOFOLLOW = _DIR_RO | os.O_NOFOLLOW
-
-
 def copy_tree(src: Path, dest: Path) -> None:
     """Copy a directory tree keeping modes, owners, symlinks, hardlinks and xattrs (a rootfs
     directory: device nodes are refused afterwards, as in tarballs)."""
     dest.mkdir(parents=True, exist_ok=True)
-    _run(["cp", "-a", "--", f"{src}/.", str(dest)], f"copy {src}")
-    _drop_devices(dest, refuse=f"rootfs {src}")
-
-
-def _drop_devices(root: Path, refuse: str | None = None) -> list[str]:
-    """Remove (or with ``refuse``, refuse with ``UnsafeLayerError``) every block and character
-    device below ``root``; iterative, never following symlinks. Returns what was removed."""
-    removed: list[str] = []
-    todo = [""]
-    while todo:
-        rel = todo.pop()
-        with os.scandir(root / rel if rel else root) as it:
-            for e in it:
-                crel = f"{rel}/{e.name}" if rel else e.name
-                if e.is_dir(follow_symlinks=False):
-                    todo.append(crel)
-                    continue
-                mode = e.stat(follow_symlinks=False).st_mode
-                if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-                    if refuse:
-                        raise UnsafeLayerError(
-                            f"{refuse}: {crel} is a device node, refused",
-                            hint="device nodes never enter a layer (runc provides /dev)")
-                    os.unlink(e.path)
-                    removed.append(crel)
-    return removed
-
-
-def copy_source_tree(src: Path, dest: Path | int, *, owner: tuple[int, int] | None = None,
-                     mode: int | None = None) -> None:
-    """Copy a source tree into ``dest`` (a path, or a directory fd from ``open_dir_in_root``),
-    leaving out exactly what the tree hash leaves out (``.git``, ``__pycache__``, ``*.pyc``),
-    so the layer holds what its key describes. Symlinks are copied as links (never followed),
-    everything is created through directory fds with ``O_NOFOLLOW`` (what is in the way is
-    replaced, never written through). ``owner``/``mode`` (copy steps) apply to every entry
-    (``mode`` to files only). Iterative: depth costs no recursion."""
-    if isinstance(dest, int):
-        top = os.dup(dest)
-    else:
-        dest.mkdir(parents=True, exist_ok=True)
-        top = os.open(dest, _DIR_NOFOLLOW)
-    try:
-        st = os.lstat(src)
-        os.fchmod(top, st.st_mode & 0o7777)
-        if owner is not None:
-            os.fchown(top, *owner)
-        todo = [(str(src), top)]
-        top = -1
-        while todo:
-            sdir, dfd = todo.pop()
-            try:
-                for entry in sorted(os.scandir(sdir), key=lambda e: e.name):
-                    sub = _copy_entry(entry, dfd, owner, mode)
-                    if sub is not None:
-                        todo.append((entry.path, sub))
-            finally:
-                os.close(dfd)
-    finally:
-        if top >= 0:
-            os.close(top)
-
-
-def _copy_entry(entry: os.DirEntry, dfd: int, owner, mode) -> int | None:
-    """Copy one entry into ``dfd``; a directory's new fd is returned for the caller to fill."""
-    name = entry.name
-    if name in IGNORED_NAMES:
-        return None
-    st = entry.stat(follow_symlinks=False)
-    if stat.S_ISDIR(st.st_mode):
-        if name in IGNORED_DIR_NAMES:
-            return None
-        try:
-            sub = os.open(name, _DIR_NOFOLLOW, dir_fd=dfd)
-        except FileNotFoundError:
-            os.mkdir(name, 0o700, dir_fd=dfd)
-            sub = os.open(name, _DIR_NOFOLLOW, dir_fd=dfd)
-        except NotADirectoryError:
-            os.unlink(name, dir_fd=dfd)  # a file or symlink in the way: replaced
-            os.mkdir(name, 0o700, dir_fd=dfd)
-            sub = os.open(name, _DIR_NOFOLLOW, dir_fd=dfd)
-        os.fchmod(sub, st.st_mode & 0o7777)
-        if owner is not None:
-            os.fchown(sub, *owner)
-        return sub
-    if name.endswith(IGNORED_FILE_SUFFIXES):
-        return None
-    _unlink_if_there(name, dfd)
-    if stat.S_ISLNK(st.st_mode):
-        os.symlink(os.readlink(entry.path), name, dir_fd=dfd)
-        if owner is not None:
-            os.chown(name, *owner, dir_fd=dfd, follow_symlinks=False)
-        return None
-    if not stat.S_ISREG(st.st_mode):
-        raise SourceError(f"{entry.path} is not a regular file, directory or symlink",
-                          hint="copy and path sources hold files, directories and symlinks")
-    copy_file_into(entry.path, dfd, name, st, owner, mode)
-    return None
-
-
-def _unlink_if_there(name: str, dfd: int) -> None:
-    try:
-        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        remove_tree(name, dir_fd=dfd)
-    else:
-        os.unlink(name, dir_fd=dfd)
-
-
-def copy_file_into(src: str, dfd: int, name: str, st: os.stat_result | None = None,
-                   owner: tuple[int, int] | None = None, mode: int | None = None) -> None:
-    """Copy the regular file ``src`` (not followed if it is a symlink) to ``name`` in ``dfd``
-    (replacing what is there, never writing through it), with its mode and mtime."""
-    sfd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        st = os.fstat(sfd)
-        if not stat.S_ISREG(st.st_mode):
-            raise SourceError(f"{src} is not a regular file")
-        _unlink_if_there(name, dfd)
-        out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                      0o600, dir_fd=dfd)
-        try:
-            left = st.st_size
-            while left > 0:
-                # sendfile: copy_file_range refuses EXDEV between overlayfs and the source fs
-                n = os.sendfile(out, sfd, None, min(left, 1 << 30))
-                if n == 0:
-                    break
-                left -= n
-            os.fchmod(out, mode if mode is not None else st.st_mode & 0o7777)
-            if owner is not None:
-                os.fchown(out, *owner)
-            os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
-        finally:
-            os.close(out)
-    finally:
-        os.close(sfd)
+    run_tool(["cp", "-a", "--", f"{src}/.", str(dest)], f"copy {src}")
+    drop_devices(dest, refuse=f"rootfs {src}")
 
 
 def import_rootfs(path: Path, sha256: str | None, dest: Path) -> Imported:
@@ -403,7 +226,7 @@ def import_debootstrap(suite: str, variant: str, include: tuple[str, ...], mirro
     argv += [suite, str(dest), mirror or default_debian_mirror()]
     with open(log, "ab") as out:
         try:
-            _run(argv, f"debootstrap {suite}", cancelled=cancelled, stdout=out,
+            run_tool(argv, f"debootstrap {suite}", cancelled=cancelled, stdout=out,
                  stderr=subprocess.STDOUT)
         except BuildError as e:
             if e.message.endswith("cancelled") or "not installed" in e.message:
@@ -418,7 +241,7 @@ def import_debootstrap(suite: str, variant: str, include: tuple[str, ...], mirro
             p.write_bytes(b"")
     # debootstrap mknods /dev/null, /dev/zero, ... into the rootfs: runc mounts its own /dev,
     # and device nodes never enter a layer (the node cache refuses them).
-    _drop_devices(dest)
+    drop_devices(dest)
     # Debootstrap leaves caches and logs that differ run to run and serve no sandbox.
     for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
         d = dest / junk
@@ -619,11 +442,11 @@ def import_git(url: str, commit: str, dest: Path | int, scratch: Path,
         raise SourceError(f"git source {url}: {commit!r} is not a pinned commit id")
     env = git_env()
     repo = scratch / "git"
-    _run(["git", "init", "-q", "--bare", "--", str(repo)], "git init", env=env)
-    _run(["git", "-C", str(repo), "-c", "protocol.ext.allow=never", "fetch", "-q", "--depth=1",
+    run_tool(["git", "init", "-q", "--bare", "--", str(repo)], "git init", env=env)
+    run_tool(["git", "-C", str(repo), "-c", "protocol.ext.allow=never", "fetch", "-q", "--depth=1",
           "--end-of-options", url, commit], f"git fetch {url}", cancelled=cancelled, env=env)
     archive = scratch / "src.tar"
-    _run(["git", "-C", str(repo), "archive", "--format=tar", "-o", str(archive),
+    run_tool(["git", "-C", str(repo), "archive", "--format=tar", "-o", str(archive),
           "--end-of-options", commit], f"git archive {commit}", env=env)
     extract_tar(archive, dest, f"git archive of {url}@{commit[:12]}",
                 strip_components=strip_components)

@@ -15,7 +15,7 @@ What is pinned, per definition (``PinnedInputs[name][field]``):
 ``source`` of ``oci``               the manifest digest ``ref`` names in the layout's index.json
 ``source`` of ``busybox``           ``sha256:`` of the binary
 ``source*`` of ``dockerfile``       the context digest, the Dockerfile's sha256 and each
-                                    ``FROM`` digest (``envbuild.build.dockerfile``)
+                                    ``FROM`` digest (``envbuild.build.dockerpin``)
 ``steps[i].copy.src``               tree digest of a directory or ``sha256:`` of a file
 ``debootstrap``, ``scratch``,       nothing: debootstrap's inputs are its suite/variant/include
 ``base``                            (in the key); a parent base enters as its key
@@ -69,9 +69,18 @@ import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import MappingProxyType
+from typing import Literal
 from urllib.parse import unquote, urlsplit
 
+from envbuild.build.dockerpin import check_image_pinned, pin_dockerfile
 from envbuild.canonical import read_json_file
+from envbuild.defs.confine import (  # noqa: F401  (source_root, confined_path: re-exported)
+    Unpinnable,
+    confined_path,
+    source_root,
+    source_roots,
+    within,
+)
 from envbuild.defs.model import (
     ArchiveSource,
     BusyboxSource,
@@ -89,7 +98,7 @@ from envbuild.defs.parsecache import ParseCache
 from envbuild.errors import SourceError
 from envbuild.plan.graph import EnvGraph, field_position
 from envbuild.plan.keys import KeyMemo, KeySet, PinnedInputs, Previous, compute_keys
-from envbuild.settings import TRUSTED_SOURCES_ENV, trusted_sources
+from envbuild.settings import trusted_sources
 
 TREE_TAG = b"envbuild.tree.v1\0"
 IGNORED_NAMES = frozenset({".git"})
@@ -98,14 +107,6 @@ IGNORED_FILE_SUFFIXES = (".pyc",)
 _BUF_SIZE = 1 << 20
 _SHA_RE = re.compile(r"[0-9a-fA-F]{40}|[0-9a-fA-F]{64}")
 _OCI_REF_NAME = "org.opencontainers.image.ref.name"
-
-
-class _Unpinnable(Exception):
-    """One source that cannot be pinned; turned into a SourceError at the definition's line."""
-
-    def __init__(self, message: str, hint: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.hint = message, hint
 
 
 #: Transports git may use for any command envbuild runs (``ext``/``fd`` are never allowed).
@@ -148,13 +149,13 @@ def _run_git(argv: list[str], what: str) -> str:
         done = subprocess.run(["git", *argv], capture_output=True, text=True, env=env,
                               timeout=120, check=False)
     except FileNotFoundError:
-        raise _Unpinnable(f"{what}: git is not installed",
+        raise Unpinnable(f"{what}: git is not installed",
                           "install git (apt-get install git)") from None
     except subprocess.TimeoutExpired:
-        raise _Unpinnable(f"{what}: git {argv[0]} timed out after 120 s") from None
+        raise Unpinnable(f"{what}: git {argv[0]} timed out after 120 s") from None
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise _Unpinnable(f"{what}: git {argv[0]} exited {done.returncode}: {tail}")
+        raise Unpinnable(f"{what}: git {argv[0]} exited {done.returncode}: {tail}")
     return done.stdout
 
 
@@ -169,10 +170,49 @@ class Pinner:
         self._by_spelling: dict[str, str] = {}   # joined path as written -> digest
         self._by_real: dict[str, str] = {}       # realpath -> digest
         self._git: dict[tuple[str, str], str] = {}
-        self._confined: dict[tuple[tuple[str, ...], str, str], str | _Unpinnable] = {}
+        self._confined: dict[tuple[tuple[str, ...], str, str], str | Unpinnable] = {}
         self._dirs: dict[str, str] = {}
+        #: (revision root, working tree root): see ``read_missing_from``
+        self._worktrees: list[tuple[str, str]] = []
         self._buf = bytearray(_BUF_SIZE)
         self._view = memoryview(self._buf)
+
+    def read_missing_from(self, rev_root: str, work_root: str) -> None:
+        """Files under ``rev_root`` (a revision's tree laid out as the repository at
+        ``work_root``) that the YAML pins by sha256 and that the revision lacks (an archive too
+        big to commit, or ignored) are read from the working tree at the same place: the
+        sha256 pins their content, so a file there with that sha256 is the one REV meant, and
+        one without it is a mismatch (``by_sha256``)."""
+        self._worktrees.append((os.path.normpath(rev_root), os.path.normpath(work_root)))
+
+    def by_sha256(self, base_dir: str, rel: str, declared: str | None,
+                  roots: tuple[str, ...] | None) -> str:
+        """``path`` of a file the definition pins by its ``declared`` sha256 (an ``archive``,
+        a ``rootfs`` tarball), checked against it; a file a revision lacks is read from the
+        working tree (``read_missing_from``), confined to the working tree's source roots."""
+        try:
+            digest = self.path(base_dir, rel)
+        except Unpinnable:
+            spelled = os.path.normpath(os.path.join(base_dir, rel))
+            moved = None if declared is None or os.path.lexists(spelled) else self._moved(spelled)
+            if moved is None:
+                raise
+            rev_root, work_root = moved
+            work = work_root + spelled[len(rev_root):]
+            if roots is not None:
+                self.confined(tuple(work_root + r[len(rev_root):] if within(r, rev_root) else r
+                                    for r in roots), os.path.dirname(work), os.path.basename(work))
+            digest = self.path(os.path.dirname(work), os.path.basename(work))
+            _check_sha256(digest, declared, f"{rel} is not in the revision's tree and the working "
+                                             f"tree's {work} does not match",
+                          "commit the file, or compare against a revision whose definition "
+                          "declares the working tree's file")
+            return digest
+        _check_sha256(digest, declared, rel)
+        return digest
+
+    def _moved(self, path: str) -> tuple[str, str] | None:
+        return next(((rev, work) for rev, work in self._worktrees if within(path, rev)), None)
 
     def directory_of(self, file: str) -> str:
         """``str(Origin.directory)`` of a definition in ``file``, computed once per file."""
@@ -201,11 +241,11 @@ class Pinner:
         if found is None:
             try:
                 found = confined_path(roots, base_dir, rel)
-            except _Unpinnable as e:
+            except Unpinnable as e:
                 found = e
             self._confined[key] = found
-        if isinstance(found, _Unpinnable):
-            raise _Unpinnable(found.message, found.hint)
+        if isinstance(found, Unpinnable):
+            raise Unpinnable(found.message, found.hint)
         return found
 
     # ------------------------------------------------------------------ files and trees
@@ -221,10 +261,10 @@ class Pinner:
                 try:
                     st = os.stat(real)
                 except FileNotFoundError:
-                    raise _Unpinnable(f"{rel}: no such file or directory",
+                    raise Unpinnable(f"{rel}: no such file or directory",
                                       f"it is resolved against {base_dir or '.'}/") from None
                 except OSError as e:
-                    raise _Unpinnable(f"stat {rel}: {e.strerror}") from None
+                    raise Unpinnable(f"stat {rel}: {e.strerror}") from None
                 d = self.tree(real) if stat.S_ISDIR(st.st_mode) else self.file(real)
                 self._by_real[real] = d
             self._by_spelling[spelled] = d
@@ -241,7 +281,7 @@ class Pinner:
                 while n := f.readinto(buf):
                     h.update(view[:n])
         except OSError as e:
-            raise _Unpinnable(f"read {path}: {e.strerror}") from None
+            raise Unpinnable(f"read {path}: {e.strerror}") from None
         return h.digest()
 
     def tree(self, root: str) -> str:
@@ -257,27 +297,27 @@ class Pinner:
             with os.scandir(dirpath) as it:
                 entries = sorted(it, key=lambda e: os.fsencode(e.name))
         except OSError as e:
-            raise _Unpinnable(f"list {dirpath}: {e.strerror}") from None
-        for e in entries:
-            name = e.name
+            raise Unpinnable(f"list {dirpath}: {e.strerror}") from None
+        for ent in entries:
+            name = ent.name
             if name in IGNORED_NAMES:
                 continue
-            st = e.stat(follow_symlinks=False)
+            st = ent.stat(follow_symlinks=False)
             mode = st.st_mode
             path = rel + os.fsencode(name)
             if stat.S_ISDIR(mode):
                 if name in IGNORED_DIR_NAMES:
                     continue
                 h.update(b"d\0%o\0%b\0\0" % (stat.S_IMODE(mode), path))
-                self._walk(e.path, path + b"/", h)
+                self._walk(ent.path, path + b"/", h)
             elif stat.S_ISREG(mode):
                 if name.endswith(IGNORED_FILE_SUFFIXES):
                     continue
-                digest = self._file_sha256(e.path)
+                digest = self._file_sha256(ent.path)
                 h.update(b"f\0%o\0%b\0%d:%b\0" % (stat.S_IMODE(mode), path, st.st_size,
                                                   digest.hex().encode()))
             elif stat.S_ISLNK(mode):
-                h.update(b"l\x000\0%b\0%b\0" % (path, os.fsencode(os.readlink(e.path))))
+                h.update(b"l\x000\0%b\0%b\0" % (path, os.fsencode(os.readlink(ent.path))))
             else:
                 kind = (b"p" if stat.S_ISFIFO(mode) else b"s" if stat.S_ISSOCK(mode)
                         else b"c" if stat.S_ISCHR(mode) else b"b")
@@ -291,7 +331,7 @@ class Pinner:
         """The commit sha ``rev`` names in the repository at ``url``."""
         problem = git_source_problem(url, rev)
         if problem is not None:
-            raise _Unpinnable(problem, "use https://, ssh://, git@host:path or a local path")
+            raise Unpinnable(problem, "use https://, ssh://, git@host:path or a local path")
         local = local_git_path(url, base_dir)
         cache_key = (local or url, rev)
         sha = self._git.get(cache_key)
@@ -304,25 +344,25 @@ class Pinner:
         hint = f"check that {rev!r} is a branch, tag or commit of {url}"
         if local is not None:
             if not os.path.isdir(local):
-                raise _Unpinnable(f"git repository {url}: no such directory {local}",
+                raise Unpinnable(f"git repository {url}: no such directory {local}",
                                   "a relative url is resolved against the definition's directory")
             try:
                 out = self._run_git(["-C", local, "rev-parse", "--verify", "--quiet",
                                      "--end-of-options", f"{rev}^{{commit}}"],
                                     f"resolve {rev!r} in {url}")
-            except _Unpinnable as e:
-                raise _Unpinnable(e.message, hint) from None
+            except Unpinnable as e:
+                raise Unpinnable(e.message, hint) from None
             sha = out.strip()
             if not _SHA_RE.fullmatch(sha):
-                raise _Unpinnable(f"resolve {rev!r} in {url}: git printed {sha[:60]!r}", hint)
+                raise Unpinnable(f"resolve {rev!r} in {url}: git printed {sha[:60]!r}", hint)
             return sha
         if _SHA_RE.fullmatch(rev):
             return rev.lower()  # a full commit id is already pinned; ls-remote cannot list it
         try:
             out = self._run_git(["-c", "protocol.ext.allow=never", "ls-remote", "--", url, rev],
                                 f"resolve {rev!r} in {url}")
-        except _Unpinnable as e:
-            raise _Unpinnable(e.message, hint) from None
+        except Unpinnable as e:
+            raise Unpinnable(e.message, hint) from None
         refs = {}
         for line in out.splitlines():
             sha, _, ref = line.partition("\t")
@@ -330,7 +370,7 @@ class Pinner:
         for want in (f"refs/tags/{rev}^{{}}", f"refs/tags/{rev}", f"refs/heads/{rev}", rev):
             if want in refs and _SHA_RE.fullmatch(refs[want]):
                 return refs[want].lower()
-        raise _Unpinnable(f"git rev {rev!r} not found in {url}", hint)
+        raise Unpinnable(f"git rev {rev!r} not found in {url}", hint)
 
     def oci(self, layout: str, ref: str) -> str:
         """The manifest digest ``ref`` (a ref name, or a digest) names in an OCI layout."""
@@ -340,10 +380,10 @@ class Pinner:
             if not isinstance(index, dict):
                 raise ValueError("not a JSON object")
         except FileNotFoundError:
-            raise _Unpinnable(f"{layout}: not an OCI layout (no index.json)",
+            raise Unpinnable(f"{layout}: not an OCI layout (no index.json)",
                               "create it with `skopeo copy docker://IMAGE oci:DIR:TAG`") from None
         except (OSError, ValueError) as e:
-            raise _Unpinnable(f"read {index_path}: {e}") from None
+            raise Unpinnable(f"read {index_path}: {e}") from None
         manifests = index.get("manifests") or []
         names = sorted({(m.get("annotations") or {}).get(_OCI_REF_NAME, "") for m in manifests}
                        - {""})
@@ -353,9 +393,9 @@ class Pinner:
         if len(found) == 1:
             return found.pop()
         if not found:
-            raise _Unpinnable(f"{layout}: no manifest for ref {ref!r}",
+            raise Unpinnable(f"{layout}: no manifest for ref {ref!r}",
                               f"refs in index.json: {', '.join(names) or '(none)'}")
-        raise _Unpinnable(f"{layout}: ref {ref!r} names {len(found)} manifests",
+        raise Unpinnable(f"{layout}: ref {ref!r} names {len(found)} manifests",
                           "use the manifest digest as ref")
 
 
@@ -366,36 +406,6 @@ def local_git_path(url: str, base_dir: str) -> str | None:
     if "://" in url or re.match(r"^[^/]+@[^/]+:", url) or re.match(r"^[A-Za-z0-9.-]+:[^/]", url):
         return None  # https://, ssh://, git@host:path, host:path
     return os.path.normpath(os.path.join(base_dir, url))
-
-
-def source_root(defs_root: str | os.PathLike[str]) -> str:
-    """The directory every source a definition names must stay in: the parent of the
-    definitions directory (symlinks resolved)."""
-    return os.path.dirname(os.path.realpath(defs_root))
-
-
-def source_roots(defs_root: str | os.PathLike[str], trusted: Sequence[str] = ()) -> tuple[str, ...]:
-    """The source root of ``defs_root``, then the ``trusted`` directories (symlinks resolved):
-    the directories ``confined_path`` accepts."""
-    return (source_root(defs_root), *(os.path.realpath(t) for t in trusted))
-
-
-def _within(real: str, root: str) -> bool:
-    return real == root or real.startswith(root.rstrip("/") + "/")
-
-
-def confined_path(roots: tuple[str, ...], base_dir: str, rel: str) -> str:
-    """``rel`` (against ``base_dir``) with every symlink resolved, if that is inside one of
-    ``roots`` (``source_roots``: the source root first); else ``_Unpinnable``. Used for every
-    path a definition names on the host."""
-    real = os.path.realpath(os.path.join(base_dir, rel))
-    if not any(_within(real, root) for root in roots):
-        raise _Unpinnable(f"{rel} resolves to {real}, outside the source root {roots[0]}",
-                          "sources must stay inside the repository holding the definitions "
-                          "(the parent of the definitions directory); to build a trusted tree "
-                          f"that reads {real}, name a directory holding it with --trust-sources "
-                          f"DIR or {TRUSTED_SOURCES_ENV}")
-    return real
 
 
 #: The host's busybox package binary (busybox-static; ``/bin`` may be a link to ``/usr/bin``):
@@ -416,7 +426,7 @@ def static_elf_problem(path: str) -> str | None:
             if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) \
                     or head[5] not in (1, 2):
                 return f"busybox binary {path} is not a static ELF executable (not ELF)"
-            order = "little" if head[5] == 1 else "big"
+            order: Literal["little", "big"] = "little" if head[5] == 1 else "big"
             wide = head[4] == 2
             e_type = int.from_bytes(head[16:18], order)
             phoff = int.from_bytes(head[32:40] if wide else head[28:32], order)
@@ -445,44 +455,24 @@ def _pin_busybox(p: Pinner, roots: tuple[str, ...] | None, base_dir: str, binary
         p.confined(roots, base_dir, binary)
     problem = static_elf_problem(real)
     if problem is not None:
-        raise _Unpinnable(problem, "name a static busybox (apt-get install busybox-static: "
+        raise Unpinnable(problem, "name a static busybox (apt-get install busybox-static: "
                                    "/bin/busybox)")
     return p.path(base_dir, binary)
 
 
-def _check_image_pinned(src: ImageSource) -> None:
-    """``from: {image}`` must name a digest: a tag is looked up (one manifest HEAD) only to
-    say which digest to write."""
-    host, repo, digest, tag = src.split()
-    if digest is not None:
-        return
-    from envbuild.errors import EnvbuildError
-    from envbuild.settings import Settings
-    from envbuild.store.registry import RegistryStore
-
-    try:
-        store = RegistryStore(f"docker://{host}/{repo}",
-                              insecure=Settings.from_env(os.environ).registry_insecure)
-        resolved = store.get_ref(f"env/{tag or 'latest'}").digest
-    except EnvbuildError as e:
-        raise _Unpinnable(f"image {src.ref} names no digest, and its tag cannot be resolved: "
-                          f"{e.message}", f"write {host}/{repo}@sha256:<digest>") from None
-    raise _Unpinnable(f"image {src.ref} names a tag, not a digest: it resolves to {resolved} "
-                      "now", f"write {host}/{repo}@{resolved} (a tag can move)")
-
-
-def _check_sha256(digest: str, declared: str | None, what: str) -> None:
+def _check_sha256(digest: str, declared: str | None, what: str,
+                  hint: str = "update sha256 in the definition if the new file is intended"
+                  ) -> None:
     if declared is None:
         return
     want = declared if declared.startswith("sha256:") else "sha256:" + declared
     if want.lower() != digest:
-        raise _Unpinnable(f"{what}: sha256 mismatch: declared {want}, file has {digest}",
-                          "update sha256 in the definition if the new file is intended")
+        raise Unpinnable(f"{what}: sha256 mismatch: declared {want}, file has {digest}", hint)
 
 
 def _pin_one(d: LayerDefinition, p: Pinner, roots: tuple[str, ...] | None = None
              ) -> dict[str, str]:
-    """The pins of one definition: {field: digest}. Raises (field, _Unpinnable). With
+    """The pins of one definition: {field: digest}. Raises (field, Unpinnable). With
     ``roots`` (``source_roots``), every path it names must resolve inside one of them
     (``confined_path``)."""
     base_dir = p.directory_of(d.origin.file)
@@ -497,11 +487,12 @@ def _pin_one(d: LayerDefinition, p: Pinner, roots: tuple[str, ...] | None = None
     try:
         if isinstance(src, (PathSource, ArchiveSource, RootfsSource)):
             confine(src.path)
-            pins["source"] = p.path(base_dir, src.path)
             if isinstance(src, ArchiveSource) or (
                     isinstance(src, RootfsSource)
                     and not os.path.isdir(os.path.join(base_dir, src.path))):
-                _check_sha256(pins["source"], src.sha256, src.path)
+                pins["source"] = p.by_sha256(base_dir, src.path, src.sha256, roots)
+            else:
+                pins["source"] = p.path(base_dir, src.path)
         elif isinstance(src, BusyboxSource):
             pins["source"] = _pin_busybox(p, roots, base_dir, src.binary)
         elif isinstance(src, GitSource):
@@ -513,26 +504,21 @@ def _pin_one(d: LayerDefinition, p: Pinner, roots: tuple[str, ...] | None = None
             confine(src.layout)
             pins["source"] = p.oci(os.path.join(base_dir, src.layout), src.ref)
         elif isinstance(src, ImageSource):
-            _check_image_pinned(src)
+            check_image_pinned(src)
         elif isinstance(src, DockerfileSource):  # issue 17
-            from envbuild.build.dockerfile import Unpinnable, pin_dockerfile
-
-            try:
-                pins.update(pin_dockerfile(src, base_dir, roots))
-            except Unpinnable as e:
-                raise _Unpinnable(e.message, e.hint) from None
+            pins.update(pin_dockerfile(src, base_dir, roots))
         for i, s in enumerate(d.steps):
             if isinstance(s, CopyStep):
                 field = f"steps[{i}].copy.src"
                 confine(s.src)
                 pins[field] = p.path(base_dir, s.src)
-    except _Unpinnable as e:
+    except Unpinnable as e:
         raise _Failed(field, e) from None
     return pins
 
 
 class _Failed(Exception):
-    def __init__(self, field: str, cause: _Unpinnable) -> None:
+    def __init__(self, field: str, cause: Unpinnable) -> None:
         self.field, self.cause = field, cause
 
 

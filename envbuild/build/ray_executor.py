@@ -39,13 +39,13 @@ Faults:
 Progress: tasks send their ``BuildEvent``s (with ``node`` set) to a small actor the driver
 drains four times a second, so the live table shows each layer's node and step.
 
-Ray is imported only here, and this module only by ``--executor ray`` (CLI start-up stays fast).
+Ray is imported only here and in ``envbuild.build.ray_task`` (the task side), and these only by
+``--executor ray`` (CLI start-up stays fast).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import threading
 import time
@@ -58,33 +58,35 @@ import ray
 from envbuild.build.engine import (
     BuildReport,
     LayerOutcome,
-    _KeyLock,
-    build_under_lease,
+    cached_outcomes,
     finish_build,
     make_jobs,
     prepare_plan,
 )
-from envbuild.build.executor import BuildContext, BuildEvent, LayerJob, Progress, sweep_stale_scratch
+from envbuild.build.layerjob import BuildEvent, LayerJob, Progress
 from envbuild.build.pin import Snapshot
+from envbuild.build.ray_task import (  # noqa: F401  (node_context, run_layer: re-exported)
+    ENDED,
+    LOG_RECORDS,
+    TRACE_ENV,
+    NodeSpec,
+    _Events,
+    _trace,
+    _warm,
+    node_context,
+    run_layer,
+)
 from envbuild.errors import BuildError, EnvbuildError, SettingsError, StepFailed
+from envbuild.plan.planner import BuildPlan
 from envbuild.settings import Settings
-from envbuild.store import KeyRecord, LocalStore, Store, get_key_record, open_store, put_file
+from envbuild.store import KeyRecord, Store, open_store
 
 #: The custom resource a node offers to run builds (its amount: build slots).
 BUILDER_RESOURCE = "envbuild_builder"
-#: Where a failed build's full log is recorded (``{"log": digest, ...}``).
-LOG_RECORDS = "logs/v1"
-LOG_RECORD_VERSION = 1
 #: How often the driver drains progress events (seconds).
 PROGRESS_PERIOD = 0.25
 #: How long a cancelled build may take to stop before the driver gives up waiting (seconds).
 CANCEL_WAIT = 60.0
-#: The internal event a task sends last (its scratch is gone, its lease dropped).
-ENDED = "ended"
-#: How often a running task asks the driver whether the build was cancelled (seconds).
-CANCEL_POLL = 0.5
-#: A file each task appends its phase times to (profiling; see ``run_layer``).
-TRACE_ENV = "ENVBUILD_RAY_TRACE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,281 +101,6 @@ class RayBuildRequest:
     jobs_per_node: int = 1
     max_retries: int = 3
     forward_env: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class _NodeSpec:
-    """What a task needs to open the store and its node cache: plain data, pickled to it."""
-
-    settings: Settings
-    environ: Mapping[str, str]
-    #: The driver's working directory: definition origins below it are relative to it.
-    cwd: str = "/"
-
-
-# -- the task (runs on a builder node) --------------------------------------------------------
-
-_stores: dict[tuple[str, str | None], Store] = {}
-_nodes: dict[str, tuple[Any, Any, Any]] = {}
-_node_lock = threading.Lock()
-
-
-def node_context(settings: Settings, node_id: str) -> BuildContext:
-    """The ``BuildContext`` of this node: its own node cache (``{node_id}`` in the node dir
-    expanded), the shared store, both opened once per worker process and reused by every task
-    it runs, and a fresh ``cancelled``. Each call first reaps the build dirs of dead builders
-    in this node cache (``envbuild.build.reaper``: a task killed with its worker or its node's
-    raylet leaves its mounts, loop disk, container and cgroups; the next task here undoes them;
-    a look at the owner files, ~0.1 ms, when there is nothing to reap)."""
-    from runtime_shim.isolation.runc import OciRuntime
-    from runtime_shim.node.admission import BudgetSettings
-    from runtime_shim.node.layout import NodeLayout
-    from runtime_shim.node.nodecache import NodeCache
-
-    node_dir = str(settings.node_dir).replace("{node_id}", node_id)
-    with _node_lock:
-        key = (settings.store_url, settings.s3_endpoint)
-        store = _stores.get(key)
-        if store is None:
-            store = _stores[key] = open_store(settings.store_url, s3_endpoint=settings.s3_endpoint,
-                                              registry_insecure=settings.registry_insecure)
-        state = _nodes.get(node_dir)
-        if state is None:
-            layout = NodeLayout(Path(node_dir))
-            state = _nodes[node_dir] = (layout, NodeCache(layout.node), OciRuntime(
-                settings.oci_runtime, state_root=str(layout.runc)))
-    layout, cache, runtime = state
-    log_root = store.root / "logs" if isinstance(store, LocalStore) else layout.logs
-    ctx = BuildContext(store=store, node=cache, runtime=runtime,
-                       scratch_root=layout.builds, log_root=log_root,
-                       source_date_epoch=settings.source_date_epoch,
-                       disk_bytes=settings.build_disk_bytes, inodes=settings.build_inodes,
-                       admission=BudgetSettings.from_env(dict(settings.budget_env)),
-                       lease_ttl=settings.lease_ttl, lease_label=f"ray:{node_id}")
-    sweep_stale_scratch(ctx.scratch_root, ctx.runtime)
-    return ctx
-
-
-def _error_json(e: EnvbuildError) -> dict[str, Any]:
-    out: dict[str, Any] = {"type": type(e).__name__, "message": e.message, "hint": e.hint,
-                           "context": e.context, "reference": e.reference}
-    if isinstance(e, StepFailed):
-        out.update(argv=list(e.argv), exit_code=e.exit_code, output_tail=e.output_tail,
-                   log_path=e.log_path)
-    return out
-
-
-def _error_from_json(d: Mapping[str, Any]) -> EnvbuildError:
-    if d.get("type") == "StepFailed":
-        return StepFailed(d["message"], argv=list(d.get("argv") or []), exit_code=d["exit_code"],
-                          output_tail=d.get("output_tail") or "", log_path=d.get("log_path"),
-                          hint=d.get("hint"))
-    return BuildError(d["message"], hint=d.get("hint"), context=d.get("context"),
-                      reference=d.get("reference"))
-
-
-def _store_log(ctx: BuildContext, job: LayerJob, node_id: str, err: StepFailed) -> str | None:
-    """Put a failed step's full log into the store; returns where (for the hint)."""
-    if not err.log_path or not os.path.exists(err.log_path):
-        return None
-    try:
-        info = put_file(ctx.store, err.log_path)
-        ctx.store.put_record(LOG_RECORDS, job.key.removeprefix("sha256:"), {
-            "version": LOG_RECORD_VERSION, "name": job.name, "node": node_id, "log": info.digest,
-            "size": info.size, "exit_code": err.exit_code, "time": time.time()})
-    except EnvbuildError:
-        return None
-    return info.digest
-
-
-def run_layer(spec: _NodeSpec, job: LayerJob, no_cache: bool, events: Any,
-              lower: Mapping[str, Mapping[str, Any]], *below: Mapping[str, Any]
-              ) -> dict[str, Any]:
-    """The Ray task of one layer. ``lower``: key records of layers below it that the driver
-    found in the store; ``below``: the results of the tasks of the layers it builds on (Ray
-    passes them once those finished). Returns a JSON-able result: ``status`` built, cached,
-    failed or skipped, ``key``, ``node``, ``seconds``, the key record or the error."""
-    node_id = ray.get_runtime_context().get_node_id()
-    short = node_id[:8]
-    for b in below:
-        if b["status"] in ("failed", "skipped"):
-            return {"status": "skipped", "node": short, "blocked_by": b.get("blocked_by") or b["name"],
-                    "name": job.name}
-    os.environ.update(spec.environ)
-    # Definition files below the driver's working directory are named relative to it
-    # (envbuild.defs.load), so builds resolve their sources from there, as the driver would.
-    os.chdir(spec.cwd)
-
-    # ENVBUILD_RAY_TRACE=FILE (forward it with --ray-env): each task appends one JSON line
-    # of when (unix time, on its node) it reached each phase, for benchmarks/ray_build.py.
-    trace_to = os.environ.get(TRACE_ENV)
-    marks: list[tuple[str, float]] = [("task", time.time())]
-
-    # Events are sent in batches (one actor call per CANCEL_POLL, not one per event): each
-    # call costs CPU on this worker, the actor and Ray's RPC layers.
-    outbox: list[BuildEvent] = []
-    outbox_lock = threading.Lock()
-
-    def progress(e: BuildEvent) -> None:
-        if trace_to:
-            marks.append((e.phase, time.time()))
-        with outbox_lock:
-            outbox.append(dataclasses.replace(e, node=short))
-
-    def flush() -> None:
-        with outbox_lock:
-            batch = outbox[:]
-            outbox.clear()
-        if batch:
-            events.put_many.remote(batch)
-
-    started = time.monotonic()
-    if _driver_cancelled(events):  # started after the driver's Ctrl-C: do nothing
-        return {"status": "skipped", "node": short, "blocked_by": "cancelled", "name": job.name}
-    ctx = node_context(spec.settings, node_id)
-    known = {k: KeyRecord.from_json(r) for k, r in lower.items()}
-    known.update((b["key"], KeyRecord.from_json(b["record"])) for b in below
-                 if b.get("key") and b.get("record"))
-    ctx.known_records = known
-    progress(BuildEvent(job.name, "started"))
-    flush()
-    result: dict[str, Any] = {}
-
-    def body() -> None:
-        try:
-            with _KeyLock(ctx.node.root / "locks", job.key, ctx.cancelled):
-                # The driver planned the key missing; the lease re-checks the record once it
-                # holds the lease (and a waiter polls it), so no look of our own first.
-                got = build_under_lease(ctx, job, progress, no_cache=no_cache)
-            if isinstance(got, KeyRecord):
-                result.update(status="cached", record=got.to_json())
-            else:
-                result.update(status="built", record=got[0].to_json())
-        except EnvbuildError as e:
-            result.update(status="failed", error=_error_json(e))
-            if isinstance(e, StepFailed):
-                digest = _store_log(ctx, job, node_id, e)
-                if digest is not None:
-                    result["error"]["hint"] = (f"full log in the store: blob {digest} "
-                                               f"(record {LOG_RECORDS}/{job.key[7:]}), "
-                                               f"on node {short}: {e.log_path}")
-        except BaseException as e:  # noqa: BLE001 - a bug: reported on the driver
-            result.update(status="failed", error={"type": "bug", "message":
-                                                   f"{job.name}: {type(e).__name__}: {e}"})
-
-    worker = threading.Thread(target=body, name=f"build-{job.name}", daemon=True)
-    try:
-        worker.start()
-        # The build runs on its own thread; this one watches for the driver's cancel (a flag
-        # on the progress actor; the actor gone means the driver is gone) and for ray.cancel's
-        # KeyboardInterrupt, and turns either into the build's ``cancelled`` event (container
-        # killed, scratch removed, lease dropped, nothing published).
-        while worker.is_alive():
-            worker.join(CANCEL_POLL)
-            if worker.is_alive():
-                flush()
-                if not ctx.cancelled.is_set() and _driver_cancelled(events):
-                    ctx.cancelled.set()
-    except BaseException:
-        # ray.cancel: a KeyboardInterrupt, repeated by Ray until the task ends; stop the build
-        # and wait until it cleaned up, sitting out every further interrupt.
-        while True:
-            try:
-                ctx.cancelled.set()
-                while worker.is_alive():
-                    worker.join(0.1)
-                break
-            except BaseException:  # noqa: BLE001, S112 - a repeated interrupt
-                continue
-        raise
-    finally:
-        # After everything this task did: the driver of a cancelled build waits for it, as
-        # Ray counts a cancelled task done at once and kills a job's workers when it exits.
-        progress(BuildEvent(job.name, ENDED))
-        flush()
-    result.update(node=short, seconds=round(time.monotonic() - started, 3), name=job.name,
-                  key=job.key)
-    if trace_to:
-        _trace(trace_to, job.name, short, marks, result["status"])
-    return result
-
-
-def _trace(path: str, name: str, node: str, marks: list[tuple[str, float]], status: str) -> None:
-    line = json.dumps({"name": name, "node": node, "pid": os.getpid(), "status": status,
-                       "marks": marks}) + "\n"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return
-    try:
-        os.write(fd, line.encode())  # one append of one short line: whole, never interleaved
-    finally:
-        os.close(fd)
-
-
-_cancel_watch: dict[str, Any] = {}
-
-
-def _driver_cancelled(events: Any) -> bool:
-    """Whether the driver cancelled the build (or is gone), without a round trip: one pending
-    ``wait_cancelled`` call per worker process and build, which the actor answers when the
-    driver cancels and which fails when the actor dies with its driver; a look at it is a
-    local ``ray.wait``."""
-    key = events._actor_id.hex()
-    with _node_lock:
-        ref = _cancel_watch.get(key)
-        if ref is None:
-            ref = _cancel_watch[key] = events.wait_cancelled.remote()
-    done, _ = ray.wait([ref], timeout=0)
-    if not done:
-        return False
-    try:
-        return bool(ray.get(ref))
-    except ray.exceptions.ActorUnavailableError:  # restarting elsewhere: watch it again
-        with _node_lock:
-            _cancel_watch.pop(key, None)
-        return False
-    except ray.exceptions.RayError:  # the actor died with its driver
-        return True
-
-
-class _Events:
-    """The progress mailbox: tasks ``put_many`` events, the driver ``drain``s them; the
-    driver's ``cancel`` answers every pending ``wait_cancelled`` (what running tasks watch).
-    An async actor, so that those pending calls (one per worker process) cost no thread."""
-
-    def __init__(self) -> None:
-        self._events: list[BuildEvent] = []
-        self._cancelled = False
-        self._cancel: Any = None
-
-    def _event(self) -> Any:
-        import asyncio
-
-        if self._cancel is None:
-            self._cancel = asyncio.Event()
-        return self._cancel
-
-    async def cancel(self) -> None:
-        self._cancelled = True
-        self._event().set()
-
-    async def cancelled(self) -> bool:
-        return self._cancelled
-
-    async def wait_cancelled(self) -> bool:
-        await self._event().wait()
-        return True
-
-    async def put(self, e: BuildEvent) -> None:
-        self._events.append(e)
-
-    async def put_many(self, batch: list[BuildEvent]) -> None:
-        self._events.extend(batch)
-
-    async def drain(self) -> list[BuildEvent]:
-        out, self._events = self._events, []
-        return out
 
 
 # -- the driver -------------------------------------------------------------------------------
@@ -398,19 +125,7 @@ def connect(address: str | None) -> None:
                                  f"'{{\"{BUILDER_RESOURCE}\": 2}}'")
 
 
-def _warm(spec: _NodeSpec) -> str:
-    """A warm-up task: this worker process imports the build code, opens the store and the
-    node cache (and reaps it) before the first layer arrives."""
-    os.environ.update(spec.environ)
-    node_id = ray.get_runtime_context().get_node_id()
-    try:
-        node_context(spec.settings, node_id)
-    except Exception:  # noqa: BLE001 - the layer's own task reports it, with its name
-        return ""
-    return node_id
-
-
-def warm_up(spec: _NodeSpec, request: RayBuildRequest) -> list[Any]:
+def warm_up(spec: NodeSpec, request: RayBuildRequest) -> list[Any]:
     """Start one warm-up task per build slot of the cluster (not waited for): Ray starts this
     job's worker processes on every builder node meanwhile, and reuses them for the layers."""
     slots = int(ray.cluster_resources().get(BUILDER_RESOURCE, 0) * request.jobs_per_node)
@@ -456,22 +171,50 @@ def build_ray(
     settings = _absolute(settings)
     store = store or open_store(settings.store_url, s3_endpoint=settings.s3_endpoint,
                                 registry_insecure=settings.registry_insecure)
-    spec = _NodeSpec(settings, {k: os.environ[k] for k in request.forward_env
-                                if k in os.environ}, cwd=os.getcwd())
-    # Joining the cluster (seconds: ray.init, then each node starting this job's worker
-    # processes, which import envbuild and open the store) overlaps the plan (its store
-    # lookups): the plan on a thread, ray.init on this one (it installs signal handlers).
+    spec = NodeSpec(settings, {k: os.environ[k] for k in request.forward_env
+                               if k in os.environ}, cwd=os.getcwd())
+    marks: list[tuple[str, float]] = [("build_ray", time.time())]
     records: dict[str, KeyRecord] = {}
+    plan, events, connect_error = _plan_and_connect(
+        ws, store, targets, request, spec, marks,
+        lambda: prepare_plan(ws, store, targets, no_cache=no_cache, cache_from=cache_from,
+                             records=records))
+    to_build = [s for s in plan.layers if no_cache or s.status == "missing"]
+    outcomes = cached_outcomes(plan, store, to_build, progress, records)
+    if not to_build and events is not None:
+        ray.kill(events)
+    if to_build:
+        if connect_error is not None:
+            raise connect_error
+        known = {o.key: o.record.to_json() for o in outcomes.values() if o.record is not None}
+        results = _run_tasks(spec, make_jobs(ws, [s.name for s in to_build]),
+                             {s.name: s.depends_on for s in to_build}, request, no_cache,
+                             progress, known, events)
+        marks.append(("results", time.time()))
+        for s in to_build:
+            outcomes[s.name] = _outcome(s.name, s.kind, s.key, results[s.name])
+    report = finish_build(ws, store, plan, outcomes, cache_to)
+    if os.environ.get(TRACE_ENV):
+        marks.append(("finished", time.time()))
+        _trace(os.environ[TRACE_ENV], "", "driver", marks, "driver")
+    return report
+
+
+def _plan_and_connect(ws: Snapshot, store: Store, targets: Iterable[str] | None,
+                      request: RayBuildRequest, spec: NodeSpec, marks: list[tuple[str, float]],
+                      make_plan: Any) -> tuple[BuildPlan, Any, SettingsError | None]:
+    """(the plan, the progress actor or None, why the cluster cannot be reached or None).
+    Joining the cluster (seconds: ray.init, then each node starting this job's worker
+    processes, which import envbuild and open the store) overlaps the plan (its store
+    lookups): the plan on a thread, ray.init on this one (it installs signal handlers)."""
     planned: dict[str, Any] = {}
 
     def plan_it() -> None:
         try:
-            planned["plan"] = prepare_plan(ws, store, targets, no_cache=no_cache,
-                                           cache_from=cache_from, records=records)
+            planned["plan"] = make_plan()
         except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
             planned["error"] = e
 
-    marks: list[tuple[str, float]] = [("build_ray", time.time())]
     planner = threading.Thread(target=plan_it, name="plan", daemon=True)
     planner.start()
     connect_error: SettingsError | None = None
@@ -490,31 +233,16 @@ def build_ray(
         ray.kill(events)
     if "error" in planned:
         raise planned["error"]
-    plan = planned["plan"]
-    outcomes: dict[str, LayerOutcome] = {}
-    to_build = [s for s in plan.layers if no_cache or s.status == "missing"]
-    for s in plan.layers:
-        if s not in to_build:
-            outcomes[s.name] = LayerOutcome(s.name, s.kind, s.key, "cached",
-                                            record=records.get(s.key) or get_key_record(store, s.key))
-            progress(BuildEvent(s.name, "cached"))
-    if not to_build and events is not None:
-        ray.kill(events)
-    if to_build:
-        if connect_error is not None:
-            raise connect_error
-        known = {o.key: o.record.to_json() for o in outcomes.values() if o.record is not None}
-        results = _run_tasks(spec, make_jobs(ws, [s.name for s in to_build]),
-                             {s.name: s.depends_on for s in to_build}, request, no_cache,
-                             progress, known, events)
-        marks.append(("results", time.time()))
-        for s in to_build:
-            outcomes[s.name] = _outcome(s.name, s.kind, s.key, results[s.name])
-    report = finish_build(ws, store, plan, outcomes, cache_to)
-    if os.environ.get(TRACE_ENV):
-        marks.append(("finished", time.time()))
-        _trace(os.environ[TRACE_ENV], "", "driver", marks, "driver")
-    return report
+    return planned["plan"], events, connect_error
+
+
+def _error_from_json(d: Mapping[str, Any]) -> EnvbuildError:
+    if d.get("type") == "StepFailed":
+        return StepFailed(d["message"], argv=list(d.get("argv") or []), exit_code=d["exit_code"],
+                          output_tail=d.get("output_tail") or "", log_path=d.get("log_path"),
+                          hint=d.get("hint"))
+    return BuildError(d["message"], hint=d.get("hint"), context=d.get("context"),
+                      reference=d.get("reference"))
 
 
 def _outcome(name: str, kind: str, key: str, r: Mapping[str, Any]) -> LayerOutcome:
@@ -538,7 +266,7 @@ def start_events() -> Any:
             ray.get_runtime_context().get_node_id(), soft=True)).remote()
 
 
-def _run_tasks(spec: _NodeSpec, jobs: Mapping[str, LayerJob],
+def _run_tasks(spec: NodeSpec, jobs: Mapping[str, LayerJob],
                deps: Mapping[str, Sequence[str]], request: RayBuildRequest, no_cache: bool,
                progress: Progress, known: Mapping[str, Mapping[str, Any]] | None = None,
                events: Any = None) -> dict[str, dict[str, Any]]:
@@ -547,6 +275,47 @@ def _run_tasks(spec: _NodeSpec, jobs: Mapping[str, LayerJob],
     started."""
     if events is None:
         events = start_events()
+    refs = _submit(spec, jobs, deps, request, no_cache, progress, known, events)
+    names_of: dict[Any, list[str]] = {}
+    for name, ref in refs.items():
+        names_of.setdefault(ref, []).append(name)
+    results: dict[str, dict[str, Any]] = {}
+    pending = list(names_of)
+    failed_by_ray: dict[str, str] = {}
+    relay = _Relay(events, progress)
+    try:
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=PROGRESS_PERIOD,
+                                      fetch_local=True)
+            relay()
+            for ref in ready:
+                for name in names_of[ref]:
+                    results[name] = _result_of(ref, name, deps, results, failed_by_ray)
+                    _report(progress, name, results[name])
+    except BaseException:
+        # Tell running tasks to stop (they poll the flag) and wait until each has cleaned up
+        # ("ended"), then cancel what is still queued; Ray's own cancel of a running task is
+        # only the fallback (it counts the task done at once, and a job's workers are killed
+        # when its driver exits).
+        events.cancel.remote()
+        relay(PROGRESS_PERIOD)  # "started" events sent before the interrupt
+        for name in sorted(relay.running):
+            progress(BuildEvent(name, "cancelling"))
+        deadline = time.monotonic() + CANCEL_WAIT
+        while relay.running and time.monotonic() < deadline:
+            relay(PROGRESS_PERIOD)
+        _cancel(pending)
+        raise
+    finally:
+        ray.kill(events)
+    return results
+
+
+def _submit(spec: NodeSpec, jobs: Mapping[str, LayerJob], deps: Mapping[str, Sequence[str]],
+            request: RayBuildRequest, no_cache: bool, progress: Progress,
+            known: Mapping[str, Mapping[str, Any]] | None, events: Any) -> dict[str, Any]:
+    """Submit one task per job, in plan order (its dependencies' tasks as its arguments);
+    returns name -> the task's ref (one task for the same key under two names)."""
     task = ray.remote(run_layer).options(
         num_cpus=0, resources={BUILDER_RESOURCE: 1.0 / request.jobs_per_node},
         max_retries=request.max_retries, retry_exceptions=False,
@@ -567,59 +336,35 @@ def _run_tasks(spec: _NodeSpec, jobs: Mapping[str, LayerJob],
         refs[name] = by_key[job.key] = task.remote(spec_ref, job, no_cache, events, lower,
                                                    *below)
         progress(BuildEvent(name, "queued"))
-    names_of: dict[Any, list[str]] = {}
-    for name, ref in refs.items():
-        names_of.setdefault(ref, []).append(name)
-    results: dict[str, dict[str, Any]] = {}
-    pending = list(names_of)
-    failed_by_ray: dict[str, str] = {}
+    return refs
 
-    drain = [events.drain.remote()]
-    running: set[str] = set()  # tasks that started and have not ended
 
-    def relay(wait: float = 0.0) -> None:
-        # never blocks the loop on the actor (it may still be starting): take what is there
-        done, _ = ray.wait(drain, timeout=wait)
-        if done:
-            try:
-                got = ray.get(done[0])
-            except ray.exceptions.RayActorError:  # restarting on another node: ask again
-                got = []
-            for e in got:
-                if e.phase == ENDED:
-                    running.discard(e.name)
-                    continue
-                if e.phase == "started":
-                    running.add(e.name)
-                progress(e)
-            drain[0] = events.drain.remote()
+class _Relay:
+    """Hands the tasks' progress events to ``progress`` and keeps which tasks are running
+    (started and not ended). A call never blocks the loop on the actor (it may still be
+    starting): it takes what is there, waiting at most ``wait`` seconds."""
 
-    try:
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=PROGRESS_PERIOD,
-                                      fetch_local=True)
-            relay()
-            for ref in ready:
-                for name in names_of[ref]:
-                    results[name] = _result_of(ref, name, deps, results, failed_by_ray)
-                    _report(progress, name, results[name])
-    except BaseException:
-        # Tell running tasks to stop (they poll the flag) and wait until each has cleaned up
-        # ("ended"), then cancel what is still queued; Ray's own cancel of a running task is
-        # only the fallback (it counts the task done at once, and a job's workers are killed
-        # when its driver exits).
-        events.cancel.remote()
-        relay(PROGRESS_PERIOD)  # "started" events sent before the interrupt
-        for name in sorted(running):
-            progress(BuildEvent(name, "cancelling"))
-        deadline = time.monotonic() + CANCEL_WAIT
-        while running and time.monotonic() < deadline:
-            relay(PROGRESS_PERIOD)
-        _cancel(pending)
-        raise
-    finally:
-        ray.kill(events)
-    return results
+    def __init__(self, events: Any, progress: Progress) -> None:
+        self.events, self.progress = events, progress
+        self.running: set[str] = set()
+        self._drain = events.drain.remote()
+
+    def __call__(self, wait: float = 0.0) -> None:
+        done, _ = ray.wait([self._drain], timeout=wait)
+        if not done:
+            return
+        try:
+            got = ray.get(done[0])
+        except ray.exceptions.RayActorError:  # restarting on another node: ask again
+            got = []
+        for e in got:
+            if e.phase == ENDED:
+                self.running.discard(e.name)
+                continue
+            if e.phase == "started":
+                self.running.add(e.name)
+            self.progress(e)
+        self._drain = self.events.drain.remote()
 
 
 def _result_of(ref: Any, name: str, deps: Mapping[str, Sequence[str]],

@@ -1,7 +1,7 @@
 """Reap the build scratch dirs of dead builders in one node cache's ``builds/`` (side effects).
 
 A build holds its scratch dir ``builds/<id>`` through the owner file ``builds/<id>.owner``,
-``flock``ed for its whole life (``executor.claim_scratch``); the kernel drops the lock when the
+``flock``ed for its whole life (``scratch.claim_scratch``); the kernel drops the lock when the
 process dies, however it dies (SIGKILL, OOM, a Ray worker that ``_exit``s when its raylet is
 killed). A dir whose owner file this process can lock belongs to nobody, and what it may still
 hold is undone here, in this order:
@@ -43,13 +43,13 @@ import stat
 import time
 from pathlib import Path
 
+from envbuild.build.scratch import OWNER_SUFFIX
 from envbuild.errors import EnvbuildError
 from envbuild.safefs import remove_tree
 from runtime_shim.isolation import netns
 from runtime_shim.isolation.mount import mounted_targets_under, unmount
 from runtime_shim.isolation.runc import OciRuntime, destroy, list_containers
 
-OWNER_SUFFIX = ".owner"
 #: Prefix of build step container ids (``executor._run_step``).
 BUILD_CONTAINER_PREFIX = "eb-build-"
 #: The parent cgroup of build steps (``cgroupsPath`` ``/envbuild/<id>``).
@@ -259,3 +259,11 @@ def detach_loops_under(prefix: Path) -> list[str]:
         finally:
             os.close(fd)
     return found
+
+
+def sweep_stale_scratch(root: Path, runtime: OciRuntime | None = None) -> list[str]:
+    """Remove the scratch dirs under ``root`` whose build is gone (its owner file can be
+    locked): their containers, cgroups, networks, mounts and loop devices, then the tree
+    (``envbuild.build.reaper``). Returns the names removed; a dir that cannot be removed now is
+    left for the next sweep."""
+    return [r.name for r in reap_stale_builds(root, runtime)]

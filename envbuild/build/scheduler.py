@@ -48,68 +48,80 @@ def run_dag(
 
     ``deps[name]`` may mention names outside ``names`` (already built): those are ignored.
     """
-    todo = list(dict.fromkeys(names))
-    wanted = set(todo)
-    waiting_on = {n: {d for d in deps.get(n, ()) if d in wanted} for n in todo}
-    dependents: dict[str, list[str]] = {n: [] for n in todo}
-    for n, ds in waiting_on.items():
-        for d in ds:
-            dependents[d].append(n)
-    key_of = key_of or (lambda n: n)
+    dag = _Dag(list(dict.fromkeys(names)), deps, work, key_of or (lambda n: n), on_skip)
     cancelled = cancelled or threading.Event()
-    results: dict[str, JobResult] = {}
-    key_futures: dict[str, Future] = {}
-    running: dict[Future, str] = {}
-    ready = [n for n in todo if not waiting_on[n]]
-
-    def skip(name: str, because: str) -> None:
-        if name in results:
-            return
-        results[name] = JobResult(name, "skipped", blocked_by=because)
-        if on_skip:
-            on_skip(name, because)
-        for child in dependents[name]:
-            skip(child, because)
-
-    def start(pool: ThreadPoolExecutor, name: str) -> None:
-        key = key_of(name)
-        shared = key_futures.get(key)
-        if shared is None:
-            shared = key_futures[key] = pool.submit(work, name)
-        else:
-            # Same key already building or built: wait for that build, do not start another.
-            shared = pool.submit(lambda f=shared: f.result())
-        running[shared] = name
-
     with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="build") as pool:
         try:
-            while ready or running:
-                while ready and not cancelled.is_set():
-                    start(pool, ready.pop(0))
-                if not running:
+            while dag.ready or dag.running:
+                while dag.ready and not cancelled.is_set():
+                    dag.start(pool, dag.ready.pop(0))
+                if not dag.running:
                     break
-                done, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                done, _ = wait(list(dag.running), return_when=FIRST_COMPLETED)
                 for fut in done:
-                    name = running.pop(fut)
-                    try:
-                        value = fut.result()
-                    except BaseException as e:  # noqa: BLE001 - recorded per job, reported by caller
-                        results[name] = JobResult(name, "failed", error=e)
-                        for child in dependents[name]:
-                            skip(child, name)
-                        continue
-                    results[name] = JobResult(name, "done", value=value)
-                    for child in dependents[name]:
-                        waiting_on[child].discard(name)
-                        if not waiting_on[child] and child not in results:
-                            ready.append(child)
+                    dag.finished(fut)
         except BaseException:
             cancelled.set()
             # Queued jobs must not start while the pool's exit waits for the running ones
             # (which see ``cancelled`` and clean up).
             pool.shutdown(wait=False, cancel_futures=True)
             raise
-    for n in todo:
-        if n not in results:
-            results[n] = JobResult(n, "skipped", blocked_by="cancelled")
-    return results
+    for n in dag.todo:
+        if n not in dag.results:
+            dag.results[n] = JobResult(n, "skipped", blocked_by="cancelled")
+    return dag.results
+
+
+class _Dag:
+    """The state of one ``run_dag``: what each job still waits on, what is ready, running
+    (future -> name; one future per key) and done."""
+
+    def __init__(self, todo: list[str], deps: Mapping[str, Iterable[str]],
+                 work: Callable[[str], Any], key_of: Callable[[str], str],
+                 on_skip: Callable[[str, str], None] | None) -> None:
+        self.todo, self.work, self.key_of, self.on_skip = todo, work, key_of, on_skip
+        wanted = set(todo)
+        self.waiting_on = {n: {d for d in deps.get(n, ()) if d in wanted} for n in todo}
+        self.dependents: dict[str, list[str]] = {n: [] for n in todo}
+        for n, ds in self.waiting_on.items():
+            for d in ds:
+                self.dependents[d].append(n)
+        self.results: dict[str, JobResult] = {}
+        self.key_futures: dict[str, Future] = {}
+        self.running: dict[Future, str] = {}
+        self.ready = [n for n in todo if not self.waiting_on[n]]
+
+    def skip(self, name: str, because: str) -> None:
+        if name in self.results:
+            return
+        self.results[name] = JobResult(name, "skipped", blocked_by=because)
+        if self.on_skip:
+            self.on_skip(name, because)
+        for child in self.dependents[name]:
+            self.skip(child, because)
+
+    def start(self, pool: ThreadPoolExecutor, name: str) -> None:
+        key = self.key_of(name)
+        first = self.key_futures.get(key)
+        if first is None:
+            shared = self.key_futures[key] = pool.submit(self.work, name)
+        else:
+            # Same key already building or built: wait for that build, do not start another.
+            shared = pool.submit(first.result)
+        self.running[shared] = name
+
+    def finished(self, fut: Future) -> None:
+        """Record a finished job; its dependents become ready, or are skipped if it failed."""
+        name = self.running.pop(fut)
+        try:
+            value = fut.result()
+        except BaseException as e:  # noqa: BLE001 - recorded per job, reported by caller
+            self.results[name] = JobResult(name, "failed", error=e)
+            for child in self.dependents[name]:
+                self.skip(child, name)
+            return
+        self.results[name] = JobResult(name, "done", value=value)
+        for child in self.dependents[name]:
+            self.waiting_on[child].discard(name)
+            if not self.waiting_on[child] and child not in self.results:
+                self.ready.append(child)

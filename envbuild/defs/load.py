@@ -184,8 +184,8 @@ def _dockerfile_envs(d: Base, src: DockerfileSource, root: str) -> tuple[str, ..
     (``DockerfileSource.envs``). The Dockerfile is located as pinning does (inside the source
     root, no final symlink, bounded); one that cannot be located, read or parsed names none
     here: pinning reports why, at the definition's line."""
-    from envbuild.build.dockerfile import Unpinnable, env_upstreams, locate
-    from envbuild.build.pin import source_roots
+    from envbuild.defs.confine import Unpinnable, source_roots
+    from envbuild.defs.dockerfile import env_upstreams, locate
     from envbuild.settings import trusted_sources
 
     try:
@@ -209,7 +209,7 @@ def definition_files(root: Path) -> list[Path]:
 
 def _definition_file_names(root: Path) -> list[str]:
     """``definition_files`` as strings (100,000 ``Path`` objects cost half a second)."""
-    found = []
+    found: list[str] = []
     for directory, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")
                        and not os.path.exists(os.path.join(directory, d, SEPARATE_TREE_MARKER))]

@@ -12,7 +12,8 @@ content digests of sources (a path tree, a git commit) on top of ``identity()``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
@@ -57,15 +58,39 @@ class Origin:
 # ----------------------------------------------------------------------------- steps
 
 
+#: A line of a ``run`` script that only sets shell options (``set -eu``, ``set -o pipefail``,
+#: ``shopt -s globstar``), with what follows a ``;`` or ``&&`` on the same line as group 1.
+_SHELL_OPTIONS_RE = re.compile(r"(?:set|shopt)\s+[-+][^;&]*(?:(?:;|&&)\s*(.*))?")
+
+
+def run_label(script: str) -> str:
+    """What a ``run`` script does, in a line: its first line that is not blank, a comment or a
+    shell option setting (``set -eu`` by convention opens every script), trimmed; else its
+    first non-blank line."""
+    lines = [ln.strip() for ln in script.splitlines() if ln.strip()]
+    for line in lines:
+        if line.startswith("#"):
+            continue
+        m = _SHELL_OPTIONS_RE.fullmatch(line)
+        if m is None:
+            return line
+        if m.group(1) and not m.group(1).startswith("#"):
+            return m.group(1).strip()
+    return lines[0] if lines else ""
+
+
 @dataclasses.dataclass(frozen=True)
 class RunStep:
-    """``- run: CMD`` executed with ``/bin/sh -c`` inside the build rootfs."""
+    """``- run: CMD`` executed with ``/bin/sh -c`` inside the build rootfs. ``name`` (metadata,
+    not in the key) says what it does in progress and failures; ``label`` is it, or
+    ``run_label`` of the script."""
 
     run: str
     env: Mapping[str, str] = dataclasses.field(default_factory=lambda: _frozen_map(None))
     workdir: str = "/"
     user: str = "0:0"
     network: Literal["host", "none"] = "host"
+    name: str | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any]) -> RunStep:
@@ -75,7 +100,12 @@ class RunStep:
             workdir=m.get("workdir", "/"),
             user=str(m.get("user", "0:0")),
             network=m.get("network", "host"),
+            name=_step_name(m),
         )
+
+    @property
+    def label(self) -> str:
+        return self.name or run_label(self.run)
 
     def identity(self) -> dict[str, Any]:
         return {
@@ -99,6 +129,7 @@ class CopyStep:
     dest: str
     mode: int | None = None
     owner: str = "0:0"
+    name: str | None = dataclasses.field(default=None, compare=False)  # metadata, as RunStep's
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any]) -> CopyStep:
@@ -106,7 +137,12 @@ class CopyStep:
         mode = c.get("mode")
         if isinstance(mode, str):
             mode = int(mode, 8)
-        return cls(src=c["src"], dest=c["dest"], mode=mode, owner=str(c.get("owner", "0:0")))
+        return cls(src=c["src"], dest=c["dest"], mode=mode, owner=str(c.get("owner", "0:0")),
+                   name=_step_name(m))
+
+    @property
+    def label(self) -> str:
+        return self.name or f"{self.src} -> {self.dest}"
 
     def identity(self) -> dict[str, Any]:
         # src content enters the key as a digest (added by the planner), not as a path.
@@ -114,6 +150,14 @@ class CopyStep:
 
 
 Step = RunStep | CopyStep
+
+
+def _step_name(m: Mapping[str, Any]) -> str | None:
+    """A step's ``name``, whitespace collapsed to single spaces (one line), or None."""
+    name = m.get("name")
+    if name is None:
+        return None
+    return " ".join(str(name).split()) or None
 
 
 def step_from_mapping(m: Mapping[str, Any]) -> Step:
@@ -527,8 +571,9 @@ class Env(_Common):
 Definition = Base | Workspace | Toolkit | Env
 LayerDefinition = Base | Workspace | Toolkit
 
-CONSTRUCTORS = {"Base": Base.from_mapping, "Workspace": Workspace.from_mapping,
-                "Toolkit": Toolkit.from_mapping, "Env": Env.from_mapping}
+CONSTRUCTORS: Mapping[str, Callable[[Mapping[str, Any], Origin], Definition]] = {
+    "Base": Base.from_mapping, "Workspace": Workspace.from_mapping,
+    "Toolkit": Toolkit.from_mapping, "Env": Env.from_mapping}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -321,7 +321,7 @@ class SchemaErrorMapper:
         if "oneOf" in schema or "anyOf" in schema:
             if "title" in schema:
                 return f"a {schema['title']}"
-            branches = schema.get("oneOf") or schema.get("anyOf")
+            branches = schema.get("oneOf") or schema.get("anyOf") or []
             return " or ".join(dict.fromkeys(self._expected(b) for b in branches))
         types = schema.get("type", [])
         types = [types] if isinstance(types, str) else types

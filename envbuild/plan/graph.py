@@ -26,12 +26,12 @@ of 100,000 nodes costs more than every check together.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import posixpath
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+from envbuild.defs.hints import suggest
 from envbuild.defs.model import Base, Definition, DefinitionSet, Env, Origin, Toolkit, Workspace
 from envbuild.errors import DefinitionError, PlanError, Problem
 
@@ -43,15 +43,9 @@ if TYPE_CHECKING:
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str | None:
-    """``did you mean 'x'?`` for the closest candidate, or None."""
-    try:  # the loader's helper, once it exists, so every hint reads the same
-        from envbuild.defs.hints import suggest
-    except ImportError:
-        suggest = None
-    if suggest is not None:
-        return suggest(name, candidates)
-    close = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
-    return f"did you mean {close[0]!r}?" if close else None
+    """``did you mean 'x'?`` for the closest candidate, or None (the loader's hint, so every
+    hint reads the same)."""
+    return suggest(name, candidates)
 
 
 def field_position(origin: Origin, *paths: str) -> tuple[int, int]:
@@ -235,7 +229,7 @@ def check_references(by_name: Mapping[str, Definition], definitions: Iterable[De
                     "Dockerfile FROM envbuild.invalid/env/NAME:")
         elif isinstance(d, (Workspace, Toolkit)):
             if ref(d, d.build_on, "Base", ("build_on",), "build_on"):
-                base = by_name[d.build_on]
+                base = cast(Base, by_name[d.build_on])  # ref checked its kind
                 if d.requires_abi and base.abi not in d.requires_abi:
                     problems.append(_problem(
                         d, ("build_on", "requires.abi"),

@@ -253,174 +253,224 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None,
     ``only`` (names of ``graph``, closed under dependents: whatever depends on one is in it),
     every name not in ``only`` takes previous's key or lock as it is, without a look.
     """
-    defs = graph.defs.by_name
-    keys: dict[str, str] = {}
-    inputs: dict[str, Any] = {}  # a dict, or the _Later that computes it
-    env_inputs: dict[str, Any] = {}
-    env_locks: dict[str, str] = {}
-    old = previous.graph.defs.by_name if previous is not None else {}
-    no_pins: Mapping[str, str] = {}
+    keyer = _Keyer(graph, pinned, previous, memo)
+    if only is None:
+        for d in graph.defs.layers:
+            keyer.key_of(d.name)
+        for env in graph.defs.envs:
+            keyer.env_lock(env.name)
+    else:
+        keyer.key_only(only)
+    return keyer.key_set()
 
-    def unchanged(d: Definition) -> Definition | None:
+
+_NO_PINS: Mapping[str, str] = MappingProxyType({})
+
+
+def _raw(m: Mapping[str, Any], name: str) -> Any:
+    return m.raw(name) if isinstance(m, LazyInputs) else m[name]
+
+
+class _Keyer:
+    """One ``compute_keys`` run: the keys and inputs found so far (each layer keyed once,
+    what it depends on first), and how to take a key from ``previous`` or ``memo``."""
+
+    def __init__(self, graph, pinned: PinnedInputs, previous: Previous | None,
+                 memo: KeyMemo | None) -> None:
+        self.graph, self.pinned, self.previous, self.memo = graph, pinned, previous, memo
+        self.defs = graph.defs.by_name
+        self.keys: dict[str, str] = {}
+        self.inputs: dict[str, Any] = {}  # a dict, or the _Later that computes it
+        self.env_inputs: dict[str, Any] = {}
+        self.env_locks: dict[str, str] = {}
+        self.old = previous.graph.defs.by_name if previous is not None else {}
+        self.old_inputs, self.old_env_inputs = ((previous.keys.inputs, previous.keys.env_inputs)
+                                                if previous is not None else ({}, {}))
+        self.idents: dict[str, str | None] = {}
+        self.env_parts: dict[str, str | None] = {}
+        self.ident = self._ident if memo is not None else None
+
+    # ------------------------------------------------------------------ previous and memo
+
+    def unchanged(self, d: Definition) -> Definition | None:
         """The previous definition of d's name if d's own content and pins are unchanged."""
+        previous = self.previous
         if previous is None:
             return None
-        d0 = old.get(d.name)
+        d0 = self.old.get(d.name)
         if d0 is None or not previous.same(d, d0) or d.name not in previous.keys.layers:
             return None
-        if pinned.get(d.name, no_pins) != previous.pinned.get(d.name, no_pins):
+        if self.pinned.get(d.name, _NO_PINS) != previous.pinned.get(d.name, _NO_PINS):
             return None
         return d0
 
-    old_inputs, old_env_inputs = ((previous.keys.inputs, previous.keys.env_inputs)
-                                  if previous is not None else ({}, {}))
-
-    def raw(m: Mapping[str, Any], name: str) -> Any:
-        return m.raw(name) if isinstance(m, LazyInputs) else m[name]
-
-    def reuse(name: str) -> str:
-        assert previous is not None
-        inputs[name] = raw(old_inputs, name)
-        k = keys[name] = previous.keys.layers[name]
+    def reuse(self, name: str) -> str:
+        assert self.previous is not None
+        self.inputs[name] = _raw(self.old_inputs, name)
+        k = self.keys[name] = self.previous.keys.layers[name]
         return k
 
-    idents: dict[str, str | None] = {}
-
-    def _ident(d: Definition) -> str | None:
+    def _ident(self, d: Definition) -> str | None:
         try:
-            return idents[d.name]
+            return self.idents[d.name]
         except KeyError:
-            assert memo is not None
-            i = idents[d.name] = memo.ident(d)
+            assert self.memo is not None
+            i = self.idents[d.name] = self.memo.ident(d)
             return i
 
-    ident = _ident if memo is not None else None
-
-    def remembered(kind: str, d: Definition, upstream: str) -> tuple[str | None, str | None]:
+    def remembered(self, kind: str, d: Definition, upstream: str
+                   ) -> tuple[str | None, str | None]:
         """(what names this key's inputs, the key recorded for it) when ``memo`` knows ``d``."""
-        if ident is None:
+        if self.ident is None:
             return None, None
-        i = ident(d)
+        i = self.ident(d)
         if i is None:
             return None, None
-        assert memo is not None
-        what = f"{kind}\0{i}\0{_pins_text(pinned.get(d.name, no_pins))}\0{upstream}"
-        return what, memo.key(what)
+        assert self.memo is not None
+        what = f"{kind}\0{i}\0{_pins_text(self.pinned.get(d.name, _NO_PINS))}\0{upstream}"
+        return what, self.memo.key(what)
 
-    env_parts: dict[str, str | None] = {}
-
-    def layer_part(n: str) -> str | None:
+    def layer_part(self, n: str) -> str | None:
         """What an env's lock digest takes from its layer ``n``: name, key and definition."""
         try:
-            return env_parts[n]
+            return self.env_parts[n]
         except KeyError:
-            assert ident is not None
-            i = ident(defs[n])
-            part = env_parts[n] = None if i is None else f"{n}={keys[n]}={i}"
+            assert self.ident is not None
+            i = self.ident(self.defs[n])
+            part = self.env_parts[n] = None if i is None else f"{n}={self.keys[n]}={i}"
             return part
 
-    def env_lock(name: str) -> str:
-        k = env_locks.get(name)
-        if k is None:
-            layers = graph.env_layers(name)
-            for n in layers:
-                key_of(n)
-            if previous is not None and name in previous.keys.env_locks:
-                e0 = old.get(name)
-                if (e0 is not None and previous.same(defs[name], e0)
-                        and layers == previous.graph.env_layers(name)
-                        and all(keys[n] == previous.keys.layers.get(n)
-                                and previous.same(defs[n], old[n]) for n in layers)):
-                    env_inputs[name] = raw(old_env_inputs, name)
-                    k = env_locks[name] = previous.keys.env_locks[name]
-                    return k
-            what = None
-            parts = [layer_part(n) for n in layers] if ident is not None else [None]
-            if None not in parts:
-                what, k = remembered("env", defs[name], "\0".join(parts))  # type: ignore[arg-type]
-                if k is not None:
-                    env_inputs[name] = _Later(lock_inputs, (graph, defs[name], keys), {})
-                    env_locks[name] = k
-                    return k
-            env_inputs[name] = lock_inputs(graph, defs[name], keys)
-            k = env_locks[name] = lock_inputs_digest(env_inputs[name])
-            if what is not None:
-                assert memo is not None
-                memo.note_key(what, k)
-        return k
+    # ------------------------------------------------------------------ envs
 
-    def key_of(name: str) -> str:
-        k = keys.get(name)
-        if k is None:
-            d = defs[name]
-            if isinstance(d, Base):
-                parent = key_of(d.parent) if d.parent else None
-                envs = getattr(d.source, "envs", ())
-                from_envs = {e: env_lock(e) for e in envs} or None
-                if previous is not None and unchanged(d) is not None:
-                    if ((parent is None or parent == previous.keys.layers.get(d.parent or ""))
-                            and (from_envs is None or all(
-                                previous.keys.env_locks.get(e) == v
-                                for e, v in from_envs.items()))):
-                        return reuse(name)
-                what, k = remembered("layer", d, f"{parent}\0{sorted((from_envs or {}).items())}")
-                kwargs: dict[str, Any] = {"parent_key": parent, "from_envs": from_envs}
-            else:
-                base = defs[d.build_on]
-                chain = (tuple(key_of(n) for n in graph.base_chain(d.build_on))
-                         if d.pin == "digest" else None)
-                if previous is not None and unchanged(d) is not None:
-                    b0 = old.get(d.build_on)
-                    if b0 is not None and chain is None:
-                        if getattr(b0, "abi", None) == base.abi:
-                            return reuse(name)
-                    elif b0 is not None and chain == tuple(
-                            previous.keys.layers.get(n)
-                            for n in previous.graph.base_chain(d.build_on)):
-                        return reuse(name)
-                what, k = remembered("layer", d, f"abi={base.abi}" if chain is None
-                                     else "chain=" + ",".join(chain))
-                kwargs = {"build_on_abi": base.abi, "build_on_chain_keys": chain}
+    def env_lock(self, name: str) -> str:
+        k = self.env_locks.get(name)
+        if k is not None:
+            return k
+        layers = self.graph.env_layers(name)
+        for n in layers:
+            self.key_of(n)
+        if self._previous_lock_holds(name, layers):
+            assert self.previous is not None
+            self.env_inputs[name] = _raw(self.old_env_inputs, name)
+            k = self.env_locks[name] = self.previous.keys.env_locks[name]
+            return k
+        d = self.defs[name]
+        what = None
+        parts = [self.layer_part(n) for n in layers] if self.ident is not None else [None]
+        if None not in parts:
+            what, k = self.remembered("env", d, "\0".join(parts))  # type: ignore[arg-type]
             if k is not None:
-                inputs[name] = _Later(key_inputs, (d, pinned.get(name, no_pins)), kwargs)
-                keys[name] = k
+                self.env_inputs[name] = _Later(lock_inputs, (self.graph, d, self.keys), {})
+                self.env_locks[name] = k
                 return k
-            inputs[name] = key_inputs(d, pinned.get(name, no_pins), **kwargs)
-            k = keys[name] = layer_key(inputs[name])
-            if what is not None:
-                assert memo is not None
-                memo.note_key(what, k)
+        self.env_inputs[name] = lock_inputs(self.graph, d, self.keys)
+        k = self.env_locks[name] = lock_inputs_digest(self.env_inputs[name])
+        if what is not None:
+            assert self.memo is not None
+            self.memo.note_key(what, k)
         return k
 
-    if only is None:
-        for d in graph.defs.layers:
-            key_of(d.name)
-        for env in graph.defs.envs:
-            env_lock(env.name)
-    else:
-        assert previous is not None
-        pk = previous.keys
-        keys.update(pk.layers)
-        inputs.update(old_inputs._raw if isinstance(old_inputs, LazyInputs) else old_inputs)
-        env_locks.update(pk.env_locks)
-        env_inputs.update(old_env_inputs._raw if isinstance(old_env_inputs, LazyInputs)
-                          else old_env_inputs)
-        for table in (keys, inputs, env_locks, env_inputs):
-            for n in [*(table.keys() - defs.keys()), *(n for n in only if n in table)]:
-                del table[n]
+    def _previous_lock_holds(self, name: str, layers) -> bool:
+        """Whether the env, its layer list, and each layer's key and definition are
+        previous's: then so is its lock."""
+        previous = self.previous
+        if previous is None or name not in previous.keys.env_locks:
+            return False
+        e0 = self.old.get(name)
+        return (e0 is not None and previous.same(self.defs[name], e0)
+                and layers == previous.graph.env_layers(name)
+                and all(self.keys[n] == previous.keys.layers.get(n)
+                        and previous.same(self.defs[n], self.old[n]) for n in layers))
+
+    # ------------------------------------------------------------------ layers
+
+    def key_of(self, name: str) -> str:
+        k = self.keys.get(name)
+        if k is not None:
+            return k
+        d = self.defs[name]
+        found = self._base(d) if isinstance(d, Base) else self._stacked(d)
+        if isinstance(found, str):
+            return found  # previous's key
+        what, k, kwargs = found
+        pins = self.pinned.get(name, _NO_PINS)
+        if k is not None:
+            self.inputs[name] = _Later(key_inputs, (d, pins), kwargs)
+            self.keys[name] = k
+            return k
+        self.inputs[name] = key_inputs(d, pins, **kwargs)
+        k = self.keys[name] = layer_key(self.inputs[name])
+        if what is not None:
+            assert self.memo is not None
+            self.memo.note_key(what, k)
+        return k
+
+    def _base(self, d: Base) -> str | tuple[str | None, str | None, dict[str, Any]]:
+        """previous's key of the base ``d`` if it holds, else (what names its inputs for
+        ``memo``, the key it recorded, the ``key_inputs`` arguments)."""
+        parent = self.key_of(d.parent) if d.parent else None
+        envs = getattr(d.source, "envs", ())
+        from_envs = {e: self.env_lock(e) for e in envs} or None
+        previous = self.previous
+        if previous is not None and self.unchanged(d) is not None:
+            if ((parent is None or parent == previous.keys.layers.get(d.parent or ""))
+                    and (from_envs is None or all(previous.keys.env_locks.get(e) == v
+                                                  for e, v in from_envs.items()))):
+                return self.reuse(d.name)
+        what, k = self.remembered("layer", d, f"{parent}\0{sorted((from_envs or {}).items())}")
+        return what, k, {"parent_key": parent, "from_envs": from_envs}
+
+    def _stacked(self, d) -> str | tuple[str | None, str | None, dict[str, Any]]:
+        """``_base`` of a workspace or toolkit: it reads its base's abi, or with
+        ``pin: digest`` the keys of its base chain."""
+        base = self.defs[d.build_on]
+        chain = (tuple(self.key_of(n) for n in self.graph.base_chain(d.build_on))
+                 if d.pin == "digest" else None)
+        previous = self.previous
+        if previous is not None and self.unchanged(d) is not None:
+            b0 = self.old.get(d.build_on)
+            if b0 is not None and chain is None:
+                if getattr(b0, "abi", None) == base.abi:
+                    return self.reuse(d.name)
+            elif b0 is not None and chain == tuple(
+                    previous.keys.layers.get(n) for n in previous.graph.base_chain(d.build_on)):
+                return self.reuse(d.name)
+        what, k = self.remembered("layer", d, f"abi={base.abi}" if chain is None
+                                  else "chain=" + ",".join(chain))
+        return what, k, {"build_on_abi": base.abi, "build_on_chain_keys": chain}
+
+    # ------------------------------------------------------------------ the run
+
+    def key_only(self, only: Collection[str]) -> None:
+        """previous's keys and locks, but those of ``only``, keyed again."""
+        assert self.previous is not None
+        pk = self.previous.keys
+        old_inputs, old_env_inputs = self.old_inputs, self.old_env_inputs
+        self.keys.update(pk.layers)
+        self.inputs.update(old_inputs._raw if isinstance(old_inputs, LazyInputs) else old_inputs)
+        self.env_locks.update(pk.env_locks)
+        self.env_inputs.update(old_env_inputs._raw if isinstance(old_env_inputs, LazyInputs)
+                               else old_env_inputs)
+        for table in (self.keys, self.inputs, self.env_locks, self.env_inputs):
+            for n in [*(table.keys() - self.defs.keys()), *(n for n in only if n in table)]:
+                del table[n]  # type: ignore[attr-defined]
         for n in sorted(only):
-            if defs[n].kind == "Env":
-                env_lock(n)
+            if self.defs[n].kind == "Env":
+                self.env_lock(n)
             else:
-                key_of(n)
-    env_inputs = {e.name: env_inputs[e.name] for e in graph.defs.envs}  # definition order
-    env_locks = {e.name: env_locks[e.name] for e in graph.defs.envs}
-    lazy = any(v.__class__ is _Later for v in inputs.values()) or any(
-        v.__class__ is _Later for v in env_inputs.values())
-    return KeySet(layers=MappingProxyType(keys),
-                  inputs=LazyInputs(inputs) if lazy else MappingProxyType(inputs),
-                  env_locks=MappingProxyType(env_locks),
-                  env_inputs=LazyInputs(env_inputs) if lazy else MappingProxyType(env_inputs))
+                self.key_of(n)
+
+    def key_set(self) -> KeySet:
+        envs = self.graph.defs.envs
+        env_inputs = {e.name: self.env_inputs[e.name] for e in envs}  # definition order
+        env_locks = {e.name: self.env_locks[e.name] for e in envs}
+        inputs = self.inputs
+        lazy = any(v.__class__ is _Later for v in inputs.values()) or any(
+            v.__class__ is _Later for v in env_inputs.values())
+        return KeySet(layers=MappingProxyType(self.keys),
+                      inputs=LazyInputs(inputs) if lazy else MappingProxyType(inputs),
+                      env_locks=MappingProxyType(env_locks),
+                      env_inputs=LazyInputs(env_inputs) if lazy else MappingProxyType(env_inputs))
 
 
 def lock_inputs(graph, env: Env, keys: Mapping[str, str]) -> dict[str, Any]:

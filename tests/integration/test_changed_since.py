@@ -224,3 +224,77 @@ def test_broken_definitions_at_rev_are_reported_against_the_rev(repo, capsys):
     assert code == 1
     assert "the definitions at HEAD cannot be keyed" in err
     assert "HEAD:envdefs/toolkits/rg.yaml:4:11: build_on 'dbe'" in err
+
+
+
+def _archive_workspace(repo, data: bytes) -> str:
+    """A workspace reading ``sources/big.tar`` (not committed: ignored by git) pinned by
+    sha256 in its YAML, which is committed; returns the sha256."""
+    import hashlib
+
+    (repo / "sources/big.tar").write_bytes(data)
+    (repo / ".gitignore").write_text("*.tar\n")
+    digest = hashlib.sha256(data).hexdigest()
+    write(repo, "envdefs/workspaces/big.yaml", f"""
+        apiVersion: envbuild/v1
+        kind: Workspace
+        name: big
+        build_on: deb
+        pin: digest
+        source: {{archive: {{path: ../../sources/big.tar, sha256: {digest}}}}}
+        """)
+    git(repo, "add", ".")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "big")
+    assert "big.tar" not in git(repo, "ls-files")
+    return digest
+
+
+def _keys_three_ways(repo, tmp_path):
+    """REV's keys by the full checkout, from git objects, and as a delta of the working tree."""
+    from envbuild.build.gitrev import keys_at_revision, keys_at_revision_checkout
+    from envbuild.build.pin import Pinner, snapshot
+    from envbuild.defs.parsecache import RACY_NS, ParseCache
+
+    defs = repo / "envdefs"
+    slow = keys_at_revision_checkout(defs, "HEAD", Pinner())
+    objects = keys_at_revision(defs, "HEAD", Pinner())
+    cache = ParseCache(tmp_path / "cache")
+    cache.started_ns += 10 * RACY_NS
+    pinner = Pinner()
+    delta = keys_at_revision(defs, "HEAD", pinner, cache, snapshot(defs, pinner, cache))
+    return [dict(k.layers) for k in (slow, objects, delta)]
+
+
+def test_an_uncommitted_archive_pinned_by_sha256_plans_since_a_rev(repo, capsys, tmp_path):
+    """The sha256 in the YAML pins the archive's content, so an archive git does not have
+    (too big to commit, ignored) is read from the working tree for REV too (issue 38)."""
+    _archive_workspace(repo, b"archive bytes\n" * 100)
+    doc = plan_since(capsys)
+    assert doc["rebuild"] == [] and doc["relock"] == []
+    p = repo / "envdefs/base/deb.yaml"
+    p.write_text(p.read_text().replace("python3", "python3 git"))
+    doc = plan_since(capsys)
+    assert doc["rebuild"] == ["big", "deb"], doc  # big pins deb by digest
+    slow, objects, delta = _keys_three_ways(repo, tmp_path)
+    assert slow == objects == delta and "big" in slow
+
+
+def test_an_uncommitted_archive_that_does_not_match_rev_is_one_clear_error(repo, capsys):
+    """The working tree's archive was replaced (and its sha256 in the YAML with it): REV's
+    archive is nowhere, which is said in one line with what to do."""
+    import hashlib
+
+    old = _archive_workspace(repo, b"archive bytes\n" * 100)
+    new = hashlib.sha256(b"other bytes\n").hexdigest()
+    (repo / "sources/big.tar").write_bytes(b"other bytes\n")
+    p = repo / "envdefs/workspaces/big.yaml"
+    p.write_text(p.read_text().replace(old, new))
+    code = main(["--defs", "envdefs", "plan", "--changed-since", "HEAD"])
+    _out, err = capsys.readouterr()
+    assert code == 1, err
+    assert "Traceback" not in err
+    line = next(ln for ln in err.splitlines() if "big.yaml" in ln)
+    assert line.startswith("error: HEAD:envdefs/workspaces/big.yaml:"), err
+    assert "../../sources/big.tar is not in the revision's tree" in line, err
+    assert f"declared sha256:{old}, file has sha256:{new}" in line, err
+    assert "hint: commit the file" in err, err

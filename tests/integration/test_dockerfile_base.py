@@ -193,6 +193,33 @@ def test_failing_run_is_one_line_with_its_output_and_publishes_nothing(envbuild_
     _assert_daemon_gone(envbuild_cli.node, before)
 
 
+#: What pip prints when the host's intercepting proxy meets a RUN without the host's CA bundle.
+PIP_TLS_FAILURE = ("Could not fetch URL https://pypi.org/simple/six/: There was a problem confirming "
+                   "the ssl certificate: HTTPSConnectionPool(host='pypi.org', port=443): "
+                   "(Caused by SSLError(SSLCertVerificationError(1, '[SSL: "
+                   "CERTIFICATE_VERIFY_FAILED] certificate verify failed: self-signed "
+                   "certificate in certificate chain (_ssl.c:1006)')))")
+
+
+def test_a_run_that_distrusts_the_proxy_says_to_mount_the_ca_secret(envbuild_cli, tmp_path,
+                                                                    monkeypatch):
+    """A ``network: host`` RUN whose download fails on the host proxy's certificate (what a
+    plain ``RUN pip install`` meets here) fails with a hint naming the secret and the mount
+    every RUN that downloads needs (issue 38)."""
+    _require_docker()
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    defs = _write_defs(tmp_path, DOCKERFILE.replace(
+        'echo "$GREETING" > /greeting', f'echo "{PIP_TLS_FAILURE}" && exit 1'))
+    yaml = defs / "base" / "docker-base.yaml"
+    yaml.write_text(yaml.read_text().replace("network: none", "network: host"))
+    r = envbuild_cli("build", "docker-base", defs=defs)
+    assert r.code == 1, r.err
+    assert "docker-base: docker build failed" in _error(r.err), r.err
+    assert "RUN --mount=type=secret,id=envbuild-host-ca,target=/etc/ssl/certs/ca-certificates.crt" \
+        in r.err, r.err
+    assert "every RUN that downloads" in r.err and "PIP_CERT=" in r.err, r.err
+
+
 def test_missing_context_and_from_tag_are_one_line_at_planning(envbuild_cli, tmp_path):
     _require_docker()
     defs = _write_defs(tmp_path)

@@ -287,14 +287,14 @@ def test_a_cancelled_import_kills_its_tool_at_once():
     import threading
     import time
 
-    from envbuild.build.importers import _run
+    from envbuild.build.importers import run_tool
     from envbuild.errors import BuildError
 
     cancelled = threading.Event()
     threading.Timer(0.3, cancelled.set).start()
     started = time.monotonic()
     with pytest.raises(BuildError, match="cancelled"):
-        _run(["sh", "-c", "sleep 30 & sleep 30"], "slow import", cancelled=cancelled)
+        run_tool(["sh", "-c", "sleep 30 & sleep 30"], "slow import", cancelled=cancelled)
     assert time.monotonic() - started < 3
     ps = subprocess.run(["pgrep", "-f", "sleep 30 & sleep 30"], capture_output=True)
     assert ps.returncode == 1  # the whole process group is gone

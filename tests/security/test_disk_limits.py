@@ -223,9 +223,9 @@ steps:
 def test_build_step_output_to_the_log_is_capped(envbuild_cli, monkeypatch):
     """``yes`` in a step: the build log (a host file, outside the layer's disk) never holds
     more than the cap (its head and tail); the step's own exit code is still reported."""
-    from envbuild.build import buildlog, executor
+    from envbuild.build import buildlog
 
-    monkeypatch.setattr(executor, "BUILD_LOG_CAP", 4 * MiB)
+    monkeypatch.setattr(buildlog, "BUILD_LOG_CAP", 4 * MiB)
     (envbuild_cli.defs / "toolkits" / "chatty.yaml").write_text(YES)
     r = envbuild_cli("build", "chatty")
     assert r.code == 1 and "exited 3" in r.err, r.err

@@ -264,10 +264,10 @@ def test_a_build_that_prints_forever_is_logged_up_to_the_cap(envbuild_cli, monke
     """The build's output goes to a host log outside any capped disk: capped like a run
     step's (``BUILD_LOG_CAP``, lowered here): its head and tail kept, the rest dropped."""
     _require_docker()
-    import envbuild.build.executor as executor
+    from envbuild.build import buildlog
 
     monkeypatch.delenv("DOCKER_HOST", raising=False)
-    monkeypatch.setattr(executor, "BUILD_LOG_CAP", 200_000)
+    monkeypatch.setattr(buildlog, "BUILD_LOG_CAP", 200_000)
     ctx = envbuild_cli.defs / "base" / "ctx"
     ctx.mkdir(parents=True)
     shutil.copy2("/bin/busybox", ctx / "busybox")

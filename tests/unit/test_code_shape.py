@@ -11,22 +11,6 @@ from __future__ import annotations
 from tests.shape import MAX_FUNCTION_LINES, oversized, report
 
 KNOWN = {
-    'envbuild/build/dockerfile.py',  # build
-    'envbuild/build/dockerfile.py:build_dockerfile',  # build
-    'envbuild/build/dockerfile.py:context_digest',  # build
-    'envbuild/build/engine.py:build',  # build
-    'envbuild/build/executor.py',  # build
-    'envbuild/build/executor.py:_run_step',  # build
-    'envbuild/build/executor.py:build_layer',  # build
-    'envbuild/build/gitrev.py',  # build
-    'envbuild/build/gitrev.py:_keys_from_delta',  # build
-    'envbuild/build/importers.py',  # build
-    'envbuild/build/pin.py',  # build
-    'envbuild/build/ray_executor.py',  # build
-    'envbuild/build/ray_executor.py:_run_tasks',  # build
-    'envbuild/build/ray_executor.py:build_ray',  # build
-    'envbuild/build/ray_executor.py:run_layer',  # build
-    'envbuild/build/scheduler.py:run_dag',  # build
     'envbuild/cli/cmd_layer.py:register',  # layers
     'envbuild/layers/_reader.py:__init__',  # layers
     'envbuild/layers/_reader.py:iter_frames',  # layers
@@ -36,7 +20,6 @@ KNOWN = {
     'envbuild/layers/_verify.py:verify_layer',  # layers
     'envbuild/layers/_walk.py:listdir',  # layers
     'envbuild/layers/_walk.py:walk_tree',  # layers
-    'envbuild/plan/keys.py:compute_keys',  # build
 }
 
 

@@ -210,3 +210,25 @@ def test_a_syntax_directive_is_refused():
         from_images("# syntax=docker/dockerfile:1\nFROM scratch\n", {})
     assert "remove the line" in e.value.hint
     assert from_images("# a comment\n# syntax=docker/dockerfile:1\nFROM scratch\n", {}) == []
+
+
+@pytest.mark.parametrize("output", [
+    "SSLError(SSLCertVerificationError(1, '[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify "
+    "failed: self-signed certificate in certificate chain (_ssl.c:1006)'))",   # pip
+    "curl: (60) SSL certificate problem: self-signed certificate in certificate chain",
+    "fatal: unable to access 'https://github.com/x/y/': server certificate verification failed",
+    "Get \"https://proxy.golang.org/\": x509: certificate signed by unknown authority",
+])
+def test_a_distrusted_certificate_gets_the_ca_secret_hint(output):
+    from envbuild.build.dockerfile import ca_secret_hint
+
+    hint = ca_secret_hint(f"#7 [2/3] RUN pip install six\n#7 1.2 {output}\n", "host")
+    assert "RUN --mount=type=secret,id=envbuild-host-ca,target=/etc/ssl/certs/ca-certificates.crt" \
+        in hint and "every RUN that downloads" in hint
+    assert "network: host" in ca_secret_hint(output, "none")
+
+
+def test_other_failures_get_no_ca_secret_hint():
+    from envbuild.build.dockerfile import ca_secret_hint
+
+    assert ca_secret_hint("#7 0.1 sh: make: not found\nexit code: 127", "host") is None

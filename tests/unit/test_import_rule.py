@@ -22,10 +22,6 @@ from tests.layering import all_modules, cycles, imported_modules, imports_in, ro
 
 #: (module, imported module) -> why it is still there and who removes it.
 KNOWN: dict[tuple[str, str], str] = {
-    ("envbuild.defs.load", "envbuild.build.pin"):
-        "issue 38: the build helper moves the shared fact into defs",
-    ("envbuild.defs.load", "envbuild.build.dockerfile"):
-        "issue 38: the build helper moves the shared fact into defs",
     ("envbuild.layers._tools", "envbuild.store"):
         "issue 38: the layers helper cuts layers -> store",
     ("envbuild.layers._tools", "envbuild.store.base"):
