@@ -492,7 +492,7 @@ def mounts_under(paths: tuple[Path, ...]) -> list[str]:
 
 def _remove_dir(d: Path) -> None:
     from envbuild.safefs import remove_tree
-    from runtime_shim.isolation.mount import unmount
+    from runtime_shim.isolation import unmount
 
     for target in mounts_under((d,)):
         with contextlib.suppress(Exception):

@@ -46,6 +46,8 @@ __all__ = [
     "SandboxStartError",
     "SnapshotRefused",
     "list_sandboxes",
+    "remove_sandbox",
+    "sweep_sandboxes",
 ]
 
 _WHERE = {
@@ -59,6 +61,8 @@ _WHERE = {
     "SandboxAPI": "runtime_shim.sdk.protocol",
     "AsyncSandboxAPI": "runtime_shim.sdk.protocol",
     "list_sandboxes": "runtime_shim.sdk.sandbox",
+    "remove_sandbox": "runtime_shim.sdk.sweep",
+    "sweep_sandboxes": "runtime_shim.sdk.sweep",
     **{name: "envbuild.errors" for name in (
         "AdmissionRefused", "BackendUnavailable", "CheckpointRefused", "ExecTimeout",
         "LockNotFound", "RuntimeShimError",
@@ -86,6 +90,7 @@ if TYPE_CHECKING:
     from runtime_shim.sdk.options import SandboxOptions
     from runtime_shim.sdk.protocol import AsyncSandboxAPI, SandboxAPI
     from runtime_shim.sdk.sandbox import Sandbox, list_sandboxes
+    from runtime_shim.sdk.sweep import remove_sandbox, sweep_sandboxes
 
 
 __getattr__, _ = lazy_exports(__name__, _WHERE)  # __dir__ below: the public names only

@@ -114,7 +114,7 @@ def run_checks(project: Snapshot, store: Store, node_dir: Path, envs: Iterable[s
 
 def _check_env(name: str, ws: Workspace, store: Store, node_dir: Path,
                runtime: str) -> list[CheckResult]:
-    from runtime_shim.sdk.sandbox import Sandbox
+    from runtime_shim import Sandbox
 
     results = []
     with Sandbox.create(f"env/{name}", store=store, node_dir=node_dir, runtime=runtime) as sb:

@@ -142,7 +142,7 @@ def _docker_build(d, src, name: str, context: str, scratch: Path, log: Path,
     argv = [d.cli, "build", "--progress=plain", f"--network={src.network}",
             "--iidfile", str(iid), "-f", str(scratch / "Dockerfile")]
     if src.network == "host":
-        from runtime_shim.isolation.stub import host_ca_bundle
+        from runtime_shim.isolation import host_ca_bundle
 
         ca = host_ca_bundle()
         if ca is not None:  # a secret: never in the image, never in the build cache key
@@ -199,7 +199,7 @@ def _run_logged(argv: list[str], env: Mapping[str, str], log: Path,
     ``BUILD_LOG_CAP`` (a build's output is untrusted and the log is on the host, outside any
     capped disk). Returns the exit code, or None when ``stop`` was set first (its process
     group killed)."""
-    from runtime_shim.isolation.scratchfs import copy_capped
+    from runtime_shim.isolation import copy_capped
 
     read_fd, write_fd = os.pipe()
     try:

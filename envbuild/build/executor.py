@@ -76,20 +76,28 @@ from envbuild.errors import BuildError, StepFailed
 from envbuild.layers import pack_tree
 from envbuild.safefs import read_tail
 from envbuild.store import KeyRecord, Store, get_key_record, put_file, put_key_record
-from runtime_shim.isolation import cpuclass, netns, scratchfs
-from runtime_shim.isolation.mount import OverlaySpec, mount_overlay, unmount
-from runtime_shim.isolation.runc import OciRuntime, run_container, write_bundle
-from runtime_shim.isolation.spec import (
+from runtime_shim.isolation import (
+    CA_ENV_VARS,
+    HOST_CA_PATH,
     BindMount,
+    OciRuntime,
+    OverlaySpec,
     RuntimeSpecRequest,
     clamped_rlimit,
+    cpuclass,
+    ensure_stub,
     env_list,
+    host_ca_bundle,
+    mount_overlay,
+    netns,
     parse_user,
+    run_container,
     runtime_spec,
+    scratchfs,
+    unmount,
+    write_bundle,
 )
-from runtime_shim.isolation.stub import CA_ENV_VARS, HOST_CA_PATH, ensure_stub, host_ca_bundle
-from runtime_shim.node.admission import BudgetSettings, Ledger, Reservation, build_key
-from runtime_shim.node.nodecache import NodeCache
+from runtime_shim.node import BudgetSettings, Ledger, NodeCache, Reservation, build_key
 
 OUTPUT_TAIL_LINES = 50
 BUILD_LOG_CAP = buildlog.BUILD_LOG_CAP  # re-exported; read as buildlog.BUILD_LOG_CAP
@@ -298,7 +306,7 @@ def _publish(ctx: BuildContext, job: LayerJob, dirs: _LayerDirs, imported: impor
                          f"the writer reported {info.digest}")
     # the layer's pyc imports, for lazy sandboxes' import prediction (a hint: never fails
     # the build); before the key record, so a layer found built has its index
-    from runtime_shim.lazyfs.pyindex import index_layer_file
+    from runtime_shim.lazyfs import index_layer_file
 
     index_layer_file(ctx.store, str(blob), info.digest)
     record = KeyRecord(

@@ -59,10 +59,8 @@ def node_context(settings: Settings, node_id: str) -> BuildContext:
     in this node cache (``envbuild.build.reaper``: a task killed with its worker or its node's
     raylet leaves its mounts, loop disk, container and cgroups; the next task here undoes them;
     a look at the owner files, ~0.1 ms, when there is nothing to reap)."""
-    from runtime_shim.isolation.runc import OciRuntime
-    from runtime_shim.node.admission import BudgetSettings
-    from runtime_shim.node.layout import NodeLayout
-    from runtime_shim.node.nodecache import NodeCache
+    from runtime_shim.isolation import OciRuntime
+    from runtime_shim.node import BudgetSettings, NodeCache, NodeLayout
 
     node_dir = str(settings.node_dir).replace("{node_id}", node_id)
     with _node_lock:

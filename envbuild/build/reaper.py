@@ -46,9 +46,7 @@ from pathlib import Path
 from envbuild.build.scratch import OWNER_SUFFIX
 from envbuild.errors import EnvbuildError
 from envbuild.safefs import remove_tree
-from runtime_shim.isolation import netns
-from runtime_shim.isolation.mount import mounted_targets_under, unmount
-from runtime_shim.isolation.runc import OciRuntime, destroy, list_containers
+from runtime_shim.isolation import OciRuntime, destroy, list_containers, mounted_targets_under, netns, unmount
 
 #: Prefix of build step container ids (``executor._run_step``).
 BUILD_CONTAINER_PREFIX = "eb-build-"

@@ -85,7 +85,7 @@ def register(group: click.Group) -> None:
                           source_date_epoch=app.settings.source_date_epoch)
         if store is not None:   # its pycs' imports, for lazy sandboxes (a hint: never fails)
             from envbuild.layers import LayerReader
-            from runtime_shim.lazyfs.pyindex import index_reader
+            from runtime_shim.lazyfs import index_reader
 
             try:
                 with LayerReader.from_store(store, info.digest) as reader:
@@ -214,7 +214,7 @@ def register(group: click.Group) -> None:
 
         from envbuild.errors import LayerError
         from envbuild.layers._tools import human_size
-        from runtime_shim.lazyfs.pyindex import index_reader
+        from runtime_shim.lazyfs import index_reader
 
         if not layer_refs and not envs:
             raise LayerError("layer index: no layer named",
@@ -229,7 +229,7 @@ def register(group: click.Group) -> None:
             with open_layer(app, ref) as reader:
                 digests.append(reader.name)
         if envs:
-            from runtime_shim.node.locks import resolve
+            from runtime_shim.node import resolve
 
             for name in envs:
                 digests += [x.digest for x in resolve(store, name).layers]

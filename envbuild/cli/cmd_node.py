@@ -31,9 +31,8 @@ def node_report(node_dir: Path) -> dict[str, Any]:
     """What ``node ls`` shows, as data (the ``--json`` document): the unpacked layers, the
     lazy daemon (None when it is not running) and, while it runs, the lazy mounts and the
     meta layers' lines (``runtime_shim.lazyfs.metalayer.describe``)."""
-    from runtime_shim.lazyfs.control import daemon_request
-    from runtime_shim.node.layout import NodeLayout
-    from runtime_shim.node.nodecache import NodeCache
+    from runtime_shim.lazyfs import daemon_request
+    from runtime_shim.node import NodeCache, NodeLayout
 
     cache = NodeCache(NodeLayout(node_dir).node)
     layers = cache.usage()
@@ -45,7 +44,7 @@ def node_report(node_dir: Path) -> dict[str, Any]:
     ping = daemon_request(cache.root, {"op": "ping"}, 5.0)
     if ping is None:
         return report
-    from runtime_shim.lazyfs.metalayer import describe
+    from runtime_shim.lazyfs import describe
 
     report["lazy_daemon"] = {k: ping.get(k) for k in DAEMON_KEYS}
     report["lazy_daemon"]["mode"] = ping.get("mode", "fuse")
@@ -97,10 +96,8 @@ def node_gc(app: App, max_size: str | None, as_json: bool) -> None:
     is within its budget (and unmount unused lazy mounts)."""
     from envbuild.build.executor import sweep_stale_scratch
     from envbuild.settings import node_cache_budget
-    from runtime_shim.isolation.runc import OciRuntime
-    from runtime_shim.node.layout import NodeLayout
-    from runtime_shim.node.nodecache import NodeCache
-    from runtime_shim.sdk.sandbox import layers_in_use
+    from runtime_shim.isolation import OciRuntime
+    from runtime_shim.node import NodeCache, NodeLayout, layers_in_use
 
     layout = NodeLayout(app.settings.node_dir)
     budget = node_cache_budget(max_size or app.settings.node_cache_max, app.settings.node_dir)

@@ -38,7 +38,7 @@ def register(group: click.Group) -> None:
 def run(app: App, target: str, cmd: tuple[str, ...], network: bool, allow: tuple[str, ...],
         keep: bool, timeout: float | None, lazy: bool, backend: str) -> int:
     """Run CMD in a fresh sandbox of TARGET (env name, ref or lock digest); builds nothing."""
-    from runtime_shim.sdk.sandbox import Sandbox
+    from runtime_shim import Sandbox
 
     # keep with a microVM or fncall: refused by the backend itself (BackendUnavailable)
     sb = Sandbox.create(target, store=app.open_store(), node_dir=app.settings.node_dir,

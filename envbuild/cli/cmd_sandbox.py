@@ -37,7 +37,7 @@ def sandbox_json(s, now: float) -> dict:
 @pass_app
 def sandbox_ls(app: App, as_json: bool) -> None:
     """List sandboxes (and whether the process that made them is alive)."""
-    from runtime_shim.sdk.sandbox import list_sandboxes
+    from runtime_shim.node import list_sandboxes
 
     now = time.time()
     found = list_sandboxes(app.settings.node_dir)
@@ -59,7 +59,7 @@ def sandbox_network(app: App, sandbox_id: str, dests: tuple[str, ...], off: bool
     (the public internet) and CIDR[:PORT] destinations (private ones included); none: DNS
     only. The sandbox must have been made with network (--network or --allow)."""
     from envbuild.errors import RuntimeShimError
-    from runtime_shim.sdk.sandbox import set_sandbox_network
+    from runtime_shim.node import set_sandbox_network
 
     if off and dests:
         raise RuntimeShimError("--off refuses everything: give it no destinations",
@@ -75,7 +75,7 @@ def sandbox_network(app: App, sandbox_id: str, dests: tuple[str, ...], off: bool
 @pass_app
 def sandbox_rm(app: App, ids: tuple[str, ...], as_json: bool) -> int:
     """Kill, unmount and delete sandboxes by id (each one tried; exit 1 if any failed)."""
-    from runtime_shim.sdk.sandbox import remove_sandbox
+    from runtime_shim import remove_sandbox
 
     return remove_each(
         ids, lambda i: remove_sandbox(app.settings.node_dir, i, app.settings.oci_runtime),
@@ -89,7 +89,7 @@ def sandbox_gc(app: App, as_json: bool) -> int:
     """Remove sandboxes past their TTL and those left behind by crashed processes (kept
     ones stay until their TTL): one line per sandbox, removed or failed with its cause;
     one failure never stops the others, and makes the exit code 1."""
-    from runtime_shim.sdk.sandbox import sweep_sandboxes
+    from runtime_shim import sweep_sandboxes
 
     done = sweep_sandboxes(app.settings.node_dir, app.settings.oci_runtime)
     failed = sum(not r.removed for r in done)

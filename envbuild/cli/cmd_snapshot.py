@@ -28,9 +28,8 @@ def register(group: click.Group) -> None:
 def pack_diff(app: App, sandbox_id: str, ref: str | None, max_file_size: str,
               max_total_size: str, as_json: bool) -> None:
     """Snapshot a running sandbox (envbuild run --keep) as a layer + derived lock."""
-    from runtime_shim.node.nodecache import parse_size
-    from runtime_shim.node.packdiff import SnapshotPolicy
-    from runtime_shim.sdk.sandbox import Sandbox
+    from runtime_shim import Sandbox
+    from runtime_shim.node import SnapshotPolicy, parse_size
 
     sb = Sandbox.attach(sandbox_id, store=app.open_store(), node_dir=app.settings.node_dir,
                         runtime=app.settings.oci_runtime)
@@ -55,11 +54,10 @@ def pack_diff(app: App, sandbox_id: str, ref: str | None, max_file_size: str,
 @pass_app
 def squash(app: App, ref: str, new_ref: str, as_json: bool) -> None:
     """Merge the snapshot layers at the top of REF's lock into one layer."""
-    from runtime_shim.node.locks import resolve
-    from runtime_shim.node.packdiff import squash_snapshots
+    from runtime_shim.node import resolve, squash_snapshots
 
     store = app.open_store()
-    from runtime_shim.node.layout import NodeLayout
+    from runtime_shim.node import NodeLayout
 
     scratch = NodeLayout(app.settings.node_dir).builds
     scratch.mkdir(parents=True, exist_ok=True)

@@ -40,10 +40,8 @@ class App:
         """Store, node cache and OCI runtime for building, from the settings."""
         from envbuild.build.executor import BuildContext
         from envbuild.store import LocalStore
-        from runtime_shim.isolation.runc import OciRuntime
-        from runtime_shim.node.admission import BudgetSettings
-        from runtime_shim.node.layout import NodeLayout
-        from runtime_shim.node.nodecache import NodeCache
+        from runtime_shim.isolation import OciRuntime
+        from runtime_shim.node import BudgetSettings, NodeCache, NodeLayout
 
         store = self.open_store()
         layout = NodeLayout(self.settings.node_dir)

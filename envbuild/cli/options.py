@@ -21,7 +21,7 @@ def backend_names() -> tuple[str, ...]:
     """Every sandbox backend the SDK accepts (``Sandbox.create(backend=...)``): the built-in
     ones and any registered since. The registry is ``runtime_shim.backends.base``; this is the
     CLI's one reading of it."""
-    from runtime_shim.backends.base import backend_names as registered
+    from runtime_shim.backends import backend_names as registered
 
     return registered()
 

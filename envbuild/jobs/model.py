@@ -47,8 +47,8 @@ from typing import TYPE_CHECKING, Any
 from envbuild.errors import RuntimeShimError
 
 if TYPE_CHECKING:
-    from runtime_shim.node.locks import ResolvedLock
-    from runtime_shim.sdk.sandbox import Limits
+    from runtime_shim import Limits
+    from runtime_shim.node import ResolvedLock
 
 API_VERSION = "envbuild/v1"
 KIND = "JobManifest"
@@ -113,7 +113,7 @@ class GroupLimits:
                 "nofile": self.nofile, "output_bytes": format_size(self.output_bytes)}
 
     def to_limits(self) -> Limits:
-        from runtime_shim.sdk.sandbox import Limits
+        from runtime_shim import Limits
 
         return Limits(pids=self.pids, memory_bytes=self.memory, nofile=self.nofile,
                       output_bytes=self.output_bytes)

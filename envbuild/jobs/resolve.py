@@ -21,7 +21,7 @@ from envbuild.jobs.model import JobManifest, Pinned, PinnedLayer, SandboxGroup, 
 from envbuild.oci import MEDIA_TYPE_MANIFEST
 from envbuild.store import Store
 from envbuild.store.sync import resolve_ref, walk
-from runtime_shim.node.locks import resolve
+from runtime_shim.node import resolve
 
 
 def resolve_job_manifest(manifest: JobManifest, store: Store) -> JobManifest:

@@ -25,7 +25,7 @@ def create_sandbox(group: SandboxGroup, *, store: Store, node_dir: str | os.Path
     ``kwargs`` go to ``Sandbox.create`` (``runtime=``, ``keep=``, ``lazy=``). The lock is read
     once more first to check it still closes over the pinned layers (a few hundred bytes)."""
     from runtime_shim import Sandbox
-    from runtime_shim.node.locks import resolve
+    from runtime_shim.node import resolve
 
     group.require_resolved()
     group.check_lock(resolve(store, group.lock))

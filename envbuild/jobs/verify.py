@@ -23,7 +23,7 @@ from envbuild.oci import ANNOTATION_TOC
 from envbuild.store import Store
 from envbuild.store.base import CHUNK_SIZE
 from envbuild.store.sync import resolve_ref
-from runtime_shim.node.locks import MAX_LOCK_JSON
+from runtime_shim.node import MAX_LOCK_JSON
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,3 +10,18 @@ Imports ``runtime_shim.node`` and ``runtime_shim.isolation`` below it, never the
 - ``vm``         microVMs under QEMU
 - ``fake``       ``FakeBackend``: no runtime behind it, for fast tests of the SDK
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from envbuild._lazy import lazy_exports
+
+# The registry, for the rest of envbuild (the CLI's --backend). Imported on first use.
+__all__ = ["backend_names", "get_backend", "register"]
+
+if TYPE_CHECKING:
+    from runtime_shim.backends.base import backend_names, get_backend, register  # noqa: F401
+
+__getattr__, __dir__ = lazy_exports(__name__, {name: "runtime_shim.backends.base"
+                                               for name in __all__})

@@ -95,6 +95,7 @@ daemon); nothing here imports ``nodecache``.
 
 from __future__ import annotations
 
+from envbuild._lazy import lazy_exports
 from runtime_shim.lazyfs.chunks import TieredChunkCache
 from runtime_shim.lazyfs.control import DAEMON_IDLE_EXIT, daemon_request
 from runtime_shim.lazyfs.frames import BACKGROUND_WORKERS, prefetch_in_order
@@ -126,6 +127,9 @@ __all__ = [
     "TieredChunkCache",
     "build_tree",
     "daemon_request",
+    "describe",
+    "index_layer_file",
+    "index_reader",
     "lazy_layer_dirs",
     "lazy_stats",
     "make_operations",
@@ -135,3 +139,10 @@ __all__ = [
     "statfs_of",
     "store_location",
 ]
+
+# Imported on first use: what the CLI and the build read of meta layers and import indexes.
+__getattr__, _ = lazy_exports(__name__, {
+    "describe": "runtime_shim.lazyfs.metalayer",
+    "index_layer_file": "runtime_shim.lazyfs.pyindex",
+    "index_reader": "runtime_shim.lazyfs.pyindex",
+})

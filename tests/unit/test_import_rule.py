@@ -17,6 +17,8 @@ who fixes it; a listed violation that no longer exists fails too, so the list on
 
 from __future__ import annotations
 
+import ast
+
 from tests.conftest import REPO
 from tests.layering import all_modules, cycles, imported_modules, imports_in, room, violations, within
 
@@ -82,3 +84,37 @@ def test_envbuild_jobs_uses_only_public_names_of_envbuild_defs():
                for line, target in imported_modules(path)
                if within(target, "envbuild.defs") and target.rpartition(".")[2].startswith("_")]
     assert private == []
+
+
+#: The packages of runtime_shim the rest of envbuild may import from, by name in ``__all__``.
+PUBLIC_SURFACES = ("runtime_shim", "runtime_shim.backends", "runtime_shim.fleet",
+                   "runtime_shim.isolation", "runtime_shim.lazyfs", "runtime_shim.node")
+
+
+def surface_violations() -> list[str]:
+    """``path:line imports x`` for every import of runtime_shim outside it that is not a name
+    of a package's public surface (``__all__``)."""
+    import importlib
+
+    found = []
+    for path in sorted(REPO.glob("envbuild/**/*.py")):
+        for node in ast.walk(ast.parse(path.read_bytes())):
+            if isinstance(node, ast.Import):
+                names = [(a.name, None) for a in node.names if within(a.name, "runtime_shim")]
+            elif isinstance(node, ast.ImportFrom) and within(node.module or "", "runtime_shim"):
+                names = [(node.module or "", a.name) for a in node.names]
+            else:
+                continue
+            for module, name in names:
+                public = module in PUBLIC_SURFACES and name is not None and \
+                    name in getattr(importlib.import_module(module), "__all__", ())
+                if not public:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno} imports "
+                                 f"{module}{'.' + name if name else ''}")
+    return found
+
+
+def test_envbuild_uses_the_runtime_only_through_its_public_surfaces():
+    """The build, the CLI and jobs depend on the runtime's layers (isolation, node, the SDK)
+    through what each package declares public, so the runtime can move its insides freely."""
+    assert surface_violations() == []

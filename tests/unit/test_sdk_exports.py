@@ -10,9 +10,9 @@ from envbuild import errors
 EXPECTED = {
     "AdmissionRefused", "AsyncSandbox", "AsyncSandboxAPI", "BackendUnavailable",
     "CheckpointRefused", "ExecResult", "ExecTimeout",
-    "FnPool", "Limits", "LockNotFound", "RuntimeShimError", "Sandbox", "SandboxAPI", "SandboxClosed",
-    "SandboxCompromised", "SandboxInfo",
-    "SandboxNotFound", "SandboxOptions", "SandboxStartError", "SnapshotRefused", "list_sandboxes",
+    "FnPool", "Limits", "LockNotFound", "RuntimeShimError", "Sandbox", "SandboxAPI",
+    "SandboxClosed", "SandboxCompromised", "SandboxInfo", "SandboxNotFound", "SandboxOptions",
+    "SandboxStartError", "SnapshotRefused", "list_sandboxes", "remove_sandbox", "sweep_sandboxes",
 }
 
 
