@@ -6,11 +6,11 @@ import hashlib
 
 from envbuild.errors import CorruptLayerError, UnsafeLayerError
 from envbuild.layers._footer import FOOTER_SIZE
+from envbuild.layers._names import check_member_name
 from envbuild.layers._reader import LayerReader
 from envbuild.layers._stream import TarStream, Truncated, iter_members
 from envbuild.layers._tar import TarFormatError
 from envbuild.layers._toc import Chunk, Entry, LayerInfo
-from envbuild.layers._unpack import check_member_name
 
 
 def verify_layer(reader: LayerReader, *, expected_digest: str | None = None,

@@ -14,12 +14,11 @@ import stat
 from collections.abc import Callable, Iterator
 
 from envbuild.errors import LayerError, UnsafeLayerError
+from envbuild.layers._names import OPAQUE_MARKER, WHITEOUT_PREFIX
 from envbuild.layers._toc import Entry
 from envbuild.safefs import DirCursor, listxattr_at
 
 _UNSUPPORTED_OVERLAY = ("redirect", "metacopy")
-WHITEOUT_PREFIX = ".wh."
-OPAQUE_MARKER = ".wh..wh..opq"
 OVERLAY_NAMESPACES = ("trusted", "user")  # overlayfs keeps its markers in trusted.overlay.*,
 #                                            or user.overlay.* when mounted with userxattr
 MAX_PATH_BYTES = 4095  # PATH_MAX (4096) less the NUL: the longest path openat2 resolves
