@@ -1,0 +1,100 @@
+"""The public surface of ``envbuild.layers`` and its place at the bottom of the layering
+(issue 38, items 2 and 3).
+
+``envbuild.layers.__all__`` is sorted (constants, classes, functions) and complete: every name
+the package exports lazily is in it and importable. Code outside the package imports only those
+names, never a private module (``envbuild.layers._x``); the sites that still do are listed in
+``KNOWN`` with who switches them, and the list only shrinks. ``envbuild.layers`` itself imports
+no package that stands on it (``envbuild.store``, ``defs``, ``plan``, ``build``, ``cli``,
+``jobs``) nor ``runtime_shim``, at any depth.
+"""
+
+from __future__ import annotations
+
+import envbuild.layers as layers
+from tests.conftest import REPO
+from tests.unit.test_import_rule import imported_modules, module_name
+
+#: Packages ``envbuild.layers`` must not import: they stand on it (or are the runtime).
+ABOVE = ("envbuild.store", "envbuild.defs", "envbuild.plan", "envbuild.build", "envbuild.cli",
+         "envbuild.jobs", "envbuild.export", "runtime_shim")
+
+#: (importing module, private layers module) -> who switches it to ``envbuild.layers``.
+KNOWN: dict[tuple[str, str], str] = {
+    ("runtime_shim.node.nodecache", "envbuild.layers._footer"): "lead: FOOTER_MAGIC, FOOTER_SIZE",
+    ("runtime_shim.node.nodecache", "envbuild.layers._unpack"): "lead: unpack_tar",
+    ("runtime_shim.lazyfs.pyindex", "envbuild.layers._stream"): "lead: TarStream, iter_members",
+    ("runtime_shim.lazyfs.tree", "envbuild.layers._toc"): "lead: TocFormatError",
+    ("envbuild.build.dockerfile", "envbuild.layers._unpack"): "build: unpack_tar",
+    ("envbuild.build.importers", "envbuild.layers._unpack"): "build: unpack_tar",
+    ("envbuild.store.lazy", "envbuild.layers._reader"): "store: MAX_FRAME_USIZE",
+    ("envbuild.store.lazy", "envbuild.layers._zstd"): "store: FrameError, decompress_frame",
+}
+
+#: White-box tests of private internals: the tar codec, and the reader limits the bomb tests
+#: lower with monkeypatch (not API).
+WHITE_BOX = {("tests.unit.test_layers_format", "envbuild.layers._tar"),
+             ("tests.unit.test_layers_bombs", "envbuild.layers._reader"),
+             ("tests.unit.test_layers_bombs", "envbuild.layers._toc")}
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _private_layers_module(target: str) -> str | None:
+    parts = target.split(".")
+    if parts[:2] == ["envbuild", "layers"] and len(parts) > 2 and parts[2].startswith("_"):
+        return ".".join(parts[:3])
+    return None
+
+
+def private_imports() -> dict[tuple[str, str], list[str]]:
+    found: dict[tuple[str, str], list[str]] = {}
+    paths = [*REPO.glob("envbuild/**/*.py"), *REPO.glob("runtime_shim/**/*.py"),
+             *REPO.glob("tests/**/*.py"), *REPO.glob("benchmarks/**/*.py")]
+    for path in sorted(paths):
+        name = module_name(path)
+        if _within(name, "envbuild.layers"):
+            continue
+        for line, target in imported_modules(path):
+            private = _private_layers_module(target)
+            if private is not None and (name, private) not in WHITE_BOX:
+                found.setdefault((name, private), []).append(
+                    f"{path.relative_to(REPO)}:{line} imports {target}")
+    return found
+
+
+def test_all_is_sorted_and_every_name_imports():
+    def kind(n: str) -> tuple[int, str]:
+        return (0 if n.isupper() else 1 if n[0].isupper() else 2, n)
+
+    assert layers.__all__ == sorted(layers.__all__, key=kind)
+    assert len(set(layers.__all__)) == len(layers.__all__)
+    for name in layers.__all__:
+        assert getattr(layers, name) is not None, name
+    lazy = set(layers._LAZY)
+    assert lazy <= set(layers.__all__), lazy - set(layers.__all__)
+
+
+def test_nothing_outside_the_package_imports_a_private_layers_module():
+    new = {k: v for k, v in private_imports().items() if k not in KNOWN}
+    assert new == {}, "import these names from envbuild.layers (add them to __all__ if missing)"
+
+
+def test_every_known_private_import_still_exists():
+    assert set(KNOWN) <= set(private_imports()), set(KNOWN) - set(private_imports())
+
+
+def test_layers_imports_nothing_that_stands_on_it():
+    bad = [f"{path.relative_to(REPO)}:{line} imports {target}"
+           for path in sorted(REPO.glob("envbuild/layers/**/*.py"))
+           for line, target in imported_modules(path)
+           if any(_within(target, p) for p in ABOVE)]
+    assert bad == []
+
+
+def test_the_cli_help_names_a_layer_as_the_api_does():
+    from envbuild.cli.cmd_layer import LAYER_HELP
+
+    assert LAYER_HELP == layers.REF_HELP
