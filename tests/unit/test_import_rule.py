@@ -26,12 +26,6 @@ KNOWN: dict[tuple[str, str], str] = {
         "issue 38: the build helper moves the shared fact into defs",
     ("envbuild.defs.load", "envbuild.build.dockerfile"):
         "issue 38: the build helper moves the shared fact into defs",
-    ("envbuild.layers._tools", "envbuild.store"):
-        "issue 38: the layers helper cuts layers -> store",
-    ("envbuild.layers._tools", "envbuild.store.base"):
-        "issue 38: the layers helper cuts layers -> store",
-    ("envbuild.layers._tools", "envbuild.defs.hints"):
-        "issue 38: the layers helper cuts layers -> defs",
 }
 
 
