@@ -93,6 +93,12 @@ class SafeTree:
             if owned:
                 os.close(fd)
 
+    def parent_made(self, parts: list[str], path: str) -> int:
+        """``parent`` with missing directories created: always an fd."""
+        fd = self.parent(parts, path)
+        assert fd is not None, "parent(create=True) returned no fd"  # a bug, never input
+        return fd
+
     def evict(self) -> None:
         """Bound the fd cache. Called between members only: an fd handed out for the current
         member (its parent, a hardlink's target dir) stays open until the member is done."""

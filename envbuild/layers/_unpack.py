@@ -121,7 +121,7 @@ class _LayerUnpack:
             # the parent's fd straight from the cache in the common case (no join, no call)
             pfd = fds.get(path.rpartition("/")[0]) if len(parts) > 1 else root_fd
             if pfd is None:
-                pfd = tree.parent(parts, path)
+                pfd = tree.parent_made(parts, path)
             kind = e.type
             if kind == "file":
                 self.file(stream, pfd, parts, e)

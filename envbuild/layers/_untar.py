@@ -168,7 +168,7 @@ class _TarUnpack:
                 foreign_whiteout(self.tree, parts, path, self.created)
             return
         self.refuse(e, path)
-        pfd = self.tree.parent(parts, path)
+        pfd = self.tree.parent_made(parts, path)
         self.note_created(path)
         if e.type == "file":
             self.file(stream, pfd, base, path, e, size)

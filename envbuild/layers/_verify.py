@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 from envbuild.errors import CorruptLayerError, UnsafeLayerError
 from envbuild.layers._footer import FOOTER_SIZE
@@ -71,7 +72,7 @@ class _Verification:
     def corrupt(self, what: str) -> CorruptLayerError:
         return CorruptLayerError(f"layer {self.name}: {what}")
 
-    def members(self, entries: list[Entry]) -> int:
+    def members(self, entries: Sequence[Entry]) -> int:
         """Check every tar member against ``entries`` (the TOC), then the archive's end; the
         number of members."""
         stream, n, i = self.stream, len(entries), 0

@@ -122,8 +122,7 @@ def foreign_overlay_whiteout(tree: SafeTree, parts: list[str], path: str, e: Ent
     base = parts[-1]
     if base.startswith(".wh..wh.") and base != OPAQUE_MARKER:
         return  # other aufs metadata: ignored, as containerd does
-    pfd = tree.parent(parts, path)
-    assert pfd is not None  # create=True: missing parents are made
+    pfd = tree.parent_made(parts, path)
     if base == OPAQUE_MARKER:
         os.setxattr(pfd, opaque_key, b"y")
         return
