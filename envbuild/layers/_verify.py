@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from envbuild.errors import CorruptLayerError, UnsafeLayerError
 from envbuild.layers._footer import FOOTER_SIZE
@@ -27,9 +27,12 @@ def verify_layer(reader: LayerReader, *, expected_digest: str | None = None,
     """
     toc = reader.toc
     check = _Verification(reader, check_names)
-    n = check.members(reader.entries())
-    if check.stream.offset != toc.tar_size:
-        raise check.corrupt(f"tar is {check.stream.offset} bytes, TOC says {toc.tar_size}")
+    try:
+        n = check.members(reader.entries())
+        if check.stream.offset != toc.tar_size:
+            raise check.corrupt(f"tar is {check.stream.offset} bytes, TOC says {toc.tar_size}")
+    finally:
+        check.close()
     diff_id = "sha256:" + check.tar_hash.hexdigest()
     if diff_id != toc.diff_id:
         raise check.corrupt(f"diff_id mismatch (TOC says {toc.diff_id}, tar is {diff_id})")
@@ -58,16 +61,18 @@ class _Verification:
             off += csize
             uoff += usize
         self.fi = 0  # index into frame_starts for chunk derivation
-        self.stream = TarStream(self.frames())
+        # The frames' reader runs a thread pool: closed by close(), never left to the cyclic
+        # garbage collector (which may finalize it on any thread, inside the pool's own locks).
+        # _hashed is a plain function, so no reference cycle through a generator holds self.
+        self._frames = reader.iter_frames(exact=True, raw=True)
+        self.stream = TarStream(_hashed(self._frames, self.blob_hash, self.tar_hash))
         self.symlinks: set[str] = set()
         self.files: set[str] = set()
         self.parents: set[str] = set()
 
-    def frames(self):
-        for compressed, data in self.reader.iter_frames(exact=True, raw=True):
-            self.blob_hash.update(compressed)
-            self.tar_hash.update(data)
-            yield data
+    def close(self) -> None:
+        """Stop the frame reader (its thread pool) now, whatever the checks found."""
+        self._frames.close()
 
     def corrupt(self, what: str) -> CorruptLayerError:
         return CorruptLayerError(f"layer {self.name}: {what}")
@@ -134,6 +139,14 @@ class _Verification:
             raise self.corrupt("truncated tail")
         self.blob_hash.update(tail)
         return "sha256:" + self.blob_hash.hexdigest()
+
+
+def _hashed(frames: Iterator, blob_hash, tar_hash) -> Iterator:
+    """The decompressed frames of ``(compressed, decompressed)`` pairs, both hashed."""
+    for compressed, data in frames:
+        blob_hash.update(compressed)
+        tar_hash.update(data)
+        yield data
 
 
 def _check_safe(name: str, e: Entry, symlinks: set[str], files: set[str],

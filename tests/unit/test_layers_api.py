@@ -10,6 +10,7 @@ nothing above it, ``envbuild.store`` included, is ``test_import_rule``'s rooms.)
 from __future__ import annotations
 
 import envbuild.layers as layers
+import envbuild.safefs  # noqa: F401  its libc lookup runs ldconfig: at collection, not in a test
 from tests.layering import REPO, imported_modules, module_name, within
 
 #: (importing module, private layers module) -> who switches it to ``envbuild.layers``.
@@ -79,3 +80,47 @@ def test_the_cli_help_names_a_layer_as_the_api_does():
     from envbuild.cli.cmd_layer import LAYER_HELP
 
     assert LAYER_HELP == layers.REF_HELP
+
+
+# -- a store is passed in: layers uses only the Store methods it names --------------------------
+
+
+def test_pack_to_store_puts_once_under_the_writers_digest_and_a_changed_file_is_refused(tmp_path):
+    """``put_packed`` hands the writer's digest to ``Store.put``, which verifies it: the blob
+    is read once (no hashing pass first), and a file that changed after packing is refused
+    by the store (``DigestMismatch``), never stored under a digest it does not have."""
+    import pytest
+
+    from envbuild.errors import DigestMismatch
+    from envbuild.store import MemoryStore
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_text("x\n")
+    store = MemoryStore()
+    info = layers.pack_to_store(tmp_path / "src", store)
+    assert store.calls["put"] == 1 and store.get_range(info.digest, 0, 4) == b"\x28\xb5\x2f\xfd"
+
+    out = tmp_path / "l"
+    info = layers.pack_to_file(tmp_path / "src", out)
+    out.write_bytes(out.read_bytes()[:-1] + b"\0")
+    other = MemoryStore()
+    with pytest.raises(DigestMismatch):
+        layers.put_packed(other, out, info)
+    assert list(other.list()) == []
+
+
+def test_a_layer_opens_by_digest_prefix_from_any_store_shaped_object(tmp_path):
+    """``open_layer`` needs ``list``, ``stat`` and ``get_range`` of a store, nothing more."""
+    from envbuild.store import MemoryStore
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_text("x\n")
+    full = MemoryStore()
+    info = layers.pack_to_store(tmp_path / "src", full)
+
+    class Blobs:  # only the three methods
+        list, stat, get_range = full.list, full.stat, full.get_range
+
+    with layers.open_layer(info.digest[7:7 + 12], Blobs) as reader:
+        assert reader.name == info.digest
+        assert layers.read_member(reader, "f") == b"x\n"
