@@ -46,8 +46,11 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from layer_pack import WORK, make_usrlib, make_venv  # noqa: E402
 
-from envbuild.layers import LayerReader, pack_tree  # noqa: E402
-from envbuild.layers._plan import Framing  # noqa: E402
+from envbuild.layers import (  # noqa: E402
+    Framing,  # noqa: E402
+    LayerReader,
+    pack_tree,
+)
 from envbuild.store import LocalStore, copy_blobs, digest_file  # noqa: E402
 from envbuild.store.lazy import ChunkCache, LazyLayer  # noqa: E402
 from envbuild.store.s3 import S3Store  # noqa: E402

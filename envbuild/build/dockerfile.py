@@ -394,7 +394,7 @@ def import_docker_archive(path: Path, dest: Path, what: str):
     """Unpack the single image of a ``docker save`` archive into ``dest`` (layers checked
     against the config's diff_ids); returns its config as ``importers.Imported``."""
     from envbuild.canonical import load_json
-    from envbuild.layers._unpack import unpack_tar
+    from envbuild.layers import unpack_tar
 
     def member_json(tar: tarfile.TarFile, member: str):
         try:

@@ -167,7 +167,7 @@ def extract_tar(archive: Path, dest: Path | int, what: str, *, whiteouts: str = 
     """Unpack ``archive`` (any compression) below ``dest`` (a path or a directory fd) with the
     one safe unpacker; ``what`` names it in errors. ``strip_components`` as ``tar
     --strip-components`` (see ``unpack_tar`` for what it refuses)."""
-    from envbuild.layers._unpack import unpack_tar
+    from envbuild.layers import unpack_tar
 
     if not isinstance(dest, int):
         dest.mkdir(parents=True, exist_ok=True)
@@ -402,7 +402,7 @@ def _import_image(src, host: str, repo: str, digest: str, dest: Path) -> Importe
         if layer.get("mediaType") not in _LAYER_MEDIA_TYPES | _DOCKER_LAYER_TYPES:
             raise SourceError(f"image {src.ref}: layer media type {layer.get('mediaType')!r} "
                               "is not supported")
-        from envbuild.layers._unpack import unpack_tar
+        from envbuild.layers import unpack_tar
 
         with store.get(layer["digest"]) as f:
             unpack_tar(f, dest, name=f"image layer {layer['digest'][:19]}", whiteouts="apply")

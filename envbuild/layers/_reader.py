@@ -74,6 +74,32 @@ class LayerReader:
         self._get_range = get_range
         self.stats = ReadStats()
         self._close: Callable[[], None] | None = None
+        self.footer = f = self._read_footer(size, get_tail)
+        self.size = f.blob_size
+        payload = self._read_toc_frame(f, expected_toc_digest)
+        try:
+            # bounded by the footer's toc_usize, which is bounded by MAX_TOC_USIZE
+            raw_toc = decompress_frame(_dctx(), payload, f.toc_usize, "the footer")
+        except FrameError as e:
+            raise self._corrupt(f"TOC frame: {e}") from None
+        try:
+            self.toc = Toc.from_bytes(raw_toc, lazy=True)
+        except TocVersionError as e:
+            raise UnsupportedFormatError(f"layer {name}: {e}") from None
+        except TocFormatError as e:
+            raise self._corrupt(str(e)) from None
+        if sum(c for c, _ in self.toc.frames) != f.toc_offset:
+            raise self._corrupt("TOC frames do not cover the blob up to the TOC")
+        entries = self.toc.entries
+        try:
+            self._index: dict[str, int] = entries.path_index()
+        except TypeError:
+            raise self._corrupt("TOC entry paths are not strings") from None
+        if len(self._index) != len(entries):
+            raise self._corrupt("TOC lists a path twice")
+
+    def _read_footer(self, size: int | None, get_tail: Callable[[int], bytes] | None) -> Footer:
+        """The footer, from the last ``FOOTER_SIZE`` bytes (by ``size`` or ``get_tail``)."""
         if size is not None:
             if size < FOOTER_SIZE:
                 raise self._corrupt(f"blob is {size} bytes, too short for a footer (truncated)")
@@ -83,15 +109,18 @@ class LayerReader:
         else:
             raise TypeError("LayerReader needs size or get_tail")
         try:
-            self.footer = Footer.decode(raw)
+            f = Footer.decode(raw)
         except FooterError as e:
             cls = UnsupportedFormatError if e.unsupported else CorruptLayerError
-            raise cls(f"layer {name}: {e}") from None
-        f = self.footer
+            raise cls(f"layer {self.name}: {e}") from None
         if size is not None and f.blob_size != size:
             raise self._corrupt(f"footer says the blob is {f.blob_size} bytes but it is {size} "
                                 "(truncated or extended)")
-        self.size = f.blob_size
+        return f
+
+    def _read_toc_frame(self, f: Footer, expected_toc_digest: str | None) -> bytes:
+        """The TOC frame's compressed payload, size-bounded and digest-checked (sets
+        ``toc_digest``)."""
         if f.toc_usize > MAX_TOC_USIZE:
             # refused before fetching or inflating anything (docs/layer-format.md, "Limits")
             raise self._corrupt(f"TOC of {f.toc_usize} bytes exceeds the reader limit of "
@@ -113,26 +142,7 @@ class LayerReader:
         if expected_toc_digest is not None and expected_toc_digest != self.toc_digest:
             raise self._corrupt(f"TOC digest mismatch (expected {expected_toc_digest}, "
                                 f"got {self.toc_digest})")
-        try:
-            # bounded by the footer's toc_usize, which is bounded by MAX_TOC_USIZE
-            raw_toc = decompress_frame(_dctx(), payload, f.toc_usize, "the footer")
-        except FrameError as e:
-            raise self._corrupt(f"TOC frame: {e}") from None
-        try:
-            self.toc = Toc.from_bytes(raw_toc, lazy=True)
-        except TocVersionError as e:
-            raise UnsupportedFormatError(f"layer {name}: {e}") from None
-        except TocFormatError as e:
-            raise self._corrupt(str(e)) from None
-        if sum(c for c, _ in self.toc.frames) != f.toc_offset:
-            raise self._corrupt("TOC frames do not cover the blob up to the TOC")
-        entries = self.toc.entries
-        try:
-            self._index: dict[str, int] = entries.path_index()
-        except TypeError:
-            raise self._corrupt("TOC entry paths are not strings") from None
-        if len(self._index) != len(entries):
-            raise self._corrupt("TOC lists a path twice")
+        return payload
 
     # -- construction helpers -------------------------------------------------------------
 
@@ -269,14 +279,35 @@ class LayerReader:
     def iter_frames(self, *, exact: bool = False, raw: bool = False) -> Iterator:
         """Decompressed data frames in order (fetched and decompressed by a thread pool).
         With ``raw``, yields ``(compressed, decompressed)`` pairs."""
-        frames = self.toc.frames
+        batches = self._batches()
+        # Imported here: concurrent.futures pulls in logging, a cost for every TOC-only reader.
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=self.workers,
+                                thread_name_prefix="layer-unzstd") as pool:
+            pending: deque = deque()
+            it = iter(batches)
+            try:
+                for b in it:
+                    pending.append(pool.submit(self._decode_batch, *b, exact, raw))
+                    if len(pending) >= _LOOKAHEAD:
+                        yield from pending.popleft().result()
+                while pending:
+                    yield from pending.popleft().result()
+            finally:
+                for p in pending:
+                    p.cancel()
+
+    def _batches(self) -> list[tuple[int, list[tuple[int, int]]]]:
+        """The data frames in fetch batches: (blob offset, [(csize, usize)]), each frame's
+        sizes checked before anything is fetched."""
         batches: list[tuple[int, list[tuple[int, int]]]] = []
         off = 0
         cur: list[tuple[int, int]] = []
         start = 0
         total = 0
         utotal = 0
-        for csize, usize in frames:
+        for csize, usize in self.toc.frames:
             self._check_frame(csize, usize, off)  # before fetching anything
             if cur and (total + csize > _FETCH_BATCH or utotal + usize > _BATCH_USIZE):
                 batches.append((start, cur))
@@ -287,59 +318,44 @@ class LayerReader:
             off += csize
         if cur:
             batches.append((start, cur))
+        return batches
 
-        def job(start: int, sizes: list[tuple[int, int]]):
-            total = sum(c for c, _ in sizes)
-            data = memoryview(self._fetch(start, total))
-            out = []
-            pos = 0
-            if exact or raw:
-                for csize, usize in sizes:
-                    frame = data[pos:pos + csize]
-                    d = self._decompress(frame, usize, start + pos, exact)
-                    out.append((frame, d) if raw else d)
-                    pos += csize
-                return out
-            # one C call per batch: see _writer._FrameSink for why not a Python loop
-            frames = []
-            for csize, _usize in sizes:
-                frames.append(data[pos:pos + csize])
+    def _decode_batch(self, start: int, sizes: list[tuple[int, int]], exact: bool,
+                      raw: bool) -> list:
+        """Fetch one batch and decompress its frames (``iter_frames``' worker)."""
+        total = sum(c for c, _ in sizes)
+        data = memoryview(self._fetch(start, total))
+        out = []
+        pos = 0
+        if exact or raw:
+            for csize, usize in sizes:
+                frame = data[pos:pos + csize]
+                d = self._decompress(frame, usize, start + pos, exact)
+                out.append((frame, d) if raw else d)
                 pos += csize
-            usizes = struct.pack(f"={len(sizes)}Q", *(u for _, u in sizes))
-            # decompressed_sizes sizes each output buffer from the TOC (never from the frame
-            # header) and fails a frame that produces more: bounded like _decompress
-            try:
-                coll = _dctx().multi_decompress_to_buffer(frames, decompressed_sizes=usizes,
-                                                          threads=1)
-            except (zstandard.ZstdError, ValueError) as e:
-                # name the frame and the cause: redo the batch one bounded frame at a time
-                pos = 0
-                for frame, (csize, usize) in zip(frames, sizes):
-                    self._decompress(frame, usize, start + pos)
-                    pos += csize
-                raise self._corrupt(f"a frame between offsets {start} and {start + total} does "
-                                    f"not decompress ({e})") from None
-            self.stats.frames_decompressed += len(sizes)
-            self.stats.bytes_decompressed += sum(u for _, u in sizes)
-            return [memoryview(coll[i]) for i in range(len(sizes))]
-
-        # Imported here: concurrent.futures pulls in logging, a cost for every TOC-only reader.
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=self.workers,
-                                thread_name_prefix="layer-unzstd") as pool:
-            pending: deque = deque()
-            it = iter(batches)
-            try:
-                for b in it:
-                    pending.append(pool.submit(job, *b))
-                    if len(pending) >= _LOOKAHEAD:
-                        yield from pending.popleft().result()
-                while pending:
-                    yield from pending.popleft().result()
-            finally:
-                for p in pending:
-                    p.cancel()
+            return out
+        # one C call per batch: see _writer._FrameSink for why not a Python loop
+        frames = []
+        for csize, _usize in sizes:
+            frames.append(data[pos:pos + csize])
+            pos += csize
+        usizes = struct.pack(f"={len(sizes)}Q", *(u for _, u in sizes))
+        # decompressed_sizes sizes each output buffer from the TOC (never from the frame
+        # header) and fails a frame that produces more: bounded like _decompress
+        try:
+            coll = _dctx().multi_decompress_to_buffer(frames, decompressed_sizes=usizes,
+                                                      threads=1)
+        except (zstandard.ZstdError, ValueError) as e:
+            # name the frame and the cause: redo the batch one bounded frame at a time
+            pos = 0
+            for frame, (csize, usize) in zip(frames, sizes):
+                self._decompress(frame, usize, start + pos)
+                pos += csize
+            raise self._corrupt(f"a frame between offsets {start} and {start + total} does "
+                                f"not decompress ({e})") from None
+        self.stats.frames_decompressed += len(sizes)
+        self.stats.bytes_decompressed += sum(u for _, u in sizes)
+        return [memoryview(coll[i]) for i in range(len(sizes))]
 
     def unpack(self, dest: str | os.PathLike, *, whiteouts: str = "apply", **kwargs) -> None:
         """Extract every member below ``dest``; see ``envbuild.layers.unpack_layer``."""

@@ -82,6 +82,13 @@ class Truncated(TarFormatError):
     pass
 
 
+def skip_pad(stream: TarStream, size: int) -> None:
+    """Skip the padding after ``size`` bytes of member data (to the next 512-byte block)."""
+    pad = -size % BLOCK
+    if pad and stream.skip(pad) != pad:
+        raise Truncated("tar stream ends inside member padding")
+
+
 def read_pax_header(stream: TarStream, size: int) -> dict:
     """The records of a PAX ``x`` header whose data (``size`` bytes, padded) comes next; an
     oversized one is refused before it is read."""

@@ -583,3 +583,7 @@ class LayerInfo:
     frames: int
     framing: str
     media_type: str = "application/vnd.oci.image.layer.v1.tar+zstd"
+
+    def to_json(self) -> dict:
+        """The fields as a JSON object (``envbuild layer pack/verify --json``)."""
+        return dataclasses.asdict(self)

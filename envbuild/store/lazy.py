@@ -49,9 +49,7 @@ from typing import Any
 import zstandard
 
 from envbuild.errors import CorruptLayerError, LayerError
-from envbuild.layers import Chunk, Entry, LayerReader
-from envbuild.layers._reader import MAX_FRAME_USIZE
-from envbuild.layers._zstd import FrameError, decompress_frame
+from envbuild.layers import MAX_FRAME_USIZE, Chunk, Entry, FrameError, LayerReader, decompress_frame
 from envbuild.store._lazy_cache import ChunkCache, MemoryChunkCache, piece_key
 from envbuild.store._lazy_sources import (  # noqa: F401  (_range_client: the lazy daemon's)
     HttpRanges,

@@ -97,7 +97,7 @@ def pyc_members(reader: Any) -> Iterator[tuple[str, bytes]]:
     """``(path, bytes)`` of each regular-file pyc of the layer ``reader`` (an
     ``envbuild.layers.LayerReader``), in one pass over its frames (reading each pyc by path
     would decompress a frame once per file in it)."""
-    from envbuild.layers._stream import TarStream, iter_members
+    from envbuild.layers import TarStream, iter_members
 
     stream = TarStream(reader.iter_frames())
     for entry, _ in iter_members(stream):

@@ -30,13 +30,11 @@ from types import MappingProxyType
 from typing import Any
 
 from envbuild.errors import CorruptLayerError, UnsafeLayerError
-from envbuild.layers import Entry
+from envbuild.layers import OPAQUE_MARKER, WHITEOUT_PREFIX, Entry
 
 log = logging.getLogger("envbuild.lazyfs")
 
 OPAQUE_XATTR = "trusted.overlay.opaque"
-WHITEOUT_PREFIX = ".wh."
-OPAQUE_MARKER = ".wh..wh..opq"
 _IFMT = {"file": stat.S_IFREG, "dir": stat.S_IFDIR, "symlink": stat.S_IFLNK,
          "char": stat.S_IFCHR, "block": stat.S_IFBLK, "fifo": stat.S_IFIFO}
 _NS = 10 ** 9
@@ -105,7 +103,7 @@ def tree_of(reader: Any) -> dict[str, Node]:
     columns = getattr(rows, "columns", None)
     if columns is None:
         return build_tree(reader.entries(), reader.name)
-    from envbuild.layers._toc import TocFormatError
+    from envbuild.layers import TocFormatError
 
     with _gc_paused():
         try:

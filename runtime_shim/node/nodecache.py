@@ -417,7 +417,7 @@ _ZSTD_TYPES = ("application/vnd.oci.image.layer.v1.tar+zstd", None)
 def is_envbuild_layer(store: Store, digest: str, media_type: str | None = None) -> bool:
     """Whether blob ``digest`` is in envbuild's layer format: a ``tar+zstd`` (or unknown)
     media type and an envbuild footer in its last bytes (one ranged read)."""
-    from envbuild.layers._footer import FOOTER_MAGIC, FOOTER_SIZE
+    from envbuild.layers import FOOTER_MAGIC, FOOTER_SIZE
 
     if media_type not in _ZSTD_TYPES:
         return False
@@ -431,7 +431,7 @@ def is_envbuild_layer(store: Store, digest: str, media_type: str | None = None) 
 def _unpack_foreign(store: Store, digest: str, dest: Path) -> None:
     """Full unpack of a foreign OCI layer (plain, gzip or zstd tar) into ``dest``, an overlay
     lower dir; the stream is drained so the store checks the blob's digest."""
-    from envbuild.layers._unpack import unpack_tar
+    from envbuild.layers import unpack_tar
 
     dest.mkdir(mode=0o755)
     with store.get(digest) as f:

@@ -54,7 +54,7 @@ def test_layer_ls_imports_only_zstandard(tmp_path):
     src = tmp_path / "src"
     (src / "etc").mkdir(parents=True)
     (src / "etc" / "hello").write_text("hi\n")
-    from envbuild.layers._tools import pack_to_file
+    from envbuild.layers import pack_to_file
 
     pack_to_file(src, tmp_path / "layer")
     assert _heavy_imports("layer", "ls", str(tmp_path / "layer")) == {"zstandard"}

@@ -288,7 +288,7 @@ def test_read_only_commands_write_nothing_into_a_foreign_layout(tmp_path, monkey
     """Issue 12, item 9: ``--store`` someone else's OCI layout (here one skopeo wrote) for
     read-only commands leaves it byte for byte as it was: no envbuild-store.json, no keys/."""
     from envbuild.cli.main import main
-    from envbuild.layers._tools import pack_to_store
+    from envbuild.layers import pack_to_store
     from tests.conftest import REPO
 
     skopeo = require_tool("skopeo")

@@ -24,12 +24,6 @@ from tests.layering import all_modules, cycles, imported_modules, imports_in, ro
 
 #: (module, imported module) -> why it is still there and who removes it.
 KNOWN: dict[tuple[str, str], str] = {
-    ("envbuild.layers._tools", "envbuild.store"):
-        "issue 38: the layers helper cuts layers -> store",
-    ("envbuild.layers._tools", "envbuild.store.base"):
-        "issue 38: the layers helper cuts layers -> store",
-    ("envbuild.layers._tools", "envbuild.defs.hints"):
-        "issue 38: the layers helper cuts layers -> defs",
 }
 
 

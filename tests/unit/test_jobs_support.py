@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from envbuild.layers._tools import pack_to_store
+from envbuild.layers import pack_to_store
 from envbuild.plan.lockspec import LockLayer, RuntimeConfig, make_lock
 from envbuild.store import MEDIA_TYPE_CONFIG, digest_bytes, put_json
 

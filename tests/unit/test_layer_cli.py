@@ -302,6 +302,24 @@ def test_unpack_whiteouts(env, capsys):
     assert (env / "kept" / "etc" / ".wh.keep").exists()
 
 
+def test_unpack_json_reports_the_layer_dest_and_members(env, capsys):
+    """``layer unpack --json``: one document on stdout (issue 38: every command that reports
+    takes --json), nothing on stderr."""
+    digest = pack_json(capsys)["digest"]
+    code, out, err = run(capsys, "layer", "unpack", "--json", digest[:19], "out")
+    assert code == 0, err
+    assert json.loads(out) == {"layer": digest, "dest": "out", "entries": 9,
+                               "whiteouts": "apply"}
+    assert err == ""
+    assert snapshot(env / "out") == snapshot(env / "src")
+
+
+def test_an_unknown_prefix_names_the_store_by_its_url(env, capsys):
+    pack_json(capsys)
+    code, _, err = run(capsys, "layer", "ls", "0123456789ab")
+    assert_error(code, err, "no blob in the store store starts with 0123456789ab")
+
+
 def test_unpack_into_a_file(env, capsys):
     pack_json(capsys, "-o", "l")
     (env / "file").write_text("x")

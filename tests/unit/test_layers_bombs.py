@@ -13,8 +13,16 @@ import pytest
 import zstandard
 
 from envbuild.errors import CorruptLayerError
-from envbuild.layers import SKIPPABLE_MAGIC, Footer, _reader, _toc, verify_layer
-from envbuild.layers._zstd import FrameError, decompress_frame, frame_size
+from envbuild.layers import (
+    SKIPPABLE_MAGIC,
+    Footer,
+    FrameError,
+    _reader,
+    _toc,
+    decompress_frame,
+    frame_size,
+    verify_layer,
+)
 from tests.unit.test_layers_support import pack_bytes, reader_of
 
 NAME = "sha256:b0b0"

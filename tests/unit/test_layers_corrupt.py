@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import io
 import os
 import struct
 import tarfile
+import threading
 
 import pytest
 import zstandard
@@ -289,3 +291,19 @@ def test_pack_tar_of_an_ordinary_tar_round_trips(tmp_path):
     r.unpack(tmp_path / "o")
     assert (tmp_path / "o" / "a" / "h").read_bytes() == b"x" * 5000
     assert os.readlink(tmp_path / "o" / "s") == "a/f"
+
+
+def test_a_failed_verify_stops_its_frame_reader_at_once():
+    """``verify_layer`` stops the frame reader's thread pool before it returns or raises, not
+    whenever the cyclic garbage collector runs: a finalizer run by the collector on another
+    thread, inside a thread pool's locks, hung the unit tests (issue 38's split of verify)."""
+    data = _hostile([("h", "hardlink", "../outside")])
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.raises(UnsafeLayerError):
+            verify_layer(reader_of(data, name=NAME))
+        alive = [t.name for t in threading.enumerate() if t.name.startswith("layer-unzstd")]
+    finally:
+        gc.enable()
+    assert alive == []

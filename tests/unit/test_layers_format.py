@@ -12,10 +12,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envbuild.layers import FOOTER_SIZE, Chunk, Entry, Footer, Framing, Toc, plan_frames
-from envbuild.layers._footer import FooterError
+from envbuild.layers import (
+    FOOTER_SIZE,
+    Chunk,
+    Entry,
+    Footer,
+    FooterError,
+    Framing,
+    Toc,
+    TocFormatError,
+    TocVersionError,
+    plan_frames,
+)
+
+# White-box: the tar codec is private to envbuild.layers (tests/unit/test_layers_api.py).
 from envbuild.layers._tar import BLOCK, encode_header, make_entry, parse_pax, parse_ustar
-from envbuild.layers._toc import TocFormatError, TocVersionError
 
 entries = st.builds(
     Entry,

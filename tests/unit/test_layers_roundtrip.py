@@ -103,9 +103,6 @@ def _fresh(prefix):
     return tempfile.mkdtemp(prefix=prefix)
 
 
-# Integration until a rootless unpack restores a read-only file's xattrs: _apply_meta sets them
-# after fchmod, so a user (not root) gets EACCES for 'user.*' on a 0o444 file.
-@pytest.mark.integration
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(tree=trees(), framing=st.sampled_from([TINY, TINY_COMPACT, "lazy", "compact"]))
 def test_generated_trees_round_trip(tree, framing):

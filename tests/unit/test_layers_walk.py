@@ -9,8 +9,7 @@ import os
 import pytest
 
 from envbuild.errors import UnsafeLayerError
-from envbuild.layers import LayerReader, pack_tree
-from envbuild.layers._walk import walk_tree
+from envbuild.layers import LayerReader, pack_tree, walk_tree
 from envbuild.safefs import iter_tree, remove_tree
 from tests.conftest import require_root
 

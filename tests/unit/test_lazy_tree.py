@@ -10,8 +10,7 @@ import stat
 import pytest
 
 from envbuild.errors import CorruptLayerError, UnsafeLayerError
-from envbuild.layers import Entry
-from envbuild.layers._toc import Chunk, Toc, TocFormatError
+from envbuild.layers import Chunk, Entry, Toc, TocFormatError
 from runtime_shim.lazyfs.tree import NO_XATTRS, OPAQUE_XATTR, build_tree, tree_of
 
 FRAME = 4096

@@ -14,7 +14,7 @@ from envbuild.build.check import CheckResult, runner_summary
 from envbuild.defs import load_definitions
 from envbuild.defs.model import DEFAULT_CHECK_TIMEOUT, ArchiveSource, CheckCommand, GitSource
 from envbuild.errors import DefinitionError, UnsafeLayerError
-from envbuild.layers._unpack import MAX_STRIP_COMPONENTS, unpack_tar
+from envbuild.layers import MAX_STRIP_COMPONENTS, unpack_tar
 
 
 def _tar(members) -> bytes:

@@ -14,8 +14,7 @@ import pytest
 import zstandard
 
 from envbuild.errors import CorruptLayerError, UnsafeLayerError
-from envbuild.layers import verify_layer
-from envbuild.layers._unpack import unpack_tar
+from envbuild.layers import unpack_tar, verify_layer
 from tests.unit.test_layers_corrupt import _rebuild_tail
 from tests.unit.test_layers_support import TINY, pack_bytes, reader_of
 

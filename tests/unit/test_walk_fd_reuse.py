@@ -8,8 +8,7 @@ from __future__ import annotations
 import io
 import os
 
-from envbuild.layers import pack_tree
-from envbuild.layers._reader import LayerReader
+from envbuild.layers import LayerReader, pack_tree
 from envbuild.safefs import DirCursor
 
 
