@@ -8,6 +8,7 @@ bug and exits 2 with a traceback and a request to report it.
 
     EnvbuildError                  reference, message, hint, context
     ├── SettingsError              bad flag, environment variable or store URL
+    │   └── SizeError              not a size (envbuild.sizes); also a RuntimeShimError
     ├── DefinitionError            one or more problems in envdefs/ (each a ``Problem``)
     │   ├── PlanError              graph problems: cycles, missing references, ABI mismatches
     │   └── JobManifestError       problems in a job manifest (envbuild.jobs.load)
@@ -230,6 +231,13 @@ class StepFailed(BuildError):
 
 class RuntimeShimError(EnvbuildError):
     reference = "runtime-shim-error"
+
+
+class SizeError(SettingsError, RuntimeShimError):
+    """A value that is not a size (``envbuild.sizes.parse_size``): a setting's or the runtime's
+    (a limit, a snapshot cap), so code that handles either catches it."""
+
+    reference = "not-a-size"
 
 
 class LockNotFound(RuntimeShimError, RefNotFound):

@@ -36,9 +36,9 @@ import os
 import shutil
 import tarfile
 import tempfile
-import uuid
 from pathlib import Path
 
+from envbuild.atomic import atomic_file, write_atomic
 from envbuild.errors import DigestMismatch, SettingsError, StoreError
 from envbuild.oci import (  # noqa: F401  (MEDIA_TYPE_LAYER*: re-exported)
     ANNOTATION_REF_NAME,
@@ -322,8 +322,8 @@ class _LayoutDir(_Out):
                  "manifests": manifests}
         layout = self.root / "oci-layout"
         if not layout.exists():
-            _atomic_write(layout, b'{"imageLayoutVersion":"1.0.0"}')
-        _atomic_write(index_path, json.dumps(index, indent=1).encode())
+            write_atomic(layout, b'{"imageLayoutVersion":"1.0.0"}')
+        write_atomic(index_path, json.dumps(index, indent=1).encode())
         if self.fresh:
             os.rename(self.root, self.path)
         return self.total
@@ -374,9 +374,8 @@ class _Archive(_Out):
     def commit(self) -> int:
         if not self.docker:
             self.layout.commit()
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
         try:
-            with os.fdopen(fd, "wb") as f:
+            with atomic_file(self.path, mode=0o644, fsync=True) as f:
                 with tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
                     if self.docker:
                         for name, p in self.files.items():
@@ -387,14 +386,6 @@ class _Archive(_Out):
                             _add(tar, root / name, name)
                         for p in sorted((root / "blobs" / "sha256").iterdir()):
                             _add(tar, p, f"blobs/sha256/{p.name}")
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644 & ~_umask())
-            os.rename(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
         finally:
             shutil.rmtree(self.stage, ignore_errors=True)
         return self.path.stat().st_size
@@ -416,9 +407,3 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)

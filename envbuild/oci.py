@@ -1,9 +1,42 @@
-"""OCI names envbuild writes and reads: media types and annotation keys (constants only).
+"""OCI names envbuild writes and reads: media types, annotation keys and the digest grammar.
 
 Both sides of the lock format use these: ``envbuild.plan.lockspec`` writes locks, the runtime
-shim reads them. This module imports nothing, so the dependency rule (runtime_shim imports only
-layers, store, errors) stays meaningful: constants are not a dependency on planning code.
+shim reads them. This module imports nothing of ours, so the dependency rule (runtime_shim
+imports only layers, store, errors) stays meaningful: constants are not a dependency on
+planning code.
+
+A **digest** is ``sha256:`` and 64 lower-case hex digits, the only form envbuild writes or
+accepts (``DIGEST_PATTERN``; ``is_digest``, ``digest_hex``). This is the one copy: every module
+that checks or takes apart a digest uses it (``tests/unit/test_one_copy.py`` fails on a
+second).
 """
+
+import re
+
+#: The hex part of a digest: 64 lower-case hex digits (also a store's blob file name).
+HEX64_PATTERN = "[0-9a-f]{64}"
+#: A digest as envbuild writes and accepts it (a regular expression, for embedding).
+DIGEST_PATTERN = f"sha256:{HEX64_PATTERN}"
+#: ``DIGEST_PATTERN`` compiled, the hex part captured as group 1 (use ``fullmatch``).
+DIGEST_RE = re.compile(f"sha256:({HEX64_PATTERN})")
+HEX64_RE = re.compile(HEX64_PATTERN)
+
+
+def is_digest(value: object) -> bool:
+    """Whether ``value`` is a digest: ``sha256:`` and 64 lower-case hex digits, nothing else."""
+    return isinstance(value, str) and DIGEST_RE.fullmatch(value) is not None
+
+
+def digest_hex(value: object) -> str | None:
+    """The 64 hex digits of digest ``value``, or None if it is not one."""
+    m = DIGEST_RE.fullmatch(value) if isinstance(value, str) else None
+    return m[1] if m else None
+
+
+def is_hex64(value: str) -> bool:
+    """Whether ``value`` is 64 lower-case hex digits (a digest's hex part)."""
+    return HEX64_RE.fullmatch(value) is not None
+
 
 MEDIA_TYPE_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MEDIA_TYPE_INDEX = "application/vnd.oci.image.index.v1+json"

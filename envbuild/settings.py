@@ -61,6 +61,7 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
         from envbuild.errors import EnvbuildError, SettingsError
+        from envbuild.sizes import parse_size
 
         sde = environ.get("SOURCE_DATE_EPOCH", "0")
         try:
@@ -71,7 +72,7 @@ class Settings:
         disk = environ.get("ENVBUILD_BUILD_DISK")
         inodes = environ.get("ENVBUILD_BUILD_INODES")
         try:
-            build_disk = parse_size(disk) if disk else cls.build_disk_bytes
+            build_disk = parse_size(disk, what="ENVBUILD_BUILD_DISK") if disk else cls.build_disk_bytes
             build_inodes = int(inodes) if inodes else cls.build_inodes
         except (ValueError, EnvbuildError):
             raise SettingsError(f"ENVBUILD_BUILD_DISK / ENVBUILD_BUILD_INODES not a size / count: "
@@ -136,28 +137,16 @@ def check_trusted_sources(paths) -> tuple[str, ...]:
 BUDGET_ENV = ("ENVBUILD_HOST_RESERVE", "ENVBUILD_DISK_RESERVE", "ENVBUILD_NODE_BUDGET")
 
 
-def parse_size(text: str) -> int:
-    """``"20G"``, ``"500M"``, ``"1024"`` → bytes (powers of 1024). Raises ``SettingsError``."""
-    from envbuild.errors import SettingsError
-
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1] if t and t[-1] in units else ""
-    try:
-        return int(float(t[: len(t) - len(unit)] if unit else t) * units[unit])
-    except ValueError:
-        raise SettingsError(f"not a size: {text!r}", hint="use e.g. 20G, 500M or 0") from None
-
-
 def node_cache_budget(spec: str, node_dir: Path) -> int:
     """Bytes the node cache may hold: ``spec`` is a size (``50G``) or a percentage of the
     filesystem holding ``node_dir`` (``20%``: its nearest existing ancestor is measured). The
     default ``20%`` is capped at ``DEFAULT_NODE_CACHE_CAP``; an explicit value is not."""
     from envbuild.errors import SettingsError
+    from envbuild.sizes import parse_size
 
     text = spec.strip()
     if not text.endswith("%"):
-        return parse_size(text)
+        return parse_size(text, what="ENVBUILD_NODE_CACHE_MAX")
     try:
         share = float(text[:-1])
     except ValueError:

@@ -35,8 +35,9 @@ ROOMS: tuple[tuple[str, ...], ...] = (
     ("envbuild.layers",),
     ("envbuild", "envbuild.oci", "envbuild.canonical", "envbuild.safefs", "envbuild._lazy"),
     ("envbuild.settings",),
+    ("envbuild.sizes",),
     ("envbuild.errors",),
-    ("envbuild._version", "envbuild.libc"),
+    ("envbuild._version", "envbuild.libc", "envbuild.atomic"),
 )
 
 def module_name(path: Path) -> str:

@@ -63,6 +63,7 @@ from envbuild.defs.dockerfile import (  # noqa: F401  (re-exported)
     read_small,
 )
 from envbuild.errors import BuildError, SourceError
+from envbuild.oci import is_digest
 
 OUTPUT_TAIL_LINES = 30
 DEFAULT_BUILD_TIMEOUT = 3 * 3600
@@ -169,7 +170,7 @@ def _docker_build(d, src, name: str, context: str, scratch: Path, log: Path,
     if code != 0:
         raise _build_failed(name, log, src.network)
     image_id = iid.read_text().strip()
-    if not re.fullmatch(r"sha256:[0-9a-f]{64}", image_id):
+    if not is_digest(image_id):
         raise BuildError(f"{name}: docker build wrote no image id ({image_id[:80]!r})")
     return image_id
 

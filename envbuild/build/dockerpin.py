@@ -46,11 +46,12 @@ from envbuild.defs.dockerfile import (
     read_small,
 )
 from envbuild.defs.model import ImageSource
+from envbuild.oci import DIGEST_PATTERN
 
 CONTEXT_TAG = b"envbuild.docker-context.v1\0"
 DEFAULT_MAX_BYTES = 16 << 30
 DEFAULT_MAX_ENTRIES = 1_000_000
-_DIGEST_RE = re.compile(r"@sha256:[0-9a-f]{64}$")
+_DIGEST_RE = re.compile(f"@{DIGEST_PATTERN}$")
 
 
 def env_limit(env: str, default: int) -> int:

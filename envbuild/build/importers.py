@@ -32,6 +32,7 @@ from envbuild.build.copying import copy_source_tree, drop_devices
 from envbuild.build.pin import check_git_source, git_env, static_elf_problem
 from envbuild.canonical import read_json_file
 from envbuild.errors import BuildError, SourceError
+from envbuild.oci import digest_hex
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,10 +266,10 @@ _LAYER_MEDIA_TYPES = frozenset({
 
 
 def _blob_path(layout: Path, digest: str) -> Path:
-    algo, _, hexpart = digest.partition(":")
-    if algo != "sha256" or not re.fullmatch(r"[0-9a-f]{64}", hexpart):
+    hexpart = digest_hex(digest)
+    if hexpart is None:
         raise SourceError(f"OCI layout {layout}: unsupported digest {digest!r}")
-    return layout / "blobs" / algo / hexpart
+    return layout / "blobs" / "sha256" / hexpart
 
 
 def _read_json_blob(layout: Path, digest: str) -> dict:

@@ -209,7 +209,8 @@ def unpack(app: App, layer_ref: str, dest: Path, whiteouts: str, allow_devices: 
 def verify(app: App, layer_ref: str, as_json: bool) -> None:
     """Check every byte of LAYER: frames, tar, TOC, digests (a stored blob must hash to its
     digest; for a file, the digest printed is its sha256)."""
-    from envbuild.layers import human_size, verify_reader
+    from envbuild.layers import verify_reader
+    from envbuild.sizes import human_size
 
     with open_layer(app, layer_ref) as reader:
         info = verify_reader(reader)
@@ -234,7 +235,7 @@ def index_cmd(app: App, layer_refs: tuple[str, ...], envs: tuple[str, ...],
     which lazy sandboxes use to fetch a module's whole import closure on its first
     import. Builds, `layer pack --store` and pack-diff index every layer they store;
     this is for layers stored by an older envbuild or copied in by other means."""
-    from envbuild.layers import human_size
+    from envbuild.sizes import human_size
 
     store = _existing_store(app) if (layer_refs or envs) else None
     results = []
@@ -315,7 +316,7 @@ def stat_cmd(app: App, layer_ref: str, path: str | None, as_json: bool, lazy: bo
 
 
 def _render_info(info: LayerInfo, where: dict) -> None:
-    from envbuild.layers import human_size
+    from envbuild.sizes import human_size
 
     fields: dict[str, Any] = {
         "digest": info.digest, "diff_id": info.diff_id,
@@ -332,7 +333,7 @@ def _render_info(info: LayerInfo, where: dict) -> None:
 
 
 def _render_summary(doc: dict) -> None:
-    from envbuild.layers import human_size
+    from envbuild.sizes import human_size
 
     fields = dict(doc)
     for key in ("size", "uncompressed_size", "toc_size", "toc_uncompressed_size"):

@@ -28,14 +28,17 @@ def register(group: click.Group) -> None:
 def pack_diff(app: App, sandbox_id: str, ref: str | None, max_file_size: str,
               max_total_size: str, as_json: bool) -> None:
     """Snapshot a running sandbox (envbuild run --keep) as a layer + derived lock."""
+    from envbuild.sizes import parse_size
     from runtime_shim import Sandbox
-    from runtime_shim.node import SnapshotPolicy, parse_size
+    from runtime_shim.node import SnapshotPolicy
 
     sb = Sandbox.attach(sandbox_id, store=app.open_store(), node_dir=app.settings.node_dir,
                         runtime=app.settings.oci_runtime)
-    total = {} if max_total_size is None else {"max_total_bytes": parse_size(max_total_size)}
+    total = ({} if max_total_size is None
+             else {"max_total_bytes": parse_size(max_total_size, what="--max-total-size")})
     # an attached sandbox's limits are not recorded: for_limits falls back to the default
-    policy = SnapshotPolicy.for_limits(None, max_file_bytes=parse_size(max_file_size), **total)
+    max_file = parse_size(max_file_size, what="--max-file-size")
+    policy = SnapshotPolicy.for_limits(None, max_file_bytes=max_file, **total)
     result = sb.pack_diff(ref, policy=policy, source_date_epoch=app.settings.source_date_epoch)
     if as_json:
         echo_json(result.to_json())

@@ -27,6 +27,7 @@ import stat
 from collections.abc import Mapping
 
 from envbuild.defs.confine import Unpinnable, confined_path
+from envbuild.oci import DIGEST_PATTERN
 
 MAX_DOCKERFILE_BYTES = 4 << 20
 _ARG_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -153,7 +154,7 @@ def _from_flags(word: str) -> list[str]:
 #: ``FROM envbuild.invalid/env/NAME@sha256:<lock digest>`` names an env lock of the envbuild
 #: store (``.invalid`` never resolves: no registry is ever asked for it).
 LOCK_HOST = "envbuild.invalid"
-LOCK_REF_RE = re.compile(rf"{re.escape(LOCK_HOST)}/(env/[a-z0-9][a-z0-9._-]*)@(sha256:[0-9a-f]{{64}})")
+LOCK_REF_RE = re.compile(rf"{re.escape(LOCK_HOST)}/(env/[a-z0-9][a-z0-9._-]*)@({DIGEST_PATTERN})")
 #: ``FROM envbuild.invalid/env/NAME`` without a digest: the Env NAME of the same definition
 #: tree, an edge of the graph (built and locked first; its lock inputs are in the key).
 ENV_REF_RE = re.compile(rf"{re.escape(LOCK_HOST)}/env/([a-z0-9][a-z0-9._-]*)")

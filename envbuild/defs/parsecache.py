@@ -51,13 +51,13 @@ import hashlib
 import io
 import os
 import pickle
-import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from envbuild.atomic import atomic_file
 from envbuild.defs.model import Definition, Origin
 
 VERSION = 3
@@ -420,17 +420,11 @@ class ParseCache:
                                          hashlib.sha256(payload).hexdigest().encode())
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".defs-", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(header)
-                    f.write(payload)
-                os.replace(tmp, self.path)
-                with contextlib.suppress(OSError):  # the format before this one, 60+ MB
-                    os.unlink(self.path.parent / "defs-v2.pickle")
-            except BaseException:
-                os.unlink(tmp)
-                raise
+            with atomic_file(self.path, mode=0o600) as f:
+                f.write(header)
+                f.write(payload)
+            with contextlib.suppress(OSError):  # the format before this one, 60+ MB
+                os.unlink(self.path.parent / "defs-v2.pickle")
         except OSError:
             return
         self._entries, self._blobs = dict(self._used), dict(self._used_blobs)

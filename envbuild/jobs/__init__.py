@@ -1,9 +1,10 @@
 """envbuild.jobs: training-job manifests — model, load (schema, line-numbered errors), resolve,
 verify.
 
-* ``envbuild.jobs.model`` — ``JobManifest``, ``SandboxGroup``, ``GroupLimits``, ``Pinned``,
-  ``PinnedLayer``: the model, importing nothing but ``envbuild.errors``, so a training loop
-  reads manifests without the definition loader;
+* ``envbuild.jobs.model`` — ``JobManifest``, ``SandboxGroup``, ``Pinned``,
+  ``PinnedLayer``: the model, importing only foundation modules (errors, sizes, the digest
+  grammar) and the runtime's ``Limits``, so a training loop reads manifests without the
+  definition loader;
 * ``create_sandbox(group, store=..., node_dir=...)`` — one sandbox of a resolved group
   (``envbuild.jobs.start``; jobs drive the runtime's SDK, the runtime never imports jobs);
 * ``load_job_manifest(path)`` / ``parse_job_manifest(text)`` — YAML or JSON, checked against
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 from envbuild._lazy import lazy_exports
 
 _EXPORTS = {
-    "GroupLimits": "model", "JobManifest": "model", "Pinned": "model",
+    "JobManifest": "model", "Pinned": "model",
     "PinnedLayer": "model", "SandboxGroup": "model",
     "JobManifestError": "load", "default_output": "load", "load_job_manifest": "load",
     "parse_job_manifest": "load", "render_job_manifest": "load", "write_job_manifest": "load",
@@ -35,7 +36,7 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "GroupLimits", "JobManifest", "JobManifestError", "Pinned", "PinnedLayer", "SandboxGroup",
+    "JobManifest", "JobManifestError", "Pinned", "PinnedLayer", "SandboxGroup",
     "VerifyProblem", "VerifyReport", "create_sandbox", "default_output", "load_job_manifest",
     "parse_job_manifest", "render_job_manifest", "resolve_job_manifest",
     "verify_job_manifest", "write_job_manifest",
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
         render_job_manifest,
         write_job_manifest,
     )
-    from envbuild.jobs.model import GroupLimits, JobManifest, Pinned, PinnedLayer, SandboxGroup
+    from envbuild.jobs.model import JobManifest, Pinned, PinnedLayer, SandboxGroup
     from envbuild.jobs.resolve import resolve_job_manifest
     from envbuild.jobs.start import create_sandbox
     from envbuild.jobs.verify import VerifyProblem, VerifyReport, verify_job_manifest

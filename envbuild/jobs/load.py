@@ -11,10 +11,10 @@ atomically (temp file, fsync, rename), YAML unless the name ends in ``.json``.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import os
-import secrets
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,10 +25,12 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
+from envbuild.atomic import write_atomic
 from envbuild.defs.load import Loader, NodeBuilder, check_yaml_limits, node_key_positions
 from envbuild.defs.validate import Positions, SchemaErrorMapper, inline_refs, load_schema
 from envbuild.errors import DefinitionError, EnvbuildError, Problem
-from envbuild.jobs.model import API_VERSION, KIND, JobManifest
+from envbuild.jobs.model import API_VERSION, KIND, OLD_LIMIT_NAMES, SIZE_LIMITS, JobManifest
+from envbuild.sizes import SizeError, parse_size
 
 SCHEMA_FILE = "jobmanifest.json"
 
@@ -72,6 +74,7 @@ def check_job_document(doc: dict[str, Any], file: str, positions: Positions,
                                 if "kind" in doc else "missing kind",
                                 path="kind" if "kind" in doc else "", hint=f"use kind: {KIND}"))
     problems += _duplicate_names(doc, file, positions)
+    problems += _runtime_values(doc, file, positions)
     v = validator()
     if not problems and v.is_valid(doc):
         return problems
@@ -82,6 +85,53 @@ def check_job_document(doc: dict[str, Any], file: str, positions: Positions,
             continue  # reported above with a better message
         found.update(mapper.problems(error))
     return sorted(found)
+
+
+def _runtime_values(doc: dict[str, Any], file: str, positions: Positions) -> list[Problem]:
+    """What the schema leaves to the runtime's one copy: a backend registered with
+    ``runtime_shim.backends``, sizes in ``envbuild.sizes``' grammar, ``memory`` (the old name)
+    and ``memory_bytes`` not both."""
+    from runtime_shim.backends import backend_names
+
+    problems = []
+    groups = doc.get("groups")
+    for i, group in enumerate(groups if isinstance(groups, list) else []):
+        if not isinstance(group, dict):
+            continue
+        at = f"groups[{i}]"
+        backend = group.get("backend")
+        if isinstance(backend, str) and backend not in backend_names():
+            close = difflib.get_close_matches(backend, backend_names(), n=1)
+            problems.append(Problem(
+                file, *positions.get(f"{at}.backend", (0, 0)),
+                f"backend: unknown sandbox backend {backend!r}", path=f"{at}.backend",
+                hint=f"did you mean {close[0]!r}?" if close
+                else f"choose one of: {', '.join(backend_names())}"))
+        limits = group.get("limits")
+        problems += _limit_values(limits if isinstance(limits, dict) else {}, f"{at}.limits",
+                                  file, positions)
+    return problems
+
+
+def _limit_values(limits: dict[str, Any], at: str, file: str,
+                  positions: Positions) -> list[Problem]:
+    problems = []
+    for key in sorted(SIZE_LIMITS | set(OLD_LIMIT_NAMES)):
+        value = limits.get(key)
+        if not isinstance(value, str):
+            continue  # an int is bytes; other types are the schema's to report
+        try:
+            parse_size(value)
+        except SizeError as e:
+            problems.append(Problem(file, *positions.get(f"{at}.{key}", (0, 0)),
+                                    f"{key}: {value!r} is not a size", path=f"{at}.{key}",
+                                    hint=e.hint))
+    for old, new in OLD_LIMIT_NAMES.items():
+        if old in limits and new in limits:
+            problems.append(Problem(file, *positions.get(f"{at}.{old}", (0, 0)),
+                                    f"{old} and {new} are one limit", path=f"{at}.{old}",
+                                    hint=f"keep {new} (the SDK's name)"))
+    return problems
 
 
 def _duplicate_names(doc: dict[str, Any], file: str, positions: Positions) -> list[Problem]:
@@ -174,16 +224,9 @@ def write_job_manifest(manifest: JobManifest, dest: str | os.PathLike[str] | Non
         return
     dest = Path(dest)
     data = render_job_manifest(manifest, as_json=dest.suffix == ".json").encode()
-    tmp = dest.parent / f".{dest.name}.{secrets.token_hex(6)}.tmp"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-        with open(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
+        write_atomic(dest, data, fsync=True)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise EnvbuildError(f"write job manifest {dest}: {e.strerror or e}",
                             hint="the directory must exist and be writable") from e
 

@@ -4,8 +4,9 @@ A job manifest (``kind: JobManifest``, YAML or JSON) lists groups of sandboxes a
 launches. The schema is ``envbuild/defs/schema/jobmanifest.json``; ``envbuild.jobs`` loads a
 file against it (``FILE:LINE:COL`` errors with hints), pins it (``envbuild job resolve``) and
 verifies it against a store (``envbuild job verify``). This module is the model only: it
-imports nothing but ``envbuild.errors`` at module level, so the runtime shim
-(``envbuild.jobs.start``) reads manifests without loading definition or planning code::
+imports only foundation modules (``envbuild.errors``, ``.sizes``, ``.oci``) at module level and
+the runtime's ``Limits`` on first use, so the runtime shim (``envbuild.jobs.start``) reads
+manifests without loading definition or planning code::
 
     apiVersion: envbuild/v1
     kind: JobManifest
@@ -14,9 +15,15 @@ imports nothing but ``envbuild.errors`` at module level, so the runtime shim
       - name: swe                         # optional, unique
         lock: env/swe-requests            # a ref (env name, env/NAME, snap/NAME) or sha256:...
         count: 64                         # sandboxes of this group (default 1, at most 100000)
-        backend: container                # container | microvm (default container)
+        backend: container                # a registered backend: container, fncall, microvm
         network: false                    # default false
-        limits: {pids: 256, memory: 2GiB, nofile: 1024, output_bytes: 16MiB}  # defaults shown
+        limits: {pids: 256, memory_bytes: 2GiB, disk_bytes: 10GiB}  # runtime_shim.Limits
+
+``limits`` are the SDK's ``Limits``, field for field and by the same names: ``pids``,
+``memory_bytes``, ``nofile``, ``cpus``, ``output_bytes``, ``exec_timeout`` (seconds),
+``disk_bytes``, ``inodes``, ``cpu_class``, ``inotify``; sizes in ``envbuild.sizes``' grammar
+(``memory`` is still read as ``memory_bytes``). A limit left out is ``Limits()``'s default;
+``cpus`` left out is the default share of the node each sandbox starts on.
 
 **Resolved** (``envbuild job resolve``): every ``lock`` is a digest and every group carries
 ``pinned``: where the digest came from and the exact bytes the lock closes over, so a resolved
@@ -29,7 +36,8 @@ manifest means the same sandboxes forever (and GC keeps them: ``envbuild gc --jo
           layers:                         # bottom to top, as in the lock
             - {digest: sha256:..., size: 1234, toc: sha256:...}
 
-Defaults are written out in a resolved manifest, sizes as ``<n>KiB|MiB|GiB|TiB`` when exact.
+Defaults are written out in a resolved manifest (but an unset ``cpus``), sizes as
+``<n>KiB|MiB|GiB|TiB`` when exact.
 Resolving a resolved manifest gives the same manifest, byte for byte.
 
 SDK: ``envbuild.jobs.create_sandbox(group, store=..., node_dir=...)`` starts one sandbox
@@ -40,11 +48,12 @@ of a resolved group (checking the lock still closes over the pinned layers), or 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from envbuild.errors import RuntimeShimError
+from envbuild.oci import is_digest
+from envbuild.sizes import format_size, parse_size
 
 if TYPE_CHECKING:
     from runtime_shim import Limits
@@ -52,71 +61,46 @@ if TYPE_CHECKING:
 
 API_VERSION = "envbuild/v1"
 KIND = "JobManifest"
-BACKENDS = ("container", "microvm")
-_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
-_SIZE = re.compile(r"(\d+)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-# Defaults, the same as runtime_shim.sdk.sandbox.Limits (kept here so the model imports nothing
-# heavy; tests/unit/test_jobs_model.py checks they agree).
-DEFAULT_PIDS = 256
-DEFAULT_MEMORY = 2 << 30
-DEFAULT_NOFILE = 1024
-DEFAULT_OUTPUT_BYTES = 16 << 20
+#: The limits that are sizes (``envbuild.sizes``: ``2GiB``, ``512M``, bytes).
+SIZE_LIMITS = frozenset({"memory_bytes", "output_bytes", "disk_bytes"})
+#: Names a manifest may still use for a limit, and the ``Limits`` field each means.
+OLD_LIMIT_NAMES = {"memory": "memory_bytes"}
 
 
-def is_digest(value: str) -> bool:
-    return bool(_DIGEST.fullmatch(value))
+def limits_from_mapping(obj: Mapping[str, Any]) -> Limits:
+    """The ``Limits`` of a group's ``limits:`` mapping: the SDK's field names (``memory`` is
+    still read as ``memory_bytes``), sizes through ``envbuild.sizes``; a limit left out is
+    ``Limits()``'s default, and so is a ``None`` that got past the schema (the manifest has no
+    "no limit")."""
+    from runtime_shim import Limits
+
+    given = {OLD_LIMIT_NAMES.get(k, k): v for k, v in obj.items() if v is not None}
+    unknown = sorted(set(given) - {f.name for f in dataclasses.fields(Limits)})
+    if unknown:
+        raise RuntimeShimError(f"unknown limit {unknown[0]!r}",
+                               hint=f"limits are the SDK's Limits fields: {limit_names()}")
+    for key in SIZE_LIMITS & set(given):
+        given[key] = parse_size(given[key], what=f"limits.{key}")
+    return Limits(**given)
 
 
-def parse_size(value: int | str) -> int:
-    """``2147483648``, ``"2GiB"``, ``"2G"``, ``"512 MiB"`` → bytes (powers of 1024)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    m = _SIZE.fullmatch(value.strip()) if isinstance(value, str) else None
-    if not m:
-        raise RuntimeShimError(f"not a size: {value!r}", hint="use bytes or e.g. 512MiB, 2GiB")
-    return int(m.group(1)) * _UNITS[m.group(2).upper()]
+def limits_to_mapping(limits: Limits, *, cpus: bool = True) -> dict[str, Any]:
+    """``limits`` as a manifest writes them: every field, sizes as ``2GiB`` when exact;
+    without ``cpus`` when ``cpus`` is false (left to each node's default share)."""
+    out = {}
+    for field in dataclasses.fields(limits):
+        value = getattr(limits, field.name)
+        if field.name == "cpus" and not cpus:
+            continue
+        out[field.name] = format_size(value) if field.name in SIZE_LIMITS and value is not None \
+            else value
+    return out
 
 
-def format_size(n: int) -> int | str:
-    """The inverse of ``parse_size`` for what a resolved manifest writes: ``2GiB`` if exact."""
-    for unit in ("T", "G", "M", "K"):
-        if n and n % _UNITS[unit] == 0:
-            return f"{n // _UNITS[unit]}{unit}iB"
-    return n
+def limit_names() -> str:
+    from runtime_shim import Limits
 
-
-@dataclasses.dataclass(frozen=True)
-class GroupLimits:
-    """Limits of each sandbox of a group (``runtime_shim.sdk.sandbox.Limits``). A limit left out
-    is the default; there is no "no limit" (the schema refuses ``null``, and ``from_mapping``
-    reads a ``None`` that got past it as the default, never as "off")."""
-
-    pids: int = DEFAULT_PIDS
-    memory: int = DEFAULT_MEMORY
-    nofile: int = DEFAULT_NOFILE
-    output_bytes: int = DEFAULT_OUTPUT_BYTES
-
-    @classmethod
-    def from_mapping(cls, obj: Mapping[str, Any]) -> GroupLimits:
-        def get(key: str, default: int | str) -> Any:
-            value = obj.get(key)
-            return default if value is None else value
-
-        return cls(pids=get("pids", DEFAULT_PIDS), memory=parse_size(get("memory", DEFAULT_MEMORY)),
-                   nofile=get("nofile", DEFAULT_NOFILE),
-                   output_bytes=parse_size(get("output_bytes", DEFAULT_OUTPUT_BYTES)))
-
-    def to_mapping(self) -> dict[str, Any]:
-        return {"pids": self.pids, "memory": format_size(self.memory),
-                "nofile": self.nofile, "output_bytes": format_size(self.output_bytes)}
-
-    def to_limits(self) -> Limits:
-        from runtime_shim import Limits
-
-        return Limits(pids=self.pids, memory_bytes=self.memory, nofile=self.nofile,
-                      output_bytes=self.output_bytes)
+    return ", ".join(f.name for f in dataclasses.fields(Limits))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,21 +144,28 @@ class SandboxGroup:
     count: int = 1
     backend: str = "container"
     network: bool = False
-    limits: GroupLimits = GroupLimits()
+    limits: Limits = dataclasses.field(default_factory=lambda: limits_from_mapping({}))
     pinned: Pinned | None = None
+    #: whether the manifest set ``limits.cpus``; if not, each node's default share applies
+    #: (``Limits.cpus``: half the cores of the host the sandbox runs on), never the share of
+    #: the host that read or resolved the manifest
+    cpus_set: bool = False
 
     @classmethod
     def from_mapping(cls, obj: Mapping[str, Any]) -> SandboxGroup:
         pinned = obj.get("pinned")
+        limits = obj.get("limits") or {}
         return cls(lock=obj["lock"], name=obj.get("name"), count=obj.get("count", 1),
                    backend=obj.get("backend", "container"), network=obj.get("network", False),
-                   limits=GroupLimits.from_mapping(obj.get("limits") or {}),
+                   limits=limits_from_mapping(limits),
+                   cpus_set=limits.get("cpus") is not None,
                    pinned=None if pinned is None else Pinned.from_mapping(pinned))
 
     def to_mapping(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name} if self.name else {}
         out.update(lock=self.lock, count=self.count, backend=self.backend,
-                   network=self.network, limits=self.limits.to_mapping())
+                   network=self.network,
+                   limits=limits_to_mapping(self.sandbox_limits(), cpus=self.cpus_set))
         if self.pinned is not None:
             out["pinned"] = self.pinned.to_mapping()
         return out
@@ -198,7 +189,16 @@ class SandboxGroup:
     def sandbox_options(self) -> dict[str, Any]:
         """Keyword arguments of ``Sandbox.create`` for this group (backend, network, limits)."""
         return {"backend": self.backend, "network": self.network,
-                "limits": self.limits.to_limits()}
+                "limits": self.sandbox_limits()}
+
+    def sandbox_limits(self) -> Limits:
+        """The ``Limits`` of each sandbox of the group, made here: an unset ``cpus`` is this
+        host's default share."""
+        from runtime_shim import Limits
+
+        if self.cpus_set:
+            return self.limits
+        return dataclasses.replace(self.limits, cpus=Limits().cpus)
 
     def require_resolved(self) -> Pinned:
         """The pinned closure; ``RuntimeShimError`` if the group was never resolved."""

@@ -11,6 +11,7 @@ from typing import Any
 from envbuild.layers._reader import LayerReader
 from envbuild.layers._refs import add_hints
 from envbuild.layers._toc import Entry
+from envbuild.sizes import human_size  # noqa: F401  (envbuild.layers re-exports it)
 
 _TYPE_BITS = {"file": stat.S_IFREG, "hardlink": stat.S_IFREG, "dir": stat.S_IFDIR,
               "symlink": stat.S_IFLNK, "char": stat.S_IFCHR, "block": stat.S_IFBLK,
@@ -73,12 +74,3 @@ def display_path(entry: Entry) -> str:
     return entry.path + "/" if entry.type == "dir" else entry.path
 
 
-def human_size(n: int | float) -> str:
-    """``1.2 MB``-style size (decimal units), exact bytes below 1 kB."""
-    if n < 1000:
-        return f"{n} B"
-    for unit in ("kB", "MB", "GB", "TB"):
-        n /= 1000
-        if n < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}"
-    raise AssertionError("unreachable")

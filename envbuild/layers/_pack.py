@@ -23,27 +23,17 @@ def pack_to_file(src: str | os.PathLike, dest: str | os.PathLike, **options) -> 
         raise LayerError(f"pack {src}: {what}", hint="envbuild layer pack takes a directory")
     if dest.is_dir():
         raise LayerError(f"write layer {dest}: it is a directory", hint="give a file name")
-    import secrets  # packing only: reading a layer does not pay for it (CLI start-up)
-
-    tmp = dest.parent / f".{dest.name}.{secrets.token_hex(6)}.tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    except OSError as e:
-        raise LayerError(f"write layer {dest}: {e.strerror or e}",
-                         hint="the directory must exist and be writable") from e
+    from envbuild.atomic import atomic_file
     from envbuild.layers._writer import pack_tree  # not imported for reading (CLI start-up)
 
+    opened = False
     try:
-        with open(fd, "wb") as out:
+        with atomic_file(dest, fsync=True) as out:
+            opened = True
             info = pack_tree(src, out, **options)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, dest)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise LayerError(f"write layer {dest}: {e.strerror or e}") from e
-        raise
+    except OSError as e:
+        raise LayerError(f"write layer {dest}: {e.strerror or e}", hint=None if opened
+                         else "the directory must exist and be writable") from e
     return info
 
 

@@ -34,11 +34,11 @@ from envbuild.errors import (
     UnsupportedFormatError,
 )
 from envbuild.layers._reader import LayerReader
+from envbuild.oci import is_digest
 
 #: Fewest hex digits accepted as a digest prefix (12, as for docker image ids).
 MIN_DIGEST_PREFIX = 12
 _HEX = re.compile(r"[0-9a-fA-F]+")
-_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 REF_HELP = ("LAYER is a layer file, or a digest in the store: sha256:<hex> or a unique prefix "
             f"of at least {MIN_DIGEST_PREFIX} hex digits.")
 _REF_HINT = ("LAYER is a layer file or a digest in the store: sha256:<hex>, or at least "
@@ -111,7 +111,7 @@ def open_layer(ref: str, get_store: Callable[[], Any], *, where: str | None = No
 
 def is_stored(reader: LayerReader) -> bool:
     """Whether ``reader`` reads a store blob (``LayerReader.from_store`` names it by digest)."""
-    return bool(_DIGEST.fullmatch(reader.name))
+    return is_digest(reader.name)
 
 
 @contextlib.contextmanager

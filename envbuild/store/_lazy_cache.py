@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import secrets
 import threading
 from collections import OrderedDict
 from pathlib import Path
 
+from envbuild.atomic import atomic_file, write_atomic
 from envbuild.errors import LayerError
 
 MiB = 1 << 20
@@ -92,9 +92,7 @@ class ChunkCache:
                                  f"envbuild knows {CHUNK_CACHE_VERSION}",
                                  hint=f"remove {self.dir} (it is only a cache)")
         else:
-            tmp = self.dir / f".tmp-{secrets.token_hex(6)}"
-            tmp.write_text('{"version": 1}')
-            os.replace(tmp, meta)
+            write_atomic(meta, '{"version": 1}', tmp_prefix=".tmp-")
         self._size = self._scan()[1]
 
     def _path(self, key: str) -> Path:
@@ -121,11 +119,9 @@ class ChunkCache:
         if path.exists():
             return
         path.parent.mkdir(exist_ok=True)
-        tmp = path.parent / f".tmp-{secrets.token_hex(6)}"
-        with open(tmp, "wb") as f:
+        with atomic_file(path, tmp_prefix=".tmp-") as f:
             f.write(data)
             f.write(hashlib.sha256(data).digest())
-        os.replace(tmp, path)
         with self._lock:
             self._size += len(data) + _TRAILER
             over = self._size > self.max_bytes

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from envbuild import atomic
+from envbuild.atomic import fsync_directory as fsync_dir
 from envbuild.canonical import read_json_file
 from envbuild.errors import StoreUnavailable
 
@@ -22,14 +24,6 @@ TMP_PREFIX = ".tmp-"
 
 def tmp_name(directory: Path) -> Path:
     return directory / f"{TMP_PREFIX}{secrets.token_hex(8)}"
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_tmp(directory: Path, data: bytes) -> Path:
@@ -48,13 +42,8 @@ def write_tmp(directory: Path, data: bytes) -> Path:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data``: temp file, fsync, rename, fsync the directory."""
-    tmp = write_tmp(path.parent, data)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    atomic.write_atomic(path, data, mode=0o644, fsync=True, fsync_dir=True,
+                        tmp_prefix=TMP_PREFIX)
 
 
 def create_if_absent(path: Path, data: bytes) -> None:

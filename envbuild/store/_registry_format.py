@@ -33,6 +33,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from envbuild.errors import SettingsError, StoreError
+from envbuild.oci import is_hex64
 from envbuild.store.base import (
     MEDIA_TYPE_INDEX,
     MEDIA_TYPE_MANIFEST,
@@ -62,7 +63,6 @@ MAX_MANIFEST_SIZE = 4 * MiB
 
 _TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _ENV_TAG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,127}")
-_HEX64_RE = re.compile(r"[0-9a-f]{64}")
 _REPO_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"  # distribution's path component
 _REPO_RE = re.compile(rf"{_REPO_COMPONENT}(?:/{_REPO_COMPONENT})*")
 _RESERVED_TAG_PREFIXES = ("envbuild-", "sha256-")
@@ -174,7 +174,7 @@ def ref_to_tag(name: str) -> str:
 def record_to_tag(namespace: str, name: str) -> str:
     """The tag of record ``namespace/name``; validates both."""
     check_record_name(namespace, name)
-    if namespace == "keys/v1" and _HEX64_RE.fullmatch(name):
+    if namespace == "keys/v1" and is_hex64(name):
         return _KEY_PREFIX + name
     return _checked_tag(_REC_PREFIX + _esc(namespace) + "_n" + _esc(name),
                         f"record {namespace}/{name}")
@@ -198,7 +198,7 @@ def tag_to_record(tag: str) -> tuple[str, str] | None:
     """The ``(namespace, name)`` of a record tag, or ``None``."""
     if tag.startswith(_KEY_PREFIX):
         name = tag[len(_KEY_PREFIX):]
-        return ("keys/v1", name) if _HEX64_RE.fullmatch(name) else None
+        return ("keys/v1", name) if is_hex64(name) else None
     if not tag.startswith(_REC_PREFIX):
         return None
     got = _unesc(tag[len(_REC_PREFIX):], stop="n")

@@ -14,6 +14,7 @@ from typing import Any, BinaryIO, Final
 
 from envbuild.canonical import canonical_json, load_json
 from envbuild.errors import BlobNotFound, DigestMismatch, RefNotFound, StoreError
+from envbuild.oci import digest_hex
 
 #: The OCI media types envbuild stores.
 MEDIA_TYPE_MANIFEST: Final = "application/vnd.oci.image.manifest.v1+json"
@@ -27,7 +28,6 @@ CHUNK_SIZE: Final = 1 << 20
 #: Blobs up to this size are written without asking first whether they are stored: uploading
 #: one again costs about what the question does (a put of a stored blob is a no-op).
 SMALL_BLOB = 1 << 20
-_DIGEST_RE = re.compile(r"sha256:([0-9a-f]{64})")
 # The OCI image-layout grammar for ref.name: components of alphanumerics joined by one of
 # -._:@+ or "--", separated by "/".
 _COMPONENT = r"[A-Za-z0-9]+(?:(?:[-._:@+]|--)[A-Za-z0-9]+)*"
@@ -143,10 +143,10 @@ def check_digest(digest: object) -> str:
     Every backend calls this before turning a digest into a path or key, so a malformed string
     (``sha256:../../etc``, upper-case hex, another algorithm) can never name anything else.
     """
-    if not isinstance(digest, str) or not (m := _DIGEST_RE.fullmatch(digest)):
+    if (hexpart := digest_hex(digest)) is None:
         raise StoreError(f"invalid digest {digest!r}", reference="invalid-digest",
                          hint="a digest is 'sha256:' followed by 64 lower-case hex digits")
-    return m.group(1)
+    return hexpart
 
 
 def check_ref_name(name: object) -> str:

@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from envbuild.errors import BlobNotFound, StoreError
-from envbuild.oci import ANNOTATION_PARENT, MEDIA_TYPE_MANIFEST
+from envbuild.oci import ANNOTATION_PARENT, MEDIA_TYPE_MANIFEST, is_digest
 from envbuild.store.base import BlobInfo, PartialWrite, Store, check_digest
 from envbuild.store.helpers import KEY_RECORDS, LAYER_RECORDS, MAX_JSON_SIZE, get_json
 from envbuild.store.local import LocalStore
@@ -392,7 +392,7 @@ def _mark_records(store: Store, marker: _Marker, cutoff: float, drop_cache: bool
             # rewritten since the first pass: judge it afresh
         obj = store.get_record(KEY_RECORDS, name)
         layer = obj.get("layer") if obj else None
-        if not isinstance(layer, str) or not re.fullmatch(r"sha256:[0-9a-f]{64}", layer):
+        if not is_digest(layer):
             records[name] = None  # malformed: keep it, it marks nothing
             continue
         mtime = store.record_mtime(KEY_RECORDS, name) if drop_cache else None
@@ -411,7 +411,7 @@ def _mark_exec_log_blobs(store: Store, marker: _Marker, seen: set[str]) -> set[s
     for name in sorted(names - seen):
         obj = store.get_record(EXEC_LOG_BLOBS, name)
         blob = obj.get("blob") if obj else None
-        if isinstance(blob, str) and re.fullmatch(r"sha256:[0-9a-f]{64}", blob):
+        if is_digest(blob):
             marker.digest(blob, f"exec log record {name}", sniff=False)
     return seen | names
 

@@ -40,6 +40,7 @@ from typing import Any, BinaryIO
 
 from envbuild.canonical import read_json_file
 from envbuild.errors import StoreError, StoreUnavailable
+from envbuild.oci import is_hex64
 from envbuild.store._local_files import (  # noqa: F401  (TMP_PREFIX re-exported)
     TMP_PREFIX,
     create_if_absent,
@@ -90,7 +91,6 @@ VERSION_FILE = "envbuild-store.json"
 LAYOUT_FILE = "oci-layout"
 INDEX_FILE = "index.json"
 LOCK_FILE = "index.json.lock"
-_HEX = frozenset("0123456789abcdef")
 _WHERE_HINT = "choose another location with --store DIR or ENVBUILD_STORE"
 
 
@@ -286,7 +286,7 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
         with os.scandir(self._blobs) as entries:
             names = [e.name for e in entries]
         for name in names:
-            if len(name) == 64 and _HEX.issuperset(name):  # skips .tmp-* and strays
+            if is_hex64(name):  # skips .tmp-* and strays
                 yield "sha256:" + name
 
     def list_partials(self) -> Iterator[PartialWrite]:

@@ -58,6 +58,7 @@ from typing import Any, BinaryIO
 
 from envbuild.canonical import load_json
 from envbuild.errors import BlobNotFound, StoreError, StoreUnavailable
+from envbuild.oci import is_hex64
 from envbuild.store._s3_client import (  # noqa: F401  (parse_url, MiB re-exported)
     BLOBS_DIR,
     CONFLICT,
@@ -110,7 +111,6 @@ IMAGE_LAYOUT_VERSION = "1.0.0"
 VERSION_KEY = "envbuild-store.json"
 LAYOUT_KEY = "oci-layout"
 INDEX_KEY = "index.json"
-_HEX = frozenset("0123456789abcdef")
 _INDEX_ATTEMPTS = 8
 
 
@@ -323,7 +323,7 @@ class S3Store(S3Objects, Store, TailReader, Locatable, Presigner, ConditionalRec
 
     def list(self) -> Iterator[str]:
         for name in self._list(BLOBS_DIR, delimiter="/"):
-            if len(name) == 64 and _HEX.issuperset(name):
+            if is_hex64(name):
                 yield "sha256:" + name
 
     def list_info(self) -> Iterator[BlobInfo]:
@@ -336,7 +336,7 @@ class S3Store(S3Objects, Store, TailReader, Locatable, Presigner, ConditionalRec
             for page in paginator.paginate(Bucket=self.bucket, Prefix=full, Delimiter="/"):
                 for obj in page.get("Contents", ()):
                     name = obj["Key"][len(full):]
-                    if len(name) == 64 and _HEX.issuperset(name):
+                    if is_hex64(name):
                         yield BlobInfo("sha256:" + name, obj["Size"],
                                        timestamp(obj.get("LastModified")))
         except (ClientError, BotoCoreError) as e:

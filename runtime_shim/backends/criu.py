@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from envbuild.errors import BackendUnavailable, CheckpointRefused, RuntimeShimError
+from envbuild.libc import LIBC
 from runtime_shim.backends.base import CheckpointImage
 
 if TYPE_CHECKING:
@@ -125,7 +126,6 @@ def in_netns(ns_path: str | None, make: Callable[[], socket.socket]) -> socket.s
     ``make()`` here."""
     if ns_path is None:
         return make()
-    libc = ctypes.CDLL(None, use_errno=True)
     out: list[socket.socket] = []
     err: list[BaseException] = []
 
@@ -133,7 +133,7 @@ def in_netns(ns_path: str | None, make: Callable[[], socket.socket]) -> socket.s
         try:
             fd = os.open(ns_path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                if libc.setns(fd, CLONE_NEWNET) != 0:
+                if LIBC.setns(fd, CLONE_NEWNET) != 0:
                     e = ctypes.get_errno()
                     raise RuntimeShimError(f"join the sandbox's network namespace: "
                                            f"{os.strerror(e)}")

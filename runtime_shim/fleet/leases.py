@@ -24,6 +24,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from envbuild.atomic import write_atomic
 from envbuild.errors import EnvbuildError
 from runtime_shim.fleet.model import CreateSpec, SandboxRecord, fleet_id
 from runtime_shim.node.layout import NodeLayout
@@ -70,9 +71,7 @@ def write_record(e: Entry, node_id: str) -> None:
                        "exec_log": spec.exec_log, "labels": [list(x) for x in spec.labels]},
               "lease_expires": e.lease_expires, "exec_log": e.exec_log, "pool": e.pool}
     path = e.sandbox.paths.root / FLEET_RECORD
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(record))
 
 
 def adopt(layout: NodeLayout, store: Any, runtime: str, entries: dict[str, Entry]

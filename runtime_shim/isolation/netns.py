@@ -77,6 +77,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from envbuild.atomic import write_atomic
 from envbuild.errors import RuntimeShimError
 from envbuild.safefs import read_tail
 from runtime_shim.isolation.mount import unmount  # at the top: teardown runs at interpreter exit too
@@ -560,9 +561,7 @@ def _run(argv: list[str], what: str, stdin: str | None = None) -> None:
 
 
 def _write_record(d: Path, record: dict) -> None:
-    tmp = d / (RECORD_FILE + ".tmp")
-    tmp.write_text(json.dumps(record))
-    tmp.replace(d / RECORD_FILE)
+    write_atomic(d / RECORD_FILE, json.dumps(record))
 
 
 def _tail(log: Path) -> str | None:

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from envbuild.atomic import write_atomic
 from envbuild.errors import RuntimeShimError
 from runtime_shim.isolation import cgroupfs
 
@@ -92,9 +93,7 @@ def runtime_error_line(output: str) -> str | None:
 
 def write_bundle(bundle: Path, config: dict[str, Any]) -> None:
     bundle.mkdir(parents=True, exist_ok=True)
-    tmp = bundle / "config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=1))
-    tmp.replace(bundle / "config.json")
+    write_atomic(bundle / "config.json", json.dumps(config, indent=1))
 
 
 def run_container(

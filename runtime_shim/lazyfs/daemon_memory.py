@@ -8,10 +8,10 @@ released after an unmount, and the budget every mounted layer's tree is charged 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
-from typing import Any
+
+from envbuild.libc import LIBC
 
 #: The daemon's GIL switch interval (CPython's default is 5 ms). A miss is a chain of thread
 #: hand-offs (FUSE reader, open worker, fetch, reply) while other threads decompress and
@@ -97,7 +97,7 @@ def tune_malloc() -> str:
             or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return "set by the environment"
     try:
-        mallopt = _glibc().mallopt
+        mallopt = LIBC.mallopt
     except (OSError, AttributeError):
         return "not glibc"
     m_trim_threshold, m_top_pad, m_mmap_threshold, m_arena_max = -1, -2, -3, -8  # <malloc.h>
@@ -128,17 +128,7 @@ def _release_heap() -> None:
     # give the freed pages back (``tune_malloc`` keeps them otherwise): a tree is ~1.6 KB
     # a member, hundreds of MB for a big layer
     with contextlib.suppress(OSError, AttributeError):
-        _glibc().malloc_trim(0)
-
-
-@functools.lru_cache(maxsize=1)
-def _glibc() -> Any:
-    """The C library this process runs on, for glibc's malloc controls (``mallopt``,
-    ``malloc_trim``: an ``AttributeError`` where it is not glibc). ``CDLL(None)``: the one
-    already loaded, with no ``find_library`` (which spawns ``ldconfig``)."""
-    import ctypes
-
-    return ctypes.CDLL(None)
+        LIBC.malloc_trim(0)
 
 
 class _TreeBudget:

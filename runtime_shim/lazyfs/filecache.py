@@ -29,7 +29,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import re
 import threading
 import time
 import uuid
@@ -38,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from envbuild.errors import RuntimeShimError
+from envbuild.oci import DIGEST_RE
 
 log = logging.getLogger("envbuild.lazyfs")
 
@@ -52,7 +52,6 @@ BACKGROUND_YIELD = 0.02
 #: A content digest, as TOCs write it; its hex part names the cache file. Only this one form:
 #: ``cached`` verifies against ``sha256:<hex>`` and ``present`` looks that form up, so a bare
 #: hex digest accepted here would see a good cache file as corrupt and remove it.
-_DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
 #: The file cache format (the directory layout above); a daemon ignores other versions.
 FILE_CACHE_VERSION = 1
 
@@ -221,7 +220,7 @@ class FileCache:
     def _file(self, digest: str) -> str:
         # one regular expression, not a generator over 64 characters: every open and every
         # predicted file asks
-        m = _DIGEST.fullmatch(digest)
+        m = DIGEST_RE.fullmatch(digest)
         if m is None:
             raise RuntimeShimError(f"bad content digest {digest!r} in a TOC")
         return os.path.join(self.dir, m[1])
@@ -242,7 +241,7 @@ class FileCache:
         earlier one (to be hashed at its first use). Two set lookups, no system call: the
         guesses ask it of every candidate (a ``stat`` each cost the cold_start workload
         0.5 s of daemon CPU)."""
-        return digest in self._verified or (   # _DIGEST's one form
+        return digest in self._verified or (   # DIGEST_RE's one form
             digest.startswith("sha256:") and digest[7:] in self._on_disk)
 
     def cached(self, digest: str) -> str | None:

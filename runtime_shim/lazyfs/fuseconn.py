@@ -14,6 +14,7 @@ import os
 import struct
 import threading
 
+from envbuild import libc
 from envbuild.errors import EnvbuildError, RuntimeShimError
 from runtime_shim.lazyfs.fusewire import (
     _BACKING_MAP,
@@ -40,10 +41,8 @@ def _iow(nr: int, size: int) -> int:
 FUSE_DEV_IOC_BACKING_OPEN = _iow(1, _BACKING_MAP.size)
 FUSE_DEV_IOC_BACKING_CLOSE = _iow(2, 4)
 
-# the process's own symbols (libc is loaded): find_library would run ldconfig at import
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
-                        ctypes.c_char_p]
+_mount = libc.function("mount", argtypes=[ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                                         ctypes.c_ulong, ctypes.c_char_p])
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 
 #: Where the mode choice can be forced: ``0``/``off`` (always the libfuse path), ``1``/``on``
@@ -59,7 +58,7 @@ class _Conn:
         self.fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
         data = (f"fd={self.fd},rootmode=40000,user_id=0,group_id=0,allow_other,"
                 "default_permissions").encode()
-        if _libc.mount(fsname.encode(), mountpoint.encode(), b"fuse.envbuild",
+        if _mount(fsname.encode(), mountpoint.encode(), b"fuse.envbuild",
                        MS_RDONLY | MS_NOSUID | MS_NODEV, data) != 0:
             err = ctypes.get_errno()
             os.close(self.fd)
@@ -104,15 +103,14 @@ class _Conn:
         os.close(self.fd)
 
 
-_libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_char_p]
-_libc.ioctl.restype = ctypes.c_int
+_ioctl = libc.function("ioctl", argtypes=[ctypes.c_int, ctypes.c_ulong, ctypes.c_char_p])
 
 
 def _ioctl_int(fd: int, request: int, arg: bytes) -> int:
     """``ioctl`` returning its (non-negative) result: ``fcntl.ioctl`` with a buffer returns the
     buffer, not the value, and the backing id is the value."""
     buf = ctypes.create_string_buffer(arg, len(arg))
-    r = _libc.ioctl(fd, request, buf)
+    r = _ioctl(fd, request, buf)
     if r < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))

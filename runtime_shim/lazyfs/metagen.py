@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import json
 import os
 import shutil
 import threading
 import time
 from collections.abc import Collection, Iterator
+
+from envbuild import libc
+from envbuild.oci import is_hex64
 
 #: The on-disk format of a generation (layout above, ``current.json``).
 META_VERSION = 1
@@ -27,9 +29,8 @@ TREES = "trees"
 #: Its bounds: no file has data (sparse), so ``size`` only caps directories and xattrs;
 #: ``nr_inodes`` caps the node's meta entries (~1 KiB of kernel memory each).
 TREES_OPTIONS = "mode=0700,size=64m,nr_inodes=1000000"
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
-                        ctypes.c_char_p]
+_mount = libc.function("mount", argtypes=[ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                                         ctypes.c_ulong, ctypes.c_char_p])
 
 
 def mount_generation(tree: str, data: str, target: str) -> None:
@@ -39,7 +40,7 @@ def mount_generation(tree: str, data: str, target: str) -> None:
         if any(c in p for c in ":,\\"):
             raise OSError(f"meta layer path has a ':' ',' or '\\': {p}")
     opts = f"lowerdir={tree}::{data},metacopy=on,redirect_dir=follow,xino=off"
-    if _libc.mount(b"overlay", target.encode(), b"overlay", _MS_RDONLY, opts.encode()) != 0:
+    if _mount(b"overlay", target.encode(), b"overlay", _MS_RDONLY, opts.encode()) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount meta layer {target}: {os.strerror(err)}")
 
@@ -73,7 +74,7 @@ def _ensure_trees(meta: str) -> None:
         if _is_mount(trees):
             return
         os.makedirs(trees, mode=0o700, exist_ok=True)
-        if _libc.mount(b"envbuild-meta", trees.encode(), b"tmpfs", _MS_NODEV,
+        if _mount(b"envbuild-meta", trees.encode(), b"tmpfs", _MS_NODEV,
                        TREES_OPTIONS.encode()) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"mount tmpfs at {trees}: {os.strerror(err)}")
@@ -159,7 +160,7 @@ def remove_unused(node_root: str | os.PathLike[str], keep_hex: Collection[str]) 
 def _remove_unused(node_root: str | os.PathLike[str], keep_hex: Collection[str]) -> list[str]:
     meta = os.path.join(os.fspath(node_root), "meta")
     try:
-        layers = [n for n in os.listdir(meta) if _is_hex(n)]
+        layers = [n for n in os.listdir(meta) if is_hex64(n)]
     except FileNotFoundError:
         return []
     done = []
@@ -171,7 +172,7 @@ def _remove_unused(node_root: str | os.PathLike[str], keep_hex: Collection[str])
                 done += collect(layer_dir, current[0] if current else None)
             else:
                 done += collect(layer_dir, None, everything=True)
-    if not any(_is_hex(n) for n in os.listdir(meta)):  # no generation left: the tmpfs too
+    if not any(is_hex64(n) for n in os.listdir(meta)):  # no generation left: the tmpfs too
         trees = os.path.join(meta, TREES)
         with _trees_lock, _layer_flock(os.fspath(node_root), "trees"):
             _unmount(trees)
@@ -181,10 +182,6 @@ def _remove_unused(node_root: str | os.PathLike[str], keep_hex: Collection[str])
         except OSError:
             pass
     return done
-
-
-def _is_hex(name: str) -> bool:
-    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
 
 
 def _read_current(layer_dir: str) -> tuple[str, frozenset[str]] | None:

@@ -80,12 +80,13 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from envbuild.atomic import write_atomic
+from envbuild.oci import is_hex64
 from runtime_shim.lazyfs.metagen import (
     META_VERSION,
     TREES,
     TREES_OPTIONS,
     _ensure_trees,
-    _is_hex,
     _is_mount,
     _layer_flock,
     _mount_gen,
@@ -137,7 +138,7 @@ def describe(node_root: str | os.PathLike[str]) -> list[str]:
     meta = os.path.join(os.fspath(node_root), "meta")
     lines = []
     try:
-        names = sorted(n for n in os.listdir(meta) if _is_hex(n))
+        names = sorted(n for n in os.listdir(meta) if is_hex64(n))
     except FileNotFoundError:
         names = []
     for hexd in names:
@@ -242,7 +243,7 @@ class MetaLayers:
         ``build=False`` (a create): never build here; the reply says ``stale`` when a build
         is due (the caller starts it in the background, for the next create)."""
         hexd = digest.removeprefix("sha256:")
-        if not _is_hex(hexd):
+        if not is_hex64(hexd):
             raise ValueError(f"bad layer digest {digest!r}")
         reply: dict[str, Any] = {"digest": digest, "dir": "", "files": 0, "built": False}
         if ops is None or not hasattr(ops, "lazy_nodes"):
@@ -343,10 +344,7 @@ class MetaLayers:
             log.info("meta layer %s of %s: %d files (%d dirs) in %.3f s", gen,
                      os.path.basename(layer_dir)[:12], placed, len(dirs), time.monotonic() - t0)
         doc = {"version": META_VERSION, "gen": gen, "digests": sorted(wanted)}
-        tmpj = os.path.join(layer_dir, f".current.{uuid.uuid4().hex[:8]}")
-        with open(tmpj, "w", encoding="utf-8") as f:
-            json.dump(doc, f)
-        os.replace(tmpj, os.path.join(layer_dir, "current.json"))
+        write_atomic(os.path.join(layer_dir, "current.json"), json.dumps(doc))
         collect(layer_dir, gen, grace=GRACE)
         return gen
 
@@ -510,7 +508,7 @@ def trusted_meta_dir(node_root: str, digest: str, claimed: object) -> bool:
     symlink on the way, and a read-only overlay mount really there. A reply is hostile until
     checked: a prefix test let ``<node>/meta/<hex>/../../../usr`` through (issue 34, item 1)."""
     hexd = digest.removeprefix("sha256:")
-    if not isinstance(claimed, str) or not _is_hex(hexd):
+    if not isinstance(claimed, str) or not is_hex64(hexd):
         return False
     pattern = re.escape(os.path.join(node_root, "meta", hexd)) + r"/g-[0-9a-f]{16}/mnt"
     if not re.fullmatch(pattern, claimed) or os.path.realpath(claimed) != claimed:

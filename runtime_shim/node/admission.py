@@ -68,6 +68,7 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from envbuild.atomic import write_atomic
 from envbuild.errors import AdmissionRefused, SettingsError
 
 LEDGER_VERSION = 1
@@ -150,7 +151,7 @@ def _share(environ: Mapping[str, str], name: str, default: float) -> float:
 def parse_caps(text: str) -> dict[str, int]:
     """``"files=100000,tasks=4096,disk=20G"`` → ``{"files": ..., "tasks": ..., "disk_bytes":
     ...}`` (``ENVBUILD_NODE_BUDGET``); ``SettingsError`` for anything else."""
-    from envbuild.settings import parse_size
+    from envbuild.sizes import parse_size
 
     caps: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -300,9 +301,7 @@ class Ledger:
         return dict(doc.get("entries") or {})
 
     def _write(self, entries: dict[str, dict]) -> None:
-        tmp = self.dir / f".{LEDGER_NAME}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"version": LEDGER_VERSION, "entries": entries}))
-        tmp.replace(self.path)
+        write_atomic(self.path, json.dumps({"version": LEDGER_VERSION, "entries": entries}))
 
     def admit(self, key: str, want: Reservation, path: str | os.PathLike[str], *,
               what: str, settings: BudgetSettings, wait: float = 0.0,

@@ -24,9 +24,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import uuid
 from pathlib import Path
 
+from envbuild.atomic import write_atomic
 from envbuild.errors import RuntimeShimError
 from runtime_shim.isolation import scratchfs
 
@@ -151,10 +151,8 @@ class NodeLayout:
         try:
             version = json.loads(self.version_file.read_text()).get("version")
         except FileNotFoundError:
-            # unique per call: concurrent creates (threads of one process too) race here
-            tmp = self.root / f".{LAYOUT_FILE}.{uuid.uuid4().hex}"
-            tmp.write_text(json.dumps({"version": LAYOUT_VERSION}))
-            tmp.replace(self.version_file)
+            # concurrent creates (threads of one process too) race here: each its own temp
+            write_atomic(self.version_file, json.dumps({"version": LAYOUT_VERSION}))
             return
         except (OSError, ValueError, AttributeError):
             version = None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,11 +32,11 @@ from envbuild.oci import (
     LABEL_HOSTNAME,
     MEDIA_TYPE_LAYER_ZSTD,
     MEDIA_TYPE_MANIFEST,
+    is_digest,
 )
 from envbuild.store import Store, get_json
 from envbuild.store.sync import resolve_ref
 
-_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 #: what ``runtime_shim.node.nodecache.LAYER_MEDIA_TYPES`` unpacks (issue 16: foreign layers)
 _LAYER_TYPES = frozenset({"application/vnd.oci.image.layer.v1.tar",
                           "application/vnd.oci.image.layer.v1.tar+gzip", MEDIA_TYPE_LAYER_ZSTD,
@@ -76,7 +75,7 @@ def lock_digest(store: Store, ref_or_digest: str) -> str:
     """``sha256:…`` as is; ``env/NAME``, ``snap/NAME`` or a bare env name through the store's
     refs — the same rule as ``envbuild.store.sync.resolve_ref`` (the name itself, then
     ``env/NAME``), so push, job resolve and sandboxes agree on what a name means."""
-    if _DIGEST.fullmatch(ref_or_digest):
+    if is_digest(ref_or_digest):
         return ref_or_digest
     try:
         return store.get_ref(resolve_ref(store, ref_or_digest)).digest
@@ -107,7 +106,7 @@ def resolve(store: Store, ref_or_digest: str) -> ResolvedLock:
         raise RuntimeShimError(f"{digest} is not an OCI image manifest",
                                hint="pass a lock digest or ref (envbuild lock prints it)")
     config_digest = manifest["config"].get("digest")
-    if not isinstance(config_digest, str) or not _DIGEST.fullmatch(config_digest):
+    if not is_digest(config_digest):
         raise RuntimeShimError(f"lock {digest}: its config digest {config_digest!r} is not a "
                                "sha256 digest")
     config = _lock_json(store, config_digest)

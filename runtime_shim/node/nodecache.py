@@ -55,9 +55,11 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
+from envbuild.atomic import write_atomic
 from envbuild.errors import RuntimeShimError, UnsupportedFormatError
+from envbuild.oci import is_hex64
 from envbuild.safefs import iter_tree, remove_tree
-from envbuild.settings import parse_size  # noqa: F401  (re-exported: callers import it here)
+from envbuild.sizes import parse_size  # noqa: F401  (re-exported: callers import it here)
 from envbuild.store import Store, check_digest
 from envbuild.store.base import LocalBlobPaths
 
@@ -98,9 +100,7 @@ class NodeCache:
                     f"node cache {self.root} has version {version!r}; this envbuild knows "
                     f"{NODE_CACHE_VERSION}", hint=f"remove {self.root} (it is only a cache)")
         else:
-            tmp = self.root / f".node-cache.json.{uuid.uuid4().hex}"
-            tmp.write_text(json.dumps({"version": NODE_CACHE_VERSION}))
-            tmp.replace(meta)
+            write_atomic(meta, json.dumps({"version": NODE_CACHE_VERSION}))
 
     def layer_dir(self, digest: str) -> Path:
         return self.root / "layers" / check_digest(digest).removeprefix("sha256:")
@@ -270,9 +270,7 @@ class NodeCache:
             state = {"version": LAZY_STATE_VERSION, "pid": reply.get("pid"), "digest": digest,
                      "store": store_url, "started": time.time(),
                      "mode": reply.get("mode") or "fuse"}
-            tmp = self.root / "lazy" / f".{hexd}.json.{uuid.uuid4().hex[:8]}"
-            tmp.write_text(json.dumps(state))
-            tmp.replace(self.root / "lazy" / f"{hexd}.json")
+            write_atomic(self.root / "lazy" / f"{hexd}.json", json.dumps(state))
             return
         raise RuntimeShimError(f"lazy layer {digest}: no FUSE daemon answers",
                                hint=f"see {self.root / 'lazy' / 'daemon.log'}")
@@ -303,10 +301,8 @@ class NodeCache:
                 except OSError as e:
                     raise RuntimeShimError(f"start the lazy layer daemon: {e}") from e
             _daemons[proc.pid] = proc
-            tmp = self.root / "lazy" / f".daemon.json.{uuid.uuid4().hex[:8]}"
-            tmp.write_text(json.dumps({"version": LAZY_STATE_VERSION, "pid": proc.pid,
-                                       "started": time.time()}))
-            tmp.replace(self.root / "lazy" / "daemon.json")
+            write_atomic(self.root / "lazy" / "daemon.json", json.dumps(
+                {"version": LAZY_STATE_VERSION, "pid": proc.pid, "started": time.time()}))
             deadline = time.monotonic() + timeout
             delay = 0.002
             while daemon_request(self.root, {"op": "ping"}, timeout) is None:
@@ -343,7 +339,7 @@ class NodeCache:
         with os.scandir(lazy) as entries:
             found = {e.name for e in entries if e.is_dir(follow_symlinks=False)}
         found |= {p.name.removesuffix(".json") for p in lazy.glob("*.json")}
-        return sorted("sha256:" + h for h in found if len(h) == 64)
+        return sorted("sha256:" + h for h in found if is_hex64(h))
 
     def unmount_lazy(self, keep: Iterable[str]) -> list[str]:
         """Unmount the lazy mounts of layers not in ``keep`` (the layers of live sandboxes)

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from envbuild.atomic import write_atomic
 from envbuild.errors import RuntimeShimError
 from runtime_shim.isolation import cgroupfs
 from runtime_shim.node.layout import NodeLayout, SandboxPaths
@@ -249,6 +250,4 @@ def _read_state(paths: SandboxPaths) -> dict[str, Any]:
 
 
 def _write_state(paths: SandboxPaths, state: dict[str, Any]) -> None:
-    tmp = paths.root / f".{STATE_FILE}.{os.getpid()}.{threading.get_ident()}"
-    tmp.write_text(json.dumps({**state, "version": STATE_VERSION}))
-    tmp.replace(paths.root / STATE_FILE)
+    write_atomic(paths.root / STATE_FILE, json.dumps({**state, "version": STATE_VERSION}))

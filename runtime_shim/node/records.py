@@ -16,6 +16,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from envbuild.atomic import write_atomic
 from envbuild.errors import RuntimeShimError, SandboxNotFound, StoreUnavailable
 from envbuild.store import Store
 from runtime_shim.isolation import netns
@@ -80,9 +81,7 @@ def released_on_error(ledger: admission.Ledger, sandbox_id: str):
 
 
 def write_record(paths: SandboxPaths, meta: dict) -> None:
-    tmp = paths.root / "sandbox.json.tmp"
-    tmp.write_text(json.dumps(meta))
-    tmp.replace(paths.meta)
+    write_atomic(paths.meta, json.dumps(meta))
 
 
 def read_record(paths: SandboxPaths) -> dict | None:

@@ -17,7 +17,9 @@ from envbuild.jobs import (
     render_job_manifest,
     resolve_job_manifest,
 )
+from envbuild.sizes import format_size
 from envbuild.store import LocalStore, MemoryStore, get_json
+from runtime_shim import Limits
 from tests.unit.test_jobs_support import MANIFEST, make_env
 
 
@@ -42,10 +44,14 @@ def test_resolve_pins_refs_and_records_the_closure(store):
         (d["digest"], d["size"], d["annotations"]["org.envbuild.toc.digest"])
         for d in manifest["layers"]]
     assert set(m.blobs()) >= {alpha, swe.pinned.config, *(p.digest for p in swe.pinned.layers)}
-    # options survive, defaults are written out
+    # options survive, defaults (Limits()'s) are written out, but cpus: each node's share
     doc = yaml.safe_load(render_job_manifest(m))
-    assert doc["groups"][0]["limits"] == {"pids": 64, "memory": "1GiB", "nofile": 1024,
-                                          "output_bytes": "16MiB"}
+    default = Limits()
+    assert doc["groups"][0]["limits"] == {
+        "pids": 64, "memory_bytes": "1GiB", "nofile": default.nofile,
+        "output_bytes": format_size(default.output_bytes), "exec_timeout": default.exec_timeout,
+        "disk_bytes": format_size(default.disk_bytes), "inodes": default.inodes,
+        "cpu_class": default.cpu_class, "inotify": default.inotify}
     assert doc["groups"][1]["backend"] == "microvm" and doc["groups"][1]["count"] == 1
 
 

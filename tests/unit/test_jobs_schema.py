@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
 from envbuild.jobs import JobManifestError, load_job_manifest, parse_job_manifest
-from envbuild.jobs.model import GroupLimits, format_size, parse_size
+from envbuild.jobs.model import SandboxGroup, limits_from_mapping, limits_to_mapping
+from runtime_shim.backends import backend_names
+from runtime_shim.isolation import cpuclass
 from runtime_shim.sdk.sandbox import Limits
 from tests.unit.test_jobs_support import MANIFEST
 
@@ -25,7 +29,7 @@ def test_valid_manifest_loads_with_defaults(tmp_path):
     swe, tools = m.groups
     assert (m.name, swe.name, swe.lock, swe.count, swe.backend) == (
         "batch-7", "swe", "env/alpha", 4, "container")
-    assert swe.limits == GroupLimits(pids=64, memory=1 << 30)
+    assert swe.limits == Limits(pids=64, memory_bytes=1 << 30)
     assert (tools.count, tools.backend, tools.network) == (1, "microvm", True)
     assert not m.resolved and m.blobs() == []
 
@@ -40,8 +44,8 @@ def test_errors_name_file_line_column_and_hint():
         "jobs.yaml:7:12: count: 0 is less than the minimum of 1 (at groups[0].count)",
         "jobs.yaml:8:38: unknown key 'nofle' (at groups[0].limits.nofle) — did you mean "
         "'nofile'?",
-        "jobs.yaml:11:14: backend: expected one of 'container', 'microvm', got 'microvn' "
-        "(at groups[1].backend) — did you mean 'microvm'?",
+        "jobs.yaml:11:14: backend: unknown sandbox backend 'microvn' (at groups[1].backend) "
+        "— did you mean 'microvm'?",
         "jobs.yaml:12:14: network: expected true or false, got a string (at groups[1].network)",
     ]
 
@@ -97,12 +101,64 @@ def test_unreadable_file(tmp_path):
     assert "read job manifest" in e.value.problems[0].message
 
 
-def test_sizes_and_limits_agree_with_the_sandbox_defaults():
-    assert GroupLimits().to_limits() == Limits()
-    assert parse_size("2GiB") == parse_size("2G") == parse_size(2 << 30) == 2 << 30
-    assert format_size(2 << 30) == "2GiB" and format_size(1000) == 1000
+def test_limits_are_the_sdks_limits_with_its_defaults():
+    assert limits_from_mapping({}) == Limits() == SandboxGroup(lock="env/a").sandbox_limits()
     # a None that got past the schema is the default, never "no limit" (issue 34, item 7)
-    assert GroupLimits.from_mapping({"memory": None, "pids": None}).to_limits() == Limits()
+    assert limits_from_mapping({"memory_bytes": None, "pids": None}) == Limits()
+    assert limits_from_mapping({"memory": "2G"}) == Limits(memory_bytes=2 << 30)  # the old name
+
+
+def test_every_limit_is_settable_and_round_trips():
+    """Issue 38: a manifest could set 4 of Limits' fields; now every one, by the SDK's names."""
+    every = {"pids": 7, "memory_bytes": "3GiB", "nofile": 99, "cpus": 1.5,
+             "output_bytes": "1 MB", "exec_timeout": 30, "disk_bytes": "1.5G", "inodes": 5000,
+             "cpu_class": "best-effort", "inotify": True}
+    assert set(every) == {f.name for f in dataclasses.fields(Limits)}
+    text = MANIFEST.replace("limits: {memory: 1GiB, pids: 64}", f"limits: {json.dumps(every)}")
+    swe = parse_job_manifest(text).groups[0]
+    want = Limits(pids=7, memory_bytes=3 << 30, nofile=99, cpus=1.5, output_bytes=1 << 20,
+                  exec_timeout=30, disk_bytes=int(1.5 * (1 << 30)), inodes=5000,
+                  cpu_class="best-effort", inotify=True)
+    assert swe.limits == want and swe.sandbox_options()["limits"] == want
+    written = swe.to_mapping()["limits"]
+    assert written == {**limits_to_mapping(want), "memory_bytes": "3GiB", "output_bytes": "1MiB",
+                       "disk_bytes": "1536MiB"}
+    again = SandboxGroup.from_mapping(swe.to_mapping())
+    assert again == swe
+
+
+def test_cpus_left_out_stays_each_nodes_default():
+    swe = parse_job_manifest(MANIFEST).groups[0]
+    assert "cpus" not in swe.to_mapping()["limits"]
+    assert swe.sandbox_limits().cpus == Limits().cpus
+
+
+def test_every_registered_backend_is_accepted_and_one_error_lists_them():
+    """Issue 38: the schema listed container and microvm, so a manifest could not pick fncall."""
+    for name in backend_names():
+        m = parse_job_manifest(MANIFEST.replace("backend: microvm", f"backend: {name}"))
+        assert m.groups[1].backend == name
+    (line,) = problems(MANIFEST.replace("backend: microvm", "backend: teleport"))
+    assert "unknown sandbox backend 'teleport'" in line
+    assert f"choose one of: {', '.join(backend_names())}" in line and "fncall" in line
+
+
+def test_bad_sizes_and_two_names_for_memory_are_one_line_each():
+    got = problems(MANIFEST.replace("limits: {memory: 1GiB, pids: 64}",
+                                    "limits: {memory: 1GiB, memory_bytes: 2G, disk_bytes: 2XB}"))
+    assert got == [
+        "jobs.yaml:8:22: memory and memory_bytes are one limit (at groups[0].limits.memory) — "
+        "keep memory_bytes (the SDK's name)",
+        "jobs.yaml:8:58: disk_bytes: '2XB' is not a size (at groups[0].limits.disk_bytes) — "
+        "write bytes or a number with a unit, e.g. 512M, 2GiB, 1.5G (powers of 1024)",
+    ]
+
+
+def test_the_schema_cpu_classes_are_the_runtimes():
+    schema = json.loads((Path(__file__).parents[2] / "envbuild/defs/schema/jobmanifest.json")
+                        .read_text())
+    assert schema["$defs"]["limits"]["properties"]["cpu_class"]["enum"] == [
+        cpuclass.LATENCY, cpuclass.BEST_EFFORT]
 
 
 def test_null_limits_and_huge_counts_are_refused():

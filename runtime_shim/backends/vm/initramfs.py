@@ -46,10 +46,10 @@ import functools
 import hashlib
 import os
 import stat
-import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from envbuild.atomic import write_atomic
 from envbuild.errors import RuntimeShimError
 from runtime_shim.backends.vm.kernel import GuestKernel, guest_modules
 from runtime_shim.backends.vm.qemu import PMEM_FIRST_SLOT
@@ -269,13 +269,5 @@ def _ensure(cache_dir: str, kernel: GuestKernel, agent_path: str | None, network
     target = Path(cache_dir) / "vm" / "initramfs" / f"{digest}.cpio"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{digest[:12]}-{uuid.uuid4().hex[:8]}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            tmp.replace(target)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomic(target, data, fsync=True)
     return target

@@ -23,10 +23,10 @@ import os
 import re
 import shutil
 import subprocess
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+from envbuild.atomic import write_atomic
 from envbuild.errors import RuntimeShimError
 
 #: Modules the guest init loads (dependencies are added by ``module_load_order``).
@@ -245,12 +245,7 @@ def boot_image(cache_dir: str | os.PathLike[str], kernel: GuestKernel) -> Path:
     if data is None:
         return kernel.path
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".vmlinux-{uuid.uuid4().hex[:8]}")
-    try:
-        tmp.write_bytes(data)
-        tmp.replace(target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomic(target, data)
     return target
 
 

@@ -23,7 +23,6 @@ too, so it sees no jump).
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import json
@@ -40,7 +39,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from envbuild.atomic import write_atomic
 from envbuild.errors import RuntimeShimError
+from envbuild.libc import LIBC
 from runtime_shim.isolation import scratchfs
 
 PR_SET_PDEATHSIG = 1
@@ -327,12 +328,9 @@ def _devices(qemu: str, _mtime: int) -> frozenset[str]:
     return frozenset(re.findall(r'^name "([^"]+)"', proc.stdout + proc.stderr, re.M))
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
 def _die_with_parent() -> None:
     # Runs in the child between fork and exec: only async-signal-safe calls.
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() == 1:  # the parent died before prctl took effect
         os._exit(1)
 
@@ -395,10 +393,8 @@ def choose_accel(node_root: Path, kernel: str, initrd: str, qemu: str | None = N
         pass
     accel = "kvm" if _kvm_boots(qemu, kernel, initrd) else "tcg"
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(f".kvm-probe.{os.getpid()}")
-    tmp.write_text(json.dumps({"version": KVM_PROBE_VERSION, "key": key, "accel": accel,
-                               "probed": time.time()}))
-    tmp.replace(cache)
+    write_atomic(cache, json.dumps({"version": KVM_PROBE_VERSION, "key": key, "accel": accel,
+                                    "probed": time.time()}))
     return accel
 
 
