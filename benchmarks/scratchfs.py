@@ -30,8 +30,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from envbuild.libc import LIBC  # noqa: E402
 from runtime_shim.isolation import scratchfs  # noqa: E402
-from runtime_shim.isolation.mount import _libc, unmount  # noqa: E402
+from runtime_shim.isolation.mount import unmount  # noqa: E402
 
 SHAPES = ((64 << 20, 1000), (10 << 30, 1_000_000), (50 << 30, 5_000_000))
 
@@ -97,7 +98,7 @@ def main() -> int:
                 print(f"  {name:48} {median_ms(base, fn, args.runs):7.2f} ms")
 
         def tmpfs(d: Path) -> None:
-            if _libc.mount(b"tmpfs", str(d).encode(), b"tmpfs", 0x406,
+            if LIBC.mount(b"tmpfs", str(d).encode(), b"tmpfs", 0x406,
                            b"size=64m,nr_inodes=1000,mode=0755") != 0:
                 raise OSError(ctypes.get_errno(), "mount tmpfs")
             unmount(str(d))

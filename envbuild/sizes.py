@@ -54,9 +54,10 @@ def format_size(n: int) -> int | str:
 
 
 def human_size(n: int | float) -> str:
-    """``1.2 MB``-style size (decimal units), exact bytes below 1 kB."""
+    """``1.2 MB``-style size (decimal units, one decimal), whole bytes below 1 kB: for people
+    (listings, progress lines)."""
     if n < 1000:
-        return f"{n} B"
+        return f"{int(n)} B"
     for unit in ("kB", "MB", "GB", "TB"):
         n /= 1000
         if n < 1000 or unit == "TB":

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import click
 
 from envbuild.errors import SettingsError
+from envbuild.sizes import human_size
 from envbuild.store.progress import TransferMeter
 
 MODES = ("auto", "always", "never")
@@ -31,28 +32,20 @@ TTY_INTERVAL = 0.2
 PLAIN_INTERVAL = 1.0
 
 
-def format_bytes(n: float) -> str:
-    """``n`` bytes in decimal units with one decimal: ``512 B``, ``1.5 kB``, ``42.0 MB``."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
-
-
 def format_rate(done: int, seconds: float) -> str:
-    return f"{format_bytes(done / seconds)}/s" if seconds > 0 else "-"
+    return f"{human_size(done / seconds)}/s" if seconds > 0 else "-"
 
 
 def progress_line(verb: str, done: int, total: int, seconds: float) -> str:
     """``push: 4.2 MB / 12.3 MB (34%), 10.1 MB/s``."""
     pct = f" ({min(100, done * 100 // total)}%)" if total else ""
-    return (f"{verb}: {format_bytes(done)} / {format_bytes(total)}{pct}, "
+    return (f"{verb}: {human_size(done)} / {human_size(total)}{pct}, "
             f"{format_rate(done, seconds)}")
 
 
 def summary_line(verb: str, done: int, seconds: float) -> str:
     """``push: 12.3 MB in 1.2 s (10.3 MB/s)``."""
-    return f"{verb}: {format_bytes(done)} in {seconds:.1f} s ({format_rate(done, seconds)})"
+    return f"{verb}: {human_size(done)} in {seconds:.1f} s ({format_rate(done, seconds)})"
 
 
 def check_mode(mode: str) -> str:

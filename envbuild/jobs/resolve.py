@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 
 from envbuild.errors import EnvbuildError, StoreError
-from envbuild.jobs.model import JobManifest, Pinned, PinnedLayer, SandboxGroup, is_digest
-from envbuild.oci import MEDIA_TYPE_MANIFEST
+from envbuild.jobs.model import JobManifest, Pinned, PinnedLayer, SandboxGroup
+from envbuild.oci import MEDIA_TYPE_MANIFEST, is_digest
 from envbuild.store import Store
 from envbuild.store.sync import resolve_ref, walk
 from runtime_shim.node import resolve

@@ -17,9 +17,9 @@ from typing import Any
 
 from envbuild.canonical import load_json
 from envbuild.errors import BlobNotFound, EnvbuildError
-from envbuild.jobs.model import JobManifest, is_digest
+from envbuild.jobs.model import JobManifest
 from envbuild.layers import LayerReader
-from envbuild.oci import ANNOTATION_TOC
+from envbuild.oci import ANNOTATION_TOC, is_digest
 from envbuild.store import Store
 from envbuild.store.base import CHUNK_SIZE
 from envbuild.store.sync import resolve_ref

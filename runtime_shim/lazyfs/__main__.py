@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from envbuild.errors import EnvbuildError
-from envbuild.settings import parse_size
+from envbuild.sizes import parse_size
 from envbuild.store.lazy import ChunkCache, LazyLayer, MemoryChunkCache
 from runtime_shim.lazyfs.chunks import TieredChunkCache
 from runtime_shim.lazyfs.daemon import DEFAULT_TREE_BUDGET, TREE_BUDGET_ENV, _NodeDaemon

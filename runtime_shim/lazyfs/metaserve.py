@@ -46,6 +46,7 @@ itself (``wanted``).
 from __future__ import annotations
 
 import array
+import ctypes
 import errno
 import logging
 import marshal
@@ -59,8 +60,6 @@ import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
-
-from envbuild.libc import LIBC
 
 if __package__:
     from runtime_shim.lazyfs import fusewire as fw
@@ -312,7 +311,10 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s lazyfs-meta[%(process)d] %(levelname)s %(message)s")
     control_fd, parent = int(argv[0]), int(argv[1])
-    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # not envbuild.libc: run by path (``MetaServer.start``), this process has the standard
+    # library and its sibling only
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:   # the daemon died before the line above
         return 0
     # the daemon's signals are its own: a terminal's ^C reaches the process group, and the

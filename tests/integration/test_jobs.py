@@ -20,7 +20,8 @@ groups:
   - name: shell
     lock: busybox-shell
     count: 2
-    limits: {pids: 64, memory: 256MiB, output_bytes: 1MiB}
+    limits: {pids: 64, memory_bytes: 256MiB, output_bytes: 1MiB, cpus: 0.5, disk_bytes: 64M,
+             inodes: 20000, exec_timeout: 30, cpu_class: best-effort}
 """
 
 
@@ -34,6 +35,10 @@ def test_resolve_verify_run_and_gc(envbuild_cli, tmp_path):
     manifest = load_job_manifest(resolved)
     (group,) = manifest.groups
     assert group.resolved and group.pinned.ref == "env/busybox-shell"
+    # issue 38: every Limits field comes through the manifest, resolved and re-read
+    assert (group.limits.cpus, group.limits.disk_bytes, group.limits.inodes,
+            group.limits.exec_timeout, group.limits.cpu_class) == (0.5, 64 << 20, 20000, 30,
+                                                                    "best-effort")
     assert len(group.pinned.layers) == 3
 
     result = envbuild_cli("job", "verify", str(resolved), "--json")
@@ -52,6 +57,9 @@ def test_resolve_verify_run_and_gc(envbuild_cli, tmp_path):
             assert r.ok, r.stderr
             assert r.stdout.decode().split()[-1] == "/workspace/.kv"
             assert r.stdout.decode().split()[0] in ("64", "none")
+            # the disk limit: the sandbox's /tmp is a 64 MiB scratch filesystem
+            r = sb.exec("df -k /tmp | tail -1")
+            assert r.ok and int(r.stdout.split()[1]) <= 64 << 10, r.stdout
     finally:
         for sb in sandboxes:
             sb.close()

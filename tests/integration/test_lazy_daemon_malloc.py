@@ -25,12 +25,11 @@ def work():
 threads = [threading.Thread(target=work) for _ in range(8)]
 for t in threads: t.start()
 ready.wait()
-libc = ctypes.CDLL("libc.so.6")
-libc.fopen.restype = ctypes.c_void_p
+from envbuild.libc import LIBC, function
 path = tempfile.mktemp()
-fp = libc.fopen(path.encode(), b"w")
-libc.malloc_info(0, ctypes.c_void_p(fp))
-libc.fclose(ctypes.c_void_p(fp))
+fp = function("fopen", ctypes.c_void_p)(path.encode(), b"w")
+LIBC.malloc_info(0, ctypes.c_void_p(fp))
+LIBC.fclose(ctypes.c_void_p(fp))
 print(open(path).read().count("<heap nr="))
 os.unlink(path)
 for t in threads: t.join()

@@ -23,7 +23,7 @@ from envbuild.oci import digest_hex, is_digest, is_hex64
 from envbuild.sizes import SizeError, format_size, human_size, parse_size
 from tests.conftest import REPO
 
-SIZE_FUNCTIONS = {"parse_size", "format_size", "human_size"}
+SIZE_FUNCTIONS = {"parse_size", "format_size", "human_size", "format_bytes", "human_bytes", "parse_bytes"}
 #: Text that only a digest's grammar contains (a git object id, 40 or 64 hex digits, is
 #: another fact: ``[0-9a-f]{40}|[0-9a-f]{64}`` is not a digest).
 DIGEST_TEXT = ("[0-9a-f]{64}", "[0-9a-fA-F]{64}")
@@ -122,7 +122,38 @@ def fine(text):
     assert list(hand_rolled_atomic_writes(source)) == ["save"]
 
 
-HOMES = {"envbuild/sizes.py": "size", "envbuild/oci.py": "digest", "envbuild/libc.py": "libc"}
+def backend_lists(source: str) -> Iterator[int]:
+    """Lines of tuple, list or set literals in ``source`` that name two or more backends: a copy
+    of the registry (``runtime_shim.backends.backend_names()``)."""
+    names = {"container", "microvm", "fncall"}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Tuple | ast.List | ast.Set) and len(names & {
+                e.value for e in node.elts if isinstance(e, ast.Constant)}) >= 2:
+            yield node.lineno
+
+
+#: Lists of backends that are another fact than "the backends there are".
+OTHER_BACKEND_LISTS = {
+    "runtime_shim/node/reclaim.py": "CGROUP_BACKENDS: the backends whose sandboxes are cgroups "
+                                    "of this host (the node cannot import the backends above it)",
+}
+
+
+def test_the_backend_registry_is_the_one_list():
+    found = set()
+    for path in sorted([*REPO.glob("envbuild/**/*.py"), *REPO.glob("runtime_shim/**/*.py")]):
+        rel = path.relative_to(REPO).as_posix()
+        if rel != "runtime_shim/backends/base.py" and list(backend_lists(path.read_text())):
+            found.add(rel)
+    assert found == set(OTHER_BACKEND_LISTS), "ask runtime_shim.backends.backend_names()"
+    assert list(backend_lists('BACKENDS = ("container", "microvm")')) == [1]
+    for schema in (REPO / "envbuild/defs/schema").glob("*.json"):
+        assert '"microvm"' not in schema.read_text(), f"{schema.name}: a copy of the backends"
+
+
+HOMES = {"envbuild/sizes.py": "size", "envbuild/oci.py": "digest", "envbuild/libc.py": "libc",
+         # run by path with ``python -S -E`` (30 ms start-up): it cannot import envbuild
+         "runtime_shim/lazyfs/metaserve.py": "libc"}
 
 
 def test_each_fact_has_one_copy():
@@ -134,6 +165,13 @@ def test_each_fact_has_one_copy():
                 found.append(f"{rel}:{line}: {what}")
     assert found == [], ("use envbuild.sizes, envbuild.oci's digest grammar and envbuild.libc "
                          "instead of a copy")
+
+
+def test_tests_scripts_and_benchmarks_load_no_libc_of_their_own():
+    found = [f"{path.relative_to(REPO)}:{line}" for top in ("tests", "scripts", "benchmarks")
+             for path in sorted((REPO / top).rglob("*.py"))
+             for line, what in copies(path.read_text()) if what.startswith("libc")]
+    assert found == [], "use envbuild.libc"
 
 
 def test_the_check_sees_each_kind_of_copy():

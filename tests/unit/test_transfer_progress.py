@@ -10,10 +10,10 @@ from envbuild.cli.progress import (
     PLAIN_INTERVAL,
     TTY_INTERVAL,
     TransferProgress,
-    format_bytes,
     progress_line,
     summary_line,
 )
+from envbuild.sizes import human_size
 from envbuild.store import MemoryStore, put_bytes, put_json
 from envbuild.store.base import MEDIA_TYPE_CONFIG, VerifyingReader
 from envbuild.store.progress import TransferMeter
@@ -21,11 +21,11 @@ from envbuild.store.sync import sync
 
 
 def test_formats():
-    assert format_bytes(0) == "0 B"
-    assert format_bytes(999) == "999 B"
-    assert format_bytes(1500) == "1.5 kB"
-    assert format_bytes(42_000_000) == "42.0 MB"
-    assert format_bytes(3.2e9) == "3.2 GB"
+    assert human_size(0) == "0 B"
+    assert human_size(999) == "999 B"
+    assert human_size(1500) == "1.5 kB"
+    assert human_size(42_000_000) == "42.0 MB"
+    assert human_size(3.2e9) == "3.2 GB"
     assert progress_line("push", 4_200_000, 12_300_000, 0.5) == \
         "push: 4.2 MB / 12.3 MB (34%), 8.4 MB/s"
     assert progress_line("pull", 0, 0, 0.0) == "pull: 0 B / 0 B, -"
