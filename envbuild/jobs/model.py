@@ -146,10 +146,10 @@ class SandboxGroup:
     network: bool = False
     limits: Limits = dataclasses.field(default_factory=lambda: limits_from_mapping({}))
     pinned: Pinned | None = None
-    #: whether the manifest set ``limits.cpus``; if not, each node's default share applies
-    #: (``Limits.cpus``: half the cores of the host the sandbox runs on), never the share of
-    #: the host that read or resolved the manifest
-    cpus_set: bool = False
+    #: the manifest left ``limits.cpus`` out: each sandbox gets the default share of the host
+    #: it starts on (``Limits.cpus``: half its cores), never that of the host that read or
+    #: resolved the manifest, and a written manifest leaves it out again
+    node_cpus: bool = False
 
     @classmethod
     def from_mapping(cls, obj: Mapping[str, Any]) -> SandboxGroup:
@@ -158,14 +158,14 @@ class SandboxGroup:
         return cls(lock=obj["lock"], name=obj.get("name"), count=obj.get("count", 1),
                    backend=obj.get("backend", "container"), network=obj.get("network", False),
                    limits=limits_from_mapping(limits),
-                   cpus_set=limits.get("cpus") is not None,
+                   node_cpus=limits.get("cpus") is None,
                    pinned=None if pinned is None else Pinned.from_mapping(pinned))
 
     def to_mapping(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name} if self.name else {}
         out.update(lock=self.lock, count=self.count, backend=self.backend,
                    network=self.network,
-                   limits=limits_to_mapping(self.sandbox_limits(), cpus=self.cpus_set))
+                   limits=limits_to_mapping(self.sandbox_limits(), cpus=not self.node_cpus))
         if self.pinned is not None:
             out["pinned"] = self.pinned.to_mapping()
         return out
@@ -192,11 +192,11 @@ class SandboxGroup:
                 "limits": self.sandbox_limits()}
 
     def sandbox_limits(self) -> Limits:
-        """The ``Limits`` of each sandbox of the group, made here: an unset ``cpus`` is this
-        host's default share."""
+        """The ``Limits`` of each sandbox of the group, made here (``node_cpus``: this host's
+        default share of CPU)."""
         from runtime_shim import Limits
 
-        if self.cpus_set:
+        if not self.node_cpus:
             return self.limits
         return dataclasses.replace(self.limits, cpus=Limits().cpus)
 

@@ -129,8 +129,11 @@ def test_every_limit_is_settable_and_round_trips():
 
 def test_cpus_left_out_stays_each_nodes_default():
     swe = parse_job_manifest(MANIFEST).groups[0]
-    assert "cpus" not in swe.to_mapping()["limits"]
+    assert swe.node_cpus and "cpus" not in swe.to_mapping()["limits"]
     assert swe.sandbox_limits().cpus == Limits().cpus
+    # a group made in code means what its Limits say
+    group = SandboxGroup(lock="env/a", limits=Limits(cpus=3.0))
+    assert group.sandbox_limits().cpus == 3.0 and group.to_mapping()["limits"]["cpus"] == 3.0
 
 
 def test_every_registered_backend_is_accepted_and_one_error_lists_them():
