@@ -141,24 +141,17 @@ def node_cache_budget(spec: str, node_dir: Path) -> int:
     """Bytes the node cache may hold: ``spec`` is a size (``50G``) or a percentage of the
     filesystem holding ``node_dir`` (``20%``: its nearest existing ancestor is measured). The
     default ``20%`` is capped at ``DEFAULT_NODE_CACHE_CAP``; an explicit value is not."""
-    from envbuild.errors import SettingsError
-    from envbuild.sizes import parse_size
+    from envbuild.sizes import parse_percent, parse_size
 
     text = spec.strip()
     if not text.endswith("%"):
         return parse_size(text, what="ENVBUILD_NODE_CACHE_MAX")
-    try:
-        share = float(text[:-1])
-    except ValueError:
-        share = -1.0
-    if not 0 <= share <= 100:
-        raise SettingsError(f"ENVBUILD_NODE_CACHE_MAX is not a size or a percentage: {spec!r}",
-                            hint="e.g. 50G or 20%")
+    share = parse_percent(text, what="ENVBUILD_NODE_CACHE_MAX")
     probe = Path(node_dir).absolute()
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     st = os.statvfs(probe)
-    budget = int(st.f_blocks * st.f_frsize * share / 100)
+    budget = int(st.f_blocks * st.f_frsize * share)
     return min(budget, DEFAULT_NODE_CACHE_CAP) if text == DEFAULT_NODE_CACHE_MAX else budget
 
 

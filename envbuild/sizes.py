@@ -10,7 +10,8 @@ Units are ``K``, ``M``, ``G``, ``T`` (1024, 1024², ...), optionally followed by
 ``iB``, any case, with optional blanks between number and unit; a fraction is rounded down to
 whole bytes. Anything else (a sign, an exponent, ``inf``, a percentage) is a ``SizeError``:
 one line naming the value, with a hint. A percentage is not a size: the one setting that takes
-one (``ENVBUILD_NODE_CACHE_MAX``) reads it itself and hands the rest here.
+one (``ENVBUILD_NODE_CACHE_MAX``) asks ``parse_percent`` when the text ends in ``%``, as the
+node's reserves (``ENVBUILD_HOST_RESERVE``, ``ENVBUILD_DISK_RESERVE``) do.
 
 ``format_size`` is the inverse for files we write (``2GiB`` when exact, else the bytes);
 ``human_size`` is for people (``1.2 MB``, decimal units).
@@ -22,7 +23,8 @@ import re
 
 from envbuild.errors import SizeError
 
-__all__ = ["SIZE_HINT", "UNITS", "SizeError", "format_size", "human_size", "parse_size"]
+__all__ = ["SIZE_HINT", "UNITS", "SizeError", "format_size", "human_size", "parse_percent",
+           "parse_size"]
 
 #: Bytes per unit letter.
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -43,6 +45,17 @@ def parse_size(value: int | str, *, what: str = "size") -> int:
     unit = UNITS[(m.group(2) or "").upper()]
     number = m.group(1)
     return int(number) * unit if number.isdigit() else int(float(number) * unit)
+
+
+def parse_percent(text: str, *, what: str, below_100: bool = False) -> float:
+    """``"20%"`` → ``0.2``: a number from 0 to 100 (below 100 with ``below_100``) and ``%``;
+    anything else is a ``SizeError`` naming ``what``."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*", text)
+    share = float(m[1]) if m else -1.0
+    if not (0 <= share < 100 if below_100 else 0 <= share <= 100):
+        raise SizeError(f"{what} is not a percentage{' below 100%' if below_100 else ''}: "
+                        f"{text!r}", hint="e.g. 25%")
+    return share / 100
 
 
 def format_size(n: int) -> int | str:

@@ -138,14 +138,9 @@ def _share(environ: Mapping[str, str], name: str, default: float) -> float:
     text = environ.get(name, "").strip()
     if not text:
         return default
-    try:
-        share = float(text.removesuffix("%")) / 100
-    except ValueError:
-        share = -1.0
-    if not text.endswith("%") or not 0 <= share < 1:
-        raise SettingsError(f"{name} is not a percentage below 100%: {text!r}",
-                            hint="e.g. 25%")
-    return share
+    from envbuild.sizes import parse_percent
+
+    return parse_percent(text, what=name, below_100=True)
 
 
 def parse_caps(text: str) -> dict[str, int]:

@@ -20,7 +20,7 @@ import pytest
 
 from envbuild.errors import RuntimeShimError, SettingsError
 from envbuild.oci import digest_hex, is_digest, is_hex64
-from envbuild.sizes import SizeError, format_size, human_size, parse_size
+from envbuild.sizes import SizeError, format_size, human_size, parse_percent, parse_size
 from tests.conftest import REPO
 
 SIZE_FUNCTIONS = {"parse_size", "format_size", "human_size", "format_bytes", "human_bytes", "parse_bytes"}
@@ -206,6 +206,30 @@ def test_anything_else_is_one_clear_error(text):
     assert e.value.message == f"limits.memory: not a size: {text!r}" and "2GiB" in e.value.hint
     # callers of settings and of the runtime catch it as their own
     assert isinstance(e.value, SettingsError) and isinstance(e.value, RuntimeShimError)
+
+
+def test_percentages():
+    assert parse_percent("20%", what="X") == 0.2 and parse_percent(" 100 %", what="X") == 1.0
+    assert parse_percent("12.5%", what="X", below_100=True) == 0.125
+    for bad, below in (("20", False), ("101%", False), ("100%", True), ("-1%", False),
+                       ("1e1%", False), ("%", False)):
+        with pytest.raises(SizeError, match="X is not a percentage"):
+            parse_percent(bad, what="X", below_100=below)
+
+
+def test_settings_and_the_node_budget_use_the_one_grammar(tmp_path):
+    from envbuild.settings import Settings, node_cache_budget
+    from runtime_shim.node import BudgetSettings
+
+    assert node_cache_budget("1.5G", tmp_path) == 3 << 29
+    assert 0 < node_cache_budget("50%", tmp_path) <= node_cache_budget("100%", tmp_path)
+    with pytest.raises(SizeError, match="ENVBUILD_NODE_CACHE_MAX is not a percentage"):
+        node_cache_budget("150%", tmp_path)
+    with pytest.raises(SizeError, match="ENVBUILD_NODE_CACHE_MAX: not a size: '5 parsecs'"):
+        node_cache_budget("5 parsecs", tmp_path)
+    assert Settings.from_env({"ENVBUILD_BUILD_DISK": "10 GB"}).build_disk_bytes == 10 << 30
+    with pytest.raises(SizeError, match="ENVBUILD_HOST_RESERVE is not a percentage below 100%"):
+        BudgetSettings.from_env({"ENVBUILD_HOST_RESERVE": "100%"})
 
 
 def test_format_size_round_trips_and_human_size_is_decimal():
