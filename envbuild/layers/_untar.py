@@ -284,7 +284,7 @@ class chain_reader:
         return self.f.read(n)
 
 
-def iter_foreign_members(stream: TarStream, name: str) -> Iterator[tuple[Entry, int]]:
+def iter_foreign_members(stream: TarStream, name: str) -> Iterator[tuple[Entry, int]]:  # noqa: C901  one header state machine (PAX, GNU long names, globals): its states share the pending values
     """``(entry, data size)`` per member of a foreign tar; the consumer reads or skips the data,
     padding is skipped here. GNU long names, PAX and global headers are folded in."""
     pax: dict[bytes, bytes] = {}

@@ -194,7 +194,7 @@ def _serve_mount(mountpoint: str, fuse_fd: int, fwd: socket.socket, shm: int,
         os.close(shm)
 
 
-def _serve_requests(mountpoint: str, fuse_fd: int, fwd: socket.socket, counts: memoryview,
+def _serve_requests(mountpoint: str, fuse_fd: int, fwd: socket.socket, counts: memoryview,  # noqa: PLR0912  a FUSE request loop: one branch per outcome of a read
                     tree: fw.MetaTree) -> bool:
     """The mount's request loop (``_serve_mount``): True when the mount went away (unmounted),
     False when reading failed otherwise or the daemon did."""
