@@ -192,6 +192,17 @@ class HostCosted(Protocol):
 
 
 @runtime_checkable
+class HostProcess(Protocol):
+    """A handle whose sandbox is one process tree on this host (``Sandbox.host_pid``)."""
+
+    @property
+    def host_pid(self) -> int | None:
+        """The host pid of the sandbox's first process (a container's init, a microVM's
+        QEMU), None once it is gone."""
+        ...
+
+
+@runtime_checkable
 class MemoryReporting(Protocol):
     """A handle that says what it holds of the host's memory (``Sandbox.info().memory``)."""
 

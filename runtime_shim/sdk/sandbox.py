@@ -49,6 +49,7 @@ from envbuild.store import Store, put_file
 from runtime_shim.backends.base import (
     CreateRequest,
     Describable,
+    HostProcess,
     MemoryReporting,
     SandboxHandle,
     Snapshottable,
@@ -365,6 +366,24 @@ class Sandbox:
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         self._check_open()
         self._backend.write_file(path, data.encode() if isinstance(data, str) else data, mode)
+
+    @property
+    def limits(self) -> Limits:
+        """What this sandbox may use (its ``SandboxOptions.limits``, defaults filled in)."""
+        return self._backend.limits
+
+    @property
+    def host_pid(self) -> int | None:
+        """The host pid of the sandbox's first process (a container's init, a microVM's QEMU):
+        for ``nsenter``, ``/proc/PID/root`` or cgroup checks; None where the backend has none."""
+        return self._backend.host_pid if isinstance(self._backend, HostProcess) else None
+
+    @property
+    def handle(self) -> SandboxHandle:
+        """The backend's handle of this sandbox (``runtime_shim.backends.base``): for what only
+        one backend does (a microVM's ``checkpoint(dir)``, a container's ``upper_dir()``).
+        Its methods beyond the protocols are the backend's own, outside the SDK's promise."""
+        return self._backend
 
     def info(self) -> SandboxInfo:
         """This sandbox as its record says (id, backend, lock digest, created/ready times,

@@ -263,6 +263,11 @@ class MicroVmSandbox:
     def pid(self) -> int:
         return self._proc.pid if self._proc else 0
 
+    @property
+    def host_pid(self) -> int | None:
+        """``backends.base.HostProcess``: the VM's QEMU."""
+        return self.pid
+
     def memory(self) -> VmMemoryInfo | None:
         """What this VM holds of the host's memory, from its QEMU's ``/proc/PID/status``
         (``runtime_shim.backends.base.MemoryReporting``); None once it stopped."""
