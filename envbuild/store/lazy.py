@@ -416,7 +416,7 @@ class LazyLayer:
         """Names directly below directory ``path`` ("" or "/" is the root), sorted."""
         if self._children is None:
             children: dict[str, list[str]] = {}
-            toc = self.reader.toc.entries
+            toc = self.reader.rows
             for i in range(len(toc)):
                 p = toc.raw_path(i)
                 parent, _, name = p.rpartition("/")
