@@ -251,15 +251,16 @@ def _decompressed(f, name: str) -> Iterator[bytes]:
             if not data:
                 return
     elif head.startswith(b"\x28\xb5\x2f\xfd"):
-        reader = zstandard.ZstdDecompressor().stream_reader(chain_reader(head, f),
-                                                            read_across_frames=True)
+        # zstandard needs only read(); its stubs ask for an IO[bytes]
+        reader = zstandard.ZstdDecompressor().stream_reader(
+            chain_reader(head, f), read_across_frames=True)  # type: ignore[arg-type]
         while chunk := reader.read(_READ):
             yield chunk
     elif head.startswith((b"\xfd7zXZ\x00", b"BZh")):
-        dec = lzma.LZMADecompressor() if head[0] == 0xFD else bz2.BZ2Decompressor()
+        xdec = lzma.LZMADecompressor() if head[0] == 0xFD else bz2.BZ2Decompressor()
         data = head
         while data:
-            out = dec.decompress(data)
+            out = xdec.decompress(data)
             if out:
                 yield out
             data = f.read(_READ)

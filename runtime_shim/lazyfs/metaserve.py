@@ -64,7 +64,7 @@ from typing import Any
 if __package__:
     from runtime_shim.lazyfs import fusewire as fw
 else:   # run by path (``MetaServer.start``): the standard library and this sibling only
-    import fusewire as fw  # type: ignore[import-not-found,no-redef]
+    import fusewire as fw  # type: ignore[no-redef]
 
 log = logging.getLogger("envbuild.lazyfs")
 

@@ -474,7 +474,7 @@ def module_files(stack: Any, roots: Sequence[str], name: str, tag: str,
             files = _files_in(stack, root, parts, tag, opt)
         else:
             key = (root, name, tag, opt)
-            files = memo.get(key)   # type: ignore[assignment]
+            files = memo.get(key)
             if files is None:
                 if len(memo) >= stack.limit:
                     memo.clear()

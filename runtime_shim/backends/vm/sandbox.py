@@ -389,6 +389,7 @@ class MicroVmSandbox:
         """Connect to the agent's serial socket and wait for its HELLO on a first channel,
         watching the console for the init failing and QEMU for exiting. Returns the guest
         uptime at which the init handed over (from its ready line), or 0."""
+        assert self._proc is not None  # launched by start()
         deadline = time.monotonic() + self.options.boot_timeout
         delay = 0.002
         probe: socket.socket | None = None
