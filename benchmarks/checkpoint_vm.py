@@ -67,14 +67,14 @@ def main() -> None:
                                 limits=LIMITS) as sb:
                 assert sb.exec("true").ok
                 cold.append(time.perf_counter() - t)
-                accel, transport = sb._backend.request.accel, sb.info().layer_transport
+                accel, transport = sb.handle.request.accel, sb.info().layer_transport
         with Sandbox.create(args.env, store=store, node_dir=node, backend="microvm",
                             limits=LIMITS) as sb:
             sb.exec("i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done "
                     ">/dev/null 2>&1 &")
             time.sleep(0.5)
             t = time.perf_counter()
-            image = sb._backend.checkpoint(work / "ck", leave_running=True)
+            image = sb.handle.checkpoint(work / "ck", leave_running=True)
             save = time.perf_counter() - t
         restore, phases = [], []
         for _ in range(args.runs):
@@ -82,7 +82,7 @@ def main() -> None:
             with _restore(image, store, node) as rb:
                 assert rb.exec("true").ok
                 restore.append(time.perf_counter() - t)
-                phases.append(rb._backend.timings)
+                phases.append(rb.handle.timings)
                 before = int(rb.exec("cat /tmp/counter").stdout)
                 time.sleep(0.3)
                 assert int(rb.exec("cat /tmp/counter").stdout) > before, "the loop stopped"

@@ -103,7 +103,7 @@ def bench_fncall(store, node, env: str, calls: int, threads: int = 2) -> dict[st
         with ThreadPoolExecutor(threads) as ex:
             list(ex.map(fn_one, range(calls)))
         fn_rate = calls / (time.perf_counter() - t)
-        restarts = sum(sb._backend.restarts for sb in pool.sandboxes)
+        restarts = sum(sb.handle.restarts for sb in pool.sandboxes)
     ratio, ratio_seq = fn_rate / base_rate, fn_seq / base_seq
     print(f"  one at a time: container create->exec->close {base_seq:7.1f} calls/s, "
           f"one fncall Sandbox {fn_seq:7.1f} calls/s: {ratio_seq:.1f}x")

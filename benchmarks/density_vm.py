@@ -103,7 +103,7 @@ def measure(store: LocalStore, node: Path, transport: str, vms: int, data_bytes:
         boot = time.monotonic() - t0
         assert all(sb.info().layer_transport == transport for sb in boxes)
         images = sorted((node / "node" / "erofs").glob("*.erofs"))
-        pids = [sb._backend.pid for sb in boxes]
+        pids = [sb.host_pid for sb in boxes]
         before = sum(anon_rss(p) for p in pids) + cached(images)
         avail_before = mem_available()
         t0 = time.monotonic()
@@ -139,7 +139,7 @@ def balloon(store: LocalStore, node: Path, vms: int, reporting: bool) -> dict:
         for _ in range(vms):
             boxes.append(Sandbox.create("density", store=store, node_dir=node,
                                         backend="microvm", limits=Limits(memory_bytes=512 << 20)))
-        pids = [sb._backend.pid for sb in boxes]
+        pids = [sb.host_pid for sb in boxes]
         before = settle_rss(pids)
         for sb in boxes:
             r = sb.exec("head -c 200m /dev/zero > /dev/shm/fill", timeout=300)
@@ -148,7 +148,7 @@ def balloon(store: LocalStore, node: Path, vms: int, reporting: bool) -> dict:
         for sb in boxes:
             assert sb.exec("rm /dev/shm/fill").ok
         after = settle_rss(pids)
-        reclaimed = sum(sb._backend.memory().reclaimed for sb in boxes)
+        reclaimed = sum(sb.handle.memory().reclaimed for sb in boxes)
     finally:
         for sb in boxes:
             sb.close()

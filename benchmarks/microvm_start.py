@@ -124,7 +124,7 @@ def main() -> int:
                 t2 = time.perf_counter()
                 sb.close()
                 t3 = time.perf_counter()
-                tm = sb._backend.timings
+                tm = sb.handle.timings
                 phases["boot"].append(tm["boot"])
                 phases["host_prep"].append((t1 - t0) - tm["boot"])
                 phases["first_exec"].append(t2 - t1)

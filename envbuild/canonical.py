@@ -37,7 +37,8 @@ def load_json(data: bytes | str, *, max_bytes: int = MAX_JSON_BYTES,
     ``ValueError`` handler lets through as a traceback) with ``JsonLimitError``."""
     if len(data) > max_bytes:
         raise JsonLimitError(f"document is {len(data)} bytes, over the {max_bytes}-byte limit")
-    if data.count(b"," if isinstance(data, bytes) else ",") > max_values:
+    commas = data.count(b",") if isinstance(data, bytes) else data.count(",")
+    if commas > max_values:
         raise JsonLimitError(f"document has more than {max_values} values, the limit")
     try:
         return json.loads(data)

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import Any
 
 
 class EnvbuildError(Exception):
@@ -293,7 +294,8 @@ class ExecTimeout(RuntimeShimError):
 
     reference = "exec-timeout"
 
-    def __init__(self, message: str, *, result=None, hint: str | None = None) -> None:
+    # Any: the ExecResult lives in runtime_shim.node.model, a room above this module
+    def __init__(self, message: str, *, result: Any = None, hint: str | None = None) -> None:
         super().__init__(message, hint=hint)
         self.result = result
 

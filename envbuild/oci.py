@@ -12,6 +12,7 @@ second).
 """
 
 import re
+from typing import TypeGuard
 
 #: The hex part of a digest: 64 lower-case hex digits (also a store's blob file name).
 HEX64_PATTERN = "[0-9a-f]{64}"
@@ -22,7 +23,7 @@ DIGEST_RE = re.compile(f"sha256:({HEX64_PATTERN})")
 HEX64_RE = re.compile(HEX64_PATTERN)
 
 
-def is_digest(value: object) -> bool:
+def is_digest(value: object) -> TypeGuard[str]:
     """Whether ``value`` is a digest: ``sha256:`` and 64 lower-case hex digits, nothing else."""
     return isinstance(value, str) and DIGEST_RE.fullmatch(value) is not None
 

@@ -106,7 +106,7 @@ def _lower_names(graph: EnvGraph, name: str) -> tuple[str, ...]:
 
 
 def _build_env(graph: EnvGraph, lower_names: tuple[str, ...]) -> dict[str, str]:
-    configs = [_runtime_config(graph[n].config) for n in reversed(lower_names)]  # type: ignore[union-attr]
+    configs = [_runtime_config(graph[n].config) for n in reversed(lower_names)]
     return dict(merge_config(configs).env)
 
 
@@ -327,7 +327,7 @@ def env_lock(ws: Snapshot, store: Store, env_name: str) -> Lock:
                                          workdir=imported.get("workdir"),
                                          user=imported.get("user"),
                                          cmd=tuple(imported["cmd"]) if imported.get("cmd") else None))
-        configs.append(_runtime_config(d.config))  # type: ignore[union-attr]
+        configs.append(_runtime_config(d.config))
         layers.append(LockLayer(name=n, role=ROLE_OF_KIND[d.kind], key=key, digest=record.layer,
                                 diff_id=record.diff_id, size=record.size, toc_digest=record.toc))
     configs.append(_runtime_config(env.config))

@@ -85,14 +85,7 @@ def from_images(text: str, args: Mapping[str, str]) -> list[str]:
     the ``--from=`` of ``COPY``/``ADD`` and ``RUN --mount`` (another way to read an image);
     ``scratch`` and earlier stages (by name or index) left out. ``ADD`` of a URL and a
     ``# syntax=`` directive (a frontend image the daemon would pull) are refused."""
-    for line in text.splitlines():  # parser directives: only at the top, before anything else
-        m = re.fullmatch(r"\s*#\s*(\w+)\s*=\s*(\S*)\s*", line)
-        if not m:
-            break
-        if m.group(1).lower() == "syntax":
-            raise Unpinnable(f"'# syntax={m.group(2)}' makes the daemon pull a BuildKit frontend "
-                             "image from a registry, outside the key and outside network: none",
-                             "remove the line: the daemon's built-in Dockerfile frontend is used")
+    _refuse_syntax_directive(text)
     declared: dict[str, str] = {}
     stages: set[str] = set()
     images: list[str] = []
@@ -101,38 +94,69 @@ def from_images(text: str, args: Mapping[str, str]) -> list[str]:
         instr, _, rest = line.partition(" ")
         instr = instr.upper()
         if instr == "ARG" and not seen_from:
-            for item in rest.split():
-                name, eq, default = item.partition("=")
-                if re.fullmatch(_ARG_NAME, name):
-                    declared[name] = args.get(name, default.strip("\"'") if eq else "")
+            _declare_args(rest, args, declared)
         elif instr == "FROM":
             seen_from = True
-            words = [w for w in rest.split() if not w.startswith("--")]
-            if not words:
-                raise Unpinnable(f"FROM without an image: {line!r}")
-            ref = _expand(words[0], declared)
-            if "$" in ref or not ref:
-                raise Unpinnable(f"FROM {words[0]} does not expand to an image name",
-                                 "declare the ARG before the first FROM, with a default or "
-                                 "in the definition's args")
-            if ref.lower() != "scratch" and ref.lower() not in stages:
-                images.append(ref)
-            if len(words) >= 3 and words[1].lower() == "as":
-                stages.add(words[2].lower())
+            images += _from_line(line, rest, declared, stages)
         elif instr in ("COPY", "ADD", "RUN"):
-            if instr == "ADD" and _URL_RE.search(rest):
-                raise Unpinnable(f"ADD of a URL is a download the key cannot cover, made by the "
-                                 f"daemon outside network: none ({line[:80]!r})",
-                                 "put the file in the context, or fetch it in a RUN step with "
-                                 "network: host")
-            for word in rest.split():
-                if not word.startswith("--"):
-                    break
-                for value in _from_flags(word):
-                    ref = _expand(value, declared)
-                    if ref.lower() not in stages and not ref.isdigit() and ref.lower() != "scratch":
-                        images.append(ref)
+            images += _from_flags_of(instr, line, rest, declared, stages)
     return images
+
+
+def _refuse_syntax_directive(text: str) -> None:
+    for line in text.splitlines():  # parser directives: only at the top, before anything else
+        m = re.fullmatch(r"\s*#\s*(\w+)\s*=\s*(\S*)\s*", line)
+        if not m:
+            break
+        if m.group(1).lower() == "syntax":
+            raise Unpinnable(f"'# syntax={m.group(2)}' makes the daemon pull a BuildKit frontend "
+                             "image from a registry, outside the key and outside network: none",
+                             "remove the line: the daemon's built-in Dockerfile frontend is used")
+
+
+def _declare_args(rest: str, args: Mapping[str, str], declared: dict[str, str]) -> None:
+    """An ``ARG`` before the first ``FROM``: its names, with the definition's values."""
+    for item in rest.split():
+        name, eq, default = item.partition("=")
+        if re.fullmatch(_ARG_NAME, name):
+            declared[name] = args.get(name, default.strip("\"'") if eq else "")
+
+
+def _from_line(line: str, rest: str, declared: Mapping[str, str], stages: set[str]) -> list[str]:
+    """The image a ``FROM`` line reads (none for ``scratch`` or an earlier stage); records its
+    stage name."""
+    words = [w for w in rest.split() if not w.startswith("--")]
+    if not words:
+        raise Unpinnable(f"FROM without an image: {line!r}")
+    ref = _expand(words[0], declared)
+    if "$" in ref or not ref:
+        raise Unpinnable(f"FROM {words[0]} does not expand to an image name",
+                         "declare the ARG before the first FROM, with a default or "
+                         "in the definition's args")
+    found = [ref] if ref.lower() != "scratch" and ref.lower() not in stages else []
+    if len(words) >= 3 and words[1].lower() == "as":
+        stages.add(words[2].lower())
+    return found
+
+
+def _from_flags_of(instr: str, line: str, rest: str, declared: Mapping[str, str],
+                   stages: set[str]) -> list[str]:
+    """The images a ``COPY``/``ADD``/``RUN`` reads with ``--from=`` (or a mount's ``from=``);
+    ``ADD`` of a URL is refused."""
+    if instr == "ADD" and _URL_RE.search(rest):
+        raise Unpinnable(f"ADD of a URL is a download the key cannot cover, made by the "
+                         f"daemon outside network: none ({line[:80]!r})",
+                         "put the file in the context, or fetch it in a RUN step with "
+                         "network: host")
+    found = []
+    for word in rest.split():
+        if not word.startswith("--"):
+            break
+        for value in _from_flags(word):
+            ref = _expand(value, declared)
+            if ref.lower() not in stages and not ref.isdigit() and ref.lower() != "scratch":
+                found.append(ref)
+    return found
 
 
 # ADD's remote sources: fetched by the daemon itself, with the host's network

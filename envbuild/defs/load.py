@@ -313,7 +313,7 @@ def load_bytes(data: bytes, file: str, problems: list[Problem], unparsed: set[st
     return definitions
 
 
-def check_yaml_limits(text: str, file: str) -> Problem | None:
+def check_yaml_limits(text: str, file: str) -> Problem | None:  # noqa: C901, PLR0912  one event loop over libyaml's parser: a call per event type would run on every event of every definition load
     """The first limit ``text`` breaks (see the module docstring), as a problem at its line;
     None if it keeps them all. Reads only parser events: nothing is composed or expanded, and
     the cost is one pass of libyaml's parser. Syntax errors are left to the loader (None)."""

@@ -135,7 +135,8 @@ def _limit_values(limits: dict[str, Any], at: str, file: str,
 
 
 def _duplicate_names(doc: dict[str, Any], file: str, positions: Positions) -> list[Problem]:
-    problems, first = [], {}
+    problems: list[Problem] = []
+    first: dict[str, int] = {}
     groups = doc.get("groups")
     for i, group in enumerate(groups if isinstance(groups, list) else []):
         name = group.get("name") if isinstance(group, dict) else None
@@ -185,7 +186,7 @@ def parse_job_manifest(text: str, file: str = "<manifest>") -> JobManifest:
     finally:
         loader.dispose()
     if len(nodes) != 1:
-        at = (nodes[1].start_mark.line + 1, 1) if nodes else (0, 0)
+        at: tuple[int, int] = (nodes[1].start_mark.line + 1, 1) if nodes else (0, 0)
         raise JobManifestError(Problem(
             file, *at, "empty file: no job manifest in it" if not nodes
             else "a job manifest file holds one document", hint="remove the other documents"

@@ -203,7 +203,7 @@ def _check(store: Store, digest: str, item: _Item) -> tuple[list[VerifyProblem],
         return [VerifyProblem(item.kind, digest, "corrupt", e.message, groups)], None
     problems = []
     if item.kind == "layer":
-        tocs = sorted(item.tocs) or [None]
+        tocs: list[str | None] = [*sorted(item.tocs)] or [None]
         for toc in tocs:
             try:
                 LayerReader.from_store(store, digest, expected_toc_digest=toc)

@@ -7,7 +7,7 @@ import os
 import struct
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 
 import zstandard
 
@@ -23,6 +23,8 @@ from envbuild.layers._toc import (
     MAX_TOC_USIZE,
     Chunk,
     Entry,
+    LazyEntries,
+    RowEntries,
     Toc,
     TocFormatError,
     TocVersionError,
@@ -91,6 +93,8 @@ class LayerReader:
         if sum(c for c, _ in self.toc.frames) != f.toc_offset:
             raise self._corrupt("TOC frames do not cover the blob up to the TOC")
         entries = self.toc.entries
+        assert isinstance(entries, LazyEntries | RowEntries)  # lazy=True: decoded on access
+        self.rows = entries  # the TOC's entries, with their paths readable without decoding
         try:
             self._index: dict[str, int] = entries.path_index()
         except TypeError:
@@ -276,7 +280,7 @@ class LayerReader:
         if "sha256:" + h.hexdigest() != e.digest:
             raise self._corrupt(f"content of {e.path} does not match its TOC digest")
 
-    def iter_frames(self, *, exact: bool = False, raw: bool = False) -> Iterator:
+    def iter_frames(self, *, exact: bool = False, raw: bool = False) -> Generator:
         """Decompressed data frames in order (fetched and decompressed by a thread pool).
         With ``raw``, yields ``(compressed, decompressed)`` pairs."""
         batches = self._batches()
@@ -335,7 +339,7 @@ class LayerReader:
                 pos += csize
             return out
         # one C call per batch: see _writer._FrameSink for why not a Python loop
-        frames = []
+        frames: list[bytes | bytearray | memoryview] = []
         for csize, _usize in sizes:
             frames.append(data[pos:pos + csize])
             pos += csize
@@ -348,14 +352,15 @@ class LayerReader:
         except (zstandard.ZstdError, ValueError) as e:
             # name the frame and the cause: redo the batch one bounded frame at a time
             pos = 0
-            for frame, (csize, usize) in zip(frames, sizes):
-                self._decompress(frame, usize, start + pos)
+            for piece, (csize, usize) in zip(frames, sizes):
+                self._decompress(piece, usize, start + pos)
                 pos += csize
             raise self._corrupt(f"a frame between offsets {start} and {start + total} does "
                                 f"not decompress ({e})") from None
         self.stats.frames_decompressed += len(sizes)
         self.stats.bytes_decompressed += sum(u for _, u in sizes)
-        return [memoryview(coll[i]) for i in range(len(sizes))]
+        # zstandard's stubs do not declare BufferSegment's buffer protocol (__buffer__)
+        return [memoryview(coll[i]) for i in range(len(sizes))]  # type: ignore[arg-type]
 
     def unpack(self, dest: str | os.PathLike, *, whiteouts: str = "apply", **kwargs) -> None:
         """Extract every member below ``dest``; see ``envbuild.layers.unpack_layer``."""

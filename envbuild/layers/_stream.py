@@ -19,7 +19,7 @@ from envbuild.layers._toc import Entry
 class TarStream:
     """Sequential reader over frames; ``offset`` is the tar offset of the next unread byte."""
 
-    def __init__(self, frames: Iterable[bytes]) -> None:
+    def __init__(self, frames: Iterable[bytes | memoryview]) -> None:
         self._it = iter(frames)
         self._buf = memoryview(b"")
         self._pos = 0

@@ -84,7 +84,7 @@ import itertools
 import json
 from collections.abc import Sequence
 from json.encoder import encode_basestring_ascii as json_string
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 TOC_VERSION = 2
 MAX_TOC_USIZE = 64 << 20      # bytes of TOC JSON a reader accepts (see "Limits" above)
@@ -195,7 +195,7 @@ class Toc:
     diff_id: str
     tar_size: int
     frames: list[tuple[int, int]]
-    entries: list[Entry]
+    entries: Sequence[Entry]  # a list, or LazyEntries/RowEntries from from_bytes(lazy=True)
     version: int = TOC_VERSION
 
     def to_bytes(self) -> bytes:
@@ -328,17 +328,17 @@ def _check_values(n: int, where: str, limit: int | None = None) -> None:
         raise TocFormatError(f"TOC has more than {limit} JSON values{where}, the reader limit")
 
 
-class LazyEntries(Sequence):
+class LazyEntries(Sequence[Entry]):
     """The entries of a v1 TOC, decoded and validated one by one on first access."""
 
-    def __init__(self, raw: list[dict]) -> None:
+    def __init__(self, raw: list[dict[str, Any]]) -> None:
         self._raw = raw
         self._done: list[Entry | None] = [None] * len(raw)
 
     def __len__(self) -> int:
         return len(self._raw)
 
-    def __getitem__(self, i):
+    def __getitem__(self, i: int | slice) -> Any:  # an Entry; a list of them for a slice
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         e = self._done[i]
@@ -350,12 +350,14 @@ class LazyEntries(Sequence):
                                      f"({type(err).__name__}: {err})") from None
         return e
 
-    def raw_path(self, i: int):
-        return self._raw[i].get("path")
+    def raw_path(self, i: int) -> str:
+        path: Any = self._raw[i].get("path")  # unchecked: fails when the entry is decoded
+        return path
 
     def path_index(self) -> dict[str, int]:
         """path -> entry index (a path listed twice makes it shorter than the TOC)."""
-        return {self._raw[i].get("path"): i for i in range(len(self._raw))}
+        index: dict[Any, int] = {self._raw[i].get("path"): i for i in range(len(self._raw))}
+        return index  # keys unchecked, as in raw_path
 
 
 class _FrameIndex:
@@ -382,7 +384,7 @@ class _FrameIndex:
         return out
 
 
-class RowEntries(Sequence):
+class RowEntries(Sequence[Entry]):
     """The entries of a v2 TOC: one JSON row per line, decoded on first access; a full slice
     decodes all rows with one ``json.loads`` (what unpack and verify need)."""
 
@@ -403,7 +405,7 @@ class RowEntries(Sequence):
     def path_index(self) -> dict[str, int]:
         return dict(zip(self._paths, range(len(self._paths))))
 
-    def __getitem__(self, i):
+    def __getitem__(self, i: int | slice) -> Any:  # an Entry; a list of them for a slice
         if isinstance(i, slice):
             idx = range(*i.indices(len(self)))
             if len(idx) == len(self) and idx.step == 1 and len(self) > 1:

@@ -251,15 +251,16 @@ def _decompressed(f, name: str) -> Iterator[bytes]:
             if not data:
                 return
     elif head.startswith(b"\x28\xb5\x2f\xfd"):
-        reader = zstandard.ZstdDecompressor().stream_reader(chain_reader(head, f),
-                                                            read_across_frames=True)
+        # zstandard needs only read(); its stubs ask for an IO[bytes]
+        reader = zstandard.ZstdDecompressor().stream_reader(
+            chain_reader(head, f), read_across_frames=True)  # type: ignore[arg-type]
         while chunk := reader.read(_READ):
             yield chunk
     elif head.startswith((b"\xfd7zXZ\x00", b"BZh")):
-        dec = lzma.LZMADecompressor() if head[0] == 0xFD else bz2.BZ2Decompressor()
+        xdec = lzma.LZMADecompressor() if head[0] == 0xFD else bz2.BZ2Decompressor()
         data = head
         while data:
-            out = dec.decompress(data)
+            out = xdec.decompress(data)
             if out:
                 yield out
             data = f.read(_READ)
@@ -284,7 +285,7 @@ class chain_reader:
         return self.f.read(n)
 
 
-def iter_foreign_members(stream: TarStream, name: str) -> Iterator[tuple[Entry, int]]:
+def iter_foreign_members(stream: TarStream, name: str) -> Iterator[tuple[Entry, int]]:  # noqa: C901  one header state machine (PAX, GNU long names, globals): its states share the pending values
     """``(entry, data size)`` per member of a foreign tar; the consumer reads or skips the data,
     padding is skipped here. GNU long names, PAX and global headers are folded in."""
     pax: dict[bytes, bytes] = {}

@@ -15,7 +15,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import zstandard
 
@@ -110,7 +110,7 @@ class _Batch:
         self.local: list = []       # the same for files wholly in this batch: hashed by the
         #                             compression worker, in parallel with other batches
         self.done: list = []        # (entry, data offset, hash or None) completed members
-        self.compressed = None
+        self.compressed: zstandard.BufferWithSegmentsCollection | None = None
         self.error: BaseException | None = None
         # plain locks as one-shot signals: released by the worker / output thread when done
         # (a Future + ThreadPoolExecutor.submit cost ~10x more main-thread time per batch)
@@ -241,6 +241,7 @@ class _FrameSink:
         if b.error is not None:
             raise b.error
         compressed = b.compressed
+        assert compressed is not None  # set by the worker unless it failed (b.error)
         b.compressed = None
         # gather the frames into one reused buffer: one write and one hash call per batch
         # instead of two per frame (each releases and retakes the GIL, which under CPU
@@ -254,7 +255,7 @@ class _FrameSink:
         for i, end in enumerate(b.ends):
             c = compressed[i]
             n = len(c)
-            omv[pos:pos + n] = c
+            omv[pos:pos + n] = c  # type: ignore[call-overload]  # a buffer: zstandard stubs omit it
             frames.append((n, end - start))
             pos += n
             start = end
@@ -300,7 +301,7 @@ class _FrameSink:
         readv = os.readv
         self._copy(lambda view: readv(fd, [view]), n, h)
 
-    def copy_stream(self, f: BinaryIO, n: int, h) -> None:
+    def copy_stream(self, f: _ReadInto, n: int, h) -> None:
         """The same from a binary stream (a tar being re-framed)."""
         self._copy(f.readinto, n, h)
 
@@ -351,7 +352,7 @@ class _FrameSink:
         for b in self.pending:  # buffers of batches drained by the threads above
             self.free.append((b.buf, b.mv))
         self.pending.clear()
-        self.mv = self.batch = None
+        self.mv = self.batch = None  # type: ignore[assignment]  # closed: drop the buffers
         _POOL.put(self.owned)  # every thread is done with them
         self.owned = []
 
@@ -521,6 +522,12 @@ def pack_tar(src: BinaryIO, out: BinaryIO, *, framing: str | Framing = "lazy", n
         except TarFormatError as err:
             raise LayerError(f"import tar {name}: {err}") from None
         return w.finish()
+
+
+class _ReadInto(Protocol):
+    """What ``LayerWriter.add`` reads a member's contents from when not a path."""
+
+    def readinto(self, view: memoryview, /) -> int: ...
 
 
 class _StreamSource:

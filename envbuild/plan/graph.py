@@ -184,7 +184,7 @@ def build_graph(defs: DefinitionSet, *, unparsed: frozenset[str] = frozenset()) 
     return graph
 
 
-def check_references(by_name: Mapping[str, Definition], definitions: Iterable[Definition],
+def check_references(by_name: Mapping[str, Definition], definitions: Iterable[Definition],  # noqa: C901  a branch per definition kind, each a line or two of the one ref() check
                      preds: dict[str, list[str]],
                      unparsed: frozenset[str] = frozenset()) -> list[Problem]:
     """``build_graph``'s checks of the references of ``definitions`` (each in ``by_name``,

@@ -453,7 +453,7 @@ class _Keyer:
                                else old_env_inputs)
         for table in (self.keys, self.inputs, self.env_locks, self.env_inputs):
             for n in [*(table.keys() - self.defs.keys()), *(n for n in only if n in table)]:
-                del table[n]  # type: ignore[attr-defined]
+                del table[n]
         for n in sorted(only):
             if self.defs[n].kind == "Env":
                 self.env_lock(n)

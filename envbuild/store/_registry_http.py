@@ -91,6 +91,9 @@ class _Response:
             return self.body[:120].decode("utf-8", "replace").strip()
 
 
+_Stream = tuple[http.client.HTTPResponse, http.client.HTTPConnection]  # a body not read yet
+
+
 class _Pool:
     """Keep-alive connections per ``(scheme, netloc)``, shared by threads: a request takes one
     (or opens one) and gives it back once its response was read to the end."""
@@ -147,7 +150,8 @@ class BlobStream(io.RawIOBase):
                  conn: http.client.HTTPConnection, size: int, resumes: int,
                  deadline: float) -> None:
         super().__init__()
-        self._client, self._url, self._resp, self._conn = client, url, resp, conn
+        self._client, self._url, self._resp = client, url, resp
+        self._conn: http.client.HTTPConnection | None = conn  # None once released
         self._size, self._pos, self._resumes = size, 0, resumes
         self._deadline = deadline
         self._token = WATCHDOG.arm(deadline, conn)
@@ -201,13 +205,13 @@ class BlobStream(io.RawIOBase):
                                         "retry later")
         self._resumes -= 1
         time.sleep(random.uniform(0, 0.2))
-        resp, conn = self._client.open_stream(
+        got = self._client.open_stream(
             self._url, {"Range": f"bytes={self._pos}-"}, want=(206,), deadline=self._deadline)
-        if conn is None:
+        if got[1] is None:
             raise StoreError(f"read {self._url}: resuming at byte {self._pos} answered "
-                             f"{resp.status} {resp.error_text()}".rstrip())
-        self._resp, self._conn = resp, conn
-        self._token = WATCHDOG.arm(self._deadline, conn)
+                             f"{got[0].status} {got[0].error_text()}".rstrip())
+        self._resp, self._conn = got
+        self._token = WATCHDOG.arm(self._deadline, got[1])
 
     def close(self) -> None:
         WATCHDOG.disarm(self._token)
@@ -281,10 +285,10 @@ class RegistryClient:
         return resp
 
     def open_stream(self, url: str, headers: Mapping[str, str], want: tuple[int, ...],
-                     deadline: float | None = None) -> tuple[http.client.HTTPResponse, Any]:
-        resp, conn = self._send("GET", url, headers, None, None, "read", stream=True, want=want,
-                                deadline=deadline)
-        return resp, conn  # type: ignore[return-value]
+                    deadline: float | None = None) -> _Stream | tuple[_Response, None]:
+        """``(raw response, its connection)`` for a status in ``want``, else ``(answer, None)``."""
+        return self._send("GET", url, headers, None, None, "read", stream=True, want=want,
+                          deadline=deadline)
 
     def same_registry(self, split: urllib.parse.SplitResult) -> bool:
         return (split.scheme, split.netloc.lower()) == (self.scheme, self.address.host)

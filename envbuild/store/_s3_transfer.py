@@ -200,7 +200,7 @@ class MultipartUpload:
                 except Exception:  # noqa: BLE001 - best effort; lifecycle rules clean up
                     pass
 
-    def _upload(self, number: int, body: bytes) -> None:
+    def _upload(self, number: int, body: bytes | bytearray) -> None:
         objs = self.objs
         try:
             resp = objs._call(self.what, objs.client.upload_part, Bucket=objs.bucket,

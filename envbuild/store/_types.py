@@ -6,6 +6,7 @@ and ``envbuild.store``; import them from there."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import io
 import re
@@ -59,22 +60,18 @@ class RefConflict(StoreError):
                          hint="re-read the ref and retry")
 
 
-class _Any:
-    """Type of ``ANY``: ``put_ref`` without a compare-and-swap condition."""
+class _Any(enum.Enum):
+    """Type of ``ANY``: ``put_ref`` without a compare-and-swap condition. A one-member enum,
+    so ``expect is ANY`` narrows ``expect`` for the type checker."""
 
-    _instance: _Any | None = None
-
-    def __new__(cls) -> _Any:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
+    ANY = "ANY"
 
     def __repr__(self) -> str:
         return "ANY"
 
 
 #: ``put_ref(..., expect=ANY)`` (the default): overwrite whatever is there.
-ANY: Final = _Any()
+ANY: Final = _Any.ANY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +214,7 @@ class VerifyingReader(io.RawIOBase):
     names the stored copy in the error so a user can delete it.
     """
 
-    def __init__(self, raw: BinaryIO, digest: str, *, size: int | None = None,
+    def __init__(self, raw: BinaryIO | io.RawIOBase, digest: str, *, size: int | None = None,
                  location: str | None = None) -> None:
         super().__init__()
         self._raw = raw

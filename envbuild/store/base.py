@@ -53,6 +53,7 @@ Errors (all ``envbuild.errors.StoreError`` subclasses, each with a ``reference``
 from __future__ import annotations
 
 import abc
+import builtins
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO, Final, Protocol, runtime_checkable
 
@@ -261,7 +262,7 @@ class Store(abc.ABC):
         """The descriptor ref ``name`` points at; ``RefNotFound`` if absent."""
 
     @abc.abstractmethod
-    def list_refs(self) -> list[str]:
+    def list_refs(self) -> builtins.list[str]:
         """Sorted ref names."""
 
     @abc.abstractmethod
@@ -279,7 +280,7 @@ class Store(abc.ABC):
         """The record, or ``None`` if absent."""
 
     @abc.abstractmethod
-    def list_records(self, namespace: str) -> list[str]:
+    def list_records(self, namespace: str) -> builtins.list[str]:
         """Sorted record names in ``namespace``."""
 
     @abc.abstractmethod

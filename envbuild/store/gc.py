@@ -175,6 +175,7 @@ class _Marker:
             except StoreError:
                 raise _unmarkable(where, str(digest),
                                   "a descriptor with a malformed digest") from None
+            assert isinstance(digest, str)  # check_digest passed
             if digest in self.marked:
                 continue
             self.marked.add(digest)
@@ -407,7 +408,7 @@ def _mark_records(store: Store, marker: _Marker, cutoff: float, drop_cache: bool
 def _mark_exec_log_blobs(store: Store, marker: _Marker, seen: set[str]) -> set[str]:
     """Mark the blob of every exec log index record not in ``seen``; return every name read.
     A malformed record marks nothing (it names no blob this GC could keep)."""
-    names: set[str] = set(store.list_records(EXEC_LOG_BLOBS))  # type: ignore[attr-defined]
+    names: set[str] = set(store.list_records(EXEC_LOG_BLOBS))
     for name in sorted(names - seen):
         obj = store.get_record(EXEC_LOG_BLOBS, name)
         blob = obj.get("blob") if obj else None

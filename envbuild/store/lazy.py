@@ -136,7 +136,7 @@ class LazyLayer:
         self._files: dict[str, Entry] = {}            # path -> its regular file's entry
         self._piece_lists: dict[str, list[_Piece]] = {}   # entry path -> its pieces
         self._tail: tuple[int, bytes] | None = None
-        kwargs = dict(name=digest, expected_toc_digest=expected_toc_digest or None)
+        want_toc = expected_toc_digest or None
         if size is None and isinstance(store, TailReader):
             actual: list[int] = []
             tail_reader = store
@@ -147,7 +147,8 @@ class LazyLayer:
                 actual.append(total)
                 return data
 
-            self.reader = LayerReader(self._toc_range, get_tail=tail, **kwargs)
+            self.reader = LayerReader(self._toc_range, get_tail=tail, name=digest,
+                                      expected_toc_digest=want_toc)
             if actual and actual[0] != self.reader.footer.blob_size:
                 raise CorruptLayerError(f"layer {digest}: footer says the blob is "
                                         f"{self.reader.footer.blob_size} bytes but it is "
@@ -160,7 +161,8 @@ class LazyLayer:
             n = min(size, TOC_GUESS)
             self._tail = (size - n, store.get_range(digest, size - n, n))
             self._count(len(self._tail[1]), toc=True)
-            self.reader = LayerReader(self._toc_range, size, **kwargs)
+            self.reader = LayerReader(self._toc_range, size, name=digest,
+                                      expected_toc_digest=want_toc)
             self._tail = None
         self.size = self.reader.footer.blob_size
         self.toc_digest = self.reader.toc_digest
@@ -416,7 +418,7 @@ class LazyLayer:
         """Names directly below directory ``path`` ("" or "/" is the root), sorted."""
         if self._children is None:
             children: dict[str, list[str]] = {}
-            toc = self.reader.toc.entries
+            toc = self.reader.rows
             for i in range(len(toc)):
                 p = toc.raw_path(i)
                 parent, _, name = p.rpartition("/")

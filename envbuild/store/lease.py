@@ -189,25 +189,11 @@ def claim(store: Store, key: str, *, ttl: float = DEFAULT_TTL,
         body = {"version": LEASE_VERSION, "owner": owner, "host": _HOST[0], "boot_id": _HOST[1],
                 "pidns": _HOST[2], "pid": os.getpid(), "label": label, "ttl": ttl,
                 "acquired": now, "expires": now + ttl}
-        lease: Lease | None = None
-        created = store.create_record(LEASES, key_hex, body)
-        if created is not None:
-            lease = Lease(store, key_hex, owner, created, ttl, body)
-        else:
-            got = store.get_record_tagged(LEASES, key_hex)
-            if got is not None:
-                current, tag = got
-                if current.get("owner") == owner:  # our retried create had landed
-                    lease = Lease(store, key_hex, owner, tag, ttl, body)
-                elif is_expired(current, now):
-                    new_tag = store.replace_record(LEASES, key_hex, body, tag)
-                    if new_tag is not None:
-                        lease = Lease(store, key_hex, owner, new_tag, ttl, body, took_over=True)
-                elif not waited:
-                    waited = True
-                    if on_wait is not None:
-                        on_wait(current)
-            # else: released between our create and read; go round and create again
+        lease, current = _try_take(store, key_hex, owner, ttl, body, now)
+        if current is not None and not waited:
+            waited = True
+            if on_wait is not None:
+                on_wait(current)
         checked = False
         if lease is not None:
             # the previous holder may have published between our look and our create
@@ -222,3 +208,25 @@ def claim(store: Store, key: str, *, ttl: float = DEFAULT_TTL,
                                  hint="nothing was published for this layer")
         else:
             time.sleep(poll * random.uniform(0.5, 1.5))
+
+
+def _try_take(store: Any, key_hex: str, owner: str, ttl: float, body: dict[str, Any],
+              now: float) -> tuple[Lease | None, dict[str, Any] | None]:
+    """One attempt at the lease record: (the lease we now hold, None), or (None, the record of
+    the builder holding it), or (None, None) when it was released between our create and
+    read (go round and create again)."""
+    created = store.create_record(LEASES, key_hex, body)
+    if created is not None:
+        return Lease(store, key_hex, owner, created, ttl, body), None
+    got = store.get_record_tagged(LEASES, key_hex)
+    if got is None:
+        return None, None
+    current, tag = got
+    if current.get("owner") == owner:  # our retried create had landed
+        return Lease(store, key_hex, owner, tag, ttl, body), None
+    if is_expired(current, now):
+        new_tag = store.replace_record(LEASES, key_hex, body, tag)
+        if new_tag is not None:
+            return Lease(store, key_hex, owner, new_tag, ttl, body, took_over=True), None
+        return None, None
+    return None, current

@@ -29,6 +29,7 @@ a real compare-and-swap between processes; readers need no lock because the rena
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import fcntl
@@ -207,7 +208,8 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
                     count += len(chunk)
                 f.flush()
                 os.fsync(f.fileno())
-            actual = digest if proven and data.verified else "sha256:" + h.hexdigest()
+            verified = proven and isinstance(data, VerifyingReader) and data.verified
+            actual = digest if verified else "sha256:" + h.hexdigest()
             if actual != digest or (size is not None and count != size):
                 raise mismatch_on_put(digest, actual, count, size)
             # A concurrent put of the same digest may have renamed first: replacing its file
@@ -368,7 +370,7 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
                 if expect is not ANY:
                     current_digest = current.get("digest") if current else None
                     if current_digest != expect:
-                        raise RefConflict(name, expect, current_digest)  # type: ignore[arg-type]
+                        raise RefConflict(name, expect, current_digest)
                 manifests = index["manifests"]
                 if current is None:
                     manifests.append(entry)
@@ -396,30 +398,30 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
                 replaced: set[str] = set()
                 kept = []
                 for m in index["manifests"]:
-                    name = _ref_name(m)
-                    if name in entries:
-                        if name in replaced:
+                    ref = _ref_name(m)
+                    if ref is not None and ref in entries:
+                        if ref in replaced:
                             continue  # drop duplicates other tools may have left
-                        m = entries[name]  # keep the entry's position
-                        replaced.add(name)
+                        m = entries[ref]  # keep the entry's position
+                        replaced.add(ref)
                     kept.append(m)
                 kept.extend(e for n, e in entries.items() if n not in replaced)
                 index["manifests"] = kept
         except OSError as e:
             raise StoreError(f"update {self._index}: {e}") from e
 
-    def _cached_index(self) -> dict[str, Any]:
+    def _cached_index(self) -> dict[str | None, Any]:
         """index.json parsed once per version of the file (reads are frequent: every lock
         resolves a ref; a 1,000-env index costs milliseconds to parse)."""
         try:
             st = self._index.stat()
         except FileNotFoundError:
-            return _empty_index()
+            return {}  # read as an empty index (_read_index): no refs
         stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
         cached = getattr(self, "_index_cache", None)
         if cached is None or cached[0] != stamp:
             index = self._read_index()
-            by_name = {}
+            by_name: dict[str | None, Any] = {}
             for m in index["manifests"]:
                 by_name.setdefault(_ref_name(m), m)
             cached = self._index_cache = (stamp, index, by_name)
@@ -434,7 +436,7 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
         annotations = {k: v for k, v in desc.annotations.items() if k != REF_NAME_ANNOTATION}
         return Descriptor(desc.media_type, desc.digest, desc.size, annotations)
 
-    def list_refs(self) -> list[str]:
+    def list_refs(self) -> builtins.list[str]:
         names = {_ref_name(m) for m in self._read_index()["manifests"]}
         return sorted(n for n in names if n is not None)
 
@@ -485,7 +487,7 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
             raise StoreError(f"read record {path}: {e}") from e
         return decode_record(data, str(path))
 
-    def list_records(self, namespace: str) -> list[str]:
+    def list_records(self, namespace: str) -> builtins.list[str]:
         directory = self._record_path(namespace, "x").parent
         try:
             with os.scandir(directory) as entries:

@@ -10,6 +10,7 @@ calls, so a test can assert "put once, then a cache hit"::
 
 from __future__ import annotations
 
+import builtins
 import collections
 import hashlib
 import io
@@ -140,7 +141,7 @@ class MemoryStore(Store, ConditionalRecords):
                 current = self._refs.get(name)
                 current_digest = current.digest if current else None
                 if current_digest != expect:
-                    raise RefConflict(name, expect, current_digest)  # type: ignore[arg-type]
+                    raise RefConflict(name, expect, current_digest)
             self._refs[name] = desc
         return desc
 
@@ -152,7 +153,7 @@ class MemoryStore(Store, ConditionalRecords):
         except KeyError:
             raise ref_not_found(name) from None
 
-    def list_refs(self) -> list[str]:
+    def list_refs(self) -> builtins.list[str]:
         self.calls["list_refs"] += 1
         return sorted(self._refs)
 
@@ -175,7 +176,7 @@ class MemoryStore(Store, ConditionalRecords):
         data = self._records.get(key)
         return None if data is None else decode_record(data, f"{namespace}/{name}")
 
-    def list_records(self, namespace: str) -> list[str]:
+    def list_records(self, namespace: str) -> builtins.list[str]:
         self.calls["list_records"] += 1
         check_record_name(namespace, "x")
         return sorted(n for ns, n in self._records if ns == namespace)

@@ -118,7 +118,7 @@ def spool(chunks: Iterator[bytes]) -> tuple[BinaryIO, str, int]:
     except BaseException:
         f.close()
         raise
-    return f, "sha256:" + h.hexdigest(), size  # type: ignore[return-value]
+    return f, "sha256:" + h.hexdigest(), size
 
 
 def require_image_manifest(media_type: str, ref: str, verb: str) -> None:

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import builtins
 import hashlib
 import io
 import json
@@ -286,15 +287,17 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
 
     def get(self, digest: str) -> BinaryIO:
         url = self._blob_url(digest)
-        resp, conn = self._http.open_stream(url, {}, want=(200,))
-        if isinstance(resp, _Response):
-            if resp.status == 404:
+        opened = self._http.open_stream(url, {}, want=(200,))
+        if opened[1] is None:
+            answer = opened[0]
+            if answer.status == 404:
                 got = self._get_manifest(digest, f"read {digest} from")
                 if got is None:
                     raise blob_not_found(digest)
                 body = io.BytesIO(got[0])
                 return VerifyingReader(body, digest, size=len(got[0]))  # type: ignore[return-value]
-            raise self._http.status_error(resp, f"read blob {digest} from")
+            raise self._http.status_error(answer, f"read blob {digest} from")
+        resp, conn = opened
         size = int(resp.getheader("Content-Length") or -1)
         if size < 0:
             conn.close()
@@ -510,7 +513,7 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
                                  hint="it was written by another envbuild version; upgrade")
         return Descriptor(media_type, digest, len(body), {})
 
-    def list_refs(self) -> list[str]:
+    def list_refs(self) -> builtins.list[str]:
         return sorted(r for r in map(tag_to_ref, self._tags()) if r is not None)
 
     def delete_ref(self, name: str) -> None:
@@ -579,7 +582,7 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
         except ValueError:
             return None
 
-    def list_records(self, namespace: str) -> list[str]:
+    def list_records(self, namespace: str) -> builtins.list[str]:
         check_record_name(namespace, "x")
         return sorted(rec[1] for rec in map(tag_to_record, self._tags())
                       if rec is not None and rec[0] == namespace)

@@ -48,6 +48,7 @@ and the read streams: ``envbuild.store._s3_transfer``.
 from __future__ import annotations
 
 import base64
+import builtins
 import hashlib
 import io
 import json
@@ -173,8 +174,9 @@ class S3Store(S3Objects, Store, TailReader, Locatable, Presigner, ConditionalRec
                 hint=f"this envbuild reads store version {STORE_VERSION}; use the envbuild "
                      "that wrote it, or another prefix")
 
-    @property  # type: ignore[override]
-    def supports_cas(self) -> bool:
+    # the base's plain attribute, here a property: probed on first use
+    @property
+    def supports_cas(self) -> bool:  # type: ignore[override]
         """Whether the server honours conditional PUTs; probed once per handle."""
         if self._cas is None:
             with self._cas_lock:
@@ -211,7 +213,7 @@ class S3Store(S3Objects, Store, TailReader, Locatable, Presigner, ConditionalRec
             raise mismatch_on_put(digest, actual, len(first), size)
         self._put_created(key, first, digest)
 
-    def _put_created(self, key: str, data: bytes, digest: str) -> None:
+    def _put_created(self, key: str, data: bytes | bytearray, digest: str) -> None:
         sha = base64.b64encode(bytes.fromhex(check_digest(digest))).decode()
         from botocore.exceptions import BotoCoreError, ClientError
 
@@ -410,8 +412,7 @@ class S3Store(S3Objects, Store, TailReader, Locatable, Presigner, ConditionalRec
                 now = self._read_ref(name)
                 # a retried PUT whose first attempt landed sees its own write: that is success
                 if now is None or now[1] != body:
-                    raise RefConflict(name, expect,  # type: ignore[arg-type]
-                                      now[0]["digest"] if now else None)
+                    raise RefConflict(name, expect, now[0]["digest"] if now else None)
         self._update_index(name)
         return desc
 
@@ -423,7 +424,7 @@ class S3Store(S3Objects, Store, TailReader, Locatable, Presigner, ConditionalRec
         ann = {k: v for k, v in desc.annotations.items() if k != REF_NAME_ANNOTATION}
         return Descriptor(desc.media_type, desc.digest, desc.size, ann)
 
-    def list_refs(self) -> list[str]:
+    def list_refs(self) -> builtins.list[str]:
         return sorted(n for n in self._list(REFS_DIR) if _valid_ref(n))
 
     def delete_ref(self, name: str) -> None:
@@ -479,7 +480,7 @@ class S3Store(S3Objects, Store, TailReader, Locatable, Presigner, ConditionalRec
         got = self._read_small(key)
         return None if got is None else decode_record(got[0], self._where(key))
 
-    def list_records(self, namespace: str) -> list[str]:
+    def list_records(self, namespace: str) -> builtins.list[str]:
         check_record_name(namespace, "x")
         return sorted(n for n in self._list(namespace + "/", delimiter="/")
                       if n and not n.startswith("."))

@@ -170,8 +170,8 @@ def sync(src: Store, dst: Store, refs: Iterable[str] = (), keys: Iterable[str] =
     manifests: list[str] = []  # children before parents, copied after all leaves, in order
     all_keys = list(keys)
     for desc in descs.values():
-        blobs, k = walk(src, desc)
-        for digest, is_manifest in blobs:
+        below, k = walk(src, desc)
+        for digest, is_manifest in below:
             (manifests if is_manifest else leaves).append(digest)
         all_keys.extend(k)
     records = _missing_records(src, dst, all_keys)

@@ -33,7 +33,7 @@ import importlib
 import socket
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from envbuild.errors import BackendUnavailable, RuntimeShimError
 from envbuild.safefs import remove_tree
@@ -63,7 +63,7 @@ class CreateRequest:
     limits: Limits
     runtime: str = "runc"  # the OCI runtime (container backend)
     keep: bool = False
-    seccomp: str | Mapping | None = None
+    seccomp: str | Mapping[str, Any] | None = None
     checkpointable: bool = False  # Checkpointable.checkpoint will be asked of it
     # The processes come from this checkpoint image instead of a fresh start (containerd's
     # CreateOpts.Checkpoint): the SDK calls ``Restorable.restore`` instead of ``create``.
@@ -192,6 +192,17 @@ class HostCosted(Protocol):
 
 
 @runtime_checkable
+class HostProcess(Protocol):
+    """A handle whose sandbox is one process tree on this host (``Sandbox.host_pid``)."""
+
+    @property
+    def host_pid(self) -> int | None:
+        """The host pid of the sandbox's first process (a container's init, a microVM's
+        QEMU), None once it is gone."""
+        ...
+
+
+@runtime_checkable
 class MemoryReporting(Protocol):
     """A handle that says what it holds of the host's memory (``Sandbox.info().memory``)."""
 
@@ -204,7 +215,7 @@ class Backend(Protocol):
 
     name: str
 
-    def check(self, *, keep: bool, seccomp: str | Mapping | None, lazy: bool) -> None:
+    def check(self, *, keep: bool, seccomp: str | Mapping[str, Any] | None, lazy: bool) -> None:
         """Refuse, before anything is made, a request this backend cannot honour."""
         ...
 

@@ -282,6 +282,11 @@ class ContainerSandbox:
     def upper_dir(self) -> Path:
         return self.paths.upper
 
+    @property
+    def host_pid(self) -> int | None:
+        """``backends.base.HostProcess``: the container's init."""
+        return self.init_pid
+
     def memory(self) -> MemoryInfo | None:
         """What its memory cgroup holds (``runtime_shim.node.reclaim``)."""
         from runtime_shim.node import reclaim

@@ -255,7 +255,7 @@ class Fleet:
         specs = []
         for req in requests:
             lock, n = req[0], req[1]
-            options = req[2] if len(req) > 2 else {}  # type: ignore[misc]
+            options = req[2] if len(req) > 2 else {}
             spec, resolved = self._spec(lock, **{
                 "backend": "container", "lazy": False, "network": False, "limits": None,
                 "ttl": None, "exec_log": False, "labels": None, "seccomp": None, **kwargs,

@@ -29,7 +29,7 @@ import base64
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 from envbuild.errors import RuntimeShimError, UnsupportedFormatError
 from envbuild.store import Store
@@ -138,8 +138,7 @@ class ExecLog:
 
 
 def _names(store: Store, ns: str) -> list[str]:
-    # cast: mypy reads ``list`` in Store's own annotations as its ``list`` method
-    return cast("list[str]", store.list_records(ns))
+    return store.list_records(ns)
 
 
 def length(store: Store, log_id: str) -> int:

@@ -49,6 +49,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from envbuild.errors import RuntimeShimError, SandboxCompromised
 from runtime_shim.isolation import cbuild
@@ -575,7 +576,7 @@ class _Exchange:
             raise RuntimeShimError(f"sandbox agent refused the request: "
                                    f"{payload[:300].decode(errors='replace')}")
 
-    def _outcome(self, code: int, **kw) -> ExecOutcome:
+    def _outcome(self, code: int, **kw: Any) -> ExecOutcome:
         return ExecOutcome(exit_code=code, stdout=self.out.data(), stderr=self.err.data(),
                            output_truncated=self.out.overflow or self.err.overflow, **kw)
 

@@ -564,7 +564,7 @@ class _Readahead:
                     return
                 directory = self.queue.pop()  # the latest first: what runs now
             d = self.nodes.get(directory)
-            if d is None or not d.is_dir:
+            if d is None or d.children is None:  # not a directory
                 continue
             prefix = directory + "/" if directory else ""
             todo, total = [], 0

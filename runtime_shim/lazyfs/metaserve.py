@@ -64,7 +64,7 @@ from typing import Any
 if __package__:
     from runtime_shim.lazyfs import fusewire as fw
 else:   # run by path (``MetaServer.start``): the standard library and this sibling only
-    import fusewire as fw  # type: ignore[import-not-found,no-redef]
+    import fusewire as fw  # type: ignore[no-redef]
 
 log = logging.getLogger("envbuild.lazyfs")
 
@@ -194,7 +194,7 @@ def _serve_mount(mountpoint: str, fuse_fd: int, fwd: socket.socket, shm: int,
         os.close(shm)
 
 
-def _serve_requests(mountpoint: str, fuse_fd: int, fwd: socket.socket, counts: memoryview,
+def _serve_requests(mountpoint: str, fuse_fd: int, fwd: socket.socket, counts: memoryview,  # noqa: PLR0912  a FUSE request loop: one branch per outcome of a read
                     tree: fw.MetaTree) -> bool:
     """The mount's request loop (``_serve_mount``): True when the mount went away (unmounted),
     False when reading failed otherwise or the daemon did."""

@@ -142,7 +142,7 @@ _UNSET = object()   # a reserved ref slot not filled yet (refs to it read as Non
 # were 3x slower. ``r`` reads one object (scalars and sequences, the most frequent, inline)
 # and hands the others to ``code``, ``mapping`` and ``number``.
 # shape: one closure for speed (above); each function inside it is under 60 lines
-def _parse(data: bytes, start: int) -> Any:
+def _parse(data: bytes, start: int) -> Any:  # noqa: C901, PLR0912, PLR0915  (shape: above)
     """The object at ``start`` of marshal data (CPython 3.11's ``Python/marshal.c``), bounded
     (module docstring); raises ``_Malformed``. Values: None/bool/int/str/bytes/tuple (lists,
     sets and dicts as tuples), ``_Code``; floats, complexes and big ints as None (an import's
@@ -474,7 +474,7 @@ def module_files(stack: Any, roots: Sequence[str], name: str, tag: str,
             files = _files_in(stack, root, parts, tag, opt)
         else:
             key = (root, name, tag, opt)
-            files = memo.get(key)   # type: ignore[assignment]
+            files = memo.get(key)
             if files is None:
                 if len(memo) >= stack.limit:
                     memo.clear()

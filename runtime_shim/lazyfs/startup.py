@@ -104,7 +104,7 @@ def _dir(stack: Stack, path: str) -> tuple[Any, Any] | None:
     return None
 
 
-def startup_files(stack: Stack, env: Mapping[str, str]) -> list[tuple[Any, Any]]:
+def startup_files(stack: Stack, env: Mapping[str, str]) -> list[tuple[Any, Any]]:  # noqa: C901  a list of the start-up's file sources, each a guarded two-liner
     """``(ops, node)`` of the regular files a container start and a program's libc start-up
     read in ``stack`` under the environment ``env`` (module docstring), each once."""
     out: list[tuple[Any, Any]] = []

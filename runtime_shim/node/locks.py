@@ -147,7 +147,7 @@ def _lock_json(store: Store, digest: str) -> Any:
                          hint="is this a layer digest where a manifest was expected?") from e
 
 
-def _parse(digest: str, manifest: dict, config: Any) -> ResolvedLock:
+def _parse(digest: str, manifest: dict[str, Any], config: Any) -> ResolvedLock:
     diff_ids = config.get("rootfs", {}).get("diff_ids", [])
     descs = manifest.get("layers", [])
     if len(diff_ids) != len(descs):

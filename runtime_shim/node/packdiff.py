@@ -50,12 +50,12 @@ import errno
 import os
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from envbuild.errors import RuntimeShimError, SnapshotRefused, UnsafeLayerError
-from envbuild.layers import Entry, LayerReader, pack_tree
+from envbuild.layers import Entry, LayerInfo, LayerReader, pack_tree
 from envbuild.oci import (
     ANNOTATION_CREATED,
     ANNOTATION_NAME,
@@ -69,7 +69,7 @@ from envbuild.oci import (
 from envbuild.safefs import iter_tree, open_beneath, remove_tree
 from envbuild.store import Store, put_file, put_json
 from envbuild.store.base import LocalBlobPaths
-from runtime_shim.node.locks import ResolvedLock
+from runtime_shim.node.locks import LayerRef, ResolvedLock
 
 SNAPSHOT_ROLE = "snapshot"
 UPPER_OVERLAY_XATTR = "trusted"  # runtime_shim.isolation.mount and the microVM init mount the sandbox
@@ -163,10 +163,15 @@ def hardlinks_leaving(root: Path) -> list[str]:
     return sorted(p for key, paths in seen.items() if len(paths) < nlink[key] for p in paths)
 
 
-def policy_filter(policy: SnapshotPolicy, report: PolicyReport, name: str):
+# (entry, source path) pairs as walk_tree gives them to pack_tree's entry_filter
+_Members = Iterator[tuple[Entry, str | None]]
+
+
+def policy_filter(policy: SnapshotPolicy, report: PolicyReport,
+                  name: str) -> Callable[[_Members], _Members]:
     """An ``entry_filter`` for ``pack_tree`` applying ``policy`` and recording in ``report``."""
 
-    def apply(entries: Iterator[tuple[Entry, bytes | None]]):
+    def apply(entries: _Members) -> _Members:
         dropped: set[str] = set()
         for e, src in entries:
             if e.type in ("char", "block", "fifo") and policy.drop_devices:
@@ -225,8 +230,8 @@ def _allocated(src: bytes | str | None, size: int) -> int:
         return size
 
 
-def pack_upper(upper: Path, out, policy: SnapshotPolicy, *, name: str,
-               source_date_epoch: int = 0):
+def pack_upper(upper: Path, out: BinaryIO, policy: SnapshotPolicy, *, name: str,
+               source_date_epoch: int = 0) -> tuple[LayerInfo, PolicyReport]:
     """Pack an overlay upper dir under ``policy``: ``(LayerInfo, PolicyReport)``."""
     leaving = hardlinks_leaving(upper)
     if leaving:
@@ -323,7 +328,7 @@ def _is_whiteout(root_fd: int, rel: str) -> bool:
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
 
-def merge_upper(store: Store, layers, dest: Path) -> None:
+def merge_upper(store: Store, layers: Iterable[LayerRef], dest: Path) -> None:
     """Merge diff layers (bottom to top) into one overlay-style upper dir at ``dest``.
 
     Each layer is unpacked with its whiteouts kept as overlay whiteouts (they hide content of

@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from envbuild.atomic import write_atomic
 from envbuild.errors import RuntimeShimError, SandboxNotFound, StoreUnavailable
@@ -70,7 +71,7 @@ def store_url(store: StoreLike) -> str | None:
 
 
 @contextlib.contextmanager
-def released_on_error(ledger: admission.Ledger, sandbox_id: str):
+def released_on_error(ledger: admission.Ledger, sandbox_id: str) -> Iterator[None]:
     """Give back the sandbox's reservation if the block fails (its dir is removed first)."""
     try:
         yield
@@ -80,11 +81,11 @@ def released_on_error(ledger: admission.Ledger, sandbox_id: str):
         raise
 
 
-def write_record(paths: SandboxPaths, meta: dict) -> None:
+def write_record(paths: SandboxPaths, meta: dict[str, Any]) -> None:
     write_atomic(paths.meta, json.dumps(meta))
 
 
-def read_record(paths: SandboxPaths) -> dict | None:
+def read_record(paths: SandboxPaths) -> dict[str, Any] | None:
     try:
         meta = json.loads(paths.meta.read_text())
     except (OSError, ValueError):
@@ -92,7 +93,7 @@ def read_record(paths: SandboxPaths) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
-def sandbox_info(path: Path, meta: dict, layout: NodeLayout) -> SandboxInfo:
+def sandbox_info(path: Path, meta: dict[str, Any], layout: NodeLayout) -> SandboxInfo:
     pid = int(meta.get("pid", 0))
     ttl = meta.get("ttl")
     return SandboxInfo(id=path.name, lock=meta.get("lock", "?"), pid=pid,

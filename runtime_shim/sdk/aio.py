@@ -14,11 +14,16 @@ import asyncio
 import functools
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime_shim.isolation import agent
 from runtime_shim.node.model import ExecResult, SandboxInfo
 from runtime_shim.sdk.sandbox import Sandbox
+
+if TYPE_CHECKING:
+    from runtime_shim.node.locks import ResolvedLock
+    from runtime_shim.node.packdiff import SnapshotResult
+    from runtime_shim.sdk.checkpoint import CheckpointResult
 
 
 class AsyncSandbox:
@@ -32,7 +37,7 @@ class AsyncSandbox:
         return self.sync.id
 
     @property
-    def lock(self):
+    def lock(self) -> ResolvedLock:
         return self.sync.lock
 
     @classmethod
@@ -83,7 +88,7 @@ class AsyncSandbox:
         await asyncio.get_running_loop().run_in_executor(None, self.sync.write_file, path, data,
                                                          mode)
 
-    async def pack_diff(self, publish: str | None = None, **kwargs: Any):
+    async def pack_diff(self, publish: str | None = None, **kwargs: Any) -> SnapshotResult:
         """``Sandbox.pack_diff`` in the default executor."""
         return await asyncio.get_running_loop().run_in_executor(
             None, functools.partial(self.sync.pack_diff, publish, **kwargs))
@@ -92,7 +97,8 @@ class AsyncSandbox:
         """``Sandbox.set_network`` in the default executor."""
         await asyncio.get_running_loop().run_in_executor(None, self.sync.set_network, network)
 
-    async def checkpoint(self, publish: str | None = None, *, leave_running: bool = False):
+    async def checkpoint(self, publish: str | None = None, *,
+                         leave_running: bool = False) -> CheckpointResult:
         """``Sandbox.checkpoint`` in the default executor."""
         return await asyncio.get_running_loop().run_in_executor(
             None, functools.partial(self.sync.checkpoint, publish, leave_running=leave_running))

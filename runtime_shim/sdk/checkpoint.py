@@ -33,11 +33,17 @@ from typing import TYPE_CHECKING, Any
 
 from envbuild.errors import BackendUnavailable, CheckpointRefused, RuntimeShimError
 from envbuild.store import Store, get_json, put_file, put_json
-from runtime_shim.backends.base import Checkpointable, CheckpointImage, Snapshottable
+from runtime_shim.backends.base import (
+    Checkpointable,
+    CheckpointImage,
+    SandboxHandle,
+    Snapshottable,
+)
 
 if TYPE_CHECKING:
     from runtime_shim.node.layout import NodeLayout, SandboxPaths
     from runtime_shim.node.locks import ResolvedLock
+    from runtime_shim.node.packdiff import PolicyReport
 
 CHECKPOINT_VERSION = 1
 ANNOTATION_IMAGE = "org.envbuild.checkpoint.image"
@@ -68,7 +74,7 @@ class CheckpointResult:
     files_bytes: int
     dump_seconds: float
     seconds: float
-    report: Any = None  # the pack-diff PolicyReport of the files
+    report: PolicyReport | None = None  # what pack-diff's policy did to the files
 
     def to_json(self) -> dict[str, Any]:
         out = {k: v for k, v in dataclasses.asdict(self).items() if k != "report"}
@@ -77,7 +83,7 @@ class CheckpointResult:
         return out
 
 
-def take(handle: Any, *, sandbox_id: str, backend: str, lock: ResolvedLock, paths: SandboxPaths,
+def take(handle: SandboxHandle, *, sandbox_id: str, backend: str, lock: ResolvedLock, paths: SandboxPaths,
          store: Store, publish: str | None, leave_running: bool) -> CheckpointResult:
     """Checkpoint the running sandbox ``handle`` (its id, backend name, lock and dir given;
     see the module docstring). With ``leave_running=False`` its processes are gone afterwards

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from envbuild.errors import RuntimeShimError
+from runtime_shim.backends.base import StatelessCalls
 from runtime_shim.node.model import ExecResult
 from runtime_shim.sdk.sandbox import Sandbox
 
@@ -29,8 +30,8 @@ class FnPool:
         if size < 1:
             raise RuntimeShimError(f"FnPool size must be at least 1, not {size}")
         self._lock, self._create = lock, {**create, "backend": "fncall"}
-        self._free: queue.Queue = queue.Queue()
-        self._all: list = []
+        self._free: queue.Queue[Sandbox] = queue.Queue()
+        self._all: list[Sandbox] = []
         self._guard = threading.Lock()
         self._recycling: set[threading.Thread] = set()
         self._closed = False
@@ -51,8 +52,10 @@ class FnPool:
         """One stateless call (``Sandbox.call``) on the next free sandbox."""
         while True:
             sb = self._take()
+            handle = sb._backend
+            assert isinstance(handle, StatelessCalls)  # a sandbox of the fncall backend
             try:
-                sb._backend.reset()  # the previous call's layer (a no-op when clean)
+                handle.reset()  # the previous call's layer (a no-op when clean)
             except Exception as e:
                 self.last_error = str(e)
                 worker = threading.Thread(target=self._recycle, args=(sb,), daemon=True,
@@ -67,7 +70,7 @@ class FnPool:
             finally:
                 self._free.put(sb)
 
-    def _take(self) -> Any:
+    def _take(self) -> Sandbox:
         """The next free sandbox; ``RuntimeShimError`` once none is left (closed, or every
         replacement failed)."""
         while True:
@@ -84,7 +87,7 @@ class FnPool:
                                            hint="see last_error; close it and make another"
                                            ) from None
 
-    def _recycle(self, sb: Any) -> None:
+    def _recycle(self, sb: Sandbox) -> None:
         """Replace ``sb``, whose reset failed (in a background thread)."""
         try:
             try:
@@ -95,7 +98,7 @@ class FnPool:
             with self._guard:
                 self._recycling.discard(threading.current_thread())
 
-    def _replace(self, sb: Any) -> None:
+    def _replace(self, sb: Sandbox) -> None:
         with self._guard:
             if sb in self._all:
                 self._all.remove(sb)
@@ -108,7 +111,7 @@ class FnPool:
             self._free.put(new)
 
     @property
-    def sandboxes(self) -> list:
+    def sandboxes(self) -> list[Sandbox]:
         with self._guard:
             return list(self._all)
 
@@ -135,6 +138,6 @@ class FnPool:
     def __enter__(self) -> FnPool:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 

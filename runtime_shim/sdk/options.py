@@ -69,7 +69,7 @@ class SandboxOptions:
     runtime: str = "runc"
     keep: bool = False
     lazy: bool | str = False
-    seccomp: str | Mapping | None = None
+    seccomp: str | Mapping[str, Any] | None = None
     ttl: float | None = None
     reap: bool = True
     checkpointable: bool = False

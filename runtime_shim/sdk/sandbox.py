@@ -36,7 +36,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envbuild.errors import (
     BackendUnavailable,
@@ -49,6 +49,7 @@ from envbuild.store import Store, put_file
 from runtime_shim.backends.base import (
     CreateRequest,
     Describable,
+    HostProcess,
     MemoryReporting,
     SandboxHandle,
     Snapshottable,
@@ -81,6 +82,10 @@ from runtime_shim.node.records import (
 from runtime_shim.sdk import exitwatch
 from runtime_shim.sdk.options import CreatePlan, SandboxOptions, plan_create
 from runtime_shim.sdk.sweep import SandboxRemoval, gc_sandboxes, remove_sandbox, sweep_sandboxes
+
+if TYPE_CHECKING:
+    from runtime_shim.node.packdiff import SnapshotPolicy, SnapshotResult
+    from runtime_shim.sdk.checkpoint import CheckpointResult
 
 _log = logging.getLogger("envbuild.sandbox")
 
@@ -137,8 +142,9 @@ class Sandbox:
             _REAPER.watch(sb, float(meta["expires"]))
         return sb
 
-    def pack_diff(self, publish: str | None = None, *, policy=None,
-                  max_chain: int | None = DEFAULT_MAX_CHAIN, source_date_epoch: int = 0):
+    def pack_diff(self, publish: str | None = None, *, policy: SnapshotPolicy | None = None,
+                  max_chain: int | None = DEFAULT_MAX_CHAIN,
+                  source_date_epoch: int = 0) -> SnapshotResult:
         """Snapshot this sandbox: its changes become a layer (hostile-content policy applied,
         ``runtime_shim.node.packdiff``), stored with a derived lock = this lock + that layer,
         published under ``publish`` (e.g. ``snap/NAME``) if given. Processes are paused while
@@ -195,7 +201,8 @@ class Sandbox:
         self._check_open()
         set_sandbox_network(self._layout, self.id, network)
 
-    def checkpoint(self, publish: str | None = None, *, leave_running: bool = False):
+    def checkpoint(self, publish: str | None = None, *,
+                   leave_running: bool = False) -> CheckpointResult:
         """Freeze this sandbox and save its processes (memory, open files, cwd) and its
         files as one checkpoint lock in the store, published as ``publish`` (e.g.
         ``ckpt/NAME``) if given (``runtime_shim.sdk.checkpoint``). ``leave_running=False`` closes
@@ -366,6 +373,24 @@ class Sandbox:
         self._check_open()
         self._backend.write_file(path, data.encode() if isinstance(data, str) else data, mode)
 
+    @property
+    def limits(self) -> Limits:
+        """What this sandbox may use (its ``SandboxOptions.limits``, defaults filled in)."""
+        return self._backend.limits
+
+    @property
+    def host_pid(self) -> int | None:
+        """The host pid of the sandbox's first process (a container's init, a microVM's QEMU):
+        for ``nsenter``, ``/proc/PID/root`` or cgroup checks; None where the backend has none."""
+        return self._backend.host_pid if isinstance(self._backend, HostProcess) else None
+
+    @property
+    def handle(self) -> SandboxHandle:
+        """The backend's handle of this sandbox (``runtime_shim.backends.base``): for what only
+        one backend does (a microVM's ``checkpoint(dir)``, a container's ``upper_dir()``).
+        Its methods beyond the protocols are the backend's own, outside the SDK's promise."""
+        return self._backend
+
     def info(self) -> SandboxInfo:
         """This sandbox as its record says (id, backend, lock digest, created/ready times,
         node dir, TTL and expiry; ``memory`` from a backend that reports it:
@@ -415,7 +440,7 @@ class Sandbox:
     def __enter__(self) -> Sandbox:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -446,7 +471,7 @@ def _layer_dirs(node: NodeCache, store: Store, lock: ResolvedLock, lazy: bool | 
 
 
 def _start(layout: NodeLayout, node: NodeCache, lock: ResolvedLock, layer_dirs: list[str],
-           opts: SandboxOptions, plan: CreatePlan, record: dict
+           opts: SandboxOptions, plan: CreatePlan, record: dict[str, Any]
            ) -> tuple[SandboxHandle, SandboxPaths, float]:
     """Make the sandbox's dir and record, reserve its share of the node, and have the backend
     start (or restore) it; on any failure, nothing of it is left. Returns its handle, paths

@@ -43,7 +43,7 @@ def _create(built, **kw) -> Sandbox:
 
 
 def _connect(sandbox: Sandbox) -> socket.socket:
-    return sandbox._backend._connect()
+    return sandbox.handle._connect()
 
 
 def _frames(sock: socket.socket, until: set[int], timeout: float = 10) -> list[tuple[int, bytes]]:
@@ -254,7 +254,7 @@ def test_processes_in_the_sandbox_cannot_use_the_agent(built):
                 "    sys.stdout.write('refused')\n")
         if shutil.which("nsenter") is None:
             pytest.fail("nsenter (util-linux) is missing")
-        out = subprocess.run(["nsenter", "-t", str(s._backend.init_pid), "-p", "--",
+        out = subprocess.run(["nsenter", "-t", str(s.host_pid), "-p", "--",
                               sys.executable, "-c", code], capture_output=True, text=True,
                              timeout=30)
         assert out.returncode == 0 and out.stdout in ("b''", "refused"), out

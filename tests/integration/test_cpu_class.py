@@ -46,7 +46,7 @@ def test_best_effort_sandbox_runs_sched_idle_with_minimum_weight(built, backend)
     store, node = built
     limits = Limits(cpu_class="best-effort")
     with Sandbox.create(ENV, store=store, node_dir=node, backend=backend, limits=limits) as sb:
-        handle = sb._backend
+        handle = sb.handle
         assert cpuclass.policy_of(handle.init_pid) == cpuclass.BEST_EFFORT
         # a grandchild of the agent, after a fork in the shell
         got = sb.exec("sh -c 'cat /proc/self/stat'")
@@ -61,7 +61,7 @@ def test_best_effort_sandbox_runs_sched_idle_with_minimum_weight(built, backend)
 def test_latency_sandbox_is_unchanged(built):
     store, node = built
     with Sandbox.create(ENV, store=store, node_dir=node) as sb:
-        assert sb._backend.limits.cpu_class == "latency"
+        assert sb.handle.limits.cpu_class == "latency"
         assert _policy(sb.exec("cat /proc/self/stat").stdout) == 0  # SCHED_OTHER
         assert _shares(sb.id) == 1024
 

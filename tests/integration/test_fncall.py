@@ -74,7 +74,7 @@ def test_pool_serves_concurrent_calls_each_in_a_fresh_layer(built):
         for tag, r in results:
             assert r.stdout == f"{tag}\n".encode(), (tag, r)  # never another call's mark
         for sb in pool.sandboxes:
-            assert cgroupfs.procs(sb.id) == [sb._backend.init_pid]
+            assert cgroupfs.procs(sb.id) == [sb.host_pid]
     _assert_clean(node)
 
 
@@ -89,7 +89,7 @@ def test_pool_replaces_a_sandbox_whose_reset_fails(built):
         def broken() -> None:
             raise RuntimeShimError("simulated: the reset failed")
 
-        first._backend.reset = broken  # the reset before the next call fails
+        first.handle.reset = broken  # the reset before the next call fails
         assert pool.call("echo two").stdout == b"two\n"  # on the replacement
         (second,) = pool.sandboxes
         assert second.id != first.id and first.closed and not first.paths.root.exists()
@@ -140,5 +140,5 @@ def test_calls_are_reaped_at_once_and_never_use_up_the_pids_limit(built):
         for i in range(40):
             got = fn.call(f"echo $$ {i}")
             assert got.stdout == f"2 {i}\n".encode(), got  # the call's agent is its PID 1
-        assert cgroupfs.procs(fn.id) == [fn._backend.init_pid]
+        assert cgroupfs.procs(fn.id) == [fn.host_pid]
     _assert_clean(node)

@@ -162,7 +162,7 @@ def test_close_leaves_no_process_mount_or_file(built):
     store, node = built
     sb = Sandbox.create("busybox-shell", store=store, node_dir=node, backend="microvm",
                         limits=Limits(memory_bytes=256 << 20))
-    pid = sb._backend.pid
+    pid = sb.host_pid
     root = sb.paths.root
     assert sb.exec("true").ok
     sb.close()
@@ -193,7 +193,7 @@ def test_killing_the_host_process_kills_qemu(built, tmp_path):
         assert sb.exec("true").ok
         from runtime_shim.sdk import exitwatch
         exitwatch.stop()  # a crash its watcher dies in too: gc removes what is left
-        print(sb._backend.pid, flush=True)
+        print(sb.host_pid, flush=True)
         time.sleep(600)
     """))
     child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, cwd=REPO,

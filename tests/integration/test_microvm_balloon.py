@@ -28,13 +28,13 @@ def built(tmp_path_factory):
 def _fill_and_free(sb: Sandbox) -> tuple[int, int]:
     """(anonymous RSS at the peak, lowest anonymous RSS within 20 s of the free)."""
     assert sb.exec("head -c 200m /dev/zero > /dev/shm/fill", timeout=300).ok
-    peak = sb._backend.memory().rss
+    peak = sb.handle.memory().rss
     assert sb.exec("rm /dev/shm/fill").ok
     low = peak
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and low > peak - 150 * MB:
         time.sleep(0.5)
-        low = min(low, sb._backend.memory().rss)
+        low = min(low, sb.handle.memory().rss)
     return peak, low
 
 
@@ -46,15 +46,15 @@ def test_free_page_reporting_gives_freed_guest_memory_back(built, monkeypatch, b
                         limits=Limits(memory_bytes=512 << 20)) as sb:
         drivers = sb.exec("ls /sys/bus/virtio/drivers/virtio_balloon/").stdout.split()
         assert any(d.startswith(b"virtio") for d in drivers) == (balloon == "1")
-        assert sb._backend.describe()["balloon"] == (balloon == "1")
-        booted = sb._backend.memory()
+        assert sb.handle.describe()["balloon"] == (balloon == "1")
+        booted = sb.handle.memory()
         assert booted is not None and booted.usage >= booted.rss > 0
         peak, low = _fill_and_free(sb)
         assert peak >= booted.rss + 180 * MB  # the guest really touched 200 MB
         if balloon == "1":
             assert low <= peak - 150 * MB, f"only {(peak - low) >> 20} MB came back"
-            assert sb._backend.memory().reclaimed >= 150 * MB
+            assert sb.handle.memory().reclaimed >= 150 * MB
         else:
             assert low >= peak - 20 * MB  # without reporting the host keeps it
-        pid = sb._backend.pid
-    assert sb._backend.memory() is None and pid
+        pid = sb.host_pid
+    assert sb.handle.memory() is None and pid

@@ -66,7 +66,7 @@ def test_restore_continues_the_processes_memory_and_files(built, tmp_path):
         loop_pid = int(sb.exec(COUNTER).stdout)
         sb.write_file("/workspace/before.txt", "before\n")
         at_checkpoint = _wait_counter(sb, 3)
-        image = sb._backend.checkpoint(tmp_path / "ck1", leave_running=True)
+        image = sb.handle.checkpoint(tmp_path / "ck1", leave_running=True)
         record = VmCheckpoint.from_record(image.record)
         assert image.kind == "qemu" and image.dir == tmp_path / "ck1"
         assert 0 < record.memory_bytes < LIMITS.memory_bytes
@@ -79,8 +79,8 @@ def test_restore_continues_the_processes_memory_and_files(built, tmp_path):
 
         qemu_before = _qemu_pids()
         restored = _restore(image, store=store, node_dir=node)
-        assert restored._backend.pid not in qemu_before
-        assert b"envbuild-init: ready" not in restored._backend._console()  # no boot
+        assert restored.host_pid not in qemu_before
+        assert b"envbuild-init: ready" not in restored.handle._console()  # no boot
         first = _counter(restored)
         assert first >= at_checkpoint  # the same process, from where it was
         assert restored.exec(f"cat /proc/{loop_pid}/cmdline").ok
@@ -94,11 +94,11 @@ def test_restore_continues_the_processes_memory_and_files(built, tmp_path):
 
         # checkpoint of the restored VM as the SDK takes it (inside quiesce, where its
         # changes are readable for pack-diff), without leave_running: it is gone after
-        pid = restored._backend.pid
+        pid = restored.host_pid
         (tmp_path / "ck2").mkdir()
-        with restored._backend.quiesce():
-            second = restored._backend.checkpoint(tmp_path / "ck2", leave_running=False)
-            assert (restored._backend.upper_dir() / "workspace" / "restored.txt").read_text() \
+        with restored.handle.quiesce():
+            second = restored.handle.checkpoint(tmp_path / "ck2", leave_running=False)
+            assert (restored.handle.upper_dir() / "workspace" / "restored.txt").read_text() \
                 == "r\n"
         assert _gone(pid, 10)
         restored.close()
@@ -111,7 +111,7 @@ def test_restore_continues_the_processes_memory_and_files(built, tmp_path):
         for box in (sb, restored, again):
             if box is not None:
                 box.close()
-    assert not (_qemu_pids() & {sb._backend.pid or 0})
+    assert not (_qemu_pids() & {sb.host_pid or 0})
     assert mounted_targets_under(str(node)) == []
     assert [p.name for p in (node / "sandboxes").iterdir()] == []
 
@@ -120,7 +120,7 @@ def test_restore_with_other_devices_is_refused_before_qemu_starts(built, tmp_pat
     store, node = built
     with Sandbox.create("busybox-shell", store=store, node_dir=node, backend="microvm",
                         limits=LIMITS) as sb:
-        image = sb._backend.checkpoint(tmp_path / "ck", leave_running=True)
+        image = sb.handle.checkpoint(tmp_path / "ck", leave_running=True)
         assert sb.exec("true").ok
     qemu_before = _qemu_pids()
     with pytest.raises(CheckpointRefused, match="devices differ") as e:
@@ -148,7 +148,7 @@ def test_the_sdk_calls_checkpoint_restore_and_fork_work_on_a_microvm(built):
         restored = Sandbox.restore("ckpt/vm-sdk", store=store, node_dir=node, limits=LIMITS)
         made.append(restored)
         assert restored.backend == "microvm"
-        assert b"envbuild-init: ready" not in restored._backend._console()  # no kernel boot
+        assert b"envbuild-init: ready" not in restored.handle._console()  # no kernel boot
         assert _counter(restored) >= at
         assert restored.exec(f"cat /proc/{loop_pid}/cmdline").ok
         assert restored.read_file("/workspace/state.txt") == b"checkpointed\n"
@@ -160,7 +160,7 @@ def test_the_sdk_calls_checkpoint_restore_and_fork_work_on_a_microvm(built):
         assert not restored.exec("test -e /workspace/child.txt").ok
         for child in children:
             _wait_counter(child, _counter(child))
-        pids = [s._backend.pid for s in (sb, *made)]
+        pids = [s.host_pid for s in (sb, *made)]
     finally:
         for s in made:
             s.close()

@@ -67,7 +67,7 @@ def test_layers_read_the_same_and_only_dax_skips_the_guest_page_cache(built, mon
         # three layers: busybox-tiny, its config step, the data workspace
         assert len(pmem) == (len(sb.lock.layers) if transport == "pmem-dax" else 0)
         if transport == "pmem-dax":
-            assert sb._backend.request.machine == "q35"
+            assert sb.handle.request.machine == "q35"
             dmesg = sb.exec("dmesg").stdout
             assert dmesg.count(b"erofs: (device pmem") == len(sb.lock.layers)
         before = _guest_cached_kb(sb)
@@ -84,7 +84,7 @@ def test_layers_read_the_same_and_only_dax_skips_the_guest_page_cache(built, mon
         assert sum(int(x) for x in out.stdout.split()) >= data_bytes * 9 // 10
         # the image files are whole multiples of the pmem alignment, content untouched
         assert all(p.stat().st_size % (2 << 20) == 0 for p in images)
-        pid = sb._backend.pid
+        pid = sb.host_pid
     assert pid not in _qemu_pids()
     assert mounted_targets_under(str(node)) == []
 
@@ -110,9 +110,9 @@ def test_a_kernel_without_dax_falls_back_to_virtio_blk_and_says_so(built, monkey
     monkeypatch.setenv("ENVBUILD_VM_KERNEL", str(_kernel_without_dax(tmp_path)))
     with _vm(built, monkeypatch, "auto") as sb:
         assert sb.info().layer_transport == "virtio-blk"
-        assert sb._backend.describe()["layer_transport_why"] == \
+        assert sb.handle.describe()["layer_transport_why"] == \
             "the guest kernel lacks CONFIG_FS_DAX"
-        assert sb._backend.request.machine == "microvm"
+        assert sb.handle.request.machine == "microvm"
         assert _sha256s(sb) == digests
     before = set((node / "sandboxes").iterdir())
     with pytest.raises(BackendUnavailable, match="CONFIG_FS_DAX"):

@@ -55,7 +55,7 @@ def _listing(sb: Sandbox) -> str:
 
 def _xattr(sb: Sandbox, path: str) -> bytes | None:
     try:
-        return os.getxattr(f"/proc/{sb._backend.init_pid}/root{path}", "user.note")
+        return os.getxattr(f"/proc/{sb.host_pid}/root{path}", "user.note")
     except OSError:
         return None
 
@@ -81,7 +81,7 @@ def test_snapshot_restores_every_kind_of_change(built):
     store, node = built
     with _sandbox(built) as a:
         assert a.exec(CHANGES).exit_code == 0
-        os.setxattr(f"/proc/{a._backend.init_pid}/root/workspace/added.txt", "user.note", b"hi")
+        os.setxattr(f"/proc/{a.host_pid}/root/workspace/added.txt", "user.note", b"hi")
         before = _listing(a)
         result = a.pack_diff("snap/every-change")
         assert result.ref == "snap/every-change"

@@ -190,7 +190,7 @@ def test_a_process_in_the_sandbox_pid_namespace_is_refused(sandbox):
             "    sys.stdout.write(repr(s.recv(100)))\n"
             "except (BrokenPipeError, ConnectionResetError):\n"
             "    sys.stdout.write('refused')\n")
-    out = subprocess.run(["nsenter", "-t", str(sandbox._backend.init_pid), "-p", "--",
+    out = subprocess.run(["nsenter", "-t", str(sandbox.host_pid), "-p", "--",
                           sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=30)
     assert out.returncode == 0 and out.stdout in ("b''", "refused"), out

@@ -56,7 +56,7 @@ def test_files_written_anywhere_are_gone_next_call(fn):
 
 
 def test_the_upper_dir_of_call_n_is_deleted_and_the_next_is_empty(fn):
-    handle = fn._backend
+    handle = fn.handle
     tmp_slot = next(s for s in handle._slots if s.dest == "/tmp")
     assert fn.call("echo secret > /tmp/s").ok
     used = tmp_slot.upper
@@ -70,7 +70,7 @@ def test_background_processes_of_call_n_are_killed(fn):
     started = fn.call("setsid sh -c 'sleep 300' </dev/null >/dev/null 2>&1 & "
                       "nohup sleep 301 </dev/null >/dev/null 2>&1 & echo started")
     assert started.ok and b"started" in started.stdout
-    handle = fn._backend
+    handle = fn.handle
     # killed as soon as the call returned, not only when the next one starts
     assert cgroupfs.procs(fn.id) == [handle.init_pid]
     seen = fn.call("for p in /proc/[0-9]*; do cat $p/cmdline | tr '\\0' ' '; echo; done")
@@ -89,7 +89,7 @@ def test_a_call_past_its_timeout_is_killed_and_its_sandbox_not_reused_dirty(fn):
     slow = fn.call("echo partial > /tmp/partial; (setsid sleep 300 &); "
                    "while true; do echo x >> /tmp/grow; done", timeout=0.5)
     assert slow.timed_out
-    handle = fn._backend
+    handle = fn.handle
     assert cgroupfs.procs(fn.id) == [handle.init_pid]
     after = fn.call("ls -A /tmp; for p in /proc/[0-9]*; do cat $p/cmdline; echo; done")
     assert after.ok
@@ -98,7 +98,7 @@ def test_a_call_past_its_timeout_is_killed_and_its_sandbox_not_reused_dirty(fn):
 
 
 def test_a_change_to_dev_retires_the_container(fn):
-    handle = fn._backend
+    handle = fn.handle
     before = handle.init_pid
     assert fn.call("echo x > /dev/planted && chmod 0666 /dev/null 2>/dev/null; true").ok
     after = fn.call("ls /dev")
@@ -107,7 +107,7 @@ def test_a_change_to_dev_retires_the_container(fn):
 
 
 def test_dev_flooded_or_chmod_is_retired_too(fn):
-    handle = fn._backend
+    handle = fn.handle
     assert fn.call("chmod 0777 /dev").ok
     assert fn.call("stat -c %a /dev").stdout == b"755\n"
     assert handle.restarts == 1
@@ -123,7 +123,7 @@ def test_a_slot_unmounted_in_the_sandbox_namespace_is_repaired(fn):
     and the next call restarts the container."""
     import subprocess
 
-    handle = fn._backend
+    handle = fn.handle
     host_mounts = _mounts_under(fn.paths.root)
     assert not any("/fn/" in m or " overlay " in m and "/base " not in m
                    for m in host_mounts), host_mounts
@@ -174,5 +174,5 @@ def test_disk_limit_holds_and_is_given_back_between_calls(fn):
     # the next call has the whole disk again
     again = fn.call("dd if=/dev/zero of=/tmp/big bs=1M count=32 2>&1; echo rc=$?")
     assert b"rc=0" in again.stdout, again
-    st = os.statvfs(fn._backend.paths.disk)
+    st = os.statvfs(fn.handle.paths.disk)
     assert st.f_bavail * st.f_frsize > 16 << 20

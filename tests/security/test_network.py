@@ -335,7 +335,7 @@ def test_microvm_gateway_is_not_host_loopback(busybox_store, host_services, remo
 
     with _create(busybox_store, backend="microvm", network=True,
                  limits=Limits(memory_bytes=384 << 20)) as sb:
-        qemu_pid = sb._backend.pid
+        qemu_pid = sb.host_pid
         assert os.readlink(f"/proc/{qemu_pid}/ns/net") != os.readlink("/proc/self/ns/net")
         ns_file = str(sb.paths.root / "netns")
         assert os.stat(f"/proc/{qemu_pid}/ns/net").st_ino == os.stat(ns_file).st_ino

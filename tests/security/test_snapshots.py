@@ -78,7 +78,7 @@ def _make_deep(sb: Sandbox, probe: bytes) -> None:
     r = sb.exec("mkdir /workspace/deep && /probe mkdeep 4096 /workspace/deep && rm /probe")
     assert r.exit_code == 0, r.stderr
     # the attack happened: 4,096 levels in the upper dir that pack-diff and close() read
-    assert _depth(sb._backend.upper_dir() / "workspace" / "deep") == 4096
+    assert _depth(sb.handle.upper_dir() / "workspace" / "deep") == 4096
 
 
 def _depth(path: Path) -> int:
@@ -157,7 +157,7 @@ def test_whiteout_look_alikes_and_agent_overlay_xattrs_never_delete_on_restore(b
         r = a.exec(["/probe", "setxattr", "trusted.overlay.opaque", "/workspace/bin"])
         assert r.stdout.strip() == b"EPERM", (r.stdout, r.stderr)
         a.exec("rm /probe")
-        upper = a._backend.upper_dir()
+        upper = a.handle.upper_dir()
         assert os.getxattr(upper / "workspace" / "lib", "user.overlay.opaque") == b"y"
         assert (upper / "etc" / ".wh.passwd").is_file()
         result = a.pack_diff(publish="snap/lookalikes")

@@ -173,7 +173,7 @@ def _usage_seconds(pid: int) -> float:
 def test_cpu_limit_gives_about_half_a_core(busybox_store):
     store, node = busybox_store
     with Sandbox.create(ENV, store=store, node_dir=node, limits=Limits(cpus=0.5)) as sb:
-        pid = sb._backend.init_pid
+        pid = sb.host_pid
         cpu = _cgroup_dir(pid, "cpu")
         if (cpu / "cpu.cfs_quota_us").exists():
             assert (cpu / "cpu.cfs_quota_us").read_text().strip() == "50000"

@@ -30,9 +30,9 @@ def saved(busybox_store, tmp_path_factory):
     root = tmp_path_factory.mktemp("vm-ckpt-attacks")
     with Sandbox.create("busybox-shell", store=store, node_dir=node, backend="microvm",
                         limits=Limits(memory_bytes=256 << 20)) as sb:
-        a = sb._backend.checkpoint(root / "a", leave_running=True)
+        a = sb.handle.checkpoint(root / "a", leave_running=True)
         sb.exec("echo changed > /workspace/x")
-        b = sb._backend.checkpoint(root / "b", leave_running=True)
+        b = sb.handle.checkpoint(root / "b", leave_running=True)
     return store, node, a, b
 
 

@@ -26,7 +26,7 @@ def test_guest_root_writing_its_pmem_layer_changes_no_host_image(busybox_store, 
             Sandbox.create("busybox-shell", store=store, node_dir=node, backend="microvm",
                            limits=limits) as b:
         assert a.info().layer_transport == b.info().layer_transport == "pmem-dax"
-        images = [p.path for p in a._backend.request.pmem]
+        images = [p.path for p in a.handle.request.pmem]
         before = {p: hashlib.sha256(open(p, "rb").read()).hexdigest() for p in images}
         want = b.exec("md5sum /bin/busybox").stdout
         # guest root scribbles over the start of every layer device, raw

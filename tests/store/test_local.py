@@ -11,7 +11,7 @@ import tarfile
 
 import pytest
 
-from envbuild.errors import StoreError, StoreUnavailable
+from envbuild.errors import RefNotFound, StoreError, StoreUnavailable
 from envbuild.store import (
     MEDIA_TYPE_CONFIG,
     LocalStore,
@@ -115,6 +115,16 @@ def test_damaged_index_is_reported(tmp_path):
     with pytest.raises(StoreError, match="parse .*index.json") as e:
         store.get_ref("r")
     assert e.value.hint
+
+
+def test_a_missing_index_has_no_refs(tmp_path):
+    # the store reads a missing index.json as an empty one; the ref lookup took the empty
+    # index document itself for its name -> entry map (found by mypy)
+    store = LocalStore(tmp_path)
+    (tmp_path / "index.json").unlink()
+    for name in ("manifests", "schemaVersion", "r"):
+        with pytest.raises(RefNotFound):
+            store.get_ref(name)
 
 
 # -- opening -------------------------------------------------------------------------------

@@ -29,11 +29,11 @@ def env(tmp_path):
 def test_pack_diff_quiesces_packs_and_publishes(env):
     store, node, fb = env
     with Sandbox.create("env/fake", store=store, node_dir=node, backend="fake") as sb:
-        upper = sb._backend.upper_dir()
+        upper = sb.handle.upper_dir()
         (upper / "workspace").mkdir()
         (upper / "workspace" / "out.txt").write_text("result\n")
         result = sb.pack_diff("snap/one")
-        assert fb.calls["quiesce"] == 1 and sb._backend.quiesced == 0
+        assert fb.calls["quiesce"] == 1 and sb.handle.quiesced == 0
     lock = resolve(store, "snap/one")
     assert [layer.digest for layer in lock.layers] == [result.layer]
     assert result.lock == lock.digest
@@ -42,11 +42,11 @@ def test_pack_diff_quiesces_packs_and_publishes(env):
 def test_pack_diff_policy_refuses_an_oversized_file(env):
     store, node, fb = env
     with Sandbox.create("env/fake", store=store, node_dir=node, backend="fake") as sb:
-        upper = sb._backend.upper_dir()
+        upper = sb.handle.upper_dir()
         (upper / "big").write_bytes(b"x" * 4096)
         with pytest.raises(SnapshotRefused):
             sb.pack_diff("snap/big", policy=SnapshotPolicy(max_file_bytes=1024))
-        assert sb._backend.quiesced == 0  # quiesce undone on the way out
+        assert sb.handle.quiesced == 0  # quiesce undone on the way out
     assert "snap/big" not in store.list_refs()
 
 
@@ -64,7 +64,7 @@ def test_a_handle_without_the_snapshot_capability_is_refused(env):
             return getattr(self._inner, name)
 
     with Sandbox.create("env/fake", store=store, node_dir=node, backend="fake") as sb:
-        sb._backend = NoSnapshots(sb._backend)
+        sb._backend = NoSnapshots(sb.handle)  # swap the handle: white-box
         with pytest.raises(BackendUnavailable):
             sb.pack_diff()
 

@@ -48,8 +48,8 @@ def test_protocols_are_runtime_checkable(fake, store, tmp_path):
     for name in ("container", "microvm"):
         assert isinstance(registry.get_backend(name), Backend)
     with _create(store, tmp_path / "node") as sb:
-        assert isinstance(sb._backend, SandboxHandle)
-        assert isinstance(sb._backend, Snapshottable)
+        assert isinstance(sb.handle, SandboxHandle)
+        assert isinstance(sb.handle, Snapshottable)
 
 
 def test_create_exec_files_close(fake, store, tmp_path):
@@ -57,7 +57,7 @@ def test_create_exec_files_close(fake, store, tmp_path):
     sb = _create(store, node)
     r = sb.exec("echo hi")
     assert (r.exit_code, r.stdout) == (0, b"echo hi\n")
-    req = sb._backend.requests[-1]
+    req = sb.handle.requests[-1]
     assert req.argv == ("/bin/sh", "-c", "echo hi")
     assert (req.cwd, req.user) == ("/workspace", "1000:1000")  # the lock's
     assert sb.exec(["cat"], stdin=b"in", user="0").stdout == b"cat\nin"
@@ -284,3 +284,15 @@ def test_create_takes_one_options_value_or_its_fields(tmp_path):
     with pytest.raises(RuntimeShimError, match="unknown sandbox option") as e:
         SandboxOptions.of(None, {"tll": 30})
     assert "ttl" in (e.value.hint or "")
+
+
+def test_public_introspection_of_a_sandbox(fake, store, tmp_path):
+    """``limits``, ``host_pid`` and ``handle`` are public: tests and tools need not read
+    ``_backend``. A handle with no host process (the fake) has no host pid."""
+    from runtime_shim import Limits, Sandbox
+
+    with Sandbox.create(fake_lock(store), store=store, node_dir=tmp_path / "node",
+                        backend="fake", limits=Limits(pids=64)) as sb:
+        assert sb.limits.pids == 64
+        assert sb.handle is sb._backend
+        assert sb.host_pid is None

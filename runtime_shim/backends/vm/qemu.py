@@ -35,7 +35,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -209,6 +209,7 @@ def qmp(path: str, command: str, arguments: dict | None = None, *,
             if "error" in reply:
                 raise RuntimeShimError(f"QMP {cmd} on {path}: "
                                        f"{reply['error'].get('desc', reply['error'])}")
+        assert reply is not None  # the loop ran: the reply to ``command``
         return reply["return"]
     except (OSError, ValueError) as e:
         raise RuntimeShimError(f"QMP {command} on {path}: {e}") from e
@@ -374,7 +375,7 @@ _SPAWNER = _Spawner()
 
 
 def choose_accel(node_root: Path, kernel: str, initrd: str, qemu: str | None = None,
-                 environ: dict | os._Environ = os.environ) -> str:
+                 environ: Mapping[str, str] = os.environ) -> str:
     """``kvm`` if a VM with this kernel really boots under KVM here, else ``tcg``; probed once
     and cached in ``<node_root>/vm/kvm-probe.json``. ``ENVBUILD_VM_ACCEL`` overrides it."""
     forced = environ.get("ENVBUILD_VM_ACCEL")

@@ -263,6 +263,11 @@ class MicroVmSandbox:
     def pid(self) -> int:
         return self._proc.pid if self._proc else 0
 
+    @property
+    def host_pid(self) -> int | None:
+        """``backends.base.HostProcess``: the VM's QEMU."""
+        return self.pid
+
     def memory(self) -> VmMemoryInfo | None:
         """What this VM holds of the host's memory, from its QEMU's ``/proc/PID/status``
         (``runtime_shim.backends.base.MemoryReporting``); None once it stopped."""
@@ -384,6 +389,7 @@ class MicroVmSandbox:
         """Connect to the agent's serial socket and wait for its HELLO on a first channel,
         watching the console for the init failing and QEMU for exiting. Returns the guest
         uptime at which the init handed over (from its ready line), or 0."""
+        assert self._proc is not None  # launched by start()
         deadline = time.monotonic() + self.options.boot_timeout
         delay = 0.002
         probe: socket.socket | None = None
