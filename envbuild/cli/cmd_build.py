@@ -18,6 +18,7 @@ from envbuild.cli.main import App, pass_app
 from envbuild.cli.options import json_option
 from envbuild.cli.output import echo_json
 from envbuild.cli.richtext import literal
+from envbuild.sizes import human_size
 
 
 class PlainProgress:
@@ -95,7 +96,7 @@ def _summary(report) -> list[str]:
     lines = [f"{'layer':<28} {'key':<14} {'digest':<14} {'size':>10}  {'result':<8} {'seconds':>7}"]
     for o in report.layers:
         rec = o.record
-        size = f"{rec.size / 1e6:.1f} MB" if rec else "-"
+        size = human_size(rec.size) if rec else "-"
         lines.append(f"{o.name:<28} {o.key[7:19]:<14} {(rec.layer[7:19] if rec else '-'):<14} "
                      f"{size:>10}  {o.status:<8} {o.seconds:>7.1f}")
     for lk in report.locks:

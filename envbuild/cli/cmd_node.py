@@ -12,6 +12,7 @@ import click
 from envbuild.cli.main import App, pass_app
 from envbuild.cli.options import json_option
 from envbuild.cli.output import echo_json
+from envbuild.sizes import human_size
 
 #: What ``node ls --json`` reports of the lazy daemon's ping answer.
 DAEMON_KEYS = ("pid", "mode", "mode_reason", "fetch_concurrency", "fetch_timeout",
@@ -66,9 +67,9 @@ def node_ls(app: App, as_json: bool) -> None:
         echo_json(report)
         return
     for u in report["layers"]:
-        click.echo(f"{u['digest']}  {u['size'] / 1e6:9.1f} MB  "
+        click.echo(f"{u['digest']}  {human_size(u['size']):>9}  "
                    f"last used {time.ctime(u['last_used'])}")
-    click.echo(f"{len(report['layers'])} layers, {report['bytes'] / 1e6:.1f} MB")
+    click.echo(f"{len(report['layers'])} layers, {human_size(report['bytes'])}")
     ping = report["lazy_daemon"]
     if ping is None:
         click.echo("lazy daemon: not running (starts with the first lazy sandbox)")
@@ -109,7 +110,7 @@ def node_gc(app: App, max_size: str | None, as_json: bool) -> None:
         echo_json({"evicted": list(evicted), "budget": budget, "in_use": sorted(keep),
                    "scratch_removed": [str(p) for p in swept]})
         return
-    click.echo(f"evicted {len(evicted)} layer(s) (budget {budget / 1e6:.1f} MB); "
+    click.echo(f"evicted {len(evicted)} layer(s) (budget {human_size(budget)}); "
                f"{len(keep)} in use by live sandboxes kept")
     if swept:
         click.echo(f"removed {len(swept)} scratch dir(s) of killed builds")

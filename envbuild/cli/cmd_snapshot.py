@@ -8,6 +8,7 @@ import click
 from envbuild.cli.main import App, pass_app
 from envbuild.cli.options import json_option
 from envbuild.cli.output import echo_json
+from envbuild.sizes import human_size
 
 
 def register(group: click.Group) -> None:
@@ -43,7 +44,7 @@ def pack_diff(app: App, sandbox_id: str, ref: str | None, max_file_size: str,
     if as_json:
         echo_json(result.to_json())
         return
-    click.echo(f"layer {result.layer} ({result.size / 1e6:.1f} MB, {result.seconds:.2f}s)")
+    click.echo(f"layer {result.layer} ({human_size(result.size)}, {result.seconds:.2f}s)")
     click.echo(f"lock  {result.lock}" + (f" as {ref}" if ref else "")
                + (" (snapshot chain squashed)" if result.squashed else ""))
     for d in result.report.decisions:
