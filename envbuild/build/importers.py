@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from envbuild.build.copying import copy_source_tree, drop_devices
+from envbuild.build.gitoid import is_git_oid
 from envbuild.build.pin import check_git_source, git_env, static_elf_problem
 from envbuild.canonical import read_json_file
 from envbuild.errors import BuildError, SourceError
@@ -439,7 +440,7 @@ def import_git(url: str, commit: str, dest: Path | int, scratch: Path,
     (``check_git_source``) and can never reach git as options: ``--end-of-options`` precedes
     them and ``git_env`` restricts the transports."""
     check_git_source(url, commit)
-    if not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", commit):
+    if not is_git_oid(commit):
         raise SourceError(f"git source {url}: {commit!r} is not a pinned commit id")
     env = git_env()
     repo = scratch / "git"

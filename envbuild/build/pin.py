@@ -73,6 +73,7 @@ from typing import Literal
 from urllib.parse import unquote, urlsplit
 
 from envbuild.build.dockerpin import check_image_pinned, pin_dockerfile
+from envbuild.build.gitoid import is_git_oid
 from envbuild.canonical import read_json_file
 from envbuild.defs.confine import (  # noqa: F401  (source_root, confined_path: re-exported)
     Unpinnable,
@@ -105,7 +106,6 @@ IGNORED_NAMES = frozenset({".git"})
 IGNORED_DIR_NAMES = frozenset({"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"})
 IGNORED_FILE_SUFFIXES = (".pyc",)
 _BUF_SIZE = 1 << 20
-_SHA_RE = re.compile(r"[0-9a-fA-F]{40}|[0-9a-fA-F]{64}")
 _OCI_REF_NAME = "org.opencontainers.image.ref.name"
 
 
@@ -353,10 +353,10 @@ class Pinner:
             except Unpinnable as e:
                 raise Unpinnable(e.message, hint) from None
             sha = out.strip()
-            if not _SHA_RE.fullmatch(sha):
+            if not is_git_oid(sha):
                 raise Unpinnable(f"resolve {rev!r} in {url}: git printed {sha[:60]!r}", hint)
             return sha
-        if _SHA_RE.fullmatch(rev):
+        if is_git_oid(rev.lower()):
             return rev.lower()  # a full commit id is already pinned; ls-remote cannot list it
         try:
             out = self._run_git(["-c", "protocol.ext.allow=never", "ls-remote", "--", url, rev],
@@ -368,7 +368,7 @@ class Pinner:
             sha, _, ref = line.partition("\t")
             refs[ref] = sha
         for want in (f"refs/tags/{rev}^{{}}", f"refs/tags/{rev}", f"refs/heads/{rev}", rev):
-            if want in refs and _SHA_RE.fullmatch(refs[want]):
+            if want in refs and is_git_oid(refs[want].lower()):
                 return refs[want].lower()
         raise Unpinnable(f"git rev {rev!r} not found in {url}", hint)
 

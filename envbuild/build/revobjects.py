@@ -13,13 +13,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import re
 import subprocess
 import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from envbuild.build.gitoid import is_git_oid
 from envbuild.build.pin import Pinner, git_env
 from envbuild.defs.load import (
     MAX_YAML_BYTES,
@@ -80,7 +80,7 @@ def revision(path: Path, rev: str) -> tuple[str, str, str]:
     except SourceError:
         raise SourceError(f"unknown git revision {rev!r}",
                           hint="give a commit, branch or tag, e.g. HEAD~1 or origin/main") from None
-    if not _OID_RE.fullmatch(commit):
+    if not is_git_oid(commit):
         raise SourceError(f"git rev-parse {rev!r} printed {commit[:80]!r}, not a commit id")
     return top, rel, commit
 
@@ -102,7 +102,6 @@ def checkout(path: Path, rev: str) -> Iterator[tuple[Path, Path]]:
         yield Path(tree), Path(tree) / rel
 
 
-_OID_RE = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 _LITERAL = {"GIT_LITERAL_PATHSPECS": "1"}  # a path is a name, never a pathspec pattern
 
 

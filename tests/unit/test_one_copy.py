@@ -41,6 +41,8 @@ def copies(source: str) -> Iterator[tuple[int, str]]:
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             if any(t in node.value for t in DIGEST_TEXT) and "{40}" not in node.value:
                 yield node.lineno, "digest: a hex-64 pattern"
+            if "{40}" in node.value:
+                yield node.lineno, "gitoid: a git object id pattern"
         elif isinstance(node, ast.BoolOp) and _hand_rolled_hex64(node):
             yield node.lineno, "digest: len(...) == 64 and hex digits"
         elif isinstance(node, ast.Dict):
@@ -152,6 +154,7 @@ def test_the_backend_registry_is_the_one_list():
 
 
 HOMES = {"envbuild/sizes.py": "size", "envbuild/oci.py": "digest", "envbuild/libc.py": "libc",
+         "envbuild/build/gitoid.py": "gitoid",
          # run by path with ``python -S -E`` (30 ms start-up): it cannot import envbuild
          "runtime_shim/lazyfs/metaserve.py": "libc"}
 
@@ -179,13 +182,14 @@ def test_the_check_sees_each_kind_of_copy():
 import ctypes, re
 _libc = ctypes.CDLL(None)
 _D = re.compile(r"sha256:[0-9a-f]{64}")
+_G = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 _U = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 def parse_size(text): ...
 def is_digest(text): ...
 ok = len(name) == 64 and set(name) <= set("0123456789abcdef")
 '''
     assert sorted(what.partition(":")[0] for _, what in copies(source)) == \
-        ["digest", "digest", "digest", "libc", "size", "size"]
+        ["digest", "digest", "digest", "gitoid", "libc", "size", "size"]
 
 
 @pytest.mark.parametrize(("text", "n"), [
