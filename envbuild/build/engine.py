@@ -106,7 +106,7 @@ def _lower_names(graph: EnvGraph, name: str) -> tuple[str, ...]:
 
 
 def _build_env(graph: EnvGraph, lower_names: tuple[str, ...]) -> dict[str, str]:
-    configs = [_runtime_config(graph[n].config) for n in reversed(lower_names)]
+    configs = [_runtime_config(graph.layer(n).config) for n in reversed(lower_names)]
     return dict(merge_config(configs).env)
 
 
@@ -315,7 +315,7 @@ def env_lock(ws: Snapshot, store: Store, env_name: str) -> Lock:
     layers: list[LockLayer] = []
     configs: list[RuntimeConfig] = []
     for n in ws.graph.env_layers(env_name):
-        d = ws.graph[n]
+        d = ws.graph.layer(n)
         key = ws.keys.layers[n]
         record = get_key_record(store, key)
         if record is None:

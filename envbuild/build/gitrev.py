@@ -51,6 +51,7 @@ from envbuild.build.revobjects import (  # noqa: F401  (checkout, load_revision:
     materialize_inputs,
     revision,
 )
+from envbuild.defs.model import Task
 from envbuild.defs.parsecache import ParseCache
 from envbuild.errors import EnvbuildError, PlanError, Problem, SourceError
 from envbuild.plan.changes import Changes, Explanation, diff_keys, explain
@@ -204,5 +205,9 @@ def explain_at(defs_dir: Path, name: str, rev: str | None = None) -> Explanation
     if name not in by_name:
         raise PlanError(Problem("<command line>", 0, 0, f"no definition or key {name!r}",
                                 hint=did_you_mean(name, by_name)))
+    task = by_name[name]
+    if isinstance(task, Task):
+        raise PlanError(Problem("<command line>", 0, 0, f"{name!r} is a Task: a task has no key "
+                                "or lock of its own yet", hint=f"explain its env: {task.env}"))
     old = keys_at_revision(defs_dir, rev, pinner) if rev is not None else None
     return explain(name, by_name[name].kind, now.keys, old)

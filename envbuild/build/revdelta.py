@@ -34,6 +34,7 @@ from envbuild.build.revobjects import (
 )
 from envbuild.defs.confine import Unpinnable
 from envbuild.defs.model import (
+    LAYER_KINDS,
     ArchiveSource,
     Base,
     BaseSource,
@@ -190,7 +191,8 @@ def _pin_changes(delta: _Delta, pinner: Pinner, cache: ParseCache, now: Snapshot
                  ) -> tuple[dict[str, Definition], PinnedInputs]:
     """The definitions pinned again at REV (placed in REV's files) and their pins: the new
     ones and those whose paths' digests differ at REV; the others keep now's."""
-    slow: dict[str, Definition] = {d.name: d for d in delta.new_defs if d.kind != "Env"}
+    slow: dict[str, Definition] = {d.name: d for d in delta.new_defs
+                                   if d.kind in LAYER_KINDS}
     reads = _group_reads(delta, pinner, now, slow)
     new_names = {d.name for d in delta.new_defs}  # placed at REV's files already
     placed = {n: d if n in new_names else delta.placed(cache, d) for n, d in slow.items()}
@@ -229,7 +231,7 @@ def _group_reads(delta: _Delta, pinner: Pinner, now: Snapshot,
     reads = _Reads()
     rev_dirs: dict[str, str] = {}
     for n, d in now.defs.by_name.items():
-        if n in delta.removed or d.kind == "Env":
+        if n in delta.removed or d.kind not in LAYER_KINDS:
             continue
         src = getattr(d, "source", None)
         now_dir = pinner.directory_of(d.origin.file)

@@ -171,7 +171,12 @@ def build(app: App, names: tuple[str, ...], jobs: int | None, no_cache: bool,
                                no_cache=no_cache, progress=rich or PlainProgress())
     if output is not None:
         output.flush()
-    return _print_report(report, as_json)
+    code = _print_report(report, as_json)
+    if not as_json:
+        for t in project.defs.tasks:
+            if not names or t.name in names:  # issue 35: the task lock comes next
+                click.echo(f"task {t.name}: skipped, task locks are not built yet (its env: {t.env})")
+    return code
 
 
 @click.command()

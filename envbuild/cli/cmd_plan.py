@@ -86,8 +86,13 @@ def render_plan(plan: BuildPlan, changes: Changes | None, as_json: bool) -> None
     if plan.envs:
         _table("envs", ["env", "layers (bottom to top)"],
                [[e.name, " < ".join(e.layers)] for e in plan.envs])
+    if plan.tasks:
+        _table("tasks (no task lock yet: build and lock skip them)", ["task", "env", "status"],
+               [[t.name, t.env, t.status] for t in plan.tasks])
     missing = len(plan.missing)
-    click.echo(f"{len(plan.layers)} layers ({missing} missing), {len(plan.envs)} envs")
+    n = len(plan.tasks)
+    tasks = f", {n} task{'' if n == 1 else 's'}" if n else ""
+    click.echo(f"{len(plan.layers)} layers ({missing} missing), {len(plan.envs)} envs{tasks}")
     if changes is not None:
         click.echo(f"rebuild ({len(changes.rebuild)}): {', '.join(changes.rebuild) or '-'}")
         click.echo(f"relock ({len(changes.relock)}): {', '.join(changes.relock) or '-'}")

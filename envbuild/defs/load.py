@@ -167,7 +167,7 @@ def assemble(display_root: str, loaded: list[list[Definition]], problems: list[P
                 definition.origin.file, line, column,
                 f"duplicate name {definition.name!r}, first defined at "
                 f"{first.origin.file}:{first.origin.position('name')[0]}",
-                path="name", hint="names are unique across bases, workspaces, toolkits and envs"))
+                path="name", hint="names are unique across bases, workspaces, toolkits, envs and tasks"))
     for name, definition in by_name.items():
         if isinstance(definition, Base) and isinstance(definition.source, DockerfileSource):
             envs = _dockerfile_envs(definition, definition.source, display_root)
@@ -221,11 +221,14 @@ def _definition_file_names(root: Path) -> list[str]:
 
 
 def describe_counts(defs: DefinitionSet) -> str:
-    """``"12 definitions (3 bases, 3 workspaces, 2 toolkits, 4 envs)"``."""
+    """``"12 definitions (3 bases, 3 workspaces, 2 toolkits, 4 envs)"``, then ``", 1 task"``
+    when the tree has tasks."""
     total = len(defs.by_name)
     parts = []
     for kind in KINDS:
         n = sum(1 for d in defs.by_name.values() if d.kind == kind)
+        if kind == "Task" and not n:
+            continue
         parts.append(f"{n} {kind.lower()}{'' if n == 1 else 's'}")
     return f"{total} definition{'' if total == 1 else 's'} ({', '.join(parts)})"
 

@@ -12,22 +12,27 @@ content digests of sources (a path tree, a git commit) on top of ``identity()``.
 from __future__ import annotations
 
 import dataclasses
-import re
+import posixpath
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
+from envbuild.defs.steps import (  # noqa: F401  (CopyStep, RunStep, run_label: re-exported)
+    CopyStep,
+    RunStep,
+    Step,
+    run_label,
+    step_from_mapping,
+)
+from envbuild.defs.steps import frozen_map as _frozen_map
+
 API_VERSION = "envbuild/v1"
-KINDS = ("Base", "Workspace", "Toolkit", "Env")
+KINDS = ("Base", "Workspace", "Toolkit", "Env", "Task")
 LAYER_KINDS = ("Base", "Workspace", "Toolkit")
 
 Framing = Literal["lazy", "compact"]
 Pin = Literal["abi", "digest"]
-
-
-def _frozen_map(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
-    return MappingProxyType(dict(value or {}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,117 +58,6 @@ class Origin:
     def position(self, path: str) -> tuple[int, int]:
         """Line and column of ``path`` inside the document, else of the document itself."""
         return self.field_positions.get(path, (self.line, self.column))
-
-
-# ----------------------------------------------------------------------------- steps
-
-
-#: A line of a ``run`` script that only sets shell options (``set -eu``, ``set -o pipefail``,
-#: ``shopt -s globstar``), with what follows a ``;`` or ``&&`` on the same line as group 1.
-_SHELL_OPTIONS_RE = re.compile(r"(?:set|shopt)\s+[-+][^;&]*(?:(?:;|&&)\s*(.*))?")
-
-
-def run_label(script: str) -> str:
-    """What a ``run`` script does, in a line: its first line that is not blank, a comment or a
-    shell option setting (``set -eu`` by convention opens every script), trimmed; else its
-    first non-blank line."""
-    lines = [ln.strip() for ln in script.splitlines() if ln.strip()]
-    for line in lines:
-        if line.startswith("#"):
-            continue
-        m = _SHELL_OPTIONS_RE.fullmatch(line)
-        if m is None:
-            return line
-        if m.group(1) and not m.group(1).startswith("#"):
-            return m.group(1).strip()
-    return lines[0] if lines else ""
-
-
-@dataclasses.dataclass(frozen=True)
-class RunStep:
-    """``- run: CMD`` executed with ``/bin/sh -c`` inside the build rootfs. ``name`` (metadata,
-    not in the key) says what it does in progress and failures; ``label`` is it, or
-    ``run_label`` of the script."""
-
-    run: str
-    env: Mapping[str, str] = dataclasses.field(default_factory=lambda: _frozen_map(None))
-    workdir: str = "/"
-    user: str = "0:0"
-    network: Literal["host", "none"] = "host"
-    name: str | None = dataclasses.field(default=None, compare=False)
-
-    @classmethod
-    def from_mapping(cls, m: Mapping[str, Any]) -> RunStep:
-        return cls(
-            run=m["run"],
-            env=_frozen_map({k: str(v) for k, v in (m.get("env") or {}).items()}),
-            workdir=m.get("workdir", "/"),
-            user=str(m.get("user", "0:0")),
-            network=m.get("network", "host"),
-            name=_step_name(m),
-        )
-
-    @property
-    def label(self) -> str:
-        return self.name or run_label(self.run)
-
-    def identity(self) -> dict[str, Any]:
-        return {
-            "run": self.run,
-            "env": dict(self.env),
-            "workdir": self.workdir,
-            "user": self.user,
-            "network": self.network,
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class CopyStep:
-    """``- copy: {src, dest, mode, owner}``: files from the definition's directory.
-
-    ``src`` is relative to the directory of the file that holds the definition; its content is
-    hashed into the key by the planner (see ``envbuild.plan.keys``).
-    """
-
-    src: str
-    dest: str
-    mode: int | None = None
-    owner: str = "0:0"
-    name: str | None = dataclasses.field(default=None, compare=False)  # metadata, as RunStep's
-
-    @classmethod
-    def from_mapping(cls, m: Mapping[str, Any]) -> CopyStep:
-        c = m["copy"]
-        mode = c.get("mode")
-        if isinstance(mode, str):
-            mode = int(mode, 8)
-        return cls(src=c["src"], dest=c["dest"], mode=mode, owner=str(c.get("owner", "0:0")),
-                   name=_step_name(m))
-
-    @property
-    def label(self) -> str:
-        return self.name or f"{self.src} -> {self.dest}"
-
-    def identity(self) -> dict[str, Any]:
-        # src content enters the key as a digest (added by the planner), not as a path.
-        return {"copy": {"dest": self.dest, "mode": self.mode, "owner": self.owner}}
-
-
-Step = RunStep | CopyStep
-
-
-def _step_name(m: Mapping[str, Any]) -> str | None:
-    """A step's ``name``, whitespace collapsed to single spaces (one line), or None."""
-    name = m.get("name")
-    if name is None:
-        return None
-    return " ".join(str(name).split()) or None
-
-
-def step_from_mapping(m: Mapping[str, Any]) -> Step:
-    if "run" in m:
-        return RunStep.from_mapping(m)
-    return CopyStep.from_mapping(m)
 
 
 # ----------------------------------------------------------------------------- sources
@@ -568,12 +462,84 @@ class Env(_Common):
         )
 
 
-Definition = Base | Workspace | Toolkit | Env
+#: Seconds a task's ``grade.run`` may run when it names no ``timeout:``.
+DEFAULT_GRADE_TIMEOUT = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Grade:
+    """A task's ``grade:``: the command run in the grading sandbox (``/bin/sh -c``, in the
+    task's ``workdir``), its deadline in seconds, extra environment and user."""
+
+    run: str
+    timeout: float = DEFAULT_GRADE_TIMEOUT
+    env: Mapping[str, str] = dataclasses.field(default_factory=lambda: _frozen_map(None))
+    user: str | None = None  # None: the env's config.user
+
+    def identity(self) -> dict[str, Any]:
+        return {"run": self.run, "timeout": self.timeout, "env": dict(self.env),
+                "user": self.user}
+
+
+@dataclasses.dataclass(frozen=True)
+class Task(_Common):
+    """An env an agent works in and how its work is graded (issue 35). ``editable`` and
+    ``junit`` are absolute and normalised (a relative ``editable`` entry is under
+    ``workdir``; none: ``(workdir,)``); the loader checked each is under ``workdir``
+    (``envbuild.defs.validate``). ``hidden`` is laid over ``workdir`` in the grading sandbox
+    only; it is pinned like a workspace's source."""
+
+    env: str = ""
+    workdir: str = "/workspace"
+    hidden: WorkspaceSource = dataclasses.field(default_factory=lambda: PathSource("."))
+    grade: Grade = dataclasses.field(default_factory=lambda: Grade(run="true"))
+    editable: tuple[str, ...] = ()
+    must_pass: tuple[str, ...] = ()
+    keep_passing: tuple[str, ...] = ()
+    junit: str | None = None
+    kind = "Task"
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any], origin: Origin) -> Task:
+        g, tests, workdir = m["grade"], m.get("tests") or {}, posixpath.normpath(m["workdir"])
+        return cls(
+            **_common(m, origin), env=m["env"], workdir=workdir,
+            hidden=workspace_source_from_mapping(m["hidden"]),
+            grade=Grade(run=g["run"], timeout=float(g.get("timeout", DEFAULT_GRADE_TIMEOUT)),
+                        env=_frozen_map({k: str(v) for k, v in (g.get("env") or {}).items()}),
+                        user=None if g.get("user") is None else str(g["user"])),
+            editable=tuple(under_workdir(workdir, p) for p in m.get("editable") or ()) or (workdir,),
+            must_pass=tuple(tests.get("must_pass") or ()),
+            keep_passing=tuple(tests.get("keep_passing") or ()),
+            junit=None if m.get("junit") is None else under_workdir(workdir, m["junit"]),
+        )
+
+    def identity(self) -> dict[str, Any]:
+        """What a grade depends on besides the env's lock and the hidden tree's digest (the
+        task lock's grading spec; the hidden source's content is added when it is pinned)."""
+        return {"env": self.env, "workdir": self.workdir, "hidden": self.hidden.identity(),
+                "grade": self.grade.identity(), "editable": list(self.editable),
+                "tests": {"must_pass": list(self.must_pass),
+                          "keep_passing": list(self.keep_passing)},
+                "junit": self.junit}
+
+
+def under_workdir(workdir: str, path: str) -> str:
+    """``path`` (absolute, or relative to ``workdir``) made absolute and normalised."""
+    return posixpath.normpath(posixpath.join(workdir, path))
+
+
+def is_under(path: str, directory: str) -> bool:
+    """Whether normalised absolute ``path`` is ``directory`` or below it."""
+    return path == directory or directory == "/" or path.startswith(directory + "/")
+
+
+Definition = Base | Workspace | Toolkit | Env | Task
 LayerDefinition = Base | Workspace | Toolkit
 
 CONSTRUCTORS: Mapping[str, Callable[[Mapping[str, Any], Origin], Definition]] = {
     "Base": Base.from_mapping, "Workspace": Workspace.from_mapping,
-    "Toolkit": Toolkit.from_mapping, "Env": Env.from_mapping}
+    "Toolkit": Toolkit.from_mapping, "Env": Env.from_mapping, "Task": Task.from_mapping}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -593,3 +559,7 @@ class DefinitionSet:
     @property
     def envs(self) -> list[Env]:
         return [d for d in self.by_name.values() if isinstance(d, Env)]
+
+    @property
+    def tasks(self) -> list[Task]:
+        return [d for d in self.by_name.values() if isinstance(d, Task)]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import posixpath
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,7 @@ from jsonschema.exceptions import ValidationError
 from referencing import Registry, Resource
 
 from envbuild.defs.hints import suggest
-from envbuild.defs.model import API_VERSION, KINDS
+from envbuild.defs.model import API_VERSION, KINDS, is_under, under_workdir
 from envbuild.errors import Problem
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ Position = tuple[int, int]
 Positions = Mapping[str, Position]
 
 SCHEMA_FILES = {"Base": "base.json", "Workspace": "workspace.json",
-                "Toolkit": "toolkit.json", "Env": "env.json"}
+                "Toolkit": "toolkit.json", "Env": "env.json", "Task": "task.json"}
 _COMMON = "common.json"
 _HEADER_KEYS = ("apiVersion", "kind")
 
@@ -121,12 +122,42 @@ def check_document(
         return problems
     validator = validators()[kind]
     if not problems and validator.is_valid(doc):
-        return problems
+        return check_task_paths(doc, file, positions) if kind == "Task" else problems
     mapper = SchemaErrorMapper(kind, file, positions, key_positions())
     found = set(problems)
     for error in validator.iter_errors(doc):
         found.update(mapper.problems(error))
     return sorted(found)
+
+
+def check_task_paths(doc: Mapping[str, Any], file: str, positions: Positions) -> list[Problem]:
+    """What a Task's schema cannot say: every ``editable`` path is under ``workdir``; the
+    ``junit`` report is not where the agent may write (it could forge one); ``tests`` need a
+    ``junit`` report to be read from."""
+    workdir = posixpath.normpath(doc["workdir"])
+    problems = []
+
+    def problem(path: str, message: str, hint: str) -> None:
+        where = positions.get(path) or positions.get("", (0, 0))
+        problems.append(Problem(file, *where, message, path=path, hint=hint))
+
+    editable = []
+    for i, p in enumerate(doc.get("editable") or ()):
+        full = under_workdir(workdir, p)
+        editable.append(full)
+        if not is_under(full, workdir):
+            problem(f"editable[{i}]", f"editable: {p!r} is outside workdir {workdir!r}",
+                    f"the agent's work is read from workdir: name a path under {workdir}")
+    junit = doc.get("junit")
+    if junit is not None:
+        full = under_workdir(workdir, junit)
+        if any(is_under(full, e) for e in editable or [workdir]):
+            problem("junit", f"junit: {junit!r} is a path the agent may change, so it could "
+                    "forge the report", "write it outside the editable paths, e.g. /tmp/junit.xml")
+    if doc.get("tests") and junit is None:
+        problem("tests", "tests names test ids, but no junit report to read their results from",
+                "add junit: PATH and make grade.run write JUnit XML there (pytest --junitxml)")
+    return problems
 
 
 def _check_header(doc: Mapping[str, Any], file: str, positions: Positions) -> list[Problem]:
@@ -239,6 +270,9 @@ class SchemaErrorMapper:
                                "list each item once")
         elif kw == "minLength" and error.validator_value == 1:
             yield self.problem(path, f"{_field(path)}: must not be empty")
+        elif kw == "exclusiveMinimum":
+            yield self.problem(path, f"{_field(path)}: must be more than "
+                                     f"{error.validator_value}, got {error.instance!r}")
         elif kw == "minItems" and error.validator_value == 1:
             yield self.problem(path, f"{_field(path)}: must list at least one item")
         else:

@@ -6,6 +6,8 @@ Nodes are definition names; an edge ``u -> v`` means "v needs u" (u is built fir
 - a Dockerfile base's ``FROM envbuild.invalid/env/E`` (``DockerfileSource.envs``): E -> base
 - ``Workspace/Toolkit.build_on``:               base -> layer
 - ``Env.base``, ``Env.workspace``, ``Env.toolkits``: each -> env
+- ``Task.env``:                                  env -> task (its ``hidden`` source is pinned,
+  not a definition: no node)
 
 ``build_graph`` checks everything that needs more than one document to see, collects *all*
 problems and raises one ``PlanError``:
@@ -32,7 +34,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from envbuild.defs.hints import suggest
-from envbuild.defs.model import Base, Definition, DefinitionSet, Env, Origin, Toolkit, Workspace
+from envbuild.defs.model import (
+    Base,
+    Definition,
+    DefinitionSet,
+    Env,
+    LayerDefinition,
+    Origin,
+    Task,
+    Toolkit,
+    Workspace,
+)
 from envbuild.errors import DefinitionError, PlanError, Problem
 
 if TYPE_CHECKING:
@@ -85,6 +97,12 @@ class EnvGraph:
 
     def __getitem__(self, name: str) -> Definition:
         return self.defs.by_name[name]
+
+    def layer(self, name: str) -> LayerDefinition:
+        """Layer definition ``name`` (a Base, Workspace or Toolkit)."""
+        d = self.defs.by_name[name]
+        assert not isinstance(d, (Env, Task)), f"{name} is a {d.kind}, not a layer"
+        return d
 
     @property
     def graph(self) -> nx.DiGraph:
@@ -239,6 +257,8 @@ def check_references(by_name: Mapping[str, Definition], definitions: Iterable[De
                         f"one of {list(d.requires_abi)}"))
         elif isinstance(d, Env):
             _check_env(d, ref, by_name, problems)
+        elif isinstance(d, Task):
+            ref(d, d.env, "Env", ("env",), "env")
     return problems
 
 

@@ -63,6 +63,7 @@ from typing import Any, Protocol
 
 from envbuild.canonical import canonical_json
 from envbuild.defs.model import (
+    LAYER_KINDS,
     Base,
     CopyStep,
     Definition,
@@ -457,7 +458,7 @@ class _Keyer:
         for n in sorted(only):
             if self.defs[n].kind == "Env":
                 self.env_lock(n)
-            else:
+            elif self.defs[n].kind in LAYER_KINDS:  # a Task has no key of its own yet
                 self.key_of(n)
 
     def key_set(self) -> KeySet:

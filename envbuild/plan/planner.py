@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
-from envbuild.defs.model import Env
+from envbuild.defs.model import LAYER_KINDS, Env, Task
 from envbuild.errors import PlanError, Problem
 from envbuild.plan.graph import EnvGraph, did_you_mean
 from envbuild.plan.keys import KeySet, PinnedInputs, compute_keys
@@ -57,12 +57,27 @@ class EnvPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class TaskPlan:
+    """A task and the env it grades in. Not built yet: its hidden layer and task lock come
+    with the task lock (issue 35); ``build`` and ``lock`` skip it."""
+
+    name: str
+    env: str
+    status: Literal["not built"] = "not built"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "env": self.env, "status": self.status}
+
+
+@dataclasses.dataclass(frozen=True)
 class BuildPlan:
-    """Layers in topological generations (then by name), envs by name, and the keys used."""
+    """Layers in topological generations (then by name), envs and tasks by name, and the
+    keys used."""
 
     layers: tuple[LayerStep, ...]
     envs: tuple[EnvPlan, ...]
     keys: KeySet = dataclasses.field(repr=False)
+    tasks: tuple[TaskPlan, ...] = ()
 
     @property
     def generations(self) -> list[list[LayerStep]]:
@@ -79,7 +94,8 @@ class BuildPlan:
 
     def to_json(self) -> dict[str, Any]:
         return {"layers": [s.to_json() for s in self.layers],
-                "envs": [e.to_json() for e in self.envs]}
+                "envs": [e.to_json() for e in self.envs],
+                "tasks": [t.to_json() for t in self.tasks]}
 
 
 def select(graph: EnvGraph, targets: Iterable[str] | None) -> set[str]:
@@ -104,9 +120,10 @@ def make_plan(graph: EnvGraph, pinned: PinnedInputs, lookup: Lookup | None = Non
     chosen = select(graph, targets)
     defs = graph.defs.by_name
     steps = []
-    # generations over the envs too (a Dockerfile base can build on an env), envs left out
+    # generations over the envs too (a Dockerfile base can build on an env), envs and tasks
+    # left out
     everything = targets is None  # then the graph's own generations, computed once
-    gens = [[n for n in names if defs[n].kind != "Env"]
+    gens = [[n for n in names if defs[n].kind in LAYER_KINDS]
             for names in graph.generations(None if everything else chosen)]
     for gen, names in enumerate(g for g in gens if g):
         for n in names:
@@ -117,4 +134,6 @@ def make_plan(graph: EnvGraph, pinned: PinnedInputs, lookup: Lookup | None = Non
                                    status="cached" if cached else "missing", generation=gen))
     envs = tuple(EnvPlan(name=n, layers=graph.env_layers(n))
                  for n in sorted(chosen) if isinstance(defs[n], Env))
-    return BuildPlan(layers=tuple(steps), envs=envs, keys=keys)
+    tasks = tuple(TaskPlan(name=n, env=t.env)
+                  for n in sorted(chosen) if isinstance(t := defs[n], Task))
+    return BuildPlan(layers=tuple(steps), envs=envs, keys=keys, tasks=tasks)

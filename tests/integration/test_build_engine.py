@@ -161,3 +161,26 @@ def test_verbose_build_streams_each_steps_output(envbuild_cli):
     lines = result.err.splitlines()
     assert "chatty | first line" in lines and "chatty | to stderr" in lines
     assert "chatty | tail" in lines  # a last line without a newline still comes out
+
+
+def test_build_builds_a_tasks_env_and_says_the_task_is_skipped(envbuild_cli):
+    """Issue 35, first increment: a Task in the tree does not break build or lock; its env is
+    built and locked, the task itself is named as skipped (no task lock yet)."""
+    _write(envbuild_cli.defs / "tasks" / "kv-task.yaml", """\
+        apiVersion: envbuild/v1
+        kind: Task
+        name: kv-task
+        env: busybox-shell
+        workdir: /workspace
+        hidden: {path: hidden}
+        grade: {run: sh /workspace/hidden-test.sh, timeout: 30}
+        """)
+    (envbuild_cli.defs / "tasks" / "hidden").mkdir()
+    (envbuild_cli.defs / "tasks" / "hidden" / "hidden-test.sh").write_text("exit 0\n")
+    result = envbuild_cli("build")
+    assert result.code == 0, result.err
+    assert "env busybox-shell: locked sha256:" in result.out
+    assert "task kv-task: skipped, task locks are not built yet (its env: busybox-shell)" in result.out
+    report = envbuild_cli("build", "--json", "kv-task")
+    assert report.code == 0, report.err
+    assert [lk["env"] for lk in report.json()["locks"]] == ["busybox-shell"]

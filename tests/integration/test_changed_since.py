@@ -298,3 +298,31 @@ def test_an_uncommitted_archive_that_does_not_match_rev_is_one_clear_error(repo,
     assert "../../sources/big.tar is not in the revision's tree" in line, err
     assert f"declared sha256:{old}, file has sha256:{new}" in line, err
     assert "hint: commit the file" in err, err
+
+
+TASK = """
+    apiVersion: envbuild/v1
+    kind: Task
+    name: fix-app
+    env: swe
+    workdir: /workspace
+    hidden: {path: hidden}
+    grade: {run: python3 -m pytest -q, timeout: 60}
+    """
+
+
+@pytest.mark.parametrize("commit_task", [True, False])
+def test_a_task_in_the_tree_is_planned_but_never_keyed(repo, capsys, commit_task):
+    # issue 35: a Task depends on its env; a change below it makes it dirty, but it has no key
+    write(repo, "envdefs/tasks/fix-app.yaml", TASK)
+    if commit_task:
+        git(repo, "add", ".")
+        git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "task")
+    (repo / "sources/app/app.py").write_text("print('bye')\n")
+    doc = plan_since(capsys)
+    assert doc["rebuild"] == ["app"] and doc["relock"] == ["swe"]
+    assert doc["tasks"] == [{"name": "fix-app", "env": "swe", "status": "not built"}]
+    t = repo / "envdefs/tasks/fix-app.yaml"
+    t.write_text(t.read_text().replace("timeout: 60", "timeout: 90"))
+    doc = plan_since(capsys, "HEAD", "fix-app")
+    assert doc["rebuild"] == ["app"] and doc["relock"] == ["swe"]

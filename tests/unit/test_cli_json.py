@@ -70,7 +70,7 @@ def test_validate_json_is_the_tree_and_its_counts(tree, capsys):
     assert main(["validate", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {
         "ok": True, "root": "envdefs", "definitions": 2,
-        "kinds": {"Base": 1, "Workspace": 0, "Toolkit": 0, "Env": 1}}
+        "kinds": {"Base": 1, "Workspace": 0, "Toolkit": 0, "Env": 1, "Task": 0}}
 
 
 def test_graph_json_is_format_json(tree, capsys):

@@ -88,7 +88,7 @@ def test_unknown_kind_suggests_the_closest():
 def test_missing_kind_lists_the_kinds():
     p = one(HEADER + "name: e\n")
     assert (p.line, p.message) == (1, "missing kind")
-    assert p.hint == "kind is one of Base, Workspace, Toolkit, Env"
+    assert p.hint == "kind is one of Base, Workspace, Toolkit, Env, Task"
 
 
 def test_unknown_key_points_at_the_key_and_suggests():
@@ -244,7 +244,7 @@ def test_duplicate_names_across_files_point_at_both():
     p = found[0]
     assert (p.file, p.line, p.column, p.path) == ("d/b/c.yaml", 4, 7, "name")
     assert p.message == "duplicate name 'e', first defined at d/a.yaml:3"
-    assert p.hint == "names are unique across bases, workspaces, toolkits and envs"
+    assert p.hint == "names are unique across bases, workspaces, toolkits, envs and tasks"
 
 
 def test_problems_are_collected_across_files_and_documents():

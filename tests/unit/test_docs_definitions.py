@@ -14,7 +14,7 @@ from tests.docblocks import REPO
 SCHEMAS = REPO / "envbuild/defs/schema"
 PAGE = REPO / "docs/definitions.md"
 KINDS = {"base.json": "Base", "workspace.json": "Workspace", "toolkit.json": "Toolkit",
-         "env.json": "Env", "jobmanifest.json": "JobManifest"}
+         "env.json": "Env", "task.json": "Task", "jobmanifest.json": "JobManifest"}
 
 
 def _section(text: str, title: str) -> str:

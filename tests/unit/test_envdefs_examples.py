@@ -40,7 +40,8 @@ def test_the_examples_load_and_form_a_valid_graph(defs):
 
 
 def test_each_file_is_named_after_its_definition_and_sits_in_its_kind_dir(defs):
-    dirs = {"Base": "base", "Workspace": "workspaces", "Toolkit": "toolkits", "Env": "envs"}
+    dirs = {"Base": "base", "Workspace": "workspaces", "Toolkit": "toolkits", "Env": "envs",
+            "Task": "tasks"}
     for d in defs.by_name.values():
         path = Path(d.origin.file)
         assert path.stem == d.name, d.origin.file

@@ -57,7 +57,8 @@ def test_unknown_target_has_a_hint():
 
 def test_json_shape():
     out = plan().to_json()
-    assert set(out) == {"layers", "envs"}
+    assert set(out) == {"layers", "envs", "tasks"}
+    assert out["tasks"] == []
     assert set(out["layers"][0]) == {"name", "kind", "key", "depends_on", "status"}
     assert out["envs"][0] == {"name": "swe", "layers": ["root", "py", "req", "rg"]}
 
