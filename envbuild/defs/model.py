@@ -484,10 +484,11 @@ class Grade:
 @dataclasses.dataclass(frozen=True)
 class Task(_Common):
     """An env an agent works in and how its work is graded (issue 35). ``editable`` and
-    ``junit`` are absolute and normalised (a relative ``editable`` entry is under
-    ``workdir``; none: ``(workdir,)``); the loader checked each is under ``workdir``
-    (``envbuild.defs.validate``). ``hidden`` is laid over ``workdir`` in the grading sandbox
-    only; it is pinned like a workspace's source."""
+    ``junit`` are absolute and normalised (relative ones are under ``workdir``; no
+    ``editable``: ``(workdir,)``); the loader checked that every ``editable`` path is under
+    ``workdir`` and ``junit`` under none of them (``envbuild.defs.validate``). ``hidden`` is
+    laid over ``workdir`` in the grading sandbox only (a source as a workspace's, pinned as
+    one when the task lock is made: not yet)."""
 
     env: str = ""
     workdir: str = "/workspace"
