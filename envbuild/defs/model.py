@@ -332,10 +332,8 @@ class GitSource:
 
     def identity(self) -> dict[str, Any]:
         # resolved commit sha added by the planner
-        identity = _strip({"url": self.url}, self.strip_components)
-        if self.dotgit:  # only when set: a source without it keeps its key
-            identity["dotgit"] = True
-        return {"git": identity}
+        identity = _strip({"url": self.url}, self.strip_components)  # dotgit only when set:
+        return {"git": {**identity, "dotgit": True} if self.dotgit else identity}  # same keys
 
 
 @dataclasses.dataclass(frozen=True)
