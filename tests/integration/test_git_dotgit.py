@@ -6,6 +6,7 @@ clean at start, an edit shows in ``git diff``, and a rebuild gives the same laye
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import zlib
 from pathlib import Path
@@ -105,7 +106,11 @@ def test_dotgit_workspace_has_the_pinned_commit_only(envbuild_cli, tmp_path):
     assert (work / "ignored.txt").is_file()
     assert os.access(work / "run.sh", os.X_OK)
 
-    # clean at start, from an index with no stat data
+    # clean at start, from an index with no stat data (before git status refreshes it)
+    debug = _ok(work, "ls-files", "--debug")
+    stat = [ln.strip() for ln in debug.splitlines() if ln.startswith("  ")]
+    assert stat and set(stat) == {"ctime: 0:0", "mtime: 0:0", "dev: 0\tino: 0",
+                                  "uid: 0\tgid: 0", "size: 0\tflags: 0"}, stat
     assert _ok(work, "status", "--porcelain") == ""
     assert _ok(work, "diff") == ""
     # the shipped .git: nothing but these files
@@ -187,3 +192,82 @@ def test_default_git_source_keeps_its_key_and_ships_no_dotgit(envbuild_cli, tmp_
         dest: /src
         """)
     assert _layer_key(envbuild_cli, "gitws") == plain
+
+
+def _git_toolkit(root: Path) -> None:
+    """The host's git with its libraries and loader under ``root/bin``, ``root/lib``: a
+    toolkit the busybox env can run git from (through the loader: busybox has no libc)."""
+    (root / "bin").mkdir(parents=True)
+    (root / "lib").mkdir()
+    git = Path("/usr/bin/git").resolve()
+    shutil.copy2(git, root / "bin" / "git")
+    ldd = subprocess.run(["ldd", str(git)], capture_output=True, text=True, check=True).stdout
+    for line in ldd.splitlines():
+        path = line.split("=>")[-1].split("(")[0].strip()
+        if path.startswith("/"):
+            shutil.copy2(Path(path).resolve(), root / "lib" / Path(path).name)
+
+
+def test_dotgit_workspace_in_a_real_sandbox(envbuild_cli, tmp_path):
+    """The layer as an agent sees it: in a runc sandbox (files owned as the layer says, other
+    inodes and times than at build), git reads the tree clean, finds no trace of the fix,
+    and shows an edit."""
+    require_tool("git")
+    require_tool("ldd")
+    from runtime_shim import Sandbox
+
+    _repo, pinned, fix = _two_commit_repo(tmp_path)
+    defs = tmp_path / "envdefs"
+    _git_toolkit(defs / "toolkits" / "files" / "git")
+    _write(defs / "toolkits" / "gitbin.yaml", """\
+        apiVersion: envbuild/v1
+        kind: Toolkit
+        name: gitbin
+        build_on: busybox-tiny
+        requires: {abi: [busybox-amd64]}
+        prefix: /opt/toolkits/git
+        steps:
+          - copy: {src: files/git, dest: /opt/toolkits/git}
+        """)
+    _write(defs / "workspaces" / "gitws.yaml", f"""\
+        apiVersion: envbuild/v1
+        kind: Workspace
+        name: gitws
+        build_on: busybox-tiny
+        source: {{git: {{url: "../../repo", rev: {pinned}, dotgit: true}}}}
+        dest: /src
+        """)
+    _write(defs / "envs" / "gitenv.yaml", """\
+        apiVersion: envbuild/v1
+        kind: Env
+        name: gitenv
+        base: busybox-tiny
+        workspace: gitws
+        toolkits: [gitbin]
+        config: {workdir: /src, user: "0:0"}
+        """)
+    _build_ok(envbuild_cli, "gitenv")
+    git = ("/opt/toolkits/git/lib/ld-linux-x86-64.so.2 --library-path /opt/toolkits/git/lib "
+           "/opt/toolkits/git/bin/git -c core.pager=cat")
+    with Sandbox.create("env/gitenv", store=LocalStore(envbuild_cli.store),
+                        node_dir=envbuild_cli.node) as sb:
+        def run(cmd: str) -> str:
+            done = sb.exec(f"cd /src && {git} {cmd}")
+            assert done.exit_code == 0, (cmd, done.stderr.decode())
+            return done.stdout.decode()
+
+        assert run("status --porcelain") == ""
+        assert run("diff") == ""
+        assert run("rev-parse HEAD").strip() == pinned
+        assert run("log --format=%H").strip() == pinned
+        assert fix not in run("log --all --format=%H")
+        # (commit-graph and multi-pack-index checks run git anew: not through the loader)
+        lost = run("-c core.commitGraph=false -c core.multiPackIndex=false "
+                   "fsck --lost-found --unreachable --no-reflogs")
+        assert fix not in lost and "unreachable" not in lost
+        assert fix not in run("cat-file --batch-all-objects --batch-check")
+        assert sb.exec("cat /src/.git/objects/pack/*.pack | grep -c 'secret fix'").stdout \
+            .decode().strip() == "0"
+        sb.exec("echo '# edited' >> /src/pkg/mod.py")
+        assert "+# edited" in run("diff")
+        assert run("status --porcelain") == " M pkg/mod.py\n"
