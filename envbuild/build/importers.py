@@ -445,9 +445,6 @@ def import_git(url: str, commit: str, dest: Path | int, scratch: Path,
     check_git_source(url, commit)
     if not is_git_oid(commit):
         raise SourceError(f"git source {url}: {commit!r} is not a pinned commit id")
-    if dotgit and strip_components:
-        raise SourceError(f"git source {url}: dotgit and strip_components exclude each other",
-                          hint="the .git describes the whole tree: drop strip_components")
     env = git_env()
     repo = scratch / "git"
     init = ["git", "init", "-q", "--bare"]

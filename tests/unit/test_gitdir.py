@@ -67,3 +67,23 @@ def test_dotgit_is_opt_in_and_keeps_the_key_without_it():
     assert plain == off == GitSource(url="u", rev="main")
     assert plain.identity() == off.identity() == {"git": {"url": "u"}}
     assert on.identity() == {"git": {"url": "u", "dotgit": True}}
+
+
+def test_dotgit_with_strip_components_is_refused_at_load(tmp_path):
+    import pytest
+
+    from envbuild.defs import load_definitions
+    from envbuild.errors import DefinitionError
+
+    d = tmp_path / "defs"
+    d.mkdir()
+    body = ("apiVersion: envbuild/v1\nkind: Workspace\nname: w\nbuild_on: b\n"
+            "source: {git: {url: https://example.invalid/r.git, rev: main, dotgit: true, "
+            "strip_components: %d}}\n")
+    (d / "w.yaml").write_text(body % 1)
+    with pytest.raises(DefinitionError) as info:
+        load_definitions(str(d))
+    (problem,) = info.value.problems
+    assert "strip_components" in problem.render() and "dotgit" in problem.render()
+    (d / "w.yaml").write_text(body % 0)
+    assert load_definitions(str(d)).by_name["w"].source.dotgit
