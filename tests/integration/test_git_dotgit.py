@@ -26,7 +26,10 @@ def _two_commit_repo(root: Path) -> tuple[Path, str, str]:
     (repo / "pkg" / "mod.py").write_text("def f():\n    return 1\n")
     (repo / "run.sh").write_text("#!/bin/sh\necho hi\n")
     os.chmod(repo / "run.sh", 0o755)
-    (repo / ".gitattributes").write_text("VERSION export-subst\nignored.txt export-ignore\n")
+    (repo / ".gitattributes").write_text("VERSION export-subst\nignored.txt export-ignore\n"
+                                         "*.crlf text eol=crlf\n")
+    (repo / "notes.crlf").write_text("line one\nline two\n")
+    os.symlink("pkg/mod.py", repo / "link")
     (repo / "VERSION").write_text("$Format:%H$\n")
     (repo / "ignored.txt").write_text("kept in a checkout\n")
     _git(repo, "add", ".")
@@ -105,6 +108,8 @@ def test_dotgit_workspace_has_the_pinned_commit_only(envbuild_cli, tmp_path):
     assert (work / "VERSION").read_text() == "$Format:%H$\n"
     assert (work / "ignored.txt").is_file()
     assert os.access(work / "run.sh", os.X_OK)
+    assert (work / "notes.crlf").read_bytes() == b"line one\r\nline two\r\n"
+    assert os.readlink(work / "link") == "pkg/mod.py"
 
     # clean at start, from an index with no stat data (before git status refreshes it)
     debug = _ok(work, "ls-files", "--debug")
@@ -271,3 +276,6 @@ def test_dotgit_workspace_in_a_real_sandbox(envbuild_cli, tmp_path):
         sb.exec("echo '# edited' >> /src/pkg/mod.py")
         assert "+# edited" in run("diff")
         assert run("status --porcelain") == " M pkg/mod.py\n"
+        # how SWE harnesses submit: stage everything, diff against HEAD
+        run("add -A")
+        assert "+# edited" in run("diff --cached")
