@@ -456,7 +456,8 @@ def _import_workspace(d: Workspace, job: LayerJob, merged: Path, scratch: Path,
             if not commit:
                 raise BuildError(f"{d.name}: git source was not pinned to a commit")
             importers.import_git(local_git_path(src.url, str(here)) or src.url, commit, dest,
-                                 scratch, cancelled, strip_components=src.strip_components)
+                                 scratch, cancelled, strip_components=src.strip_components,
+                                 dotgit=src.dotgit)
         elif isinstance(src, ArchiveSource):
             importers.import_archive(here / src.path, src.sha256, dest,
                                      strip_components=src.strip_components)

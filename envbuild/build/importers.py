@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+from envbuild.build import gitdir
 from envbuild.build.copying import copy_source_tree, drop_devices
 from envbuild.build.gitoid import is_git_oid
 from envbuild.build.pin import check_git_source, git_env, static_elf_problem
@@ -48,11 +49,12 @@ class Imported:
 
 def run_tool(argv: list[str], what: str, *, cwd: str | None = None,
              cancelled: threading.Event | None = None, stdout=subprocess.PIPE,
-             stderr=subprocess.PIPE, env: Mapping[str, str] | None = None) -> str:
+             stderr=subprocess.PIPE, env: Mapping[str, str] | None = None,
+             stdin=subprocess.DEVNULL) -> str:
     """Run a tool to completion; a set ``cancelled`` event (Ctrl-C / SIGTERM of the build)
     kills its whole process group within ~0.1 s instead of waiting for, say, debootstrap."""
     try:
-        proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout,
+        proc = subprocess.Popen(argv, cwd=cwd, stdin=stdin, stdout=stdout,
                                 stderr=stderr, start_new_session=True,
                                 env=dict(env) if env is not None else None)
     except FileNotFoundError:
@@ -434,24 +436,36 @@ def import_path(src: Path, dest: Path | int) -> Imported:
 
 def import_git(url: str, commit: str, dest: Path | int, scratch: Path,
                cancelled: threading.Event | None = None, *,
-               strip_components: int = 0) -> Imported:
+               strip_components: int = 0, dotgit: bool = False) -> Imported:
     """The tree of ``commit`` (already pinned) without ``.git``: ``git archive`` is
-    deterministic, a clone's ``.git`` is not. ``url`` and ``commit`` are checked again here
-    (``check_git_source``) and can never reach git as options: ``--end-of-options`` precedes
-    them and ``git_env`` restricts the transports."""
+    deterministic, a clone's ``.git`` is not. With ``dotgit``, a ``.git`` holding that commit
+    and nothing else is written next to it (``envbuild.build.gitdir``). ``url`` and ``commit``
+    are checked again here (``check_git_source``) and can never reach git as options:
+    ``--end-of-options`` precedes them and ``git_env`` restricts the transports."""
     check_git_source(url, commit)
     if not is_git_oid(commit):
         raise SourceError(f"git source {url}: {commit!r} is not a pinned commit id")
     env = git_env()
     repo = scratch / "git"
-    run_tool(["git", "init", "-q", "--bare", "--", str(repo)], "git init", env=env)
+    init = ["git", "init", "-q", "--bare"]
+    if dotgit:  # a SHA-256 source needs a SHA-256 scratch repository to fetch into
+        init.append(f"--object-format={'sha256' if len(commit) == 64 else 'sha1'}")
+    run_tool([*init, "--", str(repo)], "git init", env=env)
     run_tool(["git", "-C", str(repo), "-c", "protocol.ext.allow=never", "fetch", "-q", "--depth=1",
           "--end-of-options", url, commit], f"git fetch {url}", cancelled=cancelled, env=env)
+    if dotgit:
+        (repo / "info").mkdir(exist_ok=True)
+        (repo / "info" / "attributes").write_text(gitdir.ARCHIVE_ATTRIBUTES)
     archive = scratch / "src.tar"
     run_tool(["git", "-C", str(repo), "archive", "--format=tar", "-o", str(archive),
           "--end-of-options", commit], f"git archive {commit}", env=env)
     extract_tar(archive, dest, f"git archive of {url}@{commit[:12]}",
                 strip_components=strip_components)
+    if dotgit:
+        made, mtime = gitdir.build_dotgit(run_tool, repo, commit, scratch, env, cancelled)
+        tar = scratch / "dotgit.tar"
+        gitdir.write_dotgit_tar(made, tar, mtime)
+        extract_tar(tar, dest, f".git of {url}@{commit[:12]}")
     return Imported()
 
 

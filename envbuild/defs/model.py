@@ -215,16 +215,19 @@ def _strip(identity: dict[str, Any], strip_components: int) -> dict[str, Any]:
 @dataclasses.dataclass(frozen=True)
 class GitSource:
     """A commit's tree (``git archive``); ``strip_components`` drops leading path components
-    of every member, as ``tar --strip-components`` (members left with none are dropped)."""
+    of every member, as ``tar --strip-components`` (members left with none are dropped);
+    ``dotgit`` adds a ``.git`` holding that commit alone."""
 
     url: str
     rev: str
     strip_components: int = 0
+    dotgit: bool = False  # ship a .git of the commit alone (envbuild.build.gitdir)
     kind = "git"
 
     def identity(self) -> dict[str, Any]:
         # resolved commit sha added by the planner
-        return {"git": _strip({"url": self.url}, self.strip_components)}
+        identity = _strip({"url": self.url}, self.strip_components)  # dotgit only when set:
+        return {"git": {**identity, "dotgit": True} if self.dotgit else identity}  # same keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,7 +283,8 @@ def workspace_source_from_mapping(m: Mapping[str, Any]) -> WorkspaceSource:
         return PathSource(path=v if isinstance(v, str) else v["path"])
     if kind == "git":
         return GitSource(url=v["url"], rev=v["rev"],
-                         strip_components=int(v.get("strip_components", 0)))
+                         strip_components=int(v.get("strip_components", 0)),
+                         dotgit=bool(v.get("dotgit", False)))
     if kind == "archive":
         return ArchiveSource(path=v["path"], sha256=v["sha256"],
                              strip_components=int(v.get("strip_components", 0)))

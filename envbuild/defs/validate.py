@@ -255,6 +255,7 @@ class SchemaErrorMapper:
         elif kw in ("enum", "const"):
             allowed = schema["enum"] if kw == "enum" else [schema["const"]]
             hint = suggest(error.instance, map(str, allowed)) if isinstance(error.instance, str) else None
+            hint = hint or schema.get("description")  # why only these (a rule between keys)
             yield self.problem(path, f"{_field(path)}: expected one of {_quoted(allowed)}, "
                                      f"got {error.instance!r}", hint)
         elif kw == "pattern":

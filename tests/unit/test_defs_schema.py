@@ -29,7 +29,12 @@ def _objects(schema):
     if isinstance(schema, dict):
         if schema.get("type") == "object" or "properties" in schema:
             yield schema
-        for value in schema.values():
+        for key, value in schema.items():
+            if key in ("if", "then", "else"):
+                # a rule between keys of the mapping around it (which refuses unknown keys):
+                # additionalProperties: false there would change the rule, not the mapping
+                assert schema.get("additionalProperties") is False, schema
+                continue
             yield from _objects(value)
     elif isinstance(schema, list):
         for value in schema:
