@@ -195,7 +195,7 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
     """Build ``job`` and publish its blob and key record; return the record."""
     started = time.monotonic()
     _stop_if_cancelled(ctx, job)
-    dirs = _claim_dirs(ctx, job)
+    dirs = _claim_dirs(ctx, job, progress)
     mounted: list[str] = []
     try:
         imported = _fill_upper(ctx, job, dirs, progress, mounted)
@@ -211,7 +211,7 @@ def build_layer(ctx: BuildContext, job: LayerJob, progress: Progress) -> KeyReco
             Ledger(ctx.node.root).release(dirs.reserved)
 
 
-def _claim_dirs(ctx: BuildContext, job: LayerJob) -> _LayerDirs:
+def _claim_dirs(ctx: BuildContext, job: LayerJob, progress: Progress) -> _LayerDirs:
     """A new scratch dir for ``job`` with its capped disk (admitted by the node's budget) and
     an empty log; nothing is left behind if this fails."""
     scratch, owner = claim_scratch(ctx.scratch_root,
@@ -223,7 +223,9 @@ def _claim_dirs(ctx: BuildContext, job: LayerJob) -> _LayerDirs:
             granted = ledger.admit(dirs.reserved, Reservation(disk_bytes=ctx.disk_bytes), scratch,
                                    what=f"the build of {job.name}", settings=ctx.admission,
                                    wait=ctx.admission_wait,
-                                   min_disk=min(ctx.disk_bytes, MIN_BUILD_DISK_BYTES))
+                                   min_disk=min(ctx.disk_bytes, MIN_BUILD_DISK_BYTES),
+                                   on_wait=lambda why: progress(BuildEvent(
+                                       job.name, "waiting", detail=f"for disk: {why}")))
             # dev + suid: debootstrap makes /dev nodes in the upper dir and chroots into it
             dirs.disk_limit = granted.disk_bytes
             scratchfs.create(scratch, dirs.disk_limit, ctx.inodes,

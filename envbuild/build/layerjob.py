@@ -27,8 +27,9 @@ class LayerJob:
 
 @dataclasses.dataclass(frozen=True)
 class BuildEvent:
-    """Progress of one layer: ``phase`` is queued, importing, step, packing, done, cached,
-    failed or skipped; ``step``/``steps`` count run/copy steps, ``detail`` is free text."""
+    """Progress of one layer: ``phase`` is queued, waiting (for the node's disk budget),
+    importing, step, packing, done, cached, failed or skipped; ``step``/``steps`` count
+    run/copy steps, ``detail`` is free text."""
 
     name: str
     phase: str

@@ -65,7 +65,7 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from envbuild.atomic import write_atomic
@@ -300,13 +300,16 @@ class Ledger:
 
     def admit(self, key: str, want: Reservation, path: str | os.PathLike[str], *,
               what: str, settings: BudgetSettings, wait: float = 0.0,
-              min_disk: int | None = None) -> Reservation:
+              min_disk: int | None = None,
+              on_wait: Callable[[str], None] | None = None) -> Reservation:
         """Reserve ``want`` under ``key`` for the thing at ``path`` and return what was
         granted, or raise ``AdmissionRefused``. ``min_disk``: ``want``'s disk may be lowered
         to what the budget has left, down to this (a build's cap is a safety cap, not a
         promise). With ``wait``, a refusal that only others' reservations cause is retried for
-        up to that many seconds (a build waits for another build's disk)."""
+        up to that many seconds (a build waits for another build's disk); ``on_wait`` is told
+        the refusal's line once, when the waiting starts, so that a user sees why nothing moves."""
         deadline = time.monotonic() + wait
+        told = False
         while True:
             with self._locked() as entries:
                 budget = node_budget(read_host(self.dir), settings)
@@ -320,6 +323,9 @@ class Ledger:
                 capped = budget.sources[resource].startswith("ENVBUILD_NODE_BUDGET")
                 raise AdmissionRefused(line, hint="close sandboxes, or raise "
                                        "ENVBUILD_NODE_BUDGET" if capped else HINTS[resource])
+            if on_wait is not None and not told:
+                on_wait(refused[1])
+                told = True
             time.sleep(WAIT_POLL)
 
     @staticmethod

@@ -37,20 +37,29 @@ def _defs(root: Path, name: str, marker: str) -> Path:
 
 
 def _start(tmp: Path, node: Path, name: str) -> subprocess.Popen:
+    """``envbuild build`` of one base whose step sleeps; its output goes to ``tmp/NAME.out``.
+    Each build asks for a 2 GiB disk: with the 50 GiB default, the first build may take the
+    whole of a small node's disk budget and the second waits for it (CI's machine had 59 GiB
+    free), which is admission working, not what this test is about."""
     env = {**os.environ, "ENVBUILD_NODE_CACHE": str(node), "ENVBUILD_STORE": str(tmp / "store"),
-           "ENVBUILD_DEFS": str(_defs(tmp, name, f"started-{name}"))}
-    return subprocess.Popen([sys.executable, "-m", "envbuild.cli", "build"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+           "ENVBUILD_DEFS": str(_defs(tmp, name, f"started-{name}")),
+           "ENVBUILD_BUILD_DISK": "2G"}
+    with open(tmp / f"{name}.out", "wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "envbuild.cli", "build"], env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
 
 
-def _running_step(builds: Path, marker: str, timeout: float = 120) -> Path:
+def _running_step(builds: Path, marker: str, builder: subprocess.Popen, output: Path,
+                  timeout: float = 120) -> Path:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and builder.poll() is None:
         for d in builds.glob("*"):
             if d.is_dir() and (d / "disk" / "tmp" / marker).exists():
                 return d
         time.sleep(0.1)
-    raise AssertionError(f"no step wrote {marker} under {builds}")
+    state = "still running" if builder.poll() is None else f"exited {builder.returncode}"
+    tail = output.read_text(errors="replace")[-2000:]
+    raise AssertionError(f"no step wrote {marker} under {builds} (builder {state}):\n{tail}")
 
 
 def _pids_of(cids: list[str]) -> set[int]:
@@ -76,8 +85,9 @@ def _two_running_builds(tmp: Path, node: Path):
     victim = _start(tmp, node, "victim")
     alive = _start(tmp, node, "alive")
     try:
-        yield (victim, alive, _running_step(node / "builds", "started-victim"),
-               _running_step(node / "builds", "started-alive"))
+        yield (victim, alive,
+               _running_step(node / "builds", "started-victim", victim, tmp / "victim.out"),
+               _running_step(node / "builds", "started-alive", alive, tmp / "alive.out"))
     finally:
         _cleanup(node, [victim, alive])
 

@@ -15,7 +15,7 @@ import pytest
 
 from envbuild.errors import BackendUnavailable, CheckpointRefused, LockNotFound
 from envbuild.store import get_json
-from runtime_shim import Sandbox
+from runtime_shim import Limits, Sandbox
 from runtime_shim.backends import criu
 from runtime_shim.node.locks import resolve
 from runtime_shim.sdk.checkpoint import ANNOTATION_IMAGE, ANNOTATION_RECORD
@@ -217,8 +217,10 @@ def _count_from_store(store, made) -> int:
 def test_fork_gives_independent_children_that_continue_the_parent(built):
     require_criu()
     store, node = built
-    with Sandbox.create("env/busybox-shell", store=store, node_dir=node,
-                        checkpointable=True) as sb:
+    # Five sandboxes at once: each asks for a 1 GiB disk, not the 10 GiB default, so that the
+    # node's disk budget (its filesystem's free space) does not decide whether this test runs.
+    with Sandbox.create("env/busybox-shell", store=store, node_dir=node, checkpointable=True,
+                        limits=Limits(disk_bytes=1 << 30)) as sb:
         sb.exec(COUNTER)
         sb.write_file("/workspace/shared.txt", "from the parent")
         time.sleep(0.5)

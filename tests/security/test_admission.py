@@ -276,9 +276,12 @@ def test_a_build_disk_waits_for_another_builds_or_gets_what_is_left(tmp_path):
     timer = threading.Timer(1.0, ledger.release, args=("build:a",))
     timer.start()
     started = time.monotonic()
+    told: list[str] = []
     got = ledger.admit("build:b", want, tmp_path, what="the build of b", settings=settings,
-                       wait=30, min_disk=64 * MiB)
+                       wait=30, min_disk=64 * MiB, on_wait=told.append)
     assert got == want and 0.9 < time.monotonic() - started < 10
+    # the waiter is told why, once, however many times it looked again
+    assert len(told) == 1 and "the build of b" in told[0] and "disk" in told[0], told
     assert ledger.admit("build:c", want, tmp_path, what="the build of c", settings=settings,
                         min_disk=16 * MiB) == Reservation(disk_bytes=36 * MiB)
     started = time.monotonic()
@@ -302,6 +305,7 @@ def test_parallel_builds_share_the_disk_budget(envbuild_cli):
     envbuild_cli.monkeypatch.setenv("ENVBUILD_NODE_BUDGET", "disk=100M")
     r = envbuild_cli("build", "small", "small2")
     assert r.code == 0, r.err
+    assert "waiting: for disk: node budget of disk exceeded" in r.err + r.out, r.err
     assert _ledger(envbuild_cli.node) == {}
 
 
