@@ -11,6 +11,7 @@ envbuild's ``layers``, ``store``, ``errors``, ``settings``, ``safefs``).
 - ``admission``  the node's ledger of what its sandboxes and build disks reserved of the host
 - ``packdiff``   a sandbox's changes (its upper dir, hostile input) as a new layer and lock
 - ``reclaim``    memory given back by idle sandboxes, and what each one holds
+- ``tasklock``   task locks: a task's env lock, hidden layer and grading spec, in the store
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ _EXPORTS = {
     "Limits": "runtime_shim.node.model",
     **{name: "runtime_shim.node.nodecache" for name in ("NodeCache", "parse_size")},
     **{name: "runtime_shim.node.packdiff" for name in ("SnapshotPolicy", "squash_snapshots")},
+    **{name: "runtime_shim.node.tasklock" for name in (
+        "HiddenLayer", "TASK_REF_PREFIX", "TaskLock", "TaskSpec", "load_task", "publish_task")},
     **{name: "runtime_shim.node.records" for name in (
         "layers_in_use", "list_sandboxes", "set_sandbox_network")},
 }
@@ -46,6 +49,14 @@ if TYPE_CHECKING:
     from runtime_shim.node.model import Limits  # noqa: F401
     from runtime_shim.node.nodecache import NodeCache, parse_size  # noqa: F401
     from runtime_shim.node.packdiff import SnapshotPolicy, squash_snapshots  # noqa: F401
+    from runtime_shim.node.tasklock import (  # noqa: F401
+        TASK_REF_PREFIX,
+        HiddenLayer,
+        TaskLock,
+        TaskSpec,
+        load_task,
+        publish_task,
+    )
     from runtime_shim.node.records import (  # noqa: F401
         layers_in_use,
         list_sandboxes,

@@ -36,6 +36,7 @@ from envbuild.oci import (
 )
 from envbuild.store import Store, get_json
 from envbuild.store.sync import resolve_ref
+from runtime_shim.node.tasklock import is_task_manifest, task_env_lock
 
 #: what ``runtime_shim.node.nodecache.LAYER_MEDIA_TYPES`` unpacks (issue 16: foreign layers)
 _LAYER_TYPES = frozenset({"application/vnd.oci.image.layer.v1.tar",
@@ -91,16 +92,24 @@ def lock_digest(store: Store, ref_or_digest: str) -> str:
 MAX_LOCK_JSON = 4 << 20
 
 
-def resolve(store: Store, ref_or_digest: str) -> ResolvedLock:
+def resolve(store: Store, ref_or_digest: str, *, via_task: bool = False) -> ResolvedLock:
     """The lock ``ref_or_digest`` names, read and checked: its manifest and config are at most
     ``MAX_LOCK_JSON`` bytes each and of the OCI shape, or one ``RuntimeShimError``
-    (``LockNotFound`` when the store has no such ref or manifest)."""
+    (``LockNotFound`` when the store has no such ref or manifest). A task lock
+    (``runtime_shim.node.tasklock``) resolves to the env lock it names (``via_task``: this is
+    that env lock, which must not be a task again)."""
     digest = lock_digest(store, ref_or_digest)
     try:
         manifest = _lock_json(store, digest)
     except BlobNotFound:
         raise LockNotFound(f"no lock {digest} in {store!r}",
                            hint="envbuild lock prints the digest of a built env") from None
+    if is_task_manifest(manifest):  # a task's ref gives the agent's env, never its hidden layer
+        env_lock = task_env_lock(manifest)
+        if env_lock is None or via_task:
+            raise RuntimeShimError(f"task lock {digest} names no env lock",
+                                   hint="re-lock the task: envbuild lock TASK")
+        return resolve(store, env_lock, via_task=True)
     if (not isinstance(manifest, dict) or manifest.get("mediaType") != MEDIA_TYPE_MANIFEST
             or not isinstance(manifest.get("config"), dict)):
         raise RuntimeShimError(f"{digest} is not an OCI image manifest",
