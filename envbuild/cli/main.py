@@ -88,6 +88,7 @@ COMMAND_MODULES: dict[str, str] = {
     "build": "cmd_build", "lock": "cmd_build",
     "run": "cmd_run", "check": "cmd_run",
     "pack-diff": "cmd_snapshot", "squash": "cmd_snapshot",
+    "grade": "cmd_grade",
     "sandbox": "cmd_sandbox", "node": "cmd_node",
     "layer": "cmd_layer",
     "push": "cmd_sync", "pull": "cmd_sync",

@@ -413,6 +413,15 @@ class NodeDaemon(WarmPools):
     def pack_diff(self, sandbox_id: str, publish: str | None, kwargs: Mapping[str, Any]):
         return self._entry(sandbox_id).sandbox.pack_diff(publish, **kwargs)
 
+    def grade(self, sandbox_id: str, task: str, kwargs: Mapping[str, Any]):
+        """``runtime_shim.grade`` of sandbox ``sandbox_id`` of this node on ``task`` (a
+        ``Verdict``): its changes are read here, the grading sandbox runs here, and the
+        verdict is recorded in the fleet's store."""
+        from runtime_shim.grading.grader import grade
+
+        return grade(task, self._entry(sandbox_id).sandbox, store=self.store,
+                     node_dir=self.layout, **kwargs)
+
     def replay(self, log_id: str, into_id: str, upto: int | None = None):
         """Re-run exec log ``log_id``'s first ``upto`` entries (all by default) in sandbox
         ``into_id`` of this node, in order: an ``execlog.ReplayReport``."""

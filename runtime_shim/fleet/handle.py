@@ -118,6 +118,10 @@ class FleetSandbox:
     def info(self) -> SandboxInfo:
         return self._call("info")[0]
 
+    def grade(self, task: str, **kwargs: Any):
+        """``runtime_shim.grade`` of this sandbox on ``task``, on its node (a ``Verdict``)."""
+        return self._call("grade", task, kwargs, timeout=CALL_TIMEOUT * 10)
+
     def renew(self, ttl: float | None = None) -> SandboxRecord:
         """Extend the lease by ``ttl`` (default: the one it was created with)."""
         self.record = self._call("renew", ttl)
@@ -210,6 +214,10 @@ class AsyncFleetSandbox:
 
     async def info(self) -> SandboxInfo:
         return (await self._call("info"))[0]
+
+    async def grade(self, task: str, **kwargs: Any):
+        """``FleetSandbox.grade``, awaited."""
+        return await self._call("grade", task, kwargs, timeout=CALL_TIMEOUT * 10)
 
     async def close(self) -> None:
         with contextlib.suppress(SandboxNotFound):

@@ -11,6 +11,6 @@ from runtime_shim.grading.grader import grade
 from runtime_shim.grading.verdict import Verdict
 
 
-async def grade_async(task: str, source: str, **kwargs: Any) -> Verdict:
+async def grade_async(task: str, source: Any, **kwargs: Any) -> Verdict:
     """``await grade_async(task, source, ...)``: the same arguments and result as ``grade``."""
     return await asyncio.to_thread(grade, task, source, **kwargs)

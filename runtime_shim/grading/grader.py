@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from envbuild.errors import RuntimeShimError, SandboxNotFound
-from envbuild.layers import LayerReader
+from envbuild.layers import LayerInfo, LayerReader
 from envbuild.store import Store, put_file, put_json
 from runtime_shim.backends.base import Snapshottable
 from runtime_shim.grading.changes import ChangeLimits, ChangeRules, Dropped, change_filter
@@ -46,15 +46,20 @@ from runtime_shim.sdk.sandbox import Sandbox
 
 #: the change set's name in the grading lock's history
 CHANGES_NAME = "changes"
+#: the grading sandbox's limits unless the caller gives others: the defaults, with a smaller
+#: disk (a test run writes little; the node's disk budget reserves each sandbox's full disk,
+#: so 10 GiB each would cap a trainer's concurrent grades at a few per node)
+GRADE_LIMITS = Limits(disk_bytes=2 << 30)
 
 
-def grade(task: str, source: str, *, store: StoreLike | None = None,
+def grade(task: str, source: str | Sandbox, *, store: StoreLike | None = None,
           node_dir: str | os.PathLike[str] | NodeLayout | None = None,
           limits: Limits | None = None, change_limits: ChangeLimits | None = None,
           record: bool = True) -> Verdict:
-    """Grade ``source`` (a sandbox id on this node, or a snapshot's ref or lock digest) on
+    """Grade ``source`` (a ``Sandbox``, a sandbox id on this node, or a snapshot's ref or
+    lock digest) on
     ``task`` (``task/NAME``, a bare task name or a task lock digest); see the module
-    docstring. ``limits``: the grading sandbox's (default ``Limits()``). Errors:
+    docstring. ``limits``: the grading sandbox's (default ``GRADE_LIMITS``). Errors:
     ``LockNotFound`` (no such task or snapshot), ``RuntimeShimError`` (a source that is not of
     the task's env, a change set the store refused), ``AdmissionRefused``,
     ``SandboxStartError``; the grade command failing is a verdict, not an error."""
@@ -105,25 +110,28 @@ def _is_sandbox(layout: NodeLayout, source: str) -> bool:
     return read_record(layout.sandbox(source)) is not None
 
 
-def _change_set(store: Store, layout: NodeLayout, env: ResolvedLock, source: str,
+def _change_set(store: Store, layout: NodeLayout, env: ResolvedLock, source: str | Sandbox,
                 rules: ChangeRules, dropped: Dropped) -> tuple[dict[str, Any], str]:
     """The filtered change set of ``source`` packed and stored: ``(layer descriptor, what
     was read)``; the label is the sandbox id or the snapshot lock's digest."""
     with _scratch(layout) as work:
         blob = work / "changes.tar.zst"
-        if not _is_sandbox(layout, source):
+        if isinstance(source, Sandbox):
+            sb = source
+        elif _is_sandbox(layout, source):
+            sb = Sandbox.attach(source, store=store, node_dir=layout)   # the agent's: not closed
+        else:
             digest = resolve(store, source).digest
             return _from_snapshot(store, env, digest, rules, dropped, work, blob), digest
-        sb = Sandbox.attach(source, store=store, node_dir=layout)   # the agent's: not closed
         if sb.lock.digest == env.digest:
-            return _store_layer(store, blob, _pack_live(sb, rules, dropped, blob)), source
+            return _store_layer(store, blob, _pack_live(sb, rules, dropped, blob)), sb.id
         # a sandbox of a snapshot or checkpoint: its lock's own layers are changes too
         snapshot = sb.pack_diff(None).lock
         return (_from_snapshot(store, env, snapshot, rules, dropped, work, blob),
-                f"{source} (snapshot {snapshot})")
+                f"{sb.id} (snapshot {snapshot})")
 
 
-def _pack_live(sb: Sandbox, rules: ChangeRules, dropped: Dropped, blob: Path):
+def _pack_live(sb: Sandbox, rules: ChangeRules, dropped: Dropped, blob: Path) -> LayerInfo:
     handle = sb.handle
     if not isinstance(handle, Snapshottable):
         raise RuntimeShimError(f"sandbox {sb.id}: the {sb.backend} backend cannot show its "
@@ -153,7 +161,7 @@ def _from_snapshot(store: Store, env: ResolvedLock, source: str, rules: ChangeRu
     return _store_layer(store, blob, info)
 
 
-def _store_layer(store: Store, blob: Path, info) -> dict[str, Any]:
+def _store_layer(store: Store, blob: Path, info: LayerInfo) -> dict[str, Any]:
     stored = put_file(store, blob)
     if stored.digest != info.digest:
         raise RuntimeShimError(f"change set stored as {stored.digest}, packed {info.digest}")
@@ -187,7 +195,7 @@ def _run(store: Store, layout: NodeLayout, grading_lock: str, tl: TaskLock,
     ``(exit code, timed out, output tail, report or None, when the sandbox was made)``."""
     spec = tl.spec
     with Sandbox.create(grading_lock, store=store, node_dir=layout, network=False,
-                        limits=limits) as sb:
+                        limits=limits or GRADE_LIMITS) as sb:
         made = time.monotonic()
         if spec.junit:  # a fresh, empty dir for the report, made by root
             sb.exec(["/bin/sh", "-c", 'rm -rf -- "$1" && mkdir -p -- "$1" && chmod 1777 "$1"',

@@ -193,8 +193,8 @@ def load_task(store: Store, ref_or_digest: str) -> TaskLock:
 
     digest = ref_or_digest
     if not is_digest(ref_or_digest):
-        ref = ref_or_digest if ref_or_digest.startswith(TASK_REF_PREFIX) \
-            else TASK_REF_PREFIX + ref_or_digest
+        # a bare name is a task's; a ref of another kind (env/NAME) is read, then refused
+        ref = ref_or_digest if "/" in ref_or_digest else TASK_REF_PREFIX + ref_or_digest
         try:
             digest = store.get_ref(ref).digest
         except RefNotFound:
