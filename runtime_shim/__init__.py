@@ -45,6 +45,9 @@ __all__ = [
     "SandboxOptions",
     "SandboxStartError",
     "SnapshotRefused",
+    "Verdict",
+    "grade",
+    "grade_async",
     "list_sandboxes",
     "remove_sandbox",
     "sweep_sandboxes",
@@ -61,6 +64,9 @@ _WHERE = {
     "SandboxAPI": "runtime_shim.sdk.protocol",
     "AsyncSandboxAPI": "runtime_shim.sdk.protocol",
     "list_sandboxes": "runtime_shim.sdk.sandbox",
+    "Verdict": "runtime_shim.grading.verdict",
+    "grade": "runtime_shim.grading.grader",
+    "grade_async": "runtime_shim.grading.aio",
     "remove_sandbox": "runtime_shim.sdk.sweep",
     "sweep_sandboxes": "runtime_shim.sdk.sweep",
     **{name: "envbuild.errors" for name in (
@@ -84,6 +90,9 @@ if TYPE_CHECKING:
         SandboxStartError,
         SnapshotRefused,
     )
+    from runtime_shim.grading.aio import grade_async
+    from runtime_shim.grading.grader import grade
+    from runtime_shim.grading.verdict import Verdict
     from runtime_shim.node.model import ExecResult, Limits, SandboxInfo
     from runtime_shim.sdk.aio import AsyncSandbox
     from runtime_shim.sdk.fnpool import FnPool

@@ -25,6 +25,7 @@ ROOMS: tuple[tuple[str, ...], ...] = (
     ("envbuild.dockerd", "envbuild.plan"),
     ("envbuild.defs",),
     ("runtime_shim",),                        # the package: the SDK's public names
+    ("runtime_shim.grading",),
     ("runtime_shim.sdk",),
     ("runtime_shim.backends",),
     ("runtime_shim.node",),

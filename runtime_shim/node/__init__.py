@@ -49,6 +49,11 @@ if TYPE_CHECKING:
     from runtime_shim.node.model import Limits  # noqa: F401
     from runtime_shim.node.nodecache import NodeCache, parse_size  # noqa: F401
     from runtime_shim.node.packdiff import SnapshotPolicy, squash_snapshots  # noqa: F401
+    from runtime_shim.node.records import (  # noqa: F401
+        layers_in_use,
+        list_sandboxes,
+        set_sandbox_network,
+    )
     from runtime_shim.node.tasklock import (  # noqa: F401
         TASK_REF_PREFIX,
         HiddenLayer,
@@ -56,11 +61,6 @@ if TYPE_CHECKING:
         TaskSpec,
         load_task,
         publish_task,
-    )
-    from runtime_shim.node.records import (  # noqa: F401
-        layers_in_use,
-        list_sandboxes,
-        set_sandbox_network,
     )
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -128,6 +128,12 @@ class NodeLayout:
     def restores(self) -> Path:
         return self.root / "restores"
 
+    @property
+    def grades(self) -> Path:
+        """Scratch of the grader (``runtime_shim.grading``): an agent's changes while they are
+        read and filtered (mode 0700: they are the agent's files)."""
+        return self.root / "grades"
+
     def sandbox(self, sandbox_id: str) -> SandboxPaths:
         if not sandbox_id or "/" in sandbox_id or sandbox_id in (".", ".."):
             raise RuntimeShimError(f"not a sandbox id: {sandbox_id!r}",

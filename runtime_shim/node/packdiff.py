@@ -231,8 +231,12 @@ def _allocated(src: bytes | str | None, size: int) -> int:
 
 
 def pack_upper(upper: Path, out: BinaryIO, policy: SnapshotPolicy, *, name: str,
-               source_date_epoch: int = 0) -> tuple[LayerInfo, PolicyReport]:
-    """Pack an overlay upper dir under ``policy``: ``(LayerInfo, PolicyReport)``."""
+               source_date_epoch: int = 0,
+               select: Callable[[_Members], _Members] | None = None,
+               ) -> tuple[LayerInfo, PolicyReport]:
+    """Pack an overlay upper dir under ``policy``: ``(LayerInfo, PolicyReport)``.
+    ``select`` (an ``entry_filter``) runs first: what it drops is never read nor counted
+    against the policy's caps (the grader's change-set filter, ``runtime_shim.grading``)."""
     leaving = hardlinks_leaving(upper)
     if leaving:
         raise SnapshotRefused(f"snapshot of {name}: {leaving[0]} is hardlinked outside the "
@@ -241,13 +245,18 @@ def pack_upper(upper: Path, out: BinaryIO, policy: SnapshotPolicy, *, name: str,
     report = PolicyReport()
     try:
         info = pack_tree(upper, out, overlay_upper=True, source_date_epoch=source_date_epoch,
-                         entry_filter=policy_filter(policy, report, name),
+                         entry_filter=_then(select, policy_filter(policy, report, name)),
                          overlay_xattr=UPPER_OVERLAY_XATTR, on_dropped=report.note)
     except SnapshotRefused:
         raise
     except UnsafeLayerError as e:  # the walker's limits (a path too long for any unpacker)
         raise SnapshotRefused(f"snapshot of {name}: {e.message}", hint=e.hint) from None
     return info, report
+
+
+def _then(first: Callable[[_Members], _Members] | None,
+          second: Callable[[_Members], _Members]) -> Callable[[_Members], _Members]:
+    return second if first is None else (lambda entries: second(first(entries)))
 
 
 # ---------------------------------------------------------------------------------- locks

@@ -116,7 +116,8 @@ class Sandbox:
 
     @classmethod
     def attach(cls, sandbox_id: str, *, store: StoreLike | None = None,
-               node_dir: str | os.PathLike[str] | None = None, runtime: str = "runc") -> Sandbox:
+               node_dir: str | os.PathLike[str] | NodeLayout | None = None,
+               runtime: str = "runc") -> Sandbox:
         """A running sandbox created by another process (e.g. ``envbuild run --keep``):
         ``SandboxNotFound`` if there is none by that id, ``BackendUnavailable`` for a microVM
         (it lives only as long as its creator). Closing it removes it, as for one this process

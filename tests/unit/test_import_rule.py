@@ -81,7 +81,7 @@ def test_envbuild_jobs_uses_only_public_names_of_envbuild_defs():
 
 
 #: The packages of runtime_shim the rest of envbuild may import from, by name in ``__all__``.
-PUBLIC_SURFACES = ("runtime_shim", "runtime_shim.backends", "runtime_shim.fleet",
+PUBLIC_SURFACES = ("runtime_shim", "runtime_shim.backends", "runtime_shim.fleet", "runtime_shim.grading",
                    "runtime_shim.isolation", "runtime_shim.lazyfs", "runtime_shim.node")
 
 

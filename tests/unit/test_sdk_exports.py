@@ -12,7 +12,8 @@ EXPECTED = {
     "CheckpointRefused", "ExecResult", "ExecTimeout",
     "FnPool", "Limits", "LockNotFound", "RuntimeShimError", "Sandbox", "SandboxAPI",
     "SandboxClosed", "SandboxCompromised", "SandboxInfo", "SandboxNotFound", "SandboxOptions",
-    "SandboxStartError", "SnapshotRefused", "list_sandboxes", "remove_sandbox", "sweep_sandboxes",
+    "SandboxStartError", "SnapshotRefused", "Verdict", "grade", "grade_async", "list_sandboxes",
+    "remove_sandbox", "sweep_sandboxes",
 }
 
 
