@@ -19,7 +19,8 @@ without it:
   (unless the task's ``allow`` names the path), ``sitecustomize.py``, ``usercustomize.py``,
   ``*.pth``, compiled caches (``__pycache__``, ``*.pyc``: rebuilt from the graded source),
   anything in a ``.git`` directory (hooks, config, refs: the grading sandbox keeps the env's),
-  the hidden test files (and an ``__init__.py`` beside them), and their deletion;
+  the hidden test files (and an ``__init__.py`` beside them), the files of the tests the task
+  names (``must_pass``, ``keep_passing``), and their deletion;
 - a file over ``max_file_bytes`` and files past ``max_total_bytes`` or ``max_entries`` are
   dropped (a huge change set costs the grader its time, not its verdict).
 
@@ -95,6 +96,7 @@ class ChangeRules:
     allow: frozenset[str]
     hidden: frozenset[str]          # the hidden layer's non-directory paths
     hidden_dirs: frozenset[str]     # directories holding hidden files
+    named_tests: frozenset[str]     # the files of the tests the task names
     junit: str | None
     limits: ChangeLimits = ChangeLimits()
 
@@ -102,9 +104,12 @@ class ChangeRules:
     def of(cls, spec: TaskSpec, hidden_files: Iterable[str],
            limits: ChangeLimits | None = None) -> ChangeRules:
         hidden = frozenset(p.strip("/") for p in hidden_files)
+        named = {posixpath.normpath(posixpath.join(spec.workdir, t.split("::")[0])).strip("/")
+                 for t in (*spec.must_pass, *spec.keep_passing)}
         return cls(editable=tuple(p.strip("/") for p in spec.editable),
                    allow=frozenset(p.strip("/") for p in spec.allow), hidden=hidden,
                    hidden_dirs=frozenset(posixpath.dirname(p) for p in hidden),
+                   named_tests=frozenset(named),
                    junit=spec.junit.strip("/") if spec.junit else None,
                    limits=limits or ChangeLimits())
 
@@ -143,6 +148,8 @@ class ChangeRules:
             return "the grade's JUnit report path"
         if path in self.hidden:
             return "a hidden test path"
+        if path in self.named_tests:
+            return "a test file the task grades by"
         if name == "__init__.py" and parent in self.hidden_dirs:
             return "changes how the hidden tests import"
         if name in TEST_SETTINGS and path not in self.allow:
