@@ -14,11 +14,11 @@ loads its environment class by dotted path from its config::
 The class follows mini-swe-agent's environment protocol as its ``DockerEnvironment`` does:
 ``execute(action, cwd="", *, timeout=None)`` runs ``action["command"]`` through the sandbox's
 shell (``bash -lc`` when the sandbox has bash, else ``/bin/sh -c``; ``interpreter`` overrides)
-and returns ``{"output", "returncode", "exception_info"}`` with stderr merged into the output
-in the order it was written; a command past its timeout, or a sandbox error, gives
-``returncode`` -1 with the error in ``exception_info``, as docker's does; an output whose first
-line is ``COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`` (exit 0) raises mini-swe-agent's
-``Submitted`` with the rest as the submission.
+under ``/bin/sh -c 'exec "$@" 2>&1'`` and returns ``{"output", "returncode",
+"exception_info"}``, stderr in the output in the order it was written; a command past its
+timeout, or a sandbox error, gives ``returncode`` -1 with the error in ``exception_info``, as
+docker's does; an output whose first line is ``COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`` (exit
+0) raises mini-swe-agent's ``Submitted`` with the rest as the submission.
 
 Nothing the agent's commands print is a reward: grade the sandbox with ``runtime_shim.grade``
 by ``EnvbuildEnvironment.sandbox_id`` (docs/harnesses.md). This module imports mini-swe-agent
@@ -45,6 +45,9 @@ from runtime_shim import (
 SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 BASH = ("bash", "-lc")
 SH = ("/bin/sh", "-c")
+#: what every command runs under: stderr onto stdout's pipe, so the output keeps the order it
+#: was written in (the sandbox's exec returns the two streams apart)
+MERGE = ("/bin/sh", "-c", 'exec "$@" 2>&1', "sh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,15 +142,13 @@ class EnvbuildEnvironment:
         """Run ``action["command"]`` in the sandbox; mini-swe-agent's output dict."""
         command = str(action.get("command", ""))
         limit = timeout or self.config.timeout
-        chunks: list[bytes] = []
         try:
-            result = self.sandbox.exec([*self.interpreter, command], timeout=limit,
-                                       env=self._env(), cwd=cwd or self.config.cwd or None,
-                                       on_stdout=chunks.append, on_stderr=chunks.append)
+            result = self.sandbox.exec([*MERGE, *self.interpreter, command], timeout=limit,
+                                       env=self._env(), cwd=cwd or self.config.cwd or None)
         except RuntimeShimError as e:
-            output = error_output(b"".join(chunks), e)
+            output = error_output(e)
         else:
-            output = exec_output(command, limit, result, b"".join(chunks))
+            output = exec_output(command, limit, result)
         check_finished(output)
         return output
 
@@ -196,12 +197,12 @@ def shell_of(sandbox: SandboxAPI) -> tuple[str, ...]:
     return BASH if probe.exit_code == 0 and probe.stdout.strip() else SH
 
 
-def exec_output(command: str, timeout: float, result: ExecResult, output: bytes
-                ) -> dict[str, Any]:
-    """mini-swe-agent's output dict of one finished exec (``output``: stdout and stderr as
-    written); a timed-out command is returncode -1 with the message subprocess's
-    ``TimeoutExpired`` gives, as mini-swe-agent's docker environment reports it."""
-    text = output.decode("utf-8", errors="replace")
+def exec_output(command: str, timeout: float, result: ExecResult) -> dict[str, Any]:
+    """mini-swe-agent's output dict of one finished exec (its stdout, which has the
+    command's stderr too, then what the ``MERGE`` shell itself wrote to stderr); a timed-out
+    command is returncode -1 with the message subprocess's ``TimeoutExpired`` gives, as
+    mini-swe-agent's docker environment reports it."""
+    text = (result.stdout + result.stderr).decode("utf-8", errors="replace")
     if not result.timed_out:
         return {"output": text, "returncode": result.exit_code, "exception_info": ""}
     message = f"Command {command!r} timed out after {timeout:g} seconds"
@@ -210,9 +211,9 @@ def exec_output(command: str, timeout: float, result: ExecResult, output: bytes
             "extra": {"exception_type": "TimeoutExpired", "exception": message}}
 
 
-def error_output(output: bytes, error: Exception) -> dict[str, Any]:
+def error_output(error: Exception) -> dict[str, Any]:
     """mini-swe-agent's output dict of an exec the sandbox refused or lost."""
-    return {"output": output.decode("utf-8", errors="replace"), "returncode": -1,
+    return {"output": "", "returncode": -1,
             "exception_info": f"An error occurred while executing the command: {error}",
             "extra": {"exception_type": type(error).__name__, "exception": str(error)}}
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from runtime_shim import grade
+from runtime_shim import Sandbox, grade
 from runtime_shim.node import TaskSpec, publish_task
 from tests.conftest import REPO, require_root, require_tool
 from tests.grading_task import publish_hidden
@@ -223,28 +223,39 @@ CHEATER = [
 ]
 
 
-def test_workspace_is_the_pinned_commit_and_the_fix_is_not_in_it(mini, swe_task, tmp_path):
+def test_workspace_is_the_pinned_commit_and_the_fix_is_not_in_it(mini, swe_task):
     from envbuild.harness.minisweagent import EnvbuildEnvironment
 
     tree = swe_task["tree"]
-    with EnvbuildEnvironment(lock=f"task/{TASK}", store=str(tree.store_dir),
-                             node_dir=str(tree.node)) as env:
+    # a trainer's own sandbox of the task (the agent's env, no hidden layer), handed over
+    with Sandbox.create(f"task/{TASK}", store=tree.store_dir, node_dir=tree.node) as sb:
+        env = EnvbuildEnvironment(sandbox=sb, timeout=60)
+
         def run(command: str) -> dict:
             return env.execute({"command": command})
 
+        assert env.sandbox_id == sb.id
         assert env.interpreter == ("/bin/sh", "-c")  # pyhost has busybox sh, no bash
         assert run("git rev-parse HEAD")["output"].strip() == swe_task["pinned"]
         assert run("git status --porcelain") == {"output": "", "returncode": 0,
                                                  "exception_info": ""}
         assert run("git log --all --format=%H")["output"].split() == [swe_task["pinned"]]
         assert run(f"git cat-file -e {swe_task['fix']}")["returncode"] != 0
-        assert run("grep -rc 'self._index + count' more_itertools/more.py")["output"] == "0\n"
+        assert run("git rev-list --all | xargs git grep -c 'self._index + count'")["output"] == ""
         # the hidden test is not in the agent's env: its test file is 10.3.0's, whose
         # test_relative_seek lacks the assertion 10.5.0 added and passes on the bug
         assert run(f"sha256sum {TEST_FILE}")["output"].split()[0] == swe_task["old_test"]
         visible = run(f"python3 -m pytest -q -p no:cacheprovider {TEST_ID}")
         assert visible["returncode"] == 0 and "1 passed" in visible["output"], visible
         assert run("ls /tmp/envbuild-grade")["returncode"] != 0
+        # stderr in the order written; a command past its timeout is returncode -1
+        assert run("echo 1; echo 2 >&2; echo 3")["output"] == "1\n2\n3\n"
+        slow = env.execute({"command": "echo started; sleep 30"}, timeout=2)
+        assert slow["returncode"] == -1 and slow["output"] == "started\n", slow
+        assert "timed out after 2 seconds" in slow["exception_info"]
+        env.close()  # not its sandbox: still open
+        assert run("true")["returncode"] == 0
+    assert run("true")["returncode"] == -1  # closed by its owner: an error, not a crash
 
 
 def test_honest_run_passes(mini, swe_task, tmp_path):

@@ -16,10 +16,12 @@ from envbuild.harness import minisweagent as harness
 from envbuild.harness.minisweagent import EnvbuildEnvironment
 from runtime_shim import ExecResult, Limits, RuntimeShimError, SandboxAPI, SandboxClosed
 
+MERGE = ["/bin/sh", "-c", 'exec "$@" 2>&1', "sh"]
+
 
 class FakeSandbox:
-    """Records each exec; answers from ``replies`` (argv[-1] → (chunks, exit, timed_out)),
-    writing each chunk through the stdout or stderr callback as a sandbox would."""
+    """Records each exec; answers from ``replies`` (argv[-1] → (stdout, stderr, exit,
+    timed_out), or an exception to raise)."""
 
     def __init__(self, *, has_bash: bool = True, replies: Mapping[str, Any] | None = None,
                  sandbox_id: str = "sb-fake-1") -> None:
@@ -38,14 +40,10 @@ class FakeSandbox:
         if argv == ["/bin/sh", "-c", "command -v bash"]:
             out = b"/usr/bin/bash\n" if self.has_bash else b""
             return ExecResult(0 if self.has_bash else 1, out, b"", 0.01)
-        reply = self.replies.get(argv[-1], ([], 0, False))
+        reply = self.replies.get(argv[-1], (b"", b"", 0, False))
         if isinstance(reply, Exception):
             raise reply
-        chunks, code, timed_out = reply
-        for stream, data in chunks:
-            (on_stdout if stream == "out" else on_stderr)(data)
-        out = b"".join(d for s, d in chunks if s == "out")
-        err = b"".join(d for s, d in chunks if s == "err")
+        out, err, code, timed_out = reply
         return ExecResult(code, out, err, 0.01, timed_out=timed_out)
 
     def read_file(self, path: str) -> bytes:
@@ -72,12 +70,12 @@ def test_fake_is_a_sandbox():
 
 
 def test_commands_run_through_bash_lc_when_the_sandbox_has_bash():
-    sb = FakeSandbox(replies={"ls": ([("out", b"a.py\n")], 0, False)})
+    sb = FakeSandbox(replies={"ls": (b"a.py\n", b"", 0, False)})
     env = EnvbuildEnvironment(sandbox=sb)
     assert env.interpreter == ("bash", "-lc")
     assert env.execute({"command": "ls"}) == {"output": "a.py\n", "returncode": 0,
                                               "exception_info": ""}
-    assert sb.calls[-1] == {"argv": ["bash", "-lc", "ls"], "timeout": 30, "env": {},
+    assert sb.calls[-1] == {"argv": [*MERGE, "bash", "-lc", "ls"], "timeout": 30, "env": {},
                             "cwd": None}  # None: the lock's workdir
 
 
@@ -85,25 +83,26 @@ def test_without_bash_commands_run_through_bin_sh():
     sb = FakeSandbox(has_bash=False)
     env = EnvbuildEnvironment(sandbox=sb)
     env.execute({"command": "true"})
-    assert sb.calls[-1]["argv"] == ["/bin/sh", "-c", "true"]
+    assert sb.calls[-1]["argv"] == [*MERGE, "/bin/sh", "-c", "true"]
 
 
 def test_interpreter_from_the_config_skips_the_probe():
     sb = FakeSandbox()
     env = EnvbuildEnvironment(sandbox=sb, interpreter=["python3", "-c"])
     env.execute({"command": "print(1)"})
-    assert [c["argv"] for c in sb.calls] == [["python3", "-c", "print(1)"]]
+    assert [c["argv"] for c in sb.calls] == [[*MERGE, "python3", "-c", "print(1)"]]
 
 
-def test_stderr_is_merged_in_the_order_it_was_written():
-    chunks = [("out", b"one\n"), ("err", b"two\n"), ("out", b"three\n")]
-    sb = FakeSandbox(replies={"x": (chunks, 3, False)})
+def test_output_is_stdout_then_what_the_merging_shell_wrote():
+    # the command's stderr is on stdout already (MERGE); stderr is the wrapper's own
+    sb = FakeSandbox(replies={"x": (b"one\ntwo\n", b"sh: x: not found\n", 127, False)})
     out = EnvbuildEnvironment(sandbox=sb).execute({"command": "x"})
-    assert out == {"output": "one\ntwo\nthree\n", "returncode": 3, "exception_info": ""}
+    assert out == {"output": "one\ntwo\nsh: x: not found\n", "returncode": 127,
+                   "exception_info": ""}
 
 
 def test_undecodable_output_is_replaced_not_raised():
-    sb = FakeSandbox(replies={"x": ([("out", b"\xff\xfeok")], 0, False)})
+    sb = FakeSandbox(replies={"x": (b"\xff\xfeok", b"", 0, False)})
     assert EnvbuildEnvironment(sandbox=sb).execute({"command": "x"})["output"] == "\ufffd\ufffdok"
 
 
@@ -114,7 +113,7 @@ def test_cwd_env_and_timeout_reach_the_exec(monkeypatch):
     env = EnvbuildEnvironment(sandbox=sb, cwd="/workspace", env={"A": 1, "HOST_ONLY": "mine"},
                               forward_env=["HOST_ONLY", "NOT_SET"], timeout=7)
     env.execute({"command": "pwd"})
-    assert sb.calls[-1] == {"argv": ["bash", "-lc", "pwd"], "timeout": 7,
+    assert sb.calls[-1] == {"argv": [*MERGE, "bash", "-lc", "pwd"], "timeout": 7,
                             "env": {"A": "1", "HOST_ONLY": "mine"}, "cwd": "/workspace"}
     env.execute({"command": "pwd"}, "/tmp", timeout=2)
     assert sb.calls[-1]["cwd"] == "/tmp" and sb.calls[-1]["timeout"] == 2
@@ -124,7 +123,7 @@ def test_cwd_env_and_timeout_reach_the_exec(monkeypatch):
 
 
 def test_a_timeout_is_returncode_minus_one_with_the_partial_output():
-    sb = FakeSandbox(replies={"sleep 9": ([("out", b"started\n")], 137, True)})
+    sb = FakeSandbox(replies={"sleep 9": (b"started\n", b"", 137, True)})
     out = EnvbuildEnvironment(sandbox=sb, timeout=3).execute({"command": "sleep 9"})
     assert out["returncode"] == -1 and out["output"] == "started\n"
     assert out["exception_info"] == ("An error occurred while executing the command: "
@@ -167,9 +166,9 @@ def fake_minisweagent(monkeypatch):
 def test_the_submit_marker_raises_submitted_with_the_rest(fake_minisweagent):
     marker = harness.SUBMIT_MARKER
     sb = FakeSandbox(replies={
-        "submit": ([("out", f"\n{marker}\ndiff --git a/x b/x\n".encode())], 0, False),
-        "failed": ([("out", f"{marker}\n".encode())], 1, False),
-        "later": ([("out", f"hi\n{marker}\n".encode())], 0, False)})
+        "submit": (f"\n{marker}\ndiff --git a/x b/x\n".encode(), b"", 0, False),
+        "failed": (f"{marker}\n".encode(), b"", 1, False),
+        "later": (f"hi\n{marker}\n".encode(), b"", 0, False)})
     env = EnvbuildEnvironment(sandbox=sb)
     with pytest.raises(fake_minisweagent) as raised:
         env.execute({"command": "submit"})
