@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,11 @@ def mini(tmp_path_factory):
     mp.setenv("MSWEA_GLOBAL_CONFIG_DIR", str(tmp_path_factory.mktemp("mswea-config")))
     import minisweagent
 
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["harness"]
+    assert extra == [f"mini-swe-agent=={minisweagent.__version__}"], (
+        "the installed mini-swe-agent is not the version envbuild[harness] pins: "
+        "run scripts/setup.sh")
     yield minisweagent
     mp.undo()
 
