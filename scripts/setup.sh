@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything envbuild needs on a fresh Debian 12 machine (run as root or with sudo):
-# the apt tools it drives, CRIU, and a virtualenv in .venv with envbuild, its test extra and
-# Ray (the fleet extra). Idempotent and quick when everything is already there.
+# the apt tools it drives, CRIU, and a virtualenv in .venv with envbuild, its test extra,
+# Ray (the fleet extra) and mini-swe-agent (the harness extra). Idempotent and quick when
+# everything is already there.
 #
 # `--fast`: only what the fast test tier needs (`scripts/test.sh --fast`, docs/testing.md), for
 # any user, no root: no apt, no CRIU; .venv with envbuild and its test extra (from PyPI, or the
@@ -40,7 +41,7 @@ install_tools() {
   as_root bash scripts/build-criu.sh || echo "setup: warning: no working CRIU (checkpoint tests will fail)"
 }
 
-# A stamp per install: .envbuild-installed for the full one ([test,fleet]), which also serves
+# A stamp per install: .envbuild-installed for the full one ([test,fleet,harness]), which also serves
 # the fast tier; .envbuild-installed-test for the fast one ([test]: no Ray).
 fresh() { [ -f "$1" ] && [ ! pyproject.toml -nt "$1" ]; }
 
@@ -67,5 +68,5 @@ if [ "$fast" = 1 ]; then
   fresh .venv/.envbuild-installed || install_venv test .venv/.envbuild-installed-test
 else
   install_tools
-  install_venv test,fleet .venv/.envbuild-installed
+  install_venv test,fleet,harness .venv/.envbuild-installed
 fi

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 #: Top to bottom. A room is a package (every module under it) or one module; a module's room
 #: is the longest match. Rooms on one line are peers: neither imports the other.
 ROOMS: tuple[tuple[str, ...], ...] = (
-    ("envbuild.cli",),
+    ("envbuild.cli", "envbuild.harness"),
     ("envbuild.jobs", "runtime_shim.fleet"),
     ("envbuild.build",),
     ("envbuild.dockerd", "envbuild.plan"),

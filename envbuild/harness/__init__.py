@@ -1,0 +1,6 @@
+"""Adapters that let agent harnesses run their commands in envbuild sandboxes.
+
+``envbuild.harness.minisweagent.EnvbuildEnvironment``: mini-swe-agent's environment class,
+loaded by its dotted path from mini-swe-agent's config (docs/harnesses.md). Harness packages
+are optional (``envbuild[harness]``); these modules import them only where they must.
+"""
