@@ -14,13 +14,15 @@ sandbox of the task's own env lock plus its hidden layer (issue 35).
 4. runs the grade command (``/bin/sh -c RUN`` in ``workdir``, its timeout, env and user),
    reads the JUnit report the task names, closes the sandbox, and decides
    (``runtime_shim.grading.verdict``);
-5. records the verdict in the store (provenance: task lock, source, change set, grading
-   lock) and returns it.
+5. records the verdict in the store — an OCI artifact under ``verdict/TASK/ID`` whose config
+   is the verdict (provenance: task lock, source, change set, grading lock) and whose layer is
+   the change set it graded — and returns it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -32,10 +34,19 @@ from typing import Any
 
 from envbuild.errors import RuntimeShimError, SandboxNotFound
 from envbuild.layers import LayerInfo, LayerReader
+from envbuild.oci import ANNOTATION_NAME, ANNOTATION_TOC, MEDIA_TYPE_LAYER_ZSTD, MEDIA_TYPE_MANIFEST
 from envbuild.store import Store, put_file, put_json
 from runtime_shim.backends.base import Snapshottable
 from runtime_shim.grading.changes import ChangeLimits, ChangeRules, Dropped, change_filter
-from runtime_shim.grading.verdict import MEDIA_TYPE_VERDICT, OUTPUT_TAIL_BYTES, Verdict, decide
+from runtime_shim.grading.verdict import (
+    ANNOTATION_TASK_LOCK,
+    MEDIA_TYPE_VERDICT,
+    OUTPUT_TAIL_BYTES,
+    VERDICT_ARTIFACT_TYPE,
+    VERDICT_REF_PREFIX,
+    Verdict,
+    decide,
+)
 from runtime_shim.node import packdiff
 from runtime_shim.node.layout import NodeLayout
 from runtime_shim.node.locks import ResolvedLock, resolve
@@ -84,15 +95,28 @@ def grade(task: str, source: str | Sandbox, *, store: StoreLike | None = None,
                       seconds={"changes": read - started, "create": made - read,
                                "run": ran - made, "total": time.monotonic() - started})
     if record:
-        stored = put_json(opened, verdict.to_json(), media_type=MEDIA_TYPE_VERDICT)
-        verdict = _with_record(verdict, stored.digest)
+        verdict = dataclasses.replace(verdict, record=_record(opened, verdict, tl, layer))
     return verdict
 
 
-def _with_record(verdict: Verdict, digest: str) -> Verdict:
-    import dataclasses
-
-    return dataclasses.replace(verdict, record=digest)
+def _record(store: Store, verdict: Verdict, tl: TaskLock, changes: dict[str, Any]) -> str:
+    """Store ``verdict`` as an OCI artifact (config: the verdict's JSON; layer: the change set
+    it graded; annotated with the task lock) under ``verdict/TASK/ID``, so that ``gc`` keeps
+    the verdict with what it graded and ``push`` copies both; the manifest's digest."""
+    config = put_json(store, verdict.to_json(), media_type=MEDIA_TYPE_VERDICT)
+    manifest = {"schemaVersion": 2, "mediaType": MEDIA_TYPE_MANIFEST,
+                "artifactType": VERDICT_ARTIFACT_TYPE,
+                "config": {"mediaType": MEDIA_TYPE_VERDICT, "digest": config.digest,
+                           "size": config.size},
+                "layers": [{"mediaType": MEDIA_TYPE_LAYER_ZSTD, "digest": changes["digest"],
+                            "size": changes["size"],
+                            "annotations": {ANNOTATION_TOC: changes["toc_digest"]}}],
+                "annotations": {ANNOTATION_TASK_LOCK: tl.digest,
+                                ANNOTATION_NAME: tl.spec.name}}
+    digest = put_json(store, manifest, media_type=MEDIA_TYPE_MANIFEST).digest
+    store.put_ref(f"{VERDICT_REF_PREFIX}{tl.spec.name}/{config.digest[7:31]}", digest,
+                  media_type=MEDIA_TYPE_MANIFEST)
+    return digest
 
 
 def _hidden_files(store: Store, tl: TaskLock) -> list[str]:

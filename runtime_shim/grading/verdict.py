@@ -19,6 +19,12 @@ from typing import Any
 
 VERDICT_VERSION = "envbuild.verdict.v1"
 MEDIA_TYPE_VERDICT = "application/vnd.envbuild.verdict.v1+json"
+#: a recorded verdict is an OCI artifact manifest of this type (``runtime_shim.grading.grader``)
+VERDICT_ARTIFACT_TYPE = "application/vnd.envbuild.verdict.v1"
+#: on a recorded verdict: the digest of the task lock it graded against
+ANNOTATION_TASK_LOCK = "org.envbuild.task.lock"
+#: recorded verdicts' refs: ``verdict/TASK/ID``
+VERDICT_REF_PREFIX = "verdict/"
 MAX_JUNIT_BYTES = 16 << 20
 #: the grade command's output kept in a verdict (its tail)
 OUTPUT_TAIL_BYTES = 8 << 10
@@ -35,7 +41,8 @@ class Verdict:
     graded (what was kept); ``dropped``: each change left out and why (``{path, reason}``),
     ``dropped_more`` how many more were not listed. ``seconds``: ``changes`` (reading and
     filtering them), ``create``, ``run``, ``total``. ``record``: the digest of this verdict's
-    record in the store (with its provenance: ``task``, ``source``, ``grading_lock``)."""
+    record in the store, an artifact manifest whose config is this verdict's JSON and whose
+    layer is the change set (``verdict/TASK/ID``)."""
 
     passed: bool
     exit_code: int | None

@@ -63,3 +63,26 @@ def test_bad_input_is_one_line_and_exit_1(tree, args, message):
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert message in r.stderr and "Traceback" not in r.stderr
     assert len([ln for ln in r.stderr.splitlines() if ln.startswith("error")]) == 1, r.stderr
+
+
+def test_a_recorded_verdict_keeps_what_it_graded_through_gc(tree):
+    """The record is an OCI artifact under verdict/TASK/ID: its config is the verdict, its layer
+    the change set; gc keeps both (and the grading lock, a plain unreferenced lock, goes)."""
+    from envbuild.store import get_json
+
+    with Sandbox.create("task/calc-empty", store=tree.store, node_dir=tree.node) as sb:
+        sb.write_file("/workspace/calc/core.py", HONEST)
+        r = _envbuild(tree, "grade", "task/calc-empty", "--from", sb.id, "--json")
+    verdict = json.loads(r.stdout)
+    store = tree.store
+    refs = [ref for ref in store.list_refs() if ref.startswith("verdict/calc-empty/")]
+    assert verdict["record"] in {store.get_ref(ref).digest for ref in refs}
+    r = _envbuild(tree, "gc", "--grace", "0s", "--drop-cache")
+    assert r.returncode == 0, r.stderr
+    manifest = get_json(store, verdict["record"])
+    assert manifest["artifactType"] == "application/vnd.envbuild.verdict.v1"
+    assert manifest["layers"][0]["digest"] == verdict["change_set"]
+    assert store.exists(verdict["change_set"])
+    recorded = get_json(store, manifest["config"]["digest"])
+    assert recorded["passed"] is True and recorded["change_set"] == verdict["change_set"]
+    assert not store.exists(verdict["grading_lock"])
