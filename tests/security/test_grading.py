@@ -11,6 +11,8 @@ lets the agent change ``/workspace/calc`` only, ``task/calc-open`` the whole ``/
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from runtime_shim import Sandbox, grade
@@ -267,3 +269,21 @@ def test_a_snapshot_of_another_env_is_refused(tasks):
     tasks.cli("build", "pyhost-only")
     with pytest.raises(RuntimeShimError, match="not a snapshot of the task's env lock"):
         grade("task/calc-empty", "env/pyhost-only", store=tasks.store, node_dir=tasks.node)
+
+
+def test_a_solution_that_never_ends_times_out_and_fails(tasks):
+    """The grade command runs under the task's timeout: a solution that loops forever (or a
+    test run it stalls) is a failed verdict with ``timed_out``, and nothing is left running."""
+    from runtime_shim.node import TaskSpec, load_task, publish_task
+
+    base = load_task(tasks.store, "task/calc-empty")
+    spec = TaskSpec(**{**base.spec.__dict__, "name": "calc-quick", "timeout": 3.0})
+    publish_task(tasks.store, spec, base.hidden, ref="task/calc-quick")
+    sb = _agent(tasks, "def mean(xs):\n    while True:\n        pass\n")
+    started = time.monotonic()
+    v = _graded(tasks, sb, "task/calc-quick")
+    assert not v.passed and v.timed_out and v.exit_code is None
+    assert v.reason == "the grade command timed out; no JUnit report; 3 named test(s) did not pass: " \
+        "tests/test_hidden.py::test_empty (missing), tests/test_hidden.py::test_one (missing), " \
+        "tests/test_core.py::test_mean (missing)"
+    assert time.monotonic() - started < 30
