@@ -123,6 +123,8 @@ def _pinned_needs(manifest: JobManifest, store: Store, report: VerifyReport,
                 continue
         locks.setdefault(digest, []).append(label)
         _need(items, digest, "lock", label)
+        if group.task and is_digest(group.task):  # the task lock that grades the group
+            _need(items, group.task, "task", label)
         if group.pinned is not None:
             _need(items, group.pinned.config, "config", label)
             for layer in group.pinned.layers:
