@@ -109,8 +109,9 @@ def split_pin(arg: str) -> tuple[str, str | None]:
 
 
 def resolve_ref(store: Store, name: str) -> str:
-    """The ref ``name`` names in ``store``: ``name`` itself, else ``env/<name>``."""
-    candidates = [name] if "/" in name else [name, f"env/{name}"]
+    """The ref ``name`` names in ``store``: ``name`` itself, else ``env/<name>``, else
+    ``task/<name>`` (names are unique across kinds: an env and a task never share one)."""
+    candidates = [name] if "/" in name else [name, f"env/{name}", f"task/{name}"]
     for c in candidates:
         try:
             store.get_ref(c)
