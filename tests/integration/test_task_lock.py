@@ -135,7 +135,10 @@ def test_the_hidden_file_is_in_the_hidden_layer_and_in_no_env_layer(built):
     cli, _ = built
     store = cli.store
     lock = load_task(store, "task/kv-task")
-    assert f"workspace/{HIDDEN}" in layer_paths(store, lock.hidden.digest)
+    # the hidden files and the directories they are in (copied up from the env's layers,
+    # with their owners and modes), nothing else
+    assert layer_paths(store, lock.hidden.digest) == {"workspace", "workspace/tests",
+                                                      f"workspace/{HIDDEN}"}
     env = get_json(store, lock.spec.env_lock)
     assert env["layers"] and lock.hidden.digest not in {x["digest"] for x in env["layers"]}
     for layer in env["layers"]:
