@@ -79,7 +79,10 @@ def _task_group(group: SandboxGroup, store: Store) -> tuple[SandboxGroup, str | 
     lock (a ``lock`` it already names must be that one); and the task ref it came from."""
     assert group.task is not None
     task = load_task(store, group.task)
-    if group.lock and group.lock != task.spec.env_lock:
+    lock = group.lock
+    if lock and not is_digest(lock):
+        lock = store.get_ref(resolve_ref(store, lock)).digest
+    if lock and lock != task.spec.env_lock:
         raise StoreError(f"lock {group.lock} is not the env lock of task lock {task.digest} "
                          f"({task.spec.env_lock})",
                          hint="name the task alone: its sandboxes get the task's env lock")

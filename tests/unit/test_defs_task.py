@@ -200,11 +200,17 @@ def test_validate_and_plan_list_the_task(tree, capsys):
     assert "1 layers (1 missing), 1 envs, 1 task" in out
 
 
-def test_explain_of_a_task_says_it_has_no_key(tree, capsys):
-    assert main(["explain", "fix-it"]) == 1
+def test_explain_of_a_task_prints_its_hidden_layers_key(tree, capsys):
+    assert main(["plan", "--json", "fix-it"]) == 0
+    key = json.loads(capsys.readouterr().out)["tasks"][0]["hidden"]["key"]
+    assert main(["explain", "--json", "fix-it"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["kind"], doc["digest"]) == ("Task", key)
+    assert doc["inputs"]["dest"] == "/workspace" and doc["inputs"]["kind"] == "TaskHidden"
+    assert "path" in doc["inputs"]["source"] and doc["inputs"]["pinned"]["source"].startswith("sha")
+    assert main(["explain", "fix-it", "--against", "HEAD"]) == 1
     err = capsys.readouterr().err
-    assert "'fix-it' is a Task: a task has no key or lock of its own yet" in err
-    assert "explain its env: py-app" in err
+    assert "its hidden layer's key is not compared across revisions" in err
 
 
 def test_lock_of_a_task_whose_hidden_layer_is_not_built_writes_nothing(tree, capsys,

@@ -6,8 +6,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from envbuild.build.taskbuild import hidden_layer, publish_task_locks, task_spec
 from envbuild.defs.model import GitSource, Origin, PathSource, Task, Workspace
+from envbuild.errors import StoreError
+from envbuild.jobs import (
+    JobManifestError,
+    parse_job_manifest,
+    render_job_manifest,
+    resolve_job_manifest,
+    verify_job_manifest,
+)
 from envbuild.jobs.model import SandboxGroup
 from envbuild.oci import MEDIA_TYPE_MANIFEST
 from envbuild.plan.keys import layer_key
@@ -18,6 +28,7 @@ from envbuild.store.gc import gc
 from envbuild.store.sync import sync, walk
 from runtime_shim.node import load_task, publish_task
 from tests.unit.test_gc_property import age_everything, make_lock
+from tests.unit.test_jobs_support import make_env
 
 ORIGIN = Origin(file="envdefs/tasks/t.yaml", line=1, column=1)
 PIN = {"hidden": "sha256:" + "a" * 64}
@@ -159,3 +170,56 @@ def test_a_job_group_may_name_a_task_and_keeps_its_digest():
                                           "lock": LOWERS[0],
                                           "pinned": {"config": LOWERS[0], "layers": []}})
     assert resolved.resolved and resolved.blobs()[:2] == [LOWERS[1], LOWERS[0]]
+
+
+JOB = """\
+apiVersion: envbuild/v1
+kind: JobManifest
+groups:
+  - {name: agents, task: TASK, count: 2}
+"""
+
+
+def stored_task_over(store: MemoryStore, tmp_path: Path) -> tuple[str, str]:
+    """A task lock ``task/t`` over the runnable env lock ``env/alpha``: (task, env) digests."""
+    make_env(store, tmp_path, "alpha", [{"etc/a": b"a"}])
+    env = store.get_ref("env/alpha").digest
+    hidden = put_bytes(store, b"hidden layer")
+    record = KeyRecord(layer=hidden, toc=digest_bytes(b"t"), diff_id=digest_bytes(b"d"),
+                       size=store.stat(hidden).size)
+    return publish_task(store, task_spec(task(), env), hidden_layer(record), ref="task/t"), env
+
+
+def test_job_resolve_of_a_task_group_pins_its_env_lock_and_keeps_the_task(tmp_path):
+    store = MemoryStore()
+    digest, env = stored_task_over(store, tmp_path)
+    for name in ("t", "task/t", digest):
+        m = resolve_job_manifest(parse_job_manifest(JOB.replace("TASK", name)), store)
+        [group] = m.groups
+        assert (group.task, group.lock, group.resolved) == (digest, env, True)
+        assert group.pinned is not None and group.pinned.ref == (
+            None if name == digest else "task/t")
+        assert m.blobs()[:2] == [digest, env]
+        again = resolve_job_manifest(parse_job_manifest(render_job_manifest(m)), store)
+        assert render_job_manifest(again) == render_job_manifest(m)  # resolves to itself
+    assert verify_job_manifest(m, store).ok
+    store.delete(digest)
+    assert [p.kind for p in verify_job_manifest(m, store).problems] == ["task"]
+
+
+def test_a_task_group_naming_another_env_lock_is_refused(tmp_path):
+    store = MemoryStore()
+    make_env(store, tmp_path, "beta", [{"etc/b": b"b"}])
+    stored_task_over(store, tmp_path)
+    text = JOB.replace("task: TASK", "task: t, lock: env/beta")
+    with pytest.raises(StoreError) as info:
+        resolve_job_manifest(parse_job_manifest(text), store)
+    assert "is not the env lock of task lock" in info.value.context
+    [group] = resolve_job_manifest(parse_job_manifest(  # the task's own env lock, by ref: fine
+        JOB.replace("task: TASK", "task: t, lock: env/alpha")), store).groups
+    assert group.lock == store.get_ref("env/alpha").digest
+
+
+def test_a_job_group_needs_a_lock_or_a_task():
+    with pytest.raises(JobManifestError):
+        parse_job_manifest(JOB.replace("task: TASK, ", ""))
