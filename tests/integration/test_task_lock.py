@@ -242,3 +242,13 @@ def test_push_and_pull_a_task_through_s3(built, s3_env, tmp_path):  # noqa: F811
     cli, _ = built
     fresh = pushed_then_pulled(cli, f"s3://{s3_env.make_bucket()}/tasks", tmp_path)
     check_pulled(cli, fresh)
+
+
+def test_push_a_task_into_an_oci_layout_directory(built, tmp_path):
+    """export refuses a task lock (not an image) and says to push it into a layout: that
+    layout (a local store) then holds all a grader needs."""
+    cli, _ = built
+    refused = cli("export", "kv-task", "--to", f"oci:{tmp_path / 'x'}", ok=False)
+    assert refused.returncode == 1 and "is a task lock" in refused.stderr
+    cli("push", "task/kv-task", "--to", str(tmp_path / "layout"))
+    check_pulled(cli, LocalStore(tmp_path / "layout"))

@@ -223,3 +223,16 @@ def test_a_task_group_naming_another_env_lock_is_refused(tmp_path):
 def test_a_job_group_needs_a_lock_or_a_task():
     with pytest.raises(JobManifestError):
         parse_job_manifest(JOB.replace("task: TASK, ", ""))
+
+
+def test_export_refuses_a_task_lock_and_names_its_env_lock(tmp_path):
+    from envbuild.export import ExportRequest, export_lock, parse_target
+
+    store = MemoryStore()
+    _digest, env, _layer, _hidden = stored_task(store)
+    with pytest.raises(StoreError) as info:
+        export_lock(store, ExportRequest("task/t", parse_target(f"oci:{tmp_path / 'out'}"),
+                                         None))
+    assert "task/t is a task lock" in info.value.message and env in info.value.message
+    assert "envbuild push task/t --to DIR" in (info.value.hint or "")
+    assert not (tmp_path / "out").exists()
