@@ -55,6 +55,8 @@ def resolve_group(group: SandboxGroup, store: Store) -> SandboxGroup:
         ref = resolve_ref(store, group.lock)
         digest = store.get_ref(ref).digest
     lock = resolve(store, digest)
+    if lock.digest != digest and not group.task:  # ``lock`` named a task lock: a task group
+        return resolve_group(dataclasses.replace(group, task=ref or digest, lock=""), store)
     blobs, _keys = walk(store, {"mediaType": MEDIA_TYPE_MANIFEST, "digest": digest})
     missing = [d for d, _ in blobs if not store.exists(d)]
     if missing:

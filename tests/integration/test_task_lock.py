@@ -89,9 +89,13 @@ def built(tmp_path_factory) -> tuple[Cli, dict]:
     return cli, json.loads(cli("build", "--json").stdout)
 
 
-def layer_paths(store: LocalStore, digest: str) -> set[str]:
+def layer_entries(store: LocalStore, digest: str) -> dict:
     with LayerReader.open_file(store.blob_path(digest)) as r:
-        return {e.path.strip("/") for e in r.entries()}
+        return {e.path.strip("/"): e for e in r.entries()}
+
+
+def layer_paths(store: LocalStore, digest: str) -> set[str]:
+    return set(layer_entries(store, digest))
 
 
 def test_build_builds_the_hidden_layer_and_writes_the_task_lock(built):
@@ -143,6 +147,15 @@ def test_the_hidden_file_is_in_the_hidden_layer_and_in_no_env_layer(built):
     assert env["layers"] and lock.hidden.digest not in {x["digest"] for x in env["layers"]}
     for layer in env["layers"]:
         assert f"workspace/{HIDDEN}" not in layer_paths(store, layer["digest"])
+    # its directories are the env's (owner, mode): laid over the agent's work, they change
+    # nothing but the files they hold
+    hidden = layer_entries(store, lock.hidden.digest)
+    below = {}
+    for layer in env["layers"]:
+        below.update(layer_entries(store, layer["digest"]))
+    for d in ("workspace", "workspace/tests"):
+        assert (hidden[d].mode, hidden[d].uid, hidden[d].gid) == (
+            below[d].mode, below[d].uid, below[d].gid)
 
 
 def test_a_sandbox_from_the_task_ref_does_not_see_the_hidden_file(built):

@@ -202,6 +202,10 @@ def test_job_resolve_of_a_task_group_pins_its_env_lock_and_keeps_the_task(tmp_pa
         assert m.blobs()[:2] == [digest, env]
         again = resolve_job_manifest(parse_job_manifest(render_job_manifest(m)), store)
         assert render_job_manifest(again) == render_job_manifest(m)  # resolves to itself
+    # a lock that names a task lock makes a task group too
+    [group] = resolve_job_manifest(parse_job_manifest(
+        JOB.replace("task: TASK", "lock: task/t")), store).groups
+    assert (group.task, group.lock) == (digest, env) and group.pinned.ref == "task/t"
     assert verify_job_manifest(m, store).ok
     store.delete(digest)
     assert [p.kind for p in verify_job_manifest(m, store).problems] == ["task"]
