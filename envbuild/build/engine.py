@@ -289,7 +289,7 @@ def prepare_plan(ws: Snapshot, store: Store, targets: Iterable[str] | None, *,
     if cache_from is not None and not no_cache:
         from envbuild.store.sync import pull_cached
 
-        if pull_cached(cache_from, store, [s.key for s in plan.layers if s.status == "missing"]):
+        if pull_cached(cache_from, store, [s.key for s in plan.steps if s.status == "missing"]):
             plan = plan_with_store(ws, store, targets, records)
     return plan
 

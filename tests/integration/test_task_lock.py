@@ -265,3 +265,22 @@ def test_push_a_task_into_an_oci_layout_directory(built, tmp_path):
     assert refused.returncode == 1 and "is a task lock" in refused.stderr
     cli("push", "task/kv-task", "--to", str(tmp_path / "layout"))
     check_pulled(cli, LocalStore(tmp_path / "layout"))
+
+
+def test_a_second_machine_takes_the_hidden_layer_from_the_build_cache(s3_env, tmp_path):  # noqa: F811
+    """--cache-to pushes the hidden layer's key record and the task ref; --cache-from on an
+    empty machine builds nothing and writes the same task lock."""
+    require_root()
+    require_tool("runc")
+    url = f"s3://{s3_env.make_bucket()}/cache"
+    a, b = Cli(tmp_path / "a"), Cli(tmp_path / "b")
+    for cli in (a, b):
+        copy_busybox_defs(cli.root / "envdefs")
+        write_task(cli.root / "envdefs")
+    first = json.loads(a("--cache-to", url, "build", "kv-task", "--json").stdout)
+    again = json.loads(b("--cache-from", url, "build", "kv-task", "--json").stdout)
+    assert {o["status"] for o in again["layers"]} == {"cached"}
+    assert again["tasks"] == first["tasks"]
+    assert not (b.root / "node" / "builds").exists() or \
+        not any((b.root / "node" / "builds").iterdir())
+    check_pulled(a, LocalStore(b.root / "store"))
