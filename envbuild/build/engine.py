@@ -1,7 +1,11 @@
 """``envbuild build`` and ``envbuild lock`` as library calls: plan, build what is missing, lock.
 
+A task's hidden layer is one more layer job (``envbuild.build.taskbuild``), and its task lock is
+published after its env's lock.
+
 Order of publication is the safety argument: a layer's blob is stored (verified) before its key
-record; a lock's config and manifest blobs are stored before its ref. A crash at any point
+record; a lock's config and manifest blobs are stored before its ref (a task lock's, after its
+env lock's). A crash at any point
 leaves, at worst, unreferenced blobs for GC, never a record or ref pointing at nothing.
 
 Across processes on one host, a layer key is built by one process at a time: the builder holds

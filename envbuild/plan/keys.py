@@ -50,6 +50,10 @@ any change to the merged result is a change to one of these, so this digest neve
 re-lock (it may ask for one whose merged config comes out the same; a re-lock is cheap).
 Digest tag ``envbuild.lock-inputs.v1``.
 
+**Task hidden layers**: a Task has no layer of its own, but its ``hidden`` source is built as
+a layer under a key of its own tag (``envbuild.task-hidden.v1``: ``envbuild.plan.taskplan``),
+in ``KeySet.tasks``; its pinned digest is ``PinnedInputs[task]["hidden"]``.
+
 Pure: no disk, no processes.
 """
 
