@@ -3,8 +3,9 @@
 A Task's ``hidden:`` source (any workspace source kind) is built exactly as a workspace
 layer is (``envbuild.build.executor``): a ``Workspace`` made here (``hidden_definition``,
 named ``<task>:hidden``, its source the task's ``hidden``, its ``dest`` the task's
-``workdir``, no steps) over the task's env layers, so the directories it writes into carry the
-env's owners and modes. Its key is its own:
+``workdir``, no steps) over the task's env layers, so the directories below ``workdir`` it
+writes into keep the env's owners and modes (``workdir`` itself takes the hidden directory's
+mode, as a workspace's ``dest`` takes its source's). Its key is its own:
 
     ``"sha256:" + sha256(b"envbuild.task-hidden.v1\\0" + canonical_json(inputs))``
 
