@@ -19,6 +19,7 @@ from envbuild.jobs import (
     verify_job_manifest,
 )
 from envbuild.jobs.model import SandboxGroup
+from envbuild.layers import pack_to_store
 from envbuild.oci import MEDIA_TYPE_MANIFEST
 from envbuild.plan.keys import layer_key
 from envbuild.plan.planner import TaskPlan
@@ -181,12 +182,15 @@ groups:
 
 
 def stored_task_over(store: MemoryStore, tmp_path: Path) -> tuple[str, str]:
-    """A task lock ``task/t`` over the runnable env lock ``env/alpha``: (task, env) digests."""
+    """A task lock ``task/t`` over the runnable env lock ``env/alpha``, its hidden layer a
+    real one: (task, env) digests."""
     make_env(store, tmp_path, "alpha", [{"etc/a": b"a"}])
     env = store.get_ref("env/alpha").digest
-    hidden = put_bytes(store, b"hidden layer")
-    record = KeyRecord(layer=hidden, toc=digest_bytes(b"t"), diff_id=digest_bytes(b"d"),
-                       size=store.stat(hidden).size)
+    (tmp_path / "hidden" / "workspace").mkdir(parents=True)
+    (tmp_path / "hidden" / "workspace" / "test_hidden.py").write_text("def test(): pass\n")
+    info = pack_to_store(tmp_path / "hidden", store)
+    record = KeyRecord(layer=info.digest, toc=info.toc_digest, diff_id=info.diff_id,
+                       size=info.size)
     return publish_task(store, task_spec(task(), env), hidden_layer(record), ref="task/t"), env
 
 
@@ -206,9 +210,15 @@ def test_job_resolve_of_a_task_group_pins_its_env_lock_and_keeps_the_task(tmp_pa
     [group] = resolve_job_manifest(parse_job_manifest(
         JOB.replace("task: TASK", "lock: task/t")), store).groups
     assert (group.task, group.lock) == (digest, env) and group.pinned.ref == "task/t"
-    assert verify_job_manifest(m, store).ok
+    report = verify_job_manifest(m, store)
+    assert report.ok and report.checked == 6  # env and task: lock, config, layer each
+    lock = load_task(store, digest)
+    store.delete(lock.hidden.digest)
+    assert [(p.kind, p.name, p.status) for p in verify_job_manifest(m, store).problems] == [
+        ("layer", lock.hidden.digest, "missing")]
     store.delete(digest)
-    assert [p.kind for p in verify_job_manifest(m, store).problems] == ["task"]
+    assert [(p.kind, p.name, p.status) for p in verify_job_manifest(m, store).problems] == [
+        ("lock", digest, "missing")]
 
 
 def test_a_task_group_naming_another_env_lock_is_refused(tmp_path):
