@@ -123,6 +123,17 @@ def test_gc_keeps_the_env_lock_a_task_ref_reaches():
     assert not any(store.exists(d) for d in (digest, env, layer, hidden))
 
 
+def test_gc_keeps_what_a_job_manifests_task_lock_reaches():
+    """``gc --job``: a resolved task group's blobs (task lock first) are roots."""
+    store = MemoryStore()
+    digest, env, layer, hidden = stored_task(store)
+    store.delete_ref("task/t")
+    group = SandboxGroup(lock=env, task=digest)
+    age_everything(store)
+    gc(store, grace=0, roots=group.blobs())
+    assert all(store.exists(d) for d in (digest, env, layer, hidden))
+
+
 def test_sync_takes_the_env_lock_with_the_task_lock():
     src, dst = MemoryStore(), MemoryStore()
     digest, env, layer, hidden = stored_task(src)
