@@ -12,6 +12,9 @@ Targets use the transport syntax of skopeo and podman (``containers-transports(5
   ``<hex>.tar``), read by ``docker load``, ``podman load`` and skopeo. Its layers must be plain
   tar or gzip (no reader of the format knows zstd).
 
+A task lock (``task/NAME``) is not an image: it is refused, naming its env lock; ``envbuild
+push task/NAME --to DIR`` copies it with everything it names into an OCI layout.
+
 ``TAG`` defaults to the env name (``env/busybox-shell`` → ``busybox-shell``); a
 docker-archive name without ``:TAG`` gets ``:latest``. The path ends at the first ``:``.
 
@@ -42,10 +45,12 @@ from envbuild.atomic import atomic_file, write_atomic
 from envbuild.errors import DigestMismatch, SettingsError, StoreError
 from envbuild.oci import (  # noqa: F401  (MEDIA_TYPE_LAYER*: re-exported)
     ANNOTATION_REF_NAME,
+    ANNOTATION_TASK_ENV,
     MEDIA_TYPE_INDEX,
     MEDIA_TYPE_LAYER,
     MEDIA_TYPE_LAYER_GZIP,
     MEDIA_TYPE_MANIFEST,
+    TASK_ARTIFACT_TYPE,
 )
 from envbuild.store import Store
 from envbuild.store.helpers import get_json, read_bytes
@@ -147,6 +152,13 @@ def export_lock(store: Store, request: ExportRequest,
         raise StoreError(f"{request.ref} is a {desc.media_type}, not an image manifest",
                          hint="export exports env locks (env/NAME)")
     manifest = get_json(store, desc.digest)
+    if manifest.get("artifactType") == TASK_ARTIFACT_TYPE:
+        env = (manifest.get("annotations") or {}).get(ANNOTATION_TASK_ENV, "its env lock")
+        raise StoreError(f"{request.ref} is a task lock (an OCI artifact: a grading spec and a "
+                         f"hidden layer), not an image; the image its agent gets is {env}",
+                         hint="export the env (envbuild export ENV), or copy the task lock "
+                              "with all it names into an OCI layout: envbuild push "
+                              f"{request.ref} --to DIR")
     config_desc = manifest.get("config") or {}
     config_bytes = read_bytes(store, config_desc["digest"])
     parts = lock_parts(manifest, json.loads(config_bytes), request.ref)

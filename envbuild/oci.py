@@ -59,6 +59,11 @@ ANNOTATION_KEY = "org.envbuild.key"
 ANNOTATION_ENV = "org.envbuild.env"
 #: on a snapshot lock: the lock it was derived from
 ANNOTATION_PARENT = "org.envbuild.parent.lock"
+#: on a task lock (``runtime_shim.node.tasklock``): the env lock the agent gets; ``gc`` and
+#: ``push`` follow it from the task manifest as they follow a layer
+ANNOTATION_TASK_ENV = "org.envbuild.task.env.lock"
+#: a task lock manifest's ``artifactType``
+TASK_ARTIFACT_TYPE = "application/vnd.envbuild.task.v1"
 #: on a lock config's Labels: the sandbox hostname
 LABEL_HOSTNAME = "org.envbuild.hostname"
 ANNOTATION_CREATED = "org.opencontainers.image.created"

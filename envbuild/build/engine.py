@@ -1,7 +1,11 @@
 """``envbuild build`` and ``envbuild lock`` as library calls: plan, build what is missing, lock.
 
+A task's hidden layer is one more layer job (``envbuild.build.taskbuild``), and its task lock is
+published after its env's lock.
+
 Order of publication is the safety argument: a layer's blob is stored (verified) before its key
-record; a lock's config and manifest blobs are stored before its ref. A crash at any point
+record; a lock's config and manifest blobs are stored before its ref (a task lock's, after its
+env lock's). A crash at any point
 leaves, at worst, unreferenced blobs for GC, never a record or ref pointing at nothing.
 
 Across processes on one host, a layer key is built by one process at a time: the builder holds
@@ -31,6 +35,7 @@ from envbuild.build.executor import (
 )
 from envbuild.build.pin import Snapshot, snapshot
 from envbuild.build.scheduler import run_dag
+from envbuild.build.taskbuild import TaskOutcome, hidden_job, publish_task_locks, task_of
 from envbuild.defs.model import Base, Config, Env
 from envbuild.errors import BuildError, EnvbuildError, RefNotFound, bug
 from envbuild.plan.graph import EnvGraph
@@ -64,8 +69,11 @@ class LockOutcome:
 
 @dataclasses.dataclass(frozen=True)
 class BuildReport:
+    """The layers (tasks' hidden layers last, kind ``Task``), env locks and task locks."""
+
     layers: tuple[LayerOutcome, ...]
     locks: tuple[LockOutcome, ...]
+    tasks: tuple[TaskOutcome, ...] = ()
 
     @property
     def failed(self) -> list[LayerOutcome]:
@@ -74,7 +82,7 @@ class BuildReport:
     @property
     def ok(self) -> bool:
         return not self.failed and all(o.status != "skipped" for o in self.layers) and \
-            all(lk.digest for lk in self.locks)
+            all(lk.digest for lk in self.locks) and all(t.digest for t in self.tasks)
 
 
 def load(defs_dir: Path) -> Snapshot:
@@ -116,8 +124,12 @@ def _runtime_config(c: Config) -> RuntimeConfig:
 
 
 def make_jobs(ws: Snapshot, names: Iterable[str]) -> dict[str, LayerJob]:
+    """The layer job of each step name of a plan (a layer, or a task's hidden layer)."""
     jobs = {}
     for n in names:
+        if n not in ws.graph.defs.by_name:  # <task>:hidden (envbuild.plan.taskplan)
+            jobs[n] = hidden_job(ws, n.rpartition(":")[0])
+            continue
         lowers = _lower_names(ws.graph, n)
         jobs[n] = LayerJob(name=n, key=ws.keys.layers[n], definition=ws.graph[n],  # type: ignore[arg-type]
                            lower_keys=tuple(ws.keys.layers[x] for x in lowers),
@@ -196,7 +208,7 @@ def build(
     # Layers another machine built (cache_from) are pulled first: blob, then key record, into
     # ctx.store; the re-plan then marks them cached (logic in envbuild.store.sync).
     plan = prepare_plan(ws, ctx.store, targets, no_cache=no_cache, cache_from=cache_from)
-    to_build = [s for s in plan.layers if no_cache or s.status == "missing"]
+    to_build = [s for s in plan.steps if no_cache or s.status == "missing"]
     outcomes = cached_outcomes(plan, ctx.store, to_build, progress)
     for s in to_build:
         progress(BuildEvent(s.name, "queued"))
@@ -226,7 +238,7 @@ def cached_outcomes(plan: BuildPlan, store: Store, to_build: list, progress: Pro
     """The outcomes of the plan's layers not in ``to_build`` (cached: their key record from
     ``records`` or the store), each reported to ``progress``."""
     outcomes: dict[str, LayerOutcome] = {}
-    for s in plan.layers:
+    for s in plan.steps:
         if s not in to_build:
             record = (records or {}).get(s.key) or get_key_record(store, s.key)
             outcomes[s.name] = LayerOutcome(s.name, s.kind, s.key, "cached", record=record)
@@ -248,7 +260,7 @@ def _build_one(ws: Snapshot, ctx: BuildContext, job: LayerJob, progress: Progres
         # a Dockerfile base on an env of this tree (FROM envbuild.invalid/env/E): E's
         # layers are built (they are its dependencies), so lock E now, from this plan's
         # keys, for the build to load
-        envs = getattr(getattr(ws.graph[job.name], "source", None), "envs", ())
+        envs = getattr(getattr(job.definition, "source", None), "envs", ())
         if envs:
             publish_locks(ws, ctx.store, envs)
         got = build_under_lease(ctx, job, progress, no_cache=no_cache)
@@ -281,14 +293,15 @@ def prepare_plan(ws: Snapshot, store: Store, targets: Iterable[str] | None, *,
     if cache_from is not None and not no_cache:
         from envbuild.store.sync import pull_cached
 
-        if pull_cached(cache_from, store, [s.key for s in plan.layers if s.status == "missing"]):
+        if pull_cached(cache_from, store, [s.key for s in plan.steps if s.status == "missing"]):
             plan = plan_with_store(ws, store, targets, records)
     return plan
 
 
 def finish_build(ws: Snapshot, store: Store, plan: BuildPlan, outcomes: dict[str, LayerOutcome],
                  cache_to: Store | None) -> BuildReport:
-    """Lock every env whose layers all have records, push to ``cache_to``; the report."""
+    """Lock every env whose layers all have records, then every task whose env is locked and
+    whose hidden layer has a record; push to ``cache_to``; the report."""
     lockable = [e.name for e in plan.envs
                 if all(outcomes.get(n) and outcomes[n].record for n in e.layers)]
     published = publish_locks(ws, store, lockable)
@@ -296,15 +309,18 @@ def finish_build(ws: Snapshot, store: Store, plan: BuildPlan, outcomes: dict[str
              else LockOutcome(e.name, None, f"env/{e.name}",
                               error="not locked: a layer failed or was skipped")
              for e in plan.envs]
-    ordered = tuple(outcomes[s.name] for s in plan.layers)
+    tasks = tuple(publish_task_locks(ws, store, published, [t.name for t in plan.tasks])
+                  .values())
+    ordered = tuple(outcomes[s.name] for s in plan.steps)
     # -- remote build cache, push side (S3 issue): layers + key records, then the lock refs ---
     if cache_to is not None:
         from envbuild.store.sync import sync
 
-        sync(store, cache_to, refs=[lk.ref for lk in locks if lk.digest],
+        sync(store, cache_to, refs=[*(lk.ref for lk in locks if lk.digest),
+                                    *(t.ref for t in tasks if t.digest)],
              keys=[o.key for o in ordered if o.record is not None])
     # -----------------------------------------------------------------------------------------
-    return BuildReport(layers=ordered, locks=tuple(locks))
+    return BuildReport(layers=ordered, locks=tuple(locks), tasks=tasks)
 
 
 def env_lock(ws: Snapshot, store: Store, env_name: str) -> Lock:
@@ -361,6 +377,22 @@ def publish_locks(ws: Snapshot, store: Store, env_names: Iterable[str]) -> dict[
             moved[f"env/{env_name}"] = digest
     store.put_refs(moved, media_type=MEDIA_TYPE_MANIFEST)
     return digests
+
+
+def publish_task_lock(ws: Snapshot, store: Store, task_name: str) -> TaskOutcome:
+    """Lock the task's env (as ``publish_lock``), then publish its task lock under
+    ``task/<name>`` (its hidden layer must be built); the outcome, with the digests."""
+    task = task_of(ws, task_name)
+    key = ws.keys.tasks.get(task_name)
+    if key is None or get_key_record(store, key) is None:  # before anything is written
+        raise BuildError(f"cannot lock {task_name}: its hidden layer is not built",
+                         hint=f"envbuild build {task_name}")
+    env_digest = publish_lock(ws, store, task.env)
+    outcome = publish_task_locks(ws, store, {task.env: env_digest}, [task_name])[task_name]
+    if outcome.digest is None:
+        raise BuildError(f"cannot lock {task_name}: {outcome.error}",
+                         hint=f"envbuild build {task_name}")
+    return outcome
 
 
 def install_signal_cancel(ctx: BuildContext) -> None:

@@ -58,6 +58,7 @@ from envbuild.plan.changes import Changes, Explanation, diff_keys, explain
 from envbuild.plan.graph import check_loaded, did_you_mean
 from envbuild.plan.keys import KeySet, Previous
 from envbuild.plan.planner import BuildPlan, Lookup, make_plan
+from envbuild.plan.taskplan import hidden_key_inputs
 
 
 def keys_at_revision(defs_dir: Path, rev: str, pinner: Pinner | None = None,
@@ -206,8 +207,14 @@ def explain_at(defs_dir: Path, name: str, rev: str | None = None) -> Explanation
         raise PlanError(Problem("<command line>", 0, 0, f"no definition or key {name!r}",
                                 hint=did_you_mean(name, by_name)))
     task = by_name[name]
-    if isinstance(task, Task):
-        raise PlanError(Problem("<command line>", 0, 0, f"{name!r} is a Task: a task has no key "
-                                "or lock of its own yet", hint=f"explain its env: {task.env}"))
+    if isinstance(task, Task):  # its hidden layer's key (envbuild.plan.taskplan)
+        if rev is not None:
+            raise PlanError(Problem("<command line>", 0, 0, f"{name!r} is a Task: its hidden "
+                                    "layer's key is not compared across revisions",
+                                    hint=f"explain it without --against, or its env: "
+                                         f"{task.env}"))
+        lowers = [now.keys.layers[n] for n in now.graph.env_layers(task.env)]
+        return Explanation(name=name, kind="Task", digest=now.keys.tasks[name],
+                           inputs=hidden_key_inputs(task, now.pinned[name], lowers))
     old = keys_at_revision(defs_dir, rev, pinner) if rev is not None else None
     return explain(name, by_name[name].kind, now.keys, old)

@@ -17,6 +17,7 @@ What is pinned, per definition (``PinnedInputs[name][field]``):
 ``source*`` of ``dockerfile``       the context digest, the Dockerfile's sha256 and each
                                     ``FROM`` digest (``envbuild.build.dockerpin``)
 ``steps[i].copy.src``               tree digest of a directory or ``sha256:`` of a file
+``hidden`` of a Task                as the ``source`` of a workspace (the same kinds)
 ``debootstrap``, ``scratch``,       nothing: debootstrap's inputs are its suite/variant/include
 ``base``                            (in the key); a parent base enters as its key
 ==================================  ===========================================================
@@ -99,6 +100,7 @@ from envbuild.defs.parsecache import ParseCache
 from envbuild.errors import SourceError
 from envbuild.plan.graph import EnvGraph, field_position
 from envbuild.plan.keys import KeyMemo, KeySet, PinnedInputs, Previous, compute_keys
+from envbuild.plan.taskplan import HIDDEN_PIN, hidden_definition
 from envbuild.settings import trusted_sources
 
 TREE_TAG = b"envbuild.tree.v1\0"
@@ -526,31 +528,41 @@ def pin_inputs(defs: DefinitionSet, pinner: Pinner | None = None) -> PinnedInput
     """Digests of everything ``defs`` read from outside the YAML; raise ``SourceError`` if not.
 
     Every definition is tried; all failures are reported together, each at its file:line.
+    A task's hidden source is pinned as a workspace's source, under ``hidden``.
     """
     p = pinner or Pinner()
     roots = source_roots(defs.root, p.trusted)
     out: dict[str, MappingProxyType] = {}
-    failures: list[str] = []
-    hints: list[str] = []
+    failures: list[tuple[str, str | None]] = []  # (message, hint)
+
+    def failed(d, f: _Failed, field: str, paths: tuple[str, ...]) -> None:
+        line, col = field_position(d.origin, *paths)
+        where = f"{d.origin.file}:{line}:{col}" if line else d.origin.file
+        failures.append((f"{where}: {d.name}: {f.cause.message} (at {field})", f.cause.hint))
+
     for d in defs.layers:
         try:
             pins = _pin_one(d, p, roots)
         except _Failed as f:
-            paths = (f.field, f"{f.field}.path") if f.field in ("source", "from") else (f.field,)
-            line, col = field_position(d.origin, *paths)
-            where = f"{d.origin.file}:{line}:{col}" if line else d.origin.file
-            failures.append(f"{where}: {d.name}: {f.cause.message} (at {f.field})")
-            if f.cause.hint:
-                hints.append(f.cause.hint)
+            failed(d, f, f.field, (f.field, f"{f.field}.path") if f.field in ("source", "from")
+                   else (f.field,))
             continue
         if pins:
             out[d.name] = MappingProxyType(pins)
+    for task in defs.tasks:
+        try:
+            out[task.name] = MappingProxyType(
+                {HIDDEN_PIN: _pin_one(hidden_definition(task), p, roots)["source"]})
+        except _Failed as f:
+            failed(task, f, "hidden", ("hidden", "hidden.path"))
     if failures:
-        failures.sort()
+        failures.sort(key=lambda failure: failure[0])
+        hints = [h for _, h in failures if h]
         if len(failures) == 1:
-            raise SourceError(failures[0], hint=hints[0] if hints else None)
+            raise SourceError(failures[0][0], hint=hints[0] if hints else None)
         raise SourceError(f"{len(failures)} sources cannot be pinned",
-                          context="\n".join(failures), hint=hints[0] if len(hints) == 1 else None)
+                          context="\n".join(m for m, _ in failures),
+                          hint=hints[0] if len(hints) == 1 else None)
     return MappingProxyType(out)
 
 

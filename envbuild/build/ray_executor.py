@@ -179,7 +179,7 @@ def build_ray(
         ws, store, targets, request, spec, marks,
         lambda: prepare_plan(ws, store, targets, no_cache=no_cache, cache_from=cache_from,
                              records=records))
-    to_build = [s for s in plan.layers if no_cache or s.status == "missing"]
+    to_build = [s for s in plan.steps if no_cache or s.status == "missing"]
     outcomes = cached_outcomes(plan, store, to_build, progress, records)
     if not to_build and events is not None:
         ray.kill(events)

@@ -102,6 +102,9 @@ def _summary(report) -> list[str]:
     for lk in report.locks:
         lines.append(f"env {lk.env}: " + (f"locked {lk.digest} as {lk.ref}" if lk.digest
                                           else lk.error or "not locked"))
+    for t in report.tasks:
+        lines.append(f"task {t.task}: " + (f"locked {t.digest} as {t.ref}" if t.digest
+                                           else t.error or "not locked"))
     return lines
 
 
@@ -155,7 +158,8 @@ def register(group: click.Group) -> None:
 def build(app: App, names: tuple[str, ...], jobs: int | None, no_cache: bool,
           as_json: bool, verbose: bool, executor: str, ray_address: str | None,
           jobs_per_node: int, ray_env: tuple[str, ...]) -> int:
-    """Build the layers of NAMES (default: everything) and lock their envs."""
+    """Build the layers of NAMES (default: everything) and lock their envs; a task's hidden
+    layer is built with its env's layers and its task lock written after its env's lock."""
     from envbuild.build.engine import load
 
     if executor == "ray":
@@ -171,32 +175,35 @@ def build(app: App, names: tuple[str, ...], jobs: int | None, no_cache: bool,
                                no_cache=no_cache, progress=rich or PlainProgress())
     if output is not None:
         output.flush()
-    code = _print_report(report, as_json)
-    if not as_json:
-        for t in project.defs.tasks:
-            if not names or t.name in names:  # issue 35: the task lock comes next
-                click.echo(f"task {t.name}: skipped, task locks are not built yet (its env: {t.env})")
-    return code
+    return _print_report(report, as_json)
 
 
 @click.command()
-@click.argument("envs", nargs=-1, required=True)
-@json_option()
+@click.argument("names", metavar="ENV|TASK...", nargs=-1, required=True)
+@json_option("Print {locks, tasks} as JSON; one TASK alone: {task, digest, env_lock, hidden}.")
 @pass_app
-def lock(app: App, envs: tuple[str, ...], as_json: bool) -> None:
-    """Write the lock of each ENV (every layer must be built) and print its digest."""
-    from envbuild.build.engine import load, publish_lock
+def lock(app: App, names: tuple[str, ...], as_json: bool) -> None:
+    """Write the lock of each ENV (every layer must be built), or of each TASK (its env's
+    lock, then its task lock under task/NAME; its hidden layer must be built), and print its
+    digest."""
+    from envbuild.build.engine import load, publish_lock, publish_task_lock
+    from envbuild.defs.model import Task
 
     project = load(app.settings.defs_dir)
     store = app.open_store()
-    locks = []
-    for env in envs:
-        digest = publish_lock(project, store, env)
-        locks.append({"env": env, "digest": digest})
+    locks, tasks = [], []
+    for name in names:
+        if isinstance(project.defs.by_name.get(name), Task):
+            task = publish_task_lock(project, store, name).to_json()
+            tasks.append({k: task[k] for k in ("task", "digest", "env_lock", "hidden")})
+            digest = task["digest"]
+        else:
+            digest = publish_lock(project, store, name)
+            locks.append({"env": name, "digest": digest})
         if not as_json:  # as each is written: the ones before a failure are reported
-            click.echo(f"{env} {digest}")
+            click.echo(f"{name} {digest}")
     if as_json:
-        echo_json({"locks": locks})
+        echo_json(tasks[0] if len(names) == 1 and tasks else {"locks": locks, "tasks": tasks})
 
 
 def _print_report(report, as_json: bool) -> int:
@@ -264,4 +271,5 @@ def report_json(report) -> dict:
                     "blocked_by": o.blocked_by} for o in report.layers],
         "locks": [{"env": lk.env, "digest": lk.digest, "ref": lk.ref, "error": lk.error}
                   for lk in report.locks],
+        "tasks": [t.to_json() for t in report.tasks],
     }

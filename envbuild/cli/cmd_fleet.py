@@ -167,7 +167,8 @@ def job_run(app: App, file, address: str | None, as_json: bool, ttl: float | Non
     made = f.create_groups(manifest.groups, **({"ttl": ttl} if ttl else {}))
     if as_json:
         echo_json({"groups": [
-            {"group": g.label, "lock": g.lock, "sandboxes": [s.id for s in handles]}
+            {"group": g.label, "lock": g.lock, "task": g.task,
+             "sandboxes": [s.id for s in handles]}
             for g, handles in zip(manifest.groups, made, strict=True)]})
         return
     for g, handles in zip(manifest.groups, made, strict=True):

@@ -87,8 +87,10 @@ def render_plan(plan: BuildPlan, changes: Changes | None, as_json: bool) -> None
         _table("envs", ["env", "layers (bottom to top)"],
                [[e.name, " < ".join(e.layers)] for e in plan.envs])
     if plan.tasks:
-        _table("tasks (no task lock yet: build and lock skip them)", ["task", "env", "status"],
-               [[t.name, t.env, t.status] for t in plan.tasks])
+        _table("tasks (hidden layer: in the task lock only)",
+               ["status", "task", "env", "hidden layer", "key"],
+               [[t.status, t.name, t.env, t.hidden, _short(t.key) if t.key else "-"]
+                for t in plan.tasks])
     missing = len(plan.missing)
     n = len(plan.tasks)
     tasks = f", {n} task{'' if n == 1 else 's'}" if n else ""

@@ -491,8 +491,9 @@ class Task(_Common):
     ``junit`` are absolute and normalised (relative ones are under ``workdir``; no
     ``editable``: ``(workdir,)``); the loader checked that every ``editable`` path is under
     ``workdir`` and ``junit`` under none of them (``envbuild.defs.validate``). ``hidden`` is
-    laid over ``workdir`` in the grading sandbox only (a source as a workspace's, pinned as
-    one when the task lock is made: not yet)."""
+    laid over ``workdir`` in the grading sandbox only (a source as a workspace's, pinned and
+    built as one: ``envbuild.plan.taskplan``). ``allow``: test-settings files (absolute, under
+    ``workdir``) the grader keeps in the agent's change set although they configure tests."""
 
     env: str = ""
     workdir: str = "/workspace"
@@ -502,6 +503,7 @@ class Task(_Common):
     must_pass: tuple[str, ...] = ()
     keep_passing: tuple[str, ...] = ()
     junit: str | None = None
+    allow: tuple[str, ...] = ()  # test-settings files under workdir the agent may change
     kind = "Task"
 
     @classmethod
@@ -517,6 +519,7 @@ class Task(_Common):
             must_pass=tuple(tests.get("must_pass") or ()),
             keep_passing=tuple(tests.get("keep_passing") or ()),
             junit=None if m.get("junit") is None else under_workdir(workdir, m["junit"]),
+            allow=tuple(under_workdir(workdir, p) for p in m.get("allow") or ()),
         )
 
     def identity(self) -> dict[str, Any]:
@@ -526,7 +529,7 @@ class Task(_Common):
                 "grade": self.grade.identity(), "editable": list(self.editable),
                 "tests": {"must_pass": list(self.must_pass),
                           "keep_passing": list(self.keep_passing)},
-                "junit": self.junit}
+                "junit": self.junit, "allow": list(self.allow)}
 
 
 def under_workdir(workdir: str, path: str) -> str:

@@ -131,9 +131,9 @@ def check_document(
 
 
 def check_task_paths(doc: Mapping[str, Any], file: str, positions: Positions) -> list[Problem]:
-    """What a Task's schema cannot say: every ``editable`` path is under ``workdir``; the
-    ``junit`` report is not where the agent may write (it could forge one); ``tests`` need a
-    ``junit`` report to be read from."""
+    """What a Task's schema cannot say: every ``editable`` and ``allow`` path is under
+    ``workdir``; the ``junit`` report is not where the agent may write (it could forge one);
+    ``tests`` need a ``junit`` report to be read from."""
     workdir = posixpath.normpath(doc["workdir"])
     problems = []
 
@@ -148,6 +148,10 @@ def check_task_paths(doc: Mapping[str, Any], file: str, positions: Positions) ->
         if not is_under(full, workdir):
             problem(f"editable[{i}]", f"editable: {p!r} is outside workdir {workdir!r}",
                     f"the agent's work is read from workdir: name a path under {workdir}")
+    for i, p in enumerate(doc.get("allow") or ()):
+        if not is_under(under_workdir(workdir, p), workdir):
+            problem(f"allow[{i}]", f"allow: {p!r} is outside workdir {workdir!r}",
+                    f"allow names test-settings files of the agent's work: under {workdir}")
     junit = doc.get("junit")
     if junit is not None:
         full = under_workdir(workdir, junit)

@@ -14,6 +14,7 @@ manifests without loading definition or planning code::
     groups:
       - name: swe                         # optional, unique
         lock: env/swe-requests            # a ref (env name, env/NAME, snap/NAME) or sha256:...
+                                          # or, instead of lock, task: NAME|task/NAME|sha256:...
         count: 64                         # sandboxes of this group (default 1, at most 100000)
         backend: container                # a registered backend: container, fncall, microvm
         network: false                    # default false
@@ -35,6 +36,12 @@ manifest means the same sandboxes forever (and GC keeps them: ``envbuild gc --jo
           config: sha256:...              # the lock's OCI config
           layers:                         # bottom to top, as in the lock
             - {digest: sha256:..., size: 1234, toc: sha256:...}
+
+A group may name a **task** (``task: NAME``, ``task/NAME`` or a task lock's digest;
+``runtime_shim.node.tasklock``) instead of a lock: its sandboxes are made from the task's env
+lock, the agent's env without the hidden layer. Resolved, ``task`` is the task lock's digest
+and ``lock`` its env lock's digest, so the manifest says which task lock grades the group's
+sandboxes (``envbuild gc --job`` keeps it, its hidden layer and its spec).
 
 Defaults are written out in a resolved manifest (but an unset ``cpus``), sizes as
 ``<n>KiB|MiB|GiB|TiB`` when exact.
@@ -137,7 +144,8 @@ class Pinned:
 
 @dataclasses.dataclass(frozen=True)
 class SandboxGroup:
-    """One entry of a job manifest: ``count`` sandboxes of ``lock`` with the same options."""
+    """One entry of a job manifest: ``count`` sandboxes of ``lock`` with the same options;
+    ``task`` the task lock they are graded by ("" lock: the task's env lock, set by resolve)."""
 
     lock: str
     name: str | None = None
@@ -150,12 +158,14 @@ class SandboxGroup:
     #: it starts on (``Limits.cpus``: half its cores), never that of the host that read or
     #: resolved the manifest, and a written manifest leaves it out again
     node_cpus: bool = False
+    task: str | None = None
 
     @classmethod
     def from_mapping(cls, obj: Mapping[str, Any]) -> SandboxGroup:
         pinned = obj.get("pinned")
         limits = obj.get("limits") or {}
-        return cls(lock=obj["lock"], name=obj.get("name"), count=obj.get("count", 1),
+        return cls(lock=obj.get("lock", ""), task=obj.get("task"), name=obj.get("name"),
+                   count=obj.get("count", 1),
                    backend=obj.get("backend", "container"), network=obj.get("network", False),
                    limits=limits_from_mapping(limits),
                    node_cpus=limits.get("cpus") is None,
@@ -163,7 +173,11 @@ class SandboxGroup:
 
     def to_mapping(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name} if self.name else {}
-        out.update(lock=self.lock, count=self.count, backend=self.backend,
+        if self.task:
+            out["task"] = self.task
+        if self.lock:
+            out["lock"] = self.lock
+        out.update(count=self.count, backend=self.backend,
                    network=self.network,
                    limits=limits_to_mapping(self.sandbox_limits(), cpus=not self.node_cpus))
         if self.pinned is not None:
@@ -172,16 +186,18 @@ class SandboxGroup:
 
     @property
     def label(self) -> str:
-        """How messages name the group: its name, else its lock."""
-        return self.name or self.lock
+        """How messages name the group: its name, else its lock (or task)."""
+        return self.name or self.lock or self.task or "?"
 
     @property
     def resolved(self) -> bool:
-        return is_digest(self.lock) and self.pinned is not None
+        return is_digest(self.lock) and self.pinned is not None and (
+            self.task is None or is_digest(self.task))
 
     def blobs(self) -> list[str]:
-        """Every blob the group needs: lock manifest, config, layers (pinned or a bare digest)."""
-        out = [self.lock] if is_digest(self.lock) else []
+        """Every blob the group needs: task lock and lock manifests, config, layers (pinned or
+        a bare digest)."""
+        out = [d for d in (self.task, self.lock) if d and is_digest(d)]
         if self.pinned is not None:
             out += [self.pinned.config, *(layer.digest for layer in self.pinned.layers)]
         return out

@@ -1,7 +1,8 @@
 """``envbuild job verify``: is everything a job manifest needs in the store, intact?
 
 Every lock manifest, config and layer the manifest names — through its ``pinned`` closure
-and through the lock manifests themselves — is read in full and checked against its digest;
+and through the lock manifests themselves, and a task group's task lock (its spec and hidden
+layer) — is read in full and checked against its digest;
 every layer's TOC is found through its footer and checked against the TOC digest in the lock's
 ``org.envbuild.toc.digest`` annotation (and the pinned ``toc``) with
 ``LayerReader.from_store(..., expected_toc_digest=...)``. Nothing stops at the first problem:
@@ -123,6 +124,9 @@ def _pinned_needs(manifest: JobManifest, store: Store, report: VerifyReport,
                 continue
         locks.setdefault(digest, []).append(label)
         _need(items, digest, "lock", label)
+        if group.task and is_digest(group.task):  # the task lock that grades the group: read
+            locks.setdefault(group.task, []).append(label)  # as a lock (spec, hidden layer)
+            _need(items, group.task, "lock", label)
         if group.pinned is not None:
             _need(items, group.pinned.config, "config", label)
             for layer in group.pinned.layers:

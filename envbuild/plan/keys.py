@@ -50,6 +50,10 @@ any change to the merged result is a change to one of these, so this digest neve
 re-lock (it may ask for one whose merged config comes out the same; a re-lock is cheap).
 Digest tag ``envbuild.lock-inputs.v1``.
 
+**Task hidden layers**: a Task has no layer of its own, but its ``hidden`` source is built as
+a layer under a key of its own tag (``envbuild.task-hidden.v1``: ``envbuild.plan.taskplan``),
+in ``KeySet.tasks``; its pinned digest is ``PinnedInputs[task]["hidden"]``.
+
 Pure: no disk, no processes.
 """
 
@@ -69,10 +73,12 @@ from envbuild.defs.model import (
     Definition,
     Env,
     LayerDefinition,
+    Task,
     Toolkit,
     Workspace,
 )
 from envbuild.errors import bug
+from envbuild.plan.taskplan import HIDDEN_PIN, hidden_key, hidden_key_inputs
 
 LAYER_KEY_TAG = b"envbuild.layer.v1\0"
 LOCK_INPUTS_TAG = b"envbuild.lock-inputs.v1\0"
@@ -159,13 +165,17 @@ class KeySet:
     """Every key of one definition tree at one moment (a working tree or a git revision).
 
     ``layers``: layer name -> key; ``inputs``: layer name -> key input dict;
-    ``env_locks``: env name -> lock inputs digest; ``env_inputs``: env name -> lock input dict.
+    ``env_locks``: env name -> lock inputs digest; ``env_inputs``: env name -> lock input dict;
+    ``tasks``: task name -> hidden layer key.
     """
 
     layers: Mapping[str, str]
     inputs: Mapping[str, Mapping[str, Any]]
     env_locks: Mapping[str, str]
     env_inputs: Mapping[str, Mapping[str, Any]]
+    #: task name -> its hidden layer's key (``envbuild.plan.taskplan``); a task whose hidden
+    #: source was not pinned (a tree read from git objects) has none
+    tasks: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     def to_json(self) -> dict[str, Any]:
         return {"layers": dict(sorted(self.layers.items())),
@@ -262,6 +272,8 @@ def compute_keys(graph, pinned: PinnedInputs, previous: Previous | None = None,
             keyer.env_lock(env.name)
     else:
         keyer.key_only(only)
+    for task in graph.defs.tasks:
+        keyer.task_key(task)
     return keyer.key_set()
 
 
@@ -284,6 +296,7 @@ class _Keyer:
         self.inputs: dict[str, Any] = {}  # a dict, or the _Later that computes it
         self.env_inputs: dict[str, Any] = {}
         self.env_locks: dict[str, str] = {}
+        self.task_keys: dict[str, str] = {}
         self.old = previous.graph.defs.by_name if previous is not None else {}
         self.old_inputs, self.old_env_inputs = ((previous.keys.inputs, previous.keys.env_inputs)
                                                 if previous is not None else ({}, {}))
@@ -440,6 +453,15 @@ class _Keyer:
                                   else "chain=" + ",".join(chain))
         return what, k, {"build_on_abi": base.abi, "build_on_chain_keys": chain}
 
+    # ------------------------------------------------------------------ tasks
+
+    def task_key(self, task: Task) -> None:
+        """Key ``task``'s hidden layer (cheap: no memo) when its source was pinned."""
+        pins = self.pinned.get(task.name, _NO_PINS)
+        if HIDDEN_PIN in pins and task.env in self.defs:
+            lowers = [self.key_of(n) for n in self.graph.env_layers(task.env)]
+            self.task_keys[task.name] = hidden_key(hidden_key_inputs(task, pins, lowers))
+
     # ------------------------------------------------------------------ the run
 
     def key_only(self, only: Collection[str]) -> None:
@@ -471,7 +493,8 @@ class _Keyer:
         return KeySet(layers=MappingProxyType(self.keys),
                       inputs=LazyInputs(inputs) if lazy else MappingProxyType(inputs),
                       env_locks=MappingProxyType(env_locks),
-                      env_inputs=LazyInputs(env_inputs) if lazy else MappingProxyType(env_inputs))
+                      env_inputs=LazyInputs(env_inputs) if lazy else MappingProxyType(env_inputs),
+                      tasks=MappingProxyType(self.task_keys))
 
 
 def lock_inputs(graph, env: Env, keys: Mapping[str, str]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from envbuild.defs.model import LAYER_KINDS, Env, Task
 from envbuild.errors import PlanError, Problem
 from envbuild.plan.graph import EnvGraph, did_you_mean
 from envbuild.plan.keys import KeySet, PinnedInputs, compute_keys
+from envbuild.plan.taskplan import hidden_name
 
 Status = Literal["cached", "missing"]
 #: key -> the store's record of the layer built for it, or None. The record's shape is the
@@ -58,15 +59,31 @@ class EnvPlan:
 
 @dataclasses.dataclass(frozen=True)
 class TaskPlan:
-    """A task and the env it grades in. Not built yet: its hidden layer and task lock come
-    with the task lock (issue 35); ``build`` and ``lock`` skip it."""
+    """A task, the env it grades in, and its hidden layer (``envbuild.plan.taskplan``):
+    ``hidden`` its name (``<task>.hidden``), ``key`` its key and ``status`` whether the store
+    has it (``cached``), not (``missing``), or, when the hidden source was not pinned (a tree
+    read from git objects), ``not keyed`` and no key. Built with the layers of its env, locked
+    with it (``envbuild build``, ``envbuild lock TASK``)."""
 
     name: str
     env: str
-    status: Literal["not built"] = "not built"
+    key: str | None = None
+    status: Literal["cached", "missing", "not keyed"] = "not keyed"
+    depends_on: tuple[str, ...] = ()  # the env's layers: the hidden layer is built over them
+
+    @property
+    def hidden(self) -> str:
+        return hidden_name(self.name)
+
+    def step(self) -> LayerStep:
+        """The hidden layer as a step to build (kind ``Task``), once it has a key."""
+        assert self.key is not None and self.status != "not keyed", self
+        return LayerStep(name=self.hidden, kind="Task", key=self.key, depends_on=self.depends_on,
+                         status=self.status, generation=0)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "env": self.env, "status": self.status}
+        return {"name": self.name, "env": self.env,
+                "hidden": {"name": self.hidden, "key": self.key, "status": self.status}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +104,11 @@ class BuildPlan:
                 out.append([])
             out[step.generation].append(step)
         return out
+
+    @property
+    def steps(self) -> tuple[LayerStep, ...]:
+        """What a build has to have: the layers, then each keyed task's hidden layer."""
+        return self.layers + tuple(t.step() for t in self.tasks if t.key is not None)
 
     @property
     def missing(self) -> tuple[LayerStep, ...]:
@@ -134,6 +156,15 @@ def make_plan(graph: EnvGraph, pinned: PinnedInputs, lookup: Lookup | None = Non
                                    status="cached" if cached else "missing", generation=gen))
     envs = tuple(EnvPlan(name=n, layers=graph.env_layers(n))
                  for n in sorted(chosen) if isinstance(defs[n], Env))
-    tasks = tuple(TaskPlan(name=n, env=t.env)
+    tasks = tuple(_task_plan(t, keys.tasks.get(n), lookup, graph.env_layers(t.env))
                   for n in sorted(chosen) if isinstance(t := defs[n], Task))
     return BuildPlan(layers=tuple(steps), envs=envs, keys=keys, tasks=tasks)
+
+
+def _task_plan(task: Task, key: str | None, lookup: Lookup | None,
+               env_layers: tuple[str, ...]) -> TaskPlan:
+    if key is None:
+        return TaskPlan(name=task.name, env=task.env, depends_on=env_layers)
+    cached = lookup is not None and lookup(key) is not None
+    return TaskPlan(name=task.name, env=task.env, key=key,
+                    status="cached" if cached else "missing", depends_on=env_layers)

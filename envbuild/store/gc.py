@@ -9,7 +9,8 @@ Mark: the roots, and everything they reach
     * **every ref** (``env/*``, ``snap/*``, anything else): the blob it points at;
     * **every lock reached**: an image manifest reaches its config and layers, an index its
       manifests, and a snapshot lock (manifest annotation ``org.envbuild.parent.lock``) its
-      parent lock, recursively;
+      parent lock, recursively, and a task lock (annotation ``org.envbuild.task.env.lock``)
+      its config, its hidden layer and the env lock its agent gets;
     * **key records** (``keys/v1/*``, the build cache): each record's layer blob. With
       ``drop_cache=True`` a record is a root only while something else reaches its layer or the
       record is younger than the grace period; otherwise the record is deleted (before its
@@ -74,7 +75,7 @@ from pathlib import Path
 from typing import Any
 
 from envbuild.errors import BlobNotFound, StoreError
-from envbuild.oci import ANNOTATION_PARENT, MEDIA_TYPE_MANIFEST, is_digest
+from envbuild.oci import ANNOTATION_PARENT, ANNOTATION_TASK_ENV, MEDIA_TYPE_MANIFEST, is_digest
 from envbuild.store.base import BlobInfo, PartialWrite, Store, check_digest
 from envbuild.store.helpers import KEY_RECORDS, LAYER_RECORDS, MAX_JSON_SIZE, get_json
 from envbuild.store.local import LocalStore
@@ -238,6 +239,10 @@ def _children(doc: dict[str, Any]) -> list[dict[str, Any]]:
     parent = notes.get(ANNOTATION_PARENT)
     if parent:
         children.append({"mediaType": MEDIA_TYPE_MANIFEST, "digest": parent})
+    # a task lock (runtime_shim.node.tasklock): the env lock its agent gets
+    env_lock = notes.get(ANNOTATION_TASK_ENV)
+    if env_lock:
+        children.append({"mediaType": MEDIA_TYPE_MANIFEST, "digest": env_lock})
     # a checkpoint lock (runtime_shim.sdk.checkpoint): its memory image and record blobs
     for key in ("org.envbuild.checkpoint.image", "org.envbuild.checkpoint.record"):
         if isinstance(notes.get(key), str):

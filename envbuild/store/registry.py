@@ -82,6 +82,7 @@ from envbuild.errors import (
     StoreError,
     StoreUnavailable,
 )
+from envbuild.oci import TASK_ARTIFACT_TYPE
 from envbuild.store._registry_auth import (  # noqa: F401  (re-exported: tests, callers)
     auth_files,
     find_credentials,
@@ -506,7 +507,8 @@ class RegistryStore(Store, TailReader, Locatable, BlobMounter):
             if kind == ARTIFACT_REF:
                 layers = doc.get("layers") or [{}]
                 return Descriptor.from_oci(layers[0])
-            if isinstance(kind, str) and kind.startswith(ARTIFACT_PREFIX):
+            if isinstance(kind, str) and kind.startswith(ARTIFACT_PREFIX) \
+                    and kind != TASK_ARTIFACT_TYPE:  # a task lock is a lock (tasklock)
                 raise StoreError(f"ref {name} in {self.url} is an envbuild artifact of type "
                                  f"{kind!r}, which this envbuild does not know",
                                  reference="unsupported-format",

@@ -3,7 +3,8 @@
 One function does both directions, ``sync(src, dst, refs=..., keys=...)``:
 
 1. **blobs** — for each ref, the blob it points at and everything below it (an image manifest's
-   config and layers; an index's manifests, recursively), copied with ``copy_blobs``: only what
+   config and layers; an index's manifests, recursively; a task lock's env lock, named by its
+   annotation ``org.envbuild.task.env.lock``, and what that reaches), copied with ``copy_blobs``: only what
    ``dst`` lacks, verified by ``dst.put`` as it arrives, several blobs at once;
 2. **key records** — for each layer key (from ``keys``, and from the ``org.envbuild.key``
    annotation of every layer a lock lists) whose record ``dst`` lacks: the record's layer blob
@@ -38,7 +39,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 
 from envbuild.errors import RefNotFound, StoreError
-from envbuild.oci import ANNOTATION_KEY, MEDIA_TYPE_INDEX, MEDIA_TYPE_MANIFEST
+from envbuild.oci import ANNOTATION_KEY, ANNOTATION_TASK_ENV, MEDIA_TYPE_INDEX, MEDIA_TYPE_MANIFEST
 from envbuild.store.base import Descriptor, Store, check_digest
 from envbuild.store.helpers import (
     KEY_RECORDS,
@@ -108,8 +109,9 @@ def split_pin(arg: str) -> tuple[str, str | None]:
 
 
 def resolve_ref(store: Store, name: str) -> str:
-    """The ref ``name`` names in ``store``: ``name`` itself, else ``env/<name>``."""
-    candidates = [name] if "/" in name else [name, f"env/{name}"]
+    """The ref ``name`` names in ``store``: ``name`` itself, else ``env/<name>``, else
+    ``task/<name>`` (names are unique across kinds: an env and a task never share one)."""
+    candidates = [name] if "/" in name else [name, f"env/{name}", f"task/{name}"]
     for c in candidates:
         try:
             store.get_ref(c)
@@ -137,6 +139,9 @@ def walk(store: Store, desc: Descriptor | dict) -> tuple[list[tuple[str, bool]],
         if doc.get("config"):
             children.append(doc["config"])
         children.extend(doc.get("layers") or [])
+        env_lock = (doc.get("annotations") or {}).get(ANNOTATION_TASK_ENV)
+        if isinstance(env_lock, str):  # a task lock: the env lock goes with it, pushed first
+            children.insert(0, {"mediaType": MEDIA_TYPE_MANIFEST, "digest": env_lock})
         for child in children:
             b, k = walk(store, child)
             blobs.extend(b)

@@ -26,21 +26,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from envbuild.errors import LockNotFound, RuntimeShimError
-from envbuild.oci import (
+from envbuild.oci import (  # the store's gc and sync follow these two: defined there
     ANNOTATION_NAME,
     ANNOTATION_ROLE,
+    ANNOTATION_TASK_ENV,
     ANNOTATION_TOC,
     MEDIA_TYPE_LAYER_ZSTD,
     MEDIA_TYPE_MANIFEST,
+    TASK_ARTIFACT_TYPE,
     is_digest,
 )
 from envbuild.store import Store, get_json, put_json
 
 TASK_LOCK_VERSION = "envbuild.task.v1"
-TASK_ARTIFACT_TYPE = "application/vnd.envbuild.task.v1"
 MEDIA_TYPE_TASK_CONFIG = "application/vnd.envbuild.task.config.v1+json"
-#: on a task lock manifest: the digest of the env lock the agent gets
-ANNOTATION_TASK_ENV = "org.envbuild.task.env.lock"
 #: on the hidden layer's descriptor: its diff_id (a task lock has no image config to hold it)
 ANNOTATION_DIFF_ID = "org.envbuild.diff_id"
 #: the ref a task lock is published under

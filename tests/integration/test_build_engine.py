@@ -163,9 +163,10 @@ def test_verbose_build_streams_each_steps_output(envbuild_cli):
     assert "chatty | tail" in lines  # a last line without a newline still comes out
 
 
-def test_build_builds_a_tasks_env_and_says_the_task_is_skipped(envbuild_cli):
-    """Issue 35, first increment: a Task in the tree does not break build or lock; its env is
-    built and locked, the task itself is named as skipped (no task lock yet)."""
+def test_build_builds_a_tasks_env_hidden_layer_and_task_lock(envbuild_cli):
+    """Issue 35: a Task in the tree is built with its env: the env is locked, then the task
+    (its hidden layer built as a layer, its task lock under task/NAME); a build of the task
+    alone builds and locks the same (tests/integration/test_task_lock.py has the rest)."""
     _write(envbuild_cli.defs / "tasks" / "kv-task.yaml", """\
         apiVersion: envbuild/v1
         kind: Task
@@ -180,7 +181,11 @@ def test_build_builds_a_tasks_env_and_says_the_task_is_skipped(envbuild_cli):
     result = envbuild_cli("build")
     assert result.code == 0, result.err
     assert "env busybox-shell: locked sha256:" in result.out
-    assert "task kv-task: skipped, task locks are not built yet (its env: busybox-shell)" in result.out
+    assert "task kv-task: locked sha256:" in result.out and "as task/kv-task" in result.out
+    assert "kv-task:hidden" in result.out  # the hidden layer in the layer table
     report = envbuild_cli("build", "--json", "kv-task")
     assert report.code == 0, report.err
     assert [lk["env"] for lk in report.json()["locks"]] == ["busybox-shell"]
+    [task] = report.json()["tasks"]
+    assert (task["task"], task["ref"], task["error"]) == ("kv-task", "task/kv-task", None)
+    assert f"task kv-task: locked {task['digest']} as task/kv-task" in result.out

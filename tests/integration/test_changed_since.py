@@ -312,16 +312,22 @@ TASK = """
 
 
 @pytest.mark.parametrize("commit_task", [True, False])
-def test_a_task_in_the_tree_is_planned_but_never_keyed(repo, capsys, commit_task):
-    # issue 35: a Task depends on its env; a change below it makes it dirty, but it has no key
+def test_a_task_in_the_tree_is_planned_with_its_hidden_key(repo, capsys, commit_task):
+    # issue 35: a Task depends on its env; a change below it makes it dirty; its hidden layer
+    # is keyed over the env's layers, so a changed layer gives it a new key
     write(repo, "envdefs/tasks/fix-app.yaml", TASK)
+    write(repo, "envdefs/tasks/hidden/test_hidden.py", "def test_x(): pass\n")
     if commit_task:
         git(repo, "add", ".")
         git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "task")
     (repo / "sources/app/app.py").write_text("print('bye')\n")
     doc = plan_since(capsys)
     assert doc["rebuild"] == ["app"] and doc["relock"] == ["swe"]
-    assert doc["tasks"] == [{"name": "fix-app", "env": "swe", "status": "not built"}]
+    [task] = doc["tasks"]
+    assert (task["name"], task["env"], task["hidden"]["status"]) == ("fix-app", "swe", "missing")
+    before = task["hidden"]["key"]
+    (repo / "sources/app/app.py").write_text("print('bye again')\n")
+    assert plan_since(capsys)["tasks"][0]["hidden"]["key"] != before
     t = repo / "envdefs/tasks/fix-app.yaml"
     t.write_text(t.read_text().replace("timeout: 60", "timeout: 90"))
     doc = plan_since(capsys, "HEAD", "fix-app")

@@ -433,6 +433,42 @@ groups:
 """
 
 
+def test_job_run_of_a_task_group_prints_its_task_lock(clean, env, tmp_path, capsys):
+    """Issue 35: a group naming a task runs its env lock; ``job run --json`` names the task
+    lock each group is graded by (null for a plain lock)."""
+    from envbuild.build.taskbuild import hidden_layer, task_spec
+    from envbuild.cli.main import main
+    from envbuild.defs.model import Origin, PathSource, Task
+    from envbuild.store import KeyRecord, LocalStore, digest_bytes, put_bytes
+    from runtime_shim.node import publish_task
+
+    store = LocalStore(env["store"])
+    lock = store.get_ref("env/busybox-shell").digest
+    hidden = put_bytes(store, b"a hidden layer the fleet never reads")
+    record = KeyRecord(layer=hidden, toc=digest_bytes(b"t"), diff_id=digest_bytes(b"d"),
+                       size=store.stat(hidden).size)
+    task = Task(name="kv-task", origin=Origin(file="t.yaml", line=1, column=1),
+                env="busybox-shell", workdir="/workspace", hidden=PathSource("hidden"))
+    digest = publish_task(store, task_spec(task, lock), hidden_layer(record), ref="task/kv-task")
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.replace("lock: busybox-shell\n    count: 3", "task: kv-task\n    count: 2"))
+
+    def cli(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main(["--store", env["store"], *args])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    assert cli("job", "resolve", str(job))[0] == 0
+    code, out, err = cli("job", "run", str(tmp_path / "job.resolved.yaml"), "--fleet",
+                         env["cluster"].address, "--json")
+    assert code == 0, err
+    groups = json.loads(out)["groups"]
+    assert [(g["group"], g["lock"], g["task"], len(g["sandboxes"])) for g in groups] == [
+        ("shell", lock, digest, 2), ("more", lock, None, 2)]
+    assert {s.lock for s in clean.list()} == {lock}  # the env lock: no hidden layer
+
+
 def test_cli_job_run_and_fleet_commands(clean, env, tmp_path, capsys):
     from envbuild.cli.main import main
 

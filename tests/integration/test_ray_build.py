@@ -165,6 +165,26 @@ def test_cluster_build_into_s3_then_a_second_machine_builds_nothing(cluster, tmp
     assert {o["status"] for o in json.loads(r.stdout)["layers"]} == {"cached"}
 
 
+def test_a_task_builds_on_the_cluster_and_its_task_lock_is_written(cluster):
+    """Issue 35: a task's hidden layer is a Ray task like any layer; the driver locks the env,
+    then the task (task/NAME in the bucket)."""
+    from runtime_shim.node import load_task
+    from tests.integration.test_task_lock import write_task
+
+    write_task(cluster.defs)
+    r = cluster.build("--json", "kv-task")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    hidden = next(o for o in report["layers"] if o["name"] == "kv-task:hidden")
+    assert (hidden["kind"], hidden["status"]) == ("Task", "built")
+    assert hidden["node"] in cluster.worker_ids()
+    [task] = report["tasks"]
+    lock = load_task(cluster.store(), "task/kv-task")
+    assert (lock.digest, lock.hidden.digest) == (task["digest"], hidden["digest"])
+    assert lock.spec.env_lock == report["locks"][0]["digest"] == task["env_lock"]
+    assert_no_leftovers(cluster)
+
+
 def test_the_example_envdefs_build_on_the_cluster_into_s3_and_a_second_machine_builds_nothing(
         cluster_examples, ray_cluster, monkeypatch):
     """The whole of envdefs/ (debootstrap base, Python base, workspaces, toolkits, envs),

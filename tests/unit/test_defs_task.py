@@ -14,6 +14,7 @@ from envbuild.defs import describe_counts, load_definitions
 from envbuild.defs.model import DEFAULT_GRADE_TIMEOUT, GitSource, PathSource, Task
 from envbuild.errors import DefinitionError, Problem
 from envbuild.plan.graph import check_tree
+from envbuild.store import LocalStore
 from tests.docblocks import REPO
 
 BASE = """\
@@ -188,23 +189,38 @@ def test_validate_and_plan_list_the_task(tree, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert [x["name"] for x in doc["layers"]] == ["deb"]  # the env's layers; no task layer
     assert doc["envs"] == [{"name": "py-app", "layers": ["deb"]}]
-    assert doc["tasks"] == [{"name": "fix-it", "env": "py-app", "status": "not built"}]
+    [task] = doc["tasks"]
+    assert (task["name"], task["env"]) == ("fix-it", "py-app")
+    hidden = task["hidden"]
+    assert (hidden["name"], hidden["status"]) == ("fix-it:hidden", "missing")
+    assert hidden["key"].startswith("sha256:") and hidden["key"] != doc["layers"][0]["key"]
     assert main(["plan"]) == 0
     out = capsys.readouterr().out
-    assert "fix-it  py-app  not built" in out and "1 layers (1 missing), 1 envs, 1 task" in out
+    assert f"missing  fix-it  py-app  fix-it:hidden  {hidden['key'][:19]}" in out
+    assert "1 layers (1 missing), 1 envs, 1 task" in out
 
 
-def test_explain_of_a_task_says_it_has_no_key(tree, capsys):
-    assert main(["explain", "fix-it"]) == 1
+def test_explain_of_a_task_prints_its_hidden_layers_key(tree, capsys):
+    assert main(["plan", "--json", "fix-it"]) == 0
+    key = json.loads(capsys.readouterr().out)["tasks"][0]["hidden"]["key"]
+    assert main(["explain", "--json", "fix-it"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["kind"], doc["digest"]) == ("Task", key)
+    assert doc["inputs"]["dest"] == "/workspace" and doc["inputs"]["kind"] == "TaskHidden"
+    assert "path" in doc["inputs"]["source"] and doc["inputs"]["pinned"]["source"].startswith("sha")
+    assert main(["explain", "fix-it", "--against", "HEAD"]) == 1
     err = capsys.readouterr().err
-    assert "'fix-it' is a Task: a task has no key or lock of its own yet" in err
-    assert "explain its env: py-app" in err
+    assert "its hidden layer's key is not compared across revisions" in err
 
 
-def test_lock_refuses_a_task(tree, capsys, monkeypatch, tmp_path):
+def test_lock_of_a_task_whose_hidden_layer_is_not_built_writes_nothing(tree, capsys,
+                                                                       monkeypatch, tmp_path):
     monkeypatch.setenv("ENVBUILD_STORE", str(tmp_path / "store"))
     assert main(["lock", "fix-it"]) == 1
-    assert "fix-it is a Task, not an Env" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cannot lock fix-it: its hidden layer is not built" in err
+    assert "envbuild build fix-it" in err
+    assert LocalStore(tmp_path / "store").list_refs() == []  # not even the env's lock
 
 
 # ---------------------------------------------------------------------- the example
