@@ -3,18 +3,15 @@ tests and ``benchmarks/grade.py``: a package ``calc`` whose ``mean`` fails on an
 the project's own test (``tests/test_core.py``, must keep passing) and a hidden test
 (``tests/test_hidden.py``, must pass) that only the grading sandbox has.
 
-``HONEST`` fixes ``mean``; ``BROKEN`` leaves it failing. Two task locks share the env:
-``task/calc-empty`` (the agent may change ``calc/`` only) and ``task/calc-open`` (the whole
-workdir, as a task with no ``editable`` gets: the name rules must hold there too).
+``HONEST`` fixes ``mean``; ``BROKEN`` leaves it failing. Two tasks share the env, defined as
+YAML and locked by ``envbuild build``: ``task/calc-empty`` (the agent may change ``calc/``
+only) and ``task/calc-open`` (the whole workdir: the name rules must hold there too).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from envbuild.layers import pack_tree
-from envbuild.store import put_file
-from runtime_shim.node import HiddenLayer, TaskSpec, publish_task
 from runtime_shim.node.locks import resolve
 from tests.py_env import PyTree
 
@@ -55,32 +52,35 @@ def build_calc_env(tree: PyTree) -> str:
     return resolve(tree.store, "env/py-calc").digest
 
 
-def publish_hidden(tree: PyTree, files: dict[str, str]) -> HiddenLayer:
-    """A hidden layer of ``files`` (absolute paths → text), packed and stored."""
-    root = tree.root / "hidden-tree"
-    for path, text in files.items():
-        target = root / path.lstrip("/")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text)
-    blob = tree.root / "hidden.tar.zst"
-    with open(blob, "wb") as out:
-        info = pack_tree(root, out)
-    put_file(tree.store, blob)
-    return HiddenLayer(digest=info.digest, size=info.size, diff_id=info.diff_id,
-                       toc_digest=info.toc_digest)
+TASK_YAML = """\
+apiVersion: envbuild/v1
+kind: Task
+name: {name}
+env: py-calc
+workdir: /workspace
+hidden: {{path: ../hidden/calc}}
+editable: [{editable}]
+grade: {{run: "{run}", timeout: 120}}
+tests:
+  must_pass: [{must_pass}]
+  keep_passing: [{keep_passing}]
+junit: {junit}
+"""
 
 
 def publish_calc_tasks(tree: PyTree) -> dict[str, str]:
-    """Build the env and publish ``task/calc-empty`` and ``task/calc-open``; their digests."""
-    env_lock = build_calc_env(tree)
-    hidden = publish_hidden(tree, {"/workspace/tests/test_hidden.py": TEST_HIDDEN})
-    digests = {}
-    for name, editable in (("calc-empty", ("/workspace/calc",)), ("calc-open", ("/workspace",))):
-        spec = TaskSpec(name=name, env_lock=env_lock, workdir="/workspace", run=RUN,
-                        timeout=120, editable=editable, must_pass=MUST_PASS,
-                        keep_passing=KEEP_PASSING, junit=JUNIT)
-        digests[name] = publish_task(tree.store, spec, hidden, ref=f"task/{name}")
-    return digests
+    """Define ``task/calc-empty`` and ``task/calc-open`` on the ``py-calc`` env, build and
+    lock them with the real CLI (``envbuild build``: the env, the hidden layer, the task
+    locks); their task lock digests."""
+    build_calc_env(tree)
+    tree.write("hidden/calc/tests/test_hidden.py", TEST_HIDDEN)
+    for name, editable in (("calc-empty", "calc"), ("calc-open", ".")):
+        tree.write(f"tasks/{name}.yaml", TASK_YAML.format(
+            name=name, editable=editable, run=RUN, must_pass=", ".join(MUST_PASS),
+            keep_passing=", ".join(KEEP_PASSING), junit=JUNIT))
+    tree.cli("build", "calc-empty", "calc-open")
+    return {name: tree.store.get_ref(f"task/{name}").digest
+            for name in ("calc-empty", "calc-open")}
 
 
 def solution_path(tree: PyTree) -> Path:

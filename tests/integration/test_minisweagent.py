@@ -9,9 +9,8 @@ not from the current position; 10.5.0 fixed it, with the test
 tree (the pinned commit) and 10.5.0's after it; the env's workspace is that commit with
 ``dotgit: true`` on the ``pyhost`` Python base (``tests/py_env.py``); the task's hidden layer is
 10.5.0's ``tests/test_more.py`` (the same file as the SWE example's
-``tasks/hidden/more-itertools-relative-seek``), ``editable`` the package dir. The task lock is
-published with ``runtime_shim.node.publish_task`` (``envbuild lock TASK`` does not make task
-locks yet), from the same fields as the Task definition written beside the env.
+``tasks/hidden/more-itertools-relative-seek``), ``editable`` the package dir. The Task
+definition is built and locked with the real CLI (``envbuild build``, ``envbuild lock TASK``).
 
 An honest run reads the code, applies 10.5.0's fix, shows ``git diff`` and submits: passed. A
 cheater replaces ``python3`` with a script printing a passing pytest line (which fools any
@@ -33,9 +32,7 @@ from typing import Any
 import pytest
 
 from runtime_shim import Sandbox, grade
-from runtime_shim.node import TaskSpec, publish_task
 from tests.conftest import REPO, require_root, require_tool
-from tests.grading_task import publish_hidden
 from tests.integration.test_importers import _git
 from tests.py_env import PyTree, make_py_tree
 
@@ -150,12 +147,8 @@ def swe_task(tmp_path_factory) -> dict[str, Any]:
     repo, pinned, fix = _git_repo(root, old, new)
     _write_defs(tree, pinned, hidden)
     tree.cli("validate")
-    tree.cli("build", "py-more-itertools")
-    env_lock = tree.store.get_ref("env/py-more-itertools").digest
-    layer = publish_hidden(tree, {f"/workspace/{TEST_FILE}": hidden.decode()})
-    spec = TaskSpec(name=TASK, env_lock=env_lock, workdir="/workspace", run=RUN, timeout=300,
-                    editable=("/workspace/more_itertools",), must_pass=(TEST_ID,), junit=JUNIT)
-    publish_task(tree.store, spec, layer, ref=f"task/{TASK}")
+    tree.cli("build", "py-more-itertools", TASK)   # the env, the hidden layer, the task lock
+    tree.cli("lock", TASK)
     old_test = hashlib.sha256((old / TEST_FILE).read_bytes()).hexdigest()
     return {"tree": tree, "pinned": pinned, "fix": fix, "old_test": old_test}
 
