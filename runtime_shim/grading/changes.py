@@ -75,6 +75,14 @@ class Dropped:
         else:
             self.more += 1
 
+    def add_policy(self, decisions: Iterable[dict[str, str]]) -> None:
+        """What pack-diff's policy did to the kept entries (a device or FIFO dropped, setuid
+        bits stripped, an attribute dropped), listed like the filter's own drops."""
+        for d in decisions:
+            if d["action"] != "sparse":
+                self.add(d["path"].lstrip("/"), f"{d['action']} by the snapshot policy: "
+                                                f"{d['reason']}")
+
     def to_json(self) -> dict[str, Any]:
         return {"listed": self.listed, "more": self.more, "kept": self.kept,
                 "kept_bytes": self.kept_bytes}

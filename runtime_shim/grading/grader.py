@@ -161,9 +161,10 @@ def _pack_live(sb: Sandbox, rules: ChangeRules, dropped: Dropped, blob: Path) ->
         raise RuntimeShimError(f"sandbox {sb.id}: the {sb.backend} backend cannot show its "
                                "changes", hint="grade a snapshot of it (pack_diff) instead")
     with handle.quiesce(), open(blob, "wb") as out:
-        info, _report = packdiff.pack_upper(
+        info, report = packdiff.pack_upper(
             handle.upper_dir(), out, packdiff.SnapshotPolicy(), name=f"the changes of {sb.id}",
             select=change_filter(rules, dropped))
+    dropped.add_policy(report.decisions)
     return info
 
 
@@ -179,9 +180,10 @@ def _from_snapshot(store: Store, env: ResolvedLock, source: str, rules: ChangeRu
     upper.mkdir()
     packdiff.merge_upper(store, lock.layers[len(base):], upper)
     with open(blob, "wb") as out:
-        info, _report = packdiff.pack_upper(upper, out, packdiff.SnapshotPolicy(),
-                                            name=f"the changes of {source}",
-                                            select=change_filter(rules, dropped))
+        info, report = packdiff.pack_upper(upper, out, packdiff.SnapshotPolicy(),
+                                           name=f"the changes of {source}",
+                                           select=change_filter(rules, dropped))
+    dropped.add_policy(report.decisions)
     return _store_layer(store, blob, info)
 
 

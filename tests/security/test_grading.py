@@ -287,3 +287,15 @@ def test_a_solution_that_never_ends_times_out_and_fails(tasks):
         "tests/test_hidden.py::test_empty (missing), tests/test_hidden.py::test_one (missing), " \
         "tests/test_core.py::test_mean (missing)"
     assert time.monotonic() - started < 30
+
+
+def test_fifos_and_setuid_bits_in_the_editable_paths_are_listed(tasks):
+    """pack-diff's policy still runs on what the filter keeps: a FIFO is dropped and a setuid
+    bit stripped, and both are in ``dropped`` with the honest solution still passing."""
+    sb = _agent(tasks, HONEST, "mkfifo /workspace/calc/pipe && cp /workspace/calc/core.py "
+                               "/workspace/calc/suid.py && chmod 4755 /workspace/calc/suid.py")
+    v = _graded(tasks, sb)
+    assert v.passed, v.output
+    dropped = _dropped(v)
+    assert dropped["/workspace/calc/pipe"] == "dropped by the snapshot policy: fifo"
+    assert dropped["/workspace/calc/suid.py"] == "stripped by the snapshot policy: setuid"
