@@ -129,6 +129,12 @@ class NodeLayout:
         return self.root / "restores"
 
     @property
+    def owners(self) -> Path:
+        """The index of the processes that create sandboxes here (``runtime_shim.node.owners``):
+        what lets the sweep at each create skip reading every sandbox's record."""
+        return self.root / "owners"
+
+    @property
     def grades(self) -> Path:
         """Scratch of the grader (``runtime_shim.grading``): an agent's changes while they are
         read and filtered (mode 0700: they are the agent's files)."""

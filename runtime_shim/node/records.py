@@ -24,6 +24,7 @@ from runtime_shim.isolation import netns
 from runtime_shim.node import admission
 from runtime_shim.node.layout import NodeLayout, SandboxPaths, default_layout
 from runtime_shim.node.model import SandboxInfo
+from runtime_shim.node.owners import owner_alive
 
 SANDBOX_META_VERSION = 1
 
@@ -96,8 +97,10 @@ def read_record(paths: SandboxPaths) -> dict[str, Any] | None:
 def sandbox_info(path: Path, meta: dict[str, Any], layout: NodeLayout) -> SandboxInfo:
     pid = int(meta.get("pid", 0))
     ttl = meta.get("ttl")
+    start = meta.get("pid_start")  # records before issue 39 have none: the pid alone
     return SandboxInfo(id=path.name, lock=meta.get("lock", "?"), pid=pid,
-                       alive=pid_alive(pid), kept=bool(meta.get("kept")),
+                       alive=owner_alive(pid, int(start) if start else None),
+                       kept=bool(meta.get("kept")),
                        created=float(meta.get("created", 0.0)),
                        layers=tuple(meta.get("layers", ())), path=path,
                        backend=meta.get("backend", "container"),

@@ -60,7 +60,7 @@ from runtime_shim.backends.base import (
 )
 from runtime_shim.isolation import agent, lifecycle
 from runtime_shim.isolation.spec import parse_user
-from runtime_shim.node import admission
+from runtime_shim.node import admission, owners
 from runtime_shim.node.layout import NodeLayout, SandboxPaths
 from runtime_shim.node.locks import ResolvedLock, resolve
 from runtime_shim.node.model import DEFAULT_OUTPUT_CAP, ExecResult, Limits, SandboxInfo
@@ -290,7 +290,7 @@ class Sandbox:
         layout = node_layout(node_dir)
         resolved = resolve(opened, lock)  # before anything exists on disk
         layout.ensure()
-        if opts.reap:
+        if opts.reap and owners.sweep_needed(layout, time.time()):  # O(creators), not O(sandboxes)
             sweep_sandboxes(layout, opts.runtime, automatic=True)
         node = NodeCache(layout.node)
         layer_dirs, lazy_mode = _layer_dirs(node, opened, resolved, plan.lazy)
@@ -481,9 +481,11 @@ def _start(layout: NodeLayout, node: NodeCache, lock: ResolvedLock, layer_dirs: 
     paths = layout.sandbox(sandbox_id)
     created = time.time()
     meta = {"version": SANDBOX_META_VERSION, "id": sandbox_id, "pid": os.getpid(),
+            "pid_start": owners.process_start(os.getpid()),
             "created": created, "expires": created + opts.ttl if opts.ttl else 0.0,
             "ready": 0.0, **record}
     layout.sandboxes.mkdir(exist_ok=True)
+    owners.register(layout, meta["expires"])  # before the record: the sweep index (owners)
     if not opts.keep:  # removed if this process dies without closing it (SIGKILL)
         exitwatch.watch(layout.root)
     paths.root.mkdir()

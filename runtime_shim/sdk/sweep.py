@@ -13,7 +13,7 @@ import time
 
 from envbuild.errors import BackendUnavailable, RuntimeShimError, SandboxNotFound
 from runtime_shim.backends.base import get_backend, remove_sandbox_dir
-from runtime_shim.node import admission
+from runtime_shim.node import admission, owners
 from runtime_shim.node.layout import NodeLayout
 from runtime_shim.node.records import list_sandboxes, node_layout, read_record
 
@@ -66,8 +66,10 @@ def sweep_sandboxes(node_dir: str | os.PathLike[str] | NodeLayout | None = None,
     died at ``now``: ``runtime_shim.sdk.exitwatch``): only the sandboxes it created before then,
     except kept ones. Each is removed with the runtime its record names, else ``runtime``."""
     now = time.time() if now is None else now
+    started = time.time()
     done = []
-    for info in list_sandboxes(node_dir):
+    infos = list_sandboxes(node_dir)
+    for info in infos:
         if automatic and info.lock == "?":
             continue
         if dead_owner is not None:
@@ -92,6 +94,10 @@ def sweep_sandboxes(node_dir: str | os.PathLike[str] | NodeLayout | None = None,
                                        reason))
         else:
             done.append(SandboxRemoval(info.id, reason=reason))
+    if dead_owner is None:   # a full sweep: what is left tells the next create whether to sweep
+        gone = {r.id for r in done if r.removed}
+        owners.after_sweep(node_layout(node_dir), ((i.pid, i.kept, i.expires) for i in infos
+                                                   if i.id not in gone), started)
     return done
 
 

@@ -116,6 +116,29 @@ def test_ttl_reaper_thread_removes_a_forgotten_sandbox(built):
     _assert_clean(node)
 
 
+def test_a_create_with_nothing_to_sweep_reads_no_sandbox_record(built, monkeypatch):
+    """The sweep at create costs O(creators), not O(sandboxes) (issue 39): with every creator
+    alive and no TTL passed, create lists no sandbox; once a TTL passes, it sweeps again."""
+    import runtime_shim.sdk.sweep as sweep
+
+    store, node = built
+    live = [Sandbox.create(ENV, store=store, node_dir=node) for _ in range(3)]
+    try:
+        listed = []
+        real = sweep.list_sandboxes
+        monkeypatch.setattr(sweep, "list_sandboxes", lambda *a: listed.append(a) or real(*a))
+        Sandbox.create(ENV, store=store, node_dir=node).close()
+        assert listed == []
+        short = Sandbox.create(ENV, store=store, node_dir=node, keep=True, ttl=1)
+        time.sleep(1.2)
+        Sandbox.create(ENV, store=store, node_dir=node).close()
+        assert len(listed) == 1
+        assert short.id not in {s.id for s in list_sandboxes(node)}   # the expired one went
+    finally:
+        for sb in live:
+            sb.close()
+
+
 def test_orphans_and_expired_kept_sandboxes_are_reaped(built, tmp_path):
     """A process that created a sandbox dies by SIGKILL: the next create on the node removes
     what it left; ``envbuild sandbox gc`` removes a kept sandbox past its TTL."""
