@@ -24,7 +24,8 @@ from envbuild._lazy import lazy_exports
 # use, so ``import runtime_shim.node`` loads nothing else.
 _EXPORTS = {
     **{name: "runtime_shim.node.admission" for name in (
-        "BudgetSettings", "Ledger", "Reservation", "build_key")},
+        "BudgetSettings", "Reservation", "build_key")},
+    "Ledger": "runtime_shim.node.ledger",
     "NodeLayout": "runtime_shim.node.layout",
     **{name: "runtime_shim.node.locks" for name in ("MAX_LOCK_JSON", "ResolvedLock", "resolve")},
     "Limits": "runtime_shim.node.model",
@@ -40,11 +41,11 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from runtime_shim.node.admission import (  # noqa: F401
         BudgetSettings,
-        Ledger,
         Reservation,
         build_key,
     )
     from runtime_shim.node.layout import NodeLayout  # noqa: F401
+    from runtime_shim.node.ledger import Ledger  # noqa: F401
     from runtime_shim.node.locks import MAX_LOCK_JSON, ResolvedLock, resolve  # noqa: F401
     from runtime_shim.node.model import Limits  # noqa: F401
     from runtime_shim.node.nodecache import NodeCache, parse_size  # noqa: F401

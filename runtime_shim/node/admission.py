@@ -32,15 +32,15 @@ size for as long as it exists, although what it already wrote is no longer free.
 (``ENVBUILD_NODE_BUDGET="files=N,tasks=N,disk=SIZE"``) lower any of them, e.g. for a node dir
 that shares its host with others: the budget is per node dir, and the tables are the host's.
 
-The ledger (``Ledger``): ``<node cache>/admission.json``, ``{"version": 1, "entries": {key:
-{"files", "tasks", "disk_bytes", "path"}}}``, read and rewritten (temp file + rename) under an
-exclusive ``flock`` of ``admission.lock`` beside it: an admission never scans the sandboxes
-dir, it reads and writes one small file (~100 bytes a live reservation). A sandbox's entry is
-removed when it is closed or removed (``Sandbox.close``, ``remove_sandbox``, the sweep of a dead
-creator's sandboxes); a build's when its scratch dir is released. An entry whose
-``path`` no longer exists (its owner vanished without a word: a rebooted host, a hand-deleted
-dir, a build reaped after its builder died) is dropped, but only when an admission would
-otherwise be refused.
+The ledger (``runtime_shim.node.ledger.Ledger``): one small file per reservation under
+``<node cache>/admission.d/`` and a running total beside them, written under an exclusive
+``flock`` of ``admission.lock``: an admission reads and writes the total and one entry, never
+every reservation nor the sandboxes dir (the cost does not grow with what is alive). A
+sandbox's entry is removed when it is closed or removed (``Sandbox.close``,
+``remove_sandbox``, the sweep of a dead creator's sandboxes); a build's when its scratch dir is
+released. An entry whose ``path`` no longer exists (its owner vanished without a word: a
+rebooted host, a hand-deleted dir, a build reaped after its builder died) is dropped, but only
+when an admission would otherwise be refused.
 
 Build disks (``envbuild.build.executor``) differ in two ways: their cap is a safety cap, so a
 disk the budget cannot hold in full gets what is left (``fit``; at least 1 GiB), and one that
@@ -59,20 +59,13 @@ tables (``BuildLimits``: 8192 tasks x 65536 files, bounded per step, not admitte
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
-import json
 import os
-import time
-from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 
-from envbuild.atomic import write_atomic
 from envbuild.errors import AdmissionRefused, SettingsError
 
-LEDGER_VERSION = 1
-LEDGER_NAME = "admission.json"
+LEDGER_NAME = "admission.json"  # version 1, converted by runtime_shim.node.ledger
 LOCK_NAME = "admission.lock"
 DEFAULT_HOST_RESERVE = 0.25
 DEFAULT_DISK_RESERVE = 0.05
@@ -258,108 +251,8 @@ HINTS = {"files": "close sandboxes, lower Limits.pids or Limits.nofile, or raise
                        "free disk space on the node"}
 
 
-class Ledger:
-    """The reservations of one node dir (see the module docstring), in ``dir``."""
-
-    def __init__(self, dir: str | os.PathLike[str]) -> None:
-        self.dir = Path(dir)
-        self.path = self.dir / LEDGER_NAME
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[dict[str, dict]]:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-                     0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            entries = self._read()
-            before = json.dumps(entries, sort_keys=True)
-            yield entries
-            if json.dumps(entries, sort_keys=True) != before:
-                self._write(entries)
-        finally:
-            os.close(fd)
-
-    def _read(self) -> dict[str, dict]:
-        try:
-            doc = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as e:
-            raise AdmissionRefused(f"read the admission ledger {self.path}: {e}",
-                                   hint="remove it once no sandbox runs on this node") from None
-        if not isinstance(doc, dict) or doc.get("version") != LEDGER_VERSION:
-            raise AdmissionRefused(f"admission ledger {self.path} has version "
-                                   f"{doc.get('version') if isinstance(doc, dict) else None!r}; "
-                                   f"this envbuild uses {LEDGER_VERSION}",
-                                   hint="remove it once no sandbox runs on this node")
-        return dict(doc.get("entries") or {})
-
-    def _write(self, entries: dict[str, dict]) -> None:
-        write_atomic(self.path, json.dumps({"version": LEDGER_VERSION, "entries": entries}))
-
-    def admit(self, key: str, want: Reservation, path: str | os.PathLike[str], *,
-              what: str, settings: BudgetSettings, wait: float = 0.0,
-              min_disk: int | None = None,
-              on_wait: Callable[[str], None] | None = None) -> Reservation:
-        """Reserve ``want`` under ``key`` for the thing at ``path`` and return what was
-        granted, or raise ``AdmissionRefused``. ``min_disk``: ``want``'s disk may be lowered
-        to what the budget has left, down to this (a build's cap is a safety cap, not a
-        promise). With ``wait``, a refusal that only others' reservations cause is retried for
-        up to that many seconds (a build waits for another build's disk); ``on_wait`` is told
-        the refusal's line once, when the waiting starts, so that a user sees why nothing moves."""
-        deadline = time.monotonic() + wait
-        told = False
-        while True:
-            with self._locked() as entries:
-                budget = node_budget(read_host(self.dir), settings)
-                granted, refused = self._try(entries, key, want, path, budget, what, min_disk)
-                if refused is None:
-                    return granted
-                alone = refusal(budget, Reservation(), 0,
-                                fit(budget, Reservation(), want, min_disk), what)
-            if alone is not None or time.monotonic() >= deadline:
-                resource, line = refused
-                capped = budget.sources[resource].startswith("ENVBUILD_NODE_BUDGET")
-                raise AdmissionRefused(line, hint="close sandboxes, or raise "
-                                       "ENVBUILD_NODE_BUDGET" if capped else HINTS[resource])
-            if on_wait is not None and not told:
-                on_wait(refused[1])
-                told = True
-            time.sleep(WAIT_POLL)
-
-    @staticmethod
-    def _try(entries: dict[str, dict], key: str, want: Reservation,
-             path: str | os.PathLike[str], budget: NodeBudget, what: str,
-             min_disk: int | None) -> tuple[Reservation, tuple[str, str] | None]:
-        for attempt in range(2):
-            others = {k: e for k, e in entries.items() if k != key}
-            committed = sum((_entry(e) for e in others.values()), Reservation())
-            granted = fit(budget, committed, want, min_disk)
-            refused = refusal(budget, committed, len(others), granted, what)
-            if refused is None:
-                entries[key] = {**granted.to_json(), "path": os.fspath(path)}
-                return granted, None
-            if attempt == 0:  # owners gone without a word: drop them, then look again
-                for k in [k for k, e in others.items()
-                          if not os.path.lexists(str(e.get("path", "")))]:
-                    del entries[k]
-        return want, refused
-
-    def release(self, key: str) -> None:
-        """Forget ``key``'s reservation (idempotent)."""
-        if not self.path.exists():
-            return
-        with self._locked() as entries:
-            entries.pop(key, None)
-
-    def reserved(self) -> dict[str, Reservation]:
-        """Every reservation, by key (for ``envbuild node`` listings and tests)."""
-        with self._locked() as entries:
-            return {k: _entry(e) for k, e in entries.items()}
-
-
-def _entry(e: Mapping[str, object]) -> Reservation:
+def entry_reservation(e: Mapping[str, object]) -> Reservation:
+    """The reservation a ledger entry (or total) records."""
     return Reservation(*(int(e.get(r, 0) or 0) for r in RESOURCES))  # type: ignore[call-overload]
 
 

@@ -23,6 +23,7 @@ from envbuild.store import Store
 from runtime_shim.isolation import netns
 from runtime_shim.node import admission
 from runtime_shim.node.layout import NodeLayout, SandboxPaths, default_layout
+from runtime_shim.node.ledger import Ledger
 from runtime_shim.node.model import SandboxInfo
 from runtime_shim.node.owners import owner_alive
 
@@ -72,7 +73,7 @@ def store_url(store: StoreLike) -> str | None:
 
 
 @contextlib.contextmanager
-def released_on_error(ledger: admission.Ledger, sandbox_id: str) -> Iterator[None]:
+def released_on_error(ledger: Ledger, sandbox_id: str) -> Iterator[None]:
     """Give back the sandbox's reservation if the block fails (its dir is removed first)."""
     try:
         yield

@@ -60,7 +60,7 @@ from runtime_shim.backends.base import (
 )
 from runtime_shim.isolation import agent, lifecycle
 from runtime_shim.isolation.spec import parse_user
-from runtime_shim.node import admission, owners
+from runtime_shim.node import admission, ledger, owners
 from runtime_shim.node.layout import NodeLayout, SandboxPaths
 from runtime_shim.node.locks import ResolvedLock, resolve
 from runtime_shim.node.model import DEFAULT_OUTPUT_CAP, ExecResult, Limits, SandboxInfo
@@ -420,7 +420,7 @@ class Sandbox:
         finally:
             remove_sandbox_dir(self.paths)
         try:
-            admission.Ledger(self._layout.node).release(admission.sandbox_key(self.id))
+            ledger.Ledger(self._layout.node).release(admission.sandbox_key(self.id))
         except Exception as e:  # noqa: BLE001 - e.g. late at exit; the entry of a dir that
             _log.debug("release %s's admission: %s", self.id, e)  # is gone is dropped anyway
         # what it fetched: meta layers for the next sandbox; nobody is next at exit
@@ -489,11 +489,11 @@ def _start(layout: NodeLayout, node: NodeCache, lock: ResolvedLock, layer_dirs: 
     if not opts.keep:  # removed if this process dies without closing it (SIGKILL)
         exitwatch.watch(layout.root)
     paths.root.mkdir()
-    ledger = admission.Ledger(layout.node)
-    with released_on_error(ledger, sandbox_id), undo_on_error(paths):
+    book = ledger.Ledger(layout.node)
+    with released_on_error(book, sandbox_id), undo_on_error(paths):
         write_record(paths, meta)  # first: a dir with a live creator is never swept
         # after the dir exists: an entry whose path is gone may be dropped by another
-        ledger.admit(admission.sandbox_key(sandbox_id), plan.reservation, paths.root,
+        book.admit(admission.sandbox_key(sandbox_id), plan.reservation, paths.root,
                      what=f"sandbox {sandbox_id}", settings=plan.budget)
         req = CreateRequest(
             id=sandbox_id, paths=paths, layout=layout, lock=lock, layer_dirs=tuple(layer_dirs),

@@ -13,7 +13,7 @@ import time
 
 from envbuild.errors import BackendUnavailable, RuntimeShimError, SandboxNotFound
 from runtime_shim.backends.base import get_backend, remove_sandbox_dir
-from runtime_shim.node import admission, owners
+from runtime_shim.node import admission, ledger, owners
 from runtime_shim.node.layout import NodeLayout
 from runtime_shim.node.records import list_sandboxes, node_layout, read_record
 
@@ -37,7 +37,7 @@ def remove_sandbox(node_dir: str | os.PathLike[str] | NodeLayout | None, sandbox
     if name != "container" and (layout.runc / sandbox_id).exists():  # whatever the record says
         get_backend("container").remove(layout, sandbox_id, runtime)
     remove_sandbox_dir(paths)
-    admission.Ledger(layout.node).release(admission.sandbox_key(sandbox_id))
+    ledger.Ledger(layout.node).release(admission.sandbox_key(sandbox_id))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import subprocess
 import sys
 import textwrap
@@ -29,7 +28,8 @@ import pytest
 
 from envbuild.errors import AdmissionRefused, BackendUnavailable
 from runtime_shim.isolation import scratchfs
-from runtime_shim.node.admission import LEDGER_NAME, Ledger, sandbox_key
+from runtime_shim.node.admission import sandbox_key
+from runtime_shim.node.ledger import Ledger
 from runtime_shim.sdk.sandbox import Limits, Sandbox, gc_sandboxes
 from tests.conftest import REPO, require_tool
 
@@ -44,8 +44,7 @@ def _create(store, node: Path, limits: Limits = SMALL) -> Sandbox:
 
 
 def _ledger(node: Path) -> dict:
-    path = node / "node" / LEDGER_NAME
-    return json.loads(path.read_text())["entries"] if path.exists() else {}
+    return Ledger(node / "node").reserved()
 
 
 def _sandbox_dirs(node: Path) -> list[str]:
@@ -119,7 +118,7 @@ def test_the_observed_attack_is_refused_on_the_real_file_table(busybox_store, tm
         admitted.clear()
         default = dataclasses.replace(Limits(), disk_bytes=None)
         with _create(store, node, default) as sb:
-            assert _ledger(node)[sandbox_key(sb.id)]["files"] == 256 * 1024
+            assert _ledger(node)[sandbox_key(sb.id)].files == 256 * 1024
             assert sb.exec("ulimit -n").stdout == b"1024\n"
     finally:
         for sb in admitted:
@@ -173,7 +172,7 @@ def test_concurrent_creates_never_overshoot_the_budget(busybox_store, tmp_path, 
         for t in threads:
             t.join(120)
         assert (len(made), len(refused)) == (3, 3), (made, refused)
-        assert sum(e["tasks"] for e in _ledger(node).values()) == 48
+        assert sum(e.tasks for e in _ledger(node).values()) == 48
     finally:
         for sb in made:
             sb.close()

@@ -163,6 +163,11 @@ def test_expired_and_orphaned_sandboxes_are_reaped_at_the_next_create(fake, stor
     orphan = _create(store, node)
     orphan.paths.meta.write_text(orphan.paths.meta.read_text().replace(
         f'"pid": {os.getpid()}', '"pid": 999999999'))
+    # ... and what the sweep index would say then (runtime_shim.node.owners): an expiry
+    # passed, a creator gone. Without it the create trusts the index and sweeps nothing.
+    layout = NodeLayout(node)
+    (layout.owners / "next-expiry").write_text("1.0")
+    (layout.owners / "999999999-1").touch()
     with _create(store, node) as new:
         ids = {s.id for s in list_sandboxes(node)}
         assert ids == {kept.id, new.id}  # expired and orphaned gone, kept stays
