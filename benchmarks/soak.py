@@ -262,9 +262,9 @@ def leaks(node: Path, cgroups_before: set[str]) -> dict[str, list[str]]:
     # the mount's leak, counted once above, not the process's
     found["processes"] = [p for p in found["processes"] if not _shares_our_mounts(p, node)]
     found["sandbox dirs"] = _sandbox_dirs(node)
-    ledger = node / "node" / "admission.json"
-    entries = json.loads(ledger.read_text()).get("entries", {}) if ledger.exists() else {}
-    found["admission reservations"] = sorted(entries)
+    from runtime_shim.node.ledger import Ledger
+
+    found["admission reservations"] = sorted(Ledger(node / "node").reserved())
     found["cgroups"] = sorted(sandbox_cgroups() - cgroups_before)
     return {k: v for k, v in found.items() if v}
 

@@ -6,8 +6,9 @@ host's, never shared between hosts::
     layout.json          {"version": LAYOUT_VERSION}: written with the first dir below
     node/                the node cache (``runtime_shim.node.nodecache``): unpacked layers, the
                          agent binary, the stub, scratchfs templates, EROFS images, VM kernel;
-                         and admission.json, the ledger of what the node's sandboxes and
-                         build disks reserved of the host (``runtime_shim.node.admission``)
+                         and admission.d/, the ledger of what the node's sandboxes and
+                         build disks reserved of the host (``runtime_shim.node.ledger``)
+    owners/              the sweep index: who creates sandboxes here (``runtime_shim.node.owners``)
     sandboxes/<id>/      one sandbox (``SandboxPaths``): sandbox.json, its disk, overlay, bundle
     runc/                the OCI runtime's state root (containers named by sandbox id)
     builds/              build scratch (``envbuild.build.executor``)
