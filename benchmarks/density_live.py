@@ -56,6 +56,9 @@ def main() -> int:
     parser.add_argument("--step", type=int, default=500)
     parser.add_argument("--probe", type=int, default=50)
     parser.add_argument("--disk", default="none", help="disk limit per sandbox, or none")
+    parser.add_argument("--pids", type=int, default=8,
+                        help="Limits.pids per sandbox (default 8: 3,000 x 8 fit the node's tasks "
+                             "budget, 75%% of kernel.pid_max 32768; raise pid_max for more)")
     parser.add_argument("--root", default=None, help="where the env is built (default: tmp)")
     args = parser.parse_args()
     root = Path(args.root or tempfile.mkdtemp(prefix="bench-density-"))
@@ -65,7 +68,7 @@ def main() -> int:
         build_busybox_env(root)
     store, node = str(root / "store"), root / "node"
     disk = None if args.disk == "none" else parse_size(args.disk)
-    limits = Limits(disk_bytes=disk, memory_bytes=32 << 20, pids=16, nofile=64)
+    limits = Limits(disk_bytes=disk, memory_bytes=32 << 20, pids=args.pids, nofile=64)
     live: list[Sandbox] = []
     before, objects0 = meminfo()["MemAvailable"], kernel_objects(node)
     base = None
