@@ -29,15 +29,19 @@ def _listen(value: str) -> tuple[str, int]:
               help="Where to listen (loopback by default; port 0 picks a free one).")
 @click.option("--api-keys", "api_keys", type=click.Path(dir_okay=False), required=True,
               metavar="FILE", help="The accepted API keys, one a line, plain or sha256:<hex>.")
+@click.option("--max-upload", default="256MiB", show_default=True, metavar="SIZE",
+              help="The most bytes one /files upload request may carry.")
 @pass_app
-def serve(app: App, listen: str, api_keys: str) -> None:
+def serve(app: App, listen: str, api_keys: str, max_upload: str) -> None:
     """Serve E2B's API: the unmodified e2b SDK runs sandboxes of this store's envs with
     E2B_API_URL and E2B_SANDBOX_URL set to http://HOST:PORT and E2B_API_KEY to a key of FILE.
     Prints the URL once it listens; stops (killing its sandboxes) on SIGINT or SIGTERM."""
     from envbuild.serve import ApiKeys, ServeOptions, serve_forever
+    from envbuild.sizes import parse_size
     from runtime_shim import AsyncSandbox
 
     host, port = _listen(listen)
+    upload_cap = parse_size(max_upload, what="--max-upload")
     keys = ApiKeys.from_file(api_keys)
     store, settings = app.open_store(), app.settings
 
@@ -50,7 +54,8 @@ def serve(app: App, listen: str, api_keys: str) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve_forever(ServeOptions(opener=opener, api_keys=keys, host=host, port=port),
+        await serve_forever(ServeOptions(opener=opener, api_keys=keys, host=host, port=port,
+                                         max_upload=upload_cap),
                             on_ready=lambda url: click.echo(f"envbuild serve: {url}", err=True),
                             stop=stop)
 

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import re
 import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
 from envbuild.errors import SettingsError
-
-_HEX64 = re.compile(r"[0-9a-f]{64}")
+from envbuild.oci import is_digest
 
 
 def _digest(key: str) -> bytes:
@@ -39,17 +37,16 @@ class ApiKeys:
             if not line or line.startswith("#"):
                 continue
             if line.startswith("sha256:"):
-                hexpart = line.removeprefix("sha256:").lower()
-                if not _HEX64.fullmatch(hexpart):
+                if not is_digest(line.lower()):
                     raise SettingsError(f"{source}:{n}: sha256: needs 64 hex digits",
-                                           hint="write `sha256:` + the output of "
-                                                "`printf %s KEY | sha256sum`")
-                digests.append(bytes.fromhex(hexpart))
+                                        hint="write `sha256:` + the output of "
+                                             "`printf %s KEY | sha256sum`")
+                digests.append(bytes.fromhex(line[len("sha256:"):]))
             else:
                 digests.append(_digest(line))
         if not digests:
             raise SettingsError(f"{source}: no API key in it",
-                                   hint="one key per line, plain or sha256:<hex>")
+                                hint="one key per line, plain or sha256:<hex>")
         return cls(digests)
 
     @classmethod
@@ -58,7 +55,7 @@ class ApiKeys:
             text = Path(path).read_text()
         except OSError as e:
             raise SettingsError(f"read API key file: {e}",
-                                   hint="--api-keys FILE: one key per line") from e
+                                hint="--api-keys FILE: one key per line") from e
         return cls.parse(text, str(path))
 
     def accepts(self, key: str | None) -> bool:

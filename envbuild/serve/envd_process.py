@@ -117,7 +117,8 @@ class ProcessService(ProcessProtocol):
         cwd = users.absolute(proc.cwd, user) if proc.cwd else None
         try:
             result = await entry.sandbox.exec(
-                argv, env={**entry.env_vars, **proc.envs}, cwd=cwd, user=user.spec,
+                argv, env={**({"HOME": user.home} if user.named else {}), **entry.env_vars,
+                           **proc.envs}, cwd=cwd, user=user.spec,
                 timeout=timeout, on_stdout=output("stdout"), on_stderr=output("stderr"))
             end = pb.ProcessEvent.EndEvent(exit_code=result.exit_code, exited=True,
                                            status=f"exit status {result.exit_code}")

@@ -17,6 +17,7 @@ MAX_PASSWD = 1 << 20
 class User:
     spec: str  # "uid:gid" for Sandbox.exec
     home: str
+    named: bool = False  # asked for by name (then HOME is this user's, as E2B's envd sets it)
 
 
 class UnknownUser(Exception):
@@ -65,9 +66,9 @@ async def resolve(entry: Entry, name: str | None) -> User:
     found = entry.users.get(name)
     if found is not None:
         spec, home = found.split("\0")
-        return User(spec, home)
+        return User(spec, home, named=True)
     if name == "root":
-        return User("0:0", "/root")
+        return User("0:0", "/root", named=True)
     raise UnknownUser(f"user {name!r} does not exist in the sandbox")
 
 
