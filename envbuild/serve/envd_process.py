@@ -4,15 +4,17 @@ stream: the start event, stdout/stderr as they come, the end event with the exit
 
 A command runs as one ``AsyncSandbox.exec`` in a task of the server, independent of the
 stream that started it (E2B's semantics: a dropped stream does not end the command). Its pid
-is the server's handle, not a pid inside the sandbox. ``SendSignal`` ends it (the exec's
-connection closes, the agent kills the command's process group: SIGKILL for either signal).
-Not yet: stdin (``SendInput``, ``StreamInput``, ``CloseStdin``), PTYs, ``Update``.
+is the server's handle, not a pid inside the sandbox. It runs as a
+``runtime_shim.AsyncSandbox.start`` process: ``SendInput``/``StreamInput``/``CloseStdin``
+feed its stdin (opened only when ``Start`` asked for it), ``SendSignal`` signals its process
+group. Not yet: PTYs and ``Update``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from collections.abc import AsyncIterator
 
 from connectrpc.code import Code
@@ -22,7 +24,7 @@ from e2b.envd.process import process_pb as pb
 from e2b.envd.process.process_connect import Process as ProcessProtocol
 from protobuf import Oneof
 
-from envbuild.errors import EnvbuildError
+from envbuild.errors import EnvbuildError, RuntimeShimError
 from envbuild.serve import users
 from envbuild.serve.sandboxes import Entry, Process, Registry
 
@@ -96,13 +98,14 @@ class ProcessService(ProcessProtocol):
         proc.listeners.append(queue)
         entry.processes[proc.pid] = proc
         proc.task = asyncio.get_running_loop().create_task(self._run(
-            entry, proc, argv, user, None if timeout_ms is None else timeout_ms / 1000))
+            entry, proc, argv, user, None if timeout_ms is None else timeout_ms / 1000,
+            bool(request.stdin)))
         yield pb.StartResponse(event=_event(start=pb.ProcessEvent.StartEvent(pid=proc.pid)))
         async for event in _drain(queue, proc):
             yield pb.StartResponse(event=event)
 
     async def _run(self, entry: Entry, proc: Process, argv: list[str], user: users.User,
-                   timeout: float | None) -> None:
+                   timeout: float | None, stdin: bool) -> None:
         def emit(event: pb.ProcessEvent | None) -> None:
             for q in proc.listeners:
                 try:
@@ -116,13 +119,18 @@ class ProcessService(ProcessProtocol):
 
         cwd = users.absolute(proc.cwd, user) if proc.cwd else None
         try:
-            result = await entry.sandbox.exec(
+            proc.handle = await entry.sandbox.start(
                 argv, env={**({"HOME": user.home} if user.named else {}), **entry.env_vars,
                            **proc.envs}, cwd=cwd, user=user.spec,
                 timeout=timeout, on_stdout=output("stdout"), on_stderr=output("stderr"))
+            if not stdin:
+                proc.handle.close_stdin()
+            result = await proc.handle.wait()
             end = pb.ProcessEvent.EndEvent(exit_code=result.exit_code, exited=True,
                                            status=f"exit status {result.exit_code}")
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the sandbox is being killed
+            if proc.handle is not None:
+                await proc.handle.cancel()
             end = pb.ProcessEvent.EndEvent(exit_code=-1, exited=False, status="signal: killed")
         except EnvbuildError as e:
             end = pb.ProcessEvent.EndEvent(exit_code=-1, exited=False, status="error",
@@ -162,24 +170,54 @@ class ProcessService(ProcessProtocol):
     async def send_signal(self, request: pb.SendSignalRequest, ctx: RequestContext
                           ) -> pb.SendSignalResponse:
         proc = self._select(sandbox_of(self._registry, ctx), request.process)
-        if proc.task is not None:
-            proc.task.cancel()
+        sig = {pb.Signal.SIGTERM: signal.SIGTERM}.get(request.signal, signal.SIGKILL)
+        if proc.handle is not None:
+            proc.handle.send_signal(sig)
         return pb.SendSignalResponse()
 
     async def update(self, request: pb.UpdateRequest, ctx: RequestContext) -> pb.UpdateResponse:
         raise ConnectError(Code.UNIMPLEMENTED, "PTYs are not served by envbuild yet")
 
-    async def stream_input(self, request: AsyncIterator[pb.StreamInputRequest],
-                           ctx: RequestContext) -> pb.StreamInputResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "stdin is not served by envbuild yet")
+    def _stdin(self, proc: Process, data: bytes) -> None:
+        if proc.handle is None:
+            raise ConnectError(Code.FAILED_PRECONDITION, "the process has not started yet")
+        try:
+            proc.handle.write_stdin(data)
+        except RuntimeShimError as e:
+            raise ConnectError(Code.FAILED_PRECONDITION, e.message) from None
 
     async def send_input(self, request: pb.SendInputRequest, ctx: RequestContext
                          ) -> pb.SendInputResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "stdin is not served by envbuild yet")
+        proc = self._select(sandbox_of(self._registry, ctx), request.process)
+        inp = request.input.input if request.input is not None else None
+        if inp is not None:
+            if inp.field == "pty":
+                raise ConnectError(Code.UNIMPLEMENTED, "PTYs are not served by envbuild yet")
+            self._stdin(proc, inp.value)
+        return pb.SendInputResponse()
+
+    async def stream_input(self, request: AsyncIterator[pb.StreamInputRequest],
+                           ctx: RequestContext) -> pb.StreamInputResponse:
+        entry = sandbox_of(self._registry, ctx)
+        proc: Process | None = None
+        async for message in request:
+            event = message.event
+            if event is None or event.field == "keepalive":
+                continue
+            if event.field == "start":
+                proc = self._select(entry, event.value.process)
+            elif proc is None:
+                raise ConnectError(Code.INVALID_ARGUMENT, "stream input before its start event")
+            elif event.value.input is not None and event.value.input.input is not None:
+                self._stdin(proc, event.value.input.input.value)
+        return pb.StreamInputResponse()
 
     async def close_stdin(self, request: pb.CloseStdinRequest, ctx: RequestContext
                           ) -> pb.CloseStdinResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "stdin is not served by envbuild yet")
+        proc = self._select(sandbox_of(self._registry, ctx), request.process)
+        if proc.handle is not None:
+            proc.handle.close_stdin()
+        return pb.CloseStdinResponse()
 
 
 async def _drain(queue: asyncio.Queue[pb.ProcessEvent | None], proc: Process

@@ -36,6 +36,7 @@ class Process:
     cwd: str | None
     tag: str | None
     task: asyncio.Task[Any] | None = None
+    handle: Any = None  # runtime_shim.sdk.process.AsyncProcess once started
     listeners: list[asyncio.Queue[Any]] = dataclasses.field(default_factory=list)
 
 

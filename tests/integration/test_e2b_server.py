@@ -195,3 +195,29 @@ def test_async_sdk(server):
         assert not await a.is_running()
 
     asyncio.run(scenario())
+
+
+def test_stdin_of_a_background_command_and_signals(sandbox):
+    handle = sandbox.commands.run("while read l; do echo got:$l; done; echo eof",
+                                  background=True, stdin=True)
+    sandbox.commands.send_stdin(handle.pid, "one\n")
+    sandbox.commands.send_stdin(handle.pid, "two\n")
+    sandbox.commands.close_stdin(handle.pid)
+    assert handle.wait().stdout == "got:one\ngot:two\neof\n"
+    trapped = sandbox.commands.run("trap 'echo term; exit 0' TERM; echo up; "
+                                   "while :; do sleep 0.05; done", background=True)
+    time.sleep(0.5)
+    assert trapped.kill() is True  # SIGKILL: the trap cannot run
+    from e2b import CommandExitException
+
+    with pytest.raises(CommandExitException) as e:
+        trapped.wait()
+    assert e.value.exit_code == 137 and e.value.stdout == "up\n"
+    # without stdin=True the command's stdin is closed at once (E2B's default)
+    assert sandbox.commands.run("cat; echo done").stdout == "done\n"
+
+
+def test_connect_to_a_running_command(sandbox):
+    handle = sandbox.commands.run("sleep 0.5; echo late", background=True)
+    again = sandbox.commands.connect(handle.pid)
+    assert again.wait().stdout == "late\n"
