@@ -32,6 +32,8 @@ _log = logging.getLogger(__name__)
 
 #: Commands one sandbox may run at once through envd.
 MAX_PROCESSES = 256
+#: Streams listening to one command at once (its Start and Connects).
+MAX_LISTENERS = 8
 #: Events a listener may fall behind by; past it, it misses them (output is bounded anyway).
 LISTENER_QUEUE = 4096
 
@@ -146,6 +148,9 @@ class ProcessService(ProcessProtocol):
     async def _connect(self, request: pb.ConnectRequest, ctx: RequestContext
                        ) -> AsyncIterator[pb.ConnectResponse]:
         proc = self._select(sandbox_of(self._registry, ctx), request.process)
+        if len(proc.listeners) >= MAX_LISTENERS:
+            raise ConnectError(Code.RESOURCE_EXHAUSTED,
+                               f"a command has at most {MAX_LISTENERS} streams listening")
         queue: asyncio.Queue[pb.ProcessEvent | None] = asyncio.Queue(LISTENER_QUEUE)
         proc.listeners.append(queue)
         yield pb.ConnectResponse(event=_event(start=pb.ProcessEvent.StartEvent(pid=proc.pid)))

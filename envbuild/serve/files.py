@@ -4,6 +4,7 @@ many files; at most ``max_upload`` bytes a request) and ``GET /health``."""
 from __future__ import annotations
 
 from aiohttp import web
+from aiohttp.multipart import parse_content_disposition
 
 from envbuild.errors import EnvbuildError
 from envbuild.serve import users
@@ -23,6 +24,13 @@ async def _user(request: web.Request, entry: Entry) -> users.User:
         return await users.resolve(entry, request.query.get("username") or None)
     except users.UnknownUser as e:
         raise web.HTTPBadRequest(text=str(e)) from None
+
+
+def _filename(part: object) -> str | None:
+    """The part's file name as sent (aiohttp's ``filename`` drops a leading ``/``; E2B's SDK
+    sends each file's absolute path there)."""
+    header = getattr(part, "headers", {}).get("Content-Disposition", "")
+    return parse_content_disposition(header)[1].get("filename") or None
 
 
 async def download(request: web.Request) -> web.StreamResponse:
@@ -52,7 +60,7 @@ async def upload(request: web.Request) -> web.Response:
         return _error(400, "the upload must be multipart/form-data")
     written, total = [], 0
     while (part := await reader.next()) is not None:
-        name = single or getattr(part, "filename", None)
+        name = single or _filename(part)
         if not name:
             return _error(400, "a file part without a path")
         buf = bytearray()

@@ -163,6 +163,10 @@ def test_files(sandbox):
         files.read("/tmp/t/sub/moved.txt")
     with pytest.raises(NotFoundException):
         files.list("/tmp/nope")
+    many = files.write_files([{"path": f"/tmp/many/{i}.txt", "data": f"file {i}"}
+                              for i in range(20)])
+    assert sorted(w.path for w in many) == sorted(f"/tmp/many/{i}.txt" for i in range(20))
+    assert files.read("/tmp/many/13.txt") == "file 13" and len(files.list("/tmp/many")) == 20
     files.write("rel.txt", "relative")  # E2B: relative to the user's home
     assert sandbox.commands.run("cat /root/rel.txt").stdout == "relative"
 

@@ -5,6 +5,7 @@ is refused with nothing written; a killed or unknown sandbox is a clean not-foun
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import httpx
@@ -147,5 +148,48 @@ def test_oversize_bodies_are_refused(server):
         stat = httpx.post(f"{server.url}/filesystem.Filesystem/Stat", headers=envd,
                           json={"path": "/tmp/big"})
         assert stat.status_code == 404 and "no such file" in stat.text
+    finally:
+        httpx.delete(f"{server.url}/sandboxes/{s['sandboxID']}", headers={"X-API-KEY": API_KEY})
+
+
+def _envelope(obj) -> bytes:
+    import json
+
+    data = json.dumps(obj).encode()
+    return b"\0" + len(data).to_bytes(4, "big") + data
+
+
+def test_streams_on_one_command_are_bounded(server):
+    """Many clients connecting to one command's output: past the bound each further stream is
+    refused with resource_exhausted, and the command and server carry on."""
+    import json
+
+    from envbuild.serve.envd_process import MAX_LISTENERS
+
+    s = _create(server).json()
+    envd = {**_envd(server, s["sandboxID"], s["envdAccessToken"]),
+            "Content-Type": "application/connect+json"}
+    start = {"process": {"cmd": "/bin/sh", "args": ["-c", "sleep 30"]}}
+    try:
+        with httpx.Client(timeout=30) as client, contextlib.ExitStack() as streams:
+            first = streams.enter_context(client.stream(
+                "POST", f"{server.url}/process.Process/Start", headers=envd,
+                content=_envelope(start)))
+            head = next(first.iter_raw())
+            pid = json.loads(head[5:5 + int.from_bytes(head[1:5], "big")])["event"]["start"]["pid"]
+            connect = _envelope({"process": {"pid": pid}})
+            refused = 0
+            for _ in range(MAX_LISTENERS + 3):
+                r = streams.enter_context(client.stream(
+                    "POST", f"{server.url}/process.Process/Connect", headers=envd,
+                    content=connect))
+                chunk = next(r.iter_raw())
+                if chunk[0] & 2:  # the end-of-stream message: an error
+                    assert b"resource_exhausted" in chunk, chunk
+                    refused += 1
+            assert refused == 4  # the Start stream is one of the MAX_LISTENERS
+            listed = httpx.post(f"{server.url}/process.Process/List", json={},
+                                headers=_envd(server, s["sandboxID"], s["envdAccessToken"]))
+            assert [p["pid"] for p in listed.json()["processes"]] == [pid]
     finally:
         httpx.delete(f"{server.url}/sandboxes/{s['sandboxID']}", headers={"X-API-KEY": API_KEY})
