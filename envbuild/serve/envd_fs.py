@@ -17,8 +17,9 @@ from envbuild.serve import users
 from envbuild.serve.envd_process import sandbox_of, user_of
 from envbuild.serve.sandboxes import Entry, Registry
 
-#: One line per entry: raw mode (hex) | size | owner | group | mtime | symlink target | path
-_FMT = "%f|%s|%U|%G|%Y|%N|%n"
+#: One line per entry: raw mode (hex) | size | owner | group | mtime | path (last: a name may
+#: hold "|"; one with a newline is not supported). Symlink targets are not reported yet.
+_FMT = "%f|%s|%U|%G|%Y|%n"
 _STAT = f"stat -c '{_FMT}' -- \"$1\""
 #: exit codes of the scripts: 3 no such path, 4 not a directory, 5 already exists
 _SCRIPTS = {
@@ -46,16 +47,15 @@ def _mode_string(mode: int) -> str:
 
 
 def _entry_info(line: str) -> pb.EntryInfo:
-    raw_mode, size, owner, group, mtime, quoted, path = line.split("|", 6)
+    raw_mode, size, owner, group, mtime, path = line.split("|", 5)
     mode = int(raw_mode, 16)
     kind = mode & 0o170000
     ftype = {0o040000: pb.FileType.DIRECTORY, 0o120000: pb.FileType.SYMLINK}.get(
         kind, pb.FileType.FILE)
-    target = quoted.split(" -> ", 1)[1].strip("'") if " -> " in quoted else None
     return pb.EntryInfo(name=path.rstrip("/").rsplit("/", 1)[-1] or "/", type=ftype, path=path,
                         size=int(size), mode=mode & 0o7777, permissions=_mode_string(mode),
                         owner=owner, group=group, modified_time=Timestamp(seconds=int(mtime)),
-                        symlink_target=target, is_symlink=kind == 0o120000)
+                        is_symlink=kind == 0o120000)
 
 
 class FilesystemService(Filesystem):

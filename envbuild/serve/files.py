@@ -3,8 +3,9 @@ many files; at most ``max_upload`` bytes a request) and ``GET /health``."""
 
 from __future__ import annotations
 
+import re
+
 from aiohttp import web
-from aiohttp.multipart import parse_content_disposition
 
 from envbuild.errors import EnvbuildError
 from envbuild.serve import users
@@ -13,6 +14,8 @@ from envbuild.serve.sandboxes import Entry
 ENTRY = web.RequestKey("entry", Entry)
 MAX_UPLOAD = web.AppKey("max_upload", int)
 _CHUNK = 1 << 20
+#: filename="quoted, with \\-escapes" or filename=token, of a Content-Disposition header
+_FILENAME = re.compile(r'(?:^|;)\s*filename=(?:"((?:[^"\\]|\\.)*)"|([^;"]+))')
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -30,7 +33,10 @@ def _filename(part: object) -> str | None:
     """The part's file name as sent (aiohttp's ``filename`` drops a leading ``/``; E2B's SDK
     sends each file's absolute path there)."""
     header = getattr(part, "headers", {}).get("Content-Disposition", "")
-    return parse_content_disposition(header)[1].get("filename") or None
+    m = _FILENAME.search(header)
+    if m is None:
+        return None
+    return re.sub(r"\\(.)", r"\1", m[1]) if m[1] is not None else m[2].strip()
 
 
 async def download(request: web.Request) -> web.StreamResponse:

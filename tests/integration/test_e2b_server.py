@@ -167,6 +167,9 @@ def test_files(sandbox):
                               for i in range(20)])
     assert sorted(w.path for w in many) == sorted(f"/tmp/many/{i}.txt" for i in range(20))
     assert files.read("/tmp/many/13.txt") == "file 13" and len(files.list("/tmp/many")) == 20
+    files.write("/tmp/odd/a|b c.txt", "odd")  # a name with "|" and a space
+    assert [(e.name, e.path) for e in files.list("/tmp/odd")] == [("a|b c.txt",
+                                                                   "/tmp/odd/a|b c.txt")]
     files.write("rel.txt", "relative")  # E2B: relative to the user's home
     assert sandbox.commands.run("cat /root/rel.txt").stdout == "relative"
 
