@@ -1,6 +1,7 @@
 """E2B's control plane (``spec/openapi.yml`` of e2b-dev/infra), the part envbuild serves:
 create (``POST /sandboxes``, ``POST /v2/sandboxes``), get, list (``GET /sandboxes``,
-``GET /v2/sandboxes`` with ``metadata`` and ``state`` filters), kill, timeout and connect.
+``GET /v2/sandboxes`` with the ``metadata``, ``state``, ``template`` and ``startedAfter``
+filters, ``order`` and pages of ``limit``), kill, timeout and connect.
 
 Every route needs the ``X-API-KEY`` header to hold a configured key (``envbuild.serve.auth``);
 bodies are JSON of at most ``MAX_JSON`` bytes. Errors are E2B's ``{"code", "message"}``.
@@ -8,10 +9,12 @@ bodies are JSON of at most ``MAX_JSON`` bytes. Errors are E2B's ``{"code", "mess
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import time
 import urllib.parse
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -122,19 +125,59 @@ async def get(request: web.Request) -> web.Response:
     return web.json_response({**listed_json(entry), "envdAccessToken": entry.token})
 
 
-def _matches(e: Entry, metadata: dict[str, str], states: set[str]) -> bool:
-    if states and "running" not in states:
-        return False
-    return all(e.metadata.get(k) == v for k, v in metadata.items())
+#: Sandboxes one page of a list holds at most (E2B's default and maximum ``limit``).
+MAX_PAGE = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class ListQuery:
+    """``GET /v2/sandboxes``' filters and page (E2B's query parameters)."""
+
+    metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+    states: frozenset[str] = frozenset()
+    template: str | None = None
+    started_after: float | None = None
+    ascending: bool = False  # E2B: newest first unless order=asc
+    limit: int = MAX_PAGE
+    offset: int = 0  # the page's start (nextToken)
+
+    @classmethod
+    def from_params(cls, q: Mapping[str, str]) -> ListQuery:
+        metadata = {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in
+                    urllib.parse.parse_qsl(q.get("metadata", ""), keep_blank_values=True)}
+        try:
+            after = q.get("startedAfter")
+            started_after = datetime.datetime.fromisoformat(after).timestamp() if after else None
+            limit = int(q.get("limit", MAX_PAGE))
+            offset = int(q.get("nextToken", "0"))
+        except ValueError as e:
+            raise web.HTTPBadRequest(text=f"bad list query: {e}") from None
+        if not 0 < limit <= MAX_PAGE or offset < 0:
+            raise web.HTTPBadRequest(text=f"limit is 1 to {MAX_PAGE}; nextToken as returned")
+        return cls(metadata=metadata, states=frozenset(s for s in q.get("state", "").split(",")
+                                                       if s),
+                   template=q.get("template") or None, started_after=started_after,
+                   ascending=q.get("order") == "asc", limit=limit, offset=offset)
+
+    def matches(self, e: Entry) -> bool:
+        return ((not self.states or "running" in self.states)
+                and (self.template is None or e.template == self.template)
+                and (self.started_after is None or e.started_at >= self.started_after)
+                and all(e.metadata.get(k) == v for k, v in self.metadata.items()))
+
+    def page(self, entries: list[Entry]) -> tuple[list[Entry], str | None]:
+        """The entries of this page, in order, and the next page's token (None: last)."""
+        found = sorted((e for e in entries if self.matches(e)),
+                       key=lambda e: (e.started_at, e.id), reverse=not self.ascending)
+        end = self.offset + self.limit
+        return found[self.offset:end], str(end) if end < len(found) else None
 
 
 async def list_sandboxes(request: web.Request) -> web.Response:
-    raw = request.query.get("metadata", "")
-    metadata = {urllib.parse.unquote(k): urllib.parse.unquote(v)
-                for k, v in urllib.parse.parse_qsl(raw, keep_blank_values=True)}
-    states = {s for s in request.query.get("state", "").split(",") if s}
-    entries = sorted(request.app[REGISTRY].all(), key=lambda e: e.started_at)
-    return web.json_response([listed_json(e) for e in entries if _matches(e, metadata, states)])
+    query = ListQuery.from_params(request.query)
+    page, next_token = query.page(request.app[REGISTRY].all())
+    headers = {"x-next-token": next_token} if next_token else {}
+    return web.json_response([listed_json(e) for e in page], headers=headers)
 
 
 async def kill(request: web.Request) -> web.Response:

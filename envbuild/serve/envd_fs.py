@@ -29,7 +29,7 @@ _SCRIPTS = {
     "mkdir": f'[ -e "$1" ] && exit 5; mkdir -p -- "$1" && {_STAT}',
     "move": '[ -e "$1" ] || [ -L "$1" ] || exit 3; mkdir -p -- "$(dirname -- "$2")" && '
             f'mv -f -- "$1" "$2" && set -- "$2" && {_STAT}',
-    "remove": '[ -e "$1" ] || [ -L "$1" ] || exit 3; rm -rf -- "$1"',
+    "remove": 'rm -rf -- "$1"',  # E2B: removing what is not there is no error
 }
 _ERRORS = {3: (Code.NOT_FOUND, "no such file or directory"),
            4: (Code.INVALID_ARGUMENT, "path is not a directory"),

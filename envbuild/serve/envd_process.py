@@ -54,6 +54,10 @@ async def user_of(entry: Entry, ctx: RequestContext) -> users.User:
         raise ConnectError(Code.INVALID_ARGUMENT, str(e)) from None
 
 
+#: What listeners get when the sandbox went away under the command: no end event, an error.
+_GONE = pb.ProcessEvent()
+
+
 def _event(**kw: object) -> pb.ProcessEvent:
     ((name, value),) = kw.items()
     return pb.ProcessEvent(event=Oneof(name, value))  # type: ignore[arg-type]
@@ -119,7 +123,7 @@ class ProcessService(ProcessProtocol):
             return lambda data: emit(_event(data=pb.ProcessEvent.DataEvent(
                 output=Oneof(kind, bytes(data)))))  # type: ignore[arg-type]
 
-        cwd = users.absolute(proc.cwd, user) if proc.cwd else None
+        cwd = users.absolute(proc.cwd, user) if proc.cwd else user.home  # E2B: home
         try:
             proc.handle = await entry.sandbox.start(
                 argv, env={**({"HOME": user.home} if user.named else {}), **entry.env_vars,
@@ -130,10 +134,12 @@ class ProcessService(ProcessProtocol):
             result = await proc.handle.wait()
             end = pb.ProcessEvent.EndEvent(exit_code=result.exit_code, exited=True,
                                            status=f"exit status {result.exit_code}")
-        except asyncio.CancelledError:  # the sandbox is being killed
-            if proc.handle is not None:
+        except asyncio.CancelledError:  # the sandbox is being killed: the stream breaks off
+            if proc.handle is not None:  # (E2B's does too; the SDK then probes /health)
                 await proc.handle.cancel()
-            end = pb.ProcessEvent.EndEvent(exit_code=-1, exited=False, status="signal: killed")
+            entry.processes.pop(proc.pid, None)
+            emit(_GONE)
+            raise
         except EnvbuildError as e:
             end = pb.ProcessEvent.EndEvent(exit_code=-1, exited=False, status="error",
                                            error=e.message)
@@ -229,6 +235,9 @@ async def _drain(queue: asyncio.Queue[pb.ProcessEvent | None], proc: Process
                  ) -> AsyncIterator[pb.ProcessEvent]:
     try:
         while (event := await queue.get()) is not None:
+            if event is _GONE:
+                raise ConnectError(Code.UNAVAILABLE, "the connection to the sandbox ended "
+                                   "before the stream completed")
             yield event
     finally:  # the stream ended or its client left: stop feeding this listener
         if queue in proc.listeners:

@@ -54,6 +54,14 @@ def test_lifecycle_create_info_list_timeout_connect_kill(server):
         assert [s.sandbox_id for s in found] == [sb.sandbox_id]
         everything = {s.sandbox_id for s in Sandbox.list().next_items()}
         assert {sb.sandbox_id, other.sandbox_id} <= everything
+        pages = Sandbox.list(limit=1, query=SandboxQuery(template=TEMPLATE))
+        first, second = pages.next_items(), pages.next_items()  # newest first, one a page
+        assert [x.sandbox_id for x in first + second] == [other.sandbox_id, sb.sandbox_id]
+        assert not pages.has_next
+        oldest = Sandbox.list(order="asc", query=SandboxQuery(
+            started_after=info.started_at)).next_items()
+        assert [x.sandbox_id for x in oldest] == [sb.sandbox_id, other.sandbox_id]
+        assert Sandbox.list(query=SandboxQuery(template="other")).next_items() == []
         sb.set_timeout(600)
         assert (sb.get_info().end_at - info.end_at).total_seconds() > 500
         again = Sandbox.connect(sb.sandbox_id)
@@ -96,6 +104,7 @@ def test_commands_stream_output_env_cwd_and_user(server):
                             envs={"FROM_RUN": "r", "BOTH": "run"})
         assert r.stdout == "c run r\n"
         assert sb.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+        assert sb.commands.run("pwd").stdout == "/root\n"  # E2B: the user's home
         assert sb.commands.run("id -u", user="root").stdout == "0\n"
         assert sb.commands.run("id -u; echo $HOME", user="agent").stdout == "1000\n/home/agent\n"
     finally:
@@ -163,6 +172,7 @@ def test_files(sandbox):
         files.read("/tmp/t/sub/moved.txt")
     with pytest.raises(NotFoundException):
         files.list("/tmp/nope")
+    files.remove("/tmp/nope")  # E2B: removing what is not there is no error
     many = files.write_files([{"path": f"/tmp/many/{i}.txt", "data": f"file {i}"}
                               for i in range(20)])
     assert sorted(w.path for w in many) == sorted(f"/tmp/many/{i}.txt" for i in range(20))
@@ -228,3 +238,13 @@ def test_connect_to_a_running_command(sandbox):
     handle = sandbox.commands.run("sleep 0.5; echo late", background=True)
     again = sandbox.commands.connect(handle.pid)
     assert again.wait().stdout == "late\n"
+
+
+def test_a_command_running_when_its_sandbox_is_killed(server):
+    from e2b import Sandbox, SandboxNotRunningException
+
+    sb = Sandbox.create(TEMPLATE, timeout=60)
+    handle = sb.commands.run("sleep 60", background=True)
+    sb.kill()
+    with pytest.raises(SandboxNotRunningException, match="killed or reached its end of life"):
+        handle.wait()

@@ -52,3 +52,38 @@ def test_a_stat_line_is_an_entry_info():
     assert e.permissions == "-rw-r--r--" and e.modified_time.seconds == 1700000000
     link = _entry_info("a1ff|7|root|root|0|/bin/sh")
     assert link.is_symlink and link.type == pb.FileType.SYMLINK and link.name == "sh"
+
+
+def _entry(sid: str, started: float, template: str = "t", **metadata: str):
+    from envbuild.serve.sandboxes import Entry
+
+    return Entry(id=sid, template=template, sandbox=None, token="", metadata=metadata,
+                 env_vars={}, started_at=started, end_at=started + 60)
+
+
+def test_list_pages_filters_and_order():
+    from envbuild.serve.control import ListQuery
+
+    entries = [_entry("a", 1.0, k="x"), _entry("b", 2.0, k="x"), _entry("c", 3.0, "u", k="y")]
+    q = ListQuery.from_params({"limit": "1"})
+    page, token = q.page(entries)
+    assert [e.id for e in page] == ["c"] and token == "1"  # newest first
+    page, token = ListQuery.from_params({"limit": "2", "nextToken": token}).page(entries)
+    assert [e.id for e in page] == ["b", "a"] and token is None
+    asc = ListQuery.from_params({"order": "asc", "metadata": "k=x"}).page(entries)[0]
+    assert [e.id for e in asc] == ["a", "b"]
+    assert [e.id for e in ListQuery.from_params({"template": "u"}).page(entries)[0]] == ["c"]
+    after = ListQuery.from_params({"startedAfter": "1970-01-01T00:00:02Z"}).page(entries)[0]
+    assert [e.id for e in after] == ["c", "b"]
+    assert ListQuery.from_params({"state": "paused"}).page(entries)[0] == []
+
+
+@pytest.mark.parametrize("params", [{"limit": "0"}, {"limit": "101"}, {"nextToken": "x"},
+                                    {"startedAfter": "yesterday"}])
+def test_a_bad_list_query_is_a_400(params):
+    from aiohttp import web
+
+    from envbuild.serve.control import ListQuery
+
+    with pytest.raises(web.HTTPBadRequest):
+        ListQuery.from_params(params)
