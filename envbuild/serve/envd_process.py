@@ -34,8 +34,6 @@ _log = logging.getLogger(__name__)
 MAX_PROCESSES = 256
 #: Streams listening to one command at once (its Start and Connects).
 MAX_LISTENERS = 8
-#: Events a listener may fall behind by; past it, it misses them (output is bounded anyway).
-LISTENER_QUEUE = 4096
 
 
 def sandbox_of(registry: Registry, ctx: RequestContext) -> Entry:
@@ -100,7 +98,7 @@ class ProcessService(ProcessProtocol):
         proc = Process(pid=entry.next_pid, cmd=cfg.cmd, args=list(cfg.args),
                        envs=dict(cfg.envs), cwd=cfg.cwd if cfg.has_field("cwd") else None,
                        tag=request.tag if request.has_field("tag") else None)
-        queue: asyncio.Queue[pb.ProcessEvent | None] = asyncio.Queue(LISTENER_QUEUE)
+        queue: asyncio.Queue[pb.ProcessEvent | None] = asyncio.Queue()
         proc.listeners.append(queue)
         entry.processes[proc.pid] = proc
         proc.task = asyncio.get_running_loop().create_task(self._run(
@@ -112,12 +110,12 @@ class ProcessService(ProcessProtocol):
 
     async def _run(self, entry: Entry, proc: Process, argv: list[str], user: users.User,
                    timeout: float | None, stdin: bool) -> None:
+        # a listener's queue is unbounded, never dropping (an end event lost would hang its
+        # stream): what it can hold is bounded by the command's output cap (Limits.output_bytes
+        # per stream, each chunk charged at least 64 bytes) times MAX_LISTENERS
         def emit(event: pb.ProcessEvent | None) -> None:
             for q in proc.listeners:
-                try:
-                    q.put_nowait(event)
-                except asyncio.QueueFull:  # a listener that stopped reading
-                    pass
+                q.put_nowait(event)
 
         def output(kind: str):
             return lambda data: emit(_event(data=pb.ProcessEvent.DataEvent(
@@ -157,7 +155,7 @@ class ProcessService(ProcessProtocol):
         if len(proc.listeners) >= MAX_LISTENERS:
             raise ConnectError(Code.RESOURCE_EXHAUSTED,
                                f"a command has at most {MAX_LISTENERS} streams listening")
-        queue: asyncio.Queue[pb.ProcessEvent | None] = asyncio.Queue(LISTENER_QUEUE)
+        queue: asyncio.Queue[pb.ProcessEvent | None] = asyncio.Queue()
         proc.listeners.append(queue)
         yield pb.ConnectResponse(event=_event(start=pb.ProcessEvent.StartEvent(pid=proc.pid)))
         async for event in _drain(queue, proc):

@@ -53,7 +53,8 @@ class Entry:
     timer: asyncio.TimerHandle | None = None
     processes: dict[int, Process] = dataclasses.field(default_factory=dict)
     next_pid: int = 1000
-    users: dict[str, str] = dataclasses.field(default_factory=dict)  # name → "uid:gid"
+    #: its /etc/passwd, read on first use: name and "#uid" → ("uid:gid", home)
+    users: dict[str, tuple[str, str]] | None = None
     closing: bool = False
 
 

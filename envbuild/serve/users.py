@@ -50,23 +50,19 @@ def _parse_passwd(text: str) -> dict[str, tuple[str, str]]:
 
 async def resolve(entry: Entry, name: str | None) -> User:
     """``name`` (None: the lock's user) as the sandbox's passwd has it."""
-    if "passwd" not in entry.users:
+    if entry.users is None:
         try:
-            text = (await entry.sandbox.read_file("/etc/passwd"))[:MAX_PASSWD].decode("utf-8",
-                                                                                      "replace")
+            raw = await entry.sandbox.read_file("/etc/passwd")
         except Exception:  # noqa: BLE001 - no passwd: numeric users and root only
-            text = ""
-        entry.users.update({k: "\0".join(v) for k, v in _parse_passwd(text).items()})
-        entry.users["passwd"] = ""
+            raw = b""
+        entry.users = _parse_passwd(raw[:MAX_PASSWD].decode("utf-8", "replace"))
     if name is None:
         spec = entry.sandbox.lock.user or "0:0"
         found = entry.users.get(f"#{spec.partition(':')[0]}")
-        return User(spec if ":" in spec else f"{spec}:{spec}",
-                    found.split("\0")[1] if found else "/")
+        return User(spec if ":" in spec else f"{spec}:{spec}", found[1] if found else "/")
     found = entry.users.get(name)
     if found is not None:
-        spec, home = found.split("\0")
-        return User(spec, home, named=True)
+        return User(found[0], found[1], named=True)
     if name == "root":
         return User("0:0", "/root", named=True)
     raise UnknownUser(f"user {name!r} does not exist in the sandbox")

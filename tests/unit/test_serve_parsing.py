@@ -87,3 +87,31 @@ def test_a_bad_list_query_is_a_400(params):
 
     with pytest.raises(web.HTTPBadRequest):
         ListQuery.from_params(params)
+
+
+def test_users_resolve_against_the_sandbox_passwd_once():
+    import asyncio
+    import types
+
+    from envbuild.serve.users import User, resolve
+
+    reads = []
+
+    async def read_file(path):
+        reads.append(path)
+        return b"root:x:0:0::/root:/bin/sh\npasswd:x:7:8::/var/p:/bin/sh\nagent:x:1000:1000::/home/agent:"
+
+    entry = _entry("a", 1.0)
+    entry.sandbox = types.SimpleNamespace(read_file=read_file,
+                                          lock=types.SimpleNamespace(user="1000:1000"))
+
+    async def main():
+        return [await resolve(entry, n) for n in (None, "passwd", "agent", "root")]
+
+    assert asyncio.run(main()) == [User("1000:1000", "/home/agent"),
+                                   User("7:8", "/var/p", named=True),
+                                   User("1000:1000", "/home/agent", named=True),
+                                   User("0:0", "/root", named=True)]
+    assert reads == ["/etc/passwd"]
+    with pytest.raises(UnknownUser):
+        asyncio.run(resolve(entry, "nobody"))
