@@ -96,10 +96,12 @@ def make_app(options: ServeOptions) -> web.Application:
     control.add_routes(app)
     files.add_routes(app)
 
-    async def cleanup(app: web.Application) -> None:
+    async def kill_all(app: web.Application) -> None:
         await registry.close_all()
 
-    app.on_cleanup.append(cleanup)
+    # on shutdown, before aiohttp waits for open requests: a command's stream then ends (its
+    # sandbox is gone) instead of holding the server up to its shutdown timeout
+    app.on_shutdown.append(kill_all)
     return app
 
 
