@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import logging
 import time
 import uuid
@@ -86,7 +87,9 @@ class Registry:
             sandbox = await self._opener(template)
         finally:
             self._opening -= 1
-        now = time.time()
+        # whole microseconds, as reported (ISO 8601): a startedAfter filter given a reported
+        # start then compares equal instead of a rounding apart
+        now = datetime.datetime.now(datetime.UTC).timestamp()
         entry = Entry(id=f"i{uuid.uuid4().hex[:19]}", template=template, sandbox=sandbox,
                       token=new_token(), metadata=dict(metadata), env_vars=dict(env_vars),
                       started_at=now, end_at=now)

@@ -115,3 +115,16 @@ def test_users_resolve_against_the_sandbox_passwd_once():
     assert reads == ["/etc/passwd"]
     with pytest.raises(UnknownUser):
         asyncio.run(resolve(entry, "nobody"))
+
+
+def test_a_reported_start_time_filters_as_itself():
+    """startedAfter=<a sandbox's reported startedAt> keeps that sandbox: the time it is stored
+    with is whole microseconds, as reported, so the round trip through ISO 8601 is exact."""
+    import datetime
+
+    from envbuild.serve.control import ListQuery, _iso
+
+    for _ in range(2000):
+        now = datetime.datetime.now(datetime.UTC).timestamp()
+        e = _entry("a", now)
+        assert ListQuery.from_params({"startedAfter": _iso(now)}).page([e])[0] == [e]
