@@ -4,8 +4,9 @@ to write to while it runs, which the host can signal, and whose end it can wait 
 The agent already speaks this (README.md: STDIN frames after START, STDIN_EOF, and KILL with any
 signal at any time); ``agent.run`` just sends a fixed stdin and EOF up front. A ``Session`` is
 the same ``_Exchange`` (every check of the agent's answers included) with stdin fed by
-``write``/``close_stdin`` and signals by ``signal``, used from one event loop:
-``await session.drive()`` drives it; the other methods are called from the same loop and wake it.
+``write``/``close_stdin`` and signals by ``signal``: ``await session.drive()`` drives it on an
+event loop (the other methods are then called from that loop), ``drive_blocking()`` in a
+thread of its own (the other methods from any thread).
 
 Bounds: at most ``MAX_PENDING_STDIN`` bytes written and not yet sent (``write`` refuses more:
 the command is not reading); output is bounded as ``run``'s (``cap`` per stream).
@@ -13,8 +14,12 @@ the command is not reading); output is bounded as ``run``'s (``cap`` per stream)
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
 import signal as signals
 import socket
+import threading
 from collections.abc import Callable
 
 from envbuild.errors import RuntimeShimError
@@ -45,8 +50,14 @@ class Session(_Exchange):
         self.stdin = memoryview(b"")
         self.eof = False
         self.signals: list[int] = []
+        # write/close_stdin/signal may come from another thread than the one driving (Process)
+        self.lock = threading.Lock()
 
     def _refill(self) -> None:
+        with self.lock:
+            self._refill_locked()
+
+    def _refill_locked(self) -> None:
         # a signal first (also after stdin's EOF), then stdin as it was written, EOF when closed
         if self.outq or not self.can_send or self.killed_at is not None:
             return
@@ -73,32 +84,72 @@ class Session(_Exchange):
 
     def write(self, data: bytes) -> None:
         """Queue ``data`` for the command's stdin."""
-        if self.eof or self.result is not None:
-            raise RuntimeShimError("the command's stdin is closed")
-        if len(self.pending) + len(data) > MAX_PENDING_STDIN:
-            raise RuntimeShimError(f"the command has {len(self.pending)} bytes of stdin unread",
-                                   hint="wait for it to read, or close its stdin")
-        self.pending += data
+        with self.lock:
+            if self.eof or self.result is not None:
+                raise RuntimeShimError("the command's stdin is closed")
+            if len(self.pending) + len(data) > MAX_PENDING_STDIN:
+                raise RuntimeShimError(f"the command has {len(self.pending)} bytes of stdin "
+                                       "unread", hint="wait for it to read, or close its stdin")
+            self.pending += data
         self._poke()
 
     def close_stdin(self) -> None:
         """Send EOF once what was written is out."""
-        self.eof = True
+        with self.lock:
+            self.eof = True
         self._poke()
 
     def signal(self, sig: int = signals.SIGKILL) -> None:
         """Send ``sig`` to the command's process group (the agent's KILL frame)."""
         if not 0 < int(sig) < 65:
             raise RuntimeShimError(f"signal {sig} is not a signal number")
-        if self.result is None:
+        with self.lock:
+            if self.result is not None:
+                return
             self.signals.append(int(sig))
-            self._poke()
+        self._poke()
 
     async def drive(self) -> ExecOutcome:
         """Drive the exchange until the command ended; closes the connection after."""
         try:
             return await self.run_async()
         finally:
+            self.sock.close()
+
+    def drive_blocking(self) -> ExecOutcome:
+        """``drive`` for a thread of its own: ``poll(2)`` on the connection and on a pipe that
+        ``write``/``close_stdin``/``signal`` (from any thread) write to, to be looked at again."""
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+        def wake() -> None:
+            with contextlib.suppress(BlockingIOError, OSError):  # full: a wake is pending
+                os.write(wake_w, b"\0")
+
+        self.wake = wake
+        try:
+            self._start()
+            poller = select.poll()
+            fd = self.sock.fileno()
+            poller.register(wake_r, select.POLLIN)
+            while True:
+                state = self.interest()
+                if isinstance(state, ExecOutcome):
+                    return state
+                want_write, wait = state
+                poller.register(fd, select.POLLIN | (select.POLLOUT if want_write else 0))
+                for ready, ev in poller.poll(max(1, int(wait * 1000) + 1)):
+                    if ready == wake_r:
+                        with contextlib.suppress(BlockingIOError):
+                            os.read(wake_r, 4096)
+                        continue
+                    done = self.on_events(bool(ev & (select.POLLIN | select.POLLHUP
+                                                     | select.POLLERR)), bool(ev & select.POLLOUT))
+                    if done is not None:
+                        return done
+        finally:
+            self.wake = None
+            os.close(wake_r)
+            os.close(wake_w)
             self.sock.close()
 
 

@@ -100,3 +100,35 @@ def test_a_timeout_ends_it_and_says_so(built):
         assert result.timed_out and result.exit_code != 0
 
     _run(built, scenario)
+
+
+def test_sync_process_stdin_signals_and_wait(built):
+    from runtime_shim import Sandbox
+
+    store, node = built
+    with Sandbox.create(ENV, store=store, node_dir=node) as sb:
+        out: list[bytes] = []
+        proc = sb.start("while read line; do echo got:$line; done; echo eof",
+                        on_stdout=out.append)
+        proc.write_stdin(b"one\n")
+        deadline = time.monotonic() + 10
+        while b"".join(out) != b"got:one\n" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert b"".join(out) == b"got:one\n" and not proc.done
+        with pytest.raises(TimeoutError):
+            proc.wait(timeout=0.1)  # still running: it waits for stdin
+        assert sb.exec("echo beside").stdout == b"beside\n"
+        proc.write_stdin("two\n")
+        proc.close_stdin()
+        result = proc.wait(timeout=10)
+        assert (result.exit_code, result.stdout) == (0, b"got:one\ngot:two\neof\n")
+        with pytest.raises(RuntimeShimError, match="stdin is closed"):
+            proc.write_stdin(b"late")
+
+        term = sb.start("trap 'echo term; exit 7' TERM; echo up; while :; do sleep 0.05; done")
+        time.sleep(0.3)
+        term.send_signal(signal.SIGTERM)
+        assert (term.wait(10).exit_code, term.wait().stdout) == (7, b"up\nterm\n")
+        sleeper = sb.start(["sleep", "100"])
+        sleeper.kill()
+        assert sleeper.wait(10).exit_code == 128 + signal.SIGKILL
