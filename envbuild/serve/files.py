@@ -78,10 +78,22 @@ async def upload(request: web.Request) -> web.Response:
         path = users.absolute(name, user)
         try:
             await entry.sandbox.write_file(path, bytes(buf))
+            await _give(entry, path, user)
         except EnvbuildError as e:
             return _error(400, f"write {path}: {e.message}")
         written.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
     return web.json_response(written)
+
+
+async def _give(entry: Entry, path: str, user: users.User) -> None:
+    """Make ``path`` the user's, as E2B's envd writes it (``write_file`` writes as root): a
+    user's uploads are theirs to change. Directories the write created stay root's."""
+    if user.spec.partition(":")[0] == "0":
+        return
+    r = await entry.sandbox.exec(["chown", user.spec, "--", path], user="0:0", timeout=30)
+    if r.exit_code != 0:
+        raise EnvbuildError(f"chown {user.spec} {path}: "
+                            f"{r.stderr.decode(errors='replace').strip()[-200:]}")
 
 
 async def health(request: web.Request) -> web.Response:

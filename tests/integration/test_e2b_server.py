@@ -186,6 +186,10 @@ def test_files(sandbox):
     files.write("/tmp/odd/a|b c.txt", "odd")  # a name with "|" and a space
     assert [(e.name, e.path) for e in files.list("/tmp/odd")] == [("a|b c.txt",
                                                                    "/tmp/odd/a|b c.txt")]
+    files.write("/tmp/mine.txt", "agent's", user="agent")  # written as (owned by) the user
+    assert files.get_info("/tmp/mine.txt").owner == "agent"
+    assert sandbox.commands.run("echo more >> /tmp/mine.txt && cat /tmp/mine.txt",
+                                user="agent").stdout == "agent's" + "more\n"
     files.write("rel.txt", "relative")  # E2B: relative to the user's home
     assert sandbox.commands.run("cat /root/rel.txt").stdout == "relative"
 
