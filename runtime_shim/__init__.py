@@ -26,6 +26,7 @@ from envbuild._lazy import lazy_exports
 
 __all__ = [
     "AdmissionRefused",
+    "AsyncProcess",
     "AsyncSandbox",
     "AsyncSandboxAPI",
     "BackendUnavailable",
@@ -35,6 +36,7 @@ __all__ = [
     "FnPool",
     "Limits",
     "LockNotFound",
+    "Process",
     "RuntimeShimError",
     "Sandbox",
     "SandboxAPI",
@@ -54,10 +56,12 @@ __all__ = [
 ]
 
 _WHERE = {
+    "AsyncProcess": "runtime_shim.sdk.process",
     "AsyncSandbox": "runtime_shim.sdk.aio",
     "ExecResult": "runtime_shim.node.model",
     "FnPool": "runtime_shim.sdk.fnpool",
     "Limits": "runtime_shim.node.model",
+    "Process": "runtime_shim.sdk.process",
     "SandboxInfo": "runtime_shim.node.model",
     "Sandbox": "runtime_shim.sdk.sandbox",
     "SandboxOptions": "runtime_shim.sdk.options",
@@ -97,6 +101,7 @@ if TYPE_CHECKING:
     from runtime_shim.sdk.aio import AsyncSandbox
     from runtime_shim.sdk.fnpool import FnPool
     from runtime_shim.sdk.options import SandboxOptions
+    from runtime_shim.sdk.process import AsyncProcess, Process
     from runtime_shim.sdk.protocol import AsyncSandboxAPI, SandboxAPI
     from runtime_shim.sdk.sandbox import Sandbox, list_sandboxes
     from runtime_shim.sdk.sweep import remove_sandbox, sweep_sandboxes

@@ -41,7 +41,7 @@ install_tools() {
   as_root bash scripts/build-criu.sh || echo "setup: warning: no working CRIU (checkpoint tests will fail)"
 }
 
-# A stamp per install: .envbuild-installed for the full one ([test,fleet,harness]), which also serves
+# A stamp per install: .envbuild-installed for the full one ([test,fleet,harness,serve]), which also serves
 # the fast tier; .envbuild-installed-test for the fast one ([test]: no Ray).
 fresh() { [ -f "$1" ] && [ ! pyproject.toml -nt "$1" ]; }
 
@@ -68,5 +68,5 @@ if [ "$fast" = 1 ]; then
   fresh .venv/.envbuild-installed || install_venv test .venv/.envbuild-installed-test
 else
   install_tools
-  install_venv test,fleet,harness .venv/.envbuild-installed
+  install_venv test,fleet,harness,serve .venv/.envbuild-installed
 fi

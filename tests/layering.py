@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 #: is the longest match. Rooms on one line are peers: neither imports the other.
 ROOMS: tuple[tuple[str, ...], ...] = (
     ("envbuild.cli", "envbuild.harness"),
+    ("envbuild.serve",),                      # the E2B-compatible server (issue 37)
     ("envbuild.jobs", "runtime_shim.fleet"),
     ("envbuild.build",),
     ("envbuild.dockerd", "envbuild.plan"),

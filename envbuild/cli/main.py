@@ -95,6 +95,7 @@ COMMAND_MODULES: dict[str, str] = {
     "job": "cmd_jobs", "gc": "cmd_jobs",
     "export": "cmd_export",
     "fleet": "cmd_fleet",
+    "serve": "cmd_serve",
 }
 
 

@@ -336,6 +336,7 @@ class _Exchange:
         self.killed_at: float | None = None
         self.host_timed_out = False
         self.result: ExecOutcome | None = None  # set by the final frame
+        self.wake: Callable[[], None] | None = None  # ends run_async's current wait
         self.ended_at = 0.0
 
     def _start(self) -> None:
@@ -421,6 +422,8 @@ class _Exchange:
             def mark(what: str, ready: asyncio.Future[str] = ready) -> None:
                 if not ready.done():
                     ready.set_result(what)
+
+            self.wake = functools.partial(mark, "t")  # a Session's stdin or signal: look again
 
             loop.add_reader(fd, mark, "r")
             if want_write:

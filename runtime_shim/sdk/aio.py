@@ -3,9 +3,10 @@
 It wraps a ``Sandbox`` and shares its code: the same backend handle, request building and
 result checks; ``exec`` is the same agent exchange (``runtime_shim.isolation.agent._Exchange``) waited on
 with the event loop's ``add_reader``/``add_writer`` instead of ``poll(2)``, so one loop drives
-any number of execs without a thread each. ``create``, ``close`` and file access are blocking
-host work (fetching layers, mounting, runc, the microVM's file execs) and run in the loop's
-default thread executor.
+any number of execs without a thread each. ``start`` runs a command that outlives the call
+(``runtime_shim.sdk.process.AsyncProcess``: stdin, signals, wait). ``create``, ``close`` and
+file access are blocking host work (fetching layers, mounting, runc, the microVM's file
+execs) and run in the loop's default thread executor.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from envbuild.errors import BackendUnavailable
 from runtime_shim.isolation import agent
+from runtime_shim.isolation.agent_session import open_session
 from runtime_shim.node.model import ExecResult, SandboxInfo
+from runtime_shim.sdk.process import AsyncProcess
 from runtime_shim.sdk.sandbox import Sandbox
 
 if TYPE_CHECKING:
@@ -75,6 +79,26 @@ class AsyncSandbox:
                                      deadline=handle.limits.exec_timeout, on_stdout=on_stdout,
                                      on_stderr=on_stderr)
         return sb._result(done, started, check_timeout)
+
+    async def start(self, cmd: str | Sequence[str], *, timeout: float | None = None,
+                    env: Mapping[str, str] | None = None, cwd: str | None = None,
+                    user: str | None = None, stdin: bytes | None = None,
+                    on_stdout: agent.OutputCallback | None = None,
+                    on_stderr: agent.OutputCallback | None = None) -> AsyncProcess:
+        """Start ``cmd`` and return at once: an ``AsyncProcess`` whose stdin stays open
+        (``stdin`` is written first), which can be signalled and waited for
+        (``runtime_shim.sdk.process``). ``timeout`` as exec's."""
+        sb = self.sync
+        if sb.backend == "fncall":
+            raise BackendUnavailable("start() needs a sandbox that keeps processes; fncall "
+                                     "runs each call in a fresh layer",
+                                     hint="use call(), or another backend")
+        req = sb._request(cmd, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin)
+        handle = sb._backend
+        session = open_session(handle.connect, req, handle.limits.output_bytes,
+                               deadline=handle.limits.exec_timeout, on_stdout=on_stdout,
+                               on_stderr=on_stderr)
+        return AsyncProcess(session, lambda done, started: sb._result(done, started, False))
 
     async def call(self, argv: str | Sequence[str], **kwargs: Any) -> ExecResult:
         """``Sandbox.call`` (an fncall sandbox's stateless call) in the default executor."""

@@ -59,6 +59,7 @@ from runtime_shim.backends.base import (
     undo_on_error,
 )
 from runtime_shim.isolation import agent, lifecycle
+from runtime_shim.isolation.agent_session import open_session
 from runtime_shim.isolation.spec import parse_user
 from runtime_shim.node import admission, ledger, owners
 from runtime_shim.node.layout import NodeLayout, SandboxPaths
@@ -81,6 +82,7 @@ from runtime_shim.node.records import (
 )
 from runtime_shim.sdk import exitwatch
 from runtime_shim.sdk.options import CreatePlan, SandboxOptions, plan_create
+from runtime_shim.sdk.process import Process
 from runtime_shim.sdk.sweep import SandboxRemoval, gc_sandboxes, remove_sandbox, sweep_sandboxes
 
 if TYPE_CHECKING:
@@ -323,6 +325,25 @@ class Sandbox:
         started = time.monotonic()
         done = self._backend.exec(req, on_stdout=on_stdout, on_stderr=on_stderr)
         return self._result(done, started, check_timeout)
+
+    def start(self, cmd: str | Sequence[str], *, timeout: float | None = None,
+              env: Mapping[str, str] | None = None, cwd: str | None = None,
+              user: str | None = None, stdin: bytes | None = None,
+              on_stdout: agent.OutputCallback | None = None,
+              on_stderr: agent.OutputCallback | None = None) -> Process:
+        """Start ``cmd`` and return at once: a ``Process`` (``runtime_shim.sdk.process``) whose
+        stdin stays open (``stdin`` is written first), which can be signalled and waited for;
+        output callbacks run in its own thread. ``timeout`` as exec's."""
+        if self.backend == "fncall":
+            raise BackendUnavailable("start() needs a sandbox that keeps processes; fncall "
+                                     "runs each call in a fresh layer",
+                                     hint="use call(), or another backend")
+        req = self._request(cmd, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin)
+        handle = self._backend
+        session = open_session(handle.connect, req, handle.limits.output_bytes,
+                               deadline=handle.limits.exec_timeout, on_stdout=on_stdout,
+                               on_stderr=on_stderr)
+        return Process(session, lambda done, started: self._result(done, started, False))
 
     def call(self, argv: str | Sequence[str], *, stdin: bytes | str | None = None,
              files: Mapping[str, bytes | str] | None = None, timeout: float | None = None,

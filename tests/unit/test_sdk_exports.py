@@ -8,9 +8,9 @@ import runtime_shim.sdk.aio  # noqa: F401  (imported at collection: safefs loads
 from envbuild import errors
 
 EXPECTED = {
-    "AdmissionRefused", "AsyncSandbox", "AsyncSandboxAPI", "BackendUnavailable",
+    "AdmissionRefused", "AsyncProcess", "AsyncSandbox", "AsyncSandboxAPI", "BackendUnavailable",
     "CheckpointRefused", "ExecResult", "ExecTimeout",
-    "FnPool", "Limits", "LockNotFound", "RuntimeShimError", "Sandbox", "SandboxAPI",
+    "FnPool", "Limits", "LockNotFound", "Process", "RuntimeShimError", "Sandbox", "SandboxAPI",
     "SandboxClosed", "SandboxCompromised", "SandboxInfo", "SandboxNotFound", "SandboxOptions",
     "SandboxStartError", "SnapshotRefused", "Verdict", "grade", "grade_async", "list_sandboxes",
     "remove_sandbox", "sweep_sandboxes",

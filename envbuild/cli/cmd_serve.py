@@ -1,0 +1,62 @@
+"""``envbuild serve``: the E2B-compatible server (``envbuild.serve``) over this node's
+sandboxes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import click
+
+from envbuild.cli.main import App, pass_app
+from envbuild.errors import SettingsError
+
+
+def register(group: click.Group) -> None:
+    group.add_command(serve)
+
+
+def _listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise SettingsError(f"--listen {value!r} is not HOST:PORT",
+                            hint="e.g. --listen 127.0.0.1:49982 (port 0: any free port)")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+@click.command()
+@click.option("--listen", default="127.0.0.1:49982", show_default=True, metavar="HOST:PORT",
+              help="Where to listen (loopback by default; port 0 picks a free one).")
+@click.option("--api-keys", "api_keys", type=click.Path(dir_okay=False), required=True,
+              metavar="FILE", help="The accepted API keys, one a line, plain or sha256:<hex>.")
+@click.option("--max-upload", default="256MiB", show_default=True, metavar="SIZE",
+              help="The most bytes one /files upload request may carry.")
+@pass_app
+def serve(app: App, listen: str, api_keys: str, max_upload: str) -> None:
+    """Serve E2B's API: the unmodified e2b SDK runs sandboxes of this store's envs with
+    E2B_API_URL and E2B_SANDBOX_URL set to http://HOST:PORT and E2B_API_KEY to a key of FILE.
+    Prints the URL once it listens; stops (killing its sandboxes) on SIGINT or SIGTERM."""
+    from envbuild.serve import ApiKeys, ServeOptions, serve_forever
+    from envbuild.sizes import parse_size
+    from runtime_shim import AsyncSandbox
+
+    host, port = _listen(listen)
+    upload_cap = parse_size(max_upload, what="--max-upload")
+    keys = ApiKeys.from_file(api_keys)
+    store, settings = app.open_store(), app.settings
+
+    async def opener(template: str) -> AsyncSandbox:
+        return await AsyncSandbox.create(template, store=store, node_dir=settings.node_dir,
+                                         runtime=settings.oci_runtime)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve_forever(ServeOptions(opener=opener, api_keys=keys, host=host, port=port,
+                                         max_upload=upload_cap),
+                            on_ready=lambda url: click.echo(f"envbuild serve: {url}", err=True),
+                            stop=stop)
+
+    asyncio.run(main())

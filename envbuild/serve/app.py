@@ -1,0 +1,131 @@
+"""The HTTP application: routing, the two authentication rules, and running it.
+
+Routes by path: the control plane (``/sandboxes…``, ``/v2/sandboxes…``; needs ``X-API-KEY``)
+and envd (``/process.Process/…``, ``/filesystem.Filesystem/…``, ``/files``, ``/health``;
+needs ``E2b-Sandbox-Id`` naming a live sandbox and that sandbox's ``X-Access-Token``). A
+sandbox that is unknown or was killed gets what E2B's proxy answers, 502 "The sandbox … was
+not found", which the SDK turns into ``SandboxNotRunningException`` / ``is_running() ==
+False``; the control plane answers 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
+from e2b.envd.process.process_connect import ProcessASGIApplication
+
+from envbuild.serve import control, files
+from envbuild.serve.asgi import call_asgi
+from envbuild.serve.auth import ApiKeys, same_token
+from envbuild.serve.envd_fs import FilesystemService
+from envbuild.serve.envd_process import ProcessService
+from envbuild.serve.sandboxes import Registry
+
+API_KEYS = web.AppKey("api_keys", ApiKeys)
+#: One Connect message (a request) at most: envd's requests are paths and small configs.
+MAX_RPC_MESSAGE = 1 << 20
+_CONTROL = ("/sandboxes", "/v2/sandboxes")
+_ENVD = ("/process.Process/", "/filesystem.Filesystem/")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    """What ``envbuild serve`` runs: where it listens, who may use it, where sandboxes come
+    from (``opener``: template → ``runtime_shim.AsyncSandbox``) and the bounds."""
+
+    opener: Callable[[str], Awaitable[Any]]
+    api_keys: ApiKeys
+    host: str = "127.0.0.1"
+    port: int = 49982
+    max_timeout: float = 24 * 3600
+    max_sandboxes: int = 256
+    max_upload: int = 256 << 20
+
+
+def _json_error(status: int, message: str, code: str | int | None = None) -> web.Response:
+    return web.json_response({"code": code if code is not None else status,
+                              "message": message}, status=status)
+
+
+@web.middleware
+async def _authenticate(request: web.Request, handler: Callable[[web.Request], Awaitable[
+        web.StreamResponse]]) -> web.StreamResponse:
+    path = request.path
+    if path.startswith(_CONTROL):
+        if not request.app[API_KEYS].accepts(request.headers.get("X-API-KEY")):
+            return _json_error(401, "Invalid API key")
+        return await handler(request)
+    if path.startswith(_ENVD) or path in ("/files", "/health"):
+        sid = request.headers.get("E2b-Sandbox-Id", "")
+        entry = request.app[control.REGISTRY].get(sid)
+        if entry is None:
+            return _json_error(502, f"The sandbox {sid[:64]} was not found", "unavailable")
+        if not same_token(request.headers.get("X-Access-Token"), entry.token):
+            return _json_error(401, "the sandbox's access token is missing or wrong",
+                               "unauthenticated")
+        request[files.ENTRY] = entry
+        return await handler(request)
+    return _json_error(404, f"no route {path[:200]}")
+
+
+def make_app(options: ServeOptions) -> web.Application:
+    registry = Registry(options.opener, max_timeout=options.max_timeout,
+                        max_sandboxes=options.max_sandboxes)
+    app = web.Application(middlewares=[_authenticate], client_max_size=control.MAX_JSON)
+    app[API_KEYS] = options.api_keys
+    app[control.REGISTRY] = registry
+    app[files.MAX_UPLOAD] = options.max_upload
+    process_app = ProcessASGIApplication(ProcessService(registry),
+                                         read_max_bytes=MAX_RPC_MESSAGE)
+    fs_app = FilesystemASGIApplication(FilesystemService(registry),
+                                       read_max_bytes=MAX_RPC_MESSAGE)
+
+    async def process(request: web.Request) -> web.StreamResponse:
+        return await call_asgi(process_app, request, MAX_RPC_MESSAGE + 5)
+
+    async def filesystem(request: web.Request) -> web.StreamResponse:
+        return await call_asgi(fs_app, request, MAX_RPC_MESSAGE + 5)
+
+    app.router.add_post("/process.Process/{method}", process)
+    app.router.add_post("/filesystem.Filesystem/{method}", filesystem)
+    control.add_routes(app)
+    files.add_routes(app)
+
+    async def kill_all(app: web.Application) -> None:
+        await registry.close_all()
+
+    # on shutdown, before aiohttp waits for open requests: a command's stream then ends (its
+    # sandbox is gone) instead of holding the server up to its shutdown timeout
+    app.on_shutdown.append(kill_all)
+    return app
+
+
+async def start(options: ServeOptions) -> tuple[web.AppRunner, str]:
+    """Start serving (in the running loop); the runner (``await runner.cleanup()`` stops it and
+    kills every sandbox) and the URL it listens on."""
+    runner = web.AppRunner(make_app(options), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, options.host, options.port, reuse_address=True)
+    await site.start()
+    sockets = getattr(site._server, "sockets", None) or ()
+    host, port = sockets[0].getsockname()[:2] if sockets else (options.host, options.port)
+    return runner, f"http://{host}:{port}"
+
+
+async def serve_forever(options: ServeOptions, on_ready: Callable[[str], None] | None = None,
+                        stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set (or the task is cancelled), then kill every sandbox."""
+    runner, url = await start(options)
+    if on_ready is not None:
+        on_ready(url)
+    try:
+        await (stop or asyncio.Event()).wait()
+    finally:
+        await runner.cleanup()
+
+

@@ -1,0 +1,216 @@
+"""E2B's control plane (``spec/openapi.yml`` of e2b-dev/infra), the part envbuild serves:
+create (``POST /sandboxes``, ``POST /v2/sandboxes``), get, list (``GET /sandboxes``,
+``GET /v2/sandboxes`` with the ``metadata``, ``state``, ``template`` and ``startedAfter``
+filters, ``order`` and pages of ``limit``), kill, timeout and connect.
+
+Every route needs the ``X-API-KEY`` header to hold a configured key (``envbuild.serve.auth``);
+bodies are JSON of at most ``MAX_JSON`` bytes. Errors are E2B's ``{"code", "message"}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import time
+import urllib.parse
+from collections.abc import Mapping
+from typing import Any
+
+from aiohttp import web
+
+from envbuild.errors import EnvbuildError
+from envbuild.serve.sandboxes import DEFAULT_TIMEOUT, Entry, Registry
+from runtime_shim import LockNotFound
+
+#: The envd protocol version envbuild's envd speaks (the SDK gates features on it): 0.5.6
+#: has default users and stdin control, not octet-stream uploads (0.5.7) nor file metadata.
+ENVD_VERSION = "0.5.6"
+MAX_JSON = 64 << 10
+CLIENT_ID = "envbuild"
+
+REGISTRY = web.AppKey("registry", Registry)
+
+
+def error(status: int, message: str) -> web.Response:
+    return web.json_response({"code": status, "message": message}, status=status)
+
+
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+def created_json(e: Entry) -> dict[str, Any]:
+    """E2B's ``Sandbox``: what create and connect return."""
+    return {"templateID": e.template, "sandboxID": e.id, "clientID": CLIENT_ID,
+            "envdVersion": ENVD_VERSION, "envdAccessToken": e.token, "domain": None,
+            "trafficAccessToken": None}
+
+
+def listed_json(e: Entry) -> dict[str, Any]:
+    """E2B's ``ListedSandbox`` (and ``SandboxDetail`` with the token)."""
+    limits = e.sandbox.sync.limits
+    return {"templateID": e.template, "sandboxID": e.id, "clientID": CLIENT_ID,
+            "startedAt": _iso(e.started_at), "endAt": _iso(e.end_at),
+            "cpuCount": max(1, round(limits.cpus or 1)),
+            "memoryMB": (limits.memory_bytes or 0) >> 20,
+            "diskSizeMB": (limits.disk_bytes or 0) >> 20, "state": "running",
+            "envdVersion": ENVD_VERSION, "metadata": e.metadata}
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    if request.content_length is not None and request.content_length > MAX_JSON:
+        raise web.HTTPRequestEntityTooLarge(max_size=MAX_JSON, actual_size=request.content_length)
+    raw = await request.content.read(MAX_JSON + 1)
+    if len(raw) > MAX_JSON:
+        raise web.HTTPRequestEntityTooLarge(max_size=MAX_JSON, actual_size=len(raw))
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError as e:
+        raise web.HTTPBadRequest(text=f"request body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text="request body must be a JSON object")
+    return body
+
+
+def _str_map(value: Any, what: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                              for k, v in value.items()):
+        raise web.HTTPBadRequest(text=f"{what} must be an object of strings")
+    return value
+
+
+def _timeout(body: dict[str, Any], default: float | None) -> float | None:
+    t = body.get("timeout", default)
+    if t is not None and (isinstance(t, bool) or not isinstance(t, int | float) or t < 0):
+        raise web.HTTPBadRequest(text="timeout must be a non-negative number of seconds")
+    return t
+
+
+async def create(request: web.Request) -> web.Response:
+    reg = request.app[REGISTRY]
+    body = await _body(request)
+    template = body.get("templateID")
+    if not isinstance(template, str) or not template:
+        return error(400, "templateID is required: an env name, ref or lock digest")
+    timeout = _timeout(body, DEFAULT_TIMEOUT)
+    metadata = _str_map(body.get("metadata"), "metadata")
+    env_vars = _str_map(body.get("envVars"), "envVars")
+    if reg.full():
+        return error(429, f"this server runs at most {reg.max_sandboxes} sandboxes")
+    try:
+        entry = await reg.open(template, timeout=timeout or DEFAULT_TIMEOUT,
+                               metadata=metadata, env_vars=env_vars)
+    except LockNotFound as e:
+        return error(404, f"template {template!r} not found: {e.message}")
+    except EnvbuildError as e:
+        return error(500, f"create sandbox: {e.message}")
+    return web.json_response(created_json(entry), status=201)
+
+
+def _entry(request: web.Request) -> Entry:
+    sid = request.match_info["sandbox_id"]
+    entry = request.app[REGISTRY].get(sid)
+    if entry is None:
+        raise web.HTTPNotFound(text=json.dumps({"code": 404,
+                                                "message": f"sandbox {sid} was not found"}),
+                               content_type="application/json")
+    return entry
+
+
+async def get(request: web.Request) -> web.Response:
+    entry = _entry(request)
+    return web.json_response({**listed_json(entry), "envdAccessToken": entry.token})
+
+
+#: Sandboxes one page of a list holds at most (E2B's default and maximum ``limit``).
+MAX_PAGE = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class ListQuery:
+    """``GET /v2/sandboxes``' filters and page (E2B's query parameters)."""
+
+    metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+    states: frozenset[str] = frozenset()
+    template: str | None = None
+    started_after: float | None = None
+    ascending: bool = False  # E2B: newest first unless order=asc
+    limit: int = MAX_PAGE
+    offset: int = 0  # the page's start (nextToken)
+
+    @classmethod
+    def from_params(cls, q: Mapping[str, str]) -> ListQuery:
+        metadata = {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in
+                    urllib.parse.parse_qsl(q.get("metadata", ""), keep_blank_values=True)}
+        try:
+            after = q.get("startedAfter")
+            started_after = datetime.datetime.fromisoformat(after).timestamp() if after else None
+            limit = int(q.get("limit", MAX_PAGE))
+            offset = int(q.get("nextToken", "0"))
+        except ValueError as e:
+            raise web.HTTPBadRequest(text=f"bad list query: {e}") from None
+        if not 0 < limit <= MAX_PAGE or offset < 0:
+            raise web.HTTPBadRequest(text=f"limit is 1 to {MAX_PAGE}; nextToken as returned")
+        return cls(metadata=metadata, states=frozenset(s for s in q.get("state", "").split(",")
+                                                       if s),
+                   template=q.get("template") or None, started_after=started_after,
+                   ascending=q.get("order") == "asc", limit=limit, offset=offset)
+
+    def matches(self, e: Entry) -> bool:
+        return ((not self.states or "running" in self.states)
+                and (self.template is None or e.template == self.template)
+                and (self.started_after is None or e.started_at >= self.started_after)
+                and all(e.metadata.get(k) == v for k, v in self.metadata.items()))
+
+    def page(self, entries: list[Entry]) -> tuple[list[Entry], str | None]:
+        """The entries of this page, in order, and the next page's token (None: last)."""
+        found = sorted((e for e in entries if self.matches(e)),
+                       key=lambda e: (e.started_at, e.id), reverse=not self.ascending)
+        end = self.offset + self.limit
+        return found[self.offset:end], str(end) if end < len(found) else None
+
+
+async def list_sandboxes(request: web.Request) -> web.Response:
+    query = ListQuery.from_params(request.query)
+    page, next_token = query.page(request.app[REGISTRY].all())
+    headers = {"x-next-token": next_token} if next_token else {}
+    return web.json_response([listed_json(e) for e in page], headers=headers)
+
+
+async def kill(request: web.Request) -> web.Response:
+    entry = _entry(request)
+    await request.app[REGISTRY].kill(entry.id)
+    return web.Response(status=204)
+
+
+async def set_timeout(request: web.Request) -> web.Response:
+    entry = _entry(request)
+    timeout = _timeout(await _body(request), None)
+    if timeout is None:
+        return error(400, "timeout is required")
+    request.app[REGISTRY].set_timeout(entry, timeout)
+    return web.Response(status=204)
+
+
+async def connect(request: web.Request) -> web.Response:
+    entry = _entry(request)
+    timeout = _timeout(await _body(request), None)
+    if timeout is not None:  # E2B: connecting only ever extends the sandbox's life
+        if time.time() + timeout > entry.end_at:
+            request.app[REGISTRY].set_timeout(entry, timeout)
+    return web.json_response(created_json(entry), status=200)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/sandboxes", create)
+    app.router.add_post("/v2/sandboxes", create)
+    app.router.add_get("/sandboxes", list_sandboxes)
+    app.router.add_get("/v2/sandboxes", list_sandboxes)
+    app.router.add_get("/sandboxes/{sandbox_id}", get)
+    app.router.add_delete("/sandboxes/{sandbox_id}", kill)
+    app.router.add_post("/sandboxes/{sandbox_id}/timeout", set_timeout)
+    app.router.add_post("/sandboxes/{sandbox_id}/connect", connect)
+    app.router.add_post("/v2/sandboxes/{sandbox_id}/connect", connect)

@@ -1,0 +1,104 @@
+"""envd's ``filesystem.Filesystem`` service: ``Stat``, ``ListDir`` (with depth), ``MakeDir``,
+``Move``, ``Remove``, each run in the sandbox as the requesting user (so the sandbox's own
+permissions decide, as with E2B's envd) by a short POSIX shell script through
+``AsyncSandbox.exec``. Not yet: ``WatchDir`` and the watcher calls.
+"""
+
+from __future__ import annotations
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
+from e2b.envd.filesystem import filesystem_pb as pb
+from e2b.envd.filesystem.filesystem_connect import Filesystem
+from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
+
+from envbuild.serve import users
+from envbuild.serve.envd_process import sandbox_of, user_of
+from envbuild.serve.sandboxes import Entry, Registry
+
+#: One line per entry: raw mode (hex) | size | owner | group | mtime | path (last: a name may
+#: hold "|"; one with a newline is not supported). Symlink targets are not reported yet.
+_FMT = "%f|%s|%U|%G|%Y|%n"
+_STAT = f"stat -c '{_FMT}' -- \"$1\""
+#: exit codes of the scripts: 3 no such path, 4 not a directory, 5 already exists
+_SCRIPTS = {
+    "stat": f'[ -e "$1" ] || [ -L "$1" ] || exit 3; {_STAT}',
+    "list": '[ -e "$1" ] || exit 3; [ -d "$1" ] || exit 4; '
+            f"find \"$1\" -mindepth 1 -maxdepth \"$2\" -exec stat -c '{_FMT}' -- {{}} +",
+    "mkdir": f'[ -e "$1" ] && exit 5; mkdir -p -- "$1" && {_STAT}',
+    "move": '[ -e "$1" ] || [ -L "$1" ] || exit 3; mkdir -p -- "$(dirname -- "$2")" && '
+            f'mv -f -- "$1" "$2" && set -- "$2" && {_STAT}',
+    "remove": 'rm -rf -- "$1"',  # E2B: removing what is not there is no error
+}
+_ERRORS = {3: (Code.NOT_FOUND, "no such file or directory"),
+           4: (Code.INVALID_ARGUMENT, "path is not a directory"),
+           5: (Code.ALREADY_EXISTS, "path already exists")}
+MAX_DEPTH = 64
+
+
+def _mode_string(mode: int) -> str:
+    kinds = {0o040000: "d", 0o120000: "l", 0o100000: "-"}
+    out = kinds.get(mode & 0o170000, "?")
+    for shift in (6, 3, 0):
+        bits = (mode >> shift) & 7
+        out += ("r" if bits & 4 else "-") + ("w" if bits & 2 else "-") + ("x" if bits & 1 else "-")
+    return out
+
+
+def _entry_info(line: str) -> pb.EntryInfo:
+    raw_mode, size, owner, group, mtime, path = line.split("|", 5)
+    mode = int(raw_mode, 16)
+    kind = mode & 0o170000
+    ftype = {0o040000: pb.FileType.DIRECTORY, 0o120000: pb.FileType.SYMLINK}.get(
+        kind, pb.FileType.FILE)
+    return pb.EntryInfo(name=path.rstrip("/").rsplit("/", 1)[-1] or "/", type=ftype, path=path,
+                        size=int(size), mode=mode & 0o7777, permissions=_mode_string(mode),
+                        owner=owner, group=group, modified_time=Timestamp(seconds=int(mtime)),
+                        is_symlink=kind == 0o120000)
+
+
+class FilesystemService(Filesystem):
+    """The ``filesystem.Filesystem`` implementation (``filesystem_connect.Filesystem``)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    async def _run(self, ctx: RequestContext, op: str, *paths: str, extra: tuple[str, ...] = ()
+                   ) -> tuple[Entry, list[str]]:
+        entry = sandbox_of(self._registry, ctx)
+        user = await user_of(entry, ctx)
+        args = [users.absolute(p, user) for p in paths]
+        result = await entry.sandbox.exec(["/bin/sh", "-c", _SCRIPTS[op], "sh", *args, *extra],
+                                          user=user.spec, timeout=60)
+        if result.exit_code in _ERRORS:
+            code, what = _ERRORS[result.exit_code]
+            raise ConnectError(code, f"{what}: {args[0]}")
+        if result.exit_code != 0:
+            err = result.stderr.decode(errors="replace").strip()[-500:]
+            code = Code.PERMISSION_DENIED if "denied" in err else Code.INTERNAL
+            raise ConnectError(code, f"{op} {args[0]}: {err}")
+        return entry, result.stdout.decode(errors="replace").splitlines()
+
+    async def stat(self, request: pb.StatRequest, ctx: RequestContext) -> pb.StatResponse:
+        _, lines = await self._run(ctx, "stat", request.path)
+        return pb.StatResponse(entry=_entry_info(lines[0]))
+
+    async def list_dir(self, request: pb.ListDirRequest, ctx: RequestContext
+                       ) -> pb.ListDirResponse:
+        depth = min(max(request.depth or 1, 1), MAX_DEPTH)
+        _, lines = await self._run(ctx, "list", request.path, extra=(str(depth),))
+        return pb.ListDirResponse(entries=[_entry_info(line) for line in lines if line])
+
+    async def make_dir(self, request: pb.MakeDirRequest, ctx: RequestContext
+                       ) -> pb.MakeDirResponse:
+        _, lines = await self._run(ctx, "mkdir", request.path)
+        return pb.MakeDirResponse(entry=_entry_info(lines[0]))
+
+    async def move(self, request: pb.MoveRequest, ctx: RequestContext) -> pb.MoveResponse:
+        _, lines = await self._run(ctx, "move", request.source, request.destination)
+        return pb.MoveResponse(entry=_entry_info(lines[0]))
+
+    async def remove(self, request: pb.RemoveRequest, ctx: RequestContext) -> pb.RemoveResponse:
+        await self._run(ctx, "remove", request.path)
+        return pb.RemoveResponse()

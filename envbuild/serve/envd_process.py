@@ -1,0 +1,242 @@
+"""envd's ``process.Process`` service over runtime_shim sandboxes: ``Start`` (a server
+stream: the start event, stdout/stderr as they come, the end event with the exit code),
+``Connect`` (listen to a running command), ``List`` and ``SendSignal``.
+
+A command runs as one ``AsyncSandbox.exec`` in a task of the server, independent of the
+stream that started it (E2B's semantics: a dropped stream does not end the command). Its pid
+is the server's handle, not a pid inside the sandbox. It runs as a
+``runtime_shim.AsyncSandbox.start`` process: ``SendInput``/``StreamInput``/``CloseStdin``
+feed its stdin (opened only when ``Start`` asked for it), ``SendSignal`` signals its process
+group. Not yet: PTYs and ``Update``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
+from e2b.envd.process import process_pb as pb
+from e2b.envd.process.process_connect import Process as ProcessProtocol
+from protobuf import Oneof
+
+from envbuild.errors import EnvbuildError, RuntimeShimError
+from envbuild.serve import users
+from envbuild.serve.sandboxes import Entry, Process, Registry
+
+_log = logging.getLogger(__name__)
+
+#: Commands one sandbox may run at once through envd.
+MAX_PROCESSES = 256
+#: Streams listening to one command at once (its Start and Connects).
+MAX_LISTENERS = 8
+
+
+def sandbox_of(registry: Registry, ctx: RequestContext) -> Entry:
+    """The sandbox the (already authenticated) request names."""
+    entry = registry.get(ctx.request_headers.get("e2b-sandbox-id"))
+    if entry is None:
+        raise ConnectError(Code.NOT_FOUND, "sandbox was not found")
+    return entry
+
+
+async def user_of(entry: Entry, ctx: RequestContext) -> users.User:
+    try:
+        return await users.resolve(entry, users.header_user(ctx.request_headers.get(
+            "authorization")))
+    except users.UnknownUser as e:
+        raise ConnectError(Code.INVALID_ARGUMENT, str(e)) from None
+
+
+#: What listeners get when the sandbox went away under the command: no end event, an error.
+_GONE = pb.ProcessEvent()
+
+
+def _event(**kw: object) -> pb.ProcessEvent:
+    ((name, value),) = kw.items()
+    return pb.ProcessEvent(event=Oneof(name, value))  # type: ignore[arg-type]
+
+
+class ProcessService(ProcessProtocol):
+    """The ``process.Process`` implementation (``e2b.envd.process.process_connect.Process``)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+        self._has_bash: dict[str, bool] = {}  # lock digest → /bin/bash exists in its rootfs
+
+    async def _argv(self, entry: Entry, cfg: pb.ProcessConfig) -> list[str]:
+        # the SDK runs every command as `/bin/bash -l -c CMD`; an env without bash gets sh
+        if cfg.cmd != "/bin/bash":
+            return [cfg.cmd, *cfg.args]
+        digest = entry.sandbox.lock.digest
+        if digest not in self._has_bash:
+            probe = await entry.sandbox.exec(["/bin/sh", "-c", "[ -x /bin/bash ]"], timeout=30)
+            self._has_bash[digest] = probe.exit_code == 0
+        return [cfg.cmd if self._has_bash[digest] else "/bin/sh", *cfg.args]
+
+    def start(self, request: pb.StartRequest, ctx: RequestContext) -> AsyncIterator[
+            pb.StartResponse]:
+        return self._start(request, ctx)
+
+    async def _start(self, request: pb.StartRequest, ctx: RequestContext) -> AsyncIterator[
+            pb.StartResponse]:
+        entry = sandbox_of(self._registry, ctx)
+        if request.has_field("pty"):
+            raise ConnectError(Code.UNIMPLEMENTED, "PTYs are not served by envbuild yet")
+        if len(entry.processes) >= MAX_PROCESSES:
+            raise ConnectError(Code.RESOURCE_EXHAUSTED,
+                               f"a sandbox runs at most {MAX_PROCESSES} commands at once")
+        cfg = request.process or pb.ProcessConfig()
+        user = await user_of(entry, ctx)
+        argv = await self._argv(entry, cfg)
+        timeout_ms = ctx.timeout_ms
+        entry.next_pid += 1
+        proc = Process(pid=entry.next_pid, cmd=cfg.cmd, args=list(cfg.args),
+                       envs=dict(cfg.envs), cwd=cfg.cwd if cfg.has_field("cwd") else None,
+                       tag=request.tag if request.has_field("tag") else None)
+        queue: asyncio.Queue[pb.ProcessEvent | None] = asyncio.Queue()
+        proc.listeners.append(queue)
+        entry.processes[proc.pid] = proc
+        proc.task = asyncio.get_running_loop().create_task(self._run(
+            entry, proc, argv, user, None if timeout_ms is None else timeout_ms / 1000,
+            bool(request.stdin)))
+        yield pb.StartResponse(event=_event(start=pb.ProcessEvent.StartEvent(pid=proc.pid)))
+        async for event in _drain(queue, proc):
+            yield pb.StartResponse(event=event)
+
+    async def _run(self, entry: Entry, proc: Process, argv: list[str], user: users.User,
+                   timeout: float | None, stdin: bool) -> None:
+        # a listener's queue is unbounded, never dropping (an end event lost would hang its
+        # stream): what it can hold is bounded by the command's output cap (Limits.output_bytes
+        # per stream, each chunk charged at least 64 bytes) times MAX_LISTENERS
+        def emit(event: pb.ProcessEvent | None) -> None:
+            for q in proc.listeners:
+                q.put_nowait(event)
+
+        def output(kind: str):
+            return lambda data: emit(_event(data=pb.ProcessEvent.DataEvent(
+                output=Oneof(kind, bytes(data)))))  # type: ignore[arg-type]
+
+        cwd = users.absolute(proc.cwd, user) if proc.cwd else user.home  # E2B: home
+        try:
+            proc.handle = await entry.sandbox.start(
+                argv, env={**({"HOME": user.home} if user.named else {}), **entry.env_vars,
+                           **proc.envs}, cwd=cwd, user=user.spec,
+                timeout=timeout, on_stdout=output("stdout"), on_stderr=output("stderr"))
+            if not stdin:
+                proc.handle.close_stdin()
+            result = await proc.handle.wait()
+            end = pb.ProcessEvent.EndEvent(exit_code=result.exit_code, exited=True,
+                                           status=f"exit status {result.exit_code}")
+        except asyncio.CancelledError:  # the sandbox is being killed: the stream breaks off
+            if proc.handle is not None:  # (E2B's does too; the SDK then probes /health)
+                await proc.handle.cancel()
+            entry.processes.pop(proc.pid, None)
+            emit(_GONE)
+            raise
+        except EnvbuildError as e:
+            end = pb.ProcessEvent.EndEvent(exit_code=-1, exited=False, status="error",
+                                           error=e.message)
+        entry.processes.pop(proc.pid, None)
+        emit(_event(end=end))
+        emit(None)
+
+    def connect(self, request: pb.ConnectRequest, ctx: RequestContext) -> AsyncIterator[
+            pb.ConnectResponse]:
+        return self._connect(request, ctx)
+
+    async def _connect(self, request: pb.ConnectRequest, ctx: RequestContext
+                       ) -> AsyncIterator[pb.ConnectResponse]:
+        proc = self._select(sandbox_of(self._registry, ctx), request.process)
+        if len(proc.listeners) >= MAX_LISTENERS:
+            raise ConnectError(Code.RESOURCE_EXHAUSTED,
+                               f"a command has at most {MAX_LISTENERS} streams listening")
+        queue: asyncio.Queue[pb.ProcessEvent | None] = asyncio.Queue()
+        proc.listeners.append(queue)
+        yield pb.ConnectResponse(event=_event(start=pb.ProcessEvent.StartEvent(pid=proc.pid)))
+        async for event in _drain(queue, proc):
+            yield pb.ConnectResponse(event=event)
+
+    def _select(self, entry: Entry, selector: pb.ProcessSelector | None) -> Process:
+        sel = selector.selector if selector is not None else None
+        for proc in entry.processes.values():
+            if sel is not None and ((sel.field == "pid" and proc.pid == sel.value)
+                                    or (sel.field == "tag" and proc.tag == sel.value)):
+                return proc
+        raise ConnectError(Code.NOT_FOUND, "process not found")
+
+    async def list(self, request: pb.ListRequest, ctx: RequestContext) -> pb.ListResponse:
+        entry = sandbox_of(self._registry, ctx)
+        return pb.ListResponse(processes=[
+            pb.ProcessInfo(pid=p.pid, tag=p.tag, config=pb.ProcessConfig(
+                cmd=p.cmd, args=p.args, envs=p.envs, cwd=p.cwd))
+            for p in entry.processes.values()])
+
+    async def send_signal(self, request: pb.SendSignalRequest, ctx: RequestContext
+                          ) -> pb.SendSignalResponse:
+        proc = self._select(sandbox_of(self._registry, ctx), request.process)
+        sig = {pb.Signal.SIGTERM: signal.SIGTERM}.get(request.signal, signal.SIGKILL)
+        if proc.handle is not None:
+            proc.handle.send_signal(sig)
+        return pb.SendSignalResponse()
+
+    async def update(self, request: pb.UpdateRequest, ctx: RequestContext) -> pb.UpdateResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "PTYs are not served by envbuild yet")
+
+    def _stdin(self, proc: Process, data: bytes) -> None:
+        if proc.handle is None:
+            raise ConnectError(Code.FAILED_PRECONDITION, "the process has not started yet")
+        try:
+            proc.handle.write_stdin(data)
+        except RuntimeShimError as e:
+            raise ConnectError(Code.FAILED_PRECONDITION, e.message) from None
+
+    async def send_input(self, request: pb.SendInputRequest, ctx: RequestContext
+                         ) -> pb.SendInputResponse:
+        proc = self._select(sandbox_of(self._registry, ctx), request.process)
+        inp = request.input.input if request.input is not None else None
+        if inp is not None:
+            if inp.field == "pty":
+                raise ConnectError(Code.UNIMPLEMENTED, "PTYs are not served by envbuild yet")
+            self._stdin(proc, inp.value)
+        return pb.SendInputResponse()
+
+    async def stream_input(self, request: AsyncIterator[pb.StreamInputRequest],
+                           ctx: RequestContext) -> pb.StreamInputResponse:
+        entry = sandbox_of(self._registry, ctx)
+        proc: Process | None = None
+        async for message in request:
+            event = message.event
+            if event is None or event.field == "keepalive":
+                continue
+            if event.field == "start":
+                proc = self._select(entry, event.value.process)
+            elif proc is None:
+                raise ConnectError(Code.INVALID_ARGUMENT, "stream input before its start event")
+            elif event.value.input is not None and event.value.input.input is not None:
+                self._stdin(proc, event.value.input.input.value)
+        return pb.StreamInputResponse()
+
+    async def close_stdin(self, request: pb.CloseStdinRequest, ctx: RequestContext
+                          ) -> pb.CloseStdinResponse:
+        proc = self._select(sandbox_of(self._registry, ctx), request.process)
+        if proc.handle is not None:
+            proc.handle.close_stdin()
+        return pb.CloseStdinResponse()
+
+
+async def _drain(queue: asyncio.Queue[pb.ProcessEvent | None], proc: Process
+                 ) -> AsyncIterator[pb.ProcessEvent]:
+    try:
+        while (event := await queue.get()) is not None:
+            if event is _GONE:
+                raise ConnectError(Code.UNAVAILABLE, "the connection to the sandbox ended "
+                                   "before the stream completed")
+            yield event
+    finally:  # the stream ended or its client left: stop feeding this listener
+        if queue in proc.listeners:
+            proc.listeners.remove(queue)

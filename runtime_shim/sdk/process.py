@@ -1,0 +1,123 @@
+"""``Process`` and ``AsyncProcess``: a command started in a sandbox that outlives the call that
+started it (``Sandbox.start(cmd)``, ``await AsyncSandbox.start(cmd)``): written to on stdin,
+signalled, waited for, while other commands run beside it.
+
+    proc = await sb.start("cat", on_stdout=print)
+    proc.write_stdin(b"hello\\n")
+    proc.close_stdin()
+    result = await proc.wait()          # ExecResult, as exec's
+
+The command runs on its own agent connection (``runtime_shim.isolation.agent_session``). An
+``AsyncProcess`` is driven by a task of the event loop it was started on (its methods are
+called from that loop; output callbacks run in it); a ``Process`` by a thread of its own (its
+methods may be called from any thread; output callbacks run in that thread). Closing the
+sandbox ends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+from runtime_shim.isolation.agent import ExecOutcome
+from runtime_shim.isolation.agent_session import Session
+from runtime_shim.node.model import ExecResult
+
+
+class AsyncProcess:
+    """A running command of a sandbox (``AsyncSandbox.start``)."""
+
+    def __init__(self, session: Session, to_result: Callable[[ExecOutcome, float], ExecResult]
+                 ) -> None:
+        self._session = session
+        self._to_result = to_result
+        self._started = time.monotonic()
+        self._task: asyncio.Task[ExecOutcome] = asyncio.get_running_loop().create_task(
+            session.drive())
+
+    @property
+    def done(self) -> bool:
+        return self._task.done()
+
+    def write_stdin(self, data: bytes | str) -> None:
+        """Queue ``data`` for the command's stdin (``RuntimeShimError`` once it is closed, or
+        when over a MiB is still unread)."""
+        self._session.write(data.encode() if isinstance(data, str) else data)
+
+    def close_stdin(self) -> None:
+        """EOF on the command's stdin, after what was written."""
+        self._session.close_stdin()
+
+    def send_signal(self, sig: int = signal.SIGTERM) -> None:
+        """Signal the command's process group."""
+        self._session.signal(sig)
+
+    def kill(self) -> None:
+        self._session.signal(signal.SIGKILL)
+
+    async def wait(self) -> ExecResult:
+        """The command's result once it ended (its output as exec's: bounded per stream)."""
+        outcome = await asyncio.shield(self._task)
+        return self._to_result(outcome, self._started)
+
+    async def cancel(self) -> None:
+        """Hang up: the agent kills the command's group; returns once the connection closed."""
+        self._task.cancel()
+        try:
+            await self._task
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - ending it is the point
+            pass
+
+
+class Process:
+    """A running command of a sandbox (``Sandbox.start``), driven by a thread of its own."""
+
+    def __init__(self, session: Session, to_result: Callable[[ExecOutcome, float], ExecResult]
+                 ) -> None:
+        self._session = session
+        self._to_result = to_result
+        self._started = time.monotonic()
+        self._outcome: ExecOutcome | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._drive, name="runtime-shim-process",
+                                        daemon=True)
+        self._thread.start()
+
+    def _drive(self) -> None:
+        try:
+            self._outcome = self._session.drive_blocking()
+        except BaseException as e:  # noqa: BLE001 - handed to wait()
+            self._error = e
+        finally:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def write_stdin(self, data: bytes | str) -> None:
+        """As ``AsyncProcess.write_stdin``."""
+        self._session.write(data.encode() if isinstance(data, str) else data)
+
+    def close_stdin(self) -> None:
+        self._session.close_stdin()
+
+    def send_signal(self, sig: int = signal.SIGTERM) -> None:
+        self._session.signal(sig)
+
+    def kill(self) -> None:
+        self._session.signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> ExecResult:
+        """The command's result once it ended; ``TimeoutError`` if that takes longer than
+        ``timeout`` seconds (the command runs on)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the command did not end within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._outcome is not None, "a driven session has an outcome (a bug)"
+        return self._to_result(self._outcome, self._started)

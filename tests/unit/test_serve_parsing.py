@@ -1,0 +1,130 @@
+"""The pure parsers of ``envbuild serve``: an upload part's file name as sent, the user of an
+envd request, a passwd file, and one ``stat -c`` line as E2B's ``EntryInfo``."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from envbuild.serve.envd_fs import _entry_info
+from envbuild.serve.files import _filename
+from envbuild.serve.users import UnknownUser, _parse_passwd, header_user
+
+
+class _Part:
+    def __init__(self, header: str) -> None:
+        self.headers = {"Content-Disposition": header}
+
+
+@pytest.mark.parametrize(("header", "name"), [
+    ('form-data; name="file"; filename="/tmp/many/0.txt"', "/tmp/many/0.txt"),  # kept absolute
+    ('form-data; name="file"; filename="/a \\"q\\".txt"', '/a "q".txt'),
+    ("form-data; name=file; filename=/x/y", "/x/y"),
+    ('form-data; name="file"', None),
+])
+def test_an_upload_keeps_the_file_name_as_sent(header, name):
+    assert _filename(_Part(header)) == name
+
+
+def test_the_user_of_a_request():
+    def basic(raw: str) -> str:
+        return "Basic " + base64.b64encode(raw.encode()).decode()
+
+    assert header_user(basic("agent:")) == "agent"
+    assert header_user(None) is None and header_user(basic(":")) is None
+    with pytest.raises(UnknownUser):
+        header_user("Basic !!!")
+
+
+def test_passwd_by_name_and_uid():
+    users = _parse_passwd("root:x:0:0:root:/root:/bin/sh\nbad line\nagent:x:1000:1001::/home/a:")
+    assert users["agent"] == ("1000:1001", "/home/a") and users["#0"] == ("0:0", "/root")
+    assert "bad line" not in users
+
+
+def test_a_stat_line_is_an_entry_info():
+    from e2b.envd.filesystem import filesystem_pb as pb
+
+    e = _entry_info("81a4|5|root|root|1700000000|/tmp/x|y")
+    assert (e.name, e.path, e.type, e.size, e.mode) == ("x|y", "/tmp/x|y", pb.FileType.FILE, 5,
+                                                        0o644)
+    assert e.permissions == "-rw-r--r--" and e.modified_time.seconds == 1700000000
+    link = _entry_info("a1ff|7|root|root|0|/bin/sh")
+    assert link.is_symlink and link.type == pb.FileType.SYMLINK and link.name == "sh"
+
+
+def _entry(sid: str, started: float, template: str = "t", **metadata: str):
+    from envbuild.serve.sandboxes import Entry
+
+    return Entry(id=sid, template=template, sandbox=None, token="", metadata=metadata,
+                 env_vars={}, started_at=started, end_at=started + 60)
+
+
+def test_list_pages_filters_and_order():
+    from envbuild.serve.control import ListQuery
+
+    entries = [_entry("a", 1.0, k="x"), _entry("b", 2.0, k="x"), _entry("c", 3.0, "u", k="y")]
+    q = ListQuery.from_params({"limit": "1"})
+    page, token = q.page(entries)
+    assert [e.id for e in page] == ["c"] and token == "1"  # newest first
+    page, token = ListQuery.from_params({"limit": "2", "nextToken": token}).page(entries)
+    assert [e.id for e in page] == ["b", "a"] and token is None
+    asc = ListQuery.from_params({"order": "asc", "metadata": "k=x"}).page(entries)[0]
+    assert [e.id for e in asc] == ["a", "b"]
+    assert [e.id for e in ListQuery.from_params({"template": "u"}).page(entries)[0]] == ["c"]
+    after = ListQuery.from_params({"startedAfter": "1970-01-01T00:00:02Z"}).page(entries)[0]
+    assert [e.id for e in after] == ["c", "b"]
+    assert ListQuery.from_params({"state": "paused"}).page(entries)[0] == []
+
+
+@pytest.mark.parametrize("params", [{"limit": "0"}, {"limit": "101"}, {"nextToken": "x"},
+                                    {"startedAfter": "yesterday"}])
+def test_a_bad_list_query_is_a_400(params):
+    from aiohttp import web
+
+    from envbuild.serve.control import ListQuery
+
+    with pytest.raises(web.HTTPBadRequest):
+        ListQuery.from_params(params)
+
+
+def test_users_resolve_against_the_sandbox_passwd_once():
+    import asyncio
+    import types
+
+    from envbuild.serve.users import User, resolve
+
+    reads = []
+
+    async def read_file(path):
+        reads.append(path)
+        return b"root:x:0:0::/root:/bin/sh\npasswd:x:7:8::/var/p:/bin/sh\nagent:x:1000:1000::/home/agent:"
+
+    entry = _entry("a", 1.0)
+    entry.sandbox = types.SimpleNamespace(read_file=read_file,
+                                          lock=types.SimpleNamespace(user="1000:1000"))
+
+    async def main():
+        return [await resolve(entry, n) for n in (None, "passwd", "agent", "root")]
+
+    assert asyncio.run(main()) == [User("1000:1000", "/home/agent"),
+                                   User("7:8", "/var/p", named=True),
+                                   User("1000:1000", "/home/agent", named=True),
+                                   User("0:0", "/root", named=True)]
+    assert reads == ["/etc/passwd"]
+    with pytest.raises(UnknownUser):
+        asyncio.run(resolve(entry, "nobody"))
+
+
+def test_a_reported_start_time_filters_as_itself():
+    """startedAfter=<a sandbox's reported startedAt> keeps that sandbox: the time it is stored
+    with is whole microseconds, as reported, so the round trip through ISO 8601 is exact."""
+    import datetime
+
+    from envbuild.serve.control import ListQuery, _iso
+
+    for _ in range(2000):
+        now = datetime.datetime.now(datetime.UTC).timestamp()
+        e = _entry("a", now)
+        assert ListQuery.from_params({"startedAfter": _iso(now)}).page([e])[0] == [e]
