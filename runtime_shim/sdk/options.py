@@ -52,7 +52,10 @@ class SandboxOptions:
     ``lazy``: mount each layer read-only with FUSE, served from the store file by file on
     first read (``runtime_shim.lazyfs``; the store must be one another process can open),
     instead of unpacking it; ``"auto"``: lazy where the node's lazy daemon can serve the
-    layers, else a full pull with a warning. ``Sandbox.info().lazy`` says how reads are served.
+    layers, else a full pull with a warning; ``"native"``: no FUSE — each layer's metadata is
+    a kernel overlay over the node's object store, filled on first access by the node's
+    fanotify filler (``runtime_shim.lazyfs.native``, Linux >= 6.14, root).
+    ``Sandbox.info().lazy`` says how reads are served.
 
     ``seccomp``: None for the default syscall filter (``runtime_shim.isolation.seccomp``),
     ``"unconfined"`` for none, or a full OCI ``linux.seccomp`` object (checked). A microVM
@@ -109,8 +112,8 @@ def plan_create(options: SandboxOptions) -> CreatePlan:
     impl = get_backend(options.backend)
     seccomp_profiles.check_setting(options.seccomp)
     lazy = options.lazy
-    if lazy not in (False, True, "auto"):
-        raise RuntimeShimError(f"lazy must be False, True or 'auto', not {lazy!r}")
+    if lazy not in (False, True, "auto", "native"):
+        raise RuntimeShimError(f"lazy must be False, True, 'auto' or 'native', not {lazy!r}")
     try:
         impl.check(keep=options.keep, seccomp=options.seccomp, lazy=bool(lazy))
     except BackendUnavailable:

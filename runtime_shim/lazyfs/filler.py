@@ -1,0 +1,344 @@
+"""The native filler: fills the node's object placeholders (``objects``) on first access,
+answering fanotify pre-content events (``fanotify``); no FUSE, nothing on the read path once
+an object is complete.
+
+Two processes, so that a killed filler never lets a reader see a hole::
+
+    python -m runtime_shim.lazyfs.filler --node ROOT           the holder
+        └─ python -m runtime_shim.lazyfs.filler --worker ...   the worker (respawned)
+
+**The holder** creates the fanotify group and the control socket, holds both for its life,
+and runs the worker with them (``pass_fds``); when the worker dies (SIGKILL, OOM, a bug) it
+starts a new one. Marks belong to the group and the group lives while any process holds its
+fd: with the holder alive, a dead worker's marks stay, readers of unfilled ranges wait in
+the kernel (never read zeros), and the new worker resumes. The holder does nothing else (no
+store, no parsing): it is the part that must not fail. With the worker alive, the holder's
+death is harmless too (the worker holds the group); only both dying at once releases the
+group, and the kernel then lets unfilled placeholders read as holes — see
+docs/native-lazy.md for what closes that last gap (a pinned BPF LSM program).
+
+**The worker**, on start: answers every permission event a dead predecessor read but did not
+answer with EIO (the kernel keeps them queued on the group; they are matched by fd number,
+and a worker's fds are below ``MAX_FDS``), then marks every placeholder (a restart resumes),
+then serves. Per event: its own writes' events (pid = its own) are allowed at once by the
+reading thread; any other is a fill of the whole object (single-flight per object) in a
+pool thread: fetch the file from its layer (``LayerReader.iter_read``, ranged reads of its
+frames), spool it, check its sha256 against the object's name (the TOC digest), copy it into
+the placeholder, fsync, set the fill state, remove the mark, answer ``FAN_ALLOW``. A fill
+that fails (store down, corrupt blob) answers EIO and logs one line; the mark stays, so the
+next read tries again.
+
+**Only root talks to the filler**: its socket is ``<node>/objects/filler.sock`` in a 0700
+root-owned dir, and it answers only peers whose ``SO_PEERCRED`` uid is 0. Requests are one
+JSON line each: ``{"op": "ping"}``, ``{"op": "mark", "objects": [hex, ...]}`` (mark these
+placeholders before a create mounts them).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from runtime_shim.lazyfs import fanotify
+from runtime_shim.lazyfs.objects import FILLED_XATTR, ObjectStore
+
+log = logging.getLogger("envbuild.lazyfs.filler")
+
+SOCKET = "filler.sock"
+LOCK = "filler.lock"
+LOG = "filler.log"
+#: The worker's fd limit: every event fd it ever holds is below it, so a successor can answer
+#: a dead worker's unanswered events by number.
+MAX_FDS = 4096
+#: Fills at once (each a ranged read of the store, then a local copy).
+FILL_WORKERS = 8
+#: Largest request line.
+MAX_REQUEST = 1 << 20
+
+
+# -- the holder -------------------------------------------------------------------------
+
+
+def hold(node_root: str) -> int:
+    """The holder's life: the group, the socket, a worker respawned until SIGTERM."""
+    objects = ObjectStore(node_root)
+    objects.make_dirs()
+    lock_fd = os.open(os.path.join(objects.root, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                      0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return 0  # another holder serves this node
+    group = fanotify.open_group()
+    sock_path = os.path.join(objects.root, SOCKET)
+    if os.path.lexists(sock_path):
+        os.unlink(sock_path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock_path)
+    os.chmod(sock_path, 0o600)
+    listener.listen(64)
+    stopping = threading.Event()
+    worker: list[subprocess.Popen[bytes]] = []
+
+    def stop(_sig: int, _frame: Any) -> None:
+        stopping.set()
+        if worker:
+            worker[0].terminate()
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while not stopping.is_set():
+        worker[:] = [subprocess.Popen(
+            [sys.executable, "-m", "runtime_shim.lazyfs.filler", "--worker", "--node",
+             node_root, "--group-fd", str(group), "--socket-fd", str(listener.fileno())],
+            pass_fds=(group, listener.fileno()))]
+        code = worker[0].wait()
+        if not stopping.is_set():
+            log.warning("filler worker exited (%s); starting another", code)
+            time.sleep(0.2)
+    os.unlink(sock_path)
+    return 0
+
+
+# -- the worker -------------------------------------------------------------------------
+
+
+class Worker:
+    """Marks placeholders, answers events, fills objects (one fill per object at a time)."""
+
+    def __init__(self, node_root: str, group: int) -> None:
+        self.objects = ObjectStore(node_root)
+        self.group = group
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
+        self._by_ino: dict[tuple[int, int], str] = {}
+        self._waiting: dict[str, list[int]] = {}   # object → event fds waiting for its fill
+        self._readers: dict[str, Any] = {}
+        self._pool = ThreadPoolExecutor(FILL_WORKERS, thread_name_prefix="fill")
+        self.fills = self.failures = 0
+
+    def sweep(self) -> int:
+        """Answer EIO to the events a dead worker read but never answered; how many."""
+        return sum(fanotify.answer(self.group, fd, fanotify.deny_errno(errno.EIO))
+                   for fd in range(MAX_FDS))
+
+    def mark(self, hexd: str) -> bool:
+        """Mark placeholder ``hexd`` (no-op for a complete object); True when marked."""
+        path = self.objects.path(hexd)
+        st = os.stat(path)
+        if self.objects.complete(hexd):
+            return False
+        with self._lock:
+            self._by_ino[(st.st_dev, st.st_ino)] = hexd
+        fanotify.mark(self.group, path)
+        if self.objects.complete(hexd):  # filled meanwhile (another worker's last act)
+            fanotify.mark(self.group, path, remove=True)
+            return False
+        return True
+
+    def run(self) -> None:
+        """Read events for ever (the calling thread)."""
+        while True:
+            try:
+                buf = os.read(self.group, 64 << 10)
+            except InterruptedError:
+                continue
+            for event in fanotify.parse(buf):
+                self.on_event(event)
+
+    def on_event(self, event: fanotify.Event) -> None:
+        if event.pid == self.pid:   # our own fill's write: never wait for ourselves
+            fanotify.answer(self.group, event.fd, fanotify.FAN_ALLOW)
+            os.close(event.fd)
+            return
+        try:
+            st = os.fstat(event.fd)
+            with self._lock:
+                hexd = self._by_ino.get((st.st_dev, st.st_ino))
+        except OSError:
+            hexd = None
+        if hexd is None:
+            log.error("event for an unknown file (fd %d, pid %d): EIO", event.fd, event.pid)
+            self._finish([event.fd], ok=False)
+            return
+        with self._lock:
+            waiting = self._waiting.get(hexd)
+            if waiting is not None:   # a fill of it is running: wait for that one
+                waiting.append(event.fd)
+                return
+            self._waiting[hexd] = [event.fd]
+        self._pool.submit(self._fill_and_answer, hexd)
+
+    def _finish(self, fds: list[int], *, ok: bool) -> None:
+        answer = fanotify.FAN_ALLOW if ok else fanotify.deny_errno(errno.EIO)
+        for fd in fds:
+            fanotify.answer(self.group, fd, answer)
+            os.close(fd)
+
+    def _fill_and_answer(self, hexd: str) -> None:
+        ok = False
+        t0 = time.monotonic()
+        try:
+            ok = self.objects.complete(hexd) or self.fill(hexd)
+        except Exception as e:  # noqa: BLE001 - every failure is the reader's EIO and a line
+            self.failures += 1
+            src = _safe_source(self.objects, hexd)
+            log.error("object %s (layer %s, %s): %s: readers get EIO", hexd[:16],
+                      src.get("layer", "?"), src.get("path", "?"), e)
+        if ok:
+            try:
+                fanotify.mark(self.group, self.objects.path(hexd), remove=True)
+            except OSError as e:
+                log.warning("object %s: removing its mark: %s", hexd[:16], e)
+            log.info("object %s filled in %.3f s", hexd[:16], time.monotonic() - t0)
+        with self._lock:
+            fds = self._waiting.pop(hexd, [])
+        self._finish(fds, ok=ok)
+
+    def fill(self, hexd: str) -> bool:
+        """Fetch, verify and write object ``hexd``; True when it is complete."""
+        src = self.objects.source(hexd)
+        reader = self._reader(str(src["store"]), src.get("s3_endpoint"), str(src["layer"]))
+        spool = self.objects.tmp("fill")
+        h = hashlib.sha256()
+        size = 0
+        with open(spool, "wb") as f:
+            try:
+                for piece in reader.iter_read(str(src["path"])):  # checks the TOC digest
+                    h.update(piece)
+                    size += len(piece)
+                    f.write(piece)
+                f.flush()
+                if h.hexdigest() != hexd or size != int(src["size"]):
+                    raise ValueError(f"content is sha256:{h.hexdigest()} ({size} bytes), not "
+                                     "the object's")
+                _copy_into(spool, self.objects.path(hexd), size)
+            finally:
+                os.unlink(spool)
+        os.setxattr(self.objects.path(hexd), FILLED_XATTR, b"1")
+        self.fills += 1
+        return True
+
+    def _reader(self, url: str, endpoint: str | None, layer: str) -> Any:
+        key = f"{url}\0{endpoint}\0{layer}"
+        with self._lock:
+            got = self._readers.get(key)
+        if got is None:
+            from envbuild.layers import LayerReader
+            from envbuild.store import open_store
+
+            store = open_store(url, s3_endpoint=endpoint, create=False)
+            got = LayerReader.from_store(store, layer)
+            with self._lock:
+                got = self._readers.setdefault(key, got)
+        return got
+
+
+def _safe_source(objects: ObjectStore, hexd: str) -> dict[str, Any]:
+    try:
+        return objects.source(hexd)
+    except (OSError, ValueError):
+        return {}
+
+
+def _copy_into(spool: str, target: str, size: int) -> None:
+    """Copy the verified spool into the placeholder through our own fd (its events carry our
+    pid: the reading thread allows them), then fsync: the fill state follows the bytes."""
+    src = os.open(spool, os.O_RDONLY | os.O_CLOEXEC)
+    dst = os.open(target, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        done = 0
+        while done < size:
+            n = os.copy_file_range(src, dst, size - done, done, done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"copy into {target} stopped at {done} of {size}")
+            done += n
+        os.fsync(dst)
+    finally:
+        os.close(src)
+        os.close(dst)
+
+
+def serve_socket(listener: socket.socket, handle: Callable[[dict[str, Any]], dict[str, Any]]
+                 ) -> None:
+    """Answer root's requests on ``listener``, one connection at a time per thread."""
+    from runtime_shim.lazyfs.control import peer_uid
+
+    while True:
+        conn, _ = listener.accept()
+        if peer_uid(conn) != 0:
+            conn.close()
+            continue
+        threading.Thread(target=_one_conn, args=(conn, handle), daemon=True).start()
+
+
+def _one_conn(conn: socket.socket, handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    with conn:
+        buf = b""
+        while not buf.endswith(b"\n") and len(buf) < MAX_REQUEST:
+            got = conn.recv(65536)
+            if not got:
+                return
+            buf += got
+        try:
+            reply = handle(json.loads(buf))
+        except Exception as e:  # noqa: BLE001 - the client gets the reason
+            reply = {"ok": False, "error": str(e)}
+        conn.sendall(json.dumps(reply).encode() + b"\n")
+
+
+def work(node_root: str, group: int, sock_fd: int) -> int:
+    """The worker's life (see the module docstring)."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (MAX_FDS, MAX_FDS))
+    w = Worker(node_root, group)
+    swept = w.sweep()
+    for name in os.listdir(w.objects.root + "/tmp"):
+        if name.startswith("fill-"):
+            os.unlink(os.path.join(w.objects.root, "tmp", name))
+    marked = sum(w.mark(h) for h in w.objects.incomplete())
+    log.info("filler worker %d: %d stale events answered EIO, %d placeholders marked",
+             os.getpid(), swept, marked)
+
+    def handle(req: dict[str, Any]) -> dict[str, Any]:
+        if req.get("op") == "ping":
+            return {"ok": True, "pid": os.getpid(), "holder": os.getppid(), "fills": w.fills, "failures": w.failures}
+        if req.get("op") == "mark":
+            return {"ok": True, "marked": sum(w.mark(str(h)) for h in req.get("objects", ()))}
+        return {"ok": False, "error": f"unknown op {req.get('op')!r}"}
+    listener = socket.socket(fileno=sock_fd)
+    threading.Thread(target=serve_socket, args=(listener, handle), daemon=True).start()
+    w.run()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m runtime_shim.lazyfs.filler")
+    p.add_argument("--node", required=True)
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--group-fd", type=int)
+    p.add_argument("--socket-fd", type=int)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s filler[%(process)d] %(levelname)s %(message)s")
+    if args.worker:
+        return work(os.path.abspath(args.node), args.group_fd, args.socket_fd)
+    return hold(os.path.abspath(args.node))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

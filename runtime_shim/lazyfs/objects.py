@@ -1,0 +1,131 @@
+"""The node's content-addressed object store for native lazy layers: one file per distinct
+file content, created as a sparse placeholder and filled on first access.
+
+Layout, on the node dir's own filesystem (root only, 0700)::
+
+    <node>/objects/data/<hex>   the object: the file whose sha256 is <hex>, ``size`` bytes;
+                                a sparse placeholder until filled. The data-only lower
+                                layer of every native layer's overlay (``nativetree``)
+    <node>/objects/src/<hex>    where its bytes come from: JSON {store, s3_endpoint,
+                                layer, path, size} (the first layer that named it)
+    <node>/objects/tmp/         placeholders being made, and fills being verified
+
+**Fill state.** An object is complete once its xattr ``trusted.envbuild.filled`` is set; the
+filler (``runtime_shim.lazyfs.filler``) sets it after the verified bytes are written and
+synced, then removes the object's fanotify mark. Everything without it is a placeholder the
+filler marks when it starts (so a restarted filler resumes), and a create asks the filler to
+mark before it mounts (so no reader reaches an unmarked placeholder). The TOC has one digest
+per file (no per-frame digest), so a fill is a whole file: fetched, verified against the TOC
+digest in a spool file, then copied into the placeholder: no byte of an unverified fill is
+ever in the object.
+
+**One object per content.** Two layers (of any image) holding the same file share the
+object: one inode, one page-cache copy; the first layer to name it is its source (any source
+gives the same verified bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import uuid
+from typing import Any
+
+from envbuild.atomic import write_atomic
+from envbuild.oci import is_hex64
+
+FILLED_XATTR = "trusted.envbuild.filled"
+_DIRS = ("data", "src", "tmp")
+
+
+class ObjectStore:
+    """``<node>/objects``: placeholders, their sources and fill state."""
+
+    def __init__(self, node_root: str | os.PathLike[str]) -> None:
+        self.root = os.path.join(os.path.abspath(node_root), "objects")
+        self.data = os.path.join(self.root, "data")
+
+    def make_dirs(self) -> None:
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        for sub in _DIRS:
+            os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)
+
+    def path(self, hexd: str) -> str:
+        if not is_hex64(hexd):
+            raise ValueError(f"bad object name {hexd!r}")
+        return os.path.join(self.data, hexd)
+
+    def tmp(self, what: str) -> str:
+        return os.path.join(self.root, "tmp", f"{what}-{uuid.uuid4().hex[:12]}")
+
+    def complete(self, hexd: str) -> bool:
+        try:
+            return os.getxattr(self.path(hexd), FILLED_XATTR) == b"1"
+        except OSError:
+            return False
+
+    def source(self, hexd: str) -> dict[str, Any]:
+        with open(os.path.join(self.root, "src", hexd), encoding="utf-8") as f:
+            doc = json.load(f)
+        if not isinstance(doc, dict):
+            raise ValueError(f"object {hexd}: bad source record")
+        return doc
+
+    def ensure(self, hexd: str, size: int, source: dict[str, Any]) -> bool:
+        """The object ``hexd`` of ``size`` bytes exists (a placeholder if new; an empty file
+        is complete at once); True when it is complete. Safe against concurrent creators:
+        the placeholder is made aside and linked in (the first link wins)."""
+        path = self.path(hexd)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                raise ValueError(f"object {hexd} is not a {size}-byte file")
+            return self.complete(hexd)
+        src = os.path.join(self.root, "src", hexd)
+        if not os.path.exists(src):
+            write_atomic(src, json.dumps(dict(source, size=size)))
+        tmp = self.tmp("new")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
+        try:
+            if size:
+                os.ftruncate(fd, size)
+            else:
+                os.setxattr(fd, FILLED_XATTR, b"1")
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+        return self.complete(hexd)
+
+    def incomplete(self) -> list[str]:
+        """Every placeholder (what a starting filler marks)."""
+        try:
+            names = os.listdir(self.data)
+        except FileNotFoundError:
+            return []
+        return [n for n in names if is_hex64(n) and not self.complete(n)]
+
+    def describe(self) -> dict[str, int]:
+        """Objects, complete ones and their bytes on disk (``node ls``)."""
+        n = done = used = 0
+        for name in os.listdir(self.data) if os.path.isdir(self.data) else ():
+            try:
+                st = os.lstat(os.path.join(self.data, name))
+            except FileNotFoundError:
+                continue
+            n += 1
+            done += self.complete(name)
+            used += st.st_blocks * 512
+        return {"objects": n, "complete": done, "bytes": used}
+
+
+__all__ = ["FILLED_XATTR", "ObjectStore"]
