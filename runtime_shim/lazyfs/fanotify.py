@@ -2,8 +2,8 @@
 native filler (``runtime_shim.lazyfs.filler``) uses.
 
 Linux >= 6.14: a group of class ``FAN_CLASS_PRE_CONTENT`` may mark an inode for
-``FAN_PRE_ACCESS``; every read, write, ``mmap`` or page fault of it then waits until the group
-answers the event (``FAN_ALLOW``, or ``FAN_DENY`` with an errno the reader gets). Each event
+``FAN_PRE_ACCESS`` (and ``FAN_OPEN_PERM``); every read, write or ``mmap`` (open) of it then
+waits until the group answers the event (``FAN_ALLOW``, or ``FAN_DENY`` with an errno the reader gets). Each event
 carries a range record (type 6: offset, count). The constants are spelled here because the
 C headers of most distributions predate them."""
 
@@ -22,7 +22,11 @@ FAN_CLASS_PRE_CONTENT = 0x8
 FAN_UNLIMITED_QUEUE = 0x10
 FAN_MARK_ADD = 0x1
 FAN_MARK_REMOVE = 0x2
+FAN_OPEN_PERM = 0x00010000
 FAN_PRE_ACCESS = 0x00100000
+#: What the filler marks: the open (a fill before any read or ``mmap`` can happen: an
+#: ``mmap`` through overlayfs raises no pre-content event of the lower file) and every access.
+FILL_EVENTS = FAN_OPEN_PERM | FAN_PRE_ACCESS
 FAN_ALLOW = 0x1
 FAN_DENY = 0x2
 FAN_EVENT_INFO_TYPE_RANGE = 6
@@ -72,10 +76,10 @@ def open_group() -> int:
     return fd
 
 
-def mark(group: int, path: str, *, remove: bool = False) -> None:
-    """Add (or remove) the ``FAN_PRE_ACCESS`` mark of the inode at ``path``."""
+def mark(group: int, path: str, *, remove: bool = False, mask: int = FILL_EVENTS) -> None:
+    """Add (or remove) the mark of the inode at ``path`` (``FILL_EVENTS``)."""
     flags = FAN_MARK_REMOVE if remove else FAN_MARK_ADD
-    if _mark(group, flags, FAN_PRE_ACCESS, _AT_FDCWD, os.fsencode(path)) != 0:
+    if _mark(group, flags, mask, _AT_FDCWD, os.fsencode(path)) != 0:
         err = ctypes.get_errno()
         if remove and err == errno.ENOENT:  # no mark there (removed before)
             return
@@ -116,5 +120,5 @@ def answer(group: int, fd: int, response: int) -> bool:
         raise
 
 
-__all__ = ["FAN_ALLOW", "FAN_DENY", "FAN_PRE_ACCESS", "Event", "answer", "deny_errno",
+__all__ = ["FAN_ALLOW", "FAN_DENY", "FAN_OPEN_PERM", "FAN_PRE_ACCESS", "FILL_EVENTS", "Event", "answer", "deny_errno",
            "mark", "open_group", "parse"]

@@ -24,7 +24,10 @@ then serves. Per event: its own writes' events (pid = its own) are allowed at on
 reading thread; any other is a fill of the whole object (single-flight per object) in a
 pool thread: fetch the file from its layer (``LayerReader.iter_read``, ranged reads of its
 frames), spool it, check its sha256 against the object's name (the TOC digest), copy it into
-the placeholder, fsync, set the fill state, remove the mark, answer ``FAN_ALLOW``. A fill
+the placeholder, fsync, set the fill state, remove the mark, answer ``FAN_ALLOW``. The mark
+takes opens too (``fanotify.FILL_EVENTS``): a file is filled when it is opened, so an
+``mmap`` through overlayfs (which raises no pre-content event of the lower file: checked on
+6.18) finds it complete. A fill
 that fails (store down, corrupt blob) answers EIO and logs one line; the mark stays, so the
 next read tries again.
 
@@ -258,7 +261,7 @@ def _copy_into(spool: str, target: str, size: int) -> None:
     """Copy the verified spool into the placeholder through our own fd (its events carry our
     pid: the reading thread allows them), then fsync: the fill state follows the bytes."""
     src = os.open(spool, os.O_RDONLY | os.O_CLOEXEC)
-    dst = os.open(target, os.O_WRONLY | os.O_CLOEXEC)
+    dst = os.open(target, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)   # a killed fill's rest
     try:
         done = 0
         while done < size:

@@ -1,10 +1,10 @@
 """The node's content-addressed object store for native lazy layers: one file per distinct
-file content, created as a sparse placeholder and filled on first access.
+file content, created as an empty placeholder and filled on first access.
 
 Layout, on the node dir's own filesystem (root only, 0700)::
 
     <node>/objects/data/<hex>   the object: the file whose sha256 is <hex>, ``size`` bytes;
-                                a sparse placeholder until filled. The data-only lower
+                                an empty placeholder until filled. The data-only lower
                                 layer of every native layer's overlay (``nativetree``)
     <node>/objects/src/<hex>    where its bytes come from: JSON {store, s3_endpoint,
                                 layer, path, size} (the first layer that named it)
@@ -18,6 +18,14 @@ mark before it mounts (so no reader reaches an unmarked placeholder). The TOC ha
 per file (no per-frame digest), so a fill is a whole file: fetched, verified against the TOC
 digest in a spool file, then copied into the placeholder: no byte of an unverified fill is
 ever in the object.
+
+**Why an empty placeholder, not a sparse one of the file's size**: the sizes a reader sees
+come from the metadata tree (``trusted.overlay.metacopy`` files), never from the object, and
+an empty object makes every way of reading it that the filler does not see fail loudly
+rather than return a hole: a read past its end is the end of the file, an ``mmap`` of it is
+SIGBUS, an ``execve`` an ENOEXEC — where a sparse placeholder read as zeros. The filler sees
+every open while it lives (``FAN_OPEN_PERM``), so this is the last line: for the one case in
+which its fanotify group is gone (``filler``: the holder and the worker both killed).
 
 **One object per content.** Two layers (of any image) holding the same file share the
 object: one inode, one page-cache copy; the first layer to name it is its source (any source
@@ -74,8 +82,8 @@ class ObjectStore:
         return doc
 
     def ensure(self, hexd: str, size: int, source: dict[str, Any]) -> bool:
-        """The object ``hexd`` of ``size`` bytes exists (a placeholder if new; an empty file
-        is complete at once); True when it is complete. Safe against concurrent creators:
+        """The object ``hexd`` of ``size`` bytes exists (an empty placeholder if new; the
+        object of an empty file is complete at once); True when it is complete. Safe against concurrent creators:
         the placeholder is made aside and linked in (the first link wins)."""
         path = self.path(hexd)
         try:
@@ -83,18 +91,17 @@ class ObjectStore:
         except FileNotFoundError:
             st = None
         if st is not None:
-            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            done = self.complete(hexd)
+            if not stat.S_ISREG(st.st_mode) or (done and st.st_size != size):
                 raise ValueError(f"object {hexd} is not a {size}-byte file")
-            return self.complete(hexd)
+            return done
         src = os.path.join(self.root, "src", hexd)
         if not os.path.exists(src):
             write_atomic(src, json.dumps(dict(source, size=size)))
         tmp = self.tmp("new")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
         try:
-            if size:
-                os.ftruncate(fd, size)
-            else:
+            if not size:
                 os.setxattr(fd, FILLED_XATTR, b"1")
         finally:
             os.close(fd)

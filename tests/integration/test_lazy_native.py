@@ -67,3 +67,97 @@ def test_native_and_full_sandboxes_see_the_same_tree(lock2):
                       "busybox getfattr -n user.origin /data/big.bin 2>&1; true")
         mnt = native.nativetree.mount_dir(str(node_dir / "node"), layers[0].digest[7:])
         assert os.getxattr(Path(mnt) / "data" / "big.bin", "user.origin") == b"test", x
+
+
+def _env(tmp_path: Path, name: str, extra: dict[str, bytes], store=None):
+    """A store with lock ``name``: a busybox layer, and a layer holding ``extra``."""
+    from tests.integration.test_container_runtime import make_busybox_root
+
+    require_root()
+    require_tool("runc")
+    store = store or LocalStore(tmp_path / "store")
+    base = make_busybox_root(tmp_path / f"{name}-base")
+    (base / "bin" / "sha256sum").exists() or os.symlink("busybox", base / "bin" / "sha256sum")
+    top = tmp_path / f"{name}-top"
+    for rel, data in extra.items():
+        (top / rel).parent.mkdir(parents=True, exist_ok=True)
+        (top / rel).write_bytes(data)
+    layers = [_pack(store, base, tmp_path, f"{name}-base", source_date_epoch=1_700_000_000),
+              _pack(store, top, tmp_path, f"{name}-top", source_date_epoch=1_700_000_000)]
+    _lock(store, name, layers)
+    return store, layers
+
+
+@pytest.fixture
+def node_dir(tmp_path):
+    node_dir = tmp_path / "n"
+    yield node_dir
+    gc_sandboxes(node_dir)
+    native.shutdown(str(node_dir / "node"))
+    for target in mounted_targets_under(str(node_dir)):
+        os.system(f"umount -l {target}")
+
+
+def _filler_log(node_dir: Path) -> str:
+    return (node_dir / "node" / "objects" / "filler.log").read_text()
+
+
+def test_a_corrupt_blob_is_an_io_error_and_a_log_line_never_zeros(tmp_path, node_dir):
+    from envbuild.layers import LayerReader
+
+    data = os.urandom(1 << 20)
+    store, layers = _env(tmp_path, "bad", {"data/f.bin": data})
+    blob = store.blob_path(layers[1].digest)
+    with LayerReader.open_file(blob) as r:
+        chunk = r.stat("data/f.bin").chunks[0]
+    raw = bytearray(blob.read_bytes())
+    raw[chunk.offset + chunk.csize // 2] ^= 0xFF
+    os.chmod(blob, 0o644)
+    blob.write_bytes(bytes(raw))
+    with Sandbox.create("bad", store=store, node_dir=node_dir, lazy="native") as sb:
+        got = sb.exec("sha256sum /data/f.bin; echo rc=$?")
+        out = got.stdout.decode() + got.stderr.decode()
+        assert hashlib.sha256(bytes(len(data))).hexdigest() not in out   # not zeros
+        assert hashlib.sha256(data).hexdigest() not in out
+        assert "Input/output error" in out and "rc=1" in out, out
+        # and again: still an error (the mark stays), not a hole
+        got = sb.exec("head -c 100 /data/f.bin | wc -c; echo rc=$?")
+        assert "Input/output error" in got.stdout.decode() + got.stderr.decode()
+    assert "readers get EIO" in _filler_log(node_dir)
+
+
+def test_execve_and_mmap_of_lazily_filled_files(tmp_path, node_dir):
+    import mmap
+
+    data = os.urandom(300_000)
+    store, layers = _env(tmp_path, "mm", {"data/m.bin": data})
+    with Sandbox.create("mm", store=store, node_dir=node_dir, lazy="native") as sb:
+        # busybox itself is an unfilled placeholder: the loader's reads and mmaps fill it
+        got = sb.exec("echo hello")
+        assert got.exit_code == 0 and got.stdout == b"hello\n", got.stderr
+        mnt = Path(native.nativetree.mount_dir(str(node_dir / "node"), layers[1].digest[7:]))
+        with open(mnt / "data" / "m.bin", "rb") as f, \
+                mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+            assert m[:] == data
+        got = sb.exec("sha256sum /data/m.bin")
+        assert got.stdout.decode().split()[0] == hashlib.sha256(data).hexdigest()
+
+
+def test_two_layers_sharing_a_file_share_one_object(tmp_path, node_dir):
+    shared = os.urandom(200_000)
+    store, a = _env(tmp_path, "one", {"lib/shared.so": shared, "a": b"a"})
+    _, b = _env(tmp_path, "other", {"usr/lib/copy.so": shared, "b": b"b"}, store=store)
+    hexd = hashlib.sha256(shared).hexdigest()
+    root = str(node_dir / "node")
+    with Sandbox.create("one", store=store, node_dir=node_dir, lazy="native") as s1, \
+            Sandbox.create("other", store=store, node_dir=node_dir, lazy="native") as s2:
+        assert s1.exec("sha256sum /lib/shared.so").stdout.decode().split()[0] == hexd
+        fills = native.filler_request(root, {"op": "ping"})["fills"]
+        assert s2.exec("sha256sum /usr/lib/copy.so").stdout.decode().split()[0] == hexd
+        assert native.filler_request(root, {"op": "ping"})["fills"] == fills  # no new fill
+        trees = [native.nativetree.tree_dir(root, x[1].digest[7:]) for x in (a, b)]
+        assert os.getxattr(trees[0] + "/lib/shared.so", "trusted.overlay.redirect") == \
+            os.getxattr(trees[1] + "/usr/lib/copy.so", "trusted.overlay.redirect") == \
+            b"/" + hexd.encode()
+        objs = ObjectStore(root)
+        assert objs.complete(hexd) and os.stat(objs.path(hexd)).st_nlink == 1
