@@ -2,10 +2,10 @@
 native filler (``runtime_shim.lazyfs.filler``) uses.
 
 Linux >= 6.14: a group of class ``FAN_CLASS_PRE_CONTENT`` may mark an inode for
-``FAN_PRE_ACCESS`` (and ``FAN_OPEN_PERM``); every read, write or ``mmap`` (open) of it then
-waits until the group answers the event (``FAN_ALLOW``, or ``FAN_DENY`` with an errno the reader gets). Each event
-carries a range record (type 6: offset, count). The constants are spelled here because the
-C headers of most distributions predate them."""
+``FAN_PRE_ACCESS`` (and ``FAN_OPEN_PERM``); every read, write or ``mmap`` (open) of it
+then waits until the group answers the event (``FAN_ALLOW``, or ``FAN_DENY`` with an errno
+the reader gets). Each access event carries a range record (type 6: offset, count). The
+constants are spelled here because the C headers of most distributions predate them."""
 
 from __future__ import annotations
 
@@ -120,5 +120,5 @@ def answer(group: int, fd: int, response: int) -> bool:
         raise
 
 
-__all__ = ["FAN_ALLOW", "FAN_DENY", "FAN_OPEN_PERM", "FAN_PRE_ACCESS", "FILL_EVENTS", "Event", "answer", "deny_errno",
-           "mark", "open_group", "parse"]
+__all__ = ["FAN_ALLOW", "FAN_DENY", "FAN_OPEN_PERM", "FAN_PRE_ACCESS", "FILL_EVENTS", "Event",
+           "answer", "deny_errno", "mark", "open_group", "parse"]

@@ -317,7 +317,8 @@ def work(node_root: str, group: int, sock_fd: int) -> int:
 
     def handle(req: dict[str, Any]) -> dict[str, Any]:
         if req.get("op") == "ping":
-            return {"ok": True, "pid": os.getpid(), "holder": os.getppid(), "fills": w.fills, "failures": w.failures}
+            return {"ok": True, "pid": os.getpid(), "holder": os.getppid(), "fills": w.fills,
+                    "failures": w.failures}
         if req.get("op") == "mark":
             return {"ok": True, "marked": sum(w.mark(str(h)) for h in req.get("objects", ()))}
         return {"ok": False, "error": f"unknown op {req.get('op')!r}"}

@@ -12,6 +12,7 @@ layer's overlay mounted.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -135,7 +136,7 @@ def native_layer_dirs(node_root: str, store: Any, layers: Sequence[Any]) -> list
                 new.append(obj)
             return obj
         dirs.append(nativetree.ensure(root, hexd, nodes, objects.data, place,
-                                      before_mount=lambda new=new: mark(root, new)))
+                                      before_mount=functools.partial(mark, root, new)))
     return dirs
 
 

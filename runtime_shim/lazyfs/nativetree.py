@@ -111,38 +111,53 @@ def build(root: str, nodes: dict[str, Node], place: Callable[[Node], str]) -> No
     made: set[int] = set()
     xdirs: set[str] = set()
     for path, node in nodes.items():
-        full = os.path.join(root, path)
-        kind = stat.S_IFMT(node.mode)
-        if kind == stat.S_IFREG and id(node) not in made:
-            made.add(id(node))
-            hexd = place(node)
-            paths = names[id(node)]
-            if not _make_file(root, paths, _entry(path, node, tuple(paths), hexd), hexd, umask):
-                raise RuntimeShimError(f"native layer tree: cannot create {paths[0]}")
-        elif kind == stat.S_IFCHR and node.rdev == 0:   # a whiteout: an xwhiteout
-            with open(full, "x"):
-                pass
-            os.setxattr(full, XWHITEOUT, b"")
+        if stat.S_ISREG(node.mode):
+            if id(node) not in made:
+                made.add(id(node))
+                hexd = place(node)
+                paths = names[id(node)]
+                if not _make_file(root, paths, _entry(path, node, tuple(paths), hexd), hexd,
+                                  umask):
+                    raise RuntimeShimError(f"native layer tree: cannot create {paths[0]}")
+        elif not node.is_dir and _make_other(root, path, node):
             xdirs.add(path.rpartition("/")[0])
-        elif kind in (stat.S_IFCHR, stat.S_IFBLK):
-            raise RuntimeShimError(f"native lazy layers hold no device nodes: /{path}",
-                                   hint="pull the layer in full (lazy=False)")
-        elif kind == stat.S_IFIFO:
-            os.mkfifo(full, 0o600)
-            _meta_path(full, _entry(path, node))
-        elif kind == stat.S_IFLNK:
-            os.symlink(node.link, full)
-            os.chown(full, node.uid, node.gid, follow_symlinks=False)
-            os.utime(full, ns=(node.mtime * 10**9,) * 2, follow_symlinks=False)
-    for path in reversed(dirs):   # children first: an entry made moves its dir's mtime
+    _finish_dirs(root, nodes, dirs, xdirs)
+
+
+def _make_other(root: str, path: str, node: Node) -> bool:
+    """Create a member that is neither a directory nor a regular file; True for a whiteout
+    (made an xwhiteout: its directory must say so)."""
+    full = os.path.join(root, path)
+    kind = stat.S_IFMT(node.mode)
+    if kind == stat.S_IFCHR and node.rdev == 0:
+        with open(full, "x"):
+            pass
+        os.setxattr(full, XWHITEOUT, b"")
+        return True
+    if kind in (stat.S_IFCHR, stat.S_IFBLK):
+        raise RuntimeShimError(f"native lazy layers hold no device nodes: /{path}",
+                               hint="pull the layer in full (lazy=False)")
+    if kind == stat.S_IFIFO:
+        os.mkfifo(full, 0o600)
+        _meta_path(full, _entry(path, node))
+    elif kind == stat.S_IFLNK:
+        os.symlink(node.link, full)
+        os.chown(full, node.uid, node.gid, follow_symlinks=False)
+        os.utime(full, ns=(node.mtime * 10**9,) * 2, follow_symlinks=False)
+    return False
+
+
+def _finish_dirs(root: str, nodes: dict[str, Node], dirs: list[str], xdirs: set[str]) -> None:
+    """Directories' metadata, children first (an entry made moves its dir's mtime), with the
+    escaped opaque markers (``y``: opaque; ``x``: holds xwhiteouts; the root: the layer
+    has some)."""
+    for path in reversed(dirs):
         node = nodes[path]
         full = os.path.join(root, path) if path else root
         if OPAQUE_XATTR in node.xattrs:
             os.setxattr(full, ESCAPED_OPAQUE, b"y")
-        elif path in xdirs:
+        elif path in xdirs or (not path and xdirs):
             os.setxattr(full, ESCAPED_OPAQUE, b"x")
-        if not path and xdirs and OPAQUE_XATTR not in node.xattrs:
-            os.setxattr(full, ESCAPED_OPAQUE, b"x")  # the layer has xwhiteouts
         _meta_path(full, _entry(path, node))
 
 

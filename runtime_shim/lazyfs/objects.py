@@ -83,8 +83,9 @@ class ObjectStore:
 
     def ensure(self, hexd: str, size: int, source: dict[str, Any]) -> bool:
         """The object ``hexd`` of ``size`` bytes exists (an empty placeholder if new; the
-        object of an empty file is complete at once); True when it is complete. Safe against concurrent creators:
-        the placeholder is made aside and linked in (the first link wins)."""
+        object of an empty file is complete at once); True when it is complete. Safe against
+        concurrent creators: the placeholder is made aside and linked in (the first link
+        wins)."""
         path = self.path(hexd)
         try:
             st = os.lstat(path)

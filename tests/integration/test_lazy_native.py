@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,48 @@ def test_two_layers_sharing_a_file_share_one_object(tmp_path, node_dir):
             b"/" + hexd.encode()
         objs = ObjectStore(root)
         assert objs.complete(hexd) and os.stat(objs.path(hexd)).st_nlink == 1
+
+
+@pytest.mark.parametrize("phase", ["fetch", "copy"])
+def test_a_filler_killed_mid_fill_is_correct_or_eio_never_wrong_and_resumes(
+        tmp_path, node_dir, phase):
+    """SIGKILL the filler (its worker) while a ``sha256sum`` of a large file waits for its
+    fill — while the fill fetches (its spool exists) or while it copies into the object —:
+    the reader gets the right digest or EIO, never another digest; a new worker resumes."""
+    import signal
+    import threading
+
+    data = os.urandom(96 << 20)
+    want = hashlib.sha256(data).hexdigest()
+    store, _ = _env(tmp_path, "big", {"data/huge": data})
+    del data
+    root = str(node_dir / "node")
+    objects = ObjectStore(root)
+    with Sandbox.create("big", store=store, node_dir=node_dir, lazy="native") as sb:
+        sb.exec("true")
+        worker = native.filler_request(root, {"op": "ping"})["pid"]
+        result: list = []
+        t = threading.Thread(target=lambda: result.append(
+            sb.exec("sha256sum /data/huge; echo rc=$?")))
+        t.start()
+        killed = False
+        deadline = time.monotonic() + 60
+        while not killed and time.monotonic() < deadline and t.is_alive():
+            if phase == "fetch":
+                busy = any(n.startswith("fill-") for n in os.listdir(objects.root + "/tmp"))
+            else:
+                busy = os.path.exists(objects.path(want)) and \
+                    os.stat(objects.path(want)).st_size > 0 and not objects.complete(want)
+            if busy:
+                os.kill(worker, signal.SIGKILL)
+                killed = True
+            time.sleep(0.0005)
+        t.join(120)
+        assert killed, f"the fill was never seen in its {phase} phase"
+        out = result[0].stdout.decode() + result[0].stderr.decode()
+        assert (want in out and "rc=0" in out) or \
+            ("Input/output error" in out and "rc=1" in out), out
+        got = sb.exec("sha256sum /data/huge")   # a new worker resumes the fill
+        assert got.exit_code == 0 and got.stdout.decode().split()[0] == want, got.stderr
+        assert native.filler_request(root, {"op": "ping"})["pid"] != worker
+        assert objects.complete(want) and os.stat(objects.path(want)).st_size == 96 << 20
