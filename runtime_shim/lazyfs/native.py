@@ -166,3 +166,47 @@ def shutdown(node_root: str) -> None:
         while filler_request(root, {"op": "ping"}, 1.0) is not None \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def remove_unused(node_root: str | os.PathLike[str], keep_hex: set[str]) -> list[str]:
+    """``node gc``: unmount the native layers not in ``keep_hex`` (the layers of live
+    sandboxes) and drop their trees; with none left, stop the filler (the objects stay: a
+    cache). Returns the layers' hexes."""
+    import shutil
+
+    from runtime_shim.isolation.mount import unmount
+
+    root = os.path.abspath(node_root)
+    base = os.path.join(root, "native")
+    try:
+        names = sorted(os.listdir(base))
+    except FileNotFoundError:
+        return []
+    done = []
+    for hexd in names:
+        if hexd in keep_hex:
+            continue
+        unmount(nativetree.mount_dir(root, hexd))
+        os.rmdir(nativetree.mount_dir(root, hexd))
+        shutil.rmtree(nativetree.tree_dir(root, hexd), ignore_errors=True)
+        done.append(hexd)
+    if not any(os.path.ismount(os.path.join(base, n)) for n in os.listdir(base)):
+        shutdown(root)
+    return done
+
+
+def describe(node_root: str | os.PathLike[str]) -> list[str]:
+    """``node ls``: the native filler (if one answers), its objects and layers."""
+    root = os.path.abspath(node_root)
+    if not os.path.isdir(os.path.join(root, "objects")):
+        return []
+    ping = filler_request(root, {"op": "ping"}, 5.0)
+    objs = ObjectStore(root).describe()
+    filler = (f"native filler pid {ping.get('pid')} (fanotify pre-content), "
+              f"{ping.get('fills')} fills, {ping.get('failures')} failed") if ping \
+        else "native filler: not running"
+    layers = [n for n in os.listdir(os.path.join(root, "native"))] \
+        if os.path.isdir(os.path.join(root, "native")) else []
+    return [filler, f"objects: {objs['objects']} ({objs['complete']} complete, "
+                    f"{objs['bytes']} bytes on disk); native layers mounted: "
+                    f"{sum(os.path.ismount(os.path.join(root, 'native', n)) for n in layers)}"]

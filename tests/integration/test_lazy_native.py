@@ -35,13 +35,11 @@ def lock2(tmp_path):
     _lock(store, "two", [base, upper])
     node_dir = tmp_path / "n"
     yield store, node_dir, [base, upper]
-    gc_sandboxes(node_dir)
-    native.shutdown(str(node_dir / "node"))
+    gc_sandboxes(node_dir)   # what `node gc` runs: the native mounts go, then the filler
     NodeCache(node_dir / "node").evict(layers_in_use(node_dir), 0)
-    for target in mounted_targets_under(str(node_dir)):
-        os.system(f"umount -l {target}")
-    assert mounted_targets_under(str(node_dir)) == []
+    assert mounted_targets_under(str(node_dir / "node" / "native")) == []
     assert native.filler_request(str(node_dir / "node"), {"op": "ping"}, 1.0) is None
+    assert mounted_targets_under(str(node_dir)) == []   # the tree tmpfs too
 
 
 def test_native_and_full_sandboxes_see_the_same_tree(lock2):
@@ -94,9 +92,9 @@ def node_dir(tmp_path):
     node_dir = tmp_path / "n"
     yield node_dir
     gc_sandboxes(node_dir)
-    native.shutdown(str(node_dir / "node"))
-    for target in mounted_targets_under(str(node_dir)):
-        os.system(f"umount -l {target}")
+    NodeCache(node_dir / "node").evict(layers_in_use(node_dir), 0)
+    assert mounted_targets_under(str(node_dir)) == []
+    assert native.filler_request(str(node_dir / "node"), {"op": "ping"}, 1.0) is None
 
 
 def _filler_log(node_dir: Path) -> str:
@@ -207,3 +205,20 @@ def test_a_filler_killed_mid_fill_is_correct_or_eio_never_wrong_and_resumes(
         assert got.exit_code == 0 and got.stdout.decode().split()[0] == want, got.stderr
         assert native.filler_request(root, {"op": "ping"})["pid"] != worker
         assert objects.complete(want) and os.stat(objects.path(want)).st_size == 96 << 20
+
+
+def test_envbuild_run_lazy_native_of_the_busybox_env_node_ls_and_gc(envbuild_cli):
+    assert envbuild_cli("build").code == 0
+    result = envbuild_cli("run", "--lazy-native", "busybox-shell", "sh", "-c",
+                          "cat /etc/hostname >/dev/null; ls /bin | wc -l; echo ok")
+    assert result.code == 0, result.err
+    assert result.out.endswith("ok\n")
+    node_dir = envbuild_cli.node
+    assert mounted_targets_under(str(node_dir / "node" / "native")) != []  # shared, kept up
+    ls = envbuild_cli("node", "ls")
+    assert ls.code == 0 and "native filler pid" in ls.out, ls.out + ls.err
+    gc = envbuild_cli("node", "gc")
+    assert gc.code == 0, gc.err
+    assert mounted_targets_under(str(node_dir / "node" / "native")) == []
+    assert native.filler_request(str(node_dir / "node"), {"op": "ping"}, 1.0) is None
+    assert mounted_targets_under(str(node_dir)) == []   # the tree tmpfs too
