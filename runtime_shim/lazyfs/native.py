@@ -160,8 +160,12 @@ def shutdown(node_root: str) -> None:
     for target in mounted_targets_under(os.path.join(root, "native")):
         unmount(target)
     reply = filler_request(root, {"op": "ping"}, 5.0)
-    if reply is not None and isinstance(reply.get("holder"), int) and reply["holder"] > 1:
-        os.kill(reply["holder"], signal.SIGTERM)
+    if reply is not None:
+        # the holder stops its worker; a worker whose holder died (reparented) stops itself
+        holder, worker = reply.get("holder"), reply.get("pid")
+        target = holder if isinstance(holder, int) and holder > 1 else worker
+        if isinstance(target, int) and target > 1:
+            os.kill(target, signal.SIGTERM)
         deadline = time.monotonic() + 10
         while filler_request(root, {"op": "ping"}, 1.0) is not None \
                 and time.monotonic() < deadline:
@@ -181,7 +185,7 @@ def remove_unused(node_root: str | os.PathLike[str], keep_hex: set[str]) -> list
     try:
         names = sorted(os.listdir(base))
     except FileNotFoundError:
-        return []
+        names = []
     done = []
     for hexd in names:
         if hexd in keep_hex:
@@ -190,7 +194,7 @@ def remove_unused(node_root: str | os.PathLike[str], keep_hex: set[str]) -> list
         os.rmdir(nativetree.mount_dir(root, hexd))
         shutil.rmtree(nativetree.tree_dir(root, hexd), ignore_errors=True)
         done.append(hexd)
-    if not any(os.path.ismount(os.path.join(base, n)) for n in os.listdir(base)):
+    if not any(os.path.ismount(os.path.join(base, n)) for n in names if n not in done):
         shutdown(root)
     return done
 

@@ -222,3 +222,54 @@ def test_envbuild_run_lazy_native_of_the_busybox_env_node_ls_and_gc(envbuild_cli
     assert mounted_targets_under(str(node_dir / "node" / "native")) == []
     assert native.filler_request(str(node_dir / "node"), {"op": "ping"}, 1.0) is None
     assert mounted_targets_under(str(node_dir)) == []   # the tree tmpfs too
+
+
+def test_only_root_talks_to_the_filler(tmp_path, node_dir):
+    """The socket is in a 0700 root dir; and were it reachable, the filler answers only uid 0."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    root = str(node_dir / "node")
+    os.makedirs(root)
+    native.ensure_filler(root)
+    sock = os.path.join(root, "objects", "filler.sock")
+    probe = ("import socket,sys\ns=socket.socket(socket.AF_UNIX)\n"
+             "try:\n s.connect(sys.argv[1])\nexcept OSError as e:\n print('refused', e.errno)\n"
+             " sys.exit()\ntry:\n s.sendall(b'{\"op\": \"ping\"}\\n')\n"
+             " print('reply', repr(s.recv(100)))\n"
+             "except (BrokenPipeError, ConnectionError):\n print('hung up')\n")
+
+    def as_nobody(path: str) -> str:
+        return subprocess.run(["/usr/bin/python3", "-c", probe, path], user=65534, group=65534,
+                              capture_output=True, text=True, timeout=30).stdout.strip()
+    assert as_nobody(sock) == "refused 13"   # EACCES: the dir is root's alone
+    # were the socket reachable (a hardlink in a dir anyone may enter), the filler hangs up on
+    # any uid but 0 without reading the request
+    open_dir = tempfile.mkdtemp(dir="/tmp")
+    try:
+        os.chmod(open_dir, 0o755)
+        os.link(sock, os.path.join(open_dir, "s"))
+        os.chmod(sock, 0o666)
+        assert as_nobody(os.path.join(open_dir, "s")) in ("reply b''", "hung up")
+    finally:
+        os.chmod(sock, 0o600)
+        shutil.rmtree(open_dir)
+    assert native.filler_request(root, {"op": "ping"})["ok"]
+
+
+def test_a_killed_holder_leaves_the_worker_serving(tmp_path, node_dir):
+    """The group outlives the holder while the worker holds it: reads still get filled."""
+    import signal
+
+    data = os.urandom(500_000)
+    store, _ = _env(tmp_path, "hold", {"data/a": data, "data/b": data[::-1]})
+    root = str(node_dir / "node")
+    with Sandbox.create("hold", store=store, node_dir=node_dir, lazy="native") as sb:
+        assert sb.exec("sha256sum /data/a").stdout.decode().split()[0] == \
+            hashlib.sha256(data).hexdigest()
+        ping = native.filler_request(root, {"op": "ping"})
+        os.kill(ping["holder"], signal.SIGKILL)
+        got = sb.exec("sha256sum /data/b")
+        assert got.stdout.decode().split()[0] == hashlib.sha256(data[::-1]).hexdigest()
+        assert native.filler_request(root, {"op": "ping"})["pid"] == ping["pid"]
