@@ -157,15 +157,15 @@ def shutdown(node_root: str) -> None:
     from runtime_shim.isolation.mount import mounted_targets_under, unmount
 
     root = os.path.abspath(node_root)
-    for target in mounted_targets_under(os.path.join(root, "native")):
-        unmount(target)
+    for mnt in mounted_targets_under(os.path.join(root, "native")):
+        unmount(mnt)
     reply = filler_request(root, {"op": "ping"}, 5.0)
     if reply is not None:
         # the holder stops its worker; a worker whose holder died (reparented) stops itself
         holder, worker = reply.get("holder"), reply.get("pid")
-        target = holder if isinstance(holder, int) and holder > 1 else worker
-        if isinstance(target, int) and target > 1:
-            os.kill(target, signal.SIGTERM)
+        pid = holder if isinstance(holder, int) and holder > 1 else worker
+        if isinstance(pid, int) and pid > 1:
+            os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
         while filler_request(root, {"op": "ping"}, 1.0) is not None \
                 and time.monotonic() < deadline:
