@@ -14,8 +14,9 @@ fd: with the holder alive, a dead worker's marks stay, readers of unfilled range
 the kernel (never read zeros), and the new worker resumes. The holder does nothing else (no
 store, no parsing): it is the part that must not fail. With the worker alive, the holder's
 death is harmless too (the worker holds the group); only both dying at once releases the
-group, and the kernel then lets unfilled placeholders read as holes — see
-docs/native-lazy.md for what closes that last gap (a pinned BPF LSM program).
+group: unfilled objects are then read unchecked, and being empty placeholders (``objects``)
+they end at once (EOF, SIGBUS, ENOEXEC) rather than read as zeros — docs/native-lazy.md says
+what would close that last gap (a pinned BPF LSM program).
 
 **The worker**, on start: answers every permission event a dead predecessor read but did not
 answer with EIO (the kernel keeps them queued on the group; they are matched by fd number,
