@@ -23,26 +23,25 @@ answer with EIO (the kernel keeps them queued on the group; they are matched by 
 and a worker's fds are below ``MAX_FDS``), then marks every placeholder (a restart resumes),
 then serves. Per event: its own writes' events (pid = its own) are allowed at once by the
 reading thread; any other is a fill of the whole object (single-flight per object) in a
-pool thread: fetch the file from its layer (``LayerReader.iter_read``, ranged reads of its
-frames), spool it, check its sha256 against the object's name (the TOC digest), copy it into
-the placeholder, fsync, set the fill state, remove the mark, answer ``FAN_ALLOW``. The mark
-takes opens too (``fanotify.FILL_EVENTS``): a file is filled when it is opened, so an
-``mmap`` through overlayfs (which raises no pre-content event of the lower file: checked on
-6.18) finds it complete. A fill
-that fails (store down, corrupt blob) answers EIO and logs one line; the mark stays, so the
-next read tries again.
+pool thread: fetch the file from its layer (``LazyLayer``: ranged reads of its frames,
+verified against the TOC digest, which is the object's name), write it into the placeholder
+(a large file through a spool, copied in only once verified), fsync, set the fill state,
+remove the mark, answer ``FAN_ALLOW``. The mark takes opens too (``fanotify.FILL_EVENTS``): a
+file is filled when it is opened, so an ``mmap`` through overlayfs (which raises no
+pre-content event of the lower file: checked on 6.18) finds it complete. A fill that fails
+(store down, corrupt blob) answers EIO and logs one line; the mark stays, so the next open
+tries again.
 
 **Only root talks to the filler**: its socket is ``<node>/objects/filler.sock`` in a 0700
 root-owned dir, and it answers only peers whose ``SO_PEERCRED`` uid is 0. Requests are one
-JSON line each: ``{"op": "ping"}``, ``{"op": "mark", "objects": [hex, ...]}`` (mark these
-placeholders before a create mounts them).
+JSON line each: ``{"op": "ping"}``, ``{"op": "mark", "layer": hex, "objects": [hex, ...]}``
+(read the layer's source record, mark these placeholders: before a create mounts them).
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -70,6 +69,8 @@ LOG = "filler.log"
 MAX_FDS = 4096
 #: Fills at once (each a ranged read of the store, then a local copy).
 FILL_WORKERS = 8
+#: Files up to this size are read whole in memory (one ranged read); larger ones streamed.
+STREAM_ABOVE = 4 << 20
 #: Largest request line.
 MAX_REQUEST = 1 << 20
 
@@ -131,6 +132,8 @@ class Worker:
         self._by_ino: dict[tuple[int, int], str] = {}
         self._waiting: dict[str, list[int]] = {}   # object → event fds waiting for its fill
         self._readers: dict[str, Any] = {}
+        self._sources: dict[str, tuple[dict[str, Any], str, int]] = {}  # hex → layer, path, size
+        self._layers_loaded: set[str] = set()
         self._pool = ThreadPoolExecutor(FILL_WORKERS, thread_name_prefix="fill")
         self.fills = self.failures = 0
 
@@ -199,7 +202,7 @@ class Worker:
             ok = self.objects.complete(hexd) or self.fill(hexd)
         except Exception as e:  # noqa: BLE001 - every failure is the reader's EIO and a line
             self.failures += 1
-            src = _safe_source(self.objects, hexd)
+            src = _safe_source(self, hexd)
             log.error("object %s (layer %s, %s): %s: readers get EIO", hexd[:16],
                       src.get("layer", "?"), src.get("path", "?"), e)
         if ok:
@@ -212,23 +215,43 @@ class Worker:
             fds = self._waiting.pop(hexd, [])
         self._finish(fds, ok=ok)
 
+    def load_layer(self, layer_hex: str) -> None:
+        """Learn where the objects of a layer come from (its record, once)."""
+        with self._lock:
+            if layer_hex in self._layers_loaded:
+                return
+        record = self.objects.layer_record(layer_hex)
+        with self._lock:
+            self._layers_loaded.add(layer_hex)
+            for hexd, (path, size) in record["objects"].items():
+                self._sources.setdefault(hexd, (record, str(path), int(size)))
+
+    def source(self, hexd: str) -> tuple[dict[str, Any], str, int]:
+        with self._lock:
+            got = self._sources.get(hexd)
+        if got is None:
+            raise LookupError("no layer record names it")
+        return got
+
     def fill(self, hexd: str) -> bool:
-        """Fetch, verify and write object ``hexd``; True when it is complete."""
-        src = self.objects.source(hexd)
-        reader = self._reader(str(src["store"]), src.get("s3_endpoint"), str(src["layer"]))
-        spool = self.objects.tmp("fill")
-        h = hashlib.sha256()
-        size = 0
-        with open(spool, "wb") as f:
+        """Fetch, verify and write object ``hexd``; True when it is complete. Small files
+        are read whole (one ranged read, verified in memory) and written at once; larger
+        ones streamed (``LazyLayer.stream``: frames fetched in parallel, verified at the
+        end) into a spool, copied in only once verified."""
+        record, path, size = self.source(hexd)
+        layer = self._layer(str(record["store"]), record.get("s3_endpoint"),
+                            str(record["layer"]))
+        entry = layer.stat(path)
+        if entry.digest != "sha256:" + hexd or entry.size != size:
+            raise ValueError(f"{path} of the layer is {entry.digest}, not the object")
+        if size <= STREAM_ABOVE:
+            _write_into(self.objects.path(hexd), layer.read(path))   # verified by read
+        else:
+            spool = self.objects.tmp("fill")
             try:
-                for piece in reader.iter_read(str(src["path"])):  # checks the TOC digest
-                    h.update(piece)
-                    size += len(piece)
-                    f.write(piece)
-                f.flush()
-                if h.hexdigest() != hexd or size != int(src["size"]):
-                    raise ValueError(f"content is sha256:{h.hexdigest()} ({size} bytes), not "
-                                     "the object's")
+                with open(spool, "wb") as f:
+                    for piece in layer.stream(path):   # raises at the end if not verified
+                        f.write(piece)
                 _copy_into(spool, self.objects.path(hexd), size)
             finally:
                 os.unlink(spool)
@@ -236,26 +259,40 @@ class Worker:
         self.fills += 1
         return True
 
-    def _reader(self, url: str, endpoint: str | None, layer: str) -> Any:
-        key = f"{url}\0{endpoint}\0{layer}"
+    def _layer(self, url: str, endpoint: str | None, digest: str) -> Any:
+        key = f"{url}\0{endpoint}\0{digest}"
         with self._lock:
             got = self._readers.get(key)
         if got is None:
-            from envbuild.layers import LayerReader
             from envbuild.store import open_store
+            from envbuild.store._lazy_cache import MemoryChunkCache
+            from envbuild.store.lazy import LazyLayer
 
             store = open_store(url, s3_endpoint=endpoint, create=False)
-            got = LayerReader.from_store(store, layer)
+            got = LazyLayer(store, digest, chunk_cache=MemoryChunkCache(0))  # keeps nothing
             with self._lock:
                 got = self._readers.setdefault(key, got)
         return got
 
 
-def _safe_source(objects: ObjectStore, hexd: str) -> dict[str, Any]:
+def _safe_source(worker: Worker, hexd: str) -> dict[str, Any]:
     try:
-        return objects.source(hexd)
-    except (OSError, ValueError):
+        record, path, _ = worker.source(hexd)
+        return {"layer": record.get("layer"), "path": path}
+    except LookupError:
         return {}
+
+
+def _write_into(target: str, data: bytes) -> None:
+    """Write verified ``data`` into the placeholder through our own fd (see ``_copy_into``)."""
+    fd = os.open(target, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _copy_into(spool: str, target: str, size: int) -> None:
@@ -312,6 +349,11 @@ def work(node_root: str, group: int, sock_fd: int) -> int:
     for name in os.listdir(w.objects.root + "/tmp"):
         if name.startswith("fill-"):
             os.unlink(os.path.join(w.objects.root, "tmp", name))
+    for layer_hex in w.objects.layer_records():
+        try:
+            w.load_layer(layer_hex)
+        except (OSError, ValueError) as e:
+            log.error("layer record %s: %s (its objects cannot be filled)", layer_hex[:16], e)
     marked = sum(w.mark(h) for h in w.objects.incomplete())
     log.info("filler worker %d: %d stale events answered EIO, %d placeholders marked",
              os.getpid(), swept, marked)
@@ -321,6 +363,8 @@ def work(node_root: str, group: int, sock_fd: int) -> int:
             return {"ok": True, "pid": os.getpid(), "holder": os.getppid(), "fills": w.fills,
                     "failures": w.failures}
         if req.get("op") == "mark":
+            if req.get("layer"):
+                w.load_layer(str(req["layer"]))
             return {"ok": True, "marked": sum(w.mark(str(h)) for h in req.get("objects", ()))}
         return {"ok": False, "error": f"unknown op {req.get('op')!r}"}
     listener = socket.socket(fileno=sock_fd)

@@ -12,7 +12,6 @@ layer's overlay mounted.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import socket
@@ -127,23 +126,30 @@ def native_layer_dirs(node_root: str, store: Any, layers: Sequence[Any]) -> list
         except EnvbuildError as e:
             raise RuntimeShimError(f"native lazy layer {layer.digest[:19]}: {e}") from e
         new: list[str] = []
+        sources: dict[str, tuple[str, int]] = {}
 
-        def place(node: Node, digest: str = layer.digest, new: list[str] = new) -> str:
+        def place(node: Node, new: list[str] = new,
+                  sources: dict[str, tuple[str, int]] = sources) -> str:
             obj = node.digest.removeprefix("sha256:")
-            source = {"store": url, "s3_endpoint": endpoint, "layer": digest,
-                      "path": node.read_path}
-            if not objects.ensure(obj, node.size, source):
+            sources.setdefault(obj, (node.read_path, node.size))
+            if not objects.ensure(obj, node.size):
                 new.append(obj)
             return obj
-        dirs.append(nativetree.ensure(root, hexd, nodes, objects.data, place,
-                                      before_mount=functools.partial(mark, root, new)))
+
+        def before_mount(layer: Any = layer, new: list[str] = new,
+                         sources: dict[str, tuple[str, int]] = sources) -> None:
+            objects.record_layer(layer.digest, url, endpoint, sources)
+            mark(root, layer.digest, new)
+        dirs.append(nativetree.ensure(root, hexd, nodes, objects.data, place, before_mount))
     return dirs
 
 
-def mark(node_root: str, objects: list[str], batch: int = 4096) -> None:
-    """Have the filler mark placeholders ``objects`` (before anything can reach them)."""
-    for i in range(0, len(objects), batch):
-        reply = filler_request(node_root, {"op": "mark", "objects": objects[i:i + batch]})
+def mark(node_root: str, layer: str, objects: list[str], batch: int = 4096) -> None:
+    """Have the filler read ``layer``'s source record and mark placeholders ``objects``
+    (before anything can reach them)."""
+    for i in range(0, max(1, len(objects)), batch):
+        reply = filler_request(node_root, {"op": "mark", "layer": layer.removeprefix("sha256:"),
+                                           "objects": objects[i:i + batch]})
         if not reply or not reply.get("ok"):
             raise RuntimeShimError(f"the native filler did not mark objects: {reply}",
                                    hint="see <node>/objects/filler.log")

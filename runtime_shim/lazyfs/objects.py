@@ -6,8 +6,10 @@ Layout, on the node dir's own filesystem (root only, 0700)::
     <node>/objects/data/<hex>   the object: the file whose sha256 is <hex>, ``size`` bytes;
                                 an empty placeholder until filled. The data-only lower
                                 layer of every native layer's overlay (``nativetree``)
-    <node>/objects/src/<hex>    where its bytes come from: JSON {store, s3_endpoint,
-                                layer, path, size} (the first layer that named it)
+    <node>/objects/layers/<L>.json  where the objects of layer L come from: JSON {store,
+                                s3_endpoint, layer, objects: {hex: [path, size]}}, one per
+                                layer (not one file per object: a create of a 15,000-file
+                                layer makes 15,000 inodes on the node's disk, not 30,000)
     <node>/objects/tmp/         placeholders being made, and fills being verified
 
 **Fill state.** An object is complete once its xattr ``trusted.envbuild.filled`` is set; the
@@ -28,8 +30,8 @@ every open while it lives (``FAN_OPEN_PERM``), so this is the last line: for the
 which its fanotify group is gone (``filler``: the holder and the worker both killed).
 
 **One object per content.** Two layers (of any image) holding the same file share the
-object: one inode, one page-cache copy; the first layer to name it is its source (any source
-gives the same verified bytes).
+object: one inode, one page-cache copy; the first layer record naming it is its source (any
+source gives the same verified bytes).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from envbuild.atomic import write_atomic
 from envbuild.oci import is_hex64
 
 FILLED_XATTR = "trusted.envbuild.filled"
-_DIRS = ("data", "src", "tmp")
+_DIRS = ("data", "layers", "tmp")
 
 
 class ObjectStore:
@@ -74,45 +76,52 @@ class ObjectStore:
         except OSError:
             return False
 
-    def source(self, hexd: str) -> dict[str, Any]:
-        with open(os.path.join(self.root, "src", hexd), encoding="utf-8") as f:
+    def layer_record(self, layer_hex: str) -> dict[str, Any]:
+        """The source record of a layer (``record_layer``)."""
+        if not is_hex64(layer_hex):
+            raise ValueError(f"bad layer name {layer_hex!r}")
+        with open(os.path.join(self.root, "layers", layer_hex + ".json"), encoding="utf-8") as f:
             doc = json.load(f)
-        if not isinstance(doc, dict):
-            raise ValueError(f"object {hexd}: bad source record")
+        if not isinstance(doc, dict) or not isinstance(doc.get("objects"), dict):
+            raise ValueError(f"layer {layer_hex}: bad source record")
         return doc
 
-    def ensure(self, hexd: str, size: int, source: dict[str, Any]) -> bool:
+    def layer_records(self) -> list[str]:
+        try:
+            names = os.listdir(os.path.join(self.root, "layers"))
+        except FileNotFoundError:
+            return []
+        return [n[:-5] for n in names if n.endswith(".json") and is_hex64(n[:-5])]
+
+    def record_layer(self, layer: str, store: str, endpoint: str | None,
+                     objects: dict[str, tuple[str, int]]) -> None:
+        """Where the objects of ``layer`` come from: ``{hex: (path in the layer, size)}``,
+        one record per layer (written once; a layer's members never change)."""
+        path = os.path.join(self.root, "layers", layer.removeprefix("sha256:") + ".json")
+        if not os.path.exists(path):
+            write_atomic(path, json.dumps({"store": store, "s3_endpoint": endpoint,
+                                           "layer": layer, "objects": objects}))
+
+    def ensure(self, hexd: str, size: int) -> bool:
         """The object ``hexd`` of ``size`` bytes exists (an empty placeholder if new; the
-        object of an empty file is complete at once); True when it is complete. Safe against
-        concurrent creators: the placeholder is made aside and linked in (the first link
-        wins)."""
+        object of an empty file is complete at once); True when it is complete. Concurrent
+        creators: the first ``O_EXCL`` create wins (an empty file either way)."""
         path = self.path(hexd)
         try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o444)
+        except FileExistsError:
             st = os.lstat(path)
-        except FileNotFoundError:
-            st = None
-        if st is not None:
             done = self.complete(hexd)
             if not stat.S_ISREG(st.st_mode) or (done and st.st_size != size):
-                raise ValueError(f"object {hexd} is not a {size}-byte file")
+                raise ValueError(f"object {hexd} is not a {size}-byte file") from None
             return done
-        src = os.path.join(self.root, "src", hexd)
-        if not os.path.exists(src):
-            write_atomic(src, json.dumps(dict(source, size=size)))
-        tmp = self.tmp("new")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
         try:
             if not size:
                 os.setxattr(fd, FILLED_XATTR, b"1")
         finally:
             os.close(fd)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(tmp)
-        return self.complete(hexd)
+        return not size
 
     def incomplete(self) -> list[str]:
         """Every placeholder (what a starting filler marks)."""
