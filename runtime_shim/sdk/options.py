@@ -114,6 +114,12 @@ def plan_create(options: SandboxOptions) -> CreatePlan:
     lazy = options.lazy
     if lazy not in (False, True, "auto", "native"):
         raise RuntimeShimError(f"lazy must be False, True, 'auto' or 'native', not {lazy!r}")
+    if lazy == "native" and (options.checkpointable or options.restore is not None):
+        # CRIU: "Can't lookup mount=N for fd=-3 path=/bin/busybox" (6.18, CRIU of this host)
+        raise RuntimeShimError("a native lazy sandbox cannot be checkpointed: CRIU cannot "
+                               "find the mount of the files it maps from the layers' nested "
+                               "overlays", hint="use lazy=True or lazy=False with "
+                               "checkpointable=True")
     try:
         impl.check(keep=options.keep, seccomp=options.seccomp, lazy=bool(lazy))
     except BackendUnavailable:

@@ -273,3 +273,38 @@ def test_a_killed_holder_leaves_the_worker_serving(tmp_path, node_dir):
         got = sb.exec("sha256sum /data/b")
         assert got.stdout.decode().split()[0] == hashlib.sha256(data[::-1]).hexdigest()
         assert native.filler_request(root, {"op": "ping"})["pid"] == ping["pid"]
+
+
+def test_pack_diff_of_a_native_sandbox(tmp_path, node_dir):
+    """Copy-ups out of native layers (a lazily filled file appended to, a metadata-only
+    change, a deletion) make the same snapshot a full sandbox's would; the snapshot runs
+    natively and in full."""
+    body = os.urandom(100_000)
+    store, _ = _env(tmp_path, "pd", {"data/keep.bin": body, "data/grow.txt": b"one\n",
+                                     "data/gone.txt": b"bye\n", "data/mode.sh": b"#!/bin/sh\n"})
+    change = "echo two >> /data/grow.txt && rm /data/gone.txt && chmod 755 /data/mode.sh"
+    check = ("cat /data/grow.txt; ls /data; stat -c '%a' /data/mode.sh; "
+             "sha256sum /data/keep.bin")
+    with Sandbox.create("pd", store=store, node_dir=node_dir, lazy="native") as sb:
+        assert sb.exec(change).exit_code == 0
+        want = sb.exec(check).stdout.decode()
+        sb.pack_diff("snap/pd")
+    assert want.startswith("one\ntwo\n") and "gone.txt" not in want and "\n755\n" in want
+    assert hashlib.sha256(body).hexdigest() in want
+    with Sandbox.create("snap/pd", store=store, node_dir=node_dir) as full, \
+            Sandbox.create("snap/pd", store=store, node_dir=node_dir, lazy="native") as lazy:
+        assert full.exec(check).stdout.decode() == want
+        assert lazy.exec(check).stdout.decode() == want
+
+
+def test_a_checkpointable_native_sandbox_is_refused_in_one_line(tmp_path, node_dir):
+    """CRIU cannot dump a process that maps a file of a native layer (``Can't lookup mount=N
+    for fd=-3 path=/bin/busybox``): asked for, it is refused before anything is made."""
+    from envbuild.errors import RuntimeShimError
+
+    store, _ = _env(tmp_path, "ck", {"data/seed": b"7\n"})
+    with pytest.raises(RuntimeShimError, match="cannot be checkpointed") as err:
+        Sandbox.create("ck", store=store, node_dir=node_dir, lazy="native",
+                       checkpointable=True)
+    assert "lazy=True or lazy=False" in (err.value.hint or "")
+    assert not (node_dir / "node" / "native").exists()
