@@ -42,7 +42,7 @@ def node_report(node_dir: Path) -> dict[str, Any]:
                    for u in layers],
         "bytes": sum(u.size for u in layers), "lazy_daemon": None, "lazy_mounts": [],
         "meta": []}
-    from runtime_shim.lazyfs.native import describe as describe_native
+    from runtime_shim.lazyfs import describe_native
 
     report["native"] = describe_native(cache.root)
     ping = daemon_request(cache.root, {"op": "ping"}, 5.0)

@@ -205,7 +205,7 @@ def remove_unused(node_root: str | os.PathLike[str], keep_hex: set[str]) -> list
     return done
 
 
-def describe(node_root: str | os.PathLike[str]) -> list[str]:
+def describe_native(node_root: str | os.PathLike[str]) -> list[str]:
     """``node ls``: the native filler (if one answers), its objects and layers."""
     root = os.path.abspath(node_root)
     if not os.path.isdir(os.path.join(root, "objects")):
