@@ -83,7 +83,9 @@ MAX_REQUEST = 1 << 20
 
 
 def hold(node_root: str) -> int:
-    """The holder's life: the group, the socket, a worker respawned until SIGTERM."""
+    """The holder's life: the group, the socket, a worker respawned until SIGTERM (ignored
+    while native layers are mounted: ``node gc`` unmounts them first); never the OOM
+    killer's choice."""
     objects = ObjectStore(node_root)
     objects.make_dirs()
     lock_fd = os.open(os.path.join(objects.root, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
@@ -92,6 +94,11 @@ def hold(node_root: str) -> int:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return 0  # another holder serves this node
+    try:   # the OOM killer takes anything but the holder (its death ends the group's life)
+        with open("/proc/self/oom_score_adj", "w", encoding="ascii") as f:
+            f.write("-1000")
+    except OSError as e:
+        log.warning("holder: oom_score_adj: %s", e)
     group = fanotify.open_group()
     sock_path = os.path.join(objects.root, SOCKET)
     if os.path.lexists(sock_path):
@@ -103,12 +110,20 @@ def hold(node_root: str) -> int:
     stopping = threading.Event()
     worker: list[subprocess.Popen[bytes]] = []
 
-    def stop(_sig: int, _frame: Any) -> None:
+    def stop(sig: int, _frame: Any) -> None:
+        from runtime_shim.isolation.mount import mounted_targets_under
+
+        mounted = mounted_targets_under(os.path.join(node_root, "native"))
+        if mounted:   # their unfilled objects would be read unchecked: `node gc` stops us
+            log.warning("holder: signal %d ignored: %d native layers are mounted", sig,
+                        len(mounted))
+            return
         stopping.set()
         if worker:
             worker[0].terminate()
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     while not stopping.is_set():
         worker[:] = [subprocess.Popen(
             [sys.executable, "-m", "runtime_shim.lazyfs.filler", "--worker", "--node",
