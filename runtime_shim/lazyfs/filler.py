@@ -40,6 +40,7 @@ JSON line each: ``{"op": "ping"}``, ``{"op": "mark", "layer": hex, "objects": [h
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import json
@@ -57,6 +58,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from runtime_shim.lazyfs import fanotify
+from runtime_shim.lazyfs.fillwindow import WINDOW_MAX_FILE, LayerOrder
 from runtime_shim.lazyfs.objects import FILLED_XATTR, ObjectStore
 
 log = logging.getLogger("envbuild.lazyfs.filler")
@@ -154,7 +156,8 @@ class Worker:
         self._sources: dict[str, tuple[dict[str, Any], str, int]] = {}  # hex → layer, path, size
         self._layers_loaded: set[str] = set()
         self._pool = ThreadPoolExecutor(FILL_WORKERS, thread_name_prefix="fill")
-        self.fills = self.failures = 0
+        self.fills = self.failures = self.ahead = 0
+        self._orders: dict[str, LayerOrder] = {}
         self._memory = threading.BoundedSemaphore(MEMORY_BUDGET // STREAM_ABOVE)
 
     def sweep(self) -> int:
@@ -264,6 +267,9 @@ class Worker:
         entry = layer.stat(path)
         if entry.digest != "sha256:" + hexd or entry.size != size:
             raise ValueError(f"{path} of the layer is {entry.digest}, not the object")
+        if size <= WINDOW_MAX_FILE:   # with the files after it in the blob, if unfilled
+            self._fill_window(layer, entry, hexd)
+            return True
         if size <= STREAM_ABOVE:
             with self._memory:   # at most MEMORY_BUDGET of whole files in memory
                 _write_into(self.objects.path(hexd), layer.read(path))   # verified by read
@@ -279,6 +285,81 @@ class Worker:
         os.setxattr(self.objects.path(hexd), FILLED_XATTR, b"1")
         self.fills += 1
         return True
+
+    def _fill_window(self, layer: Any, entry: Any, hexd: str) -> None:
+        """Fill ``entry`` and the unfilled files that follow it in the blob within
+        ``MISS_WINDOW`` compressed bytes, in one ranged read (``LazyLayer._load``: each file
+        verified against its TOC digest): a package's modules, a library's neighbours are
+        then filled without an open each waiting for its own read. The opened file is
+        answered first; the neighbours are written, synced in one ``syncfs`` (an fsync each
+        was 0.4 ms a file here), then marked complete. A neighbour that cannot be had this
+        way is left to its own open."""
+        claimed = self._claim(self._order(layer).after(entry.path))
+        got: dict[str, bytes] = {}
+        try:
+            try:
+                got = layer._load([entry] + claimed)
+            except Exception:   # noqa: BLE001 - a neighbour's fault must not fail this open
+                if not claimed:
+                    raise
+                got = {entry.path: layer.read(entry.path)}
+            _write_into(self.objects.path(hexd), got[entry.path])
+            self._complete(hexd)   # the reader that opened it goes on now
+            done = [e for e in claimed if e.path in got]
+            for e in done:
+                _write_into(self.objects.path(_hex(e)), got[e.path], sync=False)
+            if done:
+                _syncfs(self.objects.data)
+            for e in done:
+                self._complete(_hex(e))
+                self.ahead += 1
+        finally:   # whatever was claimed and not filled goes back to its own opens
+            for e in claimed:
+                self._release(_hex(e))
+
+    def _release(self, hexd: str) -> None:
+        """Drop a claim; opens that waited for it get a fill of their own."""
+        with self._lock:
+            fds = self._waiting.get(hexd)
+            if fds is None:
+                return   # completed (``_complete`` popped it)
+            if not fds:
+                del self._waiting[hexd]
+                return
+        self._pool.submit(self._fill_and_answer, hexd)
+
+    def _complete(self, hexd: str) -> None:
+        """Object ``hexd`` is written and synced: record it, unmark it, let its readers on."""
+        os.setxattr(self.objects.path(hexd), FILLED_XATTR, b"1")
+        fanotify.mark(self.group, self.objects.path(hexd), remove=True)
+        self.fills += 1
+        with self._lock:
+            fds = self._waiting.pop(hexd, [])
+        self._finish(fds, ok=True)
+
+    def _claim(self, entries: list[Any]) -> list[Any]:
+        """Those of ``entries`` whose objects are placeholders no fill has claimed yet, now
+        claimed (single-flight: opens of them wait for this fill)."""
+        out = []
+        for e in entries:
+            other = _hex(e)
+            if not os.path.exists(self.objects.path(other)) or self.objects.complete(other):
+                continue
+            with self._lock:
+                if other in self._waiting:
+                    continue
+                self._waiting[other] = []
+            out.append(e)
+        return out
+
+    def _order(self, layer: Any) -> LayerOrder:
+        with self._lock:
+            got = self._orders.get(layer.digest)
+        if got is None:
+            got = LayerOrder(layer.entries())
+            with self._lock:
+                got = self._orders.setdefault(layer.digest, got)
+        return got
 
     def _layer(self, url: str, endpoint: str | None, digest: str) -> Any:
         key = f"{url}\0{endpoint}\0{digest}"
@@ -304,14 +385,32 @@ def _safe_source(worker: Worker, hexd: str) -> dict[str, Any]:
         return {}
 
 
-def _write_into(target: str, data: bytes) -> None:
-    """Write verified ``data`` into the placeholder through our own fd (see ``_copy_into``)."""
+def _hex(entry: Any) -> str:
+    return str(entry.digest).removeprefix("sha256:")
+
+
+def _syncfs(path: str) -> None:
+    """``syncfs(2)`` of the filesystem holding ``path``."""
+    from envbuild.libc import function
+
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if function("syncfs", argtypes=[ctypes.c_int])(fd) != 0:
+            raise OSError(ctypes.get_errno(), f"syncfs {path}")
+    finally:
+        os.close(fd)
+
+
+def _write_into(target: str, data: bytes, *, sync: bool = True) -> None:
+    """Write verified ``data`` into the placeholder through our own fd (see ``_copy_into``);
+    ``sync``: fsync it (else the caller syncs)."""
     fd = os.open(target, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
     try:
         view = memoryview(data)
         for off in range(0, len(view), WRITE_PIECE):  # one 64 MiB write took 0.97 s, 64
             os.pwrite(fd, view[off:off + WRITE_PIECE], off)   # writes of 1 MiB 0.06 s
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -382,7 +481,7 @@ def work(node_root: str, group: int, sock_fd: int) -> int:
     def handle(req: dict[str, Any]) -> dict[str, Any]:
         if req.get("op") == "ping":
             return {"ok": True, "pid": os.getpid(), "holder": os.getppid(), "fills": w.fills,
-                    "failures": w.failures}
+                    "ahead": w.ahead, "failures": w.failures}
         if req.get("op") == "mark":
             if req.get("layer"):
                 w.load_layer(str(req["layer"]))

@@ -259,8 +259,8 @@ def test_only_root_talks_to_the_filler(tmp_path, node_dir):
 
 
 def test_a_killed_holder_leaves_the_worker_serving(tmp_path, node_dir):
-    """SIGTERM does not stop a holder while native layers are mounted; SIGKILLed, the group outlives it while the worker holds it: reads still
-    get filled."""
+    """SIGTERM does not stop a holder while native layers are mounted; SIGKILLed, the group
+    outlives it while the worker holds it: reads still get filled."""
     import signal
 
     data = os.urandom(500_000)
@@ -313,3 +313,27 @@ def test_a_checkpointable_native_sandbox_is_refused_in_one_line(tmp_path, node_d
                        checkpointable=True)
     assert "lazy=True or lazy=False" in (err.value.hint or "")
     assert not (node_dir / "node" / "native").exists()
+
+
+def test_an_open_fills_the_files_after_it_in_the_blob(tmp_path, node_dir):
+    """One open fills its file and the unfilled files that follow it within the miss window
+    (one ranged read, each verified); a file past the window stays a placeholder."""
+    files = {f"pkg/m{i:02}.py": os.urandom(2000) for i in range(20)}
+    files["zz/far.bin"] = os.urandom(3 << 20)   # over WINDOW_MAX_FILE: ends the window
+    files["zzz/after.py"] = os.urandom(2000)
+    store, _ = _env(tmp_path, "win", files)
+    root = str(node_dir / "node")
+    objects = ObjectStore(root)
+
+    def complete(rel: str) -> bool:
+        return objects.complete(hashlib.sha256(files[rel]).hexdigest())
+    with Sandbox.create("win", store=store, node_dir=node_dir, lazy="native") as sb:
+        assert sb.exec("cat /pkg/m00.py >/dev/null").exit_code == 0
+        deadline = time.monotonic() + 10
+        while not complete("pkg/m19.py") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(complete(f"pkg/m{i:02}.py") for i in range(20))
+        assert not complete("zz/far.bin") and not complete("zzz/after.py")
+        assert native.filler_request(root, {"op": "ping"})["ahead"] >= 19
+        got = sb.exec("cat /pkg/m07.py | sha256sum").stdout.decode().split()[0]
+        assert got == hashlib.sha256(files["pkg/m07.py"]).hexdigest()

@@ -1,0 +1,40 @@
+"""Which files the native filler fills with the one a reader opened: those that follow it in
+the layer's blob (tar order: a package's modules, a library's neighbours), within the FUSE
+mode's miss window (``frames.MISS_WINDOW`` compressed bytes, files up to
+``frames.WINDOW_MAX_FILE``; one copy of those figures)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from runtime_shim.lazyfs.frames import MISS_WINDOW, WINDOW_MAX_FILE
+
+
+class LayerOrder:
+    """The regular files of a layer (TOC ``Entry``s) in blob order (pure)."""
+
+    def __init__(self, entries: Iterable[Any]) -> None:
+        files = [e for e in entries if e.type == "file" and e.chunks and e.digest]
+        files.sort(key=lambda e: e.chunks[0].offset)
+        self.files: Sequence[Any] = files
+        self.index = {e.path: i for i, e in enumerate(files)}
+
+    def after(self, path: str, window: int = MISS_WINDOW,
+              max_file: int = WINDOW_MAX_FILE) -> list[Any]:
+        """The files after ``path`` whose frames end within ``window`` compressed bytes of
+        its first frame's start; the first file over ``max_file`` bytes ends the window."""
+        i = self.index.get(path)
+        if i is None:
+            return []
+        start = self.files[i].chunks[0].offset
+        out = []
+        for e in self.files[i + 1:]:
+            last = e.chunks[-1]
+            if last.offset + last.csize - start > window or e.size > max_file:
+                break
+            out.append(e)
+        return out
+
+
+__all__ = ["MISS_WINDOW", "WINDOW_MAX_FILE", "LayerOrder"]
