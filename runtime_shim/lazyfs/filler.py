@@ -463,7 +463,9 @@ def _one_conn(conn: socket.socket, handle: Callable[[dict[str, Any]], dict[str, 
 
 def work(node_root: str, group: int, sock_fd: int) -> int:
     """The worker's life (see the module docstring)."""
-    resource.setrlimit(resource.RLIMIT_NOFILE, (MAX_FDS, MAX_FDS))
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = MAX_FDS if hard == resource.RLIM_INFINITY else min(MAX_FDS, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
     w = Worker(node_root, group)
     swept = w.sweep()
     for name in os.listdir(w.objects.root + "/tmp"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from envbuild.oci import is_hex64
 from runtime_shim.lazyfs.frames import MISS_WINDOW, WINDOW_MAX_FILE
 
 
@@ -15,7 +16,8 @@ class LayerOrder:
     """The regular files of a layer (TOC ``Entry``s) in blob order (pure)."""
 
     def __init__(self, entries: Iterable[Any]) -> None:
-        files = [e for e in entries if e.type == "file" and e.chunks and e.digest]
+        files = [e for e in entries if e.type == "file" and e.chunks and e.digest
+                 and e.digest.startswith("sha256:") and is_hex64(e.digest[7:])]
         files.sort(key=lambda e: e.chunks[0].offset)
         self.files: Sequence[Any] = files
         self.index = {e.path: i for i, e in enumerate(files)}

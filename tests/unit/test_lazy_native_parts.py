@@ -44,3 +44,24 @@ def test_a_layer_over_the_member_cap_is_refused_before_anything_is_made(tmp_path
     with pytest.raises(RuntimeShimError, match="over the 262144"):
         nativetree.build(str(tmp_path), nodes, lambda n: "0" * 64)
     assert list(tmp_path.iterdir()) == []
+
+
+def _file(path: str, offset: int, csize: int, size: int, digest: str = "") -> object:
+    from envbuild.layers import Chunk, Entry
+
+    return Entry(path=path, type="file", size=size,
+                 digest=digest or "sha256:" + format(offset, "064x"),
+                 chunks=[Chunk(offset, csize, 0, size, 0)])
+
+
+def test_the_fill_window_is_the_files_after_one_in_blob_order():
+    from runtime_shim.lazyfs.fillwindow import LayerOrder
+
+    entries = [_file("c", 300, 100, 100), _file("a", 0, 100, 100), _file("b", 100, 100, 100),
+               _file("bad", 200, 50, 50, digest="sha256:../../etc"),
+               _file("big", 400, 100, 5000), _file("after", 500, 100, 100)]
+    order = LayerOrder(entries)
+    assert [e.path for e in order.after("a", window=10_000, max_file=1000)] == ["b", "c"]
+    assert [e.path for e in order.after("a", window=250, max_file=1000)] == ["b"]
+    assert [e.path for e in order.after("big", window=10_000, max_file=1000)] == ["after"]
+    assert order.after("bad") == [] and order.after("nope") == []
