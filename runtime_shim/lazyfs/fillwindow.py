@@ -11,6 +11,12 @@ from typing import Any
 from envbuild.oci import is_hex64
 from runtime_shim.lazyfs.frames import MISS_WINDOW, WINDOW_MAX_FILE
 
+#: Files one window fills at most besides the opened one: each is an object to write, sync
+#: and unmark (~0.3 ms here), and the window's readers wait for all of its sync. A 1 MiB
+#: window of 1 KiB files was ~1,700 of them: 0.5 s before the opened file's neighbours
+#: could be read (a cat of 50 files 0.22 s against 0.09 s in the FUSE mode).
+MAX_WINDOW_FILES = 128
+
 
 class LayerOrder:
     """The regular files of a layer (TOC ``Entry``s) in blob order (pure)."""
@@ -22,10 +28,11 @@ class LayerOrder:
         self.files: Sequence[Any] = files
         self.index = {e.path: i for i, e in enumerate(files)}
 
-    def after(self, path: str, window: int = MISS_WINDOW,
-              max_file: int = WINDOW_MAX_FILE) -> list[Any]:
+    def after(self, path: str, window: int = MISS_WINDOW, max_file: int = WINDOW_MAX_FILE,
+              max_files: int = MAX_WINDOW_FILES) -> list[Any]:
         """The files after ``path`` whose frames end within ``window`` compressed bytes of
-        its first frame's start; the first file over ``max_file`` bytes ends the window."""
+        its first frame's start, at most ``max_files``; the first file over ``max_file``
+        bytes ends the window."""
         i = self.index.get(path)
         if i is None:
             return []
@@ -33,10 +40,11 @@ class LayerOrder:
         out = []
         for e in self.files[i + 1:]:
             last = e.chunks[-1]
-            if last.offset + last.csize - start > window or e.size > max_file:
+            if last.offset + last.csize - start > window or e.size > max_file \
+                    or len(out) >= max_files:
                 break
             out.append(e)
         return out
 
 
-__all__ = ["MISS_WINDOW", "WINDOW_MAX_FILE", "LayerOrder"]
+__all__ = ["MAX_WINDOW_FILES", "MISS_WINDOW", "WINDOW_MAX_FILE", "LayerOrder"]

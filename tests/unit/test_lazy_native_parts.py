@@ -64,4 +64,6 @@ def test_the_fill_window_is_the_files_after_one_in_blob_order():
     assert [e.path for e in order.after("a", window=10_000, max_file=1000)] == ["b", "c"]
     assert [e.path for e in order.after("a", window=250, max_file=1000)] == ["b"]
     assert [e.path for e in order.after("big", window=10_000, max_file=1000)] == ["after"]
+    assert [e.path for e in order.after("a", window=10_000, max_file=1000, max_files=1)] \
+        == ["b"]
     assert order.after("bad") == [] and order.after("nope") == []
