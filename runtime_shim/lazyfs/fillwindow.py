@@ -37,7 +37,7 @@ class LayerOrder:
         if i is None:
             return []
         start = self.files[i].chunks[0].offset
-        out = []
+        out: list[Any] = []
         for e in self.files[i + 1:]:
             last = e.chunks[-1]
             if last.offset + last.csize - start > window or e.size > max_file \
