@@ -126,15 +126,18 @@ def hold(node_root: str) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    pause = 0.2
     while not stopping.is_set():
+        started = time.monotonic()
         worker[:] = [subprocess.Popen(
             [sys.executable, "-m", "runtime_shim.lazyfs.filler", "--worker", "--node",
              node_root, "--group-fd", str(group), "--socket-fd", str(listener.fileno())],
             pass_fds=(group, listener.fileno()))]
         code = worker[0].wait()
-        if not stopping.is_set():
-            log.warning("filler worker exited (%s); starting another", code)
-            time.sleep(0.2)
+        if not stopping.is_set():   # a worker that keeps dying at once: back off to 5 s
+            pause = 0.2 if time.monotonic() - started > 10 else min(5.0, pause * 2)
+            log.warning("filler worker exited (%s); starting another in %.1f s", code, pause)
+            time.sleep(pause)
     os.unlink(sock_path)
     return 0
 
