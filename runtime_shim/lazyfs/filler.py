@@ -77,6 +77,10 @@ FILL_WORKERS = 8
 STREAM_ABOVE = 64 << 20
 MEMORY_BUDGET = 256 << 20
 WRITE_PIECE = 1 << 20
+#: The node-wide cap of root's fanotify marks the holder raises to, if lower: unfilled
+#: objects of four hostile layers (262,144 members each).
+MARKS_SYSCTL = "/proc/sys/fs/fanotify/max_user_marks"
+MIN_MARKS = 1 << 20
 #: Largest request line.
 MAX_REQUEST = 1 << 20
 
@@ -101,6 +105,7 @@ def hold(node_root: str) -> int:
             f.write("-1000")
     except OSError as e:
         log.warning("holder: oom_score_adj: %s", e)
+    _raise_mark_limit()
     group = fanotify.open_group()
     sock_path = os.path.join(objects.root, SOCKET)
     if os.path.lexists(sock_path):
@@ -142,6 +147,22 @@ def hold(node_root: str) -> int:
     return 0
 
 
+def _raise_mark_limit(path: str = MARKS_SYSCTL) -> None:
+    """Every unfilled object holds one fanotify mark, and a user's marks are capped
+    node-wide (``fs.fanotify.max_user_marks``: 205,049 on this 24 GiB host, for all of
+    root's fanotify users): raise it to ``MIN_MARKS`` if lower (a mark pins its inode, about
+    1 KiB of kernel memory). Where it cannot be raised, creates past it fail in one line."""
+    try:
+        with open(path, encoding="ascii") as f:
+            now = int(f.read())
+        if now < MIN_MARKS:
+            with open(path, "w", encoding="ascii") as f:
+                f.write(str(MIN_MARKS))
+            log.info("holder: %s raised from %d to %d", path, now, MIN_MARKS)
+    except (OSError, ValueError) as e:
+        log.warning("holder: %s: %s", path, e)
+
+
 # -- the worker -------------------------------------------------------------------------
 
 
@@ -176,7 +197,13 @@ class Worker:
             return False
         with self._lock:
             self._by_ino[(st.st_dev, st.st_ino)] = hexd
-        fanotify.mark(self.group, path)
+        try:
+            fanotify.mark(self.group, path)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise OSError(e.errno, f"the node's unfilled objects are at the fanotify mark "
+                                   f"limit ({MARKS_SYSCTL})") from None
         if self.objects.complete(hexd):  # filled meanwhile (another worker's last act)
             fanotify.mark(self.group, path, remove=True)
             return False

@@ -151,8 +151,10 @@ def mark(node_root: str, layer: str, objects: list[str], batch: int = 4096) -> N
         reply = filler_request(node_root, {"op": "mark", "layer": layer.removeprefix("sha256:"),
                                            "objects": objects[i:i + batch]})
         if not reply or not reply.get("ok"):
-            raise RuntimeShimError(f"the native filler did not mark objects: {reply}",
-                                   hint="see <node>/objects/filler.log")
+            why = (reply or {}).get("error") or "no answer"
+            raise RuntimeShimError(f"the native filler did not mark the new objects: {why}",
+                                   hint="raise fs.fanotify.max_user_marks, or run `envbuild "
+                                        "node gc`; its log: <node>/objects/filler.log")
 
 
 def shutdown(node_root: str) -> None:
