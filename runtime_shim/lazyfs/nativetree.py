@@ -20,12 +20,15 @@ plain whiteouts and ``opaque`` xattrs itself, so they are written escaped (Linux
   shows them as ``trusted.overlay.whiteout`` / ``opaque=x``: an xwhiteout for the outer one);
 - an opaque directory carries ``trusted.overlay.overlay.opaque=y`` (seen as ``opaque=y``).
 
-Device nodes are refused (as by the sandbox's unpack). **Cost, bounded**: the tree is
-inodes only — about 1 KiB of kernel memory per member on tmpfs (inode, dentry, xattrs)
-plus one placeholder inode per distinct file on the node's disk (4 KiB for its ``src``
-record). A layer over ``MAX_MEMBERS`` members is refused with a hint (pull it in full); a
-TOC is already capped by ``LayerReader`` (``MAX_TOC_USIZE``). At the cap: ~270 MiB of
-kernel memory and ~1 GiB of ``src`` records per hostile layer — the price of 262,144 names.
+Device nodes are refused (as by the sandbox's unpack). **Cost, bounded**: a layer over
+``MAX_MEMBERS`` members is refused with a hint (pull it in full); a TOC is already capped by
+``LayerReader`` (``MAX_TOC_USIZE``). Measured at the cap (261,544 files of distinct
+contents, 2026-12-06, load ~4 on 2 cores): its first create on a node took 41.9 s, the
+creating process peaked at 452 MiB, the kernel's slab grew by 705 MiB (the tree's tmpfs
+inodes, the placeholders' ext4 inodes, one fanotify mark each), the filler's worker held
+218 MiB, the object store 48 MiB on disk (the layer's source record, directory blocks).
+``node gc`` frees the tree, the mount and the marks once no sandbox uses the layer; the
+placeholders stay (no object eviction yet).
 """
 
 from __future__ import annotations
