@@ -19,6 +19,7 @@ from runtime_shim.node.nodecache import NodeCache
 from runtime_shim.sdk.sandbox import Sandbox, gc_sandboxes, layers_in_use
 from tests.conftest import require_root, require_tool
 from tests.integration.test_lazy_sandbox import BIG, LISTING, _lock, _pack, _trees
+from tests.store.s3server import moto_s3, s3_env  # noqa: F401  (fixtures)
 
 
 @pytest.fixture
@@ -338,3 +339,24 @@ def test_an_open_fills_the_files_after_it_in_the_blob(tmp_path, node_dir):
         assert native.filler_request(root, {"op": "ping"})["ahead"] >= 19
         got = sb.exec("cat /pkg/m07.py | sha256sum").stdout.decode().split()[0]
         assert got == hashlib.sha256(files["pkg/m07.py"]).hexdigest()
+
+
+def test_a_native_sandbox_from_s3(s3_env, tmp_path, node_dir):  # noqa: F811  (fixture)
+    """The filler opens the store by its URL (an S3 store at its endpoint, the credentials
+    from the environment it inherits) and fills from ranged GETs."""
+    from envbuild.store import open_store
+
+    require_root()
+    require_tool("runc")
+    store = open_store(f"s3://{s3_env.make_bucket()}/native")
+    base_tree, upper_tree = _trees(tmp_path)
+    base = _pack(store, base_tree, tmp_path, "base")
+    upper = _pack(store, upper_tree, tmp_path, "upper", overlay_upper=True)
+    _lock(store, "two", [base, upper])
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy="native") as sb:
+        r = sb.exec("cat /etc/os-release; ls /opq; test -e /etc/gone || echo gone; "
+                    "sha256sum /data/big.bin")
+        assert r.exit_code == 0, r.stderr
+        want = hashlib.sha256((base_tree / "data" / "big.bin").read_bytes()).hexdigest()
+        assert r.stdout.decode() == f"NAME=lazy\nnew\ngone\n{want}  /data/big.bin\n"
+        assert native.filler_request(str(node_dir / "node"), {"op": "ping"})["fills"] > 0
