@@ -43,6 +43,7 @@ import uuid
 from typing import Any
 
 from envbuild.atomic import write_atomic
+from envbuild.errors import RuntimeShimError
 from envbuild.oci import is_hex64
 
 FILLED_XATTR = "trusted.envbuild.filled"
@@ -57,7 +58,15 @@ class ObjectStore:
         self.data = os.path.join(self.root, "data")
 
     def make_dirs(self) -> None:
+        """Make the store's dirs; its root must be a real directory of root's (the filler's
+        socket is in it: nobody else may reach or replace it)."""
         os.makedirs(self.root, mode=0o700, exist_ok=True)
+        st = os.lstat(self.root)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0:
+            raise RuntimeShimError(
+                f"{self.root} is not a directory of root's (uid {st.st_uid}): another user "
+                "could reach or replace the native filler's socket",
+                hint="remove it; only root should write in a node dir")
         os.chmod(self.root, 0o700)
         for sub in _DIRS:
             os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)

@@ -259,6 +259,21 @@ def test_only_root_talks_to_the_filler(tmp_path, node_dir):
     assert native.filler_request(root, {"op": "ping"})["ok"]
 
 
+def test_an_object_store_of_another_user_is_refused(tmp_path, node_dir):
+    from envbuild.errors import RuntimeShimError
+
+    root = node_dir / "node"
+    (root / "objects").mkdir(parents=True)
+    os.chown(root / "objects", 65534, 65534)
+    with pytest.raises(RuntimeShimError, match="not a directory of root's"):
+        native.ensure_filler(str(root))
+    os.rmdir(root / "objects")
+    os.symlink("/tmp", root / "objects")
+    with pytest.raises(RuntimeShimError, match="not a directory of root's"):
+        native.ensure_filler(str(root))
+    os.unlink(root / "objects")
+
+
 def test_a_killed_holder_leaves_the_worker_serving(tmp_path, node_dir):
     """SIGTERM does not stop a holder while native layers are mounted; SIGKILLed, the group
     outlives it while the worker holds it: reads still get filled."""
