@@ -182,6 +182,7 @@ class Worker:
         self._pool = ThreadPoolExecutor(FILL_WORKERS, thread_name_prefix="fill")
         self.fills = self.failures = self.ahead = 0
         self._orders: dict[str, LayerOrder] = {}
+        self._ranges: dict[str, str] = {}   # layer digest → a presigned GET of its blob
         self._memory = threading.BoundedSemaphore(MEMORY_BUDGET // STREAM_ABOVE)
 
     def sweep(self) -> int:
@@ -279,6 +280,11 @@ class Worker:
             for hexd, (path, size) in record["objects"].items():
                 self._sources.setdefault(hexd, (record, str(path), int(size)))
 
+    def set_ranges(self, digest: str, url: str) -> None:
+        """A presigned GET of layer ``digest``'s blob, for its readers made from now on."""
+        with self._lock:
+            self._ranges.setdefault(digest, url)
+
     def source(self, hexd: str) -> tuple[dict[str, Any], str, int]:
         with self._lock:
             got = self._sources.get(hexd)
@@ -292,8 +298,7 @@ class Worker:
         ones streamed (``LazyLayer.stream``: frames fetched in parallel, verified at the
         end) into a spool, copied in only once verified."""
         record, path, size = self.source(hexd)
-        layer = self._layer(str(record["store"]), record.get("s3_endpoint"),
-                            str(record["layer"]))
+        layer = self._layer(record)
         entry = layer.stat(path)
         if entry.digest != "sha256:" + hexd or entry.size != size:
             raise ValueError(f"{path} of the layer is {entry.digest}, not the object")
@@ -391,17 +396,26 @@ class Worker:
                 got = self._orders.setdefault(layer.digest, got)
         return got
 
-    def _layer(self, url: str, endpoint: str | None, digest: str) -> Any:
+    def _layer(self, record: dict[str, Any]) -> Any:
+        """The ``LazyLayer`` of a layer record (one per layer, keeping no pieces): over the
+        presigned URL a create handed over (plain HTTP: no boto3 here), the store opened by
+        its URL when there is none or it expired."""
+        url, endpoint = str(record["store"]), record.get("s3_endpoint")
+        digest = str(record["layer"])
         key = f"{url}\0{endpoint}\0{digest}"
         with self._lock:
             got = self._readers.get(key)
+            ranges = self._ranges.get(digest)
         if got is None:
             from envbuild.store import open_store
             from envbuild.store._lazy_cache import MemoryChunkCache
-            from envbuild.store.lazy import LazyLayer
+            from envbuild.store.lazy import HttpRanges, LazyLayer
 
-            store = open_store(url, s3_endpoint=endpoint, create=False)
-            got = LazyLayer(store, digest, chunk_cache=MemoryChunkCache(0))  # keeps nothing
+            def full() -> Any:
+                return open_store(url, s3_endpoint=endpoint, create=False)
+            source = HttpRanges(digest, ranges, full) if ranges else full()
+            got = LazyLayer(source, digest, chunk_cache=MemoryChunkCache(0),
+                            size=int(record.get("size") or 0) or None)
             with self._lock:
                 got = self._readers.setdefault(key, got)
         return got
@@ -513,10 +527,13 @@ def work(node_root: str, group: int, sock_fd: int) -> int:
     def handle(req: dict[str, Any]) -> dict[str, Any]:
         if req.get("op") == "ping":
             return {"ok": True, "pid": os.getpid(), "holder": os.getppid(), "fills": w.fills,
-                    "ahead": w.ahead, "failures": w.failures}
+                    "ahead": w.ahead, "failures": w.failures,
+                    "boto3": "boto3" in sys.modules}
         if req.get("op") == "mark":
             if req.get("layer"):
                 w.load_layer(str(req["layer"]))
+                if req.get("ranges_url"):
+                    w.set_ranges("sha256:" + str(req["layer"]), str(req["ranges_url"]))
             return {"ok": True, "marked": sum(w.mark(str(h)) for h in req.get("objects", ()))}
         return {"ok": False, "error": f"unknown op {req.get('op')!r}"}
     listener = socket.socket(fileno=sock_fd)

@@ -104,6 +104,7 @@ def native_layer_dirs(node_root: str, store: Any, layers: Sequence[Any]) -> list
     """The native overlays of ``layers`` (``LayerRef``s, bottom first) on node ``node_root``,
     each built and mounted on its first use here (module docstring)."""
     from envbuild.layers import LayerReader
+    from envbuild.store.base import Presigner
     from runtime_shim.lazyfs.mounts import _check_envbuild_layers, store_location
     from runtime_shim.lazyfs.tree import tree_of
 
@@ -138,17 +139,22 @@ def native_layer_dirs(node_root: str, store: Any, layers: Sequence[Any]) -> list
 
         def before_mount(layer: Any = layer, new: list[str] = new,
                          sources: dict[str, tuple[str, int]] = sources) -> None:
-            objects.record_layer(layer.digest, url, endpoint, sources)
-            mark(root, layer.digest, new)
+            objects.record_layer(layer.digest, int(layer.size or 0), url, endpoint, sources)
+            # a presigned URL: the filler's ranged reads over plain HTTP, no boto3 in it
+            mark(root, layer.digest, new,
+                 store.presigned_get_url(layer.digest) if isinstance(store, Presigner) else None)
         dirs.append(nativetree.ensure(root, hexd, nodes, objects.data, place, before_mount))
     return dirs
 
 
-def mark(node_root: str, layer: str, objects: list[str], batch: int = 4096) -> None:
-    """Have the filler read ``layer``'s source record and mark placeholders ``objects``
-    (before anything can reach them)."""
+def mark(node_root: str, layer: str, objects: list[str], ranges_url: str | None = None,
+         batch: int = 4096) -> None:
+    """Have the filler read ``layer``'s source record (and take ``ranges_url``, a presigned
+    GET of its blob, if any) and mark placeholders ``objects`` (before anything can reach
+    them)."""
     for i in range(0, max(1, len(objects)), batch):
         reply = filler_request(node_root, {"op": "mark", "layer": layer.removeprefix("sha256:"),
+                                           "ranges_url": ranges_url,
                                            "objects": objects[i:i + batch]})
         if not reply or not reply.get("ok"):
             why = (reply or {}).get("error") or "no answer"

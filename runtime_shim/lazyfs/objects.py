@@ -7,7 +7,7 @@ Layout, on the node dir's own filesystem (root only, 0700)::
                                 an empty placeholder until filled. The data-only lower
                                 layer of every native layer's overlay (``nativetree``)
     <node>/objects/layers/<L>.json  where the objects of layer L come from: JSON {store,
-                                s3_endpoint, layer, objects: {hex: [path, size]}}, one per
+                                s3_endpoint, layer, size, objects: {hex: [path, size]}}, one per
                                 layer (not one file per object: a create of a 15,000-file
                                 layer makes 15,000 inodes on the node's disk, not 30,000)
     <node>/objects/tmp/         placeholders being made, and fills being verified
@@ -102,14 +102,14 @@ class ObjectStore:
             return []
         return [n[:-5] for n in names if n.endswith(".json") and is_hex64(n[:-5])]
 
-    def record_layer(self, layer: str, store: str, endpoint: str | None,
+    def record_layer(self, layer: str, size: int, store: str, endpoint: str | None,
                      objects: dict[str, tuple[str, int]]) -> None:
-        """Where the objects of ``layer`` come from: ``{hex: (path in the layer, size)}``,
-        one record per layer (written once; a layer's members never change)."""
+        """Where the objects of ``layer`` (a blob of ``size`` bytes) come from: ``{hex: (path
+        in the layer, size)}``, one record per layer (written once; a layer never changes)."""
         path = os.path.join(self.root, "layers", layer.removeprefix("sha256:") + ".json")
         if not os.path.exists(path):
             write_atomic(path, json.dumps({"store": store, "s3_endpoint": endpoint,
-                                           "layer": layer, "objects": objects}))
+                                           "layer": layer, "size": size, "objects": objects}))
 
     def ensure(self, hexd: str, size: int) -> bool:
         """The object ``hexd`` of ``size`` bytes exists (an empty placeholder if new; the

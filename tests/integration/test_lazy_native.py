@@ -357,8 +357,8 @@ def test_an_open_fills_the_files_after_it_in_the_blob(tmp_path, node_dir):
 
 
 def test_a_native_sandbox_from_s3(s3_env, tmp_path, node_dir):  # noqa: F811  (fixture)
-    """The filler opens the store by its URL (an S3 store at its endpoint, the credentials
-    from the environment it inherits) and fills from ranged GETs."""
+    """The filler reads an S3 store's blobs over the presigned URLs a create hands it (plain
+    HTTP: boto3 is never loaded in it) and fills from ranged GETs."""
     from envbuild.store import open_store
 
     require_root()
@@ -374,4 +374,5 @@ def test_a_native_sandbox_from_s3(s3_env, tmp_path, node_dir):  # noqa: F811  (f
         assert r.exit_code == 0, r.stderr
         want = hashlib.sha256((base_tree / "data" / "big.bin").read_bytes()).hexdigest()
         assert r.stdout.decode() == f"NAME=lazy\nnew\ngone\n{want}  /data/big.bin\n"
-        assert native.filler_request(str(node_dir / "node"), {"op": "ping"})["fills"] > 0
+        ping = native.filler_request(str(node_dir / "node"), {"op": "ping"})
+        assert ping["fills"] > 0 and ping["boto3"] is False   # presigned URLs, plain HTTP
