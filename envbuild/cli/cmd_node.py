@@ -42,6 +42,9 @@ def node_report(node_dir: Path) -> dict[str, Any]:
                    for u in layers],
         "bytes": sum(u.size for u in layers), "lazy_daemon": None, "lazy_mounts": [],
         "meta": []}
+    from runtime_shim.lazyfs import describe_native
+
+    report["native"] = describe_native(cache.root)
     ping = daemon_request(cache.root, {"op": "ping"}, 5.0)
     if ping is None:
         return report
@@ -70,6 +73,8 @@ def node_ls(app: App, as_json: bool) -> None:
         click.echo(f"{u['digest']}  {human_size(u['size']):>9}  "
                    f"last used {time.ctime(u['last_used'])}")
     click.echo(f"{len(report['layers'])} layers, {human_size(report['bytes'])}")
+    for line in report["native"]:
+        click.echo(line)
     ping = report["lazy_daemon"]
     if ping is None:
         click.echo("lazy daemon: not running (starts with the first lazy sandbox)")

@@ -33,10 +33,14 @@ def register(group: click.Group) -> None:
 @click.option("--lazy", is_flag=True,  # lazy mode (runtime_shim.lazyfs)
               help="Start at once: serve the layers from the store with FUSE, fetching "
                    "each file on first read, instead of pulling and unpacking them.")
+@click.option("--lazy-native", is_flag=True,  # runtime_shim.lazyfs.native
+              help="Start at once with no FUSE: the kernel serves each layer's metadata and "
+                   "a root filler fills each file from the store when it is first opened "
+                   "(fanotify pre-content events: Linux >= 6.14, root).")
 @backend_option()
 @pass_app
 def run(app: App, target: str, cmd: tuple[str, ...], network: bool, allow: tuple[str, ...],
-        keep: bool, timeout: float | None, lazy: bool, backend: str) -> int:
+        keep: bool, timeout: float | None, lazy: bool, lazy_native: bool, backend: str) -> int:
     """Run CMD in a fresh sandbox of TARGET (env name, ref or lock digest); builds nothing."""
     from runtime_shim import Sandbox
 
@@ -44,7 +48,7 @@ def run(app: App, target: str, cmd: tuple[str, ...], network: bool, allow: tuple
     sb = Sandbox.create(target, store=app.open_store(), node_dir=app.settings.node_dir,
                         backend=backend, network=list(allow) if allow else network,
                         runtime=app.settings.oci_runtime,
-                        keep=keep, lazy=lazy)
+                        keep=keep, lazy="native" if lazy_native else lazy)
     try:
         result = sb.exec(list(cmd), timeout=timeout)
     finally:

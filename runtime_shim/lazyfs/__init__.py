@@ -128,6 +128,7 @@ __all__ = [
     "build_tree",
     "daemon_request",
     "describe",
+    "describe_native",
     "index_layer_file",
     "index_reader",
     "lazy_layer_dirs",
@@ -143,6 +144,7 @@ __all__ = [
 # Imported on first use: what the CLI and the build read of meta layers and import indexes.
 __getattr__, _ = lazy_exports(__name__, {
     "describe": "runtime_shim.lazyfs.metalayer",
+    "describe_native": "runtime_shim.lazyfs.native",
     "index_layer_file": "runtime_shim.lazyfs.pyindex",
     "index_reader": "runtime_shim.lazyfs.pyindex",
 })

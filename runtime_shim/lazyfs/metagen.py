@@ -172,7 +172,11 @@ def _remove_unused(node_root: str | os.PathLike[str], keep_hex: Collection[str])
                 done += collect(layer_dir, current[0] if current else None)
             else:
                 done += collect(layer_dir, None, everything=True)
-    if not any(is_hex64(n) for n in os.listdir(meta)):  # no generation left: the tmpfs too
+    try:   # native layers' trees (runtime_shim.lazyfs.nativetree) share the tmpfs
+        native = os.listdir(os.path.join(meta, TREES, "native"))
+    except FileNotFoundError:
+        native = []
+    if not native and not any(is_hex64(n) for n in os.listdir(meta)):  # none left: the tmpfs
         trees = os.path.join(meta, TREES)
         with _trees_lock, _layer_flock(os.fspath(node_root), "trees"):
             _unmount(trees)

@@ -355,8 +355,10 @@ class NodeCache:
                 self._stop_lazy(hexd)
             done.append(digest)
         from runtime_shim.lazyfs.metalayer import remove_unused
+        from runtime_shim.lazyfs.native import remove_unused as remove_native
 
         self._sweep_probes()
+        remove_native(self.root, keep_hex)  # native layers of no live sandbox; then the filler
         remove_unused(self.root, keep_hex)  # meta layers: of unused layers, and old generations
         if done:
             self._wait_daemon_gone()

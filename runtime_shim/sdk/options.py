@@ -52,7 +52,10 @@ class SandboxOptions:
     ``lazy``: mount each layer read-only with FUSE, served from the store file by file on
     first read (``runtime_shim.lazyfs``; the store must be one another process can open),
     instead of unpacking it; ``"auto"``: lazy where the node's lazy daemon can serve the
-    layers, else a full pull with a warning. ``Sandbox.info().lazy`` says how reads are served.
+    layers, else a full pull with a warning; ``"native"``: no FUSE — each layer's metadata is
+    a kernel overlay over the node's object store, filled on first access by the node's
+    fanotify filler (``runtime_shim.lazyfs.native``, Linux >= 6.14, root).
+    ``Sandbox.info().lazy`` says how reads are served.
 
     ``seccomp``: None for the default syscall filter (``runtime_shim.isolation.seccomp``),
     ``"unconfined"`` for none, or a full OCI ``linux.seccomp`` object (checked). A microVM
@@ -109,8 +112,14 @@ def plan_create(options: SandboxOptions) -> CreatePlan:
     impl = get_backend(options.backend)
     seccomp_profiles.check_setting(options.seccomp)
     lazy = options.lazy
-    if lazy not in (False, True, "auto"):
-        raise RuntimeShimError(f"lazy must be False, True or 'auto', not {lazy!r}")
+    if lazy not in (False, True, "auto", "native"):
+        raise RuntimeShimError(f"lazy must be False, True, 'auto' or 'native', not {lazy!r}")
+    if lazy == "native" and (options.checkpointable or options.restore is not None):
+        # CRIU: "Can't lookup mount=N for fd=-3 path=/bin/busybox" (6.18, CRIU of this host)
+        raise RuntimeShimError("a native lazy sandbox cannot be checkpointed: CRIU cannot "
+                               "find the mount of the files it maps from the layers' nested "
+                               "overlays", hint="use lazy=True or lazy=False with "
+                               "checkpointable=True")
     try:
         impl.check(keep=options.keep, seccomp=options.seccomp, lazy=bool(lazy))
     except BackendUnavailable:

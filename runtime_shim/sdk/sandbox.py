@@ -473,7 +473,12 @@ def _layer_dirs(node: NodeCache, store: Store, lock: ResolvedLock, lazy: bool | 
                 ) -> tuple[list[str], str]:
     """The lower dirs of ``lock``'s layers, bottom first, and how they are served: lazy FUSE
     mounts (``runtime_shim.lazyfs``; ``"auto"`` falls back to a full pull with a warning), or
-    the node cache's unpacked dirs (``""``)."""
+    the node cache's unpacked dirs (``""``); ``"native"``: the kernel-served layers of
+    ``runtime_shim.lazyfs.native`` (mode ``native``)."""
+    if lazy == "native":
+        from runtime_shim.lazyfs.native import native_layer_dirs
+
+        return native_layer_dirs(str(node.root), store, lock.layers), "native"
     if lazy:
         from runtime_shim.lazyfs import lazy_layer_dirs
         from runtime_shim.lazyfs.control import daemon_mode

@@ -1,0 +1,230 @@
+"""Native lazy layers, client side: ``Sandbox.create(lazy="native")``.
+
+Each layer is served by the kernel alone: its metadata tree (``nativetree``, built from the
+TOC on the layer's first use on a node) over the node's object store (``objects``) as a
+data-only lower layer, the unfilled objects filled on first access by the node's filler
+(``filler``: fanotify pre-content events, Linux >= 6.14). No FUSE, no daemon on the read
+path: lookups, ``stat``, ``readdir`` are the kernel's; a read of a complete object is a plain
+local read. Order of a create, so that no reader ever reaches an unmarked placeholder:
+placeholders are made, the filler marks them (it answers only then), and only then is the
+layer's overlay mounted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from envbuild.errors import EnvbuildError, RuntimeShimError
+from runtime_shim.lazyfs import nativetree
+from runtime_shim.lazyfs.filler import LOG, SOCKET
+from runtime_shim.lazyfs.objects import ObjectStore
+from runtime_shim.lazyfs.tree import Node
+
+#: How long a create waits for a filler it started to answer.
+START_TIMEOUT = 15.0
+
+
+def filler_request(node_root: str, req: dict[str, Any], timeout: float = 30.0
+                   ) -> dict[str, Any] | None:
+    """Send ``req`` to the node's filler; None when none answers."""
+    from runtime_shim.lazyfs.control import peer_uid
+
+    path = os.path.join(os.path.abspath(node_root), "objects", SOCKET)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        try:
+            s.connect(path)
+        except OSError:
+            return None
+        if peer_uid(s) != 0:
+            raise RuntimeShimError(f"the filler socket {path} is not root's",
+                                   hint="only root may serve a node's objects")
+        buf = b""
+        try:
+            s.sendall(json.dumps(req).encode() + b"\n")
+            while not buf.endswith(b"\n"):
+                got = s.recv(65536)
+                if not got:
+                    return None
+                buf += got
+        except (ConnectionError, BrokenPipeError):   # a filler stopping
+            return None
+        reply = json.loads(buf)
+        return reply if isinstance(reply, dict) else None
+    finally:
+        s.close()
+
+
+def supported() -> str | None:
+    """Why this host cannot run native lazy layers (None: it can)."""
+    from runtime_shim.lazyfs import fanotify
+
+    if os.geteuid() != 0:
+        return "native lazy layers need root"
+    try:
+        os.close(fanotify.open_group())
+    except OSError as e:
+        return f"the kernel has no fanotify pre-content events ({e.strerror}; Linux >= 6.14)"
+    return None
+
+
+def ensure_filler(node_root: str) -> dict[str, Any]:
+    """The node's filler answers (started, detached, if none does); its ping reply."""
+    reply = filler_request(node_root, {"op": "ping"}, 5.0)
+    if reply is not None:
+        return reply
+    why = supported()
+    if why:
+        raise RuntimeShimError(f"lazy='native': {why}", hint="use lazy=True or lazy=False")
+    objects = ObjectStore(node_root)
+    objects.make_dirs()
+    with open(os.path.join(objects.root, LOG), "ab") as log:
+        subprocess.Popen([sys.executable, "-m", "runtime_shim.lazyfs.filler", "--node",
+                          os.path.abspath(node_root)], stdin=subprocess.DEVNULL, stdout=log,
+                         stderr=log, start_new_session=True, close_fds=True)
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        reply = filler_request(node_root, {"op": "ping"}, 5.0)
+        if reply is not None:
+            return reply
+        time.sleep(0.05)
+    raise RuntimeShimError("the native filler did not start",
+                           hint=f"see {os.path.join(objects.root, LOG)}")
+
+
+def native_layer_dirs(node_root: str, store: Any, layers: Sequence[Any]) -> list[str]:
+    """The native overlays of ``layers`` (``LayerRef``s, bottom first) on node ``node_root``,
+    each built and mounted on its first use here (module docstring)."""
+    from envbuild.layers import LayerReader
+    from envbuild.store.base import Presigner
+    from runtime_shim.lazyfs.mounts import _check_envbuild_layers, store_location
+    from runtime_shim.lazyfs.tree import tree_of
+
+    _check_envbuild_layers(layers)
+    root = os.path.abspath(node_root)
+    url, endpoint = store_location(store)
+    ensure_filler(root)
+    objects = ObjectStore(root)
+    objects.make_dirs()
+    dirs = []
+    for layer in layers:
+        hexd = layer.digest.removeprefix("sha256:")
+        mnt = nativetree.mount_dir(root, hexd)
+        if os.path.ismount(mnt):
+            dirs.append(mnt)
+            continue
+        try:
+            reader = LayerReader.from_store(store, layer.digest)
+            nodes = tree_of(reader)
+        except EnvbuildError as e:
+            raise RuntimeShimError(f"native lazy layer {layer.digest[:19]}: {e}") from e
+        new: list[str] = []
+        sources: dict[str, tuple[str, int]] = {}
+
+        def place(node: Node, new: list[str] = new,
+                  sources: dict[str, tuple[str, int]] = sources) -> str:
+            obj = node.digest.removeprefix("sha256:")
+            sources.setdefault(obj, (node.read_path, node.size))
+            if not objects.ensure(obj, node.size):
+                new.append(obj)
+            return obj
+
+        def before_mount(layer: Any = layer, new: list[str] = new,
+                         sources: dict[str, tuple[str, int]] = sources) -> None:
+            objects.record_layer(layer.digest, int(layer.size or 0), url, endpoint, sources)
+            # a presigned URL: the filler's ranged reads over plain HTTP, no boto3 in it
+            mark(root, layer.digest, new,
+                 store.presigned_get_url(layer.digest) if isinstance(store, Presigner) else None)
+        dirs.append(nativetree.ensure(root, hexd, nodes, objects.data, place, before_mount))
+    return dirs
+
+
+def mark(node_root: str, layer: str, objects: list[str], ranges_url: str | None = None,
+         batch: int = 4096) -> None:
+    """Have the filler read ``layer``'s source record (and take ``ranges_url``, a presigned
+    GET of its blob, if any) and mark placeholders ``objects`` (before anything can reach
+    them)."""
+    for i in range(0, max(1, len(objects)), batch):
+        reply = filler_request(node_root, {"op": "mark", "layer": layer.removeprefix("sha256:"),
+                                           "ranges_url": ranges_url,
+                                           "objects": objects[i:i + batch]})
+        if not reply or not reply.get("ok"):
+            why = (reply or {}).get("error") or "no answer"
+            raise RuntimeShimError(f"the native filler did not mark the new objects: {why}",
+                                   hint="raise fs.fanotify.max_user_marks, or run `envbuild "
+                                        "node gc`; its log: <node>/objects/filler.log")
+
+
+def shutdown(node_root: str) -> None:
+    """Unmount the node's native layers (detached if busy) and stop its filler (SIGTERM to
+    the holder): ``node gc`` of a node with no live sandbox, and tests."""
+    import signal
+
+    from runtime_shim.isolation.mount import mounted_targets_under, unmount
+
+    root = os.path.abspath(node_root)
+    for mnt in mounted_targets_under(os.path.join(root, "native")):
+        unmount(mnt)
+    reply = filler_request(root, {"op": "ping"}, 5.0)
+    if reply is not None:
+        # the holder stops its worker; a worker whose holder died (reparented) stops itself
+        holder, worker = reply.get("holder"), reply.get("pid")
+        pid = holder if isinstance(holder, int) and holder > 1 else worker
+        if isinstance(pid, int) and pid > 1:
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while filler_request(root, {"op": "ping"}, 1.0) is not None \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def remove_unused(node_root: str | os.PathLike[str], keep_hex: set[str]) -> list[str]:
+    """``node gc``: unmount the native layers not in ``keep_hex`` (the layers of live
+    sandboxes) and drop their trees; with none left, stop the filler (the objects stay: a
+    cache). Returns the layers' hexes."""
+    import shutil
+
+    from runtime_shim.isolation.mount import unmount
+
+    root = os.path.abspath(node_root)
+    base = os.path.join(root, "native")
+    try:
+        names = sorted(os.listdir(base))
+    except FileNotFoundError:
+        names = []
+    done = []
+    for hexd in names:
+        if hexd in keep_hex:
+            continue
+        unmount(nativetree.mount_dir(root, hexd))
+        os.rmdir(nativetree.mount_dir(root, hexd))
+        shutil.rmtree(nativetree.tree_dir(root, hexd), ignore_errors=True)
+        done.append(hexd)
+    if not any(os.path.ismount(os.path.join(base, n)) for n in names if n not in done):
+        shutdown(root)
+    return done
+
+
+def describe_native(node_root: str | os.PathLike[str]) -> list[str]:
+    """``node ls``: the native filler (if one answers), its objects and layers."""
+    root = os.path.abspath(node_root)
+    if not os.path.isdir(os.path.join(root, "objects")):
+        return []
+    ping = filler_request(root, {"op": "ping"}, 5.0)
+    objs = ObjectStore(root).describe()
+    filler = (f"native filler pid {ping.get('pid')} (fanotify pre-content), "
+              f"{ping.get('fills')} fills, {ping.get('failures')} failed") if ping \
+        else "native filler: not running"
+    layers = [n for n in os.listdir(os.path.join(root, "native"))] \
+        if os.path.isdir(os.path.join(root, "native")) else []
+    return [filler, f"objects: {objs['objects']} ({objs['complete']} complete, "
+                    f"{objs['bytes']} bytes on disk); native layers mounted: "
+                    f"{sum(os.path.ismount(os.path.join(root, 'native', n)) for n in layers)}"]

@@ -1,0 +1,157 @@
+"""The node's content-addressed object store for native lazy layers: one file per distinct
+file content, created as an empty placeholder and filled on first access.
+
+Layout, on the node dir's own filesystem (root only, 0700)::
+
+    <node>/objects/data/<hex>   the object: the file whose sha256 is <hex>, ``size`` bytes;
+                                an empty placeholder until filled. The data-only lower
+                                layer of every native layer's overlay (``nativetree``)
+    <node>/objects/layers/<L>.json  where the objects of layer L come from: JSON {store,
+                                s3_endpoint, layer, size, objects: {hex: [path, size]}}, one per
+                                layer (not one file per object: a create of a 15,000-file
+                                layer makes 15,000 inodes on the node's disk, not 30,000)
+    <node>/objects/tmp/         placeholders being made, and fills being verified
+
+**Fill state.** An object is complete once its xattr ``trusted.envbuild.filled`` is set; the
+filler (``runtime_shim.lazyfs.filler``) sets it after the verified bytes are written and
+synced, then removes the object's fanotify mark. Everything without it is a placeholder the
+filler marks when it starts (so a restarted filler resumes), and a create asks the filler to
+mark before it mounts (so no reader reaches an unmarked placeholder). The TOC has one digest
+per file (no per-frame digest), so a fill is a whole file: fetched, verified against the TOC
+digest in a spool file, then copied into the placeholder: no byte of an unverified fill is
+ever in the object.
+
+**Why an empty placeholder, not a sparse one of the file's size**: the sizes a reader sees
+come from the metadata tree (``trusted.overlay.metacopy`` files), never from the object, and
+an empty object makes every way of reading it that the filler does not see fail loudly
+rather than return a hole: a read past its end is the end of the file, an ``mmap`` of it is
+SIGBUS, an ``execve`` an ENOEXEC — where a sparse placeholder read as zeros. The filler sees
+every open while it lives (``FAN_OPEN_PERM``), so this is the last line: for the one case in
+which its fanotify group is gone (``filler``: the holder and the worker both killed).
+
+**One object per content.** Two layers (of any image) holding the same file share the
+object: one inode, one page-cache copy; the first layer record naming it is its source (any
+source gives the same verified bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import uuid
+from typing import Any
+
+from envbuild.atomic import write_atomic
+from envbuild.errors import RuntimeShimError
+from envbuild.oci import is_hex64
+
+FILLED_XATTR = "trusted.envbuild.filled"
+_DIRS = ("data", "layers", "tmp")
+
+
+class ObjectStore:
+    """``<node>/objects``: placeholders, their sources and fill state."""
+
+    def __init__(self, node_root: str | os.PathLike[str]) -> None:
+        self.root = os.path.join(os.path.abspath(node_root), "objects")
+        self.data = os.path.join(self.root, "data")
+
+    def make_dirs(self) -> None:
+        """Make the store's dirs; its root must be a real directory of root's (the filler's
+        socket is in it: nobody else may reach or replace it)."""
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        st = os.lstat(self.root)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0:
+            raise RuntimeShimError(
+                f"{self.root} is not a directory of root's (uid {st.st_uid}): another user "
+                "could reach or replace the native filler's socket",
+                hint="remove it; only root should write in a node dir")
+        os.chmod(self.root, 0o700)
+        for sub in _DIRS:
+            os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)
+
+    def path(self, hexd: str) -> str:
+        if not is_hex64(hexd):
+            raise ValueError(f"bad object name {hexd!r}")
+        return os.path.join(self.data, hexd)
+
+    def tmp(self, what: str) -> str:
+        return os.path.join(self.root, "tmp", f"{what}-{uuid.uuid4().hex[:12]}")
+
+    def complete(self, hexd: str) -> bool:
+        try:
+            return os.getxattr(self.path(hexd), FILLED_XATTR) == b"1"
+        except OSError:
+            return False
+
+    def layer_record(self, layer_hex: str) -> dict[str, Any]:
+        """The source record of a layer (``record_layer``)."""
+        if not is_hex64(layer_hex):
+            raise ValueError(f"bad layer name {layer_hex!r}")
+        with open(os.path.join(self.root, "layers", layer_hex + ".json"), encoding="utf-8") as f:
+            doc = json.load(f)
+        if not isinstance(doc, dict) or not isinstance(doc.get("objects"), dict):
+            raise ValueError(f"layer {layer_hex}: bad source record")
+        return doc
+
+    def layer_records(self) -> list[str]:
+        try:
+            names = os.listdir(os.path.join(self.root, "layers"))
+        except FileNotFoundError:
+            return []
+        return [n[:-5] for n in names if n.endswith(".json") and is_hex64(n[:-5])]
+
+    def record_layer(self, layer: str, size: int, store: str, endpoint: str | None,
+                     objects: dict[str, tuple[str, int]]) -> None:
+        """Where the objects of ``layer`` (a blob of ``size`` bytes) come from: ``{hex: (path
+        in the layer, size)}``, one record per layer (written once; a layer never changes)."""
+        path = os.path.join(self.root, "layers", layer.removeprefix("sha256:") + ".json")
+        if not os.path.exists(path):
+            write_atomic(path, json.dumps({"store": store, "s3_endpoint": endpoint,
+                                           "layer": layer, "size": size, "objects": objects}))
+
+    def ensure(self, hexd: str, size: int) -> bool:
+        """The object ``hexd`` of ``size`` bytes exists (an empty placeholder if new; the
+        object of an empty file is complete at once); True when it is complete. Concurrent
+        creators: the first ``O_EXCL`` create wins (an empty file either way)."""
+        path = self.path(hexd)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o444)
+        except FileExistsError:
+            st = os.lstat(path)
+            done = self.complete(hexd)
+            if not stat.S_ISREG(st.st_mode) or (done and st.st_size != size):
+                raise ValueError(f"object {hexd} is not a {size}-byte file") from None
+            return done
+        try:
+            if not size:
+                os.setxattr(fd, FILLED_XATTR, b"1")
+        finally:
+            os.close(fd)
+        return not size
+
+    def incomplete(self) -> list[str]:
+        """Every placeholder (what a starting filler marks)."""
+        try:
+            names = os.listdir(self.data)
+        except FileNotFoundError:
+            return []
+        return [n for n in names if is_hex64(n) and not self.complete(n)]
+
+    def describe(self) -> dict[str, int]:
+        """Objects, complete ones and their bytes on disk (``node ls``)."""
+        n = done = used = 0
+        for name in os.listdir(self.data) if os.path.isdir(self.data) else ():
+            try:
+                st = os.lstat(os.path.join(self.data, name))
+            except FileNotFoundError:
+                continue
+            n += 1
+            done += self.complete(name)
+            used += st.st_blocks * 512
+        return {"objects": n, "complete": done, "bytes": used}
+
+
+__all__ = ["FILLED_XATTR", "ObjectStore"]

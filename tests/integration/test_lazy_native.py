@@ -1,0 +1,378 @@
+"""Native lazy layers over the real kernel: metadata trees in overlays over the node's object
+store, filled by the fanotify filler (``runtime_shim.lazyfs.native``), in real runc sandboxes,
+compared with sandboxes over unpacked layers."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from envbuild.store import LocalStore
+from runtime_shim.isolation.mount import mounted_targets_under
+from runtime_shim.lazyfs import native
+from runtime_shim.lazyfs.objects import ObjectStore
+from runtime_shim.node.nodecache import NodeCache
+from runtime_shim.sdk.sandbox import Sandbox, gc_sandboxes, layers_in_use
+from tests.conftest import require_root, require_tool
+from tests.integration.test_lazy_sandbox import BIG, LISTING, _lock, _pack, _trees
+from tests.store.s3server import moto_s3, s3_env  # noqa: F401  (fixtures)
+
+
+@pytest.fixture
+def lock2(tmp_path):
+    """A local store with the two-layer lock ``two`` (every kind of member, whiteouts, an
+    opaque dir, hardlinks, xattrs) and a node dir; afterwards no mount and no filler left."""
+    require_root()
+    require_tool("runc")
+    store = LocalStore(tmp_path / "store")
+    base_tree, upper_tree = _trees(tmp_path)
+    base = _pack(store, base_tree, tmp_path, "base", source_date_epoch=1_700_000_000)
+    upper = _pack(store, upper_tree, tmp_path, "upper", overlay_upper=True,
+                  source_date_epoch=1_700_000_000)
+    _lock(store, "two", [base, upper])
+    node_dir = tmp_path / "n"
+    yield store, node_dir, [base, upper]
+    gc_sandboxes(node_dir)   # what `node gc` runs: the native mounts go, then the filler
+    NodeCache(node_dir / "node").evict(layers_in_use(node_dir), 0)
+    assert mounted_targets_under(str(node_dir / "node" / "native")) == []
+    assert native.filler_request(str(node_dir / "node"), {"op": "ping"}, 1.0) is None
+    assert mounted_targets_under(str(node_dir)) == []   # the tree tmpfs too
+
+
+def test_native_and_full_sandboxes_see_the_same_tree(lock2):
+    store, node_dir, layers = lock2
+    with Sandbox.create("two", store=store, node_dir=node_dir) as full, \
+            Sandbox.create("two", store=store, node_dir=node_dir, lazy="native") as lazy:
+        assert full.info().lazy == "" and lazy.info().lazy == "native"
+        objects = ObjectStore(node_dir / "node")
+        big = objects.path(hashlib.sha256(
+            (node_dir.parent / "base" / "data" / "big.bin").read_bytes()).hexdigest())
+        assert not objects.complete(os.path.basename(big))   # nothing fetched yet
+        a, b = full.exec(LISTING), lazy.exec(LISTING)
+        assert a.exit_code == 0, a.stderr
+        assert b.exit_code == 0, b.stderr
+        assert a.stdout.decode().splitlines() == b.stdout.decode().splitlines()
+        out = b.stdout.decode()
+        assert "/etc/gone|" not in out and "/opq/old0" not in out
+        assert "/opq/new|regular file|644" in out
+        assert "/replaced|regular file|644|0|0|11|" in out and "/replaced/inside" not in out
+        assert "/data/small.txt|regular file|640|1000|1000|600|1600000000|2|" in out
+        assert "/data/fifo|fifo|" in out and "/data/link|symbolic link|777|" in out
+        assert objects.complete(os.path.basename(big)) and os.stat(big).st_size == BIG
+        x = lazy.exec("getfattr -n user.origin /data/big.bin 2>&1 || "
+                      "busybox getfattr -n user.origin /data/big.bin 2>&1; true")
+        mnt = native.nativetree.mount_dir(str(node_dir / "node"), layers[0].digest[7:])
+        assert os.getxattr(Path(mnt) / "data" / "big.bin", "user.origin") == b"test", x
+
+
+def _env(tmp_path: Path, name: str, extra: dict[str, bytes], store=None):
+    """A store with lock ``name``: a busybox layer, and a layer holding ``extra``."""
+    from tests.integration.test_container_runtime import make_busybox_root
+
+    require_root()
+    require_tool("runc")
+    store = store or LocalStore(tmp_path / "store")
+    base = make_busybox_root(tmp_path / f"{name}-base")
+    (base / "bin" / "sha256sum").exists() or os.symlink("busybox", base / "bin" / "sha256sum")
+    top = tmp_path / f"{name}-top"
+    for rel, data in extra.items():
+        (top / rel).parent.mkdir(parents=True, exist_ok=True)
+        (top / rel).write_bytes(data)
+    layers = [_pack(store, base, tmp_path, f"{name}-base", source_date_epoch=1_700_000_000),
+              _pack(store, top, tmp_path, f"{name}-top", source_date_epoch=1_700_000_000)]
+    _lock(store, name, layers)
+    return store, layers
+
+
+@pytest.fixture
+def node_dir(tmp_path):
+    node_dir = tmp_path / "n"
+    yield node_dir
+    gc_sandboxes(node_dir)
+    NodeCache(node_dir / "node").evict(layers_in_use(node_dir), 0)
+    assert mounted_targets_under(str(node_dir)) == []
+    assert native.filler_request(str(node_dir / "node"), {"op": "ping"}, 1.0) is None
+
+
+def _filler_log(node_dir: Path) -> str:
+    return (node_dir / "node" / "objects" / "filler.log").read_text()
+
+
+def test_a_corrupt_blob_is_an_io_error_and_a_log_line_never_zeros(tmp_path, node_dir):
+    from envbuild.layers import LayerReader
+
+    data = os.urandom(1 << 20)
+    store, layers = _env(tmp_path, "bad", {"data/f.bin": data})
+    blob = store.blob_path(layers[1].digest)
+    with LayerReader.open_file(blob) as r:
+        chunk = r.stat("data/f.bin").chunks[0]
+    raw = bytearray(blob.read_bytes())
+    raw[chunk.offset + chunk.csize // 2] ^= 0xFF
+    os.chmod(blob, 0o644)
+    blob.write_bytes(bytes(raw))
+    with Sandbox.create("bad", store=store, node_dir=node_dir, lazy="native") as sb:
+        got = sb.exec("sha256sum /data/f.bin; echo rc=$?")
+        out = got.stdout.decode() + got.stderr.decode()
+        assert hashlib.sha256(bytes(len(data))).hexdigest() not in out   # not zeros
+        assert hashlib.sha256(data).hexdigest() not in out
+        assert "Input/output error" in out and "rc=1" in out, out
+        # and again: still an error (the mark stays), not a hole
+        got = sb.exec("head -c 100 /data/f.bin | wc -c; echo rc=$?")
+        assert "Input/output error" in got.stdout.decode() + got.stderr.decode()
+    assert "readers get EIO" in _filler_log(node_dir)
+
+
+def test_execve_and_mmap_of_lazily_filled_files(tmp_path, node_dir):
+    import mmap
+
+    data = os.urandom(300_000)
+    store, layers = _env(tmp_path, "mm", {"data/m.bin": data})
+    with Sandbox.create("mm", store=store, node_dir=node_dir, lazy="native") as sb:
+        # busybox itself is an unfilled placeholder: the loader's reads and mmaps fill it
+        got = sb.exec("echo hello")
+        assert got.exit_code == 0 and got.stdout == b"hello\n", got.stderr
+        mnt = Path(native.nativetree.mount_dir(str(node_dir / "node"), layers[1].digest[7:]))
+        with open(mnt / "data" / "m.bin", "rb") as f, \
+                mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+            assert m[:] == data
+        got = sb.exec("sha256sum /data/m.bin")
+        assert got.stdout.decode().split()[0] == hashlib.sha256(data).hexdigest()
+
+
+def test_two_layers_sharing_a_file_share_one_object(tmp_path, node_dir):
+    shared = os.urandom(200_000)
+    store, a = _env(tmp_path, "one", {"lib/shared.so": shared, "a": b"a"})
+    _, b = _env(tmp_path, "other", {"usr/lib/copy.so": shared, "b": b"b"}, store=store)
+    hexd = hashlib.sha256(shared).hexdigest()
+    root = str(node_dir / "node")
+    with Sandbox.create("one", store=store, node_dir=node_dir, lazy="native") as s1, \
+            Sandbox.create("other", store=store, node_dir=node_dir, lazy="native") as s2:
+        assert s1.exec("sha256sum /lib/shared.so").stdout.decode().split()[0] == hexd
+        fills = native.filler_request(root, {"op": "ping"})["fills"]
+        assert s2.exec("sha256sum /usr/lib/copy.so").stdout.decode().split()[0] == hexd
+        assert native.filler_request(root, {"op": "ping"})["fills"] == fills  # no new fill
+        trees = [native.nativetree.tree_dir(root, x[1].digest[7:]) for x in (a, b)]
+        assert os.getxattr(trees[0] + "/lib/shared.so", "trusted.overlay.redirect") == \
+            os.getxattr(trees[1] + "/usr/lib/copy.so", "trusted.overlay.redirect") == \
+            b"/" + hexd.encode()
+        objs = ObjectStore(root)
+        assert objs.complete(hexd) and os.stat(objs.path(hexd)).st_nlink == 1
+
+
+@pytest.mark.parametrize("phase", ["fetch", "copy"])
+def test_a_filler_killed_mid_fill_is_correct_or_eio_never_wrong_and_resumes(
+        tmp_path, node_dir, phase):
+    """SIGKILL the filler (its worker) while a ``sha256sum`` of a large file waits for its
+    fill — while the fill fetches (its spool exists) or while it copies into the object —:
+    the reader gets the right digest or EIO, never another digest; a new worker resumes."""
+    import signal
+    import threading
+
+    data = os.urandom(96 << 20)
+    want = hashlib.sha256(data).hexdigest()
+    store, _ = _env(tmp_path, "big", {"data/huge": data})
+    del data
+    root = str(node_dir / "node")
+    objects = ObjectStore(root)
+    with Sandbox.create("big", store=store, node_dir=node_dir, lazy="native") as sb:
+        sb.exec("true")
+        worker = native.filler_request(root, {"op": "ping"})["pid"]
+        result: list = []
+        t = threading.Thread(target=lambda: result.append(
+            sb.exec("sha256sum /data/huge; echo rc=$?")))
+        t.start()
+        killed = False
+        deadline = time.monotonic() + 60
+        while not killed and time.monotonic() < deadline and t.is_alive():
+            if phase == "fetch":
+                busy = any(n.startswith("fill-") for n in os.listdir(objects.root + "/tmp"))
+            else:
+                busy = os.path.exists(objects.path(want)) and \
+                    os.stat(objects.path(want)).st_size > 0 and not objects.complete(want)
+            if busy:
+                os.kill(worker, signal.SIGKILL)
+                killed = True
+            time.sleep(0.0005)
+        t.join(120)
+        assert killed, f"the fill was never seen in its {phase} phase"
+        out = result[0].stdout.decode() + result[0].stderr.decode()
+        assert (want in out and "rc=0" in out) or \
+            ("Input/output error" in out and "rc=1" in out), out
+        got = sb.exec("sha256sum /data/huge")   # a new worker resumes the fill
+        assert got.exit_code == 0 and got.stdout.decode().split()[0] == want, got.stderr
+        assert native.filler_request(root, {"op": "ping"})["pid"] != worker
+        assert objects.complete(want) and os.stat(objects.path(want)).st_size == 96 << 20
+
+
+def test_envbuild_run_lazy_native_of_the_busybox_env_node_ls_and_gc(envbuild_cli):
+    assert envbuild_cli("build").code == 0
+    result = envbuild_cli("run", "--lazy-native", "busybox-shell", "sh", "-c",
+                          "cat /etc/hostname >/dev/null; ls /bin | wc -l; echo ok")
+    assert result.code == 0, result.err
+    assert result.out.endswith("ok\n")
+    node_dir = envbuild_cli.node
+    assert mounted_targets_under(str(node_dir / "node" / "native")) != []  # shared, kept up
+    ls = envbuild_cli("node", "ls")
+    assert ls.code == 0 and "native filler pid" in ls.out, ls.out + ls.err
+    gc = envbuild_cli("node", "gc")
+    assert gc.code == 0, gc.err
+    assert mounted_targets_under(str(node_dir / "node" / "native")) == []
+    assert native.filler_request(str(node_dir / "node"), {"op": "ping"}, 1.0) is None
+    assert mounted_targets_under(str(node_dir)) == []   # the tree tmpfs too
+
+
+def test_only_root_talks_to_the_filler(tmp_path, node_dir):
+    """The socket is in a 0700 root dir; and were it reachable, the filler answers only uid 0."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    root = str(node_dir / "node")
+    os.makedirs(root)
+    native.ensure_filler(root)
+    sock = os.path.join(root, "objects", "filler.sock")
+    probe = ("import socket,sys\ns=socket.socket(socket.AF_UNIX)\n"
+             "try:\n s.connect(sys.argv[1])\nexcept OSError as e:\n print('refused', e.errno)\n"
+             " sys.exit()\ntry:\n s.sendall(b'{\"op\": \"ping\"}\\n')\n"
+             " print('reply', repr(s.recv(100)))\n"
+             "except (BrokenPipeError, ConnectionError):\n print('hung up')\n")
+
+    def as_nobody(path: str) -> str:
+        return subprocess.run(["/usr/bin/python3", "-c", probe, path], user=65534, group=65534,
+                              capture_output=True, text=True, timeout=30).stdout.strip()
+    assert as_nobody(sock) == "refused 13"   # EACCES: the dir is root's alone
+    # were the socket reachable (a hardlink in a dir anyone may enter), the filler hangs up on
+    # any uid but 0 without reading the request
+    open_dir = tempfile.mkdtemp(dir="/tmp")
+    try:
+        os.chmod(open_dir, 0o755)
+        os.link(sock, os.path.join(open_dir, "s"))
+        os.chmod(sock, 0o666)
+        assert as_nobody(os.path.join(open_dir, "s")) in ("reply b''", "hung up")
+    finally:
+        os.chmod(sock, 0o600)
+        shutil.rmtree(open_dir)
+    assert native.filler_request(root, {"op": "ping"})["ok"]
+
+
+def test_an_object_store_of_another_user_is_refused(tmp_path, node_dir):
+    from envbuild.errors import RuntimeShimError
+
+    root = node_dir / "node"
+    (root / "objects").mkdir(parents=True)
+    os.chown(root / "objects", 65534, 65534)
+    with pytest.raises(RuntimeShimError, match="not a directory of root's"):
+        native.ensure_filler(str(root))
+    os.rmdir(root / "objects")
+    os.symlink("/tmp", root / "objects")
+    with pytest.raises(RuntimeShimError, match="not a directory of root's"):
+        native.ensure_filler(str(root))
+    os.unlink(root / "objects")
+
+
+def test_a_killed_holder_leaves_the_worker_serving(tmp_path, node_dir):
+    """SIGTERM does not stop a holder while native layers are mounted; SIGKILLed, the group
+    outlives it while the worker holds it: reads still get filled."""
+    import signal
+
+    data = os.urandom(500_000)
+    store, _ = _env(tmp_path, "hold", {"data/a": data, "data/b": data[::-1]})
+    root = str(node_dir / "node")
+    with Sandbox.create("hold", store=store, node_dir=node_dir, lazy="native") as sb:
+        assert sb.exec("sha256sum /data/a").stdout.decode().split()[0] == \
+            hashlib.sha256(data).hexdigest()
+        ping = native.filler_request(root, {"op": "ping"})
+        holder = Path(f"/proc/{ping['holder']}")
+        os.kill(ping["holder"], signal.SIGTERM)   # ignored: a native layer is mounted
+        time.sleep(0.3)
+        again = native.filler_request(root, {"op": "ping"})
+        assert holder.exists() and (again["pid"], again["holder"]) == (ping["pid"], ping["holder"])
+        os.kill(ping["holder"], signal.SIGKILL)
+        got = sb.exec("sha256sum /data/b")
+        assert got.stdout.decode().split()[0] == hashlib.sha256(data[::-1]).hexdigest()
+        assert native.filler_request(root, {"op": "ping"})["pid"] == ping["pid"]
+
+
+def test_pack_diff_of_a_native_sandbox(tmp_path, node_dir):
+    """Copy-ups out of native layers (a lazily filled file appended to, a metadata-only
+    change, a deletion) make the same snapshot a full sandbox's would; the snapshot runs
+    natively and in full."""
+    body = os.urandom(100_000)
+    store, _ = _env(tmp_path, "pd", {"data/keep.bin": body, "data/grow.txt": b"one\n",
+                                     "data/gone.txt": b"bye\n", "data/mode.sh": b"#!/bin/sh\n"})
+    change = "echo two >> /data/grow.txt && rm /data/gone.txt && chmod 755 /data/mode.sh"
+    check = ("cat /data/grow.txt; ls /data; stat -c '%a' /data/mode.sh; "
+             "sha256sum /data/keep.bin")
+    with Sandbox.create("pd", store=store, node_dir=node_dir, lazy="native") as sb:
+        assert sb.exec(change).exit_code == 0
+        want = sb.exec(check).stdout.decode()
+        sb.pack_diff("snap/pd")
+    assert want.startswith("one\ntwo\n") and "gone.txt" not in want and "\n755\n" in want
+    assert hashlib.sha256(body).hexdigest() in want
+    with Sandbox.create("snap/pd", store=store, node_dir=node_dir) as full, \
+            Sandbox.create("snap/pd", store=store, node_dir=node_dir, lazy="native") as lazy:
+        assert full.exec(check).stdout.decode() == want
+        assert lazy.exec(check).stdout.decode() == want
+
+
+def test_a_checkpointable_native_sandbox_is_refused_in_one_line(tmp_path, node_dir):
+    """CRIU cannot dump a process that maps a file of a native layer (``Can't lookup mount=N
+    for fd=-3 path=/bin/busybox``): asked for, it is refused before anything is made."""
+    from envbuild.errors import RuntimeShimError
+
+    store, _ = _env(tmp_path, "ck", {"data/seed": b"7\n"})
+    with pytest.raises(RuntimeShimError, match="cannot be checkpointed") as err:
+        Sandbox.create("ck", store=store, node_dir=node_dir, lazy="native",
+                       checkpointable=True)
+    assert "lazy=True or lazy=False" in (err.value.hint or "")
+    assert not (node_dir / "node" / "native").exists()
+
+
+def test_an_open_fills_the_files_after_it_in_the_blob(tmp_path, node_dir):
+    """One open fills its file and the unfilled files that follow it within the miss window
+    (one ranged read, each verified); a file past the window stays a placeholder."""
+    files = {f"pkg/m{i:02}.py": os.urandom(2000) for i in range(20)}
+    files["zz/far.bin"] = os.urandom(3 << 20)   # over WINDOW_MAX_FILE: ends the window
+    files["zzz/after.py"] = os.urandom(2000)
+    store, _ = _env(tmp_path, "win", files)
+    root = str(node_dir / "node")
+    objects = ObjectStore(root)
+
+    def complete(rel: str) -> bool:
+        return objects.complete(hashlib.sha256(files[rel]).hexdigest())
+    with Sandbox.create("win", store=store, node_dir=node_dir, lazy="native") as sb:
+        assert sb.exec("cat /pkg/m00.py >/dev/null").exit_code == 0
+        deadline = time.monotonic() + 10
+        while not complete("pkg/m19.py") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(complete(f"pkg/m{i:02}.py") for i in range(20))
+        assert not complete("zz/far.bin") and not complete("zzz/after.py")
+        assert native.filler_request(root, {"op": "ping"})["ahead"] >= 19
+        got = sb.exec("cat /pkg/m07.py | sha256sum").stdout.decode().split()[0]
+        assert got == hashlib.sha256(files["pkg/m07.py"]).hexdigest()
+
+
+def test_a_native_sandbox_from_s3(s3_env, tmp_path, node_dir):  # noqa: F811  (fixture)
+    """The filler reads an S3 store's blobs over the presigned URLs a create hands it (plain
+    HTTP: boto3 is never loaded in it) and fills from ranged GETs."""
+    from envbuild.store import open_store
+
+    require_root()
+    require_tool("runc")
+    store = open_store(f"s3://{s3_env.make_bucket()}/native")
+    base_tree, upper_tree = _trees(tmp_path)
+    base = _pack(store, base_tree, tmp_path, "base")
+    upper = _pack(store, upper_tree, tmp_path, "upper", overlay_upper=True)
+    _lock(store, "two", [base, upper])
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy="native") as sb:
+        r = sb.exec("cat /etc/os-release; ls /opq; test -e /etc/gone || echo gone; "
+                    "sha256sum /data/big.bin")
+        assert r.exit_code == 0, r.stderr
+        want = hashlib.sha256((base_tree / "data" / "big.bin").read_bytes()).hexdigest()
+        assert r.stdout.decode() == f"NAME=lazy\nnew\ngone\n{want}  /data/big.bin\n"
+        ping = native.filler_request(str(node_dir / "node"), {"op": "ping"})
+        assert ping["fills"] > 0 and ping["boto3"] is False   # presigned URLs, plain HTTP

@@ -1,0 +1,69 @@
+"""The pure parts of native lazy layers: fanotify event parsing and answers, and the member
+cap of a layer's metadata tree."""
+
+from __future__ import annotations
+
+import errno
+import struct
+
+import pytest
+
+from envbuild.errors import RuntimeShimError
+from runtime_shim.lazyfs import fanotify, nativetree
+from runtime_shim.lazyfs.tree import Node
+
+
+def _event(fd: int, pid: int, mask: int, rng: tuple[int, int] | None) -> bytes:
+    info = struct.pack("=BBHIQQ", fanotify.FAN_EVENT_INFO_TYPE_RANGE, 0, 24, 0, *rng) \
+        if rng else b""
+    return struct.pack("=IBBHQii", 24 + len(info), 3, 0, 24, mask, fd, pid) + info
+
+
+def test_events_are_parsed_with_their_range():
+    buf = _event(7, 100, fanotify.FAN_PRE_ACCESS, (4096, 32768)) + \
+        _event(8, 101, fanotify.FAN_OPEN_PERM, None)
+    a, b = fanotify.parse(buf)
+    assert (a.fd, a.pid, a.mask, a.offset, a.count) == \
+        (7, 100, fanotify.FAN_PRE_ACCESS, 4096, 32768)
+    assert (b.fd, b.pid, b.mask, b.offset, b.count) == (8, 101, fanotify.FAN_OPEN_PERM, 0, 0)
+
+
+def test_a_truncated_event_is_not_parsed():
+    buf = _event(7, 100, fanotify.FAN_PRE_ACCESS, (0, 1))
+    assert fanotify.parse(buf[:-1]) == []
+    assert fanotify.parse(struct.pack("=IBBHQii", 4, 3, 0, 24, 0, 0, 0)) == []
+
+
+def test_deny_carries_the_errno_in_the_top_byte():
+    assert fanotify.deny_errno(errno.EIO) == fanotify.FAN_DENY | (errno.EIO << 24)
+
+
+def test_a_layer_over_the_member_cap_is_refused_before_anything_is_made(tmp_path):
+    node = Node(ino=2, mode=0o100644, uid=0, gid=0, mtime=0)
+    nodes = {f"f{i}": node for i in range(nativetree.MAX_MEMBERS + 1)}
+    with pytest.raises(RuntimeShimError, match="over the 262144"):
+        nativetree.build(str(tmp_path), nodes, lambda n: "0" * 64)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _file(path: str, offset: int, csize: int, size: int, digest: str = "") -> object:
+    from envbuild.layers import Chunk, Entry
+
+    return Entry(path=path, type="file", size=size,
+                 digest=digest or "sha256:" + format(offset, "064x"),
+                 chunks=[Chunk(offset, csize, 0, size, 0)])
+
+
+def test_the_fill_window_is_the_files_after_one_in_blob_order():
+    from runtime_shim.lazyfs.fillwindow import LayerOrder
+
+    entries = [_file("c", 300, 100, 100), _file("a", 0, 100, 100), _file("b", 100, 100, 100),
+               _file("bad", 200, 50, 50, digest="sha256:../../etc"),
+               _file("big", 400, 100, 5000), _file("after", 500, 100, 100)]
+    order = LayerOrder(entries)
+    assert [e.path for e in order.after("a", window=10_000, max_file=1000)] == ["b", "c"]
+    assert [e.path for e in order.after("a", window=250, max_file=1000)] == ["b"]
+    assert [e.path for e in order.after("big", window=10_000, max_file=1000)] == ["after"]
+    assert [e.path for e in order.after("a", window=10_000, max_file=1000, max_files=1)] \
+        == ["b"]
+    assert order.after("bad") == [] and order.after("nope") == []
