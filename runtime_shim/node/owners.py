@@ -123,6 +123,8 @@ def after_sweep(layout: NodeLayout, remaining: Iterable[tuple[int, bool, float]]
     nothing but kept sandboxes are forgotten (kept ones are reaped by their TTL, not by their
     creator's death). An expiry registered while the sweep ran is kept."""
     d = _dir(layout)
+    if not layout.root.is_dir():  # a sweep of a node dir that was never made: nothing to note
+        return
     d.mkdir(mode=0o700, exist_ok=True)
     reapable, expiries = set(), []
     for pid, kept, expires in remaining:

@@ -33,7 +33,8 @@ def test_lock_and_check_json(cli, built):
     r = cli("lock", "--json", "busybox-shell")
     assert r.code == 0, r.err
     assert r.json() == {"locks": [{"env": "busybox-shell",
-                                   "digest": built[1].get_ref("env/busybox-shell").digest}]}
+                                   "digest": built[1].get_ref("env/busybox-shell").digest}],
+                        "tasks": []}
     r = cli("check", "--json", "busybox-shell")
     assert r.code == 0, r.err
     doc = r.json()

@@ -72,3 +72,9 @@ def test_a_reused_pid_is_not_the_creator():
     assert start is not None and owners.owner_alive(me, start)
     assert not owners.owner_alive(me, start + 1)
     assert owners.owner_alive(me, None) and not owners.owner_alive(0, None)
+
+
+def test_a_sweep_of_a_node_dir_never_made_notes_nothing(tmp_path):
+    layout = NodeLayout(tmp_path / "never-made")
+    owners.after_sweep(layout, [], time.time())
+    assert not (tmp_path / "never-made").exists()
