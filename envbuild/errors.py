@@ -41,6 +41,8 @@ bug and exits 2 with a traceback and a request to report it.
         ├── AdmissionRefused       the node's budget (file table, tasks, disk) has no room
         │                          for this sandbox or build disk (runtime_shim.node.admission)
         ├── SandboxClosed          a method of a sandbox that was closed (or reaped at its TTL)
+        ├── PortRefused            nothing listens on that port inside the sandbox
+        │                          (``connect_port``); also a ConnectionRefusedError
         ├── ExecTimeout            a command ran past its timeout, raised only for
         │                          ``exec(..., check_timeout=True)`` (else ``timed_out``)
         ├── SnapshotRefused        pack-diff policy: a sandbox's changes exceed a size cap or
@@ -286,6 +288,13 @@ class AdmissionRefused(RuntimeShimError):
 
 class SandboxClosed(RuntimeShimError):
     reference = "sandbox-closed"
+
+
+class PortRefused(RuntimeShimError, ConnectionRefusedError):
+    """``Sandbox.connect_port``: nothing listens on that port inside the sandbox. Also a
+    ``ConnectionRefusedError``, so code written for sockets catches it."""
+
+    reference = "port-refused"
 
 
 class ExecTimeout(RuntimeShimError):

@@ -36,6 +36,7 @@ __all__ = [
     "FnPool",
     "Limits",
     "LockNotFound",
+    "PortRefused",
     "Process",
     "RuntimeShimError",
     "Sandbox",
@@ -75,7 +76,7 @@ _WHERE = {
     "sweep_sandboxes": "runtime_shim.sdk.sweep",
     **{name: "envbuild.errors" for name in (
         "AdmissionRefused", "BackendUnavailable", "CheckpointRefused", "ExecTimeout",
-        "LockNotFound", "RuntimeShimError",
+        "LockNotFound", "PortRefused", "RuntimeShimError",
         "SandboxClosed", "SandboxCompromised", "SandboxNotFound", "SandboxStartError",
         "SnapshotRefused")},
 }
@@ -87,6 +88,7 @@ if TYPE_CHECKING:
         CheckpointRefused,
         ExecTimeout,
         LockNotFound,
+        PortRefused,
         RuntimeShimError,
         SandboxClosed,
         SandboxCompromised,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -99,6 +100,14 @@ class AsyncSandbox:
                                deadline=handle.limits.exec_timeout, on_stdout=on_stdout,
                                on_stderr=on_stderr)
         return AsyncProcess(session, lambda done, started: sb._result(done, started, False))
+
+    async def connect_port(self, port: int, timeout: float = 10.0) -> socket.socket:
+        """``Sandbox.connect_port`` in the default executor; the socket is non-blocking, for
+        ``loop.create_connection(..., sock=)`` or ``asyncio.open_connection(sock=)``."""
+        sock = await asyncio.get_running_loop().run_in_executor(
+            None, self.sync.connect_port, port, timeout)
+        sock.setblocking(False)
+        return sock
 
     async def call(self, argv: str | Sequence[str], **kwargs: Any) -> ExecResult:
         """``Sandbox.call`` (an fncall sandbox's stateless call) in the default executor."""

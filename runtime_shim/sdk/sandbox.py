@@ -31,6 +31,7 @@ import dataclasses
 import heapq
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -80,7 +81,7 @@ from runtime_shim.node.records import (
     store_url,
     write_record,
 )
-from runtime_shim.sdk import exitwatch
+from runtime_shim.sdk import exitwatch, ports
 from runtime_shim.sdk.options import CreatePlan, SandboxOptions, plan_create
 from runtime_shim.sdk.process import Process
 from runtime_shim.sdk.sweep import SandboxRemoval, gc_sandboxes, remove_sandbox, sweep_sandboxes
@@ -394,6 +395,12 @@ class Sandbox:
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         self._check_open()
         self._backend.write_file(path, data.encode() if isinstance(data, str) else data, mode)
+
+    def connect_port(self, port: int, timeout: float = 10.0) -> socket.socket:
+        """A TCP socket connected to ``port`` on ``127.0.0.1`` inside this sandbox (made in its
+        network namespace, ``runtime_shim.sdk.ports``); ``PortRefused`` if nothing listens."""
+        self._check_open()
+        return ports.connect(self, port, timeout)
 
     @property
     def limits(self) -> Limits:

@@ -10,7 +10,8 @@ from envbuild import errors
 EXPECTED = {
     "AdmissionRefused", "AsyncProcess", "AsyncSandbox", "AsyncSandboxAPI", "BackendUnavailable",
     "CheckpointRefused", "ExecResult", "ExecTimeout",
-    "FnPool", "Limits", "LockNotFound", "Process", "RuntimeShimError", "Sandbox", "SandboxAPI",
+    "FnPool", "Limits", "LockNotFound", "PortRefused", "Process", "RuntimeShimError", "Sandbox",
+    "SandboxAPI",
     "SandboxClosed", "SandboxCompromised", "SandboxInfo", "SandboxNotFound", "SandboxOptions",
     "SandboxStartError", "SnapshotRefused", "Verdict", "grade", "grade_async", "list_sandboxes",
     "remove_sandbox", "sweep_sandboxes",
