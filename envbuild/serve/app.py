@@ -1,6 +1,8 @@
 """The HTTP application: routing, the two authentication rules, and running it.
 
-Routes by path: the control plane (``/sandboxes…``, ``/v2/sandboxes…``; needs ``X-API-KEY``)
+A port request (``envbuild.serve.ports``: ``Host: PORT-ID.…`` or an ``E2b-Sandbox-Port``
+other than envd's) goes to that port inside the sandbox, with its traffic token. Others by
+path: the control plane (``/sandboxes…``, ``/v2/sandboxes…``; needs ``X-API-KEY``)
 and envd (``/process.Process/…``, ``/filesystem.Filesystem/…``, ``/files``, ``/health``;
 needs ``E2b-Sandbox-Id`` naming a live sandbox and that sandbox's ``X-Access-Token``). A
 sandbox that is unknown or was killed gets what E2B's proxy answers, 502 "The sandbox … was
@@ -19,7 +21,7 @@ from aiohttp import web
 from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
 from e2b.envd.process.process_connect import ProcessASGIApplication
 
-from envbuild.serve import control, files
+from envbuild.serve import control, files, ports
 from envbuild.serve.asgi import call_asgi
 from envbuild.serve.auth import ApiKeys, same_token
 from envbuild.serve.envd_fs import FilesystemService
@@ -56,6 +58,9 @@ def _json_error(status: int, message: str, code: str | int | None = None) -> web
 async def _authenticate(request: web.Request, handler: Callable[[web.Request], Awaitable[
         web.StreamResponse]]) -> web.StreamResponse:
     path = request.path
+    port = ports.target(request)
+    if port is not None:
+        return await _port(request, *port)
     if path.startswith(_CONTROL):
         if not request.app[API_KEYS].accepts(request.headers.get("X-API-KEY")):
             return _json_error(401, "Invalid API key")
@@ -71,6 +76,16 @@ async def _authenticate(request: web.Request, handler: Callable[[web.Request], A
         request[files.ENTRY] = entry
         return await handler(request)
     return _json_error(404, f"no route {path[:200]}")
+
+
+async def _port(request: web.Request, sid: str, port: str) -> web.StreamResponse:
+    entry = request.app[control.REGISTRY].get(sid)
+    if entry is None:
+        return _json_error(502, f"The sandbox {sid[:64]} was not found", "unavailable")
+    if not ports.authorized(request, entry):
+        return _json_error(401, f"the sandbox's traffic access token is missing or wrong "
+                                f"(header {ports.TRAFFIC_HEADER})", "unauthenticated")
+    return await ports.handle(request, entry, port, request.app[files.MAX_UPLOAD])
 
 
 def make_app(options: ServeOptions) -> web.Application:

@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from envbuild.errors import EnvbuildError
+from envbuild.serve import ports
 from envbuild.serve.sandboxes import DEFAULT_TIMEOUT, Entry, Registry
 from runtime_shim import LockNotFound
 
@@ -40,11 +41,11 @@ def _iso(t: float) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
-def created_json(e: Entry) -> dict[str, Any]:
-    """E2B's ``Sandbox``: what create and connect return."""
+def created_json(e: Entry, domain: str) -> dict[str, Any]:
+    """E2B's ``Sandbox``: what create and connect return (``domain``: ``ports.domain``)."""
     return {"templateID": e.template, "sandboxID": e.id, "clientID": CLIENT_ID,
-            "envdVersion": ENVD_VERSION, "envdAccessToken": e.token, "domain": None,
-            "trafficAccessToken": None}
+            "envdVersion": ENVD_VERSION, "envdAccessToken": e.token, "domain": domain,
+            "trafficAccessToken": e.traffic_token}
 
 
 def listed_json(e: Entry) -> dict[str, Any]:
@@ -107,7 +108,7 @@ async def create(request: web.Request) -> web.Response:
         return error(404, f"template {template!r} not found: {e.message}")
     except EnvbuildError as e:
         return error(500, f"create sandbox: {e.message}")
-    return web.json_response(created_json(entry), status=201)
+    return web.json_response(created_json(entry, ports.domain(request)), status=201)
 
 
 def _entry(request: web.Request) -> Entry:
@@ -201,7 +202,7 @@ async def connect(request: web.Request) -> web.Response:
     if timeout is not None:  # E2B: connecting only ever extends the sandbox's life
         if time.time() + timeout > entry.end_at:
             request.app[REGISTRY].set_timeout(entry, timeout)
-    return web.json_response(created_json(entry), status=200)
+    return web.json_response(created_json(entry, ports.domain(request)), status=200)
 
 
 def add_routes(app: web.Application) -> None:

@@ -47,6 +47,8 @@ class Entry:
     template: str
     sandbox: Any  # runtime_shim.AsyncSandbox
     token: str
+    #: for ports (``envbuild.serve.ports``): E2B's ``trafficAccessToken``
+    traffic_token: str
     metadata: dict[str, str]
     env_vars: dict[str, str]
     started_at: float
@@ -57,6 +59,8 @@ class Entry:
     #: its /etc/passwd, read on first use: name and "#uid" → ("uid:gid", home)
     users: dict[str, tuple[str, str]] | None = None
     closing: bool = False
+    #: the aiohttp client session of its port requests (``envbuild.serve.ports``), if any
+    port_session: Any = None
 
 
 class Registry:
@@ -91,7 +95,8 @@ class Registry:
         # start then compares equal instead of a rounding apart
         now = datetime.datetime.now(datetime.UTC).timestamp()
         entry = Entry(id=f"i{uuid.uuid4().hex[:19]}", template=template, sandbox=sandbox,
-                      token=new_token(), metadata=dict(metadata), env_vars=dict(env_vars),
+                      token=new_token(), traffic_token=new_token(),
+                      metadata=dict(metadata), env_vars=dict(env_vars),
                       started_at=now, end_at=now)
         self._entries[entry.id] = entry
         self.set_timeout(entry, timeout)
@@ -116,6 +121,8 @@ class Registry:
         for proc in list(entry.processes.values()):
             if proc.task is not None:
                 proc.task.cancel()
+        if entry.port_session is not None:
+            await entry.port_session.close()
         try:
             await entry.sandbox.close()
         except Exception as e:  # noqa: BLE001 - the sandbox is forgotten either way
