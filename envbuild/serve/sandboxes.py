@@ -47,8 +47,6 @@ class Entry:
     template: str
     sandbox: Any  # runtime_shim.AsyncSandbox
     token: str
-    #: for ports (``envbuild.serve.ports``): E2B's ``trafficAccessToken``
-    traffic_token: str
     metadata: dict[str, str]
     env_vars: dict[str, str]
     started_at: float
@@ -59,6 +57,8 @@ class Entry:
     #: its /etc/passwd, read on first use: name and "#uid" → ("uid:gid", home)
     users: dict[str, tuple[str, str]] | None = None
     closing: bool = False
+    #: for ports (``envbuild.serve.ports``): E2B's ``trafficAccessToken``, not the envd token
+    traffic_token: str = dataclasses.field(default_factory=new_token)
     #: the aiohttp client session of its port requests (``envbuild.serve.ports``), if any
     port_session: Any = None
 
@@ -95,8 +95,7 @@ class Registry:
         # start then compares equal instead of a rounding apart
         now = datetime.datetime.now(datetime.UTC).timestamp()
         entry = Entry(id=f"i{uuid.uuid4().hex[:19]}", template=template, sandbox=sandbox,
-                      token=new_token(), traffic_token=new_token(),
-                      metadata=dict(metadata), env_vars=dict(env_vars),
+                      token=new_token(), metadata=dict(metadata), env_vars=dict(env_vars),
                       started_at=now, end_at=now)
         self._entries[entry.id] = entry
         self.set_timeout(entry, timeout)
