@@ -8,11 +8,13 @@ a WebSocket echo written in busybox sh)."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 
 import httpx
 import pytest
 
+from tests.conftest import require_tool
 from tests.e2b_server import e2b_env, running_server
 from tests.integration.conftest import build_busybox_env
 
@@ -87,6 +89,7 @@ def served(server):
     sb.commands.run("busybox nc -ll -p 8090 -e /www/ws.sh", background=True, user="root")
     sb.commands.run("busybox httpd -f -p 8080 -h /www", background=True, user="root")
     wait_listening(server.url, sb, 8080)
+    wait_listening(server.url, sb, 8090)
     yield sb
     sb.kill()
 
@@ -94,7 +97,10 @@ def served(server):
 def wait_listening(url: str, sb, port: int) -> None:
     deadline = time.monotonic() + 10
     while True:
-        r = httpx.get(url + "/", headers=port_headers(sb, port))
+        try:
+            r = httpx.get(url + "/", headers=port_headers(sb, port))
+        except httpx.RemoteProtocolError:  # the WebSocket echo answers 101 to anything
+            return
         if r.status_code != 502 or time.monotonic() > deadline:
             return
         time.sleep(0.05)
@@ -163,3 +169,35 @@ def test_a_websocket_through_get_host(server, served):
         return got
 
     assert asyncio.run(scenario()) == ["hello ws", "second message"]
+
+
+def test_curl_reaches_get_host_as_a_url(server, served):
+    """curl resolves ``*.localhost`` to the loopback itself: ``get_host`` is a URL for it."""
+    require_tool("curl")
+    done = subprocess.run(["curl", "-sS", "--max-time", "20", "-H",
+                           f"{TRAFFIC}: {served.traffic_access_token}",
+                           f"http://{served.get_host(8080)}/index.html"],
+                          capture_output=True, text=True, timeout=30)
+    assert (done.returncode, done.stdout) == (0, PAGE), done.stderr
+
+
+def test_killing_the_sandbox_ends_its_open_websocket(server):
+    import aiohttp
+    from e2b import Sandbox
+
+    sb = Sandbox.create(TEMPLATE, timeout=120)
+    sb.files.write("/www/ws.sh", WS_ECHO, user="root")
+    sb.commands.run("chmod 755 /www/ws.sh", user="root")
+    sb.commands.run("busybox nc -ll -p 8090 -e /www/ws.sh", background=True, user="root")
+    wait_listening(server.url, sb, 8090)
+
+    async def scenario() -> aiohttp.WSMsgType:
+        async with aiohttp.ClientSession() as client:
+            async with client.ws_connect(server.url + "/", headers=port_headers(sb, 8090)) as ws:
+                await ws.send_str("up")
+                assert (await ws.receive(timeout=10)).data == "up"
+                await asyncio.get_running_loop().run_in_executor(None, sb.kill)
+                return (await ws.receive(timeout=20)).type
+
+    assert asyncio.run(scenario()) in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED,
+                                       aiohttp.WSMsgType.CLOSING)
