@@ -21,8 +21,8 @@ import asyncio
 import contextlib
 import re
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -40,6 +40,9 @@ CONNECT_TIMEOUT = 10.0
 IDLE_TIMEOUT = 300.0
 MAX_WS_MESSAGE = 4 << 20
 TRAFFIC_HEADER = "e2b-traffic-access-token"
+#: Seconds between checks that the client of a waiting request is still there.
+_GONE_POLL = 0.5
+_T = TypeVar("_T")
 _HOST = re.compile(r"^(\d{1,5})-([A-Za-z0-9]{1,64})\.", re.ASCII)
 _HOP = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",
@@ -135,6 +138,8 @@ async def handle(request: web.Request, entry: Entry, port_text: str, max_body: i
         return _error(502, f"connect to port {port}: {e.message}", entry.id)
     except (aiohttp.ServerTimeoutError, TimeoutError):
         return _error(504, f"port {port} did not answer in time", entry.id)
+    except aiohttp.ClientError as e:  # the sandbox's server hung up mid-request
+        return _error(502, f"port {port}: {e}", entry.id)
 
 
 async def _body(request: web.Request, limit: int, over: list[bool]) -> AsyncIterator[bytes]:
@@ -155,8 +160,8 @@ async def _http(request: web.Request, entry: Entry, url: URL, max_body: int
     over: list[bool] = []
     data = _body(request, max_body, over) if request.body_exists else None
     try:
-        upstream = await _session(entry).request(
-            request.method, url, headers=_headers(request), data=data, allow_redirects=False)
+        upstream = await _while_connected(request, _session(entry).request(
+            request.method, url, headers=_headers(request), data=data, allow_redirects=False))
     except aiohttp.ClientError:
         if over:
             return _error(413, f"request body is over {max_body} bytes", entry.id)
@@ -177,6 +182,28 @@ async def _http(request: web.Request, entry: Entry, url: URL, max_body: int
             return response
         await response.write_eof()
         return response
+
+
+async def _while_connected(request: web.Request, work: Awaitable[_T]) -> _T:
+    """``work``, cancelled when the client hangs up (aiohttp does not cancel a handler then):
+    a client that walks away does not hold one of the sandbox's connections."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while request.transport is not None and not request.transport.is_closing():
+            await asyncio.sleep(_GONE_POLL)
+
+    watch = asyncio.create_task(gone())
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise web.HTTPBadRequest(text="the client hung up")  # nobody reads it
+    return task.result()
 
 
 async def _websocket(request: web.Request, entry: Entry, url: URL) -> web.StreamResponse:

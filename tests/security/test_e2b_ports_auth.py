@@ -5,6 +5,7 @@ killed sandbox is a clean not-found; a request body over the server's bound is r
 
 from __future__ import annotations
 
+import socket
 import time
 
 import httpx
@@ -41,12 +42,12 @@ def _serving(server):
 
 
 def _get(server, sb, token: str | None, *, header: str = TRAFFIC, host_form: bool = True,
-         extra: dict[str, str] | None = None) -> httpx.Response:
+         extra: dict[str, str] | None = None, timeout: float = 5) -> httpx.Response:
     headers = ({"Host": sb.get_host(8080)} if host_form else
                {"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "8080"})
     if token is not None:
         headers[header] = token
-    return httpx.get(server.url + "/id", headers={**headers, **(extra or {})})
+    return httpx.get(server.url + "/id", headers={**headers, **(extra or {})}, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,14 @@ def test_request_bodies_are_bounded(server, two):
         for _ in range(40):
             yield b"y" * (64 << 10)
 
-    r = httpx.post(server.url + "/id", headers=headers, content=chunks())
+    # to a server that reads all it is sent and never answers
+    a.commands.run("sleep 120 | busybox nc -l -p 8095 >/dev/null", background=True,
+                   user="root")
+    headers["Host"] = a.get_host(8095)
+    deadline = time.monotonic() + 10
+    while (r := httpx.post(server.url + "/", headers=headers, content=chunks(), timeout=30)
+           ).status_code == 502 and time.monotonic() < deadline:
+        time.sleep(0.05)  # nc is not listening yet
     assert r.status_code == 413, r.text
 
 
@@ -111,3 +119,37 @@ def test_bad_ports_are_refused(server, two):
             "E2b-Sandbox-Id": a.sandbox_id, "E2b-Sandbox-Port": port,
             TRAFFIC: a.traffic_access_token})
         assert r.status_code == 400, (port, r.text)
+
+
+def test_connections_to_one_sandbox_are_bounded_and_freed_when_clients_leave(server, two):
+    """``MAX_CONNECTIONS`` requests held open by a slow server in sandbox a: one more waits,
+    then is a 504; sandbox b is not affected; clients that hang up free their connections."""
+    from envbuild.serve.ports import CONNECT_TIMEOUT, MAX_CONNECTIONS
+
+    a, b = two
+    a.files.write("/www/cgi-bin/slow", "#!/bin/sh\nsleep 60\n", user="root")
+    a.commands.run("chmod 755 /www/cgi-bin/slow", user="root")
+    host, port = server.url.removeprefix("http://").split(":")
+    request = (f"GET /cgi-bin/slow HTTP/1.1\r\nHost: {a.get_host(8080)}\r\n"
+               f"{TRAFFIC}: {a.traffic_access_token}\r\n\r\n").encode()
+    held = []
+    try:
+        for _ in range(MAX_CONNECTIONS):
+            s = socket.create_connection((host, int(port)))
+            s.sendall(request)
+            held.append(s)
+        time.sleep(1)
+        started = time.monotonic()
+        r = _get(server, a, a.traffic_access_token, timeout=CONNECT_TIMEOUT * 3)
+        assert r.status_code == 504, r.text
+        assert time.monotonic() - started >= CONNECT_TIMEOUT - 1
+        ok = _get(server, b, b.traffic_access_token)
+        assert (ok.status_code, ok.text) == (200, b.sandbox_id)
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.monotonic() + 10
+    while (r := _get(server, a, a.traffic_access_token)).status_code != 200:
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.2)
+    assert r.text == a.sandbox_id
