@@ -124,8 +124,10 @@ async def handle(request: web.Request, entry: Entry, port_text: str, max_body: i
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
         return _error(400, f"port {port_text[:16]!r} is not a TCP port", entry.id)
     port = int(port_text)
-    url = URL.build(scheme="http", host="127.0.0.1", port=port, path=request.path,
-                    query_string=request.query_string, encoded=False)
+    if not request.raw_path.startswith("/"):
+        return _error(400, "the request target must be a path (origin form)", entry.id)
+    # the path and query as sent, byte for byte (``%2F`` stays ``%2F``)
+    url = URL(f"http://127.0.0.1:{port}{request.raw_path}", encoded=True)
     try:
         if request.headers.get("Upgrade", "").lower() == "websocket":
             return await _websocket(request, entry, url)

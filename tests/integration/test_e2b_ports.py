@@ -130,12 +130,12 @@ def test_get_host_names_the_port_and_an_http_get_reaches_it(server, served):
 
 def test_query_and_body_go_through_and_our_tokens_do_not(server, served):
     body = b"x" * 300_000 + b"end"
-    r = httpx.post(server.url + "/cgi-bin/echo?a=1&b=two",
+    r = httpx.post(server.url + "/cgi-bin/echo?a=1%2F2&b=two+x",
                    headers={"Host": served.get_host(8080), TRAFFIC: served.traffic_access_token,
                             "X-Access-Token": "not-forwarded"}, content=body, timeout=30)
     assert r.status_code == 200, r.text
     lines = r.content.split(b"\n", 3)
-    assert lines[0] == b"query=a=1&b=two"
+    assert lines[0] == b"query=a=1%2F2&b=two+x"  # as sent, not decoded and encoded again
     assert lines[1] == b"tokens="  # neither token nor our routing headers reach the sandbox
     assert lines[2] == f"host={served.get_host(8080)}".encode()
     assert lines[3] == body
@@ -201,3 +201,16 @@ def test_killing_the_sandbox_ends_its_open_websocket(server):
 
     assert asyncio.run(scenario()) in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED,
                                        aiohttp.WSMsgType.CLOSING)
+
+
+def test_the_async_sdk_names_the_same_host(server, served):
+    from e2b import AsyncSandbox
+
+    async def scenario():
+        sb = await AsyncSandbox.connect(served.sandbox_id)
+        return sb.get_host(8080), sb.traffic_access_token
+
+    host, token = asyncio.run(scenario())
+    assert host == served.get_host(8080)
+    r = httpx.get(server.url + "/index.html", headers={"Host": host, TRAFFIC: token})
+    assert (r.status_code, r.text) == (200, PAGE)
