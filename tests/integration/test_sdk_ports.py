@@ -61,6 +61,15 @@ def test_connect_port_reaches_a_server_in_the_sandbox(built):
         assert b":1F90" in peers  # 8080 in hex: the listener (and its connections)
 
 
+def test_a_networked_sandbox_is_reached_in_its_own_namespace(built):
+    """``network=True``: the sandbox's named namespace with slirp and its firewall; the
+    connection is its loopback, which the firewall allows."""
+    store, node = built
+    with Sandbox.create(ENV, store=store, node_dir=node, network=True) as sb:
+        serve_httpd(sb, 8081)
+        assert http_get(sb.connect_port(8081)).endswith(PAGE)
+
+
 def test_a_port_nothing_listens_on_is_one_clear_error(built):
     store, node = built
     with Sandbox.create(ENV, store=store, node_dir=node) as sb:
