@@ -98,7 +98,11 @@ class _SandboxConnector(aiohttp.BaseConnector):
             sock = await self._sandbox.connect_port(req.url.port, CONNECT_TIMEOUT)
         except PortRefused as e:
             raise aiohttp.ClientConnectorError(req.connection_key, e) from e
-        _, proto = await self._loop.create_connection(self._factory, sock=sock)
+        try:
+            _, proto = await self._loop.create_connection(self._factory, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
         return proto
 
 
@@ -121,7 +125,7 @@ def _headers(request: web.Request, drop: frozenset[str] = frozenset()) -> list[t
 async def handle(request: web.Request, entry: Entry, port_text: str, max_body: int
                  ) -> web.StreamResponse:
     """Serve a port request for ``entry`` (found and authorized by the caller)."""
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
         return _error(400, f"port {port_text[:16]!r} is not a TCP port", entry.id)
     port = int(port_text)
     if not request.raw_path.startswith("/"):
