@@ -217,6 +217,20 @@ def filler_fills(node_dir: Path) -> int:
     return int(reply.get("fills") or 0) + int(reply.get("ahead") or 0)
 
 
+def filler_waits(log: Path) -> None:
+    """Print what the native filler's log says of the fills readers waited for (one line per
+    opened object: ``object X filled in S s``, from the event to the reader let on): how many,
+    their sum and spread, the profile of a cold native run's reads."""
+    waits = sorted(float(line.rsplit(" in ", 1)[1].split()[0])
+                   for line in (log.read_text(errors="replace").splitlines()
+                                if log.exists() else ()) if " filled in " in line)
+    if waits:
+        print(f"    filler: {len(waits)} opens waited for a fill, {sum(waits):.2f} s in all, "
+              f"median {statistics.median(waits) * 1e3:.1f} ms, p90 "
+              f"{waits[int(len(waits) * 0.9)] * 1e3:.1f} ms, max {waits[-1] * 1e3:.1f} ms",
+              flush=True)
+
+
 def drop_profiles(store) -> None:
     for name in store.list_records(PROFILE_NAMESPACE):
         store.delete_record(PROFILE_NAMESPACE, name)
@@ -256,6 +270,7 @@ class Bench:
                 if (" ERROR " in line or " WARNING " in line or line.startswith("error")
                         or "meta layer g-" in line or " mounted sha256:" in line):  # meta layers, mounts
                     print(f"    {log.name[:12]}: {line}", flush=True)
+        filler_waits(node_dir / "node" / "objects" / "filler.log")
         reply = ping(node_dir)
         if reply.get("import_prediction"):   # Python import prediction's counters (pyahead)
             print(f"    import prediction: {reply['import_prediction']}", flush=True)
