@@ -31,8 +31,9 @@ timed from "nothing of the env on this node":
 - ``lazy-native`` (and its ``-rerun``): ``Sandbox.create(..., lazy="native")`` (issue 36: each
   layer a metadata tree the kernel serves over the node's object store, the placeholders
   filled on first open by the node's fanotify filler, ``docs/native-lazy.md``) on a node whose
-  filler a throwaway native busybox sandbox started (the node dir on the disk, ext4 here, not
-  tmpfs: pre-content marks need a real filesystem); its "lazy CPU" is the filler's (holder and
+  filler a throwaway native busybox sandbox started (the node's object store on the disk, ext4
+  here, bind-mounted into the tmpfs node dir: pre-content marks need a real filesystem); its
+  "lazy CPU" is the filler's (holder and
   worker, from its ping) until the sandbox closed, its ``fills`` the objects filled.
 
 Then a burst: ``--burst`` lazy sandboxes of the lock started at once on one cold node, each
@@ -84,6 +85,7 @@ from envbuild.store import (  # noqa: E402
     put_file,
     put_json,
 )
+from runtime_shim.isolation.mount import unmount  # noqa: E402
 from runtime_shim.lazyfs import PROFILE_NAMESPACE, lazy_stats  # noqa: E402
 from runtime_shim.lazyfs.pyindex import index_layer_file  # noqa: E402
 from runtime_shim.node.locks import resolve  # noqa: E402
@@ -91,10 +93,12 @@ from runtime_shim.node.nodecache import NodeCache  # noqa: E402
 from runtime_shim.sdk.sandbox import Sandbox  # noqa: E402
 
 COLD = WORK / "cold"
-#: Where ``lazy-native`` nodes live: on the disk, not tmpfs (the node's object store must be on
-#: a filesystem with fanotify pre-content events: tmpfs refuses the filler's marks, EOPNOTSUPP;
-#: so do the objects of a real node, on its local ext4/xfs).
-NATIVE_NODES = WORK / "native-nodes"
+#: Where the object stores of ``lazy-native`` nodes live: on the disk, bind-mounted at the
+#: node's ``objects/`` (the rest of the node dir on tmpfs, as every mode's): fanotify
+#: pre-content marks need a filesystem that has them (tmpfs refuses them, EOPNOTSUPP), as a
+#: real node's local ext4/xfs does. Removed at the end of the run, not between runs: a large
+#: ``rm -rf`` on this VM's disk stalls the inode creation right after it.
+NATIVE_OBJECTS = WORK / "native-objects"
 MB = 1e6
 #: What an agent does, in order: a first command, a heavy import, the workspace's own test
 #: suite (workdir /workspace, the lock's PATH), then a search over the workspace.
@@ -250,9 +254,14 @@ class Bench:
         the exec agent built and the node's lazy daemon (``lazy="native"``: its filler)
         started, by a throwaway lazy busybox sandbox (so no mode pays for them). Nothing of
         the env is on the node."""
-        base = NATIVE_NODES if lazy == "native" else SCRATCH
-        node_dir = base / f"cold-node-{os.getpid()}-{tag}"  # per run: others may run it too
+        node_dir = SCRATCH / f"cold-node-{os.getpid()}-{tag}"  # per run: others may run it too
         shutil.rmtree(node_dir, ignore_errors=True)
+        if lazy == "native":
+            disk = NATIVE_OBJECTS / f"{os.getpid()}-{tag}"
+            disk.mkdir(parents=True, mode=0o700)
+            (node_dir / "node" / "objects").mkdir(parents=True, mode=0o700)
+            subprocess.run(["mount", "--bind", str(disk), str(node_dir / "node" / "objects")],
+                           check=True)
         try:
             with Sandbox.create(self.warm_lock, store=self.store, node_dir=node_dir,
                                 lazy=lazy) as sb:
@@ -280,7 +289,8 @@ class Bench:
         if reply.get("cpu_seconds") is not None:
             print(f"    lazy daemon CPU: {reply['cpu_seconds']} s, GC pauses {reply.get('gc')}, "
                   f"FUSE requests by opcode {reply.get('fuse_requests')}", flush=True)
-        node.evict((), 0)  # the lazy daemons save the profile and exit
+        node.evict((), 0)  # the lazy daemons save the profile and exit; the filler stops
+        unmount(str(node_dir / "node" / "objects"))   # a native node's object store, if any
         shutil.rmtree(node_dir, ignore_errors=True)
 
     def requests(self, node_dir: Path) -> int:
@@ -629,6 +639,8 @@ def main() -> None:
                 results.append(report(profile, rows, burst, env_bytes, args.repeat))
             finally:
                 shutil.rmtree(data, ignore_errors=True)
+                for disk in NATIVE_OBJECTS.glob(f"{os.getpid()}-*"):   # the native nodes'
+                    shutil.rmtree(disk, ignore_errors=True)
     if args.json:
         # version 2: an object with the host line (version 1 was the bare list of links)
         args.json.write_text(json.dumps({"version": 2, "host": host, "links": results},
