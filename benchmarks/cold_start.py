@@ -27,20 +27,29 @@ timed from "nothing of the env on this node":
   workload (this run records a profile; dropped before the next ``lazy`` run);
 - ``lazy-rerun``: a second lazy sandbox on that node once every touched file is fetched (it
   starts once the daemon is idle: the wait and the daemon's CPU during the re-run are printed);
-- ``lazy-profile`` (and its ``-rerun``): the same with the profile a previous run recorded.
+- ``lazy-profile`` (and its ``-rerun``): the same with the profile a previous run recorded;
+- ``lazy-native`` (and its ``-rerun``): ``Sandbox.create(..., lazy="native")`` (issue 36: each
+  layer a metadata tree the kernel serves over the node's object store, the placeholders
+  filled on first open by the node's fanotify filler, ``docs/native-lazy.md``) on a node whose
+  filler a throwaway native busybox sandbox started (the node's object store on the disk, ext4
+  here, bind-mounted into the tmpfs node dir: pre-content marks need a real filesystem); its
+  "lazy CPU" is the filler's (holder and
+  worker, from its ping) until the sandbox closed, its ``fills`` the objects filled.
 
 Then a burst: ``--burst`` lazy sandboxes of the lock started at once on one cold node, each
 running the first two steps; bytes on the link against one sandbox's.
 
-Goals (issue 13), at ``1gbit:10ms``: first command >= 5x faster than full; total (create +
-workload) <= 0.7x full's; re-run once fetched <= 1.1x native; bytes on the link <= 15 % of the
-env (its unpacked size; the ratio to the full pull's bytes is printed too); burst bytes <= 1.1x
-one sandbox's. Printed as met/MISSED per link.
+Goals (issue 13, for ``lazy``; issue 36's for ``lazy-native``: total <= 0.40x full's, first
+command >= 12x, re-run <= 1.02x native, filler CPU <= 0.4 s a cold run, create - the native
+floor's create <= 30 ms, bytes <= 13 % of the env), at ``1gbit:10ms``: first command >= 5x
+faster than full; total (create + workload) <= 0.7x full's; re-run once fetched <= 1.1x native;
+bytes on the link <= 15 % of the env (its unpacked size; the ratio to the full pull's bytes is
+printed too); burst bytes <= 1.1x one sandbox's. Printed as met/MISSED per link.
 
 Usage::
 
     .venv/bin/python benchmarks/cold_start.py [--link 1gbit:10ms,10gbit:2ms] [--repeat 3]
-        [--modes full,lazy,lazy-profile] [--burst 20] [--cache ./cache] [--json FILE]
+        [--modes full,lazy,lazy-profile,lazy-native] [--burst 20] [--cache ./cache] [--json FILE]
 """
 
 from __future__ import annotations
@@ -76,6 +85,7 @@ from envbuild.store import (  # noqa: E402
     put_file,
     put_json,
 )
+from runtime_shim.isolation.mount import unmount  # noqa: E402
 from runtime_shim.lazyfs import PROFILE_NAMESPACE, lazy_stats  # noqa: E402
 from runtime_shim.lazyfs.pyindex import index_layer_file  # noqa: E402
 from runtime_shim.node.locks import resolve  # noqa: E402
@@ -83,6 +93,12 @@ from runtime_shim.node.nodecache import NodeCache  # noqa: E402
 from runtime_shim.sdk.sandbox import Sandbox  # noqa: E402
 
 COLD = WORK / "cold"
+#: Where the object stores of ``lazy-native`` nodes live: on the disk, bind-mounted at the
+#: node's ``objects/`` (the rest of the node dir on tmpfs, as every mode's): fanotify
+#: pre-content marks need a filesystem that has them (tmpfs refuses them, EOPNOTSUPP), as a
+#: real node's local ext4/xfs does. Removed at the end of the run, not between runs: a large
+#: ``rm -rf`` on this VM's disk stalls the inode creation right after it.
+NATIVE_OBJECTS = WORK / "native-objects"
 MB = 1e6
 #: What an agent does, in order: a first command, a heavy import, the workspace's own test
 #: suite (workdir /workspace, the lock's PATH), then a search over the workspace.
@@ -93,6 +109,10 @@ WORKLOAD = (
     ("grep", ["grep", "-r", "-c", "def", "/workspace"]),
 )
 STEPS = [name for name, _ in WORKLOAD]
+#: A metadata walk (issue 36: "a metadata walk ``find /usr`` <= 1.02x native"), timed in each
+#: sandbox but the cold lazy ones after the workload (the median of 3), outside its total:
+#: every entry's stat.
+WALK = ["sh", "-c", "find /usr -printf '%s %m\\n' >/dev/null"]
 
 
 #: Bumped when the venv tree changes: an older tree and its packed blob are remade.
@@ -181,6 +201,44 @@ def daemon_cpu(node_dir: Path, reply: dict | None = None) -> float:
     return float((ping(node_dir) if reply is None else reply).get("cpu_seconds") or 0.0)
 
 
+def filler_ping(node_dir: Path) -> dict:
+    """The node's native filler's ping reply (``{}`` without an answer)."""
+    from runtime_shim.lazyfs.native import filler_request
+
+    return filler_request(str(node_dir / "node"), {"op": "ping"}, 5.0) or {}
+
+
+def lazy_cpu(node_dir: Path, lazy: bool | str) -> float:
+    """CPU-seconds the node's lazy server has used: the FUSE daemon's (``lazy=True``, from its
+    ping) or the native filler's holder and worker (``"native"``; a worker respawned since
+    loses its predecessor's); 0 for a full pull."""
+    if lazy == "native":
+        reply = filler_ping(node_dir)
+        return process_cpu(p for p in (reply.get("holder"), reply.get("pid"))
+                           if isinstance(p, int) and p > 1)
+    return daemon_cpu(node_dir) if lazy else 0.0
+
+
+def filler_fills(node_dir: Path) -> int:
+    """Objects the native filler has filled (on open, and ahead in the fill window)."""
+    reply = filler_ping(node_dir)
+    return int(reply.get("fills") or 0) + int(reply.get("ahead") or 0)
+
+
+def filler_waits(log: Path) -> None:
+    """Print what the native filler's log says of the fills readers waited for (one line per
+    opened object: ``object X filled in S s``, from the event to the reader let on): how many,
+    their sum and spread, the profile of a cold native run's reads."""
+    waits = sorted(float(line.rsplit(" in ", 1)[1].split()[0])
+                   for line in (log.read_text(errors="replace").splitlines()
+                                if log.exists() else ()) if " filled in " in line)
+    if waits:
+        print(f"    filler: {len(waits)} opens waited for a fill, {sum(waits):.2f} s in all, "
+              f"median {statistics.median(waits) * 1e3:.1f} ms, p90 "
+              f"{waits[int(len(waits) * 0.9)] * 1e3:.1f} ms, max {waits[-1] * 1e3:.1f} ms",
+              flush=True)
+
+
 def drop_profiles(store) -> None:
     for name in store.list_records(PROFILE_NAMESPACE):
         store.delete_record(PROFILE_NAMESPACE, name)
@@ -195,24 +253,37 @@ class Bench:
         self.dev = link.host_if if link.profile.shaped else "lo"
         self.layers = resolve(store, lock).layers
 
-    def fresh_node(self, tag: str) -> Path:
+    def fresh_node(self, tag: str, lazy: bool | str = True) -> Path:
         """An empty node dir on tmpfs whose node services are up, as on a node of a fleet:
-        the exec agent built and the node's lazy daemon started, by a throwaway lazy busybox
-        sandbox (so no mode pays for them). Nothing of the env is on the node."""
+        the exec agent built and the node's lazy daemon (``lazy="native"``: its filler)
+        started, by a throwaway lazy busybox sandbox (so no mode pays for them). Nothing of
+        the env is on the node."""
         node_dir = SCRATCH / f"cold-node-{os.getpid()}-{tag}"  # per run: others may run it too
         shutil.rmtree(node_dir, ignore_errors=True)
-        with Sandbox.create(self.warm_lock, store=self.store, node_dir=node_dir,
-                            lazy=True) as sb:
-            sb.exec(["true"])
+        if lazy == "native":
+            disk = NATIVE_OBJECTS / f"{os.getpid()}-{tag}"
+            disk.mkdir(parents=True, mode=0o700)
+            (node_dir / "node" / "objects").mkdir(parents=True, mode=0o700)
+            subprocess.run(["mount", "--bind", str(disk), str(node_dir / "node" / "objects")],
+                           check=True)
+        try:
+            with Sandbox.create(self.warm_lock, store=self.store, node_dir=node_dir,
+                                lazy=lazy) as sb:
+                sb.exec(["true"])
+        except BaseException:
+            self.drop_node(node_dir)   # the node's daemon or filler with it
+            raise
         return node_dir
 
     def drop_node(self, node_dir: Path) -> None:
         node = NodeCache(node_dir / "node")
-        for log in (node_dir / "node" / "lazy").glob("*.log"):
+        for log in [*(node_dir / "node" / "lazy").glob("*.log"),
+                    *(node_dir / "node" / "objects").glob("*.log")]:   # the native filler's
             for line in log.read_text(errors="replace").splitlines():
                 if (" ERROR " in line or " WARNING " in line or line.startswith("error")
                         or "meta layer g-" in line or " mounted sha256:" in line):  # meta layers, mounts
                     print(f"    {log.name[:12]}: {line}", flush=True)
+        filler_waits(node_dir / "node" / "objects" / "filler.log")
         reply = ping(node_dir)
         if reply.get("import_prediction"):   # Python import prediction's counters (pyahead)
             print(f"    import prediction: {reply['import_prediction']}", flush=True)
@@ -222,7 +293,8 @@ class Bench:
         if reply.get("cpu_seconds") is not None:
             print(f"    lazy daemon CPU: {reply['cpu_seconds']} s, GC pauses {reply.get('gc')}, "
                   f"FUSE requests by opcode {reply.get('fuse_requests')}", flush=True)
-        node.evict((), 0)  # the lazy daemons save the profile and exit
+        node.evict((), 0)  # the lazy daemons save the profile and exit; the filler stops
+        unmount(str(node_dir / "node" / "objects"))   # a native node's object store, if any
         shutil.rmtree(node_dir, ignore_errors=True)
 
     def requests(self, node_dir: Path) -> int:
@@ -252,27 +324,45 @@ class Bench:
         out["workload"] = sum(out[k] for k in ("first_cmd", *steps[1:]) if k in out)
         return out
 
-    def timed(self, node_dir: Path, mode: str, *, lazy: bool = False,
+    def walk(self, sb) -> float:
+        """Seconds of ``WALK`` in ``sb``: the median of 3."""
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            r = sb.exec(WALK, timeout=600)
+            times.append(time.perf_counter() - t)
+            if r.exit_code != 0:
+                raise RuntimeError(f"walk exited {r.exit_code}: {r.stderr[-500:]!r}")
+        return statistics.median(times)
+
+    def timed(self, node_dir: Path, mode: str, *, lazy: bool | str = False,
               cold: bool = False) -> dict:
         """One sandbox of the lock on ``node_dir`` running the workload: the row of ``mode``
         (create, each step, total, bytes over the link while it ran, the CPU-seconds the
         store's processes used until the sandbox closed — s3rver and the latency proxy share
         the node's cores here, as a real store would not —; ``lazy``: also the lazy daemon's
-        CPU-seconds until the close; ``cold``: also its store requests and the read path)."""
+        CPU-seconds until the close, the native filler's for ``"native"``; ``cold``: also its
+        store requests (native: objects filled) and the read path)."""
         rx0 = rx_bytes(self.dev)
         store0 = process_cpu(self.link.pids)
-        daemon0 = daemon_cpu(node_dir) if lazy else 0.0
+        daemon0 = lazy_cpu(node_dir, lazy)
+        fills0 = filler_fills(node_dir) if lazy == "native" else 0
         t0 = time.perf_counter()
         with Sandbox.create(self.lock, store=self.store, node_dir=node_dir, lazy=lazy) as sb:
             row = {"mode": mode, "create": time.perf_counter() - t0, **self.workload(sb, t0)}
             row["bytes"] = rx_bytes(self.dev) - rx0
-            if cold:
+            if not cold:   # a cold row's lazy CPU stays the workload's own
+                row["walk"] = self.walk(sb)
+            if cold and lazy == "native":
+                row["fills"] = filler_fills(node_dir) - fills0
+                row["transport"] = sb.info().lazy
+            elif cold:
                 row["requests"] = self.requests(node_dir)
                 row["transport"] = sb.info().lazy
         row["total"] = row["create"] + row["workload"]
         row["store_cpu"] = process_cpu(self.link.pids) - store0
         if lazy:
-            row["daemon_cpu"] = daemon_cpu(node_dir) - daemon0
+            row["daemon_cpu"] = lazy_cpu(node_dir, lazy) - daemon0
         return row
 
     def run_full(self, run: int) -> list[dict]:
@@ -284,36 +374,38 @@ class Bench:
         finally:
             self.drop_node(node_dir)
 
-    def run_lazy(self, run: int, profile: bool) -> list[dict]:
+    def run_lazy(self, run: int, profile: bool, lazy: bool | str = True) -> list[dict]:
         """A lazy sandbox on a cold node, then a second one on the same node once everything
-        the workload touched is on the node (``-rerun``)."""
-        mode = "lazy-profile" if profile else "lazy"
-        if not profile:
+        the workload touched is on the node (``-rerun``); ``lazy="native"``: native ones (no
+        profile: the filler takes none)."""
+        mode = "lazy-native" if lazy == "native" else "lazy-profile" if profile else "lazy"
+        if lazy is True and not profile:
             drop_profiles(self.store)
-        elif not self.store.list_records(PROFILE_NAMESPACE):
+        elif lazy is True and not self.store.list_records(PROFILE_NAMESPACE):
             print("    recording the lazy profile (untimed run) ...", flush=True)
             self.run_lazy(run, profile=False)
-        node_dir = self.fresh_node(f"{mode}-{run}")
+        node_dir = self.fresh_node(f"{mode}-{run}", lazy)
         try:
-            cold = self.timed(node_dir, mode, lazy=True, cold=True)
-            settle = self.settle(node_dir)
-            rerun = self.timed(node_dir, f"{mode}-rerun", lazy=True)
+            cold = self.timed(node_dir, mode, lazy=lazy, cold=True)
+            settle = self.settle(node_dir, lazy)
+            rerun = self.timed(node_dir, f"{mode}-rerun", lazy=lazy)
             rerun["settle"] = settle
             return [cold, rerun]
         finally:
             self.drop_node(node_dir)
 
-    def settle(self, node_dir: Path, window: float = 0.25, limit: float = 15.0) -> float:
-        """Wait until the node's lazy daemon has finished what the cold run left it (the
-        prediction's last fetches, the meta layers' build): no meta build running and under
-        ``IDLE_CPU`` of a core over a ``window``, at most ``limit`` s. The re-run's goal is
-        "once all touched files are fetched"; the seconds waited are reported, not hidden."""
+    def settle(self, node_dir: Path, lazy: bool | str = True, window: float = 0.25,
+               limit: float = 15.0) -> float:
+        """Wait until the node's lazy daemon (or native filler) has finished what the cold run
+        left it (the prediction's last fetches, the meta layers' build): no meta build running
+        and under ``IDLE_CPU`` of a core over a ``window``, at most ``limit`` s. The re-run's
+        goal is "once all touched files are fetched"; the seconds waited are reported."""
         t0 = time.perf_counter()
-        last = daemon_cpu(node_dir)
+        last = lazy_cpu(node_dir, lazy)
         while time.perf_counter() - t0 < limit:
             time.sleep(window)
-            reply = ping(node_dir)   # one request a look: the reply is not small
-            now = daemon_cpu(node_dir, reply)
+            reply = ping(node_dir) if lazy is True else {}   # one request a look: not small
+            now = daemon_cpu(node_dir, reply) if lazy is True else lazy_cpu(node_dir, lazy)
             if now - last < IDLE_CPU * window and not reply.get("meta_building"):
                 break
             last = now
@@ -394,7 +486,7 @@ def report(profile: LinkProfile, rows: list[dict], burst: dict | None, env_bytes
     print(f"\nlink {profile}; median of {repeat} runs")
     cols = ["create", "first", "import", "tests", "grep", "total"]
     print(f"{'mode':<20}" + "".join(f"{c + ' s':>9}" for c in cols)
-          + f"{'MB on link':>12}{'store CPU':>10}{'lazyd CPU':>10}{'requests':>10}")
+          + f"{'MB on link':>12}{'store CPU':>10}{'lazy CPU':>10}{'requests':>10}")
 
     def has(mode: str, key: str) -> bool:
         return any(key in r for r in rows if r["mode"] == mode)
@@ -404,7 +496,8 @@ def report(profile: LinkProfile, rows: list[dict], burst: dict | None, env_bytes
               + f"{med(rows, mode, 'bytes') / MB:>12.1f}"
               + "".join(f"{med(rows, mode, k):>10.2f}" if has(mode, k) else f"{'':>10}"
                         for k in ("store_cpu", "daemon_cpu"))
-              + (f"{med(rows, mode, 'requests'):>10.0f}" if has(mode, "requests") else ""))
+              + (f"{med(rows, mode, 'requests'):>10.0f}" if has(mode, "requests") else "")
+              + (f"{med(rows, mode, 'fills'):>10.0f} fills" if has(mode, "fills") else ""))
     goals: dict[str, tuple[float, str, bool]] = {}
     if "full" in modes and "lazy" in modes:
         first = med(rows, "full", "first") / med(rows, "lazy", "first")
@@ -423,6 +516,7 @@ def report(profile: LinkProfile, rows: list[dict], burst: dict | None, env_bytes
     if "lazy-profile" in modes and "full" in modes:
         total = med(rows, "lazy-profile", "total") / med(rows, "full", "total")
         goals["total with profile vs full (reported)"] = (total, "-", True)
+    goals.update(native_goals(rows, modes, env_bytes))
     if burst:
         ratio = burst["burst_bytes"] / max(burst["single_bytes"], 1)
         print(f"burst: {burst['n']} lazy sandboxes at once on one cold node: "
@@ -434,6 +528,40 @@ def report(profile: LinkProfile, rows: list[dict], burst: dict | None, env_bytes
         print(f"  {name:<40} {value:>7.2f}  goal {goal:<13} {'met' if ok else 'MISSED'}")
     return {"link": profile.text, "rows": rows, "burst": burst,
             "goals": {k: {"value": v, "goal": g, "met": ok} for k, (v, g, ok) in goals.items()}}
+
+
+def native_goals(rows: list[dict], modes: list[str],
+                 env_bytes: int) -> dict[str, tuple[float, str, bool]]:
+    """Issue 36's table for ``lazy-native`` (and, beside it, FUSE ``lazy``'s values against
+    the same goals), from the same run's ``full`` and ``native`` rows. "lazy create - full
+    create": a cold lazy create (nothing of the env on the node, its services up) minus a
+    create of the env already unpacked there (the ``native`` row); "rerun create": the same
+    for a lazy create whose layers this node already holds."""
+    goals: dict[str, tuple[float, str, bool]] = {}
+    if "full" not in modes or "native" not in modes:
+        return goals
+    for mode in ("lazy", "lazy-native"):
+        if mode not in modes:
+            continue
+        tag = f"[{mode}] "
+        total = med(rows, mode, "total") / med(rows, "full", "total")
+        goals[tag + "total workload vs full"] = (total, "<= 0.40x", total <= 0.40)
+        first = med(rows, "full", "first") / med(rows, mode, "first")
+        goals[tag + "first command, full / lazy"] = (first, ">= 12x", first >= 12)
+        if mode + "-rerun" in modes:
+            rerun = med(rows, mode + "-rerun", "workload") / med(rows, "native", "workload")
+            goals[tag + "re-run vs native"] = (rerun, "<= 1.02x", rerun <= 1.02)
+            walk = med(rows, mode + "-rerun", "walk") / med(rows, "native", "walk")
+            goals[tag + "re-run find /usr vs native"] = (walk, "<= 1.02x", walk <= 1.02)
+            warm = med(rows, mode + "-rerun", "create") - med(rows, "native", "create")
+            goals[tag + "rerun create - native create, s"] = (warm, "(reported)", True)
+        cpu = med(rows, mode, "daemon_cpu")
+        goals[tag + "filler/daemon CPU-s, cold run"] = (cpu, "<= 0.4 s", cpu <= 0.4)
+        extra = med(rows, mode, "create") - med(rows, "native", "create")
+        goals[tag + "cold create - native create, s"] = (extra, "<= 0.030 s", extra <= 0.030)
+        share = med(rows, mode, "bytes") / env_bytes
+        goals[tag + "bytes on the link / env"] = (share, "<= 0.13", share <= 0.13)
+    return goals
 
 
 def bench_env(cache: LocalStore, where: Path,
@@ -505,6 +633,8 @@ def main() -> None:
                             got = bench.run_full(run)
                         elif mode in ("lazy", "lazy-profile"):
                             got = bench.run_lazy(run, profile=mode == "lazy-profile")
+                        elif mode == "lazy-native":
+                            got = bench.run_lazy(run, profile=False, lazy="native")
                         else:
                             raise SystemExit(f"cold_start: unknown mode {mode!r}")
                         for row in got:
@@ -514,10 +644,12 @@ def main() -> None:
                                   f"{row['bytes'] / MB:.1f} MB on the link"
                                   + (f", {row['requests']} requests" if "requests" in row
                                      else "")
+                                  + (f", {row['fills']} objects filled" if "fills" in row
+                                     else "")
                                   + (f", reads: {row['transport']}" if row.get("transport")
                                      else "")
                                   + f"; CPU-s: store {row['store_cpu']:.2f}"
-                                  + (f", lazy daemon {row['daemon_cpu']:.2f}"
+                                  + (f", lazy daemon/filler {row['daemon_cpu']:.2f}"
                                      if "daemon_cpu" in row else "")
                                   + (f" (after {row['settle']:.2f} s for the daemon to go idle)"
                                      if "settle" in row else ""), flush=True)
@@ -526,6 +658,8 @@ def main() -> None:
                 results.append(report(profile, rows, burst, env_bytes, args.repeat))
             finally:
                 shutil.rmtree(data, ignore_errors=True)
+                for disk in NATIVE_OBJECTS.glob(f"{os.getpid()}-*"):   # the native nodes'
+                    shutil.rmtree(disk, ignore_errors=True)
     if args.json:
         # version 2: an object with the host line (version 1 was the bare list of links)
         args.json.write_text(json.dumps({"version": 2, "host": host, "links": results},

@@ -86,6 +86,7 @@ def ensure_filler(node_root: str) -> dict[str, Any]:
         raise RuntimeShimError(f"lazy='native': {why}", hint="use lazy=True or lazy=False")
     objects = ObjectStore(node_root)
     objects.make_dirs()
+    check_object_fs(objects)
     with open(os.path.join(objects.root, LOG), "ab") as log:
         subprocess.Popen([sys.executable, "-m", "runtime_shim.lazyfs.filler", "--node",
                           os.path.abspath(node_root)], stdin=subprocess.DEVNULL, stdout=log,
@@ -98,6 +99,31 @@ def ensure_filler(node_root: str) -> dict[str, Any]:
         time.sleep(0.05)
     raise RuntimeShimError("the native filler did not start",
                            hint=f"see {os.path.join(objects.root, LOG)}")
+
+
+def check_object_fs(objects: ObjectStore) -> None:
+    """The object store's filesystem takes pre-content marks (ext4, xfs, btrfs do; tmpfs
+    refuses them, EOPNOTSUPP), tried on a probe file before a filler starts: a node dir on
+    such a filesystem is one line, with no filler started and nothing mounted."""
+    from runtime_shim.lazyfs import fanotify
+
+    probe = objects.tmp("probe")
+    group = fanotify.open_group()
+    try:
+        with open(probe, "x"):
+            pass
+        fanotify.mark(group, probe)
+    except OSError as e:
+        raise RuntimeShimError(
+            f"lazy='native': the node's object store {objects.root} cannot carry fanotify "
+            f"pre-content marks ({e.strerror or e}; tmpfs has none)",
+            hint="put the node dir on ext4, xfs or btrfs, or use lazy=True") from None
+    finally:
+        os.close(group)   # its mark goes with it
+        try:
+            os.unlink(probe)
+        except FileNotFoundError:
+            pass
 
 
 def native_layer_dirs(node_root: str, store: Any, layers: Sequence[Any]) -> list[str]:

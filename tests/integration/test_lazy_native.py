@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from envbuild.store import LocalStore
-from runtime_shim.isolation.mount import mounted_targets_under
+from runtime_shim.isolation.mount import mounted_targets_under, unmount
 from runtime_shim.lazyfs import native
 from runtime_shim.lazyfs.objects import ObjectStore
 from runtime_shim.node.nodecache import NodeCache
@@ -376,3 +376,32 @@ def test_a_native_sandbox_from_s3(s3_env, tmp_path, node_dir):  # noqa: F811  (f
         assert r.stdout.decode() == f"NAME=lazy\nnew\ngone\n{want}  /data/big.bin\n"
         ping = native.filler_request(str(node_dir / "node"), {"op": "ping"})
         assert ping["fills"] > 0 and ping["boto3"] is False   # presigned URLs, plain HTTP
+
+
+def test_a_node_dir_on_tmpfs_is_refused_in_one_line_with_nothing_left(tmp_path):
+    """tmpfs takes no pre-content marks (EOPNOTSUPP): a native create whose node dir is on
+    tmpfs is refused before any filler starts or anything is mounted (the benchmark's first
+    try left a running filler and the tree tmpfs behind, and a hint about mark limits)."""
+    import shutil
+    import tempfile
+
+    from envbuild.errors import RuntimeShimError
+
+    store, _ = _env(tmp_path, "shm", {"data/a": b"x" * 1000})
+    fs = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    assert ["/dev/shm", "tmpfs"] in [f[1:3] for f in fs], "this test needs /dev/shm on tmpfs"
+    node_dir = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="envbuild-native-test-"))
+    try:
+        with pytest.raises(RuntimeShimError, match="pre-content marks") as got:
+            Sandbox.create("shm", store=store, node_dir=node_dir, lazy="native")
+        assert "ext4" in (got.value.hint or "")
+        assert native.filler_request(str(node_dir / "node"), {"op": "ping"}, 1.0) is None
+        assert mounted_targets_under(str(node_dir)) == []
+        assert not (node_dir / "node" / "objects" / "tmp").exists() \
+            or os.listdir(node_dir / "node" / "objects" / "tmp") == []   # no probe left
+    finally:
+        gc_sandboxes(node_dir)
+        NodeCache(node_dir / "node").evict(layers_in_use(node_dir), 0)
+        for mnt in mounted_targets_under(str(node_dir)):   # a failing run's tree tmpfs
+            unmount(mnt)
+        shutil.rmtree(node_dir, ignore_errors=True)
