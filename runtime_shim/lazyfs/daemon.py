@@ -175,7 +175,11 @@ class _NodeDaemon(_Requests, _Mounts, _FetchAhead, _Profiles, _TreeBudget):
                 continue
             if uid not in trusted_uids():   # defence in depth: the dir is 0700 already
                 log.warning("refused a control connection from uid %d", uid)
-                _refuse(conn, f"permission denied: uid {uid} may not use this daemon")
+                # answered on a thread of its own: it reads the refused request first (up to
+                # 1 s), which must not hold up the accept loop
+                threading.Thread(target=_refuse, args=(
+                    conn, f"permission denied: uid {uid} may not use this daemon"),
+                    daemon=True).start()
                 continue
             with self.lock:
                 self.busy += 1

@@ -21,8 +21,20 @@ log = logging.getLogger("envbuild.lazyfs")
 
 
 def _refuse(conn: Any, why: str) -> None:
+    """Answer ``why`` and close. The refused peer's request line is read first (at most
+    64 KiB, 1 s): closing with it unread would make the peer's send fail (EPIPE) before it
+    reads the answer, so a refused client would not learn why."""
     try:
         conn.settimeout(1.0)
+        seen = 0
+        while seen < 1 << 16:
+            chunk = conn.recv(4096)
+            seen += len(chunk)
+            if not chunk or b"\n" in chunk:
+                break
+    except OSError:
+        pass
+    try:
         conn.sendall(json.dumps({"ok": False, "error": why}).encode() + b"\n")
     except OSError:
         pass
