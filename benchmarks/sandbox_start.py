@@ -24,6 +24,7 @@ the store lacks its lock). Cold start from S3 (lazy vs full) is measured by the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import statistics
@@ -119,10 +120,13 @@ def bench_density(store, env, node: Path, count: int, big_file: str) -> dict[str
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
     before = meminfo()
     sandboxes = []
+    # idle sandboxes with few processes: the default Limits (256 pids x 1024 files) reserve
+    # 262,144 of fs.file-max each, so a node's admission holds only ~7 of them at once here
+    idle_limits = dataclasses.replace(LIMITS, pids=16, nofile=256)
     try:
         with ThreadPoolExecutor(4) as pool:
             sandboxes = list(pool.map(
-                lambda _: Sandbox.create(env, store=store, node_dir=node, limits=LIMITS),
+                lambda _: Sandbox.create(env, store=store, node_dir=node, limits=idle_limits),
                 range(count)))
         time.sleep(1)
         idle = meminfo()
