@@ -18,9 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from envbuild.errors import BackendUnavailable
 from runtime_shim.isolation import agent
-from runtime_shim.isolation.agent_session import open_session
 from runtime_shim.node.model import ExecResult, SandboxInfo
 from runtime_shim.sdk.process import AsyncProcess
 from runtime_shim.sdk.sandbox import Sandbox
@@ -90,15 +88,8 @@ class AsyncSandbox:
         (``stdin`` is written first), which can be signalled and waited for
         (``runtime_shim.sdk.process``). ``timeout`` as exec's."""
         sb = self.sync
-        if sb.backend == "fncall":
-            raise BackendUnavailable("start() needs a sandbox that keeps processes; fncall "
-                                     "runs each call in a fresh layer",
-                                     hint="use call(), or another backend")
-        req = sb._request(cmd, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin)
-        handle = sb._backend
-        session = open_session(handle.connect, req, handle.limits.output_bytes,
-                               deadline=handle.limits.exec_timeout, on_stdout=on_stdout,
-                               on_stderr=on_stderr)
+        session = sb._open_session(cmd, timeout=timeout, env=env, cwd=cwd, user=user,
+                                   stdin=stdin, on_stdout=on_stdout, on_stderr=on_stderr)
         return AsyncProcess(session, lambda done, started: sb._result(done, started, False))
 
     async def connect_port(self, port: int, timeout: float = 10.0) -> socket.socket:

@@ -27,20 +27,10 @@ from runtime_shim.isolation.agent_session import Session
 from runtime_shim.node.model import ExecResult
 
 
-class AsyncProcess:
-    """A running command of a sandbox (``AsyncSandbox.start``)."""
+class _Controls:
+    """What both kinds of process do to their command: stdin and signals (on the session)."""
 
-    def __init__(self, session: Session, to_result: Callable[[ExecOutcome, float], ExecResult]
-                 ) -> None:
-        self._session = session
-        self._to_result = to_result
-        self._started = time.monotonic()
-        self._task: asyncio.Task[ExecOutcome] = asyncio.get_running_loop().create_task(
-            session.drive())
-
-    @property
-    def done(self) -> bool:
-        return self._task.done()
+    _session: Session
 
     def write_stdin(self, data: bytes | str) -> None:
         """Queue ``data`` for the command's stdin (``RuntimeShimError`` once it is closed, or
@@ -58,6 +48,22 @@ class AsyncProcess:
     def kill(self) -> None:
         self._session.signal(signal.SIGKILL)
 
+
+class AsyncProcess(_Controls):
+    """A running command of a sandbox (``AsyncSandbox.start``)."""
+
+    def __init__(self, session: Session, to_result: Callable[[ExecOutcome, float], ExecResult]
+                 ) -> None:
+        self._session = session
+        self._to_result = to_result
+        self._started = time.monotonic()
+        self._task: asyncio.Task[ExecOutcome] = asyncio.get_running_loop().create_task(
+            session.drive())
+
+    @property
+    def done(self) -> bool:
+        return self._task.done()
+
     async def wait(self) -> ExecResult:
         """The command's result once it ended (its output as exec's: bounded per stream)."""
         outcome = await asyncio.shield(self._task)
@@ -72,7 +78,7 @@ class AsyncProcess:
             pass
 
 
-class Process:
+class Process(_Controls):
     """A running command of a sandbox (``Sandbox.start``), driven by a thread of its own."""
 
     def __init__(self, session: Session, to_result: Callable[[ExecOutcome, float], ExecResult]
@@ -98,19 +104,6 @@ class Process:
     @property
     def done(self) -> bool:
         return self._done.is_set()
-
-    def write_stdin(self, data: bytes | str) -> None:
-        """As ``AsyncProcess.write_stdin``."""
-        self._session.write(data.encode() if isinstance(data, str) else data)
-
-    def close_stdin(self) -> None:
-        self._session.close_stdin()
-
-    def send_signal(self, sig: int = signal.SIGTERM) -> None:
-        self._session.signal(sig)
-
-    def kill(self) -> None:
-        self._session.signal(signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> ExecResult:
         """The command's result once it ended; ``TimeoutError`` if that takes longer than

@@ -60,7 +60,7 @@ from runtime_shim.backends.base import (
     undo_on_error,
 )
 from runtime_shim.isolation import agent, lifecycle
-from runtime_shim.isolation.agent_session import open_session
+from runtime_shim.isolation.agent_session import Session, open_session
 from runtime_shim.isolation.spec import parse_user
 from runtime_shim.node import admission, ledger, owners
 from runtime_shim.node.layout import NodeLayout, SandboxPaths
@@ -335,16 +335,24 @@ class Sandbox:
         """Start ``cmd`` and return at once: a ``Process`` (``runtime_shim.sdk.process``) whose
         stdin stays open (``stdin`` is written first), which can be signalled and waited for;
         output callbacks run in its own thread. ``timeout`` as exec's."""
+        session = self._open_session(cmd, timeout=timeout, env=env, cwd=cwd, user=user,
+                                     stdin=stdin, on_stdout=on_stdout, on_stderr=on_stderr)
+        return Process(session, lambda done, started: self._result(done, started, False))
+
+    def _open_session(self, cmd: str | Sequence[str], *, timeout: float | None,
+                      env: Mapping[str, str] | None, cwd: str | None, user: str | None,
+                      stdin: bytes | None, on_stdout: agent.OutputCallback | None,
+                      on_stderr: agent.OutputCallback | None) -> Session:
+        """The agent session of a started command (``start`` and ``AsyncSandbox.start``)."""
         if self.backend == "fncall":
             raise BackendUnavailable("start() needs a sandbox that keeps processes; fncall "
                                      "runs each call in a fresh layer",
                                      hint="use call(), or another backend")
         req = self._request(cmd, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin)
         handle = self._backend
-        session = open_session(handle.connect, req, handle.limits.output_bytes,
-                               deadline=handle.limits.exec_timeout, on_stdout=on_stdout,
-                               on_stderr=on_stderr)
-        return Process(session, lambda done, started: self._result(done, started, False))
+        return open_session(handle.connect, req, handle.limits.output_bytes,
+                            deadline=handle.limits.exec_timeout, on_stdout=on_stdout,
+                            on_stderr=on_stderr)
 
     def call(self, argv: str | Sequence[str], *, stdin: bytes | str | None = None,
              files: Mapping[str, bytes | str] | None = None, timeout: float | None = None,
