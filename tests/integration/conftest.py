@@ -174,3 +174,22 @@ def cluster_examples(ray_cluster, tmp_path_factory):
         moto.kill()
         for node in root.glob("node-*"):  # nothing should be there; a failed build's, if any
             reap_stale_builds(node / "builds", OciRuntime("runc", state_root=str(node / "runc")))
+
+
+@pytest.fixture(scope="module")
+def e2b_built(tmp_path_factory):
+    """The busybox env built into a store of its own, for one module's ``envbuild serve``."""
+    root = tmp_path_factory.mktemp("e2b")
+    store, node = build_busybox_env(root)
+    return root, store, node
+
+
+@pytest.fixture(scope="module")
+def e2b_server(e2b_built):
+    """``envbuild serve`` over ``e2b_built``'s store, with the e2b SDK's variables pointing at it."""
+    from tests.e2b_server import e2b_env, running_server
+
+    root, store, node = e2b_built
+    with running_server(root, store.root, node) as srv, e2b_env(srv):
+        yield srv
+

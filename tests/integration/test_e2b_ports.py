@@ -15,8 +15,6 @@ import httpx
 import pytest
 
 from tests.conftest import require_tool
-from tests.e2b_server import e2b_env, running_server
-from tests.integration.conftest import build_busybox_env
 
 pytestmark = pytest.mark.slow
 TEMPLATE = "busybox-shell"
@@ -63,17 +61,8 @@ done
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2bports")
-    store, node = build_busybox_env(root)
-    return root, store, node
-
-
-@pytest.fixture(scope="module")
-def server(built):
-    root, store, node = built
-    with running_server(root, store.root, node) as srv, e2b_env(srv):
-        yield srv
+def server(e2b_server):
+    return e2b_server
 
 
 @pytest.fixture(scope="module")

@@ -11,24 +11,14 @@ import time
 import pytest
 
 from tests.e2b_server import e2b_env, running_server
-from tests.integration.conftest import build_busybox_env
 
 pytestmark = pytest.mark.slow
 TEMPLATE = "busybox-shell"
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2b")
-    store, node = build_busybox_env(root)
-    return root, store, node
-
-
-@pytest.fixture(scope="module")
-def server(built):
-    root, store, node = built
-    with running_server(root, store.root, node) as srv, e2b_env(srv):
-        yield srv
+def server(e2b_server):
+    return e2b_server
 
 
 @pytest.fixture
@@ -260,12 +250,12 @@ def test_a_command_running_when_its_sandbox_is_killed(server):
         handle.wait()
 
 
-def test_stopping_the_server_ends_its_sandboxes_and_streams(built, tmp_path):
+def test_stopping_the_server_ends_its_sandboxes_and_streams(e2b_built, tmp_path):
     """SIGTERM with a command streaming: the server kills its sandboxes first, so the stream
     breaks off at once and the server exits promptly, leaving nothing (running_server checks)."""
     from e2b import Sandbox, SandboxException
 
-    _, store, _ = built
+    _, store, _ = e2b_built
     with running_server(tmp_path, store.root, tmp_path / "node") as srv, e2b_env(srv):
         sb = Sandbox.create(TEMPLATE)
         handle = sb.commands.run("echo up; sleep 60", background=True)
