@@ -125,18 +125,6 @@ def list_sandboxes(node_dir: str | os.PathLike[str] | NodeLayout | None = None
     return found
 
 
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def set_sandbox_network(node_dir: str | os.PathLike[str] | NodeLayout | None, sandbox_id: str,
                         network: bool | Sequence[str]) -> None:
     """``Sandbox.set_network`` for a sandbox of this node made by any process
