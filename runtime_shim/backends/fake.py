@@ -98,8 +98,6 @@ class _FakeConn:
         self._cwd: str | None = None
         self._user: str | None = None
         self._stdin = bytearray()
-        self._peer.sendall(agent.frame(agent.R_HELLO, agent.PROTOCOL_VERSION.to_bytes(4, "big")
-                                       + b"fake"))
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -125,7 +123,9 @@ class _FakeConn:
         self.send(data)
 
     def _request_frame(self, kind: int, payload: bytes) -> None:
-        if kind == agent.T_ARG:
+        if kind == agent.T_HELLO:  # answered with the version asked for, as the agent does
+            self._peer.sendall(agent.frame(agent.R_HELLO, payload[:4] + b"fake"))
+        elif kind == agent.T_ARG:
             self._argv.append(payload.decode())
         elif kind == agent.T_ENV:
             k, _, v = payload.decode().partition("=")

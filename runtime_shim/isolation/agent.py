@@ -3,12 +3,12 @@
 ``envbuild-agent`` (``runtime_shim/isolation/agent/agent.c``) is a static C program that runs as PID 1
 of a sandbox. It accepts on a unix socket the host created outside every mount of the sandbox
 (``listen_socket``; runc hands the listening fd down) and runs one command per connection; the
-protocol
-(version 1) is specified in ``runtime_shim/isolation/agent/README.md``. In short, frames are
+protocol (versions 1 and 2; the wire format is ``runtime_shim.isolation.agent_wire``) is
+specified in ``runtime_shim/isolation/agent/README.md``. In short, frames are
 ``[type u8][len u32 big-endian][payload]``::
 
-    host -> agent   HELLO(version u32) ARG* ENV* CWD? USER? TIMEOUT? START
-                    then STDIN* STDIN_EOF, and KILL(signal u32) at any time
+    host -> agent   HELLO(version u32) ARG* ENV* CWD? USER? TIMEOUT? PTY? START
+                    then STDIN* STDIN_EOF, and KILL(signal u32), RESIZE at any time
     agent -> host   HELLO(version u32, name) STDOUT* STDERR* then one of
                     EXIT(code u32, flags u8, signal u8) | START_FAILED(code u32, errno u32, msg)
                     | ERROR(msg)
@@ -38,6 +38,7 @@ number of execs without a thread each. Both share every rule of the protocol.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -47,30 +48,65 @@ import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from envbuild.errors import RuntimeShimError, SandboxCompromised
 from runtime_shim.isolation import cbuild
+from runtime_shim.isolation.agent_wire import (
+    BASE_VERSION,
+    DEFAULT_TERM,
+    F_OUTPUT_OPEN,
+    F_SIGNALED,
+    F_TIMED_OUT,
+    FRAME_CHARGE,
+    MAX_PAYLOAD,
+    MAX_PTY_DIM,
+    PROTOCOL_VERSION,
+    PTY_VERSION,
+    R_ERROR,
+    R_EXIT,
+    R_HELLO,
+    R_START_FAILED,
+    R_STDERR,
+    R_STDOUT,
+    STDIN_CHUNK,
+    T_ARG,
+    T_CWD,
+    T_ENV,
+    T_HELLO,
+    T_KILL,
+    T_PTY,
+    T_RESIZE,
+    T_START,
+    T_STDIN,
+    T_STDIN_EOF,
+    T_TIMEOUT,
+    T_USER,
+    ExecOutcome,
+    ExecRequest,
+    encode_request,
+    frame,
+    refusal,
+    winsize,
+)
 
-PROTOCOL_VERSION = 1
+#: The host side of the protocol, with the wire format (``agent_wire``) re-exported.
+__all__ = [
+    "BASE_VERSION", "BINARY_NAME", "CONNECT_TIMEOUT", "DEFAULT_EXEC_TIMEOUT", "DEFAULT_TERM",
+    "END_WAIT", "ExecOutcome", "ExecRequest", "FRAME_CHARGE", "F_OUTPUT_OPEN", "F_SIGNALED",
+    "F_TIMED_OUT", "HOST_TIMEOUT_SLACK", "KILL_WAIT", "MAX_PAYLOAD", "MAX_PTY_DIM",
+    "OutputCallback", "PROTOCOL_VERSION", "PTY_VERSION", "R_ERROR", "R_EXIT", "R_HELLO",
+    "R_START_FAILED", "R_STDERR", "R_STDOUT", "SOURCE", "STDIN_CHUNK", "T_ARG", "T_CWD",
+    "T_ENV", "T_HELLO", "T_KILL", "T_PTY", "T_RESIZE", "T_START", "T_STDIN", "T_STDIN_EOF",
+    "T_TIMEOUT", "T_USER", "agent_binary", "check_hello", "connect_agent", "encode_request",
+    "frame", "hello", "listen_socket", "refusal", "run", "run_async", "winsize",
+]
+
 SOURCE = Path(__file__).with_name("agent") / "agent.c"
 BINARY_NAME = "envbuild-agent"
 
-# host -> agent
-T_HELLO, T_ARG, T_ENV, T_CWD, T_USER, T_TIMEOUT, T_START, T_STDIN, T_STDIN_EOF, T_KILL = \
-    range(0x01, 0x0B)
-# agent -> host
-R_HELLO, R_STDOUT, R_STDERR, R_EXIT, R_START_FAILED, R_ERROR = range(0x81, 0x87)
-F_SIGNALED, F_TIMED_OUT, F_OUTPUT_OPEN = 1, 2, 4
-
-MAX_PAYLOAD = 1 << 20
-#: What one STDOUT/STDERR frame costs of ``output_bytes`` at least, whatever its payload: the
-#: host's per-frame work (parsing, a callback) is paid for, so one-byte frames cannot make an
-#: exec cost the host far more than its cap (issue 34, item 7).
-FRAME_CHARGE = 64
-STDIN_CHUNK = 64 << 10
 #: After the host-side deadline (or output cap) the command is killed; how long to wait for
 #: the agent's EXIT before hanging up (a hang-up kills the command too, see ``run``).
 KILL_WAIT = 5.0
@@ -101,58 +137,6 @@ def agent_binary(cache_dir: str | os.PathLike[str]) -> Path:
 
 
 # ---- talking -----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ExecRequest:
-    """One command for the agent. ``env`` overrides the agent's (the lock's) environment;
-    ``user`` is ``"uid[:gid]"``; ``timeout`` seconds or None."""
-
-    argv: tuple[str, ...]
-    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    cwd: str | None = None
-    user: str | None = None
-    timeout: float | None = None
-    stdin: bytes | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class ExecOutcome:
-    exit_code: int
-    stdout: bytes
-    stderr: bytes
-    timed_out: bool = False
-    output_truncated: bool = False
-    signal: int = 0  # the signal that ended the command, 0 if it exited
-    output_open: bool = False  # a background process still held stdout/stderr at the exit
-    start_errno: int = 0  # set when the command never started (START_FAILED)
-
-
-def frame(kind: int, payload: bytes = b"") -> bytes:
-    return bytes((kind,)) + len(payload).to_bytes(4, "big") + payload
-
-
-def encode_request(req: ExecRequest) -> bytes:
-    """HELLO and every request frame up to START (stdin follows separately)."""
-    parts = [frame(T_HELLO, PROTOCOL_VERSION.to_bytes(4, "big"))]
-    parts += [frame(T_ARG, _text(a, "argument")) for a in req.argv]
-    parts += [frame(T_ENV, _text(f"{k}={v}", "environment variable")) for k, v in req.env.items()]
-    if req.cwd is not None:
-        parts.append(frame(T_CWD, _text(req.cwd, "cwd")))
-    if req.user is not None:
-        parts.append(frame(T_USER, _text(req.user, "user")))
-    if req.timeout is not None:
-        ms = max(1, min(0xFFFFFFFF, int(req.timeout * 1000)))
-        parts.append(frame(T_TIMEOUT, ms.to_bytes(4, "big")))
-    parts.append(frame(T_START))
-    return b"".join(parts)
-
-
-def _text(value: str, what: str) -> bytes:
-    data = os.fsencode(value)
-    if b"\0" in data or len(data) > MAX_PAYLOAD:
-        raise RuntimeShimError(f"exec: {what} {value[:60]!r} contains a NUL byte or is too long")
-    return data
 
 
 class _Bounded:
@@ -392,17 +376,26 @@ class _Exchange:
             self._parse()
         return None
 
-    def run(self) -> ExecOutcome:
+    def run(self, wake_fd: int | None = None) -> ExecOutcome:
+        """Drive the exchange with ``poll(2)`` in this thread. ``wake_fd`` (a non-blocking
+        pipe's read end) is polled too: a byte on it (drained) makes the loop look at
+        ``interest`` again, for another thread that queued something (a ``Session``)."""
         self._start()
         poller = select.poll()
         fd = self.sock.fileno()
+        if wake_fd is not None:
+            poller.register(wake_fd, select.POLLIN)
         while True:
             state = self.interest()
             if isinstance(state, ExecOutcome):
                 return state
             want_write, wait = state
             poller.register(fd, select.POLLIN | (select.POLLOUT if want_write else 0))
-            for _, ev in poller.poll(max(1, int(wait * 1000) + 1)):
+            for ready, ev in poller.poll(max(1, int(wait * 1000) + 1)):
+                if ready == wake_fd:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(ready, 4096)
+                    continue
                 done = self.on_events(bool(ev & (select.POLLIN | select.POLLHUP | select.POLLERR)),
                                       bool(ev & select.POLLOUT))
                 if done is not None:
@@ -532,6 +525,12 @@ class _Exchange:
             return
         kept = (self.out if kind == R_STDOUT else self.err).add(data, frames)
         callback = self.on_stdout if kind == R_STDOUT else self.on_stderr
+        if self.req.pty is not None:
+            # a terminal is a stream for as long as it lives: its callback gets every byte,
+            # the result keeps the first ``cap`` (truncated), and the cap does not kill it
+            if callback is not None and data:
+                callback(bytes(data))
+            return
         if callback is not None and kept:
             callback(kept)
         if self.out.overflow or self.err.overflow:
@@ -545,12 +544,12 @@ class _Exchange:
             if n < 4:
                 raise _compromised(f"a HELLO of {n} bytes (at least 4)")
             version = int.from_bytes(payload[:4], "big")
-            if version != PROTOCOL_VERSION:
+            if version != self.req.version:  # the agent answers the version it was asked
                 raise RuntimeShimError(f"sandbox agent speaks protocol {version}, "
-                                       f"envbuild speaks {PROTOCOL_VERSION}")
+                                       f"envbuild asked for {self.req.version}")
             self.hello = True
             return
-        if not self.hello:
+        if not self.hello and kind != R_ERROR:  # a refused version or a full agent: no HELLO
             raise _compromised(f"frame 0x{kind:02x} before HELLO")
         if kind in (R_STDOUT, R_STDERR):
             self._output(kind, bytearray(payload), 1)  # (_parse hands runs to _output itself)
@@ -576,8 +575,7 @@ class _Exchange:
             self.err.add(payload[8:] + b"\n")
             self.result = self._outcome(code, start_errno=err)
         else:  # R_ERROR: the agent refused the request (e.g. a protocol version it lacks)
-            raise RuntimeShimError(f"sandbox agent refused the request: "
-                                   f"{payload[:300].decode(errors='replace')}")
+            raise refusal(self.req, payload[:300].decode(errors="replace"))
 
     def _outcome(self, code: int, **kw: Any) -> ExecOutcome:
         return ExecOutcome(exit_code=code, stdout=self.out.data(), stderr=self.err.data(),

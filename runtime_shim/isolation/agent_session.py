@@ -4,19 +4,22 @@ to write to while it runs, which the host can signal, and whose end it can wait 
 The agent already speaks this (README.md: STDIN frames after START, STDIN_EOF, and KILL with any
 signal at any time); ``agent.run`` just sends a fixed stdin and EOF up front. A ``Session`` is
 the same ``_Exchange`` (every check of the agent's answers included) with stdin fed by
-``write``/``close_stdin`` and signals by ``signal``: ``await session.drive()`` drives it on an
+``write``/``close_stdin``, signals by ``signal`` and, for a request with ``pty``, the
+terminal's size by ``resize`` (RESIZE, protocol 2): ``await session.drive()`` drives it on an
 event loop (the other methods are then called from that loop), ``drive_blocking()`` in a
 thread of its own (the other methods from any thread).
 
 Bounds: at most ``MAX_PENDING_STDIN`` bytes written and not yet sent (``write`` refuses more:
-the command is not reading); output is bounded as ``run``'s (``cap`` per stream).
+the command is not reading); output is bounded as ``run``'s (``cap`` per stream; a PTY's
+output is a stream: every byte goes to ``on_stdout``, the result keeps the first ``cap``); one
+pending resize (a newer one replaces it); rows and cols in 1..``MAX_PTY_DIM``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-import select
 import signal as signals
 import socket
 import threading
@@ -27,6 +30,7 @@ from runtime_shim.isolation.agent import (
     DEFAULT_EXEC_TIMEOUT,
     STDIN_CHUNK,
     T_KILL,
+    T_RESIZE,
     T_STDIN,
     T_STDIN_EOF,
     ExecOutcome,
@@ -34,6 +38,7 @@ from runtime_shim.isolation.agent import (
     OutputCallback,
     _Exchange,
     frame,
+    winsize,
 )
 
 #: Stdin bytes a session holds for a command that has not read them yet.
@@ -50,6 +55,7 @@ class Session(_Exchange):
         self.stdin = memoryview(b"")
         self.eof = False
         self.signals: list[int] = []
+        self.size: bytes | None = None  # a RESIZE payload not sent yet (only the last counts)
         # write/close_stdin/signal may come from another thread than the one driving (Process)
         self.lock = threading.Lock()
 
@@ -64,6 +70,9 @@ class Session(_Exchange):
         if self.signals:
             sig = self.signals.pop(0)
             self.outq.append(memoryview(frame(T_KILL, sig.to_bytes(4, "big"))))
+        elif self.size is not None:
+            self.outq.append(memoryview(frame(T_RESIZE, self.size)))
+            self.size = None
         elif self.stdin_done:
             return
         elif self.pending:
@@ -109,6 +118,18 @@ class Session(_Exchange):
             self.signals.append(int(sig))
         self._poke()
 
+    def resize(self, rows: int, cols: int) -> None:
+        """Set the terminal's size (a PTY session's): the kernel then sends ``SIGWINCH`` to
+        its foreground job. ``RuntimeShimError`` for a session without a PTY."""
+        if self.req.pty is None:
+            raise RuntimeShimError("resize needs a command started with pty=(rows, cols)")
+        size = winsize(rows, cols)
+        with self.lock:
+            if self.result is not None:
+                return
+            self.size = size
+        self._poke()
+
     async def drive(self) -> ExecOutcome:
         """Drive the exchange until the command ended; closes the connection after."""
         try:
@@ -127,25 +148,7 @@ class Session(_Exchange):
 
         self.wake = wake
         try:
-            self._start()
-            poller = select.poll()
-            fd = self.sock.fileno()
-            poller.register(wake_r, select.POLLIN)
-            while True:
-                state = self.interest()
-                if isinstance(state, ExecOutcome):
-                    return state
-                want_write, wait = state
-                poller.register(fd, select.POLLIN | (select.POLLOUT if want_write else 0))
-                for ready, ev in poller.poll(max(1, int(wait * 1000) + 1)):
-                    if ready == wake_r:
-                        with contextlib.suppress(BlockingIOError):
-                            os.read(wake_r, 4096)
-                        continue
-                    done = self.on_events(bool(ev & (select.POLLIN | select.POLLHUP
-                                                     | select.POLLERR)), bool(ev & select.POLLOUT))
-                    if done is not None:
-                        return done
+            return self.run(wake_r)
         finally:
             self.wake = None
             os.close(wake_r)
@@ -160,6 +163,5 @@ def open_session(connect: Callable[[], socket.socket], req: ExecRequest, cap: in
     """A ``Session`` of ``req`` on a new connection (nothing is sent before ``drive``).
     ``req.stdin`` is written first; stdin stays open until ``close_stdin``."""
     if req.timeout is None:
-        req = ExecRequest(argv=req.argv, env=req.env, cwd=req.cwd, user=req.user,
-                          timeout=deadline, stdin=req.stdin)
+        req = dataclasses.replace(req, timeout=deadline)
     return Session(connect(), req, cap, on_stdout, on_stderr)

@@ -83,13 +83,15 @@ class AsyncSandbox:
                     env: Mapping[str, str] | None = None, cwd: str | None = None,
                     user: str | None = None, stdin: bytes | None = None,
                     on_stdout: agent.OutputCallback | None = None,
-                    on_stderr: agent.OutputCallback | None = None) -> AsyncProcess:
+                    on_stderr: agent.OutputCallback | None = None,
+                    pty: tuple[int, int] | None = None) -> AsyncProcess:
         """Start ``cmd`` and return at once: an ``AsyncProcess`` whose stdin stays open
         (``stdin`` is written first), which can be signalled and waited for
-        (``runtime_shim.sdk.process``). ``timeout`` as exec's."""
+        (``runtime_shim.sdk.process``). ``timeout`` and ``pty`` as ``Sandbox.start``'s."""
         sb = self.sync
         session = sb._open_session(cmd, timeout=timeout, env=env, cwd=cwd, user=user,
-                                   stdin=stdin, on_stdout=on_stdout, on_stderr=on_stderr)
+                                   stdin=stdin, on_stdout=on_stdout, on_stderr=on_stderr,
+                                   pty=pty)
         return AsyncProcess(session, lambda done, started: sb._result(done, started, False))
 
     async def connect_port(self, port: int, timeout: float = 10.0) -> socket.socket:

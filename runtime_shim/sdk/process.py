@@ -7,6 +7,11 @@ signalled, waited for, while other commands run beside it.
     proc.close_stdin()
     result = await proc.wait()          # ExecResult, as exec's
 
+    term = sb.start("sh", pty=(24, 80), on_stdout=screen.feed)  # a terminal
+    term.write_stdin("ls\\r")                                   # keystrokes
+    term.resize(40, 120)                                        # SIGWINCH
+    term.write_stdin("\\x03")                                   # ^C: the foreground job
+
 The command runs on its own agent connection (``runtime_shim.isolation.agent_session``). An
 ``AsyncProcess`` is driven by a task of the event loop it was started on (its methods are
 called from that loop; output callbacks run in it); a ``Process`` by a thread of its own (its
@@ -47,6 +52,16 @@ class _Controls:
 
     def kill(self) -> None:
         self._session.signal(signal.SIGKILL)
+
+    def resize(self, rows: int, cols: int) -> None:
+        """Resize the terminal of a command started with ``pty=`` (its foreground job gets
+        ``SIGWINCH``); ``RuntimeShimError`` without one, or outside 1..4096."""
+        self._session.resize(rows, cols)
+
+    @property
+    def pty(self) -> tuple[int, int] | None:
+        """The terminal's size at the start, None for a command without one."""
+        return self._session.req.pty
 
 
 class AsyncProcess(_Controls):

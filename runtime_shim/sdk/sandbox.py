@@ -331,24 +331,33 @@ class Sandbox:
               env: Mapping[str, str] | None = None, cwd: str | None = None,
               user: str | None = None, stdin: bytes | None = None,
               on_stdout: agent.OutputCallback | None = None,
-              on_stderr: agent.OutputCallback | None = None) -> Process:
+              on_stderr: agent.OutputCallback | None = None,
+              pty: tuple[int, int] | None = None) -> Process:
         """Start ``cmd`` and return at once: a ``Process`` (``runtime_shim.sdk.process``) whose
         stdin stays open (``stdin`` is written first), which can be signalled and waited for;
-        output callbacks run in its own thread. ``timeout`` as exec's."""
+        output callbacks run in its own thread. ``timeout`` as exec's. ``pty=(rows, cols)``
+        runs it on a new terminal (its controlling tty; ``TERM`` defaults to xterm-256color):
+        input goes to the terminal, its bytes come to ``on_stdout``, ``resize`` changes it."""
         session = self._open_session(cmd, timeout=timeout, env=env, cwd=cwd, user=user,
-                                     stdin=stdin, on_stdout=on_stdout, on_stderr=on_stderr)
+                                     stdin=stdin, on_stdout=on_stdout, on_stderr=on_stderr,
+                                     pty=pty)
         return Process(session, lambda done, started: self._result(done, started, False))
 
     def _open_session(self, cmd: str | Sequence[str], *, timeout: float | None,
                       env: Mapping[str, str] | None, cwd: str | None, user: str | None,
                       stdin: bytes | None, on_stdout: agent.OutputCallback | None,
-                      on_stderr: agent.OutputCallback | None) -> Session:
+                      on_stderr: agent.OutputCallback | None,
+                      pty: tuple[int, int] | None = None) -> Session:
         """The agent session of a started command (``start`` and ``AsyncSandbox.start``)."""
         if self.backend == "fncall":
             raise BackendUnavailable("start() needs a sandbox that keeps processes; fncall "
                                      "runs each call in a fresh layer",
                                      hint="use call(), or another backend")
-        req = self._request(cmd, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin)
+        if pty is not None:
+            agent.winsize(*pty)  # checked here, in the caller's thread
+            env = {"TERM": agent.DEFAULT_TERM, **(env or {})}
+        req = dataclasses.replace(self._request(cmd, timeout=timeout, env=env, cwd=cwd,
+                                                user=user, stdin=stdin), pty=pty)
         handle = self._backend
         return open_session(handle.connect, req, handle.limits.output_bytes,
                             deadline=handle.limits.exec_timeout, on_stdout=on_stdout,

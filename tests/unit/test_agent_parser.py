@@ -15,7 +15,7 @@ from envbuild.errors import RuntimeShimError, SandboxCompromised
 from runtime_shim.isolation import agent
 from runtime_shim.isolation.agent import frame
 
-HELLO = frame(agent.R_HELLO, agent.PROTOCOL_VERSION.to_bytes(4, "big") + b"envbuild-agent 1")
+HELLO = frame(agent.R_HELLO, agent.BASE_VERSION.to_bytes(4, "big") + b"envbuild-agent 2")  # REQ asks for 1
 REQ = agent.ExecRequest(argv=("true",))
 
 
@@ -253,3 +253,41 @@ def test_a_guest_ignoring_its_window_is_stopped_not_buffered():
         session.close()
         mux.close()
         guest.close()
+
+
+PTY_REQ = agent.ExecRequest(argv=("sh",), pty=(24, 80))
+
+
+def test_a_request_asks_for_the_lowest_version_it_needs():
+    assert agent.encode_request(REQ)[5:9] == (1).to_bytes(4, "big")
+    encoded = agent.encode_request(PTY_REQ)
+    assert encoded[5:9] == (2).to_bytes(4, "big")
+    assert frame(agent.T_PTY, bytes((0, 24, 0, 80))) + frame(agent.T_START) in encoded
+
+
+def test_an_agent_must_answer_the_version_it_was_asked():
+    v2 = frame(agent.R_HELLO, (2).to_bytes(4, "big") + b"x")
+    with pytest.raises(RuntimeShimError, match="speaks protocol 2, envbuild asked for 1"):
+        FakeAgent(v2 + exit_frame(0)).run()
+    with pytest.raises(RuntimeShimError, match="speaks protocol 1, envbuild asked for 2"):
+        FakeAgent(HELLO + exit_frame(0)).run(PTY_REQ)
+    assert FakeAgent(v2 + exit_frame(0)).run(PTY_REQ).exit_code == 0
+
+
+def test_an_agent_refusing_the_pty_version_says_so_in_one_line():
+    """An agent that predates PTYs answers ERROR (and no HELLO): a clear line, not a
+    compromised channel; any other ERROR before HELLO is passed on as the agent's refusal."""
+    old = frame(agent.R_ERROR, b"unsupported protocol version 2; this agent speaks 1")
+    with pytest.raises(RuntimeShimError) as e:
+        FakeAgent(old).run(PTY_REQ)
+    assert type(e.value) is RuntimeShimError
+    assert e.value.message == "this sandbox's agent cannot run a PTY (it speaks protocol 1, " \
+                              "PTYs need 2)"
+    with pytest.raises(RuntimeShimError, match="refused the request: too many concurrent"):
+        FakeAgent(frame(agent.R_ERROR, b"too many concurrent sessions")).run()
+
+
+@pytest.mark.parametrize("size", [(0, 80), (24, 0), (4097, 1), (1, 4097), (24.0, 80), (-1, 2)])
+def test_terminal_sizes_are_bounded(size):
+    with pytest.raises(RuntimeShimError, match="rows and cols must be whole numbers from 1"):
+        agent.encode_request(agent.ExecRequest(argv=("sh",), pty=size))

@@ -37,7 +37,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#define PROTO_VERSION 1u
+#define PROTO_VERSION 2u       /* the newest version spoken; a session asks for 1 or 2 */
+#define PROTO_MIN 1u
+#define MAX_PTY_DIM 4096u       /* largest rows or cols of a PTY */
 #define AGENT_NAME "envbuild-agent"
 #define MAX_PAYLOAD (1u << 20)   /* largest frame payload either side may send */
 #define CHUNK (64u << 10)        /* largest stdout/stderr frame the agent sends */
@@ -49,7 +51,7 @@
 
 /* host -> agent */
 enum { T_HELLO = 0x01, T_ARG, T_ENV, T_CWD, T_USER, T_TIMEOUT, T_START, T_STDIN, T_STDIN_EOF,
-       T_KILL };
+       T_KILL, T_PTY, T_RESIZE /* the last two: version 2 */ };
 /* agent -> host */
 enum { R_HELLO = 0x81, R_STDOUT, R_STDERR, R_EXIT, R_START_FAILED, R_ERROR };
 /* serial mode: outer frames on the line (payload: channel u32, then the rest) */
@@ -80,6 +82,10 @@ struct session {
     int64_t hold;                   /* tx is one output frame still filling until then; 0 = none */
     int hold_which;                 /* its stream: 0 stdout, 1 stderr */
     uint32_t timeout_ms;
+    uint32_t version;               /* the protocol version of this session (its HELLO) */
+    int pty;                        /* version 2: the command runs on a terminal */
+    unsigned short rows, cols;
+    int64_t last_frame;             /* when the last output frame was queued (PTY coalescing) */
     char **argv;
     size_t argc;
     char **env;
@@ -366,6 +372,10 @@ static void __attribute__((noreturn)) child(struct session *s, int pin, int pout
     for (int sig = 1; sig < NSIG; sig++)
         signal(sig, SIG_DFL); /* SIGPIPE was ignored in the agent; exec keeps ignores */
     setsid();                 /* own session and process group: kills reach the whole tree */
+    /* a PTY (pin = pout = perr = the terminal): it becomes the controlling terminal of the new
+     * session, as login does, so the shell gets job control and ^C reaches its foreground job */
+    if (s->pty && ioctl(pin, TIOCSCTTY, 0) < 0)
+        child_fail(report, 125, "TIOCSCTTY: %s", strerror(errno));
     if (dup2(pin, 0) < 0 || dup2(pout, 1) < 0 || dup2(perr, 2) < 0)
         child_fail(report, 125, "dup2: %s", strerror(errno));
     if (s->cwd && chdir(s->cwd) < 0)
@@ -409,6 +419,46 @@ static void start_failed(struct session *s, uint32_t code, uint32_t err, const c
     s->phase = P_FINISHED;
 }
 
+/* A new terminal of rows x cols: its master (pair[0]) and its peer (pair[1]), both
+ * close-on-exec and neither our controlling terminal (the agent is a session leader). */
+static int open_pty(struct session *s, int pair[2]) {
+    pair[0] = open("/dev/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (pair[0] < 0) /* a devpts mounted with newinstance but no /dev/ptmx link */
+        pair[0] = open("/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
+    int unlock = 0;
+    struct winsize ws = {.ws_row = s->rows, .ws_col = s->cols};
+    if (pair[0] < 0 || ioctl(pair[0], TIOCSPTLCK, &unlock) < 0 ||
+        ioctl(pair[0], TIOCSWINSZ, &ws) < 0)
+        return -1;
+    /* the peer of this master, not a path lookup that a process in the sandbox could race */
+    pair[1] = ioctl(pair[0], TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC);
+    return pair[1] < 0 ? -1 : 0;
+}
+
+/* The command's stdin, stdout and stderr: three pipes, or one terminal for all three. */
+static int open_stdio(struct session *s, int pin[2], int pout[2], int perr[2]) {
+    if (!s->pty)
+        return pipe2(pin, O_CLOEXEC) < 0 || pipe2(pout, O_CLOEXEC) < 0 ||
+                       pipe2(perr, O_CLOEXEC) < 0 ? -1 : 0;
+    int pair[2] = {-1, -1};
+    if (open_pty(s, pair) < 0) {
+        int e = errno;
+        closefd(&pair[0]);
+        closefd(&pair[1]);
+        errno = e;
+        return -1;
+    }
+    /* the agent reads the master as stdout and writes stdin to a copy of it (closing stdin
+     * closes the copy only: a terminal has no EOF but ^D) */
+    pout[0] = pair[0];
+    pin[0] = pair[1];
+    if ((pin[1] = fcntl(pair[0], F_DUPFD_CLOEXEC, 3)) < 0 ||
+        (pout[1] = fcntl(pair[1], F_DUPFD_CLOEXEC, 3)) < 0 ||
+        (perr[1] = fcntl(pair[1], F_DUPFD_CLOEXEC, 3)) < 0)
+        return -1;
+    return 0;
+}
+
 static void spawn(struct session *s) {
     int pin[2] = {-1, -1}, pout[2] = {-1, -1}, perr[2] = {-1, -1}, rep[2] = {-1, -1};
     char **env = NULL;
@@ -417,10 +467,9 @@ static void spawn(struct session *s) {
         return;
     }
     env = merged_env(s);
-    if (!env || pipe2(pin, O_CLOEXEC) < 0 || pipe2(pout, O_CLOEXEC) < 0 ||
-        pipe2(perr, O_CLOEXEC) < 0 || pipe2(rep, O_CLOEXEC) < 0) {
+    if (!env || open_stdio(s, pin, pout, perr) < 0 || pipe2(rep, O_CLOEXEC) < 0) {
         char msg[128];
-        snprintf(msg, sizeof msg, "pipe: %s", strerror(errno));
+        snprintf(msg, sizeof msg, "%s: %s", s->pty ? "open a terminal" : "pipe", strerror(errno));
         start_failed(s, 125, errno, msg);
         goto out;
     }
@@ -433,6 +482,7 @@ static void spawn(struct session *s) {
     }
     if (pid == 0)
         child(s, pin[0], pout[1], perr[1], rep[1], env);
+    /* (with a PTY the agent keeps no stderr: perr[0] is -1 and the terminal is stdout) */
     s->pid = pid;
     s->in = pin[1];
     s->out = pout[0];
@@ -474,6 +524,18 @@ static int parse_user(struct session *s, const char *text) {
     return 0;
 }
 
+/* rows u16, cols u16 (PTY, RESIZE) into s, if both are in 1..MAX_PTY_DIM */
+static int get_winsize(struct session *s, const unsigned char *p, size_t n) {
+    if (n != 4)
+        return 0;
+    unsigned rows = (unsigned)p[0] << 8 | p[1], cols = (unsigned)p[2] << 8 | p[3];
+    if (rows < 1 || rows > MAX_PTY_DIM || cols < 1 || cols > MAX_PTY_DIM)
+        return 0;
+    s->rows = rows;
+    s->cols = cols;
+    return 1;
+}
+
 static void on_frame(struct session *s, int type, const unsigned char *p, size_t n) {
     if (s->phase == P_HELLO) {
         if (type != T_HELLO || n < 4) {
@@ -481,13 +543,14 @@ static void on_frame(struct session *s, int type, const unsigned char *p, size_t
             return;
         }
         uint32_t v = get_u32(p);
-        if (v != PROTO_VERSION) {
-            session_fail(s, "unsupported protocol version %u; this agent speaks %u", v,
-                         PROTO_VERSION);
+        if (v < PROTO_MIN || v > PROTO_VERSION) {
+            session_fail(s, "unsupported protocol version %u; this agent speaks %u to %u", v,
+                         PROTO_MIN, PROTO_VERSION);
             return;
         }
+        s->version = v; /* the session speaks what the host asked for; HELLO says which */
         unsigned char hello[64];
-        put_u32(hello, PROTO_VERSION);
+        put_u32(hello, v);
         int len = snprintf((char *)hello + 4, sizeof hello - 4, AGENT_NAME " %u", PROTO_VERSION);
         queue_frame(s, R_HELLO, hello, 4 + len);
         s->phase = P_REQUEST;
@@ -535,6 +598,13 @@ static void on_frame(struct session *s, int type, const unsigned char *p, size_t
             }
             s->timeout_ms = get_u32(p);
             return;
+        case T_PTY:
+            if (s->version < 2 || !get_winsize(s, p, n))
+                session_fail(s, "PTY needs protocol 2 and rows u16, cols u16 in 1..%u",
+                             MAX_PTY_DIM);
+            else
+                s->pty = 1;
+            return;
         case T_START:
             spawn(s);
             return;
@@ -568,8 +638,25 @@ static void on_frame(struct session *s, int type, const unsigned char *p, size_t
         }
         if (s->phase != P_FINISHED)
             kill_group(s, sig);
+        /* a terminal's foreground job has a group of its own (the shell's job control) */
+        pid_t fg;
+        if (s->pty && s->out >= 0 && ioctl(s->out, TIOCGPGRP, &fg) == 0 && fg > 0 &&
+            fg != s->pid && s->phase != P_FINISHED)
+            kill(-fg, sig);
         return;
     }
+    case T_RESIZE:
+        if (!s->pty || !get_winsize(s, p, n)) {
+            session_fail(s, "RESIZE needs a PTY session and rows u16, cols u16 in 1..%u",
+                         MAX_PTY_DIM);
+            return;
+        }
+        /* the kernel sends SIGWINCH to the terminal's foreground group itself */
+        if (s->out >= 0) {
+            struct winsize ws = {.ws_row = s->rows, .ws_col = s->cols};
+            ioctl(s->out, TIOCSWINSZ, &ws);
+        }
+        return;
     default:
         if (s->phase != P_FINISHED)
             session_fail(s, "unexpected frame 0x%02x after START", type);
@@ -649,8 +736,13 @@ static void on_pipe_readable(struct session *s, int which) {
             p[0] = which ? R_STDERR : R_STDOUT;
             put_u32(p + 1, r);
             s->tx.len += 5 + r;
-            if ((size_t)r < CHUNK) {
-                s->hold = now_ms() + COALESCE_MS;
+            int64_t now = now_ms();
+            /* a terminal's echo goes at once; only a burst (a frame within COALESCE_MS of
+             * the last) is held, so a keystroke's round trip does not pay the wait */
+            int burst = !s->pty || now - s->last_frame < COALESCE_MS;
+            s->last_frame = now;
+            if ((size_t)r < CHUNK && burst) {
+                s->hold = now + COALESCE_MS;
                 s->hold_which = which;
             }
         }
