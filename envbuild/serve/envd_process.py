@@ -7,12 +7,15 @@ stream that started it (E2B's semantics: a dropped stream does not end the comma
 is the server's handle, not a pid inside the sandbox. It runs as a
 ``runtime_shim.AsyncSandbox.start`` process: ``SendInput``/``StreamInput``/``CloseStdin``
 feed its stdin (opened only when ``Start`` asked for it), ``SendSignal`` signals its process
-group. Not yet: PTYs and ``Update``.
+group. A ``Start`` with ``pty`` runs the command on a terminal of that size
+(``AsyncSandbox.start(pty=)``): its bytes go out as ``pty`` data events, ``pty`` input (sent
+or streamed) goes to the terminal, ``Update`` resizes it; a terminal's stdin is always open.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 from collections.abc import AsyncIterator
@@ -85,8 +88,7 @@ class ProcessService(ProcessProtocol):
     async def _start(self, request: pb.StartRequest, ctx: RequestContext) -> AsyncIterator[
             pb.StartResponse]:
         entry = sandbox_of(self._registry, ctx)
-        if request.has_field("pty"):
-            raise ConnectError(Code.UNIMPLEMENTED, "PTYs are not served by envbuild yet")
+        pty = _size(request.pty) if request.has_field("pty") else None
         if len(entry.processes) >= MAX_PROCESSES:
             raise ConnectError(Code.RESOURCE_EXHAUSTED,
                                f"a sandbox runs at most {MAX_PROCESSES} commands at once")
@@ -97,44 +99,49 @@ class ProcessService(ProcessProtocol):
         entry.next_pid += 1
         proc = Process(pid=entry.next_pid, cmd=cfg.cmd, args=list(cfg.args),
                        envs=dict(cfg.envs), cwd=cfg.cwd if cfg.has_field("cwd") else None,
-                       tag=request.tag if request.has_field("tag") else None)
+                       tag=request.tag if request.has_field("tag") else None, pty=pty)
         queue: asyncio.Queue[pb.ProcessEvent | None] = asyncio.Queue()
         proc.listeners.append(queue)
+        await self._launch(entry, proc, argv, user,
+                           None if timeout_ms is None else timeout_ms / 1000)
+        if not request.stdin and pty is None:  # a terminal's input is always open
+            proc.handle.close_stdin()
         entry.processes[proc.pid] = proc
-        proc.task = asyncio.get_running_loop().create_task(self._run(
-            entry, proc, argv, user, None if timeout_ms is None else timeout_ms / 1000,
-            bool(request.stdin)))
+        proc.task = asyncio.get_running_loop().create_task(self._run(entry, proc))
         yield pb.StartResponse(event=_event(start=pb.ProcessEvent.StartEvent(pid=proc.pid)))
         async for event in _drain(queue, proc):
             yield pb.StartResponse(event=event)
 
-    async def _run(self, entry: Entry, proc: Process, argv: list[str], user: users.User,
-                   timeout: float | None, stdin: bool) -> None:
+    async def _launch(self, entry: Entry, proc: Process, argv: list[str], user: users.User,
+                      timeout: float | None) -> None:
+        """Start ``proc``'s command (before the start event: a command that cannot start,
+        e.g. a PTY of a size the SDK refuses, fails the request)."""
         # a listener's queue is unbounded, never dropping (an end event lost would hang its
         # stream): what it can hold is bounded by the command's output cap (Limits.output_bytes
-        # per stream, each chunk charged at least 64 bytes) times MAX_LISTENERS
-        def emit(event: pb.ProcessEvent | None) -> None:
-            for q in proc.listeners:
-                q.put_nowait(event)
-
+        # per stream, each chunk charged at least 64 bytes) times MAX_LISTENERS; a PTY's output
+        # is a stream without that cap, its rate bounded by how fast the listeners drain
         def output(kind: str):
-            return lambda data: emit(_event(data=pb.ProcessEvent.DataEvent(
+            return lambda data: _emit(proc, _event(data=pb.ProcessEvent.DataEvent(
                 output=Oneof(kind, bytes(data)))))  # type: ignore[arg-type]
 
         cwd = users.absolute(proc.cwd, user) if proc.cwd else user.home  # E2B: home
         try:
             proc.handle = await entry.sandbox.start(
                 argv, env={**({"HOME": user.home} if user.named else {}), **entry.env_vars,
-                           **proc.envs}, cwd=cwd, user=user.spec,
-                timeout=timeout, on_stdout=output("stdout"), on_stderr=output("stderr"))
-            if not stdin:
-                proc.handle.close_stdin()
+                           **proc.envs}, cwd=cwd, user=user.spec, timeout=timeout,
+                on_stdout=output("stdout" if proc.pty is None else "pty"),
+                on_stderr=output("stderr"), pty=proc.pty)
+        except RuntimeShimError as e:
+            raise ConnectError(Code.FAILED_PRECONDITION, e.message) from None
+
+    async def _run(self, entry: Entry, proc: Process) -> None:
+        emit = functools.partial(_emit, proc)
+        try:
             result = await proc.handle.wait()
             end = pb.ProcessEvent.EndEvent(exit_code=result.exit_code, exited=True,
                                            status=f"exit status {result.exit_code}")
         except asyncio.CancelledError:  # the sandbox is being killed: the stream breaks off
-            if proc.handle is not None:  # (E2B's does too; the SDK then probes /health)
-                await proc.handle.cancel()
+            await proc.handle.cancel()  # (E2B's does too; the SDK then probes /health)
             entry.processes.pop(proc.pid, None)
             emit(_GONE)
             raise
@@ -185,13 +192,29 @@ class ProcessService(ProcessProtocol):
         return pb.SendSignalResponse()
 
     async def update(self, request: pb.UpdateRequest, ctx: RequestContext) -> pb.UpdateResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "PTYs are not served by envbuild yet")
-
-    def _stdin(self, proc: Process, data: bytes) -> None:
+        proc = self._select(sandbox_of(self._registry, ctx), request.process)
+        if not request.has_field("pty"):
+            return pb.UpdateResponse()
+        rows, cols = _size(request.pty)
+        if proc.pty is None:
+            raise ConnectError(Code.FAILED_PRECONDITION, "the process has no PTY to resize")
         if proc.handle is None:
             raise ConnectError(Code.FAILED_PRECONDITION, "the process has not started yet")
         try:
-            proc.handle.write_stdin(data)
+            proc.handle.resize(rows, cols)
+        except RuntimeShimError as e:
+            raise ConnectError(Code.INVALID_ARGUMENT, e.message) from None
+        return pb.UpdateResponse()
+
+    def _stdin(self, proc: Process, inp: Oneof[str, bytes]) -> None:
+        """Input of ``inp``'s kind (``stdin`` or ``pty``), which must be the process's."""
+        if (inp.field == "pty") != (proc.pty is not None):
+            raise ConnectError(Code.FAILED_PRECONDITION, "pty input for a process without a "
+                               "PTY" if inp.field == "pty" else "stdin input for a PTY process")
+        if proc.handle is None:
+            raise ConnectError(Code.FAILED_PRECONDITION, "the process has not started yet")
+        try:
+            proc.handle.write_stdin(inp.value)
         except RuntimeShimError as e:
             raise ConnectError(Code.FAILED_PRECONDITION, e.message) from None
 
@@ -200,9 +223,7 @@ class ProcessService(ProcessProtocol):
         proc = self._select(sandbox_of(self._registry, ctx), request.process)
         inp = request.input.input if request.input is not None else None
         if inp is not None:
-            if inp.field == "pty":
-                raise ConnectError(Code.UNIMPLEMENTED, "PTYs are not served by envbuild yet")
-            self._stdin(proc, inp.value)
+            self._stdin(proc, inp)
         return pb.SendInputResponse()
 
     async def stream_input(self, request: AsyncIterator[pb.StreamInputRequest],
@@ -218,7 +239,7 @@ class ProcessService(ProcessProtocol):
             elif proc is None:
                 raise ConnectError(Code.INVALID_ARGUMENT, "stream input before its start event")
             elif event.value.input is not None and event.value.input.input is not None:
-                self._stdin(proc, event.value.input.input.value)
+                self._stdin(proc, event.value.input.input)
         return pb.StreamInputResponse()
 
     async def close_stdin(self, request: pb.CloseStdinRequest, ctx: RequestContext
@@ -227,6 +248,19 @@ class ProcessService(ProcessProtocol):
         if proc.handle is not None:
             proc.handle.close_stdin()
         return pb.CloseStdinResponse()
+
+
+def _emit(proc: Process, event: pb.ProcessEvent | None) -> None:
+    for q in proc.listeners:
+        q.put_nowait(event)
+
+
+def _size(pty: pb.PTY | None) -> tuple[int, int]:
+    """A PTY message's (rows, cols); the SDK bounds them (``Sandbox.start(pty=)``)."""
+    size = pty.size if pty is not None else None
+    if size is None:
+        raise ConnectError(Code.INVALID_ARGUMENT, "a PTY needs its size (rows, cols)")
+    return size.rows, size.cols
 
 
 async def _drain(queue: asyncio.Queue[pb.ProcessEvent | None], proc: Process

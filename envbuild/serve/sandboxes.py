@@ -36,6 +36,7 @@ class Process:
     envs: dict[str, str]
     cwd: str | None
     tag: str | None
+    pty: tuple[int, int] | None = None  # the terminal's size at the start, None without one
     task: asyncio.Task[Any] | None = None
     handle: Any = None  # runtime_shim.sdk.process.AsyncProcess once started
     listeners: list[asyncio.Queue[Any]] = dataclasses.field(default_factory=list)
