@@ -29,6 +29,7 @@ __all__ = [
     "AsyncProcess",
     "AsyncSandbox",
     "AsyncSandboxAPI",
+    "AsyncShellSession",
     "BackendUnavailable",
     "CheckpointRefused",
     "ExecResult",
@@ -47,6 +48,7 @@ __all__ = [
     "SandboxNotFound",
     "SandboxOptions",
     "SandboxStartError",
+    "ShellSession",
     "SnapshotRefused",
     "Verdict",
     "grade",
@@ -67,6 +69,8 @@ _WHERE = {
     "Sandbox": "runtime_shim.sdk.sandbox",
     "SandboxOptions": "runtime_shim.sdk.options",
     "SandboxAPI": "runtime_shim.sdk.protocol",
+    "ShellSession": "runtime_shim.sdk.session",
+    "AsyncShellSession": "runtime_shim.sdk.session",
     "AsyncSandboxAPI": "runtime_shim.sdk.protocol",
     "list_sandboxes": "runtime_shim.sdk.sandbox",
     "Verdict": "runtime_shim.grading.verdict",
@@ -106,6 +110,7 @@ if TYPE_CHECKING:
     from runtime_shim.sdk.process import AsyncProcess, Process
     from runtime_shim.sdk.protocol import AsyncSandboxAPI, SandboxAPI
     from runtime_shim.sdk.sandbox import Sandbox, list_sandboxes
+    from runtime_shim.sdk.session import AsyncShellSession, ShellSession
     from runtime_shim.sdk.sweep import remove_sandbox, sweep_sandboxes
 
 

@@ -8,12 +8,14 @@ import runtime_shim.sdk.aio  # noqa: F401  (imported at collection: safefs loads
 from envbuild import errors
 
 EXPECTED = {
-    "AdmissionRefused", "AsyncProcess", "AsyncSandbox", "AsyncSandboxAPI", "BackendUnavailable",
+    "AdmissionRefused", "AsyncProcess", "AsyncSandbox", "AsyncSandboxAPI", "AsyncShellSession",
+    "BackendUnavailable",
     "CheckpointRefused", "ExecResult", "ExecTimeout",
     "FnPool", "Limits", "LockNotFound", "PortRefused", "Process", "RuntimeShimError", "Sandbox",
     "SandboxAPI",
     "SandboxClosed", "SandboxCompromised", "SandboxInfo", "SandboxNotFound", "SandboxOptions",
-    "SandboxStartError", "SnapshotRefused", "Verdict", "grade", "grade_async", "list_sandboxes",
+    "SandboxStartError", "ShellSession", "SnapshotRefused", "Verdict", "grade", "grade_async",
+    "list_sandboxes",
     "remove_sandbox", "sweep_sandboxes",
 }
 
