@@ -127,6 +127,23 @@ def test_concurrent_execs_share_the_serial_line(vm):
     assert len(vm.exec("head -c 5000000 /dev/zero").stdout) == 5_000_000
 
 
+def test_a_pty_in_the_guest(vm):
+    """A PTY (agent protocol 2) over the serial line: the guest's agent opens the terminal;
+    resize and the exit code come back as in a container."""
+    out: list[bytes] = []
+    proc = vm.start("sh", pty=(20, 60), on_stdout=out.append, env={"PS1": "$ "})
+    proc.write_stdin("[ -t 0 ] && tty; stty size\r")
+    deadline = time.monotonic() + 60
+    while b"20 60" not in b"".join(out) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.resize(30, 90)
+    proc.write_stdin("stty size; exit 3\r")
+    result = proc.wait(120)
+    text = b"".join(out)
+    assert result.exit_code == 3 and b"/dev/pts/" in text, text
+    assert b"\r\n20 60\r\n" in text and b"\r\n30 90\r\n" in text, text
+
+
 def test_no_network_interface_but_lo(vm):
     links = vm.exec("ls /sys/class/net").stdout.split()
     assert links == [b"lo"]
