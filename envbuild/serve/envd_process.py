@@ -19,6 +19,7 @@ import functools
 import logging
 import signal
 from collections.abc import AsyncIterator
+from typing import cast
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
@@ -57,6 +58,8 @@ async def user_of(entry: Entry, ctx: RequestContext) -> users.User:
 
 #: What listeners get when the sandbox went away under the command: no end event, an error.
 _GONE = pb.ProcessEvent()
+#: What a listener gets when it fell ``Limits.output_bytes`` behind (``_Listener``).
+_BEHIND = pb.ProcessEvent()
 
 
 def _event(**kw: object) -> pb.ProcessEvent:
@@ -100,7 +103,7 @@ class ProcessService(ProcessProtocol):
         proc = Process(pid=entry.next_pid, cmd=cfg.cmd, args=list(cfg.args),
                        envs=dict(cfg.envs), cwd=cfg.cwd if cfg.has_field("cwd") else None,
                        tag=request.tag if request.has_field("tag") else None, pty=pty)
-        queue: asyncio.Queue[pb.ProcessEvent | None] = asyncio.Queue()
+        queue = _listener(entry)
         proc.listeners.append(queue)
         await self._launch(entry, proc, argv, user,
                            None if timeout_ms is None else timeout_ms / 1000)
@@ -158,11 +161,12 @@ class ProcessService(ProcessProtocol):
 
     async def _connect(self, request: pb.ConnectRequest, ctx: RequestContext
                        ) -> AsyncIterator[pb.ConnectResponse]:
-        proc = self._select(sandbox_of(self._registry, ctx), request.process)
+        entry = sandbox_of(self._registry, ctx)
+        proc = self._select(entry, request.process)
         if len(proc.listeners) >= MAX_LISTENERS:
             raise ConnectError(Code.RESOURCE_EXHAUSTED,
                                f"a command has at most {MAX_LISTENERS} streams listening")
-        queue: asyncio.Queue[pb.ProcessEvent | None] = asyncio.Queue()
+        queue = _listener(entry)
         proc.listeners.append(queue)
         yield pb.ConnectResponse(event=_event(start=pb.ProcessEvent.StartEvent(pid=proc.pid)))
         async for event in _drain(queue, proc):
@@ -250,9 +254,37 @@ class ProcessService(ProcessProtocol):
         return pb.CloseStdinResponse()
 
 
+class _Listener(asyncio.Queue):
+    """One stream's queue of events, with the output bytes it holds: a client that does not
+    read is cut off at ``limit`` (a PTY's output has no cap of its own; a command's is
+    ``Limits.output_bytes`` anyway), so the server's memory per stream stays bounded."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.pending = 0
+
+
+def _listener(entry: Entry) -> _Listener:
+    return _Listener(entry.sandbox.sync.limits.output_bytes)
+
+
 def _emit(proc: Process, event: pb.ProcessEvent | None) -> None:
-    for q in proc.listeners:
+    size = _output_size(event)
+    for q in cast("list[_Listener]", list(proc.listeners)):
+        if q.pending + size > q.limit:  # the client stopped reading: its stream ends
+            proc.listeners.remove(q)
+            q.put_nowait(_BEHIND)
+            continue
+        q.pending += size
         q.put_nowait(event)
+
+
+def _output_size(event: pb.ProcessEvent | None) -> int:
+    if event is None or event.event is None or event.event.field != "data":
+        return 0
+    output = event.event.value.output
+    return len(output.value) if output is not None else 0
 
 
 def _size(pty: pb.PTY | None) -> tuple[int, int]:
@@ -263,13 +295,16 @@ def _size(pty: pb.PTY | None) -> tuple[int, int]:
     return size.rows, size.cols
 
 
-async def _drain(queue: asyncio.Queue[pb.ProcessEvent | None], proc: Process
-                 ) -> AsyncIterator[pb.ProcessEvent]:
+async def _drain(queue: _Listener, proc: Process) -> AsyncIterator[pb.ProcessEvent]:
     try:
         while (event := await queue.get()) is not None:
             if event is _GONE:
                 raise ConnectError(Code.UNAVAILABLE, "the connection to the sandbox ended "
                                    "before the stream completed")
+            if event is _BEHIND:
+                raise ConnectError(Code.RESOURCE_EXHAUSTED, f"the stream fell {queue.limit} "
+                                   "bytes of output behind; connect again to follow it")
+            queue.pending -= _output_size(event)
             yield event
     finally:  # the stream ended or its client left: stop feeding this listener
         if queue in proc.listeners:
