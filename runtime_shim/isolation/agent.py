@@ -391,7 +391,8 @@ class _Exchange:
                 return state
             want_write, wait = state
             poller.register(fd, select.POLLIN | (select.POLLOUT if want_write else 0))
-            for ready, ev in poller.poll(max(1, int(wait * 1000) + 1)):
+            # (at most a day a wait: poll takes at most 2**31 - 1 ms, a deadline may be later)
+            for ready, ev in poller.poll(min(max(1, int(wait * 1000) + 1), 86_400_000)):
                 if ready == wake_fd:
                     with contextlib.suppress(BlockingIOError):
                         os.read(ready, 4096)

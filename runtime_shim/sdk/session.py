@@ -48,6 +48,10 @@ INTERRUPT_WAIT = 10.0
 START_WAIT = 30.0
 #: The command's exit code when its timeout interrupted it (``timeout(1)``'s, and exec's).
 TIMED_OUT = 124
+#: The shell's own deadline: the longest the agent takes (u32 milliseconds, ~49 days), so a
+#: session lives as long as its sandbox unless closed (``Limits.exec_timeout``, an exec's
+#: default deadline, would end it after an hour).
+LIFETIME = 0xFFFFFFFF / 1000
 _TAIL = 4096  # bytes kept after the head of a long output, to find its marker in
 _SIZE = (50, 250)  # the session terminal's rows and cols: wide, so nothing wraps early
 _SETUP = (b"stty -echo -onlcr 2>/dev/null; PS1=''; PS2=''; PS4=''; unset PROMPT_COMMAND "
@@ -144,7 +148,7 @@ class ShellSession:
         has_bash = sandbox.exec(_PROBE, timeout=30).exit_code == 0
         self._proc: Process = sandbox.start(
             _argv(has_bash), env={**_ENV, **(env or {})}, cwd=cwd, user=user, pty=_SIZE,
-            on_stdout=self._feed)
+            timeout=LIFETIME, on_stdout=self._feed)
         self._proc.write_stdin(_SETUP + self._t.next_line(None))
         if self._wait(START_WAIT, time.monotonic(), False) is None:
             self.close()
@@ -218,7 +222,7 @@ class AsyncShellSession:
 
         has_bash = (await sandbox.exec(_PROBE, timeout=30)).exit_code == 0
         proc = await sandbox.start(_argv(has_bash), env={**_ENV, **(env or {})}, cwd=cwd,
-                                   user=user, pty=_SIZE, on_stdout=feed)
+                                   user=user, pty=_SIZE, timeout=LIFETIME, on_stdout=feed)
         session = cls(proc, transcript, changed)
         proc.write_stdin(_SETUP + transcript.next_line(None))
         if await session._wait(START_WAIT, time.monotonic(), False) is None:

@@ -121,3 +121,17 @@ def test_a_sandbox_with_bash_gets_a_bash_session(built):
             r = sh.run("sleep 100", timeout=0.5)
             assert r.timed_out and sh.run("echo ${m[k]}").stdout == b"v\n"
             assert sh.run("false").exit_code == 1
+
+
+def test_a_session_outlives_the_exec_deadline(built):
+    """An exec's default deadline (``Limits.exec_timeout``) is not the shell's: the session
+    lives as long as its sandbox; and a deadline of weeks is waited on, not an overflow."""
+    from runtime_shim import Limits
+
+    store, node = built
+    with Sandbox.create(ENV, store=store, node_dir=node, limits=Limits(exec_timeout=1)) as sb:
+        with ShellSession(sb) as sh:
+            sh.run("X=kept")
+            time.sleep(3)  # past exec_timeout and the host's slack
+            assert sh.run("echo $X").stdout == b"kept\n"
+        assert sb.exec("echo long", timeout=40 * 86400).stdout == b"long\n"
