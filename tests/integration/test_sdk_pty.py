@@ -218,3 +218,38 @@ def test_an_agent_of_protocol_1_refuses_a_pty_in_one_line(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_users_terminal_is_the_users(sb):
+    """As login does: the terminal of a command run as a user is owned by that user, so the
+    command can open it by path (``echo > $(tty)``), and a hang-up kills the foreground job."""
+    proc = sb.start("t=$(tty); ls -ln $t | awk '{print $3}'; echo mine > $t; id -u",
+                    pty=(24, 80), user="1000:1000")
+    result = proc.wait(30)
+    assert (result.exit_code, result.stdout) == (0, b"1000\r\nmine\r\n1000\r\n"), result
+
+
+def test_a_hang_up_ends_the_terminals_foreground_job(built):
+    store, node = built
+
+    async def main():
+        sb = await AsyncSandbox.create(ENV, store=store, node_dir=node)
+        try:
+            out: list[bytes] = []
+            proc = await sb.start("sh", pty=(24, 80), on_stdout=out.append, env={"PS1": "$ "})
+            # the job ignores SIGHUP, so only the agent's kill of the foreground group ends it
+            proc.write_stdin("trap '' HUP; echo ready; sleep 321\r")
+            deadline = time.monotonic() + 10
+            while b"\nready\r\n" not in b"".join(out):
+                assert time.monotonic() < deadline, b"".join(out)
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)
+            await proc.cancel()  # the host hangs up
+            deadline = time.monotonic() + 5
+            while (await sb.exec("ps -o args | grep -c '^sleep 321' || true")).stdout != b"0\n":
+                assert time.monotonic() < deadline, "the foreground sleep outlived the hang-up"
+                await asyncio.sleep(0.05)
+        finally:
+            await sb.close()
+
+    asyncio.run(main())

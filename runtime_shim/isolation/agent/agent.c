@@ -199,6 +199,10 @@ static void kill_group(struct session *s, int sig) {
     /* The child calls setsid() first thing; a kill that races it reaches the child alone. */
     if (kill(-s->pid, sig) < 0 && errno == ESRCH)
         kill(s->pid, sig);
+    /* a terminal's foreground job has a group of its own (the shell's job control) */
+    pid_t fg;
+    if (s->pty && s->out >= 0 && ioctl(s->out, TIOCGPGRP, &fg) == 0 && fg > 0 && fg != s->pid)
+        kill(-fg, sig);
 }
 
 /* A protocol error: say why, stop the command, hang up once the message is out. */
@@ -432,7 +436,12 @@ static int open_pty(struct session *s, int pair[2]) {
         return -1;
     /* the peer of this master, not a path lookup that a process in the sandbox could race */
     pair[1] = ioctl(pair[0], TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC);
-    return pair[1] < 0 ? -1 : 0;
+    if (pair[1] < 0)
+        return -1;
+    /* the terminal is the user's, as login makes it (a command that opens `tty` by path) */
+    if (s->has_user && fchown(pair[1], s->uid, -1) < 0)
+        return -1;
+    return 0;
 }
 
 /* The command's stdin, stdout and stderr: three pipes, or one terminal for all three. */
@@ -638,11 +647,6 @@ static void on_frame(struct session *s, int type, const unsigned char *p, size_t
         }
         if (s->phase != P_FINISHED)
             kill_group(s, sig);
-        /* a terminal's foreground job has a group of its own (the shell's job control) */
-        pid_t fg;
-        if (s->pty && s->out >= 0 && ioctl(s->out, TIOCGPGRP, &fg) == 0 && fg > 0 &&
-            fg != s->pid && s->phase != P_FINISHED)
-            kill(-fg, sig);
         return;
     }
     case T_RESIZE:
