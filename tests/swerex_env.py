@@ -3,15 +3,15 @@
 ``tests/security/test_swerex_forward.py``).
 
 The env ``py-swerex`` is the ``pyhost`` Python base (``tests/py_env.py``) with what SWE-ReX's
-sessions need besides Python — the host's ``bash`` (its pexpect sessions run
-``/usr/bin/env bash``), ``/usr/bin/env`` and ``/usr/bin/python`` links, the host's shared libraries that the wheels'
-extension modules link (pydantic-core's: ``libgcc_s``, ``librt`` …) — and a ``swerex`` toolkit: swe-rex 1.4.0 in a venv
-under ``/opt/toolkits/swerex``, only ``bin/swerex-remote`` on PATH. The toolkit is built as a
-user without network access to PyPI would build it: the wheels of
-``tests/swerex_requirements.txt`` (every one pinned by sha256) are pip-downloaded on the host
-into a cache the test owns, copied into the build, and installed there with pip run from its
-own (sha256-checked) wheel: ``--no-index --require-hashes --only-binary :all:``, the build
-step without network.
+sessions need besides Python — the host's ``bash`` (its pexpect sessions run ``/usr/bin/env
+bash``), ``/usr/bin/env`` and ``/usr/bin/python`` links, the host's shared libraries that the
+wheels' extension modules link (pydantic-core's: ``libgcc_s``, ``librt`` …) — and a ``swerex``
+toolkit: swe-rex 1.4.0 in a venv under ``/opt/toolkits/swerex``, only ``bin/swerex-remote`` on
+PATH. The toolkit is built as a user without network access to PyPI would build it: the
+wheels of ``tests/swerex_requirements.txt`` (every one pinned by sha256) are pip-downloaded on
+the host into a cache the test owns, copied into the build, and installed there with pip run
+from its own (sha256-checked) wheel: ``--no-index --require-hashes --only-binary :all:``, the
+build step without network.
 """
 
 from __future__ import annotations
