@@ -3,8 +3,9 @@
 ``tests/security/test_swerex_forward.py``).
 
 The env ``py-swerex`` is the ``pyhost`` Python base (``tests/py_env.py``) with what SWE-ReX's
-sessions need besides Python — the host's ``bash`` (its pexpect sessions run ``/usr/bin/env
-bash``), ``/usr/bin/env`` and ``/usr/bin/python`` links, the host's shared libraries that the
+sessions need besides Python, as a Debian image has them — the host's ``bash`` (its pexpect
+sessions run ``/usr/bin/env bash``) with Debian's ``/etc/bash.bashrc`` prompt (``BASHRC``),
+``less``, ``/usr/bin/env`` and ``/usr/bin/python`` links, the host's shared libraries that the
 wheels' extension modules link (pydantic-core's: ``libgcc_s``, ``librt`` …) — and a ``swerex``
 toolkit: swe-rex 1.4.0 in a venv under ``/opt/toolkits/swerex``, only ``bin/swerex-remote`` on
 PATH. The toolkit is built as a user without network access to PyPI would build it: the
@@ -75,6 +76,15 @@ ENV_YAML = f"""\
     """
 
 
+#: Debian's ``/etc/bash.bashrc`` prompt lines: an interactive bash sets its own first prompt.
+#: Without them the first prompt of a SWE-ReX session is the marker it puts in PS1, which its
+#: ``start`` does not read, and the session's first command sees that stale prompt (docs).
+BASHRC = """\
+[ -z "$PS1" ] && return
+PS1='\\u@\\h:\\w\\$ '
+"""
+
+
 def extension_modules(wheels: Path, out: Path) -> list[str]:
     """The extension modules (``*.so``) of the wheels in ``wheels``, unpacked under ``out``."""
     found = []
@@ -92,9 +102,10 @@ def swerex_extras(wheels: Path) -> Callable[[Path], None]:
     def add(rootfs: Path) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             libs = _libraries(extension_modules(wheels, Path(tmp)))
-        copy_host_files(rootfs, ["/bin/bash", *sorted(libs)])
+        copy_host_files(rootfs, ["/bin/bash", "/usr/bin/less", *sorted(libs)])
         (rootfs / "usr/bin/env").symlink_to("/bin/busybox")
         (rootfs / "usr/bin/python").symlink_to("python3.11")
+        (rootfs / "etc/bash.bashrc").write_text(BASHRC)
 
     return add
 
