@@ -195,13 +195,26 @@ class EnvbuildDeployment(AbstractDeployment):
         try:
             await asyncio.to_thread(self._start_server)
             self._hooks.on_custom_step("Starting runtime")
-            left = self.config.startup_timeout - (time.monotonic() - started)
-            await self.runtime.wait_until_alive(timeout=max(left, 1.0))
+            await self._wait_alive(started + self.config.startup_timeout)
         except BaseException:
             await asyncio.to_thread(self._close)
             raise
         self.logger.info("SWE-ReX runtime in sandbox %s on 127.0.0.1:%d (%.2f s)",
                          self.sandbox_id, self.forward.port, time.monotonic() - started)
+
+    async def _wait_alive(self, deadline: float) -> None:
+        """Until the server answers ``is_alive`` through the forward. (Not the runtime's
+        ``wait_until_alive``: its probes time out after 0.1 s, which a loaded host misses.)"""
+        while True:
+            left = deadline - time.monotonic()
+            answer = await self.runtime.is_alive(timeout=max(min(left, 10.0), 1.0))
+            if answer.is_alive:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeShimError(f"swerex's server in sandbox {self.sandbox_id} did not "
+                                       f"answer in time: {answer.message.strip()[-2000:]}",
+                                       hint="a larger startup_timeout=, or a less loaded host")
+            await asyncio.sleep(_POLL)
 
     def _start_server(self) -> None:
         """The blocking part of ``start``: sandbox, server, forward, runtime."""
