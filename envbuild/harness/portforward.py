@@ -7,20 +7,26 @@ it accepts to a new socket made by ``connect`` — ``Sandbox.connect_port(port)`
 in the sandbox's own network namespace, so the sandbox needs no network and nothing in it
 changes.
 
+Who may connect: any local user of a host can connect to a loopback port, so the forward
+relays only connections whose client socket belongs to a user of ``allow_uids`` (default: this
+process's uid; the owner is read from ``/proc/net/tcp``, the kernel's table of this network
+namespace's sockets); another user's connection is closed before anything is read from it or
+sent on. What the forward carries should still authenticate its clients (SWE-ReX's
+``X-API-Key`` token, random per deployment): every process of the allowed user can connect.
+
 Bounds: at most ``max_connections`` relayed at once (a connection past them is closed at once,
-before anything is read from it); ``close`` stops accepting, closes every relayed connection
-and returns when the relay threads are gone. Any local user of this host can connect to a
-loopback port: what the forward carries must authenticate its clients itself (SWE-ReX's
-``X-API-Key`` token, random per deployment).
+unread); ``close`` stops accepting, closes every relayed connection and returns when the relay
+threads are gone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 #: How many connections a forward relays at once by default.
 MAX_CONNECTIONS = 64
@@ -36,15 +42,18 @@ class LoopbackForward:
     """``127.0.0.1:port`` on this host, relayed to ``connect()`` (module docstring).
 
     ``connect`` makes the far side's socket for each accepted connection (blocking; an
-    exception drops that one connection). Start with ``LoopbackForward(connect)``; the
-    listening port is ``.port``; ``close`` (or the ``with`` block's end) ends it."""
+    exception drops that one connection); ``allow_uids``: the users whose connections it
+    relays (default: this process's). Start with ``LoopbackForward(connect)``; the listening
+    port is ``.port``; ``close`` (or the ``with`` block's end) ends it."""
 
     def __init__(self, connect: Callable[[], socket.socket], *,
-                 max_connections: int = MAX_CONNECTIONS, name: str = "forward") -> None:
+                 max_connections: int = MAX_CONNECTIONS, name: str = "forward",
+                 allow_uids: Collection[int] | None = None) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, not {max_connections}")
         self._connect = connect
         self._max = max_connections
+        self._uids = frozenset({os.getuid()} if allow_uids is None else allow_uids)
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
@@ -82,6 +91,10 @@ class LoopbackForward:
                 client, _ = self._listener.accept()
             except OSError:
                 return  # the listener was closed
+            if peer_uid(client) not in self._uids:
+                log.warning("forward %d: refused a connection of another user", self.port)
+                client.close()
+                continue
             with self._lock:
                 full = self._closed or sum(1 for t in self._threads if t.is_alive()) >= self._max
                 if not full:
@@ -145,6 +158,31 @@ class LoopbackForward:
         self.close()
 
 
+def peer_uid(sock: socket.socket) -> int | None:
+    """The uid owning the client end of ``sock``, a TCP connection accepted on an IPv4
+    loopback address (``/proc/net/tcp``: the entry whose local address is the client's and
+    remote address ours); None when it is not there (the client is already gone)."""
+    try:
+        client, ours = sock.getpeername()[:2], sock.getsockname()[:2]
+    except OSError:
+        return None
+    local, remote = _proc_address(*client), _proc_address(*ours)
+    with open("/proc/net/tcp") as table:
+        next(table)
+        for line in table:
+            fields = line.split()
+            # a TIME_WAIT entry of an earlier connection (st 06) is listed with uid 0
+            if fields[1] == local and fields[2] == remote and fields[3] != "06":
+                return int(fields[7])
+    return None
+
+
+def _proc_address(ip: str, port: int) -> str:
+    """``ip:port`` as ``/proc/net/tcp`` writes it: the address as a host-order hex word."""
+    word = int.from_bytes(socket.inet_aton(ip), "little")
+    return f"{word:08X}:{port:04X}"
+
+
 def _pump(src: socket.socket, dst: socket.socket) -> None:
     """Copy ``src`` to ``dst`` until ``src`` ends (EOF or an error), then half-close ``dst``
     so its reader sees the end too."""
@@ -157,4 +195,4 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
         dst.shutdown(socket.SHUT_WR)
 
 
-__all__ = ["LoopbackForward", "MAX_CONNECTIONS"]
+__all__ = ["LoopbackForward", "MAX_CONNECTIONS", "peer_uid"]

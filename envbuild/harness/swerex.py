@@ -19,9 +19,10 @@ for it), starts swerex's server app in it with ``Sandbox.start`` (listening on `
 port`` *inside* the sandbox, with a token from ``secrets`` that is new for every deployment,
 passed in the server's environment and dropped from it before any session starts, never on a
 command line), and opens a ``LoopbackForward`` (``envbuild.harness.portforward``) on this
-host's ``127.0.0.1`` that relays each connection through ``Sandbox.connect_port`` — made in
-the sandbox's own network namespace, so the sandbox keeps ``network=False`` (the default) and
-nothing of the host is reachable from it. ``stop`` closes the runtime's sessions, the forward,
+host's ``127.0.0.1`` that relays each connection of this process's user (another user's is
+closed unread) through ``Sandbox.connect_port`` — made in the sandbox's own network
+namespace, so the sandbox keeps ``network=False`` (the default) and nothing of the host is
+reachable from it. ``stop`` closes the runtime's sessions, the forward,
 the server and the sandbox it created; a ``sandbox=`` passed in stays its owner's.
 
 Nothing the agent's commands print is a reward: grade the sandbox by

@@ -7,6 +7,7 @@ socket."""
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +15,26 @@ from collections.abc import Iterator
 import pytest
 
 from envbuild.harness.portforward import LoopbackForward
+from tests.conftest import require_root
+
+#: A client run as another user: connects, sends one byte, prints what it reads back (the
+#: system's python: the venv's may be under a directory that user cannot enter).
+CLIENT = """\
+import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5)
+try:
+    s.sendall(b"z")
+    print(repr(s.recv(1)))
+except ConnectionResetError:  # closed unread after what it sent: a reset
+    print("reset")
+"""
+NOBODY = 65534
+
+
+def client_as(uid: int, port: int) -> str:
+    out = subprocess.run(["/usr/bin/python3", "-I", "-c", CLIENT, str(port)], user=uid,
+                         group=uid, capture_output=True, text=True, timeout=30, check=True)
+    return out.stdout.strip()
 
 
 @pytest.fixture
@@ -110,3 +131,16 @@ def test_a_failing_connect_drops_only_its_connection(echo):
 def test_a_bound_below_one_is_refused():
     with pytest.raises(ValueError, match="at least 1"):
         LoopbackForward(lambda: socket.socket(), max_connections=0)
+
+
+def test_only_the_allowed_users_connections_are_relayed(echo):
+    require_root()
+    with LoopbackForward(lambda: socket.create_connection(echo)) as fwd:  # root's only
+        assert client_as(NOBODY, fwd.port) in ("b''", "reset")  # closed, nothing relayed
+        with socket.create_connection(fwd.address, timeout=5) as mine:
+            mine.sendall(b"m")
+            assert mine.recv(1) == b"M"
+    with LoopbackForward(lambda: socket.create_connection(echo), allow_uids={NOBODY}) as fwd:
+        assert client_as(NOBODY, fwd.port) == "b'Z'"
+        with socket.create_connection(fwd.address, timeout=5) as mine:
+            assert mine.recv(1) == b""  # root is not in this forward's list

@@ -4,6 +4,7 @@ real server, raw sockets and SWE-ReX's own client.
 
 - the forward listens on ``127.0.0.1`` only (the kernel's socket table says so) and the
   sandbox has no network of its own;
+- another local user's connection is closed unread, even with the right token;
 - the token is random per deployment: none, a wrong one or another deployment's is refused
   (401) and the request does nothing; it is on no command line and in no session's
   environment;
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 import time
 
 import pytest
@@ -68,6 +70,30 @@ def test_the_forward_answers_on_the_loopback_only(tree):
         assert listeners(d.forward.port) == ["0100007F"]  # 127.0.0.1, nothing else
         devices = d.sandbox.exec(["cat", "/proc/net/dev"]).stdout.decode().splitlines()[2:]
         assert [line.split(":")[0].strip() for line in devices] == ["lo"]
+    finally:
+        asyncio.run(d.stop())
+
+
+#: Another local user's client: the right token, a raw request; prints what comes back.
+OTHER_USER_CLIENT = """\
+import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=10)
+try:
+    s.sendall(b"GET /is_alive HTTP/1.0\\r\\nX-API-Key: " + sys.argv[2].encode() + b"\\r\\n\\r\\n")
+    print(repr(s.recv(4096)))
+except ConnectionResetError:
+    print("reset")
+"""
+
+
+def test_another_users_connection_is_closed_even_with_the_token(tree):
+    d = started(tree)
+    try:
+        out = subprocess.run(["/usr/bin/python3", "-I", "-c", OTHER_USER_CLIENT,
+                              str(d.forward.port), token_of(d)], user=65534, group=65534,
+                             capture_output=True, text=True, timeout=60, check=True)
+        assert out.stdout.strip() in ("b''", "reset")
+        assert asyncio.run(d.is_alive()).is_alive  # this user's client is served
     finally:
         asyncio.run(d.stop())
 
