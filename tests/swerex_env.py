@@ -26,7 +26,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.conftest import REPO, require_tool
 from tests.py_env import PyTree, _libraries, copy_host_files, make_py_tree
 
 ENV = "py-swerex"
@@ -102,7 +102,8 @@ def swerex_extras(wheels: Path) -> Callable[[Path], None]:
     def add(rootfs: Path) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             libs = _libraries(extension_modules(wheels, Path(tmp)))
-        copy_host_files(rootfs, ["/bin/bash", "/usr/bin/less", *sorted(libs)])
+        tools = [require_tool("bash"), require_tool("less")]  # fail loudly when missing
+        copy_host_files(rootfs, [*tools, *sorted(libs)])
         (rootfs / "usr/bin/env").symlink_to("/bin/busybox")
         (rootfs / "usr/bin/python").symlink_to("python3.11")
         (rootfs / "etc/bash.bashrc").write_text(BASHRC)
