@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 from envbuild.store import LocalStore
@@ -132,10 +133,20 @@ class PyTree:
         return proc
 
 
-def make_py_tree(root: Path) -> PyTree:
-    """The tree at ``root`` with ``pyhost`` built into its store (a minute at most)."""
+def copy_host_files(root: Path, paths: list[str]) -> None:
+    """Host files ``paths`` at the same paths under ``root``, with the shared libraries they
+    link (a ``make_py_tree`` ``extra`` adds tools this way)."""
+    for path in [*paths, *_libraries(paths)]:
+        _copy_with_parents(path, root)
+
+
+def make_py_tree(root: Path, extra: Callable[[Path], None] | None = None) -> PyTree:
+    """The tree at ``root`` with ``pyhost`` built into its store (a minute at most);
+    ``extra(rootfs)`` adds to the base's root before it is built."""
     tree = PyTree(root=root, defs=root / "envdefs", store_dir=root / "store", node=root / "node")
     assemble_rootfs(tree.defs / "base" / "files" / "pyhost-root")
+    if extra is not None:
+        extra(tree.defs / "base" / "files" / "pyhost-root")
     tree.write("base/pyhost.yaml", BASE_YAML)
     tree.cli("build", "pyhost")
     return tree
