@@ -21,7 +21,7 @@ APT_PACKAGES=(
   runc busybox-static debootstrap skopeo umoci fuse3 erofs-utils docker-registry apache2-utils
   podman containerd docker.io
   linux-image-cloud-amd64 qemu-system-x86 e2fsprogs fuse2fs lz4
-  slirp4netns iptables iproute2 util-linux criu
+  slirp4netns iptables iproute2 util-linux criu less
 )
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
