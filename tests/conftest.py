@@ -151,6 +151,17 @@ def repo_root() -> Path:
 from tests.ray_cluster import ray_cluster  # noqa: E402,F401  (session fixture shared by fleet and ray builds)
 
 
+@pytest.fixture(scope="session")
+def swerex_tree(tmp_path_factory):
+    """One project with the py-swerex env built (``tests/swerex_env.py``; ~30 s), shared by
+    every SWE-ReX test module: its store and node are only read and sandboxed from."""
+    from tests.swerex_env import make_swerex_tree
+
+    require_root()
+    require_tool("runc")
+    return make_swerex_tree(tmp_path_factory.mktemp("swerex"))
+
+
 @pytest.fixture(params=["passthrough", "fuse"])
 def lazy_mode(request, monkeypatch) -> str:
     """Each lazy read path in turn: FUSE passthrough, then today's libfuse path (the fallback),

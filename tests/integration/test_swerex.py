@@ -35,9 +35,8 @@ from swerex.runtime.abstract import (
 
 from envbuild.harness.swerex import EnvbuildDeployment
 from runtime_shim import PortRefused, RuntimeShimError, Sandbox, SandboxClosed, list_sandboxes
-from tests.conftest import require_root, require_tool
 from tests.py_env import PyTree
-from tests.swerex_env import ENV, make_swerex_tree
+from tests.swerex_env import ENV
 
 pytestmark = pytest.mark.slow
 T = TypeVar("T")
@@ -50,10 +49,8 @@ def run(coro: Awaitable[T]) -> T:
 
 
 @pytest.fixture(scope="module")
-def tree(tmp_path_factory) -> PyTree:
-    require_root()
-    require_tool("runc")
-    tree = make_swerex_tree(tmp_path_factory.mktemp("swerex"))
+def tree(swerex_tree) -> PyTree:
+    tree = swerex_tree
     tree.write("envs/pyhost-only.yaml", """\
         apiVersion: envbuild/v1
         kind: Env

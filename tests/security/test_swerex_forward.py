@@ -25,18 +25,15 @@ from swerex.runtime.abstract import BashAction, CreateBashSessionRequest
 
 from envbuild.harness.swerex import EnvbuildDeployment
 from runtime_shim import list_sandboxes
-from tests.conftest import require_root, require_tool
 from tests.py_env import PyTree
-from tests.swerex_env import ENV, make_swerex_tree
+from tests.swerex_env import ENV
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def tree(tmp_path_factory) -> PyTree:
-    require_root()
-    require_tool("runc")
-    return make_swerex_tree(tmp_path_factory.mktemp("swerex-sec"))
+def tree(swerex_tree) -> PyTree:
+    return swerex_tree
 
 
 def started(tree: PyTree, **kwargs) -> EnvbuildDeployment:

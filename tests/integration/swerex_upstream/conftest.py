@@ -29,8 +29,7 @@ from swerex.runtime.abstract import (
 from swerex.runtime.remote import RemoteRuntime
 
 from envbuild.harness.swerex import EnvbuildDeployment
-from tests.conftest import require_root, require_tool
-from tests.swerex_env import ENV, make_swerex_tree
+from tests.swerex_env import ENV
 
 
 @dataclasses.dataclass
@@ -55,10 +54,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 
 @pytest.fixture(scope="session")
-def remote_server(tmp_path_factory) -> Iterator[RemoteServer]:
-    require_root()
-    require_tool("runc")
-    tree = make_swerex_tree(tmp_path_factory.mktemp("swerex-upstream"))
+def remote_server(swerex_tree) -> Iterator[RemoteServer]:
+    tree = swerex_tree
     deployment = EnvbuildDeployment(lock=f"env/{ENV}", store=str(tree.store_dir),
                                     node_dir=str(tree.node))
     asyncio.run(deployment.start())
