@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from pathlib import Path
 
 import click
 
@@ -31,31 +32,34 @@ def _listen(value: str) -> tuple[str, int]:
               metavar="FILE", help="The accepted API keys, one a line, plain or sha256:<hex>.")
 @click.option("--max-upload", default="256MiB", show_default=True, metavar="SIZE",
               help="The most bytes one /files upload request may carry.")
+@click.option("--on-exit", "on_exit", type=click.Choice(["keep", "kill"]), default="keep",
+              show_default=True, help="What a stop (SIGTERM, SIGINT) does to the sandboxes: "
+              "leave them to the next envbuild serve on this node dir, or kill them.")
 @pass_app
-def serve(app: App, listen: str, api_keys: str, max_upload: str) -> None:
+def serve(app: App, listen: str, api_keys: str, max_upload: str, on_exit: str) -> None:
     """Serve E2B's API: the unmodified e2b SDK runs sandboxes of this store's envs with
     E2B_API_URL and E2B_SANDBOX_URL set to http://HOST:PORT and E2B_API_KEY to a key of FILE.
-    Prints the URL once it listens; stops (killing its sandboxes) on SIGINT or SIGTERM."""
-    from envbuild.serve import ApiKeys, ServeOptions, serve_forever
+    Prints the URL once it listens; stops on SIGINT or SIGTERM. Its sandboxes outlive it
+    (unless --on-exit kill): the next envbuild serve on this node dir serves them again, from
+    the records in NODE_DIR/serve."""
+    from envbuild.serve import ApiKeys, NodeBackend, ServeOptions, serve_forever
     from envbuild.sizes import parse_size
-    from runtime_shim import AsyncSandbox
 
     host, port = _listen(listen)
     upload_cap = parse_size(max_upload, what="--max-upload")
     keys = ApiKeys.from_file(api_keys)
     store, settings = app.open_store(), app.settings
-
-    async def opener(template: str) -> AsyncSandbox:
-        return await AsyncSandbox.create(template, store=store, node_dir=settings.node_dir,
-                                         runtime=settings.oci_runtime)
+    backend = NodeBackend(store=store, node_dir=settings.node_dir, runtime=settings.oci_runtime)
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve_forever(ServeOptions(opener=opener, api_keys=keys, host=host, port=port,
-                                         max_upload=upload_cap),
+        await serve_forever(ServeOptions(backend=backend, api_keys=keys, host=host, port=port,
+                                         max_upload=upload_cap,
+                                         records=Path(settings.node_dir) / "serve",
+                                         keep_on_exit=on_exit == "keep"),
                             on_ready=lambda url: click.echo(f"envbuild serve: {url}", err=True),
                             stop=stop)
 

@@ -1,7 +1,8 @@
 """E2B's control plane (``spec/openapi.yml`` of e2b-dev/infra), the part envbuild serves:
 create (``POST /sandboxes``, ``POST /v2/sandboxes``), get, list (``GET /sandboxes``,
 ``GET /v2/sandboxes`` with the ``metadata``, ``state``, ``template`` and ``startedAfter``
-filters, ``order`` and pages of ``limit``), kill, timeout and connect.
+filters, ``order`` and pages of ``limit``), kill, timeout, connect, pause and resume
+(``connect`` resumes a paused sandbox too, answering 201 then).
 
 Every route needs the ``X-API-KEY`` header to hold a configured key (``envbuild.serve.auth``);
 bodies are JSON of at most ``MAX_JSON`` bytes. Errors are E2B's ``{"code", "message"}``.
@@ -21,7 +22,7 @@ from aiohttp import web
 
 from envbuild.errors import EnvbuildError
 from envbuild.serve import ports
-from envbuild.serve.sandboxes import DEFAULT_TIMEOUT, Entry, Registry
+from envbuild.serve.sandboxes import DEFAULT_TIMEOUT, Conflict, Entry, Registry
 from runtime_shim import LockNotFound
 
 #: The envd protocol version envbuild's envd speaks (the SDK gates features on it): 0.5.6
@@ -50,13 +51,15 @@ def created_json(e: Entry, domain: str) -> dict[str, Any]:
 
 def listed_json(e: Entry) -> dict[str, Any]:
     """E2B's ``ListedSandbox`` (and ``SandboxDetail`` with the token)."""
-    limits = e.sandbox.sync.limits
     return {"templateID": e.template, "sandboxID": e.id, "clientID": CLIENT_ID,
-            "startedAt": _iso(e.started_at), "endAt": _iso(e.end_at),
-            "cpuCount": max(1, round(limits.cpus or 1)),
-            "memoryMB": (limits.memory_bytes or 0) >> 20,
-            "diskSizeMB": (limits.disk_bytes or 0) >> 20, "state": "running",
+            "startedAt": _iso(e.started_at), "endAt": _iso(e.end_at), "cpuCount": e.cpus,
+            "memoryMB": e.memory_mb, "diskSizeMB": e.disk_mb, "state": state(e),
             "envdVersion": ENVD_VERSION, "metadata": e.metadata}
+
+
+def state(e: Entry) -> str:
+    """E2B's ``SandboxState``: one being paused or resumed is still ``running``."""
+    return "paused" if e.state == "paused" else "running"
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -113,7 +116,7 @@ async def create(request: web.Request) -> web.Response:
 
 def _entry(request: web.Request) -> Entry:
     sid = request.match_info["sandbox_id"]
-    entry = request.app[REGISTRY].get(sid)
+    entry = request.app[REGISTRY].find(sid)
     if entry is None:
         raise web.HTTPNotFound(text=json.dumps({"code": 404,
                                                 "message": f"sandbox {sid} was not found"}),
@@ -161,7 +164,7 @@ class ListQuery:
                    ascending=q.get("order") == "asc", limit=limit, offset=offset)
 
     def matches(self, e: Entry) -> bool:
-        return ((not self.states or "running" in self.states)
+        return ((not self.states or state(e) in self.states)
                 and (self.template is None or e.template == self.template)
                 and (self.started_after is None or e.started_at >= self.started_after)
                 and all(e.metadata.get(k) == v for k, v in self.metadata.items()))
@@ -183,7 +186,10 @@ async def list_sandboxes(request: web.Request) -> web.Response:
 
 async def kill(request: web.Request) -> web.Response:
     entry = _entry(request)
-    await request.app[REGISTRY].kill(entry.id)
+    try:
+        await request.app[REGISTRY].kill(entry.id)
+    except Conflict as e:
+        return error(409, e.message)
     return web.Response(status=204)
 
 
@@ -198,11 +204,49 @@ async def set_timeout(request: web.Request) -> web.Response:
 
 async def connect(request: web.Request) -> web.Response:
     entry = _entry(request)
-    timeout = _timeout(await _body(request), None)
+    body = await _body(request)
+    timeout = _timeout(body, None)
+    if entry.state != "running":  # E2B: connecting to a paused sandbox resumes it
+        return await _resume(request, entry, timeout, body.get("memory") is not False)
     if timeout is not None:  # E2B: connecting only ever extends the sandbox's life
         if time.time() + timeout > entry.end_at:
             request.app[REGISTRY].set_timeout(entry, timeout)
     return web.json_response(created_json(entry, ports.domain(request)), status=200)
+
+
+async def pause(request: web.Request) -> web.Response:
+    """``POST /sandboxes/{id}/pause`` (``memory``: false saves the files only): 204; 409 if
+    it is not running; 500 with the reason when it cannot be saved (it then runs on)."""
+    entry = _entry(request)
+    memory = (await _body(request)).get("memory", True)
+    if not isinstance(memory, bool):
+        return error(400, "memory must be true or false")
+    try:
+        await request.app[REGISTRY].pause(entry, memory=memory)
+    except Conflict as e:
+        return error(409, e.message)
+    except EnvbuildError as e:
+        return error(500, f"pause sandbox {entry.id}: {e.message}")
+    return web.Response(status=204)
+
+
+async def resume(request: web.Request) -> web.Response:
+    """``POST /sandboxes/{id}/resume`` (E2B's deprecated form of ``connect``): 201."""
+    entry = _entry(request)
+    body = await _body(request)
+    return await _resume(request, entry, _timeout(body, None), True)
+
+
+async def _resume(request: web.Request, entry: Entry, timeout: float | None,
+                  memory: bool) -> web.Response:
+    try:
+        await request.app[REGISTRY].resume(entry, timeout=timeout or DEFAULT_TIMEOUT,
+                                           memory=memory)
+    except Conflict as e:
+        return error(409, e.message)
+    except EnvbuildError as e:
+        return error(500, f"resume sandbox {entry.id}: {e.message}")
+    return web.json_response(created_json(entry, ports.domain(request)), status=201)
 
 
 def add_routes(app: web.Application) -> None:
@@ -215,3 +259,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/sandboxes/{sandbox_id}/timeout", set_timeout)
     app.router.add_post("/sandboxes/{sandbox_id}/connect", connect)
     app.router.add_post("/v2/sandboxes/{sandbox_id}/connect", connect)
+    app.router.add_post("/sandboxes/{sandbox_id}/pause", pause)
+    app.router.add_post("/sandboxes/{sandbox_id}/resume", resume)

@@ -229,10 +229,10 @@ class Sandbox:
     def restore(cls, checkpoint: str, *, store: StoreLike | None = None,
                 node_dir: str | os.PathLike[str] | NodeLayout | None = None,
                 network: bool | Sequence[str] = False, limits: Limits | None = None,
-                runtime: str = "runc", ttl: float | None = None) -> Sandbox:
+                runtime: str = "runc", ttl: float | None = None, keep: bool = False) -> Sandbox:
         """A new sandbox whose processes continue from ``checkpoint`` (a ref such as
         ``ckpt/NAME`` or a lock digest made by ``checkpoint``), on this node or another, with
-        the isolation of a fresh sandbox (``network``, ``limits`` as for ``create``). An image
+        the isolation of a fresh sandbox (``network``, ``limits``, ``keep`` as for ``create``). An image
         that does not match envbuild's record of it is refused (``CheckpointRefused``) and
         nothing is left."""
         from runtime_shim.sdk import checkpoint as checkpoints
@@ -245,7 +245,7 @@ class Sandbox:
             return cls.create(lock.digest, store=opened, node_dir=layout,
                               backend=str(record.get("backend", "container")),
                               network=network, limits=limits, runtime=runtime, ttl=ttl,
-                              restore=image)
+                              keep=keep, restore=image)
 
     def fork(self, n: int, *, network: bool | Sequence[str] = False,
              limits: Limits | None = None) -> list[Sandbox]:

@@ -43,7 +43,9 @@ def test_control_plane_needs_a_configured_key(server):
     for headers in ({}, {"X-API-KEY": "wrong"}, {"X-API-KEY": API_KEY + "x"},
                     {"X-API-KEY": hashlib.sha256(API_KEY.encode()).hexdigest()}):
         for method, path in (("POST", "/v2/sandboxes"), ("GET", "/v2/sandboxes"),
-                             ("GET", "/sandboxes/x"), ("DELETE", "/sandboxes/x")):
+                             ("GET", "/sandboxes/x"), ("DELETE", "/sandboxes/x"),
+                             ("POST", "/sandboxes/x/pause"), ("POST", "/sandboxes/x/resume"),
+                             ("POST", "/v2/sandboxes/x/connect")):
             r = httpx.request(method, f"{server.url}{path}", headers=headers,
                               json={"templateID": "busybox-shell"})
             assert r.status_code == 401, (headers, method, path, r.text)
@@ -94,8 +96,9 @@ def test_killed_and_unknown_sandboxes_are_not_found(server):
     for sid in (s["sandboxID"], "nosuchsandbox"):
         assert httpx.get(f"{server.url}/sandboxes/{sid}", headers=head).status_code == 404
         assert httpx.delete(f"{server.url}/sandboxes/{sid}", headers=head).status_code == 404
-        assert httpx.post(f"{server.url}/sandboxes/{sid}/timeout", headers=head,
-                          json={"timeout": 5}).status_code == 404
+        for verb in ("timeout", "pause", "resume", "connect"):
+            assert httpx.post(f"{server.url}/sandboxes/{sid}/{verb}", headers=head,
+                              json={"timeout": 5}).status_code == 404, verb
         r = httpx.post(f"{server.url}/process.Process/List", json={},
                        headers=_envd(server, sid, s["envdAccessToken"]))
         assert r.status_code == 502 and "was not found" in r.json()["message"]
@@ -103,6 +106,37 @@ def test_killed_and_unknown_sandboxes_are_not_found(server):
         with pytest.raises(SandboxNotFoundException):
             Sandbox.get_info(s["sandboxID"])
         assert Sandbox.kill(s["sandboxID"]) is False
+
+
+def test_a_paused_sandbox_is_closed_to_its_token_until_resumed(server):
+    """Paused (files only: no CRIU needed), a sandbox's envd and /files answer as for a
+    sandbox that does not run, to its own token too; pause and resume are refused where the
+    state does not allow them (409), and a bad body is a 400; resumed, the token opens it."""
+    s = _create(server).json()
+    sid, token = s["sandboxID"], s["envdAccessToken"]
+    head = {"X-API-KEY": API_KEY}
+    try:
+        assert httpx.post(f"{server.url}/sandboxes/{sid}/resume", headers=head,
+                          json={}).status_code == 409  # running: nothing to resume
+        assert httpx.post(f"{server.url}/sandboxes/{sid}/pause", headers=head,
+                          json={"memory": "no"}).status_code == 400
+        assert httpx.post(f"{server.url}/sandboxes/{sid}/pause", headers=head,
+                          json={"memory": False}).status_code == 204
+        assert httpx.post(f"{server.url}/sandboxes/{sid}/pause", headers=head,
+                          json={"memory": False}).status_code == 409
+        r = httpx.post(f"{server.url}/process.Process/List", json={},
+                       headers=_envd(server, sid, token))
+        assert r.status_code == 502, r.text
+        r = httpx.get(f"{server.url}/files", params={"path": "/etc/passwd"},
+                      headers=_envd(server, sid, token))
+        assert r.status_code == 502, r.text
+        r = httpx.post(f"{server.url}/sandboxes/{sid}/resume", headers=head, json={})
+        assert r.status_code == 201 and r.json()["envdAccessToken"] == token
+        r = httpx.post(f"{server.url}/process.Process/List", json={},
+                       headers=_envd(server, sid, token))
+        assert r.status_code == 200, r.text
+    finally:
+        httpx.delete(f"{server.url}/sandboxes/{sid}", headers=head)
 
 
 def test_oversize_bodies_are_refused(server):
