@@ -2,7 +2,8 @@
 create (``POST /sandboxes``, ``POST /v2/sandboxes``), get, list (``GET /sandboxes``,
 ``GET /v2/sandboxes`` with the ``metadata``, ``state``, ``template`` and ``startedAfter``
 filters, ``order`` and pages of ``limit``), kill, timeout, connect, pause and resume
-(``connect`` resumes a paused sandbox too, answering 201 then).
+(``connect`` resumes a paused sandbox too, answering 201 then), snapshots (``create`` takes a
+snapshot's id as its template) and fork.
 
 Every route needs the ``X-API-KEY`` header to hold a configured key (``envbuild.serve.auth``);
 bodies are JSON of at most ``MAX_JSON`` bytes. Errors are E2B's ``{"code", "message"}``.
@@ -13,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import re
+import secrets
 import time
 import urllib.parse
 from collections.abc import Mapping
@@ -102,7 +105,7 @@ async def create(request: web.Request) -> web.Response:
     timeout = _timeout(body, DEFAULT_TIMEOUT)
     metadata = _str_map(body.get("metadata"), "metadata")
     env_vars = _str_map(body.get("envVars"), "envVars")
-    if reg.full():
+    if not reg.room(1):
         return error(429, f"this server runs at most {reg.max_sandboxes} sandboxes")
     try:
         entry = await reg.open(template, timeout=timeout or DEFAULT_TIMEOUT,
@@ -249,6 +252,56 @@ async def _resume(request: web.Request, entry: Entry, timeout: float | None,
     return web.json_response(created_json(entry, ports.domain(request)), status=201)
 
 
+#: Sandboxes one fork may make (E2B's maximum ``count``).
+MAX_FORKS = 20
+_SNAPSHOT_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
+
+
+async def snapshot(request: web.Request) -> web.Response:
+    """``POST /sandboxes/{id}/snapshots`` (``name``, ``memory``): 201 with the snapshot's id,
+    a template for ``create`` (``envbuild.serve.backend``); the sandbox runs on."""
+    entry = _entry(request)
+    body = await _body(request)
+    name, memory = body.get("name"), body.get("memory", True)
+    if name is None:
+        name = f"{entry.id}-{secrets.token_hex(4)}"
+    if not isinstance(name, str) or not _SNAPSHOT_NAME.fullmatch(name):
+        return error(400, "name: 1 to 128 of a-z 0-9 . _ -, starting with a letter or digit")
+    if not isinstance(memory, bool):
+        return error(400, "memory must be true or false")
+    try:
+        ref = await request.app[REGISTRY].snapshot(entry, name, memory=memory)
+    except Conflict as e:
+        return error(409, e.message)
+    except EnvbuildError as e:
+        return error(500, f"snapshot sandbox {entry.id}: {e.message}")
+    return web.json_response({"snapshotID": ref, "names": [ref]}, status=201)
+
+
+async def fork(request: web.Request) -> web.Response:
+    """``POST /sandboxes/{id}/fork`` (``count`` 1 to ``MAX_FORKS``, ``timeout``): 201 with
+    one result per fork, a sandbox or an error; the sandbox runs on."""
+    entry = _entry(request)
+    body = await _body(request)
+    count, timeout = body.get("count", 1), _timeout(body, 15)  # E2B's defaults
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
+        return error(400, f"count must be 1 to {MAX_FORKS}")
+    reg = request.app[REGISTRY]
+    if not reg.room(count):
+        return error(429, f"this server runs at most {reg.max_sandboxes} sandboxes")
+    try:
+        made = await reg.fork(entry, count, timeout or 15)
+    except Conflict as e:
+        return error(409, e.message)
+    except EnvbuildError as e:
+        return error(500, f"fork sandbox {entry.id}: {e.message}")
+    domain = ports.domain(request)
+    return web.json_response([
+        {"error": {"code": 500, "message": f"fork: {getattr(c, 'message', c)}"}}
+        if isinstance(c, Exception) else {"sandbox": created_json(c, domain)} for c in made],
+        status=201)
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/sandboxes", create)
     app.router.add_post("/v2/sandboxes", create)
@@ -261,3 +314,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v2/sandboxes/{sandbox_id}/connect", connect)
     app.router.add_post("/sandboxes/{sandbox_id}/pause", pause)
     app.router.add_post("/sandboxes/{sandbox_id}/resume", resume)
+    app.router.add_post("/sandboxes/{sandbox_id}/snapshots", snapshot)
+    app.router.add_post("/sandboxes/{sandbox_id}/fork", fork)

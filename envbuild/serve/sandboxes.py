@@ -18,12 +18,13 @@ sandboxes and records; ``close_all`` kills them all.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 from envbuild.errors import EnvbuildError
@@ -61,6 +62,8 @@ class Backend(Protocol):
     async def pause(self, sandbox: Any, e2b_id: str, *, memory: bool) -> str: ...
     async def resume(self, lock: str, *, memory: bool) -> Any: ...
     def forget(self, e2b_id: str) -> None: ...
+    async def snapshot(self, sandbox: Any, name: str, *, memory: bool) -> str: ...
+    async def fork(self, sandbox: Any, count: int) -> list[Any]: ...
 
 
 @dataclasses.dataclass
@@ -137,8 +140,9 @@ class Registry:
     def all(self) -> list[Entry]:
         return [e for e in self._entries.values() if e.state != "closing"]
 
-    def full(self) -> bool:
-        return len(self._entries) + self._opening >= self.max_sandboxes
+    def room(self, n: int) -> bool:
+        """Whether ``n`` more sandboxes fit under ``max_sandboxes``."""
+        return len(self._entries) + self._opening + n <= self.max_sandboxes
 
     def _save(self, entry: Entry) -> None:
         # no fsync: the record must outlive the server process, not the host (the sandboxes
@@ -153,6 +157,10 @@ class Registry:
             sandbox = await self.backend.create(template)
         finally:
             self._opening -= 1
+        return self._register(template, sandbox, timeout, metadata, env_vars)
+
+    def _register(self, template: str, sandbox: Any, timeout: float,
+                  metadata: Mapping[str, str], env_vars: Mapping[str, str]) -> Entry:
         # whole microseconds, as reported (ISO 8601): a startedAfter filter given a reported
         # start then compares equal instead of a rounding apart
         now = datetime.datetime.now(datetime.UTC).timestamp()
@@ -227,6 +235,44 @@ class Registry:
         entry.sandbox, entry.checkpoint, entry.memory = None, lock, memory
         entry.processes, entry.state = {}, "paused"
         self._save(entry)
+
+    @contextlib.asynccontextmanager
+    async def _dumping(self, entry: Entry) -> AsyncIterator[None]:
+        """``entry`` held while CRIU dumps it and it runs on: its command streams end first
+        (CRIU cannot dump a connection to the host); its end time stays."""
+        if entry.state != "running":
+            raise Conflict(f"sandbox {entry.id} is {entry.state}, not running")
+        entry.state = "busy"
+        await self._detach(entry)
+        entry.processes = {}
+        try:
+            yield
+        finally:
+            if entry.state == "busy":
+                entry.state = "running"
+                self._arm(entry)
+
+    async def snapshot(self, entry: Entry, name: str, *, memory: bool) -> str:
+        """Publish ``entry``'s snapshot ``name`` (memory too if ``memory``); its id."""
+        if not memory:
+            if entry.state != "running":
+                raise Conflict(f"sandbox {entry.id} is {entry.state}, not running")
+            return await self.backend.snapshot(entry.sandbox, name, memory=False)
+        async with self._dumping(entry):
+            return await self.backend.snapshot(entry.sandbox, name, memory=True)
+
+    async def fork(self, entry: Entry, count: int, timeout: float) -> list[Entry | Exception]:
+        """``count`` new sandboxes continuing from ``entry``'s processes and files (it runs
+        on), with its template, metadata and env vars, each or the error that stopped it."""
+        self._opening += count
+        try:
+            async with self._dumping(entry):
+                made = await self.backend.fork(entry.sandbox, count)
+        finally:
+            self._opening -= count
+        return [c if isinstance(c, Exception) else
+                self._register(entry.template, c, timeout, entry.metadata, entry.env_vars)
+                for c in made]
 
     async def resume(self, entry: Entry, *, timeout: float, memory: bool = True) -> None:
         """Start ``entry`` again from what ``pause`` saved (its memory unless ``memory`` is

@@ -166,3 +166,96 @@ def test_async_pause_filesystem_only_and_resume(e2b_server):
             await sb.kill()
 
     asyncio.run(scenario())
+
+
+def test_snapshots_and_sandboxes_created_from_them(e2b_server):
+    """``create_snapshot`` (the sandbox runs on): a full one's sandboxes continue its
+    processes (the loop counts on), a filesystem one's start fresh from its files."""
+    from e2b import Sandbox
+
+    from tests.integration.test_checkpoint import require_criu
+
+    require_criu()
+    sb = Sandbox.create(TEMPLATE, timeout=120)
+    made: list = []
+    try:
+        sb.commands.run(COUNTER)
+        sb.files.write("/workspace/note.txt", "snapshotted")
+        time.sleep(0.5)
+        full = sb.create_snapshot()
+        files = sb.create_snapshot("files-only", mode="filesystem")
+        assert full.snapshot_id.startswith("e2b/snapshots/") and full.names == [full.snapshot_id]
+        assert files.snapshot_id == "e2b/fs-snapshots/files-only"
+        assert sb.commands.run("echo on").stdout == "on\n"  # it runs on
+        made.append(Sandbox.create(full.snapshot_id, timeout=60))
+        made.append(Sandbox.create(files.snapshot_id, timeout=60))
+        live, cold = made
+        assert live.get_info().template_id == full.snapshot_id
+        first = _count(live)
+        assert first > 1
+        assert live.files.read("/workspace/note.txt") == "snapshotted"
+        assert cold.files.read("/workspace/note.txt") == "snapshotted"
+        time.sleep(0.5)
+        assert _count(live) > first
+        frozen = _count(cold)
+        time.sleep(0.3)
+        assert _count(cold) == frozen  # no loop: a fresh start from the files
+    finally:
+        for s in (sb, *made):
+            s.kill()
+
+
+def test_fork_gives_independent_children_that_continue(e2b_server):
+    """``fork(count=2)``: two sandboxes continuing the parent's loop, each its own files; the
+    parent runs on with its id."""
+    from e2b import Sandbox
+
+    from tests.integration.test_checkpoint import require_criu
+
+    require_criu()
+    sb = Sandbox.create(TEMPLATE, timeout=120, metadata={"role": "parent"})
+    children: list = []
+    try:
+        sb.commands.run(COUNTER)
+        time.sleep(0.5)
+        children = sb.fork(count=2, timeout=60)
+        assert all(isinstance(c, Sandbox) for c in children), children
+        a, b = children
+        assert len({sb.sandbox_id, a.sandbox_id, b.sandbox_id}) == 3
+        assert a.get_info().metadata == {"role": "parent"}
+        a.files.write("/workspace/mine.txt", "a")
+        assert not b.files.exists("/workspace/mine.txt")
+        for s in (sb, a, b):
+            first = _count(s)
+            assert first > 1
+            time.sleep(0.3)
+            assert _count(s) > first
+    finally:
+        for s in (sb, *children):
+            if isinstance(s, Sandbox):
+                s.kill()
+
+
+def test_a_paused_sandbox_survives_a_server_restart(e2b_built, tmp_path):
+    """Paused, then the server restarts: the new server lists it as paused and ``connect``
+    resumes it with its memory (the loop counts on)."""
+    from e2b import Sandbox, SandboxState
+
+    from tests.integration.test_checkpoint import require_criu
+
+    require_criu()
+    _, store, _ = e2b_built
+    node = tmp_path / "node"
+    with running_server(tmp_path, store.root, node, on_exit="keep") as srv, e2b_env(srv):
+        sb = Sandbox.create(TEMPLATE, timeout=120)
+        sb.commands.run(COUNTER)
+        time.sleep(0.5)
+        before = _count(sb)
+        assert sb.pause() is True
+    with running_server(tmp_path, store.root, node) as again, e2b_env(again):
+        assert Sandbox.get_info(sb.sandbox_id).state == SandboxState.PAUSED
+        resumed = Sandbox.connect(sb.sandbox_id)
+        first = _count(resumed)
+        assert first >= before
+        time.sleep(0.5)
+        assert _count(resumed) > first

@@ -45,7 +45,8 @@ def test_control_plane_needs_a_configured_key(server):
         for method, path in (("POST", "/v2/sandboxes"), ("GET", "/v2/sandboxes"),
                              ("GET", "/sandboxes/x"), ("DELETE", "/sandboxes/x"),
                              ("POST", "/sandboxes/x/pause"), ("POST", "/sandboxes/x/resume"),
-                             ("POST", "/v2/sandboxes/x/connect")):
+                             ("POST", "/v2/sandboxes/x/connect"),
+                             ("POST", "/sandboxes/x/snapshots"), ("POST", "/sandboxes/x/fork")):
             r = httpx.request(method, f"{server.url}{path}", headers=headers,
                               json={"templateID": "busybox-shell"})
             assert r.status_code == 401, (headers, method, path, r.text)
@@ -96,7 +97,7 @@ def test_killed_and_unknown_sandboxes_are_not_found(server):
     for sid in (s["sandboxID"], "nosuchsandbox"):
         assert httpx.get(f"{server.url}/sandboxes/{sid}", headers=head).status_code == 404
         assert httpx.delete(f"{server.url}/sandboxes/{sid}", headers=head).status_code == 404
-        for verb in ("timeout", "pause", "resume", "connect"):
+        for verb in ("timeout", "pause", "resume", "connect", "snapshots", "fork"):
             assert httpx.post(f"{server.url}/sandboxes/{sid}/{verb}", headers=head,
                               json={"timeout": 5}).status_code == 404, verb
         r = httpx.post(f"{server.url}/process.Process/List", json={},
@@ -120,6 +121,12 @@ def test_a_paused_sandbox_is_closed_to_its_token_until_resumed(server):
                           json={}).status_code == 409  # running: nothing to resume
         assert httpx.post(f"{server.url}/sandboxes/{sid}/pause", headers=head,
                           json={"memory": "no"}).status_code == 400
+        for bad in ("../escape", "a/b", "", "UPPER", "x" * 200, 7):  # a snapshot's ref name
+            assert httpx.post(f"{server.url}/sandboxes/{sid}/snapshots", headers=head,
+                              json={"name": bad}).status_code == 400, bad
+        for count in (0, 21, "2", True):
+            assert httpx.post(f"{server.url}/sandboxes/{sid}/fork", headers=head,
+                              json={"count": count}).status_code == 400, count
         assert httpx.post(f"{server.url}/sandboxes/{sid}/pause", headers=head,
                           json={"memory": False}).status_code == 204
         assert httpx.post(f"{server.url}/sandboxes/{sid}/pause", headers=head,
@@ -130,6 +137,9 @@ def test_a_paused_sandbox_is_closed_to_its_token_until_resumed(server):
         r = httpx.get(f"{server.url}/files", params={"path": "/etc/passwd"},
                       headers=_envd(server, sid, token))
         assert r.status_code == 502, r.text
+        for verb in ("snapshots", "fork"):  # only a running sandbox is snapshotted or forked
+            assert httpx.post(f"{server.url}/sandboxes/{sid}/{verb}", headers=head,
+                              json={}).status_code == 409, verb
         r = httpx.post(f"{server.url}/sandboxes/{sid}/resume", headers=head, json={})
         assert r.status_code == 201 and r.json()["envdAccessToken"] == token
         r = httpx.post(f"{server.url}/process.Process/List", json={},
