@@ -78,6 +78,8 @@ class Entry:
     end_at: float
     timer: asyncio.TimerHandle | None = None
     processes: dict[int, Process] = dataclasses.field(default_factory=dict)
+    #: its directory watches by id (``envbuild.serve.envd_watch``): runtime_shim ``DirWatch``es
+    watchers: dict[str, Any] = dataclasses.field(default_factory=dict)
     next_pid: int = 1000
     #: its /etc/passwd, read on first use: name and "#uid" → ("uid:gid", home)
     users: dict[str, tuple[str, str]] | None = None
@@ -187,10 +189,14 @@ class Registry:
                                       lambda: loop.create_task(self.kill(entry.id)))
 
     async def _detach(self, entry: Entry) -> None:
-        """End what the server holds of ``entry``: its timer, command streams, port session."""
+        """End what the server holds of ``entry``: its timer, command streams, watches, port
+        session."""
         if entry.timer is not None:
             entry.timer.cancel()
             entry.timer = None
+        for watch in entry.watchers.values():
+            watch.close()
+        entry.watchers.clear()
         for proc in list(entry.processes.values()):
             if proc.task is not None:
                 proc.task.cancel()

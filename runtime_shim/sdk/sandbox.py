@@ -55,6 +55,7 @@ from runtime_shim.backends.base import (
     SandboxHandle,
     Snapshottable,
     StatelessCalls,
+    Watchable,
     get_backend,
     remove_sandbox_dir,
     undo_on_error,
@@ -87,6 +88,7 @@ from runtime_shim.sdk.process import Process
 from runtime_shim.sdk.sweep import SandboxRemoval, gc_sandboxes, remove_sandbox, sweep_sandboxes
 
 if TYPE_CHECKING:
+    from runtime_shim.isolation.watch import DirWatch
     from runtime_shim.node.packdiff import SnapshotPolicy, SnapshotResult
     from runtime_shim.sdk.checkpoint import CheckpointResult
 
@@ -193,6 +195,13 @@ class Sandbox:
         return packdiff.SnapshotResult(layer=info.digest, lock=digest, ref=publish,
                                        size=info.size, report=report, squashed=squash,
                                        seconds=time.monotonic() - started)
+
+    def watch(self, path: str, *, recursive: bool = False) -> DirWatch:
+        """Watch directory ``path`` (``recursive``: its subtree): ``isolation.watch``."""
+        self._check_open()
+        if not isinstance(self._backend, Watchable):
+            raise BackendUnavailable(f"watch is not supported by the {self.backend} backend")
+        return self._backend.watch(path, recursive=recursive)
 
     def set_network(self, network: bool | Sequence[str]) -> None:
         """Change what this running sandbox may reach: ``network`` as for ``create``

@@ -237,3 +237,47 @@ def test_streams_on_one_command_are_bounded(server):
             assert [p["pid"] for p in listed.json()["processes"]] == [pid]
     finally:
         httpx.delete(f"{server.url}/sandboxes/{s['sandboxID']}", headers={"X-API-KEY": API_KEY})
+
+
+def test_watchers_are_their_sandboxs_own_and_bounded(server):
+    """A watcher id opens nothing in another sandbox; a sandbox holds at most MAX_WATCHERS
+    watches; a directory the user may not read is refused; killing the sandbox ends them."""
+    from envbuild.serve.envd_watch import MAX_WATCHERS
+
+    a, b = _create(server).json(), _create(server).json()
+    fs = f"{server.url}/filesystem.Filesystem"
+    ha = _envd(server, a["sandboxID"], a["envdAccessToken"])
+    hb = _envd(server, b["sandboxID"], b["envdAccessToken"])
+    try:
+        r = httpx.post(f"{fs}/CreateWatcher", json={"path": "/tmp"}, headers=ha)
+        assert r.status_code == 200, r.text
+        wid = r.json()["watcherId"]
+        assert httpx.post(f"{fs}/GetWatcherEvents", json={"watcherId": wid},
+                          headers=ha).status_code == 200
+        for verb in ("GetWatcherEvents", "RemoveWatcher"):
+            r = httpx.post(f"{fs}/{verb}", json={"watcherId": wid}, headers=hb)
+            assert r.status_code == 404 and r.json()["code"] == "not_found", r.text
+            r = httpx.post(f"{fs}/{verb}", json={"watcherId": wid},
+                           headers=_envd(server, a["sandboxID"], b["envdAccessToken"]))
+            assert r.status_code == 401, r.text
+        for _ in range(MAX_WATCHERS - 1):
+            assert httpx.post(f"{fs}/CreateWatcher", json={"path": "/tmp"},
+                              headers=ha).status_code == 200
+        r = httpx.post(f"{fs}/CreateWatcher", json={"path": "/tmp"}, headers=ha)
+        assert r.json()["code"] == "resource_exhausted", r.text
+        assert httpx.post(f"{fs}/CreateWatcher", json={"path": "/tmp"},
+                          headers=hb).status_code == 200  # another sandbox's are its own
+        httpx.post(f"{server.url}/process.Process/Start", headers={
+            **hb, "Content-Type": "application/connect+json"},
+            content=_envelope({"process": {"cmd": "/bin/sh", "args": [
+                "-c", "mkdir -p /private && chmod 700 /private"]}}))
+        agent = {**hb, "Authorization": "Basic " + __import__("base64").b64encode(
+            b"agent:").decode()}
+        r = httpx.post(f"{fs}/CreateWatcher", json={"path": "/private"}, headers=agent)
+        assert r.json()["code"] == "permission_denied", r.text
+    finally:
+        for s in (a, b):
+            httpx.delete(f"{server.url}/sandboxes/{s['sandboxID']}",
+                         headers={"X-API-KEY": API_KEY})
+    r = httpx.post(f"{fs}/GetWatcherEvents", json={"watcherId": wid}, headers=ha)
+    assert r.status_code == 502  # the sandbox is gone, and its watches with it
