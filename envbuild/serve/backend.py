@@ -38,13 +38,14 @@ class NodeBackend:
     node_dir: str | os.PathLike[str]
     runtime: str = "runc"
     pausable: bool = True
+    limits: Any = None  # runtime_shim.Limits of every sandbox (None: the default)
 
     async def create(self, template: str) -> AsyncSandbox:
         if template.startswith(SNAPSHOT_PREFIX):
             return await self.resume(template, memory=True)
         return await AsyncSandbox.create(template, store=self.store, node_dir=self.node_dir,
                                          runtime=self.runtime, keep=True,
-                                         checkpointable=self.pausable)
+                                         checkpointable=self.pausable, limits=self.limits)
 
     async def attach(self, sandbox_id: str) -> AsyncSandbox:
         return await AsyncSandbox.attach(sandbox_id, store=self.store, node_dir=self.node_dir,
@@ -63,7 +64,8 @@ class NodeBackend:
         """A sandbox continuing from ``lock`` (its processes too if ``memory``)."""
         if memory:
             return await AsyncSandbox.restore(lock, store=self.store, node_dir=self.node_dir,
-                                              runtime=self.runtime, keep=True)
+                                              runtime=self.runtime, keep=True,
+                                              limits=self.limits)
         return await self.create(lock)
 
     async def snapshot(self, sandbox: AsyncSandbox, name: str, *, memory: bool) -> str:
