@@ -145,6 +145,13 @@ def test_a_paused_sandbox_is_closed_to_its_token_until_resumed(server):
         r = httpx.post(f"{server.url}/process.Process/List", json={},
                        headers=_envd(server, sid, token))
         assert r.status_code == 200, r.text
+        # killed while paused: gone for good
+        assert httpx.post(f"{server.url}/sandboxes/{sid}/pause", headers=head,
+                          json={"memory": False}).status_code == 204
+        assert httpx.delete(f"{server.url}/sandboxes/{sid}", headers=head).status_code == 204
+        for verb in ("resume", "connect"):
+            assert httpx.post(f"{server.url}/sandboxes/{sid}/{verb}", headers=head,
+                              json={}).status_code == 404
     finally:
         httpx.delete(f"{server.url}/sandboxes/{sid}", headers=head)
 
