@@ -46,7 +46,7 @@ from envbuild.errors import (
     SandboxClosed,
     SandboxNotFound,
 )
-from envbuild.store import Store, put_file
+from envbuild.store import Store
 from runtime_shim.backends.base import (
     CreateRequest,
     Describable,
@@ -156,45 +156,16 @@ class Sandbox:
         published under ``publish`` (e.g. ``snap/NAME``) if given. Processes are paused while
         the upper dir is read. When the lock would end in more than ``max_chain`` snapshot
         layers, they are squashed into one. Returns a ``SnapshotResult``."""
-        from runtime_shim.node import packdiff
+        from runtime_shim.sdk import snapshot
 
         self._check_open()
         if self._store is None:
             raise RuntimeShimError("pack_diff needs the store the sandbox was created from")
-        handle = self._backend
-        if not isinstance(handle, Snapshottable):
+        if not isinstance(self._backend, Snapshottable):
             raise BackendUnavailable(f"pack-diff is not supported by the {self.backend} backend")
-        started = time.monotonic()
-        name = publish or self.id
-        blob = self.paths.root / "snapshot.tar.zst"
-        try:
-            with handle.quiesce(), open(blob, "wb") as out:
-                info, report = packdiff.pack_upper(
-                    handle.upper_dir(), out,
-                    policy or packdiff.SnapshotPolicy.for_limits(self._backend.limits),
-                    name=name, source_date_epoch=source_date_epoch)
-            stored = put_file(self._store, blob)
-            if stored.digest == info.digest:   # its pycs' imports, for lazy sandboxes of it
-                from runtime_shim.lazyfs.pyindex import index_layer_file
-
-                index_layer_file(self._store, str(blob), info.digest)
-        finally:
-            blob.unlink(missing_ok=True)
-        if stored.digest != info.digest:
-            raise RuntimeShimError(f"snapshot stored as {stored.digest}, packed {info.digest}")
-        layer = {"digest": info.digest, "size": info.size, "diff_id": info.diff_id,
-                 "toc_digest": info.toc_digest, "name": name}
-        manifest, config = packdiff.derive_lock(self.lock, [layer], keep=len(self.lock.layers))
-        squash = max_chain is not None and packdiff.snapshot_chain(self.lock) + 1 > max_chain
-        digest = packdiff.publish_lock(self._store, manifest, config,
-                                       None if squash else publish)
-        if squash:
-            digest = packdiff.squash_snapshots(self._store, resolve(self._store, digest),
-                                               scratch=self.paths.root, ref=publish,
-                                               name=name) or digest
-        return packdiff.SnapshotResult(layer=info.digest, lock=digest, ref=publish,
-                                       size=info.size, report=report, squashed=squash,
-                                       seconds=time.monotonic() - started)
+        return snapshot.take(self._backend, sandbox_id=self.id, lock=self.lock, paths=self.paths,
+                             limits=self._backend.limits, store=self._store, publish=publish, policy=policy,
+                             max_chain=max_chain, source_date_epoch=source_date_epoch)
 
     def watch(self, path: str, *, recursive: bool = False) -> DirWatch:
         """Watch directory ``path`` (``recursive``: its subtree): ``isolation.watch``."""
