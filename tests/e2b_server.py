@@ -1,6 +1,7 @@
 """``envbuild serve`` for tests: the real CLI in its own process on 127.0.0.1 (a free port),
 over a store and node dir of the test's, with an API key file; stopped with SIGTERM after,
-and checked to have left no sandbox, mount or process behind."""
+and (``--on-exit kill``, the default here) checked to have left no sandbox, mount or process
+behind."""
 
 from __future__ import annotations
 
@@ -34,15 +35,17 @@ class Server:
 
 @contextlib.contextmanager
 def running_server(root: Path, store: Path, node: Path, *, keys: str | None = None,
-                   args: tuple[str, ...] = ()) -> Iterator[Server]:
-    """``envbuild serve --listen 127.0.0.1:0 --api-keys FILE`` until the block ends."""
+                   args: tuple[str, ...] = (), on_exit: str = "kill") -> Iterator[Server]:
+    """``envbuild serve --listen 127.0.0.1:0 --api-keys FILE --on-exit ON_EXIT`` until the
+    block ends (or the test stops it: ``proc``); with ``kill``, nothing may be left after."""
     keyfile = root / "api-keys"
     keyfile.write_text(keys if keys is not None else f"# test keys\n{API_KEY}\n")
     env = {**os.environ, "ENVBUILD_NODE_CACHE": str(node), "ENVBUILD_STORE": str(store),
            "PYTHONPATH": str(REPO)}
     log = (root / "serve.log").open("w+b")
     proc = subprocess.Popen([sys.executable, "-m", "envbuild.cli", "serve", "--listen",
-                             "127.0.0.1:0", "--api-keys", str(keyfile), *args],
+                             "127.0.0.1:0", "--api-keys", str(keyfile), "--on-exit", on_exit,
+                             *args],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = _wait_url(root / "serve.log", proc)
@@ -56,7 +59,11 @@ def running_server(root: Path, store: Path, node: Path, *, keys: str | None = No
                 proc.kill()
                 proc.wait()
         log.close()
+    if proc.returncode == -signal.SIGKILL:  # the test killed it
+        return
     assert proc.returncode == 0, (root / "serve.log").read_text()[-3000:]
+    if on_exit == "keep":
+        return
     from runtime_shim import list_sandboxes
     from tests.leftovers import assert_nothing_left_under
 

@@ -4,7 +4,10 @@ sandboxes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
+from pathlib import Path
+from typing import Any
 
 import click
 
@@ -24,6 +27,21 @@ def _listen(value: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def _limits(memory: str | None, disk: str | None, pids: int | None, nofile: int | None
+            ) -> object:
+    """runtime_shim's ``Limits`` with the sizes and counts given (None: all defaults)."""
+    from envbuild.sizes import parse_size
+    from runtime_shim import Limits
+
+    given: dict[str, Any] = {"pids": pids, "nofile": nofile}
+    if memory is not None:
+        given["memory_bytes"] = parse_size(memory, what="--memory")
+    if disk is not None:
+        given["disk_bytes"] = parse_size(disk, what="--disk")
+    given = {k: v for k, v in given.items() if v is not None}
+    return dataclasses.replace(Limits(), **given) if given else None
+
+
 @click.command()
 @click.option("--listen", default="127.0.0.1:49982", show_default=True, metavar="HOST:PORT",
               help="Where to listen (loopback by default; port 0 picks a free one).")
@@ -31,31 +49,45 @@ def _listen(value: str) -> tuple[str, int]:
               metavar="FILE", help="The accepted API keys, one a line, plain or sha256:<hex>.")
 @click.option("--max-upload", default="256MiB", show_default=True, metavar="SIZE",
               help="The most bytes one /files upload request may carry.")
+@click.option("--on-exit", "on_exit", type=click.Choice(["keep", "kill"]), default="keep",
+              show_default=True, help="What a stop (SIGTERM, SIGINT) does to the sandboxes: "
+              "leave them to the next envbuild serve on this node dir, or kill them.")
+@click.option("--memory", default=None, metavar="SIZE",
+              help="Each sandbox's memory limit (default: runtime_shim's Limits).")
+@click.option("--disk", default=None, metavar="SIZE",
+              help="Each sandbox's disk limit (default: runtime_shim's Limits).")
+@click.option("--pids", type=click.IntRange(1), default=None, metavar="N",
+              help="Each sandbox's process limit (default: runtime_shim's Limits).")
+@click.option("--nofile", type=click.IntRange(1), default=None, metavar="N",
+              help="Each sandbox's open-files limit per process (default: runtime_shim's "
+                   "Limits; pids x nofile is what admission reserves of fs.file-max).")
 @pass_app
-def serve(app: App, listen: str, api_keys: str, max_upload: str) -> None:
+def serve(app: App, listen: str, api_keys: str, max_upload: str, on_exit: str,
+          memory: str | None, disk: str | None, pids: int | None, nofile: int | None) -> None:
     """Serve E2B's API: the unmodified e2b SDK runs sandboxes of this store's envs with
     E2B_API_URL and E2B_SANDBOX_URL set to http://HOST:PORT and E2B_API_KEY to a key of FILE.
-    Prints the URL once it listens; stops (killing its sandboxes) on SIGINT or SIGTERM."""
-    from envbuild.serve import ApiKeys, ServeOptions, serve_forever
+    Prints the URL once it listens; stops on SIGINT or SIGTERM. Its sandboxes outlive it
+    (unless --on-exit kill): the next envbuild serve on this node dir serves them again, from
+    the records in NODE_DIR/serve."""
+    from envbuild.serve import ApiKeys, NodeBackend, ServeOptions, serve_forever
     from envbuild.sizes import parse_size
-    from runtime_shim import AsyncSandbox
 
     host, port = _listen(listen)
     upload_cap = parse_size(max_upload, what="--max-upload")
     keys = ApiKeys.from_file(api_keys)
     store, settings = app.open_store(), app.settings
-
-    async def opener(template: str) -> AsyncSandbox:
-        return await AsyncSandbox.create(template, store=store, node_dir=settings.node_dir,
-                                         runtime=settings.oci_runtime)
+    backend = NodeBackend(store=store, node_dir=settings.node_dir, runtime=settings.oci_runtime,
+                          limits=_limits(memory, disk, pids, nofile))
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve_forever(ServeOptions(opener=opener, api_keys=keys, host=host, port=port,
-                                         max_upload=upload_cap),
+        await serve_forever(ServeOptions(backend=backend, api_keys=keys, host=host, port=port,
+                                         max_upload=upload_cap,
+                                         records=Path(settings.node_dir) / "serve",
+                                         keep_on_exit=on_exit == "keep"),
                             on_ready=lambda url: click.echo(f"envbuild serve: {url}", err=True),
                             stop=stop)
 

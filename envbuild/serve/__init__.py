@@ -5,7 +5,8 @@ The control plane (``control``) creates sandboxes from a template (an env name, 
 digest of the store) and kills, lists, times them out; envd (``envd_process``,
 ``envd_fs``, ``files``) runs commands and file operations in one. ``app`` routes and
 authenticates: API keys (``auth``) for the control plane, one access token per sandbox for
-envd.
+envd. ``sandboxes`` keeps the server's sandboxes, ``records`` their records on disk (a
+sandbox outlives the server), ``backend`` makes, pauses and resumes them.
 
     from envbuild.serve import ServeOptions, serve_forever
 """
@@ -14,5 +15,6 @@ from __future__ import annotations
 
 from envbuild.serve.app import ServeOptions, make_app, serve_forever, start
 from envbuild.serve.auth import ApiKeys
+from envbuild.serve.backend import NodeBackend
 
-__all__ = ["ApiKeys", "ServeOptions", "make_app", "serve_forever", "start"]
+__all__ = ["ApiKeys", "NodeBackend", "ServeOptions", "make_app", "serve_forever", "start"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable
-from typing import Any
+from pathlib import Path
 
 from aiohttp import web
 from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
@@ -26,7 +26,8 @@ from envbuild.serve.asgi import call_asgi
 from envbuild.serve.auth import ApiKeys, same_token
 from envbuild.serve.envd_fs import FilesystemService
 from envbuild.serve.envd_process import ProcessService
-from envbuild.serve.sandboxes import Registry
+from envbuild.serve.records import RecordDir
+from envbuild.serve.sandboxes import Backend, Registry
 
 API_KEYS = web.AppKey("api_keys", ApiKeys)
 #: One Connect message (a request) at most: envd's requests are paths and small configs.
@@ -38,10 +39,15 @@ _ENVD = ("/process.Process/", "/filesystem.Filesystem/")
 @dataclasses.dataclass(frozen=True)
 class ServeOptions:
     """What ``envbuild serve`` runs: where it listens, who may use it, where sandboxes come
-    from (``opener``: template → ``runtime_shim.AsyncSandbox``) and the bounds."""
+    from (``backend``: ``envbuild.serve.backend.NodeBackend``) and the bounds. ``records``:
+    the directory of the sandboxes' records (``envbuild.serve.records``; None: none kept, a
+    sandbox then never outlives the server); ``keep_on_exit``: a stop leaves the sandboxes
+    running for the next server over ``records`` (else it kills them)."""
 
-    opener: Callable[[str], Awaitable[Any]]
+    backend: Backend
     api_keys: ApiKeys
+    records: Path | None = None
+    keep_on_exit: bool = True
     host: str = "127.0.0.1"
     port: int = 49982
     max_timeout: float = 24 * 3600
@@ -89,8 +95,9 @@ async def _port(request: web.Request, sid: str, port: str) -> web.StreamResponse
 
 
 def make_app(options: ServeOptions) -> web.Application:
-    registry = Registry(options.opener, max_timeout=options.max_timeout,
-                        max_sandboxes=options.max_sandboxes)
+    records = RecordDir(options.records) if options.records is not None else None
+    registry = Registry(options.backend, max_timeout=options.max_timeout,
+                        max_sandboxes=options.max_sandboxes, records=records)
     app = web.Application(middlewares=[_authenticate], client_max_size=control.MAX_JSON)
     app[API_KEYS] = options.api_keys
     app[control.REGISTRY] = registry
@@ -111,18 +118,34 @@ def make_app(options: ServeOptions) -> web.Application:
     control.add_routes(app)
     files.add_routes(app)
 
-    async def kill_all(app: web.Application) -> None:
-        await registry.close_all()
+    async def reattach(app: web.Application) -> None:
+        if records is not None:
+            records.claim()
+            await registry.reattach()
 
-    # on shutdown, before aiohttp waits for open requests: a command's stream then ends (its
-    # sandbox is gone) instead of holding the server up to its shutdown timeout
-    app.on_shutdown.append(kill_all)
+    async def stop(app: web.Application) -> None:
+        if records is not None and options.keep_on_exit:
+            await registry.detach_all()
+        else:
+            await registry.close_all()
+
+    async def release(app: web.Application) -> None:
+        if records is not None:
+            records.release()
+
+    app.on_startup.append(reattach)
+    # on shutdown, before aiohttp waits for open requests: a command's stream then ends (the
+    # server lets go of it, or its sandbox is gone) instead of holding the server up to its
+    # shutdown timeout
+    app.on_shutdown.append(stop)
+    app.on_cleanup.append(release)
     return app
 
 
 async def start(options: ServeOptions) -> tuple[web.AppRunner, str]:
-    """Start serving (in the running loop); the runner (``await runner.cleanup()`` stops it and
-    kills every sandbox) and the URL it listens on."""
+    """Start serving (in the running loop; the sandboxes of ``options.records`` re-attached
+    first); the runner (``await runner.cleanup()`` stops it and leaves or kills every
+    sandbox, as ``options.keep_on_exit`` says) and the URL it listens on."""
     runner = web.AppRunner(make_app(options), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, options.host, options.port, reuse_address=True)
@@ -134,7 +157,8 @@ async def start(options: ServeOptions) -> tuple[web.AppRunner, str]:
 
 async def serve_forever(options: ServeOptions, on_ready: Callable[[str], None] | None = None,
                         stop: asyncio.Event | None = None) -> None:
-    """Serve until ``stop`` is set (or the task is cancelled), then kill every sandbox."""
+    """Serve until ``stop`` is set (or the task is cancelled), then leave or kill every
+    sandbox (``options.keep_on_exit``)."""
     runner, url = await start(options)
     if on_ready is not None:
         on_ready(url)

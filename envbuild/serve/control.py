@@ -1,7 +1,9 @@
 """E2B's control plane (``spec/openapi.yml`` of e2b-dev/infra), the part envbuild serves:
 create (``POST /sandboxes``, ``POST /v2/sandboxes``), get, list (``GET /sandboxes``,
 ``GET /v2/sandboxes`` with the ``metadata``, ``state``, ``template`` and ``startedAfter``
-filters, ``order`` and pages of ``limit``), kill, timeout and connect.
+filters, ``order`` and pages of ``limit``), kill, timeout, connect, pause and resume
+(``connect`` resumes a paused sandbox too, answering 201 then), snapshots (``create`` takes a
+snapshot's id as its template) and fork.
 
 Every route needs the ``X-API-KEY`` header to hold a configured key (``envbuild.serve.auth``);
 bodies are JSON of at most ``MAX_JSON`` bytes. Errors are E2B's ``{"code", "message"}``.
@@ -12,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import re
+import secrets
 import time
 import urllib.parse
 from collections.abc import Mapping
@@ -21,7 +25,7 @@ from aiohttp import web
 
 from envbuild.errors import EnvbuildError
 from envbuild.serve import ports
-from envbuild.serve.sandboxes import DEFAULT_TIMEOUT, Entry, Registry
+from envbuild.serve.sandboxes import DEFAULT_TIMEOUT, Conflict, Entry, Registry
 from runtime_shim import LockNotFound
 
 #: The envd protocol version envbuild's envd speaks (the SDK gates features on it): 0.5.6
@@ -50,13 +54,15 @@ def created_json(e: Entry, domain: str) -> dict[str, Any]:
 
 def listed_json(e: Entry) -> dict[str, Any]:
     """E2B's ``ListedSandbox`` (and ``SandboxDetail`` with the token)."""
-    limits = e.sandbox.sync.limits
     return {"templateID": e.template, "sandboxID": e.id, "clientID": CLIENT_ID,
-            "startedAt": _iso(e.started_at), "endAt": _iso(e.end_at),
-            "cpuCount": max(1, round(limits.cpus or 1)),
-            "memoryMB": (limits.memory_bytes or 0) >> 20,
-            "diskSizeMB": (limits.disk_bytes or 0) >> 20, "state": "running",
+            "startedAt": _iso(e.started_at), "endAt": _iso(e.end_at), "cpuCount": e.cpus,
+            "memoryMB": e.memory_mb, "diskSizeMB": e.disk_mb, "state": state(e),
             "envdVersion": ENVD_VERSION, "metadata": e.metadata}
+
+
+def state(e: Entry) -> str:
+    """E2B's ``SandboxState``: one being paused or resumed is still ``running``."""
+    return "paused" if e.state == "paused" else "running"
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -99,7 +105,7 @@ async def create(request: web.Request) -> web.Response:
     timeout = _timeout(body, DEFAULT_TIMEOUT)
     metadata = _str_map(body.get("metadata"), "metadata")
     env_vars = _str_map(body.get("envVars"), "envVars")
-    if reg.full():
+    if not reg.room(1):
         return error(429, f"this server runs at most {reg.max_sandboxes} sandboxes")
     try:
         entry = await reg.open(template, timeout=timeout or DEFAULT_TIMEOUT,
@@ -113,7 +119,7 @@ async def create(request: web.Request) -> web.Response:
 
 def _entry(request: web.Request) -> Entry:
     sid = request.match_info["sandbox_id"]
-    entry = request.app[REGISTRY].get(sid)
+    entry = request.app[REGISTRY].find(sid)
     if entry is None:
         raise web.HTTPNotFound(text=json.dumps({"code": 404,
                                                 "message": f"sandbox {sid} was not found"}),
@@ -161,7 +167,7 @@ class ListQuery:
                    ascending=q.get("order") == "asc", limit=limit, offset=offset)
 
     def matches(self, e: Entry) -> bool:
-        return ((not self.states or "running" in self.states)
+        return ((not self.states or state(e) in self.states)
                 and (self.template is None or e.template == self.template)
                 and (self.started_after is None or e.started_at >= self.started_after)
                 and all(e.metadata.get(k) == v for k, v in self.metadata.items()))
@@ -183,7 +189,10 @@ async def list_sandboxes(request: web.Request) -> web.Response:
 
 async def kill(request: web.Request) -> web.Response:
     entry = _entry(request)
-    await request.app[REGISTRY].kill(entry.id)
+    try:
+        await request.app[REGISTRY].kill(entry.id)
+    except Conflict as e:
+        return error(409, e.message)
     return web.Response(status=204)
 
 
@@ -198,11 +207,99 @@ async def set_timeout(request: web.Request) -> web.Response:
 
 async def connect(request: web.Request) -> web.Response:
     entry = _entry(request)
-    timeout = _timeout(await _body(request), None)
+    body = await _body(request)
+    timeout = _timeout(body, None)
+    if entry.state != "running":  # E2B: connecting to a paused sandbox resumes it
+        return await _resume(request, entry, timeout, body.get("memory") is not False)
     if timeout is not None:  # E2B: connecting only ever extends the sandbox's life
         if time.time() + timeout > entry.end_at:
             request.app[REGISTRY].set_timeout(entry, timeout)
     return web.json_response(created_json(entry, ports.domain(request)), status=200)
+
+
+async def pause(request: web.Request) -> web.Response:
+    """``POST /sandboxes/{id}/pause`` (``memory``: false saves the files only): 204; 409 if
+    it is not running; 500 with the reason when it cannot be saved (it then runs on)."""
+    entry = _entry(request)
+    memory = (await _body(request)).get("memory", True)
+    if not isinstance(memory, bool):
+        return error(400, "memory must be true or false")
+    try:
+        await request.app[REGISTRY].pause(entry, memory=memory)
+    except Conflict as e:
+        return error(409, e.message)
+    except EnvbuildError as e:
+        return error(500, f"pause sandbox {entry.id}: {e.message}")
+    return web.Response(status=204)
+
+
+async def resume(request: web.Request) -> web.Response:
+    """``POST /sandboxes/{id}/resume`` (E2B's deprecated form of ``connect``): 201."""
+    entry = _entry(request)
+    body = await _body(request)
+    return await _resume(request, entry, _timeout(body, None), True)
+
+
+async def _resume(request: web.Request, entry: Entry, timeout: float | None,
+                  memory: bool) -> web.Response:
+    try:
+        await request.app[REGISTRY].resume(entry, timeout=timeout or DEFAULT_TIMEOUT,
+                                           memory=memory)
+    except Conflict as e:
+        return error(409, e.message)
+    except EnvbuildError as e:
+        return error(500, f"resume sandbox {entry.id}: {e.message}")
+    return web.json_response(created_json(entry, ports.domain(request)), status=201)
+
+
+#: Sandboxes one fork may make (E2B's maximum ``count``).
+MAX_FORKS = 20
+_SNAPSHOT_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
+
+
+async def snapshot(request: web.Request) -> web.Response:
+    """``POST /sandboxes/{id}/snapshots`` (``name``, ``memory``): 201 with the snapshot's id,
+    a template for ``create`` (``envbuild.serve.backend``); the sandbox runs on."""
+    entry = _entry(request)
+    body = await _body(request)
+    name, memory = body.get("name"), body.get("memory", True)
+    if name is None:
+        name = f"{entry.id}-{secrets.token_hex(4)}"
+    if not isinstance(name, str) or not _SNAPSHOT_NAME.fullmatch(name):
+        return error(400, "name: 1 to 128 of a-z 0-9 . _ -, starting with a letter or digit")
+    if not isinstance(memory, bool):
+        return error(400, "memory must be true or false")
+    try:
+        ref = await request.app[REGISTRY].snapshot(entry, name, memory=memory)
+    except Conflict as e:
+        return error(409, e.message)
+    except EnvbuildError as e:
+        return error(500, f"snapshot sandbox {entry.id}: {e.message}")
+    return web.json_response({"snapshotID": ref, "names": [ref]}, status=201)
+
+
+async def fork(request: web.Request) -> web.Response:
+    """``POST /sandboxes/{id}/fork`` (``count`` 1 to ``MAX_FORKS``, ``timeout``): 201 with
+    one result per fork, a sandbox or an error; the sandbox runs on."""
+    entry = _entry(request)
+    body = await _body(request)
+    count, timeout = body.get("count", 1), _timeout(body, 15)  # E2B's defaults
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
+        return error(400, f"count must be 1 to {MAX_FORKS}")
+    reg = request.app[REGISTRY]
+    if not reg.room(count):
+        return error(429, f"this server runs at most {reg.max_sandboxes} sandboxes")
+    try:
+        made = await reg.fork(entry, count, timeout or 15)
+    except Conflict as e:
+        return error(409, e.message)
+    except EnvbuildError as e:
+        return error(500, f"fork sandbox {entry.id}: {e.message}")
+    domain = ports.domain(request)
+    return web.json_response([
+        {"error": {"code": 500, "message": f"fork: {getattr(c, 'message', c)}"}}
+        if isinstance(c, Exception) else {"sandbox": created_json(c, domain)} for c in made],
+        status=201)
 
 
 def add_routes(app: web.Application) -> None:
@@ -215,3 +312,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/sandboxes/{sandbox_id}/timeout", set_timeout)
     app.router.add_post("/sandboxes/{sandbox_id}/connect", connect)
     app.router.add_post("/v2/sandboxes/{sandbox_id}/connect", connect)
+    app.router.add_post("/sandboxes/{sandbox_id}/pause", pause)
+    app.router.add_post("/sandboxes/{sandbox_id}/resume", resume)
+    app.router.add_post("/sandboxes/{sandbox_id}/snapshots", snapshot)
+    app.router.add_post("/sandboxes/{sandbox_id}/fork", fork)

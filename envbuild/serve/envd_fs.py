@@ -1,10 +1,12 @@
 """envd's ``filesystem.Filesystem`` service: ``Stat``, ``ListDir`` (with depth), ``MakeDir``,
 ``Move``, ``Remove``, each run in the sandbox as the requesting user (so the sandbox's own
 permissions decide, as with E2B's envd) by a short POSIX shell script through
-``AsyncSandbox.exec``. Not yet: ``WatchDir`` and the watcher calls.
+``AsyncSandbox.exec``; ``WatchDir`` and the watcher calls (``envbuild.serve.envd_watch``).
 """
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
@@ -13,7 +15,7 @@ from e2b.envd.filesystem import filesystem_pb as pb
 from e2b.envd.filesystem.filesystem_connect import Filesystem
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
-from envbuild.serve import users
+from envbuild.serve import envd_watch, users
 from envbuild.serve.envd_process import sandbox_of, user_of
 from envbuild.serve.sandboxes import Entry, Registry
 
@@ -30,10 +32,12 @@ _SCRIPTS = {
     "move": '[ -e "$1" ] || [ -L "$1" ] || exit 3; mkdir -p -- "$(dirname -- "$2")" && '
             f'mv -f -- "$1" "$2" && set -- "$2" && {_STAT}',
     "remove": 'rm -rf -- "$1"',  # E2B: removing what is not there is no error
+    "watch": '[ -e "$1" ] || exit 3; [ -d "$1" ] || exit 4; [ -r "$1" ] && [ -x "$1" ] || exit 6',
 }
 _ERRORS = {3: (Code.NOT_FOUND, "no such file or directory"),
            4: (Code.INVALID_ARGUMENT, "path is not a directory"),
-           5: (Code.ALREADY_EXISTS, "path already exists")}
+           5: (Code.ALREADY_EXISTS, "path already exists"),
+           6: (Code.PERMISSION_DENIED, "permission denied")}
 MAX_DEPTH = 64
 
 
@@ -65,7 +69,7 @@ class FilesystemService(Filesystem):
         self._registry = registry
 
     async def _run(self, ctx: RequestContext, op: str, *paths: str, extra: tuple[str, ...] = ()
-                   ) -> tuple[Entry, list[str]]:
+                   ) -> tuple[Entry, list[str], str]:
         entry = sandbox_of(self._registry, ctx)
         user = await user_of(entry, ctx)
         args = [users.absolute(p, user) for p in paths]
@@ -78,27 +82,57 @@ class FilesystemService(Filesystem):
             err = result.stderr.decode(errors="replace").strip()[-500:]
             code = Code.PERMISSION_DENIED if "denied" in err else Code.INTERNAL
             raise ConnectError(code, f"{op} {args[0]}: {err}")
-        return entry, result.stdout.decode(errors="replace").splitlines()
+        return entry, result.stdout.decode(errors="replace").splitlines(), args[0]
 
     async def stat(self, request: pb.StatRequest, ctx: RequestContext) -> pb.StatResponse:
-        _, lines = await self._run(ctx, "stat", request.path)
+        _, lines, _ = await self._run(ctx, "stat", request.path)
         return pb.StatResponse(entry=_entry_info(lines[0]))
 
     async def list_dir(self, request: pb.ListDirRequest, ctx: RequestContext
                        ) -> pb.ListDirResponse:
         depth = min(max(request.depth or 1, 1), MAX_DEPTH)
-        _, lines = await self._run(ctx, "list", request.path, extra=(str(depth),))
+        _, lines, _ = await self._run(ctx, "list", request.path, extra=(str(depth),))
         return pb.ListDirResponse(entries=[_entry_info(line) for line in lines if line])
 
     async def make_dir(self, request: pb.MakeDirRequest, ctx: RequestContext
                        ) -> pb.MakeDirResponse:
-        _, lines = await self._run(ctx, "mkdir", request.path)
+        _, lines, _ = await self._run(ctx, "mkdir", request.path)
         return pb.MakeDirResponse(entry=_entry_info(lines[0]))
 
     async def move(self, request: pb.MoveRequest, ctx: RequestContext) -> pb.MoveResponse:
-        _, lines = await self._run(ctx, "move", request.source, request.destination)
+        _, lines, _ = await self._run(ctx, "move", request.source, request.destination)
         return pb.MoveResponse(entry=_entry_info(lines[0]))
 
     async def remove(self, request: pb.RemoveRequest, ctx: RequestContext) -> pb.RemoveResponse:
         await self._run(ctx, "remove", request.path)
         return pb.RemoveResponse()
+
+    def watch_dir(self, request: pb.WatchDirRequest, ctx: RequestContext
+                  ) -> AsyncIterator[pb.WatchDirResponse]:
+        return self._watch_dir(request, ctx)
+
+    async def _watch_dir(self, request: pb.WatchDirRequest, ctx: RequestContext
+                         ) -> AsyncIterator[pb.WatchDirResponse]:
+        entry, _, path = await self._run(ctx, "watch", request.path)
+        watch_id, watch = await envd_watch.open_watch(entry, path, request.recursive)
+        async for response in envd_watch.stream(entry, watch_id, watch):
+            yield response
+
+    async def create_watcher(self, request: pb.CreateWatcherRequest, ctx: RequestContext
+                             ) -> pb.CreateWatcherResponse:
+        entry, _, path = await self._run(ctx, "watch", request.path)
+        watch_id, _ = await envd_watch.open_watch(entry, path, request.recursive)
+        return pb.CreateWatcherResponse(watcher_id=watch_id)
+
+    async def get_watcher_events(self, request: pb.GetWatcherEventsRequest,
+                                 ctx: RequestContext) -> pb.GetWatcherEventsResponse:
+        entry = sandbox_of(self._registry, ctx)
+        return pb.GetWatcherEventsResponse(events=envd_watch.poll(entry, request.watcher_id))
+
+    async def remove_watcher(self, request: pb.RemoveWatcherRequest, ctx: RequestContext
+                             ) -> pb.RemoveWatcherResponse:
+        entry = sandbox_of(self._registry, ctx)
+        if request.watcher_id not in entry.watchers:
+            raise ConnectError(Code.NOT_FOUND, f"no watcher {request.watcher_id[:64]}")
+        envd_watch.close_watch(entry, request.watcher_id)
+        return pb.RemoveWatcherResponse()

@@ -3,21 +3,33 @@ about it (template, metadata, start and end times, access token) and its running
 
 A sandbox lives until it is killed or its end time passes (E2B's ``timeout``, moved by
 ``set_timeout`` and ``connect``); then it is closed and forgotten, and every later request
-naming it is a 404. The ``Registry`` is used from the server's event loop only.
+naming it is a 404. ``pause`` saves it (files, and memory unless asked not to) and closes it:
+its state is then ``paused`` and it has no end time until ``resume`` starts it again from
+what was saved. The ``Registry`` is used from the server's event loop only.
+
+**Records.** With a ``RecordDir`` (``envbuild.serve.records``) every change of an entry is
+written to its record, and ``reattach`` (at the server's start) serves again the sandboxes of
+the records a previous server process left: a running one is attached by id (one whose end
+time passed while no server ran is killed then), a paused one waits for its resume.
+``detach_all`` (a stop that keeps the sandboxes) ends the server's streams and leaves the
+sandboxes and records; ``close_all`` kills them all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Protocol
 
+from envbuild.errors import EnvbuildError
 from envbuild.serve.auth import new_token
+from envbuild.serve.records import Record, RecordDir
 
 _log = logging.getLogger(__name__)
 
@@ -42,11 +54,23 @@ class Process:
     listeners: list[asyncio.Queue[Any]] = dataclasses.field(default_factory=list)
 
 
+class Backend(Protocol):
+    """What the registry asks of the sandboxes' provider (``envbuild.serve.backend``)."""
+
+    async def create(self, template: str) -> Any: ...
+    async def attach(self, sandbox_id: str) -> Any: ...
+    async def pause(self, sandbox: Any, e2b_id: str, *, memory: bool) -> str: ...
+    async def resume(self, lock: str, *, memory: bool) -> Any: ...
+    def forget(self, e2b_id: str) -> None: ...
+    async def snapshot(self, sandbox: Any, name: str, *, memory: bool) -> str: ...
+    async def fork(self, sandbox: Any, count: int) -> list[Any]: ...
+
+
 @dataclasses.dataclass
 class Entry:
     id: str
     template: str
-    sandbox: Any  # runtime_shim.AsyncSandbox
+    sandbox: Any  # runtime_shim.AsyncSandbox while running, else None
     token: str
     metadata: dict[str, str]
     env_vars: dict[str, str]
@@ -54,50 +78,98 @@ class Entry:
     end_at: float
     timer: asyncio.TimerHandle | None = None
     processes: dict[int, Process] = dataclasses.field(default_factory=dict)
+    #: its directory watches by id (``envbuild.serve.envd_watch``): runtime_shim ``DirWatch``es
+    watchers: dict[str, Any] = dataclasses.field(default_factory=dict)
     next_pid: int = 1000
     #: its /etc/passwd, read on first use: name and "#uid" → ("uid:gid", home)
     users: dict[str, tuple[str, str]] | None = None
-    closing: bool = False
+    #: "running", "paused", "busy" (being paused or resumed), "closing"
+    state: str = "running"
     #: for ports (``envbuild.serve.ports``): E2B's ``trafficAccessToken``, not the envd token
     traffic_token: str = dataclasses.field(default_factory=new_token)
     #: the aiohttp client session of its port requests (``envbuild.serve.ports``), if any
     port_session: Any = None
+    cpus: int = 1
+    memory_mb: int = 0
+    disk_mb: int = 0
+    checkpoint: str | None = None  # the lock it is paused into
+    memory: bool = True  # whether ``checkpoint`` holds its memory
+
+    def record(self) -> Record:
+        return Record(id=self.id, template=self.template, metadata=self.metadata,
+                      env_vars=self.env_vars, started_at=self.started_at, end_at=self.end_at,
+                      token=self.token, traffic_token=self.traffic_token, cpus=self.cpus,
+                      memory_mb=self.memory_mb, disk_mb=self.disk_mb,
+                      sandbox=None if self.sandbox is None else self.sandbox.id,
+                      checkpoint=self.checkpoint, memory=self.memory)
+
+    def run(self, sandbox: Any) -> None:
+        """Serve ``sandbox`` as this entry's (created, attached or resumed)."""
+        limits = sandbox.sync.limits
+        self.sandbox, self.checkpoint, self.state = sandbox, None, "running"
+        self.processes, self.users = {}, None
+        self.cpus = max(1, round(limits.cpus or 1))
+        self.memory_mb = (limits.memory_bytes or 0) >> 20
+        self.disk_mb = (limits.disk_bytes or 0) >> 20
+
+
+class Conflict(EnvbuildError):
+    """A request the sandbox's state does not allow now (E2B's 409)."""
 
 
 class Registry:
-    """The live sandboxes by id; ``open`` makes one with ``opener`` (the runtime_shim create)."""
+    """The server's sandboxes by id, made by ``backend``, recorded in ``records`` if given."""
 
-    def __init__(self, opener: Callable[[str], Any], *, max_timeout: float,
-                 max_sandboxes: int) -> None:
-        self._opener = opener
+    def __init__(self, backend: Backend, *, max_timeout: float, max_sandboxes: int,
+                 records: RecordDir | None = None) -> None:
+        self.backend = backend
+        self.records = records
         self._entries: dict[str, Entry] = {}
         self.max_timeout = max_timeout
         self.max_sandboxes = max_sandboxes
         self._opening = 0
 
     def get(self, sandbox_id: str | None) -> Entry | None:
+        """A running sandbox (what envd and ports may reach)."""
         entry = self._entries.get(sandbox_id or "")
-        return None if entry is None or entry.closing else entry
+        return entry if entry is not None and entry.state == "running" else None
+
+    def find(self, sandbox_id: str | None) -> Entry | None:
+        """A sandbox in any state but closing (what the control plane names)."""
+        entry = self._entries.get(sandbox_id or "")
+        return None if entry is None or entry.state == "closing" else entry
 
     def all(self) -> list[Entry]:
-        return [e for e in self._entries.values() if not e.closing]
+        return [e for e in self._entries.values() if e.state != "closing"]
 
-    def full(self) -> bool:
-        return len(self._entries) + self._opening >= self.max_sandboxes
+    def room(self, n: int) -> bool:
+        """Whether ``n`` more sandboxes fit under ``max_sandboxes``."""
+        return len(self._entries) + self._opening + n <= self.max_sandboxes
+
+    def _save(self, entry: Entry) -> None:
+        # no fsync: the record must outlive the server process, not the host (the sandboxes
+        # do not survive a reboot either)
+        if self.records is not None and entry.state != "closing":
+            self.records.write(entry.record())
 
     async def open(self, template: str, *, timeout: float, metadata: Mapping[str, str],
                    env_vars: Mapping[str, str]) -> Entry:
         self._opening += 1
         try:
-            sandbox = await self._opener(template)
+            sandbox = await self.backend.create(template)
         finally:
             self._opening -= 1
+        return self._register(template, sandbox, timeout, metadata, env_vars)
+
+    def _register(self, template: str, sandbox: Any, timeout: float,
+                  metadata: Mapping[str, str], env_vars: Mapping[str, str]) -> Entry:
         # whole microseconds, as reported (ISO 8601): a startedAfter filter given a reported
         # start then compares equal instead of a rounding apart
         now = datetime.datetime.now(datetime.UTC).timestamp()
         entry = Entry(id=f"i{uuid.uuid4().hex[:19]}", template=template, sandbox=sandbox,
                       token=new_token(), metadata=dict(metadata), env_vars=dict(env_vars),
                       started_at=now, end_at=now)
+        entry.run(sandbox)
         self._entries[entry.id] = entry
         self.set_timeout(entry, timeout)
         return entry
@@ -106,30 +178,160 @@ class Registry:
         """End ``entry`` ``timeout`` seconds from now (capped at ``max_timeout``)."""
         timeout = min(max(float(timeout), 0.0), self.max_timeout)
         entry.end_at = time.time() + timeout
+        self._arm(entry)
+        self._save(entry)
+
+    def _arm(self, entry: Entry) -> None:
         if entry.timer is not None:
             entry.timer.cancel()
         loop = asyncio.get_running_loop()
-        entry.timer = loop.call_later(timeout, lambda: loop.create_task(self.kill(entry.id)))
+        entry.timer = loop.call_later(max(0.0, entry.end_at - time.time()),
+                                      lambda: loop.create_task(self.kill(entry.id)))
 
-    async def kill(self, sandbox_id: str) -> bool:
-        entry = self.get(sandbox_id)
-        if entry is None:
-            return False
-        entry.closing = True
+    async def _detach(self, entry: Entry) -> None:
+        """End what the server holds of ``entry``: its timer, command streams, watches, port
+        session."""
         if entry.timer is not None:
             entry.timer.cancel()
+            entry.timer = None
+        for watch in entry.watchers.values():
+            watch.close()
+        entry.watchers.clear()
         for proc in list(entry.processes.values()):
             if proc.task is not None:
                 proc.task.cancel()
         if entry.port_session is not None:
             await entry.port_session.close()
+            entry.port_session = None
+
+    async def kill(self, sandbox_id: str) -> bool:
+        entry = self.find(sandbox_id)
+        if entry is None:
+            return False
+        if entry.state == "busy":
+            raise Conflict(f"sandbox {sandbox_id} is being paused or resumed")
+        entry.state = "closing"
+        await self._detach(entry)
         try:
-            await entry.sandbox.close()
+            if entry.sandbox is not None:
+                await entry.sandbox.close()
+            else:
+                self.backend.forget(entry.id)
         except Exception as e:  # noqa: BLE001 - the sandbox is forgotten either way
             _log.warning("close sandbox %s: %s", sandbox_id, e)
         finally:
             self._entries.pop(sandbox_id, None)
+            if self.records is not None:
+                self.records.remove(sandbox_id)
         return True
+
+    async def pause(self, entry: Entry, *, memory: bool) -> None:
+        """Save ``entry`` (memory too if ``memory``) and close its sandbox: ``Conflict`` if
+        it is not running; on a failure it runs on, with its end time."""
+        if entry.state != "running":
+            raise Conflict(f"sandbox {entry.id} is {entry.state}, not running")
+        entry.state = "busy"
+        await self._detach(entry)
+        try:
+            lock = await self.backend.pause(entry.sandbox, entry.id, memory=memory)
+        except BaseException:
+            entry.state = "running"
+            self._arm(entry)
+            raise
+        entry.sandbox, entry.checkpoint, entry.memory = None, lock, memory
+        entry.processes, entry.state = {}, "paused"
+        self._save(entry)
+
+    @contextlib.asynccontextmanager
+    async def _dumping(self, entry: Entry) -> AsyncIterator[None]:
+        """``entry`` held while CRIU dumps it and it runs on: its command streams end first
+        (CRIU cannot dump a connection to the host); its end time stays."""
+        if entry.state != "running":
+            raise Conflict(f"sandbox {entry.id} is {entry.state}, not running")
+        entry.state = "busy"
+        await self._detach(entry)
+        entry.processes = {}
+        try:
+            yield
+        finally:
+            if entry.state == "busy":
+                entry.state = "running"
+                self._arm(entry)
+
+    async def snapshot(self, entry: Entry, name: str, *, memory: bool) -> str:
+        """Publish ``entry``'s snapshot ``name`` (memory too if ``memory``); its id."""
+        if not memory:
+            if entry.state != "running":
+                raise Conflict(f"sandbox {entry.id} is {entry.state}, not running")
+            return await self.backend.snapshot(entry.sandbox, name, memory=False)
+        async with self._dumping(entry):
+            return await self.backend.snapshot(entry.sandbox, name, memory=True)
+
+    async def fork(self, entry: Entry, count: int, timeout: float) -> list[Entry | Exception]:
+        """``count`` new sandboxes continuing from ``entry``'s processes and files (it runs
+        on), with its template, metadata and env vars, each or the error that stopped it."""
+        self._opening += count
+        try:
+            async with self._dumping(entry):
+                made = await self.backend.fork(entry.sandbox, count)
+        finally:
+            self._opening -= count
+        return [c if isinstance(c, Exception) else
+                self._register(entry.template, c, timeout, entry.metadata, entry.env_vars)
+                for c in made]
+
+    async def resume(self, entry: Entry, *, timeout: float, memory: bool = True) -> None:
+        """Start ``entry`` again from what ``pause`` saved (its memory unless ``memory`` is
+        False or it was paused without), for ``timeout`` seconds; ``Conflict`` if not paused."""
+        if entry.state != "paused" or entry.checkpoint is None:
+            raise Conflict(f"sandbox {entry.id} is {entry.state}, not paused")
+        entry.state = "busy"
+        try:
+            sandbox = await self.backend.resume(entry.checkpoint, memory=memory and entry.memory)
+        except BaseException:
+            entry.state = "paused"
+            raise
+        entry.run(sandbox)
+        self.set_timeout(entry, timeout)
+        try:
+            self.backend.forget(entry.id)
+        except EnvbuildError as e:  # the ref only protects a checkpoint no longer needed
+            _log.warning("drop the paused ref of %s: %s", entry.id, e)
+
+    async def reattach(self) -> None:
+        """Serve again the sandboxes of the records left by an earlier server (see the module
+        docstring); a record whose sandbox is gone is removed."""
+        if self.records is None:
+            return
+        for rec in self.records.load(self.max_sandboxes):
+            entry = Entry(id=rec.id, template=rec.template, sandbox=None, token=rec.token,
+                          metadata=rec.metadata, env_vars=rec.env_vars,
+                          started_at=rec.started_at, end_at=rec.end_at,
+                          traffic_token=rec.traffic_token, cpus=rec.cpus,
+                          memory_mb=rec.memory_mb, disk_mb=rec.disk_mb,
+                          checkpoint=rec.checkpoint, memory=rec.memory, state="paused")
+            self._entries[rec.id] = entry
+            if rec.sandbox is None:
+                continue
+            try:
+                entry.run(await self.backend.attach(rec.sandbox))
+            except EnvbuildError as e:
+                _log.warning("sandbox %s (%s) not re-attached, record removed: %s", rec.id,
+                             rec.sandbox, e)
+                self._entries.pop(rec.id)
+                self.records.remove(rec.id)
+                continue
+            if rec.end_at <= time.time():
+                _log.info("sandbox %s timed out while no server ran: killed", rec.id)
+                await self.kill(rec.id)
+            else:
+                self._arm(entry)
+
+    async def detach_all(self) -> None:
+        """Stop serving every sandbox and leave them (and their records) as they are."""
+        for entry in list(self._entries.values()):
+            await self._detach(entry)
+        self._entries.clear()
 
     async def close_all(self) -> None:
         await asyncio.gather(*(self.kill(i) for i in list(self._entries)),

@@ -43,6 +43,7 @@ from runtime_shim.node.layout import NodeLayout, SandboxPaths
 from runtime_shim.node.model import Limits, MemoryInfo
 
 if TYPE_CHECKING:
+    from runtime_shim.isolation.watch import DirWatch
     from runtime_shim.node.admission import Reservation
     from runtime_shim.node.locks import ResolvedLock
     from runtime_shim.node.nodecache import NodeCache
@@ -188,6 +189,15 @@ class HostCosted(Protocol):
     def host_reservation(self, limits: Limits) -> Reservation:
         """What one sandbox of ``limits`` may take, at worst, of the host's tables and disk
         (``AdmissionRefused`` for limits that leave one unbounded)."""
+        ...
+
+
+@runtime_checkable
+class Watchable(Protocol):
+    """A handle whose directories can be watched from the host (``Sandbox.watch``)."""
+
+    def watch(self, path: str, *, recursive: bool) -> DirWatch:
+        """Inotify watches on ``path`` of the sandbox (``runtime_shim.isolation.watch``)."""
         ...
 
 

@@ -63,6 +63,7 @@ from runtime_shim.isolation.spec import (
     runtime_spec,
 )
 from runtime_shim.isolation.stub import AGENT_LISTEN_FD, AGENT_PATH, ensure_stub
+from runtime_shim.isolation.watch import DirWatch
 from runtime_shim.node.layout import NodeLayout, SandboxPaths
 from runtime_shim.node.locks import ResolvedLock
 from runtime_shim.node.model import Limits, MemoryInfo
@@ -245,6 +246,9 @@ class ContainerSandbox:
     # namespace: its /tmp and bind mounts included, exactly what commands see.
     def read_file(self, path: str) -> bytes:
         return fsaccess.read_file(f"/proc/{self.init_pid}/root", path)
+
+    def watch(self, path: str, *, recursive: bool) -> DirWatch:
+        return DirWatch.open(f"/proc/{self.init_pid}/root", path, recursive=recursive)
 
     def write_file(self, path: str, data: bytes, mode: int) -> None:
         uid, gid = parse_user(self.lock.user)

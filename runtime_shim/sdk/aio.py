@@ -24,6 +24,7 @@ from runtime_shim.sdk.process import AsyncProcess
 from runtime_shim.sdk.sandbox import Sandbox
 
 if TYPE_CHECKING:
+    from runtime_shim.isolation.watch import DirWatch
     from runtime_shim.node.locks import ResolvedLock
     from runtime_shim.node.packdiff import SnapshotResult
     from runtime_shim.sdk.checkpoint import CheckpointResult
@@ -118,6 +119,11 @@ class AsyncSandbox:
         """``Sandbox.pack_diff`` in the default executor."""
         return await asyncio.get_running_loop().run_in_executor(
             None, functools.partial(self.sync.pack_diff, publish, **kwargs))
+
+    async def watch(self, path: str, *, recursive: bool = False) -> DirWatch:
+        """``Sandbox.watch`` in the default executor; wait with ``await w.next_events()``."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.sync.watch, path, recursive=recursive))
 
     async def set_network(self, network: bool | Sequence[str]) -> None:
         """``Sandbox.set_network`` in the default executor."""

@@ -46,7 +46,7 @@ from envbuild.errors import (
     SandboxClosed,
     SandboxNotFound,
 )
-from envbuild.store import Store, put_file
+from envbuild.store import Store
 from runtime_shim.backends.base import (
     CreateRequest,
     Describable,
@@ -55,6 +55,7 @@ from runtime_shim.backends.base import (
     SandboxHandle,
     Snapshottable,
     StatelessCalls,
+    Watchable,
     get_backend,
     remove_sandbox_dir,
     undo_on_error,
@@ -87,6 +88,7 @@ from runtime_shim.sdk.process import Process
 from runtime_shim.sdk.sweep import SandboxRemoval, gc_sandboxes, remove_sandbox, sweep_sandboxes
 
 if TYPE_CHECKING:
+    from runtime_shim.isolation.watch import DirWatch
     from runtime_shim.node.packdiff import SnapshotPolicy, SnapshotResult
     from runtime_shim.sdk.checkpoint import CheckpointResult
 
@@ -154,45 +156,23 @@ class Sandbox:
         published under ``publish`` (e.g. ``snap/NAME``) if given. Processes are paused while
         the upper dir is read. When the lock would end in more than ``max_chain`` snapshot
         layers, they are squashed into one. Returns a ``SnapshotResult``."""
-        from runtime_shim.node import packdiff
+        from runtime_shim.sdk import snapshot
 
         self._check_open()
         if self._store is None:
             raise RuntimeShimError("pack_diff needs the store the sandbox was created from")
-        handle = self._backend
-        if not isinstance(handle, Snapshottable):
+        if not isinstance(self._backend, Snapshottable):
             raise BackendUnavailable(f"pack-diff is not supported by the {self.backend} backend")
-        started = time.monotonic()
-        name = publish or self.id
-        blob = self.paths.root / "snapshot.tar.zst"
-        try:
-            with handle.quiesce(), open(blob, "wb") as out:
-                info, report = packdiff.pack_upper(
-                    handle.upper_dir(), out,
-                    policy or packdiff.SnapshotPolicy.for_limits(self._backend.limits),
-                    name=name, source_date_epoch=source_date_epoch)
-            stored = put_file(self._store, blob)
-            if stored.digest == info.digest:   # its pycs' imports, for lazy sandboxes of it
-                from runtime_shim.lazyfs.pyindex import index_layer_file
+        return snapshot.take(self._backend, sandbox_id=self.id, lock=self.lock, paths=self.paths,
+                             limits=self._backend.limits, store=self._store, publish=publish, policy=policy,
+                             max_chain=max_chain, source_date_epoch=source_date_epoch)
 
-                index_layer_file(self._store, str(blob), info.digest)
-        finally:
-            blob.unlink(missing_ok=True)
-        if stored.digest != info.digest:
-            raise RuntimeShimError(f"snapshot stored as {stored.digest}, packed {info.digest}")
-        layer = {"digest": info.digest, "size": info.size, "diff_id": info.diff_id,
-                 "toc_digest": info.toc_digest, "name": name}
-        manifest, config = packdiff.derive_lock(self.lock, [layer], keep=len(self.lock.layers))
-        squash = max_chain is not None and packdiff.snapshot_chain(self.lock) + 1 > max_chain
-        digest = packdiff.publish_lock(self._store, manifest, config,
-                                       None if squash else publish)
-        if squash:
-            digest = packdiff.squash_snapshots(self._store, resolve(self._store, digest),
-                                               scratch=self.paths.root, ref=publish,
-                                               name=name) or digest
-        return packdiff.SnapshotResult(layer=info.digest, lock=digest, ref=publish,
-                                       size=info.size, report=report, squashed=squash,
-                                       seconds=time.monotonic() - started)
+    def watch(self, path: str, *, recursive: bool = False) -> DirWatch:
+        """Watch directory ``path`` (``recursive``: its subtree): ``isolation.watch``."""
+        self._check_open()
+        if not isinstance(self._backend, Watchable):
+            raise BackendUnavailable(f"watch is not supported by the {self.backend} backend")
+        return self._backend.watch(path, recursive=recursive)
 
     def set_network(self, network: bool | Sequence[str]) -> None:
         """Change what this running sandbox may reach: ``network`` as for ``create``
@@ -229,10 +209,10 @@ class Sandbox:
     def restore(cls, checkpoint: str, *, store: StoreLike | None = None,
                 node_dir: str | os.PathLike[str] | NodeLayout | None = None,
                 network: bool | Sequence[str] = False, limits: Limits | None = None,
-                runtime: str = "runc", ttl: float | None = None) -> Sandbox:
+                runtime: str = "runc", ttl: float | None = None, keep: bool = False) -> Sandbox:
         """A new sandbox whose processes continue from ``checkpoint`` (a ref such as
         ``ckpt/NAME`` or a lock digest made by ``checkpoint``), on this node or another, with
-        the isolation of a fresh sandbox (``network``, ``limits`` as for ``create``). An image
+        the isolation of a fresh sandbox (``network``, ``limits``, ``keep`` as for ``create``). An image
         that does not match envbuild's record of it is refused (``CheckpointRefused``) and
         nothing is left."""
         from runtime_shim.sdk import checkpoint as checkpoints
@@ -245,7 +225,7 @@ class Sandbox:
             return cls.create(lock.digest, store=opened, node_dir=layout,
                               backend=str(record.get("backend", "container")),
                               network=network, limits=limits, runtime=runtime, ttl=ttl,
-                              restore=image)
+                              keep=keep, restore=image)
 
     def fork(self, n: int, *, network: bool | Sequence[str] = False,
              limits: Limits | None = None) -> list[Sandbox]:

@@ -43,7 +43,10 @@ def test_control_plane_needs_a_configured_key(server):
     for headers in ({}, {"X-API-KEY": "wrong"}, {"X-API-KEY": API_KEY + "x"},
                     {"X-API-KEY": hashlib.sha256(API_KEY.encode()).hexdigest()}):
         for method, path in (("POST", "/v2/sandboxes"), ("GET", "/v2/sandboxes"),
-                             ("GET", "/sandboxes/x"), ("DELETE", "/sandboxes/x")):
+                             ("GET", "/sandboxes/x"), ("DELETE", "/sandboxes/x"),
+                             ("POST", "/sandboxes/x/pause"), ("POST", "/sandboxes/x/resume"),
+                             ("POST", "/v2/sandboxes/x/connect"),
+                             ("POST", "/sandboxes/x/snapshots"), ("POST", "/sandboxes/x/fork")):
             r = httpx.request(method, f"{server.url}{path}", headers=headers,
                               json={"templateID": "busybox-shell"})
             assert r.status_code == 401, (headers, method, path, r.text)
@@ -94,8 +97,9 @@ def test_killed_and_unknown_sandboxes_are_not_found(server):
     for sid in (s["sandboxID"], "nosuchsandbox"):
         assert httpx.get(f"{server.url}/sandboxes/{sid}", headers=head).status_code == 404
         assert httpx.delete(f"{server.url}/sandboxes/{sid}", headers=head).status_code == 404
-        assert httpx.post(f"{server.url}/sandboxes/{sid}/timeout", headers=head,
-                          json={"timeout": 5}).status_code == 404
+        for verb in ("timeout", "pause", "resume", "connect", "snapshots", "fork"):
+            assert httpx.post(f"{server.url}/sandboxes/{sid}/{verb}", headers=head,
+                              json={"timeout": 5}).status_code == 404, verb
         r = httpx.post(f"{server.url}/process.Process/List", json={},
                        headers=_envd(server, sid, s["envdAccessToken"]))
         assert r.status_code == 502 and "was not found" in r.json()["message"]
@@ -103,6 +107,53 @@ def test_killed_and_unknown_sandboxes_are_not_found(server):
         with pytest.raises(SandboxNotFoundException):
             Sandbox.get_info(s["sandboxID"])
         assert Sandbox.kill(s["sandboxID"]) is False
+
+
+def test_a_paused_sandbox_is_closed_to_its_token_until_resumed(server):
+    """Paused (files only: no CRIU needed), a sandbox's envd and /files answer as for a
+    sandbox that does not run, to its own token too; pause and resume are refused where the
+    state does not allow them (409), and a bad body is a 400; resumed, the token opens it."""
+    s = _create(server).json()
+    sid, token = s["sandboxID"], s["envdAccessToken"]
+    head = {"X-API-KEY": API_KEY}
+    try:
+        assert httpx.post(f"{server.url}/sandboxes/{sid}/resume", headers=head,
+                          json={}).status_code == 409  # running: nothing to resume
+        assert httpx.post(f"{server.url}/sandboxes/{sid}/pause", headers=head,
+                          json={"memory": "no"}).status_code == 400
+        for bad in ("../escape", "a/b", "", "UPPER", "x" * 200, 7):  # a snapshot's ref name
+            assert httpx.post(f"{server.url}/sandboxes/{sid}/snapshots", headers=head,
+                              json={"name": bad}).status_code == 400, bad
+        for count in (0, 21, "2", True):
+            assert httpx.post(f"{server.url}/sandboxes/{sid}/fork", headers=head,
+                              json={"count": count}).status_code == 400, count
+        assert httpx.post(f"{server.url}/sandboxes/{sid}/pause", headers=head,
+                          json={"memory": False}).status_code == 204
+        assert httpx.post(f"{server.url}/sandboxes/{sid}/pause", headers=head,
+                          json={"memory": False}).status_code == 409
+        r = httpx.post(f"{server.url}/process.Process/List", json={},
+                       headers=_envd(server, sid, token))
+        assert r.status_code == 502, r.text
+        r = httpx.get(f"{server.url}/files", params={"path": "/etc/passwd"},
+                      headers=_envd(server, sid, token))
+        assert r.status_code == 502, r.text
+        for verb in ("snapshots", "fork"):  # only a running sandbox is snapshotted or forked
+            assert httpx.post(f"{server.url}/sandboxes/{sid}/{verb}", headers=head,
+                              json={}).status_code == 409, verb
+        r = httpx.post(f"{server.url}/sandboxes/{sid}/resume", headers=head, json={})
+        assert r.status_code == 201 and r.json()["envdAccessToken"] == token
+        r = httpx.post(f"{server.url}/process.Process/List", json={},
+                       headers=_envd(server, sid, token))
+        assert r.status_code == 200, r.text
+        # killed while paused: gone for good
+        assert httpx.post(f"{server.url}/sandboxes/{sid}/pause", headers=head,
+                          json={"memory": False}).status_code == 204
+        assert httpx.delete(f"{server.url}/sandboxes/{sid}", headers=head).status_code == 204
+        for verb in ("resume", "connect"):
+            assert httpx.post(f"{server.url}/sandboxes/{sid}/{verb}", headers=head,
+                              json={}).status_code == 404
+    finally:
+        httpx.delete(f"{server.url}/sandboxes/{sid}", headers=head)
 
 
 def test_oversize_bodies_are_refused(server):
@@ -193,3 +244,47 @@ def test_streams_on_one_command_are_bounded(server):
             assert [p["pid"] for p in listed.json()["processes"]] == [pid]
     finally:
         httpx.delete(f"{server.url}/sandboxes/{s['sandboxID']}", headers={"X-API-KEY": API_KEY})
+
+
+def test_watchers_are_their_sandboxs_own_and_bounded(server):
+    """A watcher id opens nothing in another sandbox; a sandbox holds at most MAX_WATCHERS
+    watches; a directory the user may not read is refused; killing the sandbox ends them."""
+    from envbuild.serve.envd_watch import MAX_WATCHERS
+
+    a, b = _create(server).json(), _create(server).json()
+    fs = f"{server.url}/filesystem.Filesystem"
+    ha = _envd(server, a["sandboxID"], a["envdAccessToken"])
+    hb = _envd(server, b["sandboxID"], b["envdAccessToken"])
+    try:
+        r = httpx.post(f"{fs}/CreateWatcher", json={"path": "/tmp"}, headers=ha)
+        assert r.status_code == 200, r.text
+        wid = r.json()["watcherId"]
+        assert httpx.post(f"{fs}/GetWatcherEvents", json={"watcherId": wid},
+                          headers=ha).status_code == 200
+        for verb in ("GetWatcherEvents", "RemoveWatcher"):
+            r = httpx.post(f"{fs}/{verb}", json={"watcherId": wid}, headers=hb)
+            assert r.status_code == 404 and r.json()["code"] == "not_found", r.text
+            r = httpx.post(f"{fs}/{verb}", json={"watcherId": wid},
+                           headers=_envd(server, a["sandboxID"], b["envdAccessToken"]))
+            assert r.status_code == 401, r.text
+        for _ in range(MAX_WATCHERS - 1):
+            assert httpx.post(f"{fs}/CreateWatcher", json={"path": "/tmp"},
+                              headers=ha).status_code == 200
+        r = httpx.post(f"{fs}/CreateWatcher", json={"path": "/tmp"}, headers=ha)
+        assert r.json()["code"] == "resource_exhausted", r.text
+        assert httpx.post(f"{fs}/CreateWatcher", json={"path": "/tmp"},
+                          headers=hb).status_code == 200  # another sandbox's are its own
+        httpx.post(f"{server.url}/process.Process/Start", headers={
+            **hb, "Content-Type": "application/connect+json"},
+            content=_envelope({"process": {"cmd": "/bin/sh", "args": [
+                "-c", "mkdir -p /private && chmod 700 /private"]}}))
+        agent = {**hb, "Authorization": "Basic " + __import__("base64").b64encode(
+            b"agent:").decode()}
+        r = httpx.post(f"{fs}/CreateWatcher", json={"path": "/private"}, headers=agent)
+        assert r.json()["code"] == "permission_denied", r.text
+    finally:
+        for s in (a, b):
+            httpx.delete(f"{server.url}/sandboxes/{s['sandboxID']}",
+                         headers={"X-API-KEY": API_KEY})
+    r = httpx.post(f"{fs}/GetWatcherEvents", json={"watcherId": wid}, headers=ha)
+    assert r.status_code == 502  # the sandbox is gone, and its watches with it
