@@ -33,6 +33,7 @@ from envbuild.errors import (
     SandboxNotFound,
 )
 from runtime_shim.fleet import execlog, placement
+from runtime_shim.fleet.calls import Calls, RayCalls
 from runtime_shim.fleet.cluster import (
     CALL_TIMEOUT,
     CREATE_PER_SANDBOX,
@@ -45,7 +46,6 @@ from runtime_shim.fleet.cluster import (
     node_lost,
     ray_api,
     start_daemons,
-    wait_call,
     wait_unnamed,
 )
 from runtime_shim.fleet.handle import AsyncFleetSandbox, FastForward, FleetSandbox, handles
@@ -60,6 +60,7 @@ from runtime_shim.fleet.model import (
     open_url,
     split_fleet_id,
 )
+from runtime_shim.fleet.view import LoadView, Placed
 from runtime_shim.node.model import Limits
 
 
@@ -67,12 +68,18 @@ class Fleet:
     """Sandboxes across a Ray cluster's ``envbuild_node`` nodes (module docstring)."""
 
     def __init__(self, store_url: str, store: Any, daemons: dict[str, Any], *,
-                 owns_ray: bool, config: DaemonConfig | None) -> None:
+                 owns_ray: bool, config: DaemonConfig | None, calls: Calls | None = None,
+                 status_ttl: float = 0.0) -> None:
+        """``calls``: how daemons are reached (``runtime_shim.fleet.calls``; default Ray's);
+        ``status_ttl``: seconds a node status answer is reused for placement
+        (``runtime_shim.fleet.view``; 0: every create asks every node)."""
         self.store_url = store_url
         self.store = store
         self._daemons = daemons
         self._owns_ray = owns_ray
         self._config = config
+        self._calls: Calls = calls or RayCalls()
+        self._view = LoadView(status_ttl)
         self._warmed: set[str] = set()  # pool keys this client warmed: claim first
         self._claim_turn = 0
 
@@ -82,15 +89,15 @@ class Fleet:
                 start: bool = True, slots: int = 256, memory_bytes: int | None = None,
                 max_starting: int = 4, runtime: str = "runc",
                 runtime_env: Mapping[str, Any] | None = None,
-                timeout: float = CALL_TIMEOUT) -> Fleet:
+                timeout: float = CALL_TIMEOUT, status_ttl: float = 0.0) -> Fleet:
         """Join the Ray cluster at ``address`` (``auto``, ``HOST:PORT``, ``ray://HOST:PORT``)
         and find its node daemons; with ``start`` (default) start the missing ones with
         ``store`` and ``node_dir`` (a template with ``{node_id}``; default
         ``/var/lib/envbuild/fleet/{node_id}``) and the capacity arguments (``DaemonConfig``).
         ``store``: an ``s3://`` URL or a directory every node reads (default
-        ``$ENVBUILD_STORE``); ``runtime_env``: Ray's, for the daemons started. Errors:
-        ``FleetUnavailable`` (no cluster there, no node offers ``envbuild_node``),
-        ``StoreUnavailable``."""
+        ``$ENVBUILD_STORE``); ``runtime_env``: Ray's, for the daemons started;
+        ``status_ttl``: as ``Fleet``. Errors: ``FleetUnavailable`` (no cluster there, no node
+        offers ``envbuild_node``), ``StoreUnavailable``."""
         from runtime_shim.sdk.sandbox import open_store
 
         ray_api()  # FleetUnavailable before anything else when Ray is not installed
@@ -123,7 +130,7 @@ class Fleet:
             raise FleetUnavailable("no fleet daemon runs on the cluster",
                                    hint="start them with `envbuild fleet start` (or "
                                         "Fleet.connect(start=True))")
-        return cls(store, opened, daemons, owns_ray=owns, config=config)
+        return cls(store, opened, daemons, owns_ray=owns, config=config, status_ttl=status_ttl)
 
     # -- nodes ------------------------------------------------------------------------------
 
@@ -138,7 +145,7 @@ class Fleet:
         """One daemon method, waited on with ``timeout`` (errors as the module says)."""
         handle = self._daemon(node_id)
         try:
-            return wait_call(getattr(handle, method).remote(*args), timeout, node_id)
+            return self._calls.wait(self._calls.submit(handle, method, *args), timeout, node_id)
         except NodeLost:
             self._forget_if_dead(node_id)
             raise
@@ -146,21 +153,19 @@ class Fleet:
     def _forget_if_dead(self, node_id: str) -> None:
         """A daemon whose Ray node is dead can never come back (it is pinned to that node):
         kill its actor, so no restarting actor is left waiting for the node forever."""
-        ray = ray_api()
-        if any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes()):
+        if self._calls.node_alive(node_id):
             return  # a crashed daemon Ray is restarting: it re-adopts its sandboxes
         handle = self._daemons.pop(node_id, None)
         if handle is not None:
-            with contextlib.suppress(Exception):
-                ray.kill(handle, no_restart=True)
+            self._calls.kill(handle)
 
     def _all(self, method: str, *args: Any, timeout: float = CALL_TIMEOUT,
              skip_lost: bool = False) -> dict[str, Any]:
-        refs = {nid: getattr(h, method).remote(*args) for nid, h in self._daemons.items()}
+        refs = {nid: self._calls.submit(h, method, *args) for nid, h in self._daemons.items()}
         out = {}
         for nid, ref in refs.items():
             try:
-                out[nid] = wait_call(ref, timeout, nid)
+                out[nid] = self._calls.wait(ref, timeout, nid)
             except NodeLost:
                 self._forget_if_dead(nid)
                 if not skip_lost:
@@ -264,10 +269,11 @@ class Fleet:
         return self._create_specs(specs, placement_policy)
 
     def _create_specs(self, specs: Sequence[tuple[CreateSpec, Any, int]], policy: str,
-                      first: FirstExec | None = None) -> list[list[FleetSandbox]]:
-        layers = sorted({x.digest for _, r, _ in specs for x in r.layers})
-        keys = [spec.pool_key() for spec, _, _ in specs]
-        status = self.nodes(layers, keys)
+                      first: FirstExec | None = None, *, fresh: bool = False
+                      ) -> list[list[FleetSandbox]]:
+        layers = tuple(sorted({x.digest for _, r, _ in specs for x in r.layers}))
+        keys = tuple(spec.pool_key() for spec, _, _ in specs)
+        status, viewed = self._statuses((layers, keys), fresh)
         if not status:
             raise FleetUnavailable("every node of the fleet is lost",
                                    hint="`envbuild fleet nodes`; add nodes with envbuild_node")
@@ -279,12 +285,34 @@ class Fleet:
                                   warm={s.node_id: dict(s.pools).get(key, 0) for s in status})
                   for (spec, r, n), key in zip(specs, keys, strict=True)]
         plans = placement.plan_groups(loads, groups, policy=policy)
-        return self._create_batches([(spec, counts) for (spec, _, _), counts
-                                     in zip(specs, plans, strict=True)], first)
+        self._view.placed([Placed(counts, g.memory, tuple(g.layers), key)
+                           for g, counts, key in zip(groups, plans, keys, strict=True)])
+        try:
+            return self._create_batches([(spec, counts) for (spec, _, _), counts
+                                         in zip(specs, plans, strict=True)], first)
+        except RuntimeShimError as e:
+            self._view.drop()
+            if not viewed or e.reference != "fleet-full":
+                raise
+        # a node was fuller than the view said (another driver's creates): plan once more
+        return self._create_specs(specs, policy, first, fresh=True)
+
+    def _statuses(self, query: tuple[tuple[str, ...], tuple[str, ...]], fresh: bool
+                  ) -> tuple[list[NodeStatus], bool]:
+        """The nodes' statuses for ``query`` (layers, pool keys): from the view when it has
+        them (True), else asked of every node by one thread at a time (False)."""
+        if not fresh and (status := self._view.get(query)) is not None:
+            return status, True
+        with self._view.refreshing(query):  # the other threads wait for this answer
+            if not fresh and (status := self._view.get(query)) is not None:
+                return status, True
+            status = self.nodes(*query)
+            self._view.put(query, status)
+            return status, False
 
     def _create_batches(self, batches: Sequence[tuple[CreateSpec, Mapping[str, int]]],
                         first: FirstExec | None = None) -> list[list[FleetSandbox]]:
-        refs = [[(nid, k, self._daemon(nid).create_batch.remote(spec, k, first))
+        refs = [[(nid, k, self._calls.submit(self._daemon(nid), "create_batch", spec, k, first))
                  for nid, k in counts.items()] for spec, counts in batches]
         made: list[list[Any]] = []
         errors: list[BaseException] = []
@@ -292,7 +320,8 @@ class Fleet:
             records: list[Any] = []
             for nid, k, ref in group:
                 try:
-                    records.extend(wait_call(ref, CALL_TIMEOUT + CREATE_PER_SANDBOX * k, nid))
+                    records.extend(self._calls.wait(ref, CALL_TIMEOUT + CREATE_PER_SANDBOX * k,
+                                                    nid))
                 except Exception as e:  # noqa: BLE001 - the others are closed, then raised
                     errors.append(e)
             made.append(records)

@@ -42,6 +42,7 @@ from runtime_shim.fleet.leases import (
     FLEET_RECORD,
     FLEET_RECORD_VERSION,
     Entry,
+    EntryTable,
     adopt,
     record_of,
     write_record,
@@ -87,12 +88,18 @@ class NodeDaemon(WarmPools):
         self.layout.ensure()
         self.store = open_store(open_url(config.store, config.s3_endpoint))
         self._lock = threading.Lock()
-        self._entries: dict[str, Entry] = {}
+        self._entries = EntryTable()
         self._reserved = 0  # slots of batches being started
         self._reserved_memory = 0
         self._starting = 0
         self._queued = 0
         self._admit = threading.BoundedSemaphore(max(1, config.max_starting))
+        # every batch's starts, on threads kept (a pool per batch cost thread starts on every
+        # call, and a thread per queued start); twice the admission so that first execs,
+        # which run on them after the start, do not hold the next starts back
+        self._starter = ThreadPoolExecutor(max_workers=2 * max(1, config.max_starting),
+                                           thread_name_prefix="fleet-start")
+        self._locks: dict[str, Any] = {}  # lock digest -> ResolvedLock (content-addressed)
         self._pulled = 0
         self._counted: set[str] = set()
         self._pools: dict[str, tuple[CreateSpec, int]] = {}  # key -> (spec, target)
@@ -133,11 +140,9 @@ class NodeDaemon(WarmPools):
         cached = tuple(d for d in layers if node.has(d) or node.lazy_mounted(d))
         with self._lock:
             used = len(self._entries) + self._reserved
-            memory_used = self._reserved_memory + sum(
-                memory_of(e.spec) for e in self._entries.values())
-            warm = sum(1 for e in self._entries.values() if e.pool)
-            pools = tuple((k, sum(1 for e in self._entries.values() if e.pool == k))
-                          for k in pool_keys)
+            memory_used = self._reserved_memory + self._entries.memory
+            warm = self._entries.pooled_total
+            pools = tuple((k, self._entries.pool_count(k)) for k in pool_keys)
             return NodeStatus(node_id=self.node_id, node_dir=str(self.layout.root),
                               store=self.config.store, slots=self.config.slots, used=used,
                               starting=self._starting, queued=self._queued,
@@ -161,9 +166,7 @@ class NodeDaemon(WarmPools):
         the batch like a start that does)."""
         if count < 1:
             return []
-        from runtime_shim.node.locks import resolve
-
-        lock = resolve(self.store, spec.lock)  # LockNotFound before anything is reserved
+        lock = self._resolve(spec.lock)  # LockNotFound before anything is reserved
         self._reserve(spec, count)
         made: list[Entry] = []
         try:
@@ -172,17 +175,18 @@ class NodeDaemon(WarmPools):
             self._count_pulled(lock)
             rest = count - len(claimed)
             if rest:
-                with ThreadPoolExecutor(max_workers=max(1, self.config.max_starting)) as pool:
-                    futures = [pool.submit(self._start_one, spec, None, first)
-                               for _ in range(rest)]
-                    errors: list[BaseException] = []
-                    for f in futures:
-                        try:
-                            made.append(f.result())
-                        except BaseException as err:  # noqa: BLE001 - the first re-raised
-                            errors.append(err)
-                    if errors:
-                        raise errors[0]
+                with self._lock:
+                    self._queued += rest  # until each reaches _start_one's admission
+                futures = [self._starter.submit(self._start_one, spec, None, first, True)
+                           for _ in range(rest)]
+                errors: list[BaseException] = []
+                for f in futures:
+                    try:
+                        made.append(f.result())
+                    except BaseException as err:  # noqa: BLE001 - the first re-raised
+                        errors.append(err)
+                if errors:
+                    raise errors[0]
             for entry in claimed:  # a claimed sandbox starts its lease and log now
                 self._activate(entry, spec)
                 if first is not None:
@@ -238,23 +242,41 @@ class NodeDaemon(WarmPools):
         result, entry.first = entry.first, None
         return record, result
 
-    def _start_one(self, spec: CreateSpec, pool: str | None = None,
-                   first: FirstExec | None = None) -> Entry:
+    def _resolve(self, digest: str) -> Any:
+        """The ``ResolvedLock`` of a lock digest, read from the store once (a digest names
+        one content forever)."""
+        lock = self._locks.get(digest)
+        if lock is None:
+            from runtime_shim.node.locks import resolve
+
+            lock = resolve(self.store, digest)
+            if digest == lock.digest:
+                self._locks[digest] = lock
+        return lock
+
+    def _new_sandbox(self, spec: CreateSpec) -> Any:
+        """One started sandbox of ``spec`` on this node: the SDK's ``Sandbox.create`` (the
+        node's own work; ``benchmarks/cell_sim.py`` puts a simulated node here)."""
         from runtime_shim.sdk.sandbox import Sandbox
 
-        with self._lock:
-            self._queued += 1
+        return Sandbox.create(
+            spec.lock, store=self.store, node_dir=str(self.layout.root), backend=spec.backend,
+            network=list(spec.network) if isinstance(spec.network, tuple) else spec.network,
+            limits=spec.limits, runtime=self.config.runtime, keep=_can_keep(spec),
+            lazy=spec.lazy, seccomp=spec.seccomp, reap=False)
+
+    def _start_one(self, spec: CreateSpec, pool: str | None = None,
+                   first: FirstExec | None = None, queued: bool = False) -> Entry:
+        """Start one sandbox once admitted (``queued``: already counted as queued)."""
+        if not queued:
+            with self._lock:
+                self._queued += 1
         with self._admit:
             with self._lock:
                 self._queued -= 1
                 self._starting += 1
             try:
-                sb = Sandbox.create(
-                    spec.lock, store=self.store, node_dir=str(self.layout.root), backend=spec.backend,
-                    network=list(spec.network) if isinstance(spec.network, tuple)
-                    else spec.network,
-                    limits=spec.limits, runtime=self.config.runtime, keep=_can_keep(spec),
-                    lazy=spec.lazy, seccomp=spec.seccomp, reap=False)
+                sb = self._new_sandbox(spec)
             finally:
                 with self._lock:
                     self._starting -= 1
@@ -337,6 +359,7 @@ class NodeDaemon(WarmPools):
             for k, _ in entries:
                 self._entries.pop(k, None)
         self._close_entries([e for _, e in entries])
+        self._starter.shutdown(wait=False)
         return [k for k, _ in entries]
 
     def attach(self, sandbox_id: str, ttl: float | None = None) -> SandboxRecord:
@@ -473,10 +496,9 @@ class NodeDaemon(WarmPools):
     def _reserve(self, spec: CreateSpec, count: int) -> None:
         need = memory_of(spec) * count
         with self._lock:
-            pooled = sum(1 for e in self._entries.values() if e.pool == spec.pool_key())
+            pooled = self._entries.pool_count(spec.pool_key())
             used = len(self._entries) + self._reserved - min(pooled, count)
-            memory_used = self._reserved_memory + sum(
-                memory_of(e.spec) for e in self._entries.values())
+            memory_used = self._reserved_memory + self._entries.memory
             if used + count > self.config.slots or memory_used + need > self._memory_budget():
                 raise RuntimeShimError(
                     f"node {self.node_id[:12]} has room for {max(0, self.config.slots - used)} "
