@@ -54,7 +54,7 @@ from runtime_shim.fleet import placement  # noqa: E402
 from runtime_shim.fleet.calls import LocalCalls  # noqa: E402
 from runtime_shim.fleet.client import Fleet  # noqa: E402
 from runtime_shim.fleet.daemon import NodeDaemon  # noqa: E402
-from runtime_shim.fleet.model import CreateSpec, DaemonConfig  # noqa: E402
+from runtime_shim.fleet.model import CreateSpec, DaemonConfig, SandboxRecord  # noqa: E402
 from runtime_shim.node.model import Limits  # noqa: E402
 
 GIB = 1 << 30
@@ -178,6 +178,41 @@ def watch_live(daemons: list[SimDaemon], stop: threading.Event, out: dict[str, i
         out["peak"] = max(out.get("peak", 0), sum(len(d._entries) for d in daemons))
 
 
+def ray_call_cpu(calls: int) -> float:
+    """Driver CPU (ms) of one Ray actor call, measured: ``calls`` no-op calls to an actor
+    made like the daemon (``num_cpus=0``, 256 concurrent calls) on a local Ray, sent in
+    rounds of 160 (one per node of a cell) and waited on together. This process's CPU time:
+    the driver's Python and Ray's core worker threads in it."""
+    from tests import ray_cluster
+
+    assert ray_cluster.WORKER_RESOURCES  # imported first: loopback only, set before ray loads
+    import ray
+
+    temp = tempfile.mkdtemp(prefix="ebcell-", dir="/tmp")  # a new local Ray of our own
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
+             logging_level="ERROR", _temp_dir=temp)
+    try:
+        @ray.remote(num_cpus=0, max_concurrency=256)
+        class Noop:
+            def create_batch(self, spec: CreateSpec, count: int, first: Any) -> list[Any]:
+                return [SandboxRecord(id=f"eb-{i:012x}@{0:012x}", node_id="0" * 40,
+                                      lock=spec.lock, backend="container", created=0.0,
+                                      ready=0.0, lease_expires=0.0, exec_log=None)
+                        for i in range(count)]
+
+        actor = Noop.remote()
+        spec = CreateSpec(lock="sha256:" + "0" * 64, limits=Limits(memory_bytes=512 << 20),
+                          ttl=76.0)
+        ray.get([actor.create_batch.remote(spec, 6, None) for _ in range(200)])  # warm
+        c0 = time.process_time()
+        for _ in range(calls // 160):  # a call of n=1000 on 160 nodes: ~6 per node
+            ray.get([actor.create_batch.remote(spec, 6, None) for _ in range(160)])
+        return (time.process_time() - c0) / (calls // 160 * 160) * 1000
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
 def fit_check(args: argparse.Namespace) -> dict[str, float]:
     """One plan of ``--fit`` sandboxes over empty nodes with the cell's slots and memory."""
     loads = [placement.NodeLoad(node_id=f"{i:040x}", slots=args.slots, used=0,
@@ -201,7 +236,7 @@ def report(args: argparse.Namespace, d: dict[str, Any], calls: dict[str, int], c
         "call_p99_ms": pct(d["walls"], 99) * 1000,
         "driver_ms": d["cpu"] / made * 1000, "node_calls_per_create": node_calls / made,
         "daemons_ms": max(0.0, cpu - d["cpu"]) / made * 1000, "peak_live": peak,
-        "fit_placed": fit["placed"], "errors": len(d["errors"])}
+        "fit_placed": fit["placed"], "errors": len(d["errors"]), "made": d["made"]}
     figures["driver_ray_ms"] = figures["driver_ms"] + figures["node_calls_per_create"] \
         * args.ray_call_ms
     figures["kept_up"] = float(figures["lag_max"] <= args.max_lag and not d["errors"]
@@ -221,7 +256,7 @@ def _print(args: argparse.Namespace, f: dict[str, float], calls: dict[str, int],
           f"p50 {f['call_p50_ms']:.0f} ms, p99 {f['call_p99_ms']:.0f} ms; errors {f['errors']:.0f}")
     print(f"kept up: {'yes' if f['kept_up'] else 'NO'}")
     print(f"driver CPU per create: {f['driver_ms']:.4f} ms (goal <= 0.1; ratio "
-          f"{f['driver_ms'] / 0.1:.2f}); with Ray's {args.ray_call_ms} ms per node call: "
+          f"{f['driver_ms'] / 0.1:.2f}); with Ray's {args.ray_call_ms:.4f} ms per node call: "
           f"{f['driver_ray_ms']:.4f} ms")
     print(f"node calls per create: {f['node_calls_per_create']:.3f} ({calls})")
     print(f"daemons' CPU per create (all {args.nodes}, in this process): {f['daemons_ms']:.4f} ms")
@@ -252,18 +287,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--call-threads", type=int, default=1024, help="LocalCalls threads")
     p.add_argument("--ray-call-ms", type=float, default=0.5,
                    help="driver CPU of one Ray actor call (the note: ~0.5 ms unbatched)")
+    p.add_argument("--ray-probe", type=int, default=0, metavar="CALLS",
+                   help="measure --ray-call-ms on a local Ray with this many calls first")
     p.add_argument("--max-lag", type=float, default=1.0, help="seconds a call may start late")
     p.add_argument("--fit", type=int, help="sandboxes of the placement check (default: "
-                   "380,000 x nodes / 160)")
+                   "380,000 x nodes / 160, at most the cell's slots)")
     p.add_argument("--root", help="work dir (default: a temporary one, removed)")
     args = p.parse_args(argv)
     if args.fit is None:
-        args.fit = 380_000 * args.nodes // 160
+        args.fit = min(380_000 * args.nodes // 160, args.slots * args.nodes)
     return args
 
 
 def run(argv: list[str] | None = None) -> dict[str, float]:
+    """The simulation (module docstring): its figures, printed and returned."""
     args = parse(argv)
+    if args.ray_probe:
+        args.ray_call_ms = ray_call_cpu(args.ray_probe)
+        print(f"Ray actor call, driver CPU: {args.ray_call_ms:.4f} ms (measured, "
+              f"{args.ray_probe} calls)")
     root = Path(args.root or tempfile.mkdtemp(prefix="cellsim-", dir=_tmp()))
     fleet, daemons, digest = make_cell(args, root)
     stop = threading.Event()
@@ -277,8 +319,8 @@ def run(argv: list[str] | None = None) -> dict[str, float]:
         stop.set()
         watcher.join()
         live["peak"] = max(live.get("peak", 0), sum(len(x._entries) for x in daemons))
-        return report(args, d, dict(fleet._calls.counts), cpu,  # type: ignore[attr-defined]
-                      live["peak"], fit_check(args))
+        figures = report(args, d, dict(fleet._calls.counts), cpu,  # type: ignore[attr-defined]
+                         live["peak"], fit_check(args))
     finally:
         stop.set()
         for x in daemons:
@@ -287,6 +329,8 @@ def run(argv: list[str] | None = None) -> dict[str, float]:
         fleet._calls.shutdown()  # type: ignore[attr-defined]
         if not args.root:
             shutil.rmtree(root, ignore_errors=True)
+    figures["left"] = sum(len(x._entries) for x in daemons)
+    return figures
 
 
 def _tmp() -> str | None:
