@@ -172,6 +172,31 @@ def drive(fleet: Fleet, lock: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def prefill(fleet: Fleet, lock: str, daemons: list[SimDaemon], args: argparse.Namespace
+            ) -> float:
+    """``--prefill`` sandboxes (lease of an hour) made through the same control plane with
+    instant starts, before the timed part: the cell already full. Its seconds."""
+    limits = Limits(memory_bytes=args.sandbox_memory_mib << 20)
+    saved = [x.create_s for x in daemons]
+    for x in daemons:
+        x.create_s = (0.0, 0.0)
+    t = time.monotonic()
+    try:
+        left = args.prefill
+        while left > 0:
+            left -= len(fleet.create(lock, n=min(left, 10_000), ttl=3600.0, limits=limits))
+    finally:
+        for x, c in zip(daemons, saved, strict=True):
+            x.create_s = c
+    return time.monotonic() - t
+
+
+def warm(fleet: Fleet, lock: str, args: argparse.Namespace) -> None:
+    """``--warm`` ready sandboxes on every node (the creates then claim them first)."""
+    fleet.warm(lock, per_node=args.warm, wait=600.0,
+               limits=Limits(memory_bytes=args.sandbox_memory_mib << 20))
+
+
 def watch_live(daemons: list[SimDaemon], stop: threading.Event, out: dict[str, int]) -> None:
     """The cell's live sandboxes, sampled every 0.5 s: the peak."""
     while not stop.wait(0.5):
@@ -260,7 +285,8 @@ def _print(args: argparse.Namespace, f: dict[str, float], calls: dict[str, int],
           f"{f['driver_ray_ms']:.4f} ms")
     print(f"node calls per create: {f['node_calls_per_create']:.3f} ({calls})")
     print(f"daemons' CPU per create (all {args.nodes}, in this process): {f['daemons_ms']:.4f} ms")
-    print(f"live sandboxes: peak {f['peak_live']:.0f} (rate x ttl = {args.rate * args.ttl:.0f})")
+    print(f"live sandboxes: peak {f['peak_live']:.0f} (prefill {args.prefill} + rate x ttl = "
+          f"{args.prefill + args.rate * args.ttl:.0f})")
     print(f"placement model: {fit['placed']:.0f} of {args.fit} placed in one plan "
           f"({fit['min_per_node']:.0f}-{fit['max_per_node']:.0f} per node, "
           f"{fit['seconds']:.2f} s)")
@@ -292,6 +318,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-lag", type=float, default=1.0, help="seconds a call may start late")
     p.add_argument("--fit", type=int, help="sandboxes of the placement check (default: "
                    "380,000 x nodes / 160, at most the cell's slots)")
+    p.add_argument("--prefill", type=int, default=0,
+                   help="sandboxes made first (instant starts, 1 h leases): a full cell")
+    p.add_argument("--warm", type=int, default=0, help="warm sandboxes per node")
     p.add_argument("--root", help="work dir (default: a temporary one, removed)")
     args = p.parse_args(argv)
     if args.fit is None:
@@ -313,6 +342,11 @@ def run(argv: list[str] | None = None) -> dict[str, float]:
     watcher = threading.Thread(target=watch_live, args=(daemons, stop, live), daemon=True)
     watcher.start()
     try:
+        if args.prefill:
+            took = prefill(fleet, digest, daemons, args)
+            print(f"prefill: {args.prefill} sandboxes in {took:.1f} s")
+        if args.warm:
+            warm(fleet, digest, args)
         cpu0 = time.process_time()
         d = drive(fleet, digest, args)
         cpu = time.process_time() - cpu0
