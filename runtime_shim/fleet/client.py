@@ -89,15 +89,17 @@ class Fleet:
                 start: bool = True, slots: int = 256, memory_bytes: int | None = None,
                 max_starting: int = 4, runtime: str = "runc",
                 runtime_env: Mapping[str, Any] | None = None,
-                timeout: float = CALL_TIMEOUT, status_ttl: float = 0.0) -> Fleet:
+                timeout: float = CALL_TIMEOUT, status_ttl: float = 0.0,
+                workers: int = 0) -> Fleet:
         """Join the Ray cluster at ``address`` (``auto``, ``HOST:PORT``, ``ray://HOST:PORT``)
         and find its node daemons; with ``start`` (default) start the missing ones with
         ``store`` and ``node_dir`` (a template with ``{node_id}``; default
         ``/var/lib/envbuild/fleet/{node_id}``) and the capacity arguments (``DaemonConfig``).
         ``store``: an ``s3://`` URL or a directory every node reads (default
         ``$ENVBUILD_STORE``); ``runtime_env``: Ray's, for the daemons started;
-        ``status_ttl``: as ``Fleet``. Errors: ``FleetUnavailable`` (no cluster there, no node
-        offers ``envbuild_node``), ``StoreUnavailable``."""
+        ``status_ttl``: as ``Fleet``; ``workers``: ``DaemonConfig.workers``. Errors:
+        ``FleetUnavailable`` (no cluster there, no node offers ``envbuild_node``),
+        ``StoreUnavailable``."""
         from runtime_shim.sdk.sandbox import open_store
 
         ray_api()  # FleetUnavailable before anything else when Ray is not installed
@@ -114,7 +116,7 @@ class Fleet:
         config = DaemonConfig(store=store, node_dir=node_dir or
                               "/var/lib/envbuild/fleet/{node_id}", s3_endpoint=s3_endpoint,
                               slots=slots, memory_bytes=memory_bytes,
-                              max_starting=max_starting, runtime=runtime)
+                              max_starting=max_starting, runtime=runtime, workers=workers)
         nodes = fleet_nodes()
         if not nodes:
             raise FleetUnavailable(f"no node of the Ray cluster at {address} offers the "

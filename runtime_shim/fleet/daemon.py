@@ -33,7 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from envbuild.errors import (
-    BackendUnavailable,
     EnvbuildError,
     RuntimeShimError,
     SandboxNotFound,
@@ -65,6 +64,7 @@ from runtime_shim.fleet.model import (
     split_fleet_id,
 )
 from runtime_shim.fleet.pools import REFILL_DELAY, WarmPools
+from runtime_shim.fleet.workers import CreateWorkers, child_of, start_sandbox
 from runtime_shim.node.layout import NodeLayout
 from runtime_shim.node.model import ExecResult, SandboxInfo
 
@@ -105,6 +105,9 @@ class NodeDaemon(WarmPools):
         self._pools: dict[str, tuple[CreateSpec, int]] = {}  # key -> (spec, target)
         self._stop = threading.Event()
         self.adopted, self.reaped = adopt(self.layout, self.store, config.runtime, self._entries)
+        self._workers = CreateWorkers(config.workers, config, str(self.layout.root)) \
+            if config.workers > 0 else None
+        self.worker_pids = self._workers.start() if self._workers else []
         self._refill = threading.Event()
         threading.Thread(target=self._reap_loop, name="fleet-reaper", daemon=True).start()
         self._pool_thread = threading.Thread(target=self._pool_loop, name="fleet-pool",
@@ -131,7 +134,7 @@ class NodeDaemon(WarmPools):
     def hello(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "node_dir": str(self.layout.root),
                 "store": self.config.store, "pid": os.getpid(), "adopted": self.adopted,
-                "reaped": self.reaped}
+                "reaped": self.reaped, "workers": self.worker_pids}
 
     def status(self, layers: Sequence[str] = (), pool_keys: Sequence[str] = ()) -> NodeStatus:
         from runtime_shim.node.nodecache import NodeCache
@@ -255,15 +258,11 @@ class NodeDaemon(WarmPools):
         return lock
 
     def _new_sandbox(self, spec: CreateSpec) -> Any:
-        """One started sandbox of ``spec`` on this node: the SDK's ``Sandbox.create`` (the
-        node's own work; ``benchmarks/cell_sim.py`` puts a simulated node here)."""
-        from runtime_shim.sdk.sandbox import Sandbox
-
-        return Sandbox.create(
-            spec.lock, store=self.store, node_dir=str(self.layout.root), backend=spec.backend,
-            network=list(spec.network) if isinstance(spec.network, tuple) else spec.network,
-            limits=spec.limits, runtime=self.config.runtime, keep=_can_keep(spec),
-            lazy=spec.lazy, seccomp=spec.seccomp, reap=False)
+        """One started sandbox of ``spec`` on this node, in a create worker if there are any
+        (``runtime_shim.fleet.workers``): the node's own work (``benchmarks/cell_sim.py``
+        puts a simulated node here)."""
+        return start_sandbox(spec, store=self.store, node_dir=str(self.layout.root),
+                             runtime=self.config.runtime, workers=self._workers)
 
     def _start_one(self, spec: CreateSpec, pool: str | None = None,
                    first: FirstExec | None = None, queued: bool = False) -> Entry:
@@ -360,6 +359,8 @@ class NodeDaemon(WarmPools):
                 self._entries.pop(k, None)
         self._close_entries([e for _, e in entries])
         self._starter.shutdown(wait=False)
+        if self._workers is not None:
+            self._workers.shutdown()
         return [k for k, _ in entries]
 
     def attach(self, sandbox_id: str, ttl: float | None = None) -> SandboxRecord:
@@ -380,8 +381,8 @@ class NodeDaemon(WarmPools):
         from runtime_shim.sdk.sandbox import list_sandboxes, remove_sandbox
 
         for info in list_sandboxes(self.layout):
-            if info.id in known or info.pid == os.getpid():
-                continue  # ours, or being created by this daemon right now
+            if info.id in known or info.pid == os.getpid() or child_of(info.pid, os.getpid()):
+                continue  # ours, or being created by this daemon (or its worker) right now
             with contextlib.suppress(EnvbuildError, OSError):
                 remove_sandbox(self.layout, info.id, self.config.runtime)
                 removed.append(info.id)
@@ -557,18 +558,6 @@ def reap_node_dir(node_dir: str | os.PathLike[str]) -> list[str]:
             remove_sandbox(node_dir, info.id)
             removed.append(info.id)
     return removed
-
-
-def _can_keep(spec: CreateSpec) -> bool:
-    """keep=True (the sandbox outlives its creator: the daemon may crash and re-adopt it)
-    where the backend allows it."""
-    from runtime_shim.backends.base import get_backend
-
-    try:
-        get_backend(spec.backend).check(keep=True, seccomp=spec.seccomp, lazy=spec.lazy)
-    except BackendUnavailable:
-        return False
-    return True
 
 
 # the data types and ids live in runtime_shim.fleet.model, the record in .leases; importable

@@ -40,7 +40,9 @@ class DaemonConfig:
     None: 4 × the host's memory, since limits are caps, not reservations); ``max_starting``:
     admission control; ``runtime``: the OCI runtime; ``niceness``: the nice value the daemon's
     threads, and so the sandboxes they start, run at (Ray starts its workers at 15, which on a
-    busy node starves starts and execs behind every normal process; None: leave Ray's)."""
+    busy node starves starts and execs behind every normal process; None: leave Ray's);
+    ``workers``: processes that run the node's starts (``runtime_shim.fleet.workers``; 0: the
+    daemon's own threads, under its one GIL)."""
 
     store: str
     node_dir: str
@@ -51,6 +53,7 @@ class DaemonConfig:
     runtime: str = "runc"
     reap_interval: float = 1.0
     niceness: int | None = 0
+    workers: int = 0
 
     def node_dir_for(self, node_id: str) -> str:
         return self.node_dir.replace("{node_id}", node_id)
