@@ -370,6 +370,8 @@ class NodeDaemon(WarmPools):
     def renew(self, sandbox_id: str, ttl: float | None = None) -> SandboxRecord:
         entry = self._entry(sandbox_id)
         entry.lease_expires = time.time() + (ttl or entry.spec.ttl or DEFAULT_TTL)
+        with self._lock:
+            self._entries.leased(sandbox_id)
         self._write_record(entry)
         return self._record(entry)
 
@@ -532,8 +534,7 @@ class NodeDaemon(WarmPools):
     def _reap_expired(self) -> list[str]:
         now = time.time()
         with self._lock:
-            expired = [k for k, e in self._entries.items()
-                       if not e.pool and e.lease_expires and e.lease_expires <= now]
+            expired = self._entries.expired(now)  # not a scan of every sandbox
             entries = [self._entries.pop(k) for k in expired]
         for e in entries:
             with contextlib.suppress(Exception):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import heapq
 import itertools
 import json
 import os
@@ -51,15 +52,18 @@ class Entry:
 
 class EntryTable(dict[str, Entry]):
     """A daemon's entries by SDK id, with what admission and status ask on every create kept
-    up to date as entries come and go: the memory they count (``memory``) and the pooled ones
-    by pool key (``pooled``), so neither scans every sandbox of the node (2,400 of them on a
-    cell's node). An entry's ``spec`` and ``pool`` change only while it is out of the table."""
+    up to date as entries come and go: the memory they count (``memory``), the pooled ones
+    by pool key (``pooled``) and their leases' ends in a heap (``expired``), so neither a
+    create nor the reaper scans every sandbox of the node (2,400 of them on a cell's node).
+    An entry's ``spec`` and ``pool`` change only while it is out of the table; a lease
+    renewed in it is told with ``leased``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.memory = 0
         self.pooled: dict[str, dict[str, None]] = {}  # pool key -> ids, oldest first
         self.pooled_total = 0
+        self._leases: list[tuple[float, str]] = []  # (lease end, id); stale ones skipped
 
     def __setitem__(self, key: str, entry: Entry) -> None:
         if key in self:
@@ -69,6 +73,23 @@ class EntryTable(dict[str, Entry]):
         if entry.pool:
             self.pooled.setdefault(entry.pool, {})[key] = None
             self.pooled_total += 1
+        self.leased(key)
+
+    def leased(self, key: str) -> None:
+        """Entry ``key``'s lease was set or renewed."""
+        entry = self.get(key)
+        if entry is not None and not entry.pool and entry.lease_expires:
+            heapq.heappush(self._leases, (entry.lease_expires, key))
+
+    def expired(self, now: float) -> list[str]:
+        """The ids of the (non-pooled) entries whose lease ended by ``now``."""
+        out = []
+        while self._leases and self._leases[0][0] <= now:
+            _, key = heapq.heappop(self._leases)
+            e = self.get(key)
+            if e is not None and not e.pool and e.lease_expires and e.lease_expires <= now:
+                out.append(key)
+        return out
 
     def pop(self, key: str, *default: Any) -> Any:
         if key not in self:
@@ -98,7 +119,7 @@ class EntryTable(dict[str, Entry]):
 
     def clear(self) -> None:
         super().clear()
-        self.memory, self.pooled, self.pooled_total = 0, {}, 0
+        self.memory, self.pooled, self.pooled_total, self._leases = 0, {}, 0, []
 
     def _unsupported(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("EntryTable keeps its counters through []=, pop and clear")

@@ -6,6 +6,7 @@ sandbox of the node; the counters agree with the entries."""
 from __future__ import annotations
 
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -141,3 +142,36 @@ def test_entry_table_counters_agree_with_the_entries():
             assert table.pooled_total == sum(1 for e in dict.values(table) if e.pool)
     table.clear()
     assert (len(table), table.memory, table.pooled_total) == (0, 0, 0)
+
+
+def test_the_reaper_closes_ended_leases_without_reading_every_entry(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    digest = fake_lock(store)
+    config = DaemonConfig(store=str(tmp_path / "store"), node_dir=str(tmp_path / "{node_id}"),
+                          niceness=None, reap_interval=0.05)
+    daemon = StubDaemon(config, "1" * 40)
+    daemon._entries = NoScan()
+    try:
+        short = daemon.create_batch(CreateSpec(lock=digest, ttl=0.3), 3)
+        daemon.create_batch(CreateSpec(lock=digest, ttl=60), 2)
+        daemon.renew(short[0].id.split("@")[0], 60)
+        time.sleep(1.0)
+        assert len(daemon._entries) == 3, "the two short leases not renewed were reaped"
+        assert short[0].id.split("@")[0] in daemon._entries
+    finally:
+        daemon._entries = EntryTable()
+        daemon.shutdown()
+
+
+def test_entry_table_leases_end_in_order_and_renewals_count():
+    table = EntryTable()
+    spec = CreateSpec(lock="sha256:" + "0" * 64)
+    for i, end in enumerate((5.0, 1.0, 3.0)):
+        table[f"k{i}"] = Entry(sandbox=None, spec=spec, lease_expires=end, exec_log=None)
+    table["pooled"] = Entry(sandbox=None, spec=spec, lease_expires=0.0, exec_log=None, pool="p")
+    assert table.expired(0.5) == []
+    table["k1"].lease_expires = 4.0
+    table.leased("k1")
+    assert table.expired(3.5) == ["k2"], "k1 was renewed past 3.5"
+    table.pop("k0")
+    assert table.expired(10.0) == ["k1"]
