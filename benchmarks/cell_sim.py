@@ -129,7 +129,8 @@ def make_cell(args: argparse.Namespace, root: Path) -> tuple[Fleet, list[SimDaem
                for i in range(1, args.nodes + 1)]
     calls = CountingCalls(args.call_threads)
     fleet = Fleet(str(root / "store"), store, {d.node_id: d for d in daemons}, owns_ray=False,
-                  config=config, calls=calls, status_ttl=args.status_ttl)
+                  config=config, calls=calls, status_ttl=args.status_ttl,
+                  node_batch=args.node_batch)
     return fleet, daemons, digest
 
 
@@ -276,7 +277,8 @@ def _print(args: argparse.Namespace, f: dict[str, float], calls: dict[str, int],
     load = os.getloadavg()[0]
     print(f"cell: {args.nodes} nodes x {args.slots} slots, max_starting {args.max_starting}, "
           f"create {args.create_ms} ms, close {args.close_ms} ms, calls of n={args.batch} from "
-          f"{args.threads} driver threads, status_ttl {args.status_ttl} s, load {load:.1f}")
+          f"{args.threads} driver threads, status_ttl {args.status_ttl} s, node_batch "
+          f"{args.node_batch}, load {load:.1f}")
     print(f"rate: {f['rate']:.0f}/s of {args.rate}/s asked ({f['rate_ratio']:.2f}); call start "
           f"lag p99 {f['lag_p99'] * 1000:.0f} ms, max {f['lag_max'] * 1000:.0f} ms; create call "
           f"p50 {f['call_p50_ms']:.0f} ms, p99 {f['call_p99_ms']:.0f} ms; errors {f['errors']:.0f}")
@@ -311,6 +313,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--create-ms", default="30,50", help="a start's time on its node: LO,HI")
     p.add_argument("--close-ms", default="10,20", help="a close's time on its node: LO,HI")
     p.add_argument("--status-ttl", type=float, default=1.0)
+    p.add_argument("--node-batch", type=int, default=4,
+                   help="sandboxes placement gives a node at a time (Fleet's node_batch)")
     p.add_argument("--call-threads", type=int, default=1024, help="LocalCalls threads")
     p.add_argument("--ray-call-ms", type=float, default=0.5,
                    help="driver CPU of one Ray actor call (the note: ~0.5 ms unbatched)")

@@ -69,10 +69,12 @@ class Fleet:
 
     def __init__(self, store_url: str, store: Any, daemons: dict[str, Any], *,
                  owns_ray: bool, config: DaemonConfig | None, calls: Calls | None = None,
-                 status_ttl: float = 0.0) -> None:
+                 status_ttl: float = 0.0, node_batch: int = 1) -> None:
         """``calls``: how daemons are reached (``runtime_shim.fleet.calls``; default Ray's);
         ``status_ttl``: seconds a node status answer is reused for placement
-        (``runtime_shim.fleet.view``; 0: every create asks every node)."""
+        (``runtime_shim.fleet.view``; 0: every create asks every node); ``node_batch``:
+        sandboxes placement gives a node at a time (``placement.plan_groups``' ``chunk``;
+        the nodes' ``max_starting`` makes small calls cost fewer node calls)."""
         self.store_url = store_url
         self.store = store
         self._daemons = daemons
@@ -80,6 +82,7 @@ class Fleet:
         self._config = config
         self._calls: Calls = calls or RayCalls()
         self._view = LoadView(status_ttl)
+        self._node_batch = node_batch
         self._warmed: set[str] = set()  # pool keys this client warmed: claim first
         self._claim_turn = 0
 
@@ -90,14 +93,15 @@ class Fleet:
                 max_starting: int = 4, runtime: str = "runc",
                 runtime_env: Mapping[str, Any] | None = None,
                 timeout: float = CALL_TIMEOUT, status_ttl: float = 0.0,
-                workers: int = 0) -> Fleet:
+                workers: int = 0, node_batch: int = 1) -> Fleet:
         """Join the Ray cluster at ``address`` (``auto``, ``HOST:PORT``, ``ray://HOST:PORT``)
         and find its node daemons; with ``start`` (default) start the missing ones with
         ``store`` and ``node_dir`` (a template with ``{node_id}``; default
         ``/var/lib/envbuild/fleet/{node_id}``) and the capacity arguments (``DaemonConfig``).
         ``store``: an ``s3://`` URL or a directory every node reads (default
         ``$ENVBUILD_STORE``); ``runtime_env``: Ray's, for the daemons started;
-        ``status_ttl``: as ``Fleet``; ``workers``: ``DaemonConfig.workers``. Errors:
+        ``status_ttl``, ``node_batch``: as ``Fleet``; ``workers``: ``DaemonConfig.workers``.
+        Errors:
         ``FleetUnavailable`` (no cluster there, no node offers ``envbuild_node``),
         ``StoreUnavailable``."""
         from runtime_shim.sdk.sandbox import open_store
@@ -132,7 +136,8 @@ class Fleet:
             raise FleetUnavailable("no fleet daemon runs on the cluster",
                                    hint="start them with `envbuild fleet start` (or "
                                         "Fleet.connect(start=True))")
-        return cls(store, opened, daemons, owns_ray=owns, config=config, status_ttl=status_ttl)
+        return cls(store, opened, daemons, owns_ray=owns, config=config, status_ttl=status_ttl,
+                   node_batch=node_batch)
 
     # -- nodes ------------------------------------------------------------------------------
 
@@ -286,7 +291,7 @@ class Fleet:
                                   memory=(spec.limits or Limits()).memory_bytes or 0,
                                   warm={s.node_id: dict(s.pools).get(key, 0) for s in status})
                   for (spec, r, n), key in zip(specs, keys, strict=True)]
-        plans = placement.plan_groups(loads, groups, policy=policy)
+        plans = placement.plan_groups(loads, groups, policy=policy, chunk=self._node_batch)
         self._view.placed([Placed(counts, g.memory, tuple(g.layers), key)
                            for g, counts, key in zip(groups, plans, keys, strict=True)])
         try:

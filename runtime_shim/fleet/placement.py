@@ -10,8 +10,11 @@ goes to the node with the best ``free_fraction + locality_weight × cached_fract
 this plan gives it one sandbox of the lock; the locality bonus counts only while the node is
 below its fair share. So one big group spreads evenly, and a burst of several locks lands each
 lock on few nodes (each node pulls fewer layers from the store) without piling everything on
-one. Warm sandboxes (``warm``) are claimed first. ``policy="random"`` is the baseline the
-benchmark compares against: each sandbox on a uniformly random node with room.
+one. Warm sandboxes (``warm``) are claimed first. ``chunk`` > 1 gives a chosen node up to that
+many sandboxes at a time (a node's admission width: a call of 100 on 160 nodes then goes to
+25 nodes × 4, each starting its 4 at once, in 25 node calls instead of 100); consecutive plans
+still spread, since a node's score counts what it holds. ``policy="random"`` is the baseline
+the benchmark compares against: each sandbox on a uniformly random node with room.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ def plan(nodes: Sequence[NodeLoad], n: int, layers: Mapping[str, int], *, memory
 
 def plan_groups(nodes: Sequence[NodeLoad], groups: Sequence[Group], *,
                 policy: str = "locality", locality_weight: float = LOCALITY_WEIGHT,
-                seed: int | None = None) -> list[dict[str, int]]:
+                seed: int | None = None, chunk: int = 1) -> list[dict[str, int]]:
     """One ``{node_id: count}`` per group (see the module docstring), all or
     ``RuntimeShimError`` (``fleet-full``)."""
     if policy not in ("locality", "random"):
@@ -95,7 +98,7 @@ def plan_groups(nodes: Sequence[NodeLoad], groups: Sequence[Group], *,
         if policy == "random":
             state.place_random(g, counts, left)
         else:
-            state.place_best(g, counts, left)
+            state.place_best(g, counts, left, max(1, chunk))
         out.append({k: v for k, v in counts.items() if v})
     return out
 
@@ -156,7 +159,7 @@ class _Plan:
             self.put(self.rng.choice(candidates), g, counts)
             left -= 1
 
-    def place_best(self, g: Group, counts: dict[str, int], left: int) -> None:
+    def place_best(self, g: Group, counts: dict[str, int], left: int, chunk: int = 1) -> None:
         # a node's score changes only when it is given a sandbox: a heap keeps the
         # plan O(n log nodes) (32,000 sandboxes on 160 nodes in well under a second)
         heap = [(-self.score(i, g), -self.slots[i], i) for i in self.slots if self.room(i, g)]
@@ -165,8 +168,11 @@ class _Plan:
             if not heap:
                 raise self.full()
             _, _, node_id = heapq.heappop(heap)
-            self.put(node_id, g, counts)
-            left -= 1
+            for _ in range(min(chunk, left)):
+                self.put(node_id, g, counts)
+                left -= 1
+                if not self.room(node_id, g):
+                    break
             if self.room(node_id, g):
                 heapq.heappush(heap, (-self.score(node_id, g), -self.slots[node_id], node_id))
 
