@@ -93,15 +93,16 @@ class Fleet:
                 max_starting: int = 4, runtime: str = "runc",
                 runtime_env: Mapping[str, Any] | None = None,
                 timeout: float = CALL_TIMEOUT, status_ttl: float = 0.0,
-                workers: int = 0, node_batch: int = 1) -> Fleet:
+                workers: int = 0, node_batch: int = 1,
+                data_host: str | None = None) -> Fleet:
         """Join the Ray cluster at ``address`` (``auto``, ``HOST:PORT``, ``ray://HOST:PORT``)
         and find its node daemons; with ``start`` (default) start the missing ones with
         ``store`` and ``node_dir`` (a template with ``{node_id}``; default
         ``/var/lib/envbuild/fleet/{node_id}``) and the capacity arguments (``DaemonConfig``).
         ``store``: an ``s3://`` URL or a directory every node reads (default
         ``$ENVBUILD_STORE``); ``runtime_env``: Ray's, for the daemons started;
-        ``status_ttl``, ``node_batch``: as ``Fleet``; ``workers``: ``DaemonConfig.workers``.
-        Errors:
+        ``status_ttl``, ``node_batch``: as ``Fleet``; ``workers``, ``data_host``: as
+        ``DaemonConfig``. Errors:
         ``FleetUnavailable`` (no cluster there, no node offers ``envbuild_node``),
         ``StoreUnavailable``."""
         from runtime_shim.sdk.sandbox import open_store
@@ -120,7 +121,8 @@ class Fleet:
         config = DaemonConfig(store=store, node_dir=node_dir or
                               "/var/lib/envbuild/fleet/{node_id}", s3_endpoint=s3_endpoint,
                               slots=slots, memory_bytes=memory_bytes,
-                              max_starting=max_starting, runtime=runtime, workers=workers)
+                              max_starting=max_starting, runtime=runtime, workers=workers,
+                              data_host=data_host)
         nodes = fleet_nodes()
         if not nodes:
             raise FleetUnavailable(f"no node of the Ray cluster at {address} offers the "

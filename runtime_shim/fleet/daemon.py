@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -37,6 +39,7 @@ from envbuild.errors import (
     RuntimeShimError,
     SandboxNotFound,
 )
+from runtime_shim.fleet.dataplane import DataServer, answer
 from runtime_shim.fleet.leases import (
     FLEET_RECORD,
     FLEET_RECORD_VERSION,
@@ -108,6 +111,8 @@ class NodeDaemon(WarmPools):
         self._workers = CreateWorkers(config.workers, config, str(self.layout.root)) \
             if config.workers > 0 else None
         self.worker_pids = self._workers.start() if self._workers else []
+        self._data = DataServer(config.data_host, self._data_answer) \
+            if config.data_host else None
         self._refill = threading.Event()
         threading.Thread(target=self._reap_loop, name="fleet-reaper", daemon=True).start()
         self._pool_thread = threading.Thread(target=self._pool_loop, name="fleet-pool",
@@ -134,7 +139,8 @@ class NodeDaemon(WarmPools):
     def hello(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "node_dir": str(self.layout.root),
                 "store": self.config.store, "pid": os.getpid(), "adopted": self.adopted,
-                "reaped": self.reaped, "workers": self.worker_pids}
+                "reaped": self.reaped, "workers": self.worker_pids,
+                "data_addr": self._data.address if self._data else None}
 
     def status(self, layers: Sequence[str] = (), pool_keys: Sequence[str] = ()) -> NodeStatus:
         from runtime_shim.node.nodecache import NodeCache
@@ -239,7 +245,7 @@ class NodeDaemon(WarmPools):
         return result
 
     def _answer(self, entry: Entry, first: FirstExec | None) -> Any:
-        record = self._record(entry)
+        record = self._handed(entry)
         if first is None:
             return record
         result, entry.first = entry.first, None
@@ -301,6 +307,7 @@ class NodeDaemon(WarmPools):
         entry.spec = spec
         entry.pool = None
         entry.lease_expires = time.time() + (spec.ttl or DEFAULT_TTL)
+        entry.token = secrets.token_hex(32) if self._data else None
         if spec.exec_log:
             from runtime_shim.fleet import execlog
 
@@ -361,6 +368,8 @@ class NodeDaemon(WarmPools):
         self._starter.shutdown(wait=False)
         if self._workers is not None:
             self._workers.shutdown()
+        if self._data is not None:
+            self._data.close()
         return [k for k, _ in entries]
 
     def attach(self, sandbox_id: str, ttl: float | None = None) -> SandboxRecord:
@@ -373,7 +382,7 @@ class NodeDaemon(WarmPools):
         with self._lock:
             self._entries.leased(sandbox_id)
         self._write_record(entry)
-        return self._record(entry)
+        return self._handed(entry)
 
     def gc(self) -> builtins.list[str]:
         """Close sandboxes past their lease and remove dirs of sandboxes nobody owns."""
@@ -480,6 +489,22 @@ class NodeDaemon(WarmPools):
 
     def _record(self, e: Entry) -> SandboxRecord:
         return record_of(e, self.node_id)
+
+    def _handed(self, e: Entry) -> SandboxRecord:
+        """The record for the sandbox's creator or attacher: with its data-plane token."""
+        record = self._record(e)
+        if self._data is None or not e.token:
+            return record
+        return dataclasses.replace(record, data_addr=self._data.address, token=e.token)
+
+    def _data_answer(self, request: Any) -> dict[str, Any]:
+        return answer(self, request)
+
+    def data_token(self, sandbox_id: str) -> str | None:
+        """The data-plane token of a live, handed-out sandbox (None: no such sandbox)."""
+        with self._lock:
+            entry = self._entries.get(check_sdk_id(sandbox_id))
+        return entry.token if entry is not None and not entry.pool else None
 
     def _write_record(self, e: Entry) -> None:
         write_record(e, self.node_id)

@@ -47,6 +47,7 @@ class Entry:
     pool: str | None = None  # the pool key while it waits in a warm pool
     seq: int = 0  # exec log entries written
     first: ExecResult | None = None  # a batch's first exec, until it is handed back
+    token: str | None = None  # its data-plane token (runtime_shim.fleet.dataplane)
     log_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 

@@ -42,7 +42,8 @@ class DaemonConfig:
     threads, and so the sandboxes they start, run at (Ray starts its workers at 15, which on a
     busy node starves starts and execs behind every normal process; None: leave Ray's);
     ``workers``: processes that run the node's starts (``runtime_shim.fleet.workers``; 0: the
-    daemon's own threads, under its one GIL)."""
+    daemon's own threads, under its one GIL); ``data_host``: the address the daemon's data
+    plane listens on (``runtime_shim.fleet.dataplane``; None: exec and files over Ray only)."""
 
     store: str
     node_dir: str
@@ -54,6 +55,7 @@ class DaemonConfig:
     reap_interval: float = 1.0
     niceness: int | None = 0
     workers: int = 0
+    data_host: str | None = None
 
     def node_dir_for(self, node_id: str) -> str:
         return self.node_dir.replace("{node_id}", node_id)
@@ -87,7 +89,9 @@ class CreateSpec:
 
 @dataclasses.dataclass(frozen=True)
 class SandboxRecord:
-    """One fleet sandbox as its daemon reports it. ``id`` is ``SDK-ID@NODE`` (``fleet_id``)."""
+    """One fleet sandbox as its daemon reports it. ``id`` is ``SDK-ID@NODE`` (``fleet_id``).
+    ``data_addr`` and ``token``: its daemon's data plane and the sandbox's token there, in the
+    records handed to its creator or attacher only (``runtime_shim.fleet.dataplane``)."""
 
     id: str
     node_id: str
@@ -98,6 +102,8 @@ class SandboxRecord:
     lease_expires: float
     exec_log: str | None
     labels: tuple[tuple[str, str], ...] = ()
+    data_addr: tuple[str, int] | None = None
+    token: str | None = dataclasses.field(default=None, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)

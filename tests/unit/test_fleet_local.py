@@ -14,53 +14,18 @@ import pytest
 from envbuild.errors import RuntimeShimError
 from envbuild.store import LocalStore
 from runtime_shim.backends.fake import fake_lock
-from runtime_shim.fleet.calls import LocalCalls
-from runtime_shim.fleet.client import Fleet
-from runtime_shim.fleet.daemon import NodeDaemon
 from runtime_shim.fleet.leases import Entry, EntryTable
 from runtime_shim.fleet.model import CreateSpec, DaemonConfig, memory_of
 from runtime_shim.node.model import Limits
-
-
-class StubDaemon(NodeDaemon):
-    """A real daemon whose node start makes no sandbox (an id and a record dir)."""
-
-    def _new_sandbox(self, spec: CreateSpec) -> SimpleNamespace:
-        root = self.layout.root / "stub"
-        root.mkdir(exist_ok=True)
-        sb = SimpleNamespace(id=f"eb-{random.getrandbits(48):012x}",
-                             paths=SimpleNamespace(root=root, meta=root / "sandbox.json"))
-        sb.close = lambda: None
-        return sb
-
-
-class CountingCalls(LocalCalls):
-    def __init__(self) -> None:
-        super().__init__(workers=32)
-        self.counts: dict[str, int] = {}
-
-    def submit(self, handle, method, *args):
-        self.counts[method] = self.counts.get(method, 0) + 1
-        return super().submit(handle, method, *args)
+from tests.fleet_stub import StubDaemon, stub_cell
 
 
 @pytest.fixture
 def cell(tmp_path):
-    store = LocalStore(tmp_path / "store")
-    digest = fake_lock(store)
-    config = DaemonConfig(store=str(tmp_path / "store"), node_dir=str(tmp_path / "{node_id}"),
-                          slots=10, memory_bytes=1 << 40, niceness=None)
-    daemons = {f"{i:040x}": StubDaemon(config, f"{i:040x}") for i in (1, 2, 3)}
-    calls = CountingCalls()
-
-    def fleet(status_ttl: float) -> Fleet:
-        return Fleet(str(tmp_path / "store"), store, daemons, owns_ray=False, config=config,
-                     calls=calls, status_ttl=status_ttl)
-
-    yield SimpleNamespace(fleet=fleet, daemons=daemons, calls=calls, lock=digest)
-    for d in daemons.values():
-        d.shutdown()
-    calls.shutdown()
+    cell = stub_cell(tmp_path)
+    yield SimpleNamespace(fleet=lambda status_ttl: cell.fleet(status_ttl=status_ttl),
+                          daemons=cell.daemons, calls=cell.calls, lock=cell.lock)
+    cell.close()
 
 
 def test_without_a_view_every_create_asks_every_node(cell):
