@@ -83,6 +83,7 @@ class Fleet:
         self._calls: Calls = calls or RayCalls()
         self._view = LoadView(status_ttl)
         self._node_batch = node_batch
+        self._locks: dict[str, Any] = {}  # lock digest -> ResolvedLock
         self._warmed: set[str] = set()  # pool keys this client warmed: claim first
         self._claim_turn = 0
 
@@ -198,10 +199,9 @@ class Fleet:
               limits: Limits | None, ttl: float | None, exec_log: bool,
               labels: Mapping[str, str] | None, seccomp: str | None):
         from envbuild.errors import LockNotFound
-        from runtime_shim.node.locks import resolve
 
         try:
-            resolved = resolve(self.store, lock)
+            resolved = self._resolve(lock)
         except LockNotFound as e:
             raise LockNotFound(f"{e.message} (in the fleet's store {self.store_url})",
                                hint=e.hint) from None
@@ -212,6 +212,17 @@ class Fleet:
                           limits=limits, seccomp=seccomp, ttl=ttl, exec_log=exec_log,
                           labels=tuple(sorted((labels or {}).items())))
         return spec, resolved
+
+    def _resolve(self, lock: str) -> Any:
+        """``resolve`` of a lock ref or digest, the lock itself read from the store once per
+        digest (a digest names one content forever; a ref is looked up every time)."""
+        from runtime_shim.node.locks import lock_digest, resolve
+
+        digest = lock_digest(self.store, lock)
+        hit = self._locks.get(digest)
+        if hit is None:
+            hit = self._locks[digest] = resolve(self.store, digest)
+        return hit
 
     def create(self, lock: str, *, n: int = 1, backend: str = "container", lazy: bool = False,
                network: bool | Sequence[str] = False, limits: Limits | None = None,
@@ -286,14 +297,12 @@ class Fleet:
         if not status:
             raise FleetUnavailable("every node of the fleet is lost",
                                    hint="`envbuild fleet nodes`; add nodes with envbuild_node")
-        loads = [placement.NodeLoad(node_id=s.node_id, slots=s.slots, used=s.used,
-                                    memory_bytes=s.memory_bytes, memory_used=s.memory_used,
-                                    cached=frozenset(s.cached)) for s in status]
         groups = [placement.Group(layers={x.digest: x.size for x in r.layers}, n=n,
                                   memory=(spec.limits or Limits()).memory_bytes or 0,
-                                  warm={s.node_id: dict(s.pools).get(key, 0) for s in status})
+                                  warm={s.node_id: ready for s in status
+                                        for k, ready in s.pools if k == key and ready})
                   for (spec, r, n), key in zip(specs, keys, strict=True)]
-        plans = placement.plan_groups(loads, groups, policy=policy, chunk=self._node_batch)
+        plans = placement.plan_groups(status, groups, policy=policy, chunk=self._node_batch)
         self._view.placed([Placed(counts, g.memory, tuple(g.layers), key)
                            for g, counts, key in zip(groups, plans, keys, strict=True)])
         try:

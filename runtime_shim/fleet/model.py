@@ -8,6 +8,7 @@ here crosses the Ray boundary by pickle.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -80,11 +81,18 @@ class CreateSpec:
 
     def pool_key(self) -> str:
         """What makes two warm sandboxes interchangeable (not lease, log or labels)."""
-        ident = {"lock": self.lock, "backend": self.backend, "lazy": self.lazy,
-                 "network": list(self.network) if isinstance(self.network, tuple)
-                 else self.network,
-                 "limits": dataclasses.asdict(self.limits or Limits()), "seccomp": self.seccomp}
-        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+        return _pool_key(self.lock, self.backend, self.lazy, self.network, self.limits,
+                         self.seccomp)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pool_key(lock: str, backend: str, lazy: bool, network: bool | tuple[str, ...],
+              limits: Limits | None, seccomp: str | None) -> str:
+    """``CreateSpec.pool_key`` (every create asks it twice: computed once per spec)."""
+    ident = {"lock": lock, "backend": backend, "lazy": lazy,
+             "network": list(network) if isinstance(network, tuple) else network,
+             "limits": dataclasses.asdict(limits or Limits()), "seccomp": seccomp}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclasses.dataclass(frozen=True)
