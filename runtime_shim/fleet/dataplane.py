@@ -41,6 +41,8 @@ from runtime_shim.node.model import ExecResult
 VERSION = 1
 #: The largest message either side accepts (a file written or read whole).
 MAX_FRAME = 64 << 20
+#: Connections a daemon serves at once (one thread each); more are closed as they come.
+MAX_CONNECTIONS = 1024
 _EXEC_KEYS = ("timeout", "env", "cwd", "user")
 
 
@@ -81,6 +83,7 @@ class DataServer:
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._answer = answer
         self._closed = False
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         threading.Thread(target=self._accept, name="fleet-data-accept", daemon=True).start()
 
     def _accept(self) -> None:
@@ -89,12 +92,16 @@ class DataServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
+            if not self._slots.acquire(blocking=False):
+                conn.close()  # a flood of idle connections costs no thread
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn,), name="fleet-data",
                              daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
+        with conn, contextlib.ExitStack() as done:
+            done.callback(self._slots.release)
             while True:
                 try:
                     request = _recv(conn)
@@ -245,6 +252,6 @@ def exec_result(reply: Mapping[str, Any], sandbox_id: str, check_timeout: bool) 
     return result
 
 
-__all__ = ["MAX_FRAME", "VERSION", "DataDaemon", "DataServer", "Unreachable", "answer", "call",
-           "check_token",
-           "exec_kwargs", "exec_request", "exec_result", "result_fields"]
+__all__ = ["MAX_CONNECTIONS", "MAX_FRAME", "VERSION", "DataDaemon", "DataServer", "Unreachable",
+           "answer", "call", "check_token", "exec_kwargs", "exec_request", "exec_result",
+           "result_fields"]

@@ -60,6 +60,28 @@ def test_attach_hands_the_same_token_and_pooled_sandboxes_have_none(cell):
     fleet.warm(cell.lock, per_node=0)
 
 
+def test_connections_past_the_bound_are_closed_and_the_rest_served(cell, monkeypatch):
+    monkeypatch.setattr(dataplane, "MAX_CONNECTIONS", 3)
+    server = dataplane.DataServer("127.0.0.1", lambda request: {"echo": request.get("x")})
+    try:
+        idle = [socket.create_connection(server.address, timeout=5) for _ in range(3)]
+        with socket.create_connection(server.address, timeout=5) as extra:
+            assert extra.recv(1) == b"", "the fourth is closed at once"
+        idle.pop().close()
+        for _ in range(50):  # its thread ends, its slot comes back
+            try:
+                assert dataplane.call(server.address, {"x": 7}, 5.0, "0" * 12)["echo"] == 7
+                break
+            except dataplane.NodeLost:
+                continue
+        else:
+            raise AssertionError("a freed slot was never served")
+        for s in idle:
+            s.close()
+    finally:
+        server.close()
+
+
 def _raw(addr, payload: bytes) -> bytes:
     with socket.create_connection(tuple(addr), timeout=5) as s:
         s.sendall(payload)
