@@ -59,13 +59,19 @@ def fleet() -> None:
               help="Sandboxes per node.")
 @click.option("--max-starting", type=click.IntRange(1), default=4, show_default=True,
               help="Sandboxes a node starts at once (more wait in its queue).")
+@click.option("--workers", type=click.IntRange(0), default=0, show_default=True,
+              help="Processes that run each node's starts (0: the daemon's threads).")
+@click.option("--data-host", default=None, metavar="ADDRESS",
+              help="Serve exec and files on this address (a token per sandbox); "
+                   "default: over Ray only.")
 @json_option()
 @pass_app
 def fleet_start(app: App, address: str | None, node_dir: str, slots: int,
-                max_starting: int, as_json: bool) -> None:
+                max_starting: int, workers: int, data_host: str | None,
+                as_json: bool) -> None:
     """Start a node daemon on every node offering envbuild_node (idempotent)."""
     f = connect(app, address, start=True, node_dir=node_dir, slots=slots,
-                max_starting=max_starting)
+                max_starting=max_starting, workers=workers, data_host=data_host)
     if as_json:
         echo_json({"nodes": list(f.node_ids), "store": f.store_url})
     else:

@@ -9,8 +9,10 @@ sandboxes by free capacity and layer locality (``runtime_shim.fleet.placement``,
 batched call per node, and returns ``FleetSandbox`` handles with the ``Sandbox`` methods.
 Sandboxes belong to the daemons, so a new driver ``attach``es to those of a killed one.
 Exec logs and replay: ``runtime_shim.fleet.execlog``. The client's parts: ``cluster`` (Ray, the
-daemons, calls with deadlines) and ``handle`` (the sandbox handles); the daemon's: ``leases``
-(records, leases, re-adoption) and ``pools`` (warm pools); the data both exchange: ``model``.
+daemons, calls with deadlines), ``calls`` (the transport: Ray's, or in-process daemons for
+tests and ``benchmarks/cell_sim.py``), ``view`` (node loads reused between status calls) and
+``handle`` (the sandbox handles); the daemon's: ``leases`` (records, leases, re-adoption, the
+entry table) and ``pools`` (warm pools); the data both exchange: ``model``.
 
 Ray is imported only when a fleet is used: ``import runtime_shim.fleet`` itself loads nothing
 of it.

@@ -33,6 +33,7 @@ from envbuild.errors import (
     SandboxNotFound,
 )
 from runtime_shim.fleet import execlog, placement
+from runtime_shim.fleet.calls import Calls, RayCalls
 from runtime_shim.fleet.cluster import (
     CALL_TIMEOUT,
     CREATE_PER_SANDBOX,
@@ -45,7 +46,6 @@ from runtime_shim.fleet.cluster import (
     node_lost,
     ray_api,
     start_daemons,
-    wait_call,
     wait_unnamed,
 )
 from runtime_shim.fleet.handle import AsyncFleetSandbox, FastForward, FleetSandbox, handles
@@ -60,6 +60,7 @@ from runtime_shim.fleet.model import (
     open_url,
     split_fleet_id,
 )
+from runtime_shim.fleet.view import LoadView, Placed
 from runtime_shim.node.model import Limits
 
 
@@ -67,12 +68,22 @@ class Fleet:
     """Sandboxes across a Ray cluster's ``envbuild_node`` nodes (module docstring)."""
 
     def __init__(self, store_url: str, store: Any, daemons: dict[str, Any], *,
-                 owns_ray: bool, config: DaemonConfig | None) -> None:
+                 owns_ray: bool, config: DaemonConfig | None, calls: Calls | None = None,
+                 status_ttl: float = 0.0, node_batch: int = 1) -> None:
+        """``calls``: how daemons are reached (``runtime_shim.fleet.calls``; default Ray's);
+        ``status_ttl``: seconds a node status answer is reused for placement
+        (``runtime_shim.fleet.view``; 0: every create asks every node); ``node_batch``:
+        sandboxes placement gives a node at a time (``placement.plan_groups``' ``chunk``;
+        the nodes' ``max_starting`` makes small calls cost fewer node calls)."""
         self.store_url = store_url
         self.store = store
         self._daemons = daemons
         self._owns_ray = owns_ray
         self._config = config
+        self._calls: Calls = calls or RayCalls()
+        self._view = LoadView(status_ttl)
+        self._node_batch = node_batch
+        self._locks: dict[str, Any] = {}  # lock digest -> ResolvedLock
         self._warmed: set[str] = set()  # pool keys this client warmed: claim first
         self._claim_turn = 0
 
@@ -82,13 +93,17 @@ class Fleet:
                 start: bool = True, slots: int = 256, memory_bytes: int | None = None,
                 max_starting: int = 4, runtime: str = "runc",
                 runtime_env: Mapping[str, Any] | None = None,
-                timeout: float = CALL_TIMEOUT) -> Fleet:
+                timeout: float = CALL_TIMEOUT, status_ttl: float = 0.0,
+                workers: int = 0, node_batch: int = 1,
+                data_host: str | None = None) -> Fleet:
         """Join the Ray cluster at ``address`` (``auto``, ``HOST:PORT``, ``ray://HOST:PORT``)
         and find its node daemons; with ``start`` (default) start the missing ones with
         ``store`` and ``node_dir`` (a template with ``{node_id}``; default
         ``/var/lib/envbuild/fleet/{node_id}``) and the capacity arguments (``DaemonConfig``).
         ``store``: an ``s3://`` URL or a directory every node reads (default
-        ``$ENVBUILD_STORE``); ``runtime_env``: Ray's, for the daemons started. Errors:
+        ``$ENVBUILD_STORE``); ``runtime_env``: Ray's, for the daemons started;
+        ``status_ttl``, ``node_batch``: as ``Fleet``; ``workers``, ``data_host``: as
+        ``DaemonConfig``. Errors:
         ``FleetUnavailable`` (no cluster there, no node offers ``envbuild_node``),
         ``StoreUnavailable``."""
         from runtime_shim.sdk.sandbox import open_store
@@ -107,7 +122,8 @@ class Fleet:
         config = DaemonConfig(store=store, node_dir=node_dir or
                               "/var/lib/envbuild/fleet/{node_id}", s3_endpoint=s3_endpoint,
                               slots=slots, memory_bytes=memory_bytes,
-                              max_starting=max_starting, runtime=runtime)
+                              max_starting=max_starting, runtime=runtime, workers=workers,
+                              data_host=data_host)
         nodes = fleet_nodes()
         if not nodes:
             raise FleetUnavailable(f"no node of the Ray cluster at {address} offers the "
@@ -123,7 +139,8 @@ class Fleet:
             raise FleetUnavailable("no fleet daemon runs on the cluster",
                                    hint="start them with `envbuild fleet start` (or "
                                         "Fleet.connect(start=True))")
-        return cls(store, opened, daemons, owns_ray=owns, config=config)
+        return cls(store, opened, daemons, owns_ray=owns, config=config, status_ttl=status_ttl,
+                   node_batch=node_batch)
 
     # -- nodes ------------------------------------------------------------------------------
 
@@ -138,7 +155,7 @@ class Fleet:
         """One daemon method, waited on with ``timeout`` (errors as the module says)."""
         handle = self._daemon(node_id)
         try:
-            return wait_call(getattr(handle, method).remote(*args), timeout, node_id)
+            return self._calls.wait(self._calls.submit(handle, method, *args), timeout, node_id)
         except NodeLost:
             self._forget_if_dead(node_id)
             raise
@@ -146,21 +163,19 @@ class Fleet:
     def _forget_if_dead(self, node_id: str) -> None:
         """A daemon whose Ray node is dead can never come back (it is pinned to that node):
         kill its actor, so no restarting actor is left waiting for the node forever."""
-        ray = ray_api()
-        if any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes()):
+        if self._calls.node_alive(node_id):
             return  # a crashed daemon Ray is restarting: it re-adopts its sandboxes
         handle = self._daemons.pop(node_id, None)
         if handle is not None:
-            with contextlib.suppress(Exception):
-                ray.kill(handle, no_restart=True)
+            self._calls.kill(handle)
 
     def _all(self, method: str, *args: Any, timeout: float = CALL_TIMEOUT,
              skip_lost: bool = False) -> dict[str, Any]:
-        refs = {nid: getattr(h, method).remote(*args) for nid, h in self._daemons.items()}
+        refs = {nid: self._calls.submit(h, method, *args) for nid, h in self._daemons.items()}
         out = {}
         for nid, ref in refs.items():
             try:
-                out[nid] = wait_call(ref, timeout, nid)
+                out[nid] = self._calls.wait(ref, timeout, nid)
             except NodeLost:
                 self._forget_if_dead(nid)
                 if not skip_lost:
@@ -184,10 +199,9 @@ class Fleet:
               limits: Limits | None, ttl: float | None, exec_log: bool,
               labels: Mapping[str, str] | None, seccomp: str | None):
         from envbuild.errors import LockNotFound
-        from runtime_shim.node.locks import resolve
 
         try:
-            resolved = resolve(self.store, lock)
+            resolved = self._resolve(lock)
         except LockNotFound as e:
             raise LockNotFound(f"{e.message} (in the fleet's store {self.store_url})",
                                hint=e.hint) from None
@@ -198,6 +212,17 @@ class Fleet:
                           limits=limits, seccomp=seccomp, ttl=ttl, exec_log=exec_log,
                           labels=tuple(sorted((labels or {}).items())))
         return spec, resolved
+
+    def _resolve(self, lock: str) -> Any:
+        """``resolve`` of a lock ref or digest, the lock itself read from the store once per
+        digest (a digest names one content forever; a ref is looked up every time)."""
+        from runtime_shim.node.locks import lock_digest, resolve
+
+        digest = lock_digest(self.store, lock)
+        hit = self._locks.get(digest)
+        if hit is None:
+            hit = self._locks[digest] = resolve(self.store, digest)
+        return hit
 
     def create(self, lock: str, *, n: int = 1, backend: str = "container", lazy: bool = False,
                network: bool | Sequence[str] = False, limits: Limits | None = None,
@@ -264,27 +289,48 @@ class Fleet:
         return self._create_specs(specs, placement_policy)
 
     def _create_specs(self, specs: Sequence[tuple[CreateSpec, Any, int]], policy: str,
-                      first: FirstExec | None = None) -> list[list[FleetSandbox]]:
-        layers = sorted({x.digest for _, r, _ in specs for x in r.layers})
-        keys = [spec.pool_key() for spec, _, _ in specs]
-        status = self.nodes(layers, keys)
+                      first: FirstExec | None = None, *, fresh: bool = False
+                      ) -> list[list[FleetSandbox]]:
+        layers = tuple(sorted({x.digest for _, r, _ in specs for x in r.layers}))
+        keys = tuple(spec.pool_key() for spec, _, _ in specs)
+        status, viewed = self._statuses((layers, keys), fresh)
         if not status:
             raise FleetUnavailable("every node of the fleet is lost",
                                    hint="`envbuild fleet nodes`; add nodes with envbuild_node")
-        loads = [placement.NodeLoad(node_id=s.node_id, slots=s.slots, used=s.used,
-                                    memory_bytes=s.memory_bytes, memory_used=s.memory_used,
-                                    cached=frozenset(s.cached)) for s in status]
         groups = [placement.Group(layers={x.digest: x.size for x in r.layers}, n=n,
                                   memory=(spec.limits or Limits()).memory_bytes or 0,
-                                  warm={s.node_id: dict(s.pools).get(key, 0) for s in status})
+                                  warm={s.node_id: ready for s in status
+                                        for k, ready in s.pools if k == key and ready})
                   for (spec, r, n), key in zip(specs, keys, strict=True)]
-        plans = placement.plan_groups(loads, groups, policy=policy)
-        return self._create_batches([(spec, counts) for (spec, _, _), counts
-                                     in zip(specs, plans, strict=True)], first)
+        plans = placement.plan_groups(status, groups, policy=policy, chunk=self._node_batch)
+        self._view.placed([Placed(counts, g.memory, tuple(g.layers), key)
+                           for g, counts, key in zip(groups, plans, keys, strict=True)])
+        try:
+            return self._create_batches([(spec, counts) for (spec, _, _), counts
+                                         in zip(specs, plans, strict=True)], first)
+        except RuntimeShimError as e:
+            self._view.drop()
+            if not viewed or e.reference != "fleet-full":
+                raise
+        # a node was fuller than the view said (another driver's creates): plan once more
+        return self._create_specs(specs, policy, first, fresh=True)
+
+    def _statuses(self, query: tuple[tuple[str, ...], tuple[str, ...]], fresh: bool
+                  ) -> tuple[list[NodeStatus], bool]:
+        """The nodes' statuses for ``query`` (layers, pool keys): from the view when it has
+        them (True), else asked of every node by one thread at a time (False)."""
+        if not fresh and (status := self._view.get(query)) is not None:
+            return status, True
+        with self._view.refreshing(query):  # the other threads wait for this answer
+            if not fresh and (status := self._view.get(query)) is not None:
+                return status, True
+            status = self.nodes(*query)
+            self._view.put(query, status)
+            return status, False
 
     def _create_batches(self, batches: Sequence[tuple[CreateSpec, Mapping[str, int]]],
                         first: FirstExec | None = None) -> list[list[FleetSandbox]]:
-        refs = [[(nid, k, self._daemon(nid).create_batch.remote(spec, k, first))
+        refs = [[(nid, k, self._calls.submit(self._daemon(nid), "create_batch", spec, k, first))
                  for nid, k in counts.items()] for spec, counts in batches]
         made: list[list[Any]] = []
         errors: list[BaseException] = []
@@ -292,7 +338,8 @@ class Fleet:
             records: list[Any] = []
             for nid, k, ref in group:
                 try:
-                    records.extend(wait_call(ref, CALL_TIMEOUT + CREATE_PER_SANDBOX * k, nid))
+                    records.extend(self._calls.wait(ref, CALL_TIMEOUT + CREATE_PER_SANDBOX * k,
+                                                    nid))
                 except Exception as e:  # noqa: BLE001 - the others are closed, then raised
                     errors.append(e)
             made.append(records)

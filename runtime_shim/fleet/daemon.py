@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -33,15 +35,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from envbuild.errors import (
-    BackendUnavailable,
     EnvbuildError,
     RuntimeShimError,
     SandboxNotFound,
 )
+from runtime_shim.fleet.dataplane import DataServer, answer
 from runtime_shim.fleet.leases import (
     FLEET_RECORD,
     FLEET_RECORD_VERSION,
     Entry,
+    EntryTable,
     adopt,
     record_of,
     write_record,
@@ -64,6 +67,7 @@ from runtime_shim.fleet.model import (
     split_fleet_id,
 )
 from runtime_shim.fleet.pools import REFILL_DELAY, WarmPools
+from runtime_shim.fleet.workers import CreateWorkers, child_of, start_sandbox
 from runtime_shim.node.layout import NodeLayout
 from runtime_shim.node.model import ExecResult, SandboxInfo
 
@@ -87,17 +91,28 @@ class NodeDaemon(WarmPools):
         self.layout.ensure()
         self.store = open_store(open_url(config.store, config.s3_endpoint))
         self._lock = threading.Lock()
-        self._entries: dict[str, Entry] = {}
+        self._entries = EntryTable()
         self._reserved = 0  # slots of batches being started
         self._reserved_memory = 0
         self._starting = 0
         self._queued = 0
         self._admit = threading.BoundedSemaphore(max(1, config.max_starting))
+        # every batch's starts, on threads kept (a pool per batch cost thread starts on every
+        # call, and a thread per queued start); twice the admission so that first execs,
+        # which run on them after the start, do not hold the next starts back
+        self._starter = ThreadPoolExecutor(max_workers=2 * max(1, config.max_starting),
+                                           thread_name_prefix="fleet-start")
+        self._locks: dict[str, Any] = {}  # lock digest -> ResolvedLock (content-addressed)
         self._pulled = 0
         self._counted: set[str] = set()
         self._pools: dict[str, tuple[CreateSpec, int]] = {}  # key -> (spec, target)
         self._stop = threading.Event()
         self.adopted, self.reaped = adopt(self.layout, self.store, config.runtime, self._entries)
+        self._workers = CreateWorkers(config.workers, config, str(self.layout.root)) \
+            if config.workers > 0 else None
+        self.worker_pids = self._workers.start() if self._workers else []
+        self._data = DataServer(config.data_host, self._data_answer) \
+            if config.data_host else None
         self._refill = threading.Event()
         threading.Thread(target=self._reap_loop, name="fleet-reaper", daemon=True).start()
         self._pool_thread = threading.Thread(target=self._pool_loop, name="fleet-pool",
@@ -124,7 +139,8 @@ class NodeDaemon(WarmPools):
     def hello(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "node_dir": str(self.layout.root),
                 "store": self.config.store, "pid": os.getpid(), "adopted": self.adopted,
-                "reaped": self.reaped}
+                "reaped": self.reaped, "workers": self.worker_pids,
+                "data_addr": self._data.address if self._data else None}
 
     def status(self, layers: Sequence[str] = (), pool_keys: Sequence[str] = ()) -> NodeStatus:
         from runtime_shim.node.nodecache import NodeCache
@@ -133,11 +149,9 @@ class NodeDaemon(WarmPools):
         cached = tuple(d for d in layers if node.has(d) or node.lazy_mounted(d))
         with self._lock:
             used = len(self._entries) + self._reserved
-            memory_used = self._reserved_memory + sum(
-                memory_of(e.spec) for e in self._entries.values())
-            warm = sum(1 for e in self._entries.values() if e.pool)
-            pools = tuple((k, sum(1 for e in self._entries.values() if e.pool == k))
-                          for k in pool_keys)
+            memory_used = self._reserved_memory + self._entries.memory
+            warm = self._entries.pooled_total
+            pools = tuple((k, self._entries.pool_count(k)) for k in pool_keys)
             return NodeStatus(node_id=self.node_id, node_dir=str(self.layout.root),
                               store=self.config.store, slots=self.config.slots, used=used,
                               starting=self._starting, queued=self._queued,
@@ -161,9 +175,7 @@ class NodeDaemon(WarmPools):
         the batch like a start that does)."""
         if count < 1:
             return []
-        from runtime_shim.node.locks import resolve
-
-        lock = resolve(self.store, spec.lock)  # LockNotFound before anything is reserved
+        lock = self._resolve(spec.lock)  # LockNotFound before anything is reserved
         self._reserve(spec, count)
         made: list[Entry] = []
         try:
@@ -172,17 +184,18 @@ class NodeDaemon(WarmPools):
             self._count_pulled(lock)
             rest = count - len(claimed)
             if rest:
-                with ThreadPoolExecutor(max_workers=max(1, self.config.max_starting)) as pool:
-                    futures = [pool.submit(self._start_one, spec, None, first)
-                               for _ in range(rest)]
-                    errors: list[BaseException] = []
-                    for f in futures:
-                        try:
-                            made.append(f.result())
-                        except BaseException as err:  # noqa: BLE001 - the first re-raised
-                            errors.append(err)
-                    if errors:
-                        raise errors[0]
+                with self._lock:
+                    self._queued += rest  # until each reaches _start_one's admission
+                futures = [self._starter.submit(self._start_one, spec, None, first, True)
+                           for _ in range(rest)]
+                errors: list[BaseException] = []
+                for f in futures:
+                    try:
+                        made.append(f.result())
+                    except BaseException as err:  # noqa: BLE001 - the first re-raised
+                        errors.append(err)
+                if errors:
+                    raise errors[0]
             for entry in claimed:  # a claimed sandbox starts its lease and log now
                 self._activate(entry, spec)
                 if first is not None:
@@ -232,29 +245,43 @@ class NodeDaemon(WarmPools):
         return result
 
     def _answer(self, entry: Entry, first: FirstExec | None) -> Any:
-        record = self._record(entry)
+        record = self._handed(entry)
         if first is None:
             return record
         result, entry.first = entry.first, None
         return record, result
 
-    def _start_one(self, spec: CreateSpec, pool: str | None = None,
-                   first: FirstExec | None = None) -> Entry:
-        from runtime_shim.sdk.sandbox import Sandbox
+    def _resolve(self, digest: str) -> Any:
+        """The ``ResolvedLock`` of a lock digest, read from the store once (a digest names
+        one content forever)."""
+        lock = self._locks.get(digest)
+        if lock is None:
+            from runtime_shim.node.locks import resolve
 
-        with self._lock:
-            self._queued += 1
+            lock = resolve(self.store, digest)
+            if digest == lock.digest:
+                self._locks[digest] = lock
+        return lock
+
+    def _new_sandbox(self, spec: CreateSpec) -> Any:
+        """One started sandbox of ``spec`` on this node, in a create worker if there are any
+        (``runtime_shim.fleet.workers``): the node's own work (``benchmarks/cell_sim.py``
+        puts a simulated node here)."""
+        return start_sandbox(spec, store=self.store, node_dir=str(self.layout.root),
+                             runtime=self.config.runtime, workers=self._workers)
+
+    def _start_one(self, spec: CreateSpec, pool: str | None = None,
+                   first: FirstExec | None = None, queued: bool = False) -> Entry:
+        """Start one sandbox once admitted (``queued``: already counted as queued)."""
+        if not queued:
+            with self._lock:
+                self._queued += 1
         with self._admit:
             with self._lock:
                 self._queued -= 1
                 self._starting += 1
             try:
-                sb = Sandbox.create(
-                    spec.lock, store=self.store, node_dir=str(self.layout.root), backend=spec.backend,
-                    network=list(spec.network) if isinstance(spec.network, tuple)
-                    else spec.network,
-                    limits=spec.limits, runtime=self.config.runtime, keep=_can_keep(spec),
-                    lazy=spec.lazy, seccomp=spec.seccomp, reap=False)
+                sb = self._new_sandbox(spec)
             finally:
                 with self._lock:
                     self._starting -= 1
@@ -280,6 +307,7 @@ class NodeDaemon(WarmPools):
         entry.spec = spec
         entry.pool = None
         entry.lease_expires = time.time() + (spec.ttl or DEFAULT_TTL)
+        entry.token = secrets.token_hex(32) if self._data else None
         if spec.exec_log:
             from runtime_shim.fleet import execlog
 
@@ -337,6 +365,11 @@ class NodeDaemon(WarmPools):
             for k, _ in entries:
                 self._entries.pop(k, None)
         self._close_entries([e for _, e in entries])
+        self._starter.shutdown(wait=False)
+        if self._workers is not None:
+            self._workers.shutdown()
+        if self._data is not None:
+            self._data.close()
         return [k for k, _ in entries]
 
     def attach(self, sandbox_id: str, ttl: float | None = None) -> SandboxRecord:
@@ -346,8 +379,10 @@ class NodeDaemon(WarmPools):
     def renew(self, sandbox_id: str, ttl: float | None = None) -> SandboxRecord:
         entry = self._entry(sandbox_id)
         entry.lease_expires = time.time() + (ttl or entry.spec.ttl or DEFAULT_TTL)
+        with self._lock:
+            self._entries.leased(sandbox_id)
         self._write_record(entry)
-        return self._record(entry)
+        return self._handed(entry)
 
     def gc(self) -> builtins.list[str]:
         """Close sandboxes past their lease and remove dirs of sandboxes nobody owns."""
@@ -357,8 +392,8 @@ class NodeDaemon(WarmPools):
         from runtime_shim.sdk.sandbox import list_sandboxes, remove_sandbox
 
         for info in list_sandboxes(self.layout):
-            if info.id in known or info.pid == os.getpid():
-                continue  # ours, or being created by this daemon right now
+            if info.id in known or info.pid == os.getpid() or child_of(info.pid, os.getpid()):
+                continue  # ours, or being created by this daemon (or its worker) right now
             with contextlib.suppress(EnvbuildError, OSError):
                 remove_sandbox(self.layout, info.id, self.config.runtime)
                 removed.append(info.id)
@@ -455,6 +490,22 @@ class NodeDaemon(WarmPools):
     def _record(self, e: Entry) -> SandboxRecord:
         return record_of(e, self.node_id)
 
+    def _handed(self, e: Entry) -> SandboxRecord:
+        """The record for the sandbox's creator or attacher: with its data-plane token."""
+        record = self._record(e)
+        if self._data is None or not e.token:
+            return record
+        return dataclasses.replace(record, data_addr=self._data.address, token=e.token)
+
+    def _data_answer(self, request: Any) -> dict[str, Any]:
+        return answer(self, request)
+
+    def data_token(self, sandbox_id: str) -> str | None:
+        """The data-plane token of a live, handed-out sandbox (None: no such sandbox)."""
+        with self._lock:
+            entry = self._entries.get(check_sdk_id(sandbox_id))
+        return entry.token if entry is not None and not entry.pool else None
+
     def _write_record(self, e: Entry) -> None:
         write_record(e, self.node_id)
 
@@ -473,10 +524,9 @@ class NodeDaemon(WarmPools):
     def _reserve(self, spec: CreateSpec, count: int) -> None:
         need = memory_of(spec) * count
         with self._lock:
-            pooled = sum(1 for e in self._entries.values() if e.pool == spec.pool_key())
+            pooled = self._entries.pool_count(spec.pool_key())
             used = len(self._entries) + self._reserved - min(pooled, count)
-            memory_used = self._reserved_memory + sum(
-                memory_of(e.spec) for e in self._entries.values())
+            memory_used = self._reserved_memory + self._entries.memory
             if used + count > self.config.slots or memory_used + need > self._memory_budget():
                 raise RuntimeShimError(
                     f"node {self.node_id[:12]} has room for {max(0, self.config.slots - used)} "
@@ -509,8 +559,7 @@ class NodeDaemon(WarmPools):
     def _reap_expired(self) -> list[str]:
         now = time.time()
         with self._lock:
-            expired = [k for k, e in self._entries.items()
-                       if not e.pool and e.lease_expires and e.lease_expires <= now]
+            expired = self._entries.expired(now)  # not a scan of every sandbox
             entries = [self._entries.pop(k) for k in expired]
         for e in entries:
             with contextlib.suppress(Exception):
@@ -535,18 +584,6 @@ def reap_node_dir(node_dir: str | os.PathLike[str]) -> list[str]:
             remove_sandbox(node_dir, info.id)
             removed.append(info.id)
     return removed
-
-
-def _can_keep(spec: CreateSpec) -> bool:
-    """keep=True (the sandbox outlives its creator: the daemon may crash and re-adopt it)
-    where the backend allows it."""
-    from runtime_shim.backends.base import get_backend
-
-    try:
-        get_backend(spec.backend).check(keep=True, seccomp=spec.seccomp, lazy=spec.lazy)
-    except BackendUnavailable:
-        return False
-    return True
 
 
 # the data types and ids live in runtime_shim.fleet.model, the record in .leases; importable

@@ -8,6 +8,7 @@ from its exec log.
 from __future__ import annotations
 
 import asyncio
+import base64
 import builtins
 import contextlib
 import time
@@ -15,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from envbuild.errors import NodeLost, RuntimeShimError, SandboxNotFound
-from runtime_shim.fleet import execlog
+from runtime_shim.fleet import dataplane, execlog
 from runtime_shim.fleet.cluster import CALL_TIMEOUT, EXEC_MARGIN, mapped_error, ray_api, wait_call
 from runtime_shim.fleet.model import FirstExec, SandboxRecord, split_fleet_id
 from runtime_shim.node.model import ExecResult, Limits, SandboxInfo
@@ -60,6 +61,17 @@ class FleetSandbox:
     def _call(self, method: str, *args: Any, timeout: float = CALL_TIMEOUT) -> Any:
         return self.fleet.call(self.node_id, method, self.sdk_id, *args, timeout=timeout)
 
+    def _direct(self, request: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+        """``request`` over the node's data plane (``runtime_shim.fleet.dataplane``): its
+        reply, or None when this sandbox has none or it cannot be reached (use Ray)."""
+        addr, token = self.record.data_addr, self.record.token
+        if addr is None or not token:
+            return None
+        try:
+            return dataplane.call((str(addr[0]), int(addr[1])), request, timeout, self.node_id)
+        except dataplane.Unreachable:
+            return None
+
     def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
              env: Mapping[str, str] | None = None, cwd: str | None = None,
              user: str | None = None, stdin: bytes | None = None,
@@ -71,6 +83,10 @@ class FleetSandbox:
         kwargs = _exec_kwargs(timeout, env, cwd, user, stdin, check_timeout)
         deadline = (timeout or Limits().exec_timeout) + EXEC_MARGIN
         if on_stdout is None and on_stderr is None:
+            direct = self._direct(dataplane.exec_request(self.sdk_id, self.record.token or "",
+                                                         cmd, kwargs), deadline)
+            if direct is not None:
+                return dataplane.exec_result(direct, self.id, check_timeout)
             return self._call("exec", cmd, kwargs, timeout=deadline)
         gen = self.fleet._daemon(self.node_id).exec_stream.remote(self.sdk_id, cmd, kwargs)
         end = time.monotonic() + deadline
@@ -102,10 +118,18 @@ class FleetSandbox:
                 raise value
 
     def read_file(self, path: str) -> bytes:
+        direct = self._direct({"op": "read", "id": self.sdk_id, "token": self.record.token,
+                               "path": path}, CALL_TIMEOUT)
+        if direct is not None:
+            return base64.b64decode(direct["data"])
         return self._call("read_file", path)
 
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
-        self._call("write_file", path, data.encode() if isinstance(data, str) else data, mode)
+        raw = data.encode() if isinstance(data, str) else data
+        if self._direct({"op": "write", "id": self.sdk_id, "token": self.record.token,
+                         "path": path, "data": base64.b64encode(raw).decode(), "mode": mode},
+                        CALL_TIMEOUT) is None:
+            self._call("write_file", path, raw, mode)
 
     def set_network(self, network: bool | Sequence[str]) -> None:
         """``Sandbox.set_network`` on the node."""

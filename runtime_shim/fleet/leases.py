@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import heapq
+import itertools
 import json
 import os
 import threading
@@ -26,7 +28,7 @@ from typing import Any
 
 from envbuild.atomic import write_atomic
 from envbuild.errors import EnvbuildError
-from runtime_shim.fleet.model import CreateSpec, SandboxRecord, fleet_id
+from runtime_shim.fleet.model import CreateSpec, SandboxRecord, fleet_id, memory_of
 from runtime_shim.node.layout import NodeLayout
 from runtime_shim.node.model import ExecResult, Limits
 
@@ -45,7 +47,85 @@ class Entry:
     pool: str | None = None  # the pool key while it waits in a warm pool
     seq: int = 0  # exec log entries written
     first: ExecResult | None = None  # a batch's first exec, until it is handed back
+    token: str | None = None  # its data-plane token (runtime_shim.fleet.dataplane)
     log_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+class EntryTable(dict[str, Entry]):
+    """A daemon's entries by SDK id, with what admission and status ask on every create kept
+    up to date as entries come and go: the memory they count (``memory``), the pooled ones
+    by pool key (``pooled``) and their leases' ends in a heap (``expired``), so neither a
+    create nor the reaper scans every sandbox of the node (2,400 of them on a cell's node).
+    An entry's ``spec`` and ``pool`` change only while it is out of the table; a lease
+    renewed in it is told with ``leased``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.memory = 0
+        self.pooled: dict[str, dict[str, None]] = {}  # pool key -> ids, oldest first
+        self.pooled_total = 0
+        self._leases: list[tuple[float, str]] = []  # (lease end, id); stale ones skipped
+
+    def __setitem__(self, key: str, entry: Entry) -> None:
+        if key in self:
+            self._forget(key, super().__getitem__(key))
+        super().__setitem__(key, entry)
+        self.memory += memory_of(entry.spec)
+        if entry.pool:
+            self.pooled.setdefault(entry.pool, {})[key] = None
+            self.pooled_total += 1
+        self.leased(key)
+
+    def leased(self, key: str) -> None:
+        """Entry ``key``'s lease was set or renewed."""
+        entry = self.get(key)
+        if entry is not None and not entry.pool and entry.lease_expires:
+            heapq.heappush(self._leases, (entry.lease_expires, key))
+
+    def expired(self, now: float) -> list[str]:
+        """The ids of the (non-pooled) entries whose lease ended by ``now``."""
+        out = []
+        while self._leases and self._leases[0][0] <= now:
+            _, key = heapq.heappop(self._leases)
+            e = self.get(key)
+            if e is not None and not e.pool and e.lease_expires and e.lease_expires <= now:
+                out.append(key)
+        return out
+
+    def pop(self, key: str, *default: Any) -> Any:
+        if key not in self:
+            return super().pop(key, *default)
+        entry = super().pop(key)
+        self._forget(key, entry)
+        return entry
+
+    def __delitem__(self, key: str) -> None:
+        self.pop(key)
+
+    def _forget(self, key: str, entry: Entry) -> None:
+        self.memory -= memory_of(entry.spec)
+        if entry.pool:
+            ids = self.pooled.get(entry.pool, {})
+            ids.pop(key, None)
+            if not ids:
+                self.pooled.pop(entry.pool, None)
+            self.pooled_total -= 1
+
+    def pool_count(self, key: str) -> int:
+        return len(self.pooled.get(key, ()))
+
+    def pool_ids(self, key: str, count: int) -> list[str]:
+        """Up to ``count`` ids of pool ``key``, oldest first."""
+        return list(itertools.islice(self.pooled.get(key, ()), count))
+
+    def clear(self) -> None:
+        super().clear()
+        self.memory, self.pooled, self.pooled_total, self._leases = 0, {}, 0, []
+
+    def _unsupported(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("EntryTable keeps its counters through []=, pop and clear")
+
+    update = setdefault = popitem = _unsupported
 
 
 def record_of(e: Entry, node_id: str) -> SandboxRecord:
@@ -146,5 +226,5 @@ def spec_from_record(obj: Mapping[str, Any]) -> CreateSpec:
                       labels=tuple((str(k), str(v)) for k, v in obj.get("labels", ())))
 
 
-__all__ = ["FLEET_RECORD", "FLEET_RECORD_VERSION", "Entry", "adopt", "read_json", "record_of",
+__all__ = ["FLEET_RECORD", "FLEET_RECORD_VERSION", "Entry", "EntryTable", "adopt", "read_json", "record_of",
            "spec_from_record", "write_record"]

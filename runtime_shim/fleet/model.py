@@ -8,6 +8,7 @@ here crosses the Ray boundary by pickle.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -40,7 +41,10 @@ class DaemonConfig:
     None: 4 × the host's memory, since limits are caps, not reservations); ``max_starting``:
     admission control; ``runtime``: the OCI runtime; ``niceness``: the nice value the daemon's
     threads, and so the sandboxes they start, run at (Ray starts its workers at 15, which on a
-    busy node starves starts and execs behind every normal process; None: leave Ray's)."""
+    busy node starves starts and execs behind every normal process; None: leave Ray's);
+    ``workers``: processes that run the node's starts (``runtime_shim.fleet.workers``; 0: the
+    daemon's own threads, under its one GIL); ``data_host``: the address the daemon's data
+    plane listens on (``runtime_shim.fleet.dataplane``; None: exec and files over Ray only)."""
 
     store: str
     node_dir: str
@@ -51,6 +55,8 @@ class DaemonConfig:
     runtime: str = "runc"
     reap_interval: float = 1.0
     niceness: int | None = 0
+    workers: int = 0
+    data_host: str | None = None
 
     def node_dir_for(self, node_id: str) -> str:
         return self.node_dir.replace("{node_id}", node_id)
@@ -75,16 +81,25 @@ class CreateSpec:
 
     def pool_key(self) -> str:
         """What makes two warm sandboxes interchangeable (not lease, log or labels)."""
-        ident = {"lock": self.lock, "backend": self.backend, "lazy": self.lazy,
-                 "network": list(self.network) if isinstance(self.network, tuple)
-                 else self.network,
-                 "limits": dataclasses.asdict(self.limits or Limits()), "seccomp": self.seccomp}
-        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+        return _pool_key(self.lock, self.backend, self.lazy, self.network, self.limits,
+                         self.seccomp)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pool_key(lock: str, backend: str, lazy: bool, network: bool | tuple[str, ...],
+              limits: Limits | None, seccomp: str | None) -> str:
+    """``CreateSpec.pool_key`` (every create asks it twice: computed once per spec)."""
+    ident = {"lock": lock, "backend": backend, "lazy": lazy,
+             "network": list(network) if isinstance(network, tuple) else network,
+             "limits": dataclasses.asdict(limits or Limits()), "seccomp": seccomp}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclasses.dataclass(frozen=True)
 class SandboxRecord:
-    """One fleet sandbox as its daemon reports it. ``id`` is ``SDK-ID@NODE`` (``fleet_id``)."""
+    """One fleet sandbox as its daemon reports it. ``id`` is ``SDK-ID@NODE`` (``fleet_id``).
+    ``data_addr`` and ``token``: its daemon's data plane and the sandbox's token there, in the
+    records handed to its creator or attacher only (``runtime_shim.fleet.dataplane``)."""
 
     id: str
     node_id: str
@@ -95,6 +110,8 @@ class SandboxRecord:
     lease_expires: float
     exec_log: str | None
     labels: tuple[tuple[str, str], ...] = ()
+    data_addr: tuple[str, int] | None = None
+    token: str | None = dataclasses.field(default=None, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)

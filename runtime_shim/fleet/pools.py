@@ -13,7 +13,7 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING
 
-from runtime_shim.fleet.leases import Entry
+from runtime_shim.fleet.leases import Entry, EntryTable
 from runtime_shim.fleet.model import CreateSpec, DaemonConfig
 
 #: Seconds a warm pool waits after a claim before it starts the replacement.
@@ -25,7 +25,7 @@ class WarmPools:
 
     config: DaemonConfig
     _lock: threading.Lock
-    _entries: dict[str, Entry]
+    _entries: EntryTable
     _pools: dict[str, tuple[CreateSpec, int]]  # key -> (spec, target)
     _reserved: int
     _stop: threading.Event
@@ -56,13 +56,12 @@ class WarmPools:
 
     def warm_count(self, key: str) -> int:
         with self._lock:
-            return sum(1 for e in self._entries.values() if e.pool == key)
+            return self._entries.pool_count(key)
 
     def _claim_warm(self, spec: CreateSpec, count: int) -> list[Entry]:
         key = spec.pool_key()
         with self._lock:
-            ids = [k for k, e in self._entries.items() if e.pool == key][:count]
-            return [self._entries.pop(k) for k in ids]
+            return [self._entries.pop(k) for k in self._entries.pool_ids(key, count)]
 
     def _pool_loop(self) -> None:
         while not self._stop.is_set():
@@ -82,7 +81,7 @@ class WarmPools:
         the pool changed, or a start failed). True once the daemon is stopping."""
         while not self._stop.is_set():
             with self._lock:
-                have = sum(1 for e in self._entries.values() if e.pool == key)
+                have = self._entries.pool_count(key)
                 used = len(self._entries) + self._reserved
                 if (have >= target or used >= self.config.slots
                         or self._pools.get(key, (None, 0))[1] != target):

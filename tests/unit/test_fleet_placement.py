@@ -90,3 +90,16 @@ def test_errors_cross_process_boundaries_with_their_hint():
     e = pickle.loads(pickle.dumps(NodeLost("node x is lost", node_id="x", hint="do y")))
     assert (e.message, e.hint, e.node_id, e.reference) == ("node x is lost", "do y", "x",
                                                           "node-lost")
+
+
+def test_a_chunk_gives_a_node_its_admission_width_at_a_time():
+    loads = nodes(*((f"n{i}", 100, 0) for i in range(160)))
+    spread = plan(loads, 100, {"l1": 10})
+    assert len(spread) == 100, "one per node: 100 node calls"
+    got = plan_groups(loads, [Group({"l1": 10}, 100)], chunk=4)[0]
+    assert len(got) == 25 and set(got.values()) == {4}, "25 nodes x 4: 25 node calls"
+    assert plan_groups(loads, [Group({"l1": 10}, 6)], chunk=4) == [{"n0": 4, "n1": 2}]
+    small = nodes(("a", 3, 0), ("b", 100, 0), cached={"a": {"l1"}, "b": {"l1"}})
+    assert plan_groups(small, [Group({"l1": 10}, 6)], chunk=4) == [{"b": 4, "a": 2}]
+    assert plan_groups(small, [Group({"l1": 10}, 9)], chunk=4) == [{"b": 6, "a": 3}], \
+        "a node's room ends its chunk"

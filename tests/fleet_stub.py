@@ -1,0 +1,81 @@
+"""Real fleet daemons whose node start is a stub, for tests of the control and data planes
+without Ray or runc (``runtime_shim.fleet.calls.LocalCalls``): a stub sandbox runs no command
+(an exec echoes its command line), keeps its files in memory and closes at once."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from envbuild.store import LocalStore
+from runtime_shim.backends.fake import fake_lock
+from runtime_shim.fleet.calls import LocalCalls
+from runtime_shim.fleet.client import Fleet
+from runtime_shim.fleet.daemon import NodeDaemon
+from runtime_shim.fleet.model import CreateSpec, DaemonConfig
+from runtime_shim.node.model import ExecResult
+
+
+class StubSandbox:
+    def __init__(self, root: Path) -> None:
+        self.id = f"eb-{random.getrandbits(48):012x}"
+        self.paths = SimpleNamespace(root=root, meta=root / "sandbox.json")
+        self.files: dict[str, bytes] = {}
+
+    def exec(self, cmd: Any, **kwargs: Any) -> ExecResult:
+        line = cmd if isinstance(cmd, str) else " ".join(cmd)
+        return ExecResult(exit_code=0, stdout=line.encode() + (kwargs.get("stdin") or b""),
+                          stderr=repr(sorted(kwargs)).encode(), duration=0.0)
+
+    def read_file(self, path: str) -> bytes:
+        return self.files[path]
+
+    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        self.files[path] = data
+
+    def close(self) -> None:
+        return None
+
+
+class StubDaemon(NodeDaemon):
+    """A real daemon whose node start makes a ``StubSandbox``."""
+
+    def _new_sandbox(self, spec: CreateSpec) -> StubSandbox:
+        root = self.layout.root / "stub"
+        root.mkdir(exist_ok=True)
+        return StubSandbox(root)
+
+
+class CountingCalls(LocalCalls):
+    def __init__(self) -> None:
+        super().__init__(workers=32)
+        self.counts: dict[str, int] = {}
+
+    def submit(self, handle, method, *args):
+        self.counts[method] = self.counts.get(method, 0) + 1
+        return super().submit(handle, method, *args)
+
+
+def stub_cell(root: Path, nodes: int = 3, **config: Any) -> SimpleNamespace:
+    """A store with a fake lock, ``nodes`` stub daemons, and ``fleet(**Fleet kwargs)``; call
+    ``close()`` at the end."""
+    store = LocalStore(root / "store")
+    digest = fake_lock(store)
+    cfg = DaemonConfig(store=str(root / "store"), node_dir=str(root / "{node_id}"),
+                       **{"slots": 10, "memory_bytes": 1 << 40, "niceness": None, **config})
+    daemons = {f"{i:040x}": StubDaemon(cfg, f"{i:040x}") for i in range(1, nodes + 1)}
+    calls = CountingCalls()
+
+    def fleet(**kwargs: Any) -> Fleet:
+        return Fleet(str(root / "store"), store, daemons, owns_ray=False, config=cfg,
+                     calls=calls, **kwargs)
+
+    def close() -> None:
+        for d in daemons.values():
+            d.shutdown()
+        calls.shutdown()
+
+    return SimpleNamespace(fleet=fleet, daemons=daemons, calls=calls, lock=digest, close=close,
+                           config=cfg)
