@@ -76,10 +76,12 @@ def open_group() -> int:
     return fd
 
 
-def mark(group: int, path: str, *, remove: bool = False, mask: int = FILL_EVENTS) -> None:
-    """Add (or remove) the mark of the inode at ``path`` (``FILL_EVENTS``)."""
+def mark(group: int, path: str, *, remove: bool = False, mask: int = FILL_EVENTS,
+         dir_fd: int = _AT_FDCWD) -> None:
+    """Add (or remove) the mark of the inode at ``path`` (``FILL_EVENTS``; relative to
+    ``dir_fd`` if given: one lookup, not a walk from the root)."""
     flags = FAN_MARK_REMOVE if remove else FAN_MARK_ADD
-    if _mark(group, flags, mask, _AT_FDCWD, os.fsencode(path)) != 0:
+    if _mark(group, flags, mask, dir_fd, os.fsencode(path)) != 0:
         err = ctypes.get_errno()
         if remove and err == errno.ENOENT:  # no mark there (removed before)
             return

@@ -111,27 +111,6 @@ class ObjectStore:
             write_atomic(path, json.dumps({"store": store, "s3_endpoint": endpoint,
                                            "layer": layer, "size": size, "objects": objects}))
 
-    def ensure(self, hexd: str, size: int) -> bool:
-        """The object ``hexd`` of ``size`` bytes exists (an empty placeholder if new; the
-        object of an empty file is complete at once); True when it is complete. Concurrent
-        creators: the first ``O_EXCL`` create wins (an empty file either way)."""
-        path = self.path(hexd)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o444)
-        except FileExistsError:
-            st = os.lstat(path)
-            done = self.complete(hexd)
-            if not stat.S_ISREG(st.st_mode) or (done and st.st_size != size):
-                raise ValueError(f"object {hexd} is not a {size}-byte file") from None
-            return done
-        try:
-            if not size:
-                os.setxattr(fd, FILLED_XATTR, b"1")
-        finally:
-            os.close(fd)
-        return not size
-
     def incomplete(self) -> list[str]:
         """Every placeholder (what a starting filler marks)."""
         try:
