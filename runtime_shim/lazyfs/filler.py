@@ -199,13 +199,18 @@ def work(node_root: str, group: int, sock_fd: int) -> int:
     def handle(req: dict[str, Any]) -> dict[str, Any]:
         if req.get("op") == "ping":
             return {"ok": True, "pid": os.getpid(), "holder": os.getppid(), "fills": w.fills,
-                    "ahead": w.ahead, "failures": w.failures,
+                    "ahead": w.ahead, "predicted": w.predicted, "failures": w.failures,
                     "boto3": "boto3" in sys.modules}
         if req.get("op") == "place":
             layer = str(req.get("layer"))
             if req.get("ranges_url"):
                 w.set_ranges("sha256:" + layer, str(req["ranges_url"]))
+            if req.get("index_url"):
+                w.set_index_url(layer, str(req["index_url"]))
             return {"ok": True, "placed": w.place(layer)}
+        if req.get("op") == "stack":   # a sandbox's layers, top first: predictions' stack
+            w.hints.add_stack([str(h) for h in req.get("layers", ())][:1024])
+            return {"ok": True}
         return {"ok": False, "error": f"unknown op {req.get('op')!r}"}
     listener = socket.socket(fileno=sock_fd)
     threading.Thread(target=serve_socket, args=(listener, handle), daemon=True).start()

@@ -16,6 +16,7 @@ from typing import Any
 
 from envbuild.oci import is_hex64
 from runtime_shim.lazyfs import fanotify
+from runtime_shim.lazyfs.fillhints import Hints, LayerView
 from runtime_shim.lazyfs.fillwindow import WINDOW_MAX_FILE, LayerOrder
 from runtime_shim.lazyfs.objects import FILLED_XATTR, ObjectStore
 
@@ -32,6 +33,11 @@ FILL_WORKERS = 8
 STREAM_ABOVE = 64 << 20
 MEMORY_BUDGET = 256 << 20
 WRITE_PIECE = 1 << 20
+#: Fills ahead of opens in flight (windows, predictions), and the size of a predicted batch:
+#: one ranged read or a few, each batch's files written and synced together.
+AHEAD_WORKERS = 8
+AHEAD_FILES = 32
+AHEAD_BYTES = 4 << 20
 #: The node-wide cap of root's fanotify marks (the holder raises it: ``filler``).
 MARKS_SYSCTL = "/proc/sys/fs/fanotify/max_user_marks"
 
@@ -50,7 +56,14 @@ class Worker:
         self._sources: dict[str, tuple[dict[str, Any], str, int]] = {}  # hex → layer, path, size
         self._layers_loaded: set[str] = set()
         self._pool = ThreadPoolExecutor(FILL_WORKERS, thread_name_prefix="fill")
-        self.fills = self.failures = self.ahead = 0
+        # fills nobody waits for yet (windows, predictions), apart: an open never queues
+        # behind them; and the predictions' own thread (CPU: one at a time)
+        self._ahead_pool = ThreadPoolExecutor(AHEAD_WORKERS, thread_name_prefix="ahead")
+        self._hint_pool = ThreadPoolExecutor(1, thread_name_prefix="hints")
+        self.hints = Hints(self._view)
+        self._records: dict[str, dict[str, Any]] = {}
+        self._index_urls: dict[str, str] = {}   # layer hex -> a presigned GET of its index
+        self.fills = self.failures = self.ahead = self.predicted = 0
         self._orders: dict[str, LayerOrder] = {}
         self._ranges: dict[str, str] = {}   # layer digest → a presigned GET of its blob
         self._memory = threading.BoundedSemaphore(MEMORY_BUDGET // STREAM_ABOVE)
@@ -128,6 +141,7 @@ class Worker:
                 return
             self._waiting[hexd] = [event.fd]
         self._pool.submit(self._fill_and_answer, hexd)
+        self._hint_pool.submit(self._predict, hexd, None)
 
     def _finish(self, fds: list[int], *, ok: bool) -> None:
         answer = fanotify.FAN_ALLOW if ok else fanotify.deny_errno(errno.EIO)
@@ -163,6 +177,7 @@ class Worker:
         record = self.objects.layer_record(layer_hex)
         with self._lock:
             self._layers_loaded.add(layer_hex)
+            self._records[layer_hex] = record
             for hexd, (path, size) in record["objects"].items():
                 self._sources.setdefault(hexd, (record, str(path), int(size)))
 
@@ -193,7 +208,9 @@ class Worker:
             return True
         if size <= STREAM_ABOVE:
             with self._memory:   # at most MEMORY_BUDGET of whole files in memory
-                _write_into(self.objects.path(hexd), layer.read(path))   # verified by read
+                data = layer.read(path)   # verified by read
+                _write_into(self.objects.path(hexd), data)
+                self._after_fill(hexd, data)
         else:
             spool = self.objects.tmp("fill")
             try:
@@ -208,24 +225,107 @@ class Worker:
         return True
 
     def _fill_window(self, layer: Any, entry: Any, hexd: str) -> None:
-        """Fill ``entry`` and the unfilled files that follow it in the blob within
-        ``MISS_WINDOW`` compressed bytes, in one ranged read (``LazyLayer._load``: each file
-        verified against its TOC digest): a package's modules, a library's neighbours are
-        then filled without an open each waiting for its own read. The opened file is
-        answered first; the neighbours are written, synced in one ``syncfs`` (an fsync each
-        was 0.4 ms a file here), then marked complete. A neighbour that cannot be had this
-        way is left to its own open."""
+        """Fill ``entry``, the opened file, in a ranged read of its own frames, and let its
+        readers on as soon as it is written and synced; beside it, in a second read (in a
+        pool thread), the unfilled files that follow it in the blob within ``MISS_WINDOW``
+        compressed bytes (``_fill_ahead``): a package's modules, a library's neighbours are
+        then filled without an open each waiting for its own read, and the opened file
+        waits for none of them."""
         claimed = self._claim(self._order(layer).after(entry.path))
-        got: dict[str, bytes] = {}
+        if claimed:
+            self._ahead_pool.submit(self._fill_ahead, layer, claimed)
+        data = layer._load([entry])[entry.path]
+        _write_into(self.objects.path(hexd), data)
+        self._complete(hexd)   # the reader that opened it goes on now
+        self._after_fill(hexd, data)
+
+    # -- fills ahead of opens ---------------------------------------------------------------
+
+    def _after_fill(self, hexd: str, data: bytes) -> None:
+        """An opened object is filled: an ELF file's libraries are its next opens."""
+        if data[:4] == b"\x7fELF":
+            self._hint_pool.submit(self._predict, hexd, data)
+
+    def _predict(self, hexd: str, data: bytes | None) -> None:
+        """Fill ahead what the open of ``hexd`` predicts (``fillhints``; ``data``: its bytes,
+        for an ELF file's libraries)."""
         try:
+            record, path, _ = self.source(hexd)
+            layer_hex = str(record["layer"]).removeprefix("sha256:")
+            hexes = self.hints.on_elf(layer_hex, data) if data is not None \
+                else self.hints.on_open(layer_hex, path)
+            self._fill_predicted(hexes)
+        except Exception as e:  # noqa: BLE001 - a hint: the opens fill what it missed
+            log.warning("predicting after %s: %s", hexd[:16], e)
+
+    def _fill_predicted(self, hexes: list[str]) -> None:
+        """Claim the unfilled ones of ``hexes`` and fill them in batches (``AHEAD_FILES``
+        files, ``AHEAD_BYTES`` bytes), ``AHEAD_WORKERS`` reads in flight."""
+        groups: dict[str, tuple[Any, list[Any]]] = {}
+        for h in hexes:
             try:
-                got = layer._load([entry] + claimed)
-            except Exception:   # noqa: BLE001 - a neighbour's fault must not fail this open
-                if not claimed:
-                    raise
-                got = {entry.path: layer.read(entry.path)}
-            _write_into(self.objects.path(hexd), got[entry.path])
-            self._complete(hexd)   # the reader that opened it goes on now
+                record, path, size = self.source(h)
+            except LookupError:
+                continue
+            if 0 < size <= STREAM_ABOVE:
+                layer = self._layer(record)
+                groups.setdefault(layer.digest, (layer, []))[1].append(layer.stat(path))
+        for layer, entries in groups.values():
+            claimed = self._claim(entries)
+            self.predicted += len(claimed)
+            batch: list[Any] = []
+            size = 0
+            for entry in claimed:
+                if batch and (len(batch) >= AHEAD_FILES or size + entry.size > AHEAD_BYTES):
+                    self._ahead_pool.submit(self._fill_ahead, layer, batch)
+                    batch, size = [], 0
+                batch.append(entry)
+                size += entry.size
+            if batch:
+                self._ahead_pool.submit(self._fill_ahead, layer, batch)
+
+    def _view(self, layer_hex: str) -> LayerView | None:
+        """Layer ``layer_hex`` for the predictors: its tree and its import index."""
+        from runtime_shim.lazyfs.tree import tree_of
+
+        with self._lock:
+            record = self._records.get(layer_hex)
+        if record is None:
+            return None
+        return LayerView(layer_hex, tree_of(self._layer(record).reader),
+                         self._index(layer_hex, record))
+
+    def _index(self, layer_hex: str, record: dict[str, Any]) -> Any:
+        """The layer's import index (``pyindex``): over the presigned URL its create sent,
+        else from its store when that is a directory (boto3 never loads here); None."""
+        from runtime_shim.lazyfs import pyindex
+
+        digest = str(record["layer"])
+        url = self._index_urls.get(layer_hex)
+        if url:
+            from envbuild.store.lazy import _range_client
+
+            resp = _range_client(4, 30.0).get(url, 0, pyindex.MAX_RECORD)
+            return pyindex.read_index_bytes(resp.body, digest) if resp.ok else None
+        if str(record["store"]).startswith("s3://"):
+            return None
+        from envbuild.store import open_store
+
+        rec = open_store(str(record["store"]), create=False).get_record(
+            pyindex.INDEX_NAMESPACE, pyindex.record_name(digest))
+        return pyindex.decode_index(rec, digest) if rec is not None else None
+
+    def set_index_url(self, layer_hex: str, url: str) -> None:
+        with self._lock:
+            self._index_urls.setdefault(layer_hex, url)
+
+    def _fill_ahead(self, layer: Any, claimed: list[Any]) -> None:
+        """Fill the ``claimed`` files of ``layer`` (``_claim``) in one ``_load`` (each file
+        verified against its TOC digest), written, synced in one ``syncfs`` (an fsync each
+        was 0.4 ms a file here), then marked complete. A file that cannot be had this way
+        (a fault anywhere in the batch) is left to its own open."""
+        try:
+            got = layer._load(claimed)
             done = [e for e in claimed if e.path in got]
             for e in done:
                 _write_into(self.objects.path(_hex(e)), got[e.path], sync=False)
@@ -234,6 +334,8 @@ class Worker:
             for e in done:
                 self._complete(_hex(e))
                 self.ahead += 1
+        except Exception as err:  # noqa: BLE001 - a hint: their own opens fill them (or fail)
+            log.warning("filling ahead in %s: %s", layer.digest[:19], err)
         finally:   # whatever was claimed and not filled goes back to its own opens
             for e in claimed:
                 self._release(_hex(e))

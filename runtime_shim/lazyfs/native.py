@@ -132,6 +132,7 @@ def native_layer_dirs(node_root: str, store: Any, layers: Sequence[Any]) -> list
     its TOC (all layers' fetched at once), its source record, then the filler makes and
     marks its placeholders (``place``) while this process builds its tree: the two on two
     cores, and both before the mount."""
+    from envbuild.store import PYIMPORT_RECORDS
     from envbuild.store.base import Presigner
     from runtime_shim.lazyfs.mounts import _check_envbuild_layers, store_location
 
@@ -156,10 +157,13 @@ def native_layer_dirs(node_root: str, store: Any, layers: Sequence[Any]) -> list
             objects.record_layer(layer.digest, int(layer.size or 0), url, endpoint,
                                  _sources(nodes))
             # a presigned URL: the filler's ranged reads over plain HTTP, no boto3 in it
-            ranges = store.presigned_get_url(layer.digest) if isinstance(store, Presigner) \
-                else None
-            return _in_thread(lambda: place(root, layer.digest, ranges))
+            ranges, index = (store.presigned_get_url(layer.digest),
+                             store.presigned_get_record_url(PYIMPORT_RECORDS, layer.digest[7:])) \
+                if isinstance(store, Presigner) else (None, None)
+            return _in_thread(lambda: place(root, layer.digest, ranges, index))
         dirs.append(nativetree.ensure(root, hexd, nodes, objects.data, start))
+    # the stack the filler resolves predictions in (a hint: no answer, no prediction)
+    filler_request(root, {"op": "stack", "layers": [x.digest[7:] for x in reversed(layers)]})
     return dirs
 
 
@@ -223,12 +227,14 @@ def _in_thread(fn: Callable[[], None]) -> Callable[[], None]:
     return wait
 
 
-def place(node_root: str, layer: str, ranges_url: str | None = None) -> None:
+def place(node_root: str, layer: str, ranges_url: str | None = None,
+          index_url: str | None = None) -> None:
     """Have the filler read ``layer``'s source record (and take ``ranges_url``, a presigned
-    GET of its blob, if any), make the placeholders of its objects the node lacks and mark
-    them (before anything can reach them)."""
+    GET of its blob, and ``index_url``, of its import index, if any), make the placeholders
+    of its objects the node lacks and mark them (before anything can reach them)."""
     reply = filler_request(node_root, {"op": "place", "layer": layer.removeprefix("sha256:"),
-                                       "ranges_url": ranges_url}, timeout=600.0)
+                                       "ranges_url": ranges_url, "index_url": index_url},
+                           timeout=600.0)
     if not reply or not reply.get("ok"):
         why = (reply or {}).get("error") or "no answer"
         raise RuntimeShimError(f"the native filler did not place the layer's objects: {why}",
