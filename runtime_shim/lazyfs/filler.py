@@ -56,7 +56,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runtime_shim.lazyfs import fanotify
-from runtime_shim.lazyfs.fillworker import MARKS_SYSCTL, MAX_FDS, Worker
+from runtime_shim.lazyfs.fillworker import MARKS_SYSCTL, MAX_FDS, Worker, writer_mount
 from runtime_shim.lazyfs.objects import ObjectStore
 
 log = logging.getLogger("envbuild.lazyfs.filler")
@@ -182,7 +182,9 @@ def work(node_root: str, group: int, sock_fd: int) -> int:
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     limit = MAX_FDS if hard == resource.RLIM_INFINITY else min(MAX_FDS, hard)
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+    wdata = writer_mount(ObjectStore(node_root), group)   # before any thread starts
     w = Worker(node_root, group)
+    w.wdata = wdata
     swept = w.sweep()
     for name in os.listdir(w.objects.root + "/tmp"):
         if name.startswith("fill-"):
@@ -200,6 +202,7 @@ def work(node_root: str, group: int, sock_fd: int) -> int:
         if req.get("op") == "ping":
             return {"ok": True, "pid": os.getpid(), "holder": os.getppid(), "fills": w.fills,
                     "ahead": w.ahead, "predicted": w.predicted, "failures": w.failures,
+                    "own_events": w.own_events,
                     "boto3": "boto3" in sys.modules}
         if req.get("op") == "place":
             layer = str(req.get("layer"))

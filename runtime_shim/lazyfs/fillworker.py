@@ -63,7 +63,8 @@ class Worker:
         self.hints = Hints(self._view)
         self._records: dict[str, dict[str, Any]] = {}
         self._index_urls: dict[str, str] = {}   # layer hex -> a presigned GET of its index
-        self.fills = self.failures = self.ahead = self.predicted = 0
+        self.fills = self.failures = self.ahead = self.predicted = self.own_events = 0
+        self.wdata = self.objects.data   # where fills write (``writer_mount``)
         self._orders: dict[str, LayerOrder] = {}
         self._ranges: dict[str, str] = {}   # layer digest → a presigned GET of its blob
         self._memory = threading.BoundedSemaphore(MEMORY_BUDGET // STREAM_ABOVE)
@@ -126,12 +127,18 @@ class Worker:
 
     def on_event(self, event: fanotify.Event) -> None:
         if event.pid == self.pid:   # our own fill's write: never wait for ourselves
+            self.own_events += 1
             fanotify.answer(self.group, event.fd, fanotify.FAN_ALLOW)
             os.close(event.fd)
             return
         hexd = _object_of(event.fd)
         if hexd is None:
-            log.error("event for an unknown file (fd %d, pid %d): EIO", event.fd, event.pid)
+            try:
+                what = os.readlink(f"/proc/self/fd/{event.fd}")
+            except OSError as e:
+                what = str(e)
+            log.error("event for an unknown file (fd %d, pid %d, %r): EIO", event.fd, event.pid,
+                      what)
             self._finish([event.fd], ok=False)
             return
         with self._lock:
@@ -209,7 +216,7 @@ class Worker:
         if size <= STREAM_ABOVE:
             with self._memory:   # at most MEMORY_BUDGET of whole files in memory
                 data = layer.read(path)   # verified by read
-                _write_into(self.objects.path(hexd), data)
+                _write_into(self._wpath(hexd), data)
                 self._after_fill(hexd, data)
         else:
             spool = self.objects.tmp("fill")
@@ -217,7 +224,7 @@ class Worker:
                 with open(spool, "wb") as f:
                     for piece in layer.stream(path):   # raises at the end if not verified
                         f.write(piece)
-                _copy_into(spool, self.objects.path(hexd), size)
+                _copy_into(spool, self._wpath(hexd), size)
             finally:
                 os.unlink(spool)
         os.setxattr(self.objects.path(hexd), FILLED_XATTR, b"1")
@@ -235,7 +242,7 @@ class Worker:
         if claimed:
             self._ahead_pool.submit(self._fill_ahead, layer, claimed)
         data = layer._load([entry])[entry.path]
-        _write_into(self.objects.path(hexd), data)
+        _write_into(self._wpath(hexd), data)
         self._complete(hexd)   # the reader that opened it goes on now
         self._after_fill(hexd, data)
 
@@ -328,7 +335,7 @@ class Worker:
             got = layer._load(claimed)
             done = [e for e in claimed if e.path in got]
             for e in done:
-                _write_into(self.objects.path(_hex(e)), got[e.path], sync=False)
+                _write_into(self._wpath(_hex(e)), got[e.path], sync=False)
             if done:
                 _syncfs(self.objects.data)
             for e in done:
@@ -339,6 +346,11 @@ class Worker:
         finally:   # whatever was claimed and not filled goes back to its own opens
             for e in claimed:
                 self._release(_hex(e))
+
+    def _wpath(self, hexd: str) -> str:
+        """Where a fill writes object ``hexd`` (through ``writer_mount``: no events)."""
+        self.objects.path(hexd)   # checks the name
+        return os.path.join(self.wdata, hexd)
 
     def _release(self, hexd: str) -> None:
         """Drop a claim; opens that waited for it get a fill of their own."""
@@ -407,6 +419,55 @@ class Worker:
             with self._lock:
                 got = self._readers.setdefault(key, got)
         return got
+
+
+def writer_mount(objects: ObjectStore, group: int) -> str:
+    """The worker's own view of the object store, where its fills write: a bind mount of
+    ``objects/data`` in a mount namespace of its own (gone with it), covered by an ignore
+    mark, so a fill's writes raise no pre-content event (each was a round trip through the
+    reading thread, the write blocked until it was answered); readers' opens, through the
+    layers' overlays, still raise theirs. Called first thing (``unshare`` wants a process
+    of one thread); where it cannot be made, the data dir itself (the reading thread then
+    allows our own events by pid)."""
+    from envbuild.libc import function
+    from runtime_shim.isolation.mount import raw_mount
+
+    clone_newns, ms_rec, ms_private, ms_bind = 0x00020000, 0x4000, 1 << 18, 4096
+    target = os.path.join(objects.root, "tmp", "w")
+    try:
+        if function("unshare", argtypes=[ctypes.c_int])(clone_newns) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+        if raw_mount(None, b"/", None, ms_rec | ms_private, None) != 0:
+            raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
+        _detach_all_but(os.path.realpath(objects.data))
+        os.makedirs(target, mode=0o700, exist_ok=True)
+        if raw_mount(objects.data.encode(), target.encode(), None, ms_bind, None) != 0:
+            raise OSError(ctypes.get_errno(), f"bind mount at {target}")
+        fanotify.ignore_mount(group, target)
+    except OSError as e:
+        log.warning("filler worker: no private write mount (%s): its writes raise events", e)
+        return objects.data
+    return target
+
+
+def _detach_all_but(path: str) -> None:
+    """Detach, in this (new, private) mount namespace, every mount but ``/proc``, ``/dev``
+    and those ``path`` lies under: the namespace's copies of the node's other mounts (sandboxes' disks on loop
+    devices, other layers) would otherwise stay alive as long as the worker."""
+    from runtime_shim.isolation.mount import raw_umount2
+
+    mnt_detach = 2
+    points = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4:
+                points.append(fields[4].encode("utf-8", "surrogateescape")
+                              .decode("unicode_escape"))
+    keep = {p for p in points if p in ("/", "/proc", "/dev") or path == p
+            or path.startswith(p.rstrip("/") + "/")}
+    for p in sorted(set(points) - keep, key=len, reverse=True):
+        raw_umount2(os.fsencode(p), mnt_detach)   # gone already with its parent: no matter
 
 
 def _mark_new(group: int, name: str, dir_fd: int | None = None) -> None:
