@@ -42,6 +42,7 @@ lacks: before a create mounts the layer).
 from __future__ import annotations
 
 import fcntl
+import gc
 import json
 import logging
 import os
@@ -195,6 +196,7 @@ def work(node_root: str, group: int, sock_fd: int) -> int:
         except (OSError, ValueError) as e:
             log.error("layer record %s: %s (its objects cannot be filled)", layer_hex[:16], e)
     marked = sum(w.mark(h) for h in w.objects.incomplete())
+    gc.freeze()   # the layer records (a tuple an object) never die: no collection scans them
     log.info("filler worker %d: %d stale events answered EIO, %d placeholders marked",
              os.getpid(), swept, marked)
 
@@ -210,7 +212,9 @@ def work(node_root: str, group: int, sock_fd: int) -> int:
                 w.set_ranges("sha256:" + layer, str(req["ranges_url"]))
             if req.get("index_url"):
                 w.set_index_url(layer, str(req["index_url"]))
-            return {"ok": True, "placed": w.place(layer)}
+            placed = w.place(layer)
+            gc.freeze()
+            return {"ok": True, "placed": placed}
         if req.get("op") == "stack":   # a sandbox's layers, top first: predictions' stack
             w.hints.add_stack([str(h) for h in req.get("layers", ())][:1024])
             return {"ok": True}
