@@ -22,15 +22,15 @@ what would close that last gap (a pinned BPF LSM program).
 answer with EIO (the kernel keeps them queued on the group; they are matched by fd number,
 and a worker's fds are below ``MAX_FDS``), then marks every placeholder (a restart resumes),
 then serves. Per event: its own writes' events (pid = its own) are allowed at once by the
-reading thread; any other is a fill of the whole object (single-flight per object) in a
-pool thread: fetch the file from its layer (``LazyLayer``: ranged reads of its frames,
-verified against the TOC digest, which is the object's name), write it into the placeholder
-(a large file through a spool, copied in only once verified), fsync, set the fill state,
-remove the mark, answer ``FAN_ALLOW``. The mark takes opens too (``fanotify.FILL_EVENTS``): a
-file is filled when it is opened, so an ``mmap`` through overlayfs (which raises no
-pre-content event of the lower file: checked on 6.18) finds it complete. A fill that fails
-(store down, corrupt blob) answers EIO and logs one line; the mark stays, so the next open
-tries again.
+reading thread; any other is a fill of the whole object (single-flight per object) in a pool
+thread: fetch the file from its layer (``LazyLayer``: ranged reads of its frames, verified
+against the TOC digest, which is the object's name), write it into the placeholder (a large
+file through a spool, copied in only once verified), set the fill state (this boot's tag,
+unsynced: ``objects.boot_tag``), remove the mark, answer ``FAN_ALLOW``. The mark takes opens
+too (``fanotify.FILL_EVENTS``): a file is filled when it is opened, so an ``mmap`` through
+overlayfs (which raises no pre-content event of the lower file: checked on 6.18) finds it
+complete. A fill that fails (store down, corrupt blob) answers EIO and logs one line; the
+mark stays, so the next open tries again.
 
 **Only root talks to the filler**: its socket is ``<node>/objects/filler.sock`` in a 0700
 root-owned dir, and it answers only peers whose ``SO_PEERCRED`` uid is 0. Requests are one

@@ -34,7 +34,7 @@ STREAM_ABOVE = 64 << 20
 MEMORY_BUDGET = 256 << 20
 WRITE_PIECE = 1 << 20
 #: Fills ahead of opens in flight (windows, predictions), and the size of a predicted batch:
-#: one ranged read or a few, each batch's files written and synced together.
+#: one ranged read or a few, each batch's files written together.
 AHEAD_WORKERS = 8
 AHEAD_FILES = 32
 AHEAD_BYTES = 4 << 20
@@ -227,13 +227,13 @@ class Worker:
                 _copy_into(spool, self._wpath(hexd), size)
             finally:
                 os.unlink(spool)
-        os.setxattr(self.objects.path(hexd), FILLED_XATTR, b"1")
+        os.setxattr(self.objects.path(hexd), FILLED_XATTR, self.objects.tag)
         self.fills += 1
         return True
 
     def _fill_window(self, layer: Any, entry: Any, hexd: str) -> None:
         """Fill ``entry``, the opened file, in a ranged read of its own frames, and let its
-        readers on as soon as it is written and synced; beside it, in a second read (in a
+        readers on as soon as it is written; beside it, in a second read (in a
         pool thread), the unfilled files that follow it in the blob within ``MISS_WINDOW``
         compressed bytes (``_fill_ahead``): a package's modules, a library's neighbours are
         then filled without an open each waiting for its own read, and the opened file
@@ -328,16 +328,14 @@ class Worker:
 
     def _fill_ahead(self, layer: Any, claimed: list[Any]) -> None:
         """Fill the ``claimed`` files of ``layer`` (``_claim``) in one ``_load`` (each file
-        verified against its TOC digest), written, synced in one ``syncfs`` (an fsync each
-        was 0.4 ms a file here), then marked complete. A file that cannot be had this way
+        verified against its TOC digest), written, then marked complete (unsynced:
+        ``objects.boot_tag``). A file that cannot be had this way
         (a fault anywhere in the batch) is left to its own open."""
         try:
             got = layer._load(claimed)
             done = [e for e in claimed if e.path in got]
             for e in done:
-                _write_into(self._wpath(_hex(e)), got[e.path], sync=False)
-            if done:
-                _syncfs(self.objects.data)
+                _write_into(self._wpath(_hex(e)), got[e.path])
             for e in done:
                 self._complete(_hex(e))
                 self.ahead += 1
@@ -364,8 +362,8 @@ class Worker:
         self._pool.submit(self._fill_and_answer, hexd)
 
     def _complete(self, hexd: str) -> None:
-        """Object ``hexd`` is written and synced: record it, unmark it, let its readers on."""
-        os.setxattr(self.objects.path(hexd), FILLED_XATTR, b"1")
+        """Object ``hexd`` is written: record it, unmark it, let its readers on."""
+        os.setxattr(self.objects.path(hexd), FILLED_XATTR, self.objects.tag)
         fanotify.mark(self.group, self.objects.path(hexd), remove=True)
         self.fills += 1
         with self._lock:
@@ -506,35 +504,19 @@ def _hex(entry: Any) -> str:
     return str(entry.digest).removeprefix("sha256:")
 
 
-def _syncfs(path: str) -> None:
-    """``syncfs(2)`` of the filesystem holding ``path``."""
-    from envbuild.libc import function
-
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        if function("syncfs", argtypes=[ctypes.c_int])(fd) != 0:
-            raise OSError(ctypes.get_errno(), f"syncfs {path}")
-    finally:
-        os.close(fd)
-
-
-def _write_into(target: str, data: bytes, *, sync: bool = True) -> None:
-    """Write verified ``data`` into the placeholder through our own fd (see ``_copy_into``);
-    ``sync``: fsync it (else the caller syncs)."""
+def _write_into(target: str, data: bytes) -> None:
+    """Write verified ``data`` into the placeholder (not synced: ``objects.boot_tag``)."""
     fd = os.open(target, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
     try:
         view = memoryview(data)
         for off in range(0, len(view), WRITE_PIECE):  # one 64 MiB write took 0.97 s, 64
             os.pwrite(fd, view[off:off + WRITE_PIECE], off)   # writes of 1 MiB 0.06 s
-        if sync:
-            os.fsync(fd)
     finally:
         os.close(fd)
 
 
 def _copy_into(spool: str, target: str, size: int) -> None:
-    """Copy the verified spool into the placeholder through our own fd (its events carry our
-    pid: the reading thread allows them), then fsync: the fill state follows the bytes."""
+    """Copy the verified spool into the placeholder (not synced: ``objects.boot_tag``)."""
     src = os.open(spool, os.O_RDONLY | os.O_CLOEXEC)
     dst = os.open(target, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)   # a killed fill's rest
     try:
@@ -544,7 +526,6 @@ def _copy_into(spool: str, target: str, size: int) -> None:
             if n <= 0:
                 raise OSError(errno.EIO, f"copy into {target} stopped at {done} of {size}")
             done += n
-        os.fsync(dst)
     finally:
         os.close(src)
         os.close(dst)

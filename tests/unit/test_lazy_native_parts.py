@@ -67,3 +67,27 @@ def test_the_fill_window_is_the_files_after_one_in_blob_order():
     assert [e.path for e in order.after("a", window=10_000, max_file=1000, max_files=1)] \
         == ["b"]
     assert order.after("bad") == [] and order.after("nope") == []
+
+
+def test_an_object_filled_in_another_boot_is_a_placeholder_again(tmp_path, monkeypatch):
+    """Fills are not synced: an object whose fill state is another boot's tag may have lost
+    its bytes in a crash, so it is incomplete (marked and filled anew); this boot's tag and
+    ``1`` (an empty file's object, durable) are complete."""
+    import os
+
+    from runtime_shim.lazyfs import objects
+    from runtime_shim.lazyfs.objects import ObjectStore, boot_tag
+
+    monkeypatch.setattr(objects, "FILLED_XATTR", "user.envbuild.filled")   # no root needed
+    FILLED_XATTR = objects.FILLED_XATTR
+    store = ObjectStore(tmp_path)
+    os.makedirs(store.data)
+    names = {"now": "a" * 64, "empty": "b" * 64, "old": "c" * 64, "none": "d" * 64}
+    for name in names.values():
+        open(store.path(name), "x").close()
+    os.setxattr(store.path(names["now"]), FILLED_XATTR, boot_tag())
+    os.setxattr(store.path(names["empty"]), FILLED_XATTR, b"1")
+    os.setxattr(store.path(names["old"]), FILLED_XATTR, b"boot:another-boot")
+    assert boot_tag().startswith(b"boot:") and len(boot_tag()) > 20
+    assert store.complete(names["now"]) and store.complete(names["empty"])
+    assert sorted(store.incomplete()) == sorted([names["old"], names["none"]])
