@@ -216,7 +216,7 @@ def work(node_root: str, group: int, sock_fd: int) -> int:
             gc.freeze()
             return {"ok": True, "placed": placed}
         if req.get("op") == "stack":   # a sandbox's layers, top first: predictions' stack
-            w.hints.add_stack([str(h) for h in req.get("layers", ())][:1024])
+            w.add_stack([str(h) for h in req.get("layers", ())][:1024])
             return {"ok": True}
         return {"ok": False, "error": f"unknown op {req.get('op')!r}"}
     listener = socket.socket(fileno=sock_fd)

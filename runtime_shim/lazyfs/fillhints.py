@@ -7,7 +7,9 @@ FUSE mode's predictors over the stack of layers a create registered (``Hints.add
   stack (``pydeps.predict``) from the layers' import indexes (``pyindex``: records made when
   a layer is packed; no pyc is read or scanned here), each module expanded once a stack;
 - an ELF file once filled (its bytes in hand): its interpreter, the loader's cache and its
-  needed libraries (``elfdeps``).
+  needed libraries (``elfdeps``);
+- a stack registered (a create, just before its sandbox starts): the files the start reads
+  (``START_FILES``: runc resolves the user in ``/etc/passwd`` and ``/etc/group``).
 
 A hint only: a layer without an index, a path the stack does not resolve, a damaged record
 predict nothing, and a predicted file is still verified like any fill (``fillworker``).
@@ -35,6 +37,8 @@ MAX_STACK = 128
 MAX_STACKS = 1024
 #: Module files (pycs) expanded per stack before the set is forgotten (then re-expanded).
 MAX_EXPANDED = 200_000
+#: What every sandbox's start reads from its layers: runc resolves the user in them.
+START_FILES = ("etc/passwd", "etc/group")
 
 
 class LayerView:
@@ -78,6 +82,14 @@ class Hints:
         pycs = [path] if pydeps.is_pyc(path) else []
         pycs += [node.read_path for _, node in files if pydeps.is_pyc(node.read_path)]
         return _hexes(files + self._closure(key, st, pycs))
+
+    def on_start(self, layer_hex: str) -> list[str]:
+        """The objects a sandbox of the stack whose top layer is ``layer_hex`` reads as it
+        starts (``START_FILES``)."""
+        got = self._stack(layer_hex)
+        if got is None:
+            return []
+        return _hexes([hit for hit in map(got[1].lookup, START_FILES) if hit is not None])
 
     def on_elf(self, layer_hex: str, data: bytes) -> list[str]:
         """The objects the dynamic loader opens for the ELF file ``data`` of layer

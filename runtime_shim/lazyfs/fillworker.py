@@ -265,6 +265,25 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - a hint: the opens fill what it missed
             log.warning("predicting after %s: %s", hexd[:16], e)
 
+    def add_stack(self, layers: list[str]) -> None:
+        """A sandbox's layers, top first, just before it starts: predictions resolve in
+        them from now on; the files its start reads are filled ahead, and each layer's
+        reader and blob order are made now, off the path of its first open."""
+        self.hints.add_stack(layers)
+        if layers:
+            self._hint_pool.submit(self._start, layers)
+
+    def _start(self, layers: list[str]) -> None:
+        try:
+            self._fill_predicted(self.hints.on_start(layers[0]))
+            for h in layers:
+                with self._lock:
+                    record = self._records.get(h)
+                if record is not None:
+                    self._order(self._layer(record))
+        except Exception as e:  # noqa: BLE001 - a hint: the opens do it otherwise
+            log.warning("preparing the start of a stack: %s", e)
+
     def _fill_predicted(self, hexes: list[str]) -> None:
         """Claim the unfilled ones of ``hexes`` and fill them in batches (``AHEAD_FILES``
         files, ``AHEAD_BYTES`` bytes), ``AHEAD_WORKERS`` reads in flight."""

@@ -91,3 +91,27 @@ def test_an_object_filled_in_another_boot_is_a_placeholder_again(tmp_path, monke
     assert boot_tag().startswith(b"boot:") and len(boot_tag()) > 20
     assert store.complete(names["now"]) and store.complete(names["empty"])
     assert sorted(store.incomplete()) == sorted([names["old"], names["none"]])
+
+
+def test_a_registered_stack_predicts_the_files_a_start_reads():
+    """``Hints.on_start``: the objects of ``/etc/passwd`` and ``/etc/group`` (runc reads
+    them as a sandbox starts) as the stack resolves them: the top layer's ``passwd``, the
+    lower layer's ``group``; an unregistered layer predicts nothing."""
+    from runtime_shim.lazyfs.fillhints import Hints, LayerView
+
+    def tree(files: dict[str, str]) -> dict[str, Node]:
+        nodes = {"": Node(ino=1, mode=0o040755, uid=0, gid=0, mtime=0, children={"etc": None}),
+                 "etc": Node(ino=2, mode=0o040755, uid=0, gid=0, mtime=0,
+                             children=dict.fromkeys(n.split("/")[1] for n in files))}
+        for i, (path, digest) in enumerate(files.items()):
+            nodes[path] = Node(ino=10 + i, mode=0o100644, uid=0, gid=0, mtime=0, size=1,
+                               read_path=path, digest="sha256:" + digest)
+        return nodes
+    top, low = "1" * 64, "2" * 64
+    trees = {top: tree({"etc/passwd": "a" * 64}),
+             low: tree({"etc/passwd": "b" * 64, "etc/group": "c" * 64})}
+    hints = Hints(lambda h: LayerView(h, trees[h], None))
+    assert hints.on_start(top) == []   # no stack registered yet
+    hints.add_stack([top, low])
+    assert hints.on_start(top) == ["a" * 64, "c" * 64]
+    assert hints.on_elf(top, b"not an ELF file") == []
