@@ -134,6 +134,13 @@ class RangeClient:
                 return
         conn.close()
 
+    def _drop_idle(self, scheme: str, netloc: str) -> None:
+        """Close the idle connections to ``netloc``."""
+        with self._idle_lock:
+            conns = self._idle.pop((scheme, netloc), [])
+        for conn in conns:
+            conn.close()
+
     def close(self) -> None:
         """Close the idle connections."""
         with self._idle_lock:
@@ -176,7 +183,10 @@ class RangeClient:
                 last = f"{type(e).__name__}: {e}"
                 if reused and not stale_retried and isinstance(e, _STALE):
                     # a keep-alive connection the server closed while it was idle (servers
-                    # do after a few seconds): once more at once on a new one, not a try
+                    # do after a few seconds): once more at once on a new one, not a try;
+                    # its idle siblings went stale with it (each was a backoff sleep: 4.3 s
+                    # of a create after 5 s of quiet, with five reads' connections idle)
+                    self._drop_idle(parts.scheme, parts.netloc)
                     stale_retried = again = True
                     continue
                 attempt += 1

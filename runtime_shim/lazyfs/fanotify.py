@@ -22,6 +22,9 @@ FAN_CLASS_PRE_CONTENT = 0x8
 FAN_UNLIMITED_QUEUE = 0x10
 FAN_MARK_ADD = 0x1
 FAN_MARK_REMOVE = 0x2
+FAN_MARK_MOUNT = 0x10
+#: An ignore mark (``FAN_MARK_IGNORE``) that survives modification (required for a mount).
+FAN_MARK_IGNORE_SURV = 0x400 | 0x40
 FAN_OPEN_PERM = 0x00010000
 FAN_PRE_ACCESS = 0x00100000
 #: What the filler marks: the open (a fill before any read or ``mmap`` can happen: an
@@ -76,14 +79,24 @@ def open_group() -> int:
     return fd
 
 
-def mark(group: int, path: str, *, remove: bool = False, mask: int = FILL_EVENTS) -> None:
-    """Add (or remove) the mark of the inode at ``path`` (``FILL_EVENTS``)."""
+def mark(group: int, path: str, *, remove: bool = False, mask: int = FILL_EVENTS,
+         dir_fd: int = _AT_FDCWD) -> None:
+    """Add (or remove) the mark of the inode at ``path`` (``FILL_EVENTS``; relative to
+    ``dir_fd`` if given: one lookup, not a walk from the root)."""
     flags = FAN_MARK_REMOVE if remove else FAN_MARK_ADD
-    if _mark(group, flags, mask, _AT_FDCWD, os.fsencode(path)) != 0:
+    if _mark(group, flags, mask, dir_fd, os.fsencode(path)) != 0:
         err = ctypes.get_errno()
         if remove and err == errno.ENOENT:  # no mark there (removed before)
             return
         raise OSError(err, f"fanotify_mark {path}: {os.strerror(err)}")
+
+
+def ignore_mount(group: int, path: str, mask: int = FILL_EVENTS) -> None:
+    """Ignore ``mask`` for every access through the mount at ``path`` (an inode's marks
+    still raise events for accesses through any other mount)."""
+    if _mark(group, FAN_MARK_ADD | FAN_MARK_MOUNT | FAN_MARK_IGNORE_SURV, mask, _AT_FDCWD,
+             os.fsencode(path)) != 0:
+        raise _error(f"fanotify_mark (ignore) {path}")
 
 
 def parse(buf: bytes) -> list[Event]:
@@ -121,4 +134,4 @@ def answer(group: int, fd: int, response: int) -> bool:
 
 
 __all__ = ["FAN_ALLOW", "FAN_DENY", "FAN_OPEN_PERM", "FAN_PRE_ACCESS", "FILL_EVENTS", "Event",
-           "answer", "deny_errno", "mark", "open_group", "parse"]
+           "answer", "deny_errno", "ignore_mount", "mark", "open_group", "parse"]

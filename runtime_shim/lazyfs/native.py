@@ -5,8 +5,8 @@ TOC on the layer's first use on a node) over the node's object store (``objects`
 data-only lower layer, the unfilled objects filled on first access by the node's filler
 (``filler``: fanotify pre-content events, Linux >= 6.14). No FUSE, no daemon on the read
 path: lookups, ``stat``, ``readdir`` are the kernel's; a read of a complete object is a plain
-local read. Order of a create, so that no reader ever reaches an unmarked placeholder:
-placeholders are made, the filler marks them (it answers only then), and only then is the
+local read. Order of a create, so that no reader ever reaches an unmarked placeholder: the
+filler makes and marks the placeholders (it answers only then), and only then is the
 layer's overlay mounted.
 """
 
@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from envbuild.errors import EnvbuildError, RuntimeShimError
@@ -128,11 +128,13 @@ def check_object_fs(objects: ObjectStore) -> None:
 
 def native_layer_dirs(node_root: str, store: Any, layers: Sequence[Any]) -> list[str]:
     """The native overlays of ``layers`` (``LayerRef``s, bottom first) on node ``node_root``,
-    each built and mounted on its first use here (module docstring)."""
-    from envbuild.layers import LayerReader
+    each built and mounted on its first use here (module docstring). A layer's first use:
+    its TOC (all layers' fetched at once), its source record, then the filler makes and
+    marks its placeholders (``place``) while this process builds its tree: the two on two
+    cores, and both before the mount."""
+    from envbuild.store import PYIMPORT_RECORDS
     from envbuild.store.base import Presigner
     from runtime_shim.lazyfs.mounts import _check_envbuild_layers, store_location
-    from runtime_shim.lazyfs.tree import tree_of
 
     _check_envbuild_layers(layers)
     root = os.path.abspath(node_root)
@@ -140,53 +142,104 @@ def native_layer_dirs(node_root: str, store: Any, layers: Sequence[Any]) -> list
     ensure_filler(root)
     objects = ObjectStore(root)
     objects.make_dirs()
+    new = [x for x in layers
+           if not os.path.ismount(nativetree.mount_dir(root, x.digest.removeprefix("sha256:")))]
+    readers = _readers(store, new)
     dirs = []
     for layer in layers:
         hexd = layer.digest.removeprefix("sha256:")
-        mnt = nativetree.mount_dir(root, hexd)
-        if os.path.ismount(mnt):
-            dirs.append(mnt)
+        if layer.digest not in readers:
+            dirs.append(nativetree.mount_dir(root, hexd))
             continue
-        try:
-            reader = LayerReader.from_store(store, layer.digest)
-            nodes = tree_of(reader)
-        except EnvbuildError as e:
-            raise RuntimeShimError(f"native lazy layer {layer.digest[:19]}: {e}") from e
-        new: list[str] = []
-        sources: dict[str, tuple[str, int]] = {}
+        nodes = _tree(layer, readers[layer.digest])
 
-        def place(node: Node, new: list[str] = new,
-                  sources: dict[str, tuple[str, int]] = sources) -> str:
-            obj = node.digest.removeprefix("sha256:")
-            sources.setdefault(obj, (node.read_path, node.size))
-            if not objects.ensure(obj, node.size):
-                new.append(obj)
-            return obj
-
-        def before_mount(layer: Any = layer, new: list[str] = new,
-                         sources: dict[str, tuple[str, int]] = sources) -> None:
-            objects.record_layer(layer.digest, int(layer.size or 0), url, endpoint, sources)
+        def start(layer: Any = layer, nodes: dict[str, Node] = nodes) -> Callable[[], None]:
+            objects.record_layer(layer.digest, int(layer.size or 0), url, endpoint,
+                                 _sources(nodes))
             # a presigned URL: the filler's ranged reads over plain HTTP, no boto3 in it
-            mark(root, layer.digest, new,
-                 store.presigned_get_url(layer.digest) if isinstance(store, Presigner) else None)
-        dirs.append(nativetree.ensure(root, hexd, nodes, objects.data, place, before_mount))
+            ranges, index = (store.presigned_get_url(layer.digest),
+                             store.presigned_get_record_url(PYIMPORT_RECORDS, layer.digest[7:])) \
+                if isinstance(store, Presigner) else (None, None)
+            return _in_thread(lambda: place(root, layer.digest, ranges, index))
+        dirs.append(nativetree.ensure(root, hexd, nodes, objects.data, start))
+    # the stack the filler resolves predictions in (a hint: no answer, no prediction)
+    filler_request(root, {"op": "stack", "layers": [x.digest[7:] for x in reversed(layers)]})
     return dirs
 
 
-def mark(node_root: str, layer: str, objects: list[str], ranges_url: str | None = None,
-         batch: int = 4096) -> None:
+def _readers(store: Any, layers: Sequence[Any]) -> dict[str, Any]:
+    """The ``LayerReader``s of ``layers`` (footer and TOC each), fetched at once: a request
+    each, in parallel over the link."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from envbuild.layers import LayerReader
+
+    def one(layer: Any) -> Any:
+        try:
+            return LayerReader.from_store(store, layer.digest)
+        except EnvbuildError as e:
+            raise RuntimeShimError(f"native lazy layer {layer.digest[:19]}: {e}") from e
+    if not layers:
+        return {}
+    with ThreadPoolExecutor(min(8, len(layers))) as pool:
+        return dict(zip([x.digest for x in layers], pool.map(one, layers), strict=True))
+
+
+def _tree(layer: Any, reader: Any) -> dict[str, Node]:
+    from runtime_shim.lazyfs.tree import tree_of
+
+    try:
+        return tree_of(reader)
+    except EnvbuildError as e:
+        raise RuntimeShimError(f"native lazy layer {layer.digest[:19]}: {e}") from e
+
+
+def _sources(nodes: dict[str, Node]) -> dict[str, tuple[str, int]]:
+    """``{object hex: (path in the layer, size)}`` of a layer's regular files (the first
+    path of each content)."""
+    import stat
+
+    out: dict[str, tuple[str, int]] = {}
+    for node in nodes.values():
+        if stat.S_ISREG(node.mode):
+            out.setdefault(node.digest.removeprefix("sha256:"), (node.read_path, node.size))
+    return out
+
+
+def _in_thread(fn: Callable[[], None]) -> Callable[[], None]:
+    """Run ``fn`` in a thread now; the returned call waits for it and raises its error."""
+    import threading
+
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - raised in the waiter
+            err.append(e)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+
+    def wait() -> None:
+        t.join()
+        if err:
+            raise err[0]
+    return wait
+
+
+def place(node_root: str, layer: str, ranges_url: str | None = None,
+          index_url: str | None = None) -> None:
     """Have the filler read ``layer``'s source record (and take ``ranges_url``, a presigned
-    GET of its blob, if any) and mark placeholders ``objects`` (before anything can reach
-    them)."""
-    for i in range(0, max(1, len(objects)), batch):
-        reply = filler_request(node_root, {"op": "mark", "layer": layer.removeprefix("sha256:"),
-                                           "ranges_url": ranges_url,
-                                           "objects": objects[i:i + batch]})
-        if not reply or not reply.get("ok"):
-            why = (reply or {}).get("error") or "no answer"
-            raise RuntimeShimError(f"the native filler did not mark the new objects: {why}",
-                                   hint="raise fs.fanotify.max_user_marks, or run `envbuild "
-                                        "node gc`; its log: <node>/objects/filler.log")
+    GET of its blob, and ``index_url``, of its import index, if any), make the placeholders
+    of its objects the node lacks and mark them (before anything can reach them)."""
+    reply = filler_request(node_root, {"op": "place", "layer": layer.removeprefix("sha256:"),
+                                       "ranges_url": ranges_url, "index_url": index_url},
+                           timeout=600.0)
+    if not reply or not reply.get("ok"):
+        why = (reply or {}).get("error") or "no answer"
+        raise RuntimeShimError(f"the native filler did not place the layer's objects: {why}",
+                               hint="raise fs.fanotify.max_user_marks, or run `envbuild "
+                                    "node gc`; its log: <node>/objects/filler.log")
 
 
 def shutdown(node_root: str) -> None:

@@ -40,6 +40,7 @@ import uuid
 from collections.abc import Callable
 
 from envbuild.errors import RuntimeShimError
+from envbuild.oci import is_hex64
 from runtime_shim.lazyfs.metagen import (
     TREES,
     _ensure_trees,
@@ -65,31 +66,38 @@ def mount_dir(node_root: str, hexd: str) -> str:
 
 
 def ensure(node_root: str, hexd: str, nodes: dict[str, Node], objects_data: str,
-           place: Callable[[Node], str], before_mount: Callable[[], None]) -> str:
+           start: Callable[[], Callable[[], None]]) -> str:
     """The mounted overlay of layer ``hexd`` (built from ``nodes`` if this node has no tree
-    of it); ``place(node)`` makes a regular file's object and returns its hex;
-    ``before_mount()`` runs after the build, before the mount (the filler marks the new
-    placeholders: nothing can reach them before)."""
+    of it). ``start()`` begins making the layer's objects (the filler places and marks
+    them) and returns the call that waits for them: it runs while the tree is built and
+    is waited for before the mount (nothing can reach a placeholder before its mark)."""
     mnt = mount_dir(node_root, hexd)
     with _layer_flock(node_root, f"native-{hexd}"):
         if _is_mount(mnt):
             return mnt
-        tree = tree_dir(node_root, hexd)
-        if not os.path.isdir(tree):
-            _ensure_trees(os.path.join(node_root, "meta"))
-            os.makedirs(os.path.dirname(tree), mode=0o700, exist_ok=True)
-            tmp = f"{tree}.tmp-{uuid.uuid4().hex[:8]}"
-            os.mkdir(tmp, 0o700)
-            try:
-                build(tmp, nodes, place)
-                os.rename(tmp, tree)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-        before_mount()
+        wait = start()
+        try:
+            tree = tree_dir(node_root, hexd)
+            if not os.path.isdir(tree):
+                _build_new(tree, node_root, nodes)
+        finally:
+            wait()
         os.makedirs(mnt, mode=0o700, exist_ok=True)
         mount_generation(tree, objects_data, mnt)
     return mnt
+
+
+def _build_new(tree: str, node_root: str, nodes: dict[str, Node]) -> None:
+    _ensure_trees(os.path.join(node_root, "meta"))
+    os.makedirs(os.path.dirname(tree), mode=0o700, exist_ok=True)
+    tmp = f"{tree}.tmp-{uuid.uuid4().hex[:8]}"
+    os.mkdir(tmp, 0o700)
+    try:
+        build(tmp, nodes)
+        os.rename(tmp, tree)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _entry(path: str, node: Node, paths: tuple[str, ...] = (), digest: str = "") -> MetaEntry:
@@ -97,7 +105,7 @@ def _entry(path: str, node: Node, paths: tuple[str, ...] = (), digest: str = "")
                      node.mtime, _xattrs(node), node.size, digest)
 
 
-def build(root: str, nodes: dict[str, Node], place: Callable[[Node], str]) -> None:
+def build(root: str, nodes: dict[str, Node]) -> None:
     """Create the tree of ``nodes`` in the empty dir ``root`` (module docstring)."""
     if len(nodes) > MAX_MEMBERS:
         raise RuntimeShimError(
@@ -117,7 +125,10 @@ def build(root: str, nodes: dict[str, Node], place: Callable[[Node], str]) -> No
         if stat.S_ISREG(node.mode):
             if id(node) not in made:
                 made.add(id(node))
-                hexd = place(node)
+                hexd = node.digest.removeprefix("sha256:")
+                if not is_hex64(hexd):
+                    raise RuntimeShimError(f"native layer tree: /{path} has no sha256 digest "
+                                           f"({node.digest!r})", hint="pull it in full")
                 paths = names[id(node)]
                 if not _make_file(root, paths, _entry(path, node, tuple(paths), hexd), hexd,
                                   umask):

@@ -12,11 +12,12 @@ Layout, on the node dir's own filesystem (root only, 0700)::
                                 layer makes 15,000 inodes on the node's disk, not 30,000)
     <node>/objects/tmp/         placeholders being made, and fills being verified
 
-**Fill state.** An object is complete once its xattr ``trusted.envbuild.filled`` is set; the
-filler (``runtime_shim.lazyfs.filler``) sets it after the verified bytes are written and
-synced, then removes the object's fanotify mark. Everything without it is a placeholder the
-filler marks when it starts (so a restarted filler resumes), and a create asks the filler to
-mark before it mounts (so no reader reaches an unmarked placeholder). The TOC has one digest
+**Fill state.** An object is complete once its xattr ``trusted.envbuild.filled`` is ``1``
+or this boot's tag (``boot_tag``); the filler (``runtime_shim.lazyfs.filler``) sets the tag
+after the verified bytes are written, then removes the object's fanotify mark. Everything
+else is a placeholder the filler marks when it starts (so a restarted filler resumes), and
+the filler makes and marks a layer's placeholders before a create mounts it (so no reader
+reaches an unmarked placeholder). The TOC has one digest
 per file (no per-frame digest), so a fill is a whole file: fetched, verified against the TOC
 digest in a spool file, then copied into the placeholder: no byte of an unverified fill is
 ever in the object.
@@ -50,12 +51,28 @@ FILLED_XATTR = "trusted.envbuild.filled"
 _DIRS = ("data", "layers", "tmp")
 
 
+def boot_tag() -> bytes:
+    """``trusted.envbuild.filled`` of an object filled since this boot: ``boot:<boot id>``.
+    A fill's bytes are not synced (a ``syncfs`` a batch took 18-700 ms on this shared disk,
+    and its readers waited for it): within a boot the page cache holds them for every
+    reader; after a crash an object of another boot's tag may have lost them, so it counts
+    as a placeholder again (marked, filled anew on its first open). ``1``: complete in any
+    boot (an empty file's object)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            return b"boot:" + f.read().strip()
+    except OSError:
+        return b"boot:unknown"
+
+
 class ObjectStore:
     """``<node>/objects``: placeholders, their sources and fill state."""
 
     def __init__(self, node_root: str | os.PathLike[str]) -> None:
         self.root = os.path.join(os.path.abspath(node_root), "objects")
         self.data = os.path.join(self.root, "data")
+        #: the fill state of an object filled in this boot (``boot_tag``)
+        self.tag = boot_tag()
 
     def make_dirs(self) -> None:
         """Make the store's dirs; its root must be a real directory of root's (the filler's
@@ -81,7 +98,7 @@ class ObjectStore:
 
     def complete(self, hexd: str) -> bool:
         try:
-            return os.getxattr(self.path(hexd), FILLED_XATTR) == b"1"
+            return os.getxattr(self.path(hexd), FILLED_XATTR) in (b"1", self.tag)
         except OSError:
             return False
 
@@ -111,27 +128,6 @@ class ObjectStore:
             write_atomic(path, json.dumps({"store": store, "s3_endpoint": endpoint,
                                            "layer": layer, "size": size, "objects": objects}))
 
-    def ensure(self, hexd: str, size: int) -> bool:
-        """The object ``hexd`` of ``size`` bytes exists (an empty placeholder if new; the
-        object of an empty file is complete at once); True when it is complete. Concurrent
-        creators: the first ``O_EXCL`` create wins (an empty file either way)."""
-        path = self.path(hexd)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o444)
-        except FileExistsError:
-            st = os.lstat(path)
-            done = self.complete(hexd)
-            if not stat.S_ISREG(st.st_mode) or (done and st.st_size != size):
-                raise ValueError(f"object {hexd} is not a {size}-byte file") from None
-            return done
-        try:
-            if not size:
-                os.setxattr(fd, FILLED_XATTR, b"1")
-        finally:
-            os.close(fd)
-        return not size
-
     def incomplete(self) -> list[str]:
         """Every placeholder (what a starting filler marks)."""
         try:
@@ -154,4 +150,4 @@ class ObjectStore:
         return {"objects": n, "complete": done, "bytes": used}
 
 
-__all__ = ["FILLED_XATTR", "ObjectStore"]
+__all__ = ["FILLED_XATTR", "ObjectStore", "boot_tag"]

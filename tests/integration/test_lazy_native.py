@@ -351,7 +351,10 @@ def test_an_open_fills_the_files_after_it_in_the_blob(tmp_path, node_dir):
             time.sleep(0.05)
         assert all(complete(f"pkg/m{i:02}.py") for i in range(20))
         assert not complete("zz/far.bin") and not complete("zzz/after.py")
-        assert native.filler_request(root, {"op": "ping"})["ahead"] >= 19
+        ping = native.filler_request(root, {"op": "ping"})
+        assert ping["ahead"] >= 19
+        # its writes go through its own mount, which an ignore mark covers: no event each
+        assert ping["own_events"] == 0, ping
         got = sb.exec("cat /pkg/m07.py | sha256sum").stdout.decode().split()[0]
         assert got == hashlib.sha256(files["pkg/m07.py"]).hexdigest()
 
@@ -405,3 +408,169 @@ def test_a_node_dir_on_tmpfs_is_refused_in_one_line_with_nothing_left(tmp_path):
         for mnt in mounted_targets_under(str(node_dir)):   # a failing run's tree tmpfs
             unmount(mnt)
         shutil.rmtree(node_dir, ignore_errors=True)
+
+
+class _SlowRanges:
+    """An HTTP server on 127.0.0.1 answering ranged GETs of a store's blobs (``/<digest>``,
+    ``206`` with the bytes), each request whose range reaches into ``slow[digest]`` (a
+    ``(start, end)`` byte range) delayed by ``delay`` s: a store whose slow reads a test can
+    choose. ``store(local)``:
+    that local store with presigned URLs pointing here (what the filler reads through)."""
+
+    def __init__(self, delay: float) -> None:
+        import http.server
+        import threading
+
+        self.delay, self.blobs = delay, {}
+        self.slow: dict[str, tuple[int, int]] = {}
+        self.requests: list[tuple[str, int, int]] = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:   # noqa: N802 - the http.server name
+                digest = self.path.lstrip("/")
+                data = outer.blobs.get(digest)
+                rng = self.headers.get("Range", "")
+                if data is None or not rng.startswith("bytes="):
+                    self.send_error(404)
+                    return
+                a, _, b = rng[6:].partition("-")
+                start, end = int(a), min(int(b), len(data) - 1)
+                outer.requests.append((digest, start, end))
+                lo, hi = outer.slow.get(digest, (0, 0))
+                if start < hi and end >= lo:
+                    time.sleep(outer.delay)
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+                self.send_header("Content-Length", str(end - start + 1))
+                self.end_headers()
+                self.wfile.write(data[start:end + 1])
+
+            def log_message(self, *args: object) -> None:
+                pass
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def store(self, local: LocalStore):
+        port, blobs = self.server.server_address[1], self.blobs
+
+        class Presigned(LocalStore):
+            def presigned_get_url(self, digest: str, expires: int = 43200) -> str:
+                blobs[digest] = self.blob_path(digest).read_bytes()
+                return f"http://127.0.0.1:{port}/{digest}"
+
+            def presigned_get_record_url(self, namespace: str, name: str,
+                                         expires: int = 3600) -> str:
+                return f"http://127.0.0.1:{port}/record/{namespace}/{name}"
+
+            def presigned_put_record_url(self, namespace: str, name: str,
+                                         expires: int = 3600) -> str:
+                return f"http://127.0.0.1:{port}/record/{namespace}/{name}"
+        return Presigned(local.root)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_an_opened_file_is_answered_before_the_rest_of_its_window(tmp_path, node_dir):
+    """The opened file's own frames are one ranged read and its reader goes on once it is
+    filled; the files after it in the blob (its fill window) come in a second read beside
+    it. Here every read of the frames after the opened file's takes 3 s: the reader waits
+    for none of them, and the window's files are filled once that read lands."""
+    from envbuild.layers import LayerReader
+
+    # files of their own frames (>= 16 KiB), all in m00's window; a large file after them
+    # keeps the TOC's read (the blob's last MiB) away from theirs
+    files = {f"pkg/m{i:02}.py": os.urandom(30_000) for i in range(20)}
+    local, layers = _env(tmp_path, "first", {**files, "zz/pad.bin": os.urandom(3 << 20)})
+    with LayerReader.open_file(local.blob_path(layers[1].digest)) as r:
+        first, last = r.stat("pkg/m00.py").chunks[-1], r.stat("pkg/m19.py").chunks[-1]
+    slow = _SlowRanges(delay=3.0)
+    slow.slow[layers[1].digest] = (first.offset + first.csize, last.offset + last.csize)
+    objects = ObjectStore(node_dir / "node")
+    try:
+        store = slow.store(local)
+        with Sandbox.create("first", store=store, node_dir=node_dir, lazy="native") as sb:
+            assert sb.exec("true").exit_code == 0   # busybox and its loader filled
+            t0 = time.monotonic()
+            got = sb.exec("sha256sum /pkg/m00.py")
+            waited = time.monotonic() - t0
+            assert got.stdout.decode().split()[0] == hashlib.sha256(files["pkg/m00.py"]) \
+                .hexdigest(), got.stderr
+            assert waited < 2.0, f"the opened file waited {waited:.2f} s for its window"
+            m19 = hashlib.sha256(files["pkg/m19.py"]).hexdigest()
+            assert not objects.complete(m19)   # its read is still on the way
+            deadline = time.monotonic() + 15
+            while not objects.complete(m19) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert all(objects.complete(hashlib.sha256(d).hexdigest()) for d in files.values())
+            lo, hi = slow.slow[layers[1].digest]
+            assert any(d == layers[1].digest and a < hi and e >= lo
+                       for d, a, e in slow.requests)   # the window came over the slow link
+    finally:
+        slow.close()
+
+
+def _pyc(source: str) -> bytes:
+    """``source`` compiled as CPython 3.11's checked-hash pyc (what a build writes)."""
+    import importlib.util
+    import marshal
+    import sys
+
+    assert sys.version_info[:2] == (3, 11), "pydeps reads 3.11 pycs; run the tests on 3.11"
+    data = source.encode()
+    code = compile(data, "<test>", "exec")
+    return (importlib.util.MAGIC_NUMBER + (3).to_bytes(4, "little")
+            + importlib.util.source_hash(data) + marshal.dumps(code))
+
+
+def test_predicted_files_are_filled_before_they_are_opened(tmp_path, node_dir):
+    """The first open of a pyc fills its module's whole import closure ahead (the layer's
+    import index, resolved over the sandbox's stack), and the first open of an interpreter
+    its start-up files; each a file its blob-order window would not reach (a large file
+    after each opened one ends that window)."""
+    from runtime_shim.lazyfs.pyindex import index_layer_file
+
+    lib = "usr/lib/python3.11"
+    mods = {"mymod_a": "import mymod_b\n", "mymod_b": "from mymod_c import X\n",
+            "mymod_c": "X = 1\n", "unrelated": "Y = 2\n"}
+    files = {f"{lib}/{m}.py": src.encode() for m, src in mods.items()}
+    files.update({f"{lib}/__pycache__/{m}.cpython-311.pyc": _pyc(src)
+                  for m, src in mods.items()})
+    files[f"{lib}/__pycache__/mymod_aa.bin"] = os.urandom(2 << 20)   # ends a's window
+    files[f"{lib}/encodings/__init__.py"] = b"# codecs\n"
+    files[f"{lib}/encodings/__pycache__/__init__.cpython-311.pyc"] = _pyc("# codecs\n")
+    files["usr/bin/python3.11"] = b"#!/bin/sh\n"
+    files["usr/bin/python3.11x"] = os.urandom(2 << 20)   # ends the interpreter's window
+    store, layers = _env(tmp_path, "py", files)
+    assert index_layer_file(store, str(store.blob_path(layers[1].digest)),
+                            layers[1].digest) == 5
+    objects = ObjectStore(node_dir / "node")
+
+    def complete(rel: str) -> bool:
+        return objects.complete(hashlib.sha256(files[rel]).hexdigest())
+
+    def settled(rels: list[str]) -> bool:
+        deadline = time.monotonic() + 15
+        while not all(complete(r) for r in rels) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return all(complete(r) for r in rels)
+    with Sandbox.create("py", store=store, node_dir=node_dir, lazy="native") as sb:
+        closure = [f"{lib}/{m}.py" for m in ("mymod_a", "mymod_b", "mymod_c")] + \
+            [f"{lib}/__pycache__/{m}.cpython-311.pyc" for m in ("mymod_b", "mymod_c")]
+        assert not any(complete(r) for r in closure)
+        assert sb.exec(f"cat /{lib}/__pycache__/mymod_a.cpython-311.pyc >/dev/null") \
+            .exit_code == 0
+        assert settled(closure), [r for r in closure if not complete(r)]
+        startup = [f"{lib}/encodings/__init__.py",
+                   f"{lib}/encodings/__pycache__/__init__.cpython-311.pyc"]
+        assert not any(complete(r) for r in startup)
+        assert sb.exec("cat /usr/bin/python3.11 >/dev/null").exit_code == 0
+        assert settled(startup), [r for r in startup if not complete(r)]
+        assert not complete(f"{lib}/unrelated.py")   # nothing imports it
+        assert not complete(f"{lib}/__pycache__/unrelated.cpython-311.pyc")
+        assert native.filler_request(str(node_dir / "node"), {"op": "ping"})["predicted"] >= 7
+        got = sb.exec(f"sha256sum /{lib}/mymod_b.py").stdout.decode().split()[0]
+        assert got == hashlib.sha256(files[f"{lib}/mymod_b.py"]).hexdigest()

@@ -42,7 +42,7 @@ def test_a_layer_over_the_member_cap_is_refused_before_anything_is_made(tmp_path
     node = Node(ino=2, mode=0o100644, uid=0, gid=0, mtime=0)
     nodes = {f"f{i}": node for i in range(nativetree.MAX_MEMBERS + 1)}
     with pytest.raises(RuntimeShimError, match="over the 262144"):
-        nativetree.build(str(tmp_path), nodes, lambda n: "0" * 64)
+        nativetree.build(str(tmp_path), nodes)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -67,3 +67,51 @@ def test_the_fill_window_is_the_files_after_one_in_blob_order():
     assert [e.path for e in order.after("a", window=10_000, max_file=1000, max_files=1)] \
         == ["b"]
     assert order.after("bad") == [] and order.after("nope") == []
+
+
+def test_an_object_filled_in_another_boot_is_a_placeholder_again(tmp_path, monkeypatch):
+    """Fills are not synced: an object whose fill state is another boot's tag may have lost
+    its bytes in a crash, so it is incomplete (marked and filled anew); this boot's tag and
+    ``1`` (an empty file's object, durable) are complete."""
+    import os
+
+    from runtime_shim.lazyfs import objects
+    from runtime_shim.lazyfs.objects import ObjectStore, boot_tag
+
+    monkeypatch.setattr(objects, "FILLED_XATTR", "user.envbuild.filled")   # no root needed
+    FILLED_XATTR = objects.FILLED_XATTR
+    store = ObjectStore(tmp_path)
+    os.makedirs(store.data)
+    names = {"now": "a" * 64, "empty": "b" * 64, "old": "c" * 64, "none": "d" * 64}
+    for name in names.values():
+        open(store.path(name), "x").close()
+    os.setxattr(store.path(names["now"]), FILLED_XATTR, boot_tag())
+    os.setxattr(store.path(names["empty"]), FILLED_XATTR, b"1")
+    os.setxattr(store.path(names["old"]), FILLED_XATTR, b"boot:another-boot")
+    assert boot_tag().startswith(b"boot:") and len(boot_tag()) > 20
+    assert store.complete(names["now"]) and store.complete(names["empty"])
+    assert sorted(store.incomplete()) == sorted([names["old"], names["none"]])
+
+
+def test_a_registered_stack_predicts_the_files_a_start_reads():
+    """``Hints.on_start``: the objects of ``/etc/passwd`` and ``/etc/group`` (runc reads
+    them as a sandbox starts) as the stack resolves them: the top layer's ``passwd``, the
+    lower layer's ``group``; an unregistered layer predicts nothing."""
+    from runtime_shim.lazyfs.fillhints import Hints, LayerView
+
+    def tree(files: dict[str, str]) -> dict[str, Node]:
+        nodes = {"": Node(ino=1, mode=0o040755, uid=0, gid=0, mtime=0, children={"etc": None}),
+                 "etc": Node(ino=2, mode=0o040755, uid=0, gid=0, mtime=0,
+                             children=dict.fromkeys(n.split("/")[1] for n in files))}
+        for i, (path, digest) in enumerate(files.items()):
+            nodes[path] = Node(ino=10 + i, mode=0o100644, uid=0, gid=0, mtime=0, size=1,
+                               read_path=path, digest="sha256:" + digest)
+        return nodes
+    top, low = "1" * 64, "2" * 64
+    trees = {top: tree({"etc/passwd": "a" * 64}),
+             low: tree({"etc/passwd": "b" * 64, "etc/group": "c" * 64})}
+    hints = Hints(lambda h: LayerView(h, trees[h], None))
+    assert hints.on_start(top) == []   # no stack registered yet
+    hints.add_stack([top, low])
+    assert hints.on_start(top) == ["a" * 64, "c" * 64]
+    assert hints.on_elf(top, b"not an ELF file") == []
