@@ -396,7 +396,8 @@ class ContainerBackend:
 
     def _start(self, req: CreateRequest, image: CheckpointImage | None) -> ContainerSandbox:
         paths, limits = req.paths, req.limits
-        diskpool.create_disk(req.layout, paths, limits, template_root=req.node.root / "scratchfs")
+        diskpool.create_disk(req.layout, paths, limits, template_root=req.node.root / "scratchfs",
+                             backend=self.name)
         for p in (paths.upper, paths.work, paths.merged, paths.tmp):
             p.mkdir(parents=True)
         os.chmod(paths.tmp, 0o1777)

@@ -188,7 +188,7 @@ class FnSandbox(ContainerSandbox):
                                      hint="use the container backend for Limits(inotify=True)")
         paths, limits = req.paths, req.limits
         if limits.disk_bytes is not None:
-            diskpool.create_disk(req.layout, paths, limits,
+            diskpool.create_disk(req.layout, paths, limits, backend="fncall",
                                  template_root=req.node.root / "scratchfs")
         else:
             paths.disk.mkdir()

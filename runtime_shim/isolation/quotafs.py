@@ -12,7 +12,8 @@ with btrfs (``docs/disk-pool.md`` has the measurements).
 Contract::
 
     format_image(image, size_bytes)        # once per node: mkfs.btrfs a sparse image
-    mount_image(image, target)             # one loop device, quotas on (idempotent)
+    mount_image(image, target) -> loop     # one loop device, quotas on
+    still_attached(loop, image) -> bool    # is an unmounted instance not yet released?
     check_pool(dir)                        # a btrfs with quotas on, or RuntimeShimError
     create(pool, name, size_bytes) -> Path # a subvolume capped at size_bytes
     destroy(path) -> bool                  # delete a subvolume create made (idempotent)
@@ -99,9 +100,10 @@ def format_image(image: Path, size_bytes: int) -> None:
                                hint="check ENVBUILD_DISK_POOL_SIZE (at least 1G)")
 
 
-def mount_image(image: Path, target: Path) -> None:
+def mount_image(image: Path, target: Path) -> str:
     """Mount the btrfs in ``image`` at ``target`` (``nodev,nosuid,noatime``) on an autoclear
-    loop device, which detaches when it is unmounted, and turn its quotas on."""
+    loop device, which detaches when its filesystem is released, and turn its quotas on.
+    Returns the device's name (``loop7``) for ``still_attached``."""
     backing = os.open(image, os.O_RDWR | os.O_CLOEXEC)
     try:
         loop_fd, loop_dev = attach_loop(backing)
@@ -116,6 +118,20 @@ def mount_image(image: Path, target: Path) -> None:
     finally:
         os.close(loop_fd)  # the mount holds the device now; autoclear detaches it on unmount
     enable_quotas(target)
+    return os.path.basename(loop_dev)
+
+
+def still_attached(loop_name: str, image: Path) -> bool:
+    """Whether the loop device ``loop_name`` still serves ``image``: the filesystem that was
+    mounted from it is not released yet, although unmounted here (a dying container's mount
+    namespace may hold it a moment longer). Mounting the image again then would give two live
+    instances of one btrfs writing one file (the older one's last commit undoing the newer's
+    work, measured: a deleted subvolume came back)."""
+    try:
+        with open(f"/sys/block/{loop_name}/loop/backing_file") as f:
+            return f.read().strip() == os.fspath(image)
+    except OSError:
+        return False
 
 
 def enable_quotas(pool: Path) -> None:

@@ -3,7 +3,8 @@ subvolume per sandbox (the default), or a loop-mounted ext4 per sandbox.
 
 ``ENVBUILD_SANDBOX_DISK`` chooses: ``pool`` (default; ``runtime_shim.isolation.quotafs``) or
 ``loop`` (``runtime_shim.isolation.scratchfs``, the mechanism before issue 39; builds keep it).
-Either way ``SandboxPaths.disk`` holds the sandbox's upper, work and ``/tmp`` dirs, capped at
+FnCall sandboxes always get a loop disk (``POOL_BACKENDS`` says why). Either way
+``SandboxPaths.disk`` holds the sandbox's upper, work and ``/tmp`` dirs, capped at
 ``Limits.disk_bytes``; with ``disk_bytes=None`` neither applies (plain dirs, uncapped).
 
 The pool (``NodeLayout.disk_pool``)::
@@ -13,7 +14,9 @@ The pool (``NodeLayout.disk_pool``)::
                (key ``pool:sandboxes``, ``runtime_shim.node.admission``)
     mnt/       its mount (one loop device for the node), while it holds a subvolume: the close
                that deletes the last one unmounts it (the image stays; mounting it again
-               costs ~2 ms), so a node with no sandboxes holds no mount and no loop device
+               costs ~2 ms, unless the last instance is not released yet: then a new image),
+               so a node with no sandboxes holds no mount and no loop device
+    loop       the loop device of the last mount (``quotafs.still_attached``)
     mnt/<id>   a sandbox's subvolume, capped by its quota group; ``SandboxPaths.disk`` is a
                symlink to it, written before the subvolume exists, so every cleanup that finds
                the sandbox's dir finds its subvolume too
@@ -36,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -58,6 +62,13 @@ POOL_KEY = "pool:sandboxes"
 IMAGE_NAME = "pool.img"
 #: A sandbox is admitted while the pool has this much free (or its whole cap, if smaller).
 POOL_HEADROOM = 1 << 30
+#: How long the close that empties the pool retries its unmount while it is busy.
+UNMOUNT_PATIENCE = 0.5
+#: The backends whose sandboxes take their disk from the pool. FnCall keeps a loop disk each:
+#: ``statfs`` of the pool shows every sandbox's writes (and a previous tenant's, freed in the
+#: background), which ``tests/security/test_fncall_tenants.py`` rightly counts as a channel
+#: between the tenants of one FnCall sandbox.
+POOL_BACKENDS = ("container",)
 #: The default pool's share of the node's disk budget when it is made.
 DEFAULT_POOL_SHARE = 0.5
 
@@ -71,18 +82,19 @@ def mode(environ: Mapping[str, str]) -> str:
     return value
 
 
-def pooled(limits, environ: Mapping[str, str]) -> bool:
-    """Whether a container or FnCall sandbox of ``limits`` gets its disk from the pool."""
-    return limits.disk_bytes is not None and mode(environ) == "pool"
+def pooled(limits, environ: Mapping[str, str], backend: str = "container") -> bool:
+    """Whether a sandbox of ``limits`` on ``backend`` gets its disk from the pool."""
+    return (limits.disk_bytes is not None and backend in POOL_BACKENDS
+            and mode(environ) == "pool")
 
 
 def create_disk(layout: NodeLayout, paths: SandboxPaths, limits, *, template_root: Path,
-                environ: Mapping[str, str] = os.environ) -> None:
+                backend: str, environ: Mapping[str, str] = os.environ) -> None:
     """Give the sandbox at ``paths`` its capped disk at ``paths.disk`` (nothing when
     ``limits.disk_bytes`` is None). On failure ``destroy_disk`` leaves nothing."""
     if limits.disk_bytes is None:
         return
-    if not pooled(limits, environ):
+    if not pooled(limits, environ, backend):
         scratchfs.create(paths.root, limits.disk_bytes, limits.inodes,
                          template_root=template_root)
         return
@@ -113,9 +125,9 @@ def destroy_disk(paths: SandboxPaths) -> None:
     layout = NodeLayout(paths.root.parent.parent)
     own = target.parent == _mount_dir(layout)
     with _pool_lock(layout) if own else contextlib.nullcontext():
-        if own and not os.path.ismount(target.parent) and _image(layout).exists():
+        if own and not os.path.ismount(target.parent):
             # a subvolume left in an unmounted pool (a reboot, a crash) is still there
-            quotafs.mount_image(_image(layout), target.parent)
+            _mount(layout, create=False)
         if target.name == paths.id:  # never delete what this sandbox's link did not name
             quotafs.destroy(target)
         disk.unlink()
@@ -125,14 +137,25 @@ def destroy_disk(paths: SandboxPaths) -> None:
 
 def _ensure_mounted(layout: NodeLayout, environ: Mapping[str, str]) -> None:
     """Mount the node's pool, making it first if there is none (under the pool's lock)."""
-    mnt = _mount_dir(layout)
-    if os.path.ismount(mnt):
-        return
-    mnt.mkdir(exist_ok=True)
-    image = _image(layout)
+    if not os.path.ismount(_mount_dir(layout)):
+        _mount(layout, create=True, environ=environ)
+
+
+def _mount(layout: NodeLayout, *, create: bool, environ: Mapping[str, str] = os.environ
+           ) -> None:
+    """Mount the pool's image (under the pool's lock), never one whose last instance is not
+    released yet (``quotafs.still_attached``): that image is unlinked instead (its loop device
+    keeps it until then) and, with ``create``, a new one made."""
+    mnt, image, loop_file = _mount_dir(layout), _image(layout), layout.disk_pool / "loop"
+    with contextlib.suppress(FileNotFoundError):
+        if quotafs.still_attached(loop_file.read_text().strip(), image):
+            image.unlink()
     if not image.exists():
+        if not create:
+            return
         _make_image(layout, image, environ)
-    quotafs.mount_image(image, mnt)
+    mnt.mkdir(exist_ok=True)
+    loop_file.write_text(quotafs.mount_image(image, mnt))
 
 
 def _make_image(layout: NodeLayout, image: Path, environ: Mapping[str, str]) -> None:
@@ -182,9 +205,18 @@ def _check_room(pool: Path, cap: int) -> None:
 
 
 def _unmount_if_empty(mnt: Path) -> None:
-    if os.path.ismount(mnt) and quotafs.is_empty(mnt):
-        with contextlib.suppress(RuntimeShimError):  # busy: the next close tries again
+    """Unmount the node's pool if it holds no subvolume. Busy (a file of the last sandbox still
+    open while its processes exit): a few tries over ``UNMOUNT_PATIENCE`` seconds, then it is
+    left to the next close; never lazily, or a remount of the image could meet the old one."""
+    deadline = time.monotonic() + UNMOUNT_PATIENCE
+    while os.path.ismount(mnt) and quotafs.is_empty(mnt):
+        try:
             unmount(str(mnt), lazy_fallback=False)
+            return
+        except RuntimeShimError:
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.02)
 
 
 @contextlib.contextmanager

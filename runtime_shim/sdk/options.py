@@ -139,7 +139,7 @@ def plan_create(options: SandboxOptions) -> CreatePlan:
     limits = limits or Limits()
     want = impl.host_reservation(limits) if isinstance(impl, HostCosted) \
         else admission.reservation(limits)  # no pids limit is refused here
-    if not isinstance(impl, HostCosted) and diskpool.pooled(limits, os.environ):
+    if diskpool.pooled(limits, os.environ, options.backend):
         # the pool's size is reserved once; its sandboxes overcommit it (node.diskpool)
         want = dataclasses.replace(want, disk_bytes=0)
     return CreatePlan(impl=impl, network=policy, limits=limits, lazy=lazy, reservation=want,

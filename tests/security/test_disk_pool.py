@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -28,11 +29,22 @@ PROBE_SOURCE = Path(__file__).with_name("disk_pool_probe.c")
 
 
 @pytest.fixture
-def pool_env(busybox_store, monkeypatch):
+def pool_env(busybox_store, monkeypatch, tmp_path):
+    """The busybox store and a node dir of the test's own (a pool is per node dir)."""
     for name in (diskpool.POOL_DIR_ENV, diskpool.POOL_SIZE_ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(diskpool.MODE_ENV, "pool")
-    return busybox_store
+    return busybox_store[0], tmp_path / "node"
+
+
+def _assert_pool_gone(node: Path) -> None:
+    """No mount under ``node``, and its loop device detached (autoclear: the kernel detaches
+    it once the unmounted filesystem let go of it, a moment later on a loaded host)."""
+    assert not _mounts(node), _mounts(node)
+    deadline = time.monotonic() + 10
+    while _loops(node) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _loops(node), _loops(node)
 
 
 def _loops(prefix: Path) -> list[str]:
@@ -61,7 +73,7 @@ def test_many_sandboxes_share_one_loop_device_and_do_not_count_against_each_othe
     finally:
         for sb in sbs:
             sb.close()
-    assert not _loops(node) and not _mounts(node)
+    _assert_pool_gone(node)
 
 
 def test_file_bomb_stops_at_the_cap(pool_env):
@@ -117,7 +129,8 @@ def test_a_nested_subvolume_stays_under_the_cap_without_the_filter(pool_env, pro
         subvolume = sb.paths.disk.resolve()
     assert calls["subvol"] == 0, calls
     assert 8 < calls["nested_mib"] < 32, calls
-    assert not subvolume.exists() and not _mounts(node)
+    assert not subvolume.exists()
+    _assert_pool_gone(node)
 
 
 def test_pooled_sandboxes_reserve_no_disk_and_the_pool_is_reserved_once(pool_env,
@@ -127,9 +140,6 @@ def test_pooled_sandboxes_reserve_no_disk_and_the_pool_is_reserved_once(pool_env
     in one line."""
     store, node = pool_env
     monkeypatch.setenv(diskpool.POOL_SIZE_ENV, "2G")
-    image = node / "node" / "diskpool" / diskpool.IMAGE_NAME
-    image.unlink(missing_ok=True)  # a pool made by an earlier test has its own size
-    Ledger(node / "node").release(diskpool.POOL_KEY)
     ten_gib = Limits(pids=16, nofile=256)  # the default disk; the default 256 x 1024 files
     assert ten_gib.disk_bytes == 10 << 30  # would fill the file table's budget first
     sbs = [Sandbox.create(ENV, store=store, node_dir=node, limits=ten_gib) for _ in range(10)]
@@ -143,8 +153,8 @@ def test_pooled_sandboxes_reserve_no_disk_and_the_pool_is_reserved_once(pool_env
     finally:
         for sb in sbs:
             sb.close()
-    image.unlink()
-    Ledger(node / "node").release(diskpool.POOL_KEY)
+    _assert_pool_gone(node)
+    assert list(Ledger(node / "node").reserved()) == [diskpool.POOL_KEY]  # the image stays
 
 
 def test_an_operator_pool_dir_not_on_btrfs_is_refused_in_one_line(pool_env, monkeypatch,
@@ -154,4 +164,4 @@ def test_an_operator_pool_dir_not_on_btrfs_is_refused_in_one_line(pool_env, monk
     with pytest.raises(RuntimeShimError, match="not on btrfs") as info:
         Sandbox.create(ENV, store=store, node_dir=node)
     assert "ENVBUILD_DISK_POOL_DIR" in (info.value.hint or "")
-    assert not any((node / "sandboxes").iterdir())
+    assert not any((node / "sandboxes").iterdir()) and not _mounts(node)
