@@ -61,7 +61,7 @@ MIN_POOL = 1 << 30  # mkfs.btrfs's own minimum is ~110 MiB; a pool smaller than 
 MKFS_OPTIONS = ("-q", "-f", "-m", "single", "-d", "single", "-O", "no-holes")
 #: discard=async: freed blocks are punched out of the sparse image (the host gets them back);
 #: commit=: how long btrfs may batch metadata (a pool never has to survive a host crash).
-MOUNT_DATA = b"discard=async,commit=60"
+MOUNT_DATA = b"discard=async,commit=60,nobarrier"
 
 # ioctl numbers (linux/btrfs.h, magic 0x94): _IOW/_IOWR/_IOR(0x94, nr, struct)
 _SUBVOL_CREATE = 0x5000940E  # _IOW(14, btrfs_ioctl_vol_args: s64 fd; char name[4088])
