@@ -165,3 +165,27 @@ def test_an_operator_pool_dir_not_on_btrfs_is_refused_in_one_line(pool_env, monk
         Sandbox.create(ENV, store=store, node_dir=node)
     assert "ENVBUILD_DISK_POOL_DIR" in (info.value.hint or "")
     assert not any((node / "sandboxes").iterdir()) and not _mounts(node)
+
+
+def test_a_pool_held_by_another_namespace_is_never_mounted_twice(pool_env):
+    """A mount namespace made while the pool is mounted (runc's, another tool's) keeps its
+    filesystem alive after our unmount. The next sandbox must not mount the same image a second
+    time (two instances of one btrfs writing one file: the older one's last commit undid the
+    newer one's deletions): the node makes a new image, and the old one goes with its holder."""
+    store, node = pool_env
+    limits = Limits(disk_bytes=32 * MiB)
+    image = node / "node" / "diskpool" / diskpool.IMAGE_NAME
+    with Sandbox.create(ENV, store=store, node_dir=node, limits=limits):
+        first = image.stat().st_ino
+        holder = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sleep", "60"])
+        time.sleep(0.5)  # its namespace now holds a copy of the pool's mount
+    try:
+        assert not _mounts(node) and len(_loops(node)) == 1  # unmounted here, alive there
+        with Sandbox.create(ENV, store=store, node_dir=node, limits=limits) as sb:
+            assert image.stat().st_ino != first  # a new image, not a second instance
+            assert len(_loops(node)) == 2, _loops(node)
+            assert sb.exec("echo x > /f && cat /f").stdout == b"x\n"
+    finally:
+        holder.kill()
+        holder.wait()
+    _assert_pool_gone(node)
