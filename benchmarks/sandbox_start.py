@@ -5,7 +5,10 @@
 
 ``--disk`` is ``Limits.disk_bytes`` of every sandbox (default: the Limits default; ``0``: no disk
 limit, the writable layer straight on the node dir), to measure the start-up cost of the
-per-sandbox disk (``runtime_shim.isolation.scratchfs``).
+per-sandbox disk (``runtime_shim.node.diskpool``). ``--disk-modes pool,loop`` measures instead
+the disk mechanisms against each other (``ENVBUILD_SANDBOX_DISK``): create → exec → close
+interleaved run by run, so the host's load hits each alike, then the loop devices and mounts
+``--density`` live sandboxes of each mode hold; and exits.
 
 1. create → exec ``true`` → close, p50 / p95 over ``--runs`` sandboxes (warm node cache), and
    sandboxes per second with 2 workers; baseline: ``runc run`` of ``true`` in a pre-made rootfs
@@ -144,6 +147,57 @@ def bench_density(store, env, node: Path, count: int, big_file: str) -> dict[str
     }
 
 
+def bench_disk_modes(store, env, node: Path, runs: int, modes: list[str], live: int) -> None:
+    """Per mode: create, exec and close p50, interleaved run by run, with one pooled sandbox
+    alive throughout (a node is rarely empty: the pool's mount when its first sandbox comes is
+    ``benchmarks/scratchfs.py``'s); then kernel objects per live sandbox (loop devices and
+    mounts under ``node``)."""
+    def one(mode: str) -> tuple[float, float, float]:
+        os.environ["ENVBUILD_SANDBOX_DISK"] = mode
+        t0 = time.perf_counter()
+        sb = Sandbox.create(env, store=store, node_dir=node, limits=LIMITS)
+        t1 = time.perf_counter()
+        assert sb.exec(["true"]).exit_code == 0
+        t2 = time.perf_counter()
+        sb.close()
+        return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+    for mode in modes:
+        one(mode)  # warm: the node cache, the loop template, the pool
+    os.environ["ENVBUILD_SANDBOX_DISK"] = "pool"
+    anchor = Sandbox.create(env, store=store, node_dir=node, limits=LIMITS)
+    times: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes}
+    loads = []
+    try:
+        for _ in range(runs):
+            for mode in modes:
+                times[mode].append(one(mode))
+            loads.append(os.getloadavg()[0])
+    finally:
+        anchor.close()
+    print(f"\nenv {env}, disk {LIMITS.disk_bytes >> 20} MiB, {runs} runs per mode interleaved, "
+          f"load {min(loads):.1f}-{max(loads):.1f}")
+    for mode in modes:
+        phase = [statistics.median(t[i] for t in times[mode]) * 1e3 for i in range(3)]
+        total = [sum(t) for t in times[mode]]
+        print(f"  {mode:5} p50 create {phase[0]:6.1f}  exec {phase[1]:5.1f}  close {phase[2]:6.1f}"
+              f"  total {statistics.median(total) * 1e3:6.1f} ms (p95 {pct(total, 95) * 1e3:6.1f})")
+    for mode in modes:
+        os.environ["ENVBUILD_SANDBOX_DISK"] = mode
+        idle = dataclasses.replace(LIMITS, pids=16, nofile=256)
+        sbs = [Sandbox.create(env, store=store, node_dir=node, limits=idle) for _ in range(live)]
+        try:
+            loops = subprocess.run(["losetup", "-a"], capture_output=True, text=True,
+                                   check=True).stdout.count(str(node))
+            with open("/proc/self/mountinfo") as f:
+                mounts = sum(f" {node}/" in line for line in f)
+        finally:
+            for sb in sbs:
+                sb.close()
+        print(f"  {mode:5} {live} live sandboxes: {loops} loop devices, {mounts} mounts "
+              f"({loops / live:.2f} and {mounts / live:.2f} per sandbox)")
+
+
 LIMITS = Limits()
 
 
@@ -157,6 +211,8 @@ def main() -> int:
     ap.add_argument("--density", type=int, default=100)
     ap.add_argument("--big-file", default="/usr/bin/python3.11")
     ap.add_argument("--disk", default=None, help="Limits.disk_bytes, e.g. 10G; 0: none")
+    ap.add_argument("--disk-modes", default=None,
+                    help="compare ENVBUILD_SANDBOX_DISK modes, e.g. pool,loop (then exit)")
     args = ap.parse_args()
     if args.disk is not None:
         LIMITS = Limits(disk_bytes=parse_size(args.disk) or None)
@@ -167,6 +223,13 @@ def main() -> int:
     ensure_built(store_dir, args.env)
     store = LocalStore(store_dir)
     work = Path(tempfile.mkdtemp(prefix="eb-sandbox-bench-"))
+    if args.disk_modes:
+        try:
+            bench_disk_modes(store, args.env, work / "node", args.runs,
+                             args.disk_modes.split(","), args.density)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return 0
     try:
         base_times, base_rate = bench_runc_baseline(store, args.env, work, args.runs)
         ours, our_rate = bench_sandboxes(store, args.env, work / "node", args.runs)

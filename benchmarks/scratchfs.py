@@ -6,7 +6,9 @@
 2. a copy of a pre-formatted sparse template (``runtime_shim.isolation.scratchfs.create`` / ``destroy``),
    with and without waiting for the loop device's detach (``destroy`` leaves it to a thread);
 3. the sparse copy alone, in-process (``SEEK_DATA`` + ``copy_file_range``) and ``cp --sparse=always``;
-4. a tmpfs with ``size=`` and ``nr_inodes=``.
+4. a tmpfs with ``size=`` and ``nr_inodes=``;
+5. a subvolume of a btrfs pool with its capped quota group, and its deletion
+   (``runtime_shim.isolation.quotafs``, docs/disk-pool.md).
 
     .venv/bin/python benchmarks/scratchfs.py [--dir DIR] [--runs 20]
 
@@ -31,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from envbuild.libc import LIBC  # noqa: E402
-from runtime_shim.isolation import scratchfs  # noqa: E402
+from runtime_shim.isolation import quotafs, scratchfs  # noqa: E402
 from runtime_shim.isolation.mount import unmount  # noqa: E402
 
 SHAPES = ((64 << 20, 1000), (10 << 30, 1_000_000), (50 << 30, 5_000_000))
@@ -57,7 +59,11 @@ def main() -> int:
         print("needs root (loop devices, mounts)", file=sys.stderr)
         return 1
     base = Path(tempfile.mkdtemp(prefix=".scratchfs-bench-", dir=args.dir or REPO))
+    pool = base / "pool-mnt"
     try:
+        pool.mkdir()
+        quotafs.format_image(base / "pool.img", 64 << 30)
+        quotafs.mount_image(base / "pool.img", pool)
         for size, inodes in SHAPES:
             t = time.perf_counter()
             template = scratchfs.ensure_template(base / "templates", size, inodes)
@@ -81,6 +87,10 @@ def main() -> int:
                 scratchfs.create(d, size, inodes, template_root=base / "templates")
                 scratchfs.destroy(d)
 
+            def pool_subvolume(d: Path) -> None:
+                quotafs.create(pool, d.name, size)
+                quotafs.destroy(pool / d.name)
+
             def copy_only(d: Path) -> None:
                 scratchfs.copy_sparse(template, d / "x.img")
 
@@ -94,7 +104,8 @@ def main() -> int:
                              ("template copy + loop + mount + umount + detach", from_template),
                              ("  the same, detach left to destroy's thread", from_template_async),
                              ("  sparse copy alone (in-process)", copy_only),
-                             ("  sparse copy alone (cp --sparse=always)", cp_only)):
+                             ("  sparse copy alone (cp --sparse=always)", cp_only),
+                             ("pool: subvolume + capped quota group + delete", pool_subvolume)):
                 print(f"  {name:48} {median_ms(base, fn, args.runs):7.2f} ms")
 
         def tmpfs(d: Path) -> None:
@@ -106,6 +117,7 @@ def main() -> int:
         print(f"tmpfs size=64m,nr_inodes=1000 mount + umount {median_ms(base, tmpfs, args.runs):7.2f} ms")
     finally:
         scratchfs.settle()
+        unmount(str(pool), lazy_fallback=False)
         shutil.rmtree(base, ignore_errors=True)
     return 0
 

@@ -20,7 +20,7 @@ APT_PACKAGES=(
   python3 python3-venv python3-dev gcc libc6-dev git tar zstd attr
   runc busybox-static debootstrap skopeo umoci fuse3 erofs-utils docker-registry apache2-utils
   podman containerd docker.io
-  linux-image-cloud-amd64 qemu-system-x86 e2fsprogs fuse2fs lz4
+  linux-image-cloud-amd64 qemu-system-x86 e2fsprogs fuse2fs lz4 btrfs-progs
   slirp4netns iptables iproute2 util-linux criu less
 )
 

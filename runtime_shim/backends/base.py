@@ -37,8 +37,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from envbuild.errors import BackendUnavailable, RuntimeShimError
 from envbuild.safefs import remove_tree
-from runtime_shim.isolation import agent, netns, scratchfs
+from runtime_shim.isolation import agent, netns
 from runtime_shim.isolation.mount import mounted_targets_under, unmount
+from runtime_shim.node import diskpool
 from runtime_shim.node.layout import NodeLayout, SandboxPaths
 from runtime_shim.node.model import Limits, MemoryInfo
 
@@ -294,7 +295,7 @@ def remove_sandbox_dir(paths: SandboxPaths) -> None:
     netns.teardown(paths.root)  # slirp4netns and the namespace file of a networked sandbox
     for target in mounted_targets_under(str(paths.root)):
         unmount(target)
-    scratchfs.destroy(paths.root)  # the disk is unmounted above; this releases its loop device
+    diskpool.destroy_disk(paths)  # its subvolume, or its loop disk (unmounted above)
     try:
         remove_tree(paths.root)
     except OSError as e:

@@ -3,7 +3,7 @@
 A sandbox is the lock's layers, unpacked once per host in the node cache and shared read-only;
 a private upper + work dir and an overlay mount (``<node>/sandboxes/<id>/merged``), the upper
 and work dirs, ``/tmp`` and the agent's run dir on the sandbox's own capped ext4 (``<id>/disk``,
-``runtime_shim.isolation.scratchfs``; ``Limits.disk_bytes`` / ``inodes``); and a detached OCI container
+``runtime_shim.node.diskpool``; ``Limits.disk_bytes`` / ``inodes``); and a detached OCI container
 whose PID 1 is the exec agent (``runtime_shim.isolation.agent``: a static C program built once per host,
 bind-mounted read-only at ``/.envbuild/agent``). It accepts on ``<sandbox dir>/agent.sock``, a
 socket the host binds outside every mount of the sandbox and hands to runc as fd 3 (no process
@@ -45,7 +45,7 @@ from envbuild.errors import (
 from envbuild.safefs import read_tail
 from runtime_shim.backends import criu
 from runtime_shim.backends.base import CheckpointImage, CreateRequest
-from runtime_shim.isolation import agent, cpuclass, fsaccess, netns, scratchfs
+from runtime_shim.isolation import agent, cpuclass, fsaccess, netns
 from runtime_shim.isolation.mount import OverlaySpec, mount_overlay, unmount
 from runtime_shim.isolation.runc import (
     OciRuntime,
@@ -64,6 +64,7 @@ from runtime_shim.isolation.spec import (
 )
 from runtime_shim.isolation.stub import AGENT_LISTEN_FD, AGENT_PATH, ensure_stub
 from runtime_shim.isolation.watch import DirWatch
+from runtime_shim.node import diskpool
 from runtime_shim.node.layout import NodeLayout, SandboxPaths
 from runtime_shim.node.locks import ResolvedLock
 from runtime_shim.node.model import Limits, MemoryInfo
@@ -399,9 +400,8 @@ class ContainerBackend:
 
     def _start(self, req: CreateRequest, image: CheckpointImage | None) -> ContainerSandbox:
         paths, limits = req.paths, req.limits
-        if limits.disk_bytes is not None:
-            scratchfs.create(paths.root, limits.disk_bytes, limits.inodes,
-                             template_root=req.node.root / "scratchfs")
+        diskpool.create_disk(req.layout, paths, limits, template_root=req.node.root / "scratchfs",
+                             backend=self.name)
         for p in (paths.upper, paths.work, paths.merged, paths.tmp):
             p.mkdir(parents=True)
         os.chmod(paths.tmp, 0o1777)

@@ -9,7 +9,7 @@ layer: nothing one call wrote, started or changed is seen by the next
 How (measured to be the fast way that keeps a container sandbox's isolation): a sandbox is one
 warm runc container, with the container backend's seccomp filter (narrowed further: SysV IPC
 and POSIX message queues are refused), dropped capabilities, no network, ``noNewPrivileges``,
-its pids / memory / CPU cgroup and its capped disk (``runtime_shim.isolation.scratchfs``). Its root is
+its pids / memory / CPU cgroup and its capped disk (``runtime_shim.node.diskpool``). Its root is
 the lock's layers as a **read-only** overlay (``<sandbox>/base``); every top-level directory of
 the image (``/tmp``, ``/root``, ``/etc``, ``/usr``, … but not ``/proc``, ``/sys``, ``/dev``) and
 ``/dev/shm`` is a *slot*, covered by an overlay whose lower dir is that directory of the base
@@ -71,7 +71,7 @@ from envbuild.libc import LIBC
 from envbuild.safefs import remove_tree
 from runtime_shim.backends.base import CreateRequest
 from runtime_shim.backends.container import ContainerSandbox
-from runtime_shim.isolation import agent, cgroupfs, fncall_ns, scratchfs
+from runtime_shim.isolation import agent, cgroupfs, fncall_ns
 from runtime_shim.isolation import seccomp as seccomp_profiles
 from runtime_shim.isolation.mount import (
     _AT_FDCWD,
@@ -93,6 +93,7 @@ from runtime_shim.isolation.mount import (
 from runtime_shim.isolation.runc import OciRuntime, destroy
 from runtime_shim.isolation.spec import BindMount, RuntimeSpecRequest
 from runtime_shim.isolation.stub import AGENT_PATH, ensure_stub
+from runtime_shim.node import diskpool
 from runtime_shim.node.layout import NodeLayout, SandboxPaths
 from runtime_shim.node.locks import ResolvedLock
 
@@ -187,8 +188,8 @@ class FnSandbox(ContainerSandbox):
                                      hint="use the container backend for Limits(inotify=True)")
         paths, limits = req.paths, req.limits
         if limits.disk_bytes is not None:
-            scratchfs.create(paths.root, limits.disk_bytes, limits.inodes,
-                             template_root=req.node.root / "scratchfs")
+            diskpool.create_disk(req.layout, paths, limits, backend="fncall",
+                                 template_root=req.node.root / "scratchfs")
         else:
             paths.disk.mkdir()
         self._layers_dir = paths.disk / "fncall"

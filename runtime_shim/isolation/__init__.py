@@ -8,7 +8,8 @@ The bottom of ``runtime_shim``: it imports nothing of the layers above (``node``
 - ``mount``      overlay and bind mounts, unmounting, what is mounted under a dir
 - ``netns``      a sandbox's own network namespace, its egress policy and user-mode NAT
 - ``seccomp``    the default syscall filter and checks of a caller's own
-- ``scratchfs``  capped scratch disks (a loop-mounted ext4 per sandbox or build step)
+- ``scratchfs``  capped scratch disks (a loop-mounted ext4 per build step, or per sandbox)
+- ``quotafs``    per-sandbox caps as btrfs quota groups on one shared filesystem
 - ``cgroupfs``   reading and removing a container's cgroups
 - ``cpuclass``   CPU classes (weights, ``SCHED_IDLE`` for builds)
 - ``fsaccess``   reading and writing files inside a sandbox root without leaving it

@@ -297,7 +297,7 @@ def _mount_image(image: Path, target: Path, flags: int = MOUNT_FLAGS) -> int:
     (the device detaches when the fd and the mount are both gone)."""
     backing = os.open(image, os.O_RDWR | os.O_CLOEXEC)
     try:
-        loop_fd, loop_dev = _attach_loop(backing)
+        loop_fd, loop_dev = attach_loop(backing)
     finally:
         os.close(backing)
     if raw_mount(loop_dev.encode(), str(target).encode(), b"ext4", flags, MOUNT_DATA) != 0:
@@ -308,7 +308,7 @@ def _mount_image(image: Path, target: Path, flags: int = MOUNT_FLAGS) -> int:
     return loop_fd
 
 
-def _attach_loop(backing_fd: int) -> tuple[int, str]:
+def attach_loop(backing_fd: int) -> tuple[int, str]:
     """A free loop device bound to ``backing_fd`` with autoclear; returns (its fd, its path).
     Another process may take the device LOOP_CTL_GET_FREE returned before we bind it: retry."""
     config = _LOOP_CONFIG.pack(backing_fd, 0, 0, 0, 0, 0, 0, 0, 0, 0,

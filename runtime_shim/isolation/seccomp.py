@@ -183,6 +183,13 @@ IOCTL_DENY: tuple[tuple[str, int, int], ...] = (
     ("XFS_IOC_EXCHANGE_RANGE", (ord("X") << 8) | 129, 0xFFFF),
     ("EXT4_IOC_MOVE_EXT", (ord("f") << 8) | 15, 0xFFFF),
     ("EXT4_IOC_SWAP_BOOT", (ord("f") << 8) | 17, 0xFFFF),
+    # Make a btrfs subvolume or snapshot (no capability needed): on the node's disk pool one
+    # would be a quota group of its own (runtime_shim.isolation.quotafs caps the sandbox's
+    # through a level-1 group new subvolumes join; this keeps them from existing at all).
+    ("BTRFS_IOC_SNAP_CREATE", (0x94 << 8) | 1, 0xFFFF),
+    ("BTRFS_IOC_SUBVOL_CREATE", (0x94 << 8) | 14, 0xFFFF),
+    ("BTRFS_IOC_SNAP_CREATE_V2", (0x94 << 8) | 23, 0xFFFF),
+    ("BTRFS_IOC_SUBVOL_CREATE_V2", (0x94 << 8) | 24, 0xFFFF),
     # Push input into a terminal another process reads (a classic escape to a host tty).
     ("TIOCSTI", 0x5412, 0xFFFFFFFF),
     ("TIOCLINUX", 0x541C, 0xFFFFFFFF),

@@ -9,6 +9,7 @@ envbuild's ``layers``, ``store``, ``errors``, ``settings``, ``safefs``).
 - ``locks``      reading a lock from a store: the layers and runtime config to launch
 - ``model``      the value types every layer shares: ``Limits``, ``ExecResult``, ``SandboxInfo``
 - ``admission``  the node's ledger of what its sandboxes and build disks reserved of the host
+- ``diskpool``   each sandbox's capped disk: a subvolume of the node's btrfs pool, or a loop disk
 - ``packdiff``   a sandbox's changes (its upper dir, hostile input) as a new layer and lock
 - ``reclaim``    memory given back by idle sandboxes, and what each one holds
 - ``tasklock``   task locks: a task's env lock, hidden layer and grading spec, in the store

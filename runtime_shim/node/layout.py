@@ -7,7 +7,8 @@ host's, never shared between hosts::
     node/                the node cache (``runtime_shim.node.nodecache``): unpacked layers, the
                          agent binary, the stub, scratchfs templates, EROFS images, VM kernel;
                          and admission.d/, the ledger of what the node's sandboxes and
-                         build disks reserved of the host (``runtime_shim.node.ledger``)
+                         build disks reserved of the host (``runtime_shim.node.ledger``);
+                         diskpool/, the sandboxes' disk pool (``runtime_shim.node.diskpool``)
     owners/              the sweep index: who creates sandboxes here (``runtime_shim.node.owners``)
     sandboxes/<id>/      one sandbox (``SandboxPaths``): sandbox.json, its disk, overlay, bundle
     runc/                the OCI runtime's state root (containers named by sandbox id)
@@ -47,7 +48,8 @@ class SandboxPaths:
 
     @property
     def disk(self) -> Path:
-        """The sandbox's capped filesystem (``scratchfs``): every dir the sandbox writes."""
+        """Every dir the sandbox writes, capped (``runtime_shim.node.diskpool``): a symlink to
+        its subvolume of the node's disk pool, or its loop disk's mount (``scratchfs``)."""
         return self.root / scratchfs.MOUNT_NAME
 
     @property
@@ -116,6 +118,12 @@ class NodeLayout:
     def runc(self) -> Path:
         """The OCI runtime's ``--root``: its state of every container of this node."""
         return self.root / "runc"
+
+    @property
+    def disk_pool(self) -> Path:
+        """The sandboxes' disk pool (``runtime_shim.node.diskpool``): ``pool.img``, its mount
+        ``mnt/`` (one subvolume per sandbox) and ``lock``."""
+        return self.node / "diskpool"
 
     @property
     def builds(self) -> Path:

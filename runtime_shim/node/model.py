@@ -44,9 +44,11 @@ class Limits:
     sandboxes (their host tables and kernel memory would be unbounded).
 
     ``disk_bytes`` / ``inodes`` cap everything the sandbox writes to host disk (its writable
-    layer, ``/tmp`` and the agent's log): one ext4 per sandbox on a loop device
-    (``runtime_shim.isolation.scratchfs``); past them writes fail with ``ENOSPC``. The image is sparse:
-    it costs the host what the sandbox wrote, never more than ``disk_bytes``. With
+    layer, ``/tmp`` and the agent's log): a subvolume of the node's btrfs disk pool capped by
+    a quota group, past which writes fail with ``EDQUOT`` (``inodes`` does not apply: each
+    file's metadata counts in its bytes), or with ``ENVBUILD_SANDBOX_DISK=loop`` one ext4 per
+    sandbox on a loop device, ``ENOSPC`` past either limit (``runtime_shim.node.diskpool``).
+    Both are sparse: they cost the host what the sandbox wrote, never more than ``disk_bytes``. With
     ``disk_bytes=None`` those dirs are plain dirs under the node dir, uncapped. The microVM
     backend sizes its writable disk from the same two fields.
 

@@ -22,7 +22,7 @@ from runtime_shim.backends.base import (
 )
 from runtime_shim.isolation import netns
 from runtime_shim.isolation import seccomp as seccomp_profiles
-from runtime_shim.node import admission
+from runtime_shim.node import admission, diskpool
 from runtime_shim.node.model import Limits
 
 
@@ -139,5 +139,8 @@ def plan_create(options: SandboxOptions) -> CreatePlan:
     limits = limits or Limits()
     want = impl.host_reservation(limits) if isinstance(impl, HostCosted) \
         else admission.reservation(limits)  # no pids limit is refused here
+    if diskpool.pooled(limits, os.environ, options.backend):
+        # the pool's size is reserved once; its sandboxes overcommit it (node.diskpool)
+        want = dataclasses.replace(want, disk_bytes=0)
     return CreatePlan(impl=impl, network=policy, limits=limits, lazy=lazy, reservation=want,
                       budget=admission.BudgetSettings.from_env(os.environ), restorer=restorer)

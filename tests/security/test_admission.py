@@ -62,6 +62,8 @@ def test_the_sandbox_past_the_node_budget_is_refused_with_one_line(
         busybox_store, tmp_path, monkeypatch, budget, limits, name, shown):
     if limits.disk_bytes:
         require_tool("mkfs.ext4")
+        # a loop disk reserves its whole cap; the pool's accounting: test_disk_pool.py
+        monkeypatch.setenv("ENVBUILD_SANDBOX_DISK", "loop")
     store, _ = busybox_store
     node = tmp_path / "node"
     monkeypatch.setenv("ENVBUILD_NODE_BUDGET", budget)
