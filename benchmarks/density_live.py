@@ -44,8 +44,16 @@ def kernel_objects(node: Path) -> dict[str, int]:
     with open("/proc/self/mountinfo") as f:
         mounts = sum(1 for line in f if line.split()[4].startswith(str(node)))
     loops = sum(1 for p in Path("/sys/block").glob("loop*") if (p / "loop" / "backing_file").exists())
-    # distinct sandbox cgroups (on a cgroup v1 host each is a dir in every hierarchy: 10 here)
-    cgroups = len({p.name for p in Path("/sys/fs/cgroup").rglob("eb-*")})
+    # distinct sandbox cgroups (on a cgroup v1 host each is a dir in every hierarchy: 10 here);
+    # read per hierarchy, tolerating dirs that go while listed (other sandboxes of the host)
+    ids: set[str] = set()
+    for parent in [*Path("/sys/fs/cgroup").glob("envbuild"),
+                   *Path("/sys/fs/cgroup").glob("*/envbuild")]:
+        try:
+            ids.update(e.name for e in os.scandir(parent) if e.name.startswith("eb-"))
+        except FileNotFoundError:
+            pass
+    cgroups = len(ids)
     procs = sum(1 for p in Path("/proc").iterdir() if p.name.isdigit())
     return {"mounts": mounts, "loops": loops, "cgroups": cgroups, "procs": procs}
 

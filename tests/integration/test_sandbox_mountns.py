@@ -65,3 +65,26 @@ def test_the_host_mount_table_holds_no_sandbox_overlay(built):
         for sb in sandboxes:
             sb.close()
     assert not any(os.scandir(node / "sandboxes"))
+
+
+def test_close_deletes_the_container_without_a_runtime_process(built, monkeypatch):
+    """Close kills the init and removes the container's cgroups and runc state itself (what
+    ``runc delete`` does for a stopped container, without its ~5 ms start): no runtime
+    process, and nothing of the container left for ``runc list`` or the cgroup trees."""
+    import subprocess
+
+    from runtime_shim.isolation import cgroupfs
+    from runtime_shim.isolation.runc import OciRuntime, list_containers
+
+    store, node = built
+    sb = Sandbox.create(ENV, store=store, node_dir=node, limits=NO_DISK)
+    state = node / "runc" / sb.id
+    assert state.is_dir() and cgroupfs.dirs(sb.id)
+    ran: list[list[str]] = []
+    real = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda argv, *a, **k: ran.append(argv) or real(
+        argv, *a, **k))
+    sb.close()
+    assert ran == []
+    assert not state.exists() and cgroupfs.dirs(sb.id) == []
+    assert list_containers(OciRuntime(state_root=str(node / "runc"))) == []
