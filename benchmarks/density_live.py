@@ -80,7 +80,8 @@ def main() -> int:
     live: list[Sandbox] = []
     before, objects0 = meminfo()["MemAvailable"], kernel_objects(node)
     base = None
-    print(f"{'live':>6} {'p50 ms':>8} {'p95 ms':>8} {'ratio':>6} {'MB/sb':>6}  objects per sandbox")
+    print(f"{'live':>6} {'p50 ms':>8} {'p95 ms':>8} {'ratio':>6} {'MB/sb':>6} {'load':>5}  "
+          "objects per sandbox")
     try:
         while len(live) < args.max:
             target = min(args.max, len(live) + args.step) - args.probe
@@ -99,7 +100,7 @@ def main() -> int:
             objs = kernel_objects(node)
             per = ", ".join(f"{k} {(objs[k] - objects0[k]) / len(live):.2f}" for k in objs)
             print(f"{len(live):>6} {p50 * 1e3:8.1f} {pct(times, 95) * 1e3:8.1f} "
-                  f"{p50 / base:6.2f} {mem:6.2f}  {per}", flush=True)
+                  f"{p50 / base:6.2f} {mem:6.2f} {os.getloadavg()[0]:5.1f}  {per}", flush=True)
     finally:
         started, n = time.monotonic(), len(live)
         for sb in live:
