@@ -20,8 +20,9 @@ from runtime_shim.sdk.sandbox import Limits, Sandbox
 
 ENV = "env/busybox-shell"
 MiB = 1 << 20
-#: worst case 16 x 512 = 8,192 open files
-OPENER = Limits(pids=16, nofile=512, memory_bytes=64 * MiB, disk_bytes=None)
+#: worst case 32 x 512 = 16,384 open files (32 pids: room for the 14 openers below and their
+#: seq and sh)
+OPENER = Limits(pids=32, nofile=512, memory_bytes=64 * MiB, disk_bytes=None)
 
 
 def _create(store, node: Path) -> Sandbox:
@@ -34,8 +35,8 @@ def _files_open() -> int:
 
 def test_sandboxes_past_the_strict_worst_case_are_admitted_by_default(
         busybox_store, tmp_path, monkeypatch):
-    """A budget of 8,000 files holds not one of these sandboxes strictly (8,192 each); by
-    default each is charged 8,192 / 64 = 128, so five fit, and strict mode still refuses."""
+    """A budget of 8,000 files holds not one of these sandboxes strictly (16,384 each); by
+    default each is charged 16,384 / 64 = 256, so five fit, and strict mode still refuses."""
     store, _ = busybox_store
     node = tmp_path / "node"
     monkeypatch.delenv("ENVBUILD_FILES_OVERCOMMIT", raising=False)
@@ -45,7 +46,7 @@ def test_sandboxes_past_the_strict_worst_case_are_admitted_by_default(
         for _ in range(5):
             made.append(_create(store, node))
         reserved = Ledger(node / "node").reserved()
-        assert {reserved[sandbox_key(sb.id)].files for sb in made} == {128}
+        assert {reserved[sandbox_key(sb.id)].files for sb in made} == {256}
         assert made[-1].exec("ulimit -n").stdout == b"512\n"  # the limit itself is unchanged
         monkeypatch.setenv("ENVBUILD_FILES_OVERCOMMIT", "1")
         with pytest.raises(AdmissionRefused, match="node budget of open files exceeded"):
@@ -69,8 +70,10 @@ def test_no_sandbox_is_admitted_while_the_host_really_has_its_files_open(
     opener = _create(store, node)
     made = [opener]
     try:
+        before = _files_open()
         opener.exec("for j in $(seq 14); do (for i in $(seq 3 502); do eval \"exec $i</dev/null\";"
                     " done; exec sleep 600) >/dev/null 2>&1 & done; sleep 1")
+        assert _files_open() - before > 5000, "the sandbox did not open its files"
         with pytest.raises(AdmissionRefused) as e:
             made.append(_create(store, node))
         line = e.value.message
