@@ -44,8 +44,16 @@ def kernel_objects(node: Path) -> dict[str, int]:
     with open("/proc/self/mountinfo") as f:
         mounts = sum(1 for line in f if line.split()[4].startswith(str(node)))
     loops = sum(1 for p in Path("/sys/block").glob("loop*") if (p / "loop" / "backing_file").exists())
-    # distinct sandbox cgroups (on a cgroup v1 host each is a dir in every hierarchy: 10 here)
-    cgroups = len({p.name for p in Path("/sys/fs/cgroup").rglob("eb-*")})
+    # distinct sandbox cgroups (on a cgroup v1 host each is a dir in every hierarchy: 10 here);
+    # read per hierarchy, tolerating dirs that go while listed (other sandboxes of the host)
+    ids: set[str] = set()
+    for parent in [*Path("/sys/fs/cgroup").glob("envbuild"),
+                   *Path("/sys/fs/cgroup").glob("*/envbuild")]:
+        try:
+            ids.update(e.name for e in os.scandir(parent) if e.name.startswith("eb-"))
+        except FileNotFoundError:
+            pass
+    cgroups = len(ids)
     procs = sum(1 for p in Path("/proc").iterdir() if p.name.isdigit())
     return {"mounts": mounts, "loops": loops, "cgroups": cgroups, "procs": procs}
 
@@ -72,7 +80,8 @@ def main() -> int:
     live: list[Sandbox] = []
     before, objects0 = meminfo()["MemAvailable"], kernel_objects(node)
     base = None
-    print(f"{'live':>6} {'p50 ms':>8} {'p95 ms':>8} {'ratio':>6} {'MB/sb':>6}  objects per sandbox")
+    print(f"{'live':>6} {'p50 ms':>8} {'p95 ms':>8} {'ratio':>6} {'MB/sb':>6} {'load':>5}  "
+          "objects per sandbox")
     try:
         while len(live) < args.max:
             target = min(args.max, len(live) + args.step) - args.probe
@@ -91,7 +100,7 @@ def main() -> int:
             objs = kernel_objects(node)
             per = ", ".join(f"{k} {(objs[k] - objects0[k]) / len(live):.2f}" for k in objs)
             print(f"{len(live):>6} {p50 * 1e3:8.1f} {pct(times, 95) * 1e3:8.1f} "
-                  f"{p50 / base:6.2f} {mem:6.2f}  {per}", flush=True)
+                  f"{p50 / base:6.2f} {mem:6.2f} {os.getloadavg()[0]:5.1f}  {per}", flush=True)
     finally:
         started, n = time.monotonic(), len(live)
         for sb in live:

@@ -1,9 +1,11 @@
 """The container backend: a sandbox as a detached OCI container (runc by default).
 
 A sandbox is the lock's layers, unpacked once per host in the node cache and shared read-only;
-a private upper + work dir and an overlay mount (``<node>/sandboxes/<id>/merged``), the upper
-and work dirs, ``/tmp`` and the agent's run dir on the sandbox's own capped ext4 (``<id>/disk``,
-``runtime_shim.node.diskpool``; ``Limits.disk_bytes`` / ``inodes``); and a detached OCI container
+a private upper + work dir and an overlay at ``<node>/sandboxes/<id>/merged`` mounted only in
+the container's own mount namespace (``runtime_shim.isolation.mountns``), the upper
+and work dirs, ``/tmp`` and the agent's run dir on the sandbox's own capped disk (``<id>/disk``:
+a quota-capped subvolume of the node's disk pool, or a loop-mounted ext4 with
+``ENVBUILD_SANDBOX_DISK=loop``; ``runtime_shim.node.diskpool``, ``Limits.disk_bytes``); and a detached OCI container
 whose PID 1 is the exec agent (``runtime_shim.isolation.agent``: a static C program built once per host,
 bind-mounted read-only at ``/.envbuild/agent``). It accepts on ``<sandbox dir>/agent.sock``, a
 socket the host binds outside every mount of the sandbox and hands to runc as fd 3 (no process
@@ -45,8 +47,8 @@ from envbuild.errors import (
 from envbuild.safefs import read_tail
 from runtime_shim.backends import criu
 from runtime_shim.backends.base import CheckpointImage, CreateRequest
-from runtime_shim.isolation import agent, cpuclass, fsaccess, netns
-from runtime_shim.isolation.mount import OverlaySpec, mount_overlay, unmount
+from runtime_shim.isolation import agent, cpuclass, fsaccess, mountns, netns
+from runtime_shim.isolation.mount import OverlaySpec, mount_overlay
 from runtime_shim.isolation.runc import (
     OciRuntime,
     destroy,
@@ -97,11 +99,14 @@ class ContainerSandbox:
                  agent_path: Path, keep: bool = False,
                  seccomp: str | Mapping | None = None,
                  spec_hook: Callable[[RuntimeSpecRequest], RuntimeSpecRequest] | None = None,
-                 restore: CheckpointImage | None = None, checkpointable: bool = False) -> None:
+                 restore: CheckpointImage | None = None, checkpointable: bool = False,
+                 overlay: OverlaySpec | None = None) -> None:
         """Start the sandbox in named steps: its binds, environment and network
         (``_bind_network``), its runtime spec (``_write_spec``), the container
         (``_run_container``: a fresh agent, or with ``restore`` a checkpoint's processes), then
-        the agent's first answer."""
+        the agent's first answer. ``overlay``: the root, mounted in a mount namespace of the
+        container's own (``runtime_shim.isolation.mountns``), never in the host's; without
+        it the caller has mounted the root."""
         self.id = sandbox_id
         self.paths = paths
         self.lock = lock
@@ -123,7 +128,7 @@ class ContainerSandbox:
         start_log = paths.start_log
         # Held for the sandbox's life: the socket is bound and reached through it.
         self._dir_fd = os.open(paths.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        returncode = self._run_container(own_ns, restore, start_log)
+        returncode = self._run_container(own_ns, restore, start_log, overlay)
         if returncode != 0:
             self._refuse_start(returncode, restore, start_log)
         try:
@@ -182,9 +187,11 @@ class ContainerSandbox:
         Path(self.runtime.state_root).mkdir(parents=True, exist_ok=True)
 
     def _run_container(self, own_ns: str | None, restore: CheckpointImage | None,
-                       start_log: Path) -> int:
+                       start_log: Path, overlay: OverlaySpec | None) -> int:
         """``runc run --detach`` (or a CRIU restore) with the agent's listening socket as fd
-        3: the runtime's exit code. The dir fd is closed if this raises."""
+        3: the runtime's exit code. With ``overlay``, the runtime starts in a mount namespace
+        of its own where the overlay is mounted: the container's namespace, a copy of it, is
+        then the only one that holds it. The dir fd is closed if this raises."""
         # The agent's socket lives in the sandbox dir, which no mount of the sandbox shows; the
         # agent gets the listening fd from runc and the host keeps no copy, so a dead agent
         # means ECONNREFUSED rather than a connection nobody accepts.
@@ -193,15 +200,20 @@ class ContainerSandbox:
                 else None
             with criu.in_netns(netns_path, lambda: agent.listen_socket(self._dir_fd)) \
                     as listener, open(start_log, "wb") as log:
-                if restore is None:
-                    return _spawn_with_fd(
-                        self.runtime.command("run", "--detach", "--preserve-fds", "1",
-                                             "--pid-file", str(self.paths.init_pid), "--bundle",
-                                             str(self.paths.bundle), self.id),
-                        log.fileno(), listener.fileno())
-                # the processes of a checkpoint instead of a fresh agent
-                return criu.spawn_restore(self.runtime, self.id, self.paths, restore,
-                                          log.fileno(), listener.fileno())
+                def spawn() -> int:
+                    if overlay is not None:
+                        mount_overlay(overlay)
+                    if restore is None:
+                        return _spawn_with_fd(
+                            self.runtime.command("run", "--detach", "--preserve-fds", "1",
+                                                 "--pid-file", str(self.paths.init_pid),
+                                                 "--bundle", str(self.paths.bundle), self.id),
+                            log.fileno(), listener.fileno())
+                    # the processes of a checkpoint instead of a fresh agent
+                    return criu.spawn_restore(self.runtime, self.id, self.paths, restore,
+                                              log.fileno(), listener.fileno())
+
+                return spawn() if overlay is None else mountns.in_own_mount_ns(spawn)
         except BaseException:
             os.close(self._dir_fd)
             raise
@@ -406,19 +418,14 @@ class ContainerBackend:
             p.mkdir(parents=True)
         os.chmod(paths.tmp, 0o1777)
         oci = OciRuntime(req.runtime, state_root=str(req.layout.runc))
-        mounted = False
-        try:
-            agent_path = agent.agent_binary(req.node.root)
-            mount_overlay(compose(req.layer_dirs, str(ensure_stub(req.node.root)), paths))
-            mounted = True
-            return ContainerSandbox(req.id, paths, req.lock, oci, network=req.network,
-                                    limits=limits, agent_path=agent_path, keep=req.keep,
-                                    seccomp=req.seccomp, restore=image,
-                                    checkpointable=req.checkpointable)
-        except BaseException:
-            if mounted:
-                unmount(str(paths.merged))
-            raise
+        agent_path = agent.agent_binary(req.node.root)
+        # mounted where only the container sees it (runtime_shim.isolation.mountns): gone
+        # with the container, and no sandbox's overlay in the host's mount table
+        overlay = compose(req.layer_dirs, str(ensure_stub(req.node.root)), paths)
+        return ContainerSandbox(req.id, paths, req.lock, oci, network=req.network,
+                                limits=limits, agent_path=agent_path, keep=req.keep,
+                                seccomp=req.seccomp, restore=image,
+                                checkpointable=req.checkpointable, overlay=overlay)
 
     def attach(self, paths: SandboxPaths, layout: NodeLayout, lock: ResolvedLock,
                runtime: str) -> ContainerSandbox:

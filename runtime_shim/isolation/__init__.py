@@ -6,6 +6,7 @@ The bottom of ``runtime_shim``: it imports nothing of the layers above (``node``
 - ``runc``       the OCI runtime: bundles, ``run``/``create``/``delete``, the containers it lists
 - ``spec``       a runtime spec (``config.json``) from limits, mounts and a user (pure)
 - ``mount``      overlay and bind mounts, unmounting, what is mounted under a dir
+- ``mountns``    a step run in a mount namespace of its own (a sandbox's overlay)
 - ``netns``      a sandbox's own network namespace, its egress policy and user-mode NAT
 - ``seccomp``    the default syscall filter and checks of a caller's own
 - ``scratchfs``  capped scratch disks (a loop-mounted ext4 per build step, or per sandbox)

@@ -213,7 +213,8 @@ def _delete(runtime: OciRuntime, container_id: str, *flags: str) -> int:
 def kill_and_delete(runtime: OciRuntime, container_id: str, init_pid: int,
                     wait: float = 2.0) -> None:
     """Fast ``destroy`` when the init pid is known: SIGKILL it ourselves, wait until it is
-    gone, then a plain ``delete``. ``delete --force`` does the same but polls in 100 ms steps
+    gone, then do what runc's ``delete`` does for a stopped container (``_forget``) without
+    starting a runtime process. ``delete --force`` does the same but polls in 100 ms steps
     (~106 ms against ~8 ms measured here); it stays the fallback."""
     try:
         os.kill(init_pid, signal.SIGKILL)
@@ -222,8 +223,28 @@ def kill_and_delete(runtime: OciRuntime, container_id: str, init_pid: int,
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline and _running(init_pid):
         time.sleep(0.0005)
-    if _delete(runtime, container_id) != 0:
-        destroy(runtime, container_id)
+    if _running(init_pid) or not _forget(runtime, container_id):
+        if _delete(runtime, container_id) != 0:
+            destroy(runtime, container_id)
+
+
+def _forget(runtime: OciRuntime, container_id: str) -> bool:
+    """runc's ``delete`` of a container whose processes are gone (runc 1.1 ``destroy``: remove
+    its cgroups, then its state dir; our specs have no poststop hooks), done here: a runc
+    process costs ~5 ms to start. Whether it was done (False: leave it to ``delete``; crun's
+    state is its own)."""
+    if runtime.name != "runc" or not container_id or "/" in container_id \
+            or container_id in (".", ".."):
+        return False
+    if cgroupfs.remove(container_id, wait=0.5):
+        return False  # something is still in a cgroup: runc's delete says what
+    try:
+        shutil.rmtree(os.path.join(runtime.state_root, container_id))
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
 
 
 def _running(pid: int) -> bool:

@@ -3,8 +3,10 @@
 The layout ``<node>/meta/<hex>/g-<key>/{data,mnt}`` with its tree on the node's tree tmpfs
 (``<node>/meta/trees``), ``current.json`` naming the current one, mounting a generation's
 read-only overlay, the locks that order the daemon's builds against the node's eviction, and
-removing the generations no mount refers to (``collect``, ``remove_unused``). The meta layer
-itself: ``runtime_shim.lazyfs.metalayer``."""
+removing the generations nothing uses (``collect``, ``remove_unused``): no mount of this
+namespace refers to them and no live sandbox pinned them (``pin``: a sandbox's overlay is
+mounted in its own mount namespace, where this one's mount table does not show it). The meta
+layer itself: ``runtime_shim.lazyfs.metalayer``."""
 
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ from envbuild.oci import is_hex64
 
 #: The on-disk format of a generation (layout above, ``current.json``).
 META_VERSION = 1
+#: ``<generation>/users/<sandbox id>``: a sandbox using the generation (``pin``); its content
+#: is the sandbox's dir, which exists for as long as the sandbox does.
+USERS = "users"
 _MS_RDONLY = 1
 _MS_NODEV = 4
 #: ``<node>/meta/trees``: the tmpfs holding every meta tree of the node (inodes only).
@@ -93,6 +98,39 @@ def _mountinfo() -> list[tuple[str, str]]:
     return out
 
 
+def pin(lower_dirs: Collection[str], holder: str | os.PathLike[str]) -> None:
+    """Record that the sandbox whose dir is ``holder`` uses the meta generations among its
+    ``lower_dirs`` (``<node>/meta/<hex>/g-<key>/mnt``): ``collect`` keeps a generation while
+    the dir of a sandbox that pinned it exists (its close or the sweep removes the dir)."""
+    holder = os.fspath(holder)
+    for d in lower_dirs:
+        gen = os.path.dirname(d)
+        if os.path.basename(d) != "mnt" or not os.path.basename(gen).startswith("g-") \
+                or os.path.basename(os.path.dirname(os.path.dirname(gen))) != "meta":
+            continue
+        users = os.path.join(gen, USERS)
+        os.makedirs(users, mode=0o700, exist_ok=True)
+        with open(os.path.join(users, os.path.basename(holder)), "w", encoding="utf-8") as f:
+            f.write(holder)
+
+
+def _pinned(gen: str) -> bool:
+    """Whether a sandbox that pinned ``gen`` still has its dir."""
+    users = os.path.join(gen, USERS)
+    try:
+        names = os.listdir(users)
+    except FileNotFoundError:
+        return False
+    for name in names:
+        try:
+            with open(os.path.join(users, name), encoding="utf-8") as f:
+                if os.path.isdir(f.read()):
+                    return True
+        except OSError:
+            pass
+    return False
+
+
 def _unmount(target: str) -> None:
     from runtime_shim.isolation.mount import unmount
 
@@ -108,10 +146,11 @@ def _remove_generation(gen_dir: str) -> None:
 def collect(layer_dir: str, keep: str | None, *, everything: bool = False,
             grace: float = 0.0) -> list[str]:
     """Unmount and delete the generations under ``layer_dir`` (``<node>/meta/<hex>``) other
-    than ``keep`` that no other mount refers to (a sandbox's overlay names them in its
-    lowerdir) and, with ``grace``, were superseded at least ``grace`` s ago (a create may
-    have been handed one and not mounted its overlay yet); ``everything``: all of them,
-    referred to or not (no sandbox uses the layer). Returns the removed generation names."""
+    than ``keep`` that no other mount refers to (an overlay that names them in its lowerdir)
+    and no live sandbox pinned (``pin``) and, with ``grace``, were superseded at least
+    ``grace`` s ago (a create may have been handed one and not pinned it yet);
+    ``everything``: all of them, referred to or not (no sandbox uses the layer). Returns the
+    removed generation names."""
     try:
         names = [n for n in os.listdir(layer_dir) if n.startswith(("g-", ".tmp-"))]
     except FileNotFoundError:
@@ -123,7 +162,8 @@ def collect(layer_dir: str, keep: str | None, *, everything: bool = False,
             continue
         gen = os.path.join(layer_dir, name)
         mnt = os.path.join(gen, "mnt")
-        used = any(mnt in opts for point, opts in mounts if point != mnt)
+        used = any(mnt in opts for point, opts in mounts if point != mnt) \
+            or (not everything and _pinned(gen))
         if used and not name.startswith(".tmp-"):
             continue
         if grace and not name.startswith(".tmp-"):

@@ -11,8 +11,13 @@ and refuses it with one line naming the budget otherwise (``AdmissionRefused``).
 
 What a container or FnCall sandbox reserves (``reservation``; pure):
 
-- ``files``: ``Limits.pids × Limits.nofile``, the open files its processes can hold at once
-  (each process at most ``nofile`` descriptors, at most ``pids`` processes);
+- ``files``: ``Limits.pids × Limits.nofile`` — the open files its processes can hold at once
+  (each process at most ``nofile`` descriptors, at most ``pids`` processes) — divided by the
+  node's file overcommit (``ENVBUILD_FILES_OVERCOMMIT``, ``DEFAULT_FILES_OVERCOMMIT`` = 64 by
+  default; ``1`` is the strict worst case). No cgroup bounds a sandbox's open files, so the
+  worst case is the only figure the kernel enforces, and reserving it held ~7 default
+  sandboxes on a 24 GiB host (issue 39, item 3): the file table is overcommitted instead, as
+  memory is, and guarded by what is really open (below);
 - ``tasks``: ``Limits.pids`` (the pids cgroup counts threads too);
 - ``disk_bytes``: ``Limits.disk_bytes``, the size of its scratch disk.
 
@@ -26,7 +31,10 @@ reserves no disk.
 
 The budget (``node_budget``; pure over what ``read_host`` measured at admission): each kernel
 table's limit read from ``/proc/sys`` less a share kept for the host (``ENVBUILD_HOST_RESERVE``,
-25% by default); disk: the free space of the node dir's filesystem less a share of its size kept
+25% by default); and, since files are overcommitted, the files the whole host has open right
+now (``fs.file-nr``) plus the new sandbox's share must fit the same share of ``fs.file-max``
+too (``files_open``): no sandbox is admitted once the host's real table is at its budget;
+disk: the free space of the node dir's filesystem less a share of its size kept
 free (``ENVBUILD_DISK_RESERVE``, 5%). The disk check is conservative: a disk counts at its full
 size for as long as it exists, although what it already wrote is no longer free. Explicit caps
 (``ENVBUILD_NODE_BUDGET="files=N,tasks=N,disk=SIZE"``) lower any of them, e.g. for a node dir
@@ -60,6 +68,7 @@ tables (``BuildLimits``: 8192 tasks x 65536 files, bounded per step, not admitte
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 
@@ -72,6 +81,9 @@ DEFAULT_DISK_RESERVE = 0.05
 #: What a microVM takes of the host's tables: one QEMU process (its threads and fds).
 VM_FILES = 1024
 VM_TASKS = 64
+#: By how much the sandboxes' worst cases of open files may overcommit the node's budget
+#: (``ENVBUILD_FILES_OVERCOMMIT``): a default sandbox (256 × 1024) is charged 4,096 files.
+DEFAULT_FILES_OVERCOMMIT = 64.0
 #: How often a waiting admission (a build disk) looks again.
 WAIT_POLL = 0.5
 RESOURCES = ("files", "tasks", "disk_bytes")
@@ -102,6 +114,7 @@ class HostTables:
     threads_max: int
     disk_free: int  # bytes available to the node dir's filesystem's users
     disk_size: int
+    files_open: int = 0  # the host's allocated files now (fs.file-nr's first field)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,12 +124,14 @@ class BudgetSettings:
     host_reserve: float = DEFAULT_HOST_RESERVE  # share of each kernel table kept for the host
     disk_reserve: float = DEFAULT_DISK_RESERVE  # share of the filesystem's size kept free
     caps: Mapping[str, int] = dataclasses.field(default_factory=dict)  # explicit ceilings
+    files_overcommit: float = DEFAULT_FILES_OVERCOMMIT  # 1: reserve the worst case
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> BudgetSettings:
         return cls(host_reserve=_share(environ, "ENVBUILD_HOST_RESERVE", DEFAULT_HOST_RESERVE),
                    disk_reserve=_share(environ, "ENVBUILD_DISK_RESERVE", DEFAULT_DISK_RESERVE),
-                   caps=parse_caps(environ.get("ENVBUILD_NODE_BUDGET", "")))
+                   caps=parse_caps(environ.get("ENVBUILD_NODE_BUDGET", "")),
+                   files_overcommit=_overcommit(environ))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +140,8 @@ class NodeBudget:
 
     limits: Reservation
     sources: Mapping[str, str]
+    files_open: int = 0  # what the host has open now (``HostTables.files_open``)
+    files_table: int = 0  # the share of fs.file-max that may be open at all (no cap lowers it)
 
 
 def _share(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -134,6 +151,21 @@ def _share(environ: Mapping[str, str], name: str, default: float) -> float:
     from envbuild.sizes import parse_percent
 
     return parse_percent(text, what=name, below_100=True)
+
+
+def _overcommit(environ: Mapping[str, str]) -> float:
+    text = environ.get("ENVBUILD_FILES_OVERCOMMIT", "").strip()
+    if not text:
+        return DEFAULT_FILES_OVERCOMMIT
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 1 <= value < float("inf"):
+        raise SettingsError(f"ENVBUILD_FILES_OVERCOMMIT: not a number >= 1: {text!r}",
+                            hint="e.g. 64 (the default), or 1 to reserve every sandbox's "
+                                 "worst case")
+    return value
 
 
 def parse_caps(text: str) -> dict[str, int]:
@@ -167,6 +199,7 @@ def node_budget(host: HostTables, settings: BudgetSettings) -> NodeBudget:
     limits = {"files": int(host.file_max * keep), "tasks": int(tasks_max * keep),
               "disk_bytes": max(0, host.disk_free - disk_kept)}
     sources = {"files": f"{pct} of fs.file-max {host.file_max}",
+               "files_open": f"{pct} of fs.file-max {host.file_max}",
                "tasks": f"{pct} of {tasks_from} {tasks_max}",
                "disk_bytes": f"the node filesystem's {_gib(host.disk_free)} free less "
                              f"{_gib(disk_kept)} kept free"}
@@ -175,7 +208,8 @@ def node_budget(host: HostTables, settings: BudgetSettings) -> NodeBudget:
             limits[key] = cap
             shown = _gib(cap) if key == "disk_bytes" else cap
             sources[key] = f"ENVBUILD_NODE_BUDGET {key.removesuffix('_bytes')}={shown}"
-    return NodeBudget(Reservation(**limits), sources)
+    return NodeBudget(Reservation(**limits), sources, files_open=host.files_open,
+                      files_table=int(host.file_max * keep))
 
 
 def vm_reservation(limits) -> Reservation:
@@ -183,10 +217,12 @@ def vm_reservation(limits) -> Reservation:
     return Reservation(VM_FILES, VM_TASKS, limits.disk_bytes or 0)
 
 
-def reservation(limits) -> Reservation:
+def reservation(limits, files_overcommit: float = 1.0) -> Reservation:
     """What a container (or FnCall) sandbox of ``limits`` (``runtime_shim.node.model.Limits``)
     reserves (pure): the charge of every backend that does not say otherwise
-    (``backend.HostCosted``); ``AdmissionRefused`` without a pids or memory limit."""
+    (``backend.HostCosted``); its worst case of open files divided by ``files_overcommit``
+    (rounded up; 1: the worst case itself); ``AdmissionRefused`` without a pids or memory
+    limit."""
     disk = limits.disk_bytes or 0
     for field, value in (("pids", limits.pids), ("memory_bytes", limits.memory_bytes)):
         if value is None:
@@ -194,7 +230,8 @@ def reservation(limits) -> Reservation:
                 f"Limits.{field}=None: a sandbox without it could exhaust the host's "
                 f"{'process and file tables' if field == 'pids' else 'kernel memory'}",
                 hint=f"set Limits.{field} (the default is {_default(field)})")
-    return Reservation(limits.pids * limits.nofile, limits.pids, disk)
+    return Reservation(math.ceil(limits.pids * limits.nofile / files_overcommit), limits.pids,
+                       disk)
 
 
 def _default(field: str) -> object:
@@ -215,6 +252,10 @@ def refusal(budget: NodeBudget, committed: Reservation, holders: int, new: Reser
             return key, (f"node budget of {_NAMES[key]} exceeded: {what} needs {fmt(want)}, "
                          f"{fmt(held)} reserved by {holders} other(s), budget {fmt(limit)} "
                          f"({budget.sources[key]})")
+    if new.files and budget.files_table and budget.files_open + new.files > budget.files_table:
+        return "files_open", (f"node budget of open files exceeded: {what} needs {new.files}, "
+                              f"the host has {budget.files_open} open now (fs.file-nr), budget "
+                              f"{budget.files_table} ({budget.sources['files_open']})")
     return None
 
 
@@ -242,10 +283,13 @@ def read_host(node_dir: str | os.PathLike[str], proc_sys: str = "/proc/sys") -> 
     st = os.statvfs(node_dir)
     return HostTables(file_max=sysctl("fs/file-max"), pid_max=sysctl("kernel/pid_max"),
                       threads_max=sysctl("kernel/threads-max"),
-                      disk_free=st.f_bavail * st.f_frsize, disk_size=st.f_blocks * st.f_frsize)
+                      disk_free=st.f_bavail * st.f_frsize, disk_size=st.f_blocks * st.f_frsize,
+                      files_open=sysctl("fs/file-nr"))
 
 
 HINTS = {"files": "close sandboxes, lower Limits.pids or Limits.nofile, or raise fs.file-max",
+         "files_open": "close sandboxes, find what holds the host's open files (fs.file-nr), "
+                       "or raise fs.file-max",
          "tasks": "close sandboxes, lower Limits.pids, or raise kernel.pid_max",
          "disk_bytes": "close sandboxes, lower Limits.disk_bytes (or ENVBUILD_BUILD_DISK), or "
                        "free disk space on the node"}

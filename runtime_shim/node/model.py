@@ -36,10 +36,13 @@ class Limits:
     sandbox never takes a small host's every core (1.0 on a 2-core host) nor a big one's; not
     applied to microVMs, whose CPUs are their vCPUs.
 
-    ``pids`` × ``nofile`` is the most open files a sandbox's processes can hold: the node
-    admits sandboxes while the sum of theirs fits its budget of the host's file table
-    (``runtime_shim.node.admission``; also tasks and disk). The defaults (256 × 1024) are a 2 GiB
-    sandbox's share of a file table the kernel sizes by RAM (``fs.file-max`` ≈ RAM / 10 KiB).
+    ``pids`` × ``nofile`` is the most open files a sandbox's processes can hold; no cgroup
+    bounds it, so the node overcommits the host's file table as it does memory: it admits
+    sandboxes while the sum of their worst cases divided by ``ENVBUILD_FILES_OVERCOMMIT`` (64
+    by default, 1 for the strict worst case) fits its budget of the table, and while what the
+    whole host really has open (``fs.file-nr``) does too (``runtime_shim.node.admission``; also
+    tasks and disk). The defaults (256 × 1024: 4,096 charged) are a 2 GiB sandbox's share of
+    a file table the kernel sizes by RAM (``fs.file-max`` ≈ RAM / 10 KiB).
     ``pids=None`` or ``memory_bytes=None`` is refused by admission for container and FnCall
     sandboxes (their host tables and kernel memory would be unbounded).
 

@@ -137,10 +137,11 @@ def plan_create(options: SandboxOptions) -> CreatePlan:
         restorer = impl
         limits = limits or impl.restored_limits(options.restore)
     limits = limits or Limits()
+    budget = admission.BudgetSettings.from_env(os.environ)
     want = impl.host_reservation(limits) if isinstance(impl, HostCosted) \
-        else admission.reservation(limits)  # no pids limit is refused here
+        else admission.reservation(limits, budget.files_overcommit)  # pids=None refused here
     if diskpool.pooled(limits, os.environ, options.backend):
         # the pool's size is reserved once; its sandboxes overcommit it (node.diskpool)
         want = dataclasses.replace(want, disk_bytes=0)
     return CreatePlan(impl=impl, network=policy, limits=limits, lazy=lazy, reservation=want,
-                      budget=admission.BudgetSettings.from_env(os.environ), restorer=restorer)
+                      budget=budget, restorer=restorer)

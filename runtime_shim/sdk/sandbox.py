@@ -519,6 +519,10 @@ def _start(layout: NodeLayout, node: NodeCache, lock: ResolvedLock, layer_dirs: 
     if not opts.keep:  # removed if this process dies without closing it (SIGKILL)
         exitwatch.watch(layout.root)
     paths.root.mkdir()
+    if any("/meta/" in d for d in layer_dirs):  # generations its overlay uses: kept while it is
+        from runtime_shim.lazyfs.metagen import pin
+
+        pin(layer_dirs, paths.root)
     book = ledger.Ledger(layout.node)
     with released_on_error(book, sandbox_id), undo_on_error(paths):
         write_record(paths, meta)  # first: a dir with a live creator is never swept

@@ -31,14 +31,15 @@ def passthrough(monkeypatch):
     monkeypatch.delenv(metalayer.ENV_SWITCH, raising=False)
 
 
-def _lowerdirs(merged: Path) -> list[str]:
-    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+def _lowerdirs(sb) -> list[str]:
+    """The lower dirs of the sandbox's root overlay (mounted in its own mount namespace)."""
+    with open(f"/proc/{sb.host_pid}/mountinfo", encoding="utf-8") as f:
         for line in f:
-            if line.split()[4] == str(merged):
+            if line.split()[4] == "/":
                 opts = line.split(" - ", 1)[1].split()[2]
                 low = next(o for o in opts.split(",") if o.startswith("lowerdir="))
                 return low.removeprefix("lowerdir=").split(":")
-    raise AssertionError(f"{merged} is not mounted")
+    raise AssertionError(f"{sb.id} has no root mount")
 
 
 def _opens(mp: Path) -> int:
@@ -64,7 +65,7 @@ def test_a_rerun_opens_fetched_files_without_the_daemon(lock2):  # noqa: F811
     node = NodeCache(node_dir / "node")
     mounts = [node.lazy_dir(x.digest) for x in layers]
     with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as first:
-        assert not any("/meta/" in d for d in _lowerdirs(first.paths.merged))  # nothing yet
+        assert not any("/meta/" in d for d in _lowerdirs(first))  # nothing yet
         assert first.info().lazy == "passthrough"
         a = first.exec(LISTING)  # reads every file: all fetched
         assert a.exit_code == 0, a.stderr
@@ -78,7 +79,7 @@ def test_a_rerun_opens_fetched_files_without_the_daemon(lock2):  # noqa: F811
     with Sandbox.create("two", store=store, node_dir=node_dir) as full, \
             Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb:
         assert sb.info().lazy == "passthrough+meta"
-        lowers = _lowerdirs(sb.paths.merged)
+        lowers = _lowerdirs(sb)
         metas = [d for d in lowers if "/meta/" in d]
         assert len(metas) == 2, lowers
         for p in hidden:  # in the base's meta layer, below the upper layer's FUSE mount
@@ -104,7 +105,7 @@ def test_a_rerun_opens_fetched_files_without_the_daemon(lock2):  # noqa: F811
         r = sb.exec("stat -c %i /data/small.txt /data/hard.txt")
         ino = r.stdout.decode().split()
         assert len(ino) == 2 and ino[0] == ino[1], r  # a hardlink stays one inode
-        merged = sb.paths.merged
+        merged = Path(f"/proc/{sb.host_pid}/root")  # the root, as the sandbox sees it
         assert os.getxattr(merged / "data" / "big.bin", "user.origin") == b"test"
         assert "trusted.overlay.metacopy" not in os.listxattr(merged / "data" / "big.bin")
         assert os.statvfs(merged).f_blocks > 0
@@ -135,11 +136,11 @@ def test_generations_are_built_once_shared_and_pinned(lock2):  # noqa: F811
         assert sb.exec("sha256sum /data/small.txt").exit_code == 0
     _quiet(node_dir)
     with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as one:
-        gen = [d for d in _lowerdirs(one.paths.merged) if "/meta/" in d]
+        gen = [d for d in _lowerdirs(one) if "/meta/" in d]
         assert len(gen) == 1 and layers[0].digest[7:] in gen[0]  # only the base had a fetch
         built = os.stat(Path(gen[0]).parent).st_ino
         with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as two:
-            assert [d for d in _lowerdirs(two.paths.merged) if "/meta/" in d] == gen
+            assert [d for d in _lowerdirs(two) if "/meta/" in d] == gen
             assert os.stat(Path(gen[0]).parent).st_ino == built  # shared, not rebuilt
             # read more: big.bin is fetched (through FUSE), the next create gets a new
             # generation; the running sandboxes keep theirs
@@ -147,7 +148,7 @@ def test_generations_are_built_once_shared_and_pinned(lock2):  # noqa: F811
             assert big.exit_code == 0
         _quiet(node_dir)
         with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as three:
-            gen3 = [d for d in _lowerdirs(three.paths.merged) if "/meta/" in d]
+            gen3 = [d for d in _lowerdirs(three) if "/meta/" in d]
             assert len(gen3) == 1 and gen3 != gen
             assert os.path.isdir(gen[0])  # the first sandbox still uses the old one
             # the file cache evicts big.bin: the generation's hardlink keeps it readable
@@ -187,7 +188,7 @@ def test_a_create_right_after_a_close_does_not_wait_for_the_build_it_started(loc
         t0 = time.monotonic()
         with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as second:
             took = time.monotonic() - t0
-            lowers = _lowerdirs(second.paths.merged)
+            lowers = _lowerdirs(second)
             assert not any(base in d for d in lowers if "/meta/" in d), lowers
             assert str(node.lazy_dir(layers[0].digest)) in lowers
             assert second.exec("cat /data/small.txt | wc -l").stdout == b"100\n"
@@ -198,7 +199,7 @@ def test_a_create_right_after_a_close_does_not_wait_for_the_build_it_started(loc
         os.close(fd)
     _quiet(node_dir)
     with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as third:
-        metas = [d for d in _lowerdirs(third.paths.merged) if "/meta/" in d]
+        metas = [d for d in _lowerdirs(third) if "/meta/" in d]
         assert any(base in d for d in metas), metas
         assert third.exec("cat /data/small.txt | wc -l").stdout == b"100\n"
 
@@ -212,7 +213,7 @@ def test_a_close_waits_for_its_build_so_the_next_create_has_the_meta_layer(lock2
     assert _building(node_dir) == 0
     with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as second:
         assert second.info().lazy == "passthrough+meta"
-        metas = [d for d in _lowerdirs(second.paths.merged) if "/meta/" in d]
+        metas = [d for d in _lowerdirs(second) if "/meta/" in d]
         assert any(base in d for d in metas), metas
         assert (Path(next(d for d in metas if base in d)) / "data" / "small.txt").is_file()
 
@@ -225,7 +226,7 @@ def test_switched_off_or_on_the_fuse_fallback_there_is_no_meta_layer(lock2, monk
     _quiet(node_dir)
     monkeypatch.setenv(metalayer.ENV_SWITCH, "off")
     with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb:
-        assert not any("/meta/" in d for d in _lowerdirs(sb.paths.merged))
+        assert not any("/meta/" in d for d in _lowerdirs(sb))
         mp = node.lazy_dir(layers[0].digest)
         n = _opens(mp)
         assert sb.exec("cat /data/small.txt").exit_code == 0
@@ -238,5 +239,5 @@ def test_switched_off_or_on_the_fuse_fallback_there_is_no_meta_layer(lock2, monk
         with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb:
             assert sb.info().lazy == "fuse"
             assert sb.exec("sha256sum /data/small.txt").exit_code == 0
-            assert not any("/meta/" in d for d in _lowerdirs(sb.paths.merged))
+            assert not any("/meta/" in d for d in _lowerdirs(sb))
     assert not (node_dir / "node" / "meta").exists()

@@ -39,6 +39,13 @@ MiB = 1 << 20
 SMALL = Limits(pids=16, nofile=64, memory_bytes=64 * MiB, disk_bytes=None)
 
 
+@pytest.fixture(autouse=True)
+def strict_files(monkeypatch):
+    """These tests check the strict worst case of open files (issue 34);
+    ``test_admission_overcommit.py`` checks the overcommitted default (issue 39)."""
+    monkeypatch.setenv("ENVBUILD_FILES_OVERCOMMIT", "1")
+
+
 def _create(store, node: Path, limits: Limits = SMALL) -> Sandbox:
     return Sandbox.create(ENV, store=store, node_dir=node, limits=limits)
 

@@ -1,5 +1,5 @@
 """What a node keeps from its other local users (issue 34, item 1's review of every socket a
-node opens): a sandbox's dir holds its merged root (the agent's work, and a grading sandbox's
+node opens): a sandbox's dir holds its writable layer (the agent's work, and a grading sandbox's
 hidden tests), the agent's socket and, for a microVM, QEMU's monitor (QMP: ``migrate`` to
 ``exec:`` runs a command as root). Before the fix ``<node dir>/sandboxes`` was made 0755, so any
 user could read a running sandbox's files; now it is the node's only (0700).
@@ -54,11 +54,13 @@ def test_another_user_cannot_enter_a_running_sandbox_dir(busybox_store, open_nod
     with Sandbox.create("env/busybox-shell", store=store, node_dir=open_node) as sb:
         r = sb.exec("echo agent-work > /answer.txt && chmod 644 /answer.txt")
         assert r.exit_code == 0, r.stderr
-        root = sb.paths.root
-        assert (root / "merged" / "answer.txt").read_text() == "agent-work\n"
+        # the root is mounted only in the sandbox's own mount namespace; on the host its
+        # writes are in the upper dir (what pack-diff and grading read)
+        upper = sb.paths.upper
+        assert (upper / "answer.txt").read_text() == "agent-work\n"
         probe = subprocess.run(
-            ["/usr/bin/python3", "-c", PROBE, str(root / "merged"),
-             str(root / "merged" / "answer.txt"), str(sb.paths.agent_socket)],
+            ["/usr/bin/python3", "-c", PROBE, str(upper),
+             str(upper / "answer.txt"), str(sb.paths.agent_socket)],
             user=NOBODY, group=NOBODY, extra_groups=[], cwd="/", capture_output=True,
             timeout=60, env={"PATH": "/usr/bin:/bin"})
         assert probe.returncode == 0, probe.stderr.decode()
