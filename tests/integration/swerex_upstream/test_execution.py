@@ -370,4 +370,9 @@ async def test_interrupt_pager(runtime_with_default_session: RemoteRuntime):
     await runtime_with_default_session.run_in_session(BashInterruptAction())
     r = await runtime_with_default_session.run_in_session(A(command="echo 'asdf'", check="raise"))
     assert "asdf" in r.output
-    assert "kill" in r.output.lower()
+    # envbuild: bash reports the killed pager before a prompt, and under load that can be the
+    # prompt after this command (seen 1 run in 4 here): the notice must come by the next one
+    out = r.output
+    if "kill" not in out.lower():
+        out += (await runtime_with_default_session.run_in_session(A(command="true"))).output
+    assert "kill" in out.lower()
