@@ -168,7 +168,9 @@ class Restorable(Protocol):
 @runtime_checkable
 class StatelessCalls(Protocol):
     """A handle that serves stateless calls (``Sandbox.call``; the fncall backend): each in a
-    fresh writable layer, ``reset`` between them."""
+    fresh writable layer, ``reset`` between them. Its ``exec`` is such a call too, so it keeps
+    no process between execs: the SDK refuses ``start`` on it and runs the async ``exec``
+    through the handle's own (blocking) ``exec``."""
 
     def call(self, req: agent.ExecRequest, files: Mapping[str, bytes | str] | None = None
              ) -> agent.ExecOutcome:

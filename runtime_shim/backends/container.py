@@ -5,7 +5,8 @@ a private upper + work dir and an overlay at ``<node>/sandboxes/<id>/merged`` mo
 the container's own mount namespace (``runtime_shim.isolation.mountns``), the upper
 and work dirs, ``/tmp`` and the agent's run dir on the sandbox's own capped disk (``<id>/disk``:
 a quota-capped subvolume of the node's disk pool, or a loop-mounted ext4 with
-``ENVBUILD_SANDBOX_DISK=loop``; ``runtime_shim.node.diskpool``, ``Limits.disk_bytes``); and a detached OCI container
+``ENVBUILD_SANDBOX_DISK=loop``; ``runtime_shim.node.diskpool``, ``Limits.disk_bytes``); and a
+detached OCI container
 whose PID 1 is the exec agent (``runtime_shim.isolation.agent``: a static C program built once per host,
 bind-mounted read-only at ``/.envbuild/agent``). It accepts on ``<sandbox dir>/agent.sock``, a
 socket the host binds outside every mount of the sandbox and hands to runc as fd 3 (no process

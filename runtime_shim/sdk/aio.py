@@ -18,6 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from runtime_shim.backends.base import StatelessCalls
 from runtime_shim.isolation import agent
 from runtime_shim.node.model import ExecResult, SandboxInfo
 from runtime_shim.sdk.process import AsyncProcess
@@ -66,9 +67,9 @@ class AsyncSandbox:
                    check_timeout: bool = False) -> ExecResult:
         """``Sandbox.exec`` on the event loop (callbacks run in the loop's thread)."""
         sb = self.sync
-        # fncall: every exec is a call wrapped in the sandbox's reset (blocking host work; the
-        # callbacks then run in an executor thread)
-        if sb.backend == "fncall":
+        # a stateless backend (fncall): every exec is a call wrapped in the sandbox's reset
+        # (blocking host work; the callbacks then run in an executor thread)
+        if isinstance(sb._backend, StatelessCalls):
             return await asyncio.get_running_loop().run_in_executor(None, functools.partial(
                 sb.exec, cmd, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin,
                 on_stdout=on_stdout, on_stderr=on_stderr, check_timeout=check_timeout))

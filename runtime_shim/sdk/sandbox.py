@@ -329,9 +329,9 @@ class Sandbox:
                       on_stderr: agent.OutputCallback | None,
                       pty: tuple[int, int] | None = None) -> Session:
         """The agent session of a started command (``start`` and ``AsyncSandbox.start``)."""
-        if self.backend == "fncall":
-            raise BackendUnavailable("start() needs a sandbox that keeps processes; fncall "
-                                     "runs each call in a fresh layer",
+        if isinstance(self._backend, StatelessCalls):
+            raise BackendUnavailable("start() needs a sandbox that keeps processes; the "
+                                     f"{self.backend} backend runs each call in a fresh layer",
                                      hint="use call(), or another backend")
         if pty is not None:
             agent.winsize(*pty)  # checked here, in the caller's thread
