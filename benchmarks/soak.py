@@ -262,9 +262,13 @@ def leaks(node: Path, cgroups_before: set[str]) -> dict[str, list[str]]:
     # the mount's leak, counted once above, not the process's
     found["processes"] = [p for p in found["processes"] if not _shares_our_mounts(p, node)]
     found["sandbox dirs"] = _sandbox_dirs(node)
+    from runtime_shim.node.diskpool import POOL_KEY
     from runtime_shim.node.ledger import Ledger
 
-    found["admission reservations"] = sorted(Ledger(node / "node").reserved())
+    # the node's disk pool is the node's, not the phase's: its image (and so its reservation)
+    # stays when its last sandbox is gone, unmounted (runtime_shim.node.diskpool)
+    found["admission reservations"] = sorted(k for k in Ledger(node / "node").reserved()
+                                             if k != POOL_KEY)
     found["cgroups"] = sorted(sandbox_cgroups() - cgroups_before)
     return {k: v for k, v in found.items() if v}
 
