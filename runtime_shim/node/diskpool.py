@@ -10,7 +10,7 @@ FnCall sandboxes always get a loop disk (``POOL_BACKENDS`` says why). Either way
 The pool (``NodeLayout.disk_pool``)::
 
     pool.img   a sparse btrfs image, made on first use (``ENVBUILD_DISK_POOL_SIZE``, default
-               half of the node's disk budget then) and reserved once in the node's ledger
+               a quarter of the node's disk budget then) and reserved once in the node's ledger
                (key ``pool:sandboxes``, ``runtime_shim.node.admission``)
     mnt/       its mount (one loop device for the node), while it holds a subvolume: the close
                that deletes the last one unmounts it (the image stays; mounting it again
@@ -70,7 +70,7 @@ UNMOUNT_PATIENCE = 0.5
 #: between the tenants of one FnCall sandbox.
 POOL_BACKENDS = ("container",)
 #: The default pool's share of the node's disk budget when it is made.
-DEFAULT_POOL_SHARE = 0.5
+DEFAULT_POOL_SHARE = 0.25
 
 
 def mode(environ: Mapping[str, str]) -> str:

@@ -25,8 +25,8 @@ def test_only_a_sandbox_with_a_disk_limit_is_pooled():
     assert not diskpool.pooled(Limits(), {"ENVBUILD_SANDBOX_DISK": "loop"})
 
 
-def test_pool_size_is_half_the_budget_in_whole_gib_or_the_setting():
-    assert diskpool.pool_size({}, 47 * GiB + 5) == 23 * GiB
+def test_pool_size_is_a_quarter_of_the_budget_in_whole_gib_or_the_setting():
+    assert diskpool.pool_size({}, 47 * GiB + 5) == 11 * GiB
     assert diskpool.pool_size({}, 100 << 20) == quotafs.MIN_POOL  # never below 1 GiB
     assert diskpool.pool_size({"ENVBUILD_DISK_POOL_SIZE": "200G"}, GiB) == 200 * GiB
     with pytest.raises(SettingsError, match="at least 1 GiB"):
