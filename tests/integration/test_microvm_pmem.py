@@ -26,7 +26,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 DATA_FILES = 6
 DATA_FILE_BYTES = 2 << 20
-LIMITS = Limits(memory_bytes=256 << 20)
+# several VMs at once: admission reserves each disk whole, so 2 GiB each, not the default 10
+LIMITS = Limits(memory_bytes=256 << 20, disk_bytes=2 << 30)
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):

@@ -20,7 +20,8 @@ def test_guest_root_writing_its_pmem_layer_changes_no_host_image(busybox_store, 
     _require_vm_tools()
     store, node = busybox_store
     monkeypatch.setenv("ENVBUILD_VM_LAYERS", "pmem-dax")
-    limits = Limits(memory_bytes=256 << 20)
+    # 2 GiB disks: admission reserves each VM's disk whole, and CI's node refused a second 10 GiB
+    limits = Limits(memory_bytes=256 << 20, disk_bytes=2 << 30)
     with Sandbox.create("busybox-shell", store=store, node_dir=node, backend="microvm",
                         limits=limits) as a, \
             Sandbox.create("busybox-shell", store=store, node_dir=node, backend="microvm",
