@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+from collections.abc import Awaitable
 from typing import Any
 
 from runtime_shim import AsyncSandbox
@@ -40,12 +41,16 @@ class NodeBackend:
     pausable: bool = True
     limits: Any = None  # runtime_shim.Limits of every sandbox (None: the default)
 
-    async def create(self, template: str) -> AsyncSandbox:
+    async def create(self, template: str, network: bool | list[str] | None = None
+                     ) -> AsyncSandbox:
+        """A sandbox of ``template`` (or continuing snapshot ``template``) with ``network``
+        (``Sandbox.set_network``'s argument; None: no network at all)."""
         if template.startswith(SNAPSHOT_PREFIX):
-            return await self.resume(template, memory=True)
-        return await AsyncSandbox.create(template, store=self.store, node_dir=self.node_dir,
-                                         runtime=self.runtime, keep=True,
-                                         checkpointable=self.pausable, limits=self.limits)
+            return await self.resume(template, memory=True, network=network)
+        return await _closed_if(network, AsyncSandbox.create(
+            template, store=self.store, node_dir=self.node_dir, runtime=self.runtime,
+            keep=True, checkpointable=self.pausable, limits=self.limits,
+            network=_opened(network)))
 
     async def attach(self, sandbox_id: str) -> AsyncSandbox:
         return await AsyncSandbox.attach(sandbox_id, store=self.store, node_dir=self.node_dir,
@@ -60,13 +65,15 @@ class NodeBackend:
         await sandbox.close()
         return made.lock
 
-    async def resume(self, lock: str, *, memory: bool) -> AsyncSandbox:
-        """A sandbox continuing from ``lock`` (its processes too if ``memory``)."""
+    async def resume(self, lock: str, *, memory: bool,
+                     network: bool | list[str] | None = None) -> AsyncSandbox:
+        """A sandbox continuing from ``lock`` (its processes too if ``memory``), with
+        ``network`` as for ``create``."""
         if memory:
-            return await AsyncSandbox.restore(lock, store=self.store, node_dir=self.node_dir,
-                                              runtime=self.runtime, keep=True,
-                                              limits=self.limits)
-        return await self.create(lock)
+            return await _closed_if(network, AsyncSandbox.restore(
+                lock, store=self.store, node_dir=self.node_dir, runtime=self.runtime,
+                keep=True, limits=self.limits, network=_opened(network)))
+        return await self.create(lock, network)
 
     async def snapshot(self, sandbox: AsyncSandbox, name: str, *, memory: bool) -> str:
         """Publish ``sandbox``'s files (and memory if ``memory``) as a snapshot named
@@ -79,11 +86,13 @@ class NodeBackend:
             await sandbox.pack_diff(ref)
         return ref
 
-    async def fork(self, sandbox: AsyncSandbox, count: int) -> list[AsyncSandbox | Exception]:
+    async def fork(self, sandbox: AsyncSandbox, count: int,
+                   network: bool | list[str] | None = None) -> list[AsyncSandbox | Exception]:
         """``count`` sandboxes continuing from ``sandbox`` (which runs on), each a sandbox or
-        the error its restore raised."""
+        the error its restore raised; ``network`` as for ``create``."""
         lock = (await sandbox.checkpoint(None, leave_running=True)).lock
-        made = await asyncio.gather(*(self.resume(lock, memory=True) for _ in range(count)),
+        made = await asyncio.gather(*(self.resume(lock, memory=True, network=network)
+                                      for _ in range(count)),
                                     return_exceptions=True)
         out: list[AsyncSandbox | Exception] = []
         for child in made:
@@ -95,3 +104,23 @@ class NodeBackend:
     def forget(self, e2b_id: str) -> None:
         """Drop the paused ref of ``e2b_id`` (idempotent)."""
         self.store.delete_ref(PAUSED_PREFIX + e2b_id)
+
+
+def _opened(network: bool | list[str] | None) -> bool | list[str]:
+    """``create``'s ``network=`` for ``network``: a closed one (False) is made with DNS only
+    (``[]``), so that it has a namespace whose rules can change later."""
+    return [] if network is False else (False if network is None else network)
+
+
+async def _closed_if(network: bool | list[str] | None,
+                     making: Awaitable[AsyncSandbox]) -> AsyncSandbox:
+    """The sandbox ``making`` gives, its firewall closed (not even DNS) if ``network`` is
+    False, before anything but its agent has run in it."""
+    sandbox = await making
+    if network is False:
+        try:
+            await sandbox.set_network(False)
+        except BaseException:
+            await sandbox.close()
+            raise
+    return sandbox

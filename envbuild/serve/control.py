@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from envbuild.errors import EnvbuildError
-from envbuild.serve import ports
+from envbuild.serve import egress, ports
 from envbuild.serve.sandboxes import DEFAULT_TIMEOUT, Conflict, Entry, Registry
 from runtime_shim import LockNotFound
 
@@ -105,11 +105,15 @@ async def create(request: web.Request) -> web.Response:
     timeout = _timeout(body, DEFAULT_TIMEOUT)
     metadata = _str_map(body.get("metadata"), "metadata")
     env_vars = _str_map(body.get("envVars"), "envVars")
+    try:
+        network = egress.create_network(body)
+    except egress.NetworkRefused as e:
+        return error(400, e.line())
     if not reg.room(1):
         return error(429, f"this server runs at most {reg.max_sandboxes} sandboxes")
     try:
         entry = await reg.open(template, timeout=timeout or DEFAULT_TIMEOUT,
-                               metadata=metadata, env_vars=env_vars)
+                               metadata=metadata, env_vars=env_vars, network=network)
     except LockNotFound as e:
         return error(404, f"template {template!r} not found: {e.message}")
     except EnvbuildError as e:
@@ -129,7 +133,8 @@ def _entry(request: web.Request) -> Entry:
 
 async def get(request: web.Request) -> web.Response:
     entry = _entry(request)
-    return web.json_response({**listed_json(entry), "envdAccessToken": entry.token})
+    return web.json_response({**listed_json(entry), "envdAccessToken": entry.token,
+                              **egress.described(entry.network)})
 
 
 #: Sandboxes one page of a list holds at most (E2B's default and maximum ``limit``).

@@ -57,13 +57,13 @@ class Process:
 class Backend(Protocol):
     """What the registry asks of the sandboxes' provider (``envbuild.serve.backend``)."""
 
-    async def create(self, template: str) -> Any: ...
+    async def create(self, template: str, network: Any = None) -> Any: ...
     async def attach(self, sandbox_id: str) -> Any: ...
     async def pause(self, sandbox: Any, e2b_id: str, *, memory: bool) -> str: ...
-    async def resume(self, lock: str, *, memory: bool) -> Any: ...
+    async def resume(self, lock: str, *, memory: bool, network: Any = None) -> Any: ...
     def forget(self, e2b_id: str) -> None: ...
     async def snapshot(self, sandbox: Any, name: str, *, memory: bool) -> str: ...
-    async def fork(self, sandbox: Any, count: int) -> list[Any]: ...
+    async def fork(self, sandbox: Any, count: int, network: Any = None) -> list[Any]: ...
 
 
 @dataclasses.dataclass
@@ -94,6 +94,9 @@ class Entry:
     disk_mb: int = 0
     checkpoint: str | None = None  # the lock it is paused into
     memory: bool = True  # whether ``checkpoint`` holds its memory
+    #: its firewall as last set (``Sandbox.set_network``'s argument; ``envbuild.serve.egress``),
+    #: None without a network (or not known: re-attached after a server restart)
+    network: Any = None
 
     def record(self) -> Record:
         return Record(id=self.id, template=self.template, metadata=self.metadata,
@@ -153,22 +156,24 @@ class Registry:
             self.records.write(entry.record())
 
     async def open(self, template: str, *, timeout: float, metadata: Mapping[str, str],
-                   env_vars: Mapping[str, str]) -> Entry:
+                   env_vars: Mapping[str, str], network: Any = None) -> Entry:
+        """A new sandbox of ``template``; ``network``: ``Sandbox.create``'s (None: none)."""
         self._opening += 1
         try:
-            sandbox = await self.backend.create(template)
+            sandbox = await self.backend.create(template, network)
         finally:
             self._opening -= 1
-        return self._register(template, sandbox, timeout, metadata, env_vars)
+        return self._register(template, sandbox, timeout, metadata, env_vars, network)
 
     def _register(self, template: str, sandbox: Any, timeout: float,
-                  metadata: Mapping[str, str], env_vars: Mapping[str, str]) -> Entry:
+                  metadata: Mapping[str, str], env_vars: Mapping[str, str],
+                  network: Any = None) -> Entry:
         # whole microseconds, as reported (ISO 8601): a startedAfter filter given a reported
         # start then compares equal instead of a rounding apart
         now = datetime.datetime.now(datetime.UTC).timestamp()
         entry = Entry(id=f"i{uuid.uuid4().hex[:19]}", template=template, sandbox=sandbox,
                       token=new_token(), metadata=dict(metadata), env_vars=dict(env_vars),
-                      started_at=now, end_at=now)
+                      started_at=now, end_at=now, network=network)
         entry.run(sandbox)
         self._entries[entry.id] = entry
         self.set_timeout(entry, timeout)
@@ -273,12 +278,12 @@ class Registry:
         self._opening += count
         try:
             async with self._dumping(entry):
-                made = await self.backend.fork(entry.sandbox, count)
+                made = await self.backend.fork(entry.sandbox, count, entry.network)
         finally:
             self._opening -= count
         return [c if isinstance(c, Exception) else
-                self._register(entry.template, c, timeout, entry.metadata, entry.env_vars)
-                for c in made]
+                self._register(entry.template, c, timeout, entry.metadata, entry.env_vars,
+                               entry.network) for c in made]
 
     async def resume(self, entry: Entry, *, timeout: float, memory: bool = True) -> None:
         """Start ``entry`` again from what ``pause`` saved (its memory unless ``memory`` is
@@ -287,7 +292,8 @@ class Registry:
             raise Conflict(f"sandbox {entry.id} is {entry.state}, not paused")
         entry.state = "busy"
         try:
-            sandbox = await self.backend.resume(entry.checkpoint, memory=memory and entry.memory)
+            sandbox = await self.backend.resume(entry.checkpoint, memory=memory and entry.memory,
+                                                network=entry.network)
         except BaseException:
             entry.state = "paused"
             raise
