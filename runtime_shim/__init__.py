@@ -48,6 +48,7 @@ __all__ = [
     "SandboxNotFound",
     "SandboxOptions",
     "SandboxStartError",
+    "SandboxUsage",
     "ShellSession",
     "SnapshotRefused",
     "Verdict",
@@ -66,6 +67,7 @@ _WHERE = {
     "Limits": "runtime_shim.node.model",
     "Process": "runtime_shim.sdk.process",
     "SandboxInfo": "runtime_shim.node.model",
+    "SandboxUsage": "runtime_shim.node.model",
     "Sandbox": "runtime_shim.sdk.sandbox",
     "SandboxOptions": "runtime_shim.sdk.options",
     "SandboxAPI": "runtime_shim.sdk.protocol",
@@ -103,7 +105,7 @@ if TYPE_CHECKING:
     from runtime_shim.grading.aio import grade_async
     from runtime_shim.grading.grader import grade
     from runtime_shim.grading.verdict import Verdict
-    from runtime_shim.node.model import ExecResult, Limits, SandboxInfo
+    from runtime_shim.node.model import ExecResult, Limits, SandboxInfo, SandboxUsage
     from runtime_shim.sdk.aio import AsyncSandbox
     from runtime_shim.sdk.fnpool import FnPool
     from runtime_shim.sdk.options import SandboxOptions

@@ -9,6 +9,7 @@ pack-diff. A backend does the rest, behind three runtime-checkable protocols:
 - ``SandboxHandle``: one running sandbox: ``connect`` (a fresh connection to its exec agent),
   ``exec``, ``read_file``, ``write_file``, ``close``;
 - ``MemoryReporting``: optional, ``memory()`` for ``info().memory`` (RSS, shared, reclaimed);
+- ``Metered``: optional, ``usage()`` for ``Sandbox.usage()`` (CPU time, memory, pids, disk);
 - ``HostCosted``: optional, a backend's own ``host_reservation(limits)`` for node admission
   (``runtime_shim.node.admission``) where a container's worst case is not what it takes;
 - ``Snapshottable``: optional, for pack-diff: ``quiesce`` (a context manager in which the
@@ -41,7 +42,7 @@ from runtime_shim.isolation import agent, netns
 from runtime_shim.isolation.mount import mounted_targets_under, unmount
 from runtime_shim.node import diskpool
 from runtime_shim.node.layout import NodeLayout, SandboxPaths
-from runtime_shim.node.model import Limits, MemoryInfo
+from runtime_shim.node.model import Limits, MemoryInfo, SandboxUsage
 
 if TYPE_CHECKING:
     from runtime_shim.isolation.watch import DirWatch
@@ -220,6 +221,14 @@ class MemoryReporting(Protocol):
     """A handle that says what it holds of the host's memory (``Sandbox.info().memory``)."""
 
     def memory(self) -> MemoryInfo | None: ...
+
+
+@runtime_checkable
+class Metered(Protocol):
+    """A handle that says what it uses now: CPU time, memory, processes, disk
+    (``Sandbox.usage()``, ``runtime_shim.node.usage``); None once it stopped."""
+
+    def usage(self) -> SandboxUsage | None: ...
 
 
 @runtime_checkable

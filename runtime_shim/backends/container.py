@@ -70,7 +70,7 @@ from runtime_shim.isolation.watch import DirWatch
 from runtime_shim.node import diskpool
 from runtime_shim.node.layout import NodeLayout, SandboxPaths
 from runtime_shim.node.locks import ResolvedLock
-from runtime_shim.node.model import Limits, MemoryInfo
+from runtime_shim.node.model import Limits, MemoryInfo, SandboxUsage
 
 #: The CRIU options file of a checkpoint, in the sandbox dir (written by ``runtime_shim.backends.criu``).
 CRIU_CONFIG = "criu.conf"
@@ -310,6 +310,12 @@ class ContainerSandbox:
         from runtime_shim.node import reclaim
 
         return reclaim.memory_info(self.paths)
+
+    def usage(self) -> SandboxUsage | None:
+        """``backends.base.Metered``: its cgroups and disk (``runtime_shim.node.usage``)."""
+        from runtime_shim.node.usage import read_usage
+
+        return read_usage(self.paths, self.limits.cpus)
 
     def checkpoint(self, dest_dir: Path, *, leave_running: bool) -> CheckpointImage:
         """``runtime_shim.backends.criu.checkpoint`` (``backend.Checkpointable``); a sandbox created

@@ -322,3 +322,29 @@ def _hint(e: OSError) -> str:
     if e.errno == errno.ENOTTY:
         return "the pool is not on btrfs (ENVBUILD_DISK_POOL_DIR)"
     return "check dmesg for 'BTRFS' lines"
+
+
+#: Where the kernel shows a btrfs filesystem's quota groups (``<fsid>/qgroups/<level>_<id>``).
+SYSFS_BTRFS = Path("/sys/fs/btrfs")
+_FS_INFO = 0x8400941F  # _IOR(31, btrfs_ioctl_fs_info_args: u64 max_id, num_devices; u8 fsid[16]…)
+
+
+def group_usage(subvolume: Path) -> tuple[int, int | None]:
+    """(bytes charged, cap) of the quota group ``create`` capped ``subvolume`` with
+    (``1/<its id>``: data and metadata, nested subvolumes too), as the kernel's sysfs shows it;
+    the cap is None when the group has none."""
+    fd = os.open(subvolume, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        sid = _subvolume_id(fd)
+        info = bytearray(1024)
+        fcntl.ioctl(fd, _FS_INFO, info)
+    except OSError as e:
+        raise RuntimeShimError(f"read the quota group of {subvolume}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    fsid = bytes(info[16:32]).hex()
+    uuid = f"{fsid[:8]}-{fsid[8:12]}-{fsid[12:16]}-{fsid[16:20]}-{fsid[20:]}"
+    group = SYSFS_BTRFS / uuid / "qgroups" / f"1_{sid}"
+    used = int((group / "referenced").read_text())
+    limit = int((group / "max_referenced").read_text())
+    return used, (limit if 0 < limit < _CLEAR else None)

@@ -108,6 +108,25 @@ class MemoryInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class SandboxUsage:
+    """What a running sandbox uses, sampled at ``at`` (Unix seconds; ``Sandbox.usage()``,
+    ``runtime_shim.node.usage`` says where each figure comes from): ``cpu_seconds`` of CPU
+    time since it started (a rate is the difference of two samples), ``cpus`` its CPU limit,
+    memory and disk in bytes, processes as a count; a limit is None where there is none, a
+    figure None where the sandbox has no such thing (no disk cap: no disk figures)."""
+
+    at: float
+    cpu_seconds: float
+    cpus: float | None
+    memory_bytes: int
+    memory_limit: int | None
+    pids: int | None
+    pids_limit: int | None
+    disk_bytes: int | None
+    disk_limit: int | None
+
+
+@dataclasses.dataclass(frozen=True)
 class SandboxInfo:
     """One sandbox on a node, as its ``sandbox.json`` records it (``Sandbox.info()``,
     ``list_sandboxes``). Times are Unix seconds; ``ready`` is 0 until the sandbox answered,

@@ -37,6 +37,7 @@ from envbuild.errors import RuntimeShimError
 from runtime_shim.isolation import cgroupfs
 from runtime_shim.node.layout import NodeLayout, SandboxPaths
 from runtime_shim.node.model import MemoryInfo
+from runtime_shim.node.usage import cpu_ns
 
 STATE_VERSION = 1
 STATE_FILE = "reclaim.json"
@@ -163,21 +164,6 @@ def reclaim(paths: SandboxPaths) -> ReclaimResult:
     return result
 
 
-def _cpu_ns(sandbox_id: str) -> int | None:
-    for controller, name in (("cpuacct", "cpuacct.usage"), ("cpu", "cpu.stat")):
-        found = cgroupfs.controller_dir(controller, sandbox_id)
-        if found is None:
-            continue
-        text = (found[0] / name).read_text()
-        if name == "cpu.stat":
-            for line in text.splitlines():
-                if line.startswith("usage_usec "):
-                    return int(line.split()[1]) * 1000
-            continue
-        return int(text)
-    return None
-
-
 def reclaim_idle(node_dir: str | os.PathLike[str] | NodeLayout, policy: ReclaimPolicy | None
                  = None, *, now: float | None = None) -> list[ReclaimResult]:
     """One pass of the node's policy over its live container and FnCall sandboxes: reclaim
@@ -193,7 +179,7 @@ def reclaim_idle(node_dir: str | os.PathLike[str] | NodeLayout, policy: ReclaimP
             continue
         paths = SandboxPaths(info.path)
         try:
-            cpu, held = _cpu_ns(info.id), usage(info.id)
+            cpu, held = cpu_ns(info.id), usage(info.id)
             if cpu is None or held is None:
                 continue
             state = _read_state(paths)

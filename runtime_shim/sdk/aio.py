@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from runtime_shim.backends.base import StatelessCalls
 from runtime_shim.isolation import agent
-from runtime_shim.node.model import ExecResult, SandboxInfo
+from runtime_shim.node.model import ExecResult, SandboxInfo, SandboxUsage
 from runtime_shim.sdk.process import AsyncProcess
 from runtime_shim.sdk.sandbox import Sandbox
 
@@ -152,6 +152,10 @@ class AsyncSandbox:
 
     async def info(self) -> SandboxInfo:
         return self.sync.info()
+
+    async def usage(self) -> SandboxUsage:
+        """``Sandbox.usage`` (a few file reads: in the loop)."""
+        return self.sync.usage()
 
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.sync.close)

@@ -52,6 +52,7 @@ from runtime_shim.backends.base import (
     Describable,
     HostProcess,
     MemoryReporting,
+    Metered,
     SandboxHandle,
     Snapshottable,
     StatelessCalls,
@@ -66,7 +67,7 @@ from runtime_shim.isolation.spec import parse_user
 from runtime_shim.node import admission, ledger, owners
 from runtime_shim.node.layout import NodeLayout, SandboxPaths
 from runtime_shim.node.locks import ResolvedLock, resolve
-from runtime_shim.node.model import DEFAULT_OUTPUT_CAP, ExecResult, Limits, SandboxInfo
+from runtime_shim.node.model import DEFAULT_OUTPUT_CAP, ExecResult, Limits, SandboxInfo, SandboxUsage
 from runtime_shim.node.nodecache import NodeCache
 from runtime_shim.node.records import (
     SANDBOX_META_VERSION,
@@ -428,6 +429,17 @@ class Sandbox:
         if isinstance(self._backend, MemoryReporting) and not self._closed:
             info = dataclasses.replace(info, memory=self._backend.memory())
         return info
+
+    def usage(self) -> SandboxUsage:
+        """CPU time, memory, processes, disk now (``runtime_shim.node.usage``); refused for a
+        backend that does not say (microVMs) or a sandbox whose processes are gone."""
+        self._check_open()
+        if not isinstance(self._backend, Metered):
+            raise BackendUnavailable(f"usage is not reported by the {self.backend} backend")
+        found = self._backend.usage()
+        if found is None:
+            raise SandboxClosed(f"sandbox {self.id} is not running (it has no cgroup)")
+        return found
 
     def close(self) -> None:
         """Stop every process, unmount and remove the sandbox's files. Idempotent, and safe

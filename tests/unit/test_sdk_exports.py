@@ -14,7 +14,7 @@ EXPECTED = {
     "FnPool", "Limits", "LockNotFound", "PortRefused", "Process", "RuntimeShimError", "Sandbox",
     "SandboxAPI",
     "SandboxClosed", "SandboxCompromised", "SandboxInfo", "SandboxNotFound", "SandboxOptions",
-    "SandboxStartError", "ShellSession", "SnapshotRefused", "Verdict", "grade", "grade_async",
+    "SandboxStartError", "SandboxUsage", "ShellSession", "SnapshotRefused", "Verdict", "grade", "grade_async",
     "list_sandboxes",
     "remove_sandbox", "sweep_sandboxes",
 }
