@@ -21,7 +21,7 @@ from aiohttp import web
 from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
 from e2b.envd.process.process_connect import ProcessASGIApplication
 
-from envbuild.serve import control, control_net, files, ports
+from envbuild.serve import control, control_net, files, observe, ports
 from envbuild.serve.asgi import call_asgi
 from envbuild.serve.auth import ApiKeys, same_token
 from envbuild.serve.envd_fs import FilesystemService
@@ -115,6 +115,7 @@ def make_app(options: ServeOptions) -> web.Application:
 
     app.router.add_post("/process.Process/{method}", process)
     app.router.add_post("/filesystem.Filesystem/{method}", filesystem)
+    observe.add_routes(app)  # first: /sandboxes/metrics is not /sandboxes/{id}
     control.add_routes(app)
     control_net.add_routes(app)
     files.add_routes(app)

@@ -34,6 +34,7 @@ async def update_network(request: web.Request) -> web.Response:
                                       f"({e.message})")
         return control.error(500, f"update network of sandbox {entry.id}: {e.message}")
     entry.network = network
+    entry.events.note("sandbox.network", f"network rules set: {network}")
     return web.Response(status=204)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import shlex
 import signal
 from collections.abc import AsyncIterator
 from typing import cast
@@ -110,6 +111,8 @@ class ProcessService(ProcessProtocol):
         if not request.stdin and pty is None:  # a terminal's input is always open
             proc.handle.close_stdin()
         entry.processes[proc.pid] = proc
+        entry.events.note("process.start", f"command {proc.pid} started: {shlex.join(argv)}",
+                          pid=str(proc.pid), user=user.spec or "", cwd=proc.cwd or "")
         proc.task = asyncio.get_running_loop().create_task(self._run(entry, proc))
         yield pb.StartResponse(event=_event(start=pb.ProcessEvent.StartEvent(pid=proc.pid)))
         async for event in _drain(queue, proc):
@@ -152,6 +155,9 @@ class ProcessService(ProcessProtocol):
             end = pb.ProcessEvent.EndEvent(exit_code=-1, exited=False, status="error",
                                            error=e.message)
         entry.processes.pop(proc.pid, None)
+        entry.events.note("process.end", f"command {proc.pid} ended: {end.status}"
+                          + (f" ({end.error})" if end.error else ""),
+                          "info" if end.exited else "error", pid=str(proc.pid))
         emit(_event(end=end))
         emit(None)
 

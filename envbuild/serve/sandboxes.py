@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from envbuild.errors import EnvbuildError
 from envbuild.serve.auth import new_token
+from envbuild.serve.events import EventLog
 from envbuild.serve.records import Record, RecordDir
 
 _log = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ class Entry:
     #: its firewall as last set (``Sandbox.set_network``'s argument; ``envbuild.serve.egress``),
     #: None without a network (or not known: re-attached after a server restart)
     network: Any = None
+    #: what the server did to it and ran in it (``envbuild.serve.events``: its logs)
+    events: EventLog = dataclasses.field(default_factory=EventLog)
 
     def record(self) -> Record:
         return Record(id=self.id, template=self.template, metadata=self.metadata,
@@ -177,6 +180,7 @@ class Registry:
         entry.run(sandbox)
         self._entries[entry.id] = entry
         self.set_timeout(entry, timeout)
+        entry.events.note("sandbox.create", f"created from {template}", template=template)
         return entry
 
     def set_timeout(self, entry: Entry, timeout: float) -> None:
@@ -246,6 +250,7 @@ class Registry:
         entry.sandbox, entry.checkpoint, entry.memory = None, lock, memory
         entry.processes, entry.state = {}, "paused"
         self._save(entry)
+        entry.events.note("sandbox.pause", "paused" + ("" if memory else " (files only)"))
 
     @contextlib.asynccontextmanager
     async def _dumping(self, entry: Entry) -> AsyncIterator[None]:
@@ -299,6 +304,7 @@ class Registry:
             raise
         entry.run(sandbox)
         self.set_timeout(entry, timeout)
+        entry.events.note("sandbox.resume", "resumed")
         try:
             self.backend.forget(entry.id)
         except EnvbuildError as e:  # the ref only protects a checkpoint no longer needed

@@ -118,7 +118,8 @@ class SandboxUsage:
     at: float
     cpu_seconds: float
     cpus: float | None
-    memory_bytes: int
+    memory_bytes: int  # page cache included
+    memory_cache: int
     memory_limit: int | None
     pids: int | None
     pids_limit: int | None

@@ -37,7 +37,6 @@ from envbuild.errors import RuntimeShimError
 from runtime_shim.isolation import cgroupfs
 from runtime_shim.node.layout import NodeLayout, SandboxPaths
 from runtime_shim.node.model import MemoryInfo
-from runtime_shim.node.usage import cpu_ns
 
 STATE_VERSION = 1
 STATE_FILE = "reclaim.json"
@@ -162,6 +161,28 @@ def reclaim(paths: SandboxPaths) -> ReclaimResult:
     state["reclaimed"] = int(state.get("reclaimed", 0)) + result.freed
     _write_state(paths, state)
     return result
+
+
+def parse_cpu_ns(text: str, name: str) -> int | None:  # pure
+    """``cpuacct.usage`` (ns) or ``cpu.stat`` (its ``usage_usec`` line) → nanoseconds."""
+    if name == "cpuacct.usage":
+        return int(text.strip())
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "usage_usec":
+            return int(value) * 1000
+    return None
+
+
+def cpu_ns(sandbox_id: str) -> int | None:
+    """The CPU time the sandbox's processes used (ns); None without a CPU cgroup."""
+    for controller, name in (("cpuacct", "cpuacct.usage"), ("cpu", "cpu.stat")):
+        found = cgroupfs.controller_dir(controller, sandbox_id)
+        if found is not None:
+            ns = parse_cpu_ns((found[0] / name).read_text(), name)
+            if ns is not None:
+                return ns
+    return None
 
 
 def reclaim_idle(node_dir: str | os.PathLike[str] | NodeLayout, policy: ReclaimPolicy | None

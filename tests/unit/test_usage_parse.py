@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime_shim.node.usage import parse_cpu_ns, parse_limit
+from runtime_shim.node.reclaim import parse_cpu_ns
+from runtime_shim.node.usage import parse_limit
 
 
 def test_cpu_time_from_v1_and_v2():
