@@ -138,3 +138,19 @@ def test_one_sandboxs_rules_never_change_anothers(server, site):
     finally:
         a.kill()
         b.kill()
+
+
+def test_rules_survive_pause_and_resume(server, site):
+    from e2b import Sandbox
+
+    ten = site[0]["ten"]
+    sb = Sandbox.create(TEMPLATE, timeout=300, network={"deny_out": [ALL]})
+    try:
+        sb.update_network({"allow_out": [ten], "deny_out": [ALL]})
+        assert sb.pause()
+        sb = Sandbox.connect(sb.sandbox_id)
+        assert _reachable(sb, site) == {"ten"}
+        sb.update_network({})  # the resumed sandbox's rules still change live
+        assert _reachable(sb, site) == {"public"}
+    finally:
+        sb.kill()
