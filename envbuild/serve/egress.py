@@ -6,18 +6,18 @@ E2B's rules are ``allowOut`` (addresses, CIDRs or host names), ``denyOut`` (addr
 CIDRs; ``0.0.0.0/0`` is all traffic) and ``allow_internet_access`` (false = deny all), where an
 allowed entry always wins over a denied one and an update replaces every rule (an omitted
 field is cleared). envbuild's firewall (``runtime_shim.isolation.netns``: ``Sandbox.set_network``)
-knows ``public`` (the internet, never the host nor the private ranges) plus an allow-list of
-``CIDR[:PORT]``. ``e2b_network`` maps one onto the other:
+knows ``public`` (the internet, never the host nor the private ranges), an allow-list of
+``CIDR[:PORT]`` and deny entries ``!CIDR`` taken out of ``public`` (the allow-list wins over
+them). ``e2b_network`` maps one onto the other:
 
-- nothing denied: ``["public", *allowOut]`` (an allowed private CIDR opens it too);
 - all traffic denied (``0.0.0.0/0`` or ``allow_internet_access: false``): ``allowOut`` only,
   and with nothing allowed ``False``: not even DNS;
-- a denied CIDR inside what ``public`` already refuses (RFC 1918, loopback, link-local, …)
-  changes nothing and is accepted.
+- else ``["public", *allowOut, *("!" + each denyOut)]`` (an allowed private CIDR opens it;
+  a denied one inside what ``public`` refuses anyway changes nothing).
 
 What the firewall cannot express is refused with one line (``NetworkRefused``, E2B's 400):
 a host name in ``allowOut`` (the firewall matches addresses; a name resolves differently over
-time and per resolver), a denied part of the public internet, IPv6, per-host ``rules``
+time and per resolver), IPv6, per-host ``rules``
 (header transforms), an ``egressProxy``, public ports (``allowPublicTraffic: true``: every
 port request needs the sandbox's token), ``maskRequestHost`` and ``httpsPorts``.
 ``dnsServers`` is accepted and has no effect: on E2B it only matters for host names in
@@ -40,8 +40,6 @@ ALL_TRAFFIC = ipaddress.IPv4Network("0.0.0.0/0")
 #: The create's and the update's key for internet access (E2B's spec spells it so there;
 #: ``SandboxDetail`` says ``allowInternetAccess``).
 ACCESS = "allow_internet_access"
-#: What ``public`` refuses anyway: a ``denyOut`` inside one of these changes nothing.
-_REFUSED_ANYWAY = (*netns.PRIVATE, *netns.NEVER_ALLOWED)
 
 
 class NetworkRefused(EnvbuildError):
@@ -68,21 +66,12 @@ def _allow(entry: str) -> str:
                              "(envbuild's firewall matches addresses, not host names)") from None
 
 
-def _denies_all(entry: str) -> bool:
-    """Whether ``entry`` of ``denyOut`` is all traffic; refused unless ``public`` already
-    refuses it."""
+def _deny(entry: str) -> ipaddress.IPv4Network:
     try:
-        net = ipaddress.IPv4Network(entry.strip(), strict=False)
+        return ipaddress.IPv4Network(entry.strip(), strict=False)
     except ValueError:
         raise NetworkRefused(f"denyOut entry {entry!r} is not an IPv4 address or CIDR",
                              hint="denyOut takes addresses (as on E2B)") from None
-    if net == ALL_TRAFFIC:
-        return True
-    if any(net.subnet_of(n) for n in _REFUSED_ANYWAY):
-        return False
-    raise NetworkRefused(f"denyOut entry {entry!r}: envbuild's firewall cannot refuse part "
-                         "of the public internet",
-                         hint="deny 0.0.0.0/0 and list in allowOut what the sandbox may reach")
 
 
 def _check_unsupported(config: Mapping[str, Any]) -> None:
@@ -110,10 +99,10 @@ def e2b_network(config: Mapping[str, Any], allow_internet_access: Any = None) ->
     _check_unsupported(config)
     _strings(config.get("dnsServers"), "dnsServers")
     allow = [_allow(e) for e in _strings(config.get("allowOut"), "allowOut")]
-    deny = [_denies_all(e) for e in _strings(config.get("denyOut"), "denyOut")]
-    if any(deny) or allow_internet_access is False:
+    deny = [_deny(e) for e in _strings(config.get("denyOut"), "denyOut")]
+    if ALL_TRAFFIC in deny or allow_internet_access is False:
         return allow or False
-    return [netns.PUBLIC, *allow]
+    return [netns.PUBLIC, *allow, *(f"{netns.DENY}{n}" for n in deny)]
 
 
 def create_network(body: Mapping[str, Any]) -> Network | None:
@@ -135,7 +124,11 @@ def described(network: Network | None) -> dict[str, Any]:
     whose firewall was last set to ``network`` (None: it has no network)."""
     if network is None:
         return {}
-    allow = [e for e in network or () if e != netns.PUBLIC] if network is not True else []
-    public = network is True or netns.PUBLIC in (network or ())
+    entries = [] if network is True else list(network or ())
+    public = network is True or netns.PUBLIC in entries
+    deny = [e[len(netns.DENY):] for e in entries if e.startswith(netns.DENY)] if public \
+        else [str(ALL_TRAFFIC)]
     return {"allowInternetAccess": public,
-            "network": {"allowOut": allow, **({} if public else {"denyOut": [str(ALL_TRAFFIC)]})}}
+            "network": {"allowOut": [e for e in entries if e != netns.PUBLIC
+                                     and not e.startswith(netns.DENY)],
+                        **({"denyOut": deny} if deny else {})}}

@@ -24,7 +24,9 @@ networked sandbox (container or the QEMU process of a microVM) gets instead:
      host) and every address the host owns when the rules are written (``ip route show table
      local``: a service on ``0.0.0.0`` listens on them);
   4. the allow-list entries: allowed;
-  5. with ``public``, the node's own additions (``NodeNetwork``): refused its networks of
+  5. with ``public``, the policy's ``deny`` entries (``!CIDR``: a part of the internet this
+     sandbox may not reach, e.g. one service's addresses): refused; then the node's own
+     additions (``NodeNetwork``): refused its networks of
      ``$ENVBUILD_NETWORK_REFUSE`` (e.g. the cluster's addresses, public ones too), allowed its
      private package mirrors of ``$ENVBUILD_NETWORK_MIRRORS`` (``CIDR[:PORT]``, e.g. an apt
      or PyPI mirror on ``10.x``); then refused the private and special ranges (``PRIVATE``:
@@ -40,8 +42,9 @@ networked sandbox (container or the QEMU process of a microVM) gets instead:
   other IPv6 destination are unreachable.
 
 A policy is written as ``network=``: ``True`` (``["public"]``), or a list of destinations:
-``"public"`` and allow-list entries ``CIDR[:PORT]`` (``"10.0.0.0/8:443"``, ``"198.18.0.7"`` =
-``/32``, any port); a port allows TCP and UDP to it. ``[]`` allows DNS only. Host names are
+``"public"``, allow-list entries ``CIDR[:PORT]`` (``"10.0.0.0/8:443"``, ``"198.18.0.7"`` =
+``/32``, any port; a port allows TCP and UDP to it) and deny entries ``"!CIDR"`` (taken out of
+``public``; an allow-list entry still wins over them). ``[]`` allows DNS only. Host names are
 refused: a name resolves differently over time and per resolver, so an allow-list of names is
 not a boundary. Entries inside the loopback or slirp networks are refused (never reachable);
 an entry covering a host address does not open it (rule 3 comes first).
@@ -106,6 +109,8 @@ PRIVATE = tuple(ipaddress.IPv4Network(n) for n in (
 ))
 #: The word for the public internet in a ``network=`` list.
 PUBLIC = "public"
+#: The mark of a deny entry in a ``network=`` list: ``"!CIDR"``.
+DENY = "!"
 #: The node's own refused networks (comma-separated CIDRs), e.g. the cluster's addresses.
 REFUSE_ENV = "ENVBUILD_NETWORK_REFUSE"
 #: The node's private package mirrors (comma-separated ``CIDR[:PORT]``), part of ``public``.
@@ -136,10 +141,12 @@ class NetworkPolicy:
     public: bool = True
     allow: tuple[Allow, ...] = ()
     dns: bool = True
+    deny: tuple[ipaddress.IPv4Network, ...] = ()  # out of ``public`` (``allow`` still wins)
 
     def entries(self) -> list[str]:
         """The ``network=`` list that parses back to this policy (DNS aside)."""
-        return ([PUBLIC] if self.public else []) + [str(a) for a in self.allow]
+        return (([PUBLIC] if self.public else []) + [str(a) for a in self.allow]
+                + [f"{DENY}{n}" for n in self.deny])
 
 
 #: ``set_network(False)``: nothing at all leaves the namespace, not even DNS.
@@ -179,12 +186,24 @@ def parse_allow(entry: str) -> Allow:
     return Allow(network, port)
 
 
+def parse_deny(entry: str) -> ipaddress.IPv4Network:
+    """``"!CIDR"`` → the network; a one-line ``RuntimeShimError`` for anything else."""
+    text = entry.strip()[len(DENY):].strip()
+    try:
+        return ipaddress.IPv4Network(text, strict=True)
+    except ValueError as e:
+        what = ("host names are not allowed" if any(c.isalpha() for c in text) else
+                "a deny entry has no port" if ":" in text else str(e))
+        raise RuntimeShimError(f"network deny entry {entry!r}: {what}",
+                               hint="write !CIDR, e.g. !198.51.100.0/24 or !203.0.113.9") from None
+
+
 def parse_network(network: bool | Sequence[str] | None) -> NetworkPolicy | None:
     """The ``network=`` option of a sandbox → a policy, or None for no network at all.
 
     ``False``/``None``: an empty namespace; ``True``: the public internet (``["public"]``); a
-    list of ``"public"`` and ``CIDR[:PORT]`` entries: egress to those only (an empty list
-    allows only DNS)."""
+    list of ``"public"``, ``CIDR[:PORT]`` and ``"!CIDR"`` entries: egress to those only, the
+    ``!`` ones taken out of ``public`` (an empty list allows only DNS)."""
     if network is None or network is False:
         return None
     if network is True:
@@ -192,10 +211,13 @@ def parse_network(network: bool | Sequence[str] | None) -> NetworkPolicy | None:
     if isinstance(network, (str, bytes)) or not isinstance(network, Sequence):
         raise RuntimeShimError(f"network={network!r} is neither a bool nor a list of "
                                "destinations", hint=_HINT)
-    public = any(isinstance(e, str) and e.strip() == PUBLIC for e in network)
-    allow = tuple(parse_allow(e) for e in network
-                  if not (isinstance(e, str) and e.strip() == PUBLIC))
-    return NetworkPolicy(public=public, allow=allow)
+    def kind(e: object) -> str:
+        text = e.strip() if isinstance(e, str) else ""
+        return "public" if text == PUBLIC else "deny" if text.startswith(DENY) else "allow"
+
+    return NetworkPolicy(public=any(kind(e) == "public" for e in network),
+                         allow=tuple(parse_allow(e) for e in network if kind(e) == "allow"),
+                         deny=tuple(parse_deny(e) for e in network if kind(e) == "deny"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +277,7 @@ def firewall_rules(policy: NetworkPolicy, host_addresses: Sequence[str],
     lines += _reject(hard)
     lines += _accept(policy.allow)
     if policy.public:
+        lines += _reject([str(n) for n in policy.deny])
         lines += _reject([str(n) for n in node.refused])
         lines += _accept(node.mirrors)
         lines += _reject([str(n) for n in PRIVATE])

@@ -177,8 +177,9 @@ class Sandbox:
 
     def set_network(self, network: bool | Sequence[str]) -> None:
         """Change what this running sandbox may reach: ``network`` as for ``create``
-        (``True`` or ``["public", ...]``: the public internet; a list of ``CIDR[:PORT]``: those
-        too, private ones included; ``[]``: DNS only), or ``False``: nothing, not even DNS.
+        (``True`` or ``["public", ...]``: the public internet, less its ``"!CIDR"`` entries; a
+        list of ``CIDR[:PORT]``: those too, private ones included; ``[]``: DNS only), or
+        ``False``: nothing, not even DNS.
         Every packet sent after this returns obeys the new rules: new connections, and
         connections opened earlier to a destination now refused fail. Only a sandbox created
         with network (``network=[]`` is enough) has a namespace to change; one without raises

@@ -17,7 +17,10 @@ from envbuild.serve.egress import NetworkRefused, create_network, described, e2b
      ["198.18.0.7/32", "10.1.0.0/16"]),
     ({"allowOut": ["198.18.0.7"]}, False, ["198.18.0.7/32"]),
     ({"allowOut": ["10.0.0.0/8"]}, None, ["public", "10.0.0.0/8"]),  # a private one opened
-    ({"denyOut": ["10.0.0.0/8", "169.254.169.254"]}, None, ["public"]),  # refused anyway
+    ({"denyOut": ["10.0.0.0/8", "169.254.169.254"]}, None,
+     ["public", "!10.0.0.0/8", "!169.254.169.254/32"]),
+    ({"denyOut": ["8.8.8.8"], "allowOut": ["8.8.8.8"]}, None, ["public", "8.8.8.8/32", "!8.8.8.8/32"]),
+    ({"denyOut": ["198.51.100.9/24"]}, None, ["public", "!198.51.100.0/24"]),
     ({"denyOut": ["0.0.0.0/0"], "dnsServers": ["1.1.1.1"]}, None, False),
     ({"allowOut": ["198.18.0.7:8080"], "denyOut": ["0.0.0.0/0"]}, None, ["198.18.0.7/32:8080"]),
     ({"allowPublicTraffic": False, "rules": {}, "httpsPorts": []}, None, ["public"]),
@@ -28,7 +31,6 @@ def test_mapped(config, access, expected):
 
 @pytest.mark.parametrize(("config", "access", "words"), [
     ({"allowOut": ["example.com"], "denyOut": ["0.0.0.0/0"]}, None, "host names"),
-    ({"denyOut": ["8.8.8.8"]}, None, "cannot refuse part of the public internet"),
     ({"denyOut": ["example.com"]}, None, "not an IPv4 address"),
     ({"allowOut": ["::1"]}, None, "IPv6"),
     ({"allowOut": ["127.0.0.1"]}, None, "never reachable"),
@@ -62,3 +64,5 @@ def test_described_as_e2b_reports_it():
     assert described(["198.18.0.7/32"])["network"]["allowOut"] == ["198.18.0.7/32"]
     assert described(["public", "10.0.0.0/8"]) == {"allowInternetAccess": True,
                                                    "network": {"allowOut": ["10.0.0.0/8"]}}
+    assert described(["public", "!8.8.8.8/32"])["network"] == {"allowOut": [],
+                                                               "denyOut": ["8.8.8.8/32"]}
