@@ -154,8 +154,8 @@ class AsyncSandbox:
         return self.sync.info()
 
     async def usage(self) -> SandboxUsage:
-        """``Sandbox.usage`` (a few file reads: in the loop)."""
-        return self.sync.usage()
+        """``Sandbox.usage`` in the default executor (file reads and an ioctl)."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.sync.usage)
 
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.sync.close)
