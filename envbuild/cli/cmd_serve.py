@@ -47,12 +47,12 @@ def _fleet_backend(app: App, address: str, limits: Any, warm: tuple[str, ...]) -
     from envbuild.cli.cmd_fleet import connect
     from envbuild.serve.fleet import FleetBackend
 
-    pools = []
+    pools: list[tuple[str, int]] = []
     for item in warm:
-        env, sep, count = item.rpartition("=")
-        if not sep or not env or not count.isdigit():
+        env, sep, n = item.rpartition("=")
+        if not sep or not env or not n.isdigit():
             raise SettingsError(f"--warm {item!r} is not ENV=N", hint="e.g. --warm python=2")
-        pools.append((env, int(count)))
+        pools.append((env, int(n)))
     backend = FleetBackend(connect(app, address), limits=limits)
     for env, count in pools:
         backend.warm(env, count)

@@ -162,9 +162,14 @@ class FleetServed:
             raise _unsupported("a PTY")
         loop = asyncio.get_running_loop()
 
-        def relay(cb: Callable[[bytes], None] | None) -> Callable[[bytes], None]:
+        def relay(cb: Callable[[bytes], None] | None) -> Callable[[bytes], None] | None:
             # the stream's thread hands each chunk to the loop, in order
-            return lambda data: loop.call_soon_threadsafe(cb, data) if cb else None
+            if cb is None:
+                return None
+
+            def forward(data: bytes) -> None:
+                loop.call_soon_threadsafe(cb, data)
+            return forward
 
         result = loop.run_in_executor(self.backend._pool, lambda: self.handle.exec(
             list(argv), env=env, cwd=cwd, user=user, timeout=timeout,

@@ -146,6 +146,33 @@ def test_a_fleet_sandbox_survives_a_server_restart(cell, tmp_path):
     assert list((node / "serve-fleet").glob("i*.json")) == []
 
 
+def test_warm_pools_serve_creates(cell, tmp_path):
+    """``--warm ENV=1``: every node keeps a ready sandbox; an SDK create claims one (it was
+    started before the create was asked), and the pool refills."""
+    from e2b import Sandbox
+
+    from runtime_shim import Limits
+
+    fleet = cell["fleet"]
+    limits = Limits(memory_bytes=64 << 20, pids=32, nofile=256)  # what SIZES makes
+    try:
+        with running_server(tmp_path, cell["store"], tmp_path / "node",
+                            args=("--fleet", cell["address"], *SIZES, "--warm",
+                                  f"{TEMPLATE}=1")) as srv, e2b_env(srv):
+            deadline = time.monotonic() + 120
+            while any(n.warm < 1 for n in fleet.nodes()):  # the server's --warm fills them
+                assert time.monotonic() < deadline, fleet.nodes()
+                time.sleep(0.2)
+            before = time.time()
+            sb = Sandbox.create(TEMPLATE, timeout=60)
+            (record,) = fleet.list({"envbuild-serve": "1"})
+            assert record.created < before, "claimed from a warm pool, not started"
+            assert sb.commands.run("echo warm").stdout == "warm\n"
+            sb.kill()
+    finally:
+        fleet.warm(TEMPLATE, per_node=0, limits=limits)  # pools outlive the server
+
+
 def test_an_unreachable_fleet_is_one_line(cell, tmp_path):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
