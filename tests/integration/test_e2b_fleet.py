@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 from tests.conftest import REPO
@@ -112,6 +113,15 @@ def test_what_a_fleet_sandbox_lacks_is_refused_in_one_line(cell, tmp_path):
         cmd = sb.commands.run("sleep 30", background=True)
         with pytest.raises(SandboxException, match="a signal to a command is not available"):
             sb.commands.kill(cmd.pid)
+        fed = sb.commands.run("sleep 30", background=True, stdin=True)
+        with pytest.raises(SandboxException, match="stdin is not available for a fleet"):
+            sb.commands.send_stdin(fed.pid, "x")
+        with pytest.raises(SandboxException, match="a directory watch is not available"):
+            sb.files.watch_dir("/tmp")
+        r = httpx.get(srv.url + "/", headers={
+            "E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "8080",
+            "e2b-traffic-access-token": sb.traffic_access_token})
+        assert r.status_code == 502 and "a port is not available for a fleet sandbox" in r.text
         with pytest.raises(SandboxException, match="pause is not available for a fleet"):
             sb.pause()
         sb.kill()
