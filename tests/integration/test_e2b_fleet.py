@@ -60,7 +60,7 @@ def _served(fleet) -> list[str]:
 
 
 def test_the_sdk_drives_fleet_sandboxes(cell, tmp_path):
-    from e2b import CommandExitException, Sandbox
+    from e2b import CommandExitException, Sandbox, TimeoutException
 
     fleet = cell["fleet"]
     with running_server(tmp_path, cell["store"], tmp_path / "node",
@@ -81,6 +81,15 @@ def test_the_sdk_drives_fleet_sandboxes(cell, tmp_path):
         assert failed.value.exit_code == 3
         bg = sb.commands.run("sleep 0.5; echo later", background=True)
         assert bg.wait().stdout == "later\n"
+        assert sb.commands.run("id -u", user="root").stdout == "0\n"
+        started = time.monotonic()
+        with pytest.raises(TimeoutException):
+            sb.commands.run("sleep 30", timeout=1)
+        assert time.monotonic() - started < 10
+        deadline = time.monotonic() + 10  # the node ended the command with its deadline
+        while sb.commands.list() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sb.commands.list() == []
 
         sb.files.write("/tmp/note.txt", "from the fleet")
         assert sb.files.read("/tmp/note.txt") == "from the fleet"
