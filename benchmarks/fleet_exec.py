@@ -91,9 +91,7 @@ def main() -> None:
             local.close()
         if fleet is not None:
             fleet.stop_daemons()
-        ray.shutdown()
-        cluster.cluster.shutdown()
-        shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+        cluster.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

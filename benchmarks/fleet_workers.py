@@ -136,9 +136,7 @@ def main() -> None:
     finally:
         for fleet, _, _ in daemons.values():
             fleet.stop_daemons()
-        ray.shutdown()
-        cluster.cluster.shutdown()
-        shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+        cluster.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 from tests.conftest import REPO
 
 API_KEY = "e2b_test_key_0123456789"
+#: The template the e2b tests create sandboxes of: the busybox env ``e2b_built`` builds.
+TEMPLATE = "busybox-shell"
 
 
 @dataclasses.dataclass

@@ -57,6 +57,19 @@ class RayTestCluster:
     def node_id(self, node: Any) -> str:
         return str(node.node_id)
 
+    def shutdown(self) -> None:
+        """Disconnect this process's Ray driver, kill every node's processes and remove the
+        session dir (and ``RAY_TMPDIR`` when it names it): the one teardown of a cluster."""
+        try:
+            import ray
+            if ray.is_initialized():
+                ray.shutdown()
+        finally:
+            self.cluster.shutdown()
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            if os.environ.get("RAY_TMPDIR") == self.temp_dir:
+                del os.environ["RAY_TMPDIR"]
+
 
 def start_cluster(workers: int = 2) -> RayTestCluster:
     """Head (no custom resources) plus ``workers`` worker nodes with :data:`WORKER_RESOURCES`."""
@@ -97,12 +110,4 @@ def ray_cluster() -> Iterator[RayTestCluster]:
     try:
         yield test_cluster
     finally:
-        try:
-            import ray
-            if ray.is_initialized():
-                ray.shutdown()
-        finally:
-            test_cluster.cluster.shutdown()
-            shutil.rmtree(test_cluster.temp_dir, ignore_errors=True)
-            if os.environ.get("RAY_TMPDIR") == test_cluster.temp_dir:
-                del os.environ["RAY_TMPDIR"]
+        test_cluster.shutdown()

@@ -32,14 +32,8 @@ import os
 from collections.abc import Mapping
 from typing import Any, cast
 
-from runtime_shim import (
-    ExecResult,
-    Limits,
-    RuntimeShimError,
-    Sandbox,
-    SandboxAPI,
-    SandboxOptions,
-)
+from envbuild.harness.options import sandbox_option_values, split_options
+from runtime_shim import ExecResult, RuntimeShimError, Sandbox, SandboxAPI
 
 #: the first line of a command's output that ends the agent's run (mini-swe-agent's marker)
 SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
@@ -73,14 +67,10 @@ class EnvbuildEnvironmentConfig:
     def from_kwargs(cls, fields: Mapping[str, Any]) -> EnvbuildEnvironmentConfig:
         """The config of mini-swe-agent's keyword arguments; a name that is neither ours nor a
         ``SandboxOptions`` field is a ``RuntimeShimError`` naming both lists."""
-        own = {f.name for f in dataclasses.fields(cls)} - {"options"}
-        options = {k: v for k, v in fields.items() if k not in own}
-        SandboxOptions.of(None, sandbox_option_values(options))  # refuses unknown names
-        mine = {k: v for k, v in fields.items() if k in own}
+        mine, options = split_options(cls, fields)
         if mine.get("interpreter") is not None:
             mine["interpreter"] = tuple(mine["interpreter"])
         mine["forward_env"] = tuple(mine.get("forward_env") or ())
-        mine["env"] = {str(k): str(v) for k, v in (mine.get("env") or {}).items()}
         return cls(**mine, options=options)
 
     def to_json(self) -> dict[str, Any]:
@@ -90,17 +80,6 @@ class EnvbuildEnvironmentConfig:
                    interpreter=None if self.interpreter is None else list(self.interpreter))
         doc.update(doc.pop("options"))
         return doc
-
-
-def sandbox_option_values(options: Mapping[str, Any]) -> dict[str, Any]:
-    """``options`` as ``SandboxOptions`` takes them: a ``limits`` mapping becomes ``Limits``,
-    a ``network`` list a tuple."""
-    values = dict(options)
-    if isinstance(values.get("limits"), Mapping):
-        values["limits"] = Limits(**values["limits"])
-    if isinstance(values.get("network"), list):
-        values["network"] = tuple(values["network"])
-    return values
 
 
 class EnvbuildEnvironment:

@@ -48,9 +48,9 @@ from swerex.runtime.abstract import IsAliveResponse
 from swerex.runtime.remote import RemoteRuntime
 from swerex.utils.log import get_logger
 
-from envbuild.harness.minisweagent import sandbox_option_values
+from envbuild.harness.options import sandbox_option_values, split_options
 from envbuild.harness.portforward import MAX_CONNECTIONS, LoopbackForward
-from runtime_shim import ExecResult, PortRefused, Process, RuntimeShimError, Sandbox, SandboxOptions
+from runtime_shim import ExecResult, PortRefused, Process, RuntimeShimError, Sandbox
 
 #: The environment variables that carry the token and port to the launcher (it removes them
 #: from its environment, so the sessions and commands it runs never see them).
@@ -119,11 +119,7 @@ class EnvbuildDeploymentConfig:
     def from_kwargs(cls, fields: Mapping[str, Any]) -> EnvbuildDeploymentConfig:
         """The config of keyword arguments; a name that is neither ours nor a
         ``SandboxOptions`` field is a ``RuntimeShimError`` naming both lists."""
-        own = {f.name for f in dataclasses.fields(cls)} - {"options"}
-        options = {k: v for k, v in fields.items() if k not in own}
-        SandboxOptions.of(None, sandbox_option_values(options))  # refuses unknown names
-        mine = {k: v for k, v in fields.items() if k in own}
-        mine["env"] = {str(k): str(v) for k, v in (mine.get("env") or {}).items()}
+        mine, options = split_options(cls, fields)
         return cls(**mine, options=options)
 
 

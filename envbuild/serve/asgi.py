@@ -75,6 +75,8 @@ async def call_asgi(app: AsgiApp, request: web.Request, max_body: int) -> web.St
 
     try:
         await app(_scope(request), receive, send)
+    except ConnectionResetError:  # the client left mid-stream (e.g. a dropped command handle)
+        pass  # and its sandbox then killed: there is no one to answer, and nothing went wrong
     finally:
         done.set()
     if response is None:

@@ -47,10 +47,10 @@ class NodeBackend:
         (``Sandbox.set_network``'s argument; None: no network at all)."""
         if template.startswith(SNAPSHOT_PREFIX):
             return await self.resume(template, memory=True, network=network)
-        return await _closed_if(network, AsyncSandbox.create(
+        return await closed_if(network, AsyncSandbox.create(
             template, store=self.store, node_dir=self.node_dir, runtime=self.runtime,
             keep=True, checkpointable=self.pausable, limits=self.limits,
-            network=_opened(network)))
+            network=opened_network(network)))
 
     async def attach(self, sandbox_id: str) -> AsyncSandbox:
         return await AsyncSandbox.attach(sandbox_id, store=self.store, node_dir=self.node_dir,
@@ -70,9 +70,9 @@ class NodeBackend:
         """A sandbox continuing from ``lock`` (its processes too if ``memory``), with
         ``network`` as for ``create``."""
         if memory:
-            return await _closed_if(network, AsyncSandbox.restore(
+            return await closed_if(network, AsyncSandbox.restore(
                 lock, store=self.store, node_dir=self.node_dir, runtime=self.runtime,
-                keep=True, limits=self.limits, network=_opened(network)))
+                keep=True, limits=self.limits, network=opened_network(network)))
         return await self.create(lock, network)
 
     async def snapshot(self, sandbox: AsyncSandbox, name: str, *, memory: bool) -> str:
@@ -106,14 +106,13 @@ class NodeBackend:
         self.store.delete_ref(PAUSED_PREFIX + e2b_id)
 
 
-def _opened(network: bool | list[str] | None) -> bool | list[str]:
+def opened_network(network: bool | list[str] | None) -> bool | list[str]:
     """``create``'s ``network=`` for ``network``: a closed one (False) is made with DNS only
     (``[]``), so that it has a namespace whose rules can change later."""
     return [] if network is False else (False if network is None else network)
 
 
-async def _closed_if(network: bool | list[str] | None,
-                     making: Awaitable[AsyncSandbox]) -> AsyncSandbox:
+async def closed_if(network: bool | list[str] | None, making: Awaitable[Any]) -> Any:
     """The sandbox ``making`` gives, its firewall closed (not even DNS) if ``network`` is
     False, before anything but its agent has run in it."""
     sandbox = await making

@@ -198,7 +198,10 @@ class ProcessService(ProcessProtocol):
         proc = self._select(sandbox_of(self._registry, ctx), request.process)
         sig = {pb.Signal.SIGTERM: signal.SIGTERM}.get(request.signal, signal.SIGKILL)
         if proc.handle is not None:
-            proc.handle.send_signal(sig)
+            try:
+                proc.handle.send_signal(sig)
+            except RuntimeShimError as e:  # a sandbox without signals (envbuild.serve.fleet)
+                raise ConnectError(Code.FAILED_PRECONDITION, e.message) from None
         return pb.SendSignalResponse()
 
     async def update(self, request: pb.UpdateRequest, ctx: RequestContext) -> pb.UpdateResponse:

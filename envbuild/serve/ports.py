@@ -96,7 +96,7 @@ class _SandboxConnector(aiohttp.BaseConnector):
     async def _create_connection(self, req: Any, traces: Any, timeout: Any) -> Any:
         try:
             sock = await self._sandbox.connect_port(req.url.port, CONNECT_TIMEOUT)
-        except PortRefused as e:
+        except OSError as e:  # PortRefused, or a sandbox without ports (serve.fleet)
             raise aiohttp.ClientConnectorError(req.connection_key, e) from e
         try:
             _, proto = await self._loop.create_connection(self._factory, sock=sock)

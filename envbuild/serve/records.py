@@ -6,9 +6,10 @@ mode 0600 in a 0700 directory (by default ``<node dir>/serve``), written atomica
 ``version``, ``id``, ``template``, ``metadata``, ``env_vars``, ``started_at``, ``end_at``,
 ``token`` and ``traffic_token`` (the access tokens: kept as they are, not hashed, because
 E2B's ``connect`` and ``get`` hand them back to an API-key holder), ``cpus``, ``memory_mb``,
-``disk_mb``, and where the sandbox is: ``sandbox`` (the runtime_shim id of the running one)
-or ``checkpoint`` (the lock of a paused one) with ``memory`` (whether that lock holds a
-memory image). ``kill`` removes the record.
+``disk_mb``, and where the sandbox is: ``sandbox`` (the runtime_shim id of the running one;
+behind ``--fleet`` its fleet id ``SDK-ID@NODE``, ``<node dir>/serve-fleet``) or
+``checkpoint`` (the lock of a paused one) with ``memory`` (whether that lock holds a memory
+image). ``kill`` removes the record.
 
 **A record is hostile input** (anyone who can write the directory could have planted it):
 ``load`` opens each file without following a link, refuses one that is not a regular file of
@@ -43,7 +44,8 @@ RECORD_VERSION = 1
 MAX_RECORD = 256 << 10
 ID_RE = re.compile(r"i[0-9a-f]{19}")
 _TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{32,64}")
-_SANDBOX_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+#: a runtime_shim id, or a fleet id (``SDK-ID@NODE``: ``envbuild.serve.fleet``)
+_SANDBOX_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}(@[0-9a-f]{12})?")
 _MAX_TEMPLATE = 1024
 
 

@@ -201,7 +201,7 @@ class Fleet:
         from envbuild.errors import LockNotFound
 
         try:
-            resolved = self._resolve(lock)
+            resolved = self.resolve(lock)
         except LockNotFound as e:
             raise LockNotFound(f"{e.message} (in the fleet's store {self.store_url})",
                                hint=e.hint) from None
@@ -213,9 +213,10 @@ class Fleet:
                           labels=tuple(sorted((labels or {}).items())))
         return spec, resolved
 
-    def _resolve(self, lock: str) -> Any:
-        """``resolve`` of a lock ref or digest, the lock itself read from the store once per
-        digest (a digest names one content forever; a ref is looked up every time)."""
+    def resolve(self, lock: str) -> Any:
+        """The ``ResolvedLock`` of a lock ref or digest in the fleet's store (its layers, user,
+        workdir, env), read from the store once per digest (a digest names one content
+        forever; a ref is looked up every time). ``LockNotFound`` if there is none."""
         from runtime_shim.node.locks import lock_digest, resolve
 
         digest = lock_digest(self.store, lock)

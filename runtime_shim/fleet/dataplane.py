@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import envbuild.errors as errors_module
 from envbuild.errors import EnvbuildError, ExecTimeout, NodeLost, RuntimeShimError, SandboxNotFound
-from runtime_shim.node.model import ExecResult
+from runtime_shim.node.model import ExecResult, check_timed_out
 
 VERSION = 1
 #: The largest message either side accepts (a file written or read whole).
@@ -244,12 +244,7 @@ def exec_result(reply: Mapping[str, Any], sandbox_id: str, check_timeout: bool) 
                         stderr=base64.b64decode(reply["stderr"]),
                         duration=float(reply["duration"]), timed_out=bool(reply["timed_out"]),
                         output_truncated=bool(reply["output_truncated"]))
-    if check_timeout and result.timed_out:
-        raise ExecTimeout(f"command in sandbox {sandbox_id} timed out after "
-                          f"{result.duration:.1f} s", result=result,
-                          hint="pass a larger timeout=, or check_timeout=False to get the "
-                               "result with timed_out set")
-    return result
+    return check_timed_out(result, sandbox_id) if check_timeout else result
 
 
 __all__ = ["MAX_CONNECTIONS", "MAX_FRAME", "VERSION", "DataDaemon", "DataServer", "Unreachable",

@@ -45,15 +45,13 @@ import ctypes
 import errno
 import fcntl
 import os
-import shutil
 import struct
-import subprocess
 from pathlib import Path
 
 from envbuild.errors import RuntimeShimError
 from envbuild.libc import function
 from runtime_shim.isolation.mount import raw_mount
-from runtime_shim.isolation.scratchfs import MOUNT_FLAGS, attach_loop
+from runtime_shim.isolation.scratchfs import MOUNT_FLAGS, attach_loop, run_mkfs, sbin_tool
 
 BTRFS_MAGIC = 0x9123683E
 #: The inode number of every subvolume's root directory.
@@ -85,21 +83,11 @@ _statfs = function("statfs", argtypes=[ctypes.c_char_p, ctypes.c_char_p])
 def format_image(image: Path, size_bytes: int) -> None:
     """Make ``image`` a sparse file of ``size_bytes`` holding an empty btrfs (the only program
     this module runs, once per node)."""
-    exe = shutil.which("mkfs.btrfs") or next(
-        (p for p in ("/usr/sbin/mkfs.btrfs", "/sbin/mkfs.btrfs") if os.path.exists(p)), None)
-    if exe is None:
-        raise RuntimeShimError("mkfs.btrfs is not installed (the sandbox disk pool is btrfs)",
-                               hint="apt-get install btrfs-progs (scripts/setup.sh does), or "
-                                    "ENVBUILD_SANDBOX_DISK=loop for a loop disk per sandbox")
-    with open(image, "wb") as f:
-        f.truncate(size_bytes)
-    argv = [exe, *MKFS_OPTIONS, str(image)]
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeShimError(f"format the sandbox disk pool: mkfs.btrfs exited "
-                               f"{proc.returncode}",
-                               context=f"$ {' '.join(argv)}\n{proc.stderr[-2000:]}",
-                               hint="check ENVBUILD_DISK_POOL_SIZE (at least 1G)")
+    exe = sbin_tool("mkfs.btrfs", why=" (the sandbox disk pool is btrfs)",
+                    hint="apt-get install btrfs-progs (scripts/setup.sh does), or "
+                         "ENVBUILD_SANDBOX_DISK=loop for a loop disk per sandbox")
+    run_mkfs([exe, *MKFS_OPTIONS], image, size_bytes, what="format the sandbox disk pool",
+             hint="check ENVBUILD_DISK_POOL_SIZE (at least 1G)")
 
 
 def mount_image(image: Path, target: Path) -> str:

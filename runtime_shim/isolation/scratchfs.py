@@ -55,7 +55,7 @@ import struct
 import subprocess
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -224,20 +224,35 @@ def ensure_template(template_root: str | os.PathLike[str], size_bytes: int,
 
 def mkfs(path: Path, size_bytes: int, inodes: int | None) -> None:
     """Format a sparse ext4 image of ``size_bytes`` at ``path``."""
-    exe = shutil.which("mkfs.ext4") or next(
-        (p for p in ("/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4") if os.path.exists(p)), None)
+    exe = sbin_tool("mkfs.ext4", hint="apt-get install e2fsprogs (or run scripts/setup.sh)")
+    run_mkfs([exe, *MKFS_OPTIONS, *(("-N", str(inodes)) if inodes is not None else ())], path,
+             size_bytes, what=f"format a {size_bytes >> 20} MiB scratch disk",
+             hint="check Limits.disk_bytes / inodes")
+
+
+def sbin_tool(name: str, *, hint: str, why: str = "") -> str:
+    """The path of the program ``name`` on PATH, else in ``/usr/sbin`` or ``/sbin`` (where mkfs
+    tools live, off a non-root PATH); ``RuntimeShimError`` "NAME is not installed" + ``why``,
+    with ``hint``, if there is none."""
+    exe = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
     if exe is None:
-        raise RuntimeShimError("mkfs.ext4 is not installed",
-                               hint="apt-get install e2fsprogs (or run scripts/setup.sh)")
-    with open(path, "wb") as f:
+        raise RuntimeShimError(f"{name} is not installed{why}", hint=hint)
+    return exe
+
+
+def run_mkfs(argv: Sequence[str], image: Path, size_bytes: int, *, what: str, hint: str
+             ) -> None:
+    """Make ``image`` a sparse file of ``size_bytes`` and format it with ``argv`` (a mkfs
+    program and its options; the image's path is appended). A failure is a
+    ``RuntimeShimError`` "WHAT: PROGRAM exited N" with the argv and the tail of its stderr."""
+    with open(image, "wb") as f:
         f.truncate(size_bytes)
-    argv = [exe, *MKFS_OPTIONS, *(("-N", str(inodes)) if inodes is not None else ()), str(path)]
+    argv = [*argv, str(image)]
     proc = subprocess.run(argv, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeShimError(f"format a {size_bytes >> 20} MiB scratch disk: mkfs.ext4 exited "
-                               f"{proc.returncode}",
+        raise RuntimeShimError(f"{what}: {os.path.basename(argv[0])} exited {proc.returncode}",
                                context=f"$ {' '.join(argv)}\n{proc.stderr[-2000:]}",
-                               hint="check Limits.disk_bytes / inodes")
+                               hint=hint)
 
 
 def data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:

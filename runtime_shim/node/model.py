@@ -1,6 +1,7 @@
 """The SDK's value types: ``Limits`` (what a sandbox may use), ``ExecResult`` (what a command
 did) and ``SandboxInfo`` (what a sandbox is). Plain frozen dataclasses, no behaviour, imported by
-``runtime_shim.sdk.sandbox`` and every backend alike (so no backend imports the ``Sandbox`` module).
+``runtime_shim.sdk.sandbox`` and every backend alike (so no backend imports the ``Sandbox`` module);
+``check_timed_out`` is the one ``ExecTimeout`` of a timed-out result, wherever the result came from.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from envbuild.errors import ExecTimeout
 from runtime_shim.isolation import agent
 
 DEFAULT_OUTPUT_CAP = 16 << 20
@@ -90,6 +92,17 @@ class ExecResult:
     @property
     def ok(self) -> bool:
         return self.exit_code == 0
+
+
+def check_timed_out(result: ExecResult, sandbox_id: str) -> ExecResult:
+    """``result`` if its command finished; ``ExecTimeout`` (carrying it) if it timed out: what
+    an exec with ``check_timeout=True`` raises, by the SDK and the fleet's data plane alike."""
+    if result.timed_out:
+        raise ExecTimeout(f"command in sandbox {sandbox_id} timed out after "
+                          f"{result.duration:.1f} s", result=result,
+                          hint="pass a larger timeout=, or check_timeout=False to get the "
+                               "result with timed_out set")
+    return result
 
 
 @dataclasses.dataclass(frozen=True)

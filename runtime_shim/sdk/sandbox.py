@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 
 from envbuild.errors import (
     BackendUnavailable,
-    ExecTimeout,
     RuntimeShimError,
     SandboxClosed,
     SandboxNotFound,
@@ -67,7 +66,14 @@ from runtime_shim.isolation.spec import parse_user
 from runtime_shim.node import admission, ledger, owners
 from runtime_shim.node.layout import NodeLayout, SandboxPaths
 from runtime_shim.node.locks import ResolvedLock, resolve
-from runtime_shim.node.model import DEFAULT_OUTPUT_CAP, ExecResult, Limits, SandboxInfo, SandboxUsage
+from runtime_shim.node.model import (
+    DEFAULT_OUTPUT_CAP,
+    ExecResult,
+    Limits,
+    SandboxInfo,
+    SandboxUsage,
+    check_timed_out,
+)
 from runtime_shim.node.nodecache import NodeCache
 from runtime_shim.node.records import (
     SANDBOX_META_VERSION,
@@ -380,12 +386,7 @@ class Sandbox:
         result = ExecResult(exit_code=done.exit_code, stdout=done.stdout, stderr=done.stderr,
                             duration=time.monotonic() - started, timed_out=done.timed_out,
                             output_truncated=done.output_truncated)
-        if check_timeout and result.timed_out:
-            raise ExecTimeout(f"command in sandbox {self.id} timed out after "
-                              f"{result.duration:.1f} s", result=result,
-                              hint="pass a larger timeout=, or check_timeout=False to get the "
-                                   "result with timed_out set")
-        return result
+        return check_timed_out(result, self.id) if check_timeout else result
 
     def read_file(self, path: str) -> bytes:
         self._check_open()

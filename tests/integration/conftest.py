@@ -193,3 +193,15 @@ def e2b_server(e2b_built):
     with running_server(root, store.root, node) as srv, e2b_env(srv):
         yield srv
 
+
+@pytest.fixture
+def e2b_sandbox(e2b_server):
+    """A sandbox of ``TEMPLATE`` made by the e2b SDK on ``e2b_server``, killed after the test."""
+    from e2b import Sandbox
+
+    from tests.e2b_server import TEMPLATE
+
+    sb = Sandbox.create(TEMPLATE, timeout=120)
+    yield sb
+    sb.kill()
+

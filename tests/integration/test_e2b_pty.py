@@ -12,40 +12,10 @@ import time
 
 import pytest
 
+from tests.e2b_server import TEMPLATE
+from tests.pty_screen import Screen
+
 pytestmark = pytest.mark.slow
-TEMPLATE = "busybox-shell"
-
-
-@pytest.fixture(scope="module")
-def server(e2b_server):
-    return e2b_server
-
-
-@pytest.fixture
-def sandbox(server):
-    from e2b import Sandbox
-
-    sb = Sandbox.create(TEMPLATE, timeout=120)
-    yield sb
-    sb.kill()
-
-
-class Screen:
-    """PTY output collected from the SDK's callback (its thread), waited on by the test."""
-
-    def __init__(self) -> None:
-        self.data = b""
-        self.cond = threading.Condition()
-
-    def feed(self, chunk: bytes) -> None:
-        with self.cond:
-            self.data += chunk
-            self.cond.notify_all()
-
-    def wait_for(self, text: bytes, timeout: float = 15) -> None:
-        with self.cond:
-            assert self.cond.wait_for(lambda: text in self.data, timeout), self.data[-300:]
-            self.data = self.data[self.data.index(text) + len(text):]
 
 
 def _pump(handle, screen: Screen) -> threading.Thread:
@@ -61,93 +31,93 @@ def _pump(handle, screen: Screen) -> threading.Thread:
     return thread
 
 
-def test_pty_create_env_cwd_and_exit_code(sandbox):
+def test_pty_create_env_cwd_and_exit_code(e2b_sandbox):
     from e2b import CommandExitException
     from e2b.sandbox.commands.command_handle import PtySize
 
-    terminal = sandbox.pty.create(PtySize(24, 80), envs={"ABC": "123"}, cwd="/tmp")
-    sandbox.pty.send_stdin(terminal.pid, b"echo $ABC; pwd; [ -t 0 ] && tty; echo $TERM\n"
+    terminal = e2b_sandbox.pty.create(PtySize(24, 80), envs={"ABC": "123"}, cwd="/tmp")
+    e2b_sandbox.pty.send_stdin(terminal.pid, b"echo $ABC; pwd; [ -t 0 ] && tty; echo $TERM\n"
                                          b"exit\n")
     output: list[bytes] = []
     result = terminal.wait(on_pty=output.append)
     text = b"".join(output).decode()
     assert result.exit_code == 0
     assert "123\r\n/tmp\r\n/dev/pts/" in text and "xterm-256color\r\n" in text
-    failing = sandbox.pty.create(PtySize(24, 80))
-    sandbox.pty.send_stdin(failing.pid, b"exit 3\n")
+    failing = e2b_sandbox.pty.create(PtySize(24, 80))
+    e2b_sandbox.pty.send_stdin(failing.pid, b"exit 3\n")
     with pytest.raises(CommandExitException) as e:
         failing.wait()
     assert e.value.exit_code == 3
 
 
-def test_pty_resize_stream_input_and_ctrl_c(sandbox):
+def test_pty_resize_stream_input_and_ctrl_c(e2b_sandbox):
     from e2b.sandbox.commands.command_handle import PtySize
 
     screen = Screen()
-    terminal = sandbox.pty.create(PtySize(24, 80))
+    terminal = e2b_sandbox.pty.create(PtySize(24, 80))
     pump = _pump(terminal, screen)
-    sandbox.pty.send_stdin(terminal.pid, b"stty size\n")
+    e2b_sandbox.pty.send_stdin(terminal.pid, b"stty size\n")
     screen.wait_for(b"\n24 80\r\n")
-    sandbox.pty.resize(terminal.pid, PtySize(rows=40, cols=100))
-    sandbox.pty.send_stdin(terminal.pid, b"stty size\n")
+    e2b_sandbox.pty.resize(terminal.pid, PtySize(rows=40, cols=100))
+    e2b_sandbox.pty.send_stdin(terminal.pid, b"stty size\n")
     screen.wait_for(b"\n40 100\r\n")
-    sandbox.pty.stream_input(terminal.pid, [b"echo stre", "amed\n"])
+    e2b_sandbox.pty.stream_input(terminal.pid, [b"echo stre", "amed\n"])
     screen.wait_for(b"\nstreamed\r\n")
-    sandbox.pty.send_stdin(terminal.pid, b"sleep 100; echo slept\n")
+    e2b_sandbox.pty.send_stdin(terminal.pid, b"sleep 100; echo slept\n")
     time.sleep(0.3)
     started = time.monotonic()
-    sandbox.pty.send_stdin(terminal.pid, b"\x03")
-    sandbox.pty.send_stdin(terminal.pid, b"echo after $?\n")
+    e2b_sandbox.pty.send_stdin(terminal.pid, b"\x03")
+    e2b_sandbox.pty.send_stdin(terminal.pid, b"echo after $?\n")
     screen.wait_for(b"after 130\r\n")
     assert time.monotonic() - started < 5 and b"slept" not in screen.data
-    sandbox.pty.send_stdin(terminal.pid, b"exit\n")
+    e2b_sandbox.pty.send_stdin(terminal.pid, b"exit\n")
     pump.join(15)
     assert not pump.is_alive() and terminal.wait().exit_code == 0
 
 
-def test_pty_connect_and_kill(sandbox):
+def test_pty_connect_and_kill(e2b_sandbox):
     from e2b import CommandExitException
     from e2b.sandbox.commands.command_handle import PtySize
 
-    terminal = sandbox.pty.create(PtySize(24, 80), envs={"ABC": "123"})
+    terminal = e2b_sandbox.pty.create(PtySize(24, 80), envs={"ABC": "123"})
     screen = Screen()
-    connected = sandbox.pty.connect(terminal.pid)
+    connected = e2b_sandbox.pty.connect(terminal.pid)
     assert connected.pid == terminal.pid
     pump = _pump(connected, screen)
-    sandbox.pty.send_stdin(terminal.pid, b"echo $ABC-seen\n")
+    e2b_sandbox.pty.send_stdin(terminal.pid, b"echo $ABC-seen\n")
     screen.wait_for(b"\n123-seen\r\n")
-    assert sandbox.pty.kill(terminal.pid) is True
+    assert e2b_sandbox.pty.kill(terminal.pid) is True
     with pytest.raises(CommandExitException) as e:
         terminal.wait()
     assert e.value.exit_code == 137
     pump.join(15)
     assert not pump.is_alive()
-    assert sandbox.pty.kill(999999) is False
+    assert e2b_sandbox.pty.kill(999999) is False
     with pytest.raises(CommandExitException):  # (E2B's test: the pid is not a process)
-        sandbox.commands.run(f"kill -0 {terminal.pid}")
+        e2b_sandbox.commands.run(f"kill -0 {terminal.pid}")
 
 
-def test_pty_misuse_is_refused_in_one_line(sandbox):
+def test_pty_misuse_is_refused_in_one_line(e2b_sandbox):
     from e2b import SandboxException
     from e2b.sandbox.commands.command_handle import PtySize
 
     with pytest.raises(SandboxException, match="rows and cols must be whole numbers"):
-        sandbox.pty.create(PtySize(5000, 80))
-    plain = sandbox.commands.run("sleep 30", background=True, stdin=True)
+        e2b_sandbox.pty.create(PtySize(5000, 80))
+    plain = e2b_sandbox.commands.run("sleep 30", background=True, stdin=True)
     with pytest.raises(SandboxException, match="pty input for a process without a PTY"):
-        sandbox.pty.send_stdin(plain.pid, b"x")
+        e2b_sandbox.pty.send_stdin(plain.pid, b"x")
     with pytest.raises(SandboxException, match="has no PTY to resize"):
-        sandbox.pty.resize(plain.pid, PtySize(24, 80))
-    terminal = sandbox.pty.create(PtySize(24, 80))
+        e2b_sandbox.pty.resize(plain.pid, PtySize(24, 80))
+    terminal = e2b_sandbox.pty.create(PtySize(24, 80))
     with pytest.raises(SandboxException, match="stdin input for a PTY process"):
-        sandbox.commands.send_stdin(terminal.pid, "x")
+        e2b_sandbox.commands.send_stdin(terminal.pid, "x")
     with pytest.raises(SandboxException, match="rows and cols must be whole numbers"):
-        sandbox.pty.resize(terminal.pid, PtySize(24, 70000))
-    sandbox.pty.kill(terminal.pid)
-    sandbox.commands.kill(plain.pid)
+        e2b_sandbox.pty.resize(terminal.pid, PtySize(24, 70000))
+    e2b_sandbox.pty.kill(terminal.pid)
+    e2b_sandbox.commands.kill(plain.pid)
 
 
-def test_async_pty_create_input_resize_connect_kill(server):
+def test_async_pty_create_input_resize_connect_kill(e2b_server):
     from e2b import AsyncSandbox
     from e2b.sandbox.commands.command_handle import PtySize
 

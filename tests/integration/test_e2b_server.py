@@ -10,22 +10,9 @@ import time
 
 import pytest
 
+from tests.e2b_server import TEMPLATE
+
 pytestmark = pytest.mark.slow
-TEMPLATE = "busybox-shell"
-
-
-@pytest.fixture(scope="module")
-def server(e2b_server):
-    return e2b_server
-
-
-@pytest.fixture
-def sandbox(server):
-    from e2b import Sandbox
-
-    sb = Sandbox.create(TEMPLATE, timeout=120)
-    yield sb
-    sb.kill()
 
 
 def test_the_sdk_version_is_the_pinned_one():
@@ -34,7 +21,7 @@ def test_the_sdk_version_is_the_pinned_one():
     assert version("e2b") == "2.63.0"
 
 
-def test_lifecycle_create_info_list_timeout_connect_kill(server):
+def test_lifecycle_create_info_list_timeout_connect_kill(e2b_server):
     from e2b import Sandbox, SandboxNotFoundException, SandboxQuery
 
     sb = Sandbox.create(TEMPLATE, timeout=60, metadata={"suite": "e2b", "n": "1"})
@@ -72,7 +59,7 @@ def test_lifecycle_create_info_list_timeout_connect_kill(server):
     assert Sandbox.kill(sb.sandbox_id) is False
 
 
-def test_a_sandbox_past_its_timeout_is_gone(server):
+def test_a_sandbox_past_its_timeout_is_gone(e2b_server):
     from e2b import Sandbox, SandboxNotFoundException
 
     sb = Sandbox.create(TEMPLATE, timeout=1)
@@ -84,7 +71,7 @@ def test_a_sandbox_past_its_timeout_is_gone(server):
         sb.get_info()
 
 
-def test_commands_stream_output_env_cwd_and_user(server):
+def test_commands_stream_output_env_cwd_and_user(e2b_server):
     from e2b import Sandbox
 
     sb = Sandbox.create(TEMPLATE, timeout=120, envs={"FROM_CREATE": "c", "BOTH": "create"})
@@ -105,48 +92,48 @@ def test_commands_stream_output_env_cwd_and_user(server):
         sb.kill()
 
 
-def test_nonzero_exit_and_timeout_are_the_sdk_exceptions(sandbox):
+def test_nonzero_exit_and_timeout_are_the_sdk_exceptions(e2b_sandbox):
     from e2b import CommandExitException, TimeoutException
 
     with pytest.raises(CommandExitException) as e:
-        sandbox.commands.run("echo bad >&2; exit 3")
+        e2b_sandbox.commands.run("echo bad >&2; exit 3")
     assert e.value.exit_code == 3 and e.value.stderr == "bad\n"
     started = time.monotonic()
     with pytest.raises(TimeoutException):
-        sandbox.commands.run("sleep 30", timeout=1)
+        e2b_sandbox.commands.run("sleep 30", timeout=1)
     assert time.monotonic() - started < 10
     deadline = time.monotonic() + 10  # the server ended the command with its deadline
-    while sandbox.commands.list() and time.monotonic() < deadline:
+    while e2b_sandbox.commands.list() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert sandbox.commands.list() == []
+    assert e2b_sandbox.commands.list() == []
 
 
-def test_background_commands_wait_list_and_kill(sandbox):
-    handle = sandbox.commands.run("sleep 0.3; echo done", background=True)
+def test_background_commands_wait_list_and_kill(e2b_sandbox):
+    handle = e2b_sandbox.commands.run("sleep 0.3; echo done", background=True)
     assert handle.wait().stdout == "done\n"
-    sleeper = sandbox.commands.run("sleep 60", background=True)
-    listed = sandbox.commands.list()
+    sleeper = e2b_sandbox.commands.run("sleep 60", background=True)
+    listed = e2b_sandbox.commands.list()
     assert [p.pid for p in listed] == [sleeper.pid]
     assert listed[0].cmd and "sleep 60" in " ".join(listed[0].args)
-    assert sandbox.commands.kill(sleeper.pid) is True
+    assert e2b_sandbox.commands.kill(sleeper.pid) is True
     deadline = time.monotonic() + 10
-    while sandbox.commands.list() and time.monotonic() < deadline:
+    while e2b_sandbox.commands.list() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert sandbox.commands.list() == []
-    assert sandbox.commands.run("ps -o comm | grep -c '^sleep$' || true").stdout == "0\n"
+    assert e2b_sandbox.commands.list() == []
+    assert e2b_sandbox.commands.run("ps -o comm | grep -c '^sleep$' || true").stdout == "0\n"
 
 
-def test_files(sandbox):
+def test_files(e2b_sandbox):
     from e2b import FileType, NotFoundException
 
-    files = sandbox.files
+    files = e2b_sandbox.files
     info = files.write("/tmp/t/hello.txt", "héllo\n")
     assert (info.path, info.name, info.type) == ("/tmp/t/hello.txt", "hello.txt", FileType.FILE)
     assert files.read("/tmp/t/hello.txt") == "héllo\n"
     blob = bytes(range(256)) * 100
     files.write("/tmp/t/blob.bin", blob)
     assert bytes(files.read("/tmp/t/blob.bin", format="bytes")) == blob
-    assert sandbox.commands.run("cat /tmp/t/hello.txt").stdout == "héllo\n"
+    assert e2b_sandbox.commands.run("cat /tmp/t/hello.txt").stdout == "héllo\n"
     entries = {e.name: e for e in files.list("/tmp/t")}
     assert set(entries) == {"hello.txt", "blob.bin"}
     assert entries["blob.bin"].size == len(blob) and entries["blob.bin"].type == FileType.FILE
@@ -176,13 +163,13 @@ def test_files(sandbox):
                                                                    "/tmp/odd/a|b c.txt")]
     files.write("/tmp/mine.txt", "agent's", user="agent")  # written as (owned by) the user
     assert files.get_info("/tmp/mine.txt").owner == "agent"
-    assert sandbox.commands.run("echo more >> /tmp/mine.txt && cat /tmp/mine.txt",
+    assert e2b_sandbox.commands.run("echo more >> /tmp/mine.txt && cat /tmp/mine.txt",
                                 user="agent").stdout == "agent's" + "more\n"
     files.write("rel.txt", "relative")  # E2B: relative to the user's home
-    assert sandbox.commands.run("cat /root/rel.txt").stdout == "relative"
+    assert e2b_sandbox.commands.run("cat /root/rel.txt").stdout == "relative"
 
 
-def test_async_sdk(server):
+def test_async_sdk(e2b_server):
     from e2b import AsyncSandbox, CommandExitException
 
     async def scenario():
@@ -212,14 +199,14 @@ def test_async_sdk(server):
     asyncio.run(scenario())
 
 
-def test_stdin_of_a_background_command_and_signals(sandbox):
-    handle = sandbox.commands.run("while read l; do echo got:$l; done; echo eof",
+def test_stdin_of_a_background_command_and_signals(e2b_sandbox):
+    handle = e2b_sandbox.commands.run("while read l; do echo got:$l; done; echo eof",
                                   background=True, stdin=True)
-    sandbox.commands.send_stdin(handle.pid, "one\n")
-    sandbox.commands.send_stdin(handle.pid, "two\n")
-    sandbox.commands.close_stdin(handle.pid)
+    e2b_sandbox.commands.send_stdin(handle.pid, "one\n")
+    e2b_sandbox.commands.send_stdin(handle.pid, "two\n")
+    e2b_sandbox.commands.close_stdin(handle.pid)
     assert handle.wait().stdout == "got:one\ngot:two\neof\n"
-    trapped = sandbox.commands.run("trap 'echo term; exit 0' TERM; echo up; "
+    trapped = e2b_sandbox.commands.run("trap 'echo term; exit 0' TERM; echo up; "
                                    "while :; do sleep 0.05; done", background=True)
     time.sleep(0.5)
     assert trapped.kill() is True  # SIGKILL: the trap cannot run
@@ -229,16 +216,16 @@ def test_stdin_of_a_background_command_and_signals(sandbox):
         trapped.wait()
     assert e.value.exit_code == 137 and e.value.stdout == "up\n"
     # without stdin=True the command's stdin is closed at once (E2B's default)
-    assert sandbox.commands.run("cat; echo done").stdout == "done\n"
+    assert e2b_sandbox.commands.run("cat; echo done").stdout == "done\n"
 
 
-def test_connect_to_a_running_command(sandbox):
-    handle = sandbox.commands.run("sleep 0.5; echo late", background=True)
-    again = sandbox.commands.connect(handle.pid)
+def test_connect_to_a_running_command(e2b_sandbox):
+    handle = e2b_sandbox.commands.run("sleep 0.5; echo late", background=True)
+    again = e2b_sandbox.commands.connect(handle.pid)
     assert again.wait().stdout == "late\n"
 
 
-def test_a_command_running_when_its_sandbox_is_killed(server):
+def test_a_command_running_when_its_sandbox_is_killed(e2b_server):
     from e2b import Sandbox, SandboxNotRunningException
 
     sb = Sandbox.create(TEMPLATE, timeout=60)

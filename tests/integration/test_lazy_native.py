@@ -18,29 +18,22 @@ from runtime_shim.lazyfs.objects import ObjectStore
 from runtime_shim.node.nodecache import NodeCache
 from runtime_shim.sdk.sandbox import Sandbox, gc_sandboxes, layers_in_use
 from tests.conftest import require_root, require_tool
-from tests.integration.test_lazy_sandbox import BIG, LISTING, _lock, _pack, _trees
+from tests.integration.test_lazy_sandbox import (
+    BIG,
+    LISTING,
+    _lock,
+    _pack,
+    _trees,
+    two_layer_store,
+)
 from tests.store.s3server import moto_s3, s3_env  # noqa: F401  (fixtures)
 
 
 @pytest.fixture
-def lock2(tmp_path):
-    """A local store with the two-layer lock ``two`` (every kind of member, whiteouts, an
-    opaque dir, hardlinks, xattrs) and a node dir; afterwards no mount and no filler left."""
-    require_root()
-    require_tool("runc")
-    store = LocalStore(tmp_path / "store")
-    base_tree, upper_tree = _trees(tmp_path)
-    base = _pack(store, base_tree, tmp_path, "base", source_date_epoch=1_700_000_000)
-    upper = _pack(store, upper_tree, tmp_path, "upper", overlay_upper=True,
-                  source_date_epoch=1_700_000_000)
-    _lock(store, "two", [base, upper])
-    node_dir = tmp_path / "n"
-    yield store, node_dir, [base, upper]
-    gc_sandboxes(node_dir)   # what `node gc` runs: the native mounts go, then the filler
-    NodeCache(node_dir / "node").evict(layers_in_use(node_dir), 0)
-    assert mounted_targets_under(str(node_dir / "node" / "native")) == []
-    assert native.filler_request(str(node_dir / "node"), {"op": "ping"}, 1.0) is None
-    assert mounted_targets_under(str(node_dir)) == []   # the tree tmpfs too
+def lock2(tmp_path, node_dir):
+    """``two_layer_store`` and ``node_dir`` (whose teardown checks that nothing is left)."""
+    store, layers = two_layer_store(tmp_path)
+    return store, node_dir, layers
 
 
 def test_native_and_full_sandboxes_see_the_same_tree(lock2):
@@ -90,9 +83,11 @@ def _env(tmp_path: Path, name: str, extra: dict[str, bytes], store=None):
 
 @pytest.fixture
 def node_dir(tmp_path):
+    """A test's node dir; afterwards no sandbox, no mount (the native ones and the tree
+    tmpfs) and no filler left, after what `node gc` runs."""
     node_dir = tmp_path / "n"
     yield node_dir
-    gc_sandboxes(node_dir)
+    gc_sandboxes(node_dir)   # the native mounts go, then the filler
     NodeCache(node_dir / "node").evict(layers_in_use(node_dir), 0)
     assert mounted_targets_under(str(node_dir)) == []
     assert native.filler_request(str(node_dir / "node"), {"op": "ping"}, 1.0) is None

@@ -107,20 +107,28 @@ def _trees(tmp_path: Path) -> tuple[Path, Path]:
     return base, upper
 
 
-@pytest.fixture
-def lock2(tmp_path):
-    """A local store with the two-layer lock ``two`` and a node dir."""
+def two_layer_store(tmp_path: Path) -> tuple[LocalStore, list[LockLayer]]:
+    """A local store with the two-layer lock ``two`` of ``_trees`` (every kind of member,
+    whiteouts, an opaque dir, hardlinks, xattrs), and its layers: what the ``lock2`` fixtures
+    (here, FUSE; test_lazy_native.py, native) stand on."""
     require_root()
     require_tool("runc")
-    require_tool("fusermount3")
     store = LocalStore(tmp_path / "store")
     base_tree, upper_tree = _trees(tmp_path)
     base = _pack(store, base_tree, tmp_path, "base", source_date_epoch=1_700_000_000)
     upper = _pack(store, upper_tree, tmp_path, "upper", overlay_upper=True,
                   source_date_epoch=1_700_000_000)
     _lock(store, "two", [base, upper])
+    return store, [base, upper]
+
+
+@pytest.fixture
+def lock2(tmp_path):
+    """``two_layer_store`` and a node dir; afterwards no FUSE mount and no daemon left."""
+    require_tool("fusermount3")
+    store, layers = two_layer_store(tmp_path)
     node_dir = tmp_path / "n"
-    yield store, node_dir, [base, upper]
+    yield store, node_dir, layers
     _no_leftovers(node_dir)
 
 

@@ -12,7 +12,6 @@ import re
 import signal
 import socket
 import subprocess
-import threading
 import time
 
 import pytest
@@ -22,6 +21,7 @@ from runtime_shim import AsyncSandbox, Sandbox
 from runtime_shim.isolation import agent, cbuild
 from tests.conftest import require_tool
 from tests.integration.conftest import build_busybox_env
+from tests.pty_screen import Screen
 
 ENV = "busybox-shell"
 
@@ -36,30 +36,6 @@ def sb(built):
     store, node = built
     with Sandbox.create(ENV, store=store, node_dir=node) as sandbox:
         yield sandbox
-
-
-class Screen:
-    """What a terminal printed, fed from the process's thread, waited on from the test's."""
-
-    def __init__(self) -> None:
-        self.data = b""
-        self.cond = threading.Condition()
-
-    def feed(self, chunk: bytes) -> None:
-        with self.cond:
-            self.data += chunk
-            self.cond.notify_all()
-
-    def wait_for(self, pattern: bytes, timeout: float = 10) -> re.Match[bytes]:
-        """The first match of ``pattern`` in what came after the last match."""
-        with self.cond:
-            deadline = time.monotonic() + timeout
-            while not (m := re.search(pattern, self.data)):
-                left = deadline - time.monotonic()
-                assert left > 0, f"no {pattern!r} in {self.data[-400:]!r}"
-                self.cond.wait(left)
-            self.data = self.data[m.end():]
-            return m
 
 
 def test_a_command_on_a_pty_has_a_controlling_terminal_and_its_exit_code(sb):

@@ -44,7 +44,15 @@ def test_a_record_round_trips_private(records):
     records.remove("../../etc/passwd")  # not an id: nothing happens
 
 
+def test_a_fleet_sandbox_record_round_trips(records):
+    rec = _record(sandbox="eb-0123456789ab@0123456789ab")  # envbuild serve --fleet
+    records.write(rec)
+    assert records.load(10) == [rec]
+
+
 @pytest.mark.parametrize("change", [
+    {"sandbox": "eb-1@2@0123456789ab"}, {"sandbox": "eb-1@../../x"},
+    {"sandbox": "eb-1@0123456789AB"}, {"sandbox": "@0123456789ab"},
     {"version": 2}, {"id": "../x"}, {"id": "I0123456789ABCDEF012"}, {"token": "short"},
     {"token": "a b" * 20}, {"template": ""}, {"template": "x" * 5000}, {"metadata": {"a": 1}},
     {"metadata": []}, {"env_vars": None}, {"started_at": "1"}, {"end_at": True},

@@ -1,0 +1,229 @@
+"""Where ``envbuild serve --fleet ADDRESS`` gets its sandboxes: ``FleetBackend``, sandboxes of
+a Ray fleet (``runtime_shim.fleet``), so one server in front of the cluster places them with
+the fleet's placement (free capacity, layer locality), the nodes' admission, and its warm
+pools (``FleetBackend.warm``: a create that matches a warmed pool claims a ready sandbox).
+
+**What a fleet sandbox serves** is what its handle (``FleetSandbox``) offers: ``exec`` (E2B's
+``commands.run``, with its output streamed from the node; ``cwd``, ``envs``, ``user``,
+background commands and ``Connect`` to them), ``read_file``/``write_file`` (``/files``) and
+every filesystem call the server makes of ``exec`` (``Stat``, ``ListDir``, ``MakeDir``,
+``Move``, ``Remove``). What the handle lacks is refused in one line (``Unsupported``):
+PTYs, stdin, signals to a command (``commands.kill``), directory watches, ports, pause,
+snapshots and fork. Exec and files go over the nodes' data plane when the daemons have one
+(``envbuild fleet start --data-host``), else through Ray.
+
+**Leases and restarts.** A fleet sandbox lives while its lease does (``runtime_shim.fleet``'s
+leases): the backend creates each with a lease of ``lease`` seconds and renews the leases of
+the sandboxes it serves every ``lease / 10`` seconds, so the sandboxes of a server that
+stopped are reaped by their nodes ``lease`` seconds later unless a server takes them back.
+The server's record of a sandbox (``envbuild.serve.records``) holds its fleet id
+(``SDK-ID@NODE``), by which a restarted server re-attaches it (``Fleet.attach``, which renews
+the lease); a sandbox whose lease ran out or whose node was lost is forgotten then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from envbuild.errors import EnvbuildError, RuntimeShimError
+from envbuild.serve.backend import closed_if, opened_network
+from runtime_shim import ExecResult, Limits
+
+_log = logging.getLogger(__name__)
+
+#: Seconds a node keeps a sandbox of this server without a renewal.
+LEASE = 600.0
+#: The label of every sandbox the server makes (``envbuild fleet ls`` shows it).
+LABEL = ("envbuild-serve", "1")
+
+
+class Unsupported(RuntimeShimError):
+    """A feature a fleet sandbox does not offer through ``envbuild serve --fleet``."""
+
+    reference = "fleet-unsupported"
+
+
+def _unsupported(what: str) -> Unsupported:
+    return Unsupported(f"{what} is not available for a fleet sandbox (envbuild serve --fleet)",
+                       hint="use envbuild serve on the node itself for PTYs, stdin, signals, "
+                            "watches, ports, pause, snapshots and fork")
+
+
+class FleetBackend:
+    """Create and attach sandboxes of ``fleet`` (a ``runtime_shim.fleet.Fleet``), each with
+    ``limits`` and a lease of ``lease`` seconds that the backend renews while it serves it.
+    Its blocking fleet calls run on ``threads`` threads of its own (a running command holds
+    one while its output streams)."""
+
+    def __init__(self, fleet: Any, *, limits: Limits | None = None, lease: float = LEASE,
+                 threads: int = 64) -> None:
+        self.fleet = fleet
+        self.limits = limits
+        self.lease = lease
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, "serve-fleet")
+        self._served: dict[str, FleetServed] = {}
+        self._renewer: asyncio.Task[None] | None = None
+
+    async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on the backend's threads, awaited."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, lambda: fn(*args, **kwargs))
+
+    def warm(self, template: str, per_node: int) -> str:
+        """Keep ``per_node`` ready sandboxes of ``template`` (as this backend creates them) on
+        every node; creates of it then claim one. The pool key."""
+        return self.fleet.warm(template, per_node=per_node, limits=self.limits)
+
+    async def create(self, template: str, network: bool | list[str] | None = None
+                     ) -> FleetServed:
+        """A fleet sandbox of ``template`` with ``network`` (as ``NodeBackend.create``)."""
+        async def making() -> FleetServed:
+            (handle,) = await self.run(self.fleet.create, template, n=1, limits=self.limits,
+                                       ttl=self.lease, labels=dict([LABEL]),
+                                       network=opened_network(network))
+            return await self._serve(handle)
+
+        return await closed_if(network, making())
+
+    async def attach(self, sandbox_id: str) -> FleetServed:
+        return await self._serve(await self.run(self.fleet.attach, sandbox_id, ttl=self.lease))
+
+    async def _serve(self, handle: Any) -> FleetServed:
+        try:
+            lock = await self.run(self.fleet.resolve, handle.lock)
+        except BaseException:
+            await self.run(handle.close)
+            raise
+        served = FleetServed(self, handle, lock)
+        self._served[handle.id] = served
+        if self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.get_running_loop().create_task(self._renew_all())
+        return served
+
+    async def _renew_all(self) -> None:
+        """Renew every served sandbox's lease, every tenth of a lease, for ever."""
+        while True:
+            await asyncio.sleep(self.lease / 10)
+            for sid, served in list(self._served.items()):
+                try:
+                    await self.run(served.handle.renew, self.lease)
+                except EnvbuildError as e:  # gone with its node, or closed meanwhile
+                    _log.warning("renew the lease of fleet sandbox %s: %s", sid, e)
+
+    async def pause(self, sandbox: Any, e2b_id: str, *, memory: bool) -> str:
+        raise _unsupported("pause")
+
+    async def resume(self, lock: str, *, memory: bool, network: Any = None) -> Any:
+        raise _unsupported("resume")
+
+    async def snapshot(self, sandbox: Any, name: str, *, memory: bool) -> str:
+        raise _unsupported("a snapshot")
+
+    async def fork(self, sandbox: Any, count: int, network: Any = None) -> list[Any]:
+        raise _unsupported("fork")
+
+    def forget(self, e2b_id: str) -> None:
+        """Nothing to drop: a fleet sandbox is never paused."""
+
+
+class FleetServed:
+    """One fleet sandbox as the server uses a runtime_shim ``AsyncSandbox``: ``id`` (its
+    fleet id), ``lock`` (resolved), ``sync.limits``, and coroutines for exec, files, commands
+    and close; the rest raise ``Unsupported`` (see the module docstring)."""
+
+    def __init__(self, backend: FleetBackend, handle: Any, lock: Any) -> None:
+        self.backend = backend
+        self.handle = handle  # runtime_shim.fleet.FleetSandbox
+        self.id: str = handle.id
+        self.lock = lock
+        self.limits = backend.limits or Limits()
+
+    @property
+    def sync(self) -> FleetServed:
+        """Itself: the server reads ``sandbox.sync.limits`` as of an ``AsyncSandbox``."""
+        return self
+
+    async def exec(self, cmd: str | Sequence[str], **kwargs: Any) -> ExecResult:
+        return await self.backend.run(self.handle.exec, cmd, **kwargs)
+
+    async def read_file(self, path: str) -> bytes:
+        return await self.backend.run(self.handle.read_file, path)
+
+    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        await self.backend.run(self.handle.write_file, path, data, mode)
+
+    async def start(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+                    cwd: str | None = None, user: str | None = None,
+                    timeout: float | None = None,
+                    on_stdout: Callable[[bytes], None] | None = None,
+                    on_stderr: Callable[[bytes], None] | None = None,
+                    pty: tuple[int, int] | None = None) -> FleetCommand:
+        """``argv`` running in the sandbox, its output streamed to the callbacks (on the
+        event loop), as an ``AsyncProcess``-like ``FleetCommand`` without stdin or signals."""
+        if pty is not None:
+            raise _unsupported("a PTY")
+        loop = asyncio.get_running_loop()
+
+        def relay(cb: Callable[[bytes], None] | None) -> Callable[[bytes], None] | None:
+            # the stream's thread hands each chunk to the loop, in order
+            if cb is None:
+                return None
+
+            def forward(data: bytes) -> None:
+                loop.call_soon_threadsafe(cb, data)
+            return forward
+
+        result = loop.run_in_executor(self.backend._pool, lambda: self.handle.exec(
+            list(argv), env=env, cwd=cwd, user=user, timeout=timeout,
+            on_stdout=relay(on_stdout), on_stderr=relay(on_stderr)))
+        return FleetCommand(result)
+
+    async def set_network(self, network: bool | Sequence[str]) -> None:
+        """``Sandbox.set_network`` on its node (E2B's network rules)."""
+        await self.backend.run(self.handle.set_network, network)
+
+    async def watch(self, path: str, *, recursive: bool = False) -> Any:
+        # envd's WatchDir answers an OSError in one line: "watch PATH: <this>"
+        raise OSError(errno.EOPNOTSUPP, _unsupported("a directory watch").message)
+
+    async def connect_port(self, port: int, timeout: float) -> Any:
+        # the port proxy answers an OSError in one line: "connect to port N: <this>"
+        raise OSError(errno.EOPNOTSUPP, _unsupported("a port").message)
+
+    async def close(self) -> None:
+        self.backend._served.pop(self.id, None)
+        await self.backend.run(self.handle.close)
+
+
+class FleetCommand:
+    """A command started on a fleet sandbox: ``wait`` for its result; it has no stdin
+    (closing it is a no-op, writing to it ``Unsupported``) and takes no signals. It ends with
+    its sandbox."""
+
+    def __init__(self, result: asyncio.Future[ExecResult]) -> None:
+        self._result = result
+        # a command whose sandbox was killed under it fails with nobody waiting: not an error
+        result.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def wait(self) -> ExecResult:
+        return await asyncio.shield(self._result)
+
+    async def cancel(self) -> None:
+        """Stop waiting: the command ends when its sandbox is closed."""
+
+    def close_stdin(self) -> None:
+        """A fleet command's stdin is closed from the start."""
+
+    def write_stdin(self, data: bytes) -> None:
+        raise _unsupported("stdin")
+
+    def send_signal(self, sig: int) -> None:
+        raise _unsupported("a signal to a command")
+
+    def resize(self, rows: int, cols: int) -> None:
+        raise _unsupported("a PTY")

@@ -1,0 +1,230 @@
+"""``envbuild serve --fleet ADDRESS`` (issue 37 item 4): the unmodified e2b SDK against a real
+server process whose sandboxes are placed on the session's real 2-node Ray cluster
+(``ray_cluster``), real runc sandboxes on the nodes' daemons (with their data plane): create,
+commands, files, list, kill, a server restart that re-attaches, what a fleet sandbox refuses
+(one line each), and the CLI's one line for an address nothing listens at."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import REPO
+from tests.e2b_server import e2b_env, running_server
+from tests.security.test_e2b_network import _reachable, site  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.integration
+TEMPLATE = "busybox-shell"
+#: each sandbox small (the nodes' admission counts them), as tests/integration/test_fleet.py
+SIZES = ("--memory", "64MiB", "--pids", "32", "--nofile", "256")
+
+
+@pytest.fixture(scope="module")
+def cell(ray_cluster, tmp_path_factory):
+    """The busybox env in a directory store, the fleet's daemons started on it (data plane on
+    127.0.0.1); this process's ``Fleet`` checks what the server did. Afterwards no daemon,
+    sandbox or mount of the fleet is left."""
+    import ray
+
+    from runtime_shim.fleet import Fleet
+    from tests.integration.conftest import build_busybox_env
+    from tests.integration.test_fleet import _daemon_actors, _mounts_under, _sandbox_dirs
+
+    root = tmp_path_factory.mktemp("e2bfleet")
+    store, _ = build_busybox_env(root / "built")
+    nodes = root / "nodes"
+    ray.init(address=ray_cluster.address, namespace="envbuild", log_to_driver=False,
+             ignore_reinit_error=True)
+    fleet = Fleet.connect(address=ray_cluster.address, store=str(store.root),
+                          node_dir=str(nodes / "{node_id}"), slots=16, data_host="127.0.0.1")
+    try:
+        yield {"address": ray_cluster.address, "store": store.root, "fleet": fleet,
+               "nodes": nodes}
+    finally:
+        fleet.stop_daemons()
+        try:
+            assert _daemon_actors() == []
+            assert _sandbox_dirs(nodes) == []
+            assert _mounts_under(nodes) == []
+        finally:
+            ray.shutdown()
+
+
+def _served(fleet) -> list[str]:
+    return [r.id for r in fleet.list({"envbuild-serve": "1"})]
+
+
+def test_the_sdk_drives_fleet_sandboxes(cell, tmp_path):
+    from e2b import CommandExitException, Sandbox, TimeoutException
+
+    fleet = cell["fleet"]
+    with running_server(tmp_path, cell["store"], tmp_path / "node",
+                        args=("--fleet", cell["address"], *SIZES)) as srv, e2b_env(srv):
+        sb = Sandbox.create(TEMPLATE, timeout=120, metadata={"on": "fleet"})
+        other = Sandbox.create(TEMPLATE, timeout=120)
+        placed = _served(fleet)
+        assert len(placed) == 2, placed
+        assert {i.split("@")[1] for i in placed} <= {n[:12] for n in fleet.node_ids}
+
+        seen: list[str] = []
+        r = sb.commands.run("echo out; echo err >&2; echo $GREET; pwd", envs={"GREET": "hi"},
+                            cwd="/tmp", on_stdout=seen.append)
+        assert (r.exit_code, r.stdout, r.stderr) == (0, "out\nhi\n/tmp\n", "err\n")
+        assert "".join(seen) == r.stdout, "streamed as it came"
+        with pytest.raises(CommandExitException) as failed:
+            sb.commands.run("exit 3")
+        assert failed.value.exit_code == 3
+        bg = sb.commands.run("sleep 0.5; echo later", background=True)
+        assert bg.wait().stdout == "later\n"
+        assert sb.commands.run("id -u", user="root").stdout == "0\n"
+        started = time.monotonic()
+        with pytest.raises(TimeoutException):
+            sb.commands.run("sleep 30", timeout=1)
+        assert time.monotonic() - started < 10
+        deadline = time.monotonic() + 10  # the node ended the command with its deadline
+        while sb.commands.list() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sb.commands.list() == []
+
+        sb.files.write("/tmp/note.txt", "from the fleet")
+        assert sb.files.read("/tmp/note.txt") == "from the fleet"
+        assert other.files.exists("/tmp/note.txt") is False, "each sandbox its own files"
+        sb.files.write("/tmp/blob", bytes(range(256)) * 4096)
+        assert sb.files.read("/tmp/blob", format="bytes") == bytes(range(256)) * 4096
+        assert "note.txt" in {e.name for e in sb.files.list("/tmp")}
+        sb.files.rename("/tmp/note.txt", "/tmp/moved.txt")
+        assert sb.commands.run("cat /tmp/moved.txt").stdout == "from the fleet"
+
+        listed = {s.sandbox_id: s for s in Sandbox.list().next_items()}
+        assert set(listed) == {sb.sandbox_id, other.sandbox_id}
+        assert listed[sb.sandbox_id].metadata == {"on": "fleet"}
+        sb.kill()
+        assert _served(fleet) == [i for i in placed if i in _served(fleet)]
+        assert len(_served(fleet)) == 1 and not sb.is_running()
+        assert [s.sandbox_id for s in Sandbox.list().next_items()] == [other.sandbox_id]
+    assert _served(fleet) == [], "--on-exit kill closed the fleet's sandboxes too"
+
+
+def test_what_a_fleet_sandbox_lacks_is_refused_in_one_line(cell, tmp_path):
+    from e2b import PtySize, Sandbox, SandboxException
+
+    with running_server(tmp_path, cell["store"], tmp_path / "node",
+                        args=("--fleet", cell["address"], *SIZES)) as srv, e2b_env(srv):
+        sb = Sandbox.create(TEMPLATE, timeout=120)
+        with pytest.raises(SandboxException, match="a PTY is not available for a fleet "
+                                                   "sandbox"):
+            sb.pty.create(PtySize(rows=24, cols=80))
+        cmd = sb.commands.run("sleep 30", background=True)
+        with pytest.raises(SandboxException, match="a signal to a command is not available"):
+            sb.commands.kill(cmd.pid)
+        with pytest.raises(SandboxException, match="stdin is not available for a fleet"):
+            # the handle is dropped at once (its stream closed): the kill below then writes
+            # the end of a stream whose client left, which must not log a traceback either
+            sb.commands.send_stdin(sb.commands.run("sleep 30", background=True,
+                                                   stdin=True).pid, "x")
+        with pytest.raises(SandboxException, match="a directory watch is not available"):
+            sb.files.watch_dir("/tmp")
+        r = httpx.get(srv.url + "/", headers={
+            "E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "8080",
+            "e2b-traffic-access-token": sb.traffic_access_token})
+        assert r.status_code == 502 and "a port is not available for a fleet sandbox" in r.text
+        with pytest.raises(SandboxException, match="pause is not available for a fleet"):
+            sb.pause()
+        sb.kill()
+    log = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in log, log[-3000:]
+
+
+def test_a_fleet_sandbox_survives_a_server_restart(cell, tmp_path):
+    """SIGTERM keeps the sandboxes; a new server re-attaches them from its records (the fleet
+    ids), with their files and tokens; a killed one's record is gone."""
+    from e2b import Sandbox
+
+    fleet, node = cell["fleet"], tmp_path / "node"
+    args = ("--fleet", cell["address"], *SIZES)
+    with running_server(tmp_path, cell["store"], node, args=args, on_exit="keep") as srv, \
+            e2b_env(srv):
+        port = srv.url.rsplit(":", 1)[1]
+        sb = Sandbox.create(TEMPLATE, timeout=120, metadata={"run": "restart"})
+        sb.files.write("/tmp/mark", "before")
+        placed = _served(fleet)
+    assert _served(fleet) == placed and len(placed) == 1, "the sandbox outlives its server"
+    (record,) = (node / "serve-fleet").glob("i*.json")
+    assert placed[0] in record.read_text()
+    with running_server(tmp_path, cell["store"], node,
+                        args=(*args, "--listen", f"127.0.0.1:{port}")) as again, \
+            e2b_env(again):
+        assert sb.files.read("/tmp/mark") == "before", "the old token opens it again"
+        assert Sandbox.get_info(sb.sandbox_id).metadata == {"run": "restart"}
+        assert Sandbox.connect(sb.sandbox_id).commands.run("echo again").stdout == "again\n"
+        sb.kill()
+        assert _served(fleet) == []
+    assert list((node / "serve-fleet").glob("i*.json")) == []
+
+
+def test_warm_pools_serve_creates(cell, tmp_path):
+    """``--warm ENV=1``: every node keeps a ready sandbox; an SDK create claims one (it was
+    started before the create was asked), and the pool refills."""
+    from e2b import Sandbox
+
+    from runtime_shim import Limits
+
+    fleet = cell["fleet"]
+    limits = Limits(memory_bytes=64 << 20, pids=32, nofile=256)  # what SIZES makes
+    try:
+        with running_server(tmp_path, cell["store"], tmp_path / "node",
+                            args=("--fleet", cell["address"], *SIZES, "--warm",
+                                  f"{TEMPLATE}=1")) as srv, e2b_env(srv):
+            deadline = time.monotonic() + 120
+            while any(n.warm < 1 for n in fleet.nodes()):  # the server's --warm fills them
+                assert time.monotonic() < deadline, fleet.nodes()
+                time.sleep(0.2)
+            before = time.time()
+            sb = Sandbox.create(TEMPLATE, timeout=60)
+            (record,) = fleet.list({"envbuild-serve": "1"})
+            assert record.created < before, "claimed from a warm pool, not started"
+            assert sb.commands.run("echo warm").stdout == "warm\n"
+            sb.kill()
+    finally:
+        fleet.warm(TEMPLATE, per_node=0, limits=limits)  # pools outlive the server
+
+
+def test_an_unreachable_fleet_is_one_line(cell, tmp_path):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "keys").write_text("k-0123456789\n")
+    started = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "envbuild.cli", "serve", "--fleet",
+                        f"127.0.0.1:{port}", "--api-keys", str(tmp_path / "keys")],
+                       env={**os.environ, "PYTHONPATH": str(REPO),
+                            "ENVBUILD_STORE": str(cell["store"]),
+                            "ENVBUILD_NODE_CACHE": str(tmp_path / "node")},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.splitlines()[0] == (f"error: cannot reach the Ray cluster at "
+                                        f"127.0.0.1:{port}: Connection refused"), r.stderr
+    assert "Traceback" not in r.stderr and time.monotonic() - started < 30
+    assert not (tmp_path / "node" / "serve-fleet").exists(), "nothing half-made"
+
+
+def test_network_rules_on_a_fleet_sandbox(cell, tmp_path, site):
+    """E2B's network rules reach the node's sandbox (``FleetSandbox.set_network``); its
+    metrics are empty (a fleet handle reports no usage), its logs hold its commands."""
+    from e2b import Sandbox
+
+    ten = site[0]["ten"]
+    with running_server(tmp_path, cell["store"], tmp_path / "node",
+                        args=("--fleet", cell["address"], *SIZES)) as srv, e2b_env(srv):
+        sb = Sandbox.create(TEMPLATE, timeout=120, network={"deny_out": ["0.0.0.0/0"]})
+        assert _reachable(sb, site) == set()
+        sb.update_network({"allow_out": [ten], "deny_out": ["0.0.0.0/0"]})
+        assert _reachable(sb, site) == {"ten"}
+        assert sb.get_metrics() == []
+        sb.kill()

@@ -1,0 +1,72 @@
+"""``envbuild.serve.fleet.FleetBackend`` on the fleet's real control plane without Ray (stub
+daemons, ``tests.fleet_stub``): the backend keeps the leases of the sandboxes it serves alive
+past their length, a sandbox it stopped serving is reaped by its node, an expired one cannot
+be attached again, and what a fleet sandbox lacks is refused as ``Unsupported``."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+
+import pytest
+
+from envbuild.errors import SandboxNotFound
+from envbuild.serve.fleet import FleetBackend, Unsupported
+from tests.fleet_stub import stub_cell
+
+LEASE = 1.0
+
+
+@pytest.fixture
+def cell(tmp_path):
+    cell = stub_cell(tmp_path, nodes=2, reap_interval=0.05)
+    yield cell
+    cell.close()
+
+
+def _live(fleet) -> set[str]:
+    return {r.id for r in fleet.list()}
+
+
+def test_served_sandboxes_outlive_their_lease_and_others_do_not(cell):
+    fleet = cell.fleet()
+    backend = FleetBackend(fleet, lease=LEASE, threads=4)
+
+    async def scenario() -> tuple[set[str], set[str], str, str]:
+        kept = await backend.create(cell.lock)
+        dropped = await backend.create(cell.lock)
+        assert kept.lock.digest == cell.lock and ("envbuild-serve", "1") in \
+            fleet.list()[0].labels
+        backend._served.pop(dropped.id)  # no longer served: its lease runs out
+        await asyncio.sleep(LEASE * 2)
+        alive = _live(fleet)
+        await kept.close()
+        return alive, _live(fleet), kept.id, dropped.id
+
+    alive, after, kept, dropped = asyncio.run(scenario())
+    assert alive == {kept}, "the served one renewed, the other reaped"
+    assert after == set()
+    with pytest.raises(SandboxNotFound):
+        asyncio.run(backend.attach(dropped))
+
+
+def test_what_a_fleet_sandbox_lacks_is_unsupported(cell):
+    backend = FleetBackend(cell.fleet(), lease=60, threads=4)
+
+    async def scenario() -> None:
+        sb = await backend.create(cell.lock)
+        assert (await backend.attach(sb.id)).id == sb.id
+        with pytest.raises(Unsupported, match="a PTY is not available for a fleet sandbox"):
+            await sb.start(["sh"], pty=(24, 80))
+        with pytest.raises(OSError) as watch:
+            await sb.watch("/tmp")
+        assert watch.value.errno == errno.EOPNOTSUPP
+        for call in (backend.pause(sb, "i0", memory=True), backend.snapshot(sb, "s", memory=False),
+                     backend.fork(sb, 2), backend.resume("sha256:" + "0" * 64, memory=True)):
+            with pytest.raises(Unsupported):
+                await call
+        await sb.write_file("/f", b"x")
+        assert await sb.read_file("/f") == b"x"
+        await sb.close()
+
+    asyncio.run(scenario())
