@@ -211,4 +211,6 @@ def add_routes(app: web.Application) -> None:
                 await metrics.task
 
     app.on_startup.append(start)
-    app.on_cleanup.append(stop)
+    # on shutdown, and before the server's own handler (make_app registers these routes
+    # first): no reading of a sandbox while the server closes or leaves them
+    app.on_shutdown.append(stop)
