@@ -65,7 +65,7 @@ def state(e: Entry) -> str:
     return "paused" if e.state == "paused" else "running"
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
+async def json_body(request: web.Request) -> dict[str, Any]:
     if request.content_length is not None and request.content_length > MAX_JSON:
         raise web.HTTPRequestEntityTooLarge(max_size=MAX_JSON, actual_size=request.content_length)
     raw = await request.content.read(MAX_JSON + 1)
@@ -98,7 +98,7 @@ def _timeout(body: dict[str, Any], default: float | None) -> float | None:
 
 async def create(request: web.Request) -> web.Response:
     reg = request.app[REGISTRY]
-    body = await _body(request)
+    body = await json_body(request)
     template = body.get("templateID")
     if not isinstance(template, str) or not template:
         return error(400, "templateID is required: an env name, ref or lock digest")
@@ -121,7 +121,7 @@ async def create(request: web.Request) -> web.Response:
     return web.json_response(created_json(entry, ports.domain(request)), status=201)
 
 
-def _entry(request: web.Request) -> Entry:
+def entry_of(request: web.Request) -> Entry:
     sid = request.match_info["sandbox_id"]
     entry = request.app[REGISTRY].find(sid)
     if entry is None:
@@ -132,7 +132,7 @@ def _entry(request: web.Request) -> Entry:
 
 
 async def get(request: web.Request) -> web.Response:
-    entry = _entry(request)
+    entry = entry_of(request)
     return web.json_response({**listed_json(entry), "envdAccessToken": entry.token,
                               **egress.described(entry.network)})
 
@@ -193,7 +193,7 @@ async def list_sandboxes(request: web.Request) -> web.Response:
 
 
 async def kill(request: web.Request) -> web.Response:
-    entry = _entry(request)
+    entry = entry_of(request)
     try:
         await request.app[REGISTRY].kill(entry.id)
     except Conflict as e:
@@ -202,8 +202,8 @@ async def kill(request: web.Request) -> web.Response:
 
 
 async def set_timeout(request: web.Request) -> web.Response:
-    entry = _entry(request)
-    timeout = _timeout(await _body(request), None)
+    entry = entry_of(request)
+    timeout = _timeout(await json_body(request), None)
     if timeout is None:
         return error(400, "timeout is required")
     request.app[REGISTRY].set_timeout(entry, timeout)
@@ -211,8 +211,8 @@ async def set_timeout(request: web.Request) -> web.Response:
 
 
 async def connect(request: web.Request) -> web.Response:
-    entry = _entry(request)
-    body = await _body(request)
+    entry = entry_of(request)
+    body = await json_body(request)
     timeout = _timeout(body, None)
     if entry.state != "running":  # E2B: connecting to a paused sandbox resumes it
         return await _resume(request, entry, timeout, body.get("memory") is not False)
@@ -225,8 +225,8 @@ async def connect(request: web.Request) -> web.Response:
 async def pause(request: web.Request) -> web.Response:
     """``POST /sandboxes/{id}/pause`` (``memory``: false saves the files only): 204; 409 if
     it is not running; 500 with the reason when it cannot be saved (it then runs on)."""
-    entry = _entry(request)
-    memory = (await _body(request)).get("memory", True)
+    entry = entry_of(request)
+    memory = (await json_body(request)).get("memory", True)
     if not isinstance(memory, bool):
         return error(400, "memory must be true or false")
     try:
@@ -240,8 +240,8 @@ async def pause(request: web.Request) -> web.Response:
 
 async def resume(request: web.Request) -> web.Response:
     """``POST /sandboxes/{id}/resume`` (E2B's deprecated form of ``connect``): 201."""
-    entry = _entry(request)
-    body = await _body(request)
+    entry = entry_of(request)
+    body = await json_body(request)
     return await _resume(request, entry, _timeout(body, None), True)
 
 
@@ -265,8 +265,8 @@ _SNAPSHOT_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 async def snapshot(request: web.Request) -> web.Response:
     """``POST /sandboxes/{id}/snapshots`` (``name``, ``memory``): 201 with the snapshot's id,
     a template for ``create`` (``envbuild.serve.backend``); the sandbox runs on."""
-    entry = _entry(request)
-    body = await _body(request)
+    entry = entry_of(request)
+    body = await json_body(request)
     name, memory = body.get("name"), body.get("memory", True)
     if name is None:
         name = f"{entry.id}-{secrets.token_hex(4)}"
@@ -286,8 +286,8 @@ async def snapshot(request: web.Request) -> web.Response:
 async def fork(request: web.Request) -> web.Response:
     """``POST /sandboxes/{id}/fork`` (``count`` 1 to ``MAX_FORKS``, ``timeout``): 201 with
     one result per fork, a sandbox or an error; the sandbox runs on."""
-    entry = _entry(request)
-    body = await _body(request)
+    entry = entry_of(request)
+    body = await json_body(request)
     count, timeout = body.get("count", 1), _timeout(body, 15)  # E2B's defaults
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
         return error(400, f"count must be 1 to {MAX_FORKS}")

@@ -17,8 +17,8 @@ async def update_network(request: web.Request) -> web.Response:
     """204 once every packet the sandbox sends obeys the new rules; 400 for rules envbuild
     cannot express or a sandbox created without a network, 404 for an unknown sandbox, 409
     for one that is not running."""
-    entry = control._entry(request)
-    body = await control._body(request)
+    entry = control.entry_of(request)
+    body = await control.json_body(request)
     try:
         network = e2b_network(body, body.get(ACCESS))
     except NetworkRefused as e:

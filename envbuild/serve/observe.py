@@ -136,7 +136,7 @@ def _int_param(request: web.Request, name: str) -> int | None:
 
 async def sandbox_metrics(request: web.Request) -> web.Response:
     """``GET /sandboxes/{id}/metrics?start=&end=`` (Unix seconds): the samples in range."""
-    entry = control._entry(request)
+    entry = control.entry_of(request)
     start, end = _int_param(request, "start"), _int_param(request, "end")
     samples = await request.app[METRICS].fresh(entry)
     return web.json_response([m for m in samples
@@ -171,7 +171,7 @@ def _limit(request: web.Request) -> int:
 
 async def logs(request: web.Request) -> web.Response:
     """``GET /sandboxes/{id}/logs?start=&limit=`` (``start`` in Unix milliseconds)."""
-    entry = control._entry(request)
+    entry = control.entry_of(request)
     start = _int_param(request, "start")
     found = entry.events.select(start=None if start is None else start / 1000,
                                 limit=_limit(request))
@@ -183,7 +183,7 @@ async def logs(request: web.Request) -> web.Response:
 async def logs_v2(request: web.Request) -> web.Response:
     """``GET /v2/sandboxes/{id}/logs?cursor=&limit=&direction=&level=&search=`` (``cursor``
     in Unix milliseconds)."""
-    entry = control._entry(request)
+    entry = control.entry_of(request)
     cursor = _int_param(request, "cursor")
     found = entry.events.select(start=None if cursor is None else cursor / 1000,
                                 level=request.query.get("level"),
