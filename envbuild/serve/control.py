@@ -66,6 +66,7 @@ def state(e: Entry) -> str:
 
 
 async def json_body(request: web.Request) -> dict[str, Any]:
+    """The request's JSON object, at most ``MAX_JSON`` bytes (413 past it, 400 if not an object)."""
     if request.content_length is not None and request.content_length > MAX_JSON:
         raise web.HTTPRequestEntityTooLarge(max_size=MAX_JSON, actual_size=request.content_length)
     raw = await request.content.read(MAX_JSON + 1)
@@ -122,6 +123,7 @@ async def create(request: web.Request) -> web.Response:
 
 
 def entry_of(request: web.Request) -> Entry:
+    """The served sandbox the path's ``{sandbox_id}`` names; a clean 404 if none."""
     sid = request.match_info["sandbox_id"]
     entry = request.app[REGISTRY].find(sid)
     if entry is None:
