@@ -51,13 +51,14 @@ def sandbox_ls(app: App, as_json: bool) -> None:
 
 @sandbox.command("network")
 @click.argument("sandbox_id", metavar="SANDBOX")
-@click.argument("dests", nargs=-1, metavar="[public|CIDR[:PORT]]...")
+@click.argument("dests", nargs=-1, metavar="[public|CIDR[:PORT]|!CIDR]...")
 @click.option("--off", is_flag=True, help="Refuse everything, DNS too.")
 @pass_app
 def sandbox_network(app: App, sandbox_id: str, dests: tuple[str, ...], off: bool) -> None:
     """Change what a running sandbox may reach, for connections from now on: 'public'
-    (the public internet) and CIDR[:PORT] destinations (private ones included); none: DNS
-    only. The sandbox must have been made with network (--network or --allow)."""
+    (the public internet) and CIDR[:PORT] destinations (private ones included); '!CIDR'
+    (quoted for the shell) takes a range out of 'public'; none: DNS only. The sandbox must
+    have been made with network (--network or --allow)."""
     from envbuild.errors import RuntimeShimError
     from runtime_shim.node import set_sandbox_network
 
