@@ -263,7 +263,7 @@ class Worker:
             self._ahead_pool.submit(self._fill_ahead, layer, claimed)
 
     def _after_fill(self, hexd: str, data: bytes) -> None:
-        """An opened object is filled: an ELF file's libraries are its next opens."""
+        """An object is filled: an ELF file's libraries are the next opens."""
         if data[:4] == b"\x7fELF":
             self._hint_pool.submit(self._predict, hexd, data)
 
@@ -273,7 +273,7 @@ class Worker:
         try:
             record, path, _ = self.source(hexd)
             layer_hex = str(record["layer"]).removeprefix("sha256:")
-            hexes = self.hints.on_elf(layer_hex, data) if data is not None \
+            hexes = self.hints.on_elf(layer_hex, data, path) if data is not None \
                 else self.hints.on_open(layer_hex, path)
             self._fill_predicted(hexes)
         except Exception as e:  # noqa: BLE001 - a hint: the opens fill what it missed
@@ -384,6 +384,7 @@ class Worker:
             for r in done:
                 self._complete(r.hexd)
                 self.ahead += 1
+                self._after_fill(r.hexd, got[r.path])   # an extension module's libraries
         except Exception as err:  # noqa: BLE001 - a hint: their own opens fill them (or fail)
             log.warning("filling ahead in %s: %s", layer.digest[:19], err)
         finally:   # whatever was claimed and not filled goes back to its own opens
