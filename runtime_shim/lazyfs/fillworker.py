@@ -18,7 +18,7 @@ from envbuild.oci import is_hex64
 from runtime_shim.lazyfs import fanotify
 from runtime_shim.lazyfs.fillhints import Hints, LayerView
 from runtime_shim.lazyfs.fillwindow import WINDOW_MAX_FILE, FileRef, LayerOrder
-from runtime_shim.lazyfs.objects import FILLED_XATTR, ObjectStore
+from runtime_shim.lazyfs.objects import FILLED_XATTR, ObjectStore, copy_into, write_into
 
 log = logging.getLogger("envbuild.lazyfs.filler")
 
@@ -32,7 +32,6 @@ FILL_WORKERS = 8
 #: spool took 0.45 s), at most ``MEMORY_BUDGET`` bytes of them at once; larger ones streamed.
 STREAM_ABOVE = 64 << 20
 MEMORY_BUDGET = 256 << 20
-WRITE_PIECE = 1 << 20
 #: Fills ahead of opens in flight (windows, predictions), and the size of a predicted batch:
 #: one ranged read or a few, each batch's files written together.
 AHEAD_WORKERS = 8
@@ -220,7 +219,7 @@ class Worker:
         if size <= STREAM_ABOVE:
             with self._memory:   # at most MEMORY_BUDGET of whole files in memory
                 data = layer.read(path)   # verified by read
-                _write_into(self._wpath(hexd), data)
+                write_into(self._wpath(hexd), data)
                 self._after_fill(hexd, data)
         else:
             spool = self.objects.tmp("fill")
@@ -228,7 +227,7 @@ class Worker:
                 with open(spool, "wb") as f:
                     for piece in layer.stream(path):   # raises at the end if not verified
                         f.write(piece)
-                _copy_into(spool, self._wpath(hexd), size)
+                copy_into(spool, self._wpath(hexd), size)
             finally:
                 os.unlink(spool)
         os.setxattr(self.objects.path(hexd), FILLED_XATTR, self.objects.tag)
@@ -249,7 +248,7 @@ class Worker:
         else:   # the layer's TOC not decoded yet: the opened file waits for no decode
             self._ahead_pool.submit(self._window, layer, entry.path)
         data = layer._load([entry])[entry.path]
-        _write_into(self._wpath(hexd), data)
+        write_into(self._wpath(hexd), data)
         self._complete(hexd)   # the reader that opened it goes on now
         self._after_fill(hexd, data)
 
@@ -380,7 +379,7 @@ class Worker:
             got = layer._load(entries)
             done = [r for r in claimed if r.path in got]
             for r in done:
-                _write_into(self._wpath(r.hexd), got[r.path])
+                write_into(self._wpath(r.hexd), got[r.path])
             for r in done:
                 self._complete(r.hexd)
                 self.ahead += 1
@@ -557,34 +556,6 @@ def _safe_source(worker: Worker, hexd: str) -> dict[str, Any]:
         return {"layer": record.get("layer"), "path": path}
     except LookupError:
         return {}
-
-
-def _write_into(target: str, data: bytes) -> None:
-    """Write verified ``data`` into the placeholder (not synced: ``objects.boot_tag``)."""
-    fd = os.open(target, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
-    try:
-        view = memoryview(data)
-        for off in range(0, len(view), WRITE_PIECE):  # one 64 MiB write took 0.97 s, 64
-            os.pwrite(fd, view[off:off + WRITE_PIECE], off)   # writes of 1 MiB 0.06 s
-    finally:
-        os.close(fd)
-
-
-def _copy_into(spool: str, target: str, size: int) -> None:
-    """Copy the verified spool into the placeholder (not synced: ``objects.boot_tag``)."""
-    src = os.open(spool, os.O_RDONLY | os.O_CLOEXEC)
-    dst = os.open(target, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)   # a killed fill's rest
-    try:
-        done = 0
-        while done < size:
-            n = os.copy_file_range(src, dst, size - done, done, done)
-            if n <= 0:
-                raise OSError(errno.EIO, f"copy into {target} stopped at {done} of {size}")
-            done += n
-    finally:
-        os.close(src)
-        os.close(dst)
-
 
 
 __all__ = ["FILL_WORKERS", "MAX_FDS", "MARKS_SYSCTL", "Worker"]

@@ -41,6 +41,7 @@ source gives the same verified bytes).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -52,6 +53,9 @@ from envbuild.errors import RuntimeShimError
 from envbuild.oci import is_hex64
 
 FILLED_XATTR = "trusted.envbuild.filled"
+#: A fill's writes, at most this many bytes each (one 64 MiB write took 0.97 s here, 64
+#: writes of 1 MiB 0.06 s).
+WRITE_PIECE = 1 << 20
 _DIRS = ("data", "layers", "tmp")
 
 
@@ -178,4 +182,48 @@ class ObjectStore:
         return {"objects": n, "complete": done, "bytes": used}
 
 
-__all__ = ["FILLED_XATTR", "ObjectStore", "boot_tag"]
+def _open_object(target: str) -> int:
+    """The placeholder ``target`` opened for a fill. Never ``O_TRUNC``: on ext4 a truncate
+    to 0 marks the file for a flush at its close (the replace-via-truncate heuristic,
+    ``auto_da_alloc``): ~100 us of the fill's open and close an object here, and I/O the
+    unsynced fills (``boot_tag``) mean to leave to writeback. The object holds at
+    most these same bytes (a killed fill's prefix: only verified content is ever written),
+    and ``_fit`` cuts anything past them."""
+    return os.open(target, os.O_WRONLY | os.O_CLOEXEC)
+
+
+def _fit(fd: int, size: int) -> None:
+    if os.fstat(fd).st_size > size:
+        os.ftruncate(fd, size)
+
+
+def write_into(target: str, data: bytes) -> None:
+    """Write verified ``data`` into the placeholder (not synced: ``boot_tag``)."""
+    fd = _open_object(target)
+    try:
+        view = memoryview(data)
+        for off in range(0, len(view), WRITE_PIECE):
+            os.pwrite(fd, view[off:off + WRITE_PIECE], off)
+        _fit(fd, len(data))
+    finally:
+        os.close(fd)
+
+
+def copy_into(spool: str, target: str, size: int) -> None:
+    """Copy the verified spool into the placeholder (not synced: ``boot_tag``)."""
+    src = os.open(spool, os.O_RDONLY | os.O_CLOEXEC)
+    dst = _open_object(target)
+    try:
+        done = 0
+        while done < size:
+            n = os.copy_file_range(src, dst, size - done, done, done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"copy into {target} stopped at {done} of {size}")
+            done += n
+        _fit(dst, size)
+    finally:
+        os.close(src)
+        os.close(dst)
+
+
+__all__ = ["FILLED_XATTR", "ObjectStore", "boot_tag", "copy_into", "write_into"]

@@ -181,3 +181,33 @@ def test_a_registered_stack_predicts_the_files_a_start_reads():
     hints.add_stack([top, low])
     assert hints.on_start(top) == ["a" * 64, "c" * 64]
     assert hints.on_elf(top, b"not an ELF file") == []
+
+
+def test_a_fill_writes_its_object_without_truncating_it(tmp_path, monkeypatch):
+    """A fill opens its placeholder without ``O_TRUNC`` (on ext4 a truncate to 0 makes the
+    close flush the file: ~100 us an object, and I/O an unsynced fill means to avoid); what
+    an object held before (a killed fill's prefix of the same bytes, or more) ends up exactly
+    the verified content."""
+    import os
+
+    from runtime_shim.lazyfs import objects
+
+    flags: list[int] = []
+    real_open = os.open
+
+    def spy(path, flag, *args):   # type: ignore[no-untyped-def]
+        flags.append(flag)
+        return real_open(path, flag, *args)
+    monkeypatch.setattr(os, "open", spy)
+    data = os.urandom(3 * objects.WRITE_PIECE + 5)
+    for before in (b"", data[:1000], data + b"stale tail"):
+        target = tmp_path / f"obj{len(before)}"
+        target.write_bytes(before)
+        objects.write_into(str(target), data)
+        assert target.read_bytes() == data
+        spool = tmp_path / "spool"
+        spool.write_bytes(data)
+        target.write_bytes(before)
+        objects.copy_into(str(spool), str(target), len(data))
+        assert target.read_bytes() == data
+    assert flags and not any(f & os.O_TRUNC for f in flags if f & os.O_WRONLY)
