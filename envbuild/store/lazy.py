@@ -116,6 +116,9 @@ class LazyLayer:
 
     ``store``: any ``RangeReader`` (a ``Store``, or ``HttpRanges``). ``size``: the blob size
     when known (lock descriptor; saves a request on stores that are not a ``TailReader``).
+    ``tail``: the blob's last bytes when the caller has them (its footer and TOC, as
+    ``native`` hands its filler the tail its create fetched): no request for those; they
+    are verified all the same (footer → TOC digest, ``expected_toc_digest``).
     ``workers``: parallel ranged reads for ``prefetch``. ``max_request``: cap on one merged
     read; ``merge_gap``: unneeded bytes a merged read may span. Thread-safe.
     """
@@ -123,7 +126,7 @@ class LazyLayer:
     def __init__(self, store: RangeReader, digest: str, *, chunk_cache: Any = None,
                  expected_toc_digest: str | None = None, size: int | None = None,
                  workers: int = 8, max_request: int = 8 * MiB,
-                 merge_gap: int = 16 << 10) -> None:
+                 merge_gap: int = 16 << 10, tail: bytes | None = None) -> None:
         self.store = store
         self.digest = digest
         self.cache = chunk_cache if chunk_cache is not None else MemoryChunkCache()
@@ -137,17 +140,17 @@ class LazyLayer:
         self._piece_lists: dict[str, list[_Piece]] = {}   # entry path -> its pieces
         self._tail: tuple[int, bytes] | None = None
         want_toc = expected_toc_digest or None
-        if size is None and isinstance(store, TailReader):
+        if size is None and tail is None and isinstance(store, TailReader):
             actual: list[int] = []
             tail_reader = store
 
-            def tail(n: int) -> bytes:
+            def get_tail(n: int) -> bytes:
                 data, total = tail_reader.get_tail(digest, n)
                 self._count(len(data), toc=True)
                 actual.append(total)
                 return data
 
-            self.reader = LayerReader(self._toc_range, get_tail=tail, name=digest,
+            self.reader = LayerReader(self._toc_range, get_tail=get_tail, name=digest,
                                       expected_toc_digest=want_toc)
             if actual and actual[0] != self.reader.footer.blob_size:
                 raise CorruptLayerError(f"layer {digest}: footer says the blob is "
@@ -156,11 +159,15 @@ class LazyLayer:
         else:
             if size is None:
                 size = store.stat(digest).size
-            # one request for footer and TOC: the TOC sits right before the footer, and a
-            # tail of TOC_GUESS bytes holds it for all but huge layers (a second request then)
-            n = min(size, TOC_GUESS)
-            self._tail = (size - n, store.get_range(digest, size - n, n))
-            self._count(len(self._tail[1]), toc=True)
+            if tail is not None and 0 < len(tail) <= size:   # fetched by someone else
+                self._tail = (size - len(tail), tail)
+            else:
+                # one request for footer and TOC: the TOC sits right before the footer, and
+                # a tail of TOC_GUESS bytes holds it for all but huge layers (a second
+                # request then)
+                n = min(size, TOC_GUESS)
+                self._tail = (size - n, store.get_range(digest, size - n, n))
+                self._count(len(self._tail[1]), toc=True)
             self.reader = LayerReader(self._toc_range, size, name=digest,
                                       expected_toc_digest=want_toc)
             self._tail = None

@@ -21,6 +21,7 @@ never opened).
 
 from __future__ import annotations
 
+import posixpath
 import stat
 import struct
 from collections.abc import Sequence
@@ -38,7 +39,9 @@ LIBRARY_DIRS = ("lib/x86_64-linux-gnu", "usr/lib/x86_64-linux-gnu", "lib64", "us
 #: The dynamic loader's cache of library locations: it opens it to find needed libraries.
 LOADER_CACHE = "etc/ld.so.cache"
 _PT_LOAD, _PT_DYNAMIC, _PT_INTERP = 1, 2, 3
-_DT_NULL, _DT_NEEDED, _DT_STRTAB = 0, 1, 5
+_DT_NULL, _DT_NEEDED, _DT_STRTAB, _DT_RPATH, _DT_RUNPATH = 0, 1, 5, 15, 29
+#: Directories of one run path (``DT_RUNPATH``/``DT_RPATH``) searched at most.
+MAX_RUN_DIRS = 16
 _PHDR = struct.Struct("<IIQQQQQQ")
 _DYN = struct.Struct("<qQ")
 
@@ -46,12 +49,19 @@ _DYN = struct.Struct("<qQ")
 def parse(data: bytes | bytearray) -> tuple[str, list[str]]:
     """``(interpreter, needed libraries)`` of a 64-bit little-endian ELF file (``""`` and
     ``[]`` when it has none, or is no such ELF, or is malformed). Bounded (module docstring)."""
+    interp, needed, _run = parse_dynamic(data)
+    return interp, needed
+
+
+def parse_dynamic(data: bytes | bytearray) -> tuple[str, list[str], list[str]]:
+    """``parse`` and the file's run path: the directories of its ``DT_RUNPATH`` (else its
+    ``DT_RPATH``), as written (``$ORIGIN`` unexpanded), at most ``MAX_RUN_DIRS``."""
     if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        return "", []
+        return "", [], []
     phoff, = struct.unpack_from("<Q", data, 0x20)
     phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
     if phentsize != _PHDR.size or phnum > MAX_PHDRS or phoff + phnum * phentsize > len(data):
-        return "", []
+        return "", [], []
     interp, dynamic, loads = "", None, []
     for i in range(phnum):
         p_type, _, off, vaddr, _, filesz, _, _ = _PHDR.unpack_from(data, phoff + i * phentsize)
@@ -62,10 +72,11 @@ def parse(data: bytes | bytearray) -> tuple[str, list[str]]:
         elif p_type == _PT_LOAD:
             loads.append((vaddr, off, filesz))
     if dynamic is None:
-        return interp, []
+        return interp, [], []
     off, size = dynamic
     strtab: int | None = None
     needed: list[int] = []
+    run: dict[int, int] = {}   # tag -> string offset
     for k in range(size // _DYN.size):
         pos = off + k * _DYN.size
         if pos + _DYN.size > len(data):
@@ -77,12 +88,17 @@ def parse(data: bytes | bytearray) -> tuple[str, list[str]]:
             strtab = val
         elif tag == _DT_NEEDED and len(needed) < MAX_NAMES:
             needed.append(val)
+        elif tag in (_DT_RPATH, _DT_RUNPATH):
+            run[tag] = val
     base = next((o + strtab - v for v, o, n in loads if strtab is not None
                  and v <= strtab < v + n), None)
     if base is None:
-        return interp, []
+        return interp, [], []
     names = [_cstr(data, base + n, base + n + 256) for n in needed if base + n < len(data)]
-    return interp, [n for n in names if n and "/" not in n]
+    where = run.get(_DT_RUNPATH, run.get(_DT_RPATH))   # RUNPATH set: RPATH is ignored
+    dirs = _cstr(data, base + where, base + where + 1024).split(":") \
+        if where is not None and base + where < len(data) else []
+    return interp, [n for n in names if n and "/" not in n], [d for d in dirs if d][:MAX_RUN_DIRS]
 
 
 def _cstr(data: bytes | bytearray, start: int, end: int) -> str:
@@ -221,12 +237,15 @@ class Stack:
                 return (where, hit) if hit is not None else None
         return None
 
-    def dependencies(self, data: bytes) -> list[tuple[Any, Any]]:
+    def dependencies(self, data: bytes, path: str = "") -> list[tuple[Any, Any]]:
         """The files the dynamic loader opens for the ELF ``data`` (the whole file, or a prefix:
         what it holds): its interpreter, its cache (``LOADER_CACHE``, read before any needed
-        library is searched) and each needed library found in ``LIBRARY_DIRS``, as
-        ``(ops, node)``."""
-        interp, needed = parse(data)
+        library is searched) and each needed library found in its run path (``path``, the
+        file's own path in the stack, gives ``$ORIGIN``; without it such directories are
+        skipped), then in ``LIBRARY_DIRS``, as ``(ops, node)``."""
+        interp, needed, run = parse_dynamic(data)
+        dirs = [d for d in (_run_dir(r, path) for r in run) if d is not None]
+        dirs += LIBRARY_DIRS
         out = []
         # a program's loader opens its cache before searching for any library: known from
         # the interpreter alone (the first bytes of a large program being streamed)
@@ -235,9 +254,26 @@ class Stack:
             if hit is not None:
                 out.append(hit)
         for name in needed:
-            for d in LIBRARY_DIRS:
+            for d in dirs:
                 hit = self.lookup(f"{d}/{name}")
                 if hit is not None:
                     out.append(hit)
                     break
         return out
+
+
+def _run_dir(entry: str, path: str) -> str | None:
+    """A run path directory as a stack path (no leading ``/``; ``""``: the root, which
+    ``..`` never leaves): ``$ORIGIN`` (or ``${ORIGIN}``) is the directory of ``path``; None
+    for one that cannot be resolved (``$ORIGIN`` without ``path``, another ``$`` token, a
+    relative one)."""
+    entry = entry.replace("${ORIGIN}", "$ORIGIN")
+    if "$" in entry.replace("$ORIGIN", ""):
+        return None
+    if "$ORIGIN" in entry:
+        if not path:
+            return None
+        entry = entry.replace("$ORIGIN", "/" + posixpath.dirname(path.strip("/")))
+    if not entry.startswith("/"):
+        return None   # relative to the process's cwd: the loader's business, not ours
+    return posixpath.normpath(entry).lstrip("/")

@@ -34,9 +34,11 @@ mark stays, so the next open tries again.
 
 **Only root talks to the filler**: its socket is ``<node>/objects/filler.sock`` in a 0700
 root-owned dir, and it answers only peers whose ``SO_PEERCRED`` uid is 0. Requests are one
-JSON line each: ``{"op": "ping"}``, ``{"op": "place", "layer": hex, "ranges_url": URL}``
-(read the layer's source record, make and mark the placeholders of its objects the node
-lacks: before a create mounts the layer).
+JSON line each: ``{"op": "ping"}``, ``{"op": "place", "layer": hex, "ranges_url": URL,
+"fill": [hex, ...]}`` (read the layer's source record, make and mark the placeholders of its
+objects the node lacks: before a create mounts the layer; then fill the objects ``fill``
+names, the files a sandbox's start reads), ``{"op": "stack", "layers": [hex, ...]}`` (a
+sandbox's layers, top first, for predictions).
 """
 
 from __future__ import annotations
@@ -200,29 +202,36 @@ def work(node_root: str, group: int, sock_fd: int) -> int:
     log.info("filler worker %d: %d stale events answered EIO, %d placeholders marked",
              os.getpid(), swept, marked)
 
-    def handle(req: dict[str, Any]) -> dict[str, Any]:
-        if req.get("op") == "ping":
-            return {"ok": True, "pid": os.getpid(), "holder": os.getppid(), "fills": w.fills,
-                    "ahead": w.ahead, "predicted": w.predicted, "failures": w.failures,
-                    "own_events": w.own_events,
-                    "boto3": "boto3" in sys.modules}
-        if req.get("op") == "place":
-            layer = str(req.get("layer"))
-            if req.get("ranges_url"):
-                w.set_ranges("sha256:" + layer, str(req["ranges_url"]))
-            if req.get("index_url"):
-                w.set_index_url(layer, str(req["index_url"]))
-            placed = w.place(layer)
-            gc.freeze()
-            return {"ok": True, "placed": placed}
-        if req.get("op") == "stack":   # a sandbox's layers, top first: predictions' stack
-            w.add_stack([str(h) for h in req.get("layers", ())][:1024])
-            return {"ok": True}
-        return {"ok": False, "error": f"unknown op {req.get('op')!r}"}
     listener = socket.socket(fileno=sock_fd)
-    threading.Thread(target=serve_socket, args=(listener, handle), daemon=True).start()
+    threading.Thread(target=serve_socket, args=(listener, lambda req: _handle(w, req)),
+                     daemon=True).start()
     w.run()
     return 0
+
+
+def _handle(w: Worker, req: dict[str, Any]) -> dict[str, Any]:
+    """One request to the worker (module docstring)."""
+    if req.get("op") == "ping":
+        return {"ok": True, "pid": os.getpid(), "holder": os.getppid(), "fills": w.fills,
+                "ahead": w.ahead, "predicted": w.predicted, "failures": w.failures,
+                "own_events": w.own_events,
+                "boto3": "boto3" in sys.modules}
+    if req.get("op") == "place":
+        layer = str(req.get("layer"))
+        if req.get("ranges_url"):
+            w.set_ranges("sha256:" + layer, str(req["ranges_url"]))
+        if req.get("index_url"):
+            w.set_index_url(layer, str(req["index_url"]))
+        placed = w.place(layer)
+        gc.freeze()
+        # what every sandbox's start reads of it (``fillhints.START_FILES``), filled now:
+        # the layer's first create does not wait for them
+        w.fill_soon([str(h) for h in req.get("fill") or ()][:16])
+        return {"ok": True, "placed": placed}
+    if req.get("op") == "stack":   # a sandbox's layers, top first: predictions' stack
+        w.add_stack([str(h) for h in req.get("layers", ())][:1024])
+        return {"ok": True}
+    return {"ok": False, "error": f"unknown op {req.get('op')!r}"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,9 @@ FUSE mode's predictors over the stack of layers a create registered (``Hints.add
 - a ``.pyc``'s open: the whole import closure of its module-level imports, resolved over the
   stack (``pydeps.predict``) from the layers' import indexes (``pyindex``: records made when
   a layer is packed; no pyc is read or scanned here), each module expanded once a stack;
-- an ELF file once filled (its bytes in hand): its interpreter, the loader's cache and its
-  needed libraries (``elfdeps``);
+- an ELF file once filled (its bytes in hand; on its open or ahead of it): its interpreter,
+  the loader's cache and its needed libraries, in its run path (``$ORIGIN`` too: the
+  ``numpy.libs`` of an extension module) and the loader's directories (``elfdeps``);
 - a stack registered (a create, just before its sandbox starts): the files the start reads
   (``START_FILES``: runc resolves the user in ``/etc/passwd`` and ``/etc/group``).
 
@@ -91,13 +92,13 @@ class Hints:
             return []
         return _hexes([hit for hit in map(got[1].lookup, START_FILES) if hit is not None])
 
-    def on_elf(self, layer_hex: str, data: bytes) -> list[str]:
+    def on_elf(self, layer_hex: str, data: bytes, path: str = "") -> list[str]:
         """The objects the dynamic loader opens for the ELF file ``data`` of layer
-        ``layer_hex``."""
+        ``layer_hex`` (at ``path``: its run path's ``$ORIGIN``)."""
         got = self._stack(layer_hex)
         if got is None or data[:4] != b"\x7fELF":
             return []
-        return _hexes(got[1].stack.dependencies(data))
+        return _hexes(got[1].stack.dependencies(data, path))
 
     def _stack(self, layer_hex: str) -> tuple[tuple[str, ...], pydeps.CachedStack] | None:
         with self._lock:

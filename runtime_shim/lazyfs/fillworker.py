@@ -17,8 +17,8 @@ from typing import Any
 from envbuild.oci import is_hex64
 from runtime_shim.lazyfs import fanotify
 from runtime_shim.lazyfs.fillhints import Hints, LayerView
-from runtime_shim.lazyfs.fillwindow import WINDOW_MAX_FILE, LayerOrder
-from runtime_shim.lazyfs.objects import FILLED_XATTR, ObjectStore
+from runtime_shim.lazyfs.fillwindow import WINDOW_MAX_FILE, FileRef, LayerOrder
+from runtime_shim.lazyfs.objects import FILLED_XATTR, ObjectStore, copy_into, write_into
 
 log = logging.getLogger("envbuild.lazyfs.filler")
 
@@ -32,7 +32,6 @@ FILL_WORKERS = 8
 #: spool took 0.45 s), at most ``MEMORY_BUDGET`` bytes of them at once; larger ones streamed.
 STREAM_ABOVE = 64 << 20
 MEMORY_BUDGET = 256 << 20
-WRITE_PIECE = 1 << 20
 #: Fills ahead of opens in flight (windows, predictions), and the size of a predicted batch:
 #: one ranged read or a few, each batch's files written together.
 AHEAD_WORKERS = 8
@@ -66,6 +65,10 @@ class Worker:
         self.fills = self.failures = self.ahead = self.predicted = self.own_events = 0
         self.wdata = self.objects.data   # where fills write (``writer_mount``)
         self._orders: dict[str, LayerOrder] = {}
+        # each layer's TOC decoded once (``tree_of``): its blob order and its predictions'
+        # lookups both come from this tree
+        self._trees: dict[str, dict[str, Any]] = {}
+        self._tree_lock = threading.Lock()
         self._ranges: dict[str, str] = {}   # layer digest → a presigned GET of its blob
         self._memory = threading.BoundedSemaphore(MEMORY_BUDGET // STREAM_ABOVE)
 
@@ -216,7 +219,7 @@ class Worker:
         if size <= STREAM_ABOVE:
             with self._memory:   # at most MEMORY_BUDGET of whole files in memory
                 data = layer.read(path)   # verified by read
-                _write_into(self._wpath(hexd), data)
+                write_into(self._wpath(hexd), data)
                 self._after_fill(hexd, data)
         else:
             spool = self.objects.tmp("fill")
@@ -224,7 +227,7 @@ class Worker:
                 with open(spool, "wb") as f:
                     for piece in layer.stream(path):   # raises at the end if not verified
                         f.write(piece)
-                _copy_into(spool, self._wpath(hexd), size)
+                copy_into(spool, self._wpath(hexd), size)
             finally:
                 os.unlink(spool)
         os.setxattr(self.objects.path(hexd), FILLED_XATTR, self.objects.tag)
@@ -238,18 +241,28 @@ class Worker:
         compressed bytes (``_fill_ahead``): a package's modules, a library's neighbours are
         then filled without an open each waiting for its own read, and the opened file
         waits for none of them."""
-        claimed = self._claim(self._order(layer).after(entry.path))
-        if claimed:
-            self._ahead_pool.submit(self._fill_ahead, layer, claimed)
+        with self._lock:
+            order = self._orders.get(layer.digest)
+        if order is not None:
+            self._window(layer, entry.path, order)
+        else:   # the layer's TOC not decoded yet: the opened file waits for no decode
+            self._ahead_pool.submit(self._window, layer, entry.path)
         data = layer._load([entry])[entry.path]
-        _write_into(self._wpath(hexd), data)
+        write_into(self._wpath(hexd), data)
         self._complete(hexd)   # the reader that opened it goes on now
         self._after_fill(hexd, data)
 
     # -- fills ahead of opens ---------------------------------------------------------------
 
+    def _window(self, layer: Any, path: str, order: LayerOrder | None = None) -> None:
+        """Claim the unfilled files after ``path`` in ``layer``'s blob (``LayerOrder``) and
+        fill them in a pool thread (``_fill_ahead``)."""
+        claimed = self._claim((order or self._order(layer)).after(path))
+        if claimed:
+            self._ahead_pool.submit(self._fill_ahead, layer, claimed)
+
     def _after_fill(self, hexd: str, data: bytes) -> None:
-        """An opened object is filled: an ELF file's libraries are its next opens."""
+        """An object is filled: an ELF file's libraries are the next opens."""
         if data[:4] == b"\x7fELF":
             self._hint_pool.submit(self._predict, hexd, data)
 
@@ -259,7 +272,7 @@ class Worker:
         try:
             record, path, _ = self.source(hexd)
             layer_hex = str(record["layer"]).removeprefix("sha256:")
-            hexes = self.hints.on_elf(layer_hex, data) if data is not None \
+            hexes = self.hints.on_elf(layer_hex, data, path) if data is not None \
                 else self.hints.on_open(layer_hex, path)
             self._fill_predicted(hexes)
         except Exception as e:  # noqa: BLE001 - a hint: the opens fill what it missed
@@ -284,10 +297,21 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - a hint: the opens do it otherwise
             log.warning("preparing the start of a stack: %s", e)
 
+    def fill_soon(self, hexes: list[str]) -> None:
+        """Fill the objects ``hexes`` ahead of any open (``_fill_predicted``), in a pool
+        thread."""
+        def run() -> None:
+            try:
+                self._fill_predicted([h for h in hexes if is_hex64(h)])
+            except Exception as e:  # noqa: BLE001 - a hint: the opens fill them otherwise
+                log.warning("filling %d objects ahead: %s", len(hexes), e)
+        if hexes:
+            self._ahead_pool.submit(run)
+
     def _fill_predicted(self, hexes: list[str]) -> None:
         """Claim the unfilled ones of ``hexes`` and fill them in batches (``AHEAD_FILES``
         files, ``AHEAD_BYTES`` bytes), ``AHEAD_WORKERS`` reads in flight."""
-        groups: dict[str, tuple[Any, list[Any]]] = {}
+        groups: dict[str, tuple[Any, list[FileRef]]] = {}
         for h in hexes:
             try:
                 record, path, size = self.source(h)
@@ -295,9 +319,9 @@ class Worker:
                 continue
             if 0 < size <= STREAM_ABOVE:
                 layer = self._layer(record)
-                groups.setdefault(layer.digest, (layer, []))[1].append(layer.stat(path))
-        for layer, entries in groups.values():
-            claimed = self._claim(entries)
+                groups.setdefault(layer.digest, (layer, []))[1].append(FileRef(path, h, size))
+        for layer, refs in groups.values():
+            claimed = self._claim(refs)
             self.predicted += len(claimed)
             batch: list[Any] = []
             size = 0
@@ -312,13 +336,11 @@ class Worker:
 
     def _view(self, layer_hex: str) -> LayerView | None:
         """Layer ``layer_hex`` for the predictors: its tree and its import index."""
-        from runtime_shim.lazyfs.tree import tree_of
-
         with self._lock:
             record = self._records.get(layer_hex)
         if record is None:
             return None
-        return LayerView(layer_hex, tree_of(self._layer(record).reader),
+        return LayerView(layer_hex, self._tree(self._layer(record)),
                          self._index(layer_hex, record))
 
     def _index(self, layer_hex: str, record: dict[str, Any]) -> Any:
@@ -345,24 +367,28 @@ class Worker:
         with self._lock:
             self._index_urls.setdefault(layer_hex, url)
 
-    def _fill_ahead(self, layer: Any, claimed: list[Any]) -> None:
+    def _fill_ahead(self, layer: Any, claimed: list[FileRef]) -> None:
         """Fill the ``claimed`` files of ``layer`` (``_claim``) in one ``_load`` (each file
         verified against its TOC digest), written, then marked complete (unsynced:
         ``objects.boot_tag``). A file that cannot be had this way
         (a fault anywhere in the batch) is left to its own open."""
         try:
-            got = layer._load(claimed)
-            done = [e for e in claimed if e.path in got]
-            for e in done:
-                _write_into(self._wpath(_hex(e)), got[e.path])
-            for e in done:
-                self._complete(_hex(e))
+            entries = [layer.stat(r.path) for r in claimed]   # a TOC row each, decoded now
+            if any(e.digest != "sha256:" + r.hexd for e, r in zip(entries, claimed)):
+                raise ValueError("a file of the layer is not the object claimed for it")
+            got = layer._load(entries)
+            done = [r for r in claimed if r.path in got]
+            for r in done:
+                write_into(self._wpath(r.hexd), got[r.path])
+            for r in done:
+                self._complete(r.hexd)
                 self.ahead += 1
+                self._after_fill(r.hexd, got[r.path])   # an extension module's libraries
         except Exception as err:  # noqa: BLE001 - a hint: their own opens fill them (or fail)
             log.warning("filling ahead in %s: %s", layer.digest[:19], err)
         finally:   # whatever was claimed and not filled goes back to its own opens
-            for e in claimed:
-                self._release(_hex(e))
+            for r in claimed:
+                self._release(r.hexd)
 
     def _wpath(self, hexd: str) -> str:
         """Where a fill writes object ``hexd`` (through ``writer_mount``: no events)."""
@@ -389,12 +415,12 @@ class Worker:
             fds = self._waiting.pop(hexd, [])
         self._finish(fds, ok=True)
 
-    def _claim(self, entries: list[Any]) -> list[Any]:
-        """Those of ``entries`` whose objects are placeholders no fill has claimed yet, now
+    def _claim(self, refs: list[FileRef]) -> list[FileRef]:
+        """Those of ``refs`` whose objects are placeholders no fill has claimed yet, now
         claimed (single-flight: opens of them wait for this fill)."""
         out = []
-        for e in entries:
-            other = _hex(e)
+        for e in refs:
+            other = e.hexd
             if not os.path.exists(self.objects.path(other)) or self.objects.complete(other):
                 continue
             with self._lock:
@@ -408,9 +434,19 @@ class Worker:
         with self._lock:
             got = self._orders.get(layer.digest)
         if got is None:
-            got = LayerOrder(layer.entries())
+            got = LayerOrder(self._tree(layer).values(), layer.reader.toc.frames)
             with self._lock:
                 got = self._orders.setdefault(layer.digest, got)
+        return got
+
+    def _tree(self, layer: Any) -> dict[str, Any]:
+        """Layer ``layer``'s tree (``tree_of``), its TOC decoded once, one decode at a time."""
+        from runtime_shim.lazyfs.tree import tree_of
+
+        with self._tree_lock:
+            got = self._trees.get(layer.digest)
+            if got is None:
+                got = self._trees[layer.digest] = tree_of(layer.reader)
         return got
 
     def _layer(self, record: dict[str, Any]) -> Any:
@@ -431,8 +467,11 @@ class Worker:
             def full() -> Any:
                 return open_store(url, s3_endpoint=endpoint, create=False)
             source = HttpRanges(digest, ranges, full) if ranges else full()
+            # the TOC the create fetched (``record_layer``): no read of it over the link
+            tail = self.objects.layer_tail(digest[7:], int(record.get("tail") or 0))
             got = LazyLayer(source, digest, chunk_cache=MemoryChunkCache(0),
-                            size=int(record.get("size") or 0) or None)
+                            size=int(record.get("size") or 0) or None, tail=tail,
+                            expected_toc_digest=record.get("toc_digest") or None)
             with self._lock:
                 got = self._readers.setdefault(key, got)
         return got
@@ -517,38 +556,6 @@ def _safe_source(worker: Worker, hexd: str) -> dict[str, Any]:
         return {"layer": record.get("layer"), "path": path}
     except LookupError:
         return {}
-
-
-def _hex(entry: Any) -> str:
-    return str(entry.digest).removeprefix("sha256:")
-
-
-def _write_into(target: str, data: bytes) -> None:
-    """Write verified ``data`` into the placeholder (not synced: ``objects.boot_tag``)."""
-    fd = os.open(target, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
-    try:
-        view = memoryview(data)
-        for off in range(0, len(view), WRITE_PIECE):  # one 64 MiB write took 0.97 s, 64
-            os.pwrite(fd, view[off:off + WRITE_PIECE], off)   # writes of 1 MiB 0.06 s
-    finally:
-        os.close(fd)
-
-
-def _copy_into(spool: str, target: str, size: int) -> None:
-    """Copy the verified spool into the placeholder (not synced: ``objects.boot_tag``)."""
-    src = os.open(spool, os.O_RDONLY | os.O_CLOEXEC)
-    dst = os.open(target, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)   # a killed fill's rest
-    try:
-        done = 0
-        while done < size:
-            n = os.copy_file_range(src, dst, size - done, done, done)
-            if n <= 0:
-                raise OSError(errno.EIO, f"copy into {target} stopped at {done} of {size}")
-            done += n
-    finally:
-        os.close(src)
-        os.close(dst)
-
 
 
 __all__ = ["FILL_WORKERS", "MAX_FDS", "MARKS_SYSCTL", "Worker"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from typing import Any
 from envbuild.errors import EnvbuildError, RuntimeShimError
 from runtime_shim.lazyfs import nativetree
 from runtime_shim.lazyfs.filler import LOG, SOCKET
+from runtime_shim.lazyfs.fillhints import START_FILES
 from runtime_shim.lazyfs.objects import ObjectStore
 from runtime_shim.lazyfs.tree import Node
 
@@ -138,12 +140,17 @@ def native_layer_dirs(node_root: str, store: Any, layers: Sequence[Any]) -> list
 
     _check_envbuild_layers(layers)
     root = os.path.abspath(node_root)
+    # the stack the filler resolves predictions in (a hint: no answer, no prediction)
+    stack = {"op": "stack", "layers": [x.digest[7:] for x in reversed(layers)]}
+    new = [x for x in layers
+           if not os.path.ismount(nativetree.mount_dir(root, x.digest.removeprefix("sha256:")))]
+    if not new and filler_request(root, stack) is not None:
+        # every layer mounted and the filler answering: the create's one round trip
+        return [nativetree.mount_dir(root, x.digest[7:]) for x in layers]
     url, endpoint = store_location(store)
     ensure_filler(root)
     objects = ObjectStore(root)
     objects.make_dirs()
-    new = [x for x in layers
-           if not os.path.ismount(nativetree.mount_dir(root, x.digest.removeprefix("sha256:")))]
     readers = _readers(store, new)
     dirs = []
     for layer in layers:
@@ -151,38 +158,65 @@ def native_layer_dirs(node_root: str, store: Any, layers: Sequence[Any]) -> list
         if layer.digest not in readers:
             dirs.append(nativetree.mount_dir(root, hexd))
             continue
-        nodes = _tree(layer, readers[layer.digest])
+        reader, tail = readers[layer.digest]
+        nodes = _tree(layer, reader)
 
-        def start(layer: Any = layer, nodes: dict[str, Node] = nodes) -> Callable[[], None]:
-            objects.record_layer(layer.digest, int(layer.size or 0), url, endpoint,
-                                 _sources(nodes))
+        def start(layer: Any = layer, nodes: dict[str, Node] = nodes, tail: bytes = tail,
+                  size: int = reader.size) -> Callable[[], None]:
+            objects.record_layer(layer.digest, size, url, endpoint,
+                                 _sources(nodes), tail, getattr(layer, "toc_digest", ""))
             # a presigned URL: the filler's ranged reads over plain HTTP, no boto3 in it
             ranges, index = (store.presigned_get_url(layer.digest),
                              store.presigned_get_record_url(PYIMPORT_RECORDS, layer.digest[7:])) \
                 if isinstance(store, Presigner) else (None, None)
-            return _in_thread(lambda: place(root, layer.digest, ranges, index))
+            fill = [nodes[p].digest[7:] for p in START_FILES
+                    if p in nodes and stat.S_ISREG(nodes[p].mode) and nodes[p].size]
+            return _in_thread(lambda: place(root, layer.digest, ranges, index, fill))
         dirs.append(nativetree.ensure(root, hexd, nodes, objects.data, start))
-    # the stack the filler resolves predictions in (a hint: no answer, no prediction)
-    filler_request(root, {"op": "stack", "layers": [x.digest[7:] for x in reversed(layers)]})
+    filler_request(root, stack)
     return dirs
 
 
-def _readers(store: Any, layers: Sequence[Any]) -> dict[str, Any]:
-    """The ``LayerReader``s of ``layers`` (footer and TOC each), fetched at once: a request
-    each, in parallel over the link."""
+def _readers(store: Any, layers: Sequence[Any]) -> dict[str, tuple[Any, bytes]]:
+    """The ``LayerReader``s of ``layers`` and their blobs' tails (``_open``), fetched at
+    once: a request each, in parallel over the link."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from envbuild.layers import LayerReader
-
-    def one(layer: Any) -> Any:
+    def one(layer: Any) -> tuple[Any, bytes]:
         try:
-            return LayerReader.from_store(store, layer.digest)
+            return _open(store, layer)
         except EnvbuildError as e:
             raise RuntimeShimError(f"native lazy layer {layer.digest[:19]}: {e}") from e
     if not layers:
         return {}
     with ThreadPoolExecutor(min(8, len(layers))) as pool:
         return dict(zip([x.digest for x in layers], pool.map(one, layers), strict=True))
+
+
+def _open(store: Any, layer: Any) -> tuple[Any, bytes]:
+    """Layer ``layer``'s ``LayerReader`` from one ranged read of its blob's last
+    ``TOC_GUESS`` bytes (its size from the lock: no ``stat``; a larger TOC costs a second
+    read), checked against the lock's TOC digest; and the blob from its TOC frame to its
+    end, which the filler reads the TOC from (``ObjectStore.record_layer``)."""
+    from envbuild.errors import CorruptLayerError
+    from envbuild.layers import LayerReader
+    from envbuild.store.lazy import TOC_GUESS
+
+    digest = layer.digest
+    size = int(layer.size or 0) or store.stat(digest).size
+    n = min(size, TOC_GUESS)
+    have = [size - n, store.get_range(digest, size - n, n)]
+
+    def get_range(offset: int, length: int) -> bytes:
+        if offset < have[0]:   # a TOC over the guess: the rest of the tail, once
+            have[:] = [offset, store.get_range(digest, offset, have[0] - offset) + have[1]]
+        if len(have[1]) != size - have[0]:
+            raise CorruptLayerError(f"layer {digest}: short read of its tail (truncated blob)")
+        start = offset - have[0]
+        return have[1][start:start + length]
+    reader = LayerReader(get_range, size, name=digest,
+                         expected_toc_digest=getattr(layer, "toc_digest", None) or None)
+    return reader, have[1][reader.footer.toc_offset - have[0]:]
 
 
 def _tree(layer: Any, reader: Any) -> dict[str, Node]:
@@ -197,8 +231,6 @@ def _tree(layer: Any, reader: Any) -> dict[str, Node]:
 def _sources(nodes: dict[str, Node]) -> dict[str, tuple[str, int]]:
     """``{object hex: (path in the layer, size)}`` of a layer's regular files (the first
     path of each content)."""
-    import stat
-
     out: dict[str, tuple[str, int]] = {}
     for node in nodes.values():
         if stat.S_ISREG(node.mode):
@@ -228,12 +260,14 @@ def _in_thread(fn: Callable[[], None]) -> Callable[[], None]:
 
 
 def place(node_root: str, layer: str, ranges_url: str | None = None,
-          index_url: str | None = None) -> None:
+          index_url: str | None = None, fill: Sequence[str] = ()) -> None:
     """Have the filler read ``layer``'s source record (and take ``ranges_url``, a presigned
     GET of its blob, and ``index_url``, of its import index, if any), make the placeholders
-    of its objects the node lacks and mark them (before anything can reach them)."""
+    of its objects the node lacks and mark them (before anything can reach them); then fill
+    the objects ``fill`` names (what a sandbox's start reads of the layer) ahead."""
     reply = filler_request(node_root, {"op": "place", "layer": layer.removeprefix("sha256:"),
-                                       "ranges_url": ranges_url, "index_url": index_url},
+                                       "ranges_url": ranges_url, "index_url": index_url,
+                                       "fill": list(fill)},
                            timeout=600.0)
     if not reply or not reply.get("ok"):
         why = (reply or {}).get("error") or "no answer"

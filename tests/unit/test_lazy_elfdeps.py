@@ -15,20 +15,27 @@ from runtime_shim.lazyfs.tree import Node
 
 
 def elf(interp: str = "", needed: tuple[str, ...] = (), *, strtab_vaddr: int = 0x100000,
-        load: bool = True, phnum: int | None = None) -> bytes:
+        load: bool = True, phnum: int | None = None,
+        run: tuple[tuple[int, str], ...] = ()) -> bytes:
     """A 64-bit little-endian ELF: header, program headers (PT_INTERP, PT_LOAD over the whole
-    image, PT_DYNAMIC), the dynamic entries and their string table."""
+    image, PT_DYNAMIC), the dynamic entries (``run``: more ``(tag, string)`` ones, e.g.
+    ``DT_RUNPATH``) and their string table."""
     strings = b"\0"
     offsets = []
     for name in needed:
         offsets.append(len(strings))
         strings += name.encode() + b"\0"
+    extra = []
+    for tag, text in run:
+        extra.append((tag, len(strings)))
+        strings += text.encode() + b"\0"
     interp_b = interp.encode() + b"\0" if interp else b""
     phdrs = (1 if interp else 0) + (1 if load else 0) + 1
     phoff = 64
     interp_off = phoff + phdrs * 56
     dyn_off = interp_off + len(interp_b)
     dyn = b"".join(struct.pack("<qQ", 1, o) for o in offsets)
+    dyn += b"".join(struct.pack("<qQ", tag, o) for tag, o in extra)
     dyn += struct.pack("<qQ", 5, strtab_vaddr) + struct.pack("<qQ", 0, 0)
     str_off = dyn_off + len(dyn)
     total = str_off + len(strings)
@@ -186,3 +193,34 @@ def test_remembered_directories_give_what_a_full_walk_gives():
                  for _ in range(80)]
         for path in paths + paths[::-1]:
             assert _found(stack.lookup(path)) == _found(_walked(stack, path)), path
+
+
+def test_needed_libraries_are_found_in_the_run_path_with_origin_first():
+    """An extension module's libraries sit where its ``DT_RUNPATH`` says, ``$ORIGIN``
+    relative (numpy's ``numpy.libs``): they are found there before the loader's directories;
+    ``DT_RPATH`` counts when there is no ``DT_RUNPATH``; ``$ORIGIN`` without the file's
+    path, other ``$`` tokens and relative entries are skipped, and ``..`` stops at the
+    root."""
+    from runtime_shim.lazyfs.elfdeps import parse_dynamic
+
+    site = "opt/venv/lib/python3.11/site-packages"
+    ops = Ops("venv", {f"{site}/numpy.libs/libopenblas.so": 1,
+                       "usr/lib/x86_64-linux-gnu/libopenblas.so": 1,
+                       "usr/lib/x86_64-linux-gnu/libm.so.6": 1, "opt/x/libq.so": 1,
+                       "libroot.so": 1})
+    stack = Stack([ops])
+    runpath, rpath = 29, 15
+    module = elf("", ("libopenblas.so", "libm.so.6"),
+                 run=((runpath, "$ORIGIN/../../numpy.libs:/opt/x"),))
+    assert parse_dynamic(module)[2] == ["$ORIGIN/../../numpy.libs", "/opt/x"]
+    origin = f"{site}/numpy/core/_umath.so"
+    assert [_found(h)[1] for h in stack.dependencies(module, origin)] == [
+        f"{site}/numpy.libs/libopenblas.so", "usr/lib/x86_64-linux-gnu/libm.so.6"]
+    assert [_found(h)[1] for h in stack.dependencies(module)] == [   # no path: no $ORIGIN
+        "usr/lib/x86_64-linux-gnu/libopenblas.so", "usr/lib/x86_64-linux-gnu/libm.so.6"]
+    both = elf("", ("libq.so",), run=((rpath, "/nowhere"), (runpath, "${ORIGIN}/../x")))
+    assert [_found(h)[1] for h in stack.dependencies(both, "opt/bin/prog")] == ["opt/x/libq.so"]
+    old = elf("", ("libq.so",), run=((rpath, "$LIB/x:x:/opt/x"),))
+    assert [_found(h)[1] for h in stack.dependencies(old, "p")] == ["opt/x/libq.so"]
+    up = elf("", ("libroot.so",), run=((runpath, "$ORIGIN/../../../../.."),))
+    assert [_found(h)[1] for h in stack.dependencies(up, "a/b")] == ["libroot.so"]

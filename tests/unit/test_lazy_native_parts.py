@@ -46,27 +46,93 @@ def test_a_layer_over_the_member_cap_is_refused_before_anything_is_made(tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
-def _file(path: str, offset: int, csize: int, size: int, digest: str = "") -> object:
-    from envbuild.layers import Chunk, Entry
-
-    return Entry(path=path, type="file", size=size,
-                 digest=digest or "sha256:" + format(offset, "064x"),
-                 chunks=[Chunk(offset, csize, 0, size, 0)])
+def _file(path: str, offset: int, csize: int, size: int, digest: str = "") -> Node:
+    return Node(ino=2, mode=0o100644, uid=0, gid=0, mtime=0, size=size, read_path=path,
+                frames=(offset,), digest=digest or "sha256:" + format(offset, "064x"))
 
 
 def test_the_fill_window_is_the_files_after_one_in_blob_order():
     from runtime_shim.lazyfs.fillwindow import LayerOrder
 
-    entries = [_file("c", 300, 100, 100), _file("a", 0, 100, 100), _file("b", 100, 100, 100),
-               _file("bad", 200, 50, 50, digest="sha256:../../etc"),
-               _file("big", 400, 100, 5000), _file("after", 500, 100, 100)]
-    order = LayerOrder(entries)
+    nodes = [_file("c", 300, 100, 100), _file("a", 0, 100, 100), _file("b", 100, 100, 100),
+             _file("bad", 200, 50, 50, digest="sha256:../../etc"),
+             _file("big", 400, 100, 5000), _file("after", 500, 100, 100)]
+    frames = [(100, 100), (100, 100), (100, 50), (100, 100), (100, 5000), (100, 100)]
+    order = LayerOrder(nodes + [nodes[1]], frames)   # a hardlinked file: once
     assert [e.path for e in order.after("a", window=10_000, max_file=1000)] == ["b", "c"]
     assert [e.path for e in order.after("a", window=250, max_file=1000)] == ["b"]
     assert [e.path for e in order.after("big", window=10_000, max_file=1000)] == ["after"]
     assert [e.path for e in order.after("a", window=10_000, max_file=1000, max_files=1)] \
         == ["b"]
     assert order.after("bad") == [] and order.after("nope") == []
+    assert order.after("b", window=10_000, max_file=1000)[0] == \
+        ("c", format(300, "064x"), 100, 300, 400)
+
+
+class _Counting:
+    """A store whose ranged reads and stats are counted."""
+
+    def __init__(self, store: object) -> None:
+        self.store, self.reads, self.stats = store, 0, 0
+
+    def get_range(self, digest: str, offset: int, length: int) -> bytes:
+        self.reads += 1
+        return self.store.get_range(digest, offset, length)  # type: ignore[attr-defined]
+
+    def stat(self, digest: str) -> object:
+        self.stats += 1
+        return self.store.stat(digest)  # type: ignore[attr-defined]
+
+
+def test_the_filler_decodes_a_layer_toc_once_from_the_tail_its_create_fetched(
+        tmp_path, monkeypatch):
+    """A create reads a layer's footer and TOC in one ranged read (its size from the lock)
+    and keeps that tail beside the layer's record; the filler's reader of the layer takes
+    its TOC from there (no read of the store), and its tree (predictions' lookups) and its
+    blob order (fill windows) come from one decode of the TOC, with no ``Entry`` per
+    member."""
+    import types
+
+    from envbuild.layers import LayerReader, pack_tree
+    from envbuild.store import LocalStore, put_file
+    from runtime_shim.lazyfs import native, tree
+    from runtime_shim.lazyfs.fillworker import Worker
+    from runtime_shim.lazyfs.objects import ObjectStore
+
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    for i in range(5):
+        (src / "pkg" / f"m{i}.py").write_bytes(b"x = %d\n" % i * 1000)
+    with open(tmp_path / "layer", "wb") as f:
+        pack_tree(src, f)
+    store = LocalStore(tmp_path / "store")
+    info = put_file(store, tmp_path / "layer")
+    with LayerReader.open_file(tmp_path / "layer") as r:
+        toc_digest = r.toc_digest
+    ref = types.SimpleNamespace(digest=info.digest, size=info.size, toc_digest=toc_digest)
+    counting = _Counting(store)
+    reader, tail = native._open(counting, ref)
+    assert (counting.reads, counting.stats) == (1, 0)
+    nodes = tree.tree_of(reader)
+    objects = ObjectStore(tmp_path / "node")
+    objects.make_dirs = lambda: None  # type: ignore[method-assign]   # no root needed
+    import os
+    os.makedirs(os.path.join(objects.root, "layers"))
+    objects.record_layer(info.digest, info.size, str(store.root), None,
+                         native._sources(nodes), tail, toc_digest)
+    decodes = []
+    real_tree_of = tree.tree_of
+    monkeypatch.setattr(tree, "tree_of", lambda r: decodes.append("tree") or real_tree_of(r))
+    monkeypatch.setattr(LayerReader, "entries", lambda self: decodes.append("entries") or [])
+    w = Worker(str(tmp_path / "node"), -1)
+    w.load_layer(info.digest[7:])
+    layer = w._layer(w.objects.layer_record(info.digest[7:]))
+    assert layer.stats.requests == 0   # the TOC came from the tail
+    assert w._view(info.digest[7:]) is not None
+    assert [f.path for f in w._order(layer).after("pkg/m0.py")] == \
+        [f"pkg/m{i}.py" for i in range(1, 5)]
+    assert decodes == ["tree"]
+    assert layer.read("pkg/m3.py") == b"x = 3\n" * 1000   # verified as ever
 
 
 def test_an_object_filled_in_another_boot_is_a_placeholder_again(tmp_path, monkeypatch):
@@ -115,3 +181,33 @@ def test_a_registered_stack_predicts_the_files_a_start_reads():
     hints.add_stack([top, low])
     assert hints.on_start(top) == ["a" * 64, "c" * 64]
     assert hints.on_elf(top, b"not an ELF file") == []
+
+
+def test_a_fill_writes_its_object_without_truncating_it(tmp_path, monkeypatch):
+    """A fill opens its placeholder without ``O_TRUNC`` (on ext4 a truncate to 0 makes the
+    close flush the file: ~100 us an object, and I/O an unsynced fill means to avoid); what
+    an object held before (a killed fill's prefix of the same bytes, or more) ends up exactly
+    the verified content."""
+    import os
+
+    from runtime_shim.lazyfs import objects
+
+    flags: list[int] = []
+    real_open = os.open
+
+    def spy(path, flag, *args):   # type: ignore[no-untyped-def]
+        flags.append(flag)
+        return real_open(path, flag, *args)
+    monkeypatch.setattr(os, "open", spy)
+    data = os.urandom(3 * objects.WRITE_PIECE + 5)
+    for before in (b"", data[:1000], data + b"stale tail"):
+        target = tmp_path / f"obj{len(before)}"
+        target.write_bytes(before)
+        objects.write_into(str(target), data)
+        assert target.read_bytes() == data
+        spool = tmp_path / "spool"
+        spool.write_bytes(data)
+        target.write_bytes(before)
+        objects.copy_into(str(spool), str(target), len(data))
+        assert target.read_bytes() == data
+    assert flags and not any(f & os.O_TRUNC for f in flags if f & os.O_WRONLY)
