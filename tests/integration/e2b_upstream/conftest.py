@@ -103,6 +103,12 @@ def sandbox_test_id() -> str:
 
 
 @pytest.fixture
+def test_api_key() -> str:
+    """Upstream's: a key of E2B's format for tests that do not reach the control plane."""
+    return "e2b_" + "0" * 40
+
+
+@pytest.fixture
 def template() -> str:
     return "base"
 
