@@ -142,7 +142,7 @@ class FilesystemService(Filesystem):
     async def create_watcher(self, request: pb.CreateWatcherRequest, ctx: RequestContext
                              ) -> pb.CreateWatcherResponse:
         entry, _, path = await self._run(ctx, "watch", request.path)
-        watch_id, _ = await envd_watch.open_watch(entry, path, request.recursive)
+        watch_id, _ = await envd_watch.open_watch(entry, path, request.recursive, polled=True)
         return pb.CreateWatcherResponse(watcher_id=watch_id)
 
     async def get_watcher_events(self, request: pb.GetWatcherEventsRequest,

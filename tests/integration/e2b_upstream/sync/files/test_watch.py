@@ -91,7 +91,36 @@ def test_watch_recursive_directory_changes(sandbox: Sandbox):
     handle.stop()
 
 
-# envbuild: test_watch_recursive_directory_after_nested_folder_addition dropped: a polling watcher follows a new subdirectory only once polled, so a file written in it before the first poll is missed (our bug, open: docs/e2b.md)
+def test_watch_recursive_directory_after_nested_folder_addition(sandbox: Sandbox):
+    dirname = "test_recursive_watch_dir_add"
+    nested_dirname = "test_nested_watch_dir"
+    filename = "test_watch.txt"
+    content = "This file will be watched."
+
+    sandbox.files.remove(dirname)
+    sandbox.files.make_dir(dirname)
+
+    handle = sandbox.files.watch_dir(dirname, recursive=True)
+
+    sandbox.files.make_dir(f"{dirname}/{nested_dirname}")
+    sandbox.files.write(f"{dirname}/{nested_dirname}/{filename}", content)
+
+    expected_filename = f"{nested_dirname}/{filename}"
+
+    events = handle.get_new_events()
+    file_changed = False
+    folder_created = False
+    for event in events:
+        if event.type == FilesystemEventType.WRITE and event.name == expected_filename:
+            file_changed = True
+            continue
+        if event.type == FilesystemEventType.CREATE and event.name == nested_dirname:
+            folder_created = True
+
+    assert folder_created
+    assert file_changed
+
+    handle.stop()
 
 
 def test_watch_non_existing_directory(sandbox: Sandbox):
