@@ -20,12 +20,17 @@ from envbuild.serve.envd_process import sandbox_of, user_of
 from envbuild.serve.sandboxes import Entry, Registry
 
 #: One line per entry: raw mode (hex) | size | owner | group | mtime | path (last: a name may
-#: hold "|"; one with a newline is not supported). Symlink targets are not reported yet.
+#: hold "|"; one with a newline is not supported).
 _FMT = "%f|%s|%U|%G|%Y|%n"
 _STAT = f"stat -c '{_FMT}' -- \"$1\""
+#: ``Stat`` of a symlink adds a line: its target's raw mode (hex; 0 if none) | the target's
+#: path, resolved (E2B's envd: the type and mode are the target's, ``is_symlink`` says what
+#: the entry is)
+_TARGET = ('if [ -L "$1" ]; then printf \'%s|%s\\n\' "$(stat -L -c %f -- "$1" 2>/dev/null || '
+           'echo 0)" "$(readlink -f -- "$1" || printf %s "$1")"; fi')
 #: exit codes of the scripts: 3 no such path, 4 not a directory, 5 already exists
 _SCRIPTS = {
-    "stat": f'[ -e "$1" ] || [ -L "$1" ] || exit 3; {_STAT}',
+    "stat": f'[ -e "$1" ] || [ -L "$1" ] || exit 3; {_STAT} && {_TARGET}',
     "list": '[ -e "$1" ] || exit 3; [ -d "$1" ] || exit 4; '
             f"find \"$1\" -mindepth 1 -maxdepth \"$2\" -exec stat -c '{_FMT}' -- {{}} +",
     "mkdir": f'[ -e "$1" ] && exit 5; mkdir -p -- "$1" && {_STAT}',
@@ -50,16 +55,31 @@ def _mode_string(mode: int) -> str:
     return out
 
 
-def _entry_info(line: str) -> pb.EntryInfo:
+def _file_type(mode: int) -> pb.FileType:
+    return {0o040000: pb.FileType.DIRECTORY, 0o120000: pb.FileType.SYMLINK,
+            0o100000: pb.FileType.FILE}.get(mode & 0o170000, pb.FileType.UNSPECIFIED)
+
+
+def _entry_info(line: str, target: str | None = None) -> pb.EntryInfo:
+    """An entry of a ``_FMT`` line; ``target``, a symlink's ``_TARGET`` line."""
     raw_mode, size, owner, group, mtime, path = line.split("|", 5)
     mode = int(raw_mode, 16)
     kind = mode & 0o170000
-    ftype = {0o040000: pb.FileType.DIRECTORY, 0o120000: pb.FileType.SYMLINK}.get(
-        kind, pb.FileType.FILE)
-    return pb.EntryInfo(name=path.rstrip("/").rsplit("/", 1)[-1] or "/", type=ftype, path=path,
-                        size=int(size), mode=mode & 0o7777, permissions=_mode_string(mode),
-                        owner=owner, group=group, modified_time=Timestamp(seconds=int(mtime)),
-                        is_symlink=kind == 0o120000)
+    info = pb.EntryInfo(name=path.rstrip("/").rsplit("/", 1)[-1] or "/", type=_file_type(mode),
+                        path=path, size=int(size), mode=mode & 0o7777,
+                        permissions=_mode_string(mode), owner=owner, group=group,
+                        modified_time=Timestamp(seconds=int(mtime)), is_symlink=kind == 0o120000)
+    if target is not None:
+        raw_target, info.symlink_target = target.split("|", 1)
+        target_mode = int(raw_target, 16)
+        info.type, info.mode = _file_type(target_mode), target_mode & 0o7777
+    return info
+
+
+def _components(line: str) -> list[str]:
+    """The path of a ``_FMT`` line, split: sorting by it is E2B's ``ListDir`` order (a
+    directory's entries by name, each directory right before what is in it)."""
+    return line.split("|", 5)[-1].split("/")
 
 
 class FilesystemService(Filesystem):
@@ -86,13 +106,14 @@ class FilesystemService(Filesystem):
 
     async def stat(self, request: pb.StatRequest, ctx: RequestContext) -> pb.StatResponse:
         _, lines, _ = await self._run(ctx, "stat", request.path)
-        return pb.StatResponse(entry=_entry_info(lines[0]))
+        return pb.StatResponse(entry=_entry_info(lines[0], lines[1] if len(lines) > 1 else None))
 
     async def list_dir(self, request: pb.ListDirRequest, ctx: RequestContext
                        ) -> pb.ListDirResponse:
         depth = min(max(request.depth or 1, 1), MAX_DEPTH)
         _, lines, _ = await self._run(ctx, "list", request.path, extra=(str(depth),))
-        return pb.ListDirResponse(entries=[_entry_info(line) for line in lines if line])
+        return pb.ListDirResponse(entries=[_entry_info(line) for line in
+                                           sorted(filter(None, lines), key=_components)])
 
     async def make_dir(self, request: pb.MakeDirRequest, ctx: RequestContext
                        ) -> pb.MakeDirResponse:
@@ -121,7 +142,7 @@ class FilesystemService(Filesystem):
     async def create_watcher(self, request: pb.CreateWatcherRequest, ctx: RequestContext
                              ) -> pb.CreateWatcherResponse:
         entry, _, path = await self._run(ctx, "watch", request.path)
-        watch_id, _ = await envd_watch.open_watch(entry, path, request.recursive)
+        watch_id, _ = await envd_watch.open_watch(entry, path, request.recursive, polled=True)
         return pb.CreateWatcherResponse(watcher_id=watch_id)
 
     async def get_watcher_events(self, request: pb.GetWatcherEventsRequest,

@@ -61,6 +61,9 @@ async def user_of(entry: Entry, ctx: RequestContext) -> users.User:
 _GONE = pb.ProcessEvent()
 #: What a listener gets when it fell ``Limits.output_bytes`` behind (``_Listener``).
 _BEHIND = pb.ProcessEvent()
+#: What listeners get when the request's deadline ended the command: DEADLINE_EXCEEDED, as
+#: E2B's envd ends the stream (an end event with exit 124 raced the SDK's own timer).
+_TIMED_OUT = pb.ProcessEvent()
 
 
 def _event(**kw: object) -> pb.ProcessEvent:
@@ -144,6 +147,10 @@ class ProcessService(ProcessProtocol):
         emit = functools.partial(_emit, proc)
         try:
             result = await proc.handle.wait()
+            if result.timed_out:  # ended by the request's deadline: E2B's stream says so
+                entry.processes.pop(proc.pid, None)
+                emit(_TIMED_OUT)
+                return
             end = pb.ProcessEvent.EndEvent(exit_code=result.exit_code, exited=True,
                                            status=f"exit status {result.exit_code}")
         except asyncio.CancelledError:  # the sandbox is being killed: the stream breaks off
@@ -310,6 +317,8 @@ async def _drain(queue: _Listener, proc: Process) -> AsyncIterator[pb.ProcessEve
             if event is _GONE:
                 raise ConnectError(Code.UNAVAILABLE, "the connection to the sandbox ended "
                                    "before the stream completed")
+            if event is _TIMED_OUT:
+                raise ConnectError(Code.DEADLINE_EXCEEDED, "the command ran past its timeout")
             if event is _BEHIND:
                 raise ConnectError(Code.RESOURCE_EXHAUSTED, f"the stream fell {queue.limit} "
                                    "bytes of output behind; connect again to follow it")

@@ -49,9 +49,46 @@ def _events(raw: list[Any]) -> list[pb.FilesystemEvent]:
     return out
 
 
-async def open_watch(entry: Entry, path: str, recursive: bool) -> tuple[str, Any]:
+class _Polled:
+    """A polling watcher's watch, read as its events come (E2B's envd reads its watches so),
+    not only when polled: a recursive watch then follows a new subdirectory before anything
+    is written in it. The events wait for ``GetWatcherEvents``; past ``MAX_PENDING`` the
+    reading stops (the poll then reports the overflow)."""
+
+    def __init__(self, watch: Any) -> None:
+        self.watch = watch
+        self.events: list[Any] = []
+        self.task = asyncio.get_running_loop().create_task(self._follow())
+
+    async def _follow(self) -> None:
+        while len(self.events) <= MAX_PENDING:
+            raw = await self.watch.next_events()
+            if not raw and self.watch.fileno() < 0:  # closed
+                return
+            self._add(raw)
+
+    def _add(self, raw: list[Any]) -> None:
+        # an event equal to the last one kept is dropped, as the kernel merges it into the
+        # unread last one of its queue (E2B's tests count a write's events)
+        for event in raw:
+            if not self.events or self.events[-1] != event:
+                self.events.append(event)
+
+    def read(self) -> list[Any]:
+        self._add(self.watch.read())
+        out, self.events = self.events, []
+        return out
+
+    def close(self) -> None:
+        self.task.cancel()
+        self.watch.close()
+
+
+async def open_watch(entry: Entry, path: str, recursive: bool, *, polled: bool = False
+                     ) -> tuple[str, Any]:
     """A new watch of ``path`` (absolute, checked by the caller) in ``entry``: its id and
-    ``runtime_shim``'s ``DirWatch``, counted against ``MAX_WATCHERS``."""
+    ``runtime_shim``'s ``DirWatch``, counted against ``MAX_WATCHERS``; ``polled``: a
+    ``CreateWatcher`` watcher's (``_Polled``)."""
     if len(entry.watchers) >= MAX_WATCHERS:
         raise ConnectError(Code.RESOURCE_EXHAUSTED,
                            f"at most {MAX_WATCHERS} watches per sandbox")
@@ -62,7 +99,7 @@ async def open_watch(entry: Entry, path: str, recursive: bool) -> tuple[str, Any
     except OSError as e:
         raise ConnectError(Code.INTERNAL, f"watch {path}: {e.strerror}") from None
     watch_id = uuid.uuid4().hex
-    entry.watchers[watch_id] = watch
+    entry.watchers[watch_id] = _Polled(watch) if polled else watch
     return watch_id, watch
 
 

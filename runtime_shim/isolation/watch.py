@@ -94,6 +94,8 @@ class DirWatch:
         self._dirs: dict[int, str] = {}  # watch descriptor -> relative dir ("" is the top)
         self._overflowed = False
         self._pending: list[WatchEvent] = []
+        #: (loop, fd, future) while ``next_events`` waits on a loop
+        self._waiting: tuple[asyncio.AbstractEventLoop, int, asyncio.Future[None]] | None = None
 
     @classmethod
     def open(cls, root: str, path: str, *, recursive: bool = False,
@@ -182,10 +184,19 @@ class DirWatch:
                 return events
             ready: asyncio.Future[None] = loop.create_future()
             loop.add_reader(self._fd, _resolve, ready)
+            self._waiting = (loop, self._fd, ready)
             try:
                 await ready
             finally:
-                loop.remove_reader(self._fd)
+                self._unregister()
+
+    def _unregister(self) -> None:
+        """Take the inotify fd off the loop ``next_events`` waits on, and wake it."""
+        if self._waiting is not None:
+            loop, fd, ready = self._waiting
+            self._waiting = None
+            loop.remove_reader(fd)
+            _resolve(ready)
 
     def read(self) -> list[WatchEvent]:
         """The events ready now (an empty list if none; never blocks)."""
@@ -234,6 +245,9 @@ class DirWatch:
                 os.close(sub)
 
     def close(self) -> None:
+        # Off the loop first: a closed fd left registered there makes the loop's selector
+        # fail (ENOENT) on whatever next gets that fd's number (a command's socket).
+        self._unregister()
         for fd in (self._fd, self._top):
             if fd >= 0:
                 os.close(fd)

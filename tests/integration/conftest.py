@@ -176,6 +176,26 @@ def cluster_examples(ray_cluster, tmp_path_factory):
             reap_stale_builds(node / "builds", OciRuntime("runc", state_root=str(node / "runc")))
 
 
+def python_example_store(request):
+    """A store with the example envs' Debian layers (env/py-textstats built):
+    $ENVBUILD_TEST_PY_STORE, the repo's cache/, else the session's one build of the examples
+    (``cluster_examples``: on the Ray cluster, pulled into a local store; debootstrap, a few
+    minutes, shared with the other tests that need it)."""
+    import os
+
+    from envbuild.store import LocalStore
+
+    for where in (os.environ.get("ENVBUILD_TEST_PY_STORE"), str(REPO / "cache")):
+        if where and os.path.isdir(where):
+            candidate = LocalStore(where)
+            try:
+                candidate.get_ref("env/py-textstats")
+                return candidate
+            except Exception:  # noqa: BLE001 - not built there
+                pass
+    return LocalStore(request.getfixturevalue("cluster_examples").local_store)
+
+
 @pytest.fixture(scope="module")
 def e2b_built(tmp_path_factory):
     """The busybox env built into a store of its own, for one module's ``envbuild serve``."""
@@ -187,9 +207,15 @@ def e2b_built(tmp_path_factory):
 @pytest.fixture(scope="module")
 def e2b_server(e2b_built):
     """``envbuild serve`` over ``e2b_built``'s store, with the e2b SDK's variables pointing at it."""
+    yield from serving(e2b_built)
+
+
+def serving(built):
+    """``envbuild serve`` over ``built`` (``e2b_built``'s triple) with the e2b SDK's variables
+    set, for a fixture of any scope to ``yield from``."""
     from tests.e2b_server import e2b_env, running_server
 
-    root, store, node = e2b_built
+    root, store, node = built
     with running_server(root, store.root, node) as srv, e2b_env(srv):
         yield srv
 

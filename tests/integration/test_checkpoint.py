@@ -20,6 +20,7 @@ from runtime_shim.backends import criu
 from runtime_shim.node.locks import resolve
 from runtime_shim.sdk.checkpoint import ANNOTATION_IMAGE, ANNOTATION_RECORD
 from tests.conftest import require_root
+from tests.integration.conftest import python_example_store
 
 pytestmark = pytest.mark.integration
 
@@ -260,30 +261,10 @@ while True:
 """
 
 
-def _python_store(request):
-    """A store with env/py-textstats: $ENVBUILD_TEST_PY_STORE, the repo's cache/, else the
-    session's one build of the examples (``cluster_examples``: on the Ray cluster, pulled into
-    a local store; debootstrap, a few minutes, shared with the other tests that need it)."""
-    from pathlib import Path
-
-    from envbuild.store import LocalStore
-
-    repo = Path(__file__).resolve().parents[2]
-    for where in (os.environ.get("ENVBUILD_TEST_PY_STORE"), str(repo / "cache")):
-        if where and os.path.isdir(where):
-            candidate = LocalStore(where)
-            try:
-                candidate.get_ref("env/py-textstats")
-                return candidate
-            except Exception:  # noqa: BLE001 - not built there
-                pass
-    return LocalStore(request.getfixturevalue("cluster_examples").local_store)
-
-
 def test_python_process_keeps_its_counter_and_listening_socket(built, tmp_path_factory,
                                                                 request):
     require_criu()
-    store = _python_store(request)
+    store = python_example_store(request)
     node_a = tmp_path_factory.mktemp("py-node-a")
     node_b = tmp_path_factory.mktemp("py-node-b")
     with Sandbox.create("env/py-textstats", store=store, node_dir=node_a,

@@ -233,3 +233,32 @@ def test_a_command_running_when_its_sandbox_is_killed(e2b_server):
     sb.kill()
     with pytest.raises(SandboxNotRunningException, match="killed or reached its end of life"):
         handle.wait()
+
+
+def test_a_command_past_its_deadline_ends_its_stream_with_deadline_exceeded(e2b_sandbox):
+    """The server's end of a command that ran past the request's ``Connect-Timeout-Ms``:
+    the stream's error ``deadline_exceeded`` (the SDK's ``TimeoutException``), as E2B's envd
+    ends it, not an end event with exit 124 (which, arriving before the SDK's own timer
+    fired, made the async SDK raise ``CommandExitException``). Spoken raw, without that
+    timer."""
+    import json
+    import os
+    import struct
+
+    import httpx
+
+    body = json.dumps({"process": {"cmd": "/bin/sh", "args": ["-c", "sleep 30"]}}).encode()
+    headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
+               "Connect-Timeout-Ms": "1000", "E2b-Sandbox-Id": e2b_sandbox.sandbox_id,
+               "E2b-Sandbox-Port": "49983",
+               "X-Access-Token": e2b_sandbox._envd_access_token or ""}
+    r = httpx.post(os.environ["E2B_SANDBOX_URL"] + "/process.Process/Start", headers=headers,
+                   content=struct.pack(">BI", 0, len(body)) + body, timeout=20)
+    frames, data = [], r.content
+    while data:
+        flags, size = struct.unpack(">BI", data[:5])
+        frames.append((flags, json.loads(data[5:5 + size])))
+        data = data[5 + size:]
+    flags, last = frames[-1]
+    assert flags & 2 and last.get("error", {}).get("code") == "deadline_exceeded", frames
+    assert not any("end" in f.get("event", {}) for _, f in frames[:-1])

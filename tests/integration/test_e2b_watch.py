@@ -65,3 +65,28 @@ def test_async_watch_dir_streams_events(e2b_server):
             await sb.kill()
 
     asyncio.run(scenario())
+
+
+def test_a_polling_watcher_follows_a_new_subdirectory_before_it_is_polled(e2b_server):
+    """A recursive polling watcher sees a file written in a directory made after it started
+    and before its first poll (E2B's test_watch_recursive_directory_after_nested_folder_
+    addition): the server reads its events as they come, so the new directory is watched
+    at once, not at the next poll (then the write was missed)."""
+    from e2b import Sandbox
+
+    sb = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        sb.files.make_dir("/workspace/w")
+        handle = sb.files.watch_dir("/workspace/w", recursive=True)
+        sb.files.make_dir("/workspace/w/new")
+        sb.files.write("/workspace/w/new/f.txt", "x")
+        seen: set = set()
+        want = {("create", "new"), ("write", "new/f.txt")}
+        deadline = time.monotonic() + 5
+        while not want <= seen and time.monotonic() < deadline:
+            seen |= _names(handle.get_new_events())
+            time.sleep(0.1)
+        assert want <= seen, seen
+        handle.stop()
+    finally:
+        sb.kill()

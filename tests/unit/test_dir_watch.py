@@ -103,3 +103,33 @@ def test_async_next_events(root):
             w.close()
 
     asyncio.run(scenario())
+
+
+def test_close_while_waited_on_frees_the_loop_and_the_fd_number(root):
+    """A watch closed while ``next_events`` waits (a sandbox killed, a client gone): the wait
+    ends with no events, and the loop keeps nothing of the closed fd, so the next file that
+    gets its number (a command's socket in the server) can be waited on (it failed with
+    ENOENT from epoll)."""
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        w = DirWatch.open(str(root), "/w")
+        old_fd = w.fileno()
+        waiting = asyncio.ensure_future(w.next_events())
+        await asyncio.sleep(0.05)
+        w.close()
+        assert await asyncio.wait_for(waiting, 5) == []
+        r, wfd = os.pipe()
+        try:
+            assert old_fd in (r, wfd)  # the number came back: the check below means something
+            got = asyncio.Event()
+            loop.add_writer(wfd, got.set)
+            loop.add_reader(r, lambda: None)
+            await asyncio.wait_for(got.wait(), 5)
+            loop.remove_writer(wfd)
+            loop.remove_reader(r)
+        finally:
+            os.close(r)
+            os.close(wfd)
+
+    asyncio.run(scenario())

@@ -7,7 +7,7 @@ import base64
 
 import pytest
 
-from envbuild.serve.envd_fs import _entry_info
+from envbuild.serve.envd_fs import _components, _entry_info
 from envbuild.serve.files import _filename
 from envbuild.serve.users import UnknownUser, _parse_passwd, header_user
 
@@ -52,6 +52,27 @@ def test_a_stat_line_is_an_entry_info():
     assert e.permissions == "-rw-r--r--" and e.modified_time.seconds == 1700000000
     link = _entry_info("a1ff|7|root|root|0|/bin/sh")
     assert link.is_symlink and link.type == pb.FileType.SYMLINK and link.name == "sh"
+
+
+def test_a_symlinks_stat_is_its_targets_type_with_the_resolved_target():
+    """E2B's ``Stat`` of a symlink: type and mode of the target, ``symlink_target`` its
+    resolved path, ``is_symlink`` set (E2B's own test_file_symlink)."""
+    from e2b.envd.filesystem import filesystem_pb as pb
+
+    e = _entry_info("a1ff|8|user|user|0|/home/user/l", "81a4|/home/user/d/t.txt")
+    assert (e.type, e.mode, e.symlink_target) == (pb.FileType.FILE, 0o644, "/home/user/d/t.txt")
+    assert e.is_symlink and e.size == 8
+    dangling = _entry_info("a1ff|4|user|user|0|/home/user/l", "0|/home/user/gone")
+    assert dangling.type == pb.FileType.UNSPECIFIED and dangling.symlink_target
+
+
+def test_listings_are_in_e2bs_order():
+    """Each directory's entries by name, a directory right before its contents (E2B's
+    ``ListDir`` walks so; its test_list_directory checks the order)."""
+    lines = [f"41ed|0|u|u|0|/d/{p}" for p in ("sub2", "sub1/b", "file1.txt", "sub1", "sub1/a",
+                                             "sub2/c")]
+    assert [ln.rsplit("/d/", 1)[1] for ln in sorted(lines, key=_components)] == [
+        "file1.txt", "sub1", "sub1/a", "sub1/b", "sub2", "sub2/c"]
 
 
 def _entry(sid: str, started: float, template: str = "t", **metadata: str):

@@ -1,0 +1,34 @@
+# Ported from E2B's Python SDK tests (github.com/e2b-dev/E2B, commit b8029973a (SDK 2.45.1),
+# packages/python-sdk/tests/sync/sandbox_sync/pty/test_resize.py), MIT License, Copyright (c) 2025 FOUNDRYLABS, INC.
+# ruff: noqa - upstream's style (line length, import order, unused imports), kept verbatim
+# Verbatim except where a "# envbuild:" comment says what changed and why. It runs against
+# envbuild serve with the e2b SDK pinned in pyproject.toml: the fixtures of the package's
+# conftest.py (E2B's `base` template there is the env `base` of its envdefs/).
+from e2b import Sandbox
+from e2b.sandbox.commands.command_handle import PtySize
+
+
+def test_resize(sandbox: Sandbox):
+    def append_data(data: list, x: bytes):
+        data.append(x.decode("utf-8"))
+
+    terminal = sandbox.pty.create(PtySize(cols=80, rows=24))
+
+    sandbox.pty.send_stdin(terminal.pid, b"tput cols\nexit\n")
+
+    output = []
+    result = terminal.wait(on_pty=lambda x: append_data(output, x))
+    assert result.exit_code == 0
+
+    assert "80" in "".join(output)
+
+    terminal = sandbox.pty.create(PtySize(cols=80, rows=24))
+
+    sandbox.pty.resize(terminal.pid, PtySize(cols=100, rows=24))
+    sandbox.pty.send_stdin(terminal.pid, b"tput cols\nexit\n")
+
+    output = []
+    result = terminal.wait(on_pty=lambda x: append_data(output, x))
+    assert result.exit_code == 0
+
+    assert "100" in "".join(output)
