@@ -37,7 +37,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from envbuild.errors import (
     BackendUnavailable,
@@ -89,7 +89,7 @@ from runtime_shim.node.records import (
     store_url,
     write_record,
 )
-from runtime_shim.sdk import exitwatch, ports
+from runtime_shim.sdk import exitwatch, filestream, ports
 from runtime_shim.sdk.options import CreatePlan, SandboxOptions, plan_create
 from runtime_shim.sdk.process import Process
 from runtime_shim.sdk.sweep import SandboxRemoval, gc_sandboxes, remove_sandbox, sweep_sandboxes
@@ -395,6 +395,17 @@ class Sandbox:
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         self._check_open()
         self._backend.write_file(path, data.encode() if isinstance(data, str) else data, mode)
+
+    def read_stream(self, path: str) -> BinaryIO:
+        """Regular file ``path`` open for reading in pieces (``runtime_shim.sdk.filestream``)."""
+        self._check_open()
+        return filestream.open_read(self._backend, path)
+
+    def write_stream(self, path: str, mode: int = 0o644, user: str | None = None
+                     ) -> filestream.Writer:
+        """``path`` written in pieces, published whole at ``commit``, owned by ``user``."""
+        self._check_open()
+        return filestream.open_write(self._backend, path, mode, user, self.lock.user)
 
     def connect_port(self, port: int, timeout: float = 10.0) -> socket.socket:
         """A TCP socket connected to ``port`` on ``127.0.0.1`` inside this sandbox (made in its
