@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from envbuild.errors import EnvbuildError
-from envbuild.serve import egress, ports
+from envbuild.serve import egress, ports, snapshots
 from envbuild.serve.sandboxes import DEFAULT_TIMEOUT, Conflict, Entry, Registry
 from runtime_shim import LockNotFound
 
@@ -278,6 +278,7 @@ async def snapshot(request: web.Request) -> web.Response:
         return error(400, "memory must be true or false")
     try:
         ref = await request.app[REGISTRY].snapshot(entry, name, memory=memory)
+        request.app[snapshots.SNAPSHOTS].mark(ref, entry.id)  # for list_snapshots(sandbox_id)
     except Conflict as e:
         return error(409, e.message)
     except EnvbuildError as e:
