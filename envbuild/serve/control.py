@@ -28,9 +28,9 @@ from envbuild.serve import egress, ports, snapshots
 from envbuild.serve.sandboxes import DEFAULT_TIMEOUT, Conflict, Entry, Registry
 from runtime_shim import LockNotFound
 
-#: The envd protocol version envbuild's envd speaks (the SDK gates features on it): 0.5.6
-#: has default users and stdin control, not octet-stream uploads (0.5.7) nor file metadata.
-ENVD_VERSION = "0.5.6"
+#: The envd protocol version envbuild's envd speaks (the SDK gates features on it): 0.5.7
+#: has default users, stdin control and octet-stream uploads, not file metadata (0.6.2).
+ENVD_VERSION = "0.5.7"
 MAX_JSON = 64 << 10
 CLIENT_ID = "envbuild"
 

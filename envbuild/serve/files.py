@@ -1,5 +1,7 @@
-"""envd's HTTP endpoints: ``GET /files`` (download), ``POST /files`` (multipart upload, one or
-many files; at most ``max_upload`` bytes a request) and ``GET /health``.
+"""envd's HTTP endpoints: ``GET /files`` (download), ``POST /files`` (upload: multipart, one or
+many files, or envd 0.5.7's ``application/octet-stream``, one file named by ``path``, which
+may be ``Content-Encoding: gzip``; at most ``max_upload`` bytes a request, counted as
+written) and ``GET /health``.
 
 Both stream (``runtime_shim``'s ``read_stream`` / ``write_stream``): a download is sent from
 the sandbox's file with ``sendfile``, an upload goes to the sandbox as it arrives, in pieces
@@ -77,8 +79,12 @@ async def download(request: web.Request) -> web.StreamResponse:
     return response
 
 
-class _TooLarge(Exception):
-    pass
+class _Refused(Exception):
+    """An upload refused half-way (nothing of it written): its status and message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
 
 
 async def upload(request: web.Request) -> web.Response:
@@ -88,6 +94,8 @@ async def upload(request: web.Request) -> web.Response:
         return _error(413, f"upload of {request.content_length} bytes is over {limit}")
     user = await _user(request, entry)
     single = request.query.get("path")
+    if request.content_type == "application/octet-stream":
+        return await _upload_raw(request, entry, single, user, limit)
     try:
         reader = await request.multipart()
     except (AssertionError, ValueError):
@@ -101,29 +109,45 @@ async def upload(request: web.Request) -> web.Response:
         try:
             total = await _store(part.read_chunk, entry, path, user,  # type: ignore[union-attr]
                                  total, limit)
-        except _TooLarge:
-            return _error(413, f"upload is over {limit} bytes")
+        except _Refused as e:
+            return _error(e.status, e.message)
         except EnvbuildError as e:
             return _error(400, f"write {path}: {e.message}")
         written.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
     return web.json_response(written)
 
 
+async def _upload_raw(request: web.Request, entry: Entry, name: str | None, user: users.User,
+                      limit: int) -> web.Response:
+    """The body is the file (aiohttp has undone a gzip ``Content-Encoding`` on the way)."""
+    if not name:
+        return _error(400, "an octet-stream upload needs ?path=")
+    path = users.absolute(name, user)
+    try:
+        await _store(request.content.read, entry, path, user, 0, limit)
+    except _Refused as e:
+        return _error(e.status, e.message)
+    except EnvbuildError as e:
+        return _error(400, f"write {path}: {e.message}")
+    return web.json_response([{"name": path.rsplit("/", 1)[-1], "type": "file", "path": path}])
+
+
 async def _store(read: Callable[[int], Awaitable[bytes]], entry: Entry, path: str,
                  user: users.User, total: int, limit: int) -> int:
     """The bytes of ``read`` into ``path`` as ``user`` (E2B's envd writes as the user: a
     user's uploads are theirs to change; directories the write made are root's); the
-    request's byte count after it. Over ``limit``: ``_TooLarge``, nothing written. One piece
-    is written while the next is received (so at most two are held)."""
+    request's byte count after it. Over ``limit`` or a broken body (a bad gzip stream, a
+    malformed part): ``_Refused``, nothing written. One piece is written while the next is
+    received (so at most two are held)."""
     writer = await entry.sandbox.write_stream(path, user=user.spec)
     async with writer:  # committed when the part ends; aborted on any error
         writing: asyncio.Future[None] | None = None
         try:
             buf = bytearray()
-            while chunk := await read(_CHUNK):
+            while chunk := await _read(read):
                 total += len(chunk)
                 if total > limit:
-                    raise _TooLarge
+                    raise _Refused(413, f"upload is over {limit} bytes")
                 buf += chunk
                 if len(buf) >= _CHUNK:
                     if writing is not None:
@@ -137,6 +161,13 @@ async def _store(read: Callable[[int], Awaitable[bytes]], entry: Entry, path: st
             if writing is not None and not writing.done():
                 await asyncio.wait([writing])
     return total
+
+
+async def _read(read: Callable[[int], Awaitable[bytes]]) -> bytes:
+    try:
+        return await read(_CHUNK)
+    except (web.RequestPayloadError, ValueError) as e:
+        raise _Refused(400, f"the upload's body is broken: {str(e).strip()[:200]}") from None
 
 
 async def health(request: web.Request) -> web.Response:

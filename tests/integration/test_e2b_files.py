@@ -82,3 +82,52 @@ def test_a_refused_upload_leaves_nothing_and_fifos_are_refused(e2b_server, sandb
     sandbox.commands.run("mkfifo /tmp/fifo", user="root")
     with pytest.raises(SandboxException, match="not a regular file"):
         sandbox.files.read("/tmp/fifo")
+
+
+def test_octet_stream_uploads_iterables_and_gzip(sandbox):
+    """envd 0.5.7: the SDK sends an iterable or a file object as the raw body, gzipped on
+    request."""
+    pieces = [os.urandom(300 << 10) for _ in range(7)]
+    info = sandbox.files.write("/tmp/it/pieces.bin", iter(pieces))
+    assert info.path == "/tmp/it/pieces.bin"
+    assert bytes(sandbox.files.read("/tmp/it/pieces.bin", format="bytes")) == b"".join(pieces)
+    text = "gzipped " * 100_000
+    sandbox.files.write("/tmp/it/z.txt", text, gzip=True, use_octet_stream=True)
+    assert sandbox.files.read("/tmp/it/z.txt") == text
+    sandbox.files.write("/tmp/it/agent.txt", iter([b"as agent"]), user="agent")
+    assert sandbox.files.get_info("/tmp/it/agent.txt").owner == "agent"
+
+
+def test_a_gzip_bomb_is_cut_at_the_upload_bound(e2b_built, tmp_path):
+    import gzip
+
+    import httpx
+
+    from tests.e2b_server import e2b_env, running_server
+
+    _, store, _ = e2b_built
+    with running_server(tmp_path, store.root, tmp_path / "node",
+                        args=("--max-upload", "1MiB")) as srv, \
+            e2b_env(srv):
+        from e2b import Sandbox
+
+        sb = Sandbox.create(TEMPLATE, timeout=60)
+        try:
+            bomb = gzip.compress(b"\0" * (64 * MIB))  # ~64 KiB on the wire
+            r = httpx.post(f"{srv.url}/files", params={"path": "/tmp/bomb"}, content=bomb,
+                           headers={"E2b-Sandbox-Id": sb.sandbox_id,
+                                    "X-Access-Token": sb._envd_access_token,
+                                    "Content-Type": "application/octet-stream",
+                                    "Content-Encoding": "gzip"})
+            assert r.status_code == 413, r.text
+            assert "bomb" not in sb.commands.run("ls -a /tmp").stdout
+            broken = httpx.post(f"{srv.url}/files", params={"path": "/tmp/broken"},
+                                content=b"not gzip at all", headers={
+                                    "E2b-Sandbox-Id": sb.sandbox_id,
+                                    "X-Access-Token": sb._envd_access_token,
+                                    "Content-Type": "application/octet-stream",
+                                    "Content-Encoding": "gzip"})
+            assert broken.status_code == 400, broken.text
+            assert "broken" not in sb.commands.run("ls -a /tmp").stdout
+        finally:
+            sb.kill()
