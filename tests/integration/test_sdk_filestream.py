@@ -122,3 +122,16 @@ def test_async_streams(sandbox, built):
         return (await sb.exec("stat -c %u:%s /tmp/a/async.bin")).stdout.strip()
 
     assert asyncio.run(scenario()) == f"7:{4 * MIB}".encode()
+
+
+def test_an_fncall_stream_writes_into_the_next_calls_fresh_layer(built):
+    """As ``write_file`` on FnCall: the layer a call used is reset before the write, so the
+    next call sees the streamed file and nothing the previous call left."""
+    store, node = built
+    with Sandbox.create(ENV, store=store, node_dir=node, backend="fncall") as fn:
+        fn.call("echo left > /tmp/left")
+        with fn.write_stream("/tmp/in.txt") as w:
+            w.write(b"stream")
+            w.write(b"ed\n")
+        got = fn.call("cat /tmp/in.txt; ls -A /tmp")
+        assert got.stdout == b"streamed\nin.txt\n", got
