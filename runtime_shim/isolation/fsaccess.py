@@ -9,13 +9,15 @@ and that inode reopened, so a FIFO the sandbox made never blocks the host and a 
 never opened (issue 11, item 10).
 
 Streams (bounded memory, for files of any size): ``open_read`` gives the fd of a regular file;
-a ``FileWriter`` writes a new file in pieces and publishes it whole. Its bytes go to a hidden
-file beside the target (``.NAME.envbuild-XXXXXXXX``, made ``O_EXCL`` in the target's
-directory, which was resolved inside the root, with its owner and mode from the start);
-``commit`` renames it over the target, ``abort`` (or any error) removes it: nothing of an
-unfinished or refused write is ever seen at the path. A target that is a symlink is written
-through, as ``write_file`` does (the finished bytes copied into the file it resolves to inside
-the root); one that is a directory, FIFO, device or socket is refused.
+a ``FileWriter`` writes a file in pieces. Every file it makes is made ``O_EXCL`` by one name in
+the target's directory (resolved inside the root), with its owner and mode from the start. A
+new target is written under its own name (as E2B's envd does: a watcher sees it created,
+then written), and ``abort`` (or any error) removes it again. An existing one (a regular file,
+or a symlink to one, resolved inside the root) keeps its bytes until ``commit``: the new ones
+go to a hidden file beside it (``.NAME.envbuild-XXXXXXXX``) and are copied into it in place
+at ``commit`` (same inode, as ``write_file``; a clone where the filesystem can), ``abort``
+drops them. So nothing of a refused write is left at the path; a directory, FIFO, device or
+socket is refused.
 """
 
 from __future__ import annotations
@@ -171,9 +173,15 @@ class FileWriter:
             raise RuntimeShimError(f"write {path} in sandbox: {e.strerror}") from None
         finally:
             os.close(root_fd)
-        try:  # one component in a directory resolved inside the root: O_EXCL follows nothing
-            self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                               | os.O_CLOEXEC, 0o600, dir_fd=self._dir)
+        # one component in a directory resolved inside the root: O_EXCL follows nothing
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._direct = False  # writing a new target itself (nothing had its name)
+        try:
+            try:
+                self._fd = os.open(self._name, flags, 0o600, dir_fd=self._dir)
+                self._direct = True
+            except FileExistsError:  # a file (or any name, a symlink too) is there
+                self._fd = os.open(self._tmp, flags, 0o600, dir_fd=self._dir)
             os.fchown(self._fd, uid, gid)
             os.fchmod(self._fd, mode)  # after the chown, which may clear set-id bits
         except OSError as e:
@@ -192,18 +200,21 @@ class FileWriter:
             raise RuntimeShimError(f"write {self.path} in sandbox: {e.strerror}") from None
 
     def commit(self) -> None:
-        """Publish the bytes written at the path (then nothing more may be written)."""
+        """Finish the file at the path (then nothing more may be written)."""
         if self._fd < 0:
             raise RuntimeShimError(f"write {self.path} in sandbox: the write was aborted")
+        if self._direct:
+            self._close(unlink=False)
+            return
         try:
             try:
                 st = os.stat(self._name, dir_fd=self._dir, follow_symlinks=False)
             except FileNotFoundError:
                 st = None
-            if st is None or stat.S_ISREG(st.st_mode):
+            if st is None:
                 os.rename(self._tmp, self._name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
-            elif stat.S_ISLNK(st.st_mode):
-                self._copy_through_link()
+            elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                self._copy_into_existing()
             else:
                 raise _NotRegular(self.path)
         except _NotRegular:
@@ -214,8 +225,11 @@ class FileWriter:
             raise RuntimeShimError(f"write {self.path} in sandbox: {e.strerror}") from None
         self._close(unlink=False)
 
-    def _copy_through_link(self) -> None:
-        """The finished bytes into the regular file the symlink resolves to inside the root."""
+    def _copy_into_existing(self) -> None:
+        """The finished bytes into the existing file (through a symlink, resolved inside the
+        root): truncated and rewritten in place, as ``write_file`` and E2B's envd do, so its
+        inode, links and watchers' ``write`` events stay; a clone where the filesystem can
+        (``copy_file_range``: btrfs, XFS), a kernel copy elsewhere."""
         root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fd = _open_for_write(root_fd, self.path, self.mode)
@@ -224,7 +238,15 @@ class FileWriter:
         try:
             offset = 0
             while offset < self.written:
-                n = os.sendfile(fd, self._fd, offset, min(self.written - offset, 1 << 30))
+                count = min(self.written - offset, 1 << 30)
+                try:
+                    n = os.copy_file_range(self._fd, fd, count, offset, offset)
+                except OSError as e:
+                    if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS,
+                                       errno.EOPNOTSUPP):
+                        raise
+                    os.lseek(fd, offset, os.SEEK_SET)
+                    n = os.sendfile(fd, self._fd, offset, count)
                 if n == 0:
                     raise OSError(errno.EIO, "the file shrank while it was copied")
                 offset += n
@@ -240,13 +262,16 @@ class FileWriter:
 
     def _close(self, *, unlink: bool) -> None:
         if self._fd >= 0:
+            ours = os.fstat(self._fd)
             os.close(self._fd)
             self._fd = -1
-            if unlink:
-                try:
-                    os.unlink(self._tmp, dir_fd=self._dir)
-                except FileNotFoundError:
-                    pass
+            name = self._name if self._direct else self._tmp
+            try:  # only the file this writer made, if the sandbox did not replace it
+                st = os.stat(name, dir_fd=self._dir, follow_symlinks=False)
+                if unlink and (st.st_dev, st.st_ino) == (ours.st_dev, ours.st_ino):
+                    os.unlink(name, dir_fd=self._dir)
+            except FileNotFoundError:
+                pass
         if self._dir >= 0:
             os.close(self._dir)
             self._dir = -1

@@ -4,9 +4,10 @@ and their ``AsyncSandbox`` forms.
 ``read_stream(path)`` is a binary file object of the sandbox's regular file (``read(n)``,
 ``readinto``, ``seek``, a context manager; ``os.fstat`` of its ``fileno()`` for the size, or
 ``loop.sendfile`` it to a socket). ``write_stream(path, mode, user)`` is a ``FileWriter``:
-``write`` pieces, then ``commit`` publishes the file whole, ``abort`` (or an exception in its
-``with`` block) leaves the path as it was; the file is made owned by ``user`` (``"uid[:gid]"``,
-default the lock's user) in the same step, no ``chown`` after. Paths are resolved inside the
+``write`` pieces, then ``commit`` finishes the file, ``abort`` (or an exception in its
+``with`` block) leaves the path as it was (a new file is written under its name and removed
+again; an existing one keeps its bytes until ``commit``); the file is owned by ``user``
+(``"uid[:gid]"``, default the lock's user) from its creation, no ``chown`` after. Paths are resolved inside the
 sandbox's root as for ``read_file`` / ``write_file`` (``runtime_shim.isolation.fsaccess``).
 
 Memory stays bounded whatever the file's size on a backend whose handle has ``FileStreams``

@@ -135,3 +135,29 @@ def test_an_fncall_stream_writes_into_the_next_calls_fresh_layer(built):
             w.write(b"ed\n")
         got = fn.call("cat /tmp/in.txt; ls -A /tmp")
         assert got.stdout == b"streamed\nin.txt\n", got
+
+
+def test_an_existing_file_is_rewritten_in_place(sandbox):
+    """Same inode (links and open readers see the new bytes) and a ``write`` event for a
+    watcher, as ``write_file`` and E2B's envd give; a new file appears under its name."""
+    from runtime_shim.isolation.watch import WatchEvent
+
+    sandbox.exec("mkdir -p /tmp/inplace && echo old > /tmp/inplace/f && "
+                 "ln /tmp/inplace/f /tmp/inplace/hard")
+    inode = sandbox.exec("stat -c %i /tmp/inplace/f").stdout
+    w = sandbox.watch("/tmp/inplace")
+    try:
+        with sandbox.write_stream("/tmp/inplace/f") as s:
+            s.write(b"new\n")
+        with sandbox.write_stream("/tmp/inplace/made") as s:
+            s.write(b"made\n")
+        got = []
+        for _ in range(50):
+            got += w.wait(0.1)
+            if {WatchEvent("write", "f"), WatchEvent("create", "made")} <= set(got):
+                break
+        assert {WatchEvent("write", "f"), WatchEvent("create", "made")} <= set(got), got
+    finally:
+        w.close()
+    assert sandbox.exec("stat -c %i /tmp/inplace/f").stdout == inode
+    assert sandbox.read_file("/tmp/inplace/hard") == b"new\n"

@@ -1,8 +1,8 @@
 """``Sandbox.read_stream`` / ``write_stream`` hold the bounds of ``read_file`` /
 ``write_file`` (``runtime_shim.isolation.fsaccess``): a FIFO or device is never opened (no
 blocking), a directory is refused, a symlink the sandbox plants resolves inside its root only
-(written through when it names a file there, as ``write_file`` does), and the temporary file
-of a write is made where no symlink can redirect it."""
+(written through when it names a file there, as ``write_file`` does), files are made where
+no symlink can redirect them, and an aborted write removes only the file it made."""
 
 from __future__ import annotations
 
@@ -93,10 +93,24 @@ def test_a_symlink_planted_at_the_target_during_a_write_leads_nowhere(sandbox, t
     untouched and the temporary file gone."""
     host = tmp_path / "victim"
     host.write_bytes(b"host's")
+    sandbox.write_file("/tmp/swap", b"old")  # an existing target: written at commit
     w = sandbox.write_stream("/tmp/swap")
     w.write(b"mine")
-    sandbox.exec(f"ln -s {host} /tmp/swap")
+    sandbox.exec(f"rm /tmp/swap && ln -s {host} /tmp/swap")
     with pytest.raises(RuntimeShimError, match="dangling"):
         w.commit()
     assert host.read_bytes() == b"host's"
     assert b".envbuild-" not in sandbox.exec("ls -a /tmp").stdout
+
+
+def test_an_aborted_new_file_goes_but_not_a_file_the_sandbox_put_in_its_place(sandbox):
+    w = sandbox.write_stream("/tmp/new-one")
+    w.write(b"half")
+    assert sandbox.read_file("/tmp/new-one") == b"half"  # a new file is written in place
+    w.abort()
+    assert b"new-one" not in sandbox.exec("ls -a /tmp").stdout
+    w = sandbox.write_stream("/tmp/new-two")
+    w.write(b"half")
+    sandbox.exec("rm /tmp/new-two && echo theirs > /tmp/new-two")
+    w.abort()
+    assert sandbox.read_file("/tmp/new-two") == b"theirs\n"
