@@ -7,8 +7,9 @@ and their ``AsyncSandbox`` forms.
 ``write`` pieces, then ``commit`` finishes the file, ``abort`` (or an exception in its
 ``with`` block) leaves the path as it was (a new file is written under its name and removed
 again; an existing one keeps its bytes until ``commit``); the file is owned by ``user``
-(``"uid[:gid]"``, default the lock's user) from its creation, no ``chown`` after. Paths are resolved inside the
-sandbox's root as for ``read_file`` / ``write_file`` (``runtime_shim.isolation.fsaccess``).
+(``"uid[:gid]"``, default the lock's user) from its creation, no ``chown`` after. Paths are
+resolved inside the sandbox's root as for ``read_file`` / ``write_file``
+(``runtime_shim.isolation.fsaccess``).
 
 Memory stays bounded whatever the file's size on a backend whose handle has ``FileStreams``
 (container, fncall). On the others (microVM) the stream is the whole file held in memory: the
