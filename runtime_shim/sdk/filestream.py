@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from envbuild.errors import BackendUnavailable, RuntimeShimError
 from runtime_shim.backends.base import FileStreams, SandboxHandle
@@ -65,8 +65,22 @@ class BufferedWriter:
 Writer = FileWriter | BufferedWriter
 
 
+def read_stream(sandbox: Any, path: str) -> BinaryIO:
+    """``Sandbox.read_stream(path)``: regular file ``path`` open for reading in pieces."""
+    sandbox._check_open()
+    return open_read(sandbox.handle, path)
+
+
+def write_stream(sandbox: Any, path: str, mode: int = 0o644, user: str | None = None
+                 ) -> Writer:
+    """``Sandbox.write_stream(path, mode, user)``: ``path`` written in pieces, finished at
+    ``commit``, owned by ``user`` (None: the lock's user)."""
+    sandbox._check_open()
+    return open_write(sandbox.handle, path, mode, user, sandbox.lock.user)
+
+
 def open_read(handle: SandboxHandle, path: str) -> BinaryIO:
-    """``Sandbox.read_stream``."""
+    """A handle's file open for reading in pieces (whole, without ``FileStreams``)."""
     if isinstance(handle, FileStreams):
         return os.fdopen(handle.open_read(path), "rb", buffering=0)
     return io.BytesIO(handle.read_file(path))
@@ -74,7 +88,7 @@ def open_read(handle: SandboxHandle, path: str) -> BinaryIO:
 
 def open_write(handle: SandboxHandle, path: str, mode: int, user: str | None,
                lock_user: str | None) -> Writer:
-    """``Sandbox.write_stream``: owned by ``user`` (None: ``lock_user``)."""
+    """A handle's writer of ``path`` owned by ``user`` (None: ``lock_user``)."""
     uid, gid = parse_user(user or lock_user)
     if isinstance(handle, FileStreams):
         return handle.open_write(path, mode, uid, gid)

@@ -37,7 +37,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 from envbuild.errors import (
     BackendUnavailable,
@@ -396,16 +396,7 @@ class Sandbox:
         self._check_open()
         self._backend.write_file(path, data.encode() if isinstance(data, str) else data, mode)
 
-    def read_stream(self, path: str) -> BinaryIO:
-        """Regular file ``path`` open for reading in pieces (``runtime_shim.sdk.filestream``)."""
-        self._check_open()
-        return filestream.open_read(self._backend, path)
-
-    def write_stream(self, path: str, mode: int = 0o644, user: str | None = None
-                     ) -> filestream.Writer:
-        """``path`` written in pieces, published whole at ``commit``, owned by ``user``."""
-        self._check_open()
-        return filestream.open_write(self._backend, path, mode, user, self.lock.user)
+    read_stream, write_stream = filestream.read_stream, filestream.write_stream  # in pieces
 
     def connect_port(self, port: int, timeout: float = 10.0) -> socket.socket:
         """A TCP socket connected to ``port`` on ``127.0.0.1`` inside this sandbox (made in its
