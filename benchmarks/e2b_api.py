@@ -3,7 +3,7 @@
 ``runtime_shim`` measured in the same run (issue 37, Performance).
 
     python benchmarks/e2b_api.py [--store DIR] [--env ENV] [--runs 20] [--execs 200]
-                                 [--concurrent 100] [--mib 10]
+                                 [--concurrent 100] [--mib 10] [--only PART,...]
 
 Starts ``envbuild serve`` on 127.0.0.1 (a free port, a node dir of its own, ``--on-exit
 kill``; each sandbox 64 MiB of memory, 256 MiB of disk, 16 pids x 256 files, so that
@@ -18,7 +18,8 @@ kill``; each sandbox 64 MiB of memory, 256 MiB of disk, 16 pids x 256 files, so 
 4. ``files.write`` + ``files.read`` of ``--mib`` MiB: throughput against
    ``Sandbox.write_file`` + ``read_file``. Goal: ratio >= 0.5.
 
-Prints one line per figure and the load average; exits 1 if the server leaves a sandbox.
+``--only files`` (or ``lifecycle``, ``roundtrip``, ``concurrent``, comma-separated) runs those
+parts only. Prints one line per figure and the load average; exits 1 if the server leaves a sandbox.
 Needs root, runc and ``ENV`` built in the store (``$ENVBUILD_STORE`` unless ``--store``).
 """
 
@@ -41,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from runtime_shim import Limits, Sandbox, list_sandboxes  # noqa: E402
 
+PARTS = ("lifecycle", "roundtrip", "concurrent", "files")
 LIMITS = Limits(memory_bytes=64 << 20, disk_bytes=256 << 20, pids=16, nofile=256)
 SERVE_LIMITS = ("--memory", "64MiB", "--disk", "256MiB", "--pids", "16", "--nofile", "256")
 
@@ -154,7 +156,12 @@ def main() -> int:
     ap.add_argument("--execs", type=int, default=200)
     ap.add_argument("--concurrent", type=int, default=100)
     ap.add_argument("--mib", type=int, default=10)
+    ap.add_argument("--only", default=",".join(PARTS), metavar="PART,...",
+                    help=f"the parts to run, of {','.join(PARTS)}")
     args = ap.parse_args()
+    only = set(args.only.split(","))
+    if not only <= set(PARTS):
+        raise SystemExit(f"--only: unknown part {sorted(only - set(PARTS))}; parts: {PARTS}")
     if not args.store:
         raise SystemExit("no store: pass --store DIR or set ENVBUILD_STORE")
     store = os.path.abspath(args.store)
@@ -165,19 +172,24 @@ def main() -> int:
         os.environ.update({"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": key})
         try:
             lifecycle(args.env, store, node, 2)  # warm: caches, the e2b client, the server
-            e2b, base = lifecycle(args.env, store, node, args.runs)
-            print(f"lifecycle create→run(true)→kill p50: e2b {p50_ms(e2b):.1f} ms, "
-                  f"runtime_shim {p50_ms(base):.1f} ms, ratio {p50_ms(e2b) / p50_ms(base):.2f} "
-                  f"(goal <= 1.5)")
-            e2b, base = round_trips(args.env, store, node, args.execs)
-            print(f"commands.run round trip p50: {p50_ms(e2b):.2f} ms (goal <= 3); "
-                  f"runtime_shim exec {p50_ms(base):.2f} ms")
-            errors, seconds, first = concurrent_creates(args.env, args.concurrent)
-            print(f"{args.concurrent} concurrent async creates: {errors} errors (goal 0), "
-                  f"{seconds:.1f} s {first}")
-            e2b_rate, base_rate = files(args.env, store, node, args.mib)
-            print(f"files write+read {args.mib} MiB: e2b {e2b_rate:.0f} MiB/s, runtime_shim "
-                  f"{base_rate:.0f} MiB/s, ratio {e2b_rate / base_rate:.2f} (goal >= 0.5)")
+            if "lifecycle" in only:
+                e2b, base = lifecycle(args.env, store, node, args.runs)
+                print(f"lifecycle create→run(true)→kill p50: e2b {p50_ms(e2b):.1f} ms, "
+                      f"runtime_shim {p50_ms(base):.1f} ms, "
+                      f"ratio {p50_ms(e2b) / p50_ms(base):.2f} (goal <= 1.5)")
+            if "roundtrip" in only:
+                e2b, base = round_trips(args.env, store, node, args.execs)
+                print(f"commands.run round trip p50: {p50_ms(e2b):.2f} ms (goal <= 3); "
+                      f"runtime_shim exec {p50_ms(base):.2f} ms")
+            if "concurrent" in only:
+                errors, seconds, first = concurrent_creates(args.env, args.concurrent)
+                print(f"{args.concurrent} concurrent async creates: {errors} errors (goal 0), "
+                      f"{seconds:.1f} s {first}")
+            if "files" in only:
+                e2b_rate, base_rate = files(args.env, store, node, args.mib)
+                print(f"files write+read {args.mib} MiB: e2b {e2b_rate:.0f} MiB/s, "
+                      f"runtime_shim {base_rate:.0f} MiB/s, ratio {e2b_rate / base_rate:.2f} "
+                      f"(goal >= 0.5)")
             print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         finally:
             proc.terminate()

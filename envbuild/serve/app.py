@@ -2,7 +2,7 @@
 
 A port request (``envbuild.serve.ports``: ``Host: PORT-ID.…`` or an ``E2b-Sandbox-Port``
 other than envd's) goes to that port inside the sandbox, with its traffic token. Others by
-path: the control plane (``/sandboxes…``, ``/v2/sandboxes…``; needs ``X-API-KEY``)
+path: the control plane (``/[v2/]sandboxes…``, ``/snapshots``, ``/templates/…``; needs ``X-API-KEY``)
 and envd (``/process.Process/…``, ``/filesystem.Filesystem/…``, ``/files``, ``/health``;
 needs ``E2b-Sandbox-Id`` naming a live sandbox and that sandbox's ``X-Access-Token``). A
 sandbox that is unknown or was killed gets what E2B's proxy answers, 502 "The sandbox … was
@@ -21,7 +21,7 @@ from aiohttp import web
 from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
 from e2b.envd.process.process_connect import ProcessASGIApplication
 
-from envbuild.serve import control, control_net, files, observe, ports
+from envbuild.serve import control, control_net, files, observe, ports, snapshots
 from envbuild.serve.asgi import call_asgi
 from envbuild.serve.auth import ApiKeys, same_token
 from envbuild.serve.envd_fs import FilesystemService
@@ -32,7 +32,7 @@ from envbuild.serve.sandboxes import Backend, Registry
 API_KEYS = web.AppKey("api_keys", ApiKeys)
 #: One Connect message (a request) at most: envd's requests are paths and small configs.
 MAX_RPC_MESSAGE = 1 << 20
-_CONTROL = ("/sandboxes", "/v2/sandboxes")
+_CONTROL = ("/sandboxes", "/v2/sandboxes", "/snapshots", "/templates/")
 _ENVD = ("/process.Process/", "/filesystem.Filesystem/")
 
 
@@ -102,6 +102,7 @@ def make_app(options: ServeOptions) -> web.Application:
     app[API_KEYS] = options.api_keys
     app[control.REGISTRY] = registry
     app[files.MAX_UPLOAD] = options.max_upload
+    app[snapshots.SNAPSHOTS] = snapshots.Snapshots(options.backend.store)
     process_app = ProcessASGIApplication(ProcessService(registry),
                                          read_max_bytes=MAX_RPC_MESSAGE)
     fs_app = FilesystemASGIApplication(FilesystemService(registry),
@@ -119,6 +120,7 @@ def make_app(options: ServeOptions) -> web.Application:
     control.add_routes(app)
     control_net.add_routes(app)
     files.add_routes(app)
+    snapshots.add_routes(app)
 
     async def reattach(app: web.Application) -> None:
         if records is not None:

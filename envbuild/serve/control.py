@@ -24,13 +24,13 @@ from typing import Any
 from aiohttp import web
 
 from envbuild.errors import EnvbuildError
-from envbuild.serve import egress, ports
+from envbuild.serve import egress, ports, snapshots
 from envbuild.serve.sandboxes import DEFAULT_TIMEOUT, Conflict, Entry, Registry
 from runtime_shim import LockNotFound
 
-#: The envd protocol version envbuild's envd speaks (the SDK gates features on it): 0.5.6
-#: has default users and stdin control, not octet-stream uploads (0.5.7) nor file metadata.
-ENVD_VERSION = "0.5.6"
+#: The envd protocol version envbuild's envd speaks (the SDK gates features on it): 0.5.7
+#: has default users, stdin control and octet-stream uploads, not file metadata (0.6.2).
+ENVD_VERSION = "0.5.7"
 MAX_JSON = 64 << 10
 CLIENT_ID = "envbuild"
 
@@ -278,6 +278,7 @@ async def snapshot(request: web.Request) -> web.Response:
         return error(400, "memory must be true or false")
     try:
         ref = await request.app[REGISTRY].snapshot(entry, name, memory=memory)
+        request.app[snapshots.SNAPSHOTS].mark(ref, entry.id)  # for list_snapshots(sandbox_id)
     except Conflict as e:
         return error(409, e.message)
     except EnvbuildError as e:

@@ -1,9 +1,22 @@
-"""envd's HTTP endpoints: ``GET /files`` (download), ``POST /files`` (multipart upload, one or
-many files; at most ``max_upload`` bytes a request) and ``GET /health``."""
+"""envd's HTTP endpoints: ``GET /files`` (download), ``POST /files`` (upload: multipart, one or
+many files, or envd 0.5.7's ``application/octet-stream``, one file named by ``path``, which
+may be ``Content-Encoding: gzip``; at most ``max_upload`` bytes a request, counted as
+written) and ``GET /health``.
+
+Both stream (``runtime_shim``'s ``read_stream`` / ``write_stream``): a download is sent from
+the sandbox's file with ``sendfile``, an upload goes to the sandbox as it arrives, in pieces
+of at most ``_CHUNK``, into a new file published whole once its part ended, owned by the
+requesting user from the start. The server holds at most about one piece of a file, and
+nothing of a part refused half-way (over ``max_upload``, a broken body) is ever seen at its
+path.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -46,11 +59,32 @@ async def download(request: web.Request) -> web.StreamResponse:
         return _error(400, "path is required")
     path = users.absolute(path, await _user(request, entry))
     try:
-        data = await entry.sandbox.read_file(path)
+        f = await entry.sandbox.read_stream(path)
     except EnvbuildError as e:
         missing = "No such file" in e.message or "not found" in e.message.lower()
         return _error(404 if missing else 400, f"read {path}: {e.message}")
-    return web.Response(body=data, content_type="application/octet-stream")
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(0)
+        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        response.content_length = size
+        await response.prepare(request)
+        transport = request.transport
+        if transport is None:
+            raise ConnectionResetError("the client went away")
+        sent = await asyncio.get_running_loop().sendfile(transport, f, 0, size)
+        if sent < size:  # it shrank while sent: the client must not take it as whole
+            transport.close()
+        await response.write_eof()
+    return response
+
+
+class _Refused(Exception):
+    """An upload refused half-way (nothing of it written): its status and message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
 
 
 async def upload(request: web.Request) -> web.Response:
@@ -60,6 +94,8 @@ async def upload(request: web.Request) -> web.Response:
         return _error(413, f"upload of {request.content_length} bytes is over {limit}")
     user = await _user(request, entry)
     single = request.query.get("path")
+    if request.content_type == "application/octet-stream":
+        return await _upload_raw(request, entry, single, user, limit)
     try:
         reader = await request.multipart()
     except (AssertionError, ValueError):
@@ -69,31 +105,69 @@ async def upload(request: web.Request) -> web.Response:
         name = single or _filename(part)
         if not name:
             return _error(400, "a file part without a path")
-        buf = bytearray()
-        while chunk := await part.read_chunk(_CHUNK):  # type: ignore[union-attr]
-            total += len(chunk)
-            if total > limit:
-                return _error(413, f"upload is over {limit} bytes")
-            buf += chunk
         path = users.absolute(name, user)
         try:
-            await entry.sandbox.write_file(path, bytes(buf))
-            await _give(entry, path, user)
+            total = await _store(part.read_chunk, entry, path, user,  # type: ignore[union-attr]
+                                 total, limit)
+        except _Refused as e:
+            return _error(e.status, e.message)
         except EnvbuildError as e:
             return _error(400, f"write {path}: {e.message}")
         written.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
     return web.json_response(written)
 
 
-async def _give(entry: Entry, path: str, user: users.User) -> None:
-    """Make ``path`` the user's, as E2B's envd writes it (``write_file`` writes as root): a
-    user's uploads are theirs to change. Directories the write created stay root's."""
-    if user.spec.partition(":")[0] == "0":
-        return
-    r = await entry.sandbox.exec(["chown", user.spec, "--", path], user="0:0", timeout=30)
-    if r.exit_code != 0:
-        raise EnvbuildError(f"chown {user.spec} {path}: "
-                            f"{r.stderr.decode(errors='replace').strip()[-200:]}")
+async def _upload_raw(request: web.Request, entry: Entry, name: str | None, user: users.User,
+                      limit: int) -> web.Response:
+    """The body is the file (aiohttp has undone a gzip ``Content-Encoding`` on the way)."""
+    if not name:
+        return _error(400, "an octet-stream upload needs ?path=")
+    path = users.absolute(name, user)
+    try:
+        await _store(request.content.read, entry, path, user, 0, limit)
+    except _Refused as e:
+        return _error(e.status, e.message)
+    except EnvbuildError as e:
+        return _error(400, f"write {path}: {e.message}")
+    return web.json_response([{"name": path.rsplit("/", 1)[-1], "type": "file", "path": path}])
+
+
+async def _store(read: Callable[[int], Awaitable[bytes]], entry: Entry, path: str,
+                 user: users.User, total: int, limit: int) -> int:
+    """The bytes of ``read`` into ``path`` as ``user`` (E2B's envd writes as the user: a
+    user's uploads are theirs to change; directories the write made are root's); the
+    request's byte count after it. Over ``limit`` or a broken body (a bad gzip stream, a
+    malformed part): ``_Refused``, nothing written. One piece is written while the next is
+    received (so at most two are held)."""
+    writer = await entry.sandbox.write_stream(path, user=user.spec)
+    async with writer:  # committed when the part ends; aborted on any error
+        writing: asyncio.Future[None] | None = None
+        try:
+            buf = bytearray()
+            while chunk := await _read(read):
+                total += len(chunk)
+                if total > limit:
+                    raise _Refused(413, f"upload is over {limit} bytes")
+                buf += chunk
+                if len(buf) >= _CHUNK:
+                    if writing is not None:
+                        await writing
+                    writing, buf = asyncio.ensure_future(writer.write(buf)), bytearray()
+            if writing is not None:
+                await writing
+            if buf:
+                await writer.write(buf)
+        finally:  # never abort (close the file) while a piece is being written to it
+            if writing is not None and not writing.done():
+                await asyncio.wait([writing])
+    return total
+
+
+async def _read(read: Callable[[int], Awaitable[bytes]]) -> bytes:
+    try:
+        return await read(_CHUNK)
+    except (web.RequestPayloadError, ValueError) as e:
+        raise _Refused(400, f"the upload's body is broken: {str(e).strip()[:200]}") from None
 
 
 async def health(request: web.Request) -> web.Response:
@@ -101,6 +175,6 @@ async def health(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_get("/files", download)
+    app.router.add_get("/files", download, allow_head=False)  # sendfile has no HEAD form
     app.router.add_post("/files", upload)
     app.router.add_get("/health", health)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
+import io
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -130,6 +131,11 @@ class FleetBackend:
     def forget(self, e2b_id: str) -> None:
         """Nothing to drop: a fleet sandbox is never paused."""
 
+    @property
+    def store(self) -> Any:
+        """The fleet's store (``envbuild.serve.snapshots`` lists its snapshot refs)."""
+        return self.fleet.store
+
 
 class FleetServed:
     """One fleet sandbox as the server uses a runtime_shim ``AsyncSandbox``: ``id`` (its
@@ -156,6 +162,15 @@ class FleetServed:
 
     async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         await self.backend.run(self.handle.write_file, path, data, mode)
+
+    async def read_stream(self, path: str) -> io.BytesIO:
+        """``AsyncSandbox.read_stream`` for ``/files``: the whole file (a fleet sandbox's files
+        travel whole)."""
+        return io.BytesIO(await self.read_file(path))
+
+    async def write_stream(self, path: str, mode: int = 0o644, user: str | None = None
+                           ) -> FleetWriter:
+        return FleetWriter(self, path, mode, user)
 
     async def start(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
                     cwd: str | None = None, user: str | None = None,
@@ -198,6 +213,47 @@ class FleetServed:
     async def close(self) -> None:
         self.backend._served.pop(self.id, None)
         await self.backend.run(self.handle.close)
+
+
+class FleetWriter:
+    """``AsyncSandbox.write_stream``'s writer for a fleet sandbox: the pieces are held and
+    written whole at ``commit`` (``write_file``, as the lock's user), then the file is given
+    to ``user`` ("uid:gid") when that is another user."""
+
+    def __init__(self, served: FleetServed, path: str, mode: int, user: str | None) -> None:
+        self.served, self.path, self.mode, self.user = served, path, mode, user
+        self._buf: bytearray | None = bytearray()
+        self.written = 0
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._buf is None:
+            raise RuntimeShimError(f"write {self.path} in sandbox: the write has ended")
+        self._buf += data
+        self.written += len(data)
+
+    async def commit(self) -> None:
+        if self._buf is None:
+            raise RuntimeShimError(f"write {self.path} in sandbox: the write has ended")
+        data, self._buf = bytes(self._buf), None
+        await self.served.write_file(self.path, data, self.mode)
+        if self.user and self.user != (self.served.lock.user or "0:0"):
+            r = await self.served.exec(["chown", self.user, "--", self.path], user="0:0",
+                                       timeout=30)
+            if r.exit_code != 0:
+                raise RuntimeShimError(f"chown {self.user} {self.path}: "
+                                       f"{r.stderr.decode(errors='replace').strip()[-200:]}")
+
+    async def abort(self) -> None:
+        self._buf = None
+
+    async def __aenter__(self) -> FleetWriter:
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            await self.commit()
+        else:
+            await self.abort()
 
 
 class FleetCommand:

@@ -12,6 +12,8 @@ pack-diff. A backend does the rest, behind three runtime-checkable protocols:
 - ``Metered``: optional, ``usage()`` for ``Sandbox.usage()`` (CPU time, memory, pids, disk);
 - ``HostCosted``: optional, a backend's own ``host_reservation(limits)`` for node admission
   (``runtime_shim.node.admission``) where a container's worst case is not what it takes;
+- ``FileStreams``: optional, files read and written in pieces (``Sandbox.read_stream`` /
+  ``write_stream``; without it those hold the whole file in memory).
 - ``Snapshottable``: optional, for pack-diff: ``quiesce`` (a context manager in which the
   sandbox's writes are stopped) and ``upper_dir`` (its changes, readable inside it).
 - ``Checkpointable`` (a handle) and ``Restorable`` (a backend): optional, for checkpoints with
@@ -45,6 +47,7 @@ from runtime_shim.node.layout import NodeLayout, SandboxPaths
 from runtime_shim.node.model import Limits, MemoryInfo, SandboxUsage
 
 if TYPE_CHECKING:
+    from runtime_shim.isolation.fsaccess import FileWriter
     from runtime_shim.isolation.watch import DirWatch
     from runtime_shim.node.admission import Reservation
     from runtime_shim.node.locks import ResolvedLock
@@ -202,6 +205,22 @@ class Watchable(Protocol):
 
     def watch(self, path: str, *, recursive: bool) -> DirWatch:
         """Inotify watches on ``path`` of the sandbox (``runtime_shim.isolation.watch``)."""
+        ...
+
+
+@runtime_checkable
+class FileStreams(Protocol):
+    """A handle whose files can be read and written in pieces, in bounded memory whatever
+    their size (``Sandbox.read_stream`` / ``write_stream``; ``runtime_shim.isolation.fsaccess``
+    says how paths are resolved and how a write is published whole)."""
+
+    def open_read(self, path: str) -> int:
+        """A read-only fd of regular file ``path`` (the caller closes it)."""
+        ...
+
+    def open_write(self, path: str, mode: int, uid: int, gid: int) -> FileWriter:
+        """A writer of a new ``path`` owned by ``uid:gid`` with ``mode``, published at its
+        ``commit``."""
         ...
 
 

@@ -269,6 +269,13 @@ class ContainerSandbox:
         fsaccess.write_file(f"/proc/{self.init_pid}/root", path, data, mode=mode, uid=uid,
                             gid=gid)
 
+    def open_read(self, path: str) -> int:
+        return fsaccess.open_read(f"/proc/{self.init_pid}/root", path)
+
+    def open_write(self, path: str, mode: int, uid: int, gid: int) -> fsaccess.FileWriter:
+        return fsaccess.FileWriter(f"/proc/{self.init_pid}/root", path, mode=mode, uid=uid,
+                                   gid=gid)
+
     def close(self) -> None:
         if self._dir_fd >= 0:
             os.close(self._dir_fd)

@@ -71,7 +71,7 @@ from envbuild.libc import LIBC
 from envbuild.safefs import remove_tree
 from runtime_shim.backends.base import CreateRequest
 from runtime_shim.backends.container import ContainerSandbox
-from runtime_shim.isolation import agent, cgroupfs, fncall_ns
+from runtime_shim.isolation import agent, cgroupfs, fncall_ns, fsaccess
 from runtime_shim.isolation import seccomp as seccomp_profiles
 from runtime_shim.isolation.mount import (
     _AT_FDCWD,
@@ -430,6 +430,12 @@ class FnSandbox(ContainerSandbox):
         with self._serial:
             self.reset()
             super().write_file(path, data, mode)
+
+    def open_write(self, path: str, mode: int, uid: int, gid: int) -> fsaccess.FileWriter:
+        """As ``write_file``: into the layer the next call sees (reset first if used)."""
+        with self._serial:
+            self.reset()
+            return super().open_write(path, mode, uid, gid)
 
     def upper_dir(self) -> Path:  # pragma: no cover - not Snapshottable: no stable upper dir
         raise BackendUnavailable("pack-diff is not supported by the fncall backend")

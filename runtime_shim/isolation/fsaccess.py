@@ -7,12 +7,24 @@ component, symlinks included, so no path can leave it.
 Only regular files are read or written: the path is resolved to an ``O_PATH`` fd, checked,
 and that inode reopened, so a FIFO the sandbox made never blocks the host and a device node is
 never opened (issue 11, item 10).
+
+Streams (bounded memory, for files of any size): ``open_read`` gives the fd of a regular file;
+a ``FileWriter`` writes a file in pieces. Every file it makes is made ``O_EXCL`` by one name in
+the target's directory (resolved inside the root), with its owner and mode from the start. A
+new target is written under its own name (as E2B's envd does: a watcher sees it created,
+then written), and ``abort`` (or any error) removes it again. An existing one (a regular file,
+or a symlink to one, resolved inside the root) keeps its bytes until ``commit``: the new ones
+go to a hidden file beside it (``.NAME.envbuild-XXXXXXXX``) and are copied into it in place
+at ``commit`` (same inode, as ``write_file``; a clone where the filesystem can), ``abort``
+drops them. So nothing of a refused write is left at the path; a directory, FIFO, device or
+socket is refused.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import secrets
 import stat
 
 from envbuild.errors import RuntimeShimError
@@ -64,16 +76,21 @@ def _refuse(verb: str, path: str) -> RuntimeShimError:
                                  "exec a command to use them")
 
 
-def read_file(root: str, path: str, *, max_bytes: int = 256 << 20) -> bytes:
+def open_read(root: str, path: str) -> int:
+    """A read-only fd of regular file ``path`` inside ``root`` (the caller closes it)."""
     root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fd = _open_regular(root_fd, path, os.O_RDONLY)
+        return _open_regular(root_fd, path, os.O_RDONLY)
     except _NotRegular:
         raise _refuse("read", path) from None
     except OSError as e:
         raise RuntimeShimError(f"read {path} in sandbox: {e.strerror}") from None
     finally:
         os.close(root_fd)
+
+
+def read_file(root: str, path: str, *, max_bytes: int = 256 << 20) -> bytes:
+    fd = open_read(root, path)
     try:
         st = os.fstat(fd)
         if st.st_size > max_bytes:
@@ -125,3 +142,145 @@ def write_file(root: str, path: str, data: bytes, *, mode: int = 0o644, uid: int
         os.fchown(fd, uid, gid)
     finally:
         os.close(fd)
+
+
+def _split(path: str) -> tuple[str, str]:
+    """``path``'s parent (absolute) and last component; a path naming no file is refused."""
+    parent, _, name = ("/" + path.strip("/")).rpartition("/")
+    if name in ("", ".", ".."):
+        raise RuntimeShimError(f"write {path} in sandbox: not a file name",
+                               hint="give the path of a file, e.g. /tmp/out.txt")
+    return parent or "/", name
+
+
+class FileWriter:
+    """Regular file ``path`` inside ``root`` written in pieces (``write``) and published whole
+    (``commit``), owned by ``uid:gid`` with ``mode`` (see the module docstring). As a context
+    manager: committed when the block ends, aborted when it raises."""
+
+    def __init__(self, root: str, path: str, *, mode: int = 0o644, uid: int = 0, gid: int = 0,
+                 make_parents: bool = True) -> None:
+        self.root, self.path, self.mode, self.uid, self.gid = root, path, mode, uid, gid
+        self.written, self._fd, self._dir = 0, -1, -1
+        parent, self._name = _split(path)
+        self._tmp = f".{self._name[:200]}.envbuild-{secrets.token_hex(4)}"
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if make_parents:
+                _mkdirs_in_root(root_fd, parent)
+            self._dir = open_in_root(root_fd, parent, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as e:
+            raise RuntimeShimError(f"write {path} in sandbox: {e.strerror}") from None
+        finally:
+            os.close(root_fd)
+        # one component in a directory resolved inside the root: O_EXCL follows nothing
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._direct = False  # writing a new target itself (nothing had its name)
+        try:
+            try:
+                self._fd = os.open(self._name, flags, 0o600, dir_fd=self._dir)
+                self._direct = True
+            except FileExistsError:  # a file (or any name, a symlink too) is there
+                self._fd = os.open(self._tmp, flags, 0o600, dir_fd=self._dir)
+            os.fchown(self._fd, uid, gid)
+            os.fchmod(self._fd, mode)  # after the chown, which may clear set-id bits
+        except OSError as e:
+            self.abort()
+            raise RuntimeShimError(f"write {path} in sandbox: {e.strerror}") from None
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data)
+        try:
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+                self.written += n
+        except OSError as e:
+            self.abort()
+            raise RuntimeShimError(f"write {self.path} in sandbox: {e.strerror}") from None
+
+    def commit(self) -> None:
+        """Finish the file at the path (then nothing more may be written)."""
+        if self._fd < 0:
+            raise RuntimeShimError(f"write {self.path} in sandbox: the write was aborted")
+        if self._direct:
+            self._close(unlink=False)
+            return
+        try:
+            try:
+                st = os.stat(self._name, dir_fd=self._dir, follow_symlinks=False)
+            except FileNotFoundError:
+                st = None
+            if st is None:
+                os.rename(self._tmp, self._name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
+            elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                self._copy_into_existing()
+            else:
+                raise _NotRegular(self.path)
+        except _NotRegular:
+            self.abort()
+            raise _refuse("write", self.path) from None
+        except OSError as e:
+            self.abort()
+            raise RuntimeShimError(f"write {self.path} in sandbox: {e.strerror}") from None
+        self._close(unlink=False)
+
+    def _copy_into_existing(self) -> None:
+        """The finished bytes into the existing file (through a symlink, resolved inside the
+        root): truncated and rewritten in place, as ``write_file`` and E2B's envd do, so its
+        inode, links and watchers' ``write`` events stay; a clone where the filesystem can
+        (``copy_file_range``: btrfs, XFS), a kernel copy elsewhere."""
+        root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fd = _open_for_write(root_fd, self.path, self.mode)
+        finally:
+            os.close(root_fd)
+        try:
+            offset = 0
+            while offset < self.written:
+                count = min(self.written - offset, 1 << 30)
+                try:
+                    n = os.copy_file_range(self._fd, fd, count, offset, offset)
+                except OSError as e:
+                    if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS,
+                                       errno.EOPNOTSUPP):
+                        raise
+                    os.lseek(fd, offset, os.SEEK_SET)
+                    n = os.sendfile(fd, self._fd, offset, count)
+                if n == 0:
+                    raise OSError(errno.EIO, "the file shrank while it was copied")
+                offset += n
+            os.fchmod(fd, self.mode)
+            os.fchown(fd, self.uid, self.gid)
+        finally:
+            os.close(fd)
+        os.unlink(self._tmp, dir_fd=self._dir)
+
+    def abort(self) -> None:
+        """Drop what was written; the path is left as it was (idempotent)."""
+        self._close(unlink=True)
+
+    def _close(self, *, unlink: bool) -> None:
+        if self._fd >= 0:
+            ours = os.fstat(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+            name = self._name if self._direct else self._tmp
+            try:  # only the file this writer made, if the sandbox did not replace it
+                st = os.stat(name, dir_fd=self._dir, follow_symlinks=False)
+                if unlink and (st.st_dev, st.st_ino) == (ours.st_dev, ours.st_ino):
+                    os.unlink(name, dir_fd=self._dir)
+            except FileNotFoundError:
+                pass
+        if self._dir >= 0:
+            os.close(self._dir)
+            self._dir = -1
+
+    def __enter__(self) -> FileWriter:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()

@@ -16,11 +16,12 @@ import functools
 import socket
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from runtime_shim.backends.base import StatelessCalls
 from runtime_shim.isolation import agent
 from runtime_shim.node.model import ExecResult, SandboxInfo, SandboxUsage
+from runtime_shim.sdk.filestream import AsyncWriter
 from runtime_shim.sdk.process import AsyncProcess
 from runtime_shim.sdk.sandbox import Sandbox
 
@@ -115,6 +116,18 @@ class AsyncSandbox:
     async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.sync.write_file, path, data,
                                                          mode)
+
+    async def read_stream(self, path: str) -> BinaryIO:
+        """``Sandbox.read_stream`` opened in the default executor; read it there too, or
+        ``loop.sendfile`` it to a socket."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.sync.read_stream,
+                                                                path)
+
+    async def write_stream(self, path: str, mode: int = 0o644, user: str | None = None
+                           ) -> AsyncWriter:
+        """``Sandbox.write_stream`` for asyncio (``runtime_shim.sdk.filestream.AsyncWriter``)."""
+        return AsyncWriter(await asyncio.get_running_loop().run_in_executor(
+            None, self.sync.write_stream, path, mode, user))
 
     async def pack_diff(self, publish: str | None = None, **kwargs: Any) -> SnapshotResult:
         """``Sandbox.pack_diff`` in the default executor."""

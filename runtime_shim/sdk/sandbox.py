@@ -89,7 +89,7 @@ from runtime_shim.node.records import (
     store_url,
     write_record,
 )
-from runtime_shim.sdk import exitwatch, ports
+from runtime_shim.sdk import exitwatch, filestream, ports
 from runtime_shim.sdk.options import CreatePlan, SandboxOptions, plan_create
 from runtime_shim.sdk.process import Process
 from runtime_shim.sdk.sweep import SandboxRemoval, gc_sandboxes, remove_sandbox, sweep_sandboxes
@@ -395,6 +395,8 @@ class Sandbox:
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         self._check_open()
         self._backend.write_file(path, data.encode() if isinstance(data, str) else data, mode)
+
+    read_stream, write_stream = filestream.read_stream, filestream.write_stream  # in pieces
 
     def connect_port(self, port: int, timeout: float = 10.0) -> socket.socket:
         """A TCP socket connected to ``port`` on ``127.0.0.1`` inside this sandbox (made in its

@@ -97,6 +97,10 @@ def test_the_sdk_drives_fleet_sandboxes(cell, tmp_path):
         assert other.files.exists("/tmp/note.txt") is False, "each sandbox its own files"
         sb.files.write("/tmp/blob", bytes(range(256)) * 4096)
         assert sb.files.read("/tmp/blob", format="bytes") == bytes(range(256)) * 4096
+        sb.files.write("/tmp/agent.txt", iter([b"a", b"b"]), user="agent")  # octet-stream
+        assert sb.files.get_info("/tmp/agent.txt").owner == "agent"
+        assert sb.files.read("/tmp/agent.txt") == "ab"
+        assert Sandbox.list_snapshots().next_items() == []  # the fleet store's: none
         assert "note.txt" in {e.name for e in sb.files.list("/tmp")}
         sb.files.rename("/tmp/note.txt", "/tmp/moved.txt")
         assert sb.commands.run("cat /tmp/moved.txt").stdout == "from the fleet"
