@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from envbuild.libc import LIBC  # noqa: E402
 from runtime_shim import Limits, Sandbox  # noqa: E402
 from runtime_shim.backends import container  # noqa: E402
 from runtime_shim.isolation import agent, cpuclass, mountns  # noqa: E402
@@ -286,11 +287,8 @@ def kernel_probe(n: int, per_hierarchy: bool = True) -> dict[str, float]:
 def _grace_period() -> float:
     """Seconds of one RCU grace period: ``membarrier(MEMBARRIER_CMD_GLOBAL)`` is a
     ``synchronize_rcu()``."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
     t = time.perf_counter()
-    libc.syscall(324, 1, 0, 0)  # SYS_membarrier on x86_64
+    LIBC.syscall(324, 1, 0, 0)  # SYS_membarrier on x86_64
     return time.perf_counter() - t
 
 
@@ -299,11 +297,8 @@ def _unshare_in_child(flags: int) -> float:
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: no Python objects touched beyond this
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
         t = time.perf_counter()
-        rc = libc.unshare(flags)
+        rc = LIBC.unshare(flags)
         os.write(w, f"{time.perf_counter() - t if rc == 0 else -1.0}".encode())
         os._exit(0)
     os.close(w)
