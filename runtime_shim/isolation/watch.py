@@ -94,6 +94,8 @@ class DirWatch:
         self._dirs: dict[int, str] = {}  # watch descriptor -> relative dir ("" is the top)
         self._overflowed = False
         self._pending: list[WatchEvent] = []
+        # the loop and future of a ``next_events`` waiting on ``_fd`` (``close`` wakes it)
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
 
     @classmethod
     def open(cls, root: str, path: str, *, recursive: bool = False,
@@ -174,18 +176,23 @@ class DirWatch:
         return self.read()
 
     async def next_events(self) -> list[WatchEvent]:
-        """The next events, waited for on the running event loop."""
+        """The next events, waited for on the running event loop (an empty list once
+        ``close`` is called, at once if it is called while this waits)."""
         loop = asyncio.get_running_loop()
         while True:
             events = self.read()
             if events or self._fd < 0:
                 return events
             ready: asyncio.Future[None] = loop.create_future()
-            loop.add_reader(self._fd, _resolve, ready)
+            fd = self._fd
+            loop.add_reader(fd, _resolve, ready)
+            self._waiter = (loop, ready)
             try:
                 await ready
             finally:
-                loop.remove_reader(self._fd)
+                if self._waiter is not None:  # not taken down by ``close``
+                    self._waiter = None
+                    loop.remove_reader(fd)
 
     def read(self) -> list[WatchEvent]:
         """The events ready now (an empty list if none; never blocks)."""
@@ -234,6 +241,12 @@ class DirWatch:
                 os.close(sub)
 
     def close(self) -> None:
+        """Close the watch; a ``next_events`` waiting (on this thread's loop) returns."""
+        if self._waiter is not None:
+            loop, ready = self._waiter
+            self._waiter = None
+            loop.remove_reader(self._fd)  # before the close: the fd number may be reused
+            _resolve(ready)
         for fd in (self._fd, self._top):
             if fd >= 0:
                 os.close(fd)
