@@ -76,26 +76,47 @@ def copy_busybox_defs(dest: Path) -> None:
             shutil.copy2(src, target)
 
 
+#: The session's one build of the busybox env (``build_busybox_env``), copied from then on.
+_BUSYBOX_TEMPLATE: list[Path] = []
+
+
 def build_busybox_env(root: Path):
-    """Build and lock the busybox env of envdefs/ under ``root`` with the real CLI (a fresh
-    process, as a user would); returns ``(LocalStore, node_dir)``. For module-scoped fixtures
-    whose tests share one built store."""
-    import os
-    import subprocess
-    import sys
+    """The busybox env of envdefs/ built and locked under ``root``; returns
+    ``(LocalStore, node_dir)``. For module-scoped fixtures whose tests share one built store.
+    The first call of a session builds it with the real CLI (a fresh process, as a user
+    would) into a template; every call copies the template's defs, sources and store under
+    ``root`` (what the build made, byte for byte) and gives it a fresh node dir."""
+    import atexit
+    import tempfile
 
     from envbuild.store import LocalStore
 
     require_root()
     require_tool("runc")
     require_tool("busybox")
+    if not _BUSYBOX_TEMPLATE:
+        template = Path(tempfile.mkdtemp(prefix="envbuild-busybox-template-"))
+        atexit.register(shutil.rmtree, template, True)
+        _cli_build_busybox(template)
+        _BUSYBOX_TEMPLATE.append(template)
+    for part in _BUSYBOX_TEMPLATE[0].iterdir():
+        if part.name != "node":
+            shutil.copytree(part, root / part.name, symlinks=True, dirs_exist_ok=True)
+    (root / "node").mkdir(exist_ok=True)
+    return LocalStore(root / "store"), root / "node"
+
+
+def _cli_build_busybox(root: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
     copy_busybox_defs(root / "envdefs")
     env = {**os.environ, "ENVBUILD_NODE_CACHE": str(root / "node"),
            "ENVBUILD_STORE": str(root / "store"), "ENVBUILD_DEFS": str(root / "envdefs")}
     proc = subprocess.run([sys.executable, "-m", "envbuild.cli", "build"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    return LocalStore(root / "store"), root / "node"
 
 
 @dataclasses.dataclass

@@ -133,3 +133,24 @@ def test_close_while_waited_on_frees_the_loop_and_the_fd_number(root):
             os.close(wfd)
 
     asyncio.run(scenario())
+
+
+def test_close_ends_a_waiting_next_events_at_once(root):
+    """``close`` (a sandbox killed, a watcher removed) wakes a ``next_events`` that waits:
+    it returns no events at once rather than hanging until a timeout (the server's
+    ``WatchDir`` stream held its shutdown for its 30 s keepalive), and the loop keeps no
+    reader on the closed descriptor."""
+    w = DirWatch.open(str(root), "/w")
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        waiting = asyncio.ensure_future(w.next_events())
+        await asyncio.sleep(0.05)
+        fd = w.fileno()
+        start = time.monotonic()
+        w.close()
+        assert await asyncio.wait_for(waiting, 5) == []
+        assert time.monotonic() - start < 1
+        assert not loop.remove_reader(fd)  # none left registered
+
+    asyncio.run(scenario())
