@@ -16,6 +16,7 @@ from typing import Any
 
 from envbuild.oci import is_hex64
 from runtime_shim.lazyfs import fanotify
+from runtime_shim.lazyfs.fillbatch import ObjectDir
 from runtime_shim.lazyfs.fillhints import Hints, LayerView
 from runtime_shim.lazyfs.fillwindow import WINDOW_MAX_FILE, FileRef, LayerOrder
 from runtime_shim.lazyfs.objects import FILLED_XATTR, ObjectStore, copy_into, write_into
@@ -71,6 +72,16 @@ class Worker:
         self._tree_lock = threading.Lock()
         self._ranges: dict[str, str] = {}   # layer digest → a presigned GET of its blob
         self._memory = threading.BoundedSemaphore(MEMORY_BUDGET // STREAM_ABOVE)
+        self._dir: ObjectDir | None = None
+
+    def objdir(self) -> ObjectDir:
+        """The data dir and ``wdata`` opened once (``fillbatch``), on first use: after
+        ``wdata`` is set."""
+        with self._lock:
+            if self._dir is None:
+                self._dir = ObjectDir(self.objects.data, self.wdata, self.objects.tag,
+                                      self.group)
+            return self._dir
 
     def sweep(self) -> int:
         """Answer EIO to the events a dead worker read but never answered; how many."""
@@ -248,8 +259,8 @@ class Worker:
         else:   # the layer's TOC not decoded yet: the opened file waits for no decode
             self._ahead_pool.submit(self._window, layer, entry.path)
         data = layer._load([entry])[entry.path]
-        write_into(self._wpath(hexd), data)
-        self._complete(hexd)   # the reader that opened it goes on now
+        self.objdir().write(hexd, data)
+        self._complete([hexd])   # the reader that opened it goes on now
         self._after_fill(hexd, data)
 
     # -- fills ahead of opens ---------------------------------------------------------------
@@ -263,7 +274,7 @@ class Worker:
 
     def _after_fill(self, hexd: str, data: bytes) -> None:
         """An object is filled: an ELF file's libraries are the next opens."""
-        if data[:4] == b"\x7fELF":
+        if data.startswith(b"\x7fELF"):
             self._hint_pool.submit(self._predict, hexd, data)
 
     def _predict(self, hexd: str, data: bytes | None) -> None:
@@ -378,56 +389,64 @@ class Worker:
                 raise ValueError("a file of the layer is not the object claimed for it")
             got = layer._load(entries)
             done = [r for r in claimed if r.path in got]
+            odir = self.objdir()
             for r in done:
-                write_into(self._wpath(r.hexd), got[r.path])
+                odir.write(r.hexd, got[r.path])
+            self._complete([r.hexd for r in done])
+            self.ahead += len(done)
             for r in done:
-                self._complete(r.hexd)
-                self.ahead += 1
                 self._after_fill(r.hexd, got[r.path])   # an extension module's libraries
         except Exception as err:  # noqa: BLE001 - a hint: their own opens fill them (or fail)
             log.warning("filling ahead in %s: %s", layer.digest[:19], err)
         finally:   # whatever was claimed and not filled goes back to its own opens
-            for r in claimed:
-                self._release(r.hexd)
+            self._release([r.hexd for r in claimed])
 
     def _wpath(self, hexd: str) -> str:
         """Where a fill writes object ``hexd`` (through ``writer_mount``: no events)."""
         self.objects.path(hexd)   # checks the name
         return os.path.join(self.wdata, hexd)
 
-    def _release(self, hexd: str) -> None:
-        """Drop a claim; opens that waited for it get a fill of their own."""
+    def _release(self, hexes: list[str]) -> None:
+        """Drop claims; opens that waited for one get a fill of their own."""
+        again = []
         with self._lock:
-            fds = self._waiting.get(hexd)
-            if fds is None:
-                return   # completed (``_complete`` popped it)
-            if not fds:
-                del self._waiting[hexd]
-                return
-        self._pool.submit(self._fill_and_answer, hexd)
+            waiting = self._waiting
+            for hexd in hexes:
+                fds = waiting.get(hexd)
+                if fds is None:
+                    continue   # completed (``_complete`` popped it)
+                if fds:
+                    again.append(hexd)
+                else:
+                    del waiting[hexd]
+        for hexd in again:
+            self._pool.submit(self._fill_and_answer, hexd)
 
-    def _complete(self, hexd: str) -> None:
-        """Object ``hexd`` is written: record it, unmark it, let its readers on."""
-        os.setxattr(self.objects.path(hexd), FILLED_XATTR, self.objects.tag)
-        fanotify.mark(self.group, self.objects.path(hexd), remove=True)
-        self.fills += 1
+    def _complete(self, hexes: list[str]) -> None:
+        """Objects ``hexes`` are written with their fill state (``ObjectDir.write``):
+        unmark them, let their readers on."""
+        self.objdir().unmark(hexes)
+        self.fills += len(hexes)
+        fds: list[int] = []
         with self._lock:
-            fds = self._waiting.pop(hexd, [])
+            for hexd in hexes:
+                fds += self._waiting.pop(hexd, ())
         self._finish(fds, ok=True)
 
     def _claim(self, refs: list[FileRef]) -> list[FileRef]:
         """Those of ``refs`` whose objects are placeholders no fill has claimed yet, now
-        claimed (single-flight: opens of them wait for this fill)."""
+        claimed (single-flight: opens of them wait for this fill); one ``getxattr`` an
+        object (``ObjectDir.unfilled``), one lock a batch."""
+        if not refs:
+            return []
+        fresh = self.objdir().unfilled([r.hexd for r in refs])
         out = []
-        for e in refs:
-            other = e.hexd
-            if not os.path.exists(self.objects.path(other)) or self.objects.complete(other):
-                continue
-            with self._lock:
-                if other in self._waiting:
-                    continue
-                self._waiting[other] = []
-            out.append(e)
+        with self._lock:
+            waiting = self._waiting
+            for r in refs:
+                if r.hexd in fresh and r.hexd not in waiting:
+                    waiting[r.hexd] = []
+                    out.append(r)
         return out
 
     def _order(self, layer: Any) -> LayerOrder:

@@ -182,14 +182,14 @@ class ObjectStore:
         return {"objects": n, "complete": done, "bytes": used}
 
 
-def _open_object(target: str) -> int:
+def _open_object(target: str, dir_fd: int | None = None) -> int:
     """The placeholder ``target`` opened for a fill. Never ``O_TRUNC``: on ext4 a truncate
     to 0 marks the file for a flush at its close (the replace-via-truncate heuristic,
     ``auto_da_alloc``): ~100 us of the fill's open and close an object here, and I/O the
     unsynced fills (``boot_tag``) mean to leave to writeback. The object holds at
     most these same bytes (a killed fill's prefix: only verified content is ever written),
     and ``_fit`` cuts anything past them."""
-    return os.open(target, os.O_WRONLY | os.O_CLOEXEC)
+    return os.open(target, os.O_WRONLY | os.O_CLOEXEC, dir_fd=dir_fd)
 
 
 def _fit(fd: int, size: int) -> None:
@@ -197,14 +197,22 @@ def _fit(fd: int, size: int) -> None:
         os.ftruncate(fd, size)
 
 
-def write_into(target: str, data: bytes) -> None:
-    """Write verified ``data`` into the placeholder (not synced: ``boot_tag``)."""
-    fd = _open_object(target)
+def write_into(target: str, data: bytes, *, dir_fd: int | None = None,
+               state: tuple[str, bytes] | None = None) -> None:
+    """Write verified ``data`` into the placeholder (not synced: ``boot_tag``); ``target``
+    relative to ``dir_fd`` if given; with ``state`` (an xattr and its value: the fill
+    state), that xattr set on the written file's own fd once every byte is in."""
+    fd = _open_object(target, dir_fd)
     try:
-        view = memoryview(data)
-        for off in range(0, len(view), WRITE_PIECE):
-            os.pwrite(fd, view[off:off + WRITE_PIECE], off)
+        if len(data) <= WRITE_PIECE:
+            os.pwrite(fd, data, 0)   # a small file (most): no view, no slice
+        else:
+            view = memoryview(data)
+            for off in range(0, len(view), WRITE_PIECE):
+                os.pwrite(fd, view[off:off + WRITE_PIECE], off)
         _fit(fd, len(data))
+        if state is not None:
+            os.setxattr(fd, *state)
     finally:
         os.close(fd)
 

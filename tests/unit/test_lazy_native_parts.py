@@ -195,9 +195,9 @@ def test_a_fill_writes_its_object_without_truncating_it(tmp_path, monkeypatch):
     flags: list[int] = []
     real_open = os.open
 
-    def spy(path, flag, *args):   # type: ignore[no-untyped-def]
+    def spy(path, flag, *args, **kw):   # type: ignore[no-untyped-def]
         flags.append(flag)
-        return real_open(path, flag, *args)
+        return real_open(path, flag, *args, **kw)
     monkeypatch.setattr(os, "open", spy)
     data = os.urandom(3 * objects.WRITE_PIECE + 5)
     for before in (b"", data[:1000], data + b"stale tail"):
@@ -211,3 +211,61 @@ def test_a_fill_writes_its_object_without_truncating_it(tmp_path, monkeypatch):
         objects.copy_into(str(spool), str(target), len(data))
         assert target.read_bytes() == data
     assert flags and not any(f & os.O_TRUNC for f in flags if f & os.O_WRONLY)
+
+
+def test_a_batch_of_objects_is_claimed_written_and_released_through_one_dir(
+        tmp_path, monkeypatch):
+    """``ObjectDir``: a claim is one ``getxattr`` an object (a missing object and a complete
+    one, of this boot or ``1``, are not claimed; a placeholder and another boot's fill are);
+    a write sets the fill state on its own fd after the bytes; a bad name is refused. The
+    worker claims a batch under one lock (a duplicate or an object already being filled is
+    not claimed twice), completes a batch (every waiter let on) and releases it (only
+    objects someone waits for get a fill of their own)."""
+    import os
+
+    from runtime_shim.lazyfs import fillworker
+    from runtime_shim.lazyfs.fillbatch import ObjectDir
+    from runtime_shim.lazyfs.fillwindow import FileRef
+    from runtime_shim.lazyfs.objects import ObjectStore
+
+    xattr = "user.envbuild.filled"   # no root needed
+    store = ObjectStore(tmp_path)
+    os.makedirs(store.data)
+    names = {k: c * 64 for k, c in
+             {"hole": "a", "now": "b", "empty": "c", "old": "d", "gone": "e", "busy": "f"}.items()}
+    for k, name in names.items():
+        if k != "gone":
+            open(store.path(name), "x").close()
+    os.setxattr(store.path(names["now"]), xattr, store.tag)
+    os.setxattr(store.path(names["empty"]), xattr, b"1")
+    os.setxattr(store.path(names["old"]), xattr, b"boot:another-boot")
+    odir = ObjectDir(store.data, store.data, store.tag, -1, xattr)
+    assert odir.unfilled(names.values()) == {names["hole"], names["old"], names["busy"]}
+    with pytest.raises(ValueError, match="bad object name"):
+        odir.unfilled(["../" + "a" * 61])
+    odir.write(names["hole"], b"verified")
+    assert open(store.path(names["hole"]), "rb").read() == b"verified"
+    assert os.getxattr(store.path(names["hole"]), xattr) == store.tag
+    assert odir.unfilled([names["hole"]]) == set()
+
+    w = fillworker.Worker(str(tmp_path), -1)
+    w._dir = odir
+    unmarked: list[list[str]] = []
+    answered: list[list[int]] = []
+    submitted: list[str] = []
+    monkeypatch.setattr(odir, "unmark", lambda hexes: unmarked.append(list(hexes)))
+    monkeypatch.setattr(w, "_finish", lambda fds, ok: answered.append(list(fds)))
+    monkeypatch.setattr(w._pool, "submit", lambda fn, hexd: submitted.append(hexd))
+    w._waiting[names["busy"]] = [7]
+    refs = [FileRef(f"p/{k}", h, 1) for k, h in names.items()]
+    refs.append(FileRef("p/old-again", names["old"], 1))
+    claimed = w._claim(refs)
+    assert [r.path for r in claimed] == ["p/old"]
+    w._waiting[names["old"]].append(9)   # an open waits for the claimed fill
+    w._complete([names["old"], names["busy"]])
+    assert unmarked == [[names["old"], names["busy"]]] and answered == [[9, 7]]
+    assert w._waiting == {}
+    w._waiting.update({names["hole"]: [], names["old"]: [11]})
+    w._release([names["hole"], names["old"], names["now"]])
+    assert submitted == [names["old"]] and w._waiting == {names["old"]: [11]}
+    odir.close()
