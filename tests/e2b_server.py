@@ -98,3 +98,19 @@ def e2b_env(server: Server) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def assert_run_times_out(sandbox) -> None:
+    """An e2b SDK ``commands.run`` past its timeout raises ``TimeoutException`` within seconds,
+    and the command is ended with its deadline (gone from ``commands.list()``), not left running."""
+    import pytest
+    from e2b import TimeoutException
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutException):
+        sandbox.commands.run("sleep 30", timeout=1)
+    assert time.monotonic() - started < 10
+    deadline = time.monotonic() + 10
+    while sandbox.commands.list() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sandbox.commands.list() == []

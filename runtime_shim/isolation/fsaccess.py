@@ -26,6 +26,7 @@ import errno
 import os
 import secrets
 import stat
+from typing import Self
 
 from envbuild.errors import RuntimeShimError
 from envbuild.safefs import open_in_root
@@ -153,7 +154,27 @@ def _split(path: str) -> tuple[str, str]:
     return parent or "/", name
 
 
-class FileWriter:
+class CommitOnExit:
+    """A writer as a context manager: ``commit`` when the block ends normally, ``abort`` when
+    it raises. The writer defines both."""
+
+    def commit(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class FileWriter(CommitOnExit):
     """Regular file ``path`` inside ``root`` written in pieces (``write``) and published whole
     (``commit``), owned by ``uid:gid`` with ``mode`` (see the module docstring). As a context
     manager: committed when the block ends, aborted when it raises."""
@@ -276,11 +297,3 @@ class FileWriter:
             os.close(self._dir)
             self._dir = -1
 
-    def __enter__(self) -> FileWriter:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()

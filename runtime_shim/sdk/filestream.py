@@ -26,11 +26,11 @@ from typing import Any, BinaryIO
 
 from envbuild.errors import BackendUnavailable, RuntimeShimError
 from runtime_shim.backends.base import FileStreams, SandboxHandle
-from runtime_shim.isolation.fsaccess import FileWriter
+from runtime_shim.isolation.fsaccess import CommitOnExit, FileWriter
 from runtime_shim.isolation.spec import parse_user
 
 
-class BufferedWriter:
+class BufferedWriter(CommitOnExit):
     """``FileWriter``'s interface over ``write_file`` (a backend without ``FileStreams``)."""
 
     def __init__(self, handle: SandboxHandle, path: str, mode: int) -> None:
@@ -51,15 +51,6 @@ class BufferedWriter:
 
     def abort(self) -> None:
         self._buf = None
-
-    def __enter__(self) -> BufferedWriter:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
 
 
 Writer = FileWriter | BufferedWriter

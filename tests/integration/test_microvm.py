@@ -18,11 +18,10 @@ from pathlib import Path
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from envbuild.store import LocalStore
 from runtime_shim.isolation.mount import mounted_targets_under
 from runtime_shim.sdk.sandbox import Limits, Sandbox, gc_sandboxes
 from tests.conftest import REPO, require_root, require_tool
-from tests.integration.conftest import build_busybox_env
+from tests.integration.conftest import build_busybox_env, python_example_store
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -232,22 +231,9 @@ def test_killing_the_host_process_kills_qemu(built, tmp_path):
     assert len(removed) == 1 and not (node / "sandboxes" / removed[0]).exists()
 
 
-def _python_env_store(request) -> LocalStore:
-    """py-textstats from the repo's cache/ when it was built there, else the session's one
-    build of the examples (``cluster_examples``: on the Ray cluster, pulled into a local
-    store; needs the network for debootstrap)."""
-    repo_store = LocalStore(REPO / "cache")
-    try:
-        repo_store.get_ref("env/py-textstats")
-        return repo_store
-    except Exception:  # noqa: BLE001 - not built there
-        pass
-    return LocalStore(request.getfixturevalue("cluster_examples").local_store)
-
-
 def test_python_env_boots_and_runs_its_tests(built, request):
     _, node = built
-    store = _python_env_store(request)
+    store = python_example_store(request)
     with Sandbox.create("py-textstats", store=store, node_dir=node, backend="microvm",
                         limits=Limits(memory_bytes=768 << 20)) as sb:
         r = sb.exec(["python3", "-c", "import sys, textstats; print(sys.version_info[:2])"])

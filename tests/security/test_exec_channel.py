@@ -20,6 +20,7 @@ import pytest
 from envbuild.errors import RuntimeShimError
 from runtime_shim.isolation import agent
 from runtime_shim.sdk.sandbox import Limits, Sandbox
+from tests.bounded import run_bounded
 from tests.conftest import require_tool
 
 SECRET = "s3cr3t-token-do-not-leak"
@@ -228,38 +229,21 @@ def test_a_never_answering_agent_does_not_hang_the_host(tmp_path):
 # ---- item 10: read_file / write_file on FIFOs and devices ----------------------------------
 
 
-def _bounded(fn, seconds: float = 10):
-    """Run ``fn`` in a thread; fail (instead of hanging the suite) if it blocks."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), "blocked"
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
 
 
 def test_read_and_write_file_refuse_fifos_and_devices_without_blocking(sandbox):
     assert sandbox.exec("mkfifo /tmp/fifo && ln -s /tmp/fifo /tmp/link-to-fifo").exit_code == 0
     for path in ("/tmp/fifo", "/tmp/link-to-fifo", "/dev/null", "/dev/zero", "/tmp"):
         with pytest.raises(RuntimeShimError, match="not a regular file"):
-            _bounded(lambda p=path: sandbox.read_file(p))
+            run_bounded(lambda p=path: sandbox.read_file(p))
         with pytest.raises(RuntimeShimError, match="not a regular file"):
-            _bounded(lambda p=path: sandbox.write_file(p, b"x"))
+            run_bounded(lambda p=path: sandbox.write_file(p, b"x"))
     # the FIFO was never opened: a reader in the sandbox would have seen our "x"
     r = sandbox.exec("timeout 1 cat /tmp/fifo; ls -l /tmp/fifo")
     assert r.stdout.startswith(b"p")
     # regular files still work, through a symlink too, and new files are created
     sandbox.exec("echo hi > /tmp/f && ln -s /tmp/f /tmp/link")
-    assert _bounded(lambda: sandbox.read_file("/tmp/link")) == b"hi\n"
-    _bounded(lambda: sandbox.write_file("/tmp/link", b"new"))
-    _bounded(lambda: sandbox.write_file("/tmp/d/new.txt", b"made"))
+    assert run_bounded(lambda: sandbox.read_file("/tmp/link")) == b"hi\n"
+    run_bounded(lambda: sandbox.write_file("/tmp/link", b"new"))
+    run_bounded(lambda: sandbox.write_file("/tmp/d/new.txt", b"made"))
     assert sandbox.exec("cat /tmp/f /tmp/d/new.txt").stdout == b"newmade"

@@ -6,12 +6,11 @@ no symlink can redirect them, and an aborted write removes only the file it made
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from envbuild.errors import RuntimeShimError
 from runtime_shim.sdk.sandbox import Sandbox
+from tests.bounded import run_bounded
 
 pytestmark = pytest.mark.integration
 
@@ -23,23 +22,6 @@ def sandbox(busybox_store):
         yield sb
 
 
-def _bounded(fn, seconds: float = 10):
-    """Run ``fn`` in a thread; fail (instead of hanging the suite) if it blocks."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), "blocked"
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
 
 
 def _write(sb: Sandbox, path: str, data: bytes) -> None:
@@ -51,9 +33,9 @@ def test_streams_refuse_fifos_devices_and_directories_without_blocking(sandbox):
     assert sandbox.exec("mkfifo /tmp/fifo && ln -s /tmp/fifo /tmp/link-to-fifo").exit_code == 0
     for path in ("/tmp/fifo", "/tmp/link-to-fifo", "/dev/null", "/dev/zero", "/tmp"):
         with pytest.raises(RuntimeShimError, match="not a regular file"):
-            _bounded(lambda p=path: sandbox.read_stream(p))
+            run_bounded(lambda p=path: sandbox.read_stream(p))
         with pytest.raises(RuntimeShimError, match="not a regular file"):
-            _bounded(lambda p=path: _write(sandbox, p, b"x"))
+            run_bounded(lambda p=path: _write(sandbox, p, b"x"))
     r = sandbox.exec("timeout 1 cat /tmp/fifo; ls -l /tmp/fifo; ls -a /tmp")
     assert r.stdout.startswith(b"p")  # still the FIFO, never opened: no reader saw an "x"
     assert b".envbuild-" not in r.stdout  # the refused writes left nothing
@@ -67,9 +49,9 @@ def test_planted_symlinks_resolve_inside_the_sandbox(sandbox, tmp_path):
     sandbox.exec("echo hi > /tmp/f && ln -s /tmp/f /tmp/link && ln -s ../../tmp/f /tmp/rel")
     with sandbox.read_stream("/tmp/link") as f:
         assert f.read() == b"hi\n"
-    _bounded(lambda: _write(sandbox, "/tmp/link", b"through"))
+    run_bounded(lambda: _write(sandbox, "/tmp/link", b"through"))
     assert sandbox.exec("cat /tmp/f; test -L /tmp/link && echo link").stdout == b"throughlink\n"
-    _bounded(lambda: _write(sandbox, "/tmp/rel", b"relative"))
+    run_bounded(lambda: _write(sandbox, "/tmp/rel", b"relative"))
     assert sandbox.read_file("/tmp/f") == b"relative"
     # to the host's paths: resolved in the sandbox's root, the host's files untouched
     sandbox.exec(f"ln -s {host} /tmp/hostdir && ln -s {host}/secret /tmp/hostfile")
@@ -82,7 +64,7 @@ def test_planted_symlinks_resolve_inside_the_sandbox(sandbox, tmp_path):
     assert (host / "secret").read_bytes() == b"host's"
     assert sorted(p.name for p in host.iterdir()) == ["secret"]
     sandbox.exec(f"mkdir -p {host}")  # now there is one inside: the write lands there
-    _bounded(lambda: _write(sandbox, "/tmp/hostdir/new", b"inside"))
+    run_bounded(lambda: _write(sandbox, "/tmp/hostdir/new", b"inside"))
     assert sandbox.exec(f"cat {host}/new").stdout == b"inside"
     assert sorted(p.name for p in host.iterdir()) == ["secret"]
 
