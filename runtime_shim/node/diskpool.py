@@ -64,6 +64,9 @@ IMAGE_NAME = "pool.img"
 POOL_HEADROOM = 1 << 30
 #: How long the close that empties the pool retries its unmount while it is busy.
 UNMOUNT_PATIENCE = 0.5
+#: How long the close that empties the pool waits for the kernel's cleaner to drop the deleted
+#: subvolumes before it trims the pool (what it has not freed by then is trimmed next time).
+CLEANER_PATIENCE = 2.0
 #: The backends whose sandboxes take their disk from the pool. FnCall keeps a loop disk each:
 #: ``statfs`` of the pool shows every sandbox's writes (and a previous tenant's, freed in the
 #: background), which ``tests/security/test_fncall_tenants.py`` rightly counts as a channel
@@ -156,6 +159,7 @@ def _mount(layout: NodeLayout, *, create: bool, environ: Mapping[str, str] = os.
         _make_image(layout, image, environ)
     mnt.mkdir(exist_ok=True)
     loop_file.write_text(quotafs.mount_image(image, mnt))
+    quotafs.sweep_groups(mnt)  # what the last close could not remove (cleaner not done)
 
 
 def _make_image(layout: NodeLayout, image: Path, environ: Mapping[str, str]) -> None:
@@ -205,9 +209,14 @@ def _check_room(pool: Path, cap: int) -> None:
 
 
 def _unmount_if_empty(mnt: Path) -> None:
-    """Unmount the node's pool if it holds no subvolume. Busy (a file of the last sandbox still
-    open while its processes exit): a few tries over ``UNMOUNT_PATIENCE`` seconds, then it is
-    left to the next close; never lazily, or a remount of the image could meet the old one."""
+    """Unmount the node's pool if it holds no subvolume, once its deleted subvolumes' blocks
+    are given back to the host and their quota groups removed (``_release``). Busy (a file of
+    the last sandbox still open while its processes exit): a few tries over
+    ``UNMOUNT_PATIENCE`` seconds, then it is left to the next close; never lazily, or a
+    remount of the image could meet the old one."""
+    if not (os.path.ismount(mnt) and quotafs.is_empty(mnt)):
+        return
+    _release(mnt)
     deadline = time.monotonic() + UNMOUNT_PATIENCE
     while os.path.ismount(mnt) and quotafs.is_empty(mnt):
         try:
@@ -217,6 +226,15 @@ def _unmount_if_empty(mnt: Path) -> None:
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.02)
+
+
+def _release(mnt: Path) -> None:
+    """The pool just emptied: let the cleaner drop the deleted subvolumes (at most
+    ``CLEANER_PATIENCE``), remove their quota groups, and trim the pool so its sparse image
+    holds only the empty filesystem again. Only here, never on the create path."""
+    quotafs.settle(mnt, CLEANER_PATIENCE)
+    quotafs.sweep_groups(mnt)
+    quotafs.trim(mnt)
 
 
 @contextlib.contextmanager
