@@ -26,9 +26,13 @@ Contract::
 The create path runs no program: five ioctls (subvolume, its id, a level-1 quota group, the
 assignment, the limit), ~0.2 ms. ``destroy`` is one ioctl whatever the subvolume holds: the
 kernel's cleaner thread frees its blocks afterwards, for the pool's next sandboxes. The sparse
-image keeps the blocks written (measured: ``discard=async`` gave none back within 30 s, an
-``fstrim`` of the pool all of them), so the host lends the pool at most its size, which the
-node reserved for it.
+image keeps the blocks written (measured: ``discard=async`` gave none back within 30 s), so
+the host lends the pool at most its size, which the node reserved for it; ``settle`` then
+``trim`` (``FITRIM``, the loop device punching each range out of the image) give them back,
+which the node does when its pool empties. Quota groups: the kernel removes a deleted
+subvolume's ``0/<id>`` once its cleaner has dropped it, ``destroy`` the ``1/<id>`` it can, and
+``sweep_groups`` what is left; a subvolume id is reused once the pool is mounted again, so
+``create`` replaces a left-over group of its id rather than inherit its limit or usage.
 
 What the sandbox cannot do: change its cap or leave its quota group. The group is the
 subvolume, not a per-file attribute (unlike a project id, which root in a container could
