@@ -18,13 +18,21 @@ Contract::
     create(pool, name, size_bytes) -> Path # a subvolume capped at size_bytes
     destroy(path) -> bool                  # delete a subvolume create made (idempotent)
     is_empty(pool) -> bool                 # no subvolume left
+    quota_groups(pool) -> [(level, id)]    # the filesystem's quota groups (sysfs)
+    sweep_groups(pool) -> int              # remove the groups of deleted subvolumes
+    settle(pool, patience)                 # commit, wait for the cleaner (bounded), commit
+    trim(pool) -> int | None               # FITRIM: punch the free space out of the image
 
 The create path runs no program: five ioctls (subvolume, its id, a level-1 quota group, the
 assignment, the limit), ~0.2 ms. ``destroy`` is one ioctl whatever the subvolume holds: the
 kernel's cleaner thread frees its blocks afterwards, for the pool's next sandboxes. The sparse
-image keeps the blocks written (measured: ``discard=async`` gave none back within 30 s, an
-``fstrim`` of the pool all of them), so the host lends the pool at most its size, which the
-node reserved for it.
+image keeps the blocks written (measured: ``discard=async`` gave none back within 30 s), so
+the host lends the pool at most its size, which the node reserved for it; ``settle`` then
+``trim`` (``FITRIM``, the loop device punching each range out of the image) give them back,
+which the node does when its pool empties. Quota groups: the kernel removes a deleted
+subvolume's ``0/<id>`` once its cleaner has dropped it, ``destroy`` the ``1/<id>`` it can, and
+``sweep_groups`` what is left; a subvolume id is reused once the pool is mounted again, so
+``create`` replaces a left-over group of its id rather than inherit its limit or usage.
 
 What the sandbox cannot do: change its cap or leave its quota group. The group is the
 subvolume, not a per-file attribute (unlike a project id, which root in a container could
@@ -46,6 +54,7 @@ import errno
 import fcntl
 import os
 import struct
+import time
 from pathlib import Path
 
 from envbuild.errors import RuntimeShimError
@@ -185,7 +194,13 @@ def set_limit(subvolume: Path, size_bytes: int) -> None:
     try:
         sid = _subvolume_id(fd)
         group = _LEVEL1 | sid
-        fcntl.ioctl(fd, _QGROUP_CREATE, bytearray(struct.pack("=QQ", 1, group)))
+        try:
+            fcntl.ioctl(fd, _QGROUP_CREATE, bytearray(struct.pack("=QQ", 1, group)))
+        except FileExistsError:
+            # a deleted subvolume's group, its id reused (ids restart after the highest root
+            # left when the pool is mounted again): never inherit its limit or its usage
+            fcntl.ioctl(fd, _QGROUP_CREATE, bytearray(struct.pack("=QQ", 0, group)))
+            fcntl.ioctl(fd, _QGROUP_CREATE, bytearray(struct.pack("=QQ", 1, group)))
         fcntl.ioctl(fd, _QGROUP_ASSIGN, bytearray(struct.pack("=QQQ", 1, sid, group)))
         _limit(fd, group, size_bytes)
     except OSError as e:
@@ -315,6 +330,12 @@ def _hint(e: OSError) -> str:
 #: Where the kernel shows a btrfs filesystem's quota groups (``<fsid>/qgroups/<level>_<id>``).
 SYSFS_BTRFS = Path("/sys/fs/btrfs")
 _FS_INFO = 0x8400941F  # _IOR(31, btrfs_ioctl_fs_info_args: u64 max_id, num_devices; u8 fsid[16]…)
+_SYNC = 0x9408  # _IO(8): commit the running transaction (and wake the cleaner)
+_SUBVOL_SYNC_WAIT = 0x40109441  # _IOW(65, u64 subvolid; u32 mode, count), kernel >= 6.8
+_SYNC_COUNT = 2  # BTRFS_SUBVOL_SYNC_COUNT: how many deleted subvolumes the cleaner has left
+_FITRIM = 0xC0185879  # _IOWR('X', 121, struct fstrim_range: u64 start, len, minlen)
+#: The top-level subvolume's group; every other one of a node's pool is a sandbox's.
+_TOP_GROUP = (0, 5)
 
 
 def group_usage(subvolume: Path) -> tuple[int, int | None]:
@@ -324,15 +345,116 @@ def group_usage(subvolume: Path) -> tuple[int, int | None]:
     fd = os.open(subvolume, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         sid = _subvolume_id(fd)
-        info = bytearray(1024)
-        fcntl.ioctl(fd, _FS_INFO, info)
+        group = _qgroups_dir(fd) / f"1_{sid}"
     except OSError as e:
         raise RuntimeShimError(f"read the quota group of {subvolume}: {e.strerror}") from None
     finally:
         os.close(fd)
-    fsid = bytes(info[16:32]).hex()
-    uuid = f"{fsid[:8]}-{fsid[8:12]}-{fsid[12:16]}-{fsid[16:20]}-{fsid[20:]}"
-    group = SYSFS_BTRFS / uuid / "qgroups" / f"1_{sid}"
     used = int((group / "referenced").read_text())
     limit = int((group / "max_referenced").read_text())
     return used, (limit if 0 < limit < _CLEAR else None)
+
+
+def _qgroups_dir(fd: int) -> Path:
+    """The sysfs dir of the quota groups of the btrfs holding the open ``fd``."""
+    info = bytearray(1024)
+    fcntl.ioctl(fd, _FS_INFO, info)
+    fsid = bytes(info[16:32]).hex()
+    uuid = f"{fsid[:8]}-{fsid[8:12]}-{fsid[12:16]}-{fsid[16:20]}-{fsid[20:]}"
+    return SYSFS_BTRFS / uuid / "qgroups"
+
+
+def quota_groups(pool: Path) -> list[tuple[int, int]]:
+    """The quota groups of the btrfs holding ``pool``, as (level, id), sorted (one sysfs
+    listing: the kernel's own view, which drops a deleted subvolume's ``0/<id>`` itself once
+    its cleaner has freed the subvolume)."""
+    fd = os.open(pool, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        names = os.listdir(_qgroups_dir(fd))
+    finally:
+        os.close(fd)
+    found = []
+    for name in names:
+        level, _, gid = name.partition("_")
+        if level.isdigit() and gid.isdigit():
+            found.append((int(level), int(gid)))
+    return sorted(found)
+
+
+def sweep_groups(pool: Path) -> int:
+    """Remove the quota groups of subvolumes no longer in ``pool`` (the node's own pool, whose
+    every subvolume is a sandbox's: never an operator's); returns how many are left for a later
+    sweep. ``destroy`` removes a subvolume's ``1/<id>`` itself, unless a nested subvolume (or a
+    crash) kept it; a ``0/<id>`` goes only once the kernel's cleaner has dropped its subvolume
+    (``EBUSY`` before; the kernel then removes it itself), so level-0 groups are swept only when
+    the pool holds no subvolume, and never those of a live sandbox's nested ones. Reads the
+    pool's entries: call it where the pool opens or empties, never on the create path."""
+    live = set()
+    with os.scandir(pool) as it:
+        for entry in it:
+            if entry.is_dir(follow_symlinks=False) and entry.inode() == SUBVOL_ROOT_INO:
+                fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    live.add(_subvolume_id(fd))
+                finally:
+                    os.close(fd)
+    stale = [(level, gid) for level, gid in quota_groups(pool)
+             if (level, gid) != _TOP_GROUP and gid not in live and (level == 1 or not live)]
+    left = 0
+    fd = os.open(pool, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for level, gid in sorted(stale, reverse=True):  # level 1 first: it may hold a 0/<id>
+            group = (level << 48) | gid
+            if level == 1:
+                with contextlib.suppress(OSError):
+                    fcntl.ioctl(fd, _QGROUP_ASSIGN, bytearray(struct.pack("=QQQ", 0, gid, group)))
+            try:
+                fcntl.ioctl(fd, _QGROUP_CREATE, bytearray(struct.pack("=QQ", 0, group)))
+            except OSError as e:
+                left += e.errno != errno.ENOENT  # EBUSY: not dropped yet, or a member left
+    finally:
+        os.close(fd)
+    return left
+
+
+def settle(pool: Path, patience: float) -> None:
+    """Commit the pool's transaction, wait up to ``patience`` seconds for the kernel's cleaner
+    to drop its deleted subvolumes, and commit again, so the blocks they held are free (for
+    ``trim``) and their ``0/<id>`` groups gone. A kernel without ``SUBVOL_SYNC_WAIT`` (< 6.8)
+    waits for nothing."""
+    fd = os.open(pool, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, _SYNC)
+        deadline = time.monotonic() + patience
+        while time.monotonic() < deadline:
+            args = bytearray(struct.pack("=QII", 0, _SYNC_COUNT, 0))
+            try:
+                fcntl.ioctl(fd, _SUBVOL_SYNC_WAIT, args)
+            except OSError:
+                break
+            if struct.unpack_from("=QII", args)[2] == 0:
+                break
+            time.sleep(0.005)
+        fcntl.ioctl(fd, _SYNC)
+    finally:
+        os.close(fd)
+
+
+def trim(pool: Path) -> int | None:
+    """Discard the free space of the pool's filesystem (``FITRIM``, what ``fstrim`` does): its
+    loop device punches each discarded range out of the sparse image, so the host gets back
+    what deleted subvolumes held. Returns the bytes trimmed (the kernel's count, free space
+    already trimmed included), None if the device takes no discards."""
+    fd = os.open(pool, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        span = bytearray(struct.pack("=QQQ", 0, _CLEAR, 0))
+        try:
+            fcntl.ioctl(fd, _FITRIM, span)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.ENOTTY):
+                return None
+            raise RuntimeShimError(f"trim the sandbox disk pool {pool}: {e.strerror}",
+                                   hint="check dmesg for 'BTRFS' lines") from None
+        return struct.unpack_from("=QQQ", span)[1]
+    finally:
+        os.close(fd)

@@ -11,6 +11,9 @@ their metadata's bytes, what root in a sandbox can try against its cap, and the 
 from __future__ import annotations
 
 import errno
+import fcntl
+import os
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -18,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from envbuild.errors import AdmissionRefused, RuntimeShimError
+from runtime_shim.isolation import quotafs
 from runtime_shim.node import diskpool
 from runtime_shim.node.ledger import Ledger
 from runtime_shim.sdk.sandbox import Limits, Sandbox
@@ -188,4 +192,88 @@ def test_a_pool_held_by_another_namespace_is_never_mounted_twice(pool_env):
     finally:
         holder.kill()
         holder.wait()
+    _assert_pool_gone(node)
+
+
+def _subvolume_id(path: Path) -> int:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return quotafs._subvolume_id(fd)
+    finally:
+        os.close(fd)
+
+
+def test_deleted_sandboxes_leave_no_quota_group_and_a_reused_one_carries_nothing(pool_env,
+                                                                                 probe):
+    """Sandboxes come and go (one with a nested subvolume, which keeps its level-1 group past
+    the delete; some alone, some together, the pool emptying between): afterwards the pool
+    holds the groups of the live sandbox only, and that sandbox, whose subvolume id (so group
+    id) a deleted one had, starts with no usage and its own cap, which holds."""
+    store, node = pool_env
+    mnt = node / "node" / "diskpool" / "mnt"
+    limits = Limits(disk_bytes=32 * MiB)
+    seen: set[int] = set()
+    with Sandbox.create(ENV, store=store, node_dir=node, seccomp="unconfined",
+                        limits=limits) as sb:
+        assert _run_probe(sb, probe, "/tmp")["subvol"] == 0  # a nested subvolume, written to
+        seen.add(_subvolume_id(sb.paths.disk))
+    for together in (1, 3, 2):
+        sbs = [Sandbox.create(ENV, store=store, node_dir=node, limits=limits)
+               for _ in range(together)]
+        for sb in sbs:
+            sb.exec("dd if=/dev/zero of=/fill bs=1M count=8")
+            seen.add(_subvolume_id(sb.paths.disk))
+        for sb in sbs:
+            sb.close()
+    with Sandbox.create(ENV, store=store, node_dir=node, limits=limits) as sb:
+        sid = _subvolume_id(sb.paths.disk)
+        quotafs.settle(mnt, 10)  # let the kernel's cleaner finish what the closes left
+        assert quotafs.quota_groups(mnt) == [(0, 5), (0, sid), (1, sid)]
+        assert sid in seen, (sid, seen)  # the id, so the group id, of a deleted sandbox
+        used, cap = quotafs.group_usage(sb.paths.disk.resolve())
+        assert cap == 32 * MiB and used < MiB, (used, cap)
+        r = sb.exec("dd if=/dev/zero of=/fill bs=1M count=100 2>&1; echo rc=$?")
+        assert b"Disk quota exceeded" in r.stdout and b"rc=0" not in r.stdout, r.stdout
+    _assert_pool_gone(node)
+
+
+def test_the_pool_gives_its_blocks_back_to_the_host_when_it_empties(pool_env):
+    """The sparse image grows with what sandboxes write; the close that empties the pool trims
+    it (``FITRIM``; the loop device punches the discarded ranges out of the image), so an idle
+    node's pool takes about what an empty btrfs does."""
+    store, node = pool_env
+    image = node / "node" / "diskpool" / diskpool.IMAGE_NAME
+    with Sandbox.create(ENV, store=store, node_dir=node,
+                        limits=Limits(disk_bytes=512 * MiB)) as sb:
+        r = sb.exec("dd if=/dev/zero of=/fill bs=1M count=200 && sync; echo rc=$?")
+        assert b"rc=0" in r.stdout, r
+        written = image.stat().st_blocks * 512
+    after = image.stat().st_blocks * 512
+    print(f"image allocated: {written >> 20} MiB written, {after >> 20} MiB after close")
+    assert written >= 200 * MiB, written
+    assert after <= 16 * MiB, after
+    _assert_pool_gone(node)
+
+
+def test_a_left_over_group_of_a_reused_id_gives_the_new_sandbox_nothing(pool_env):
+    """A level-1 group left behind with a limit of its own (a crash between a delete and the
+    group's removal), whose id the next subvolume gets: that sandbox is created all the same,
+    with its own cap, not the old one."""
+    store, node = pool_env
+    mnt = node / "node" / "diskpool" / "mnt"
+    limits = Limits(disk_bytes=32 * MiB)
+    with Sandbox.create(ENV, store=store, node_dir=node, limits=limits) as first:
+        group = (1 << 48) | (_subvolume_id(first.paths.disk) + 1)
+        fd = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.ioctl(fd, quotafs._QGROUP_CREATE, struct.pack("=QQ", 1, group))
+            quotafs._limit(fd, group, MiB)
+        finally:
+            os.close(fd)
+        with Sandbox.create(ENV, store=store, node_dir=node, limits=limits) as sb:
+            assert _subvolume_id(sb.paths.disk) == group & 0xFFFFFFFFFFFF
+            used, cap = quotafs.group_usage(sb.paths.disk.resolve())
+            assert cap == 32 * MiB and used < MiB, (used, cap)
+            r = sb.exec("dd if=/dev/zero of=/fill bs=1M count=8 2>&1; echo rc=$?")
+            assert b"rc=0" in r.stdout, r.stdout
     _assert_pool_gone(node)

@@ -45,6 +45,9 @@ def test_the_ioctl_numbers_are_the_kernels():
     assert quotafs._QGROUP_CREATE == ioc(1, 42, 16)
     assert quotafs._QGROUP_LIMIT == ioc(2, 43, 48)
     assert quotafs._INO_LOOKUP == ioc(3, 18, 4096)
+    assert quotafs._SYNC == ioc(0, 8, 0)
+    assert quotafs._SUBVOL_SYNC_WAIT == ioc(1, 65, 16)
+    assert quotafs._FITRIM == (3 << 30) | (24 << 16) | (ord("X") << 8) | 121  # linux/fs.h
 
 
 def test_seccomp_refuses_making_subvolumes_but_not_reflinks():
