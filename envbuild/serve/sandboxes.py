@@ -3,8 +3,10 @@ about it (template, metadata, start and end times, access token) and its running
 
 A sandbox lives until it is killed or its end time passes (E2B's ``timeout``, moved by
 ``set_timeout`` and ``connect``); then it is closed and forgotten, and every later request
-naming it is a 404. ``pause`` saves it (files, and memory unless asked not to) and closes it:
-its state is then ``paused`` and it has no end time until ``resume`` starts it again from
+naming it is a 404 — unless its ``Lifecycle`` (``envbuild.serve.lifecycle``) says to pause it
+then (if that pause fails it is killed). ``wake`` resumes a paused sandbox whose lifecycle has
+``auto_resume``, for a request to it. ``pause`` saves it (files, and memory unless asked not
+to) and closes it: its state is then ``paused`` and it has no end time until ``resume`` starts it again from
 what was saved. The ``Registry`` is used from the server's event loop only.
 
 **Records.** With a ``RecordDir`` (``envbuild.serve.records``) every change of an entry is
@@ -24,12 +26,13 @@ import datetime
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Protocol
 
 from envbuild.errors import EnvbuildError
 from envbuild.serve.auth import new_token
 from envbuild.serve.events import EventLog
+from envbuild.serve.lifecycle import Lifecycle
 from envbuild.serve.records import Record, RecordDir
 
 _log = logging.getLogger(__name__)
@@ -102,6 +105,8 @@ class Entry:
     network: Any = None
     #: what the server did to it and ran in it (``envbuild.serve.events``: its logs)
     events: EventLog = dataclasses.field(default_factory=EventLog)
+    #: what its timeout does and whether a request resumes it (``envbuild.serve.lifecycle``)
+    lifecycle: Lifecycle = dataclasses.field(default_factory=Lifecycle)
 
     def record(self) -> Record:
         return Record(id=self.id, template=self.template, metadata=self.metadata,
@@ -109,7 +114,8 @@ class Entry:
                       token=self.token, traffic_token=self.traffic_token, cpus=self.cpus,
                       memory_mb=self.memory_mb, disk_mb=self.disk_mb,
                       sandbox=None if self.sandbox is None else self.sandbox.id,
-                      checkpoint=self.checkpoint, memory=self.memory)
+                      checkpoint=self.checkpoint, memory=self.memory,
+                      lifecycle=self.lifecycle)
 
     def run(self, sandbox: Any) -> None:
         """Serve ``sandbox`` as this entry's (created, attached or resumed)."""
@@ -136,6 +142,7 @@ class Registry:
         self.max_timeout = max_timeout
         self.max_sandboxes = max_sandboxes
         self._opening = 0
+        self._waking: dict[str, asyncio.Future[None]] = {}
 
     def get(self, sandbox_id: str | None) -> Entry | None:
         """A running sandbox (what envd and ports may reach)."""
@@ -161,24 +168,27 @@ class Registry:
             self.records.write(entry.record())
 
     async def open(self, template: str, *, timeout: float, metadata: Mapping[str, str],
-                   env_vars: Mapping[str, str], network: Any = None) -> Entry:
+                   env_vars: Mapping[str, str], network: Any = None,
+                   lifecycle: Lifecycle | None = None) -> Entry:
         """A new sandbox of ``template``; ``network``: ``Sandbox.create``'s (None: none)."""
         self._opening += 1
         try:
             sandbox = await self.backend.create(template, network)
         finally:
             self._opening -= 1
-        return self._register(template, sandbox, timeout, metadata, env_vars, network)
+        return self._register(template, sandbox, timeout, metadata, env_vars, network,
+                              lifecycle or Lifecycle(timeout=timeout))
 
     def _register(self, template: str, sandbox: Any, timeout: float,
                   metadata: Mapping[str, str], env_vars: Mapping[str, str],
-                  network: Any = None) -> Entry:
+                  network: Any = None, lifecycle: Lifecycle | None = None) -> Entry:
         # whole microseconds, as reported (ISO 8601): a startedAfter filter given a reported
         # start then compares equal instead of a rounding apart
         now = datetime.datetime.now(datetime.UTC).timestamp()
         entry = Entry(id=f"i{uuid.uuid4().hex[:19]}", template=template, sandbox=sandbox,
                       token=new_token(), metadata=dict(metadata), env_vars=dict(env_vars),
-                      started_at=now, end_at=now, network=network)
+                      started_at=now, end_at=now, network=network,
+                      lifecycle=lifecycle or Lifecycle(timeout=timeout))
         entry.run(sandbox)
         self._entries[entry.id] = entry
         self.set_timeout(entry, timeout)
@@ -197,7 +207,39 @@ class Registry:
             entry.timer.cancel()
         loop = asyncio.get_running_loop()
         entry.timer = loop.call_later(max(0.0, entry.end_at - time.time()),
-                                      lambda: loop.create_task(self.kill(entry.id)))
+                                      lambda: loop.create_task(self._expire(entry)))
+
+    async def _expire(self, entry: Entry) -> None:
+        """``entry``'s end time passed: pause it if its lifecycle says so, else (or if that
+        fails) kill it."""
+        entry.timer = None
+        if entry.lifecycle.on_timeout == "pause" and entry.state == "running":
+            try:
+                await self.pause(entry, memory=entry.lifecycle.memory)
+                return
+            except EnvbuildError as e:
+                _log.warning("auto-pause of sandbox %s failed, killed: %s", entry.id, e)
+        await self.kill(entry.id)
+
+    async def wake(self, sandbox_id: str | None, allowed: Callable[[Entry], bool]) -> \
+            Entry | None:
+        """``get``, but a paused sandbox whose lifecycle has ``auto_resume`` is resumed first
+        (once for concurrent requests) if ``allowed(entry)`` (its token was shown)."""
+        entry = self.find(sandbox_id)
+        if entry is None or not entry.lifecycle.auto_resume or entry.state == "running" \
+                or not allowed(entry):
+            return self.get(sandbox_id)
+        waking = self._waking.get(entry.id)
+        if waking is None and entry.state == "paused":
+            waking = asyncio.ensure_future(self.resume(entry, timeout=entry.lifecycle.timeout))
+            self._waking[entry.id] = waking
+            waking.add_done_callback(lambda _: self._waking.pop(entry.id, None))
+        if waking is not None:
+            try:
+                await asyncio.shield(waking)
+            except EnvbuildError as e:
+                _log.warning("auto-resume of sandbox %s failed: %s", entry.id, e)
+        return self.get(sandbox_id)
 
     async def _detach(self, entry: Entry) -> None:
         """End what the server holds of ``entry``: its timer, command streams, watches, port
@@ -323,7 +365,8 @@ class Registry:
                           started_at=rec.started_at, end_at=rec.end_at,
                           traffic_token=rec.traffic_token, cpus=rec.cpus,
                           memory_mb=rec.memory_mb, disk_mb=rec.disk_mb,
-                          checkpoint=rec.checkpoint, memory=rec.memory, state="paused")
+                          checkpoint=rec.checkpoint, memory=rec.memory, state="paused",
+                          lifecycle=rec.lifecycle)
             self._entries[rec.id] = entry
             if rec.sandbox is None:
                 continue
@@ -336,8 +379,9 @@ class Registry:
                 self.records.remove(rec.id)
                 continue
             if rec.end_at <= time.time():
-                _log.info("sandbox %s timed out while no server ran: killed", rec.id)
-                await self.kill(rec.id)
+                _log.info("sandbox %s timed out while no server ran: %s", rec.id,
+                          "paused" if rec.lifecycle.on_timeout == "pause" else "killed")
+                await self._expire(entry)
             else:
                 self._arm(entry)
 
