@@ -224,6 +224,7 @@ async def connect(request: web.Request) -> web.Response:
     entry = entry_of(request)
     body = await json_body(request)
     timeout = _timeout(body, None)
+    await request.app[REGISTRY].settle(entry)  # a pause (at its timeout) under way ends first
     if entry.state != "running":  # E2B: connecting to a paused sandbox resumes it
         return await _resume(request, entry, timeout, body.get("memory") is not False)
     if timeout is not None:  # E2B: connecting only ever extends the sandbox's life
@@ -252,6 +253,7 @@ async def resume(request: web.Request) -> web.Response:
     """``POST /sandboxes/{id}/resume`` (E2B's deprecated form of ``connect``): 201."""
     entry = entry_of(request)
     body = await json_body(request)
+    await request.app[REGISTRY].settle(entry)
     return await _resume(request, entry, _timeout(body, None), True)
 
 

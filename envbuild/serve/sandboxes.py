@@ -26,7 +26,7 @@ import datetime
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from envbuild.errors import EnvbuildError
@@ -107,6 +107,8 @@ class Entry:
     events: EventLog = dataclasses.field(default_factory=EventLog)
     #: what its timeout does and whether a request resumes it (``envbuild.serve.lifecycle``)
     lifecycle: Lifecycle = dataclasses.field(default_factory=Lifecycle)
+    #: set when it is no longer "busy" (``Registry.settle``)
+    changing: asyncio.Event | None = None
 
     def record(self) -> Record:
         return Record(id=self.id, template=self.template, metadata=self.metadata,
@@ -142,7 +144,6 @@ class Registry:
         self.max_timeout = max_timeout
         self.max_sandboxes = max_sandboxes
         self._opening = 0
-        self._waking: dict[str, asyncio.Future[None]] = {}
 
     def get(self, sandbox_id: str | None) -> Entry | None:
         """A running sandbox (what envd and ports may reach)."""
@@ -224,22 +225,36 @@ class Registry:
     async def wake(self, sandbox_id: str | None, allowed: Callable[[Entry], bool]) -> \
             Entry | None:
         """``get``, but a paused sandbox whose lifecycle has ``auto_resume`` is resumed first
-        (once for concurrent requests) if ``allowed(entry)`` (its token was shown)."""
+        (once for concurrent requests; after a pause under way) if ``allowed(entry)`` (its
+        token was shown)."""
         entry = self.find(sandbox_id)
         if entry is None or not entry.lifecycle.auto_resume or entry.state == "running" \
                 or not allowed(entry):
             return self.get(sandbox_id)
-        waking = self._waking.get(entry.id)
-        if waking is None and entry.state == "paused":
-            waking = asyncio.ensure_future(self.resume(entry, timeout=entry.lifecycle.timeout))
-            self._waking[entry.id] = waking
-            waking.add_done_callback(lambda _: self._waking.pop(entry.id, None))
-        if waking is not None:
+        await self.settle(entry)
+        if entry.state == "paused":  # the first request resumes it, the others settle
             try:
-                await asyncio.shield(waking)
+                await self.resume(entry, timeout=entry.lifecycle.timeout)
             except EnvbuildError as e:
                 _log.warning("auto-resume of sandbox %s failed: %s", entry.id, e)
         return self.get(sandbox_id)
+
+    async def settle(self, entry: Entry) -> None:
+        """Wait while ``entry`` is being paused, resumed or dumped."""
+        while entry.state == "busy" and entry.changing is not None:
+            await entry.changing.wait()
+
+    @contextlib.contextmanager
+    def _changing(self, entry: Entry) -> Iterator[None]:
+        """``entry`` busy while the block runs (which sets its next state); ``settle`` waits."""
+        entry.state = "busy"
+        done = entry.changing = asyncio.Event()
+        try:
+            yield
+        finally:
+            if entry.changing is done:
+                entry.changing = None
+            done.set()
 
     async def _detach(self, entry: Entry) -> None:
         """End what the server holds of ``entry``: its timer, command streams, watches, port
@@ -260,6 +275,9 @@ class Registry:
     async def kill(self, sandbox_id: str) -> bool:
         entry = self.find(sandbox_id)
         if entry is None:
+            return False
+        await self.settle(entry)  # a pause or resume under way ends first
+        if entry.state == "closing":
             return False
         if entry.state == "busy":
             raise Conflict(f"sandbox {sandbox_id} is being paused or resumed")
@@ -283,16 +301,16 @@ class Registry:
         it is not running; on a failure it runs on, with its end time."""
         if entry.state != "running":
             raise Conflict(f"sandbox {entry.id} is {entry.state}, not running")
-        entry.state = "busy"
-        await self._detach(entry)
-        try:
-            lock = await self.backend.pause(entry.sandbox, entry.id, memory=memory)
-        except BaseException:
-            entry.state = "running"
-            self._arm(entry)
-            raise
-        entry.sandbox, entry.checkpoint, entry.memory = None, lock, memory
-        entry.processes, entry.state = {}, "paused"
+        with self._changing(entry):
+            await self._detach(entry)
+            try:
+                lock = await self.backend.pause(entry.sandbox, entry.id, memory=memory)
+            except BaseException:
+                entry.state = "running"
+                self._arm(entry)
+                raise
+            entry.sandbox, entry.checkpoint, entry.memory = None, lock, memory
+            entry.processes, entry.state = {}, "paused"
         self._save(entry)
         entry.events.note("sandbox.pause", "paused" + ("" if memory else " (files only)"))
 
@@ -302,15 +320,15 @@ class Registry:
         (CRIU cannot dump a connection to the host); its end time stays."""
         if entry.state != "running":
             raise Conflict(f"sandbox {entry.id} is {entry.state}, not running")
-        entry.state = "busy"
-        await self._detach(entry)
-        entry.processes = {}
-        try:
-            yield
-        finally:
-            if entry.state == "busy":
-                entry.state = "running"
-                self._arm(entry)
+        with self._changing(entry):
+            await self._detach(entry)
+            entry.processes = {}
+            try:
+                yield
+            finally:
+                if entry.state == "busy":
+                    entry.state = "running"
+                    self._arm(entry)
 
     async def snapshot(self, entry: Entry, name: str, *, memory: bool) -> str:
         """Publish ``entry``'s snapshot ``name`` (memory too if ``memory``); its id."""
@@ -339,14 +357,15 @@ class Registry:
         False or it was paused without), for ``timeout`` seconds; ``Conflict`` if not paused."""
         if entry.state != "paused" or entry.checkpoint is None:
             raise Conflict(f"sandbox {entry.id} is {entry.state}, not paused")
-        entry.state = "busy"
-        try:
-            sandbox = await self.backend.resume(entry.checkpoint, memory=memory and entry.memory,
-                                                network=entry.network)
-        except BaseException:
-            entry.state = "paused"
-            raise
-        entry.run(sandbox)
+        with self._changing(entry):
+            try:
+                sandbox = await self.backend.resume(entry.checkpoint,
+                                                    memory=memory and entry.memory,
+                                                    network=entry.network)
+            except BaseException:
+                entry.state = "paused"
+                raise
+            entry.run(sandbox)
         self.set_timeout(entry, timeout)
         entry.events.note("sandbox.resume", "resumed")
         try:

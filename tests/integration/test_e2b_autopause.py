@@ -51,6 +51,8 @@ def test_a_timeout_pauses_and_connect_resumes(e2b_server):
         assert resumed.sandbox_id == sb.sandbox_id
         first = _count(resumed)
         assert first >= before  # the loop's memory, not a fresh start
+        time.sleep(0.5)
+        assert _count(resumed) > first  # and it counts on
         assert sb.get_info().state == SandboxState.RUNNING
     finally:
         sb.kill()
