@@ -7,7 +7,8 @@ and envd (``/process.Process/…``, ``/filesystem.Filesystem/…``, ``/files``, 
 needs ``E2b-Sandbox-Id`` naming a live sandbox and that sandbox's ``X-Access-Token``). A
 sandbox that is unknown or was killed gets what E2B's proxy answers, 502 "The sandbox … was
 not found", which the SDK turns into ``SandboxNotRunningException`` / ``is_running() ==
-False``; the control plane answers 404.
+False``; the control plane answers 404. A paused sandbox with auto-resume
+(``envbuild.serve.lifecycle``) is resumed first, for a request that shows its token.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ async def _authenticate(request: web.Request, handler: Callable[[web.Request], A
         return await handler(request)
     if path.startswith(_ENVD) or path in ("/files", "/health"):
         sid = request.headers.get("E2b-Sandbox-Id", "")
-        entry = request.app[control.REGISTRY].get(sid)
+        entry = await request.app[control.REGISTRY].wake(sid, lambda e: same_token(
+            request.headers.get("X-Access-Token"), e.token))
         if entry is None:
             return _json_error(502, f"The sandbox {sid[:64]} was not found", "unavailable")
         if not same_token(request.headers.get("X-Access-Token"), entry.token):
@@ -85,7 +87,8 @@ async def _authenticate(request: web.Request, handler: Callable[[web.Request], A
 
 
 async def _port(request: web.Request, sid: str, port: str) -> web.StreamResponse:
-    entry = request.app[control.REGISTRY].get(sid)
+    entry = await request.app[control.REGISTRY].wake(
+        sid, lambda e: ports.authorized(request, e))
     if entry is None:
         return _json_error(502, f"The sandbox {sid[:64]} was not found", "unavailable")
     if not ports.authorized(request, entry):

@@ -3,7 +3,9 @@ create (``POST /sandboxes``, ``POST /v2/sandboxes``), get, list (``GET /sandboxe
 ``GET /v2/sandboxes`` with the ``metadata``, ``state``, ``template`` and ``startedAfter``
 filters, ``order`` and pages of ``limit``), kill, timeout, connect, pause and resume
 (``connect`` resumes a paused sandbox too, answering 201 then), snapshots (``create`` takes a
-snapshot's id as its template) and fork.
+snapshot's id as its template) and fork. A create's ``autoPause``, ``autoPauseMemory`` and
+``autoResume`` set the sandbox's lifecycle (``envbuild.serve.lifecycle``), which ``get``
+reports as ``lifecycle``.
 
 Every route needs the ``X-API-KEY`` header to hold a configured key (``envbuild.serve.auth``);
 bodies are JSON of at most ``MAX_JSON`` bytes. Errors are E2B's ``{"code", "message"}``.
@@ -25,6 +27,7 @@ from aiohttp import web
 
 from envbuild.errors import EnvbuildError
 from envbuild.serve import egress, ports, snapshots
+from envbuild.serve.lifecycle import Lifecycle, LifecycleRefused
 from envbuild.serve.sandboxes import DEFAULT_TIMEOUT, Conflict, Entry, Registry
 from runtime_shim import LockNotFound
 
@@ -108,13 +111,17 @@ async def create(request: web.Request) -> web.Response:
     env_vars = _str_map(body.get("envVars"), "envVars")
     try:
         network = egress.create_network(body)
+        lifecycle = Lifecycle.from_body(body, timeout or DEFAULT_TIMEOUT)
     except egress.NetworkRefused as e:
         return error(400, e.line())
+    except LifecycleRefused as e:
+        return error(400, str(e))
     if not reg.room(1):
         return error(429, f"this server runs at most {reg.max_sandboxes} sandboxes")
     try:
         entry = await reg.open(template, timeout=timeout or DEFAULT_TIMEOUT,
-                               metadata=metadata, env_vars=env_vars, network=network)
+                               metadata=metadata, env_vars=env_vars, network=network,
+                               lifecycle=lifecycle)
     except LockNotFound as e:
         return error(404, f"template {template!r} not found: {e.message}")
     except EnvbuildError as e:
@@ -136,6 +143,7 @@ def entry_of(request: web.Request) -> Entry:
 async def get(request: web.Request) -> web.Response:
     entry = entry_of(request)
     return web.json_response({**listed_json(entry), "envdAccessToken": entry.token,
+                              "lifecycle": entry.lifecycle.described(),
                               **egress.described(entry.network)})
 
 
@@ -216,6 +224,7 @@ async def connect(request: web.Request) -> web.Response:
     entry = entry_of(request)
     body = await json_body(request)
     timeout = _timeout(body, None)
+    await request.app[REGISTRY].settle(entry)  # a pause (at its timeout) under way ends first
     if entry.state != "running":  # E2B: connecting to a paused sandbox resumes it
         return await _resume(request, entry, timeout, body.get("memory") is not False)
     if timeout is not None:  # E2B: connecting only ever extends the sandbox's life
@@ -244,6 +253,7 @@ async def resume(request: web.Request) -> web.Response:
     """``POST /sandboxes/{id}/resume`` (E2B's deprecated form of ``connect``): 201."""
     entry = entry_of(request)
     body = await json_body(request)
+    await request.app[REGISTRY].settle(entry)
     return await _resume(request, entry, _timeout(body, None), True)
 
 

@@ -9,7 +9,8 @@ E2B's ``connect`` and ``get`` hand them back to an API-key holder), ``cpus``, ``
 ``disk_mb``, and where the sandbox is: ``sandbox`` (the runtime_shim id of the running one;
 behind ``--fleet`` its fleet id ``SDK-ID@NODE``, ``<node dir>/serve-fleet``) or
 ``checkpoint`` (the lock of a paused one) with ``memory`` (whether that lock holds a memory
-image). ``kill`` removes the record.
+image), and ``lifecycle`` (``envbuild.serve.lifecycle``; absent in a record of an older
+server: kill at the timeout). ``kill`` removes the record.
 
 **A record is hostile input** (anyone who can write the directory could have planted it):
 ``load`` opens each file without following a link, refuses one that is not a regular file of
@@ -36,6 +37,7 @@ from typing import Any
 from envbuild.atomic import write_atomic
 from envbuild.errors import SettingsError
 from envbuild.oci import is_digest
+from envbuild.serve.lifecycle import Lifecycle
 
 _log = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ class Record:
     sandbox: str | None = None  # runtime_shim's id while it runs
     checkpoint: str | None = None  # the lock it was paused into
     memory: bool = True  # whether ``checkpoint`` holds a memory image
+    lifecycle: Lifecycle = dataclasses.field(default_factory=Lifecycle)
 
     def to_json(self) -> dict[str, Any]:
         return {"version": RECORD_VERSION, **dataclasses.asdict(self)}
@@ -102,8 +105,9 @@ class Record:
             raise ValueError("exactly one of sandbox and checkpoint")
         if not isinstance(data.get("memory"), bool):
             raise ValueError("memory")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in fields})
+        lifecycle = Lifecycle.from_json(data["lifecycle"]) if "lifecycle" in data else Lifecycle()
+        fields = {f.name for f in dataclasses.fields(cls)} - {"lifecycle"}
+        return cls(**{k: v for k, v in data.items() if k in fields}, lifecycle=lifecycle)
 
 
 def _check(data: dict[str, Any], name: str, kind: type, pattern: re.Pattern[str]) -> None:

@@ -3,8 +3,10 @@ about it (template, metadata, start and end times, access token) and its running
 
 A sandbox lives until it is killed or its end time passes (E2B's ``timeout``, moved by
 ``set_timeout`` and ``connect``); then it is closed and forgotten, and every later request
-naming it is a 404. ``pause`` saves it (files, and memory unless asked not to) and closes it:
-its state is then ``paused`` and it has no end time until ``resume`` starts it again from
+naming it is a 404 — unless its ``Lifecycle`` (``envbuild.serve.lifecycle``) says to pause it
+then (if that pause fails it is killed). ``wake`` resumes a paused sandbox whose lifecycle has
+``auto_resume``, for a request to it. ``pause`` saves it (files, and memory unless asked not
+to) and closes it: its state is then ``paused`` and it has no end time until ``resume`` starts it again from
 what was saved. The ``Registry`` is used from the server's event loop only.
 
 **Records.** With a ``RecordDir`` (``envbuild.serve.records``) every change of an entry is
@@ -24,12 +26,13 @@ import datetime
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from envbuild.errors import EnvbuildError
 from envbuild.serve.auth import new_token
 from envbuild.serve.events import EventLog
+from envbuild.serve.lifecycle import Lifecycle
 from envbuild.serve.records import Record, RecordDir
 
 _log = logging.getLogger(__name__)
@@ -102,6 +105,10 @@ class Entry:
     network: Any = None
     #: what the server did to it and ran in it (``envbuild.serve.events``: its logs)
     events: EventLog = dataclasses.field(default_factory=EventLog)
+    #: what its timeout does and whether a request resumes it (``envbuild.serve.lifecycle``)
+    lifecycle: Lifecycle = dataclasses.field(default_factory=Lifecycle)
+    #: set when it is no longer "busy" (``Registry.settle``)
+    changing: asyncio.Event | None = None
 
     def record(self) -> Record:
         return Record(id=self.id, template=self.template, metadata=self.metadata,
@@ -109,7 +116,8 @@ class Entry:
                       token=self.token, traffic_token=self.traffic_token, cpus=self.cpus,
                       memory_mb=self.memory_mb, disk_mb=self.disk_mb,
                       sandbox=None if self.sandbox is None else self.sandbox.id,
-                      checkpoint=self.checkpoint, memory=self.memory)
+                      checkpoint=self.checkpoint, memory=self.memory,
+                      lifecycle=self.lifecycle)
 
     def run(self, sandbox: Any) -> None:
         """Serve ``sandbox`` as this entry's (created, attached or resumed)."""
@@ -161,24 +169,27 @@ class Registry:
             self.records.write(entry.record())
 
     async def open(self, template: str, *, timeout: float, metadata: Mapping[str, str],
-                   env_vars: Mapping[str, str], network: Any = None) -> Entry:
+                   env_vars: Mapping[str, str], network: Any = None,
+                   lifecycle: Lifecycle | None = None) -> Entry:
         """A new sandbox of ``template``; ``network``: ``Sandbox.create``'s (None: none)."""
         self._opening += 1
         try:
             sandbox = await self.backend.create(template, network)
         finally:
             self._opening -= 1
-        return self._register(template, sandbox, timeout, metadata, env_vars, network)
+        return self._register(template, sandbox, timeout, metadata, env_vars, network,
+                              lifecycle or Lifecycle(timeout=timeout))
 
     def _register(self, template: str, sandbox: Any, timeout: float,
                   metadata: Mapping[str, str], env_vars: Mapping[str, str],
-                  network: Any = None) -> Entry:
+                  network: Any = None, lifecycle: Lifecycle | None = None) -> Entry:
         # whole microseconds, as reported (ISO 8601): a startedAfter filter given a reported
         # start then compares equal instead of a rounding apart
         now = datetime.datetime.now(datetime.UTC).timestamp()
         entry = Entry(id=f"i{uuid.uuid4().hex[:19]}", template=template, sandbox=sandbox,
                       token=new_token(), metadata=dict(metadata), env_vars=dict(env_vars),
-                      started_at=now, end_at=now, network=network)
+                      started_at=now, end_at=now, network=network,
+                      lifecycle=lifecycle or Lifecycle(timeout=timeout))
         entry.run(sandbox)
         self._entries[entry.id] = entry
         self.set_timeout(entry, timeout)
@@ -197,7 +208,53 @@ class Registry:
             entry.timer.cancel()
         loop = asyncio.get_running_loop()
         entry.timer = loop.call_later(max(0.0, entry.end_at - time.time()),
-                                      lambda: loop.create_task(self.kill(entry.id)))
+                                      lambda: loop.create_task(self._expire(entry)))
+
+    async def _expire(self, entry: Entry) -> None:
+        """``entry``'s end time passed: pause it if its lifecycle says so, else (or if that
+        fails) kill it."""
+        entry.timer = None
+        if entry.lifecycle.on_timeout == "pause" and entry.state == "running":
+            try:
+                await self.pause(entry, memory=entry.lifecycle.memory)
+                return
+            except EnvbuildError as e:
+                _log.warning("auto-pause of sandbox %s failed, killed: %s", entry.id, e)
+        await self.kill(entry.id)
+
+    async def wake(self, sandbox_id: str | None, allowed: Callable[[Entry], bool]) -> \
+            Entry | None:
+        """``get``, but a paused sandbox whose lifecycle has ``auto_resume`` is resumed first
+        (once for concurrent requests; after a pause under way) if ``allowed(entry)`` (its
+        token was shown)."""
+        entry = self.find(sandbox_id)
+        if entry is None or not entry.lifecycle.auto_resume or entry.state == "running" \
+                or not allowed(entry):
+            return self.get(sandbox_id)
+        await self.settle(entry)
+        if entry.state == "paused":  # the first request resumes it, the others settle
+            try:
+                await self.resume(entry, timeout=entry.lifecycle.timeout)
+            except EnvbuildError as e:
+                _log.warning("auto-resume of sandbox %s failed: %s", entry.id, e)
+        return self.get(sandbox_id)
+
+    async def settle(self, entry: Entry) -> None:
+        """Wait while ``entry`` is being paused, resumed or dumped."""
+        while entry.state == "busy" and entry.changing is not None:
+            await entry.changing.wait()
+
+    @contextlib.contextmanager
+    def _changing(self, entry: Entry) -> Iterator[None]:
+        """``entry`` busy while the block runs (which sets its next state); ``settle`` waits."""
+        entry.state = "busy"
+        done = entry.changing = asyncio.Event()
+        try:
+            yield
+        finally:
+            if entry.changing is done:
+                entry.changing = None
+            done.set()
 
     async def _detach(self, entry: Entry) -> None:
         """End what the server holds of ``entry``: its timer, command streams, watches, port
@@ -218,6 +275,9 @@ class Registry:
     async def kill(self, sandbox_id: str) -> bool:
         entry = self.find(sandbox_id)
         if entry is None:
+            return False
+        await self.settle(entry)  # a pause or resume under way ends first
+        if entry.state == "closing":
             return False
         if entry.state == "busy":
             raise Conflict(f"sandbox {sandbox_id} is being paused or resumed")
@@ -241,16 +301,16 @@ class Registry:
         it is not running; on a failure it runs on, with its end time."""
         if entry.state != "running":
             raise Conflict(f"sandbox {entry.id} is {entry.state}, not running")
-        entry.state = "busy"
-        await self._detach(entry)
-        try:
-            lock = await self.backend.pause(entry.sandbox, entry.id, memory=memory)
-        except BaseException:
-            entry.state = "running"
-            self._arm(entry)
-            raise
-        entry.sandbox, entry.checkpoint, entry.memory = None, lock, memory
-        entry.processes, entry.state = {}, "paused"
+        with self._changing(entry):
+            await self._detach(entry)
+            try:
+                lock = await self.backend.pause(entry.sandbox, entry.id, memory=memory)
+            except BaseException:
+                entry.state = "running"
+                self._arm(entry)
+                raise
+            entry.sandbox, entry.checkpoint, entry.memory = None, lock, memory
+            entry.processes, entry.state = {}, "paused"
         self._save(entry)
         entry.events.note("sandbox.pause", "paused" + ("" if memory else " (files only)"))
 
@@ -260,15 +320,15 @@ class Registry:
         (CRIU cannot dump a connection to the host); its end time stays."""
         if entry.state != "running":
             raise Conflict(f"sandbox {entry.id} is {entry.state}, not running")
-        entry.state = "busy"
-        await self._detach(entry)
-        entry.processes = {}
-        try:
-            yield
-        finally:
-            if entry.state == "busy":
-                entry.state = "running"
-                self._arm(entry)
+        with self._changing(entry):
+            await self._detach(entry)
+            entry.processes = {}
+            try:
+                yield
+            finally:
+                if entry.state == "busy":
+                    entry.state = "running"
+                    self._arm(entry)
 
     async def snapshot(self, entry: Entry, name: str, *, memory: bool) -> str:
         """Publish ``entry``'s snapshot ``name`` (memory too if ``memory``); its id."""
@@ -297,14 +357,15 @@ class Registry:
         False or it was paused without), for ``timeout`` seconds; ``Conflict`` if not paused."""
         if entry.state != "paused" or entry.checkpoint is None:
             raise Conflict(f"sandbox {entry.id} is {entry.state}, not paused")
-        entry.state = "busy"
-        try:
-            sandbox = await self.backend.resume(entry.checkpoint, memory=memory and entry.memory,
-                                                network=entry.network)
-        except BaseException:
-            entry.state = "paused"
-            raise
-        entry.run(sandbox)
+        with self._changing(entry):
+            try:
+                sandbox = await self.backend.resume(entry.checkpoint,
+                                                    memory=memory and entry.memory,
+                                                    network=entry.network)
+            except BaseException:
+                entry.state = "paused"
+                raise
+            entry.run(sandbox)
         self.set_timeout(entry, timeout)
         entry.events.note("sandbox.resume", "resumed")
         try:
@@ -323,7 +384,8 @@ class Registry:
                           started_at=rec.started_at, end_at=rec.end_at,
                           traffic_token=rec.traffic_token, cpus=rec.cpus,
                           memory_mb=rec.memory_mb, disk_mb=rec.disk_mb,
-                          checkpoint=rec.checkpoint, memory=rec.memory, state="paused")
+                          checkpoint=rec.checkpoint, memory=rec.memory, state="paused",
+                          lifecycle=rec.lifecycle)
             self._entries[rec.id] = entry
             if rec.sandbox is None:
                 continue
@@ -336,8 +398,9 @@ class Registry:
                 self.records.remove(rec.id)
                 continue
             if rec.end_at <= time.time():
-                _log.info("sandbox %s timed out while no server ran: killed", rec.id)
-                await self.kill(rec.id)
+                _log.info("sandbox %s timed out while no server ran: %s", rec.id,
+                          "paused" if rec.lifecycle.on_timeout == "pause" else "killed")
+                await self._expire(entry)
             else:
                 self._arm(entry)
 

@@ -105,3 +105,24 @@ def test_a_directory_open_to_others_is_refused(tmp_path):
     (tmp_path / "other").mkdir(mode=0o700)
     with pytest.raises(SettingsError, match="not a private directory"):
         RecordDir(tmp_path / "link").claim()
+
+
+def test_a_record_keeps_its_lifecycle_and_an_old_one_gets_kill(records):
+    from envbuild.serve.lifecycle import Lifecycle
+
+    policy = Lifecycle(on_timeout="pause", memory=True, auto_resume=True, timeout=30.0)
+    records.write(_record(lifecycle=policy))
+    assert records.load(10)[0].lifecycle == policy
+    data = _record().to_json()
+    del data["lifecycle"]  # a record of a server before lifecycles
+    (records.path / f"{data['id']}.json").write_text(json.dumps(data))
+    assert records.load(10)[0].lifecycle == Lifecycle()
+
+
+@pytest.mark.parametrize("bad", [{"on_timeout": "hibernate"}, {"auto_resume": "yes"},
+                                 {"timeout": -1}, {"extra": 1}])
+def test_a_record_with_a_bad_lifecycle_is_skipped(records, bad):
+    data = _record().to_json()
+    data["lifecycle"] = {**data["lifecycle"], **bad}
+    (records.path / f"{data['id']}.json").write_text(json.dumps(data))
+    assert records.load(10) == []
