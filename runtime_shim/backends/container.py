@@ -48,7 +48,7 @@ from envbuild.errors import (
 from envbuild.safefs import read_tail
 from runtime_shim.backends import criu
 from runtime_shim.backends.base import CheckpointImage, CreateRequest
-from runtime_shim.isolation import agent, cpuclass, fsaccess, mountns, netns
+from runtime_shim.isolation import agent, cgroupfs, cpuclass, fsaccess, mountns, netns
 from runtime_shim.isolation.mount import OverlaySpec, mount_overlay
 from runtime_shim.isolation.runc import (
     OciRuntime,
@@ -122,6 +122,7 @@ class ContainerSandbox:
         own_ns = criu.own_netns(paths.root) if self.net is None and self.checkpointable \
             else None
         self._write_spec(binds, env, network is not None, own_ns, seccomp, spec_hook)
+        cgroupfs.cloning_cpuset_parent()  # runc then writes no cpuset.cpus (a host-wide walk)
         # A detached container inherits runc's stdio: a pipe would never reach EOF while the
         # sandbox lives, so runc's (and the agent's) messages go to a file.
         # On the sandbox's disk: it is the agent's stderr, which sandbox root can reach

@@ -55,6 +55,31 @@ def controller_dir(controller: str, sandbox_id: str) -> tuple[Path, int] | None:
     return (path, version) if path.is_dir() else None
 
 
+def cloning_cpuset_parent() -> None:
+    """Make ``/envbuild`` in the v1 cpuset hierarchy a cloning parent before a sandbox is made
+    (``cgroup.clone_children=1``, its cpus and mems set): a child then starts with the parent's
+    cpus and mems, so runc (which copies them only into an empty cpuset) writes no
+    ``cpuset.cpus``. That write rebuilds the scheduler domains, walking every cpuset on the
+    host: 0.76 → 3.28 ms per create from 100 to 1,000 live sandboxes, against a flat ~0.17 ms
+    cloned (docs/density-profile.md). One read once the parent is ready; no-op without a v1
+    cpuset hierarchy (cgroup v2 has no such write)."""
+    v1, _ = _mounts()
+    if "cpuset" not in v1:
+        return
+    root = Path(v1["cpuset"])
+    parent = root / PARENT
+    try:
+        if (parent / "cgroup.clone_children").read_text().strip() == "1":
+            return
+    except FileNotFoundError:
+        pass
+    parent.mkdir(exist_ok=True)
+    for name in ("cpuset.cpus", "cpuset.mems"):
+        if not (parent / name).read_text().strip():
+            (parent / name).write_text((root / name).read_text())
+    (parent / "cgroup.clone_children").write_text("1")
+
+
 def _v2_controllers(root: str) -> set[str]:
     try:
         return set(Path(root, "cgroup.controllers").read_text().split())

@@ -97,3 +97,29 @@ def test_build_steps_are_best_effort_by_default(tmp_path):
     assert _policy(out.read_bytes()) == SCHED_IDLE
     subprocess.run([runc, "--root", str(tmp_path / "state"), "delete", "--force", cid],
                    capture_output=True, check=False)
+
+
+@pytest.mark.parametrize("backend", ["container", "fncall"])
+def test_a_sandbox_cpuset_is_cloned_from_a_cloning_parent(built, backend):
+    """Issue 39: runc writes ``cpuset.cpus`` into an empty cpuset, and that write rebuilds the
+    scheduler domains by walking every cpuset on the host (a create got slower with each live
+    sandbox). A create makes ``/envbuild`` a cloning parent first, so the kernel gives the new
+    cpuset its parent's cpus and mems and runc writes none."""
+    v1, _ = cgroupfs._mounts()
+    if "cpuset" not in v1:
+        pytest.fail("no cgroup v1 cpuset hierarchy on this host: this test checks the v1 path")
+    parent = os.path.join(v1["cpuset"], cgroupfs.PARENT)
+    flag = os.path.join(parent, "cgroup.clone_children")
+    if os.path.exists(flag):  # as on a fresh host: a parent that does not clone
+        with open(flag, "w") as f:
+            f.write("0")
+    store, node = built
+    with Sandbox.create(ENV, store=store, node_dir=node, backend=backend) as sb:
+        with open(flag) as f:
+            assert f.read().strip() == "1"
+        found = cgroupfs.controller_dir("cpuset", sb.id)
+        assert found is not None
+        for name in ("cpuset.cpus", "cpuset.mems"):
+            with open(os.path.join(parent, name)) as f:
+                want = f.read()
+            assert (found[0] / name).read_text() == want and want.strip()
