@@ -72,7 +72,8 @@ async def download(request: web.Request) -> web.StreamResponse:
         transport = request.transport
         if transport is None:
             raise ConnectionResetError("the client went away")
-        sent = await asyncio.get_running_loop().sendfile(transport, f, 0, size)
+        # an empty file has nothing to send (sendfile refuses a count of 0)
+        sent = await asyncio.get_running_loop().sendfile(transport, f, 0, size) if size else 0
         if sent < size:  # it shrank while sent: the client must not take it as whole
             transport.close()
         await response.write_eof()

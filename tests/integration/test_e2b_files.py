@@ -59,6 +59,14 @@ def test_a_file_over_read_files_cap_downloads(sandbox):
     assert got == (300 << 20) + 1
 
 
+def test_an_empty_file_downloads_as_empty(sandbox):
+    """A file of 0 bytes reads as b"" (``sendfile`` refuses a count of 0: the server raised
+    after sending its headers, and the client got a broken response)."""
+    sandbox.commands.run(": > /tmp/empty")
+    assert sandbox.files.read("/tmp/empty", format="bytes") == bytearray()
+    assert sandbox.files.read("/tmp/empty") == ""
+
+
 def test_a_refused_upload_leaves_nothing_and_fifos_are_refused(e2b_server, sandbox):
     import httpx
     from e2b import SandboxException
