@@ -88,7 +88,8 @@ def sandbox_rm(app: App, ids: tuple[str, ...], as_json: bool) -> int:
 @pass_app
 def sandbox_gc(app: App, as_json: bool) -> int:
     """Remove sandboxes past their TTL and those left behind by crashed processes (kept
-    ones stay until their TTL): one line per sandbox, removed or failed with its cause;
+    ones stay until their TTL), and empty sandbox cgroups a crash left (older than five
+    minutes, with no sandbox dir on this node): one line per sandbox, removed or failed with its cause;
     one failure never stops the others, and makes the exit code 1."""
     from runtime_shim import sweep_sandboxes
 
@@ -100,8 +101,8 @@ def sandbox_gc(app: App, as_json: bool) -> int:
                               for r in done if not r.removed]})
         return 1 if failed else 0
     for r in done:
-        click.echo((f"removed {r.id}" + (" (expired)" if r.reason == "expired" else ""))
+        click.echo((f"removed {r.id}" + (f" ({r.reason})" if r.reason != "orphaned" else ""))
                    if r.removed else f"failed  {r.id}: {r.error}")
-    click.echo(f"removed {len(done) - failed} orphaned or expired sandbox(es)" +
+    click.echo(f"removed {len(done) - failed} orphaned or expired sandbox(es) or cgroup(s)" +
                (f", {failed} could not be removed" if failed else ""), err=bool(failed))
     return 1 if failed else 0

@@ -108,6 +108,36 @@ def dirs(sandbox_id: str) -> list[Path]:
     return sorted(p for p in (Path(m) / PARENT / sandbox_id for m in points) if p.is_dir())
 
 
+def stale(min_age: float, prefix: str = "eb-") -> list[str]:
+    """Ids of sandbox cgroups (``/envbuild/<prefix>…``) with no process in any hierarchy, each
+    dir made more than ``min_age`` seconds ago: what a runtime killed mid-create or a host
+    crash leaves. Young ones are skipped, since a create in progress holds an empty cgroup
+    until its init joins. Reads every sandbox cgroup of the host: for ``sandbox gc``, never
+    the create path."""
+    v1, v2 = _mounts()
+    points = set(v1.values()) | ({v2} if v2 else set())
+    found: dict[str, list[Path]] = {}
+    for point in points:
+        try:
+            names = os.listdir(Path(point) / PARENT)
+        except OSError:
+            continue
+        for name in names:
+            if name.startswith(prefix):
+                found.setdefault(name, []).append(Path(point) / PARENT / name)
+    cutoff = time.time() - min_age
+    return sorted(sid for sid, paths in found.items() if _idle_since(paths, cutoff))
+
+
+def _idle_since(paths: list[Path], cutoff: float) -> bool:
+    """Every dir in ``paths`` holds no process and was made before ``cutoff``."""
+    try:
+        return all(p.stat().st_ctime < cutoff and not (p / "cgroup.procs").read_text().strip()
+                   for p in paths)
+    except OSError:   # gone meanwhile, or not a cgroup dir
+        return False
+
+
 def remove(sandbox_id: str, wait: float = 2.0) -> list[str]:
     """Remove ``sandbox_id``'s cgroup dirs, SIGKILLing what still runs in them; what could not
     be removed within ``wait`` seconds (empty: all gone). For a runtime killed mid-create: it

@@ -13,6 +13,7 @@ import time
 
 from envbuild.errors import BackendUnavailable, RuntimeShimError, SandboxNotFound
 from runtime_shim.backends.base import get_backend, remove_sandbox_dir
+from runtime_shim.isolation import cgroupfs
 from runtime_shim.node import admission, ledger, owners
 from runtime_shim.node.layout import NodeLayout
 from runtime_shim.node.records import list_sandboxes, node_layout, read_record
@@ -43,7 +44,8 @@ def remove_sandbox(node_dir: str | os.PathLike[str] | NodeLayout | None, sandbox
 @dataclasses.dataclass(frozen=True)
 class SandboxRemoval:
     """What ``sweep_sandboxes`` did with one sandbox: removed, or ``error`` (one line: the
-    cause, then the hint). ``reason`` is "orphaned" (its creator is gone) or "expired"."""
+    cause, then the hint). ``reason`` is "orphaned" (its creator is gone), "expired", or
+    "stale cgroup" (a cgroup with no process and no sandbox dir, left by a crash)."""
 
     id: str
     error: str | None = None
@@ -98,6 +100,27 @@ def sweep_sandboxes(node_dir: str | os.PathLike[str] | NodeLayout | None = None,
         gone = {r.id for r in done if r.removed}
         owners.after_sweep(node_layout(node_dir), ((i.pid, i.kept, i.expires) for i in infos
                                                    if i.id not in gone), started)
+        if not automatic:
+            done += _sweep_stale_cgroups()
+    return done
+
+
+#: A sandbox cgroup younger than this may belong to a create in progress (runc makes the
+#: dirs before its init joins them): ``sandbox gc`` leaves it.
+STALE_CGROUP_AGE = 300.0
+#: The names ``sandbox gc`` looks at under ``/envbuild`` (every sandbox id starts so).
+STALE_CGROUP_PREFIX = "eb-"
+
+
+def _sweep_stale_cgroups() -> list[SandboxRemoval]:
+    """Remove the host's empty sandbox cgroups older than ``STALE_CGROUP_AGE`` (a runtime
+    killed mid-create, a crash; a live sandbox's cgroup holds its init): left, each costs the
+    kernel a cgroup in every hierarchy, and every later cpuset write walks it."""
+    done = []
+    for sid in cgroupfs.stale(STALE_CGROUP_AGE, STALE_CGROUP_PREFIX):
+        left = cgroupfs.remove(sid, wait=0.5)
+        done.append(SandboxRemoval(sid, f"could not remove {left[0]}" if left else None,
+                                   "stale cgroup"))
     return done
 
 
