@@ -79,6 +79,9 @@ class FleetBackend:
     Its blocking fleet calls run on ``threads`` threads of its own (a running command holds
     one while its output streams)."""
 
+    #: A pause or snapshot keeps the files only (the module docstring).
+    keeps_memory = False
+
     def __init__(self, fleet: Any, *, limits: Limits | None = None, lease: float = LEASE,
                  threads: int = 64) -> None:
         self.fleet = fleet

@@ -291,3 +291,29 @@ def test_pause_snapshot_and_fork_keep_a_fleet_sandboxs_files(cell, tmp_path, sit
         Sandbox.delete_snapshot(snap)
     log = (tmp_path / "serve.log").read_text()
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_a_fleet_sandbox_auto_pauses_its_files(cell, tmp_path):
+    """``lifecycle`` with a files-only pause: at its timeout the sandbox is paused (its node's
+    sandbox closed), and connect brings its files back; an auto-pause with memory is refused
+    at create in one line (it could only end in a kill at the timeout)."""
+    from e2b import Sandbox, SandboxException
+
+    from tests.integration.test_e2b_autopause import _wait_paused
+
+    fleet = cell["fleet"]
+    with running_server(tmp_path, cell["store"], tmp_path / "node",
+                        args=("--fleet", cell["address"], *SIZES)) as srv, e2b_env(srv):
+        with pytest.raises(SandboxException, match="autoPause with memory is not available "
+                                                   "here .* 'mode': 'filesystem'"):
+            Sandbox.create(TEMPLATE, timeout=60, lifecycle={"on_timeout": "pause"})
+        assert _served(fleet) == [] and Sandbox.list().next_items() == []
+        sb = Sandbox.create(TEMPLATE, timeout=3, lifecycle={
+            "on_timeout": {"action": "pause", "mode": "filesystem"}})
+        sb.files.write("/workspace/auto.txt", "paused at the timeout")
+        _wait_paused(sb)
+        assert _served(fleet) == []
+        again = Sandbox.connect(sb.sandbox_id, timeout=60)
+        assert again.files.read("/workspace/auto.txt") == "paused at the timeout"
+        again.kill()
+        assert _served(fleet) == []
