@@ -41,6 +41,11 @@ class NodeBackend:
     pausable: bool = True
     limits: Any = None  # runtime_shim.Limits of every sandbox (None: the default)
 
+    @property
+    def keeps_memory(self) -> bool:
+        """Whether a pause or snapshot may keep the processes (CRIU: ``pausable``)."""
+        return self.pausable
+
     async def create(self, template: str, network: bool | list[str] | None = None
                      ) -> AsyncSandbox:
         """A sandbox of ``template`` (or continuing snapshot ``template``) with ``network``

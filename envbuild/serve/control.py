@@ -112,6 +112,10 @@ async def create(request: web.Request) -> web.Response:
     try:
         network = egress.create_network(body)
         lifecycle = Lifecycle.from_body(body, timeout or DEFAULT_TIMEOUT)
+        if lifecycle.on_timeout == "pause" and lifecycle.memory and not reg.backend.keeps_memory:
+            raise LifecycleRefused("autoPause with memory is not available here (this server "
+                                   "keeps a paused sandbox's files only): ask for on_timeout "
+                                   "{'action': 'pause', 'mode': 'filesystem'}")
     except egress.NetworkRefused as e:
         return error(400, e.line())
     except LifecycleRefused as e:

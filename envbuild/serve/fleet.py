@@ -8,9 +8,17 @@ pools (``FleetBackend.warm``: a create that matches a warmed pool claims a ready
 background commands and ``Connect`` to them), ``read_file``/``write_file`` (``/files``) and
 every filesystem call the server makes of ``exec`` (``Stat``, ``ListDir``, ``MakeDir``,
 ``Move``, ``Remove``). What the handle lacks is refused in one line (``Unsupported``):
-PTYs, stdin, signals to a command (``commands.kill``), directory watches, ports, pause,
-snapshots and fork. Exec and files go over the nodes' data plane when the daemons have one
-(``envbuild fleet start --data-host``), else through Ray.
+PTYs, stdin, signals to a command (``commands.kill``), directory watches and ports. Exec and
+files go over the nodes' data plane when the daemons have one (``envbuild fleet start
+--data-host``), else through Ray.
+
+**Pause, snapshots and fork keep the files only** (the handle's ``pack_diff``, published to
+the fleet's store, which every node reads): a pause publishes it under the same ref as
+``NodeBackend``'s (``PAUSED_PREFIX + <e2b id>``) and closes the sandbox, and resume creates a
+fleet sandbox of that lock (placed anew, on any node); a snapshot is published under
+``FS_SNAPSHOT_PREFIX + NAME``; a fork makes one pack-diff and creates ``count`` sandboxes of
+it. Their processes are not carried over: a pause or snapshot that asks for memory is refused
+in one line, as a node without CRIU refuses a checkpoint. Network rules follow, as on a node.
 
 **Leases and restarts.** A fleet sandbox lives while its lease does (``runtime_shim.fleet``'s
 leases): the backend creates each with a lease of ``lease`` seconds and renews the leases of
@@ -32,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from envbuild.errors import EnvbuildError, RuntimeShimError
-from envbuild.serve.backend import closed_if, opened_network
+from envbuild.serve.backend import FS_SNAPSHOT_PREFIX, PAUSED_PREFIX, closed_if, opened_network
 from runtime_shim import ExecResult, Limits
 
 _log = logging.getLogger(__name__)
@@ -52,7 +60,17 @@ class Unsupported(RuntimeShimError):
 def _unsupported(what: str) -> Unsupported:
     return Unsupported(f"{what} is not available for a fleet sandbox (envbuild serve --fleet)",
                        hint="use envbuild serve on the node itself for PTYs, stdin, signals, "
-                            "watches, ports, pause, snapshots and fork")
+                            "watches, ports and a pause, snapshot or fork with memory")
+
+
+def _files_only(memory: bool, what: str) -> None:
+    """Refuse ``what`` with ``memory`` (as a node without CRIU refuses a checkpoint), in one
+    line that says what to ask instead (E2B's answer carries only the message)."""
+    if memory:
+        raise Unsupported(f"{what} with memory is not available for a fleet sandbox (envbuild "
+                          "serve --fleet keeps files only): ask for mode='filesystem'",
+                          hint="E2B SDK: pause(mode='filesystem'), "
+                               "create_snapshot(mode='filesystem')")
 
 
 class FleetBackend:
@@ -60,6 +78,9 @@ class FleetBackend:
     ``limits`` and a lease of ``lease`` seconds that the backend renews while it serves it.
     Its blocking fleet calls run on ``threads`` threads of its own (a running command holds
     one while its output streams)."""
+
+    #: A pause or snapshot keeps the files only (the module docstring).
+    keeps_memory = False
 
     def __init__(self, fleet: Any, *, limits: Limits | None = None, lease: float = LEASE,
                  threads: int = 64) -> None:
@@ -116,20 +137,46 @@ class FleetBackend:
                 except EnvbuildError as e:  # gone with its node, or closed meanwhile
                     _log.warning("renew the lease of fleet sandbox %s: %s", sid, e)
 
-    async def pause(self, sandbox: Any, e2b_id: str, *, memory: bool) -> str:
-        raise _unsupported("pause")
+    async def pause(self, sandbox: FleetServed, e2b_id: str, *, memory: bool) -> str:
+        """Publish ``sandbox``'s files (its pack-diff) under its paused ref, as
+        ``NodeBackend.pause`` does, and close it; the lock saved. ``memory`` is refused."""
+        _files_only(memory, "a pause")
+        made = await self.run(sandbox.handle.pack_diff, PAUSED_PREFIX + e2b_id)
+        await sandbox.close()
+        return str(made.lock)
 
-    async def resume(self, lock: str, *, memory: bool, network: Any = None) -> Any:
-        raise _unsupported("resume")
+    async def resume(self, lock: str, *, memory: bool, network: Any = None) -> FleetServed:
+        """A fleet sandbox of ``lock`` (placed anew: the layers are in the fleet's store),
+        with ``network`` as for ``create``; a paused fleet sandbox never kept its memory."""
+        _files_only(memory, "a resume")
+        return await self.create(lock, network)
 
-    async def snapshot(self, sandbox: Any, name: str, *, memory: bool) -> str:
-        raise _unsupported("a snapshot")
+    async def snapshot(self, sandbox: FleetServed, name: str, *, memory: bool) -> str:
+        """Publish ``sandbox``'s files as the snapshot ``FS_SNAPSHOT_PREFIX + name``; its id.
+        ``sandbox`` runs on; ``memory`` is refused."""
+        _files_only(memory, "a snapshot")
+        ref = FS_SNAPSHOT_PREFIX + name
+        await self.run(sandbox.handle.pack_diff, ref)
+        return ref
 
-    async def fork(self, sandbox: Any, count: int, network: Any = None) -> list[Any]:
-        raise _unsupported("fork")
+    async def fork(self, sandbox: FleetServed, count: int, network: Any = None
+                   ) -> list[FleetServed | Exception]:
+        """``count`` fleet sandboxes of ``sandbox``'s files (one pack-diff, not published; its
+        processes are not carried over), each a sandbox or the error its create raised;
+        ``network`` as for ``create``. ``sandbox`` runs on."""
+        lock = str((await self.run(sandbox.handle.pack_diff, None)).lock)
+        made = await asyncio.gather(*(self.create(lock, network) for _ in range(count)),
+                                    return_exceptions=True)
+        out: list[FleetServed | Exception] = []
+        for child in made:
+            if isinstance(child, BaseException) and not isinstance(child, Exception):
+                raise child
+            out.append(child)
+        return out
 
     def forget(self, e2b_id: str) -> None:
-        """Nothing to drop: a fleet sandbox is never paused."""
+        """Drop the paused ref of ``e2b_id`` in the fleet's store (idempotent)."""
+        self.store.delete_ref(PAUSED_PREFIX + e2b_id)
 
     @property
     def store(self) -> Any:

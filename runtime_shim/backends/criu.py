@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from envbuild.errors import BackendUnavailable, CheckpointRefused, RuntimeShimError
 from envbuild.libc import LIBC
+from runtime_shim.backends import criu_rlimits
 from runtime_shim.backends.base import CheckpointImage
 
 if TYPE_CHECKING:
@@ -409,8 +410,10 @@ def checkpoint(sb: ContainerSandbox, dest: Path, *, leave_running: bool) -> Chec
                               *(["--leave-running"] if leave_running else []), sb.id)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
     if done.returncode != 0:
-        raise _refusal(f"checkpoint {sb.id}", _errors(work / "dump.log"), tree,
-                       done.stderr.strip()[-300:] or f"runc exited {done.returncode}")
+        errors = _errors(work / "dump.log")
+        raise criu_rlimits.refusal(f"checkpoint {sb.id}", errors, lambda: _processes(pid)) \
+            or _refusal(f"checkpoint {sb.id}", errors, tree,
+                        done.stderr.strip()[-300:] or f"runc exited {done.returncode}")
     record["files"] = hash_files(dest)
     size = sum(f["size"] for f in record["files"].values())
     return CheckpointImage(kind=IMAGE_KIND, dir=dest, record=record, bytes=size,

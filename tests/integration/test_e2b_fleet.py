@@ -2,7 +2,8 @@
 server process whose sandboxes are placed on the session's real 2-node Ray cluster
 (``ray_cluster``), real runc sandboxes on the nodes' daemons (with their data plane): create,
 commands, files, list, kill, a server restart that re-attaches, what a fleet sandbox refuses
-(one line each), and the CLI's one line for an address nothing listens at."""
+(one line each), pause, snapshots and fork (files only), and the CLI's one line for an address
+nothing listens at."""
 
 from __future__ import annotations
 
@@ -131,8 +132,6 @@ def test_what_a_fleet_sandbox_lacks_is_refused_in_one_line(cell, tmp_path):
             "E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "8080",
             "e2b-traffic-access-token": sb.traffic_access_token})
         assert r.status_code == 502 and "a port is not available for a fleet sandbox" in r.text
-        with pytest.raises(SandboxException, match="pause is not available for a fleet"):
-            sb.pause()
         sb.kill()
     log = (tmp_path / "serve.log").read_text()
     assert "Traceback" not in log, log[-3000:]
@@ -225,3 +224,96 @@ def test_network_rules_on_a_fleet_sandbox(cell, tmp_path, site):
         assert _reachable(sb, site) == {"ten"}
         assert sb.get_metrics() == []
         sb.kill()
+
+
+def _paused_refs(store) -> list[str]:
+    return [r for r in store.list_refs() if r.startswith("e2b/paused/")]
+
+
+def test_pause_snapshot_and_fork_keep_a_fleet_sandboxs_files(cell, tmp_path, site):
+    """Files only: a pause publishes the pack-diff under ``e2b/paused/<id>`` in the fleet's
+    store and closes the node's sandbox, ``connect`` places a new one of it (files kept, the
+    process not, the network rules too); a snapshot's sandboxes and a fork's children start
+    from the files; asking for memory is refused in one line and the sandbox runs on."""
+    from e2b import Sandbox, SandboxException
+
+    from envbuild.store import open_store
+
+    fleet, store = cell["fleet"], open_store(str(cell["store"]))
+    ten, made = site[0]["ten"], []
+    with running_server(tmp_path, cell["store"], tmp_path / "node",
+                        args=("--fleet", cell["address"], *SIZES)) as srv, e2b_env(srv):
+        sb = Sandbox.create(TEMPLATE, timeout=120, metadata={"role": "parent"},
+                            network={"allow_out": [ten], "deny_out": ["0.0.0.0/0"]})
+        made.append(sb)
+        sb.files.write("/workspace/kept.txt", "on the fleet")
+        sb.commands.run("sleep 600 > /dev/null 2>&1 &")
+        with pytest.raises(SandboxException, match="a pause with memory is not available for "
+                                                   "a fleet sandbox .* mode='filesystem'"):
+            sb.pause()
+        with pytest.raises(SandboxException, match="a snapshot with memory is not available"):
+            sb.create_snapshot("full")
+        assert sb.commands.run("cat /workspace/kept.txt").stdout == "on the fleet", "runs on"
+        (before,) = _served(fleet)
+
+        assert sb.pause(mode="filesystem") is True
+        assert Sandbox.get_info(sb.sandbox_id).state.value == "paused"
+        assert _served(fleet) == [] and _paused_refs(store) == [f"e2b/paused/{sb.sandbox_id}"]
+        again = Sandbox.connect(sb.sandbox_id, timeout=120)
+        assert again.files.read("/workspace/kept.txt") == "on the fleet"
+        assert "sleep 600" not in again.commands.run("ps").stdout, "files only"
+        assert _served(fleet) != [before] and len(_served(fleet)) == 1
+        assert _paused_refs(store) == [], "resumed: the paused ref is dropped"
+        assert _reachable(again, site) == {"ten"}, "its network rules follow it"
+
+        snap = again.create_snapshot("fleet-files", mode="filesystem").snapshot_id
+        assert snap == "e2b/fs-snapshots/fleet-files"
+        assert [s.snapshot_id for s in Sandbox.list_snapshots().next_items()] == [snap]
+        again.files.write("/workspace/kept.txt", "changed after")
+        made.append(Sandbox.create(snap, timeout=120))
+        assert made[-1].files.read("/workspace/kept.txt") == "on the fleet"
+
+        children = again.fork(count=2, timeout=60)
+        assert all(isinstance(c, Sandbox) for c in children), children
+        made.extend(children)
+        a, b = children
+        assert len({sb.sandbox_id, a.sandbox_id, b.sandbox_id}) == 3
+        assert a.get_info().metadata == {"role": "parent"}
+        assert a.files.read("/workspace/kept.txt") == b.files.read("/workspace/kept.txt") == "changed after"
+        a.files.write("/workspace/mine.txt", "a")
+        assert not b.files.exists("/workspace/mine.txt") and not again.files.exists("/workspace/mine.txt")
+        assert len(_served(fleet)) == 4 and _reachable(b, site) == {"ten"}
+        sb.pause(mode="filesystem")  # killed while paused: its ref goes too
+        assert len(_paused_refs(store)) == 1
+        for s in made:
+            s.kill()
+        assert _paused_refs(store) == [] and _served(fleet) == []
+        Sandbox.delete_snapshot(snap)
+    log = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in log, log[-3000:]
+
+
+def test_a_fleet_sandbox_auto_pauses_its_files(cell, tmp_path):
+    """``lifecycle`` with a files-only pause: at its timeout the sandbox is paused (its node's
+    sandbox closed), and connect brings its files back; an auto-pause with memory is refused
+    at create in one line (it could only end in a kill at the timeout)."""
+    from e2b import Sandbox, SandboxException
+
+    from tests.integration.test_e2b_autopause import _wait_paused
+
+    fleet = cell["fleet"]
+    with running_server(tmp_path, cell["store"], tmp_path / "node",
+                        args=("--fleet", cell["address"], *SIZES)) as srv, e2b_env(srv):
+        with pytest.raises(SandboxException, match="autoPause with memory is not available "
+                                                   "here .* 'mode': 'filesystem'"):
+            Sandbox.create(TEMPLATE, timeout=60, lifecycle={"on_timeout": "pause"})
+        assert _served(fleet) == [] and Sandbox.list().next_items() == []
+        sb = Sandbox.create(TEMPLATE, timeout=3, lifecycle={
+            "on_timeout": {"action": "pause", "mode": "filesystem"}})
+        sb.files.write("/workspace/auto.txt", "paused at the timeout")
+        _wait_paused(sb)
+        assert _served(fleet) == []
+        again = Sandbox.connect(sb.sandbox_id, timeout=60)
+        assert again.files.read("/workspace/auto.txt") == "paused at the timeout"
+        again.kill()
+        assert _served(fleet) == []
