@@ -49,10 +49,14 @@ class Unsupported(RuntimeShimError):
     reference = "fleet-unsupported"
 
 
-def _unsupported(what: str) -> Unsupported:
+def _unsupported(what: str, *, stream: bool = False) -> Unsupported:
+    if stream:  # what the nodes' data plane carries
+        return Unsupported(f"{what} is not available for a fleet sandbox without the nodes' "
+                           "data plane (envbuild serve --fleet)",
+                           hint="start the fleet's daemons with --data-host ADDRESS")
     return Unsupported(f"{what} is not available for a fleet sandbox (envbuild serve --fleet)",
-                       hint="use envbuild serve on the node itself for PTYs, stdin, signals, "
-                            "watches, ports, pause, snapshots and fork")
+                       hint="use envbuild serve on the node itself for pause, snapshots and "
+                            "fork")
 
 
 class FleetBackend:
@@ -172,16 +176,27 @@ class FleetServed:
                            ) -> FleetWriter:
         return FleetWriter(self, path, mode, user)
 
+    @property
+    def streams(self) -> bool:
+        """Whether the sandbox's node has a data plane (commands, ports and watches go over
+        it; without one only commands without stdin, signals or a PTY run, through exec)."""
+        return self.handle.record.data_addr is not None and bool(self.handle.record.token)
+
     async def start(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
                     cwd: str | None = None, user: str | None = None,
                     timeout: float | None = None,
                     on_stdout: Callable[[bytes], None] | None = None,
                     on_stderr: Callable[[bytes], None] | None = None,
-                    pty: tuple[int, int] | None = None) -> FleetCommand:
+                    pty: tuple[int, int] | None = None) -> Any:
         """``argv`` running in the sandbox, its output streamed to the callbacks (on the
-        event loop), as an ``AsyncProcess``-like ``FleetCommand`` without stdin or signals."""
+        event loop): an ``AsyncFleetProcess`` over the node's data plane (stdin, signals, a
+        PTY), else a ``FleetCommand`` (an exec: no stdin, signals or PTY)."""
+        if self.streams:
+            return await self.handle.aio().start(list(argv), env=env, cwd=cwd, user=user,
+                                                 timeout=timeout, on_stdout=on_stdout,
+                                                 on_stderr=on_stderr, pty=pty)
         if pty is not None:
-            raise _unsupported("a PTY")
+            raise _unsupported("a PTY", stream=True)
         loop = asyncio.get_running_loop()
 
         def relay(cb: Callable[[bytes], None] | None) -> Callable[[bytes], None] | None:
@@ -204,11 +219,18 @@ class FleetServed:
 
     async def watch(self, path: str, *, recursive: bool = False) -> Any:
         # envd's WatchDir answers an OSError in one line: "watch PATH: <this>"
-        raise OSError(errno.EOPNOTSUPP, _unsupported("a directory watch").message)
+        raise OSError(errno.EOPNOTSUPP, _unsupported("a directory watch", stream=True).message)
 
     async def connect_port(self, port: int, timeout: float) -> Any:
         # the port proxy answers an OSError in one line: "connect to port N: <this>"
-        raise OSError(errno.EOPNOTSUPP, _unsupported("a port").message)
+        if not self.streams:
+            raise OSError(errno.EOPNOTSUPP, _unsupported("a port", stream=True).message)
+        try:
+            return await self.handle.aio().connect_port(port, timeout)
+        except OSError:
+            raise  # PortRefused among them
+        except EnvbuildError as e:  # the node lost, the sandbox gone, too many streams
+            raise OSError(errno.EHOSTUNREACH, e.message) from None
 
     async def close(self) -> None:
         self.backend._served.pop(self.id, None)
@@ -257,7 +279,8 @@ class FleetWriter:
 
 
 class FleetCommand:
-    """A command started on a fleet sandbox: ``wait`` for its result; it has no stdin
+    """A command started on a fleet sandbox without a data plane (an exec through Ray):
+    ``wait`` for its result; it has no stdin
     (closing it is a no-op, writing to it ``Unsupported``) and takes no signals. It ends with
     its sandbox."""
 
@@ -276,10 +299,10 @@ class FleetCommand:
         """A fleet command's stdin is closed from the start."""
 
     def write_stdin(self, data: bytes) -> None:
-        raise _unsupported("stdin")
+        raise _unsupported("stdin", stream=True)
 
     def send_signal(self, sig: int) -> None:
-        raise _unsupported("a signal to a command")
+        raise _unsupported("a signal to a command", stream=True)
 
     def resize(self, rows: int, cols: int) -> None:
-        raise _unsupported("a PTY")
+        raise _unsupported("a PTY", stream=True)

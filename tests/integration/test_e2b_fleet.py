@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from envbuild.errors import EnvbuildError, RuntimeShimError
 from tests.conftest import REPO
 from tests.e2b_server import assert_run_times_out, e2b_env, running_server
 from tests.security.test_e2b_network import _reachable, site  # noqa: F401 (a fixture)
@@ -225,3 +226,83 @@ def test_network_rules_on_a_fleet_sandbox(cell, tmp_path, site):
         assert _reachable(sb, site) == {"ten"}
         assert sb.get_metrics() == []
         sb.kill()
+
+
+def _sized():
+    from runtime_shim import Limits
+
+    return Limits(memory_bytes=64 << 20, pids=32, nofile=256)  # what SIZES makes
+
+
+def test_the_handle_starts_commands_over_the_data_plane(cell):
+    """``FleetSandbox.start``: a command on the node streamed over the data plane (no control
+    call), with stdin written and closed, its output as it comes, a signal, a PTY resized;
+    a hang-up kills the command."""
+    import signal as sig
+
+    fleet = cell["fleet"]
+    (sb,) = fleet.create(TEMPLATE, n=1, limits=_sized(), ttl=120)
+    try:
+        out: list[bytes] = []
+        proc = sb.start(["sh", "-c", "cat; echo done >&2"], stdin=b"first ",
+                        on_stdout=out.append, env={"A": "1"}, cwd="/tmp")
+        proc.write_stdin("second")
+        proc.close_stdin()
+        r = proc.wait(30)
+        assert (r.exit_code, r.stdout, r.stderr) == (0, b"first second", b"done\n")
+        assert b"".join(out) == b"first second"
+        with pytest.raises(RuntimeShimError, match="stdin is closed"):
+            proc.write_stdin("late")
+        for _ in range(5):  # output at once: after the start's reply
+            assert sb.start(["echo", "hi"]).wait(30).stdout == b"hi\n"
+
+        sleeper = sb.start(["sleep", "30"])
+        sleeper.send_signal(sig.SIGTERM)
+        assert sleeper.wait(30).exit_code in (143, -15), "ended by the signal"
+
+        screen: list[bytes] = []
+        term = sb.start(["sh"], pty=(24, 80), on_stdout=screen.append)
+        term.resize(40, 120)
+        term.write_stdin("stty size; exit 7\r")
+        assert term.wait(30).exit_code == 7
+        assert b"40 120" in b"".join(screen), b"".join(screen)[-500:]
+        with pytest.raises(RuntimeShimError, match="needs a command started with pty"):
+            sb.start(["true"]).resize(1, 1)
+
+        hung = sb.start(["sh", "-c", "echo $$ > /tmp/pid; exec sleep 300"])
+        deadline = time.monotonic() + 20
+        while sb.exec("cat /tmp/pid").exit_code != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        pid = sb.read_file("/tmp/pid").decode().strip()
+        hung.cancel()
+        with pytest.raises(EnvbuildError):
+            hung.wait(10)
+        while sb.exec(["kill", "-0", pid]).exit_code == 0:  # the node killed it
+            assert time.monotonic() < deadline, "a hung-up command ran on"
+            time.sleep(0.1)
+    finally:
+        sb.close()
+
+
+def test_the_async_handle_starts_commands(cell):
+    import asyncio
+
+    fleet = cell["fleet"]
+    (sb,) = fleet.create(TEMPLATE, n=1, limits=_sized(), ttl=120)
+
+    async def run() -> None:
+        a = sb.aio()
+        seen: list[bytes] = []
+        proc = await a.start(["cat"], on_stdout=seen.append)
+        proc.write_stdin(b"x" * 200_000)
+        proc.close_stdin()
+        r = await proc.wait()
+        assert r.exit_code == 0 and r.stdout == b"x" * 200_000 == b"".join(seen)
+        slow = await a.start("sleep 30")
+        slow.kill()
+        assert (await slow.wait()).exit_code in (137, -9)
+    try:
+        asyncio.run(run())
+    finally:
+        sb.close()

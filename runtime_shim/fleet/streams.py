@@ -1,0 +1,245 @@
+"""Byte streams over the fleet's data plane (``runtime_shim.fleet.dataplane``), the node's
+side: a ``start`` request turns its connection into a framed duplex stream to a command
+started in the sandbox (``Sandbox.start``), a ``port`` request into raw bytes spliced to a
+port inside the sandbox (``Sandbox.connect_port``).
+
+A stream request is a data-plane request (``{"v": 1, "op": "start"|"port", "id", "token",
+...}``) whose token is checked as every request's; the daemon answers it with one JSON
+message (``{"ok": true}``, or the error, after which the connection closes) and the
+connection then carries the stream until either side closes it.
+
+``start`` (``argv``, ``kwargs``: ``timeout``, ``env``, ``cwd``, ``user``; ``stdin`` in
+base64, written first; ``pty``: ``[rows, cols]`` or null): from then on each message is a
+4-byte big-endian length and that many bytes, the first a kind. The node sends ``o``/``e``
+(stdout/stderr bytes, a PTY's on ``o``), ``n`` (a notice: an input the command refused, UTF-8)
+and finally ``x`` (the ``ExecResult``'s fields as JSON, as an exec's reply); the client sends
+``i`` (stdin bytes), ``c`` (close stdin), ``s`` (a signal: 4 bytes), ``r`` (a resize: rows
+and cols, 2 bytes each). **The command lives as long as its stream**: a client that closes
+the connection (or loses it) before the ``x`` kills the command's group, as a local
+``AsyncProcess.cancel`` does — nothing is left running that nobody can reach. Whoever wants
+a command to outlive a client's connection keeps the stream open itself
+(``envbuild serve --fleet`` keeps it in its process table, so E2B background commands and
+``Connect`` work as on one node).
+
+``port`` (``port``, ``timeout``): the connection is then spliced to a TCP connection made to
+``127.0.0.1:port`` in the sandbox's network namespace; an EOF is passed on as a half-close.
+
+Bounds: a client's message is at most ``MAX_INPUT`` bytes (a larger one ends the stream);
+output is written to the connection as the command makes it, so a client that does not read
+stops the command's output (back-pressure through the agent, nothing queued on the node); a
+sandbox has at most ``MAX_STREAMS`` streams open (``StreamLimit`` past that), and every
+stream holds one of the data plane's ``MAX_CONNECTIONS`` connections.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import struct
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from envbuild.errors import EnvbuildError, RuntimeShimError
+from runtime_shim.fleet import dataplane
+
+#: The largest message a client may send on a stream (a stdin chunk).
+MAX_INPUT = 1 << 20
+#: Streams (commands and ports) a sandbox has open at once.
+MAX_STREAMS = 256
+#: Bytes of stdin a client sends in one message.
+CHUNK = 64 << 10
+
+
+class StreamLimit(RuntimeShimError):
+    """A sandbox has ``MAX_STREAMS`` streams open."""
+
+
+def send_frame(sock: socket.socket, kind: bytes, payload: bytes = b"") -> None:
+    sock.sendall(struct.pack(">I", len(payload) + 1) + kind + payload)
+
+
+def recv_frame(sock: socket.socket, limit: int) -> tuple[bytes, bytes]:
+    """The next message's kind and payload; ``ConnectionError`` at an EOF or past ``limit``."""
+    (n,) = struct.unpack(">I", dataplane.recv_exact(sock, 4))
+    if not 1 <= n <= limit:
+        raise ConnectionError(f"a stream message of {n} bytes (1..{limit})")
+    body = dataplane.recv_exact(sock, n)
+    return body[:1], body[1:]
+
+
+class StreamDaemon(Protocol):
+    """What a stream needs of a node daemon."""
+
+    def data_token(self, sandbox_id: str) -> str | None: ...
+
+    def data_sandbox(self, sandbox_id: str) -> Any: ...
+
+
+class Streams:
+    """A daemon's streams: ``serve(conn, request)`` runs one to its end (on the connection's
+    thread), counting the sandbox's open ones."""
+
+    def __init__(self, daemon: StreamDaemon) -> None:
+        self.daemon = daemon
+        self._open: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def serve(self, conn: socket.socket, request: Mapping[str, Any]) -> None:
+        try:
+            sandbox_id = str(request.get("id"))
+            dataplane.check_token(self.daemon.data_token(sandbox_id), request.get("token"),
+                                  sandbox_id)
+            sandbox = self.daemon.data_sandbox(sandbox_id)
+            self._take(sandbox_id)
+        except EnvbuildError as e:
+            dataplane.send_message(conn, dataplane.error_reply(e))
+            return
+        try:
+            if request.get("op") == "port":
+                _serve_port(conn, sandbox, request)
+            else:
+                _serve_command(conn, sandbox, request)
+        finally:
+            with self._lock:
+                self._open[sandbox_id] -= 1
+                if not self._open[sandbox_id]:
+                    del self._open[sandbox_id]
+
+    def _take(self, sandbox_id: str) -> None:
+        with self._lock:
+            if self._open.get(sandbox_id, 0) >= MAX_STREAMS:
+                raise StreamLimit(f"sandbox {sandbox_id} has {MAX_STREAMS} streams open",
+                                  hint="end some of its commands or port connections first")
+            self._open[sandbox_id] = self._open.get(sandbox_id, 0) + 1
+
+    def count(self, sandbox_id: str) -> int:
+        with self._lock:
+            return self._open.get(sandbox_id, 0)
+
+
+def _start_kwargs(request: Mapping[str, Any]) -> dict[str, Any]:
+    kwargs = dataplane.exec_kwargs(request)
+    pty = request.get("pty")
+    if pty is not None:
+        rows, cols = pty
+        kwargs["pty"] = (int(rows), int(cols))
+    return kwargs
+
+
+def _serve_command(conn: socket.socket, sandbox: Any, request: Mapping[str, Any]) -> None:
+    """Start the command, relay its output and the client's input until it ended and the
+    client closed, or kill it when the client left first."""
+    argv = request.get("cmd")
+    sending = threading.Lock()
+
+    def send(kind: bytes, payload: bytes) -> None:
+        with sending, contextlib.suppress(OSError):  # a client gone: the reader kills it
+            send_frame(conn, kind, payload)
+
+    with sending:  # the reply goes before the first output
+        try:
+            proc = _started(sandbox, argv, send, request)
+        except EnvbuildError as e:
+            dataplane.send_message(conn, dataplane.error_reply(e))
+            return
+        try:
+            dataplane.send_message(conn, {"ok": True})
+        except OSError:  # the client left at once
+            proc.kill()
+            return
+
+    def finish() -> None:
+        try:
+            fields = dataplane.result_fields(proc.wait())
+        except EnvbuildError as e:
+            fields = dataplane.error_reply(e)
+        send(b"x", json.dumps(fields, separators=(",", ":")).encode())
+
+    threading.Thread(target=finish, name="fleet-stream-exit", daemon=True).start()
+    _relay_input(conn, proc, send)
+
+
+def _started(sandbox: Any, argv: Any, send: Callable[[bytes, bytes], None],
+             request: Mapping[str, Any]) -> Any:
+    if not (isinstance(argv, str) or (isinstance(argv, list) and argv
+                                      and all(isinstance(x, str) for x in argv))):
+        raise RuntimeShimError("a started command is a string or a list of strings")
+    try:
+        kwargs = _start_kwargs(request)
+    except (TypeError, ValueError) as e:
+        raise RuntimeShimError(f"bad start request: {type(e).__name__}") from None
+    return sandbox.start(argv, on_stdout=lambda b: send(b"o", bytes(b)),
+                         on_stderr=lambda b: send(b"e", bytes(b)), **kwargs)
+
+
+def _relay_input(conn: socket.socket, proc: Any, send: Callable[[bytes, bytes], None]) -> None:
+    """The client's messages to ``proc`` until the connection ends; then kill it unless it
+    ended first."""
+    controls: dict[bytes, Callable[[bytes], None]] = {
+        b"i": proc.write_stdin,
+        b"c": lambda _: proc.close_stdin(),
+        b"s": lambda p: proc.send_signal(struct.unpack(">I", p)[0]),
+        b"r": lambda p: proc.resize(*struct.unpack(">HH", p)),
+    }
+    try:
+        while True:
+            kind, payload = recv_frame(conn, MAX_INPUT)
+            control = controls.get(kind)
+            if control is None:
+                raise ConnectionError(f"unknown stream message {kind!r}")
+            try:
+                control(payload)
+            except (EnvbuildError, struct.error) as e:
+                note = e.message if isinstance(e, EnvbuildError) else "a malformed control"
+                send(b"n", note.encode())
+    except (OSError, ValueError):
+        pass  # closed, oversize or unknown: the stream ends
+    finally:
+        if not proc.done:
+            with contextlib.suppress(EnvbuildError, OSError):
+                proc.kill()
+
+
+def _serve_port(conn: socket.socket, sandbox: Any, request: Mapping[str, Any]) -> None:
+    try:
+        port, timeout = int(request["port"]), float(request.get("timeout") or 10.0)
+        if not 1 <= port <= 65535:
+            raise RuntimeShimError(f"port {port} is not a TCP port (1..65535)")
+        inner = sandbox.connect_port(port, min(timeout, 60.0))
+    except EnvbuildError as e:
+        dataplane.send_message(conn, dataplane.error_reply(e))
+        return
+    except (KeyError, TypeError, ValueError) as e:
+        dataplane.send_message(conn, dataplane.error_reply(RuntimeShimError(
+            f"bad port request: {type(e).__name__}")))
+        return
+    with inner:
+        inner.setblocking(True)
+        inner.settimeout(None)
+        dataplane.send_message(conn, {"ok": True})
+        other = threading.Thread(target=_pipe, args=(inner, conn), name="fleet-port", daemon=True)
+        other.start()
+        _pipe(conn, inner)
+        other.join()
+
+
+def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    """Copy ``src`` to ``dst`` until an EOF (passed on as a half-close) or an error (both
+    closed)."""
+    try:
+        while True:
+            data = src.recv(1 << 16)
+            if not data:
+                dst.shutdown(socket.SHUT_WR)
+                return
+            dst.sendall(data)
+    except OSError:
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+
+__all__ = ["CHUNK", "MAX_INPUT", "MAX_STREAMS", "StreamDaemon", "StreamLimit",
+           "Streams", "recv_frame", "send_frame"]
