@@ -1,8 +1,9 @@
 """``envbuild serve --fleet ADDRESS`` (issue 37 item 4): the unmodified e2b SDK against a real
 server process whose sandboxes are placed on the session's real 2-node Ray cluster
 (``ray_cluster``), real runc sandboxes on the nodes' daemons (with their data plane): create,
-commands, files, list, kill, a server restart that re-attaches, what a fleet sandbox refuses
-(one line each), and the CLI's one line for an address nothing listens at."""
+commands, files, list, kill, stdin, signals, PTYs and ports over the data plane's streams
+(and ``FleetSandbox.start`` itself), a server restart that re-attaches, what a fleet sandbox
+refuses (one line each), and the CLI's one line for an address nothing listens at."""
 
 from __future__ import annotations
 
@@ -109,29 +110,55 @@ def test_the_sdk_drives_fleet_sandboxes(cell, tmp_path):
     assert _served(fleet) == [], "--on-exit kill closed the fleet's sandboxes too"
 
 
-def test_what_a_fleet_sandbox_lacks_is_refused_in_one_line(cell, tmp_path):
-    from e2b import PtySize, Sandbox, SandboxException
+def test_stdin_signals_ptys_and_ports_of_fleet_sandboxes(cell, tmp_path):
+    """Over the nodes' data plane (``runtime_shim.fleet.streams``): ``commands.run`` with
+    stdin, ``send_stdin``, ``commands.kill``, a PTY (create, input, resize, kill) and
+    ``get_host`` to an HTTP server in the sandbox; pause is refused in one line."""
+    from e2b import CommandExitException, PtySize, Sandbox, SandboxException
 
     with running_server(tmp_path, cell["store"], tmp_path / "node",
                         args=("--fleet", cell["address"], *SIZES)) as srv, e2b_env(srv):
         sb = Sandbox.create(TEMPLATE, timeout=120)
-        with pytest.raises(SandboxException, match="a PTY is not available for a fleet "
-                                                   "sandbox"):
-            sb.pty.create(PtySize(rows=24, cols=80))
-        cmd = sb.commands.run("sleep 30", background=True)
-        with pytest.raises(SandboxException, match="a signal to a command is not available"):
-            sb.commands.kill(cmd.pid)
-        with pytest.raises(SandboxException, match="stdin is not available for a fleet"):
-            # the handle is dropped at once (its stream closed): the kill below then writes
-            # the end of a stream whose client left, which must not log a traceback either
-            sb.commands.send_stdin(sb.commands.run("sleep 30", background=True,
-                                                   stdin=True).pid, "x")
-        with pytest.raises(SandboxException, match="a directory watch is not available"):
-            sb.files.watch_dir("/tmp")
-        r = httpx.get(srv.url + "/", headers={
-            "E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "8080",
-            "e2b-traffic-access-token": sb.traffic_access_token})
-        assert r.status_code == 502 and "a port is not available for a fleet sandbox" in r.text
+        cat = sb.commands.run("cat; echo eof", background=True, stdin=True)
+        sb.commands.send_stdin(cat.pid, "to stdin\n")
+        sb.commands.close_stdin(cat.pid)
+        assert cat.wait().stdout == "to stdin\neof\n"
+
+        sleeper = sb.commands.run("sleep 60", background=True)
+        assert sb.commands.kill(sleeper.pid) is True
+        with pytest.raises(CommandExitException) as killed:
+            sleeper.wait()
+        assert killed.value.exit_code != 0
+        assert sleeper.pid not in {p.pid for p in sb.commands.list()}
+
+        term = sb.pty.create(PtySize(rows=24, cols=80))
+        sb.pty.resize(term.pid, PtySize(rows=33, cols=101))
+        sb.pty.send_stdin(term.pid, b"stty size; exit 5\n")
+        screen: list[bytes] = []
+        with pytest.raises(CommandExitException) as ended:
+            term.wait(on_pty=screen.append)
+        assert ended.value.exit_code == 5 and b"33 101" in b"".join(screen)
+        other = sb.pty.create(PtySize(rows=24, cols=80))
+        assert sb.pty.kill(other.pid) is True
+        with pytest.raises(CommandExitException):
+            other.wait()
+
+        sb.files.write("/tmp/www/index.html", "from the fleet's node")
+        sb.commands.run("busybox httpd -f -p 8080 -h /tmp/www", background=True)
+        headers = {"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "8080",
+                   "e2b-traffic-access-token": sb.traffic_access_token}
+        deadline = time.monotonic() + 20
+        while (r := httpx.get(srv.url + "/index.html", headers=headers)).status_code == 502:
+            assert time.monotonic() < deadline, r.text
+            time.sleep(0.1)
+        assert (r.status_code, r.text) == (200, "from the fleet's node")
+        host = sb.get_host(8080)
+        r = httpx.get(srv.url + "/index.html", headers={
+            "Host": host, "e2b-traffic-access-token": sb.traffic_access_token})
+        assert (r.status_code, r.text) == (200, "from the fleet's node")
+        r = httpx.get(srv.url + "/", headers={**headers, "E2b-Sandbox-Port": "8081"})
+        assert r.status_code == 502, "nothing listens there: the proxy's answer"
+
         with pytest.raises(SandboxException, match="pause is not available for a fleet"):
             sb.pause()
         sb.kill()

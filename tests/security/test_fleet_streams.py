@@ -1,0 +1,131 @@
+"""The data plane's streams (``runtime_shim.fleet.streams``: started commands and ports)
+refuse what they must, on a real daemon's loopback listener with stub sandboxes (the checks
+are the daemon's): another sandbox's token, a guessed one, an unknown or closed sandbox, a
+client opening streams by the thousand, a huge message."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import struct
+import time
+
+import pytest
+
+from envbuild.errors import RuntimeShimError, SandboxNotFound
+from runtime_shim.fleet import remote, streams
+from tests.fleet_stub import stub_cell
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def cell(tmp_path):
+    c = stub_cell(tmp_path, nodes=1, data_host="127.0.0.1")
+    yield c
+    c.close()
+
+
+def _open(sb, op: str, *, token: str | None = None, sdk_id: str | None = None):
+    record = sb.record if token is None else dataclasses.replace(sb.record, token=token)
+    request = remote.start_request(["cat"], {}, None) if op == "start" else \
+        {"op": "port", "port": 8080, "timeout": 1.0}
+    return remote.open_stream(record, sdk_id or sb.sdk_id, request, "a test", 5.0)
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the node closes ``sock`` (whatever it sent before: the killed command's end)."""
+    sock.settimeout(10)
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except ConnectionResetError:
+        pass  # closed with our message unread
+    return True
+
+
+def _stub(cell, sb):
+    daemon = next(iter(cell.daemons.values()))
+    return daemon._entries[sb.sdk_id].sandbox
+
+
+def test_a_stream_needs_its_own_sandboxs_token(cell):
+    a, b = cell.fleet().create(cell.lock, n=2)
+    proc = a.start(["cat"])  # its own token: opened
+    proc.write_stdin(b"hi")
+    proc.close_stdin()
+    assert proc.wait(10).exit_code == 0
+    for op in ("start", "port"):
+        for token, target in (("0" * 64, a), (b.record.token, a), (a.record.token, b),
+                              (a.record.token[:-1], a)):
+            with pytest.raises(SandboxNotFound):
+                _open(target, op, token=token)
+        with pytest.raises(SandboxNotFound):  # an unknown sandbox: the same answer
+            _open(a, op, sdk_id="eb-" + "0" * 12)
+    assert len(_stub(cell, a).procs) == 1 and _stub(cell, b).procs == [], "nothing started"
+    token = a.record.token
+    a.close()
+    with pytest.raises(SandboxNotFound):
+        _open(a, "start", token=token)
+
+
+def test_streams_per_sandbox_are_bounded(cell, monkeypatch):
+    monkeypatch.setattr(streams, "MAX_STREAMS", 4)
+    a, b = cell.fleet().create(cell.lock, n=2)
+    held = [a.start(["cat"]) for _ in range(4)]
+    refused = 0
+    for _ in range(2000):  # a client opening thousands: each refused, none held
+        with pytest.raises(RuntimeShimError, match="has 4 streams open"):
+            _open(a, "start")
+        refused += 1
+    assert refused == 2000 and len(_stub(cell, a).procs) == 4
+    other = b.start(["cat"])  # another sandbox's streams are its own
+    other.close_stdin()
+    assert other.wait(10).exit_code == 0
+    held[0].cancel()
+    deadline = time.monotonic() + 10
+    while True:  # its slot comes back once the node saw the hang-up
+        try:
+            held[0] = a.start(["cat"])
+            break
+        except RuntimeShimError:
+            assert time.monotonic() < deadline, "a hung-up stream's slot never came back"
+            time.sleep(0.05)
+    assert _stub(cell, a).procs[0].code == 137, "the hung-up command was killed"
+    for p in held:
+        p.cancel()
+
+
+def test_a_huge_message_ends_the_stream_and_its_command(cell):
+    (sb,) = cell.fleet().create(cell.lock, n=1)
+    sock = _open(sb, "start")
+    with sock:
+        sock.sendall(struct.pack(">I", streams.MAX_INPUT + 1) + b"i")
+        assert _closed(sock), "the node closed the stream"
+    stub = _stub(cell, sb).procs[0]
+    assert stub.ended.wait(10) and stub.code == 137
+
+
+def test_an_unknown_message_or_a_bad_control_is_refused(cell):
+    (sb,) = cell.fleet().create(cell.lock, n=1)
+    proc = sb.start(["cat"], pty=(24, 80))
+    proc._send(b"s", b"\x00")  # a signal of one byte: a notice, the stream goes on
+    deadline = time.monotonic() + 10
+    while proc._notice is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with pytest.raises(RuntimeShimError, match="the node refused an input"):
+        proc.write_stdin(b"x")
+    proc.close_stdin()
+    assert proc.wait(10).exit_code == 0
+    sock = _open(sb, "start")
+    with sock:
+        sock.sendall(struct.pack(">I", 1) + b"?")
+        assert _closed(sock)
+    assert _stub(cell, sb).procs[1].code == 137
+
+
+def test_a_port_request_needs_a_port(cell):
+    (sb,) = cell.fleet().create(cell.lock, n=1)
+    with pytest.raises(RuntimeShimError, match="not a TCP port"):
+        remote.open_stream(sb.record, sb.sdk_id, {"op": "port", "port": 70000}, "a test")
