@@ -219,7 +219,15 @@ class FleetServed:
 
     async def watch(self, path: str, *, recursive: bool = False) -> Any:
         # envd's WatchDir answers an OSError in one line: "watch PATH: <this>"
-        raise OSError(errno.EOPNOTSUPP, _unsupported("a directory watch", stream=True).message)
+        if not self.streams:
+            raise OSError(errno.EOPNOTSUPP,
+                          _unsupported("a directory watch", stream=True).message)
+        try:
+            return await self.handle.aio().watch(path, recursive=recursive)
+        except OSError:
+            raise  # no such directory, not one
+        except EnvbuildError as e:  # the node lost, the sandbox gone, too many streams
+            raise OSError(errno.EHOSTUNREACH, e.message) from None
 
     async def connect_port(self, port: int, timeout: float) -> Any:
         # the port proxy answers an OSError in one line: "connect to port N: <this>"

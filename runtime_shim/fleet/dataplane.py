@@ -45,7 +45,7 @@ MAX_FRAME = 64 << 20
 MAX_CONNECTIONS = 1024
 _EXEC_KEYS = ("timeout", "env", "cwd", "user")
 #: Requests that turn their connection into a stream (``runtime_shim.fleet.streams``).
-STREAM_OPS = ("start", "port")
+STREAM_OPS = ("start", "port", "watch")
 
 
 def send_message(sock: socket.socket, obj: Mapping[str, Any]) -> None:

@@ -265,6 +265,11 @@ class AsyncFleetSandbox:
         sock.setblocking(False)
         return sock
 
+    async def watch(self, path: str, *, recursive: bool = False) -> remote.AsyncFleetWatch:
+        """``AsyncSandbox.watch`` on the node, over its data plane: an ``AsyncFleetWatch``
+        (``await w.next_events()``; ``close()`` ends it on the node)."""
+        return await remote.watch_async(self.sync.record, self.sync.sdk_id, path, recursive)
+
     async def read_file(self, path: str) -> bytes:
         return await self._call("read_file", path)
 

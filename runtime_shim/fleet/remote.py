@@ -23,6 +23,7 @@ from envbuild.errors import NodeLost, RuntimeShimError
 from runtime_shim.fleet import dataplane
 from runtime_shim.fleet.model import SandboxRecord
 from runtime_shim.fleet.streams import CHUNK, MAX_INPUT, recv_frame
+from runtime_shim.isolation.watch import WatchEvent
 from runtime_shim.node.model import ExecResult
 
 OutputCallback = Callable[[bytes], None]
@@ -66,9 +67,23 @@ def open_stream(record: SandboxRecord, sdk_id: str, request: Mapping[str, Any], 
         raise _lost(record, e) from None
     if not reply.get("ok"):
         sock.close()
-        raise dataplane.error_of(reply)
+        raise _refusal(reply)
     sock.settimeout(None)
     return sock
+
+
+def _refusal(reply: Mapping[str, Any]) -> Exception:
+    if reply.get("error") == "OSError":  # a watch's directory: as the local watch raises
+        return OSError(int(reply.get("errno") or 0), str(reply.get("message")))
+    return dataplane.error_of(reply)
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    (n,) = struct.unpack(">I", await reader.readexactly(4))
+    if not 1 <= n <= dataplane.MAX_FRAME:
+        raise ValueError(f"a stream message of {n} bytes")
+    body = await reader.readexactly(n)
+    return body[:1], body[1:]
 
 
 def start_request(cmd: Any, kwargs: Mapping[str, Any], pty: tuple[int, int] | None
@@ -229,11 +244,7 @@ class AsyncFleetProcess(_Controls):
     async def _read(self) -> ExecResult:
         try:
             while True:
-                (n,) = struct.unpack(">I", await self._reader.readexactly(4))
-                if not 1 <= n <= dataplane.MAX_FRAME:
-                    raise ValueError(f"a stream message of {n} bytes")
-                body = await self._reader.readexactly(n)
-                kind, payload = body[:1], body[1:]
+                kind, payload = await _read_frame(self._reader)
                 if kind == b"x":
                     return _ended(payload, self._record.id)
                 if kind == b"n":
@@ -268,11 +279,10 @@ class AsyncFleetProcess(_Controls):
             pass
 
 
-async def start_async(record: SandboxRecord, sdk_id: str, request: Mapping[str, Any], *,
-                      on_stdout: OutputCallback | None, on_stderr: OutputCallback | None,
-                      pty: tuple[int, int] | None) -> AsyncFleetProcess:
-    """``request`` (a ``start``) on a connection of the event loop: its ``AsyncFleetProcess``."""
-    addr, token = _target(record, "a started command")
+async def open_async(record: SandboxRecord, sdk_id: str, request: Mapping[str, Any],
+                     what: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """``open_stream`` on the event loop: the connection's reader and writer."""
+    addr, token = _target(record, what)
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(*addr), 5.0)
     except (TimeoutError, OSError) as e:
@@ -288,10 +298,78 @@ async def start_async(record: SandboxRecord, sdk_id: str, request: Mapping[str, 
         raise _lost(record, e) from None
     if not reply.get("ok"):
         writer.close()
-        raise dataplane.error_of(reply)
+        raise _refusal(reply)
+    return reader, writer
+
+
+async def start_async(record: SandboxRecord, sdk_id: str, request: Mapping[str, Any], *,
+                      on_stdout: OutputCallback | None, on_stderr: OutputCallback | None,
+                      pty: tuple[int, int] | None) -> AsyncFleetProcess:
+    """``request`` (a ``start``) on a connection of the event loop: its ``AsyncFleetProcess``."""
+    reader, writer = await open_async(record, sdk_id, request, "a started command")
     return AsyncFleetProcess(reader, writer, record, on_stdout=on_stdout, on_stderr=on_stderr,
                              pty=pty)
 
 
-__all__ = ["AsyncFleetProcess", "FleetProcess", "connect_port", "no_data_plane",
-           "open_stream", "start_async", "start_request"]
+#: Events a watch holds unread; past that it stops reading (the node's then overflow).
+MAX_PENDING_EVENTS = 10_000
+
+
+class AsyncFleetWatch:
+    """A directory watch of a fleet sandbox (``AsyncFleetSandbox.watch``): ``DirWatch``'s
+    ``await next_events()``, ``read()``, ``fileno()`` (-1 once closed) and ``close()``. A lost
+    connection ends it with an ``overflow`` event (watch again)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader, self._writer = reader, writer
+        self._events: list[WatchEvent] = []
+        self._ready = asyncio.Event()
+        self._closed = False
+        self._task = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            while len(self._events) <= MAX_PENDING_EVENTS:
+                kind, payload = await _read_frame(self._reader)
+                if kind == b"w":
+                    self._events.extend(WatchEvent(str(k), str(n))
+                                        for k, n in json.loads(payload))
+                    self._ready.set()
+        except (OSError, ValueError, TypeError, asyncio.IncompleteReadError):
+            pass
+        if not self._closed:  # lost, or too many unread: the watch's end, said so
+            self._events.append(WatchEvent("overflow", ""))
+            self.close()
+
+    async def next_events(self) -> list[WatchEvent]:
+        """The events that came since the last call, waiting for one; [] once closed."""
+        while not self._events and not self._closed:
+            self._ready.clear()
+            await self._ready.wait()
+        return self.read()
+
+    def read(self) -> list[WatchEvent]:
+        out, self._events = self._events, []
+        return out
+
+    def fileno(self) -> int:
+        return -1 if self._closed else 0
+
+    def close(self) -> None:
+        self._closed = True
+        self._ready.set()
+        self._writer.close()
+        if asyncio.current_task() is not self._task:
+            self._task.cancel()
+
+
+async def watch_async(record: SandboxRecord, sdk_id: str, path: str, recursive: bool
+                      ) -> AsyncFleetWatch:
+    reader, writer = await open_async(record, sdk_id, {"op": "watch", "path": path,
+                                                       "recursive": recursive}, "a watch")
+    return AsyncFleetWatch(reader, writer)
+
+
+__all__ = ["MAX_PENDING_EVENTS", "AsyncFleetProcess", "AsyncFleetWatch", "FleetProcess",
+           "connect_port", "no_data_plane", "open_async", "open_stream", "start_async",
+           "start_request", "watch_async"]

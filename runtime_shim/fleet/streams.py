@@ -1,14 +1,15 @@
 """Byte streams over the fleet's data plane (``runtime_shim.fleet.dataplane``), the node's
 side: a ``start`` request turns its connection into a framed duplex stream to a command
 started in the sandbox (``Sandbox.start``), a ``port`` request into raw bytes spliced to a
-port inside the sandbox (``Sandbox.connect_port``).
+port inside the sandbox (``Sandbox.connect_port``), a ``watch`` request into a stream of a
+directory's events (``Sandbox.watch``).
 
-A stream request is a data-plane request (``{"v": 1, "op": "start"|"port", "id", "token",
-...}``) whose token is checked as every request's; the daemon answers it with one JSON
+A stream request is a data-plane request (``{"v": 1, "op": "start"|"port"|"watch", "id",
+"token", ...}``) whose token is checked as every request's; the daemon answers it with one JSON
 message (``{"ok": true}``, or the error, after which the connection closes) and the
 connection then carries the stream until either side closes it.
 
-``start`` (``argv``, ``kwargs``: ``timeout``, ``env``, ``cwd``, ``user``; ``stdin`` in
+``start`` (``cmd``, ``kwargs``: ``timeout``, ``env``, ``cwd``, ``user``; ``stdin`` in
 base64, written first; ``pty``: ``[rows, cols]`` or null): from then on each message is a
 4-byte big-endian length and that many bytes, the first a kind. The node sends ``o``/``e``
 (stdout/stderr bytes, a PTY's on ``o``), ``n`` (a notice: an input the command refused, UTF-8)
@@ -21,14 +22,19 @@ a command to outlive a client's connection keeps the stream open itself
 (``envbuild serve --fleet`` keeps it in its process table, so E2B background commands and
 ``Connect`` work as on one node).
 
+``watch`` (``path``, ``recursive``): the node sends ``w`` messages, each a JSON list of
+``[kind, name]`` events (``Sandbox.watch``'s) as they come, until the client closes the
+connection; a directory that is not there is answered with its ``errno``. A client that does
+not read stops the reading (the kernel's queue then overflows: an ``overflow`` event).
+
 ``port`` (``port``, ``timeout``): the connection is then spliced to a TCP connection made to
 ``127.0.0.1:port`` in the sandbox's network namespace; an EOF is passed on as a half-close.
 
 Bounds: a client's message is at most ``MAX_INPUT`` bytes (a larger one ends the stream);
 output is written to the connection as the command makes it, so a client that does not read
 stops the command's output (back-pressure through the agent, nothing queued on the node); a
-sandbox has at most ``MAX_STREAMS`` streams open (``StreamLimit`` past that), and every
-stream holds one of the data plane's ``MAX_CONNECTIONS`` connections.
+sandbox has at most ``MAX_STREAMS`` streams (commands, ports, watches) open (``StreamLimit``
+past that), and every stream holds one of the data plane's ``MAX_CONNECTIONS`` connections.
 """
 
 from __future__ import annotations
@@ -99,6 +105,8 @@ class Streams:
         try:
             if request.get("op") == "port":
                 _serve_port(conn, sandbox, request)
+            elif request.get("op") == "watch":
+                _serve_watch(conn, sandbox, request)
             else:
                 _serve_command(conn, sandbox, request)
         finally:
@@ -223,6 +231,44 @@ def _serve_port(conn: socket.socket, sandbox: Any, request: Mapping[str, Any]) -
         other.start()
         _pipe(conn, inner)
         other.join()
+
+
+def _serve_watch(conn: socket.socket, sandbox: Any, request: Mapping[str, Any]) -> None:
+    """Send the watch's events as they come until the client closes (or sends anything)."""
+    try:
+        path = request["path"]
+        if not isinstance(path, str):
+            raise RuntimeShimError("a watch's path is a string")
+        watch = sandbox.watch(path, recursive=bool(request.get("recursive")))
+    except EnvbuildError as e:
+        dataplane.send_message(conn, dataplane.error_reply(e))
+        return
+    except OSError as e:  # no such directory, not one: its errno goes to the client
+        dataplane.send_message(conn, {"ok": False, "error": "OSError", "errno": e.errno,
+                                      "message": e.strerror or str(e), "hint": None})
+        return
+    except KeyError:
+        dataplane.send_message(conn, dataplane.error_reply(RuntimeShimError(
+            "bad watch request: no path")))
+        return
+    ended = threading.Event()
+
+    def hang_up() -> None:
+        with contextlib.suppress(OSError):
+            conn.recv(1)  # an EOF, or a message a watch does not take: the end
+        ended.set()
+
+    with contextlib.closing(watch):
+        dataplane.send_message(conn, {"ok": True})
+        threading.Thread(target=hang_up, name="fleet-watch", daemon=True).start()
+        while not ended.is_set():
+            events = watch.wait(0.5)
+            if events:
+                try:
+                    send_frame(conn, b"w", json.dumps([[e.kind, e.name] for e in events],
+                                                      separators=(",", ":")).encode())
+                except OSError:
+                    return
 
 
 def _pipe(src: socket.socket, dst: socket.socket) -> None:

@@ -19,6 +19,7 @@ import pytest
 from envbuild.errors import EnvbuildError, RuntimeShimError
 from tests.conftest import REPO
 from tests.e2b_server import assert_run_times_out, e2b_env, running_server
+from tests.integration.test_e2b_watch import _names
 from tests.security.test_e2b_network import _reachable, site  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.integration
@@ -110,10 +111,11 @@ def test_the_sdk_drives_fleet_sandboxes(cell, tmp_path):
     assert _served(fleet) == [], "--on-exit kill closed the fleet's sandboxes too"
 
 
-def test_stdin_signals_ptys_and_ports_of_fleet_sandboxes(cell, tmp_path):
+def test_stdin_signals_ptys_ports_and_watches_of_fleet_sandboxes(cell, tmp_path):
     """Over the nodes' data plane (``runtime_shim.fleet.streams``): ``commands.run`` with
-    stdin, ``send_stdin``, ``commands.kill``, a PTY (create, input, resize, kill) and
-    ``get_host`` to an HTTP server in the sandbox; pause is refused in one line."""
+    stdin, ``send_stdin``, ``commands.kill``, a PTY (create, input, resize, kill),
+    ``get_host`` to an HTTP server in the sandbox and ``watch_dir``; pause is refused in one
+    line."""
     from e2b import CommandExitException, PtySize, Sandbox, SandboxException
 
     with running_server(tmp_path, cell["store"], tmp_path / "node",
@@ -158,6 +160,20 @@ def test_stdin_signals_ptys_and_ports_of_fleet_sandboxes(cell, tmp_path):
         assert (r.status_code, r.text) == (200, "from the fleet's node")
         r = httpx.get(srv.url + "/", headers={**headers, "E2b-Sandbox-Port": "8081"})
         assert r.status_code == 502, "nothing listens there: the proxy's answer"
+
+        sb.files.make_dir("/tmp/w/sub")
+        watch = sb.files.watch_dir("/tmp/w", recursive=True)
+        sb.commands.run("echo 1 > /tmp/w/a; echo 2 > /tmp/w/sub/b; rm /tmp/w/a")
+        seen: set = set()
+        want = {("create", "a"), ("write", "a"), ("remove", "a"), ("create", "sub/b")}
+        deadline = time.monotonic() + 20
+        while not want <= seen and time.monotonic() < deadline:
+            seen |= _names(watch.get_new_events())
+            time.sleep(0.1)
+        assert want <= seen, seen
+        watch.stop()
+        with pytest.raises(SandboxException):
+            sb.files.watch_dir("/tmp/nothing-here")
 
         with pytest.raises(SandboxException, match="pause is not available for a fleet"):
             sb.pause()
@@ -312,8 +328,10 @@ def test_the_handle_starts_commands_over_the_data_plane(cell):
         sb.close()
 
 
-def test_the_async_handle_starts_commands(cell):
+def test_the_async_handle_starts_commands_opens_ports_and_watches(cell):
     import asyncio
+
+    from runtime_shim import PortRefused
 
     fleet = cell["fleet"]
     (sb,) = fleet.create(TEMPLATE, n=1, limits=_sized(), ttl=120)
@@ -329,6 +347,34 @@ def test_the_async_handle_starts_commands(cell):
         slow = await a.start("sleep 30")
         slow.kill()
         assert (await slow.wait()).exit_code in (137, -9)
+
+        await a.write_file("/tmp/www/index.html", b"page")
+        httpd = await a.start(["busybox", "httpd", "-f", "-p", "8080", "-h", "/tmp/www"])
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                sock = await a.connect_port(8080, 5.0)
+                break
+            except PortRefused:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(b"GET /index.html HTTP/1.0\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.") and answer.endswith(b"\r\n\r\npage"), answer
+        with pytest.raises(PortRefused):
+            await a.connect_port(8081, 5.0)
+        await httpd.cancel()
+
+        watch = await a.watch("/tmp/www")
+        await a.write_file("/tmp/www/new", b"x")
+        events = await asyncio.wait_for(watch.next_events(), 10)
+        assert ("create", "new") in {(e.kind, e.name) for e in events}
+        watch.close()
+        assert await watch.next_events() == [] and watch.fileno() == -1
+        with pytest.raises(FileNotFoundError):
+            await a.watch("/tmp/nothing-here")
     try:
         asyncio.run(run())
     finally:
