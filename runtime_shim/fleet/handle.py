@@ -139,6 +139,14 @@ class FleetSandbox:
         listens)."""
         return remote.connect_port(self.record, self.sdk_id, port, timeout)
 
+    def watch(self, path: str, *, recursive: bool = False) -> remote.FleetWatch:
+        """``Sandbox.watch`` on the node, over its data plane: a ``FleetWatch``
+        (``w.wait(timeout)``; ``close()`` ends it on the node); ``FileNotFoundError`` or
+        ``NotADirectoryError`` as the local one."""
+        return remote.FleetWatch(remote.open_stream(
+            self.record, self.sdk_id, {"op": "watch", "path": path, "recursive": recursive},
+            "a watch"))
+
     def read_file(self, path: str) -> bytes:
         direct = self._direct({"op": "read", "id": self.sdk_id, "token": self.record.token,
                                "path": path}, CALL_TIMEOUT)

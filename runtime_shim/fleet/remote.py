@@ -311,6 +311,34 @@ async def start_async(record: SandboxRecord, sdk_id: str, request: Mapping[str, 
                              pty=pty)
 
 
+class FleetWatch:
+    """A directory watch of a fleet sandbox (``FleetSandbox.watch``): ``DirWatch``'s
+    ``wait(timeout)`` (the events that came, waiting up to ``timeout`` seconds for one) and
+    ``close()``. A lost connection ends it with an ``overflow`` event."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._closed = False
+
+    def wait(self, timeout: float | None = None) -> list[WatchEvent]:
+        if self._closed:
+            return []
+        self._sock.settimeout(timeout)
+        try:
+            kind, payload = recv_frame(self._sock, dataplane.MAX_FRAME)
+        except TimeoutError:
+            return []
+        except (OSError, ValueError):
+            self.close()
+            return [WatchEvent("overflow", "")]
+        return [WatchEvent(str(k), str(n)) for k, n in json.loads(payload)] \
+            if kind == b"w" else []
+
+    def close(self) -> None:
+        self._closed = True
+        self._sock.close()
+
+
 #: Events a watch holds unread; past that it stops reading (the node's then overflow).
 MAX_PENDING_EVENTS = 10_000
 
@@ -371,5 +399,6 @@ async def watch_async(record: SandboxRecord, sdk_id: str, path: str, recursive: 
 
 
 __all__ = ["MAX_PENDING_EVENTS", "AsyncFleetProcess", "AsyncFleetWatch", "FleetProcess",
+           "FleetWatch",
            "connect_port", "no_data_plane", "open_async", "open_stream", "start_async",
            "start_request", "watch_async"]

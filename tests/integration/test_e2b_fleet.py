@@ -278,9 +278,9 @@ def _sized():
 
 
 def test_the_handle_starts_commands_over_the_data_plane(cell):
-    """``FleetSandbox.start``: a command on the node streamed over the data plane (no control
-    call), with stdin written and closed, its output as it comes, a signal, a PTY resized;
-    a hang-up kills the command."""
+    """``FleetSandbox.start``: a command on the node streamed over the data plane, with stdin
+    written and closed, its output as it comes, a signal, a PTY resized; a hang-up kills the
+    command. ``FleetSandbox.watch``: a directory's events."""
     import signal as sig
 
     fleet = cell["fleet"]
@@ -311,6 +311,19 @@ def test_the_handle_starts_commands_over_the_data_plane(cell):
         assert b"40 120" in b"".join(screen), b"".join(screen)[-500:]
         with pytest.raises(RuntimeShimError, match="needs a command started with pty"):
             sb.start(["true"]).resize(1, 1)
+
+        sb.exec("mkdir -p /tmp/seen")
+        watch = sb.watch("/tmp/seen")
+        sb.write_file("/tmp/seen/f", b"x")
+        events: list = []
+        deadline = time.monotonic() + 20
+        while ("create", "f") not in events:
+            assert time.monotonic() < deadline, events
+            events += [(e.kind, e.name) for e in watch.wait(1.0)]
+        watch.close()
+        assert watch.wait(0) == []
+        with pytest.raises(NotADirectoryError):
+            sb.watch("/tmp/seen/f")
 
         hung = sb.start(["sh", "-c", "echo $$ > /tmp/pid; exec sleep 300"])
         deadline = time.monotonic() + 20

@@ -28,8 +28,9 @@ def cell(tmp_path):
 
 def _open(sb, op: str, *, token: str | None = None, sdk_id: str | None = None):
     record = sb.record if token is None else dataclasses.replace(sb.record, token=token)
-    request = remote.start_request(["cat"], {}, None) if op == "start" else \
-        {"op": "port", "port": 8080, "timeout": 1.0}
+    request = {"start": remote.start_request(["cat"], {}, None),
+               "port": {"op": "port", "port": 8080, "timeout": 1.0},
+               "watch": {"op": "watch", "path": "/tmp"}}[op]
     return remote.open_stream(record, sdk_id or sb.sdk_id, request, "a test", 5.0)
 
 
@@ -55,7 +56,7 @@ def test_a_stream_needs_its_own_sandboxs_token(cell):
     proc.write_stdin(b"hi")
     proc.close_stdin()
     assert proc.wait(10).exit_code == 0
-    for op in ("start", "port"):
+    for op in ("start", "port", "watch"):
         for token, target in (("0" * 64, a), (b.record.token, a), (a.record.token, b),
                               (a.record.token[:-1], a)):
             with pytest.raises(SandboxNotFound):
