@@ -7,10 +7,17 @@ pools (``FleetBackend.warm``: a create that matches a warmed pool claims a ready
 ``commands.run``, with its output streamed from the node; ``cwd``, ``envs``, ``user``,
 background commands and ``Connect`` to them), ``read_file``/``write_file`` (``/files``) and
 every filesystem call the server makes of ``exec`` (``Stat``, ``ListDir``, ``MakeDir``,
-``Move``, ``Remove``). What the handle lacks is refused in one line (``Unsupported``):
-PTYs, stdin, signals to a command (``commands.kill``), directory watches, ports, pause,
-snapshots and fork. Exec and files go over the nodes' data plane when the daemons have one
-(``envbuild fleet start --data-host``), else through Ray.
+``Move``, ``Remove``). When the daemons have a data plane (``envbuild fleet start
+--data-host``) exec and files go over it, and so do the streams (``runtime_shim.fleet.
+streams``): commands are started with ``FleetSandbox.start`` (stdin, ``send_stdin``,
+``commands.kill`` and other signals, PTYs with input and resize), ports are spliced to the
+sandbox (``get_host``, the port proxy) and directory watches stream their events
+(``watch_dir``). A started command lives as long as its stream, which the server holds in its
+process table (so background commands and ``Connect`` work as on one node; killing the
+sandbox or stopping the server ends them). Without a data plane exec and files go through
+Ray, commands run as execs, and PTYs, stdin, signals, watches and ports are refused in one
+line (``Unsupported``) naming ``--data-host``. Pause, snapshots and fork are refused in one
+line in either case.
 
 **Leases and restarts.** A fleet sandbox lives while its lease does (``runtime_shim.fleet``'s
 leases): the backend creates each with a lease of ``lease`` seconds and renews the leases of
