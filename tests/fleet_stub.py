@@ -38,6 +38,8 @@ class StubProcess:
             self.code = code
             self.ended.set()
 
+    unsent_stdin = 0
+
     def write_stdin(self, data: bytes) -> None:
         self.on_stdout(data)
 

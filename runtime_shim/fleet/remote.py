@@ -160,6 +160,11 @@ class _Controls:
         return self._pty
 
 
+def _reset_on_close(sock: Any) -> None:
+    """Closing ``sock`` resets the connection (unsent bytes are dropped, not waited for)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
 def _ended(payload: bytes, sandbox_id: str) -> ExecResult:
     fields = json.loads(payload)
     if fields.get("ok") is False:
@@ -224,9 +229,11 @@ class FleetProcess(_Controls):
         return self._result
 
     def cancel(self) -> None:
-        """Hang up: the node kills the command's group."""
+        """Hang up: the node kills the command's group (the connection is reset, so the node
+        sees it even while stdin it has not read fills the way)."""
         with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
+            _reset_on_close(self._sock)
+            self._sock.shutdown(socket.SHUT_RDWR)  # the reader thread wakes and closes it
 
 
 class AsyncFleetProcess(_Controls):
@@ -272,6 +279,11 @@ class AsyncFleetProcess(_Controls):
 
     async def cancel(self) -> None:
         """Hang up: the node kills the command's group; returns once the stream closed."""
+        sock = self._writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                _reset_on_close(sock)
+        self._writer.transport.abort()  # not waiting for unsent stdin to go out
         self._task.cancel()
         try:
             await self._task

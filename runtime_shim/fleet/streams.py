@@ -31,7 +31,9 @@ not read stops the reading (the kernel's queue then overflows: an ``overflow`` e
 ``127.0.0.1:port`` in the sandbox's network namespace; an EOF is passed on as a half-close.
 
 Bounds: a client's message is at most ``MAX_INPUT`` bytes (a larger one ends the stream);
-output is written to the connection as the command makes it, so a client that does not read
+stdin is handed to the command's session once it has room (``MAX_PENDING_STDIN``), the
+connection unread meanwhile, so a client writing faster than the command reads is held back
+by TCP; output is written to the connection as the command makes it, so a client that does not read
 stops the command's output (back-pressure through the agent, nothing queued on the node); a
 sandbox has at most ``MAX_STREAMS`` streams (commands, ports, watches) open (``StreamLimit``
 past that), and every stream holds one of the data plane's ``MAX_CONNECTIONS`` connections.
@@ -41,14 +43,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from envbuild.errors import EnvbuildError, RuntimeShimError
 from runtime_shim.fleet import dataplane
+from runtime_shim.isolation.agent_session import MAX_PENDING_STDIN
 
 #: The largest message a client may send on a stream (a stdin chunk).
 MAX_INPUT = 1 << 20
@@ -56,6 +61,8 @@ MAX_INPUT = 1 << 20
 MAX_STREAMS = 256
 #: Bytes of stdin a client sends in one message.
 CHUNK = 64 << 10
+#: Seconds between looks at a command's unsent stdin while it has no room for more.
+STDIN_POLL = 0.002
 
 
 class StreamLimit(RuntimeShimError):
@@ -182,11 +189,25 @@ def _started(sandbox: Any, argv: Any, send: Callable[[bytes, bytes], None],
                          on_stderr=lambda b: send(b"e", bytes(b)), **kwargs)
 
 
+def _write_stdin(conn: socket.socket, proc: Any, data: bytes) -> None:
+    """``data`` to the command's stdin once its session has room for it: meanwhile this
+    connection is not read, so a client writing faster than the command reads is held back
+    by TCP (nothing is dropped, nothing more is queued); a client that hangs up meanwhile
+    ends the stream (``ConnectionError``)."""
+    hangup = select.poll()
+    hangup.register(conn, select.POLLRDHUP)
+    while not proc.done and proc.unsent_stdin + len(data) > MAX_PENDING_STDIN:
+        if hangup.poll(0):
+            raise ConnectionError("the client hung up")
+        time.sleep(STDIN_POLL)
+    proc.write_stdin(data)
+
+
 def _relay_input(conn: socket.socket, proc: Any, send: Callable[[bytes, bytes], None]) -> None:
     """The client's messages to ``proc`` until the connection ends; then kill it unless it
     ended first."""
     controls: dict[bytes, Callable[[bytes], None]] = {
-        b"i": proc.write_stdin,
+        b"i": lambda p: _write_stdin(conn, proc, p),
         b"c": lambda _: proc.close_stdin(),
         b"s": lambda p: proc.send_signal(struct.unpack(">I", p)[0]),
         b"r": lambda p: proc.resize(*struct.unpack(">HH", p)),

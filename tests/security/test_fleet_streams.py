@@ -5,6 +5,7 @@ client opening streams by the thousand, a huge message."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
 import struct
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from envbuild.errors import RuntimeShimError, SandboxNotFound
+from envbuild.errors import EnvbuildError, RuntimeShimError, SandboxNotFound
 from runtime_shim.fleet import remote, streams
 from tests.fleet_stub import stub_cell
 
@@ -105,6 +106,35 @@ def test_a_huge_message_ends_the_stream_and_its_command(cell):
         assert _closed(sock), "the node closed the stream"
     stub = _stub(cell, sb).procs[0]
     assert stub.ended.wait(10) and stub.code == 137
+
+
+def test_a_command_that_does_not_read_holds_its_client_back(cell, monkeypatch):
+    """Stdin waits on the node until the command's session has room (nothing dropped, no
+    queue), so the client's writes block; hanging up still kills the command."""
+    import threading
+
+    from tests.fleet_stub import StubProcess
+
+    monkeypatch.setattr(StubProcess, "unsent_stdin", 1 << 20)  # a command that reads nothing
+    (sb,) = cell.fleet().create(cell.lock, n=1)
+    proc = sb.start(["cat"])
+    written = [0]
+
+    def writer() -> None:
+        with contextlib.suppress(EnvbuildError):
+            for _ in range(64):
+                proc.write_stdin(b"x" * (1 << 20))
+                written[0] += 1
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    time.sleep(1.0)
+    assert t.is_alive() and written[0] < 32, "held back by TCP, not queued on the node"
+    assert _stub(cell, sb).procs[0].code is None
+    proc.cancel()
+    t.join(10)
+    stub = _stub(cell, sb).procs[0]
+    assert stub.ended.wait(10) and stub.code == 137, "the hang-up killed it while it waited"
 
 
 def test_an_unknown_message_or_a_bad_control_is_refused(cell):
