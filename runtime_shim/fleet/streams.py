@@ -35,8 +35,9 @@ stdin is handed to the command's session once it has room (``MAX_PENDING_STDIN``
 connection unread meanwhile, so a client writing faster than the command reads is held back
 by TCP; output is written to the connection as the command makes it, so a client that does not read
 stops the command's output (back-pressure through the agent, nothing queued on the node); a
-sandbox has at most ``MAX_STREAMS`` streams (commands, ports, watches) open (``StreamLimit``
-past that), and every stream holds one of the data plane's ``MAX_CONNECTIONS`` connections.
+sandbox has at most ``MAX_STREAMS`` streams (commands, ports, watches) open and a node
+``MAX_NODE_STREAMS`` (``StreamLimit`` past that), half the data plane's ``MAX_CONNECTIONS``
+(every stream holds one), so exec and file calls keep the other half.
 """
 
 from __future__ import annotations
@@ -57,8 +58,11 @@ from runtime_shim.isolation.agent_session import MAX_PENDING_STDIN
 
 #: The largest message a client may send on a stream (a stdin chunk).
 MAX_INPUT = 1 << 20
-#: Streams (commands and ports) a sandbox has open at once.
+#: Streams (commands, ports, watches) a sandbox has open at once.
 MAX_STREAMS = 256
+#: Streams a node has open at once, all its sandboxes' (the rest of the data plane's
+#: ``MAX_CONNECTIONS`` stay for exec and file calls).
+MAX_NODE_STREAMS = 512
 #: Bytes of stdin a client sends in one message.
 CHUNK = 64 << 10
 #: Seconds between looks at a command's unsent stdin while it has no room for more.
@@ -126,7 +130,11 @@ class Streams:
         with self._lock:
             if self._open.get(sandbox_id, 0) >= MAX_STREAMS:
                 raise StreamLimit(f"sandbox {sandbox_id} has {MAX_STREAMS} streams open",
-                                  hint="end some of its commands or port connections first")
+                                  hint="end some of its commands, ports or watches first")
+            if sum(self._open.values()) >= MAX_NODE_STREAMS:
+                raise StreamLimit(f"this node has {MAX_NODE_STREAMS} streams open",
+                                  hint="end some commands, ports or watches of its sandboxes "
+                                       "first")
             self._open[sandbox_id] = self._open.get(sandbox_id, 0) + 1
 
     def count(self, sandbox_id: str) -> int:
@@ -308,5 +316,5 @@ def _pipe(src: socket.socket, dst: socket.socket) -> None:
                 s.shutdown(socket.SHUT_RDWR)
 
 
-__all__ = ["CHUNK", "MAX_INPUT", "MAX_STREAMS", "StreamDaemon", "StreamLimit",
+__all__ = ["CHUNK", "MAX_INPUT", "MAX_NODE_STREAMS", "MAX_STREAMS", "StreamDaemon", "StreamLimit",
            "Streams", "recv_frame", "send_frame"]

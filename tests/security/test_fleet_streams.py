@@ -98,6 +98,20 @@ def test_streams_per_sandbox_are_bounded(cell, monkeypatch):
         p.cancel()
 
 
+def test_streams_per_node_are_bounded(cell, monkeypatch):
+    """All sandboxes of a node together hold at most ``MAX_NODE_STREAMS``: exec keeps
+    working."""
+    monkeypatch.setattr(streams, "MAX_NODE_STREAMS", 3)
+    a, b = cell.fleet().create(cell.lock, n=2)
+    held = [a.start(["cat"]), a.start(["cat"]), b.start(["cat"])]
+    for sb in (a, b):
+        with pytest.raises(RuntimeShimError, match="this node has 3 streams open"):
+            _open(sb, "start")
+    assert a.exec("still").stdout == b"still"
+    for p in held:
+        p.cancel()
+
+
 def test_a_huge_message_ends_the_stream_and_its_command(cell):
     (sb,) = cell.fleet().create(cell.lock, n=1)
     sock = _open(sb, "start")
