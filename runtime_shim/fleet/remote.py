@@ -22,7 +22,7 @@ from typing import Any
 from envbuild.errors import NodeLost, RuntimeShimError
 from runtime_shim.fleet import dataplane
 from runtime_shim.fleet.model import SandboxRecord
-from runtime_shim.fleet.streams import CHUNK, MAX_INPUT, recv_frame
+from runtime_shim.fleet.streams import CHUNK, MAX_INPUT, read_exit, recv_frame
 from runtime_shim.isolation.watch import WatchEvent
 from runtime_shim.node.model import ExecResult
 
@@ -165,13 +165,6 @@ def _reset_on_close(sock: Any) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
-def _ended(payload: bytes, sandbox_id: str) -> ExecResult:
-    fields = json.loads(payload)
-    if fields.get("ok") is False:
-        raise dataplane.error_of(fields)
-    return dataplane.exec_result(fields, sandbox_id, False)
-
-
 class FleetProcess(_Controls):
     """A command running in a fleet sandbox (``FleetSandbox.start``): its output callbacks
     run in a thread of its own; its methods may be called from any thread."""
@@ -192,7 +185,7 @@ class FleetProcess(_Controls):
             while True:
                 kind, payload = recv_frame(self._sock, dataplane.MAX_FRAME)
                 if kind == b"x":
-                    self._result = _ended(payload, self._record.id)
+                    self._result = read_exit(payload)
                     return
                 if kind == b"n":
                     self._notice = payload.decode(errors="replace")
@@ -253,7 +246,7 @@ class AsyncFleetProcess(_Controls):
             while True:
                 kind, payload = await _read_frame(self._reader)
                 if kind == b"x":
-                    return _ended(payload, self._record.id)
+                    return read_exit(payload)
                 if kind == b"n":
                     self._notice = payload.decode(errors="replace")
                 elif (cb := self._outputs.get(kind)) is not None:

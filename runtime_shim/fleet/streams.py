@@ -13,13 +13,13 @@ connection then carries the stream until either side closes it.
 base64, written first; ``pty``: ``[rows, cols]`` or null): from then on each message is a
 4-byte big-endian length and that many bytes, the first a kind. The node sends ``o``/``e``
 (stdout/stderr bytes, a PTY's on ``o``), ``n`` (a notice: an input the command refused, UTF-8)
-and finally ``x`` (the ``ExecResult``'s fields as JSON, as an exec's reply); the client sends
-``i`` (stdin bytes), ``c`` (close stdin), ``s`` (a signal: 4 bytes), ``r`` (a resize: rows
-and cols, 2 bytes each). **The command lives as long as its stream**: a client that closes
-the connection (or loses it) before the ``x`` kills the command's group, as a local
-``AsyncProcess.cancel`` does — nothing is left running that nobody can reach. Whoever wants
-a command to outlive a client's connection keeps the stream open itself
-(``envbuild serve --fleet`` keeps it in its process table, so E2B background commands and
+and finally ``x`` (the ``ExecResult``: its fields as JSON, its outputs raw after;
+``exit_message``); the client sends ``i`` (stdin bytes), ``c`` (close stdin), ``s`` (a
+signal: 4 bytes), ``r`` (a resize: rows and cols, 2 bytes each). **The command lives as
+long as its stream**: a client that closes the connection (or loses it) before the ``x``
+kills the command's group, as a local ``AsyncProcess.cancel`` does — nothing is left running
+that nobody can reach. Whoever wants a command to outlive a client's connection keeps the
+stream open itself (``envbuild serve --fleet`` keeps it in its process table, so E2B background commands and
 ``Connect`` work as on one node).
 
 ``watch`` (``path``, ``recursive``): the node sends ``w`` messages, each a JSON list of
@@ -55,6 +55,7 @@ from typing import Any, Protocol
 from envbuild.errors import EnvbuildError, RuntimeShimError
 from runtime_shim.fleet import dataplane
 from runtime_shim.isolation.agent_session import MAX_PENDING_STDIN
+from runtime_shim.node.model import ExecResult
 
 #: The largest message a client may send on a stream (a stdin chunk).
 MAX_INPUT = 1 << 20
@@ -84,6 +85,34 @@ def recv_frame(sock: socket.socket, limit: int) -> tuple[bytes, bytes]:
         raise ConnectionError(f"a stream message of {n} bytes (1..{limit})")
     body = dataplane.recv_exact(sock, n)
     return body[:1], body[1:]
+
+
+def exit_message(result: ExecResult | None, error: Mapping[str, Any] | None = None) -> bytes:
+    """An ``x`` message's payload: a 4-byte length and that much JSON (the result's fields
+    but its outputs, which follow raw: ``stdout`` bytes of stdout, then stderr; or the error's
+    reply)."""
+    if result is None:
+        head, tail = dict(error or {}), b""
+    else:
+        head = {"exit_code": result.exit_code, "duration": result.duration,
+                "timed_out": result.timed_out, "output_truncated": result.output_truncated,
+                "stdout": len(result.stdout)}
+        tail = result.stdout + result.stderr
+    body = json.dumps(head, separators=(",", ":")).encode()
+    return struct.pack(">I", len(body)) + body + tail
+
+
+def read_exit(payload: bytes) -> ExecResult:
+    """The ``ExecResult`` of an ``x`` message (``exit_message``); the node's error raised."""
+    (n,) = struct.unpack(">I", payload[:4])
+    head = json.loads(payload[4:4 + n])
+    if head.get("ok") is False:
+        raise dataplane.error_of(head)
+    outputs, split = payload[4 + n:], int(head["stdout"])
+    return ExecResult(exit_code=int(head["exit_code"]), stdout=outputs[:split],
+                      stderr=outputs[split:], duration=float(head["duration"]),
+                      timed_out=bool(head["timed_out"]),
+                      output_truncated=bool(head["output_truncated"]))
 
 
 class StreamDaemon(Protocol):
@@ -175,10 +204,10 @@ def _serve_command(conn: socket.socket, sandbox: Any, request: Mapping[str, Any]
 
     def finish() -> None:
         try:
-            fields = dataplane.result_fields(proc.wait())
+            message = exit_message(proc.wait())
         except EnvbuildError as e:
-            fields = dataplane.error_reply(e)
-        send(b"x", json.dumps(fields, separators=(",", ":")).encode())
+            message = exit_message(None, dataplane.error_reply(e))
+        send(b"x", message)
 
     threading.Thread(target=finish, name="fleet-stream-exit", daemon=True).start()
     _relay_input(conn, proc, send)
@@ -317,4 +346,4 @@ def _pipe(src: socket.socket, dst: socket.socket) -> None:
 
 
 __all__ = ["CHUNK", "MAX_INPUT", "MAX_NODE_STREAMS", "MAX_STREAMS", "StreamDaemon", "StreamLimit",
-           "Streams", "recv_frame", "send_frame"]
+           "Streams", "exit_message", "read_exit", "recv_frame", "send_frame"]
