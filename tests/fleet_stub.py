@@ -1,10 +1,12 @@
 """Real fleet daemons whose node start is a stub, for tests of the control and data planes
 without Ray or runc (``runtime_shim.fleet.calls.LocalCalls``): a stub sandbox runs no command
-(an exec echoes its command line), keeps its files in memory and closes at once."""
+(an exec echoes its command line; a started command echoes its stdin), keeps its files in
+memory and closes at once."""
 
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,11 +20,57 @@ from runtime_shim.fleet.model import CreateSpec, DaemonConfig
 from runtime_shim.node.model import ExecResult
 
 
+class StubProcess:
+    """A started command of a stub sandbox: stdin is echoed to stdout; it ends with EOF on
+    stdin (0) or a signal (128 + it)."""
+
+    def __init__(self, on_stdout: Any) -> None:
+        self.on_stdout = on_stdout or (lambda b: None)
+        self.code: int | None = None
+        self.ended = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self.ended.is_set()
+
+    def _end(self, code: int) -> None:
+        if self.code is None:
+            self.code = code
+            self.ended.set()
+
+    unsent_stdin = 0
+
+    def write_stdin(self, data: bytes) -> None:
+        self.on_stdout(data)
+
+    def close_stdin(self) -> None:
+        self._end(0)
+
+    def send_signal(self, sig: int) -> None:
+        self._end(128 + sig)
+
+    def kill(self) -> None:
+        self._end(137)
+
+    def resize(self, rows: int, cols: int) -> None:
+        self.on_stdout(f"{rows}x{cols}".encode())
+
+    def wait(self) -> ExecResult:
+        self.ended.wait()
+        return ExecResult(exit_code=self.code or 0, stdout=b"", stderr=b"", duration=0.0)
+
+
 class StubSandbox:
     def __init__(self, root: Path) -> None:
         self.id = f"eb-{random.getrandbits(48):012x}"
         self.paths = SimpleNamespace(root=root, meta=root / "sandbox.json")
         self.files: dict[str, bytes] = {}
+        self.procs: list[StubProcess] = []
+
+    def start(self, cmd: Any, **kwargs: Any) -> StubProcess:
+        proc = StubProcess(kwargs.get("on_stdout"))
+        self.procs.append(proc)
+        return proc
 
     def exec(self, cmd: Any, **kwargs: Any) -> ExecResult:
         line = cmd if isinstance(cmd, str) else " ".join(cmd)

@@ -7,10 +7,16 @@ pools (``FleetBackend.warm``: a create that matches a warmed pool claims a ready
 ``commands.run``, with its output streamed from the node; ``cwd``, ``envs``, ``user``,
 background commands and ``Connect`` to them), ``read_file``/``write_file`` (``/files``) and
 every filesystem call the server makes of ``exec`` (``Stat``, ``ListDir``, ``MakeDir``,
-``Move``, ``Remove``). What the handle lacks is refused in one line (``Unsupported``):
-PTYs, stdin, signals to a command (``commands.kill``), directory watches and ports. Exec and
-files go over the nodes' data plane when the daemons have one (``envbuild fleet start
---data-host``), else through Ray.
+``Move``, ``Remove``). When the daemons have a data plane (``envbuild fleet start
+--data-host``) exec and files go over it, and so do the streams (``runtime_shim.fleet.
+streams``): commands are started with ``FleetSandbox.start`` (stdin, ``send_stdin``,
+``commands.kill`` and other signals, PTYs with input and resize), ports are spliced to the
+sandbox (``get_host``, the port proxy) and directory watches stream their events
+(``watch_dir``). A started command lives as long as its stream, which the server holds in its
+process table (so background commands and ``Connect`` work as on one node; killing the
+sandbox or stopping the server ends them). Without a data plane exec and files go through
+Ray, commands run as execs, and PTYs, stdin, signals, watches and ports are refused in one
+line (``Unsupported``) naming ``--data-host``.
 
 **Pause, snapshots and fork keep the files only** (the handle's ``pack_diff``, published to
 the fleet's store, which every node reads): a pause publishes it under the same ref as
@@ -57,10 +63,14 @@ class Unsupported(RuntimeShimError):
     reference = "fleet-unsupported"
 
 
-def _unsupported(what: str) -> Unsupported:
+def _unsupported(what: str, *, stream: bool = False) -> Unsupported:
+    if stream:  # what the nodes' data plane carries
+        return Unsupported(f"{what} is not available for a fleet sandbox without the nodes' "
+                           "data plane (envbuild serve --fleet)",
+                           hint="start the fleet's daemons with --data-host ADDRESS")
     return Unsupported(f"{what} is not available for a fleet sandbox (envbuild serve --fleet)",
-                       hint="use envbuild serve on the node itself for PTYs, stdin, signals, "
-                            "watches, ports and a pause, snapshot or fork with memory")
+                       hint="use envbuild serve on the node itself for a pause, snapshot or "
+                            "fork with memory")
 
 
 def _files_only(memory: bool, what: str) -> None:
@@ -219,16 +229,27 @@ class FleetServed:
                            ) -> FleetWriter:
         return FleetWriter(self, path, mode, user)
 
+    @property
+    def streams(self) -> bool:
+        """Whether the sandbox's node has a data plane (commands, ports and watches go over
+        it; without one only commands without stdin, signals or a PTY run, through exec)."""
+        return self.handle.record.data_addr is not None and bool(self.handle.record.token)
+
     async def start(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
                     cwd: str | None = None, user: str | None = None,
                     timeout: float | None = None,
                     on_stdout: Callable[[bytes], None] | None = None,
                     on_stderr: Callable[[bytes], None] | None = None,
-                    pty: tuple[int, int] | None = None) -> FleetCommand:
+                    pty: tuple[int, int] | None = None) -> Any:
         """``argv`` running in the sandbox, its output streamed to the callbacks (on the
-        event loop), as an ``AsyncProcess``-like ``FleetCommand`` without stdin or signals."""
+        event loop): an ``AsyncFleetProcess`` over the node's data plane (stdin, signals, a
+        PTY), else a ``FleetCommand`` (an exec: no stdin, signals or PTY)."""
+        if self.streams:
+            return await self.handle.aio().start(list(argv), env=env, cwd=cwd, user=user,
+                                                 timeout=timeout, on_stdout=on_stdout,
+                                                 on_stderr=on_stderr, pty=pty)
         if pty is not None:
-            raise _unsupported("a PTY")
+            raise _unsupported("a PTY", stream=True)
         loop = asyncio.get_running_loop()
 
         def relay(cb: Callable[[bytes], None] | None) -> Callable[[bytes], None] | None:
@@ -251,11 +272,26 @@ class FleetServed:
 
     async def watch(self, path: str, *, recursive: bool = False) -> Any:
         # envd's WatchDir answers an OSError in one line: "watch PATH: <this>"
-        raise OSError(errno.EOPNOTSUPP, _unsupported("a directory watch").message)
+        if not self.streams:
+            raise OSError(errno.EOPNOTSUPP,
+                          _unsupported("a directory watch", stream=True).message)
+        try:
+            return await self.handle.aio().watch(path, recursive=recursive)
+        except OSError:
+            raise  # no such directory, not one
+        except EnvbuildError as e:  # the node lost, the sandbox gone, too many streams
+            raise OSError(errno.EHOSTUNREACH, e.message) from None
 
     async def connect_port(self, port: int, timeout: float) -> Any:
         # the port proxy answers an OSError in one line: "connect to port N: <this>"
-        raise OSError(errno.EOPNOTSUPP, _unsupported("a port").message)
+        if not self.streams:
+            raise OSError(errno.EOPNOTSUPP, _unsupported("a port", stream=True).message)
+        try:
+            return await self.handle.aio().connect_port(port, timeout)
+        except OSError:
+            raise  # PortRefused among them
+        except EnvbuildError as e:  # the node lost, the sandbox gone, too many streams
+            raise OSError(errno.EHOSTUNREACH, e.message) from None
 
     async def close(self) -> None:
         self.backend._served.pop(self.id, None)
@@ -304,7 +340,8 @@ class FleetWriter:
 
 
 class FleetCommand:
-    """A command started on a fleet sandbox: ``wait`` for its result; it has no stdin
+    """A command started on a fleet sandbox without a data plane (an exec through Ray):
+    ``wait`` for its result; it has no stdin
     (closing it is a no-op, writing to it ``Unsupported``) and takes no signals. It ends with
     its sandbox."""
 
@@ -323,10 +360,10 @@ class FleetCommand:
         """A fleet command's stdin is closed from the start."""
 
     def write_stdin(self, data: bytes) -> None:
-        raise _unsupported("stdin")
+        raise _unsupported("stdin", stream=True)
 
     def send_signal(self, sig: int) -> None:
-        raise _unsupported("a signal to a command")
+        raise _unsupported("a signal to a command", stream=True)
 
     def resize(self, rows: int, cols: int) -> None:
-        raise _unsupported("a PTY")
+        raise _unsupported("a PTY", stream=True)

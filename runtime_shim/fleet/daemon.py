@@ -67,6 +67,7 @@ from runtime_shim.fleet.model import (
     split_fleet_id,
 )
 from runtime_shim.fleet.pools import REFILL_DELAY, WarmPools
+from runtime_shim.fleet.streams import Streams
 from runtime_shim.fleet.workers import CreateWorkers, child_of, start_sandbox
 from runtime_shim.node.layout import NodeLayout
 from runtime_shim.node.model import ExecResult, SandboxInfo
@@ -111,7 +112,7 @@ class NodeDaemon(WarmPools):
         self._workers = CreateWorkers(config.workers, config, str(self.layout.root)) \
             if config.workers > 0 else None
         self.worker_pids = self._workers.start() if self._workers else []
-        self._data = DataServer(config.data_host, self._data_answer) \
+        self._data = DataServer(config.data_host, self._data_answer, Streams(self).serve) \
             if config.data_host else None
         self._refill = threading.Event()
         threading.Thread(target=self._reap_loop, name="fleet-reaper", daemon=True).start()
@@ -499,6 +500,9 @@ class NodeDaemon(WarmPools):
 
     def _data_answer(self, request: Any) -> dict[str, Any]:
         return answer(self, request)
+
+    def data_sandbox(self, sandbox_id: str) -> Any:
+        return self._entry(sandbox_id).sandbox
 
     def data_token(self, sandbox_id: str) -> str | None:
         """The data-plane token of a live, handed-out sandbox (None: no such sandbox)."""

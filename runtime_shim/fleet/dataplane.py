@@ -44,14 +44,16 @@ MAX_FRAME = 64 << 20
 #: Connections a daemon serves at once (one thread each); more are closed as they come.
 MAX_CONNECTIONS = 1024
 _EXEC_KEYS = ("timeout", "env", "cwd", "user")
+#: Requests that turn their connection into a stream (``runtime_shim.fleet.streams``).
+STREAM_OPS = ("start", "port", "watch")
 
 
-def _send(sock: socket.socket, obj: Mapping[str, Any]) -> None:
+def send_message(sock: socket.socket, obj: Mapping[str, Any]) -> None:
     body = json.dumps(obj, separators=(",", ":")).encode()
     sock.sendall(struct.pack(">I", len(body)) + body)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(min(n - len(buf), 1 << 20))
@@ -61,11 +63,11 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv(sock: socket.socket) -> Any:
-    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
+def recv_message(sock: socket.socket) -> Any:
+    (n,) = struct.unpack(">I", recv_exact(sock, 4))
     if n > MAX_FRAME:
         raise ConnectionError(f"a message of {n} bytes (at most {MAX_FRAME})")
-    return json.loads(_recv_exact(sock, n))
+    return json.loads(recv_exact(sock, n))
 
 
 def _b64(data: bytes) -> str:
@@ -76,12 +78,16 @@ def _b64(data: bytes) -> str:
 
 class DataServer:
     """A daemon's listener (module docstring): one thread per connection, each request
-    answered by ``answer(request) -> reply``."""
+    answered by ``answer(request) -> reply``; a request of ``STREAM_OPS`` is handed to
+    ``stream(connection, request)``, which has the connection to its end."""
 
-    def __init__(self, host: str, answer: Callable[[Mapping[str, Any]], dict[str, Any]]) -> None:
+    def __init__(self, host: str, answer: Callable[[Mapping[str, Any]], dict[str, Any]],
+                 stream: Callable[[socket.socket, Mapping[str, Any]], None] | None = None
+                 ) -> None:
         self._sock = socket.create_server((host, 0))
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._answer = answer
+        self._stream = stream
         self._closed = False
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         threading.Thread(target=self._accept, name="fleet-data-accept", daemon=True).start()
@@ -104,10 +110,14 @@ class DataServer:
             done.callback(self._slots.release)
             while True:
                 try:
-                    request = _recv(conn)
+                    request = recv_message(conn)
                 except (OSError, ValueError):
                     return  # closed, oversize or not JSON: the connection ends
-                _send(conn, self._reply(request))
+                if (self._stream is not None and isinstance(request, dict)
+                        and request.get("v") == VERSION and request.get("op") in STREAM_OPS):
+                    self._stream(conn, request)
+                    return
+                send_message(conn, self._reply(request))
 
     def _reply(self, request: Any) -> dict[str, Any]:
         try:
@@ -116,8 +126,7 @@ class DataServer:
                                        hint=f"this daemon speaks version {VERSION}")
             return {"ok": True, **self._answer(request)}
         except EnvbuildError as e:
-            return {"ok": False, "error": type(e).__name__, "message": e.message,
-                    "hint": e.hint}
+            return error_reply(e)
         except Exception as e:  # noqa: BLE001 - a bad request, answered, never fatal
             return {"ok": False, "error": "RuntimeShimError",
                     "message": f"bad data-plane request: {type(e).__name__}", "hint": None}
@@ -126,6 +135,11 @@ class DataServer:
         self._closed = True
         with contextlib.suppress(OSError):
             self._sock.close()
+
+
+def error_reply(e: EnvbuildError) -> dict[str, Any]:
+    """The answer that carries ``e`` to the client (raised there as its class)."""
+    return {"ok": False, "error": type(e).__name__, "message": e.message, "hint": e.hint}
 
 
 def check_token(expected: str | None, given: Any, sandbox_id: str) -> None:
@@ -209,8 +223,8 @@ def call(address: tuple[str, int], request: dict[str, Any], timeout: float, node
         conns[address] = sock
     try:
         sock.settimeout(timeout)
-        _send(sock, {"v": VERSION, **request})
-        reply = _recv(sock)
+        send_message(sock, {"v": VERSION, **request})
+        reply = recv_message(sock)
     except (OSError, ValueError) as e:
         conns.pop(address, None)
         with contextlib.suppress(OSError):
@@ -219,11 +233,11 @@ def call(address: tuple[str, int], request: dict[str, Any], timeout: float, node
                        node_id=node_id, hint="the node or its daemon may be gone; "
                                              "`envbuild fleet nodes` shows the live ones") from None
     if not reply.get("ok"):
-        raise _error(reply)
+        raise error_of(reply)
     return reply
 
 
-def _error(reply: Mapping[str, Any]) -> EnvbuildError:
+def error_of(reply: Mapping[str, Any]) -> EnvbuildError:
     cls = getattr(errors_module, str(reply.get("error")), None)
     if not (isinstance(cls, type) and issubclass(cls, EnvbuildError)) or cls is ExecTimeout:
         cls = RuntimeShimError
@@ -247,6 +261,8 @@ def exec_result(reply: Mapping[str, Any], sandbox_id: str, check_timeout: bool) 
     return check_timed_out(result, sandbox_id) if check_timeout else result
 
 
-__all__ = ["MAX_CONNECTIONS", "MAX_FRAME", "VERSION", "DataDaemon", "DataServer", "Unreachable",
-           "answer", "call", "check_token", "exec_kwargs", "exec_request", "exec_result",
-           "result_fields"]
+__all__ = ["MAX_CONNECTIONS", "MAX_FRAME", "STREAM_OPS", "VERSION", "DataDaemon", "DataServer",
+           "Unreachable", "answer", "call", "check_token", "error_of", "error_reply",
+           "exec_kwargs",
+           "exec_request", "exec_result", "recv_exact", "recv_message", "result_fields",
+           "send_message"]

@@ -11,12 +11,13 @@ import asyncio
 import base64
 import builtins
 import contextlib
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from envbuild.errors import NodeLost, RuntimeShimError, SandboxNotFound
-from runtime_shim.fleet import dataplane, execlog
+from runtime_shim.fleet import dataplane, execlog, remote
 from runtime_shim.fleet.cluster import CALL_TIMEOUT, EXEC_MARGIN, mapped_error, ray_api, wait_call
 from runtime_shim.fleet.model import FirstExec, SandboxRecord, split_fleet_id
 from runtime_shim.node.model import ExecResult, Limits, SandboxInfo
@@ -116,6 +117,35 @@ class FleetSandbox:
                 return value
             elif kind == "error":
                 raise value
+
+    def start(self, cmd: str | Sequence[str], *, timeout: float | None = None,
+              env: Mapping[str, str] | None = None, cwd: str | None = None,
+              user: str | None = None, stdin: bytes | None = None,
+              on_stdout: Callable[[bytes], None] | None = None,
+              on_stderr: Callable[[bytes], None] | None = None,
+              pty: tuple[int, int] | None = None) -> remote.FleetProcess:
+        """``Sandbox.start`` on the node, over its data plane (``runtime_shim.fleet.streams``):
+        a ``FleetProcess`` whose command lives as long as its stream (``cancel`` or a lost
+        connection kills it). Output callbacks run in the process's thread."""
+        request = remote.start_request(cmd if isinstance(cmd, str) else list(cmd),
+                                       _exec_kwargs(timeout, env, cwd, user, stdin, False), pty)
+        sock = remote.open_stream(self.record, self.sdk_id, request, "a started command")
+        return remote.FleetProcess(sock, self.record, on_stdout=on_stdout, on_stderr=on_stderr,
+                                   pty=pty)
+
+    def connect_port(self, port: int, timeout: float = 10.0) -> socket.socket:
+        """``Sandbox.connect_port`` over the node's data plane: a socket whose bytes are
+        spliced to ``127.0.0.1:port`` inside the sandbox (``PortRefused`` if nothing
+        listens)."""
+        return remote.connect_port(self.record, self.sdk_id, port, timeout)
+
+    def watch(self, path: str, *, recursive: bool = False) -> remote.FleetWatch:
+        """``Sandbox.watch`` on the node, over its data plane: a ``FleetWatch``
+        (``w.wait(timeout)``; ``close()`` ends it on the node); ``FileNotFoundError`` or
+        ``NotADirectoryError`` as the local one."""
+        return remote.FleetWatch(remote.open_stream(
+            self.record, self.sdk_id, {"op": "watch", "path": path, "recursive": recursive},
+            "a watch"))
 
     def read_file(self, path: str) -> bytes:
         direct = self._direct({"op": "read", "id": self.sdk_id, "token": self.record.token,
@@ -221,6 +251,32 @@ class AsyncFleetSandbox:
         kwargs = _exec_kwargs(timeout, env, cwd, user, stdin, check_timeout)
         return await self._call("exec", cmd, kwargs,
                                 timeout=(timeout or Limits().exec_timeout) + EXEC_MARGIN)
+
+    async def start(self, cmd: str | Sequence[str], *, timeout: float | None = None,
+                    env: Mapping[str, str] | None = None, cwd: str | None = None,
+                    user: str | None = None, stdin: bytes | None = None,
+                    on_stdout: Callable[[bytes], None] | None = None,
+                    on_stderr: Callable[[bytes], None] | None = None,
+                    pty: tuple[int, int] | None = None) -> remote.AsyncFleetProcess:
+        """``FleetSandbox.start`` on the event loop: an ``AsyncFleetProcess`` (its output
+        callbacks run on the loop)."""
+        request = remote.start_request(cmd if isinstance(cmd, str) else list(cmd),
+                                       _exec_kwargs(timeout, env, cwd, user, stdin, False), pty)
+        return await remote.start_async(self.sync.record, self.sync.sdk_id, request,
+                                        on_stdout=on_stdout, on_stderr=on_stderr, pty=pty)
+
+    async def connect_port(self, port: int, timeout: float = 10.0) -> socket.socket:
+        """``FleetSandbox.connect_port`` in the default executor; the socket is non-blocking
+        (as ``AsyncSandbox.connect_port``'s)."""
+        sock = await asyncio.get_running_loop().run_in_executor(
+            None, self.sync.connect_port, port, timeout)
+        sock.setblocking(False)
+        return sock
+
+    async def watch(self, path: str, *, recursive: bool = False) -> remote.AsyncFleetWatch:
+        """``AsyncSandbox.watch`` on the node, over its data plane: an ``AsyncFleetWatch``
+        (``await w.next_events()``; ``close()`` ends it on the node)."""
+        return await remote.watch_async(self.sync.record, self.sync.sdk_id, path, recursive)
 
     async def read_file(self, path: str) -> bytes:
         return await self._call("read_file", path)

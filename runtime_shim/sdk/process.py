@@ -46,6 +46,13 @@ class _Controls:
         """EOF on the command's stdin, after what was written."""
         self._session.close_stdin()
 
+    @property
+    def unsent_stdin(self) -> int:
+        """Bytes written to stdin and not yet sent to the command (``write_stdin`` refuses
+        to hold more than ``MAX_PENDING_STDIN``)."""
+        with self._session.lock:
+            return len(self._session.pending)
+
     def send_signal(self, sig: int = signal.SIGTERM) -> None:
         """Signal the command's process group."""
         self._session.signal(sig)

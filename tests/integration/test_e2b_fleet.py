@@ -1,9 +1,10 @@
 """``envbuild serve --fleet ADDRESS`` (issue 37 item 4): the unmodified e2b SDK against a real
 server process whose sandboxes are placed on the session's real 2-node Ray cluster
 (``ray_cluster``), real runc sandboxes on the nodes' daemons (with their data plane): create,
-commands, files, list, kill, a server restart that re-attaches, what a fleet sandbox refuses
-(one line each), pause, snapshots and fork (files only), and the CLI's one line for an address
-nothing listens at."""
+commands, files, list, kill, stdin, signals, PTYs and ports over the data plane's streams
+(and ``FleetSandbox.start`` itself), a server restart that re-attaches, what a fleet sandbox
+refuses (one line each), pause, snapshots and fork (files only), and the CLI's one line for an
+address nothing listens at."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ import time
 import httpx
 import pytest
 
+from envbuild.errors import EnvbuildError, RuntimeShimError
 from tests.conftest import REPO
 from tests.e2b_server import assert_run_times_out, e2b_env, running_server
+from tests.integration.test_e2b_watch import _names
 from tests.security.test_e2b_network import _reachable, site  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.integration
@@ -109,29 +112,72 @@ def test_the_sdk_drives_fleet_sandboxes(cell, tmp_path):
     assert _served(fleet) == [], "--on-exit kill closed the fleet's sandboxes too"
 
 
-def test_what_a_fleet_sandbox_lacks_is_refused_in_one_line(cell, tmp_path):
-    from e2b import PtySize, Sandbox, SandboxException
+def test_stdin_signals_ptys_ports_and_watches_of_fleet_sandboxes(cell, tmp_path):
+    """Over the nodes' data plane (``runtime_shim.fleet.streams``): ``commands.run`` with
+    stdin, ``send_stdin``, ``commands.kill``, a PTY (create, input, resize, kill),
+    ``get_host`` to an HTTP server in the sandbox and ``watch_dir``; pause is refused in one
+    line."""
+    from e2b import CommandExitException, PtySize, Sandbox, SandboxException
 
     with running_server(tmp_path, cell["store"], tmp_path / "node",
                         args=("--fleet", cell["address"], *SIZES)) as srv, e2b_env(srv):
         sb = Sandbox.create(TEMPLATE, timeout=120)
-        with pytest.raises(SandboxException, match="a PTY is not available for a fleet "
-                                                   "sandbox"):
-            sb.pty.create(PtySize(rows=24, cols=80))
-        cmd = sb.commands.run("sleep 30", background=True)
-        with pytest.raises(SandboxException, match="a signal to a command is not available"):
-            sb.commands.kill(cmd.pid)
-        with pytest.raises(SandboxException, match="stdin is not available for a fleet"):
-            # the handle is dropped at once (its stream closed): the kill below then writes
-            # the end of a stream whose client left, which must not log a traceback either
-            sb.commands.send_stdin(sb.commands.run("sleep 30", background=True,
-                                                   stdin=True).pid, "x")
-        with pytest.raises(SandboxException, match="a directory watch is not available"):
-            sb.files.watch_dir("/tmp")
-        r = httpx.get(srv.url + "/", headers={
-            "E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "8080",
-            "e2b-traffic-access-token": sb.traffic_access_token})
-        assert r.status_code == 502 and "a port is not available for a fleet sandbox" in r.text
+        cat = sb.commands.run("cat; echo eof", background=True, stdin=True)
+        sb.commands.send_stdin(cat.pid, "to stdin\n")
+        sb.commands.close_stdin(cat.pid)
+        assert cat.wait().stdout == "to stdin\neof\n"
+
+        sleeper = sb.commands.run("sleep 60", background=True)
+        assert sb.commands.kill(sleeper.pid) is True
+        with pytest.raises(CommandExitException) as killed:
+            sleeper.wait()
+        assert killed.value.exit_code != 0
+        assert sleeper.pid not in {p.pid for p in sb.commands.list()}
+
+        term = sb.pty.create(PtySize(rows=24, cols=80))
+        sb.pty.resize(term.pid, PtySize(rows=33, cols=101))
+        sb.pty.send_stdin(term.pid, b"stty size; exit 5\n")
+        screen: list[bytes] = []
+        with pytest.raises(CommandExitException) as ended:
+            term.wait(on_pty=screen.append)
+        assert ended.value.exit_code == 5 and b"33 101" in b"".join(screen)
+        other = sb.pty.create(PtySize(rows=24, cols=80))
+        assert sb.pty.kill(other.pid) is True
+        with pytest.raises(CommandExitException):
+            other.wait()
+
+        sb.files.write("/tmp/www/index.html", "from the fleet's node")
+        sb.commands.run("busybox httpd -f -p 8080 -h /tmp/www", background=True)
+        headers = {"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "8080",
+                   "e2b-traffic-access-token": sb.traffic_access_token}
+        deadline = time.monotonic() + 20
+        while (r := httpx.get(srv.url + "/index.html", headers=headers)).status_code == 502:
+            assert time.monotonic() < deadline, r.text
+            time.sleep(0.1)
+        assert (r.status_code, r.text) == (200, "from the fleet's node")
+        host = sb.get_host(8080)
+        r = httpx.get(srv.url + "/index.html", headers={
+            "Host": host, "e2b-traffic-access-token": sb.traffic_access_token})
+        assert (r.status_code, r.text) == (200, "from the fleet's node")
+        r = httpx.get(srv.url + "/", headers={**headers, "E2b-Sandbox-Port": "8081"})
+        assert r.status_code == 502, "nothing listens there: the proxy's answer"
+
+        sb.files.make_dir("/tmp/w/sub")
+        watch = sb.files.watch_dir("/tmp/w", recursive=True)
+        sb.commands.run("echo 1 > /tmp/w/a; echo 2 > /tmp/w/sub/b; rm /tmp/w/a")
+        seen: set = set()
+        want = {("create", "a"), ("write", "a"), ("remove", "a"), ("create", "sub/b")}
+        deadline = time.monotonic() + 20
+        while not want <= seen and time.monotonic() < deadline:
+            seen |= _names(watch.get_new_events())
+            time.sleep(0.1)
+        assert want <= seen, seen
+        watch.stop()
+        with pytest.raises(SandboxException):
+            sb.files.watch_dir("/tmp/nothing-here")
+
+        with pytest.raises(SandboxException, match="a pause with memory is not available for a fleet"):
+            sb.pause()
         sb.kill()
     log = (tmp_path / "serve.log").read_text()
     assert "Traceback" not in log, log[-3000:]
@@ -317,3 +363,126 @@ def test_a_fleet_sandbox_auto_pauses_its_files(cell, tmp_path):
         assert again.files.read("/workspace/auto.txt") == "paused at the timeout"
         again.kill()
         assert _served(fleet) == []
+
+
+def _sized():
+    from runtime_shim import Limits
+
+    return Limits(memory_bytes=64 << 20, pids=32, nofile=256)  # what SIZES makes
+
+
+def test_the_handle_starts_commands_over_the_data_plane(cell):
+    """``FleetSandbox.start``: a command on the node streamed over the data plane, with stdin
+    written and closed, its output as it comes, a signal, a PTY resized; a hang-up kills the
+    command. ``FleetSandbox.watch``: a directory's events."""
+    import signal as sig
+
+    fleet = cell["fleet"]
+    (sb,) = fleet.create(TEMPLATE, n=1, limits=_sized(), ttl=120)
+    try:
+        out: list[bytes] = []
+        proc = sb.start(["sh", "-c", "cat; echo done >&2"], stdin=b"first ",
+                        on_stdout=out.append, env={"A": "1"}, cwd="/tmp")
+        proc.write_stdin("second")
+        proc.close_stdin()
+        r = proc.wait(30)
+        assert (r.exit_code, r.stdout, r.stderr) == (0, b"first second", b"done\n")
+        assert b"".join(out) == b"first second"
+        with pytest.raises(RuntimeShimError, match="stdin is closed"):
+            proc.write_stdin("late")
+        for _ in range(5):  # output at once: after the start's reply
+            assert sb.start(["echo", "hi"]).wait(30).stdout == b"hi\n"
+
+        sleeper = sb.start(["sleep", "30"])
+        sleeper.send_signal(sig.SIGTERM)
+        assert sleeper.wait(30).exit_code in (143, -15), "ended by the signal"
+
+        screen: list[bytes] = []
+        term = sb.start(["sh"], pty=(24, 80), on_stdout=screen.append)
+        term.resize(40, 120)
+        term.write_stdin("stty size; exit 7\r")
+        assert term.wait(30).exit_code == 7
+        assert b"40 120" in b"".join(screen), b"".join(screen)[-500:]
+        with pytest.raises(RuntimeShimError, match="needs a command started with pty"):
+            sb.start(["true"]).resize(1, 1)
+
+        sb.exec("mkdir -p /tmp/seen")
+        watch = sb.watch("/tmp/seen")
+        sb.write_file("/tmp/seen/f", b"x")
+        events: list = []
+        deadline = time.monotonic() + 20
+        while ("create", "f") not in events:
+            assert time.monotonic() < deadline, events
+            events += [(e.kind, e.name) for e in watch.wait(1.0)]
+        watch.close()
+        assert watch.wait(0) == []
+        with pytest.raises(NotADirectoryError):
+            sb.watch("/tmp/seen/f")
+
+        hung = sb.start(["sh", "-c", "echo $$ > /tmp/pid; exec sleep 300"])
+        deadline = time.monotonic() + 20
+        while sb.exec("cat /tmp/pid").exit_code != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        pid = sb.read_file("/tmp/pid").decode().strip()
+        hung.cancel()
+        with pytest.raises(EnvbuildError):
+            hung.wait(10)
+        while sb.exec(["kill", "-0", pid]).exit_code == 0:  # the node killed it
+            assert time.monotonic() < deadline, "a hung-up command ran on"
+            time.sleep(0.1)
+    finally:
+        sb.close()
+
+
+def test_the_async_handle_starts_commands_opens_ports_and_watches(cell):
+    import asyncio
+
+    from runtime_shim import PortRefused
+
+    fleet = cell["fleet"]
+    (sb,) = fleet.create(TEMPLATE, n=1, limits=_sized(), ttl=120)
+
+    async def run() -> None:
+        a = sb.aio()
+        seen: list[bytes] = []
+        proc = await a.start(["cat"], on_stdout=seen.append)
+        proc.write_stdin(b"x" * 200_000)
+        proc.close_stdin()
+        r = await proc.wait()
+        assert r.exit_code == 0 and r.stdout == b"x" * 200_000 == b"".join(seen)
+        slow = await a.start("sleep 30")
+        slow.kill()
+        assert (await slow.wait()).exit_code in (137, -9)
+
+        await a.write_file("/tmp/www/index.html", b"page")
+        httpd = await a.start(["busybox", "httpd", "-f", "-p", "8080", "-h", "/tmp/www"])
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                sock = await a.connect_port(8080, 5.0)
+                break
+            except PortRefused:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(b"GET /index.html HTTP/1.0\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.") and answer.endswith(b"\r\n\r\npage"), answer
+        with pytest.raises(PortRefused):
+            await a.connect_port(8081, 5.0)
+        await httpd.cancel()
+
+        watch = await a.watch("/tmp/www")
+        await a.write_file("/tmp/www/new", b"x")
+        events = await asyncio.wait_for(watch.next_events(), 10)
+        assert ("create", "new") in {(e.kind, e.name) for e in events}
+        watch.close()
+        assert await watch.next_events() == [] and watch.fileno() == -1
+        with pytest.raises(FileNotFoundError):
+            await a.watch("/tmp/nothing-here")
+    try:
+        asyncio.run(run())
+    finally:
+        sb.close()

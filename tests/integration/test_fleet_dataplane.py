@@ -1,12 +1,13 @@
 """The fleet's data plane (``runtime_shim.fleet.dataplane``) on real daemons with stub
 sandboxes and a real loopback listener: exec and files go over it, not through the control
-calls; without it, or when it cannot be reached, they go through the calls as before."""
+calls; without it, or when it cannot be reached, they go through the calls as before (and
+its streams are refused in one line)."""
 
 from __future__ import annotations
 
 import pytest
 
-from envbuild.errors import ExecTimeout
+from envbuild.errors import ExecTimeout, RuntimeShimError
 from tests.fleet_stub import stub_cell
 
 pytestmark = pytest.mark.integration
@@ -61,6 +62,11 @@ def test_without_a_data_plane_exec_goes_through_the_calls(tmp_path):
         assert sb.record.token is None
         assert sb.exec("true").stdout == b"true"
         assert cell.calls.counts.get("exec") == 1
+        for stream in (lambda: sb.start(["true"]), lambda: sb.connect_port(80),
+                       lambda: sb.watch("/tmp")):  # streams need the data plane: one line
+            with pytest.raises(RuntimeShimError, match="needs the nodes' data plane") as e:
+                stream()
+            assert "--data-host" in (e.value.hint or "")
     finally:
         cell.close()
 

@@ -57,11 +57,20 @@ def test_what_a_fleet_sandbox_lacks_is_unsupported(cell):
     async def scenario() -> None:
         sb = await backend.create(cell.lock)
         assert (await backend.attach(sb.id)).id == sb.id
-        with pytest.raises(Unsupported, match="a PTY is not available for a fleet sandbox"):
+        assert not sb.streams, "stub daemons without --data-host"
+        with pytest.raises(Unsupported, match="a PTY is not available for a fleet sandbox "
+                                              "without the nodes' data plane") as pty:
             await sb.start(["sh"], pty=(24, 80))
-        with pytest.raises(OSError) as watch:
-            await sb.watch("/tmp")
-        assert watch.value.errno == errno.EOPNOTSUPP
+        assert "--data-host" in (pty.value.hint or "")
+        command = await sb.start(["true"])  # an exec through the control calls
+        assert (await command.wait()).exit_code == 0
+        for control in (lambda: command.write_stdin(b"x"), lambda: command.send_signal(9)):
+            with pytest.raises(Unsupported, match="without the nodes' data plane"):
+                control()
+        for refused in (sb.watch("/tmp"), sb.connect_port(8080, 5.0)):
+            with pytest.raises(OSError, match="without the nodes' data plane") as e:
+                await refused
+            assert e.value.errno == errno.EOPNOTSUPP
         for call in (backend.pause(sb, "i0", memory=True), backend.snapshot(sb, "s", memory=True),
                      backend.resume("sha256:" + "0" * 64, memory=True)):
             with pytest.raises(Unsupported, match="with memory is not available for a fleet "
