@@ -9,6 +9,7 @@ file until it is filled."""
 
 from __future__ import annotations
 
+import re
 import stat
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -37,7 +38,9 @@ class FileRef(NamedTuple):
 class LayerOrder:
     """The regular files of a layer in blob order (pure): from its tree's nodes
     (``tree_of``; a hardlinked file once) and the TOC's frames (``Toc.frames``: ``(csize,
-    usize)`` of each, in blob order)."""
+    usize)`` of each, in blob order). A file whose digest is no object's name
+    (``sha256:<64 hex>``) is left out: the digests are checked all at once (one match over
+    them joined, ``_ALL_OBJECTS``), each alone only when that fails (a hostile TOC)."""
 
     def __init__(self, nodes: Iterable[Any], frames: Sequence[tuple[int, int]]) -> None:
         ends: dict[int, int] = {}
@@ -45,18 +48,35 @@ class LayerOrder:
         for csize, _usize in frames:
             ends[offset] = offset = offset + csize
         seen: set[int] = set()
-        files = []
+        rows: list[Any] = []
+        ifmt, ifreg = stat.S_IFMT, stat.S_IFREG
         for n in nodes:
-            if not n.frames or not stat.S_ISREG(n.mode) or id(n) in seen \
-                    or not n.digest.startswith("sha256:") or not is_hex64(n.digest[7:]):
+            if not n.frames or ifmt(n.mode) != ifreg or id(n) in seen:
                 continue
             seen.add(id(n))
-            end = ends.get(n.frames[-1])
-            if end is not None:
-                files.append(FileRef(n.read_path, n.digest[7:], n.size, n.frames[0], end))
-        files.sort(key=lambda f: f.start)
-        self.files: Sequence[FileRef] = files
-        self.index = {f.path: i for i, f in enumerate(files)}
+            rows.append(n)
+        if _ALL_OBJECTS.fullmatch("\n".join([n.digest for n in rows])) is None:
+            rows = [n for n in rows if n.digest.startswith("sha256:") and is_hex64(n.digest[7:])]
+        get_end = ends.get
+        placed = [(n.frames[0], end, n) for n in rows
+                  if (end := get_end(n.frames[-1])) is not None]
+        placed.sort(key=_first)
+        self._rows = placed
+        # a window's ``FileRef``s are made when first returned (most files are in none)
+        self._refs: list[FileRef | None] = [None] * len(placed)
+        self.index = {n.read_path: i for i, (_s, _e, n) in enumerate(placed)}
+
+    @property
+    def files(self) -> list[FileRef]:
+        """Every file, in blob order."""
+        return [self._ref(k) for k in range(len(self._rows))]
+
+    def _ref(self, k: int) -> FileRef:
+        got = self._refs[k]
+        if got is None:
+            start, end, n = self._rows[k]
+            got = self._refs[k] = FileRef(n.read_path, n.digest[7:], n.size, start, end)
+        return got
 
     def after(self, path: str, window: int = MISS_WINDOW, max_file: int = WINDOW_MAX_FILE,
               max_files: int = MAX_WINDOW_FILES) -> list[FileRef]:
@@ -66,13 +86,23 @@ class LayerOrder:
         i = self.index.get(path)
         if i is None:
             return []
-        start = self.files[i].start
+        rows, refs = self._rows, self._refs
+        start = rows[i][0]
         out: list[FileRef] = []
-        for f in self.files[i + 1:]:
-            if f.end - start > window or f.size > max_file or len(out) >= max_files:
+        for k in range(i + 1, min(len(rows), i + 1 + max_files)):
+            _first_frame, end, n = rows[k]
+            if end - start > window or n.size > max_file:
                 break
-            out.append(f)
+            out.append(refs[k] or self._ref(k))
         return out
+
+
+#: Digests joined by newlines, each an object's name.
+_ALL_OBJECTS = re.compile(r"(?:sha256:[0-9a-f]{64}(?:\n|\Z))*")
+
+
+def _first(row: tuple[int, int, Any]) -> int:
+    return row[0]
 
 
 __all__ = ["MAX_WINDOW_FILES", "MISS_WINDOW", "WINDOW_MAX_FILE", "FileRef", "LayerOrder"]

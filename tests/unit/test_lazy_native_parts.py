@@ -67,6 +67,12 @@ def test_the_fill_window_is_the_files_after_one_in_blob_order():
     assert order.after("bad") == [] and order.after("nope") == []
     assert order.after("b", window=10_000, max_file=1000)[0] == \
         ("c", format(300, "064x"), 100, 300, 400)
+    # every digest an object's name: checked at once, the same order and windows
+    good = LayerOrder([n for n in nodes if n.read_path != "bad"], frames)
+    assert good.files == order.files and [f.path for f in good.files] == \
+        ["a", "b", "c", "big", "after"]
+    assert good.after("a", window=10_000, max_file=1000) == \
+        order.after("a", window=10_000, max_file=1000)
 
 
 class _Counting:
