@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from envbuild.oci import is_hex64
-from runtime_shim.lazyfs import fanotify
+from runtime_shim.lazyfs import fanotify, fillwindow
 from runtime_shim.lazyfs.fillbatch import ObjectDir
 from runtime_shim.lazyfs.fillhints import Hints, LayerView
 from runtime_shim.lazyfs.fillwindow import WINDOW_MAX_FILE, FileRef, LayerOrder
@@ -249,19 +249,29 @@ class Worker:
         """Fill ``entry``, the opened file, in a ranged read of its own frames, and let its
         readers on as soon as it is written; beside it, in a second read (in a
         pool thread), the unfilled files that follow it in the blob within ``MISS_WINDOW``
-        compressed bytes (``_fill_ahead``): a package's modules, a library's neighbours are
-        then filled without an open each waiting for its own read, and the opened file
-        waits for none of them."""
-        with self._lock:
-            order = self._orders.get(layer.digest)
-        if order is not None:
-            self._window(layer, entry.path, order)
-        else:   # the layer's TOC not decoded yet: the opened file waits for no decode
-            self._ahead_pool.submit(self._window, layer, entry.path)
+        compressed bytes (``_fill_ahead``): a package's modules are then filled without an
+        open each waiting for its own read, and the opened file waits for none of them.
+        Only after the open of a Python file or a script (``fillwindow.window_before``,
+        ``window_after``): after any other file the window is mostly never read."""
+        code = fillwindow.window_before(entry.path)
+        if code:
+            self._window_soon(layer, entry.path)
         data = layer._load([entry])[entry.path]
         self.objdir().write(hexd, data)
         self._complete([hexd])   # the reader that opened it goes on now
+        if not code and fillwindow.window_after(data):   # a script: known by its bytes
+            self._window_soon(layer, entry.path)
         self._after_fill(hexd, data)
+
+    def _window_soon(self, layer: Any, path: str) -> None:
+        """The window after ``path`` (``_window``), at once when the layer's blob order is
+        made, else in a pool thread: an opened file never waits for a TOC's decode."""
+        with self._lock:
+            order = self._orders.get(layer.digest)
+        if order is not None:
+            self._window(layer, path, order)
+        else:
+            self._ahead_pool.submit(self._window, layer, path)
 
     # -- fills ahead of opens ---------------------------------------------------------------
 

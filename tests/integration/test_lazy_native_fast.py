@@ -74,3 +74,33 @@ def test_a_create_over_mounted_layers_is_one_round_trip_to_the_filler(
     with Sandbox.create("again", store=store, node_dir=node_dir, lazy="native") as sb:
         assert sb.exec("cat /etc/group").stdout == GROUP
     assert sent == ["stack", "stack"]
+
+
+def test_a_window_follows_the_open_of_a_script_not_of_a_data_file(
+        tmp_path, node_dir):  # noqa: F811  (fixture)
+    """The files after an opened file in the blob (its fill window) are filled ahead only
+    after the open of a Python module or a script (``#!``); after a data file's open they
+    stay placeholders until something opens them (in a cold run most of such a window was
+    never read: ``fillwindow``)."""
+    files = {"a/data.bin": os.urandom(3000),
+             **{f"a/n{i:02}.txt": os.urandom(2000) for i in range(10)},
+             "b/run": b"#!/bin/sh\necho run\n",
+             **{f"b/x{i:02}.txt": os.urandom(2000) for i in range(10)}}
+    store, _ = _env(tmp_path, "win2", files)
+    objects = ObjectStore(node_dir / "node")
+
+    def complete(rel: str) -> bool:
+        return objects.complete(hashlib.sha256(files[rel]).hexdigest())
+    with Sandbox.create("win2", store=store, node_dir=node_dir, lazy="native") as sb:
+        assert sb.exec("cat /a/data.bin >/dev/null").exit_code == 0
+        assert sb.exec("cat /b/run >/dev/null").exit_code == 0
+        deadline = time.monotonic() + 10
+        while not all(complete(f"b/x{i:02}.txt") for i in range(10)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(complete(f"b/x{i:02}.txt") for i in range(10)), "no window after a script"
+        time.sleep(0.5)
+        assert complete("a/data.bin") and not any(complete(f"a/n{i:02}.txt")
+                                                  for i in range(10))
+        got = sb.exec("cat /a/n03.txt | sha256sum").stdout.decode().split()[0]
+        assert got == hashlib.sha256(files["a/n03.txt"]).hexdigest()

@@ -67,6 +67,23 @@ def test_the_fill_window_is_the_files_after_one_in_blob_order():
     assert order.after("bad") == [] and order.after("nope") == []
     assert order.after("b", window=10_000, max_file=1000)[0] == \
         ("c", format(300, "064x"), 100, 300, 400)
+    # every digest an object's name: checked at once, the same order and windows
+    good = LayerOrder([n for n in nodes if n.read_path != "bad"], frames)
+    assert good.files == order.files and [f.path for f in good.files] == \
+        ["a", "b", "c", "big", "after"]
+    assert good.after("a", window=10_000, max_file=1000) == \
+        order.after("a", window=10_000, max_file=1000)
+
+
+def test_a_window_follows_a_python_module_or_a_script_only():
+    from runtime_shim.lazyfs.fillwindow import window_after, window_before
+
+    assert window_before("usr/lib/python3.11/json/__pycache__/decoder.cpython-311.pyc")
+    assert window_before("opt/venv/lib/python3.11/site-packages/_pytest/nodes.py")
+    assert not window_before("usr/lib/x86_64-linux-gnu/libz.so.1") \
+        and not window_before("usr/share/zoneinfo/UTC") and not window_before("a.pyi")
+    assert window_after(b"#!/opt/venv/bin/python\nimport sys\n")
+    assert not window_after(b"\x7fELF\x02\x01") and not window_after(b"TZif2")
 
 
 class _Counting:
