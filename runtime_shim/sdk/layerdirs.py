@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from envbuild.errors import RuntimeShimError
 from envbuild.store import Store
 from runtime_shim.node.locks import ResolvedLock
 from runtime_shim.node.nodecache import NodeCache
@@ -18,8 +19,9 @@ def layer_dirs(node: NodeCache, store: Store, lock: ResolvedLock, lazy: bool | s
                note: str = "") -> tuple[list[str], str]:
     """The lower dirs of ``lock``'s layers, bottom first, and how they are served (the
     record's ``lazy``): lazy (True, ``"auto"``, ``"native"``): the kernel-served layers of
-    ``runtime_shim.lazyfs.native`` (``native``), where the host and node dir cannot, a full
-    pull with one logged line (``full pull: why``; ``"native"``: refused); ``"fuse"``: the
+    ``runtime_shim.lazyfs.native`` (``native``), where the host and node dir cannot (``"auto"``:
+    where anything, the store too, stands in the way), a full pull with one logged line
+    (``full pull: why``; ``"native"``: refused); ``"fuse"``: the
     FUSE mounts of ``runtime_shim.lazyfs``; else the node cache's unpacked dirs (``note``:
     why a lazy request is not, or ``""``)."""
     if lazy == "fuse":
@@ -29,8 +31,9 @@ def layer_dirs(node: NodeCache, store: Store, lock: ResolvedLock, lazy: bool | s
 
         try:
             return native_layer_dirs(str(node.root), store, lock.layers), "native"
-        except NativeUnavailable as e:
-            if lazy == "native":
+        except RuntimeShimError as e:
+            # True: only where the host or node dir cannot; "auto": wherever it cannot
+            if lazy == "native" or (lazy is True and not isinstance(e, NativeUnavailable)):
                 raise
             why = e.message.removeprefix("lazy='native': ")
             _log.warning("lazy=%r: %s; pulling the layers in full instead", lazy, why)

@@ -65,9 +65,10 @@ class SandboxOptions:
     node dir on ext4/xfs/btrfs; the store must be one another process can open). Where the
     host or node dir cannot, and for a ``checkpointable`` sandbox or a ``restore`` (CRIU
     cannot dump files mapped from the layers' nested overlays), the layers are pulled in
-    full with one logged line. ``"auto"``: the same, and a full pull also where the backend
-    runs no lazy layers; ``"native"``: the filler or a one-line refusal; ``"fuse"``: the
-    FUSE stacks (``runtime_shim.lazyfs``' daemon), kept until they are deleted (issue 36).
+    full with one logged line. ``"auto"``: the same, and a full pull also wherever else the
+    layers cannot be served lazily (the backend, a store no other process can open);
+    ``"native"``: the filler or a one-line refusal; ``"fuse"``: the FUSE stacks
+    (``runtime_shim.lazyfs``' daemon), kept until they are deleted (issue 36).
     ``Sandbox.info().lazy`` says how reads are served (``native``; ``full pull: why``).
 
     ``seccomp``: None for the default syscall filter (``runtime_shim.isolation.seccomp``),

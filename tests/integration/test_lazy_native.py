@@ -439,6 +439,26 @@ def test_lazy_true_where_no_pre_content_mark_can_be_made_is_a_full_pull_said_onc
         shutil.rmtree(node_dir, ignore_errors=True)
 
 
+def test_a_store_the_filler_cannot_open_is_an_error_for_true_a_full_pull_for_auto(
+        tmp_path, node_dir):
+    """The filler is another process and opens the store by URL: a memory store is refused
+    in one line with ``lazy=True``; ``lazy="auto"`` pulls it in full and says why."""
+    from envbuild.errors import RuntimeShimError
+    from envbuild.store import MemoryStore
+    from envbuild.store.sync import sync
+
+    store, _ = _env(tmp_path, "mem", {"data/m": b"m\n"})
+    memory = MemoryStore()
+    sync(store, memory, refs=["env/mem"])
+    with pytest.raises(RuntimeShimError, match="cannot serve layers"):
+        Sandbox.create("mem", store=memory, node_dir=node_dir, lazy=True)
+    with Sandbox.create("mem", store=memory, node_dir=node_dir, lazy="auto") as sb:
+        assert sb.info().lazy.startswith("full pull: lazy mode cannot serve layers"), \
+            sb.info().lazy
+        assert sb.exec("cat /data/m").stdout == b"m\n"
+    assert not (node_dir / "node" / "native").exists()
+
+
 def test_a_checkpointable_lazy_sandbox_is_a_full_pull_and_checkpoints(tmp_path, node_dir,
                                                                       caplog):
     """``lazy=True`` with ``checkpointable=True``: CRIU cannot dump files mapped from the
