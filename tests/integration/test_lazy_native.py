@@ -439,6 +439,36 @@ def test_lazy_true_where_no_pre_content_mark_can_be_made_is_a_full_pull_said_onc
         shutil.rmtree(node_dir, ignore_errors=True)
 
 
+def test_a_layer_with_a_device_node_is_refused_in_one_line_as_a_full_pull_is(tmp_path,
+                                                                              node_dir):
+    """A device node (other than the 0/0 whiteout) is refused by a native create in one
+    line naming it, its layer not mounted, as a full pull refuses it (``UnsafeLayerError``;
+    ``lazy="auto"`` falls back to that full pull)."""
+    import stat
+
+    from envbuild.errors import RuntimeShimError, UnsafeLayerError
+    from tests.integration.test_container_runtime import make_busybox_root
+
+    require_root()
+    require_tool("runc")
+    store = LocalStore(tmp_path / "store")
+    base = make_busybox_root(tmp_path / "dev-base")
+    top = tmp_path / "dev-top"
+    (top / "data").mkdir(parents=True)
+    os.mknod(top / "data" / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    layers = [_pack(store, base, tmp_path, "dev-base"), _pack(store, top, tmp_path, "dev-top")]
+    _lock(store, "dev", layers)
+    with pytest.raises(RuntimeShimError, match="hold no device nodes: /data/null") as err:
+        Sandbox.create("dev", store=store, node_dir=node_dir, lazy=True)
+    assert "\n" not in err.value.message and "lazy=False" in (err.value.hint or "")
+    # the device's layer is not mounted (the busybox one may be: the node's, shared)
+    assert not any(m.endswith(layers[1].digest[7:])
+                   for m in mounted_targets_under(str(node_dir / "node" / "native")))
+    for lazy in ("auto", False):   # auto: a full pull, which refuses devices as well
+        with pytest.raises(UnsafeLayerError, match="data/null is a char node, refused"):
+            Sandbox.create("dev", store=store, node_dir=node_dir, lazy=lazy)
+
+
 def test_a_store_the_filler_cannot_open_is_an_error_for_true_a_full_pull_for_auto(
         tmp_path, node_dir):
     """The filler is another process and opens the store by URL: a memory store is refused
