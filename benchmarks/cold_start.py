@@ -23,7 +23,7 @@ timed from "nothing of the env on this node":
 - ``full``: ``Sandbox.create(lock, store=S3Store)`` — each layer streamed over the link and
   unpacked into the node cache — then the workload;
 - ``native``: then a second sandbox on that node, layers already unpacked: the floor;
-- ``lazy``: ``Sandbox.create(..., lazy=True)`` with no lazy profile in the store, then the
+- ``lazy``: ``Sandbox.create(..., lazy="fuse")`` with no lazy profile in the store, then the
   workload (this run records a profile; dropped before the next ``lazy`` run);
 - ``lazy-rerun``: a second lazy sandbox on that node once every touched file is fetched (it
   starts once the daemon is idle: the wait and the daemon's CPU during the re-run are printed);
@@ -209,7 +209,7 @@ def filler_ping(node_dir: Path) -> dict:
 
 
 def lazy_cpu(node_dir: Path, lazy: bool | str) -> float:
-    """CPU-seconds the node's lazy server has used: the FUSE daemon's (``lazy=True``, from its
+    """CPU-seconds the node's lazy server has used: the FUSE daemon's (``lazy="fuse"``, from its
     ping) or the native filler's holder and worker (``"native"``; a worker respawned since
     loses its predecessor's); 0 for a full pull."""
     if lazy == "native":
@@ -253,7 +253,7 @@ class Bench:
         self.dev = link.host_if if link.profile.shaped else "lo"
         self.layers = resolve(store, lock).layers
 
-    def fresh_node(self, tag: str, lazy: bool | str = True) -> Path:
+    def fresh_node(self, tag: str, lazy: bool | str = "fuse") -> Path:
         """An empty node dir on tmpfs whose node services are up, as on a node of a fleet:
         the exec agent built and the node's lazy daemon (``lazy="native"``: its filler)
         started, by a throwaway lazy busybox sandbox (so no mode pays for them). Nothing of
@@ -392,14 +392,14 @@ class Bench:
         finally:
             self.drop_node(node_dir)
 
-    def run_lazy(self, run: int, profile: bool, lazy: bool | str = True) -> list[dict]:
+    def run_lazy(self, run: int, profile: bool, lazy: bool | str = "fuse") -> list[dict]:
         """A lazy sandbox on a cold node, then a second one on the same node once everything
         the workload touched is on the node (``-rerun``); ``lazy="native"``: native ones (no
         profile: the filler takes none)."""
         mode = "lazy-native" if lazy == "native" else "lazy-profile" if profile else "lazy"
-        if lazy is True and not profile:
+        if lazy == "fuse" and not profile:
             drop_profiles(self.store)
-        elif lazy is True and not self.store.list_records(PROFILE_NAMESPACE):
+        elif lazy == "fuse" and not self.store.list_records(PROFILE_NAMESPACE):
             print("    recording the lazy profile (untimed run) ...", flush=True)
             self.run_lazy(run, profile=False)
         node_dir = self.fresh_node(f"{mode}-{run}", lazy)
@@ -412,7 +412,7 @@ class Bench:
         finally:
             self.drop_node(node_dir)
 
-    def settle(self, node_dir: Path, lazy: bool | str = True, window: float = 0.25,
+    def settle(self, node_dir: Path, lazy: bool | str = "fuse", window: float = 0.25,
                limit: float = 15.0) -> float:
         """Wait until the node's lazy daemon (or native filler) has finished what the cold run
         left it (the prediction's last fetches, the meta layers' build): no meta build running
@@ -422,8 +422,8 @@ class Bench:
         last = lazy_cpu(node_dir, lazy)
         while time.perf_counter() - t0 < limit:
             time.sleep(window)
-            reply = ping(node_dir) if lazy is True else {}   # one request a look: not small
-            now = daemon_cpu(node_dir, reply) if lazy is True else lazy_cpu(node_dir, lazy)
+            reply = ping(node_dir) if lazy == "fuse" else {}   # one request a look: not small
+            now = daemon_cpu(node_dir, reply) if lazy == "fuse" else lazy_cpu(node_dir, lazy)
             if now - last < IDLE_CPU * window and not reply.get("meta_building"):
                 break
             last = now
@@ -436,7 +436,7 @@ class Bench:
 
         def one(node_dir: Path) -> None:
             t0 = time.perf_counter()
-            with Sandbox.create(self.lock, store=self.store, node_dir=node_dir, lazy=True) as sb:
+            with Sandbox.create(self.lock, store=self.store, node_dir=node_dir, lazy="fuse") as sb:
                 self.workload(sb, t0, steps)
 
         drop_profiles(self.store)

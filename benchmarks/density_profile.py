@@ -63,7 +63,7 @@ def instrument() -> None:
     """Wrap each step of a create where the create path looks it up."""
     for owner, attr, name in [
         (sdk_sandbox, "resolve", "resolve"),
-        (sdk_sandbox, "_layer_dirs", "layer dirs"),
+        (sdk_sandbox, "layer_dirs", "layer dirs"),
         (sdk_sandbox.owners, "register", "owners"),
         (sdk_sandbox, "write_record", "records"),
         (ledger.Ledger, "admit", "ledger admit"),

@@ -88,7 +88,7 @@ def main() -> None:
                     try:
                         cs.drop_profiles(store)
                         node_dir = bench.fresh_node(f"settings-{r}-{name}")
-                        row = bench.timed(node_dir, name, lazy=True, cold=True)
+                        row = bench.timed(node_dir, name, lazy="fuse", cold=True)
                         row["cpu"] = cs.daemon_cpu(node_dir)   # since the daemon started
                         cs.NodeCache(node_dir / "node").evict((), 0)
                         shutil.rmtree(node_dir, ignore_errors=True)

@@ -90,7 +90,8 @@ def worker(kind: str, count: int, store: str, node: str, seed: int, out: str) ->
                 else:
                     backend = "microvm" if kind == "vm" else "container"
                     with Sandbox.create(ENV, store=store, node_dir=node, backend=backend,
-                                        lazy=(kind == "lazy"), limits=limits) as sb:
+                                        lazy="fuse" if kind == "lazy" else False,
+                                        limits=limits) as sb:
                         r = sb.exec(_command(nonce), timeout=60)
                 if r.exit_code == 0 and r.stdout == _expected(nonce):
                     rec["result"] = "ok"

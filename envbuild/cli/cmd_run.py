@@ -30,13 +30,13 @@ def register(group: click.Group) -> None:
                    "DNS is always allowed).")
 @click.option("--keep", is_flag=True, help="Leave the sandbox running; print its id.")
 @click.option("--timeout", type=float, default=None, help="Kill CMD after this many seconds.")
-@click.option("--lazy", is_flag=True,  # lazy mode (runtime_shim.lazyfs)
-              help="Start at once: serve the layers from the store with FUSE, fetching "
-                   "each file on first read, instead of pulling and unpacking them.")
+@click.option("--lazy", is_flag=True,  # lazy mode (runtime_shim.lazyfs.native)
+              help="Start at once instead of pulling and unpacking the layers: the kernel "
+                   "serves each layer's metadata and a root filler fills each file from the "
+                   "store when it is first opened (fanotify pre-content events: Linux >= "
+                   "6.14, root); where the host cannot, a full pull with a warning.")
 @click.option("--lazy-native", is_flag=True,  # runtime_shim.lazyfs.native
-              help="Start at once with no FUSE: the kernel serves each layer's metadata and "
-                   "a root filler fills each file from the store when it is first opened "
-                   "(fanotify pre-content events: Linux >= 6.14, root).")
+              help="As --lazy, but refused in one line where the host cannot (no full pull).")
 @backend_option()
 @pass_app
 def run(app: App, target: str, cmd: tuple[str, ...], network: bool, allow: tuple[str, ...],

@@ -1,4 +1,4 @@
-"""Native lazy layers, client side: ``Sandbox.create(lazy="native")``.
+"""Native lazy layers, client side: ``Sandbox.create(lazy=True)`` (or ``lazy="native"``).
 
 Each layer is served by the kernel alone: its metadata tree (``nativetree``, built from the
 TOC on the layer's first use on a node) over the node's object store (``objects``) as a
@@ -31,6 +31,12 @@ from runtime_shim.lazyfs.tree import Node
 
 #: How long a create waits for a filler it started to answer.
 START_TIMEOUT = 15.0
+
+
+class NativeUnavailable(RuntimeShimError):
+    """This host or node dir cannot run native lazy layers (no pre-content events, not root,
+    an object store on tmpfs), found before anything was fetched or mounted: ``lazy=True``
+    pulls the layers in full instead, ``lazy="native"`` is refused."""
 
 
 def filler_request(node_root: str, req: dict[str, Any], timeout: float = 30.0
@@ -85,7 +91,8 @@ def ensure_filler(node_root: str) -> dict[str, Any]:
         return reply
     why = supported()
     if why:
-        raise RuntimeShimError(f"lazy='native': {why}", hint="use lazy=True or lazy=False")
+        raise NativeUnavailable(f"lazy='native': {why}",
+                                hint="use lazy=True (a full pull here) or lazy=False")
     objects = ObjectStore(node_root)
     objects.make_dirs()
     check_object_fs(objects)
@@ -116,10 +123,10 @@ def check_object_fs(objects: ObjectStore) -> None:
             pass
         fanotify.mark(group, probe)
     except OSError as e:
-        raise RuntimeShimError(
+        raise NativeUnavailable(
             f"lazy='native': the node's object store {objects.root} cannot carry fanotify "
             f"pre-content marks ({e.strerror or e}; tmpfs has none)",
-            hint="put the node dir on ext4, xfs or btrfs, or use lazy=True") from None
+            hint="put the node dir on ext4, xfs or btrfs, or use lazy=False") from None
     finally:
         os.close(group)   # its mark goes with it
         try:
@@ -327,10 +334,13 @@ def remove_unused(node_root: str | os.PathLike[str], keep_hex: set[str]) -> list
 
 
 def describe_native(node_root: str | os.PathLike[str]) -> list[str]:
-    """``node ls``: the native filler (if one answers), its objects and layers."""
+    """``node ls``: the native filler (if one answers), its objects and layers; on a host
+    that cannot run one, why, and that lazy sandboxes pull their layers in full."""
     root = os.path.abspath(node_root)
     if not os.path.isdir(os.path.join(root, "objects")):
-        return []
+        why = supported()
+        return [f"native filler: unavailable ({why}): lazy sandboxes pull their layers "
+                "in full"] if why else []
     ping = filler_request(root, {"op": "ping"}, 5.0)
     objs = ObjectStore(root).describe()
     filler = (f"native filler pid {ping.get('pid')} (fanotify pre-content), "

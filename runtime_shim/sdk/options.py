@@ -8,6 +8,7 @@ arguments (``Sandbox.create(lock, backend="microvm", ttl=600)``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,6 +25,15 @@ from runtime_shim.isolation import netns
 from runtime_shim.isolation import seccomp as seccomp_profiles
 from runtime_shim.node import admission, diskpool
 from runtime_shim.node.model import Limits
+
+_log = logging.getLogger("envbuild.sandbox")
+
+#: The FUSE lazy stacks' switches (docs/lazy-fuse-map.md): the native filler reads none, so
+#: one set with a native lazy create is refused rather than silently ignored.
+FUSE_SWITCHES = tuple(f"ENVBUILD_LAZY_{s}" for s in (
+    "PASSTHROUGH", "METALAYER", "METASERVER", "PRELOAD", "PYC_SOURCES", "PYDEPS", "PYINDEX",
+    "PY_STARTUP", "READDIRPLUS", "NO_OPENDIR", "TREE_BUDGET", "FETCH_CONCURRENCY",
+    "FETCH_TIMEOUT", "HEDGE_MS"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +59,17 @@ class SandboxOptions:
     nobody closed it. ``reap``: first remove the node's expired sandboxes and those whose
     creating process died.
 
-    ``lazy``: mount each layer read-only with FUSE, served from the store file by file on
-    first read (``runtime_shim.lazyfs``; the store must be one another process can open),
-    instead of unpacking it; ``"auto"``: lazy where the node's lazy daemon can serve the
-    layers, else a full pull with a warning; ``"native"``: no FUSE — each layer's metadata is
-    a kernel overlay over the node's object store, filled on first access by the node's
-    fanotify filler (``runtime_shim.lazyfs.native``, Linux >= 6.14, root).
-    ``Sandbox.info().lazy`` says how reads are served.
+    ``lazy``: do not pull and unpack the layers first: each layer's metadata is a kernel
+    overlay over the node's object store, each file filled from the store on its first open
+    by the node's fanotify filler (``runtime_shim.lazyfs.native``; Linux >= 6.14, root, a
+    node dir on ext4/xfs/btrfs; the store must be one another process can open). Where the
+    host or node dir cannot, and for a ``checkpointable`` sandbox or a ``restore`` (CRIU
+    cannot dump files mapped from the layers' nested overlays), the layers are pulled in
+    full with one logged line. ``"auto"``: the same, and a full pull also wherever else the
+    layers cannot be served lazily (the backend, a store no other process can open);
+    ``"native"``: the filler or a one-line refusal; ``"fuse"``: the FUSE stacks
+    (``runtime_shim.lazyfs``' daemon), kept until they are deleted (issue 36).
+    ``Sandbox.info().lazy`` says how reads are served (``native``; ``full pull: why``).
 
     ``seccomp``: None for the default syscall filter (``runtime_shim.isolation.seccomp``),
     ``"unconfined"`` for none, or a full OCI ``linux.seccomp`` object (checked). A microVM
@@ -93,7 +107,8 @@ class SandboxOptions:
 @dataclasses.dataclass(frozen=True)
 class CreatePlan:
     """What ``plan_create`` settled: the backend, the parsed network policy, the limits, the
-    lazy mode after the backend's say (``"auto"`` may have become False), the reservation."""
+    lazy mode after the backend's say (``"auto"`` may have become False), the reservation;
+    ``lazy_note``: why a lazy request became a full pull (``Sandbox.info().lazy``)."""
 
     impl: Backend
     network: netns.NetworkPolicy | None
@@ -102,6 +117,7 @@ class CreatePlan:
     reservation: admission.Reservation
     budget: admission.BudgetSettings
     restorer: Restorable | None
+    lazy_note: str = ""
 
 
 def plan_create(options: SandboxOptions) -> CreatePlan:
@@ -111,15 +127,7 @@ def plan_create(options: SandboxOptions) -> CreatePlan:
     policy = netns.parse_network(options.network)
     impl = get_backend(options.backend)
     seccomp_profiles.check_setting(options.seccomp)
-    lazy = options.lazy
-    if lazy not in (False, True, "auto", "native"):
-        raise RuntimeShimError(f"lazy must be False, True, 'auto' or 'native', not {lazy!r}")
-    if lazy == "native" and (options.checkpointable or options.restore is not None):
-        # CRIU: "Can't lookup mount=N for fd=-3 path=/bin/busybox" (6.18, CRIU of this host)
-        raise RuntimeShimError("a native lazy sandbox cannot be checkpointed: CRIU cannot "
-                               "find the mount of the files it maps from the layers' nested "
-                               "overlays", hint="use lazy=True or lazy=False with "
-                               "checkpointable=True")
+    lazy, lazy_note = lazy_mode(options, os.environ)
     try:
         impl.check(keep=options.keep, seccomp=options.seccomp, lazy=bool(lazy))
     except BackendUnavailable:
@@ -144,4 +152,31 @@ def plan_create(options: SandboxOptions) -> CreatePlan:
         # the pool's size is reserved once; its sandboxes overcommit it (node.diskpool)
         want = dataclasses.replace(want, disk_bytes=0)
     return CreatePlan(impl=impl, network=policy, limits=limits, lazy=lazy, reservation=want,
-                      budget=budget, restorer=restorer)
+                      budget=budget, restorer=restorer, lazy_note=lazy_note)
+
+
+def lazy_mode(options: SandboxOptions, env: Mapping[str, str]) -> tuple[bool | str, str]:
+    """``options.lazy`` checked: the mode to create with and, when a lazy request becomes a
+    full pull here, why (logged once). A FUSE switch set in ``env`` with a native lazy mode
+    is refused: it would change nothing."""
+    lazy = options.lazy
+    if lazy not in (False, True, "auto", "native", "fuse"):
+        raise RuntimeShimError(
+            f"lazy must be False, True, 'auto', 'native' or 'fuse', not {lazy!r}")
+    fuse_only = [k for k in FUSE_SWITCHES if env.get(k)]
+    if lazy in (True, "auto", "native") and fuse_only:
+        raise RuntimeShimError(
+            f"{fuse_only[0]} is a switch of the FUSE lazy stacks; lazy={lazy!r} uses the "
+            "native filler, which reads none of them",
+            hint=f"unset {' '.join(fuse_only)} (or use lazy='fuse' while it exists)")
+    if lazy and lazy != "fuse" and (options.checkpointable or options.restore is not None):
+        # CRIU: "Can't lookup mount=N for fd=-3 path=/bin/busybox" (6.18, CRIU of this host)
+        why = ("a checkpointable sandbox pulls its layers in full: CRIU cannot find the "
+               "mount of the files it maps from the native layers' nested overlays")
+        if lazy == "native":
+            raise RuntimeShimError(f"a native lazy sandbox cannot be checkpointed ({why})",
+                                   hint="use lazy=True (a full pull) or lazy=False with "
+                                        "checkpointable=True")
+        _log.warning("lazy=%r: %s", lazy, why)
+        return False, f"full pull: {why}"
+    return lazy, ""

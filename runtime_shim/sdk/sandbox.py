@@ -90,6 +90,7 @@ from runtime_shim.node.records import (
     write_record,
 )
 from runtime_shim.sdk import exitwatch, filestream, ports
+from runtime_shim.sdk.layerdirs import layer_dirs
 from runtime_shim.sdk.options import CreatePlan, SandboxOptions, plan_create
 from runtime_shim.sdk.process import Process
 from runtime_shim.sdk.sweep import SandboxRemoval, gc_sandboxes, remove_sandbox, sweep_sandboxes
@@ -284,12 +285,12 @@ class Sandbox:
         if opts.reap and owners.sweep_needed(layout, time.time()):  # O(creators), not O(sandboxes)
             sweep_sandboxes(layout, opts.runtime, automatic=True)
         node = NodeCache(layout.node)
-        layer_dirs, lazy_mode = _layer_dirs(node, opened, resolved, plan.lazy)
+        lower, lazy_mode = layer_dirs(node, opened, resolved, plan.lazy, plan.lazy_note)
         record = {"lock": resolved.digest, "backend": opts.backend, "kept": opts.keep,
                   "layers": [layer.digest for layer in resolved.layers],
                   "store": store_url(store if store is not None else opened), "ttl": opts.ttl,
                   "lazy": lazy_mode, "runtime": opts.runtime}
-        handle, paths, expires = _start(layout, node, resolved, layer_dirs, opts, plan, record)
+        handle, paths, expires = _start(layout, node, resolved, lower, opts, plan, record)
         sb = cls(paths.id, resolved, paths, handle, layout, opened, backend_name=opts.backend)
         if not opts.keep:
             lifecycle.track(sb)  # closed at this process's exit if nobody closes it
@@ -487,34 +488,6 @@ class Sandbox:
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.id} {self.backend} lock={self.lock.digest[:19]}>"
-
-
-def _layer_dirs(node: NodeCache, store: Store, lock: ResolvedLock, lazy: bool | str
-                ) -> tuple[list[str], str]:
-    """The lower dirs of ``lock``'s layers, bottom first, and how they are served: lazy FUSE
-    mounts (``runtime_shim.lazyfs``; ``"auto"`` falls back to a full pull with a warning), or
-    the node cache's unpacked dirs (``""``); ``"native"``: the kernel-served layers of
-    ``runtime_shim.lazyfs.native`` (mode ``native``)."""
-    if lazy == "native":
-        from runtime_shim.lazyfs.native import native_layer_dirs
-
-        return native_layer_dirs(str(node.root), store, lock.layers), "native"
-    if lazy:
-        from runtime_shim.lazyfs import lazy_layer_dirs
-        from runtime_shim.lazyfs.control import daemon_mode
-
-        try:
-            dirs = lazy_layer_dirs(node, store, lock.layers, lock.env, lock.cmd)
-            mode = daemon_mode(node.root) or "fuse"
-            if any(d.startswith(f"{node.root}/meta/") for d in dirs):
-                mode += "+meta"
-            return dirs, mode
-        except RuntimeShimError as e:
-            if lazy != "auto":
-                raise
-            _log.warning("lazy='auto': %s; pulling the layers in full instead", e.message)
-    return [str(node.ensure(store, layer.digest, layer.toc_digest, media_type=layer.media_type))
-            for layer in lock.layers], ""
 
 
 def _start(layout: NodeLayout, node: NodeCache, lock: ResolvedLock, layer_dirs: list[str],

@@ -57,7 +57,7 @@ def test_a_large_file_is_streamed_in_parallel_frames_and_arrives_verified(s3, mo
     (root / "data" / "big.bin").write_bytes(big)
     layer = _pack(store, root, tmp_path, "big")
     _lock(store, "big", [layer])
-    with Sandbox.create("big", store=store, node_dir=node_dir, lazy=True) as sb:
+    with Sandbox.create("big", store=store, node_dir=node_dir, lazy="fuse") as sb:
         mp = NodeCache(node_dir / "node").lazy_dir(layer.digest)
         before = lazy_stats(mp)
         r = sb.exec("sha256sum /data/big.bin")
@@ -90,7 +90,7 @@ def test_an_extension_modules_first_open_fetches_its_siblings_and_vendored_libs(
     (pkg / "unrelated.dat").write_bytes(os.urandom(2 * MiB))
     layer = _pack(store, root, tmp_path, "ext")
     _lock(store, "ext", [layer])
-    with Sandbox.create("ext", store=store, node_dir=node_dir, lazy=True) as sb:
+    with Sandbox.create("ext", store=store, node_dir=node_dir, lazy="fuse") as sb:
         mp = NodeCache(node_dir / "node").lazy_dir(layer.digest)
         assert sb.exec("true").exit_code == 0
         start = _settled(mp)
@@ -122,7 +122,7 @@ def test_a_recorded_profile_is_prefetched_in_a_few_coalesced_reads(s3, mode, tmp
         wanted.append(f"/srv/f{i:02}-a")
     layer = _pack(store, root, tmp_path, "prof")
     _lock(store, "prof", [layer])
-    with Sandbox.create("prof", store=store, node_dir=node_dir, lazy=True) as sb:
+    with Sandbox.create("prof", store=store, node_dir=node_dir, lazy="fuse") as sb:
         assert sb.exec("cat " + " ".join(wanted) + " > /dev/null").exit_code == 0
         ping = daemon_request(node_dir / "node", {"op": "ping"}, 5.0)
         assert ping is not None and ping["boto3_loaded"] is False, ping
@@ -133,7 +133,7 @@ def test_a_recorded_profile_is_prefetched_in_a_few_coalesced_reads(s3, mode, tmp
     assert "through its presigned URL" in log and "through the store instead" not in log, log
     other = tmp_path / "n2"
     try:
-        with Sandbox.create("prof", store=store, node_dir=other, lazy=True) as sb:
+        with Sandbox.create("prof", store=store, node_dir=other, lazy="fuse") as sb:
             mp = NodeCache(other / "node").lazy_dir(layer.digest)
             stats = _settled(mp)
             assert stats["files_verified"] >= 40, stats

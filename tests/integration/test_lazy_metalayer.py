@@ -64,7 +64,7 @@ def test_a_rerun_opens_fetched_files_without_the_daemon(lock2):  # noqa: F811
     store, node_dir, layers = lock2
     node = NodeCache(node_dir / "node")
     mounts = [node.lazy_dir(x.digest) for x in layers]
-    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as first:
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as first:
         assert not any("/meta/" in d for d in _lowerdirs(first))  # nothing yet
         assert first.info().lazy == "passthrough"
         a = first.exec(LISTING)  # reads every file: all fetched
@@ -77,7 +77,7 @@ def test_a_rerun_opens_fetched_files_without_the_daemon(lock2):  # noqa: F811
             assert (mounts[0] / p).read_bytes()
     _quiet(node_dir)
     with Sandbox.create("two", store=store, node_dir=node_dir) as full, \
-            Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb:
+            Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as sb:
         assert sb.info().lazy == "passthrough+meta"
         lowers = _lowerdirs(sb)
         metas = [d for d in lowers if "/meta/" in d]
@@ -132,14 +132,14 @@ def test_a_rerun_opens_fetched_files_without_the_daemon(lock2):  # noqa: F811
 def test_generations_are_built_once_shared_and_pinned(lock2):  # noqa: F811
     store, node_dir, layers = lock2
     node = NodeCache(node_dir / "node")
-    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb:
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as sb:
         assert sb.exec("sha256sum /data/small.txt").exit_code == 0
     _quiet(node_dir)
-    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as one:
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as one:
         gen = [d for d in _lowerdirs(one) if "/meta/" in d]
         assert len(gen) == 1 and layers[0].digest[7:] in gen[0]  # only the base had a fetch
         built = os.stat(Path(gen[0]).parent).st_ino
-        with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as two:
+        with Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as two:
             assert [d for d in _lowerdirs(two) if "/meta/" in d] == gen
             assert os.stat(Path(gen[0]).parent).st_ino == built  # shared, not rebuilt
             # read more: big.bin is fetched (through FUSE), the next create gets a new
@@ -147,7 +147,7 @@ def test_generations_are_built_once_shared_and_pinned(lock2):  # noqa: F811
             big = two.exec("sha256sum /data/big.bin")
             assert big.exit_code == 0
         _quiet(node_dir)
-        with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as three:
+        with Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as three:
             gen3 = [d for d in _lowerdirs(three) if "/meta/" in d]
             assert len(gen3) == 1 and gen3 != gen
             assert os.path.isdir(gen[0])  # the first sandbox still uses the old one
@@ -176,7 +176,7 @@ def test_a_create_right_after_a_close_does_not_wait_for_the_build_it_started(loc
     store, node_dir, layers = lock2
     node = NodeCache(node_dir / "node")
     base = layers[0].digest.removeprefix("sha256:")
-    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as first:
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as first:
         assert first.exec("sha256sum /data/small.txt /data/big.bin").exit_code == 0
         # the base layer's build cannot finish while we hold its lock (as if it were slow)
         fd = os.open(node.root / "locks" / f"{base}.meta.lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -186,7 +186,7 @@ def test_a_create_right_after_a_close_does_not_wait_for_the_build_it_started(loc
     assert time.monotonic() - t_close < metalayer.CLOSE_WAIT + 1.5
     try:
         t0 = time.monotonic()
-        with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as second:
+        with Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as second:
             took = time.monotonic() - t0
             lowers = _lowerdirs(second)
             assert not any(base in d for d in lowers if "/meta/" in d), lowers
@@ -198,7 +198,7 @@ def test_a_create_right_after_a_close_does_not_wait_for_the_build_it_started(loc
     finally:
         os.close(fd)
     _quiet(node_dir)
-    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as third:
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as third:
         metas = [d for d in _lowerdirs(third) if "/meta/" in d]
         assert any(base in d for d in metas), metas
         assert third.exec("cat /data/small.txt | wc -l").stdout == b"100\n"
@@ -207,11 +207,11 @@ def test_a_create_right_after_a_close_does_not_wait_for_the_build_it_started(loc
 def test_a_close_waits_for_its_build_so_the_next_create_has_the_meta_layer(lock2):  # noqa: F811
     store, node_dir, layers = lock2
     base = layers[0].digest.removeprefix("sha256:")
-    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as first:
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as first:
         assert first.exec("cat /data/small.txt /etc/os-release > /dev/null").exit_code == 0
     # no waiting here: the close returned once the build it started was done
     assert _building(node_dir) == 0
-    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as second:
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as second:
         assert second.info().lazy == "passthrough+meta"
         metas = [d for d in _lowerdirs(second) if "/meta/" in d]
         assert any(base in d for d in metas), metas
@@ -221,11 +221,11 @@ def test_a_close_waits_for_its_build_so_the_next_create_has_the_meta_layer(lock2
 def test_switched_off_or_on_the_fuse_fallback_there_is_no_meta_layer(lock2, monkeypatch):  # noqa: F811
     store, node_dir, layers = lock2
     node = NodeCache(node_dir / "node")
-    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb:
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as sb:
         assert sb.exec("sha256sum /data/small.txt").exit_code == 0
     _quiet(node_dir)
     monkeypatch.setenv(metalayer.ENV_SWITCH, "off")
-    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb:
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as sb:
         assert not any("/meta/" in d for d in _lowerdirs(sb))
         mp = node.lazy_dir(layers[0].digest)
         n = _opens(mp)
@@ -236,7 +236,7 @@ def test_switched_off_or_on_the_fuse_fallback_there_is_no_meta_layer(lock2, monk
     monkeypatch.setenv("ENVBUILD_LAZY_PASSTHROUGH", "off")
     monkeypatch.delenv(metalayer.ENV_SWITCH)
     for _ in range(2):
-        with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb:
+        with Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as sb:
             assert sb.info().lazy == "fuse"
             assert sb.exec("sha256sum /data/small.txt").exit_code == 0
             assert not any("/meta/" in d for d in _lowerdirs(sb))

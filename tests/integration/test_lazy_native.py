@@ -37,9 +37,11 @@ def lock2(tmp_path, node_dir):
 
 
 def test_native_and_full_sandboxes_see_the_same_tree(lock2):
+    """``lazy=True`` is the native filler: whiteouts, opaque dirs, replacements, modes,
+    owners, hardlinks (nlink 2), fifos, symlinks and xattrs as a full pull's."""
     store, node_dir, layers = lock2
     with Sandbox.create("two", store=store, node_dir=node_dir) as full, \
-            Sandbox.create("two", store=store, node_dir=node_dir, lazy="native") as lazy:
+            Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as lazy:
         assert full.info().lazy == "" and lazy.info().lazy == "native"
         objects = ObjectStore(node_dir / "node")
         big = objects.path(hashlib.sha256(
@@ -203,9 +205,10 @@ def test_a_filler_killed_mid_fill_is_correct_or_eio_never_wrong_and_resumes(
         assert objects.complete(want) and os.stat(objects.path(want)).st_size == 96 << 20
 
 
-def test_envbuild_run_lazy_native_of_the_busybox_env_node_ls_and_gc(envbuild_cli):
+def test_envbuild_run_lazy_of_the_busybox_env_is_native_node_ls_and_gc(envbuild_cli):
+    """``envbuild run --lazy`` is the native filler (``--lazy-native``: the same, strict)."""
     assert envbuild_cli("build").code == 0
-    result = envbuild_cli("run", "--lazy-native", "busybox-shell", "sh", "-c",
+    result = envbuild_cli("run", "--lazy", "busybox-shell", "sh", "-c",
                           "cat /etc/hostname >/dev/null; ls /bin | wc -l; echo ok")
     assert result.code == 0, result.err
     assert result.out.endswith("ok\n")
@@ -323,7 +326,7 @@ def test_a_checkpointable_native_sandbox_is_refused_in_one_line(tmp_path, node_d
     with pytest.raises(RuntimeShimError, match="cannot be checkpointed") as err:
         Sandbox.create("ck", store=store, node_dir=node_dir, lazy="native",
                        checkpointable=True)
-    assert "lazy=True or lazy=False" in (err.value.hint or "")
+    assert "lazy=False" in (err.value.hint or "")
     assert not (node_dir / "node" / "native").exists()
 
 
@@ -403,6 +406,110 @@ def test_a_node_dir_on_tmpfs_is_refused_in_one_line_with_nothing_left(tmp_path):
         for mnt in mounted_targets_under(str(node_dir)):   # a failing run's tree tmpfs
             unmount(mnt)
         shutil.rmtree(node_dir, ignore_errors=True)
+
+
+def test_lazy_true_where_no_pre_content_mark_can_be_made_is_a_full_pull_said_once(
+        tmp_path, caplog):
+    """``lazy=True`` on a node dir on tmpfs (no pre-content marks: what a kernel without
+    pre-content events answers too, found before anything is fetched or mounted) pulls the
+    layers in full with one logged line; ``info().lazy`` says why; no filler, no mount."""
+    import logging
+    import shutil
+    import tempfile
+
+    store, _ = _env(tmp_path, "shm2", {"data/a": b"x" * 1000})
+    node_dir = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="envbuild-native-test-"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="envbuild.sandbox"), \
+                Sandbox.create("shm2", store=store, node_dir=node_dir, lazy=True) as sb:
+            assert sb.info().lazy.startswith("full pull: the node's object store"), \
+                sb.info().lazy
+            assert "pre-content marks" in sb.info().lazy
+            assert sb.exec("wc -c /data/a").stdout.split()[0] == b"1000"
+        said = [r.getMessage() for r in caplog.records if r.name == "envbuild.sandbox"]
+        assert len(said) == 1 and "pulling the layers in full" in said[0], said
+        assert native.filler_request(str(node_dir / "node"), {"op": "ping"}, 1.0) is None
+        assert not (node_dir / "node" / "native").exists()
+        assert NodeCache(node_dir / "node").usage()   # pulled into the node cache
+    finally:
+        gc_sandboxes(node_dir)
+        NodeCache(node_dir / "node").evict(layers_in_use(node_dir), 0)
+        for mnt in mounted_targets_under(str(node_dir)):
+            unmount(mnt)
+        shutil.rmtree(node_dir, ignore_errors=True)
+
+
+def test_a_layer_with_a_device_node_is_refused_in_one_line_as_a_full_pull_is(tmp_path,
+                                                                              node_dir):
+    """A device node (other than the 0/0 whiteout) is refused by a native create in one
+    line naming it, its layer not mounted, as a full pull refuses it (``UnsafeLayerError``;
+    ``lazy="auto"`` falls back to that full pull)."""
+    import stat
+
+    from envbuild.errors import RuntimeShimError, UnsafeLayerError
+    from tests.integration.test_container_runtime import make_busybox_root
+
+    require_root()
+    require_tool("runc")
+    store = LocalStore(tmp_path / "store")
+    base = make_busybox_root(tmp_path / "dev-base")
+    top = tmp_path / "dev-top"
+    (top / "data").mkdir(parents=True)
+    os.mknod(top / "data" / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    layers = [_pack(store, base, tmp_path, "dev-base"), _pack(store, top, tmp_path, "dev-top")]
+    _lock(store, "dev", layers)
+    with pytest.raises(RuntimeShimError, match="hold no device nodes: /data/null") as err:
+        Sandbox.create("dev", store=store, node_dir=node_dir, lazy=True)
+    assert "\n" not in err.value.message and "lazy=False" in (err.value.hint or "")
+    # the device's layer is not mounted (the busybox one may be: the node's, shared)
+    assert not any(m.endswith(layers[1].digest[7:])
+                   for m in mounted_targets_under(str(node_dir / "node" / "native")))
+    for lazy in ("auto", False):   # auto: a full pull, which refuses devices as well
+        with pytest.raises(UnsafeLayerError, match="data/null is a char node, refused"):
+            Sandbox.create("dev", store=store, node_dir=node_dir, lazy=lazy)
+
+
+def test_a_store_the_filler_cannot_open_is_an_error_for_true_a_full_pull_for_auto(
+        tmp_path, node_dir):
+    """The filler is another process and opens the store by URL: a memory store is refused
+    in one line with ``lazy=True``; ``lazy="auto"`` pulls it in full and says why."""
+    from envbuild.errors import RuntimeShimError
+    from envbuild.store import MemoryStore
+    from envbuild.store.sync import sync
+
+    store, _ = _env(tmp_path, "mem", {"data/m": b"m\n"})
+    memory = MemoryStore()
+    sync(store, memory, refs=["env/mem"])
+    with pytest.raises(RuntimeShimError, match="cannot serve layers"):
+        Sandbox.create("mem", store=memory, node_dir=node_dir, lazy=True)
+    with Sandbox.create("mem", store=memory, node_dir=node_dir, lazy="auto") as sb:
+        assert sb.info().lazy.startswith("full pull: lazy mode cannot serve layers"), \
+            sb.info().lazy
+        assert sb.exec("cat /data/m").stdout == b"m\n"
+    assert not (node_dir / "node" / "native").exists()
+
+
+def test_a_checkpointable_lazy_sandbox_is_a_full_pull_and_checkpoints(tmp_path, node_dir,
+                                                                      caplog):
+    """``lazy=True`` with ``checkpointable=True``: CRIU cannot dump files mapped from the
+    native layers, so the layers are pulled in full (one logged line, ``info().lazy`` says
+    why) and the checkpoint is taken."""
+    import logging
+
+    store, _ = _env(tmp_path, "ck2", {"data/seed": b"7\n"})
+    with caplog.at_level(logging.WARNING, logger="envbuild.sandbox"):
+        sb = Sandbox.create("ck2", store=store, node_dir=node_dir, lazy=True,
+                            checkpointable=True)
+    try:
+        assert sb.info().lazy.startswith("full pull: a checkpointable sandbox"), sb.info().lazy
+        assert sb.exec("cat /data/seed").stdout == b"7\n"
+        made = sb.checkpoint()
+        assert made.lock
+    finally:
+        sb.close()
+    said = [r.getMessage() for r in caplog.records if r.name == "envbuild.sandbox"]
+    assert len(said) == 1 and "checkpointable" in said[0], said
+    assert not (node_dir / "node" / "native").exists()
 
 
 class _SlowRanges:

@@ -67,7 +67,7 @@ def _ping(node_dir: Path) -> dict:
 def test_identical_files_of_two_layers_are_fetched_once(dup, mode):
     store, node_dir, layers, payload = dup
     node = NodeCache(node_dir / "node")
-    with Sandbox.create("dup", store=store, node_dir=node_dir, lazy=True) as sb:
+    with Sandbox.create("dup", store=store, node_dir=node_dir, lazy="fuse") as sb:
         assert _ping(node_dir)["mode"] == mode
         r = sb.exec("sha256sum /a/blob /b/blob")
         assert r.exit_code == 0, r.stderr
@@ -112,7 +112,7 @@ def test_a_burst_of_sandboxes_fetches_each_byte_once_within_the_concurrency_boun
 
     def start() -> None:
         try:
-            sb = Sandbox.create("dup", store=store, node_dir=node_dir, lazy=True)
+            sb = Sandbox.create("dup", store=store, node_dir=node_dir, lazy="fuse")
             boxes.append(sb)
             barrier.wait(30)
             r = sb.exec("sha256sum /a/blob /a/other")
@@ -148,7 +148,7 @@ def test_a_burst_of_sandboxes_fetches_each_byte_once_within_the_concurrency_boun
 def test_a_corrupt_blob_is_eio_and_nothing_unverified_is_cached(dup, mode):
     store, node_dir, layers, payload = dup
     blob = store.blob_path(layers[0].digest)
-    with Sandbox.create("dup", store=store, node_dir=node_dir, lazy=True) as sb:
+    with Sandbox.create("dup", store=store, node_dir=node_dir, lazy="fuse") as sb:
         # flip a byte inside /a/blob's frame (its compressed bytes are the random payload)
         data = bytearray(blob.read_bytes())
         at = data.find(payload[4096:4160])
@@ -172,7 +172,7 @@ def test_a_store_that_stops_answering_is_eio_in_bounded_time(dup, mode, monkeypa
     store, node_dir, layers, payload = dup
     monkeypatch.setenv("ENVBUILD_LAZY_FETCH_TIMEOUT", "2")
     blob = store.blob_path(layers[0].digest)
-    with Sandbox.create("dup", store=store, node_dir=node_dir, lazy=True) as sb:
+    with Sandbox.create("dup", store=store, node_dir=node_dir, lazy="fuse") as sb:
         assert sb.exec("cat /bin/busybox > /dev/null").exit_code == 0
         # the store hangs: the blob becomes a FIFO nobody writes (open blocks forever)
         os.unlink(blob)
@@ -200,24 +200,27 @@ def _unblock(fifo: Path) -> None:
         pass
 
 
-def test_lazy_auto_falls_back_to_a_full_pull_when_the_daemon_cannot_start(
+def test_a_daemon_that_cannot_start_is_an_error_and_its_switches_refused_natively(
         dup, mode, monkeypatch):
+    """``lazy="fuse"`` whose daemon cannot start is an error; the FUSE switch that broke it
+    is refused in one line by a native lazy create (it would change nothing there)."""
     store, node_dir, layers, payload = dup
     monkeypatch.setenv("ENVBUILD_LAZY_FETCH_CONCURRENCY", "many")  # the daemon exits 1
     with pytest.raises(RuntimeShimError, match="lazy layer daemon exited 1"):
-        Sandbox.create("dup", store=store, node_dir=node_dir, lazy=True)
-    with Sandbox.create("dup", store=store, node_dir=node_dir, lazy="auto") as sb:
-        assert sb.info().lazy == ""
-        r = sb.exec("cat /b/blob | sha256sum")
-        assert r.exit_code == 0, r.stderr
-    assert NodeCache(node_dir / "node").usage()  # pulled in full into the node cache
+        Sandbox.create("dup", store=store, node_dir=node_dir, lazy="fuse")
+    for lazy in (True, "auto", "native"):
+        with pytest.raises(RuntimeShimError, match="switch of the FUSE lazy stacks") as err:
+            Sandbox.create("dup", store=store, node_dir=node_dir, lazy=lazy)
+        assert "ENVBUILD_LAZY_FETCH_CONCURRENCY" in (err.value.hint or "")
+        assert "\n" not in err.value.message
+    assert not (node_dir / "node" / "native").exists()
     with pytest.raises(RuntimeShimError, match="lazy must be"):
         Sandbox.create("dup", store=store, node_dir=node_dir, lazy="yes")
 
 
 def test_node_ls_reports_the_mode(dup, mode):
     store, node_dir, layers, payload = dup
-    with Sandbox.create("dup", store=store, node_dir=node_dir, lazy=True):
+    with Sandbox.create("dup", store=store, node_dir=node_dir, lazy="fuse"):
         from click.testing import CliRunner
 
         from envbuild.cli.main import cli
@@ -251,14 +254,14 @@ def test_a_node_that_has_the_files_fetches_none_of_them_again(tmp_path, monkeypa
     node_dir = tmp_path / "n"
     node = NodeCache(node_dir / "node")
     try:
-        with Sandbox.create("warm", store=store, node_dir=node_dir, lazy=True) as sb:
+        with Sandbox.create("warm", store=store, node_dir=node_dir, lazy="fuse") as sb:
             assert _ping(node_dir)["mode"] == "passthrough"
             r = sb.exec(["cat", *(f"/opt/pkg/{n}" for n in names)])
             assert r.exit_code == 0 and len(r.stdout) == 4 * 300_000, r.stderr
         node.evict((), 0)   # the daemon exits with its mounts; files/ stays
         for d in ("chunks", "meta"):
             shutil.rmtree(node_dir / "node" / d, ignore_errors=True)
-        with Sandbox.create("warm", store=store, node_dir=node_dir, lazy=True) as sb:
+        with Sandbox.create("warm", store=store, node_dir=node_dir, lazy="fuse") as sb:
             r = sb.exec(["cat", f"/opt/pkg/{names[0]}"])
             assert r.exit_code == 0, r.stderr
             time.sleep(0.5)   # the extension readahead runs in the background

@@ -193,7 +193,7 @@ LISTING = ("find / -xdev ! -path '/.envbuild*' ! -path '/proc*' ! -path '/sys*' 
 def test_lazy_and_full_sandboxes_see_the_same_tree(lock2, lazy_mode):
     store, node_dir, layers = lock2
     with Sandbox.create("two", store=store, node_dir=node_dir) as full, \
-            Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as lazy:
+            Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as lazy:
         assert full.info().lazy == "" and lazy.info().lazy == lazy_mode
         a, b = full.exec(LISTING), lazy.exec(LISTING)
         assert a.exit_code == 0, a.stderr
@@ -228,7 +228,7 @@ def test_lazy_and_full_sandboxes_see_the_same_tree(lock2, lazy_mode):
 def test_starts_before_contents_are_fetched_and_shares_the_mounts(lock2):
     store, node_dir, layers = lock2
     node = NodeCache(node_dir / "node")
-    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb:
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as sb:
         mounts = [node.lazy_dir(layer.digest) for layer in layers]
         before = [lazy_stats(mp) for mp in mounts]
         for s in before:  # footer + TOC only
@@ -243,7 +243,7 @@ def test_starts_before_contents_are_fetched_and_shares_the_mounts(lock2):
         assert _pieces(node_dir) > 0
         # a second sandbox shares the daemons, their chunk cache and the page cache: its
         # start and the same read fetch nothing more
-        with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb2:
+        with Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as sb2:
             assert [lazy_stats(mp)["pid"] for mp in mounts] == [s["pid"] for s in before]
             assert sb2.exec("sha256sum /data/big.bin").stdout == r.stdout
             assert lazy_stats(mounts[0])["requests"] == base["requests"]
@@ -252,7 +252,7 @@ def test_starts_before_contents_are_fetched_and_shares_the_mounts(lock2):
 def test_writes_go_to_the_sandbox_upper_dir(lock2):
     store, node_dir, layers = lock2
     node = NodeCache(node_dir / "node")
-    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb:
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as sb:
         r = sb.exec("echo new > /etc/new && echo more >> /data/small.txt && rm /etc/added "
                     "&& rm -r /data/deep && cat /data/small.txt | wc -l")
         assert r.exit_code == 0, r.stderr
@@ -365,21 +365,7 @@ def test_a_daemon_that_cannot_serve_is_a_clear_error(lock2):
     memory = MemoryStore()
     sync(store, memory, refs=["env/two"])
     with pytest.raises(RuntimeShimError, match="cannot serve layers"):
-        Sandbox.create("two", store=memory, node_dir=node_dir, lazy=True)
-
-
-def test_envbuild_run_lazy_and_node_gc(envbuild_cli):
-    require_tool("fusermount3")
-    assert envbuild_cli("build").code == 0
-    result = envbuild_cli("run", "--lazy", "busybox-shell", "sh", "-c", "cat /etc/hostname; echo ok")
-    assert result.code == 0, result.err
-    assert result.out.endswith("ok\n")
-    node_dir = envbuild_cli.node
-    assert mounted_targets_under(str(node_dir / "node" / "lazy")) != []  # shared, kept up
-    gc = envbuild_cli("node", "gc")
-    assert gc.code == 0, gc.err
-    assert mounted_targets_under(str(node_dir)) == []
-    _no_leftovers(node_dir)
+        Sandbox.create("two", store=memory, node_dir=node_dir, lazy="fuse")
 
 
 def test_lazy_sandbox_from_s3(s3_env, tmp_path):  # noqa: F811  (fixture)
@@ -394,7 +380,7 @@ def test_lazy_sandbox_from_s3(s3_env, tmp_path):  # noqa: F811  (fixture)
     _lock(store, "two", [base, upper])
     node_dir = tmp_path / "n"
     try:
-        with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb:
+        with Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as sb:
             mp = NodeCache(node_dir / "node").lazy_dir(base.digest)
             assert lazy_stats(mp)["frames_fetched"] == 0
             r = sb.exec("cat /etc/os-release; ls /opq; test -e /etc/gone || echo gone; "
@@ -423,7 +409,7 @@ def test_a_lazy_profile_is_recorded_then_prefetched(lock2, tmp_path):
 
     store, node_dir, layers = lock2
     digests = [x.digest for x in layers]
-    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb:
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy="fuse") as sb:
         assert sb.exec("cat /data/small.txt /etc/added >/dev/null").exit_code == 0
     NodeCache(node_dir / "node").evict((), 0)  # unmounting saves the profile
     assert store.list_records(PROFILE_NAMESPACE) == [profile_key(digests)]
@@ -434,7 +420,7 @@ def test_a_lazy_profile_is_recorded_then_prefetched(lock2, tmp_path):
     assert profile[digests[1]] == ["etc/added"]
     other = tmp_path / "n2"
     try:
-        with Sandbox.create("two", store=store, node_dir=other, lazy=True) as sb:
+        with Sandbox.create("two", store=store, node_dir=other, lazy="fuse") as sb:
             mp = NodeCache(other / "node").lazy_dir(digests[0])
             stats = _settled(mp)
             assert stats["files_verified"] >= 2 and stats["frames_fetched"] > 0

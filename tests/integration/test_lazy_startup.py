@@ -106,7 +106,7 @@ def test_a_lazy_create_fetches_the_start_up_files_before_they_are_opened(startup
     def on_node(p: Path) -> bool:
         return (files / hashlib.sha256(p.read_bytes()).hexdigest()).is_file()
 
-    with Sandbox.create("startup", store=store, node_dir=node_dir, lazy=True) as sb:
+    with Sandbox.create("startup", store=store, node_dir=node_dir, lazy="fuse") as sb:
         assert sb.info().lazy.startswith("passthrough")
         # before any command: every start-up file is on the node (fetched and verified),
         # the control is not (the base's hidden passwd may be: it shares etc/group's frame)
@@ -188,7 +188,7 @@ def test_a_lazy_create_fetches_pythons_start_up_files(python_lock, monkeypatch, 
     def on_node(p: Path) -> bool:
         return (files / hashlib.sha256(p.read_bytes()).hexdigest()).is_file()
 
-    with Sandbox.create("pystart", store=store, node_dir=node_dir, lazy=True) as sb:
+    with Sandbox.create("pystart", store=store, node_dir=node_dir, lazy="fuse") as sb:
         assert sb.info().lazy.startswith("passthrough")
         # before any command runs: on the node (fetched, verified, written) — or, switched
         # off, not (nothing opened them: the interpreter's first open would predict them)
