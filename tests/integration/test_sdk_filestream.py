@@ -161,3 +161,15 @@ def test_an_existing_file_is_rewritten_in_place(sandbox):
         w.close()
     assert sandbox.exec("stat -c %i /tmp/inplace/f").stdout == inode
     assert sandbox.read_file("/tmp/inplace/hard") == b"new\n"
+
+
+def test_a_rewrite_in_place_takes_the_new_size(sandbox):
+    """The new bytes are copied over the old ones and the file cut to their size: a shorter
+    rewrite leaves nothing of the old tail, a longer one grows the file (same inode)."""
+    sandbox.write_file("/tmp/resize", b"x" * (3 * MIB))
+    inode = sandbox.exec("stat -c %i /tmp/resize").stdout
+    for data in (b"short", os.urandom(MIB + 7), b""):
+        with sandbox.write_stream("/tmp/resize") as s:
+            s.write(data)
+        assert sandbox.read_file("/tmp/resize") == data
+        assert sandbox.exec("stat -c %i /tmp/resize").stdout == inode
