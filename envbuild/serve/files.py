@@ -4,11 +4,11 @@ may be ``Content-Encoding: gzip``; at most ``max_upload`` bytes a request, count
 written) and ``GET /health``.
 
 Both stream (``runtime_shim``'s ``read_stream`` / ``write_stream``): a download is sent from
-the sandbox's file with ``sendfile``, an upload goes to the sandbox as it arrives, in pieces
-of at most ``_CHUNK``, into a new file published whole once its part ended, owned by the
-requesting user from the start. The server holds at most about one piece of a file, and
-nothing of a part refused half-way (over ``max_upload``, a broken body) is ever seen at its
-path.
+the sandbox's file with ``sendfile``, an upload goes to the sandbox as it arrives (multipart
+parts cut by ``formdata``, no copy of the bulk on the way), in pieces of about ``_CHUNK``,
+into a new file published whole once its part ended, owned by the requesting user from the
+start. The server holds at most about two pieces of a file, and nothing of a part refused
+half-way (over ``max_upload``, a broken body) is ever seen at its path.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ import re
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.helpers import parse_mimetype
 
 from envbuild.errors import EnvbuildError
 from envbuild.serve import users
+from envbuild.serve.formdata import BrokenBody, FormData
 from envbuild.serve.sandboxes import Entry
 
 ENTRY = web.RequestKey("entry", Entry)
@@ -42,10 +44,9 @@ async def _user(request: web.Request, entry: Entry) -> users.User:
         raise web.HTTPBadRequest(text=str(e)) from None
 
 
-def _filename(part: object) -> str | None:
-    """The part's file name as sent (aiohttp's ``filename`` drops a leading ``/``; E2B's SDK
-    sends each file's absolute path there)."""
-    header = getattr(part, "headers", {}).get("Content-Disposition", "")
+def _filename(header: str) -> str | None:
+    """The file name of a part's ``Content-Disposition`` as sent (E2B's SDK sends each file's
+    absolute path there)."""
     m = _FILENAME.search(header)
     if m is None:
         return None
@@ -97,24 +98,27 @@ async def upload(request: web.Request) -> web.Response:
     single = request.query.get("path")
     if request.content_type == "application/octet-stream":
         return await _upload_raw(request, entry, single, user, limit)
-    try:
-        reader = await request.multipart()
-    except (AssertionError, ValueError):
+    boundary = parse_mimetype(request.headers.get("Content-Type", "")).parameters.get(
+        "boundary", "")
+    if request.content_type != "multipart/form-data" or not boundary:
         return _error(400, "the upload must be multipart/form-data")
+    form = FormData(request.content, boundary)
     written, total = [], 0
-    while (part := await reader.next()) is not None:
-        name = single or _filename(part)
-        if not name:
-            return _error(400, "a file part without a path")
-        path = users.absolute(name, user)
-        try:
-            total = await _store(part.read_chunk, entry, path, user,  # type: ignore[union-attr]
-                                 total, limit)
-        except _Refused as e:
-            return _error(e.status, e.message)
-        except EnvbuildError as e:
-            return _error(400, f"write {path}: {e.message}")
-        written.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
+    try:
+        while (headers := await form.next_part()) is not None:
+            name = single or _filename(headers.get("content-disposition", ""))
+            if not name:
+                return _error(400, "a file part without a path")
+            path = users.absolute(name, user)
+            try:
+                total = await _store(form.read, entry, path, user, total, limit)
+            except EnvbuildError as e:
+                return _error(400, f"write {path}: {e.message}")
+            written.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
+    except _Refused as e:
+        return _error(e.status, e.message)
+    except (BrokenBody, web.RequestPayloadError) as e:
+        return _error(400, f"the upload's body is broken: {str(e).strip()[:200]}")
     return web.json_response(written)
 
 
@@ -125,7 +129,7 @@ async def _upload_raw(request: web.Request, entry: Entry, name: str | None, user
         return _error(400, "an octet-stream upload needs ?path=")
     path = users.absolute(name, user)
     try:
-        await _store(request.content.read, entry, path, user, 0, limit)
+        await _store(request.content.readany, entry, path, user, 0, limit)
     except _Refused as e:
         return _error(e.status, e.message)
     except EnvbuildError as e:
@@ -133,41 +137,44 @@ async def _upload_raw(request: web.Request, entry: Entry, name: str | None, user
     return web.json_response([{"name": path.rsplit("/", 1)[-1], "type": "file", "path": path}])
 
 
-async def _store(read: Callable[[int], Awaitable[bytes]], entry: Entry, path: str,
+async def _store(read: Callable[[], Awaitable[bytes | memoryview]], entry: Entry, path: str,
                  user: users.User, total: int, limit: int) -> int:
-    """The bytes of ``read`` into ``path`` as ``user`` (E2B's envd writes as the user: a
-    user's uploads are theirs to change; directories the write made are root's); the
-    request's byte count after it. Over ``limit`` or a broken body (a bad gzip stream, a
-    malformed part): ``_Refused``, nothing written. One piece is written while the next is
-    received (so at most two are held)."""
+    """The pieces of ``read`` (empty at the end) into ``path`` as ``user`` (E2B's envd writes
+    as the user: a user's uploads are theirs to change; directories the write made are
+    root's); the request's byte count after it. Over ``limit`` or a broken body (a bad gzip
+    stream, a malformed part): ``_Refused``, nothing written. Pieces are gathered up to
+    ``_CHUNK`` and written while the next ones are received (so at most two such are held)."""
     writer = await entry.sandbox.write_stream(path, user=user.spec)
     async with writer:  # committed when the part ends; aborted on any error
         writing: asyncio.Future[None] | None = None
         try:
-            buf = bytearray()
+            pieces: list[bytes | memoryview] = []
+            held = 0
             while chunk := await _read(read):
                 total += len(chunk)
                 if total > limit:
                     raise _Refused(413, f"upload is over {limit} bytes")
-                buf += chunk
-                if len(buf) >= _CHUNK:
+                pieces.append(chunk)
+                held += len(chunk)
+                if held >= _CHUNK:
                     if writing is not None:
                         await writing
-                    writing, buf = asyncio.ensure_future(writer.write(buf)), bytearray()
+                    writing = asyncio.ensure_future(writer.write(b"".join(pieces)))
+                    pieces, held = [], 0
             if writing is not None:
                 await writing
-            if buf:
-                await writer.write(buf)
+            if pieces:
+                await writer.write(b"".join(pieces))
         finally:  # never abort (close the file) while a piece is being written to it
             if writing is not None and not writing.done():
                 await asyncio.wait([writing])
     return total
 
 
-async def _read(read: Callable[[int], Awaitable[bytes]]) -> bytes:
+async def _read(read: Callable[[], Awaitable[bytes | memoryview]]) -> bytes | memoryview:
     try:
-        return await read(_CHUNK)
-    except (web.RequestPayloadError, ValueError) as e:
+        return await read()
+    except (web.RequestPayloadError, ValueError) as e:  # BrokenBody is a ValueError
         raise _Refused(400, f"the upload's body is broken: {str(e).strip()[:200]}") from None
 
 
