@@ -15,7 +15,7 @@ new target is written under its own name (as E2B's envd does: a watcher sees it 
 then written), and ``abort`` (or any error) removes it again. An existing one (a regular file,
 or a symlink to one, resolved inside the root) keeps its bytes until ``commit``: the new ones
 go to a hidden file beside it (``.NAME.envbuild-XXXXXXXX``) and are copied into it in place
-at ``commit`` (same inode, as ``write_file``; a clone where the filesystem can), ``abort``
+at ``commit`` (same inode, as ``write_file``; a page-cache copy, not a clone), ``abort``
 drops them. So nothing of a refused write is left at the path; a directory, FIFO, device or
 socket is refused.
 """
@@ -250,11 +250,13 @@ class FileWriter(CommitOnExit):
     def _copy_into_existing(self) -> None:
         """The finished bytes into the existing file (through a symlink, resolved inside the
         root): truncated and rewritten in place, as ``write_file`` and E2B's envd do, so its
-        inode, links and watchers' ``write`` events stay; a clone where the filesystem can
-        (``copy_file_range``: btrfs, XFS), a kernel copy elsewhere. Copied over the old bytes,
-        then cut to the new size: no truncate to 0 first, which on ext4 frees the old blocks
-        only to allocate them again and starts a flush at close (``auto_da_alloc``), ~2x the
-        commit's time for 10 MiB."""
+        inode, links and watchers' ``write`` events stay. A kernel copy through the page cache
+        (``sendfile``), not a clone: a clone (``copy_file_range`` on btrfs, XFS) first writes
+        the new bytes to disk and waits (10 MiB on the node's btrfs pool: 22 ms, against 8 ms
+        copied; the hidden file is gone before it would ever be written back). Copied over the
+        old bytes, then cut to the new size: no truncate to 0 first, which on ext4 frees the
+        old blocks only to allocate them again and starts a flush at close (``auto_da_alloc``),
+        ~2x the commit's time for 10 MiB."""
         root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fd = _open_for_write(root_fd, self.path, self.mode, truncate=False)
@@ -264,14 +266,8 @@ class FileWriter(CommitOnExit):
             offset = 0
             while offset < self.written:
                 count = min(self.written - offset, 1 << 30)
-                try:
-                    n = os.copy_file_range(self._fd, fd, count, offset, offset)
-                except OSError as e:
-                    if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS,
-                                       errno.EOPNOTSUPP):
-                        raise
-                    os.lseek(fd, offset, os.SEEK_SET)
-                    n = os.sendfile(fd, self._fd, offset, count)
+                os.lseek(fd, offset, os.SEEK_SET)
+                n = os.sendfile(fd, self._fd, offset, count)
                 if n == 0:
                     raise OSError(errno.EIO, "the file shrank while it was copied")
                 offset += n

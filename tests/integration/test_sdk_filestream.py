@@ -12,7 +12,7 @@ import tracemalloc
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from runtime_shim import AsyncSandbox, Sandbox
+from runtime_shim import AsyncSandbox, Limits, Sandbox
 from runtime_shim.backends.base import FileStreams
 from tests.integration.conftest import build_busybox_env
 
@@ -163,13 +163,18 @@ def test_an_existing_file_is_rewritten_in_place(sandbox):
     assert sandbox.read_file("/tmp/inplace/hard") == b"new\n"
 
 
-def test_a_rewrite_in_place_takes_the_new_size(sandbox):
+@pytest.mark.parametrize("disk", [None, 256 * MIB], ids=["overlay", "disk-pool"])
+def test_a_rewrite_in_place_takes_the_new_size(built, disk):
     """The new bytes are copied over the old ones and the file cut to their size: a shorter
-    rewrite leaves nothing of the old tail, a longer one grows the file (same inode)."""
-    sandbox.write_file("/tmp/resize", b"x" * (3 * MIB))
-    inode = sandbox.exec("stat -c %i /tmp/resize").stdout
-    for data in (b"short", os.urandom(MIB + 7), b""):
-        with sandbox.write_stream("/tmp/resize") as s:
-            s.write(data)
-        assert sandbox.read_file("/tmp/resize") == data
-        assert sandbox.exec("stat -c %i /tmp/resize").stdout == inode
+    rewrite leaves nothing of the old tail, a longer one grows the file (same inode) — on the
+    host's filesystem and on the node's btrfs disk pool (a disk cap)."""
+    store, node = built
+    limits = Limits(disk_bytes=disk) if disk else None
+    with Sandbox.create(ENV, store=store, node_dir=node, limits=limits) as sb:
+        sb.write_file("/tmp/resize", b"x" * (3 * MIB))
+        inode = sb.exec("stat -c %i /tmp/resize").stdout
+        for data in (b"short", os.urandom(MIB + 7), b""):
+            with sb.write_stream("/tmp/resize") as s:
+                s.write(data)
+            assert sb.read_file("/tmp/resize") == data
+            assert sb.exec("stat -c %i /tmp/resize").stdout == inode
