@@ -7,8 +7,11 @@ Both stream (``runtime_shim``'s ``read_stream`` / ``write_stream``): a download 
 the sandbox's file with ``sendfile``, an upload goes to the sandbox as it arrives (multipart
 parts cut by ``formdata``, no copy of the bulk on the way), in pieces of about ``_CHUNK``,
 into a new file published whole once its part ended, owned by the requesting user from the
-start. The server holds at most about two pieces of a file, and nothing of a part refused
-half-way (over ``max_upload``, a broken body) is ever seen at its path.
+start. The server holds at most about two pieces of a file — or, for an upload of at most
+16 MiB over an existing file, the whole of it while ``HOLD`` (64 MiB for all uploads) has
+room, written straight into the file at the end instead of twice through a hidden one —
+and nothing of a part refused half-way (over ``max_upload``, a broken body) is ever seen
+at its path.
 """
 
 from __future__ import annotations
@@ -29,6 +32,28 @@ from envbuild.serve.sandboxes import Entry
 ENTRY = web.RequestKey("entry", Entry)
 MAX_UPLOAD = web.AppKey("max_upload", int)
 _CHUNK = 1 << 20
+
+
+class HoldBudget:
+    """Bytes all uploads together may hold in memory (``write_stream``'s ``hold``: an
+    existing file's new bytes written straight into it at the end, not twice through a
+    hidden file): an upload of at most ``one`` bytes takes its length while ``total`` has
+    room; otherwise 0 (it streams through a hidden file as before). On the event loop only."""
+
+    def __init__(self, total: int = 64 << 20, one: int = 16 << 20) -> None:
+        self.total, self.one, self.free = total, one, total
+
+    def take(self, length: int | None) -> int:
+        if length is None or not 0 < length <= min(self.one, self.free):
+            return 0
+        self.free -= length
+        return length
+
+    def give(self, length: int) -> None:
+        self.free += length
+
+
+HOLD = HoldBudget()
 #: filename="quoted, with \\-escapes" or filename=token, of a Content-Disposition header
 _FILENAME = re.compile(r'(?:^|;)\s*filename=(?:"((?:[^"\\]|\\.)*)"|([^;"]+))')
 
@@ -90,14 +115,22 @@ class _Refused(Exception):
 
 
 async def upload(request: web.Request) -> web.Response:
-    entry = request[ENTRY]
     limit = request.app[MAX_UPLOAD]
     if request.content_length is not None and request.content_length > limit:
         return _error(413, f"upload of {request.content_length} bytes is over {limit}")
+    hold = HOLD.take(request.content_length)
+    try:
+        return await _upload(request, limit, hold)
+    finally:
+        HOLD.give(hold)
+
+
+async def _upload(request: web.Request, limit: int, hold: int) -> web.Response:
+    entry = request[ENTRY]
     user = await _user(request, entry)
     single = request.query.get("path")
     if request.content_type == "application/octet-stream":
-        return await _upload_raw(request, entry, single, user, limit)
+        return await _upload_raw(request, entry, single, user, (limit, hold))
     boundary = parse_mimetype(request.headers.get("Content-Type", "")).parameters.get(
         "boundary", "")
     if request.content_type != "multipart/form-data" or not boundary:
@@ -111,7 +144,7 @@ async def upload(request: web.Request) -> web.Response:
                 return _error(400, "a file part without a path")
             path = users.absolute(name, user)
             try:
-                total = await _store(form.read, entry, path, user, total, limit)
+                total = await _store(form.read, entry, path, user, total, (limit, hold))
             except EnvbuildError as e:
                 return _error(400, f"write {path}: {e.message}")
             written.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
@@ -123,13 +156,13 @@ async def upload(request: web.Request) -> web.Response:
 
 
 async def _upload_raw(request: web.Request, entry: Entry, name: str | None, user: users.User,
-                      limit: int) -> web.Response:
+                      bounds: tuple[int, int]) -> web.Response:
     """The body is the file (aiohttp has undone a gzip ``Content-Encoding`` on the way)."""
     if not name:
         return _error(400, "an octet-stream upload needs ?path=")
     path = users.absolute(name, user)
     try:
-        await _store(request.content.readany, entry, path, user, 0, limit)
+        await _store(request.content.readany, entry, path, user, 0, bounds)
     except _Refused as e:
         return _error(e.status, e.message)
     except EnvbuildError as e:
@@ -138,13 +171,15 @@ async def _upload_raw(request: web.Request, entry: Entry, name: str | None, user
 
 
 async def _store(read: Callable[[], Awaitable[bytes | memoryview]], entry: Entry, path: str,
-                 user: users.User, total: int, limit: int) -> int:
+                 user: users.User, total: int, bounds: tuple[int, int]) -> int:
     """The pieces of ``read`` (empty at the end) into ``path`` as ``user`` (E2B's envd writes
     as the user: a user's uploads are theirs to change; directories the write made are
     root's); the request's byte count after it. Over ``limit`` or a broken body (a bad gzip
     stream, a malformed part): ``_Refused``, nothing written. Pieces are gathered up to
-    ``_CHUNK`` and written while the next ones are received (so at most two such are held)."""
-    writer = await entry.sandbox.write_stream(path, user=user.spec)
+    ``_CHUNK`` and written while the next ones are received (so at most two such are held,
+    besides what ``bounds``' second, the ``HoldBudget`` share, lets the writer hold)."""
+    limit, hold = bounds
+    writer = await entry.sandbox.write_stream(path, user=user.spec, hold=hold)
     async with writer:  # committed when the part ends; aborted on any error
         writing: asyncio.Future[None] | None = None
         try:

@@ -168,9 +168,9 @@ class FleetServed:
         travel whole)."""
         return io.BytesIO(await self.read_file(path))
 
-    async def write_stream(self, path: str, mode: int = 0o644, user: str | None = None
-                           ) -> FleetWriter:
-        return FleetWriter(self, path, mode, user)
+    async def write_stream(self, path: str, mode: int = 0o644, user: str | None = None,
+                           hold: int = 0) -> FleetWriter:
+        return FleetWriter(self, path, mode, user)  # holds the whole file whatever ``hold``
 
     async def start(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
                     cwd: str | None = None, user: str | None = None,

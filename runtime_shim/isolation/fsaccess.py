@@ -146,6 +146,12 @@ def write_file(root: str, path: str, data: bytes, *, mode: int = 0o644, uid: int
         os.close(fd)
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def _split(path: str) -> tuple[str, str]:
     """``path``'s parent (absolute) and last component; a path naming no file is refused."""
     parent, _, name = ("/" + path.strip("/")).rpartition("/")
@@ -178,12 +184,18 @@ class CommitOnExit:
 class FileWriter(CommitOnExit):
     """Regular file ``path`` inside ``root`` written in pieces (``write``) and published whole
     (``commit``), owned by ``uid:gid`` with ``mode`` (see the module docstring). As a context
-    manager: committed when the block ends, aborted when it raises."""
+    manager: committed when the block ends, aborted when it raises.
+
+    ``hold``: the new bytes of an existing target are kept in memory up to this many (the
+    caller's bound) and written straight into it at ``commit``; a hidden file is made only
+    if they grow past it. Saves writing them twice (10 MiB on a btrfs pool: ~7 ms)."""
 
     def __init__(self, root: str, path: str, *, mode: int = 0o644, uid: int = 0, gid: int = 0,
-                 make_parents: bool = True) -> None:
+                 make_parents: bool = True, hold: int = 0) -> None:
         self.root, self.path, self.mode, self.uid, self.gid = root, path, mode, uid, gid
         self.written, self._fd, self._dir = 0, -1, -1
+        self._hold, self._ended = hold, False
+        self._held: list[bytes] | None = None  # held bytes of an existing target
         parent, self._name = _split(path)
         self._tmp = f".{self._name[:200]}.envbuild-{secrets.token_hex(4)}"
         root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -203,14 +215,31 @@ class FileWriter(CommitOnExit):
                 self._fd = os.open(self._name, flags, 0o600, dir_fd=self._dir)
                 self._direct = True
             except FileExistsError:  # a file (or any name, a symlink too) is there
-                self._fd = os.open(self._tmp, flags, 0o600, dir_fd=self._dir)
+                if hold > 0:
+                    self._held = []
+                    return
+                self._open_hidden()
             os.fchown(self._fd, uid, gid)
             os.fchmod(self._fd, mode)  # after the chown, which may clear set-id bits
         except OSError as e:
             self.abort()
             raise RuntimeShimError(f"write {path} in sandbox: {e.strerror}") from None
 
+    def _open_hidden(self) -> None:
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._fd = os.open(self._tmp, flags, 0o600, dir_fd=self._dir)
+        os.fchown(self._fd, self.uid, self.gid)
+        os.fchmod(self._fd, self.mode)
+
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._ended:
+            raise RuntimeShimError(f"write {self.path} in sandbox: the write has ended")
+        if self._held is not None:
+            if self.written + len(data) <= self._hold:
+                self._held.append(bytes(data))  # bytes: kept as is; others: copied
+                self.written += len(data)
+                return
+            self._spill()
         view = memoryview(data)
         try:
             while view:
@@ -221,9 +250,20 @@ class FileWriter(CommitOnExit):
             self.abort()
             raise RuntimeShimError(f"write {self.path} in sandbox: {e.strerror}") from None
 
+    def _spill(self) -> None:
+        """Past ``hold``: the held bytes into a hidden file, written on from there."""
+        held, self._held = self._held or [], None
+        try:
+            self._open_hidden()
+            for piece in held:
+                _write_all(self._fd, piece)
+        except OSError as e:
+            self.abort()
+            raise RuntimeShimError(f"write {self.path} in sandbox: {e.strerror}") from None
+
     def commit(self) -> None:
         """Finish the file at the path (then nothing more may be written)."""
-        if self._fd < 0:
+        if self._ended:
             raise RuntimeShimError(f"write {self.path} in sandbox: the write was aborted")
         if self._direct:
             self._close(unlink=False)
@@ -233,8 +273,10 @@ class FileWriter(CommitOnExit):
                 st = os.stat(self._name, dir_fd=self._dir, follow_symlinks=False)
             except FileNotFoundError:
                 st = None
-            if st is None:
+            if st is None and self._held is None:
                 os.rename(self._tmp, self._name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
+            elif st is None:  # held, and the sandbox removed the target meanwhile
+                self._copy_into_existing()
             elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
                 self._copy_into_existing()
             else:
@@ -263,7 +305,10 @@ class FileWriter(CommitOnExit):
         finally:
             os.close(root_fd)
         try:
-            offset = 0
+            if self._held is not None:
+                for piece in self._held:
+                    _write_all(fd, piece)
+            offset = 0 if self._held is None else self.written
             while offset < self.written:
                 count = min(self.written - offset, 1 << 30)
                 os.lseek(fd, offset, os.SEEK_SET)
@@ -276,13 +321,15 @@ class FileWriter(CommitOnExit):
             os.fchown(fd, self.uid, self.gid)
         finally:
             os.close(fd)
-        os.unlink(self._tmp, dir_fd=self._dir)
+        if self._held is None:
+            os.unlink(self._tmp, dir_fd=self._dir)
 
     def abort(self) -> None:
         """Drop what was written; the path is left as it was (idempotent)."""
         self._close(unlink=True)
 
     def _close(self, *, unlink: bool) -> None:
+        self._ended, self._held = True, None
         if self._fd >= 0:
             ours = os.fstat(self._fd)
             os.close(self._fd)
