@@ -136,17 +136,14 @@ def write_file(root: str, path: str, data: bytes, *, mode: int = 0o644, uid: int
     finally:
         os.close(root_fd)
     try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
+        _write_all(fd, data)
         os.fchmod(fd, mode)
         os.fchown(fd, uid, gid)
     finally:
         os.close(fd)
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
@@ -240,12 +237,9 @@ class FileWriter(CommitOnExit):
                 self.written += len(data)
                 return
             self._spill()
-        view = memoryview(data)
         try:
-            while view:
-                n = os.write(self._fd, view)
-                view = view[n:]
-                self.written += n
+            _write_all(self._fd, data)
+            self.written += len(data)
         except OSError as e:
             self.abort()
             raise RuntimeShimError(f"write {self.path} in sandbox: {e.strerror}") from None
