@@ -4,11 +4,14 @@ may be ``Content-Encoding: gzip``; at most ``max_upload`` bytes a request, count
 written) and ``GET /health``.
 
 Both stream (``runtime_shim``'s ``read_stream`` / ``write_stream``): a download is sent from
-the sandbox's file with ``sendfile``, an upload goes to the sandbox as it arrives, in pieces
-of at most ``_CHUNK``, into a new file published whole once its part ended, owned by the
-requesting user from the start. The server holds at most about one piece of a file, and
-nothing of a part refused half-way (over ``max_upload``, a broken body) is ever seen at its
-path.
+the sandbox's file with ``sendfile``, an upload goes to the sandbox as it arrives (multipart
+parts cut by ``formdata``, no copy of the bulk on the way), in pieces of about ``_CHUNK``,
+into a new file published whole once its part ended, owned by the requesting user from the
+start. The server holds at most about two pieces of a file — or, for an upload of at most
+16 MiB over an existing file, the whole of it while ``HOLD`` (64 MiB for all uploads) has
+room, written straight into the file at the end instead of twice through a hidden one —
+and nothing of a part refused half-way (over ``max_upload``, a broken body) is ever seen
+at its path.
 """
 
 from __future__ import annotations
@@ -19,14 +22,38 @@ import re
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.helpers import parse_mimetype
 
 from envbuild.errors import EnvbuildError
 from envbuild.serve import users
+from envbuild.serve.formdata import BrokenBody, FormData
 from envbuild.serve.sandboxes import Entry
 
 ENTRY = web.RequestKey("entry", Entry)
 MAX_UPLOAD = web.AppKey("max_upload", int)
 _CHUNK = 1 << 20
+
+
+class HoldBudget:
+    """Bytes all uploads together may hold in memory (``write_stream``'s ``hold``: an
+    existing file's new bytes written straight into it at the end, not twice through a
+    hidden file): an upload of at most ``one`` bytes takes its length while ``total`` has
+    room; otherwise 0 (it streams through a hidden file as before). On the event loop only."""
+
+    def __init__(self, total: int = 64 << 20, one: int = 16 << 20) -> None:
+        self.total, self.one, self.free = total, one, total
+
+    def take(self, length: int | None) -> int:
+        if length is None or not 0 < length <= min(self.one, self.free):
+            return 0
+        self.free -= length
+        return length
+
+    def give(self, length: int) -> None:
+        self.free += length
+
+
+HOLD = HoldBudget()
 #: filename="quoted, with \\-escapes" or filename=token, of a Content-Disposition header
 _FILENAME = re.compile(r'(?:^|;)\s*filename=(?:"((?:[^"\\]|\\.)*)"|([^;"]+))')
 
@@ -42,10 +69,9 @@ async def _user(request: web.Request, entry: Entry) -> users.User:
         raise web.HTTPBadRequest(text=str(e)) from None
 
 
-def _filename(part: object) -> str | None:
-    """The part's file name as sent (aiohttp's ``filename`` drops a leading ``/``; E2B's SDK
-    sends each file's absolute path there)."""
-    header = getattr(part, "headers", {}).get("Content-Disposition", "")
+def _filename(header: str) -> str | None:
+    """The file name of a part's ``Content-Disposition`` as sent (E2B's SDK sends each file's
+    absolute path there)."""
     m = _FILENAME.search(header)
     if m is None:
         return None
@@ -89,43 +115,54 @@ class _Refused(Exception):
 
 
 async def upload(request: web.Request) -> web.Response:
-    entry = request[ENTRY]
     limit = request.app[MAX_UPLOAD]
     if request.content_length is not None and request.content_length > limit:
         return _error(413, f"upload of {request.content_length} bytes is over {limit}")
+    hold = HOLD.take(request.content_length)
+    try:
+        return await _upload(request, limit, hold)
+    finally:
+        HOLD.give(hold)
+
+
+async def _upload(request: web.Request, limit: int, hold: int) -> web.Response:
+    entry = request[ENTRY]
     user = await _user(request, entry)
     single = request.query.get("path")
     if request.content_type == "application/octet-stream":
-        return await _upload_raw(request, entry, single, user, limit)
-    try:
-        reader = await request.multipart()
-    except (AssertionError, ValueError):
+        return await _upload_raw(request, entry, single, user, (limit, hold))
+    boundary = parse_mimetype(request.headers.get("Content-Type", "")).parameters.get(
+        "boundary", "")
+    if request.content_type != "multipart/form-data" or not boundary:
         return _error(400, "the upload must be multipart/form-data")
+    form = FormData(request.content, boundary)
     written, total = [], 0
-    while (part := await reader.next()) is not None:
-        name = single or _filename(part)
-        if not name:
-            return _error(400, "a file part without a path")
-        path = users.absolute(name, user)
-        try:
-            total = await _store(part.read_chunk, entry, path, user,  # type: ignore[union-attr]
-                                 total, limit)
-        except _Refused as e:
-            return _error(e.status, e.message)
-        except EnvbuildError as e:
-            return _error(400, f"write {path}: {e.message}")
-        written.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
+    try:
+        while (headers := await form.next_part()) is not None:
+            name = single or _filename(headers.get("content-disposition", ""))
+            if not name:
+                return _error(400, "a file part without a path")
+            path = users.absolute(name, user)
+            try:
+                total = await _store(form.read, entry, path, user, total, (limit, hold))
+            except EnvbuildError as e:
+                return _error(400, f"write {path}: {e.message}")
+            written.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
+    except _Refused as e:
+        return _error(e.status, e.message)
+    except (BrokenBody, web.RequestPayloadError) as e:
+        return _error(400, f"the upload's body is broken: {str(e).strip()[:200]}")
     return web.json_response(written)
 
 
 async def _upload_raw(request: web.Request, entry: Entry, name: str | None, user: users.User,
-                      limit: int) -> web.Response:
+                      bounds: tuple[int, int]) -> web.Response:
     """The body is the file (aiohttp has undone a gzip ``Content-Encoding`` on the way)."""
     if not name:
         return _error(400, "an octet-stream upload needs ?path=")
     path = users.absolute(name, user)
     try:
-        await _store(request.content.read, entry, path, user, 0, limit)
+        await _store(request.content.readany, entry, path, user, 0, bounds)
     except _Refused as e:
         return _error(e.status, e.message)
     except EnvbuildError as e:
@@ -133,41 +170,46 @@ async def _upload_raw(request: web.Request, entry: Entry, name: str | None, user
     return web.json_response([{"name": path.rsplit("/", 1)[-1], "type": "file", "path": path}])
 
 
-async def _store(read: Callable[[int], Awaitable[bytes]], entry: Entry, path: str,
-                 user: users.User, total: int, limit: int) -> int:
-    """The bytes of ``read`` into ``path`` as ``user`` (E2B's envd writes as the user: a
-    user's uploads are theirs to change; directories the write made are root's); the
-    request's byte count after it. Over ``limit`` or a broken body (a bad gzip stream, a
-    malformed part): ``_Refused``, nothing written. One piece is written while the next is
-    received (so at most two are held)."""
-    writer = await entry.sandbox.write_stream(path, user=user.spec)
+async def _store(read: Callable[[], Awaitable[bytes | memoryview]], entry: Entry, path: str,
+                 user: users.User, total: int, bounds: tuple[int, int]) -> int:
+    """The pieces of ``read`` (empty at the end) into ``path`` as ``user`` (E2B's envd writes
+    as the user: a user's uploads are theirs to change; directories the write made are
+    root's); the request's byte count after it. Over ``limit`` or a broken body (a bad gzip
+    stream, a malformed part): ``_Refused``, nothing written. Pieces are gathered up to
+    ``_CHUNK`` and written while the next ones are received (so at most two such are held,
+    besides what ``bounds``' second, the ``HoldBudget`` share, lets the writer hold)."""
+    limit, hold = bounds
+    writer = await entry.sandbox.write_stream(path, user=user.spec, hold=hold)
     async with writer:  # committed when the part ends; aborted on any error
         writing: asyncio.Future[None] | None = None
         try:
-            buf = bytearray()
+            pieces: list[bytes | memoryview] = []
+            held = 0
             while chunk := await _read(read):
                 total += len(chunk)
                 if total > limit:
                     raise _Refused(413, f"upload is over {limit} bytes")
-                buf += chunk
-                if len(buf) >= _CHUNK:
+                pieces.append(chunk)
+                held += len(chunk)
+                if held >= _CHUNK:
                     if writing is not None:
                         await writing
-                    writing, buf = asyncio.ensure_future(writer.write(buf)), bytearray()
+                    writing = asyncio.ensure_future(writer.write(b"".join(pieces)))
+                    pieces, held = [], 0
             if writing is not None:
                 await writing
-            if buf:
-                await writer.write(buf)
+            if pieces:
+                await writer.write(b"".join(pieces))
         finally:  # never abort (close the file) while a piece is being written to it
             if writing is not None and not writing.done():
                 await asyncio.wait([writing])
     return total
 
 
-async def _read(read: Callable[[int], Awaitable[bytes]]) -> bytes:
+async def _read(read: Callable[[], Awaitable[bytes | memoryview]]) -> bytes | memoryview:
     try:
-        return await read(_CHUNK)
-    except (web.RequestPayloadError, ValueError) as e:
+        return await read()
+    except (web.RequestPayloadError, ValueError) as e:  # BrokenBody is a ValueError
         raise _Refused(400, f"the upload's body is broken: {str(e).strip()[:200]}") from None
 
 

@@ -225,9 +225,9 @@ class FleetServed:
         travel whole)."""
         return io.BytesIO(await self.read_file(path))
 
-    async def write_stream(self, path: str, mode: int = 0o644, user: str | None = None
-                           ) -> FleetWriter:
-        return FleetWriter(self, path, mode, user)
+    async def write_stream(self, path: str, mode: int = 0o644, user: str | None = None,
+                           hold: int = 0) -> FleetWriter:
+        return FleetWriter(self, path, mode, user)  # holds the whole file whatever ``hold``
 
     @property
     def streams(self) -> bool:

@@ -218,9 +218,10 @@ class FileStreams(Protocol):
         """A read-only fd of regular file ``path`` (the caller closes it)."""
         ...
 
-    def open_write(self, path: str, mode: int, uid: int, gid: int) -> FileWriter:
+    def open_write(self, path: str, mode: int, uid: int, gid: int, hold: int = 0
+                   ) -> FileWriter:
         """A writer of a new ``path`` owned by ``uid:gid`` with ``mode``, published at its
-        ``commit``."""
+        ``commit`` (an existing file's new bytes held in memory up to ``hold``)."""
         ...
 
 

@@ -273,9 +273,10 @@ class ContainerSandbox:
     def open_read(self, path: str) -> int:
         return fsaccess.open_read(f"/proc/{self.init_pid}/root", path)
 
-    def open_write(self, path: str, mode: int, uid: int, gid: int) -> fsaccess.FileWriter:
+    def open_write(self, path: str, mode: int, uid: int, gid: int, hold: int = 0
+                   ) -> fsaccess.FileWriter:
         return fsaccess.FileWriter(f"/proc/{self.init_pid}/root", path, mode=mode, uid=uid,
-                                   gid=gid)
+                                   gid=gid, hold=hold)
 
     def close(self) -> None:
         if self._dir_fd >= 0:

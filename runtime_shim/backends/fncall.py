@@ -431,11 +431,12 @@ class FnSandbox(ContainerSandbox):
             self.reset()
             super().write_file(path, data, mode)
 
-    def open_write(self, path: str, mode: int, uid: int, gid: int) -> fsaccess.FileWriter:
+    def open_write(self, path: str, mode: int, uid: int, gid: int, hold: int = 0
+                   ) -> fsaccess.FileWriter:
         """As ``write_file``: into the layer the next call sees (reset first if used)."""
         with self._serial:
             self.reset()
-            return super().open_write(path, mode, uid, gid)
+            return super().open_write(path, mode, uid, gid, hold)
 
     def upper_dir(self) -> Path:  # pragma: no cover - not Snapshottable: no stable upper dir
         raise BackendUnavailable("pack-diff is not supported by the fncall backend")

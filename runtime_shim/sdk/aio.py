@@ -123,11 +123,11 @@ class AsyncSandbox:
         return await asyncio.get_running_loop().run_in_executor(None, self.sync.read_stream,
                                                                 path)
 
-    async def write_stream(self, path: str, mode: int = 0o644, user: str | None = None
-                           ) -> AsyncWriter:
+    async def write_stream(self, path: str, mode: int = 0o644, user: str | None = None,
+                           hold: int = 0) -> AsyncWriter:
         """``Sandbox.write_stream`` for asyncio (``runtime_shim.sdk.filestream.AsyncWriter``)."""
         return AsyncWriter(await asyncio.get_running_loop().run_in_executor(
-            None, self.sync.write_stream, path, mode, user))
+            None, self.sync.write_stream, path, mode, user, hold))
 
     async def pack_diff(self, publish: str | None = None, **kwargs: Any) -> SnapshotResult:
         """``Sandbox.pack_diff`` in the default executor."""

@@ -62,12 +62,14 @@ def read_stream(sandbox: Any, path: str) -> BinaryIO:
     return open_read(sandbox.handle, path)
 
 
-def write_stream(sandbox: Any, path: str, mode: int = 0o644, user: str | None = None
-                 ) -> Writer:
-    """``Sandbox.write_stream(path, mode, user)``: ``path`` written in pieces, finished at
-    ``commit``, owned by ``user`` (None: the lock's user)."""
+def write_stream(sandbox: Any, path: str, mode: int = 0o644, user: str | None = None,
+                 hold: int = 0) -> Writer:
+    """``Sandbox.write_stream(path, mode, user, hold)``: ``path`` written in pieces, finished
+    at ``commit``, owned by ``user`` (None: the lock's user); an existing file's new bytes
+    are held in memory up to ``hold`` and written straight into it at ``commit`` (no hidden
+    file unless they grow past it: the caller bounds its memory)."""
     sandbox._check_open()
-    return open_write(sandbox.handle, path, mode, user, sandbox.lock.user)
+    return open_write(sandbox.handle, path, mode, user, sandbox.lock.user, hold)
 
 
 def open_read(handle: SandboxHandle, path: str) -> BinaryIO:
@@ -78,11 +80,11 @@ def open_read(handle: SandboxHandle, path: str) -> BinaryIO:
 
 
 def open_write(handle: SandboxHandle, path: str, mode: int, user: str | None,
-               lock_user: str | None) -> Writer:
+               lock_user: str | None, hold: int = 0) -> Writer:
     """A handle's writer of ``path`` owned by ``user`` (None: ``lock_user``)."""
     uid, gid = parse_user(user or lock_user)
     if isinstance(handle, FileStreams):
-        return handle.open_write(path, mode, uid, gid)
+        return handle.open_write(path, mode, uid, gid, hold)
     if user is not None and (uid, gid) != parse_user(lock_user):
         raise BackendUnavailable(f"write {path}: this backend writes files as the lock's user "
                                  f"only, not {user}",

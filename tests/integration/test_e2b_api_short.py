@@ -22,7 +22,8 @@ def test_e2b_api_benchmark_runs_in_a_short_form(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     out = r.stdout
     for figure in ("lifecycle create→run(true)→kill p50", "commands.run round trip p50",
-                   "4 concurrent async creates: 0 errors", "files write+read 1 MiB",
-                   "load average"):
+                   "4 concurrent async creates: 0 errors", "files write+read 1 MiB (e2b):",
+                   "files write+read 1 MiB (e2b-octet):", "e2b client CPU", "load average"):
         assert figure in out, out
-    assert out.count("ratio") == 2, out
+    assert out.count(", ratio ") == 3, out  # lifecycle, files (default and octet-stream)
+    assert out.count("caps the ratio at") == 2, out

@@ -12,7 +12,7 @@ import tracemalloc
 import pytest
 
 from envbuild.errors import RuntimeShimError
-from runtime_shim import AsyncSandbox, Sandbox
+from runtime_shim import AsyncSandbox, Limits, Sandbox
 from runtime_shim.backends.base import FileStreams
 from tests.integration.conftest import build_busybox_env
 
@@ -161,3 +161,48 @@ def test_an_existing_file_is_rewritten_in_place(sandbox):
         w.close()
     assert sandbox.exec("stat -c %i /tmp/inplace/f").stdout == inode
     assert sandbox.read_file("/tmp/inplace/hard") == b"new\n"
+
+
+@pytest.mark.parametrize("disk", [None, 256 * MIB], ids=["overlay", "disk-pool"])
+def test_a_rewrite_in_place_takes_the_new_size(built, disk):
+    """The new bytes are copied over the old ones and the file cut to their size: a shorter
+    rewrite leaves nothing of the old tail, a longer one grows the file (same inode) — on the
+    host's filesystem and on the node's btrfs disk pool (a disk cap)."""
+    store, node = built
+    limits = Limits(disk_bytes=disk) if disk else None
+    with Sandbox.create(ENV, store=store, node_dir=node, limits=limits) as sb:
+        sb.write_file("/tmp/resize", b"x" * (3 * MIB))
+        inode = sb.exec("stat -c %i /tmp/resize").stdout
+        for data in (b"short", os.urandom(MIB + 7), b""):
+            with sb.write_stream("/tmp/resize") as s:
+                s.write(data)
+            assert sb.read_file("/tmp/resize") == data
+            assert sb.exec("stat -c %i /tmp/resize").stdout == inode
+
+
+def test_held_bytes_go_straight_into_an_existing_file(sandbox):
+    """``hold``: an existing file's new bytes wait in memory (no hidden file beside it) and
+    are written into it at ``commit`` (same inode); an abort leaves it as it was; past
+    ``hold`` they spill into the hidden file and the write goes on from there."""
+    sandbox.exec("mkdir -p /tmp/held && echo old > /tmp/held/f")
+    inode = sandbox.exec("stat -c %i /tmp/held/f").stdout
+    with sandbox.write_stream("/tmp/held/f", hold=MIB) as s:
+        s.write(b"new ")
+        s.write(bytearray(b"bytes"))
+        assert _ls(sandbox, "/tmp/held") == [".", "..", "f"]  # nothing beside it
+        assert sandbox.read_file("/tmp/held/f") == b"old\n"
+    assert sandbox.read_file("/tmp/held/f") == b"new bytes"
+    assert sandbox.exec("stat -c %i /tmp/held/f").stdout == inode
+    with pytest.raises(RuntimeError), sandbox.write_stream("/tmp/held/f", hold=MIB) as s:
+        s.write(b"dropped")
+        raise RuntimeError("the upload broke")
+    assert sandbox.read_file("/tmp/held/f") == b"new bytes"
+    big = os.urandom(3 * MIB)
+    with sandbox.write_stream("/tmp/held/f", hold=MIB) as s:
+        s.write(big[:MIB])
+        assert _ls(sandbox, "/tmp/held") == [".", "..", "f"]
+        s.write(big[MIB:])  # past hold: spilled
+        assert len(_ls(sandbox, "/tmp/held")) == 4  # the hidden file beside it
+    assert sandbox.read_file("/tmp/held/f") == big
+    assert _ls(sandbox, "/tmp/held") == [".", "..", "f"]
+    assert sandbox.exec("stat -c %i /tmp/held/f").stdout == inode

@@ -8,13 +8,8 @@ import base64
 import pytest
 
 from envbuild.serve.envd_fs import _components, _entry_info
-from envbuild.serve.files import _filename
+from envbuild.serve.files import HoldBudget, _filename
 from envbuild.serve.users import UnknownUser, _parse_passwd, header_user
-
-
-class _Part:
-    def __init__(self, header: str) -> None:
-        self.headers = {"Content-Disposition": header}
 
 
 @pytest.mark.parametrize(("header", "name"), [
@@ -24,7 +19,7 @@ class _Part:
     ('form-data; name="file"', None),
 ])
 def test_an_upload_keeps_the_file_name_as_sent(header, name):
-    assert _filename(_Part(header)) == name
+    assert _filename(header) == name
 
 
 def test_the_user_of_a_request():
@@ -149,3 +144,11 @@ def test_a_reported_start_time_filters_as_itself():
         now = datetime.datetime.now(datetime.UTC).timestamp()
         e = _entry("a", now)
         assert ListQuery.from_params({"startedAfter": _iso(now)}).page([e])[0] == [e]
+
+
+def test_the_hold_budget_gives_whole_uploads_while_it_has_room():
+    budget = HoldBudget(total=10, one=4)
+    assert [budget.take(n) for n in (None, 0, 5, 4, 4)] == [0, 0, 0, 4, 4]
+    assert budget.take(3) == 0 and budget.free == 2  # 2 left: a 3-byte upload streams
+    budget.give(4)
+    assert budget.take(3) == 3 and budget.free == 3
