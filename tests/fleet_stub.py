@@ -11,6 +11,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from envbuild.store import LocalStore
 from runtime_shim.backends.fake import fake_lock
 from runtime_shim.fleet.calls import LocalCalls
@@ -127,3 +129,11 @@ def stub_cell(root: Path, nodes: int = 3, **config: Any) -> SimpleNamespace:
 
     return SimpleNamespace(fleet=fleet, daemons=daemons, calls=calls, lock=digest, close=close,
                            config=cfg)
+
+
+@pytest.fixture
+def data_cell(tmp_path):
+    """One stub node whose daemon has a data plane on 127.0.0.1 (closed after the test)."""
+    c = stub_cell(tmp_path, nodes=1, data_host="127.0.0.1")
+    yield c
+    c.close()

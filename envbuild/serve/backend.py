@@ -19,10 +19,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import Awaitable
-from typing import Any
+from collections.abc import Awaitable, Iterable
+from typing import Any, TypeVar
 
 from runtime_shim import AsyncSandbox
+
+T = TypeVar("T")
 
 #: The store ref of a paused sandbox's checkpoint: ``e2b/paused/<e2b id>``.
 PAUSED_PREFIX = "e2b/paused/"
@@ -96,19 +98,23 @@ class NodeBackend:
         """``count`` sandboxes continuing from ``sandbox`` (which runs on), each a sandbox or
         the error its restore raised; ``network`` as for ``create``."""
         lock = (await sandbox.checkpoint(None, leave_running=True)).lock
-        made = await asyncio.gather(*(self.resume(lock, memory=True, network=network)
-                                      for _ in range(count)),
-                                    return_exceptions=True)
-        out: list[AsyncSandbox | Exception] = []
-        for child in made:
-            if isinstance(child, BaseException) and not isinstance(child, Exception):
-                raise child
-            out.append(child)
-        return out
+        return await each_or_error(self.resume(lock, memory=True, network=network)
+                                   for _ in range(count))
 
     def forget(self, e2b_id: str) -> None:
         """Drop the paused ref of ``e2b_id`` (idempotent)."""
         self.store.delete_ref(PAUSED_PREFIX + e2b_id)
+
+
+async def each_or_error(making: Iterable[Awaitable[T]]) -> list[T | Exception]:
+    """Await every one of ``making`` at once: each its result or the ``Exception`` it raised
+    (a fork's children fail alone); anything else (a cancellation) is raised."""
+    out: list[T | Exception] = []
+    for child in await asyncio.gather(*making, return_exceptions=True):
+        if isinstance(child, BaseException) and not isinstance(child, Exception):
+            raise child
+        out.append(child)
+    return out
 
 
 def opened_network(network: bool | list[str] | None) -> bool | list[str]:

@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from envbuild.errors import EnvbuildError, RuntimeShimError
-from envbuild.serve.backend import FS_SNAPSHOT_PREFIX, PAUSED_PREFIX, closed_if, opened_network
+from envbuild.serve.backend import FS_SNAPSHOT_PREFIX, PAUSED_PREFIX, closed_if, each_or_error, opened_network
 from runtime_shim import ExecResult, Limits
 
 _log = logging.getLogger(__name__)
@@ -175,14 +175,7 @@ class FleetBackend:
         processes are not carried over), each a sandbox or the error its create raised;
         ``network`` as for ``create``. ``sandbox`` runs on."""
         lock = str((await self.run(sandbox.handle.pack_diff, None)).lock)
-        made = await asyncio.gather(*(self.create(lock, network) for _ in range(count)),
-                                    return_exceptions=True)
-        out: list[FleetServed | Exception] = []
-        for child in made:
-            if isinstance(child, BaseException) and not isinstance(child, Exception):
-                raise child
-            out.append(child)
-        return out
+        return await each_or_error(self.create(lock, network) for _ in range(count))
 
     def forget(self, e2b_id: str) -> None:
         """Drop the paused ref of ``e2b_id`` in the fleet's store (idempotent)."""

@@ -13,16 +13,14 @@ import pytest
 
 from envbuild.errors import RuntimeShimError, SandboxNotFound
 from runtime_shim.fleet import dataplane
-from tests.fleet_stub import stub_cell
+from tests.fleet_stub import data_cell  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def cell(tmp_path):
-    c = stub_cell(tmp_path, nodes=1, data_host="127.0.0.1")
-    yield c
-    c.close()
+def cell(data_cell):
+    return data_cell
 
 
 def _exec(sb, token: str | None, sdk_id: str | None = None):
