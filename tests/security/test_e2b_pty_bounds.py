@@ -60,9 +60,9 @@ def test_an_unread_pty_stream_is_cut_not_buffered(tmp_path):
             _wait_for_cut(srv, sb.sandbox_id, flood.pid)
             took = time.monotonic() - started
             first = _rss(srv.proc.pid) - before
-            # watched as long as the cut took: output kept after the cut would have grown by
-            # about a whole cap in that time (at least 2 s)
-            time.sleep(max(2.0, took))
+            # watched twice as long as the cut took: output kept after the cut would grow by
+            # about two caps in that time, a quarter of it kept by half a cap (at least 4 s)
+            time.sleep(max(4.0, 2 * took))
             later = _rss(srv.proc.pid) - before - first
             assert first < 4 * cap and later < cap // 2, \
                 f"the server grew {first >> 20} MiB, then {later >> 20} MiB more"
