@@ -7,7 +7,8 @@ user ``user`` in ``/home/user``, sudo, curl), built once for the package on the 
 layers (``python_example_store``).
 
 ``sandbox``/``sandbox_factory`` and ``async_sandbox``/``async_sandbox_factory`` keep upstream's
-behaviour (a ``sandbox_test_id`` in the metadata, every sandbox killed after the test).
+behaviour (a ``sandbox_test_id`` in the metadata, every sandbox killed after the test), except
+that the modules of ``SHARED_SANDBOX`` get one ``sandbox`` for the module (killed after it).
 Upstream runs its ``async def`` tests with pytest-asyncio (auto mode); here
 ``pytest_pyfunc_call`` runs each on a fresh event loop and makes the async fixtures' sandboxes
 there, before the test (an ``AsyncSandbox``'s connections belong to the loop that made them).
