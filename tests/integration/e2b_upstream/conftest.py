@@ -141,8 +141,10 @@ def sandbox_factory(request, e2b_server, template, sandbox_test_id):
 #: envbuild: modules whose tests each use ``sandbox`` without changing what another of them
 #: sees (each its own file names; commands that end or time out), so one sandbox serves the
 #: module instead of one per test (upstream's per-test sandbox costs a create and a kill each)
-SHARED_SANDBOX = frozenset({"sync.files.test_read", "sync.files.test_write",
-                            "sync.commands.test_run", "sync.commands.test_send_stdin"})
+SHARED_SANDBOX = frozenset({
+    "sync.files.test_read", "sync.files.test_write", "sync.files.test_info",
+    "sync.files.test_make_dir", "sync.files.test_content_encoding", "sync.files.test_rename",
+    "sync.files.test_remove", "sync.commands.test_run", "sync.commands.test_send_stdin"})
 
 
 @pytest.fixture(scope="module")
