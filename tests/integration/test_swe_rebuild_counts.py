@@ -7,8 +7,6 @@ toolkit) on busybox instead of Debian + PyPI, measured by the example's own
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import importlib.util
 import io
 import json
@@ -141,48 +139,26 @@ def write_reduced_tree(defs: Path) -> None:
             """)
 
 
-#: the changes measured, each (label, file, old, new): the agent, the Dockerfile base, one repo
-#: version's env
-CHANGES = (("agent toolkit", "files/agent/swe-agent", 'VERSION = "1"', 'VERSION = "2"'),
-           ("base", "base/Dockerfile", "revision 1", "revision 2"),
-           ("one repo version", "toolkits/env-alpha-2.0.yaml", "env revision: 1",
-            "env revision: 2"))
-
-
-@dataclasses.dataclass
-class Run:
-    result: dict
-    work: Path
-    script: object
-
-
-@pytest.fixture(scope="module")
-def swe_run(tmp_path_factory) -> Run:
-    """One run of the example's ``rebuild_counts.py --docker`` over the three changes, shared
-    by the module's tests: envbuild's and the per-instance scheme's builds (what
-    ``--docker`` adds is the same chain built again by ``docker build``, reported apart)."""
+def test_reduced_swe_example_rebuild_counts(tmp_path, monkeypatch, capsys):
     require_root()
     require_tool("runc")
     require_tool("busybox")
     require_tool("dockerd")
-    tmp = tmp_path_factory.mktemp("swe-counts")
-    defs = tmp / "swe"
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    defs = tmp_path / "swe"
     write_reduced_tree(defs)
+    monkeypatch.setenv("ENVBUILD_NODE_CACHE", str(tmp_path / "node"))
     script = _load_script()
-    work = tmp / "work"
-    argv = ["--defs", str(defs), "--work", str(work), "--json", "--docker"]
-    for change in CHANGES:
-        argv += ["--change", *change]
-    out = io.StringIO()
-    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
-        mp.delenv("DOCKER_HOST", raising=False)
-        mp.setenv("ENVBUILD_NODE_CACHE", str(tmp / "node"))
-        assert script.main(argv) == 0
-    return Run(json.loads(out.getvalue()), work, script)
-
-
-def test_reduced_swe_example_rebuild_counts(swe_run):
-    result, script = swe_run.result, swe_run.script
+    changes = ["agent toolkit", "files/agent/swe-agent", 'VERSION = "1"', 'VERSION = "2"',
+               "base", "base/Dockerfile", "revision 1", "revision 2",
+               "one repo version", "toolkits/env-alpha-2.0.yaml", "env revision: 1",
+               "env revision: 2"]
+    argv = ["--defs", str(defs), "--work", str(tmp_path / "work"), "--json"]
+    for i in range(0, len(changes), 4):
+        argv += ["--change", *changes[i:i + 4]]
+    capsys.readouterr()
+    assert script.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
     n = len(TASKS)
     init = result["initial"]
     assert result["tasks"] == n
@@ -213,17 +189,33 @@ def test_reduced_swe_example_rebuild_counts(swe_run):
     assert "agent toolkit" in script.render(result)
 
 
-def test_reduced_swe_example_docker_mode_builds_the_chain_with_docker(swe_run):
+def test_reduced_swe_example_docker_mode_builds_the_chain_with_docker(tmp_path, monkeypatch,
+                                                                      capsys):
     """``--docker``: the per-instance chain is also built as Dockerfiles by ``docker build`` in
     a throwaway private dockerd, in the same run; its layer cache decides what rebuilds, as a
     harness's CI would: an agent change rebuilds n images, a base change every image, where
     envbuild builds one layer each. The daemon is gone afterwards."""
-    result, work, script = swe_run.result, swe_run.work, swe_run.script
+    require_root()
+    require_tool("runc")
+    require_tool("busybox")
+    require_tool("dockerd")
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    defs = tmp_path / "swe"
+    write_reduced_tree(defs)
+    monkeypatch.setenv("ENVBUILD_NODE_CACHE", str(tmp_path / "node"))
+    script = _load_script()
+    work = tmp_path / "work"
+    argv = ["--defs", str(defs), "--work", str(work), "--json", "--docker",
+            "--change", "agent toolkit", "files/agent/swe-agent", 'VERSION = "1"', 'VERSION = "2"',
+            "--change", "base", "base/Dockerfile", "revision 1", "revision 2"]
+    capsys.readouterr()
+    assert script.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
     n = len(TASKS)
     d0 = result["initial"]["docker"]
     assert d0["images"] == 1 + 3 * n                              # base, n x (env, inst, agent)
     assert len(d0["built"]) == d0["images"] and d0["image_bytes"] > 0
-    agent, base, _ = result["changes"]
+    agent, base = result["changes"]
     assert agent["envbuild"]["built"] == ["agent"]
     assert sorted(agent["docker"]["built"]) == sorted(f"swe/c-task-{t}-agent" for t in TASKS)
     assert agent["docker"]["built_bytes"] > 0
