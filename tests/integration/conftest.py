@@ -174,10 +174,7 @@ def cluster_examples(ray_cluster, tmp_path_factory):
         url = f"s3://{moto.make_bucket()}/examples"
         env = {**os.environ, **CREDENTIALS, "PYTHONPATH": str(REPO), "ENVBUILD_STORE": url,
                "ENVBUILD_S3_ENDPOINT": moto.endpoint, "ENVBUILD_DEFS": str(root / "envdefs"),
-               "ENVBUILD_NODE_CACHE": node_template, "RAY_ADDRESS": ray_cluster.address,
-               # each build's scratch disk: the default 50 GiB reserved against a node's
-               # disk budget let only one build at a time run per node
-               "ENVBUILD_BUILD_DISK": "8G"}
+               "ENVBUILD_NODE_CACHE": node_template, "RAY_ADDRESS": ray_cluster.address}
         env.pop("AWS_ENDPOINT_URL", None)
         fwd = [a for n in RAY_FORWARD for a in ("--ray-env", n)]
         started = time.monotonic()

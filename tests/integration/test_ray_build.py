@@ -27,8 +27,6 @@ from tests.store.s3server import CREDENTIALS, moto_s3  # noqa: F401  (session fi
 
 pytestmark = pytest.mark.integration
 
-#: A build's scratch disk here: the synthetic layers write a few kB
-BUILD_DISK = "2G"
 FORWARD = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
            "AWS_EC2_METADATA_DISABLED", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
 
@@ -77,10 +75,7 @@ class Cluster:
         env = {**os.environ, **CREDENTIALS, "PYTHONPATH": str(REPO),
                "ENVBUILD_STORE": self.url, "ENVBUILD_S3_ENDPOINT": self.moto.endpoint,
                "ENVBUILD_DEFS": str(self.defs), "ENVBUILD_NODE_CACHE": self.node_template,
-               "RAY_ADDRESS": self.ray.address, "ENVBUILD_LEASE_TTL": "10",
-               # each build's scratch disk (default 50 GiB): the default's reservation
-               # against a node's disk budget let one build at a time run per node
-               "ENVBUILD_BUILD_DISK": BUILD_DISK}
+               "RAY_ADDRESS": self.ray.address, "ENVBUILD_LEASE_TTL": "10"}
         env.pop("AWS_ENDPOINT_URL", None)
         env.update(extra)
         return env
