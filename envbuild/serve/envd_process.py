@@ -31,6 +31,7 @@ from protobuf import Oneof
 
 from envbuild.errors import EnvbuildError, RuntimeShimError
 from envbuild.serve import users
+from envbuild.serve.events import EventLog
 from envbuild.serve.sandboxes import Entry, Process, Registry
 
 _log = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ class ProcessService(ProcessProtocol):
         # is a stream without that cap, its rate bounded by how fast the listeners drain
         def output(kind: str):
             return lambda data: _emit(proc, _event(data=pb.ProcessEvent.DataEvent(
-                output=Oneof(kind, bytes(data)))))  # type: ignore[arg-type]
+                output=Oneof(kind, bytes(data)))), entry.events)  # type: ignore[arg-type]
 
         cwd = users.absolute(proc.cwd, user) if proc.cwd else user.home  # E2B: home
         try:
@@ -144,7 +145,7 @@ class ProcessService(ProcessProtocol):
             raise ConnectError(Code.FAILED_PRECONDITION, e.message) from None
 
     async def _run(self, entry: Entry, proc: Process) -> None:
-        emit = functools.partial(_emit, proc)
+        emit = functools.partial(_emit, proc, log=entry.events)
         try:
             result = await proc.handle.wait()
             if result.timed_out:  # ended by the request's deadline: E2B's stream says so
@@ -285,12 +286,14 @@ def _listener(entry: Entry) -> _Listener:
     return _Listener(entry.sandbox.sync.limits.output_bytes)
 
 
-def _emit(proc: Process, event: pb.ProcessEvent | None) -> None:
+def _emit(proc: Process, event: pb.ProcessEvent | None, log: EventLog) -> None:
     size = _output_size(event)
     for q in cast("list[_Listener]", list(proc.listeners)):
         if q.pending + size > q.limit:  # the client stopped reading: its stream ends
             proc.listeners.remove(q)
             q.put_nowait(_BEHIND)
+            log.note("process.behind", f"command {proc.pid}: a stream fell {q.limit} bytes "
+                     "of output behind and was cut", "warn", pid=str(proc.pid))
             continue
         q.pending += size
         q.put_nowait(event)

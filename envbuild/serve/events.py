@@ -6,7 +6,8 @@ orchestrator's log lines): the agent keeps no log, and a command's output belong
 started it (``commands.run``'s stream). So the log is the server's events for that sandbox:
 created (template), timeout changed, paused, resumed, network rules changed, snapshot, fork,
 each command started (its pid, command line, user, cwd; never its environment, which may hold
-secrets) and ended (exit code, or the error). Kept in memory, the newest ``MAX_EVENTS`` per
+secrets) and ended (exit code, or the error), a command's stream cut because its client fell
+``Limits.output_bytes`` behind. Kept in memory, the newest ``MAX_EVENTS`` per
 sandbox: a server restart or a kill ends the log.
 """
 

@@ -7,7 +7,8 @@ user ``user`` in ``/home/user``, sudo, curl), built once for the package on the 
 layers (``python_example_store``).
 
 ``sandbox``/``sandbox_factory`` and ``async_sandbox``/``async_sandbox_factory`` keep upstream's
-behaviour (a ``sandbox_test_id`` in the metadata, every sandbox killed after the test).
+behaviour (a ``sandbox_test_id`` in the metadata, every sandbox killed after the test), except
+that the modules of ``SHARED_SANDBOX`` get one ``sandbox`` for the module (killed after it).
 Upstream runs its ``async def`` tests with pytest-asyncio (auto mode); here
 ``pytest_pyfunc_call`` runs each on a fresh event loop and makes the async fixtures' sandboxes
 there, before the test (an ``AsyncSandbox``'s connections belong to the loop that made them).
@@ -137,8 +138,32 @@ def sandbox_factory(request, e2b_server, template, sandbox_test_id):
     return factory
 
 
+#: envbuild: modules whose tests each use ``sandbox`` without changing what another of them
+#: sees (each its own file names; commands that end or time out), so one sandbox serves the
+#: module instead of one per test (upstream's per-test sandbox costs a create and a kill each)
+SHARED_SANDBOX = frozenset({
+    "sync.files.test_read", "sync.files.test_write", "sync.files.test_info",
+    "sync.files.test_make_dir", "sync.files.test_content_encoding", "sync.files.test_rename",
+    "sync.files.test_remove", "sync.commands.test_run", "sync.commands.test_send_stdin"})
+
+
+@pytest.fixture(scope="module")
+def module_sandbox(e2b_server):
+    """envbuild: one sandbox of ``base`` for a module of ``SHARED_SANDBOX``, killed after it."""
+    from e2b import Sandbox
+
+    sandbox_test_id = "test_" + "".join(random.choices(string.ascii_lowercase + string.digits,
+                                                       k=8))
+    sandbox = Sandbox.create("base", timeout=1800, metadata={"sandbox_test_id": sandbox_test_id})
+    yield sandbox
+    sandbox.kill()
+
+
 @pytest.fixture
-def sandbox(sandbox_factory):
+def sandbox(request, sandbox_factory):
+    module = request.module.__name__.removeprefix(__package__ + ".")
+    if module in SHARED_SANDBOX:  # envbuild: see SHARED_SANDBOX
+        return request.getfixturevalue("module_sandbox")
     return sandbox_factory()
 
 
