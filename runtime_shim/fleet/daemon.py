@@ -147,7 +147,7 @@ class NodeDaemon(WarmPools):
         from runtime_shim.node.nodecache import NodeCache
 
         node = NodeCache(self.layout.node)
-        cached = tuple(d for d in layers if node.has(d) or node.lazy_mounted(d))
+        cached = tuple(d for d in layers if node.on_node(d))
         with self._lock:
             used = len(self._entries) + self._reserved
             memory_used = self._reserved_memory + self._entries.memory
@@ -555,8 +555,7 @@ class NodeDaemon(WarmPools):
         node = NodeCache(self.layout.node)
         with self._lock:
             for layer in lock.layers:
-                if layer.digest not in self._counted and not node.has(layer.digest) \
-                        and not node.lazy_mounted(layer.digest):
+                if layer.digest not in self._counted and not node.on_node(layer.digest):
                     self._pulled += layer.size
                 self._counted.add(layer.digest)
 

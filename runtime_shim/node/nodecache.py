@@ -206,6 +206,16 @@ class NodeCache:
         """Whether layer ``digest``'s lazy mount is up and answers."""
         return _lazy_mount_state(self.lazy_dir(digest)) == "ok"
 
+    def native_mounted(self, digest: str) -> bool:
+        """Whether layer ``digest``'s native lazy overlay (``lazyfs.native``) is mounted."""
+        from runtime_shim.lazyfs.nativetree import mount_dir
+        return os.path.ismount(mount_dir(str(self.root), check_digest(digest)))
+
+    def on_node(self, digest: str) -> bool:
+        """Unpacked or mounted lazily (FUSE or native): what the fleet's placement calls
+        cached (a sandbox of it starts here without a pull)."""
+        return self.has(digest) or self.lazy_mounted(digest) or self.native_mounted(digest)
+
     def ensure_lazy(self, store_url: str, digest: str, toc_digest: str | None = None, *,
                     s3_endpoint: str | None = None, size: int | None = None,
                     ranges_url: str | None = None, record_profile: dict | None = None,
