@@ -103,28 +103,30 @@ def exists(pid: int) -> bool:
 
 def dirs(sandbox_id: str) -> list[Path]:
     """Every cgroup dir ``sandbox_id`` has on this host (one per hierarchy it is in)."""
+    return sorted(p for p in (m / PARENT / sandbox_id for m in hierarchies()) if p.is_dir())
+
+
+def hierarchies() -> list[Path]:
+    """The mount point of every cgroup hierarchy on this host (each v1 one, the cgroup2 one)."""
     v1, v2 = _mounts()
-    points = set(v1.values()) | ({v2} if v2 else set())
-    return sorted(p for p in (Path(m) / PARENT / sandbox_id for m in points) if p.is_dir())
+    return sorted(Path(m) for m in set(v1.values()) | ({v2} if v2 else set()))
 
 
-def stale(min_age: float, prefix: str = "eb-") -> list[str]:
+def stale(min_age: float, prefix: str) -> list[str]:
     """Ids of sandbox cgroups (``/envbuild/<prefix>…``) with no process in any hierarchy, each
     dir made more than ``min_age`` seconds ago: what a runtime killed mid-create or a host
     crash leaves. Young ones are skipped, since a create in progress holds an empty cgroup
     until its init joins. Reads every sandbox cgroup of the host: for ``sandbox gc``, never
     the create path."""
-    v1, v2 = _mounts()
-    points = set(v1.values()) | ({v2} if v2 else set())
     found: dict[str, list[Path]] = {}
-    for point in points:
+    for point in hierarchies():
         try:
-            names = os.listdir(Path(point) / PARENT)
+            names = os.listdir(point / PARENT)
         except OSError:
             continue
         for name in names:
             if name.startswith(prefix):
-                found.setdefault(name, []).append(Path(point) / PARENT / name)
+                found.setdefault(name, []).append(point / PARENT / name)
     cutoff = time.time() - min_age
     return sorted(sid for sid, paths in found.items() if _idle_since(paths, cutoff))
 

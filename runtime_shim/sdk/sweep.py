@@ -45,7 +45,7 @@ def remove_sandbox(node_dir: str | os.PathLike[str] | NodeLayout | None, sandbox
 class SandboxRemoval:
     """What ``sweep_sandboxes`` did with one sandbox: removed, or ``error`` (one line: the
     cause, then the hint). ``reason`` is "orphaned" (its creator is gone), "expired", or
-    "stale cgroup" (a cgroup with no process and no sandbox dir, left by a crash)."""
+    "stale cgroup" (an old sandbox cgroup with no process, left by a crash)."""
 
     id: str
     error: str | None = None

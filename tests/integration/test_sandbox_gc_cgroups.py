@@ -21,8 +21,7 @@ pytestmark = pytest.mark.integration
 
 
 def _hierarchies() -> list[Path]:
-    v1, v2 = cgroupfs._mounts()
-    return sorted(Path(p) / cgroupfs.PARENT for p in set(v1.values()) | ({v2} if v2 else set()))
+    return [h / cgroupfs.PARENT for h in cgroupfs.hierarchies()]
 
 
 @pytest.fixture
