@@ -3,7 +3,7 @@
 ``envbuild-agent`` (``runtime_shim/isolation/agent/agent.c``) is a static C program that runs as PID 1
 of a sandbox. It accepts on a unix socket the host created outside every mount of the sandbox
 (``listen_socket``; runc hands the listening fd down) and runs one command per connection; the
-protocol (versions 1 and 2; the wire format is ``runtime_shim.isolation.agent_wire``) is
+protocol (versions 1 to 3; the wire format is ``runtime_shim.isolation.agent_wire``) is
 specified in ``runtime_shim/isolation/agent/README.md``. In short, frames are
 ``[type u8][len u32 big-endian][payload]``::
 
@@ -303,6 +303,9 @@ class _Exchange:
     """One request on one connection, as a state machine that sends stdin while it reads
     output, so neither side can block the other; ``run`` / ``run_async`` wait for it."""
 
+    #: The agent's frames it accepts (a ``Session`` adds version 3's).
+    FRAMES = frozenset((R_HELLO, R_STDOUT, R_STDERR, R_EXIT, R_START_FAILED, R_ERROR))
+
     def __init__(self, sock: socket.socket, req: ExecRequest, cap: int,
                  on_stdout: OutputCallback | None = None,
                  on_stderr: OutputCallback | None = None) -> None:
@@ -497,7 +500,7 @@ class _Exchange:
             n = int.from_bytes(rx[1:5], "big")
             if n > MAX_PAYLOAD:
                 raise _compromised(f"a frame of {n} bytes (over the {MAX_PAYLOAD} byte limit)")
-            if kind not in _AGENT_FRAMES:
+            if kind not in self.FRAMES:
                 raise _compromised(f"an unknown frame 0x{kind:02x}")
             if len(rx) < 5 + n:
                 break
@@ -582,5 +585,3 @@ class _Exchange:
         return ExecOutcome(exit_code=code, stdout=self.out.data(), stderr=self.err.data(),
                            output_truncated=self.out.overflow or self.err.overflow, **kw)
 
-
-_AGENT_FRAMES = frozenset((R_HELLO, R_STDOUT, R_STDERR, R_EXIT, R_START_FAILED, R_ERROR))

@@ -9,6 +9,15 @@ terminal's size by ``resize`` (RESIZE, protocol 2): ``await session.drive()`` dr
 event loop (the other methods are then called from that loop), ``drive_blocking()`` in a
 thread of its own (the other methods from any thread).
 
+Detaching (protocol 3, a request with ``detachable``): ``detach()`` sends DETACH; the agent
+answers DETACHED (the command's detach id) as its final frame and the command runs on without
+a connection, its output kept in the agent (``DETACH_BUF``, the rest dropped and counted). A
+session of a request with ``attach`` takes such a command up again on a new connection: the
+agent answers ATTACHED (bytes dropped, u64) first, then the kept output and the command's
+further output and end, as if it had been started on this connection (``dropped`` says how
+many bytes are missing). Those two frames are accepted only in those two cases: anything
+else is a compromised channel, as any other frame out of place.
+
 Bounds: at most ``MAX_PENDING_STDIN`` bytes written and not yet sent (``write`` refuses more:
 the command is not reading); output is bounded as ``run``'s (``cap`` per stream; a PTY's
 output is a stream: every byte goes to ``on_stdout``, the result keeps the first ``cap``); one
@@ -28,6 +37,8 @@ from collections.abc import Callable
 from envbuild.errors import RuntimeShimError
 from runtime_shim.isolation.agent import (
     DEFAULT_EXEC_TIMEOUT,
+    R_ERROR,
+    R_HELLO,
     STDIN_CHUNK,
     T_KILL,
     T_RESIZE,
@@ -36,10 +47,12 @@ from runtime_shim.isolation.agent import (
     ExecOutcome,
     ExecRequest,
     OutputCallback,
+    _compromised,
     _Exchange,
     frame,
     winsize,
 )
+from runtime_shim.isolation.agent_wire import R_ATTACHED, R_DETACHED, T_DETACH
 
 #: Stdin bytes a session holds for a command that has not read them yet.
 MAX_PENDING_STDIN = 1 << 20
@@ -47,6 +60,8 @@ MAX_PENDING_STDIN = 1 << 20
 
 class Session(_Exchange):
     """One interactive command on one agent connection (``open_session``)."""
+
+    FRAMES = _Exchange.FRAMES | {R_DETACHED, R_ATTACHED}
 
     def __init__(self, sock: socket.socket, req: ExecRequest, cap: int,
                  on_stdout: OutputCallback | None, on_stderr: OutputCallback | None) -> None:
@@ -56,6 +71,10 @@ class Session(_Exchange):
         self.eof = False
         self.signals: list[int] = []
         self.size: bytes | None = None  # a RESIZE payload not sent yet (only the last counts)
+        self.detaching = False  # DETACH asked for (sent once what is half out is out)
+        self.detach_sent = False
+        self.attached = req.attach is None  # an attach's ATTACHED came (or none is due)
+        self.dropped = 0  # output bytes the agent dropped while the command was detached
         # write/close_stdin/signal may come from another thread than the one driving (Process)
         self.lock = threading.Lock()
 
@@ -70,6 +89,10 @@ class Session(_Exchange):
         if self.signals:
             sig = self.signals.pop(0)
             self.outq.append(memoryview(frame(T_KILL, sig.to_bytes(4, "big"))))
+        elif self.detaching:  # the last frame: stdin not sent yet stays with the host
+            if not self.detach_sent:
+                self.outq.append(memoryview(frame(T_DETACH)))
+                self.detach_sent = True
         elif self.size is not None:
             self.outq.append(memoryview(frame(T_RESIZE, self.size)))
             self.size = None
@@ -129,6 +152,35 @@ class Session(_Exchange):
                 return
             self.size = size
         self._poke()
+
+    def detach(self) -> None:
+        """Ask the agent to detach the command (the drive then ends with an outcome whose
+        ``detached`` is its id, or with its end if it ended first)."""
+        if not self.req.detachable:
+            raise RuntimeShimError("detach needs a command started with detachable=True")
+        with self.lock:
+            self.detaching = True
+        self._poke()
+
+    def _frame(self, kind: int, payload: bytes) -> None:
+        if not self.attached and kind not in (R_HELLO, R_ATTACHED, R_ERROR):
+            raise _compromised(f"frame 0x{kind:02x} before ATTACHED")
+        if kind == R_DETACHED:
+            if not self.detaching or len(payload) != 4 or not int.from_bytes(payload, "big"):
+                raise _compromised(f"an unasked or malformed DETACHED ({len(payload)} bytes)")
+            self.result = self._outcome(-1, detached=int.from_bytes(payload, "big"))
+        elif kind == R_ATTACHED:
+            if self.attached or not self.hello or len(payload) != 8:
+                raise _compromised(f"an unasked or malformed ATTACHED ({len(payload)} bytes)")
+            self.attached = True
+            self.dropped = int.from_bytes(payload, "big")
+        else:
+            super()._frame(kind, payload)
+
+    def _output(self, kind: int, data: bytearray, frames: int) -> None:
+        if frames and not self.attached:
+            raise _compromised("output before ATTACHED")
+        super()._output(kind, data, frames)
 
     async def drive(self) -> ExecOutcome:
         """Drive the exchange until the command ended; closes the connection after."""

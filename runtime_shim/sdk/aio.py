@@ -87,15 +87,27 @@ class AsyncSandbox:
                     user: str | None = None, stdin: bytes | None = None,
                     on_stdout: agent.OutputCallback | None = None,
                     on_stderr: agent.OutputCallback | None = None,
-                    pty: tuple[int, int] | None = None) -> AsyncProcess:
+                    pty: tuple[int, int] | None = None, detachable: bool = False
+                    ) -> AsyncProcess:
         """Start ``cmd`` and return at once: an ``AsyncProcess`` whose stdin stays open
         (``stdin`` is written first), which can be signalled and waited for
-        (``runtime_shim.sdk.process``). ``timeout`` and ``pty`` as ``Sandbox.start``'s."""
+        (``runtime_shim.sdk.process``). ``timeout``, ``pty`` and ``detachable`` as
+        ``Sandbox.start``'s."""
         sb = self.sync
         session = sb._open_session(cmd, timeout=timeout, env=env, cwd=cwd, user=user,
                                    stdin=stdin, on_stdout=on_stdout, on_stderr=on_stderr,
-                                   pty=pty)
+                                   pty=pty, detachable=detachable)
         return AsyncProcess(session, lambda done, started: sb._result(done, started, False))
+
+    async def reattach(self, detach_id: int, *, on_stdout: agent.OutputCallback | None = None,
+                       on_stderr: agent.OutputCallback | None = None,
+                       pty: tuple[int, int] | None = None, timeout: float | None = None
+                       ) -> AsyncProcess:
+        """``Sandbox.reattach`` on the event loop: an ``AsyncProcess``."""
+        sb = self.sync
+        req = agent.ExecRequest(argv=(), attach=detach_id, pty=pty, timeout=timeout)
+        return AsyncProcess(sb._connect_session(req, on_stdout, on_stderr),
+                            lambda done, started: sb._result(done, started, False))
 
     async def connect_port(self, port: int, timeout: float = 10.0) -> socket.socket:
         """``Sandbox.connect_port`` in the default executor; the socket is non-blocking, for

@@ -12,6 +12,10 @@ signalled, waited for, while other commands run beside it.
     term.resize(40, 120)                                        # SIGWINCH
     term.write_stdin("\\x03")                                   # ^C: the foreground job
 
+    proc = sb.start(cmd, detachable=True)                     # before a checkpoint:
+    pid = proc.detach()                                       # it runs on, no connection
+    again = sb.reattach(pid, on_stdout=print)                 # (also after a restore)
+
 The command runs on its own agent connection (``runtime_shim.isolation.agent_session``). An
 ``AsyncProcess`` is driven by a task of the event loop it was started on (its methods are
 called from that loop; output callbacks run in it); a ``Process`` by a thread of its own (its
@@ -27,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from envbuild.errors import RuntimeShimError
 from runtime_shim.isolation.agent import ExecOutcome
 from runtime_shim.isolation.agent_session import Session
 from runtime_shim.node.model import ExecResult
@@ -36,6 +41,7 @@ class _Controls:
     """What both kinds of process do to their command: stdin and signals (on the session)."""
 
     _session: Session
+    _to_result: Callable[[ExecOutcome, float], ExecResult]
 
     def write_stdin(self, data: bytes | str) -> None:
         """Queue ``data`` for the command's stdin (``RuntimeShimError`` once it is closed, or
@@ -70,6 +76,21 @@ class _Controls:
         """The terminal's size at the start, None for a command without one."""
         return self._session.req.pty
 
+    @property
+    def dropped(self) -> int:
+        """For a reattached command: bytes of output the agent dropped while it was detached
+        (it keeps the first 64 KiB); 0 otherwise."""
+        return self._session.dropped
+
+    def _detached_id(self, outcome: ExecOutcome) -> int | None:
+        return outcome.detached or None
+
+    def _result_of(self, outcome: ExecOutcome, started: float) -> ExecResult:
+        if outcome.detached:
+            raise RuntimeShimError(f"the command was detached (id {outcome.detached}); "
+                                   "reattach to wait for it")
+        return self._to_result(outcome, started)
+
 
 class AsyncProcess(_Controls):
     """A running command of a sandbox (``AsyncSandbox.start``)."""
@@ -89,7 +110,15 @@ class AsyncProcess(_Controls):
     async def wait(self) -> ExecResult:
         """The command's result once it ended (its output as exec's: bounded per stream)."""
         outcome = await asyncio.shield(self._task)
-        return self._to_result(outcome, self._started)
+        return self._result_of(outcome, self._started)
+
+    async def detach(self) -> int | None:
+        """Leave the command running without this connection (``start(detachable=True)``)
+        and return its detach id for ``AsyncSandbox.reattach``; None if it ended first (its
+        result is then ``wait()``'s). Output not yet delivered to the callbacks stays with
+        the agent; stdin written and not yet sent is not carried over."""
+        self._session.detach()
+        return self._detached_id(await asyncio.shield(self._task))
 
     async def cancel(self) -> None:
         """Hang up: the agent kills the command's group; returns once the connection closed."""
@@ -135,4 +164,15 @@ class Process(_Controls):
         if self._error is not None:
             raise self._error
         assert self._outcome is not None, "a driven session has an outcome (a bug)"
-        return self._to_result(self._outcome, self._started)
+        return self._result_of(self._outcome, self._started)
+
+    def detach(self, timeout: float | None = 30.0) -> int | None:
+        """``AsyncProcess.detach``; ``TimeoutError`` if the agent does not answer within
+        ``timeout`` seconds."""
+        self._session.detach()
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the command was not detached within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._outcome is not None, "a driven session has an outcome (a bug)"
+        return self._detached_id(self._outcome)

@@ -321,22 +321,38 @@ class Sandbox:
               user: str | None = None, stdin: bytes | None = None,
               on_stdout: agent.OutputCallback | None = None,
               on_stderr: agent.OutputCallback | None = None,
-              pty: tuple[int, int] | None = None) -> Process:
+              pty: tuple[int, int] | None = None, detachable: bool = False) -> Process:
         """Start ``cmd`` and return at once: a ``Process`` (``runtime_shim.sdk.process``) whose
         stdin stays open (``stdin`` is written first), which can be signalled and waited for;
         output callbacks run in its own thread. ``timeout`` as exec's. ``pty=(rows, cols)``
         runs it on a new terminal (its controlling tty; ``TERM`` defaults to xterm-256color):
-        input goes to the terminal, its bytes come to ``on_stdout``, ``resize`` changes it."""
+        input goes to the terminal, its bytes come to ``on_stdout``, ``resize`` changes it.
+        ``detachable=True``: ``Process.detach()`` may later leave it running without a
+        connection (for a checkpoint), and ``reattach`` takes it up again."""
         session = self._open_session(cmd, timeout=timeout, env=env, cwd=cwd, user=user,
                                      stdin=stdin, on_stdout=on_stdout, on_stderr=on_stderr,
-                                     pty=pty)
+                                     pty=pty, detachable=detachable)
         return Process(session, lambda done, started: self._result(done, started, False))
+
+    def reattach(self, detach_id: int, *, on_stdout: agent.OutputCallback | None = None,
+                 on_stderr: agent.OutputCallback | None = None,
+                 pty: tuple[int, int] | None = None, timeout: float | None = None
+                 ) -> Process:
+        """The command ``Process.detach()`` returned ``detach_id`` for, taken up again (also
+        in a sandbox restored from a checkpoint made meanwhile): what it printed while detached
+        (up to 64 KiB; ``Process.dropped`` counts the rest), then its further output and
+        end. ``pty``: its terminal's size, for a command started with one. ``timeout``: how
+        long the host waits for it (its own timeout still runs in the agent); default
+        ``Limits.exec_timeout``. ``RuntimeShimError`` for an id the agent does not keep."""
+        req = agent.ExecRequest(argv=(), attach=detach_id, pty=pty, timeout=timeout)
+        return Process(self._connect_session(req, on_stdout, on_stderr),
+                       lambda done, started: self._result(done, started, False))
 
     def _open_session(self, cmd: str | Sequence[str], *, timeout: float | None,
                       env: Mapping[str, str] | None, cwd: str | None, user: str | None,
                       stdin: bytes | None, on_stdout: agent.OutputCallback | None,
                       on_stderr: agent.OutputCallback | None,
-                      pty: tuple[int, int] | None = None) -> Session:
+                      pty: tuple[int, int] | None = None, detachable: bool = False) -> Session:
         """The agent session of a started command (``start`` and ``AsyncSandbox.start``)."""
         if isinstance(self._backend, StatelessCalls):
             raise BackendUnavailable("start() needs a sandbox that keeps processes; the "
@@ -346,7 +362,13 @@ class Sandbox:
             agent.winsize(*pty)  # checked here, in the caller's thread
             env = {"TERM": agent.DEFAULT_TERM, **(env or {})}
         req = dataclasses.replace(self._request(cmd, timeout=timeout, env=env, cwd=cwd,
-                                                user=user, stdin=stdin), pty=pty)
+                                                user=user, stdin=stdin), pty=pty,
+                                  detachable=detachable)
+        return self._connect_session(req, on_stdout, on_stderr)
+
+    def _connect_session(self, req: agent.ExecRequest, on_stdout: agent.OutputCallback | None,
+                         on_stderr: agent.OutputCallback | None) -> Session:
+        self._check_open()
         handle = self._backend
         return open_session(handle.connect, req, handle.limits.output_bytes,
                             deadline=handle.limits.exec_timeout, on_stdout=on_stdout,

@@ -37,7 +37,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define PROTO_VERSION 2u       /* the newest version spoken; a session asks for 1 or 2 */
+#define PROTO_VERSION 3u       /* the newest version spoken; a session asks for 1 to 3 */
 #define PROTO_MIN 1u
 #define MAX_PTY_DIM 4096u       /* largest rows or cols of a PTY */
 #define AGENT_NAME "envbuild-agent"
@@ -48,12 +48,16 @@
 #define MAX_ARGS 65536
 #define EXIT_GRACE_MS 50         /* how long output pipes may stay open after the exit */
 #define COALESCE_MS 2            /* how long a short output frame waits for more of its stream */
+#define DETACH_BUF (64u << 10)   /* frames a detached command's output may fill; the rest is dropped */
+#define MAX_DETACHED 64          /* detached commands at once (memory: MAX_DETACHED * DETACH_BUF) */
 
 /* host -> agent */
 enum { T_HELLO = 0x01, T_ARG, T_ENV, T_CWD, T_USER, T_TIMEOUT, T_START, T_STDIN, T_STDIN_EOF,
        T_KILL, T_PTY, T_RESIZE /* the last two: version 2 */ };
 /* agent -> host */
 enum { R_HELLO = 0x81, R_STDOUT, R_STDERR, R_EXIT, R_START_FAILED, R_ERROR };
+/* version 3: a running command leaves its connection and a later one takes it up */
+enum { T_DETACH = 0x0D, T_ATTACH = 0x0E, R_DETACHED = 0x87, R_ATTACHED = 0x88 };
 /* serial mode: outer frames on the line (payload: channel u32, then the rest) */
 enum { T_CHANNEL = 0x40, T_WINDOW = 0x41, T_CLOSE = 0x42 };
 #define SERIAL_WINDOW (256u << 10) /* initial window, bytes of inner frames, each direction */
@@ -95,10 +99,18 @@ struct session {
     uid_t uid;
     gid_t gid;
     struct buf rx, tx, inq;
+    int detached;                   /* version 3: runs on without a connection (DETACH) */
+    uint32_t detach_id;             /* what ATTACH names it by */
+    uint64_t dropped;               /* output bytes dropped while detached (over DETACH_BUF) */
+    struct buf kept;                /* frames kept while detached, EXIT or START_FAILED last */
+    size_t kept_last;               /* offset in kept of its last frame's header */
+    struct session *moved;          /* set by ATTACH: the connection now belongs to it */
 };
 
 static struct session *sessions[MAX_SESSIONS];
 static int nsessions;
+static int ndetached;
+static uint32_t last_detach_id;
 
 static void logmsg(const char *fmt, ...) {
     va_list ap;
@@ -218,8 +230,16 @@ static void session_fail(struct session *s, const char *fmt, ...) {
     s->phase = P_FINISHED;
 }
 
-/* The host went away (or must be dropped): the command dies with the connection. */
+/* The host went away (or must be dropped): the command dies with the connection, unless it
+ * was detached: then only the connection goes (a host that hung up before DETACHED was out). */
 static void session_drop(struct session *s) {
+    if (s->detached) {
+        s->hold = 0;
+        closefd(&s->conn);
+        buf_free(&s->tx);
+        buf_free(&s->rx);
+        return;
+    }
     if (s->phase != P_FINISHED)
         kill_group(s, SIGKILL);
     s->phase = P_FINISHED;
@@ -248,6 +268,7 @@ static void session_free(int i) {
     buf_free(&s->rx);
     buf_free(&s->tx);
     buf_free(&s->inq);
+    buf_free(&s->kept);
     free(s);
     sessions[i] = sessions[--nsessions];
     sessions[nsessions] = NULL;
@@ -262,6 +283,106 @@ static struct session *session_new(int conn) {
     s->phase = P_HELLO;
     sessions[nsessions++] = s;
     return s;
+}
+
+/* ---- detached commands (version 3) ------------------------------------------------------ */
+
+/* A frame of a detached command, kept for its ATTACH: output up to DETACH_BUF (a frame of
+ * the same stream is extended, so a command printing a byte at a time does not fill it with
+ * headers), past it counted in `dropped` and thrown away; a final frame always fits. */
+static void keep(struct session *s, int type, const unsigned char *p, size_t n) {
+    struct buf *k = &s->kept; /* only appended to: off stays 0 */
+    int output = type == R_STDOUT || type == R_STDERR;
+    unsigned char *last = k->len ? k->p + s->kept_last : NULL;
+    int extend = output && last && last[0] == type && get_u32(last + 1) + n <= CHUNK;
+    size_t need = n + (extend ? 0 : 5);
+    if (output && k->len + need > DETACH_BUF) {
+        s->dropped += n;
+        return;
+    }
+    if (buf_reserve(k, need) < 0) {
+        logmsg("out of memory for a detached command's output");
+        s->dropped += n;
+        return;
+    }
+    last = k->p + s->kept_last; /* (buf_reserve may have moved it) */
+    if (extend) {
+        put_u32(last + 1, get_u32(last + 1) + n);
+    } else {
+        s->kept_last = k->len;
+        last = k->p + k->len;
+        last[0] = type;
+        put_u32(last + 1, n);
+        k->len += 5;
+    }
+    if (n)
+        memcpy(k->p + k->len, p, n);
+    k->len += n;
+}
+
+/* A frame for the host now, or for the ATTACH that takes a detached command up. */
+static void emit(struct session *s, int type, const void *payload, size_t len) {
+    if (s->detached)
+        keep(s, type, payload, len);
+    else
+        queue_frame(s, type, payload, len);
+}
+
+static struct session *detached_find(uint32_t id) {
+    for (int i = 0; i < nsessions; i++)
+        if (sessions[i]->detached && sessions[i]->detach_id == id)
+            return sessions[i];
+    return NULL;
+}
+
+/* DETACH: DETACHED (its id) goes after what tx holds, then the connection closes and the
+ * command runs on; its output is kept (keep) until an ATTACH. */
+static void detach(struct session *s) {
+    if (s->phase == P_FINISHED)
+        return; /* its final frame is queued already: nothing left to detach */
+    if (ndetached >= MAX_DETACHED) {
+        session_fail(s, "too many detached commands (at most %u)", MAX_DETACHED);
+        return;
+    }
+    do
+        last_detach_id++;
+    while (!last_detach_id || detached_find(last_detach_id));
+    unsigned char id[4];
+    put_u32(id, last_detach_id);
+    queue_frame(s, R_DETACHED, id, sizeof id);
+    s->detach_id = last_detach_id;
+    s->detached = 1;
+    s->closing = 1;
+    ndetached++;
+}
+
+/* ATTACH to t from the fresh session s: t takes s's connection and what s queued (its
+ * HELLO), then ATTACHED (bytes dropped u64) and what t kept; s ends. */
+static void attach(struct session *s, struct session *t) {
+    t->conn = s->conn;
+    s->conn = -1;
+    buf_free(&t->tx);
+    t->tx = s->tx;
+    memset(&s->tx, 0, sizeof s->tx);
+    t->version = s->version;
+    t->detached = 0;
+    ndetached--;
+    t->closing = 0;
+    unsigned char dropped[8];
+    put_u32(dropped, (uint32_t)(t->dropped >> 32));
+    put_u32(dropped + 4, (uint32_t)t->dropped);
+    queue_frame(t, R_ATTACHED, dropped, sizeof dropped);
+    if (t->conn >= 0 && t->kept.len && buf_reserve(&t->tx, t->kept.len) == 0) {
+        memcpy(buf_tail(&t->tx), t->kept.p, t->kept.len);
+        t->tx.len += t->kept.len;
+    }
+    buf_free(&t->kept);
+    t->dropped = 0;
+    t->kept_last = 0;
+    if (t->phase == P_FINISHED)
+        t->closing = 1; /* its final frame was kept: it is on its way */
+    s->phase = P_FINISHED;
+    s->moved = t;
 }
 
 /* ---- spawning --------------------------------------------------------------------------- */
@@ -415,7 +536,7 @@ static void start_failed(struct session *s, uint32_t code, uint32_t err, const c
         put_u32(p, code);
         put_u32(p + 4, err);
         memcpy(p + 8, msg, len);
-        queue_frame(s, R_START_FAILED, p, 8 + len);
+        emit(s, R_START_FAILED, p, 8 + len);
         free(p);
     }
     s->start_failed = 1;
@@ -617,6 +738,17 @@ static void on_frame(struct session *s, int type, const unsigned char *p, size_t
         case T_START:
             spawn(s);
             return;
+        case T_ATTACH: {
+            struct session *t = n == 4 ? detached_find(get_u32(p)) : NULL;
+            if (s->version < 3 || n != 4 || s->argc || s->envc || s->cwd || s->has_user ||
+                s->timeout_ms || s->pty)
+                session_fail(s, "ATTACH needs protocol 3, an id u32, and comes alone");
+            else if (!t || t->conn >= 0)
+                session_fail(s, "no detached command %u", get_u32(p));
+            else
+                attach(s, t);
+            return;
+        }
         default:
             session_fail(s, "unexpected frame 0x%02x before START", type);
             return;
@@ -649,6 +781,12 @@ static void on_frame(struct session *s, int type, const unsigned char *p, size_t
             kill_group(s, sig);
         return;
     }
+    case T_DETACH:
+        if (s->version < 3 || n)
+            session_fail(s, "DETACH needs protocol 3 and no payload");
+        else
+            detach(s);
+        return;
     case T_RESIZE:
         if (!s->pty || !get_winsize(s, p, n)) {
             session_fail(s, "RESIZE needs a PTY session and rows u16, cols u16 in 1..%u",
@@ -692,6 +830,14 @@ static void on_conn_readable(struct session *s) {
         on_frame(s, h[0], h + 5, n);
         if (s->rx.p) /* session_drop frees rx */
             buf_consume(&s->rx, 5 + (size_t)n);
+        if (s->moved) { /* ATTACH: what follows on the connection is the attached command's */
+            struct session *t = s->moved;
+            struct buf rest = s->rx;
+            s->moved = NULL;
+            s->rx = t->rx;
+            t->rx = rest;
+            s = t;
+        }
     }
 }
 
@@ -717,7 +863,11 @@ static void on_pipe_readable(struct session *s, int which) {
     int *fd = which ? &s->err : &s->out;
     unsigned char scratch[4096];
     ssize_t r;
-    if (s->conn < 0 || s->phase == P_FINISHED) { /* nobody to send to: discard */
+    if (s->detached && s->phase != P_FINISHED) { /* kept for an ATTACH, up to DETACH_BUF */
+        r = read(*fd, scratch, sizeof scratch);
+        if (r > 0)
+            keep(s, which ? R_STDERR : R_STDOUT, scratch, r);
+    } else if (s->conn < 0 || s->phase == P_FINISHED) { /* nobody to send to: discard */
         r = read(*fd, scratch, sizeof scratch);
     } else if (s->hold) { /* tx is the held frame of this stream (tx.off is 0) */
         unsigned char *p = s->tx.p;
@@ -827,7 +977,7 @@ static void maybe_finish(struct session *s, int64_t now) {
     put_u32(p, code);
     p[4] = flags;
     p[5] = sig;
-    queue_frame(s, R_EXIT, p, sizeof p);
+    emit(s, R_EXIT, p, sizeof p);
     s->phase = P_FINISHED;
     s->closing = 1;
     closefd(&s->in);
@@ -835,7 +985,7 @@ static void maybe_finish(struct session *s, int64_t now) {
 }
 
 static int session_done(struct session *s) {
-    return s->phase == P_FINISHED && s->conn < 0 && s->out < 0 && s->err < 0 &&
+    return s->phase == P_FINISHED && !s->detached && s->conn < 0 && s->out < 0 && s->err < 0 &&
            s->status < 0 && (s->pid <= 0 || s->reaped);
 }
 
