@@ -10,6 +10,19 @@ feed its stdin (opened only when ``Start`` asked for it), ``SendSignal`` signals
 group. A ``Start`` with ``pty`` runs the command on a terminal of that size
 (``AsyncSandbox.start(pty=)``): its bytes go out as ``pty`` data events, ``pty`` input (sent
 or streamed) goes to the terminal, ``Update`` resizes it; a terminal's stdin is always open.
+
+**Across a memory pause** (and a snapshot or fork with memory, which dump the sandbox while
+it runs on): CRIU cannot dump a command's connection to the host, so the registry asks
+``detach`` first: each command (started ``detachable`` where the backend keeps memory) is
+detached in the agent (agent protocol 3; it runs on, its output kept there up to 64 KiB) and
+its streams end (UNAVAILABLE, as a paused E2B sandbox's); it stays in the table with its pid.
+After the restore ``reattach`` takes each up again at once: ``Connect`` by pid or tag then
+gives its further output and its end, ``List`` shows it, stdin and signals reach it. A paused
+sandbox's commands do not run (CRIU froze them), so a command "ends while paused" only in the
+moments around the dump and the restore; it then ends as any command that ends before a
+``Connect``: its end goes to the streams listening (none), it leaves the table, a later
+``Connect`` is NOT_FOUND (E2B's envd forgets an ended process too). Output the agent dropped
+past its bound meanwhile is noted in the sandbox's logs (``process.dropped``).
 """
 
 from __future__ import annotations
@@ -20,7 +33,7 @@ import logging
 import shlex
 import signal
 from collections.abc import AsyncIterator
-from typing import cast
+from typing import Any, cast
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
@@ -40,6 +53,8 @@ _log = logging.getLogger(__name__)
 MAX_PROCESSES = 256
 #: Streams listening to one command at once (its Start and Connects).
 MAX_LISTENERS = 8
+#: How long the agent may take to detach a command before a dump (it is then ended by it).
+DETACH_WAIT = 10.0
 
 
 def sandbox_of(registry: Registry, ctx: RequestContext) -> Entry:
@@ -73,11 +88,50 @@ def _event(**kw: object) -> pb.ProcessEvent:
 
 
 class ProcessService(ProcessProtocol):
-    """The ``process.Process`` implementation (``e2b.envd.process.process_connect.Process``)."""
+    """The ``process.Process`` implementation (``e2b.envd.process.process_connect.Process``);
+    also the registry's process table (``detach``/``reattach`` around a dump)."""
 
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
         self._has_bash: dict[str, bool] = {}  # lock digest → /bin/bash exists in its rootfs
+        registry.process_table = self
+
+    async def detach(self, entry: Entry) -> None:
+        """Detach every command of ``entry`` that can be (before CRIU dumps it); the others
+        end with the dump as before."""
+        for proc in list(entry.processes.values()):
+            if proc.handle is None or not proc.detachable or proc.handle.done:
+                continue
+            proc.pausing = True
+            try:
+                proc.detach_id = await asyncio.wait_for(proc.handle.detach(),
+                                                        DETACH_WAIT) or 0
+            except (EnvbuildError, TimeoutError) as e:  # e.g. over the agent's MAX_DETACHED
+                e = e if isinstance(e, EnvbuildError) else RuntimeShimError("no answer")
+                entry.events.note("process.lost", f"command {proc.pid} could not be detached "
+                                  f"and ends with the pause: {e.message}", "warn",
+                                  pid=str(proc.pid))
+            if proc.task is not None:  # its follower returns (_follow), streams end
+                await asyncio.gather(proc.task, return_exceptions=True)
+        entry.processes = {p.pid: p for p in entry.processes.values() if p.detach_id}
+
+    async def reattach(self, entry: Entry) -> None:
+        """Take up again the commands ``detach`` left (``entry`` runs again: restored, or
+        dumped and running on); one the agent no longer has is dropped from the table."""
+        for proc in list(entry.processes.values()):
+            if not proc.detach_id:
+                continue
+            on_stdout, on_stderr = _outputs(entry, proc)
+            try:
+                proc.handle = await entry.sandbox.reattach(
+                    proc.detach_id, on_stdout=on_stdout, on_stderr=on_stderr, pty=proc.pty)
+            except EnvbuildError as e:
+                entry.processes.pop(proc.pid, None)
+                entry.events.note("process.lost", f"command {proc.pid} was not taken up "
+                                  f"again: {e.message}", "warn", pid=str(proc.pid))
+                continue
+            proc.detach_id, proc.pausing = 0, False
+            proc.task = asyncio.get_running_loop().create_task(_follow(entry, proc))
 
     async def _argv(self, entry: Entry, cfg: pb.ProcessConfig) -> list[str]:
         # the SDK runs every command as `/bin/bash -l -c CMD`; an env without bash gets sh
@@ -117,7 +171,7 @@ class ProcessService(ProcessProtocol):
         entry.processes[proc.pid] = proc
         entry.events.note("process.start", f"command {proc.pid} started: {shlex.join(argv)}",
                           pid=str(proc.pid), user=user.spec or "", cwd=proc.cwd or "")
-        proc.task = asyncio.get_running_loop().create_task(self._run(entry, proc))
+        proc.task = asyncio.get_running_loop().create_task(_follow(entry, proc))
         yield pb.StartResponse(event=_event(start=pb.ProcessEvent.StartEvent(pid=proc.pid)))
         async for event in _drain(queue, proc):
             yield pb.StartResponse(event=event)
@@ -126,48 +180,18 @@ class ProcessService(ProcessProtocol):
                       timeout: float | None) -> None:
         """Start ``proc``'s command (before the start event: a command that cannot start,
         e.g. a PTY of a size the SDK refuses, fails the request)."""
-        # a listener's queue is unbounded, never dropping (an end event lost would hang its
-        # stream): what it can hold is bounded by the command's output cap (Limits.output_bytes
-        # per stream, each chunk charged at least 64 bytes) times MAX_LISTENERS; a PTY's output
-        # is a stream without that cap, its rate bounded by how fast the listeners drain
-        def output(kind: str):
-            return lambda data: _emit(proc, _event(data=pb.ProcessEvent.DataEvent(
-                output=Oneof(kind, bytes(data)))), entry.events)  # type: ignore[arg-type]
-
         cwd = users.absolute(proc.cwd, user) if proc.cwd else user.home  # E2B: home
+        on_stdout, on_stderr = _outputs(entry, proc)
+        # detachable where a pause keeps the processes (``detach``); the fleet's cannot
+        proc.detachable = self._registry.backend.keeps_memory
+        extra = {"detachable": True} if proc.detachable else {}
         try:
             proc.handle = await entry.sandbox.start(
                 argv, env={**({"HOME": user.home} if user.named else {}), **entry.env_vars,
                            **proc.envs}, cwd=cwd, user=user.spec, timeout=timeout,
-                on_stdout=output("stdout" if proc.pty is None else "pty"),
-                on_stderr=output("stderr"), pty=proc.pty)
+                on_stdout=on_stdout, on_stderr=on_stderr, pty=proc.pty, **extra)
         except RuntimeShimError as e:
             raise ConnectError(Code.FAILED_PRECONDITION, e.message) from None
-
-    async def _run(self, entry: Entry, proc: Process) -> None:
-        emit = functools.partial(_emit, proc, log=entry.events)
-        try:
-            result = await proc.handle.wait()
-            if result.timed_out:  # ended by the request's deadline: E2B's stream says so
-                entry.processes.pop(proc.pid, None)
-                emit(_TIMED_OUT)
-                return
-            end = pb.ProcessEvent.EndEvent(exit_code=result.exit_code, exited=True,
-                                           status=f"exit status {result.exit_code}")
-        except asyncio.CancelledError:  # the sandbox is being killed: the stream breaks off
-            await proc.handle.cancel()  # (E2B's does too; the SDK then probes /health)
-            entry.processes.pop(proc.pid, None)
-            emit(_GONE)
-            raise
-        except EnvbuildError as e:
-            end = pb.ProcessEvent.EndEvent(exit_code=-1, exited=False, status="error",
-                                           error=e.message)
-        entry.processes.pop(proc.pid, None)
-        entry.events.note("process.end", f"command {proc.pid} ended: {end.status}"
-                          + (f" ({end.error})" if end.error else ""),
-                          "info" if end.exited else "error", pid=str(proc.pid))
-        emit(_event(end=end))
-        emit(None)
 
     def connect(self, request: pb.ConnectRequest, ctx: RequestContext) -> AsyncIterator[
             pb.ConnectResponse]:
@@ -269,6 +293,54 @@ class ProcessService(ProcessProtocol):
         if proc.handle is not None:
             proc.handle.close_stdin()
         return pb.CloseStdinResponse()
+
+
+async def _follow(entry: Entry, proc: Process) -> None:
+    """Wait for ``proc``'s command and tell its listeners how it ended (or that the sandbox
+    went away under it; or, detached for a pause, that their streams end)."""
+    emit = functools.partial(_emit, proc, log=entry.events)
+    try:
+        result = await proc.handle.wait()
+        if proc.detachable and proc.handle.dropped:
+            entry.events.note("process.dropped", f"command {proc.pid}: {proc.handle.dropped}"
+                              " bytes of its output were dropped around a pause", "warn",
+                              pid=str(proc.pid))
+        if result.timed_out:  # ended by the request's deadline: E2B's stream says so
+            entry.processes.pop(proc.pid, None)
+            emit(_TIMED_OUT)
+            return
+        end = pb.ProcessEvent.EndEvent(exit_code=result.exit_code, exited=True,
+                                       status=f"exit status {result.exit_code}")
+    except asyncio.CancelledError:  # the sandbox is being killed: the stream breaks off
+        await proc.handle.cancel()  # (E2B's does too; the SDK then probes /health)
+        entry.processes.pop(proc.pid, None)
+        emit(_GONE)
+        raise
+    except EnvbuildError as e:
+        if proc.pausing:  # detached for a pause: its streams end, the table keeps it
+            emit(_GONE)
+            return
+        end = pb.ProcessEvent.EndEvent(exit_code=-1, exited=False, status="error",
+                                       error=e.message)
+    entry.processes.pop(proc.pid, None)
+    entry.events.note("process.end", f"command {proc.pid} ended: {end.status}"
+                      + (f" ({end.error})" if end.error else ""),
+                      "info" if end.exited else "error", pid=str(proc.pid))
+    emit(_event(end=end))
+    emit(None)
+
+
+def _outputs(entry: Entry, proc: Process) -> tuple[Any, Any]:
+    """The output callbacks of ``proc``'s command: data events to its listeners.
+    A listener's queue is unbounded, never dropping (an end event lost would hang its
+    stream): what it can hold is bounded by the command's output cap (Limits.output_bytes
+    per stream, each chunk charged at least 64 bytes) times MAX_LISTENERS; a PTY's output
+    is a stream without that cap, its rate bounded by how fast the listeners drain."""
+    def output(kind: str) -> Any:
+        return lambda data: _emit(proc, _event(data=pb.ProcessEvent.DataEvent(
+            output=Oneof(kind, bytes(data)))), entry.events)  # type: ignore[arg-type]
+
+    return output("stdout" if proc.pty is None else "pty"), output("stderr")
 
 
 class _Listener(asyncio.Queue):

@@ -55,7 +55,18 @@ class Process:
     pty: tuple[int, int] | None = None  # the terminal's size at the start, None without one
     task: asyncio.Task[Any] | None = None
     handle: Any = None  # runtime_shim.sdk.process.AsyncProcess once started
+    detachable: bool = False  # started detachable: a memory pause keeps it (envd_process)
+    pausing: bool = False  # being detached for a dump: its end is not the command's
+    detach_id: int = 0  # its id in the agent while detached (taken up after the dump)
     listeners: list[asyncio.Queue[Any]] = dataclasses.field(default_factory=list)
+
+
+class ProcessTable(Protocol):
+    """The envd process service (``envbuild.serve.envd_process``), which a dump with memory
+    asks to detach the commands first and to take them up again after."""
+
+    async def detach(self, entry: Entry) -> None: ...
+    async def reattach(self, entry: Entry) -> None: ...
 
 
 class Backend(Protocol):
@@ -146,6 +157,8 @@ class Registry:
         self.max_timeout = max_timeout
         self.max_sandboxes = max_sandboxes
         self._opening = 0
+        #: set by the envd process service: detaches commands around a dump with memory
+        self.process_table: ProcessTable | None = None
 
     def get(self, sandbox_id: str | None) -> Entry | None:
         """A running sandbox (what envd and ports may reach)."""
@@ -258,9 +271,12 @@ class Registry:
                 entry.changing = None
             done.set()
 
-    async def _detach(self, entry: Entry) -> None:
+    async def _detach(self, entry: Entry, keep_processes: bool = False) -> None:
         """End what the server holds of ``entry``: its timer, command streams, watches, port
-        session."""
+        session; with ``keep_processes`` (a dump with memory follows) its commands are
+        detached first (``ProcessTable``) and stay in its table, the rest end."""
+        if keep_processes and self.process_table is not None:
+            await self.process_table.detach(entry)
         if entry.timer is not None:
             entry.timer.cancel()
             entry.timer = None
@@ -268,7 +284,7 @@ class Registry:
             watch.close()
         entry.watchers.clear()
         for proc in list(entry.processes.values()):
-            if proc.task is not None:
+            if proc.task is not None and not proc.detach_id:
                 proc.task.cancel()
         if entry.port_session is not None:
             await entry.port_session.close()
@@ -304,17 +320,25 @@ class Registry:
         if entry.state != "running":
             raise Conflict(f"sandbox {entry.id} is {entry.state}, not running")
         with self._changing(entry):
-            await self._detach(entry)
+            await self._detach(entry, memory)
             try:
                 lock = await self.backend.pause(entry.sandbox, entry.id, memory=memory)
             except BaseException:
                 entry.state = "running"
                 self._arm(entry)
+                await self._reattach(entry)
                 raise
             entry.sandbox, entry.checkpoint, entry.memory = None, lock, memory
-            entry.processes, entry.state = {}, "paused"
+            entry.state = "paused"
+            if not memory:
+                entry.processes = {}
         self._save(entry)
         entry.events.note("sandbox.pause", "paused" + ("" if memory else " (files only)"))
+
+    async def _reattach(self, entry: Entry) -> None:
+        """Take up the commands a dump detached (``entry`` runs again)."""
+        if self.process_table is not None and entry.processes:
+            await self.process_table.reattach(entry)
 
     @contextlib.asynccontextmanager
     async def _dumping(self, entry: Entry) -> AsyncIterator[None]:
@@ -323,14 +347,14 @@ class Registry:
         if entry.state != "running":
             raise Conflict(f"sandbox {entry.id} is {entry.state}, not running")
         with self._changing(entry):
-            await self._detach(entry)
-            entry.processes = {}
+            await self._detach(entry, keep_processes=True)
             try:
                 yield
             finally:
                 if entry.state == "busy":
                     entry.state = "running"
                     self._arm(entry)
+                    await self._reattach(entry)
 
     async def snapshot(self, entry: Entry, name: str, *, memory: bool) -> str:
         """Publish ``entry``'s snapshot ``name`` (memory too if ``memory``); its id."""
@@ -367,7 +391,10 @@ class Registry:
             except BaseException:
                 entry.state = "paused"
                 raise
+            kept = entry.processes if memory and entry.memory else {}
             entry.run(sandbox)
+            entry.processes = kept
+            await self._reattach(entry)
         self.set_timeout(entry, timeout)
         entry.events.note("sandbox.resume", "resumed")
         try:

@@ -13,7 +13,6 @@ from envbuild.errors import RuntimeShimError
 from runtime_shim import Sandbox
 from runtime_shim.isolation.agent_wire import DETACH_BUF, MAX_DETACHED
 
-pytestmark = pytest.mark.integration
 KiB = 1 << 10
 
 
