@@ -166,7 +166,7 @@ class Session(_Exchange):
         if not self.attached and kind not in (R_HELLO, R_ATTACHED, R_ERROR):
             raise _compromised(f"frame 0x{kind:02x} before ATTACHED")
         if kind == R_DETACHED:
-            if not self.detaching or len(payload) != 4 or not int.from_bytes(payload, "big"):
+            if not self.detach_sent or len(payload) != 4 or not int.from_bytes(payload, "big"):
                 raise _compromised(f"an unasked or malformed DETACHED ({len(payload)} bytes)")
             self.result = self._outcome(-1, detached=int.from_bytes(payload, "big"))
         elif kind == R_ATTACHED:

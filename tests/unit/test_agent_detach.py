@@ -30,6 +30,7 @@ def _drive(fake: FakeAgent, req: agent.ExecRequest, detach: bool = False) -> age
         return session.drive_blocking()
     finally:
         fake._stop.set()
+        fake._reader.join(5)  # (the session closed its end: the reader sees EOF)
         fake.peer.close()
 
 
@@ -43,7 +44,8 @@ def test_requests_ask_for_version_3():
 
 
 def test_a_detach_ends_the_session_with_the_id():
-    fake = FakeAgent(V3 + frame(agent.R_STDOUT, b"1\n") + frame(R_DETACHED, (9).to_bytes(4, "big")))
+    fake = FakeAgent(V3 + frame(agent.R_STDOUT, b"1\n"), frame(R_DETACHED, (9).to_bytes(4, "big")),
+                     gap=0.2)  # (DETACHED is accepted only once DETACH went out)
     out = _drive(fake, DETACHABLE, detach=True)
     assert (out.detached, out.stdout) == (9, b"1\n")
     assert frame(T_DETACH) in bytes(fake.received)

@@ -2,7 +2,7 @@
  * envbuild-agent: the exec agent that runs as PID 1 of a sandbox.
  *
  * It accepts on a unix socket the host created outside the sandbox and passed down as an fd
- * (--listen-fd), runs one command per connection (protocol v1, see README.md),
+ * (--listen-fd), runs one command per connection (protocol 1 to 3, see README.md),
  * streams the command's stdout and stderr back as frames and ends with its exit status. As
  * PID 1 it also reaps every orphan. One process, one poll() loop, no threads: every fd is
  * non-blocking, so a slow or vanished client never stalls another session.

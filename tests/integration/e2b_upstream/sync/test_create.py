@@ -297,11 +297,9 @@ def test_auto_resume_wakes_on_http_request(sandbox_factory, e2b_server):  # envb
         lifecycle={"on_timeout": "pause", "auto_resume": True},
     )
 
-    # envbuild: started in the background of a shell: a pause ends the commands envd serves
-    # (CRIU cannot dump their connection to the server) and keeps what they started; as root:
-    # CRIU cannot dump a process of another user here ("Can't get rlimit": docs/e2b.md)
-    cmd = sandbox.commands.run("nohup python3 -m http.server 8000 >/dev/null 2>&1 &",
-                               user="root")
+    # envbuild: as root: CRIU cannot dump a process of another user here ("Can't get
+    # rlimit": docs/e2b.md)
+    cmd = sandbox.commands.run("python3 -m http.server 8000", background=True, user="root")
     try:
         sleep(5)
 
