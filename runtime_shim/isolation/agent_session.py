@@ -52,7 +52,7 @@ from runtime_shim.isolation.agent import (
     frame,
     winsize,
 )
-from runtime_shim.isolation.agent_wire import R_ATTACHED, R_DETACHED, T_DETACH
+from runtime_shim.isolation.agent_wire import DETACH_VERSION, R_ATTACHED, R_DETACHED, T_DETACH
 
 #: Stdin bytes a session holds for a command that has not read them yet.
 MAX_PENDING_STDIN = 1 << 20
@@ -156,7 +156,7 @@ class Session(_Exchange):
     def detach(self) -> None:
         """Ask the agent to detach the command (the drive then ends with an outcome whose
         ``detached`` is its id, or with its end if it ended first)."""
-        if not self.req.detachable:
+        if self.req.version < DETACH_VERSION:  # (a reattached command detaches again)
             raise RuntimeShimError("detach needs a command started with detachable=True")
         with self.lock:
             self.detaching = True

@@ -113,6 +113,7 @@ def test_a_snapshot_keeps_the_background_command_of_the_sandbox_running(e2b_serv
         handle = sb.commands.run(COUNT, background=True, user="root")
         time.sleep(0.5)
         sb.create_snapshot()
+        sb.create_snapshot()  # taken up after the first, it is detached again for the second
         assert handle.pid in [p.pid for p in sb.commands.list()]
         out: list[str] = []
         follower, _ = _follow(sb.commands.connect(handle.pid, timeout=30), out)

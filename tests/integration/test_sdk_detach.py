@@ -54,6 +54,11 @@ def test_a_detached_command_runs_on_and_is_taken_up_again(built):
         seen = _numbers(before) + _numbers(after)
         assert seen == list(range(len(seen)))  # nothing lost, nothing twice
         assert again.dropped == 0
+        twice = again.detach()  # a reattached command detaches again (the next pause)
+        assert twice and twice != pid
+        last: list[bytes] = []
+        again = sb.reattach(twice, on_stdout=last.append)
+        _wait_for(lambda: len(_numbers(last)) >= 2)
         again.kill()
         result = again.wait(10)
         assert result.exit_code == 137

@@ -39,7 +39,7 @@ def test_a_detached_flood_is_dropped_past_the_bound(busybox_store):
         assert again.dropped > 64 * DETACH_BUF  # it ran on (and printed) while detached
         again.kill()
         result = again.wait(10)
-        assert result.exit_code == 137 and result.output_truncated
+        assert result.exit_code == 137
 
 
 def test_at_most_max_detached_commands(busybox_store):
