@@ -9,7 +9,8 @@ parts cut by ``formdata``, no copy of the bulk on the way), in pieces of about `
 into a new file published whole once its part ended, owned by the requesting user from the
 start. The server holds at most about two pieces of a file — or, for an upload of at most
 16 MiB over an existing file, the whole of it while ``HOLD`` (64 MiB for all uploads) has
-room, written straight into the file at the end instead of twice through a hidden one —
+room, gathered in a reused buffer and written straight into the file at the end instead of
+twice through a hidden one —
 and nothing of a part refused half-way (over ``max_upload``, a broken body) is ever seen
 at its path.
 """
