@@ -222,7 +222,10 @@ async def _store(read: Callable[[], Awaitable[bytes | memoryview]], entry: Entry
             if buf is None:
                 return await _stream(read, writer, total, limit)
             return await _gather(read, writer, buf, total, limit)
-    finally:  # after the commit or abort: the writer is done with the lent buffer
+    except asyncio.CancelledError:  # its commit may still be writing from buf, in the executor
+        buf = None  # so it is never handed to another upload
+        raise
+    finally:  # else the commit or abort has returned: the writer is done with the lent buffer
         if buf is not None:
             HOLD.keep(buf)
 
