@@ -9,7 +9,8 @@ parts cut by ``formdata``, no copy of the bulk on the way), in pieces of about `
 into a new file published whole once its part ended, owned by the requesting user from the
 start. The server holds at most about two pieces of a file — or, for an upload of at most
 16 MiB over an existing file, the whole of it while ``HOLD`` (64 MiB for all uploads) has
-room, written straight into the file at the end instead of twice through a hidden one —
+room, gathered in a reused buffer and written straight into the file at the end instead of
+twice through a hidden one —
 and nothing of a part refused half-way (over ``max_upload``, a broken body) is ever seen
 at its path.
 """
@@ -20,6 +21,7 @@ import asyncio
 import os
 import re
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from aiohttp import web
 from aiohttp.helpers import parse_mimetype
@@ -31,17 +33,24 @@ from envbuild.serve.sandboxes import Entry
 
 ENTRY = web.RequestKey("entry", Entry)
 MAX_UPLOAD = web.AppKey("max_upload", int)
-_CHUNK = 1 << 20
+_MIB = 1 << 20
+_CHUNK = _MIB
 
 
 class HoldBudget:
     """Bytes all uploads together may hold in memory (``write_stream``'s ``hold``: an
     existing file's new bytes written straight into it at the end, not twice through a
     hidden file): an upload of at most ``one`` bytes takes its length while ``total`` has
-    room; otherwise 0 (it streams through a hidden file as before). On the event loop only."""
+    room; otherwise 0 (it streams through a hidden file as before). On the event loop only.
+
+    What is held is gathered in a ``buffer`` that goes back to the budget after the upload
+    and is reused while the idle ones stay within ``2 * one``: fresh memory for 10 MiB
+    costs ~2,560 page faults and their freeing on every upload, ~5-7 ms of the server's CPU
+    (``docs/e2b-files-profile.md``). So at most ``total`` is held, and ``2 * one`` idle."""
 
     def __init__(self, total: int = 64 << 20, one: int = 16 << 20) -> None:
         self.total, self.one, self.free = total, one, total
+        self.idle: list[bytearray] = []  # newest last
 
     def take(self, length: int | None) -> int:
         if length is None or not 0 < length <= min(self.one, self.free):
@@ -52,8 +61,35 @@ class HoldBudget:
     def give(self, length: int) -> None:
         self.free += length
 
+    def buffer(self, length: int) -> bytearray:
+        """A buffer of at least ``length`` bytes (a share ``take`` gave): the smallest idle
+        one that fits, else a new one of whole MiB."""
+        fits = [i for i, b in enumerate(self.idle) if len(b) >= length]
+        if not fits:
+            return bytearray(-(-length // _MIB) * _MIB)
+        return self.idle.pop(min(fits, key=lambda i: len(self.idle[i])))
+
+    def keep(self, buf: bytearray) -> None:
+        """``buf`` idle for the next upload; the oldest idle ones are freed past
+        ``2 * one``."""
+        self.idle.append(buf)
+        while sum(map(len, self.idle)) > 2 * self.one:
+            del self.idle[0]
+
 
 HOLD = HoldBudget()
+
+
+class Writer(Protocol):
+    """What ``_store`` needs of ``write_stream``'s writer (``runtime_shim``'s
+    ``AsyncWriter``, ``envbuild.serve.fleet.FleetWriter``)."""
+
+    @property
+    def holding(self) -> bool: ...
+
+    async def write(self, data: bytes | bytearray | memoryview, *, lent: bool = False
+                    ) -> None: ...
+
 #: filename="quoted, with \\-escapes" or filename=token, of a Content-Disposition header
 _FILENAME = re.compile(r'(?:^|;)\s*filename=(?:"((?:[^"\\]|\\.)*)"|([^;"]+))')
 
@@ -175,35 +211,74 @@ async def _store(read: Callable[[], Awaitable[bytes | memoryview]], entry: Entry
     """The pieces of ``read`` (empty at the end) into ``path`` as ``user`` (E2B's envd writes
     as the user: a user's uploads are theirs to change; directories the write made are
     root's); the request's byte count after it. Over ``limit`` or a broken body (a bad gzip
-    stream, a malformed part): ``_Refused``, nothing written. Pieces are gathered up to
-    ``_CHUNK`` and written while the next ones are received (so at most two such are held,
-    besides what ``bounds``' second, the ``HoldBudget`` share, lets the writer hold)."""
+    stream, a malformed part): ``_Refused``, nothing written. An existing file's new bytes,
+    held (``bounds``' second, the ``HoldBudget`` share), are gathered in a buffer of the
+    budget; others streamed."""
     limit, hold = bounds
     writer = await entry.sandbox.write_stream(path, user=user.spec, hold=hold)
-    async with writer:  # committed when the part ends; aborted on any error
-        writing: asyncio.Future[None] | None = None
-        try:
-            pieces: list[bytes | memoryview] = []
-            held = 0
-            while chunk := await _read(read):
-                total += len(chunk)
-                if total > limit:
-                    raise _Refused(413, f"upload is over {limit} bytes")
-                pieces.append(chunk)
-                held += len(chunk)
-                if held >= _CHUNK:
-                    if writing is not None:
-                        await writing
-                    writing = asyncio.ensure_future(writer.write(b"".join(pieces)))
-                    pieces, held = [], 0
-            if writing is not None:
-                await writing
-            if pieces:
-                await writer.write(b"".join(pieces))
-        finally:  # never abort (close the file) while a piece is being written to it
-            if writing is not None and not writing.done():
-                await asyncio.wait([writing])
+    buf = HOLD.buffer(hold) if hold and writer.holding else None
+    try:
+        async with writer:  # committed when the part ends; aborted on any error
+            if buf is None:
+                return await _stream(read, writer, total, limit)
+            return await _gather(read, writer, buf, total, limit)
+    except asyncio.CancelledError:  # its commit may still be writing from buf, in the executor
+        buf = None  # so it is never handed to another upload
+        raise
+    finally:  # else the commit or abort has returned: the writer is done with the lent buffer
+        if buf is not None:
+            HOLD.keep(buf)
+
+
+async def _gather(read: Callable[[], Awaitable[bytes | memoryview]], writer: Writer,
+                  buf: bytearray, total: int, limit: int) -> int:
+    """The part copied into ``buf`` as it comes and lent to ``writer`` whole at its end,
+    which writes it straight into the file at the commit: one copy into warm memory, one
+    executor hop. Past ``buf`` (a gzip body larger than its Content-Length): what came so
+    far is written (copied) and the rest streamed."""
+    view, n = memoryview(buf), 0
+    while chunk := await _read(read):
+        total = _count(total, len(chunk), limit)
+        if n + len(chunk) > len(buf):
+            await writer.write(view[:n])
+            return await _stream(read, writer, total, limit, chunk)
+        view[n:n + len(chunk)] = chunk
+        n += len(chunk)
+    await writer.write(view[:n], lent=True)
     return total
+
+
+async def _stream(read: Callable[[], Awaitable[bytes | memoryview]], writer: Writer,
+                  total: int, limit: int, first: bytes | memoryview = b"") -> int:
+    """``first`` and the pieces of ``read`` gathered up to ``_CHUNK`` and written while the
+    next ones are received (so at most two such are held)."""
+    writing: asyncio.Future[None] | None = None
+    try:
+        pieces: list[bytes | memoryview] = [first] if first else []
+        held = len(first)
+        while chunk := await _read(read):
+            total = _count(total, len(chunk), limit)
+            pieces.append(chunk)
+            held += len(chunk)
+            if held >= _CHUNK:
+                if writing is not None:
+                    await writing
+                writing = asyncio.ensure_future(writer.write(b"".join(pieces)))
+                pieces, held = [], 0
+        if writing is not None:
+            await writing
+        if pieces:
+            await writer.write(b"".join(pieces))
+    finally:  # never abort (close the file) while a piece is being written to it
+        if writing is not None and not writing.done():
+            await asyncio.wait([writing])
+    return total
+
+
+def _count(total: int, more: int, limit: int) -> int:
+    if total + more > limit:
+        raise _Refused(413, f"upload is over {limit} bytes")
+    return total + more
 
 
 async def _read(read: Callable[[], Awaitable[bytes | memoryview]]) -> bytes | memoryview:

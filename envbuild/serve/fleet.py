@@ -301,7 +301,9 @@ class FleetWriter:
         self._buf: bytearray | None = bytearray()
         self.written = 0
 
-    async def write(self, data: bytes | bytearray | memoryview) -> None:
+    holding = False  # ``FileWriter.holding``: it copies every piece into one buffer
+
+    async def write(self, data: bytes | bytearray | memoryview, *, lent: bool = False) -> None:
         if self._buf is None:
             raise RuntimeShimError(f"write {self.path} in sandbox: the write has ended")
         self._buf += data

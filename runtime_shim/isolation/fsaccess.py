@@ -185,14 +185,17 @@ class FileWriter(CommitOnExit):
 
     ``hold``: the new bytes of an existing target are kept in memory up to this many (the
     caller's bound) and written straight into it at ``commit``; a hidden file is made only
-    if they grow past it. Saves writing them twice (10 MiB on a btrfs pool: ~7 ms)."""
+    if they grow past it. Saves writing them twice (10 MiB on a btrfs pool: ~7 ms).
+    ``holding`` says whether this writer holds them; ``write(data, lent=True)`` holds ``data``
+    itself, not a copy (its owner leaves it unchanged until the write ends)."""
 
     def __init__(self, root: str, path: str, *, mode: int = 0o644, uid: int = 0, gid: int = 0,
                  make_parents: bool = True, hold: int = 0) -> None:
         self.root, self.path, self.mode, self.uid, self.gid = root, path, mode, uid, gid
         self.written, self._fd, self._dir = 0, -1, -1
         self._hold, self._ended = hold, False
-        self._held: list[bytes] | None = None  # held bytes of an existing target
+        # held bytes of an existing target
+        self._held: list[bytes | bytearray | memoryview] | None = None
         parent, self._name = _split(path)
         self._tmp = f".{self._name[:200]}.envbuild-{secrets.token_hex(4)}"
         root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -228,12 +231,20 @@ class FileWriter(CommitOnExit):
         os.fchown(self._fd, self.uid, self.gid)
         os.fchmod(self._fd, self.mode)
 
-    def write(self, data: bytes | bytearray | memoryview) -> None:
+    @property
+    def holding(self) -> bool:
+        """Whether what is written now waits in memory for ``commit`` (an existing file,
+        within ``hold``), rather than going to a file at once."""
+        return self._held is not None
+
+    def write(self, data: bytes | bytearray | memoryview, *, lent: bool = False) -> None:
+        """``data`` appended; ``lent``: its owner leaves it unchanged until the write ends,
+        so held bytes are kept as they are (else only ``bytes`` are, others are copied)."""
         if self._ended:
             raise RuntimeShimError(f"write {self.path} in sandbox: the write has ended")
         if self._held is not None:
             if self.written + len(data) <= self._hold:
-                self._held.append(bytes(data))  # bytes: kept as is; others: copied
+                self._held.append(data if lent else bytes(data))
                 self.written += len(data)
                 return
             self._spill()

@@ -20,6 +20,7 @@ reader is a ``BytesIO`` of ``read_file``, the writer collects its pieces and cal
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import os
 from typing import Any, BinaryIO
@@ -38,7 +39,11 @@ class BufferedWriter(CommitOnExit):
         self._buf: io.BytesIO | None = io.BytesIO()
         self.written = 0
 
-    def write(self, data: bytes | bytearray | memoryview) -> None:
+    #: its pieces are copied into one buffer as they come (``FileWriter.holding``'s sense:
+    #: no existing file's bytes wait for the commit)
+    holding = False
+
+    def write(self, data: bytes | bytearray | memoryview, *, lent: bool = False) -> None:
         if self._buf is None:
             raise RuntimeShimError(f"write {self.path} in sandbox: the write has ended")
         self.written += self._buf.write(data)
@@ -103,8 +108,13 @@ class AsyncWriter:
     def written(self) -> int:
         return self.sync.written
 
-    async def write(self, data: bytes | bytearray | memoryview) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.sync.write, data)
+    @property
+    def holding(self) -> bool:
+        return self.sync.holding
+
+    async def write(self, data: bytes | bytearray | memoryview, *, lent: bool = False) -> None:
+        await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.sync.write, data, lent=lent))
 
     async def commit(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.sync.commit)

@@ -92,6 +92,40 @@ def test_a_refused_upload_leaves_nothing_and_fifos_are_refused(e2b_server, sandb
         sandbox.files.read("/tmp/fifo")
 
 
+def test_an_existing_file_is_overwritten_whole_or_not_at_all(e2b_server, sandbox):
+    """An upload over an existing file is gathered in the server's reused buffer and written
+    into the file at its end (the same inode): multipart and octet-stream; a gzip body that
+    grows past its Content-Length goes on streamed; a body broken at its end leaves the old
+    bytes."""
+    import gzip
+
+    import httpx
+
+    sandbox.commands.run("echo old > /tmp/ex")
+    inode = sandbox.commands.run("stat -c %i /tmp/ex").stdout
+    for octet in (False, True, False):
+        data = os.urandom(3 * MIB + 5)
+        sandbox.files.write("/tmp/ex", data, use_octet_stream=octet)
+        assert bytes(sandbox.files.read("/tmp/ex", format="bytes")) == data
+    envd = {"E2b-Sandbox-Id": sandbox.sandbox_id,
+            "X-Access-Token": sandbox._envd_access_token}
+    text = b"grows " * (2 * MIB)  # 12 MiB from a few KiB on the wire
+    r = httpx.post(f"{e2b_server.url}/files", params={"path": "/tmp/ex"},
+                   content=gzip.compress(text), headers={
+                       **envd, "Content-Type": "application/octet-stream",
+                       "Content-Encoding": "gzip"})
+    assert r.status_code == 200, r.text
+    assert bytes(sandbox.files.read("/tmp/ex", format="bytes")) == text
+    cut = (b'--b0\r\nContent-Disposition: form-data; name="file"; filename="/tmp/ex"\r\n\r\n'
+           + os.urandom(2 * MIB))  # no closing boundary
+    r = httpx.post(f"{e2b_server.url}/files", content=cut, headers={
+        **envd, "Content-Type": "multipart/form-data; boundary=b0"})
+    assert r.status_code == 400, r.text
+    assert bytes(sandbox.files.read("/tmp/ex", format="bytes")) == text
+    assert sandbox.commands.run("stat -c %i /tmp/ex").stdout == inode
+    assert sandbox.commands.run("ls -a /tmp").stdout.split().count("ex") == 1
+
+
 def test_octet_stream_uploads_iterables_and_gzip(sandbox):
     """envd 0.5.7: the SDK sends an iterable or a file object as the raw body, gzipped on
     request."""
