@@ -15,7 +15,7 @@ the kernel (never read zeros), and the new worker resumes. The holder does nothi
 store, no parsing): it is the part that must not fail. With the worker alive, the holder's
 death is harmless too (the worker holds the group); only both dying at once releases the
 group: unfilled objects are then read unchecked, and being empty placeholders (``objects``)
-they end at once (EOF, SIGBUS, ENOEXEC) rather than read as zeros — docs/native-lazy.md says
+they end at once (EOF, SIGBUS, ENOEXEC) rather than read as zeros — docs/lazy-loading.md says
 what would close that last gap (a pinned BPF LSM program).
 
 **The worker**, on start: answers every permission event a dead predecessor read but did not
