@@ -190,7 +190,7 @@ def test_corrupt_frame_is_detected_and_not_cached(layer):
 
 
 def test_http_ranges_use_the_store_once_the_url_expired(layer):
-    """``HttpRanges`` (the daemon's boto3-free reader) hands an expired presigned URL's reads to
+    """``HttpRanges`` (the filler's boto3-free reader) hands an expired presigned URL's reads to
     the full store, opened only then."""
     from envbuild.store.lazy import HttpRanges
 

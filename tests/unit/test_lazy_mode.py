@@ -1,6 +1,7 @@
 """``lazy=`` checked before anything is made (``runtime_shim.sdk.options.lazy_mode``): the
-modes, ``lazy="fuse"`` and the removed FUSE stacks' switches refused in one line, and checkpointable lazy
-sandboxes turned into full pulls (CRIU cannot dump files of the native layers)."""
+modes, ``lazy="fuse"`` and the removed FUSE stacks' switches refused in one line, and
+checkpointable lazy sandboxes turned into full pulls (CRIU cannot dump files of the native
+layers)."""
 
 from __future__ import annotations
 
