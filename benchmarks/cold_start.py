@@ -16,40 +16,36 @@ same way, HTTP included.
 
 The workload (``WORKLOAD``), each step timed: ``python3 -c 'print(1)'``, ``import numpy, pandas,
 django``, the workspace's own ``pytest -q``, ``grep -r`` over the workspace. Per run, a fresh node
-dir on tmpfs with the node's services up (the exec agent built and the lazy daemon started
-beforehand by a throwaway lazy busybox sandbox, as on a fleet node: no mode pays for them),
-timed from "nothing of the env on this node":
+dir on tmpfs with the node's services up (the exec agent built and, for ``lazy``, the node's
+filler started beforehand by a throwaway busybox sandbox, as on a fleet node: no mode pays for
+them), timed from "nothing of the env on this node":
 
 - ``full``: ``Sandbox.create(lock, store=S3Store)`` — each layer streamed over the link and
   unpacked into the node cache — then the workload;
 - ``native``: then a second sandbox on that node, layers already unpacked: the floor;
-- ``lazy``: ``Sandbox.create(..., lazy="fuse")`` with no lazy profile in the store, then the
-  workload (this run records a profile; dropped before the next ``lazy`` run);
-- ``lazy-rerun``: a second lazy sandbox on that node once every touched file is fetched (it
-  starts once the daemon is idle: the wait and the daemon's CPU during the re-run are printed);
-- ``lazy-profile`` (and its ``-rerun``): the same with the profile a previous run recorded;
-- ``lazy-native`` (and its ``-rerun``): ``Sandbox.create(..., lazy="native")`` (issue 36: each
-  layer a metadata tree the kernel serves over the node's object store, the placeholders
-  filled on first open by the node's fanotify filler, ``docs/native-lazy.md``) on a node whose
-  filler a throwaway native busybox sandbox started (the node's object store on the disk, ext4
-  here, bind-mounted into the tmpfs node dir: pre-content marks need a real filesystem); its
-  "lazy CPU" is the filler's (holder and
-  worker, from its ping) until the sandbox closed, its ``fills`` the objects filled.
+- ``lazy``: ``Sandbox.create(..., lazy="native")`` (each layer a metadata tree the kernel serves
+  over the node's object store, the placeholders filled on first open by the node's fanotify
+  filler, docs/lazy-loading.md; the node's object store on the disk, ext4 here, bind-mounted
+  into the tmpfs node dir: pre-content marks need a real filesystem), the node's first sight
+  of the lock's layers (``native_layer_dirs``) timed apart as ``prepare``; its "lazy CPU" is
+  the filler's (holder and worker, from its ping) until the sandbox closed, its ``fills`` the
+  objects filled;
+- ``lazy-rerun``: a second lazy sandbox on that node once the filler is idle (the wait is
+  printed).
 
 Then a burst: ``--burst`` lazy sandboxes of the lock started at once on one cold node, each
 running the first two steps; bytes on the link against one sandbox's.
 
-Goals (issue 13, for ``lazy``; issue 36's for ``lazy-native``: total <= 0.40x full's, first
-command >= 12x, re-run <= 1.02x native, filler CPU <= 0.4 s a cold run, create - the native
-floor's create <= 30 ms, bytes <= 13 % of the env), at ``1gbit:10ms``: first command >= 5x
-faster than full; total (create + workload) <= 0.7x full's; re-run once fetched <= 1.1x native;
-bytes on the link <= 15 % of the env (its unpacked size; the ratio to the full pull's bytes is
-printed too); burst bytes <= 1.1x one sandbox's. Printed as met/MISSED per link.
+Goals (issue 36), at ``1gbit:10ms``: total <= 0.40x full's, first command >= 12x faster,
+re-run (and a ``find /usr`` walk) <= 1.02x native, filler CPU <= 0.4 s a cold run, create -
+the native floor's create <= 30 ms, bytes <= 13 % of the env (its unpacked size; the ratio to
+the full pull's bytes is printed too), burst bytes <= 1.1x one sandbox's. Printed as
+met/MISSED per link.
 
 Usage::
 
     .venv/bin/python benchmarks/cold_start.py [--link 1gbit:10ms,10gbit:2ms] [--repeat 3]
-        [--modes full,lazy,lazy-profile,lazy-native] [--burst 20] [--cache ./cache] [--json FILE]
+        [--modes full,lazy] [--burst 20] [--cache ./cache] [--json FILE]
 """
 
 from __future__ import annotations
@@ -86,14 +82,13 @@ from envbuild.store import (  # noqa: E402
     put_json,
 )
 from runtime_shim.isolation.mount import unmount  # noqa: E402
-from runtime_shim.lazyfs import PROFILE_NAMESPACE, lazy_stats  # noqa: E402
 from runtime_shim.lazyfs.pyindex import index_layer_file  # noqa: E402
 from runtime_shim.node.locks import resolve  # noqa: E402
 from runtime_shim.node.nodecache import NodeCache  # noqa: E402
 from runtime_shim.sdk.sandbox import Sandbox  # noqa: E402
 
 COLD = WORK / "cold"
-#: Where the object stores of ``lazy-native`` nodes live: on the disk, bind-mounted at the
+#: Where the object stores of ``lazy`` nodes live: on the disk, bind-mounted at the
 #: node's ``objects/`` (the rest of the node dir on tmpfs, as every mode's): fanotify
 #: pre-content marks need a filesystem that has them (tmpfs refuses them, EOPNOTSUPP), as a
 #: real node's local ext4/xfs does. Removed at the end of the run, not between runs: a large
@@ -184,21 +179,9 @@ def rx_bytes(dev: str) -> int:
     raise RuntimeError(f"no interface {dev} in /proc/net/dev")
 
 
-#: The share of a core under which the lazy daemon counts as idle (``Bench.settle``): its
-#: timers and the settle loop's own pings stay under it.
+#: The share of a core under which the filler counts as idle (``Bench.settle``): its timers
+#: and the settle loop's own pings stay under it.
 IDLE_CPU = 0.1
-
-
-def ping(node_dir: Path) -> dict:
-    """The node's lazy daemon's ping reply (its counters; ``{}`` without an answer)."""
-    from runtime_shim.lazyfs.control import daemon_request
-
-    return daemon_request(node_dir / "node", {"op": "ping"}, 5) or {}
-
-
-def daemon_cpu(node_dir: Path, reply: dict | None = None) -> float:
-    """CPU-seconds the node's lazy daemon has used (from ``reply``, else a new ping)."""
-    return float((ping(node_dir) if reply is None else reply).get("cpu_seconds") or 0.0)
 
 
 def filler_ping(node_dir: Path) -> dict:
@@ -208,15 +191,12 @@ def filler_ping(node_dir: Path) -> dict:
     return filler_request(str(node_dir / "node"), {"op": "ping"}, 5.0) or {}
 
 
-def lazy_cpu(node_dir: Path, lazy: bool | str) -> float:
-    """CPU-seconds the node's lazy server has used: the FUSE daemon's (``lazy="fuse"``, from its
-    ping) or the native filler's holder and worker (``"native"``; a worker respawned since
-    loses its predecessor's); 0 for a full pull."""
-    if lazy == "native":
-        reply = filler_ping(node_dir)
-        return process_cpu(p for p in (reply.get("holder"), reply.get("pid"))
-                           if isinstance(p, int) and p > 1)
-    return daemon_cpu(node_dir) if lazy else 0.0
+def lazy_cpu(node_dir: Path) -> float:
+    """CPU-seconds the node's filler has used: its holder's and worker's (a worker respawned
+    since loses its predecessor's)."""
+    reply = filler_ping(node_dir)
+    return process_cpu(p for p in (reply.get("holder"), reply.get("pid"))
+                       if isinstance(p, int) and p > 1)
 
 
 def filler_fills(node_dir: Path) -> int:
@@ -239,11 +219,6 @@ def filler_waits(log: Path) -> None:
               flush=True)
 
 
-def drop_profiles(store) -> None:
-    for name in store.list_records(PROFILE_NAMESPACE):
-        store.delete_record(PROFILE_NAMESPACE, name)
-
-
 class Bench:
     """One link profile's run: the store behind the link, the env's lock, the meter."""
 
@@ -253,14 +228,13 @@ class Bench:
         self.dev = link.host_if if link.profile.shaped else "lo"
         self.layers = resolve(store, lock).layers
 
-    def fresh_node(self, tag: str, lazy: bool | str = "fuse") -> Path:
+    def fresh_node(self, tag: str, lazy: bool = False) -> Path:
         """An empty node dir on tmpfs whose node services are up, as on a node of a fleet:
-        the exec agent built and the node's lazy daemon (``lazy="native"``: its filler)
-        started, by a throwaway lazy busybox sandbox (so no mode pays for them). Nothing of
-        the env is on the node."""
+        the exec agent built and (``lazy``) the node's filler started, by a throwaway busybox
+        sandbox (so no mode pays for them). Nothing of the env is on the node."""
         node_dir = SCRATCH / f"cold-node-{os.getpid()}-{tag}"  # per run: others may run it too
         shutil.rmtree(node_dir, ignore_errors=True)
-        if lazy == "native":
+        if lazy:
             disk = NATIVE_OBJECTS / f"{os.getpid()}-{tag}"
             disk.mkdir(parents=True, mode=0o700)
             (node_dir / "node" / "objects").mkdir(parents=True, mode=0o700)
@@ -268,44 +242,23 @@ class Bench:
                            check=True)
         try:
             with Sandbox.create(self.warm_lock, store=self.store, node_dir=node_dir,
-                                lazy=lazy) as sb:
+                                lazy="native" if lazy else False) as sb:
                 sb.exec(["true"])
         except BaseException:
-            self.drop_node(node_dir)   # the node's daemon or filler with it
+            self.drop_node(node_dir)   # the node's filler with it
             raise
         return node_dir
 
     def drop_node(self, node_dir: Path) -> None:
         node = NodeCache(node_dir / "node")
-        for log in [*(node_dir / "node" / "lazy").glob("*.log"),
-                    *(node_dir / "node" / "objects").glob("*.log")]:   # the native filler's
+        for log in (node_dir / "node" / "objects").glob("*.log"):   # the filler's
             for line in log.read_text(errors="replace").splitlines():
-                if (" ERROR " in line or " WARNING " in line or line.startswith("error")
-                        or "meta layer g-" in line or " mounted sha256:" in line):  # meta layers, mounts
+                if " ERROR " in line or " WARNING " in line or line.startswith("error"):
                     print(f"    {log.name[:12]}: {line}", flush=True)
         filler_waits(node_dir / "node" / "objects" / "filler.log")
-        reply = ping(node_dir)
-        if reply.get("import_prediction"):   # Python import prediction's counters (pyahead)
-            print(f"    import prediction: {reply['import_prediction']}", flush=True)
-        if reply.get("slot_wait"):   # readers waiting for a request slot (FetchLimits)
-            print(f"    fetch slots: {reply['slot_wait']}, at most "
-                  f"{reply.get('max_requests_in_flight')} requests in flight", flush=True)
-        if reply.get("cpu_seconds") is not None:
-            print(f"    lazy daemon CPU: {reply['cpu_seconds']} s, GC pauses {reply.get('gc')}, "
-                  f"FUSE requests by opcode {reply.get('fuse_requests')}", flush=True)
-        node.evict((), 0)  # the lazy daemons save the profile and exit; the filler stops
+        node.evict((), 0)  # the native layers unmounted; the filler stops
         unmount(str(node_dir / "node" / "objects"))   # a native node's object store, if any
         shutil.rmtree(node_dir, ignore_errors=True)
-
-    def requests(self, node_dir: Path) -> int:
-        node = NodeCache(node_dir / "node")
-        total = 0
-        for x in self.layers:
-            try:
-                total += lazy_stats(node.lazy_dir(x.digest))["requests"]
-            except Exception:  # noqa: BLE001 - a layer not mounted lazily on this node
-                pass
-        return total
 
     def workload(self, sb, t0: float, steps: list[str] = STEPS) -> dict[str, float]:
         """Run the workload's ``steps`` in ``sb``: seconds per step; ``first`` is counted from
@@ -335,41 +288,39 @@ class Bench:
                 raise RuntimeError(f"walk exited {r.exit_code}: {r.stderr[-500:]!r}")
         return statistics.median(times)
 
-    def timed(self, node_dir: Path, mode: str, *, lazy: bool | str = False,
+    def timed(self, node_dir: Path, mode: str, *, lazy: bool = False,
               cold: bool = False) -> dict:
         """One sandbox of the lock on ``node_dir`` running the workload: the row of ``mode``
         (create, each step, total, bytes over the link while it ran, the CPU-seconds the
         store's processes used until the sandbox closed — s3rver and the latency proxy share
-        the node's cores here, as a real store would not —; ``lazy``: also the lazy daemon's
-        CPU-seconds until the close, the native filler's for ``"native"``; ``cold``: also its
-        store requests (native: objects filled) and the read path)."""
+        the node's cores here, as a real store would not —; ``lazy``: also the filler's
+        CPU-seconds until the close; ``cold`` and ``lazy``: the node's first sight of the
+        layers apart (``prepare``), the objects filled and the read path)."""
         rx0 = rx_bytes(self.dev)
         store0 = process_cpu(self.link.pids)
         prepare = prepare_cpu = None
-        if cold and lazy == "native":   # the node's first sight, its filler's CPU apart
-            cpu0 = lazy_cpu(node_dir, lazy)
+        if cold and lazy:   # the node's first sight, its filler's CPU apart
+            cpu0 = lazy_cpu(node_dir)
             prepare = self.prepare(node_dir)
-            prepare_cpu = lazy_cpu(node_dir, lazy) - cpu0
-        daemon0 = lazy_cpu(node_dir, lazy)
-        fills0 = filler_fills(node_dir) if lazy == "native" else 0
+            prepare_cpu = lazy_cpu(node_dir) - cpu0
+        daemon0 = lazy_cpu(node_dir) if lazy else 0.0
+        fills0 = filler_fills(node_dir) if lazy else 0
         t0 = time.perf_counter()
-        with Sandbox.create(self.lock, store=self.store, node_dir=node_dir, lazy=lazy) as sb:
+        with Sandbox.create(self.lock, store=self.store, node_dir=node_dir,
+                            lazy="native" if lazy else False) as sb:
             row = {"mode": mode, "create": time.perf_counter() - t0, **self.workload(sb, t0)}
             if prepare is not None:
                 row["prepare"], row["prepare_cpu"] = prepare, prepare_cpu
             row["bytes"] = rx_bytes(self.dev) - rx0
             if not cold:   # a cold row's lazy CPU stays the workload's own
                 row["walk"] = self.walk(sb)
-            if cold and lazy == "native":
+            if cold and lazy:
                 row["fills"] = filler_fills(node_dir) - fills0
-                row["transport"] = sb.info().lazy
-            elif cold:
-                row["requests"] = self.requests(node_dir)
                 row["transport"] = sb.info().lazy
         row["total"] = row.get("prepare", 0.0) + row["create"] + row["workload"]
         row["store_cpu"] = process_cpu(self.link.pids) - store0
         if lazy:
-            row["daemon_cpu"] = lazy_cpu(node_dir, lazy) - daemon0
+            row["daemon_cpu"] = lazy_cpu(node_dir) - daemon0
         return row
 
     def prepare(self, node_dir: Path) -> float:
@@ -392,39 +343,30 @@ class Bench:
         finally:
             self.drop_node(node_dir)
 
-    def run_lazy(self, run: int, profile: bool, lazy: bool | str = "fuse") -> list[dict]:
+    def run_lazy(self, run: int) -> list[dict]:
         """A lazy sandbox on a cold node, then a second one on the same node once everything
-        the workload touched is on the node (``-rerun``); ``lazy="native"``: native ones (no
-        profile: the filler takes none)."""
-        mode = "lazy-native" if lazy == "native" else "lazy-profile" if profile else "lazy"
-        if lazy == "fuse" and not profile:
-            drop_profiles(self.store)
-        elif lazy == "fuse" and not self.store.list_records(PROFILE_NAMESPACE):
-            print("    recording the lazy profile (untimed run) ...", flush=True)
-            self.run_lazy(run, profile=False)
-        node_dir = self.fresh_node(f"{mode}-{run}", lazy)
+        the workload touched is on the node (``-rerun``)."""
+        node_dir = self.fresh_node(f"lazy-{run}", lazy=True)
         try:
-            cold = self.timed(node_dir, mode, lazy=lazy, cold=True)
-            settle = self.settle(node_dir, lazy)
-            rerun = self.timed(node_dir, f"{mode}-rerun", lazy=lazy)
+            cold = self.timed(node_dir, "lazy", lazy=True, cold=True)
+            settle = self.settle(node_dir)
+            rerun = self.timed(node_dir, "lazy-rerun", lazy=True)
             rerun["settle"] = settle
             return [cold, rerun]
         finally:
             self.drop_node(node_dir)
 
-    def settle(self, node_dir: Path, lazy: bool | str = "fuse", window: float = 0.25,
-               limit: float = 15.0) -> float:
-        """Wait until the node's lazy daemon (or native filler) has finished what the cold run
-        left it (the prediction's last fetches, the meta layers' build): no meta build running
-        and under ``IDLE_CPU`` of a core over a ``window``, at most ``limit`` s. The re-run's
-        goal is "once all touched files are fetched"; the seconds waited are reported."""
+    def settle(self, node_dir: Path, window: float = 0.25, limit: float = 15.0) -> float:
+        """Wait until the node's filler has finished what the cold run left it (the
+        predictions' last fills): under ``IDLE_CPU`` of a core over a ``window``, at most
+        ``limit`` s. The re-run's goal is "once all touched files are fetched"; the seconds
+        waited are reported."""
         t0 = time.perf_counter()
-        last = lazy_cpu(node_dir, lazy)
+        last = lazy_cpu(node_dir)
         while time.perf_counter() - t0 < limit:
             time.sleep(window)
-            reply = ping(node_dir) if lazy == "fuse" else {}   # one request a look: not small
-            now = daemon_cpu(node_dir, reply) if lazy == "fuse" else lazy_cpu(node_dir, lazy)
-            if now - last < IDLE_CPU * window and not reply.get("meta_building"):
+            now = lazy_cpu(node_dir)
+            if now - last < IDLE_CPU * window:
                 break
             last = now
         return time.perf_counter() - t0
@@ -436,19 +378,18 @@ class Bench:
 
         def one(node_dir: Path) -> None:
             t0 = time.perf_counter()
-            with Sandbox.create(self.lock, store=self.store, node_dir=node_dir, lazy="fuse") as sb:
+            with Sandbox.create(self.lock, store=self.store, node_dir=node_dir,
+                                lazy="native") as sb:
                 self.workload(sb, t0, steps)
 
-        drop_profiles(self.store)
-        node_dir = self.fresh_node("burst-single")
+        node_dir = self.fresh_node("burst-single", lazy=True)
         try:
             rx0 = rx_bytes(self.dev)
             one(node_dir)
             single = rx_bytes(self.dev) - rx0
         finally:
             self.drop_node(node_dir)
-        drop_profiles(self.store)
-        node_dir = self.fresh_node("burst")
+        node_dir = self.fresh_node("burst", lazy=True)
         try:
             rx0 = rx_bytes(self.dev)
             t0 = time.perf_counter()
@@ -457,11 +398,11 @@ class Bench:
                     f.result()
             seconds = time.perf_counter() - t0
             burst = rx_bytes(self.dev) - rx0
-            requests = self.requests(node_dir)
+            fills = filler_fills(node_dir)
         finally:
             self.drop_node(node_dir)
         return {"n": n, "single_bytes": single, "burst_bytes": burst, "seconds": seconds,
-                "requests": requests}
+                "fills": fills}
 
 
 def start_store(link: ShapedLink, cache: LocalStore, digests: list[str]):
@@ -504,7 +445,7 @@ def report(profile: LinkProfile, rows: list[dict], burst: dict | None, env_bytes
     print(f"\nlink {profile}; median of {repeat} runs")
     cols = ["create", "first", "import", "tests", "grep", "total"]
     print(f"{'mode':<20}" + "".join(f"{c + ' s':>9}" for c in cols)
-          + f"{'MB on link':>12}{'store CPU':>10}{'lazy CPU':>10}{'requests':>10}")
+          + f"{'MB on link':>12}{'store CPU':>10}{'lazy CPU':>10}{'fills':>10}")
 
     def has(mode: str, key: str) -> bool:
         return any(key in r for r in rows if r["mode"] == mode)
@@ -514,32 +455,20 @@ def report(profile: LinkProfile, rows: list[dict], burst: dict | None, env_bytes
               + f"{med(rows, mode, 'bytes') / MB:>12.1f}"
               + "".join(f"{med(rows, mode, k):>10.2f}" if has(mode, k) else f"{'':>10}"
                         for k in ("store_cpu", "daemon_cpu"))
-              + (f"{med(rows, mode, 'requests'):>10.0f}" if has(mode, "requests") else "")
-              + (f"{med(rows, mode, 'fills'):>10.0f} fills" if has(mode, "fills") else ""))
+              + (f"{med(rows, mode, 'fills'):>10.0f}" if has(mode, "fills") else ""))
     goals: dict[str, tuple[float, str, bool]] = {}
     if "full" in modes and "lazy" in modes:
-        first = med(rows, "full", "first") / med(rows, "lazy", "first")
-        goals["first command vs full"] = (first, ">= 5x faster", first >= 5)
-        total = med(rows, "lazy", "total") / med(rows, "full", "total")
-        goals["total workload vs full"] = (total, "<= 0.7x", total <= 0.7)
-        share = med(rows, "lazy", "bytes") / env_bytes
-        goals["bytes on the link / env's unpacked size"] = (share, "<= 0.15", share <= 0.15)
         compressed = med(rows, "lazy", "bytes") / med(rows, "full", "bytes")
         goals["bytes on the link / full pull's (reported)"] = (compressed, "-", True)
-    if "native" in modes and "lazy-rerun" in modes:
-        rerun = med(rows, "lazy-rerun", "workload") / med(rows, "native", "workload")
-        goals["re-run (files fetched) vs native"] = (rerun, "<= 1.1x", rerun <= 1.1)
+    if "lazy-rerun" in modes:
         print(f"lazy-rerun: started {med(rows, 'lazy-rerun', 'settle'):.2f} s after the cold "
-              f"sandbox closed, the lazy daemon idle (median)")
-    if "lazy-profile" in modes and "full" in modes:
-        total = med(rows, "lazy-profile", "total") / med(rows, "full", "total")
-        goals["total with profile vs full (reported)"] = (total, "-", True)
+              f"sandbox closed, the filler idle (median)")
     goals.update(native_goals(rows, modes, env_bytes))
     if burst:
         ratio = burst["burst_bytes"] / max(burst["single_bytes"], 1)
         print(f"burst: {burst['n']} lazy sandboxes at once on one cold node: "
               f"{burst['burst_bytes'] / MB:.1f} MB on the link vs {burst['single_bytes'] / MB:.1f}"
-              f" MB for one, {burst['requests']} requests, {burst['seconds']:.1f} s to all done")
+              f" MB for one, {burst['fills']} objects filled, {burst['seconds']:.1f} s to all done")
         goals[f"burst of {burst['n']}: bytes vs one sandbox"] = (ratio, "<= 1.1x", ratio <= 1.1)
     print("goals:")
     for name, (value, goal, ok) in goals.items():
@@ -550,15 +479,14 @@ def report(profile: LinkProfile, rows: list[dict], burst: dict | None, env_bytes
 
 def native_goals(rows: list[dict], modes: list[str],
                  env_bytes: int) -> dict[str, tuple[float, str, bool]]:
-    """Issue 36's table for ``lazy-native`` (and, beside it, FUSE ``lazy``'s values against
-    the same goals), from the same run's ``full`` and ``native`` rows. "lazy create - full
+    """Issue 36's table for ``lazy``, from the same run's ``full`` and ``native`` rows. "lazy create - full
     create": a cold lazy create (nothing of the env on the node, its services up) minus a
     create of the env already unpacked there (the ``native`` row); "rerun create": the same
     for a lazy create whose layers this node already holds."""
     goals: dict[str, tuple[float, str, bool]] = {}
     if "full" not in modes or "native" not in modes:
         return goals
-    for mode in ("lazy", "lazy-native"):
+    for mode in ("lazy",):
         if mode not in modes:
             continue
         tag = f"[{mode}] "
@@ -574,7 +502,7 @@ def native_goals(rows: list[dict], modes: list[str],
             warm = med(rows, mode + "-rerun", "create") - med(rows, "native", "create")
             goals[tag + "rerun create - native create, s"] = (warm, "(reported)", True)
         cpu = med(rows, mode, "daemon_cpu")
-        goals[tag + "filler/daemon CPU-s, cold run"] = (cpu, "<= 0.4 s", cpu <= 0.4)
+        goals[tag + "filler CPU-s, cold run"] = (cpu, "<= 0.4 s", cpu <= 0.4)
         extra = med(rows, mode, "create") - med(rows, "native", "create")
         goals[tag + "cold create - native create, s"] = (extra, "<= 0.030 s", extra <= 0.030)
         if any("prepare" in r for r in rows if r["mode"] == mode):
@@ -617,7 +545,7 @@ def main() -> None:
     ap.add_argument("--link", default="1gbit:10ms,10gbit:2ms",
                     help="comma-separated RATE:LATENCY profiles, or loopback")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--modes", default="full,lazy,lazy-profile")
+    ap.add_argument("--modes", default="full,lazy")
     ap.add_argument("--burst", type=int, default=20, help="sandboxes in the burst (0: none)")
     ap.add_argument("--cache", type=Path, default=REPO / "cache",
                     help="local store with env/py-minicalc and env/busybox-shell built")
@@ -656,10 +584,8 @@ def main() -> None:
                     for mode in args.modes.split(","):
                         if mode == "full":
                             got = bench.run_full(run)
-                        elif mode in ("lazy", "lazy-profile"):
-                            got = bench.run_lazy(run, profile=mode == "lazy-profile")
-                        elif mode == "lazy-native":
-                            got = bench.run_lazy(run, profile=False, lazy="native")
+                        elif mode == "lazy":
+                            got = bench.run_lazy(run)
                         else:
                             raise SystemExit(f"cold_start: unknown mode {mode!r}")
                         for row in got:
@@ -670,16 +596,14 @@ def main() -> None:
                                   f"first exits {row['first']:.2f} s, workload "
                                   f"{row['workload']:.2f} s, total {row['total']:.2f} s, "
                                   f"{row['bytes'] / MB:.1f} MB on the link"
-                                  + (f", {row['requests']} requests" if "requests" in row
-                                     else "")
                                   + (f", {row['fills']} objects filled" if "fills" in row
                                      else "")
                                   + (f", reads: {row['transport']}" if row.get("transport")
                                      else "")
                                   + f"; CPU-s: store {row['store_cpu']:.2f}"
-                                  + (f", lazy daemon/filler {row['daemon_cpu']:.2f}"
+                                  + (f", filler {row['daemon_cpu']:.2f}"
                                      if "daemon_cpu" in row else "")
-                                  + (f" (after {row['settle']:.2f} s for the daemon to go idle)"
+                                  + (f" (after {row['settle']:.2f} s for the filler to go idle)"
                                      if "settle" in row else ""), flush=True)
                         rows.extend(got)
                 burst = bench.run_burst(args.burst) if args.burst else None

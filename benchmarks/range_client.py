@@ -1,5 +1,5 @@
 """Client CPU and wall time per ranged GET through the one keep-alive client
-(``envbuild.store._http.RangeClient``), as the lazy daemon (``HttpRanges``, a presigned URL) and
+(``envbuild.store._http.RangeClient``), as the lazy filler (``HttpRanges``, a presigned URL) and
 ``S3Store.get_range`` use it, against moto on loopback; baseline: boto3's ``get_object`` with a
 ``Range`` for the same reads.
 
@@ -54,7 +54,7 @@ def main() -> None:
         data = os.urandom(1 << 20)
         digest = digest_bytes(data)
         store.put(digest, data)
-        readers = {"HttpRanges (lazy daemon)": HttpRanges(digest, store.presigned_get_url(digest),
+        readers = {"HttpRanges (lazy filler)": HttpRanges(digest, store.presigned_get_url(digest),
                                                           lambda: store),
                    "S3Store.get_range": store, "boto3 get_object (baseline)": _Boto(store)}
         for name, reader in readers.items():

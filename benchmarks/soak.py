@@ -12,16 +12,17 @@ while a fault is injected every second or so, chosen at random:
 
 - ``kill-creator``: SIGKILL a worker mid-lifecycle (its sandboxes must go: the exit watcher);
 - ``kill-runc``: SIGKILL a ``runc`` working for this node;
-- ``kill-lazy-daemon``: SIGKILL the node's lazy layer daemon;
+- ``kill-filler-worker``: SIGKILL the worker of the node's native lazy filler (its holder
+  starts a new one; readers of unfilled files wait, never read zeros);
 - ``store-away``: the store directory disappears for two seconds;
 - ``disk-nearly-full``: the node's filesystem (an ext4 image of the soak's own, so the host's
   disk is never at risk) is filled to 32 MiB of free space for three seconds.
 
 A lifecycle ends ``ok`` (its output is exactly what was asked for), ``error`` (an exception, a
 refusal: expected under faults) or ``wrong`` (an exit 0 with other output: never allowed). After
-each phase every sandbox is closed or collected (``gc_sandboxes``, unused lazy mounts unmounted)
+each phase every sandbox is closed or collected (``gc_sandboxes``, unused native lazy layers unmounted)
 and the node is checked: no mount (a sandbox's network namespace is one), loop device, process
-(slirp4netns, runc, QEMU, agents, watchers, the lazy daemon), new sandbox cgroup, sandbox dir or
+(slirp4netns, runc, QEMU, agents, watchers, the filler), new sandbox cgroup, sandbox dir or
 admission reservation of the soak may be left. It prints lifecycles per second, the faults
 injected and the leaks found (goal: 0 wrong, 0 leaks); exit 1 if either is not 0.
 
@@ -49,7 +50,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 ENV = "env/busybox-shell"
 KINDS = ("full", "lazy", "fncall")
-FAULTS = ("kill-creator", "kill-runc", "kill-lazy-daemon", "store-away", "disk-nearly-full")
+FAULTS = ("kill-creator", "kill-runc", "kill-filler-worker", "store-away", "disk-nearly-full")
 NODE_IMAGE_SIZE = 3 << 30
 ERROR_BACKOFF = 0.5   # seconds a worker waits after a failed lifecycle
 # small sandboxes: a phase's worth fits the soak's own node filesystem and budget
@@ -90,7 +91,7 @@ def worker(kind: str, count: int, store: str, node: str, seed: int, out: str) ->
                 else:
                     backend = "microvm" if kind == "vm" else "container"
                     with Sandbox.create(ENV, store=store, node_dir=node, backend=backend,
-                                        lazy="fuse" if kind == "lazy" else False,
+                                        lazy=kind == "lazy",
                                         limits=limits) as sb:
                         r = sb.exec(_command(nonce), timeout=60)
                 if r.exit_code == 0 and r.stdout == _expected(nonce):
@@ -155,9 +156,9 @@ def inject(fault: str, rng: random.Random, node: SoakNode, store: Path,
             return False
         rng.choice(alive).send_signal(signal.SIGKILL)
         return True
-    if fault in ("kill-runc", "kill-lazy-daemon"):
+    if fault in ("kill-runc", "kill-filler-worker"):
         pids = (_pids_naming(str(node.dir), program=b"runc") if fault == "kill-runc"
-                else _pids_naming(str(node.dir / "node"), arg=b"runtime_shim.lazyfs"))
+                else _pids_naming(str(node.dir / "node"), arg=b"--worker"))
         for pid in pids[:1]:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -211,8 +212,8 @@ def hostile_tenant(store: str, node: str, rounds: int) -> subprocess.Popen:
 
 def settle(node: Path) -> None:
     """Close what the phase left: crashed owners' sandboxes (their exit watchers first, then
-    ``gc_sandboxes``), unused lazy mounts; then wait (bounded) for the node's helper processes
-    — exit watchers, the lazy daemon — to end by themselves."""
+    ``gc_sandboxes``), unused native lazy layers (the filler stops with the last); then wait
+    (bounded) for the node's helper processes — exit watchers, the filler — to end."""
     from runtime_shim.node.nodecache import NodeCache
     from runtime_shim.sdk.sandbox import gc_sandboxes, layers_in_use
     from tests.leftovers import processes_under

@@ -16,6 +16,8 @@ case "${1:-}" in
   *) echo "usage: scripts/setup.sh [--fast]" >&2; exit 2 ;;
 esac
 
+# fuse3 and fuse2fs: a microVM's pack-diff reads its writable disk through fuse2fs (a FUSE
+# filesystem, runtime_shim/backends/vm/erofs.py); lazy layers use no FUSE.
 APT_PACKAGES=(
   python3 python3-venv python3-dev gcc libc6-dev git tar zstd attr
   runc busybox-static debootstrap skopeo umoci fuse3 erofs-utils docker-registry apache2-utils

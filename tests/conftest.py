@@ -160,12 +160,3 @@ def swerex_tree(tmp_path_factory):
     require_root()
     require_tool("runc")
     return make_swerex_tree(tmp_path_factory.mktemp("swerex"))
-
-
-@pytest.fixture(params=["passthrough", "fuse"])
-def lazy_mode(request, monkeypatch) -> str:
-    """Each lazy read path in turn: FUSE passthrough, then today's libfuse path (the fallback),
-    forced with ``ENVBUILD_LAZY_PASSTHROUGH``; the value is the mode the daemon reports."""
-    monkeypatch.setenv("ENVBUILD_LAZY_PASSTHROUGH",
-                       "on" if request.param == "passthrough" else "off")
-    return request.param

@@ -1,5 +1,5 @@
-"""``envbuild node ls|gc``: this host's node cache (``runtime_shim.node.nodecache``) and its lazy
-layer daemon (``runtime_shim.lazyfs``)."""
+"""``envbuild node ls|gc``: this host's node cache (``runtime_shim.node.nodecache``) and its
+native lazy layers and filler (``runtime_shim.lazyfs.native``)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,6 @@ from envbuild.cli.options import json_option
 from envbuild.cli.output import echo_json
 from envbuild.sizes import human_size
 
-#: What ``node ls --json`` reports of the lazy daemon's ping answer.
-DAEMON_KEYS = ("pid", "mode", "mode_reason", "fetch_concurrency", "fetch_timeout",
-               "files_fetched")
-
 
 def register(group: click.Group) -> None:
     group.add_command(node)
@@ -29,42 +25,24 @@ def node() -> None:
 
 
 def node_report(node_dir: Path) -> dict[str, Any]:
-    """What ``node ls`` shows, as data (the ``--json`` document): the unpacked layers, the
-    lazy daemon (None when it is not running) and, while it runs, the lazy mounts and the
-    meta layers' lines (``runtime_shim.lazyfs.metalayer.describe``)."""
-    from runtime_shim.lazyfs import daemon_request
+    """What ``node ls`` shows, as data (the ``--json`` document): the unpacked layers and the
+    native lazy layers' and filler's lines (``runtime_shim.lazyfs.native.describe_native``)."""
+    from runtime_shim.lazyfs import describe_native
     from runtime_shim.node import NodeCache, NodeLayout
 
     cache = NodeCache(NodeLayout(node_dir).node)
     layers = cache.usage()
-    report: dict[str, Any] = {
-        "layers": [{"digest": u.digest, "size": u.size, "last_used": u.last_used}
-                   for u in layers],
-        "bytes": sum(u.size for u in layers), "lazy_daemon": None, "lazy_mounts": [],
-        "meta": []}
-    from runtime_shim.lazyfs import describe_native
-
-    report["native"] = describe_native(cache.root)
-    ping = daemon_request(cache.root, {"op": "ping"}, 5.0)
-    if ping is None:
-        return report
-    from runtime_shim.lazyfs import describe
-
-    report["lazy_daemon"] = {k: ping.get(k) for k in DAEMON_KEYS}
-    report["lazy_daemon"]["mode"] = ping.get("mode", "fuse")
-    report["lazy_mounts"] = [
-        {"digest": d, "state": "mounted" if cache.lazy_mounted(d) else "stale"}
-        for d in cache.list_lazy()]
-    report["meta"] = describe(cache.root)
-    return report
+    return {"layers": [{"digest": u.digest, "size": u.size, "last_used": u.last_used}
+                       for u in layers],
+            "bytes": sum(u.size for u in layers), "native": describe_native(cache.root)}
 
 
 @node.command("ls")
 @json_option()
 @pass_app
 def node_ls(app: App, as_json: bool) -> None:
-    """List unpacked layers with their size and last use, then the lazy layer daemon: how
-    it serves reads (passthrough, or the fuse fallback and why) and its lazy mounts."""
+    """List unpacked layers with their size and last use, then the native lazy layers and
+    the node's filler."""
     report = node_report(app.settings.node_dir)
     if as_json:
         echo_json(report)
@@ -74,19 +52,6 @@ def node_ls(app: App, as_json: bool) -> None:
                    f"last used {time.ctime(u['last_used'])}")
     click.echo(f"{len(report['layers'])} layers, {human_size(report['bytes'])}")
     for line in report["native"]:
-        click.echo(line)
-    ping = report["lazy_daemon"]
-    if ping is None:
-        click.echo("lazy daemon: not running (starts with the first lazy sandbox)")
-        return
-    why = f" ({ping['mode_reason']})" if ping.get("mode_reason") else ""
-    click.echo(f"lazy daemon: pid {ping['pid']}, mode {ping['mode']}{why}, "
-               f"fetch concurrency {ping['fetch_concurrency']}, "
-               f"timeout {ping['fetch_timeout']} s, "
-               f"{ping['files_fetched'] or 0} files fetched")
-    for m in report["lazy_mounts"]:
-        click.echo(f"lazy {m['digest']}  {m['state']}")
-    for line in report["meta"]:
         click.echo(line)
 
 
@@ -99,7 +64,7 @@ def node_ls(app: App, as_json: bool) -> None:
 @pass_app
 def node_gc(app: App, max_size: str | None, as_json: bool) -> None:
     """Evict least recently used layers that no live sandbox uses until the node cache
-    is within its budget (and unmount unused lazy mounts)."""
+    is within its budget (and unmount unused native lazy layers)."""
     from envbuild.build.executor import sweep_stale_scratch
     from envbuild.settings import node_cache_budget
     from runtime_shim.isolation import OciRuntime

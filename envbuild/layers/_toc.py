@@ -442,7 +442,7 @@ class RowEntries(Sequence[Entry]):
     def columns(self) -> list[tuple]:
         """Every row's 12 fields as 12 columns (``type``, ``mode``, ... ``data``, each a tuple
         in entry order), validated as ``_entry_v2`` validates a row but with C-level checks
-        per column instead of an ``Entry`` per member (the lazy daemon's tree, built for every
+        per column instead of an ``Entry`` per member (the lazy filler's tree, built for every
         layer of a stack at create). Xattr values stay base64 strings (the caller decodes the
         few non-empty ones) and data offsets are not checked against ``tar_size`` (the caller
         turns them into frames). ``TocFormatError`` names the first bad entry."""

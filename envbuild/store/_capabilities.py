@@ -3,7 +3,7 @@
 
 ``Store`` is what every backend can do. Some can do more, cheaply, and some callers need it:
 the lazy reader wants a blob's tail in one request, the node cache wants to read a local
-blob file in place, the lazy daemon (another process) wants a presigned URL or a location it
+blob file in place, the lazy filler (another process) wants a presigned URL or a location it
 can open the store from. Each such extra is one small Protocol below (containerd splits its
 content store the same way: Provider, Ingester, Manager, ...). A backend *declares* what it
 implements by listing the protocols among its bases (``class LocalStore(Store,
@@ -28,7 +28,7 @@ class RangeReader(Protocol):
     """Reads pieces of blobs by offset: the part of the contract lazy readers need.
 
     Every ``Store`` is one (``get_range`` and ``stat`` are part of ``Store``, with the contract
-    described there); so are stand-ins that serve only some blobs, such as the lazy daemon's
+    described there); so are stand-ins that serve only some blobs, such as the lazy filler's
     presigned-URL reader ``envbuild.store.lazy.HttpRanges``. The contract, restated:
 
     ``get_range(digest, offset, length) -> bytes``
@@ -118,20 +118,20 @@ class Presigner(Protocol):
         it expires, so hand it only to processes allowed to read the store. Making one sends
         no request and does not check that the blob exists: a ``GET`` of an absent blob
         answers ``404``. Readers handle ``403`` (expired) by going back to the store; the lazy
-        daemon reads ranges this way (``envbuild.store.lazy.HttpRanges``) without loading
+        filler reads ranges this way (``envbuild.store.lazy.HttpRanges``) without loading
         boto3, whose CPU cost per request would dominate its reads.
 
     ``presigned_put_record_url(namespace, name, expires=3600) -> str``
         A URL that answers a plain ``PUT`` of a record's bytes (``encode_record``) by storing
         them as record ``namespace/name`` (last writer wins, as ``put_record``), for about
-        ``expires`` seconds: the lazy daemon saves a recorded profile this way, so it never
-        loads boto3 (creating its client holds the daemon's GIL for ~0.4 s, stalling every
-        FUSE request of the node). The same bearer-secret rule; ``StoreError`` for a bad name
+        ``expires`` seconds: a process that must not load boto3 can save a record this way
+        (the removed FUSE daemon saved its lazy profiles so; no reader of envbuild's uses it
+        now). The same bearer-secret rule; ``StoreError`` for a bad name
         or lifetime.
 
     ``presigned_get_record_url(namespace, name, expires=3600) -> str``
         A URL that answers a plain ``GET`` with record ``namespace/name``'s bytes (``404``
-        while it is absent), for about ``expires`` seconds: the lazy daemon reads a layer's
+        while it is absent), for about ``expires`` seconds: the lazy filler reads a layer's
         import index (``runtime_shim.lazyfs.pyindex``) this way. The same rules.
     """
 

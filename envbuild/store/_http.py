@@ -1,4 +1,4 @@
-"""Ranged GETs over keep-alive HTTP: the one client of ``S3Store.get_range`` and the lazy daemon.
+"""Ranged GETs over keep-alive HTTP: the one client of ``S3Store.get_range`` and the lazy filler.
 
 Lazy layer reads are many small ranged GETs, so the per-request cost of the client decides
 their speed: boto3 spends ~2.4 ms of CPU per request, plain ``http.client`` ~0.5 ms
@@ -15,7 +15,7 @@ What ``RangeClient.get(url, offset, length)`` does:
   in-flight request is how callers parallelise): a request takes the most recently used idle
   one or opens a new one, and gives it back when its answer was read to the end (at most
   ``MAX_IDLE`` kept). So the client opens about as many connections as it has requests in
-  flight at once, not one per thread that ever asked (the lazy daemon's many pools: 104
+  flight at once, not one per thread that ever asked (the removed FUSE daemon's many pools: 104
   connects for 257 requests of one workload when they were per thread). A connection is
   closed after any error, after a response that says ``Connection: close``, and after a body
   it did not read to the end.
@@ -35,7 +35,7 @@ The result is a ``RangeResponse``: ``status`` 206 or 200 with ``body`` exactly t
 range (short only where the object ends), another HTTP status with the start of the error
 body, or ``status == 0`` when every try failed, with ``error`` saying why. Mapping statuses to
 store errors (404 → ``BlobNotFound``, 403 → ``StoreUnavailable``) is the caller's: the S3
-store raises, the lazy daemon hands the read to the full store instead.
+store raises, the lazy filler hands the read to the full store instead.
 """
 
 from __future__ import annotations

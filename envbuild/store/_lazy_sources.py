@@ -1,5 +1,5 @@
 """Where lazy layer reads go (``envbuild.store.lazy``): ``HttpRanges``, ranged reads of one
-blob over plain HTTP to a presigned URL (the lazy daemon's store, without boto3), and the
+blob over plain HTTP to a presigned URL (the lazy filler's store, without boto3), and the
 process-wide thread pools for parallel reads, with reads marked as ``background`` work
 (readahead, prefetch) kept apart from the reads a reader waits for."""
 

@@ -16,7 +16,7 @@ lives once in ``envbuild.store.helpers`` on top of this interface; a backend imp
 abstract methods of ``Store`` below and passes the conformance suite in ``tests/store``.
 
 Optional capabilities are small Protocols next to ``Store`` (see "optional capabilities" below):
-``RangeReader`` (what every store and the lazy daemon's URL reader share), ``TailReader``
+``RangeReader`` (what every store and the lazy filler's URL reader share), ``TailReader``
 (``get_tail``), ``LocalBlobPaths`` (``blob_path``), ``Locatable`` (``location``, for another
 process) and ``Presigner`` (``presigned_get_url``). Backends list the ones they implement among
 their bases; ``capabilities(store)`` says which:

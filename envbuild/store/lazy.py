@@ -2,7 +2,7 @@
 
 ::
 
-    layer = LazyLayer(store, digest, chunk_cache=ChunkCache(node / "chunks", 2 << 30),
+    layer = LazyLayer(store, digest, chunk_cache=MemoryChunkCache(256 << 20),
                       expected_toc_digest=annotation, size=descriptor_size)
     layer.listdir("usr/bin"); layer.stat("etc/os-release"); layer.read("etc/os-release")
     layer.read("usr/lib/libbig.so", offset=4096, size=512)
@@ -50,8 +50,8 @@ import zstandard
 
 from envbuild.errors import CorruptLayerError, LayerError
 from envbuild.layers import MAX_FRAME_USIZE, Chunk, Entry, FrameError, LayerReader, decompress_frame
-from envbuild.store._lazy_cache import ChunkCache, MemoryChunkCache, piece_key
-from envbuild.store._lazy_sources import (  # noqa: F401  (_range_client: the lazy daemon's)
+from envbuild.store._lazy_cache import MemoryChunkCache, piece_key
+from envbuild.store._lazy_sources import (  # noqa: F401  (_range_client: the filler's)
     HttpRanges,
     _leaf_pool,
     _range_client,
@@ -538,5 +538,5 @@ class LazyLayer:
         return len(entries)
 
 
-__all__ = ["ChunkCache", "HttpRanges", "LazyLayer", "LazyStats", "MemoryChunkCache",
+__all__ = ["HttpRanges", "LazyLayer", "LazyStats", "MemoryChunkCache",
            "background", "is_background", "piece_key"]

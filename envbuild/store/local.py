@@ -113,7 +113,7 @@ class LocalStore(Store, TailReader, LocalBlobPaths, Locatable, ConditionalRecord
     supports_cas = True
 
     def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
-        """Open the store at ``root``; ``create=False`` (a reader: a sandbox, the lazy daemon)
+        """Open the store at ``root``; ``create=False`` (a reader: a sandbox, the lazy filler)
         never makes a missing one — ``StoreUnavailable`` instead, with no window in which a
         store that is away for a moment is made anew, empty, in its place."""
         self.root = Path(root)

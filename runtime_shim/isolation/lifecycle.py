@@ -9,8 +9,7 @@ new thread never runs (``Thread.start`` waits for it forever). Three defences:
   still works, before any ``__del__`` of a module global runs; a later ``close`` finds it
   closed and returns at once.
 - ``exiting()``: true from the hook on and while finalizing; the close path then starts no
-  thread (``scratchfs`` closes its loop device fd in the caller) and skips what only helps a
-  later sandbox (the lazy daemon's meta-layer refresh). The close path imports nothing at
+  thread (``scratchfs`` closes its loop device fd in the caller). The close path imports nothing at
   call time, so a close that runs during finalization anyway still removes everything.
 - For an owner that dies without running its hooks (SIGKILL, ``os._exit``), see
   ``runtime_shim.sdk.exitwatch``.

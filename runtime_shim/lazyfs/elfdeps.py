@@ -4,10 +4,10 @@ it needs, found in the stack's lazy layers and fetched before the dynamic loader
 A first command is a chain of misses: ``execve`` opens the program, the kernel then its
 interpreter (``PT_INTERP``), which opens ``/etc/ld.so.cache`` and each ``DT_NEEDED`` library
 one after the other — every open a round trip to the store on a cold node. Those names are in the
-bytes the daemon has just fetched, so once a program's (or library's) file is fetched, the
-daemon looks them up in the stack the layer was mounted with (top layer first, symlinks
-followed within the stack, the loader's default directories) and loads their frames in the
-background: the loader's opens then find them in flight or loaded. Nothing is fetched that
+bytes the filler has just filled, so once a program's (or library's) file is filled, the
+filler looks them up in the stack the layer was mounted with (top layer first, symlinks
+followed within the stack, the loader's default directories) and fills them in the
+background (``fillhints``): the loader's opens then find them filled or in flight. Nothing is fetched that
 the loader would not open (no guessing beyond its own search of the default directories), so
 the bytes are those of the misses it replaces.
 

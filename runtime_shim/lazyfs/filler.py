@@ -15,7 +15,7 @@ the kernel (never read zeros), and the new worker resumes. The holder does nothi
 store, no parsing): it is the part that must not fail. With the worker alive, the holder's
 death is harmless too (the worker holds the group); only both dying at once releases the
 group: unfilled objects are then read unchecked, and being empty placeholders (``objects``)
-they end at once (EOF, SIGBUS, ENOEXEC) rather than read as zeros — docs/native-lazy.md says
+they end at once (EOF, SIGBUS, ENOEXEC) rather than read as zeros — docs/lazy-loading.md says
 what would close that last gap (a pinned BPF LSM program).
 
 **The worker**, on start: answers every permission event a dead predecessor read but did not
@@ -51,6 +51,7 @@ import os
 import resource
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -152,11 +153,19 @@ def _raise_mark_limit(path: str = MARKS_SYSCTL) -> None:
         log.warning("holder: %s: %s", path, e)
 
 
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of the connected Unix socket ``sock``."""
+    _pid, uid, _gid = _PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return uid
+
+
 def serve_socket(listener: socket.socket, handle: Callable[[dict[str, Any]], dict[str, Any]]
                  ) -> None:
     """Answer root's requests on ``listener``, one connection at a time per thread."""
-    from runtime_shim.lazyfs.control import peer_uid
-
     while True:
         conn, _ = listener.accept()
         if peer_uid(conn) != 0:

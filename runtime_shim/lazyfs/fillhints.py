@@ -1,5 +1,5 @@
 """What the native filler fills before anyone opens it: the files an open predicts, from the
-FUSE mode's predictors over the stack of layers a create registered (``Hints.add_stack``).
+predictors over the stack of layers a create registered (``Hints.add_stack``).
 
 - an interpreter's first open (``.../bin/python3.N``) or a venv's ``pyvenv.cfg``: its
   start-up files (``pystartup``: ``encodings``, ``sitecustomize``, the ``.pth`` files);

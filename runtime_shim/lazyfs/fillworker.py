@@ -378,11 +378,7 @@ class Worker:
             return pyindex.read_index_bytes(resp.body, digest) if resp.ok else None
         if str(record["store"]).startswith("s3://"):
             return None
-        from envbuild.store import open_store
-
-        rec = open_store(str(record["store"]), create=False).get_record(
-            pyindex.INDEX_NAMESPACE, pyindex.record_name(digest))
-        return pyindex.decode_index(rec, digest) if rec is not None else None
+        return pyindex.read_local_index(str(record["store"]), digest)   # bounded
 
     def set_index_url(self, layer_hex: str, url: str) -> None:
         with self._lock:

@@ -24,7 +24,7 @@ from typing import Any
 
 from envbuild.errors import EnvbuildError, RuntimeShimError
 from runtime_shim.lazyfs import nativetree
-from runtime_shim.lazyfs.filler import LOG, SOCKET
+from runtime_shim.lazyfs.filler import LOG, SOCKET, peer_uid
 from runtime_shim.lazyfs.fillhints import START_FILES
 from runtime_shim.lazyfs.objects import ObjectStore
 from runtime_shim.lazyfs.tree import Node
@@ -42,8 +42,6 @@ class NativeUnavailable(RuntimeShimError):
 def filler_request(node_root: str, req: dict[str, Any], timeout: float = 30.0
                    ) -> dict[str, Any] | None:
     """Send ``req`` to the node's filler; None when none answers."""
-    from runtime_shim.lazyfs.control import peer_uid
-
     path = os.path.join(os.path.abspath(node_root), "objects", SOCKET)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
@@ -135,6 +133,37 @@ def check_object_fs(objects: ObjectStore) -> None:
             pass
 
 
+def store_location(store: Any) -> tuple[str, str | None]:
+    """``(url, s3_endpoint)`` the filler (another process) opens ``store`` with: its
+    ``Locatable.location()`` — a ``LocalStore``'s absolute root, an ``S3Store``'s URL and
+    endpoint. Credentials are not passed: the filler inherits the environment."""
+    from envbuild.store.base import Locatable
+
+    if isinstance(store, Locatable):
+        loc = store.location()
+        return loc.url, loc.s3_endpoint
+    raise RuntimeShimError(f"lazy mode cannot serve layers from {store!r}: the filler is "
+                           "another process and must open the store by URL",
+                           hint="use a store directory or an s3:// store, or drop --lazy")
+
+
+def check_envbuild_layers(layers: Sequence[Any]) -> None:
+    """``RuntimeShimError`` unless every layer is in envbuild's format: the filler serves
+    envbuild's framed layers only (it reads their TOC); a lock's envbuild layers always carry
+    the TOC annotation, so this costs no request."""
+    from envbuild.oci import MEDIA_TYPE_LAYER_ZSTD
+
+    for x in layers:
+        media_type = getattr(x, "media_type", MEDIA_TYPE_LAYER_ZSTD)
+        if media_type != MEDIA_TYPE_LAYER_ZSTD or not x.toc_digest:
+            raise RuntimeShimError(
+                f"lazy mode needs envbuild layers: layer {x.digest} ({media_type}) is not in "
+                "envbuild's format (no envbuild TOC)",
+                hint="run it without lazy (the node cache unpacks it in full), or convert the "
+                     "image: `from: {oci: {layout: DIR, ref: TAG}}` in a definition and "
+                     "`envbuild build` re-encodes it as envbuild layers")
+
+
 def native_layer_dirs(node_root: str, store: Any, layers: Sequence[Any]) -> list[str]:
     """The native overlays of ``layers`` (``LayerRef``s, bottom first) on node ``node_root``,
     each built and mounted on its first use here (module docstring). A layer's first use:
@@ -143,9 +172,8 @@ def native_layer_dirs(node_root: str, store: Any, layers: Sequence[Any]) -> list
     cores, and both before the mount."""
     from envbuild.store import PYIMPORT_RECORDS
     from envbuild.store.base import Presigner
-    from runtime_shim.lazyfs.mounts import _check_envbuild_layers, store_location
 
-    _check_envbuild_layers(layers)
+    check_envbuild_layers(layers)
     root = os.path.abspath(node_root)
     # the stack the filler resolves predictions in (a hint: no answer, no prediction)
     stack = {"op": "stack", "layers": [x.digest[7:] for x in reversed(layers)]}
@@ -308,8 +336,8 @@ def shutdown(node_root: str) -> None:
 
 def remove_unused(node_root: str | os.PathLike[str], keep_hex: set[str]) -> list[str]:
     """``node gc``: unmount the native layers not in ``keep_hex`` (the layers of live
-    sandboxes) and drop their trees; with none left, stop the filler (the objects stay: a
-    cache). Returns the layers' hexes."""
+    sandboxes) and drop their trees; with none left, stop the filler and unmount the tree
+    tmpfs (the objects stay: a cache). Returns the layers' hexes."""
     import shutil
 
     from runtime_shim.isolation.mount import unmount
@@ -330,6 +358,9 @@ def remove_unused(node_root: str | os.PathLike[str], keep_hex: set[str]) -> list
         done.append(hexd)
     if not any(os.path.ismount(os.path.join(base, n)) for n in names if n not in done):
         shutdown(root)
+    from runtime_shim.lazyfs.metagen import release_trees
+
+    release_trees(root)   # the tree tmpfs, once no tree is left
     return done
 
 

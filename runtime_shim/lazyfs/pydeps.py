@@ -1,5 +1,5 @@
 """What a Python module will import next: the module-level imports of a fetched ``.pyc``,
-resolved to the files the import system will open, so the daemon fetches them before the
+resolved to the files the import system will open, so the filler fills them before the
 (single-threaded) importer asks for them one after the other.
 
 An ``import numpy`` on a cold node is a chain of misses: the importer opens a module's
@@ -32,13 +32,6 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-if __name__ != "__main__":   # the scan helper (``python -I -S pydeps.py``) imports no more
-    # re-exported: interpreter start-up lives in ``pystartup``
-    from runtime_shim.lazyfs.pystartup import MAX_DIR_NAMES as MAX_DIR_NAMES
-    from runtime_shim.lazyfs.pystartup import MAX_PTH as MAX_PTH
-    from runtime_shim.lazyfs.pystartup import pth_imports as pth_imports
-    from runtime_shim.lazyfs.pystartup import startup_files as startup_files
 
 #: Largest pyc read (bytes): larger ones are not scanned (numpy's largest is ~300 KB).
 MAX_PYC = 4 << 20
@@ -138,7 +131,7 @@ _UNSET = object()   # a reserved ref slot not filled yet (refs to it read as Non
 
 
 # The reader's state (the buffer, the position, the refs) lives in closure cells: it runs over
-# every pyc an import touches, in the daemon, and methods reading that state from an object
+# every pyc an import touches, in the filler, and methods reading that state from an object
 # were 3x slower. ``r`` reads one object (scalars and sequences, the most frequent, inline)
 # and hands the others to ``code``, ``mapping`` and ``number``.
 # shape: one closure for speed (above); each function inside it is under 60 lines
@@ -147,7 +140,7 @@ def _parse(data: bytes, start: int) -> Any:  # noqa: C901, PLR0912, PLR0915  (sh
     (module docstring); raises ``_Malformed``. Values: None/bool/int/str/bytes/tuple (lists,
     sets and dicts as tuples), ``_Code``; floats, complexes and big ints as None (an import's
     level is a small int). One closure with local state: this runs over every pyc an import
-    touches, in the daemon (a method per field read was 3x slower)."""
+    touches (a method per field read was 3x slower)."""
     n = len(data)
     refs: list[Any] = []
     pos = start
@@ -514,7 +507,7 @@ def predict(stack: Any, path: str, data: bytes, extra_roots: Iterable[str] = (),
     ``.py``), then the files of each module it imports at module level (``scan``), looked up
     in the module's package (relative imports), its own root, the stdlib roots of its tag
     and ``extra_roots`` (other roots seen in the stack). Duplicates left out. ``imports``:
-    ``scan(data)`` when the caller scanned already (another process: ``pyahead``)."""
+    ``scan(data)`` when the caller scanned already (an import index, ``pyindex``)."""
     info = pyc_info(stack, path)
     if info is None:
         return None, []
@@ -552,36 +545,3 @@ def predict(stack: Any, path: str, data: bytes, extra_roots: Iterable[str] = (),
             seen.add(key)
             uniq.append((ops, node))
     return info, uniq
-
-
-def serve_scans(memory: int) -> int:
-    """The scan helper's loop (``pyahead._Scanner``; run as ``python -I -S pydeps.py --scan
-    MEMORY``: this module imports nothing but the standard library): a 4-byte big-endian
-    length and that many pyc bytes in, one JSON line ``[[name, level, [fromlist...]], ...]``
-    out, until EOF. Its address space is limited to ``memory`` bytes."""
-    import json
-    import resource
-    import sys
-
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    inp, out = sys.stdin.buffer, sys.stdout.buffer
-    while True:
-        head = inp.read(4)
-        if len(head) < 4:
-            return 0
-        size, = struct.unpack(">I", head)
-        if size > MAX_PYC:
-            return 1   # the daemon never sends more: stop rather than buffer it
-        data = inp.read(size)
-        imports = scan(data) if len(data) == size else []
-        out.write(json.dumps([[i.name, i.level, list(i.fromlist)] for i in imports]).encode()
-                  + b"\n")
-        out.flush()
-
-
-if __name__ == "__main__":
-    import sys
-
-    if len(sys.argv) != 3 or sys.argv[1] != "--scan" or not sys.argv[2].isdigit():
-        raise SystemExit("usage: pydeps.py --scan MEMORY_BYTES")
-    raise SystemExit(serve_scans(int(sys.argv[2])))

@@ -1,13 +1,9 @@
 """A layer's import index: the module-level imports of every CPython ``.pyc`` in a layer,
-scanned once when the layer is packed and kept in the store beside it, so the lazy daemon
-knows what a module will import *before* its pyc is fetched.
-
-Without it the daemon can only scan a pyc once its bytes are on the node
-(``pyahead``, ``$ENVBUILD_LAZY_PYDEPS=on``): prediction then runs one import level behind the
-fetches, and the scan costs ~1 s of CPU per workload on the node, at the worst time. With the
-index, the first open of ``numpy/__init__``'s pyc resolves numpy's whole import closure at
-once (``pyahead.PyAhead``: looked up here, resolved with ``pydeps.predict``), and its files
-are fetched in a few coalesced reads while the importer runs its first module.
+scanned once when the layer is packed and kept in the store beside it, so the native filler
+knows what a module will import *before* its pyc is filled: the first open of
+``numpy/__init__``'s pyc resolves numpy's whole import closure at once (``fillhints``:
+looked up here, resolved with ``pydeps.predict``), and its files are filled while the
+importer runs its first module.
 
 Record ``lazy-pyimports/<layer digest hex>`` (``INDEX_NAMESPACE``), one per layer::
 
@@ -30,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -41,10 +38,6 @@ from runtime_shim.lazyfs import pydeps
 log = logging.getLogger("envbuild.lazyfs")
 
 INDEX_NAMESPACE = PYIMPORT_RECORDS
-#: Whether the lazy daemon predicts imports from layers' indexes (``pyahead``):
-#: ``$ENVBUILD_LAZY_PYINDEX=0`` turns it off (the index is still read and reported).
-USE_INDEX = os.environ.get("ENVBUILD_LAZY_PYINDEX", "").strip().lower() not in (
-    "0", "off", "no", "false")
 INDEX_VERSION = 1
 #: Pycs indexed per layer (a large venv has ~20,000).
 MAX_PYCS = 100_000
@@ -217,3 +210,23 @@ def read_index_bytes(data: bytes, layer_digest: str) -> ImportIndex | None:
         return decode_index(load_json(data, max_bytes=MAX_RECORD), layer_digest)
     except ValueError:
         return None
+
+
+def read_local_index(store_root: str, layer_digest: str) -> ImportIndex | None:
+    """The index record of ``layer_digest`` in the store directory ``store_root``, read
+    bounded as a presigned GET is: a record over ``MAX_RECORD`` bytes, a symlink or anything
+    but a regular file is no index (the filler, root, reads what anyone who can write the
+    store's records may have put there)."""
+    from envbuild.store import LocalStore
+
+    path = LocalStore(store_root, create=False)._record_path(  # one copy of the layout
+        INDEX_NAMESPACE, record_name(layer_digest))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD:
+            return None
+        return read_index_bytes(f.read(MAX_RECORD + 1), layer_digest)

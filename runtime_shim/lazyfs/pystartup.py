@@ -3,7 +3,7 @@
 The interpreter's start-up files (the ``encodings`` package, ``sitecustomize``, the ``.pth``
 files of its site directories, a venv's ``pyvenv.cfg`` and its ``.pth`` files) and the
 modules those ``.pth`` files import — predicted at the interpreter's first open
-(``pyahead``) so they are fetched before the interpreter asks for them one after the other."""
+(``fillhints``) so they are filled before the interpreter asks for them one after the other."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""The TOC-backed inode table: a layer's TOC as the tree a lazy mount presents.
+"""The TOC-backed inode table: a layer's TOC as the tree a native layer presents.
 
 Pure (no I/O). ``tree_of(reader)`` turns an open layer's TOC into path → ``Node`` with the
-rules in ``runtime_shim.lazyfs`` ("what the mount presents"): OCI whiteouts as overlayfs
-whiteouts, opaque directories as ``trusted.overlay.opaque``, hardlinks as one inode, stable
-inode numbers (root 1, TOC member *i* is *i* + 2, synthesised directories after those).
+rules of ``LayerReader.unpack(dest, whiteouts="overlay")``, which a native layer's metadata
+tree (``nativetree``) must present: OCI whiteouts as overlayfs whiteouts, opaque directories
+as ``trusted.overlay.opaque``, hardlinks as one inode, stable inode numbers (root 1, TOC
+member *i* is *i* + 2, synthesised directories after those).
 
 Two ways in, one algorithm (``_assemble``): a v2 TOC (every layer envbuild writes) is decoded
 straight from its rows, column by column (``RowEntries.columns``: one ``json.loads`` and
@@ -11,7 +12,7 @@ C-level type checks), with no ``Entry`` per member — a lazy create decodes eve
 stack under one GIL, and the ``Entry`` objects were most of that time; any other TOC goes
 through ``build_tree(entries)``. Both refuse the member names ``LayerReader.unpack`` refuses
 (absolute, empty, ``.`` or ``..`` components: ``UnsafeLayerError``), so no TOC can put a name
-outside its mount or a second ``..`` in a directory.
+outside its tree or a second ``..`` in a directory.
 """
 
 from __future__ import annotations
@@ -67,13 +68,6 @@ class Node:
     @property
     def is_dir(self) -> bool:
         return self.children is not None
-
-    def attrs(self) -> dict[str, int]:
-        t = self.mtime * _NS
-        return {"st_ino": self.ino, "st_mode": self.mode, "st_nlink": self.nlink,
-                "st_uid": self.uid, "st_gid": self.gid, "st_size": self.size,
-                "st_rdev": self.rdev, "st_blocks": (self.size + 511) // 512,
-                "st_atime": t, "st_mtime": t, "st_ctime": t}
 
 
 # one member for _assemble: path, type, mode, uid, gid, size, mtime, linkname, xattrs, rdev,
@@ -315,11 +309,3 @@ def _gc_paused() -> Iterator[None]:
             _gc_holders -= 1
             if _gc_holders == 0 and _gc_was_enabled:
                 gc.enable()
-
-
-def statfs_of(nodes: dict[str, Node]) -> dict[str, int]:
-    total = sum(n.size for n in {id(n): n for n in nodes.values()}.values()
-                if stat.S_ISREG(n.mode))
-    return {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": (total + 4095) // 4096,
-            "f_bfree": 0, "f_bavail": 0, "f_files": len(nodes), "f_ffree": 0,
-            "f_favail": 0, "f_namemax": 255, "f_flag": os.ST_RDONLY}

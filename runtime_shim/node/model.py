@@ -163,7 +163,7 @@ class SandboxInfo:
     # microVMs: how the read-only layers reach the guest, "pmem-dax" (shared host page
     # cache) or "virtio-blk" (runtime_shim.backends.vm.backend.choose_layer_transport); else None.
     layer_transport: str | None = None
-    lazy: str = ""  # lazy layers: "passthrough" or "fuse" (how reads are served); "" if pulled
+    lazy: str = ""  # lazy layers: "native", or "full pull: why" for a lazy request; "" if pulled
     runtime: str = ""  # the OCI runtime it was created with ("" in records made before 34)
 
     def expired(self, now: float) -> bool:

@@ -28,8 +28,9 @@ from runtime_shim.node.model import Limits
 
 _log = logging.getLogger("envbuild.sandbox")
 
-#: The FUSE lazy stacks' switches (docs/lazy-fuse-map.md): the native filler reads none, so
-#: one set with a native lazy create is refused rather than silently ignored.
+#: The switches of the FUSE lazy stacks, which were removed (issue 36): a lazy create with
+#: one set is refused rather than silently ignored (a benchmark or script still setting one
+#: measures something that no longer exists).
 FUSE_SWITCHES = tuple(f"ENVBUILD_LAZY_{s}" for s in (
     "PASSTHROUGH", "METALAYER", "METASERVER", "PRELOAD", "PYC_SOURCES", "PYDEPS", "PYINDEX",
     "PY_STARTUP", "READDIRPLUS", "NO_OPENDIR", "TREE_BUDGET", "FETCH_CONCURRENCY",
@@ -67,8 +68,8 @@ class SandboxOptions:
     cannot dump files mapped from the layers' nested overlays), the layers are pulled in
     full with one logged line. ``"auto"``: the same, and a full pull also wherever else the
     layers cannot be served lazily (the backend, a store no other process can open);
-    ``"native"``: the filler or a one-line refusal; ``"fuse"``: the FUSE stacks
-    (``runtime_shim.lazyfs``' daemon), kept until they are deleted (issue 36).
+    ``"native"``: the filler or a one-line refusal (``"fuse"``, the removed FUSE stacks:
+    refused in one line).
     ``Sandbox.info().lazy`` says how reads are served (``native``; ``full pull: why``).
 
     ``seccomp``: None for the default syscall filter (``runtime_shim.isolation.seccomp``),
@@ -160,16 +161,19 @@ def lazy_mode(options: SandboxOptions, env: Mapping[str, str]) -> tuple[bool | s
     full pull here, why (logged once). A FUSE switch set in ``env`` with a native lazy mode
     is refused: it would change nothing."""
     lazy = options.lazy
-    if lazy not in (False, True, "auto", "native", "fuse"):
-        raise RuntimeShimError(
-            f"lazy must be False, True, 'auto', 'native' or 'fuse', not {lazy!r}")
+    if lazy == "fuse":
+        raise RuntimeShimError("lazy='fuse' is gone: the FUSE lazy stacks were removed",
+                               hint="use lazy=True (the native filler, a full pull where it "
+                                    "cannot run) or lazy='native'")
+    if lazy not in (False, True, "auto", "native"):
+        raise RuntimeShimError(f"lazy must be False, True, 'auto' or 'native', not {lazy!r}")
     fuse_only = [k for k in FUSE_SWITCHES if env.get(k)]
-    if lazy in (True, "auto", "native") and fuse_only:
+    if lazy and fuse_only:
         raise RuntimeShimError(
-            f"{fuse_only[0]} is a switch of the FUSE lazy stacks; lazy={lazy!r} uses the "
-            "native filler, which reads none of them",
-            hint=f"unset {' '.join(fuse_only)} (or use lazy='fuse' while it exists)")
-    if lazy and lazy != "fuse" and (options.checkpointable or options.restore is not None):
+            f"{fuse_only[0]} is a switch of the FUSE lazy stacks, which were removed; "
+            f"lazy={lazy!r} uses the native filler, which reads none of them",
+            hint=f"unset {' '.join(fuse_only)}")
+    if lazy and (options.checkpointable or options.restore is not None):
         # CRIU: "Can't lookup mount=N for fd=-3 path=/bin/busybox" (6.18, CRIU of this host)
         why = ("a checkpointable sandbox pulls its layers in full: CRIU cannot find the "
                "mount of the files it maps from the native layers' nested overlays")

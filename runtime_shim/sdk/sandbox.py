@@ -478,7 +478,6 @@ class Sandbox:
             self._closed = True
         _REAPER.forget(self)
         lifecycle.untrack(self)
-        lazy = (read_record(self.paths) or {}).get("lazy")
         try:
             self._backend.close()
         finally:
@@ -487,11 +486,6 @@ class Sandbox:
             ledger.Ledger(self._layout.node).release(admission.sandbox_key(self.id))
         except Exception as e:  # noqa: BLE001 - e.g. late at exit; the entry of a dir that
             _log.debug("release %s's admission: %s", self.id, e)  # is gone is dropped anyway
-        # what it fetched: meta layers for the next sandbox; nobody is next at exit
-        if str(lazy).startswith("passthrough") and not lifecycle.exiting():
-            from runtime_shim.lazyfs.metalayer import refresh_soon
-
-            refresh_soon(self._layout.node)
 
     @property
     def closed(self) -> bool:
@@ -530,10 +524,6 @@ def _start(layout: NodeLayout, node: NodeCache, lock: ResolvedLock, layer_dirs: 
     if not opts.keep:  # removed if this process dies without closing it (SIGKILL)
         exitwatch.watch(layout.root)
     paths.root.mkdir()
-    if any("/meta/" in d for d in layer_dirs):  # generations its overlay uses: kept while it is
-        from runtime_shim.lazyfs.metagen import pin
-
-        pin(layer_dirs, paths.root)
     book = ledger.Ledger(layout.node)
     with released_on_error(book, sandbox_id), undo_on_error(paths):
         write_record(paths, meta)  # first: a dir with a live creator is never swept

@@ -76,7 +76,7 @@ def test_lazy_mode_refuses_foreign_layers_in_one_line(copied, tmp_path):
         assert info.value.message.startswith("lazy mode needs envbuild layers: layer sha256:")
         assert "\n" not in info.value.message
         assert "from: {oci:" in info.value.hint and "without lazy" in info.value.hint
-        assert not (tmp_path / "node" / "node" / "lazy").exists()
+        assert not (tmp_path / "node" / "node" / "native").exists()  # nothing mounted
 
 
 def test_whiteouts_of_a_foreign_layer_hide_what_lies_below(copied, tmp_path):

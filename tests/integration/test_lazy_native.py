@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -18,14 +19,7 @@ from runtime_shim.lazyfs.objects import ObjectStore
 from runtime_shim.node.nodecache import NodeCache
 from runtime_shim.sdk.sandbox import Sandbox, gc_sandboxes, layers_in_use
 from tests.conftest import require_root, require_tool
-from tests.integration.test_lazy_sandbox import (
-    BIG,
-    LISTING,
-    _lock,
-    _pack,
-    _trees,
-    two_layer_store,
-)
+from tests.lazy_layers import BIG, LISTING, make_env, member_trees, pack_layer, two_layer_store
 from tests.store.s3server import moto_s3, s3_env  # noqa: F401  (fixtures)
 
 
@@ -64,6 +58,30 @@ def test_native_and_full_sandboxes_see_the_same_tree(lock2):
         assert os.getxattr(Path(mnt) / "data" / "big.bin", "user.origin") == b"test", x
 
 
+def test_writes_go_to_the_sandbox_upper_dir_and_the_layer_stays_read_only(lock2):
+    """Ported from the FUSE suite: a lazy sandbox's writes, appends, deletes (whiteouts) and
+    removed dirs land in its upper dir; the native layer's mount is unchanged and read-only."""
+    store, node_dir, layers = lock2
+    with Sandbox.create("two", store=store, node_dir=node_dir, lazy=True) as sb:
+        assert sb.info().lazy == "native"
+        r = sb.exec("echo new > /etc/new && echo more >> /data/small.txt && rm /etc/added "
+                    "&& rm -r /data/deep && cat /data/small.txt | wc -l")
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout == b"101\n"
+        upper = sb.paths.upper
+        assert (upper / "etc" / "new").read_text() == "new\n"
+        assert (upper / "data" / "small.txt").read_text().endswith("small\nmore\n")
+        st = os.lstat(upper / "etc" / "added")
+        assert stat.S_ISCHR(st.st_mode) and st.st_rdev == 0  # overlay whiteout
+        base_mp = Path(native.nativetree.mount_dir(str(node_dir / "node"), layers[0].digest[7:]))
+        assert (base_mp / "data" / "small.txt").read_text() == "small\n" * 100
+        assert (base_mp / "data" / "deep" / "er" / "f").exists()
+        with pytest.raises(OSError):
+            (base_mp / "etc" / "x").write_text("no")
+        with pytest.raises(OSError):
+            os.unlink(base_mp / "etc" / "os-release")
+
+
 def _env(tmp_path: Path, name: str, extra: dict[str, bytes], store=None):
     """A store with lock ``name``: a busybox layer, and a layer holding ``extra``."""
     from tests.integration.test_container_runtime import make_busybox_root
@@ -77,9 +95,9 @@ def _env(tmp_path: Path, name: str, extra: dict[str, bytes], store=None):
     for rel, data in extra.items():
         (top / rel).parent.mkdir(parents=True, exist_ok=True)
         (top / rel).write_bytes(data)
-    layers = [_pack(store, base, tmp_path, f"{name}-base", source_date_epoch=1_700_000_000),
-              _pack(store, top, tmp_path, f"{name}-top", source_date_epoch=1_700_000_000)]
-    _lock(store, name, layers)
+    layers = [pack_layer(store, base, tmp_path, f"{name}-base", source_date_epoch=1_700_000_000),
+              pack_layer(store, top, tmp_path, f"{name}-top", source_date_epoch=1_700_000_000)]
+    make_env(store, name, layers)
     return store, layers
 
 
@@ -365,10 +383,10 @@ def test_a_native_sandbox_from_s3(s3_env, tmp_path, node_dir):  # noqa: F811  (f
     require_root()
     require_tool("runc")
     store = open_store(f"s3://{s3_env.make_bucket()}/native")
-    base_tree, upper_tree = _trees(tmp_path)
-    base = _pack(store, base_tree, tmp_path, "base")
-    upper = _pack(store, upper_tree, tmp_path, "upper", overlay_upper=True)
-    _lock(store, "two", [base, upper])
+    base_tree, upper_tree = member_trees(tmp_path)
+    base = pack_layer(store, base_tree, tmp_path, "base")
+    upper = pack_layer(store, upper_tree, tmp_path, "upper", overlay_upper=True)
+    make_env(store, "two", [base, upper])
     with Sandbox.create("two", store=store, node_dir=node_dir, lazy="native") as sb:
         r = sb.exec("cat /etc/os-release; ls /opq; test -e /etc/gone || echo gone; "
                     "sha256sum /data/big.bin")
@@ -456,8 +474,8 @@ def test_a_layer_with_a_device_node_is_refused_in_one_line_as_a_full_pull_is(tmp
     top = tmp_path / "dev-top"
     (top / "data").mkdir(parents=True)
     os.mknod(top / "data" / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
-    layers = [_pack(store, base, tmp_path, "dev-base"), _pack(store, top, tmp_path, "dev-top")]
-    _lock(store, "dev", layers)
+    layers = [pack_layer(store, base, tmp_path, "dev-base"), pack_layer(store, top, tmp_path, "dev-top")]
+    make_env(store, "dev", layers)
     with pytest.raises(RuntimeShimError, match="hold no device nodes: /data/null") as err:
         Sandbox.create("dev", store=store, node_dir=node_dir, lazy=True)
     assert "\n" not in err.value.message and "lazy=False" in (err.value.hint or "")

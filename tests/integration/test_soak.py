@@ -1,7 +1,7 @@
 """The short form of ``benchmarks/soak.py`` (issue 34): one phase of sandbox lifecycles — full
-and lazy containers, FnCall calls, one microVM — beside a hostile tenant while faults are
-injected at random (SIGKILL of a creating process, of runc, of the lazy daemon; the store gone
-for seconds; the node's disk nearly full). Every result is right or an error, never wrong, and
+and native lazy containers, FnCall calls, one microVM — beside a hostile tenant while faults
+are injected at random (SIGKILL of a creating process, of runc, of the lazy filler's worker;
+the store gone for seconds; the node's disk nearly full). Every result is right or an error, never wrong, and
 the node is left with nothing of the soak: the benchmark's own checks, run for real."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The native filler's control socket (``runtime_shim.lazyfs.filler``, ``native.filler_request``)
-against the local users of a node: the FUSE daemon's control-channel tests
-(``test_lazy_control``, issue 34) ported to the filler that replaces it (issue 36). Whoever
-talks to the filler can make it fetch and write into the node's object store, so only root
-may. Where the filler stands on the rest of those tests: docs/lazy-fuse-map.md. The attacker
+against the local users of a node: the removed FUSE daemon's control-channel tests (issue 34)
+ported to the filler (issue 36). Whoever talks to the filler can make it fetch and write into
+the node's object store, so only root may. Where the filler stands on the rest of those
+tests: docs/lazy-loading.md ("What holds"). The attacker
 is a real process running as uid 65534 (Debian's ``/usr/bin/python3``, stdlib only)."""
 
 from __future__ import annotations

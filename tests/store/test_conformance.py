@@ -569,8 +569,8 @@ def test_presigner_urls_serve_plain_ranged_gets(declared):
 
 @pytest.mark.parametrize("declared", declaring(Presigner), indirect=True)
 def test_presigner_record_urls_take_a_plain_put(declared):
-    """A record written with a plain PUT to its presigned URL (what the lazy daemon saves a
-    profile with) is the record ``get_record`` reads; a second PUT replaces it; names are
+    """A record written with a plain PUT to its presigned URL (how the removed FUSE daemon
+    saved a profile) is the record ``get_record`` reads; a second PUT replaces it; names are
     checked as ``put_record`` checks them."""
     from envbuild.store._http import put_bytes
     from envbuild.store.base import encode_record

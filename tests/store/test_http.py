@@ -174,7 +174,7 @@ def test_bad_ranges_are_a_programming_error():
 
 
 def test_http_ranges_read_over_the_url_and_fall_back_to_the_store(server):
-    """The lazy daemon's reader uses the shared client: ranges come over the URL while it
+    """The lazy filler's reader uses the shared client: ranges come over the URL while it
     answers, and go to the full store (opened only then) when it does not."""
     from envbuild.store import MemoryStore, put_bytes
     from envbuild.store.lazy import HttpRanges

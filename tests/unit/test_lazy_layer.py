@@ -12,7 +12,7 @@ import pytest
 from envbuild.errors import CorruptLayerError, LayerError
 from envbuild.layers import pack_tree
 from envbuild.store import MemoryStore, put_bytes
-from envbuild.store.lazy import ChunkCache, LazyLayer, MemoryChunkCache
+from envbuild.store.lazy import LazyLayer, MemoryChunkCache
 
 MiB = 1 << 20
 BIG = random.Random(1).randbytes(9 * MiB // 2)  # 4.5 MiB: two frames of its own
@@ -165,7 +165,7 @@ def test_same_file_in_another_layer_hits_the_cache(tmp_path):
     d1, s1, _ = put_layer(store, make_tree(tmp_path / "one"))
     d2, s2, _ = put_layer(store, make_tree(tmp_path / "two", extra=b"different"))
     assert d1 != d2
-    cache = ChunkCache(tmp_path / "chunks", 64 * MiB)
+    cache = MemoryChunkCache(64 * MiB)
     LazyLayer(store, d1, size=s1, chunk_cache=cache).read("big.bin")
     other = LazyLayer(store, d2, size=s2, chunk_cache=cache)
     assert other.read("big.bin") == BIG
@@ -189,24 +189,8 @@ def test_corrupt_frame_is_detected_and_not_cached(layer):
     assert cache._items == {}
 
 
-def test_chunk_cache_self_checks_and_evicts(tmp_path):
-    cache = ChunkCache(tmp_path / "c", max_bytes=10_000)
-    cache.put("ab" + "0" * 62, b"x" * 100)
-    assert cache.get("ab" + "0" * 62) == b"x" * 100
-    path = tmp_path / "c" / "ab" / ("ab" + "0" * 62)
-    path.write_bytes(b"y" + path.read_bytes()[1:])  # damaged on disk
-    assert cache.get("ab" + "0" * 62) is None and not path.exists()
-    for i in range(20):
-        cache.put(f"{i:02}" + "1" * 62, bytes(1000))
-    total = sum(p.stat().st_size for p in (tmp_path / "c").rglob("*") if p.is_file()
-                and p.name != "chunk-cache.json")
-    assert total <= 10_000
-    assert cache.get("19" + "1" * 62) == bytes(1000)  # the newest stays
-    assert ChunkCache(tmp_path / "c", 10_000).get("19" + "1" * 62) == bytes(1000)
-
-
 def test_http_ranges_use_the_store_once_the_url_expired(layer):
-    """``HttpRanges`` (the daemon's boto3-free reader) hands an expired presigned URL's reads to
+    """``HttpRanges`` (the filler's boto3-free reader) hands an expired presigned URL's reads to
     the full store, opened only then."""
     from envbuild.store.lazy import HttpRanges
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime_shim.lazyfs import pydeps
+from runtime_shim.lazyfs import pydeps, pystartup
 from runtime_shim.lazyfs.elfdeps import Stack
 from runtime_shim.lazyfs.pydeps import Import, absolute_names, predict, pyc_info, scan
 from runtime_shim.lazyfs.tree import Node
@@ -230,7 +230,7 @@ def test_an_interpreters_start_up_files_and_a_venvs_pth_files():
     venv = Ops("venv", ["opt/venv/pyvenv.cfg", f"{SP}/distutils-precedence.pth",
                         f"{SP}/a.pth", *_pair(f"{SP}/_distutils_hack", "__init__")])
     stack = Stack([venv, base])
-    tag, sites, files = pydeps.startup_files(stack, "usr/bin/python3.11")
+    tag, sites, files = pystartup.startup_files(stack, "usr/bin/python3.11")
     assert tag == T and "usr/local/lib/python3.11/dist-packages" in sites
     assert _names(files) == [
         f"base:{STD}/encodings/__pycache__/__init__.{T}.pyc", f"base:{STD}/encodings/__init__.py",
@@ -238,10 +238,10 @@ def test_an_interpreters_start_up_files_and_a_venvs_pth_files():
         f"base:{STD}/encodings/__pycache__/utf_8.{T}.pyc", f"base:{STD}/encodings/utf_8.py",
         f"base:{STD}/__pycache__/sitecustomize.{T}.pyc", f"base:{STD}/sitecustomize.py",
         "base:usr/local/lib/python3.11/dist-packages/minicalc.pth"]
-    tag, sites, files = pydeps.startup_files(stack, "opt/venv/pyvenv.cfg")
+    tag, sites, files = pystartup.startup_files(stack, "opt/venv/pyvenv.cfg")
     assert (tag, sites) == (T, [SP])
     assert _names(files) == [f"venv:{SP}/a.pth", f"venv:{SP}/distutils-precedence.pth"]
-    assert pydeps.startup_files(stack, "opt/venv/bin/pip") == ("", [], [])
+    assert pystartup.startup_files(stack, "opt/venv/bin/pip") == ("", [], [])
 
 
 def test_the_imports_of_a_pth_file():
@@ -249,6 +249,6 @@ def test_the_imports_of_a_pth_file():
            b"import os; var = 'SETUPTOOLS_USE_DISTUTILS'; enabled = os.environ.get(var, 'local')"
            b" == 'local'; enabled and __import__('_distutils_hack').add_shim(); \n"
            b"import a_mod, b.sub as c\n#import commented\n  import indented\n")
-    assert pydeps.pth_imports(pth) == ["os", "_distutils_hack", "a_mod", "b.sub", "indented"]
-    assert pydeps.pth_imports(b"\xff\xfe garbage") == []
-    assert pydeps.pth_imports(b"import x\n" * 10_000) == ["x"]
+    assert pystartup.pth_imports(pth) == ["os", "_distutils_hack", "a_mod", "b.sub", "indented"]
+    assert pystartup.pth_imports(b"\xff\xfe garbage") == []
+    assert pystartup.pth_imports(b"import x\n" * 10_000) == ["x"]

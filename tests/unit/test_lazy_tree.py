@@ -1,7 +1,8 @@
-"""The lazy mount's inode table (``runtime_shim.lazyfs.tree``): the column decode of a v2 TOC
-(``tree_of``) against the ``Entry`` path (``build_tree``) and against the rules of "what the
-mount presents" (hardlinks as one inode, whiteouts, opaque and replaced directories,
-synthesised parents, stable inode numbers), and hostile TOCs refused."""
+"""A lazy layer's inode table (``runtime_shim.lazyfs.tree``, what a native layer's metadata
+tree is built from): the column decode of a v2 TOC (``tree_of``) against the ``Entry`` path
+(``build_tree``) and against the rules of what the layer presents (hardlinks as one inode,
+whiteouts, opaque and replaced directories, synthesised parents, stable inode numbers), and
+hostile TOCs refused."""
 
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def test_the_tree_follows_the_mount_rules():
     assert nodes[""].nlink == 2 + 4 and nodes["usr"].nlink == 3 and nodes["opt"].nlink == 2
     # nodes without xattrs share the read-only empty mapping, which nothing wrote into
     assert nodes["dev"].xattrs is NO_XATTRS and dict(NO_XATTRS) == {}
-    # the same TOC gives the same tree (inode numbers are stable across daemons)
+    # the same TOC gives the same tree (inode numbers are stable across processes)
     assert _view(tree_of(_Reader(_toc(LAYER)))) == _view(nodes)
 
 

@@ -1,7 +1,6 @@
-"""``runtime_shim.lazyfs`` and ``runtime_shim.node.nodecache`` depend one way: the node cache asks the
-daemon through ``lazyfs.control``; nothing in the lazyfs package imports the node cache, not even
-inside a function (the cycle issue 12 removed). And ``control`` stays light: it loads neither
-FUSE nor a store, so the node cache can use it cheaply."""
+"""``runtime_shim.lazyfs`` and ``runtime_shim.node.nodecache`` depend one way: the node cache
+uses ``lazyfs.native``; nothing in the lazyfs package imports the node cache, not even inside a
+function (the cycle issue 12 removed)."""
 
 from __future__ import annotations
 
@@ -26,8 +25,3 @@ def test_lazyfs_never_imports_nodecache():
     assert len(files) >= 9
     for f in files:
         assert "runtime_shim.node.nodecache" not in imported(f), f.name
-
-
-def test_control_imports_no_daemon_side():
-    names = imported(PKG / "control.py")
-    assert not {n for n in names if n.startswith(("runtime_shim", "envbuild.store", "mfusepy"))}

@@ -73,8 +73,6 @@ OTHER_RENAMES = {
     "envbuild/dockerd.py:_claim": "the same owner-file handover for a dockerd's directories",
     "envbuild/store/local.py:put": "a blob named by the digest of what was streamed, verified, its "
                                    "temp file flocked (list_partials tells live from crashed)",
-    "runtime_shim/lazyfs/filecache.py:_fly": "a file named by its digest, verified as the pieces "
-                                             "stream (0o400, raw os.write on the hot path)",
 }
 _WRITES = {"write_text", "write_bytes", "write", "dump", "mkstemp", "NamedTemporaryFile"}
 
@@ -154,9 +152,7 @@ def test_the_backend_registry_is_the_one_list():
 
 
 HOMES = {"envbuild/sizes.py": "size", "envbuild/oci.py": "digest", "envbuild/libc.py": "libc",
-         "envbuild/build/gitoid.py": "gitoid",
-         # run by path with ``python -S -E`` (30 ms start-up): it cannot import envbuild
-         "runtime_shim/lazyfs/metaserve.py": "libc"}
+         "envbuild/build/gitoid.py": "gitoid"}
 
 
 def test_each_fact_has_one_copy():
