@@ -168,19 +168,6 @@ class ObjectStore:
             return []
         return [n for n in names if is_hex64(n) and not self.complete(n)]
 
-    def describe(self) -> dict[str, int]:
-        """Objects, complete ones and their bytes on disk (``node ls``)."""
-        n = done = used = 0
-        for name in os.listdir(self.data) if os.path.isdir(self.data) else ():
-            try:
-                st = os.lstat(os.path.join(self.data, name))
-            except FileNotFoundError:
-                continue
-            n += 1
-            done += self.complete(name)
-            used += st.st_blocks * 512
-        return {"objects": n, "complete": done, "bytes": used}
-
 
 def _open_object(target: str, dir_fd: int | None = None) -> int:
     """The placeholder ``target`` opened for a fill. Never ``O_TRUNC``: on ext4 a truncate
