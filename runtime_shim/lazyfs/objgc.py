@@ -267,6 +267,9 @@ def serve_evict(w: Any, req: dict[str, Any]) -> dict[str, Any]:
                                   or max_bytes < 0):
         return {"ok": False, "error": "max_bytes: a number of bytes, or null"}
     objects: ObjectStore = w.objects
+    mounted = _mounted_for_holder(objects.root)
+    if mounted & set(layers):   # the client is root, and still: never a mounted layer's
+        return {"ok": False, "error": f"layer {sorted(mounted & set(layers))[0]} is mounted"}
     odir = w.objdir()
     with w._place_lock:
         forget(w, layers)
@@ -279,6 +282,19 @@ def serve_evict(w: Any, req: dict[str, Any]) -> dict[str, Any]:
     if max_bytes is not None:
         reply.update(shrink(w, keep, max_bytes))
     return reply
+
+
+def _mounted_for_holder(objects_root: str) -> set[str]:
+    """The native layers mounted on the node as the worker's holder sees them (the worker's
+    own mount namespace holds only the object store: ``fillworker.writer_mount``)."""
+    base = os.path.join(os.path.dirname(objects_root), "native")
+    try:
+        with open(f"/proc/{os.getppid()}/mountinfo", encoding="utf-8",
+                  errors="surrogateescape") as f:
+            points = [line.split(" ", 5)[4].replace("\\040", " ") for line in f]
+    except OSError:
+        return set()
+    return {os.path.basename(p) for p in points if os.path.dirname(p) == base}
 
 
 def _claimed(w: Any, hexd: str) -> bool:
