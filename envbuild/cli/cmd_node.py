@@ -46,7 +46,7 @@ def node_report(node_dir: Path) -> dict[str, Any]:
 
     report["native"] = describe_native(cache.root)
     if (cache.root / "objects").is_dir():
-        from runtime_shim.lazyfs.objgc import describe as describe_objects
+        from runtime_shim.lazyfs import describe_objects
 
         report["objects"] = describe_objects(str(cache.root))
     ping = daemon_request(cache.root, {"op": "ping"}, 5.0)
@@ -115,7 +115,7 @@ def node_gc(app: App, max_size: str | None, objects_max: str | None, as_json: bo
     from envbuild.settings import node_cache_budget
     from envbuild.sizes import parse_size
     from runtime_shim.isolation import OciRuntime
-    from runtime_shim.lazyfs.objgc import collect
+    from runtime_shim.lazyfs import collect_objects
     from runtime_shim.node import NodeCache, NodeLayout, layers_in_use
 
     layout = NodeLayout(app.settings.node_dir)
@@ -124,7 +124,7 @@ def node_gc(app: App, max_size: str | None, objects_max: str | None, as_json: bo
                                                                   what="--objects-max")
     keep = layers_in_use(layout)
     evicted = NodeCache(layout.node).evict(keep, budget)
-    objects = collect(str(layout.node), objects_budget)
+    objects = collect_objects(str(layout.node), objects_budget)
     swept = sweep_stale_scratch(layout.builds,
                                 OciRuntime(app.settings.oci_runtime, state_root=str(layout.runc)))
     if as_json:
@@ -140,7 +140,7 @@ def node_gc(app: App, max_size: str | None, objects_max: str | None, as_json: bo
 
 
 def objects_line(done: dict[str, Any]) -> str:
-    """``node gc``'s line on the native object store (``objgc.collect``'s result)."""
+    """``node gc``'s line on the native object store (``collect_objects``' result)."""
     line = (f"native objects: {done.get('unlinked', 0)} removed "
             f"({human_size(done.get('unlinked_bytes', 0))})")
     if "emptied" in done:

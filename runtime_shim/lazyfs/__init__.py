@@ -126,9 +126,11 @@ __all__ = [
     "PROFILE_WINDOW",
     "TieredChunkCache",
     "build_tree",
+    "collect_objects",
     "daemon_request",
     "describe",
     "describe_native",
+    "describe_objects",
     "index_layer_file",
     "index_reader",
     "lazy_layer_dirs",
@@ -143,8 +145,10 @@ __all__ = [
 
 # Imported on first use: what the CLI and the build read of meta layers and import indexes.
 __getattr__, _ = lazy_exports(__name__, {
+    "collect_objects": "runtime_shim.lazyfs.objcollect",
     "describe": "runtime_shim.lazyfs.metalayer",
     "describe_native": "runtime_shim.lazyfs.native",
+    "describe_objects": "runtime_shim.lazyfs.objgc",
     "index_layer_file": "runtime_shim.lazyfs.pyindex",
     "index_reader": "runtime_shim.lazyfs.pyindex",
 })

@@ -341,10 +341,10 @@ def describe_native(node_root: str | os.PathLike[str]) -> list[str]:
         why = supported()
         return [f"native filler: unavailable ({why}): lazy sandboxes pull their layers "
                 "in full"] if why else []
-    from runtime_shim.lazyfs.objgc import describe
+    from runtime_shim.lazyfs.objgc import describe_objects
 
     ping = filler_request(root, {"op": "ping"}, 5.0)
-    o = describe(root)
+    o = describe_objects(root)
     filler = (f"native filler pid {ping.get('pid')} (fanotify pre-content), "
               f"{ping.get('fills')} fills, {ping.get('failures')} failed") if ping \
         else "native filler: not running"

@@ -34,6 +34,9 @@ SIGBUS, an ``execve`` an ENOEXEC — where a sparse placeholder read as zeros. T
 every open while it lives (``FAN_OPEN_PERM``), so this is the last line: for the one case in
 which its fanotify group is gone (``filler``: the holder and the worker both killed).
 
+**Eviction** (``objgc``, ``node gc``): an object no used layer names is unlinked; an idle
+complete one may be turned back into a marked empty placeholder.
+
 **One object per content.** Two layers (of any image) holding the same file share the
 object: one inode, one page-cache copy; the first layer record naming it is its source (any
 source gives the same verified bytes).

@@ -46,7 +46,6 @@ import errno
 import fcntl
 import os
 import signal
-import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
@@ -54,12 +53,6 @@ from envbuild.oci import is_hex64
 from runtime_shim.lazyfs import fanotify
 from runtime_shim.lazyfs.objects import FILLED_XATTR, ObjectStore
 
-#: Objects unlinked a batch, the holder's lock held, when no filler runs (a create waiting
-#: to start one waits for at most a batch).
-UNLINK_BATCH = 4096
-#: How long a gc with no filler answering waits for the holder's lock (a holder that
-#: ``native.shutdown`` just stopped lets it go as it exits).
-HOLDER_EXIT = 5.0
 #: ``fcntl(F_SETSIG)``: the signal of a lease break (default action: ignore).
 F_SETSIG = 10
 #: Layers an ``evict`` request may name.
@@ -87,7 +80,7 @@ def named_by(objects: ObjectStore, layers: Iterable[str]) -> set[str]:
     return out
 
 
-def describe(node_root: str) -> dict[str, int]:
+def describe_objects(node_root: str) -> dict[str, int]:
     """``node ls``: objects, complete / partial (a killed fill's prefix, another boot's
     fill) / empty placeholders, bytes allocated on disk (``st_blocks``, not sizes), and
     those a mounted layer names (objects and bytes), and the layer records."""
@@ -126,99 +119,6 @@ def _scan(objects: ObjectStore) -> Iterator[tuple[str, os.stat_result, bool]]:
         except FileNotFoundError:
             continue
         yield name, st, objects.complete(name)
-
-
-# -- node gc (the client) ------------------------------------------------------------------
-
-
-def collect(node_root: str, max_bytes: int | None = None) -> dict[str, Any]:
-    """``node gc``: unlink the objects no used layer names and drop the unused layers'
-    records; with ``max_bytes``, empty idle objects of mounted layers until the filled
-    ones take at most that (module docstring). What was done, as data."""
-    from runtime_shim.lazyfs.native import filler_request
-
-    root = os.path.abspath(node_root)
-    objects = ObjectStore(root)
-    if not os.path.isdir(objects.data):
-        return {}
-    with _unused_layers(root, objects) as free:
-        req = {"op": "evict", "layers": free, "max_bytes": max_bytes}
-        reply = filler_request(root, req, timeout=600.0)
-        if reply is None:
-            reply = _evict_here(objects, free)
-    if not reply.get("ok"):
-        from envbuild.errors import RuntimeShimError
-
-        raise RuntimeShimError(f"evict the node's objects: {reply.get('error')}",
-                               hint=f"see {os.path.join(objects.root, 'filler.log')}")
-    reply.pop("ok", None)
-    return reply
-
-
-@contextlib.contextmanager
-def _unused_layers(root: str, objects: ObjectStore) -> Iterator[list[str]]:
-    """The layers with a record that are neither mounted nor being made ready, each held
-    under its lock (no create can place or mount it) while the caller works."""
-    mounted = mounted_layers(root)
-    held: list[int] = []
-    free: list[str] = []
-    try:
-        for hexd in sorted(objects.layer_records()):
-            if hexd in mounted:
-                continue
-            fd = _try_lock(os.path.join(root, "locks", f"native-{hexd}.meta.lock"))
-            if fd is None:
-                continue   # a create holds it: used
-            held.append(fd)
-            if hexd not in mounted_layers(root):   # mounted just before we took it
-                free.append(hexd)
-        yield free[:MAX_LAYERS]
-    finally:
-        for fd in held:
-            os.close(fd)
-
-
-def _try_lock(path: str) -> int | None:
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _evict_here(objects: ObjectStore, free: list[str]) -> dict[str, Any]:
-    """``evict`` with no filler answering: under the holder's lock (no filler runs or
-    starts while it is held, so no placement), in batches; with a holder up (a filler
-    starting, or a worker being respawned), nothing (the next ``node gc`` does it)."""
-    from runtime_shim.lazyfs.filler import LOCK
-
-    lock_path = os.path.join(objects.root, LOCK)
-    deadline = time.monotonic() + HOLDER_EXIT
-    while (fd := _try_lock(lock_path)) is None:   # a holder stopped just before may be exiting
-        if time.monotonic() > deadline:
-            return {"ok": True, "skipped": "a filler is starting"}
-        time.sleep(0.05)
-    try:
-        drop_records(objects, free)
-    finally:
-        os.close(fd)
-    done = {"ok": True, "unlinked": 0, "unlinked_bytes": 0}
-    while True:
-        fd = _try_lock(lock_path)
-        if fd is None:
-            return done | {"skipped": "a filler started"}
-        try:
-            keep = named_by(objects, objects.layer_records())
-            n, freed = unlink_unused(objects, keep, limit=UNLINK_BATCH)
-        finally:
-            os.close(fd)
-        done["unlinked"] += n
-        done["unlinked_bytes"] += freed
-        if n < UNLINK_BATCH:
-            return done
 
 
 def drop_records(objects: ObjectStore, layers: Iterable[str]) -> None:
@@ -347,11 +247,13 @@ def _release_memory() -> None:
     import ctypes
     import gc
 
+    from envbuild.libc import function
+
     gc.unfreeze()
     gc.collect()
     gc.freeze()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
+    with contextlib.suppress(AttributeError):
+        function("malloc_trim", argtypes=[ctypes.c_size_t])(0)
 
 
 def shrink(w: Any, used: Collection[str], max_bytes: int) -> dict[str, Any]:
@@ -435,5 +337,5 @@ def _truncate_if_idle(hexd: str, wdir_fd: int) -> bool:
         os.close(fd)
 
 
-__all__ = ["collect", "describe", "drop_records", "empty", "forget", "mounted_layers",
+__all__ = ["MAX_LAYERS", "describe_objects", "drop_records", "empty", "forget", "mounted_layers",
            "named_by", "serve_evict", "shrink", "unlink_unused"]

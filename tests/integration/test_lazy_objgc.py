@@ -9,7 +9,7 @@ import os
 import threading
 from pathlib import Path
 
-from runtime_shim.lazyfs import native, objgc
+from runtime_shim.lazyfs import collect_objects, describe_objects, native, objgc
 from runtime_shim.lazyfs.objects import ObjectStore
 from runtime_shim.node.nodecache import NodeCache
 from runtime_shim.sdk.sandbox import Sandbox, layers_in_use
@@ -31,11 +31,11 @@ def test_an_emptied_object_reads_right_again_and_is_a_marked_placeholder(tmp_pat
     with Sandbox.create("e", store=store, node_dir=node_dir, lazy="native") as sb:
         assert _digest(sb, "/data/f.bin") == want
         assert objects.complete(want) and os.stat(objects.path(want)).st_blocks > 0
-        done = objgc.collect(root, 0)
+        done = collect_objects(root, 0)
         assert done["emptied"] >= 1 and done["unlinked"] == 0, done
         st = os.stat(objects.path(want))
         assert (st.st_size, st.st_blocks) == (0, 0) and not objects.complete(want)
-        assert objgc.describe(root)["placeholders"] >= 1
+        assert describe_objects(root)["placeholders"] >= 1
         fills = native.filler_request(root, {"op": "ping"})["fills"]
         assert _digest(sb, "/data/f.bin") == want   # filled again, never zeros
         assert native.filler_request(root, {"op": "ping"})["fills"] > fills
@@ -55,13 +55,13 @@ def test_gc_unlinks_what_no_mounted_layer_uses_and_keeps_what_one_does(tmp_path,
             assert _digest(sb2, "/data/theirs") == h_theirs
         NodeCache(node_dir / "node").evict(layers_in_use(node_dir), 1 << 40)  # unmounts "two"
         assert other[1].digest[7:] not in objgc.mounted_layers(root)
-        before = objgc.describe(root)
-        done = objgc.collect(root)
+        before = describe_objects(root)
+        done = collect_objects(root)
         assert done["unlinked"] >= 1 and done["forgot"] == 1, done
         assert not os.path.exists(objects.path(h_theirs))
         assert not os.path.exists(objects.tail_path(other[1].digest[7:]))   # its record too
         assert objects.complete(h_mine)                   # a mounted layer's: kept, filled
-        after = objgc.describe(root)
+        after = describe_objects(root)
         assert after["objects"] == before["objects"] - done["unlinked"]
         assert after["in_use"] == after["objects"]        # nothing unused is left
         assert _digest(sb, "/data/mine") == h_mine
@@ -76,8 +76,8 @@ def test_with_no_filler_gc_unlinks_every_object_of_unmounted_layers(tmp_path, no
         sb.exec("cat /data/z >/dev/null")
     NodeCache(node_dir / "node").evict(layers_in_use(node_dir), 1 << 40)  # stops the filler
     assert native.filler_request(root, {"op": "ping"}, 1.0) is None
-    done = objgc.collect(root)
-    assert done["unlinked"] > 0 and objgc.describe(root)["objects"] == 0, done
+    done = collect_objects(root)
+    assert done["unlinked"] > 0 and describe_objects(root)["objects"] == 0, done
     assert ObjectStore(root).layer_records() == []
 
 
@@ -98,13 +98,13 @@ def test_a_file_held_open_is_never_emptied_under_its_reader(tmp_path, node_dir):
         h = hashlib.sha256()
         with open(mnt / "data" / "huge", "rb") as f:
             h.update(f.read(1 << 20))
-            done = objgc.collect(root, 0)
+            done = collect_objects(root, 0)
             assert done["busy"] >= 1, done
             assert objects.complete(want)
             while chunk := f.read(1 << 20):
                 h.update(chunk)
         assert h.hexdigest() == want
-        assert objgc.collect(root, 0)["emptied"] >= 1 and not objects.complete(want)
+        assert collect_objects(root, 0)["emptied"] >= 1 and not objects.complete(want)
         results: list[str] = []
 
         def read() -> None:
@@ -115,7 +115,7 @@ def test_a_file_held_open_is_never_emptied_under_its_reader(tmp_path, node_dir):
         t.start()
         rounds = 0
         while t.is_alive():
-            objgc.collect(root, 0)
+            collect_objects(root, 0)
             rounds += 1
         t.join()
         assert rounds > 1 and len(results) == 4
