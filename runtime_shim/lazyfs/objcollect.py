@@ -14,17 +14,8 @@ from typing import Any
 from runtime_shim.lazyfs.filler import LOCK
 from runtime_shim.lazyfs.native import filler_request
 from runtime_shim.lazyfs.objects import ObjectStore
-from runtime_shim.lazyfs.objgc import (
-    MAX_LAYERS,
-    drop_records,
-    mounted_layers,
-    named_by,
-    unlink_unused,
-)
+from runtime_shim.lazyfs.objgc import MAX_LAYERS, drop_records, mounted_layers, unlink_unused
 
-#: Objects unlinked a batch, the holder's lock held, when no filler runs (a create waiting
-#: to start one waits for at most a batch).
-UNLINK_BATCH = 4096
 #: How long a gc with no filler answering waits for the holder's lock (a holder that
 #: ``native.shutdown`` just stopped lets it go as it exits).
 HOLDER_EXIT = 5.0
@@ -88,32 +79,28 @@ def _try_lock(path: str) -> int | None:
 
 def _evict_here(objects: ObjectStore, free: list[str]) -> dict[str, Any]:
     """``evict`` with no filler answering: under the holder's lock (no filler runs or
-    starts while it is held, so no placement), in batches; with a holder up (a filler
-    starting, or a worker being respawned), nothing (the next ``node gc`` does it)."""
+    starts while it is held, so no placement), taken for each batch; with a holder up (a
+    filler starting, or a worker being respawned), nothing more (the next ``node gc``)."""
     lock_path = os.path.join(objects.root, LOCK)
-    deadline = time.monotonic() + HOLDER_EXIT
-    while (fd := _try_lock(lock_path)) is None:   # a holder stopped just before may be exiting
-        if time.monotonic() > deadline:
-            return {"ok": True, "skipped": "a filler is starting"}
-        time.sleep(0.05)
-    try:
-        drop_records(objects, free)
-    finally:
-        os.close(fd)
-    done = {"ok": True, "unlinked": 0, "unlinked_bytes": 0}
-    while True:
-        fd = _try_lock(lock_path)
-        if fd is None:
-            return done | {"skipped": "a filler started"}
+
+    @contextlib.contextmanager
+    def no_filler() -> Iterator[bool]:
+        deadline = time.monotonic() + HOLDER_EXIT
+        while (fd := _try_lock(lock_path)) is None:   # a holder just stopped may be exiting
+            if time.monotonic() > deadline:
+                yield False
+                return
+            time.sleep(0.05)
         try:
-            keep = named_by(objects, objects.layer_records())
-            n, freed = unlink_unused(objects, keep, limit=UNLINK_BATCH)
+            yield True
         finally:
             os.close(fd)
-        done["unlinked"] += n
-        done["unlinked_bytes"] += freed
-        if n < UNLINK_BATCH:
-            return done
+    with no_filler() as ok:
+        if not ok:
+            return {"ok": True, "skipped": "a filler is starting"}
+        drop_records(objects, free)
+    n, freed, _ = unlink_unused(objects, no_filler)
+    return {"ok": True, "unlinked": n, "unlinked_bytes": freed}
 
 
-__all__ = ["HOLDER_EXIT", "UNLINK_BATCH", "collect_objects"]
+__all__ = ["HOLDER_EXIT", "collect_objects"]

@@ -123,3 +123,26 @@ def test_a_file_held_open_is_never_emptied_under_its_reader(tmp_path, node_dir):
             assert (want in out and "rc=0" in out) or \
                 ("Input/output error" in out and "rc=1" in out), out
         assert _digest(sb, "/data/huge") == want
+
+
+def test_node_ls_and_gc_of_the_cli_show_and_evict_objects(envbuild_cli):
+    """``node ls`` counts the objects and those in use; ``node gc --objects-max`` refuses a
+    bad size in one line with nothing removed, and removes the objects of unused layers."""
+    import json
+
+    assert envbuild_cli("build").code == 0
+    run = envbuild_cli("run", "--lazy", "busybox-shell", "sh", "-c", "ls /bin >/dev/null")
+    assert run.code == 0, run.err
+    ls = envbuild_cli("node", "ls", "--json")
+    assert ls.code == 0, ls.err
+    objs = json.loads(ls.out)["objects"]
+    assert objs["objects"] > 0 and objs["complete"] > 0 and objs["in_use"] == objs["objects"]
+    assert "empty placeholders" in envbuild_cli("node", "ls").out
+    bad = envbuild_cli("node", "gc", "--objects-max", "lots")
+    assert bad.code == 1 and len(bad.err.strip().splitlines()) <= 2, bad.err
+    root = str(envbuild_cli.node / "node")
+    assert describe_objects(root)["objects"] == objs["objects"]   # nothing removed
+    gc = envbuild_cli("node", "gc", "--objects-max", "0", "--json")
+    assert gc.code == 0, gc.err
+    assert json.loads(gc.out)["objects"]["unlinked"] == objs["objects"]
+    assert describe_objects(root)["objects"] == 0
