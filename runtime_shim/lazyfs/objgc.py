@@ -8,10 +8,12 @@ placement to mount). ``collect`` takes the lock of every other layer with a reco
 waiting: a layer whose lock is busy is used), and, while it holds them, those layers' records
 (``<hex>.json``, ``<hex>.toc``) and every object no remaining record names are removed — a
 placeholder's mark first (a mark pins its inode). The removal runs where placements run, so
-that none interleaves: in the filler (request ``evict``, under its placement lock, and it
-forgets those layers: their records, trees, readers and predictions' views), or, when no
-filler answers, here under the holder's lock (``filler.lock``: no filler can start, so no
-placement, while it is held; the marks went with the last group). A layer mounted later is
+that none interleaves, in batches (``UNLINK_BATCH``), placements kept out during each and
+records placed in between read before the next: in the filler (request ``evict``, under its
+placement lock, and it forgets those layers: their records, trees, readers and predictions'
+views), or, when no filler answers, by ``objcollect`` under the holder's lock
+(``filler.lock``: no filler can start, so no placement, while it is held; the marks went
+with the last group). A layer mounted later is
 placed again first: its placement makes the placeholders the node lacks.
 
 **Idle objects are emptied** (``node gc --objects-max SIZE``): while the filled objects take
