@@ -32,9 +32,15 @@ def node_report(node_dir: Path) -> dict[str, Any]:
 
     cache = NodeCache(NodeLayout(node_dir).node)
     layers = cache.usage()
-    return {"layers": [{"digest": u.digest, "size": u.size, "last_used": u.last_used}
-                       for u in layers],
-            "bytes": sum(u.size for u in layers), "native": describe_native(cache.root)}
+    report: dict[str, Any] = {
+        "layers": [{"digest": u.digest, "size": u.size, "last_used": u.last_used}
+                   for u in layers],
+        "bytes": sum(u.size for u in layers), "native": describe_native(cache.root)}
+    if (cache.root / "objects").is_dir():
+        from runtime_shim.lazyfs import describe_objects
+
+        report["objects"] = describe_objects(str(cache.root))
+    return report
 
 
 @node.command("ls")
@@ -60,27 +66,52 @@ def node_ls(app: App, as_json: bool) -> None:
               help="Keep at most this much (e.g. 20G, 500M, 10%); 0 evicts every unused "
                    "layer.  [default: the node cache budget, $ENVBUILD_NODE_CACHE_MAX or "
                    "20% of its filesystem, at most 50G]")
+@click.option("--objects-max", default=None, metavar="SIZE",
+              help="Also empty idle objects of mounted native layers (no file of theirs "
+                   "open), least recently read first, until the native object store holds "
+                   "at most this much (e.g. 5G; 0 empties every idle one); they are filled "
+                   "again on their next open.  [default: only objects no mounted layer "
+                   "uses are removed]")
 @json_option()
 @pass_app
-def node_gc(app: App, max_size: str | None, as_json: bool) -> None:
+def node_gc(app: App, max_size: str | None, objects_max: str | None, as_json: bool) -> None:
     """Evict least recently used layers that no live sandbox uses until the node cache
-    is within its budget (and unmount unused native lazy layers)."""
+    is within its budget (and unmount unused native lazy layers); remove the native objects
+    no mounted layer uses."""
     from envbuild.build.executor import sweep_stale_scratch
     from envbuild.settings import node_cache_budget
+    from envbuild.sizes import parse_size
     from runtime_shim.isolation import OciRuntime
+    from runtime_shim.lazyfs import collect_objects
     from runtime_shim.node import NodeCache, NodeLayout, layers_in_use
 
     layout = NodeLayout(app.settings.node_dir)
     budget = node_cache_budget(max_size or app.settings.node_cache_max, app.settings.node_dir)
+    objects_budget = None if objects_max is None else parse_size(objects_max,
+                                                                  what="--objects-max")
     keep = layers_in_use(layout)
     evicted = NodeCache(layout.node).evict(keep, budget)
+    objects = collect_objects(str(layout.node), objects_budget)
     swept = sweep_stale_scratch(layout.builds,
                                 OciRuntime(app.settings.oci_runtime, state_root=str(layout.runc)))
     if as_json:
         echo_json({"evicted": list(evicted), "budget": budget, "in_use": sorted(keep),
-                   "scratch_removed": [str(p) for p in swept]})
+                   "scratch_removed": [str(p) for p in swept], "objects": objects})
         return
     click.echo(f"evicted {len(evicted)} layer(s) (budget {human_size(budget)}); "
                f"{len(keep)} in use by live sandboxes kept")
+    if objects:
+        click.echo(objects_line(objects))
     if swept:
         click.echo(f"removed {len(swept)} scratch dir(s) of killed builds")
+
+
+def objects_line(done: dict[str, Any]) -> str:
+    """``node gc``'s line on the native object store (``collect_objects``' result)."""
+    line = (f"native objects: {done.get('unlinked', 0)} removed "
+            f"({human_size(done.get('unlinked_bytes', 0))})")
+    if "emptied" in done:
+        line += (f", {done['emptied']} emptied ({human_size(done['emptied_bytes'])}), "
+                 f"{done['busy']} busy kept")
+    why = done.get("skipped") or done.get("shrink_skipped") or done.get("shrink_stopped")
+    return line + (f" ({why})" if why else "")

@@ -34,11 +34,14 @@ from __future__ import annotations
 
 from envbuild._lazy import lazy_exports
 
-__all__ = ["describe_native", "index_layer_file", "index_reader"]
+__all__ = ["collect_objects", "describe_native", "describe_objects", "index_layer_file",
+           "index_reader"]
 
 # Imported on first use: what the CLI and the build read of native layers and import indexes.
 __getattr__, _ = lazy_exports(__name__, {
+    "collect_objects": "runtime_shim.lazyfs.objcollect",
     "describe_native": "runtime_shim.lazyfs.native",
+    "describe_objects": "runtime_shim.lazyfs.objgc",
     "index_layer_file": "runtime_shim.lazyfs.pyindex",
     "index_reader": "runtime_shim.lazyfs.pyindex",
 })

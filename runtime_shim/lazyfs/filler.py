@@ -38,7 +38,10 @@ JSON line each: ``{"op": "ping"}``, ``{"op": "place", "layer": hex, "ranges_url"
 "fill": [hex, ...]}`` (read the layer's source record, make and mark the placeholders of its
 objects the node lacks: before a create mounts the layer; then fill the objects ``fill``
 names, the files a sandbox's start reads), ``{"op": "stack", "layers": [hex, ...]}`` (a
-sandbox's layers, top first, for predictions).
+sandbox's layers, top first, for predictions), ``{"op": "evict", "layers": [hex, ...],
+"max_bytes": N}`` (``node gc``: forget those layers, which the client holds locked, drop
+their records, unlink the objects no other record names; with ``max_bytes``, empty idle
+complete objects back into marked placeholders: ``objgc``).
 """
 
 from __future__ import annotations
@@ -237,6 +240,10 @@ def _handle(w: Worker, req: dict[str, Any]) -> dict[str, Any]:
         # the layer's first create does not wait for them
         w.fill_soon([str(h) for h in req.get("fill") or ()][:16])
         return {"ok": True, "placed": placed}
+    if req.get("op") == "evict":   # ``node gc``: ``objgc`` (its request and its races)
+        from runtime_shim.lazyfs.objgc import serve_evict
+
+        return serve_evict(w, req)
     if req.get("op") == "stack":   # a sandbox's layers, top first: predictions' stack
         w.add_stack([str(h) for h in req.get("layers", ())][:1024])
         return {"ok": True}

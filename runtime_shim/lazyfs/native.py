@@ -372,13 +372,15 @@ def describe_native(node_root: str | os.PathLike[str]) -> list[str]:
         why = supported()
         return [f"native filler: unavailable ({why}): lazy sandboxes pull their layers "
                 "in full"] if why else []
+    from runtime_shim.lazyfs.objgc import describe_objects
+
     ping = filler_request(root, {"op": "ping"}, 5.0)
-    objs = ObjectStore(root).describe()
+    o = describe_objects(root)
     filler = (f"native filler pid {ping.get('pid')} (fanotify pre-content), "
               f"{ping.get('fills')} fills, {ping.get('failures')} failed") if ping \
         else "native filler: not running"
-    layers = [n for n in os.listdir(os.path.join(root, "native"))] \
-        if os.path.isdir(os.path.join(root, "native")) else []
-    return [filler, f"objects: {objs['objects']} ({objs['complete']} complete, "
-                    f"{objs['bytes']} bytes on disk); native layers mounted: "
-                    f"{sum(os.path.ismount(os.path.join(root, 'native', n)) for n in layers)}"]
+    return [filler, f"objects: {o['objects']} ({o['complete']} complete, {o['partial']} "
+                    f"partial, {o['placeholders']} empty placeholders), {o['bytes']} bytes on "
+                    f"disk; in use by the {o['layers_mounted']} mounted native layers: "
+                    f"{o['in_use']} ({o['in_use_bytes']} bytes); layer records: "
+                    f"{o['layer_records']}"]

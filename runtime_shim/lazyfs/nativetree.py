@@ -27,8 +27,8 @@ contents, 2026-12-06, load ~4 on 2 cores): its first create on a node took 41.9 
 creating process peaked at 452 MiB, the kernel's slab grew by 705 MiB (the tree's tmpfs
 inodes, the placeholders' ext4 inodes, one fanotify mark each), the filler's worker held
 218 MiB, the object store 48 MiB on disk (the layer's source record, directory blocks).
-``node gc`` frees the tree, the mount and the marks once no sandbox uses the layer; the
-placeholders stay (no object eviction yet).
+``node gc`` frees the tree, the mount, and (``objgc``) the layer's record and the objects
+and marks no mounted layer names, once no sandbox uses the layer.
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ SIGBUS, an ``execve`` an ENOEXEC — where a sparse placeholder read as zeros. T
 every open while it lives (``FAN_OPEN_PERM``), so this is the last line: for the one case in
 which its fanotify group is gone (``filler``: the holder and the worker both killed).
 
+**Eviction** (``objgc``, ``node gc``): an object no used layer names is unlinked; an idle
+complete one may be turned back into a marked empty placeholder.
+
 **One object per content.** Two layers (of any image) holding the same file share the
 object: one inode, one page-cache copy; the first layer record naming it is its source (any
 source gives the same verified bytes).
@@ -167,19 +170,6 @@ class ObjectStore:
         except FileNotFoundError:
             return []
         return [n for n in names if is_hex64(n) and not self.complete(n)]
-
-    def describe(self) -> dict[str, int]:
-        """Objects, complete ones and their bytes on disk (``node ls``)."""
-        n = done = used = 0
-        for name in os.listdir(self.data) if os.path.isdir(self.data) else ():
-            try:
-                st = os.lstat(os.path.join(self.data, name))
-            except FileNotFoundError:
-                continue
-            n += 1
-            done += self.complete(name)
-            used += st.st_blocks * 512
-        return {"objects": n, "complete": done, "bytes": used}
 
 
 def _open_object(target: str, dir_fd: int | None = None) -> int:
