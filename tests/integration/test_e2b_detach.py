@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests.integration.test_checkpoint import require_criu
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 TEMPLATE = "busybox-shell"
@@ -39,13 +40,6 @@ def _follow(handle, chunks: list[str]) -> tuple[threading.Thread, list[BaseExcep
     return thread, raised
 
 
-def _until(pred, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_a_background_command_counts_on_across_pause_and_connect(e2b_server):
     """Started in the background, paused (CRIU), resumed by ``connect``: ``commands.list``
     shows it with its pid, ``commands.connect(pid)`` streams its counting on from where it
@@ -59,7 +53,7 @@ def test_a_background_command_counts_on_across_pause_and_connect(e2b_server):
         before: list[str] = []
         handle = sb.commands.run(COUNT, background=True, user="root")
         first, first_raised = _follow(handle, before)
-        _until(lambda: len(_numbers(before)) >= 5)
+        wait_for(lambda: len(_numbers(before)) >= 5, 15)
         assert sb.pause() is True
         first.join(15)  # the first stream ended with the pause (as a paused E2B sandbox's)
         assert not first.is_alive() and first_raised
@@ -69,7 +63,7 @@ def test_a_background_command_counts_on_across_pause_and_connect(e2b_server):
         after: list[str] = []
         again = resumed.commands.connect(handle.pid)
         follower, raised = _follow(again, after)
-        _until(lambda: len(_numbers(after)) >= 10)
+        wait_for(lambda: len(_numbers(after)) >= 10, 15)
         seen = _numbers(after)
         assert seen[0] > last  # the loop's own counter: it counted on, it did not restart
         assert seen == list(range(seen[0], seen[0] + len(seen)))
@@ -117,7 +111,7 @@ def test_a_snapshot_keeps_the_background_command_of_the_sandbox_running(e2b_serv
         assert handle.pid in [p.pid for p in sb.commands.list()]
         out: list[str] = []
         follower, _ = _follow(sb.commands.connect(handle.pid, timeout=30), out)
-        _until(lambda: len(_numbers(out)) >= 3)
+        wait_for(lambda: len(_numbers(out)) >= 3, 15)
         assert sb.commands.kill(handle.pid) is True
         follower.join(15)
     finally:

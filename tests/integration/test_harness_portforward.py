@@ -9,13 +9,13 @@ from __future__ import annotations
 import socket
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from envbuild.harness.portforward import LoopbackForward
 from tests.conftest import require_root
+from tests.waiting import wait_for
 
 #: A client run as another user: connects, sends one byte, prints what it reads back (the
 #: system's python: the venv's may be under a directory that user cannot enter).
@@ -61,13 +61,6 @@ def echo() -> Iterator[tuple[str, int]]:
     yield server.getsockname()
     stop.set()
     server.close()
-
-
-def wait_for(check, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def test_relays_both_ways_on_the_loopback(echo):

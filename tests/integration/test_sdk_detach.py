@@ -14,6 +14,7 @@ from envbuild.errors import RuntimeShimError
 from runtime_shim import AsyncSandbox, Sandbox
 from tests.integration.conftest import build_busybox_env
 from tests.integration.test_checkpoint import require_criu
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -30,19 +31,12 @@ def _numbers(chunks: list[bytes]) -> list[int]:
     return [int(x) for x in b"".join(chunks).split()]
 
 
-def _wait_for(pred, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 def test_a_detached_command_runs_on_and_is_taken_up_again(built):
     store, node = built
     with Sandbox.create(ENV, store=store, node_dir=node) as sb:
         before: list[bytes] = []
         proc = sb.start(COUNT, detachable=True, on_stdout=before.append)
-        _wait_for(lambda: len(_numbers(before)) >= 3)
+        wait_for(lambda: len(_numbers(before)) >= 3)
         pid = proc.detach()
         assert isinstance(pid, int) and pid > 0 and proc.done
         with pytest.raises(RuntimeShimError, match="detached"):
@@ -50,7 +44,7 @@ def test_a_detached_command_runs_on_and_is_taken_up_again(built):
         time.sleep(0.5)  # it counts on, with nobody connected
         after: list[bytes] = []
         again = sb.reattach(pid, on_stdout=after.append)
-        _wait_for(lambda: len(_numbers(after)) >= 8)
+        wait_for(lambda: len(_numbers(after)) >= 8)
         seen = _numbers(before) + _numbers(after)
         assert seen == list(range(len(seen)))  # nothing lost, nothing twice
         assert again.dropped == 0
@@ -58,7 +52,7 @@ def test_a_detached_command_runs_on_and_is_taken_up_again(built):
         assert twice and twice != pid
         last: list[bytes] = []
         again = sb.reattach(twice, on_stdout=last.append)
-        _wait_for(lambda: len(_numbers(last)) >= 2)
+        wait_for(lambda: len(_numbers(last)) >= 2)
         again.kill()
         result = again.wait(10)
         assert result.exit_code == 137
