@@ -263,7 +263,10 @@ def _grace_over(node: Path, wait: float) -> None:
 
 
 def _forget_in_child() -> None:
-    """A forked child inherits no timer: the pools it empties it arms itself."""
+    """A forked child inherits no timer (the pools it empties it arms itself), and the guard
+    afresh: another thread may have held it at the fork."""
+    global _graces_guard
+    _graces_guard = threading.Lock()
     _graces.clear()
 
 
