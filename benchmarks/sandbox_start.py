@@ -83,25 +83,25 @@ def runc_baseline(store, env, work: Path) -> Callable[[int], float]:
         rootfs=str(rootfs), args=("true",), env=env_list(lock.env), cwd="/", pids_limit=512,
         memory_limit=2 << 30)))
 
-    def bare(i: int) -> float:
+    def one(i: int) -> float:
         t = time.perf_counter()
         subprocess.run(runtime.command("run", "--bundle", str(bundle), f"eb-bench-{i}"),
                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=True)
         return time.perf_counter() - t
 
-    return bare
+    return one
 
 
 def sandbox_lifecycle(store, env, node: Path) -> Callable[[int], float]:
     """One create → exec ``true`` → close: the seconds it took."""
-    def ours(_: int) -> float:
+    def one(_: int) -> float:
         t = time.perf_counter()
         with Sandbox.create(env, store=store, node_dir=node, limits=LIMITS) as sb:
             r = sb.exec(["true"])
             assert r.exit_code == 0, r.stderr
         return time.perf_counter() - t
 
-    return ours
+    return one
 
 
 def interleaved(bare: Callable[[int], float], ours: Callable[[int], float], runs: int,
@@ -113,8 +113,8 @@ def interleaved(bare: Callable[[int], float], ours: Callable[[int], float], runs
     ours(0)  # warm the node cache (unpack once)
     base_times, our_times = [], []
     for i in range(runs):
-        base_times.append(charged(bare, i))
-        our_times.append(charged(ours, i))
+        base_times.append(bare(i))
+        our_times.append(ours(i))
     elapsed = {bare: 0.0, ours: 0.0}
     quarter = max(1, runs // 2)
     for block in range(4):
@@ -124,24 +124,6 @@ def interleaved(bare: Callable[[int], float], ours: Callable[[int], float], runs
         (in_processes if workers == "process" else in_threads)(fn, range(start, start + quarter))
         elapsed[fn] += time.perf_counter() - t
     return (base_times, 2 * quarter / elapsed[bare], our_times, 2 * quarter / elapsed[ours])
-
-
-#: CPU seconds of each kind of run (this process and the children it reaped: runc, not the
-#: container's own processes), summed over the one-at-a-time runs: what bounds throughput
-#: once the workers fill the cores, where wall time also holds waits.
-CPU: dict[str, float] = {}
-
-
-def charged(fn: Callable[[int], float], i: int) -> float:
-    before = _cpu()
-    took = fn(i)
-    CPU[fn.__name__] = CPU.get(fn.__name__, 0.0) + _cpu() - before
-    return took
-
-
-def _cpu() -> float:
-    me, kids = os.getrusage(os.RUSAGE_SELF), os.getrusage(os.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def in_threads(fn: Callable[[int], float], indices: range) -> None:
@@ -319,10 +301,6 @@ def main() -> int:
           f"({args.workers} each) throughput sandboxes / bare {our_rate / base_rate:.2f} "
           f"(goal >= 0.8); "
           f"load {os.getloadavg()[0]:.2f}")
-    cpu_bare, cpu_ours = (CPU.get(k, 0.0) / args.runs * 1e3 for k in ("bare", "ours"))
-    print(f"CPU per run (this process + reaped children): bare {cpu_bare:.1f} ms, sandbox "
-          f"{cpu_ours:.1f} ms = {cpu_ours / max(cpu_bare, 1e-9):.2f}x (bounds 2-worker "
-          f"throughput once the cores are full)")
     print(f"exec(['true']) round trip in a live sandbox ({args.execs} execs): "
           f"p50 {statistics.median(rtt) * 1e3:.2f} ms, p95 {pct(rtt, 95) * 1e3:.2f} ms")
     print(f"\n{args.density} idle sandboxes: {density['mem_per_sandbox'] / 1e6:.2f} MB of memory each")
