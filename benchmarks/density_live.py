@@ -33,8 +33,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _stats import meminfo, pct  # noqa: E402
 
+from envbuild.sizes import parse_size  # noqa: E402
 from runtime_shim import Limits, Sandbox  # noqa: E402
-from runtime_shim.node.nodecache import parse_size  # noqa: E402
 
 ENV = "env/busybox-shell"
 

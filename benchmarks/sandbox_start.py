@@ -11,7 +11,8 @@ interleaved run by run, so the host's load hits each alike, then the loop device
 ``--density`` live sandboxes of each mode hold; and exits.
 
 1. create → exec ``true`` → close, p50 / p95 over ``--runs`` sandboxes (warm node cache), and
-   sandboxes per second with 2 workers; baseline: ``runc run`` of ``true`` in a pre-made rootfs
+   sandboxes per second with 2 workers (``--workers``: forked processes, by default, or
+   threads of this process); baseline: ``runc run`` of ``true`` in a pre-made rootfs
    directory (the same env flattened), with the same OCI spec, one at a time and 2 at a time.
    Bare and sandbox runs alternate (one of each, then 2-worker blocks in turn), so the host's
    drift meets both alike. Goal (issue 39): overhead ratio <= 1.3, 2-worker throughput of
@@ -49,11 +50,13 @@ from _envs import ensure_built  # noqa: E402
 from _stats import meminfo, pct  # noqa: E402
 
 from envbuild.layers import LayerReader  # noqa: E402
+from envbuild.sizes import parse_size  # noqa: E402
 from envbuild.store import LocalStore  # noqa: E402
 from runtime_shim.isolation.runc import OciRuntime, write_bundle  # noqa: E402
 from runtime_shim.isolation.spec import RuntimeSpecRequest, env_list, runtime_spec  # noqa: E402
+from runtime_shim.node import diskpool  # noqa: E402
+from runtime_shim.node.layout import NodeLayout  # noqa: E402
 from runtime_shim.node.locks import resolve  # noqa: E402
-from runtime_shim.node.nodecache import parse_size  # noqa: E402
 from runtime_shim.sdk.sandbox import Limits, Sandbox  # noqa: E402
 
 
@@ -101,10 +104,12 @@ def sandbox_lifecycle(store, env, node: Path) -> Callable[[int], float]:
     return one
 
 
-def interleaved(bare: Callable[[int], float], ours: Callable[[int], float], runs: int
-                ) -> tuple[list[float], float, list[float], float]:
+def interleaved(bare: Callable[[int], float], ours: Callable[[int], float], runs: int,
+                workers: str = "process") -> tuple[list[float], float, list[float], float]:
     """Bare and sandbox runs one after the other (so the host's drift hits both alike), then
-    each with 2 workers in alternating quarters: (bare times, bare per s, ours, ours per s)."""
+    each with 2 workers in alternating quarters: (bare times, bare per s, ours, ours per s).
+    ``workers``: ``process`` (two forked processes, as the fleet's node daemon creates) or
+    ``thread`` (two threads of this process, sharing its GIL)."""
     ours(0)  # warm the node cache (unpack once)
     base_times, our_times = [], []
     for i in range(runs):
@@ -116,10 +121,34 @@ def interleaved(bare: Callable[[int], float], ours: Callable[[int], float], runs
         fn = (bare, ours)[block % 2]
         start = runs + block * quarter
         t = time.perf_counter()
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(fn, range(start, start + quarter)))
+        (in_processes if workers == "process" else in_threads)(fn, range(start, start + quarter))
         elapsed[fn] += time.perf_counter() - t
     return (base_times, 2 * quarter / elapsed[bare], our_times, 2 * quarter / elapsed[ours])
+
+
+def in_threads(fn: Callable[[int], float], indices: range) -> None:
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(fn, indices))
+
+
+def in_processes(fn: Callable[[int], float], indices: range) -> None:
+    """``fn`` over ``indices`` in two forked processes, every other index each."""
+    pids = []
+    for w in range(2):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                for i in indices[w::2]:
+                    fn(i)
+            except BaseException as e:  # noqa: BLE001 - reported, then the exit code says it
+                print(f"worker: {e!r}", file=sys.stderr)
+                code = 1
+            os._exit(code)  # no exit hooks: the parent's sandboxes and pool are not ours
+        pids.append(pid)
+    failed = [pid for pid in pids if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0]
+    if failed:
+        raise SystemExit(f"{len(failed)} worker(s) failed")
 
 
 def bench_exec_rtt(store, env, node: Path, count: int) -> list[float]:
@@ -230,6 +259,9 @@ def main() -> int:
     ap.add_argument("--disk", default=None, help="Limits.disk_bytes, e.g. 10G; 0: none")
     ap.add_argument("--disk-modes", default=None,
                     help="compare ENVBUILD_SANDBOX_DISK modes, e.g. pool,loop (then exit)")
+    ap.add_argument("--workers", choices=("process", "thread"), default="process",
+                    help="what the 2 workers are: forked processes (as the fleet's node "
+                         "daemon's) or threads of one process (sharing its GIL)")
     args = ap.parse_args()
     if args.disk is not None:
         LIMITS = Limits(disk_bytes=parse_size(args.disk) or None)
@@ -245,15 +277,17 @@ def main() -> int:
             bench_disk_modes(store, args.env, work / "node", args.runs,
                              args.disk_modes.split(","), args.density)
         finally:
+            diskpool.unmount_idle(NodeLayout(work / "node"))
             shutil.rmtree(work, ignore_errors=True)
         return 0
     try:
         base_times, base_rate, ours, our_rate = interleaved(
             runc_baseline(store, args.env, work),
-            sandbox_lifecycle(store, args.env, work / "node"), args.runs)
+            sandbox_lifecycle(store, args.env, work / "node"), args.runs, args.workers)
         rtt = bench_exec_rtt(store, args.env, work / "node", args.execs)
         density = bench_density(store, args.env, work / "node", args.density, args.big_file)
     finally:
+        diskpool.unmount_idle(NodeLayout(work / "node"))  # its grace cut short
         shutil.rmtree(work, ignore_errors=True)
     p50, p95 = statistics.median(ours), pct(ours, 95)
     b50, b95 = statistics.median(base_times), pct(base_times, 95)
@@ -264,7 +298,8 @@ def main() -> int:
     print(f"{'bare runc run (flattened rootfs)':38} {b50 * 1e3:8.1f} {b95 * 1e3:8.1f} {base_rate:18.1f}")
     print(f"{'Sandbox create+exec true+close':38} {p50 * 1e3:8.1f} {p95 * 1e3:8.1f} {our_rate:18.1f}")
     print(f"overhead ratio p50 {p50 / b50:.2f}, p95 {p95 / b95:.2f} (goal <= 1.3); 2-worker "
-          f"throughput sandboxes / bare {our_rate / base_rate:.2f} (goal >= 0.8); "
+          f"({args.workers} each) throughput sandboxes / bare {our_rate / base_rate:.2f} "
+          f"(goal >= 0.8); "
           f"load {os.getloadavg()[0]:.2f}")
     print(f"exec(['true']) round trip in a live sandbox ({args.execs} execs): "
           f"p50 {statistics.median(rtt) * 1e3:.2f} ms, p95 {pct(rtt, 95) * 1e3:.2f} ms")

@@ -17,6 +17,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,17 @@ def _fast_tier_guard(request: pytest.FixtureRequest) -> None:
     monkeypatch.setattr(subprocess.Popen, "__init__", no_program)
     for name in ("connect", "connect_ex"):
         monkeypatch.setattr(socket.socket, name, loopback_only(getattr(socket.socket, name)))
+
+
+@pytest.fixture(autouse=True)
+def _disk_pools_unmounted():
+    """After each test, the disk pools its closes left mounted for their grace
+    (``runtime_shim.node.diskpool``) are unmounted, as at a process's exit: no test's pool
+    outlives it. A test that checks the host while it runs calls ``unmount_idle`` itself."""
+    yield
+    diskpool = sys.modules.get("runtime_shim.node.diskpool")
+    if diskpool is not None:
+        diskpool.unmount_all_idle()
 
 
 def _loopback(host: str) -> bool:

@@ -69,6 +69,7 @@ from runtime_shim.fleet.model import (
 from runtime_shim.fleet.pools import REFILL_DELAY, WarmPools
 from runtime_shim.fleet.streams import Streams
 from runtime_shim.fleet.workers import CreateWorkers, child_of, start_sandbox
+from runtime_shim.node import diskpool
 from runtime_shim.node.layout import NodeLayout
 from runtime_shim.node.model import ExecResult, SandboxInfo
 
@@ -366,6 +367,7 @@ class NodeDaemon(WarmPools):
             for k, _ in entries:
                 self._entries.pop(k, None)
         self._close_entries([e for _, e in entries])
+        diskpool.unmount_all_idle()  # what the closes left in its grace: ray.kill runs no atexit
         self._starter.shutdown(wait=False)
         if self._workers is not None:
             self._workers.shutdown()

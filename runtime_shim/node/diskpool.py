@@ -12,18 +12,22 @@ The pool (``NodeLayout.disk_pool``)::
     pool.img   a sparse btrfs image, made on first use (``ENVBUILD_DISK_POOL_SIZE``, default
                a quarter of the node's disk budget then) and reserved once in the node's ledger
                (key ``pool:sandboxes``, ``runtime_shim.node.admission``)
-    mnt/       its mount (one loop device for the node), while it holds a subvolume: the close
-               that deletes the last one waits for the kernel's cleaner, removes the quota
-               groups the deleted subvolumes left, trims the image (``_release``) and
-               unmounts it (the image stays, ~1 MiB allocated; mounting it again costs ~2 ms,
-               unless the last instance is not released yet: then a new image), so a node
-               with no sandboxes holds no mount, no loop device and no stale quota group
+    mnt/       its mount (one loop device for the node), while it holds a subvolume and for a
+               grace period after the last one went (``ENVBUILD_DISK_POOL_GRACE``, 60 s): the
+               next sandbox of a busy node then pays no mount, and its close no release.
+               Past the grace, ``unmount_idle`` (a timer of the process whose close emptied
+               the pool, that process's exit, ``envbuild sandbox gc``) waits for the kernel's
+               cleaner, removes the quota groups the deleted subvolumes left, trims the image
+               (``_release``) and unmounts it (the image stays, ~1 MiB allocated; mounting it
+               again costs ~2 ms, unless the last instance is not released yet: then a new
+               image), so an idle node holds no mount, no loop device and no stale quota group
+    idle       touched by the close that empties the pool: its mtime is when the grace began
     loop       the loop device of the last mount (``quotafs.still_attached``)
     mnt/<id>   a sandbox's subvolume, capped by its quota group; ``SandboxPaths.disk`` is a
                symlink to it, written before the subvolume exists, so every cleanup that finds
                the sandbox's dir finds its subvolume too
-    lock       ``flock``ed while the pool is mounted, a subvolume made, or one deleted and the
-               pool perhaps unmounted
+    lock       ``flock``ed while the pool is mounted, a subvolume made or deleted, or the pool
+               unmounted
 
 ``ENVBUILD_DISK_POOL_DIR`` names an operator's own pool instead: a directory on a btrfs with
 quotas on (``btrfs quota enable --simple``), checked at each create (one ``statfs``); the
@@ -38,15 +42,19 @@ actual use, ``statvfs``), and refused with one line (``AdmissionRefused``) other
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
+import logging
+import math
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from envbuild.errors import AdmissionRefused, RuntimeShimError, SettingsError
-from runtime_shim.isolation import quotafs, scratchfs
+from runtime_shim.isolation import lifecycle, quotafs, scratchfs
 from runtime_shim.isolation.mount import unmount
 from runtime_shim.node.admission import (
     BudgetSettings,
@@ -59,18 +67,24 @@ from runtime_shim.node.layout import NodeLayout, SandboxPaths
 MODE_ENV = "ENVBUILD_SANDBOX_DISK"
 POOL_DIR_ENV = "ENVBUILD_DISK_POOL_DIR"
 POOL_SIZE_ENV = "ENVBUILD_DISK_POOL_SIZE"
+GRACE_ENV = "ENVBUILD_DISK_POOL_GRACE"
 MODES = ("pool", "loop")
 POOL_KEY = "pool:sandboxes"
 IMAGE_NAME = "pool.img"
 #: A sandbox is admitted while the pool has this much free (or its whole cap, if smaller).
 POOL_HEADROOM = 1 << 30
-#: How long the close that empties the pool retries its unmount while it is busy.
+#: How long an empty pool stays mounted (seconds): mounting it costs its next sandbox ~2-7 ms
+#: and releasing it the emptying close 7+ ms (issue 39: +7.1 ms a lifecycle on an otherwise
+#: idle node, +0.4 ms with the pool held), paid by every lifecycle of a node that runs one
+#: sandbox at a time. A minute covers an RL worker's gap between episodes.
+DEFAULT_GRACE = 60.0
+#: How long the pool's release retries its unmount while it is busy.
 UNMOUNT_PATIENCE = 0.5
-#: How long the close that empties the pool waits for the kernel's cleaner to drop the deleted
-#: subvolumes before it trims the pool (what it has not freed by then is trimmed next time).
+#: How long the pool's release waits for the kernel's cleaner to drop the deleted subvolumes
+#: before it trims the pool (what it has not freed by then is trimmed next time).
 CLEANER_PATIENCE = 2.0
-#: The close that empties the pool trims it when its image holds more than this (a trim
-#: costs 40-85 ms with 200 MiB to give back, 0.4-16 ms with nothing: not worth it below).
+#: The pool's release trims it when its image holds more than this (a trim costs 40-85 ms
+#: with 200 MiB to give back, 0.4-16 ms with nothing: not worth it below).
 TRIM_ABOVE = 64 << 20
 #: The backends whose sandboxes take their disk from the pool. FnCall keeps a loop disk each:
 #: ``statfs`` of the pool shows every sandbox's writes (and a previous tenant's, freed in the
@@ -107,6 +121,8 @@ def create_disk(layout: NodeLayout, paths: SandboxPaths, limits, *, template_roo
                          template_root=template_root)
         return
     own = not environ.get(POOL_DIR_ENV, "").strip()
+    if own:
+        grace(environ)  # a bad setting fails the create, never a close
     pool = _mount_dir(layout) if own else Path(environ[POOL_DIR_ENV].strip())
     os.symlink(pool / paths.id, paths.disk)  # first: a cleanup that finds the dir finds it
     try:
@@ -122,9 +138,11 @@ def create_disk(layout: NodeLayout, paths: SandboxPaths, limits, *, template_roo
         raise
 
 
-def destroy_disk(paths: SandboxPaths) -> None:
-    """Delete the sandbox's disk, whichever kind it has; idempotent. The node's own pool is
-    unmounted when this deleted its last subvolume."""
+def destroy_disk(paths: SandboxPaths, environ: Mapping[str, str] = os.environ) -> None:
+    """Delete the sandbox's disk, whichever kind it has; idempotent. When this deleted the
+    last subvolume of the node's own pool, the pool's grace begins (``ENVBUILD_DISK_POOL_GRACE``;
+    ``unmount_idle`` ends it); with a grace of 0, or while this process exits, the pool is
+    released and unmounted here."""
     disk = paths.disk
     if not disk.is_symlink():
         scratchfs.destroy(paths.root)
@@ -139,8 +157,121 @@ def destroy_disk(paths: SandboxPaths) -> None:
         if target.name == paths.id:  # never delete what this sandbox's link did not name
             quotafs.destroy(target)
         disk.unlink()
-        if own:
-            _unmount_if_empty(target.parent)
+        if own and os.path.ismount(target.parent) and quotafs.is_empty(target.parent):
+            _begin_grace(layout, environ)
+
+
+def grace(environ: Mapping[str, str]) -> float:
+    """``ENVBUILD_DISK_POOL_GRACE``: seconds an empty pool stays mounted (default
+    ``DEFAULT_GRACE``; 0: unmounted with its last sandbox); ``SettingsError`` otherwise."""
+    text = environ.get(GRACE_ENV, "").strip()
+    if not text:
+        return DEFAULT_GRACE
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise SettingsError(f"{GRACE_ENV}={text}: not a number of seconds >= 0",
+                            hint=f"e.g. {GRACE_ENV}=60; 0 unmounts the pool with its last "
+                                 "sandbox")
+    return value
+
+
+def unmount_idle(layout: NodeLayout, grace: float = 0.0) -> float | None:
+    """Release and unmount the node's own pool if it holds no subvolume and has been empty
+    for ``grace`` seconds (a pool mounted without a stamp, after a crash, has been; 0: now):
+    what ``envbuild sandbox gc``, this process's exit and its grace timers do. Returns the
+    seconds left of the grace when it has not passed yet, else None; under the pool's lock,
+    so a create meanwhile waits and keeps the pool."""
+    mnt = _mount_dir(layout)
+    if not os.path.ismount(mnt):  # the common case of a node without a pool: no lock file
+        return None
+    with _pool_lock(layout):
+        if not (os.path.ismount(mnt) and quotafs.is_empty(mnt)):
+            return None
+        try:
+            idle = time.time() - os.stat(layout.disk_pool / IDLE_NAME).st_mtime
+        except FileNotFoundError:
+            idle = math.inf
+        if idle < grace:
+            return grace - idle
+        _unmount_if_empty(mnt)
+    return None
+
+
+def unmount_all_idle() -> None:
+    """Unmount now every pool whose grace this process began (``unmount_idle`` with 0), and
+    stop their timers: at this process's exit (an ``atexit`` hook), and in a test's teardown,
+    so nothing it mounted outlives it. One that fails is logged and left to ``sandbox gc``."""
+    with _graces_guard:
+        pending = list(_graces.items())
+        _graces.clear()
+    for node, timer in pending:
+        timer.cancel()
+        try:
+            unmount_idle(NodeLayout(node))
+        except (OSError, RuntimeShimError) as e:
+            _log.warning("unmount the sandbox disk pool of %s: %s", node, e)
+
+
+#: The file whose mtime says since when the pool is empty (``unmount_idle``).
+IDLE_NAME = "idle"
+_log = logging.getLogger("envbuild.sandbox")
+#: The pools (by node dir) whose grace this process began, each with its timer.
+_graces: dict[Path, threading.Timer] = {}
+_graces_guard = threading.Lock()
+
+
+def _begin_grace(layout: NodeLayout, environ: Mapping[str, str]) -> None:
+    """The pool just emptied (under its lock): stamp the time, and have a timer of this
+    process unmount it once the grace has passed with no sandbox back. Now instead with a
+    grace of 0 (or a bad value), or while this process exits (no thread may start then)."""
+    try:
+        wait = grace(environ)
+    except SettingsError:
+        wait = 0.0
+    if wait == 0 or lifecycle.exiting():
+        _unmount_if_empty(_mount_dir(layout))
+        return
+    (layout.disk_pool / IDLE_NAME).touch()
+    _arm(layout.root, wait)
+
+
+def _arm(node: Path, wait: float) -> None:
+    with _graces_guard:
+        if node in _graces:  # the armed timer finds the later stamp and waits on
+            return
+        timer = threading.Timer(wait, _grace_over, (node, wait))
+        timer.daemon = True
+        _graces[node] = timer
+    timer.start()
+
+
+def _grace_over(node: Path, wait: float) -> None:
+    with _graces_guard:
+        if _graces.get(node) is not threading.current_thread():
+            return  # unmount_all_idle took over
+        del _graces[node]
+    try:
+        left = unmount_idle(NodeLayout(node), wait)
+    except (OSError, RuntimeShimError) as e:
+        _log.warning("unmount the sandbox disk pool of %s: %s", node, e)
+        return
+    if left is not None:  # emptied again meanwhile: its grace runs from then
+        _arm(node, left)
+
+
+def _forget_in_child() -> None:
+    """A forked child inherits no timer (the pools it empties it arms itself), and the guard
+    afresh: another thread may have held it at the fork."""
+    global _graces_guard
+    _graces_guard = threading.Lock()
+    _graces.clear()
+
+
+atexit.register(unmount_all_idle)
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _ensure_mounted(layout: NodeLayout, environ: Mapping[str, str]) -> None:
@@ -216,8 +347,8 @@ def _unmount_if_empty(mnt: Path) -> None:
     """Unmount the node's pool if it holds no subvolume, once its deleted subvolumes' blocks
     are given back to the host and their quota groups removed (``_release``). Busy (a file of
     the last sandbox still open while its processes exit): a few tries over
-    ``UNMOUNT_PATIENCE`` seconds, then it is left to the next close; never lazily, or a
-    remount of the image could meet the old one."""
+    ``UNMOUNT_PATIENCE`` seconds, then it is left to the next ``unmount_idle``; never lazily,
+    or a remount of the image could meet the old one."""
     if not (os.path.ismount(mnt) and quotafs.is_empty(mnt)):
         return
     _release(mnt)
@@ -233,13 +364,17 @@ def _unmount_if_empty(mnt: Path) -> None:
 
 
 def _release(mnt: Path) -> None:
-    """The pool just emptied: let the cleaner drop the deleted subvolumes (at most
-    ``CLEANER_PATIENCE``), remove their quota groups, and trim the pool so its sparse image
-    holds only the empty filesystem again (~1 MiB) when it holds more than ``TRIM_ABOVE``.
-    Only here, never on the create path."""
+    """The pool is empty and about to be unmounted: let the cleaner drop the deleted
+    subvolumes (at most ``CLEANER_PATIENCE``), remove their quota groups, and trim the pool so
+    its sparse image holds only the empty filesystem again (~1 MiB) when it holds more than
+    ``TRIM_ABOVE``. Only here, never on the create path."""
     quotafs.settle(mnt, CLEANER_PATIENCE)
     quotafs.sweep_groups(mnt)
-    if os.stat(mnt.parent / IMAGE_NAME).st_blocks * 512 > TRIM_ABOVE:
+    try:
+        held = os.stat(mnt.parent / IMAGE_NAME).st_blocks * 512
+    except FileNotFoundError:  # removed under its mount (an rmtree of the node dir in its
+        return  # grace): unmounting is all that is left to do
+    if held > TRIM_ABOVE:
         quotafs.trim(mnt)
 
 

@@ -14,7 +14,7 @@ import time
 from envbuild.errors import BackendUnavailable, RuntimeShimError, SandboxNotFound
 from runtime_shim.backends.base import get_backend, remove_sandbox_dir
 from runtime_shim.isolation import cgroupfs
-from runtime_shim.node import admission, ledger, owners
+from runtime_shim.node import admission, diskpool, ledger, owners
 from runtime_shim.node.layout import NodeLayout
 from runtime_shim.node.records import list_sandboxes, node_layout, read_record
 
@@ -66,7 +66,8 @@ def sweep_sandboxes(node_dir: str | os.PathLike[str] | NodeLayout | None = None,
     sandboxes with a readable record are considered, since a dir without one may be a create
     in progress; ``envbuild sandbox gc`` takes those too. ``dead_owner`` (a pid known to have
     died at ``now``: ``runtime_shim.sdk.exitwatch``): only the sandboxes it created before then,
-    except kept ones. Each is removed with the runtime its record names, else ``runtime``."""
+    except kept ones. Each is removed with the runtime its record names, else ``runtime``. A
+    full sweep also unmounts the node's disk pool if it has been empty past its grace."""
     now = time.time() if now is None else now
     started = time.time()
     done = []
@@ -102,7 +103,14 @@ def sweep_sandboxes(node_dir: str | os.PathLike[str] | NodeLayout | None = None,
                                                    if i.id not in gone), started)
         if not automatic:
             done += _sweep_stale_cgroups()
+            _unmount_idle_pool(node_layout(node_dir))
     return done
+
+
+def _unmount_idle_pool(layout: NodeLayout) -> None:
+    """The node's disk pool, empty past its grace, whose process died in it (killed; one that
+    exits unmounts its own): unmounted (``runtime_shim.node.diskpool``)."""
+    diskpool.unmount_idle(layout, diskpool.grace(os.environ))
 
 
 #: A sandbox cgroup younger than this may belong to a create in progress (runc makes the

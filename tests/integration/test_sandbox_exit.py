@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from runtime_shim.isolation.runc import OciRuntime, list_containers
+from runtime_shim.node import diskpool
 from runtime_shim.sdk.sandbox import list_sandboxes, remove_sandbox
 from tests.integration.conftest import build_busybox_env
 from tests.leftovers import leftovers_under
@@ -48,7 +49,10 @@ def node(tmp_path):
 def _left(node: Path, ids: list[str] = ()) -> dict[str, list[str]]:
     """Everything of a sandbox still on the host under ``node``: mounts, loop devices,
     processes, runc state and sandbox dirs (scratch disks live in the sandbox dirs), and the
-    cgroups of the sandboxes ``ids``."""
+    cgroups of the sandboxes ``ids``. The disk pool a removal in this process left in its
+    grace is unmounted first (``diskpool.unmount_all_idle``, as this process's exit would);
+    the owners' own pools are not: they must have gone with them."""
+    diskpool.unmount_all_idle()
     left = leftovers_under(node)
     left["runc state"] = [c["id"] for c in list_containers(OciRuntime(state_root=str(node / "runc")))]
     sandboxes = node / "sandboxes"

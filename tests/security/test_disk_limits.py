@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from runtime_shim.isolation import scratchfs
+from runtime_shim.node import diskpool
+from runtime_shim.node.layout import NodeLayout
 from runtime_shim.sdk.sandbox import Limits, Sandbox, gc_sandboxes, list_sandboxes
 from tests.conftest import REPO, require_tool
 
@@ -62,8 +64,10 @@ def _assert_nothing_left(root: Path) -> None:
 
 
 def _assert_node_clean(node: Path) -> None:
-    """No mount nor loop device under ``node`` (a pool's loop device detaches a moment after
-    its unmount on a loaded host: autoclear)."""
+    """Once the pool's grace is cut short (``diskpool.unmount_idle``, as its process's exit and
+    ``sandbox gc`` past the grace do), no mount nor loop device under ``node`` (a pool's loop
+    device detaches a moment after its unmount on a loaded host: autoclear)."""
+    diskpool.unmount_idle(NodeLayout(node))
     assert not _mounts_under(node), _mounts_under(node)
     deadline = time.monotonic() + 10
     while _loops_under(node) and time.monotonic() < deadline:
@@ -140,7 +144,7 @@ def test_close_leaves_no_loop_device_mount_or_image(busybox_store, disk_mode, tm
     assert sb.exec("echo hi > /x && cat /x").stdout == b"hi\n"
     sb.close()
     _assert_nothing_left(root)
-    _assert_node_clean(node)  # the pool went with its last sandbox
+    _assert_node_clean(node)  # the pool goes once its last sandbox did
 
 
 def test_gc_of_a_crashed_creator_leaves_no_loop_device_mount_or_image(busybox_store,

@@ -15,6 +15,8 @@ import fcntl
 import os
 import struct
 import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -23,9 +25,10 @@ import pytest
 from envbuild.errors import AdmissionRefused, RuntimeShimError
 from runtime_shim.isolation import quotafs
 from runtime_shim.node import diskpool
+from runtime_shim.node.layout import NodeLayout
 from runtime_shim.node.ledger import Ledger
-from runtime_shim.sdk.sandbox import Limits, Sandbox
-from tests.conftest import require_tool
+from runtime_shim.sdk.sandbox import Limits, Sandbox, gc_sandboxes
+from tests.conftest import REPO, require_tool
 
 ENV = "env/busybox-shell"
 MiB = 1 << 20
@@ -42,13 +45,20 @@ def pool_env(busybox_store, monkeypatch, tmp_path):
 
 
 def _assert_pool_gone(node: Path) -> None:
-    """No mount under ``node``, and its loop device detached (autoclear: the kernel detaches
-    it once the unmounted filesystem let go of it, a moment later on a loaded host)."""
+    """Once the pool's grace is cut short (``unmount_idle``: what its process's exit and
+    ``sandbox gc`` do), no mount under ``node``, and its loop device detached (autoclear: the
+    kernel detaches it once the unmounted filesystem let go of it, a moment later on a loaded
+    host)."""
+    _release(node)
     assert not _mounts(node), _mounts(node)
     deadline = time.monotonic() + 10
     while _loops(node) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _loops(node), _loops(node)
+
+
+def _release(node: Path) -> None:
+    assert diskpool.unmount_idle(NodeLayout(node)) is None
 
 
 def _loops(prefix: Path) -> list[str]:
@@ -184,6 +194,7 @@ def test_a_pool_held_by_another_namespace_is_never_mounted_twice(pool_env):
         holder = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sleep", "60"])
         time.sleep(0.5)  # its namespace now holds a copy of the pool's mount
     try:
+        _release(node)
         assert not _mounts(node) and len(_loops(node)) == 1  # unmounted here, alive there
         with Sandbox.create(ENV, store=store, node_dir=node, limits=limits) as sb:
             assert image.stat().st_ino != first  # a new image, not a second instance
@@ -217,6 +228,7 @@ def test_deleted_sandboxes_leave_no_quota_group_and_a_reused_one_carries_nothing
                         limits=limits) as sb:
         assert _run_probe(sb, probe, "/tmp")["subvol"] == 0  # a nested subvolume, written to
         seen.add(_subvolume_id(sb.paths.disk))
+    _release(node)  # the pool emptied and past its grace: unmounted, so ids are reused
     for together in (1, 3, 2):
         sbs = [Sandbox.create(ENV, store=store, node_dir=node, limits=limits)
                for _ in range(together)]
@@ -225,6 +237,7 @@ def test_deleted_sandboxes_leave_no_quota_group_and_a_reused_one_carries_nothing
             seen.add(_subvolume_id(sb.paths.disk))
         for sb in sbs:
             sb.close()
+        _release(node)
     with Sandbox.create(ENV, store=store, node_dir=node, limits=limits) as sb:
         sid = _subvolume_id(sb.paths.disk)
         quotafs.settle(mnt, 10)  # let the kernel's cleaner finish what the closes left
@@ -238,9 +251,9 @@ def test_deleted_sandboxes_leave_no_quota_group_and_a_reused_one_carries_nothing
 
 
 def test_the_pool_gives_its_blocks_back_to_the_host_when_it_empties(pool_env):
-    """The sparse image grows with what sandboxes write; the close that empties the pool trims
-    it (``FITRIM``; the loop device punches the discarded ranges out of the image), so an idle
-    node's pool takes about what an empty btrfs does."""
+    """The sparse image grows with what sandboxes write; the pool's release once it is empty
+    trims it (``FITRIM``; the loop device punches the discarded ranges out of the image), so
+    an idle node's pool takes about what an empty btrfs does."""
     store, node = pool_env
     image = node / "node" / "diskpool" / diskpool.IMAGE_NAME
     with Sandbox.create(ENV, store=store, node_dir=node,
@@ -248,6 +261,7 @@ def test_the_pool_gives_its_blocks_back_to_the_host_when_it_empties(pool_env):
         r = sb.exec("dd if=/dev/zero of=/fill bs=1M count=200 && sync; echo rc=$?")
         assert b"rc=0" in r.stdout, r
         written = image.stat().st_blocks * 512
+    _release(node)  # the pool's grace over
     after = image.stat().st_blocks * 512
     print(f"image allocated: {written >> 20} MiB written, {after >> 20} MiB after close")
     assert written >= 200 * MiB, written
@@ -276,4 +290,85 @@ def test_a_left_over_group_of_a_reused_id_gives_the_new_sandbox_nothing(pool_env
             assert cap == 32 * MiB and used < MiB, (used, cap)
             r = sb.exec("dd if=/dev/zero of=/fill bs=1M count=8 2>&1; echo rc=$?")
             assert b"rc=0" in r.stdout, r.stdout
+    _assert_pool_gone(node)
+
+
+def _counting_mounts(monkeypatch) -> list[Path]:
+    """Every mount of a pool image from now on (``quotafs.mount_image``), in this process."""
+    mounted: list[Path] = []
+    real = quotafs.mount_image
+
+    def counted(image: Path, target: Path) -> str:
+        mounted.append(image)
+        return real(image, target)
+
+    monkeypatch.setattr(quotafs, "mount_image", counted)
+    return mounted
+
+
+def test_a_lifecycle_in_the_pool_s_grace_mounts_nothing(pool_env, monkeypatch):
+    """The close that empties the pool leaves it mounted for its grace (60 s by default), so
+    the node's next sandbox pays no mount and its close no release: three lifecycles, one
+    after the other, mount the pool once (before: three times, a mount and a release each).
+    The caps hold in a pool in its grace; ``unmount_idle`` ends it."""
+    store, node = pool_env
+    monkeypatch.delenv(diskpool.GRACE_ENV, raising=False)
+    mounted = _counting_mounts(monkeypatch)
+    for _ in range(3):
+        with Sandbox.create(ENV, store=store, node_dir=node,
+                            limits=Limits(disk_bytes=32 * MiB)) as sb:
+            r = sb.exec("dd if=/dev/zero of=/fill bs=1M count=100 2>&1; echo rc=$?")
+            assert b"Disk quota exceeded" in r.stdout and b"rc=0" not in r.stdout, r.stdout
+        assert len(_mounts(node)) == 1 and len(_loops(node)) == 1  # the pool, empty
+    assert len(mounted) == 1, mounted
+    layout = NodeLayout(node)
+    assert 0 < diskpool.unmount_idle(layout, 60) <= 60  # still in its grace: left mounted
+    assert _mounts(node)
+    _assert_pool_gone(node)
+
+
+@pytest.mark.parametrize("grace", ["0", "0.5"])
+def test_an_empty_pool_is_unmounted_when_its_grace_ends(pool_env, monkeypatch, grace):
+    """With no sandbox back in the pool, the process that emptied it unmounts it at the end
+    of its grace (a timer; 0: in the close itself, as before the grace), trimmed."""
+    store, node = pool_env
+    monkeypatch.setenv(diskpool.GRACE_ENV, grace)
+    image = node / "node" / "diskpool" / diskpool.IMAGE_NAME
+    with Sandbox.create(ENV, store=store, node_dir=node,
+                        limits=Limits(disk_bytes=512 * MiB)) as sb:
+        assert b"rc=0" in sb.exec("dd if=/dev/zero of=/f bs=1M count=100 && sync; echo rc=$?"
+                                  ).stdout
+    assert bool(_mounts(node)) == (grace != "0")
+    deadline = time.monotonic() + 10
+    while _mounts(node) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _mounts(node), _mounts(node)
+    assert image.stat().st_blocks * 512 <= 16 * MiB  # given back to the host
+    _assert_pool_gone(node)
+
+
+def test_gc_unmounts_a_pool_whose_process_died_in_its_grace(pool_env, monkeypatch):
+    """A process killed while its empty pool is in its grace runs no timer nor exit hook:
+    ``sandbox gc`` unmounts the pool once the grace has passed, and not before."""
+    store, node = pool_env
+    code = textwrap.dedent(f"""
+        import os
+        from envbuild.store import LocalStore
+        from runtime_shim.sdk.sandbox import Limits, Sandbox
+        Sandbox.create({ENV!r}, store=LocalStore({str(store.root)!r}), node_dir={str(node)!r},
+                       limits=Limits(disk_bytes=32 << 20)).close()
+        os._exit(9)  # killed: no timer, no atexit
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO), diskpool.GRACE_ENV: "60"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 9, proc.stderr
+    assert len(_mounts(node)) == 1  # left in its grace
+    monkeypatch.setenv(diskpool.GRACE_ENV, "60")
+    gc_sandboxes(node)  # (it may remove other stale sandbox cgroups of the host)
+    assert len(_mounts(node)) == 1  # gc leaves a pool in its grace alone
+    monkeypatch.setenv(diskpool.GRACE_ENV, "0.2")
+    time.sleep(0.3)
+    gc_sandboxes(node)
+    assert not _mounts(node), _mounts(node)
     _assert_pool_gone(node)

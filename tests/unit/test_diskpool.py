@@ -59,3 +59,13 @@ def test_seccomp_refuses_making_subvolumes_but_not_reflinks():
     assert denied(0x50009401) and denied(0x50009417)  # SNAP_CREATE, SNAP_CREATE_V2
     assert not denied(0x40049409)  # FICLONE (cp --reflink) keeps working
     assert not denied(0x4020940D)  # FICLONERANGE
+
+
+def test_the_pool_s_grace_is_a_number_of_seconds():
+    assert diskpool.grace({}) == diskpool.DEFAULT_GRACE == 60
+    assert diskpool.grace({"ENVBUILD_DISK_POOL_GRACE": "0"}) == 0
+    assert diskpool.grace({"ENVBUILD_DISK_POOL_GRACE": " 2.5 "}) == 2.5
+    for bad in ("-1", "soon", "inf", "nan"):
+        with pytest.raises(SettingsError, match="ENVBUILD_DISK_POOL_GRACE=.*seconds") as info:
+            diskpool.grace({"ENVBUILD_DISK_POOL_GRACE": bad})
+        assert "ENVBUILD_DISK_POOL_GRACE=60" in (info.value.hint or "")
