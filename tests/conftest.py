@@ -120,6 +120,14 @@ def _fast_tier_guard(request: pytest.FixtureRequest) -> None:
         monkeypatch.setattr(socket.socket, name, loopback_only(getattr(socket.socket, name)))
 
 
+#: The suite's sandboxes unmount the node's disk pool with its last sandbox (no grace), so the
+#: many fixtures that check nothing is left mounted under their node dir when the test's
+#: sandboxes closed hold without knowing of the grace; programs the suite starts (servers,
+#: Ray's daemons) inherit it. The grace itself is tested where it is set
+#: (tests/security/test_disk_pool.py). A developer's own setting is kept.
+os.environ.setdefault("ENVBUILD_DISK_POOL_GRACE", "0")
+
+
 @pytest.fixture(autouse=True)
 def _disk_pools_unmounted():
     """After each test, the disk pools its closes left mounted for their grace
