@@ -165,6 +165,17 @@ def test_cluster_build_into_s3_then_a_second_machine_builds_nothing(cluster, tmp
     assert {o["status"] for o in json.loads(r.stdout)["layers"]} == {"cached"}
 
 
+def test_a_build_of_one_layer_starts_work_on_its_node_only(cluster):
+    """No task runs before the plan (a warm-up task per build slot did: every builder node
+    started worker processes and opened its node cache, whatever the build needed, and the
+    first layer waited for one of them): one layer, one node cache opened."""
+    r = cluster.build("--json", "busybox-tiny")
+    assert r.returncode == 0, r.stderr
+    [layer] = json.loads(r.stdout)["layers"]
+    assert layer["status"] == "built" and layer["node"] in cluster.worker_ids()
+    assert [p.name[len("node-"):][:8] for p in cluster.node_dirs()] == [layer["node"]]
+
+
 def test_a_task_builds_on_the_cluster_and_its_task_lock_is_written(cluster):
     """Issue 35: a task's hidden layer is a Ray task like any layer; the driver locks the env,
     then the task (task/NAME in the bucket)."""
