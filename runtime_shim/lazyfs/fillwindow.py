@@ -102,11 +102,17 @@ class LayerOrder:
         if i is None:
             return []
         rows, refs = self._rows, self._refs
-        start = rows[i][0]
+        start, home = rows[i][0], _home(path)
         out: list[FileRef] = []
-        for k in range(i + 1, min(len(rows), i + 1 + max_files)):
+        for k in range(i + 1, len(rows)):
             _first_frame, end, n = rows[k]
-            if end - start > window or n.size > max_file:
+            if end - start > window or len(out) >= max_files:
+                break
+            if home is not None and not _module_of(home, n.read_path):
+                if not n.read_path.startswith(home):
+                    break   # past the package's directory
+                continue    # a subpackage's or a data file: read mostly never
+            if n.size > max_file:
                 break
             out.append(refs[k] or self._ref(k))
         return out
@@ -122,6 +128,25 @@ def window_after(data: bytes) -> bool:
     """Whether an open of a file whose bytes are ``data`` (not a Python module) is
     followed by its window: a script's (``#!``: a console script, its package after it)."""
     return data.startswith(b"#!")
+
+
+def _home(path: str) -> str | None:
+    """The directory whose modules a window after ``path`` takes: a Python module's
+    package directory (``pkg/`` for ``pkg/x.py`` and ``pkg/__pycache__/x.TAG.pyc``); None
+    (every file) after a script."""
+    if not path.endswith((".py", ".pyc")):
+        return None
+    head = path.rpartition("/")[0].removesuffix("__pycache__").removesuffix("/")
+    return head + "/" if head else ""
+
+
+def _module_of(home: str, path: str) -> bool:
+    """Whether ``path`` is a module of the package directory ``home`` (its ``.py``, its
+    ``__pycache__`` pycs, its extension modules), not a subpackage's file or data."""
+    if not path.startswith(home) or not path.endswith((".py", ".pyc", ".so")):
+        return False
+    rest = path[len(home):]
+    return "/" not in rest.removeprefix("__pycache__/")
 
 
 #: Digests joined by newlines, each an object's name.
