@@ -147,11 +147,13 @@ def _home(path: str) -> str | None:
 
 def _module_of(home: str, path: str) -> bool:
     """Whether ``path`` is a module of the package directory ``home`` (its ``.py``, its
-    ``__pycache__`` pycs, its extension modules), not a subpackage's file or data."""
+    ``__pycache__`` pycs, its extension modules) or a subpackage's ``__init__`` (imported
+    lazily, inside functions: ``pydeps`` misses them), not a subpackage's module or data."""
     if not path.startswith(home) or not path.endswith((".py", ".pyc", ".so")):
         return False
-    rest = path[len(home):]
-    return "/" not in rest.removeprefix("__pycache__/")
+    _sub, _, rest = path[len(home):].removeprefix("__pycache__/").partition("/")
+    rest = rest.removeprefix("__pycache__/")
+    return not rest or rest.startswith("__init__.") and "/" not in rest
 
 
 #: Digests joined by newlines, each an object's name.
