@@ -12,8 +12,9 @@ and 19 of them were read, while a Python file's or a script's window (a package'
 modules; ``bin/py.test``: 121 of its 125) holds the reads. Even so, after ``.pyc`` opens
 windows filled 1,153 objects and 212 were read: tar order runs on from the package's
 ``__pycache__`` into its stubs, data files and subpackages, so a module's window takes only
-its package directory's modules (``_home``; the imports a pyc runs are ``pydeps``'
-predictions): objects filled a cold run 2,780 -> 1,620, 57.8 -> 50.1 MB on the link.
+its package directory's modules and subpackages' ``__init__`` (``_home``; the imports a
+pyc runs are ``pydeps``' predictions): objects filled a cold run ~2,770 -> ~1,660, 57.7 ->
+50.3 MB on the link, ~15 more opens waiting for a fill (docs/lazy-loading.md, Measured).
 Each object filled costs the filler ~0.1 ms of CPU and its bytes' decompression, hashing
 and write.
 
