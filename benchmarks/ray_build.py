@@ -15,8 +15,8 @@ workspaces on it, then, all through the real CLI in fresh processes:
 3. **no duplicate work**: two concurrent ``--executor ray`` builds of N fresh workspaces into
    one S3 prefix; every key must be ``built`` by exactly one of them (``cached`` in the other).
 
-The base is built beforehand in each store (and the Ray workers warmed up by that build), so
-the timings are of the workspaces only.
+The base is built beforehand in each store, so the timings are of the workspaces only (each
+Ray build still starts its own worker processes: a build is a Ray job).
 
 ``--trace`` has every Ray task append its phase times (``ENVBUILD_RAY_TRACE``) and prints
 where a task's time goes beyond its step, and how many steps ran at once (from the nodes' own
@@ -215,7 +215,7 @@ def main() -> None:
             url, s3 = f"s3://{bucket}/{phase}", f"s3://{bucket}/{phase}-local"
             local_node = str(root / "local-node")
             run._run(["build", "--json", "busybox-tiny"], run.env(defs, s3, local_node))
-            run.ray(defs, url, "busybox-tiny")  # also starts the nodes' workers
+            run.ray(defs, url, "busybox-tiny")
             trace = root / f"trace-{phase}.jsonl" if args.trace else None
             t_local, rep_local = run._run(["build", "--jobs", "2", "--json"],
                                           run.env(defs, s3, local_node))

@@ -26,6 +26,12 @@ import pytest
 # test module can import ray): loopback addresses only, no usage reporting.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray's GCS declares a node dead after 5 failed health checks, one every
+# health_check_period_ms (3 s by default): ~15 s after a kill, which the tests that kill a
+# node waited out before Ray retried its tasks (test_ray_build) or reported it gone
+# (test_fleet). A killed raylet refuses each check at once; a live but slow one still has
+# the 10 s timeout of every check, five times over, before it is declared dead.
+os.environ.setdefault("RAY_health_check_period_ms", "1000")
 
 #: Resources each shared worker node offers.
 WORKER_RESOURCES = {"envbuild_node": 1.0, "envbuild_builder": 2.0}

@@ -72,7 +72,6 @@ from envbuild.build.ray_task import (  # noqa: F401  (node_context, run_layer: r
     NodeSpec,
     _Events,
     _trace,
-    _warm,
     node_context,
     run_layer,
 )
@@ -125,16 +124,6 @@ def connect(address: str | None) -> None:
                                  f"'{{\"{BUILDER_RESOURCE}\": 2}}'")
 
 
-def warm_up(spec: NodeSpec, request: RayBuildRequest) -> list[Any]:
-    """Start one warm-up task per build slot of the cluster (not waited for): Ray starts this
-    job's worker processes on every builder node meanwhile, and reuses them for the layers."""
-    slots = int(ray.cluster_resources().get(BUILDER_RESOURCE, 0) * request.jobs_per_node)
-    task = ray.remote(_warm).options(num_cpus=0,
-                                     resources={BUILDER_RESOURCE: 1.0 / request.jobs_per_node},
-                                     max_retries=0, scheduling_strategy="SPREAD")
-    return [task.remote(spec) for _ in range(min(slots, 256))]
-
-
 def disconnect() -> None:
     """Leave the cluster (the CLI, at the end of its build; library callers keep theirs)."""
     if ray.is_initialized():
@@ -176,7 +165,7 @@ def build_ray(
     marks: list[tuple[str, float]] = [("build_ray", time.time())]
     records: dict[str, KeyRecord] = {}
     plan, events, connect_error = _plan_and_connect(
-        ws, store, targets, request, spec, marks,
+        ws, store, targets, request, marks,
         lambda: prepare_plan(ws, store, targets, no_cache=no_cache, cache_from=cache_from,
                              records=records))
     to_build = [s for s in plan.steps if no_cache or s.status == "missing"]
@@ -201,12 +190,15 @@ def build_ray(
 
 
 def _plan_and_connect(ws: Snapshot, store: Store, targets: Iterable[str] | None,
-                      request: RayBuildRequest, spec: NodeSpec, marks: list[tuple[str, float]],
+                      request: RayBuildRequest, marks: list[tuple[str, float]],
                       make_plan: Any) -> tuple[BuildPlan, Any, SettingsError | None]:
     """(the plan, the progress actor or None, why the cluster cannot be reached or None).
-    Joining the cluster (seconds: ray.init, then each node starting this job's worker
-    processes, which import envbuild and open the store) overlaps the plan (its store
-    lookups): the plan on a thread, ray.init on this one (it installs signal handlers)."""
+    Joining the cluster and starting the progress actor overlap the plan (its store lookups):
+    the plan on a thread, ray.init on this one (it installs signal handlers). No task starts
+    before the plan, so nodes start only the worker processes its layers need (each costs a
+    Python start, envbuild's imports and a store client): a warm-up task per build slot
+    started workers no layer used, and the first layer waited for one of them
+    (docs/cluster-builds.md, "start-up")."""
     planned: dict[str, Any] = {}
 
     def plan_it() -> None:
@@ -222,7 +214,6 @@ def _plan_and_connect(ws: Snapshot, store: Store, targets: Iterable[str] | None,
     try:
         connect(request.address)
         marks.append(("connected", time.time()))
-        warm_up(spec, request)
         events = start_events()
     except SettingsError as e:  # only an error if there is something to build
         connect_error = e

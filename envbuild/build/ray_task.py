@@ -311,14 +311,3 @@ class _Events:
         out, self._events = self._events, []
         return out
 
-
-def _warm(spec: NodeSpec) -> str:
-    """A warm-up task: this worker process imports the build code, opens the store and the
-    node cache (and reaps it) before the first layer arrives."""
-    os.environ.update(spec.environ)
-    node_id = ray.get_runtime_context().get_node_id()
-    try:
-        node_context(spec.settings, node_id)
-    except Exception:  # noqa: BLE001 - the layer's own task reports it, with its name
-        return ""
-    return node_id

@@ -146,6 +146,10 @@ class Conflict(EnvbuildError):
     """A request the sandbox's state does not allow now (E2B's 409)."""
 
 
+class FilesOnly(EnvbuildError):
+    """A pause or snapshot with memory asked of a backend that keeps files only (a fleet)."""
+
+
 class Registry:
     """The server's sandboxes by id, made by ``backend``, recorded in ``records`` if given."""
 
@@ -319,6 +323,7 @@ class Registry:
         it is not running; on a failure it runs on, with its end time."""
         if entry.state != "running":
             raise Conflict(f"sandbox {entry.id} is {entry.state}, not running")
+        self._files_only(memory, "a pause")
         with self._changing(entry):
             await self._detach(entry, memory)
             try:
@@ -335,6 +340,15 @@ class Registry:
         self._save(entry)
         entry.events.note("sandbox.pause", "paused" + ("" if memory else " (files only)"))
 
+    def _files_only(self, memory: bool, what: str) -> None:
+        """Refuse ``what`` with ``memory`` where the backend keeps files only, before any of
+        the sandbox's commands is detached or ended: it runs on as it was."""
+        if memory and not self.backend.keeps_memory:
+            raise FilesOnly(f"{what} with memory is not available here (this server keeps "
+                            "files only): ask for mode='filesystem'",
+                            hint="E2B SDK: pause(mode='filesystem'), "
+                                 "create_snapshot(mode='filesystem')")
+
     async def _reattach(self, entry: Entry) -> None:
         """Take up the commands a dump detached (``entry`` runs again)."""
         if self.process_table is not None and entry.processes:
@@ -347,7 +361,10 @@ class Registry:
         if entry.state != "running":
             raise Conflict(f"sandbox {entry.id} is {entry.state}, not running")
         with self._changing(entry):
-            await self._detach(entry, keep_processes=True)
+            if self.backend.keeps_memory:
+                await self._detach(entry, keep_processes=True)
+            # else nothing is dumped (a fork copies the files): the commands stay in the table
+            # and run on, which ``ProcessTable.detach`` would drop (they are not detachable)
             try:
                 yield
             finally:
@@ -358,6 +375,7 @@ class Registry:
 
     async def snapshot(self, entry: Entry, name: str, *, memory: bool) -> str:
         """Publish ``entry``'s snapshot ``name`` (memory too if ``memory``); its id."""
+        self._files_only(memory, "a snapshot")
         if not memory:
             if entry.state != "running":
                 raise Conflict(f"sandbox {entry.id} is {entry.state}, not running")

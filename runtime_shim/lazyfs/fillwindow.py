@@ -9,8 +9,14 @@ closed after reading them, by inotify): windows filled 2,446 objects (47 MB) of 
 (12 MB) were read; those after the opens of ELF files (their libraries are predicted:
 ``elfdeps``) and data files (locales, terminfo, zoneinfo, ``entry_points.txt``) filled 607
 and 19 of them were read, while a Python file's or a script's window (a package's next
-modules; ``bin/py.test``: 121 of its 125) holds the reads. Each object filled costs the
-filler ~0.1 ms of CPU and its bytes' decompression, hashing and write.
+modules; ``bin/py.test``: 121 of its 125) holds the reads. Even so, after ``.pyc`` opens
+windows filled 1,153 objects and 212 were read: tar order runs on from the package's
+``__pycache__`` into its stubs, data files and subpackages, so a module's window takes only
+its package directory's modules and subpackages' ``__init__`` (``_home``; the imports a
+pyc runs are ``pydeps``' predictions): objects filled a cold run ~2,770 -> ~1,660, 57.7 ->
+50.3 MB on the link, ~15 more opens waiting for a fill (docs/lazy-loading.md, Measured).
+Each object filled costs the filler ~0.1 ms of CPU and its bytes' decompression, hashing
+and write.
 
 The order comes from the layer's tree (``tree_of``), the one decode of its TOC the filler
 makes: the same tree serves the predictions (``fillhints``); no ``Entry`` is decoded for a
@@ -102,11 +108,17 @@ class LayerOrder:
         if i is None:
             return []
         rows, refs = self._rows, self._refs
-        start = rows[i][0]
+        start, home = rows[i][0], _home(path)
         out: list[FileRef] = []
-        for k in range(i + 1, min(len(rows), i + 1 + max_files)):
+        for k in range(i + 1, len(rows)):
             _first_frame, end, n = rows[k]
-            if end - start > window or n.size > max_file:
+            if end - start > window or len(out) >= max_files:
+                break
+            if home is not None and not _module_of(home, n.read_path):
+                if not n.read_path.startswith(home):
+                    break   # past the package's directory
+                continue    # a subpackage's or a data file: read mostly never
+            if n.size > max_file:
                 break
             out.append(refs[k] or self._ref(k))
         return out
@@ -122,6 +134,27 @@ def window_after(data: bytes) -> bool:
     """Whether an open of a file whose bytes are ``data`` (not a Python module) is
     followed by its window: a script's (``#!``: a console script, its package after it)."""
     return data.startswith(b"#!")
+
+
+def _home(path: str) -> str | None:
+    """The directory whose modules a window after ``path`` takes: a Python module's
+    package directory (``pkg/`` for ``pkg/x.py`` and ``pkg/__pycache__/x.TAG.pyc``); None
+    (every file) after a script."""
+    if not path.endswith((".py", ".pyc")):
+        return None
+    head = path.rpartition("/")[0].removesuffix("__pycache__").removesuffix("/")
+    return head + "/" if head else ""
+
+
+def _module_of(home: str, path: str) -> bool:
+    """Whether ``path`` is a module of the package directory ``home`` (its ``.py``, its
+    ``__pycache__`` pycs, its extension modules) or a subpackage's ``__init__`` (imported
+    lazily, inside functions: ``pydeps`` misses them), not a subpackage's module or data."""
+    if not path.startswith(home) or not path.endswith((".py", ".pyc", ".so")):
+        return False
+    _sub, _, rest = path[len(home):].removeprefix("__pycache__/").partition("/")
+    rest = rest.removeprefix("__pycache__/")
+    return not rest or rest.startswith("__init__.") and "/" not in rest
 
 
 #: Digests joined by newlines, each an object's name.

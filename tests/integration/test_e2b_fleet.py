@@ -13,6 +13,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -29,27 +32,23 @@ TEMPLATE = "busybox-shell"
 SIZES = ("--memory", "64MiB", "--pids", "32", "--nofile", "256")
 
 
-@pytest.fixture(scope="module")
-def cell(ray_cluster, tmp_path_factory):
-    """The busybox env in a directory store, the fleet's daemons started on it (data plane on
-    127.0.0.1); this process's ``Fleet`` checks what the server did. Afterwards no daemon,
-    sandbox or mount of the fleet is left."""
+@contextmanager
+def fleet_daemons(address: str, store: Path, nodes: Path) -> Iterator[object]:
+    """The fleet's daemons on the cluster at ``address`` over the directory store ``store``
+    (node dirs under ``nodes``, data plane on 127.0.0.1), as this process's ``Fleet``, which
+    checks what a server did; afterwards no daemon, sandbox or mount of the fleet is left.
+    Also the fleet mode of ``tests/integration/e2b_upstream`` (its conftest)."""
     import ray
 
     from runtime_shim.fleet import Fleet
-    from tests.integration.conftest import build_busybox_env
     from tests.integration.test_fleet import _daemon_actors, _mounts_under, _sandbox_dirs
 
-    root = tmp_path_factory.mktemp("e2bfleet")
-    store, _ = build_busybox_env(root / "built")
-    nodes = root / "nodes"
-    ray.init(address=ray_cluster.address, namespace="envbuild", log_to_driver=False,
+    ray.init(address=address, namespace="envbuild", log_to_driver=False,
              ignore_reinit_error=True)
-    fleet = Fleet.connect(address=ray_cluster.address, store=str(store.root),
-                          node_dir=str(nodes / "{node_id}"), slots=16, data_host="127.0.0.1")
+    fleet = Fleet.connect(address=address, store=str(store), node_dir=str(nodes / "{node_id}"),
+                          slots=16, data_host="127.0.0.1")
     try:
-        yield {"address": ray_cluster.address, "store": store.root, "fleet": fleet,
-               "nodes": nodes}
+        yield fleet
     finally:
         fleet.stop_daemons()
         try:
@@ -58,6 +57,20 @@ def cell(ray_cluster, tmp_path_factory):
             assert _mounts_under(nodes) == []
         finally:
             ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cell(ray_cluster, tmp_path_factory):
+    """The busybox env in a directory store, the fleet's daemons started on it
+    (``fleet_daemons``)."""
+    from tests.integration.conftest import build_busybox_env
+
+    root = tmp_path_factory.mktemp("e2bfleet")
+    store, _ = build_busybox_env(root / "built")
+    nodes = root / "nodes"
+    with fleet_daemons(ray_cluster.address, store.root, nodes) as fleet:
+        yield {"address": ray_cluster.address, "store": store.root, "fleet": fleet,
+               "nodes": nodes}
 
 
 def _served(fleet) -> list[str]:
@@ -176,7 +189,7 @@ def test_stdin_signals_ptys_ports_and_watches_of_fleet_sandboxes(cell, tmp_path)
         with pytest.raises(SandboxException):
             sb.files.watch_dir("/tmp/nothing-here")
 
-        with pytest.raises(SandboxException, match="a pause with memory is not available for a fleet"):
+        with pytest.raises(SandboxException, match="a pause with memory is not available here"):
             sb.pause()
         sb.kill()
     log = (tmp_path / "serve.log").read_text()
@@ -294,8 +307,9 @@ def test_pause_snapshot_and_fork_keep_a_fleet_sandboxs_files(cell, tmp_path, sit
         made.append(sb)
         sb.files.write("/workspace/kept.txt", "on the fleet")
         sb.commands.run("sleep 600 > /dev/null 2>&1 &")
-        with pytest.raises(SandboxException, match="a pause with memory is not available for "
-                                                   "a fleet sandbox .* mode='filesystem'"):
+        with pytest.raises(SandboxException, match="a pause with memory is not available here "
+                                                   r"\(this server keeps files only\): ask "
+                                                   "for mode='filesystem'"):
             sb.pause()
         with pytest.raises(SandboxException, match="a snapshot with memory is not available"):
             sb.create_snapshot("full")
@@ -337,6 +351,37 @@ def test_pause_snapshot_and_fork_keep_a_fleet_sandboxs_files(cell, tmp_path, sit
         Sandbox.delete_snapshot(snap)
     log = (tmp_path / "serve.log").read_text()
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_background_commands_stay_in_the_table_through_a_fork_and_refused_memory(cell,
+                                                                                  tmp_path):
+    """A fleet sandbox's commands are not detached (nothing is dumped): through a fork (files
+    only) and a refused memory pause and snapshot, a background command stays listed and
+    reachable by its pid (``commands.list``, ``send_stdin``, ``kill``), as E2B's upstream
+    tests expect of the sandbox they go on using."""
+    from e2b import CommandExitException, Sandbox, SandboxException
+
+    with running_server(tmp_path, cell["store"], tmp_path / "node",
+                        args=("--fleet", cell["address"], *SIZES)) as srv, e2b_env(srv):
+        sb = Sandbox.create(TEMPLATE, timeout=120)
+        reader = sb.commands.run('read line; echo "$line" > /tmp/got; exec sleep 600',
+                                 background=True, stdin=True)
+        for refused in (sb.pause, sb.create_snapshot):
+            with pytest.raises(SandboxException, match="with memory is not available"):
+                refused()
+        children = sb.fork(count=1, timeout=60)
+        assert all(isinstance(c, Sandbox) for c in children), children
+        assert reader.pid in {p.pid for p in sb.commands.list()}
+        sb.commands.send_stdin(reader.pid, "still here\n")
+        deadline = time.monotonic() + 20
+        while not sb.files.exists("/tmp/got") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sb.files.read("/tmp/got") == "still here\n"
+        assert sb.commands.kill(reader.pid) is True
+        with pytest.raises(CommandExitException):
+            reader.wait()
+        for s in (sb, *children):
+            s.kill()
 
 
 def test_a_fleet_sandbox_auto_pauses_its_files(cell, tmp_path):

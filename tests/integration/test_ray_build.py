@@ -165,6 +165,40 @@ def test_cluster_build_into_s3_then_a_second_machine_builds_nothing(cluster, tmp
     assert {o["status"] for o in json.loads(r.stdout)["layers"]} == {"cached"}
 
 
+def test_a_build_of_one_layer_submits_its_layer_only_and_opens_one_node_cache(
+        cluster, monkeypatch):
+    """No task is submitted before the plan: a warm-up task per build slot was, at ray.init,
+    so every builder node started all its worker processes and opened its node cache for any
+    build, and the first layer waited for one of them. The library driver in this process
+    (what the CLI runs), with the Ray tasks it submits recorded on their way."""
+    import ray
+
+    from envbuild.build.engine import load
+    from envbuild.build.ray_executor import RayBuildRequest, build_ray, disconnect
+    from envbuild.settings import Settings
+
+    submitted: list[str] = []
+    remote = ray.remote
+
+    def recording(*args, **kwargs):
+        if args and callable(args[0]):
+            submitted.append(args[0].__name__)
+        return remote(*args, **kwargs)
+
+    monkeypatch.setattr(ray, "remote", recording)
+    request = RayBuildRequest(address=cluster.ray.address, forward_env=FORWARD)
+    try:
+        report = build_ray(load(cluster.defs.absolute()), Settings.from_env(cluster.env()),
+                           ["busybox-tiny"], request=request)
+    finally:
+        disconnect()
+    assert submitted == ["run_layer"]
+    [layer] = report.layers
+    assert layer.status == "built" and layer.node in cluster.worker_ids()
+    assert [p.name[len("node-"):][:8] for p in cluster.node_dirs()] == [layer.node]
+    assert_no_leftovers(cluster)
+
+
 def test_a_task_builds_on_the_cluster_and_its_task_lock_is_written(cluster):
     """Issue 35: a task's hidden layer is a Ray task like any layer; the driver locks the env,
     then the task (task/NAME in the bucket)."""

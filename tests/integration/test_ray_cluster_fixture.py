@@ -9,6 +9,7 @@ pytestmark = pytest.mark.integration
 
 def test_the_session_cluster_has_two_nodes_offering_envbuild_resources(ray_cluster):
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     ray.init(address=ray_cluster.address, ignore_reinit_error=True, log_to_driver=False)
     try:
@@ -21,6 +22,11 @@ def test_the_session_cluster_has_two_nodes_offering_envbuild_resources(ray_clust
         def where() -> str:
             return ray.get_runtime_context().get_node_id()
 
-        assert len(set(ray.get([where.remote() for _ in range(16)]))) >= 1
+        # one build-slot task pinned to each worker node (one worker process each: they
+        # cost seconds to start here); each runs there
+        workers = sorted(ray_cluster.node_id(n) for n in ray_cluster.workers)
+        ran = ray.get([where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            w, soft=False)).remote() for w in workers])
+        assert sorted(ran) == workers
     finally:
         ray.shutdown()

@@ -92,10 +92,81 @@ def e2b_built(tmp_path_factory, request):
     return root, LocalStore(root / "store"), root / "node"
 
 
+#: ``ENVBUILD_E2B_UPSTREAM=fleet`` runs the whole package against ``envbuild serve --fleet``
+#: (slow: a manual run); CI runs the subset of ``./fleet`` that way and the rest on one node
+MODE_VARIABLE = "ENVBUILD_E2B_UPSTREAM"
+
+
+def fleet_mode(item: pytest.Item) -> bool:
+    """Whether ``item`` runs against a ``--fleet`` server (``MODE_VARIABLE``, or ``./fleet``)."""
+    return os.environ.get(MODE_VARIABLE) == "fleet" or "/e2b_upstream/fleet/" in item.nodeid
+
+
+#: what a fleet sandbox cannot do, by upstream test (``module::name``): strict xfails in fleet
+#: mode, each naming the limitation (docs/e2b.md "On a Ray fleet")
+_MEMORY_PAUSE = ("a fleet keeps a paused sandbox's files only (pause publishes its pack-diff "
+                 "to the shared store): no auto-pause with memory")
+FLEET_CANNOT = {
+    "sync.test_create::test_keep_memory_none_defaults_to_full_memory": _MEMORY_PAUSE,
+    "sync.test_create::test_auto_pause_without_auto_resume_requires_connect": _MEMORY_PAUSE,
+    "sync.test_create::test_auto_resume_wakes_on_http_request": _MEMORY_PAUSE,
+    "sync.test_connect::test_connect_to_paused_sandbox_resumes": _MEMORY_PAUSE,
+    **dict.fromkeys(("sync.test_snapshot::test_snapshot",
+                     "sync.test_snapshot_api::test_list_snapshots",
+                     "sync.test_snapshot_api::test_list_snapshots_for_sandbox",
+                     "sync.test_snapshot_api::test_list_snapshots_filtered_by_name",
+                     "sync.test_snapshot_api::test_delete_snapshot"),
+                    "a fleet's snapshot keeps files only (a pack-diff in the shared store): "
+                    "no snapshot with memory, the SDK's default"),
+}
+
+
+#: what a fleet does late, not never: non-strict xfails (each passes or fails by a race), to
+#: fix, not to keep
+FLEET_RACES = {
+    "sync.files.test_watch::test_watch_iterated":
+        "a race: a fleet watch's events come over the node's data plane, after the reply to "
+        "the write, and upstream polls get_new_events right after the write (it passes when "
+        "they are in by then)",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if not isinstance(item, pytest.Function) or not fleet_mode(item):
+            continue
+        test = item.function.__module__.removeprefix(__package__ + ".") + "::"
+        test += item.originalname
+        for table, strict in ((FLEET_CANNOT, True), (FLEET_RACES, False)):
+            if test in table:
+                item.add_marker(pytest.mark.xfail(reason=table[test], strict=strict))
+
+
 @pytest.fixture(scope="package")
-def e2b_server(e2b_built):
-    """The shared ``envbuild serve`` (``serving``), once for the package."""
-    yield from serving(e2b_built)
+def e2b_server(e2b_built, request):
+    """The shared ``envbuild serve`` (``serving``), once for the package; with
+    ``MODE_VARIABLE`` set to ``fleet``, ``fleet_serving``."""
+    if os.environ.get(MODE_VARIABLE) == "fleet":
+        yield from fleet_serving(e2b_built, request.getfixturevalue("ray_cluster"))
+    else:
+        yield from serving(e2b_built)
+
+
+def fleet_serving(built, cluster):
+    """``envbuild serve --fleet`` on the session's Ray cluster (``ray_cluster``), the fleet's
+    daemons started on ``built``'s store (``fleet_daemons``), with the SDK's variables set."""
+    from tests.e2b_server import e2b_env, running_server
+    from tests.integration.test_e2b_fleet import fleet_daemons
+
+    root, store, _ = built
+    # its own directory: the one-node server may run at the same time (CI runs both), and two
+    # servers on one node dir would share its disk pool and records
+    where = root / "fleet"
+    where.mkdir(exist_ok=True)
+    with fleet_daemons(cluster.address, store.root, where / "nodes"), \
+            running_server(where, store.root, where / "node",
+                           args=("--fleet", cluster.address)) as srv, e2b_env(srv):
+        yield srv
 
 
 @pytest.fixture
@@ -161,7 +232,8 @@ def module_sandbox(e2b_server):
 
 @pytest.fixture
 def sandbox(request, sandbox_factory):
-    module = request.module.__name__.removeprefix(__package__ + ".")
+    # the test's own module: ``./fleet`` runs upstream's tests from their modules
+    module = request.function.__module__.removeprefix(__package__ + ".")
     if module in SHARED_SANDBOX:  # envbuild: see SHARED_SANDBOX
         return request.getfixturevalue("module_sandbox")
     return sandbox_factory()
