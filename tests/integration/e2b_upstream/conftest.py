@@ -121,25 +121,14 @@ FLEET_CANNOT = {
 }
 
 
-#: what a fleet does late, not never: non-strict xfails (each passes or fails by a race), to
-#: fix, not to keep
-FLEET_RACES = {
-    "sync.files.test_watch::test_watch_iterated":
-        "a race: a fleet watch's events come over the node's data plane, after the reply to "
-        "the write, and upstream polls get_new_events right after the write (it passes when "
-        "they are in by then)",
-}
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if not isinstance(item, pytest.Function) or not fleet_mode(item):
             continue
         test = item.function.__module__.removeprefix(__package__ + ".") + "::"
         test += item.originalname
-        for table, strict in ((FLEET_CANNOT, True), (FLEET_RACES, False)):
-            if test in table:
-                item.add_marker(pytest.mark.xfail(reason=table[test], strict=strict))
+        if test in FLEET_CANNOT:
+            item.add_marker(pytest.mark.xfail(reason=FLEET_CANNOT[test], strict=True))
 
 
 @pytest.fixture(scope="package")
