@@ -67,7 +67,8 @@ def test_sandbox_and_node_json(cli):
     r = cli("node", "gc", "--json", "--max-size", "0")
     assert r.code == 0, r.err
     doc = r.json()
-    assert set(doc) == {"evicted", "budget", "in_use", "scratch_removed"}
+    assert set(doc) == {"evicted", "budget", "in_use", "scratch_removed", "objects"}
+    assert doc["objects"] == {}  # no native object store on this node (docs/cli-json.md)
     assert sorted(doc["evicted"]) == sorted(u["digest"] for u in layers)
     assert (doc["budget"], doc["in_use"]) == (0, [])
     assert cli("node", "ls", "--json").json()["layers"] == []
