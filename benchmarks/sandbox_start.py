@@ -259,10 +259,15 @@ def main() -> int:
     ap.add_argument("--disk", default=None, help="Limits.disk_bytes, e.g. 10G; 0: none")
     ap.add_argument("--disk-modes", default=None,
                     help="compare ENVBUILD_SANDBOX_DISK modes, e.g. pool,loop (then exit)")
+    ap.add_argument("--no-hold", action="store_true",
+                    help="measure as a script does (the disk pool unmounted with each last "
+                         "sandbox), not as a node's server or fleet daemon (pools held a minute)")
     ap.add_argument("--workers", choices=("process", "thread"), default="process",
                     help="what the 2 workers are: forked processes (as the fleet's node "
                          "daemon's) or threads of one process (sharing its GIL)")
     args = ap.parse_args()
+    if not args.no_hold:  # as `envbuild serve` and a fleet node daemon (docs/disk-pool.md)
+        diskpool.hold_pools()
     if args.disk is not None:
         LIMITS = Limits(disk_bytes=parse_size(args.disk) or None)
     if os.geteuid() != 0:

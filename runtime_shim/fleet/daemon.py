@@ -87,6 +87,7 @@ class NodeDaemon(WarmPools):
             node_id = ray.get_runtime_context().get_node_id()
         self.config = config
         self.node_id = node_id
+        diskpool.hold_pools()  # a node's long-lived owner: empty pools kept for their grace
         self._renice_threads()
         # the real path: the SDK finds a sandbox's mounts by it (a symlinked node dir would hide them)
         self.layout = NodeLayout(os.path.realpath(config.node_dir_for(node_id)))

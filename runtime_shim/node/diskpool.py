@@ -73,11 +73,25 @@ POOL_KEY = "pool:sandboxes"
 IMAGE_NAME = "pool.img"
 #: A sandbox is admitted while the pool has this much free (or its whole cap, if smaller).
 POOL_HEADROOM = 1 << 30
-#: How long an empty pool stays mounted (seconds): mounting it costs its next sandbox ~2-7 ms
+#: How long an empty pool stays mounted (seconds) in a process that serves a node — `envbuild
+#: serve`, a fleet node daemon (``hold_pools``): mounting it costs its next sandbox ~2-7 ms
 #: and releasing it the emptying close 7+ ms (issue 39: +7.1 ms a lifecycle on an otherwise
 #: idle node, +0.4 ms with the pool held), paid by every lifecycle of a node that runs one
 #: sandbox at a time. A minute covers an RL worker's gap between episodes.
-DEFAULT_GRACE = 60.0
+SERVICE_GRACE = 60.0
+#: Elsewhere (a script, the CLI, a library user) no grace unless ``ENVBUILD_DISK_POOL_GRACE``
+#: asks: a pool left mounted after the last close would make removing a node dir fail (EBUSY)
+#: until the process exits — a surprise for a library user; a long-lived worker sets the
+#: variable (docs/disk-pool.md).
+DEFAULT_GRACE = 0.0
+_default_grace = DEFAULT_GRACE
+
+
+def hold_pools(seconds: float = SERVICE_GRACE) -> None:
+    """This process serves a node (``envbuild serve``, a fleet node daemon): its empty pools
+    stay mounted ``seconds`` unless ``ENVBUILD_DISK_POOL_GRACE`` says otherwise."""
+    global _default_grace
+    _default_grace = seconds
 #: How long the pool's release retries its unmount while it is busy.
 UNMOUNT_PATIENCE = 0.5
 #: How long the pool's release waits for the kernel's cleaner to drop the deleted subvolumes
@@ -162,11 +176,12 @@ def destroy_disk(paths: SandboxPaths, environ: Mapping[str, str] = os.environ) -
 
 
 def grace(environ: Mapping[str, str]) -> float:
-    """``ENVBUILD_DISK_POOL_GRACE``: seconds an empty pool stays mounted (default
-    ``DEFAULT_GRACE``; 0: unmounted with its last sandbox); ``SettingsError`` otherwise."""
+    """``ENVBUILD_DISK_POOL_GRACE``: seconds an empty pool stays mounted (default 0, or
+    ``SERVICE_GRACE`` in a process that ``hold_pools``; 0: unmounted with its last sandbox);
+    ``SettingsError`` otherwise."""
     text = environ.get(GRACE_ENV, "").strip()
     if not text:
-        return DEFAULT_GRACE
+        return _default_grace
     try:
         value = float(text)
     except ValueError:

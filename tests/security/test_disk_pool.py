@@ -307,12 +307,15 @@ def _counting_mounts(monkeypatch) -> list[Path]:
 
 
 def test_a_lifecycle_in_the_pool_s_grace_mounts_nothing(pool_env, monkeypatch):
-    """The close that empties the pool leaves it mounted for its grace (60 s by default), so
+    """The close that empties the pool leaves it mounted for its grace (60 s in a process that
+    serves a node), so
     the node's next sandbox pays no mount and its close no release: three lifecycles, one
     after the other, mount the pool once (before: three times, a mount and a release each).
     The caps hold in a pool in its grace; ``unmount_idle`` ends it."""
     store, node = pool_env
     monkeypatch.delenv(diskpool.GRACE_ENV, raising=False)
+    monkeypatch.setattr(diskpool, "_default_grace", diskpool.DEFAULT_GRACE)
+    diskpool.hold_pools()  # as `envbuild serve` and a fleet node daemon do
     mounted = _counting_mounts(monkeypatch)
     for _ in range(3):
         with Sandbox.create(ENV, store=store, node_dir=node,

@@ -61,8 +61,17 @@ def test_seccomp_refuses_making_subvolumes_but_not_reflinks():
     assert not denied(0x4020940D)  # FICLONERANGE
 
 
+def test_a_process_that_serves_a_node_holds_its_empty_pools(monkeypatch):
+    """``envbuild serve`` and a fleet node daemon keep empty pools mounted a minute; the
+    variable still rules."""
+    monkeypatch.setattr(diskpool, "_default_grace", diskpool.DEFAULT_GRACE)
+    diskpool.hold_pools()
+    assert diskpool.grace({}) == diskpool.SERVICE_GRACE == 60
+    assert diskpool.grace({"ENVBUILD_DISK_POOL_GRACE": "0"}) == 0
+
+
 def test_the_pool_s_grace_is_a_number_of_seconds():
-    assert diskpool.grace({}) == diskpool.DEFAULT_GRACE == 60
+    assert diskpool.grace({}) == diskpool.DEFAULT_GRACE == 0  # a library user: none
     assert diskpool.grace({"ENVBUILD_DISK_POOL_GRACE": "0"}) == 0
     assert diskpool.grace({"ENVBUILD_DISK_POOL_GRACE": " 2.5 "}) == 2.5
     for bad in ("-1", "soon", "inf", "nan"):
