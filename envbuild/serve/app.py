@@ -153,9 +153,9 @@ async def start(options: ServeOptions) -> tuple[web.AppRunner, str]:
     """Start serving (in the running loop; the sandboxes of ``options.records`` re-attached
     first); the runner (``await runner.cleanup()`` stops it and leaves or kills every
     sandbox, as ``options.keep_on_exit`` says) and the URL it listens on."""
-    from runtime_shim.node import diskpool
+    from runtime_shim.node import hold_pools
 
-    diskpool.hold_pools()  # the server owns its node: empty pools kept for their grace
+    hold_pools()  # the server owns its node: empty pools kept for their grace (diskpool)
     runner = web.AppRunner(make_app(options), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, options.host, options.port, reuse_address=True)

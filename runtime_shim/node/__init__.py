@@ -26,6 +26,7 @@ from envbuild._lazy import lazy_exports
 _EXPORTS = {
     **{name: "runtime_shim.node.admission" for name in (
         "BudgetSettings", "Reservation", "build_key")},
+    "hold_pools": "runtime_shim.node.diskpool",
     "Ledger": "runtime_shim.node.ledger",
     "NodeLayout": "runtime_shim.node.layout",
     **{name: "runtime_shim.node.locks" for name in ("MAX_LOCK_JSON", "ResolvedLock", "resolve")},
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
         Reservation,
         build_key,
     )
+    from runtime_shim.node.diskpool import hold_pools  # noqa: F401
     from runtime_shim.node.layout import NodeLayout  # noqa: F401
     from runtime_shim.node.ledger import Ledger  # noqa: F401
     from runtime_shim.node.locks import MAX_LOCK_JSON, ResolvedLock, resolve  # noqa: F401
