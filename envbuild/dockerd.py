@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import os
 import re
@@ -502,18 +503,31 @@ def _remove_dir(d: Path) -> None:
             remove_tree(d)
 
 
-def _remove_cgroups(cgroup: str) -> None:
-    """rmdir ``cgroup`` (and its empty children, deepest first) in every hierarchy."""
+def _remove_cgroups(cgroup: str, patience: float = 2.0) -> None:
+    """rmdir ``cgroup`` (and its empty children, deepest first) in every hierarchy; a cgroup
+    whose killed tasks are still exiting is busy (EBUSY) for a moment: retried for up to
+    ``patience`` seconds (a CI run once found a timed-out build's cpuset cgroup left)."""
     base = Path("/sys/fs/cgroup")
     try:
         hierarchies = [base] + [p for p in base.iterdir() if p.is_dir()]
     except OSError:
         return
+    deadline = time.monotonic() + patience
     for h in hierarchies:
         top = h / cgroup.lstrip("/")
         if not top.is_dir():
             continue
         dirs = [Path(dp) for dp, _dn, _fn in os.walk(top)]
         for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
-            with contextlib.suppress(OSError):
-                d.rmdir()
+            _rmdir_when_idle(d, deadline)
+
+
+def _rmdir_when_idle(cgroup_dir: Path, deadline: float) -> None:
+    while True:
+        try:
+            cgroup_dir.rmdir()
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY or time.monotonic() >= deadline:
+                return
+        time.sleep(0.05)
